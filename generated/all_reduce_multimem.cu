@@ -12,24 +12,22 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  count
 //   dst      __nv_bfloat16  output count
 //   barrier  uint64_t       signal 1
 // Contents (line numbers of this file):
-//   49: the hand-written library, included: tsgen/ptx.cuh 49, tsgen/sync.cuh 50, tsgen/copy.cuh 51, tsgen/plan.cuh 52
-//   57: the op's own code (namespace all_reduce_multimem: constants, tables, device code)
+//   46: the hand-written library, included: tsgen/ptx.cuh 46, tsgen/sync.cuh 47, tsgen/copy.cuh 48, tsgen/plan.cuh 49
+//   52: the op's own code (namespace all_reduce_multimem: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_multimem_w2 125, all_reduce_multimem_w4 132, all_reduce_multimem_w8 139
-//     all_reduce_multimem_w2_launch 155, all_reduce_multimem_w4_launch 156
-//     all_reduce_multimem_w8_launch 157
+//     all_reduce_multimem_w2 119, all_reduce_multimem_w4 124, all_reduce_multimem_w8 129
+//     all_reduce_multimem_w2_launch 137, all_reduce_multimem_w4_launch 138
+//     all_reduce_multimem_w8_launch 139
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -37,8 +35,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -51,9 +48,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// all_reduce: all_reduce_multimem
-// ---------------------------------------------------------------------------
+// ---- all_reduce: all_reduce_multimem ----------------------------------------------------------------
 namespace all_reduce_multimem {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -121,37 +116,24 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace all_reduce_multimem
 
-// World size 2: grid 32, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_multimem_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_multimem_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_multimem::run<2>(peers, rank, epoch, count, src, dst, barrier);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 32, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_multimem_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_multimem_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_multimem::run<4>(peers, rank, epoch, count, src, dst, barrier);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 32, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_multimem_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_multimem_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_multimem::run<8>(peers, rank, epoch, count, src, dst, barrier);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through all_reduce_multimem::launch.
-namespace all_reduce_multimem {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, barrier);
-  return cudaGetLastError();
-}
-}  // namespace all_reduce_multimem
-
-extern "C" cudaError_t all_reduce_multimem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return all_reduce_multimem::launch<all_reduce_multimem_w2, 32, 512, 0>(peers, rank, calls, count, src, dst, barrier, stream); }
-extern "C" cudaError_t all_reduce_multimem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return all_reduce_multimem::launch<all_reduce_multimem_w4, 32, 512, 0>(peers, rank, calls, count, src, dst, barrier, stream); }
-extern "C" cudaError_t all_reduce_multimem_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return all_reduce_multimem::launch<all_reduce_multimem_w8, 32, 512, 0>(peers, rank, calls, count, src, dst, barrier, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t all_reduce_multimem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return tsgen::launch<all_reduce_multimem_w2, 32, 512, 0>(stream, peers, rank, calls, count, src, dst, barrier); }
+extern "C" cudaError_t all_reduce_multimem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return tsgen::launch<all_reduce_multimem_w4, 32, 512, 0>(stream, peers, rank, calls, count, src, dst, barrier); }
+extern "C" cudaError_t all_reduce_multimem_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return tsgen::launch<all_reduce_multimem_w8, 32, 512, 0>(stream, peers, rank, calls, count, src, dst, barrier); }

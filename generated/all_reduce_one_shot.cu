@@ -8,12 +8,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  count
@@ -21,12 +19,12 @@
 //   entry    uint64_t       signal 8
 //   done     uint64_t       signal 8
 // Contents (line numbers of this file):
-//   46: the hand-written library, included: tsgen/ptx.cuh 46, tsgen/sync.cuh 47, tsgen/copy.cuh 48, tsgen/plan.cuh 49
-//   54: the op's own code (namespace all_reduce_one_shot: constants, tables, device code)
+//   43: the hand-written library, included: tsgen/ptx.cuh 43, tsgen/sync.cuh 44, tsgen/copy.cuh 45, tsgen/plan.cuh 46
+//   49: the op's own code (namespace all_reduce_one_shot: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_one_shot_w2 562, all_reduce_one_shot_w3 569, all_reduce_one_shot_w4 576
-//     all_reduce_one_shot_w8 583, all_reduce_one_shot_w2_launch 599, all_reduce_one_shot_w3_launch 600
-//     all_reduce_one_shot_w4_launch 601, all_reduce_one_shot_w8_launch 602
+//     all_reduce_one_shot_w2 273, all_reduce_one_shot_w3 278, all_reduce_one_shot_w4 283
+//     all_reduce_one_shot_w8 288, all_reduce_one_shot_w2_launch 296, all_reduce_one_shot_w3_launch 297
+//     all_reduce_one_shot_w4_launch 298, all_reduce_one_shot_w8_launch 299
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -34,8 +32,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -48,9 +45,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// all_reduce: all_reduce_one_shot
-// ---------------------------------------------------------------------------
+// ---- all_reduce: all_reduce_one_shot ----------------------------------------------------------------
 namespace all_reduce_one_shot {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -60,543 +55,245 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: entry
-//   4: done
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "done" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "done" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2 || WORLD == 3 || WORLD == 4 || WORLD == 8)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 6 steps, 66 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 6 steps, 66 block shares over 64 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: sum every rank's input; wait entry[1]; r0:dst@0 = r0:src@0 + r1:src@0; signal r1:done[0]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: wait until every peer has read our input; wait done[1]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: sum every rank's input; wait entry[0]; r1:dst@0 = r1:src@0 + r0:src@0; signal r0:done[1]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 2: wait until every peer has read our input; wait done[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: sum every rank's input; wait entry[1]; r0:dst@0 = r0:src@0 + r1:src@0; signal r1:done[0]; 32 blocks
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}}, {}},  // rank 0 step 2: wait until every peer has read our input; wait done[1]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 1: sum every rank's input; wait entry[0]; r1:dst@0 = r1:src@0 + r0:src@0; signal r0:done[1]; 32 blocks
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}}, {}},  // rank 1 step 2: wait until every peer has read our input; wait done[0]
 };
 static __device__ const int step_base_w2[2] = { 0, 3 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 9 steps, 99 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 9 steps, 99 block shares over 64 blocks, run as straight-line code
+// (plan<3>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
-    // rank 0 step 1: sum every rank's input; wait entry[1], entry[2]; r0:dst@0 = r0:src@0 + r1:src@0 + r2:src@0; signal r1:done[0], r2:done[0]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 2, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}, {3, 0, 2, 1}}, {{1, 4, 0}, {2, 4, 0}}},
-    // rank 0 step 2: wait until every peer has read our input; wait done[1], done[2]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
-    // rank 1 step 1: sum every rank's input; wait entry[0], entry[2]; r1:dst@0 = r1:src@0 + r2:src@0 + r0:src@0; signal r0:done[1], r2:done[1]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 2, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 2, 1}}, {{0, 4, 1}, {2, 4, 1}}},
-    // rank 1 step 2: wait until every peer has read our input; wait done[0], done[2]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
-    // rank 2 step 1: sum every rank's input; wait entry[0], entry[1]; r2:dst@0 = r2:src@0 + r0:src@0 + r1:src@0; signal r0:done[2], r1:done[2]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 2, 0, {2, 2, 0, 1, 0, 0}, {{2, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}}, {{0, 4, 2}, {1, 4, 2}}},
-    // rank 2 step 2: wait until every peer has read our input; wait done[0], done[1]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_REDUCE, 3, 2, 2, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}, {3, 0, 2, 1}}, {{1, 4, 0}, {2, 4, 0}}},  // rank 0 step 1: sum every rank's input; wait entry[1], entry[2]; r0:dst@0 = r0:src@0 + r1:src@0 + r2:src@0; signal r1:done[0], r2:done[0]; 32 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}}, {}},  // rank 0 step 2: wait until every peer has read our input; wait done[1], done[2]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_REDUCE, 3, 2, 2, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 2, 1}}, {{0, 4, 1}, {2, 4, 1}}},  // rank 1 step 1: sum every rank's input; wait entry[0], entry[2]; r1:dst@0 = r1:src@0 + r2:src@0 + r0:src@0; signal r0:done[1], r2:done[1]; 32 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}}, {}},  // rank 1 step 2: wait until every peer has read our input; wait done[0], done[2]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_REDUCE, 3, 2, 2, 0, {2, 2, 0, 1, 0, 0}, {{2, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}}, {{0, 4, 2}, {1, 4, 2}}},  // rank 2 step 1: sum every rank's input; wait entry[0], entry[1]; r2:dst@0 = r2:src@0 + r0:src@0 + r1:src@0; signal r0:done[2], r1:done[2]; 32 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}}, {}},  // rank 2 step 2: wait until every peer has read our input; wait done[0], done[1]
 };
 static __device__ const int step_base_w3[3] = { 0, 3, 6 };
-// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 12 steps, 132 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 12 steps, 132 block shares over 64 blocks, run as straight-line code
+// (plan<4>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
-    // rank 0 step 1: sum every rank's input; wait entry[1], entry[2], entry[3]; r0:dst@0 = r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0; signal r1:done[0], r2:done[0], r3:done[0]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 3, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
-    // rank 0 step 2: wait until every peer has read our input; wait done[1], done[2], done[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
-    // rank 1 step 1: sum every rank's input; wait entry[0], entry[2], entry[3]; r1:dst@0 = r1:src@0 + r2:src@0 + r3:src@0 + r0:src@0; signal r0:done[1], r2:done[1], r3:done[1]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 3, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
-    // rank 1 step 2: wait until every peer has read our input; wait done[0], done[2], done[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
-    // rank 2 step 1: sum every rank's input; wait entry[0], entry[1], entry[3]; r2:dst@0 = r2:src@0 + r3:src@0 + r0:src@0 + r1:src@0; signal r0:done[2], r1:done[2], r3:done[2]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 3, 0, {2, 2, 0, 1, 0, 0}, {{2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 3, 1}}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
-    // rank 2 step 2: wait until every peer has read our input; wait done[0], done[1], done[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 3, 32}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
-    // rank 3 step 1: sum every rank's input; wait entry[0], entry[1], entry[2]; r3:dst@0 = r3:src@0 + r0:src@0 + r1:src@0 + r2:src@0; signal r0:done[3], r1:done[3], r2:done[3]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 3, 0, {3, 2, 0, 1, 0, 0}, {{3, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
-    // rank 3 step 2: wait until every peer has read our input; wait done[0], done[1], done[2]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_REDUCE, 4, 3, 3, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},  // rank 0 step 1: sum every rank's input; wait entry[1], entry[2], entry[3]; r0:dst@0 = r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0; signal r1:done[0], r2:done[0], r3:done[0]; 32 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}}, {}},  // rank 0 step 2: wait until every peer has read our input; wait done[1], done[2], done[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_REDUCE, 4, 3, 3, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},  // rank 1 step 1: sum every rank's input; wait entry[0], entry[2], entry[3]; r1:dst@0 = r1:src@0 + r2:src@0 + r3:src@0 + r0:src@0; signal r0:done[1], r2:done[1], r3:done[1]; 32 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}}, {}},  // rank 1 step 2: wait until every peer has read our input; wait done[0], done[2], done[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_REDUCE, 4, 3, 3, 0, {2, 2, 0, 1, 0, 0}, {{2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 3, 1}}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},  // rank 2 step 1: sum every rank's input; wait entry[0], entry[1], entry[3]; r2:dst@0 = r2:src@0 + r3:src@0 + r0:src@0 + r1:src@0; signal r0:done[2], r1:done[2], r3:done[2]; 32 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 3, 32}}, {}},  // rank 2 step 2: wait until every peer has read our input; wait done[0], done[1], done[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_REDUCE, 4, 3, 3, 0, {3, 2, 0, 1, 0, 0}, {{3, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},  // rank 3 step 1: sum every rank's input; wait entry[0], entry[1], entry[2]; r3:dst@0 = r3:src@0 + r0:src@0 + r1:src@0 + r2:src@0; signal r0:done[3], r1:done[3], r2:done[3]; 32 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}}, {}},  // rank 3 step 2: wait until every peer has read our input; wait done[0], done[1], done[2]
 };
 static __device__ const int step_base_w4[4] = { 0, 3, 6, 9 };
-// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 24 steps, 264 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 24 steps, 264 block shares over 64 blocks, run as straight-line code
+// (plan<8>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
-    // rank 0 step 1: sum every rank's input; wait entry[1], entry[2], entry[3], entry[4], entry[5], entry[6], entry[7]; r0:dst@0 = r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0 + r4:src@0 + r5:src@0 + r6:src@0 + r7:src@0; signal r1:done[0], r2:done[0], r3:done[0], r4:done[0], r5:done[0], r6:done[0], r7:done[0]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
-    // rank 0 step 2: wait until every peer has read our input; wait done[1], done[2], done[3], done[4], done[5], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
-    // rank 1 step 1: sum every rank's input; wait entry[0], entry[2], entry[3], entry[4], entry[5], entry[6], entry[7]; r1:dst@0 = r1:src@0 + r2:src@0 + r3:src@0 + r4:src@0 + r5:src@0 + r6:src@0 + r7:src@0 + r0:src@0; signal r0:done[1], r2:done[1], r3:done[1], r4:done[1], r5:done[1], r6:done[1], r7:done[1]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
-    // rank 1 step 2: wait until every peer has read our input; wait done[0], done[2], done[3], done[4], done[5], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
-    // rank 2 step 1: sum every rank's input; wait entry[0], entry[1], entry[3], entry[4], entry[5], entry[6], entry[7]; r2:dst@0 = r2:src@0 + r3:src@0 + r4:src@0 + r5:src@0 + r6:src@0 + r7:src@0 + r0:src@0 + r1:src@0; signal r0:done[2], r1:done[2], r3:done[2], r4:done[2], r5:done[2], r6:done[2], r7:done[2]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {2, 2, 0, 1, 0, 0}, {{2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
-    // rank 2 step 2: wait until every peer has read our input; wait done[0], done[1], done[3], done[4], done[5], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
-    // rank 3 step 1: sum every rank's input; wait entry[0], entry[1], entry[2], entry[4], entry[5], entry[6], entry[7]; r3:dst@0 = r3:src@0 + r4:src@0 + r5:src@0 + r6:src@0 + r7:src@0 + r0:src@0 + r1:src@0 + r2:src@0; signal r0:done[3], r1:done[3], r2:done[3], r4:done[3], r5:done[3], r6:done[3], r7:done[3]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {3, 2, 0, 1, 0, 0}, {{3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
-    // rank 3 step 2: wait until every peer has read our input; wait done[0], done[1], done[2], done[4], done[5], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
-    // rank 4 step 1: sum every rank's input; wait entry[0], entry[1], entry[2], entry[3], entry[5], entry[6], entry[7]; r4:dst@0 = r4:src@0 + r5:src@0 + r6:src@0 + r7:src@0 + r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0; signal r0:done[4], r1:done[4], r2:done[4], r3:done[4], r5:done[4], r6:done[4], r7:done[4]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {4, 2, 0, 1, 0, 0}, {{4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
-    // rank 4 step 2: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[5], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
-    // rank 5 step 1: sum every rank's input; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[6], entry[7]; r5:dst@0 = r5:src@0 + r6:src@0 + r7:src@0 + r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0 + r4:src@0; signal r0:done[5], r1:done[5], r2:done[5], r3:done[5], r4:done[5], r6:done[5], r7:done[5]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {5, 2, 0, 1, 0, 0}, {{5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
-    // rank 5 step 2: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
-    // rank 6 step 1: sum every rank's input; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[5], entry[7]; r6:dst@0 = r6:src@0 + r7:src@0 + r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0 + r4:src@0 + r5:src@0; signal r0:done[6], r1:done[6], r2:done[6], r3:done[6], r4:done[6], r5:done[6], r7:done[6]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {6, 2, 0, 1, 0, 0}, {{6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 7, 1}}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
-    // rank 6 step 2: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[5], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 7, 32}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
-    // rank 7 step 1: sum every rank's input; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[5], entry[6]; r7:dst@0 = r7:src@0 + r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0 + r4:src@0 + r5:src@0 + r6:src@0; signal r0:done[7], r1:done[7], r2:done[7], r3:done[7], r4:done[7], r5:done[7], r6:done[7]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {7, 2, 0, 1, 0, 0}, {{7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
-    // rank 7 step 2: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[5], done[6]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},  // rank 0 step 1: sum every rank's input; wait entry[1], entry[2], entry[3], entry[4], entry[5], entry[6], entry[7]; r0:dst@0 = r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0 + r4:src@0 + r5:src@0 + r6:src@0 + r7:src@0; signal r1:done[0], r2:done[0], r3:done[0], r4:done[0], r5:done[0], r6:done[0], r7:done[0]; 32 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},  // rank 0 step 2: wait until every peer has read our input; wait done[1], done[2], done[3], done[4], done[5], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},  // rank 1 step 1: sum every rank's input; wait entry[0], entry[2], entry[3], entry[4], entry[5], entry[6], entry[7]; r1:dst@0 = r1:src@0 + r2:src@0 + r3:src@0 + r4:src@0 + r5:src@0 + r6:src@0 + r7:src@0 + r0:src@0; signal r0:done[1], r2:done[1], r3:done[1], r4:done[1], r5:done[1], r6:done[1], r7:done[1]; 32 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},  // rank 1 step 2: wait until every peer has read our input; wait done[0], done[2], done[3], done[4], done[5], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {2, 2, 0, 1, 0, 0}, {{2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},  // rank 2 step 1: sum every rank's input; wait entry[0], entry[1], entry[3], entry[4], entry[5], entry[6], entry[7]; r2:dst@0 = r2:src@0 + r3:src@0 + r4:src@0 + r5:src@0 + r6:src@0 + r7:src@0 + r0:src@0 + r1:src@0; signal r0:done[2], r1:done[2], r3:done[2], r4:done[2], r5:done[2], r6:done[2], r7:done[2]; 32 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},  // rank 2 step 2: wait until every peer has read our input; wait done[0], done[1], done[3], done[4], done[5], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {3, 2, 0, 1, 0, 0}, {{3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},  // rank 3 step 1: sum every rank's input; wait entry[0], entry[1], entry[2], entry[4], entry[5], entry[6], entry[7]; r3:dst@0 = r3:src@0 + r4:src@0 + r5:src@0 + r6:src@0 + r7:src@0 + r0:src@0 + r1:src@0 + r2:src@0; signal r0:done[3], r1:done[3], r2:done[3], r4:done[3], r5:done[3], r6:done[3], r7:done[3]; 32 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},  // rank 3 step 2: wait until every peer has read our input; wait done[0], done[1], done[2], done[4], done[5], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {4, 2, 0, 1, 0, 0}, {{4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},  // rank 4 step 1: sum every rank's input; wait entry[0], entry[1], entry[2], entry[3], entry[5], entry[6], entry[7]; r4:dst@0 = r4:src@0 + r5:src@0 + r6:src@0 + r7:src@0 + r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0; signal r0:done[4], r1:done[4], r2:done[4], r3:done[4], r5:done[4], r6:done[4], r7:done[4]; 32 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},  // rank 4 step 2: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[5], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {5, 2, 0, 1, 0, 0}, {{5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 6, 1}, {3, 0, 7, 1}}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},  // rank 5 step 1: sum every rank's input; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[6], entry[7]; r5:dst@0 = r5:src@0 + r6:src@0 + r7:src@0 + r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0 + r4:src@0; signal r0:done[5], r1:done[5], r2:done[5], r3:done[5], r4:done[5], r6:done[5], r7:done[5]; 32 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 6, 32}, {4, 0, 7, 32}}, {}},  // rank 5 step 2: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {6, 2, 0, 1, 0, 0}, {{6, 1, 1, 1, 0, 0}, {7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 7, 1}}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},  // rank 6 step 1: sum every rank's input; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[5], entry[7]; r6:dst@0 = r6:src@0 + r7:src@0 + r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0 + r4:src@0 + r5:src@0; signal r0:done[6], r1:done[6], r2:done[6], r3:done[6], r4:done[6], r5:done[6], r7:done[6]; 32 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 7, 32}}, {}},  // rank 6 step 2: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[5], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_REDUCE, 8, 7, 7, 0, {7, 2, 0, 1, 0, 0}, {{7, 1, 1, 1, 0, 0}, {0, 1, 1, 1, 0, 0}, {1, 1, 1, 1, 0, 0}, {2, 1, 1, 1, 0, 0}, {3, 1, 1, 1, 0, 0}, {4, 1, 1, 1, 0, 0}, {5, 1, 1, 1, 0, 0}, {6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}, {3, 0, 1, 1}, {3, 0, 2, 1}, {3, 0, 3, 1}, {3, 0, 4, 1}, {3, 0, 5, 1}, {3, 0, 6, 1}}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},  // rank 7 step 1: sum every rank's input; wait entry[0], entry[1], entry[2], entry[3], entry[4], entry[5], entry[6]; r7:dst@0 = r7:src@0 + r0:src@0 + r1:src@0 + r2:src@0 + r3:src@0 + r4:src@0 + r5:src@0 + r6:src@0; signal r0:done[7], r1:done[7], r2:done[7], r3:done[7], r4:done[7], r5:done[7], r6:done[7]; 32 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 32}, {4, 0, 1, 32}, {4, 0, 2, 32}, {4, 0, 3, 32}, {4, 0, 4, 32}, {4, 0, 5, 32}, {4, 0, 6, 32}}, {}},  // rank 7 step 2: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[5], done[6]
 };
 static __device__ const int step_base_w8[8] = { 0, 3, 6, 9, 12, 15, 18, 21 };
-// No share or block tables: world size 8 runs as straight-line code (plan<8>::run below).
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 0 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w2[1], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 0 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w2[2], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w2[1], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w2[2], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 1:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 1 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w2[4], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 1 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w2[5], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w2[4], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w2[5], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
     }
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x6u, index = 0; break;
-      case 1: mask = 0x5u, index = 1; break;
-      case 2: mask = 0x3u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x6u, index = 0; break; case 1: mask = 0x5u, index = 1; break; case 2: mask = 0x3u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w3 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 0 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w3[1], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 0 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w3[2], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w3[1], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w3[2], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 1:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 1 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w3[4], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 1 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w3[5], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w3[4], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w3[5], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 2:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 2 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w3[7], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 2 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w3[8], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w3[7], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w3[8], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
     }
   }
 };
 template <> struct plan<4> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xeu, index = 0; break;
-      case 1: mask = 0xdu, index = 1; break;
-      case 2: mask = 0xbu, index = 2; break;
-      case 3: mask = 0x7u, index = 3; break;
-      default: break;
+      case 0: mask = 0xeu, index = 0; break; case 1: mask = 0xdu, index = 1; break; case 2: mask = 0xbu, index = 2; break; case 3: mask = 0x7u, index = 3; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w4 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 0 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w4[1], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 0 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w4[2], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w4[1], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w4[2], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 1:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 1 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w4[4], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 1 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w4[5], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w4[4], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w4[5], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 2:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 2 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w4[7], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 2 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w4[8], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w4[7], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w4[8], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 3:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 3 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w4[10], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 3 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w4[11], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w4[10], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w4[11], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
     }
   }
 };
 template <> struct plan<8> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xfeu, index = 0; break;
-      case 1: mask = 0xfdu, index = 1; break;
-      case 2: mask = 0xfbu, index = 2; break;
-      case 3: mask = 0xf7u, index = 3; break;
-      case 4: mask = 0xefu, index = 4; break;
-      case 5: mask = 0xdfu, index = 5; break;
-      case 6: mask = 0xbfu, index = 6; break;
-      case 7: mask = 0x7fu, index = 7; break;
-      default: break;
+      case 0: mask = 0xfeu, index = 0; break; case 1: mask = 0xfdu, index = 1; break; case 2: mask = 0xfbu, index = 2; break; case 3: mask = 0xf7u, index = 3; break; case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break; case 6: mask = 0xbfu, index = 6; break; case 7: mask = 0x7fu, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w8 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 0 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w8[1], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 0 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w8[2], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w8[1], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w8[2], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 1:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 1 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w8[4], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 1 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w8[5], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w8[4], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w8[5], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 2:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 2 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w8[7], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 2 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w8[8], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w8[7], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w8[8], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 3:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 3 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w8[10], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 3 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w8[11], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w8[10], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w8[11], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 4:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 4 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w8[13], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 4 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w8[14], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w8[13], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w8[14], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 5:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 5 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w8[16], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 5 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w8[17], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w8[16], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w8[17], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 6:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 6 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w8[19], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 6 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w8[20], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w8[19], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w8[20], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
       case 7:
-        if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 7 step 1: sum every rank's input
-          tsgen::run_share<T, UNROLL>(steps_w8[22], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 7 step 2: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w8[23], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b >= 1 && b < 33) TSGEN_RUN_SHARE(steps_w8[22], b - 1, 32);  // blocks 1..32, step 1: sum every rank's input
+        if (b == 33) TSGEN_RUN_SHARE(steps_w8[23], 0, 1);  // block 33, step 2: wait until every peer has read our input
         break;
     }
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 3: a small plan, run as straight-line code (plan<3>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<3>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
-  plan<3>::open(rank, bufs, peers);
-  plan<3>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 4: a small plan, run as straight-line code (plan<4>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<4>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
-  plan<4>::open(rank, bufs, peers);
-  plan<4>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 8: a small plan, run as straight-line code (plan<8>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<8>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
-  plan<8>::open(rank, bufs, peers);
-  plan<8>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace all_reduce_one_shot
 
-// World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_one_shot::run<2>(peers, rank, epoch, count, src, dst, entry, done);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_one_shot::run<3>(peers, rank, epoch, count, src, dst, entry, done);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_one_shot::run<4>(peers, rank, epoch, count, src, dst, entry, done);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_one_shot_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_one_shot::run<8>(peers, rank, epoch, count, src, dst, entry, done);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through all_reduce_one_shot::launch.
-namespace all_reduce_one_shot {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, done);
-  return cudaGetLastError();
-}
-}  // namespace all_reduce_one_shot
-
-extern "C" cudaError_t all_reduce_one_shot_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return all_reduce_one_shot::launch<all_reduce_one_shot_w2, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
-extern "C" cudaError_t all_reduce_one_shot_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return all_reduce_one_shot::launch<all_reduce_one_shot_w3, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
-extern "C" cudaError_t all_reduce_one_shot_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return all_reduce_one_shot::launch<all_reduce_one_shot_w4, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
-extern "C" cudaError_t all_reduce_one_shot_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return all_reduce_one_shot::launch<all_reduce_one_shot_w8, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t all_reduce_one_shot_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return tsgen::launch<all_reduce_one_shot_w2, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, done); }
+extern "C" cudaError_t all_reduce_one_shot_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return tsgen::launch<all_reduce_one_shot_w3, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, done); }
+extern "C" cudaError_t all_reduce_one_shot_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return tsgen::launch<all_reduce_one_shot_w4, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, done); }
+extern "C" cudaError_t all_reduce_one_shot_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return tsgen::launch<all_reduce_one_shot_w8, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, done); }

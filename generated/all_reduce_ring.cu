@@ -12,12 +12,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  count
@@ -27,12 +25,12 @@
 //   arrive   uint64_t       signal 32
 //   gathered uint64_t       signal 32
 // Contents (line numbers of this file):
-//   52: the hand-written library, included: tsgen/ptx.cuh 52, tsgen/sync.cuh 53, tsgen/copy.cuh 54, tsgen/plan.cuh 55
-//   60: the op's own code (namespace all_reduce_ring: constants, tables, device code)
+//   49: the hand-written library, included: tsgen/ptx.cuh 49, tsgen/sync.cuh 50, tsgen/copy.cuh 51, tsgen/plan.cuh 52
+//   55: the op's own code (namespace all_reduce_ring: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_ring_w2 2376, all_reduce_ring_w3 2383, all_reduce_ring_w4 2390, all_reduce_ring_w8 2397
-//     all_reduce_ring_w2_launch 2413, all_reduce_ring_w3_launch 2414, all_reduce_ring_w4_launch 2415
-//     all_reduce_ring_w8_launch 2416
+//     all_reduce_ring_w2 1018, all_reduce_ring_w3 1023, all_reduce_ring_w4 1028, all_reduce_ring_w8 1033
+//     all_reduce_ring_w2_launch 1041, all_reduce_ring_w3_launch 1042, all_reduce_ring_w4_launch 1043
+//     all_reduce_ring_w8_launch 1044
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -40,8 +38,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -54,9 +51,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// all_reduce: all_reduce_ring
-// ---------------------------------------------------------------------------
+// ---- all_reduce: all_reduce_ring ----------------------------------------------------------------
 namespace all_reduce_ring {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -66,2079 +61,830 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: inbox
-//   4: entry
-//   5: arrive
-//   6: gathered
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive", "gathered" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive", "gathered" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)gathered };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 28 steps, 1538 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 28 steps, 1538 block shares over 128 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[4/8] = r0:src@0[4/8]; signal r1:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 2: part 1 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[5/8] = r0:src@0[5/8]; signal r1:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 3: part 1 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[6/8] = r0:src@0[6/8]; signal r1:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 4: part 1 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[7/8] = r0:src@0[7/8]; signal r1:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 5: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
-    // rank 0 step 6: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
-    // rank 0 step 7: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
-    // rank 0 step 8: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
-    // rank 0 step 9: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
-    // rank 0 step 10: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/8] = r0:dst@0[1/8]; signal r1:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
-    // rank 0 step 11: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/8] = r0:dst@0[2/8]; signal r1:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 2}, {{0, 2, 0, 8, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
-    // rank 0 step 12: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/8] = r0:dst@0[3/8]; signal r1:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 3}, {{0, 2, 0, 8, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
-    // rank 0 step 13: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: part 0 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[0/8] = r1:src@0[0/8]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 0}}},
-    // rank 1 step 2: part 0 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[1/8] = r1:src@0[1/8]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 1}}},
-    // rank 1 step 3: part 0 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[2/8] = r1:src@0[2/8]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 1 step 4: part 0 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[3/8] = r1:src@0[3/8]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 1 step 5: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/8] = r1:inbox@0[4/8] + r1:src@0[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 0, 4}, {1, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
-    // rank 1 step 6: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/8] = r1:inbox@0[5/8] + r1:src@0[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 0, 5}, {1, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
-    // rank 1 step 7: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/8] = r1:inbox@0[6/8] + r1:src@0[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 0, 6}, {1, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
-    // rank 1 step 8: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/8] = r1:inbox@0[7/8] + r1:src@0[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 0, 7}, {1, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
-    // rank 1 step 9: reduced part 1 piece 0 to rank 0; wait entry[0]; r0:dst@0[4/8] = r1:dst@0[4/8]; signal r0:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 4}, {{1, 2, 0, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 6, 4}}},
-    // rank 1 step 10: reduced part 1 piece 1 to rank 0; wait entry[0]; r0:dst@0[5/8] = r1:dst@0[5/8]; signal r0:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 5}, {{1, 2, 0, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 6, 5}}},
-    // rank 1 step 11: reduced part 1 piece 2 to rank 0; wait entry[0]; r0:dst@0[6/8] = r1:dst@0[6/8]; signal r0:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 6}, {{1, 2, 0, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 6, 6}}},
-    // rank 1 step 12: reduced part 1 piece 3 to rank 0; wait entry[0]; r0:dst@0[7/8] = r1:dst@0[7/8]; signal r0:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 7}, {{1, 2, 0, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 6, 7}}},
-    // rank 1 step 13: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 1: part 1 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[4/8] = r0:src@0[4/8]; signal r1:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 2: part 1 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[5/8] = r0:src@0[5/8]; signal r1:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 3: part 1 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[6/8] = r0:src@0[6/8]; signal r1:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 4: part 1 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[7/8] = r0:src@0[7/8]; signal r1:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},  // rank 0 step 5: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},  // rank 0 step 6: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},  // rank 0 step 7: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},  // rank 0 step 8: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},  // rank 0 step 9: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},  // rank 0 step 10: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/8] = r0:dst@0[1/8]; signal r1:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 2}, {{0, 2, 0, 8, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},  // rank 0 step 11: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/8] = r0:dst@0[2/8]; signal r1:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 3}, {{0, 2, 0, 8, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},  // rank 0 step 12: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/8] = r0:dst@0[3/8]; signal r1:gathered[3]; 64 blocks
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},  // rank 0 step 13: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 0}}},  // rank 1 step 1: part 0 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[0/8] = r1:src@0[0/8]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 1}}},  // rank 1 step 2: part 0 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[1/8] = r1:src@0[1/8]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 2}}},  // rank 1 step 3: part 0 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[2/8] = r1:src@0[2/8]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 3}}},  // rank 1 step 4: part 0 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[3/8] = r1:src@0[3/8]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 0, 4}, {1, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},  // rank 1 step 5: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/8] = r1:inbox@0[4/8] + r1:src@0[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 0, 5}, {1, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},  // rank 1 step 6: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/8] = r1:inbox@0[5/8] + r1:src@0[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 0, 6}, {1, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},  // rank 1 step 7: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/8] = r1:inbox@0[6/8] + r1:src@0[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 0, 7}, {1, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},  // rank 1 step 8: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/8] = r1:inbox@0[7/8] + r1:src@0[7/8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 4}, {{1, 2, 0, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 6, 4}}},  // rank 1 step 9: reduced part 1 piece 0 to rank 0; wait entry[0]; r0:dst@0[4/8] = r1:dst@0[4/8]; signal r0:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 5}, {{1, 2, 0, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 6, 5}}},  // rank 1 step 10: reduced part 1 piece 1 to rank 0; wait entry[0]; r0:dst@0[5/8] = r1:dst@0[5/8]; signal r0:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 6}, {{1, 2, 0, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 6, 6}}},  // rank 1 step 11: reduced part 1 piece 2 to rank 0; wait entry[0]; r0:dst@0[6/8] = r1:dst@0[6/8]; signal r0:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 0, 7}, {{1, 2, 0, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 6, 7}}},  // rank 1 step 12: reduced part 1 piece 3 to rank 0; wait entry[0]; r0:dst@0[7/8] = r1:dst@0[7/8]; signal r0:gathered[7]; 64 blocks
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}}, {}},  // rank 1 step 13: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3]
 };
 static __device__ const int step_base_w2[2] = { 0, 14 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 66 steps, 3843 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 66 steps, 3843 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 0}}},
-    // rank 0 step 1: part 2 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[8/12] = r0:src@0[8/12]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 8}, {{0, 1, 1, 12, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 0 step 2: part 2 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[9/12] = r0:src@0[9/12]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 9}, {{0, 1, 1, 12, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 0 step 3: part 2 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[10/12] = r0:src@0[10/12]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 10}, {{0, 1, 1, 12, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 0 step 4: part 2 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[11/12] = r0:src@0[11/12]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 11}, {{0, 1, 1, 12, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 0 step 5: part 1 piece 0: partial sum + our input to rank 1; wait arrive[4], entry[1]; r1:inbox@0[4/12] = r0:inbox@0[4/12] + r0:src@0[4/12]; signal r1:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 4}, {{0, 3, 0, 12, 0, 4}, {0, 1, 1, 12, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 6: part 1 piece 1: partial sum + our input to rank 1; wait arrive[5], entry[1]; r1:inbox@0[5/12] = r0:inbox@0[5/12] + r0:src@0[5/12]; signal r1:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 5}, {{0, 3, 0, 12, 0, 5}, {0, 1, 1, 12, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 7: part 1 piece 2: partial sum + our input to rank 1; wait arrive[6], entry[1]; r1:inbox@0[6/12] = r0:inbox@0[6/12] + r0:src@0[6/12]; signal r1:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 6}, {{0, 3, 0, 12, 0, 6}, {0, 1, 1, 12, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 8: part 1 piece 3: partial sum + our input to rank 1; wait arrive[7], entry[1]; r1:inbox@0[7/12] = r0:inbox@0[7/12] + r0:src@0[7/12]; signal r1:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 7}, {{0, 3, 0, 12, 0, 7}, {0, 1, 1, 12, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 9: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/12] = r0:inbox@0[0/12] + r0:src@0[0/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 0}, {{0, 3, 0, 12, 0, 0}, {0, 1, 1, 12, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
-    // rank 0 step 10: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/12] = r0:inbox@0[1/12] + r0:src@0[1/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 1}, {{0, 3, 0, 12, 0, 1}, {0, 1, 1, 12, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
-    // rank 0 step 11: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/12] = r0:inbox@0[2/12] + r0:src@0[2/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 2}, {{0, 3, 0, 12, 0, 2}, {0, 1, 1, 12, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
-    // rank 0 step 12: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/12] = r0:inbox@0[3/12] + r0:src@0[3/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 3}, {{0, 3, 0, 12, 0, 3}, {0, 1, 1, 12, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
-    // rank 0 step 13: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/12] = r0:dst@0[0/12]; signal r1:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 0}, {{0, 2, 0, 12, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
-    // rank 0 step 14: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/12] = r0:dst@0[1/12]; signal r1:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 1}, {{0, 2, 0, 12, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
-    // rank 0 step 15: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/12] = r0:dst@0[2/12]; signal r1:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 2}, {{0, 2, 0, 12, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
-    // rank 0 step 16: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/12] = r0:dst@0[3/12]; signal r1:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 3}, {{0, 2, 0, 12, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
-    // rank 0 step 17: reduced part 2 piece 0 to rank 1; wait entry[1], gathered[8]; r1:dst@0[8/12] = r0:dst@0[8/12]; signal r1:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 8}, {{0, 2, 0, 12, 0, 8}}, {}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},
-    // rank 0 step 18: reduced part 2 piece 1 to rank 1; wait entry[1], gathered[9]; r1:dst@0[9/12] = r0:dst@0[9/12]; signal r1:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 9}, {{0, 2, 0, 12, 0, 9}}, {}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},
-    // rank 0 step 19: reduced part 2 piece 2 to rank 1; wait entry[1], gathered[10]; r1:dst@0[10/12] = r0:dst@0[10/12]; signal r1:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 10}, {{0, 2, 0, 12, 0, 10}}, {}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},
-    // rank 0 step 20: reduced part 2 piece 3 to rank 1; wait entry[1], gathered[11]; r1:dst@0[11/12] = r0:dst@0[11/12]; signal r1:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 11}, {{0, 2, 0, 12, 0, 11}}, {}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},
-    // rank 0 step 21: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: part 0 piece 0: our input to rank 2; wait entry[2]; r2:inbox@0[0/12] = r1:src@0[0/12]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 0}, {{1, 1, 1, 12, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 1 step 2: part 0 piece 1: our input to rank 2; wait entry[2]; r2:inbox@0[1/12] = r1:src@0[1/12]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 1}, {{1, 1, 1, 12, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 1 step 3: part 0 piece 2: our input to rank 2; wait entry[2]; r2:inbox@0[2/12] = r1:src@0[2/12]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 2}, {{1, 1, 1, 12, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 4: part 0 piece 3: our input to rank 2; wait entry[2]; r2:inbox@0[3/12] = r1:src@0[3/12]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 3}, {{1, 1, 1, 12, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 5: part 2 piece 0: partial sum + our input to rank 2; wait arrive[8], entry[2]; r2:inbox@0[8/12] = r1:inbox@0[8/12] + r1:src@0[8/12]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 8}, {{1, 3, 0, 12, 0, 8}, {1, 1, 1, 12, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 1 step 6: part 2 piece 1: partial sum + our input to rank 2; wait arrive[9], entry[2]; r2:inbox@0[9/12] = r1:inbox@0[9/12] + r1:src@0[9/12]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 9}, {{1, 3, 0, 12, 0, 9}, {1, 1, 1, 12, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 1 step 7: part 2 piece 2: partial sum + our input to rank 2; wait arrive[10], entry[2]; r2:inbox@0[10/12] = r1:inbox@0[10/12] + r1:src@0[10/12]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 10}, {{1, 3, 0, 12, 0, 10}, {1, 1, 1, 12, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 1 step 8: part 2 piece 3: partial sum + our input to rank 2; wait arrive[11], entry[2]; r2:inbox@0[11/12] = r1:inbox@0[11/12] + r1:src@0[11/12]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 11}, {{1, 3, 0, 12, 0, 11}, {1, 1, 1, 12, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 1 step 9: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/12] = r1:inbox@0[4/12] + r1:src@0[4/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 4}, {{1, 3, 0, 12, 0, 4}, {1, 1, 1, 12, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
-    // rank 1 step 10: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/12] = r1:inbox@0[5/12] + r1:src@0[5/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 5}, {{1, 3, 0, 12, 0, 5}, {1, 1, 1, 12, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
-    // rank 1 step 11: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/12] = r1:inbox@0[6/12] + r1:src@0[6/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 6}, {{1, 3, 0, 12, 0, 6}, {1, 1, 1, 12, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
-    // rank 1 step 12: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/12] = r1:inbox@0[7/12] + r1:src@0[7/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 7}, {{1, 3, 0, 12, 0, 7}, {1, 1, 1, 12, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
-    // rank 1 step 13: reduced part 1 piece 0 to rank 2; wait entry[2]; r2:dst@0[4/12] = r1:dst@0[4/12]; signal r2:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 4}, {{1, 2, 0, 12, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 6, 4}}},
-    // rank 1 step 14: reduced part 1 piece 1 to rank 2; wait entry[2]; r2:dst@0[5/12] = r1:dst@0[5/12]; signal r2:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 5}, {{1, 2, 0, 12, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 6, 5}}},
-    // rank 1 step 15: reduced part 1 piece 2 to rank 2; wait entry[2]; r2:dst@0[6/12] = r1:dst@0[6/12]; signal r2:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 6}, {{1, 2, 0, 12, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 6, 6}}},
-    // rank 1 step 16: reduced part 1 piece 3 to rank 2; wait entry[2]; r2:dst@0[7/12] = r1:dst@0[7/12]; signal r2:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 7}, {{1, 2, 0, 12, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 6, 7}}},
-    // rank 1 step 17: reduced part 0 piece 0 to rank 2; wait entry[2], gathered[0]; r2:dst@0[0/12] = r1:dst@0[0/12]; signal r2:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 0}, {{1, 2, 0, 12, 0, 0}}, {}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},
-    // rank 1 step 18: reduced part 0 piece 1 to rank 2; wait entry[2], gathered[1]; r2:dst@0[1/12] = r1:dst@0[1/12]; signal r2:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 1}, {{1, 2, 0, 12, 0, 1}}, {}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},
-    // rank 1 step 19: reduced part 0 piece 2 to rank 2; wait entry[2], gathered[2]; r2:dst@0[2/12] = r1:dst@0[2/12]; signal r2:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 2}, {{1, 2, 0, 12, 0, 2}}, {}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},
-    // rank 1 step 20: reduced part 0 piece 3 to rank 2; wait entry[2], gathered[3]; r2:dst@0[3/12] = r1:dst@0[3/12]; signal r2:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 3}, {{1, 2, 0, 12, 0, 3}}, {}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},
-    // rank 1 step 21: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
-    // rank 2 step 1: part 1 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[4/12] = r2:src@0[4/12]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 4}, {{2, 1, 1, 12, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 2 step 2: part 1 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[5/12] = r2:src@0[5/12]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 5}, {{2, 1, 1, 12, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 2 step 3: part 1 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[6/12] = r2:src@0[6/12]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 6}, {{2, 1, 1, 12, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 2 step 4: part 1 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[7/12] = r2:src@0[7/12]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 7}, {{2, 1, 1, 12, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 2 step 5: part 0 piece 0: partial sum + our input to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/12] = r2:inbox@0[0/12] + r2:src@0[0/12]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 0}, {{2, 3, 0, 12, 0, 0}, {2, 1, 1, 12, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
-    // rank 2 step 6: part 0 piece 1: partial sum + our input to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/12] = r2:inbox@0[1/12] + r2:src@0[1/12]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 1}, {{2, 3, 0, 12, 0, 1}, {2, 1, 1, 12, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
-    // rank 2 step 7: part 0 piece 2: partial sum + our input to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/12] = r2:inbox@0[2/12] + r2:src@0[2/12]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 2}, {{2, 3, 0, 12, 0, 2}, {2, 1, 1, 12, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 2 step 8: part 0 piece 3: partial sum + our input to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/12] = r2:inbox@0[3/12] + r2:src@0[3/12]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 3}, {{2, 3, 0, 12, 0, 3}, {2, 1, 1, 12, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 2 step 9: our part, piece 0: last partial sum + our input; wait arrive[8]; r2:dst@0[8/12] = r2:inbox@0[8/12] + r2:src@0[8/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 8}, {{2, 3, 0, 12, 0, 8}, {2, 1, 1, 12, 0, 8}}, {}, {{5, 0, 8, 64}}, {}},
-    // rank 2 step 10: our part, piece 1: last partial sum + our input; wait arrive[9]; r2:dst@0[9/12] = r2:inbox@0[9/12] + r2:src@0[9/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 9}, {{2, 3, 0, 12, 0, 9}, {2, 1, 1, 12, 0, 9}}, {}, {{5, 0, 9, 64}}, {}},
-    // rank 2 step 11: our part, piece 2: last partial sum + our input; wait arrive[10]; r2:dst@0[10/12] = r2:inbox@0[10/12] + r2:src@0[10/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 10}, {{2, 3, 0, 12, 0, 10}, {2, 1, 1, 12, 0, 10}}, {}, {{5, 0, 10, 64}}, {}},
-    // rank 2 step 12: our part, piece 3: last partial sum + our input; wait arrive[11]; r2:dst@0[11/12] = r2:inbox@0[11/12] + r2:src@0[11/12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 11}, {{2, 3, 0, 12, 0, 11}, {2, 1, 1, 12, 0, 11}}, {}, {{5, 0, 11, 64}}, {}},
-    // rank 2 step 13: reduced part 2 piece 0 to rank 0; wait entry[0]; r0:dst@0[8/12] = r2:dst@0[8/12]; signal r0:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 8}, {{2, 2, 0, 12, 0, 8}}, {}, {{4, 0, 0, 1}}, {{0, 6, 8}}},
-    // rank 2 step 14: reduced part 2 piece 1 to rank 0; wait entry[0]; r0:dst@0[9/12] = r2:dst@0[9/12]; signal r0:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 9}, {{2, 2, 0, 12, 0, 9}}, {}, {{4, 0, 0, 1}}, {{0, 6, 9}}},
-    // rank 2 step 15: reduced part 2 piece 2 to rank 0; wait entry[0]; r0:dst@0[10/12] = r2:dst@0[10/12]; signal r0:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 10}, {{2, 2, 0, 12, 0, 10}}, {}, {{4, 0, 0, 1}}, {{0, 6, 10}}},
-    // rank 2 step 16: reduced part 2 piece 3 to rank 0; wait entry[0]; r0:dst@0[11/12] = r2:dst@0[11/12]; signal r0:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 11}, {{2, 2, 0, 12, 0, 11}}, {}, {{4, 0, 0, 1}}, {{0, 6, 11}}},
-    // rank 2 step 17: reduced part 1 piece 0 to rank 0; wait entry[0], gathered[4]; r0:dst@0[4/12] = r2:dst@0[4/12]; signal r0:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 4}, {{2, 2, 0, 12, 0, 4}}, {}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},
-    // rank 2 step 18: reduced part 1 piece 1 to rank 0; wait entry[0], gathered[5]; r0:dst@0[5/12] = r2:dst@0[5/12]; signal r0:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 5}, {{2, 2, 0, 12, 0, 5}}, {}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},
-    // rank 2 step 19: reduced part 1 piece 2 to rank 0; wait entry[0], gathered[6]; r0:dst@0[6/12] = r2:dst@0[6/12]; signal r0:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 6}, {{2, 2, 0, 12, 0, 6}}, {}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},
-    // rank 2 step 20: reduced part 1 piece 3 to rank 0; wait entry[0], gathered[7]; r0:dst@0[7/12] = r2:dst@0[7/12]; signal r0:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 7}, {{2, 2, 0, 12, 0, 7}}, {}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},
-    // rank 2 step 21: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 8}, {{0, 1, 1, 12, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 0 step 1: part 2 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[8/12] = r0:src@0[8/12]; signal r1:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 9}, {{0, 1, 1, 12, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 0 step 2: part 2 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[9/12] = r0:src@0[9/12]; signal r1:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 10}, {{0, 1, 1, 12, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 0 step 3: part 2 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[10/12] = r0:src@0[10/12]; signal r1:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 11}, {{0, 1, 1, 12, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 0 step 4: part 2 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[11/12] = r0:src@0[11/12]; signal r1:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 4}, {{0, 3, 0, 12, 0, 4}, {0, 1, 1, 12, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 5: part 1 piece 0: partial sum + our input to rank 1; wait arrive[4], entry[1]; r1:inbox@0[4/12] = r0:inbox@0[4/12] + r0:src@0[4/12]; signal r1:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 5}, {{0, 3, 0, 12, 0, 5}, {0, 1, 1, 12, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 6: part 1 piece 1: partial sum + our input to rank 1; wait arrive[5], entry[1]; r1:inbox@0[5/12] = r0:inbox@0[5/12] + r0:src@0[5/12]; signal r1:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 6}, {{0, 3, 0, 12, 0, 6}, {0, 1, 1, 12, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 7: part 1 piece 2: partial sum + our input to rank 1; wait arrive[6], entry[1]; r1:inbox@0[6/12] = r0:inbox@0[6/12] + r0:src@0[6/12]; signal r1:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 12, 0, 7}, {{0, 3, 0, 12, 0, 7}, {0, 1, 1, 12, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 8: part 1 piece 3: partial sum + our input to rank 1; wait arrive[7], entry[1]; r1:inbox@0[7/12] = r0:inbox@0[7/12] + r0:src@0[7/12]; signal r1:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 0}, {{0, 3, 0, 12, 0, 0}, {0, 1, 1, 12, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},  // rank 0 step 9: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/12] = r0:inbox@0[0/12] + r0:src@0[0/12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 1}, {{0, 3, 0, 12, 0, 1}, {0, 1, 1, 12, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},  // rank 0 step 10: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/12] = r0:inbox@0[1/12] + r0:src@0[1/12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 2}, {{0, 3, 0, 12, 0, 2}, {0, 1, 1, 12, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},  // rank 0 step 11: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/12] = r0:inbox@0[2/12] + r0:src@0[2/12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 12, 0, 3}, {{0, 3, 0, 12, 0, 3}, {0, 1, 1, 12, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},  // rank 0 step 12: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/12] = r0:inbox@0[3/12] + r0:src@0[3/12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 0}, {{0, 2, 0, 12, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},  // rank 0 step 13: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/12] = r0:dst@0[0/12]; signal r1:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 1}, {{0, 2, 0, 12, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},  // rank 0 step 14: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/12] = r0:dst@0[1/12]; signal r1:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 2}, {{0, 2, 0, 12, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},  // rank 0 step 15: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/12] = r0:dst@0[2/12]; signal r1:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 12, 0, 3}, {{0, 2, 0, 12, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},  // rank 0 step 16: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/12] = r0:dst@0[3/12]; signal r1:gathered[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 8}, {{0, 2, 0, 12, 0, 8}}, {}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},  // rank 0 step 17: reduced part 2 piece 0 to rank 1; wait entry[1], gathered[8]; r1:dst@0[8/12] = r0:dst@0[8/12]; signal r1:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 9}, {{0, 2, 0, 12, 0, 9}}, {}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},  // rank 0 step 18: reduced part 2 piece 1 to rank 1; wait entry[1], gathered[9]; r1:dst@0[9/12] = r0:dst@0[9/12]; signal r1:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 10}, {{0, 2, 0, 12, 0, 10}}, {}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},  // rank 0 step 19: reduced part 2 piece 2 to rank 1; wait entry[1], gathered[10]; r1:dst@0[10/12] = r0:dst@0[10/12]; signal r1:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 11}, {{0, 2, 0, 12, 0, 11}}, {}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},  // rank 0 step 20: reduced part 2 piece 3 to rank 1; wait entry[1], gathered[11]; r1:dst@0[11/12] = r0:dst@0[11/12]; signal r1:gathered[11]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},  // rank 0 step 21: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 0}, {{1, 1, 1, 12, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 1 step 1: part 0 piece 0: our input to rank 2; wait entry[2]; r2:inbox@0[0/12] = r1:src@0[0/12]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 1}, {{1, 1, 1, 12, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 1 step 2: part 0 piece 1: our input to rank 2; wait entry[2]; r2:inbox@0[1/12] = r1:src@0[1/12]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 2}, {{1, 1, 1, 12, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 1 step 3: part 0 piece 2: our input to rank 2; wait entry[2]; r2:inbox@0[2/12] = r1:src@0[2/12]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 3}, {{1, 1, 1, 12, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 1 step 4: part 0 piece 3: our input to rank 2; wait entry[2]; r2:inbox@0[3/12] = r1:src@0[3/12]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 8}, {{1, 3, 0, 12, 0, 8}, {1, 1, 1, 12, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},  // rank 1 step 5: part 2 piece 0: partial sum + our input to rank 2; wait arrive[8], entry[2]; r2:inbox@0[8/12] = r1:inbox@0[8/12] + r1:src@0[8/12]; signal r2:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 9}, {{1, 3, 0, 12, 0, 9}, {1, 1, 1, 12, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},  // rank 1 step 6: part 2 piece 1: partial sum + our input to rank 2; wait arrive[9], entry[2]; r2:inbox@0[9/12] = r1:inbox@0[9/12] + r1:src@0[9/12]; signal r2:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 10}, {{1, 3, 0, 12, 0, 10}, {1, 1, 1, 12, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},  // rank 1 step 7: part 2 piece 2: partial sum + our input to rank 2; wait arrive[10], entry[2]; r2:inbox@0[10/12] = r1:inbox@0[10/12] + r1:src@0[10/12]; signal r2:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 12, 0, 11}, {{1, 3, 0, 12, 0, 11}, {1, 1, 1, 12, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},  // rank 1 step 8: part 2 piece 3: partial sum + our input to rank 2; wait arrive[11], entry[2]; r2:inbox@0[11/12] = r1:inbox@0[11/12] + r1:src@0[11/12]; signal r2:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 4}, {{1, 3, 0, 12, 0, 4}, {1, 1, 1, 12, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},  // rank 1 step 9: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/12] = r1:inbox@0[4/12] + r1:src@0[4/12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 5}, {{1, 3, 0, 12, 0, 5}, {1, 1, 1, 12, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},  // rank 1 step 10: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/12] = r1:inbox@0[5/12] + r1:src@0[5/12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 6}, {{1, 3, 0, 12, 0, 6}, {1, 1, 1, 12, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},  // rank 1 step 11: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/12] = r1:inbox@0[6/12] + r1:src@0[6/12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 12, 0, 7}, {{1, 3, 0, 12, 0, 7}, {1, 1, 1, 12, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},  // rank 1 step 12: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/12] = r1:inbox@0[7/12] + r1:src@0[7/12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 4}, {{1, 2, 0, 12, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 6, 4}}},  // rank 1 step 13: reduced part 1 piece 0 to rank 2; wait entry[2]; r2:dst@0[4/12] = r1:dst@0[4/12]; signal r2:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 5}, {{1, 2, 0, 12, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 6, 5}}},  // rank 1 step 14: reduced part 1 piece 1 to rank 2; wait entry[2]; r2:dst@0[5/12] = r1:dst@0[5/12]; signal r2:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 6}, {{1, 2, 0, 12, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 6, 6}}},  // rank 1 step 15: reduced part 1 piece 2 to rank 2; wait entry[2]; r2:dst@0[6/12] = r1:dst@0[6/12]; signal r2:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 12, 0, 7}, {{1, 2, 0, 12, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 6, 7}}},  // rank 1 step 16: reduced part 1 piece 3 to rank 2; wait entry[2]; r2:dst@0[7/12] = r1:dst@0[7/12]; signal r2:gathered[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 0}, {{1, 2, 0, 12, 0, 0}}, {}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},  // rank 1 step 17: reduced part 0 piece 0 to rank 2; wait entry[2], gathered[0]; r2:dst@0[0/12] = r1:dst@0[0/12]; signal r2:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 1}, {{1, 2, 0, 12, 0, 1}}, {}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},  // rank 1 step 18: reduced part 0 piece 1 to rank 2; wait entry[2], gathered[1]; r2:dst@0[1/12] = r1:dst@0[1/12]; signal r2:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 2}, {{1, 2, 0, 12, 0, 2}}, {}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},  // rank 1 step 19: reduced part 0 piece 2 to rank 2; wait entry[2], gathered[2]; r2:dst@0[2/12] = r1:dst@0[2/12]; signal r2:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 3}, {{1, 2, 0, 12, 0, 3}}, {}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},  // rank 1 step 20: reduced part 0 piece 3 to rank 2; wait entry[2], gathered[3]; r2:dst@0[3/12] = r1:dst@0[3/12]; signal r2:gathered[3]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},  // rank 1 step 21: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 4}, {{2, 1, 1, 12, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 2 step 1: part 1 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[4/12] = r2:src@0[4/12]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 5}, {{2, 1, 1, 12, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 2 step 2: part 1 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[5/12] = r2:src@0[5/12]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 6}, {{2, 1, 1, 12, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 2 step 3: part 1 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[6/12] = r2:src@0[6/12]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 0, 7}, {{2, 1, 1, 12, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 2 step 4: part 1 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[7/12] = r2:src@0[7/12]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 0}, {{2, 3, 0, 12, 0, 0}, {2, 1, 1, 12, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},  // rank 2 step 5: part 0 piece 0: partial sum + our input to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/12] = r2:inbox@0[0/12] + r2:src@0[0/12]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 1}, {{2, 3, 0, 12, 0, 1}, {2, 1, 1, 12, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},  // rank 2 step 6: part 0 piece 1: partial sum + our input to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/12] = r2:inbox@0[1/12] + r2:src@0[1/12]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 2}, {{2, 3, 0, 12, 0, 2}, {2, 1, 1, 12, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},  // rank 2 step 7: part 0 piece 2: partial sum + our input to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/12] = r2:inbox@0[2/12] + r2:src@0[2/12]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 12, 0, 3}, {{2, 3, 0, 12, 0, 3}, {2, 1, 1, 12, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},  // rank 2 step 8: part 0 piece 3: partial sum + our input to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/12] = r2:inbox@0[3/12] + r2:src@0[3/12]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 8}, {{2, 3, 0, 12, 0, 8}, {2, 1, 1, 12, 0, 8}}, {}, {{5, 0, 8, 64}}, {}},  // rank 2 step 9: our part, piece 0: last partial sum + our input; wait arrive[8]; r2:dst@0[8/12] = r2:inbox@0[8/12] + r2:src@0[8/12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 9}, {{2, 3, 0, 12, 0, 9}, {2, 1, 1, 12, 0, 9}}, {}, {{5, 0, 9, 64}}, {}},  // rank 2 step 10: our part, piece 1: last partial sum + our input; wait arrive[9]; r2:dst@0[9/12] = r2:inbox@0[9/12] + r2:src@0[9/12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 10}, {{2, 3, 0, 12, 0, 10}, {2, 1, 1, 12, 0, 10}}, {}, {{5, 0, 10, 64}}, {}},  // rank 2 step 11: our part, piece 2: last partial sum + our input; wait arrive[10]; r2:dst@0[10/12] = r2:inbox@0[10/12] + r2:src@0[10/12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 12, 0, 11}, {{2, 3, 0, 12, 0, 11}, {2, 1, 1, 12, 0, 11}}, {}, {{5, 0, 11, 64}}, {}},  // rank 2 step 12: our part, piece 3: last partial sum + our input; wait arrive[11]; r2:dst@0[11/12] = r2:inbox@0[11/12] + r2:src@0[11/12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 8}, {{2, 2, 0, 12, 0, 8}}, {}, {{4, 0, 0, 1}}, {{0, 6, 8}}},  // rank 2 step 13: reduced part 2 piece 0 to rank 0; wait entry[0]; r0:dst@0[8/12] = r2:dst@0[8/12]; signal r0:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 9}, {{2, 2, 0, 12, 0, 9}}, {}, {{4, 0, 0, 1}}, {{0, 6, 9}}},  // rank 2 step 14: reduced part 2 piece 1 to rank 0; wait entry[0]; r0:dst@0[9/12] = r2:dst@0[9/12]; signal r0:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 10}, {{2, 2, 0, 12, 0, 10}}, {}, {{4, 0, 0, 1}}, {{0, 6, 10}}},  // rank 2 step 15: reduced part 2 piece 2 to rank 0; wait entry[0]; r0:dst@0[10/12] = r2:dst@0[10/12]; signal r0:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 12, 0, 11}, {{2, 2, 0, 12, 0, 11}}, {}, {{4, 0, 0, 1}}, {{0, 6, 11}}},  // rank 2 step 16: reduced part 2 piece 3 to rank 0; wait entry[0]; r0:dst@0[11/12] = r2:dst@0[11/12]; signal r0:gathered[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 4}, {{2, 2, 0, 12, 0, 4}}, {}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},  // rank 2 step 17: reduced part 1 piece 0 to rank 0; wait entry[0], gathered[4]; r0:dst@0[4/12] = r2:dst@0[4/12]; signal r0:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 5}, {{2, 2, 0, 12, 0, 5}}, {}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},  // rank 2 step 18: reduced part 1 piece 1 to rank 0; wait entry[0], gathered[5]; r0:dst@0[5/12] = r2:dst@0[5/12]; signal r0:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 6}, {{2, 2, 0, 12, 0, 6}}, {}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},  // rank 2 step 19: reduced part 1 piece 2 to rank 0; wait entry[0], gathered[6]; r0:dst@0[6/12] = r2:dst@0[6/12]; signal r0:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 7}, {{2, 2, 0, 12, 0, 7}}, {}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},  // rank 2 step 20: reduced part 1 piece 3 to rank 0; wait entry[0], gathered[7]; r0:dst@0[7/12] = r2:dst@0[7/12]; signal r0:gathered[7]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},  // rank 2 step 21: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
 };
 static __device__ const int step_base_w3[3] = { 0, 22, 44 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w3[] = {
-    // rank 0: shares 0..1280
-    {9, 63, 64, 12, 1, 0}, {1, 0, 64, 8, 1, 0}, {21, 0, 1, 1, 0, 0}, {1, 1, 64, 8, 1, 0},
-    {1, 2, 64, 8, 1, 0}, {1, 3, 64, 8, 1, 0}, {1, 4, 64, 8, 1, 0}, {1, 5, 64, 8, 1, 0},
-    {1, 6, 64, 8, 1, 0}, {1, 7, 64, 8, 1, 0}, {1, 8, 64, 8, 1, 0}, {1, 9, 64, 8, 1, 0},
-    {1, 10, 64, 8, 1, 0}, {1, 11, 64, 8, 1, 0}, {1, 12, 64, 8, 1, 0}, {1, 13, 64, 8, 1, 0},
-    {1, 14, 64, 8, 1, 0}, {1, 15, 64, 8, 1, 0}, {1, 16, 64, 8, 1, 0}, {1, 17, 64, 8, 1, 0},
-    {1, 18, 64, 8, 1, 0}, {1, 19, 64, 8, 1, 0}, {1, 20, 64, 8, 1, 0}, {1, 21, 64, 8, 1, 0},
-    {1, 22, 64, 8, 1, 0}, {1, 23, 64, 8, 1, 0}, {1, 24, 64, 8, 1, 0}, {1, 25, 64, 8, 1, 0},
-    {1, 26, 64, 8, 1, 0}, {1, 27, 64, 8, 1, 0}, {1, 28, 64, 8, 1, 0}, {1, 29, 64, 8, 1, 0},
-    {1, 30, 64, 8, 1, 0}, {1, 31, 64, 8, 1, 0}, {1, 32, 64, 8, 1, 0}, {1, 33, 64, 8, 1, 0},
-    {1, 34, 64, 8, 1, 0}, {1, 35, 64, 8, 1, 0}, {1, 36, 64, 8, 1, 0}, {1, 37, 64, 8, 1, 0},
-    {1, 38, 64, 8, 1, 0}, {1, 39, 64, 8, 1, 0}, {1, 40, 64, 8, 1, 0}, {1, 41, 64, 8, 1, 0},
-    {1, 42, 64, 8, 1, 0}, {1, 43, 64, 8, 1, 0}, {1, 44, 64, 8, 1, 0}, {1, 45, 64, 8, 1, 0},
-    {1, 46, 64, 8, 1, 0}, {1, 47, 64, 8, 1, 0}, {1, 48, 64, 8, 1, 0}, {1, 49, 64, 8, 1, 0},
-    {1, 50, 64, 8, 1, 0}, {1, 51, 64, 8, 1, 0}, {1, 52, 64, 8, 1, 0}, {1, 53, 64, 8, 1, 0},
-    {1, 54, 64, 8, 1, 0}, {1, 55, 64, 8, 1, 0}, {1, 56, 64, 8, 1, 0}, {1, 57, 64, 8, 1, 0},
-    {1, 58, 64, 8, 1, 0}, {1, 59, 64, 8, 1, 0}, {1, 60, 64, 8, 1, 0}, {1, 61, 64, 8, 1, 0},
-    {1, 62, 64, 8, 1, 0}, {1, 63, 64, 8, 1, 0}, {9, 0, 64, 12, 1, 0}, {9, 1, 64, 12, 1, 0},
-    {9, 2, 64, 12, 1, 0}, {9, 3, 64, 12, 1, 0}, {9, 4, 64, 12, 1, 0}, {9, 5, 64, 12, 1, 0},
-    {9, 6, 64, 12, 1, 0}, {9, 7, 64, 12, 1, 0}, {9, 8, 64, 12, 1, 0}, {9, 9, 64, 12, 1, 0},
-    {9, 10, 64, 12, 1, 0}, {9, 11, 64, 12, 1, 0}, {9, 12, 64, 12, 1, 0}, {9, 13, 64, 12, 1, 0},
-    {9, 14, 64, 12, 1, 0}, {9, 15, 64, 12, 1, 0}, {9, 16, 64, 12, 1, 0}, {9, 17, 64, 12, 1, 0},
-    {9, 18, 64, 12, 1, 0}, {9, 19, 64, 12, 1, 0}, {9, 20, 64, 12, 1, 0}, {9, 21, 64, 12, 1, 0},
-    {9, 22, 64, 12, 1, 0}, {9, 23, 64, 12, 1, 0}, {9, 24, 64, 12, 1, 0}, {9, 25, 64, 12, 1, 0},
-    {9, 26, 64, 12, 1, 0}, {9, 27, 64, 12, 1, 0}, {9, 28, 64, 12, 1, 0}, {9, 29, 64, 12, 1, 0},
-    {9, 30, 64, 12, 1, 0}, {9, 31, 64, 12, 1, 0}, {9, 32, 64, 12, 1, 0}, {9, 33, 64, 12, 1, 0},
-    {9, 34, 64, 12, 1, 0}, {9, 35, 64, 12, 1, 0}, {9, 36, 64, 12, 1, 0}, {9, 37, 64, 12, 1, 0},
-    {9, 38, 64, 12, 1, 0}, {9, 39, 64, 12, 1, 0}, {9, 40, 64, 12, 1, 0}, {9, 41, 64, 12, 1, 0},
-    {9, 42, 64, 12, 1, 0}, {9, 43, 64, 12, 1, 0}, {9, 44, 64, 12, 1, 0}, {9, 45, 64, 12, 1, 0},
-    {9, 46, 64, 12, 1, 0}, {9, 47, 64, 12, 1, 0}, {9, 48, 64, 12, 1, 0}, {9, 49, 64, 12, 1, 0},
-    {9, 50, 64, 12, 1, 0}, {9, 51, 64, 12, 1, 0}, {9, 52, 64, 12, 1, 0}, {9, 53, 64, 12, 1, 0},
-    {9, 54, 64, 12, 1, 0}, {9, 55, 64, 12, 1, 0}, {9, 56, 64, 12, 1, 0}, {9, 57, 64, 12, 1, 0},
-    {9, 58, 64, 12, 1, 0}, {9, 59, 64, 12, 1, 0}, {9, 60, 64, 12, 1, 0}, {9, 61, 64, 12, 1, 0},
-    {9, 62, 64, 12, 1, 0},
-    // rank 1: shares 1281..2561
-    {9, 63, 64, 12, 1, 0}, {1, 0, 64, 8, 1, 0}, {21, 0, 1, 1, 0, 0}, {1, 1, 64, 8, 1, 0},
-    {1, 2, 64, 8, 1, 0}, {1, 3, 64, 8, 1, 0}, {1, 4, 64, 8, 1, 0}, {1, 5, 64, 8, 1, 0},
-    {1, 6, 64, 8, 1, 0}, {1, 7, 64, 8, 1, 0}, {1, 8, 64, 8, 1, 0}, {1, 9, 64, 8, 1, 0},
-    {1, 10, 64, 8, 1, 0}, {1, 11, 64, 8, 1, 0}, {1, 12, 64, 8, 1, 0}, {1, 13, 64, 8, 1, 0},
-    {1, 14, 64, 8, 1, 0}, {1, 15, 64, 8, 1, 0}, {1, 16, 64, 8, 1, 0}, {1, 17, 64, 8, 1, 0},
-    {1, 18, 64, 8, 1, 0}, {1, 19, 64, 8, 1, 0}, {1, 20, 64, 8, 1, 0}, {1, 21, 64, 8, 1, 0},
-    {1, 22, 64, 8, 1, 0}, {1, 23, 64, 8, 1, 0}, {1, 24, 64, 8, 1, 0}, {1, 25, 64, 8, 1, 0},
-    {1, 26, 64, 8, 1, 0}, {1, 27, 64, 8, 1, 0}, {1, 28, 64, 8, 1, 0}, {1, 29, 64, 8, 1, 0},
-    {1, 30, 64, 8, 1, 0}, {1, 31, 64, 8, 1, 0}, {1, 32, 64, 8, 1, 0}, {1, 33, 64, 8, 1, 0},
-    {1, 34, 64, 8, 1, 0}, {1, 35, 64, 8, 1, 0}, {1, 36, 64, 8, 1, 0}, {1, 37, 64, 8, 1, 0},
-    {1, 38, 64, 8, 1, 0}, {1, 39, 64, 8, 1, 0}, {1, 40, 64, 8, 1, 0}, {1, 41, 64, 8, 1, 0},
-    {1, 42, 64, 8, 1, 0}, {1, 43, 64, 8, 1, 0}, {1, 44, 64, 8, 1, 0}, {1, 45, 64, 8, 1, 0},
-    {1, 46, 64, 8, 1, 0}, {1, 47, 64, 8, 1, 0}, {1, 48, 64, 8, 1, 0}, {1, 49, 64, 8, 1, 0},
-    {1, 50, 64, 8, 1, 0}, {1, 51, 64, 8, 1, 0}, {1, 52, 64, 8, 1, 0}, {1, 53, 64, 8, 1, 0},
-    {1, 54, 64, 8, 1, 0}, {1, 55, 64, 8, 1, 0}, {1, 56, 64, 8, 1, 0}, {1, 57, 64, 8, 1, 0},
-    {1, 58, 64, 8, 1, 0}, {1, 59, 64, 8, 1, 0}, {1, 60, 64, 8, 1, 0}, {1, 61, 64, 8, 1, 0},
-    {1, 62, 64, 8, 1, 0}, {1, 63, 64, 8, 1, 0}, {9, 0, 64, 12, 1, 0}, {9, 1, 64, 12, 1, 0},
-    {9, 2, 64, 12, 1, 0}, {9, 3, 64, 12, 1, 0}, {9, 4, 64, 12, 1, 0}, {9, 5, 64, 12, 1, 0},
-    {9, 6, 64, 12, 1, 0}, {9, 7, 64, 12, 1, 0}, {9, 8, 64, 12, 1, 0}, {9, 9, 64, 12, 1, 0},
-    {9, 10, 64, 12, 1, 0}, {9, 11, 64, 12, 1, 0}, {9, 12, 64, 12, 1, 0}, {9, 13, 64, 12, 1, 0},
-    {9, 14, 64, 12, 1, 0}, {9, 15, 64, 12, 1, 0}, {9, 16, 64, 12, 1, 0}, {9, 17, 64, 12, 1, 0},
-    {9, 18, 64, 12, 1, 0}, {9, 19, 64, 12, 1, 0}, {9, 20, 64, 12, 1, 0}, {9, 21, 64, 12, 1, 0},
-    {9, 22, 64, 12, 1, 0}, {9, 23, 64, 12, 1, 0}, {9, 24, 64, 12, 1, 0}, {9, 25, 64, 12, 1, 0},
-    {9, 26, 64, 12, 1, 0}, {9, 27, 64, 12, 1, 0}, {9, 28, 64, 12, 1, 0}, {9, 29, 64, 12, 1, 0},
-    {9, 30, 64, 12, 1, 0}, {9, 31, 64, 12, 1, 0}, {9, 32, 64, 12, 1, 0}, {9, 33, 64, 12, 1, 0},
-    {9, 34, 64, 12, 1, 0}, {9, 35, 64, 12, 1, 0}, {9, 36, 64, 12, 1, 0}, {9, 37, 64, 12, 1, 0},
-    {9, 38, 64, 12, 1, 0}, {9, 39, 64, 12, 1, 0}, {9, 40, 64, 12, 1, 0}, {9, 41, 64, 12, 1, 0},
-    {9, 42, 64, 12, 1, 0}, {9, 43, 64, 12, 1, 0}, {9, 44, 64, 12, 1, 0}, {9, 45, 64, 12, 1, 0},
-    {9, 46, 64, 12, 1, 0}, {9, 47, 64, 12, 1, 0}, {9, 48, 64, 12, 1, 0}, {9, 49, 64, 12, 1, 0},
-    {9, 50, 64, 12, 1, 0}, {9, 51, 64, 12, 1, 0}, {9, 52, 64, 12, 1, 0}, {9, 53, 64, 12, 1, 0},
-    {9, 54, 64, 12, 1, 0}, {9, 55, 64, 12, 1, 0}, {9, 56, 64, 12, 1, 0}, {9, 57, 64, 12, 1, 0},
-    {9, 58, 64, 12, 1, 0}, {9, 59, 64, 12, 1, 0}, {9, 60, 64, 12, 1, 0}, {9, 61, 64, 12, 1, 0},
-    {9, 62, 64, 12, 1, 0},
-    // rank 2: shares 2562..3842
-    {9, 63, 64, 12, 1, 0}, {1, 0, 64, 8, 1, 0}, {21, 0, 1, 1, 0, 0}, {1, 1, 64, 8, 1, 0},
-    {1, 2, 64, 8, 1, 0}, {1, 3, 64, 8, 1, 0}, {1, 4, 64, 8, 1, 0}, {1, 5, 64, 8, 1, 0},
-    {1, 6, 64, 8, 1, 0}, {1, 7, 64, 8, 1, 0}, {1, 8, 64, 8, 1, 0}, {1, 9, 64, 8, 1, 0},
-    {1, 10, 64, 8, 1, 0}, {1, 11, 64, 8, 1, 0}, {1, 12, 64, 8, 1, 0}, {1, 13, 64, 8, 1, 0},
-    {1, 14, 64, 8, 1, 0}, {1, 15, 64, 8, 1, 0}, {1, 16, 64, 8, 1, 0}, {1, 17, 64, 8, 1, 0},
-    {1, 18, 64, 8, 1, 0}, {1, 19, 64, 8, 1, 0}, {1, 20, 64, 8, 1, 0}, {1, 21, 64, 8, 1, 0},
-    {1, 22, 64, 8, 1, 0}, {1, 23, 64, 8, 1, 0}, {1, 24, 64, 8, 1, 0}, {1, 25, 64, 8, 1, 0},
-    {1, 26, 64, 8, 1, 0}, {1, 27, 64, 8, 1, 0}, {1, 28, 64, 8, 1, 0}, {1, 29, 64, 8, 1, 0},
-    {1, 30, 64, 8, 1, 0}, {1, 31, 64, 8, 1, 0}, {1, 32, 64, 8, 1, 0}, {1, 33, 64, 8, 1, 0},
-    {1, 34, 64, 8, 1, 0}, {1, 35, 64, 8, 1, 0}, {1, 36, 64, 8, 1, 0}, {1, 37, 64, 8, 1, 0},
-    {1, 38, 64, 8, 1, 0}, {1, 39, 64, 8, 1, 0}, {1, 40, 64, 8, 1, 0}, {1, 41, 64, 8, 1, 0},
-    {1, 42, 64, 8, 1, 0}, {1, 43, 64, 8, 1, 0}, {1, 44, 64, 8, 1, 0}, {1, 45, 64, 8, 1, 0},
-    {1, 46, 64, 8, 1, 0}, {1, 47, 64, 8, 1, 0}, {1, 48, 64, 8, 1, 0}, {1, 49, 64, 8, 1, 0},
-    {1, 50, 64, 8, 1, 0}, {1, 51, 64, 8, 1, 0}, {1, 52, 64, 8, 1, 0}, {1, 53, 64, 8, 1, 0},
-    {1, 54, 64, 8, 1, 0}, {1, 55, 64, 8, 1, 0}, {1, 56, 64, 8, 1, 0}, {1, 57, 64, 8, 1, 0},
-    {1, 58, 64, 8, 1, 0}, {1, 59, 64, 8, 1, 0}, {1, 60, 64, 8, 1, 0}, {1, 61, 64, 8, 1, 0},
-    {1, 62, 64, 8, 1, 0}, {1, 63, 64, 8, 1, 0}, {9, 0, 64, 12, 1, 0}, {9, 1, 64, 12, 1, 0},
-    {9, 2, 64, 12, 1, 0}, {9, 3, 64, 12, 1, 0}, {9, 4, 64, 12, 1, 0}, {9, 5, 64, 12, 1, 0},
-    {9, 6, 64, 12, 1, 0}, {9, 7, 64, 12, 1, 0}, {9, 8, 64, 12, 1, 0}, {9, 9, 64, 12, 1, 0},
-    {9, 10, 64, 12, 1, 0}, {9, 11, 64, 12, 1, 0}, {9, 12, 64, 12, 1, 0}, {9, 13, 64, 12, 1, 0},
-    {9, 14, 64, 12, 1, 0}, {9, 15, 64, 12, 1, 0}, {9, 16, 64, 12, 1, 0}, {9, 17, 64, 12, 1, 0},
-    {9, 18, 64, 12, 1, 0}, {9, 19, 64, 12, 1, 0}, {9, 20, 64, 12, 1, 0}, {9, 21, 64, 12, 1, 0},
-    {9, 22, 64, 12, 1, 0}, {9, 23, 64, 12, 1, 0}, {9, 24, 64, 12, 1, 0}, {9, 25, 64, 12, 1, 0},
-    {9, 26, 64, 12, 1, 0}, {9, 27, 64, 12, 1, 0}, {9, 28, 64, 12, 1, 0}, {9, 29, 64, 12, 1, 0},
-    {9, 30, 64, 12, 1, 0}, {9, 31, 64, 12, 1, 0}, {9, 32, 64, 12, 1, 0}, {9, 33, 64, 12, 1, 0},
-    {9, 34, 64, 12, 1, 0}, {9, 35, 64, 12, 1, 0}, {9, 36, 64, 12, 1, 0}, {9, 37, 64, 12, 1, 0},
-    {9, 38, 64, 12, 1, 0}, {9, 39, 64, 12, 1, 0}, {9, 40, 64, 12, 1, 0}, {9, 41, 64, 12, 1, 0},
-    {9, 42, 64, 12, 1, 0}, {9, 43, 64, 12, 1, 0}, {9, 44, 64, 12, 1, 0}, {9, 45, 64, 12, 1, 0},
-    {9, 46, 64, 12, 1, 0}, {9, 47, 64, 12, 1, 0}, {9, 48, 64, 12, 1, 0}, {9, 49, 64, 12, 1, 0},
-    {9, 50, 64, 12, 1, 0}, {9, 51, 64, 12, 1, 0}, {9, 52, 64, 12, 1, 0}, {9, 53, 64, 12, 1, 0},
-    {9, 54, 64, 12, 1, 0}, {9, 55, 64, 12, 1, 0}, {9, 56, 64, 12, 1, 0}, {9, 57, 64, 12, 1, 0},
-    {9, 58, 64, 12, 1, 0}, {9, 59, 64, 12, 1, 0}, {9, 60, 64, 12, 1, 0}, {9, 61, 64, 12, 1, 0},
-    {9, 62, 64, 12, 1, 0},
+    {9, 63, 64, 12, 1, 0, 1, 0, 0}, {1, 0, 64, 8, 1, 0, 1, 0, 0}, {21, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 8, 1, 0, 63, 0, 1}, {9, 0, 64, 12, 1, 0, 63, 0, 1},  // rank 0: shares 0..1280
+    {9, 63, 64, 12, 1, 0, 1, 0, 0}, {1, 0, 64, 8, 1, 0, 1, 0, 0}, {21, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 8, 1, 0, 63, 0, 1}, {9, 0, 64, 12, 1, 0, 63, 0, 1},  // rank 1: shares 1281..2561
+    {9, 63, 64, 12, 1, 0, 1, 0, 0}, {1, 0, 64, 8, 1, 0, 1, 0, 0}, {21, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 8, 1, 0, 63, 0, 1}, {9, 0, 64, 12, 1, 0, 63, 0, 1},  // rank 2: shares 2562..3842
 };
-static __device__ const tsgen::share_table<3843> shares_w3 =
-    tsgen::expand_shares<3843>(share_runs_w3);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][129] = {
+static __device__ const tsgen::share_table<3843> shares_w3 = tsgen::expand_shares<3843>(share_runs_w3);
+static __device__ const uint16_t first_w3[3][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 12, 21, 29, 37, 45, 53, 61, 69, 77, 85, 93, 101, 109, 117, 125, 133, 141, 149, 157, 165, 173, 181, 189, 197, 205, 213, 221, 229, 237, 245, 253, 261, 269, 277, 285, 293, 301, 309, 317, 325, 333, 341, 349, 357, 365, 373, 381, 389, 397, 405, 413, 421, 429, 437, 445, 453, 461, 469, 477, 485, 493, 501, 509, 517, 525, 537, 549, 561, 573, 585, 597, 609, 621, 633, 645, 657, 669, 681, 693, 705, 717, 729, 741, 753, 765, 777, 789, 801, 813, 825, 837, 849, 861, 873, 885, 897, 909, 921, 933, 945, 957, 969, 981, 993, 1005, 1017, 1029, 1041, 1053, 1065, 1077, 1089, 1101, 1113, 1125, 1137, 1149, 1161, 1173, 1185, 1197, 1209, 1221, 1233, 1245, 1257, 1269, 1281 },
     { 1281, 1293, 1302, 1310, 1318, 1326, 1334, 1342, 1350, 1358, 1366, 1374, 1382, 1390, 1398, 1406, 1414, 1422, 1430, 1438, 1446, 1454, 1462, 1470, 1478, 1486, 1494, 1502, 1510, 1518, 1526, 1534, 1542, 1550, 1558, 1566, 1574, 1582, 1590, 1598, 1606, 1614, 1622, 1630, 1638, 1646, 1654, 1662, 1670, 1678, 1686, 1694, 1702, 1710, 1718, 1726, 1734, 1742, 1750, 1758, 1766, 1774, 1782, 1790, 1798, 1806, 1818, 1830, 1842, 1854, 1866, 1878, 1890, 1902, 1914, 1926, 1938, 1950, 1962, 1974, 1986, 1998, 2010, 2022, 2034, 2046, 2058, 2070, 2082, 2094, 2106, 2118, 2130, 2142, 2154, 2166, 2178, 2190, 2202, 2214, 2226, 2238, 2250, 2262, 2274, 2286, 2298, 2310, 2322, 2334, 2346, 2358, 2370, 2382, 2394, 2406, 2418, 2430, 2442, 2454, 2466, 2478, 2490, 2502, 2514, 2526, 2538, 2550, 2562 },
     { 2562, 2574, 2583, 2591, 2599, 2607, 2615, 2623, 2631, 2639, 2647, 2655, 2663, 2671, 2679, 2687, 2695, 2703, 2711, 2719, 2727, 2735, 2743, 2751, 2759, 2767, 2775, 2783, 2791, 2799, 2807, 2815, 2823, 2831, 2839, 2847, 2855, 2863, 2871, 2879, 2887, 2895, 2903, 2911, 2919, 2927, 2935, 2943, 2951, 2959, 2967, 2975, 2983, 2991, 2999, 3007, 3015, 3023, 3031, 3039, 3047, 3055, 3063, 3071, 3079, 3087, 3099, 3111, 3123, 3135, 3147, 3159, 3171, 3183, 3195, 3207, 3219, 3231, 3243, 3255, 3267, 3279, 3291, 3303, 3315, 3327, 3339, 3351, 3363, 3375, 3387, 3399, 3411, 3423, 3435, 3447, 3459, 3471, 3483, 3495, 3507, 3519, 3531, 3543, 3555, 3567, 3579, 3591, 3603, 3615, 3627, 3639, 3651, 3663, 3675, 3687, 3699, 3711, 3723, 3735, 3747, 3759, 3771, 3783, 3795, 3807, 3819, 3831, 3843 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 124 steps, 7176 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 124 steps, 7176 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 0}}},
-    // rank 0 step 1: part 3 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[12/16] = r0:src@0[12/16]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 0 step 2: part 3 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[13/16] = r0:src@0[13/16]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 0 step 3: part 3 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[14/16] = r0:src@0[14/16]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 0 step 4: part 3 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[15/16] = r0:src@0[15/16]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 0 step 5: part 2 piece 0: partial sum + our input to rank 1; wait arrive[8], entry[1]; r1:inbox@0[8/16] = r0:inbox@0[8/16] + r0:src@0[8/16]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 8}, {{0, 3, 0, 16, 0, 8}, {0, 1, 1, 16, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 0 step 6: part 2 piece 1: partial sum + our input to rank 1; wait arrive[9], entry[1]; r1:inbox@0[9/16] = r0:inbox@0[9/16] + r0:src@0[9/16]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 9}, {{0, 3, 0, 16, 0, 9}, {0, 1, 1, 16, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 0 step 7: part 2 piece 2: partial sum + our input to rank 1; wait arrive[10], entry[1]; r1:inbox@0[10/16] = r0:inbox@0[10/16] + r0:src@0[10/16]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 10}, {{0, 3, 0, 16, 0, 10}, {0, 1, 1, 16, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 0 step 8: part 2 piece 3: partial sum + our input to rank 1; wait arrive[11], entry[1]; r1:inbox@0[11/16] = r0:inbox@0[11/16] + r0:src@0[11/16]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 11}, {{0, 3, 0, 16, 0, 11}, {0, 1, 1, 16, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 0 step 9: part 1 piece 0: partial sum + our input to rank 1; wait arrive[4], entry[1]; r1:inbox@0[4/16] = r0:inbox@0[4/16] + r0:src@0[4/16]; signal r1:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 4}, {{0, 3, 0, 16, 0, 4}, {0, 1, 1, 16, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 10: part 1 piece 1: partial sum + our input to rank 1; wait arrive[5], entry[1]; r1:inbox@0[5/16] = r0:inbox@0[5/16] + r0:src@0[5/16]; signal r1:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 5}, {{0, 3, 0, 16, 0, 5}, {0, 1, 1, 16, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 11: part 1 piece 2: partial sum + our input to rank 1; wait arrive[6], entry[1]; r1:inbox@0[6/16] = r0:inbox@0[6/16] + r0:src@0[6/16]; signal r1:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 6}, {{0, 3, 0, 16, 0, 6}, {0, 1, 1, 16, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 12: part 1 piece 3: partial sum + our input to rank 1; wait arrive[7], entry[1]; r1:inbox@0[7/16] = r0:inbox@0[7/16] + r0:src@0[7/16]; signal r1:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 7}, {{0, 3, 0, 16, 0, 7}, {0, 1, 1, 16, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 13: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/16] = r0:inbox@0[0/16] + r0:src@0[0/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 0}, {{0, 3, 0, 16, 0, 0}, {0, 1, 1, 16, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
-    // rank 0 step 14: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/16] = r0:inbox@0[1/16] + r0:src@0[1/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 1}, {{0, 3, 0, 16, 0, 1}, {0, 1, 1, 16, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
-    // rank 0 step 15: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/16] = r0:inbox@0[2/16] + r0:src@0[2/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 2}, {{0, 3, 0, 16, 0, 2}, {0, 1, 1, 16, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
-    // rank 0 step 16: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/16] = r0:inbox@0[3/16] + r0:src@0[3/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 3}, {{0, 3, 0, 16, 0, 3}, {0, 1, 1, 16, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
-    // rank 0 step 17: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
-    // rank 0 step 18: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
-    // rank 0 step 19: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/16] = r0:dst@0[2/16]; signal r1:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
-    // rank 0 step 20: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/16] = r0:dst@0[3/16]; signal r1:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
-    // rank 0 step 21: reduced part 3 piece 0 to rank 1; wait entry[1], gathered[12]; r1:dst@0[12/16] = r0:dst@0[12/16]; signal r1:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 12}, {{0, 2, 0, 16, 0, 12}}, {}, {{4, 0, 1, 1}, {6, 0, 12, 64}}, {{1, 6, 12}}},
-    // rank 0 step 22: reduced part 3 piece 1 to rank 1; wait entry[1], gathered[13]; r1:dst@0[13/16] = r0:dst@0[13/16]; signal r1:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 13}, {{0, 2, 0, 16, 0, 13}}, {}, {{4, 0, 1, 1}, {6, 0, 13, 64}}, {{1, 6, 13}}},
-    // rank 0 step 23: reduced part 3 piece 2 to rank 1; wait entry[1], gathered[14]; r1:dst@0[14/16] = r0:dst@0[14/16]; signal r1:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 14}, {{0, 2, 0, 16, 0, 14}}, {}, {{4, 0, 1, 1}, {6, 0, 14, 64}}, {{1, 6, 14}}},
-    // rank 0 step 24: reduced part 3 piece 3 to rank 1; wait entry[1], gathered[15]; r1:dst@0[15/16] = r0:dst@0[15/16]; signal r1:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 15}, {{0, 2, 0, 16, 0, 15}}, {}, {{4, 0, 1, 1}, {6, 0, 15, 64}}, {{1, 6, 15}}},
-    // rank 0 step 25: reduced part 2 piece 0 to rank 1; wait entry[1], gathered[8]; r1:dst@0[8/16] = r0:dst@0[8/16]; signal r1:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 8}, {{0, 2, 0, 16, 0, 8}}, {}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},
-    // rank 0 step 26: reduced part 2 piece 1 to rank 1; wait entry[1], gathered[9]; r1:dst@0[9/16] = r0:dst@0[9/16]; signal r1:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 9}, {{0, 2, 0, 16, 0, 9}}, {}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},
-    // rank 0 step 27: reduced part 2 piece 2 to rank 1; wait entry[1], gathered[10]; r1:dst@0[10/16] = r0:dst@0[10/16]; signal r1:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 10}, {{0, 2, 0, 16, 0, 10}}, {}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},
-    // rank 0 step 28: reduced part 2 piece 3 to rank 1; wait entry[1], gathered[11]; r1:dst@0[11/16] = r0:dst@0[11/16]; signal r1:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 11}, {{0, 2, 0, 16, 0, 11}}, {}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},
-    // rank 0 step 29: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
-    // rank 0 step 30: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: part 0 piece 0: our input to rank 2; wait entry[2]; r2:inbox@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 1 step 2: part 0 piece 1: our input to rank 2; wait entry[2]; r2:inbox@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 1 step 3: part 0 piece 2: our input to rank 2; wait entry[2]; r2:inbox@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 4: part 0 piece 3: our input to rank 2; wait entry[2]; r2:inbox@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 5: part 3 piece 0: partial sum + our input to rank 2; wait arrive[12], entry[2]; r2:inbox@0[12/16] = r1:inbox@0[12/16] + r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 12}, {{1, 3, 0, 16, 0, 12}, {1, 1, 1, 16, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 1 step 6: part 3 piece 1: partial sum + our input to rank 2; wait arrive[13], entry[2]; r2:inbox@0[13/16] = r1:inbox@0[13/16] + r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 13}, {{1, 3, 0, 16, 0, 13}, {1, 1, 1, 16, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 1 step 7: part 3 piece 2: partial sum + our input to rank 2; wait arrive[14], entry[2]; r2:inbox@0[14/16] = r1:inbox@0[14/16] + r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 14}, {{1, 3, 0, 16, 0, 14}, {1, 1, 1, 16, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 1 step 8: part 3 piece 3: partial sum + our input to rank 2; wait arrive[15], entry[2]; r2:inbox@0[15/16] = r1:inbox@0[15/16] + r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 15}, {{1, 3, 0, 16, 0, 15}, {1, 1, 1, 16, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 1 step 9: part 2 piece 0: partial sum + our input to rank 2; wait arrive[8], entry[2]; r2:inbox@0[8/16] = r1:inbox@0[8/16] + r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 8}, {{1, 3, 0, 16, 0, 8}, {1, 1, 1, 16, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 1 step 10: part 2 piece 1: partial sum + our input to rank 2; wait arrive[9], entry[2]; r2:inbox@0[9/16] = r1:inbox@0[9/16] + r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 9}, {{1, 3, 0, 16, 0, 9}, {1, 1, 1, 16, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 1 step 11: part 2 piece 2: partial sum + our input to rank 2; wait arrive[10], entry[2]; r2:inbox@0[10/16] = r1:inbox@0[10/16] + r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 10}, {{1, 3, 0, 16, 0, 10}, {1, 1, 1, 16, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 1 step 12: part 2 piece 3: partial sum + our input to rank 2; wait arrive[11], entry[2]; r2:inbox@0[11/16] = r1:inbox@0[11/16] + r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 11}, {{1, 3, 0, 16, 0, 11}, {1, 1, 1, 16, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 1 step 13: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/16] = r1:inbox@0[4/16] + r1:src@0[4/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 3, 0, 16, 0, 4}, {1, 1, 1, 16, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
-    // rank 1 step 14: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/16] = r1:inbox@0[5/16] + r1:src@0[5/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 3, 0, 16, 0, 5}, {1, 1, 1, 16, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
-    // rank 1 step 15: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/16] = r1:inbox@0[6/16] + r1:src@0[6/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 3, 0, 16, 0, 6}, {1, 1, 1, 16, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
-    // rank 1 step 16: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/16] = r1:inbox@0[7/16] + r1:src@0[7/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 3, 0, 16, 0, 7}, {1, 1, 1, 16, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
-    // rank 1 step 17: reduced part 1 piece 0 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:dst@0[4/16]; signal r2:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 2, 0, 16, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 6, 4}}},
-    // rank 1 step 18: reduced part 1 piece 1 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:dst@0[5/16]; signal r2:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 2, 0, 16, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 6, 5}}},
-    // rank 1 step 19: reduced part 1 piece 2 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:dst@0[6/16]; signal r2:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 2, 0, 16, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 6, 6}}},
-    // rank 1 step 20: reduced part 1 piece 3 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:dst@0[7/16]; signal r2:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 2, 0, 16, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 6, 7}}},
-    // rank 1 step 21: reduced part 0 piece 0 to rank 2; wait entry[2], gathered[0]; r2:dst@0[0/16] = r1:dst@0[0/16]; signal r2:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 2, 0, 16, 0, 0}}, {}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},
-    // rank 1 step 22: reduced part 0 piece 1 to rank 2; wait entry[2], gathered[1]; r2:dst@0[1/16] = r1:dst@0[1/16]; signal r2:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 2, 0, 16, 0, 1}}, {}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},
-    // rank 1 step 23: reduced part 0 piece 2 to rank 2; wait entry[2], gathered[2]; r2:dst@0[2/16] = r1:dst@0[2/16]; signal r2:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},
-    // rank 1 step 24: reduced part 0 piece 3 to rank 2; wait entry[2], gathered[3]; r2:dst@0[3/16] = r1:dst@0[3/16]; signal r2:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},
-    // rank 1 step 25: reduced part 3 piece 0 to rank 2; wait entry[2], gathered[12]; r2:dst@0[12/16] = r1:dst@0[12/16]; signal r2:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 2, 0, 16, 0, 12}}, {}, {{4, 0, 2, 1}, {6, 0, 12, 64}}, {{2, 6, 12}}},
-    // rank 1 step 26: reduced part 3 piece 1 to rank 2; wait entry[2], gathered[13]; r2:dst@0[13/16] = r1:dst@0[13/16]; signal r2:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 2, 0, 16, 0, 13}}, {}, {{4, 0, 2, 1}, {6, 0, 13, 64}}, {{2, 6, 13}}},
-    // rank 1 step 27: reduced part 3 piece 2 to rank 2; wait entry[2], gathered[14]; r2:dst@0[14/16] = r1:dst@0[14/16]; signal r2:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 2, 0, 16, 0, 14}}, {}, {{4, 0, 2, 1}, {6, 0, 14, 64}}, {{2, 6, 14}}},
-    // rank 1 step 28: reduced part 3 piece 3 to rank 2; wait entry[2], gathered[15]; r2:dst@0[15/16] = r1:dst@0[15/16]; signal r2:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 2, 0, 16, 0, 15}}, {}, {{4, 0, 2, 1}, {6, 0, 15, 64}}, {{2, 6, 15}}},
-    // rank 1 step 29: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
-    // rank 1 step 30: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
-    // rank 2 step 1: part 1 piece 0: our input to rank 3; wait entry[3]; r3:inbox@0[4/16] = r2:src@0[4/16]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 4}, {{2, 1, 1, 16, 0, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 2 step 2: part 1 piece 1: our input to rank 3; wait entry[3]; r3:inbox@0[5/16] = r2:src@0[5/16]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 5}, {{2, 1, 1, 16, 0, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 2 step 3: part 1 piece 2: our input to rank 3; wait entry[3]; r3:inbox@0[6/16] = r2:src@0[6/16]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 6}, {{2, 1, 1, 16, 0, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 2 step 4: part 1 piece 3: our input to rank 3; wait entry[3]; r3:inbox@0[7/16] = r2:src@0[7/16]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 7}, {{2, 1, 1, 16, 0, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 2 step 5: part 0 piece 0: partial sum + our input to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/16] = r2:inbox@0[0/16] + r2:src@0[0/16]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 0}, {{2, 3, 0, 16, 0, 0}, {2, 1, 1, 16, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 2 step 6: part 0 piece 1: partial sum + our input to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/16] = r2:inbox@0[1/16] + r2:src@0[1/16]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 1}, {{2, 3, 0, 16, 0, 1}, {2, 1, 1, 16, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 2 step 7: part 0 piece 2: partial sum + our input to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/16] = r2:inbox@0[2/16] + r2:src@0[2/16]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 2}, {{2, 3, 0, 16, 0, 2}, {2, 1, 1, 16, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 2 step 8: part 0 piece 3: partial sum + our input to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/16] = r2:inbox@0[3/16] + r2:src@0[3/16]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 3}, {{2, 3, 0, 16, 0, 3}, {2, 1, 1, 16, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 2 step 9: part 3 piece 0: partial sum + our input to rank 3; wait arrive[12], entry[3]; r3:inbox@0[12/16] = r2:inbox@0[12/16] + r2:src@0[12/16]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 12}, {{2, 3, 0, 16, 0, 12}, {2, 1, 1, 16, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 3, 1}}, {{3, 5, 12}}},
-    // rank 2 step 10: part 3 piece 1: partial sum + our input to rank 3; wait arrive[13], entry[3]; r3:inbox@0[13/16] = r2:inbox@0[13/16] + r2:src@0[13/16]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 13}, {{2, 3, 0, 16, 0, 13}, {2, 1, 1, 16, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 3, 1}}, {{3, 5, 13}}},
-    // rank 2 step 11: part 3 piece 2: partial sum + our input to rank 3; wait arrive[14], entry[3]; r3:inbox@0[14/16] = r2:inbox@0[14/16] + r2:src@0[14/16]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 14}, {{2, 3, 0, 16, 0, 14}, {2, 1, 1, 16, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 3, 1}}, {{3, 5, 14}}},
-    // rank 2 step 12: part 3 piece 3: partial sum + our input to rank 3; wait arrive[15], entry[3]; r3:inbox@0[15/16] = r2:inbox@0[15/16] + r2:src@0[15/16]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 15}, {{2, 3, 0, 16, 0, 15}, {2, 1, 1, 16, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 3, 1}}, {{3, 5, 15}}},
-    // rank 2 step 13: our part, piece 0: last partial sum + our input; wait arrive[8]; r2:dst@0[8/16] = r2:inbox@0[8/16] + r2:src@0[8/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 8}, {{2, 3, 0, 16, 0, 8}, {2, 1, 1, 16, 0, 8}}, {}, {{5, 0, 8, 64}}, {}},
-    // rank 2 step 14: our part, piece 1: last partial sum + our input; wait arrive[9]; r2:dst@0[9/16] = r2:inbox@0[9/16] + r2:src@0[9/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 9}, {{2, 3, 0, 16, 0, 9}, {2, 1, 1, 16, 0, 9}}, {}, {{5, 0, 9, 64}}, {}},
-    // rank 2 step 15: our part, piece 2: last partial sum + our input; wait arrive[10]; r2:dst@0[10/16] = r2:inbox@0[10/16] + r2:src@0[10/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 10}, {{2, 3, 0, 16, 0, 10}, {2, 1, 1, 16, 0, 10}}, {}, {{5, 0, 10, 64}}, {}},
-    // rank 2 step 16: our part, piece 3: last partial sum + our input; wait arrive[11]; r2:dst@0[11/16] = r2:inbox@0[11/16] + r2:src@0[11/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 11}, {{2, 3, 0, 16, 0, 11}, {2, 1, 1, 16, 0, 11}}, {}, {{5, 0, 11, 64}}, {}},
-    // rank 2 step 17: reduced part 2 piece 0 to rank 3; wait entry[3]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{4, 0, 3, 1}}, {{3, 6, 8}}},
-    // rank 2 step 18: reduced part 2 piece 1 to rank 3; wait entry[3]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{4, 0, 3, 1}}, {{3, 6, 9}}},
-    // rank 2 step 19: reduced part 2 piece 2 to rank 3; wait entry[3]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{4, 0, 3, 1}}, {{3, 6, 10}}},
-    // rank 2 step 20: reduced part 2 piece 3 to rank 3; wait entry[3]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{4, 0, 3, 1}}, {{3, 6, 11}}},
-    // rank 2 step 21: reduced part 1 piece 0 to rank 3; wait entry[3], gathered[4]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{4, 0, 3, 1}, {6, 0, 4, 64}}, {{3, 6, 4}}},
-    // rank 2 step 22: reduced part 1 piece 1 to rank 3; wait entry[3], gathered[5]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{4, 0, 3, 1}, {6, 0, 5, 64}}, {{3, 6, 5}}},
-    // rank 2 step 23: reduced part 1 piece 2 to rank 3; wait entry[3], gathered[6]; r3:dst@0[6/16] = r2:dst@0[6/16]; signal r3:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{4, 0, 3, 1}, {6, 0, 6, 64}}, {{3, 6, 6}}},
-    // rank 2 step 24: reduced part 1 piece 3 to rank 3; wait entry[3], gathered[7]; r3:dst@0[7/16] = r2:dst@0[7/16]; signal r3:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{4, 0, 3, 1}, {6, 0, 7, 64}}, {{3, 6, 7}}},
-    // rank 2 step 25: reduced part 0 piece 0 to rank 3; wait entry[3], gathered[0]; r3:dst@0[0/16] = r2:dst@0[0/16]; signal r3:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{4, 0, 3, 1}, {6, 0, 0, 64}}, {{3, 6, 0}}},
-    // rank 2 step 26: reduced part 0 piece 1 to rank 3; wait entry[3], gathered[1]; r3:dst@0[1/16] = r2:dst@0[1/16]; signal r3:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{4, 0, 3, 1}, {6, 0, 1, 64}}, {{3, 6, 1}}},
-    // rank 2 step 27: reduced part 0 piece 2 to rank 3; wait entry[3], gathered[2]; r3:dst@0[2/16] = r2:dst@0[2/16]; signal r3:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{4, 0, 3, 1}, {6, 0, 2, 64}}, {{3, 6, 2}}},
-    // rank 2 step 28: reduced part 0 piece 3 to rank 3; wait entry[3], gathered[3]; r3:dst@0[3/16] = r2:dst@0[3/16]; signal r3:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{4, 0, 3, 1}, {6, 0, 3, 64}}, {{3, 6, 3}}},
-    // rank 2 step 29: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
-    // rank 2 step 30: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},
-    // rank 3 step 1: part 2 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[8/16] = r3:src@0[8/16]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 8}, {{3, 1, 1, 16, 0, 8}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 3 step 2: part 2 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[9/16] = r3:src@0[9/16]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 9}, {{3, 1, 1, 16, 0, 9}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 3 step 3: part 2 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[10/16] = r3:src@0[10/16]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 10}, {{3, 1, 1, 16, 0, 10}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 3 step 4: part 2 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[11/16] = r3:src@0[11/16]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 11}, {{3, 1, 1, 16, 0, 11}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 3 step 5: part 1 piece 0: partial sum + our input to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/16] = r3:inbox@0[4/16] + r3:src@0[4/16]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 4}, {{3, 3, 0, 16, 0, 4}, {3, 1, 1, 16, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 3 step 6: part 1 piece 1: partial sum + our input to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/16] = r3:inbox@0[5/16] + r3:src@0[5/16]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 5}, {{3, 3, 0, 16, 0, 5}, {3, 1, 1, 16, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 3 step 7: part 1 piece 2: partial sum + our input to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/16] = r3:inbox@0[6/16] + r3:src@0[6/16]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 6}, {{3, 3, 0, 16, 0, 6}, {3, 1, 1, 16, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 3 step 8: part 1 piece 3: partial sum + our input to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/16] = r3:inbox@0[7/16] + r3:src@0[7/16]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 7}, {{3, 3, 0, 16, 0, 7}, {3, 1, 1, 16, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 3 step 9: part 0 piece 0: partial sum + our input to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/16] = r3:inbox@0[0/16] + r3:src@0[0/16]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 0}, {{3, 3, 0, 16, 0, 0}, {3, 1, 1, 16, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
-    // rank 3 step 10: part 0 piece 1: partial sum + our input to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/16] = r3:inbox@0[1/16] + r3:src@0[1/16]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 1}, {{3, 3, 0, 16, 0, 1}, {3, 1, 1, 16, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
-    // rank 3 step 11: part 0 piece 2: partial sum + our input to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/16] = r3:inbox@0[2/16] + r3:src@0[2/16]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 2}, {{3, 3, 0, 16, 0, 2}, {3, 1, 1, 16, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 3 step 12: part 0 piece 3: partial sum + our input to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/16] = r3:inbox@0[3/16] + r3:src@0[3/16]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 3}, {{3, 3, 0, 16, 0, 3}, {3, 1, 1, 16, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 3 step 13: our part, piece 0: last partial sum + our input; wait arrive[12]; r3:dst@0[12/16] = r3:inbox@0[12/16] + r3:src@0[12/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 12}, {{3, 3, 0, 16, 0, 12}, {3, 1, 1, 16, 0, 12}}, {}, {{5, 0, 12, 64}}, {}},
-    // rank 3 step 14: our part, piece 1: last partial sum + our input; wait arrive[13]; r3:dst@0[13/16] = r3:inbox@0[13/16] + r3:src@0[13/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 13}, {{3, 3, 0, 16, 0, 13}, {3, 1, 1, 16, 0, 13}}, {}, {{5, 0, 13, 64}}, {}},
-    // rank 3 step 15: our part, piece 2: last partial sum + our input; wait arrive[14]; r3:dst@0[14/16] = r3:inbox@0[14/16] + r3:src@0[14/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 14}, {{3, 3, 0, 16, 0, 14}, {3, 1, 1, 16, 0, 14}}, {}, {{5, 0, 14, 64}}, {}},
-    // rank 3 step 16: our part, piece 3: last partial sum + our input; wait arrive[15]; r3:dst@0[15/16] = r3:inbox@0[15/16] + r3:src@0[15/16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 15}, {{3, 3, 0, 16, 0, 15}, {3, 1, 1, 16, 0, 15}}, {}, {{5, 0, 15, 64}}, {}},
-    // rank 3 step 17: reduced part 3 piece 0 to rank 0; wait entry[0]; r0:dst@0[12/16] = r3:dst@0[12/16]; signal r0:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{4, 0, 0, 1}}, {{0, 6, 12}}},
-    // rank 3 step 18: reduced part 3 piece 1 to rank 0; wait entry[0]; r0:dst@0[13/16] = r3:dst@0[13/16]; signal r0:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{4, 0, 0, 1}}, {{0, 6, 13}}},
-    // rank 3 step 19: reduced part 3 piece 2 to rank 0; wait entry[0]; r0:dst@0[14/16] = r3:dst@0[14/16]; signal r0:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{4, 0, 0, 1}}, {{0, 6, 14}}},
-    // rank 3 step 20: reduced part 3 piece 3 to rank 0; wait entry[0]; r0:dst@0[15/16] = r3:dst@0[15/16]; signal r0:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{4, 0, 0, 1}}, {{0, 6, 15}}},
-    // rank 3 step 21: reduced part 2 piece 0 to rank 0; wait entry[0], gathered[8]; r0:dst@0[8/16] = r3:dst@0[8/16]; signal r0:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {}, {{4, 0, 0, 1}, {6, 0, 8, 64}}, {{0, 6, 8}}},
-    // rank 3 step 22: reduced part 2 piece 1 to rank 0; wait entry[0], gathered[9]; r0:dst@0[9/16] = r3:dst@0[9/16]; signal r0:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {}, {{4, 0, 0, 1}, {6, 0, 9, 64}}, {{0, 6, 9}}},
-    // rank 3 step 23: reduced part 2 piece 2 to rank 0; wait entry[0], gathered[10]; r0:dst@0[10/16] = r3:dst@0[10/16]; signal r0:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {}, {{4, 0, 0, 1}, {6, 0, 10, 64}}, {{0, 6, 10}}},
-    // rank 3 step 24: reduced part 2 piece 3 to rank 0; wait entry[0], gathered[11]; r0:dst@0[11/16] = r3:dst@0[11/16]; signal r0:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {}, {{4, 0, 0, 1}, {6, 0, 11, 64}}, {{0, 6, 11}}},
-    // rank 3 step 25: reduced part 1 piece 0 to rank 0; wait entry[0], gathered[4]; r0:dst@0[4/16] = r3:dst@0[4/16]; signal r0:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},
-    // rank 3 step 26: reduced part 1 piece 1 to rank 0; wait entry[0], gathered[5]; r0:dst@0[5/16] = r3:dst@0[5/16]; signal r0:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},
-    // rank 3 step 27: reduced part 1 piece 2 to rank 0; wait entry[0], gathered[6]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},
-    // rank 3 step 28: reduced part 1 piece 3 to rank 0; wait entry[0], gathered[7]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},
-    // rank 3 step 29: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
-    // rank 3 step 30: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},  // rank 0 step 1: part 3 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[12/16] = r0:src@0[12/16]; signal r1:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},  // rank 0 step 2: part 3 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[13/16] = r0:src@0[13/16]; signal r1:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},  // rank 0 step 3: part 3 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[14/16] = r0:src@0[14/16]; signal r1:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},  // rank 0 step 4: part 3 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[15/16] = r0:src@0[15/16]; signal r1:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 8}, {{0, 3, 0, 16, 0, 8}, {0, 1, 1, 16, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 0 step 5: part 2 piece 0: partial sum + our input to rank 1; wait arrive[8], entry[1]; r1:inbox@0[8/16] = r0:inbox@0[8/16] + r0:src@0[8/16]; signal r1:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 9}, {{0, 3, 0, 16, 0, 9}, {0, 1, 1, 16, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 0 step 6: part 2 piece 1: partial sum + our input to rank 1; wait arrive[9], entry[1]; r1:inbox@0[9/16] = r0:inbox@0[9/16] + r0:src@0[9/16]; signal r1:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 10}, {{0, 3, 0, 16, 0, 10}, {0, 1, 1, 16, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 0 step 7: part 2 piece 2: partial sum + our input to rank 1; wait arrive[10], entry[1]; r1:inbox@0[10/16] = r0:inbox@0[10/16] + r0:src@0[10/16]; signal r1:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 11}, {{0, 3, 0, 16, 0, 11}, {0, 1, 1, 16, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 0 step 8: part 2 piece 3: partial sum + our input to rank 1; wait arrive[11], entry[1]; r1:inbox@0[11/16] = r0:inbox@0[11/16] + r0:src@0[11/16]; signal r1:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 4}, {{0, 3, 0, 16, 0, 4}, {0, 1, 1, 16, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 9: part 1 piece 0: partial sum + our input to rank 1; wait arrive[4], entry[1]; r1:inbox@0[4/16] = r0:inbox@0[4/16] + r0:src@0[4/16]; signal r1:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 5}, {{0, 3, 0, 16, 0, 5}, {0, 1, 1, 16, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 10: part 1 piece 1: partial sum + our input to rank 1; wait arrive[5], entry[1]; r1:inbox@0[5/16] = r0:inbox@0[5/16] + r0:src@0[5/16]; signal r1:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 6}, {{0, 3, 0, 16, 0, 6}, {0, 1, 1, 16, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 11: part 1 piece 2: partial sum + our input to rank 1; wait arrive[6], entry[1]; r1:inbox@0[6/16] = r0:inbox@0[6/16] + r0:src@0[6/16]; signal r1:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 16, 0, 7}, {{0, 3, 0, 16, 0, 7}, {0, 1, 1, 16, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 12: part 1 piece 3: partial sum + our input to rank 1; wait arrive[7], entry[1]; r1:inbox@0[7/16] = r0:inbox@0[7/16] + r0:src@0[7/16]; signal r1:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 0}, {{0, 3, 0, 16, 0, 0}, {0, 1, 1, 16, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},  // rank 0 step 13: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/16] = r0:inbox@0[0/16] + r0:src@0[0/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 1}, {{0, 3, 0, 16, 0, 1}, {0, 1, 1, 16, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},  // rank 0 step 14: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/16] = r0:inbox@0[1/16] + r0:src@0[1/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 2}, {{0, 3, 0, 16, 0, 2}, {0, 1, 1, 16, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},  // rank 0 step 15: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/16] = r0:inbox@0[2/16] + r0:src@0[2/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 16, 0, 3}, {{0, 3, 0, 16, 0, 3}, {0, 1, 1, 16, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},  // rank 0 step 16: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/16] = r0:inbox@0[3/16] + r0:src@0[3/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},  // rank 0 step 17: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},  // rank 0 step 18: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},  // rank 0 step 19: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/16] = r0:dst@0[2/16]; signal r1:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},  // rank 0 step 20: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/16] = r0:dst@0[3/16]; signal r1:gathered[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 12}, {{0, 2, 0, 16, 0, 12}}, {}, {{4, 0, 1, 1}, {6, 0, 12, 64}}, {{1, 6, 12}}},  // rank 0 step 21: reduced part 3 piece 0 to rank 1; wait entry[1], gathered[12]; r1:dst@0[12/16] = r0:dst@0[12/16]; signal r1:gathered[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 13}, {{0, 2, 0, 16, 0, 13}}, {}, {{4, 0, 1, 1}, {6, 0, 13, 64}}, {{1, 6, 13}}},  // rank 0 step 22: reduced part 3 piece 1 to rank 1; wait entry[1], gathered[13]; r1:dst@0[13/16] = r0:dst@0[13/16]; signal r1:gathered[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 14}, {{0, 2, 0, 16, 0, 14}}, {}, {{4, 0, 1, 1}, {6, 0, 14, 64}}, {{1, 6, 14}}},  // rank 0 step 23: reduced part 3 piece 2 to rank 1; wait entry[1], gathered[14]; r1:dst@0[14/16] = r0:dst@0[14/16]; signal r1:gathered[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 15}, {{0, 2, 0, 16, 0, 15}}, {}, {{4, 0, 1, 1}, {6, 0, 15, 64}}, {{1, 6, 15}}},  // rank 0 step 24: reduced part 3 piece 3 to rank 1; wait entry[1], gathered[15]; r1:dst@0[15/16] = r0:dst@0[15/16]; signal r1:gathered[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 8}, {{0, 2, 0, 16, 0, 8}}, {}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},  // rank 0 step 25: reduced part 2 piece 0 to rank 1; wait entry[1], gathered[8]; r1:dst@0[8/16] = r0:dst@0[8/16]; signal r1:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 9}, {{0, 2, 0, 16, 0, 9}}, {}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},  // rank 0 step 26: reduced part 2 piece 1 to rank 1; wait entry[1], gathered[9]; r1:dst@0[9/16] = r0:dst@0[9/16]; signal r1:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 10}, {{0, 2, 0, 16, 0, 10}}, {}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},  // rank 0 step 27: reduced part 2 piece 2 to rank 1; wait entry[1], gathered[10]; r1:dst@0[10/16] = r0:dst@0[10/16]; signal r1:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 11}, {{0, 2, 0, 16, 0, 11}}, {}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},  // rank 0 step 28: reduced part 2 piece 3 to rank 1; wait entry[1], gathered[11]; r1:dst@0[11/16] = r0:dst@0[11/16]; signal r1:gathered[11]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},  // rank 0 step 29: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},  // rank 0 step 30: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 1 step 1: part 0 piece 0: our input to rank 2; wait entry[2]; r2:inbox@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 1 step 2: part 0 piece 1: our input to rank 2; wait entry[2]; r2:inbox@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 1 step 3: part 0 piece 2: our input to rank 2; wait entry[2]; r2:inbox@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 1 step 4: part 0 piece 3: our input to rank 2; wait entry[2]; r2:inbox@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 12}, {{1, 3, 0, 16, 0, 12}, {1, 1, 1, 16, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 1 step 5: part 3 piece 0: partial sum + our input to rank 2; wait arrive[12], entry[2]; r2:inbox@0[12/16] = r1:inbox@0[12/16] + r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 13}, {{1, 3, 0, 16, 0, 13}, {1, 1, 1, 16, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 1 step 6: part 3 piece 1: partial sum + our input to rank 2; wait arrive[13], entry[2]; r2:inbox@0[13/16] = r1:inbox@0[13/16] + r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 14}, {{1, 3, 0, 16, 0, 14}, {1, 1, 1, 16, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 1 step 7: part 3 piece 2: partial sum + our input to rank 2; wait arrive[14], entry[2]; r2:inbox@0[14/16] = r1:inbox@0[14/16] + r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 15}, {{1, 3, 0, 16, 0, 15}, {1, 1, 1, 16, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 1 step 8: part 3 piece 3: partial sum + our input to rank 2; wait arrive[15], entry[2]; r2:inbox@0[15/16] = r1:inbox@0[15/16] + r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 8}, {{1, 3, 0, 16, 0, 8}, {1, 1, 1, 16, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},  // rank 1 step 9: part 2 piece 0: partial sum + our input to rank 2; wait arrive[8], entry[2]; r2:inbox@0[8/16] = r1:inbox@0[8/16] + r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 9}, {{1, 3, 0, 16, 0, 9}, {1, 1, 1, 16, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},  // rank 1 step 10: part 2 piece 1: partial sum + our input to rank 2; wait arrive[9], entry[2]; r2:inbox@0[9/16] = r1:inbox@0[9/16] + r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 10}, {{1, 3, 0, 16, 0, 10}, {1, 1, 1, 16, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},  // rank 1 step 11: part 2 piece 2: partial sum + our input to rank 2; wait arrive[10], entry[2]; r2:inbox@0[10/16] = r1:inbox@0[10/16] + r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 16, 0, 11}, {{1, 3, 0, 16, 0, 11}, {1, 1, 1, 16, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},  // rank 1 step 12: part 2 piece 3: partial sum + our input to rank 2; wait arrive[11], entry[2]; r2:inbox@0[11/16] = r1:inbox@0[11/16] + r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 3, 0, 16, 0, 4}, {1, 1, 1, 16, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},  // rank 1 step 13: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/16] = r1:inbox@0[4/16] + r1:src@0[4/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 3, 0, 16, 0, 5}, {1, 1, 1, 16, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},  // rank 1 step 14: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/16] = r1:inbox@0[5/16] + r1:src@0[5/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 3, 0, 16, 0, 6}, {1, 1, 1, 16, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},  // rank 1 step 15: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/16] = r1:inbox@0[6/16] + r1:src@0[6/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 3, 0, 16, 0, 7}, {1, 1, 1, 16, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},  // rank 1 step 16: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/16] = r1:inbox@0[7/16] + r1:src@0[7/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 2, 0, 16, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 6, 4}}},  // rank 1 step 17: reduced part 1 piece 0 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:dst@0[4/16]; signal r2:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 2, 0, 16, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 6, 5}}},  // rank 1 step 18: reduced part 1 piece 1 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:dst@0[5/16]; signal r2:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 2, 0, 16, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 6, 6}}},  // rank 1 step 19: reduced part 1 piece 2 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:dst@0[6/16]; signal r2:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 2, 0, 16, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 6, 7}}},  // rank 1 step 20: reduced part 1 piece 3 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:dst@0[7/16]; signal r2:gathered[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 2, 0, 16, 0, 0}}, {}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},  // rank 1 step 21: reduced part 0 piece 0 to rank 2; wait entry[2], gathered[0]; r2:dst@0[0/16] = r1:dst@0[0/16]; signal r2:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 2, 0, 16, 0, 1}}, {}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},  // rank 1 step 22: reduced part 0 piece 1 to rank 2; wait entry[2], gathered[1]; r2:dst@0[1/16] = r1:dst@0[1/16]; signal r2:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 2, 0, 16, 0, 2}}, {}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},  // rank 1 step 23: reduced part 0 piece 2 to rank 2; wait entry[2], gathered[2]; r2:dst@0[2/16] = r1:dst@0[2/16]; signal r2:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 2, 0, 16, 0, 3}}, {}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},  // rank 1 step 24: reduced part 0 piece 3 to rank 2; wait entry[2], gathered[3]; r2:dst@0[3/16] = r1:dst@0[3/16]; signal r2:gathered[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 2, 0, 16, 0, 12}}, {}, {{4, 0, 2, 1}, {6, 0, 12, 64}}, {{2, 6, 12}}},  // rank 1 step 25: reduced part 3 piece 0 to rank 2; wait entry[2], gathered[12]; r2:dst@0[12/16] = r1:dst@0[12/16]; signal r2:gathered[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 2, 0, 16, 0, 13}}, {}, {{4, 0, 2, 1}, {6, 0, 13, 64}}, {{2, 6, 13}}},  // rank 1 step 26: reduced part 3 piece 1 to rank 2; wait entry[2], gathered[13]; r2:dst@0[13/16] = r1:dst@0[13/16]; signal r2:gathered[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 2, 0, 16, 0, 14}}, {}, {{4, 0, 2, 1}, {6, 0, 14, 64}}, {{2, 6, 14}}},  // rank 1 step 27: reduced part 3 piece 2 to rank 2; wait entry[2], gathered[14]; r2:dst@0[14/16] = r1:dst@0[14/16]; signal r2:gathered[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 2, 0, 16, 0, 15}}, {}, {{4, 0, 2, 1}, {6, 0, 15, 64}}, {{2, 6, 15}}},  // rank 1 step 28: reduced part 3 piece 3 to rank 2; wait entry[2], gathered[15]; r2:dst@0[15/16] = r1:dst@0[15/16]; signal r2:gathered[15]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},  // rank 1 step 29: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},  // rank 1 step 30: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 4}, {{2, 1, 1, 16, 0, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 2 step 1: part 1 piece 0: our input to rank 3; wait entry[3]; r3:inbox@0[4/16] = r2:src@0[4/16]; signal r3:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 5}, {{2, 1, 1, 16, 0, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 2 step 2: part 1 piece 1: our input to rank 3; wait entry[3]; r3:inbox@0[5/16] = r2:src@0[5/16]; signal r3:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 6}, {{2, 1, 1, 16, 0, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 2 step 3: part 1 piece 2: our input to rank 3; wait entry[3]; r3:inbox@0[6/16] = r2:src@0[6/16]; signal r3:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 7}, {{2, 1, 1, 16, 0, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 2 step 4: part 1 piece 3: our input to rank 3; wait entry[3]; r3:inbox@0[7/16] = r2:src@0[7/16]; signal r3:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 0}, {{2, 3, 0, 16, 0, 0}, {2, 1, 1, 16, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 2 step 5: part 0 piece 0: partial sum + our input to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/16] = r2:inbox@0[0/16] + r2:src@0[0/16]; signal r3:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 1}, {{2, 3, 0, 16, 0, 1}, {2, 1, 1, 16, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 2 step 6: part 0 piece 1: partial sum + our input to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/16] = r2:inbox@0[1/16] + r2:src@0[1/16]; signal r3:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 2}, {{2, 3, 0, 16, 0, 2}, {2, 1, 1, 16, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 2 step 7: part 0 piece 2: partial sum + our input to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/16] = r2:inbox@0[2/16] + r2:src@0[2/16]; signal r3:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 3}, {{2, 3, 0, 16, 0, 3}, {2, 1, 1, 16, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 2 step 8: part 0 piece 3: partial sum + our input to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/16] = r2:inbox@0[3/16] + r2:src@0[3/16]; signal r3:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 12}, {{2, 3, 0, 16, 0, 12}, {2, 1, 1, 16, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 3, 1}}, {{3, 5, 12}}},  // rank 2 step 9: part 3 piece 0: partial sum + our input to rank 3; wait arrive[12], entry[3]; r3:inbox@0[12/16] = r2:inbox@0[12/16] + r2:src@0[12/16]; signal r3:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 13}, {{2, 3, 0, 16, 0, 13}, {2, 1, 1, 16, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 3, 1}}, {{3, 5, 13}}},  // rank 2 step 10: part 3 piece 1: partial sum + our input to rank 3; wait arrive[13], entry[3]; r3:inbox@0[13/16] = r2:inbox@0[13/16] + r2:src@0[13/16]; signal r3:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 14}, {{2, 3, 0, 16, 0, 14}, {2, 1, 1, 16, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 3, 1}}, {{3, 5, 14}}},  // rank 2 step 11: part 3 piece 2: partial sum + our input to rank 3; wait arrive[14], entry[3]; r3:inbox@0[14/16] = r2:inbox@0[14/16] + r2:src@0[14/16]; signal r3:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 16, 0, 15}, {{2, 3, 0, 16, 0, 15}, {2, 1, 1, 16, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 3, 1}}, {{3, 5, 15}}},  // rank 2 step 12: part 3 piece 3: partial sum + our input to rank 3; wait arrive[15], entry[3]; r3:inbox@0[15/16] = r2:inbox@0[15/16] + r2:src@0[15/16]; signal r3:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 8}, {{2, 3, 0, 16, 0, 8}, {2, 1, 1, 16, 0, 8}}, {}, {{5, 0, 8, 64}}, {}},  // rank 2 step 13: our part, piece 0: last partial sum + our input; wait arrive[8]; r2:dst@0[8/16] = r2:inbox@0[8/16] + r2:src@0[8/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 9}, {{2, 3, 0, 16, 0, 9}, {2, 1, 1, 16, 0, 9}}, {}, {{5, 0, 9, 64}}, {}},  // rank 2 step 14: our part, piece 1: last partial sum + our input; wait arrive[9]; r2:dst@0[9/16] = r2:inbox@0[9/16] + r2:src@0[9/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 10}, {{2, 3, 0, 16, 0, 10}, {2, 1, 1, 16, 0, 10}}, {}, {{5, 0, 10, 64}}, {}},  // rank 2 step 15: our part, piece 2: last partial sum + our input; wait arrive[10]; r2:dst@0[10/16] = r2:inbox@0[10/16] + r2:src@0[10/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 16, 0, 11}, {{2, 3, 0, 16, 0, 11}, {2, 1, 1, 16, 0, 11}}, {}, {{5, 0, 11, 64}}, {}},  // rank 2 step 16: our part, piece 3: last partial sum + our input; wait arrive[11]; r2:dst@0[11/16] = r2:inbox@0[11/16] + r2:src@0[11/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{4, 0, 3, 1}}, {{3, 6, 8}}},  // rank 2 step 17: reduced part 2 piece 0 to rank 3; wait entry[3]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{4, 0, 3, 1}}, {{3, 6, 9}}},  // rank 2 step 18: reduced part 2 piece 1 to rank 3; wait entry[3]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{4, 0, 3, 1}}, {{3, 6, 10}}},  // rank 2 step 19: reduced part 2 piece 2 to rank 3; wait entry[3]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{4, 0, 3, 1}}, {{3, 6, 11}}},  // rank 2 step 20: reduced part 2 piece 3 to rank 3; wait entry[3]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:gathered[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{4, 0, 3, 1}, {6, 0, 4, 64}}, {{3, 6, 4}}},  // rank 2 step 21: reduced part 1 piece 0 to rank 3; wait entry[3], gathered[4]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{4, 0, 3, 1}, {6, 0, 5, 64}}, {{3, 6, 5}}},  // rank 2 step 22: reduced part 1 piece 1 to rank 3; wait entry[3], gathered[5]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{4, 0, 3, 1}, {6, 0, 6, 64}}, {{3, 6, 6}}},  // rank 2 step 23: reduced part 1 piece 2 to rank 3; wait entry[3], gathered[6]; r3:dst@0[6/16] = r2:dst@0[6/16]; signal r3:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{4, 0, 3, 1}, {6, 0, 7, 64}}, {{3, 6, 7}}},  // rank 2 step 24: reduced part 1 piece 3 to rank 3; wait entry[3], gathered[7]; r3:dst@0[7/16] = r2:dst@0[7/16]; signal r3:gathered[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{4, 0, 3, 1}, {6, 0, 0, 64}}, {{3, 6, 0}}},  // rank 2 step 25: reduced part 0 piece 0 to rank 3; wait entry[3], gathered[0]; r3:dst@0[0/16] = r2:dst@0[0/16]; signal r3:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{4, 0, 3, 1}, {6, 0, 1, 64}}, {{3, 6, 1}}},  // rank 2 step 26: reduced part 0 piece 1 to rank 3; wait entry[3], gathered[1]; r3:dst@0[1/16] = r2:dst@0[1/16]; signal r3:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{4, 0, 3, 1}, {6, 0, 2, 64}}, {{3, 6, 2}}},  // rank 2 step 27: reduced part 0 piece 2 to rank 3; wait entry[3], gathered[2]; r3:dst@0[2/16] = r2:dst@0[2/16]; signal r3:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{4, 0, 3, 1}, {6, 0, 3, 64}}, {{3, 6, 3}}},  // rank 2 step 28: reduced part 0 piece 3 to rank 3; wait entry[3], gathered[3]; r3:dst@0[3/16] = r2:dst@0[3/16]; signal r3:gathered[3]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},  // rank 2 step 29: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},  // rank 2 step 30: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 8}, {{3, 1, 1, 16, 0, 8}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 3 step 1: part 2 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[8/16] = r3:src@0[8/16]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 9}, {{3, 1, 1, 16, 0, 9}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 3 step 2: part 2 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[9/16] = r3:src@0[9/16]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 10}, {{3, 1, 1, 16, 0, 10}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 3 step 3: part 2 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[10/16] = r3:src@0[10/16]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 0, 11}, {{3, 1, 1, 16, 0, 11}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 3 step 4: part 2 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[11/16] = r3:src@0[11/16]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 4}, {{3, 3, 0, 16, 0, 4}, {3, 1, 1, 16, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 3 step 5: part 1 piece 0: partial sum + our input to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/16] = r3:inbox@0[4/16] + r3:src@0[4/16]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 5}, {{3, 3, 0, 16, 0, 5}, {3, 1, 1, 16, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 3 step 6: part 1 piece 1: partial sum + our input to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/16] = r3:inbox@0[5/16] + r3:src@0[5/16]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 6}, {{3, 3, 0, 16, 0, 6}, {3, 1, 1, 16, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 3 step 7: part 1 piece 2: partial sum + our input to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/16] = r3:inbox@0[6/16] + r3:src@0[6/16]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 7}, {{3, 3, 0, 16, 0, 7}, {3, 1, 1, 16, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 3 step 8: part 1 piece 3: partial sum + our input to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/16] = r3:inbox@0[7/16] + r3:src@0[7/16]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 0}, {{3, 3, 0, 16, 0, 0}, {3, 1, 1, 16, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},  // rank 3 step 9: part 0 piece 0: partial sum + our input to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/16] = r3:inbox@0[0/16] + r3:src@0[0/16]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 1}, {{3, 3, 0, 16, 0, 1}, {3, 1, 1, 16, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},  // rank 3 step 10: part 0 piece 1: partial sum + our input to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/16] = r3:inbox@0[1/16] + r3:src@0[1/16]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 2}, {{3, 3, 0, 16, 0, 2}, {3, 1, 1, 16, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},  // rank 3 step 11: part 0 piece 2: partial sum + our input to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/16] = r3:inbox@0[2/16] + r3:src@0[2/16]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 16, 0, 3}, {{3, 3, 0, 16, 0, 3}, {3, 1, 1, 16, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},  // rank 3 step 12: part 0 piece 3: partial sum + our input to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/16] = r3:inbox@0[3/16] + r3:src@0[3/16]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 12}, {{3, 3, 0, 16, 0, 12}, {3, 1, 1, 16, 0, 12}}, {}, {{5, 0, 12, 64}}, {}},  // rank 3 step 13: our part, piece 0: last partial sum + our input; wait arrive[12]; r3:dst@0[12/16] = r3:inbox@0[12/16] + r3:src@0[12/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 13}, {{3, 3, 0, 16, 0, 13}, {3, 1, 1, 16, 0, 13}}, {}, {{5, 0, 13, 64}}, {}},  // rank 3 step 14: our part, piece 1: last partial sum + our input; wait arrive[13]; r3:dst@0[13/16] = r3:inbox@0[13/16] + r3:src@0[13/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 14}, {{3, 3, 0, 16, 0, 14}, {3, 1, 1, 16, 0, 14}}, {}, {{5, 0, 14, 64}}, {}},  // rank 3 step 15: our part, piece 2: last partial sum + our input; wait arrive[14]; r3:dst@0[14/16] = r3:inbox@0[14/16] + r3:src@0[14/16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 16, 0, 15}, {{3, 3, 0, 16, 0, 15}, {3, 1, 1, 16, 0, 15}}, {}, {{5, 0, 15, 64}}, {}},  // rank 3 step 16: our part, piece 3: last partial sum + our input; wait arrive[15]; r3:dst@0[15/16] = r3:inbox@0[15/16] + r3:src@0[15/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{4, 0, 0, 1}}, {{0, 6, 12}}},  // rank 3 step 17: reduced part 3 piece 0 to rank 0; wait entry[0]; r0:dst@0[12/16] = r3:dst@0[12/16]; signal r0:gathered[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{4, 0, 0, 1}}, {{0, 6, 13}}},  // rank 3 step 18: reduced part 3 piece 1 to rank 0; wait entry[0]; r0:dst@0[13/16] = r3:dst@0[13/16]; signal r0:gathered[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{4, 0, 0, 1}}, {{0, 6, 14}}},  // rank 3 step 19: reduced part 3 piece 2 to rank 0; wait entry[0]; r0:dst@0[14/16] = r3:dst@0[14/16]; signal r0:gathered[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{4, 0, 0, 1}}, {{0, 6, 15}}},  // rank 3 step 20: reduced part 3 piece 3 to rank 0; wait entry[0]; r0:dst@0[15/16] = r3:dst@0[15/16]; signal r0:gathered[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {}, {{4, 0, 0, 1}, {6, 0, 8, 64}}, {{0, 6, 8}}},  // rank 3 step 21: reduced part 2 piece 0 to rank 0; wait entry[0], gathered[8]; r0:dst@0[8/16] = r3:dst@0[8/16]; signal r0:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {}, {{4, 0, 0, 1}, {6, 0, 9, 64}}, {{0, 6, 9}}},  // rank 3 step 22: reduced part 2 piece 1 to rank 0; wait entry[0], gathered[9]; r0:dst@0[9/16] = r3:dst@0[9/16]; signal r0:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {}, {{4, 0, 0, 1}, {6, 0, 10, 64}}, {{0, 6, 10}}},  // rank 3 step 23: reduced part 2 piece 2 to rank 0; wait entry[0], gathered[10]; r0:dst@0[10/16] = r3:dst@0[10/16]; signal r0:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {}, {{4, 0, 0, 1}, {6, 0, 11, 64}}, {{0, 6, 11}}},  // rank 3 step 24: reduced part 2 piece 3 to rank 0; wait entry[0], gathered[11]; r0:dst@0[11/16] = r3:dst@0[11/16]; signal r0:gathered[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},  // rank 3 step 25: reduced part 1 piece 0 to rank 0; wait entry[0], gathered[4]; r0:dst@0[4/16] = r3:dst@0[4/16]; signal r0:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},  // rank 3 step 26: reduced part 1 piece 1 to rank 0; wait entry[0], gathered[5]; r0:dst@0[5/16] = r3:dst@0[5/16]; signal r0:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},  // rank 3 step 27: reduced part 1 piece 2 to rank 0; wait entry[0], gathered[6]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},  // rank 3 step 28: reduced part 1 piece 3 to rank 0; wait entry[0], gathered[7]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:gathered[7]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},  // rank 3 step 29: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},  // rank 3 step 30: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11]
 };
 static __device__ const int step_base_w4[4] = { 0, 31, 62, 93 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..1793
-    {13, 63, 64, 16, 1, 0}, {1, 0, 64, 12, 1, 0}, {29, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
-    {30, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
-    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
-    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
-    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
-    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
-    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
-    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
-    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
-    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
-    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
-    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
-    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
-    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
-    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
-    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
-    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 16, 1, 0},
-    {13, 1, 64, 16, 1, 0}, {13, 2, 64, 16, 1, 0}, {13, 3, 64, 16, 1, 0}, {13, 4, 64, 16, 1, 0},
-    {13, 5, 64, 16, 1, 0}, {13, 6, 64, 16, 1, 0}, {13, 7, 64, 16, 1, 0}, {13, 8, 64, 16, 1, 0},
-    {13, 9, 64, 16, 1, 0}, {13, 10, 64, 16, 1, 0}, {13, 11, 64, 16, 1, 0}, {13, 12, 64, 16, 1, 0},
-    {13, 13, 64, 16, 1, 0}, {13, 14, 64, 16, 1, 0}, {13, 15, 64, 16, 1, 0}, {13, 16, 64, 16, 1, 0},
-    {13, 17, 64, 16, 1, 0}, {13, 18, 64, 16, 1, 0}, {13, 19, 64, 16, 1, 0}, {13, 20, 64, 16, 1, 0},
-    {13, 21, 64, 16, 1, 0}, {13, 22, 64, 16, 1, 0}, {13, 23, 64, 16, 1, 0}, {13, 24, 64, 16, 1, 0},
-    {13, 25, 64, 16, 1, 0}, {13, 26, 64, 16, 1, 0}, {13, 27, 64, 16, 1, 0}, {13, 28, 64, 16, 1, 0},
-    {13, 29, 64, 16, 1, 0}, {13, 30, 64, 16, 1, 0}, {13, 31, 64, 16, 1, 0}, {13, 32, 64, 16, 1, 0},
-    {13, 33, 64, 16, 1, 0}, {13, 34, 64, 16, 1, 0}, {13, 35, 64, 16, 1, 0}, {13, 36, 64, 16, 1, 0},
-    {13, 37, 64, 16, 1, 0}, {13, 38, 64, 16, 1, 0}, {13, 39, 64, 16, 1, 0}, {13, 40, 64, 16, 1, 0},
-    {13, 41, 64, 16, 1, 0}, {13, 42, 64, 16, 1, 0}, {13, 43, 64, 16, 1, 0}, {13, 44, 64, 16, 1, 0},
-    {13, 45, 64, 16, 1, 0}, {13, 46, 64, 16, 1, 0}, {13, 47, 64, 16, 1, 0}, {13, 48, 64, 16, 1, 0},
-    {13, 49, 64, 16, 1, 0}, {13, 50, 64, 16, 1, 0}, {13, 51, 64, 16, 1, 0}, {13, 52, 64, 16, 1, 0},
-    {13, 53, 64, 16, 1, 0}, {13, 54, 64, 16, 1, 0}, {13, 55, 64, 16, 1, 0}, {13, 56, 64, 16, 1, 0},
-    {13, 57, 64, 16, 1, 0}, {13, 58, 64, 16, 1, 0}, {13, 59, 64, 16, 1, 0}, {13, 60, 64, 16, 1, 0},
-    {13, 61, 64, 16, 1, 0}, {13, 62, 64, 16, 1, 0},
-    // rank 1: shares 1794..3587
-    {13, 63, 64, 16, 1, 0}, {1, 0, 64, 12, 1, 0}, {29, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
-    {30, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
-    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
-    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
-    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
-    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
-    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
-    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
-    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
-    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
-    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
-    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
-    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
-    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
-    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
-    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
-    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 16, 1, 0},
-    {13, 1, 64, 16, 1, 0}, {13, 2, 64, 16, 1, 0}, {13, 3, 64, 16, 1, 0}, {13, 4, 64, 16, 1, 0},
-    {13, 5, 64, 16, 1, 0}, {13, 6, 64, 16, 1, 0}, {13, 7, 64, 16, 1, 0}, {13, 8, 64, 16, 1, 0},
-    {13, 9, 64, 16, 1, 0}, {13, 10, 64, 16, 1, 0}, {13, 11, 64, 16, 1, 0}, {13, 12, 64, 16, 1, 0},
-    {13, 13, 64, 16, 1, 0}, {13, 14, 64, 16, 1, 0}, {13, 15, 64, 16, 1, 0}, {13, 16, 64, 16, 1, 0},
-    {13, 17, 64, 16, 1, 0}, {13, 18, 64, 16, 1, 0}, {13, 19, 64, 16, 1, 0}, {13, 20, 64, 16, 1, 0},
-    {13, 21, 64, 16, 1, 0}, {13, 22, 64, 16, 1, 0}, {13, 23, 64, 16, 1, 0}, {13, 24, 64, 16, 1, 0},
-    {13, 25, 64, 16, 1, 0}, {13, 26, 64, 16, 1, 0}, {13, 27, 64, 16, 1, 0}, {13, 28, 64, 16, 1, 0},
-    {13, 29, 64, 16, 1, 0}, {13, 30, 64, 16, 1, 0}, {13, 31, 64, 16, 1, 0}, {13, 32, 64, 16, 1, 0},
-    {13, 33, 64, 16, 1, 0}, {13, 34, 64, 16, 1, 0}, {13, 35, 64, 16, 1, 0}, {13, 36, 64, 16, 1, 0},
-    {13, 37, 64, 16, 1, 0}, {13, 38, 64, 16, 1, 0}, {13, 39, 64, 16, 1, 0}, {13, 40, 64, 16, 1, 0},
-    {13, 41, 64, 16, 1, 0}, {13, 42, 64, 16, 1, 0}, {13, 43, 64, 16, 1, 0}, {13, 44, 64, 16, 1, 0},
-    {13, 45, 64, 16, 1, 0}, {13, 46, 64, 16, 1, 0}, {13, 47, 64, 16, 1, 0}, {13, 48, 64, 16, 1, 0},
-    {13, 49, 64, 16, 1, 0}, {13, 50, 64, 16, 1, 0}, {13, 51, 64, 16, 1, 0}, {13, 52, 64, 16, 1, 0},
-    {13, 53, 64, 16, 1, 0}, {13, 54, 64, 16, 1, 0}, {13, 55, 64, 16, 1, 0}, {13, 56, 64, 16, 1, 0},
-    {13, 57, 64, 16, 1, 0}, {13, 58, 64, 16, 1, 0}, {13, 59, 64, 16, 1, 0}, {13, 60, 64, 16, 1, 0},
-    {13, 61, 64, 16, 1, 0}, {13, 62, 64, 16, 1, 0},
-    // rank 2: shares 3588..5381
-    {13, 63, 64, 16, 1, 0}, {1, 0, 64, 12, 1, 0}, {29, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
-    {30, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
-    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
-    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
-    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
-    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
-    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
-    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
-    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
-    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
-    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
-    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
-    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
-    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
-    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
-    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
-    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 16, 1, 0},
-    {13, 1, 64, 16, 1, 0}, {13, 2, 64, 16, 1, 0}, {13, 3, 64, 16, 1, 0}, {13, 4, 64, 16, 1, 0},
-    {13, 5, 64, 16, 1, 0}, {13, 6, 64, 16, 1, 0}, {13, 7, 64, 16, 1, 0}, {13, 8, 64, 16, 1, 0},
-    {13, 9, 64, 16, 1, 0}, {13, 10, 64, 16, 1, 0}, {13, 11, 64, 16, 1, 0}, {13, 12, 64, 16, 1, 0},
-    {13, 13, 64, 16, 1, 0}, {13, 14, 64, 16, 1, 0}, {13, 15, 64, 16, 1, 0}, {13, 16, 64, 16, 1, 0},
-    {13, 17, 64, 16, 1, 0}, {13, 18, 64, 16, 1, 0}, {13, 19, 64, 16, 1, 0}, {13, 20, 64, 16, 1, 0},
-    {13, 21, 64, 16, 1, 0}, {13, 22, 64, 16, 1, 0}, {13, 23, 64, 16, 1, 0}, {13, 24, 64, 16, 1, 0},
-    {13, 25, 64, 16, 1, 0}, {13, 26, 64, 16, 1, 0}, {13, 27, 64, 16, 1, 0}, {13, 28, 64, 16, 1, 0},
-    {13, 29, 64, 16, 1, 0}, {13, 30, 64, 16, 1, 0}, {13, 31, 64, 16, 1, 0}, {13, 32, 64, 16, 1, 0},
-    {13, 33, 64, 16, 1, 0}, {13, 34, 64, 16, 1, 0}, {13, 35, 64, 16, 1, 0}, {13, 36, 64, 16, 1, 0},
-    {13, 37, 64, 16, 1, 0}, {13, 38, 64, 16, 1, 0}, {13, 39, 64, 16, 1, 0}, {13, 40, 64, 16, 1, 0},
-    {13, 41, 64, 16, 1, 0}, {13, 42, 64, 16, 1, 0}, {13, 43, 64, 16, 1, 0}, {13, 44, 64, 16, 1, 0},
-    {13, 45, 64, 16, 1, 0}, {13, 46, 64, 16, 1, 0}, {13, 47, 64, 16, 1, 0}, {13, 48, 64, 16, 1, 0},
-    {13, 49, 64, 16, 1, 0}, {13, 50, 64, 16, 1, 0}, {13, 51, 64, 16, 1, 0}, {13, 52, 64, 16, 1, 0},
-    {13, 53, 64, 16, 1, 0}, {13, 54, 64, 16, 1, 0}, {13, 55, 64, 16, 1, 0}, {13, 56, 64, 16, 1, 0},
-    {13, 57, 64, 16, 1, 0}, {13, 58, 64, 16, 1, 0}, {13, 59, 64, 16, 1, 0}, {13, 60, 64, 16, 1, 0},
-    {13, 61, 64, 16, 1, 0}, {13, 62, 64, 16, 1, 0},
-    // rank 3: shares 5382..7175
-    {13, 63, 64, 16, 1, 0}, {1, 0, 64, 12, 1, 0}, {29, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
-    {30, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
-    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
-    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
-    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
-    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
-    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
-    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
-    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
-    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
-    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
-    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
-    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
-    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
-    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
-    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
-    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 16, 1, 0},
-    {13, 1, 64, 16, 1, 0}, {13, 2, 64, 16, 1, 0}, {13, 3, 64, 16, 1, 0}, {13, 4, 64, 16, 1, 0},
-    {13, 5, 64, 16, 1, 0}, {13, 6, 64, 16, 1, 0}, {13, 7, 64, 16, 1, 0}, {13, 8, 64, 16, 1, 0},
-    {13, 9, 64, 16, 1, 0}, {13, 10, 64, 16, 1, 0}, {13, 11, 64, 16, 1, 0}, {13, 12, 64, 16, 1, 0},
-    {13, 13, 64, 16, 1, 0}, {13, 14, 64, 16, 1, 0}, {13, 15, 64, 16, 1, 0}, {13, 16, 64, 16, 1, 0},
-    {13, 17, 64, 16, 1, 0}, {13, 18, 64, 16, 1, 0}, {13, 19, 64, 16, 1, 0}, {13, 20, 64, 16, 1, 0},
-    {13, 21, 64, 16, 1, 0}, {13, 22, 64, 16, 1, 0}, {13, 23, 64, 16, 1, 0}, {13, 24, 64, 16, 1, 0},
-    {13, 25, 64, 16, 1, 0}, {13, 26, 64, 16, 1, 0}, {13, 27, 64, 16, 1, 0}, {13, 28, 64, 16, 1, 0},
-    {13, 29, 64, 16, 1, 0}, {13, 30, 64, 16, 1, 0}, {13, 31, 64, 16, 1, 0}, {13, 32, 64, 16, 1, 0},
-    {13, 33, 64, 16, 1, 0}, {13, 34, 64, 16, 1, 0}, {13, 35, 64, 16, 1, 0}, {13, 36, 64, 16, 1, 0},
-    {13, 37, 64, 16, 1, 0}, {13, 38, 64, 16, 1, 0}, {13, 39, 64, 16, 1, 0}, {13, 40, 64, 16, 1, 0},
-    {13, 41, 64, 16, 1, 0}, {13, 42, 64, 16, 1, 0}, {13, 43, 64, 16, 1, 0}, {13, 44, 64, 16, 1, 0},
-    {13, 45, 64, 16, 1, 0}, {13, 46, 64, 16, 1, 0}, {13, 47, 64, 16, 1, 0}, {13, 48, 64, 16, 1, 0},
-    {13, 49, 64, 16, 1, 0}, {13, 50, 64, 16, 1, 0}, {13, 51, 64, 16, 1, 0}, {13, 52, 64, 16, 1, 0},
-    {13, 53, 64, 16, 1, 0}, {13, 54, 64, 16, 1, 0}, {13, 55, 64, 16, 1, 0}, {13, 56, 64, 16, 1, 0},
-    {13, 57, 64, 16, 1, 0}, {13, 58, 64, 16, 1, 0}, {13, 59, 64, 16, 1, 0}, {13, 60, 64, 16, 1, 0},
-    {13, 61, 64, 16, 1, 0}, {13, 62, 64, 16, 1, 0},
+    {13, 63, 64, 16, 1, 0, 1, 0, 0}, {1, 0, 64, 12, 1, 0, 1, 0, 0}, {29, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 12, 1, 0, 1, 0, 0}, {30, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 12, 1, 0, 62, 0, 1}, {13, 0, 64, 16, 1, 0, 63, 0, 1},  // rank 0: shares 0..1793
+    {13, 63, 64, 16, 1, 0, 1, 0, 0}, {1, 0, 64, 12, 1, 0, 1, 0, 0}, {29, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 12, 1, 0, 1, 0, 0}, {30, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 12, 1, 0, 62, 0, 1}, {13, 0, 64, 16, 1, 0, 63, 0, 1},  // rank 1: shares 1794..3587
+    {13, 63, 64, 16, 1, 0, 1, 0, 0}, {1, 0, 64, 12, 1, 0, 1, 0, 0}, {29, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 12, 1, 0, 1, 0, 0}, {30, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 12, 1, 0, 62, 0, 1}, {13, 0, 64, 16, 1, 0, 63, 0, 1},  // rank 2: shares 3588..5381
+    {13, 63, 64, 16, 1, 0, 1, 0, 0}, {1, 0, 64, 12, 1, 0, 1, 0, 0}, {29, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 12, 1, 0, 1, 0, 0}, {30, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 12, 1, 0, 62, 0, 1}, {13, 0, 64, 16, 1, 0, 63, 0, 1},  // rank 3: shares 5382..7175
 };
-static __device__ const tsgen::share_table<7176> shares_w4 =
-    tsgen::expand_shares<7176>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][129] = {
+static __device__ const tsgen::share_table<7176> shares_w4 = tsgen::expand_shares<7176>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 16, 29, 42, 54, 66, 78, 90, 102, 114, 126, 138, 150, 162, 174, 186, 198, 210, 222, 234, 246, 258, 270, 282, 294, 306, 318, 330, 342, 354, 366, 378, 390, 402, 414, 426, 438, 450, 462, 474, 486, 498, 510, 522, 534, 546, 558, 570, 582, 594, 606, 618, 630, 642, 654, 666, 678, 690, 702, 714, 726, 738, 750, 762, 774, 786, 802, 818, 834, 850, 866, 882, 898, 914, 930, 946, 962, 978, 994, 1010, 1026, 1042, 1058, 1074, 1090, 1106, 1122, 1138, 1154, 1170, 1186, 1202, 1218, 1234, 1250, 1266, 1282, 1298, 1314, 1330, 1346, 1362, 1378, 1394, 1410, 1426, 1442, 1458, 1474, 1490, 1506, 1522, 1538, 1554, 1570, 1586, 1602, 1618, 1634, 1650, 1666, 1682, 1698, 1714, 1730, 1746, 1762, 1778, 1794 },
     { 1794, 1810, 1823, 1836, 1848, 1860, 1872, 1884, 1896, 1908, 1920, 1932, 1944, 1956, 1968, 1980, 1992, 2004, 2016, 2028, 2040, 2052, 2064, 2076, 2088, 2100, 2112, 2124, 2136, 2148, 2160, 2172, 2184, 2196, 2208, 2220, 2232, 2244, 2256, 2268, 2280, 2292, 2304, 2316, 2328, 2340, 2352, 2364, 2376, 2388, 2400, 2412, 2424, 2436, 2448, 2460, 2472, 2484, 2496, 2508, 2520, 2532, 2544, 2556, 2568, 2580, 2596, 2612, 2628, 2644, 2660, 2676, 2692, 2708, 2724, 2740, 2756, 2772, 2788, 2804, 2820, 2836, 2852, 2868, 2884, 2900, 2916, 2932, 2948, 2964, 2980, 2996, 3012, 3028, 3044, 3060, 3076, 3092, 3108, 3124, 3140, 3156, 3172, 3188, 3204, 3220, 3236, 3252, 3268, 3284, 3300, 3316, 3332, 3348, 3364, 3380, 3396, 3412, 3428, 3444, 3460, 3476, 3492, 3508, 3524, 3540, 3556, 3572, 3588 },
     { 3588, 3604, 3617, 3630, 3642, 3654, 3666, 3678, 3690, 3702, 3714, 3726, 3738, 3750, 3762, 3774, 3786, 3798, 3810, 3822, 3834, 3846, 3858, 3870, 3882, 3894, 3906, 3918, 3930, 3942, 3954, 3966, 3978, 3990, 4002, 4014, 4026, 4038, 4050, 4062, 4074, 4086, 4098, 4110, 4122, 4134, 4146, 4158, 4170, 4182, 4194, 4206, 4218, 4230, 4242, 4254, 4266, 4278, 4290, 4302, 4314, 4326, 4338, 4350, 4362, 4374, 4390, 4406, 4422, 4438, 4454, 4470, 4486, 4502, 4518, 4534, 4550, 4566, 4582, 4598, 4614, 4630, 4646, 4662, 4678, 4694, 4710, 4726, 4742, 4758, 4774, 4790, 4806, 4822, 4838, 4854, 4870, 4886, 4902, 4918, 4934, 4950, 4966, 4982, 4998, 5014, 5030, 5046, 5062, 5078, 5094, 5110, 5126, 5142, 5158, 5174, 5190, 5206, 5222, 5238, 5254, 5270, 5286, 5302, 5318, 5334, 5350, 5366, 5382 },
     { 5382, 5398, 5411, 5424, 5436, 5448, 5460, 5472, 5484, 5496, 5508, 5520, 5532, 5544, 5556, 5568, 5580, 5592, 5604, 5616, 5628, 5640, 5652, 5664, 5676, 5688, 5700, 5712, 5724, 5736, 5748, 5760, 5772, 5784, 5796, 5808, 5820, 5832, 5844, 5856, 5868, 5880, 5892, 5904, 5916, 5928, 5940, 5952, 5964, 5976, 5988, 6000, 6012, 6024, 6036, 6048, 6060, 6072, 6084, 6096, 6108, 6120, 6132, 6144, 6156, 6168, 6184, 6200, 6216, 6232, 6248, 6264, 6280, 6296, 6312, 6328, 6344, 6360, 6376, 6392, 6408, 6424, 6440, 6456, 6472, 6488, 6504, 6520, 6536, 6552, 6568, 6584, 6600, 6616, 6632, 6648, 6664, 6680, 6696, 6712, 6728, 6744, 6760, 6776, 6792, 6808, 6824, 6840, 6856, 6872, 6888, 6904, 6920, 6936, 6952, 6968, 6984, 7000, 7016, 7032, 7048, 7064, 7080, 7096, 7112, 7128, 7144, 7160, 7176 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 520 steps, 30752 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 520 steps, 30752 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 4, 0}}},
-    // rank 0 step 1: part 7 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[28/32] = r0:src@0[28/32]; signal r1:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 28}, {{0, 1, 1, 32, 0, 28}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
-    // rank 0 step 2: part 7 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[29/32] = r0:src@0[29/32]; signal r1:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 29}, {{0, 1, 1, 32, 0, 29}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
-    // rank 0 step 3: part 7 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[30/32] = r0:src@0[30/32]; signal r1:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 30}, {{0, 1, 1, 32, 0, 30}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
-    // rank 0 step 4: part 7 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[31/32] = r0:src@0[31/32]; signal r1:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 31}, {{0, 1, 1, 32, 0, 31}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
-    // rank 0 step 5: part 6 piece 0: partial sum + our input to rank 1; wait arrive[24], entry[1]; r1:inbox@0[24/32] = r0:inbox@0[24/32] + r0:src@0[24/32]; signal r1:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 24}, {{0, 3, 0, 32, 0, 24}, {0, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 1, 1}}, {{1, 5, 24}}},
-    // rank 0 step 6: part 6 piece 1: partial sum + our input to rank 1; wait arrive[25], entry[1]; r1:inbox@0[25/32] = r0:inbox@0[25/32] + r0:src@0[25/32]; signal r1:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 25}, {{0, 3, 0, 32, 0, 25}, {0, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 1, 1}}, {{1, 5, 25}}},
-    // rank 0 step 7: part 6 piece 2: partial sum + our input to rank 1; wait arrive[26], entry[1]; r1:inbox@0[26/32] = r0:inbox@0[26/32] + r0:src@0[26/32]; signal r1:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 26}, {{0, 3, 0, 32, 0, 26}, {0, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 1, 1}}, {{1, 5, 26}}},
-    // rank 0 step 8: part 6 piece 3: partial sum + our input to rank 1; wait arrive[27], entry[1]; r1:inbox@0[27/32] = r0:inbox@0[27/32] + r0:src@0[27/32]; signal r1:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 27}, {{0, 3, 0, 32, 0, 27}, {0, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 1, 1}}, {{1, 5, 27}}},
-    // rank 0 step 9: part 5 piece 0: partial sum + our input to rank 1; wait arrive[20], entry[1]; r1:inbox@0[20/32] = r0:inbox@0[20/32] + r0:src@0[20/32]; signal r1:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 20}, {{0, 3, 0, 32, 0, 20}, {0, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 0 step 10: part 5 piece 1: partial sum + our input to rank 1; wait arrive[21], entry[1]; r1:inbox@0[21/32] = r0:inbox@0[21/32] + r0:src@0[21/32]; signal r1:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 21}, {{0, 3, 0, 32, 0, 21}, {0, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 0 step 11: part 5 piece 2: partial sum + our input to rank 1; wait arrive[22], entry[1]; r1:inbox@0[22/32] = r0:inbox@0[22/32] + r0:src@0[22/32]; signal r1:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 22}, {{0, 3, 0, 32, 0, 22}, {0, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 0 step 12: part 5 piece 3: partial sum + our input to rank 1; wait arrive[23], entry[1]; r1:inbox@0[23/32] = r0:inbox@0[23/32] + r0:src@0[23/32]; signal r1:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 23}, {{0, 3, 0, 32, 0, 23}, {0, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 0 step 13: part 4 piece 0: partial sum + our input to rank 1; wait arrive[16], entry[1]; r1:inbox@0[16/32] = r0:inbox@0[16/32] + r0:src@0[16/32]; signal r1:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 16}, {{0, 3, 0, 32, 0, 16}, {0, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 0 step 14: part 4 piece 1: partial sum + our input to rank 1; wait arrive[17], entry[1]; r1:inbox@0[17/32] = r0:inbox@0[17/32] + r0:src@0[17/32]; signal r1:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 17}, {{0, 3, 0, 32, 0, 17}, {0, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 0 step 15: part 4 piece 2: partial sum + our input to rank 1; wait arrive[18], entry[1]; r1:inbox@0[18/32] = r0:inbox@0[18/32] + r0:src@0[18/32]; signal r1:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 18}, {{0, 3, 0, 32, 0, 18}, {0, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 0 step 16: part 4 piece 3: partial sum + our input to rank 1; wait arrive[19], entry[1]; r1:inbox@0[19/32] = r0:inbox@0[19/32] + r0:src@0[19/32]; signal r1:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 19}, {{0, 3, 0, 32, 0, 19}, {0, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 0 step 17: part 3 piece 0: partial sum + our input to rank 1; wait arrive[12], entry[1]; r1:inbox@0[12/32] = r0:inbox@0[12/32] + r0:src@0[12/32]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 12}, {{0, 3, 0, 32, 0, 12}, {0, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 0 step 18: part 3 piece 1: partial sum + our input to rank 1; wait arrive[13], entry[1]; r1:inbox@0[13/32] = r0:inbox@0[13/32] + r0:src@0[13/32]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 13}, {{0, 3, 0, 32, 0, 13}, {0, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 0 step 19: part 3 piece 2: partial sum + our input to rank 1; wait arrive[14], entry[1]; r1:inbox@0[14/32] = r0:inbox@0[14/32] + r0:src@0[14/32]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 14}, {{0, 3, 0, 32, 0, 14}, {0, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 0 step 20: part 3 piece 3: partial sum + our input to rank 1; wait arrive[15], entry[1]; r1:inbox@0[15/32] = r0:inbox@0[15/32] + r0:src@0[15/32]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 15}, {{0, 3, 0, 32, 0, 15}, {0, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 0 step 21: part 2 piece 0: partial sum + our input to rank 1; wait arrive[8], entry[1]; r1:inbox@0[8/32] = r0:inbox@0[8/32] + r0:src@0[8/32]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 8}, {{0, 3, 0, 32, 0, 8}, {0, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 0 step 22: part 2 piece 1: partial sum + our input to rank 1; wait arrive[9], entry[1]; r1:inbox@0[9/32] = r0:inbox@0[9/32] + r0:src@0[9/32]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 9}, {{0, 3, 0, 32, 0, 9}, {0, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 0 step 23: part 2 piece 2: partial sum + our input to rank 1; wait arrive[10], entry[1]; r1:inbox@0[10/32] = r0:inbox@0[10/32] + r0:src@0[10/32]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 10}, {{0, 3, 0, 32, 0, 10}, {0, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 0 step 24: part 2 piece 3: partial sum + our input to rank 1; wait arrive[11], entry[1]; r1:inbox@0[11/32] = r0:inbox@0[11/32] + r0:src@0[11/32]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 11}, {{0, 3, 0, 32, 0, 11}, {0, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 0 step 25: part 1 piece 0: partial sum + our input to rank 1; wait arrive[4], entry[1]; r1:inbox@0[4/32] = r0:inbox@0[4/32] + r0:src@0[4/32]; signal r1:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 4}, {{0, 3, 0, 32, 0, 4}, {0, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 26: part 1 piece 1: partial sum + our input to rank 1; wait arrive[5], entry[1]; r1:inbox@0[5/32] = r0:inbox@0[5/32] + r0:src@0[5/32]; signal r1:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 5}, {{0, 3, 0, 32, 0, 5}, {0, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 27: part 1 piece 2: partial sum + our input to rank 1; wait arrive[6], entry[1]; r1:inbox@0[6/32] = r0:inbox@0[6/32] + r0:src@0[6/32]; signal r1:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 6}, {{0, 3, 0, 32, 0, 6}, {0, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 28: part 1 piece 3: partial sum + our input to rank 1; wait arrive[7], entry[1]; r1:inbox@0[7/32] = r0:inbox@0[7/32] + r0:src@0[7/32]; signal r1:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 7}, {{0, 3, 0, 32, 0, 7}, {0, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 29: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/32] = r0:inbox@0[0/32] + r0:src@0[0/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 0}, {{0, 3, 0, 32, 0, 0}, {0, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
-    // rank 0 step 30: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/32] = r0:inbox@0[1/32] + r0:src@0[1/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 1}, {{0, 3, 0, 32, 0, 1}, {0, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
-    // rank 0 step 31: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/32] = r0:inbox@0[2/32] + r0:src@0[2/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 2}, {{0, 3, 0, 32, 0, 2}, {0, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
-    // rank 0 step 32: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/32] = r0:inbox@0[3/32] + r0:src@0[3/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 3}, {{0, 3, 0, 32, 0, 3}, {0, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
-    // rank 0 step 33: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/32] = r0:dst@0[0/32]; signal r1:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},
-    // rank 0 step 34: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/32] = r0:dst@0[1/32]; signal r1:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},
-    // rank 0 step 35: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/32] = r0:dst@0[2/32]; signal r1:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},
-    // rank 0 step 36: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/32] = r0:dst@0[3/32]; signal r1:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},
-    // rank 0 step 37: reduced part 7 piece 0 to rank 1; wait entry[1], gathered[28]; r1:dst@0[28/32] = r0:dst@0[28/32]; signal r1:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 28}, {{0, 2, 0, 32, 0, 28}}, {}, {{4, 0, 1, 1}, {6, 0, 28, 64}}, {{1, 6, 28}}},
-    // rank 0 step 38: reduced part 7 piece 1 to rank 1; wait entry[1], gathered[29]; r1:dst@0[29/32] = r0:dst@0[29/32]; signal r1:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 29}, {{0, 2, 0, 32, 0, 29}}, {}, {{4, 0, 1, 1}, {6, 0, 29, 64}}, {{1, 6, 29}}},
-    // rank 0 step 39: reduced part 7 piece 2 to rank 1; wait entry[1], gathered[30]; r1:dst@0[30/32] = r0:dst@0[30/32]; signal r1:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 30}, {{0, 2, 0, 32, 0, 30}}, {}, {{4, 0, 1, 1}, {6, 0, 30, 64}}, {{1, 6, 30}}},
-    // rank 0 step 40: reduced part 7 piece 3 to rank 1; wait entry[1], gathered[31]; r1:dst@0[31/32] = r0:dst@0[31/32]; signal r1:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 31}, {{0, 2, 0, 32, 0, 31}}, {}, {{4, 0, 1, 1}, {6, 0, 31, 64}}, {{1, 6, 31}}},
-    // rank 0 step 41: reduced part 6 piece 0 to rank 1; wait entry[1], gathered[24]; r1:dst@0[24/32] = r0:dst@0[24/32]; signal r1:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 24}, {{0, 2, 0, 32, 0, 24}}, {}, {{4, 0, 1, 1}, {6, 0, 24, 64}}, {{1, 6, 24}}},
-    // rank 0 step 42: reduced part 6 piece 1 to rank 1; wait entry[1], gathered[25]; r1:dst@0[25/32] = r0:dst@0[25/32]; signal r1:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 25}, {{0, 2, 0, 32, 0, 25}}, {}, {{4, 0, 1, 1}, {6, 0, 25, 64}}, {{1, 6, 25}}},
-    // rank 0 step 43: reduced part 6 piece 2 to rank 1; wait entry[1], gathered[26]; r1:dst@0[26/32] = r0:dst@0[26/32]; signal r1:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 26}, {{0, 2, 0, 32, 0, 26}}, {}, {{4, 0, 1, 1}, {6, 0, 26, 64}}, {{1, 6, 26}}},
-    // rank 0 step 44: reduced part 6 piece 3 to rank 1; wait entry[1], gathered[27]; r1:dst@0[27/32] = r0:dst@0[27/32]; signal r1:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 27}, {{0, 2, 0, 32, 0, 27}}, {}, {{4, 0, 1, 1}, {6, 0, 27, 64}}, {{1, 6, 27}}},
-    // rank 0 step 45: reduced part 5 piece 0 to rank 1; wait entry[1], gathered[20]; r1:dst@0[20/32] = r0:dst@0[20/32]; signal r1:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 20}, {{0, 2, 0, 32, 0, 20}}, {}, {{4, 0, 1, 1}, {6, 0, 20, 64}}, {{1, 6, 20}}},
-    // rank 0 step 46: reduced part 5 piece 1 to rank 1; wait entry[1], gathered[21]; r1:dst@0[21/32] = r0:dst@0[21/32]; signal r1:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 21}, {{0, 2, 0, 32, 0, 21}}, {}, {{4, 0, 1, 1}, {6, 0, 21, 64}}, {{1, 6, 21}}},
-    // rank 0 step 47: reduced part 5 piece 2 to rank 1; wait entry[1], gathered[22]; r1:dst@0[22/32] = r0:dst@0[22/32]; signal r1:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 22}, {{0, 2, 0, 32, 0, 22}}, {}, {{4, 0, 1, 1}, {6, 0, 22, 64}}, {{1, 6, 22}}},
-    // rank 0 step 48: reduced part 5 piece 3 to rank 1; wait entry[1], gathered[23]; r1:dst@0[23/32] = r0:dst@0[23/32]; signal r1:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 23}, {{0, 2, 0, 32, 0, 23}}, {}, {{4, 0, 1, 1}, {6, 0, 23, 64}}, {{1, 6, 23}}},
-    // rank 0 step 49: reduced part 4 piece 0 to rank 1; wait entry[1], gathered[16]; r1:dst@0[16/32] = r0:dst@0[16/32]; signal r1:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 16}, {{0, 2, 0, 32, 0, 16}}, {}, {{4, 0, 1, 1}, {6, 0, 16, 64}}, {{1, 6, 16}}},
-    // rank 0 step 50: reduced part 4 piece 1 to rank 1; wait entry[1], gathered[17]; r1:dst@0[17/32] = r0:dst@0[17/32]; signal r1:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 17}, {{0, 2, 0, 32, 0, 17}}, {}, {{4, 0, 1, 1}, {6, 0, 17, 64}}, {{1, 6, 17}}},
-    // rank 0 step 51: reduced part 4 piece 2 to rank 1; wait entry[1], gathered[18]; r1:dst@0[18/32] = r0:dst@0[18/32]; signal r1:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 18}, {{0, 2, 0, 32, 0, 18}}, {}, {{4, 0, 1, 1}, {6, 0, 18, 64}}, {{1, 6, 18}}},
-    // rank 0 step 52: reduced part 4 piece 3 to rank 1; wait entry[1], gathered[19]; r1:dst@0[19/32] = r0:dst@0[19/32]; signal r1:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 19}, {{0, 2, 0, 32, 0, 19}}, {}, {{4, 0, 1, 1}, {6, 0, 19, 64}}, {{1, 6, 19}}},
-    // rank 0 step 53: reduced part 3 piece 0 to rank 1; wait entry[1], gathered[12]; r1:dst@0[12/32] = r0:dst@0[12/32]; signal r1:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 12}, {{0, 2, 0, 32, 0, 12}}, {}, {{4, 0, 1, 1}, {6, 0, 12, 64}}, {{1, 6, 12}}},
-    // rank 0 step 54: reduced part 3 piece 1 to rank 1; wait entry[1], gathered[13]; r1:dst@0[13/32] = r0:dst@0[13/32]; signal r1:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 13}, {{0, 2, 0, 32, 0, 13}}, {}, {{4, 0, 1, 1}, {6, 0, 13, 64}}, {{1, 6, 13}}},
-    // rank 0 step 55: reduced part 3 piece 2 to rank 1; wait entry[1], gathered[14]; r1:dst@0[14/32] = r0:dst@0[14/32]; signal r1:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 14}, {{0, 2, 0, 32, 0, 14}}, {}, {{4, 0, 1, 1}, {6, 0, 14, 64}}, {{1, 6, 14}}},
-    // rank 0 step 56: reduced part 3 piece 3 to rank 1; wait entry[1], gathered[15]; r1:dst@0[15/32] = r0:dst@0[15/32]; signal r1:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 15}, {{0, 2, 0, 32, 0, 15}}, {}, {{4, 0, 1, 1}, {6, 0, 15, 64}}, {{1, 6, 15}}},
-    // rank 0 step 57: reduced part 2 piece 0 to rank 1; wait entry[1], gathered[8]; r1:dst@0[8/32] = r0:dst@0[8/32]; signal r1:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 8}, {{0, 2, 0, 32, 0, 8}}, {}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},
-    // rank 0 step 58: reduced part 2 piece 1 to rank 1; wait entry[1], gathered[9]; r1:dst@0[9/32] = r0:dst@0[9/32]; signal r1:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 9}, {{0, 2, 0, 32, 0, 9}}, {}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},
-    // rank 0 step 59: reduced part 2 piece 2 to rank 1; wait entry[1], gathered[10]; r1:dst@0[10/32] = r0:dst@0[10/32]; signal r1:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 10}, {{0, 2, 0, 32, 0, 10}}, {}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},
-    // rank 0 step 60: reduced part 2 piece 3 to rank 1; wait entry[1], gathered[11]; r1:dst@0[11/32] = r0:dst@0[11/32]; signal r1:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 11}, {{0, 2, 0, 32, 0, 11}}, {}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},
-    // rank 0 step 61: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
-    // rank 0 step 62: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
-    // rank 0 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
-    // rank 0 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: part 0 piece 0: our input to rank 2; wait entry[2]; r2:inbox@0[0/32] = r1:src@0[0/32]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 0}, {{1, 1, 1, 32, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 1 step 2: part 0 piece 1: our input to rank 2; wait entry[2]; r2:inbox@0[1/32] = r1:src@0[1/32]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 1}, {{1, 1, 1, 32, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 1 step 3: part 0 piece 2: our input to rank 2; wait entry[2]; r2:inbox@0[2/32] = r1:src@0[2/32]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 2}, {{1, 1, 1, 32, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 4: part 0 piece 3: our input to rank 2; wait entry[2]; r2:inbox@0[3/32] = r1:src@0[3/32]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 3}, {{1, 1, 1, 32, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 5: part 7 piece 0: partial sum + our input to rank 2; wait arrive[28], entry[2]; r2:inbox@0[28/32] = r1:inbox@0[28/32] + r1:src@0[28/32]; signal r2:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 28}, {{1, 3, 0, 32, 0, 28}, {1, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},
-    // rank 1 step 6: part 7 piece 1: partial sum + our input to rank 2; wait arrive[29], entry[2]; r2:inbox@0[29/32] = r1:inbox@0[29/32] + r1:src@0[29/32]; signal r2:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 29}, {{1, 3, 0, 32, 0, 29}, {1, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},
-    // rank 1 step 7: part 7 piece 2: partial sum + our input to rank 2; wait arrive[30], entry[2]; r2:inbox@0[30/32] = r1:inbox@0[30/32] + r1:src@0[30/32]; signal r2:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 30}, {{1, 3, 0, 32, 0, 30}, {1, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},
-    // rank 1 step 8: part 7 piece 3: partial sum + our input to rank 2; wait arrive[31], entry[2]; r2:inbox@0[31/32] = r1:inbox@0[31/32] + r1:src@0[31/32]; signal r2:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 31}, {{1, 3, 0, 32, 0, 31}, {1, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},
-    // rank 1 step 9: part 6 piece 0: partial sum + our input to rank 2; wait arrive[24], entry[2]; r2:inbox@0[24/32] = r1:inbox@0[24/32] + r1:src@0[24/32]; signal r2:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 24}, {{1, 3, 0, 32, 0, 24}, {1, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},
-    // rank 1 step 10: part 6 piece 1: partial sum + our input to rank 2; wait arrive[25], entry[2]; r2:inbox@0[25/32] = r1:inbox@0[25/32] + r1:src@0[25/32]; signal r2:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 25}, {{1, 3, 0, 32, 0, 25}, {1, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},
-    // rank 1 step 11: part 6 piece 2: partial sum + our input to rank 2; wait arrive[26], entry[2]; r2:inbox@0[26/32] = r1:inbox@0[26/32] + r1:src@0[26/32]; signal r2:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 26}, {{1, 3, 0, 32, 0, 26}, {1, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},
-    // rank 1 step 12: part 6 piece 3: partial sum + our input to rank 2; wait arrive[27], entry[2]; r2:inbox@0[27/32] = r1:inbox@0[27/32] + r1:src@0[27/32]; signal r2:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 27}, {{1, 3, 0, 32, 0, 27}, {1, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},
-    // rank 1 step 13: part 5 piece 0: partial sum + our input to rank 2; wait arrive[20], entry[2]; r2:inbox@0[20/32] = r1:inbox@0[20/32] + r1:src@0[20/32]; signal r2:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 20}, {{1, 3, 0, 32, 0, 20}, {1, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
-    // rank 1 step 14: part 5 piece 1: partial sum + our input to rank 2; wait arrive[21], entry[2]; r2:inbox@0[21/32] = r1:inbox@0[21/32] + r1:src@0[21/32]; signal r2:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 21}, {{1, 3, 0, 32, 0, 21}, {1, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
-    // rank 1 step 15: part 5 piece 2: partial sum + our input to rank 2; wait arrive[22], entry[2]; r2:inbox@0[22/32] = r1:inbox@0[22/32] + r1:src@0[22/32]; signal r2:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 22}, {{1, 3, 0, 32, 0, 22}, {1, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
-    // rank 1 step 16: part 5 piece 3: partial sum + our input to rank 2; wait arrive[23], entry[2]; r2:inbox@0[23/32] = r1:inbox@0[23/32] + r1:src@0[23/32]; signal r2:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 23}, {{1, 3, 0, 32, 0, 23}, {1, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
-    // rank 1 step 17: part 4 piece 0: partial sum + our input to rank 2; wait arrive[16], entry[2]; r2:inbox@0[16/32] = r1:inbox@0[16/32] + r1:src@0[16/32]; signal r2:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 16}, {{1, 3, 0, 32, 0, 16}, {1, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
-    // rank 1 step 18: part 4 piece 1: partial sum + our input to rank 2; wait arrive[17], entry[2]; r2:inbox@0[17/32] = r1:inbox@0[17/32] + r1:src@0[17/32]; signal r2:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 17}, {{1, 3, 0, 32, 0, 17}, {1, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
-    // rank 1 step 19: part 4 piece 2: partial sum + our input to rank 2; wait arrive[18], entry[2]; r2:inbox@0[18/32] = r1:inbox@0[18/32] + r1:src@0[18/32]; signal r2:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 18}, {{1, 3, 0, 32, 0, 18}, {1, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
-    // rank 1 step 20: part 4 piece 3: partial sum + our input to rank 2; wait arrive[19], entry[2]; r2:inbox@0[19/32] = r1:inbox@0[19/32] + r1:src@0[19/32]; signal r2:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 19}, {{1, 3, 0, 32, 0, 19}, {1, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
-    // rank 1 step 21: part 3 piece 0: partial sum + our input to rank 2; wait arrive[12], entry[2]; r2:inbox@0[12/32] = r1:inbox@0[12/32] + r1:src@0[12/32]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 12}, {{1, 3, 0, 32, 0, 12}, {1, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 1 step 22: part 3 piece 1: partial sum + our input to rank 2; wait arrive[13], entry[2]; r2:inbox@0[13/32] = r1:inbox@0[13/32] + r1:src@0[13/32]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 13}, {{1, 3, 0, 32, 0, 13}, {1, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 1 step 23: part 3 piece 2: partial sum + our input to rank 2; wait arrive[14], entry[2]; r2:inbox@0[14/32] = r1:inbox@0[14/32] + r1:src@0[14/32]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 14}, {{1, 3, 0, 32, 0, 14}, {1, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 1 step 24: part 3 piece 3: partial sum + our input to rank 2; wait arrive[15], entry[2]; r2:inbox@0[15/32] = r1:inbox@0[15/32] + r1:src@0[15/32]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 15}, {{1, 3, 0, 32, 0, 15}, {1, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 1 step 25: part 2 piece 0: partial sum + our input to rank 2; wait arrive[8], entry[2]; r2:inbox@0[8/32] = r1:inbox@0[8/32] + r1:src@0[8/32]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 8}, {{1, 3, 0, 32, 0, 8}, {1, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 1 step 26: part 2 piece 1: partial sum + our input to rank 2; wait arrive[9], entry[2]; r2:inbox@0[9/32] = r1:inbox@0[9/32] + r1:src@0[9/32]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 9}, {{1, 3, 0, 32, 0, 9}, {1, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 1 step 27: part 2 piece 2: partial sum + our input to rank 2; wait arrive[10], entry[2]; r2:inbox@0[10/32] = r1:inbox@0[10/32] + r1:src@0[10/32]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 10}, {{1, 3, 0, 32, 0, 10}, {1, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 1 step 28: part 2 piece 3: partial sum + our input to rank 2; wait arrive[11], entry[2]; r2:inbox@0[11/32] = r1:inbox@0[11/32] + r1:src@0[11/32]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 11}, {{1, 3, 0, 32, 0, 11}, {1, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 1 step 29: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/32] = r1:inbox@0[4/32] + r1:src@0[4/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 4}, {{1, 3, 0, 32, 0, 4}, {1, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
-    // rank 1 step 30: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/32] = r1:inbox@0[5/32] + r1:src@0[5/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 5}, {{1, 3, 0, 32, 0, 5}, {1, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
-    // rank 1 step 31: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/32] = r1:inbox@0[6/32] + r1:src@0[6/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 6}, {{1, 3, 0, 32, 0, 6}, {1, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
-    // rank 1 step 32: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/32] = r1:inbox@0[7/32] + r1:src@0[7/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 7}, {{1, 3, 0, 32, 0, 7}, {1, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
-    // rank 1 step 33: reduced part 1 piece 0 to rank 2; wait entry[2]; r2:dst@0[4/32] = r1:dst@0[4/32]; signal r2:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 6, 4}}},
-    // rank 1 step 34: reduced part 1 piece 1 to rank 2; wait entry[2]; r2:dst@0[5/32] = r1:dst@0[5/32]; signal r2:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 6, 5}}},
-    // rank 1 step 35: reduced part 1 piece 2 to rank 2; wait entry[2]; r2:dst@0[6/32] = r1:dst@0[6/32]; signal r2:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 6, 6}}},
-    // rank 1 step 36: reduced part 1 piece 3 to rank 2; wait entry[2]; r2:dst@0[7/32] = r1:dst@0[7/32]; signal r2:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 6, 7}}},
-    // rank 1 step 37: reduced part 0 piece 0 to rank 2; wait entry[2], gathered[0]; r2:dst@0[0/32] = r1:dst@0[0/32]; signal r2:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 0}, {{1, 2, 0, 32, 0, 0}}, {}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},
-    // rank 1 step 38: reduced part 0 piece 1 to rank 2; wait entry[2], gathered[1]; r2:dst@0[1/32] = r1:dst@0[1/32]; signal r2:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 1}, {{1, 2, 0, 32, 0, 1}}, {}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},
-    // rank 1 step 39: reduced part 0 piece 2 to rank 2; wait entry[2], gathered[2]; r2:dst@0[2/32] = r1:dst@0[2/32]; signal r2:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 2}, {{1, 2, 0, 32, 0, 2}}, {}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},
-    // rank 1 step 40: reduced part 0 piece 3 to rank 2; wait entry[2], gathered[3]; r2:dst@0[3/32] = r1:dst@0[3/32]; signal r2:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 3}, {{1, 2, 0, 32, 0, 3}}, {}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},
-    // rank 1 step 41: reduced part 7 piece 0 to rank 2; wait entry[2], gathered[28]; r2:dst@0[28/32] = r1:dst@0[28/32]; signal r2:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 28}, {{1, 2, 0, 32, 0, 28}}, {}, {{4, 0, 2, 1}, {6, 0, 28, 64}}, {{2, 6, 28}}},
-    // rank 1 step 42: reduced part 7 piece 1 to rank 2; wait entry[2], gathered[29]; r2:dst@0[29/32] = r1:dst@0[29/32]; signal r2:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 29}, {{1, 2, 0, 32, 0, 29}}, {}, {{4, 0, 2, 1}, {6, 0, 29, 64}}, {{2, 6, 29}}},
-    // rank 1 step 43: reduced part 7 piece 2 to rank 2; wait entry[2], gathered[30]; r2:dst@0[30/32] = r1:dst@0[30/32]; signal r2:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 30}, {{1, 2, 0, 32, 0, 30}}, {}, {{4, 0, 2, 1}, {6, 0, 30, 64}}, {{2, 6, 30}}},
-    // rank 1 step 44: reduced part 7 piece 3 to rank 2; wait entry[2], gathered[31]; r2:dst@0[31/32] = r1:dst@0[31/32]; signal r2:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 31}, {{1, 2, 0, 32, 0, 31}}, {}, {{4, 0, 2, 1}, {6, 0, 31, 64}}, {{2, 6, 31}}},
-    // rank 1 step 45: reduced part 6 piece 0 to rank 2; wait entry[2], gathered[24]; r2:dst@0[24/32] = r1:dst@0[24/32]; signal r2:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 24}, {{1, 2, 0, 32, 0, 24}}, {}, {{4, 0, 2, 1}, {6, 0, 24, 64}}, {{2, 6, 24}}},
-    // rank 1 step 46: reduced part 6 piece 1 to rank 2; wait entry[2], gathered[25]; r2:dst@0[25/32] = r1:dst@0[25/32]; signal r2:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 25}, {{1, 2, 0, 32, 0, 25}}, {}, {{4, 0, 2, 1}, {6, 0, 25, 64}}, {{2, 6, 25}}},
-    // rank 1 step 47: reduced part 6 piece 2 to rank 2; wait entry[2], gathered[26]; r2:dst@0[26/32] = r1:dst@0[26/32]; signal r2:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 26}, {{1, 2, 0, 32, 0, 26}}, {}, {{4, 0, 2, 1}, {6, 0, 26, 64}}, {{2, 6, 26}}},
-    // rank 1 step 48: reduced part 6 piece 3 to rank 2; wait entry[2], gathered[27]; r2:dst@0[27/32] = r1:dst@0[27/32]; signal r2:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 27}, {{1, 2, 0, 32, 0, 27}}, {}, {{4, 0, 2, 1}, {6, 0, 27, 64}}, {{2, 6, 27}}},
-    // rank 1 step 49: reduced part 5 piece 0 to rank 2; wait entry[2], gathered[20]; r2:dst@0[20/32] = r1:dst@0[20/32]; signal r2:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 20}, {{1, 2, 0, 32, 0, 20}}, {}, {{4, 0, 2, 1}, {6, 0, 20, 64}}, {{2, 6, 20}}},
-    // rank 1 step 50: reduced part 5 piece 1 to rank 2; wait entry[2], gathered[21]; r2:dst@0[21/32] = r1:dst@0[21/32]; signal r2:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 21}, {{1, 2, 0, 32, 0, 21}}, {}, {{4, 0, 2, 1}, {6, 0, 21, 64}}, {{2, 6, 21}}},
-    // rank 1 step 51: reduced part 5 piece 2 to rank 2; wait entry[2], gathered[22]; r2:dst@0[22/32] = r1:dst@0[22/32]; signal r2:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 22}, {{1, 2, 0, 32, 0, 22}}, {}, {{4, 0, 2, 1}, {6, 0, 22, 64}}, {{2, 6, 22}}},
-    // rank 1 step 52: reduced part 5 piece 3 to rank 2; wait entry[2], gathered[23]; r2:dst@0[23/32] = r1:dst@0[23/32]; signal r2:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 23}, {{1, 2, 0, 32, 0, 23}}, {}, {{4, 0, 2, 1}, {6, 0, 23, 64}}, {{2, 6, 23}}},
-    // rank 1 step 53: reduced part 4 piece 0 to rank 2; wait entry[2], gathered[16]; r2:dst@0[16/32] = r1:dst@0[16/32]; signal r2:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 16}, {{1, 2, 0, 32, 0, 16}}, {}, {{4, 0, 2, 1}, {6, 0, 16, 64}}, {{2, 6, 16}}},
-    // rank 1 step 54: reduced part 4 piece 1 to rank 2; wait entry[2], gathered[17]; r2:dst@0[17/32] = r1:dst@0[17/32]; signal r2:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 17}, {{1, 2, 0, 32, 0, 17}}, {}, {{4, 0, 2, 1}, {6, 0, 17, 64}}, {{2, 6, 17}}},
-    // rank 1 step 55: reduced part 4 piece 2 to rank 2; wait entry[2], gathered[18]; r2:dst@0[18/32] = r1:dst@0[18/32]; signal r2:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 18}, {{1, 2, 0, 32, 0, 18}}, {}, {{4, 0, 2, 1}, {6, 0, 18, 64}}, {{2, 6, 18}}},
-    // rank 1 step 56: reduced part 4 piece 3 to rank 2; wait entry[2], gathered[19]; r2:dst@0[19/32] = r1:dst@0[19/32]; signal r2:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 19}, {{1, 2, 0, 32, 0, 19}}, {}, {{4, 0, 2, 1}, {6, 0, 19, 64}}, {{2, 6, 19}}},
-    // rank 1 step 57: reduced part 3 piece 0 to rank 2; wait entry[2], gathered[12]; r2:dst@0[12/32] = r1:dst@0[12/32]; signal r2:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{4, 0, 2, 1}, {6, 0, 12, 64}}, {{2, 6, 12}}},
-    // rank 1 step 58: reduced part 3 piece 1 to rank 2; wait entry[2], gathered[13]; r2:dst@0[13/32] = r1:dst@0[13/32]; signal r2:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{4, 0, 2, 1}, {6, 0, 13, 64}}, {{2, 6, 13}}},
-    // rank 1 step 59: reduced part 3 piece 2 to rank 2; wait entry[2], gathered[14]; r2:dst@0[14/32] = r1:dst@0[14/32]; signal r2:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{4, 0, 2, 1}, {6, 0, 14, 64}}, {{2, 6, 14}}},
-    // rank 1 step 60: reduced part 3 piece 3 to rank 2; wait entry[2], gathered[15]; r2:dst@0[15/32] = r1:dst@0[15/32]; signal r2:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{4, 0, 2, 1}, {6, 0, 15, 64}}, {{2, 6, 15}}},
-    // rank 1 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},
-    // rank 1 step 62: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
-    // rank 1 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
-    // rank 1 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
-    // rank 2 step 1: part 1 piece 0: our input to rank 3; wait entry[3]; r3:inbox@0[4/32] = r2:src@0[4/32]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 4}, {{2, 1, 1, 32, 0, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 2 step 2: part 1 piece 1: our input to rank 3; wait entry[3]; r3:inbox@0[5/32] = r2:src@0[5/32]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 5}, {{2, 1, 1, 32, 0, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 2 step 3: part 1 piece 2: our input to rank 3; wait entry[3]; r3:inbox@0[6/32] = r2:src@0[6/32]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 6}, {{2, 1, 1, 32, 0, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 2 step 4: part 1 piece 3: our input to rank 3; wait entry[3]; r3:inbox@0[7/32] = r2:src@0[7/32]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 7}, {{2, 1, 1, 32, 0, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 2 step 5: part 0 piece 0: partial sum + our input to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/32] = r2:inbox@0[0/32] + r2:src@0[0/32]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 0}, {{2, 3, 0, 32, 0, 0}, {2, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 2 step 6: part 0 piece 1: partial sum + our input to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/32] = r2:inbox@0[1/32] + r2:src@0[1/32]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 1}, {{2, 3, 0, 32, 0, 1}, {2, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 2 step 7: part 0 piece 2: partial sum + our input to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/32] = r2:inbox@0[2/32] + r2:src@0[2/32]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 2}, {{2, 3, 0, 32, 0, 2}, {2, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 2 step 8: part 0 piece 3: partial sum + our input to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/32] = r2:inbox@0[3/32] + r2:src@0[3/32]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 3}, {{2, 3, 0, 32, 0, 3}, {2, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 2 step 9: part 7 piece 0: partial sum + our input to rank 3; wait arrive[28], entry[3]; r3:inbox@0[28/32] = r2:inbox@0[28/32] + r2:src@0[28/32]; signal r3:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 28}, {{2, 3, 0, 32, 0, 28}, {2, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},
-    // rank 2 step 10: part 7 piece 1: partial sum + our input to rank 3; wait arrive[29], entry[3]; r3:inbox@0[29/32] = r2:inbox@0[29/32] + r2:src@0[29/32]; signal r3:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 29}, {{2, 3, 0, 32, 0, 29}, {2, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},
-    // rank 2 step 11: part 7 piece 2: partial sum + our input to rank 3; wait arrive[30], entry[3]; r3:inbox@0[30/32] = r2:inbox@0[30/32] + r2:src@0[30/32]; signal r3:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 30}, {{2, 3, 0, 32, 0, 30}, {2, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},
-    // rank 2 step 12: part 7 piece 3: partial sum + our input to rank 3; wait arrive[31], entry[3]; r3:inbox@0[31/32] = r2:inbox@0[31/32] + r2:src@0[31/32]; signal r3:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 31}, {{2, 3, 0, 32, 0, 31}, {2, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},
-    // rank 2 step 13: part 6 piece 0: partial sum + our input to rank 3; wait arrive[24], entry[3]; r3:inbox@0[24/32] = r2:inbox@0[24/32] + r2:src@0[24/32]; signal r3:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 24}, {{2, 3, 0, 32, 0, 24}, {2, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},
-    // rank 2 step 14: part 6 piece 1: partial sum + our input to rank 3; wait arrive[25], entry[3]; r3:inbox@0[25/32] = r2:inbox@0[25/32] + r2:src@0[25/32]; signal r3:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 25}, {{2, 3, 0, 32, 0, 25}, {2, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},
-    // rank 2 step 15: part 6 piece 2: partial sum + our input to rank 3; wait arrive[26], entry[3]; r3:inbox@0[26/32] = r2:inbox@0[26/32] + r2:src@0[26/32]; signal r3:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 26}, {{2, 3, 0, 32, 0, 26}, {2, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},
-    // rank 2 step 16: part 6 piece 3: partial sum + our input to rank 3; wait arrive[27], entry[3]; r3:inbox@0[27/32] = r2:inbox@0[27/32] + r2:src@0[27/32]; signal r3:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 27}, {{2, 3, 0, 32, 0, 27}, {2, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},
-    // rank 2 step 17: part 5 piece 0: partial sum + our input to rank 3; wait arrive[20], entry[3]; r3:inbox@0[20/32] = r2:inbox@0[20/32] + r2:src@0[20/32]; signal r3:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 20}, {{2, 3, 0, 32, 0, 20}, {2, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 3, 1}}, {{3, 5, 20}}},
-    // rank 2 step 18: part 5 piece 1: partial sum + our input to rank 3; wait arrive[21], entry[3]; r3:inbox@0[21/32] = r2:inbox@0[21/32] + r2:src@0[21/32]; signal r3:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 21}, {{2, 3, 0, 32, 0, 21}, {2, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 3, 1}}, {{3, 5, 21}}},
-    // rank 2 step 19: part 5 piece 2: partial sum + our input to rank 3; wait arrive[22], entry[3]; r3:inbox@0[22/32] = r2:inbox@0[22/32] + r2:src@0[22/32]; signal r3:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 22}, {{2, 3, 0, 32, 0, 22}, {2, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 3, 1}}, {{3, 5, 22}}},
-    // rank 2 step 20: part 5 piece 3: partial sum + our input to rank 3; wait arrive[23], entry[3]; r3:inbox@0[23/32] = r2:inbox@0[23/32] + r2:src@0[23/32]; signal r3:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 23}, {{2, 3, 0, 32, 0, 23}, {2, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 3, 1}}, {{3, 5, 23}}},
-    // rank 2 step 21: part 4 piece 0: partial sum + our input to rank 3; wait arrive[16], entry[3]; r3:inbox@0[16/32] = r2:inbox@0[16/32] + r2:src@0[16/32]; signal r3:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 16}, {{2, 3, 0, 32, 0, 16}, {2, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 3, 1}}, {{3, 5, 16}}},
-    // rank 2 step 22: part 4 piece 1: partial sum + our input to rank 3; wait arrive[17], entry[3]; r3:inbox@0[17/32] = r2:inbox@0[17/32] + r2:src@0[17/32]; signal r3:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 17}, {{2, 3, 0, 32, 0, 17}, {2, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 3, 1}}, {{3, 5, 17}}},
-    // rank 2 step 23: part 4 piece 2: partial sum + our input to rank 3; wait arrive[18], entry[3]; r3:inbox@0[18/32] = r2:inbox@0[18/32] + r2:src@0[18/32]; signal r3:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 18}, {{2, 3, 0, 32, 0, 18}, {2, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 3, 1}}, {{3, 5, 18}}},
-    // rank 2 step 24: part 4 piece 3: partial sum + our input to rank 3; wait arrive[19], entry[3]; r3:inbox@0[19/32] = r2:inbox@0[19/32] + r2:src@0[19/32]; signal r3:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 19}, {{2, 3, 0, 32, 0, 19}, {2, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 3, 1}}, {{3, 5, 19}}},
-    // rank 2 step 25: part 3 piece 0: partial sum + our input to rank 3; wait arrive[12], entry[3]; r3:inbox@0[12/32] = r2:inbox@0[12/32] + r2:src@0[12/32]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 12}, {{2, 3, 0, 32, 0, 12}, {2, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 3, 1}}, {{3, 5, 12}}},
-    // rank 2 step 26: part 3 piece 1: partial sum + our input to rank 3; wait arrive[13], entry[3]; r3:inbox@0[13/32] = r2:inbox@0[13/32] + r2:src@0[13/32]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 13}, {{2, 3, 0, 32, 0, 13}, {2, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 3, 1}}, {{3, 5, 13}}},
-    // rank 2 step 27: part 3 piece 2: partial sum + our input to rank 3; wait arrive[14], entry[3]; r3:inbox@0[14/32] = r2:inbox@0[14/32] + r2:src@0[14/32]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 14}, {{2, 3, 0, 32, 0, 14}, {2, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 3, 1}}, {{3, 5, 14}}},
-    // rank 2 step 28: part 3 piece 3: partial sum + our input to rank 3; wait arrive[15], entry[3]; r3:inbox@0[15/32] = r2:inbox@0[15/32] + r2:src@0[15/32]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 15}, {{2, 3, 0, 32, 0, 15}, {2, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 3, 1}}, {{3, 5, 15}}},
-    // rank 2 step 29: our part, piece 0: last partial sum + our input; wait arrive[8]; r2:dst@0[8/32] = r2:inbox@0[8/32] + r2:src@0[8/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 8}, {{2, 3, 0, 32, 0, 8}, {2, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}}, {}},
-    // rank 2 step 30: our part, piece 1: last partial sum + our input; wait arrive[9]; r2:dst@0[9/32] = r2:inbox@0[9/32] + r2:src@0[9/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 9}, {{2, 3, 0, 32, 0, 9}, {2, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}}, {}},
-    // rank 2 step 31: our part, piece 2: last partial sum + our input; wait arrive[10]; r2:dst@0[10/32] = r2:inbox@0[10/32] + r2:src@0[10/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 10}, {{2, 3, 0, 32, 0, 10}, {2, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}}, {}},
-    // rank 2 step 32: our part, piece 3: last partial sum + our input; wait arrive[11]; r2:dst@0[11/32] = r2:inbox@0[11/32] + r2:src@0[11/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 11}, {{2, 3, 0, 32, 0, 11}, {2, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}}, {}},
-    // rank 2 step 33: reduced part 2 piece 0 to rank 3; wait entry[3]; r3:dst@0[8/32] = r2:dst@0[8/32]; signal r3:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{4, 0, 3, 1}}, {{3, 6, 8}}},
-    // rank 2 step 34: reduced part 2 piece 1 to rank 3; wait entry[3]; r3:dst@0[9/32] = r2:dst@0[9/32]; signal r3:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{4, 0, 3, 1}}, {{3, 6, 9}}},
-    // rank 2 step 35: reduced part 2 piece 2 to rank 3; wait entry[3]; r3:dst@0[10/32] = r2:dst@0[10/32]; signal r3:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{4, 0, 3, 1}}, {{3, 6, 10}}},
-    // rank 2 step 36: reduced part 2 piece 3 to rank 3; wait entry[3]; r3:dst@0[11/32] = r2:dst@0[11/32]; signal r3:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{4, 0, 3, 1}}, {{3, 6, 11}}},
-    // rank 2 step 37: reduced part 1 piece 0 to rank 3; wait entry[3], gathered[4]; r3:dst@0[4/32] = r2:dst@0[4/32]; signal r3:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 4}, {{2, 2, 0, 32, 0, 4}}, {}, {{4, 0, 3, 1}, {6, 0, 4, 64}}, {{3, 6, 4}}},
-    // rank 2 step 38: reduced part 1 piece 1 to rank 3; wait entry[3], gathered[5]; r3:dst@0[5/32] = r2:dst@0[5/32]; signal r3:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 5}, {{2, 2, 0, 32, 0, 5}}, {}, {{4, 0, 3, 1}, {6, 0, 5, 64}}, {{3, 6, 5}}},
-    // rank 2 step 39: reduced part 1 piece 2 to rank 3; wait entry[3], gathered[6]; r3:dst@0[6/32] = r2:dst@0[6/32]; signal r3:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 6}, {{2, 2, 0, 32, 0, 6}}, {}, {{4, 0, 3, 1}, {6, 0, 6, 64}}, {{3, 6, 6}}},
-    // rank 2 step 40: reduced part 1 piece 3 to rank 3; wait entry[3], gathered[7]; r3:dst@0[7/32] = r2:dst@0[7/32]; signal r3:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 7}, {{2, 2, 0, 32, 0, 7}}, {}, {{4, 0, 3, 1}, {6, 0, 7, 64}}, {{3, 6, 7}}},
-    // rank 2 step 41: reduced part 0 piece 0 to rank 3; wait entry[3], gathered[0]; r3:dst@0[0/32] = r2:dst@0[0/32]; signal r3:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 0}, {{2, 2, 0, 32, 0, 0}}, {}, {{4, 0, 3, 1}, {6, 0, 0, 64}}, {{3, 6, 0}}},
-    // rank 2 step 42: reduced part 0 piece 1 to rank 3; wait entry[3], gathered[1]; r3:dst@0[1/32] = r2:dst@0[1/32]; signal r3:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 1}, {{2, 2, 0, 32, 0, 1}}, {}, {{4, 0, 3, 1}, {6, 0, 1, 64}}, {{3, 6, 1}}},
-    // rank 2 step 43: reduced part 0 piece 2 to rank 3; wait entry[3], gathered[2]; r3:dst@0[2/32] = r2:dst@0[2/32]; signal r3:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 2}, {{2, 2, 0, 32, 0, 2}}, {}, {{4, 0, 3, 1}, {6, 0, 2, 64}}, {{3, 6, 2}}},
-    // rank 2 step 44: reduced part 0 piece 3 to rank 3; wait entry[3], gathered[3]; r3:dst@0[3/32] = r2:dst@0[3/32]; signal r3:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 3}, {{2, 2, 0, 32, 0, 3}}, {}, {{4, 0, 3, 1}, {6, 0, 3, 64}}, {{3, 6, 3}}},
-    // rank 2 step 45: reduced part 7 piece 0 to rank 3; wait entry[3], gathered[28]; r3:dst@0[28/32] = r2:dst@0[28/32]; signal r3:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 28}, {{2, 2, 0, 32, 0, 28}}, {}, {{4, 0, 3, 1}, {6, 0, 28, 64}}, {{3, 6, 28}}},
-    // rank 2 step 46: reduced part 7 piece 1 to rank 3; wait entry[3], gathered[29]; r3:dst@0[29/32] = r2:dst@0[29/32]; signal r3:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 29}, {{2, 2, 0, 32, 0, 29}}, {}, {{4, 0, 3, 1}, {6, 0, 29, 64}}, {{3, 6, 29}}},
-    // rank 2 step 47: reduced part 7 piece 2 to rank 3; wait entry[3], gathered[30]; r3:dst@0[30/32] = r2:dst@0[30/32]; signal r3:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 30}, {{2, 2, 0, 32, 0, 30}}, {}, {{4, 0, 3, 1}, {6, 0, 30, 64}}, {{3, 6, 30}}},
-    // rank 2 step 48: reduced part 7 piece 3 to rank 3; wait entry[3], gathered[31]; r3:dst@0[31/32] = r2:dst@0[31/32]; signal r3:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 31}, {{2, 2, 0, 32, 0, 31}}, {}, {{4, 0, 3, 1}, {6, 0, 31, 64}}, {{3, 6, 31}}},
-    // rank 2 step 49: reduced part 6 piece 0 to rank 3; wait entry[3], gathered[24]; r3:dst@0[24/32] = r2:dst@0[24/32]; signal r3:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 24}, {{2, 2, 0, 32, 0, 24}}, {}, {{4, 0, 3, 1}, {6, 0, 24, 64}}, {{3, 6, 24}}},
-    // rank 2 step 50: reduced part 6 piece 1 to rank 3; wait entry[3], gathered[25]; r3:dst@0[25/32] = r2:dst@0[25/32]; signal r3:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 25}, {{2, 2, 0, 32, 0, 25}}, {}, {{4, 0, 3, 1}, {6, 0, 25, 64}}, {{3, 6, 25}}},
-    // rank 2 step 51: reduced part 6 piece 2 to rank 3; wait entry[3], gathered[26]; r3:dst@0[26/32] = r2:dst@0[26/32]; signal r3:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 26}, {{2, 2, 0, 32, 0, 26}}, {}, {{4, 0, 3, 1}, {6, 0, 26, 64}}, {{3, 6, 26}}},
-    // rank 2 step 52: reduced part 6 piece 3 to rank 3; wait entry[3], gathered[27]; r3:dst@0[27/32] = r2:dst@0[27/32]; signal r3:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 27}, {{2, 2, 0, 32, 0, 27}}, {}, {{4, 0, 3, 1}, {6, 0, 27, 64}}, {{3, 6, 27}}},
-    // rank 2 step 53: reduced part 5 piece 0 to rank 3; wait entry[3], gathered[20]; r3:dst@0[20/32] = r2:dst@0[20/32]; signal r3:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{4, 0, 3, 1}, {6, 0, 20, 64}}, {{3, 6, 20}}},
-    // rank 2 step 54: reduced part 5 piece 1 to rank 3; wait entry[3], gathered[21]; r3:dst@0[21/32] = r2:dst@0[21/32]; signal r3:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{4, 0, 3, 1}, {6, 0, 21, 64}}, {{3, 6, 21}}},
-    // rank 2 step 55: reduced part 5 piece 2 to rank 3; wait entry[3], gathered[22]; r3:dst@0[22/32] = r2:dst@0[22/32]; signal r3:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{4, 0, 3, 1}, {6, 0, 22, 64}}, {{3, 6, 22}}},
-    // rank 2 step 56: reduced part 5 piece 3 to rank 3; wait entry[3], gathered[23]; r3:dst@0[23/32] = r2:dst@0[23/32]; signal r3:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{4, 0, 3, 1}, {6, 0, 23, 64}}, {{3, 6, 23}}},
-    // rank 2 step 57: reduced part 4 piece 0 to rank 3; wait entry[3], gathered[16]; r3:dst@0[16/32] = r2:dst@0[16/32]; signal r3:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{4, 0, 3, 1}, {6, 0, 16, 64}}, {{3, 6, 16}}},
-    // rank 2 step 58: reduced part 4 piece 1 to rank 3; wait entry[3], gathered[17]; r3:dst@0[17/32] = r2:dst@0[17/32]; signal r3:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{4, 0, 3, 1}, {6, 0, 17, 64}}, {{3, 6, 17}}},
-    // rank 2 step 59: reduced part 4 piece 2 to rank 3; wait entry[3], gathered[18]; r3:dst@0[18/32] = r2:dst@0[18/32]; signal r3:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{4, 0, 3, 1}, {6, 0, 18, 64}}, {{3, 6, 18}}},
-    // rank 2 step 60: reduced part 4 piece 3 to rank 3; wait entry[3], gathered[19]; r3:dst@0[19/32] = r2:dst@0[19/32]; signal r3:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{4, 0, 3, 1}, {6, 0, 19, 64}}, {{3, 6, 19}}},
-    // rank 2 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
-    // rank 2 step 62: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
-    // rank 2 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
-    // rank 2 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},
-    // rank 3 step 1: part 2 piece 0: our input to rank 4; wait entry[4]; r4:inbox@0[8/32] = r3:src@0[8/32]; signal r4:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 8}, {{3, 1, 1, 32, 0, 8}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
-    // rank 3 step 2: part 2 piece 1: our input to rank 4; wait entry[4]; r4:inbox@0[9/32] = r3:src@0[9/32]; signal r4:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 9}, {{3, 1, 1, 32, 0, 9}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
-    // rank 3 step 3: part 2 piece 2: our input to rank 4; wait entry[4]; r4:inbox@0[10/32] = r3:src@0[10/32]; signal r4:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 10}, {{3, 1, 1, 32, 0, 10}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
-    // rank 3 step 4: part 2 piece 3: our input to rank 4; wait entry[4]; r4:inbox@0[11/32] = r3:src@0[11/32]; signal r4:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 11}, {{3, 1, 1, 32, 0, 11}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
-    // rank 3 step 5: part 1 piece 0: partial sum + our input to rank 4; wait arrive[4], entry[4]; r4:inbox@0[4/32] = r3:inbox@0[4/32] + r3:src@0[4/32]; signal r4:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 4}, {{3, 3, 0, 32, 0, 4}, {3, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 4, 1}}, {{4, 5, 4}}},
-    // rank 3 step 6: part 1 piece 1: partial sum + our input to rank 4; wait arrive[5], entry[4]; r4:inbox@0[5/32] = r3:inbox@0[5/32] + r3:src@0[5/32]; signal r4:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 5}, {{3, 3, 0, 32, 0, 5}, {3, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 4, 1}}, {{4, 5, 5}}},
-    // rank 3 step 7: part 1 piece 2: partial sum + our input to rank 4; wait arrive[6], entry[4]; r4:inbox@0[6/32] = r3:inbox@0[6/32] + r3:src@0[6/32]; signal r4:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 6}, {{3, 3, 0, 32, 0, 6}, {3, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 4, 1}}, {{4, 5, 6}}},
-    // rank 3 step 8: part 1 piece 3: partial sum + our input to rank 4; wait arrive[7], entry[4]; r4:inbox@0[7/32] = r3:inbox@0[7/32] + r3:src@0[7/32]; signal r4:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 7}, {{3, 3, 0, 32, 0, 7}, {3, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 4, 1}}, {{4, 5, 7}}},
-    // rank 3 step 9: part 0 piece 0: partial sum + our input to rank 4; wait arrive[0], entry[4]; r4:inbox@0[0/32] = r3:inbox@0[0/32] + r3:src@0[0/32]; signal r4:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 0}, {{3, 3, 0, 32, 0, 0}, {3, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 4, 1}}, {{4, 5, 0}}},
-    // rank 3 step 10: part 0 piece 1: partial sum + our input to rank 4; wait arrive[1], entry[4]; r4:inbox@0[1/32] = r3:inbox@0[1/32] + r3:src@0[1/32]; signal r4:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 1}, {{3, 3, 0, 32, 0, 1}, {3, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 4, 1}}, {{4, 5, 1}}},
-    // rank 3 step 11: part 0 piece 2: partial sum + our input to rank 4; wait arrive[2], entry[4]; r4:inbox@0[2/32] = r3:inbox@0[2/32] + r3:src@0[2/32]; signal r4:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 2}, {{3, 3, 0, 32, 0, 2}, {3, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 4, 1}}, {{4, 5, 2}}},
-    // rank 3 step 12: part 0 piece 3: partial sum + our input to rank 4; wait arrive[3], entry[4]; r4:inbox@0[3/32] = r3:inbox@0[3/32] + r3:src@0[3/32]; signal r4:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 3}, {{3, 3, 0, 32, 0, 3}, {3, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 4, 1}}, {{4, 5, 3}}},
-    // rank 3 step 13: part 7 piece 0: partial sum + our input to rank 4; wait arrive[28], entry[4]; r4:inbox@0[28/32] = r3:inbox@0[28/32] + r3:src@0[28/32]; signal r4:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 28}, {{3, 3, 0, 32, 0, 28}, {3, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 4, 1}}, {{4, 5, 28}}},
-    // rank 3 step 14: part 7 piece 1: partial sum + our input to rank 4; wait arrive[29], entry[4]; r4:inbox@0[29/32] = r3:inbox@0[29/32] + r3:src@0[29/32]; signal r4:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 29}, {{3, 3, 0, 32, 0, 29}, {3, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 4, 1}}, {{4, 5, 29}}},
-    // rank 3 step 15: part 7 piece 2: partial sum + our input to rank 4; wait arrive[30], entry[4]; r4:inbox@0[30/32] = r3:inbox@0[30/32] + r3:src@0[30/32]; signal r4:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 30}, {{3, 3, 0, 32, 0, 30}, {3, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 4, 1}}, {{4, 5, 30}}},
-    // rank 3 step 16: part 7 piece 3: partial sum + our input to rank 4; wait arrive[31], entry[4]; r4:inbox@0[31/32] = r3:inbox@0[31/32] + r3:src@0[31/32]; signal r4:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 31}, {{3, 3, 0, 32, 0, 31}, {3, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 4, 1}}, {{4, 5, 31}}},
-    // rank 3 step 17: part 6 piece 0: partial sum + our input to rank 4; wait arrive[24], entry[4]; r4:inbox@0[24/32] = r3:inbox@0[24/32] + r3:src@0[24/32]; signal r4:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 24}, {{3, 3, 0, 32, 0, 24}, {3, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 4, 1}}, {{4, 5, 24}}},
-    // rank 3 step 18: part 6 piece 1: partial sum + our input to rank 4; wait arrive[25], entry[4]; r4:inbox@0[25/32] = r3:inbox@0[25/32] + r3:src@0[25/32]; signal r4:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 25}, {{3, 3, 0, 32, 0, 25}, {3, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 4, 1}}, {{4, 5, 25}}},
-    // rank 3 step 19: part 6 piece 2: partial sum + our input to rank 4; wait arrive[26], entry[4]; r4:inbox@0[26/32] = r3:inbox@0[26/32] + r3:src@0[26/32]; signal r4:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 26}, {{3, 3, 0, 32, 0, 26}, {3, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 4, 1}}, {{4, 5, 26}}},
-    // rank 3 step 20: part 6 piece 3: partial sum + our input to rank 4; wait arrive[27], entry[4]; r4:inbox@0[27/32] = r3:inbox@0[27/32] + r3:src@0[27/32]; signal r4:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 27}, {{3, 3, 0, 32, 0, 27}, {3, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 4, 1}}, {{4, 5, 27}}},
-    // rank 3 step 21: part 5 piece 0: partial sum + our input to rank 4; wait arrive[20], entry[4]; r4:inbox@0[20/32] = r3:inbox@0[20/32] + r3:src@0[20/32]; signal r4:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 20}, {{3, 3, 0, 32, 0, 20}, {3, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 4, 1}}, {{4, 5, 20}}},
-    // rank 3 step 22: part 5 piece 1: partial sum + our input to rank 4; wait arrive[21], entry[4]; r4:inbox@0[21/32] = r3:inbox@0[21/32] + r3:src@0[21/32]; signal r4:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 21}, {{3, 3, 0, 32, 0, 21}, {3, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 4, 1}}, {{4, 5, 21}}},
-    // rank 3 step 23: part 5 piece 2: partial sum + our input to rank 4; wait arrive[22], entry[4]; r4:inbox@0[22/32] = r3:inbox@0[22/32] + r3:src@0[22/32]; signal r4:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 22}, {{3, 3, 0, 32, 0, 22}, {3, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 4, 1}}, {{4, 5, 22}}},
-    // rank 3 step 24: part 5 piece 3: partial sum + our input to rank 4; wait arrive[23], entry[4]; r4:inbox@0[23/32] = r3:inbox@0[23/32] + r3:src@0[23/32]; signal r4:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 23}, {{3, 3, 0, 32, 0, 23}, {3, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 4, 1}}, {{4, 5, 23}}},
-    // rank 3 step 25: part 4 piece 0: partial sum + our input to rank 4; wait arrive[16], entry[4]; r4:inbox@0[16/32] = r3:inbox@0[16/32] + r3:src@0[16/32]; signal r4:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 16}, {{3, 3, 0, 32, 0, 16}, {3, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 4, 1}}, {{4, 5, 16}}},
-    // rank 3 step 26: part 4 piece 1: partial sum + our input to rank 4; wait arrive[17], entry[4]; r4:inbox@0[17/32] = r3:inbox@0[17/32] + r3:src@0[17/32]; signal r4:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 17}, {{3, 3, 0, 32, 0, 17}, {3, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 4, 1}}, {{4, 5, 17}}},
-    // rank 3 step 27: part 4 piece 2: partial sum + our input to rank 4; wait arrive[18], entry[4]; r4:inbox@0[18/32] = r3:inbox@0[18/32] + r3:src@0[18/32]; signal r4:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 18}, {{3, 3, 0, 32, 0, 18}, {3, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 4, 1}}, {{4, 5, 18}}},
-    // rank 3 step 28: part 4 piece 3: partial sum + our input to rank 4; wait arrive[19], entry[4]; r4:inbox@0[19/32] = r3:inbox@0[19/32] + r3:src@0[19/32]; signal r4:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 19}, {{3, 3, 0, 32, 0, 19}, {3, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 4, 1}}, {{4, 5, 19}}},
-    // rank 3 step 29: our part, piece 0: last partial sum + our input; wait arrive[12]; r3:dst@0[12/32] = r3:inbox@0[12/32] + r3:src@0[12/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 12}, {{3, 3, 0, 32, 0, 12}, {3, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}}, {}},
-    // rank 3 step 30: our part, piece 1: last partial sum + our input; wait arrive[13]; r3:dst@0[13/32] = r3:inbox@0[13/32] + r3:src@0[13/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 13}, {{3, 3, 0, 32, 0, 13}, {3, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}}, {}},
-    // rank 3 step 31: our part, piece 2: last partial sum + our input; wait arrive[14]; r3:dst@0[14/32] = r3:inbox@0[14/32] + r3:src@0[14/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 14}, {{3, 3, 0, 32, 0, 14}, {3, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}}, {}},
-    // rank 3 step 32: our part, piece 3: last partial sum + our input; wait arrive[15]; r3:dst@0[15/32] = r3:inbox@0[15/32] + r3:src@0[15/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 15}, {{3, 3, 0, 32, 0, 15}, {3, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}}, {}},
-    // rank 3 step 33: reduced part 3 piece 0 to rank 4; wait entry[4]; r4:dst@0[12/32] = r3:dst@0[12/32]; signal r4:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{4, 0, 4, 1}}, {{4, 6, 12}}},
-    // rank 3 step 34: reduced part 3 piece 1 to rank 4; wait entry[4]; r4:dst@0[13/32] = r3:dst@0[13/32]; signal r4:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{4, 0, 4, 1}}, {{4, 6, 13}}},
-    // rank 3 step 35: reduced part 3 piece 2 to rank 4; wait entry[4]; r4:dst@0[14/32] = r3:dst@0[14/32]; signal r4:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{4, 0, 4, 1}}, {{4, 6, 14}}},
-    // rank 3 step 36: reduced part 3 piece 3 to rank 4; wait entry[4]; r4:dst@0[15/32] = r3:dst@0[15/32]; signal r4:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{4, 0, 4, 1}}, {{4, 6, 15}}},
-    // rank 3 step 37: reduced part 2 piece 0 to rank 4; wait entry[4], gathered[8]; r4:dst@0[8/32] = r3:dst@0[8/32]; signal r4:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 8}, {{3, 2, 0, 32, 0, 8}}, {}, {{4, 0, 4, 1}, {6, 0, 8, 64}}, {{4, 6, 8}}},
-    // rank 3 step 38: reduced part 2 piece 1 to rank 4; wait entry[4], gathered[9]; r4:dst@0[9/32] = r3:dst@0[9/32]; signal r4:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 9}, {{3, 2, 0, 32, 0, 9}}, {}, {{4, 0, 4, 1}, {6, 0, 9, 64}}, {{4, 6, 9}}},
-    // rank 3 step 39: reduced part 2 piece 2 to rank 4; wait entry[4], gathered[10]; r4:dst@0[10/32] = r3:dst@0[10/32]; signal r4:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 10}, {{3, 2, 0, 32, 0, 10}}, {}, {{4, 0, 4, 1}, {6, 0, 10, 64}}, {{4, 6, 10}}},
-    // rank 3 step 40: reduced part 2 piece 3 to rank 4; wait entry[4], gathered[11]; r4:dst@0[11/32] = r3:dst@0[11/32]; signal r4:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 11}, {{3, 2, 0, 32, 0, 11}}, {}, {{4, 0, 4, 1}, {6, 0, 11, 64}}, {{4, 6, 11}}},
-    // rank 3 step 41: reduced part 1 piece 0 to rank 4; wait entry[4], gathered[4]; r4:dst@0[4/32] = r3:dst@0[4/32]; signal r4:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 4}, {{3, 2, 0, 32, 0, 4}}, {}, {{4, 0, 4, 1}, {6, 0, 4, 64}}, {{4, 6, 4}}},
-    // rank 3 step 42: reduced part 1 piece 1 to rank 4; wait entry[4], gathered[5]; r4:dst@0[5/32] = r3:dst@0[5/32]; signal r4:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 5}, {{3, 2, 0, 32, 0, 5}}, {}, {{4, 0, 4, 1}, {6, 0, 5, 64}}, {{4, 6, 5}}},
-    // rank 3 step 43: reduced part 1 piece 2 to rank 4; wait entry[4], gathered[6]; r4:dst@0[6/32] = r3:dst@0[6/32]; signal r4:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 6}, {{3, 2, 0, 32, 0, 6}}, {}, {{4, 0, 4, 1}, {6, 0, 6, 64}}, {{4, 6, 6}}},
-    // rank 3 step 44: reduced part 1 piece 3 to rank 4; wait entry[4], gathered[7]; r4:dst@0[7/32] = r3:dst@0[7/32]; signal r4:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 7}, {{3, 2, 0, 32, 0, 7}}, {}, {{4, 0, 4, 1}, {6, 0, 7, 64}}, {{4, 6, 7}}},
-    // rank 3 step 45: reduced part 0 piece 0 to rank 4; wait entry[4], gathered[0]; r4:dst@0[0/32] = r3:dst@0[0/32]; signal r4:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 0}, {{3, 2, 0, 32, 0, 0}}, {}, {{4, 0, 4, 1}, {6, 0, 0, 64}}, {{4, 6, 0}}},
-    // rank 3 step 46: reduced part 0 piece 1 to rank 4; wait entry[4], gathered[1]; r4:dst@0[1/32] = r3:dst@0[1/32]; signal r4:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 1}, {{3, 2, 0, 32, 0, 1}}, {}, {{4, 0, 4, 1}, {6, 0, 1, 64}}, {{4, 6, 1}}},
-    // rank 3 step 47: reduced part 0 piece 2 to rank 4; wait entry[4], gathered[2]; r4:dst@0[2/32] = r3:dst@0[2/32]; signal r4:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 2}, {{3, 2, 0, 32, 0, 2}}, {}, {{4, 0, 4, 1}, {6, 0, 2, 64}}, {{4, 6, 2}}},
-    // rank 3 step 48: reduced part 0 piece 3 to rank 4; wait entry[4], gathered[3]; r4:dst@0[3/32] = r3:dst@0[3/32]; signal r4:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 3}, {{3, 2, 0, 32, 0, 3}}, {}, {{4, 0, 4, 1}, {6, 0, 3, 64}}, {{4, 6, 3}}},
-    // rank 3 step 49: reduced part 7 piece 0 to rank 4; wait entry[4], gathered[28]; r4:dst@0[28/32] = r3:dst@0[28/32]; signal r4:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{4, 0, 4, 1}, {6, 0, 28, 64}}, {{4, 6, 28}}},
-    // rank 3 step 50: reduced part 7 piece 1 to rank 4; wait entry[4], gathered[29]; r4:dst@0[29/32] = r3:dst@0[29/32]; signal r4:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{4, 0, 4, 1}, {6, 0, 29, 64}}, {{4, 6, 29}}},
-    // rank 3 step 51: reduced part 7 piece 2 to rank 4; wait entry[4], gathered[30]; r4:dst@0[30/32] = r3:dst@0[30/32]; signal r4:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{4, 0, 4, 1}, {6, 0, 30, 64}}, {{4, 6, 30}}},
-    // rank 3 step 52: reduced part 7 piece 3 to rank 4; wait entry[4], gathered[31]; r4:dst@0[31/32] = r3:dst@0[31/32]; signal r4:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{4, 0, 4, 1}, {6, 0, 31, 64}}, {{4, 6, 31}}},
-    // rank 3 step 53: reduced part 6 piece 0 to rank 4; wait entry[4], gathered[24]; r4:dst@0[24/32] = r3:dst@0[24/32]; signal r4:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{4, 0, 4, 1}, {6, 0, 24, 64}}, {{4, 6, 24}}},
-    // rank 3 step 54: reduced part 6 piece 1 to rank 4; wait entry[4], gathered[25]; r4:dst@0[25/32] = r3:dst@0[25/32]; signal r4:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{4, 0, 4, 1}, {6, 0, 25, 64}}, {{4, 6, 25}}},
-    // rank 3 step 55: reduced part 6 piece 2 to rank 4; wait entry[4], gathered[26]; r4:dst@0[26/32] = r3:dst@0[26/32]; signal r4:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{4, 0, 4, 1}, {6, 0, 26, 64}}, {{4, 6, 26}}},
-    // rank 3 step 56: reduced part 6 piece 3 to rank 4; wait entry[4], gathered[27]; r4:dst@0[27/32] = r3:dst@0[27/32]; signal r4:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{4, 0, 4, 1}, {6, 0, 27, 64}}, {{4, 6, 27}}},
-    // rank 3 step 57: reduced part 5 piece 0 to rank 4; wait entry[4], gathered[20]; r4:dst@0[20/32] = r3:dst@0[20/32]; signal r4:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 20}, {{3, 2, 0, 32, 0, 20}}, {}, {{4, 0, 4, 1}, {6, 0, 20, 64}}, {{4, 6, 20}}},
-    // rank 3 step 58: reduced part 5 piece 1 to rank 4; wait entry[4], gathered[21]; r4:dst@0[21/32] = r3:dst@0[21/32]; signal r4:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 21}, {{3, 2, 0, 32, 0, 21}}, {}, {{4, 0, 4, 1}, {6, 0, 21, 64}}, {{4, 6, 21}}},
-    // rank 3 step 59: reduced part 5 piece 2 to rank 4; wait entry[4], gathered[22]; r4:dst@0[22/32] = r3:dst@0[22/32]; signal r4:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 22}, {{3, 2, 0, 32, 0, 22}}, {}, {{4, 0, 4, 1}, {6, 0, 22, 64}}, {{4, 6, 22}}},
-    // rank 3 step 60: reduced part 5 piece 3 to rank 4; wait entry[4], gathered[23]; r4:dst@0[23/32] = r3:dst@0[23/32]; signal r4:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 23}, {{3, 2, 0, 32, 0, 23}}, {}, {{4, 0, 4, 1}, {6, 0, 23, 64}}, {{4, 6, 23}}},
-    // rank 3 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
-    // rank 3 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},
-    // rank 3 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
-    // rank 3 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 4}}},
-    // rank 4 step 1: part 3 piece 0: our input to rank 5; wait entry[5]; r5:inbox@0[12/32] = r4:src@0[12/32]; signal r5:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 12}, {{4, 1, 1, 32, 0, 12}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
-    // rank 4 step 2: part 3 piece 1: our input to rank 5; wait entry[5]; r5:inbox@0[13/32] = r4:src@0[13/32]; signal r5:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 13}, {{4, 1, 1, 32, 0, 13}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
-    // rank 4 step 3: part 3 piece 2: our input to rank 5; wait entry[5]; r5:inbox@0[14/32] = r4:src@0[14/32]; signal r5:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 14}, {{4, 1, 1, 32, 0, 14}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
-    // rank 4 step 4: part 3 piece 3: our input to rank 5; wait entry[5]; r5:inbox@0[15/32] = r4:src@0[15/32]; signal r5:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 15}, {{4, 1, 1, 32, 0, 15}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
-    // rank 4 step 5: part 2 piece 0: partial sum + our input to rank 5; wait arrive[8], entry[5]; r5:inbox@0[8/32] = r4:inbox@0[8/32] + r4:src@0[8/32]; signal r5:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 8}, {{4, 3, 0, 32, 0, 8}, {4, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 5, 1}}, {{5, 5, 8}}},
-    // rank 4 step 6: part 2 piece 1: partial sum + our input to rank 5; wait arrive[9], entry[5]; r5:inbox@0[9/32] = r4:inbox@0[9/32] + r4:src@0[9/32]; signal r5:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 9}, {{4, 3, 0, 32, 0, 9}, {4, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 5, 1}}, {{5, 5, 9}}},
-    // rank 4 step 7: part 2 piece 2: partial sum + our input to rank 5; wait arrive[10], entry[5]; r5:inbox@0[10/32] = r4:inbox@0[10/32] + r4:src@0[10/32]; signal r5:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 10}, {{4, 3, 0, 32, 0, 10}, {4, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 5, 1}}, {{5, 5, 10}}},
-    // rank 4 step 8: part 2 piece 3: partial sum + our input to rank 5; wait arrive[11], entry[5]; r5:inbox@0[11/32] = r4:inbox@0[11/32] + r4:src@0[11/32]; signal r5:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 11}, {{4, 3, 0, 32, 0, 11}, {4, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 5, 1}}, {{5, 5, 11}}},
-    // rank 4 step 9: part 1 piece 0: partial sum + our input to rank 5; wait arrive[4], entry[5]; r5:inbox@0[4/32] = r4:inbox@0[4/32] + r4:src@0[4/32]; signal r5:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 4}, {{4, 3, 0, 32, 0, 4}, {4, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 5, 1}}, {{5, 5, 4}}},
-    // rank 4 step 10: part 1 piece 1: partial sum + our input to rank 5; wait arrive[5], entry[5]; r5:inbox@0[5/32] = r4:inbox@0[5/32] + r4:src@0[5/32]; signal r5:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 5}, {{4, 3, 0, 32, 0, 5}, {4, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 5, 1}}, {{5, 5, 5}}},
-    // rank 4 step 11: part 1 piece 2: partial sum + our input to rank 5; wait arrive[6], entry[5]; r5:inbox@0[6/32] = r4:inbox@0[6/32] + r4:src@0[6/32]; signal r5:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 6}, {{4, 3, 0, 32, 0, 6}, {4, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 5, 1}}, {{5, 5, 6}}},
-    // rank 4 step 12: part 1 piece 3: partial sum + our input to rank 5; wait arrive[7], entry[5]; r5:inbox@0[7/32] = r4:inbox@0[7/32] + r4:src@0[7/32]; signal r5:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 7}, {{4, 3, 0, 32, 0, 7}, {4, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 5, 1}}, {{5, 5, 7}}},
-    // rank 4 step 13: part 0 piece 0: partial sum + our input to rank 5; wait arrive[0], entry[5]; r5:inbox@0[0/32] = r4:inbox@0[0/32] + r4:src@0[0/32]; signal r5:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 0}, {{4, 3, 0, 32, 0, 0}, {4, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 5, 1}}, {{5, 5, 0}}},
-    // rank 4 step 14: part 0 piece 1: partial sum + our input to rank 5; wait arrive[1], entry[5]; r5:inbox@0[1/32] = r4:inbox@0[1/32] + r4:src@0[1/32]; signal r5:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 1}, {{4, 3, 0, 32, 0, 1}, {4, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 5, 1}}, {{5, 5, 1}}},
-    // rank 4 step 15: part 0 piece 2: partial sum + our input to rank 5; wait arrive[2], entry[5]; r5:inbox@0[2/32] = r4:inbox@0[2/32] + r4:src@0[2/32]; signal r5:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 2}, {{4, 3, 0, 32, 0, 2}, {4, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 5, 1}}, {{5, 5, 2}}},
-    // rank 4 step 16: part 0 piece 3: partial sum + our input to rank 5; wait arrive[3], entry[5]; r5:inbox@0[3/32] = r4:inbox@0[3/32] + r4:src@0[3/32]; signal r5:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 3}, {{4, 3, 0, 32, 0, 3}, {4, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 5, 1}}, {{5, 5, 3}}},
-    // rank 4 step 17: part 7 piece 0: partial sum + our input to rank 5; wait arrive[28], entry[5]; r5:inbox@0[28/32] = r4:inbox@0[28/32] + r4:src@0[28/32]; signal r5:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 28}, {{4, 3, 0, 32, 0, 28}, {4, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 5, 1}}, {{5, 5, 28}}},
-    // rank 4 step 18: part 7 piece 1: partial sum + our input to rank 5; wait arrive[29], entry[5]; r5:inbox@0[29/32] = r4:inbox@0[29/32] + r4:src@0[29/32]; signal r5:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 29}, {{4, 3, 0, 32, 0, 29}, {4, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 5, 1}}, {{5, 5, 29}}},
-    // rank 4 step 19: part 7 piece 2: partial sum + our input to rank 5; wait arrive[30], entry[5]; r5:inbox@0[30/32] = r4:inbox@0[30/32] + r4:src@0[30/32]; signal r5:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 30}, {{4, 3, 0, 32, 0, 30}, {4, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 5, 1}}, {{5, 5, 30}}},
-    // rank 4 step 20: part 7 piece 3: partial sum + our input to rank 5; wait arrive[31], entry[5]; r5:inbox@0[31/32] = r4:inbox@0[31/32] + r4:src@0[31/32]; signal r5:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 31}, {{4, 3, 0, 32, 0, 31}, {4, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 5, 1}}, {{5, 5, 31}}},
-    // rank 4 step 21: part 6 piece 0: partial sum + our input to rank 5; wait arrive[24], entry[5]; r5:inbox@0[24/32] = r4:inbox@0[24/32] + r4:src@0[24/32]; signal r5:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 24}, {{4, 3, 0, 32, 0, 24}, {4, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 5, 1}}, {{5, 5, 24}}},
-    // rank 4 step 22: part 6 piece 1: partial sum + our input to rank 5; wait arrive[25], entry[5]; r5:inbox@0[25/32] = r4:inbox@0[25/32] + r4:src@0[25/32]; signal r5:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 25}, {{4, 3, 0, 32, 0, 25}, {4, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 5, 1}}, {{5, 5, 25}}},
-    // rank 4 step 23: part 6 piece 2: partial sum + our input to rank 5; wait arrive[26], entry[5]; r5:inbox@0[26/32] = r4:inbox@0[26/32] + r4:src@0[26/32]; signal r5:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 26}, {{4, 3, 0, 32, 0, 26}, {4, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 5, 1}}, {{5, 5, 26}}},
-    // rank 4 step 24: part 6 piece 3: partial sum + our input to rank 5; wait arrive[27], entry[5]; r5:inbox@0[27/32] = r4:inbox@0[27/32] + r4:src@0[27/32]; signal r5:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 27}, {{4, 3, 0, 32, 0, 27}, {4, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 5, 1}}, {{5, 5, 27}}},
-    // rank 4 step 25: part 5 piece 0: partial sum + our input to rank 5; wait arrive[20], entry[5]; r5:inbox@0[20/32] = r4:inbox@0[20/32] + r4:src@0[20/32]; signal r5:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 20}, {{4, 3, 0, 32, 0, 20}, {4, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 5, 1}}, {{5, 5, 20}}},
-    // rank 4 step 26: part 5 piece 1: partial sum + our input to rank 5; wait arrive[21], entry[5]; r5:inbox@0[21/32] = r4:inbox@0[21/32] + r4:src@0[21/32]; signal r5:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 21}, {{4, 3, 0, 32, 0, 21}, {4, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 5, 1}}, {{5, 5, 21}}},
-    // rank 4 step 27: part 5 piece 2: partial sum + our input to rank 5; wait arrive[22], entry[5]; r5:inbox@0[22/32] = r4:inbox@0[22/32] + r4:src@0[22/32]; signal r5:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 22}, {{4, 3, 0, 32, 0, 22}, {4, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 5, 1}}, {{5, 5, 22}}},
-    // rank 4 step 28: part 5 piece 3: partial sum + our input to rank 5; wait arrive[23], entry[5]; r5:inbox@0[23/32] = r4:inbox@0[23/32] + r4:src@0[23/32]; signal r5:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 23}, {{4, 3, 0, 32, 0, 23}, {4, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 5, 1}}, {{5, 5, 23}}},
-    // rank 4 step 29: our part, piece 0: last partial sum + our input; wait arrive[16]; r4:dst@0[16/32] = r4:inbox@0[16/32] + r4:src@0[16/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 16}, {{4, 3, 0, 32, 0, 16}, {4, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}}, {}},
-    // rank 4 step 30: our part, piece 1: last partial sum + our input; wait arrive[17]; r4:dst@0[17/32] = r4:inbox@0[17/32] + r4:src@0[17/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 17}, {{4, 3, 0, 32, 0, 17}, {4, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}}, {}},
-    // rank 4 step 31: our part, piece 2: last partial sum + our input; wait arrive[18]; r4:dst@0[18/32] = r4:inbox@0[18/32] + r4:src@0[18/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 18}, {{4, 3, 0, 32, 0, 18}, {4, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}}, {}},
-    // rank 4 step 32: our part, piece 3: last partial sum + our input; wait arrive[19]; r4:dst@0[19/32] = r4:inbox@0[19/32] + r4:src@0[19/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 19}, {{4, 3, 0, 32, 0, 19}, {4, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}}, {}},
-    // rank 4 step 33: reduced part 4 piece 0 to rank 5; wait entry[5]; r5:dst@0[16/32] = r4:dst@0[16/32]; signal r5:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{4, 0, 5, 1}}, {{5, 6, 16}}},
-    // rank 4 step 34: reduced part 4 piece 1 to rank 5; wait entry[5]; r5:dst@0[17/32] = r4:dst@0[17/32]; signal r5:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{4, 0, 5, 1}}, {{5, 6, 17}}},
-    // rank 4 step 35: reduced part 4 piece 2 to rank 5; wait entry[5]; r5:dst@0[18/32] = r4:dst@0[18/32]; signal r5:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{4, 0, 5, 1}}, {{5, 6, 18}}},
-    // rank 4 step 36: reduced part 4 piece 3 to rank 5; wait entry[5]; r5:dst@0[19/32] = r4:dst@0[19/32]; signal r5:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{4, 0, 5, 1}}, {{5, 6, 19}}},
-    // rank 4 step 37: reduced part 3 piece 0 to rank 5; wait entry[5], gathered[12]; r5:dst@0[12/32] = r4:dst@0[12/32]; signal r5:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 12}, {{4, 2, 0, 32, 0, 12}}, {}, {{4, 0, 5, 1}, {6, 0, 12, 64}}, {{5, 6, 12}}},
-    // rank 4 step 38: reduced part 3 piece 1 to rank 5; wait entry[5], gathered[13]; r5:dst@0[13/32] = r4:dst@0[13/32]; signal r5:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 13}, {{4, 2, 0, 32, 0, 13}}, {}, {{4, 0, 5, 1}, {6, 0, 13, 64}}, {{5, 6, 13}}},
-    // rank 4 step 39: reduced part 3 piece 2 to rank 5; wait entry[5], gathered[14]; r5:dst@0[14/32] = r4:dst@0[14/32]; signal r5:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 14}, {{4, 2, 0, 32, 0, 14}}, {}, {{4, 0, 5, 1}, {6, 0, 14, 64}}, {{5, 6, 14}}},
-    // rank 4 step 40: reduced part 3 piece 3 to rank 5; wait entry[5], gathered[15]; r5:dst@0[15/32] = r4:dst@0[15/32]; signal r5:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 15}, {{4, 2, 0, 32, 0, 15}}, {}, {{4, 0, 5, 1}, {6, 0, 15, 64}}, {{5, 6, 15}}},
-    // rank 4 step 41: reduced part 2 piece 0 to rank 5; wait entry[5], gathered[8]; r5:dst@0[8/32] = r4:dst@0[8/32]; signal r5:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 8}, {{4, 2, 0, 32, 0, 8}}, {}, {{4, 0, 5, 1}, {6, 0, 8, 64}}, {{5, 6, 8}}},
-    // rank 4 step 42: reduced part 2 piece 1 to rank 5; wait entry[5], gathered[9]; r5:dst@0[9/32] = r4:dst@0[9/32]; signal r5:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 9}, {{4, 2, 0, 32, 0, 9}}, {}, {{4, 0, 5, 1}, {6, 0, 9, 64}}, {{5, 6, 9}}},
-    // rank 4 step 43: reduced part 2 piece 2 to rank 5; wait entry[5], gathered[10]; r5:dst@0[10/32] = r4:dst@0[10/32]; signal r5:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 10}, {{4, 2, 0, 32, 0, 10}}, {}, {{4, 0, 5, 1}, {6, 0, 10, 64}}, {{5, 6, 10}}},
-    // rank 4 step 44: reduced part 2 piece 3 to rank 5; wait entry[5], gathered[11]; r5:dst@0[11/32] = r4:dst@0[11/32]; signal r5:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 11}, {{4, 2, 0, 32, 0, 11}}, {}, {{4, 0, 5, 1}, {6, 0, 11, 64}}, {{5, 6, 11}}},
-    // rank 4 step 45: reduced part 1 piece 0 to rank 5; wait entry[5], gathered[4]; r5:dst@0[4/32] = r4:dst@0[4/32]; signal r5:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 4}, {{4, 2, 0, 32, 0, 4}}, {}, {{4, 0, 5, 1}, {6, 0, 4, 64}}, {{5, 6, 4}}},
-    // rank 4 step 46: reduced part 1 piece 1 to rank 5; wait entry[5], gathered[5]; r5:dst@0[5/32] = r4:dst@0[5/32]; signal r5:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 5}, {{4, 2, 0, 32, 0, 5}}, {}, {{4, 0, 5, 1}, {6, 0, 5, 64}}, {{5, 6, 5}}},
-    // rank 4 step 47: reduced part 1 piece 2 to rank 5; wait entry[5], gathered[6]; r5:dst@0[6/32] = r4:dst@0[6/32]; signal r5:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 6}, {{4, 2, 0, 32, 0, 6}}, {}, {{4, 0, 5, 1}, {6, 0, 6, 64}}, {{5, 6, 6}}},
-    // rank 4 step 48: reduced part 1 piece 3 to rank 5; wait entry[5], gathered[7]; r5:dst@0[7/32] = r4:dst@0[7/32]; signal r5:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 7}, {{4, 2, 0, 32, 0, 7}}, {}, {{4, 0, 5, 1}, {6, 0, 7, 64}}, {{5, 6, 7}}},
-    // rank 4 step 49: reduced part 0 piece 0 to rank 5; wait entry[5], gathered[0]; r5:dst@0[0/32] = r4:dst@0[0/32]; signal r5:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 0}, {{4, 2, 0, 32, 0, 0}}, {}, {{4, 0, 5, 1}, {6, 0, 0, 64}}, {{5, 6, 0}}},
-    // rank 4 step 50: reduced part 0 piece 1 to rank 5; wait entry[5], gathered[1]; r5:dst@0[1/32] = r4:dst@0[1/32]; signal r5:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 1}, {{4, 2, 0, 32, 0, 1}}, {}, {{4, 0, 5, 1}, {6, 0, 1, 64}}, {{5, 6, 1}}},
-    // rank 4 step 51: reduced part 0 piece 2 to rank 5; wait entry[5], gathered[2]; r5:dst@0[2/32] = r4:dst@0[2/32]; signal r5:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 2}, {{4, 2, 0, 32, 0, 2}}, {}, {{4, 0, 5, 1}, {6, 0, 2, 64}}, {{5, 6, 2}}},
-    // rank 4 step 52: reduced part 0 piece 3 to rank 5; wait entry[5], gathered[3]; r5:dst@0[3/32] = r4:dst@0[3/32]; signal r5:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 3}, {{4, 2, 0, 32, 0, 3}}, {}, {{4, 0, 5, 1}, {6, 0, 3, 64}}, {{5, 6, 3}}},
-    // rank 4 step 53: reduced part 7 piece 0 to rank 5; wait entry[5], gathered[28]; r5:dst@0[28/32] = r4:dst@0[28/32]; signal r5:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 28}, {{4, 2, 0, 32, 0, 28}}, {}, {{4, 0, 5, 1}, {6, 0, 28, 64}}, {{5, 6, 28}}},
-    // rank 4 step 54: reduced part 7 piece 1 to rank 5; wait entry[5], gathered[29]; r5:dst@0[29/32] = r4:dst@0[29/32]; signal r5:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 29}, {{4, 2, 0, 32, 0, 29}}, {}, {{4, 0, 5, 1}, {6, 0, 29, 64}}, {{5, 6, 29}}},
-    // rank 4 step 55: reduced part 7 piece 2 to rank 5; wait entry[5], gathered[30]; r5:dst@0[30/32] = r4:dst@0[30/32]; signal r5:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 30}, {{4, 2, 0, 32, 0, 30}}, {}, {{4, 0, 5, 1}, {6, 0, 30, 64}}, {{5, 6, 30}}},
-    // rank 4 step 56: reduced part 7 piece 3 to rank 5; wait entry[5], gathered[31]; r5:dst@0[31/32] = r4:dst@0[31/32]; signal r5:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 31}, {{4, 2, 0, 32, 0, 31}}, {}, {{4, 0, 5, 1}, {6, 0, 31, 64}}, {{5, 6, 31}}},
-    // rank 4 step 57: reduced part 6 piece 0 to rank 5; wait entry[5], gathered[24]; r5:dst@0[24/32] = r4:dst@0[24/32]; signal r5:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 24}, {{4, 2, 0, 32, 0, 24}}, {}, {{4, 0, 5, 1}, {6, 0, 24, 64}}, {{5, 6, 24}}},
-    // rank 4 step 58: reduced part 6 piece 1 to rank 5; wait entry[5], gathered[25]; r5:dst@0[25/32] = r4:dst@0[25/32]; signal r5:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 25}, {{4, 2, 0, 32, 0, 25}}, {}, {{4, 0, 5, 1}, {6, 0, 25, 64}}, {{5, 6, 25}}},
-    // rank 4 step 59: reduced part 6 piece 2 to rank 5; wait entry[5], gathered[26]; r5:dst@0[26/32] = r4:dst@0[26/32]; signal r5:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 26}, {{4, 2, 0, 32, 0, 26}}, {}, {{4, 0, 5, 1}, {6, 0, 26, 64}}, {{5, 6, 26}}},
-    // rank 4 step 60: reduced part 6 piece 3 to rank 5; wait entry[5], gathered[27]; r5:dst@0[27/32] = r4:dst@0[27/32]; signal r5:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 27}, {{4, 2, 0, 32, 0, 27}}, {}, {{4, 0, 5, 1}, {6, 0, 27, 64}}, {{5, 6, 27}}},
-    // rank 4 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
-    // rank 4 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
-    // rank 4 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
-    // rank 4 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 4, 5}}},
-    // rank 5 step 1: part 4 piece 0: our input to rank 6; wait entry[6]; r6:inbox@0[16/32] = r5:src@0[16/32]; signal r6:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 16}, {{5, 1, 1, 32, 0, 16}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
-    // rank 5 step 2: part 4 piece 1: our input to rank 6; wait entry[6]; r6:inbox@0[17/32] = r5:src@0[17/32]; signal r6:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 17}, {{5, 1, 1, 32, 0, 17}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
-    // rank 5 step 3: part 4 piece 2: our input to rank 6; wait entry[6]; r6:inbox@0[18/32] = r5:src@0[18/32]; signal r6:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 18}, {{5, 1, 1, 32, 0, 18}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
-    // rank 5 step 4: part 4 piece 3: our input to rank 6; wait entry[6]; r6:inbox@0[19/32] = r5:src@0[19/32]; signal r6:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 19}, {{5, 1, 1, 32, 0, 19}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
-    // rank 5 step 5: part 3 piece 0: partial sum + our input to rank 6; wait arrive[12], entry[6]; r6:inbox@0[12/32] = r5:inbox@0[12/32] + r5:src@0[12/32]; signal r6:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 12}, {{5, 3, 0, 32, 0, 12}, {5, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 6, 1}}, {{6, 5, 12}}},
-    // rank 5 step 6: part 3 piece 1: partial sum + our input to rank 6; wait arrive[13], entry[6]; r6:inbox@0[13/32] = r5:inbox@0[13/32] + r5:src@0[13/32]; signal r6:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 13}, {{5, 3, 0, 32, 0, 13}, {5, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 6, 1}}, {{6, 5, 13}}},
-    // rank 5 step 7: part 3 piece 2: partial sum + our input to rank 6; wait arrive[14], entry[6]; r6:inbox@0[14/32] = r5:inbox@0[14/32] + r5:src@0[14/32]; signal r6:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 14}, {{5, 3, 0, 32, 0, 14}, {5, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 6, 1}}, {{6, 5, 14}}},
-    // rank 5 step 8: part 3 piece 3: partial sum + our input to rank 6; wait arrive[15], entry[6]; r6:inbox@0[15/32] = r5:inbox@0[15/32] + r5:src@0[15/32]; signal r6:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 15}, {{5, 3, 0, 32, 0, 15}, {5, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 6, 1}}, {{6, 5, 15}}},
-    // rank 5 step 9: part 2 piece 0: partial sum + our input to rank 6; wait arrive[8], entry[6]; r6:inbox@0[8/32] = r5:inbox@0[8/32] + r5:src@0[8/32]; signal r6:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 8}, {{5, 3, 0, 32, 0, 8}, {5, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 6, 1}}, {{6, 5, 8}}},
-    // rank 5 step 10: part 2 piece 1: partial sum + our input to rank 6; wait arrive[9], entry[6]; r6:inbox@0[9/32] = r5:inbox@0[9/32] + r5:src@0[9/32]; signal r6:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 9}, {{5, 3, 0, 32, 0, 9}, {5, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 6, 1}}, {{6, 5, 9}}},
-    // rank 5 step 11: part 2 piece 2: partial sum + our input to rank 6; wait arrive[10], entry[6]; r6:inbox@0[10/32] = r5:inbox@0[10/32] + r5:src@0[10/32]; signal r6:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 10}, {{5, 3, 0, 32, 0, 10}, {5, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 6, 1}}, {{6, 5, 10}}},
-    // rank 5 step 12: part 2 piece 3: partial sum + our input to rank 6; wait arrive[11], entry[6]; r6:inbox@0[11/32] = r5:inbox@0[11/32] + r5:src@0[11/32]; signal r6:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 11}, {{5, 3, 0, 32, 0, 11}, {5, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 6, 1}}, {{6, 5, 11}}},
-    // rank 5 step 13: part 1 piece 0: partial sum + our input to rank 6; wait arrive[4], entry[6]; r6:inbox@0[4/32] = r5:inbox@0[4/32] + r5:src@0[4/32]; signal r6:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 4}, {{5, 3, 0, 32, 0, 4}, {5, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 6, 1}}, {{6, 5, 4}}},
-    // rank 5 step 14: part 1 piece 1: partial sum + our input to rank 6; wait arrive[5], entry[6]; r6:inbox@0[5/32] = r5:inbox@0[5/32] + r5:src@0[5/32]; signal r6:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 5}, {{5, 3, 0, 32, 0, 5}, {5, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 6, 1}}, {{6, 5, 5}}},
-    // rank 5 step 15: part 1 piece 2: partial sum + our input to rank 6; wait arrive[6], entry[6]; r6:inbox@0[6/32] = r5:inbox@0[6/32] + r5:src@0[6/32]; signal r6:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 6}, {{5, 3, 0, 32, 0, 6}, {5, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 6, 1}}, {{6, 5, 6}}},
-    // rank 5 step 16: part 1 piece 3: partial sum + our input to rank 6; wait arrive[7], entry[6]; r6:inbox@0[7/32] = r5:inbox@0[7/32] + r5:src@0[7/32]; signal r6:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 7}, {{5, 3, 0, 32, 0, 7}, {5, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 6, 1}}, {{6, 5, 7}}},
-    // rank 5 step 17: part 0 piece 0: partial sum + our input to rank 6; wait arrive[0], entry[6]; r6:inbox@0[0/32] = r5:inbox@0[0/32] + r5:src@0[0/32]; signal r6:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 0}, {{5, 3, 0, 32, 0, 0}, {5, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 6, 1}}, {{6, 5, 0}}},
-    // rank 5 step 18: part 0 piece 1: partial sum + our input to rank 6; wait arrive[1], entry[6]; r6:inbox@0[1/32] = r5:inbox@0[1/32] + r5:src@0[1/32]; signal r6:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 1}, {{5, 3, 0, 32, 0, 1}, {5, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 6, 1}}, {{6, 5, 1}}},
-    // rank 5 step 19: part 0 piece 2: partial sum + our input to rank 6; wait arrive[2], entry[6]; r6:inbox@0[2/32] = r5:inbox@0[2/32] + r5:src@0[2/32]; signal r6:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 2}, {{5, 3, 0, 32, 0, 2}, {5, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 6, 1}}, {{6, 5, 2}}},
-    // rank 5 step 20: part 0 piece 3: partial sum + our input to rank 6; wait arrive[3], entry[6]; r6:inbox@0[3/32] = r5:inbox@0[3/32] + r5:src@0[3/32]; signal r6:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 3}, {{5, 3, 0, 32, 0, 3}, {5, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 6, 1}}, {{6, 5, 3}}},
-    // rank 5 step 21: part 7 piece 0: partial sum + our input to rank 6; wait arrive[28], entry[6]; r6:inbox@0[28/32] = r5:inbox@0[28/32] + r5:src@0[28/32]; signal r6:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 28}, {{5, 3, 0, 32, 0, 28}, {5, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 6, 1}}, {{6, 5, 28}}},
-    // rank 5 step 22: part 7 piece 1: partial sum + our input to rank 6; wait arrive[29], entry[6]; r6:inbox@0[29/32] = r5:inbox@0[29/32] + r5:src@0[29/32]; signal r6:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 29}, {{5, 3, 0, 32, 0, 29}, {5, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 6, 1}}, {{6, 5, 29}}},
-    // rank 5 step 23: part 7 piece 2: partial sum + our input to rank 6; wait arrive[30], entry[6]; r6:inbox@0[30/32] = r5:inbox@0[30/32] + r5:src@0[30/32]; signal r6:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 30}, {{5, 3, 0, 32, 0, 30}, {5, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 6, 1}}, {{6, 5, 30}}},
-    // rank 5 step 24: part 7 piece 3: partial sum + our input to rank 6; wait arrive[31], entry[6]; r6:inbox@0[31/32] = r5:inbox@0[31/32] + r5:src@0[31/32]; signal r6:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 31}, {{5, 3, 0, 32, 0, 31}, {5, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 6, 1}}, {{6, 5, 31}}},
-    // rank 5 step 25: part 6 piece 0: partial sum + our input to rank 6; wait arrive[24], entry[6]; r6:inbox@0[24/32] = r5:inbox@0[24/32] + r5:src@0[24/32]; signal r6:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 24}, {{5, 3, 0, 32, 0, 24}, {5, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 6, 1}}, {{6, 5, 24}}},
-    // rank 5 step 26: part 6 piece 1: partial sum + our input to rank 6; wait arrive[25], entry[6]; r6:inbox@0[25/32] = r5:inbox@0[25/32] + r5:src@0[25/32]; signal r6:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 25}, {{5, 3, 0, 32, 0, 25}, {5, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 6, 1}}, {{6, 5, 25}}},
-    // rank 5 step 27: part 6 piece 2: partial sum + our input to rank 6; wait arrive[26], entry[6]; r6:inbox@0[26/32] = r5:inbox@0[26/32] + r5:src@0[26/32]; signal r6:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 26}, {{5, 3, 0, 32, 0, 26}, {5, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 6, 1}}, {{6, 5, 26}}},
-    // rank 5 step 28: part 6 piece 3: partial sum + our input to rank 6; wait arrive[27], entry[6]; r6:inbox@0[27/32] = r5:inbox@0[27/32] + r5:src@0[27/32]; signal r6:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 27}, {{5, 3, 0, 32, 0, 27}, {5, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 6, 1}}, {{6, 5, 27}}},
-    // rank 5 step 29: our part, piece 0: last partial sum + our input; wait arrive[20]; r5:dst@0[20/32] = r5:inbox@0[20/32] + r5:src@0[20/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 20}, {{5, 3, 0, 32, 0, 20}, {5, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}}, {}},
-    // rank 5 step 30: our part, piece 1: last partial sum + our input; wait arrive[21]; r5:dst@0[21/32] = r5:inbox@0[21/32] + r5:src@0[21/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 21}, {{5, 3, 0, 32, 0, 21}, {5, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}}, {}},
-    // rank 5 step 31: our part, piece 2: last partial sum + our input; wait arrive[22]; r5:dst@0[22/32] = r5:inbox@0[22/32] + r5:src@0[22/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 22}, {{5, 3, 0, 32, 0, 22}, {5, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}}, {}},
-    // rank 5 step 32: our part, piece 3: last partial sum + our input; wait arrive[23]; r5:dst@0[23/32] = r5:inbox@0[23/32] + r5:src@0[23/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 23}, {{5, 3, 0, 32, 0, 23}, {5, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}}, {}},
-    // rank 5 step 33: reduced part 5 piece 0 to rank 6; wait entry[6]; r6:dst@0[20/32] = r5:dst@0[20/32]; signal r6:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{4, 0, 6, 1}}, {{6, 6, 20}}},
-    // rank 5 step 34: reduced part 5 piece 1 to rank 6; wait entry[6]; r6:dst@0[21/32] = r5:dst@0[21/32]; signal r6:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{4, 0, 6, 1}}, {{6, 6, 21}}},
-    // rank 5 step 35: reduced part 5 piece 2 to rank 6; wait entry[6]; r6:dst@0[22/32] = r5:dst@0[22/32]; signal r6:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{4, 0, 6, 1}}, {{6, 6, 22}}},
-    // rank 5 step 36: reduced part 5 piece 3 to rank 6; wait entry[6]; r6:dst@0[23/32] = r5:dst@0[23/32]; signal r6:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{4, 0, 6, 1}}, {{6, 6, 23}}},
-    // rank 5 step 37: reduced part 4 piece 0 to rank 6; wait entry[6], gathered[16]; r6:dst@0[16/32] = r5:dst@0[16/32]; signal r6:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 16}, {{5, 2, 0, 32, 0, 16}}, {}, {{4, 0, 6, 1}, {6, 0, 16, 64}}, {{6, 6, 16}}},
-    // rank 5 step 38: reduced part 4 piece 1 to rank 6; wait entry[6], gathered[17]; r6:dst@0[17/32] = r5:dst@0[17/32]; signal r6:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 17}, {{5, 2, 0, 32, 0, 17}}, {}, {{4, 0, 6, 1}, {6, 0, 17, 64}}, {{6, 6, 17}}},
-    // rank 5 step 39: reduced part 4 piece 2 to rank 6; wait entry[6], gathered[18]; r6:dst@0[18/32] = r5:dst@0[18/32]; signal r6:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 18}, {{5, 2, 0, 32, 0, 18}}, {}, {{4, 0, 6, 1}, {6, 0, 18, 64}}, {{6, 6, 18}}},
-    // rank 5 step 40: reduced part 4 piece 3 to rank 6; wait entry[6], gathered[19]; r6:dst@0[19/32] = r5:dst@0[19/32]; signal r6:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 19}, {{5, 2, 0, 32, 0, 19}}, {}, {{4, 0, 6, 1}, {6, 0, 19, 64}}, {{6, 6, 19}}},
-    // rank 5 step 41: reduced part 3 piece 0 to rank 6; wait entry[6], gathered[12]; r6:dst@0[12/32] = r5:dst@0[12/32]; signal r6:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 12}, {{5, 2, 0, 32, 0, 12}}, {}, {{4, 0, 6, 1}, {6, 0, 12, 64}}, {{6, 6, 12}}},
-    // rank 5 step 42: reduced part 3 piece 1 to rank 6; wait entry[6], gathered[13]; r6:dst@0[13/32] = r5:dst@0[13/32]; signal r6:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 13}, {{5, 2, 0, 32, 0, 13}}, {}, {{4, 0, 6, 1}, {6, 0, 13, 64}}, {{6, 6, 13}}},
-    // rank 5 step 43: reduced part 3 piece 2 to rank 6; wait entry[6], gathered[14]; r6:dst@0[14/32] = r5:dst@0[14/32]; signal r6:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 14}, {{5, 2, 0, 32, 0, 14}}, {}, {{4, 0, 6, 1}, {6, 0, 14, 64}}, {{6, 6, 14}}},
-    // rank 5 step 44: reduced part 3 piece 3 to rank 6; wait entry[6], gathered[15]; r6:dst@0[15/32] = r5:dst@0[15/32]; signal r6:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 15}, {{5, 2, 0, 32, 0, 15}}, {}, {{4, 0, 6, 1}, {6, 0, 15, 64}}, {{6, 6, 15}}},
-    // rank 5 step 45: reduced part 2 piece 0 to rank 6; wait entry[6], gathered[8]; r6:dst@0[8/32] = r5:dst@0[8/32]; signal r6:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 8}, {{5, 2, 0, 32, 0, 8}}, {}, {{4, 0, 6, 1}, {6, 0, 8, 64}}, {{6, 6, 8}}},
-    // rank 5 step 46: reduced part 2 piece 1 to rank 6; wait entry[6], gathered[9]; r6:dst@0[9/32] = r5:dst@0[9/32]; signal r6:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 9}, {{5, 2, 0, 32, 0, 9}}, {}, {{4, 0, 6, 1}, {6, 0, 9, 64}}, {{6, 6, 9}}},
-    // rank 5 step 47: reduced part 2 piece 2 to rank 6; wait entry[6], gathered[10]; r6:dst@0[10/32] = r5:dst@0[10/32]; signal r6:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 10}, {{5, 2, 0, 32, 0, 10}}, {}, {{4, 0, 6, 1}, {6, 0, 10, 64}}, {{6, 6, 10}}},
-    // rank 5 step 48: reduced part 2 piece 3 to rank 6; wait entry[6], gathered[11]; r6:dst@0[11/32] = r5:dst@0[11/32]; signal r6:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 11}, {{5, 2, 0, 32, 0, 11}}, {}, {{4, 0, 6, 1}, {6, 0, 11, 64}}, {{6, 6, 11}}},
-    // rank 5 step 49: reduced part 1 piece 0 to rank 6; wait entry[6], gathered[4]; r6:dst@0[4/32] = r5:dst@0[4/32]; signal r6:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 4}, {{5, 2, 0, 32, 0, 4}}, {}, {{4, 0, 6, 1}, {6, 0, 4, 64}}, {{6, 6, 4}}},
-    // rank 5 step 50: reduced part 1 piece 1 to rank 6; wait entry[6], gathered[5]; r6:dst@0[5/32] = r5:dst@0[5/32]; signal r6:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 5}, {{5, 2, 0, 32, 0, 5}}, {}, {{4, 0, 6, 1}, {6, 0, 5, 64}}, {{6, 6, 5}}},
-    // rank 5 step 51: reduced part 1 piece 2 to rank 6; wait entry[6], gathered[6]; r6:dst@0[6/32] = r5:dst@0[6/32]; signal r6:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 6}, {{5, 2, 0, 32, 0, 6}}, {}, {{4, 0, 6, 1}, {6, 0, 6, 64}}, {{6, 6, 6}}},
-    // rank 5 step 52: reduced part 1 piece 3 to rank 6; wait entry[6], gathered[7]; r6:dst@0[7/32] = r5:dst@0[7/32]; signal r6:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 7}, {{5, 2, 0, 32, 0, 7}}, {}, {{4, 0, 6, 1}, {6, 0, 7, 64}}, {{6, 6, 7}}},
-    // rank 5 step 53: reduced part 0 piece 0 to rank 6; wait entry[6], gathered[0]; r6:dst@0[0/32] = r5:dst@0[0/32]; signal r6:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 0}, {{5, 2, 0, 32, 0, 0}}, {}, {{4, 0, 6, 1}, {6, 0, 0, 64}}, {{6, 6, 0}}},
-    // rank 5 step 54: reduced part 0 piece 1 to rank 6; wait entry[6], gathered[1]; r6:dst@0[1/32] = r5:dst@0[1/32]; signal r6:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 1}, {{5, 2, 0, 32, 0, 1}}, {}, {{4, 0, 6, 1}, {6, 0, 1, 64}}, {{6, 6, 1}}},
-    // rank 5 step 55: reduced part 0 piece 2 to rank 6; wait entry[6], gathered[2]; r6:dst@0[2/32] = r5:dst@0[2/32]; signal r6:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 2}, {{5, 2, 0, 32, 0, 2}}, {}, {{4, 0, 6, 1}, {6, 0, 2, 64}}, {{6, 6, 2}}},
-    // rank 5 step 56: reduced part 0 piece 3 to rank 6; wait entry[6], gathered[3]; r6:dst@0[3/32] = r5:dst@0[3/32]; signal r6:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 3}, {{5, 2, 0, 32, 0, 3}}, {}, {{4, 0, 6, 1}, {6, 0, 3, 64}}, {{6, 6, 3}}},
-    // rank 5 step 57: reduced part 7 piece 0 to rank 6; wait entry[6], gathered[28]; r6:dst@0[28/32] = r5:dst@0[28/32]; signal r6:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 28}, {{5, 2, 0, 32, 0, 28}}, {}, {{4, 0, 6, 1}, {6, 0, 28, 64}}, {{6, 6, 28}}},
-    // rank 5 step 58: reduced part 7 piece 1 to rank 6; wait entry[6], gathered[29]; r6:dst@0[29/32] = r5:dst@0[29/32]; signal r6:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 29}, {{5, 2, 0, 32, 0, 29}}, {}, {{4, 0, 6, 1}, {6, 0, 29, 64}}, {{6, 6, 29}}},
-    // rank 5 step 59: reduced part 7 piece 2 to rank 6; wait entry[6], gathered[30]; r6:dst@0[30/32] = r5:dst@0[30/32]; signal r6:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 30}, {{5, 2, 0, 32, 0, 30}}, {}, {{4, 0, 6, 1}, {6, 0, 30, 64}}, {{6, 6, 30}}},
-    // rank 5 step 60: reduced part 7 piece 3 to rank 6; wait entry[6], gathered[31]; r6:dst@0[31/32] = r5:dst@0[31/32]; signal r6:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 31}, {{5, 2, 0, 32, 0, 31}}, {}, {{4, 0, 6, 1}, {6, 0, 31, 64}}, {{6, 6, 31}}},
-    // rank 5 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
-    // rank 5 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
-    // rank 5 step 63: wait for every reduced part; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
-    // rank 5 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 4, 6}}},
-    // rank 6 step 1: part 5 piece 0: our input to rank 7; wait entry[7]; r7:inbox@0[20/32] = r6:src@0[20/32]; signal r7:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 20}, {{6, 1, 1, 32, 0, 20}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
-    // rank 6 step 2: part 5 piece 1: our input to rank 7; wait entry[7]; r7:inbox@0[21/32] = r6:src@0[21/32]; signal r7:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 21}, {{6, 1, 1, 32, 0, 21}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
-    // rank 6 step 3: part 5 piece 2: our input to rank 7; wait entry[7]; r7:inbox@0[22/32] = r6:src@0[22/32]; signal r7:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 22}, {{6, 1, 1, 32, 0, 22}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
-    // rank 6 step 4: part 5 piece 3: our input to rank 7; wait entry[7]; r7:inbox@0[23/32] = r6:src@0[23/32]; signal r7:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 23}, {{6, 1, 1, 32, 0, 23}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
-    // rank 6 step 5: part 4 piece 0: partial sum + our input to rank 7; wait arrive[16], entry[7]; r7:inbox@0[16/32] = r6:inbox@0[16/32] + r6:src@0[16/32]; signal r7:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 16}, {{6, 3, 0, 32, 0, 16}, {6, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 7, 1}}, {{7, 5, 16}}},
-    // rank 6 step 6: part 4 piece 1: partial sum + our input to rank 7; wait arrive[17], entry[7]; r7:inbox@0[17/32] = r6:inbox@0[17/32] + r6:src@0[17/32]; signal r7:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 17}, {{6, 3, 0, 32, 0, 17}, {6, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 7, 1}}, {{7, 5, 17}}},
-    // rank 6 step 7: part 4 piece 2: partial sum + our input to rank 7; wait arrive[18], entry[7]; r7:inbox@0[18/32] = r6:inbox@0[18/32] + r6:src@0[18/32]; signal r7:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 18}, {{6, 3, 0, 32, 0, 18}, {6, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 7, 1}}, {{7, 5, 18}}},
-    // rank 6 step 8: part 4 piece 3: partial sum + our input to rank 7; wait arrive[19], entry[7]; r7:inbox@0[19/32] = r6:inbox@0[19/32] + r6:src@0[19/32]; signal r7:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 19}, {{6, 3, 0, 32, 0, 19}, {6, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 7, 1}}, {{7, 5, 19}}},
-    // rank 6 step 9: part 3 piece 0: partial sum + our input to rank 7; wait arrive[12], entry[7]; r7:inbox@0[12/32] = r6:inbox@0[12/32] + r6:src@0[12/32]; signal r7:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 12}, {{6, 3, 0, 32, 0, 12}, {6, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 7, 1}}, {{7, 5, 12}}},
-    // rank 6 step 10: part 3 piece 1: partial sum + our input to rank 7; wait arrive[13], entry[7]; r7:inbox@0[13/32] = r6:inbox@0[13/32] + r6:src@0[13/32]; signal r7:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 13}, {{6, 3, 0, 32, 0, 13}, {6, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 7, 1}}, {{7, 5, 13}}},
-    // rank 6 step 11: part 3 piece 2: partial sum + our input to rank 7; wait arrive[14], entry[7]; r7:inbox@0[14/32] = r6:inbox@0[14/32] + r6:src@0[14/32]; signal r7:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 14}, {{6, 3, 0, 32, 0, 14}, {6, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 7, 1}}, {{7, 5, 14}}},
-    // rank 6 step 12: part 3 piece 3: partial sum + our input to rank 7; wait arrive[15], entry[7]; r7:inbox@0[15/32] = r6:inbox@0[15/32] + r6:src@0[15/32]; signal r7:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 15}, {{6, 3, 0, 32, 0, 15}, {6, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 7, 1}}, {{7, 5, 15}}},
-    // rank 6 step 13: part 2 piece 0: partial sum + our input to rank 7; wait arrive[8], entry[7]; r7:inbox@0[8/32] = r6:inbox@0[8/32] + r6:src@0[8/32]; signal r7:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 8}, {{6, 3, 0, 32, 0, 8}, {6, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 7, 1}}, {{7, 5, 8}}},
-    // rank 6 step 14: part 2 piece 1: partial sum + our input to rank 7; wait arrive[9], entry[7]; r7:inbox@0[9/32] = r6:inbox@0[9/32] + r6:src@0[9/32]; signal r7:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 9}, {{6, 3, 0, 32, 0, 9}, {6, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 7, 1}}, {{7, 5, 9}}},
-    // rank 6 step 15: part 2 piece 2: partial sum + our input to rank 7; wait arrive[10], entry[7]; r7:inbox@0[10/32] = r6:inbox@0[10/32] + r6:src@0[10/32]; signal r7:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 10}, {{6, 3, 0, 32, 0, 10}, {6, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 7, 1}}, {{7, 5, 10}}},
-    // rank 6 step 16: part 2 piece 3: partial sum + our input to rank 7; wait arrive[11], entry[7]; r7:inbox@0[11/32] = r6:inbox@0[11/32] + r6:src@0[11/32]; signal r7:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 11}, {{6, 3, 0, 32, 0, 11}, {6, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 7, 1}}, {{7, 5, 11}}},
-    // rank 6 step 17: part 1 piece 0: partial sum + our input to rank 7; wait arrive[4], entry[7]; r7:inbox@0[4/32] = r6:inbox@0[4/32] + r6:src@0[4/32]; signal r7:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 4}, {{6, 3, 0, 32, 0, 4}, {6, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 7, 1}}, {{7, 5, 4}}},
-    // rank 6 step 18: part 1 piece 1: partial sum + our input to rank 7; wait arrive[5], entry[7]; r7:inbox@0[5/32] = r6:inbox@0[5/32] + r6:src@0[5/32]; signal r7:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 5}, {{6, 3, 0, 32, 0, 5}, {6, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 7, 1}}, {{7, 5, 5}}},
-    // rank 6 step 19: part 1 piece 2: partial sum + our input to rank 7; wait arrive[6], entry[7]; r7:inbox@0[6/32] = r6:inbox@0[6/32] + r6:src@0[6/32]; signal r7:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 6}, {{6, 3, 0, 32, 0, 6}, {6, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 7, 1}}, {{7, 5, 6}}},
-    // rank 6 step 20: part 1 piece 3: partial sum + our input to rank 7; wait arrive[7], entry[7]; r7:inbox@0[7/32] = r6:inbox@0[7/32] + r6:src@0[7/32]; signal r7:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 7}, {{6, 3, 0, 32, 0, 7}, {6, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 7, 1}}, {{7, 5, 7}}},
-    // rank 6 step 21: part 0 piece 0: partial sum + our input to rank 7; wait arrive[0], entry[7]; r7:inbox@0[0/32] = r6:inbox@0[0/32] + r6:src@0[0/32]; signal r7:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 0}, {{6, 3, 0, 32, 0, 0}, {6, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 7, 1}}, {{7, 5, 0}}},
-    // rank 6 step 22: part 0 piece 1: partial sum + our input to rank 7; wait arrive[1], entry[7]; r7:inbox@0[1/32] = r6:inbox@0[1/32] + r6:src@0[1/32]; signal r7:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 1}, {{6, 3, 0, 32, 0, 1}, {6, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 7, 1}}, {{7, 5, 1}}},
-    // rank 6 step 23: part 0 piece 2: partial sum + our input to rank 7; wait arrive[2], entry[7]; r7:inbox@0[2/32] = r6:inbox@0[2/32] + r6:src@0[2/32]; signal r7:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 2}, {{6, 3, 0, 32, 0, 2}, {6, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 7, 1}}, {{7, 5, 2}}},
-    // rank 6 step 24: part 0 piece 3: partial sum + our input to rank 7; wait arrive[3], entry[7]; r7:inbox@0[3/32] = r6:inbox@0[3/32] + r6:src@0[3/32]; signal r7:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 3}, {{6, 3, 0, 32, 0, 3}, {6, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 7, 1}}, {{7, 5, 3}}},
-    // rank 6 step 25: part 7 piece 0: partial sum + our input to rank 7; wait arrive[28], entry[7]; r7:inbox@0[28/32] = r6:inbox@0[28/32] + r6:src@0[28/32]; signal r7:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 28}, {{6, 3, 0, 32, 0, 28}, {6, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 7, 1}}, {{7, 5, 28}}},
-    // rank 6 step 26: part 7 piece 1: partial sum + our input to rank 7; wait arrive[29], entry[7]; r7:inbox@0[29/32] = r6:inbox@0[29/32] + r6:src@0[29/32]; signal r7:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 29}, {{6, 3, 0, 32, 0, 29}, {6, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 7, 1}}, {{7, 5, 29}}},
-    // rank 6 step 27: part 7 piece 2: partial sum + our input to rank 7; wait arrive[30], entry[7]; r7:inbox@0[30/32] = r6:inbox@0[30/32] + r6:src@0[30/32]; signal r7:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 30}, {{6, 3, 0, 32, 0, 30}, {6, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 7, 1}}, {{7, 5, 30}}},
-    // rank 6 step 28: part 7 piece 3: partial sum + our input to rank 7; wait arrive[31], entry[7]; r7:inbox@0[31/32] = r6:inbox@0[31/32] + r6:src@0[31/32]; signal r7:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 31}, {{6, 3, 0, 32, 0, 31}, {6, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 7, 1}}, {{7, 5, 31}}},
-    // rank 6 step 29: our part, piece 0: last partial sum + our input; wait arrive[24]; r6:dst@0[24/32] = r6:inbox@0[24/32] + r6:src@0[24/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 24}, {{6, 3, 0, 32, 0, 24}, {6, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}}, {}},
-    // rank 6 step 30: our part, piece 1: last partial sum + our input; wait arrive[25]; r6:dst@0[25/32] = r6:inbox@0[25/32] + r6:src@0[25/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 25}, {{6, 3, 0, 32, 0, 25}, {6, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}}, {}},
-    // rank 6 step 31: our part, piece 2: last partial sum + our input; wait arrive[26]; r6:dst@0[26/32] = r6:inbox@0[26/32] + r6:src@0[26/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 26}, {{6, 3, 0, 32, 0, 26}, {6, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}}, {}},
-    // rank 6 step 32: our part, piece 3: last partial sum + our input; wait arrive[27]; r6:dst@0[27/32] = r6:inbox@0[27/32] + r6:src@0[27/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 27}, {{6, 3, 0, 32, 0, 27}, {6, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}}, {}},
-    // rank 6 step 33: reduced part 6 piece 0 to rank 7; wait entry[7]; r7:dst@0[24/32] = r6:dst@0[24/32]; signal r7:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{4, 0, 7, 1}}, {{7, 6, 24}}},
-    // rank 6 step 34: reduced part 6 piece 1 to rank 7; wait entry[7]; r7:dst@0[25/32] = r6:dst@0[25/32]; signal r7:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{4, 0, 7, 1}}, {{7, 6, 25}}},
-    // rank 6 step 35: reduced part 6 piece 2 to rank 7; wait entry[7]; r7:dst@0[26/32] = r6:dst@0[26/32]; signal r7:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{4, 0, 7, 1}}, {{7, 6, 26}}},
-    // rank 6 step 36: reduced part 6 piece 3 to rank 7; wait entry[7]; r7:dst@0[27/32] = r6:dst@0[27/32]; signal r7:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{4, 0, 7, 1}}, {{7, 6, 27}}},
-    // rank 6 step 37: reduced part 5 piece 0 to rank 7; wait entry[7], gathered[20]; r7:dst@0[20/32] = r6:dst@0[20/32]; signal r7:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 20}, {{6, 2, 0, 32, 0, 20}}, {}, {{4, 0, 7, 1}, {6, 0, 20, 64}}, {{7, 6, 20}}},
-    // rank 6 step 38: reduced part 5 piece 1 to rank 7; wait entry[7], gathered[21]; r7:dst@0[21/32] = r6:dst@0[21/32]; signal r7:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 21}, {{6, 2, 0, 32, 0, 21}}, {}, {{4, 0, 7, 1}, {6, 0, 21, 64}}, {{7, 6, 21}}},
-    // rank 6 step 39: reduced part 5 piece 2 to rank 7; wait entry[7], gathered[22]; r7:dst@0[22/32] = r6:dst@0[22/32]; signal r7:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 22}, {{6, 2, 0, 32, 0, 22}}, {}, {{4, 0, 7, 1}, {6, 0, 22, 64}}, {{7, 6, 22}}},
-    // rank 6 step 40: reduced part 5 piece 3 to rank 7; wait entry[7], gathered[23]; r7:dst@0[23/32] = r6:dst@0[23/32]; signal r7:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 23}, {{6, 2, 0, 32, 0, 23}}, {}, {{4, 0, 7, 1}, {6, 0, 23, 64}}, {{7, 6, 23}}},
-    // rank 6 step 41: reduced part 4 piece 0 to rank 7; wait entry[7], gathered[16]; r7:dst@0[16/32] = r6:dst@0[16/32]; signal r7:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 16}, {{6, 2, 0, 32, 0, 16}}, {}, {{4, 0, 7, 1}, {6, 0, 16, 64}}, {{7, 6, 16}}},
-    // rank 6 step 42: reduced part 4 piece 1 to rank 7; wait entry[7], gathered[17]; r7:dst@0[17/32] = r6:dst@0[17/32]; signal r7:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 17}, {{6, 2, 0, 32, 0, 17}}, {}, {{4, 0, 7, 1}, {6, 0, 17, 64}}, {{7, 6, 17}}},
-    // rank 6 step 43: reduced part 4 piece 2 to rank 7; wait entry[7], gathered[18]; r7:dst@0[18/32] = r6:dst@0[18/32]; signal r7:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 18}, {{6, 2, 0, 32, 0, 18}}, {}, {{4, 0, 7, 1}, {6, 0, 18, 64}}, {{7, 6, 18}}},
-    // rank 6 step 44: reduced part 4 piece 3 to rank 7; wait entry[7], gathered[19]; r7:dst@0[19/32] = r6:dst@0[19/32]; signal r7:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 19}, {{6, 2, 0, 32, 0, 19}}, {}, {{4, 0, 7, 1}, {6, 0, 19, 64}}, {{7, 6, 19}}},
-    // rank 6 step 45: reduced part 3 piece 0 to rank 7; wait entry[7], gathered[12]; r7:dst@0[12/32] = r6:dst@0[12/32]; signal r7:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 12}, {{6, 2, 0, 32, 0, 12}}, {}, {{4, 0, 7, 1}, {6, 0, 12, 64}}, {{7, 6, 12}}},
-    // rank 6 step 46: reduced part 3 piece 1 to rank 7; wait entry[7], gathered[13]; r7:dst@0[13/32] = r6:dst@0[13/32]; signal r7:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 13}, {{6, 2, 0, 32, 0, 13}}, {}, {{4, 0, 7, 1}, {6, 0, 13, 64}}, {{7, 6, 13}}},
-    // rank 6 step 47: reduced part 3 piece 2 to rank 7; wait entry[7], gathered[14]; r7:dst@0[14/32] = r6:dst@0[14/32]; signal r7:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 14}, {{6, 2, 0, 32, 0, 14}}, {}, {{4, 0, 7, 1}, {6, 0, 14, 64}}, {{7, 6, 14}}},
-    // rank 6 step 48: reduced part 3 piece 3 to rank 7; wait entry[7], gathered[15]; r7:dst@0[15/32] = r6:dst@0[15/32]; signal r7:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 15}, {{6, 2, 0, 32, 0, 15}}, {}, {{4, 0, 7, 1}, {6, 0, 15, 64}}, {{7, 6, 15}}},
-    // rank 6 step 49: reduced part 2 piece 0 to rank 7; wait entry[7], gathered[8]; r7:dst@0[8/32] = r6:dst@0[8/32]; signal r7:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 8}, {{6, 2, 0, 32, 0, 8}}, {}, {{4, 0, 7, 1}, {6, 0, 8, 64}}, {{7, 6, 8}}},
-    // rank 6 step 50: reduced part 2 piece 1 to rank 7; wait entry[7], gathered[9]; r7:dst@0[9/32] = r6:dst@0[9/32]; signal r7:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 9}, {{6, 2, 0, 32, 0, 9}}, {}, {{4, 0, 7, 1}, {6, 0, 9, 64}}, {{7, 6, 9}}},
-    // rank 6 step 51: reduced part 2 piece 2 to rank 7; wait entry[7], gathered[10]; r7:dst@0[10/32] = r6:dst@0[10/32]; signal r7:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 10}, {{6, 2, 0, 32, 0, 10}}, {}, {{4, 0, 7, 1}, {6, 0, 10, 64}}, {{7, 6, 10}}},
-    // rank 6 step 52: reduced part 2 piece 3 to rank 7; wait entry[7], gathered[11]; r7:dst@0[11/32] = r6:dst@0[11/32]; signal r7:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 11}, {{6, 2, 0, 32, 0, 11}}, {}, {{4, 0, 7, 1}, {6, 0, 11, 64}}, {{7, 6, 11}}},
-    // rank 6 step 53: reduced part 1 piece 0 to rank 7; wait entry[7], gathered[4]; r7:dst@0[4/32] = r6:dst@0[4/32]; signal r7:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 4}, {{6, 2, 0, 32, 0, 4}}, {}, {{4, 0, 7, 1}, {6, 0, 4, 64}}, {{7, 6, 4}}},
-    // rank 6 step 54: reduced part 1 piece 1 to rank 7; wait entry[7], gathered[5]; r7:dst@0[5/32] = r6:dst@0[5/32]; signal r7:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 5}, {{6, 2, 0, 32, 0, 5}}, {}, {{4, 0, 7, 1}, {6, 0, 5, 64}}, {{7, 6, 5}}},
-    // rank 6 step 55: reduced part 1 piece 2 to rank 7; wait entry[7], gathered[6]; r7:dst@0[6/32] = r6:dst@0[6/32]; signal r7:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 6}, {{6, 2, 0, 32, 0, 6}}, {}, {{4, 0, 7, 1}, {6, 0, 6, 64}}, {{7, 6, 6}}},
-    // rank 6 step 56: reduced part 1 piece 3 to rank 7; wait entry[7], gathered[7]; r7:dst@0[7/32] = r6:dst@0[7/32]; signal r7:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 7}, {{6, 2, 0, 32, 0, 7}}, {}, {{4, 0, 7, 1}, {6, 0, 7, 64}}, {{7, 6, 7}}},
-    // rank 6 step 57: reduced part 0 piece 0 to rank 7; wait entry[7], gathered[0]; r7:dst@0[0/32] = r6:dst@0[0/32]; signal r7:gathered[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 0}, {{6, 2, 0, 32, 0, 0}}, {}, {{4, 0, 7, 1}, {6, 0, 0, 64}}, {{7, 6, 0}}},
-    // rank 6 step 58: reduced part 0 piece 1 to rank 7; wait entry[7], gathered[1]; r7:dst@0[1/32] = r6:dst@0[1/32]; signal r7:gathered[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 1}, {{6, 2, 0, 32, 0, 1}}, {}, {{4, 0, 7, 1}, {6, 0, 1, 64}}, {{7, 6, 1}}},
-    // rank 6 step 59: reduced part 0 piece 2 to rank 7; wait entry[7], gathered[2]; r7:dst@0[2/32] = r6:dst@0[2/32]; signal r7:gathered[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 2}, {{6, 2, 0, 32, 0, 2}}, {}, {{4, 0, 7, 1}, {6, 0, 2, 64}}, {{7, 6, 2}}},
-    // rank 6 step 60: reduced part 0 piece 3 to rank 7; wait entry[7], gathered[3]; r7:dst@0[3/32] = r6:dst@0[3/32]; signal r7:gathered[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 3}, {{6, 2, 0, 32, 0, 3}}, {}, {{4, 0, 7, 1}, {6, 0, 3, 64}}, {{7, 6, 3}}},
-    // rank 6 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
-    // rank 6 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
-    // rank 6 step 63: wait for every reduced part; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}}, {}},
-    // rank 6 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 4, 7}}},
-    // rank 7 step 1: part 6 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[24/32] = r7:src@0[24/32]; signal r0:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 24}, {{7, 1, 1, 32, 0, 24}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
-    // rank 7 step 2: part 6 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[25/32] = r7:src@0[25/32]; signal r0:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 25}, {{7, 1, 1, 32, 0, 25}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
-    // rank 7 step 3: part 6 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[26/32] = r7:src@0[26/32]; signal r0:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 26}, {{7, 1, 1, 32, 0, 26}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
-    // rank 7 step 4: part 6 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[27/32] = r7:src@0[27/32]; signal r0:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 27}, {{7, 1, 1, 32, 0, 27}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
-    // rank 7 step 5: part 5 piece 0: partial sum + our input to rank 0; wait arrive[20], entry[0]; r0:inbox@0[20/32] = r7:inbox@0[20/32] + r7:src@0[20/32]; signal r0:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 20}, {{7, 3, 0, 32, 0, 20}, {7, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 7 step 6: part 5 piece 1: partial sum + our input to rank 0; wait arrive[21], entry[0]; r0:inbox@0[21/32] = r7:inbox@0[21/32] + r7:src@0[21/32]; signal r0:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 21}, {{7, 3, 0, 32, 0, 21}, {7, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 7 step 7: part 5 piece 2: partial sum + our input to rank 0; wait arrive[22], entry[0]; r0:inbox@0[22/32] = r7:inbox@0[22/32] + r7:src@0[22/32]; signal r0:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 22}, {{7, 3, 0, 32, 0, 22}, {7, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 7 step 8: part 5 piece 3: partial sum + our input to rank 0; wait arrive[23], entry[0]; r0:inbox@0[23/32] = r7:inbox@0[23/32] + r7:src@0[23/32]; signal r0:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 23}, {{7, 3, 0, 32, 0, 23}, {7, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 7 step 9: part 4 piece 0: partial sum + our input to rank 0; wait arrive[16], entry[0]; r0:inbox@0[16/32] = r7:inbox@0[16/32] + r7:src@0[16/32]; signal r0:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 16}, {{7, 3, 0, 32, 0, 16}, {7, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 7 step 10: part 4 piece 1: partial sum + our input to rank 0; wait arrive[17], entry[0]; r0:inbox@0[17/32] = r7:inbox@0[17/32] + r7:src@0[17/32]; signal r0:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 17}, {{7, 3, 0, 32, 0, 17}, {7, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 7 step 11: part 4 piece 2: partial sum + our input to rank 0; wait arrive[18], entry[0]; r0:inbox@0[18/32] = r7:inbox@0[18/32] + r7:src@0[18/32]; signal r0:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 18}, {{7, 3, 0, 32, 0, 18}, {7, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 7 step 12: part 4 piece 3: partial sum + our input to rank 0; wait arrive[19], entry[0]; r0:inbox@0[19/32] = r7:inbox@0[19/32] + r7:src@0[19/32]; signal r0:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 19}, {{7, 3, 0, 32, 0, 19}, {7, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 7 step 13: part 3 piece 0: partial sum + our input to rank 0; wait arrive[12], entry[0]; r0:inbox@0[12/32] = r7:inbox@0[12/32] + r7:src@0[12/32]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 12}, {{7, 3, 0, 32, 0, 12}, {7, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 7 step 14: part 3 piece 1: partial sum + our input to rank 0; wait arrive[13], entry[0]; r0:inbox@0[13/32] = r7:inbox@0[13/32] + r7:src@0[13/32]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 13}, {{7, 3, 0, 32, 0, 13}, {7, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 7 step 15: part 3 piece 2: partial sum + our input to rank 0; wait arrive[14], entry[0]; r0:inbox@0[14/32] = r7:inbox@0[14/32] + r7:src@0[14/32]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 14}, {{7, 3, 0, 32, 0, 14}, {7, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 7 step 16: part 3 piece 3: partial sum + our input to rank 0; wait arrive[15], entry[0]; r0:inbox@0[15/32] = r7:inbox@0[15/32] + r7:src@0[15/32]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 15}, {{7, 3, 0, 32, 0, 15}, {7, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 7 step 17: part 2 piece 0: partial sum + our input to rank 0; wait arrive[8], entry[0]; r0:inbox@0[8/32] = r7:inbox@0[8/32] + r7:src@0[8/32]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 8}, {{7, 3, 0, 32, 0, 8}, {7, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 7 step 18: part 2 piece 1: partial sum + our input to rank 0; wait arrive[9], entry[0]; r0:inbox@0[9/32] = r7:inbox@0[9/32] + r7:src@0[9/32]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 9}, {{7, 3, 0, 32, 0, 9}, {7, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 7 step 19: part 2 piece 2: partial sum + our input to rank 0; wait arrive[10], entry[0]; r0:inbox@0[10/32] = r7:inbox@0[10/32] + r7:src@0[10/32]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 10}, {{7, 3, 0, 32, 0, 10}, {7, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 7 step 20: part 2 piece 3: partial sum + our input to rank 0; wait arrive[11], entry[0]; r0:inbox@0[11/32] = r7:inbox@0[11/32] + r7:src@0[11/32]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 11}, {{7, 3, 0, 32, 0, 11}, {7, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 7 step 21: part 1 piece 0: partial sum + our input to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/32] = r7:inbox@0[4/32] + r7:src@0[4/32]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 4}, {{7, 3, 0, 32, 0, 4}, {7, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 7 step 22: part 1 piece 1: partial sum + our input to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/32] = r7:inbox@0[5/32] + r7:src@0[5/32]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 5}, {{7, 3, 0, 32, 0, 5}, {7, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 7 step 23: part 1 piece 2: partial sum + our input to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/32] = r7:inbox@0[6/32] + r7:src@0[6/32]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 6}, {{7, 3, 0, 32, 0, 6}, {7, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 7 step 24: part 1 piece 3: partial sum + our input to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/32] = r7:inbox@0[7/32] + r7:src@0[7/32]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 7}, {{7, 3, 0, 32, 0, 7}, {7, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 7 step 25: part 0 piece 0: partial sum + our input to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/32] = r7:inbox@0[0/32] + r7:src@0[0/32]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 0}, {{7, 3, 0, 32, 0, 0}, {7, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
-    // rank 7 step 26: part 0 piece 1: partial sum + our input to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/32] = r7:inbox@0[1/32] + r7:src@0[1/32]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 1}, {{7, 3, 0, 32, 0, 1}, {7, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
-    // rank 7 step 27: part 0 piece 2: partial sum + our input to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/32] = r7:inbox@0[2/32] + r7:src@0[2/32]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 2}, {{7, 3, 0, 32, 0, 2}, {7, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 7 step 28: part 0 piece 3: partial sum + our input to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/32] = r7:inbox@0[3/32] + r7:src@0[3/32]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 3}, {{7, 3, 0, 32, 0, 3}, {7, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 7 step 29: our part, piece 0: last partial sum + our input; wait arrive[28]; r7:dst@0[28/32] = r7:inbox@0[28/32] + r7:src@0[28/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 28}, {{7, 3, 0, 32, 0, 28}, {7, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}}, {}},
-    // rank 7 step 30: our part, piece 1: last partial sum + our input; wait arrive[29]; r7:dst@0[29/32] = r7:inbox@0[29/32] + r7:src@0[29/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 29}, {{7, 3, 0, 32, 0, 29}, {7, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}}, {}},
-    // rank 7 step 31: our part, piece 2: last partial sum + our input; wait arrive[30]; r7:dst@0[30/32] = r7:inbox@0[30/32] + r7:src@0[30/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 30}, {{7, 3, 0, 32, 0, 30}, {7, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}}, {}},
-    // rank 7 step 32: our part, piece 3: last partial sum + our input; wait arrive[31]; r7:dst@0[31/32] = r7:inbox@0[31/32] + r7:src@0[31/32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 31}, {{7, 3, 0, 32, 0, 31}, {7, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}}, {}},
-    // rank 7 step 33: reduced part 7 piece 0 to rank 0; wait entry[0]; r0:dst@0[28/32] = r7:dst@0[28/32]; signal r0:gathered[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{4, 0, 0, 1}}, {{0, 6, 28}}},
-    // rank 7 step 34: reduced part 7 piece 1 to rank 0; wait entry[0]; r0:dst@0[29/32] = r7:dst@0[29/32]; signal r0:gathered[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{4, 0, 0, 1}}, {{0, 6, 29}}},
-    // rank 7 step 35: reduced part 7 piece 2 to rank 0; wait entry[0]; r0:dst@0[30/32] = r7:dst@0[30/32]; signal r0:gathered[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{4, 0, 0, 1}}, {{0, 6, 30}}},
-    // rank 7 step 36: reduced part 7 piece 3 to rank 0; wait entry[0]; r0:dst@0[31/32] = r7:dst@0[31/32]; signal r0:gathered[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{4, 0, 0, 1}}, {{0, 6, 31}}},
-    // rank 7 step 37: reduced part 6 piece 0 to rank 0; wait entry[0], gathered[24]; r0:dst@0[24/32] = r7:dst@0[24/32]; signal r0:gathered[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 24}, {{7, 2, 0, 32, 0, 24}}, {}, {{4, 0, 0, 1}, {6, 0, 24, 64}}, {{0, 6, 24}}},
-    // rank 7 step 38: reduced part 6 piece 1 to rank 0; wait entry[0], gathered[25]; r0:dst@0[25/32] = r7:dst@0[25/32]; signal r0:gathered[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 25}, {{7, 2, 0, 32, 0, 25}}, {}, {{4, 0, 0, 1}, {6, 0, 25, 64}}, {{0, 6, 25}}},
-    // rank 7 step 39: reduced part 6 piece 2 to rank 0; wait entry[0], gathered[26]; r0:dst@0[26/32] = r7:dst@0[26/32]; signal r0:gathered[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 26}, {{7, 2, 0, 32, 0, 26}}, {}, {{4, 0, 0, 1}, {6, 0, 26, 64}}, {{0, 6, 26}}},
-    // rank 7 step 40: reduced part 6 piece 3 to rank 0; wait entry[0], gathered[27]; r0:dst@0[27/32] = r7:dst@0[27/32]; signal r0:gathered[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 27}, {{7, 2, 0, 32, 0, 27}}, {}, {{4, 0, 0, 1}, {6, 0, 27, 64}}, {{0, 6, 27}}},
-    // rank 7 step 41: reduced part 5 piece 0 to rank 0; wait entry[0], gathered[20]; r0:dst@0[20/32] = r7:dst@0[20/32]; signal r0:gathered[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 20}, {{7, 2, 0, 32, 0, 20}}, {}, {{4, 0, 0, 1}, {6, 0, 20, 64}}, {{0, 6, 20}}},
-    // rank 7 step 42: reduced part 5 piece 1 to rank 0; wait entry[0], gathered[21]; r0:dst@0[21/32] = r7:dst@0[21/32]; signal r0:gathered[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 21}, {{7, 2, 0, 32, 0, 21}}, {}, {{4, 0, 0, 1}, {6, 0, 21, 64}}, {{0, 6, 21}}},
-    // rank 7 step 43: reduced part 5 piece 2 to rank 0; wait entry[0], gathered[22]; r0:dst@0[22/32] = r7:dst@0[22/32]; signal r0:gathered[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 22}, {{7, 2, 0, 32, 0, 22}}, {}, {{4, 0, 0, 1}, {6, 0, 22, 64}}, {{0, 6, 22}}},
-    // rank 7 step 44: reduced part 5 piece 3 to rank 0; wait entry[0], gathered[23]; r0:dst@0[23/32] = r7:dst@0[23/32]; signal r0:gathered[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 23}, {{7, 2, 0, 32, 0, 23}}, {}, {{4, 0, 0, 1}, {6, 0, 23, 64}}, {{0, 6, 23}}},
-    // rank 7 step 45: reduced part 4 piece 0 to rank 0; wait entry[0], gathered[16]; r0:dst@0[16/32] = r7:dst@0[16/32]; signal r0:gathered[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 16}, {{7, 2, 0, 32, 0, 16}}, {}, {{4, 0, 0, 1}, {6, 0, 16, 64}}, {{0, 6, 16}}},
-    // rank 7 step 46: reduced part 4 piece 1 to rank 0; wait entry[0], gathered[17]; r0:dst@0[17/32] = r7:dst@0[17/32]; signal r0:gathered[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 17}, {{7, 2, 0, 32, 0, 17}}, {}, {{4, 0, 0, 1}, {6, 0, 17, 64}}, {{0, 6, 17}}},
-    // rank 7 step 47: reduced part 4 piece 2 to rank 0; wait entry[0], gathered[18]; r0:dst@0[18/32] = r7:dst@0[18/32]; signal r0:gathered[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 18}, {{7, 2, 0, 32, 0, 18}}, {}, {{4, 0, 0, 1}, {6, 0, 18, 64}}, {{0, 6, 18}}},
-    // rank 7 step 48: reduced part 4 piece 3 to rank 0; wait entry[0], gathered[19]; r0:dst@0[19/32] = r7:dst@0[19/32]; signal r0:gathered[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 19}, {{7, 2, 0, 32, 0, 19}}, {}, {{4, 0, 0, 1}, {6, 0, 19, 64}}, {{0, 6, 19}}},
-    // rank 7 step 49: reduced part 3 piece 0 to rank 0; wait entry[0], gathered[12]; r0:dst@0[12/32] = r7:dst@0[12/32]; signal r0:gathered[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 12}, {{7, 2, 0, 32, 0, 12}}, {}, {{4, 0, 0, 1}, {6, 0, 12, 64}}, {{0, 6, 12}}},
-    // rank 7 step 50: reduced part 3 piece 1 to rank 0; wait entry[0], gathered[13]; r0:dst@0[13/32] = r7:dst@0[13/32]; signal r0:gathered[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 13}, {{7, 2, 0, 32, 0, 13}}, {}, {{4, 0, 0, 1}, {6, 0, 13, 64}}, {{0, 6, 13}}},
-    // rank 7 step 51: reduced part 3 piece 2 to rank 0; wait entry[0], gathered[14]; r0:dst@0[14/32] = r7:dst@0[14/32]; signal r0:gathered[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 14}, {{7, 2, 0, 32, 0, 14}}, {}, {{4, 0, 0, 1}, {6, 0, 14, 64}}, {{0, 6, 14}}},
-    // rank 7 step 52: reduced part 3 piece 3 to rank 0; wait entry[0], gathered[15]; r0:dst@0[15/32] = r7:dst@0[15/32]; signal r0:gathered[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 15}, {{7, 2, 0, 32, 0, 15}}, {}, {{4, 0, 0, 1}, {6, 0, 15, 64}}, {{0, 6, 15}}},
-    // rank 7 step 53: reduced part 2 piece 0 to rank 0; wait entry[0], gathered[8]; r0:dst@0[8/32] = r7:dst@0[8/32]; signal r0:gathered[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 8}, {{7, 2, 0, 32, 0, 8}}, {}, {{4, 0, 0, 1}, {6, 0, 8, 64}}, {{0, 6, 8}}},
-    // rank 7 step 54: reduced part 2 piece 1 to rank 0; wait entry[0], gathered[9]; r0:dst@0[9/32] = r7:dst@0[9/32]; signal r0:gathered[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 9}, {{7, 2, 0, 32, 0, 9}}, {}, {{4, 0, 0, 1}, {6, 0, 9, 64}}, {{0, 6, 9}}},
-    // rank 7 step 55: reduced part 2 piece 2 to rank 0; wait entry[0], gathered[10]; r0:dst@0[10/32] = r7:dst@0[10/32]; signal r0:gathered[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 10}, {{7, 2, 0, 32, 0, 10}}, {}, {{4, 0, 0, 1}, {6, 0, 10, 64}}, {{0, 6, 10}}},
-    // rank 7 step 56: reduced part 2 piece 3 to rank 0; wait entry[0], gathered[11]; r0:dst@0[11/32] = r7:dst@0[11/32]; signal r0:gathered[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 11}, {{7, 2, 0, 32, 0, 11}}, {}, {{4, 0, 0, 1}, {6, 0, 11, 64}}, {{0, 6, 11}}},
-    // rank 7 step 57: reduced part 1 piece 0 to rank 0; wait entry[0], gathered[4]; r0:dst@0[4/32] = r7:dst@0[4/32]; signal r0:gathered[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 4}, {{7, 2, 0, 32, 0, 4}}, {}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},
-    // rank 7 step 58: reduced part 1 piece 1 to rank 0; wait entry[0], gathered[5]; r0:dst@0[5/32] = r7:dst@0[5/32]; signal r0:gathered[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 5}, {{7, 2, 0, 32, 0, 5}}, {}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},
-    // rank 7 step 59: reduced part 1 piece 2 to rank 0; wait entry[0], gathered[6]; r0:dst@0[6/32] = r7:dst@0[6/32]; signal r0:gathered[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 6}, {{7, 2, 0, 32, 0, 6}}, {}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},
-    // rank 7 step 60: reduced part 1 piece 3 to rank 0; wait entry[0], gathered[7]; r0:dst@0[7/32] = r7:dst@0[7/32]; signal r0:gathered[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 7}, {{7, 2, 0, 32, 0, 7}}, {}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},
-    // rank 7 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},
-    // rank 7 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},
-    // rank 7 step 63: wait for every reduced part; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}}, {}},
-    // rank 7 step 64: wait for every reduced part; wait gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 28}, {{0, 1, 1, 32, 0, 28}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},  // rank 0 step 1: part 7 piece 0: our input to rank 1; wait entry[1]; r1:inbox@0[28/32] = r0:src@0[28/32]; signal r1:arrive[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 29}, {{0, 1, 1, 32, 0, 29}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},  // rank 0 step 2: part 7 piece 1: our input to rank 1; wait entry[1]; r1:inbox@0[29/32] = r0:src@0[29/32]; signal r1:arrive[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 30}, {{0, 1, 1, 32, 0, 30}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},  // rank 0 step 3: part 7 piece 2: our input to rank 1; wait entry[1]; r1:inbox@0[30/32] = r0:src@0[30/32]; signal r1:arrive[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 31}, {{0, 1, 1, 32, 0, 31}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},  // rank 0 step 4: part 7 piece 3: our input to rank 1; wait entry[1]; r1:inbox@0[31/32] = r0:src@0[31/32]; signal r1:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 24}, {{0, 3, 0, 32, 0, 24}, {0, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 1, 1}}, {{1, 5, 24}}},  // rank 0 step 5: part 6 piece 0: partial sum + our input to rank 1; wait arrive[24], entry[1]; r1:inbox@0[24/32] = r0:inbox@0[24/32] + r0:src@0[24/32]; signal r1:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 25}, {{0, 3, 0, 32, 0, 25}, {0, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 1, 1}}, {{1, 5, 25}}},  // rank 0 step 6: part 6 piece 1: partial sum + our input to rank 1; wait arrive[25], entry[1]; r1:inbox@0[25/32] = r0:inbox@0[25/32] + r0:src@0[25/32]; signal r1:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 26}, {{0, 3, 0, 32, 0, 26}, {0, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 1, 1}}, {{1, 5, 26}}},  // rank 0 step 7: part 6 piece 2: partial sum + our input to rank 1; wait arrive[26], entry[1]; r1:inbox@0[26/32] = r0:inbox@0[26/32] + r0:src@0[26/32]; signal r1:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 27}, {{0, 3, 0, 32, 0, 27}, {0, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 1, 1}}, {{1, 5, 27}}},  // rank 0 step 8: part 6 piece 3: partial sum + our input to rank 1; wait arrive[27], entry[1]; r1:inbox@0[27/32] = r0:inbox@0[27/32] + r0:src@0[27/32]; signal r1:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 20}, {{0, 3, 0, 32, 0, 20}, {0, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 0 step 9: part 5 piece 0: partial sum + our input to rank 1; wait arrive[20], entry[1]; r1:inbox@0[20/32] = r0:inbox@0[20/32] + r0:src@0[20/32]; signal r1:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 21}, {{0, 3, 0, 32, 0, 21}, {0, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 0 step 10: part 5 piece 1: partial sum + our input to rank 1; wait arrive[21], entry[1]; r1:inbox@0[21/32] = r0:inbox@0[21/32] + r0:src@0[21/32]; signal r1:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 22}, {{0, 3, 0, 32, 0, 22}, {0, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 0 step 11: part 5 piece 2: partial sum + our input to rank 1; wait arrive[22], entry[1]; r1:inbox@0[22/32] = r0:inbox@0[22/32] + r0:src@0[22/32]; signal r1:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 23}, {{0, 3, 0, 32, 0, 23}, {0, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 0 step 12: part 5 piece 3: partial sum + our input to rank 1; wait arrive[23], entry[1]; r1:inbox@0[23/32] = r0:inbox@0[23/32] + r0:src@0[23/32]; signal r1:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 16}, {{0, 3, 0, 32, 0, 16}, {0, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 0 step 13: part 4 piece 0: partial sum + our input to rank 1; wait arrive[16], entry[1]; r1:inbox@0[16/32] = r0:inbox@0[16/32] + r0:src@0[16/32]; signal r1:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 17}, {{0, 3, 0, 32, 0, 17}, {0, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 0 step 14: part 4 piece 1: partial sum + our input to rank 1; wait arrive[17], entry[1]; r1:inbox@0[17/32] = r0:inbox@0[17/32] + r0:src@0[17/32]; signal r1:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 18}, {{0, 3, 0, 32, 0, 18}, {0, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 0 step 15: part 4 piece 2: partial sum + our input to rank 1; wait arrive[18], entry[1]; r1:inbox@0[18/32] = r0:inbox@0[18/32] + r0:src@0[18/32]; signal r1:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 19}, {{0, 3, 0, 32, 0, 19}, {0, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 0 step 16: part 4 piece 3: partial sum + our input to rank 1; wait arrive[19], entry[1]; r1:inbox@0[19/32] = r0:inbox@0[19/32] + r0:src@0[19/32]; signal r1:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 12}, {{0, 3, 0, 32, 0, 12}, {0, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},  // rank 0 step 17: part 3 piece 0: partial sum + our input to rank 1; wait arrive[12], entry[1]; r1:inbox@0[12/32] = r0:inbox@0[12/32] + r0:src@0[12/32]; signal r1:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 13}, {{0, 3, 0, 32, 0, 13}, {0, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},  // rank 0 step 18: part 3 piece 1: partial sum + our input to rank 1; wait arrive[13], entry[1]; r1:inbox@0[13/32] = r0:inbox@0[13/32] + r0:src@0[13/32]; signal r1:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 14}, {{0, 3, 0, 32, 0, 14}, {0, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},  // rank 0 step 19: part 3 piece 2: partial sum + our input to rank 1; wait arrive[14], entry[1]; r1:inbox@0[14/32] = r0:inbox@0[14/32] + r0:src@0[14/32]; signal r1:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 15}, {{0, 3, 0, 32, 0, 15}, {0, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},  // rank 0 step 20: part 3 piece 3: partial sum + our input to rank 1; wait arrive[15], entry[1]; r1:inbox@0[15/32] = r0:inbox@0[15/32] + r0:src@0[15/32]; signal r1:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 8}, {{0, 3, 0, 32, 0, 8}, {0, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 0 step 21: part 2 piece 0: partial sum + our input to rank 1; wait arrive[8], entry[1]; r1:inbox@0[8/32] = r0:inbox@0[8/32] + r0:src@0[8/32]; signal r1:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 9}, {{0, 3, 0, 32, 0, 9}, {0, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 0 step 22: part 2 piece 1: partial sum + our input to rank 1; wait arrive[9], entry[1]; r1:inbox@0[9/32] = r0:inbox@0[9/32] + r0:src@0[9/32]; signal r1:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 10}, {{0, 3, 0, 32, 0, 10}, {0, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 0 step 23: part 2 piece 2: partial sum + our input to rank 1; wait arrive[10], entry[1]; r1:inbox@0[10/32] = r0:inbox@0[10/32] + r0:src@0[10/32]; signal r1:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 11}, {{0, 3, 0, 32, 0, 11}, {0, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 0 step 24: part 2 piece 3: partial sum + our input to rank 1; wait arrive[11], entry[1]; r1:inbox@0[11/32] = r0:inbox@0[11/32] + r0:src@0[11/32]; signal r1:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 4}, {{0, 3, 0, 32, 0, 4}, {0, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 25: part 1 piece 0: partial sum + our input to rank 1; wait arrive[4], entry[1]; r1:inbox@0[4/32] = r0:inbox@0[4/32] + r0:src@0[4/32]; signal r1:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 5}, {{0, 3, 0, 32, 0, 5}, {0, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 26: part 1 piece 1: partial sum + our input to rank 1; wait arrive[5], entry[1]; r1:inbox@0[5/32] = r0:inbox@0[5/32] + r0:src@0[5/32]; signal r1:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 6}, {{0, 3, 0, 32, 0, 6}, {0, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 27: part 1 piece 2: partial sum + our input to rank 1; wait arrive[6], entry[1]; r1:inbox@0[6/32] = r0:inbox@0[6/32] + r0:src@0[6/32]; signal r1:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 32, 0, 7}, {{0, 3, 0, 32, 0, 7}, {0, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 28: part 1 piece 3: partial sum + our input to rank 1; wait arrive[7], entry[1]; r1:inbox@0[7/32] = r0:inbox@0[7/32] + r0:src@0[7/32]; signal r1:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 0}, {{0, 3, 0, 32, 0, 0}, {0, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},  // rank 0 step 29: our part, piece 0: last partial sum + our input; wait arrive[0]; r0:dst@0[0/32] = r0:inbox@0[0/32] + r0:src@0[0/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 1}, {{0, 3, 0, 32, 0, 1}, {0, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},  // rank 0 step 30: our part, piece 1: last partial sum + our input; wait arrive[1]; r0:dst@0[1/32] = r0:inbox@0[1/32] + r0:src@0[1/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 2}, {{0, 3, 0, 32, 0, 2}, {0, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},  // rank 0 step 31: our part, piece 2: last partial sum + our input; wait arrive[2]; r0:dst@0[2/32] = r0:inbox@0[2/32] + r0:src@0[2/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 32, 0, 3}, {{0, 3, 0, 32, 0, 3}, {0, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},  // rank 0 step 32: our part, piece 3: last partial sum + our input; wait arrive[3]; r0:dst@0[3/32] = r0:inbox@0[3/32] + r0:src@0[3/32]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{4, 0, 1, 1}}, {{1, 6, 0}}},  // rank 0 step 33: reduced part 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/32] = r0:dst@0[0/32]; signal r1:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{4, 0, 1, 1}}, {{1, 6, 1}}},  // rank 0 step 34: reduced part 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/32] = r0:dst@0[1/32]; signal r1:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{4, 0, 1, 1}}, {{1, 6, 2}}},  // rank 0 step 35: reduced part 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/32] = r0:dst@0[2/32]; signal r1:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{4, 0, 1, 1}}, {{1, 6, 3}}},  // rank 0 step 36: reduced part 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/32] = r0:dst@0[3/32]; signal r1:gathered[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 28}, {{0, 2, 0, 32, 0, 28}}, {}, {{4, 0, 1, 1}, {6, 0, 28, 64}}, {{1, 6, 28}}},  // rank 0 step 37: reduced part 7 piece 0 to rank 1; wait entry[1], gathered[28]; r1:dst@0[28/32] = r0:dst@0[28/32]; signal r1:gathered[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 29}, {{0, 2, 0, 32, 0, 29}}, {}, {{4, 0, 1, 1}, {6, 0, 29, 64}}, {{1, 6, 29}}},  // rank 0 step 38: reduced part 7 piece 1 to rank 1; wait entry[1], gathered[29]; r1:dst@0[29/32] = r0:dst@0[29/32]; signal r1:gathered[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 30}, {{0, 2, 0, 32, 0, 30}}, {}, {{4, 0, 1, 1}, {6, 0, 30, 64}}, {{1, 6, 30}}},  // rank 0 step 39: reduced part 7 piece 2 to rank 1; wait entry[1], gathered[30]; r1:dst@0[30/32] = r0:dst@0[30/32]; signal r1:gathered[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 31}, {{0, 2, 0, 32, 0, 31}}, {}, {{4, 0, 1, 1}, {6, 0, 31, 64}}, {{1, 6, 31}}},  // rank 0 step 40: reduced part 7 piece 3 to rank 1; wait entry[1], gathered[31]; r1:dst@0[31/32] = r0:dst@0[31/32]; signal r1:gathered[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 24}, {{0, 2, 0, 32, 0, 24}}, {}, {{4, 0, 1, 1}, {6, 0, 24, 64}}, {{1, 6, 24}}},  // rank 0 step 41: reduced part 6 piece 0 to rank 1; wait entry[1], gathered[24]; r1:dst@0[24/32] = r0:dst@0[24/32]; signal r1:gathered[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 25}, {{0, 2, 0, 32, 0, 25}}, {}, {{4, 0, 1, 1}, {6, 0, 25, 64}}, {{1, 6, 25}}},  // rank 0 step 42: reduced part 6 piece 1 to rank 1; wait entry[1], gathered[25]; r1:dst@0[25/32] = r0:dst@0[25/32]; signal r1:gathered[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 26}, {{0, 2, 0, 32, 0, 26}}, {}, {{4, 0, 1, 1}, {6, 0, 26, 64}}, {{1, 6, 26}}},  // rank 0 step 43: reduced part 6 piece 2 to rank 1; wait entry[1], gathered[26]; r1:dst@0[26/32] = r0:dst@0[26/32]; signal r1:gathered[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 27}, {{0, 2, 0, 32, 0, 27}}, {}, {{4, 0, 1, 1}, {6, 0, 27, 64}}, {{1, 6, 27}}},  // rank 0 step 44: reduced part 6 piece 3 to rank 1; wait entry[1], gathered[27]; r1:dst@0[27/32] = r0:dst@0[27/32]; signal r1:gathered[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 20}, {{0, 2, 0, 32, 0, 20}}, {}, {{4, 0, 1, 1}, {6, 0, 20, 64}}, {{1, 6, 20}}},  // rank 0 step 45: reduced part 5 piece 0 to rank 1; wait entry[1], gathered[20]; r1:dst@0[20/32] = r0:dst@0[20/32]; signal r1:gathered[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 21}, {{0, 2, 0, 32, 0, 21}}, {}, {{4, 0, 1, 1}, {6, 0, 21, 64}}, {{1, 6, 21}}},  // rank 0 step 46: reduced part 5 piece 1 to rank 1; wait entry[1], gathered[21]; r1:dst@0[21/32] = r0:dst@0[21/32]; signal r1:gathered[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 22}, {{0, 2, 0, 32, 0, 22}}, {}, {{4, 0, 1, 1}, {6, 0, 22, 64}}, {{1, 6, 22}}},  // rank 0 step 47: reduced part 5 piece 2 to rank 1; wait entry[1], gathered[22]; r1:dst@0[22/32] = r0:dst@0[22/32]; signal r1:gathered[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 23}, {{0, 2, 0, 32, 0, 23}}, {}, {{4, 0, 1, 1}, {6, 0, 23, 64}}, {{1, 6, 23}}},  // rank 0 step 48: reduced part 5 piece 3 to rank 1; wait entry[1], gathered[23]; r1:dst@0[23/32] = r0:dst@0[23/32]; signal r1:gathered[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 16}, {{0, 2, 0, 32, 0, 16}}, {}, {{4, 0, 1, 1}, {6, 0, 16, 64}}, {{1, 6, 16}}},  // rank 0 step 49: reduced part 4 piece 0 to rank 1; wait entry[1], gathered[16]; r1:dst@0[16/32] = r0:dst@0[16/32]; signal r1:gathered[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 17}, {{0, 2, 0, 32, 0, 17}}, {}, {{4, 0, 1, 1}, {6, 0, 17, 64}}, {{1, 6, 17}}},  // rank 0 step 50: reduced part 4 piece 1 to rank 1; wait entry[1], gathered[17]; r1:dst@0[17/32] = r0:dst@0[17/32]; signal r1:gathered[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 18}, {{0, 2, 0, 32, 0, 18}}, {}, {{4, 0, 1, 1}, {6, 0, 18, 64}}, {{1, 6, 18}}},  // rank 0 step 51: reduced part 4 piece 2 to rank 1; wait entry[1], gathered[18]; r1:dst@0[18/32] = r0:dst@0[18/32]; signal r1:gathered[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 19}, {{0, 2, 0, 32, 0, 19}}, {}, {{4, 0, 1, 1}, {6, 0, 19, 64}}, {{1, 6, 19}}},  // rank 0 step 52: reduced part 4 piece 3 to rank 1; wait entry[1], gathered[19]; r1:dst@0[19/32] = r0:dst@0[19/32]; signal r1:gathered[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 12}, {{0, 2, 0, 32, 0, 12}}, {}, {{4, 0, 1, 1}, {6, 0, 12, 64}}, {{1, 6, 12}}},  // rank 0 step 53: reduced part 3 piece 0 to rank 1; wait entry[1], gathered[12]; r1:dst@0[12/32] = r0:dst@0[12/32]; signal r1:gathered[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 13}, {{0, 2, 0, 32, 0, 13}}, {}, {{4, 0, 1, 1}, {6, 0, 13, 64}}, {{1, 6, 13}}},  // rank 0 step 54: reduced part 3 piece 1 to rank 1; wait entry[1], gathered[13]; r1:dst@0[13/32] = r0:dst@0[13/32]; signal r1:gathered[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 14}, {{0, 2, 0, 32, 0, 14}}, {}, {{4, 0, 1, 1}, {6, 0, 14, 64}}, {{1, 6, 14}}},  // rank 0 step 55: reduced part 3 piece 2 to rank 1; wait entry[1], gathered[14]; r1:dst@0[14/32] = r0:dst@0[14/32]; signal r1:gathered[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 15}, {{0, 2, 0, 32, 0, 15}}, {}, {{4, 0, 1, 1}, {6, 0, 15, 64}}, {{1, 6, 15}}},  // rank 0 step 56: reduced part 3 piece 3 to rank 1; wait entry[1], gathered[15]; r1:dst@0[15/32] = r0:dst@0[15/32]; signal r1:gathered[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 8}, {{0, 2, 0, 32, 0, 8}}, {}, {{4, 0, 1, 1}, {6, 0, 8, 64}}, {{1, 6, 8}}},  // rank 0 step 57: reduced part 2 piece 0 to rank 1; wait entry[1], gathered[8]; r1:dst@0[8/32] = r0:dst@0[8/32]; signal r1:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 9}, {{0, 2, 0, 32, 0, 9}}, {}, {{4, 0, 1, 1}, {6, 0, 9, 64}}, {{1, 6, 9}}},  // rank 0 step 58: reduced part 2 piece 1 to rank 1; wait entry[1], gathered[9]; r1:dst@0[9/32] = r0:dst@0[9/32]; signal r1:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 10}, {{0, 2, 0, 32, 0, 10}}, {}, {{4, 0, 1, 1}, {6, 0, 10, 64}}, {{1, 6, 10}}},  // rank 0 step 59: reduced part 2 piece 2 to rank 1; wait entry[1], gathered[10]; r1:dst@0[10/32] = r0:dst@0[10/32]; signal r1:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 11}, {{0, 2, 0, 32, 0, 11}}, {}, {{4, 0, 1, 1}, {6, 0, 11, 64}}, {{1, 6, 11}}},  // rank 0 step 60: reduced part 2 piece 3 to rank 1; wait entry[1], gathered[11]; r1:dst@0[11/32] = r0:dst@0[11/32]; signal r1:gathered[11]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},  // rank 0 step 61: wait for every reduced part; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},  // rank 0 step 62: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},  // rank 0 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},  // rank 0 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 0}, {{1, 1, 1, 32, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 1 step 1: part 0 piece 0: our input to rank 2; wait entry[2]; r2:inbox@0[0/32] = r1:src@0[0/32]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 1}, {{1, 1, 1, 32, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 1 step 2: part 0 piece 1: our input to rank 2; wait entry[2]; r2:inbox@0[1/32] = r1:src@0[1/32]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 2}, {{1, 1, 1, 32, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 1 step 3: part 0 piece 2: our input to rank 2; wait entry[2]; r2:inbox@0[2/32] = r1:src@0[2/32]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 3}, {{1, 1, 1, 32, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 1 step 4: part 0 piece 3: our input to rank 2; wait entry[2]; r2:inbox@0[3/32] = r1:src@0[3/32]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 28}, {{1, 3, 0, 32, 0, 28}, {1, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},  // rank 1 step 5: part 7 piece 0: partial sum + our input to rank 2; wait arrive[28], entry[2]; r2:inbox@0[28/32] = r1:inbox@0[28/32] + r1:src@0[28/32]; signal r2:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 29}, {{1, 3, 0, 32, 0, 29}, {1, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},  // rank 1 step 6: part 7 piece 1: partial sum + our input to rank 2; wait arrive[29], entry[2]; r2:inbox@0[29/32] = r1:inbox@0[29/32] + r1:src@0[29/32]; signal r2:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 30}, {{1, 3, 0, 32, 0, 30}, {1, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},  // rank 1 step 7: part 7 piece 2: partial sum + our input to rank 2; wait arrive[30], entry[2]; r2:inbox@0[30/32] = r1:inbox@0[30/32] + r1:src@0[30/32]; signal r2:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 31}, {{1, 3, 0, 32, 0, 31}, {1, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},  // rank 1 step 8: part 7 piece 3: partial sum + our input to rank 2; wait arrive[31], entry[2]; r2:inbox@0[31/32] = r1:inbox@0[31/32] + r1:src@0[31/32]; signal r2:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 24}, {{1, 3, 0, 32, 0, 24}, {1, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},  // rank 1 step 9: part 6 piece 0: partial sum + our input to rank 2; wait arrive[24], entry[2]; r2:inbox@0[24/32] = r1:inbox@0[24/32] + r1:src@0[24/32]; signal r2:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 25}, {{1, 3, 0, 32, 0, 25}, {1, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},  // rank 1 step 10: part 6 piece 1: partial sum + our input to rank 2; wait arrive[25], entry[2]; r2:inbox@0[25/32] = r1:inbox@0[25/32] + r1:src@0[25/32]; signal r2:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 26}, {{1, 3, 0, 32, 0, 26}, {1, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},  // rank 1 step 11: part 6 piece 2: partial sum + our input to rank 2; wait arrive[26], entry[2]; r2:inbox@0[26/32] = r1:inbox@0[26/32] + r1:src@0[26/32]; signal r2:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 27}, {{1, 3, 0, 32, 0, 27}, {1, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},  // rank 1 step 12: part 6 piece 3: partial sum + our input to rank 2; wait arrive[27], entry[2]; r2:inbox@0[27/32] = r1:inbox@0[27/32] + r1:src@0[27/32]; signal r2:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 20}, {{1, 3, 0, 32, 0, 20}, {1, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},  // rank 1 step 13: part 5 piece 0: partial sum + our input to rank 2; wait arrive[20], entry[2]; r2:inbox@0[20/32] = r1:inbox@0[20/32] + r1:src@0[20/32]; signal r2:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 21}, {{1, 3, 0, 32, 0, 21}, {1, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},  // rank 1 step 14: part 5 piece 1: partial sum + our input to rank 2; wait arrive[21], entry[2]; r2:inbox@0[21/32] = r1:inbox@0[21/32] + r1:src@0[21/32]; signal r2:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 22}, {{1, 3, 0, 32, 0, 22}, {1, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},  // rank 1 step 15: part 5 piece 2: partial sum + our input to rank 2; wait arrive[22], entry[2]; r2:inbox@0[22/32] = r1:inbox@0[22/32] + r1:src@0[22/32]; signal r2:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 23}, {{1, 3, 0, 32, 0, 23}, {1, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},  // rank 1 step 16: part 5 piece 3: partial sum + our input to rank 2; wait arrive[23], entry[2]; r2:inbox@0[23/32] = r1:inbox@0[23/32] + r1:src@0[23/32]; signal r2:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 16}, {{1, 3, 0, 32, 0, 16}, {1, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},  // rank 1 step 17: part 4 piece 0: partial sum + our input to rank 2; wait arrive[16], entry[2]; r2:inbox@0[16/32] = r1:inbox@0[16/32] + r1:src@0[16/32]; signal r2:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 17}, {{1, 3, 0, 32, 0, 17}, {1, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},  // rank 1 step 18: part 4 piece 1: partial sum + our input to rank 2; wait arrive[17], entry[2]; r2:inbox@0[17/32] = r1:inbox@0[17/32] + r1:src@0[17/32]; signal r2:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 18}, {{1, 3, 0, 32, 0, 18}, {1, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},  // rank 1 step 19: part 4 piece 2: partial sum + our input to rank 2; wait arrive[18], entry[2]; r2:inbox@0[18/32] = r1:inbox@0[18/32] + r1:src@0[18/32]; signal r2:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 19}, {{1, 3, 0, 32, 0, 19}, {1, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},  // rank 1 step 20: part 4 piece 3: partial sum + our input to rank 2; wait arrive[19], entry[2]; r2:inbox@0[19/32] = r1:inbox@0[19/32] + r1:src@0[19/32]; signal r2:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 12}, {{1, 3, 0, 32, 0, 12}, {1, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 1 step 21: part 3 piece 0: partial sum + our input to rank 2; wait arrive[12], entry[2]; r2:inbox@0[12/32] = r1:inbox@0[12/32] + r1:src@0[12/32]; signal r2:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 13}, {{1, 3, 0, 32, 0, 13}, {1, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 1 step 22: part 3 piece 1: partial sum + our input to rank 2; wait arrive[13], entry[2]; r2:inbox@0[13/32] = r1:inbox@0[13/32] + r1:src@0[13/32]; signal r2:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 14}, {{1, 3, 0, 32, 0, 14}, {1, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 1 step 23: part 3 piece 2: partial sum + our input to rank 2; wait arrive[14], entry[2]; r2:inbox@0[14/32] = r1:inbox@0[14/32] + r1:src@0[14/32]; signal r2:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 15}, {{1, 3, 0, 32, 0, 15}, {1, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 1 step 24: part 3 piece 3: partial sum + our input to rank 2; wait arrive[15], entry[2]; r2:inbox@0[15/32] = r1:inbox@0[15/32] + r1:src@0[15/32]; signal r2:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 8}, {{1, 3, 0, 32, 0, 8}, {1, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 2, 1}}, {{2, 5, 8}}},  // rank 1 step 25: part 2 piece 0: partial sum + our input to rank 2; wait arrive[8], entry[2]; r2:inbox@0[8/32] = r1:inbox@0[8/32] + r1:src@0[8/32]; signal r2:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 9}, {{1, 3, 0, 32, 0, 9}, {1, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 2, 1}}, {{2, 5, 9}}},  // rank 1 step 26: part 2 piece 1: partial sum + our input to rank 2; wait arrive[9], entry[2]; r2:inbox@0[9/32] = r1:inbox@0[9/32] + r1:src@0[9/32]; signal r2:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 10}, {{1, 3, 0, 32, 0, 10}, {1, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 2, 1}}, {{2, 5, 10}}},  // rank 1 step 27: part 2 piece 2: partial sum + our input to rank 2; wait arrive[10], entry[2]; r2:inbox@0[10/32] = r1:inbox@0[10/32] + r1:src@0[10/32]; signal r2:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 32, 0, 11}, {{1, 3, 0, 32, 0, 11}, {1, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 2, 1}}, {{2, 5, 11}}},  // rank 1 step 28: part 2 piece 3: partial sum + our input to rank 2; wait arrive[11], entry[2]; r2:inbox@0[11/32] = r1:inbox@0[11/32] + r1:src@0[11/32]; signal r2:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 4}, {{1, 3, 0, 32, 0, 4}, {1, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},  // rank 1 step 29: our part, piece 0: last partial sum + our input; wait arrive[4]; r1:dst@0[4/32] = r1:inbox@0[4/32] + r1:src@0[4/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 5}, {{1, 3, 0, 32, 0, 5}, {1, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},  // rank 1 step 30: our part, piece 1: last partial sum + our input; wait arrive[5]; r1:dst@0[5/32] = r1:inbox@0[5/32] + r1:src@0[5/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 6}, {{1, 3, 0, 32, 0, 6}, {1, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},  // rank 1 step 31: our part, piece 2: last partial sum + our input; wait arrive[6]; r1:dst@0[6/32] = r1:inbox@0[6/32] + r1:src@0[6/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 32, 0, 7}, {{1, 3, 0, 32, 0, 7}, {1, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},  // rank 1 step 32: our part, piece 3: last partial sum + our input; wait arrive[7]; r1:dst@0[7/32] = r1:inbox@0[7/32] + r1:src@0[7/32]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 6, 4}}},  // rank 1 step 33: reduced part 1 piece 0 to rank 2; wait entry[2]; r2:dst@0[4/32] = r1:dst@0[4/32]; signal r2:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 6, 5}}},  // rank 1 step 34: reduced part 1 piece 1 to rank 2; wait entry[2]; r2:dst@0[5/32] = r1:dst@0[5/32]; signal r2:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 6, 6}}},  // rank 1 step 35: reduced part 1 piece 2 to rank 2; wait entry[2]; r2:dst@0[6/32] = r1:dst@0[6/32]; signal r2:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 6, 7}}},  // rank 1 step 36: reduced part 1 piece 3 to rank 2; wait entry[2]; r2:dst@0[7/32] = r1:dst@0[7/32]; signal r2:gathered[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 0}, {{1, 2, 0, 32, 0, 0}}, {}, {{4, 0, 2, 1}, {6, 0, 0, 64}}, {{2, 6, 0}}},  // rank 1 step 37: reduced part 0 piece 0 to rank 2; wait entry[2], gathered[0]; r2:dst@0[0/32] = r1:dst@0[0/32]; signal r2:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 1}, {{1, 2, 0, 32, 0, 1}}, {}, {{4, 0, 2, 1}, {6, 0, 1, 64}}, {{2, 6, 1}}},  // rank 1 step 38: reduced part 0 piece 1 to rank 2; wait entry[2], gathered[1]; r2:dst@0[1/32] = r1:dst@0[1/32]; signal r2:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 2}, {{1, 2, 0, 32, 0, 2}}, {}, {{4, 0, 2, 1}, {6, 0, 2, 64}}, {{2, 6, 2}}},  // rank 1 step 39: reduced part 0 piece 2 to rank 2; wait entry[2], gathered[2]; r2:dst@0[2/32] = r1:dst@0[2/32]; signal r2:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 3}, {{1, 2, 0, 32, 0, 3}}, {}, {{4, 0, 2, 1}, {6, 0, 3, 64}}, {{2, 6, 3}}},  // rank 1 step 40: reduced part 0 piece 3 to rank 2; wait entry[2], gathered[3]; r2:dst@0[3/32] = r1:dst@0[3/32]; signal r2:gathered[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 28}, {{1, 2, 0, 32, 0, 28}}, {}, {{4, 0, 2, 1}, {6, 0, 28, 64}}, {{2, 6, 28}}},  // rank 1 step 41: reduced part 7 piece 0 to rank 2; wait entry[2], gathered[28]; r2:dst@0[28/32] = r1:dst@0[28/32]; signal r2:gathered[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 29}, {{1, 2, 0, 32, 0, 29}}, {}, {{4, 0, 2, 1}, {6, 0, 29, 64}}, {{2, 6, 29}}},  // rank 1 step 42: reduced part 7 piece 1 to rank 2; wait entry[2], gathered[29]; r2:dst@0[29/32] = r1:dst@0[29/32]; signal r2:gathered[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 30}, {{1, 2, 0, 32, 0, 30}}, {}, {{4, 0, 2, 1}, {6, 0, 30, 64}}, {{2, 6, 30}}},  // rank 1 step 43: reduced part 7 piece 2 to rank 2; wait entry[2], gathered[30]; r2:dst@0[30/32] = r1:dst@0[30/32]; signal r2:gathered[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 31}, {{1, 2, 0, 32, 0, 31}}, {}, {{4, 0, 2, 1}, {6, 0, 31, 64}}, {{2, 6, 31}}},  // rank 1 step 44: reduced part 7 piece 3 to rank 2; wait entry[2], gathered[31]; r2:dst@0[31/32] = r1:dst@0[31/32]; signal r2:gathered[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 24}, {{1, 2, 0, 32, 0, 24}}, {}, {{4, 0, 2, 1}, {6, 0, 24, 64}}, {{2, 6, 24}}},  // rank 1 step 45: reduced part 6 piece 0 to rank 2; wait entry[2], gathered[24]; r2:dst@0[24/32] = r1:dst@0[24/32]; signal r2:gathered[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 25}, {{1, 2, 0, 32, 0, 25}}, {}, {{4, 0, 2, 1}, {6, 0, 25, 64}}, {{2, 6, 25}}},  // rank 1 step 46: reduced part 6 piece 1 to rank 2; wait entry[2], gathered[25]; r2:dst@0[25/32] = r1:dst@0[25/32]; signal r2:gathered[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 26}, {{1, 2, 0, 32, 0, 26}}, {}, {{4, 0, 2, 1}, {6, 0, 26, 64}}, {{2, 6, 26}}},  // rank 1 step 47: reduced part 6 piece 2 to rank 2; wait entry[2], gathered[26]; r2:dst@0[26/32] = r1:dst@0[26/32]; signal r2:gathered[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 27}, {{1, 2, 0, 32, 0, 27}}, {}, {{4, 0, 2, 1}, {6, 0, 27, 64}}, {{2, 6, 27}}},  // rank 1 step 48: reduced part 6 piece 3 to rank 2; wait entry[2], gathered[27]; r2:dst@0[27/32] = r1:dst@0[27/32]; signal r2:gathered[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 20}, {{1, 2, 0, 32, 0, 20}}, {}, {{4, 0, 2, 1}, {6, 0, 20, 64}}, {{2, 6, 20}}},  // rank 1 step 49: reduced part 5 piece 0 to rank 2; wait entry[2], gathered[20]; r2:dst@0[20/32] = r1:dst@0[20/32]; signal r2:gathered[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 21}, {{1, 2, 0, 32, 0, 21}}, {}, {{4, 0, 2, 1}, {6, 0, 21, 64}}, {{2, 6, 21}}},  // rank 1 step 50: reduced part 5 piece 1 to rank 2; wait entry[2], gathered[21]; r2:dst@0[21/32] = r1:dst@0[21/32]; signal r2:gathered[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 22}, {{1, 2, 0, 32, 0, 22}}, {}, {{4, 0, 2, 1}, {6, 0, 22, 64}}, {{2, 6, 22}}},  // rank 1 step 51: reduced part 5 piece 2 to rank 2; wait entry[2], gathered[22]; r2:dst@0[22/32] = r1:dst@0[22/32]; signal r2:gathered[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 23}, {{1, 2, 0, 32, 0, 23}}, {}, {{4, 0, 2, 1}, {6, 0, 23, 64}}, {{2, 6, 23}}},  // rank 1 step 52: reduced part 5 piece 3 to rank 2; wait entry[2], gathered[23]; r2:dst@0[23/32] = r1:dst@0[23/32]; signal r2:gathered[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 16}, {{1, 2, 0, 32, 0, 16}}, {}, {{4, 0, 2, 1}, {6, 0, 16, 64}}, {{2, 6, 16}}},  // rank 1 step 53: reduced part 4 piece 0 to rank 2; wait entry[2], gathered[16]; r2:dst@0[16/32] = r1:dst@0[16/32]; signal r2:gathered[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 17}, {{1, 2, 0, 32, 0, 17}}, {}, {{4, 0, 2, 1}, {6, 0, 17, 64}}, {{2, 6, 17}}},  // rank 1 step 54: reduced part 4 piece 1 to rank 2; wait entry[2], gathered[17]; r2:dst@0[17/32] = r1:dst@0[17/32]; signal r2:gathered[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 18}, {{1, 2, 0, 32, 0, 18}}, {}, {{4, 0, 2, 1}, {6, 0, 18, 64}}, {{2, 6, 18}}},  // rank 1 step 55: reduced part 4 piece 2 to rank 2; wait entry[2], gathered[18]; r2:dst@0[18/32] = r1:dst@0[18/32]; signal r2:gathered[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 19}, {{1, 2, 0, 32, 0, 19}}, {}, {{4, 0, 2, 1}, {6, 0, 19, 64}}, {{2, 6, 19}}},  // rank 1 step 56: reduced part 4 piece 3 to rank 2; wait entry[2], gathered[19]; r2:dst@0[19/32] = r1:dst@0[19/32]; signal r2:gathered[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{4, 0, 2, 1}, {6, 0, 12, 64}}, {{2, 6, 12}}},  // rank 1 step 57: reduced part 3 piece 0 to rank 2; wait entry[2], gathered[12]; r2:dst@0[12/32] = r1:dst@0[12/32]; signal r2:gathered[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{4, 0, 2, 1}, {6, 0, 13, 64}}, {{2, 6, 13}}},  // rank 1 step 58: reduced part 3 piece 1 to rank 2; wait entry[2], gathered[13]; r2:dst@0[13/32] = r1:dst@0[13/32]; signal r2:gathered[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{4, 0, 2, 1}, {6, 0, 14, 64}}, {{2, 6, 14}}},  // rank 1 step 59: reduced part 3 piece 2 to rank 2; wait entry[2], gathered[14]; r2:dst@0[14/32] = r1:dst@0[14/32]; signal r2:gathered[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{4, 0, 2, 1}, {6, 0, 15, 64}}, {{2, 6, 15}}},  // rank 1 step 60: reduced part 3 piece 3 to rank 2; wait entry[2], gathered[15]; r2:dst@0[15/32] = r1:dst@0[15/32]; signal r2:gathered[15]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}}, {}},  // rank 1 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},  // rank 1 step 62: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},  // rank 1 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},  // rank 1 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 4}, {{2, 1, 1, 32, 0, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 2 step 1: part 1 piece 0: our input to rank 3; wait entry[3]; r3:inbox@0[4/32] = r2:src@0[4/32]; signal r3:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 5}, {{2, 1, 1, 32, 0, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 2 step 2: part 1 piece 1: our input to rank 3; wait entry[3]; r3:inbox@0[5/32] = r2:src@0[5/32]; signal r3:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 6}, {{2, 1, 1, 32, 0, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 2 step 3: part 1 piece 2: our input to rank 3; wait entry[3]; r3:inbox@0[6/32] = r2:src@0[6/32]; signal r3:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 7}, {{2, 1, 1, 32, 0, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 2 step 4: part 1 piece 3: our input to rank 3; wait entry[3]; r3:inbox@0[7/32] = r2:src@0[7/32]; signal r3:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 0}, {{2, 3, 0, 32, 0, 0}, {2, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 2 step 5: part 0 piece 0: partial sum + our input to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/32] = r2:inbox@0[0/32] + r2:src@0[0/32]; signal r3:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 1}, {{2, 3, 0, 32, 0, 1}, {2, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 2 step 6: part 0 piece 1: partial sum + our input to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/32] = r2:inbox@0[1/32] + r2:src@0[1/32]; signal r3:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 2}, {{2, 3, 0, 32, 0, 2}, {2, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 2 step 7: part 0 piece 2: partial sum + our input to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/32] = r2:inbox@0[2/32] + r2:src@0[2/32]; signal r3:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 3}, {{2, 3, 0, 32, 0, 3}, {2, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 2 step 8: part 0 piece 3: partial sum + our input to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/32] = r2:inbox@0[3/32] + r2:src@0[3/32]; signal r3:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 28}, {{2, 3, 0, 32, 0, 28}, {2, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},  // rank 2 step 9: part 7 piece 0: partial sum + our input to rank 3; wait arrive[28], entry[3]; r3:inbox@0[28/32] = r2:inbox@0[28/32] + r2:src@0[28/32]; signal r3:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 29}, {{2, 3, 0, 32, 0, 29}, {2, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},  // rank 2 step 10: part 7 piece 1: partial sum + our input to rank 3; wait arrive[29], entry[3]; r3:inbox@0[29/32] = r2:inbox@0[29/32] + r2:src@0[29/32]; signal r3:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 30}, {{2, 3, 0, 32, 0, 30}, {2, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},  // rank 2 step 11: part 7 piece 2: partial sum + our input to rank 3; wait arrive[30], entry[3]; r3:inbox@0[30/32] = r2:inbox@0[30/32] + r2:src@0[30/32]; signal r3:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 31}, {{2, 3, 0, 32, 0, 31}, {2, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},  // rank 2 step 12: part 7 piece 3: partial sum + our input to rank 3; wait arrive[31], entry[3]; r3:inbox@0[31/32] = r2:inbox@0[31/32] + r2:src@0[31/32]; signal r3:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 24}, {{2, 3, 0, 32, 0, 24}, {2, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},  // rank 2 step 13: part 6 piece 0: partial sum + our input to rank 3; wait arrive[24], entry[3]; r3:inbox@0[24/32] = r2:inbox@0[24/32] + r2:src@0[24/32]; signal r3:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 25}, {{2, 3, 0, 32, 0, 25}, {2, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},  // rank 2 step 14: part 6 piece 1: partial sum + our input to rank 3; wait arrive[25], entry[3]; r3:inbox@0[25/32] = r2:inbox@0[25/32] + r2:src@0[25/32]; signal r3:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 26}, {{2, 3, 0, 32, 0, 26}, {2, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},  // rank 2 step 15: part 6 piece 2: partial sum + our input to rank 3; wait arrive[26], entry[3]; r3:inbox@0[26/32] = r2:inbox@0[26/32] + r2:src@0[26/32]; signal r3:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 27}, {{2, 3, 0, 32, 0, 27}, {2, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},  // rank 2 step 16: part 6 piece 3: partial sum + our input to rank 3; wait arrive[27], entry[3]; r3:inbox@0[27/32] = r2:inbox@0[27/32] + r2:src@0[27/32]; signal r3:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 20}, {{2, 3, 0, 32, 0, 20}, {2, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 3, 1}}, {{3, 5, 20}}},  // rank 2 step 17: part 5 piece 0: partial sum + our input to rank 3; wait arrive[20], entry[3]; r3:inbox@0[20/32] = r2:inbox@0[20/32] + r2:src@0[20/32]; signal r3:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 21}, {{2, 3, 0, 32, 0, 21}, {2, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 3, 1}}, {{3, 5, 21}}},  // rank 2 step 18: part 5 piece 1: partial sum + our input to rank 3; wait arrive[21], entry[3]; r3:inbox@0[21/32] = r2:inbox@0[21/32] + r2:src@0[21/32]; signal r3:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 22}, {{2, 3, 0, 32, 0, 22}, {2, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 3, 1}}, {{3, 5, 22}}},  // rank 2 step 19: part 5 piece 2: partial sum + our input to rank 3; wait arrive[22], entry[3]; r3:inbox@0[22/32] = r2:inbox@0[22/32] + r2:src@0[22/32]; signal r3:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 23}, {{2, 3, 0, 32, 0, 23}, {2, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 3, 1}}, {{3, 5, 23}}},  // rank 2 step 20: part 5 piece 3: partial sum + our input to rank 3; wait arrive[23], entry[3]; r3:inbox@0[23/32] = r2:inbox@0[23/32] + r2:src@0[23/32]; signal r3:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 16}, {{2, 3, 0, 32, 0, 16}, {2, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 3, 1}}, {{3, 5, 16}}},  // rank 2 step 21: part 4 piece 0: partial sum + our input to rank 3; wait arrive[16], entry[3]; r3:inbox@0[16/32] = r2:inbox@0[16/32] + r2:src@0[16/32]; signal r3:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 17}, {{2, 3, 0, 32, 0, 17}, {2, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 3, 1}}, {{3, 5, 17}}},  // rank 2 step 22: part 4 piece 1: partial sum + our input to rank 3; wait arrive[17], entry[3]; r3:inbox@0[17/32] = r2:inbox@0[17/32] + r2:src@0[17/32]; signal r3:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 18}, {{2, 3, 0, 32, 0, 18}, {2, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 3, 1}}, {{3, 5, 18}}},  // rank 2 step 23: part 4 piece 2: partial sum + our input to rank 3; wait arrive[18], entry[3]; r3:inbox@0[18/32] = r2:inbox@0[18/32] + r2:src@0[18/32]; signal r3:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 19}, {{2, 3, 0, 32, 0, 19}, {2, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 3, 1}}, {{3, 5, 19}}},  // rank 2 step 24: part 4 piece 3: partial sum + our input to rank 3; wait arrive[19], entry[3]; r3:inbox@0[19/32] = r2:inbox@0[19/32] + r2:src@0[19/32]; signal r3:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 12}, {{2, 3, 0, 32, 0, 12}, {2, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 3, 1}}, {{3, 5, 12}}},  // rank 2 step 25: part 3 piece 0: partial sum + our input to rank 3; wait arrive[12], entry[3]; r3:inbox@0[12/32] = r2:inbox@0[12/32] + r2:src@0[12/32]; signal r3:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 13}, {{2, 3, 0, 32, 0, 13}, {2, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 3, 1}}, {{3, 5, 13}}},  // rank 2 step 26: part 3 piece 1: partial sum + our input to rank 3; wait arrive[13], entry[3]; r3:inbox@0[13/32] = r2:inbox@0[13/32] + r2:src@0[13/32]; signal r3:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 14}, {{2, 3, 0, 32, 0, 14}, {2, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 3, 1}}, {{3, 5, 14}}},  // rank 2 step 27: part 3 piece 2: partial sum + our input to rank 3; wait arrive[14], entry[3]; r3:inbox@0[14/32] = r2:inbox@0[14/32] + r2:src@0[14/32]; signal r3:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 32, 0, 15}, {{2, 3, 0, 32, 0, 15}, {2, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 3, 1}}, {{3, 5, 15}}},  // rank 2 step 28: part 3 piece 3: partial sum + our input to rank 3; wait arrive[15], entry[3]; r3:inbox@0[15/32] = r2:inbox@0[15/32] + r2:src@0[15/32]; signal r3:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 8}, {{2, 3, 0, 32, 0, 8}, {2, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}}, {}},  // rank 2 step 29: our part, piece 0: last partial sum + our input; wait arrive[8]; r2:dst@0[8/32] = r2:inbox@0[8/32] + r2:src@0[8/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 9}, {{2, 3, 0, 32, 0, 9}, {2, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}}, {}},  // rank 2 step 30: our part, piece 1: last partial sum + our input; wait arrive[9]; r2:dst@0[9/32] = r2:inbox@0[9/32] + r2:src@0[9/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 10}, {{2, 3, 0, 32, 0, 10}, {2, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}}, {}},  // rank 2 step 31: our part, piece 2: last partial sum + our input; wait arrive[10]; r2:dst@0[10/32] = r2:inbox@0[10/32] + r2:src@0[10/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 32, 0, 11}, {{2, 3, 0, 32, 0, 11}, {2, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}}, {}},  // rank 2 step 32: our part, piece 3: last partial sum + our input; wait arrive[11]; r2:dst@0[11/32] = r2:inbox@0[11/32] + r2:src@0[11/32]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{4, 0, 3, 1}}, {{3, 6, 8}}},  // rank 2 step 33: reduced part 2 piece 0 to rank 3; wait entry[3]; r3:dst@0[8/32] = r2:dst@0[8/32]; signal r3:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{4, 0, 3, 1}}, {{3, 6, 9}}},  // rank 2 step 34: reduced part 2 piece 1 to rank 3; wait entry[3]; r3:dst@0[9/32] = r2:dst@0[9/32]; signal r3:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{4, 0, 3, 1}}, {{3, 6, 10}}},  // rank 2 step 35: reduced part 2 piece 2 to rank 3; wait entry[3]; r3:dst@0[10/32] = r2:dst@0[10/32]; signal r3:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{4, 0, 3, 1}}, {{3, 6, 11}}},  // rank 2 step 36: reduced part 2 piece 3 to rank 3; wait entry[3]; r3:dst@0[11/32] = r2:dst@0[11/32]; signal r3:gathered[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 4}, {{2, 2, 0, 32, 0, 4}}, {}, {{4, 0, 3, 1}, {6, 0, 4, 64}}, {{3, 6, 4}}},  // rank 2 step 37: reduced part 1 piece 0 to rank 3; wait entry[3], gathered[4]; r3:dst@0[4/32] = r2:dst@0[4/32]; signal r3:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 5}, {{2, 2, 0, 32, 0, 5}}, {}, {{4, 0, 3, 1}, {6, 0, 5, 64}}, {{3, 6, 5}}},  // rank 2 step 38: reduced part 1 piece 1 to rank 3; wait entry[3], gathered[5]; r3:dst@0[5/32] = r2:dst@0[5/32]; signal r3:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 6}, {{2, 2, 0, 32, 0, 6}}, {}, {{4, 0, 3, 1}, {6, 0, 6, 64}}, {{3, 6, 6}}},  // rank 2 step 39: reduced part 1 piece 2 to rank 3; wait entry[3], gathered[6]; r3:dst@0[6/32] = r2:dst@0[6/32]; signal r3:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 7}, {{2, 2, 0, 32, 0, 7}}, {}, {{4, 0, 3, 1}, {6, 0, 7, 64}}, {{3, 6, 7}}},  // rank 2 step 40: reduced part 1 piece 3 to rank 3; wait entry[3], gathered[7]; r3:dst@0[7/32] = r2:dst@0[7/32]; signal r3:gathered[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 0}, {{2, 2, 0, 32, 0, 0}}, {}, {{4, 0, 3, 1}, {6, 0, 0, 64}}, {{3, 6, 0}}},  // rank 2 step 41: reduced part 0 piece 0 to rank 3; wait entry[3], gathered[0]; r3:dst@0[0/32] = r2:dst@0[0/32]; signal r3:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 1}, {{2, 2, 0, 32, 0, 1}}, {}, {{4, 0, 3, 1}, {6, 0, 1, 64}}, {{3, 6, 1}}},  // rank 2 step 42: reduced part 0 piece 1 to rank 3; wait entry[3], gathered[1]; r3:dst@0[1/32] = r2:dst@0[1/32]; signal r3:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 2}, {{2, 2, 0, 32, 0, 2}}, {}, {{4, 0, 3, 1}, {6, 0, 2, 64}}, {{3, 6, 2}}},  // rank 2 step 43: reduced part 0 piece 2 to rank 3; wait entry[3], gathered[2]; r3:dst@0[2/32] = r2:dst@0[2/32]; signal r3:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 3}, {{2, 2, 0, 32, 0, 3}}, {}, {{4, 0, 3, 1}, {6, 0, 3, 64}}, {{3, 6, 3}}},  // rank 2 step 44: reduced part 0 piece 3 to rank 3; wait entry[3], gathered[3]; r3:dst@0[3/32] = r2:dst@0[3/32]; signal r3:gathered[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 28}, {{2, 2, 0, 32, 0, 28}}, {}, {{4, 0, 3, 1}, {6, 0, 28, 64}}, {{3, 6, 28}}},  // rank 2 step 45: reduced part 7 piece 0 to rank 3; wait entry[3], gathered[28]; r3:dst@0[28/32] = r2:dst@0[28/32]; signal r3:gathered[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 29}, {{2, 2, 0, 32, 0, 29}}, {}, {{4, 0, 3, 1}, {6, 0, 29, 64}}, {{3, 6, 29}}},  // rank 2 step 46: reduced part 7 piece 1 to rank 3; wait entry[3], gathered[29]; r3:dst@0[29/32] = r2:dst@0[29/32]; signal r3:gathered[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 30}, {{2, 2, 0, 32, 0, 30}}, {}, {{4, 0, 3, 1}, {6, 0, 30, 64}}, {{3, 6, 30}}},  // rank 2 step 47: reduced part 7 piece 2 to rank 3; wait entry[3], gathered[30]; r3:dst@0[30/32] = r2:dst@0[30/32]; signal r3:gathered[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 31}, {{2, 2, 0, 32, 0, 31}}, {}, {{4, 0, 3, 1}, {6, 0, 31, 64}}, {{3, 6, 31}}},  // rank 2 step 48: reduced part 7 piece 3 to rank 3; wait entry[3], gathered[31]; r3:dst@0[31/32] = r2:dst@0[31/32]; signal r3:gathered[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 24}, {{2, 2, 0, 32, 0, 24}}, {}, {{4, 0, 3, 1}, {6, 0, 24, 64}}, {{3, 6, 24}}},  // rank 2 step 49: reduced part 6 piece 0 to rank 3; wait entry[3], gathered[24]; r3:dst@0[24/32] = r2:dst@0[24/32]; signal r3:gathered[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 25}, {{2, 2, 0, 32, 0, 25}}, {}, {{4, 0, 3, 1}, {6, 0, 25, 64}}, {{3, 6, 25}}},  // rank 2 step 50: reduced part 6 piece 1 to rank 3; wait entry[3], gathered[25]; r3:dst@0[25/32] = r2:dst@0[25/32]; signal r3:gathered[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 26}, {{2, 2, 0, 32, 0, 26}}, {}, {{4, 0, 3, 1}, {6, 0, 26, 64}}, {{3, 6, 26}}},  // rank 2 step 51: reduced part 6 piece 2 to rank 3; wait entry[3], gathered[26]; r3:dst@0[26/32] = r2:dst@0[26/32]; signal r3:gathered[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 27}, {{2, 2, 0, 32, 0, 27}}, {}, {{4, 0, 3, 1}, {6, 0, 27, 64}}, {{3, 6, 27}}},  // rank 2 step 52: reduced part 6 piece 3 to rank 3; wait entry[3], gathered[27]; r3:dst@0[27/32] = r2:dst@0[27/32]; signal r3:gathered[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{4, 0, 3, 1}, {6, 0, 20, 64}}, {{3, 6, 20}}},  // rank 2 step 53: reduced part 5 piece 0 to rank 3; wait entry[3], gathered[20]; r3:dst@0[20/32] = r2:dst@0[20/32]; signal r3:gathered[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{4, 0, 3, 1}, {6, 0, 21, 64}}, {{3, 6, 21}}},  // rank 2 step 54: reduced part 5 piece 1 to rank 3; wait entry[3], gathered[21]; r3:dst@0[21/32] = r2:dst@0[21/32]; signal r3:gathered[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{4, 0, 3, 1}, {6, 0, 22, 64}}, {{3, 6, 22}}},  // rank 2 step 55: reduced part 5 piece 2 to rank 3; wait entry[3], gathered[22]; r3:dst@0[22/32] = r2:dst@0[22/32]; signal r3:gathered[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{4, 0, 3, 1}, {6, 0, 23, 64}}, {{3, 6, 23}}},  // rank 2 step 56: reduced part 5 piece 3 to rank 3; wait entry[3], gathered[23]; r3:dst@0[23/32] = r2:dst@0[23/32]; signal r3:gathered[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{4, 0, 3, 1}, {6, 0, 16, 64}}, {{3, 6, 16}}},  // rank 2 step 57: reduced part 4 piece 0 to rank 3; wait entry[3], gathered[16]; r3:dst@0[16/32] = r2:dst@0[16/32]; signal r3:gathered[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{4, 0, 3, 1}, {6, 0, 17, 64}}, {{3, 6, 17}}},  // rank 2 step 58: reduced part 4 piece 1 to rank 3; wait entry[3], gathered[17]; r3:dst@0[17/32] = r2:dst@0[17/32]; signal r3:gathered[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{4, 0, 3, 1}, {6, 0, 18, 64}}, {{3, 6, 18}}},  // rank 2 step 59: reduced part 4 piece 2 to rank 3; wait entry[3], gathered[18]; r3:dst@0[18/32] = r2:dst@0[18/32]; signal r3:gathered[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{4, 0, 3, 1}, {6, 0, 19, 64}}, {{3, 6, 19}}},  // rank 2 step 60: reduced part 4 piece 3 to rank 3; wait entry[3], gathered[19]; r3:dst@0[19/32] = r2:dst@0[19/32]; signal r3:gathered[19]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},  // rank 2 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},  // rank 2 step 62: wait for every reduced part; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},  // rank 2 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},  // rank 2 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 8}, {{3, 1, 1, 32, 0, 8}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},  // rank 3 step 1: part 2 piece 0: our input to rank 4; wait entry[4]; r4:inbox@0[8/32] = r3:src@0[8/32]; signal r4:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 9}, {{3, 1, 1, 32, 0, 9}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},  // rank 3 step 2: part 2 piece 1: our input to rank 4; wait entry[4]; r4:inbox@0[9/32] = r3:src@0[9/32]; signal r4:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 10}, {{3, 1, 1, 32, 0, 10}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},  // rank 3 step 3: part 2 piece 2: our input to rank 4; wait entry[4]; r4:inbox@0[10/32] = r3:src@0[10/32]; signal r4:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 11}, {{3, 1, 1, 32, 0, 11}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},  // rank 3 step 4: part 2 piece 3: our input to rank 4; wait entry[4]; r4:inbox@0[11/32] = r3:src@0[11/32]; signal r4:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 4}, {{3, 3, 0, 32, 0, 4}, {3, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 4, 1}}, {{4, 5, 4}}},  // rank 3 step 5: part 1 piece 0: partial sum + our input to rank 4; wait arrive[4], entry[4]; r4:inbox@0[4/32] = r3:inbox@0[4/32] + r3:src@0[4/32]; signal r4:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 5}, {{3, 3, 0, 32, 0, 5}, {3, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 4, 1}}, {{4, 5, 5}}},  // rank 3 step 6: part 1 piece 1: partial sum + our input to rank 4; wait arrive[5], entry[4]; r4:inbox@0[5/32] = r3:inbox@0[5/32] + r3:src@0[5/32]; signal r4:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 6}, {{3, 3, 0, 32, 0, 6}, {3, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 4, 1}}, {{4, 5, 6}}},  // rank 3 step 7: part 1 piece 2: partial sum + our input to rank 4; wait arrive[6], entry[4]; r4:inbox@0[6/32] = r3:inbox@0[6/32] + r3:src@0[6/32]; signal r4:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 7}, {{3, 3, 0, 32, 0, 7}, {3, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 4, 1}}, {{4, 5, 7}}},  // rank 3 step 8: part 1 piece 3: partial sum + our input to rank 4; wait arrive[7], entry[4]; r4:inbox@0[7/32] = r3:inbox@0[7/32] + r3:src@0[7/32]; signal r4:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 0}, {{3, 3, 0, 32, 0, 0}, {3, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 4, 1}}, {{4, 5, 0}}},  // rank 3 step 9: part 0 piece 0: partial sum + our input to rank 4; wait arrive[0], entry[4]; r4:inbox@0[0/32] = r3:inbox@0[0/32] + r3:src@0[0/32]; signal r4:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 1}, {{3, 3, 0, 32, 0, 1}, {3, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 4, 1}}, {{4, 5, 1}}},  // rank 3 step 10: part 0 piece 1: partial sum + our input to rank 4; wait arrive[1], entry[4]; r4:inbox@0[1/32] = r3:inbox@0[1/32] + r3:src@0[1/32]; signal r4:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 2}, {{3, 3, 0, 32, 0, 2}, {3, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 4, 1}}, {{4, 5, 2}}},  // rank 3 step 11: part 0 piece 2: partial sum + our input to rank 4; wait arrive[2], entry[4]; r4:inbox@0[2/32] = r3:inbox@0[2/32] + r3:src@0[2/32]; signal r4:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 3}, {{3, 3, 0, 32, 0, 3}, {3, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 4, 1}}, {{4, 5, 3}}},  // rank 3 step 12: part 0 piece 3: partial sum + our input to rank 4; wait arrive[3], entry[4]; r4:inbox@0[3/32] = r3:inbox@0[3/32] + r3:src@0[3/32]; signal r4:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 28}, {{3, 3, 0, 32, 0, 28}, {3, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 4, 1}}, {{4, 5, 28}}},  // rank 3 step 13: part 7 piece 0: partial sum + our input to rank 4; wait arrive[28], entry[4]; r4:inbox@0[28/32] = r3:inbox@0[28/32] + r3:src@0[28/32]; signal r4:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 29}, {{3, 3, 0, 32, 0, 29}, {3, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 4, 1}}, {{4, 5, 29}}},  // rank 3 step 14: part 7 piece 1: partial sum + our input to rank 4; wait arrive[29], entry[4]; r4:inbox@0[29/32] = r3:inbox@0[29/32] + r3:src@0[29/32]; signal r4:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 30}, {{3, 3, 0, 32, 0, 30}, {3, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 4, 1}}, {{4, 5, 30}}},  // rank 3 step 15: part 7 piece 2: partial sum + our input to rank 4; wait arrive[30], entry[4]; r4:inbox@0[30/32] = r3:inbox@0[30/32] + r3:src@0[30/32]; signal r4:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 31}, {{3, 3, 0, 32, 0, 31}, {3, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 4, 1}}, {{4, 5, 31}}},  // rank 3 step 16: part 7 piece 3: partial sum + our input to rank 4; wait arrive[31], entry[4]; r4:inbox@0[31/32] = r3:inbox@0[31/32] + r3:src@0[31/32]; signal r4:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 24}, {{3, 3, 0, 32, 0, 24}, {3, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 4, 1}}, {{4, 5, 24}}},  // rank 3 step 17: part 6 piece 0: partial sum + our input to rank 4; wait arrive[24], entry[4]; r4:inbox@0[24/32] = r3:inbox@0[24/32] + r3:src@0[24/32]; signal r4:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 25}, {{3, 3, 0, 32, 0, 25}, {3, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 4, 1}}, {{4, 5, 25}}},  // rank 3 step 18: part 6 piece 1: partial sum + our input to rank 4; wait arrive[25], entry[4]; r4:inbox@0[25/32] = r3:inbox@0[25/32] + r3:src@0[25/32]; signal r4:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 26}, {{3, 3, 0, 32, 0, 26}, {3, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 4, 1}}, {{4, 5, 26}}},  // rank 3 step 19: part 6 piece 2: partial sum + our input to rank 4; wait arrive[26], entry[4]; r4:inbox@0[26/32] = r3:inbox@0[26/32] + r3:src@0[26/32]; signal r4:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 27}, {{3, 3, 0, 32, 0, 27}, {3, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 4, 1}}, {{4, 5, 27}}},  // rank 3 step 20: part 6 piece 3: partial sum + our input to rank 4; wait arrive[27], entry[4]; r4:inbox@0[27/32] = r3:inbox@0[27/32] + r3:src@0[27/32]; signal r4:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 20}, {{3, 3, 0, 32, 0, 20}, {3, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 4, 1}}, {{4, 5, 20}}},  // rank 3 step 21: part 5 piece 0: partial sum + our input to rank 4; wait arrive[20], entry[4]; r4:inbox@0[20/32] = r3:inbox@0[20/32] + r3:src@0[20/32]; signal r4:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 21}, {{3, 3, 0, 32, 0, 21}, {3, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 4, 1}}, {{4, 5, 21}}},  // rank 3 step 22: part 5 piece 1: partial sum + our input to rank 4; wait arrive[21], entry[4]; r4:inbox@0[21/32] = r3:inbox@0[21/32] + r3:src@0[21/32]; signal r4:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 22}, {{3, 3, 0, 32, 0, 22}, {3, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 4, 1}}, {{4, 5, 22}}},  // rank 3 step 23: part 5 piece 2: partial sum + our input to rank 4; wait arrive[22], entry[4]; r4:inbox@0[22/32] = r3:inbox@0[22/32] + r3:src@0[22/32]; signal r4:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 23}, {{3, 3, 0, 32, 0, 23}, {3, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 4, 1}}, {{4, 5, 23}}},  // rank 3 step 24: part 5 piece 3: partial sum + our input to rank 4; wait arrive[23], entry[4]; r4:inbox@0[23/32] = r3:inbox@0[23/32] + r3:src@0[23/32]; signal r4:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 16}, {{3, 3, 0, 32, 0, 16}, {3, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 4, 1}}, {{4, 5, 16}}},  // rank 3 step 25: part 4 piece 0: partial sum + our input to rank 4; wait arrive[16], entry[4]; r4:inbox@0[16/32] = r3:inbox@0[16/32] + r3:src@0[16/32]; signal r4:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 17}, {{3, 3, 0, 32, 0, 17}, {3, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 4, 1}}, {{4, 5, 17}}},  // rank 3 step 26: part 4 piece 1: partial sum + our input to rank 4; wait arrive[17], entry[4]; r4:inbox@0[17/32] = r3:inbox@0[17/32] + r3:src@0[17/32]; signal r4:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 18}, {{3, 3, 0, 32, 0, 18}, {3, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 4, 1}}, {{4, 5, 18}}},  // rank 3 step 27: part 4 piece 2: partial sum + our input to rank 4; wait arrive[18], entry[4]; r4:inbox@0[18/32] = r3:inbox@0[18/32] + r3:src@0[18/32]; signal r4:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 32, 0, 19}, {{3, 3, 0, 32, 0, 19}, {3, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 4, 1}}, {{4, 5, 19}}},  // rank 3 step 28: part 4 piece 3: partial sum + our input to rank 4; wait arrive[19], entry[4]; r4:inbox@0[19/32] = r3:inbox@0[19/32] + r3:src@0[19/32]; signal r4:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 12}, {{3, 3, 0, 32, 0, 12}, {3, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}}, {}},  // rank 3 step 29: our part, piece 0: last partial sum + our input; wait arrive[12]; r3:dst@0[12/32] = r3:inbox@0[12/32] + r3:src@0[12/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 13}, {{3, 3, 0, 32, 0, 13}, {3, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}}, {}},  // rank 3 step 30: our part, piece 1: last partial sum + our input; wait arrive[13]; r3:dst@0[13/32] = r3:inbox@0[13/32] + r3:src@0[13/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 14}, {{3, 3, 0, 32, 0, 14}, {3, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}}, {}},  // rank 3 step 31: our part, piece 2: last partial sum + our input; wait arrive[14]; r3:dst@0[14/32] = r3:inbox@0[14/32] + r3:src@0[14/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 32, 0, 15}, {{3, 3, 0, 32, 0, 15}, {3, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}}, {}},  // rank 3 step 32: our part, piece 3: last partial sum + our input; wait arrive[15]; r3:dst@0[15/32] = r3:inbox@0[15/32] + r3:src@0[15/32]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{4, 0, 4, 1}}, {{4, 6, 12}}},  // rank 3 step 33: reduced part 3 piece 0 to rank 4; wait entry[4]; r4:dst@0[12/32] = r3:dst@0[12/32]; signal r4:gathered[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{4, 0, 4, 1}}, {{4, 6, 13}}},  // rank 3 step 34: reduced part 3 piece 1 to rank 4; wait entry[4]; r4:dst@0[13/32] = r3:dst@0[13/32]; signal r4:gathered[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{4, 0, 4, 1}}, {{4, 6, 14}}},  // rank 3 step 35: reduced part 3 piece 2 to rank 4; wait entry[4]; r4:dst@0[14/32] = r3:dst@0[14/32]; signal r4:gathered[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{4, 0, 4, 1}}, {{4, 6, 15}}},  // rank 3 step 36: reduced part 3 piece 3 to rank 4; wait entry[4]; r4:dst@0[15/32] = r3:dst@0[15/32]; signal r4:gathered[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 8}, {{3, 2, 0, 32, 0, 8}}, {}, {{4, 0, 4, 1}, {6, 0, 8, 64}}, {{4, 6, 8}}},  // rank 3 step 37: reduced part 2 piece 0 to rank 4; wait entry[4], gathered[8]; r4:dst@0[8/32] = r3:dst@0[8/32]; signal r4:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 9}, {{3, 2, 0, 32, 0, 9}}, {}, {{4, 0, 4, 1}, {6, 0, 9, 64}}, {{4, 6, 9}}},  // rank 3 step 38: reduced part 2 piece 1 to rank 4; wait entry[4], gathered[9]; r4:dst@0[9/32] = r3:dst@0[9/32]; signal r4:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 10}, {{3, 2, 0, 32, 0, 10}}, {}, {{4, 0, 4, 1}, {6, 0, 10, 64}}, {{4, 6, 10}}},  // rank 3 step 39: reduced part 2 piece 2 to rank 4; wait entry[4], gathered[10]; r4:dst@0[10/32] = r3:dst@0[10/32]; signal r4:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 11}, {{3, 2, 0, 32, 0, 11}}, {}, {{4, 0, 4, 1}, {6, 0, 11, 64}}, {{4, 6, 11}}},  // rank 3 step 40: reduced part 2 piece 3 to rank 4; wait entry[4], gathered[11]; r4:dst@0[11/32] = r3:dst@0[11/32]; signal r4:gathered[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 4}, {{3, 2, 0, 32, 0, 4}}, {}, {{4, 0, 4, 1}, {6, 0, 4, 64}}, {{4, 6, 4}}},  // rank 3 step 41: reduced part 1 piece 0 to rank 4; wait entry[4], gathered[4]; r4:dst@0[4/32] = r3:dst@0[4/32]; signal r4:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 5}, {{3, 2, 0, 32, 0, 5}}, {}, {{4, 0, 4, 1}, {6, 0, 5, 64}}, {{4, 6, 5}}},  // rank 3 step 42: reduced part 1 piece 1 to rank 4; wait entry[4], gathered[5]; r4:dst@0[5/32] = r3:dst@0[5/32]; signal r4:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 6}, {{3, 2, 0, 32, 0, 6}}, {}, {{4, 0, 4, 1}, {6, 0, 6, 64}}, {{4, 6, 6}}},  // rank 3 step 43: reduced part 1 piece 2 to rank 4; wait entry[4], gathered[6]; r4:dst@0[6/32] = r3:dst@0[6/32]; signal r4:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 7}, {{3, 2, 0, 32, 0, 7}}, {}, {{4, 0, 4, 1}, {6, 0, 7, 64}}, {{4, 6, 7}}},  // rank 3 step 44: reduced part 1 piece 3 to rank 4; wait entry[4], gathered[7]; r4:dst@0[7/32] = r3:dst@0[7/32]; signal r4:gathered[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 0}, {{3, 2, 0, 32, 0, 0}}, {}, {{4, 0, 4, 1}, {6, 0, 0, 64}}, {{4, 6, 0}}},  // rank 3 step 45: reduced part 0 piece 0 to rank 4; wait entry[4], gathered[0]; r4:dst@0[0/32] = r3:dst@0[0/32]; signal r4:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 1}, {{3, 2, 0, 32, 0, 1}}, {}, {{4, 0, 4, 1}, {6, 0, 1, 64}}, {{4, 6, 1}}},  // rank 3 step 46: reduced part 0 piece 1 to rank 4; wait entry[4], gathered[1]; r4:dst@0[1/32] = r3:dst@0[1/32]; signal r4:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 2}, {{3, 2, 0, 32, 0, 2}}, {}, {{4, 0, 4, 1}, {6, 0, 2, 64}}, {{4, 6, 2}}},  // rank 3 step 47: reduced part 0 piece 2 to rank 4; wait entry[4], gathered[2]; r4:dst@0[2/32] = r3:dst@0[2/32]; signal r4:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 3}, {{3, 2, 0, 32, 0, 3}}, {}, {{4, 0, 4, 1}, {6, 0, 3, 64}}, {{4, 6, 3}}},  // rank 3 step 48: reduced part 0 piece 3 to rank 4; wait entry[4], gathered[3]; r4:dst@0[3/32] = r3:dst@0[3/32]; signal r4:gathered[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{4, 0, 4, 1}, {6, 0, 28, 64}}, {{4, 6, 28}}},  // rank 3 step 49: reduced part 7 piece 0 to rank 4; wait entry[4], gathered[28]; r4:dst@0[28/32] = r3:dst@0[28/32]; signal r4:gathered[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{4, 0, 4, 1}, {6, 0, 29, 64}}, {{4, 6, 29}}},  // rank 3 step 50: reduced part 7 piece 1 to rank 4; wait entry[4], gathered[29]; r4:dst@0[29/32] = r3:dst@0[29/32]; signal r4:gathered[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{4, 0, 4, 1}, {6, 0, 30, 64}}, {{4, 6, 30}}},  // rank 3 step 51: reduced part 7 piece 2 to rank 4; wait entry[4], gathered[30]; r4:dst@0[30/32] = r3:dst@0[30/32]; signal r4:gathered[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{4, 0, 4, 1}, {6, 0, 31, 64}}, {{4, 6, 31}}},  // rank 3 step 52: reduced part 7 piece 3 to rank 4; wait entry[4], gathered[31]; r4:dst@0[31/32] = r3:dst@0[31/32]; signal r4:gathered[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{4, 0, 4, 1}, {6, 0, 24, 64}}, {{4, 6, 24}}},  // rank 3 step 53: reduced part 6 piece 0 to rank 4; wait entry[4], gathered[24]; r4:dst@0[24/32] = r3:dst@0[24/32]; signal r4:gathered[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{4, 0, 4, 1}, {6, 0, 25, 64}}, {{4, 6, 25}}},  // rank 3 step 54: reduced part 6 piece 1 to rank 4; wait entry[4], gathered[25]; r4:dst@0[25/32] = r3:dst@0[25/32]; signal r4:gathered[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{4, 0, 4, 1}, {6, 0, 26, 64}}, {{4, 6, 26}}},  // rank 3 step 55: reduced part 6 piece 2 to rank 4; wait entry[4], gathered[26]; r4:dst@0[26/32] = r3:dst@0[26/32]; signal r4:gathered[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{4, 0, 4, 1}, {6, 0, 27, 64}}, {{4, 6, 27}}},  // rank 3 step 56: reduced part 6 piece 3 to rank 4; wait entry[4], gathered[27]; r4:dst@0[27/32] = r3:dst@0[27/32]; signal r4:gathered[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 20}, {{3, 2, 0, 32, 0, 20}}, {}, {{4, 0, 4, 1}, {6, 0, 20, 64}}, {{4, 6, 20}}},  // rank 3 step 57: reduced part 5 piece 0 to rank 4; wait entry[4], gathered[20]; r4:dst@0[20/32] = r3:dst@0[20/32]; signal r4:gathered[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 21}, {{3, 2, 0, 32, 0, 21}}, {}, {{4, 0, 4, 1}, {6, 0, 21, 64}}, {{4, 6, 21}}},  // rank 3 step 58: reduced part 5 piece 1 to rank 4; wait entry[4], gathered[21]; r4:dst@0[21/32] = r3:dst@0[21/32]; signal r4:gathered[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 22}, {{3, 2, 0, 32, 0, 22}}, {}, {{4, 0, 4, 1}, {6, 0, 22, 64}}, {{4, 6, 22}}},  // rank 3 step 59: reduced part 5 piece 2 to rank 4; wait entry[4], gathered[22]; r4:dst@0[22/32] = r3:dst@0[22/32]; signal r4:gathered[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 23}, {{3, 2, 0, 32, 0, 23}}, {}, {{4, 0, 4, 1}, {6, 0, 23, 64}}, {{4, 6, 23}}},  // rank 3 step 60: reduced part 5 piece 3 to rank 4; wait entry[4], gathered[23]; r4:dst@0[23/32] = r3:dst@0[23/32]; signal r4:gathered[23]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},  // rank 3 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}}, {}},  // rank 3 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[16], gathered[17], gathered[18], gathered[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},  // rank 3 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},  // rank 3 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 4}}},  // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 12}, {{4, 1, 1, 32, 0, 12}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},  // rank 4 step 1: part 3 piece 0: our input to rank 5; wait entry[5]; r5:inbox@0[12/32] = r4:src@0[12/32]; signal r5:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 13}, {{4, 1, 1, 32, 0, 13}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},  // rank 4 step 2: part 3 piece 1: our input to rank 5; wait entry[5]; r5:inbox@0[13/32] = r4:src@0[13/32]; signal r5:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 14}, {{4, 1, 1, 32, 0, 14}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},  // rank 4 step 3: part 3 piece 2: our input to rank 5; wait entry[5]; r5:inbox@0[14/32] = r4:src@0[14/32]; signal r5:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 15}, {{4, 1, 1, 32, 0, 15}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},  // rank 4 step 4: part 3 piece 3: our input to rank 5; wait entry[5]; r5:inbox@0[15/32] = r4:src@0[15/32]; signal r5:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 8}, {{4, 3, 0, 32, 0, 8}, {4, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 5, 1}}, {{5, 5, 8}}},  // rank 4 step 5: part 2 piece 0: partial sum + our input to rank 5; wait arrive[8], entry[5]; r5:inbox@0[8/32] = r4:inbox@0[8/32] + r4:src@0[8/32]; signal r5:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 9}, {{4, 3, 0, 32, 0, 9}, {4, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 5, 1}}, {{5, 5, 9}}},  // rank 4 step 6: part 2 piece 1: partial sum + our input to rank 5; wait arrive[9], entry[5]; r5:inbox@0[9/32] = r4:inbox@0[9/32] + r4:src@0[9/32]; signal r5:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 10}, {{4, 3, 0, 32, 0, 10}, {4, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 5, 1}}, {{5, 5, 10}}},  // rank 4 step 7: part 2 piece 2: partial sum + our input to rank 5; wait arrive[10], entry[5]; r5:inbox@0[10/32] = r4:inbox@0[10/32] + r4:src@0[10/32]; signal r5:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 11}, {{4, 3, 0, 32, 0, 11}, {4, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 5, 1}}, {{5, 5, 11}}},  // rank 4 step 8: part 2 piece 3: partial sum + our input to rank 5; wait arrive[11], entry[5]; r5:inbox@0[11/32] = r4:inbox@0[11/32] + r4:src@0[11/32]; signal r5:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 4}, {{4, 3, 0, 32, 0, 4}, {4, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 5, 1}}, {{5, 5, 4}}},  // rank 4 step 9: part 1 piece 0: partial sum + our input to rank 5; wait arrive[4], entry[5]; r5:inbox@0[4/32] = r4:inbox@0[4/32] + r4:src@0[4/32]; signal r5:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 5}, {{4, 3, 0, 32, 0, 5}, {4, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 5, 1}}, {{5, 5, 5}}},  // rank 4 step 10: part 1 piece 1: partial sum + our input to rank 5; wait arrive[5], entry[5]; r5:inbox@0[5/32] = r4:inbox@0[5/32] + r4:src@0[5/32]; signal r5:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 6}, {{4, 3, 0, 32, 0, 6}, {4, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 5, 1}}, {{5, 5, 6}}},  // rank 4 step 11: part 1 piece 2: partial sum + our input to rank 5; wait arrive[6], entry[5]; r5:inbox@0[6/32] = r4:inbox@0[6/32] + r4:src@0[6/32]; signal r5:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 7}, {{4, 3, 0, 32, 0, 7}, {4, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 5, 1}}, {{5, 5, 7}}},  // rank 4 step 12: part 1 piece 3: partial sum + our input to rank 5; wait arrive[7], entry[5]; r5:inbox@0[7/32] = r4:inbox@0[7/32] + r4:src@0[7/32]; signal r5:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 0}, {{4, 3, 0, 32, 0, 0}, {4, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 5, 1}}, {{5, 5, 0}}},  // rank 4 step 13: part 0 piece 0: partial sum + our input to rank 5; wait arrive[0], entry[5]; r5:inbox@0[0/32] = r4:inbox@0[0/32] + r4:src@0[0/32]; signal r5:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 1}, {{4, 3, 0, 32, 0, 1}, {4, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 5, 1}}, {{5, 5, 1}}},  // rank 4 step 14: part 0 piece 1: partial sum + our input to rank 5; wait arrive[1], entry[5]; r5:inbox@0[1/32] = r4:inbox@0[1/32] + r4:src@0[1/32]; signal r5:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 2}, {{4, 3, 0, 32, 0, 2}, {4, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 5, 1}}, {{5, 5, 2}}},  // rank 4 step 15: part 0 piece 2: partial sum + our input to rank 5; wait arrive[2], entry[5]; r5:inbox@0[2/32] = r4:inbox@0[2/32] + r4:src@0[2/32]; signal r5:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 3}, {{4, 3, 0, 32, 0, 3}, {4, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 5, 1}}, {{5, 5, 3}}},  // rank 4 step 16: part 0 piece 3: partial sum + our input to rank 5; wait arrive[3], entry[5]; r5:inbox@0[3/32] = r4:inbox@0[3/32] + r4:src@0[3/32]; signal r5:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 28}, {{4, 3, 0, 32, 0, 28}, {4, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 5, 1}}, {{5, 5, 28}}},  // rank 4 step 17: part 7 piece 0: partial sum + our input to rank 5; wait arrive[28], entry[5]; r5:inbox@0[28/32] = r4:inbox@0[28/32] + r4:src@0[28/32]; signal r5:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 29}, {{4, 3, 0, 32, 0, 29}, {4, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 5, 1}}, {{5, 5, 29}}},  // rank 4 step 18: part 7 piece 1: partial sum + our input to rank 5; wait arrive[29], entry[5]; r5:inbox@0[29/32] = r4:inbox@0[29/32] + r4:src@0[29/32]; signal r5:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 30}, {{4, 3, 0, 32, 0, 30}, {4, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 5, 1}}, {{5, 5, 30}}},  // rank 4 step 19: part 7 piece 2: partial sum + our input to rank 5; wait arrive[30], entry[5]; r5:inbox@0[30/32] = r4:inbox@0[30/32] + r4:src@0[30/32]; signal r5:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 31}, {{4, 3, 0, 32, 0, 31}, {4, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 5, 1}}, {{5, 5, 31}}},  // rank 4 step 20: part 7 piece 3: partial sum + our input to rank 5; wait arrive[31], entry[5]; r5:inbox@0[31/32] = r4:inbox@0[31/32] + r4:src@0[31/32]; signal r5:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 24}, {{4, 3, 0, 32, 0, 24}, {4, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 5, 1}}, {{5, 5, 24}}},  // rank 4 step 21: part 6 piece 0: partial sum + our input to rank 5; wait arrive[24], entry[5]; r5:inbox@0[24/32] = r4:inbox@0[24/32] + r4:src@0[24/32]; signal r5:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 25}, {{4, 3, 0, 32, 0, 25}, {4, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 5, 1}}, {{5, 5, 25}}},  // rank 4 step 22: part 6 piece 1: partial sum + our input to rank 5; wait arrive[25], entry[5]; r5:inbox@0[25/32] = r4:inbox@0[25/32] + r4:src@0[25/32]; signal r5:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 26}, {{4, 3, 0, 32, 0, 26}, {4, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 5, 1}}, {{5, 5, 26}}},  // rank 4 step 23: part 6 piece 2: partial sum + our input to rank 5; wait arrive[26], entry[5]; r5:inbox@0[26/32] = r4:inbox@0[26/32] + r4:src@0[26/32]; signal r5:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 27}, {{4, 3, 0, 32, 0, 27}, {4, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 5, 1}}, {{5, 5, 27}}},  // rank 4 step 24: part 6 piece 3: partial sum + our input to rank 5; wait arrive[27], entry[5]; r5:inbox@0[27/32] = r4:inbox@0[27/32] + r4:src@0[27/32]; signal r5:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 20}, {{4, 3, 0, 32, 0, 20}, {4, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 5, 1}}, {{5, 5, 20}}},  // rank 4 step 25: part 5 piece 0: partial sum + our input to rank 5; wait arrive[20], entry[5]; r5:inbox@0[20/32] = r4:inbox@0[20/32] + r4:src@0[20/32]; signal r5:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 21}, {{4, 3, 0, 32, 0, 21}, {4, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 5, 1}}, {{5, 5, 21}}},  // rank 4 step 26: part 5 piece 1: partial sum + our input to rank 5; wait arrive[21], entry[5]; r5:inbox@0[21/32] = r4:inbox@0[21/32] + r4:src@0[21/32]; signal r5:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 22}, {{4, 3, 0, 32, 0, 22}, {4, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 5, 1}}, {{5, 5, 22}}},  // rank 4 step 27: part 5 piece 2: partial sum + our input to rank 5; wait arrive[22], entry[5]; r5:inbox@0[22/32] = r4:inbox@0[22/32] + r4:src@0[22/32]; signal r5:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 32, 0, 23}, {{4, 3, 0, 32, 0, 23}, {4, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 5, 1}}, {{5, 5, 23}}},  // rank 4 step 28: part 5 piece 3: partial sum + our input to rank 5; wait arrive[23], entry[5]; r5:inbox@0[23/32] = r4:inbox@0[23/32] + r4:src@0[23/32]; signal r5:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 16}, {{4, 3, 0, 32, 0, 16}, {4, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}}, {}},  // rank 4 step 29: our part, piece 0: last partial sum + our input; wait arrive[16]; r4:dst@0[16/32] = r4:inbox@0[16/32] + r4:src@0[16/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 17}, {{4, 3, 0, 32, 0, 17}, {4, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}}, {}},  // rank 4 step 30: our part, piece 1: last partial sum + our input; wait arrive[17]; r4:dst@0[17/32] = r4:inbox@0[17/32] + r4:src@0[17/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 18}, {{4, 3, 0, 32, 0, 18}, {4, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}}, {}},  // rank 4 step 31: our part, piece 2: last partial sum + our input; wait arrive[18]; r4:dst@0[18/32] = r4:inbox@0[18/32] + r4:src@0[18/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 32, 0, 19}, {{4, 3, 0, 32, 0, 19}, {4, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}}, {}},  // rank 4 step 32: our part, piece 3: last partial sum + our input; wait arrive[19]; r4:dst@0[19/32] = r4:inbox@0[19/32] + r4:src@0[19/32]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{4, 0, 5, 1}}, {{5, 6, 16}}},  // rank 4 step 33: reduced part 4 piece 0 to rank 5; wait entry[5]; r5:dst@0[16/32] = r4:dst@0[16/32]; signal r5:gathered[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{4, 0, 5, 1}}, {{5, 6, 17}}},  // rank 4 step 34: reduced part 4 piece 1 to rank 5; wait entry[5]; r5:dst@0[17/32] = r4:dst@0[17/32]; signal r5:gathered[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{4, 0, 5, 1}}, {{5, 6, 18}}},  // rank 4 step 35: reduced part 4 piece 2 to rank 5; wait entry[5]; r5:dst@0[18/32] = r4:dst@0[18/32]; signal r5:gathered[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{4, 0, 5, 1}}, {{5, 6, 19}}},  // rank 4 step 36: reduced part 4 piece 3 to rank 5; wait entry[5]; r5:dst@0[19/32] = r4:dst@0[19/32]; signal r5:gathered[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 12}, {{4, 2, 0, 32, 0, 12}}, {}, {{4, 0, 5, 1}, {6, 0, 12, 64}}, {{5, 6, 12}}},  // rank 4 step 37: reduced part 3 piece 0 to rank 5; wait entry[5], gathered[12]; r5:dst@0[12/32] = r4:dst@0[12/32]; signal r5:gathered[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 13}, {{4, 2, 0, 32, 0, 13}}, {}, {{4, 0, 5, 1}, {6, 0, 13, 64}}, {{5, 6, 13}}},  // rank 4 step 38: reduced part 3 piece 1 to rank 5; wait entry[5], gathered[13]; r5:dst@0[13/32] = r4:dst@0[13/32]; signal r5:gathered[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 14}, {{4, 2, 0, 32, 0, 14}}, {}, {{4, 0, 5, 1}, {6, 0, 14, 64}}, {{5, 6, 14}}},  // rank 4 step 39: reduced part 3 piece 2 to rank 5; wait entry[5], gathered[14]; r5:dst@0[14/32] = r4:dst@0[14/32]; signal r5:gathered[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 15}, {{4, 2, 0, 32, 0, 15}}, {}, {{4, 0, 5, 1}, {6, 0, 15, 64}}, {{5, 6, 15}}},  // rank 4 step 40: reduced part 3 piece 3 to rank 5; wait entry[5], gathered[15]; r5:dst@0[15/32] = r4:dst@0[15/32]; signal r5:gathered[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 8}, {{4, 2, 0, 32, 0, 8}}, {}, {{4, 0, 5, 1}, {6, 0, 8, 64}}, {{5, 6, 8}}},  // rank 4 step 41: reduced part 2 piece 0 to rank 5; wait entry[5], gathered[8]; r5:dst@0[8/32] = r4:dst@0[8/32]; signal r5:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 9}, {{4, 2, 0, 32, 0, 9}}, {}, {{4, 0, 5, 1}, {6, 0, 9, 64}}, {{5, 6, 9}}},  // rank 4 step 42: reduced part 2 piece 1 to rank 5; wait entry[5], gathered[9]; r5:dst@0[9/32] = r4:dst@0[9/32]; signal r5:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 10}, {{4, 2, 0, 32, 0, 10}}, {}, {{4, 0, 5, 1}, {6, 0, 10, 64}}, {{5, 6, 10}}},  // rank 4 step 43: reduced part 2 piece 2 to rank 5; wait entry[5], gathered[10]; r5:dst@0[10/32] = r4:dst@0[10/32]; signal r5:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 11}, {{4, 2, 0, 32, 0, 11}}, {}, {{4, 0, 5, 1}, {6, 0, 11, 64}}, {{5, 6, 11}}},  // rank 4 step 44: reduced part 2 piece 3 to rank 5; wait entry[5], gathered[11]; r5:dst@0[11/32] = r4:dst@0[11/32]; signal r5:gathered[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 4}, {{4, 2, 0, 32, 0, 4}}, {}, {{4, 0, 5, 1}, {6, 0, 4, 64}}, {{5, 6, 4}}},  // rank 4 step 45: reduced part 1 piece 0 to rank 5; wait entry[5], gathered[4]; r5:dst@0[4/32] = r4:dst@0[4/32]; signal r5:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 5}, {{4, 2, 0, 32, 0, 5}}, {}, {{4, 0, 5, 1}, {6, 0, 5, 64}}, {{5, 6, 5}}},  // rank 4 step 46: reduced part 1 piece 1 to rank 5; wait entry[5], gathered[5]; r5:dst@0[5/32] = r4:dst@0[5/32]; signal r5:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 6}, {{4, 2, 0, 32, 0, 6}}, {}, {{4, 0, 5, 1}, {6, 0, 6, 64}}, {{5, 6, 6}}},  // rank 4 step 47: reduced part 1 piece 2 to rank 5; wait entry[5], gathered[6]; r5:dst@0[6/32] = r4:dst@0[6/32]; signal r5:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 7}, {{4, 2, 0, 32, 0, 7}}, {}, {{4, 0, 5, 1}, {6, 0, 7, 64}}, {{5, 6, 7}}},  // rank 4 step 48: reduced part 1 piece 3 to rank 5; wait entry[5], gathered[7]; r5:dst@0[7/32] = r4:dst@0[7/32]; signal r5:gathered[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 0}, {{4, 2, 0, 32, 0, 0}}, {}, {{4, 0, 5, 1}, {6, 0, 0, 64}}, {{5, 6, 0}}},  // rank 4 step 49: reduced part 0 piece 0 to rank 5; wait entry[5], gathered[0]; r5:dst@0[0/32] = r4:dst@0[0/32]; signal r5:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 1}, {{4, 2, 0, 32, 0, 1}}, {}, {{4, 0, 5, 1}, {6, 0, 1, 64}}, {{5, 6, 1}}},  // rank 4 step 50: reduced part 0 piece 1 to rank 5; wait entry[5], gathered[1]; r5:dst@0[1/32] = r4:dst@0[1/32]; signal r5:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 2}, {{4, 2, 0, 32, 0, 2}}, {}, {{4, 0, 5, 1}, {6, 0, 2, 64}}, {{5, 6, 2}}},  // rank 4 step 51: reduced part 0 piece 2 to rank 5; wait entry[5], gathered[2]; r5:dst@0[2/32] = r4:dst@0[2/32]; signal r5:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 3}, {{4, 2, 0, 32, 0, 3}}, {}, {{4, 0, 5, 1}, {6, 0, 3, 64}}, {{5, 6, 3}}},  // rank 4 step 52: reduced part 0 piece 3 to rank 5; wait entry[5], gathered[3]; r5:dst@0[3/32] = r4:dst@0[3/32]; signal r5:gathered[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 28}, {{4, 2, 0, 32, 0, 28}}, {}, {{4, 0, 5, 1}, {6, 0, 28, 64}}, {{5, 6, 28}}},  // rank 4 step 53: reduced part 7 piece 0 to rank 5; wait entry[5], gathered[28]; r5:dst@0[28/32] = r4:dst@0[28/32]; signal r5:gathered[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 29}, {{4, 2, 0, 32, 0, 29}}, {}, {{4, 0, 5, 1}, {6, 0, 29, 64}}, {{5, 6, 29}}},  // rank 4 step 54: reduced part 7 piece 1 to rank 5; wait entry[5], gathered[29]; r5:dst@0[29/32] = r4:dst@0[29/32]; signal r5:gathered[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 30}, {{4, 2, 0, 32, 0, 30}}, {}, {{4, 0, 5, 1}, {6, 0, 30, 64}}, {{5, 6, 30}}},  // rank 4 step 55: reduced part 7 piece 2 to rank 5; wait entry[5], gathered[30]; r5:dst@0[30/32] = r4:dst@0[30/32]; signal r5:gathered[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 31}, {{4, 2, 0, 32, 0, 31}}, {}, {{4, 0, 5, 1}, {6, 0, 31, 64}}, {{5, 6, 31}}},  // rank 4 step 56: reduced part 7 piece 3 to rank 5; wait entry[5], gathered[31]; r5:dst@0[31/32] = r4:dst@0[31/32]; signal r5:gathered[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 24}, {{4, 2, 0, 32, 0, 24}}, {}, {{4, 0, 5, 1}, {6, 0, 24, 64}}, {{5, 6, 24}}},  // rank 4 step 57: reduced part 6 piece 0 to rank 5; wait entry[5], gathered[24]; r5:dst@0[24/32] = r4:dst@0[24/32]; signal r5:gathered[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 25}, {{4, 2, 0, 32, 0, 25}}, {}, {{4, 0, 5, 1}, {6, 0, 25, 64}}, {{5, 6, 25}}},  // rank 4 step 58: reduced part 6 piece 1 to rank 5; wait entry[5], gathered[25]; r5:dst@0[25/32] = r4:dst@0[25/32]; signal r5:gathered[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 26}, {{4, 2, 0, 32, 0, 26}}, {}, {{4, 0, 5, 1}, {6, 0, 26, 64}}, {{5, 6, 26}}},  // rank 4 step 59: reduced part 6 piece 2 to rank 5; wait entry[5], gathered[26]; r5:dst@0[26/32] = r4:dst@0[26/32]; signal r5:gathered[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 27}, {{4, 2, 0, 32, 0, 27}}, {}, {{4, 0, 5, 1}, {6, 0, 27, 64}}, {{5, 6, 27}}},  // rank 4 step 60: reduced part 6 piece 3 to rank 5; wait entry[5], gathered[27]; r5:dst@0[27/32] = r4:dst@0[27/32]; signal r5:gathered[27]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},  // rank 4 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},  // rank 4 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},  // rank 4 step 63: wait for every reduced part; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},  // rank 4 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 4, 5}}},  // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 16}, {{5, 1, 1, 32, 0, 16}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},  // rank 5 step 1: part 4 piece 0: our input to rank 6; wait entry[6]; r6:inbox@0[16/32] = r5:src@0[16/32]; signal r6:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 17}, {{5, 1, 1, 32, 0, 17}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},  // rank 5 step 2: part 4 piece 1: our input to rank 6; wait entry[6]; r6:inbox@0[17/32] = r5:src@0[17/32]; signal r6:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 18}, {{5, 1, 1, 32, 0, 18}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},  // rank 5 step 3: part 4 piece 2: our input to rank 6; wait entry[6]; r6:inbox@0[18/32] = r5:src@0[18/32]; signal r6:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 19}, {{5, 1, 1, 32, 0, 19}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},  // rank 5 step 4: part 4 piece 3: our input to rank 6; wait entry[6]; r6:inbox@0[19/32] = r5:src@0[19/32]; signal r6:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 12}, {{5, 3, 0, 32, 0, 12}, {5, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 6, 1}}, {{6, 5, 12}}},  // rank 5 step 5: part 3 piece 0: partial sum + our input to rank 6; wait arrive[12], entry[6]; r6:inbox@0[12/32] = r5:inbox@0[12/32] + r5:src@0[12/32]; signal r6:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 13}, {{5, 3, 0, 32, 0, 13}, {5, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 6, 1}}, {{6, 5, 13}}},  // rank 5 step 6: part 3 piece 1: partial sum + our input to rank 6; wait arrive[13], entry[6]; r6:inbox@0[13/32] = r5:inbox@0[13/32] + r5:src@0[13/32]; signal r6:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 14}, {{5, 3, 0, 32, 0, 14}, {5, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 6, 1}}, {{6, 5, 14}}},  // rank 5 step 7: part 3 piece 2: partial sum + our input to rank 6; wait arrive[14], entry[6]; r6:inbox@0[14/32] = r5:inbox@0[14/32] + r5:src@0[14/32]; signal r6:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 15}, {{5, 3, 0, 32, 0, 15}, {5, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 6, 1}}, {{6, 5, 15}}},  // rank 5 step 8: part 3 piece 3: partial sum + our input to rank 6; wait arrive[15], entry[6]; r6:inbox@0[15/32] = r5:inbox@0[15/32] + r5:src@0[15/32]; signal r6:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 8}, {{5, 3, 0, 32, 0, 8}, {5, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 6, 1}}, {{6, 5, 8}}},  // rank 5 step 9: part 2 piece 0: partial sum + our input to rank 6; wait arrive[8], entry[6]; r6:inbox@0[8/32] = r5:inbox@0[8/32] + r5:src@0[8/32]; signal r6:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 9}, {{5, 3, 0, 32, 0, 9}, {5, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 6, 1}}, {{6, 5, 9}}},  // rank 5 step 10: part 2 piece 1: partial sum + our input to rank 6; wait arrive[9], entry[6]; r6:inbox@0[9/32] = r5:inbox@0[9/32] + r5:src@0[9/32]; signal r6:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 10}, {{5, 3, 0, 32, 0, 10}, {5, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 6, 1}}, {{6, 5, 10}}},  // rank 5 step 11: part 2 piece 2: partial sum + our input to rank 6; wait arrive[10], entry[6]; r6:inbox@0[10/32] = r5:inbox@0[10/32] + r5:src@0[10/32]; signal r6:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 11}, {{5, 3, 0, 32, 0, 11}, {5, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 6, 1}}, {{6, 5, 11}}},  // rank 5 step 12: part 2 piece 3: partial sum + our input to rank 6; wait arrive[11], entry[6]; r6:inbox@0[11/32] = r5:inbox@0[11/32] + r5:src@0[11/32]; signal r6:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 4}, {{5, 3, 0, 32, 0, 4}, {5, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 6, 1}}, {{6, 5, 4}}},  // rank 5 step 13: part 1 piece 0: partial sum + our input to rank 6; wait arrive[4], entry[6]; r6:inbox@0[4/32] = r5:inbox@0[4/32] + r5:src@0[4/32]; signal r6:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 5}, {{5, 3, 0, 32, 0, 5}, {5, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 6, 1}}, {{6, 5, 5}}},  // rank 5 step 14: part 1 piece 1: partial sum + our input to rank 6; wait arrive[5], entry[6]; r6:inbox@0[5/32] = r5:inbox@0[5/32] + r5:src@0[5/32]; signal r6:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 6}, {{5, 3, 0, 32, 0, 6}, {5, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 6, 1}}, {{6, 5, 6}}},  // rank 5 step 15: part 1 piece 2: partial sum + our input to rank 6; wait arrive[6], entry[6]; r6:inbox@0[6/32] = r5:inbox@0[6/32] + r5:src@0[6/32]; signal r6:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 7}, {{5, 3, 0, 32, 0, 7}, {5, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 6, 1}}, {{6, 5, 7}}},  // rank 5 step 16: part 1 piece 3: partial sum + our input to rank 6; wait arrive[7], entry[6]; r6:inbox@0[7/32] = r5:inbox@0[7/32] + r5:src@0[7/32]; signal r6:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 0}, {{5, 3, 0, 32, 0, 0}, {5, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 6, 1}}, {{6, 5, 0}}},  // rank 5 step 17: part 0 piece 0: partial sum + our input to rank 6; wait arrive[0], entry[6]; r6:inbox@0[0/32] = r5:inbox@0[0/32] + r5:src@0[0/32]; signal r6:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 1}, {{5, 3, 0, 32, 0, 1}, {5, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 6, 1}}, {{6, 5, 1}}},  // rank 5 step 18: part 0 piece 1: partial sum + our input to rank 6; wait arrive[1], entry[6]; r6:inbox@0[1/32] = r5:inbox@0[1/32] + r5:src@0[1/32]; signal r6:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 2}, {{5, 3, 0, 32, 0, 2}, {5, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 6, 1}}, {{6, 5, 2}}},  // rank 5 step 19: part 0 piece 2: partial sum + our input to rank 6; wait arrive[2], entry[6]; r6:inbox@0[2/32] = r5:inbox@0[2/32] + r5:src@0[2/32]; signal r6:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 3}, {{5, 3, 0, 32, 0, 3}, {5, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 6, 1}}, {{6, 5, 3}}},  // rank 5 step 20: part 0 piece 3: partial sum + our input to rank 6; wait arrive[3], entry[6]; r6:inbox@0[3/32] = r5:inbox@0[3/32] + r5:src@0[3/32]; signal r6:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 28}, {{5, 3, 0, 32, 0, 28}, {5, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 6, 1}}, {{6, 5, 28}}},  // rank 5 step 21: part 7 piece 0: partial sum + our input to rank 6; wait arrive[28], entry[6]; r6:inbox@0[28/32] = r5:inbox@0[28/32] + r5:src@0[28/32]; signal r6:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 29}, {{5, 3, 0, 32, 0, 29}, {5, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 6, 1}}, {{6, 5, 29}}},  // rank 5 step 22: part 7 piece 1: partial sum + our input to rank 6; wait arrive[29], entry[6]; r6:inbox@0[29/32] = r5:inbox@0[29/32] + r5:src@0[29/32]; signal r6:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 30}, {{5, 3, 0, 32, 0, 30}, {5, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 6, 1}}, {{6, 5, 30}}},  // rank 5 step 23: part 7 piece 2: partial sum + our input to rank 6; wait arrive[30], entry[6]; r6:inbox@0[30/32] = r5:inbox@0[30/32] + r5:src@0[30/32]; signal r6:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 31}, {{5, 3, 0, 32, 0, 31}, {5, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 6, 1}}, {{6, 5, 31}}},  // rank 5 step 24: part 7 piece 3: partial sum + our input to rank 6; wait arrive[31], entry[6]; r6:inbox@0[31/32] = r5:inbox@0[31/32] + r5:src@0[31/32]; signal r6:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 24}, {{5, 3, 0, 32, 0, 24}, {5, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}, {4, 0, 6, 1}}, {{6, 5, 24}}},  // rank 5 step 25: part 6 piece 0: partial sum + our input to rank 6; wait arrive[24], entry[6]; r6:inbox@0[24/32] = r5:inbox@0[24/32] + r5:src@0[24/32]; signal r6:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 25}, {{5, 3, 0, 32, 0, 25}, {5, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}, {4, 0, 6, 1}}, {{6, 5, 25}}},  // rank 5 step 26: part 6 piece 1: partial sum + our input to rank 6; wait arrive[25], entry[6]; r6:inbox@0[25/32] = r5:inbox@0[25/32] + r5:src@0[25/32]; signal r6:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 26}, {{5, 3, 0, 32, 0, 26}, {5, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}, {4, 0, 6, 1}}, {{6, 5, 26}}},  // rank 5 step 27: part 6 piece 2: partial sum + our input to rank 6; wait arrive[26], entry[6]; r6:inbox@0[26/32] = r5:inbox@0[26/32] + r5:src@0[26/32]; signal r6:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 32, 0, 27}, {{5, 3, 0, 32, 0, 27}, {5, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}, {4, 0, 6, 1}}, {{6, 5, 27}}},  // rank 5 step 28: part 6 piece 3: partial sum + our input to rank 6; wait arrive[27], entry[6]; r6:inbox@0[27/32] = r5:inbox@0[27/32] + r5:src@0[27/32]; signal r6:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 20}, {{5, 3, 0, 32, 0, 20}, {5, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}}, {}},  // rank 5 step 29: our part, piece 0: last partial sum + our input; wait arrive[20]; r5:dst@0[20/32] = r5:inbox@0[20/32] + r5:src@0[20/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 21}, {{5, 3, 0, 32, 0, 21}, {5, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}}, {}},  // rank 5 step 30: our part, piece 1: last partial sum + our input; wait arrive[21]; r5:dst@0[21/32] = r5:inbox@0[21/32] + r5:src@0[21/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 22}, {{5, 3, 0, 32, 0, 22}, {5, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}}, {}},  // rank 5 step 31: our part, piece 2: last partial sum + our input; wait arrive[22]; r5:dst@0[22/32] = r5:inbox@0[22/32] + r5:src@0[22/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 32, 0, 23}, {{5, 3, 0, 32, 0, 23}, {5, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}}, {}},  // rank 5 step 32: our part, piece 3: last partial sum + our input; wait arrive[23]; r5:dst@0[23/32] = r5:inbox@0[23/32] + r5:src@0[23/32]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{4, 0, 6, 1}}, {{6, 6, 20}}},  // rank 5 step 33: reduced part 5 piece 0 to rank 6; wait entry[6]; r6:dst@0[20/32] = r5:dst@0[20/32]; signal r6:gathered[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{4, 0, 6, 1}}, {{6, 6, 21}}},  // rank 5 step 34: reduced part 5 piece 1 to rank 6; wait entry[6]; r6:dst@0[21/32] = r5:dst@0[21/32]; signal r6:gathered[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{4, 0, 6, 1}}, {{6, 6, 22}}},  // rank 5 step 35: reduced part 5 piece 2 to rank 6; wait entry[6]; r6:dst@0[22/32] = r5:dst@0[22/32]; signal r6:gathered[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{4, 0, 6, 1}}, {{6, 6, 23}}},  // rank 5 step 36: reduced part 5 piece 3 to rank 6; wait entry[6]; r6:dst@0[23/32] = r5:dst@0[23/32]; signal r6:gathered[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 16}, {{5, 2, 0, 32, 0, 16}}, {}, {{4, 0, 6, 1}, {6, 0, 16, 64}}, {{6, 6, 16}}},  // rank 5 step 37: reduced part 4 piece 0 to rank 6; wait entry[6], gathered[16]; r6:dst@0[16/32] = r5:dst@0[16/32]; signal r6:gathered[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 17}, {{5, 2, 0, 32, 0, 17}}, {}, {{4, 0, 6, 1}, {6, 0, 17, 64}}, {{6, 6, 17}}},  // rank 5 step 38: reduced part 4 piece 1 to rank 6; wait entry[6], gathered[17]; r6:dst@0[17/32] = r5:dst@0[17/32]; signal r6:gathered[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 18}, {{5, 2, 0, 32, 0, 18}}, {}, {{4, 0, 6, 1}, {6, 0, 18, 64}}, {{6, 6, 18}}},  // rank 5 step 39: reduced part 4 piece 2 to rank 6; wait entry[6], gathered[18]; r6:dst@0[18/32] = r5:dst@0[18/32]; signal r6:gathered[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 19}, {{5, 2, 0, 32, 0, 19}}, {}, {{4, 0, 6, 1}, {6, 0, 19, 64}}, {{6, 6, 19}}},  // rank 5 step 40: reduced part 4 piece 3 to rank 6; wait entry[6], gathered[19]; r6:dst@0[19/32] = r5:dst@0[19/32]; signal r6:gathered[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 12}, {{5, 2, 0, 32, 0, 12}}, {}, {{4, 0, 6, 1}, {6, 0, 12, 64}}, {{6, 6, 12}}},  // rank 5 step 41: reduced part 3 piece 0 to rank 6; wait entry[6], gathered[12]; r6:dst@0[12/32] = r5:dst@0[12/32]; signal r6:gathered[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 13}, {{5, 2, 0, 32, 0, 13}}, {}, {{4, 0, 6, 1}, {6, 0, 13, 64}}, {{6, 6, 13}}},  // rank 5 step 42: reduced part 3 piece 1 to rank 6; wait entry[6], gathered[13]; r6:dst@0[13/32] = r5:dst@0[13/32]; signal r6:gathered[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 14}, {{5, 2, 0, 32, 0, 14}}, {}, {{4, 0, 6, 1}, {6, 0, 14, 64}}, {{6, 6, 14}}},  // rank 5 step 43: reduced part 3 piece 2 to rank 6; wait entry[6], gathered[14]; r6:dst@0[14/32] = r5:dst@0[14/32]; signal r6:gathered[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 15}, {{5, 2, 0, 32, 0, 15}}, {}, {{4, 0, 6, 1}, {6, 0, 15, 64}}, {{6, 6, 15}}},  // rank 5 step 44: reduced part 3 piece 3 to rank 6; wait entry[6], gathered[15]; r6:dst@0[15/32] = r5:dst@0[15/32]; signal r6:gathered[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 8}, {{5, 2, 0, 32, 0, 8}}, {}, {{4, 0, 6, 1}, {6, 0, 8, 64}}, {{6, 6, 8}}},  // rank 5 step 45: reduced part 2 piece 0 to rank 6; wait entry[6], gathered[8]; r6:dst@0[8/32] = r5:dst@0[8/32]; signal r6:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 9}, {{5, 2, 0, 32, 0, 9}}, {}, {{4, 0, 6, 1}, {6, 0, 9, 64}}, {{6, 6, 9}}},  // rank 5 step 46: reduced part 2 piece 1 to rank 6; wait entry[6], gathered[9]; r6:dst@0[9/32] = r5:dst@0[9/32]; signal r6:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 10}, {{5, 2, 0, 32, 0, 10}}, {}, {{4, 0, 6, 1}, {6, 0, 10, 64}}, {{6, 6, 10}}},  // rank 5 step 47: reduced part 2 piece 2 to rank 6; wait entry[6], gathered[10]; r6:dst@0[10/32] = r5:dst@0[10/32]; signal r6:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 11}, {{5, 2, 0, 32, 0, 11}}, {}, {{4, 0, 6, 1}, {6, 0, 11, 64}}, {{6, 6, 11}}},  // rank 5 step 48: reduced part 2 piece 3 to rank 6; wait entry[6], gathered[11]; r6:dst@0[11/32] = r5:dst@0[11/32]; signal r6:gathered[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 4}, {{5, 2, 0, 32, 0, 4}}, {}, {{4, 0, 6, 1}, {6, 0, 4, 64}}, {{6, 6, 4}}},  // rank 5 step 49: reduced part 1 piece 0 to rank 6; wait entry[6], gathered[4]; r6:dst@0[4/32] = r5:dst@0[4/32]; signal r6:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 5}, {{5, 2, 0, 32, 0, 5}}, {}, {{4, 0, 6, 1}, {6, 0, 5, 64}}, {{6, 6, 5}}},  // rank 5 step 50: reduced part 1 piece 1 to rank 6; wait entry[6], gathered[5]; r6:dst@0[5/32] = r5:dst@0[5/32]; signal r6:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 6}, {{5, 2, 0, 32, 0, 6}}, {}, {{4, 0, 6, 1}, {6, 0, 6, 64}}, {{6, 6, 6}}},  // rank 5 step 51: reduced part 1 piece 2 to rank 6; wait entry[6], gathered[6]; r6:dst@0[6/32] = r5:dst@0[6/32]; signal r6:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 7}, {{5, 2, 0, 32, 0, 7}}, {}, {{4, 0, 6, 1}, {6, 0, 7, 64}}, {{6, 6, 7}}},  // rank 5 step 52: reduced part 1 piece 3 to rank 6; wait entry[6], gathered[7]; r6:dst@0[7/32] = r5:dst@0[7/32]; signal r6:gathered[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 0}, {{5, 2, 0, 32, 0, 0}}, {}, {{4, 0, 6, 1}, {6, 0, 0, 64}}, {{6, 6, 0}}},  // rank 5 step 53: reduced part 0 piece 0 to rank 6; wait entry[6], gathered[0]; r6:dst@0[0/32] = r5:dst@0[0/32]; signal r6:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 1}, {{5, 2, 0, 32, 0, 1}}, {}, {{4, 0, 6, 1}, {6, 0, 1, 64}}, {{6, 6, 1}}},  // rank 5 step 54: reduced part 0 piece 1 to rank 6; wait entry[6], gathered[1]; r6:dst@0[1/32] = r5:dst@0[1/32]; signal r6:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 2}, {{5, 2, 0, 32, 0, 2}}, {}, {{4, 0, 6, 1}, {6, 0, 2, 64}}, {{6, 6, 2}}},  // rank 5 step 55: reduced part 0 piece 2 to rank 6; wait entry[6], gathered[2]; r6:dst@0[2/32] = r5:dst@0[2/32]; signal r6:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 3}, {{5, 2, 0, 32, 0, 3}}, {}, {{4, 0, 6, 1}, {6, 0, 3, 64}}, {{6, 6, 3}}},  // rank 5 step 56: reduced part 0 piece 3 to rank 6; wait entry[6], gathered[3]; r6:dst@0[3/32] = r5:dst@0[3/32]; signal r6:gathered[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 28}, {{5, 2, 0, 32, 0, 28}}, {}, {{4, 0, 6, 1}, {6, 0, 28, 64}}, {{6, 6, 28}}},  // rank 5 step 57: reduced part 7 piece 0 to rank 6; wait entry[6], gathered[28]; r6:dst@0[28/32] = r5:dst@0[28/32]; signal r6:gathered[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 29}, {{5, 2, 0, 32, 0, 29}}, {}, {{4, 0, 6, 1}, {6, 0, 29, 64}}, {{6, 6, 29}}},  // rank 5 step 58: reduced part 7 piece 1 to rank 6; wait entry[6], gathered[29]; r6:dst@0[29/32] = r5:dst@0[29/32]; signal r6:gathered[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 30}, {{5, 2, 0, 32, 0, 30}}, {}, {{4, 0, 6, 1}, {6, 0, 30, 64}}, {{6, 6, 30}}},  // rank 5 step 59: reduced part 7 piece 2 to rank 6; wait entry[6], gathered[30]; r6:dst@0[30/32] = r5:dst@0[30/32]; signal r6:gathered[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 31}, {{5, 2, 0, 32, 0, 31}}, {}, {{4, 0, 6, 1}, {6, 0, 31, 64}}, {{6, 6, 31}}},  // rank 5 step 60: reduced part 7 piece 3 to rank 6; wait entry[6], gathered[31]; r6:dst@0[31/32] = r5:dst@0[31/32]; signal r6:gathered[31]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},  // rank 5 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},  // rank 5 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},  // rank 5 step 63: wait for every reduced part; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},  // rank 5 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 4, 6}}},  // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 20}, {{6, 1, 1, 32, 0, 20}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},  // rank 6 step 1: part 5 piece 0: our input to rank 7; wait entry[7]; r7:inbox@0[20/32] = r6:src@0[20/32]; signal r7:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 21}, {{6, 1, 1, 32, 0, 21}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},  // rank 6 step 2: part 5 piece 1: our input to rank 7; wait entry[7]; r7:inbox@0[21/32] = r6:src@0[21/32]; signal r7:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 22}, {{6, 1, 1, 32, 0, 22}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},  // rank 6 step 3: part 5 piece 2: our input to rank 7; wait entry[7]; r7:inbox@0[22/32] = r6:src@0[22/32]; signal r7:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 23}, {{6, 1, 1, 32, 0, 23}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},  // rank 6 step 4: part 5 piece 3: our input to rank 7; wait entry[7]; r7:inbox@0[23/32] = r6:src@0[23/32]; signal r7:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 16}, {{6, 3, 0, 32, 0, 16}, {6, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 7, 1}}, {{7, 5, 16}}},  // rank 6 step 5: part 4 piece 0: partial sum + our input to rank 7; wait arrive[16], entry[7]; r7:inbox@0[16/32] = r6:inbox@0[16/32] + r6:src@0[16/32]; signal r7:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 17}, {{6, 3, 0, 32, 0, 17}, {6, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 7, 1}}, {{7, 5, 17}}},  // rank 6 step 6: part 4 piece 1: partial sum + our input to rank 7; wait arrive[17], entry[7]; r7:inbox@0[17/32] = r6:inbox@0[17/32] + r6:src@0[17/32]; signal r7:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 18}, {{6, 3, 0, 32, 0, 18}, {6, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 7, 1}}, {{7, 5, 18}}},  // rank 6 step 7: part 4 piece 2: partial sum + our input to rank 7; wait arrive[18], entry[7]; r7:inbox@0[18/32] = r6:inbox@0[18/32] + r6:src@0[18/32]; signal r7:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 19}, {{6, 3, 0, 32, 0, 19}, {6, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 7, 1}}, {{7, 5, 19}}},  // rank 6 step 8: part 4 piece 3: partial sum + our input to rank 7; wait arrive[19], entry[7]; r7:inbox@0[19/32] = r6:inbox@0[19/32] + r6:src@0[19/32]; signal r7:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 12}, {{6, 3, 0, 32, 0, 12}, {6, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 7, 1}}, {{7, 5, 12}}},  // rank 6 step 9: part 3 piece 0: partial sum + our input to rank 7; wait arrive[12], entry[7]; r7:inbox@0[12/32] = r6:inbox@0[12/32] + r6:src@0[12/32]; signal r7:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 13}, {{6, 3, 0, 32, 0, 13}, {6, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 7, 1}}, {{7, 5, 13}}},  // rank 6 step 10: part 3 piece 1: partial sum + our input to rank 7; wait arrive[13], entry[7]; r7:inbox@0[13/32] = r6:inbox@0[13/32] + r6:src@0[13/32]; signal r7:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 14}, {{6, 3, 0, 32, 0, 14}, {6, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 7, 1}}, {{7, 5, 14}}},  // rank 6 step 11: part 3 piece 2: partial sum + our input to rank 7; wait arrive[14], entry[7]; r7:inbox@0[14/32] = r6:inbox@0[14/32] + r6:src@0[14/32]; signal r7:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 15}, {{6, 3, 0, 32, 0, 15}, {6, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 7, 1}}, {{7, 5, 15}}},  // rank 6 step 12: part 3 piece 3: partial sum + our input to rank 7; wait arrive[15], entry[7]; r7:inbox@0[15/32] = r6:inbox@0[15/32] + r6:src@0[15/32]; signal r7:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 8}, {{6, 3, 0, 32, 0, 8}, {6, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 7, 1}}, {{7, 5, 8}}},  // rank 6 step 13: part 2 piece 0: partial sum + our input to rank 7; wait arrive[8], entry[7]; r7:inbox@0[8/32] = r6:inbox@0[8/32] + r6:src@0[8/32]; signal r7:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 9}, {{6, 3, 0, 32, 0, 9}, {6, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 7, 1}}, {{7, 5, 9}}},  // rank 6 step 14: part 2 piece 1: partial sum + our input to rank 7; wait arrive[9], entry[7]; r7:inbox@0[9/32] = r6:inbox@0[9/32] + r6:src@0[9/32]; signal r7:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 10}, {{6, 3, 0, 32, 0, 10}, {6, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 7, 1}}, {{7, 5, 10}}},  // rank 6 step 15: part 2 piece 2: partial sum + our input to rank 7; wait arrive[10], entry[7]; r7:inbox@0[10/32] = r6:inbox@0[10/32] + r6:src@0[10/32]; signal r7:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 11}, {{6, 3, 0, 32, 0, 11}, {6, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 7, 1}}, {{7, 5, 11}}},  // rank 6 step 16: part 2 piece 3: partial sum + our input to rank 7; wait arrive[11], entry[7]; r7:inbox@0[11/32] = r6:inbox@0[11/32] + r6:src@0[11/32]; signal r7:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 4}, {{6, 3, 0, 32, 0, 4}, {6, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 7, 1}}, {{7, 5, 4}}},  // rank 6 step 17: part 1 piece 0: partial sum + our input to rank 7; wait arrive[4], entry[7]; r7:inbox@0[4/32] = r6:inbox@0[4/32] + r6:src@0[4/32]; signal r7:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 5}, {{6, 3, 0, 32, 0, 5}, {6, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 7, 1}}, {{7, 5, 5}}},  // rank 6 step 18: part 1 piece 1: partial sum + our input to rank 7; wait arrive[5], entry[7]; r7:inbox@0[5/32] = r6:inbox@0[5/32] + r6:src@0[5/32]; signal r7:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 6}, {{6, 3, 0, 32, 0, 6}, {6, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 7, 1}}, {{7, 5, 6}}},  // rank 6 step 19: part 1 piece 2: partial sum + our input to rank 7; wait arrive[6], entry[7]; r7:inbox@0[6/32] = r6:inbox@0[6/32] + r6:src@0[6/32]; signal r7:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 7}, {{6, 3, 0, 32, 0, 7}, {6, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 7, 1}}, {{7, 5, 7}}},  // rank 6 step 20: part 1 piece 3: partial sum + our input to rank 7; wait arrive[7], entry[7]; r7:inbox@0[7/32] = r6:inbox@0[7/32] + r6:src@0[7/32]; signal r7:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 0}, {{6, 3, 0, 32, 0, 0}, {6, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 7, 1}}, {{7, 5, 0}}},  // rank 6 step 21: part 0 piece 0: partial sum + our input to rank 7; wait arrive[0], entry[7]; r7:inbox@0[0/32] = r6:inbox@0[0/32] + r6:src@0[0/32]; signal r7:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 1}, {{6, 3, 0, 32, 0, 1}, {6, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 7, 1}}, {{7, 5, 1}}},  // rank 6 step 22: part 0 piece 1: partial sum + our input to rank 7; wait arrive[1], entry[7]; r7:inbox@0[1/32] = r6:inbox@0[1/32] + r6:src@0[1/32]; signal r7:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 2}, {{6, 3, 0, 32, 0, 2}, {6, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 7, 1}}, {{7, 5, 2}}},  // rank 6 step 23: part 0 piece 2: partial sum + our input to rank 7; wait arrive[2], entry[7]; r7:inbox@0[2/32] = r6:inbox@0[2/32] + r6:src@0[2/32]; signal r7:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 3}, {{6, 3, 0, 32, 0, 3}, {6, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 7, 1}}, {{7, 5, 3}}},  // rank 6 step 24: part 0 piece 3: partial sum + our input to rank 7; wait arrive[3], entry[7]; r7:inbox@0[3/32] = r6:inbox@0[3/32] + r6:src@0[3/32]; signal r7:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 28}, {{6, 3, 0, 32, 0, 28}, {6, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}, {4, 0, 7, 1}}, {{7, 5, 28}}},  // rank 6 step 25: part 7 piece 0: partial sum + our input to rank 7; wait arrive[28], entry[7]; r7:inbox@0[28/32] = r6:inbox@0[28/32] + r6:src@0[28/32]; signal r7:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 29}, {{6, 3, 0, 32, 0, 29}, {6, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}, {4, 0, 7, 1}}, {{7, 5, 29}}},  // rank 6 step 26: part 7 piece 1: partial sum + our input to rank 7; wait arrive[29], entry[7]; r7:inbox@0[29/32] = r6:inbox@0[29/32] + r6:src@0[29/32]; signal r7:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 30}, {{6, 3, 0, 32, 0, 30}, {6, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}, {4, 0, 7, 1}}, {{7, 5, 30}}},  // rank 6 step 27: part 7 piece 2: partial sum + our input to rank 7; wait arrive[30], entry[7]; r7:inbox@0[30/32] = r6:inbox@0[30/32] + r6:src@0[30/32]; signal r7:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 32, 0, 31}, {{6, 3, 0, 32, 0, 31}, {6, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}, {4, 0, 7, 1}}, {{7, 5, 31}}},  // rank 6 step 28: part 7 piece 3: partial sum + our input to rank 7; wait arrive[31], entry[7]; r7:inbox@0[31/32] = r6:inbox@0[31/32] + r6:src@0[31/32]; signal r7:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 24}, {{6, 3, 0, 32, 0, 24}, {6, 1, 1, 32, 0, 24}}, {}, {{5, 0, 24, 64}}, {}},  // rank 6 step 29: our part, piece 0: last partial sum + our input; wait arrive[24]; r6:dst@0[24/32] = r6:inbox@0[24/32] + r6:src@0[24/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 25}, {{6, 3, 0, 32, 0, 25}, {6, 1, 1, 32, 0, 25}}, {}, {{5, 0, 25, 64}}, {}},  // rank 6 step 30: our part, piece 1: last partial sum + our input; wait arrive[25]; r6:dst@0[25/32] = r6:inbox@0[25/32] + r6:src@0[25/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 26}, {{6, 3, 0, 32, 0, 26}, {6, 1, 1, 32, 0, 26}}, {}, {{5, 0, 26, 64}}, {}},  // rank 6 step 31: our part, piece 2: last partial sum + our input; wait arrive[26]; r6:dst@0[26/32] = r6:inbox@0[26/32] + r6:src@0[26/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 32, 0, 27}, {{6, 3, 0, 32, 0, 27}, {6, 1, 1, 32, 0, 27}}, {}, {{5, 0, 27, 64}}, {}},  // rank 6 step 32: our part, piece 3: last partial sum + our input; wait arrive[27]; r6:dst@0[27/32] = r6:inbox@0[27/32] + r6:src@0[27/32]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{4, 0, 7, 1}}, {{7, 6, 24}}},  // rank 6 step 33: reduced part 6 piece 0 to rank 7; wait entry[7]; r7:dst@0[24/32] = r6:dst@0[24/32]; signal r7:gathered[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{4, 0, 7, 1}}, {{7, 6, 25}}},  // rank 6 step 34: reduced part 6 piece 1 to rank 7; wait entry[7]; r7:dst@0[25/32] = r6:dst@0[25/32]; signal r7:gathered[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{4, 0, 7, 1}}, {{7, 6, 26}}},  // rank 6 step 35: reduced part 6 piece 2 to rank 7; wait entry[7]; r7:dst@0[26/32] = r6:dst@0[26/32]; signal r7:gathered[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{4, 0, 7, 1}}, {{7, 6, 27}}},  // rank 6 step 36: reduced part 6 piece 3 to rank 7; wait entry[7]; r7:dst@0[27/32] = r6:dst@0[27/32]; signal r7:gathered[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 20}, {{6, 2, 0, 32, 0, 20}}, {}, {{4, 0, 7, 1}, {6, 0, 20, 64}}, {{7, 6, 20}}},  // rank 6 step 37: reduced part 5 piece 0 to rank 7; wait entry[7], gathered[20]; r7:dst@0[20/32] = r6:dst@0[20/32]; signal r7:gathered[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 21}, {{6, 2, 0, 32, 0, 21}}, {}, {{4, 0, 7, 1}, {6, 0, 21, 64}}, {{7, 6, 21}}},  // rank 6 step 38: reduced part 5 piece 1 to rank 7; wait entry[7], gathered[21]; r7:dst@0[21/32] = r6:dst@0[21/32]; signal r7:gathered[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 22}, {{6, 2, 0, 32, 0, 22}}, {}, {{4, 0, 7, 1}, {6, 0, 22, 64}}, {{7, 6, 22}}},  // rank 6 step 39: reduced part 5 piece 2 to rank 7; wait entry[7], gathered[22]; r7:dst@0[22/32] = r6:dst@0[22/32]; signal r7:gathered[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 23}, {{6, 2, 0, 32, 0, 23}}, {}, {{4, 0, 7, 1}, {6, 0, 23, 64}}, {{7, 6, 23}}},  // rank 6 step 40: reduced part 5 piece 3 to rank 7; wait entry[7], gathered[23]; r7:dst@0[23/32] = r6:dst@0[23/32]; signal r7:gathered[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 16}, {{6, 2, 0, 32, 0, 16}}, {}, {{4, 0, 7, 1}, {6, 0, 16, 64}}, {{7, 6, 16}}},  // rank 6 step 41: reduced part 4 piece 0 to rank 7; wait entry[7], gathered[16]; r7:dst@0[16/32] = r6:dst@0[16/32]; signal r7:gathered[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 17}, {{6, 2, 0, 32, 0, 17}}, {}, {{4, 0, 7, 1}, {6, 0, 17, 64}}, {{7, 6, 17}}},  // rank 6 step 42: reduced part 4 piece 1 to rank 7; wait entry[7], gathered[17]; r7:dst@0[17/32] = r6:dst@0[17/32]; signal r7:gathered[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 18}, {{6, 2, 0, 32, 0, 18}}, {}, {{4, 0, 7, 1}, {6, 0, 18, 64}}, {{7, 6, 18}}},  // rank 6 step 43: reduced part 4 piece 2 to rank 7; wait entry[7], gathered[18]; r7:dst@0[18/32] = r6:dst@0[18/32]; signal r7:gathered[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 19}, {{6, 2, 0, 32, 0, 19}}, {}, {{4, 0, 7, 1}, {6, 0, 19, 64}}, {{7, 6, 19}}},  // rank 6 step 44: reduced part 4 piece 3 to rank 7; wait entry[7], gathered[19]; r7:dst@0[19/32] = r6:dst@0[19/32]; signal r7:gathered[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 12}, {{6, 2, 0, 32, 0, 12}}, {}, {{4, 0, 7, 1}, {6, 0, 12, 64}}, {{7, 6, 12}}},  // rank 6 step 45: reduced part 3 piece 0 to rank 7; wait entry[7], gathered[12]; r7:dst@0[12/32] = r6:dst@0[12/32]; signal r7:gathered[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 13}, {{6, 2, 0, 32, 0, 13}}, {}, {{4, 0, 7, 1}, {6, 0, 13, 64}}, {{7, 6, 13}}},  // rank 6 step 46: reduced part 3 piece 1 to rank 7; wait entry[7], gathered[13]; r7:dst@0[13/32] = r6:dst@0[13/32]; signal r7:gathered[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 14}, {{6, 2, 0, 32, 0, 14}}, {}, {{4, 0, 7, 1}, {6, 0, 14, 64}}, {{7, 6, 14}}},  // rank 6 step 47: reduced part 3 piece 2 to rank 7; wait entry[7], gathered[14]; r7:dst@0[14/32] = r6:dst@0[14/32]; signal r7:gathered[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 15}, {{6, 2, 0, 32, 0, 15}}, {}, {{4, 0, 7, 1}, {6, 0, 15, 64}}, {{7, 6, 15}}},  // rank 6 step 48: reduced part 3 piece 3 to rank 7; wait entry[7], gathered[15]; r7:dst@0[15/32] = r6:dst@0[15/32]; signal r7:gathered[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 8}, {{6, 2, 0, 32, 0, 8}}, {}, {{4, 0, 7, 1}, {6, 0, 8, 64}}, {{7, 6, 8}}},  // rank 6 step 49: reduced part 2 piece 0 to rank 7; wait entry[7], gathered[8]; r7:dst@0[8/32] = r6:dst@0[8/32]; signal r7:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 9}, {{6, 2, 0, 32, 0, 9}}, {}, {{4, 0, 7, 1}, {6, 0, 9, 64}}, {{7, 6, 9}}},  // rank 6 step 50: reduced part 2 piece 1 to rank 7; wait entry[7], gathered[9]; r7:dst@0[9/32] = r6:dst@0[9/32]; signal r7:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 10}, {{6, 2, 0, 32, 0, 10}}, {}, {{4, 0, 7, 1}, {6, 0, 10, 64}}, {{7, 6, 10}}},  // rank 6 step 51: reduced part 2 piece 2 to rank 7; wait entry[7], gathered[10]; r7:dst@0[10/32] = r6:dst@0[10/32]; signal r7:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 11}, {{6, 2, 0, 32, 0, 11}}, {}, {{4, 0, 7, 1}, {6, 0, 11, 64}}, {{7, 6, 11}}},  // rank 6 step 52: reduced part 2 piece 3 to rank 7; wait entry[7], gathered[11]; r7:dst@0[11/32] = r6:dst@0[11/32]; signal r7:gathered[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 4}, {{6, 2, 0, 32, 0, 4}}, {}, {{4, 0, 7, 1}, {6, 0, 4, 64}}, {{7, 6, 4}}},  // rank 6 step 53: reduced part 1 piece 0 to rank 7; wait entry[7], gathered[4]; r7:dst@0[4/32] = r6:dst@0[4/32]; signal r7:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 5}, {{6, 2, 0, 32, 0, 5}}, {}, {{4, 0, 7, 1}, {6, 0, 5, 64}}, {{7, 6, 5}}},  // rank 6 step 54: reduced part 1 piece 1 to rank 7; wait entry[7], gathered[5]; r7:dst@0[5/32] = r6:dst@0[5/32]; signal r7:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 6}, {{6, 2, 0, 32, 0, 6}}, {}, {{4, 0, 7, 1}, {6, 0, 6, 64}}, {{7, 6, 6}}},  // rank 6 step 55: reduced part 1 piece 2 to rank 7; wait entry[7], gathered[6]; r7:dst@0[6/32] = r6:dst@0[6/32]; signal r7:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 7}, {{6, 2, 0, 32, 0, 7}}, {}, {{4, 0, 7, 1}, {6, 0, 7, 64}}, {{7, 6, 7}}},  // rank 6 step 56: reduced part 1 piece 3 to rank 7; wait entry[7], gathered[7]; r7:dst@0[7/32] = r6:dst@0[7/32]; signal r7:gathered[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 0}, {{6, 2, 0, 32, 0, 0}}, {}, {{4, 0, 7, 1}, {6, 0, 0, 64}}, {{7, 6, 0}}},  // rank 6 step 57: reduced part 0 piece 0 to rank 7; wait entry[7], gathered[0]; r7:dst@0[0/32] = r6:dst@0[0/32]; signal r7:gathered[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 1}, {{6, 2, 0, 32, 0, 1}}, {}, {{4, 0, 7, 1}, {6, 0, 1, 64}}, {{7, 6, 1}}},  // rank 6 step 58: reduced part 0 piece 1 to rank 7; wait entry[7], gathered[1]; r7:dst@0[1/32] = r6:dst@0[1/32]; signal r7:gathered[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 2}, {{6, 2, 0, 32, 0, 2}}, {}, {{4, 0, 7, 1}, {6, 0, 2, 64}}, {{7, 6, 2}}},  // rank 6 step 59: reduced part 0 piece 2 to rank 7; wait entry[7], gathered[2]; r7:dst@0[2/32] = r6:dst@0[2/32]; signal r7:gathered[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 3}, {{6, 2, 0, 32, 0, 3}}, {}, {{4, 0, 7, 1}, {6, 0, 3, 64}}, {{7, 6, 3}}},  // rank 6 step 60: reduced part 0 piece 3 to rank 7; wait entry[7], gathered[3]; r7:dst@0[3/32] = r6:dst@0[3/32]; signal r7:gathered[3]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},  // rank 6 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},  // rank 6 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}}, {}},  // rank 6 step 63: wait for every reduced part; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 28, 64}, {6, 0, 29, 64}, {6, 0, 30, 64}, {6, 0, 31, 64}}, {}},  // rank 6 step 64: wait for every reduced part; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 4, 7}}},  // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 24}, {{7, 1, 1, 32, 0, 24}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},  // rank 7 step 1: part 6 piece 0: our input to rank 0; wait entry[0]; r0:inbox@0[24/32] = r7:src@0[24/32]; signal r0:arrive[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 25}, {{7, 1, 1, 32, 0, 25}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},  // rank 7 step 2: part 6 piece 1: our input to rank 0; wait entry[0]; r0:inbox@0[25/32] = r7:src@0[25/32]; signal r0:arrive[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 26}, {{7, 1, 1, 32, 0, 26}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},  // rank 7 step 3: part 6 piece 2: our input to rank 0; wait entry[0]; r0:inbox@0[26/32] = r7:src@0[26/32]; signal r0:arrive[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 0, 27}, {{7, 1, 1, 32, 0, 27}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},  // rank 7 step 4: part 6 piece 3: our input to rank 0; wait entry[0]; r0:inbox@0[27/32] = r7:src@0[27/32]; signal r0:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 20}, {{7, 3, 0, 32, 0, 20}, {7, 1, 1, 32, 0, 20}}, {}, {{5, 0, 20, 64}, {4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 7 step 5: part 5 piece 0: partial sum + our input to rank 0; wait arrive[20], entry[0]; r0:inbox@0[20/32] = r7:inbox@0[20/32] + r7:src@0[20/32]; signal r0:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 21}, {{7, 3, 0, 32, 0, 21}, {7, 1, 1, 32, 0, 21}}, {}, {{5, 0, 21, 64}, {4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 7 step 6: part 5 piece 1: partial sum + our input to rank 0; wait arrive[21], entry[0]; r0:inbox@0[21/32] = r7:inbox@0[21/32] + r7:src@0[21/32]; signal r0:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 22}, {{7, 3, 0, 32, 0, 22}, {7, 1, 1, 32, 0, 22}}, {}, {{5, 0, 22, 64}, {4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 7 step 7: part 5 piece 2: partial sum + our input to rank 0; wait arrive[22], entry[0]; r0:inbox@0[22/32] = r7:inbox@0[22/32] + r7:src@0[22/32]; signal r0:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 23}, {{7, 3, 0, 32, 0, 23}, {7, 1, 1, 32, 0, 23}}, {}, {{5, 0, 23, 64}, {4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 7 step 8: part 5 piece 3: partial sum + our input to rank 0; wait arrive[23], entry[0]; r0:inbox@0[23/32] = r7:inbox@0[23/32] + r7:src@0[23/32]; signal r0:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 16}, {{7, 3, 0, 32, 0, 16}, {7, 1, 1, 32, 0, 16}}, {}, {{5, 0, 16, 64}, {4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 7 step 9: part 4 piece 0: partial sum + our input to rank 0; wait arrive[16], entry[0]; r0:inbox@0[16/32] = r7:inbox@0[16/32] + r7:src@0[16/32]; signal r0:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 17}, {{7, 3, 0, 32, 0, 17}, {7, 1, 1, 32, 0, 17}}, {}, {{5, 0, 17, 64}, {4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 7 step 10: part 4 piece 1: partial sum + our input to rank 0; wait arrive[17], entry[0]; r0:inbox@0[17/32] = r7:inbox@0[17/32] + r7:src@0[17/32]; signal r0:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 18}, {{7, 3, 0, 32, 0, 18}, {7, 1, 1, 32, 0, 18}}, {}, {{5, 0, 18, 64}, {4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 7 step 11: part 4 piece 2: partial sum + our input to rank 0; wait arrive[18], entry[0]; r0:inbox@0[18/32] = r7:inbox@0[18/32] + r7:src@0[18/32]; signal r0:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 19}, {{7, 3, 0, 32, 0, 19}, {7, 1, 1, 32, 0, 19}}, {}, {{5, 0, 19, 64}, {4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 7 step 12: part 4 piece 3: partial sum + our input to rank 0; wait arrive[19], entry[0]; r0:inbox@0[19/32] = r7:inbox@0[19/32] + r7:src@0[19/32]; signal r0:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 12}, {{7, 3, 0, 32, 0, 12}, {7, 1, 1, 32, 0, 12}}, {}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 7 step 13: part 3 piece 0: partial sum + our input to rank 0; wait arrive[12], entry[0]; r0:inbox@0[12/32] = r7:inbox@0[12/32] + r7:src@0[12/32]; signal r0:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 13}, {{7, 3, 0, 32, 0, 13}, {7, 1, 1, 32, 0, 13}}, {}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 7 step 14: part 3 piece 1: partial sum + our input to rank 0; wait arrive[13], entry[0]; r0:inbox@0[13/32] = r7:inbox@0[13/32] + r7:src@0[13/32]; signal r0:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 14}, {{7, 3, 0, 32, 0, 14}, {7, 1, 1, 32, 0, 14}}, {}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 7 step 15: part 3 piece 2: partial sum + our input to rank 0; wait arrive[14], entry[0]; r0:inbox@0[14/32] = r7:inbox@0[14/32] + r7:src@0[14/32]; signal r0:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 15}, {{7, 3, 0, 32, 0, 15}, {7, 1, 1, 32, 0, 15}}, {}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 7 step 16: part 3 piece 3: partial sum + our input to rank 0; wait arrive[15], entry[0]; r0:inbox@0[15/32] = r7:inbox@0[15/32] + r7:src@0[15/32]; signal r0:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 8}, {{7, 3, 0, 32, 0, 8}, {7, 1, 1, 32, 0, 8}}, {}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 7 step 17: part 2 piece 0: partial sum + our input to rank 0; wait arrive[8], entry[0]; r0:inbox@0[8/32] = r7:inbox@0[8/32] + r7:src@0[8/32]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 9}, {{7, 3, 0, 32, 0, 9}, {7, 1, 1, 32, 0, 9}}, {}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 7 step 18: part 2 piece 1: partial sum + our input to rank 0; wait arrive[9], entry[0]; r0:inbox@0[9/32] = r7:inbox@0[9/32] + r7:src@0[9/32]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 10}, {{7, 3, 0, 32, 0, 10}, {7, 1, 1, 32, 0, 10}}, {}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 7 step 19: part 2 piece 2: partial sum + our input to rank 0; wait arrive[10], entry[0]; r0:inbox@0[10/32] = r7:inbox@0[10/32] + r7:src@0[10/32]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 11}, {{7, 3, 0, 32, 0, 11}, {7, 1, 1, 32, 0, 11}}, {}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 7 step 20: part 2 piece 3: partial sum + our input to rank 0; wait arrive[11], entry[0]; r0:inbox@0[11/32] = r7:inbox@0[11/32] + r7:src@0[11/32]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 4}, {{7, 3, 0, 32, 0, 4}, {7, 1, 1, 32, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 7 step 21: part 1 piece 0: partial sum + our input to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/32] = r7:inbox@0[4/32] + r7:src@0[4/32]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 5}, {{7, 3, 0, 32, 0, 5}, {7, 1, 1, 32, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 7 step 22: part 1 piece 1: partial sum + our input to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/32] = r7:inbox@0[5/32] + r7:src@0[5/32]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 6}, {{7, 3, 0, 32, 0, 6}, {7, 1, 1, 32, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 7 step 23: part 1 piece 2: partial sum + our input to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/32] = r7:inbox@0[6/32] + r7:src@0[6/32]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 7}, {{7, 3, 0, 32, 0, 7}, {7, 1, 1, 32, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 7 step 24: part 1 piece 3: partial sum + our input to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/32] = r7:inbox@0[7/32] + r7:src@0[7/32]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 0}, {{7, 3, 0, 32, 0, 0}, {7, 1, 1, 32, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},  // rank 7 step 25: part 0 piece 0: partial sum + our input to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/32] = r7:inbox@0[0/32] + r7:src@0[0/32]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 1}, {{7, 3, 0, 32, 0, 1}, {7, 1, 1, 32, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},  // rank 7 step 26: part 0 piece 1: partial sum + our input to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/32] = r7:inbox@0[1/32] + r7:src@0[1/32]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 2}, {{7, 3, 0, 32, 0, 2}, {7, 1, 1, 32, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},  // rank 7 step 27: part 0 piece 2: partial sum + our input to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/32] = r7:inbox@0[2/32] + r7:src@0[2/32]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 32, 0, 3}, {{7, 3, 0, 32, 0, 3}, {7, 1, 1, 32, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},  // rank 7 step 28: part 0 piece 3: partial sum + our input to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/32] = r7:inbox@0[3/32] + r7:src@0[3/32]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 28}, {{7, 3, 0, 32, 0, 28}, {7, 1, 1, 32, 0, 28}}, {}, {{5, 0, 28, 64}}, {}},  // rank 7 step 29: our part, piece 0: last partial sum + our input; wait arrive[28]; r7:dst@0[28/32] = r7:inbox@0[28/32] + r7:src@0[28/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 29}, {{7, 3, 0, 32, 0, 29}, {7, 1, 1, 32, 0, 29}}, {}, {{5, 0, 29, 64}}, {}},  // rank 7 step 30: our part, piece 1: last partial sum + our input; wait arrive[29]; r7:dst@0[29/32] = r7:inbox@0[29/32] + r7:src@0[29/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 30}, {{7, 3, 0, 32, 0, 30}, {7, 1, 1, 32, 0, 30}}, {}, {{5, 0, 30, 64}}, {}},  // rank 7 step 31: our part, piece 2: last partial sum + our input; wait arrive[30]; r7:dst@0[30/32] = r7:inbox@0[30/32] + r7:src@0[30/32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 32, 0, 31}, {{7, 3, 0, 32, 0, 31}, {7, 1, 1, 32, 0, 31}}, {}, {{5, 0, 31, 64}}, {}},  // rank 7 step 32: our part, piece 3: last partial sum + our input; wait arrive[31]; r7:dst@0[31/32] = r7:inbox@0[31/32] + r7:src@0[31/32]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{4, 0, 0, 1}}, {{0, 6, 28}}},  // rank 7 step 33: reduced part 7 piece 0 to rank 0; wait entry[0]; r0:dst@0[28/32] = r7:dst@0[28/32]; signal r0:gathered[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{4, 0, 0, 1}}, {{0, 6, 29}}},  // rank 7 step 34: reduced part 7 piece 1 to rank 0; wait entry[0]; r0:dst@0[29/32] = r7:dst@0[29/32]; signal r0:gathered[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{4, 0, 0, 1}}, {{0, 6, 30}}},  // rank 7 step 35: reduced part 7 piece 2 to rank 0; wait entry[0]; r0:dst@0[30/32] = r7:dst@0[30/32]; signal r0:gathered[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{4, 0, 0, 1}}, {{0, 6, 31}}},  // rank 7 step 36: reduced part 7 piece 3 to rank 0; wait entry[0]; r0:dst@0[31/32] = r7:dst@0[31/32]; signal r0:gathered[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 24}, {{7, 2, 0, 32, 0, 24}}, {}, {{4, 0, 0, 1}, {6, 0, 24, 64}}, {{0, 6, 24}}},  // rank 7 step 37: reduced part 6 piece 0 to rank 0; wait entry[0], gathered[24]; r0:dst@0[24/32] = r7:dst@0[24/32]; signal r0:gathered[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 25}, {{7, 2, 0, 32, 0, 25}}, {}, {{4, 0, 0, 1}, {6, 0, 25, 64}}, {{0, 6, 25}}},  // rank 7 step 38: reduced part 6 piece 1 to rank 0; wait entry[0], gathered[25]; r0:dst@0[25/32] = r7:dst@0[25/32]; signal r0:gathered[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 26}, {{7, 2, 0, 32, 0, 26}}, {}, {{4, 0, 0, 1}, {6, 0, 26, 64}}, {{0, 6, 26}}},  // rank 7 step 39: reduced part 6 piece 2 to rank 0; wait entry[0], gathered[26]; r0:dst@0[26/32] = r7:dst@0[26/32]; signal r0:gathered[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 27}, {{7, 2, 0, 32, 0, 27}}, {}, {{4, 0, 0, 1}, {6, 0, 27, 64}}, {{0, 6, 27}}},  // rank 7 step 40: reduced part 6 piece 3 to rank 0; wait entry[0], gathered[27]; r0:dst@0[27/32] = r7:dst@0[27/32]; signal r0:gathered[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 20}, {{7, 2, 0, 32, 0, 20}}, {}, {{4, 0, 0, 1}, {6, 0, 20, 64}}, {{0, 6, 20}}},  // rank 7 step 41: reduced part 5 piece 0 to rank 0; wait entry[0], gathered[20]; r0:dst@0[20/32] = r7:dst@0[20/32]; signal r0:gathered[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 21}, {{7, 2, 0, 32, 0, 21}}, {}, {{4, 0, 0, 1}, {6, 0, 21, 64}}, {{0, 6, 21}}},  // rank 7 step 42: reduced part 5 piece 1 to rank 0; wait entry[0], gathered[21]; r0:dst@0[21/32] = r7:dst@0[21/32]; signal r0:gathered[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 22}, {{7, 2, 0, 32, 0, 22}}, {}, {{4, 0, 0, 1}, {6, 0, 22, 64}}, {{0, 6, 22}}},  // rank 7 step 43: reduced part 5 piece 2 to rank 0; wait entry[0], gathered[22]; r0:dst@0[22/32] = r7:dst@0[22/32]; signal r0:gathered[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 23}, {{7, 2, 0, 32, 0, 23}}, {}, {{4, 0, 0, 1}, {6, 0, 23, 64}}, {{0, 6, 23}}},  // rank 7 step 44: reduced part 5 piece 3 to rank 0; wait entry[0], gathered[23]; r0:dst@0[23/32] = r7:dst@0[23/32]; signal r0:gathered[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 16}, {{7, 2, 0, 32, 0, 16}}, {}, {{4, 0, 0, 1}, {6, 0, 16, 64}}, {{0, 6, 16}}},  // rank 7 step 45: reduced part 4 piece 0 to rank 0; wait entry[0], gathered[16]; r0:dst@0[16/32] = r7:dst@0[16/32]; signal r0:gathered[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 17}, {{7, 2, 0, 32, 0, 17}}, {}, {{4, 0, 0, 1}, {6, 0, 17, 64}}, {{0, 6, 17}}},  // rank 7 step 46: reduced part 4 piece 1 to rank 0; wait entry[0], gathered[17]; r0:dst@0[17/32] = r7:dst@0[17/32]; signal r0:gathered[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 18}, {{7, 2, 0, 32, 0, 18}}, {}, {{4, 0, 0, 1}, {6, 0, 18, 64}}, {{0, 6, 18}}},  // rank 7 step 47: reduced part 4 piece 2 to rank 0; wait entry[0], gathered[18]; r0:dst@0[18/32] = r7:dst@0[18/32]; signal r0:gathered[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 19}, {{7, 2, 0, 32, 0, 19}}, {}, {{4, 0, 0, 1}, {6, 0, 19, 64}}, {{0, 6, 19}}},  // rank 7 step 48: reduced part 4 piece 3 to rank 0; wait entry[0], gathered[19]; r0:dst@0[19/32] = r7:dst@0[19/32]; signal r0:gathered[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 12}, {{7, 2, 0, 32, 0, 12}}, {}, {{4, 0, 0, 1}, {6, 0, 12, 64}}, {{0, 6, 12}}},  // rank 7 step 49: reduced part 3 piece 0 to rank 0; wait entry[0], gathered[12]; r0:dst@0[12/32] = r7:dst@0[12/32]; signal r0:gathered[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 13}, {{7, 2, 0, 32, 0, 13}}, {}, {{4, 0, 0, 1}, {6, 0, 13, 64}}, {{0, 6, 13}}},  // rank 7 step 50: reduced part 3 piece 1 to rank 0; wait entry[0], gathered[13]; r0:dst@0[13/32] = r7:dst@0[13/32]; signal r0:gathered[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 14}, {{7, 2, 0, 32, 0, 14}}, {}, {{4, 0, 0, 1}, {6, 0, 14, 64}}, {{0, 6, 14}}},  // rank 7 step 51: reduced part 3 piece 2 to rank 0; wait entry[0], gathered[14]; r0:dst@0[14/32] = r7:dst@0[14/32]; signal r0:gathered[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 15}, {{7, 2, 0, 32, 0, 15}}, {}, {{4, 0, 0, 1}, {6, 0, 15, 64}}, {{0, 6, 15}}},  // rank 7 step 52: reduced part 3 piece 3 to rank 0; wait entry[0], gathered[15]; r0:dst@0[15/32] = r7:dst@0[15/32]; signal r0:gathered[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 8}, {{7, 2, 0, 32, 0, 8}}, {}, {{4, 0, 0, 1}, {6, 0, 8, 64}}, {{0, 6, 8}}},  // rank 7 step 53: reduced part 2 piece 0 to rank 0; wait entry[0], gathered[8]; r0:dst@0[8/32] = r7:dst@0[8/32]; signal r0:gathered[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 9}, {{7, 2, 0, 32, 0, 9}}, {}, {{4, 0, 0, 1}, {6, 0, 9, 64}}, {{0, 6, 9}}},  // rank 7 step 54: reduced part 2 piece 1 to rank 0; wait entry[0], gathered[9]; r0:dst@0[9/32] = r7:dst@0[9/32]; signal r0:gathered[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 10}, {{7, 2, 0, 32, 0, 10}}, {}, {{4, 0, 0, 1}, {6, 0, 10, 64}}, {{0, 6, 10}}},  // rank 7 step 55: reduced part 2 piece 2 to rank 0; wait entry[0], gathered[10]; r0:dst@0[10/32] = r7:dst@0[10/32]; signal r0:gathered[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 11}, {{7, 2, 0, 32, 0, 11}}, {}, {{4, 0, 0, 1}, {6, 0, 11, 64}}, {{0, 6, 11}}},  // rank 7 step 56: reduced part 2 piece 3 to rank 0; wait entry[0], gathered[11]; r0:dst@0[11/32] = r7:dst@0[11/32]; signal r0:gathered[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 4}, {{7, 2, 0, 32, 0, 4}}, {}, {{4, 0, 0, 1}, {6, 0, 4, 64}}, {{0, 6, 4}}},  // rank 7 step 57: reduced part 1 piece 0 to rank 0; wait entry[0], gathered[4]; r0:dst@0[4/32] = r7:dst@0[4/32]; signal r0:gathered[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 5}, {{7, 2, 0, 32, 0, 5}}, {}, {{4, 0, 0, 1}, {6, 0, 5, 64}}, {{0, 6, 5}}},  // rank 7 step 58: reduced part 1 piece 1 to rank 0; wait entry[0], gathered[5]; r0:dst@0[5/32] = r7:dst@0[5/32]; signal r0:gathered[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 6}, {{7, 2, 0, 32, 0, 6}}, {}, {{4, 0, 0, 1}, {6, 0, 6, 64}}, {{0, 6, 6}}},  // rank 7 step 59: reduced part 1 piece 2 to rank 0; wait entry[0], gathered[6]; r0:dst@0[6/32] = r7:dst@0[6/32]; signal r0:gathered[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 7}, {{7, 2, 0, 32, 0, 7}}, {}, {{4, 0, 0, 1}, {6, 0, 7, 64}}, {{0, 6, 7}}},  // rank 7 step 60: reduced part 1 piece 3 to rank 0; wait entry[0], gathered[7]; r0:dst@0[7/32] = r7:dst@0[7/32]; signal r0:gathered[7]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 64}, {6, 0, 1, 64}, {6, 0, 2, 64}, {6, 0, 3, 64}, {6, 0, 4, 64}, {6, 0, 5, 64}, {6, 0, 6, 64}, {6, 0, 7, 64}}, {}},  // rank 7 step 61: wait for every reduced part; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 64}, {6, 0, 9, 64}, {6, 0, 10, 64}, {6, 0, 11, 64}, {6, 0, 12, 64}, {6, 0, 13, 64}, {6, 0, 14, 64}, {6, 0, 15, 64}}, {}},  // rank 7 step 62: wait for every reduced part; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 16, 64}, {6, 0, 17, 64}, {6, 0, 18, 64}, {6, 0, 19, 64}, {6, 0, 20, 64}, {6, 0, 21, 64}, {6, 0, 22, 64}, {6, 0, 23, 64}}, {}},  // rank 7 step 63: wait for every reduced part; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 24, 64}, {6, 0, 25, 64}, {6, 0, 26, 64}, {6, 0, 27, 64}}, {}},  // rank 7 step 64: wait for every reduced part; wait gathered[24], gathered[25], gathered[26], gathered[27]
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..3843
-    {29, 63, 64, 32, 1, 0}, {1, 0, 64, 28, 1, 0}, {61, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {62, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {63, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {64, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 32, 1, 0}, {29, 1, 64, 32, 1, 0}, {29, 2, 64, 32, 1, 0},
-    {29, 3, 64, 32, 1, 0}, {29, 4, 64, 32, 1, 0}, {29, 5, 64, 32, 1, 0}, {29, 6, 64, 32, 1, 0},
-    {29, 7, 64, 32, 1, 0}, {29, 8, 64, 32, 1, 0}, {29, 9, 64, 32, 1, 0}, {29, 10, 64, 32, 1, 0},
-    {29, 11, 64, 32, 1, 0}, {29, 12, 64, 32, 1, 0}, {29, 13, 64, 32, 1, 0}, {29, 14, 64, 32, 1, 0},
-    {29, 15, 64, 32, 1, 0}, {29, 16, 64, 32, 1, 0}, {29, 17, 64, 32, 1, 0}, {29, 18, 64, 32, 1, 0},
-    {29, 19, 64, 32, 1, 0}, {29, 20, 64, 32, 1, 0}, {29, 21, 64, 32, 1, 0}, {29, 22, 64, 32, 1, 0},
-    {29, 23, 64, 32, 1, 0}, {29, 24, 64, 32, 1, 0}, {29, 25, 64, 32, 1, 0}, {29, 26, 64, 32, 1, 0},
-    {29, 27, 64, 32, 1, 0}, {29, 28, 64, 32, 1, 0}, {29, 29, 64, 32, 1, 0}, {29, 30, 64, 32, 1, 0},
-    {29, 31, 64, 32, 1, 0}, {29, 32, 64, 32, 1, 0}, {29, 33, 64, 32, 1, 0}, {29, 34, 64, 32, 1, 0},
-    {29, 35, 64, 32, 1, 0}, {29, 36, 64, 32, 1, 0}, {29, 37, 64, 32, 1, 0}, {29, 38, 64, 32, 1, 0},
-    {29, 39, 64, 32, 1, 0}, {29, 40, 64, 32, 1, 0}, {29, 41, 64, 32, 1, 0}, {29, 42, 64, 32, 1, 0},
-    {29, 43, 64, 32, 1, 0}, {29, 44, 64, 32, 1, 0}, {29, 45, 64, 32, 1, 0}, {29, 46, 64, 32, 1, 0},
-    {29, 47, 64, 32, 1, 0}, {29, 48, 64, 32, 1, 0}, {29, 49, 64, 32, 1, 0}, {29, 50, 64, 32, 1, 0},
-    {29, 51, 64, 32, 1, 0}, {29, 52, 64, 32, 1, 0}, {29, 53, 64, 32, 1, 0}, {29, 54, 64, 32, 1, 0},
-    {29, 55, 64, 32, 1, 0}, {29, 56, 64, 32, 1, 0}, {29, 57, 64, 32, 1, 0}, {29, 58, 64, 32, 1, 0},
-    {29, 59, 64, 32, 1, 0}, {29, 60, 64, 32, 1, 0}, {29, 61, 64, 32, 1, 0}, {29, 62, 64, 32, 1, 0},
-    // rank 1: shares 3844..7687
-    {29, 63, 64, 32, 1, 0}, {1, 0, 64, 28, 1, 0}, {61, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {62, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {63, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {64, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 32, 1, 0}, {29, 1, 64, 32, 1, 0}, {29, 2, 64, 32, 1, 0},
-    {29, 3, 64, 32, 1, 0}, {29, 4, 64, 32, 1, 0}, {29, 5, 64, 32, 1, 0}, {29, 6, 64, 32, 1, 0},
-    {29, 7, 64, 32, 1, 0}, {29, 8, 64, 32, 1, 0}, {29, 9, 64, 32, 1, 0}, {29, 10, 64, 32, 1, 0},
-    {29, 11, 64, 32, 1, 0}, {29, 12, 64, 32, 1, 0}, {29, 13, 64, 32, 1, 0}, {29, 14, 64, 32, 1, 0},
-    {29, 15, 64, 32, 1, 0}, {29, 16, 64, 32, 1, 0}, {29, 17, 64, 32, 1, 0}, {29, 18, 64, 32, 1, 0},
-    {29, 19, 64, 32, 1, 0}, {29, 20, 64, 32, 1, 0}, {29, 21, 64, 32, 1, 0}, {29, 22, 64, 32, 1, 0},
-    {29, 23, 64, 32, 1, 0}, {29, 24, 64, 32, 1, 0}, {29, 25, 64, 32, 1, 0}, {29, 26, 64, 32, 1, 0},
-    {29, 27, 64, 32, 1, 0}, {29, 28, 64, 32, 1, 0}, {29, 29, 64, 32, 1, 0}, {29, 30, 64, 32, 1, 0},
-    {29, 31, 64, 32, 1, 0}, {29, 32, 64, 32, 1, 0}, {29, 33, 64, 32, 1, 0}, {29, 34, 64, 32, 1, 0},
-    {29, 35, 64, 32, 1, 0}, {29, 36, 64, 32, 1, 0}, {29, 37, 64, 32, 1, 0}, {29, 38, 64, 32, 1, 0},
-    {29, 39, 64, 32, 1, 0}, {29, 40, 64, 32, 1, 0}, {29, 41, 64, 32, 1, 0}, {29, 42, 64, 32, 1, 0},
-    {29, 43, 64, 32, 1, 0}, {29, 44, 64, 32, 1, 0}, {29, 45, 64, 32, 1, 0}, {29, 46, 64, 32, 1, 0},
-    {29, 47, 64, 32, 1, 0}, {29, 48, 64, 32, 1, 0}, {29, 49, 64, 32, 1, 0}, {29, 50, 64, 32, 1, 0},
-    {29, 51, 64, 32, 1, 0}, {29, 52, 64, 32, 1, 0}, {29, 53, 64, 32, 1, 0}, {29, 54, 64, 32, 1, 0},
-    {29, 55, 64, 32, 1, 0}, {29, 56, 64, 32, 1, 0}, {29, 57, 64, 32, 1, 0}, {29, 58, 64, 32, 1, 0},
-    {29, 59, 64, 32, 1, 0}, {29, 60, 64, 32, 1, 0}, {29, 61, 64, 32, 1, 0}, {29, 62, 64, 32, 1, 0},
-    // rank 2: shares 7688..11531
-    {29, 63, 64, 32, 1, 0}, {1, 0, 64, 28, 1, 0}, {61, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {62, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {63, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {64, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 32, 1, 0}, {29, 1, 64, 32, 1, 0}, {29, 2, 64, 32, 1, 0},
-    {29, 3, 64, 32, 1, 0}, {29, 4, 64, 32, 1, 0}, {29, 5, 64, 32, 1, 0}, {29, 6, 64, 32, 1, 0},
-    {29, 7, 64, 32, 1, 0}, {29, 8, 64, 32, 1, 0}, {29, 9, 64, 32, 1, 0}, {29, 10, 64, 32, 1, 0},
-    {29, 11, 64, 32, 1, 0}, {29, 12, 64, 32, 1, 0}, {29, 13, 64, 32, 1, 0}, {29, 14, 64, 32, 1, 0},
-    {29, 15, 64, 32, 1, 0}, {29, 16, 64, 32, 1, 0}, {29, 17, 64, 32, 1, 0}, {29, 18, 64, 32, 1, 0},
-    {29, 19, 64, 32, 1, 0}, {29, 20, 64, 32, 1, 0}, {29, 21, 64, 32, 1, 0}, {29, 22, 64, 32, 1, 0},
-    {29, 23, 64, 32, 1, 0}, {29, 24, 64, 32, 1, 0}, {29, 25, 64, 32, 1, 0}, {29, 26, 64, 32, 1, 0},
-    {29, 27, 64, 32, 1, 0}, {29, 28, 64, 32, 1, 0}, {29, 29, 64, 32, 1, 0}, {29, 30, 64, 32, 1, 0},
-    {29, 31, 64, 32, 1, 0}, {29, 32, 64, 32, 1, 0}, {29, 33, 64, 32, 1, 0}, {29, 34, 64, 32, 1, 0},
-    {29, 35, 64, 32, 1, 0}, {29, 36, 64, 32, 1, 0}, {29, 37, 64, 32, 1, 0}, {29, 38, 64, 32, 1, 0},
-    {29, 39, 64, 32, 1, 0}, {29, 40, 64, 32, 1, 0}, {29, 41, 64, 32, 1, 0}, {29, 42, 64, 32, 1, 0},
-    {29, 43, 64, 32, 1, 0}, {29, 44, 64, 32, 1, 0}, {29, 45, 64, 32, 1, 0}, {29, 46, 64, 32, 1, 0},
-    {29, 47, 64, 32, 1, 0}, {29, 48, 64, 32, 1, 0}, {29, 49, 64, 32, 1, 0}, {29, 50, 64, 32, 1, 0},
-    {29, 51, 64, 32, 1, 0}, {29, 52, 64, 32, 1, 0}, {29, 53, 64, 32, 1, 0}, {29, 54, 64, 32, 1, 0},
-    {29, 55, 64, 32, 1, 0}, {29, 56, 64, 32, 1, 0}, {29, 57, 64, 32, 1, 0}, {29, 58, 64, 32, 1, 0},
-    {29, 59, 64, 32, 1, 0}, {29, 60, 64, 32, 1, 0}, {29, 61, 64, 32, 1, 0}, {29, 62, 64, 32, 1, 0},
-    // rank 3: shares 11532..15375
-    {29, 63, 64, 32, 1, 0}, {1, 0, 64, 28, 1, 0}, {61, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {62, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {63, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {64, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 32, 1, 0}, {29, 1, 64, 32, 1, 0}, {29, 2, 64, 32, 1, 0},
-    {29, 3, 64, 32, 1, 0}, {29, 4, 64, 32, 1, 0}, {29, 5, 64, 32, 1, 0}, {29, 6, 64, 32, 1, 0},
-    {29, 7, 64, 32, 1, 0}, {29, 8, 64, 32, 1, 0}, {29, 9, 64, 32, 1, 0}, {29, 10, 64, 32, 1, 0},
-    {29, 11, 64, 32, 1, 0}, {29, 12, 64, 32, 1, 0}, {29, 13, 64, 32, 1, 0}, {29, 14, 64, 32, 1, 0},
-    {29, 15, 64, 32, 1, 0}, {29, 16, 64, 32, 1, 0}, {29, 17, 64, 32, 1, 0}, {29, 18, 64, 32, 1, 0},
-    {29, 19, 64, 32, 1, 0}, {29, 20, 64, 32, 1, 0}, {29, 21, 64, 32, 1, 0}, {29, 22, 64, 32, 1, 0},
-    {29, 23, 64, 32, 1, 0}, {29, 24, 64, 32, 1, 0}, {29, 25, 64, 32, 1, 0}, {29, 26, 64, 32, 1, 0},
-    {29, 27, 64, 32, 1, 0}, {29, 28, 64, 32, 1, 0}, {29, 29, 64, 32, 1, 0}, {29, 30, 64, 32, 1, 0},
-    {29, 31, 64, 32, 1, 0}, {29, 32, 64, 32, 1, 0}, {29, 33, 64, 32, 1, 0}, {29, 34, 64, 32, 1, 0},
-    {29, 35, 64, 32, 1, 0}, {29, 36, 64, 32, 1, 0}, {29, 37, 64, 32, 1, 0}, {29, 38, 64, 32, 1, 0},
-    {29, 39, 64, 32, 1, 0}, {29, 40, 64, 32, 1, 0}, {29, 41, 64, 32, 1, 0}, {29, 42, 64, 32, 1, 0},
-    {29, 43, 64, 32, 1, 0}, {29, 44, 64, 32, 1, 0}, {29, 45, 64, 32, 1, 0}, {29, 46, 64, 32, 1, 0},
-    {29, 47, 64, 32, 1, 0}, {29, 48, 64, 32, 1, 0}, {29, 49, 64, 32, 1, 0}, {29, 50, 64, 32, 1, 0},
-    {29, 51, 64, 32, 1, 0}, {29, 52, 64, 32, 1, 0}, {29, 53, 64, 32, 1, 0}, {29, 54, 64, 32, 1, 0},
-    {29, 55, 64, 32, 1, 0}, {29, 56, 64, 32, 1, 0}, {29, 57, 64, 32, 1, 0}, {29, 58, 64, 32, 1, 0},
-    {29, 59, 64, 32, 1, 0}, {29, 60, 64, 32, 1, 0}, {29, 61, 64, 32, 1, 0}, {29, 62, 64, 32, 1, 0},
-    // rank 4: shares 15376..19219
-    {29, 63, 64, 32, 1, 0}, {1, 0, 64, 28, 1, 0}, {61, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {62, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {63, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {64, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 32, 1, 0}, {29, 1, 64, 32, 1, 0}, {29, 2, 64, 32, 1, 0},
-    {29, 3, 64, 32, 1, 0}, {29, 4, 64, 32, 1, 0}, {29, 5, 64, 32, 1, 0}, {29, 6, 64, 32, 1, 0},
-    {29, 7, 64, 32, 1, 0}, {29, 8, 64, 32, 1, 0}, {29, 9, 64, 32, 1, 0}, {29, 10, 64, 32, 1, 0},
-    {29, 11, 64, 32, 1, 0}, {29, 12, 64, 32, 1, 0}, {29, 13, 64, 32, 1, 0}, {29, 14, 64, 32, 1, 0},
-    {29, 15, 64, 32, 1, 0}, {29, 16, 64, 32, 1, 0}, {29, 17, 64, 32, 1, 0}, {29, 18, 64, 32, 1, 0},
-    {29, 19, 64, 32, 1, 0}, {29, 20, 64, 32, 1, 0}, {29, 21, 64, 32, 1, 0}, {29, 22, 64, 32, 1, 0},
-    {29, 23, 64, 32, 1, 0}, {29, 24, 64, 32, 1, 0}, {29, 25, 64, 32, 1, 0}, {29, 26, 64, 32, 1, 0},
-    {29, 27, 64, 32, 1, 0}, {29, 28, 64, 32, 1, 0}, {29, 29, 64, 32, 1, 0}, {29, 30, 64, 32, 1, 0},
-    {29, 31, 64, 32, 1, 0}, {29, 32, 64, 32, 1, 0}, {29, 33, 64, 32, 1, 0}, {29, 34, 64, 32, 1, 0},
-    {29, 35, 64, 32, 1, 0}, {29, 36, 64, 32, 1, 0}, {29, 37, 64, 32, 1, 0}, {29, 38, 64, 32, 1, 0},
-    {29, 39, 64, 32, 1, 0}, {29, 40, 64, 32, 1, 0}, {29, 41, 64, 32, 1, 0}, {29, 42, 64, 32, 1, 0},
-    {29, 43, 64, 32, 1, 0}, {29, 44, 64, 32, 1, 0}, {29, 45, 64, 32, 1, 0}, {29, 46, 64, 32, 1, 0},
-    {29, 47, 64, 32, 1, 0}, {29, 48, 64, 32, 1, 0}, {29, 49, 64, 32, 1, 0}, {29, 50, 64, 32, 1, 0},
-    {29, 51, 64, 32, 1, 0}, {29, 52, 64, 32, 1, 0}, {29, 53, 64, 32, 1, 0}, {29, 54, 64, 32, 1, 0},
-    {29, 55, 64, 32, 1, 0}, {29, 56, 64, 32, 1, 0}, {29, 57, 64, 32, 1, 0}, {29, 58, 64, 32, 1, 0},
-    {29, 59, 64, 32, 1, 0}, {29, 60, 64, 32, 1, 0}, {29, 61, 64, 32, 1, 0}, {29, 62, 64, 32, 1, 0},
-    // rank 5: shares 19220..23063
-    {29, 63, 64, 32, 1, 0}, {1, 0, 64, 28, 1, 0}, {61, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {62, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {63, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {64, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 32, 1, 0}, {29, 1, 64, 32, 1, 0}, {29, 2, 64, 32, 1, 0},
-    {29, 3, 64, 32, 1, 0}, {29, 4, 64, 32, 1, 0}, {29, 5, 64, 32, 1, 0}, {29, 6, 64, 32, 1, 0},
-    {29, 7, 64, 32, 1, 0}, {29, 8, 64, 32, 1, 0}, {29, 9, 64, 32, 1, 0}, {29, 10, 64, 32, 1, 0},
-    {29, 11, 64, 32, 1, 0}, {29, 12, 64, 32, 1, 0}, {29, 13, 64, 32, 1, 0}, {29, 14, 64, 32, 1, 0},
-    {29, 15, 64, 32, 1, 0}, {29, 16, 64, 32, 1, 0}, {29, 17, 64, 32, 1, 0}, {29, 18, 64, 32, 1, 0},
-    {29, 19, 64, 32, 1, 0}, {29, 20, 64, 32, 1, 0}, {29, 21, 64, 32, 1, 0}, {29, 22, 64, 32, 1, 0},
-    {29, 23, 64, 32, 1, 0}, {29, 24, 64, 32, 1, 0}, {29, 25, 64, 32, 1, 0}, {29, 26, 64, 32, 1, 0},
-    {29, 27, 64, 32, 1, 0}, {29, 28, 64, 32, 1, 0}, {29, 29, 64, 32, 1, 0}, {29, 30, 64, 32, 1, 0},
-    {29, 31, 64, 32, 1, 0}, {29, 32, 64, 32, 1, 0}, {29, 33, 64, 32, 1, 0}, {29, 34, 64, 32, 1, 0},
-    {29, 35, 64, 32, 1, 0}, {29, 36, 64, 32, 1, 0}, {29, 37, 64, 32, 1, 0}, {29, 38, 64, 32, 1, 0},
-    {29, 39, 64, 32, 1, 0}, {29, 40, 64, 32, 1, 0}, {29, 41, 64, 32, 1, 0}, {29, 42, 64, 32, 1, 0},
-    {29, 43, 64, 32, 1, 0}, {29, 44, 64, 32, 1, 0}, {29, 45, 64, 32, 1, 0}, {29, 46, 64, 32, 1, 0},
-    {29, 47, 64, 32, 1, 0}, {29, 48, 64, 32, 1, 0}, {29, 49, 64, 32, 1, 0}, {29, 50, 64, 32, 1, 0},
-    {29, 51, 64, 32, 1, 0}, {29, 52, 64, 32, 1, 0}, {29, 53, 64, 32, 1, 0}, {29, 54, 64, 32, 1, 0},
-    {29, 55, 64, 32, 1, 0}, {29, 56, 64, 32, 1, 0}, {29, 57, 64, 32, 1, 0}, {29, 58, 64, 32, 1, 0},
-    {29, 59, 64, 32, 1, 0}, {29, 60, 64, 32, 1, 0}, {29, 61, 64, 32, 1, 0}, {29, 62, 64, 32, 1, 0},
-    // rank 6: shares 23064..26907
-    {29, 63, 64, 32, 1, 0}, {1, 0, 64, 28, 1, 0}, {61, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {62, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {63, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {64, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 32, 1, 0}, {29, 1, 64, 32, 1, 0}, {29, 2, 64, 32, 1, 0},
-    {29, 3, 64, 32, 1, 0}, {29, 4, 64, 32, 1, 0}, {29, 5, 64, 32, 1, 0}, {29, 6, 64, 32, 1, 0},
-    {29, 7, 64, 32, 1, 0}, {29, 8, 64, 32, 1, 0}, {29, 9, 64, 32, 1, 0}, {29, 10, 64, 32, 1, 0},
-    {29, 11, 64, 32, 1, 0}, {29, 12, 64, 32, 1, 0}, {29, 13, 64, 32, 1, 0}, {29, 14, 64, 32, 1, 0},
-    {29, 15, 64, 32, 1, 0}, {29, 16, 64, 32, 1, 0}, {29, 17, 64, 32, 1, 0}, {29, 18, 64, 32, 1, 0},
-    {29, 19, 64, 32, 1, 0}, {29, 20, 64, 32, 1, 0}, {29, 21, 64, 32, 1, 0}, {29, 22, 64, 32, 1, 0},
-    {29, 23, 64, 32, 1, 0}, {29, 24, 64, 32, 1, 0}, {29, 25, 64, 32, 1, 0}, {29, 26, 64, 32, 1, 0},
-    {29, 27, 64, 32, 1, 0}, {29, 28, 64, 32, 1, 0}, {29, 29, 64, 32, 1, 0}, {29, 30, 64, 32, 1, 0},
-    {29, 31, 64, 32, 1, 0}, {29, 32, 64, 32, 1, 0}, {29, 33, 64, 32, 1, 0}, {29, 34, 64, 32, 1, 0},
-    {29, 35, 64, 32, 1, 0}, {29, 36, 64, 32, 1, 0}, {29, 37, 64, 32, 1, 0}, {29, 38, 64, 32, 1, 0},
-    {29, 39, 64, 32, 1, 0}, {29, 40, 64, 32, 1, 0}, {29, 41, 64, 32, 1, 0}, {29, 42, 64, 32, 1, 0},
-    {29, 43, 64, 32, 1, 0}, {29, 44, 64, 32, 1, 0}, {29, 45, 64, 32, 1, 0}, {29, 46, 64, 32, 1, 0},
-    {29, 47, 64, 32, 1, 0}, {29, 48, 64, 32, 1, 0}, {29, 49, 64, 32, 1, 0}, {29, 50, 64, 32, 1, 0},
-    {29, 51, 64, 32, 1, 0}, {29, 52, 64, 32, 1, 0}, {29, 53, 64, 32, 1, 0}, {29, 54, 64, 32, 1, 0},
-    {29, 55, 64, 32, 1, 0}, {29, 56, 64, 32, 1, 0}, {29, 57, 64, 32, 1, 0}, {29, 58, 64, 32, 1, 0},
-    {29, 59, 64, 32, 1, 0}, {29, 60, 64, 32, 1, 0}, {29, 61, 64, 32, 1, 0}, {29, 62, 64, 32, 1, 0},
-    // rank 7: shares 26908..30751
-    {29, 63, 64, 32, 1, 0}, {1, 0, 64, 28, 1, 0}, {61, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {62, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {63, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {64, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 32, 1, 0}, {29, 1, 64, 32, 1, 0}, {29, 2, 64, 32, 1, 0},
-    {29, 3, 64, 32, 1, 0}, {29, 4, 64, 32, 1, 0}, {29, 5, 64, 32, 1, 0}, {29, 6, 64, 32, 1, 0},
-    {29, 7, 64, 32, 1, 0}, {29, 8, 64, 32, 1, 0}, {29, 9, 64, 32, 1, 0}, {29, 10, 64, 32, 1, 0},
-    {29, 11, 64, 32, 1, 0}, {29, 12, 64, 32, 1, 0}, {29, 13, 64, 32, 1, 0}, {29, 14, 64, 32, 1, 0},
-    {29, 15, 64, 32, 1, 0}, {29, 16, 64, 32, 1, 0}, {29, 17, 64, 32, 1, 0}, {29, 18, 64, 32, 1, 0},
-    {29, 19, 64, 32, 1, 0}, {29, 20, 64, 32, 1, 0}, {29, 21, 64, 32, 1, 0}, {29, 22, 64, 32, 1, 0},
-    {29, 23, 64, 32, 1, 0}, {29, 24, 64, 32, 1, 0}, {29, 25, 64, 32, 1, 0}, {29, 26, 64, 32, 1, 0},
-    {29, 27, 64, 32, 1, 0}, {29, 28, 64, 32, 1, 0}, {29, 29, 64, 32, 1, 0}, {29, 30, 64, 32, 1, 0},
-    {29, 31, 64, 32, 1, 0}, {29, 32, 64, 32, 1, 0}, {29, 33, 64, 32, 1, 0}, {29, 34, 64, 32, 1, 0},
-    {29, 35, 64, 32, 1, 0}, {29, 36, 64, 32, 1, 0}, {29, 37, 64, 32, 1, 0}, {29, 38, 64, 32, 1, 0},
-    {29, 39, 64, 32, 1, 0}, {29, 40, 64, 32, 1, 0}, {29, 41, 64, 32, 1, 0}, {29, 42, 64, 32, 1, 0},
-    {29, 43, 64, 32, 1, 0}, {29, 44, 64, 32, 1, 0}, {29, 45, 64, 32, 1, 0}, {29, 46, 64, 32, 1, 0},
-    {29, 47, 64, 32, 1, 0}, {29, 48, 64, 32, 1, 0}, {29, 49, 64, 32, 1, 0}, {29, 50, 64, 32, 1, 0},
-    {29, 51, 64, 32, 1, 0}, {29, 52, 64, 32, 1, 0}, {29, 53, 64, 32, 1, 0}, {29, 54, 64, 32, 1, 0},
-    {29, 55, 64, 32, 1, 0}, {29, 56, 64, 32, 1, 0}, {29, 57, 64, 32, 1, 0}, {29, 58, 64, 32, 1, 0},
-    {29, 59, 64, 32, 1, 0}, {29, 60, 64, 32, 1, 0}, {29, 61, 64, 32, 1, 0}, {29, 62, 64, 32, 1, 0},
+    {29, 63, 64, 32, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {61, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {62, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {63, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 0: shares 0..3843
+    {64, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 32, 1, 0, 63, 0, 1},
+    {29, 63, 64, 32, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {61, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {62, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {63, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 1: shares 3844..7687
+    {64, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 32, 1, 0, 63, 0, 1},
+    {29, 63, 64, 32, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {61, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {62, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {63, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 2: shares 7688..11531
+    {64, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 32, 1, 0, 63, 0, 1},
+    {29, 63, 64, 32, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {61, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {62, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {63, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 3: shares 11532..15375
+    {64, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 32, 1, 0, 63, 0, 1},
+    {29, 63, 64, 32, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {61, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {62, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {63, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 4: shares 15376..19219
+    {64, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 32, 1, 0, 63, 0, 1},
+    {29, 63, 64, 32, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {61, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {62, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {63, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 5: shares 19220..23063
+    {64, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 32, 1, 0, 63, 0, 1},
+    {29, 63, 64, 32, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {61, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {62, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {63, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 6: shares 23064..26907
+    {64, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 32, 1, 0, 63, 0, 1},
+    {29, 63, 64, 32, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {61, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {62, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {63, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 7: shares 26908..30751
+    {64, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 32, 1, 0, 63, 0, 1},
 };
-static __device__ const tsgen::share_table<30752> shares_w8 =
-    tsgen::expand_shares<30752>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][129] = {
+static __device__ const tsgen::share_table<30752> shares_w8 = tsgen::expand_shares<30752>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 32, 61, 90, 119, 148, 176, 204, 232, 260, 288, 316, 344, 372, 400, 428, 456, 484, 512, 540, 568, 596, 624, 652, 680, 708, 736, 764, 792, 820, 848, 876, 904, 932, 960, 988, 1016, 1044, 1072, 1100, 1128, 1156, 1184, 1212, 1240, 1268, 1296, 1324, 1352, 1380, 1408, 1436, 1464, 1492, 1520, 1548, 1576, 1604, 1632, 1660, 1688, 1716, 1744, 1772, 1800, 1828, 1860, 1892, 1924, 1956, 1988, 2020, 2052, 2084, 2116, 2148, 2180, 2212, 2244, 2276, 2308, 2340, 2372, 2404, 2436, 2468, 2500, 2532, 2564, 2596, 2628, 2660, 2692, 2724, 2756, 2788, 2820, 2852, 2884, 2916, 2948, 2980, 3012, 3044, 3076, 3108, 3140, 3172, 3204, 3236, 3268, 3300, 3332, 3364, 3396, 3428, 3460, 3492, 3524, 3556, 3588, 3620, 3652, 3684, 3716, 3748, 3780, 3812, 3844 },
     { 3844, 3876, 3905, 3934, 3963, 3992, 4020, 4048, 4076, 4104, 4132, 4160, 4188, 4216, 4244, 4272, 4300, 4328, 4356, 4384, 4412, 4440, 4468, 4496, 4524, 4552, 4580, 4608, 4636, 4664, 4692, 4720, 4748, 4776, 4804, 4832, 4860, 4888, 4916, 4944, 4972, 5000, 5028, 5056, 5084, 5112, 5140, 5168, 5196, 5224, 5252, 5280, 5308, 5336, 5364, 5392, 5420, 5448, 5476, 5504, 5532, 5560, 5588, 5616, 5644, 5672, 5704, 5736, 5768, 5800, 5832, 5864, 5896, 5928, 5960, 5992, 6024, 6056, 6088, 6120, 6152, 6184, 6216, 6248, 6280, 6312, 6344, 6376, 6408, 6440, 6472, 6504, 6536, 6568, 6600, 6632, 6664, 6696, 6728, 6760, 6792, 6824, 6856, 6888, 6920, 6952, 6984, 7016, 7048, 7080, 7112, 7144, 7176, 7208, 7240, 7272, 7304, 7336, 7368, 7400, 7432, 7464, 7496, 7528, 7560, 7592, 7624, 7656, 7688 },
     { 7688, 7720, 7749, 7778, 7807, 7836, 7864, 7892, 7920, 7948, 7976, 8004, 8032, 8060, 8088, 8116, 8144, 8172, 8200, 8228, 8256, 8284, 8312, 8340, 8368, 8396, 8424, 8452, 8480, 8508, 8536, 8564, 8592, 8620, 8648, 8676, 8704, 8732, 8760, 8788, 8816, 8844, 8872, 8900, 8928, 8956, 8984, 9012, 9040, 9068, 9096, 9124, 9152, 9180, 9208, 9236, 9264, 9292, 9320, 9348, 9376, 9404, 9432, 9460, 9488, 9516, 9548, 9580, 9612, 9644, 9676, 9708, 9740, 9772, 9804, 9836, 9868, 9900, 9932, 9964, 9996, 10028, 10060, 10092, 10124, 10156, 10188, 10220, 10252, 10284, 10316, 10348, 10380, 10412, 10444, 10476, 10508, 10540, 10572, 10604, 10636, 10668, 10700, 10732, 10764, 10796, 10828, 10860, 10892, 10924, 10956, 10988, 11020, 11052, 11084, 11116, 11148, 11180, 11212, 11244, 11276, 11308, 11340, 11372, 11404, 11436, 11468, 11500, 11532 },
@@ -2150,152 +896,83 @@ static __device__ const uint16_t first_w8[8][129] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
         if (b == 0) {  // block 0
-          // rank 0 step 5: our part, piece 0: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[5], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: our part, piece 1: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[6], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 7: our part, piece 2: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[7], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: our part, piece 3: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[8], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 9: reduced part 0 piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[9], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 10: reduced part 0 piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[10], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 11: reduced part 0 piece 2 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[11], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 12: reduced part 0 piece 3 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[12], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[5], 63, 64);  // step 5: our part, piece 0: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[6], 63, 64);  // step 6: our part, piece 1: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[7], 63, 64);  // step 7: our part, piece 2: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[8], 63, 64);  // step 8: our part, piece 3: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[9], 63, 64);  // step 9: reduced part 0 piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[10], 63, 64);  // step 10: reduced part 0 piece 1 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[11], 63, 64);  // step 11: reduced part 0 piece 2 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[12], 63, 64);  // step 12: reduced part 0 piece 3 to rank 1
         }
         if (b == 1) {  // block 1
-          // rank 0 step 1: part 1 piece 0: our input to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[1], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: part 1 piece 1: our input to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[2], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 3: part 1 piece 2: our input to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[3], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: part 1 piece 3: our input to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[4], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 13: wait for every reduced part
-          tsgen::run_share<T, UNROLL>(steps_w2[13], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[1], 0, 64);  // step 1: part 1 piece 0: our input to rank 1
+          TSGEN_RUN_SHARE(steps_w2[2], 0, 64);  // step 2: part 1 piece 1: our input to rank 1
+          TSGEN_RUN_SHARE(steps_w2[3], 0, 64);  // step 3: part 1 piece 2: our input to rank 1
+          TSGEN_RUN_SHARE(steps_w2[4], 0, 64);  // step 4: part 1 piece 3: our input to rank 1
+          TSGEN_RUN_SHARE(steps_w2[13], 0, 1);  // step 13: wait for every reduced part
         }
         if (b >= 2 && b < 65) {  // blocks 2..64
-          const int i = b - 2;
-          // rank 0 step 1: part 1 piece 0: our input to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[1], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: part 1 piece 1: our input to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[2], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 3: part 1 piece 2: our input to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[3], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: part 1 piece 3: our input to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[4], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[1], b - 1, 64);  // step 1: part 1 piece 0: our input to rank 1
+          TSGEN_RUN_SHARE(steps_w2[2], b - 1, 64);  // step 2: part 1 piece 1: our input to rank 1
+          TSGEN_RUN_SHARE(steps_w2[3], b - 1, 64);  // step 3: part 1 piece 2: our input to rank 1
+          TSGEN_RUN_SHARE(steps_w2[4], b - 1, 64);  // step 4: part 1 piece 3: our input to rank 1
         }
         if (b >= 65 && b < 128) {  // blocks 65..127
-          const int i = b - 65;
-          // rank 0 step 5: our part, piece 0: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[5], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: our part, piece 1: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[6], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 7: our part, piece 2: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[7], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: our part, piece 3: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[8], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 9: reduced part 0 piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[9], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 10: reduced part 0 piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[10], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 11: reduced part 0 piece 2 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[11], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 12: reduced part 0 piece 3 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[12], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[5], b - 65, 64);  // step 5: our part, piece 0: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[6], b - 65, 64);  // step 6: our part, piece 1: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[7], b - 65, 64);  // step 7: our part, piece 2: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[8], b - 65, 64);  // step 8: our part, piece 3: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[9], b - 65, 64);  // step 9: reduced part 0 piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[10], b - 65, 64);  // step 10: reduced part 0 piece 1 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[11], b - 65, 64);  // step 11: reduced part 0 piece 2 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[12], b - 65, 64);  // step 12: reduced part 0 piece 3 to rank 1
         }
         break;
       case 1:
         if (b == 0) {  // block 0
-          // rank 1 step 5: our part, piece 0: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[19], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: our part, piece 1: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[20], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 7: our part, piece 2: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[21], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: our part, piece 3: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[22], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 9: reduced part 1 piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[23], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 10: reduced part 1 piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[24], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 11: reduced part 1 piece 2 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[25], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 12: reduced part 1 piece 3 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[26], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[19], 63, 64);  // step 5: our part, piece 0: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[20], 63, 64);  // step 6: our part, piece 1: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[21], 63, 64);  // step 7: our part, piece 2: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[22], 63, 64);  // step 8: our part, piece 3: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[23], 63, 64);  // step 9: reduced part 1 piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[24], 63, 64);  // step 10: reduced part 1 piece 1 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[25], 63, 64);  // step 11: reduced part 1 piece 2 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[26], 63, 64);  // step 12: reduced part 1 piece 3 to rank 0
         }
         if (b == 1) {  // block 1
-          // rank 1 step 1: part 0 piece 0: our input to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[15], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: part 0 piece 1: our input to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[16], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 3: part 0 piece 2: our input to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[17], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: part 0 piece 3: our input to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[18], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 13: wait for every reduced part
-          tsgen::run_share<T, UNROLL>(steps_w2[27], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[15], 0, 64);  // step 1: part 0 piece 0: our input to rank 0
+          TSGEN_RUN_SHARE(steps_w2[16], 0, 64);  // step 2: part 0 piece 1: our input to rank 0
+          TSGEN_RUN_SHARE(steps_w2[17], 0, 64);  // step 3: part 0 piece 2: our input to rank 0
+          TSGEN_RUN_SHARE(steps_w2[18], 0, 64);  // step 4: part 0 piece 3: our input to rank 0
+          TSGEN_RUN_SHARE(steps_w2[27], 0, 1);  // step 13: wait for every reduced part
         }
         if (b >= 2 && b < 65) {  // blocks 2..64
-          const int i = b - 2;
-          // rank 1 step 1: part 0 piece 0: our input to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[15], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: part 0 piece 1: our input to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[16], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 3: part 0 piece 2: our input to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[17], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: part 0 piece 3: our input to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[18], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[15], b - 1, 64);  // step 1: part 0 piece 0: our input to rank 0
+          TSGEN_RUN_SHARE(steps_w2[16], b - 1, 64);  // step 2: part 0 piece 1: our input to rank 0
+          TSGEN_RUN_SHARE(steps_w2[17], b - 1, 64);  // step 3: part 0 piece 2: our input to rank 0
+          TSGEN_RUN_SHARE(steps_w2[18], b - 1, 64);  // step 4: part 0 piece 3: our input to rank 0
         }
         if (b >= 65 && b < 128) {  // blocks 65..127
-          const int i = b - 65;
-          // rank 1 step 5: our part, piece 0: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[19], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: our part, piece 1: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[20], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 7: our part, piece 2: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[21], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: our part, piece 3: last partial sum + our input
-          tsgen::run_share<T, UNROLL>(steps_w2[22], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 9: reduced part 1 piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[23], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 10: reduced part 1 piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[24], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 11: reduced part 1 piece 2 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[25], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 12: reduced part 1 piece 3 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[26], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[19], b - 65, 64);  // step 5: our part, piece 0: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[20], b - 65, 64);  // step 6: our part, piece 1: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[21], b - 65, 64);  // step 7: our part, piece 2: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[22], b - 65, 64);  // step 8: our part, piece 3: last partial sum + our input
+          TSGEN_RUN_SHARE(steps_w2[23], b - 65, 64);  // step 9: reduced part 1 piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[24], b - 65, 64);  // step 10: reduced part 1 piece 1 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[25], b - 65, 64);  // step 11: reduced part 1 piece 2 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[26], b - 65, 64);  // step 12: reduced part 1 piece 3 to rank 0
         }
-        break;
-      default:
         break;
     }
   }
@@ -2304,17 +981,9 @@ template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w3.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x4u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      case 2: mask = 0x2u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x4u, index = 0; break; case 1: mask = 0x1u, index = 1; break; case 2: mask = 0x2u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
 };
@@ -2322,17 +991,10 @@ template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0x8u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      case 2: mask = 0x2u, index = 2; break;
-      case 3: mask = 0x4u, index = 3; break;
-      default: break;
+      case 0: mask = 0x8u, index = 0; break; case 1: mask = 0x1u, index = 1; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x4u, index = 3; break; default: break;
     }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
@@ -2341,76 +1003,42 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0x80u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      case 2: mask = 0x2u, index = 2; break;
-      case 3: mask = 0x4u, index = 3; break;
-      case 4: mask = 0x8u, index = 4; break;
-      case 5: mask = 0x10u, index = 5; break;
-      case 6: mask = 0x20u, index = 6; break;
-      case 7: mask = 0x40u, index = 7; break;
-      default: break;
+      case 0: mask = 0x80u, index = 0; break; case 1: mask = 0x1u, index = 1; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x4u, index = 3; break; case 4: mask = 0x8u, index = 4; break;
+      case 5: mask = 0x10u, index = 5; break; case 6: mask = 0x20u, index = 6; break; case 7: mask = 0x40u, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)gathered };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace all_reduce_ring
 
-// World size 2: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_ring::run<2>(peers, rank, epoch, count, src, dst, inbox, entry, arrive, gathered);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_ring::run<3>(peers, rank, epoch, count, src, dst, inbox, entry, arrive, gathered);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_ring_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_ring_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_ring::run<4>(peers, rank, epoch, count, src, dst, inbox, entry, arrive, gathered);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_ring_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_ring_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_ring::run<8>(peers, rank, epoch, count, src, dst, inbox, entry, arrive, gathered);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through all_reduce_ring::launch.
-namespace all_reduce_ring {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, gathered);
-  return cudaGetLastError();
-}
-}  // namespace all_reduce_ring
-
-extern "C" cudaError_t all_reduce_ring_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered, cudaStream_t stream) { return all_reduce_ring::launch<all_reduce_ring_w2, 128, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, gathered, stream); }
-extern "C" cudaError_t all_reduce_ring_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered, cudaStream_t stream) { return all_reduce_ring::launch<all_reduce_ring_w3, 128, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, gathered, stream); }
-extern "C" cudaError_t all_reduce_ring_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered, cudaStream_t stream) { return all_reduce_ring::launch<all_reduce_ring_w4, 128, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, gathered, stream); }
-extern "C" cudaError_t all_reduce_ring_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered, cudaStream_t stream) { return all_reduce_ring::launch<all_reduce_ring_w8, 128, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, gathered, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t all_reduce_ring_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_ring_w2, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive, gathered); }
+extern "C" cudaError_t all_reduce_ring_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_ring_w3, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive, gathered); }
+extern "C" cudaError_t all_reduce_ring_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_ring_w4, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive, gathered); }
+extern "C" cudaError_t all_reduce_ring_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_ring_w8, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive, gathered); }

@@ -8,12 +8,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  count
@@ -24,12 +22,12 @@
 //   reduced  uint64_t       signal 8
 //   gathered uint64_t       signal 64
 // Contents (line numbers of this file):
-//   49: the hand-written library, included: tsgen/ptx.cuh 49, tsgen/sync.cuh 50, tsgen/copy.cuh 51, tsgen/plan.cuh 52
-//   57: the op's own code (namespace all_reduce_two_shot: constants, tables, device code)
+//   46: the hand-written library, included: tsgen/ptx.cuh 46, tsgen/sync.cuh 47, tsgen/copy.cuh 48, tsgen/plan.cuh 49
+//   52: the op's own code (namespace all_reduce_two_shot: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_two_shot_w2 3970, all_reduce_two_shot_w3 3977, all_reduce_two_shot_w4 3984
-//     all_reduce_two_shot_w8 3991, all_reduce_two_shot_w2_launch 4007, all_reduce_two_shot_w3_launch 4008
-//     all_reduce_two_shot_w4_launch 4009, all_reduce_two_shot_w8_launch 4010
+//     all_reduce_two_shot_w2 1826, all_reduce_two_shot_w3 1831, all_reduce_two_shot_w4 1836
+//     all_reduce_two_shot_w8 1841, all_reduce_two_shot_w2_launch 1849, all_reduce_two_shot_w3_launch 1850
+//     all_reduce_two_shot_w4_launch 1851, all_reduce_two_shot_w8_launch 1852
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -37,8 +35,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -51,9 +48,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// all_reduce: all_reduce_two_shot
-// ---------------------------------------------------------------------------
+// ---- all_reduce: all_reduce_two_shot ----------------------------------------------------------------
 namespace all_reduce_two_shot {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -63,3674 +58,1645 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: inbox
-//   4: entry
-//   5: arrive
-//   6: reduced
-//   7: gathered
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 52 steps, 770 block shares over 113 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 52 steps, 770 block shares over 113 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/16] = r0:src@0[8/16]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 8}, {{0, 1, 1, 16, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/16] = r0:src@0[9/16]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 9}, {{0, 1, 1, 16, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/16] = r0:src@0[10/16]; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 10}, {{0, 1, 1, 16, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/16] = r0:src@0[11/16]; signal r1:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 11}, {{0, 1, 1, 16, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/16] = r0:src@0[12/16]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/16] = r0:src@0[13/16]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/16] = r0:src@0[14/16]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/16] = r0:src@0[15/16]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 9: reduce our part, piece 0; wait arrive[8]; r0:dst@0[0/16] = r0:src@0[0/16] + r0:inbox@1[0/16]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 0}, {{0, 1, 1, 16, 0, 0}, {0, 3, 0, 16, 1, 0}}, {}, {{5, 0, 8, 16}}, {{0, 6, 0}}},
-    // rank 0 step 10: reduce our part, piece 1; wait arrive[9]; r0:dst@0[1/16] = r0:src@0[1/16] + r0:inbox@1[1/16]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 1}, {{0, 1, 1, 16, 0, 1}, {0, 3, 0, 16, 1, 1}}, {}, {{5, 0, 9, 16}}, {{0, 6, 1}}},
-    // rank 0 step 11: reduce our part, piece 2; wait arrive[10]; r0:dst@0[2/16] = r0:src@0[2/16] + r0:inbox@1[2/16]; signal r0:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 2}, {{0, 1, 1, 16, 0, 2}, {0, 3, 0, 16, 1, 2}}, {}, {{5, 0, 10, 16}}, {{0, 6, 2}}},
-    // rank 0 step 12: reduce our part, piece 3; wait arrive[11]; r0:dst@0[3/16] = r0:src@0[3/16] + r0:inbox@1[3/16]; signal r0:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 3}, {{0, 1, 1, 16, 0, 3}, {0, 3, 0, 16, 1, 3}}, {}, {{5, 0, 11, 16}}, {{0, 6, 3}}},
-    // rank 0 step 13: reduce our part, piece 4; wait arrive[12]; r0:dst@0[4/16] = r0:src@0[4/16] + r0:inbox@1[4/16]; signal r0:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 4}, {{0, 1, 1, 16, 0, 4}, {0, 3, 0, 16, 1, 4}}, {}, {{5, 0, 12, 16}}, {{0, 6, 4}}},
-    // rank 0 step 14: reduce our part, piece 5; wait arrive[13]; r0:dst@0[5/16] = r0:src@0[5/16] + r0:inbox@1[5/16]; signal r0:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 5}, {{0, 1, 1, 16, 0, 5}, {0, 3, 0, 16, 1, 5}}, {}, {{5, 0, 13, 16}}, {{0, 6, 5}}},
-    // rank 0 step 15: reduce our part, piece 6; wait arrive[14]; r0:dst@0[6/16] = r0:src@0[6/16] + r0:inbox@1[6/16]; signal r0:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 6}, {{0, 1, 1, 16, 0, 6}, {0, 3, 0, 16, 1, 6}}, {}, {{5, 0, 14, 16}}, {{0, 6, 6}}},
-    // rank 0 step 16: reduce our part, piece 7; wait arrive[15]; r0:dst@0[7/16] = r0:src@0[7/16] + r0:inbox@1[7/16]; signal r0:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 7}, {{0, 1, 1, 16, 0, 7}, {0, 3, 0, 16, 1, 7}}, {}, {{5, 0, 15, 16}}, {{0, 6, 7}}},
-    // rank 0 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 19: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/16] = r0:dst@0[2/16]; signal r1:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
-    // rank 0 step 20: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/16] = r0:dst@0[3/16]; signal r1:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
-    // rank 0 step 21: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/16] = r0:dst@0[4/16]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 4}, {{0, 2, 0, 16, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
-    // rank 0 step 22: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/16] = r0:dst@0[5/16]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 5}, {{0, 2, 0, 16, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
-    // rank 0 step 23: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/16] = r0:dst@0[6/16]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 6}, {{0, 2, 0, 16, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
-    // rank 0 step 24: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/16] = r0:dst@0[7/16]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 7}, {{0, 2, 0, 16, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
-    // rank 0 step 25: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/16] = r1:src@0[0/16]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 1 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/16] = r1:src@0[1/16]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 1 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/16] = r1:src@0[2/16]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 1 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/16] = r1:src@0[3/16]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 1 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/16] = r1:src@0[4/16]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 1 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/16] = r1:src@0[5/16]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 1 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/16] = r1:src@0[6/16]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 1 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/16] = r1:src@0[7/16]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 1 step 9: reduce our part, piece 0; wait arrive[0]; r1:dst@0[8/16] = r1:src@0[8/16] + r1:inbox@0[8/16]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}, {1, 3, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}}, {{1, 6, 0}}},
-    // rank 1 step 10: reduce our part, piece 1; wait arrive[1]; r1:dst@0[9/16] = r1:src@0[9/16] + r1:inbox@0[9/16]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}, {1, 3, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}}, {{1, 6, 1}}},
-    // rank 1 step 11: reduce our part, piece 2; wait arrive[2]; r1:dst@0[10/16] = r1:src@0[10/16] + r1:inbox@0[10/16]; signal r1:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}, {1, 3, 0, 16, 0, 10}}, {}, {{5, 0, 2, 16}}, {{1, 6, 2}}},
-    // rank 1 step 12: reduce our part, piece 3; wait arrive[3]; r1:dst@0[11/16] = r1:src@0[11/16] + r1:inbox@0[11/16]; signal r1:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}, {1, 3, 0, 16, 0, 11}}, {}, {{5, 0, 3, 16}}, {{1, 6, 3}}},
-    // rank 1 step 13: reduce our part, piece 4; wait arrive[4]; r1:dst@0[12/16] = r1:src@0[12/16] + r1:inbox@0[12/16]; signal r1:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}, {1, 3, 0, 16, 0, 12}}, {}, {{5, 0, 4, 16}}, {{1, 6, 4}}},
-    // rank 1 step 14: reduce our part, piece 5; wait arrive[5]; r1:dst@0[13/16] = r1:src@0[13/16] + r1:inbox@0[13/16]; signal r1:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}, {1, 3, 0, 16, 0, 13}}, {}, {{5, 0, 5, 16}}, {{1, 6, 5}}},
-    // rank 1 step 15: reduce our part, piece 6; wait arrive[6]; r1:dst@0[14/16] = r1:src@0[14/16] + r1:inbox@0[14/16]; signal r1:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}, {1, 3, 0, 16, 0, 14}}, {}, {{5, 0, 6, 16}}, {{1, 6, 6}}},
-    // rank 1 step 16: reduce our part, piece 7; wait arrive[7]; r1:dst@0[15/16] = r1:src@0[15/16] + r1:inbox@0[15/16]; signal r1:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}, {1, 3, 0, 16, 0, 15}}, {}, {{5, 0, 7, 16}}, {{1, 6, 7}}},
-    // rank 1 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/16] = r1:dst@0[8/16]; signal r0:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{1, 2, 0, 16, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
-    // rank 1 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/16] = r1:dst@0[9/16]; signal r0:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{1, 2, 0, 16, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
-    // rank 1 step 19: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/16] = r1:dst@0[10/16]; signal r0:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{1, 2, 0, 16, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
-    // rank 1 step 20: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/16] = r1:dst@0[11/16]; signal r0:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{1, 2, 0, 16, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
-    // rank 1 step 21: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/16] = r1:dst@0[12/16]; signal r0:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{1, 2, 0, 16, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
-    // rank 1 step 22: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/16] = r1:dst@0[13/16]; signal r0:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{1, 2, 0, 16, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
-    // rank 1 step 23: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/16] = r1:dst@0[14/16]; signal r0:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{1, 2, 0, 16, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
-    // rank 1 step 24: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/16] = r1:dst@0[15/16]; signal r0:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{1, 2, 0, 16, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
-    // rank 1 step 25: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 8}, {{0, 1, 1, 16, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/16] = r0:src@0[8/16]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 9}, {{0, 1, 1, 16, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/16] = r0:src@0[9/16]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 10}, {{0, 1, 1, 16, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/16] = r0:src@0[10/16]; signal r1:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 11}, {{0, 1, 1, 16, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/16] = r0:src@0[11/16]; signal r1:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/16] = r0:src@0[12/16]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/16] = r0:src@0[13/16]; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/16] = r0:src@0[14/16]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/16] = r0:src@0[15/16]; signal r1:arrive[7]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 0}, {{0, 1, 1, 16, 0, 0}, {0, 3, 0, 16, 1, 0}}, {}, {{5, 0, 8, 16}}, {{0, 6, 0}}},  // rank 0 step 9: reduce our part, piece 0; wait arrive[8]; r0:dst@0[0/16] = r0:src@0[0/16] + r0:inbox@1[0/16]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 1}, {{0, 1, 1, 16, 0, 1}, {0, 3, 0, 16, 1, 1}}, {}, {{5, 0, 9, 16}}, {{0, 6, 1}}},  // rank 0 step 10: reduce our part, piece 1; wait arrive[9]; r0:dst@0[1/16] = r0:src@0[1/16] + r0:inbox@1[1/16]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 2}, {{0, 1, 1, 16, 0, 2}, {0, 3, 0, 16, 1, 2}}, {}, {{5, 0, 10, 16}}, {{0, 6, 2}}},  // rank 0 step 11: reduce our part, piece 2; wait arrive[10]; r0:dst@0[2/16] = r0:src@0[2/16] + r0:inbox@1[2/16]; signal r0:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 3}, {{0, 1, 1, 16, 0, 3}, {0, 3, 0, 16, 1, 3}}, {}, {{5, 0, 11, 16}}, {{0, 6, 3}}},  // rank 0 step 12: reduce our part, piece 3; wait arrive[11]; r0:dst@0[3/16] = r0:src@0[3/16] + r0:inbox@1[3/16]; signal r0:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 4}, {{0, 1, 1, 16, 0, 4}, {0, 3, 0, 16, 1, 4}}, {}, {{5, 0, 12, 16}}, {{0, 6, 4}}},  // rank 0 step 13: reduce our part, piece 4; wait arrive[12]; r0:dst@0[4/16] = r0:src@0[4/16] + r0:inbox@1[4/16]; signal r0:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 5}, {{0, 1, 1, 16, 0, 5}, {0, 3, 0, 16, 1, 5}}, {}, {{5, 0, 13, 16}}, {{0, 6, 5}}},  // rank 0 step 14: reduce our part, piece 5; wait arrive[13]; r0:dst@0[5/16] = r0:src@0[5/16] + r0:inbox@1[5/16]; signal r0:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 6}, {{0, 1, 1, 16, 0, 6}, {0, 3, 0, 16, 1, 6}}, {}, {{5, 0, 14, 16}}, {{0, 6, 6}}},  // rank 0 step 15: reduce our part, piece 6; wait arrive[14]; r0:dst@0[6/16] = r0:src@0[6/16] + r0:inbox@1[6/16]; signal r0:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 16, 0, 7}, {{0, 1, 1, 16, 0, 7}, {0, 3, 0, 16, 1, 7}}, {}, {{5, 0, 15, 16}}, {{0, 6, 7}}},  // rank 0 step 16: reduce our part, piece 7; wait arrive[15]; r0:dst@0[7/16] = r0:src@0[7/16] + r0:inbox@1[7/16]; signal r0:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},  // rank 0 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},  // rank 0 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},  // rank 0 step 19: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/16] = r0:dst@0[2/16]; signal r1:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},  // rank 0 step 20: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/16] = r0:dst@0[3/16]; signal r1:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 4}, {{0, 2, 0, 16, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},  // rank 0 step 21: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/16] = r0:dst@0[4/16]; signal r1:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 5}, {{0, 2, 0, 16, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},  // rank 0 step 22: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/16] = r0:dst@0[5/16]; signal r1:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 6}, {{0, 2, 0, 16, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},  // rank 0 step 23: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/16] = r0:dst@0[6/16]; signal r1:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 7}, {{0, 2, 0, 16, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},  // rank 0 step 24: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/16] = r0:dst@0[7/16]; signal r1:gathered[7]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 0 step 25: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 1 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/16] = r1:src@0[0/16]; signal r0:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 1 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/16] = r1:src@0[1/16]; signal r0:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 1 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/16] = r1:src@0[2/16]; signal r0:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 1 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/16] = r1:src@0[3/16]; signal r0:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 1 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/16] = r1:src@0[4/16]; signal r0:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 1 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/16] = r1:src@0[5/16]; signal r0:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 1 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/16] = r1:src@0[6/16]; signal r0:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 1 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/16] = r1:src@0[7/16]; signal r0:arrive[15]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}, {1, 3, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}}, {{1, 6, 0}}},  // rank 1 step 9: reduce our part, piece 0; wait arrive[0]; r1:dst@0[8/16] = r1:src@0[8/16] + r1:inbox@0[8/16]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}, {1, 3, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}}, {{1, 6, 1}}},  // rank 1 step 10: reduce our part, piece 1; wait arrive[1]; r1:dst@0[9/16] = r1:src@0[9/16] + r1:inbox@0[9/16]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}, {1, 3, 0, 16, 0, 10}}, {}, {{5, 0, 2, 16}}, {{1, 6, 2}}},  // rank 1 step 11: reduce our part, piece 2; wait arrive[2]; r1:dst@0[10/16] = r1:src@0[10/16] + r1:inbox@0[10/16]; signal r1:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}, {1, 3, 0, 16, 0, 11}}, {}, {{5, 0, 3, 16}}, {{1, 6, 3}}},  // rank 1 step 12: reduce our part, piece 3; wait arrive[3]; r1:dst@0[11/16] = r1:src@0[11/16] + r1:inbox@0[11/16]; signal r1:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}, {1, 3, 0, 16, 0, 12}}, {}, {{5, 0, 4, 16}}, {{1, 6, 4}}},  // rank 1 step 13: reduce our part, piece 4; wait arrive[4]; r1:dst@0[12/16] = r1:src@0[12/16] + r1:inbox@0[12/16]; signal r1:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}, {1, 3, 0, 16, 0, 13}}, {}, {{5, 0, 5, 16}}, {{1, 6, 5}}},  // rank 1 step 14: reduce our part, piece 5; wait arrive[5]; r1:dst@0[13/16] = r1:src@0[13/16] + r1:inbox@0[13/16]; signal r1:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}, {1, 3, 0, 16, 0, 14}}, {}, {{5, 0, 6, 16}}, {{1, 6, 6}}},  // rank 1 step 15: reduce our part, piece 6; wait arrive[6]; r1:dst@0[14/16] = r1:src@0[14/16] + r1:inbox@0[14/16]; signal r1:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}, {1, 3, 0, 16, 0, 15}}, {}, {{5, 0, 7, 16}}, {{1, 6, 7}}},  // rank 1 step 16: reduce our part, piece 7; wait arrive[7]; r1:dst@0[15/16] = r1:src@0[15/16] + r1:inbox@0[15/16]; signal r1:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{1, 2, 0, 16, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},  // rank 1 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/16] = r1:dst@0[8/16]; signal r0:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{1, 2, 0, 16, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},  // rank 1 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/16] = r1:dst@0[9/16]; signal r0:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{1, 2, 0, 16, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},  // rank 1 step 19: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/16] = r1:dst@0[10/16]; signal r0:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{1, 2, 0, 16, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},  // rank 1 step 20: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/16] = r1:dst@0[11/16]; signal r0:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{1, 2, 0, 16, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},  // rank 1 step 21: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/16] = r1:dst@0[12/16]; signal r0:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{1, 2, 0, 16, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},  // rank 1 step 22: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/16] = r1:dst@0[13/16]; signal r0:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{1, 2, 0, 16, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},  // rank 1 step 23: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/16] = r1:dst@0[14/16]; signal r0:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{1, 2, 0, 16, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},  // rank 1 step 24: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/16] = r1:dst@0[15/16]; signal r0:gathered[15]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 1 step 25: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
 };
 static __device__ const int step_base_w2[2] = { 0, 26 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 129 steps, 1926 block shares over 113 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 129 steps, 1926 block shares over 113 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/24] = r0:src@0[8/24]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 8}, {{0, 1, 1, 24, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/24] = r0:src@0[9/24]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 9}, {{0, 1, 1, 24, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/24] = r0:src@0[10/24]; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 10}, {{0, 1, 1, 24, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/24] = r0:src@0[11/24]; signal r1:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 11}, {{0, 1, 1, 24, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/24] = r0:src@0[12/24]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 12}, {{0, 1, 1, 24, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/24] = r0:src@0[13/24]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 13}, {{0, 1, 1, 24, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/24] = r0:src@0[14/24]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 14}, {{0, 1, 1, 24, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/24] = r0:src@0[15/24]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 15}, {{0, 1, 1, 24, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[16/24] = r0:src@0[16/24]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 16}, {{0, 1, 1, 24, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[17/24] = r0:src@0[17/24]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 17}, {{0, 1, 1, 24, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[18/24] = r0:src@0[18/24]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 18}, {{0, 1, 1, 24, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[19/24] = r0:src@0[19/24]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 19}, {{0, 1, 1, 24, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 13: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@0[20/24] = r0:src@0[20/24]; signal r2:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 20}, {{0, 1, 1, 24, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 0 step 14: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@0[21/24] = r0:src@0[21/24]; signal r2:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 21}, {{0, 1, 1, 24, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 0 step 15: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@0[22/24] = r0:src@0[22/24]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 22}, {{0, 1, 1, 24, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 0 step 16: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@0[23/24] = r0:src@0[23/24]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 23}, {{0, 1, 1, 24, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 0 step 17: reduce our part, piece 0; wait arrive[8], arrive[16]; r0:dst@0[0/24] = r0:src@0[0/24] + r0:inbox@1[0/24] + r0:inbox@2[0/24]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 0}, {{0, 1, 1, 24, 0, 0}, {0, 3, 0, 24, 1, 0}, {0, 3, 0, 24, 2, 0}}, {}, {{5, 0, 8, 16}, {5, 0, 16, 16}}, {{0, 6, 0}}},
-    // rank 0 step 18: reduce our part, piece 1; wait arrive[9], arrive[17]; r0:dst@0[1/24] = r0:src@0[1/24] + r0:inbox@1[1/24] + r0:inbox@2[1/24]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 1}, {{0, 1, 1, 24, 0, 1}, {0, 3, 0, 24, 1, 1}, {0, 3, 0, 24, 2, 1}}, {}, {{5, 0, 9, 16}, {5, 0, 17, 16}}, {{0, 6, 1}}},
-    // rank 0 step 19: reduce our part, piece 2; wait arrive[10], arrive[18]; r0:dst@0[2/24] = r0:src@0[2/24] + r0:inbox@1[2/24] + r0:inbox@2[2/24]; signal r0:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 2}, {{0, 1, 1, 24, 0, 2}, {0, 3, 0, 24, 1, 2}, {0, 3, 0, 24, 2, 2}}, {}, {{5, 0, 10, 16}, {5, 0, 18, 16}}, {{0, 6, 2}}},
-    // rank 0 step 20: reduce our part, piece 3; wait arrive[11], arrive[19]; r0:dst@0[3/24] = r0:src@0[3/24] + r0:inbox@1[3/24] + r0:inbox@2[3/24]; signal r0:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 3}, {{0, 1, 1, 24, 0, 3}, {0, 3, 0, 24, 1, 3}, {0, 3, 0, 24, 2, 3}}, {}, {{5, 0, 11, 16}, {5, 0, 19, 16}}, {{0, 6, 3}}},
-    // rank 0 step 21: reduce our part, piece 4; wait arrive[12], arrive[20]; r0:dst@0[4/24] = r0:src@0[4/24] + r0:inbox@1[4/24] + r0:inbox@2[4/24]; signal r0:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 4}, {{0, 1, 1, 24, 0, 4}, {0, 3, 0, 24, 1, 4}, {0, 3, 0, 24, 2, 4}}, {}, {{5, 0, 12, 16}, {5, 0, 20, 16}}, {{0, 6, 4}}},
-    // rank 0 step 22: reduce our part, piece 5; wait arrive[13], arrive[21]; r0:dst@0[5/24] = r0:src@0[5/24] + r0:inbox@1[5/24] + r0:inbox@2[5/24]; signal r0:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 5}, {{0, 1, 1, 24, 0, 5}, {0, 3, 0, 24, 1, 5}, {0, 3, 0, 24, 2, 5}}, {}, {{5, 0, 13, 16}, {5, 0, 21, 16}}, {{0, 6, 5}}},
-    // rank 0 step 23: reduce our part, piece 6; wait arrive[14], arrive[22]; r0:dst@0[6/24] = r0:src@0[6/24] + r0:inbox@1[6/24] + r0:inbox@2[6/24]; signal r0:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 6}, {{0, 1, 1, 24, 0, 6}, {0, 3, 0, 24, 1, 6}, {0, 3, 0, 24, 2, 6}}, {}, {{5, 0, 14, 16}, {5, 0, 22, 16}}, {{0, 6, 6}}},
-    // rank 0 step 24: reduce our part, piece 7; wait arrive[15], arrive[23]; r0:dst@0[7/24] = r0:src@0[7/24] + r0:inbox@1[7/24] + r0:inbox@2[7/24]; signal r0:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 7}, {{0, 1, 1, 24, 0, 7}, {0, 3, 0, 24, 1, 7}, {0, 3, 0, 24, 2, 7}}, {}, {{5, 0, 15, 16}, {5, 0, 23, 16}}, {{0, 6, 7}}},
-    // rank 0 step 25: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/24] = r0:dst@0[0/24]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 0}, {{0, 2, 0, 24, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 26: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/24] = r0:dst@0[1/24]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 1}, {{0, 2, 0, 24, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 27: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/24] = r0:dst@0[2/24]; signal r1:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 2}, {{0, 2, 0, 24, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
-    // rank 0 step 28: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/24] = r0:dst@0[3/24]; signal r1:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 3}, {{0, 2, 0, 24, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
-    // rank 0 step 29: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/24] = r0:dst@0[4/24]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 4}, {{0, 2, 0, 24, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
-    // rank 0 step 30: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/24] = r0:dst@0[5/24]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 5}, {{0, 2, 0, 24, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
-    // rank 0 step 31: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/24] = r0:dst@0[6/24]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 6}, {{0, 2, 0, 24, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
-    // rank 0 step 32: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/24] = r0:dst@0[7/24]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 7}, {{0, 2, 0, 24, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
-    // rank 0 step 33: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/24] = r0:dst@0[0/24]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 0}, {{0, 2, 0, 24, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
-    // rank 0 step 34: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/24] = r0:dst@0[1/24]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 1}, {{0, 2, 0, 24, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
-    // rank 0 step 35: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/24] = r0:dst@0[2/24]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 2}, {{0, 2, 0, 24, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
-    // rank 0 step 36: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/24] = r0:dst@0[3/24]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 3}, {{0, 2, 0, 24, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
-    // rank 0 step 37: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[4/24] = r0:dst@0[4/24]; signal r2:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 4}, {{0, 2, 0, 24, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},
-    // rank 0 step 38: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[5/24] = r0:dst@0[5/24]; signal r2:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 5}, {{0, 2, 0, 24, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},
-    // rank 0 step 39: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[6/24] = r0:dst@0[6/24]; signal r2:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 6}, {{0, 2, 0, 24, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
-    // rank 0 step 40: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[7/24] = r0:dst@0[7/24]; signal r2:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 7}, {{0, 2, 0, 24, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
-    // rank 0 step 41: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 0 step 42: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[16/24] = r1:src@0[16/24]; signal r2:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 16}, {{1, 1, 1, 24, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[17/24] = r1:src@0[17/24]; signal r2:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 17}, {{1, 1, 1, 24, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[18/24] = r1:src@0[18/24]; signal r2:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 18}, {{1, 1, 1, 24, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[19/24] = r1:src@0[19/24]; signal r2:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 19}, {{1, 1, 1, 24, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 1 step 5: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@1[20/24] = r1:src@0[20/24]; signal r2:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 20}, {{1, 1, 1, 24, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 1 step 6: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@1[21/24] = r1:src@0[21/24]; signal r2:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 21}, {{1, 1, 1, 24, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 1 step 7: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@1[22/24] = r1:src@0[22/24]; signal r2:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 22}, {{1, 1, 1, 24, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 1 step 8: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@1[23/24] = r1:src@0[23/24]; signal r2:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 23}, {{1, 1, 1, 24, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 1 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/24] = r1:src@0[0/24]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 0}, {{1, 1, 1, 24, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 1 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/24] = r1:src@0[1/24]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 1}, {{1, 1, 1, 24, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 1 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/24] = r1:src@0[2/24]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 2}, {{1, 1, 1, 24, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 1 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/24] = r1:src@0[3/24]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 3}, {{1, 1, 1, 24, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 1 step 13: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/24] = r1:src@0[4/24]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 4}, {{1, 1, 1, 24, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 1 step 14: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/24] = r1:src@0[5/24]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 5}, {{1, 1, 1, 24, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 1 step 15: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/24] = r1:src@0[6/24]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 6}, {{1, 1, 1, 24, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 1 step 16: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/24] = r1:src@0[7/24]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 7}, {{1, 1, 1, 24, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 1 step 17: reduce our part, piece 0; wait arrive[0], arrive[16]; r1:dst@0[8/24] = r1:src@0[8/24] + r1:inbox@0[8/24] + r1:inbox@2[8/24]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 8}, {{1, 1, 1, 24, 0, 8}, {1, 3, 0, 24, 0, 8}, {1, 3, 0, 24, 2, 8}}, {}, {{5, 0, 0, 16}, {5, 0, 16, 16}}, {{1, 6, 0}}},
-    // rank 1 step 18: reduce our part, piece 1; wait arrive[1], arrive[17]; r1:dst@0[9/24] = r1:src@0[9/24] + r1:inbox@0[9/24] + r1:inbox@2[9/24]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 9}, {{1, 1, 1, 24, 0, 9}, {1, 3, 0, 24, 0, 9}, {1, 3, 0, 24, 2, 9}}, {}, {{5, 0, 1, 16}, {5, 0, 17, 16}}, {{1, 6, 1}}},
-    // rank 1 step 19: reduce our part, piece 2; wait arrive[2], arrive[18]; r1:dst@0[10/24] = r1:src@0[10/24] + r1:inbox@0[10/24] + r1:inbox@2[10/24]; signal r1:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 10}, {{1, 1, 1, 24, 0, 10}, {1, 3, 0, 24, 0, 10}, {1, 3, 0, 24, 2, 10}}, {}, {{5, 0, 2, 16}, {5, 0, 18, 16}}, {{1, 6, 2}}},
-    // rank 1 step 20: reduce our part, piece 3; wait arrive[3], arrive[19]; r1:dst@0[11/24] = r1:src@0[11/24] + r1:inbox@0[11/24] + r1:inbox@2[11/24]; signal r1:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 11}, {{1, 1, 1, 24, 0, 11}, {1, 3, 0, 24, 0, 11}, {1, 3, 0, 24, 2, 11}}, {}, {{5, 0, 3, 16}, {5, 0, 19, 16}}, {{1, 6, 3}}},
-    // rank 1 step 21: reduce our part, piece 4; wait arrive[4], arrive[20]; r1:dst@0[12/24] = r1:src@0[12/24] + r1:inbox@0[12/24] + r1:inbox@2[12/24]; signal r1:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 12}, {{1, 1, 1, 24, 0, 12}, {1, 3, 0, 24, 0, 12}, {1, 3, 0, 24, 2, 12}}, {}, {{5, 0, 4, 16}, {5, 0, 20, 16}}, {{1, 6, 4}}},
-    // rank 1 step 22: reduce our part, piece 5; wait arrive[5], arrive[21]; r1:dst@0[13/24] = r1:src@0[13/24] + r1:inbox@0[13/24] + r1:inbox@2[13/24]; signal r1:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 13}, {{1, 1, 1, 24, 0, 13}, {1, 3, 0, 24, 0, 13}, {1, 3, 0, 24, 2, 13}}, {}, {{5, 0, 5, 16}, {5, 0, 21, 16}}, {{1, 6, 5}}},
-    // rank 1 step 23: reduce our part, piece 6; wait arrive[6], arrive[22]; r1:dst@0[14/24] = r1:src@0[14/24] + r1:inbox@0[14/24] + r1:inbox@2[14/24]; signal r1:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 14}, {{1, 1, 1, 24, 0, 14}, {1, 3, 0, 24, 0, 14}, {1, 3, 0, 24, 2, 14}}, {}, {{5, 0, 6, 16}, {5, 0, 22, 16}}, {{1, 6, 6}}},
-    // rank 1 step 24: reduce our part, piece 7; wait arrive[7], arrive[23]; r1:dst@0[15/24] = r1:src@0[15/24] + r1:inbox@0[15/24] + r1:inbox@2[15/24]; signal r1:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 15}, {{1, 1, 1, 24, 0, 15}, {1, 3, 0, 24, 0, 15}, {1, 3, 0, 24, 2, 15}}, {}, {{5, 0, 7, 16}, {5, 0, 23, 16}}, {{1, 6, 7}}},
-    // rank 1 step 25: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/24] = r1:dst@0[8/24]; signal r2:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 8}, {{1, 2, 0, 24, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},
-    // rank 1 step 26: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/24] = r1:dst@0[9/24]; signal r2:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 9}, {{1, 2, 0, 24, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},
-    // rank 1 step 27: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[10/24] = r1:dst@0[10/24]; signal r2:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 10}, {{1, 2, 0, 24, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},
-    // rank 1 step 28: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[11/24] = r1:dst@0[11/24]; signal r2:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 11}, {{1, 2, 0, 24, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},
-    // rank 1 step 29: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[12/24] = r1:dst@0[12/24]; signal r2:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 12}, {{1, 2, 0, 24, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},
-    // rank 1 step 30: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[13/24] = r1:dst@0[13/24]; signal r2:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 13}, {{1, 2, 0, 24, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},
-    // rank 1 step 31: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[14/24] = r1:dst@0[14/24]; signal r2:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 14}, {{1, 2, 0, 24, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},
-    // rank 1 step 32: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[15/24] = r1:dst@0[15/24]; signal r2:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 15}, {{1, 2, 0, 24, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},
-    // rank 1 step 33: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/24] = r1:dst@0[8/24]; signal r0:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 8}, {{1, 2, 0, 24, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
-    // rank 1 step 34: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/24] = r1:dst@0[9/24]; signal r0:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 9}, {{1, 2, 0, 24, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
-    // rank 1 step 35: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/24] = r1:dst@0[10/24]; signal r0:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 10}, {{1, 2, 0, 24, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
-    // rank 1 step 36: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/24] = r1:dst@0[11/24]; signal r0:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 11}, {{1, 2, 0, 24, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
-    // rank 1 step 37: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/24] = r1:dst@0[12/24]; signal r0:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 12}, {{1, 2, 0, 24, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
-    // rank 1 step 38: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/24] = r1:dst@0[13/24]; signal r0:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 13}, {{1, 2, 0, 24, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
-    // rank 1 step 39: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/24] = r1:dst@0[14/24]; signal r0:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 14}, {{1, 2, 0, 24, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
-    // rank 1 step 40: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/24] = r1:dst@0[15/24]; signal r0:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 15}, {{1, 2, 0, 24, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
-    // rank 1 step 41: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 1 step 42: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},
-    // rank 2 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/24] = r2:src@0[0/24]; signal r0:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 0}, {{2, 1, 1, 24, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 2 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/24] = r2:src@0[1/24]; signal r0:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 1}, {{2, 1, 1, 24, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 2 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/24] = r2:src@0[2/24]; signal r0:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 2}, {{2, 1, 1, 24, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 2 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/24] = r2:src@0[3/24]; signal r0:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 3}, {{2, 1, 1, 24, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 2 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@2[4/24] = r2:src@0[4/24]; signal r0:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 4}, {{2, 1, 1, 24, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 2 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@2[5/24] = r2:src@0[5/24]; signal r0:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 5}, {{2, 1, 1, 24, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 2 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@2[6/24] = r2:src@0[6/24]; signal r0:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 6}, {{2, 1, 1, 24, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 2 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@2[7/24] = r2:src@0[7/24]; signal r0:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 7}, {{2, 1, 1, 24, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 2 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[8/24] = r2:src@0[8/24]; signal r1:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 8}, {{2, 1, 1, 24, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 2 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[9/24] = r2:src@0[9/24]; signal r1:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 9}, {{2, 1, 1, 24, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 2 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[10/24] = r2:src@0[10/24]; signal r1:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 10}, {{2, 1, 1, 24, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 2 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[11/24] = r2:src@0[11/24]; signal r1:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 11}, {{2, 1, 1, 24, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 2 step 13: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@2[12/24] = r2:src@0[12/24]; signal r1:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 12}, {{2, 1, 1, 24, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 2 step 14: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@2[13/24] = r2:src@0[13/24]; signal r1:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 13}, {{2, 1, 1, 24, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 2 step 15: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@2[14/24] = r2:src@0[14/24]; signal r1:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 14}, {{2, 1, 1, 24, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 2 step 16: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@2[15/24] = r2:src@0[15/24]; signal r1:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 15}, {{2, 1, 1, 24, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 2 step 17: reduce our part, piece 0; wait arrive[0], arrive[8]; r2:dst@0[16/24] = r2:src@0[16/24] + r2:inbox@0[16/24] + r2:inbox@1[16/24]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 16}, {{2, 1, 1, 24, 0, 16}, {2, 3, 0, 24, 0, 16}, {2, 3, 0, 24, 1, 16}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}}, {{2, 6, 0}}},
-    // rank 2 step 18: reduce our part, piece 1; wait arrive[1], arrive[9]; r2:dst@0[17/24] = r2:src@0[17/24] + r2:inbox@0[17/24] + r2:inbox@1[17/24]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 17}, {{2, 1, 1, 24, 0, 17}, {2, 3, 0, 24, 0, 17}, {2, 3, 0, 24, 1, 17}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}}, {{2, 6, 1}}},
-    // rank 2 step 19: reduce our part, piece 2; wait arrive[2], arrive[10]; r2:dst@0[18/24] = r2:src@0[18/24] + r2:inbox@0[18/24] + r2:inbox@1[18/24]; signal r2:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 18}, {{2, 1, 1, 24, 0, 18}, {2, 3, 0, 24, 0, 18}, {2, 3, 0, 24, 1, 18}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}}, {{2, 6, 2}}},
-    // rank 2 step 20: reduce our part, piece 3; wait arrive[3], arrive[11]; r2:dst@0[19/24] = r2:src@0[19/24] + r2:inbox@0[19/24] + r2:inbox@1[19/24]; signal r2:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 19}, {{2, 1, 1, 24, 0, 19}, {2, 3, 0, 24, 0, 19}, {2, 3, 0, 24, 1, 19}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}}, {{2, 6, 3}}},
-    // rank 2 step 21: reduce our part, piece 4; wait arrive[4], arrive[12]; r2:dst@0[20/24] = r2:src@0[20/24] + r2:inbox@0[20/24] + r2:inbox@1[20/24]; signal r2:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 20}, {{2, 1, 1, 24, 0, 20}, {2, 3, 0, 24, 0, 20}, {2, 3, 0, 24, 1, 20}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}}, {{2, 6, 4}}},
-    // rank 2 step 22: reduce our part, piece 5; wait arrive[5], arrive[13]; r2:dst@0[21/24] = r2:src@0[21/24] + r2:inbox@0[21/24] + r2:inbox@1[21/24]; signal r2:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 21}, {{2, 1, 1, 24, 0, 21}, {2, 3, 0, 24, 0, 21}, {2, 3, 0, 24, 1, 21}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}}, {{2, 6, 5}}},
-    // rank 2 step 23: reduce our part, piece 6; wait arrive[6], arrive[14]; r2:dst@0[22/24] = r2:src@0[22/24] + r2:inbox@0[22/24] + r2:inbox@1[22/24]; signal r2:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 22}, {{2, 1, 1, 24, 0, 22}, {2, 3, 0, 24, 0, 22}, {2, 3, 0, 24, 1, 22}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}}, {{2, 6, 6}}},
-    // rank 2 step 24: reduce our part, piece 7; wait arrive[7], arrive[15]; r2:dst@0[23/24] = r2:src@0[23/24] + r2:inbox@0[23/24] + r2:inbox@1[23/24]; signal r2:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 23}, {{2, 1, 1, 24, 0, 23}, {2, 3, 0, 24, 0, 23}, {2, 3, 0, 24, 1, 23}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}}, {{2, 6, 7}}},
-    // rank 2 step 25: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/24] = r2:dst@0[16/24]; signal r0:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 16}, {{2, 2, 0, 24, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},
-    // rank 2 step 26: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/24] = r2:dst@0[17/24]; signal r0:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 17}, {{2, 2, 0, 24, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},
-    // rank 2 step 27: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/24] = r2:dst@0[18/24]; signal r0:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 18}, {{2, 2, 0, 24, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},
-    // rank 2 step 28: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/24] = r2:dst@0[19/24]; signal r0:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 19}, {{2, 2, 0, 24, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},
-    // rank 2 step 29: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[20/24] = r2:dst@0[20/24]; signal r0:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 20}, {{2, 2, 0, 24, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},
-    // rank 2 step 30: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[21/24] = r2:dst@0[21/24]; signal r0:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 21}, {{2, 2, 0, 24, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},
-    // rank 2 step 31: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[22/24] = r2:dst@0[22/24]; signal r0:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 22}, {{2, 2, 0, 24, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},
-    // rank 2 step 32: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[23/24] = r2:dst@0[23/24]; signal r0:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 23}, {{2, 2, 0, 24, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},
-    // rank 2 step 33: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/24] = r2:dst@0[16/24]; signal r1:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 16}, {{2, 2, 0, 24, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},
-    // rank 2 step 34: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/24] = r2:dst@0[17/24]; signal r1:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 17}, {{2, 2, 0, 24, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},
-    // rank 2 step 35: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/24] = r2:dst@0[18/24]; signal r1:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 18}, {{2, 2, 0, 24, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},
-    // rank 2 step 36: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/24] = r2:dst@0[19/24]; signal r1:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 19}, {{2, 2, 0, 24, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},
-    // rank 2 step 37: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[20/24] = r2:dst@0[20/24]; signal r1:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 20}, {{2, 2, 0, 24, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},
-    // rank 2 step 38: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[21/24] = r2:dst@0[21/24]; signal r1:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 21}, {{2, 2, 0, 24, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},
-    // rank 2 step 39: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[22/24] = r2:dst@0[22/24]; signal r1:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 22}, {{2, 2, 0, 24, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},
-    // rank 2 step 40: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[23/24] = r2:dst@0[23/24]; signal r1:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 23}, {{2, 2, 0, 24, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},
-    // rank 2 step 41: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 2 step 42: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 8}, {{0, 1, 1, 24, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/24] = r0:src@0[8/24]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 9}, {{0, 1, 1, 24, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/24] = r0:src@0[9/24]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 10}, {{0, 1, 1, 24, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/24] = r0:src@0[10/24]; signal r1:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 11}, {{0, 1, 1, 24, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/24] = r0:src@0[11/24]; signal r1:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 12}, {{0, 1, 1, 24, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/24] = r0:src@0[12/24]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 13}, {{0, 1, 1, 24, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/24] = r0:src@0[13/24]; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 14}, {{0, 1, 1, 24, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/24] = r0:src@0[14/24]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 0, 15}, {{0, 1, 1, 24, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/24] = r0:src@0[15/24]; signal r1:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 16}, {{0, 1, 1, 24, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[16/24] = r0:src@0[16/24]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 17}, {{0, 1, 1, 24, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[17/24] = r0:src@0[17/24]; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 18}, {{0, 1, 1, 24, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[18/24] = r0:src@0[18/24]; signal r2:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 19}, {{0, 1, 1, 24, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[19/24] = r0:src@0[19/24]; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 20}, {{0, 1, 1, 24, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 0 step 13: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@0[20/24] = r0:src@0[20/24]; signal r2:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 21}, {{0, 1, 1, 24, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 0 step 14: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@0[21/24] = r0:src@0[21/24]; signal r2:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 22}, {{0, 1, 1, 24, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 0 step 15: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@0[22/24] = r0:src@0[22/24]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 0, 23}, {{0, 1, 1, 24, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 0 step 16: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@0[23/24] = r0:src@0[23/24]; signal r2:arrive[7]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 0}, {{0, 1, 1, 24, 0, 0}, {0, 3, 0, 24, 1, 0}, {0, 3, 0, 24, 2, 0}}, {}, {{5, 0, 8, 16}, {5, 0, 16, 16}}, {{0, 6, 0}}},  // rank 0 step 17: reduce our part, piece 0; wait arrive[8], arrive[16]; r0:dst@0[0/24] = r0:src@0[0/24] + r0:inbox@1[0/24] + r0:inbox@2[0/24]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 1}, {{0, 1, 1, 24, 0, 1}, {0, 3, 0, 24, 1, 1}, {0, 3, 0, 24, 2, 1}}, {}, {{5, 0, 9, 16}, {5, 0, 17, 16}}, {{0, 6, 1}}},  // rank 0 step 18: reduce our part, piece 1; wait arrive[9], arrive[17]; r0:dst@0[1/24] = r0:src@0[1/24] + r0:inbox@1[1/24] + r0:inbox@2[1/24]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 2}, {{0, 1, 1, 24, 0, 2}, {0, 3, 0, 24, 1, 2}, {0, 3, 0, 24, 2, 2}}, {}, {{5, 0, 10, 16}, {5, 0, 18, 16}}, {{0, 6, 2}}},  // rank 0 step 19: reduce our part, piece 2; wait arrive[10], arrive[18]; r0:dst@0[2/24] = r0:src@0[2/24] + r0:inbox@1[2/24] + r0:inbox@2[2/24]; signal r0:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 3}, {{0, 1, 1, 24, 0, 3}, {0, 3, 0, 24, 1, 3}, {0, 3, 0, 24, 2, 3}}, {}, {{5, 0, 11, 16}, {5, 0, 19, 16}}, {{0, 6, 3}}},  // rank 0 step 20: reduce our part, piece 3; wait arrive[11], arrive[19]; r0:dst@0[3/24] = r0:src@0[3/24] + r0:inbox@1[3/24] + r0:inbox@2[3/24]; signal r0:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 4}, {{0, 1, 1, 24, 0, 4}, {0, 3, 0, 24, 1, 4}, {0, 3, 0, 24, 2, 4}}, {}, {{5, 0, 12, 16}, {5, 0, 20, 16}}, {{0, 6, 4}}},  // rank 0 step 21: reduce our part, piece 4; wait arrive[12], arrive[20]; r0:dst@0[4/24] = r0:src@0[4/24] + r0:inbox@1[4/24] + r0:inbox@2[4/24]; signal r0:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 5}, {{0, 1, 1, 24, 0, 5}, {0, 3, 0, 24, 1, 5}, {0, 3, 0, 24, 2, 5}}, {}, {{5, 0, 13, 16}, {5, 0, 21, 16}}, {{0, 6, 5}}},  // rank 0 step 22: reduce our part, piece 5; wait arrive[13], arrive[21]; r0:dst@0[5/24] = r0:src@0[5/24] + r0:inbox@1[5/24] + r0:inbox@2[5/24]; signal r0:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 6}, {{0, 1, 1, 24, 0, 6}, {0, 3, 0, 24, 1, 6}, {0, 3, 0, 24, 2, 6}}, {}, {{5, 0, 14, 16}, {5, 0, 22, 16}}, {{0, 6, 6}}},  // rank 0 step 23: reduce our part, piece 6; wait arrive[14], arrive[22]; r0:dst@0[6/24] = r0:src@0[6/24] + r0:inbox@1[6/24] + r0:inbox@2[6/24]; signal r0:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 24, 0, 7}, {{0, 1, 1, 24, 0, 7}, {0, 3, 0, 24, 1, 7}, {0, 3, 0, 24, 2, 7}}, {}, {{5, 0, 15, 16}, {5, 0, 23, 16}}, {{0, 6, 7}}},  // rank 0 step 24: reduce our part, piece 7; wait arrive[15], arrive[23]; r0:dst@0[7/24] = r0:src@0[7/24] + r0:inbox@1[7/24] + r0:inbox@2[7/24]; signal r0:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 0}, {{0, 2, 0, 24, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},  // rank 0 step 25: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/24] = r0:dst@0[0/24]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 1}, {{0, 2, 0, 24, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},  // rank 0 step 26: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/24] = r0:dst@0[1/24]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 2}, {{0, 2, 0, 24, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},  // rank 0 step 27: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/24] = r0:dst@0[2/24]; signal r1:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 3}, {{0, 2, 0, 24, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},  // rank 0 step 28: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/24] = r0:dst@0[3/24]; signal r1:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 4}, {{0, 2, 0, 24, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},  // rank 0 step 29: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/24] = r0:dst@0[4/24]; signal r1:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 5}, {{0, 2, 0, 24, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},  // rank 0 step 30: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/24] = r0:dst@0[5/24]; signal r1:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 6}, {{0, 2, 0, 24, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},  // rank 0 step 31: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/24] = r0:dst@0[6/24]; signal r1:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 7}, {{0, 2, 0, 24, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},  // rank 0 step 32: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/24] = r0:dst@0[7/24]; signal r1:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 0}, {{0, 2, 0, 24, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},  // rank 0 step 33: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/24] = r0:dst@0[0/24]; signal r2:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 1}, {{0, 2, 0, 24, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},  // rank 0 step 34: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/24] = r0:dst@0[1/24]; signal r2:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 2}, {{0, 2, 0, 24, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},  // rank 0 step 35: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/24] = r0:dst@0[2/24]; signal r2:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 3}, {{0, 2, 0, 24, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},  // rank 0 step 36: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/24] = r0:dst@0[3/24]; signal r2:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 4}, {{0, 2, 0, 24, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},  // rank 0 step 37: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[4/24] = r0:dst@0[4/24]; signal r2:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 5}, {{0, 2, 0, 24, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},  // rank 0 step 38: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[5/24] = r0:dst@0[5/24]; signal r2:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 6}, {{0, 2, 0, 24, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},  // rank 0 step 39: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[6/24] = r0:dst@0[6/24]; signal r2:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 7}, {{0, 2, 0, 24, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},  // rank 0 step 40: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[7/24] = r0:dst@0[7/24]; signal r2:gathered[7]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 0 step 41: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 0 step 42: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 16}, {{1, 1, 1, 24, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},  // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[16/24] = r1:src@0[16/24]; signal r2:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 17}, {{1, 1, 1, 24, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},  // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[17/24] = r1:src@0[17/24]; signal r2:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 18}, {{1, 1, 1, 24, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},  // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[18/24] = r1:src@0[18/24]; signal r2:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 19}, {{1, 1, 1, 24, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},  // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[19/24] = r1:src@0[19/24]; signal r2:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 20}, {{1, 1, 1, 24, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 1 step 5: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@1[20/24] = r1:src@0[20/24]; signal r2:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 21}, {{1, 1, 1, 24, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 1 step 6: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@1[21/24] = r1:src@0[21/24]; signal r2:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 22}, {{1, 1, 1, 24, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 1 step 7: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@1[22/24] = r1:src@0[22/24]; signal r2:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 24, 1, 23}, {{1, 1, 1, 24, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 1 step 8: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@1[23/24] = r1:src@0[23/24]; signal r2:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 0}, {{1, 1, 1, 24, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 1 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/24] = r1:src@0[0/24]; signal r0:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 1}, {{1, 1, 1, 24, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 1 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/24] = r1:src@0[1/24]; signal r0:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 2}, {{1, 1, 1, 24, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 1 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/24] = r1:src@0[2/24]; signal r0:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 3}, {{1, 1, 1, 24, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 1 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/24] = r1:src@0[3/24]; signal r0:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 4}, {{1, 1, 1, 24, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 1 step 13: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/24] = r1:src@0[4/24]; signal r0:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 5}, {{1, 1, 1, 24, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 1 step 14: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/24] = r1:src@0[5/24]; signal r0:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 6}, {{1, 1, 1, 24, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 1 step 15: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/24] = r1:src@0[6/24]; signal r0:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 1, 7}, {{1, 1, 1, 24, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 1 step 16: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/24] = r1:src@0[7/24]; signal r0:arrive[15]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 8}, {{1, 1, 1, 24, 0, 8}, {1, 3, 0, 24, 0, 8}, {1, 3, 0, 24, 2, 8}}, {}, {{5, 0, 0, 16}, {5, 0, 16, 16}}, {{1, 6, 0}}},  // rank 1 step 17: reduce our part, piece 0; wait arrive[0], arrive[16]; r1:dst@0[8/24] = r1:src@0[8/24] + r1:inbox@0[8/24] + r1:inbox@2[8/24]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 9}, {{1, 1, 1, 24, 0, 9}, {1, 3, 0, 24, 0, 9}, {1, 3, 0, 24, 2, 9}}, {}, {{5, 0, 1, 16}, {5, 0, 17, 16}}, {{1, 6, 1}}},  // rank 1 step 18: reduce our part, piece 1; wait arrive[1], arrive[17]; r1:dst@0[9/24] = r1:src@0[9/24] + r1:inbox@0[9/24] + r1:inbox@2[9/24]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 10}, {{1, 1, 1, 24, 0, 10}, {1, 3, 0, 24, 0, 10}, {1, 3, 0, 24, 2, 10}}, {}, {{5, 0, 2, 16}, {5, 0, 18, 16}}, {{1, 6, 2}}},  // rank 1 step 19: reduce our part, piece 2; wait arrive[2], arrive[18]; r1:dst@0[10/24] = r1:src@0[10/24] + r1:inbox@0[10/24] + r1:inbox@2[10/24]; signal r1:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 11}, {{1, 1, 1, 24, 0, 11}, {1, 3, 0, 24, 0, 11}, {1, 3, 0, 24, 2, 11}}, {}, {{5, 0, 3, 16}, {5, 0, 19, 16}}, {{1, 6, 3}}},  // rank 1 step 20: reduce our part, piece 3; wait arrive[3], arrive[19]; r1:dst@0[11/24] = r1:src@0[11/24] + r1:inbox@0[11/24] + r1:inbox@2[11/24]; signal r1:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 12}, {{1, 1, 1, 24, 0, 12}, {1, 3, 0, 24, 0, 12}, {1, 3, 0, 24, 2, 12}}, {}, {{5, 0, 4, 16}, {5, 0, 20, 16}}, {{1, 6, 4}}},  // rank 1 step 21: reduce our part, piece 4; wait arrive[4], arrive[20]; r1:dst@0[12/24] = r1:src@0[12/24] + r1:inbox@0[12/24] + r1:inbox@2[12/24]; signal r1:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 13}, {{1, 1, 1, 24, 0, 13}, {1, 3, 0, 24, 0, 13}, {1, 3, 0, 24, 2, 13}}, {}, {{5, 0, 5, 16}, {5, 0, 21, 16}}, {{1, 6, 5}}},  // rank 1 step 22: reduce our part, piece 5; wait arrive[5], arrive[21]; r1:dst@0[13/24] = r1:src@0[13/24] + r1:inbox@0[13/24] + r1:inbox@2[13/24]; signal r1:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 14}, {{1, 1, 1, 24, 0, 14}, {1, 3, 0, 24, 0, 14}, {1, 3, 0, 24, 2, 14}}, {}, {{5, 0, 6, 16}, {5, 0, 22, 16}}, {{1, 6, 6}}},  // rank 1 step 23: reduce our part, piece 6; wait arrive[6], arrive[22]; r1:dst@0[14/24] = r1:src@0[14/24] + r1:inbox@0[14/24] + r1:inbox@2[14/24]; signal r1:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 24, 0, 15}, {{1, 1, 1, 24, 0, 15}, {1, 3, 0, 24, 0, 15}, {1, 3, 0, 24, 2, 15}}, {}, {{5, 0, 7, 16}, {5, 0, 23, 16}}, {{1, 6, 7}}},  // rank 1 step 24: reduce our part, piece 7; wait arrive[7], arrive[23]; r1:dst@0[15/24] = r1:src@0[15/24] + r1:inbox@0[15/24] + r1:inbox@2[15/24]; signal r1:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 8}, {{1, 2, 0, 24, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},  // rank 1 step 25: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/24] = r1:dst@0[8/24]; signal r2:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 9}, {{1, 2, 0, 24, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},  // rank 1 step 26: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/24] = r1:dst@0[9/24]; signal r2:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 10}, {{1, 2, 0, 24, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},  // rank 1 step 27: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[10/24] = r1:dst@0[10/24]; signal r2:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 11}, {{1, 2, 0, 24, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},  // rank 1 step 28: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[11/24] = r1:dst@0[11/24]; signal r2:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 12}, {{1, 2, 0, 24, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},  // rank 1 step 29: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[12/24] = r1:dst@0[12/24]; signal r2:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 13}, {{1, 2, 0, 24, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},  // rank 1 step 30: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[13/24] = r1:dst@0[13/24]; signal r2:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 14}, {{1, 2, 0, 24, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},  // rank 1 step 31: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[14/24] = r1:dst@0[14/24]; signal r2:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 24, 0, 15}, {{1, 2, 0, 24, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},  // rank 1 step 32: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[15/24] = r1:dst@0[15/24]; signal r2:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 8}, {{1, 2, 0, 24, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},  // rank 1 step 33: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/24] = r1:dst@0[8/24]; signal r0:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 9}, {{1, 2, 0, 24, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},  // rank 1 step 34: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/24] = r1:dst@0[9/24]; signal r0:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 10}, {{1, 2, 0, 24, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},  // rank 1 step 35: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/24] = r1:dst@0[10/24]; signal r0:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 11}, {{1, 2, 0, 24, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},  // rank 1 step 36: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/24] = r1:dst@0[11/24]; signal r0:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 12}, {{1, 2, 0, 24, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},  // rank 1 step 37: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/24] = r1:dst@0[12/24]; signal r0:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 13}, {{1, 2, 0, 24, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},  // rank 1 step 38: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/24] = r1:dst@0[13/24]; signal r0:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 14}, {{1, 2, 0, 24, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},  // rank 1 step 39: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/24] = r1:dst@0[14/24]; signal r0:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 15}, {{1, 2, 0, 24, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},  // rank 1 step 40: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/24] = r1:dst@0[15/24]; signal r0:gathered[15]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 1 step 41: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 1 step 42: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 0}, {{2, 1, 1, 24, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 2 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/24] = r2:src@0[0/24]; signal r0:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 1}, {{2, 1, 1, 24, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 2 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/24] = r2:src@0[1/24]; signal r0:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 2}, {{2, 1, 1, 24, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 2 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/24] = r2:src@0[2/24]; signal r0:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 3}, {{2, 1, 1, 24, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 2 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/24] = r2:src@0[3/24]; signal r0:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 4}, {{2, 1, 1, 24, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 2 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@2[4/24] = r2:src@0[4/24]; signal r0:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 5}, {{2, 1, 1, 24, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 2 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@2[5/24] = r2:src@0[5/24]; signal r0:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 6}, {{2, 1, 1, 24, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 2 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@2[6/24] = r2:src@0[6/24]; signal r0:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 24, 2, 7}, {{2, 1, 1, 24, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 2 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@2[7/24] = r2:src@0[7/24]; signal r0:arrive[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 8}, {{2, 1, 1, 24, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 2 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[8/24] = r2:src@0[8/24]; signal r1:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 9}, {{2, 1, 1, 24, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 2 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[9/24] = r2:src@0[9/24]; signal r1:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 10}, {{2, 1, 1, 24, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 2 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[10/24] = r2:src@0[10/24]; signal r1:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 11}, {{2, 1, 1, 24, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 2 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[11/24] = r2:src@0[11/24]; signal r1:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 12}, {{2, 1, 1, 24, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 2 step 13: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@2[12/24] = r2:src@0[12/24]; signal r1:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 13}, {{2, 1, 1, 24, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 2 step 14: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@2[13/24] = r2:src@0[13/24]; signal r1:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 14}, {{2, 1, 1, 24, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 2 step 15: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@2[14/24] = r2:src@0[14/24]; signal r1:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 24, 2, 15}, {{2, 1, 1, 24, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 2 step 16: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@2[15/24] = r2:src@0[15/24]; signal r1:arrive[23]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 16}, {{2, 1, 1, 24, 0, 16}, {2, 3, 0, 24, 0, 16}, {2, 3, 0, 24, 1, 16}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}}, {{2, 6, 0}}},  // rank 2 step 17: reduce our part, piece 0; wait arrive[0], arrive[8]; r2:dst@0[16/24] = r2:src@0[16/24] + r2:inbox@0[16/24] + r2:inbox@1[16/24]; signal r2:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 17}, {{2, 1, 1, 24, 0, 17}, {2, 3, 0, 24, 0, 17}, {2, 3, 0, 24, 1, 17}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}}, {{2, 6, 1}}},  // rank 2 step 18: reduce our part, piece 1; wait arrive[1], arrive[9]; r2:dst@0[17/24] = r2:src@0[17/24] + r2:inbox@0[17/24] + r2:inbox@1[17/24]; signal r2:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 18}, {{2, 1, 1, 24, 0, 18}, {2, 3, 0, 24, 0, 18}, {2, 3, 0, 24, 1, 18}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}}, {{2, 6, 2}}},  // rank 2 step 19: reduce our part, piece 2; wait arrive[2], arrive[10]; r2:dst@0[18/24] = r2:src@0[18/24] + r2:inbox@0[18/24] + r2:inbox@1[18/24]; signal r2:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 19}, {{2, 1, 1, 24, 0, 19}, {2, 3, 0, 24, 0, 19}, {2, 3, 0, 24, 1, 19}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}}, {{2, 6, 3}}},  // rank 2 step 20: reduce our part, piece 3; wait arrive[3], arrive[11]; r2:dst@0[19/24] = r2:src@0[19/24] + r2:inbox@0[19/24] + r2:inbox@1[19/24]; signal r2:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 20}, {{2, 1, 1, 24, 0, 20}, {2, 3, 0, 24, 0, 20}, {2, 3, 0, 24, 1, 20}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}}, {{2, 6, 4}}},  // rank 2 step 21: reduce our part, piece 4; wait arrive[4], arrive[12]; r2:dst@0[20/24] = r2:src@0[20/24] + r2:inbox@0[20/24] + r2:inbox@1[20/24]; signal r2:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 21}, {{2, 1, 1, 24, 0, 21}, {2, 3, 0, 24, 0, 21}, {2, 3, 0, 24, 1, 21}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}}, {{2, 6, 5}}},  // rank 2 step 22: reduce our part, piece 5; wait arrive[5], arrive[13]; r2:dst@0[21/24] = r2:src@0[21/24] + r2:inbox@0[21/24] + r2:inbox@1[21/24]; signal r2:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 22}, {{2, 1, 1, 24, 0, 22}, {2, 3, 0, 24, 0, 22}, {2, 3, 0, 24, 1, 22}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}}, {{2, 6, 6}}},  // rank 2 step 23: reduce our part, piece 6; wait arrive[6], arrive[14]; r2:dst@0[22/24] = r2:src@0[22/24] + r2:inbox@0[22/24] + r2:inbox@1[22/24]; signal r2:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 24, 0, 23}, {{2, 1, 1, 24, 0, 23}, {2, 3, 0, 24, 0, 23}, {2, 3, 0, 24, 1, 23}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}}, {{2, 6, 7}}},  // rank 2 step 24: reduce our part, piece 7; wait arrive[7], arrive[15]; r2:dst@0[23/24] = r2:src@0[23/24] + r2:inbox@0[23/24] + r2:inbox@1[23/24]; signal r2:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 16}, {{2, 2, 0, 24, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},  // rank 2 step 25: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/24] = r2:dst@0[16/24]; signal r0:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 17}, {{2, 2, 0, 24, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},  // rank 2 step 26: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/24] = r2:dst@0[17/24]; signal r0:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 18}, {{2, 2, 0, 24, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},  // rank 2 step 27: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/24] = r2:dst@0[18/24]; signal r0:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 19}, {{2, 2, 0, 24, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},  // rank 2 step 28: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/24] = r2:dst@0[19/24]; signal r0:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 20}, {{2, 2, 0, 24, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},  // rank 2 step 29: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[20/24] = r2:dst@0[20/24]; signal r0:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 21}, {{2, 2, 0, 24, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},  // rank 2 step 30: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[21/24] = r2:dst@0[21/24]; signal r0:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 22}, {{2, 2, 0, 24, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},  // rank 2 step 31: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[22/24] = r2:dst@0[22/24]; signal r0:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 24, 0, 23}, {{2, 2, 0, 24, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},  // rank 2 step 32: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[23/24] = r2:dst@0[23/24]; signal r0:gathered[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 16}, {{2, 2, 0, 24, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},  // rank 2 step 33: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/24] = r2:dst@0[16/24]; signal r1:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 17}, {{2, 2, 0, 24, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},  // rank 2 step 34: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/24] = r2:dst@0[17/24]; signal r1:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 18}, {{2, 2, 0, 24, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},  // rank 2 step 35: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/24] = r2:dst@0[18/24]; signal r1:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 19}, {{2, 2, 0, 24, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},  // rank 2 step 36: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/24] = r2:dst@0[19/24]; signal r1:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 20}, {{2, 2, 0, 24, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},  // rank 2 step 37: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[20/24] = r2:dst@0[20/24]; signal r1:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 21}, {{2, 2, 0, 24, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},  // rank 2 step 38: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[21/24] = r2:dst@0[21/24]; signal r1:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 22}, {{2, 2, 0, 24, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},  // rank 2 step 39: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[22/24] = r2:dst@0[22/24]; signal r1:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 24, 0, 23}, {{2, 2, 0, 24, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},  // rank 2 step 40: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[23/24] = r2:dst@0[23/24]; signal r1:gathered[23]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 2 step 41: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 2 step 42: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
 };
 static __device__ const int step_base_w3[3] = { 0, 43, 86 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w3[] = {
-    // rank 0: shares 0..641
-    {1, 0, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {1, 2, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {1, 4, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {1, 6, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {1, 8, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {1, 10, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {1, 12, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {1, 14, 16, 8, 1, 0}, {1, 15, 16, 8, 1, 0},
-    {9, 0, 16, 8, 1, 0}, {9, 1, 16, 8, 1, 0}, {9, 2, 16, 8, 1, 0}, {9, 3, 16, 8, 1, 0},
-    {9, 4, 16, 8, 1, 0}, {9, 5, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0},
-    {9, 8, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0},
-    {9, 12, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0},
-    {17, 0, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0},
-    {17, 4, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0},
-    {17, 8, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0},
-    {17, 12, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0},
-    {25, 0, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0},
-    {25, 4, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0},
-    {25, 8, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0},
-    {25, 12, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0},
-    {33, 0, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0},
-    {33, 4, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0},
-    {33, 8, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0},
-    {33, 12, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0},
-    {41, 0, 1, 2, 1, 0},
-    // rank 1: shares 642..1283
-    {1, 0, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {1, 2, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {1, 4, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {1, 6, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {1, 8, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {1, 10, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {1, 12, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {1, 14, 16, 8, 1, 0}, {1, 15, 16, 8, 1, 0},
-    {9, 0, 16, 8, 1, 0}, {9, 1, 16, 8, 1, 0}, {9, 2, 16, 8, 1, 0}, {9, 3, 16, 8, 1, 0},
-    {9, 4, 16, 8, 1, 0}, {9, 5, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0},
-    {9, 8, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0},
-    {9, 12, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0},
-    {17, 0, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0},
-    {17, 4, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0},
-    {17, 8, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0},
-    {17, 12, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0},
-    {25, 0, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0},
-    {25, 4, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0},
-    {25, 8, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0},
-    {25, 12, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0},
-    {33, 0, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0},
-    {33, 4, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0},
-    {33, 8, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0},
-    {33, 12, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0},
-    {41, 0, 1, 2, 1, 0},
-    // rank 2: shares 1284..1925
-    {1, 0, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {1, 2, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {1, 4, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {1, 6, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {1, 8, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {1, 10, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {1, 12, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {1, 14, 16, 8, 1, 0}, {1, 15, 16, 8, 1, 0},
-    {9, 0, 16, 8, 1, 0}, {9, 1, 16, 8, 1, 0}, {9, 2, 16, 8, 1, 0}, {9, 3, 16, 8, 1, 0},
-    {9, 4, 16, 8, 1, 0}, {9, 5, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0},
-    {9, 8, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0},
-    {9, 12, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0},
-    {17, 0, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0},
-    {17, 4, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0},
-    {17, 8, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0},
-    {17, 12, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0},
-    {25, 0, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0},
-    {25, 4, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0},
-    {25, 8, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0},
-    {25, 12, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0},
-    {33, 0, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0},
-    {33, 4, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0},
-    {33, 8, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0},
-    {33, 12, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0},
-    {41, 0, 1, 2, 1, 0},
+    {1, 0, 16, 8, 1, 0, 16, 0, 1}, {9, 0, 16, 8, 1, 0, 16, 0, 1}, {17, 0, 16, 8, 1, 0, 16, 0, 1}, {25, 0, 16, 8, 1, 0, 16, 0, 1}, {33, 0, 16, 8, 1, 0, 16, 0, 1}, {41, 0, 1, 2, 1, 0, 1, 0, 0},  // rank 0: shares 0..641
+    {1, 0, 16, 8, 1, 0, 16, 0, 1}, {9, 0, 16, 8, 1, 0, 16, 0, 1}, {17, 0, 16, 8, 1, 0, 16, 0, 1}, {25, 0, 16, 8, 1, 0, 16, 0, 1}, {33, 0, 16, 8, 1, 0, 16, 0, 1}, {41, 0, 1, 2, 1, 0, 1, 0, 0},  // rank 1: shares 642..1283
+    {1, 0, 16, 8, 1, 0, 16, 0, 1}, {9, 0, 16, 8, 1, 0, 16, 0, 1}, {17, 0, 16, 8, 1, 0, 16, 0, 1}, {25, 0, 16, 8, 1, 0, 16, 0, 1}, {33, 0, 16, 8, 1, 0, 16, 0, 1}, {41, 0, 1, 2, 1, 0, 1, 0, 0},  // rank 2: shares 1284..1925
 };
-static __device__ const tsgen::share_table<1926> shares_w3 =
-    tsgen::expand_shares<1926>(share_runs_w3);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][114] = {
+static __device__ const tsgen::share_table<1926> shares_w3 = tsgen::expand_shares<1926>(share_runs_w3);
+static __device__ const uint16_t first_w3[3][114] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256, 264, 272, 280, 288, 296, 304, 312, 320, 328, 336, 344, 352, 360, 368, 376, 384, 392, 400, 408, 416, 424, 432, 440, 448, 456, 464, 472, 480, 488, 496, 504, 512, 520, 528, 536, 544, 552, 560, 568, 576, 584, 592, 600, 608, 616, 624, 632, 640, 641, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642, 642 },
     { 642, 642, 650, 658, 666, 674, 682, 690, 698, 706, 714, 722, 730, 738, 746, 754, 762, 770, 778, 786, 794, 802, 810, 818, 826, 834, 842, 850, 858, 866, 874, 882, 890, 898, 906, 914, 922, 930, 938, 946, 954, 962, 970, 978, 986, 994, 1002, 1010, 1018, 1026, 1034, 1042, 1050, 1058, 1066, 1074, 1082, 1090, 1098, 1106, 1114, 1122, 1130, 1138, 1146, 1154, 1162, 1170, 1178, 1186, 1194, 1202, 1210, 1218, 1226, 1234, 1242, 1250, 1258, 1266, 1274, 1282, 1283, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284, 1284 },
     { 1284, 1284, 1292, 1300, 1308, 1316, 1324, 1332, 1340, 1348, 1356, 1364, 1372, 1380, 1388, 1396, 1404, 1412, 1420, 1428, 1436, 1444, 1452, 1460, 1468, 1476, 1484, 1492, 1500, 1508, 1516, 1524, 1532, 1540, 1548, 1556, 1564, 1572, 1580, 1588, 1596, 1604, 1612, 1620, 1628, 1636, 1644, 1652, 1660, 1668, 1676, 1684, 1692, 1700, 1708, 1716, 1724, 1732, 1740, 1748, 1756, 1764, 1772, 1780, 1788, 1796, 1804, 1812, 1820, 1828, 1836, 1844, 1852, 1860, 1868, 1876, 1884, 1892, 1900, 1908, 1916, 1924, 1925, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926, 1926 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 240 steps, 3596 block shares over 113 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 240 steps, 3596 block shares over 113 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/32] = r0:src@0[8/32]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 8}, {{0, 1, 1, 32, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/32] = r0:src@0[9/32]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 9}, {{0, 1, 1, 32, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/32] = r0:src@0[10/32]; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 10}, {{0, 1, 1, 32, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/32] = r0:src@0[11/32]; signal r1:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 11}, {{0, 1, 1, 32, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/32] = r0:src@0[12/32]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 12}, {{0, 1, 1, 32, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/32] = r0:src@0[13/32]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 13}, {{0, 1, 1, 32, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/32] = r0:src@0[14/32]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 14}, {{0, 1, 1, 32, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/32] = r0:src@0[15/32]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 15}, {{0, 1, 1, 32, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[16/32] = r0:src@0[16/32]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 16}, {{0, 1, 1, 32, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[17/32] = r0:src@0[17/32]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 17}, {{0, 1, 1, 32, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[18/32] = r0:src@0[18/32]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 18}, {{0, 1, 1, 32, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[19/32] = r0:src@0[19/32]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 19}, {{0, 1, 1, 32, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 13: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@0[20/32] = r0:src@0[20/32]; signal r2:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 20}, {{0, 1, 1, 32, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 0 step 14: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@0[21/32] = r0:src@0[21/32]; signal r2:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 21}, {{0, 1, 1, 32, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 0 step 15: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@0[22/32] = r0:src@0[22/32]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 22}, {{0, 1, 1, 32, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 0 step 16: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@0[23/32] = r0:src@0[23/32]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 23}, {{0, 1, 1, 32, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 0 step 17: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[24/32] = r0:src@0[24/32]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 24}, {{0, 1, 1, 32, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 18: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[25/32] = r0:src@0[25/32]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 25}, {{0, 1, 1, 32, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 19: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@0[26/32] = r0:src@0[26/32]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 26}, {{0, 1, 1, 32, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 0 step 20: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@0[27/32] = r0:src@0[27/32]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 27}, {{0, 1, 1, 32, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 0 step 21: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@0[28/32] = r0:src@0[28/32]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 28}, {{0, 1, 1, 32, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 0 step 22: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@0[29/32] = r0:src@0[29/32]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 29}, {{0, 1, 1, 32, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 0 step 23: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@0[30/32] = r0:src@0[30/32]; signal r3:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 30}, {{0, 1, 1, 32, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 0 step 24: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@0[31/32] = r0:src@0[31/32]; signal r3:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 31}, {{0, 1, 1, 32, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 0 step 25: reduce our part, piece 0; wait arrive[8], arrive[16], arrive[24]; r0:dst@0[0/32] = r0:src@0[0/32] + r0:inbox@1[0/32] + r0:inbox@2[0/32] + r0:inbox@3[0/32]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 0}, {{0, 1, 1, 32, 0, 0}, {0, 3, 0, 32, 1, 0}, {0, 3, 0, 32, 2, 0}, {0, 3, 0, 32, 3, 0}}, {}, {{5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}}, {{0, 6, 0}}},
-    // rank 0 step 26: reduce our part, piece 1; wait arrive[9], arrive[17], arrive[25]; r0:dst@0[1/32] = r0:src@0[1/32] + r0:inbox@1[1/32] + r0:inbox@2[1/32] + r0:inbox@3[1/32]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 1}, {{0, 1, 1, 32, 0, 1}, {0, 3, 0, 32, 1, 1}, {0, 3, 0, 32, 2, 1}, {0, 3, 0, 32, 3, 1}}, {}, {{5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}}, {{0, 6, 1}}},
-    // rank 0 step 27: reduce our part, piece 2; wait arrive[10], arrive[18], arrive[26]; r0:dst@0[2/32] = r0:src@0[2/32] + r0:inbox@1[2/32] + r0:inbox@2[2/32] + r0:inbox@3[2/32]; signal r0:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 2}, {{0, 1, 1, 32, 0, 2}, {0, 3, 0, 32, 1, 2}, {0, 3, 0, 32, 2, 2}, {0, 3, 0, 32, 3, 2}}, {}, {{5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}}, {{0, 6, 2}}},
-    // rank 0 step 28: reduce our part, piece 3; wait arrive[11], arrive[19], arrive[27]; r0:dst@0[3/32] = r0:src@0[3/32] + r0:inbox@1[3/32] + r0:inbox@2[3/32] + r0:inbox@3[3/32]; signal r0:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 3}, {{0, 1, 1, 32, 0, 3}, {0, 3, 0, 32, 1, 3}, {0, 3, 0, 32, 2, 3}, {0, 3, 0, 32, 3, 3}}, {}, {{5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}}, {{0, 6, 3}}},
-    // rank 0 step 29: reduce our part, piece 4; wait arrive[12], arrive[20], arrive[28]; r0:dst@0[4/32] = r0:src@0[4/32] + r0:inbox@1[4/32] + r0:inbox@2[4/32] + r0:inbox@3[4/32]; signal r0:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 4}, {{0, 1, 1, 32, 0, 4}, {0, 3, 0, 32, 1, 4}, {0, 3, 0, 32, 2, 4}, {0, 3, 0, 32, 3, 4}}, {}, {{5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}}, {{0, 6, 4}}},
-    // rank 0 step 30: reduce our part, piece 5; wait arrive[13], arrive[21], arrive[29]; r0:dst@0[5/32] = r0:src@0[5/32] + r0:inbox@1[5/32] + r0:inbox@2[5/32] + r0:inbox@3[5/32]; signal r0:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 5}, {{0, 1, 1, 32, 0, 5}, {0, 3, 0, 32, 1, 5}, {0, 3, 0, 32, 2, 5}, {0, 3, 0, 32, 3, 5}}, {}, {{5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}}, {{0, 6, 5}}},
-    // rank 0 step 31: reduce our part, piece 6; wait arrive[14], arrive[22], arrive[30]; r0:dst@0[6/32] = r0:src@0[6/32] + r0:inbox@1[6/32] + r0:inbox@2[6/32] + r0:inbox@3[6/32]; signal r0:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 6}, {{0, 1, 1, 32, 0, 6}, {0, 3, 0, 32, 1, 6}, {0, 3, 0, 32, 2, 6}, {0, 3, 0, 32, 3, 6}}, {}, {{5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}}, {{0, 6, 6}}},
-    // rank 0 step 32: reduce our part, piece 7; wait arrive[15], arrive[23], arrive[31]; r0:dst@0[7/32] = r0:src@0[7/32] + r0:inbox@1[7/32] + r0:inbox@2[7/32] + r0:inbox@3[7/32]; signal r0:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 7}, {{0, 1, 1, 32, 0, 7}, {0, 3, 0, 32, 1, 7}, {0, 3, 0, 32, 2, 7}, {0, 3, 0, 32, 3, 7}}, {}, {{5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}}, {{0, 6, 7}}},
-    // rank 0 step 33: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/32] = r0:dst@0[0/32]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 34: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/32] = r0:dst@0[1/32]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 35: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/32] = r0:dst@0[2/32]; signal r1:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
-    // rank 0 step 36: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/32] = r0:dst@0[3/32]; signal r1:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
-    // rank 0 step 37: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/32] = r0:dst@0[4/32]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
-    // rank 0 step 38: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/32] = r0:dst@0[5/32]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
-    // rank 0 step 39: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/32] = r0:dst@0[6/32]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
-    // rank 0 step 40: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/32] = r0:dst@0[7/32]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
-    // rank 0 step 41: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/32] = r0:dst@0[0/32]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
-    // rank 0 step 42: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/32] = r0:dst@0[1/32]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
-    // rank 0 step 43: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/32] = r0:dst@0[2/32]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
-    // rank 0 step 44: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/32] = r0:dst@0[3/32]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
-    // rank 0 step 45: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[4/32] = r0:dst@0[4/32]; signal r2:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},
-    // rank 0 step 46: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[5/32] = r0:dst@0[5/32]; signal r2:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},
-    // rank 0 step 47: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[6/32] = r0:dst@0[6/32]; signal r2:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
-    // rank 0 step 48: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[7/32] = r0:dst@0[7/32]; signal r2:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
-    // rank 0 step 49: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/32] = r0:dst@0[0/32]; signal r3:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 0}}},
-    // rank 0 step 50: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/32] = r0:dst@0[1/32]; signal r3:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 1}}},
-    // rank 0 step 51: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[2/32] = r0:dst@0[2/32]; signal r3:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 2}}},
-    // rank 0 step 52: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[3/32] = r0:dst@0[3/32]; signal r3:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 3}}},
-    // rank 0 step 53: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[4/32] = r0:dst@0[4/32]; signal r3:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 4}}},
-    // rank 0 step 54: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[5/32] = r0:dst@0[5/32]; signal r3:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 5}}},
-    // rank 0 step 55: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[6/32] = r0:dst@0[6/32]; signal r3:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 6}}},
-    // rank 0 step 56: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[7/32] = r0:dst@0[7/32]; signal r3:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 7}}},
-    // rank 0 step 57: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 0 step 58: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 0 step 59: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[16/32] = r1:src@0[16/32]; signal r2:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 16}, {{1, 1, 1, 32, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[17/32] = r1:src@0[17/32]; signal r2:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 17}, {{1, 1, 1, 32, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[18/32] = r1:src@0[18/32]; signal r2:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 18}, {{1, 1, 1, 32, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[19/32] = r1:src@0[19/32]; signal r2:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 19}, {{1, 1, 1, 32, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 1 step 5: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@1[20/32] = r1:src@0[20/32]; signal r2:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 20}, {{1, 1, 1, 32, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 1 step 6: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@1[21/32] = r1:src@0[21/32]; signal r2:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 21}, {{1, 1, 1, 32, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 1 step 7: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@1[22/32] = r1:src@0[22/32]; signal r2:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 22}, {{1, 1, 1, 32, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 1 step 8: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@1[23/32] = r1:src@0[23/32]; signal r2:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 23}, {{1, 1, 1, 32, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 1 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[24/32] = r1:src@0[24/32]; signal r3:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 24}, {{1, 1, 1, 32, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 1 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[25/32] = r1:src@0[25/32]; signal r3:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 25}, {{1, 1, 1, 32, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 1 step 11: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@1[26/32] = r1:src@0[26/32]; signal r3:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 26}, {{1, 1, 1, 32, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 1 step 12: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@1[27/32] = r1:src@0[27/32]; signal r3:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 27}, {{1, 1, 1, 32, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 1 step 13: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@1[28/32] = r1:src@0[28/32]; signal r3:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 28}, {{1, 1, 1, 32, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
-    // rank 1 step 14: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@1[29/32] = r1:src@0[29/32]; signal r3:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 29}, {{1, 1, 1, 32, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
-    // rank 1 step 15: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@1[30/32] = r1:src@0[30/32]; signal r3:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 30}, {{1, 1, 1, 32, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
-    // rank 1 step 16: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@1[31/32] = r1:src@0[31/32]; signal r3:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 31}, {{1, 1, 1, 32, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
-    // rank 1 step 17: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/32] = r1:src@0[0/32]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 0}, {{1, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 1 step 18: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/32] = r1:src@0[1/32]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 1}, {{1, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 1 step 19: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/32] = r1:src@0[2/32]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 2}, {{1, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 1 step 20: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/32] = r1:src@0[3/32]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 3}, {{1, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 1 step 21: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/32] = r1:src@0[4/32]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 4}, {{1, 1, 1, 32, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 1 step 22: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/32] = r1:src@0[5/32]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 5}, {{1, 1, 1, 32, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 1 step 23: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/32] = r1:src@0[6/32]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 6}, {{1, 1, 1, 32, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 1 step 24: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/32] = r1:src@0[7/32]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 7}, {{1, 1, 1, 32, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 1 step 25: reduce our part, piece 0; wait arrive[0], arrive[16], arrive[24]; r1:dst@0[8/32] = r1:src@0[8/32] + r1:inbox@0[8/32] + r1:inbox@2[8/32] + r1:inbox@3[8/32]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 8}, {{1, 1, 1, 32, 0, 8}, {1, 3, 0, 32, 0, 8}, {1, 3, 0, 32, 2, 8}, {1, 3, 0, 32, 3, 8}}, {}, {{5, 0, 0, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}}, {{1, 6, 0}}},
-    // rank 1 step 26: reduce our part, piece 1; wait arrive[1], arrive[17], arrive[25]; r1:dst@0[9/32] = r1:src@0[9/32] + r1:inbox@0[9/32] + r1:inbox@2[9/32] + r1:inbox@3[9/32]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 9}, {{1, 1, 1, 32, 0, 9}, {1, 3, 0, 32, 0, 9}, {1, 3, 0, 32, 2, 9}, {1, 3, 0, 32, 3, 9}}, {}, {{5, 0, 1, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}}, {{1, 6, 1}}},
-    // rank 1 step 27: reduce our part, piece 2; wait arrive[2], arrive[18], arrive[26]; r1:dst@0[10/32] = r1:src@0[10/32] + r1:inbox@0[10/32] + r1:inbox@2[10/32] + r1:inbox@3[10/32]; signal r1:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 10}, {{1, 1, 1, 32, 0, 10}, {1, 3, 0, 32, 0, 10}, {1, 3, 0, 32, 2, 10}, {1, 3, 0, 32, 3, 10}}, {}, {{5, 0, 2, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}}, {{1, 6, 2}}},
-    // rank 1 step 28: reduce our part, piece 3; wait arrive[3], arrive[19], arrive[27]; r1:dst@0[11/32] = r1:src@0[11/32] + r1:inbox@0[11/32] + r1:inbox@2[11/32] + r1:inbox@3[11/32]; signal r1:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 11}, {{1, 1, 1, 32, 0, 11}, {1, 3, 0, 32, 0, 11}, {1, 3, 0, 32, 2, 11}, {1, 3, 0, 32, 3, 11}}, {}, {{5, 0, 3, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}}, {{1, 6, 3}}},
-    // rank 1 step 29: reduce our part, piece 4; wait arrive[4], arrive[20], arrive[28]; r1:dst@0[12/32] = r1:src@0[12/32] + r1:inbox@0[12/32] + r1:inbox@2[12/32] + r1:inbox@3[12/32]; signal r1:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 12}, {{1, 1, 1, 32, 0, 12}, {1, 3, 0, 32, 0, 12}, {1, 3, 0, 32, 2, 12}, {1, 3, 0, 32, 3, 12}}, {}, {{5, 0, 4, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}}, {{1, 6, 4}}},
-    // rank 1 step 30: reduce our part, piece 5; wait arrive[5], arrive[21], arrive[29]; r1:dst@0[13/32] = r1:src@0[13/32] + r1:inbox@0[13/32] + r1:inbox@2[13/32] + r1:inbox@3[13/32]; signal r1:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 13}, {{1, 1, 1, 32, 0, 13}, {1, 3, 0, 32, 0, 13}, {1, 3, 0, 32, 2, 13}, {1, 3, 0, 32, 3, 13}}, {}, {{5, 0, 5, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}}, {{1, 6, 5}}},
-    // rank 1 step 31: reduce our part, piece 6; wait arrive[6], arrive[22], arrive[30]; r1:dst@0[14/32] = r1:src@0[14/32] + r1:inbox@0[14/32] + r1:inbox@2[14/32] + r1:inbox@3[14/32]; signal r1:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 14}, {{1, 1, 1, 32, 0, 14}, {1, 3, 0, 32, 0, 14}, {1, 3, 0, 32, 2, 14}, {1, 3, 0, 32, 3, 14}}, {}, {{5, 0, 6, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}}, {{1, 6, 6}}},
-    // rank 1 step 32: reduce our part, piece 7; wait arrive[7], arrive[23], arrive[31]; r1:dst@0[15/32] = r1:src@0[15/32] + r1:inbox@0[15/32] + r1:inbox@2[15/32] + r1:inbox@3[15/32]; signal r1:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 15}, {{1, 1, 1, 32, 0, 15}, {1, 3, 0, 32, 0, 15}, {1, 3, 0, 32, 2, 15}, {1, 3, 0, 32, 3, 15}}, {}, {{5, 0, 7, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}}, {{1, 6, 7}}},
-    // rank 1 step 33: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/32] = r1:dst@0[8/32]; signal r2:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},
-    // rank 1 step 34: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/32] = r1:dst@0[9/32]; signal r2:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},
-    // rank 1 step 35: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[10/32] = r1:dst@0[10/32]; signal r2:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},
-    // rank 1 step 36: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[11/32] = r1:dst@0[11/32]; signal r2:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},
-    // rank 1 step 37: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[12/32] = r1:dst@0[12/32]; signal r2:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},
-    // rank 1 step 38: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[13/32] = r1:dst@0[13/32]; signal r2:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},
-    // rank 1 step 39: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[14/32] = r1:dst@0[14/32]; signal r2:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},
-    // rank 1 step 40: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[15/32] = r1:dst@0[15/32]; signal r2:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},
-    // rank 1 step 41: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/32] = r1:dst@0[8/32]; signal r3:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 8}}},
-    // rank 1 step 42: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/32] = r1:dst@0[9/32]; signal r3:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 9}}},
-    // rank 1 step 43: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[10/32] = r1:dst@0[10/32]; signal r3:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 10}}},
-    // rank 1 step 44: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[11/32] = r1:dst@0[11/32]; signal r3:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 11}}},
-    // rank 1 step 45: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[12/32] = r1:dst@0[12/32]; signal r3:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 12}}},
-    // rank 1 step 46: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[13/32] = r1:dst@0[13/32]; signal r3:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 13}}},
-    // rank 1 step 47: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[14/32] = r1:dst@0[14/32]; signal r3:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 14}}},
-    // rank 1 step 48: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[15/32] = r1:dst@0[15/32]; signal r3:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 15}}},
-    // rank 1 step 49: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/32] = r1:dst@0[8/32]; signal r0:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
-    // rank 1 step 50: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/32] = r1:dst@0[9/32]; signal r0:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
-    // rank 1 step 51: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/32] = r1:dst@0[10/32]; signal r0:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
-    // rank 1 step 52: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/32] = r1:dst@0[11/32]; signal r0:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
-    // rank 1 step 53: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/32] = r1:dst@0[12/32]; signal r0:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
-    // rank 1 step 54: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/32] = r1:dst@0[13/32]; signal r0:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
-    // rank 1 step 55: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/32] = r1:dst@0[14/32]; signal r0:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
-    // rank 1 step 56: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/32] = r1:dst@0[15/32]; signal r0:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
-    // rank 1 step 57: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 1 step 58: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 1 step 59: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
-    // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[24/32] = r2:src@0[24/32]; signal r3:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 24}, {{2, 1, 1, 32, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
-    // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[25/32] = r2:src@0[25/32]; signal r3:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 25}, {{2, 1, 1, 32, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
-    // rank 2 step 3: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@2[26/32] = r2:src@0[26/32]; signal r3:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 26}, {{2, 1, 1, 32, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
-    // rank 2 step 4: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@2[27/32] = r2:src@0[27/32]; signal r3:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 27}, {{2, 1, 1, 32, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
-    // rank 2 step 5: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@2[28/32] = r2:src@0[28/32]; signal r3:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 28}, {{2, 1, 1, 32, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
-    // rank 2 step 6: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@2[29/32] = r2:src@0[29/32]; signal r3:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 29}, {{2, 1, 1, 32, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
-    // rank 2 step 7: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@2[30/32] = r2:src@0[30/32]; signal r3:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 30}, {{2, 1, 1, 32, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
-    // rank 2 step 8: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@2[31/32] = r2:src@0[31/32]; signal r3:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 31}, {{2, 1, 1, 32, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
-    // rank 2 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/32] = r2:src@0[0/32]; signal r0:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 0}, {{2, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 2 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/32] = r2:src@0[1/32]; signal r0:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 1}, {{2, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 2 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/32] = r2:src@0[2/32]; signal r0:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 2}, {{2, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 2 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/32] = r2:src@0[3/32]; signal r0:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 3}, {{2, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 2 step 13: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@2[4/32] = r2:src@0[4/32]; signal r0:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 4}, {{2, 1, 1, 32, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 2 step 14: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@2[5/32] = r2:src@0[5/32]; signal r0:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 5}, {{2, 1, 1, 32, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 2 step 15: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@2[6/32] = r2:src@0[6/32]; signal r0:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 6}, {{2, 1, 1, 32, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 2 step 16: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@2[7/32] = r2:src@0[7/32]; signal r0:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 7}, {{2, 1, 1, 32, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 2 step 17: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[8/32] = r2:src@0[8/32]; signal r1:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 8}, {{2, 1, 1, 32, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 2 step 18: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[9/32] = r2:src@0[9/32]; signal r1:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 9}, {{2, 1, 1, 32, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 2 step 19: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[10/32] = r2:src@0[10/32]; signal r1:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 10}, {{2, 1, 1, 32, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 2 step 20: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[11/32] = r2:src@0[11/32]; signal r1:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 11}, {{2, 1, 1, 32, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 2 step 21: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@2[12/32] = r2:src@0[12/32]; signal r1:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 12}, {{2, 1, 1, 32, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 2 step 22: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@2[13/32] = r2:src@0[13/32]; signal r1:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 13}, {{2, 1, 1, 32, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 2 step 23: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@2[14/32] = r2:src@0[14/32]; signal r1:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 14}, {{2, 1, 1, 32, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 2 step 24: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@2[15/32] = r2:src@0[15/32]; signal r1:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 15}, {{2, 1, 1, 32, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 2 step 25: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[24]; r2:dst@0[16/32] = r2:src@0[16/32] + r2:inbox@0[16/32] + r2:inbox@1[16/32] + r2:inbox@3[16/32]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 16}, {{2, 1, 1, 32, 0, 16}, {2, 3, 0, 32, 0, 16}, {2, 3, 0, 32, 1, 16}, {2, 3, 0, 32, 3, 16}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 24, 16}}, {{2, 6, 0}}},
-    // rank 2 step 26: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[25]; r2:dst@0[17/32] = r2:src@0[17/32] + r2:inbox@0[17/32] + r2:inbox@1[17/32] + r2:inbox@3[17/32]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 17}, {{2, 1, 1, 32, 0, 17}, {2, 3, 0, 32, 0, 17}, {2, 3, 0, 32, 1, 17}, {2, 3, 0, 32, 3, 17}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 25, 16}}, {{2, 6, 1}}},
-    // rank 2 step 27: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[26]; r2:dst@0[18/32] = r2:src@0[18/32] + r2:inbox@0[18/32] + r2:inbox@1[18/32] + r2:inbox@3[18/32]; signal r2:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 18}, {{2, 1, 1, 32, 0, 18}, {2, 3, 0, 32, 0, 18}, {2, 3, 0, 32, 1, 18}, {2, 3, 0, 32, 3, 18}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 26, 16}}, {{2, 6, 2}}},
-    // rank 2 step 28: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[27]; r2:dst@0[19/32] = r2:src@0[19/32] + r2:inbox@0[19/32] + r2:inbox@1[19/32] + r2:inbox@3[19/32]; signal r2:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 19}, {{2, 1, 1, 32, 0, 19}, {2, 3, 0, 32, 0, 19}, {2, 3, 0, 32, 1, 19}, {2, 3, 0, 32, 3, 19}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 27, 16}}, {{2, 6, 3}}},
-    // rank 2 step 29: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[28]; r2:dst@0[20/32] = r2:src@0[20/32] + r2:inbox@0[20/32] + r2:inbox@1[20/32] + r2:inbox@3[20/32]; signal r2:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 20}, {{2, 1, 1, 32, 0, 20}, {2, 3, 0, 32, 0, 20}, {2, 3, 0, 32, 1, 20}, {2, 3, 0, 32, 3, 20}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 28, 16}}, {{2, 6, 4}}},
-    // rank 2 step 30: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[29]; r2:dst@0[21/32] = r2:src@0[21/32] + r2:inbox@0[21/32] + r2:inbox@1[21/32] + r2:inbox@3[21/32]; signal r2:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 21}, {{2, 1, 1, 32, 0, 21}, {2, 3, 0, 32, 0, 21}, {2, 3, 0, 32, 1, 21}, {2, 3, 0, 32, 3, 21}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 29, 16}}, {{2, 6, 5}}},
-    // rank 2 step 31: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[30]; r2:dst@0[22/32] = r2:src@0[22/32] + r2:inbox@0[22/32] + r2:inbox@1[22/32] + r2:inbox@3[22/32]; signal r2:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 22}, {{2, 1, 1, 32, 0, 22}, {2, 3, 0, 32, 0, 22}, {2, 3, 0, 32, 1, 22}, {2, 3, 0, 32, 3, 22}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 30, 16}}, {{2, 6, 6}}},
-    // rank 2 step 32: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[31]; r2:dst@0[23/32] = r2:src@0[23/32] + r2:inbox@0[23/32] + r2:inbox@1[23/32] + r2:inbox@3[23/32]; signal r2:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 23}, {{2, 1, 1, 32, 0, 23}, {2, 3, 0, 32, 0, 23}, {2, 3, 0, 32, 1, 23}, {2, 3, 0, 32, 3, 23}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 31, 16}}, {{2, 6, 7}}},
-    // rank 2 step 33: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[16/32] = r2:dst@0[16/32]; signal r3:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 16}}},
-    // rank 2 step 34: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[17/32] = r2:dst@0[17/32]; signal r3:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 17}}},
-    // rank 2 step 35: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[18/32] = r2:dst@0[18/32]; signal r3:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 18}}},
-    // rank 2 step 36: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[19/32] = r2:dst@0[19/32]; signal r3:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 19}}},
-    // rank 2 step 37: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[20/32] = r2:dst@0[20/32]; signal r3:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 20}}},
-    // rank 2 step 38: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[21/32] = r2:dst@0[21/32]; signal r3:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 21}}},
-    // rank 2 step 39: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[22/32] = r2:dst@0[22/32]; signal r3:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 22}}},
-    // rank 2 step 40: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[23/32] = r2:dst@0[23/32]; signal r3:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 23}}},
-    // rank 2 step 41: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/32] = r2:dst@0[16/32]; signal r0:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},
-    // rank 2 step 42: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/32] = r2:dst@0[17/32]; signal r0:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},
-    // rank 2 step 43: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/32] = r2:dst@0[18/32]; signal r0:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},
-    // rank 2 step 44: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/32] = r2:dst@0[19/32]; signal r0:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},
-    // rank 2 step 45: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[20/32] = r2:dst@0[20/32]; signal r0:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},
-    // rank 2 step 46: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[21/32] = r2:dst@0[21/32]; signal r0:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},
-    // rank 2 step 47: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[22/32] = r2:dst@0[22/32]; signal r0:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},
-    // rank 2 step 48: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[23/32] = r2:dst@0[23/32]; signal r0:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},
-    // rank 2 step 49: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/32] = r2:dst@0[16/32]; signal r1:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},
-    // rank 2 step 50: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/32] = r2:dst@0[17/32]; signal r1:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},
-    // rank 2 step 51: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/32] = r2:dst@0[18/32]; signal r1:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},
-    // rank 2 step 52: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/32] = r2:dst@0[19/32]; signal r1:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},
-    // rank 2 step 53: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[20/32] = r2:dst@0[20/32]; signal r1:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},
-    // rank 2 step 54: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[21/32] = r2:dst@0[21/32]; signal r1:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},
-    // rank 2 step 55: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[22/32] = r2:dst@0[22/32]; signal r1:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},
-    // rank 2 step 56: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[23/32] = r2:dst@0[23/32]; signal r1:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},
-    // rank 2 step 57: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 2 step 58: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 2 step 59: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
-    // rank 3 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/32] = r3:src@0[0/32]; signal r0:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 0}, {{3, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
-    // rank 3 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/32] = r3:src@0[1/32]; signal r0:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 1}, {{3, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
-    // rank 3 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@3[2/32] = r3:src@0[2/32]; signal r0:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 2}, {{3, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
-    // rank 3 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@3[3/32] = r3:src@0[3/32]; signal r0:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 3}, {{3, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
-    // rank 3 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@3[4/32] = r3:src@0[4/32]; signal r0:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 4}, {{3, 1, 1, 32, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
-    // rank 3 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@3[5/32] = r3:src@0[5/32]; signal r0:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 5}, {{3, 1, 1, 32, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
-    // rank 3 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@3[6/32] = r3:src@0[6/32]; signal r0:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 6}, {{3, 1, 1, 32, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
-    // rank 3 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@3[7/32] = r3:src@0[7/32]; signal r0:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 7}, {{3, 1, 1, 32, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
-    // rank 3 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[8/32] = r3:src@0[8/32]; signal r1:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 8}, {{3, 1, 1, 32, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
-    // rank 3 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[9/32] = r3:src@0[9/32]; signal r1:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 9}, {{3, 1, 1, 32, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
-    // rank 3 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@3[10/32] = r3:src@0[10/32]; signal r1:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 10}, {{3, 1, 1, 32, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
-    // rank 3 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@3[11/32] = r3:src@0[11/32]; signal r1:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 11}, {{3, 1, 1, 32, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
-    // rank 3 step 13: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@3[12/32] = r3:src@0[12/32]; signal r1:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 12}, {{3, 1, 1, 32, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
-    // rank 3 step 14: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@3[13/32] = r3:src@0[13/32]; signal r1:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 13}, {{3, 1, 1, 32, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
-    // rank 3 step 15: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@3[14/32] = r3:src@0[14/32]; signal r1:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 14}, {{3, 1, 1, 32, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
-    // rank 3 step 16: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@3[15/32] = r3:src@0[15/32]; signal r1:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 15}, {{3, 1, 1, 32, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
-    // rank 3 step 17: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[16/32] = r3:src@0[16/32]; signal r2:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 16}, {{3, 1, 1, 32, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
-    // rank 3 step 18: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[17/32] = r3:src@0[17/32]; signal r2:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 17}, {{3, 1, 1, 32, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
-    // rank 3 step 19: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@3[18/32] = r3:src@0[18/32]; signal r2:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 18}, {{3, 1, 1, 32, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
-    // rank 3 step 20: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@3[19/32] = r3:src@0[19/32]; signal r2:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 19}, {{3, 1, 1, 32, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
-    // rank 3 step 21: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@3[20/32] = r3:src@0[20/32]; signal r2:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 20}, {{3, 1, 1, 32, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
-    // rank 3 step 22: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@3[21/32] = r3:src@0[21/32]; signal r2:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 21}, {{3, 1, 1, 32, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
-    // rank 3 step 23: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@3[22/32] = r3:src@0[22/32]; signal r2:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 22}, {{3, 1, 1, 32, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
-    // rank 3 step 24: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@3[23/32] = r3:src@0[23/32]; signal r2:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 23}, {{3, 1, 1, 32, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
-    // rank 3 step 25: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16]; r3:dst@0[24/32] = r3:src@0[24/32] + r3:inbox@0[24/32] + r3:inbox@1[24/32] + r3:inbox@2[24/32]; signal r3:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 24}, {{3, 1, 1, 32, 0, 24}, {3, 3, 0, 32, 0, 24}, {3, 3, 0, 32, 1, 24}, {3, 3, 0, 32, 2, 24}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}}, {{3, 6, 0}}},
-    // rank 3 step 26: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17]; r3:dst@0[25/32] = r3:src@0[25/32] + r3:inbox@0[25/32] + r3:inbox@1[25/32] + r3:inbox@2[25/32]; signal r3:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 25}, {{3, 1, 1, 32, 0, 25}, {3, 3, 0, 32, 0, 25}, {3, 3, 0, 32, 1, 25}, {3, 3, 0, 32, 2, 25}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}}, {{3, 6, 1}}},
-    // rank 3 step 27: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18]; r3:dst@0[26/32] = r3:src@0[26/32] + r3:inbox@0[26/32] + r3:inbox@1[26/32] + r3:inbox@2[26/32]; signal r3:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 26}, {{3, 1, 1, 32, 0, 26}, {3, 3, 0, 32, 0, 26}, {3, 3, 0, 32, 1, 26}, {3, 3, 0, 32, 2, 26}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}}, {{3, 6, 2}}},
-    // rank 3 step 28: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19]; r3:dst@0[27/32] = r3:src@0[27/32] + r3:inbox@0[27/32] + r3:inbox@1[27/32] + r3:inbox@2[27/32]; signal r3:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 27}, {{3, 1, 1, 32, 0, 27}, {3, 3, 0, 32, 0, 27}, {3, 3, 0, 32, 1, 27}, {3, 3, 0, 32, 2, 27}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}}, {{3, 6, 3}}},
-    // rank 3 step 29: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20]; r3:dst@0[28/32] = r3:src@0[28/32] + r3:inbox@0[28/32] + r3:inbox@1[28/32] + r3:inbox@2[28/32]; signal r3:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 28}, {{3, 1, 1, 32, 0, 28}, {3, 3, 0, 32, 0, 28}, {3, 3, 0, 32, 1, 28}, {3, 3, 0, 32, 2, 28}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}}, {{3, 6, 4}}},
-    // rank 3 step 30: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21]; r3:dst@0[29/32] = r3:src@0[29/32] + r3:inbox@0[29/32] + r3:inbox@1[29/32] + r3:inbox@2[29/32]; signal r3:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 29}, {{3, 1, 1, 32, 0, 29}, {3, 3, 0, 32, 0, 29}, {3, 3, 0, 32, 1, 29}, {3, 3, 0, 32, 2, 29}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}}, {{3, 6, 5}}},
-    // rank 3 step 31: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22]; r3:dst@0[30/32] = r3:src@0[30/32] + r3:inbox@0[30/32] + r3:inbox@1[30/32] + r3:inbox@2[30/32]; signal r3:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 30}, {{3, 1, 1, 32, 0, 30}, {3, 3, 0, 32, 0, 30}, {3, 3, 0, 32, 1, 30}, {3, 3, 0, 32, 2, 30}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}}, {{3, 6, 6}}},
-    // rank 3 step 32: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23]; r3:dst@0[31/32] = r3:src@0[31/32] + r3:inbox@0[31/32] + r3:inbox@1[31/32] + r3:inbox@2[31/32]; signal r3:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 31}, {{3, 1, 1, 32, 0, 31}, {3, 3, 0, 32, 0, 31}, {3, 3, 0, 32, 1, 31}, {3, 3, 0, 32, 2, 31}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}}, {{3, 6, 7}}},
-    // rank 3 step 33: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[24/32] = r3:dst@0[24/32]; signal r0:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 24}}},
-    // rank 3 step 34: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[25/32] = r3:dst@0[25/32]; signal r0:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 25}}},
-    // rank 3 step 35: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[26/32] = r3:dst@0[26/32]; signal r0:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 26}}},
-    // rank 3 step 36: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[27/32] = r3:dst@0[27/32]; signal r0:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 27}}},
-    // rank 3 step 37: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[28/32] = r3:dst@0[28/32]; signal r0:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 28}}},
-    // rank 3 step 38: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[29/32] = r3:dst@0[29/32]; signal r0:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 29}}},
-    // rank 3 step 39: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[30/32] = r3:dst@0[30/32]; signal r0:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 30}}},
-    // rank 3 step 40: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[31/32] = r3:dst@0[31/32]; signal r0:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 31}}},
-    // rank 3 step 41: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[24/32] = r3:dst@0[24/32]; signal r1:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 24}}},
-    // rank 3 step 42: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[25/32] = r3:dst@0[25/32]; signal r1:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 25}}},
-    // rank 3 step 43: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[26/32] = r3:dst@0[26/32]; signal r1:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 26}}},
-    // rank 3 step 44: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[27/32] = r3:dst@0[27/32]; signal r1:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 27}}},
-    // rank 3 step 45: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[28/32] = r3:dst@0[28/32]; signal r1:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 28}}},
-    // rank 3 step 46: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[29/32] = r3:dst@0[29/32]; signal r1:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 29}}},
-    // rank 3 step 47: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[30/32] = r3:dst@0[30/32]; signal r1:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 30}}},
-    // rank 3 step 48: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[31/32] = r3:dst@0[31/32]; signal r1:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 31}}},
-    // rank 3 step 49: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[24/32] = r3:dst@0[24/32]; signal r2:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 24}}},
-    // rank 3 step 50: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[25/32] = r3:dst@0[25/32]; signal r2:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 25}}},
-    // rank 3 step 51: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[26/32] = r3:dst@0[26/32]; signal r2:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 26}}},
-    // rank 3 step 52: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[27/32] = r3:dst@0[27/32]; signal r2:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 27}}},
-    // rank 3 step 53: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[28/32] = r3:dst@0[28/32]; signal r2:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 28}}},
-    // rank 3 step 54: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[29/32] = r3:dst@0[29/32]; signal r2:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 29}}},
-    // rank 3 step 55: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[30/32] = r3:dst@0[30/32]; signal r2:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 30}}},
-    // rank 3 step 56: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[31/32] = r3:dst@0[31/32]; signal r2:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 31}}},
-    // rank 3 step 57: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 3 step 58: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 3 step 59: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 8}, {{0, 1, 1, 32, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/32] = r0:src@0[8/32]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 9}, {{0, 1, 1, 32, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/32] = r0:src@0[9/32]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 10}, {{0, 1, 1, 32, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/32] = r0:src@0[10/32]; signal r1:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 11}, {{0, 1, 1, 32, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/32] = r0:src@0[11/32]; signal r1:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 12}, {{0, 1, 1, 32, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/32] = r0:src@0[12/32]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 13}, {{0, 1, 1, 32, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/32] = r0:src@0[13/32]; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 14}, {{0, 1, 1, 32, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/32] = r0:src@0[14/32]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 15}, {{0, 1, 1, 32, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/32] = r0:src@0[15/32]; signal r1:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 16}, {{0, 1, 1, 32, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[16/32] = r0:src@0[16/32]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 17}, {{0, 1, 1, 32, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[17/32] = r0:src@0[17/32]; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 18}, {{0, 1, 1, 32, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[18/32] = r0:src@0[18/32]; signal r2:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 19}, {{0, 1, 1, 32, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[19/32] = r0:src@0[19/32]; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 20}, {{0, 1, 1, 32, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 0 step 13: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@0[20/32] = r0:src@0[20/32]; signal r2:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 21}, {{0, 1, 1, 32, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 0 step 14: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@0[21/32] = r0:src@0[21/32]; signal r2:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 22}, {{0, 1, 1, 32, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 0 step 15: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@0[22/32] = r0:src@0[22/32]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 23}, {{0, 1, 1, 32, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 0 step 16: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@0[23/32] = r0:src@0[23/32]; signal r2:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 24}, {{0, 1, 1, 32, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 0 step 17: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[24/32] = r0:src@0[24/32]; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 25}, {{0, 1, 1, 32, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 0 step 18: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[25/32] = r0:src@0[25/32]; signal r3:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 26}, {{0, 1, 1, 32, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 0 step 19: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@0[26/32] = r0:src@0[26/32]; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 27}, {{0, 1, 1, 32, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 0 step 20: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@0[27/32] = r0:src@0[27/32]; signal r3:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 28}, {{0, 1, 1, 32, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 0 step 21: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@0[28/32] = r0:src@0[28/32]; signal r3:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 29}, {{0, 1, 1, 32, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 0 step 22: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@0[29/32] = r0:src@0[29/32]; signal r3:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 30}, {{0, 1, 1, 32, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 0 step 23: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@0[30/32] = r0:src@0[30/32]; signal r3:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 31}, {{0, 1, 1, 32, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 0 step 24: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@0[31/32] = r0:src@0[31/32]; signal r3:arrive[7]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 0}, {{0, 1, 1, 32, 0, 0}, {0, 3, 0, 32, 1, 0}, {0, 3, 0, 32, 2, 0}, {0, 3, 0, 32, 3, 0}}, {}, {{5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}}, {{0, 6, 0}}},  // rank 0 step 25: reduce our part, piece 0; wait arrive[8], arrive[16], arrive[24]; r0:dst@0[0/32] = r0:src@0[0/32] + r0:inbox@1[0/32] + r0:inbox@2[0/32] + r0:inbox@3[0/32]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 1}, {{0, 1, 1, 32, 0, 1}, {0, 3, 0, 32, 1, 1}, {0, 3, 0, 32, 2, 1}, {0, 3, 0, 32, 3, 1}}, {}, {{5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}}, {{0, 6, 1}}},  // rank 0 step 26: reduce our part, piece 1; wait arrive[9], arrive[17], arrive[25]; r0:dst@0[1/32] = r0:src@0[1/32] + r0:inbox@1[1/32] + r0:inbox@2[1/32] + r0:inbox@3[1/32]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 2}, {{0, 1, 1, 32, 0, 2}, {0, 3, 0, 32, 1, 2}, {0, 3, 0, 32, 2, 2}, {0, 3, 0, 32, 3, 2}}, {}, {{5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}}, {{0, 6, 2}}},  // rank 0 step 27: reduce our part, piece 2; wait arrive[10], arrive[18], arrive[26]; r0:dst@0[2/32] = r0:src@0[2/32] + r0:inbox@1[2/32] + r0:inbox@2[2/32] + r0:inbox@3[2/32]; signal r0:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 3}, {{0, 1, 1, 32, 0, 3}, {0, 3, 0, 32, 1, 3}, {0, 3, 0, 32, 2, 3}, {0, 3, 0, 32, 3, 3}}, {}, {{5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}}, {{0, 6, 3}}},  // rank 0 step 28: reduce our part, piece 3; wait arrive[11], arrive[19], arrive[27]; r0:dst@0[3/32] = r0:src@0[3/32] + r0:inbox@1[3/32] + r0:inbox@2[3/32] + r0:inbox@3[3/32]; signal r0:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 4}, {{0, 1, 1, 32, 0, 4}, {0, 3, 0, 32, 1, 4}, {0, 3, 0, 32, 2, 4}, {0, 3, 0, 32, 3, 4}}, {}, {{5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}}, {{0, 6, 4}}},  // rank 0 step 29: reduce our part, piece 4; wait arrive[12], arrive[20], arrive[28]; r0:dst@0[4/32] = r0:src@0[4/32] + r0:inbox@1[4/32] + r0:inbox@2[4/32] + r0:inbox@3[4/32]; signal r0:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 5}, {{0, 1, 1, 32, 0, 5}, {0, 3, 0, 32, 1, 5}, {0, 3, 0, 32, 2, 5}, {0, 3, 0, 32, 3, 5}}, {}, {{5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}}, {{0, 6, 5}}},  // rank 0 step 30: reduce our part, piece 5; wait arrive[13], arrive[21], arrive[29]; r0:dst@0[5/32] = r0:src@0[5/32] + r0:inbox@1[5/32] + r0:inbox@2[5/32] + r0:inbox@3[5/32]; signal r0:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 6}, {{0, 1, 1, 32, 0, 6}, {0, 3, 0, 32, 1, 6}, {0, 3, 0, 32, 2, 6}, {0, 3, 0, 32, 3, 6}}, {}, {{5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}}, {{0, 6, 6}}},  // rank 0 step 31: reduce our part, piece 6; wait arrive[14], arrive[22], arrive[30]; r0:dst@0[6/32] = r0:src@0[6/32] + r0:inbox@1[6/32] + r0:inbox@2[6/32] + r0:inbox@3[6/32]; signal r0:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 32, 0, 7}, {{0, 1, 1, 32, 0, 7}, {0, 3, 0, 32, 1, 7}, {0, 3, 0, 32, 2, 7}, {0, 3, 0, 32, 3, 7}}, {}, {{5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}}, {{0, 6, 7}}},  // rank 0 step 32: reduce our part, piece 7; wait arrive[15], arrive[23], arrive[31]; r0:dst@0[7/32] = r0:src@0[7/32] + r0:inbox@1[7/32] + r0:inbox@2[7/32] + r0:inbox@3[7/32]; signal r0:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},  // rank 0 step 33: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/32] = r0:dst@0[0/32]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},  // rank 0 step 34: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/32] = r0:dst@0[1/32]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},  // rank 0 step 35: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/32] = r0:dst@0[2/32]; signal r1:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},  // rank 0 step 36: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/32] = r0:dst@0[3/32]; signal r1:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},  // rank 0 step 37: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/32] = r0:dst@0[4/32]; signal r1:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},  // rank 0 step 38: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/32] = r0:dst@0[5/32]; signal r1:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},  // rank 0 step 39: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/32] = r0:dst@0[6/32]; signal r1:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},  // rank 0 step 40: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/32] = r0:dst@0[7/32]; signal r1:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},  // rank 0 step 41: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/32] = r0:dst@0[0/32]; signal r2:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},  // rank 0 step 42: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/32] = r0:dst@0[1/32]; signal r2:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},  // rank 0 step 43: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/32] = r0:dst@0[2/32]; signal r2:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},  // rank 0 step 44: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/32] = r0:dst@0[3/32]; signal r2:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},  // rank 0 step 45: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[4/32] = r0:dst@0[4/32]; signal r2:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},  // rank 0 step 46: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[5/32] = r0:dst@0[5/32]; signal r2:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},  // rank 0 step 47: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[6/32] = r0:dst@0[6/32]; signal r2:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},  // rank 0 step 48: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[7/32] = r0:dst@0[7/32]; signal r2:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 0}}},  // rank 0 step 49: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/32] = r0:dst@0[0/32]; signal r3:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 1}}},  // rank 0 step 50: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/32] = r0:dst@0[1/32]; signal r3:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 2}}},  // rank 0 step 51: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[2/32] = r0:dst@0[2/32]; signal r3:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 3}}},  // rank 0 step 52: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[3/32] = r0:dst@0[3/32]; signal r3:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 4}, {{0, 2, 0, 32, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 4}}},  // rank 0 step 53: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[4/32] = r0:dst@0[4/32]; signal r3:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 5}, {{0, 2, 0, 32, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 5}}},  // rank 0 step 54: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[5/32] = r0:dst@0[5/32]; signal r3:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 6}, {{0, 2, 0, 32, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 6}}},  // rank 0 step 55: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[6/32] = r0:dst@0[6/32]; signal r3:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 7}, {{0, 2, 0, 32, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 7}}},  // rank 0 step 56: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[7/32] = r0:dst@0[7/32]; signal r3:gathered[7]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 0 step 57: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 0 step 58: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},  // rank 0 step 59: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 16}, {{1, 1, 1, 32, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},  // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[16/32] = r1:src@0[16/32]; signal r2:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 17}, {{1, 1, 1, 32, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},  // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[17/32] = r1:src@0[17/32]; signal r2:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 18}, {{1, 1, 1, 32, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},  // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[18/32] = r1:src@0[18/32]; signal r2:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 19}, {{1, 1, 1, 32, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},  // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[19/32] = r1:src@0[19/32]; signal r2:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 20}, {{1, 1, 1, 32, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 1 step 5: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@1[20/32] = r1:src@0[20/32]; signal r2:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 21}, {{1, 1, 1, 32, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 1 step 6: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@1[21/32] = r1:src@0[21/32]; signal r2:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 22}, {{1, 1, 1, 32, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 1 step 7: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@1[22/32] = r1:src@0[22/32]; signal r2:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 23}, {{1, 1, 1, 32, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 1 step 8: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@1[23/32] = r1:src@0[23/32]; signal r2:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 24}, {{1, 1, 1, 32, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},  // rank 1 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[24/32] = r1:src@0[24/32]; signal r3:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 25}, {{1, 1, 1, 32, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},  // rank 1 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[25/32] = r1:src@0[25/32]; signal r3:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 26}, {{1, 1, 1, 32, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},  // rank 1 step 11: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@1[26/32] = r1:src@0[26/32]; signal r3:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 27}, {{1, 1, 1, 32, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},  // rank 1 step 12: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@1[27/32] = r1:src@0[27/32]; signal r3:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 28}, {{1, 1, 1, 32, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},  // rank 1 step 13: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@1[28/32] = r1:src@0[28/32]; signal r3:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 29}, {{1, 1, 1, 32, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},  // rank 1 step 14: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@1[29/32] = r1:src@0[29/32]; signal r3:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 30}, {{1, 1, 1, 32, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},  // rank 1 step 15: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@1[30/32] = r1:src@0[30/32]; signal r3:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 31}, {{1, 1, 1, 32, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},  // rank 1 step 16: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@1[31/32] = r1:src@0[31/32]; signal r3:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 0}, {{1, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 1 step 17: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/32] = r1:src@0[0/32]; signal r0:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 1}, {{1, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 1 step 18: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/32] = r1:src@0[1/32]; signal r0:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 2}, {{1, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 1 step 19: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/32] = r1:src@0[2/32]; signal r0:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 3}, {{1, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 1 step 20: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/32] = r1:src@0[3/32]; signal r0:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 4}, {{1, 1, 1, 32, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 1 step 21: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/32] = r1:src@0[4/32]; signal r0:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 5}, {{1, 1, 1, 32, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 1 step 22: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/32] = r1:src@0[5/32]; signal r0:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 6}, {{1, 1, 1, 32, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 1 step 23: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/32] = r1:src@0[6/32]; signal r0:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 7}, {{1, 1, 1, 32, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 1 step 24: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/32] = r1:src@0[7/32]; signal r0:arrive[15]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 8}, {{1, 1, 1, 32, 0, 8}, {1, 3, 0, 32, 0, 8}, {1, 3, 0, 32, 2, 8}, {1, 3, 0, 32, 3, 8}}, {}, {{5, 0, 0, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}}, {{1, 6, 0}}},  // rank 1 step 25: reduce our part, piece 0; wait arrive[0], arrive[16], arrive[24]; r1:dst@0[8/32] = r1:src@0[8/32] + r1:inbox@0[8/32] + r1:inbox@2[8/32] + r1:inbox@3[8/32]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 9}, {{1, 1, 1, 32, 0, 9}, {1, 3, 0, 32, 0, 9}, {1, 3, 0, 32, 2, 9}, {1, 3, 0, 32, 3, 9}}, {}, {{5, 0, 1, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}}, {{1, 6, 1}}},  // rank 1 step 26: reduce our part, piece 1; wait arrive[1], arrive[17], arrive[25]; r1:dst@0[9/32] = r1:src@0[9/32] + r1:inbox@0[9/32] + r1:inbox@2[9/32] + r1:inbox@3[9/32]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 10}, {{1, 1, 1, 32, 0, 10}, {1, 3, 0, 32, 0, 10}, {1, 3, 0, 32, 2, 10}, {1, 3, 0, 32, 3, 10}}, {}, {{5, 0, 2, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}}, {{1, 6, 2}}},  // rank 1 step 27: reduce our part, piece 2; wait arrive[2], arrive[18], arrive[26]; r1:dst@0[10/32] = r1:src@0[10/32] + r1:inbox@0[10/32] + r1:inbox@2[10/32] + r1:inbox@3[10/32]; signal r1:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 11}, {{1, 1, 1, 32, 0, 11}, {1, 3, 0, 32, 0, 11}, {1, 3, 0, 32, 2, 11}, {1, 3, 0, 32, 3, 11}}, {}, {{5, 0, 3, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}}, {{1, 6, 3}}},  // rank 1 step 28: reduce our part, piece 3; wait arrive[3], arrive[19], arrive[27]; r1:dst@0[11/32] = r1:src@0[11/32] + r1:inbox@0[11/32] + r1:inbox@2[11/32] + r1:inbox@3[11/32]; signal r1:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 12}, {{1, 1, 1, 32, 0, 12}, {1, 3, 0, 32, 0, 12}, {1, 3, 0, 32, 2, 12}, {1, 3, 0, 32, 3, 12}}, {}, {{5, 0, 4, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}}, {{1, 6, 4}}},  // rank 1 step 29: reduce our part, piece 4; wait arrive[4], arrive[20], arrive[28]; r1:dst@0[12/32] = r1:src@0[12/32] + r1:inbox@0[12/32] + r1:inbox@2[12/32] + r1:inbox@3[12/32]; signal r1:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 13}, {{1, 1, 1, 32, 0, 13}, {1, 3, 0, 32, 0, 13}, {1, 3, 0, 32, 2, 13}, {1, 3, 0, 32, 3, 13}}, {}, {{5, 0, 5, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}}, {{1, 6, 5}}},  // rank 1 step 30: reduce our part, piece 5; wait arrive[5], arrive[21], arrive[29]; r1:dst@0[13/32] = r1:src@0[13/32] + r1:inbox@0[13/32] + r1:inbox@2[13/32] + r1:inbox@3[13/32]; signal r1:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 14}, {{1, 1, 1, 32, 0, 14}, {1, 3, 0, 32, 0, 14}, {1, 3, 0, 32, 2, 14}, {1, 3, 0, 32, 3, 14}}, {}, {{5, 0, 6, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}}, {{1, 6, 6}}},  // rank 1 step 31: reduce our part, piece 6; wait arrive[6], arrive[22], arrive[30]; r1:dst@0[14/32] = r1:src@0[14/32] + r1:inbox@0[14/32] + r1:inbox@2[14/32] + r1:inbox@3[14/32]; signal r1:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 32, 0, 15}, {{1, 1, 1, 32, 0, 15}, {1, 3, 0, 32, 0, 15}, {1, 3, 0, 32, 2, 15}, {1, 3, 0, 32, 3, 15}}, {}, {{5, 0, 7, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}}, {{1, 6, 7}}},  // rank 1 step 32: reduce our part, piece 7; wait arrive[7], arrive[23], arrive[31]; r1:dst@0[15/32] = r1:src@0[15/32] + r1:inbox@0[15/32] + r1:inbox@2[15/32] + r1:inbox@3[15/32]; signal r1:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},  // rank 1 step 33: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/32] = r1:dst@0[8/32]; signal r2:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},  // rank 1 step 34: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/32] = r1:dst@0[9/32]; signal r2:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},  // rank 1 step 35: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[10/32] = r1:dst@0[10/32]; signal r2:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},  // rank 1 step 36: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[11/32] = r1:dst@0[11/32]; signal r2:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},  // rank 1 step 37: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[12/32] = r1:dst@0[12/32]; signal r2:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},  // rank 1 step 38: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[13/32] = r1:dst@0[13/32]; signal r2:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},  // rank 1 step 39: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[14/32] = r1:dst@0[14/32]; signal r2:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},  // rank 1 step 40: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[15/32] = r1:dst@0[15/32]; signal r2:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 8}}},  // rank 1 step 41: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/32] = r1:dst@0[8/32]; signal r3:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 9}}},  // rank 1 step 42: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/32] = r1:dst@0[9/32]; signal r3:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 10}}},  // rank 1 step 43: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[10/32] = r1:dst@0[10/32]; signal r3:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 11}}},  // rank 1 step 44: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[11/32] = r1:dst@0[11/32]; signal r3:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 12}}},  // rank 1 step 45: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[12/32] = r1:dst@0[12/32]; signal r3:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 13}}},  // rank 1 step 46: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[13/32] = r1:dst@0[13/32]; signal r3:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 14}}},  // rank 1 step 47: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[14/32] = r1:dst@0[14/32]; signal r3:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 15}}},  // rank 1 step 48: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[15/32] = r1:dst@0[15/32]; signal r3:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 8}, {{1, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},  // rank 1 step 49: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/32] = r1:dst@0[8/32]; signal r0:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 9}, {{1, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},  // rank 1 step 50: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/32] = r1:dst@0[9/32]; signal r0:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 10}, {{1, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},  // rank 1 step 51: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/32] = r1:dst@0[10/32]; signal r0:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 11}, {{1, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},  // rank 1 step 52: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/32] = r1:dst@0[11/32]; signal r0:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 12}, {{1, 2, 0, 32, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},  // rank 1 step 53: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/32] = r1:dst@0[12/32]; signal r0:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 13}, {{1, 2, 0, 32, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},  // rank 1 step 54: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/32] = r1:dst@0[13/32]; signal r0:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 14}, {{1, 2, 0, 32, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},  // rank 1 step 55: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/32] = r1:dst@0[14/32]; signal r0:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 15}, {{1, 2, 0, 32, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},  // rank 1 step 56: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/32] = r1:dst@0[15/32]; signal r0:gathered[15]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 1 step 57: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 1 step 58: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},  // rank 1 step 59: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 24}, {{2, 1, 1, 32, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},  // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[24/32] = r2:src@0[24/32]; signal r3:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 25}, {{2, 1, 1, 32, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},  // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[25/32] = r2:src@0[25/32]; signal r3:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 26}, {{2, 1, 1, 32, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},  // rank 2 step 3: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@2[26/32] = r2:src@0[26/32]; signal r3:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 27}, {{2, 1, 1, 32, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},  // rank 2 step 4: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@2[27/32] = r2:src@0[27/32]; signal r3:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 28}, {{2, 1, 1, 32, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},  // rank 2 step 5: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@2[28/32] = r2:src@0[28/32]; signal r3:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 29}, {{2, 1, 1, 32, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},  // rank 2 step 6: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@2[29/32] = r2:src@0[29/32]; signal r3:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 30}, {{2, 1, 1, 32, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},  // rank 2 step 7: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@2[30/32] = r2:src@0[30/32]; signal r3:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 31}, {{2, 1, 1, 32, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},  // rank 2 step 8: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@2[31/32] = r2:src@0[31/32]; signal r3:arrive[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 0}, {{2, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 2 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/32] = r2:src@0[0/32]; signal r0:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 1}, {{2, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 2 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/32] = r2:src@0[1/32]; signal r0:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 2}, {{2, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 2 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/32] = r2:src@0[2/32]; signal r0:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 3}, {{2, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 2 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/32] = r2:src@0[3/32]; signal r0:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 4}, {{2, 1, 1, 32, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 2 step 13: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@2[4/32] = r2:src@0[4/32]; signal r0:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 5}, {{2, 1, 1, 32, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 2 step 14: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@2[5/32] = r2:src@0[5/32]; signal r0:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 6}, {{2, 1, 1, 32, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 2 step 15: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@2[6/32] = r2:src@0[6/32]; signal r0:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 7}, {{2, 1, 1, 32, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 2 step 16: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@2[7/32] = r2:src@0[7/32]; signal r0:arrive[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 8}, {{2, 1, 1, 32, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 2 step 17: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[8/32] = r2:src@0[8/32]; signal r1:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 9}, {{2, 1, 1, 32, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 2 step 18: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[9/32] = r2:src@0[9/32]; signal r1:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 10}, {{2, 1, 1, 32, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 2 step 19: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[10/32] = r2:src@0[10/32]; signal r1:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 11}, {{2, 1, 1, 32, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 2 step 20: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[11/32] = r2:src@0[11/32]; signal r1:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 12}, {{2, 1, 1, 32, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 2 step 21: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@2[12/32] = r2:src@0[12/32]; signal r1:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 13}, {{2, 1, 1, 32, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 2 step 22: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@2[13/32] = r2:src@0[13/32]; signal r1:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 14}, {{2, 1, 1, 32, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 2 step 23: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@2[14/32] = r2:src@0[14/32]; signal r1:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 15}, {{2, 1, 1, 32, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 2 step 24: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@2[15/32] = r2:src@0[15/32]; signal r1:arrive[23]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 16}, {{2, 1, 1, 32, 0, 16}, {2, 3, 0, 32, 0, 16}, {2, 3, 0, 32, 1, 16}, {2, 3, 0, 32, 3, 16}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 24, 16}}, {{2, 6, 0}}},  // rank 2 step 25: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[24]; r2:dst@0[16/32] = r2:src@0[16/32] + r2:inbox@0[16/32] + r2:inbox@1[16/32] + r2:inbox@3[16/32]; signal r2:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 17}, {{2, 1, 1, 32, 0, 17}, {2, 3, 0, 32, 0, 17}, {2, 3, 0, 32, 1, 17}, {2, 3, 0, 32, 3, 17}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 25, 16}}, {{2, 6, 1}}},  // rank 2 step 26: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[25]; r2:dst@0[17/32] = r2:src@0[17/32] + r2:inbox@0[17/32] + r2:inbox@1[17/32] + r2:inbox@3[17/32]; signal r2:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 18}, {{2, 1, 1, 32, 0, 18}, {2, 3, 0, 32, 0, 18}, {2, 3, 0, 32, 1, 18}, {2, 3, 0, 32, 3, 18}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 26, 16}}, {{2, 6, 2}}},  // rank 2 step 27: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[26]; r2:dst@0[18/32] = r2:src@0[18/32] + r2:inbox@0[18/32] + r2:inbox@1[18/32] + r2:inbox@3[18/32]; signal r2:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 19}, {{2, 1, 1, 32, 0, 19}, {2, 3, 0, 32, 0, 19}, {2, 3, 0, 32, 1, 19}, {2, 3, 0, 32, 3, 19}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 27, 16}}, {{2, 6, 3}}},  // rank 2 step 28: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[27]; r2:dst@0[19/32] = r2:src@0[19/32] + r2:inbox@0[19/32] + r2:inbox@1[19/32] + r2:inbox@3[19/32]; signal r2:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 20}, {{2, 1, 1, 32, 0, 20}, {2, 3, 0, 32, 0, 20}, {2, 3, 0, 32, 1, 20}, {2, 3, 0, 32, 3, 20}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 28, 16}}, {{2, 6, 4}}},  // rank 2 step 29: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[28]; r2:dst@0[20/32] = r2:src@0[20/32] + r2:inbox@0[20/32] + r2:inbox@1[20/32] + r2:inbox@3[20/32]; signal r2:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 21}, {{2, 1, 1, 32, 0, 21}, {2, 3, 0, 32, 0, 21}, {2, 3, 0, 32, 1, 21}, {2, 3, 0, 32, 3, 21}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 29, 16}}, {{2, 6, 5}}},  // rank 2 step 30: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[29]; r2:dst@0[21/32] = r2:src@0[21/32] + r2:inbox@0[21/32] + r2:inbox@1[21/32] + r2:inbox@3[21/32]; signal r2:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 22}, {{2, 1, 1, 32, 0, 22}, {2, 3, 0, 32, 0, 22}, {2, 3, 0, 32, 1, 22}, {2, 3, 0, 32, 3, 22}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 30, 16}}, {{2, 6, 6}}},  // rank 2 step 31: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[30]; r2:dst@0[22/32] = r2:src@0[22/32] + r2:inbox@0[22/32] + r2:inbox@1[22/32] + r2:inbox@3[22/32]; signal r2:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 32, 0, 23}, {{2, 1, 1, 32, 0, 23}, {2, 3, 0, 32, 0, 23}, {2, 3, 0, 32, 1, 23}, {2, 3, 0, 32, 3, 23}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 31, 16}}, {{2, 6, 7}}},  // rank 2 step 32: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[31]; r2:dst@0[23/32] = r2:src@0[23/32] + r2:inbox@0[23/32] + r2:inbox@1[23/32] + r2:inbox@3[23/32]; signal r2:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 16}}},  // rank 2 step 33: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[16/32] = r2:dst@0[16/32]; signal r3:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 17}}},  // rank 2 step 34: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[17/32] = r2:dst@0[17/32]; signal r3:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 18}}},  // rank 2 step 35: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[18/32] = r2:dst@0[18/32]; signal r3:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 19}}},  // rank 2 step 36: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[19/32] = r2:dst@0[19/32]; signal r3:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 20}}},  // rank 2 step 37: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[20/32] = r2:dst@0[20/32]; signal r3:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 21}}},  // rank 2 step 38: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[21/32] = r2:dst@0[21/32]; signal r3:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 22}}},  // rank 2 step 39: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[22/32] = r2:dst@0[22/32]; signal r3:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 23}}},  // rank 2 step 40: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[23/32] = r2:dst@0[23/32]; signal r3:gathered[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},  // rank 2 step 41: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/32] = r2:dst@0[16/32]; signal r0:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},  // rank 2 step 42: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/32] = r2:dst@0[17/32]; signal r0:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},  // rank 2 step 43: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/32] = r2:dst@0[18/32]; signal r0:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},  // rank 2 step 44: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/32] = r2:dst@0[19/32]; signal r0:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},  // rank 2 step 45: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[20/32] = r2:dst@0[20/32]; signal r0:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},  // rank 2 step 46: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[21/32] = r2:dst@0[21/32]; signal r0:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},  // rank 2 step 47: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[22/32] = r2:dst@0[22/32]; signal r0:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},  // rank 2 step 48: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[23/32] = r2:dst@0[23/32]; signal r0:gathered[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 16}, {{2, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},  // rank 2 step 49: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/32] = r2:dst@0[16/32]; signal r1:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 17}, {{2, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},  // rank 2 step 50: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/32] = r2:dst@0[17/32]; signal r1:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 18}, {{2, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},  // rank 2 step 51: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/32] = r2:dst@0[18/32]; signal r1:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 19}, {{2, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},  // rank 2 step 52: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/32] = r2:dst@0[19/32]; signal r1:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 20}, {{2, 2, 0, 32, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},  // rank 2 step 53: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[20/32] = r2:dst@0[20/32]; signal r1:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 21}, {{2, 2, 0, 32, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},  // rank 2 step 54: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[21/32] = r2:dst@0[21/32]; signal r1:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 22}, {{2, 2, 0, 32, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},  // rank 2 step 55: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[22/32] = r2:dst@0[22/32]; signal r1:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 23}, {{2, 2, 0, 32, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},  // rank 2 step 56: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[23/32] = r2:dst@0[23/32]; signal r1:gathered[23]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 2 step 57: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 2 step 58: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},  // rank 2 step 59: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 0}, {{3, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},  // rank 3 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/32] = r3:src@0[0/32]; signal r0:arrive[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 1}, {{3, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},  // rank 3 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/32] = r3:src@0[1/32]; signal r0:arrive[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 2}, {{3, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},  // rank 3 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@3[2/32] = r3:src@0[2/32]; signal r0:arrive[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 3}, {{3, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},  // rank 3 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@3[3/32] = r3:src@0[3/32]; signal r0:arrive[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 4}, {{3, 1, 1, 32, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},  // rank 3 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@3[4/32] = r3:src@0[4/32]; signal r0:arrive[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 5}, {{3, 1, 1, 32, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},  // rank 3 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@3[5/32] = r3:src@0[5/32]; signal r0:arrive[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 6}, {{3, 1, 1, 32, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},  // rank 3 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@3[6/32] = r3:src@0[6/32]; signal r0:arrive[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 7}, {{3, 1, 1, 32, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},  // rank 3 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@3[7/32] = r3:src@0[7/32]; signal r0:arrive[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 8}, {{3, 1, 1, 32, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},  // rank 3 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[8/32] = r3:src@0[8/32]; signal r1:arrive[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 9}, {{3, 1, 1, 32, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},  // rank 3 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[9/32] = r3:src@0[9/32]; signal r1:arrive[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 10}, {{3, 1, 1, 32, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},  // rank 3 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@3[10/32] = r3:src@0[10/32]; signal r1:arrive[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 11}, {{3, 1, 1, 32, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},  // rank 3 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@3[11/32] = r3:src@0[11/32]; signal r1:arrive[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 12}, {{3, 1, 1, 32, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},  // rank 3 step 13: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@3[12/32] = r3:src@0[12/32]; signal r1:arrive[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 13}, {{3, 1, 1, 32, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},  // rank 3 step 14: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@3[13/32] = r3:src@0[13/32]; signal r1:arrive[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 14}, {{3, 1, 1, 32, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},  // rank 3 step 15: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@3[14/32] = r3:src@0[14/32]; signal r1:arrive[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 15}, {{3, 1, 1, 32, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},  // rank 3 step 16: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@3[15/32] = r3:src@0[15/32]; signal r1:arrive[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 16}, {{3, 1, 1, 32, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},  // rank 3 step 17: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[16/32] = r3:src@0[16/32]; signal r2:arrive[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 17}, {{3, 1, 1, 32, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},  // rank 3 step 18: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[17/32] = r3:src@0[17/32]; signal r2:arrive[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 18}, {{3, 1, 1, 32, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},  // rank 3 step 19: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@3[18/32] = r3:src@0[18/32]; signal r2:arrive[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 19}, {{3, 1, 1, 32, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},  // rank 3 step 20: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@3[19/32] = r3:src@0[19/32]; signal r2:arrive[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 20}, {{3, 1, 1, 32, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},  // rank 3 step 21: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@3[20/32] = r3:src@0[20/32]; signal r2:arrive[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 21}, {{3, 1, 1, 32, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},  // rank 3 step 22: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@3[21/32] = r3:src@0[21/32]; signal r2:arrive[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 22}, {{3, 1, 1, 32, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},  // rank 3 step 23: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@3[22/32] = r3:src@0[22/32]; signal r2:arrive[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 23}, {{3, 1, 1, 32, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},  // rank 3 step 24: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@3[23/32] = r3:src@0[23/32]; signal r2:arrive[31]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 24}, {{3, 1, 1, 32, 0, 24}, {3, 3, 0, 32, 0, 24}, {3, 3, 0, 32, 1, 24}, {3, 3, 0, 32, 2, 24}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}}, {{3, 6, 0}}},  // rank 3 step 25: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16]; r3:dst@0[24/32] = r3:src@0[24/32] + r3:inbox@0[24/32] + r3:inbox@1[24/32] + r3:inbox@2[24/32]; signal r3:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 25}, {{3, 1, 1, 32, 0, 25}, {3, 3, 0, 32, 0, 25}, {3, 3, 0, 32, 1, 25}, {3, 3, 0, 32, 2, 25}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}}, {{3, 6, 1}}},  // rank 3 step 26: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17]; r3:dst@0[25/32] = r3:src@0[25/32] + r3:inbox@0[25/32] + r3:inbox@1[25/32] + r3:inbox@2[25/32]; signal r3:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 26}, {{3, 1, 1, 32, 0, 26}, {3, 3, 0, 32, 0, 26}, {3, 3, 0, 32, 1, 26}, {3, 3, 0, 32, 2, 26}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}}, {{3, 6, 2}}},  // rank 3 step 27: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18]; r3:dst@0[26/32] = r3:src@0[26/32] + r3:inbox@0[26/32] + r3:inbox@1[26/32] + r3:inbox@2[26/32]; signal r3:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 27}, {{3, 1, 1, 32, 0, 27}, {3, 3, 0, 32, 0, 27}, {3, 3, 0, 32, 1, 27}, {3, 3, 0, 32, 2, 27}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}}, {{3, 6, 3}}},  // rank 3 step 28: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19]; r3:dst@0[27/32] = r3:src@0[27/32] + r3:inbox@0[27/32] + r3:inbox@1[27/32] + r3:inbox@2[27/32]; signal r3:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 28}, {{3, 1, 1, 32, 0, 28}, {3, 3, 0, 32, 0, 28}, {3, 3, 0, 32, 1, 28}, {3, 3, 0, 32, 2, 28}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}}, {{3, 6, 4}}},  // rank 3 step 29: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20]; r3:dst@0[28/32] = r3:src@0[28/32] + r3:inbox@0[28/32] + r3:inbox@1[28/32] + r3:inbox@2[28/32]; signal r3:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 29}, {{3, 1, 1, 32, 0, 29}, {3, 3, 0, 32, 0, 29}, {3, 3, 0, 32, 1, 29}, {3, 3, 0, 32, 2, 29}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}}, {{3, 6, 5}}},  // rank 3 step 30: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21]; r3:dst@0[29/32] = r3:src@0[29/32] + r3:inbox@0[29/32] + r3:inbox@1[29/32] + r3:inbox@2[29/32]; signal r3:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 30}, {{3, 1, 1, 32, 0, 30}, {3, 3, 0, 32, 0, 30}, {3, 3, 0, 32, 1, 30}, {3, 3, 0, 32, 2, 30}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}}, {{3, 6, 6}}},  // rank 3 step 31: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22]; r3:dst@0[30/32] = r3:src@0[30/32] + r3:inbox@0[30/32] + r3:inbox@1[30/32] + r3:inbox@2[30/32]; signal r3:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 32, 0, 31}, {{3, 1, 1, 32, 0, 31}, {3, 3, 0, 32, 0, 31}, {3, 3, 0, 32, 1, 31}, {3, 3, 0, 32, 2, 31}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}}, {{3, 6, 7}}},  // rank 3 step 32: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23]; r3:dst@0[31/32] = r3:src@0[31/32] + r3:inbox@0[31/32] + r3:inbox@1[31/32] + r3:inbox@2[31/32]; signal r3:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 24}}},  // rank 3 step 33: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[24/32] = r3:dst@0[24/32]; signal r0:gathered[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 25}}},  // rank 3 step 34: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[25/32] = r3:dst@0[25/32]; signal r0:gathered[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 26}}},  // rank 3 step 35: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[26/32] = r3:dst@0[26/32]; signal r0:gathered[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 27}}},  // rank 3 step 36: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[27/32] = r3:dst@0[27/32]; signal r0:gathered[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 28}}},  // rank 3 step 37: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[28/32] = r3:dst@0[28/32]; signal r0:gathered[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 29}}},  // rank 3 step 38: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[29/32] = r3:dst@0[29/32]; signal r0:gathered[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 30}}},  // rank 3 step 39: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[30/32] = r3:dst@0[30/32]; signal r0:gathered[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 31}}},  // rank 3 step 40: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[31/32] = r3:dst@0[31/32]; signal r0:gathered[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 24}}},  // rank 3 step 41: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[24/32] = r3:dst@0[24/32]; signal r1:gathered[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 25}}},  // rank 3 step 42: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[25/32] = r3:dst@0[25/32]; signal r1:gathered[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 26}}},  // rank 3 step 43: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[26/32] = r3:dst@0[26/32]; signal r1:gathered[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 27}}},  // rank 3 step 44: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[27/32] = r3:dst@0[27/32]; signal r1:gathered[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 28}}},  // rank 3 step 45: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[28/32] = r3:dst@0[28/32]; signal r1:gathered[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 29}}},  // rank 3 step 46: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[29/32] = r3:dst@0[29/32]; signal r1:gathered[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 30}}},  // rank 3 step 47: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[30/32] = r3:dst@0[30/32]; signal r1:gathered[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 31}}},  // rank 3 step 48: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[31/32] = r3:dst@0[31/32]; signal r1:gathered[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 24}, {{3, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 24}}},  // rank 3 step 49: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[24/32] = r3:dst@0[24/32]; signal r2:gathered[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 25}, {{3, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 25}}},  // rank 3 step 50: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[25/32] = r3:dst@0[25/32]; signal r2:gathered[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 26}, {{3, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 26}}},  // rank 3 step 51: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[26/32] = r3:dst@0[26/32]; signal r2:gathered[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 27}, {{3, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 27}}},  // rank 3 step 52: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[27/32] = r3:dst@0[27/32]; signal r2:gathered[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 28}, {{3, 2, 0, 32, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 28}}},  // rank 3 step 53: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[28/32] = r3:dst@0[28/32]; signal r2:gathered[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 29}, {{3, 2, 0, 32, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 29}}},  // rank 3 step 54: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[29/32] = r3:dst@0[29/32]; signal r2:gathered[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 30}, {{3, 2, 0, 32, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 30}}},  // rank 3 step 55: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[30/32] = r3:dst@0[30/32]; signal r2:gathered[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 31}, {{3, 2, 0, 32, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 31}}},  // rank 3 step 56: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[31/32] = r3:dst@0[31/32]; signal r2:gathered[31]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 3 step 57: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 3 step 58: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 3 step 59: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
 };
 static __device__ const int step_base_w4[4] = { 0, 60, 120, 180 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..898
-    {57, 0, 1, 1, 0, 0}, {1, 0, 16, 8, 1, 0}, {58, 0, 1, 1, 0, 0}, {1, 1, 16, 8, 1, 0},
-    {59, 0, 1, 1, 0, 0}, {1, 2, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0},
-    {1, 5, 16, 8, 1, 0}, {1, 6, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0},
-    {1, 9, 16, 8, 1, 0}, {1, 10, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0},
-    {1, 13, 16, 8, 1, 0}, {1, 14, 16, 8, 1, 0}, {1, 15, 16, 8, 1, 0}, {9, 0, 16, 8, 1, 0},
-    {9, 1, 16, 8, 1, 0}, {9, 2, 16, 8, 1, 0}, {9, 3, 16, 8, 1, 0}, {9, 4, 16, 8, 1, 0},
-    {9, 5, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {9, 9, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {9, 13, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {17, 1, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {17, 5, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {17, 9, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {17, 13, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {25, 1, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {25, 5, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {25, 9, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {25, 13, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {33, 1, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {33, 5, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {33, 9, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {33, 13, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {41, 1, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {41, 5, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {41, 9, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {41, 13, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {49, 1, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {49, 5, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {49, 9, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {49, 13, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0},
-    // rank 1: shares 899..1797
-    {57, 0, 1, 1, 0, 0}, {1, 0, 16, 8, 1, 0}, {58, 0, 1, 1, 0, 0}, {1, 1, 16, 8, 1, 0},
-    {59, 0, 1, 1, 0, 0}, {1, 2, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0},
-    {1, 5, 16, 8, 1, 0}, {1, 6, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0},
-    {1, 9, 16, 8, 1, 0}, {1, 10, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0},
-    {1, 13, 16, 8, 1, 0}, {1, 14, 16, 8, 1, 0}, {1, 15, 16, 8, 1, 0}, {9, 0, 16, 8, 1, 0},
-    {9, 1, 16, 8, 1, 0}, {9, 2, 16, 8, 1, 0}, {9, 3, 16, 8, 1, 0}, {9, 4, 16, 8, 1, 0},
-    {9, 5, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {9, 9, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {9, 13, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {17, 1, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {17, 5, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {17, 9, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {17, 13, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {25, 1, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {25, 5, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {25, 9, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {25, 13, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {33, 1, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {33, 5, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {33, 9, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {33, 13, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {41, 1, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {41, 5, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {41, 9, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {41, 13, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {49, 1, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {49, 5, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {49, 9, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {49, 13, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0},
-    // rank 2: shares 1798..2696
-    {57, 0, 1, 1, 0, 0}, {1, 0, 16, 8, 1, 0}, {58, 0, 1, 1, 0, 0}, {1, 1, 16, 8, 1, 0},
-    {59, 0, 1, 1, 0, 0}, {1, 2, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0},
-    {1, 5, 16, 8, 1, 0}, {1, 6, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0},
-    {1, 9, 16, 8, 1, 0}, {1, 10, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0},
-    {1, 13, 16, 8, 1, 0}, {1, 14, 16, 8, 1, 0}, {1, 15, 16, 8, 1, 0}, {9, 0, 16, 8, 1, 0},
-    {9, 1, 16, 8, 1, 0}, {9, 2, 16, 8, 1, 0}, {9, 3, 16, 8, 1, 0}, {9, 4, 16, 8, 1, 0},
-    {9, 5, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {9, 9, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {9, 13, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {17, 1, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {17, 5, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {17, 9, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {17, 13, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {25, 1, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {25, 5, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {25, 9, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {25, 13, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {33, 1, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {33, 5, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {33, 9, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {33, 13, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {41, 1, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {41, 5, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {41, 9, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {41, 13, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {49, 1, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {49, 5, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {49, 9, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {49, 13, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0},
-    // rank 3: shares 2697..3595
-    {57, 0, 1, 1, 0, 0}, {1, 0, 16, 8, 1, 0}, {58, 0, 1, 1, 0, 0}, {1, 1, 16, 8, 1, 0},
-    {59, 0, 1, 1, 0, 0}, {1, 2, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0},
-    {1, 5, 16, 8, 1, 0}, {1, 6, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0},
-    {1, 9, 16, 8, 1, 0}, {1, 10, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0},
-    {1, 13, 16, 8, 1, 0}, {1, 14, 16, 8, 1, 0}, {1, 15, 16, 8, 1, 0}, {9, 0, 16, 8, 1, 0},
-    {9, 1, 16, 8, 1, 0}, {9, 2, 16, 8, 1, 0}, {9, 3, 16, 8, 1, 0}, {9, 4, 16, 8, 1, 0},
-    {9, 5, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {9, 9, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {9, 13, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {17, 1, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {17, 5, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {17, 9, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {17, 13, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {25, 1, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {25, 5, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {25, 9, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {25, 13, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {33, 1, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {33, 5, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {33, 9, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {33, 13, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {41, 1, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {41, 5, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {41, 9, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {41, 13, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {49, 1, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {49, 5, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {49, 9, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {49, 13, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0},
+    {57, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 0, 16, 8, 1, 0, 1, 0, 0}, {58, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 8, 1, 0, 1, 0, 0}, {59, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 16, 8, 1, 0, 14, 0, 1}, {9, 0, 16, 8, 1, 0, 16, 0, 1}, {17, 0, 16, 8, 1, 0, 16, 0, 1},  // rank 0: shares 0..898
+    {25, 0, 16, 8, 1, 0, 16, 0, 1}, {33, 0, 16, 8, 1, 0, 16, 0, 1}, {41, 0, 16, 8, 1, 0, 16, 0, 1}, {49, 0, 16, 8, 1, 0, 16, 0, 1},
+    {57, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 0, 16, 8, 1, 0, 1, 0, 0}, {58, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 8, 1, 0, 1, 0, 0}, {59, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 16, 8, 1, 0, 14, 0, 1}, {9, 0, 16, 8, 1, 0, 16, 0, 1}, {17, 0, 16, 8, 1, 0, 16, 0, 1},  // rank 1: shares 899..1797
+    {25, 0, 16, 8, 1, 0, 16, 0, 1}, {33, 0, 16, 8, 1, 0, 16, 0, 1}, {41, 0, 16, 8, 1, 0, 16, 0, 1}, {49, 0, 16, 8, 1, 0, 16, 0, 1},
+    {57, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 0, 16, 8, 1, 0, 1, 0, 0}, {58, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 8, 1, 0, 1, 0, 0}, {59, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 16, 8, 1, 0, 14, 0, 1}, {9, 0, 16, 8, 1, 0, 16, 0, 1}, {17, 0, 16, 8, 1, 0, 16, 0, 1},  // rank 2: shares 1798..2696
+    {25, 0, 16, 8, 1, 0, 16, 0, 1}, {33, 0, 16, 8, 1, 0, 16, 0, 1}, {41, 0, 16, 8, 1, 0, 16, 0, 1}, {49, 0, 16, 8, 1, 0, 16, 0, 1},
+    {57, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 0, 16, 8, 1, 0, 1, 0, 0}, {58, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 8, 1, 0, 1, 0, 0}, {59, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 16, 8, 1, 0, 14, 0, 1}, {9, 0, 16, 8, 1, 0, 16, 0, 1}, {17, 0, 16, 8, 1, 0, 16, 0, 1},  // rank 3: shares 2697..3595
+    {25, 0, 16, 8, 1, 0, 16, 0, 1}, {33, 0, 16, 8, 1, 0, 16, 0, 1}, {41, 0, 16, 8, 1, 0, 16, 0, 1}, {49, 0, 16, 8, 1, 0, 16, 0, 1},
 };
-static __device__ const tsgen::share_table<3596> shares_w4 =
-    tsgen::expand_shares<3596>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][114] = {
+static __device__ const tsgen::share_table<3596> shares_w4 = tsgen::expand_shares<3596>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][114] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 10, 19, 27, 35, 43, 51, 59, 67, 75, 83, 91, 99, 107, 115, 123, 131, 139, 147, 155, 163, 171, 179, 187, 195, 203, 211, 219, 227, 235, 243, 251, 259, 267, 275, 283, 291, 299, 307, 315, 323, 331, 339, 347, 355, 363, 371, 379, 387, 395, 403, 411, 419, 427, 435, 443, 451, 459, 467, 475, 483, 491, 499, 507, 515, 523, 531, 539, 547, 555, 563, 571, 579, 587, 595, 603, 611, 619, 627, 635, 643, 651, 659, 667, 675, 683, 691, 699, 707, 715, 723, 731, 739, 747, 755, 763, 771, 779, 787, 795, 803, 811, 819, 827, 835, 843, 851, 859, 867, 875, 883, 891, 899 },
     { 899, 900, 909, 918, 926, 934, 942, 950, 958, 966, 974, 982, 990, 998, 1006, 1014, 1022, 1030, 1038, 1046, 1054, 1062, 1070, 1078, 1086, 1094, 1102, 1110, 1118, 1126, 1134, 1142, 1150, 1158, 1166, 1174, 1182, 1190, 1198, 1206, 1214, 1222, 1230, 1238, 1246, 1254, 1262, 1270, 1278, 1286, 1294, 1302, 1310, 1318, 1326, 1334, 1342, 1350, 1358, 1366, 1374, 1382, 1390, 1398, 1406, 1414, 1422, 1430, 1438, 1446, 1454, 1462, 1470, 1478, 1486, 1494, 1502, 1510, 1518, 1526, 1534, 1542, 1550, 1558, 1566, 1574, 1582, 1590, 1598, 1606, 1614, 1622, 1630, 1638, 1646, 1654, 1662, 1670, 1678, 1686, 1694, 1702, 1710, 1718, 1726, 1734, 1742, 1750, 1758, 1766, 1774, 1782, 1790, 1798 },
     { 1798, 1799, 1808, 1817, 1825, 1833, 1841, 1849, 1857, 1865, 1873, 1881, 1889, 1897, 1905, 1913, 1921, 1929, 1937, 1945, 1953, 1961, 1969, 1977, 1985, 1993, 2001, 2009, 2017, 2025, 2033, 2041, 2049, 2057, 2065, 2073, 2081, 2089, 2097, 2105, 2113, 2121, 2129, 2137, 2145, 2153, 2161, 2169, 2177, 2185, 2193, 2201, 2209, 2217, 2225, 2233, 2241, 2249, 2257, 2265, 2273, 2281, 2289, 2297, 2305, 2313, 2321, 2329, 2337, 2345, 2353, 2361, 2369, 2377, 2385, 2393, 2401, 2409, 2417, 2425, 2433, 2441, 2449, 2457, 2465, 2473, 2481, 2489, 2497, 2505, 2513, 2521, 2529, 2537, 2545, 2553, 2561, 2569, 2577, 2585, 2593, 2601, 2609, 2617, 2625, 2633, 2641, 2649, 2657, 2665, 2673, 2681, 2689, 2697 },
     { 2697, 2698, 2707, 2716, 2724, 2732, 2740, 2748, 2756, 2764, 2772, 2780, 2788, 2796, 2804, 2812, 2820, 2828, 2836, 2844, 2852, 2860, 2868, 2876, 2884, 2892, 2900, 2908, 2916, 2924, 2932, 2940, 2948, 2956, 2964, 2972, 2980, 2988, 2996, 3004, 3012, 3020, 3028, 3036, 3044, 3052, 3060, 3068, 3076, 3084, 3092, 3100, 3108, 3116, 3124, 3132, 3140, 3148, 3156, 3164, 3172, 3180, 3188, 3196, 3204, 3212, 3220, 3228, 3236, 3244, 3252, 3260, 3268, 3276, 3284, 3292, 3300, 3308, 3316, 3324, 3332, 3340, 3348, 3356, 3364, 3372, 3380, 3388, 3396, 3404, 3412, 3420, 3428, 3436, 3444, 3452, 3460, 3468, 3476, 3484, 3492, 3500, 3508, 3516, 3524, 3532, 3540, 3548, 3556, 3564, 3572, 3580, 3588, 3596 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 1024 steps, 15416 block shares over 113 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 1024 steps, 15416 block shares over 113 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/64] = r0:src@0[8/64]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 8}, {{0, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/64] = r0:src@0[9/64]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 9}, {{0, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/64] = r0:src@0[10/64]; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 10}, {{0, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/64] = r0:src@0[11/64]; signal r1:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 11}, {{0, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/64] = r0:src@0[12/64]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 12}, {{0, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/64] = r0:src@0[13/64]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 13}, {{0, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/64] = r0:src@0[14/64]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 14}, {{0, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/64] = r0:src@0[15/64]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 15}, {{0, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[16/64] = r0:src@0[16/64]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 16}, {{0, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[17/64] = r0:src@0[17/64]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 17}, {{0, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[18/64] = r0:src@0[18/64]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 18}, {{0, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[19/64] = r0:src@0[19/64]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 19}, {{0, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 13: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@0[20/64] = r0:src@0[20/64]; signal r2:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 20}, {{0, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 0 step 14: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@0[21/64] = r0:src@0[21/64]; signal r2:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 21}, {{0, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 0 step 15: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@0[22/64] = r0:src@0[22/64]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 22}, {{0, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 0 step 16: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@0[23/64] = r0:src@0[23/64]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 23}, {{0, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 0 step 17: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[24/64] = r0:src@0[24/64]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 24}, {{0, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 18: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[25/64] = r0:src@0[25/64]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 25}, {{0, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 19: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@0[26/64] = r0:src@0[26/64]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 26}, {{0, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 0 step 20: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@0[27/64] = r0:src@0[27/64]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 27}, {{0, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 0 step 21: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@0[28/64] = r0:src@0[28/64]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 28}, {{0, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 0 step 22: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@0[29/64] = r0:src@0[29/64]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 29}, {{0, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 0 step 23: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@0[30/64] = r0:src@0[30/64]; signal r3:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 30}, {{0, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 0 step 24: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@0[31/64] = r0:src@0[31/64]; signal r3:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 31}, {{0, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 0 step 25: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@0[32/64] = r0:src@0[32/64]; signal r4:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 32}, {{0, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
-    // rank 0 step 26: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@0[33/64] = r0:src@0[33/64]; signal r4:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 33}, {{0, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 1}}},
-    // rank 0 step 27: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@0[34/64] = r0:src@0[34/64]; signal r4:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 34}, {{0, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
-    // rank 0 step 28: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@0[35/64] = r0:src@0[35/64]; signal r4:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 35}, {{0, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 3}}},
-    // rank 0 step 29: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@0[36/64] = r0:src@0[36/64]; signal r4:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 36}, {{0, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
-    // rank 0 step 30: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@0[37/64] = r0:src@0[37/64]; signal r4:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 37}, {{0, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 5}}},
-    // rank 0 step 31: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@0[38/64] = r0:src@0[38/64]; signal r4:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 38}, {{0, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 6}}},
-    // rank 0 step 32: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@0[39/64] = r0:src@0[39/64]; signal r4:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 39}, {{0, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 7}}},
-    // rank 0 step 33: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@0[40/64] = r0:src@0[40/64]; signal r5:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 40}, {{0, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
-    // rank 0 step 34: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@0[41/64] = r0:src@0[41/64]; signal r5:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 41}, {{0, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 1}}},
-    // rank 0 step 35: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@0[42/64] = r0:src@0[42/64]; signal r5:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 42}, {{0, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
-    // rank 0 step 36: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@0[43/64] = r0:src@0[43/64]; signal r5:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 43}, {{0, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 3}}},
-    // rank 0 step 37: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@0[44/64] = r0:src@0[44/64]; signal r5:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 44}, {{0, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
-    // rank 0 step 38: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@0[45/64] = r0:src@0[45/64]; signal r5:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 45}, {{0, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 5}}},
-    // rank 0 step 39: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@0[46/64] = r0:src@0[46/64]; signal r5:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 46}, {{0, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
-    // rank 0 step 40: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@0[47/64] = r0:src@0[47/64]; signal r5:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 47}, {{0, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 7}}},
-    // rank 0 step 41: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@0[48/64] = r0:src@0[48/64]; signal r6:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 48}, {{0, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
-    // rank 0 step 42: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@0[49/64] = r0:src@0[49/64]; signal r6:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 49}, {{0, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 1}}},
-    // rank 0 step 43: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@0[50/64] = r0:src@0[50/64]; signal r6:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 50}, {{0, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
-    // rank 0 step 44: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@0[51/64] = r0:src@0[51/64]; signal r6:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 51}, {{0, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 3}}},
-    // rank 0 step 45: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@0[52/64] = r0:src@0[52/64]; signal r6:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 52}, {{0, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
-    // rank 0 step 46: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@0[53/64] = r0:src@0[53/64]; signal r6:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 53}, {{0, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 5}}},
-    // rank 0 step 47: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@0[54/64] = r0:src@0[54/64]; signal r6:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 54}, {{0, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
-    // rank 0 step 48: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@0[55/64] = r0:src@0[55/64]; signal r6:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 55}, {{0, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 7}}},
-    // rank 0 step 49: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@0[56/64] = r0:src@0[56/64]; signal r7:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 56}, {{0, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
-    // rank 0 step 50: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@0[57/64] = r0:src@0[57/64]; signal r7:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 57}, {{0, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 1}}},
-    // rank 0 step 51: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@0[58/64] = r0:src@0[58/64]; signal r7:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 58}, {{0, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
-    // rank 0 step 52: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@0[59/64] = r0:src@0[59/64]; signal r7:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 59}, {{0, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 3}}},
-    // rank 0 step 53: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@0[60/64] = r0:src@0[60/64]; signal r7:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 60}, {{0, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
-    // rank 0 step 54: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@0[61/64] = r0:src@0[61/64]; signal r7:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 61}, {{0, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 5}}},
-    // rank 0 step 55: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@0[62/64] = r0:src@0[62/64]; signal r7:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 62}, {{0, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
-    // rank 0 step 56: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@0[63/64] = r0:src@0[63/64]; signal r7:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 63}, {{0, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 7}}},
-    // rank 0 step 57: reduce our part, piece 0; wait arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r0:dst@0[0/64] = r0:src@0[0/64] + r0:inbox@1[0/64] + r0:inbox@2[0/64] + r0:inbox@3[0/64] + r0:inbox@4[0/64] + r0:inbox@5[0/64] + r0:inbox@6[0/64] + r0:inbox@7[0/64]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 0}, {{0, 1, 1, 64, 0, 0}, {0, 3, 0, 64, 1, 0}, {0, 3, 0, 64, 2, 0}, {0, 3, 0, 64, 3, 0}, {0, 3, 0, 64, 4, 0}, {0, 3, 0, 64, 5, 0}, {0, 3, 0, 64, 6, 0}, {0, 3, 0, 64, 7, 0}}, {}, {{5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{0, 6, 0}}},
-    // rank 0 step 58: reduce our part, piece 1; wait arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r0:dst@0[1/64] = r0:src@0[1/64] + r0:inbox@1[1/64] + r0:inbox@2[1/64] + r0:inbox@3[1/64] + r0:inbox@4[1/64] + r0:inbox@5[1/64] + r0:inbox@6[1/64] + r0:inbox@7[1/64]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 1}, {{0, 1, 1, 64, 0, 1}, {0, 3, 0, 64, 1, 1}, {0, 3, 0, 64, 2, 1}, {0, 3, 0, 64, 3, 1}, {0, 3, 0, 64, 4, 1}, {0, 3, 0, 64, 5, 1}, {0, 3, 0, 64, 6, 1}, {0, 3, 0, 64, 7, 1}}, {}, {{5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{0, 6, 1}}},
-    // rank 0 step 59: reduce our part, piece 2; wait arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r0:dst@0[2/64] = r0:src@0[2/64] + r0:inbox@1[2/64] + r0:inbox@2[2/64] + r0:inbox@3[2/64] + r0:inbox@4[2/64] + r0:inbox@5[2/64] + r0:inbox@6[2/64] + r0:inbox@7[2/64]; signal r0:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 2}, {{0, 1, 1, 64, 0, 2}, {0, 3, 0, 64, 1, 2}, {0, 3, 0, 64, 2, 2}, {0, 3, 0, 64, 3, 2}, {0, 3, 0, 64, 4, 2}, {0, 3, 0, 64, 5, 2}, {0, 3, 0, 64, 6, 2}, {0, 3, 0, 64, 7, 2}}, {}, {{5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{0, 6, 2}}},
-    // rank 0 step 60: reduce our part, piece 3; wait arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r0:dst@0[3/64] = r0:src@0[3/64] + r0:inbox@1[3/64] + r0:inbox@2[3/64] + r0:inbox@3[3/64] + r0:inbox@4[3/64] + r0:inbox@5[3/64] + r0:inbox@6[3/64] + r0:inbox@7[3/64]; signal r0:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 3}, {{0, 1, 1, 64, 0, 3}, {0, 3, 0, 64, 1, 3}, {0, 3, 0, 64, 2, 3}, {0, 3, 0, 64, 3, 3}, {0, 3, 0, 64, 4, 3}, {0, 3, 0, 64, 5, 3}, {0, 3, 0, 64, 6, 3}, {0, 3, 0, 64, 7, 3}}, {}, {{5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{0, 6, 3}}},
-    // rank 0 step 61: reduce our part, piece 4; wait arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r0:dst@0[4/64] = r0:src@0[4/64] + r0:inbox@1[4/64] + r0:inbox@2[4/64] + r0:inbox@3[4/64] + r0:inbox@4[4/64] + r0:inbox@5[4/64] + r0:inbox@6[4/64] + r0:inbox@7[4/64]; signal r0:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 4}, {{0, 1, 1, 64, 0, 4}, {0, 3, 0, 64, 1, 4}, {0, 3, 0, 64, 2, 4}, {0, 3, 0, 64, 3, 4}, {0, 3, 0, 64, 4, 4}, {0, 3, 0, 64, 5, 4}, {0, 3, 0, 64, 6, 4}, {0, 3, 0, 64, 7, 4}}, {}, {{5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{0, 6, 4}}},
-    // rank 0 step 62: reduce our part, piece 5; wait arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r0:dst@0[5/64] = r0:src@0[5/64] + r0:inbox@1[5/64] + r0:inbox@2[5/64] + r0:inbox@3[5/64] + r0:inbox@4[5/64] + r0:inbox@5[5/64] + r0:inbox@6[5/64] + r0:inbox@7[5/64]; signal r0:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 5}, {{0, 1, 1, 64, 0, 5}, {0, 3, 0, 64, 1, 5}, {0, 3, 0, 64, 2, 5}, {0, 3, 0, 64, 3, 5}, {0, 3, 0, 64, 4, 5}, {0, 3, 0, 64, 5, 5}, {0, 3, 0, 64, 6, 5}, {0, 3, 0, 64, 7, 5}}, {}, {{5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{0, 6, 5}}},
-    // rank 0 step 63: reduce our part, piece 6; wait arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r0:dst@0[6/64] = r0:src@0[6/64] + r0:inbox@1[6/64] + r0:inbox@2[6/64] + r0:inbox@3[6/64] + r0:inbox@4[6/64] + r0:inbox@5[6/64] + r0:inbox@6[6/64] + r0:inbox@7[6/64]; signal r0:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 6}, {{0, 1, 1, 64, 0, 6}, {0, 3, 0, 64, 1, 6}, {0, 3, 0, 64, 2, 6}, {0, 3, 0, 64, 3, 6}, {0, 3, 0, 64, 4, 6}, {0, 3, 0, 64, 5, 6}, {0, 3, 0, 64, 6, 6}, {0, 3, 0, 64, 7, 6}}, {}, {{5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{0, 6, 6}}},
-    // rank 0 step 64: reduce our part, piece 7; wait arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r0:dst@0[7/64] = r0:src@0[7/64] + r0:inbox@1[7/64] + r0:inbox@2[7/64] + r0:inbox@3[7/64] + r0:inbox@4[7/64] + r0:inbox@5[7/64] + r0:inbox@6[7/64] + r0:inbox@7[7/64]; signal r0:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 7}, {{0, 1, 1, 64, 0, 7}, {0, 3, 0, 64, 1, 7}, {0, 3, 0, 64, 2, 7}, {0, 3, 0, 64, 3, 7}, {0, 3, 0, 64, 4, 7}, {0, 3, 0, 64, 5, 7}, {0, 3, 0, 64, 6, 7}, {0, 3, 0, 64, 7, 7}}, {}, {{5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{0, 6, 7}}},
-    // rank 0 step 65: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/64] = r0:dst@0[0/64]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 66: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/64] = r0:dst@0[1/64]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 67: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/64] = r0:dst@0[2/64]; signal r1:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},
-    // rank 0 step 68: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/64] = r0:dst@0[3/64]; signal r1:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},
-    // rank 0 step 69: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/64] = r0:dst@0[4/64]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},
-    // rank 0 step 70: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/64] = r0:dst@0[5/64]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},
-    // rank 0 step 71: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/64] = r0:dst@0[6/64]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},
-    // rank 0 step 72: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/64] = r0:dst@0[7/64]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},
-    // rank 0 step 73: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/64] = r0:dst@0[0/64]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},
-    // rank 0 step 74: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/64] = r0:dst@0[1/64]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},
-    // rank 0 step 75: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/64] = r0:dst@0[2/64]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},
-    // rank 0 step 76: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/64] = r0:dst@0[3/64]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},
-    // rank 0 step 77: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[4/64] = r0:dst@0[4/64]; signal r2:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},
-    // rank 0 step 78: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[5/64] = r0:dst@0[5/64]; signal r2:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},
-    // rank 0 step 79: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[6/64] = r0:dst@0[6/64]; signal r2:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},
-    // rank 0 step 80: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[7/64] = r0:dst@0[7/64]; signal r2:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},
-    // rank 0 step 81: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/64] = r0:dst@0[0/64]; signal r3:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 0}}},
-    // rank 0 step 82: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/64] = r0:dst@0[1/64]; signal r3:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 1}}},
-    // rank 0 step 83: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[2/64] = r0:dst@0[2/64]; signal r3:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 2}}},
-    // rank 0 step 84: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[3/64] = r0:dst@0[3/64]; signal r3:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 3}}},
-    // rank 0 step 85: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[4/64] = r0:dst@0[4/64]; signal r3:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 4}}},
-    // rank 0 step 86: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[5/64] = r0:dst@0[5/64]; signal r3:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 5}}},
-    // rank 0 step 87: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[6/64] = r0:dst@0[6/64]; signal r3:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 6}}},
-    // rank 0 step 88: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[7/64] = r0:dst@0[7/64]; signal r3:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 7}}},
-    // rank 0 step 89: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[0/64] = r0:dst@0[0/64]; signal r4:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 0}}},
-    // rank 0 step 90: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[1/64] = r0:dst@0[1/64]; signal r4:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 1}}},
-    // rank 0 step 91: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[2/64] = r0:dst@0[2/64]; signal r4:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 2}}},
-    // rank 0 step 92: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[3/64] = r0:dst@0[3/64]; signal r4:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 3}}},
-    // rank 0 step 93: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[4/64] = r0:dst@0[4/64]; signal r4:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 4}}},
-    // rank 0 step 94: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[5/64] = r0:dst@0[5/64]; signal r4:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 5}}},
-    // rank 0 step 95: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[6/64] = r0:dst@0[6/64]; signal r4:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 6}}},
-    // rank 0 step 96: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[7/64] = r0:dst@0[7/64]; signal r4:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 7}}},
-    // rank 0 step 97: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[0/64] = r0:dst@0[0/64]; signal r5:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 0}}},
-    // rank 0 step 98: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[1/64] = r0:dst@0[1/64]; signal r5:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 1}}},
-    // rank 0 step 99: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[2/64] = r0:dst@0[2/64]; signal r5:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 2}}},
-    // rank 0 step 100: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[3/64] = r0:dst@0[3/64]; signal r5:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 3}}},
-    // rank 0 step 101: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[4/64] = r0:dst@0[4/64]; signal r5:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 4}}},
-    // rank 0 step 102: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[5/64] = r0:dst@0[5/64]; signal r5:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 5}}},
-    // rank 0 step 103: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[6/64] = r0:dst@0[6/64]; signal r5:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 6}}},
-    // rank 0 step 104: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[7/64] = r0:dst@0[7/64]; signal r5:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 7}}},
-    // rank 0 step 105: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[0/64] = r0:dst@0[0/64]; signal r6:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 0}}},
-    // rank 0 step 106: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[1/64] = r0:dst@0[1/64]; signal r6:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 1}}},
-    // rank 0 step 107: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[2/64] = r0:dst@0[2/64]; signal r6:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 2}}},
-    // rank 0 step 108: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[3/64] = r0:dst@0[3/64]; signal r6:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 3}}},
-    // rank 0 step 109: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[4/64] = r0:dst@0[4/64]; signal r6:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 4}}},
-    // rank 0 step 110: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[5/64] = r0:dst@0[5/64]; signal r6:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 5}}},
-    // rank 0 step 111: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[6/64] = r0:dst@0[6/64]; signal r6:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 6}}},
-    // rank 0 step 112: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[7/64] = r0:dst@0[7/64]; signal r6:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 7}}},
-    // rank 0 step 113: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[0/64] = r0:dst@0[0/64]; signal r7:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 0}}},
-    // rank 0 step 114: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[1/64] = r0:dst@0[1/64]; signal r7:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 1}}},
-    // rank 0 step 115: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[2/64] = r0:dst@0[2/64]; signal r7:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 2}}},
-    // rank 0 step 116: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[3/64] = r0:dst@0[3/64]; signal r7:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 3}}},
-    // rank 0 step 117: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[4/64] = r0:dst@0[4/64]; signal r7:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 4}}},
-    // rank 0 step 118: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[5/64] = r0:dst@0[5/64]; signal r7:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 5}}},
-    // rank 0 step 119: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[6/64] = r0:dst@0[6/64]; signal r7:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 6}}},
-    // rank 0 step 120: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[7/64] = r0:dst@0[7/64]; signal r7:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 7}}},
-    // rank 0 step 121: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 0 step 122: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 0 step 123: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
-    // rank 0 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
-    // rank 0 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
-    // rank 0 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
-    // rank 0 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[16/64] = r1:src@0[16/64]; signal r2:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 16}, {{1, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[17/64] = r1:src@0[17/64]; signal r2:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 17}, {{1, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[18/64] = r1:src@0[18/64]; signal r2:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 18}, {{1, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[19/64] = r1:src@0[19/64]; signal r2:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 19}, {{1, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 1 step 5: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@1[20/64] = r1:src@0[20/64]; signal r2:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 20}, {{1, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 1 step 6: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@1[21/64] = r1:src@0[21/64]; signal r2:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 21}, {{1, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 1 step 7: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@1[22/64] = r1:src@0[22/64]; signal r2:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 22}, {{1, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 1 step 8: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@1[23/64] = r1:src@0[23/64]; signal r2:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 23}, {{1, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 1 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[24/64] = r1:src@0[24/64]; signal r3:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 24}, {{1, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 1 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[25/64] = r1:src@0[25/64]; signal r3:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 25}, {{1, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 1 step 11: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@1[26/64] = r1:src@0[26/64]; signal r3:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 26}, {{1, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 1 step 12: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@1[27/64] = r1:src@0[27/64]; signal r3:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 27}, {{1, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 1 step 13: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@1[28/64] = r1:src@0[28/64]; signal r3:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 28}, {{1, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
-    // rank 1 step 14: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@1[29/64] = r1:src@0[29/64]; signal r3:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 29}, {{1, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
-    // rank 1 step 15: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@1[30/64] = r1:src@0[30/64]; signal r3:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 30}, {{1, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
-    // rank 1 step 16: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@1[31/64] = r1:src@0[31/64]; signal r3:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 31}, {{1, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
-    // rank 1 step 17: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@1[32/64] = r1:src@0[32/64]; signal r4:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 32}, {{1, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
-    // rank 1 step 18: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@1[33/64] = r1:src@0[33/64]; signal r4:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 33}, {{1, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
-    // rank 1 step 19: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@1[34/64] = r1:src@0[34/64]; signal r4:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 34}, {{1, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
-    // rank 1 step 20: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@1[35/64] = r1:src@0[35/64]; signal r4:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 35}, {{1, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
-    // rank 1 step 21: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@1[36/64] = r1:src@0[36/64]; signal r4:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 36}, {{1, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
-    // rank 1 step 22: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@1[37/64] = r1:src@0[37/64]; signal r4:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 37}, {{1, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 13}}},
-    // rank 1 step 23: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@1[38/64] = r1:src@0[38/64]; signal r4:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 38}, {{1, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
-    // rank 1 step 24: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@1[39/64] = r1:src@0[39/64]; signal r4:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 39}, {{1, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 15}}},
-    // rank 1 step 25: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@1[40/64] = r1:src@0[40/64]; signal r5:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 40}, {{1, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 8}}},
-    // rank 1 step 26: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@1[41/64] = r1:src@0[41/64]; signal r5:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 41}, {{1, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 9}}},
-    // rank 1 step 27: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@1[42/64] = r1:src@0[42/64]; signal r5:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 42}, {{1, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 10}}},
-    // rank 1 step 28: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@1[43/64] = r1:src@0[43/64]; signal r5:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 43}, {{1, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 11}}},
-    // rank 1 step 29: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@1[44/64] = r1:src@0[44/64]; signal r5:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 44}, {{1, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
-    // rank 1 step 30: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@1[45/64] = r1:src@0[45/64]; signal r5:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 45}, {{1, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
-    // rank 1 step 31: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@1[46/64] = r1:src@0[46/64]; signal r5:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 46}, {{1, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
-    // rank 1 step 32: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@1[47/64] = r1:src@0[47/64]; signal r5:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 47}, {{1, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
-    // rank 1 step 33: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@1[48/64] = r1:src@0[48/64]; signal r6:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 48}, {{1, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
-    // rank 1 step 34: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@1[49/64] = r1:src@0[49/64]; signal r6:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 49}, {{1, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 9}}},
-    // rank 1 step 35: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@1[50/64] = r1:src@0[50/64]; signal r6:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 50}, {{1, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 10}}},
-    // rank 1 step 36: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@1[51/64] = r1:src@0[51/64]; signal r6:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 51}, {{1, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 11}}},
-    // rank 1 step 37: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@1[52/64] = r1:src@0[52/64]; signal r6:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 52}, {{1, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 12}}},
-    // rank 1 step 38: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@1[53/64] = r1:src@0[53/64]; signal r6:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 53}, {{1, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 13}}},
-    // rank 1 step 39: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@1[54/64] = r1:src@0[54/64]; signal r6:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 54}, {{1, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
-    // rank 1 step 40: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@1[55/64] = r1:src@0[55/64]; signal r6:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 55}, {{1, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 15}}},
-    // rank 1 step 41: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@1[56/64] = r1:src@0[56/64]; signal r7:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 56}, {{1, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
-    // rank 1 step 42: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@1[57/64] = r1:src@0[57/64]; signal r7:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 57}, {{1, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 9}}},
-    // rank 1 step 43: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@1[58/64] = r1:src@0[58/64]; signal r7:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 58}, {{1, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
-    // rank 1 step 44: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@1[59/64] = r1:src@0[59/64]; signal r7:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 59}, {{1, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 11}}},
-    // rank 1 step 45: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@1[60/64] = r1:src@0[60/64]; signal r7:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 60}, {{1, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 12}}},
-    // rank 1 step 46: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@1[61/64] = r1:src@0[61/64]; signal r7:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 61}, {{1, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 13}}},
-    // rank 1 step 47: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@1[62/64] = r1:src@0[62/64]; signal r7:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 62}, {{1, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 14}}},
-    // rank 1 step 48: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@1[63/64] = r1:src@0[63/64]; signal r7:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 63}, {{1, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 15}}},
-    // rank 1 step 49: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/64] = r1:src@0[0/64]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 0}, {{1, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 1 step 50: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/64] = r1:src@0[1/64]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 1}, {{1, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 1 step 51: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/64] = r1:src@0[2/64]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 2}, {{1, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 1 step 52: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/64] = r1:src@0[3/64]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 3}, {{1, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 1 step 53: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/64] = r1:src@0[4/64]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 4}, {{1, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 1 step 54: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/64] = r1:src@0[5/64]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 5}, {{1, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 1 step 55: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/64] = r1:src@0[6/64]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 6}, {{1, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 1 step 56: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/64] = r1:src@0[7/64]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 7}, {{1, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 1 step 57: reduce our part, piece 0; wait arrive[0], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r1:dst@0[8/64] = r1:src@0[8/64] + r1:inbox@0[8/64] + r1:inbox@2[8/64] + r1:inbox@3[8/64] + r1:inbox@4[8/64] + r1:inbox@5[8/64] + r1:inbox@6[8/64] + r1:inbox@7[8/64]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 8}, {{1, 1, 1, 64, 0, 8}, {1, 3, 0, 64, 0, 8}, {1, 3, 0, 64, 2, 8}, {1, 3, 0, 64, 3, 8}, {1, 3, 0, 64, 4, 8}, {1, 3, 0, 64, 5, 8}, {1, 3, 0, 64, 6, 8}, {1, 3, 0, 64, 7, 8}}, {}, {{5, 0, 0, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{1, 6, 0}}},
-    // rank 1 step 58: reduce our part, piece 1; wait arrive[1], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r1:dst@0[9/64] = r1:src@0[9/64] + r1:inbox@0[9/64] + r1:inbox@2[9/64] + r1:inbox@3[9/64] + r1:inbox@4[9/64] + r1:inbox@5[9/64] + r1:inbox@6[9/64] + r1:inbox@7[9/64]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 9}, {{1, 1, 1, 64, 0, 9}, {1, 3, 0, 64, 0, 9}, {1, 3, 0, 64, 2, 9}, {1, 3, 0, 64, 3, 9}, {1, 3, 0, 64, 4, 9}, {1, 3, 0, 64, 5, 9}, {1, 3, 0, 64, 6, 9}, {1, 3, 0, 64, 7, 9}}, {}, {{5, 0, 1, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{1, 6, 1}}},
-    // rank 1 step 59: reduce our part, piece 2; wait arrive[2], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r1:dst@0[10/64] = r1:src@0[10/64] + r1:inbox@0[10/64] + r1:inbox@2[10/64] + r1:inbox@3[10/64] + r1:inbox@4[10/64] + r1:inbox@5[10/64] + r1:inbox@6[10/64] + r1:inbox@7[10/64]; signal r1:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 10}, {{1, 1, 1, 64, 0, 10}, {1, 3, 0, 64, 0, 10}, {1, 3, 0, 64, 2, 10}, {1, 3, 0, 64, 3, 10}, {1, 3, 0, 64, 4, 10}, {1, 3, 0, 64, 5, 10}, {1, 3, 0, 64, 6, 10}, {1, 3, 0, 64, 7, 10}}, {}, {{5, 0, 2, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{1, 6, 2}}},
-    // rank 1 step 60: reduce our part, piece 3; wait arrive[3], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r1:dst@0[11/64] = r1:src@0[11/64] + r1:inbox@0[11/64] + r1:inbox@2[11/64] + r1:inbox@3[11/64] + r1:inbox@4[11/64] + r1:inbox@5[11/64] + r1:inbox@6[11/64] + r1:inbox@7[11/64]; signal r1:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 11}, {{1, 1, 1, 64, 0, 11}, {1, 3, 0, 64, 0, 11}, {1, 3, 0, 64, 2, 11}, {1, 3, 0, 64, 3, 11}, {1, 3, 0, 64, 4, 11}, {1, 3, 0, 64, 5, 11}, {1, 3, 0, 64, 6, 11}, {1, 3, 0, 64, 7, 11}}, {}, {{5, 0, 3, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{1, 6, 3}}},
-    // rank 1 step 61: reduce our part, piece 4; wait arrive[4], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r1:dst@0[12/64] = r1:src@0[12/64] + r1:inbox@0[12/64] + r1:inbox@2[12/64] + r1:inbox@3[12/64] + r1:inbox@4[12/64] + r1:inbox@5[12/64] + r1:inbox@6[12/64] + r1:inbox@7[12/64]; signal r1:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 12}, {{1, 1, 1, 64, 0, 12}, {1, 3, 0, 64, 0, 12}, {1, 3, 0, 64, 2, 12}, {1, 3, 0, 64, 3, 12}, {1, 3, 0, 64, 4, 12}, {1, 3, 0, 64, 5, 12}, {1, 3, 0, 64, 6, 12}, {1, 3, 0, 64, 7, 12}}, {}, {{5, 0, 4, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{1, 6, 4}}},
-    // rank 1 step 62: reduce our part, piece 5; wait arrive[5], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r1:dst@0[13/64] = r1:src@0[13/64] + r1:inbox@0[13/64] + r1:inbox@2[13/64] + r1:inbox@3[13/64] + r1:inbox@4[13/64] + r1:inbox@5[13/64] + r1:inbox@6[13/64] + r1:inbox@7[13/64]; signal r1:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 13}, {{1, 1, 1, 64, 0, 13}, {1, 3, 0, 64, 0, 13}, {1, 3, 0, 64, 2, 13}, {1, 3, 0, 64, 3, 13}, {1, 3, 0, 64, 4, 13}, {1, 3, 0, 64, 5, 13}, {1, 3, 0, 64, 6, 13}, {1, 3, 0, 64, 7, 13}}, {}, {{5, 0, 5, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{1, 6, 5}}},
-    // rank 1 step 63: reduce our part, piece 6; wait arrive[6], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r1:dst@0[14/64] = r1:src@0[14/64] + r1:inbox@0[14/64] + r1:inbox@2[14/64] + r1:inbox@3[14/64] + r1:inbox@4[14/64] + r1:inbox@5[14/64] + r1:inbox@6[14/64] + r1:inbox@7[14/64]; signal r1:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 14}, {{1, 1, 1, 64, 0, 14}, {1, 3, 0, 64, 0, 14}, {1, 3, 0, 64, 2, 14}, {1, 3, 0, 64, 3, 14}, {1, 3, 0, 64, 4, 14}, {1, 3, 0, 64, 5, 14}, {1, 3, 0, 64, 6, 14}, {1, 3, 0, 64, 7, 14}}, {}, {{5, 0, 6, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{1, 6, 6}}},
-    // rank 1 step 64: reduce our part, piece 7; wait arrive[7], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r1:dst@0[15/64] = r1:src@0[15/64] + r1:inbox@0[15/64] + r1:inbox@2[15/64] + r1:inbox@3[15/64] + r1:inbox@4[15/64] + r1:inbox@5[15/64] + r1:inbox@6[15/64] + r1:inbox@7[15/64]; signal r1:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 15}, {{1, 1, 1, 64, 0, 15}, {1, 3, 0, 64, 0, 15}, {1, 3, 0, 64, 2, 15}, {1, 3, 0, 64, 3, 15}, {1, 3, 0, 64, 4, 15}, {1, 3, 0, 64, 5, 15}, {1, 3, 0, 64, 6, 15}, {1, 3, 0, 64, 7, 15}}, {}, {{5, 0, 7, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{1, 6, 7}}},
-    // rank 1 step 65: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/64] = r1:dst@0[8/64]; signal r2:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},
-    // rank 1 step 66: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/64] = r1:dst@0[9/64]; signal r2:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},
-    // rank 1 step 67: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[10/64] = r1:dst@0[10/64]; signal r2:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},
-    // rank 1 step 68: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[11/64] = r1:dst@0[11/64]; signal r2:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},
-    // rank 1 step 69: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[12/64] = r1:dst@0[12/64]; signal r2:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},
-    // rank 1 step 70: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[13/64] = r1:dst@0[13/64]; signal r2:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},
-    // rank 1 step 71: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[14/64] = r1:dst@0[14/64]; signal r2:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},
-    // rank 1 step 72: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[15/64] = r1:dst@0[15/64]; signal r2:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},
-    // rank 1 step 73: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/64] = r1:dst@0[8/64]; signal r3:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 8}}},
-    // rank 1 step 74: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/64] = r1:dst@0[9/64]; signal r3:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 9}}},
-    // rank 1 step 75: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[10/64] = r1:dst@0[10/64]; signal r3:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 10}}},
-    // rank 1 step 76: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[11/64] = r1:dst@0[11/64]; signal r3:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 11}}},
-    // rank 1 step 77: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[12/64] = r1:dst@0[12/64]; signal r3:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 12}}},
-    // rank 1 step 78: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[13/64] = r1:dst@0[13/64]; signal r3:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 13}}},
-    // rank 1 step 79: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[14/64] = r1:dst@0[14/64]; signal r3:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 14}}},
-    // rank 1 step 80: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[15/64] = r1:dst@0[15/64]; signal r3:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 15}}},
-    // rank 1 step 81: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[8/64] = r1:dst@0[8/64]; signal r4:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 8}}},
-    // rank 1 step 82: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[9/64] = r1:dst@0[9/64]; signal r4:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 9}}},
-    // rank 1 step 83: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[10/64] = r1:dst@0[10/64]; signal r4:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 10}}},
-    // rank 1 step 84: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[11/64] = r1:dst@0[11/64]; signal r4:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 11}}},
-    // rank 1 step 85: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[12/64] = r1:dst@0[12/64]; signal r4:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 12}}},
-    // rank 1 step 86: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[13/64] = r1:dst@0[13/64]; signal r4:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 13}}},
-    // rank 1 step 87: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[14/64] = r1:dst@0[14/64]; signal r4:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 14}}},
-    // rank 1 step 88: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[15/64] = r1:dst@0[15/64]; signal r4:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 15}}},
-    // rank 1 step 89: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[8/64] = r1:dst@0[8/64]; signal r5:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 8}}},
-    // rank 1 step 90: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[9/64] = r1:dst@0[9/64]; signal r5:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 9}}},
-    // rank 1 step 91: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[10/64] = r1:dst@0[10/64]; signal r5:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 10}}},
-    // rank 1 step 92: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[11/64] = r1:dst@0[11/64]; signal r5:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 11}}},
-    // rank 1 step 93: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[12/64] = r1:dst@0[12/64]; signal r5:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 12}}},
-    // rank 1 step 94: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[13/64] = r1:dst@0[13/64]; signal r5:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 13}}},
-    // rank 1 step 95: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[14/64] = r1:dst@0[14/64]; signal r5:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 14}}},
-    // rank 1 step 96: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[15/64] = r1:dst@0[15/64]; signal r5:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 15}}},
-    // rank 1 step 97: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[8/64] = r1:dst@0[8/64]; signal r6:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 8}}},
-    // rank 1 step 98: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[9/64] = r1:dst@0[9/64]; signal r6:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 9}}},
-    // rank 1 step 99: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[10/64] = r1:dst@0[10/64]; signal r6:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 10}}},
-    // rank 1 step 100: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[11/64] = r1:dst@0[11/64]; signal r6:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 11}}},
-    // rank 1 step 101: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[12/64] = r1:dst@0[12/64]; signal r6:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 12}}},
-    // rank 1 step 102: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[13/64] = r1:dst@0[13/64]; signal r6:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 13}}},
-    // rank 1 step 103: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[14/64] = r1:dst@0[14/64]; signal r6:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 14}}},
-    // rank 1 step 104: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[15/64] = r1:dst@0[15/64]; signal r6:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 15}}},
-    // rank 1 step 105: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[8/64] = r1:dst@0[8/64]; signal r7:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 8}}},
-    // rank 1 step 106: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[9/64] = r1:dst@0[9/64]; signal r7:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 9}}},
-    // rank 1 step 107: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[10/64] = r1:dst@0[10/64]; signal r7:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 10}}},
-    // rank 1 step 108: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[11/64] = r1:dst@0[11/64]; signal r7:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 11}}},
-    // rank 1 step 109: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[12/64] = r1:dst@0[12/64]; signal r7:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 12}}},
-    // rank 1 step 110: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[13/64] = r1:dst@0[13/64]; signal r7:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 13}}},
-    // rank 1 step 111: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[14/64] = r1:dst@0[14/64]; signal r7:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 14}}},
-    // rank 1 step 112: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[15/64] = r1:dst@0[15/64]; signal r7:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 15}}},
-    // rank 1 step 113: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/64] = r1:dst@0[8/64]; signal r0:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},
-    // rank 1 step 114: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/64] = r1:dst@0[9/64]; signal r0:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},
-    // rank 1 step 115: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/64] = r1:dst@0[10/64]; signal r0:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},
-    // rank 1 step 116: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/64] = r1:dst@0[11/64]; signal r0:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},
-    // rank 1 step 117: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/64] = r1:dst@0[12/64]; signal r0:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},
-    // rank 1 step 118: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/64] = r1:dst@0[13/64]; signal r0:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},
-    // rank 1 step 119: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/64] = r1:dst@0[14/64]; signal r0:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},
-    // rank 1 step 120: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/64] = r1:dst@0[15/64]; signal r0:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},
-    // rank 1 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 1 step 122: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 1 step 123: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
-    // rank 1 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
-    // rank 1 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
-    // rank 1 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
-    // rank 1 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
-    // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[24/64] = r2:src@0[24/64]; signal r3:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 24}, {{2, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
-    // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[25/64] = r2:src@0[25/64]; signal r3:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 25}, {{2, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
-    // rank 2 step 3: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@2[26/64] = r2:src@0[26/64]; signal r3:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 26}, {{2, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
-    // rank 2 step 4: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@2[27/64] = r2:src@0[27/64]; signal r3:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 27}, {{2, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
-    // rank 2 step 5: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@2[28/64] = r2:src@0[28/64]; signal r3:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 28}, {{2, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
-    // rank 2 step 6: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@2[29/64] = r2:src@0[29/64]; signal r3:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 29}, {{2, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
-    // rank 2 step 7: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@2[30/64] = r2:src@0[30/64]; signal r3:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 30}, {{2, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
-    // rank 2 step 8: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@2[31/64] = r2:src@0[31/64]; signal r3:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 31}, {{2, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
-    // rank 2 step 9: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@2[32/64] = r2:src@0[32/64]; signal r4:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 32}, {{2, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 16}}},
-    // rank 2 step 10: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@2[33/64] = r2:src@0[33/64]; signal r4:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 33}, {{2, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 17}}},
-    // rank 2 step 11: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@2[34/64] = r2:src@0[34/64]; signal r4:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 34}, {{2, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 18}}},
-    // rank 2 step 12: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@2[35/64] = r2:src@0[35/64]; signal r4:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 35}, {{2, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 19}}},
-    // rank 2 step 13: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@2[36/64] = r2:src@0[36/64]; signal r4:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 36}, {{2, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
-    // rank 2 step 14: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@2[37/64] = r2:src@0[37/64]; signal r4:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 37}, {{2, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
-    // rank 2 step 15: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@2[38/64] = r2:src@0[38/64]; signal r4:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 38}, {{2, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
-    // rank 2 step 16: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@2[39/64] = r2:src@0[39/64]; signal r4:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 39}, {{2, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
-    // rank 2 step 17: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@2[40/64] = r2:src@0[40/64]; signal r5:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 40}, {{2, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 16}}},
-    // rank 2 step 18: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@2[41/64] = r2:src@0[41/64]; signal r5:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 41}, {{2, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 17}}},
-    // rank 2 step 19: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@2[42/64] = r2:src@0[42/64]; signal r5:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 42}, {{2, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 18}}},
-    // rank 2 step 20: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@2[43/64] = r2:src@0[43/64]; signal r5:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 43}, {{2, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 19}}},
-    // rank 2 step 21: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@2[44/64] = r2:src@0[44/64]; signal r5:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 44}, {{2, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 20}}},
-    // rank 2 step 22: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@2[45/64] = r2:src@0[45/64]; signal r5:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 45}, {{2, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 21}}},
-    // rank 2 step 23: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@2[46/64] = r2:src@0[46/64]; signal r5:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 46}, {{2, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 22}}},
-    // rank 2 step 24: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@2[47/64] = r2:src@0[47/64]; signal r5:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 47}, {{2, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 23}}},
-    // rank 2 step 25: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@2[48/64] = r2:src@0[48/64]; signal r6:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 48}, {{2, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
-    // rank 2 step 26: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@2[49/64] = r2:src@0[49/64]; signal r6:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 49}, {{2, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
-    // rank 2 step 27: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@2[50/64] = r2:src@0[50/64]; signal r6:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 50}, {{2, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
-    // rank 2 step 28: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@2[51/64] = r2:src@0[51/64]; signal r6:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 51}, {{2, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
-    // rank 2 step 29: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@2[52/64] = r2:src@0[52/64]; signal r6:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 52}, {{2, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 20}}},
-    // rank 2 step 30: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@2[53/64] = r2:src@0[53/64]; signal r6:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 53}, {{2, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 21}}},
-    // rank 2 step 31: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@2[54/64] = r2:src@0[54/64]; signal r6:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 54}, {{2, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 22}}},
-    // rank 2 step 32: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@2[55/64] = r2:src@0[55/64]; signal r6:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 55}, {{2, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 23}}},
-    // rank 2 step 33: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@2[56/64] = r2:src@0[56/64]; signal r7:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 56}, {{2, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 16}}},
-    // rank 2 step 34: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@2[57/64] = r2:src@0[57/64]; signal r7:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 57}, {{2, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 17}}},
-    // rank 2 step 35: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@2[58/64] = r2:src@0[58/64]; signal r7:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 58}, {{2, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 18}}},
-    // rank 2 step 36: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@2[59/64] = r2:src@0[59/64]; signal r7:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 59}, {{2, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 19}}},
-    // rank 2 step 37: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@2[60/64] = r2:src@0[60/64]; signal r7:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 60}, {{2, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
-    // rank 2 step 38: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@2[61/64] = r2:src@0[61/64]; signal r7:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 61}, {{2, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
-    // rank 2 step 39: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@2[62/64] = r2:src@0[62/64]; signal r7:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 62}, {{2, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
-    // rank 2 step 40: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@2[63/64] = r2:src@0[63/64]; signal r7:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 63}, {{2, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
-    // rank 2 step 41: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/64] = r2:src@0[0/64]; signal r0:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 0}, {{2, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 2 step 42: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/64] = r2:src@0[1/64]; signal r0:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 1}, {{2, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 2 step 43: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/64] = r2:src@0[2/64]; signal r0:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 2}, {{2, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 2 step 44: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/64] = r2:src@0[3/64]; signal r0:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 3}, {{2, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 2 step 45: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@2[4/64] = r2:src@0[4/64]; signal r0:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 4}, {{2, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 2 step 46: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@2[5/64] = r2:src@0[5/64]; signal r0:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 5}, {{2, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 2 step 47: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@2[6/64] = r2:src@0[6/64]; signal r0:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 6}, {{2, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 2 step 48: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@2[7/64] = r2:src@0[7/64]; signal r0:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 7}, {{2, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 2 step 49: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[8/64] = r2:src@0[8/64]; signal r1:arrive[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 8}, {{2, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 2 step 50: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[9/64] = r2:src@0[9/64]; signal r1:arrive[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 9}, {{2, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 2 step 51: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[10/64] = r2:src@0[10/64]; signal r1:arrive[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 10}, {{2, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 2 step 52: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[11/64] = r2:src@0[11/64]; signal r1:arrive[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 11}, {{2, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 2 step 53: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@2[12/64] = r2:src@0[12/64]; signal r1:arrive[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 12}, {{2, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 2 step 54: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@2[13/64] = r2:src@0[13/64]; signal r1:arrive[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 13}, {{2, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 2 step 55: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@2[14/64] = r2:src@0[14/64]; signal r1:arrive[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 14}, {{2, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 2 step 56: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@2[15/64] = r2:src@0[15/64]; signal r1:arrive[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 15}, {{2, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 2 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r2:dst@0[16/64] = r2:src@0[16/64] + r2:inbox@0[16/64] + r2:inbox@1[16/64] + r2:inbox@3[16/64] + r2:inbox@4[16/64] + r2:inbox@5[16/64] + r2:inbox@6[16/64] + r2:inbox@7[16/64]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 16}, {{2, 1, 1, 64, 0, 16}, {2, 3, 0, 64, 0, 16}, {2, 3, 0, 64, 1, 16}, {2, 3, 0, 64, 3, 16}, {2, 3, 0, 64, 4, 16}, {2, 3, 0, 64, 5, 16}, {2, 3, 0, 64, 6, 16}, {2, 3, 0, 64, 7, 16}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{2, 6, 0}}},
-    // rank 2 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r2:dst@0[17/64] = r2:src@0[17/64] + r2:inbox@0[17/64] + r2:inbox@1[17/64] + r2:inbox@3[17/64] + r2:inbox@4[17/64] + r2:inbox@5[17/64] + r2:inbox@6[17/64] + r2:inbox@7[17/64]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 17}, {{2, 1, 1, 64, 0, 17}, {2, 3, 0, 64, 0, 17}, {2, 3, 0, 64, 1, 17}, {2, 3, 0, 64, 3, 17}, {2, 3, 0, 64, 4, 17}, {2, 3, 0, 64, 5, 17}, {2, 3, 0, 64, 6, 17}, {2, 3, 0, 64, 7, 17}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{2, 6, 1}}},
-    // rank 2 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r2:dst@0[18/64] = r2:src@0[18/64] + r2:inbox@0[18/64] + r2:inbox@1[18/64] + r2:inbox@3[18/64] + r2:inbox@4[18/64] + r2:inbox@5[18/64] + r2:inbox@6[18/64] + r2:inbox@7[18/64]; signal r2:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 18}, {{2, 1, 1, 64, 0, 18}, {2, 3, 0, 64, 0, 18}, {2, 3, 0, 64, 1, 18}, {2, 3, 0, 64, 3, 18}, {2, 3, 0, 64, 4, 18}, {2, 3, 0, 64, 5, 18}, {2, 3, 0, 64, 6, 18}, {2, 3, 0, 64, 7, 18}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{2, 6, 2}}},
-    // rank 2 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r2:dst@0[19/64] = r2:src@0[19/64] + r2:inbox@0[19/64] + r2:inbox@1[19/64] + r2:inbox@3[19/64] + r2:inbox@4[19/64] + r2:inbox@5[19/64] + r2:inbox@6[19/64] + r2:inbox@7[19/64]; signal r2:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 19}, {{2, 1, 1, 64, 0, 19}, {2, 3, 0, 64, 0, 19}, {2, 3, 0, 64, 1, 19}, {2, 3, 0, 64, 3, 19}, {2, 3, 0, 64, 4, 19}, {2, 3, 0, 64, 5, 19}, {2, 3, 0, 64, 6, 19}, {2, 3, 0, 64, 7, 19}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{2, 6, 3}}},
-    // rank 2 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r2:dst@0[20/64] = r2:src@0[20/64] + r2:inbox@0[20/64] + r2:inbox@1[20/64] + r2:inbox@3[20/64] + r2:inbox@4[20/64] + r2:inbox@5[20/64] + r2:inbox@6[20/64] + r2:inbox@7[20/64]; signal r2:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 20}, {{2, 1, 1, 64, 0, 20}, {2, 3, 0, 64, 0, 20}, {2, 3, 0, 64, 1, 20}, {2, 3, 0, 64, 3, 20}, {2, 3, 0, 64, 4, 20}, {2, 3, 0, 64, 5, 20}, {2, 3, 0, 64, 6, 20}, {2, 3, 0, 64, 7, 20}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{2, 6, 4}}},
-    // rank 2 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r2:dst@0[21/64] = r2:src@0[21/64] + r2:inbox@0[21/64] + r2:inbox@1[21/64] + r2:inbox@3[21/64] + r2:inbox@4[21/64] + r2:inbox@5[21/64] + r2:inbox@6[21/64] + r2:inbox@7[21/64]; signal r2:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 21}, {{2, 1, 1, 64, 0, 21}, {2, 3, 0, 64, 0, 21}, {2, 3, 0, 64, 1, 21}, {2, 3, 0, 64, 3, 21}, {2, 3, 0, 64, 4, 21}, {2, 3, 0, 64, 5, 21}, {2, 3, 0, 64, 6, 21}, {2, 3, 0, 64, 7, 21}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{2, 6, 5}}},
-    // rank 2 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r2:dst@0[22/64] = r2:src@0[22/64] + r2:inbox@0[22/64] + r2:inbox@1[22/64] + r2:inbox@3[22/64] + r2:inbox@4[22/64] + r2:inbox@5[22/64] + r2:inbox@6[22/64] + r2:inbox@7[22/64]; signal r2:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 22}, {{2, 1, 1, 64, 0, 22}, {2, 3, 0, 64, 0, 22}, {2, 3, 0, 64, 1, 22}, {2, 3, 0, 64, 3, 22}, {2, 3, 0, 64, 4, 22}, {2, 3, 0, 64, 5, 22}, {2, 3, 0, 64, 6, 22}, {2, 3, 0, 64, 7, 22}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{2, 6, 6}}},
-    // rank 2 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r2:dst@0[23/64] = r2:src@0[23/64] + r2:inbox@0[23/64] + r2:inbox@1[23/64] + r2:inbox@3[23/64] + r2:inbox@4[23/64] + r2:inbox@5[23/64] + r2:inbox@6[23/64] + r2:inbox@7[23/64]; signal r2:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 23}, {{2, 1, 1, 64, 0, 23}, {2, 3, 0, 64, 0, 23}, {2, 3, 0, 64, 1, 23}, {2, 3, 0, 64, 3, 23}, {2, 3, 0, 64, 4, 23}, {2, 3, 0, 64, 5, 23}, {2, 3, 0, 64, 6, 23}, {2, 3, 0, 64, 7, 23}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{2, 6, 7}}},
-    // rank 2 step 65: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[16/64] = r2:dst@0[16/64]; signal r3:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 16}}},
-    // rank 2 step 66: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[17/64] = r2:dst@0[17/64]; signal r3:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 17}}},
-    // rank 2 step 67: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[18/64] = r2:dst@0[18/64]; signal r3:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 18}}},
-    // rank 2 step 68: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[19/64] = r2:dst@0[19/64]; signal r3:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 19}}},
-    // rank 2 step 69: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[20/64] = r2:dst@0[20/64]; signal r3:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 20}}},
-    // rank 2 step 70: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[21/64] = r2:dst@0[21/64]; signal r3:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 21}}},
-    // rank 2 step 71: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[22/64] = r2:dst@0[22/64]; signal r3:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 22}}},
-    // rank 2 step 72: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[23/64] = r2:dst@0[23/64]; signal r3:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 23}}},
-    // rank 2 step 73: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[16/64] = r2:dst@0[16/64]; signal r4:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 16}}},
-    // rank 2 step 74: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[17/64] = r2:dst@0[17/64]; signal r4:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 17}}},
-    // rank 2 step 75: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[18/64] = r2:dst@0[18/64]; signal r4:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 18}}},
-    // rank 2 step 76: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[19/64] = r2:dst@0[19/64]; signal r4:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 19}}},
-    // rank 2 step 77: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[20/64] = r2:dst@0[20/64]; signal r4:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 20}}},
-    // rank 2 step 78: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[21/64] = r2:dst@0[21/64]; signal r4:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 21}}},
-    // rank 2 step 79: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[22/64] = r2:dst@0[22/64]; signal r4:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 22}}},
-    // rank 2 step 80: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[23/64] = r2:dst@0[23/64]; signal r4:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 23}}},
-    // rank 2 step 81: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[16/64] = r2:dst@0[16/64]; signal r5:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 16}}},
-    // rank 2 step 82: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[17/64] = r2:dst@0[17/64]; signal r5:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 17}}},
-    // rank 2 step 83: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[18/64] = r2:dst@0[18/64]; signal r5:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 18}}},
-    // rank 2 step 84: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[19/64] = r2:dst@0[19/64]; signal r5:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 19}}},
-    // rank 2 step 85: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[20/64] = r2:dst@0[20/64]; signal r5:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 20}}},
-    // rank 2 step 86: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[21/64] = r2:dst@0[21/64]; signal r5:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 21}}},
-    // rank 2 step 87: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[22/64] = r2:dst@0[22/64]; signal r5:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 22}}},
-    // rank 2 step 88: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[23/64] = r2:dst@0[23/64]; signal r5:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 23}}},
-    // rank 2 step 89: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[16/64] = r2:dst@0[16/64]; signal r6:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 16}}},
-    // rank 2 step 90: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[17/64] = r2:dst@0[17/64]; signal r6:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 17}}},
-    // rank 2 step 91: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[18/64] = r2:dst@0[18/64]; signal r6:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 18}}},
-    // rank 2 step 92: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[19/64] = r2:dst@0[19/64]; signal r6:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 19}}},
-    // rank 2 step 93: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[20/64] = r2:dst@0[20/64]; signal r6:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 20}}},
-    // rank 2 step 94: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[21/64] = r2:dst@0[21/64]; signal r6:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 21}}},
-    // rank 2 step 95: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[22/64] = r2:dst@0[22/64]; signal r6:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 22}}},
-    // rank 2 step 96: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[23/64] = r2:dst@0[23/64]; signal r6:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 23}}},
-    // rank 2 step 97: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[16/64] = r2:dst@0[16/64]; signal r7:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 16}}},
-    // rank 2 step 98: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[17/64] = r2:dst@0[17/64]; signal r7:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 17}}},
-    // rank 2 step 99: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[18/64] = r2:dst@0[18/64]; signal r7:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 18}}},
-    // rank 2 step 100: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[19/64] = r2:dst@0[19/64]; signal r7:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 19}}},
-    // rank 2 step 101: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[20/64] = r2:dst@0[20/64]; signal r7:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 20}}},
-    // rank 2 step 102: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[21/64] = r2:dst@0[21/64]; signal r7:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 21}}},
-    // rank 2 step 103: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[22/64] = r2:dst@0[22/64]; signal r7:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 22}}},
-    // rank 2 step 104: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[23/64] = r2:dst@0[23/64]; signal r7:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 23}}},
-    // rank 2 step 105: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/64] = r2:dst@0[16/64]; signal r0:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},
-    // rank 2 step 106: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/64] = r2:dst@0[17/64]; signal r0:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},
-    // rank 2 step 107: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/64] = r2:dst@0[18/64]; signal r0:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},
-    // rank 2 step 108: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/64] = r2:dst@0[19/64]; signal r0:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},
-    // rank 2 step 109: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[20/64] = r2:dst@0[20/64]; signal r0:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},
-    // rank 2 step 110: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[21/64] = r2:dst@0[21/64]; signal r0:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},
-    // rank 2 step 111: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[22/64] = r2:dst@0[22/64]; signal r0:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},
-    // rank 2 step 112: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[23/64] = r2:dst@0[23/64]; signal r0:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},
-    // rank 2 step 113: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/64] = r2:dst@0[16/64]; signal r1:gathered[16]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},
-    // rank 2 step 114: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/64] = r2:dst@0[17/64]; signal r1:gathered[17]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},
-    // rank 2 step 115: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/64] = r2:dst@0[18/64]; signal r1:gathered[18]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},
-    // rank 2 step 116: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/64] = r2:dst@0[19/64]; signal r1:gathered[19]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},
-    // rank 2 step 117: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[20/64] = r2:dst@0[20/64]; signal r1:gathered[20]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},
-    // rank 2 step 118: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[21/64] = r2:dst@0[21/64]; signal r1:gathered[21]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},
-    // rank 2 step 119: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[22/64] = r2:dst@0[22/64]; signal r1:gathered[22]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},
-    // rank 2 step 120: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[23/64] = r2:dst@0[23/64]; signal r1:gathered[23]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},
-    // rank 2 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 2 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 2 step 123: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
-    // rank 2 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
-    // rank 2 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
-    // rank 2 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
-    // rank 2 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
-    // rank 3 step 1: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@3[32/64] = r3:src@0[32/64]; signal r4:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 32}, {{3, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 24}}},
-    // rank 3 step 2: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@3[33/64] = r3:src@0[33/64]; signal r4:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 33}, {{3, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 25}}},
-    // rank 3 step 3: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@3[34/64] = r3:src@0[34/64]; signal r4:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 34}, {{3, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 26}}},
-    // rank 3 step 4: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@3[35/64] = r3:src@0[35/64]; signal r4:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 35}, {{3, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 27}}},
-    // rank 3 step 5: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@3[36/64] = r3:src@0[36/64]; signal r4:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 36}, {{3, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 28}}},
-    // rank 3 step 6: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@3[37/64] = r3:src@0[37/64]; signal r4:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 37}, {{3, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 29}}},
-    // rank 3 step 7: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@3[38/64] = r3:src@0[38/64]; signal r4:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 38}, {{3, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 30}}},
-    // rank 3 step 8: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@3[39/64] = r3:src@0[39/64]; signal r4:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 39}, {{3, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 31}}},
-    // rank 3 step 9: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@3[40/64] = r3:src@0[40/64]; signal r5:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 40}, {{3, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
-    // rank 3 step 10: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@3[41/64] = r3:src@0[41/64]; signal r5:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 41}, {{3, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
-    // rank 3 step 11: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@3[42/64] = r3:src@0[42/64]; signal r5:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 42}, {{3, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
-    // rank 3 step 12: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@3[43/64] = r3:src@0[43/64]; signal r5:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 43}, {{3, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
-    // rank 3 step 13: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@3[44/64] = r3:src@0[44/64]; signal r5:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 44}, {{3, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
-    // rank 3 step 14: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@3[45/64] = r3:src@0[45/64]; signal r5:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 45}, {{3, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
-    // rank 3 step 15: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@3[46/64] = r3:src@0[46/64]; signal r5:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 46}, {{3, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
-    // rank 3 step 16: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@3[47/64] = r3:src@0[47/64]; signal r5:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 47}, {{3, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
-    // rank 3 step 17: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@3[48/64] = r3:src@0[48/64]; signal r6:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 48}, {{3, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 24}}},
-    // rank 3 step 18: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@3[49/64] = r3:src@0[49/64]; signal r6:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 49}, {{3, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 25}}},
-    // rank 3 step 19: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@3[50/64] = r3:src@0[50/64]; signal r6:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 50}, {{3, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 26}}},
-    // rank 3 step 20: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@3[51/64] = r3:src@0[51/64]; signal r6:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 51}, {{3, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 27}}},
-    // rank 3 step 21: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@3[52/64] = r3:src@0[52/64]; signal r6:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 52}, {{3, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 28}}},
-    // rank 3 step 22: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@3[53/64] = r3:src@0[53/64]; signal r6:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 53}, {{3, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 29}}},
-    // rank 3 step 23: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@3[54/64] = r3:src@0[54/64]; signal r6:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 54}, {{3, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 30}}},
-    // rank 3 step 24: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@3[55/64] = r3:src@0[55/64]; signal r6:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 55}, {{3, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 31}}},
-    // rank 3 step 25: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@3[56/64] = r3:src@0[56/64]; signal r7:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 56}, {{3, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 24}}},
-    // rank 3 step 26: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@3[57/64] = r3:src@0[57/64]; signal r7:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 57}, {{3, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 25}}},
-    // rank 3 step 27: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@3[58/64] = r3:src@0[58/64]; signal r7:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 58}, {{3, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 26}}},
-    // rank 3 step 28: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@3[59/64] = r3:src@0[59/64]; signal r7:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 59}, {{3, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 27}}},
-    // rank 3 step 29: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@3[60/64] = r3:src@0[60/64]; signal r7:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 60}, {{3, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 28}}},
-    // rank 3 step 30: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@3[61/64] = r3:src@0[61/64]; signal r7:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 61}, {{3, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 29}}},
-    // rank 3 step 31: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@3[62/64] = r3:src@0[62/64]; signal r7:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 62}, {{3, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 30}}},
-    // rank 3 step 32: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@3[63/64] = r3:src@0[63/64]; signal r7:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 63}, {{3, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 31}}},
-    // rank 3 step 33: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/64] = r3:src@0[0/64]; signal r0:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 0}, {{3, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
-    // rank 3 step 34: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/64] = r3:src@0[1/64]; signal r0:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 1}, {{3, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
-    // rank 3 step 35: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@3[2/64] = r3:src@0[2/64]; signal r0:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 2}, {{3, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
-    // rank 3 step 36: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@3[3/64] = r3:src@0[3/64]; signal r0:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 3}, {{3, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
-    // rank 3 step 37: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@3[4/64] = r3:src@0[4/64]; signal r0:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 4}, {{3, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
-    // rank 3 step 38: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@3[5/64] = r3:src@0[5/64]; signal r0:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 5}, {{3, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
-    // rank 3 step 39: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@3[6/64] = r3:src@0[6/64]; signal r0:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 6}, {{3, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
-    // rank 3 step 40: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@3[7/64] = r3:src@0[7/64]; signal r0:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 7}, {{3, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
-    // rank 3 step 41: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[8/64] = r3:src@0[8/64]; signal r1:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 8}, {{3, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
-    // rank 3 step 42: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[9/64] = r3:src@0[9/64]; signal r1:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 9}, {{3, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
-    // rank 3 step 43: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@3[10/64] = r3:src@0[10/64]; signal r1:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 10}, {{3, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
-    // rank 3 step 44: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@3[11/64] = r3:src@0[11/64]; signal r1:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 11}, {{3, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
-    // rank 3 step 45: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@3[12/64] = r3:src@0[12/64]; signal r1:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 12}, {{3, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
-    // rank 3 step 46: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@3[13/64] = r3:src@0[13/64]; signal r1:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 13}, {{3, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
-    // rank 3 step 47: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@3[14/64] = r3:src@0[14/64]; signal r1:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 14}, {{3, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
-    // rank 3 step 48: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@3[15/64] = r3:src@0[15/64]; signal r1:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 15}, {{3, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
-    // rank 3 step 49: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[16/64] = r3:src@0[16/64]; signal r2:arrive[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 16}, {{3, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
-    // rank 3 step 50: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[17/64] = r3:src@0[17/64]; signal r2:arrive[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 17}, {{3, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
-    // rank 3 step 51: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@3[18/64] = r3:src@0[18/64]; signal r2:arrive[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 18}, {{3, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
-    // rank 3 step 52: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@3[19/64] = r3:src@0[19/64]; signal r2:arrive[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 19}, {{3, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
-    // rank 3 step 53: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@3[20/64] = r3:src@0[20/64]; signal r2:arrive[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 20}, {{3, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
-    // rank 3 step 54: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@3[21/64] = r3:src@0[21/64]; signal r2:arrive[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 21}, {{3, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
-    // rank 3 step 55: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@3[22/64] = r3:src@0[22/64]; signal r2:arrive[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 22}, {{3, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
-    // rank 3 step 56: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@3[23/64] = r3:src@0[23/64]; signal r2:arrive[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 23}, {{3, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
-    // rank 3 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[32], arrive[40], arrive[48], arrive[56]; r3:dst@0[24/64] = r3:src@0[24/64] + r3:inbox@0[24/64] + r3:inbox@1[24/64] + r3:inbox@2[24/64] + r3:inbox@4[24/64] + r3:inbox@5[24/64] + r3:inbox@6[24/64] + r3:inbox@7[24/64]; signal r3:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 24}, {{3, 1, 1, 64, 0, 24}, {3, 3, 0, 64, 0, 24}, {3, 3, 0, 64, 1, 24}, {3, 3, 0, 64, 2, 24}, {3, 3, 0, 64, 4, 24}, {3, 3, 0, 64, 5, 24}, {3, 3, 0, 64, 6, 24}, {3, 3, 0, 64, 7, 24}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{3, 6, 0}}},
-    // rank 3 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[33], arrive[41], arrive[49], arrive[57]; r3:dst@0[25/64] = r3:src@0[25/64] + r3:inbox@0[25/64] + r3:inbox@1[25/64] + r3:inbox@2[25/64] + r3:inbox@4[25/64] + r3:inbox@5[25/64] + r3:inbox@6[25/64] + r3:inbox@7[25/64]; signal r3:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 25}, {{3, 1, 1, 64, 0, 25}, {3, 3, 0, 64, 0, 25}, {3, 3, 0, 64, 1, 25}, {3, 3, 0, 64, 2, 25}, {3, 3, 0, 64, 4, 25}, {3, 3, 0, 64, 5, 25}, {3, 3, 0, 64, 6, 25}, {3, 3, 0, 64, 7, 25}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{3, 6, 1}}},
-    // rank 3 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[34], arrive[42], arrive[50], arrive[58]; r3:dst@0[26/64] = r3:src@0[26/64] + r3:inbox@0[26/64] + r3:inbox@1[26/64] + r3:inbox@2[26/64] + r3:inbox@4[26/64] + r3:inbox@5[26/64] + r3:inbox@6[26/64] + r3:inbox@7[26/64]; signal r3:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 26}, {{3, 1, 1, 64, 0, 26}, {3, 3, 0, 64, 0, 26}, {3, 3, 0, 64, 1, 26}, {3, 3, 0, 64, 2, 26}, {3, 3, 0, 64, 4, 26}, {3, 3, 0, 64, 5, 26}, {3, 3, 0, 64, 6, 26}, {3, 3, 0, 64, 7, 26}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{3, 6, 2}}},
-    // rank 3 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[35], arrive[43], arrive[51], arrive[59]; r3:dst@0[27/64] = r3:src@0[27/64] + r3:inbox@0[27/64] + r3:inbox@1[27/64] + r3:inbox@2[27/64] + r3:inbox@4[27/64] + r3:inbox@5[27/64] + r3:inbox@6[27/64] + r3:inbox@7[27/64]; signal r3:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 27}, {{3, 1, 1, 64, 0, 27}, {3, 3, 0, 64, 0, 27}, {3, 3, 0, 64, 1, 27}, {3, 3, 0, 64, 2, 27}, {3, 3, 0, 64, 4, 27}, {3, 3, 0, 64, 5, 27}, {3, 3, 0, 64, 6, 27}, {3, 3, 0, 64, 7, 27}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{3, 6, 3}}},
-    // rank 3 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[36], arrive[44], arrive[52], arrive[60]; r3:dst@0[28/64] = r3:src@0[28/64] + r3:inbox@0[28/64] + r3:inbox@1[28/64] + r3:inbox@2[28/64] + r3:inbox@4[28/64] + r3:inbox@5[28/64] + r3:inbox@6[28/64] + r3:inbox@7[28/64]; signal r3:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 28}, {{3, 1, 1, 64, 0, 28}, {3, 3, 0, 64, 0, 28}, {3, 3, 0, 64, 1, 28}, {3, 3, 0, 64, 2, 28}, {3, 3, 0, 64, 4, 28}, {3, 3, 0, 64, 5, 28}, {3, 3, 0, 64, 6, 28}, {3, 3, 0, 64, 7, 28}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{3, 6, 4}}},
-    // rank 3 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[37], arrive[45], arrive[53], arrive[61]; r3:dst@0[29/64] = r3:src@0[29/64] + r3:inbox@0[29/64] + r3:inbox@1[29/64] + r3:inbox@2[29/64] + r3:inbox@4[29/64] + r3:inbox@5[29/64] + r3:inbox@6[29/64] + r3:inbox@7[29/64]; signal r3:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 29}, {{3, 1, 1, 64, 0, 29}, {3, 3, 0, 64, 0, 29}, {3, 3, 0, 64, 1, 29}, {3, 3, 0, 64, 2, 29}, {3, 3, 0, 64, 4, 29}, {3, 3, 0, 64, 5, 29}, {3, 3, 0, 64, 6, 29}, {3, 3, 0, 64, 7, 29}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{3, 6, 5}}},
-    // rank 3 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[38], arrive[46], arrive[54], arrive[62]; r3:dst@0[30/64] = r3:src@0[30/64] + r3:inbox@0[30/64] + r3:inbox@1[30/64] + r3:inbox@2[30/64] + r3:inbox@4[30/64] + r3:inbox@5[30/64] + r3:inbox@6[30/64] + r3:inbox@7[30/64]; signal r3:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 30}, {{3, 1, 1, 64, 0, 30}, {3, 3, 0, 64, 0, 30}, {3, 3, 0, 64, 1, 30}, {3, 3, 0, 64, 2, 30}, {3, 3, 0, 64, 4, 30}, {3, 3, 0, 64, 5, 30}, {3, 3, 0, 64, 6, 30}, {3, 3, 0, 64, 7, 30}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{3, 6, 6}}},
-    // rank 3 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[39], arrive[47], arrive[55], arrive[63]; r3:dst@0[31/64] = r3:src@0[31/64] + r3:inbox@0[31/64] + r3:inbox@1[31/64] + r3:inbox@2[31/64] + r3:inbox@4[31/64] + r3:inbox@5[31/64] + r3:inbox@6[31/64] + r3:inbox@7[31/64]; signal r3:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 31}, {{3, 1, 1, 64, 0, 31}, {3, 3, 0, 64, 0, 31}, {3, 3, 0, 64, 1, 31}, {3, 3, 0, 64, 2, 31}, {3, 3, 0, 64, 4, 31}, {3, 3, 0, 64, 5, 31}, {3, 3, 0, 64, 6, 31}, {3, 3, 0, 64, 7, 31}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{3, 6, 7}}},
-    // rank 3 step 65: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[24/64] = r3:dst@0[24/64]; signal r4:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 24}}},
-    // rank 3 step 66: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[25/64] = r3:dst@0[25/64]; signal r4:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 25}}},
-    // rank 3 step 67: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[26/64] = r3:dst@0[26/64]; signal r4:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 26}}},
-    // rank 3 step 68: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[27/64] = r3:dst@0[27/64]; signal r4:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 27}}},
-    // rank 3 step 69: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[28/64] = r3:dst@0[28/64]; signal r4:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 28}}},
-    // rank 3 step 70: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[29/64] = r3:dst@0[29/64]; signal r4:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 29}}},
-    // rank 3 step 71: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[30/64] = r3:dst@0[30/64]; signal r4:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 30}}},
-    // rank 3 step 72: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[31/64] = r3:dst@0[31/64]; signal r4:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 31}}},
-    // rank 3 step 73: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[24/64] = r3:dst@0[24/64]; signal r5:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 24}}},
-    // rank 3 step 74: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[25/64] = r3:dst@0[25/64]; signal r5:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 25}}},
-    // rank 3 step 75: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[26/64] = r3:dst@0[26/64]; signal r5:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 26}}},
-    // rank 3 step 76: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[27/64] = r3:dst@0[27/64]; signal r5:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 27}}},
-    // rank 3 step 77: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[28/64] = r3:dst@0[28/64]; signal r5:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 28}}},
-    // rank 3 step 78: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[29/64] = r3:dst@0[29/64]; signal r5:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 29}}},
-    // rank 3 step 79: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[30/64] = r3:dst@0[30/64]; signal r5:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 30}}},
-    // rank 3 step 80: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[31/64] = r3:dst@0[31/64]; signal r5:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 31}}},
-    // rank 3 step 81: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[24/64] = r3:dst@0[24/64]; signal r6:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 24}}},
-    // rank 3 step 82: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[25/64] = r3:dst@0[25/64]; signal r6:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 25}}},
-    // rank 3 step 83: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[26/64] = r3:dst@0[26/64]; signal r6:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 26}}},
-    // rank 3 step 84: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[27/64] = r3:dst@0[27/64]; signal r6:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 27}}},
-    // rank 3 step 85: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[28/64] = r3:dst@0[28/64]; signal r6:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 28}}},
-    // rank 3 step 86: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[29/64] = r3:dst@0[29/64]; signal r6:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 29}}},
-    // rank 3 step 87: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[30/64] = r3:dst@0[30/64]; signal r6:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 30}}},
-    // rank 3 step 88: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[31/64] = r3:dst@0[31/64]; signal r6:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 31}}},
-    // rank 3 step 89: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[24/64] = r3:dst@0[24/64]; signal r7:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 24}}},
-    // rank 3 step 90: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[25/64] = r3:dst@0[25/64]; signal r7:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 25}}},
-    // rank 3 step 91: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[26/64] = r3:dst@0[26/64]; signal r7:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 26}}},
-    // rank 3 step 92: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[27/64] = r3:dst@0[27/64]; signal r7:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 27}}},
-    // rank 3 step 93: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[28/64] = r3:dst@0[28/64]; signal r7:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 28}}},
-    // rank 3 step 94: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[29/64] = r3:dst@0[29/64]; signal r7:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 29}}},
-    // rank 3 step 95: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[30/64] = r3:dst@0[30/64]; signal r7:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 30}}},
-    // rank 3 step 96: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[31/64] = r3:dst@0[31/64]; signal r7:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 31}}},
-    // rank 3 step 97: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[24/64] = r3:dst@0[24/64]; signal r0:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 24}}},
-    // rank 3 step 98: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[25/64] = r3:dst@0[25/64]; signal r0:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 25}}},
-    // rank 3 step 99: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[26/64] = r3:dst@0[26/64]; signal r0:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 26}}},
-    // rank 3 step 100: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[27/64] = r3:dst@0[27/64]; signal r0:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 27}}},
-    // rank 3 step 101: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[28/64] = r3:dst@0[28/64]; signal r0:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 28}}},
-    // rank 3 step 102: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[29/64] = r3:dst@0[29/64]; signal r0:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 29}}},
-    // rank 3 step 103: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[30/64] = r3:dst@0[30/64]; signal r0:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 30}}},
-    // rank 3 step 104: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[31/64] = r3:dst@0[31/64]; signal r0:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 31}}},
-    // rank 3 step 105: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[24/64] = r3:dst@0[24/64]; signal r1:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 24}}},
-    // rank 3 step 106: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[25/64] = r3:dst@0[25/64]; signal r1:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 25}}},
-    // rank 3 step 107: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[26/64] = r3:dst@0[26/64]; signal r1:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 26}}},
-    // rank 3 step 108: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[27/64] = r3:dst@0[27/64]; signal r1:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 27}}},
-    // rank 3 step 109: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[28/64] = r3:dst@0[28/64]; signal r1:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 28}}},
-    // rank 3 step 110: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[29/64] = r3:dst@0[29/64]; signal r1:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 29}}},
-    // rank 3 step 111: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[30/64] = r3:dst@0[30/64]; signal r1:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 30}}},
-    // rank 3 step 112: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[31/64] = r3:dst@0[31/64]; signal r1:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 31}}},
-    // rank 3 step 113: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[24/64] = r3:dst@0[24/64]; signal r2:gathered[24]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 24}}},
-    // rank 3 step 114: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[25/64] = r3:dst@0[25/64]; signal r2:gathered[25]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 25}}},
-    // rank 3 step 115: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[26/64] = r3:dst@0[26/64]; signal r2:gathered[26]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 26}}},
-    // rank 3 step 116: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[27/64] = r3:dst@0[27/64]; signal r2:gathered[27]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 27}}},
-    // rank 3 step 117: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[28/64] = r3:dst@0[28/64]; signal r2:gathered[28]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 28}}},
-    // rank 3 step 118: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[29/64] = r3:dst@0[29/64]; signal r2:gathered[29]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 29}}},
-    // rank 3 step 119: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[30/64] = r3:dst@0[30/64]; signal r2:gathered[30]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 30}}},
-    // rank 3 step 120: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[31/64] = r3:dst@0[31/64]; signal r2:gathered[31]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 31}}},
-    // rank 3 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 3 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 3 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 3 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
-    // rank 3 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
-    // rank 3 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
-    // rank 3 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
-    // rank 4 step 1: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@4[40/64] = r4:src@0[40/64]; signal r5:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 40}, {{4, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 32}}},
-    // rank 4 step 2: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@4[41/64] = r4:src@0[41/64]; signal r5:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 41}, {{4, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 33}}},
-    // rank 4 step 3: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@4[42/64] = r4:src@0[42/64]; signal r5:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 42}, {{4, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 34}}},
-    // rank 4 step 4: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@4[43/64] = r4:src@0[43/64]; signal r5:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 43}, {{4, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 35}}},
-    // rank 4 step 5: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@4[44/64] = r4:src@0[44/64]; signal r5:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 44}, {{4, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 36}}},
-    // rank 4 step 6: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@4[45/64] = r4:src@0[45/64]; signal r5:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 45}, {{4, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 37}}},
-    // rank 4 step 7: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@4[46/64] = r4:src@0[46/64]; signal r5:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 46}, {{4, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 38}}},
-    // rank 4 step 8: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@4[47/64] = r4:src@0[47/64]; signal r5:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 47}, {{4, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 39}}},
-    // rank 4 step 9: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@4[48/64] = r4:src@0[48/64]; signal r6:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 48}, {{4, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 32}}},
-    // rank 4 step 10: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@4[49/64] = r4:src@0[49/64]; signal r6:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 49}, {{4, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 33}}},
-    // rank 4 step 11: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@4[50/64] = r4:src@0[50/64]; signal r6:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 50}, {{4, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 34}}},
-    // rank 4 step 12: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@4[51/64] = r4:src@0[51/64]; signal r6:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 51}, {{4, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 35}}},
-    // rank 4 step 13: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@4[52/64] = r4:src@0[52/64]; signal r6:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 52}, {{4, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 36}}},
-    // rank 4 step 14: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@4[53/64] = r4:src@0[53/64]; signal r6:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 53}, {{4, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 37}}},
-    // rank 4 step 15: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@4[54/64] = r4:src@0[54/64]; signal r6:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 54}, {{4, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 38}}},
-    // rank 4 step 16: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@4[55/64] = r4:src@0[55/64]; signal r6:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 55}, {{4, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 39}}},
-    // rank 4 step 17: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@4[56/64] = r4:src@0[56/64]; signal r7:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 56}, {{4, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 32}}},
-    // rank 4 step 18: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@4[57/64] = r4:src@0[57/64]; signal r7:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 57}, {{4, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 33}}},
-    // rank 4 step 19: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@4[58/64] = r4:src@0[58/64]; signal r7:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 58}, {{4, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 34}}},
-    // rank 4 step 20: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@4[59/64] = r4:src@0[59/64]; signal r7:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 59}, {{4, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 35}}},
-    // rank 4 step 21: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@4[60/64] = r4:src@0[60/64]; signal r7:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 60}, {{4, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 36}}},
-    // rank 4 step 22: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@4[61/64] = r4:src@0[61/64]; signal r7:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 61}, {{4, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 37}}},
-    // rank 4 step 23: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@4[62/64] = r4:src@0[62/64]; signal r7:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 62}, {{4, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 38}}},
-    // rank 4 step 24: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@4[63/64] = r4:src@0[63/64]; signal r7:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 63}, {{4, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 39}}},
-    // rank 4 step 25: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@4[0/64] = r4:src@0[0/64]; signal r0:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 0}, {{4, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 32}}},
-    // rank 4 step 26: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@4[1/64] = r4:src@0[1/64]; signal r0:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 1}, {{4, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 33}}},
-    // rank 4 step 27: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@4[2/64] = r4:src@0[2/64]; signal r0:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 2}, {{4, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 34}}},
-    // rank 4 step 28: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@4[3/64] = r4:src@0[3/64]; signal r0:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 3}, {{4, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 35}}},
-    // rank 4 step 29: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@4[4/64] = r4:src@0[4/64]; signal r0:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 4}, {{4, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 36}}},
-    // rank 4 step 30: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@4[5/64] = r4:src@0[5/64]; signal r0:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 5}, {{4, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 37}}},
-    // rank 4 step 31: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@4[6/64] = r4:src@0[6/64]; signal r0:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 6}, {{4, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 38}}},
-    // rank 4 step 32: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@4[7/64] = r4:src@0[7/64]; signal r0:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 7}, {{4, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 39}}},
-    // rank 4 step 33: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@4[8/64] = r4:src@0[8/64]; signal r1:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 8}, {{4, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 32}}},
-    // rank 4 step 34: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@4[9/64] = r4:src@0[9/64]; signal r1:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 9}, {{4, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 33}}},
-    // rank 4 step 35: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@4[10/64] = r4:src@0[10/64]; signal r1:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 10}, {{4, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 34}}},
-    // rank 4 step 36: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@4[11/64] = r4:src@0[11/64]; signal r1:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 11}, {{4, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 35}}},
-    // rank 4 step 37: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@4[12/64] = r4:src@0[12/64]; signal r1:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 12}, {{4, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 36}}},
-    // rank 4 step 38: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@4[13/64] = r4:src@0[13/64]; signal r1:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 13}, {{4, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 37}}},
-    // rank 4 step 39: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@4[14/64] = r4:src@0[14/64]; signal r1:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 14}, {{4, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 38}}},
-    // rank 4 step 40: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@4[15/64] = r4:src@0[15/64]; signal r1:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 15}, {{4, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 39}}},
-    // rank 4 step 41: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@4[16/64] = r4:src@0[16/64]; signal r2:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 16}, {{4, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 32}}},
-    // rank 4 step 42: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@4[17/64] = r4:src@0[17/64]; signal r2:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 17}, {{4, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 33}}},
-    // rank 4 step 43: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@4[18/64] = r4:src@0[18/64]; signal r2:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 18}, {{4, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 34}}},
-    // rank 4 step 44: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@4[19/64] = r4:src@0[19/64]; signal r2:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 19}, {{4, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 35}}},
-    // rank 4 step 45: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@4[20/64] = r4:src@0[20/64]; signal r2:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 20}, {{4, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 36}}},
-    // rank 4 step 46: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@4[21/64] = r4:src@0[21/64]; signal r2:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 21}, {{4, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 37}}},
-    // rank 4 step 47: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@4[22/64] = r4:src@0[22/64]; signal r2:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 22}, {{4, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 38}}},
-    // rank 4 step 48: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@4[23/64] = r4:src@0[23/64]; signal r2:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 23}, {{4, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 39}}},
-    // rank 4 step 49: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@4[24/64] = r4:src@0[24/64]; signal r3:arrive[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 24}, {{4, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 32}}},
-    // rank 4 step 50: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@4[25/64] = r4:src@0[25/64]; signal r3:arrive[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 25}, {{4, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 33}}},
-    // rank 4 step 51: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@4[26/64] = r4:src@0[26/64]; signal r3:arrive[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 26}, {{4, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 34}}},
-    // rank 4 step 52: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@4[27/64] = r4:src@0[27/64]; signal r3:arrive[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 27}, {{4, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 35}}},
-    // rank 4 step 53: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@4[28/64] = r4:src@0[28/64]; signal r3:arrive[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 28}, {{4, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 36}}},
-    // rank 4 step 54: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@4[29/64] = r4:src@0[29/64]; signal r3:arrive[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 29}, {{4, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 37}}},
-    // rank 4 step 55: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@4[30/64] = r4:src@0[30/64]; signal r3:arrive[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 30}, {{4, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 38}}},
-    // rank 4 step 56: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@4[31/64] = r4:src@0[31/64]; signal r3:arrive[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 31}, {{4, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 39}}},
-    // rank 4 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[40], arrive[48], arrive[56]; r4:dst@0[32/64] = r4:src@0[32/64] + r4:inbox@0[32/64] + r4:inbox@1[32/64] + r4:inbox@2[32/64] + r4:inbox@3[32/64] + r4:inbox@5[32/64] + r4:inbox@6[32/64] + r4:inbox@7[32/64]; signal r4:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 32}, {{4, 1, 1, 64, 0, 32}, {4, 3, 0, 64, 0, 32}, {4, 3, 0, 64, 1, 32}, {4, 3, 0, 64, 2, 32}, {4, 3, 0, 64, 3, 32}, {4, 3, 0, 64, 5, 32}, {4, 3, 0, 64, 6, 32}, {4, 3, 0, 64, 7, 32}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{4, 6, 0}}},
-    // rank 4 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[41], arrive[49], arrive[57]; r4:dst@0[33/64] = r4:src@0[33/64] + r4:inbox@0[33/64] + r4:inbox@1[33/64] + r4:inbox@2[33/64] + r4:inbox@3[33/64] + r4:inbox@5[33/64] + r4:inbox@6[33/64] + r4:inbox@7[33/64]; signal r4:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 33}, {{4, 1, 1, 64, 0, 33}, {4, 3, 0, 64, 0, 33}, {4, 3, 0, 64, 1, 33}, {4, 3, 0, 64, 2, 33}, {4, 3, 0, 64, 3, 33}, {4, 3, 0, 64, 5, 33}, {4, 3, 0, 64, 6, 33}, {4, 3, 0, 64, 7, 33}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{4, 6, 1}}},
-    // rank 4 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[42], arrive[50], arrive[58]; r4:dst@0[34/64] = r4:src@0[34/64] + r4:inbox@0[34/64] + r4:inbox@1[34/64] + r4:inbox@2[34/64] + r4:inbox@3[34/64] + r4:inbox@5[34/64] + r4:inbox@6[34/64] + r4:inbox@7[34/64]; signal r4:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 34}, {{4, 1, 1, 64, 0, 34}, {4, 3, 0, 64, 0, 34}, {4, 3, 0, 64, 1, 34}, {4, 3, 0, 64, 2, 34}, {4, 3, 0, 64, 3, 34}, {4, 3, 0, 64, 5, 34}, {4, 3, 0, 64, 6, 34}, {4, 3, 0, 64, 7, 34}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{4, 6, 2}}},
-    // rank 4 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[43], arrive[51], arrive[59]; r4:dst@0[35/64] = r4:src@0[35/64] + r4:inbox@0[35/64] + r4:inbox@1[35/64] + r4:inbox@2[35/64] + r4:inbox@3[35/64] + r4:inbox@5[35/64] + r4:inbox@6[35/64] + r4:inbox@7[35/64]; signal r4:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 35}, {{4, 1, 1, 64, 0, 35}, {4, 3, 0, 64, 0, 35}, {4, 3, 0, 64, 1, 35}, {4, 3, 0, 64, 2, 35}, {4, 3, 0, 64, 3, 35}, {4, 3, 0, 64, 5, 35}, {4, 3, 0, 64, 6, 35}, {4, 3, 0, 64, 7, 35}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{4, 6, 3}}},
-    // rank 4 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[44], arrive[52], arrive[60]; r4:dst@0[36/64] = r4:src@0[36/64] + r4:inbox@0[36/64] + r4:inbox@1[36/64] + r4:inbox@2[36/64] + r4:inbox@3[36/64] + r4:inbox@5[36/64] + r4:inbox@6[36/64] + r4:inbox@7[36/64]; signal r4:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 36}, {{4, 1, 1, 64, 0, 36}, {4, 3, 0, 64, 0, 36}, {4, 3, 0, 64, 1, 36}, {4, 3, 0, 64, 2, 36}, {4, 3, 0, 64, 3, 36}, {4, 3, 0, 64, 5, 36}, {4, 3, 0, 64, 6, 36}, {4, 3, 0, 64, 7, 36}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{4, 6, 4}}},
-    // rank 4 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[45], arrive[53], arrive[61]; r4:dst@0[37/64] = r4:src@0[37/64] + r4:inbox@0[37/64] + r4:inbox@1[37/64] + r4:inbox@2[37/64] + r4:inbox@3[37/64] + r4:inbox@5[37/64] + r4:inbox@6[37/64] + r4:inbox@7[37/64]; signal r4:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 37}, {{4, 1, 1, 64, 0, 37}, {4, 3, 0, 64, 0, 37}, {4, 3, 0, 64, 1, 37}, {4, 3, 0, 64, 2, 37}, {4, 3, 0, 64, 3, 37}, {4, 3, 0, 64, 5, 37}, {4, 3, 0, 64, 6, 37}, {4, 3, 0, 64, 7, 37}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{4, 6, 5}}},
-    // rank 4 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[46], arrive[54], arrive[62]; r4:dst@0[38/64] = r4:src@0[38/64] + r4:inbox@0[38/64] + r4:inbox@1[38/64] + r4:inbox@2[38/64] + r4:inbox@3[38/64] + r4:inbox@5[38/64] + r4:inbox@6[38/64] + r4:inbox@7[38/64]; signal r4:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 38}, {{4, 1, 1, 64, 0, 38}, {4, 3, 0, 64, 0, 38}, {4, 3, 0, 64, 1, 38}, {4, 3, 0, 64, 2, 38}, {4, 3, 0, 64, 3, 38}, {4, 3, 0, 64, 5, 38}, {4, 3, 0, 64, 6, 38}, {4, 3, 0, 64, 7, 38}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{4, 6, 6}}},
-    // rank 4 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[47], arrive[55], arrive[63]; r4:dst@0[39/64] = r4:src@0[39/64] + r4:inbox@0[39/64] + r4:inbox@1[39/64] + r4:inbox@2[39/64] + r4:inbox@3[39/64] + r4:inbox@5[39/64] + r4:inbox@6[39/64] + r4:inbox@7[39/64]; signal r4:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 39}, {{4, 1, 1, 64, 0, 39}, {4, 3, 0, 64, 0, 39}, {4, 3, 0, 64, 1, 39}, {4, 3, 0, 64, 2, 39}, {4, 3, 0, 64, 3, 39}, {4, 3, 0, 64, 5, 39}, {4, 3, 0, 64, 6, 39}, {4, 3, 0, 64, 7, 39}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{4, 6, 7}}},
-    // rank 4 step 65: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[32/64] = r4:dst@0[32/64]; signal r5:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 32}}},
-    // rank 4 step 66: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[33/64] = r4:dst@0[33/64]; signal r5:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 33}}},
-    // rank 4 step 67: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[34/64] = r4:dst@0[34/64]; signal r5:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 34}}},
-    // rank 4 step 68: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[35/64] = r4:dst@0[35/64]; signal r5:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 35}}},
-    // rank 4 step 69: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[36/64] = r4:dst@0[36/64]; signal r5:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 36}}},
-    // rank 4 step 70: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[37/64] = r4:dst@0[37/64]; signal r5:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 37}}},
-    // rank 4 step 71: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[38/64] = r4:dst@0[38/64]; signal r5:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 38}}},
-    // rank 4 step 72: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[39/64] = r4:dst@0[39/64]; signal r5:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 39}}},
-    // rank 4 step 73: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[32/64] = r4:dst@0[32/64]; signal r6:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 32}}},
-    // rank 4 step 74: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[33/64] = r4:dst@0[33/64]; signal r6:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 33}}},
-    // rank 4 step 75: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[34/64] = r4:dst@0[34/64]; signal r6:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 34}}},
-    // rank 4 step 76: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[35/64] = r4:dst@0[35/64]; signal r6:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 35}}},
-    // rank 4 step 77: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[36/64] = r4:dst@0[36/64]; signal r6:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 36}}},
-    // rank 4 step 78: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[37/64] = r4:dst@0[37/64]; signal r6:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 37}}},
-    // rank 4 step 79: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[38/64] = r4:dst@0[38/64]; signal r6:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 38}}},
-    // rank 4 step 80: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[39/64] = r4:dst@0[39/64]; signal r6:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 39}}},
-    // rank 4 step 81: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[32/64] = r4:dst@0[32/64]; signal r7:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 32}}},
-    // rank 4 step 82: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[33/64] = r4:dst@0[33/64]; signal r7:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 33}}},
-    // rank 4 step 83: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[34/64] = r4:dst@0[34/64]; signal r7:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 34}}},
-    // rank 4 step 84: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[35/64] = r4:dst@0[35/64]; signal r7:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 35}}},
-    // rank 4 step 85: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[36/64] = r4:dst@0[36/64]; signal r7:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 36}}},
-    // rank 4 step 86: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[37/64] = r4:dst@0[37/64]; signal r7:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 37}}},
-    // rank 4 step 87: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[38/64] = r4:dst@0[38/64]; signal r7:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 38}}},
-    // rank 4 step 88: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[39/64] = r4:dst@0[39/64]; signal r7:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 39}}},
-    // rank 4 step 89: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[32/64] = r4:dst@0[32/64]; signal r0:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 32}}},
-    // rank 4 step 90: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[33/64] = r4:dst@0[33/64]; signal r0:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 33}}},
-    // rank 4 step 91: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[34/64] = r4:dst@0[34/64]; signal r0:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 34}}},
-    // rank 4 step 92: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[35/64] = r4:dst@0[35/64]; signal r0:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 35}}},
-    // rank 4 step 93: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[36/64] = r4:dst@0[36/64]; signal r0:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 36}}},
-    // rank 4 step 94: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[37/64] = r4:dst@0[37/64]; signal r0:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 37}}},
-    // rank 4 step 95: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[38/64] = r4:dst@0[38/64]; signal r0:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 38}}},
-    // rank 4 step 96: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[39/64] = r4:dst@0[39/64]; signal r0:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 39}}},
-    // rank 4 step 97: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[32/64] = r4:dst@0[32/64]; signal r1:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 32}}},
-    // rank 4 step 98: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[33/64] = r4:dst@0[33/64]; signal r1:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 33}}},
-    // rank 4 step 99: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[34/64] = r4:dst@0[34/64]; signal r1:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 34}}},
-    // rank 4 step 100: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[35/64] = r4:dst@0[35/64]; signal r1:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 35}}},
-    // rank 4 step 101: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[36/64] = r4:dst@0[36/64]; signal r1:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 36}}},
-    // rank 4 step 102: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[37/64] = r4:dst@0[37/64]; signal r1:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 37}}},
-    // rank 4 step 103: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[38/64] = r4:dst@0[38/64]; signal r1:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 38}}},
-    // rank 4 step 104: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[39/64] = r4:dst@0[39/64]; signal r1:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 39}}},
-    // rank 4 step 105: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[32/64] = r4:dst@0[32/64]; signal r2:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 32}}},
-    // rank 4 step 106: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[33/64] = r4:dst@0[33/64]; signal r2:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 33}}},
-    // rank 4 step 107: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[34/64] = r4:dst@0[34/64]; signal r2:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 34}}},
-    // rank 4 step 108: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[35/64] = r4:dst@0[35/64]; signal r2:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 35}}},
-    // rank 4 step 109: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[36/64] = r4:dst@0[36/64]; signal r2:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 36}}},
-    // rank 4 step 110: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[37/64] = r4:dst@0[37/64]; signal r2:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 37}}},
-    // rank 4 step 111: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[38/64] = r4:dst@0[38/64]; signal r2:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 38}}},
-    // rank 4 step 112: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[39/64] = r4:dst@0[39/64]; signal r2:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 39}}},
-    // rank 4 step 113: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[32/64] = r4:dst@0[32/64]; signal r3:gathered[32]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 32}}},
-    // rank 4 step 114: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[33/64] = r4:dst@0[33/64]; signal r3:gathered[33]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 33}}},
-    // rank 4 step 115: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[34/64] = r4:dst@0[34/64]; signal r3:gathered[34]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 34}}},
-    // rank 4 step 116: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[35/64] = r4:dst@0[35/64]; signal r3:gathered[35]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 35}}},
-    // rank 4 step 117: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[36/64] = r4:dst@0[36/64]; signal r3:gathered[36]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 36}}},
-    // rank 4 step 118: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[37/64] = r4:dst@0[37/64]; signal r3:gathered[37]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 37}}},
-    // rank 4 step 119: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[38/64] = r4:dst@0[38/64]; signal r3:gathered[38]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 38}}},
-    // rank 4 step 120: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[39/64] = r4:dst@0[39/64]; signal r3:gathered[39]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 39}}},
-    // rank 4 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 4 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 4 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 4 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
-    // rank 4 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
-    // rank 4 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
-    // rank 4 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
-    // rank 5 step 1: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@5[48/64] = r5:src@0[48/64]; signal r6:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 48}, {{5, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 40}}},
-    // rank 5 step 2: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@5[49/64] = r5:src@0[49/64]; signal r6:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 49}, {{5, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 41}}},
-    // rank 5 step 3: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@5[50/64] = r5:src@0[50/64]; signal r6:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 50}, {{5, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 42}}},
-    // rank 5 step 4: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@5[51/64] = r5:src@0[51/64]; signal r6:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 51}, {{5, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 43}}},
-    // rank 5 step 5: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@5[52/64] = r5:src@0[52/64]; signal r6:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 52}, {{5, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 44}}},
-    // rank 5 step 6: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@5[53/64] = r5:src@0[53/64]; signal r6:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 53}, {{5, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 45}}},
-    // rank 5 step 7: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@5[54/64] = r5:src@0[54/64]; signal r6:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 54}, {{5, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 46}}},
-    // rank 5 step 8: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@5[55/64] = r5:src@0[55/64]; signal r6:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 55}, {{5, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 47}}},
-    // rank 5 step 9: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@5[56/64] = r5:src@0[56/64]; signal r7:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 56}, {{5, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 40}}},
-    // rank 5 step 10: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@5[57/64] = r5:src@0[57/64]; signal r7:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 57}, {{5, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 41}}},
-    // rank 5 step 11: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@5[58/64] = r5:src@0[58/64]; signal r7:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 58}, {{5, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 42}}},
-    // rank 5 step 12: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@5[59/64] = r5:src@0[59/64]; signal r7:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 59}, {{5, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 43}}},
-    // rank 5 step 13: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@5[60/64] = r5:src@0[60/64]; signal r7:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 60}, {{5, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 44}}},
-    // rank 5 step 14: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@5[61/64] = r5:src@0[61/64]; signal r7:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 61}, {{5, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 45}}},
-    // rank 5 step 15: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@5[62/64] = r5:src@0[62/64]; signal r7:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 62}, {{5, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 46}}},
-    // rank 5 step 16: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@5[63/64] = r5:src@0[63/64]; signal r7:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 63}, {{5, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 47}}},
-    // rank 5 step 17: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@5[0/64] = r5:src@0[0/64]; signal r0:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 0}, {{5, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 40}}},
-    // rank 5 step 18: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@5[1/64] = r5:src@0[1/64]; signal r0:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 1}, {{5, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 41}}},
-    // rank 5 step 19: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@5[2/64] = r5:src@0[2/64]; signal r0:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 2}, {{5, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 42}}},
-    // rank 5 step 20: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@5[3/64] = r5:src@0[3/64]; signal r0:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 3}, {{5, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 43}}},
-    // rank 5 step 21: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@5[4/64] = r5:src@0[4/64]; signal r0:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 4}, {{5, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 44}}},
-    // rank 5 step 22: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@5[5/64] = r5:src@0[5/64]; signal r0:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 5}, {{5, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 45}}},
-    // rank 5 step 23: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@5[6/64] = r5:src@0[6/64]; signal r0:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 6}, {{5, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 46}}},
-    // rank 5 step 24: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@5[7/64] = r5:src@0[7/64]; signal r0:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 7}, {{5, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 47}}},
-    // rank 5 step 25: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@5[8/64] = r5:src@0[8/64]; signal r1:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 8}, {{5, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 40}}},
-    // rank 5 step 26: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@5[9/64] = r5:src@0[9/64]; signal r1:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 9}, {{5, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 41}}},
-    // rank 5 step 27: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@5[10/64] = r5:src@0[10/64]; signal r1:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 10}, {{5, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 42}}},
-    // rank 5 step 28: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@5[11/64] = r5:src@0[11/64]; signal r1:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 11}, {{5, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 43}}},
-    // rank 5 step 29: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@5[12/64] = r5:src@0[12/64]; signal r1:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 12}, {{5, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 44}}},
-    // rank 5 step 30: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@5[13/64] = r5:src@0[13/64]; signal r1:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 13}, {{5, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 45}}},
-    // rank 5 step 31: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@5[14/64] = r5:src@0[14/64]; signal r1:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 14}, {{5, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 46}}},
-    // rank 5 step 32: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@5[15/64] = r5:src@0[15/64]; signal r1:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 15}, {{5, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 47}}},
-    // rank 5 step 33: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@5[16/64] = r5:src@0[16/64]; signal r2:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 16}, {{5, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 40}}},
-    // rank 5 step 34: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@5[17/64] = r5:src@0[17/64]; signal r2:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 17}, {{5, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 41}}},
-    // rank 5 step 35: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@5[18/64] = r5:src@0[18/64]; signal r2:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 18}, {{5, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 42}}},
-    // rank 5 step 36: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@5[19/64] = r5:src@0[19/64]; signal r2:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 19}, {{5, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 43}}},
-    // rank 5 step 37: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@5[20/64] = r5:src@0[20/64]; signal r2:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 20}, {{5, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 44}}},
-    // rank 5 step 38: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@5[21/64] = r5:src@0[21/64]; signal r2:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 21}, {{5, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 45}}},
-    // rank 5 step 39: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@5[22/64] = r5:src@0[22/64]; signal r2:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 22}, {{5, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 46}}},
-    // rank 5 step 40: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@5[23/64] = r5:src@0[23/64]; signal r2:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 23}, {{5, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 47}}},
-    // rank 5 step 41: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@5[24/64] = r5:src@0[24/64]; signal r3:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 24}, {{5, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 40}}},
-    // rank 5 step 42: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@5[25/64] = r5:src@0[25/64]; signal r3:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 25}, {{5, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 41}}},
-    // rank 5 step 43: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@5[26/64] = r5:src@0[26/64]; signal r3:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 26}, {{5, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 42}}},
-    // rank 5 step 44: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@5[27/64] = r5:src@0[27/64]; signal r3:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 27}, {{5, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 43}}},
-    // rank 5 step 45: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@5[28/64] = r5:src@0[28/64]; signal r3:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 28}, {{5, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 44}}},
-    // rank 5 step 46: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@5[29/64] = r5:src@0[29/64]; signal r3:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 29}, {{5, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 45}}},
-    // rank 5 step 47: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@5[30/64] = r5:src@0[30/64]; signal r3:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 30}, {{5, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 46}}},
-    // rank 5 step 48: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@5[31/64] = r5:src@0[31/64]; signal r3:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 31}, {{5, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 47}}},
-    // rank 5 step 49: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@5[32/64] = r5:src@0[32/64]; signal r4:arrive[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 32}, {{5, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 40}}},
-    // rank 5 step 50: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@5[33/64] = r5:src@0[33/64]; signal r4:arrive[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 33}, {{5, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 41}}},
-    // rank 5 step 51: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@5[34/64] = r5:src@0[34/64]; signal r4:arrive[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 34}, {{5, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 42}}},
-    // rank 5 step 52: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@5[35/64] = r5:src@0[35/64]; signal r4:arrive[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 35}, {{5, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 43}}},
-    // rank 5 step 53: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@5[36/64] = r5:src@0[36/64]; signal r4:arrive[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 36}, {{5, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 44}}},
-    // rank 5 step 54: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@5[37/64] = r5:src@0[37/64]; signal r4:arrive[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 37}, {{5, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 45}}},
-    // rank 5 step 55: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@5[38/64] = r5:src@0[38/64]; signal r4:arrive[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 38}, {{5, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 46}}},
-    // rank 5 step 56: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@5[39/64] = r5:src@0[39/64]; signal r4:arrive[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 39}, {{5, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 47}}},
-    // rank 5 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[48], arrive[56]; r5:dst@0[40/64] = r5:src@0[40/64] + r5:inbox@0[40/64] + r5:inbox@1[40/64] + r5:inbox@2[40/64] + r5:inbox@3[40/64] + r5:inbox@4[40/64] + r5:inbox@6[40/64] + r5:inbox@7[40/64]; signal r5:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 40}, {{5, 1, 1, 64, 0, 40}, {5, 3, 0, 64, 0, 40}, {5, 3, 0, 64, 1, 40}, {5, 3, 0, 64, 2, 40}, {5, 3, 0, 64, 3, 40}, {5, 3, 0, 64, 4, 40}, {5, 3, 0, 64, 6, 40}, {5, 3, 0, 64, 7, 40}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{5, 6, 0}}},
-    // rank 5 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[49], arrive[57]; r5:dst@0[41/64] = r5:src@0[41/64] + r5:inbox@0[41/64] + r5:inbox@1[41/64] + r5:inbox@2[41/64] + r5:inbox@3[41/64] + r5:inbox@4[41/64] + r5:inbox@6[41/64] + r5:inbox@7[41/64]; signal r5:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 41}, {{5, 1, 1, 64, 0, 41}, {5, 3, 0, 64, 0, 41}, {5, 3, 0, 64, 1, 41}, {5, 3, 0, 64, 2, 41}, {5, 3, 0, 64, 3, 41}, {5, 3, 0, 64, 4, 41}, {5, 3, 0, 64, 6, 41}, {5, 3, 0, 64, 7, 41}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{5, 6, 1}}},
-    // rank 5 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[50], arrive[58]; r5:dst@0[42/64] = r5:src@0[42/64] + r5:inbox@0[42/64] + r5:inbox@1[42/64] + r5:inbox@2[42/64] + r5:inbox@3[42/64] + r5:inbox@4[42/64] + r5:inbox@6[42/64] + r5:inbox@7[42/64]; signal r5:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 42}, {{5, 1, 1, 64, 0, 42}, {5, 3, 0, 64, 0, 42}, {5, 3, 0, 64, 1, 42}, {5, 3, 0, 64, 2, 42}, {5, 3, 0, 64, 3, 42}, {5, 3, 0, 64, 4, 42}, {5, 3, 0, 64, 6, 42}, {5, 3, 0, 64, 7, 42}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{5, 6, 2}}},
-    // rank 5 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[51], arrive[59]; r5:dst@0[43/64] = r5:src@0[43/64] + r5:inbox@0[43/64] + r5:inbox@1[43/64] + r5:inbox@2[43/64] + r5:inbox@3[43/64] + r5:inbox@4[43/64] + r5:inbox@6[43/64] + r5:inbox@7[43/64]; signal r5:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 43}, {{5, 1, 1, 64, 0, 43}, {5, 3, 0, 64, 0, 43}, {5, 3, 0, 64, 1, 43}, {5, 3, 0, 64, 2, 43}, {5, 3, 0, 64, 3, 43}, {5, 3, 0, 64, 4, 43}, {5, 3, 0, 64, 6, 43}, {5, 3, 0, 64, 7, 43}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{5, 6, 3}}},
-    // rank 5 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[52], arrive[60]; r5:dst@0[44/64] = r5:src@0[44/64] + r5:inbox@0[44/64] + r5:inbox@1[44/64] + r5:inbox@2[44/64] + r5:inbox@3[44/64] + r5:inbox@4[44/64] + r5:inbox@6[44/64] + r5:inbox@7[44/64]; signal r5:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 44}, {{5, 1, 1, 64, 0, 44}, {5, 3, 0, 64, 0, 44}, {5, 3, 0, 64, 1, 44}, {5, 3, 0, 64, 2, 44}, {5, 3, 0, 64, 3, 44}, {5, 3, 0, 64, 4, 44}, {5, 3, 0, 64, 6, 44}, {5, 3, 0, 64, 7, 44}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{5, 6, 4}}},
-    // rank 5 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[53], arrive[61]; r5:dst@0[45/64] = r5:src@0[45/64] + r5:inbox@0[45/64] + r5:inbox@1[45/64] + r5:inbox@2[45/64] + r5:inbox@3[45/64] + r5:inbox@4[45/64] + r5:inbox@6[45/64] + r5:inbox@7[45/64]; signal r5:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 45}, {{5, 1, 1, 64, 0, 45}, {5, 3, 0, 64, 0, 45}, {5, 3, 0, 64, 1, 45}, {5, 3, 0, 64, 2, 45}, {5, 3, 0, 64, 3, 45}, {5, 3, 0, 64, 4, 45}, {5, 3, 0, 64, 6, 45}, {5, 3, 0, 64, 7, 45}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{5, 6, 5}}},
-    // rank 5 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[54], arrive[62]; r5:dst@0[46/64] = r5:src@0[46/64] + r5:inbox@0[46/64] + r5:inbox@1[46/64] + r5:inbox@2[46/64] + r5:inbox@3[46/64] + r5:inbox@4[46/64] + r5:inbox@6[46/64] + r5:inbox@7[46/64]; signal r5:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 46}, {{5, 1, 1, 64, 0, 46}, {5, 3, 0, 64, 0, 46}, {5, 3, 0, 64, 1, 46}, {5, 3, 0, 64, 2, 46}, {5, 3, 0, 64, 3, 46}, {5, 3, 0, 64, 4, 46}, {5, 3, 0, 64, 6, 46}, {5, 3, 0, 64, 7, 46}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{5, 6, 6}}},
-    // rank 5 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[55], arrive[63]; r5:dst@0[47/64] = r5:src@0[47/64] + r5:inbox@0[47/64] + r5:inbox@1[47/64] + r5:inbox@2[47/64] + r5:inbox@3[47/64] + r5:inbox@4[47/64] + r5:inbox@6[47/64] + r5:inbox@7[47/64]; signal r5:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 47}, {{5, 1, 1, 64, 0, 47}, {5, 3, 0, 64, 0, 47}, {5, 3, 0, 64, 1, 47}, {5, 3, 0, 64, 2, 47}, {5, 3, 0, 64, 3, 47}, {5, 3, 0, 64, 4, 47}, {5, 3, 0, 64, 6, 47}, {5, 3, 0, 64, 7, 47}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{5, 6, 7}}},
-    // rank 5 step 65: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[40/64] = r5:dst@0[40/64]; signal r6:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 40}}},
-    // rank 5 step 66: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[41/64] = r5:dst@0[41/64]; signal r6:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 41}}},
-    // rank 5 step 67: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[42/64] = r5:dst@0[42/64]; signal r6:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 42}}},
-    // rank 5 step 68: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[43/64] = r5:dst@0[43/64]; signal r6:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 43}}},
-    // rank 5 step 69: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[44/64] = r5:dst@0[44/64]; signal r6:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 44}}},
-    // rank 5 step 70: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[45/64] = r5:dst@0[45/64]; signal r6:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 45}}},
-    // rank 5 step 71: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[46/64] = r5:dst@0[46/64]; signal r6:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 46}}},
-    // rank 5 step 72: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[47/64] = r5:dst@0[47/64]; signal r6:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 47}}},
-    // rank 5 step 73: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[40/64] = r5:dst@0[40/64]; signal r7:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 40}}},
-    // rank 5 step 74: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[41/64] = r5:dst@0[41/64]; signal r7:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 41}}},
-    // rank 5 step 75: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[42/64] = r5:dst@0[42/64]; signal r7:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 42}}},
-    // rank 5 step 76: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[43/64] = r5:dst@0[43/64]; signal r7:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 43}}},
-    // rank 5 step 77: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[44/64] = r5:dst@0[44/64]; signal r7:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 44}}},
-    // rank 5 step 78: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[45/64] = r5:dst@0[45/64]; signal r7:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 45}}},
-    // rank 5 step 79: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[46/64] = r5:dst@0[46/64]; signal r7:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 46}}},
-    // rank 5 step 80: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[47/64] = r5:dst@0[47/64]; signal r7:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 47}}},
-    // rank 5 step 81: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[40/64] = r5:dst@0[40/64]; signal r0:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 40}}},
-    // rank 5 step 82: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[41/64] = r5:dst@0[41/64]; signal r0:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 41}}},
-    // rank 5 step 83: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[42/64] = r5:dst@0[42/64]; signal r0:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 42}}},
-    // rank 5 step 84: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[43/64] = r5:dst@0[43/64]; signal r0:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 43}}},
-    // rank 5 step 85: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[44/64] = r5:dst@0[44/64]; signal r0:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 44}}},
-    // rank 5 step 86: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[45/64] = r5:dst@0[45/64]; signal r0:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 45}}},
-    // rank 5 step 87: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[46/64] = r5:dst@0[46/64]; signal r0:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 46}}},
-    // rank 5 step 88: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[47/64] = r5:dst@0[47/64]; signal r0:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 47}}},
-    // rank 5 step 89: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[40/64] = r5:dst@0[40/64]; signal r1:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 40}}},
-    // rank 5 step 90: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[41/64] = r5:dst@0[41/64]; signal r1:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 41}}},
-    // rank 5 step 91: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[42/64] = r5:dst@0[42/64]; signal r1:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 42}}},
-    // rank 5 step 92: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[43/64] = r5:dst@0[43/64]; signal r1:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 43}}},
-    // rank 5 step 93: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[44/64] = r5:dst@0[44/64]; signal r1:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 44}}},
-    // rank 5 step 94: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[45/64] = r5:dst@0[45/64]; signal r1:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 45}}},
-    // rank 5 step 95: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[46/64] = r5:dst@0[46/64]; signal r1:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 46}}},
-    // rank 5 step 96: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[47/64] = r5:dst@0[47/64]; signal r1:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 47}}},
-    // rank 5 step 97: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[40/64] = r5:dst@0[40/64]; signal r2:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 40}}},
-    // rank 5 step 98: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[41/64] = r5:dst@0[41/64]; signal r2:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 41}}},
-    // rank 5 step 99: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[42/64] = r5:dst@0[42/64]; signal r2:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 42}}},
-    // rank 5 step 100: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[43/64] = r5:dst@0[43/64]; signal r2:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 43}}},
-    // rank 5 step 101: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[44/64] = r5:dst@0[44/64]; signal r2:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 44}}},
-    // rank 5 step 102: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[45/64] = r5:dst@0[45/64]; signal r2:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 45}}},
-    // rank 5 step 103: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[46/64] = r5:dst@0[46/64]; signal r2:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 46}}},
-    // rank 5 step 104: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[47/64] = r5:dst@0[47/64]; signal r2:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 47}}},
-    // rank 5 step 105: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[40/64] = r5:dst@0[40/64]; signal r3:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 40}}},
-    // rank 5 step 106: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[41/64] = r5:dst@0[41/64]; signal r3:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 41}}},
-    // rank 5 step 107: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[42/64] = r5:dst@0[42/64]; signal r3:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 42}}},
-    // rank 5 step 108: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[43/64] = r5:dst@0[43/64]; signal r3:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 43}}},
-    // rank 5 step 109: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[44/64] = r5:dst@0[44/64]; signal r3:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 44}}},
-    // rank 5 step 110: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[45/64] = r5:dst@0[45/64]; signal r3:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 45}}},
-    // rank 5 step 111: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[46/64] = r5:dst@0[46/64]; signal r3:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 46}}},
-    // rank 5 step 112: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[47/64] = r5:dst@0[47/64]; signal r3:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 47}}},
-    // rank 5 step 113: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[40/64] = r5:dst@0[40/64]; signal r4:gathered[40]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 40}}},
-    // rank 5 step 114: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[41/64] = r5:dst@0[41/64]; signal r4:gathered[41]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 41}}},
-    // rank 5 step 115: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[42/64] = r5:dst@0[42/64]; signal r4:gathered[42]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 42}}},
-    // rank 5 step 116: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[43/64] = r5:dst@0[43/64]; signal r4:gathered[43]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 43}}},
-    // rank 5 step 117: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[44/64] = r5:dst@0[44/64]; signal r4:gathered[44]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 44}}},
-    // rank 5 step 118: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[45/64] = r5:dst@0[45/64]; signal r4:gathered[45]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 45}}},
-    // rank 5 step 119: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[46/64] = r5:dst@0[46/64]; signal r4:gathered[46]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 46}}},
-    // rank 5 step 120: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[47/64] = r5:dst@0[47/64]; signal r4:gathered[47]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 47}}},
-    // rank 5 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 5 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 5 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 5 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
-    // rank 5 step 125: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
-    // rank 5 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
-    // rank 5 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
-    // rank 6 step 1: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@6[56/64] = r6:src@0[56/64]; signal r7:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 56}, {{6, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 48}}},
-    // rank 6 step 2: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@6[57/64] = r6:src@0[57/64]; signal r7:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 57}, {{6, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 49}}},
-    // rank 6 step 3: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@6[58/64] = r6:src@0[58/64]; signal r7:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 58}, {{6, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 50}}},
-    // rank 6 step 4: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@6[59/64] = r6:src@0[59/64]; signal r7:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 59}, {{6, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 51}}},
-    // rank 6 step 5: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@6[60/64] = r6:src@0[60/64]; signal r7:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 60}, {{6, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 52}}},
-    // rank 6 step 6: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@6[61/64] = r6:src@0[61/64]; signal r7:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 61}, {{6, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 53}}},
-    // rank 6 step 7: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@6[62/64] = r6:src@0[62/64]; signal r7:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 62}, {{6, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 54}}},
-    // rank 6 step 8: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@6[63/64] = r6:src@0[63/64]; signal r7:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 63}, {{6, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 55}}},
-    // rank 6 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@6[0/64] = r6:src@0[0/64]; signal r0:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 0}, {{6, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 48}}},
-    // rank 6 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@6[1/64] = r6:src@0[1/64]; signal r0:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 1}, {{6, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 49}}},
-    // rank 6 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@6[2/64] = r6:src@0[2/64]; signal r0:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 2}, {{6, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 50}}},
-    // rank 6 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@6[3/64] = r6:src@0[3/64]; signal r0:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 3}, {{6, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 51}}},
-    // rank 6 step 13: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@6[4/64] = r6:src@0[4/64]; signal r0:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 4}, {{6, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 52}}},
-    // rank 6 step 14: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@6[5/64] = r6:src@0[5/64]; signal r0:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 5}, {{6, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 53}}},
-    // rank 6 step 15: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@6[6/64] = r6:src@0[6/64]; signal r0:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 6}, {{6, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 54}}},
-    // rank 6 step 16: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@6[7/64] = r6:src@0[7/64]; signal r0:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 7}, {{6, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 55}}},
-    // rank 6 step 17: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@6[8/64] = r6:src@0[8/64]; signal r1:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 8}, {{6, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 48}}},
-    // rank 6 step 18: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@6[9/64] = r6:src@0[9/64]; signal r1:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 9}, {{6, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 49}}},
-    // rank 6 step 19: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@6[10/64] = r6:src@0[10/64]; signal r1:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 10}, {{6, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 50}}},
-    // rank 6 step 20: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@6[11/64] = r6:src@0[11/64]; signal r1:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 11}, {{6, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 51}}},
-    // rank 6 step 21: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@6[12/64] = r6:src@0[12/64]; signal r1:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 12}, {{6, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 52}}},
-    // rank 6 step 22: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@6[13/64] = r6:src@0[13/64]; signal r1:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 13}, {{6, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 53}}},
-    // rank 6 step 23: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@6[14/64] = r6:src@0[14/64]; signal r1:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 14}, {{6, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 54}}},
-    // rank 6 step 24: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@6[15/64] = r6:src@0[15/64]; signal r1:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 15}, {{6, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 55}}},
-    // rank 6 step 25: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@6[16/64] = r6:src@0[16/64]; signal r2:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 16}, {{6, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 48}}},
-    // rank 6 step 26: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@6[17/64] = r6:src@0[17/64]; signal r2:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 17}, {{6, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 49}}},
-    // rank 6 step 27: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@6[18/64] = r6:src@0[18/64]; signal r2:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 18}, {{6, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 50}}},
-    // rank 6 step 28: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@6[19/64] = r6:src@0[19/64]; signal r2:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 19}, {{6, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 51}}},
-    // rank 6 step 29: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@6[20/64] = r6:src@0[20/64]; signal r2:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 20}, {{6, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 52}}},
-    // rank 6 step 30: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@6[21/64] = r6:src@0[21/64]; signal r2:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 21}, {{6, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 53}}},
-    // rank 6 step 31: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@6[22/64] = r6:src@0[22/64]; signal r2:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 22}, {{6, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 54}}},
-    // rank 6 step 32: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@6[23/64] = r6:src@0[23/64]; signal r2:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 23}, {{6, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 55}}},
-    // rank 6 step 33: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@6[24/64] = r6:src@0[24/64]; signal r3:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 24}, {{6, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 48}}},
-    // rank 6 step 34: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@6[25/64] = r6:src@0[25/64]; signal r3:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 25}, {{6, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 49}}},
-    // rank 6 step 35: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@6[26/64] = r6:src@0[26/64]; signal r3:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 26}, {{6, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 50}}},
-    // rank 6 step 36: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@6[27/64] = r6:src@0[27/64]; signal r3:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 27}, {{6, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 51}}},
-    // rank 6 step 37: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@6[28/64] = r6:src@0[28/64]; signal r3:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 28}, {{6, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 52}}},
-    // rank 6 step 38: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@6[29/64] = r6:src@0[29/64]; signal r3:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 29}, {{6, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 53}}},
-    // rank 6 step 39: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@6[30/64] = r6:src@0[30/64]; signal r3:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 30}, {{6, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 54}}},
-    // rank 6 step 40: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@6[31/64] = r6:src@0[31/64]; signal r3:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 31}, {{6, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 55}}},
-    // rank 6 step 41: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@6[32/64] = r6:src@0[32/64]; signal r4:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 32}, {{6, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 48}}},
-    // rank 6 step 42: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@6[33/64] = r6:src@0[33/64]; signal r4:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 33}, {{6, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 49}}},
-    // rank 6 step 43: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@6[34/64] = r6:src@0[34/64]; signal r4:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 34}, {{6, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 50}}},
-    // rank 6 step 44: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@6[35/64] = r6:src@0[35/64]; signal r4:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 35}, {{6, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 51}}},
-    // rank 6 step 45: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@6[36/64] = r6:src@0[36/64]; signal r4:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 36}, {{6, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 52}}},
-    // rank 6 step 46: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@6[37/64] = r6:src@0[37/64]; signal r4:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 37}, {{6, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 53}}},
-    // rank 6 step 47: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@6[38/64] = r6:src@0[38/64]; signal r4:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 38}, {{6, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 54}}},
-    // rank 6 step 48: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@6[39/64] = r6:src@0[39/64]; signal r4:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 39}, {{6, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 55}}},
-    // rank 6 step 49: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@6[40/64] = r6:src@0[40/64]; signal r5:arrive[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 40}, {{6, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 48}}},
-    // rank 6 step 50: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@6[41/64] = r6:src@0[41/64]; signal r5:arrive[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 41}, {{6, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 49}}},
-    // rank 6 step 51: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@6[42/64] = r6:src@0[42/64]; signal r5:arrive[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 42}, {{6, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 50}}},
-    // rank 6 step 52: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@6[43/64] = r6:src@0[43/64]; signal r5:arrive[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 43}, {{6, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 51}}},
-    // rank 6 step 53: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@6[44/64] = r6:src@0[44/64]; signal r5:arrive[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 44}, {{6, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 52}}},
-    // rank 6 step 54: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@6[45/64] = r6:src@0[45/64]; signal r5:arrive[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 45}, {{6, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 53}}},
-    // rank 6 step 55: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@6[46/64] = r6:src@0[46/64]; signal r5:arrive[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 46}, {{6, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 54}}},
-    // rank 6 step 56: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@6[47/64] = r6:src@0[47/64]; signal r5:arrive[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 47}, {{6, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 55}}},
-    // rank 6 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[56]; r6:dst@0[48/64] = r6:src@0[48/64] + r6:inbox@0[48/64] + r6:inbox@1[48/64] + r6:inbox@2[48/64] + r6:inbox@3[48/64] + r6:inbox@4[48/64] + r6:inbox@5[48/64] + r6:inbox@7[48/64]; signal r6:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 48}, {{6, 1, 1, 64, 0, 48}, {6, 3, 0, 64, 0, 48}, {6, 3, 0, 64, 1, 48}, {6, 3, 0, 64, 2, 48}, {6, 3, 0, 64, 3, 48}, {6, 3, 0, 64, 4, 48}, {6, 3, 0, 64, 5, 48}, {6, 3, 0, 64, 7, 48}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 56, 16}}, {{6, 6, 0}}},
-    // rank 6 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[57]; r6:dst@0[49/64] = r6:src@0[49/64] + r6:inbox@0[49/64] + r6:inbox@1[49/64] + r6:inbox@2[49/64] + r6:inbox@3[49/64] + r6:inbox@4[49/64] + r6:inbox@5[49/64] + r6:inbox@7[49/64]; signal r6:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 49}, {{6, 1, 1, 64, 0, 49}, {6, 3, 0, 64, 0, 49}, {6, 3, 0, 64, 1, 49}, {6, 3, 0, 64, 2, 49}, {6, 3, 0, 64, 3, 49}, {6, 3, 0, 64, 4, 49}, {6, 3, 0, 64, 5, 49}, {6, 3, 0, 64, 7, 49}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 57, 16}}, {{6, 6, 1}}},
-    // rank 6 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[58]; r6:dst@0[50/64] = r6:src@0[50/64] + r6:inbox@0[50/64] + r6:inbox@1[50/64] + r6:inbox@2[50/64] + r6:inbox@3[50/64] + r6:inbox@4[50/64] + r6:inbox@5[50/64] + r6:inbox@7[50/64]; signal r6:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 50}, {{6, 1, 1, 64, 0, 50}, {6, 3, 0, 64, 0, 50}, {6, 3, 0, 64, 1, 50}, {6, 3, 0, 64, 2, 50}, {6, 3, 0, 64, 3, 50}, {6, 3, 0, 64, 4, 50}, {6, 3, 0, 64, 5, 50}, {6, 3, 0, 64, 7, 50}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 58, 16}}, {{6, 6, 2}}},
-    // rank 6 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[59]; r6:dst@0[51/64] = r6:src@0[51/64] + r6:inbox@0[51/64] + r6:inbox@1[51/64] + r6:inbox@2[51/64] + r6:inbox@3[51/64] + r6:inbox@4[51/64] + r6:inbox@5[51/64] + r6:inbox@7[51/64]; signal r6:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 51}, {{6, 1, 1, 64, 0, 51}, {6, 3, 0, 64, 0, 51}, {6, 3, 0, 64, 1, 51}, {6, 3, 0, 64, 2, 51}, {6, 3, 0, 64, 3, 51}, {6, 3, 0, 64, 4, 51}, {6, 3, 0, 64, 5, 51}, {6, 3, 0, 64, 7, 51}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 59, 16}}, {{6, 6, 3}}},
-    // rank 6 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[60]; r6:dst@0[52/64] = r6:src@0[52/64] + r6:inbox@0[52/64] + r6:inbox@1[52/64] + r6:inbox@2[52/64] + r6:inbox@3[52/64] + r6:inbox@4[52/64] + r6:inbox@5[52/64] + r6:inbox@7[52/64]; signal r6:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 52}, {{6, 1, 1, 64, 0, 52}, {6, 3, 0, 64, 0, 52}, {6, 3, 0, 64, 1, 52}, {6, 3, 0, 64, 2, 52}, {6, 3, 0, 64, 3, 52}, {6, 3, 0, 64, 4, 52}, {6, 3, 0, 64, 5, 52}, {6, 3, 0, 64, 7, 52}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 60, 16}}, {{6, 6, 4}}},
-    // rank 6 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[61]; r6:dst@0[53/64] = r6:src@0[53/64] + r6:inbox@0[53/64] + r6:inbox@1[53/64] + r6:inbox@2[53/64] + r6:inbox@3[53/64] + r6:inbox@4[53/64] + r6:inbox@5[53/64] + r6:inbox@7[53/64]; signal r6:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 53}, {{6, 1, 1, 64, 0, 53}, {6, 3, 0, 64, 0, 53}, {6, 3, 0, 64, 1, 53}, {6, 3, 0, 64, 2, 53}, {6, 3, 0, 64, 3, 53}, {6, 3, 0, 64, 4, 53}, {6, 3, 0, 64, 5, 53}, {6, 3, 0, 64, 7, 53}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 61, 16}}, {{6, 6, 5}}},
-    // rank 6 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[62]; r6:dst@0[54/64] = r6:src@0[54/64] + r6:inbox@0[54/64] + r6:inbox@1[54/64] + r6:inbox@2[54/64] + r6:inbox@3[54/64] + r6:inbox@4[54/64] + r6:inbox@5[54/64] + r6:inbox@7[54/64]; signal r6:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 54}, {{6, 1, 1, 64, 0, 54}, {6, 3, 0, 64, 0, 54}, {6, 3, 0, 64, 1, 54}, {6, 3, 0, 64, 2, 54}, {6, 3, 0, 64, 3, 54}, {6, 3, 0, 64, 4, 54}, {6, 3, 0, 64, 5, 54}, {6, 3, 0, 64, 7, 54}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 62, 16}}, {{6, 6, 6}}},
-    // rank 6 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[63]; r6:dst@0[55/64] = r6:src@0[55/64] + r6:inbox@0[55/64] + r6:inbox@1[55/64] + r6:inbox@2[55/64] + r6:inbox@3[55/64] + r6:inbox@4[55/64] + r6:inbox@5[55/64] + r6:inbox@7[55/64]; signal r6:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 55}, {{6, 1, 1, 64, 0, 55}, {6, 3, 0, 64, 0, 55}, {6, 3, 0, 64, 1, 55}, {6, 3, 0, 64, 2, 55}, {6, 3, 0, 64, 3, 55}, {6, 3, 0, 64, 4, 55}, {6, 3, 0, 64, 5, 55}, {6, 3, 0, 64, 7, 55}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 63, 16}}, {{6, 6, 7}}},
-    // rank 6 step 65: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[48/64] = r6:dst@0[48/64]; signal r7:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 48}}},
-    // rank 6 step 66: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[49/64] = r6:dst@0[49/64]; signal r7:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 49}}},
-    // rank 6 step 67: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[50/64] = r6:dst@0[50/64]; signal r7:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 50}}},
-    // rank 6 step 68: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[51/64] = r6:dst@0[51/64]; signal r7:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 51}}},
-    // rank 6 step 69: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[52/64] = r6:dst@0[52/64]; signal r7:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 52}}},
-    // rank 6 step 70: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[53/64] = r6:dst@0[53/64]; signal r7:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 53}}},
-    // rank 6 step 71: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[54/64] = r6:dst@0[54/64]; signal r7:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 54}}},
-    // rank 6 step 72: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[55/64] = r6:dst@0[55/64]; signal r7:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 55}}},
-    // rank 6 step 73: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[48/64] = r6:dst@0[48/64]; signal r0:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 48}}},
-    // rank 6 step 74: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[49/64] = r6:dst@0[49/64]; signal r0:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 49}}},
-    // rank 6 step 75: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[50/64] = r6:dst@0[50/64]; signal r0:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 50}}},
-    // rank 6 step 76: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[51/64] = r6:dst@0[51/64]; signal r0:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 51}}},
-    // rank 6 step 77: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[52/64] = r6:dst@0[52/64]; signal r0:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 52}}},
-    // rank 6 step 78: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[53/64] = r6:dst@0[53/64]; signal r0:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 53}}},
-    // rank 6 step 79: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[54/64] = r6:dst@0[54/64]; signal r0:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 54}}},
-    // rank 6 step 80: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[55/64] = r6:dst@0[55/64]; signal r0:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 55}}},
-    // rank 6 step 81: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[48/64] = r6:dst@0[48/64]; signal r1:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 48}}},
-    // rank 6 step 82: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[49/64] = r6:dst@0[49/64]; signal r1:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 49}}},
-    // rank 6 step 83: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[50/64] = r6:dst@0[50/64]; signal r1:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 50}}},
-    // rank 6 step 84: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[51/64] = r6:dst@0[51/64]; signal r1:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 51}}},
-    // rank 6 step 85: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[52/64] = r6:dst@0[52/64]; signal r1:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 52}}},
-    // rank 6 step 86: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[53/64] = r6:dst@0[53/64]; signal r1:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 53}}},
-    // rank 6 step 87: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[54/64] = r6:dst@0[54/64]; signal r1:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 54}}},
-    // rank 6 step 88: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[55/64] = r6:dst@0[55/64]; signal r1:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 55}}},
-    // rank 6 step 89: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[48/64] = r6:dst@0[48/64]; signal r2:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 48}}},
-    // rank 6 step 90: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[49/64] = r6:dst@0[49/64]; signal r2:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 49}}},
-    // rank 6 step 91: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[50/64] = r6:dst@0[50/64]; signal r2:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 50}}},
-    // rank 6 step 92: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[51/64] = r6:dst@0[51/64]; signal r2:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 51}}},
-    // rank 6 step 93: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[52/64] = r6:dst@0[52/64]; signal r2:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 52}}},
-    // rank 6 step 94: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[53/64] = r6:dst@0[53/64]; signal r2:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 53}}},
-    // rank 6 step 95: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[54/64] = r6:dst@0[54/64]; signal r2:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 54}}},
-    // rank 6 step 96: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[55/64] = r6:dst@0[55/64]; signal r2:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 55}}},
-    // rank 6 step 97: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[48/64] = r6:dst@0[48/64]; signal r3:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 48}}},
-    // rank 6 step 98: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[49/64] = r6:dst@0[49/64]; signal r3:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 49}}},
-    // rank 6 step 99: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[50/64] = r6:dst@0[50/64]; signal r3:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 50}}},
-    // rank 6 step 100: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[51/64] = r6:dst@0[51/64]; signal r3:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 51}}},
-    // rank 6 step 101: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[52/64] = r6:dst@0[52/64]; signal r3:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 52}}},
-    // rank 6 step 102: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[53/64] = r6:dst@0[53/64]; signal r3:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 53}}},
-    // rank 6 step 103: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[54/64] = r6:dst@0[54/64]; signal r3:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 54}}},
-    // rank 6 step 104: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[55/64] = r6:dst@0[55/64]; signal r3:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 55}}},
-    // rank 6 step 105: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[48/64] = r6:dst@0[48/64]; signal r4:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 48}}},
-    // rank 6 step 106: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[49/64] = r6:dst@0[49/64]; signal r4:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 49}}},
-    // rank 6 step 107: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[50/64] = r6:dst@0[50/64]; signal r4:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 50}}},
-    // rank 6 step 108: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[51/64] = r6:dst@0[51/64]; signal r4:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 51}}},
-    // rank 6 step 109: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[52/64] = r6:dst@0[52/64]; signal r4:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 52}}},
-    // rank 6 step 110: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[53/64] = r6:dst@0[53/64]; signal r4:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 53}}},
-    // rank 6 step 111: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[54/64] = r6:dst@0[54/64]; signal r4:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 54}}},
-    // rank 6 step 112: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[55/64] = r6:dst@0[55/64]; signal r4:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 55}}},
-    // rank 6 step 113: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[48/64] = r6:dst@0[48/64]; signal r5:gathered[48]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 48}}},
-    // rank 6 step 114: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[49/64] = r6:dst@0[49/64]; signal r5:gathered[49]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 49}}},
-    // rank 6 step 115: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[50/64] = r6:dst@0[50/64]; signal r5:gathered[50]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 50}}},
-    // rank 6 step 116: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[51/64] = r6:dst@0[51/64]; signal r5:gathered[51]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 51}}},
-    // rank 6 step 117: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[52/64] = r6:dst@0[52/64]; signal r5:gathered[52]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 52}}},
-    // rank 6 step 118: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[53/64] = r6:dst@0[53/64]; signal r5:gathered[53]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 53}}},
-    // rank 6 step 119: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[54/64] = r6:dst@0[54/64]; signal r5:gathered[54]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 54}}},
-    // rank 6 step 120: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[55/64] = r6:dst@0[55/64]; signal r5:gathered[55]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 55}}},
-    // rank 6 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 6 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 6 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 6 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
-    // rank 6 step 125: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
-    // rank 6 step 126: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
-    // rank 6 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
-    // rank 7 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@7[0/64] = r7:src@0[0/64]; signal r0:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 0}, {{7, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 56}}},
-    // rank 7 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@7[1/64] = r7:src@0[1/64]; signal r0:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 1}, {{7, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 57}}},
-    // rank 7 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@7[2/64] = r7:src@0[2/64]; signal r0:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 2}, {{7, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 58}}},
-    // rank 7 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@7[3/64] = r7:src@0[3/64]; signal r0:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 3}, {{7, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 59}}},
-    // rank 7 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@7[4/64] = r7:src@0[4/64]; signal r0:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 4}, {{7, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 60}}},
-    // rank 7 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@7[5/64] = r7:src@0[5/64]; signal r0:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 5}, {{7, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 61}}},
-    // rank 7 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@7[6/64] = r7:src@0[6/64]; signal r0:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 6}, {{7, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 62}}},
-    // rank 7 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@7[7/64] = r7:src@0[7/64]; signal r0:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 7}, {{7, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 63}}},
-    // rank 7 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@7[8/64] = r7:src@0[8/64]; signal r1:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 8}, {{7, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 56}}},
-    // rank 7 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@7[9/64] = r7:src@0[9/64]; signal r1:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 9}, {{7, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 57}}},
-    // rank 7 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@7[10/64] = r7:src@0[10/64]; signal r1:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 10}, {{7, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 58}}},
-    // rank 7 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@7[11/64] = r7:src@0[11/64]; signal r1:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 11}, {{7, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 59}}},
-    // rank 7 step 13: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@7[12/64] = r7:src@0[12/64]; signal r1:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 12}, {{7, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 60}}},
-    // rank 7 step 14: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@7[13/64] = r7:src@0[13/64]; signal r1:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 13}, {{7, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 61}}},
-    // rank 7 step 15: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@7[14/64] = r7:src@0[14/64]; signal r1:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 14}, {{7, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 62}}},
-    // rank 7 step 16: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@7[15/64] = r7:src@0[15/64]; signal r1:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 15}, {{7, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 63}}},
-    // rank 7 step 17: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@7[16/64] = r7:src@0[16/64]; signal r2:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 16}, {{7, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 56}}},
-    // rank 7 step 18: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@7[17/64] = r7:src@0[17/64]; signal r2:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 17}, {{7, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 57}}},
-    // rank 7 step 19: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@7[18/64] = r7:src@0[18/64]; signal r2:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 18}, {{7, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 58}}},
-    // rank 7 step 20: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@7[19/64] = r7:src@0[19/64]; signal r2:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 19}, {{7, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 59}}},
-    // rank 7 step 21: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@7[20/64] = r7:src@0[20/64]; signal r2:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 20}, {{7, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 60}}},
-    // rank 7 step 22: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@7[21/64] = r7:src@0[21/64]; signal r2:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 21}, {{7, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 61}}},
-    // rank 7 step 23: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@7[22/64] = r7:src@0[22/64]; signal r2:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 22}, {{7, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 62}}},
-    // rank 7 step 24: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@7[23/64] = r7:src@0[23/64]; signal r2:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 23}, {{7, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 63}}},
-    // rank 7 step 25: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@7[24/64] = r7:src@0[24/64]; signal r3:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 24}, {{7, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 56}}},
-    // rank 7 step 26: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@7[25/64] = r7:src@0[25/64]; signal r3:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 25}, {{7, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 57}}},
-    // rank 7 step 27: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@7[26/64] = r7:src@0[26/64]; signal r3:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 26}, {{7, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 58}}},
-    // rank 7 step 28: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@7[27/64] = r7:src@0[27/64]; signal r3:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 27}, {{7, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 59}}},
-    // rank 7 step 29: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@7[28/64] = r7:src@0[28/64]; signal r3:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 28}, {{7, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 60}}},
-    // rank 7 step 30: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@7[29/64] = r7:src@0[29/64]; signal r3:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 29}, {{7, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 61}}},
-    // rank 7 step 31: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@7[30/64] = r7:src@0[30/64]; signal r3:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 30}, {{7, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 62}}},
-    // rank 7 step 32: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@7[31/64] = r7:src@0[31/64]; signal r3:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 31}, {{7, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 63}}},
-    // rank 7 step 33: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@7[32/64] = r7:src@0[32/64]; signal r4:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 32}, {{7, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 56}}},
-    // rank 7 step 34: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@7[33/64] = r7:src@0[33/64]; signal r4:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 33}, {{7, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 57}}},
-    // rank 7 step 35: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@7[34/64] = r7:src@0[34/64]; signal r4:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 34}, {{7, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 58}}},
-    // rank 7 step 36: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@7[35/64] = r7:src@0[35/64]; signal r4:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 35}, {{7, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 59}}},
-    // rank 7 step 37: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@7[36/64] = r7:src@0[36/64]; signal r4:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 36}, {{7, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 60}}},
-    // rank 7 step 38: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@7[37/64] = r7:src@0[37/64]; signal r4:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 37}, {{7, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 61}}},
-    // rank 7 step 39: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@7[38/64] = r7:src@0[38/64]; signal r4:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 38}, {{7, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 62}}},
-    // rank 7 step 40: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@7[39/64] = r7:src@0[39/64]; signal r4:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 39}, {{7, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 63}}},
-    // rank 7 step 41: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@7[40/64] = r7:src@0[40/64]; signal r5:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 40}, {{7, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 56}}},
-    // rank 7 step 42: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@7[41/64] = r7:src@0[41/64]; signal r5:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 41}, {{7, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 57}}},
-    // rank 7 step 43: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@7[42/64] = r7:src@0[42/64]; signal r5:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 42}, {{7, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 58}}},
-    // rank 7 step 44: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@7[43/64] = r7:src@0[43/64]; signal r5:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 43}, {{7, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 59}}},
-    // rank 7 step 45: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@7[44/64] = r7:src@0[44/64]; signal r5:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 44}, {{7, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 60}}},
-    // rank 7 step 46: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@7[45/64] = r7:src@0[45/64]; signal r5:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 45}, {{7, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 61}}},
-    // rank 7 step 47: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@7[46/64] = r7:src@0[46/64]; signal r5:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 46}, {{7, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 62}}},
-    // rank 7 step 48: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@7[47/64] = r7:src@0[47/64]; signal r5:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 47}, {{7, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 63}}},
-    // rank 7 step 49: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@7[48/64] = r7:src@0[48/64]; signal r6:arrive[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 48}, {{7, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 56}}},
-    // rank 7 step 50: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@7[49/64] = r7:src@0[49/64]; signal r6:arrive[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 49}, {{7, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 57}}},
-    // rank 7 step 51: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@7[50/64] = r7:src@0[50/64]; signal r6:arrive[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 50}, {{7, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 58}}},
-    // rank 7 step 52: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@7[51/64] = r7:src@0[51/64]; signal r6:arrive[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 51}, {{7, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 59}}},
-    // rank 7 step 53: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@7[52/64] = r7:src@0[52/64]; signal r6:arrive[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 52}, {{7, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 60}}},
-    // rank 7 step 54: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@7[53/64] = r7:src@0[53/64]; signal r6:arrive[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 53}, {{7, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 61}}},
-    // rank 7 step 55: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@7[54/64] = r7:src@0[54/64]; signal r6:arrive[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 54}, {{7, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 62}}},
-    // rank 7 step 56: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@7[55/64] = r7:src@0[55/64]; signal r6:arrive[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 55}, {{7, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 63}}},
-    // rank 7 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48]; r7:dst@0[56/64] = r7:src@0[56/64] + r7:inbox@0[56/64] + r7:inbox@1[56/64] + r7:inbox@2[56/64] + r7:inbox@3[56/64] + r7:inbox@4[56/64] + r7:inbox@5[56/64] + r7:inbox@6[56/64]; signal r7:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 56}, {{7, 1, 1, 64, 0, 56}, {7, 3, 0, 64, 0, 56}, {7, 3, 0, 64, 1, 56}, {7, 3, 0, 64, 2, 56}, {7, 3, 0, 64, 3, 56}, {7, 3, 0, 64, 4, 56}, {7, 3, 0, 64, 5, 56}, {7, 3, 0, 64, 6, 56}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}}, {{7, 6, 0}}},
-    // rank 7 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49]; r7:dst@0[57/64] = r7:src@0[57/64] + r7:inbox@0[57/64] + r7:inbox@1[57/64] + r7:inbox@2[57/64] + r7:inbox@3[57/64] + r7:inbox@4[57/64] + r7:inbox@5[57/64] + r7:inbox@6[57/64]; signal r7:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 57}, {{7, 1, 1, 64, 0, 57}, {7, 3, 0, 64, 0, 57}, {7, 3, 0, 64, 1, 57}, {7, 3, 0, 64, 2, 57}, {7, 3, 0, 64, 3, 57}, {7, 3, 0, 64, 4, 57}, {7, 3, 0, 64, 5, 57}, {7, 3, 0, 64, 6, 57}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}}, {{7, 6, 1}}},
-    // rank 7 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50]; r7:dst@0[58/64] = r7:src@0[58/64] + r7:inbox@0[58/64] + r7:inbox@1[58/64] + r7:inbox@2[58/64] + r7:inbox@3[58/64] + r7:inbox@4[58/64] + r7:inbox@5[58/64] + r7:inbox@6[58/64]; signal r7:reduced[2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 58}, {{7, 1, 1, 64, 0, 58}, {7, 3, 0, 64, 0, 58}, {7, 3, 0, 64, 1, 58}, {7, 3, 0, 64, 2, 58}, {7, 3, 0, 64, 3, 58}, {7, 3, 0, 64, 4, 58}, {7, 3, 0, 64, 5, 58}, {7, 3, 0, 64, 6, 58}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}}, {{7, 6, 2}}},
-    // rank 7 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51]; r7:dst@0[59/64] = r7:src@0[59/64] + r7:inbox@0[59/64] + r7:inbox@1[59/64] + r7:inbox@2[59/64] + r7:inbox@3[59/64] + r7:inbox@4[59/64] + r7:inbox@5[59/64] + r7:inbox@6[59/64]; signal r7:reduced[3]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 59}, {{7, 1, 1, 64, 0, 59}, {7, 3, 0, 64, 0, 59}, {7, 3, 0, 64, 1, 59}, {7, 3, 0, 64, 2, 59}, {7, 3, 0, 64, 3, 59}, {7, 3, 0, 64, 4, 59}, {7, 3, 0, 64, 5, 59}, {7, 3, 0, 64, 6, 59}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}}, {{7, 6, 3}}},
-    // rank 7 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52]; r7:dst@0[60/64] = r7:src@0[60/64] + r7:inbox@0[60/64] + r7:inbox@1[60/64] + r7:inbox@2[60/64] + r7:inbox@3[60/64] + r7:inbox@4[60/64] + r7:inbox@5[60/64] + r7:inbox@6[60/64]; signal r7:reduced[4]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 60}, {{7, 1, 1, 64, 0, 60}, {7, 3, 0, 64, 0, 60}, {7, 3, 0, 64, 1, 60}, {7, 3, 0, 64, 2, 60}, {7, 3, 0, 64, 3, 60}, {7, 3, 0, 64, 4, 60}, {7, 3, 0, 64, 5, 60}, {7, 3, 0, 64, 6, 60}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}}, {{7, 6, 4}}},
-    // rank 7 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53]; r7:dst@0[61/64] = r7:src@0[61/64] + r7:inbox@0[61/64] + r7:inbox@1[61/64] + r7:inbox@2[61/64] + r7:inbox@3[61/64] + r7:inbox@4[61/64] + r7:inbox@5[61/64] + r7:inbox@6[61/64]; signal r7:reduced[5]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 61}, {{7, 1, 1, 64, 0, 61}, {7, 3, 0, 64, 0, 61}, {7, 3, 0, 64, 1, 61}, {7, 3, 0, 64, 2, 61}, {7, 3, 0, 64, 3, 61}, {7, 3, 0, 64, 4, 61}, {7, 3, 0, 64, 5, 61}, {7, 3, 0, 64, 6, 61}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}}, {{7, 6, 5}}},
-    // rank 7 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54]; r7:dst@0[62/64] = r7:src@0[62/64] + r7:inbox@0[62/64] + r7:inbox@1[62/64] + r7:inbox@2[62/64] + r7:inbox@3[62/64] + r7:inbox@4[62/64] + r7:inbox@5[62/64] + r7:inbox@6[62/64]; signal r7:reduced[6]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 62}, {{7, 1, 1, 64, 0, 62}, {7, 3, 0, 64, 0, 62}, {7, 3, 0, 64, 1, 62}, {7, 3, 0, 64, 2, 62}, {7, 3, 0, 64, 3, 62}, {7, 3, 0, 64, 4, 62}, {7, 3, 0, 64, 5, 62}, {7, 3, 0, 64, 6, 62}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}}, {{7, 6, 6}}},
-    // rank 7 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55]; r7:dst@0[63/64] = r7:src@0[63/64] + r7:inbox@0[63/64] + r7:inbox@1[63/64] + r7:inbox@2[63/64] + r7:inbox@3[63/64] + r7:inbox@4[63/64] + r7:inbox@5[63/64] + r7:inbox@6[63/64]; signal r7:reduced[7]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 63}, {{7, 1, 1, 64, 0, 63}, {7, 3, 0, 64, 0, 63}, {7, 3, 0, 64, 1, 63}, {7, 3, 0, 64, 2, 63}, {7, 3, 0, 64, 3, 63}, {7, 3, 0, 64, 4, 63}, {7, 3, 0, 64, 5, 63}, {7, 3, 0, 64, 6, 63}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}}, {{7, 6, 7}}},
-    // rank 7 step 65: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[56/64] = r7:dst@0[56/64]; signal r0:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 56}}},
-    // rank 7 step 66: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[57/64] = r7:dst@0[57/64]; signal r0:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 57}}},
-    // rank 7 step 67: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[58/64] = r7:dst@0[58/64]; signal r0:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 58}}},
-    // rank 7 step 68: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[59/64] = r7:dst@0[59/64]; signal r0:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 59}}},
-    // rank 7 step 69: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[60/64] = r7:dst@0[60/64]; signal r0:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 60}}},
-    // rank 7 step 70: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[61/64] = r7:dst@0[61/64]; signal r0:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 61}}},
-    // rank 7 step 71: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[62/64] = r7:dst@0[62/64]; signal r0:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 62}}},
-    // rank 7 step 72: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[63/64] = r7:dst@0[63/64]; signal r0:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 63}}},
-    // rank 7 step 73: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[56/64] = r7:dst@0[56/64]; signal r1:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 56}}},
-    // rank 7 step 74: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[57/64] = r7:dst@0[57/64]; signal r1:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 57}}},
-    // rank 7 step 75: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[58/64] = r7:dst@0[58/64]; signal r1:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 58}}},
-    // rank 7 step 76: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[59/64] = r7:dst@0[59/64]; signal r1:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 59}}},
-    // rank 7 step 77: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[60/64] = r7:dst@0[60/64]; signal r1:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 60}}},
-    // rank 7 step 78: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[61/64] = r7:dst@0[61/64]; signal r1:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 61}}},
-    // rank 7 step 79: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[62/64] = r7:dst@0[62/64]; signal r1:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 62}}},
-    // rank 7 step 80: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[63/64] = r7:dst@0[63/64]; signal r1:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 63}}},
-    // rank 7 step 81: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[56/64] = r7:dst@0[56/64]; signal r2:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 56}}},
-    // rank 7 step 82: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[57/64] = r7:dst@0[57/64]; signal r2:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 57}}},
-    // rank 7 step 83: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[58/64] = r7:dst@0[58/64]; signal r2:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 58}}},
-    // rank 7 step 84: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[59/64] = r7:dst@0[59/64]; signal r2:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 59}}},
-    // rank 7 step 85: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[60/64] = r7:dst@0[60/64]; signal r2:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 60}}},
-    // rank 7 step 86: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[61/64] = r7:dst@0[61/64]; signal r2:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 61}}},
-    // rank 7 step 87: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[62/64] = r7:dst@0[62/64]; signal r2:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 62}}},
-    // rank 7 step 88: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[63/64] = r7:dst@0[63/64]; signal r2:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 63}}},
-    // rank 7 step 89: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[56/64] = r7:dst@0[56/64]; signal r3:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 56}}},
-    // rank 7 step 90: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[57/64] = r7:dst@0[57/64]; signal r3:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 57}}},
-    // rank 7 step 91: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[58/64] = r7:dst@0[58/64]; signal r3:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 58}}},
-    // rank 7 step 92: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[59/64] = r7:dst@0[59/64]; signal r3:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 59}}},
-    // rank 7 step 93: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[60/64] = r7:dst@0[60/64]; signal r3:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 60}}},
-    // rank 7 step 94: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[61/64] = r7:dst@0[61/64]; signal r3:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 61}}},
-    // rank 7 step 95: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[62/64] = r7:dst@0[62/64]; signal r3:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 62}}},
-    // rank 7 step 96: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[63/64] = r7:dst@0[63/64]; signal r3:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 63}}},
-    // rank 7 step 97: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[56/64] = r7:dst@0[56/64]; signal r4:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 56}}},
-    // rank 7 step 98: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[57/64] = r7:dst@0[57/64]; signal r4:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 57}}},
-    // rank 7 step 99: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[58/64] = r7:dst@0[58/64]; signal r4:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 58}}},
-    // rank 7 step 100: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[59/64] = r7:dst@0[59/64]; signal r4:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 59}}},
-    // rank 7 step 101: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[60/64] = r7:dst@0[60/64]; signal r4:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 60}}},
-    // rank 7 step 102: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[61/64] = r7:dst@0[61/64]; signal r4:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 61}}},
-    // rank 7 step 103: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[62/64] = r7:dst@0[62/64]; signal r4:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 62}}},
-    // rank 7 step 104: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[63/64] = r7:dst@0[63/64]; signal r4:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 63}}},
-    // rank 7 step 105: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[56/64] = r7:dst@0[56/64]; signal r5:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 56}}},
-    // rank 7 step 106: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[57/64] = r7:dst@0[57/64]; signal r5:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 57}}},
-    // rank 7 step 107: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[58/64] = r7:dst@0[58/64]; signal r5:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 58}}},
-    // rank 7 step 108: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[59/64] = r7:dst@0[59/64]; signal r5:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 59}}},
-    // rank 7 step 109: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[60/64] = r7:dst@0[60/64]; signal r5:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 60}}},
-    // rank 7 step 110: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[61/64] = r7:dst@0[61/64]; signal r5:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 61}}},
-    // rank 7 step 111: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[62/64] = r7:dst@0[62/64]; signal r5:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 62}}},
-    // rank 7 step 112: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[63/64] = r7:dst@0[63/64]; signal r5:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 63}}},
-    // rank 7 step 113: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[56/64] = r7:dst@0[56/64]; signal r6:gathered[56]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 56}}},
-    // rank 7 step 114: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[57/64] = r7:dst@0[57/64]; signal r6:gathered[57]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 57}}},
-    // rank 7 step 115: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[58/64] = r7:dst@0[58/64]; signal r6:gathered[58]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 58}}},
-    // rank 7 step 116: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[59/64] = r7:dst@0[59/64]; signal r6:gathered[59]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 59}}},
-    // rank 7 step 117: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[60/64] = r7:dst@0[60/64]; signal r6:gathered[60]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 60}}},
-    // rank 7 step 118: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[61/64] = r7:dst@0[61/64]; signal r6:gathered[61]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 61}}},
-    // rank 7 step 119: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[62/64] = r7:dst@0[62/64]; signal r6:gathered[62]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 62}}},
-    // rank 7 step 120: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[63/64] = r7:dst@0[63/64]; signal r6:gathered[63]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 63}}},
-    // rank 7 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},
-    // rank 7 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},
-    // rank 7 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},
-    // rank 7 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},
-    // rank 7 step 125: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},
-    // rank 7 step 126: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},
-    // rank 7 step 127: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 8}, {{0, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[8/64] = r0:src@0[8/64]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 9}, {{0, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[9/64] = r0:src@0[9/64]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 10}, {{0, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[10/64] = r0:src@0[10/64]; signal r1:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 11}, {{0, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[11/64] = r0:src@0[11/64]; signal r1:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 12}, {{0, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 5: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@0[12/64] = r0:src@0[12/64]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 13}, {{0, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 6: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@0[13/64] = r0:src@0[13/64]; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 14}, {{0, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 7: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@0[14/64] = r0:src@0[14/64]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 0, 15}, {{0, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 8: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@0[15/64] = r0:src@0[15/64]; signal r1:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 16}, {{0, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[16/64] = r0:src@0[16/64]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 17}, {{0, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[17/64] = r0:src@0[17/64]; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 18}, {{0, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[18/64] = r0:src@0[18/64]; signal r2:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 19}, {{0, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[19/64] = r0:src@0[19/64]; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 20}, {{0, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 0 step 13: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@0[20/64] = r0:src@0[20/64]; signal r2:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 21}, {{0, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 0 step 14: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@0[21/64] = r0:src@0[21/64]; signal r2:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 22}, {{0, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 0 step 15: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@0[22/64] = r0:src@0[22/64]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 0, 23}, {{0, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 0 step 16: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@0[23/64] = r0:src@0[23/64]; signal r2:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 24}, {{0, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 0 step 17: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[24/64] = r0:src@0[24/64]; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 25}, {{0, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 0 step 18: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[25/64] = r0:src@0[25/64]; signal r3:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 26}, {{0, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 0 step 19: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@0[26/64] = r0:src@0[26/64]; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 27}, {{0, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 0 step 20: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@0[27/64] = r0:src@0[27/64]; signal r3:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 28}, {{0, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 0 step 21: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@0[28/64] = r0:src@0[28/64]; signal r3:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 29}, {{0, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 0 step 22: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@0[29/64] = r0:src@0[29/64]; signal r3:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 30}, {{0, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 0 step 23: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@0[30/64] = r0:src@0[30/64]; signal r3:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 0, 31}, {{0, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 0 step 24: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@0[31/64] = r0:src@0[31/64]; signal r3:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 32}, {{0, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 0}}},  // rank 0 step 25: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@0[32/64] = r0:src@0[32/64]; signal r4:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 33}, {{0, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 1}}},  // rank 0 step 26: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@0[33/64] = r0:src@0[33/64]; signal r4:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 34}, {{0, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 2}}},  // rank 0 step 27: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@0[34/64] = r0:src@0[34/64]; signal r4:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 35}, {{0, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 3}}},  // rank 0 step 28: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@0[35/64] = r0:src@0[35/64]; signal r4:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 36}, {{0, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 4}}},  // rank 0 step 29: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@0[36/64] = r0:src@0[36/64]; signal r4:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 37}, {{0, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 5}}},  // rank 0 step 30: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@0[37/64] = r0:src@0[37/64]; signal r4:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 38}, {{0, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 6}}},  // rank 0 step 31: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@0[38/64] = r0:src@0[38/64]; signal r4:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 0, 39}, {{0, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 7}}},  // rank 0 step 32: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@0[39/64] = r0:src@0[39/64]; signal r4:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 40}, {{0, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 0}}},  // rank 0 step 33: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@0[40/64] = r0:src@0[40/64]; signal r5:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 41}, {{0, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 1}}},  // rank 0 step 34: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@0[41/64] = r0:src@0[41/64]; signal r5:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 42}, {{0, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 2}}},  // rank 0 step 35: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@0[42/64] = r0:src@0[42/64]; signal r5:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 43}, {{0, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 3}}},  // rank 0 step 36: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@0[43/64] = r0:src@0[43/64]; signal r5:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 44}, {{0, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 4}}},  // rank 0 step 37: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@0[44/64] = r0:src@0[44/64]; signal r5:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 45}, {{0, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 5}}},  // rank 0 step 38: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@0[45/64] = r0:src@0[45/64]; signal r5:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 46}, {{0, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 6}}},  // rank 0 step 39: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@0[46/64] = r0:src@0[46/64]; signal r5:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 0, 47}, {{0, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 7}}},  // rank 0 step 40: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@0[47/64] = r0:src@0[47/64]; signal r5:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 48}, {{0, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 0}}},  // rank 0 step 41: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@0[48/64] = r0:src@0[48/64]; signal r6:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 49}, {{0, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 1}}},  // rank 0 step 42: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@0[49/64] = r0:src@0[49/64]; signal r6:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 50}, {{0, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 2}}},  // rank 0 step 43: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@0[50/64] = r0:src@0[50/64]; signal r6:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 51}, {{0, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 3}}},  // rank 0 step 44: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@0[51/64] = r0:src@0[51/64]; signal r6:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 52}, {{0, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 4}}},  // rank 0 step 45: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@0[52/64] = r0:src@0[52/64]; signal r6:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 53}, {{0, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 5}}},  // rank 0 step 46: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@0[53/64] = r0:src@0[53/64]; signal r6:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 54}, {{0, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 6}}},  // rank 0 step 47: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@0[54/64] = r0:src@0[54/64]; signal r6:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 0, 55}, {{0, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 7}}},  // rank 0 step 48: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@0[55/64] = r0:src@0[55/64]; signal r6:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 56}, {{0, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 0}}},  // rank 0 step 49: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@0[56/64] = r0:src@0[56/64]; signal r7:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 57}, {{0, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 1}}},  // rank 0 step 50: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@0[57/64] = r0:src@0[57/64]; signal r7:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 58}, {{0, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 2}}},  // rank 0 step 51: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@0[58/64] = r0:src@0[58/64]; signal r7:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 59}, {{0, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 3}}},  // rank 0 step 52: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@0[59/64] = r0:src@0[59/64]; signal r7:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 60}, {{0, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 4}}},  // rank 0 step 53: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@0[60/64] = r0:src@0[60/64]; signal r7:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 61}, {{0, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 5}}},  // rank 0 step 54: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@0[61/64] = r0:src@0[61/64]; signal r7:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 62}, {{0, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 6}}},  // rank 0 step 55: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@0[62/64] = r0:src@0[62/64]; signal r7:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 0, 63}, {{0, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 7}}},  // rank 0 step 56: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@0[63/64] = r0:src@0[63/64]; signal r7:arrive[7]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 0}, {{0, 1, 1, 64, 0, 0}, {0, 3, 0, 64, 1, 0}, {0, 3, 0, 64, 2, 0}, {0, 3, 0, 64, 3, 0}, {0, 3, 0, 64, 4, 0}, {0, 3, 0, 64, 5, 0}, {0, 3, 0, 64, 6, 0}, {0, 3, 0, 64, 7, 0}}, {}, {{5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{0, 6, 0}}},  // rank 0 step 57: reduce our part, piece 0; wait arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r0:dst@0[0/64] = r0:src@0[0/64] + r0:inbox@1[0/64] + r0:inbox@2[0/64] + r0:inbox@3[0/64] + r0:inbox@4[0/64] + r0:inbox@5[0/64] + r0:inbox@6[0/64] + r0:inbox@7[0/64]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 1}, {{0, 1, 1, 64, 0, 1}, {0, 3, 0, 64, 1, 1}, {0, 3, 0, 64, 2, 1}, {0, 3, 0, 64, 3, 1}, {0, 3, 0, 64, 4, 1}, {0, 3, 0, 64, 5, 1}, {0, 3, 0, 64, 6, 1}, {0, 3, 0, 64, 7, 1}}, {}, {{5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{0, 6, 1}}},  // rank 0 step 58: reduce our part, piece 1; wait arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r0:dst@0[1/64] = r0:src@0[1/64] + r0:inbox@1[1/64] + r0:inbox@2[1/64] + r0:inbox@3[1/64] + r0:inbox@4[1/64] + r0:inbox@5[1/64] + r0:inbox@6[1/64] + r0:inbox@7[1/64]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 2}, {{0, 1, 1, 64, 0, 2}, {0, 3, 0, 64, 1, 2}, {0, 3, 0, 64, 2, 2}, {0, 3, 0, 64, 3, 2}, {0, 3, 0, 64, 4, 2}, {0, 3, 0, 64, 5, 2}, {0, 3, 0, 64, 6, 2}, {0, 3, 0, 64, 7, 2}}, {}, {{5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{0, 6, 2}}},  // rank 0 step 59: reduce our part, piece 2; wait arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r0:dst@0[2/64] = r0:src@0[2/64] + r0:inbox@1[2/64] + r0:inbox@2[2/64] + r0:inbox@3[2/64] + r0:inbox@4[2/64] + r0:inbox@5[2/64] + r0:inbox@6[2/64] + r0:inbox@7[2/64]; signal r0:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 3}, {{0, 1, 1, 64, 0, 3}, {0, 3, 0, 64, 1, 3}, {0, 3, 0, 64, 2, 3}, {0, 3, 0, 64, 3, 3}, {0, 3, 0, 64, 4, 3}, {0, 3, 0, 64, 5, 3}, {0, 3, 0, 64, 6, 3}, {0, 3, 0, 64, 7, 3}}, {}, {{5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{0, 6, 3}}},  // rank 0 step 60: reduce our part, piece 3; wait arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r0:dst@0[3/64] = r0:src@0[3/64] + r0:inbox@1[3/64] + r0:inbox@2[3/64] + r0:inbox@3[3/64] + r0:inbox@4[3/64] + r0:inbox@5[3/64] + r0:inbox@6[3/64] + r0:inbox@7[3/64]; signal r0:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 4}, {{0, 1, 1, 64, 0, 4}, {0, 3, 0, 64, 1, 4}, {0, 3, 0, 64, 2, 4}, {0, 3, 0, 64, 3, 4}, {0, 3, 0, 64, 4, 4}, {0, 3, 0, 64, 5, 4}, {0, 3, 0, 64, 6, 4}, {0, 3, 0, 64, 7, 4}}, {}, {{5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{0, 6, 4}}},  // rank 0 step 61: reduce our part, piece 4; wait arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r0:dst@0[4/64] = r0:src@0[4/64] + r0:inbox@1[4/64] + r0:inbox@2[4/64] + r0:inbox@3[4/64] + r0:inbox@4[4/64] + r0:inbox@5[4/64] + r0:inbox@6[4/64] + r0:inbox@7[4/64]; signal r0:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 5}, {{0, 1, 1, 64, 0, 5}, {0, 3, 0, 64, 1, 5}, {0, 3, 0, 64, 2, 5}, {0, 3, 0, 64, 3, 5}, {0, 3, 0, 64, 4, 5}, {0, 3, 0, 64, 5, 5}, {0, 3, 0, 64, 6, 5}, {0, 3, 0, 64, 7, 5}}, {}, {{5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{0, 6, 5}}},  // rank 0 step 62: reduce our part, piece 5; wait arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r0:dst@0[5/64] = r0:src@0[5/64] + r0:inbox@1[5/64] + r0:inbox@2[5/64] + r0:inbox@3[5/64] + r0:inbox@4[5/64] + r0:inbox@5[5/64] + r0:inbox@6[5/64] + r0:inbox@7[5/64]; signal r0:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 6}, {{0, 1, 1, 64, 0, 6}, {0, 3, 0, 64, 1, 6}, {0, 3, 0, 64, 2, 6}, {0, 3, 0, 64, 3, 6}, {0, 3, 0, 64, 4, 6}, {0, 3, 0, 64, 5, 6}, {0, 3, 0, 64, 6, 6}, {0, 3, 0, 64, 7, 6}}, {}, {{5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{0, 6, 6}}},  // rank 0 step 63: reduce our part, piece 6; wait arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r0:dst@0[6/64] = r0:src@0[6/64] + r0:inbox@1[6/64] + r0:inbox@2[6/64] + r0:inbox@3[6/64] + r0:inbox@4[6/64] + r0:inbox@5[6/64] + r0:inbox@6[6/64] + r0:inbox@7[6/64]; signal r0:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 64, 0, 7}, {{0, 1, 1, 64, 0, 7}, {0, 3, 0, 64, 1, 7}, {0, 3, 0, 64, 2, 7}, {0, 3, 0, 64, 3, 7}, {0, 3, 0, 64, 4, 7}, {0, 3, 0, 64, 5, 7}, {0, 3, 0, 64, 6, 7}, {0, 3, 0, 64, 7, 7}}, {}, {{5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{0, 6, 7}}},  // rank 0 step 64: reduce our part, piece 7; wait arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r0:dst@0[7/64] = r0:src@0[7/64] + r0:inbox@1[7/64] + r0:inbox@2[7/64] + r0:inbox@3[7/64] + r0:inbox@4[7/64] + r0:inbox@5[7/64] + r0:inbox@6[7/64] + r0:inbox@7[7/64]; signal r0:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 0}}},  // rank 0 step 65: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/64] = r0:dst@0[0/64]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 1}}},  // rank 0 step 66: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/64] = r0:dst@0[1/64]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 2}}},  // rank 0 step 67: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/64] = r0:dst@0[2/64]; signal r1:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 3}}},  // rank 0 step 68: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/64] = r0:dst@0[3/64]; signal r1:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 4}}},  // rank 0 step 69: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[4/64] = r0:dst@0[4/64]; signal r1:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 5}}},  // rank 0 step 70: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[5/64] = r0:dst@0[5/64]; signal r1:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 6}}},  // rank 0 step 71: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[6/64] = r0:dst@0[6/64]; signal r1:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 7}}},  // rank 0 step 72: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[7/64] = r0:dst@0[7/64]; signal r1:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 0}}},  // rank 0 step 73: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/64] = r0:dst@0[0/64]; signal r2:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 1}}},  // rank 0 step 74: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/64] = r0:dst@0[1/64]; signal r2:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 2}}},  // rank 0 step 75: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/64] = r0:dst@0[2/64]; signal r2:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 3}}},  // rank 0 step 76: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/64] = r0:dst@0[3/64]; signal r2:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 4}}},  // rank 0 step 77: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[4/64] = r0:dst@0[4/64]; signal r2:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 5}}},  // rank 0 step 78: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[5/64] = r0:dst@0[5/64]; signal r2:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 6}}},  // rank 0 step 79: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[6/64] = r0:dst@0[6/64]; signal r2:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 7}}},  // rank 0 step 80: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[7/64] = r0:dst@0[7/64]; signal r2:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 0}}},  // rank 0 step 81: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/64] = r0:dst@0[0/64]; signal r3:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 1}}},  // rank 0 step 82: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/64] = r0:dst@0[1/64]; signal r3:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 2}}},  // rank 0 step 83: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[2/64] = r0:dst@0[2/64]; signal r3:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 3}}},  // rank 0 step 84: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[3/64] = r0:dst@0[3/64]; signal r3:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 4}}},  // rank 0 step 85: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[4/64] = r0:dst@0[4/64]; signal r3:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 5}}},  // rank 0 step 86: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[5/64] = r0:dst@0[5/64]; signal r3:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 6}}},  // rank 0 step 87: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[6/64] = r0:dst@0[6/64]; signal r3:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 7}}},  // rank 0 step 88: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[7/64] = r0:dst@0[7/64]; signal r3:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 0}}},  // rank 0 step 89: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[0/64] = r0:dst@0[0/64]; signal r4:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 1}}},  // rank 0 step 90: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[1/64] = r0:dst@0[1/64]; signal r4:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 2}}},  // rank 0 step 91: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[2/64] = r0:dst@0[2/64]; signal r4:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 3}}},  // rank 0 step 92: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[3/64] = r0:dst@0[3/64]; signal r4:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 4}}},  // rank 0 step 93: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[4/64] = r0:dst@0[4/64]; signal r4:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 5}}},  // rank 0 step 94: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[5/64] = r0:dst@0[5/64]; signal r4:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 6}}},  // rank 0 step 95: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[6/64] = r0:dst@0[6/64]; signal r4:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 7}}},  // rank 0 step 96: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[7/64] = r0:dst@0[7/64]; signal r4:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 0}}},  // rank 0 step 97: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[0/64] = r0:dst@0[0/64]; signal r5:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 1}}},  // rank 0 step 98: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[1/64] = r0:dst@0[1/64]; signal r5:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 2}}},  // rank 0 step 99: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[2/64] = r0:dst@0[2/64]; signal r5:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 3}}},  // rank 0 step 100: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[3/64] = r0:dst@0[3/64]; signal r5:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 4}}},  // rank 0 step 101: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[4/64] = r0:dst@0[4/64]; signal r5:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 5}}},  // rank 0 step 102: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[5/64] = r0:dst@0[5/64]; signal r5:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 6}}},  // rank 0 step 103: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[6/64] = r0:dst@0[6/64]; signal r5:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 7}}},  // rank 0 step 104: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[7/64] = r0:dst@0[7/64]; signal r5:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 0}}},  // rank 0 step 105: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[0/64] = r0:dst@0[0/64]; signal r6:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 1}}},  // rank 0 step 106: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[1/64] = r0:dst@0[1/64]; signal r6:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 2}}},  // rank 0 step 107: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[2/64] = r0:dst@0[2/64]; signal r6:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 3}}},  // rank 0 step 108: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[3/64] = r0:dst@0[3/64]; signal r6:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 4}}},  // rank 0 step 109: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[4/64] = r0:dst@0[4/64]; signal r6:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 5}}},  // rank 0 step 110: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[5/64] = r0:dst@0[5/64]; signal r6:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 6}}},  // rank 0 step 111: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[6/64] = r0:dst@0[6/64]; signal r6:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 7}}},  // rank 0 step 112: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[7/64] = r0:dst@0[7/64]; signal r6:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 0}, {{0, 2, 0, 64, 0, 0}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 0}}},  // rank 0 step 113: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[0/64] = r0:dst@0[0/64]; signal r7:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 1}, {{0, 2, 0, 64, 0, 1}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 1}}},  // rank 0 step 114: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[1/64] = r0:dst@0[1/64]; signal r7:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 2}, {{0, 2, 0, 64, 0, 2}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 2}}},  // rank 0 step 115: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[2/64] = r0:dst@0[2/64]; signal r7:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 3}, {{0, 2, 0, 64, 0, 3}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 3}}},  // rank 0 step 116: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[3/64] = r0:dst@0[3/64]; signal r7:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 4}, {{0, 2, 0, 64, 0, 4}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 4}}},  // rank 0 step 117: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[4/64] = r0:dst@0[4/64]; signal r7:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 5}, {{0, 2, 0, 64, 0, 5}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 5}}},  // rank 0 step 118: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[5/64] = r0:dst@0[5/64]; signal r7:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 6}, {{0, 2, 0, 64, 0, 6}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 6}}},  // rank 0 step 119: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[6/64] = r0:dst@0[6/64]; signal r7:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 7}, {{0, 2, 0, 64, 0, 7}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 7}}},  // rank 0 step 120: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[7/64] = r0:dst@0[7/64]; signal r7:gathered[7]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 0 step 121: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 0 step 122: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},  // rank 0 step 123: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},  // rank 0 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},  // rank 0 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},  // rank 0 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},  // rank 0 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 16}, {{1, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},  // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[16/64] = r1:src@0[16/64]; signal r2:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 17}, {{1, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},  // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[17/64] = r1:src@0[17/64]; signal r2:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 18}, {{1, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},  // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[18/64] = r1:src@0[18/64]; signal r2:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 19}, {{1, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},  // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[19/64] = r1:src@0[19/64]; signal r2:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 20}, {{1, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 1 step 5: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@1[20/64] = r1:src@0[20/64]; signal r2:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 21}, {{1, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 1 step 6: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@1[21/64] = r1:src@0[21/64]; signal r2:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 22}, {{1, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 1 step 7: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@1[22/64] = r1:src@0[22/64]; signal r2:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 1, 23}, {{1, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 1 step 8: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@1[23/64] = r1:src@0[23/64]; signal r2:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 24}, {{1, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},  // rank 1 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[24/64] = r1:src@0[24/64]; signal r3:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 25}, {{1, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},  // rank 1 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[25/64] = r1:src@0[25/64]; signal r3:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 26}, {{1, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},  // rank 1 step 11: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@1[26/64] = r1:src@0[26/64]; signal r3:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 27}, {{1, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},  // rank 1 step 12: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@1[27/64] = r1:src@0[27/64]; signal r3:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 28}, {{1, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},  // rank 1 step 13: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@1[28/64] = r1:src@0[28/64]; signal r3:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 29}, {{1, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},  // rank 1 step 14: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@1[29/64] = r1:src@0[29/64]; signal r3:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 30}, {{1, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},  // rank 1 step 15: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@1[30/64] = r1:src@0[30/64]; signal r3:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 1, 31}, {{1, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},  // rank 1 step 16: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@1[31/64] = r1:src@0[31/64]; signal r3:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 32}, {{1, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},  // rank 1 step 17: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@1[32/64] = r1:src@0[32/64]; signal r4:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 33}, {{1, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},  // rank 1 step 18: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@1[33/64] = r1:src@0[33/64]; signal r4:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 34}, {{1, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},  // rank 1 step 19: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@1[34/64] = r1:src@0[34/64]; signal r4:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 35}, {{1, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},  // rank 1 step 20: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@1[35/64] = r1:src@0[35/64]; signal r4:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 36}, {{1, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 12}}},  // rank 1 step 21: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@1[36/64] = r1:src@0[36/64]; signal r4:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 37}, {{1, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 13}}},  // rank 1 step 22: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@1[37/64] = r1:src@0[37/64]; signal r4:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 38}, {{1, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 14}}},  // rank 1 step 23: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@1[38/64] = r1:src@0[38/64]; signal r4:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 1, 39}, {{1, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 15}}},  // rank 1 step 24: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@1[39/64] = r1:src@0[39/64]; signal r4:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 40}, {{1, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 8}}},  // rank 1 step 25: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@1[40/64] = r1:src@0[40/64]; signal r5:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 41}, {{1, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 9}}},  // rank 1 step 26: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@1[41/64] = r1:src@0[41/64]; signal r5:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 42}, {{1, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 10}}},  // rank 1 step 27: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@1[42/64] = r1:src@0[42/64]; signal r5:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 43}, {{1, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 11}}},  // rank 1 step 28: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@1[43/64] = r1:src@0[43/64]; signal r5:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 44}, {{1, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},  // rank 1 step 29: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@1[44/64] = r1:src@0[44/64]; signal r5:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 45}, {{1, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},  // rank 1 step 30: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@1[45/64] = r1:src@0[45/64]; signal r5:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 46}, {{1, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},  // rank 1 step 31: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@1[46/64] = r1:src@0[46/64]; signal r5:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 1, 47}, {{1, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},  // rank 1 step 32: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@1[47/64] = r1:src@0[47/64]; signal r5:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 48}, {{1, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 8}}},  // rank 1 step 33: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@1[48/64] = r1:src@0[48/64]; signal r6:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 49}, {{1, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 9}}},  // rank 1 step 34: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@1[49/64] = r1:src@0[49/64]; signal r6:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 50}, {{1, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 10}}},  // rank 1 step 35: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@1[50/64] = r1:src@0[50/64]; signal r6:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 51}, {{1, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 11}}},  // rank 1 step 36: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@1[51/64] = r1:src@0[51/64]; signal r6:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 52}, {{1, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 12}}},  // rank 1 step 37: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@1[52/64] = r1:src@0[52/64]; signal r6:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 53}, {{1, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 13}}},  // rank 1 step 38: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@1[53/64] = r1:src@0[53/64]; signal r6:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 54}, {{1, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 14}}},  // rank 1 step 39: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@1[54/64] = r1:src@0[54/64]; signal r6:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 1, 55}, {{1, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 15}}},  // rank 1 step 40: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@1[55/64] = r1:src@0[55/64]; signal r6:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 56}, {{1, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 8}}},  // rank 1 step 41: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@1[56/64] = r1:src@0[56/64]; signal r7:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 57}, {{1, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 9}}},  // rank 1 step 42: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@1[57/64] = r1:src@0[57/64]; signal r7:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 58}, {{1, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 10}}},  // rank 1 step 43: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@1[58/64] = r1:src@0[58/64]; signal r7:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 59}, {{1, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 11}}},  // rank 1 step 44: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@1[59/64] = r1:src@0[59/64]; signal r7:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 60}, {{1, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 12}}},  // rank 1 step 45: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@1[60/64] = r1:src@0[60/64]; signal r7:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 61}, {{1, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 13}}},  // rank 1 step 46: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@1[61/64] = r1:src@0[61/64]; signal r7:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 62}, {{1, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 14}}},  // rank 1 step 47: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@1[62/64] = r1:src@0[62/64]; signal r7:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 1, 63}, {{1, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 15}}},  // rank 1 step 48: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@1[63/64] = r1:src@0[63/64]; signal r7:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 0}, {{1, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 1 step 49: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/64] = r1:src@0[0/64]; signal r0:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 1}, {{1, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 1 step 50: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/64] = r1:src@0[1/64]; signal r0:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 2}, {{1, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 1 step 51: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/64] = r1:src@0[2/64]; signal r0:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 3}, {{1, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 1 step 52: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/64] = r1:src@0[3/64]; signal r0:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 4}, {{1, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 1 step 53: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@1[4/64] = r1:src@0[4/64]; signal r0:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 5}, {{1, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 1 step 54: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@1[5/64] = r1:src@0[5/64]; signal r0:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 6}, {{1, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 1 step 55: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@1[6/64] = r1:src@0[6/64]; signal r0:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 1, 7}, {{1, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 1 step 56: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@1[7/64] = r1:src@0[7/64]; signal r0:arrive[15]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 8}, {{1, 1, 1, 64, 0, 8}, {1, 3, 0, 64, 0, 8}, {1, 3, 0, 64, 2, 8}, {1, 3, 0, 64, 3, 8}, {1, 3, 0, 64, 4, 8}, {1, 3, 0, 64, 5, 8}, {1, 3, 0, 64, 6, 8}, {1, 3, 0, 64, 7, 8}}, {}, {{5, 0, 0, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{1, 6, 0}}},  // rank 1 step 57: reduce our part, piece 0; wait arrive[0], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r1:dst@0[8/64] = r1:src@0[8/64] + r1:inbox@0[8/64] + r1:inbox@2[8/64] + r1:inbox@3[8/64] + r1:inbox@4[8/64] + r1:inbox@5[8/64] + r1:inbox@6[8/64] + r1:inbox@7[8/64]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 9}, {{1, 1, 1, 64, 0, 9}, {1, 3, 0, 64, 0, 9}, {1, 3, 0, 64, 2, 9}, {1, 3, 0, 64, 3, 9}, {1, 3, 0, 64, 4, 9}, {1, 3, 0, 64, 5, 9}, {1, 3, 0, 64, 6, 9}, {1, 3, 0, 64, 7, 9}}, {}, {{5, 0, 1, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{1, 6, 1}}},  // rank 1 step 58: reduce our part, piece 1; wait arrive[1], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r1:dst@0[9/64] = r1:src@0[9/64] + r1:inbox@0[9/64] + r1:inbox@2[9/64] + r1:inbox@3[9/64] + r1:inbox@4[9/64] + r1:inbox@5[9/64] + r1:inbox@6[9/64] + r1:inbox@7[9/64]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 10}, {{1, 1, 1, 64, 0, 10}, {1, 3, 0, 64, 0, 10}, {1, 3, 0, 64, 2, 10}, {1, 3, 0, 64, 3, 10}, {1, 3, 0, 64, 4, 10}, {1, 3, 0, 64, 5, 10}, {1, 3, 0, 64, 6, 10}, {1, 3, 0, 64, 7, 10}}, {}, {{5, 0, 2, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{1, 6, 2}}},  // rank 1 step 59: reduce our part, piece 2; wait arrive[2], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r1:dst@0[10/64] = r1:src@0[10/64] + r1:inbox@0[10/64] + r1:inbox@2[10/64] + r1:inbox@3[10/64] + r1:inbox@4[10/64] + r1:inbox@5[10/64] + r1:inbox@6[10/64] + r1:inbox@7[10/64]; signal r1:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 11}, {{1, 1, 1, 64, 0, 11}, {1, 3, 0, 64, 0, 11}, {1, 3, 0, 64, 2, 11}, {1, 3, 0, 64, 3, 11}, {1, 3, 0, 64, 4, 11}, {1, 3, 0, 64, 5, 11}, {1, 3, 0, 64, 6, 11}, {1, 3, 0, 64, 7, 11}}, {}, {{5, 0, 3, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{1, 6, 3}}},  // rank 1 step 60: reduce our part, piece 3; wait arrive[3], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r1:dst@0[11/64] = r1:src@0[11/64] + r1:inbox@0[11/64] + r1:inbox@2[11/64] + r1:inbox@3[11/64] + r1:inbox@4[11/64] + r1:inbox@5[11/64] + r1:inbox@6[11/64] + r1:inbox@7[11/64]; signal r1:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 12}, {{1, 1, 1, 64, 0, 12}, {1, 3, 0, 64, 0, 12}, {1, 3, 0, 64, 2, 12}, {1, 3, 0, 64, 3, 12}, {1, 3, 0, 64, 4, 12}, {1, 3, 0, 64, 5, 12}, {1, 3, 0, 64, 6, 12}, {1, 3, 0, 64, 7, 12}}, {}, {{5, 0, 4, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{1, 6, 4}}},  // rank 1 step 61: reduce our part, piece 4; wait arrive[4], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r1:dst@0[12/64] = r1:src@0[12/64] + r1:inbox@0[12/64] + r1:inbox@2[12/64] + r1:inbox@3[12/64] + r1:inbox@4[12/64] + r1:inbox@5[12/64] + r1:inbox@6[12/64] + r1:inbox@7[12/64]; signal r1:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 13}, {{1, 1, 1, 64, 0, 13}, {1, 3, 0, 64, 0, 13}, {1, 3, 0, 64, 2, 13}, {1, 3, 0, 64, 3, 13}, {1, 3, 0, 64, 4, 13}, {1, 3, 0, 64, 5, 13}, {1, 3, 0, 64, 6, 13}, {1, 3, 0, 64, 7, 13}}, {}, {{5, 0, 5, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{1, 6, 5}}},  // rank 1 step 62: reduce our part, piece 5; wait arrive[5], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r1:dst@0[13/64] = r1:src@0[13/64] + r1:inbox@0[13/64] + r1:inbox@2[13/64] + r1:inbox@3[13/64] + r1:inbox@4[13/64] + r1:inbox@5[13/64] + r1:inbox@6[13/64] + r1:inbox@7[13/64]; signal r1:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 14}, {{1, 1, 1, 64, 0, 14}, {1, 3, 0, 64, 0, 14}, {1, 3, 0, 64, 2, 14}, {1, 3, 0, 64, 3, 14}, {1, 3, 0, 64, 4, 14}, {1, 3, 0, 64, 5, 14}, {1, 3, 0, 64, 6, 14}, {1, 3, 0, 64, 7, 14}}, {}, {{5, 0, 6, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{1, 6, 6}}},  // rank 1 step 63: reduce our part, piece 6; wait arrive[6], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r1:dst@0[14/64] = r1:src@0[14/64] + r1:inbox@0[14/64] + r1:inbox@2[14/64] + r1:inbox@3[14/64] + r1:inbox@4[14/64] + r1:inbox@5[14/64] + r1:inbox@6[14/64] + r1:inbox@7[14/64]; signal r1:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 64, 0, 15}, {{1, 1, 1, 64, 0, 15}, {1, 3, 0, 64, 0, 15}, {1, 3, 0, 64, 2, 15}, {1, 3, 0, 64, 3, 15}, {1, 3, 0, 64, 4, 15}, {1, 3, 0, 64, 5, 15}, {1, 3, 0, 64, 6, 15}, {1, 3, 0, 64, 7, 15}}, {}, {{5, 0, 7, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{1, 6, 7}}},  // rank 1 step 64: reduce our part, piece 7; wait arrive[7], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r1:dst@0[15/64] = r1:src@0[15/64] + r1:inbox@0[15/64] + r1:inbox@2[15/64] + r1:inbox@3[15/64] + r1:inbox@4[15/64] + r1:inbox@5[15/64] + r1:inbox@6[15/64] + r1:inbox@7[15/64]; signal r1:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 8}}},  // rank 1 step 65: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/64] = r1:dst@0[8/64]; signal r2:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 9}}},  // rank 1 step 66: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/64] = r1:dst@0[9/64]; signal r2:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 10}}},  // rank 1 step 67: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[10/64] = r1:dst@0[10/64]; signal r2:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 11}}},  // rank 1 step 68: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[11/64] = r1:dst@0[11/64]; signal r2:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 12}}},  // rank 1 step 69: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[12/64] = r1:dst@0[12/64]; signal r2:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 13}}},  // rank 1 step 70: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[13/64] = r1:dst@0[13/64]; signal r2:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 14}}},  // rank 1 step 71: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[14/64] = r1:dst@0[14/64]; signal r2:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 15}}},  // rank 1 step 72: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[15/64] = r1:dst@0[15/64]; signal r2:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 8}}},  // rank 1 step 73: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/64] = r1:dst@0[8/64]; signal r3:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 9}}},  // rank 1 step 74: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/64] = r1:dst@0[9/64]; signal r3:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 10}}},  // rank 1 step 75: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[10/64] = r1:dst@0[10/64]; signal r3:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 11}}},  // rank 1 step 76: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[11/64] = r1:dst@0[11/64]; signal r3:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 12}}},  // rank 1 step 77: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[12/64] = r1:dst@0[12/64]; signal r3:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 13}}},  // rank 1 step 78: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[13/64] = r1:dst@0[13/64]; signal r3:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 14}}},  // rank 1 step 79: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[14/64] = r1:dst@0[14/64]; signal r3:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 15}}},  // rank 1 step 80: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[15/64] = r1:dst@0[15/64]; signal r3:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 8}}},  // rank 1 step 81: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[8/64] = r1:dst@0[8/64]; signal r4:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 9}}},  // rank 1 step 82: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[9/64] = r1:dst@0[9/64]; signal r4:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 10}}},  // rank 1 step 83: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[10/64] = r1:dst@0[10/64]; signal r4:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 11}}},  // rank 1 step 84: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[11/64] = r1:dst@0[11/64]; signal r4:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 12}}},  // rank 1 step 85: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[12/64] = r1:dst@0[12/64]; signal r4:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 13}}},  // rank 1 step 86: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[13/64] = r1:dst@0[13/64]; signal r4:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 14}}},  // rank 1 step 87: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[14/64] = r1:dst@0[14/64]; signal r4:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 15}}},  // rank 1 step 88: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[15/64] = r1:dst@0[15/64]; signal r4:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 8}}},  // rank 1 step 89: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[8/64] = r1:dst@0[8/64]; signal r5:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 9}}},  // rank 1 step 90: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[9/64] = r1:dst@0[9/64]; signal r5:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 10}}},  // rank 1 step 91: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[10/64] = r1:dst@0[10/64]; signal r5:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 11}}},  // rank 1 step 92: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[11/64] = r1:dst@0[11/64]; signal r5:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 12}}},  // rank 1 step 93: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[12/64] = r1:dst@0[12/64]; signal r5:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 13}}},  // rank 1 step 94: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[13/64] = r1:dst@0[13/64]; signal r5:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 14}}},  // rank 1 step 95: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[14/64] = r1:dst@0[14/64]; signal r5:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 15}}},  // rank 1 step 96: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[15/64] = r1:dst@0[15/64]; signal r5:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 8}}},  // rank 1 step 97: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[8/64] = r1:dst@0[8/64]; signal r6:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 9}}},  // rank 1 step 98: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[9/64] = r1:dst@0[9/64]; signal r6:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 10}}},  // rank 1 step 99: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[10/64] = r1:dst@0[10/64]; signal r6:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 11}}},  // rank 1 step 100: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[11/64] = r1:dst@0[11/64]; signal r6:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 12}}},  // rank 1 step 101: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[12/64] = r1:dst@0[12/64]; signal r6:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 13}}},  // rank 1 step 102: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[13/64] = r1:dst@0[13/64]; signal r6:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 14}}},  // rank 1 step 103: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[14/64] = r1:dst@0[14/64]; signal r6:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 15}}},  // rank 1 step 104: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[15/64] = r1:dst@0[15/64]; signal r6:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 8}}},  // rank 1 step 105: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[8/64] = r1:dst@0[8/64]; signal r7:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 9}}},  // rank 1 step 106: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[9/64] = r1:dst@0[9/64]; signal r7:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 10}}},  // rank 1 step 107: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[10/64] = r1:dst@0[10/64]; signal r7:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 11}}},  // rank 1 step 108: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[11/64] = r1:dst@0[11/64]; signal r7:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 12}}},  // rank 1 step 109: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[12/64] = r1:dst@0[12/64]; signal r7:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 13}}},  // rank 1 step 110: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[13/64] = r1:dst@0[13/64]; signal r7:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 14}}},  // rank 1 step 111: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[14/64] = r1:dst@0[14/64]; signal r7:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 15}}},  // rank 1 step 112: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[15/64] = r1:dst@0[15/64]; signal r7:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 8}, {{1, 2, 0, 64, 0, 8}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 8}}},  // rank 1 step 113: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/64] = r1:dst@0[8/64]; signal r0:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 9}, {{1, 2, 0, 64, 0, 9}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 9}}},  // rank 1 step 114: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/64] = r1:dst@0[9/64]; signal r0:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 10}, {{1, 2, 0, 64, 0, 10}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 10}}},  // rank 1 step 115: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/64] = r1:dst@0[10/64]; signal r0:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 11}, {{1, 2, 0, 64, 0, 11}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 11}}},  // rank 1 step 116: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/64] = r1:dst@0[11/64]; signal r0:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 12}, {{1, 2, 0, 64, 0, 12}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 12}}},  // rank 1 step 117: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[12/64] = r1:dst@0[12/64]; signal r0:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 13}, {{1, 2, 0, 64, 0, 13}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 13}}},  // rank 1 step 118: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[13/64] = r1:dst@0[13/64]; signal r0:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 14}, {{1, 2, 0, 64, 0, 14}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 14}}},  // rank 1 step 119: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[14/64] = r1:dst@0[14/64]; signal r0:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 15}, {{1, 2, 0, 64, 0, 15}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 15}}},  // rank 1 step 120: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[15/64] = r1:dst@0[15/64]; signal r0:gathered[15]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 1 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 1 step 122: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},  // rank 1 step 123: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},  // rank 1 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},  // rank 1 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},  // rank 1 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},  // rank 1 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 24}, {{2, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},  // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[24/64] = r2:src@0[24/64]; signal r3:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 25}, {{2, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},  // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[25/64] = r2:src@0[25/64]; signal r3:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 26}, {{2, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},  // rank 2 step 3: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@2[26/64] = r2:src@0[26/64]; signal r3:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 27}, {{2, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},  // rank 2 step 4: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@2[27/64] = r2:src@0[27/64]; signal r3:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 28}, {{2, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},  // rank 2 step 5: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@2[28/64] = r2:src@0[28/64]; signal r3:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 29}, {{2, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},  // rank 2 step 6: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@2[29/64] = r2:src@0[29/64]; signal r3:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 30}, {{2, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},  // rank 2 step 7: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@2[30/64] = r2:src@0[30/64]; signal r3:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 2, 31}, {{2, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},  // rank 2 step 8: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@2[31/64] = r2:src@0[31/64]; signal r3:arrive[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 32}, {{2, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 16}}},  // rank 2 step 9: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@2[32/64] = r2:src@0[32/64]; signal r4:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 33}, {{2, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 17}}},  // rank 2 step 10: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@2[33/64] = r2:src@0[33/64]; signal r4:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 34}, {{2, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 18}}},  // rank 2 step 11: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@2[34/64] = r2:src@0[34/64]; signal r4:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 35}, {{2, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 19}}},  // rank 2 step 12: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@2[35/64] = r2:src@0[35/64]; signal r4:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 36}, {{2, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},  // rank 2 step 13: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@2[36/64] = r2:src@0[36/64]; signal r4:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 37}, {{2, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},  // rank 2 step 14: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@2[37/64] = r2:src@0[37/64]; signal r4:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 38}, {{2, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},  // rank 2 step 15: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@2[38/64] = r2:src@0[38/64]; signal r4:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 2, 39}, {{2, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},  // rank 2 step 16: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@2[39/64] = r2:src@0[39/64]; signal r4:arrive[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 40}, {{2, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 16}}},  // rank 2 step 17: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@2[40/64] = r2:src@0[40/64]; signal r5:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 41}, {{2, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 17}}},  // rank 2 step 18: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@2[41/64] = r2:src@0[41/64]; signal r5:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 42}, {{2, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 18}}},  // rank 2 step 19: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@2[42/64] = r2:src@0[42/64]; signal r5:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 43}, {{2, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 19}}},  // rank 2 step 20: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@2[43/64] = r2:src@0[43/64]; signal r5:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 44}, {{2, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 20}}},  // rank 2 step 21: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@2[44/64] = r2:src@0[44/64]; signal r5:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 45}, {{2, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 21}}},  // rank 2 step 22: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@2[45/64] = r2:src@0[45/64]; signal r5:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 46}, {{2, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 22}}},  // rank 2 step 23: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@2[46/64] = r2:src@0[46/64]; signal r5:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 2, 47}, {{2, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 23}}},  // rank 2 step 24: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@2[47/64] = r2:src@0[47/64]; signal r5:arrive[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 48}, {{2, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},  // rank 2 step 25: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@2[48/64] = r2:src@0[48/64]; signal r6:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 49}, {{2, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},  // rank 2 step 26: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@2[49/64] = r2:src@0[49/64]; signal r6:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 50}, {{2, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},  // rank 2 step 27: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@2[50/64] = r2:src@0[50/64]; signal r6:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 51}, {{2, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},  // rank 2 step 28: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@2[51/64] = r2:src@0[51/64]; signal r6:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 52}, {{2, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 20}}},  // rank 2 step 29: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@2[52/64] = r2:src@0[52/64]; signal r6:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 53}, {{2, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 21}}},  // rank 2 step 30: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@2[53/64] = r2:src@0[53/64]; signal r6:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 54}, {{2, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 22}}},  // rank 2 step 31: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@2[54/64] = r2:src@0[54/64]; signal r6:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 2, 55}, {{2, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 23}}},  // rank 2 step 32: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@2[55/64] = r2:src@0[55/64]; signal r6:arrive[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 56}, {{2, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 16}}},  // rank 2 step 33: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@2[56/64] = r2:src@0[56/64]; signal r7:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 57}, {{2, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 17}}},  // rank 2 step 34: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@2[57/64] = r2:src@0[57/64]; signal r7:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 58}, {{2, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 18}}},  // rank 2 step 35: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@2[58/64] = r2:src@0[58/64]; signal r7:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 59}, {{2, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 19}}},  // rank 2 step 36: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@2[59/64] = r2:src@0[59/64]; signal r7:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 60}, {{2, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},  // rank 2 step 37: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@2[60/64] = r2:src@0[60/64]; signal r7:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 61}, {{2, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},  // rank 2 step 38: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@2[61/64] = r2:src@0[61/64]; signal r7:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 62}, {{2, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},  // rank 2 step 39: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@2[62/64] = r2:src@0[62/64]; signal r7:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 2, 63}, {{2, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},  // rank 2 step 40: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@2[63/64] = r2:src@0[63/64]; signal r7:arrive[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 0}, {{2, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 2 step 41: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/64] = r2:src@0[0/64]; signal r0:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 1}, {{2, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 2 step 42: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/64] = r2:src@0[1/64]; signal r0:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 2}, {{2, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 2 step 43: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/64] = r2:src@0[2/64]; signal r0:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 3}, {{2, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 2 step 44: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/64] = r2:src@0[3/64]; signal r0:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 4}, {{2, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 2 step 45: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@2[4/64] = r2:src@0[4/64]; signal r0:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 5}, {{2, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 2 step 46: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@2[5/64] = r2:src@0[5/64]; signal r0:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 6}, {{2, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 2 step 47: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@2[6/64] = r2:src@0[6/64]; signal r0:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 2, 7}, {{2, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 2 step 48: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@2[7/64] = r2:src@0[7/64]; signal r0:arrive[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 8}, {{2, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 2 step 49: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[8/64] = r2:src@0[8/64]; signal r1:arrive[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 9}, {{2, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 2 step 50: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[9/64] = r2:src@0[9/64]; signal r1:arrive[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 10}, {{2, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 2 step 51: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[10/64] = r2:src@0[10/64]; signal r1:arrive[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 11}, {{2, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 2 step 52: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[11/64] = r2:src@0[11/64]; signal r1:arrive[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 12}, {{2, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 2 step 53: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@2[12/64] = r2:src@0[12/64]; signal r1:arrive[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 13}, {{2, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 2 step 54: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@2[13/64] = r2:src@0[13/64]; signal r1:arrive[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 14}, {{2, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 2 step 55: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@2[14/64] = r2:src@0[14/64]; signal r1:arrive[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 2, 15}, {{2, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 2 step 56: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@2[15/64] = r2:src@0[15/64]; signal r1:arrive[23]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 16}, {{2, 1, 1, 64, 0, 16}, {2, 3, 0, 64, 0, 16}, {2, 3, 0, 64, 1, 16}, {2, 3, 0, 64, 3, 16}, {2, 3, 0, 64, 4, 16}, {2, 3, 0, 64, 5, 16}, {2, 3, 0, 64, 6, 16}, {2, 3, 0, 64, 7, 16}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{2, 6, 0}}},  // rank 2 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r2:dst@0[16/64] = r2:src@0[16/64] + r2:inbox@0[16/64] + r2:inbox@1[16/64] + r2:inbox@3[16/64] + r2:inbox@4[16/64] + r2:inbox@5[16/64] + r2:inbox@6[16/64] + r2:inbox@7[16/64]; signal r2:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 17}, {{2, 1, 1, 64, 0, 17}, {2, 3, 0, 64, 0, 17}, {2, 3, 0, 64, 1, 17}, {2, 3, 0, 64, 3, 17}, {2, 3, 0, 64, 4, 17}, {2, 3, 0, 64, 5, 17}, {2, 3, 0, 64, 6, 17}, {2, 3, 0, 64, 7, 17}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{2, 6, 1}}},  // rank 2 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r2:dst@0[17/64] = r2:src@0[17/64] + r2:inbox@0[17/64] + r2:inbox@1[17/64] + r2:inbox@3[17/64] + r2:inbox@4[17/64] + r2:inbox@5[17/64] + r2:inbox@6[17/64] + r2:inbox@7[17/64]; signal r2:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 18}, {{2, 1, 1, 64, 0, 18}, {2, 3, 0, 64, 0, 18}, {2, 3, 0, 64, 1, 18}, {2, 3, 0, 64, 3, 18}, {2, 3, 0, 64, 4, 18}, {2, 3, 0, 64, 5, 18}, {2, 3, 0, 64, 6, 18}, {2, 3, 0, 64, 7, 18}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{2, 6, 2}}},  // rank 2 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r2:dst@0[18/64] = r2:src@0[18/64] + r2:inbox@0[18/64] + r2:inbox@1[18/64] + r2:inbox@3[18/64] + r2:inbox@4[18/64] + r2:inbox@5[18/64] + r2:inbox@6[18/64] + r2:inbox@7[18/64]; signal r2:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 19}, {{2, 1, 1, 64, 0, 19}, {2, 3, 0, 64, 0, 19}, {2, 3, 0, 64, 1, 19}, {2, 3, 0, 64, 3, 19}, {2, 3, 0, 64, 4, 19}, {2, 3, 0, 64, 5, 19}, {2, 3, 0, 64, 6, 19}, {2, 3, 0, 64, 7, 19}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{2, 6, 3}}},  // rank 2 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r2:dst@0[19/64] = r2:src@0[19/64] + r2:inbox@0[19/64] + r2:inbox@1[19/64] + r2:inbox@3[19/64] + r2:inbox@4[19/64] + r2:inbox@5[19/64] + r2:inbox@6[19/64] + r2:inbox@7[19/64]; signal r2:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 20}, {{2, 1, 1, 64, 0, 20}, {2, 3, 0, 64, 0, 20}, {2, 3, 0, 64, 1, 20}, {2, 3, 0, 64, 3, 20}, {2, 3, 0, 64, 4, 20}, {2, 3, 0, 64, 5, 20}, {2, 3, 0, 64, 6, 20}, {2, 3, 0, 64, 7, 20}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{2, 6, 4}}},  // rank 2 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r2:dst@0[20/64] = r2:src@0[20/64] + r2:inbox@0[20/64] + r2:inbox@1[20/64] + r2:inbox@3[20/64] + r2:inbox@4[20/64] + r2:inbox@5[20/64] + r2:inbox@6[20/64] + r2:inbox@7[20/64]; signal r2:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 21}, {{2, 1, 1, 64, 0, 21}, {2, 3, 0, 64, 0, 21}, {2, 3, 0, 64, 1, 21}, {2, 3, 0, 64, 3, 21}, {2, 3, 0, 64, 4, 21}, {2, 3, 0, 64, 5, 21}, {2, 3, 0, 64, 6, 21}, {2, 3, 0, 64, 7, 21}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{2, 6, 5}}},  // rank 2 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r2:dst@0[21/64] = r2:src@0[21/64] + r2:inbox@0[21/64] + r2:inbox@1[21/64] + r2:inbox@3[21/64] + r2:inbox@4[21/64] + r2:inbox@5[21/64] + r2:inbox@6[21/64] + r2:inbox@7[21/64]; signal r2:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 22}, {{2, 1, 1, 64, 0, 22}, {2, 3, 0, 64, 0, 22}, {2, 3, 0, 64, 1, 22}, {2, 3, 0, 64, 3, 22}, {2, 3, 0, 64, 4, 22}, {2, 3, 0, 64, 5, 22}, {2, 3, 0, 64, 6, 22}, {2, 3, 0, 64, 7, 22}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{2, 6, 6}}},  // rank 2 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r2:dst@0[22/64] = r2:src@0[22/64] + r2:inbox@0[22/64] + r2:inbox@1[22/64] + r2:inbox@3[22/64] + r2:inbox@4[22/64] + r2:inbox@5[22/64] + r2:inbox@6[22/64] + r2:inbox@7[22/64]; signal r2:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 64, 0, 23}, {{2, 1, 1, 64, 0, 23}, {2, 3, 0, 64, 0, 23}, {2, 3, 0, 64, 1, 23}, {2, 3, 0, 64, 3, 23}, {2, 3, 0, 64, 4, 23}, {2, 3, 0, 64, 5, 23}, {2, 3, 0, 64, 6, 23}, {2, 3, 0, 64, 7, 23}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{2, 6, 7}}},  // rank 2 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r2:dst@0[23/64] = r2:src@0[23/64] + r2:inbox@0[23/64] + r2:inbox@1[23/64] + r2:inbox@3[23/64] + r2:inbox@4[23/64] + r2:inbox@5[23/64] + r2:inbox@6[23/64] + r2:inbox@7[23/64]; signal r2:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 16}}},  // rank 2 step 65: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[16/64] = r2:dst@0[16/64]; signal r3:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 17}}},  // rank 2 step 66: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[17/64] = r2:dst@0[17/64]; signal r3:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 18}}},  // rank 2 step 67: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[18/64] = r2:dst@0[18/64]; signal r3:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 19}}},  // rank 2 step 68: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[19/64] = r2:dst@0[19/64]; signal r3:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 20}}},  // rank 2 step 69: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[20/64] = r2:dst@0[20/64]; signal r3:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 21}}},  // rank 2 step 70: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[21/64] = r2:dst@0[21/64]; signal r3:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 22}}},  // rank 2 step 71: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[22/64] = r2:dst@0[22/64]; signal r3:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 23}}},  // rank 2 step 72: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[23/64] = r2:dst@0[23/64]; signal r3:gathered[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 16}}},  // rank 2 step 73: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[16/64] = r2:dst@0[16/64]; signal r4:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 17}}},  // rank 2 step 74: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[17/64] = r2:dst@0[17/64]; signal r4:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 18}}},  // rank 2 step 75: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[18/64] = r2:dst@0[18/64]; signal r4:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 19}}},  // rank 2 step 76: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[19/64] = r2:dst@0[19/64]; signal r4:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 20}}},  // rank 2 step 77: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[20/64] = r2:dst@0[20/64]; signal r4:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 21}}},  // rank 2 step 78: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[21/64] = r2:dst@0[21/64]; signal r4:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 22}}},  // rank 2 step 79: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[22/64] = r2:dst@0[22/64]; signal r4:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 23}}},  // rank 2 step 80: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[23/64] = r2:dst@0[23/64]; signal r4:gathered[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 16}}},  // rank 2 step 81: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[16/64] = r2:dst@0[16/64]; signal r5:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 17}}},  // rank 2 step 82: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[17/64] = r2:dst@0[17/64]; signal r5:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 18}}},  // rank 2 step 83: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[18/64] = r2:dst@0[18/64]; signal r5:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 19}}},  // rank 2 step 84: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[19/64] = r2:dst@0[19/64]; signal r5:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 20}}},  // rank 2 step 85: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[20/64] = r2:dst@0[20/64]; signal r5:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 21}}},  // rank 2 step 86: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[21/64] = r2:dst@0[21/64]; signal r5:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 22}}},  // rank 2 step 87: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[22/64] = r2:dst@0[22/64]; signal r5:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 23}}},  // rank 2 step 88: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[23/64] = r2:dst@0[23/64]; signal r5:gathered[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 16}}},  // rank 2 step 89: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[16/64] = r2:dst@0[16/64]; signal r6:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 17}}},  // rank 2 step 90: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[17/64] = r2:dst@0[17/64]; signal r6:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 18}}},  // rank 2 step 91: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[18/64] = r2:dst@0[18/64]; signal r6:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 19}}},  // rank 2 step 92: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[19/64] = r2:dst@0[19/64]; signal r6:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 20}}},  // rank 2 step 93: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[20/64] = r2:dst@0[20/64]; signal r6:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 21}}},  // rank 2 step 94: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[21/64] = r2:dst@0[21/64]; signal r6:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 22}}},  // rank 2 step 95: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[22/64] = r2:dst@0[22/64]; signal r6:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 23}}},  // rank 2 step 96: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[23/64] = r2:dst@0[23/64]; signal r6:gathered[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 16}}},  // rank 2 step 97: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[16/64] = r2:dst@0[16/64]; signal r7:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 17}}},  // rank 2 step 98: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[17/64] = r2:dst@0[17/64]; signal r7:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 18}}},  // rank 2 step 99: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[18/64] = r2:dst@0[18/64]; signal r7:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 19}}},  // rank 2 step 100: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[19/64] = r2:dst@0[19/64]; signal r7:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 20}}},  // rank 2 step 101: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[20/64] = r2:dst@0[20/64]; signal r7:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 21}}},  // rank 2 step 102: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[21/64] = r2:dst@0[21/64]; signal r7:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 22}}},  // rank 2 step 103: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[22/64] = r2:dst@0[22/64]; signal r7:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 23}}},  // rank 2 step 104: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[23/64] = r2:dst@0[23/64]; signal r7:gathered[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 16}}},  // rank 2 step 105: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/64] = r2:dst@0[16/64]; signal r0:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 17}}},  // rank 2 step 106: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/64] = r2:dst@0[17/64]; signal r0:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 18}}},  // rank 2 step 107: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/64] = r2:dst@0[18/64]; signal r0:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 19}}},  // rank 2 step 108: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/64] = r2:dst@0[19/64]; signal r0:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 20}}},  // rank 2 step 109: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[20/64] = r2:dst@0[20/64]; signal r0:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 21}}},  // rank 2 step 110: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[21/64] = r2:dst@0[21/64]; signal r0:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 22}}},  // rank 2 step 111: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[22/64] = r2:dst@0[22/64]; signal r0:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 23}}},  // rank 2 step 112: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[23/64] = r2:dst@0[23/64]; signal r0:gathered[23]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 16}, {{2, 2, 0, 64, 0, 16}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 16}}},  // rank 2 step 113: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/64] = r2:dst@0[16/64]; signal r1:gathered[16]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 17}, {{2, 2, 0, 64, 0, 17}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 17}}},  // rank 2 step 114: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/64] = r2:dst@0[17/64]; signal r1:gathered[17]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 18}, {{2, 2, 0, 64, 0, 18}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 18}}},  // rank 2 step 115: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/64] = r2:dst@0[18/64]; signal r1:gathered[18]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 19}, {{2, 2, 0, 64, 0, 19}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 19}}},  // rank 2 step 116: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/64] = r2:dst@0[19/64]; signal r1:gathered[19]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 20}, {{2, 2, 0, 64, 0, 20}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 20}}},  // rank 2 step 117: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[20/64] = r2:dst@0[20/64]; signal r1:gathered[20]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 21}, {{2, 2, 0, 64, 0, 21}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 21}}},  // rank 2 step 118: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[21/64] = r2:dst@0[21/64]; signal r1:gathered[21]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 22}, {{2, 2, 0, 64, 0, 22}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 22}}},  // rank 2 step 119: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[22/64] = r2:dst@0[22/64]; signal r1:gathered[22]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 23}, {{2, 2, 0, 64, 0, 23}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 23}}},  // rank 2 step 120: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[23/64] = r2:dst@0[23/64]; signal r1:gathered[23]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 2 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 2 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},  // rank 2 step 123: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},  // rank 2 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},  // rank 2 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},  // rank 2 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},  // rank 2 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 32}, {{3, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 24}}},  // rank 3 step 1: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@3[32/64] = r3:src@0[32/64]; signal r4:arrive[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 33}, {{3, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 25}}},  // rank 3 step 2: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@3[33/64] = r3:src@0[33/64]; signal r4:arrive[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 34}, {{3, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 26}}},  // rank 3 step 3: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@3[34/64] = r3:src@0[34/64]; signal r4:arrive[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 35}, {{3, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 27}}},  // rank 3 step 4: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@3[35/64] = r3:src@0[35/64]; signal r4:arrive[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 36}, {{3, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 28}}},  // rank 3 step 5: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@3[36/64] = r3:src@0[36/64]; signal r4:arrive[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 37}, {{3, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 29}}},  // rank 3 step 6: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@3[37/64] = r3:src@0[37/64]; signal r4:arrive[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 38}, {{3, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 30}}},  // rank 3 step 7: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@3[38/64] = r3:src@0[38/64]; signal r4:arrive[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 3, 39}, {{3, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 31}}},  // rank 3 step 8: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@3[39/64] = r3:src@0[39/64]; signal r4:arrive[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 40}, {{3, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},  // rank 3 step 9: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@3[40/64] = r3:src@0[40/64]; signal r5:arrive[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 41}, {{3, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},  // rank 3 step 10: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@3[41/64] = r3:src@0[41/64]; signal r5:arrive[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 42}, {{3, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},  // rank 3 step 11: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@3[42/64] = r3:src@0[42/64]; signal r5:arrive[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 43}, {{3, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},  // rank 3 step 12: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@3[43/64] = r3:src@0[43/64]; signal r5:arrive[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 44}, {{3, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},  // rank 3 step 13: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@3[44/64] = r3:src@0[44/64]; signal r5:arrive[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 45}, {{3, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},  // rank 3 step 14: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@3[45/64] = r3:src@0[45/64]; signal r5:arrive[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 46}, {{3, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},  // rank 3 step 15: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@3[46/64] = r3:src@0[46/64]; signal r5:arrive[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 3, 47}, {{3, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},  // rank 3 step 16: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@3[47/64] = r3:src@0[47/64]; signal r5:arrive[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 48}, {{3, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 24}}},  // rank 3 step 17: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@3[48/64] = r3:src@0[48/64]; signal r6:arrive[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 49}, {{3, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 25}}},  // rank 3 step 18: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@3[49/64] = r3:src@0[49/64]; signal r6:arrive[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 50}, {{3, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 26}}},  // rank 3 step 19: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@3[50/64] = r3:src@0[50/64]; signal r6:arrive[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 51}, {{3, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 27}}},  // rank 3 step 20: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@3[51/64] = r3:src@0[51/64]; signal r6:arrive[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 52}, {{3, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 28}}},  // rank 3 step 21: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@3[52/64] = r3:src@0[52/64]; signal r6:arrive[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 53}, {{3, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 29}}},  // rank 3 step 22: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@3[53/64] = r3:src@0[53/64]; signal r6:arrive[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 54}, {{3, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 30}}},  // rank 3 step 23: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@3[54/64] = r3:src@0[54/64]; signal r6:arrive[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 3, 55}, {{3, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 31}}},  // rank 3 step 24: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@3[55/64] = r3:src@0[55/64]; signal r6:arrive[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 56}, {{3, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 24}}},  // rank 3 step 25: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@3[56/64] = r3:src@0[56/64]; signal r7:arrive[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 57}, {{3, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 25}}},  // rank 3 step 26: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@3[57/64] = r3:src@0[57/64]; signal r7:arrive[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 58}, {{3, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 26}}},  // rank 3 step 27: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@3[58/64] = r3:src@0[58/64]; signal r7:arrive[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 59}, {{3, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 27}}},  // rank 3 step 28: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@3[59/64] = r3:src@0[59/64]; signal r7:arrive[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 60}, {{3, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 28}}},  // rank 3 step 29: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@3[60/64] = r3:src@0[60/64]; signal r7:arrive[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 61}, {{3, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 29}}},  // rank 3 step 30: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@3[61/64] = r3:src@0[61/64]; signal r7:arrive[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 62}, {{3, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 30}}},  // rank 3 step 31: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@3[62/64] = r3:src@0[62/64]; signal r7:arrive[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 3, 63}, {{3, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 31}}},  // rank 3 step 32: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@3[63/64] = r3:src@0[63/64]; signal r7:arrive[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 0}, {{3, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},  // rank 3 step 33: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/64] = r3:src@0[0/64]; signal r0:arrive[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 1}, {{3, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},  // rank 3 step 34: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/64] = r3:src@0[1/64]; signal r0:arrive[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 2}, {{3, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},  // rank 3 step 35: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@3[2/64] = r3:src@0[2/64]; signal r0:arrive[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 3}, {{3, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},  // rank 3 step 36: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@3[3/64] = r3:src@0[3/64]; signal r0:arrive[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 4}, {{3, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},  // rank 3 step 37: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@3[4/64] = r3:src@0[4/64]; signal r0:arrive[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 5}, {{3, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},  // rank 3 step 38: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@3[5/64] = r3:src@0[5/64]; signal r0:arrive[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 6}, {{3, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},  // rank 3 step 39: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@3[6/64] = r3:src@0[6/64]; signal r0:arrive[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 3, 7}, {{3, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},  // rank 3 step 40: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@3[7/64] = r3:src@0[7/64]; signal r0:arrive[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 8}, {{3, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},  // rank 3 step 41: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[8/64] = r3:src@0[8/64]; signal r1:arrive[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 9}, {{3, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},  // rank 3 step 42: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[9/64] = r3:src@0[9/64]; signal r1:arrive[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 10}, {{3, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},  // rank 3 step 43: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@3[10/64] = r3:src@0[10/64]; signal r1:arrive[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 11}, {{3, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},  // rank 3 step 44: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@3[11/64] = r3:src@0[11/64]; signal r1:arrive[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 12}, {{3, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},  // rank 3 step 45: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@3[12/64] = r3:src@0[12/64]; signal r1:arrive[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 13}, {{3, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},  // rank 3 step 46: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@3[13/64] = r3:src@0[13/64]; signal r1:arrive[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 14}, {{3, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},  // rank 3 step 47: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@3[14/64] = r3:src@0[14/64]; signal r1:arrive[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 3, 15}, {{3, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},  // rank 3 step 48: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@3[15/64] = r3:src@0[15/64]; signal r1:arrive[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 16}, {{3, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},  // rank 3 step 49: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[16/64] = r3:src@0[16/64]; signal r2:arrive[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 17}, {{3, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},  // rank 3 step 50: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[17/64] = r3:src@0[17/64]; signal r2:arrive[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 18}, {{3, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},  // rank 3 step 51: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@3[18/64] = r3:src@0[18/64]; signal r2:arrive[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 19}, {{3, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},  // rank 3 step 52: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@3[19/64] = r3:src@0[19/64]; signal r2:arrive[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 20}, {{3, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},  // rank 3 step 53: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@3[20/64] = r3:src@0[20/64]; signal r2:arrive[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 21}, {{3, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},  // rank 3 step 54: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@3[21/64] = r3:src@0[21/64]; signal r2:arrive[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 22}, {{3, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},  // rank 3 step 55: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@3[22/64] = r3:src@0[22/64]; signal r2:arrive[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 3, 23}, {{3, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},  // rank 3 step 56: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@3[23/64] = r3:src@0[23/64]; signal r2:arrive[31]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 24}, {{3, 1, 1, 64, 0, 24}, {3, 3, 0, 64, 0, 24}, {3, 3, 0, 64, 1, 24}, {3, 3, 0, 64, 2, 24}, {3, 3, 0, 64, 4, 24}, {3, 3, 0, 64, 5, 24}, {3, 3, 0, 64, 6, 24}, {3, 3, 0, 64, 7, 24}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{3, 6, 0}}},  // rank 3 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[32], arrive[40], arrive[48], arrive[56]; r3:dst@0[24/64] = r3:src@0[24/64] + r3:inbox@0[24/64] + r3:inbox@1[24/64] + r3:inbox@2[24/64] + r3:inbox@4[24/64] + r3:inbox@5[24/64] + r3:inbox@6[24/64] + r3:inbox@7[24/64]; signal r3:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 25}, {{3, 1, 1, 64, 0, 25}, {3, 3, 0, 64, 0, 25}, {3, 3, 0, 64, 1, 25}, {3, 3, 0, 64, 2, 25}, {3, 3, 0, 64, 4, 25}, {3, 3, 0, 64, 5, 25}, {3, 3, 0, 64, 6, 25}, {3, 3, 0, 64, 7, 25}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{3, 6, 1}}},  // rank 3 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[33], arrive[41], arrive[49], arrive[57]; r3:dst@0[25/64] = r3:src@0[25/64] + r3:inbox@0[25/64] + r3:inbox@1[25/64] + r3:inbox@2[25/64] + r3:inbox@4[25/64] + r3:inbox@5[25/64] + r3:inbox@6[25/64] + r3:inbox@7[25/64]; signal r3:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 26}, {{3, 1, 1, 64, 0, 26}, {3, 3, 0, 64, 0, 26}, {3, 3, 0, 64, 1, 26}, {3, 3, 0, 64, 2, 26}, {3, 3, 0, 64, 4, 26}, {3, 3, 0, 64, 5, 26}, {3, 3, 0, 64, 6, 26}, {3, 3, 0, 64, 7, 26}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{3, 6, 2}}},  // rank 3 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[34], arrive[42], arrive[50], arrive[58]; r3:dst@0[26/64] = r3:src@0[26/64] + r3:inbox@0[26/64] + r3:inbox@1[26/64] + r3:inbox@2[26/64] + r3:inbox@4[26/64] + r3:inbox@5[26/64] + r3:inbox@6[26/64] + r3:inbox@7[26/64]; signal r3:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 27}, {{3, 1, 1, 64, 0, 27}, {3, 3, 0, 64, 0, 27}, {3, 3, 0, 64, 1, 27}, {3, 3, 0, 64, 2, 27}, {3, 3, 0, 64, 4, 27}, {3, 3, 0, 64, 5, 27}, {3, 3, 0, 64, 6, 27}, {3, 3, 0, 64, 7, 27}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{3, 6, 3}}},  // rank 3 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[35], arrive[43], arrive[51], arrive[59]; r3:dst@0[27/64] = r3:src@0[27/64] + r3:inbox@0[27/64] + r3:inbox@1[27/64] + r3:inbox@2[27/64] + r3:inbox@4[27/64] + r3:inbox@5[27/64] + r3:inbox@6[27/64] + r3:inbox@7[27/64]; signal r3:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 28}, {{3, 1, 1, 64, 0, 28}, {3, 3, 0, 64, 0, 28}, {3, 3, 0, 64, 1, 28}, {3, 3, 0, 64, 2, 28}, {3, 3, 0, 64, 4, 28}, {3, 3, 0, 64, 5, 28}, {3, 3, 0, 64, 6, 28}, {3, 3, 0, 64, 7, 28}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{3, 6, 4}}},  // rank 3 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[36], arrive[44], arrive[52], arrive[60]; r3:dst@0[28/64] = r3:src@0[28/64] + r3:inbox@0[28/64] + r3:inbox@1[28/64] + r3:inbox@2[28/64] + r3:inbox@4[28/64] + r3:inbox@5[28/64] + r3:inbox@6[28/64] + r3:inbox@7[28/64]; signal r3:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 29}, {{3, 1, 1, 64, 0, 29}, {3, 3, 0, 64, 0, 29}, {3, 3, 0, 64, 1, 29}, {3, 3, 0, 64, 2, 29}, {3, 3, 0, 64, 4, 29}, {3, 3, 0, 64, 5, 29}, {3, 3, 0, 64, 6, 29}, {3, 3, 0, 64, 7, 29}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{3, 6, 5}}},  // rank 3 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[37], arrive[45], arrive[53], arrive[61]; r3:dst@0[29/64] = r3:src@0[29/64] + r3:inbox@0[29/64] + r3:inbox@1[29/64] + r3:inbox@2[29/64] + r3:inbox@4[29/64] + r3:inbox@5[29/64] + r3:inbox@6[29/64] + r3:inbox@7[29/64]; signal r3:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 30}, {{3, 1, 1, 64, 0, 30}, {3, 3, 0, 64, 0, 30}, {3, 3, 0, 64, 1, 30}, {3, 3, 0, 64, 2, 30}, {3, 3, 0, 64, 4, 30}, {3, 3, 0, 64, 5, 30}, {3, 3, 0, 64, 6, 30}, {3, 3, 0, 64, 7, 30}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{3, 6, 6}}},  // rank 3 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[38], arrive[46], arrive[54], arrive[62]; r3:dst@0[30/64] = r3:src@0[30/64] + r3:inbox@0[30/64] + r3:inbox@1[30/64] + r3:inbox@2[30/64] + r3:inbox@4[30/64] + r3:inbox@5[30/64] + r3:inbox@6[30/64] + r3:inbox@7[30/64]; signal r3:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 64, 0, 31}, {{3, 1, 1, 64, 0, 31}, {3, 3, 0, 64, 0, 31}, {3, 3, 0, 64, 1, 31}, {3, 3, 0, 64, 2, 31}, {3, 3, 0, 64, 4, 31}, {3, 3, 0, 64, 5, 31}, {3, 3, 0, 64, 6, 31}, {3, 3, 0, 64, 7, 31}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{3, 6, 7}}},  // rank 3 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[39], arrive[47], arrive[55], arrive[63]; r3:dst@0[31/64] = r3:src@0[31/64] + r3:inbox@0[31/64] + r3:inbox@1[31/64] + r3:inbox@2[31/64] + r3:inbox@4[31/64] + r3:inbox@5[31/64] + r3:inbox@6[31/64] + r3:inbox@7[31/64]; signal r3:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 24}}},  // rank 3 step 65: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[24/64] = r3:dst@0[24/64]; signal r4:gathered[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 25}}},  // rank 3 step 66: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[25/64] = r3:dst@0[25/64]; signal r4:gathered[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 26}}},  // rank 3 step 67: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[26/64] = r3:dst@0[26/64]; signal r4:gathered[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 27}}},  // rank 3 step 68: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[27/64] = r3:dst@0[27/64]; signal r4:gathered[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 28}}},  // rank 3 step 69: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[28/64] = r3:dst@0[28/64]; signal r4:gathered[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 29}}},  // rank 3 step 70: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[29/64] = r3:dst@0[29/64]; signal r4:gathered[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 30}}},  // rank 3 step 71: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[30/64] = r3:dst@0[30/64]; signal r4:gathered[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 31}}},  // rank 3 step 72: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[31/64] = r3:dst@0[31/64]; signal r4:gathered[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 24}}},  // rank 3 step 73: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[24/64] = r3:dst@0[24/64]; signal r5:gathered[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 25}}},  // rank 3 step 74: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[25/64] = r3:dst@0[25/64]; signal r5:gathered[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 26}}},  // rank 3 step 75: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[26/64] = r3:dst@0[26/64]; signal r5:gathered[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 27}}},  // rank 3 step 76: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[27/64] = r3:dst@0[27/64]; signal r5:gathered[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 28}}},  // rank 3 step 77: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[28/64] = r3:dst@0[28/64]; signal r5:gathered[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 29}}},  // rank 3 step 78: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[29/64] = r3:dst@0[29/64]; signal r5:gathered[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 30}}},  // rank 3 step 79: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[30/64] = r3:dst@0[30/64]; signal r5:gathered[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 31}}},  // rank 3 step 80: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[31/64] = r3:dst@0[31/64]; signal r5:gathered[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 24}}},  // rank 3 step 81: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[24/64] = r3:dst@0[24/64]; signal r6:gathered[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 25}}},  // rank 3 step 82: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[25/64] = r3:dst@0[25/64]; signal r6:gathered[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 26}}},  // rank 3 step 83: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[26/64] = r3:dst@0[26/64]; signal r6:gathered[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 27}}},  // rank 3 step 84: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[27/64] = r3:dst@0[27/64]; signal r6:gathered[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 28}}},  // rank 3 step 85: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[28/64] = r3:dst@0[28/64]; signal r6:gathered[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 29}}},  // rank 3 step 86: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[29/64] = r3:dst@0[29/64]; signal r6:gathered[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 30}}},  // rank 3 step 87: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[30/64] = r3:dst@0[30/64]; signal r6:gathered[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 31}}},  // rank 3 step 88: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[31/64] = r3:dst@0[31/64]; signal r6:gathered[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 24}}},  // rank 3 step 89: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[24/64] = r3:dst@0[24/64]; signal r7:gathered[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 25}}},  // rank 3 step 90: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[25/64] = r3:dst@0[25/64]; signal r7:gathered[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 26}}},  // rank 3 step 91: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[26/64] = r3:dst@0[26/64]; signal r7:gathered[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 27}}},  // rank 3 step 92: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[27/64] = r3:dst@0[27/64]; signal r7:gathered[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 28}}},  // rank 3 step 93: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[28/64] = r3:dst@0[28/64]; signal r7:gathered[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 29}}},  // rank 3 step 94: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[29/64] = r3:dst@0[29/64]; signal r7:gathered[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 30}}},  // rank 3 step 95: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[30/64] = r3:dst@0[30/64]; signal r7:gathered[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 31}}},  // rank 3 step 96: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[31/64] = r3:dst@0[31/64]; signal r7:gathered[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 24}}},  // rank 3 step 97: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[24/64] = r3:dst@0[24/64]; signal r0:gathered[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 25}}},  // rank 3 step 98: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[25/64] = r3:dst@0[25/64]; signal r0:gathered[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 26}}},  // rank 3 step 99: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[26/64] = r3:dst@0[26/64]; signal r0:gathered[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 27}}},  // rank 3 step 100: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[27/64] = r3:dst@0[27/64]; signal r0:gathered[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 28}}},  // rank 3 step 101: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[28/64] = r3:dst@0[28/64]; signal r0:gathered[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 29}}},  // rank 3 step 102: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[29/64] = r3:dst@0[29/64]; signal r0:gathered[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 30}}},  // rank 3 step 103: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[30/64] = r3:dst@0[30/64]; signal r0:gathered[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 31}}},  // rank 3 step 104: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[31/64] = r3:dst@0[31/64]; signal r0:gathered[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 24}}},  // rank 3 step 105: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[24/64] = r3:dst@0[24/64]; signal r1:gathered[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 25}}},  // rank 3 step 106: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[25/64] = r3:dst@0[25/64]; signal r1:gathered[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 26}}},  // rank 3 step 107: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[26/64] = r3:dst@0[26/64]; signal r1:gathered[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 27}}},  // rank 3 step 108: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[27/64] = r3:dst@0[27/64]; signal r1:gathered[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 28}}},  // rank 3 step 109: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[28/64] = r3:dst@0[28/64]; signal r1:gathered[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 29}}},  // rank 3 step 110: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[29/64] = r3:dst@0[29/64]; signal r1:gathered[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 30}}},  // rank 3 step 111: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[30/64] = r3:dst@0[30/64]; signal r1:gathered[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 31}}},  // rank 3 step 112: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[31/64] = r3:dst@0[31/64]; signal r1:gathered[31]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 24}, {{3, 2, 0, 64, 0, 24}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 24}}},  // rank 3 step 113: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[24/64] = r3:dst@0[24/64]; signal r2:gathered[24]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 25}, {{3, 2, 0, 64, 0, 25}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 25}}},  // rank 3 step 114: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[25/64] = r3:dst@0[25/64]; signal r2:gathered[25]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 26}, {{3, 2, 0, 64, 0, 26}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 26}}},  // rank 3 step 115: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[26/64] = r3:dst@0[26/64]; signal r2:gathered[26]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 27}, {{3, 2, 0, 64, 0, 27}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 27}}},  // rank 3 step 116: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[27/64] = r3:dst@0[27/64]; signal r2:gathered[27]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 28}, {{3, 2, 0, 64, 0, 28}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 28}}},  // rank 3 step 117: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[28/64] = r3:dst@0[28/64]; signal r2:gathered[28]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 29}, {{3, 2, 0, 64, 0, 29}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 29}}},  // rank 3 step 118: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[29/64] = r3:dst@0[29/64]; signal r2:gathered[29]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 30}, {{3, 2, 0, 64, 0, 30}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 30}}},  // rank 3 step 119: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[30/64] = r3:dst@0[30/64]; signal r2:gathered[30]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 31}, {{3, 2, 0, 64, 0, 31}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 31}}},  // rank 3 step 120: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[31/64] = r3:dst@0[31/64]; signal r2:gathered[31]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 3 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 3 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 3 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},  // rank 3 step 124: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},  // rank 3 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},  // rank 3 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},  // rank 3 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 40}, {{4, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 32}}},  // rank 4 step 1: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@4[40/64] = r4:src@0[40/64]; signal r5:arrive[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 41}, {{4, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 33}}},  // rank 4 step 2: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@4[41/64] = r4:src@0[41/64]; signal r5:arrive[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 42}, {{4, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 34}}},  // rank 4 step 3: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@4[42/64] = r4:src@0[42/64]; signal r5:arrive[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 43}, {{4, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 35}}},  // rank 4 step 4: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@4[43/64] = r4:src@0[43/64]; signal r5:arrive[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 44}, {{4, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 36}}},  // rank 4 step 5: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@4[44/64] = r4:src@0[44/64]; signal r5:arrive[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 45}, {{4, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 37}}},  // rank 4 step 6: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@4[45/64] = r4:src@0[45/64]; signal r5:arrive[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 46}, {{4, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 38}}},  // rank 4 step 7: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@4[46/64] = r4:src@0[46/64]; signal r5:arrive[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 4, 47}, {{4, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 39}}},  // rank 4 step 8: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@4[47/64] = r4:src@0[47/64]; signal r5:arrive[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 48}, {{4, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 32}}},  // rank 4 step 9: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@4[48/64] = r4:src@0[48/64]; signal r6:arrive[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 49}, {{4, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 33}}},  // rank 4 step 10: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@4[49/64] = r4:src@0[49/64]; signal r6:arrive[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 50}, {{4, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 34}}},  // rank 4 step 11: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@4[50/64] = r4:src@0[50/64]; signal r6:arrive[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 51}, {{4, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 35}}},  // rank 4 step 12: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@4[51/64] = r4:src@0[51/64]; signal r6:arrive[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 52}, {{4, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 36}}},  // rank 4 step 13: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@4[52/64] = r4:src@0[52/64]; signal r6:arrive[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 53}, {{4, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 37}}},  // rank 4 step 14: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@4[53/64] = r4:src@0[53/64]; signal r6:arrive[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 54}, {{4, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 38}}},  // rank 4 step 15: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@4[54/64] = r4:src@0[54/64]; signal r6:arrive[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 4, 55}, {{4, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 39}}},  // rank 4 step 16: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@4[55/64] = r4:src@0[55/64]; signal r6:arrive[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 56}, {{4, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 32}}},  // rank 4 step 17: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@4[56/64] = r4:src@0[56/64]; signal r7:arrive[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 57}, {{4, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 33}}},  // rank 4 step 18: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@4[57/64] = r4:src@0[57/64]; signal r7:arrive[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 58}, {{4, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 34}}},  // rank 4 step 19: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@4[58/64] = r4:src@0[58/64]; signal r7:arrive[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 59}, {{4, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 35}}},  // rank 4 step 20: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@4[59/64] = r4:src@0[59/64]; signal r7:arrive[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 60}, {{4, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 36}}},  // rank 4 step 21: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@4[60/64] = r4:src@0[60/64]; signal r7:arrive[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 61}, {{4, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 37}}},  // rank 4 step 22: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@4[61/64] = r4:src@0[61/64]; signal r7:arrive[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 62}, {{4, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 38}}},  // rank 4 step 23: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@4[62/64] = r4:src@0[62/64]; signal r7:arrive[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 4, 63}, {{4, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 39}}},  // rank 4 step 24: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@4[63/64] = r4:src@0[63/64]; signal r7:arrive[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 0}, {{4, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 32}}},  // rank 4 step 25: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@4[0/64] = r4:src@0[0/64]; signal r0:arrive[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 1}, {{4, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 33}}},  // rank 4 step 26: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@4[1/64] = r4:src@0[1/64]; signal r0:arrive[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 2}, {{4, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 34}}},  // rank 4 step 27: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@4[2/64] = r4:src@0[2/64]; signal r0:arrive[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 3}, {{4, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 35}}},  // rank 4 step 28: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@4[3/64] = r4:src@0[3/64]; signal r0:arrive[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 4}, {{4, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 36}}},  // rank 4 step 29: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@4[4/64] = r4:src@0[4/64]; signal r0:arrive[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 5}, {{4, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 37}}},  // rank 4 step 30: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@4[5/64] = r4:src@0[5/64]; signal r0:arrive[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 6}, {{4, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 38}}},  // rank 4 step 31: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@4[6/64] = r4:src@0[6/64]; signal r0:arrive[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 4, 7}, {{4, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 39}}},  // rank 4 step 32: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@4[7/64] = r4:src@0[7/64]; signal r0:arrive[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 8}, {{4, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 32}}},  // rank 4 step 33: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@4[8/64] = r4:src@0[8/64]; signal r1:arrive[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 9}, {{4, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 33}}},  // rank 4 step 34: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@4[9/64] = r4:src@0[9/64]; signal r1:arrive[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 10}, {{4, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 34}}},  // rank 4 step 35: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@4[10/64] = r4:src@0[10/64]; signal r1:arrive[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 11}, {{4, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 35}}},  // rank 4 step 36: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@4[11/64] = r4:src@0[11/64]; signal r1:arrive[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 12}, {{4, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 36}}},  // rank 4 step 37: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@4[12/64] = r4:src@0[12/64]; signal r1:arrive[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 13}, {{4, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 37}}},  // rank 4 step 38: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@4[13/64] = r4:src@0[13/64]; signal r1:arrive[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 14}, {{4, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 38}}},  // rank 4 step 39: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@4[14/64] = r4:src@0[14/64]; signal r1:arrive[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 4, 15}, {{4, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 39}}},  // rank 4 step 40: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@4[15/64] = r4:src@0[15/64]; signal r1:arrive[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 16}, {{4, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 32}}},  // rank 4 step 41: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@4[16/64] = r4:src@0[16/64]; signal r2:arrive[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 17}, {{4, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 33}}},  // rank 4 step 42: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@4[17/64] = r4:src@0[17/64]; signal r2:arrive[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 18}, {{4, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 34}}},  // rank 4 step 43: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@4[18/64] = r4:src@0[18/64]; signal r2:arrive[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 19}, {{4, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 35}}},  // rank 4 step 44: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@4[19/64] = r4:src@0[19/64]; signal r2:arrive[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 20}, {{4, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 36}}},  // rank 4 step 45: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@4[20/64] = r4:src@0[20/64]; signal r2:arrive[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 21}, {{4, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 37}}},  // rank 4 step 46: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@4[21/64] = r4:src@0[21/64]; signal r2:arrive[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 22}, {{4, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 38}}},  // rank 4 step 47: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@4[22/64] = r4:src@0[22/64]; signal r2:arrive[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 4, 23}, {{4, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 39}}},  // rank 4 step 48: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@4[23/64] = r4:src@0[23/64]; signal r2:arrive[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 24}, {{4, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 32}}},  // rank 4 step 49: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@4[24/64] = r4:src@0[24/64]; signal r3:arrive[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 25}, {{4, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 33}}},  // rank 4 step 50: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@4[25/64] = r4:src@0[25/64]; signal r3:arrive[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 26}, {{4, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 34}}},  // rank 4 step 51: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@4[26/64] = r4:src@0[26/64]; signal r3:arrive[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 27}, {{4, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 35}}},  // rank 4 step 52: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@4[27/64] = r4:src@0[27/64]; signal r3:arrive[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 28}, {{4, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 36}}},  // rank 4 step 53: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@4[28/64] = r4:src@0[28/64]; signal r3:arrive[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 29}, {{4, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 37}}},  // rank 4 step 54: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@4[29/64] = r4:src@0[29/64]; signal r3:arrive[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 30}, {{4, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 38}}},  // rank 4 step 55: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@4[30/64] = r4:src@0[30/64]; signal r3:arrive[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 4, 31}, {{4, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 39}}},  // rank 4 step 56: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@4[31/64] = r4:src@0[31/64]; signal r3:arrive[39]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 32}, {{4, 1, 1, 64, 0, 32}, {4, 3, 0, 64, 0, 32}, {4, 3, 0, 64, 1, 32}, {4, 3, 0, 64, 2, 32}, {4, 3, 0, 64, 3, 32}, {4, 3, 0, 64, 5, 32}, {4, 3, 0, 64, 6, 32}, {4, 3, 0, 64, 7, 32}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{4, 6, 0}}},  // rank 4 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[40], arrive[48], arrive[56]; r4:dst@0[32/64] = r4:src@0[32/64] + r4:inbox@0[32/64] + r4:inbox@1[32/64] + r4:inbox@2[32/64] + r4:inbox@3[32/64] + r4:inbox@5[32/64] + r4:inbox@6[32/64] + r4:inbox@7[32/64]; signal r4:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 33}, {{4, 1, 1, 64, 0, 33}, {4, 3, 0, 64, 0, 33}, {4, 3, 0, 64, 1, 33}, {4, 3, 0, 64, 2, 33}, {4, 3, 0, 64, 3, 33}, {4, 3, 0, 64, 5, 33}, {4, 3, 0, 64, 6, 33}, {4, 3, 0, 64, 7, 33}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{4, 6, 1}}},  // rank 4 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[41], arrive[49], arrive[57]; r4:dst@0[33/64] = r4:src@0[33/64] + r4:inbox@0[33/64] + r4:inbox@1[33/64] + r4:inbox@2[33/64] + r4:inbox@3[33/64] + r4:inbox@5[33/64] + r4:inbox@6[33/64] + r4:inbox@7[33/64]; signal r4:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 34}, {{4, 1, 1, 64, 0, 34}, {4, 3, 0, 64, 0, 34}, {4, 3, 0, 64, 1, 34}, {4, 3, 0, 64, 2, 34}, {4, 3, 0, 64, 3, 34}, {4, 3, 0, 64, 5, 34}, {4, 3, 0, 64, 6, 34}, {4, 3, 0, 64, 7, 34}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{4, 6, 2}}},  // rank 4 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[42], arrive[50], arrive[58]; r4:dst@0[34/64] = r4:src@0[34/64] + r4:inbox@0[34/64] + r4:inbox@1[34/64] + r4:inbox@2[34/64] + r4:inbox@3[34/64] + r4:inbox@5[34/64] + r4:inbox@6[34/64] + r4:inbox@7[34/64]; signal r4:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 35}, {{4, 1, 1, 64, 0, 35}, {4, 3, 0, 64, 0, 35}, {4, 3, 0, 64, 1, 35}, {4, 3, 0, 64, 2, 35}, {4, 3, 0, 64, 3, 35}, {4, 3, 0, 64, 5, 35}, {4, 3, 0, 64, 6, 35}, {4, 3, 0, 64, 7, 35}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{4, 6, 3}}},  // rank 4 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[43], arrive[51], arrive[59]; r4:dst@0[35/64] = r4:src@0[35/64] + r4:inbox@0[35/64] + r4:inbox@1[35/64] + r4:inbox@2[35/64] + r4:inbox@3[35/64] + r4:inbox@5[35/64] + r4:inbox@6[35/64] + r4:inbox@7[35/64]; signal r4:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 36}, {{4, 1, 1, 64, 0, 36}, {4, 3, 0, 64, 0, 36}, {4, 3, 0, 64, 1, 36}, {4, 3, 0, 64, 2, 36}, {4, 3, 0, 64, 3, 36}, {4, 3, 0, 64, 5, 36}, {4, 3, 0, 64, 6, 36}, {4, 3, 0, 64, 7, 36}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{4, 6, 4}}},  // rank 4 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[44], arrive[52], arrive[60]; r4:dst@0[36/64] = r4:src@0[36/64] + r4:inbox@0[36/64] + r4:inbox@1[36/64] + r4:inbox@2[36/64] + r4:inbox@3[36/64] + r4:inbox@5[36/64] + r4:inbox@6[36/64] + r4:inbox@7[36/64]; signal r4:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 37}, {{4, 1, 1, 64, 0, 37}, {4, 3, 0, 64, 0, 37}, {4, 3, 0, 64, 1, 37}, {4, 3, 0, 64, 2, 37}, {4, 3, 0, 64, 3, 37}, {4, 3, 0, 64, 5, 37}, {4, 3, 0, 64, 6, 37}, {4, 3, 0, 64, 7, 37}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{4, 6, 5}}},  // rank 4 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[45], arrive[53], arrive[61]; r4:dst@0[37/64] = r4:src@0[37/64] + r4:inbox@0[37/64] + r4:inbox@1[37/64] + r4:inbox@2[37/64] + r4:inbox@3[37/64] + r4:inbox@5[37/64] + r4:inbox@6[37/64] + r4:inbox@7[37/64]; signal r4:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 38}, {{4, 1, 1, 64, 0, 38}, {4, 3, 0, 64, 0, 38}, {4, 3, 0, 64, 1, 38}, {4, 3, 0, 64, 2, 38}, {4, 3, 0, 64, 3, 38}, {4, 3, 0, 64, 5, 38}, {4, 3, 0, 64, 6, 38}, {4, 3, 0, 64, 7, 38}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{4, 6, 6}}},  // rank 4 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[46], arrive[54], arrive[62]; r4:dst@0[38/64] = r4:src@0[38/64] + r4:inbox@0[38/64] + r4:inbox@1[38/64] + r4:inbox@2[38/64] + r4:inbox@3[38/64] + r4:inbox@5[38/64] + r4:inbox@6[38/64] + r4:inbox@7[38/64]; signal r4:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 64, 0, 39}, {{4, 1, 1, 64, 0, 39}, {4, 3, 0, 64, 0, 39}, {4, 3, 0, 64, 1, 39}, {4, 3, 0, 64, 2, 39}, {4, 3, 0, 64, 3, 39}, {4, 3, 0, 64, 5, 39}, {4, 3, 0, 64, 6, 39}, {4, 3, 0, 64, 7, 39}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{4, 6, 7}}},  // rank 4 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[47], arrive[55], arrive[63]; r4:dst@0[39/64] = r4:src@0[39/64] + r4:inbox@0[39/64] + r4:inbox@1[39/64] + r4:inbox@2[39/64] + r4:inbox@3[39/64] + r4:inbox@5[39/64] + r4:inbox@6[39/64] + r4:inbox@7[39/64]; signal r4:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 32}}},  // rank 4 step 65: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[32/64] = r4:dst@0[32/64]; signal r5:gathered[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 33}}},  // rank 4 step 66: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[33/64] = r4:dst@0[33/64]; signal r5:gathered[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 34}}},  // rank 4 step 67: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[34/64] = r4:dst@0[34/64]; signal r5:gathered[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 35}}},  // rank 4 step 68: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[35/64] = r4:dst@0[35/64]; signal r5:gathered[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 36}}},  // rank 4 step 69: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[36/64] = r4:dst@0[36/64]; signal r5:gathered[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 37}}},  // rank 4 step 70: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[37/64] = r4:dst@0[37/64]; signal r5:gathered[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 38}}},  // rank 4 step 71: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[38/64] = r4:dst@0[38/64]; signal r5:gathered[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 39}}},  // rank 4 step 72: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[39/64] = r4:dst@0[39/64]; signal r5:gathered[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 32}}},  // rank 4 step 73: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[32/64] = r4:dst@0[32/64]; signal r6:gathered[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 33}}},  // rank 4 step 74: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[33/64] = r4:dst@0[33/64]; signal r6:gathered[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 34}}},  // rank 4 step 75: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[34/64] = r4:dst@0[34/64]; signal r6:gathered[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 35}}},  // rank 4 step 76: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[35/64] = r4:dst@0[35/64]; signal r6:gathered[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 36}}},  // rank 4 step 77: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[36/64] = r4:dst@0[36/64]; signal r6:gathered[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 37}}},  // rank 4 step 78: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[37/64] = r4:dst@0[37/64]; signal r6:gathered[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 38}}},  // rank 4 step 79: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[38/64] = r4:dst@0[38/64]; signal r6:gathered[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 39}}},  // rank 4 step 80: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[39/64] = r4:dst@0[39/64]; signal r6:gathered[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 32}}},  // rank 4 step 81: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[32/64] = r4:dst@0[32/64]; signal r7:gathered[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 33}}},  // rank 4 step 82: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[33/64] = r4:dst@0[33/64]; signal r7:gathered[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 34}}},  // rank 4 step 83: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[34/64] = r4:dst@0[34/64]; signal r7:gathered[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 35}}},  // rank 4 step 84: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[35/64] = r4:dst@0[35/64]; signal r7:gathered[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 36}}},  // rank 4 step 85: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[36/64] = r4:dst@0[36/64]; signal r7:gathered[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 37}}},  // rank 4 step 86: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[37/64] = r4:dst@0[37/64]; signal r7:gathered[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 38}}},  // rank 4 step 87: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[38/64] = r4:dst@0[38/64]; signal r7:gathered[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 39}}},  // rank 4 step 88: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[39/64] = r4:dst@0[39/64]; signal r7:gathered[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 32}}},  // rank 4 step 89: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[32/64] = r4:dst@0[32/64]; signal r0:gathered[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 33}}},  // rank 4 step 90: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[33/64] = r4:dst@0[33/64]; signal r0:gathered[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 34}}},  // rank 4 step 91: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[34/64] = r4:dst@0[34/64]; signal r0:gathered[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 35}}},  // rank 4 step 92: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[35/64] = r4:dst@0[35/64]; signal r0:gathered[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 36}}},  // rank 4 step 93: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[36/64] = r4:dst@0[36/64]; signal r0:gathered[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 37}}},  // rank 4 step 94: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[37/64] = r4:dst@0[37/64]; signal r0:gathered[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 38}}},  // rank 4 step 95: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[38/64] = r4:dst@0[38/64]; signal r0:gathered[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 39}}},  // rank 4 step 96: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[39/64] = r4:dst@0[39/64]; signal r0:gathered[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 32}}},  // rank 4 step 97: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[32/64] = r4:dst@0[32/64]; signal r1:gathered[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 33}}},  // rank 4 step 98: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[33/64] = r4:dst@0[33/64]; signal r1:gathered[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 34}}},  // rank 4 step 99: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[34/64] = r4:dst@0[34/64]; signal r1:gathered[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 35}}},  // rank 4 step 100: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[35/64] = r4:dst@0[35/64]; signal r1:gathered[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 36}}},  // rank 4 step 101: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[36/64] = r4:dst@0[36/64]; signal r1:gathered[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 37}}},  // rank 4 step 102: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[37/64] = r4:dst@0[37/64]; signal r1:gathered[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 38}}},  // rank 4 step 103: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[38/64] = r4:dst@0[38/64]; signal r1:gathered[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 39}}},  // rank 4 step 104: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[39/64] = r4:dst@0[39/64]; signal r1:gathered[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 32}}},  // rank 4 step 105: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[32/64] = r4:dst@0[32/64]; signal r2:gathered[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 33}}},  // rank 4 step 106: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[33/64] = r4:dst@0[33/64]; signal r2:gathered[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 34}}},  // rank 4 step 107: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[34/64] = r4:dst@0[34/64]; signal r2:gathered[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 35}}},  // rank 4 step 108: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[35/64] = r4:dst@0[35/64]; signal r2:gathered[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 36}}},  // rank 4 step 109: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[36/64] = r4:dst@0[36/64]; signal r2:gathered[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 37}}},  // rank 4 step 110: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[37/64] = r4:dst@0[37/64]; signal r2:gathered[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 38}}},  // rank 4 step 111: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[38/64] = r4:dst@0[38/64]; signal r2:gathered[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 39}}},  // rank 4 step 112: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[39/64] = r4:dst@0[39/64]; signal r2:gathered[39]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 32}, {{4, 2, 0, 64, 0, 32}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 32}}},  // rank 4 step 113: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[32/64] = r4:dst@0[32/64]; signal r3:gathered[32]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 33}, {{4, 2, 0, 64, 0, 33}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 33}}},  // rank 4 step 114: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[33/64] = r4:dst@0[33/64]; signal r3:gathered[33]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 34}, {{4, 2, 0, 64, 0, 34}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 34}}},  // rank 4 step 115: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[34/64] = r4:dst@0[34/64]; signal r3:gathered[34]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 35}, {{4, 2, 0, 64, 0, 35}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 35}}},  // rank 4 step 116: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[35/64] = r4:dst@0[35/64]; signal r3:gathered[35]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 36}, {{4, 2, 0, 64, 0, 36}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 36}}},  // rank 4 step 117: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[36/64] = r4:dst@0[36/64]; signal r3:gathered[36]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 37}, {{4, 2, 0, 64, 0, 37}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 37}}},  // rank 4 step 118: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[37/64] = r4:dst@0[37/64]; signal r3:gathered[37]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 38}, {{4, 2, 0, 64, 0, 38}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 38}}},  // rank 4 step 119: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[38/64] = r4:dst@0[38/64]; signal r3:gathered[38]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 39}, {{4, 2, 0, 64, 0, 39}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 39}}},  // rank 4 step 120: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[39/64] = r4:dst@0[39/64]; signal r3:gathered[39]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 4 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 4 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 4 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},  // rank 4 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},  // rank 4 step 125: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},  // rank 4 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},  // rank 4 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 48}, {{5, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 40}}},  // rank 5 step 1: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@5[48/64] = r5:src@0[48/64]; signal r6:arrive[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 49}, {{5, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 41}}},  // rank 5 step 2: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@5[49/64] = r5:src@0[49/64]; signal r6:arrive[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 50}, {{5, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 42}}},  // rank 5 step 3: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@5[50/64] = r5:src@0[50/64]; signal r6:arrive[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 51}, {{5, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 43}}},  // rank 5 step 4: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@5[51/64] = r5:src@0[51/64]; signal r6:arrive[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 52}, {{5, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 44}}},  // rank 5 step 5: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@5[52/64] = r5:src@0[52/64]; signal r6:arrive[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 53}, {{5, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 45}}},  // rank 5 step 6: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@5[53/64] = r5:src@0[53/64]; signal r6:arrive[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 54}, {{5, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 46}}},  // rank 5 step 7: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@5[54/64] = r5:src@0[54/64]; signal r6:arrive[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 5, 55}, {{5, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 47}}},  // rank 5 step 8: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@5[55/64] = r5:src@0[55/64]; signal r6:arrive[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 56}, {{5, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 40}}},  // rank 5 step 9: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@5[56/64] = r5:src@0[56/64]; signal r7:arrive[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 57}, {{5, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 41}}},  // rank 5 step 10: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@5[57/64] = r5:src@0[57/64]; signal r7:arrive[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 58}, {{5, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 42}}},  // rank 5 step 11: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@5[58/64] = r5:src@0[58/64]; signal r7:arrive[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 59}, {{5, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 43}}},  // rank 5 step 12: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@5[59/64] = r5:src@0[59/64]; signal r7:arrive[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 60}, {{5, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 44}}},  // rank 5 step 13: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@5[60/64] = r5:src@0[60/64]; signal r7:arrive[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 61}, {{5, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 45}}},  // rank 5 step 14: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@5[61/64] = r5:src@0[61/64]; signal r7:arrive[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 62}, {{5, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 46}}},  // rank 5 step 15: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@5[62/64] = r5:src@0[62/64]; signal r7:arrive[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 5, 63}, {{5, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 47}}},  // rank 5 step 16: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@5[63/64] = r5:src@0[63/64]; signal r7:arrive[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 0}, {{5, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 40}}},  // rank 5 step 17: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@5[0/64] = r5:src@0[0/64]; signal r0:arrive[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 1}, {{5, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 41}}},  // rank 5 step 18: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@5[1/64] = r5:src@0[1/64]; signal r0:arrive[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 2}, {{5, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 42}}},  // rank 5 step 19: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@5[2/64] = r5:src@0[2/64]; signal r0:arrive[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 3}, {{5, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 43}}},  // rank 5 step 20: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@5[3/64] = r5:src@0[3/64]; signal r0:arrive[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 4}, {{5, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 44}}},  // rank 5 step 21: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@5[4/64] = r5:src@0[4/64]; signal r0:arrive[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 5}, {{5, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 45}}},  // rank 5 step 22: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@5[5/64] = r5:src@0[5/64]; signal r0:arrive[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 6}, {{5, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 46}}},  // rank 5 step 23: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@5[6/64] = r5:src@0[6/64]; signal r0:arrive[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 5, 7}, {{5, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 47}}},  // rank 5 step 24: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@5[7/64] = r5:src@0[7/64]; signal r0:arrive[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 8}, {{5, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 40}}},  // rank 5 step 25: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@5[8/64] = r5:src@0[8/64]; signal r1:arrive[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 9}, {{5, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 41}}},  // rank 5 step 26: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@5[9/64] = r5:src@0[9/64]; signal r1:arrive[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 10}, {{5, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 42}}},  // rank 5 step 27: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@5[10/64] = r5:src@0[10/64]; signal r1:arrive[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 11}, {{5, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 43}}},  // rank 5 step 28: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@5[11/64] = r5:src@0[11/64]; signal r1:arrive[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 12}, {{5, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 44}}},  // rank 5 step 29: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@5[12/64] = r5:src@0[12/64]; signal r1:arrive[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 13}, {{5, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 45}}},  // rank 5 step 30: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@5[13/64] = r5:src@0[13/64]; signal r1:arrive[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 14}, {{5, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 46}}},  // rank 5 step 31: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@5[14/64] = r5:src@0[14/64]; signal r1:arrive[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 5, 15}, {{5, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 47}}},  // rank 5 step 32: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@5[15/64] = r5:src@0[15/64]; signal r1:arrive[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 16}, {{5, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 40}}},  // rank 5 step 33: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@5[16/64] = r5:src@0[16/64]; signal r2:arrive[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 17}, {{5, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 41}}},  // rank 5 step 34: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@5[17/64] = r5:src@0[17/64]; signal r2:arrive[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 18}, {{5, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 42}}},  // rank 5 step 35: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@5[18/64] = r5:src@0[18/64]; signal r2:arrive[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 19}, {{5, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 43}}},  // rank 5 step 36: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@5[19/64] = r5:src@0[19/64]; signal r2:arrive[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 20}, {{5, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 44}}},  // rank 5 step 37: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@5[20/64] = r5:src@0[20/64]; signal r2:arrive[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 21}, {{5, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 45}}},  // rank 5 step 38: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@5[21/64] = r5:src@0[21/64]; signal r2:arrive[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 22}, {{5, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 46}}},  // rank 5 step 39: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@5[22/64] = r5:src@0[22/64]; signal r2:arrive[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 5, 23}, {{5, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 47}}},  // rank 5 step 40: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@5[23/64] = r5:src@0[23/64]; signal r2:arrive[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 24}, {{5, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 40}}},  // rank 5 step 41: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@5[24/64] = r5:src@0[24/64]; signal r3:arrive[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 25}, {{5, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 41}}},  // rank 5 step 42: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@5[25/64] = r5:src@0[25/64]; signal r3:arrive[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 26}, {{5, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 42}}},  // rank 5 step 43: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@5[26/64] = r5:src@0[26/64]; signal r3:arrive[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 27}, {{5, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 43}}},  // rank 5 step 44: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@5[27/64] = r5:src@0[27/64]; signal r3:arrive[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 28}, {{5, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 44}}},  // rank 5 step 45: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@5[28/64] = r5:src@0[28/64]; signal r3:arrive[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 29}, {{5, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 45}}},  // rank 5 step 46: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@5[29/64] = r5:src@0[29/64]; signal r3:arrive[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 30}, {{5, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 46}}},  // rank 5 step 47: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@5[30/64] = r5:src@0[30/64]; signal r3:arrive[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 5, 31}, {{5, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 47}}},  // rank 5 step 48: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@5[31/64] = r5:src@0[31/64]; signal r3:arrive[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 32}, {{5, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 40}}},  // rank 5 step 49: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@5[32/64] = r5:src@0[32/64]; signal r4:arrive[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 33}, {{5, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 41}}},  // rank 5 step 50: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@5[33/64] = r5:src@0[33/64]; signal r4:arrive[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 34}, {{5, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 42}}},  // rank 5 step 51: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@5[34/64] = r5:src@0[34/64]; signal r4:arrive[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 35}, {{5, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 43}}},  // rank 5 step 52: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@5[35/64] = r5:src@0[35/64]; signal r4:arrive[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 36}, {{5, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 44}}},  // rank 5 step 53: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@5[36/64] = r5:src@0[36/64]; signal r4:arrive[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 37}, {{5, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 45}}},  // rank 5 step 54: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@5[37/64] = r5:src@0[37/64]; signal r4:arrive[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 38}, {{5, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 46}}},  // rank 5 step 55: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@5[38/64] = r5:src@0[38/64]; signal r4:arrive[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 5, 39}, {{5, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 47}}},  // rank 5 step 56: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@5[39/64] = r5:src@0[39/64]; signal r4:arrive[47]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 40}, {{5, 1, 1, 64, 0, 40}, {5, 3, 0, 64, 0, 40}, {5, 3, 0, 64, 1, 40}, {5, 3, 0, 64, 2, 40}, {5, 3, 0, 64, 3, 40}, {5, 3, 0, 64, 4, 40}, {5, 3, 0, 64, 6, 40}, {5, 3, 0, 64, 7, 40}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 48, 16}, {5, 0, 56, 16}}, {{5, 6, 0}}},  // rank 5 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[48], arrive[56]; r5:dst@0[40/64] = r5:src@0[40/64] + r5:inbox@0[40/64] + r5:inbox@1[40/64] + r5:inbox@2[40/64] + r5:inbox@3[40/64] + r5:inbox@4[40/64] + r5:inbox@6[40/64] + r5:inbox@7[40/64]; signal r5:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 41}, {{5, 1, 1, 64, 0, 41}, {5, 3, 0, 64, 0, 41}, {5, 3, 0, 64, 1, 41}, {5, 3, 0, 64, 2, 41}, {5, 3, 0, 64, 3, 41}, {5, 3, 0, 64, 4, 41}, {5, 3, 0, 64, 6, 41}, {5, 3, 0, 64, 7, 41}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 49, 16}, {5, 0, 57, 16}}, {{5, 6, 1}}},  // rank 5 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[49], arrive[57]; r5:dst@0[41/64] = r5:src@0[41/64] + r5:inbox@0[41/64] + r5:inbox@1[41/64] + r5:inbox@2[41/64] + r5:inbox@3[41/64] + r5:inbox@4[41/64] + r5:inbox@6[41/64] + r5:inbox@7[41/64]; signal r5:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 42}, {{5, 1, 1, 64, 0, 42}, {5, 3, 0, 64, 0, 42}, {5, 3, 0, 64, 1, 42}, {5, 3, 0, 64, 2, 42}, {5, 3, 0, 64, 3, 42}, {5, 3, 0, 64, 4, 42}, {5, 3, 0, 64, 6, 42}, {5, 3, 0, 64, 7, 42}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 50, 16}, {5, 0, 58, 16}}, {{5, 6, 2}}},  // rank 5 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[50], arrive[58]; r5:dst@0[42/64] = r5:src@0[42/64] + r5:inbox@0[42/64] + r5:inbox@1[42/64] + r5:inbox@2[42/64] + r5:inbox@3[42/64] + r5:inbox@4[42/64] + r5:inbox@6[42/64] + r5:inbox@7[42/64]; signal r5:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 43}, {{5, 1, 1, 64, 0, 43}, {5, 3, 0, 64, 0, 43}, {5, 3, 0, 64, 1, 43}, {5, 3, 0, 64, 2, 43}, {5, 3, 0, 64, 3, 43}, {5, 3, 0, 64, 4, 43}, {5, 3, 0, 64, 6, 43}, {5, 3, 0, 64, 7, 43}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 51, 16}, {5, 0, 59, 16}}, {{5, 6, 3}}},  // rank 5 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[51], arrive[59]; r5:dst@0[43/64] = r5:src@0[43/64] + r5:inbox@0[43/64] + r5:inbox@1[43/64] + r5:inbox@2[43/64] + r5:inbox@3[43/64] + r5:inbox@4[43/64] + r5:inbox@6[43/64] + r5:inbox@7[43/64]; signal r5:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 44}, {{5, 1, 1, 64, 0, 44}, {5, 3, 0, 64, 0, 44}, {5, 3, 0, 64, 1, 44}, {5, 3, 0, 64, 2, 44}, {5, 3, 0, 64, 3, 44}, {5, 3, 0, 64, 4, 44}, {5, 3, 0, 64, 6, 44}, {5, 3, 0, 64, 7, 44}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 52, 16}, {5, 0, 60, 16}}, {{5, 6, 4}}},  // rank 5 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[52], arrive[60]; r5:dst@0[44/64] = r5:src@0[44/64] + r5:inbox@0[44/64] + r5:inbox@1[44/64] + r5:inbox@2[44/64] + r5:inbox@3[44/64] + r5:inbox@4[44/64] + r5:inbox@6[44/64] + r5:inbox@7[44/64]; signal r5:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 45}, {{5, 1, 1, 64, 0, 45}, {5, 3, 0, 64, 0, 45}, {5, 3, 0, 64, 1, 45}, {5, 3, 0, 64, 2, 45}, {5, 3, 0, 64, 3, 45}, {5, 3, 0, 64, 4, 45}, {5, 3, 0, 64, 6, 45}, {5, 3, 0, 64, 7, 45}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 53, 16}, {5, 0, 61, 16}}, {{5, 6, 5}}},  // rank 5 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[53], arrive[61]; r5:dst@0[45/64] = r5:src@0[45/64] + r5:inbox@0[45/64] + r5:inbox@1[45/64] + r5:inbox@2[45/64] + r5:inbox@3[45/64] + r5:inbox@4[45/64] + r5:inbox@6[45/64] + r5:inbox@7[45/64]; signal r5:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 46}, {{5, 1, 1, 64, 0, 46}, {5, 3, 0, 64, 0, 46}, {5, 3, 0, 64, 1, 46}, {5, 3, 0, 64, 2, 46}, {5, 3, 0, 64, 3, 46}, {5, 3, 0, 64, 4, 46}, {5, 3, 0, 64, 6, 46}, {5, 3, 0, 64, 7, 46}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 54, 16}, {5, 0, 62, 16}}, {{5, 6, 6}}},  // rank 5 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[54], arrive[62]; r5:dst@0[46/64] = r5:src@0[46/64] + r5:inbox@0[46/64] + r5:inbox@1[46/64] + r5:inbox@2[46/64] + r5:inbox@3[46/64] + r5:inbox@4[46/64] + r5:inbox@6[46/64] + r5:inbox@7[46/64]; signal r5:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 64, 0, 47}, {{5, 1, 1, 64, 0, 47}, {5, 3, 0, 64, 0, 47}, {5, 3, 0, 64, 1, 47}, {5, 3, 0, 64, 2, 47}, {5, 3, 0, 64, 3, 47}, {5, 3, 0, 64, 4, 47}, {5, 3, 0, 64, 6, 47}, {5, 3, 0, 64, 7, 47}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 55, 16}, {5, 0, 63, 16}}, {{5, 6, 7}}},  // rank 5 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[55], arrive[63]; r5:dst@0[47/64] = r5:src@0[47/64] + r5:inbox@0[47/64] + r5:inbox@1[47/64] + r5:inbox@2[47/64] + r5:inbox@3[47/64] + r5:inbox@4[47/64] + r5:inbox@6[47/64] + r5:inbox@7[47/64]; signal r5:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 40}}},  // rank 5 step 65: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[40/64] = r5:dst@0[40/64]; signal r6:gathered[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 41}}},  // rank 5 step 66: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[41/64] = r5:dst@0[41/64]; signal r6:gathered[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 42}}},  // rank 5 step 67: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[42/64] = r5:dst@0[42/64]; signal r6:gathered[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 43}}},  // rank 5 step 68: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[43/64] = r5:dst@0[43/64]; signal r6:gathered[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 44}}},  // rank 5 step 69: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[44/64] = r5:dst@0[44/64]; signal r6:gathered[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 45}}},  // rank 5 step 70: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[45/64] = r5:dst@0[45/64]; signal r6:gathered[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 46}}},  // rank 5 step 71: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[46/64] = r5:dst@0[46/64]; signal r6:gathered[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 47}}},  // rank 5 step 72: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[47/64] = r5:dst@0[47/64]; signal r6:gathered[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 40}}},  // rank 5 step 73: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[40/64] = r5:dst@0[40/64]; signal r7:gathered[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 41}}},  // rank 5 step 74: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[41/64] = r5:dst@0[41/64]; signal r7:gathered[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 42}}},  // rank 5 step 75: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[42/64] = r5:dst@0[42/64]; signal r7:gathered[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 43}}},  // rank 5 step 76: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[43/64] = r5:dst@0[43/64]; signal r7:gathered[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 44}}},  // rank 5 step 77: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[44/64] = r5:dst@0[44/64]; signal r7:gathered[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 45}}},  // rank 5 step 78: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[45/64] = r5:dst@0[45/64]; signal r7:gathered[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 46}}},  // rank 5 step 79: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[46/64] = r5:dst@0[46/64]; signal r7:gathered[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 47}}},  // rank 5 step 80: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[47/64] = r5:dst@0[47/64]; signal r7:gathered[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 40}}},  // rank 5 step 81: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[40/64] = r5:dst@0[40/64]; signal r0:gathered[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 41}}},  // rank 5 step 82: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[41/64] = r5:dst@0[41/64]; signal r0:gathered[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 42}}},  // rank 5 step 83: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[42/64] = r5:dst@0[42/64]; signal r0:gathered[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 43}}},  // rank 5 step 84: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[43/64] = r5:dst@0[43/64]; signal r0:gathered[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 44}}},  // rank 5 step 85: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[44/64] = r5:dst@0[44/64]; signal r0:gathered[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 45}}},  // rank 5 step 86: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[45/64] = r5:dst@0[45/64]; signal r0:gathered[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 46}}},  // rank 5 step 87: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[46/64] = r5:dst@0[46/64]; signal r0:gathered[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 47}}},  // rank 5 step 88: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[47/64] = r5:dst@0[47/64]; signal r0:gathered[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 40}}},  // rank 5 step 89: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[40/64] = r5:dst@0[40/64]; signal r1:gathered[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 41}}},  // rank 5 step 90: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[41/64] = r5:dst@0[41/64]; signal r1:gathered[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 42}}},  // rank 5 step 91: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[42/64] = r5:dst@0[42/64]; signal r1:gathered[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 43}}},  // rank 5 step 92: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[43/64] = r5:dst@0[43/64]; signal r1:gathered[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 44}}},  // rank 5 step 93: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[44/64] = r5:dst@0[44/64]; signal r1:gathered[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 45}}},  // rank 5 step 94: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[45/64] = r5:dst@0[45/64]; signal r1:gathered[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 46}}},  // rank 5 step 95: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[46/64] = r5:dst@0[46/64]; signal r1:gathered[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 47}}},  // rank 5 step 96: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[47/64] = r5:dst@0[47/64]; signal r1:gathered[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 40}}},  // rank 5 step 97: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[40/64] = r5:dst@0[40/64]; signal r2:gathered[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 41}}},  // rank 5 step 98: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[41/64] = r5:dst@0[41/64]; signal r2:gathered[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 42}}},  // rank 5 step 99: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[42/64] = r5:dst@0[42/64]; signal r2:gathered[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 43}}},  // rank 5 step 100: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[43/64] = r5:dst@0[43/64]; signal r2:gathered[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 44}}},  // rank 5 step 101: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[44/64] = r5:dst@0[44/64]; signal r2:gathered[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 45}}},  // rank 5 step 102: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[45/64] = r5:dst@0[45/64]; signal r2:gathered[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 46}}},  // rank 5 step 103: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[46/64] = r5:dst@0[46/64]; signal r2:gathered[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 47}}},  // rank 5 step 104: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[47/64] = r5:dst@0[47/64]; signal r2:gathered[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 40}}},  // rank 5 step 105: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[40/64] = r5:dst@0[40/64]; signal r3:gathered[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 41}}},  // rank 5 step 106: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[41/64] = r5:dst@0[41/64]; signal r3:gathered[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 42}}},  // rank 5 step 107: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[42/64] = r5:dst@0[42/64]; signal r3:gathered[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 43}}},  // rank 5 step 108: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[43/64] = r5:dst@0[43/64]; signal r3:gathered[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 44}}},  // rank 5 step 109: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[44/64] = r5:dst@0[44/64]; signal r3:gathered[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 45}}},  // rank 5 step 110: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[45/64] = r5:dst@0[45/64]; signal r3:gathered[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 46}}},  // rank 5 step 111: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[46/64] = r5:dst@0[46/64]; signal r3:gathered[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 47}}},  // rank 5 step 112: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[47/64] = r5:dst@0[47/64]; signal r3:gathered[47]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 40}, {{5, 2, 0, 64, 0, 40}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 40}}},  // rank 5 step 113: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[40/64] = r5:dst@0[40/64]; signal r4:gathered[40]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 41}, {{5, 2, 0, 64, 0, 41}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 41}}},  // rank 5 step 114: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[41/64] = r5:dst@0[41/64]; signal r4:gathered[41]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 42}, {{5, 2, 0, 64, 0, 42}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 42}}},  // rank 5 step 115: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[42/64] = r5:dst@0[42/64]; signal r4:gathered[42]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 43}, {{5, 2, 0, 64, 0, 43}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 43}}},  // rank 5 step 116: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[43/64] = r5:dst@0[43/64]; signal r4:gathered[43]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 44}, {{5, 2, 0, 64, 0, 44}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 44}}},  // rank 5 step 117: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[44/64] = r5:dst@0[44/64]; signal r4:gathered[44]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 45}, {{5, 2, 0, 64, 0, 45}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 45}}},  // rank 5 step 118: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[45/64] = r5:dst@0[45/64]; signal r4:gathered[45]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 46}, {{5, 2, 0, 64, 0, 46}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 46}}},  // rank 5 step 119: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[46/64] = r5:dst@0[46/64]; signal r4:gathered[46]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 47}, {{5, 2, 0, 64, 0, 47}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 47}}},  // rank 5 step 120: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[47/64] = r5:dst@0[47/64]; signal r4:gathered[47]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 5 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 5 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 5 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},  // rank 5 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},  // rank 5 step 125: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},  // rank 5 step 126: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},  // rank 5 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 56}, {{6, 1, 1, 64, 0, 56}}, {}, {{4, 0, 7, 1}}, {{7, 5, 48}}},  // rank 6 step 1: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@6[56/64] = r6:src@0[56/64]; signal r7:arrive[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 57}, {{6, 1, 1, 64, 0, 57}}, {}, {{4, 0, 7, 1}}, {{7, 5, 49}}},  // rank 6 step 2: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@6[57/64] = r6:src@0[57/64]; signal r7:arrive[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 58}, {{6, 1, 1, 64, 0, 58}}, {}, {{4, 0, 7, 1}}, {{7, 5, 50}}},  // rank 6 step 3: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@6[58/64] = r6:src@0[58/64]; signal r7:arrive[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 59}, {{6, 1, 1, 64, 0, 59}}, {}, {{4, 0, 7, 1}}, {{7, 5, 51}}},  // rank 6 step 4: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@6[59/64] = r6:src@0[59/64]; signal r7:arrive[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 60}, {{6, 1, 1, 64, 0, 60}}, {}, {{4, 0, 7, 1}}, {{7, 5, 52}}},  // rank 6 step 5: part 7 piece 4 to rank 7; wait entry[7]; r7:inbox@6[60/64] = r6:src@0[60/64]; signal r7:arrive[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 61}, {{6, 1, 1, 64, 0, 61}}, {}, {{4, 0, 7, 1}}, {{7, 5, 53}}},  // rank 6 step 6: part 7 piece 5 to rank 7; wait entry[7]; r7:inbox@6[61/64] = r6:src@0[61/64]; signal r7:arrive[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 62}, {{6, 1, 1, 64, 0, 62}}, {}, {{4, 0, 7, 1}}, {{7, 5, 54}}},  // rank 6 step 7: part 7 piece 6 to rank 7; wait entry[7]; r7:inbox@6[62/64] = r6:src@0[62/64]; signal r7:arrive[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 64, 6, 63}, {{6, 1, 1, 64, 0, 63}}, {}, {{4, 0, 7, 1}}, {{7, 5, 55}}},  // rank 6 step 8: part 7 piece 7 to rank 7; wait entry[7]; r7:inbox@6[63/64] = r6:src@0[63/64]; signal r7:arrive[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 0}, {{6, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 48}}},  // rank 6 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@6[0/64] = r6:src@0[0/64]; signal r0:arrive[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 1}, {{6, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 49}}},  // rank 6 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@6[1/64] = r6:src@0[1/64]; signal r0:arrive[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 2}, {{6, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 50}}},  // rank 6 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@6[2/64] = r6:src@0[2/64]; signal r0:arrive[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 3}, {{6, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 51}}},  // rank 6 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@6[3/64] = r6:src@0[3/64]; signal r0:arrive[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 4}, {{6, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 52}}},  // rank 6 step 13: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@6[4/64] = r6:src@0[4/64]; signal r0:arrive[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 5}, {{6, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 53}}},  // rank 6 step 14: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@6[5/64] = r6:src@0[5/64]; signal r0:arrive[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 6}, {{6, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 54}}},  // rank 6 step 15: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@6[6/64] = r6:src@0[6/64]; signal r0:arrive[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 6, 7}, {{6, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 55}}},  // rank 6 step 16: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@6[7/64] = r6:src@0[7/64]; signal r0:arrive[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 8}, {{6, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 48}}},  // rank 6 step 17: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@6[8/64] = r6:src@0[8/64]; signal r1:arrive[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 9}, {{6, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 49}}},  // rank 6 step 18: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@6[9/64] = r6:src@0[9/64]; signal r1:arrive[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 10}, {{6, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 50}}},  // rank 6 step 19: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@6[10/64] = r6:src@0[10/64]; signal r1:arrive[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 11}, {{6, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 51}}},  // rank 6 step 20: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@6[11/64] = r6:src@0[11/64]; signal r1:arrive[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 12}, {{6, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 52}}},  // rank 6 step 21: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@6[12/64] = r6:src@0[12/64]; signal r1:arrive[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 13}, {{6, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 53}}},  // rank 6 step 22: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@6[13/64] = r6:src@0[13/64]; signal r1:arrive[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 14}, {{6, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 54}}},  // rank 6 step 23: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@6[14/64] = r6:src@0[14/64]; signal r1:arrive[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 6, 15}, {{6, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 55}}},  // rank 6 step 24: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@6[15/64] = r6:src@0[15/64]; signal r1:arrive[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 16}, {{6, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 48}}},  // rank 6 step 25: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@6[16/64] = r6:src@0[16/64]; signal r2:arrive[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 17}, {{6, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 49}}},  // rank 6 step 26: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@6[17/64] = r6:src@0[17/64]; signal r2:arrive[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 18}, {{6, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 50}}},  // rank 6 step 27: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@6[18/64] = r6:src@0[18/64]; signal r2:arrive[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 19}, {{6, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 51}}},  // rank 6 step 28: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@6[19/64] = r6:src@0[19/64]; signal r2:arrive[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 20}, {{6, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 52}}},  // rank 6 step 29: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@6[20/64] = r6:src@0[20/64]; signal r2:arrive[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 21}, {{6, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 53}}},  // rank 6 step 30: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@6[21/64] = r6:src@0[21/64]; signal r2:arrive[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 22}, {{6, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 54}}},  // rank 6 step 31: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@6[22/64] = r6:src@0[22/64]; signal r2:arrive[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 6, 23}, {{6, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 55}}},  // rank 6 step 32: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@6[23/64] = r6:src@0[23/64]; signal r2:arrive[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 24}, {{6, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 48}}},  // rank 6 step 33: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@6[24/64] = r6:src@0[24/64]; signal r3:arrive[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 25}, {{6, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 49}}},  // rank 6 step 34: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@6[25/64] = r6:src@0[25/64]; signal r3:arrive[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 26}, {{6, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 50}}},  // rank 6 step 35: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@6[26/64] = r6:src@0[26/64]; signal r3:arrive[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 27}, {{6, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 51}}},  // rank 6 step 36: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@6[27/64] = r6:src@0[27/64]; signal r3:arrive[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 28}, {{6, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 52}}},  // rank 6 step 37: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@6[28/64] = r6:src@0[28/64]; signal r3:arrive[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 29}, {{6, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 53}}},  // rank 6 step 38: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@6[29/64] = r6:src@0[29/64]; signal r3:arrive[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 30}, {{6, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 54}}},  // rank 6 step 39: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@6[30/64] = r6:src@0[30/64]; signal r3:arrive[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 6, 31}, {{6, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 55}}},  // rank 6 step 40: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@6[31/64] = r6:src@0[31/64]; signal r3:arrive[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 32}, {{6, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 48}}},  // rank 6 step 41: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@6[32/64] = r6:src@0[32/64]; signal r4:arrive[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 33}, {{6, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 49}}},  // rank 6 step 42: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@6[33/64] = r6:src@0[33/64]; signal r4:arrive[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 34}, {{6, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 50}}},  // rank 6 step 43: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@6[34/64] = r6:src@0[34/64]; signal r4:arrive[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 35}, {{6, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 51}}},  // rank 6 step 44: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@6[35/64] = r6:src@0[35/64]; signal r4:arrive[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 36}, {{6, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 52}}},  // rank 6 step 45: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@6[36/64] = r6:src@0[36/64]; signal r4:arrive[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 37}, {{6, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 53}}},  // rank 6 step 46: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@6[37/64] = r6:src@0[37/64]; signal r4:arrive[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 38}, {{6, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 54}}},  // rank 6 step 47: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@6[38/64] = r6:src@0[38/64]; signal r4:arrive[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 6, 39}, {{6, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 55}}},  // rank 6 step 48: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@6[39/64] = r6:src@0[39/64]; signal r4:arrive[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 40}, {{6, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 48}}},  // rank 6 step 49: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@6[40/64] = r6:src@0[40/64]; signal r5:arrive[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 41}, {{6, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 49}}},  // rank 6 step 50: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@6[41/64] = r6:src@0[41/64]; signal r5:arrive[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 42}, {{6, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 50}}},  // rank 6 step 51: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@6[42/64] = r6:src@0[42/64]; signal r5:arrive[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 43}, {{6, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 51}}},  // rank 6 step 52: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@6[43/64] = r6:src@0[43/64]; signal r5:arrive[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 44}, {{6, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 52}}},  // rank 6 step 53: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@6[44/64] = r6:src@0[44/64]; signal r5:arrive[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 45}, {{6, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 53}}},  // rank 6 step 54: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@6[45/64] = r6:src@0[45/64]; signal r5:arrive[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 46}, {{6, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 54}}},  // rank 6 step 55: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@6[46/64] = r6:src@0[46/64]; signal r5:arrive[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 6, 47}, {{6, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 55}}},  // rank 6 step 56: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@6[47/64] = r6:src@0[47/64]; signal r5:arrive[55]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 48}, {{6, 1, 1, 64, 0, 48}, {6, 3, 0, 64, 0, 48}, {6, 3, 0, 64, 1, 48}, {6, 3, 0, 64, 2, 48}, {6, 3, 0, 64, 3, 48}, {6, 3, 0, 64, 4, 48}, {6, 3, 0, 64, 5, 48}, {6, 3, 0, 64, 7, 48}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 56, 16}}, {{6, 6, 0}}},  // rank 6 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[56]; r6:dst@0[48/64] = r6:src@0[48/64] + r6:inbox@0[48/64] + r6:inbox@1[48/64] + r6:inbox@2[48/64] + r6:inbox@3[48/64] + r6:inbox@4[48/64] + r6:inbox@5[48/64] + r6:inbox@7[48/64]; signal r6:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 49}, {{6, 1, 1, 64, 0, 49}, {6, 3, 0, 64, 0, 49}, {6, 3, 0, 64, 1, 49}, {6, 3, 0, 64, 2, 49}, {6, 3, 0, 64, 3, 49}, {6, 3, 0, 64, 4, 49}, {6, 3, 0, 64, 5, 49}, {6, 3, 0, 64, 7, 49}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 57, 16}}, {{6, 6, 1}}},  // rank 6 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[57]; r6:dst@0[49/64] = r6:src@0[49/64] + r6:inbox@0[49/64] + r6:inbox@1[49/64] + r6:inbox@2[49/64] + r6:inbox@3[49/64] + r6:inbox@4[49/64] + r6:inbox@5[49/64] + r6:inbox@7[49/64]; signal r6:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 50}, {{6, 1, 1, 64, 0, 50}, {6, 3, 0, 64, 0, 50}, {6, 3, 0, 64, 1, 50}, {6, 3, 0, 64, 2, 50}, {6, 3, 0, 64, 3, 50}, {6, 3, 0, 64, 4, 50}, {6, 3, 0, 64, 5, 50}, {6, 3, 0, 64, 7, 50}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 58, 16}}, {{6, 6, 2}}},  // rank 6 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[58]; r6:dst@0[50/64] = r6:src@0[50/64] + r6:inbox@0[50/64] + r6:inbox@1[50/64] + r6:inbox@2[50/64] + r6:inbox@3[50/64] + r6:inbox@4[50/64] + r6:inbox@5[50/64] + r6:inbox@7[50/64]; signal r6:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 51}, {{6, 1, 1, 64, 0, 51}, {6, 3, 0, 64, 0, 51}, {6, 3, 0, 64, 1, 51}, {6, 3, 0, 64, 2, 51}, {6, 3, 0, 64, 3, 51}, {6, 3, 0, 64, 4, 51}, {6, 3, 0, 64, 5, 51}, {6, 3, 0, 64, 7, 51}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 59, 16}}, {{6, 6, 3}}},  // rank 6 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[59]; r6:dst@0[51/64] = r6:src@0[51/64] + r6:inbox@0[51/64] + r6:inbox@1[51/64] + r6:inbox@2[51/64] + r6:inbox@3[51/64] + r6:inbox@4[51/64] + r6:inbox@5[51/64] + r6:inbox@7[51/64]; signal r6:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 52}, {{6, 1, 1, 64, 0, 52}, {6, 3, 0, 64, 0, 52}, {6, 3, 0, 64, 1, 52}, {6, 3, 0, 64, 2, 52}, {6, 3, 0, 64, 3, 52}, {6, 3, 0, 64, 4, 52}, {6, 3, 0, 64, 5, 52}, {6, 3, 0, 64, 7, 52}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 60, 16}}, {{6, 6, 4}}},  // rank 6 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[60]; r6:dst@0[52/64] = r6:src@0[52/64] + r6:inbox@0[52/64] + r6:inbox@1[52/64] + r6:inbox@2[52/64] + r6:inbox@3[52/64] + r6:inbox@4[52/64] + r6:inbox@5[52/64] + r6:inbox@7[52/64]; signal r6:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 53}, {{6, 1, 1, 64, 0, 53}, {6, 3, 0, 64, 0, 53}, {6, 3, 0, 64, 1, 53}, {6, 3, 0, 64, 2, 53}, {6, 3, 0, 64, 3, 53}, {6, 3, 0, 64, 4, 53}, {6, 3, 0, 64, 5, 53}, {6, 3, 0, 64, 7, 53}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 61, 16}}, {{6, 6, 5}}},  // rank 6 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[61]; r6:dst@0[53/64] = r6:src@0[53/64] + r6:inbox@0[53/64] + r6:inbox@1[53/64] + r6:inbox@2[53/64] + r6:inbox@3[53/64] + r6:inbox@4[53/64] + r6:inbox@5[53/64] + r6:inbox@7[53/64]; signal r6:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 54}, {{6, 1, 1, 64, 0, 54}, {6, 3, 0, 64, 0, 54}, {6, 3, 0, 64, 1, 54}, {6, 3, 0, 64, 2, 54}, {6, 3, 0, 64, 3, 54}, {6, 3, 0, 64, 4, 54}, {6, 3, 0, 64, 5, 54}, {6, 3, 0, 64, 7, 54}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 62, 16}}, {{6, 6, 6}}},  // rank 6 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[62]; r6:dst@0[54/64] = r6:src@0[54/64] + r6:inbox@0[54/64] + r6:inbox@1[54/64] + r6:inbox@2[54/64] + r6:inbox@3[54/64] + r6:inbox@4[54/64] + r6:inbox@5[54/64] + r6:inbox@7[54/64]; signal r6:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 64, 0, 55}, {{6, 1, 1, 64, 0, 55}, {6, 3, 0, 64, 0, 55}, {6, 3, 0, 64, 1, 55}, {6, 3, 0, 64, 2, 55}, {6, 3, 0, 64, 3, 55}, {6, 3, 0, 64, 4, 55}, {6, 3, 0, 64, 5, 55}, {6, 3, 0, 64, 7, 55}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 63, 16}}, {{6, 6, 7}}},  // rank 6 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[63]; r6:dst@0[55/64] = r6:src@0[55/64] + r6:inbox@0[55/64] + r6:inbox@1[55/64] + r6:inbox@2[55/64] + r6:inbox@3[55/64] + r6:inbox@4[55/64] + r6:inbox@5[55/64] + r6:inbox@7[55/64]; signal r6:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 7, 1}}, {{7, 7, 48}}},  // rank 6 step 65: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[48/64] = r6:dst@0[48/64]; signal r7:gathered[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 7, 1}}, {{7, 7, 49}}},  // rank 6 step 66: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[49/64] = r6:dst@0[49/64]; signal r7:gathered[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 7, 1}}, {{7, 7, 50}}},  // rank 6 step 67: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[50/64] = r6:dst@0[50/64]; signal r7:gathered[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 7, 1}}, {{7, 7, 51}}},  // rank 6 step 68: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[51/64] = r6:dst@0[51/64]; signal r7:gathered[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 7, 1}}, {{7, 7, 52}}},  // rank 6 step 69: reduced piece 4 to rank 7; wait reduced[4], entry[7]; r7:dst@0[52/64] = r6:dst@0[52/64]; signal r7:gathered[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 7, 1}}, {{7, 7, 53}}},  // rank 6 step 70: reduced piece 5 to rank 7; wait reduced[5], entry[7]; r7:dst@0[53/64] = r6:dst@0[53/64]; signal r7:gathered[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 7, 1}}, {{7, 7, 54}}},  // rank 6 step 71: reduced piece 6 to rank 7; wait reduced[6], entry[7]; r7:dst@0[54/64] = r6:dst@0[54/64]; signal r7:gathered[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 7, 1}}, {{7, 7, 55}}},  // rank 6 step 72: reduced piece 7 to rank 7; wait reduced[7], entry[7]; r7:dst@0[55/64] = r6:dst@0[55/64]; signal r7:gathered[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 48}}},  // rank 6 step 73: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[48/64] = r6:dst@0[48/64]; signal r0:gathered[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 49}}},  // rank 6 step 74: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[49/64] = r6:dst@0[49/64]; signal r0:gathered[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 50}}},  // rank 6 step 75: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[50/64] = r6:dst@0[50/64]; signal r0:gathered[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 51}}},  // rank 6 step 76: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[51/64] = r6:dst@0[51/64]; signal r0:gathered[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 52}}},  // rank 6 step 77: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[52/64] = r6:dst@0[52/64]; signal r0:gathered[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 53}}},  // rank 6 step 78: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[53/64] = r6:dst@0[53/64]; signal r0:gathered[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 54}}},  // rank 6 step 79: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[54/64] = r6:dst@0[54/64]; signal r0:gathered[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 55}}},  // rank 6 step 80: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[55/64] = r6:dst@0[55/64]; signal r0:gathered[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 48}}},  // rank 6 step 81: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[48/64] = r6:dst@0[48/64]; signal r1:gathered[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 49}}},  // rank 6 step 82: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[49/64] = r6:dst@0[49/64]; signal r1:gathered[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 50}}},  // rank 6 step 83: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[50/64] = r6:dst@0[50/64]; signal r1:gathered[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 51}}},  // rank 6 step 84: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[51/64] = r6:dst@0[51/64]; signal r1:gathered[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 52}}},  // rank 6 step 85: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[52/64] = r6:dst@0[52/64]; signal r1:gathered[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 53}}},  // rank 6 step 86: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[53/64] = r6:dst@0[53/64]; signal r1:gathered[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 54}}},  // rank 6 step 87: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[54/64] = r6:dst@0[54/64]; signal r1:gathered[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 55}}},  // rank 6 step 88: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[55/64] = r6:dst@0[55/64]; signal r1:gathered[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 48}}},  // rank 6 step 89: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[48/64] = r6:dst@0[48/64]; signal r2:gathered[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 49}}},  // rank 6 step 90: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[49/64] = r6:dst@0[49/64]; signal r2:gathered[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 50}}},  // rank 6 step 91: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[50/64] = r6:dst@0[50/64]; signal r2:gathered[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 51}}},  // rank 6 step 92: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[51/64] = r6:dst@0[51/64]; signal r2:gathered[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 52}}},  // rank 6 step 93: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[52/64] = r6:dst@0[52/64]; signal r2:gathered[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 53}}},  // rank 6 step 94: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[53/64] = r6:dst@0[53/64]; signal r2:gathered[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 54}}},  // rank 6 step 95: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[54/64] = r6:dst@0[54/64]; signal r2:gathered[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 55}}},  // rank 6 step 96: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[55/64] = r6:dst@0[55/64]; signal r2:gathered[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 48}}},  // rank 6 step 97: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[48/64] = r6:dst@0[48/64]; signal r3:gathered[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 49}}},  // rank 6 step 98: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[49/64] = r6:dst@0[49/64]; signal r3:gathered[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 50}}},  // rank 6 step 99: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[50/64] = r6:dst@0[50/64]; signal r3:gathered[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 51}}},  // rank 6 step 100: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[51/64] = r6:dst@0[51/64]; signal r3:gathered[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 52}}},  // rank 6 step 101: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[52/64] = r6:dst@0[52/64]; signal r3:gathered[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 53}}},  // rank 6 step 102: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[53/64] = r6:dst@0[53/64]; signal r3:gathered[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 54}}},  // rank 6 step 103: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[54/64] = r6:dst@0[54/64]; signal r3:gathered[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 55}}},  // rank 6 step 104: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[55/64] = r6:dst@0[55/64]; signal r3:gathered[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 48}}},  // rank 6 step 105: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[48/64] = r6:dst@0[48/64]; signal r4:gathered[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 49}}},  // rank 6 step 106: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[49/64] = r6:dst@0[49/64]; signal r4:gathered[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 50}}},  // rank 6 step 107: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[50/64] = r6:dst@0[50/64]; signal r4:gathered[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 51}}},  // rank 6 step 108: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[51/64] = r6:dst@0[51/64]; signal r4:gathered[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 52}}},  // rank 6 step 109: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[52/64] = r6:dst@0[52/64]; signal r4:gathered[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 53}}},  // rank 6 step 110: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[53/64] = r6:dst@0[53/64]; signal r4:gathered[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 54}}},  // rank 6 step 111: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[54/64] = r6:dst@0[54/64]; signal r4:gathered[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 55}}},  // rank 6 step 112: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[55/64] = r6:dst@0[55/64]; signal r4:gathered[55]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 48}, {{6, 2, 0, 64, 0, 48}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 48}}},  // rank 6 step 113: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[48/64] = r6:dst@0[48/64]; signal r5:gathered[48]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 49}, {{6, 2, 0, 64, 0, 49}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 49}}},  // rank 6 step 114: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[49/64] = r6:dst@0[49/64]; signal r5:gathered[49]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 50}, {{6, 2, 0, 64, 0, 50}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 50}}},  // rank 6 step 115: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[50/64] = r6:dst@0[50/64]; signal r5:gathered[50]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 51}, {{6, 2, 0, 64, 0, 51}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 51}}},  // rank 6 step 116: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[51/64] = r6:dst@0[51/64]; signal r5:gathered[51]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 52}, {{6, 2, 0, 64, 0, 52}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 52}}},  // rank 6 step 117: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[52/64] = r6:dst@0[52/64]; signal r5:gathered[52]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 53}, {{6, 2, 0, 64, 0, 53}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 53}}},  // rank 6 step 118: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[53/64] = r6:dst@0[53/64]; signal r5:gathered[53]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 54}, {{6, 2, 0, 64, 0, 54}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 54}}},  // rank 6 step 119: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[54/64] = r6:dst@0[54/64]; signal r5:gathered[54]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 55}, {{6, 2, 0, 64, 0, 55}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 55}}},  // rank 6 step 120: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[55/64] = r6:dst@0[55/64]; signal r5:gathered[55]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 6 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 6 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 6 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},  // rank 6 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},  // rank 6 step 125: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},  // rank 6 step 126: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 56, 16}, {7, 0, 57, 16}, {7, 0, 58, 16}, {7, 0, 59, 16}, {7, 0, 60, 16}, {7, 0, 61, 16}, {7, 0, 62, 16}, {7, 0, 63, 16}}, {}},  // rank 6 step 127: wait for every peer's reduced parts; wait gathered[56], gathered[57], gathered[58], gathered[59], gathered[60], gathered[61], gathered[62], gathered[63]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 0}, {{7, 1, 1, 64, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 56}}},  // rank 7 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@7[0/64] = r7:src@0[0/64]; signal r0:arrive[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 1}, {{7, 1, 1, 64, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 57}}},  // rank 7 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@7[1/64] = r7:src@0[1/64]; signal r0:arrive[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 2}, {{7, 1, 1, 64, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 58}}},  // rank 7 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@7[2/64] = r7:src@0[2/64]; signal r0:arrive[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 3}, {{7, 1, 1, 64, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 59}}},  // rank 7 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@7[3/64] = r7:src@0[3/64]; signal r0:arrive[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 4}, {{7, 1, 1, 64, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 60}}},  // rank 7 step 5: part 0 piece 4 to rank 0; wait entry[0]; r0:inbox@7[4/64] = r7:src@0[4/64]; signal r0:arrive[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 5}, {{7, 1, 1, 64, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 61}}},  // rank 7 step 6: part 0 piece 5 to rank 0; wait entry[0]; r0:inbox@7[5/64] = r7:src@0[5/64]; signal r0:arrive[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 6}, {{7, 1, 1, 64, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 62}}},  // rank 7 step 7: part 0 piece 6 to rank 0; wait entry[0]; r0:inbox@7[6/64] = r7:src@0[6/64]; signal r0:arrive[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 64, 7, 7}, {{7, 1, 1, 64, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 63}}},  // rank 7 step 8: part 0 piece 7 to rank 0; wait entry[0]; r0:inbox@7[7/64] = r7:src@0[7/64]; signal r0:arrive[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 8}, {{7, 1, 1, 64, 0, 8}}, {}, {{4, 0, 1, 1}}, {{1, 5, 56}}},  // rank 7 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@7[8/64] = r7:src@0[8/64]; signal r1:arrive[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 9}, {{7, 1, 1, 64, 0, 9}}, {}, {{4, 0, 1, 1}}, {{1, 5, 57}}},  // rank 7 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@7[9/64] = r7:src@0[9/64]; signal r1:arrive[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 10}, {{7, 1, 1, 64, 0, 10}}, {}, {{4, 0, 1, 1}}, {{1, 5, 58}}},  // rank 7 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@7[10/64] = r7:src@0[10/64]; signal r1:arrive[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 11}, {{7, 1, 1, 64, 0, 11}}, {}, {{4, 0, 1, 1}}, {{1, 5, 59}}},  // rank 7 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@7[11/64] = r7:src@0[11/64]; signal r1:arrive[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 12}, {{7, 1, 1, 64, 0, 12}}, {}, {{4, 0, 1, 1}}, {{1, 5, 60}}},  // rank 7 step 13: part 1 piece 4 to rank 1; wait entry[1]; r1:inbox@7[12/64] = r7:src@0[12/64]; signal r1:arrive[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 13}, {{7, 1, 1, 64, 0, 13}}, {}, {{4, 0, 1, 1}}, {{1, 5, 61}}},  // rank 7 step 14: part 1 piece 5 to rank 1; wait entry[1]; r1:inbox@7[13/64] = r7:src@0[13/64]; signal r1:arrive[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 14}, {{7, 1, 1, 64, 0, 14}}, {}, {{4, 0, 1, 1}}, {{1, 5, 62}}},  // rank 7 step 15: part 1 piece 6 to rank 1; wait entry[1]; r1:inbox@7[14/64] = r7:src@0[14/64]; signal r1:arrive[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 64, 7, 15}, {{7, 1, 1, 64, 0, 15}}, {}, {{4, 0, 1, 1}}, {{1, 5, 63}}},  // rank 7 step 16: part 1 piece 7 to rank 1; wait entry[1]; r1:inbox@7[15/64] = r7:src@0[15/64]; signal r1:arrive[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 16}, {{7, 1, 1, 64, 0, 16}}, {}, {{4, 0, 2, 1}}, {{2, 5, 56}}},  // rank 7 step 17: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@7[16/64] = r7:src@0[16/64]; signal r2:arrive[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 17}, {{7, 1, 1, 64, 0, 17}}, {}, {{4, 0, 2, 1}}, {{2, 5, 57}}},  // rank 7 step 18: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@7[17/64] = r7:src@0[17/64]; signal r2:arrive[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 18}, {{7, 1, 1, 64, 0, 18}}, {}, {{4, 0, 2, 1}}, {{2, 5, 58}}},  // rank 7 step 19: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@7[18/64] = r7:src@0[18/64]; signal r2:arrive[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 19}, {{7, 1, 1, 64, 0, 19}}, {}, {{4, 0, 2, 1}}, {{2, 5, 59}}},  // rank 7 step 20: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@7[19/64] = r7:src@0[19/64]; signal r2:arrive[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 20}, {{7, 1, 1, 64, 0, 20}}, {}, {{4, 0, 2, 1}}, {{2, 5, 60}}},  // rank 7 step 21: part 2 piece 4 to rank 2; wait entry[2]; r2:inbox@7[20/64] = r7:src@0[20/64]; signal r2:arrive[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 21}, {{7, 1, 1, 64, 0, 21}}, {}, {{4, 0, 2, 1}}, {{2, 5, 61}}},  // rank 7 step 22: part 2 piece 5 to rank 2; wait entry[2]; r2:inbox@7[21/64] = r7:src@0[21/64]; signal r2:arrive[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 22}, {{7, 1, 1, 64, 0, 22}}, {}, {{4, 0, 2, 1}}, {{2, 5, 62}}},  // rank 7 step 23: part 2 piece 6 to rank 2; wait entry[2]; r2:inbox@7[22/64] = r7:src@0[22/64]; signal r2:arrive[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 64, 7, 23}, {{7, 1, 1, 64, 0, 23}}, {}, {{4, 0, 2, 1}}, {{2, 5, 63}}},  // rank 7 step 24: part 2 piece 7 to rank 2; wait entry[2]; r2:inbox@7[23/64] = r7:src@0[23/64]; signal r2:arrive[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 24}, {{7, 1, 1, 64, 0, 24}}, {}, {{4, 0, 3, 1}}, {{3, 5, 56}}},  // rank 7 step 25: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@7[24/64] = r7:src@0[24/64]; signal r3:arrive[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 25}, {{7, 1, 1, 64, 0, 25}}, {}, {{4, 0, 3, 1}}, {{3, 5, 57}}},  // rank 7 step 26: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@7[25/64] = r7:src@0[25/64]; signal r3:arrive[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 26}, {{7, 1, 1, 64, 0, 26}}, {}, {{4, 0, 3, 1}}, {{3, 5, 58}}},  // rank 7 step 27: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@7[26/64] = r7:src@0[26/64]; signal r3:arrive[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 27}, {{7, 1, 1, 64, 0, 27}}, {}, {{4, 0, 3, 1}}, {{3, 5, 59}}},  // rank 7 step 28: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@7[27/64] = r7:src@0[27/64]; signal r3:arrive[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 28}, {{7, 1, 1, 64, 0, 28}}, {}, {{4, 0, 3, 1}}, {{3, 5, 60}}},  // rank 7 step 29: part 3 piece 4 to rank 3; wait entry[3]; r3:inbox@7[28/64] = r7:src@0[28/64]; signal r3:arrive[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 29}, {{7, 1, 1, 64, 0, 29}}, {}, {{4, 0, 3, 1}}, {{3, 5, 61}}},  // rank 7 step 30: part 3 piece 5 to rank 3; wait entry[3]; r3:inbox@7[29/64] = r7:src@0[29/64]; signal r3:arrive[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 30}, {{7, 1, 1, 64, 0, 30}}, {}, {{4, 0, 3, 1}}, {{3, 5, 62}}},  // rank 7 step 31: part 3 piece 6 to rank 3; wait entry[3]; r3:inbox@7[30/64] = r7:src@0[30/64]; signal r3:arrive[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 64, 7, 31}, {{7, 1, 1, 64, 0, 31}}, {}, {{4, 0, 3, 1}}, {{3, 5, 63}}},  // rank 7 step 32: part 3 piece 7 to rank 3; wait entry[3]; r3:inbox@7[31/64] = r7:src@0[31/64]; signal r3:arrive[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 32}, {{7, 1, 1, 64, 0, 32}}, {}, {{4, 0, 4, 1}}, {{4, 5, 56}}},  // rank 7 step 33: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@7[32/64] = r7:src@0[32/64]; signal r4:arrive[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 33}, {{7, 1, 1, 64, 0, 33}}, {}, {{4, 0, 4, 1}}, {{4, 5, 57}}},  // rank 7 step 34: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@7[33/64] = r7:src@0[33/64]; signal r4:arrive[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 34}, {{7, 1, 1, 64, 0, 34}}, {}, {{4, 0, 4, 1}}, {{4, 5, 58}}},  // rank 7 step 35: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@7[34/64] = r7:src@0[34/64]; signal r4:arrive[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 35}, {{7, 1, 1, 64, 0, 35}}, {}, {{4, 0, 4, 1}}, {{4, 5, 59}}},  // rank 7 step 36: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@7[35/64] = r7:src@0[35/64]; signal r4:arrive[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 36}, {{7, 1, 1, 64, 0, 36}}, {}, {{4, 0, 4, 1}}, {{4, 5, 60}}},  // rank 7 step 37: part 4 piece 4 to rank 4; wait entry[4]; r4:inbox@7[36/64] = r7:src@0[36/64]; signal r4:arrive[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 37}, {{7, 1, 1, 64, 0, 37}}, {}, {{4, 0, 4, 1}}, {{4, 5, 61}}},  // rank 7 step 38: part 4 piece 5 to rank 4; wait entry[4]; r4:inbox@7[37/64] = r7:src@0[37/64]; signal r4:arrive[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 38}, {{7, 1, 1, 64, 0, 38}}, {}, {{4, 0, 4, 1}}, {{4, 5, 62}}},  // rank 7 step 39: part 4 piece 6 to rank 4; wait entry[4]; r4:inbox@7[38/64] = r7:src@0[38/64]; signal r4:arrive[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 64, 7, 39}, {{7, 1, 1, 64, 0, 39}}, {}, {{4, 0, 4, 1}}, {{4, 5, 63}}},  // rank 7 step 40: part 4 piece 7 to rank 4; wait entry[4]; r4:inbox@7[39/64] = r7:src@0[39/64]; signal r4:arrive[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 40}, {{7, 1, 1, 64, 0, 40}}, {}, {{4, 0, 5, 1}}, {{5, 5, 56}}},  // rank 7 step 41: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@7[40/64] = r7:src@0[40/64]; signal r5:arrive[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 41}, {{7, 1, 1, 64, 0, 41}}, {}, {{4, 0, 5, 1}}, {{5, 5, 57}}},  // rank 7 step 42: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@7[41/64] = r7:src@0[41/64]; signal r5:arrive[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 42}, {{7, 1, 1, 64, 0, 42}}, {}, {{4, 0, 5, 1}}, {{5, 5, 58}}},  // rank 7 step 43: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@7[42/64] = r7:src@0[42/64]; signal r5:arrive[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 43}, {{7, 1, 1, 64, 0, 43}}, {}, {{4, 0, 5, 1}}, {{5, 5, 59}}},  // rank 7 step 44: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@7[43/64] = r7:src@0[43/64]; signal r5:arrive[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 44}, {{7, 1, 1, 64, 0, 44}}, {}, {{4, 0, 5, 1}}, {{5, 5, 60}}},  // rank 7 step 45: part 5 piece 4 to rank 5; wait entry[5]; r5:inbox@7[44/64] = r7:src@0[44/64]; signal r5:arrive[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 45}, {{7, 1, 1, 64, 0, 45}}, {}, {{4, 0, 5, 1}}, {{5, 5, 61}}},  // rank 7 step 46: part 5 piece 5 to rank 5; wait entry[5]; r5:inbox@7[45/64] = r7:src@0[45/64]; signal r5:arrive[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 46}, {{7, 1, 1, 64, 0, 46}}, {}, {{4, 0, 5, 1}}, {{5, 5, 62}}},  // rank 7 step 47: part 5 piece 6 to rank 5; wait entry[5]; r5:inbox@7[46/64] = r7:src@0[46/64]; signal r5:arrive[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 64, 7, 47}, {{7, 1, 1, 64, 0, 47}}, {}, {{4, 0, 5, 1}}, {{5, 5, 63}}},  // rank 7 step 48: part 5 piece 7 to rank 5; wait entry[5]; r5:inbox@7[47/64] = r7:src@0[47/64]; signal r5:arrive[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 48}, {{7, 1, 1, 64, 0, 48}}, {}, {{4, 0, 6, 1}}, {{6, 5, 56}}},  // rank 7 step 49: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@7[48/64] = r7:src@0[48/64]; signal r6:arrive[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 49}, {{7, 1, 1, 64, 0, 49}}, {}, {{4, 0, 6, 1}}, {{6, 5, 57}}},  // rank 7 step 50: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@7[49/64] = r7:src@0[49/64]; signal r6:arrive[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 50}, {{7, 1, 1, 64, 0, 50}}, {}, {{4, 0, 6, 1}}, {{6, 5, 58}}},  // rank 7 step 51: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@7[50/64] = r7:src@0[50/64]; signal r6:arrive[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 51}, {{7, 1, 1, 64, 0, 51}}, {}, {{4, 0, 6, 1}}, {{6, 5, 59}}},  // rank 7 step 52: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@7[51/64] = r7:src@0[51/64]; signal r6:arrive[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 52}, {{7, 1, 1, 64, 0, 52}}, {}, {{4, 0, 6, 1}}, {{6, 5, 60}}},  // rank 7 step 53: part 6 piece 4 to rank 6; wait entry[6]; r6:inbox@7[52/64] = r7:src@0[52/64]; signal r6:arrive[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 53}, {{7, 1, 1, 64, 0, 53}}, {}, {{4, 0, 6, 1}}, {{6, 5, 61}}},  // rank 7 step 54: part 6 piece 5 to rank 6; wait entry[6]; r6:inbox@7[53/64] = r7:src@0[53/64]; signal r6:arrive[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 54}, {{7, 1, 1, 64, 0, 54}}, {}, {{4, 0, 6, 1}}, {{6, 5, 62}}},  // rank 7 step 55: part 6 piece 6 to rank 6; wait entry[6]; r6:inbox@7[54/64] = r7:src@0[54/64]; signal r6:arrive[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 64, 7, 55}, {{7, 1, 1, 64, 0, 55}}, {}, {{4, 0, 6, 1}}, {{6, 5, 63}}},  // rank 7 step 56: part 6 piece 7 to rank 6; wait entry[6]; r6:inbox@7[55/64] = r7:src@0[55/64]; signal r6:arrive[63]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 56}, {{7, 1, 1, 64, 0, 56}, {7, 3, 0, 64, 0, 56}, {7, 3, 0, 64, 1, 56}, {7, 3, 0, 64, 2, 56}, {7, 3, 0, 64, 3, 56}, {7, 3, 0, 64, 4, 56}, {7, 3, 0, 64, 5, 56}, {7, 3, 0, 64, 6, 56}}, {}, {{5, 0, 0, 16}, {5, 0, 8, 16}, {5, 0, 16, 16}, {5, 0, 24, 16}, {5, 0, 32, 16}, {5, 0, 40, 16}, {5, 0, 48, 16}}, {{7, 6, 0}}},  // rank 7 step 57: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48]; r7:dst@0[56/64] = r7:src@0[56/64] + r7:inbox@0[56/64] + r7:inbox@1[56/64] + r7:inbox@2[56/64] + r7:inbox@3[56/64] + r7:inbox@4[56/64] + r7:inbox@5[56/64] + r7:inbox@6[56/64]; signal r7:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 57}, {{7, 1, 1, 64, 0, 57}, {7, 3, 0, 64, 0, 57}, {7, 3, 0, 64, 1, 57}, {7, 3, 0, 64, 2, 57}, {7, 3, 0, 64, 3, 57}, {7, 3, 0, 64, 4, 57}, {7, 3, 0, 64, 5, 57}, {7, 3, 0, 64, 6, 57}}, {}, {{5, 0, 1, 16}, {5, 0, 9, 16}, {5, 0, 17, 16}, {5, 0, 25, 16}, {5, 0, 33, 16}, {5, 0, 41, 16}, {5, 0, 49, 16}}, {{7, 6, 1}}},  // rank 7 step 58: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49]; r7:dst@0[57/64] = r7:src@0[57/64] + r7:inbox@0[57/64] + r7:inbox@1[57/64] + r7:inbox@2[57/64] + r7:inbox@3[57/64] + r7:inbox@4[57/64] + r7:inbox@5[57/64] + r7:inbox@6[57/64]; signal r7:reduced[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 58}, {{7, 1, 1, 64, 0, 58}, {7, 3, 0, 64, 0, 58}, {7, 3, 0, 64, 1, 58}, {7, 3, 0, 64, 2, 58}, {7, 3, 0, 64, 3, 58}, {7, 3, 0, 64, 4, 58}, {7, 3, 0, 64, 5, 58}, {7, 3, 0, 64, 6, 58}}, {}, {{5, 0, 2, 16}, {5, 0, 10, 16}, {5, 0, 18, 16}, {5, 0, 26, 16}, {5, 0, 34, 16}, {5, 0, 42, 16}, {5, 0, 50, 16}}, {{7, 6, 2}}},  // rank 7 step 59: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50]; r7:dst@0[58/64] = r7:src@0[58/64] + r7:inbox@0[58/64] + r7:inbox@1[58/64] + r7:inbox@2[58/64] + r7:inbox@3[58/64] + r7:inbox@4[58/64] + r7:inbox@5[58/64] + r7:inbox@6[58/64]; signal r7:reduced[2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 59}, {{7, 1, 1, 64, 0, 59}, {7, 3, 0, 64, 0, 59}, {7, 3, 0, 64, 1, 59}, {7, 3, 0, 64, 2, 59}, {7, 3, 0, 64, 3, 59}, {7, 3, 0, 64, 4, 59}, {7, 3, 0, 64, 5, 59}, {7, 3, 0, 64, 6, 59}}, {}, {{5, 0, 3, 16}, {5, 0, 11, 16}, {5, 0, 19, 16}, {5, 0, 27, 16}, {5, 0, 35, 16}, {5, 0, 43, 16}, {5, 0, 51, 16}}, {{7, 6, 3}}},  // rank 7 step 60: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51]; r7:dst@0[59/64] = r7:src@0[59/64] + r7:inbox@0[59/64] + r7:inbox@1[59/64] + r7:inbox@2[59/64] + r7:inbox@3[59/64] + r7:inbox@4[59/64] + r7:inbox@5[59/64] + r7:inbox@6[59/64]; signal r7:reduced[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 60}, {{7, 1, 1, 64, 0, 60}, {7, 3, 0, 64, 0, 60}, {7, 3, 0, 64, 1, 60}, {7, 3, 0, 64, 2, 60}, {7, 3, 0, 64, 3, 60}, {7, 3, 0, 64, 4, 60}, {7, 3, 0, 64, 5, 60}, {7, 3, 0, 64, 6, 60}}, {}, {{5, 0, 4, 16}, {5, 0, 12, 16}, {5, 0, 20, 16}, {5, 0, 28, 16}, {5, 0, 36, 16}, {5, 0, 44, 16}, {5, 0, 52, 16}}, {{7, 6, 4}}},  // rank 7 step 61: reduce our part, piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52]; r7:dst@0[60/64] = r7:src@0[60/64] + r7:inbox@0[60/64] + r7:inbox@1[60/64] + r7:inbox@2[60/64] + r7:inbox@3[60/64] + r7:inbox@4[60/64] + r7:inbox@5[60/64] + r7:inbox@6[60/64]; signal r7:reduced[4]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 61}, {{7, 1, 1, 64, 0, 61}, {7, 3, 0, 64, 0, 61}, {7, 3, 0, 64, 1, 61}, {7, 3, 0, 64, 2, 61}, {7, 3, 0, 64, 3, 61}, {7, 3, 0, 64, 4, 61}, {7, 3, 0, 64, 5, 61}, {7, 3, 0, 64, 6, 61}}, {}, {{5, 0, 5, 16}, {5, 0, 13, 16}, {5, 0, 21, 16}, {5, 0, 29, 16}, {5, 0, 37, 16}, {5, 0, 45, 16}, {5, 0, 53, 16}}, {{7, 6, 5}}},  // rank 7 step 62: reduce our part, piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53]; r7:dst@0[61/64] = r7:src@0[61/64] + r7:inbox@0[61/64] + r7:inbox@1[61/64] + r7:inbox@2[61/64] + r7:inbox@3[61/64] + r7:inbox@4[61/64] + r7:inbox@5[61/64] + r7:inbox@6[61/64]; signal r7:reduced[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 62}, {{7, 1, 1, 64, 0, 62}, {7, 3, 0, 64, 0, 62}, {7, 3, 0, 64, 1, 62}, {7, 3, 0, 64, 2, 62}, {7, 3, 0, 64, 3, 62}, {7, 3, 0, 64, 4, 62}, {7, 3, 0, 64, 5, 62}, {7, 3, 0, 64, 6, 62}}, {}, {{5, 0, 6, 16}, {5, 0, 14, 16}, {5, 0, 22, 16}, {5, 0, 30, 16}, {5, 0, 38, 16}, {5, 0, 46, 16}, {5, 0, 54, 16}}, {{7, 6, 6}}},  // rank 7 step 63: reduce our part, piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54]; r7:dst@0[62/64] = r7:src@0[62/64] + r7:inbox@0[62/64] + r7:inbox@1[62/64] + r7:inbox@2[62/64] + r7:inbox@3[62/64] + r7:inbox@4[62/64] + r7:inbox@5[62/64] + r7:inbox@6[62/64]; signal r7:reduced[6]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 64, 0, 63}, {{7, 1, 1, 64, 0, 63}, {7, 3, 0, 64, 0, 63}, {7, 3, 0, 64, 1, 63}, {7, 3, 0, 64, 2, 63}, {7, 3, 0, 64, 3, 63}, {7, 3, 0, 64, 4, 63}, {7, 3, 0, 64, 5, 63}, {7, 3, 0, 64, 6, 63}}, {}, {{5, 0, 7, 16}, {5, 0, 15, 16}, {5, 0, 23, 16}, {5, 0, 31, 16}, {5, 0, 39, 16}, {5, 0, 47, 16}, {5, 0, 55, 16}}, {{7, 6, 7}}},  // rank 7 step 64: reduce our part, piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55]; r7:dst@0[63/64] = r7:src@0[63/64] + r7:inbox@0[63/64] + r7:inbox@1[63/64] + r7:inbox@2[63/64] + r7:inbox@3[63/64] + r7:inbox@4[63/64] + r7:inbox@5[63/64] + r7:inbox@6[63/64]; signal r7:reduced[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 0, 1}}, {{0, 7, 56}}},  // rank 7 step 65: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[56/64] = r7:dst@0[56/64]; signal r0:gathered[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 0, 1}}, {{0, 7, 57}}},  // rank 7 step 66: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[57/64] = r7:dst@0[57/64]; signal r0:gathered[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 0, 1}}, {{0, 7, 58}}},  // rank 7 step 67: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[58/64] = r7:dst@0[58/64]; signal r0:gathered[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 0, 1}}, {{0, 7, 59}}},  // rank 7 step 68: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[59/64] = r7:dst@0[59/64]; signal r0:gathered[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 0, 1}}, {{0, 7, 60}}},  // rank 7 step 69: reduced piece 4 to rank 0; wait reduced[4], entry[0]; r0:dst@0[60/64] = r7:dst@0[60/64]; signal r0:gathered[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 0, 1}}, {{0, 7, 61}}},  // rank 7 step 70: reduced piece 5 to rank 0; wait reduced[5], entry[0]; r0:dst@0[61/64] = r7:dst@0[61/64]; signal r0:gathered[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 0, 1}}, {{0, 7, 62}}},  // rank 7 step 71: reduced piece 6 to rank 0; wait reduced[6], entry[0]; r0:dst@0[62/64] = r7:dst@0[62/64]; signal r0:gathered[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 0, 1}}, {{0, 7, 63}}},  // rank 7 step 72: reduced piece 7 to rank 0; wait reduced[7], entry[0]; r0:dst@0[63/64] = r7:dst@0[63/64]; signal r0:gathered[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 1, 1}}, {{1, 7, 56}}},  // rank 7 step 73: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[56/64] = r7:dst@0[56/64]; signal r1:gathered[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 1, 1}}, {{1, 7, 57}}},  // rank 7 step 74: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[57/64] = r7:dst@0[57/64]; signal r1:gathered[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 1, 1}}, {{1, 7, 58}}},  // rank 7 step 75: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[58/64] = r7:dst@0[58/64]; signal r1:gathered[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 1, 1}}, {{1, 7, 59}}},  // rank 7 step 76: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[59/64] = r7:dst@0[59/64]; signal r1:gathered[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 1, 1}}, {{1, 7, 60}}},  // rank 7 step 77: reduced piece 4 to rank 1; wait reduced[4], entry[1]; r1:dst@0[60/64] = r7:dst@0[60/64]; signal r1:gathered[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 1, 1}}, {{1, 7, 61}}},  // rank 7 step 78: reduced piece 5 to rank 1; wait reduced[5], entry[1]; r1:dst@0[61/64] = r7:dst@0[61/64]; signal r1:gathered[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 1, 1}}, {{1, 7, 62}}},  // rank 7 step 79: reduced piece 6 to rank 1; wait reduced[6], entry[1]; r1:dst@0[62/64] = r7:dst@0[62/64]; signal r1:gathered[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 1, 1}}, {{1, 7, 63}}},  // rank 7 step 80: reduced piece 7 to rank 1; wait reduced[7], entry[1]; r1:dst@0[63/64] = r7:dst@0[63/64]; signal r1:gathered[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 2, 1}}, {{2, 7, 56}}},  // rank 7 step 81: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[56/64] = r7:dst@0[56/64]; signal r2:gathered[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 2, 1}}, {{2, 7, 57}}},  // rank 7 step 82: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[57/64] = r7:dst@0[57/64]; signal r2:gathered[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 2, 1}}, {{2, 7, 58}}},  // rank 7 step 83: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[58/64] = r7:dst@0[58/64]; signal r2:gathered[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 2, 1}}, {{2, 7, 59}}},  // rank 7 step 84: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[59/64] = r7:dst@0[59/64]; signal r2:gathered[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 2, 1}}, {{2, 7, 60}}},  // rank 7 step 85: reduced piece 4 to rank 2; wait reduced[4], entry[2]; r2:dst@0[60/64] = r7:dst@0[60/64]; signal r2:gathered[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 2, 1}}, {{2, 7, 61}}},  // rank 7 step 86: reduced piece 5 to rank 2; wait reduced[5], entry[2]; r2:dst@0[61/64] = r7:dst@0[61/64]; signal r2:gathered[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 2, 1}}, {{2, 7, 62}}},  // rank 7 step 87: reduced piece 6 to rank 2; wait reduced[6], entry[2]; r2:dst@0[62/64] = r7:dst@0[62/64]; signal r2:gathered[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 2, 1}}, {{2, 7, 63}}},  // rank 7 step 88: reduced piece 7 to rank 2; wait reduced[7], entry[2]; r2:dst@0[63/64] = r7:dst@0[63/64]; signal r2:gathered[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 3, 1}}, {{3, 7, 56}}},  // rank 7 step 89: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[56/64] = r7:dst@0[56/64]; signal r3:gathered[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 3, 1}}, {{3, 7, 57}}},  // rank 7 step 90: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[57/64] = r7:dst@0[57/64]; signal r3:gathered[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 3, 1}}, {{3, 7, 58}}},  // rank 7 step 91: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[58/64] = r7:dst@0[58/64]; signal r3:gathered[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 3, 1}}, {{3, 7, 59}}},  // rank 7 step 92: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[59/64] = r7:dst@0[59/64]; signal r3:gathered[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 3, 1}}, {{3, 7, 60}}},  // rank 7 step 93: reduced piece 4 to rank 3; wait reduced[4], entry[3]; r3:dst@0[60/64] = r7:dst@0[60/64]; signal r3:gathered[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 3, 1}}, {{3, 7, 61}}},  // rank 7 step 94: reduced piece 5 to rank 3; wait reduced[5], entry[3]; r3:dst@0[61/64] = r7:dst@0[61/64]; signal r3:gathered[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 3, 1}}, {{3, 7, 62}}},  // rank 7 step 95: reduced piece 6 to rank 3; wait reduced[6], entry[3]; r3:dst@0[62/64] = r7:dst@0[62/64]; signal r3:gathered[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 3, 1}}, {{3, 7, 63}}},  // rank 7 step 96: reduced piece 7 to rank 3; wait reduced[7], entry[3]; r3:dst@0[63/64] = r7:dst@0[63/64]; signal r3:gathered[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 4, 1}}, {{4, 7, 56}}},  // rank 7 step 97: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[56/64] = r7:dst@0[56/64]; signal r4:gathered[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 4, 1}}, {{4, 7, 57}}},  // rank 7 step 98: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[57/64] = r7:dst@0[57/64]; signal r4:gathered[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 4, 1}}, {{4, 7, 58}}},  // rank 7 step 99: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[58/64] = r7:dst@0[58/64]; signal r4:gathered[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 4, 1}}, {{4, 7, 59}}},  // rank 7 step 100: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[59/64] = r7:dst@0[59/64]; signal r4:gathered[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 4, 1}}, {{4, 7, 60}}},  // rank 7 step 101: reduced piece 4 to rank 4; wait reduced[4], entry[4]; r4:dst@0[60/64] = r7:dst@0[60/64]; signal r4:gathered[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 4, 1}}, {{4, 7, 61}}},  // rank 7 step 102: reduced piece 5 to rank 4; wait reduced[5], entry[4]; r4:dst@0[61/64] = r7:dst@0[61/64]; signal r4:gathered[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 4, 1}}, {{4, 7, 62}}},  // rank 7 step 103: reduced piece 6 to rank 4; wait reduced[6], entry[4]; r4:dst@0[62/64] = r7:dst@0[62/64]; signal r4:gathered[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 4, 1}}, {{4, 7, 63}}},  // rank 7 step 104: reduced piece 7 to rank 4; wait reduced[7], entry[4]; r4:dst@0[63/64] = r7:dst@0[63/64]; signal r4:gathered[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 5, 1}}, {{5, 7, 56}}},  // rank 7 step 105: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[56/64] = r7:dst@0[56/64]; signal r5:gathered[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 5, 1}}, {{5, 7, 57}}},  // rank 7 step 106: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[57/64] = r7:dst@0[57/64]; signal r5:gathered[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 5, 1}}, {{5, 7, 58}}},  // rank 7 step 107: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[58/64] = r7:dst@0[58/64]; signal r5:gathered[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 5, 1}}, {{5, 7, 59}}},  // rank 7 step 108: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[59/64] = r7:dst@0[59/64]; signal r5:gathered[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 5, 1}}, {{5, 7, 60}}},  // rank 7 step 109: reduced piece 4 to rank 5; wait reduced[4], entry[5]; r5:dst@0[60/64] = r7:dst@0[60/64]; signal r5:gathered[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 5, 1}}, {{5, 7, 61}}},  // rank 7 step 110: reduced piece 5 to rank 5; wait reduced[5], entry[5]; r5:dst@0[61/64] = r7:dst@0[61/64]; signal r5:gathered[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 5, 1}}, {{5, 7, 62}}},  // rank 7 step 111: reduced piece 6 to rank 5; wait reduced[6], entry[5]; r5:dst@0[62/64] = r7:dst@0[62/64]; signal r5:gathered[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 5, 1}}, {{5, 7, 63}}},  // rank 7 step 112: reduced piece 7 to rank 5; wait reduced[7], entry[5]; r5:dst@0[63/64] = r7:dst@0[63/64]; signal r5:gathered[63]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 56}, {{7, 2, 0, 64, 0, 56}}, {}, {{6, 0, 0, 16}, {4, 0, 6, 1}}, {{6, 7, 56}}},  // rank 7 step 113: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[56/64] = r7:dst@0[56/64]; signal r6:gathered[56]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 57}, {{7, 2, 0, 64, 0, 57}}, {}, {{6, 0, 1, 16}, {4, 0, 6, 1}}, {{6, 7, 57}}},  // rank 7 step 114: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[57/64] = r7:dst@0[57/64]; signal r6:gathered[57]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 58}, {{7, 2, 0, 64, 0, 58}}, {}, {{6, 0, 2, 16}, {4, 0, 6, 1}}, {{6, 7, 58}}},  // rank 7 step 115: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[58/64] = r7:dst@0[58/64]; signal r6:gathered[58]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 59}, {{7, 2, 0, 64, 0, 59}}, {}, {{6, 0, 3, 16}, {4, 0, 6, 1}}, {{6, 7, 59}}},  // rank 7 step 116: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[59/64] = r7:dst@0[59/64]; signal r6:gathered[59]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 60}, {{7, 2, 0, 64, 0, 60}}, {}, {{6, 0, 4, 16}, {4, 0, 6, 1}}, {{6, 7, 60}}},  // rank 7 step 117: reduced piece 4 to rank 6; wait reduced[4], entry[6]; r6:dst@0[60/64] = r7:dst@0[60/64]; signal r6:gathered[60]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 61}, {{7, 2, 0, 64, 0, 61}}, {}, {{6, 0, 5, 16}, {4, 0, 6, 1}}, {{6, 7, 61}}},  // rank 7 step 118: reduced piece 5 to rank 6; wait reduced[5], entry[6]; r6:dst@0[61/64] = r7:dst@0[61/64]; signal r6:gathered[61]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 62}, {{7, 2, 0, 64, 0, 62}}, {}, {{6, 0, 6, 16}, {4, 0, 6, 1}}, {{6, 7, 62}}},  // rank 7 step 119: reduced piece 6 to rank 6; wait reduced[6], entry[6]; r6:dst@0[62/64] = r7:dst@0[62/64]; signal r6:gathered[62]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 64, 0, 63}, {{7, 2, 0, 64, 0, 63}}, {}, {{6, 0, 7, 16}, {4, 0, 6, 1}}, {{6, 7, 63}}},  // rank 7 step 120: reduced piece 7 to rank 6; wait reduced[7], entry[6]; r6:dst@0[63/64] = r7:dst@0[63/64]; signal r6:gathered[63]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 16}, {7, 0, 1, 16}, {7, 0, 2, 16}, {7, 0, 3, 16}, {7, 0, 4, 16}, {7, 0, 5, 16}, {7, 0, 6, 16}, {7, 0, 7, 16}}, {}},  // rank 7 step 121: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 16}, {7, 0, 9, 16}, {7, 0, 10, 16}, {7, 0, 11, 16}, {7, 0, 12, 16}, {7, 0, 13, 16}, {7, 0, 14, 16}, {7, 0, 15, 16}}, {}},  // rank 7 step 122: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 16}, {7, 0, 17, 16}, {7, 0, 18, 16}, {7, 0, 19, 16}, {7, 0, 20, 16}, {7, 0, 21, 16}, {7, 0, 22, 16}, {7, 0, 23, 16}}, {}},  // rank 7 step 123: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 16}, {7, 0, 25, 16}, {7, 0, 26, 16}, {7, 0, 27, 16}, {7, 0, 28, 16}, {7, 0, 29, 16}, {7, 0, 30, 16}, {7, 0, 31, 16}}, {}},  // rank 7 step 124: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27], gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 32, 16}, {7, 0, 33, 16}, {7, 0, 34, 16}, {7, 0, 35, 16}, {7, 0, 36, 16}, {7, 0, 37, 16}, {7, 0, 38, 16}, {7, 0, 39, 16}}, {}},  // rank 7 step 125: wait for every peer's reduced parts; wait gathered[32], gathered[33], gathered[34], gathered[35], gathered[36], gathered[37], gathered[38], gathered[39]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 40, 16}, {7, 0, 41, 16}, {7, 0, 42, 16}, {7, 0, 43, 16}, {7, 0, 44, 16}, {7, 0, 45, 16}, {7, 0, 46, 16}, {7, 0, 47, 16}}, {}},  // rank 7 step 126: wait for every peer's reduced parts; wait gathered[40], gathered[41], gathered[42], gathered[43], gathered[44], gathered[45], gathered[46], gathered[47]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 48, 16}, {7, 0, 49, 16}, {7, 0, 50, 16}, {7, 0, 51, 16}, {7, 0, 52, 16}, {7, 0, 53, 16}, {7, 0, 54, 16}, {7, 0, 55, 16}}, {}},  // rank 7 step 127: wait for every peer's reduced parts; wait gathered[48], gathered[49], gathered[50], gathered[51], gathered[52], gathered[53], gathered[54], gathered[55]
 };
 static __device__ const int step_base_w8[8] = { 0, 128, 256, 384, 512, 640, 768, 896 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..1926
-    {57, 0, 16, 8, 1, 0}, {113, 1, 16, 8, 1, 0}, {1, 0, 16, 8, 1, 0}, {57, 1, 16, 8, 1, 0},
-    {113, 2, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {57, 2, 16, 8, 1, 0}, {113, 3, 16, 8, 1, 0},
-    {1, 2, 16, 8, 1, 0}, {57, 3, 16, 8, 1, 0}, {113, 4, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {57, 4, 16, 8, 1, 0}, {113, 5, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0}, {57, 5, 16, 8, 1, 0},
-    {113, 6, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {57, 6, 16, 8, 1, 0}, {113, 7, 16, 8, 1, 0},
-    {1, 6, 16, 8, 1, 0}, {57, 7, 16, 8, 1, 0}, {113, 8, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {57, 8, 16, 8, 1, 0}, {113, 9, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0}, {57, 9, 16, 8, 1, 0},
-    {113, 10, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {57, 10, 16, 8, 1, 0}, {113, 11, 16, 8, 1, 0},
-    {1, 10, 16, 8, 1, 0}, {57, 11, 16, 8, 1, 0}, {113, 12, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {57, 12, 16, 8, 1, 0}, {113, 13, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0}, {57, 13, 16, 8, 1, 0},
-    {113, 14, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {57, 14, 16, 8, 1, 0}, {113, 15, 16, 8, 1, 0},
-    {1, 14, 16, 8, 1, 0}, {57, 15, 16, 8, 1, 0}, {121, 0, 1, 1, 0, 0}, {1, 15, 16, 8, 1, 0},
-    {65, 0, 16, 8, 1, 0}, {122, 0, 1, 1, 0, 0}, {9, 0, 16, 8, 1, 0}, {65, 1, 16, 8, 1, 0},
-    {123, 0, 1, 1, 0, 0}, {9, 1, 16, 8, 1, 0}, {65, 2, 16, 8, 1, 0}, {124, 0, 1, 1, 0, 0},
-    {9, 2, 16, 8, 1, 0}, {65, 3, 16, 8, 1, 0}, {125, 0, 1, 1, 0, 0}, {9, 3, 16, 8, 1, 0},
-    {65, 4, 16, 8, 1, 0}, {126, 0, 1, 1, 0, 0}, {9, 4, 16, 8, 1, 0}, {65, 5, 16, 8, 1, 0},
-    {127, 0, 1, 1, 0, 0}, {9, 5, 16, 8, 1, 0}, {65, 6, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0},
-    {65, 7, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {65, 8, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {65, 9, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {65, 10, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0},
-    {65, 11, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {65, 12, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {65, 13, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {65, 14, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0},
-    {65, 15, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {73, 0, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {73, 1, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {73, 2, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0},
-    {73, 3, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {73, 4, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {73, 5, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {73, 6, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0},
-    {73, 7, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {73, 8, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {73, 9, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {73, 10, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0},
-    {73, 11, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {73, 12, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {73, 13, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {73, 14, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0},
-    {73, 15, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {81, 0, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {81, 1, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {81, 2, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0},
-    {81, 3, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {81, 4, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {81, 5, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {81, 6, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0},
-    {81, 7, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {81, 8, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {81, 9, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {81, 10, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0},
-    {81, 11, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {81, 12, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {81, 13, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {81, 14, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0},
-    {81, 15, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {89, 0, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {89, 1, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {89, 2, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0},
-    {89, 3, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {89, 4, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {89, 5, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {89, 6, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0},
-    {89, 7, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {89, 8, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {89, 9, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {89, 10, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0},
-    {89, 11, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {89, 12, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {89, 13, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {89, 14, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0},
-    {89, 15, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {97, 0, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {97, 1, 16, 8, 1, 0}, {41, 1, 16, 8, 1, 0}, {97, 2, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0},
-    {97, 3, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {97, 4, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {97, 5, 16, 8, 1, 0}, {41, 5, 16, 8, 1, 0}, {97, 6, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0},
-    {97, 7, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {97, 8, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {97, 9, 16, 8, 1, 0}, {41, 9, 16, 8, 1, 0}, {97, 10, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0},
-    {97, 11, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {97, 12, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {97, 13, 16, 8, 1, 0}, {41, 13, 16, 8, 1, 0}, {97, 14, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0},
-    {97, 15, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {105, 0, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {105, 1, 16, 8, 1, 0}, {49, 1, 16, 8, 1, 0}, {105, 2, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0},
-    {105, 3, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {105, 4, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {105, 5, 16, 8, 1, 0}, {49, 5, 16, 8, 1, 0}, {105, 6, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0},
-    {105, 7, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {105, 8, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {105, 9, 16, 8, 1, 0}, {49, 9, 16, 8, 1, 0}, {105, 10, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0},
-    {105, 11, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {105, 12, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {105, 13, 16, 8, 1, 0}, {49, 13, 16, 8, 1, 0}, {105, 14, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0},
-    {105, 15, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0}, {113, 0, 16, 8, 1, 0},
-    // rank 1: shares 1927..3853
-    {57, 0, 16, 8, 1, 0}, {113, 1, 16, 8, 1, 0}, {1, 0, 16, 8, 1, 0}, {57, 1, 16, 8, 1, 0},
-    {113, 2, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {57, 2, 16, 8, 1, 0}, {113, 3, 16, 8, 1, 0},
-    {1, 2, 16, 8, 1, 0}, {57, 3, 16, 8, 1, 0}, {113, 4, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {57, 4, 16, 8, 1, 0}, {113, 5, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0}, {57, 5, 16, 8, 1, 0},
-    {113, 6, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {57, 6, 16, 8, 1, 0}, {113, 7, 16, 8, 1, 0},
-    {1, 6, 16, 8, 1, 0}, {57, 7, 16, 8, 1, 0}, {113, 8, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {57, 8, 16, 8, 1, 0}, {113, 9, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0}, {57, 9, 16, 8, 1, 0},
-    {113, 10, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {57, 10, 16, 8, 1, 0}, {113, 11, 16, 8, 1, 0},
-    {1, 10, 16, 8, 1, 0}, {57, 11, 16, 8, 1, 0}, {113, 12, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {57, 12, 16, 8, 1, 0}, {113, 13, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0}, {57, 13, 16, 8, 1, 0},
-    {113, 14, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {57, 14, 16, 8, 1, 0}, {113, 15, 16, 8, 1, 0},
-    {1, 14, 16, 8, 1, 0}, {57, 15, 16, 8, 1, 0}, {121, 0, 1, 1, 0, 0}, {1, 15, 16, 8, 1, 0},
-    {65, 0, 16, 8, 1, 0}, {122, 0, 1, 1, 0, 0}, {9, 0, 16, 8, 1, 0}, {65, 1, 16, 8, 1, 0},
-    {123, 0, 1, 1, 0, 0}, {9, 1, 16, 8, 1, 0}, {65, 2, 16, 8, 1, 0}, {124, 0, 1, 1, 0, 0},
-    {9, 2, 16, 8, 1, 0}, {65, 3, 16, 8, 1, 0}, {125, 0, 1, 1, 0, 0}, {9, 3, 16, 8, 1, 0},
-    {65, 4, 16, 8, 1, 0}, {126, 0, 1, 1, 0, 0}, {9, 4, 16, 8, 1, 0}, {65, 5, 16, 8, 1, 0},
-    {127, 0, 1, 1, 0, 0}, {9, 5, 16, 8, 1, 0}, {65, 6, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0},
-    {65, 7, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {65, 8, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {65, 9, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {65, 10, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0},
-    {65, 11, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {65, 12, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {65, 13, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {65, 14, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0},
-    {65, 15, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {73, 0, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {73, 1, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {73, 2, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0},
-    {73, 3, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {73, 4, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {73, 5, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {73, 6, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0},
-    {73, 7, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {73, 8, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {73, 9, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {73, 10, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0},
-    {73, 11, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {73, 12, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {73, 13, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {73, 14, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0},
-    {73, 15, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {81, 0, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {81, 1, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {81, 2, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0},
-    {81, 3, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {81, 4, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {81, 5, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {81, 6, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0},
-    {81, 7, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {81, 8, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {81, 9, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {81, 10, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0},
-    {81, 11, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {81, 12, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {81, 13, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {81, 14, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0},
-    {81, 15, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {89, 0, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {89, 1, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {89, 2, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0},
-    {89, 3, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {89, 4, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {89, 5, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {89, 6, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0},
-    {89, 7, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {89, 8, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {89, 9, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {89, 10, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0},
-    {89, 11, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {89, 12, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {89, 13, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {89, 14, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0},
-    {89, 15, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {97, 0, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {97, 1, 16, 8, 1, 0}, {41, 1, 16, 8, 1, 0}, {97, 2, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0},
-    {97, 3, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {97, 4, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {97, 5, 16, 8, 1, 0}, {41, 5, 16, 8, 1, 0}, {97, 6, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0},
-    {97, 7, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {97, 8, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {97, 9, 16, 8, 1, 0}, {41, 9, 16, 8, 1, 0}, {97, 10, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0},
-    {97, 11, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {97, 12, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {97, 13, 16, 8, 1, 0}, {41, 13, 16, 8, 1, 0}, {97, 14, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0},
-    {97, 15, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {105, 0, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {105, 1, 16, 8, 1, 0}, {49, 1, 16, 8, 1, 0}, {105, 2, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0},
-    {105, 3, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {105, 4, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {105, 5, 16, 8, 1, 0}, {49, 5, 16, 8, 1, 0}, {105, 6, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0},
-    {105, 7, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {105, 8, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {105, 9, 16, 8, 1, 0}, {49, 9, 16, 8, 1, 0}, {105, 10, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0},
-    {105, 11, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {105, 12, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {105, 13, 16, 8, 1, 0}, {49, 13, 16, 8, 1, 0}, {105, 14, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0},
-    {105, 15, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0}, {113, 0, 16, 8, 1, 0},
-    // rank 2: shares 3854..5780
-    {57, 0, 16, 8, 1, 0}, {113, 1, 16, 8, 1, 0}, {1, 0, 16, 8, 1, 0}, {57, 1, 16, 8, 1, 0},
-    {113, 2, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {57, 2, 16, 8, 1, 0}, {113, 3, 16, 8, 1, 0},
-    {1, 2, 16, 8, 1, 0}, {57, 3, 16, 8, 1, 0}, {113, 4, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {57, 4, 16, 8, 1, 0}, {113, 5, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0}, {57, 5, 16, 8, 1, 0},
-    {113, 6, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {57, 6, 16, 8, 1, 0}, {113, 7, 16, 8, 1, 0},
-    {1, 6, 16, 8, 1, 0}, {57, 7, 16, 8, 1, 0}, {113, 8, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {57, 8, 16, 8, 1, 0}, {113, 9, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0}, {57, 9, 16, 8, 1, 0},
-    {113, 10, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {57, 10, 16, 8, 1, 0}, {113, 11, 16, 8, 1, 0},
-    {1, 10, 16, 8, 1, 0}, {57, 11, 16, 8, 1, 0}, {113, 12, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {57, 12, 16, 8, 1, 0}, {113, 13, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0}, {57, 13, 16, 8, 1, 0},
-    {113, 14, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {57, 14, 16, 8, 1, 0}, {113, 15, 16, 8, 1, 0},
-    {1, 14, 16, 8, 1, 0}, {57, 15, 16, 8, 1, 0}, {121, 0, 1, 1, 0, 0}, {1, 15, 16, 8, 1, 0},
-    {65, 0, 16, 8, 1, 0}, {122, 0, 1, 1, 0, 0}, {9, 0, 16, 8, 1, 0}, {65, 1, 16, 8, 1, 0},
-    {123, 0, 1, 1, 0, 0}, {9, 1, 16, 8, 1, 0}, {65, 2, 16, 8, 1, 0}, {124, 0, 1, 1, 0, 0},
-    {9, 2, 16, 8, 1, 0}, {65, 3, 16, 8, 1, 0}, {125, 0, 1, 1, 0, 0}, {9, 3, 16, 8, 1, 0},
-    {65, 4, 16, 8, 1, 0}, {126, 0, 1, 1, 0, 0}, {9, 4, 16, 8, 1, 0}, {65, 5, 16, 8, 1, 0},
-    {127, 0, 1, 1, 0, 0}, {9, 5, 16, 8, 1, 0}, {65, 6, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0},
-    {65, 7, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {65, 8, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {65, 9, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {65, 10, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0},
-    {65, 11, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {65, 12, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {65, 13, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {65, 14, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0},
-    {65, 15, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {73, 0, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {73, 1, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {73, 2, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0},
-    {73, 3, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {73, 4, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {73, 5, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {73, 6, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0},
-    {73, 7, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {73, 8, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {73, 9, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {73, 10, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0},
-    {73, 11, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {73, 12, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {73, 13, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {73, 14, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0},
-    {73, 15, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {81, 0, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {81, 1, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {81, 2, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0},
-    {81, 3, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {81, 4, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {81, 5, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {81, 6, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0},
-    {81, 7, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {81, 8, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {81, 9, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {81, 10, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0},
-    {81, 11, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {81, 12, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {81, 13, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {81, 14, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0},
-    {81, 15, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {89, 0, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {89, 1, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {89, 2, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0},
-    {89, 3, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {89, 4, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {89, 5, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {89, 6, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0},
-    {89, 7, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {89, 8, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {89, 9, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {89, 10, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0},
-    {89, 11, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {89, 12, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {89, 13, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {89, 14, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0},
-    {89, 15, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {97, 0, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {97, 1, 16, 8, 1, 0}, {41, 1, 16, 8, 1, 0}, {97, 2, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0},
-    {97, 3, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {97, 4, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {97, 5, 16, 8, 1, 0}, {41, 5, 16, 8, 1, 0}, {97, 6, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0},
-    {97, 7, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {97, 8, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {97, 9, 16, 8, 1, 0}, {41, 9, 16, 8, 1, 0}, {97, 10, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0},
-    {97, 11, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {97, 12, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {97, 13, 16, 8, 1, 0}, {41, 13, 16, 8, 1, 0}, {97, 14, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0},
-    {97, 15, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {105, 0, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {105, 1, 16, 8, 1, 0}, {49, 1, 16, 8, 1, 0}, {105, 2, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0},
-    {105, 3, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {105, 4, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {105, 5, 16, 8, 1, 0}, {49, 5, 16, 8, 1, 0}, {105, 6, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0},
-    {105, 7, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {105, 8, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {105, 9, 16, 8, 1, 0}, {49, 9, 16, 8, 1, 0}, {105, 10, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0},
-    {105, 11, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {105, 12, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {105, 13, 16, 8, 1, 0}, {49, 13, 16, 8, 1, 0}, {105, 14, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0},
-    {105, 15, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0}, {113, 0, 16, 8, 1, 0},
-    // rank 3: shares 5781..7707
-    {57, 0, 16, 8, 1, 0}, {113, 1, 16, 8, 1, 0}, {1, 0, 16, 8, 1, 0}, {57, 1, 16, 8, 1, 0},
-    {113, 2, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {57, 2, 16, 8, 1, 0}, {113, 3, 16, 8, 1, 0},
-    {1, 2, 16, 8, 1, 0}, {57, 3, 16, 8, 1, 0}, {113, 4, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {57, 4, 16, 8, 1, 0}, {113, 5, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0}, {57, 5, 16, 8, 1, 0},
-    {113, 6, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {57, 6, 16, 8, 1, 0}, {113, 7, 16, 8, 1, 0},
-    {1, 6, 16, 8, 1, 0}, {57, 7, 16, 8, 1, 0}, {113, 8, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {57, 8, 16, 8, 1, 0}, {113, 9, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0}, {57, 9, 16, 8, 1, 0},
-    {113, 10, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {57, 10, 16, 8, 1, 0}, {113, 11, 16, 8, 1, 0},
-    {1, 10, 16, 8, 1, 0}, {57, 11, 16, 8, 1, 0}, {113, 12, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {57, 12, 16, 8, 1, 0}, {113, 13, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0}, {57, 13, 16, 8, 1, 0},
-    {113, 14, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {57, 14, 16, 8, 1, 0}, {113, 15, 16, 8, 1, 0},
-    {1, 14, 16, 8, 1, 0}, {57, 15, 16, 8, 1, 0}, {121, 0, 1, 1, 0, 0}, {1, 15, 16, 8, 1, 0},
-    {65, 0, 16, 8, 1, 0}, {122, 0, 1, 1, 0, 0}, {9, 0, 16, 8, 1, 0}, {65, 1, 16, 8, 1, 0},
-    {123, 0, 1, 1, 0, 0}, {9, 1, 16, 8, 1, 0}, {65, 2, 16, 8, 1, 0}, {124, 0, 1, 1, 0, 0},
-    {9, 2, 16, 8, 1, 0}, {65, 3, 16, 8, 1, 0}, {125, 0, 1, 1, 0, 0}, {9, 3, 16, 8, 1, 0},
-    {65, 4, 16, 8, 1, 0}, {126, 0, 1, 1, 0, 0}, {9, 4, 16, 8, 1, 0}, {65, 5, 16, 8, 1, 0},
-    {127, 0, 1, 1, 0, 0}, {9, 5, 16, 8, 1, 0}, {65, 6, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0},
-    {65, 7, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {65, 8, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {65, 9, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {65, 10, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0},
-    {65, 11, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {65, 12, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {65, 13, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {65, 14, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0},
-    {65, 15, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {73, 0, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {73, 1, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {73, 2, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0},
-    {73, 3, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {73, 4, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {73, 5, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {73, 6, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0},
-    {73, 7, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {73, 8, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {73, 9, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {73, 10, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0},
-    {73, 11, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {73, 12, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {73, 13, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {73, 14, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0},
-    {73, 15, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {81, 0, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {81, 1, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {81, 2, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0},
-    {81, 3, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {81, 4, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {81, 5, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {81, 6, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0},
-    {81, 7, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {81, 8, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {81, 9, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {81, 10, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0},
-    {81, 11, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {81, 12, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {81, 13, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {81, 14, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0},
-    {81, 15, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {89, 0, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {89, 1, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {89, 2, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0},
-    {89, 3, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {89, 4, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {89, 5, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {89, 6, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0},
-    {89, 7, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {89, 8, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {89, 9, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {89, 10, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0},
-    {89, 11, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {89, 12, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {89, 13, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {89, 14, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0},
-    {89, 15, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {97, 0, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {97, 1, 16, 8, 1, 0}, {41, 1, 16, 8, 1, 0}, {97, 2, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0},
-    {97, 3, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {97, 4, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {97, 5, 16, 8, 1, 0}, {41, 5, 16, 8, 1, 0}, {97, 6, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0},
-    {97, 7, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {97, 8, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {97, 9, 16, 8, 1, 0}, {41, 9, 16, 8, 1, 0}, {97, 10, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0},
-    {97, 11, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {97, 12, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {97, 13, 16, 8, 1, 0}, {41, 13, 16, 8, 1, 0}, {97, 14, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0},
-    {97, 15, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {105, 0, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {105, 1, 16, 8, 1, 0}, {49, 1, 16, 8, 1, 0}, {105, 2, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0},
-    {105, 3, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {105, 4, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {105, 5, 16, 8, 1, 0}, {49, 5, 16, 8, 1, 0}, {105, 6, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0},
-    {105, 7, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {105, 8, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {105, 9, 16, 8, 1, 0}, {49, 9, 16, 8, 1, 0}, {105, 10, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0},
-    {105, 11, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {105, 12, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {105, 13, 16, 8, 1, 0}, {49, 13, 16, 8, 1, 0}, {105, 14, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0},
-    {105, 15, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0}, {113, 0, 16, 8, 1, 0},
-    // rank 4: shares 7708..9634
-    {57, 0, 16, 8, 1, 0}, {113, 1, 16, 8, 1, 0}, {1, 0, 16, 8, 1, 0}, {57, 1, 16, 8, 1, 0},
-    {113, 2, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {57, 2, 16, 8, 1, 0}, {113, 3, 16, 8, 1, 0},
-    {1, 2, 16, 8, 1, 0}, {57, 3, 16, 8, 1, 0}, {113, 4, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {57, 4, 16, 8, 1, 0}, {113, 5, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0}, {57, 5, 16, 8, 1, 0},
-    {113, 6, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {57, 6, 16, 8, 1, 0}, {113, 7, 16, 8, 1, 0},
-    {1, 6, 16, 8, 1, 0}, {57, 7, 16, 8, 1, 0}, {113, 8, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {57, 8, 16, 8, 1, 0}, {113, 9, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0}, {57, 9, 16, 8, 1, 0},
-    {113, 10, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {57, 10, 16, 8, 1, 0}, {113, 11, 16, 8, 1, 0},
-    {1, 10, 16, 8, 1, 0}, {57, 11, 16, 8, 1, 0}, {113, 12, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {57, 12, 16, 8, 1, 0}, {113, 13, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0}, {57, 13, 16, 8, 1, 0},
-    {113, 14, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {57, 14, 16, 8, 1, 0}, {113, 15, 16, 8, 1, 0},
-    {1, 14, 16, 8, 1, 0}, {57, 15, 16, 8, 1, 0}, {121, 0, 1, 1, 0, 0}, {1, 15, 16, 8, 1, 0},
-    {65, 0, 16, 8, 1, 0}, {122, 0, 1, 1, 0, 0}, {9, 0, 16, 8, 1, 0}, {65, 1, 16, 8, 1, 0},
-    {123, 0, 1, 1, 0, 0}, {9, 1, 16, 8, 1, 0}, {65, 2, 16, 8, 1, 0}, {124, 0, 1, 1, 0, 0},
-    {9, 2, 16, 8, 1, 0}, {65, 3, 16, 8, 1, 0}, {125, 0, 1, 1, 0, 0}, {9, 3, 16, 8, 1, 0},
-    {65, 4, 16, 8, 1, 0}, {126, 0, 1, 1, 0, 0}, {9, 4, 16, 8, 1, 0}, {65, 5, 16, 8, 1, 0},
-    {127, 0, 1, 1, 0, 0}, {9, 5, 16, 8, 1, 0}, {65, 6, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0},
-    {65, 7, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {65, 8, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {65, 9, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {65, 10, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0},
-    {65, 11, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {65, 12, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {65, 13, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {65, 14, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0},
-    {65, 15, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {73, 0, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {73, 1, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {73, 2, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0},
-    {73, 3, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {73, 4, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {73, 5, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {73, 6, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0},
-    {73, 7, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {73, 8, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {73, 9, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {73, 10, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0},
-    {73, 11, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {73, 12, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {73, 13, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {73, 14, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0},
-    {73, 15, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {81, 0, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {81, 1, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {81, 2, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0},
-    {81, 3, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {81, 4, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {81, 5, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {81, 6, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0},
-    {81, 7, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {81, 8, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {81, 9, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {81, 10, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0},
-    {81, 11, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {81, 12, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {81, 13, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {81, 14, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0},
-    {81, 15, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {89, 0, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {89, 1, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {89, 2, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0},
-    {89, 3, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {89, 4, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {89, 5, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {89, 6, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0},
-    {89, 7, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {89, 8, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {89, 9, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {89, 10, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0},
-    {89, 11, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {89, 12, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {89, 13, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {89, 14, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0},
-    {89, 15, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {97, 0, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {97, 1, 16, 8, 1, 0}, {41, 1, 16, 8, 1, 0}, {97, 2, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0},
-    {97, 3, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {97, 4, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {97, 5, 16, 8, 1, 0}, {41, 5, 16, 8, 1, 0}, {97, 6, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0},
-    {97, 7, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {97, 8, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {97, 9, 16, 8, 1, 0}, {41, 9, 16, 8, 1, 0}, {97, 10, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0},
-    {97, 11, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {97, 12, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {97, 13, 16, 8, 1, 0}, {41, 13, 16, 8, 1, 0}, {97, 14, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0},
-    {97, 15, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {105, 0, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {105, 1, 16, 8, 1, 0}, {49, 1, 16, 8, 1, 0}, {105, 2, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0},
-    {105, 3, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {105, 4, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {105, 5, 16, 8, 1, 0}, {49, 5, 16, 8, 1, 0}, {105, 6, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0},
-    {105, 7, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {105, 8, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {105, 9, 16, 8, 1, 0}, {49, 9, 16, 8, 1, 0}, {105, 10, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0},
-    {105, 11, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {105, 12, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {105, 13, 16, 8, 1, 0}, {49, 13, 16, 8, 1, 0}, {105, 14, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0},
-    {105, 15, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0}, {113, 0, 16, 8, 1, 0},
-    // rank 5: shares 9635..11561
-    {57, 0, 16, 8, 1, 0}, {113, 1, 16, 8, 1, 0}, {1, 0, 16, 8, 1, 0}, {57, 1, 16, 8, 1, 0},
-    {113, 2, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {57, 2, 16, 8, 1, 0}, {113, 3, 16, 8, 1, 0},
-    {1, 2, 16, 8, 1, 0}, {57, 3, 16, 8, 1, 0}, {113, 4, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {57, 4, 16, 8, 1, 0}, {113, 5, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0}, {57, 5, 16, 8, 1, 0},
-    {113, 6, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {57, 6, 16, 8, 1, 0}, {113, 7, 16, 8, 1, 0},
-    {1, 6, 16, 8, 1, 0}, {57, 7, 16, 8, 1, 0}, {113, 8, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {57, 8, 16, 8, 1, 0}, {113, 9, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0}, {57, 9, 16, 8, 1, 0},
-    {113, 10, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {57, 10, 16, 8, 1, 0}, {113, 11, 16, 8, 1, 0},
-    {1, 10, 16, 8, 1, 0}, {57, 11, 16, 8, 1, 0}, {113, 12, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {57, 12, 16, 8, 1, 0}, {113, 13, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0}, {57, 13, 16, 8, 1, 0},
-    {113, 14, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {57, 14, 16, 8, 1, 0}, {113, 15, 16, 8, 1, 0},
-    {1, 14, 16, 8, 1, 0}, {57, 15, 16, 8, 1, 0}, {121, 0, 1, 1, 0, 0}, {1, 15, 16, 8, 1, 0},
-    {65, 0, 16, 8, 1, 0}, {122, 0, 1, 1, 0, 0}, {9, 0, 16, 8, 1, 0}, {65, 1, 16, 8, 1, 0},
-    {123, 0, 1, 1, 0, 0}, {9, 1, 16, 8, 1, 0}, {65, 2, 16, 8, 1, 0}, {124, 0, 1, 1, 0, 0},
-    {9, 2, 16, 8, 1, 0}, {65, 3, 16, 8, 1, 0}, {125, 0, 1, 1, 0, 0}, {9, 3, 16, 8, 1, 0},
-    {65, 4, 16, 8, 1, 0}, {126, 0, 1, 1, 0, 0}, {9, 4, 16, 8, 1, 0}, {65, 5, 16, 8, 1, 0},
-    {127, 0, 1, 1, 0, 0}, {9, 5, 16, 8, 1, 0}, {65, 6, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0},
-    {65, 7, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {65, 8, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {65, 9, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {65, 10, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0},
-    {65, 11, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {65, 12, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {65, 13, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {65, 14, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0},
-    {65, 15, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {73, 0, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {73, 1, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {73, 2, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0},
-    {73, 3, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {73, 4, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {73, 5, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {73, 6, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0},
-    {73, 7, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {73, 8, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {73, 9, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {73, 10, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0},
-    {73, 11, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {73, 12, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {73, 13, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {73, 14, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0},
-    {73, 15, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {81, 0, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {81, 1, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {81, 2, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0},
-    {81, 3, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {81, 4, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {81, 5, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {81, 6, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0},
-    {81, 7, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {81, 8, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {81, 9, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {81, 10, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0},
-    {81, 11, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {81, 12, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {81, 13, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {81, 14, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0},
-    {81, 15, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {89, 0, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {89, 1, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {89, 2, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0},
-    {89, 3, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {89, 4, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {89, 5, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {89, 6, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0},
-    {89, 7, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {89, 8, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {89, 9, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {89, 10, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0},
-    {89, 11, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {89, 12, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {89, 13, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {89, 14, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0},
-    {89, 15, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {97, 0, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {97, 1, 16, 8, 1, 0}, {41, 1, 16, 8, 1, 0}, {97, 2, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0},
-    {97, 3, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {97, 4, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {97, 5, 16, 8, 1, 0}, {41, 5, 16, 8, 1, 0}, {97, 6, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0},
-    {97, 7, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {97, 8, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {97, 9, 16, 8, 1, 0}, {41, 9, 16, 8, 1, 0}, {97, 10, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0},
-    {97, 11, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {97, 12, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {97, 13, 16, 8, 1, 0}, {41, 13, 16, 8, 1, 0}, {97, 14, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0},
-    {97, 15, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {105, 0, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {105, 1, 16, 8, 1, 0}, {49, 1, 16, 8, 1, 0}, {105, 2, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0},
-    {105, 3, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {105, 4, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {105, 5, 16, 8, 1, 0}, {49, 5, 16, 8, 1, 0}, {105, 6, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0},
-    {105, 7, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {105, 8, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {105, 9, 16, 8, 1, 0}, {49, 9, 16, 8, 1, 0}, {105, 10, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0},
-    {105, 11, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {105, 12, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {105, 13, 16, 8, 1, 0}, {49, 13, 16, 8, 1, 0}, {105, 14, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0},
-    {105, 15, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0}, {113, 0, 16, 8, 1, 0},
-    // rank 6: shares 11562..13488
-    {57, 0, 16, 8, 1, 0}, {113, 1, 16, 8, 1, 0}, {1, 0, 16, 8, 1, 0}, {57, 1, 16, 8, 1, 0},
-    {113, 2, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {57, 2, 16, 8, 1, 0}, {113, 3, 16, 8, 1, 0},
-    {1, 2, 16, 8, 1, 0}, {57, 3, 16, 8, 1, 0}, {113, 4, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {57, 4, 16, 8, 1, 0}, {113, 5, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0}, {57, 5, 16, 8, 1, 0},
-    {113, 6, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {57, 6, 16, 8, 1, 0}, {113, 7, 16, 8, 1, 0},
-    {1, 6, 16, 8, 1, 0}, {57, 7, 16, 8, 1, 0}, {113, 8, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {57, 8, 16, 8, 1, 0}, {113, 9, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0}, {57, 9, 16, 8, 1, 0},
-    {113, 10, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {57, 10, 16, 8, 1, 0}, {113, 11, 16, 8, 1, 0},
-    {1, 10, 16, 8, 1, 0}, {57, 11, 16, 8, 1, 0}, {113, 12, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {57, 12, 16, 8, 1, 0}, {113, 13, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0}, {57, 13, 16, 8, 1, 0},
-    {113, 14, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {57, 14, 16, 8, 1, 0}, {113, 15, 16, 8, 1, 0},
-    {1, 14, 16, 8, 1, 0}, {57, 15, 16, 8, 1, 0}, {121, 0, 1, 1, 0, 0}, {1, 15, 16, 8, 1, 0},
-    {65, 0, 16, 8, 1, 0}, {122, 0, 1, 1, 0, 0}, {9, 0, 16, 8, 1, 0}, {65, 1, 16, 8, 1, 0},
-    {123, 0, 1, 1, 0, 0}, {9, 1, 16, 8, 1, 0}, {65, 2, 16, 8, 1, 0}, {124, 0, 1, 1, 0, 0},
-    {9, 2, 16, 8, 1, 0}, {65, 3, 16, 8, 1, 0}, {125, 0, 1, 1, 0, 0}, {9, 3, 16, 8, 1, 0},
-    {65, 4, 16, 8, 1, 0}, {126, 0, 1, 1, 0, 0}, {9, 4, 16, 8, 1, 0}, {65, 5, 16, 8, 1, 0},
-    {127, 0, 1, 1, 0, 0}, {9, 5, 16, 8, 1, 0}, {65, 6, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0},
-    {65, 7, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {65, 8, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {65, 9, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {65, 10, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0},
-    {65, 11, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {65, 12, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {65, 13, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {65, 14, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0},
-    {65, 15, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {73, 0, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {73, 1, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {73, 2, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0},
-    {73, 3, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {73, 4, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {73, 5, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {73, 6, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0},
-    {73, 7, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {73, 8, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {73, 9, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {73, 10, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0},
-    {73, 11, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {73, 12, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {73, 13, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {73, 14, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0},
-    {73, 15, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {81, 0, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {81, 1, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {81, 2, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0},
-    {81, 3, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {81, 4, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {81, 5, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {81, 6, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0},
-    {81, 7, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {81, 8, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {81, 9, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {81, 10, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0},
-    {81, 11, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {81, 12, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {81, 13, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {81, 14, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0},
-    {81, 15, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {89, 0, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {89, 1, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {89, 2, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0},
-    {89, 3, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {89, 4, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {89, 5, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {89, 6, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0},
-    {89, 7, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {89, 8, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {89, 9, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {89, 10, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0},
-    {89, 11, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {89, 12, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {89, 13, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {89, 14, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0},
-    {89, 15, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {97, 0, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {97, 1, 16, 8, 1, 0}, {41, 1, 16, 8, 1, 0}, {97, 2, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0},
-    {97, 3, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {97, 4, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {97, 5, 16, 8, 1, 0}, {41, 5, 16, 8, 1, 0}, {97, 6, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0},
-    {97, 7, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {97, 8, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {97, 9, 16, 8, 1, 0}, {41, 9, 16, 8, 1, 0}, {97, 10, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0},
-    {97, 11, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {97, 12, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {97, 13, 16, 8, 1, 0}, {41, 13, 16, 8, 1, 0}, {97, 14, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0},
-    {97, 15, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {105, 0, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {105, 1, 16, 8, 1, 0}, {49, 1, 16, 8, 1, 0}, {105, 2, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0},
-    {105, 3, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {105, 4, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {105, 5, 16, 8, 1, 0}, {49, 5, 16, 8, 1, 0}, {105, 6, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0},
-    {105, 7, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {105, 8, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {105, 9, 16, 8, 1, 0}, {49, 9, 16, 8, 1, 0}, {105, 10, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0},
-    {105, 11, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {105, 12, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {105, 13, 16, 8, 1, 0}, {49, 13, 16, 8, 1, 0}, {105, 14, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0},
-    {105, 15, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0}, {113, 0, 16, 8, 1, 0},
-    // rank 7: shares 13489..15415
-    {57, 0, 16, 8, 1, 0}, {113, 1, 16, 8, 1, 0}, {1, 0, 16, 8, 1, 0}, {57, 1, 16, 8, 1, 0},
-    {113, 2, 16, 8, 1, 0}, {1, 1, 16, 8, 1, 0}, {57, 2, 16, 8, 1, 0}, {113, 3, 16, 8, 1, 0},
-    {1, 2, 16, 8, 1, 0}, {57, 3, 16, 8, 1, 0}, {113, 4, 16, 8, 1, 0}, {1, 3, 16, 8, 1, 0},
-    {57, 4, 16, 8, 1, 0}, {113, 5, 16, 8, 1, 0}, {1, 4, 16, 8, 1, 0}, {57, 5, 16, 8, 1, 0},
-    {113, 6, 16, 8, 1, 0}, {1, 5, 16, 8, 1, 0}, {57, 6, 16, 8, 1, 0}, {113, 7, 16, 8, 1, 0},
-    {1, 6, 16, 8, 1, 0}, {57, 7, 16, 8, 1, 0}, {113, 8, 16, 8, 1, 0}, {1, 7, 16, 8, 1, 0},
-    {57, 8, 16, 8, 1, 0}, {113, 9, 16, 8, 1, 0}, {1, 8, 16, 8, 1, 0}, {57, 9, 16, 8, 1, 0},
-    {113, 10, 16, 8, 1, 0}, {1, 9, 16, 8, 1, 0}, {57, 10, 16, 8, 1, 0}, {113, 11, 16, 8, 1, 0},
-    {1, 10, 16, 8, 1, 0}, {57, 11, 16, 8, 1, 0}, {113, 12, 16, 8, 1, 0}, {1, 11, 16, 8, 1, 0},
-    {57, 12, 16, 8, 1, 0}, {113, 13, 16, 8, 1, 0}, {1, 12, 16, 8, 1, 0}, {57, 13, 16, 8, 1, 0},
-    {113, 14, 16, 8, 1, 0}, {1, 13, 16, 8, 1, 0}, {57, 14, 16, 8, 1, 0}, {113, 15, 16, 8, 1, 0},
-    {1, 14, 16, 8, 1, 0}, {57, 15, 16, 8, 1, 0}, {121, 0, 1, 1, 0, 0}, {1, 15, 16, 8, 1, 0},
-    {65, 0, 16, 8, 1, 0}, {122, 0, 1, 1, 0, 0}, {9, 0, 16, 8, 1, 0}, {65, 1, 16, 8, 1, 0},
-    {123, 0, 1, 1, 0, 0}, {9, 1, 16, 8, 1, 0}, {65, 2, 16, 8, 1, 0}, {124, 0, 1, 1, 0, 0},
-    {9, 2, 16, 8, 1, 0}, {65, 3, 16, 8, 1, 0}, {125, 0, 1, 1, 0, 0}, {9, 3, 16, 8, 1, 0},
-    {65, 4, 16, 8, 1, 0}, {126, 0, 1, 1, 0, 0}, {9, 4, 16, 8, 1, 0}, {65, 5, 16, 8, 1, 0},
-    {127, 0, 1, 1, 0, 0}, {9, 5, 16, 8, 1, 0}, {65, 6, 16, 8, 1, 0}, {9, 6, 16, 8, 1, 0},
-    {65, 7, 16, 8, 1, 0}, {9, 7, 16, 8, 1, 0}, {65, 8, 16, 8, 1, 0}, {9, 8, 16, 8, 1, 0},
-    {65, 9, 16, 8, 1, 0}, {9, 9, 16, 8, 1, 0}, {65, 10, 16, 8, 1, 0}, {9, 10, 16, 8, 1, 0},
-    {65, 11, 16, 8, 1, 0}, {9, 11, 16, 8, 1, 0}, {65, 12, 16, 8, 1, 0}, {9, 12, 16, 8, 1, 0},
-    {65, 13, 16, 8, 1, 0}, {9, 13, 16, 8, 1, 0}, {65, 14, 16, 8, 1, 0}, {9, 14, 16, 8, 1, 0},
-    {65, 15, 16, 8, 1, 0}, {9, 15, 16, 8, 1, 0}, {73, 0, 16, 8, 1, 0}, {17, 0, 16, 8, 1, 0},
-    {73, 1, 16, 8, 1, 0}, {17, 1, 16, 8, 1, 0}, {73, 2, 16, 8, 1, 0}, {17, 2, 16, 8, 1, 0},
-    {73, 3, 16, 8, 1, 0}, {17, 3, 16, 8, 1, 0}, {73, 4, 16, 8, 1, 0}, {17, 4, 16, 8, 1, 0},
-    {73, 5, 16, 8, 1, 0}, {17, 5, 16, 8, 1, 0}, {73, 6, 16, 8, 1, 0}, {17, 6, 16, 8, 1, 0},
-    {73, 7, 16, 8, 1, 0}, {17, 7, 16, 8, 1, 0}, {73, 8, 16, 8, 1, 0}, {17, 8, 16, 8, 1, 0},
-    {73, 9, 16, 8, 1, 0}, {17, 9, 16, 8, 1, 0}, {73, 10, 16, 8, 1, 0}, {17, 10, 16, 8, 1, 0},
-    {73, 11, 16, 8, 1, 0}, {17, 11, 16, 8, 1, 0}, {73, 12, 16, 8, 1, 0}, {17, 12, 16, 8, 1, 0},
-    {73, 13, 16, 8, 1, 0}, {17, 13, 16, 8, 1, 0}, {73, 14, 16, 8, 1, 0}, {17, 14, 16, 8, 1, 0},
-    {73, 15, 16, 8, 1, 0}, {17, 15, 16, 8, 1, 0}, {81, 0, 16, 8, 1, 0}, {25, 0, 16, 8, 1, 0},
-    {81, 1, 16, 8, 1, 0}, {25, 1, 16, 8, 1, 0}, {81, 2, 16, 8, 1, 0}, {25, 2, 16, 8, 1, 0},
-    {81, 3, 16, 8, 1, 0}, {25, 3, 16, 8, 1, 0}, {81, 4, 16, 8, 1, 0}, {25, 4, 16, 8, 1, 0},
-    {81, 5, 16, 8, 1, 0}, {25, 5, 16, 8, 1, 0}, {81, 6, 16, 8, 1, 0}, {25, 6, 16, 8, 1, 0},
-    {81, 7, 16, 8, 1, 0}, {25, 7, 16, 8, 1, 0}, {81, 8, 16, 8, 1, 0}, {25, 8, 16, 8, 1, 0},
-    {81, 9, 16, 8, 1, 0}, {25, 9, 16, 8, 1, 0}, {81, 10, 16, 8, 1, 0}, {25, 10, 16, 8, 1, 0},
-    {81, 11, 16, 8, 1, 0}, {25, 11, 16, 8, 1, 0}, {81, 12, 16, 8, 1, 0}, {25, 12, 16, 8, 1, 0},
-    {81, 13, 16, 8, 1, 0}, {25, 13, 16, 8, 1, 0}, {81, 14, 16, 8, 1, 0}, {25, 14, 16, 8, 1, 0},
-    {81, 15, 16, 8, 1, 0}, {25, 15, 16, 8, 1, 0}, {89, 0, 16, 8, 1, 0}, {33, 0, 16, 8, 1, 0},
-    {89, 1, 16, 8, 1, 0}, {33, 1, 16, 8, 1, 0}, {89, 2, 16, 8, 1, 0}, {33, 2, 16, 8, 1, 0},
-    {89, 3, 16, 8, 1, 0}, {33, 3, 16, 8, 1, 0}, {89, 4, 16, 8, 1, 0}, {33, 4, 16, 8, 1, 0},
-    {89, 5, 16, 8, 1, 0}, {33, 5, 16, 8, 1, 0}, {89, 6, 16, 8, 1, 0}, {33, 6, 16, 8, 1, 0},
-    {89, 7, 16, 8, 1, 0}, {33, 7, 16, 8, 1, 0}, {89, 8, 16, 8, 1, 0}, {33, 8, 16, 8, 1, 0},
-    {89, 9, 16, 8, 1, 0}, {33, 9, 16, 8, 1, 0}, {89, 10, 16, 8, 1, 0}, {33, 10, 16, 8, 1, 0},
-    {89, 11, 16, 8, 1, 0}, {33, 11, 16, 8, 1, 0}, {89, 12, 16, 8, 1, 0}, {33, 12, 16, 8, 1, 0},
-    {89, 13, 16, 8, 1, 0}, {33, 13, 16, 8, 1, 0}, {89, 14, 16, 8, 1, 0}, {33, 14, 16, 8, 1, 0},
-    {89, 15, 16, 8, 1, 0}, {33, 15, 16, 8, 1, 0}, {97, 0, 16, 8, 1, 0}, {41, 0, 16, 8, 1, 0},
-    {97, 1, 16, 8, 1, 0}, {41, 1, 16, 8, 1, 0}, {97, 2, 16, 8, 1, 0}, {41, 2, 16, 8, 1, 0},
-    {97, 3, 16, 8, 1, 0}, {41, 3, 16, 8, 1, 0}, {97, 4, 16, 8, 1, 0}, {41, 4, 16, 8, 1, 0},
-    {97, 5, 16, 8, 1, 0}, {41, 5, 16, 8, 1, 0}, {97, 6, 16, 8, 1, 0}, {41, 6, 16, 8, 1, 0},
-    {97, 7, 16, 8, 1, 0}, {41, 7, 16, 8, 1, 0}, {97, 8, 16, 8, 1, 0}, {41, 8, 16, 8, 1, 0},
-    {97, 9, 16, 8, 1, 0}, {41, 9, 16, 8, 1, 0}, {97, 10, 16, 8, 1, 0}, {41, 10, 16, 8, 1, 0},
-    {97, 11, 16, 8, 1, 0}, {41, 11, 16, 8, 1, 0}, {97, 12, 16, 8, 1, 0}, {41, 12, 16, 8, 1, 0},
-    {97, 13, 16, 8, 1, 0}, {41, 13, 16, 8, 1, 0}, {97, 14, 16, 8, 1, 0}, {41, 14, 16, 8, 1, 0},
-    {97, 15, 16, 8, 1, 0}, {41, 15, 16, 8, 1, 0}, {105, 0, 16, 8, 1, 0}, {49, 0, 16, 8, 1, 0},
-    {105, 1, 16, 8, 1, 0}, {49, 1, 16, 8, 1, 0}, {105, 2, 16, 8, 1, 0}, {49, 2, 16, 8, 1, 0},
-    {105, 3, 16, 8, 1, 0}, {49, 3, 16, 8, 1, 0}, {105, 4, 16, 8, 1, 0}, {49, 4, 16, 8, 1, 0},
-    {105, 5, 16, 8, 1, 0}, {49, 5, 16, 8, 1, 0}, {105, 6, 16, 8, 1, 0}, {49, 6, 16, 8, 1, 0},
-    {105, 7, 16, 8, 1, 0}, {49, 7, 16, 8, 1, 0}, {105, 8, 16, 8, 1, 0}, {49, 8, 16, 8, 1, 0},
-    {105, 9, 16, 8, 1, 0}, {49, 9, 16, 8, 1, 0}, {105, 10, 16, 8, 1, 0}, {49, 10, 16, 8, 1, 0},
-    {105, 11, 16, 8, 1, 0}, {49, 11, 16, 8, 1, 0}, {105, 12, 16, 8, 1, 0}, {49, 12, 16, 8, 1, 0},
-    {105, 13, 16, 8, 1, 0}, {49, 13, 16, 8, 1, 0}, {105, 14, 16, 8, 1, 0}, {49, 14, 16, 8, 1, 0},
-    {105, 15, 16, 8, 1, 0}, {49, 15, 16, 8, 1, 0}, {113, 0, 16, 8, 1, 0},
+    {57, 0, 16, 8, 1, 0, 2, 56, 1}, {1, 0, 16, 8, 1, 0, 3, 56, 1}, {1, 1, 16, 8, 1, 0, 3, 56, 1}, {1, 2, 16, 8, 1, 0, 3, 56, 1}, {1, 3, 16, 8, 1, 0, 3, 56, 1}, {1, 4, 16, 8, 1, 0, 3, 56, 1}, {1, 5, 16, 8, 1, 0, 3, 56, 1}, {1, 6, 16, 8, 1, 0, 3, 56, 1},  // rank 0: shares 0..1926
+    {1, 7, 16, 8, 1, 0, 3, 56, 1}, {1, 8, 16, 8, 1, 0, 3, 56, 1}, {1, 9, 16, 8, 1, 0, 3, 56, 1}, {1, 10, 16, 8, 1, 0, 3, 56, 1}, {1, 11, 16, 8, 1, 0, 3, 56, 1}, {1, 12, 16, 8, 1, 0, 3, 56, 1}, {1, 13, 16, 8, 1, 0, 3, 56, 1}, {1, 14, 16, 8, 1, 0, 2, 56, 1},
+    {121, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 15, 16, 8, 1, 0, 2, 64, -15}, {122, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 0, 16, 8, 1, 0, 2, 56, 1}, {123, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 1, 16, 8, 1, 0, 2, 56, 1}, {124, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 2, 16, 8, 1, 0, 2, 56, 1},
+    {125, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 3, 16, 8, 1, 0, 2, 56, 1}, {126, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 4, 16, 8, 1, 0, 2, 56, 1}, {127, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 5, 16, 8, 1, 0, 2, 56, 1}, {9, 6, 16, 8, 1, 0, 2, 56, 1}, {9, 7, 16, 8, 1, 0, 2, 56, 1},
+    {9, 8, 16, 8, 1, 0, 2, 56, 1}, {9, 9, 16, 8, 1, 0, 2, 56, 1}, {9, 10, 16, 8, 1, 0, 2, 56, 1}, {9, 11, 16, 8, 1, 0, 2, 56, 1}, {9, 12, 16, 8, 1, 0, 2, 56, 1}, {9, 13, 16, 8, 1, 0, 2, 56, 1}, {9, 14, 16, 8, 1, 0, 2, 56, 1}, {9, 15, 16, 8, 1, 0, 2, 64, -15},
+    {17, 0, 16, 8, 1, 0, 2, 56, 1}, {17, 1, 16, 8, 1, 0, 2, 56, 1}, {17, 2, 16, 8, 1, 0, 2, 56, 1}, {17, 3, 16, 8, 1, 0, 2, 56, 1}, {17, 4, 16, 8, 1, 0, 2, 56, 1}, {17, 5, 16, 8, 1, 0, 2, 56, 1}, {17, 6, 16, 8, 1, 0, 2, 56, 1}, {17, 7, 16, 8, 1, 0, 2, 56, 1},
+    {17, 8, 16, 8, 1, 0, 2, 56, 1}, {17, 9, 16, 8, 1, 0, 2, 56, 1}, {17, 10, 16, 8, 1, 0, 2, 56, 1}, {17, 11, 16, 8, 1, 0, 2, 56, 1}, {17, 12, 16, 8, 1, 0, 2, 56, 1}, {17, 13, 16, 8, 1, 0, 2, 56, 1}, {17, 14, 16, 8, 1, 0, 2, 56, 1}, {17, 15, 16, 8, 1, 0, 2, 64, -15},
+    {25, 0, 16, 8, 1, 0, 2, 56, 1}, {25, 1, 16, 8, 1, 0, 2, 56, 1}, {25, 2, 16, 8, 1, 0, 2, 56, 1}, {25, 3, 16, 8, 1, 0, 2, 56, 1}, {25, 4, 16, 8, 1, 0, 2, 56, 1}, {25, 5, 16, 8, 1, 0, 2, 56, 1}, {25, 6, 16, 8, 1, 0, 2, 56, 1}, {25, 7, 16, 8, 1, 0, 2, 56, 1},
+    {25, 8, 16, 8, 1, 0, 2, 56, 1}, {25, 9, 16, 8, 1, 0, 2, 56, 1}, {25, 10, 16, 8, 1, 0, 2, 56, 1}, {25, 11, 16, 8, 1, 0, 2, 56, 1}, {25, 12, 16, 8, 1, 0, 2, 56, 1}, {25, 13, 16, 8, 1, 0, 2, 56, 1}, {25, 14, 16, 8, 1, 0, 2, 56, 1}, {25, 15, 16, 8, 1, 0, 2, 64, -15},
+    {33, 0, 16, 8, 1, 0, 2, 56, 1}, {33, 1, 16, 8, 1, 0, 2, 56, 1}, {33, 2, 16, 8, 1, 0, 2, 56, 1}, {33, 3, 16, 8, 1, 0, 2, 56, 1}, {33, 4, 16, 8, 1, 0, 2, 56, 1}, {33, 5, 16, 8, 1, 0, 2, 56, 1}, {33, 6, 16, 8, 1, 0, 2, 56, 1}, {33, 7, 16, 8, 1, 0, 2, 56, 1},
+    {33, 8, 16, 8, 1, 0, 2, 56, 1}, {33, 9, 16, 8, 1, 0, 2, 56, 1}, {33, 10, 16, 8, 1, 0, 2, 56, 1}, {33, 11, 16, 8, 1, 0, 2, 56, 1}, {33, 12, 16, 8, 1, 0, 2, 56, 1}, {33, 13, 16, 8, 1, 0, 2, 56, 1}, {33, 14, 16, 8, 1, 0, 2, 56, 1}, {33, 15, 16, 8, 1, 0, 2, 64, -15},
+    {41, 0, 16, 8, 1, 0, 2, 56, 1}, {41, 1, 16, 8, 1, 0, 2, 56, 1}, {41, 2, 16, 8, 1, 0, 2, 56, 1}, {41, 3, 16, 8, 1, 0, 2, 56, 1}, {41, 4, 16, 8, 1, 0, 2, 56, 1}, {41, 5, 16, 8, 1, 0, 2, 56, 1}, {41, 6, 16, 8, 1, 0, 2, 56, 1}, {41, 7, 16, 8, 1, 0, 2, 56, 1},
+    {41, 8, 16, 8, 1, 0, 2, 56, 1}, {41, 9, 16, 8, 1, 0, 2, 56, 1}, {41, 10, 16, 8, 1, 0, 2, 56, 1}, {41, 11, 16, 8, 1, 0, 2, 56, 1}, {41, 12, 16, 8, 1, 0, 2, 56, 1}, {41, 13, 16, 8, 1, 0, 2, 56, 1}, {41, 14, 16, 8, 1, 0, 2, 56, 1}, {41, 15, 16, 8, 1, 0, 2, 64, -15},
+    {49, 0, 16, 8, 1, 0, 2, 56, 1}, {49, 1, 16, 8, 1, 0, 2, 56, 1}, {49, 2, 16, 8, 1, 0, 2, 56, 1}, {49, 3, 16, 8, 1, 0, 2, 56, 1}, {49, 4, 16, 8, 1, 0, 2, 56, 1}, {49, 5, 16, 8, 1, 0, 2, 56, 1}, {49, 6, 16, 8, 1, 0, 2, 56, 1}, {49, 7, 16, 8, 1, 0, 2, 56, 1},
+    {49, 8, 16, 8, 1, 0, 2, 56, 1}, {49, 9, 16, 8, 1, 0, 2, 56, 1}, {49, 10, 16, 8, 1, 0, 2, 56, 1}, {49, 11, 16, 8, 1, 0, 2, 56, 1}, {49, 12, 16, 8, 1, 0, 2, 56, 1}, {49, 13, 16, 8, 1, 0, 2, 56, 1}, {49, 14, 16, 8, 1, 0, 2, 56, 1}, {49, 15, 16, 8, 1, 0, 2, 64, -15},
+    {57, 0, 16, 8, 1, 0, 2, 56, 1}, {1, 0, 16, 8, 1, 0, 3, 56, 1}, {1, 1, 16, 8, 1, 0, 3, 56, 1}, {1, 2, 16, 8, 1, 0, 3, 56, 1}, {1, 3, 16, 8, 1, 0, 3, 56, 1}, {1, 4, 16, 8, 1, 0, 3, 56, 1}, {1, 5, 16, 8, 1, 0, 3, 56, 1}, {1, 6, 16, 8, 1, 0, 3, 56, 1},  // rank 1: shares 1927..3853
+    {1, 7, 16, 8, 1, 0, 3, 56, 1}, {1, 8, 16, 8, 1, 0, 3, 56, 1}, {1, 9, 16, 8, 1, 0, 3, 56, 1}, {1, 10, 16, 8, 1, 0, 3, 56, 1}, {1, 11, 16, 8, 1, 0, 3, 56, 1}, {1, 12, 16, 8, 1, 0, 3, 56, 1}, {1, 13, 16, 8, 1, 0, 3, 56, 1}, {1, 14, 16, 8, 1, 0, 2, 56, 1},
+    {121, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 15, 16, 8, 1, 0, 2, 64, -15}, {122, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 0, 16, 8, 1, 0, 2, 56, 1}, {123, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 1, 16, 8, 1, 0, 2, 56, 1}, {124, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 2, 16, 8, 1, 0, 2, 56, 1},
+    {125, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 3, 16, 8, 1, 0, 2, 56, 1}, {126, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 4, 16, 8, 1, 0, 2, 56, 1}, {127, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 5, 16, 8, 1, 0, 2, 56, 1}, {9, 6, 16, 8, 1, 0, 2, 56, 1}, {9, 7, 16, 8, 1, 0, 2, 56, 1},
+    {9, 8, 16, 8, 1, 0, 2, 56, 1}, {9, 9, 16, 8, 1, 0, 2, 56, 1}, {9, 10, 16, 8, 1, 0, 2, 56, 1}, {9, 11, 16, 8, 1, 0, 2, 56, 1}, {9, 12, 16, 8, 1, 0, 2, 56, 1}, {9, 13, 16, 8, 1, 0, 2, 56, 1}, {9, 14, 16, 8, 1, 0, 2, 56, 1}, {9, 15, 16, 8, 1, 0, 2, 64, -15},
+    {17, 0, 16, 8, 1, 0, 2, 56, 1}, {17, 1, 16, 8, 1, 0, 2, 56, 1}, {17, 2, 16, 8, 1, 0, 2, 56, 1}, {17, 3, 16, 8, 1, 0, 2, 56, 1}, {17, 4, 16, 8, 1, 0, 2, 56, 1}, {17, 5, 16, 8, 1, 0, 2, 56, 1}, {17, 6, 16, 8, 1, 0, 2, 56, 1}, {17, 7, 16, 8, 1, 0, 2, 56, 1},
+    {17, 8, 16, 8, 1, 0, 2, 56, 1}, {17, 9, 16, 8, 1, 0, 2, 56, 1}, {17, 10, 16, 8, 1, 0, 2, 56, 1}, {17, 11, 16, 8, 1, 0, 2, 56, 1}, {17, 12, 16, 8, 1, 0, 2, 56, 1}, {17, 13, 16, 8, 1, 0, 2, 56, 1}, {17, 14, 16, 8, 1, 0, 2, 56, 1}, {17, 15, 16, 8, 1, 0, 2, 64, -15},
+    {25, 0, 16, 8, 1, 0, 2, 56, 1}, {25, 1, 16, 8, 1, 0, 2, 56, 1}, {25, 2, 16, 8, 1, 0, 2, 56, 1}, {25, 3, 16, 8, 1, 0, 2, 56, 1}, {25, 4, 16, 8, 1, 0, 2, 56, 1}, {25, 5, 16, 8, 1, 0, 2, 56, 1}, {25, 6, 16, 8, 1, 0, 2, 56, 1}, {25, 7, 16, 8, 1, 0, 2, 56, 1},
+    {25, 8, 16, 8, 1, 0, 2, 56, 1}, {25, 9, 16, 8, 1, 0, 2, 56, 1}, {25, 10, 16, 8, 1, 0, 2, 56, 1}, {25, 11, 16, 8, 1, 0, 2, 56, 1}, {25, 12, 16, 8, 1, 0, 2, 56, 1}, {25, 13, 16, 8, 1, 0, 2, 56, 1}, {25, 14, 16, 8, 1, 0, 2, 56, 1}, {25, 15, 16, 8, 1, 0, 2, 64, -15},
+    {33, 0, 16, 8, 1, 0, 2, 56, 1}, {33, 1, 16, 8, 1, 0, 2, 56, 1}, {33, 2, 16, 8, 1, 0, 2, 56, 1}, {33, 3, 16, 8, 1, 0, 2, 56, 1}, {33, 4, 16, 8, 1, 0, 2, 56, 1}, {33, 5, 16, 8, 1, 0, 2, 56, 1}, {33, 6, 16, 8, 1, 0, 2, 56, 1}, {33, 7, 16, 8, 1, 0, 2, 56, 1},
+    {33, 8, 16, 8, 1, 0, 2, 56, 1}, {33, 9, 16, 8, 1, 0, 2, 56, 1}, {33, 10, 16, 8, 1, 0, 2, 56, 1}, {33, 11, 16, 8, 1, 0, 2, 56, 1}, {33, 12, 16, 8, 1, 0, 2, 56, 1}, {33, 13, 16, 8, 1, 0, 2, 56, 1}, {33, 14, 16, 8, 1, 0, 2, 56, 1}, {33, 15, 16, 8, 1, 0, 2, 64, -15},
+    {41, 0, 16, 8, 1, 0, 2, 56, 1}, {41, 1, 16, 8, 1, 0, 2, 56, 1}, {41, 2, 16, 8, 1, 0, 2, 56, 1}, {41, 3, 16, 8, 1, 0, 2, 56, 1}, {41, 4, 16, 8, 1, 0, 2, 56, 1}, {41, 5, 16, 8, 1, 0, 2, 56, 1}, {41, 6, 16, 8, 1, 0, 2, 56, 1}, {41, 7, 16, 8, 1, 0, 2, 56, 1},
+    {41, 8, 16, 8, 1, 0, 2, 56, 1}, {41, 9, 16, 8, 1, 0, 2, 56, 1}, {41, 10, 16, 8, 1, 0, 2, 56, 1}, {41, 11, 16, 8, 1, 0, 2, 56, 1}, {41, 12, 16, 8, 1, 0, 2, 56, 1}, {41, 13, 16, 8, 1, 0, 2, 56, 1}, {41, 14, 16, 8, 1, 0, 2, 56, 1}, {41, 15, 16, 8, 1, 0, 2, 64, -15},
+    {49, 0, 16, 8, 1, 0, 2, 56, 1}, {49, 1, 16, 8, 1, 0, 2, 56, 1}, {49, 2, 16, 8, 1, 0, 2, 56, 1}, {49, 3, 16, 8, 1, 0, 2, 56, 1}, {49, 4, 16, 8, 1, 0, 2, 56, 1}, {49, 5, 16, 8, 1, 0, 2, 56, 1}, {49, 6, 16, 8, 1, 0, 2, 56, 1}, {49, 7, 16, 8, 1, 0, 2, 56, 1},
+    {49, 8, 16, 8, 1, 0, 2, 56, 1}, {49, 9, 16, 8, 1, 0, 2, 56, 1}, {49, 10, 16, 8, 1, 0, 2, 56, 1}, {49, 11, 16, 8, 1, 0, 2, 56, 1}, {49, 12, 16, 8, 1, 0, 2, 56, 1}, {49, 13, 16, 8, 1, 0, 2, 56, 1}, {49, 14, 16, 8, 1, 0, 2, 56, 1}, {49, 15, 16, 8, 1, 0, 2, 64, -15},
+    {57, 0, 16, 8, 1, 0, 2, 56, 1}, {1, 0, 16, 8, 1, 0, 3, 56, 1}, {1, 1, 16, 8, 1, 0, 3, 56, 1}, {1, 2, 16, 8, 1, 0, 3, 56, 1}, {1, 3, 16, 8, 1, 0, 3, 56, 1}, {1, 4, 16, 8, 1, 0, 3, 56, 1}, {1, 5, 16, 8, 1, 0, 3, 56, 1}, {1, 6, 16, 8, 1, 0, 3, 56, 1},  // rank 2: shares 3854..5780
+    {1, 7, 16, 8, 1, 0, 3, 56, 1}, {1, 8, 16, 8, 1, 0, 3, 56, 1}, {1, 9, 16, 8, 1, 0, 3, 56, 1}, {1, 10, 16, 8, 1, 0, 3, 56, 1}, {1, 11, 16, 8, 1, 0, 3, 56, 1}, {1, 12, 16, 8, 1, 0, 3, 56, 1}, {1, 13, 16, 8, 1, 0, 3, 56, 1}, {1, 14, 16, 8, 1, 0, 2, 56, 1},
+    {121, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 15, 16, 8, 1, 0, 2, 64, -15}, {122, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 0, 16, 8, 1, 0, 2, 56, 1}, {123, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 1, 16, 8, 1, 0, 2, 56, 1}, {124, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 2, 16, 8, 1, 0, 2, 56, 1},
+    {125, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 3, 16, 8, 1, 0, 2, 56, 1}, {126, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 4, 16, 8, 1, 0, 2, 56, 1}, {127, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 5, 16, 8, 1, 0, 2, 56, 1}, {9, 6, 16, 8, 1, 0, 2, 56, 1}, {9, 7, 16, 8, 1, 0, 2, 56, 1},
+    {9, 8, 16, 8, 1, 0, 2, 56, 1}, {9, 9, 16, 8, 1, 0, 2, 56, 1}, {9, 10, 16, 8, 1, 0, 2, 56, 1}, {9, 11, 16, 8, 1, 0, 2, 56, 1}, {9, 12, 16, 8, 1, 0, 2, 56, 1}, {9, 13, 16, 8, 1, 0, 2, 56, 1}, {9, 14, 16, 8, 1, 0, 2, 56, 1}, {9, 15, 16, 8, 1, 0, 2, 64, -15},
+    {17, 0, 16, 8, 1, 0, 2, 56, 1}, {17, 1, 16, 8, 1, 0, 2, 56, 1}, {17, 2, 16, 8, 1, 0, 2, 56, 1}, {17, 3, 16, 8, 1, 0, 2, 56, 1}, {17, 4, 16, 8, 1, 0, 2, 56, 1}, {17, 5, 16, 8, 1, 0, 2, 56, 1}, {17, 6, 16, 8, 1, 0, 2, 56, 1}, {17, 7, 16, 8, 1, 0, 2, 56, 1},
+    {17, 8, 16, 8, 1, 0, 2, 56, 1}, {17, 9, 16, 8, 1, 0, 2, 56, 1}, {17, 10, 16, 8, 1, 0, 2, 56, 1}, {17, 11, 16, 8, 1, 0, 2, 56, 1}, {17, 12, 16, 8, 1, 0, 2, 56, 1}, {17, 13, 16, 8, 1, 0, 2, 56, 1}, {17, 14, 16, 8, 1, 0, 2, 56, 1}, {17, 15, 16, 8, 1, 0, 2, 64, -15},
+    {25, 0, 16, 8, 1, 0, 2, 56, 1}, {25, 1, 16, 8, 1, 0, 2, 56, 1}, {25, 2, 16, 8, 1, 0, 2, 56, 1}, {25, 3, 16, 8, 1, 0, 2, 56, 1}, {25, 4, 16, 8, 1, 0, 2, 56, 1}, {25, 5, 16, 8, 1, 0, 2, 56, 1}, {25, 6, 16, 8, 1, 0, 2, 56, 1}, {25, 7, 16, 8, 1, 0, 2, 56, 1},
+    {25, 8, 16, 8, 1, 0, 2, 56, 1}, {25, 9, 16, 8, 1, 0, 2, 56, 1}, {25, 10, 16, 8, 1, 0, 2, 56, 1}, {25, 11, 16, 8, 1, 0, 2, 56, 1}, {25, 12, 16, 8, 1, 0, 2, 56, 1}, {25, 13, 16, 8, 1, 0, 2, 56, 1}, {25, 14, 16, 8, 1, 0, 2, 56, 1}, {25, 15, 16, 8, 1, 0, 2, 64, -15},
+    {33, 0, 16, 8, 1, 0, 2, 56, 1}, {33, 1, 16, 8, 1, 0, 2, 56, 1}, {33, 2, 16, 8, 1, 0, 2, 56, 1}, {33, 3, 16, 8, 1, 0, 2, 56, 1}, {33, 4, 16, 8, 1, 0, 2, 56, 1}, {33, 5, 16, 8, 1, 0, 2, 56, 1}, {33, 6, 16, 8, 1, 0, 2, 56, 1}, {33, 7, 16, 8, 1, 0, 2, 56, 1},
+    {33, 8, 16, 8, 1, 0, 2, 56, 1}, {33, 9, 16, 8, 1, 0, 2, 56, 1}, {33, 10, 16, 8, 1, 0, 2, 56, 1}, {33, 11, 16, 8, 1, 0, 2, 56, 1}, {33, 12, 16, 8, 1, 0, 2, 56, 1}, {33, 13, 16, 8, 1, 0, 2, 56, 1}, {33, 14, 16, 8, 1, 0, 2, 56, 1}, {33, 15, 16, 8, 1, 0, 2, 64, -15},
+    {41, 0, 16, 8, 1, 0, 2, 56, 1}, {41, 1, 16, 8, 1, 0, 2, 56, 1}, {41, 2, 16, 8, 1, 0, 2, 56, 1}, {41, 3, 16, 8, 1, 0, 2, 56, 1}, {41, 4, 16, 8, 1, 0, 2, 56, 1}, {41, 5, 16, 8, 1, 0, 2, 56, 1}, {41, 6, 16, 8, 1, 0, 2, 56, 1}, {41, 7, 16, 8, 1, 0, 2, 56, 1},
+    {41, 8, 16, 8, 1, 0, 2, 56, 1}, {41, 9, 16, 8, 1, 0, 2, 56, 1}, {41, 10, 16, 8, 1, 0, 2, 56, 1}, {41, 11, 16, 8, 1, 0, 2, 56, 1}, {41, 12, 16, 8, 1, 0, 2, 56, 1}, {41, 13, 16, 8, 1, 0, 2, 56, 1}, {41, 14, 16, 8, 1, 0, 2, 56, 1}, {41, 15, 16, 8, 1, 0, 2, 64, -15},
+    {49, 0, 16, 8, 1, 0, 2, 56, 1}, {49, 1, 16, 8, 1, 0, 2, 56, 1}, {49, 2, 16, 8, 1, 0, 2, 56, 1}, {49, 3, 16, 8, 1, 0, 2, 56, 1}, {49, 4, 16, 8, 1, 0, 2, 56, 1}, {49, 5, 16, 8, 1, 0, 2, 56, 1}, {49, 6, 16, 8, 1, 0, 2, 56, 1}, {49, 7, 16, 8, 1, 0, 2, 56, 1},
+    {49, 8, 16, 8, 1, 0, 2, 56, 1}, {49, 9, 16, 8, 1, 0, 2, 56, 1}, {49, 10, 16, 8, 1, 0, 2, 56, 1}, {49, 11, 16, 8, 1, 0, 2, 56, 1}, {49, 12, 16, 8, 1, 0, 2, 56, 1}, {49, 13, 16, 8, 1, 0, 2, 56, 1}, {49, 14, 16, 8, 1, 0, 2, 56, 1}, {49, 15, 16, 8, 1, 0, 2, 64, -15},
+    {57, 0, 16, 8, 1, 0, 2, 56, 1}, {1, 0, 16, 8, 1, 0, 3, 56, 1}, {1, 1, 16, 8, 1, 0, 3, 56, 1}, {1, 2, 16, 8, 1, 0, 3, 56, 1}, {1, 3, 16, 8, 1, 0, 3, 56, 1}, {1, 4, 16, 8, 1, 0, 3, 56, 1}, {1, 5, 16, 8, 1, 0, 3, 56, 1}, {1, 6, 16, 8, 1, 0, 3, 56, 1},  // rank 3: shares 5781..7707
+    {1, 7, 16, 8, 1, 0, 3, 56, 1}, {1, 8, 16, 8, 1, 0, 3, 56, 1}, {1, 9, 16, 8, 1, 0, 3, 56, 1}, {1, 10, 16, 8, 1, 0, 3, 56, 1}, {1, 11, 16, 8, 1, 0, 3, 56, 1}, {1, 12, 16, 8, 1, 0, 3, 56, 1}, {1, 13, 16, 8, 1, 0, 3, 56, 1}, {1, 14, 16, 8, 1, 0, 2, 56, 1},
+    {121, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 15, 16, 8, 1, 0, 2, 64, -15}, {122, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 0, 16, 8, 1, 0, 2, 56, 1}, {123, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 1, 16, 8, 1, 0, 2, 56, 1}, {124, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 2, 16, 8, 1, 0, 2, 56, 1},
+    {125, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 3, 16, 8, 1, 0, 2, 56, 1}, {126, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 4, 16, 8, 1, 0, 2, 56, 1}, {127, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 5, 16, 8, 1, 0, 2, 56, 1}, {9, 6, 16, 8, 1, 0, 2, 56, 1}, {9, 7, 16, 8, 1, 0, 2, 56, 1},
+    {9, 8, 16, 8, 1, 0, 2, 56, 1}, {9, 9, 16, 8, 1, 0, 2, 56, 1}, {9, 10, 16, 8, 1, 0, 2, 56, 1}, {9, 11, 16, 8, 1, 0, 2, 56, 1}, {9, 12, 16, 8, 1, 0, 2, 56, 1}, {9, 13, 16, 8, 1, 0, 2, 56, 1}, {9, 14, 16, 8, 1, 0, 2, 56, 1}, {9, 15, 16, 8, 1, 0, 2, 64, -15},
+    {17, 0, 16, 8, 1, 0, 2, 56, 1}, {17, 1, 16, 8, 1, 0, 2, 56, 1}, {17, 2, 16, 8, 1, 0, 2, 56, 1}, {17, 3, 16, 8, 1, 0, 2, 56, 1}, {17, 4, 16, 8, 1, 0, 2, 56, 1}, {17, 5, 16, 8, 1, 0, 2, 56, 1}, {17, 6, 16, 8, 1, 0, 2, 56, 1}, {17, 7, 16, 8, 1, 0, 2, 56, 1},
+    {17, 8, 16, 8, 1, 0, 2, 56, 1}, {17, 9, 16, 8, 1, 0, 2, 56, 1}, {17, 10, 16, 8, 1, 0, 2, 56, 1}, {17, 11, 16, 8, 1, 0, 2, 56, 1}, {17, 12, 16, 8, 1, 0, 2, 56, 1}, {17, 13, 16, 8, 1, 0, 2, 56, 1}, {17, 14, 16, 8, 1, 0, 2, 56, 1}, {17, 15, 16, 8, 1, 0, 2, 64, -15},
+    {25, 0, 16, 8, 1, 0, 2, 56, 1}, {25, 1, 16, 8, 1, 0, 2, 56, 1}, {25, 2, 16, 8, 1, 0, 2, 56, 1}, {25, 3, 16, 8, 1, 0, 2, 56, 1}, {25, 4, 16, 8, 1, 0, 2, 56, 1}, {25, 5, 16, 8, 1, 0, 2, 56, 1}, {25, 6, 16, 8, 1, 0, 2, 56, 1}, {25, 7, 16, 8, 1, 0, 2, 56, 1},
+    {25, 8, 16, 8, 1, 0, 2, 56, 1}, {25, 9, 16, 8, 1, 0, 2, 56, 1}, {25, 10, 16, 8, 1, 0, 2, 56, 1}, {25, 11, 16, 8, 1, 0, 2, 56, 1}, {25, 12, 16, 8, 1, 0, 2, 56, 1}, {25, 13, 16, 8, 1, 0, 2, 56, 1}, {25, 14, 16, 8, 1, 0, 2, 56, 1}, {25, 15, 16, 8, 1, 0, 2, 64, -15},
+    {33, 0, 16, 8, 1, 0, 2, 56, 1}, {33, 1, 16, 8, 1, 0, 2, 56, 1}, {33, 2, 16, 8, 1, 0, 2, 56, 1}, {33, 3, 16, 8, 1, 0, 2, 56, 1}, {33, 4, 16, 8, 1, 0, 2, 56, 1}, {33, 5, 16, 8, 1, 0, 2, 56, 1}, {33, 6, 16, 8, 1, 0, 2, 56, 1}, {33, 7, 16, 8, 1, 0, 2, 56, 1},
+    {33, 8, 16, 8, 1, 0, 2, 56, 1}, {33, 9, 16, 8, 1, 0, 2, 56, 1}, {33, 10, 16, 8, 1, 0, 2, 56, 1}, {33, 11, 16, 8, 1, 0, 2, 56, 1}, {33, 12, 16, 8, 1, 0, 2, 56, 1}, {33, 13, 16, 8, 1, 0, 2, 56, 1}, {33, 14, 16, 8, 1, 0, 2, 56, 1}, {33, 15, 16, 8, 1, 0, 2, 64, -15},
+    {41, 0, 16, 8, 1, 0, 2, 56, 1}, {41, 1, 16, 8, 1, 0, 2, 56, 1}, {41, 2, 16, 8, 1, 0, 2, 56, 1}, {41, 3, 16, 8, 1, 0, 2, 56, 1}, {41, 4, 16, 8, 1, 0, 2, 56, 1}, {41, 5, 16, 8, 1, 0, 2, 56, 1}, {41, 6, 16, 8, 1, 0, 2, 56, 1}, {41, 7, 16, 8, 1, 0, 2, 56, 1},
+    {41, 8, 16, 8, 1, 0, 2, 56, 1}, {41, 9, 16, 8, 1, 0, 2, 56, 1}, {41, 10, 16, 8, 1, 0, 2, 56, 1}, {41, 11, 16, 8, 1, 0, 2, 56, 1}, {41, 12, 16, 8, 1, 0, 2, 56, 1}, {41, 13, 16, 8, 1, 0, 2, 56, 1}, {41, 14, 16, 8, 1, 0, 2, 56, 1}, {41, 15, 16, 8, 1, 0, 2, 64, -15},
+    {49, 0, 16, 8, 1, 0, 2, 56, 1}, {49, 1, 16, 8, 1, 0, 2, 56, 1}, {49, 2, 16, 8, 1, 0, 2, 56, 1}, {49, 3, 16, 8, 1, 0, 2, 56, 1}, {49, 4, 16, 8, 1, 0, 2, 56, 1}, {49, 5, 16, 8, 1, 0, 2, 56, 1}, {49, 6, 16, 8, 1, 0, 2, 56, 1}, {49, 7, 16, 8, 1, 0, 2, 56, 1},
+    {49, 8, 16, 8, 1, 0, 2, 56, 1}, {49, 9, 16, 8, 1, 0, 2, 56, 1}, {49, 10, 16, 8, 1, 0, 2, 56, 1}, {49, 11, 16, 8, 1, 0, 2, 56, 1}, {49, 12, 16, 8, 1, 0, 2, 56, 1}, {49, 13, 16, 8, 1, 0, 2, 56, 1}, {49, 14, 16, 8, 1, 0, 2, 56, 1}, {49, 15, 16, 8, 1, 0, 2, 64, -15},
+    {57, 0, 16, 8, 1, 0, 2, 56, 1}, {1, 0, 16, 8, 1, 0, 3, 56, 1}, {1, 1, 16, 8, 1, 0, 3, 56, 1}, {1, 2, 16, 8, 1, 0, 3, 56, 1}, {1, 3, 16, 8, 1, 0, 3, 56, 1}, {1, 4, 16, 8, 1, 0, 3, 56, 1}, {1, 5, 16, 8, 1, 0, 3, 56, 1}, {1, 6, 16, 8, 1, 0, 3, 56, 1},  // rank 4: shares 7708..9634
+    {1, 7, 16, 8, 1, 0, 3, 56, 1}, {1, 8, 16, 8, 1, 0, 3, 56, 1}, {1, 9, 16, 8, 1, 0, 3, 56, 1}, {1, 10, 16, 8, 1, 0, 3, 56, 1}, {1, 11, 16, 8, 1, 0, 3, 56, 1}, {1, 12, 16, 8, 1, 0, 3, 56, 1}, {1, 13, 16, 8, 1, 0, 3, 56, 1}, {1, 14, 16, 8, 1, 0, 2, 56, 1},
+    {121, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 15, 16, 8, 1, 0, 2, 64, -15}, {122, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 0, 16, 8, 1, 0, 2, 56, 1}, {123, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 1, 16, 8, 1, 0, 2, 56, 1}, {124, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 2, 16, 8, 1, 0, 2, 56, 1},
+    {125, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 3, 16, 8, 1, 0, 2, 56, 1}, {126, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 4, 16, 8, 1, 0, 2, 56, 1}, {127, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 5, 16, 8, 1, 0, 2, 56, 1}, {9, 6, 16, 8, 1, 0, 2, 56, 1}, {9, 7, 16, 8, 1, 0, 2, 56, 1},
+    {9, 8, 16, 8, 1, 0, 2, 56, 1}, {9, 9, 16, 8, 1, 0, 2, 56, 1}, {9, 10, 16, 8, 1, 0, 2, 56, 1}, {9, 11, 16, 8, 1, 0, 2, 56, 1}, {9, 12, 16, 8, 1, 0, 2, 56, 1}, {9, 13, 16, 8, 1, 0, 2, 56, 1}, {9, 14, 16, 8, 1, 0, 2, 56, 1}, {9, 15, 16, 8, 1, 0, 2, 64, -15},
+    {17, 0, 16, 8, 1, 0, 2, 56, 1}, {17, 1, 16, 8, 1, 0, 2, 56, 1}, {17, 2, 16, 8, 1, 0, 2, 56, 1}, {17, 3, 16, 8, 1, 0, 2, 56, 1}, {17, 4, 16, 8, 1, 0, 2, 56, 1}, {17, 5, 16, 8, 1, 0, 2, 56, 1}, {17, 6, 16, 8, 1, 0, 2, 56, 1}, {17, 7, 16, 8, 1, 0, 2, 56, 1},
+    {17, 8, 16, 8, 1, 0, 2, 56, 1}, {17, 9, 16, 8, 1, 0, 2, 56, 1}, {17, 10, 16, 8, 1, 0, 2, 56, 1}, {17, 11, 16, 8, 1, 0, 2, 56, 1}, {17, 12, 16, 8, 1, 0, 2, 56, 1}, {17, 13, 16, 8, 1, 0, 2, 56, 1}, {17, 14, 16, 8, 1, 0, 2, 56, 1}, {17, 15, 16, 8, 1, 0, 2, 64, -15},
+    {25, 0, 16, 8, 1, 0, 2, 56, 1}, {25, 1, 16, 8, 1, 0, 2, 56, 1}, {25, 2, 16, 8, 1, 0, 2, 56, 1}, {25, 3, 16, 8, 1, 0, 2, 56, 1}, {25, 4, 16, 8, 1, 0, 2, 56, 1}, {25, 5, 16, 8, 1, 0, 2, 56, 1}, {25, 6, 16, 8, 1, 0, 2, 56, 1}, {25, 7, 16, 8, 1, 0, 2, 56, 1},
+    {25, 8, 16, 8, 1, 0, 2, 56, 1}, {25, 9, 16, 8, 1, 0, 2, 56, 1}, {25, 10, 16, 8, 1, 0, 2, 56, 1}, {25, 11, 16, 8, 1, 0, 2, 56, 1}, {25, 12, 16, 8, 1, 0, 2, 56, 1}, {25, 13, 16, 8, 1, 0, 2, 56, 1}, {25, 14, 16, 8, 1, 0, 2, 56, 1}, {25, 15, 16, 8, 1, 0, 2, 64, -15},
+    {33, 0, 16, 8, 1, 0, 2, 56, 1}, {33, 1, 16, 8, 1, 0, 2, 56, 1}, {33, 2, 16, 8, 1, 0, 2, 56, 1}, {33, 3, 16, 8, 1, 0, 2, 56, 1}, {33, 4, 16, 8, 1, 0, 2, 56, 1}, {33, 5, 16, 8, 1, 0, 2, 56, 1}, {33, 6, 16, 8, 1, 0, 2, 56, 1}, {33, 7, 16, 8, 1, 0, 2, 56, 1},
+    {33, 8, 16, 8, 1, 0, 2, 56, 1}, {33, 9, 16, 8, 1, 0, 2, 56, 1}, {33, 10, 16, 8, 1, 0, 2, 56, 1}, {33, 11, 16, 8, 1, 0, 2, 56, 1}, {33, 12, 16, 8, 1, 0, 2, 56, 1}, {33, 13, 16, 8, 1, 0, 2, 56, 1}, {33, 14, 16, 8, 1, 0, 2, 56, 1}, {33, 15, 16, 8, 1, 0, 2, 64, -15},
+    {41, 0, 16, 8, 1, 0, 2, 56, 1}, {41, 1, 16, 8, 1, 0, 2, 56, 1}, {41, 2, 16, 8, 1, 0, 2, 56, 1}, {41, 3, 16, 8, 1, 0, 2, 56, 1}, {41, 4, 16, 8, 1, 0, 2, 56, 1}, {41, 5, 16, 8, 1, 0, 2, 56, 1}, {41, 6, 16, 8, 1, 0, 2, 56, 1}, {41, 7, 16, 8, 1, 0, 2, 56, 1},
+    {41, 8, 16, 8, 1, 0, 2, 56, 1}, {41, 9, 16, 8, 1, 0, 2, 56, 1}, {41, 10, 16, 8, 1, 0, 2, 56, 1}, {41, 11, 16, 8, 1, 0, 2, 56, 1}, {41, 12, 16, 8, 1, 0, 2, 56, 1}, {41, 13, 16, 8, 1, 0, 2, 56, 1}, {41, 14, 16, 8, 1, 0, 2, 56, 1}, {41, 15, 16, 8, 1, 0, 2, 64, -15},
+    {49, 0, 16, 8, 1, 0, 2, 56, 1}, {49, 1, 16, 8, 1, 0, 2, 56, 1}, {49, 2, 16, 8, 1, 0, 2, 56, 1}, {49, 3, 16, 8, 1, 0, 2, 56, 1}, {49, 4, 16, 8, 1, 0, 2, 56, 1}, {49, 5, 16, 8, 1, 0, 2, 56, 1}, {49, 6, 16, 8, 1, 0, 2, 56, 1}, {49, 7, 16, 8, 1, 0, 2, 56, 1},
+    {49, 8, 16, 8, 1, 0, 2, 56, 1}, {49, 9, 16, 8, 1, 0, 2, 56, 1}, {49, 10, 16, 8, 1, 0, 2, 56, 1}, {49, 11, 16, 8, 1, 0, 2, 56, 1}, {49, 12, 16, 8, 1, 0, 2, 56, 1}, {49, 13, 16, 8, 1, 0, 2, 56, 1}, {49, 14, 16, 8, 1, 0, 2, 56, 1}, {49, 15, 16, 8, 1, 0, 2, 64, -15},
+    {57, 0, 16, 8, 1, 0, 2, 56, 1}, {1, 0, 16, 8, 1, 0, 3, 56, 1}, {1, 1, 16, 8, 1, 0, 3, 56, 1}, {1, 2, 16, 8, 1, 0, 3, 56, 1}, {1, 3, 16, 8, 1, 0, 3, 56, 1}, {1, 4, 16, 8, 1, 0, 3, 56, 1}, {1, 5, 16, 8, 1, 0, 3, 56, 1}, {1, 6, 16, 8, 1, 0, 3, 56, 1},  // rank 5: shares 9635..11561
+    {1, 7, 16, 8, 1, 0, 3, 56, 1}, {1, 8, 16, 8, 1, 0, 3, 56, 1}, {1, 9, 16, 8, 1, 0, 3, 56, 1}, {1, 10, 16, 8, 1, 0, 3, 56, 1}, {1, 11, 16, 8, 1, 0, 3, 56, 1}, {1, 12, 16, 8, 1, 0, 3, 56, 1}, {1, 13, 16, 8, 1, 0, 3, 56, 1}, {1, 14, 16, 8, 1, 0, 2, 56, 1},
+    {121, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 15, 16, 8, 1, 0, 2, 64, -15}, {122, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 0, 16, 8, 1, 0, 2, 56, 1}, {123, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 1, 16, 8, 1, 0, 2, 56, 1}, {124, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 2, 16, 8, 1, 0, 2, 56, 1},
+    {125, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 3, 16, 8, 1, 0, 2, 56, 1}, {126, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 4, 16, 8, 1, 0, 2, 56, 1}, {127, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 5, 16, 8, 1, 0, 2, 56, 1}, {9, 6, 16, 8, 1, 0, 2, 56, 1}, {9, 7, 16, 8, 1, 0, 2, 56, 1},
+    {9, 8, 16, 8, 1, 0, 2, 56, 1}, {9, 9, 16, 8, 1, 0, 2, 56, 1}, {9, 10, 16, 8, 1, 0, 2, 56, 1}, {9, 11, 16, 8, 1, 0, 2, 56, 1}, {9, 12, 16, 8, 1, 0, 2, 56, 1}, {9, 13, 16, 8, 1, 0, 2, 56, 1}, {9, 14, 16, 8, 1, 0, 2, 56, 1}, {9, 15, 16, 8, 1, 0, 2, 64, -15},
+    {17, 0, 16, 8, 1, 0, 2, 56, 1}, {17, 1, 16, 8, 1, 0, 2, 56, 1}, {17, 2, 16, 8, 1, 0, 2, 56, 1}, {17, 3, 16, 8, 1, 0, 2, 56, 1}, {17, 4, 16, 8, 1, 0, 2, 56, 1}, {17, 5, 16, 8, 1, 0, 2, 56, 1}, {17, 6, 16, 8, 1, 0, 2, 56, 1}, {17, 7, 16, 8, 1, 0, 2, 56, 1},
+    {17, 8, 16, 8, 1, 0, 2, 56, 1}, {17, 9, 16, 8, 1, 0, 2, 56, 1}, {17, 10, 16, 8, 1, 0, 2, 56, 1}, {17, 11, 16, 8, 1, 0, 2, 56, 1}, {17, 12, 16, 8, 1, 0, 2, 56, 1}, {17, 13, 16, 8, 1, 0, 2, 56, 1}, {17, 14, 16, 8, 1, 0, 2, 56, 1}, {17, 15, 16, 8, 1, 0, 2, 64, -15},
+    {25, 0, 16, 8, 1, 0, 2, 56, 1}, {25, 1, 16, 8, 1, 0, 2, 56, 1}, {25, 2, 16, 8, 1, 0, 2, 56, 1}, {25, 3, 16, 8, 1, 0, 2, 56, 1}, {25, 4, 16, 8, 1, 0, 2, 56, 1}, {25, 5, 16, 8, 1, 0, 2, 56, 1}, {25, 6, 16, 8, 1, 0, 2, 56, 1}, {25, 7, 16, 8, 1, 0, 2, 56, 1},
+    {25, 8, 16, 8, 1, 0, 2, 56, 1}, {25, 9, 16, 8, 1, 0, 2, 56, 1}, {25, 10, 16, 8, 1, 0, 2, 56, 1}, {25, 11, 16, 8, 1, 0, 2, 56, 1}, {25, 12, 16, 8, 1, 0, 2, 56, 1}, {25, 13, 16, 8, 1, 0, 2, 56, 1}, {25, 14, 16, 8, 1, 0, 2, 56, 1}, {25, 15, 16, 8, 1, 0, 2, 64, -15},
+    {33, 0, 16, 8, 1, 0, 2, 56, 1}, {33, 1, 16, 8, 1, 0, 2, 56, 1}, {33, 2, 16, 8, 1, 0, 2, 56, 1}, {33, 3, 16, 8, 1, 0, 2, 56, 1}, {33, 4, 16, 8, 1, 0, 2, 56, 1}, {33, 5, 16, 8, 1, 0, 2, 56, 1}, {33, 6, 16, 8, 1, 0, 2, 56, 1}, {33, 7, 16, 8, 1, 0, 2, 56, 1},
+    {33, 8, 16, 8, 1, 0, 2, 56, 1}, {33, 9, 16, 8, 1, 0, 2, 56, 1}, {33, 10, 16, 8, 1, 0, 2, 56, 1}, {33, 11, 16, 8, 1, 0, 2, 56, 1}, {33, 12, 16, 8, 1, 0, 2, 56, 1}, {33, 13, 16, 8, 1, 0, 2, 56, 1}, {33, 14, 16, 8, 1, 0, 2, 56, 1}, {33, 15, 16, 8, 1, 0, 2, 64, -15},
+    {41, 0, 16, 8, 1, 0, 2, 56, 1}, {41, 1, 16, 8, 1, 0, 2, 56, 1}, {41, 2, 16, 8, 1, 0, 2, 56, 1}, {41, 3, 16, 8, 1, 0, 2, 56, 1}, {41, 4, 16, 8, 1, 0, 2, 56, 1}, {41, 5, 16, 8, 1, 0, 2, 56, 1}, {41, 6, 16, 8, 1, 0, 2, 56, 1}, {41, 7, 16, 8, 1, 0, 2, 56, 1},
+    {41, 8, 16, 8, 1, 0, 2, 56, 1}, {41, 9, 16, 8, 1, 0, 2, 56, 1}, {41, 10, 16, 8, 1, 0, 2, 56, 1}, {41, 11, 16, 8, 1, 0, 2, 56, 1}, {41, 12, 16, 8, 1, 0, 2, 56, 1}, {41, 13, 16, 8, 1, 0, 2, 56, 1}, {41, 14, 16, 8, 1, 0, 2, 56, 1}, {41, 15, 16, 8, 1, 0, 2, 64, -15},
+    {49, 0, 16, 8, 1, 0, 2, 56, 1}, {49, 1, 16, 8, 1, 0, 2, 56, 1}, {49, 2, 16, 8, 1, 0, 2, 56, 1}, {49, 3, 16, 8, 1, 0, 2, 56, 1}, {49, 4, 16, 8, 1, 0, 2, 56, 1}, {49, 5, 16, 8, 1, 0, 2, 56, 1}, {49, 6, 16, 8, 1, 0, 2, 56, 1}, {49, 7, 16, 8, 1, 0, 2, 56, 1},
+    {49, 8, 16, 8, 1, 0, 2, 56, 1}, {49, 9, 16, 8, 1, 0, 2, 56, 1}, {49, 10, 16, 8, 1, 0, 2, 56, 1}, {49, 11, 16, 8, 1, 0, 2, 56, 1}, {49, 12, 16, 8, 1, 0, 2, 56, 1}, {49, 13, 16, 8, 1, 0, 2, 56, 1}, {49, 14, 16, 8, 1, 0, 2, 56, 1}, {49, 15, 16, 8, 1, 0, 2, 64, -15},
+    {57, 0, 16, 8, 1, 0, 2, 56, 1}, {1, 0, 16, 8, 1, 0, 3, 56, 1}, {1, 1, 16, 8, 1, 0, 3, 56, 1}, {1, 2, 16, 8, 1, 0, 3, 56, 1}, {1, 3, 16, 8, 1, 0, 3, 56, 1}, {1, 4, 16, 8, 1, 0, 3, 56, 1}, {1, 5, 16, 8, 1, 0, 3, 56, 1}, {1, 6, 16, 8, 1, 0, 3, 56, 1},  // rank 6: shares 11562..13488
+    {1, 7, 16, 8, 1, 0, 3, 56, 1}, {1, 8, 16, 8, 1, 0, 3, 56, 1}, {1, 9, 16, 8, 1, 0, 3, 56, 1}, {1, 10, 16, 8, 1, 0, 3, 56, 1}, {1, 11, 16, 8, 1, 0, 3, 56, 1}, {1, 12, 16, 8, 1, 0, 3, 56, 1}, {1, 13, 16, 8, 1, 0, 3, 56, 1}, {1, 14, 16, 8, 1, 0, 2, 56, 1},
+    {121, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 15, 16, 8, 1, 0, 2, 64, -15}, {122, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 0, 16, 8, 1, 0, 2, 56, 1}, {123, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 1, 16, 8, 1, 0, 2, 56, 1}, {124, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 2, 16, 8, 1, 0, 2, 56, 1},
+    {125, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 3, 16, 8, 1, 0, 2, 56, 1}, {126, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 4, 16, 8, 1, 0, 2, 56, 1}, {127, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 5, 16, 8, 1, 0, 2, 56, 1}, {9, 6, 16, 8, 1, 0, 2, 56, 1}, {9, 7, 16, 8, 1, 0, 2, 56, 1},
+    {9, 8, 16, 8, 1, 0, 2, 56, 1}, {9, 9, 16, 8, 1, 0, 2, 56, 1}, {9, 10, 16, 8, 1, 0, 2, 56, 1}, {9, 11, 16, 8, 1, 0, 2, 56, 1}, {9, 12, 16, 8, 1, 0, 2, 56, 1}, {9, 13, 16, 8, 1, 0, 2, 56, 1}, {9, 14, 16, 8, 1, 0, 2, 56, 1}, {9, 15, 16, 8, 1, 0, 2, 64, -15},
+    {17, 0, 16, 8, 1, 0, 2, 56, 1}, {17, 1, 16, 8, 1, 0, 2, 56, 1}, {17, 2, 16, 8, 1, 0, 2, 56, 1}, {17, 3, 16, 8, 1, 0, 2, 56, 1}, {17, 4, 16, 8, 1, 0, 2, 56, 1}, {17, 5, 16, 8, 1, 0, 2, 56, 1}, {17, 6, 16, 8, 1, 0, 2, 56, 1}, {17, 7, 16, 8, 1, 0, 2, 56, 1},
+    {17, 8, 16, 8, 1, 0, 2, 56, 1}, {17, 9, 16, 8, 1, 0, 2, 56, 1}, {17, 10, 16, 8, 1, 0, 2, 56, 1}, {17, 11, 16, 8, 1, 0, 2, 56, 1}, {17, 12, 16, 8, 1, 0, 2, 56, 1}, {17, 13, 16, 8, 1, 0, 2, 56, 1}, {17, 14, 16, 8, 1, 0, 2, 56, 1}, {17, 15, 16, 8, 1, 0, 2, 64, -15},
+    {25, 0, 16, 8, 1, 0, 2, 56, 1}, {25, 1, 16, 8, 1, 0, 2, 56, 1}, {25, 2, 16, 8, 1, 0, 2, 56, 1}, {25, 3, 16, 8, 1, 0, 2, 56, 1}, {25, 4, 16, 8, 1, 0, 2, 56, 1}, {25, 5, 16, 8, 1, 0, 2, 56, 1}, {25, 6, 16, 8, 1, 0, 2, 56, 1}, {25, 7, 16, 8, 1, 0, 2, 56, 1},
+    {25, 8, 16, 8, 1, 0, 2, 56, 1}, {25, 9, 16, 8, 1, 0, 2, 56, 1}, {25, 10, 16, 8, 1, 0, 2, 56, 1}, {25, 11, 16, 8, 1, 0, 2, 56, 1}, {25, 12, 16, 8, 1, 0, 2, 56, 1}, {25, 13, 16, 8, 1, 0, 2, 56, 1}, {25, 14, 16, 8, 1, 0, 2, 56, 1}, {25, 15, 16, 8, 1, 0, 2, 64, -15},
+    {33, 0, 16, 8, 1, 0, 2, 56, 1}, {33, 1, 16, 8, 1, 0, 2, 56, 1}, {33, 2, 16, 8, 1, 0, 2, 56, 1}, {33, 3, 16, 8, 1, 0, 2, 56, 1}, {33, 4, 16, 8, 1, 0, 2, 56, 1}, {33, 5, 16, 8, 1, 0, 2, 56, 1}, {33, 6, 16, 8, 1, 0, 2, 56, 1}, {33, 7, 16, 8, 1, 0, 2, 56, 1},
+    {33, 8, 16, 8, 1, 0, 2, 56, 1}, {33, 9, 16, 8, 1, 0, 2, 56, 1}, {33, 10, 16, 8, 1, 0, 2, 56, 1}, {33, 11, 16, 8, 1, 0, 2, 56, 1}, {33, 12, 16, 8, 1, 0, 2, 56, 1}, {33, 13, 16, 8, 1, 0, 2, 56, 1}, {33, 14, 16, 8, 1, 0, 2, 56, 1}, {33, 15, 16, 8, 1, 0, 2, 64, -15},
+    {41, 0, 16, 8, 1, 0, 2, 56, 1}, {41, 1, 16, 8, 1, 0, 2, 56, 1}, {41, 2, 16, 8, 1, 0, 2, 56, 1}, {41, 3, 16, 8, 1, 0, 2, 56, 1}, {41, 4, 16, 8, 1, 0, 2, 56, 1}, {41, 5, 16, 8, 1, 0, 2, 56, 1}, {41, 6, 16, 8, 1, 0, 2, 56, 1}, {41, 7, 16, 8, 1, 0, 2, 56, 1},
+    {41, 8, 16, 8, 1, 0, 2, 56, 1}, {41, 9, 16, 8, 1, 0, 2, 56, 1}, {41, 10, 16, 8, 1, 0, 2, 56, 1}, {41, 11, 16, 8, 1, 0, 2, 56, 1}, {41, 12, 16, 8, 1, 0, 2, 56, 1}, {41, 13, 16, 8, 1, 0, 2, 56, 1}, {41, 14, 16, 8, 1, 0, 2, 56, 1}, {41, 15, 16, 8, 1, 0, 2, 64, -15},
+    {49, 0, 16, 8, 1, 0, 2, 56, 1}, {49, 1, 16, 8, 1, 0, 2, 56, 1}, {49, 2, 16, 8, 1, 0, 2, 56, 1}, {49, 3, 16, 8, 1, 0, 2, 56, 1}, {49, 4, 16, 8, 1, 0, 2, 56, 1}, {49, 5, 16, 8, 1, 0, 2, 56, 1}, {49, 6, 16, 8, 1, 0, 2, 56, 1}, {49, 7, 16, 8, 1, 0, 2, 56, 1},
+    {49, 8, 16, 8, 1, 0, 2, 56, 1}, {49, 9, 16, 8, 1, 0, 2, 56, 1}, {49, 10, 16, 8, 1, 0, 2, 56, 1}, {49, 11, 16, 8, 1, 0, 2, 56, 1}, {49, 12, 16, 8, 1, 0, 2, 56, 1}, {49, 13, 16, 8, 1, 0, 2, 56, 1}, {49, 14, 16, 8, 1, 0, 2, 56, 1}, {49, 15, 16, 8, 1, 0, 2, 64, -15},
+    {57, 0, 16, 8, 1, 0, 2, 56, 1}, {1, 0, 16, 8, 1, 0, 3, 56, 1}, {1, 1, 16, 8, 1, 0, 3, 56, 1}, {1, 2, 16, 8, 1, 0, 3, 56, 1}, {1, 3, 16, 8, 1, 0, 3, 56, 1}, {1, 4, 16, 8, 1, 0, 3, 56, 1}, {1, 5, 16, 8, 1, 0, 3, 56, 1}, {1, 6, 16, 8, 1, 0, 3, 56, 1},  // rank 7: shares 13489..15415
+    {1, 7, 16, 8, 1, 0, 3, 56, 1}, {1, 8, 16, 8, 1, 0, 3, 56, 1}, {1, 9, 16, 8, 1, 0, 3, 56, 1}, {1, 10, 16, 8, 1, 0, 3, 56, 1}, {1, 11, 16, 8, 1, 0, 3, 56, 1}, {1, 12, 16, 8, 1, 0, 3, 56, 1}, {1, 13, 16, 8, 1, 0, 3, 56, 1}, {1, 14, 16, 8, 1, 0, 2, 56, 1},
+    {121, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 15, 16, 8, 1, 0, 2, 64, -15}, {122, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 0, 16, 8, 1, 0, 2, 56, 1}, {123, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 1, 16, 8, 1, 0, 2, 56, 1}, {124, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 2, 16, 8, 1, 0, 2, 56, 1},
+    {125, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 3, 16, 8, 1, 0, 2, 56, 1}, {126, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 4, 16, 8, 1, 0, 2, 56, 1}, {127, 0, 1, 1, 0, 0, 1, 0, 0}, {9, 5, 16, 8, 1, 0, 2, 56, 1}, {9, 6, 16, 8, 1, 0, 2, 56, 1}, {9, 7, 16, 8, 1, 0, 2, 56, 1},
+    {9, 8, 16, 8, 1, 0, 2, 56, 1}, {9, 9, 16, 8, 1, 0, 2, 56, 1}, {9, 10, 16, 8, 1, 0, 2, 56, 1}, {9, 11, 16, 8, 1, 0, 2, 56, 1}, {9, 12, 16, 8, 1, 0, 2, 56, 1}, {9, 13, 16, 8, 1, 0, 2, 56, 1}, {9, 14, 16, 8, 1, 0, 2, 56, 1}, {9, 15, 16, 8, 1, 0, 2, 64, -15},
+    {17, 0, 16, 8, 1, 0, 2, 56, 1}, {17, 1, 16, 8, 1, 0, 2, 56, 1}, {17, 2, 16, 8, 1, 0, 2, 56, 1}, {17, 3, 16, 8, 1, 0, 2, 56, 1}, {17, 4, 16, 8, 1, 0, 2, 56, 1}, {17, 5, 16, 8, 1, 0, 2, 56, 1}, {17, 6, 16, 8, 1, 0, 2, 56, 1}, {17, 7, 16, 8, 1, 0, 2, 56, 1},
+    {17, 8, 16, 8, 1, 0, 2, 56, 1}, {17, 9, 16, 8, 1, 0, 2, 56, 1}, {17, 10, 16, 8, 1, 0, 2, 56, 1}, {17, 11, 16, 8, 1, 0, 2, 56, 1}, {17, 12, 16, 8, 1, 0, 2, 56, 1}, {17, 13, 16, 8, 1, 0, 2, 56, 1}, {17, 14, 16, 8, 1, 0, 2, 56, 1}, {17, 15, 16, 8, 1, 0, 2, 64, -15},
+    {25, 0, 16, 8, 1, 0, 2, 56, 1}, {25, 1, 16, 8, 1, 0, 2, 56, 1}, {25, 2, 16, 8, 1, 0, 2, 56, 1}, {25, 3, 16, 8, 1, 0, 2, 56, 1}, {25, 4, 16, 8, 1, 0, 2, 56, 1}, {25, 5, 16, 8, 1, 0, 2, 56, 1}, {25, 6, 16, 8, 1, 0, 2, 56, 1}, {25, 7, 16, 8, 1, 0, 2, 56, 1},
+    {25, 8, 16, 8, 1, 0, 2, 56, 1}, {25, 9, 16, 8, 1, 0, 2, 56, 1}, {25, 10, 16, 8, 1, 0, 2, 56, 1}, {25, 11, 16, 8, 1, 0, 2, 56, 1}, {25, 12, 16, 8, 1, 0, 2, 56, 1}, {25, 13, 16, 8, 1, 0, 2, 56, 1}, {25, 14, 16, 8, 1, 0, 2, 56, 1}, {25, 15, 16, 8, 1, 0, 2, 64, -15},
+    {33, 0, 16, 8, 1, 0, 2, 56, 1}, {33, 1, 16, 8, 1, 0, 2, 56, 1}, {33, 2, 16, 8, 1, 0, 2, 56, 1}, {33, 3, 16, 8, 1, 0, 2, 56, 1}, {33, 4, 16, 8, 1, 0, 2, 56, 1}, {33, 5, 16, 8, 1, 0, 2, 56, 1}, {33, 6, 16, 8, 1, 0, 2, 56, 1}, {33, 7, 16, 8, 1, 0, 2, 56, 1},
+    {33, 8, 16, 8, 1, 0, 2, 56, 1}, {33, 9, 16, 8, 1, 0, 2, 56, 1}, {33, 10, 16, 8, 1, 0, 2, 56, 1}, {33, 11, 16, 8, 1, 0, 2, 56, 1}, {33, 12, 16, 8, 1, 0, 2, 56, 1}, {33, 13, 16, 8, 1, 0, 2, 56, 1}, {33, 14, 16, 8, 1, 0, 2, 56, 1}, {33, 15, 16, 8, 1, 0, 2, 64, -15},
+    {41, 0, 16, 8, 1, 0, 2, 56, 1}, {41, 1, 16, 8, 1, 0, 2, 56, 1}, {41, 2, 16, 8, 1, 0, 2, 56, 1}, {41, 3, 16, 8, 1, 0, 2, 56, 1}, {41, 4, 16, 8, 1, 0, 2, 56, 1}, {41, 5, 16, 8, 1, 0, 2, 56, 1}, {41, 6, 16, 8, 1, 0, 2, 56, 1}, {41, 7, 16, 8, 1, 0, 2, 56, 1},
+    {41, 8, 16, 8, 1, 0, 2, 56, 1}, {41, 9, 16, 8, 1, 0, 2, 56, 1}, {41, 10, 16, 8, 1, 0, 2, 56, 1}, {41, 11, 16, 8, 1, 0, 2, 56, 1}, {41, 12, 16, 8, 1, 0, 2, 56, 1}, {41, 13, 16, 8, 1, 0, 2, 56, 1}, {41, 14, 16, 8, 1, 0, 2, 56, 1}, {41, 15, 16, 8, 1, 0, 2, 64, -15},
+    {49, 0, 16, 8, 1, 0, 2, 56, 1}, {49, 1, 16, 8, 1, 0, 2, 56, 1}, {49, 2, 16, 8, 1, 0, 2, 56, 1}, {49, 3, 16, 8, 1, 0, 2, 56, 1}, {49, 4, 16, 8, 1, 0, 2, 56, 1}, {49, 5, 16, 8, 1, 0, 2, 56, 1}, {49, 6, 16, 8, 1, 0, 2, 56, 1}, {49, 7, 16, 8, 1, 0, 2, 56, 1},
+    {49, 8, 16, 8, 1, 0, 2, 56, 1}, {49, 9, 16, 8, 1, 0, 2, 56, 1}, {49, 10, 16, 8, 1, 0, 2, 56, 1}, {49, 11, 16, 8, 1, 0, 2, 56, 1}, {49, 12, 16, 8, 1, 0, 2, 56, 1}, {49, 13, 16, 8, 1, 0, 2, 56, 1}, {49, 14, 16, 8, 1, 0, 2, 56, 1}, {49, 15, 16, 8, 1, 0, 2, 64, -15},
 };
-static __device__ const tsgen::share_table<15416> shares_w8 =
-    tsgen::expand_shares<15416>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][114] = {
+static __device__ const tsgen::share_table<15416> shares_w8 = tsgen::expand_shares<15416>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][114] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 16, 40, 64, 88, 112, 136, 160, 184, 208, 232, 256, 280, 304, 328, 352, 369, 386, 403, 420, 437, 454, 471, 487, 503, 519, 535, 551, 567, 583, 599, 615, 631, 647, 663, 679, 695, 711, 727, 743, 759, 775, 791, 807, 823, 839, 855, 871, 887, 903, 919, 935, 951, 967, 983, 999, 1015, 1031, 1047, 1063, 1079, 1095, 1111, 1127, 1143, 1159, 1175, 1191, 1207, 1223, 1239, 1255, 1271, 1287, 1303, 1319, 1335, 1351, 1367, 1383, 1399, 1415, 1431, 1447, 1463, 1479, 1495, 1511, 1527, 1543, 1559, 1575, 1591, 1607, 1623, 1639, 1655, 1671, 1687, 1703, 1719, 1735, 1751, 1767, 1783, 1799, 1815, 1831, 1847, 1863, 1879, 1895, 1911, 1927 },
     { 1927, 1943, 1967, 1991, 2015, 2039, 2063, 2087, 2111, 2135, 2159, 2183, 2207, 2231, 2255, 2279, 2296, 2313, 2330, 2347, 2364, 2381, 2398, 2414, 2430, 2446, 2462, 2478, 2494, 2510, 2526, 2542, 2558, 2574, 2590, 2606, 2622, 2638, 2654, 2670, 2686, 2702, 2718, 2734, 2750, 2766, 2782, 2798, 2814, 2830, 2846, 2862, 2878, 2894, 2910, 2926, 2942, 2958, 2974, 2990, 3006, 3022, 3038, 3054, 3070, 3086, 3102, 3118, 3134, 3150, 3166, 3182, 3198, 3214, 3230, 3246, 3262, 3278, 3294, 3310, 3326, 3342, 3358, 3374, 3390, 3406, 3422, 3438, 3454, 3470, 3486, 3502, 3518, 3534, 3550, 3566, 3582, 3598, 3614, 3630, 3646, 3662, 3678, 3694, 3710, 3726, 3742, 3758, 3774, 3790, 3806, 3822, 3838, 3854 },
     { 3854, 3870, 3894, 3918, 3942, 3966, 3990, 4014, 4038, 4062, 4086, 4110, 4134, 4158, 4182, 4206, 4223, 4240, 4257, 4274, 4291, 4308, 4325, 4341, 4357, 4373, 4389, 4405, 4421, 4437, 4453, 4469, 4485, 4501, 4517, 4533, 4549, 4565, 4581, 4597, 4613, 4629, 4645, 4661, 4677, 4693, 4709, 4725, 4741, 4757, 4773, 4789, 4805, 4821, 4837, 4853, 4869, 4885, 4901, 4917, 4933, 4949, 4965, 4981, 4997, 5013, 5029, 5045, 5061, 5077, 5093, 5109, 5125, 5141, 5157, 5173, 5189, 5205, 5221, 5237, 5253, 5269, 5285, 5301, 5317, 5333, 5349, 5365, 5381, 5397, 5413, 5429, 5445, 5461, 5477, 5493, 5509, 5525, 5541, 5557, 5573, 5589, 5605, 5621, 5637, 5653, 5669, 5685, 5701, 5717, 5733, 5749, 5765, 5781 },
@@ -3742,154 +1708,79 @@ static __device__ const uint16_t first_w8[8][114] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: part 1 piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: part 1 piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 3: part 1 piece 2 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: part 1 piece 3 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 5: part 1 piece 4 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: part 1 piece 5 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 7: part 1 piece 6 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[7], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: part 1 piece 7 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[1], b - 1, 16);  // step 1: part 1 piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[2], b - 1, 16);  // step 2: part 1 piece 1 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[3], b - 1, 16);  // step 3: part 1 piece 2 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[4], b - 1, 16);  // step 4: part 1 piece 3 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[5], b - 1, 16);  // step 5: part 1 piece 4 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[6], b - 1, 16);  // step 6: part 1 piece 5 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[7], b - 1, 16);  // step 7: part 1 piece 6 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[8], b - 1, 16);  // step 8: part 1 piece 7 to rank 1
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 9: reduce our part, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 10: reduce our part, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[10], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 11: reduce our part, piece 2
-          tsgen::run_share<T, UNROLL>(steps_w2[11], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 12: reduce our part, piece 3
-          tsgen::run_share<T, UNROLL>(steps_w2[12], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 13: reduce our part, piece 4
-          tsgen::run_share<T, UNROLL>(steps_w2[13], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 14: reduce our part, piece 5
-          tsgen::run_share<T, UNROLL>(steps_w2[14], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 15: reduce our part, piece 6
-          tsgen::run_share<T, UNROLL>(steps_w2[15], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 16: reduce our part, piece 7
-          tsgen::run_share<T, UNROLL>(steps_w2[16], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[9], b - 17, 16);  // step 9: reduce our part, piece 0
+          TSGEN_RUN_SHARE(steps_w2[10], b - 17, 16);  // step 10: reduce our part, piece 1
+          TSGEN_RUN_SHARE(steps_w2[11], b - 17, 16);  // step 11: reduce our part, piece 2
+          TSGEN_RUN_SHARE(steps_w2[12], b - 17, 16);  // step 12: reduce our part, piece 3
+          TSGEN_RUN_SHARE(steps_w2[13], b - 17, 16);  // step 13: reduce our part, piece 4
+          TSGEN_RUN_SHARE(steps_w2[14], b - 17, 16);  // step 14: reduce our part, piece 5
+          TSGEN_RUN_SHARE(steps_w2[15], b - 17, 16);  // step 15: reduce our part, piece 6
+          TSGEN_RUN_SHARE(steps_w2[16], b - 17, 16);  // step 16: reduce our part, piece 7
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 0 step 17: reduced piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[17], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 18: reduced piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[18], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 19: reduced piece 2 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[19], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 20: reduced piece 3 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[20], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 21: reduced piece 4 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[21], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 22: reduced piece 5 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[22], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 23: reduced piece 6 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[23], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 24: reduced piece 7 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[24], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[17], b - 33, 16);  // step 17: reduced piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[18], b - 33, 16);  // step 18: reduced piece 1 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[19], b - 33, 16);  // step 19: reduced piece 2 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[20], b - 33, 16);  // step 20: reduced piece 3 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[21], b - 33, 16);  // step 21: reduced piece 4 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[22], b - 33, 16);  // step 22: reduced piece 5 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[23], b - 33, 16);  // step 23: reduced piece 6 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[24], b - 33, 16);  // step 24: reduced piece 7 to rank 1
         }
-        if (b == 49) {  // block 49
-          // rank 0 step 25: wait for every peer's reduced parts
-          tsgen::run_share<T, UNROLL>(steps_w2[25], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 49) TSGEN_RUN_SHARE(steps_w2[25], 0, 1);  // block 49, step 25: wait for every peer's reduced parts
         break;
       case 1:
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: part 0 piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[27], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: part 0 piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[28], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 3: part 0 piece 2 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[29], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: part 0 piece 3 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[30], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 5: part 0 piece 4 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[31], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: part 0 piece 5 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[32], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 7: part 0 piece 6 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[33], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: part 0 piece 7 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[34], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[27], b - 1, 16);  // step 1: part 0 piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[28], b - 1, 16);  // step 2: part 0 piece 1 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[29], b - 1, 16);  // step 3: part 0 piece 2 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[30], b - 1, 16);  // step 4: part 0 piece 3 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[31], b - 1, 16);  // step 5: part 0 piece 4 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[32], b - 1, 16);  // step 6: part 0 piece 5 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[33], b - 1, 16);  // step 7: part 0 piece 6 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[34], b - 1, 16);  // step 8: part 0 piece 7 to rank 0
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 9: reduce our part, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[35], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 10: reduce our part, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[36], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 11: reduce our part, piece 2
-          tsgen::run_share<T, UNROLL>(steps_w2[37], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 12: reduce our part, piece 3
-          tsgen::run_share<T, UNROLL>(steps_w2[38], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 13: reduce our part, piece 4
-          tsgen::run_share<T, UNROLL>(steps_w2[39], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 14: reduce our part, piece 5
-          tsgen::run_share<T, UNROLL>(steps_w2[40], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 15: reduce our part, piece 6
-          tsgen::run_share<T, UNROLL>(steps_w2[41], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 16: reduce our part, piece 7
-          tsgen::run_share<T, UNROLL>(steps_w2[42], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[35], b - 17, 16);  // step 9: reduce our part, piece 0
+          TSGEN_RUN_SHARE(steps_w2[36], b - 17, 16);  // step 10: reduce our part, piece 1
+          TSGEN_RUN_SHARE(steps_w2[37], b - 17, 16);  // step 11: reduce our part, piece 2
+          TSGEN_RUN_SHARE(steps_w2[38], b - 17, 16);  // step 12: reduce our part, piece 3
+          TSGEN_RUN_SHARE(steps_w2[39], b - 17, 16);  // step 13: reduce our part, piece 4
+          TSGEN_RUN_SHARE(steps_w2[40], b - 17, 16);  // step 14: reduce our part, piece 5
+          TSGEN_RUN_SHARE(steps_w2[41], b - 17, 16);  // step 15: reduce our part, piece 6
+          TSGEN_RUN_SHARE(steps_w2[42], b - 17, 16);  // step 16: reduce our part, piece 7
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 1 step 17: reduced piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[43], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 18: reduced piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[44], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 19: reduced piece 2 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[45], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 20: reduced piece 3 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[46], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 21: reduced piece 4 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[47], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 22: reduced piece 5 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[48], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 23: reduced piece 6 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[49], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 24: reduced piece 7 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[50], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[43], b - 33, 16);  // step 17: reduced piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[44], b - 33, 16);  // step 18: reduced piece 1 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[45], b - 33, 16);  // step 19: reduced piece 2 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[46], b - 33, 16);  // step 20: reduced piece 3 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[47], b - 33, 16);  // step 21: reduced piece 4 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[48], b - 33, 16);  // step 22: reduced piece 5 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[49], b - 33, 16);  // step 23: reduced piece 6 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[50], b - 33, 16);  // step 24: reduced piece 7 to rank 0
         }
-        if (b == 49) {  // block 49
-          // rank 1 step 25: wait for every peer's reduced parts
-          tsgen::run_share<T, UNROLL>(steps_w2[51], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b == 49) TSGEN_RUN_SHARE(steps_w2[51], 0, 1);  // block 49, step 25: wait for every peer's reduced parts
         break;
     }
   }
@@ -3898,17 +1789,9 @@ template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w3.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x6u, index = 0; break;
-      case 1: mask = 0x5u, index = 1; break;
-      case 2: mask = 0x3u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x6u, index = 0; break; case 1: mask = 0x5u, index = 1; break; case 2: mask = 0x3u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
 };
@@ -3916,17 +1799,10 @@ template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xeu, index = 0; break;
-      case 1: mask = 0xdu, index = 1; break;
-      case 2: mask = 0xbu, index = 2; break;
-      case 3: mask = 0x7u, index = 3; break;
-      default: break;
+      case 0: mask = 0xeu, index = 0; break; case 1: mask = 0xdu, index = 1; break; case 2: mask = 0xbu, index = 2; break; case 3: mask = 0x7u, index = 3; break; default: break;
     }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
@@ -3935,76 +1811,42 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xfeu, index = 0; break;
-      case 1: mask = 0xfdu, index = 1; break;
-      case 2: mask = 0xfbu, index = 2; break;
-      case 3: mask = 0xf7u, index = 3; break;
-      case 4: mask = 0xefu, index = 4; break;
-      case 5: mask = 0xdfu, index = 5; break;
-      case 6: mask = 0xbfu, index = 6; break;
-      case 7: mask = 0x7fu, index = 7; break;
-      default: break;
+      case 0: mask = 0xfeu, index = 0; break; case 1: mask = 0xfdu, index = 1; break; case 2: mask = 0xfbu, index = 2; break; case 3: mask = 0xf7u, index = 3; break; case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break; case 6: mask = 0xbfu, index = 6; break; case 7: mask = 0x7fu, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace all_reduce_two_shot
 
-// World size 2: grid 113, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {  // grid 113, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_two_shot::run<2>(peers, rank, epoch, count, src, dst, inbox, entry, arrive, reduced, gathered);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 113, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {  // grid 113, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_two_shot::run<3>(peers, rank, epoch, count, src, dst, inbox, entry, arrive, reduced, gathered);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 113, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {  // grid 113, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_two_shot::run<4>(peers, rank, epoch, count, src, dst, inbox, entry, arrive, reduced, gathered);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 113, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {  // grid 113, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_two_shot::run<8>(peers, rank, epoch, count, src, dst, inbox, entry, arrive, reduced, gathered);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through all_reduce_two_shot::launch.
-namespace all_reduce_two_shot {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered);
-  return cudaGetLastError();
-}
-}  // namespace all_reduce_two_shot
-
-extern "C" cudaError_t all_reduce_two_shot_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot::launch<all_reduce_two_shot_w2, 113, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, stream); }
-extern "C" cudaError_t all_reduce_two_shot_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot::launch<all_reduce_two_shot_w3, 113, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, stream); }
-extern "C" cudaError_t all_reduce_two_shot_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot::launch<all_reduce_two_shot_w4, 113, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, stream); }
-extern "C" cudaError_t all_reduce_two_shot_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot::launch<all_reduce_two_shot_w8, 113, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t all_reduce_two_shot_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_two_shot_w2, 113, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered); }
+extern "C" cudaError_t all_reduce_two_shot_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_two_shot_w3, 113, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered); }
+extern "C" cudaError_t all_reduce_two_shot_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_two_shot_w4, 113, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered); }
+extern "C" cudaError_t all_reduce_two_shot_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_two_shot_w8, 113, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered); }

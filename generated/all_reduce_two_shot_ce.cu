@@ -12,12 +12,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  count
@@ -28,19 +26,19 @@
 //   reduced  uint64_t       signal 4
 //   gathered uint64_t       signal 32
 // Contents (line numbers of this file):
-//   60: the hand-written library, included: tsgen/ptx.cuh 60, tsgen/sync.cuh 61, tsgen/copy.cuh 62, tsgen/plan.cuh 63, tsgen/ce.cuh 64
-//   69: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
+//   57: the hand-written library, included: tsgen/ptx.cuh 57, tsgen/sync.cuh 58, tsgen/copy.cuh 59, tsgen/plan.cuh 60, tsgen/ce.cuh 61
+//   64: the op's own code (namespace all_reduce_two_shot_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_two_shot_ce_w2_sync 1729, all_reduce_two_shot_ce_w2_reduce 1734
-//     all_reduce_two_shot_ce_w2_end 1741, all_reduce_two_shot_ce_w2_prepare 1747
-//     all_reduce_two_shot_ce_w2_launch 1756, all_reduce_two_shot_ce_w3_sync 1854
-//     all_reduce_two_shot_ce_w3_reduce 1859, all_reduce_two_shot_ce_w3_end 1866
-//     all_reduce_two_shot_ce_w3_prepare 1872, all_reduce_two_shot_ce_w3_launch 1881
-//     all_reduce_two_shot_ce_w4_sync 2064, all_reduce_two_shot_ce_w4_reduce 2069
-//     all_reduce_two_shot_ce_w4_end 2076, all_reduce_two_shot_ce_w4_prepare 2082
-//     all_reduce_two_shot_ce_w4_launch 2091, all_reduce_two_shot_ce_w8_sync 2399
-//     all_reduce_two_shot_ce_w8_reduce 2404, all_reduce_two_shot_ce_w8_end 2411
-//     all_reduce_two_shot_ce_w8_prepare 2417, all_reduce_two_shot_ce_w8_launch 2426
+//     all_reduce_two_shot_ce_w2_sync 938, all_reduce_two_shot_ce_w2_reduce 943
+//     all_reduce_two_shot_ce_w2_end 950, all_reduce_two_shot_ce_w2_prepare 955
+//     all_reduce_two_shot_ce_w2_launch 959, all_reduce_two_shot_ce_w3_sync 1034
+//     all_reduce_two_shot_ce_w3_reduce 1039, all_reduce_two_shot_ce_w3_end 1046
+//     all_reduce_two_shot_ce_w3_prepare 1051, all_reduce_two_shot_ce_w3_launch 1055
+//     all_reduce_two_shot_ce_w4_sync 1215, all_reduce_two_shot_ce_w4_reduce 1220
+//     all_reduce_two_shot_ce_w4_end 1227, all_reduce_two_shot_ce_w4_prepare 1232
+//     all_reduce_two_shot_ce_w4_launch 1236, all_reduce_two_shot_ce_w8_sync 1521
+//     all_reduce_two_shot_ce_w8_reduce 1526, all_reduce_two_shot_ce_w8_end 1533
+//     all_reduce_two_shot_ce_w8_prepare 1538, all_reduce_two_shot_ce_w8_launch 1542
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -48,8 +46,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -63,9 +60,7 @@
 #include "tsgen/plan.cuh"
 #include "tsgen/ce.cuh"
 
-// ---------------------------------------------------------------------------
-// all_reduce: all_reduce_two_shot_ce
-// ---------------------------------------------------------------------------
+// ---- all_reduce: all_reduce_two_shot_ce ----------------------------------------------------------------
 namespace all_reduce_two_shot_ce {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -75,19 +70,9 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: inbox
-//   4: entry
-//   5: arrive
-//   6: reduced
-//   7: gathered
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 // One call = the plan's steps spread over streams (the schedule's blocks):
 // copies are cudaMemcpyAsync, reductions run reduce<>, and sync<> raises the
@@ -104,1591 +89,816 @@ static __device__ __forceinline__ void reduce(char* const* peers, int rank, uint
   tsgen::ce::reduce<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(plan<WORLD>::steps(rank)[step], rank, count, bufs, peers);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 28 steps, 28 block shares over 5 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 28 steps, 28 block shares over 5 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[4/8] = r0:src@0[4/8]; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[5/8] = r0:src@0[5/8]; signal r1:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[6/8] = r0:src@0[6/8]; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[7/8] = r0:src@0[7/8]; signal r1:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: reduce our part, piece 0; wait arrive[4]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8]; signal r0:reduced[0]
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}}, {}, {{5, 0, 4, 1}}, {{0, 6, 0}}},
-    // rank 0 step 6: reduce our part, piece 1; wait arrive[5]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8]; signal r0:reduced[1]
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}}, {}, {{5, 0, 5, 1}}, {{0, 6, 1}}},
-    // rank 0 step 7: reduce our part, piece 2; wait arrive[6]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8]; signal r0:reduced[2]
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}}, {}, {{5, 0, 6, 1}}, {{0, 6, 2}}},
-    // rank 0 step 8: reduce our part, piece 3; wait arrive[7]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8]; signal r0:reduced[3]
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}}, {}, {{5, 0, 7, 1}}, {{0, 6, 3}}},
-    // rank 0 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/8] = r0:dst@0[1/8]; signal r1:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 11: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/8] = r0:dst@0[2/8]; signal r1:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 8, 0, 2}, {{0, 2, 0, 8, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 2}}},
-    // rank 0 step 12: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/8] = r0:dst@0[3/8]; signal r1:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 8, 0, 3}, {{0, 2, 0, 8, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 3}}},
-    // rank 0 step 13: wait for every peer's reduced parts; wait gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 1 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 1 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 1 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 1 step 5: reduce our part, piece 0; wait arrive[0]; r1:dst@0[4/8] = r1:src@0[4/8] + r1:inbox@0[4/8]; signal r1:reduced[0]
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}, {1, 3, 0, 8, 0, 4}}, {}, {{5, 0, 0, 1}}, {{1, 6, 0}}},
-    // rank 1 step 6: reduce our part, piece 1; wait arrive[1]; r1:dst@0[5/8] = r1:src@0[5/8] + r1:inbox@0[5/8]; signal r1:reduced[1]
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}, {1, 3, 0, 8, 0, 5}}, {}, {{5, 0, 1, 1}}, {{1, 6, 1}}},
-    // rank 1 step 7: reduce our part, piece 2; wait arrive[2]; r1:dst@0[6/8] = r1:src@0[6/8] + r1:inbox@0[6/8]; signal r1:reduced[2]
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}, {1, 3, 0, 8, 0, 6}}, {}, {{5, 0, 2, 1}}, {{1, 6, 2}}},
-    // rank 1 step 8: reduce our part, piece 3; wait arrive[3]; r1:dst@0[7/8] = r1:src@0[7/8] + r1:inbox@0[7/8]; signal r1:reduced[3]
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}, {1, 3, 0, 8, 0, 7}}, {}, {{5, 0, 3, 1}}, {{1, 6, 3}}},
-    // rank 1 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/8] = r1:dst@0[4/8]; signal r0:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 8, 0, 4}, {{1, 2, 0, 8, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 4}}},
-    // rank 1 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/8] = r1:dst@0[5/8]; signal r0:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 8, 0, 5}, {{1, 2, 0, 8, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 5}}},
-    // rank 1 step 11: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[6/8] = r1:dst@0[6/8]; signal r0:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 8, 0, 6}, {{1, 2, 0, 8, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 6}}},
-    // rank 1 step 12: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[7/8] = r1:dst@0[7/8]; signal r0:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 8, 0, 7}, {{1, 2, 0, 8, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 7}}},
-    // rank 1 step 13: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[4/8] = r0:src@0[4/8]; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[5/8] = r0:src@0[5/8]; signal r1:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[6/8] = r0:src@0[6/8]; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[7/8] = r0:src@0[7/8]; signal r1:arrive[3]
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}}, {}, {{5, 0, 4, 1}}, {{0, 6, 0}}},  // rank 0 step 5: reduce our part, piece 0; wait arrive[4]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8]; signal r0:reduced[0]
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}}, {}, {{5, 0, 5, 1}}, {{0, 6, 1}}},  // rank 0 step 6: reduce our part, piece 1; wait arrive[5]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8]; signal r0:reduced[1]
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}}, {}, {{5, 0, 6, 1}}, {{0, 6, 2}}},  // rank 0 step 7: reduce our part, piece 2; wait arrive[6]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8]; signal r0:reduced[2]
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}}, {}, {{5, 0, 7, 1}}, {{0, 6, 3}}},  // rank 0 step 8: reduce our part, piece 3; wait arrive[7]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8]; signal r0:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 8, 0, 0}, {{0, 2, 0, 8, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 0}}},  // rank 0 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 8, 0, 1}, {{0, 2, 0, 8, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 1}}},  // rank 0 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/8] = r0:dst@0[1/8]; signal r1:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 8, 0, 2}, {{0, 2, 0, 8, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 2}}},  // rank 0 step 11: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/8] = r0:dst@0[2/8]; signal r1:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 8, 0, 3}, {{0, 2, 0, 8, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 3}}},  // rank 0 step 12: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/8] = r0:dst@0[3/8]; signal r1:gathered[3]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},  // rank 0 step 13: wait for every peer's reduced parts; wait gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 1 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 1 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 1 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 1 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[7]
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}, {1, 3, 0, 8, 0, 4}}, {}, {{5, 0, 0, 1}}, {{1, 6, 0}}},  // rank 1 step 5: reduce our part, piece 0; wait arrive[0]; r1:dst@0[4/8] = r1:src@0[4/8] + r1:inbox@0[4/8]; signal r1:reduced[0]
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}, {1, 3, 0, 8, 0, 5}}, {}, {{5, 0, 1, 1}}, {{1, 6, 1}}},  // rank 1 step 6: reduce our part, piece 1; wait arrive[1]; r1:dst@0[5/8] = r1:src@0[5/8] + r1:inbox@0[5/8]; signal r1:reduced[1]
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}, {1, 3, 0, 8, 0, 6}}, {}, {{5, 0, 2, 1}}, {{1, 6, 2}}},  // rank 1 step 7: reduce our part, piece 2; wait arrive[2]; r1:dst@0[6/8] = r1:src@0[6/8] + r1:inbox@0[6/8]; signal r1:reduced[2]
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}, {1, 3, 0, 8, 0, 7}}, {}, {{5, 0, 3, 1}}, {{1, 6, 3}}},  // rank 1 step 8: reduce our part, piece 3; wait arrive[3]; r1:dst@0[7/8] = r1:src@0[7/8] + r1:inbox@0[7/8]; signal r1:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 8, 0, 4}, {{1, 2, 0, 8, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 4}}},  // rank 1 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/8] = r1:dst@0[4/8]; signal r0:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 8, 0, 5}, {{1, 2, 0, 8, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 5}}},  // rank 1 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/8] = r1:dst@0[5/8]; signal r0:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 8, 0, 6}, {{1, 2, 0, 8, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 6}}},  // rank 1 step 11: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[6/8] = r1:dst@0[6/8]; signal r0:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 8, 0, 7}, {{1, 2, 0, 8, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 7}}},  // rank 1 step 12: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[7/8] = r1:dst@0[7/8]; signal r0:gathered[7]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}}, {}},  // rank 1 step 13: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3]
 };
 static __device__ const int step_base_w2[2] = { 0, 14 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w2[] = {
-    // rank 0: shares 0..13
-    {0, 0, 1, 14, 1, 0},
-    // rank 1: shares 14..27
-    {0, 0, 1, 14, 1, 0},
+    {0, 0, 1, 14, 1, 0, 1, 0, 0},  // rank 0: shares 0..13
+    {0, 0, 1, 14, 1, 0, 1, 0, 0},  // rank 1: shares 14..27
 };
-static __device__ const tsgen::share_table<28> shares_w2 =
-    tsgen::expand_shares<28>(share_runs_w2);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][6] = {
+static __device__ const tsgen::share_table<28> shares_w2 = tsgen::expand_shares<28>(share_runs_w2);
+static __device__ const uint16_t first_w2[2][6] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 5, 9, 13, 14 },
     { 14, 15, 19, 23, 27, 28 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 66 steps, 66 block shares over 7 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 66 steps, 66 block shares over 7 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[4/12] = r0:src@0[4/12]; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 4}, {{0, 1, 1, 12, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[5/12] = r0:src@0[5/12]; signal r1:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 5}, {{0, 1, 1, 12, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[6/12] = r0:src@0[6/12]; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 6}, {{0, 1, 1, 12, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[7/12] = r0:src@0[7/12]; signal r1:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 7}, {{0, 1, 1, 12, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[8/12] = r0:src@0[8/12]; signal r2:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 8}, {{0, 1, 1, 12, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[9/12] = r0:src@0[9/12]; signal r2:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 9}, {{0, 1, 1, 12, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 7: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[10/12] = r0:src@0[10/12]; signal r2:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 10}, {{0, 1, 1, 12, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 8: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[11/12] = r0:src@0[11/12]; signal r2:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 11}, {{0, 1, 1, 12, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 9: reduce our part, piece 0; wait arrive[4], arrive[8]; r0:dst@0[0/12] = r0:src@0[0/12] + r0:inbox@1[0/12] + r0:inbox@2[0/12]; signal r0:reduced[0]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 12, 0, 0}, {{0, 1, 1, 12, 0, 0}, {0, 3, 0, 12, 1, 0}, {0, 3, 0, 12, 2, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}}, {{0, 6, 0}}},
-    // rank 0 step 10: reduce our part, piece 1; wait arrive[5], arrive[9]; r0:dst@0[1/12] = r0:src@0[1/12] + r0:inbox@1[1/12] + r0:inbox@2[1/12]; signal r0:reduced[1]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 12, 0, 1}, {{0, 1, 1, 12, 0, 1}, {0, 3, 0, 12, 1, 1}, {0, 3, 0, 12, 2, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}}, {{0, 6, 1}}},
-    // rank 0 step 11: reduce our part, piece 2; wait arrive[6], arrive[10]; r0:dst@0[2/12] = r0:src@0[2/12] + r0:inbox@1[2/12] + r0:inbox@2[2/12]; signal r0:reduced[2]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 12, 0, 2}, {{0, 1, 1, 12, 0, 2}, {0, 3, 0, 12, 1, 2}, {0, 3, 0, 12, 2, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}}, {{0, 6, 2}}},
-    // rank 0 step 12: reduce our part, piece 3; wait arrive[7], arrive[11]; r0:dst@0[3/12] = r0:src@0[3/12] + r0:inbox@1[3/12] + r0:inbox@2[3/12]; signal r0:reduced[3]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 12, 0, 3}, {{0, 1, 1, 12, 0, 3}, {0, 3, 0, 12, 1, 3}, {0, 3, 0, 12, 2, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}}, {{0, 6, 3}}},
-    // rank 0 step 13: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/12] = r0:dst@0[0/12]; signal r1:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 0}, {{0, 2, 0, 12, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 14: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/12] = r0:dst@0[1/12]; signal r1:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 1}, {{0, 2, 0, 12, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 15: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/12] = r0:dst@0[2/12]; signal r1:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 2}, {{0, 2, 0, 12, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 2}}},
-    // rank 0 step 16: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/12] = r0:dst@0[3/12]; signal r1:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 3}, {{0, 2, 0, 12, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 3}}},
-    // rank 0 step 17: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/12] = r0:dst@0[0/12]; signal r2:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 0}, {{0, 2, 0, 12, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 0}}},
-    // rank 0 step 18: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/12] = r0:dst@0[1/12]; signal r2:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 1}, {{0, 2, 0, 12, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 1}}},
-    // rank 0 step 19: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/12] = r0:dst@0[2/12]; signal r2:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 2}, {{0, 2, 0, 12, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 2}}},
-    // rank 0 step 20: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/12] = r0:dst@0[3/12]; signal r2:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 3}, {{0, 2, 0, 12, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 3}}},
-    // rank 0 step 21: wait for every peer's reduced parts; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[8/12] = r1:src@0[8/12]; signal r2:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 1, 8}, {{1, 1, 1, 12, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[9/12] = r1:src@0[9/12]; signal r2:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 1, 9}, {{1, 1, 1, 12, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[10/12] = r1:src@0[10/12]; signal r2:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 1, 10}, {{1, 1, 1, 12, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[11/12] = r1:src@0[11/12]; signal r2:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 1, 11}, {{1, 1, 1, 12, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 1 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/12] = r1:src@0[0/12]; signal r0:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 1, 0}, {{1, 1, 1, 12, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 1 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/12] = r1:src@0[1/12]; signal r0:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 1, 1}, {{1, 1, 1, 12, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 1 step 7: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/12] = r1:src@0[2/12]; signal r0:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 1, 2}, {{1, 1, 1, 12, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 1 step 8: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/12] = r1:src@0[3/12]; signal r0:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 1, 3}, {{1, 1, 1, 12, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 1 step 9: reduce our part, piece 0; wait arrive[0], arrive[8]; r1:dst@0[4/12] = r1:src@0[4/12] + r1:inbox@0[4/12] + r1:inbox@2[4/12]; signal r1:reduced[0]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 12, 0, 4}, {{1, 1, 1, 12, 0, 4}, {1, 3, 0, 12, 0, 4}, {1, 3, 0, 12, 2, 4}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}}, {{1, 6, 0}}},
-    // rank 1 step 10: reduce our part, piece 1; wait arrive[1], arrive[9]; r1:dst@0[5/12] = r1:src@0[5/12] + r1:inbox@0[5/12] + r1:inbox@2[5/12]; signal r1:reduced[1]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 12, 0, 5}, {{1, 1, 1, 12, 0, 5}, {1, 3, 0, 12, 0, 5}, {1, 3, 0, 12, 2, 5}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}}, {{1, 6, 1}}},
-    // rank 1 step 11: reduce our part, piece 2; wait arrive[2], arrive[10]; r1:dst@0[6/12] = r1:src@0[6/12] + r1:inbox@0[6/12] + r1:inbox@2[6/12]; signal r1:reduced[2]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 12, 0, 6}, {{1, 1, 1, 12, 0, 6}, {1, 3, 0, 12, 0, 6}, {1, 3, 0, 12, 2, 6}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}}, {{1, 6, 2}}},
-    // rank 1 step 12: reduce our part, piece 3; wait arrive[3], arrive[11]; r1:dst@0[7/12] = r1:src@0[7/12] + r1:inbox@0[7/12] + r1:inbox@2[7/12]; signal r1:reduced[3]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 12, 0, 7}, {{1, 1, 1, 12, 0, 7}, {1, 3, 0, 12, 0, 7}, {1, 3, 0, 12, 2, 7}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}}, {{1, 6, 3}}},
-    // rank 1 step 13: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[4/12] = r1:dst@0[4/12]; signal r2:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 4}, {{1, 2, 0, 12, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 4}}},
-    // rank 1 step 14: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[5/12] = r1:dst@0[5/12]; signal r2:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 5}, {{1, 2, 0, 12, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 5}}},
-    // rank 1 step 15: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[6/12] = r1:dst@0[6/12]; signal r2:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 6}, {{1, 2, 0, 12, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 6}}},
-    // rank 1 step 16: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[7/12] = r1:dst@0[7/12]; signal r2:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 7}, {{1, 2, 0, 12, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 7}}},
-    // rank 1 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/12] = r1:dst@0[4/12]; signal r0:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 4}, {{1, 2, 0, 12, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 4}}},
-    // rank 1 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/12] = r1:dst@0[5/12]; signal r0:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 5}, {{1, 2, 0, 12, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 5}}},
-    // rank 1 step 19: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[6/12] = r1:dst@0[6/12]; signal r0:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 6}, {{1, 2, 0, 12, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 6}}},
-    // rank 1 step 20: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[7/12] = r1:dst@0[7/12]; signal r0:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 7}, {{1, 2, 0, 12, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 7}}},
-    // rank 1 step 21: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},
-    // rank 2 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/12] = r2:src@0[0/12]; signal r0:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 2, 0}, {{2, 1, 1, 12, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 2 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/12] = r2:src@0[1/12]; signal r0:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 2, 1}, {{2, 1, 1, 12, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 2 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/12] = r2:src@0[2/12]; signal r0:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 2, 2}, {{2, 1, 1, 12, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 2 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/12] = r2:src@0[3/12]; signal r0:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 2, 3}, {{2, 1, 1, 12, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 2 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[4/12] = r2:src@0[4/12]; signal r1:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 2, 4}, {{2, 1, 1, 12, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 2 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[5/12] = r2:src@0[5/12]; signal r1:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 2, 5}, {{2, 1, 1, 12, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 2 step 7: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[6/12] = r2:src@0[6/12]; signal r1:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 2, 6}, {{2, 1, 1, 12, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 2 step 8: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[7/12] = r2:src@0[7/12]; signal r1:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 2, 7}, {{2, 1, 1, 12, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 2 step 9: reduce our part, piece 0; wait arrive[0], arrive[4]; r2:dst@0[8/12] = r2:src@0[8/12] + r2:inbox@0[8/12] + r2:inbox@1[8/12]; signal r2:reduced[0]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 12, 0, 8}, {{2, 1, 1, 12, 0, 8}, {2, 3, 0, 12, 0, 8}, {2, 3, 0, 12, 1, 8}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}}, {{2, 6, 0}}},
-    // rank 2 step 10: reduce our part, piece 1; wait arrive[1], arrive[5]; r2:dst@0[9/12] = r2:src@0[9/12] + r2:inbox@0[9/12] + r2:inbox@1[9/12]; signal r2:reduced[1]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 12, 0, 9}, {{2, 1, 1, 12, 0, 9}, {2, 3, 0, 12, 0, 9}, {2, 3, 0, 12, 1, 9}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}}, {{2, 6, 1}}},
-    // rank 2 step 11: reduce our part, piece 2; wait arrive[2], arrive[6]; r2:dst@0[10/12] = r2:src@0[10/12] + r2:inbox@0[10/12] + r2:inbox@1[10/12]; signal r2:reduced[2]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 12, 0, 10}, {{2, 1, 1, 12, 0, 10}, {2, 3, 0, 12, 0, 10}, {2, 3, 0, 12, 1, 10}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}}, {{2, 6, 2}}},
-    // rank 2 step 12: reduce our part, piece 3; wait arrive[3], arrive[7]; r2:dst@0[11/12] = r2:src@0[11/12] + r2:inbox@0[11/12] + r2:inbox@1[11/12]; signal r2:reduced[3]
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 12, 0, 11}, {{2, 1, 1, 12, 0, 11}, {2, 3, 0, 12, 0, 11}, {2, 3, 0, 12, 1, 11}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}}, {{2, 6, 3}}},
-    // rank 2 step 13: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/12] = r2:dst@0[8/12]; signal r0:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 8}, {{2, 2, 0, 12, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 8}}},
-    // rank 2 step 14: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/12] = r2:dst@0[9/12]; signal r0:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 9}, {{2, 2, 0, 12, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 9}}},
-    // rank 2 step 15: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/12] = r2:dst@0[10/12]; signal r0:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 10}, {{2, 2, 0, 12, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 10}}},
-    // rank 2 step 16: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/12] = r2:dst@0[11/12]; signal r0:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 11}, {{2, 2, 0, 12, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 11}}},
-    // rank 2 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/12] = r2:dst@0[8/12]; signal r1:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 8}, {{2, 2, 0, 12, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 8}}},
-    // rank 2 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/12] = r2:dst@0[9/12]; signal r1:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 9}, {{2, 2, 0, 12, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 9}}},
-    // rank 2 step 19: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[10/12] = r2:dst@0[10/12]; signal r1:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 10}, {{2, 2, 0, 12, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 10}}},
-    // rank 2 step 20: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[11/12] = r2:dst@0[11/12]; signal r1:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 11}, {{2, 2, 0, 12, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 11}}},
-    // rank 2 step 21: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 4}, {{0, 1, 1, 12, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[4/12] = r0:src@0[4/12]; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 5}, {{0, 1, 1, 12, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[5/12] = r0:src@0[5/12]; signal r1:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 6}, {{0, 1, 1, 12, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[6/12] = r0:src@0[6/12]; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 0, 7}, {{0, 1, 1, 12, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[7/12] = r0:src@0[7/12]; signal r1:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 8}, {{0, 1, 1, 12, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[8/12] = r0:src@0[8/12]; signal r2:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 9}, {{0, 1, 1, 12, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[9/12] = r0:src@0[9/12]; signal r2:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 10}, {{0, 1, 1, 12, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 7: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[10/12] = r0:src@0[10/12]; signal r2:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 0, 11}, {{0, 1, 1, 12, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 8: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[11/12] = r0:src@0[11/12]; signal r2:arrive[3]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 12, 0, 0}, {{0, 1, 1, 12, 0, 0}, {0, 3, 0, 12, 1, 0}, {0, 3, 0, 12, 2, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}}, {{0, 6, 0}}},  // rank 0 step 9: reduce our part, piece 0; wait arrive[4], arrive[8]; r0:dst@0[0/12] = r0:src@0[0/12] + r0:inbox@1[0/12] + r0:inbox@2[0/12]; signal r0:reduced[0]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 12, 0, 1}, {{0, 1, 1, 12, 0, 1}, {0, 3, 0, 12, 1, 1}, {0, 3, 0, 12, 2, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}}, {{0, 6, 1}}},  // rank 0 step 10: reduce our part, piece 1; wait arrive[5], arrive[9]; r0:dst@0[1/12] = r0:src@0[1/12] + r0:inbox@1[1/12] + r0:inbox@2[1/12]; signal r0:reduced[1]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 12, 0, 2}, {{0, 1, 1, 12, 0, 2}, {0, 3, 0, 12, 1, 2}, {0, 3, 0, 12, 2, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}}, {{0, 6, 2}}},  // rank 0 step 11: reduce our part, piece 2; wait arrive[6], arrive[10]; r0:dst@0[2/12] = r0:src@0[2/12] + r0:inbox@1[2/12] + r0:inbox@2[2/12]; signal r0:reduced[2]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 2, 0, 12, 0, 3}, {{0, 1, 1, 12, 0, 3}, {0, 3, 0, 12, 1, 3}, {0, 3, 0, 12, 2, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}}, {{0, 6, 3}}},  // rank 0 step 12: reduce our part, piece 3; wait arrive[7], arrive[11]; r0:dst@0[3/12] = r0:src@0[3/12] + r0:inbox@1[3/12] + r0:inbox@2[3/12]; signal r0:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 0}, {{0, 2, 0, 12, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 0}}},  // rank 0 step 13: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/12] = r0:dst@0[0/12]; signal r1:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 1}, {{0, 2, 0, 12, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 1}}},  // rank 0 step 14: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/12] = r0:dst@0[1/12]; signal r1:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 2}, {{0, 2, 0, 12, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 2}}},  // rank 0 step 15: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/12] = r0:dst@0[2/12]; signal r1:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 3}, {{0, 2, 0, 12, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 3}}},  // rank 0 step 16: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/12] = r0:dst@0[3/12]; signal r1:gathered[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 0}, {{0, 2, 0, 12, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 0}}},  // rank 0 step 17: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/12] = r0:dst@0[0/12]; signal r2:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 1}, {{0, 2, 0, 12, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 1}}},  // rank 0 step 18: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/12] = r0:dst@0[1/12]; signal r2:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 2}, {{0, 2, 0, 12, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 2}}},  // rank 0 step 19: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/12] = r0:dst@0[2/12]; signal r2:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 3}, {{0, 2, 0, 12, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 3}}},  // rank 0 step 20: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/12] = r0:dst@0[3/12]; signal r2:gathered[3]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},  // rank 0 step 21: wait for every peer's reduced parts; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 1, 8}, {{1, 1, 1, 12, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[8/12] = r1:src@0[8/12]; signal r2:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 1, 9}, {{1, 1, 1, 12, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[9/12] = r1:src@0[9/12]; signal r2:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 1, 10}, {{1, 1, 1, 12, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[10/12] = r1:src@0[10/12]; signal r2:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 12, 1, 11}, {{1, 1, 1, 12, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[11/12] = r1:src@0[11/12]; signal r2:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 1, 0}, {{1, 1, 1, 12, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 1 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/12] = r1:src@0[0/12]; signal r0:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 1, 1}, {{1, 1, 1, 12, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 1 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/12] = r1:src@0[1/12]; signal r0:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 1, 2}, {{1, 1, 1, 12, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 1 step 7: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/12] = r1:src@0[2/12]; signal r0:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 1, 3}, {{1, 1, 1, 12, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 1 step 8: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/12] = r1:src@0[3/12]; signal r0:arrive[7]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 12, 0, 4}, {{1, 1, 1, 12, 0, 4}, {1, 3, 0, 12, 0, 4}, {1, 3, 0, 12, 2, 4}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}}, {{1, 6, 0}}},  // rank 1 step 9: reduce our part, piece 0; wait arrive[0], arrive[8]; r1:dst@0[4/12] = r1:src@0[4/12] + r1:inbox@0[4/12] + r1:inbox@2[4/12]; signal r1:reduced[0]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 12, 0, 5}, {{1, 1, 1, 12, 0, 5}, {1, 3, 0, 12, 0, 5}, {1, 3, 0, 12, 2, 5}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}}, {{1, 6, 1}}},  // rank 1 step 10: reduce our part, piece 1; wait arrive[1], arrive[9]; r1:dst@0[5/12] = r1:src@0[5/12] + r1:inbox@0[5/12] + r1:inbox@2[5/12]; signal r1:reduced[1]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 12, 0, 6}, {{1, 1, 1, 12, 0, 6}, {1, 3, 0, 12, 0, 6}, {1, 3, 0, 12, 2, 6}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}}, {{1, 6, 2}}},  // rank 1 step 11: reduce our part, piece 2; wait arrive[2], arrive[10]; r1:dst@0[6/12] = r1:src@0[6/12] + r1:inbox@0[6/12] + r1:inbox@2[6/12]; signal r1:reduced[2]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 2, 0, 12, 0, 7}, {{1, 1, 1, 12, 0, 7}, {1, 3, 0, 12, 0, 7}, {1, 3, 0, 12, 2, 7}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}}, {{1, 6, 3}}},  // rank 1 step 12: reduce our part, piece 3; wait arrive[3], arrive[11]; r1:dst@0[7/12] = r1:src@0[7/12] + r1:inbox@0[7/12] + r1:inbox@2[7/12]; signal r1:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 4}, {{1, 2, 0, 12, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 4}}},  // rank 1 step 13: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[4/12] = r1:dst@0[4/12]; signal r2:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 5}, {{1, 2, 0, 12, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 5}}},  // rank 1 step 14: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[5/12] = r1:dst@0[5/12]; signal r2:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 6}, {{1, 2, 0, 12, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 6}}},  // rank 1 step 15: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[6/12] = r1:dst@0[6/12]; signal r2:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 12, 0, 7}, {{1, 2, 0, 12, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 7}}},  // rank 1 step 16: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[7/12] = r1:dst@0[7/12]; signal r2:gathered[7]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 4}, {{1, 2, 0, 12, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 4}}},  // rank 1 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/12] = r1:dst@0[4/12]; signal r0:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 5}, {{1, 2, 0, 12, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 5}}},  // rank 1 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/12] = r1:dst@0[5/12]; signal r0:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 6}, {{1, 2, 0, 12, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 6}}},  // rank 1 step 19: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[6/12] = r1:dst@0[6/12]; signal r0:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 7}, {{1, 2, 0, 12, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 7}}},  // rank 1 step 20: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[7/12] = r1:dst@0[7/12]; signal r0:gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},  // rank 1 step 21: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 2, 0}, {{2, 1, 1, 12, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 2 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/12] = r2:src@0[0/12]; signal r0:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 2, 1}, {{2, 1, 1, 12, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 2 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/12] = r2:src@0[1/12]; signal r0:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 2, 2}, {{2, 1, 1, 12, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 2 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/12] = r2:src@0[2/12]; signal r0:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 12, 2, 3}, {{2, 1, 1, 12, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 2 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/12] = r2:src@0[3/12]; signal r0:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 2, 4}, {{2, 1, 1, 12, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 2 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[4/12] = r2:src@0[4/12]; signal r1:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 2, 5}, {{2, 1, 1, 12, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 2 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[5/12] = r2:src@0[5/12]; signal r1:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 2, 6}, {{2, 1, 1, 12, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 2 step 7: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[6/12] = r2:src@0[6/12]; signal r1:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 12, 2, 7}, {{2, 1, 1, 12, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 2 step 8: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[7/12] = r2:src@0[7/12]; signal r1:arrive[11]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 12, 0, 8}, {{2, 1, 1, 12, 0, 8}, {2, 3, 0, 12, 0, 8}, {2, 3, 0, 12, 1, 8}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}}, {{2, 6, 0}}},  // rank 2 step 9: reduce our part, piece 0; wait arrive[0], arrive[4]; r2:dst@0[8/12] = r2:src@0[8/12] + r2:inbox@0[8/12] + r2:inbox@1[8/12]; signal r2:reduced[0]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 12, 0, 9}, {{2, 1, 1, 12, 0, 9}, {2, 3, 0, 12, 0, 9}, {2, 3, 0, 12, 1, 9}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}}, {{2, 6, 1}}},  // rank 2 step 10: reduce our part, piece 1; wait arrive[1], arrive[5]; r2:dst@0[9/12] = r2:src@0[9/12] + r2:inbox@0[9/12] + r2:inbox@1[9/12]; signal r2:reduced[1]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 12, 0, 10}, {{2, 1, 1, 12, 0, 10}, {2, 3, 0, 12, 0, 10}, {2, 3, 0, 12, 1, 10}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}}, {{2, 6, 2}}},  // rank 2 step 11: reduce our part, piece 2; wait arrive[2], arrive[6]; r2:dst@0[10/12] = r2:src@0[10/12] + r2:inbox@0[10/12] + r2:inbox@1[10/12]; signal r2:reduced[2]
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 2, 0, 12, 0, 11}, {{2, 1, 1, 12, 0, 11}, {2, 3, 0, 12, 0, 11}, {2, 3, 0, 12, 1, 11}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}}, {{2, 6, 3}}},  // rank 2 step 12: reduce our part, piece 3; wait arrive[3], arrive[7]; r2:dst@0[11/12] = r2:src@0[11/12] + r2:inbox@0[11/12] + r2:inbox@1[11/12]; signal r2:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 8}, {{2, 2, 0, 12, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 8}}},  // rank 2 step 13: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/12] = r2:dst@0[8/12]; signal r0:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 9}, {{2, 2, 0, 12, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 9}}},  // rank 2 step 14: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/12] = r2:dst@0[9/12]; signal r0:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 10}, {{2, 2, 0, 12, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 10}}},  // rank 2 step 15: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/12] = r2:dst@0[10/12]; signal r0:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 12, 0, 11}, {{2, 2, 0, 12, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 11}}},  // rank 2 step 16: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/12] = r2:dst@0[11/12]; signal r0:gathered[11]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 8}, {{2, 2, 0, 12, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 8}}},  // rank 2 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/12] = r2:dst@0[8/12]; signal r1:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 9}, {{2, 2, 0, 12, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 9}}},  // rank 2 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/12] = r2:dst@0[9/12]; signal r1:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 10}, {{2, 2, 0, 12, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 10}}},  // rank 2 step 19: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[10/12] = r2:dst@0[10/12]; signal r1:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 12, 0, 11}, {{2, 2, 0, 12, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 11}}},  // rank 2 step 20: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[11/12] = r2:dst@0[11/12]; signal r1:gathered[11]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},  // rank 2 step 21: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
 };
 static __device__ const int step_base_w3[3] = { 0, 22, 44 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w3[] = {
-    // rank 0: shares 0..21
-    {0, 0, 1, 22, 1, 0},
-    // rank 1: shares 22..43
-    {0, 0, 1, 22, 1, 0},
-    // rank 2: shares 44..65
-    {0, 0, 1, 22, 1, 0},
+    {0, 0, 1, 22, 1, 0, 1, 0, 0},  // rank 0: shares 0..21
+    {0, 0, 1, 22, 1, 0, 1, 0, 0},  // rank 1: shares 22..43
+    {0, 0, 1, 22, 1, 0, 1, 0, 0},  // rank 2: shares 44..65
 };
-static __device__ const tsgen::share_table<66> shares_w3 =
-    tsgen::expand_shares<66>(share_runs_w3);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][8] = {
+static __device__ const tsgen::share_table<66> shares_w3 = tsgen::expand_shares<66>(share_runs_w3);
+static __device__ const uint16_t first_w3[3][8] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 5, 9, 13, 17, 21, 22 },
     { 22, 23, 27, 31, 35, 39, 43, 44 },
     { 44, 45, 49, 53, 57, 61, 65, 66 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 124 steps, 124 block shares over 10 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 124 steps, 124 block shares over 10 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[4/16] = r0:src@0[4/16]; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 4}, {{0, 1, 1, 16, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[5/16] = r0:src@0[5/16]; signal r1:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 5}, {{0, 1, 1, 16, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[6/16] = r0:src@0[6/16]; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 6}, {{0, 1, 1, 16, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[7/16] = r0:src@0[7/16]; signal r1:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 7}, {{0, 1, 1, 16, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[8/16] = r0:src@0[8/16]; signal r2:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 8}, {{0, 1, 1, 16, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[9/16] = r0:src@0[9/16]; signal r2:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 9}, {{0, 1, 1, 16, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 7: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[10/16] = r0:src@0[10/16]; signal r2:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 10}, {{0, 1, 1, 16, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 8: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[11/16] = r0:src@0[11/16]; signal r2:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 11}, {{0, 1, 1, 16, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[12/16] = r0:src@0[12/16]; signal r3:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[13/16] = r0:src@0[13/16]; signal r3:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 11: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@0[14/16] = r0:src@0[14/16]; signal r3:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 0 step 12: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@0[15/16] = r0:src@0[15/16]; signal r3:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 0 step 13: reduce our part, piece 0; wait arrive[4], arrive[8], arrive[12]; r0:dst@0[0/16] = r0:src@0[0/16] + r0:inbox@1[0/16] + r0:inbox@2[0/16] + r0:inbox@3[0/16]; signal r0:reduced[0]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 16, 0, 0}, {{0, 1, 1, 16, 0, 0}, {0, 3, 0, 16, 1, 0}, {0, 3, 0, 16, 2, 0}, {0, 3, 0, 16, 3, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}}, {{0, 6, 0}}},
-    // rank 0 step 14: reduce our part, piece 1; wait arrive[5], arrive[9], arrive[13]; r0:dst@0[1/16] = r0:src@0[1/16] + r0:inbox@1[1/16] + r0:inbox@2[1/16] + r0:inbox@3[1/16]; signal r0:reduced[1]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 16, 0, 1}, {{0, 1, 1, 16, 0, 1}, {0, 3, 0, 16, 1, 1}, {0, 3, 0, 16, 2, 1}, {0, 3, 0, 16, 3, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}}, {{0, 6, 1}}},
-    // rank 0 step 15: reduce our part, piece 2; wait arrive[6], arrive[10], arrive[14]; r0:dst@0[2/16] = r0:src@0[2/16] + r0:inbox@1[2/16] + r0:inbox@2[2/16] + r0:inbox@3[2/16]; signal r0:reduced[2]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 16, 0, 2}, {{0, 1, 1, 16, 0, 2}, {0, 3, 0, 16, 1, 2}, {0, 3, 0, 16, 2, 2}, {0, 3, 0, 16, 3, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}}, {{0, 6, 2}}},
-    // rank 0 step 16: reduce our part, piece 3; wait arrive[7], arrive[11], arrive[15]; r0:dst@0[3/16] = r0:src@0[3/16] + r0:inbox@1[3/16] + r0:inbox@2[3/16] + r0:inbox@3[3/16]; signal r0:reduced[3]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 16, 0, 3}, {{0, 1, 1, 16, 0, 3}, {0, 3, 0, 16, 1, 3}, {0, 3, 0, 16, 2, 3}, {0, 3, 0, 16, 3, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}}, {{0, 6, 3}}},
-    // rank 0 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 19: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/16] = r0:dst@0[2/16]; signal r1:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 2}}},
-    // rank 0 step 20: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/16] = r0:dst@0[3/16]; signal r1:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 3}}},
-    // rank 0 step 21: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/16] = r0:dst@0[0/16]; signal r2:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 0}}},
-    // rank 0 step 22: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/16] = r0:dst@0[1/16]; signal r2:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 1}}},
-    // rank 0 step 23: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/16] = r0:dst@0[2/16]; signal r2:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 2}}},
-    // rank 0 step 24: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/16] = r0:dst@0[3/16]; signal r2:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 3}}},
-    // rank 0 step 25: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/16] = r0:dst@0[0/16]; signal r3:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 0}}},
-    // rank 0 step 26: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/16] = r0:dst@0[1/16]; signal r3:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 1}}},
-    // rank 0 step 27: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[2/16] = r0:dst@0[2/16]; signal r3:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 2}}},
-    // rank 0 step 28: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[3/16] = r0:dst@0[3/16]; signal r3:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 3}}},
-    // rank 0 step 29: wait for every peer's reduced parts; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},
-    // rank 0 step 30: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[8/16] = r1:src@0[8/16]; signal r2:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 1, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[9/16] = r1:src@0[9/16]; signal r2:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 1, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[10/16] = r1:src@0[10/16]; signal r2:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 1, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[11/16] = r1:src@0[11/16]; signal r2:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 1, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 1 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[12/16] = r1:src@0[12/16]; signal r3:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 1, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 1 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[13/16] = r1:src@0[13/16]; signal r3:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 1, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 1 step 7: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@1[14/16] = r1:src@0[14/16]; signal r3:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 1, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 1 step 8: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@1[15/16] = r1:src@0[15/16]; signal r3:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 1, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 1 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/16] = r1:src@0[0/16]; signal r0:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 1 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/16] = r1:src@0[1/16]; signal r0:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 1 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/16] = r1:src@0[2/16]; signal r0:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 1 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/16] = r1:src@0[3/16]; signal r0:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 1 step 13: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[12]; r1:dst@0[4/16] = r1:src@0[4/16] + r1:inbox@0[4/16] + r1:inbox@2[4/16] + r1:inbox@3[4/16]; signal r1:reduced[0]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}, {1, 3, 0, 16, 0, 4}, {1, 3, 0, 16, 2, 4}, {1, 3, 0, 16, 3, 4}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}}, {{1, 6, 0}}},
-    // rank 1 step 14: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[13]; r1:dst@0[5/16] = r1:src@0[5/16] + r1:inbox@0[5/16] + r1:inbox@2[5/16] + r1:inbox@3[5/16]; signal r1:reduced[1]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}, {1, 3, 0, 16, 0, 5}, {1, 3, 0, 16, 2, 5}, {1, 3, 0, 16, 3, 5}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}}, {{1, 6, 1}}},
-    // rank 1 step 15: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[14]; r1:dst@0[6/16] = r1:src@0[6/16] + r1:inbox@0[6/16] + r1:inbox@2[6/16] + r1:inbox@3[6/16]; signal r1:reduced[2]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}, {1, 3, 0, 16, 0, 6}, {1, 3, 0, 16, 2, 6}, {1, 3, 0, 16, 3, 6}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}}, {{1, 6, 2}}},
-    // rank 1 step 16: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[15]; r1:dst@0[7/16] = r1:src@0[7/16] + r1:inbox@0[7/16] + r1:inbox@2[7/16] + r1:inbox@3[7/16]; signal r1:reduced[3]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}, {1, 3, 0, 16, 0, 7}, {1, 3, 0, 16, 2, 7}, {1, 3, 0, 16, 3, 7}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}}, {{1, 6, 3}}},
-    // rank 1 step 17: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[4/16] = r1:dst@0[4/16]; signal r2:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 2, 0, 16, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 4}}},
-    // rank 1 step 18: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[5/16] = r1:dst@0[5/16]; signal r2:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 2, 0, 16, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 5}}},
-    // rank 1 step 19: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[6/16] = r1:dst@0[6/16]; signal r2:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 2, 0, 16, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 6}}},
-    // rank 1 step 20: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[7/16] = r1:dst@0[7/16]; signal r2:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 2, 0, 16, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 7}}},
-    // rank 1 step 21: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/16] = r1:dst@0[4/16]; signal r3:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{1, 2, 0, 16, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 4}}},
-    // rank 1 step 22: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/16] = r1:dst@0[5/16]; signal r3:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{1, 2, 0, 16, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 5}}},
-    // rank 1 step 23: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[6/16] = r1:dst@0[6/16]; signal r3:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{1, 2, 0, 16, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 6}}},
-    // rank 1 step 24: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[7/16] = r1:dst@0[7/16]; signal r3:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{1, 2, 0, 16, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 7}}},
-    // rank 1 step 25: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/16] = r1:dst@0[4/16]; signal r0:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{1, 2, 0, 16, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 4}}},
-    // rank 1 step 26: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/16] = r1:dst@0[5/16]; signal r0:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{1, 2, 0, 16, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 5}}},
-    // rank 1 step 27: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[6/16] = r1:dst@0[6/16]; signal r0:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{1, 2, 0, 16, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 6}}},
-    // rank 1 step 28: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[7/16] = r1:dst@0[7/16]; signal r0:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{1, 2, 0, 16, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 7}}},
-    // rank 1 step 29: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},
-    // rank 1 step 30: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
-    // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[12/16] = r2:src@0[12/16]; signal r3:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 2, 12}, {{2, 1, 1, 16, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[13/16] = r2:src@0[13/16]; signal r3:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 2, 13}, {{2, 1, 1, 16, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 2 step 3: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@2[14/16] = r2:src@0[14/16]; signal r3:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 2, 14}, {{2, 1, 1, 16, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 2 step 4: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@2[15/16] = r2:src@0[15/16]; signal r3:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 2, 15}, {{2, 1, 1, 16, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 2 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/16] = r2:src@0[0/16]; signal r0:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 2, 0}, {{2, 1, 1, 16, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 2 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/16] = r2:src@0[1/16]; signal r0:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 2, 1}, {{2, 1, 1, 16, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 2 step 7: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/16] = r2:src@0[2/16]; signal r0:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 2, 2}, {{2, 1, 1, 16, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 2 step 8: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/16] = r2:src@0[3/16]; signal r0:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 2, 3}, {{2, 1, 1, 16, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 2 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[4/16] = r2:src@0[4/16]; signal r1:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 2, 4}, {{2, 1, 1, 16, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 2 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[5/16] = r2:src@0[5/16]; signal r1:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 2, 5}, {{2, 1, 1, 16, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 2 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[6/16] = r2:src@0[6/16]; signal r1:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 2, 6}, {{2, 1, 1, 16, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 2 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[7/16] = r2:src@0[7/16]; signal r1:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 2, 7}, {{2, 1, 1, 16, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 2 step 13: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[12]; r2:dst@0[8/16] = r2:src@0[8/16] + r2:inbox@0[8/16] + r2:inbox@1[8/16] + r2:inbox@3[8/16]; signal r2:reduced[0]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 16, 0, 8}, {{2, 1, 1, 16, 0, 8}, {2, 3, 0, 16, 0, 8}, {2, 3, 0, 16, 1, 8}, {2, 3, 0, 16, 3, 8}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 12, 1}}, {{2, 6, 0}}},
-    // rank 2 step 14: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[13]; r2:dst@0[9/16] = r2:src@0[9/16] + r2:inbox@0[9/16] + r2:inbox@1[9/16] + r2:inbox@3[9/16]; signal r2:reduced[1]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 16, 0, 9}, {{2, 1, 1, 16, 0, 9}, {2, 3, 0, 16, 0, 9}, {2, 3, 0, 16, 1, 9}, {2, 3, 0, 16, 3, 9}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 13, 1}}, {{2, 6, 1}}},
-    // rank 2 step 15: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[14]; r2:dst@0[10/16] = r2:src@0[10/16] + r2:inbox@0[10/16] + r2:inbox@1[10/16] + r2:inbox@3[10/16]; signal r2:reduced[2]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 16, 0, 10}, {{2, 1, 1, 16, 0, 10}, {2, 3, 0, 16, 0, 10}, {2, 3, 0, 16, 1, 10}, {2, 3, 0, 16, 3, 10}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 14, 1}}, {{2, 6, 2}}},
-    // rank 2 step 16: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[15]; r2:dst@0[11/16] = r2:src@0[11/16] + r2:inbox@0[11/16] + r2:inbox@1[11/16] + r2:inbox@3[11/16]; signal r2:reduced[3]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 16, 0, 11}, {{2, 1, 1, 16, 0, 11}, {2, 3, 0, 16, 0, 11}, {2, 3, 0, 16, 1, 11}, {2, 3, 0, 16, 3, 11}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 15, 1}}, {{2, 6, 3}}},
-    // rank 2 step 17: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 8}}},
-    // rank 2 step 18: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 9}}},
-    // rank 2 step 19: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 10}}},
-    // rank 2 step 20: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 11}}},
-    // rank 2 step 21: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/16] = r2:dst@0[8/16]; signal r0:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 8}}},
-    // rank 2 step 22: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/16] = r2:dst@0[9/16]; signal r0:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 9}}},
-    // rank 2 step 23: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/16] = r2:dst@0[10/16]; signal r0:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 10}}},
-    // rank 2 step 24: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/16] = r2:dst@0[11/16]; signal r0:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 11}}},
-    // rank 2 step 25: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/16] = r2:dst@0[8/16]; signal r1:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 8}}},
-    // rank 2 step 26: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/16] = r2:dst@0[9/16]; signal r1:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 9}}},
-    // rank 2 step 27: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[10/16] = r2:dst@0[10/16]; signal r1:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 10}}},
-    // rank 2 step 28: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[11/16] = r2:dst@0[11/16]; signal r1:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 11}}},
-    // rank 2 step 29: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
-    // rank 2 step 30: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
-    // rank 3 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/16] = r3:src@0[0/16]; signal r0:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 3, 0}, {{3, 1, 1, 16, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 3 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/16] = r3:src@0[1/16]; signal r0:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 3, 1}, {{3, 1, 1, 16, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 3 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@3[2/16] = r3:src@0[2/16]; signal r0:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 3, 2}, {{3, 1, 1, 16, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 3 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@3[3/16] = r3:src@0[3/16]; signal r0:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 3, 3}, {{3, 1, 1, 16, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 3 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[4/16] = r3:src@0[4/16]; signal r1:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 3, 4}, {{3, 1, 1, 16, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 3 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[5/16] = r3:src@0[5/16]; signal r1:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 3, 5}, {{3, 1, 1, 16, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 3 step 7: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@3[6/16] = r3:src@0[6/16]; signal r1:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 3, 6}, {{3, 1, 1, 16, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 3 step 8: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@3[7/16] = r3:src@0[7/16]; signal r1:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 3, 7}, {{3, 1, 1, 16, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 3 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[8/16] = r3:src@0[8/16]; signal r2:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 3, 8}, {{3, 1, 1, 16, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 3 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[9/16] = r3:src@0[9/16]; signal r2:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 3, 9}, {{3, 1, 1, 16, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 3 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@3[10/16] = r3:src@0[10/16]; signal r2:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 3, 10}, {{3, 1, 1, 16, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 3 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@3[11/16] = r3:src@0[11/16]; signal r2:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 3, 11}, {{3, 1, 1, 16, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 3 step 13: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8]; r3:dst@0[12/16] = r3:src@0[12/16] + r3:inbox@0[12/16] + r3:inbox@1[12/16] + r3:inbox@2[12/16]; signal r3:reduced[0]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 16, 0, 12}, {{3, 1, 1, 16, 0, 12}, {3, 3, 0, 16, 0, 12}, {3, 3, 0, 16, 1, 12}, {3, 3, 0, 16, 2, 12}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}}, {{3, 6, 0}}},
-    // rank 3 step 14: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9]; r3:dst@0[13/16] = r3:src@0[13/16] + r3:inbox@0[13/16] + r3:inbox@1[13/16] + r3:inbox@2[13/16]; signal r3:reduced[1]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 16, 0, 13}, {{3, 1, 1, 16, 0, 13}, {3, 3, 0, 16, 0, 13}, {3, 3, 0, 16, 1, 13}, {3, 3, 0, 16, 2, 13}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}}, {{3, 6, 1}}},
-    // rank 3 step 15: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10]; r3:dst@0[14/16] = r3:src@0[14/16] + r3:inbox@0[14/16] + r3:inbox@1[14/16] + r3:inbox@2[14/16]; signal r3:reduced[2]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 16, 0, 14}, {{3, 1, 1, 16, 0, 14}, {3, 3, 0, 16, 0, 14}, {3, 3, 0, 16, 1, 14}, {3, 3, 0, 16, 2, 14}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}}, {{3, 6, 2}}},
-    // rank 3 step 16: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11]; r3:dst@0[15/16] = r3:src@0[15/16] + r3:inbox@0[15/16] + r3:inbox@1[15/16] + r3:inbox@2[15/16]; signal r3:reduced[3]
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 16, 0, 15}, {{3, 1, 1, 16, 0, 15}, {3, 3, 0, 16, 0, 15}, {3, 3, 0, 16, 1, 15}, {3, 3, 0, 16, 2, 15}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}}, {{3, 6, 3}}},
-    // rank 3 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[12/16] = r3:dst@0[12/16]; signal r0:gathered[12]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 12}}},
-    // rank 3 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[13/16] = r3:dst@0[13/16]; signal r0:gathered[13]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 13}}},
-    // rank 3 step 19: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[14/16] = r3:dst@0[14/16]; signal r0:gathered[14]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 14}}},
-    // rank 3 step 20: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[15/16] = r3:dst@0[15/16]; signal r0:gathered[15]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 15}}},
-    // rank 3 step 21: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[12/16] = r3:dst@0[12/16]; signal r1:gathered[12]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 12}}},
-    // rank 3 step 22: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[13/16] = r3:dst@0[13/16]; signal r1:gathered[13]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 13}}},
-    // rank 3 step 23: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[14/16] = r3:dst@0[14/16]; signal r1:gathered[14]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 14}}},
-    // rank 3 step 24: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[15/16] = r3:dst@0[15/16]; signal r1:gathered[15]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 15}}},
-    // rank 3 step 25: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[12/16] = r3:dst@0[12/16]; signal r2:gathered[12]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 12}}},
-    // rank 3 step 26: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[13/16] = r3:dst@0[13/16]; signal r2:gathered[13]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 13}}},
-    // rank 3 step 27: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[14/16] = r3:dst@0[14/16]; signal r2:gathered[14]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 14}}},
-    // rank 3 step 28: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[15/16] = r3:dst@0[15/16]; signal r2:gathered[15]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 15}}},
-    // rank 3 step 29: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
-    // rank 3 step 30: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 4}, {{0, 1, 1, 16, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[4/16] = r0:src@0[4/16]; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 5}, {{0, 1, 1, 16, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[5/16] = r0:src@0[5/16]; signal r1:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 6}, {{0, 1, 1, 16, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[6/16] = r0:src@0[6/16]; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 0, 7}, {{0, 1, 1, 16, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[7/16] = r0:src@0[7/16]; signal r1:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 8}, {{0, 1, 1, 16, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[8/16] = r0:src@0[8/16]; signal r2:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 9}, {{0, 1, 1, 16, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[9/16] = r0:src@0[9/16]; signal r2:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 10}, {{0, 1, 1, 16, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 7: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[10/16] = r0:src@0[10/16]; signal r2:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 0, 11}, {{0, 1, 1, 16, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 8: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[11/16] = r0:src@0[11/16]; signal r2:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 12}, {{0, 1, 1, 16, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 0 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[12/16] = r0:src@0[12/16]; signal r3:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 13}, {{0, 1, 1, 16, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 0 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[13/16] = r0:src@0[13/16]; signal r3:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 14}, {{0, 1, 1, 16, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 0 step 11: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@0[14/16] = r0:src@0[14/16]; signal r3:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 0, 15}, {{0, 1, 1, 16, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 0 step 12: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@0[15/16] = r0:src@0[15/16]; signal r3:arrive[3]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 16, 0, 0}, {{0, 1, 1, 16, 0, 0}, {0, 3, 0, 16, 1, 0}, {0, 3, 0, 16, 2, 0}, {0, 3, 0, 16, 3, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}}, {{0, 6, 0}}},  // rank 0 step 13: reduce our part, piece 0; wait arrive[4], arrive[8], arrive[12]; r0:dst@0[0/16] = r0:src@0[0/16] + r0:inbox@1[0/16] + r0:inbox@2[0/16] + r0:inbox@3[0/16]; signal r0:reduced[0]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 16, 0, 1}, {{0, 1, 1, 16, 0, 1}, {0, 3, 0, 16, 1, 1}, {0, 3, 0, 16, 2, 1}, {0, 3, 0, 16, 3, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}}, {{0, 6, 1}}},  // rank 0 step 14: reduce our part, piece 1; wait arrive[5], arrive[9], arrive[13]; r0:dst@0[1/16] = r0:src@0[1/16] + r0:inbox@1[1/16] + r0:inbox@2[1/16] + r0:inbox@3[1/16]; signal r0:reduced[1]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 16, 0, 2}, {{0, 1, 1, 16, 0, 2}, {0, 3, 0, 16, 1, 2}, {0, 3, 0, 16, 2, 2}, {0, 3, 0, 16, 3, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}}, {{0, 6, 2}}},  // rank 0 step 15: reduce our part, piece 2; wait arrive[6], arrive[10], arrive[14]; r0:dst@0[2/16] = r0:src@0[2/16] + r0:inbox@1[2/16] + r0:inbox@2[2/16] + r0:inbox@3[2/16]; signal r0:reduced[2]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 2, 0, 16, 0, 3}, {{0, 1, 1, 16, 0, 3}, {0, 3, 0, 16, 1, 3}, {0, 3, 0, 16, 2, 3}, {0, 3, 0, 16, 3, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}}, {{0, 6, 3}}},  // rank 0 step 16: reduce our part, piece 3; wait arrive[7], arrive[11], arrive[15]; r0:dst@0[3/16] = r0:src@0[3/16] + r0:inbox@1[3/16] + r0:inbox@2[3/16] + r0:inbox@3[3/16]; signal r0:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 0}}},  // rank 0 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 1}}},  // rank 0 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 2}}},  // rank 0 step 19: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/16] = r0:dst@0[2/16]; signal r1:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 3}}},  // rank 0 step 20: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/16] = r0:dst@0[3/16]; signal r1:gathered[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 0}}},  // rank 0 step 21: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/16] = r0:dst@0[0/16]; signal r2:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 1}}},  // rank 0 step 22: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/16] = r0:dst@0[1/16]; signal r2:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 2}}},  // rank 0 step 23: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/16] = r0:dst@0[2/16]; signal r2:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 3}}},  // rank 0 step 24: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/16] = r0:dst@0[3/16]; signal r2:gathered[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{0, 2, 0, 16, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 0}}},  // rank 0 step 25: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/16] = r0:dst@0[0/16]; signal r3:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{0, 2, 0, 16, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 1}}},  // rank 0 step 26: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/16] = r0:dst@0[1/16]; signal r3:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{0, 2, 0, 16, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 2}}},  // rank 0 step 27: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[2/16] = r0:dst@0[2/16]; signal r3:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{0, 2, 0, 16, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 3}}},  // rank 0 step 28: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[3/16] = r0:dst@0[3/16]; signal r3:gathered[3]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},  // rank 0 step 29: wait for every peer's reduced parts; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},  // rank 0 step 30: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 1, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[8/16] = r1:src@0[8/16]; signal r2:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 1, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[9/16] = r1:src@0[9/16]; signal r2:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 1, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[10/16] = r1:src@0[10/16]; signal r2:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 1, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[11/16] = r1:src@0[11/16]; signal r2:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 1, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 1 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[12/16] = r1:src@0[12/16]; signal r3:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 1, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 1 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[13/16] = r1:src@0[13/16]; signal r3:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 1, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 1 step 7: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@1[14/16] = r1:src@0[14/16]; signal r3:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 1, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 1 step 8: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@1[15/16] = r1:src@0[15/16]; signal r3:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 1 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/16] = r1:src@0[0/16]; signal r0:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 1 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/16] = r1:src@0[1/16]; signal r0:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 1 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/16] = r1:src@0[2/16]; signal r0:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 1, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 1 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/16] = r1:src@0[3/16]; signal r0:arrive[7]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}, {1, 3, 0, 16, 0, 4}, {1, 3, 0, 16, 2, 4}, {1, 3, 0, 16, 3, 4}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}}, {{1, 6, 0}}},  // rank 1 step 13: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[12]; r1:dst@0[4/16] = r1:src@0[4/16] + r1:inbox@0[4/16] + r1:inbox@2[4/16] + r1:inbox@3[4/16]; signal r1:reduced[0]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}, {1, 3, 0, 16, 0, 5}, {1, 3, 0, 16, 2, 5}, {1, 3, 0, 16, 3, 5}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}}, {{1, 6, 1}}},  // rank 1 step 14: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[13]; r1:dst@0[5/16] = r1:src@0[5/16] + r1:inbox@0[5/16] + r1:inbox@2[5/16] + r1:inbox@3[5/16]; signal r1:reduced[1]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}, {1, 3, 0, 16, 0, 6}, {1, 3, 0, 16, 2, 6}, {1, 3, 0, 16, 3, 6}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}}, {{1, 6, 2}}},  // rank 1 step 15: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[14]; r1:dst@0[6/16] = r1:src@0[6/16] + r1:inbox@0[6/16] + r1:inbox@2[6/16] + r1:inbox@3[6/16]; signal r1:reduced[2]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}, {1, 3, 0, 16, 0, 7}, {1, 3, 0, 16, 2, 7}, {1, 3, 0, 16, 3, 7}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}}, {{1, 6, 3}}},  // rank 1 step 16: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[15]; r1:dst@0[7/16] = r1:src@0[7/16] + r1:inbox@0[7/16] + r1:inbox@2[7/16] + r1:inbox@3[7/16]; signal r1:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 2, 0, 16, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 4}}},  // rank 1 step 17: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[4/16] = r1:dst@0[4/16]; signal r2:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 2, 0, 16, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 5}}},  // rank 1 step 18: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[5/16] = r1:dst@0[5/16]; signal r2:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 2, 0, 16, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 6}}},  // rank 1 step 19: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[6/16] = r1:dst@0[6/16]; signal r2:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 2, 0, 16, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 7}}},  // rank 1 step 20: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[7/16] = r1:dst@0[7/16]; signal r2:gathered[7]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{1, 2, 0, 16, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 4}}},  // rank 1 step 21: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/16] = r1:dst@0[4/16]; signal r3:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{1, 2, 0, 16, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 5}}},  // rank 1 step 22: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/16] = r1:dst@0[5/16]; signal r3:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{1, 2, 0, 16, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 6}}},  // rank 1 step 23: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[6/16] = r1:dst@0[6/16]; signal r3:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{1, 2, 0, 16, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 7}}},  // rank 1 step 24: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[7/16] = r1:dst@0[7/16]; signal r3:gathered[7]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{1, 2, 0, 16, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 4}}},  // rank 1 step 25: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/16] = r1:dst@0[4/16]; signal r0:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{1, 2, 0, 16, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 5}}},  // rank 1 step 26: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/16] = r1:dst@0[5/16]; signal r0:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{1, 2, 0, 16, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 6}}},  // rank 1 step 27: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[6/16] = r1:dst@0[6/16]; signal r0:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{1, 2, 0, 16, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 7}}},  // rank 1 step 28: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[7/16] = r1:dst@0[7/16]; signal r0:gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},  // rank 1 step 29: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},  // rank 1 step 30: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 2, 12}, {{2, 1, 1, 16, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},  // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[12/16] = r2:src@0[12/16]; signal r3:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 2, 13}, {{2, 1, 1, 16, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},  // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[13/16] = r2:src@0[13/16]; signal r3:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 2, 14}, {{2, 1, 1, 16, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},  // rank 2 step 3: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@2[14/16] = r2:src@0[14/16]; signal r3:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 16, 2, 15}, {{2, 1, 1, 16, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},  // rank 2 step 4: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@2[15/16] = r2:src@0[15/16]; signal r3:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 2, 0}, {{2, 1, 1, 16, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 2 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/16] = r2:src@0[0/16]; signal r0:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 2, 1}, {{2, 1, 1, 16, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 2 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/16] = r2:src@0[1/16]; signal r0:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 2, 2}, {{2, 1, 1, 16, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 2 step 7: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/16] = r2:src@0[2/16]; signal r0:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 2, 3}, {{2, 1, 1, 16, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 2 step 8: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/16] = r2:src@0[3/16]; signal r0:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 2, 4}, {{2, 1, 1, 16, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 2 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[4/16] = r2:src@0[4/16]; signal r1:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 2, 5}, {{2, 1, 1, 16, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 2 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[5/16] = r2:src@0[5/16]; signal r1:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 2, 6}, {{2, 1, 1, 16, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 2 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[6/16] = r2:src@0[6/16]; signal r1:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 2, 7}, {{2, 1, 1, 16, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 2 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[7/16] = r2:src@0[7/16]; signal r1:arrive[11]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 16, 0, 8}, {{2, 1, 1, 16, 0, 8}, {2, 3, 0, 16, 0, 8}, {2, 3, 0, 16, 1, 8}, {2, 3, 0, 16, 3, 8}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 12, 1}}, {{2, 6, 0}}},  // rank 2 step 13: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[12]; r2:dst@0[8/16] = r2:src@0[8/16] + r2:inbox@0[8/16] + r2:inbox@1[8/16] + r2:inbox@3[8/16]; signal r2:reduced[0]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 16, 0, 9}, {{2, 1, 1, 16, 0, 9}, {2, 3, 0, 16, 0, 9}, {2, 3, 0, 16, 1, 9}, {2, 3, 0, 16, 3, 9}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 13, 1}}, {{2, 6, 1}}},  // rank 2 step 14: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[13]; r2:dst@0[9/16] = r2:src@0[9/16] + r2:inbox@0[9/16] + r2:inbox@1[9/16] + r2:inbox@3[9/16]; signal r2:reduced[1]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 16, 0, 10}, {{2, 1, 1, 16, 0, 10}, {2, 3, 0, 16, 0, 10}, {2, 3, 0, 16, 1, 10}, {2, 3, 0, 16, 3, 10}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 14, 1}}, {{2, 6, 2}}},  // rank 2 step 15: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[14]; r2:dst@0[10/16] = r2:src@0[10/16] + r2:inbox@0[10/16] + r2:inbox@1[10/16] + r2:inbox@3[10/16]; signal r2:reduced[2]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 2, 0, 16, 0, 11}, {{2, 1, 1, 16, 0, 11}, {2, 3, 0, 16, 0, 11}, {2, 3, 0, 16, 1, 11}, {2, 3, 0, 16, 3, 11}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 15, 1}}, {{2, 6, 3}}},  // rank 2 step 16: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[15]; r2:dst@0[11/16] = r2:src@0[11/16] + r2:inbox@0[11/16] + r2:inbox@1[11/16] + r2:inbox@3[11/16]; signal r2:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 8}}},  // rank 2 step 17: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 9}}},  // rank 2 step 18: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 10}}},  // rank 2 step 19: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 11}}},  // rank 2 step 20: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:gathered[11]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 8}}},  // rank 2 step 21: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/16] = r2:dst@0[8/16]; signal r0:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 9}}},  // rank 2 step 22: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/16] = r2:dst@0[9/16]; signal r0:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 10}}},  // rank 2 step 23: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/16] = r2:dst@0[10/16]; signal r0:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 11}}},  // rank 2 step 24: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/16] = r2:dst@0[11/16]; signal r0:gathered[11]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 8}}},  // rank 2 step 25: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/16] = r2:dst@0[8/16]; signal r1:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 9}}},  // rank 2 step 26: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/16] = r2:dst@0[9/16]; signal r1:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 10}}},  // rank 2 step 27: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[10/16] = r2:dst@0[10/16]; signal r1:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 11}}},  // rank 2 step 28: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[11/16] = r2:dst@0[11/16]; signal r1:gathered[11]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},  // rank 2 step 29: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},  // rank 2 step 30: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 3, 0}, {{3, 1, 1, 16, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 3 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/16] = r3:src@0[0/16]; signal r0:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 3, 1}, {{3, 1, 1, 16, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 3 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/16] = r3:src@0[1/16]; signal r0:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 3, 2}, {{3, 1, 1, 16, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 3 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@3[2/16] = r3:src@0[2/16]; signal r0:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 16, 3, 3}, {{3, 1, 1, 16, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 3 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@3[3/16] = r3:src@0[3/16]; signal r0:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 3, 4}, {{3, 1, 1, 16, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},  // rank 3 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[4/16] = r3:src@0[4/16]; signal r1:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 3, 5}, {{3, 1, 1, 16, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},  // rank 3 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[5/16] = r3:src@0[5/16]; signal r1:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 3, 6}, {{3, 1, 1, 16, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},  // rank 3 step 7: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@3[6/16] = r3:src@0[6/16]; signal r1:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 16, 3, 7}, {{3, 1, 1, 16, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},  // rank 3 step 8: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@3[7/16] = r3:src@0[7/16]; signal r1:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 3, 8}, {{3, 1, 1, 16, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 3 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[8/16] = r3:src@0[8/16]; signal r2:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 3, 9}, {{3, 1, 1, 16, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 3 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[9/16] = r3:src@0[9/16]; signal r2:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 3, 10}, {{3, 1, 1, 16, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 3 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@3[10/16] = r3:src@0[10/16]; signal r2:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 16, 3, 11}, {{3, 1, 1, 16, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 3 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@3[11/16] = r3:src@0[11/16]; signal r2:arrive[15]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 16, 0, 12}, {{3, 1, 1, 16, 0, 12}, {3, 3, 0, 16, 0, 12}, {3, 3, 0, 16, 1, 12}, {3, 3, 0, 16, 2, 12}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}}, {{3, 6, 0}}},  // rank 3 step 13: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8]; r3:dst@0[12/16] = r3:src@0[12/16] + r3:inbox@0[12/16] + r3:inbox@1[12/16] + r3:inbox@2[12/16]; signal r3:reduced[0]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 16, 0, 13}, {{3, 1, 1, 16, 0, 13}, {3, 3, 0, 16, 0, 13}, {3, 3, 0, 16, 1, 13}, {3, 3, 0, 16, 2, 13}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}}, {{3, 6, 1}}},  // rank 3 step 14: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9]; r3:dst@0[13/16] = r3:src@0[13/16] + r3:inbox@0[13/16] + r3:inbox@1[13/16] + r3:inbox@2[13/16]; signal r3:reduced[1]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 16, 0, 14}, {{3, 1, 1, 16, 0, 14}, {3, 3, 0, 16, 0, 14}, {3, 3, 0, 16, 1, 14}, {3, 3, 0, 16, 2, 14}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}}, {{3, 6, 2}}},  // rank 3 step 15: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10]; r3:dst@0[14/16] = r3:src@0[14/16] + r3:inbox@0[14/16] + r3:inbox@1[14/16] + r3:inbox@2[14/16]; signal r3:reduced[2]
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 2, 0, 16, 0, 15}, {{3, 1, 1, 16, 0, 15}, {3, 3, 0, 16, 0, 15}, {3, 3, 0, 16, 1, 15}, {3, 3, 0, 16, 2, 15}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}}, {{3, 6, 3}}},  // rank 3 step 16: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11]; r3:dst@0[15/16] = r3:src@0[15/16] + r3:inbox@0[15/16] + r3:inbox@1[15/16] + r3:inbox@2[15/16]; signal r3:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 12}}},  // rank 3 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[12/16] = r3:dst@0[12/16]; signal r0:gathered[12]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 13}}},  // rank 3 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[13/16] = r3:dst@0[13/16]; signal r0:gathered[13]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 14}}},  // rank 3 step 19: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[14/16] = r3:dst@0[14/16]; signal r0:gathered[14]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 15}}},  // rank 3 step 20: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[15/16] = r3:dst@0[15/16]; signal r0:gathered[15]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 12}}},  // rank 3 step 21: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[12/16] = r3:dst@0[12/16]; signal r1:gathered[12]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 13}}},  // rank 3 step 22: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[13/16] = r3:dst@0[13/16]; signal r1:gathered[13]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 14}}},  // rank 3 step 23: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[14/16] = r3:dst@0[14/16]; signal r1:gathered[14]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 15}}},  // rank 3 step 24: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[15/16] = r3:dst@0[15/16]; signal r1:gathered[15]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 12}}},  // rank 3 step 25: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[12/16] = r3:dst@0[12/16]; signal r2:gathered[12]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 13}}},  // rank 3 step 26: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[13/16] = r3:dst@0[13/16]; signal r2:gathered[13]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 14}}},  // rank 3 step 27: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[14/16] = r3:dst@0[14/16]; signal r2:gathered[14]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 15}}},  // rank 3 step 28: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[15/16] = r3:dst@0[15/16]; signal r2:gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},  // rank 3 step 29: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},  // rank 3 step 30: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11]
 };
 static __device__ const int step_base_w4[4] = { 0, 31, 62, 93 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..30
-    {0, 0, 1, 31, 1, 0},
-    // rank 1: shares 31..61
-    {0, 0, 1, 31, 1, 0},
-    // rank 2: shares 62..92
-    {0, 0, 1, 31, 1, 0},
-    // rank 3: shares 93..123
-    {0, 0, 1, 31, 1, 0},
+    {0, 0, 1, 31, 1, 0, 1, 0, 0},  // rank 0: shares 0..30
+    {0, 0, 1, 31, 1, 0, 1, 0, 0},  // rank 1: shares 31..61
+    {0, 0, 1, 31, 1, 0, 1, 0, 0},  // rank 2: shares 62..92
+    {0, 0, 1, 31, 1, 0, 1, 0, 0},  // rank 3: shares 93..123
 };
-static __device__ const tsgen::share_table<124> shares_w4 =
-    tsgen::expand_shares<124>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][11] = {
+static __device__ const tsgen::share_table<124> shares_w4 = tsgen::expand_shares<124>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][11] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 5, 9, 13, 17, 21, 25, 29, 30, 31 },
     { 31, 32, 36, 40, 44, 48, 52, 56, 60, 61, 62 },
     { 62, 63, 67, 71, 75, 79, 83, 87, 91, 92, 93 },
     { 93, 94, 98, 102, 106, 110, 114, 118, 122, 123, 124 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 520 steps, 520 block shares over 20 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 520 steps, 520 block shares over 20 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[4/32] = r0:src@0[4/32]; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 4}, {{0, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[5/32] = r0:src@0[5/32]; signal r1:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 5}, {{0, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[6/32] = r0:src@0[6/32]; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 6}, {{0, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[7/32] = r0:src@0[7/32]; signal r1:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 7}, {{0, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[8/32] = r0:src@0[8/32]; signal r2:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 8}, {{0, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[9/32] = r0:src@0[9/32]; signal r2:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 9}, {{0, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 7: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[10/32] = r0:src@0[10/32]; signal r2:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 10}, {{0, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 8: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[11/32] = r0:src@0[11/32]; signal r2:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 11}, {{0, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[12/32] = r0:src@0[12/32]; signal r3:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 12}, {{0, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[13/32] = r0:src@0[13/32]; signal r3:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 13}, {{0, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 11: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@0[14/32] = r0:src@0[14/32]; signal r3:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 14}, {{0, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 0 step 12: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@0[15/32] = r0:src@0[15/32]; signal r3:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 15}, {{0, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 0 step 13: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@0[16/32] = r0:src@0[16/32]; signal r4:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 16}, {{0, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
-    // rank 0 step 14: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@0[17/32] = r0:src@0[17/32]; signal r4:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 17}, {{0, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 1}}},
-    // rank 0 step 15: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@0[18/32] = r0:src@0[18/32]; signal r4:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 18}, {{0, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
-    // rank 0 step 16: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@0[19/32] = r0:src@0[19/32]; signal r4:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 19}, {{0, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 3}}},
-    // rank 0 step 17: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@0[20/32] = r0:src@0[20/32]; signal r5:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 20}, {{0, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
-    // rank 0 step 18: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@0[21/32] = r0:src@0[21/32]; signal r5:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 21}, {{0, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 1}}},
-    // rank 0 step 19: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@0[22/32] = r0:src@0[22/32]; signal r5:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 22}, {{0, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
-    // rank 0 step 20: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@0[23/32] = r0:src@0[23/32]; signal r5:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 23}, {{0, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 3}}},
-    // rank 0 step 21: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@0[24/32] = r0:src@0[24/32]; signal r6:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 24}, {{0, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
-    // rank 0 step 22: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@0[25/32] = r0:src@0[25/32]; signal r6:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 25}, {{0, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 1}}},
-    // rank 0 step 23: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@0[26/32] = r0:src@0[26/32]; signal r6:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 26}, {{0, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
-    // rank 0 step 24: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@0[27/32] = r0:src@0[27/32]; signal r6:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 27}, {{0, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 3}}},
-    // rank 0 step 25: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@0[28/32] = r0:src@0[28/32]; signal r7:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 28}, {{0, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
-    // rank 0 step 26: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@0[29/32] = r0:src@0[29/32]; signal r7:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 29}, {{0, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 1}}},
-    // rank 0 step 27: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@0[30/32] = r0:src@0[30/32]; signal r7:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 30}, {{0, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
-    // rank 0 step 28: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@0[31/32] = r0:src@0[31/32]; signal r7:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 31}, {{0, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 3}}},
-    // rank 0 step 29: reduce our part, piece 0; wait arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r0:dst@0[0/32] = r0:src@0[0/32] + r0:inbox@1[0/32] + r0:inbox@2[0/32] + r0:inbox@3[0/32] + r0:inbox@4[0/32] + r0:inbox@5[0/32] + r0:inbox@6[0/32] + r0:inbox@7[0/32]; signal r0:reduced[0]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 32, 0, 0}, {{0, 1, 1, 32, 0, 0}, {0, 3, 0, 32, 1, 0}, {0, 3, 0, 32, 2, 0}, {0, 3, 0, 32, 3, 0}, {0, 3, 0, 32, 4, 0}, {0, 3, 0, 32, 5, 0}, {0, 3, 0, 32, 6, 0}, {0, 3, 0, 32, 7, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{0, 6, 0}}},
-    // rank 0 step 30: reduce our part, piece 1; wait arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r0:dst@0[1/32] = r0:src@0[1/32] + r0:inbox@1[1/32] + r0:inbox@2[1/32] + r0:inbox@3[1/32] + r0:inbox@4[1/32] + r0:inbox@5[1/32] + r0:inbox@6[1/32] + r0:inbox@7[1/32]; signal r0:reduced[1]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 32, 0, 1}, {{0, 1, 1, 32, 0, 1}, {0, 3, 0, 32, 1, 1}, {0, 3, 0, 32, 2, 1}, {0, 3, 0, 32, 3, 1}, {0, 3, 0, 32, 4, 1}, {0, 3, 0, 32, 5, 1}, {0, 3, 0, 32, 6, 1}, {0, 3, 0, 32, 7, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{0, 6, 1}}},
-    // rank 0 step 31: reduce our part, piece 2; wait arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r0:dst@0[2/32] = r0:src@0[2/32] + r0:inbox@1[2/32] + r0:inbox@2[2/32] + r0:inbox@3[2/32] + r0:inbox@4[2/32] + r0:inbox@5[2/32] + r0:inbox@6[2/32] + r0:inbox@7[2/32]; signal r0:reduced[2]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 32, 0, 2}, {{0, 1, 1, 32, 0, 2}, {0, 3, 0, 32, 1, 2}, {0, 3, 0, 32, 2, 2}, {0, 3, 0, 32, 3, 2}, {0, 3, 0, 32, 4, 2}, {0, 3, 0, 32, 5, 2}, {0, 3, 0, 32, 6, 2}, {0, 3, 0, 32, 7, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{0, 6, 2}}},
-    // rank 0 step 32: reduce our part, piece 3; wait arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r0:dst@0[3/32] = r0:src@0[3/32] + r0:inbox@1[3/32] + r0:inbox@2[3/32] + r0:inbox@3[3/32] + r0:inbox@4[3/32] + r0:inbox@5[3/32] + r0:inbox@6[3/32] + r0:inbox@7[3/32]; signal r0:reduced[3]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 32, 0, 3}, {{0, 1, 1, 32, 0, 3}, {0, 3, 0, 32, 1, 3}, {0, 3, 0, 32, 2, 3}, {0, 3, 0, 32, 3, 3}, {0, 3, 0, 32, 4, 3}, {0, 3, 0, 32, 5, 3}, {0, 3, 0, 32, 6, 3}, {0, 3, 0, 32, 7, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{0, 6, 3}}},
-    // rank 0 step 33: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/32] = r0:dst@0[0/32]; signal r1:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 0}}},
-    // rank 0 step 34: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/32] = r0:dst@0[1/32]; signal r1:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 1}}},
-    // rank 0 step 35: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/32] = r0:dst@0[2/32]; signal r1:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 2}}},
-    // rank 0 step 36: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/32] = r0:dst@0[3/32]; signal r1:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 3}}},
-    // rank 0 step 37: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/32] = r0:dst@0[0/32]; signal r2:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 0}}},
-    // rank 0 step 38: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/32] = r0:dst@0[1/32]; signal r2:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 1}}},
-    // rank 0 step 39: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/32] = r0:dst@0[2/32]; signal r2:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 2}}},
-    // rank 0 step 40: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/32] = r0:dst@0[3/32]; signal r2:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 3}}},
-    // rank 0 step 41: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/32] = r0:dst@0[0/32]; signal r3:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 0}}},
-    // rank 0 step 42: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/32] = r0:dst@0[1/32]; signal r3:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 1}}},
-    // rank 0 step 43: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[2/32] = r0:dst@0[2/32]; signal r3:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 2}}},
-    // rank 0 step 44: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[3/32] = r0:dst@0[3/32]; signal r3:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 3}}},
-    // rank 0 step 45: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[0/32] = r0:dst@0[0/32]; signal r4:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 0}}},
-    // rank 0 step 46: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[1/32] = r0:dst@0[1/32]; signal r4:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 1}}},
-    // rank 0 step 47: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[2/32] = r0:dst@0[2/32]; signal r4:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 2}}},
-    // rank 0 step 48: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[3/32] = r0:dst@0[3/32]; signal r4:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 3}}},
-    // rank 0 step 49: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[0/32] = r0:dst@0[0/32]; signal r5:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 0}}},
-    // rank 0 step 50: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[1/32] = r0:dst@0[1/32]; signal r5:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 1}}},
-    // rank 0 step 51: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[2/32] = r0:dst@0[2/32]; signal r5:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 2}}},
-    // rank 0 step 52: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[3/32] = r0:dst@0[3/32]; signal r5:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 3}}},
-    // rank 0 step 53: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[0/32] = r0:dst@0[0/32]; signal r6:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 0}}},
-    // rank 0 step 54: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[1/32] = r0:dst@0[1/32]; signal r6:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 1}}},
-    // rank 0 step 55: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[2/32] = r0:dst@0[2/32]; signal r6:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 2}}},
-    // rank 0 step 56: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[3/32] = r0:dst@0[3/32]; signal r6:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 3}}},
-    // rank 0 step 57: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[0/32] = r0:dst@0[0/32]; signal r7:gathered[0]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 0}}},
-    // rank 0 step 58: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[1/32] = r0:dst@0[1/32]; signal r7:gathered[1]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 1}}},
-    // rank 0 step 59: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[2/32] = r0:dst@0[2/32]; signal r7:gathered[2]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 2}}},
-    // rank 0 step 60: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[3/32] = r0:dst@0[3/32]; signal r7:gathered[3]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 3}}},
-    // rank 0 step 61: wait for every peer's reduced parts; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},
-    // rank 0 step 62: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}, {7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}}, {}},
-    // rank 0 step 63: wait for every peer's reduced parts; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},
-    // rank 0 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[8/32] = r1:src@0[8/32]; signal r2:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 8}, {{1, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[9/32] = r1:src@0[9/32]; signal r2:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 9}, {{1, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[10/32] = r1:src@0[10/32]; signal r2:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 10}, {{1, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[11/32] = r1:src@0[11/32]; signal r2:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 11}, {{1, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 1 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[12/32] = r1:src@0[12/32]; signal r3:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 12}, {{1, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 1 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[13/32] = r1:src@0[13/32]; signal r3:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 13}, {{1, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 1 step 7: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@1[14/32] = r1:src@0[14/32]; signal r3:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 14}, {{1, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 1 step 8: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@1[15/32] = r1:src@0[15/32]; signal r3:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 15}, {{1, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 1 step 9: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@1[16/32] = r1:src@0[16/32]; signal r4:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 1, 16}, {{1, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
-    // rank 1 step 10: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@1[17/32] = r1:src@0[17/32]; signal r4:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 1, 17}, {{1, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 5}}},
-    // rank 1 step 11: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@1[18/32] = r1:src@0[18/32]; signal r4:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 1, 18}, {{1, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 6}}},
-    // rank 1 step 12: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@1[19/32] = r1:src@0[19/32]; signal r4:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 1, 19}, {{1, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 7}}},
-    // rank 1 step 13: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@1[20/32] = r1:src@0[20/32]; signal r5:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 1, 20}, {{1, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
-    // rank 1 step 14: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@1[21/32] = r1:src@0[21/32]; signal r5:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 1, 21}, {{1, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 5}}},
-    // rank 1 step 15: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@1[22/32] = r1:src@0[22/32]; signal r5:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 1, 22}, {{1, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
-    // rank 1 step 16: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@1[23/32] = r1:src@0[23/32]; signal r5:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 1, 23}, {{1, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 7}}},
-    // rank 1 step 17: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@1[24/32] = r1:src@0[24/32]; signal r6:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 1, 24}, {{1, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
-    // rank 1 step 18: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@1[25/32] = r1:src@0[25/32]; signal r6:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 1, 25}, {{1, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 5}}},
-    // rank 1 step 19: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@1[26/32] = r1:src@0[26/32]; signal r6:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 1, 26}, {{1, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
-    // rank 1 step 20: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@1[27/32] = r1:src@0[27/32]; signal r6:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 1, 27}, {{1, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 7}}},
-    // rank 1 step 21: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@1[28/32] = r1:src@0[28/32]; signal r7:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 1, 28}, {{1, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
-    // rank 1 step 22: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@1[29/32] = r1:src@0[29/32]; signal r7:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 1, 29}, {{1, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 5}}},
-    // rank 1 step 23: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@1[30/32] = r1:src@0[30/32]; signal r7:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 1, 30}, {{1, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
-    // rank 1 step 24: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@1[31/32] = r1:src@0[31/32]; signal r7:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 1, 31}, {{1, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 7}}},
-    // rank 1 step 25: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/32] = r1:src@0[0/32]; signal r0:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 0}, {{1, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 1 step 26: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/32] = r1:src@0[1/32]; signal r0:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 1}, {{1, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 1 step 27: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/32] = r1:src@0[2/32]; signal r0:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 2}, {{1, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 1 step 28: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/32] = r1:src@0[3/32]; signal r0:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 3}, {{1, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 1 step 29: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r1:dst@0[4/32] = r1:src@0[4/32] + r1:inbox@0[4/32] + r1:inbox@2[4/32] + r1:inbox@3[4/32] + r1:inbox@4[4/32] + r1:inbox@5[4/32] + r1:inbox@6[4/32] + r1:inbox@7[4/32]; signal r1:reduced[0]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 32, 0, 4}, {{1, 1, 1, 32, 0, 4}, {1, 3, 0, 32, 0, 4}, {1, 3, 0, 32, 2, 4}, {1, 3, 0, 32, 3, 4}, {1, 3, 0, 32, 4, 4}, {1, 3, 0, 32, 5, 4}, {1, 3, 0, 32, 6, 4}, {1, 3, 0, 32, 7, 4}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{1, 6, 0}}},
-    // rank 1 step 30: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r1:dst@0[5/32] = r1:src@0[5/32] + r1:inbox@0[5/32] + r1:inbox@2[5/32] + r1:inbox@3[5/32] + r1:inbox@4[5/32] + r1:inbox@5[5/32] + r1:inbox@6[5/32] + r1:inbox@7[5/32]; signal r1:reduced[1]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 32, 0, 5}, {{1, 1, 1, 32, 0, 5}, {1, 3, 0, 32, 0, 5}, {1, 3, 0, 32, 2, 5}, {1, 3, 0, 32, 3, 5}, {1, 3, 0, 32, 4, 5}, {1, 3, 0, 32, 5, 5}, {1, 3, 0, 32, 6, 5}, {1, 3, 0, 32, 7, 5}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{1, 6, 1}}},
-    // rank 1 step 31: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r1:dst@0[6/32] = r1:src@0[6/32] + r1:inbox@0[6/32] + r1:inbox@2[6/32] + r1:inbox@3[6/32] + r1:inbox@4[6/32] + r1:inbox@5[6/32] + r1:inbox@6[6/32] + r1:inbox@7[6/32]; signal r1:reduced[2]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 32, 0, 6}, {{1, 1, 1, 32, 0, 6}, {1, 3, 0, 32, 0, 6}, {1, 3, 0, 32, 2, 6}, {1, 3, 0, 32, 3, 6}, {1, 3, 0, 32, 4, 6}, {1, 3, 0, 32, 5, 6}, {1, 3, 0, 32, 6, 6}, {1, 3, 0, 32, 7, 6}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{1, 6, 2}}},
-    // rank 1 step 32: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r1:dst@0[7/32] = r1:src@0[7/32] + r1:inbox@0[7/32] + r1:inbox@2[7/32] + r1:inbox@3[7/32] + r1:inbox@4[7/32] + r1:inbox@5[7/32] + r1:inbox@6[7/32] + r1:inbox@7[7/32]; signal r1:reduced[3]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 32, 0, 7}, {{1, 1, 1, 32, 0, 7}, {1, 3, 0, 32, 0, 7}, {1, 3, 0, 32, 2, 7}, {1, 3, 0, 32, 3, 7}, {1, 3, 0, 32, 4, 7}, {1, 3, 0, 32, 5, 7}, {1, 3, 0, 32, 6, 7}, {1, 3, 0, 32, 7, 7}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{1, 6, 3}}},
-    // rank 1 step 33: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[4/32] = r1:dst@0[4/32]; signal r2:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 4}}},
-    // rank 1 step 34: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[5/32] = r1:dst@0[5/32]; signal r2:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 5}}},
-    // rank 1 step 35: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[6/32] = r1:dst@0[6/32]; signal r2:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 6}}},
-    // rank 1 step 36: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[7/32] = r1:dst@0[7/32]; signal r2:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 7}}},
-    // rank 1 step 37: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/32] = r1:dst@0[4/32]; signal r3:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 4}}},
-    // rank 1 step 38: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/32] = r1:dst@0[5/32]; signal r3:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 5}}},
-    // rank 1 step 39: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[6/32] = r1:dst@0[6/32]; signal r3:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 6}}},
-    // rank 1 step 40: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[7/32] = r1:dst@0[7/32]; signal r3:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 7}}},
-    // rank 1 step 41: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[4/32] = r1:dst@0[4/32]; signal r4:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 4}}},
-    // rank 1 step 42: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[5/32] = r1:dst@0[5/32]; signal r4:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 5}}},
-    // rank 1 step 43: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[6/32] = r1:dst@0[6/32]; signal r4:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 6}}},
-    // rank 1 step 44: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[7/32] = r1:dst@0[7/32]; signal r4:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 7}}},
-    // rank 1 step 45: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[4/32] = r1:dst@0[4/32]; signal r5:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 4}}},
-    // rank 1 step 46: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[5/32] = r1:dst@0[5/32]; signal r5:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 5}}},
-    // rank 1 step 47: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[6/32] = r1:dst@0[6/32]; signal r5:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 6}}},
-    // rank 1 step 48: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[7/32] = r1:dst@0[7/32]; signal r5:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 7}}},
-    // rank 1 step 49: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[4/32] = r1:dst@0[4/32]; signal r6:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 4}}},
-    // rank 1 step 50: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[5/32] = r1:dst@0[5/32]; signal r6:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 5}}},
-    // rank 1 step 51: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[6/32] = r1:dst@0[6/32]; signal r6:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 6}}},
-    // rank 1 step 52: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[7/32] = r1:dst@0[7/32]; signal r6:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 7}}},
-    // rank 1 step 53: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[4/32] = r1:dst@0[4/32]; signal r7:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 4}}},
-    // rank 1 step 54: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[5/32] = r1:dst@0[5/32]; signal r7:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 5}}},
-    // rank 1 step 55: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[6/32] = r1:dst@0[6/32]; signal r7:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 6}}},
-    // rank 1 step 56: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[7/32] = r1:dst@0[7/32]; signal r7:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 7}}},
-    // rank 1 step 57: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/32] = r1:dst@0[4/32]; signal r0:gathered[4]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 4}}},
-    // rank 1 step 58: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/32] = r1:dst@0[5/32]; signal r0:gathered[5]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 5}}},
-    // rank 1 step 59: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[6/32] = r1:dst@0[6/32]; signal r0:gathered[6]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 6}}},
-    // rank 1 step 60: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[7/32] = r1:dst@0[7/32]; signal r0:gathered[7]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 7}}},
-    // rank 1 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},
-    // rank 1 step 62: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}, {7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}}, {}},
-    // rank 1 step 63: wait for every peer's reduced parts; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},
-    // rank 1 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
-    // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[12/32] = r2:src@0[12/32]; signal r3:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 12}, {{2, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[13/32] = r2:src@0[13/32]; signal r3:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 13}, {{2, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 2 step 3: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@2[14/32] = r2:src@0[14/32]; signal r3:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 14}, {{2, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 2 step 4: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@2[15/32] = r2:src@0[15/32]; signal r3:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 15}, {{2, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 2 step 5: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@2[16/32] = r2:src@0[16/32]; signal r4:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 2, 16}, {{2, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
-    // rank 2 step 6: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@2[17/32] = r2:src@0[17/32]; signal r4:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 2, 17}, {{2, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
-    // rank 2 step 7: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@2[18/32] = r2:src@0[18/32]; signal r4:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 2, 18}, {{2, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
-    // rank 2 step 8: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@2[19/32] = r2:src@0[19/32]; signal r4:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 2, 19}, {{2, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
-    // rank 2 step 9: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@2[20/32] = r2:src@0[20/32]; signal r5:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 2, 20}, {{2, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 8}}},
-    // rank 2 step 10: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@2[21/32] = r2:src@0[21/32]; signal r5:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 2, 21}, {{2, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 9}}},
-    // rank 2 step 11: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@2[22/32] = r2:src@0[22/32]; signal r5:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 2, 22}, {{2, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 10}}},
-    // rank 2 step 12: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@2[23/32] = r2:src@0[23/32]; signal r5:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 2, 23}, {{2, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 11}}},
-    // rank 2 step 13: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@2[24/32] = r2:src@0[24/32]; signal r6:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 2, 24}, {{2, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
-    // rank 2 step 14: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@2[25/32] = r2:src@0[25/32]; signal r6:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 2, 25}, {{2, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 9}}},
-    // rank 2 step 15: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@2[26/32] = r2:src@0[26/32]; signal r6:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 2, 26}, {{2, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 10}}},
-    // rank 2 step 16: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@2[27/32] = r2:src@0[27/32]; signal r6:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 2, 27}, {{2, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 11}}},
-    // rank 2 step 17: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@2[28/32] = r2:src@0[28/32]; signal r7:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 2, 28}, {{2, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
-    // rank 2 step 18: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@2[29/32] = r2:src@0[29/32]; signal r7:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 2, 29}, {{2, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 9}}},
-    // rank 2 step 19: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@2[30/32] = r2:src@0[30/32]; signal r7:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 2, 30}, {{2, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
-    // rank 2 step 20: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@2[31/32] = r2:src@0[31/32]; signal r7:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 2, 31}, {{2, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 11}}},
-    // rank 2 step 21: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/32] = r2:src@0[0/32]; signal r0:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 0}, {{2, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 2 step 22: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/32] = r2:src@0[1/32]; signal r0:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 1}, {{2, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 2 step 23: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/32] = r2:src@0[2/32]; signal r0:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 2}, {{2, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 2 step 24: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/32] = r2:src@0[3/32]; signal r0:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 3}, {{2, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 2 step 25: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[4/32] = r2:src@0[4/32]; signal r1:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 4}, {{2, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 2 step 26: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[5/32] = r2:src@0[5/32]; signal r1:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 5}, {{2, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 2 step 27: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[6/32] = r2:src@0[6/32]; signal r1:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 6}, {{2, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 2 step 28: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[7/32] = r2:src@0[7/32]; signal r1:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 7}, {{2, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 2 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r2:dst@0[8/32] = r2:src@0[8/32] + r2:inbox@0[8/32] + r2:inbox@1[8/32] + r2:inbox@3[8/32] + r2:inbox@4[8/32] + r2:inbox@5[8/32] + r2:inbox@6[8/32] + r2:inbox@7[8/32]; signal r2:reduced[0]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 32, 0, 8}, {{2, 1, 1, 32, 0, 8}, {2, 3, 0, 32, 0, 8}, {2, 3, 0, 32, 1, 8}, {2, 3, 0, 32, 3, 8}, {2, 3, 0, 32, 4, 8}, {2, 3, 0, 32, 5, 8}, {2, 3, 0, 32, 6, 8}, {2, 3, 0, 32, 7, 8}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{2, 6, 0}}},
-    // rank 2 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r2:dst@0[9/32] = r2:src@0[9/32] + r2:inbox@0[9/32] + r2:inbox@1[9/32] + r2:inbox@3[9/32] + r2:inbox@4[9/32] + r2:inbox@5[9/32] + r2:inbox@6[9/32] + r2:inbox@7[9/32]; signal r2:reduced[1]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 32, 0, 9}, {{2, 1, 1, 32, 0, 9}, {2, 3, 0, 32, 0, 9}, {2, 3, 0, 32, 1, 9}, {2, 3, 0, 32, 3, 9}, {2, 3, 0, 32, 4, 9}, {2, 3, 0, 32, 5, 9}, {2, 3, 0, 32, 6, 9}, {2, 3, 0, 32, 7, 9}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{2, 6, 1}}},
-    // rank 2 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r2:dst@0[10/32] = r2:src@0[10/32] + r2:inbox@0[10/32] + r2:inbox@1[10/32] + r2:inbox@3[10/32] + r2:inbox@4[10/32] + r2:inbox@5[10/32] + r2:inbox@6[10/32] + r2:inbox@7[10/32]; signal r2:reduced[2]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 32, 0, 10}, {{2, 1, 1, 32, 0, 10}, {2, 3, 0, 32, 0, 10}, {2, 3, 0, 32, 1, 10}, {2, 3, 0, 32, 3, 10}, {2, 3, 0, 32, 4, 10}, {2, 3, 0, 32, 5, 10}, {2, 3, 0, 32, 6, 10}, {2, 3, 0, 32, 7, 10}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{2, 6, 2}}},
-    // rank 2 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r2:dst@0[11/32] = r2:src@0[11/32] + r2:inbox@0[11/32] + r2:inbox@1[11/32] + r2:inbox@3[11/32] + r2:inbox@4[11/32] + r2:inbox@5[11/32] + r2:inbox@6[11/32] + r2:inbox@7[11/32]; signal r2:reduced[3]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 32, 0, 11}, {{2, 1, 1, 32, 0, 11}, {2, 3, 0, 32, 0, 11}, {2, 3, 0, 32, 1, 11}, {2, 3, 0, 32, 3, 11}, {2, 3, 0, 32, 4, 11}, {2, 3, 0, 32, 5, 11}, {2, 3, 0, 32, 6, 11}, {2, 3, 0, 32, 7, 11}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{2, 6, 3}}},
-    // rank 2 step 33: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/32] = r2:dst@0[8/32]; signal r3:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 8}}},
-    // rank 2 step 34: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/32] = r2:dst@0[9/32]; signal r3:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 9}}},
-    // rank 2 step 35: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[10/32] = r2:dst@0[10/32]; signal r3:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 10}}},
-    // rank 2 step 36: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[11/32] = r2:dst@0[11/32]; signal r3:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 11}}},
-    // rank 2 step 37: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[8/32] = r2:dst@0[8/32]; signal r4:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 8}}},
-    // rank 2 step 38: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[9/32] = r2:dst@0[9/32]; signal r4:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 9}}},
-    // rank 2 step 39: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[10/32] = r2:dst@0[10/32]; signal r4:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 10}}},
-    // rank 2 step 40: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[11/32] = r2:dst@0[11/32]; signal r4:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 11}}},
-    // rank 2 step 41: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[8/32] = r2:dst@0[8/32]; signal r5:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 8}}},
-    // rank 2 step 42: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[9/32] = r2:dst@0[9/32]; signal r5:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 9}}},
-    // rank 2 step 43: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[10/32] = r2:dst@0[10/32]; signal r5:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 10}}},
-    // rank 2 step 44: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[11/32] = r2:dst@0[11/32]; signal r5:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 11}}},
-    // rank 2 step 45: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[8/32] = r2:dst@0[8/32]; signal r6:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 8}}},
-    // rank 2 step 46: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[9/32] = r2:dst@0[9/32]; signal r6:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 9}}},
-    // rank 2 step 47: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[10/32] = r2:dst@0[10/32]; signal r6:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 10}}},
-    // rank 2 step 48: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[11/32] = r2:dst@0[11/32]; signal r6:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 11}}},
-    // rank 2 step 49: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[8/32] = r2:dst@0[8/32]; signal r7:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 8}}},
-    // rank 2 step 50: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[9/32] = r2:dst@0[9/32]; signal r7:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 9}}},
-    // rank 2 step 51: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[10/32] = r2:dst@0[10/32]; signal r7:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 10}}},
-    // rank 2 step 52: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[11/32] = r2:dst@0[11/32]; signal r7:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 11}}},
-    // rank 2 step 53: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/32] = r2:dst@0[8/32]; signal r0:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 8}}},
-    // rank 2 step 54: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/32] = r2:dst@0[9/32]; signal r0:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 9}}},
-    // rank 2 step 55: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/32] = r2:dst@0[10/32]; signal r0:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 10}}},
-    // rank 2 step 56: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/32] = r2:dst@0[11/32]; signal r0:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 11}}},
-    // rank 2 step 57: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/32] = r2:dst@0[8/32]; signal r1:gathered[8]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 8}}},
-    // rank 2 step 58: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/32] = r2:dst@0[9/32]; signal r1:gathered[9]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 9}}},
-    // rank 2 step 59: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[10/32] = r2:dst@0[10/32]; signal r1:gathered[10]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 10}}},
-    // rank 2 step 60: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[11/32] = r2:dst@0[11/32]; signal r1:gathered[11]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 11}}},
-    // rank 2 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
-    // rank 2 step 62: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}, {7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}}, {}},
-    // rank 2 step 63: wait for every peer's reduced parts; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},
-    // rank 2 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
-    // rank 3 step 1: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@3[16/32] = r3:src@0[16/32]; signal r4:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 3, 16}, {{3, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
-    // rank 3 step 2: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@3[17/32] = r3:src@0[17/32]; signal r4:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 3, 17}, {{3, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 13}}},
-    // rank 3 step 3: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@3[18/32] = r3:src@0[18/32]; signal r4:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 3, 18}, {{3, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
-    // rank 3 step 4: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@3[19/32] = r3:src@0[19/32]; signal r4:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 3, 19}, {{3, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 15}}},
-    // rank 3 step 5: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@3[20/32] = r3:src@0[20/32]; signal r5:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 3, 20}, {{3, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
-    // rank 3 step 6: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@3[21/32] = r3:src@0[21/32]; signal r5:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 3, 21}, {{3, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
-    // rank 3 step 7: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@3[22/32] = r3:src@0[22/32]; signal r5:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 3, 22}, {{3, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
-    // rank 3 step 8: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@3[23/32] = r3:src@0[23/32]; signal r5:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 3, 23}, {{3, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
-    // rank 3 step 9: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@3[24/32] = r3:src@0[24/32]; signal r6:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 3, 24}, {{3, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 12}}},
-    // rank 3 step 10: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@3[25/32] = r3:src@0[25/32]; signal r6:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 3, 25}, {{3, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 13}}},
-    // rank 3 step 11: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@3[26/32] = r3:src@0[26/32]; signal r6:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 3, 26}, {{3, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
-    // rank 3 step 12: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@3[27/32] = r3:src@0[27/32]; signal r6:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 3, 27}, {{3, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 15}}},
-    // rank 3 step 13: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@3[28/32] = r3:src@0[28/32]; signal r7:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 3, 28}, {{3, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 12}}},
-    // rank 3 step 14: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@3[29/32] = r3:src@0[29/32]; signal r7:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 3, 29}, {{3, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 13}}},
-    // rank 3 step 15: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@3[30/32] = r3:src@0[30/32]; signal r7:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 3, 30}, {{3, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 14}}},
-    // rank 3 step 16: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@3[31/32] = r3:src@0[31/32]; signal r7:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 3, 31}, {{3, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 15}}},
-    // rank 3 step 17: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/32] = r3:src@0[0/32]; signal r0:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 0}, {{3, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 3 step 18: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/32] = r3:src@0[1/32]; signal r0:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 1}, {{3, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 3 step 19: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@3[2/32] = r3:src@0[2/32]; signal r0:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 2}, {{3, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 3 step 20: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@3[3/32] = r3:src@0[3/32]; signal r0:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 3}, {{3, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 3 step 21: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[4/32] = r3:src@0[4/32]; signal r1:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 4}, {{3, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 3 step 22: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[5/32] = r3:src@0[5/32]; signal r1:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 5}, {{3, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 3 step 23: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@3[6/32] = r3:src@0[6/32]; signal r1:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 6}, {{3, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 3 step 24: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@3[7/32] = r3:src@0[7/32]; signal r1:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 7}, {{3, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 3 step 25: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[8/32] = r3:src@0[8/32]; signal r2:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 8}, {{3, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 3 step 26: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[9/32] = r3:src@0[9/32]; signal r2:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 9}, {{3, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 3 step 27: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@3[10/32] = r3:src@0[10/32]; signal r2:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 10}, {{3, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 3 step 28: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@3[11/32] = r3:src@0[11/32]; signal r2:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 11}, {{3, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 3 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8], arrive[16], arrive[20], arrive[24], arrive[28]; r3:dst@0[12/32] = r3:src@0[12/32] + r3:inbox@0[12/32] + r3:inbox@1[12/32] + r3:inbox@2[12/32] + r3:inbox@4[12/32] + r3:inbox@5[12/32] + r3:inbox@6[12/32] + r3:inbox@7[12/32]; signal r3:reduced[0]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 32, 0, 12}, {{3, 1, 1, 32, 0, 12}, {3, 3, 0, 32, 0, 12}, {3, 3, 0, 32, 1, 12}, {3, 3, 0, 32, 2, 12}, {3, 3, 0, 32, 4, 12}, {3, 3, 0, 32, 5, 12}, {3, 3, 0, 32, 6, 12}, {3, 3, 0, 32, 7, 12}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{3, 6, 0}}},
-    // rank 3 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9], arrive[17], arrive[21], arrive[25], arrive[29]; r3:dst@0[13/32] = r3:src@0[13/32] + r3:inbox@0[13/32] + r3:inbox@1[13/32] + r3:inbox@2[13/32] + r3:inbox@4[13/32] + r3:inbox@5[13/32] + r3:inbox@6[13/32] + r3:inbox@7[13/32]; signal r3:reduced[1]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 32, 0, 13}, {{3, 1, 1, 32, 0, 13}, {3, 3, 0, 32, 0, 13}, {3, 3, 0, 32, 1, 13}, {3, 3, 0, 32, 2, 13}, {3, 3, 0, 32, 4, 13}, {3, 3, 0, 32, 5, 13}, {3, 3, 0, 32, 6, 13}, {3, 3, 0, 32, 7, 13}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{3, 6, 1}}},
-    // rank 3 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10], arrive[18], arrive[22], arrive[26], arrive[30]; r3:dst@0[14/32] = r3:src@0[14/32] + r3:inbox@0[14/32] + r3:inbox@1[14/32] + r3:inbox@2[14/32] + r3:inbox@4[14/32] + r3:inbox@5[14/32] + r3:inbox@6[14/32] + r3:inbox@7[14/32]; signal r3:reduced[2]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 32, 0, 14}, {{3, 1, 1, 32, 0, 14}, {3, 3, 0, 32, 0, 14}, {3, 3, 0, 32, 1, 14}, {3, 3, 0, 32, 2, 14}, {3, 3, 0, 32, 4, 14}, {3, 3, 0, 32, 5, 14}, {3, 3, 0, 32, 6, 14}, {3, 3, 0, 32, 7, 14}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{3, 6, 2}}},
-    // rank 3 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11], arrive[19], arrive[23], arrive[27], arrive[31]; r3:dst@0[15/32] = r3:src@0[15/32] + r3:inbox@0[15/32] + r3:inbox@1[15/32] + r3:inbox@2[15/32] + r3:inbox@4[15/32] + r3:inbox@5[15/32] + r3:inbox@6[15/32] + r3:inbox@7[15/32]; signal r3:reduced[3]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 32, 0, 15}, {{3, 1, 1, 32, 0, 15}, {3, 3, 0, 32, 0, 15}, {3, 3, 0, 32, 1, 15}, {3, 3, 0, 32, 2, 15}, {3, 3, 0, 32, 4, 15}, {3, 3, 0, 32, 5, 15}, {3, 3, 0, 32, 6, 15}, {3, 3, 0, 32, 7, 15}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{3, 6, 3}}},
-    // rank 3 step 33: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[12/32] = r3:dst@0[12/32]; signal r4:gathered[12]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 12}}},
-    // rank 3 step 34: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[13/32] = r3:dst@0[13/32]; signal r4:gathered[13]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 13}}},
-    // rank 3 step 35: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[14/32] = r3:dst@0[14/32]; signal r4:gathered[14]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 14}}},
-    // rank 3 step 36: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[15/32] = r3:dst@0[15/32]; signal r4:gathered[15]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 15}}},
-    // rank 3 step 37: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[12/32] = r3:dst@0[12/32]; signal r5:gathered[12]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 12}}},
-    // rank 3 step 38: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[13/32] = r3:dst@0[13/32]; signal r5:gathered[13]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 13}}},
-    // rank 3 step 39: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[14/32] = r3:dst@0[14/32]; signal r5:gathered[14]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 14}}},
-    // rank 3 step 40: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[15/32] = r3:dst@0[15/32]; signal r5:gathered[15]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 15}}},
-    // rank 3 step 41: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[12/32] = r3:dst@0[12/32]; signal r6:gathered[12]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 12}}},
-    // rank 3 step 42: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[13/32] = r3:dst@0[13/32]; signal r6:gathered[13]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 13}}},
-    // rank 3 step 43: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[14/32] = r3:dst@0[14/32]; signal r6:gathered[14]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 14}}},
-    // rank 3 step 44: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[15/32] = r3:dst@0[15/32]; signal r6:gathered[15]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 15}}},
-    // rank 3 step 45: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[12/32] = r3:dst@0[12/32]; signal r7:gathered[12]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 12}}},
-    // rank 3 step 46: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[13/32] = r3:dst@0[13/32]; signal r7:gathered[13]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 13}}},
-    // rank 3 step 47: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[14/32] = r3:dst@0[14/32]; signal r7:gathered[14]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 14}}},
-    // rank 3 step 48: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[15/32] = r3:dst@0[15/32]; signal r7:gathered[15]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 15}}},
-    // rank 3 step 49: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[12/32] = r3:dst@0[12/32]; signal r0:gathered[12]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 12}}},
-    // rank 3 step 50: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[13/32] = r3:dst@0[13/32]; signal r0:gathered[13]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 13}}},
-    // rank 3 step 51: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[14/32] = r3:dst@0[14/32]; signal r0:gathered[14]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 14}}},
-    // rank 3 step 52: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[15/32] = r3:dst@0[15/32]; signal r0:gathered[15]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 15}}},
-    // rank 3 step 53: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[12/32] = r3:dst@0[12/32]; signal r1:gathered[12]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 12}}},
-    // rank 3 step 54: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[13/32] = r3:dst@0[13/32]; signal r1:gathered[13]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 13}}},
-    // rank 3 step 55: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[14/32] = r3:dst@0[14/32]; signal r1:gathered[14]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 14}}},
-    // rank 3 step 56: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[15/32] = r3:dst@0[15/32]; signal r1:gathered[15]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 15}}},
-    // rank 3 step 57: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[12/32] = r3:dst@0[12/32]; signal r2:gathered[12]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 12}}},
-    // rank 3 step 58: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[13/32] = r3:dst@0[13/32]; signal r2:gathered[13]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 13}}},
-    // rank 3 step 59: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[14/32] = r3:dst@0[14/32]; signal r2:gathered[14]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 14}}},
-    // rank 3 step 60: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[15/32] = r3:dst@0[15/32]; signal r2:gathered[15]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 15}}},
-    // rank 3 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
-    // rank 3 step 62: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[16], gathered[17], gathered[18], gathered[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}, {7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}}, {}},
-    // rank 3 step 63: wait for every peer's reduced parts; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},
-    // rank 3 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
-    // rank 4 step 1: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@4[20/32] = r4:src@0[20/32]; signal r5:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 4, 20}, {{4, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 16}}},
-    // rank 4 step 2: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@4[21/32] = r4:src@0[21/32]; signal r5:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 4, 21}, {{4, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 17}}},
-    // rank 4 step 3: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@4[22/32] = r4:src@0[22/32]; signal r5:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 4, 22}, {{4, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 18}}},
-    // rank 4 step 4: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@4[23/32] = r4:src@0[23/32]; signal r5:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 4, 23}, {{4, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 19}}},
-    // rank 4 step 5: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@4[24/32] = r4:src@0[24/32]; signal r6:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 4, 24}, {{4, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
-    // rank 4 step 6: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@4[25/32] = r4:src@0[25/32]; signal r6:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 4, 25}, {{4, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
-    // rank 4 step 7: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@4[26/32] = r4:src@0[26/32]; signal r6:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 4, 26}, {{4, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
-    // rank 4 step 8: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@4[27/32] = r4:src@0[27/32]; signal r6:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 4, 27}, {{4, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
-    // rank 4 step 9: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@4[28/32] = r4:src@0[28/32]; signal r7:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 4, 28}, {{4, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 16}}},
-    // rank 4 step 10: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@4[29/32] = r4:src@0[29/32]; signal r7:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 4, 29}, {{4, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 17}}},
-    // rank 4 step 11: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@4[30/32] = r4:src@0[30/32]; signal r7:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 4, 30}, {{4, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 18}}},
-    // rank 4 step 12: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@4[31/32] = r4:src@0[31/32]; signal r7:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 4, 31}, {{4, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 19}}},
-    // rank 4 step 13: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@4[0/32] = r4:src@0[0/32]; signal r0:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 4, 0}, {{4, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 4 step 14: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@4[1/32] = r4:src@0[1/32]; signal r0:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 4, 1}, {{4, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 4 step 15: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@4[2/32] = r4:src@0[2/32]; signal r0:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 4, 2}, {{4, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 4 step 16: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@4[3/32] = r4:src@0[3/32]; signal r0:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 4, 3}, {{4, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 4 step 17: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@4[4/32] = r4:src@0[4/32]; signal r1:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 4, 4}, {{4, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 4 step 18: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@4[5/32] = r4:src@0[5/32]; signal r1:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 4, 5}, {{4, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 4 step 19: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@4[6/32] = r4:src@0[6/32]; signal r1:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 4, 6}, {{4, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 4 step 20: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@4[7/32] = r4:src@0[7/32]; signal r1:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 4, 7}, {{4, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 4 step 21: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@4[8/32] = r4:src@0[8/32]; signal r2:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 4, 8}, {{4, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 16}}},
-    // rank 4 step 22: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@4[9/32] = r4:src@0[9/32]; signal r2:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 4, 9}, {{4, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 17}}},
-    // rank 4 step 23: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@4[10/32] = r4:src@0[10/32]; signal r2:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 4, 10}, {{4, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 18}}},
-    // rank 4 step 24: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@4[11/32] = r4:src@0[11/32]; signal r2:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 4, 11}, {{4, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 19}}},
-    // rank 4 step 25: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@4[12/32] = r4:src@0[12/32]; signal r3:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 4, 12}, {{4, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
-    // rank 4 step 26: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@4[13/32] = r4:src@0[13/32]; signal r3:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 4, 13}, {{4, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
-    // rank 4 step 27: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@4[14/32] = r4:src@0[14/32]; signal r3:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 4, 14}, {{4, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
-    // rank 4 step 28: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@4[15/32] = r4:src@0[15/32]; signal r3:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 4, 15}, {{4, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
-    // rank 4 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[20], arrive[24], arrive[28]; r4:dst@0[16/32] = r4:src@0[16/32] + r4:inbox@0[16/32] + r4:inbox@1[16/32] + r4:inbox@2[16/32] + r4:inbox@3[16/32] + r4:inbox@5[16/32] + r4:inbox@6[16/32] + r4:inbox@7[16/32]; signal r4:reduced[0]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 32, 0, 16}, {{4, 1, 1, 32, 0, 16}, {4, 3, 0, 32, 0, 16}, {4, 3, 0, 32, 1, 16}, {4, 3, 0, 32, 2, 16}, {4, 3, 0, 32, 3, 16}, {4, 3, 0, 32, 5, 16}, {4, 3, 0, 32, 6, 16}, {4, 3, 0, 32, 7, 16}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{4, 6, 0}}},
-    // rank 4 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[21], arrive[25], arrive[29]; r4:dst@0[17/32] = r4:src@0[17/32] + r4:inbox@0[17/32] + r4:inbox@1[17/32] + r4:inbox@2[17/32] + r4:inbox@3[17/32] + r4:inbox@5[17/32] + r4:inbox@6[17/32] + r4:inbox@7[17/32]; signal r4:reduced[1]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 32, 0, 17}, {{4, 1, 1, 32, 0, 17}, {4, 3, 0, 32, 0, 17}, {4, 3, 0, 32, 1, 17}, {4, 3, 0, 32, 2, 17}, {4, 3, 0, 32, 3, 17}, {4, 3, 0, 32, 5, 17}, {4, 3, 0, 32, 6, 17}, {4, 3, 0, 32, 7, 17}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{4, 6, 1}}},
-    // rank 4 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[22], arrive[26], arrive[30]; r4:dst@0[18/32] = r4:src@0[18/32] + r4:inbox@0[18/32] + r4:inbox@1[18/32] + r4:inbox@2[18/32] + r4:inbox@3[18/32] + r4:inbox@5[18/32] + r4:inbox@6[18/32] + r4:inbox@7[18/32]; signal r4:reduced[2]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 32, 0, 18}, {{4, 1, 1, 32, 0, 18}, {4, 3, 0, 32, 0, 18}, {4, 3, 0, 32, 1, 18}, {4, 3, 0, 32, 2, 18}, {4, 3, 0, 32, 3, 18}, {4, 3, 0, 32, 5, 18}, {4, 3, 0, 32, 6, 18}, {4, 3, 0, 32, 7, 18}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{4, 6, 2}}},
-    // rank 4 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[23], arrive[27], arrive[31]; r4:dst@0[19/32] = r4:src@0[19/32] + r4:inbox@0[19/32] + r4:inbox@1[19/32] + r4:inbox@2[19/32] + r4:inbox@3[19/32] + r4:inbox@5[19/32] + r4:inbox@6[19/32] + r4:inbox@7[19/32]; signal r4:reduced[3]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 32, 0, 19}, {{4, 1, 1, 32, 0, 19}, {4, 3, 0, 32, 0, 19}, {4, 3, 0, 32, 1, 19}, {4, 3, 0, 32, 2, 19}, {4, 3, 0, 32, 3, 19}, {4, 3, 0, 32, 5, 19}, {4, 3, 0, 32, 6, 19}, {4, 3, 0, 32, 7, 19}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{4, 6, 3}}},
-    // rank 4 step 33: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[16/32] = r4:dst@0[16/32]; signal r5:gathered[16]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 16}}},
-    // rank 4 step 34: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[17/32] = r4:dst@0[17/32]; signal r5:gathered[17]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 17}}},
-    // rank 4 step 35: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[18/32] = r4:dst@0[18/32]; signal r5:gathered[18]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 18}}},
-    // rank 4 step 36: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[19/32] = r4:dst@0[19/32]; signal r5:gathered[19]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 19}}},
-    // rank 4 step 37: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[16/32] = r4:dst@0[16/32]; signal r6:gathered[16]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 16}}},
-    // rank 4 step 38: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[17/32] = r4:dst@0[17/32]; signal r6:gathered[17]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 17}}},
-    // rank 4 step 39: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[18/32] = r4:dst@0[18/32]; signal r6:gathered[18]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 18}}},
-    // rank 4 step 40: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[19/32] = r4:dst@0[19/32]; signal r6:gathered[19]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 19}}},
-    // rank 4 step 41: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[16/32] = r4:dst@0[16/32]; signal r7:gathered[16]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 16}}},
-    // rank 4 step 42: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[17/32] = r4:dst@0[17/32]; signal r7:gathered[17]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 17}}},
-    // rank 4 step 43: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[18/32] = r4:dst@0[18/32]; signal r7:gathered[18]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 18}}},
-    // rank 4 step 44: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[19/32] = r4:dst@0[19/32]; signal r7:gathered[19]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 19}}},
-    // rank 4 step 45: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/32] = r4:dst@0[16/32]; signal r0:gathered[16]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 16}}},
-    // rank 4 step 46: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/32] = r4:dst@0[17/32]; signal r0:gathered[17]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 17}}},
-    // rank 4 step 47: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/32] = r4:dst@0[18/32]; signal r0:gathered[18]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 18}}},
-    // rank 4 step 48: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/32] = r4:dst@0[19/32]; signal r0:gathered[19]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 19}}},
-    // rank 4 step 49: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/32] = r4:dst@0[16/32]; signal r1:gathered[16]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 16}}},
-    // rank 4 step 50: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/32] = r4:dst@0[17/32]; signal r1:gathered[17]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 17}}},
-    // rank 4 step 51: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/32] = r4:dst@0[18/32]; signal r1:gathered[18]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 18}}},
-    // rank 4 step 52: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/32] = r4:dst@0[19/32]; signal r1:gathered[19]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 19}}},
-    // rank 4 step 53: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[16/32] = r4:dst@0[16/32]; signal r2:gathered[16]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 16}}},
-    // rank 4 step 54: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[17/32] = r4:dst@0[17/32]; signal r2:gathered[17]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 17}}},
-    // rank 4 step 55: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[18/32] = r4:dst@0[18/32]; signal r2:gathered[18]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 18}}},
-    // rank 4 step 56: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[19/32] = r4:dst@0[19/32]; signal r2:gathered[19]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 19}}},
-    // rank 4 step 57: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[16/32] = r4:dst@0[16/32]; signal r3:gathered[16]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 16}}},
-    // rank 4 step 58: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[17/32] = r4:dst@0[17/32]; signal r3:gathered[17]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 17}}},
-    // rank 4 step 59: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[18/32] = r4:dst@0[18/32]; signal r3:gathered[18]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 18}}},
-    // rank 4 step 60: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[19/32] = r4:dst@0[19/32]; signal r3:gathered[19]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 19}}},
-    // rank 4 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
-    // rank 4 step 62: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}, {7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},
-    // rank 4 step 63: wait for every peer's reduced parts; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},
-    // rank 4 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
-    // rank 5 step 1: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@5[24/32] = r5:src@0[24/32]; signal r6:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 5, 24}, {{5, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 20}}},
-    // rank 5 step 2: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@5[25/32] = r5:src@0[25/32]; signal r6:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 5, 25}, {{5, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 21}}},
-    // rank 5 step 3: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@5[26/32] = r5:src@0[26/32]; signal r6:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 5, 26}, {{5, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 22}}},
-    // rank 5 step 4: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@5[27/32] = r5:src@0[27/32]; signal r6:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 5, 27}, {{5, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 23}}},
-    // rank 5 step 5: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@5[28/32] = r5:src@0[28/32]; signal r7:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 5, 28}, {{5, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
-    // rank 5 step 6: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@5[29/32] = r5:src@0[29/32]; signal r7:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 5, 29}, {{5, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
-    // rank 5 step 7: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@5[30/32] = r5:src@0[30/32]; signal r7:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 5, 30}, {{5, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
-    // rank 5 step 8: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@5[31/32] = r5:src@0[31/32]; signal r7:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 5, 31}, {{5, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
-    // rank 5 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@5[0/32] = r5:src@0[0/32]; signal r0:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 5, 0}, {{5, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 5 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@5[1/32] = r5:src@0[1/32]; signal r0:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 5, 1}, {{5, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 5 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@5[2/32] = r5:src@0[2/32]; signal r0:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 5, 2}, {{5, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 5 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@5[3/32] = r5:src@0[3/32]; signal r0:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 5, 3}, {{5, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 5 step 13: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@5[4/32] = r5:src@0[4/32]; signal r1:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 5, 4}, {{5, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 5 step 14: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@5[5/32] = r5:src@0[5/32]; signal r1:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 5, 5}, {{5, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 5 step 15: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@5[6/32] = r5:src@0[6/32]; signal r1:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 5, 6}, {{5, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 5 step 16: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@5[7/32] = r5:src@0[7/32]; signal r1:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 5, 7}, {{5, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 5 step 17: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@5[8/32] = r5:src@0[8/32]; signal r2:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 5, 8}, {{5, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 20}}},
-    // rank 5 step 18: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@5[9/32] = r5:src@0[9/32]; signal r2:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 5, 9}, {{5, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 21}}},
-    // rank 5 step 19: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@5[10/32] = r5:src@0[10/32]; signal r2:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 5, 10}, {{5, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 22}}},
-    // rank 5 step 20: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@5[11/32] = r5:src@0[11/32]; signal r2:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 5, 11}, {{5, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 23}}},
-    // rank 5 step 21: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@5[12/32] = r5:src@0[12/32]; signal r3:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 5, 12}, {{5, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
-    // rank 5 step 22: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@5[13/32] = r5:src@0[13/32]; signal r3:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 5, 13}, {{5, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
-    // rank 5 step 23: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@5[14/32] = r5:src@0[14/32]; signal r3:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 5, 14}, {{5, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
-    // rank 5 step 24: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@5[15/32] = r5:src@0[15/32]; signal r3:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 5, 15}, {{5, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
-    // rank 5 step 25: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@5[16/32] = r5:src@0[16/32]; signal r4:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 5, 16}, {{5, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
-    // rank 5 step 26: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@5[17/32] = r5:src@0[17/32]; signal r4:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 5, 17}, {{5, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
-    // rank 5 step 27: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@5[18/32] = r5:src@0[18/32]; signal r4:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 5, 18}, {{5, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
-    // rank 5 step 28: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@5[19/32] = r5:src@0[19/32]; signal r4:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 5, 19}, {{5, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
-    // rank 5 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[24], arrive[28]; r5:dst@0[20/32] = r5:src@0[20/32] + r5:inbox@0[20/32] + r5:inbox@1[20/32] + r5:inbox@2[20/32] + r5:inbox@3[20/32] + r5:inbox@4[20/32] + r5:inbox@6[20/32] + r5:inbox@7[20/32]; signal r5:reduced[0]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 32, 0, 20}, {{5, 1, 1, 32, 0, 20}, {5, 3, 0, 32, 0, 20}, {5, 3, 0, 32, 1, 20}, {5, 3, 0, 32, 2, 20}, {5, 3, 0, 32, 3, 20}, {5, 3, 0, 32, 4, 20}, {5, 3, 0, 32, 6, 20}, {5, 3, 0, 32, 7, 20}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{5, 6, 0}}},
-    // rank 5 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[25], arrive[29]; r5:dst@0[21/32] = r5:src@0[21/32] + r5:inbox@0[21/32] + r5:inbox@1[21/32] + r5:inbox@2[21/32] + r5:inbox@3[21/32] + r5:inbox@4[21/32] + r5:inbox@6[21/32] + r5:inbox@7[21/32]; signal r5:reduced[1]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 32, 0, 21}, {{5, 1, 1, 32, 0, 21}, {5, 3, 0, 32, 0, 21}, {5, 3, 0, 32, 1, 21}, {5, 3, 0, 32, 2, 21}, {5, 3, 0, 32, 3, 21}, {5, 3, 0, 32, 4, 21}, {5, 3, 0, 32, 6, 21}, {5, 3, 0, 32, 7, 21}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{5, 6, 1}}},
-    // rank 5 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[26], arrive[30]; r5:dst@0[22/32] = r5:src@0[22/32] + r5:inbox@0[22/32] + r5:inbox@1[22/32] + r5:inbox@2[22/32] + r5:inbox@3[22/32] + r5:inbox@4[22/32] + r5:inbox@6[22/32] + r5:inbox@7[22/32]; signal r5:reduced[2]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 32, 0, 22}, {{5, 1, 1, 32, 0, 22}, {5, 3, 0, 32, 0, 22}, {5, 3, 0, 32, 1, 22}, {5, 3, 0, 32, 2, 22}, {5, 3, 0, 32, 3, 22}, {5, 3, 0, 32, 4, 22}, {5, 3, 0, 32, 6, 22}, {5, 3, 0, 32, 7, 22}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{5, 6, 2}}},
-    // rank 5 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[27], arrive[31]; r5:dst@0[23/32] = r5:src@0[23/32] + r5:inbox@0[23/32] + r5:inbox@1[23/32] + r5:inbox@2[23/32] + r5:inbox@3[23/32] + r5:inbox@4[23/32] + r5:inbox@6[23/32] + r5:inbox@7[23/32]; signal r5:reduced[3]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 32, 0, 23}, {{5, 1, 1, 32, 0, 23}, {5, 3, 0, 32, 0, 23}, {5, 3, 0, 32, 1, 23}, {5, 3, 0, 32, 2, 23}, {5, 3, 0, 32, 3, 23}, {5, 3, 0, 32, 4, 23}, {5, 3, 0, 32, 6, 23}, {5, 3, 0, 32, 7, 23}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{5, 6, 3}}},
-    // rank 5 step 33: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[20/32] = r5:dst@0[20/32]; signal r6:gathered[20]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 20}}},
-    // rank 5 step 34: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[21/32] = r5:dst@0[21/32]; signal r6:gathered[21]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 21}}},
-    // rank 5 step 35: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[22/32] = r5:dst@0[22/32]; signal r6:gathered[22]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 22}}},
-    // rank 5 step 36: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[23/32] = r5:dst@0[23/32]; signal r6:gathered[23]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 23}}},
-    // rank 5 step 37: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[20/32] = r5:dst@0[20/32]; signal r7:gathered[20]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 20}}},
-    // rank 5 step 38: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[21/32] = r5:dst@0[21/32]; signal r7:gathered[21]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 21}}},
-    // rank 5 step 39: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[22/32] = r5:dst@0[22/32]; signal r7:gathered[22]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 22}}},
-    // rank 5 step 40: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[23/32] = r5:dst@0[23/32]; signal r7:gathered[23]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 23}}},
-    // rank 5 step 41: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[20/32] = r5:dst@0[20/32]; signal r0:gathered[20]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 20}}},
-    // rank 5 step 42: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[21/32] = r5:dst@0[21/32]; signal r0:gathered[21]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 21}}},
-    // rank 5 step 43: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[22/32] = r5:dst@0[22/32]; signal r0:gathered[22]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 22}}},
-    // rank 5 step 44: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[23/32] = r5:dst@0[23/32]; signal r0:gathered[23]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 23}}},
-    // rank 5 step 45: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[20/32] = r5:dst@0[20/32]; signal r1:gathered[20]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 20}}},
-    // rank 5 step 46: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[21/32] = r5:dst@0[21/32]; signal r1:gathered[21]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 21}}},
-    // rank 5 step 47: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[22/32] = r5:dst@0[22/32]; signal r1:gathered[22]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 22}}},
-    // rank 5 step 48: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[23/32] = r5:dst@0[23/32]; signal r1:gathered[23]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 23}}},
-    // rank 5 step 49: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[20/32] = r5:dst@0[20/32]; signal r2:gathered[20]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 20}}},
-    // rank 5 step 50: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[21/32] = r5:dst@0[21/32]; signal r2:gathered[21]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 21}}},
-    // rank 5 step 51: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[22/32] = r5:dst@0[22/32]; signal r2:gathered[22]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 22}}},
-    // rank 5 step 52: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[23/32] = r5:dst@0[23/32]; signal r2:gathered[23]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 23}}},
-    // rank 5 step 53: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[20/32] = r5:dst@0[20/32]; signal r3:gathered[20]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 20}}},
-    // rank 5 step 54: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[21/32] = r5:dst@0[21/32]; signal r3:gathered[21]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 21}}},
-    // rank 5 step 55: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[22/32] = r5:dst@0[22/32]; signal r3:gathered[22]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 22}}},
-    // rank 5 step 56: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[23/32] = r5:dst@0[23/32]; signal r3:gathered[23]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 23}}},
-    // rank 5 step 57: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[20/32] = r5:dst@0[20/32]; signal r4:gathered[20]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 20}}},
-    // rank 5 step 58: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[21/32] = r5:dst@0[21/32]; signal r4:gathered[21]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 21}}},
-    // rank 5 step 59: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[22/32] = r5:dst@0[22/32]; signal r4:gathered[22]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 22}}},
-    // rank 5 step 60: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[23/32] = r5:dst@0[23/32]; signal r4:gathered[23]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 23}}},
-    // rank 5 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
-    // rank 5 step 62: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}, {7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},
-    // rank 5 step 63: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},
-    // rank 5 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
-    // rank 6 step 1: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@6[28/32] = r6:src@0[28/32]; signal r7:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 6, 28}, {{6, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 24}}},
-    // rank 6 step 2: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@6[29/32] = r6:src@0[29/32]; signal r7:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 6, 29}, {{6, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 25}}},
-    // rank 6 step 3: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@6[30/32] = r6:src@0[30/32]; signal r7:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 6, 30}, {{6, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 26}}},
-    // rank 6 step 4: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@6[31/32] = r6:src@0[31/32]; signal r7:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 6, 31}, {{6, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 27}}},
-    // rank 6 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@6[0/32] = r6:src@0[0/32]; signal r0:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 6, 0}, {{6, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
-    // rank 6 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@6[1/32] = r6:src@0[1/32]; signal r0:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 6, 1}, {{6, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
-    // rank 6 step 7: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@6[2/32] = r6:src@0[2/32]; signal r0:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 6, 2}, {{6, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
-    // rank 6 step 8: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@6[3/32] = r6:src@0[3/32]; signal r0:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 6, 3}, {{6, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
-    // rank 6 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@6[4/32] = r6:src@0[4/32]; signal r1:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 6, 4}, {{6, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
-    // rank 6 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@6[5/32] = r6:src@0[5/32]; signal r1:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 6, 5}, {{6, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
-    // rank 6 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@6[6/32] = r6:src@0[6/32]; signal r1:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 6, 6}, {{6, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
-    // rank 6 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@6[7/32] = r6:src@0[7/32]; signal r1:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 6, 7}, {{6, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
-    // rank 6 step 13: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@6[8/32] = r6:src@0[8/32]; signal r2:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 6, 8}, {{6, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
-    // rank 6 step 14: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@6[9/32] = r6:src@0[9/32]; signal r2:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 6, 9}, {{6, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
-    // rank 6 step 15: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@6[10/32] = r6:src@0[10/32]; signal r2:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 6, 10}, {{6, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
-    // rank 6 step 16: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@6[11/32] = r6:src@0[11/32]; signal r2:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 6, 11}, {{6, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
-    // rank 6 step 17: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@6[12/32] = r6:src@0[12/32]; signal r3:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 6, 12}, {{6, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 24}}},
-    // rank 6 step 18: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@6[13/32] = r6:src@0[13/32]; signal r3:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 6, 13}, {{6, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 25}}},
-    // rank 6 step 19: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@6[14/32] = r6:src@0[14/32]; signal r3:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 6, 14}, {{6, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 26}}},
-    // rank 6 step 20: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@6[15/32] = r6:src@0[15/32]; signal r3:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 6, 15}, {{6, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 27}}},
-    // rank 6 step 21: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@6[16/32] = r6:src@0[16/32]; signal r4:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 6, 16}, {{6, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 24}}},
-    // rank 6 step 22: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@6[17/32] = r6:src@0[17/32]; signal r4:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 6, 17}, {{6, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 25}}},
-    // rank 6 step 23: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@6[18/32] = r6:src@0[18/32]; signal r4:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 6, 18}, {{6, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 26}}},
-    // rank 6 step 24: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@6[19/32] = r6:src@0[19/32]; signal r4:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 6, 19}, {{6, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 27}}},
-    // rank 6 step 25: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@6[20/32] = r6:src@0[20/32]; signal r5:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 6, 20}, {{6, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
-    // rank 6 step 26: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@6[21/32] = r6:src@0[21/32]; signal r5:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 6, 21}, {{6, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
-    // rank 6 step 27: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@6[22/32] = r6:src@0[22/32]; signal r5:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 6, 22}, {{6, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
-    // rank 6 step 28: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@6[23/32] = r6:src@0[23/32]; signal r5:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 6, 23}, {{6, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
-    // rank 6 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[28]; r6:dst@0[24/32] = r6:src@0[24/32] + r6:inbox@0[24/32] + r6:inbox@1[24/32] + r6:inbox@2[24/32] + r6:inbox@3[24/32] + r6:inbox@4[24/32] + r6:inbox@5[24/32] + r6:inbox@7[24/32]; signal r6:reduced[0]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 32, 0, 24}, {{6, 1, 1, 32, 0, 24}, {6, 3, 0, 32, 0, 24}, {6, 3, 0, 32, 1, 24}, {6, 3, 0, 32, 2, 24}, {6, 3, 0, 32, 3, 24}, {6, 3, 0, 32, 4, 24}, {6, 3, 0, 32, 5, 24}, {6, 3, 0, 32, 7, 24}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 28, 1}}, {{6, 6, 0}}},
-    // rank 6 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[29]; r6:dst@0[25/32] = r6:src@0[25/32] + r6:inbox@0[25/32] + r6:inbox@1[25/32] + r6:inbox@2[25/32] + r6:inbox@3[25/32] + r6:inbox@4[25/32] + r6:inbox@5[25/32] + r6:inbox@7[25/32]; signal r6:reduced[1]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 32, 0, 25}, {{6, 1, 1, 32, 0, 25}, {6, 3, 0, 32, 0, 25}, {6, 3, 0, 32, 1, 25}, {6, 3, 0, 32, 2, 25}, {6, 3, 0, 32, 3, 25}, {6, 3, 0, 32, 4, 25}, {6, 3, 0, 32, 5, 25}, {6, 3, 0, 32, 7, 25}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 29, 1}}, {{6, 6, 1}}},
-    // rank 6 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[30]; r6:dst@0[26/32] = r6:src@0[26/32] + r6:inbox@0[26/32] + r6:inbox@1[26/32] + r6:inbox@2[26/32] + r6:inbox@3[26/32] + r6:inbox@4[26/32] + r6:inbox@5[26/32] + r6:inbox@7[26/32]; signal r6:reduced[2]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 32, 0, 26}, {{6, 1, 1, 32, 0, 26}, {6, 3, 0, 32, 0, 26}, {6, 3, 0, 32, 1, 26}, {6, 3, 0, 32, 2, 26}, {6, 3, 0, 32, 3, 26}, {6, 3, 0, 32, 4, 26}, {6, 3, 0, 32, 5, 26}, {6, 3, 0, 32, 7, 26}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 30, 1}}, {{6, 6, 2}}},
-    // rank 6 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[31]; r6:dst@0[27/32] = r6:src@0[27/32] + r6:inbox@0[27/32] + r6:inbox@1[27/32] + r6:inbox@2[27/32] + r6:inbox@3[27/32] + r6:inbox@4[27/32] + r6:inbox@5[27/32] + r6:inbox@7[27/32]; signal r6:reduced[3]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 32, 0, 27}, {{6, 1, 1, 32, 0, 27}, {6, 3, 0, 32, 0, 27}, {6, 3, 0, 32, 1, 27}, {6, 3, 0, 32, 2, 27}, {6, 3, 0, 32, 3, 27}, {6, 3, 0, 32, 4, 27}, {6, 3, 0, 32, 5, 27}, {6, 3, 0, 32, 7, 27}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 31, 1}}, {{6, 6, 3}}},
-    // rank 6 step 33: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[24/32] = r6:dst@0[24/32]; signal r7:gathered[24]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 24}}},
-    // rank 6 step 34: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[25/32] = r6:dst@0[25/32]; signal r7:gathered[25]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 25}}},
-    // rank 6 step 35: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[26/32] = r6:dst@0[26/32]; signal r7:gathered[26]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 26}}},
-    // rank 6 step 36: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[27/32] = r6:dst@0[27/32]; signal r7:gathered[27]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 27}}},
-    // rank 6 step 37: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[24/32] = r6:dst@0[24/32]; signal r0:gathered[24]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 24}}},
-    // rank 6 step 38: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[25/32] = r6:dst@0[25/32]; signal r0:gathered[25]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 25}}},
-    // rank 6 step 39: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[26/32] = r6:dst@0[26/32]; signal r0:gathered[26]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 26}}},
-    // rank 6 step 40: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[27/32] = r6:dst@0[27/32]; signal r0:gathered[27]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 27}}},
-    // rank 6 step 41: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[24/32] = r6:dst@0[24/32]; signal r1:gathered[24]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 24}}},
-    // rank 6 step 42: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[25/32] = r6:dst@0[25/32]; signal r1:gathered[25]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 25}}},
-    // rank 6 step 43: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[26/32] = r6:dst@0[26/32]; signal r1:gathered[26]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 26}}},
-    // rank 6 step 44: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[27/32] = r6:dst@0[27/32]; signal r1:gathered[27]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 27}}},
-    // rank 6 step 45: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[24/32] = r6:dst@0[24/32]; signal r2:gathered[24]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 24}}},
-    // rank 6 step 46: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[25/32] = r6:dst@0[25/32]; signal r2:gathered[25]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 25}}},
-    // rank 6 step 47: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[26/32] = r6:dst@0[26/32]; signal r2:gathered[26]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 26}}},
-    // rank 6 step 48: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[27/32] = r6:dst@0[27/32]; signal r2:gathered[27]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 27}}},
-    // rank 6 step 49: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[24/32] = r6:dst@0[24/32]; signal r3:gathered[24]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 24}}},
-    // rank 6 step 50: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[25/32] = r6:dst@0[25/32]; signal r3:gathered[25]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 25}}},
-    // rank 6 step 51: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[26/32] = r6:dst@0[26/32]; signal r3:gathered[26]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 26}}},
-    // rank 6 step 52: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[27/32] = r6:dst@0[27/32]; signal r3:gathered[27]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 27}}},
-    // rank 6 step 53: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[24/32] = r6:dst@0[24/32]; signal r4:gathered[24]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 24}}},
-    // rank 6 step 54: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[25/32] = r6:dst@0[25/32]; signal r4:gathered[25]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 25}}},
-    // rank 6 step 55: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[26/32] = r6:dst@0[26/32]; signal r4:gathered[26]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 26}}},
-    // rank 6 step 56: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[27/32] = r6:dst@0[27/32]; signal r4:gathered[27]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 27}}},
-    // rank 6 step 57: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[24/32] = r6:dst@0[24/32]; signal r5:gathered[24]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 24}}},
-    // rank 6 step 58: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[25/32] = r6:dst@0[25/32]; signal r5:gathered[25]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 25}}},
-    // rank 6 step 59: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[26/32] = r6:dst@0[26/32]; signal r5:gathered[26]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 26}}},
-    // rank 6 step 60: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[27/32] = r6:dst@0[27/32]; signal r5:gathered[27]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 27}}},
-    // rank 6 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
-    // rank 6 step 62: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}, {7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},
-    // rank 6 step 63: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}, {7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}}, {}},
-    // rank 6 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
-    // rank 7 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@7[0/32] = r7:src@0[0/32]; signal r0:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 7, 0}, {{7, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
-    // rank 7 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@7[1/32] = r7:src@0[1/32]; signal r0:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 7, 1}, {{7, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
-    // rank 7 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@7[2/32] = r7:src@0[2/32]; signal r0:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 7, 2}, {{7, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
-    // rank 7 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@7[3/32] = r7:src@0[3/32]; signal r0:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 7, 3}, {{7, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
-    // rank 7 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@7[4/32] = r7:src@0[4/32]; signal r1:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 7, 4}, {{7, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
-    // rank 7 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@7[5/32] = r7:src@0[5/32]; signal r1:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 7, 5}, {{7, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
-    // rank 7 step 7: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@7[6/32] = r7:src@0[6/32]; signal r1:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 7, 6}, {{7, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
-    // rank 7 step 8: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@7[7/32] = r7:src@0[7/32]; signal r1:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 7, 7}, {{7, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
-    // rank 7 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@7[8/32] = r7:src@0[8/32]; signal r2:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 7, 8}, {{7, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
-    // rank 7 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@7[9/32] = r7:src@0[9/32]; signal r2:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 7, 9}, {{7, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
-    // rank 7 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@7[10/32] = r7:src@0[10/32]; signal r2:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 7, 10}, {{7, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
-    // rank 7 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@7[11/32] = r7:src@0[11/32]; signal r2:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 7, 11}, {{7, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
-    // rank 7 step 13: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@7[12/32] = r7:src@0[12/32]; signal r3:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 7, 12}, {{7, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 28}}},
-    // rank 7 step 14: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@7[13/32] = r7:src@0[13/32]; signal r3:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 7, 13}, {{7, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 29}}},
-    // rank 7 step 15: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@7[14/32] = r7:src@0[14/32]; signal r3:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 7, 14}, {{7, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 30}}},
-    // rank 7 step 16: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@7[15/32] = r7:src@0[15/32]; signal r3:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 7, 15}, {{7, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 31}}},
-    // rank 7 step 17: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@7[16/32] = r7:src@0[16/32]; signal r4:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 7, 16}, {{7, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 28}}},
-    // rank 7 step 18: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@7[17/32] = r7:src@0[17/32]; signal r4:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 7, 17}, {{7, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 29}}},
-    // rank 7 step 19: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@7[18/32] = r7:src@0[18/32]; signal r4:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 7, 18}, {{7, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 30}}},
-    // rank 7 step 20: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@7[19/32] = r7:src@0[19/32]; signal r4:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 7, 19}, {{7, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 31}}},
-    // rank 7 step 21: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@7[20/32] = r7:src@0[20/32]; signal r5:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 7, 20}, {{7, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
-    // rank 7 step 22: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@7[21/32] = r7:src@0[21/32]; signal r5:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 7, 21}, {{7, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
-    // rank 7 step 23: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@7[22/32] = r7:src@0[22/32]; signal r5:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 7, 22}, {{7, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
-    // rank 7 step 24: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@7[23/32] = r7:src@0[23/32]; signal r5:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 7, 23}, {{7, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
-    // rank 7 step 25: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@7[24/32] = r7:src@0[24/32]; signal r6:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 7, 24}, {{7, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 28}}},
-    // rank 7 step 26: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@7[25/32] = r7:src@0[25/32]; signal r6:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 7, 25}, {{7, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 29}}},
-    // rank 7 step 27: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@7[26/32] = r7:src@0[26/32]; signal r6:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 7, 26}, {{7, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 30}}},
-    // rank 7 step 28: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@7[27/32] = r7:src@0[27/32]; signal r6:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 7, 27}, {{7, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 31}}},
-    // rank 7 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24]; r7:dst@0[28/32] = r7:src@0[28/32] + r7:inbox@0[28/32] + r7:inbox@1[28/32] + r7:inbox@2[28/32] + r7:inbox@3[28/32] + r7:inbox@4[28/32] + r7:inbox@5[28/32] + r7:inbox@6[28/32]; signal r7:reduced[0]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 32, 0, 28}, {{7, 1, 1, 32, 0, 28}, {7, 3, 0, 32, 0, 28}, {7, 3, 0, 32, 1, 28}, {7, 3, 0, 32, 2, 28}, {7, 3, 0, 32, 3, 28}, {7, 3, 0, 32, 4, 28}, {7, 3, 0, 32, 5, 28}, {7, 3, 0, 32, 6, 28}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}}, {{7, 6, 0}}},
-    // rank 7 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25]; r7:dst@0[29/32] = r7:src@0[29/32] + r7:inbox@0[29/32] + r7:inbox@1[29/32] + r7:inbox@2[29/32] + r7:inbox@3[29/32] + r7:inbox@4[29/32] + r7:inbox@5[29/32] + r7:inbox@6[29/32]; signal r7:reduced[1]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 32, 0, 29}, {{7, 1, 1, 32, 0, 29}, {7, 3, 0, 32, 0, 29}, {7, 3, 0, 32, 1, 29}, {7, 3, 0, 32, 2, 29}, {7, 3, 0, 32, 3, 29}, {7, 3, 0, 32, 4, 29}, {7, 3, 0, 32, 5, 29}, {7, 3, 0, 32, 6, 29}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}}, {{7, 6, 1}}},
-    // rank 7 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26]; r7:dst@0[30/32] = r7:src@0[30/32] + r7:inbox@0[30/32] + r7:inbox@1[30/32] + r7:inbox@2[30/32] + r7:inbox@3[30/32] + r7:inbox@4[30/32] + r7:inbox@5[30/32] + r7:inbox@6[30/32]; signal r7:reduced[2]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 32, 0, 30}, {{7, 1, 1, 32, 0, 30}, {7, 3, 0, 32, 0, 30}, {7, 3, 0, 32, 1, 30}, {7, 3, 0, 32, 2, 30}, {7, 3, 0, 32, 3, 30}, {7, 3, 0, 32, 4, 30}, {7, 3, 0, 32, 5, 30}, {7, 3, 0, 32, 6, 30}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}}, {{7, 6, 2}}},
-    // rank 7 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27]; r7:dst@0[31/32] = r7:src@0[31/32] + r7:inbox@0[31/32] + r7:inbox@1[31/32] + r7:inbox@2[31/32] + r7:inbox@3[31/32] + r7:inbox@4[31/32] + r7:inbox@5[31/32] + r7:inbox@6[31/32]; signal r7:reduced[3]
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 32, 0, 31}, {{7, 1, 1, 32, 0, 31}, {7, 3, 0, 32, 0, 31}, {7, 3, 0, 32, 1, 31}, {7, 3, 0, 32, 2, 31}, {7, 3, 0, 32, 3, 31}, {7, 3, 0, 32, 4, 31}, {7, 3, 0, 32, 5, 31}, {7, 3, 0, 32, 6, 31}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}}, {{7, 6, 3}}},
-    // rank 7 step 33: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[28/32] = r7:dst@0[28/32]; signal r0:gathered[28]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 28}}},
-    // rank 7 step 34: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[29/32] = r7:dst@0[29/32]; signal r0:gathered[29]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 29}}},
-    // rank 7 step 35: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[30/32] = r7:dst@0[30/32]; signal r0:gathered[30]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 30}}},
-    // rank 7 step 36: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[31/32] = r7:dst@0[31/32]; signal r0:gathered[31]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 31}}},
-    // rank 7 step 37: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[28/32] = r7:dst@0[28/32]; signal r1:gathered[28]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 28}}},
-    // rank 7 step 38: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[29/32] = r7:dst@0[29/32]; signal r1:gathered[29]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 29}}},
-    // rank 7 step 39: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[30/32] = r7:dst@0[30/32]; signal r1:gathered[30]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 30}}},
-    // rank 7 step 40: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[31/32] = r7:dst@0[31/32]; signal r1:gathered[31]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 31}}},
-    // rank 7 step 41: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[28/32] = r7:dst@0[28/32]; signal r2:gathered[28]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 28}}},
-    // rank 7 step 42: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[29/32] = r7:dst@0[29/32]; signal r2:gathered[29]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 29}}},
-    // rank 7 step 43: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[30/32] = r7:dst@0[30/32]; signal r2:gathered[30]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 30}}},
-    // rank 7 step 44: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[31/32] = r7:dst@0[31/32]; signal r2:gathered[31]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 31}}},
-    // rank 7 step 45: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[28/32] = r7:dst@0[28/32]; signal r3:gathered[28]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 28}}},
-    // rank 7 step 46: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[29/32] = r7:dst@0[29/32]; signal r3:gathered[29]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 29}}},
-    // rank 7 step 47: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[30/32] = r7:dst@0[30/32]; signal r3:gathered[30]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 30}}},
-    // rank 7 step 48: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[31/32] = r7:dst@0[31/32]; signal r3:gathered[31]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 31}}},
-    // rank 7 step 49: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[28/32] = r7:dst@0[28/32]; signal r4:gathered[28]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 28}}},
-    // rank 7 step 50: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[29/32] = r7:dst@0[29/32]; signal r4:gathered[29]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 29}}},
-    // rank 7 step 51: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[30/32] = r7:dst@0[30/32]; signal r4:gathered[30]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 30}}},
-    // rank 7 step 52: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[31/32] = r7:dst@0[31/32]; signal r4:gathered[31]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 31}}},
-    // rank 7 step 53: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[28/32] = r7:dst@0[28/32]; signal r5:gathered[28]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 28}}},
-    // rank 7 step 54: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[29/32] = r7:dst@0[29/32]; signal r5:gathered[29]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 29}}},
-    // rank 7 step 55: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[30/32] = r7:dst@0[30/32]; signal r5:gathered[30]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 30}}},
-    // rank 7 step 56: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[31/32] = r7:dst@0[31/32]; signal r5:gathered[31]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 31}}},
-    // rank 7 step 57: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[28/32] = r7:dst@0[28/32]; signal r6:gathered[28]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 28}}},
-    // rank 7 step 58: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[29/32] = r7:dst@0[29/32]; signal r6:gathered[29]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 29}}},
-    // rank 7 step 59: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[30/32] = r7:dst@0[30/32]; signal r6:gathered[30]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 30}}},
-    // rank 7 step 60: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[31/32] = r7:dst@0[31/32]; signal r6:gathered[31]
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 31}}},
-    // rank 7 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},
-    // rank 7 step 62: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}, {7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},
-    // rank 7 step 63: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}, {7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}}, {}},
-    // rank 7 step 64: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 4}, {{0, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[4/32] = r0:src@0[4/32]; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 5}, {{0, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[5/32] = r0:src@0[5/32]; signal r1:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 6}, {{0, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@0[6/32] = r0:src@0[6/32]; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 0, 7}, {{0, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@0[7/32] = r0:src@0[7/32]; signal r1:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 8}, {{0, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[8/32] = r0:src@0[8/32]; signal r2:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 9}, {{0, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[9/32] = r0:src@0[9/32]; signal r2:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 10}, {{0, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 7: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@0[10/32] = r0:src@0[10/32]; signal r2:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 0, 11}, {{0, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 8: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@0[11/32] = r0:src@0[11/32]; signal r2:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 12}, {{0, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 0 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[12/32] = r0:src@0[12/32]; signal r3:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 13}, {{0, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 0 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[13/32] = r0:src@0[13/32]; signal r3:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 14}, {{0, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 0 step 11: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@0[14/32] = r0:src@0[14/32]; signal r3:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 0, 15}, {{0, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 0 step 12: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@0[15/32] = r0:src@0[15/32]; signal r3:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 16}, {{0, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 0}}},  // rank 0 step 13: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@0[16/32] = r0:src@0[16/32]; signal r4:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 17}, {{0, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 1}}},  // rank 0 step 14: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@0[17/32] = r0:src@0[17/32]; signal r4:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 18}, {{0, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 2}}},  // rank 0 step 15: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@0[18/32] = r0:src@0[18/32]; signal r4:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 0, 19}, {{0, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 3}}},  // rank 0 step 16: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@0[19/32] = r0:src@0[19/32]; signal r4:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 20}, {{0, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 0}}},  // rank 0 step 17: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@0[20/32] = r0:src@0[20/32]; signal r5:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 21}, {{0, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 1}}},  // rank 0 step 18: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@0[21/32] = r0:src@0[21/32]; signal r5:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 22}, {{0, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 2}}},  // rank 0 step 19: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@0[22/32] = r0:src@0[22/32]; signal r5:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 0, 23}, {{0, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 3}}},  // rank 0 step 20: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@0[23/32] = r0:src@0[23/32]; signal r5:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 24}, {{0, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 0}}},  // rank 0 step 21: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@0[24/32] = r0:src@0[24/32]; signal r6:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 25}, {{0, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 1}}},  // rank 0 step 22: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@0[25/32] = r0:src@0[25/32]; signal r6:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 26}, {{0, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 2}}},  // rank 0 step 23: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@0[26/32] = r0:src@0[26/32]; signal r6:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 0, 27}, {{0, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 3}}},  // rank 0 step 24: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@0[27/32] = r0:src@0[27/32]; signal r6:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 28}, {{0, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 0}}},  // rank 0 step 25: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@0[28/32] = r0:src@0[28/32]; signal r7:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 29}, {{0, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 1}}},  // rank 0 step 26: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@0[29/32] = r0:src@0[29/32]; signal r7:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 30}, {{0, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 2}}},  // rank 0 step 27: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@0[30/32] = r0:src@0[30/32]; signal r7:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 0, 31}, {{0, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 3}}},  // rank 0 step 28: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@0[31/32] = r0:src@0[31/32]; signal r7:arrive[3]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 32, 0, 0}, {{0, 1, 1, 32, 0, 0}, {0, 3, 0, 32, 1, 0}, {0, 3, 0, 32, 2, 0}, {0, 3, 0, 32, 3, 0}, {0, 3, 0, 32, 4, 0}, {0, 3, 0, 32, 5, 0}, {0, 3, 0, 32, 6, 0}, {0, 3, 0, 32, 7, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{0, 6, 0}}},  // rank 0 step 29: reduce our part, piece 0; wait arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r0:dst@0[0/32] = r0:src@0[0/32] + r0:inbox@1[0/32] + r0:inbox@2[0/32] + r0:inbox@3[0/32] + r0:inbox@4[0/32] + r0:inbox@5[0/32] + r0:inbox@6[0/32] + r0:inbox@7[0/32]; signal r0:reduced[0]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 32, 0, 1}, {{0, 1, 1, 32, 0, 1}, {0, 3, 0, 32, 1, 1}, {0, 3, 0, 32, 2, 1}, {0, 3, 0, 32, 3, 1}, {0, 3, 0, 32, 4, 1}, {0, 3, 0, 32, 5, 1}, {0, 3, 0, 32, 6, 1}, {0, 3, 0, 32, 7, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{0, 6, 1}}},  // rank 0 step 30: reduce our part, piece 1; wait arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r0:dst@0[1/32] = r0:src@0[1/32] + r0:inbox@1[1/32] + r0:inbox@2[1/32] + r0:inbox@3[1/32] + r0:inbox@4[1/32] + r0:inbox@5[1/32] + r0:inbox@6[1/32] + r0:inbox@7[1/32]; signal r0:reduced[1]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 32, 0, 2}, {{0, 1, 1, 32, 0, 2}, {0, 3, 0, 32, 1, 2}, {0, 3, 0, 32, 2, 2}, {0, 3, 0, 32, 3, 2}, {0, 3, 0, 32, 4, 2}, {0, 3, 0, 32, 5, 2}, {0, 3, 0, 32, 6, 2}, {0, 3, 0, 32, 7, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{0, 6, 2}}},  // rank 0 step 31: reduce our part, piece 2; wait arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r0:dst@0[2/32] = r0:src@0[2/32] + r0:inbox@1[2/32] + r0:inbox@2[2/32] + r0:inbox@3[2/32] + r0:inbox@4[2/32] + r0:inbox@5[2/32] + r0:inbox@6[2/32] + r0:inbox@7[2/32]; signal r0:reduced[2]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 2, 0, 32, 0, 3}, {{0, 1, 1, 32, 0, 3}, {0, 3, 0, 32, 1, 3}, {0, 3, 0, 32, 2, 3}, {0, 3, 0, 32, 3, 3}, {0, 3, 0, 32, 4, 3}, {0, 3, 0, 32, 5, 3}, {0, 3, 0, 32, 6, 3}, {0, 3, 0, 32, 7, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{0, 6, 3}}},  // rank 0 step 32: reduce our part, piece 3; wait arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r0:dst@0[3/32] = r0:src@0[3/32] + r0:inbox@1[3/32] + r0:inbox@2[3/32] + r0:inbox@3[3/32] + r0:inbox@4[3/32] + r0:inbox@5[3/32] + r0:inbox@6[3/32] + r0:inbox@7[3/32]; signal r0:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 0}}},  // rank 0 step 33: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/32] = r0:dst@0[0/32]; signal r1:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 1}}},  // rank 0 step 34: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/32] = r0:dst@0[1/32]; signal r1:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 2}}},  // rank 0 step 35: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[2/32] = r0:dst@0[2/32]; signal r1:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 3}}},  // rank 0 step 36: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[3/32] = r0:dst@0[3/32]; signal r1:gathered[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 0}}},  // rank 0 step 37: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/32] = r0:dst@0[0/32]; signal r2:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 1}}},  // rank 0 step 38: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/32] = r0:dst@0[1/32]; signal r2:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 2}}},  // rank 0 step 39: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[2/32] = r0:dst@0[2/32]; signal r2:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 3}}},  // rank 0 step 40: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[3/32] = r0:dst@0[3/32]; signal r2:gathered[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 0}}},  // rank 0 step 41: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/32] = r0:dst@0[0/32]; signal r3:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 1}}},  // rank 0 step 42: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/32] = r0:dst@0[1/32]; signal r3:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 2}}},  // rank 0 step 43: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[2/32] = r0:dst@0[2/32]; signal r3:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 3}}},  // rank 0 step 44: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[3/32] = r0:dst@0[3/32]; signal r3:gathered[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 0}}},  // rank 0 step 45: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[0/32] = r0:dst@0[0/32]; signal r4:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 1}}},  // rank 0 step 46: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[1/32] = r0:dst@0[1/32]; signal r4:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 2}}},  // rank 0 step 47: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[2/32] = r0:dst@0[2/32]; signal r4:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 3}}},  // rank 0 step 48: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[3/32] = r0:dst@0[3/32]; signal r4:gathered[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 0}}},  // rank 0 step 49: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[0/32] = r0:dst@0[0/32]; signal r5:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 1}}},  // rank 0 step 50: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[1/32] = r0:dst@0[1/32]; signal r5:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 2}}},  // rank 0 step 51: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[2/32] = r0:dst@0[2/32]; signal r5:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 3}}},  // rank 0 step 52: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[3/32] = r0:dst@0[3/32]; signal r5:gathered[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 0}}},  // rank 0 step 53: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[0/32] = r0:dst@0[0/32]; signal r6:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 1}}},  // rank 0 step 54: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[1/32] = r0:dst@0[1/32]; signal r6:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 2}}},  // rank 0 step 55: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[2/32] = r0:dst@0[2/32]; signal r6:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 3}}},  // rank 0 step 56: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[3/32] = r0:dst@0[3/32]; signal r6:gathered[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 0}, {{0, 2, 0, 32, 0, 0}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 0}}},  // rank 0 step 57: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[0/32] = r0:dst@0[0/32]; signal r7:gathered[0]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 1}, {{0, 2, 0, 32, 0, 1}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 1}}},  // rank 0 step 58: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[1/32] = r0:dst@0[1/32]; signal r7:gathered[1]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 2}, {{0, 2, 0, 32, 0, 2}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 2}}},  // rank 0 step 59: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[2/32] = r0:dst@0[2/32]; signal r7:gathered[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 3}, {{0, 2, 0, 32, 0, 3}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 3}}},  // rank 0 step 60: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[3/32] = r0:dst@0[3/32]; signal r7:gathered[3]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},  // rank 0 step 61: wait for every peer's reduced parts; wait gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}, {7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}}, {}},  // rank 0 step 62: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},  // rank 0 step 63: wait for every peer's reduced parts; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},  // rank 0 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 8}, {{1, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[8/32] = r1:src@0[8/32]; signal r2:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 9}, {{1, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[9/32] = r1:src@0[9/32]; signal r2:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 10}, {{1, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 1 step 3: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@1[10/32] = r1:src@0[10/32]; signal r2:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 1, 11}, {{1, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 1 step 4: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@1[11/32] = r1:src@0[11/32]; signal r2:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 12}, {{1, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 1 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[12/32] = r1:src@0[12/32]; signal r3:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 13}, {{1, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 1 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[13/32] = r1:src@0[13/32]; signal r3:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 14}, {{1, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 1 step 7: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@1[14/32] = r1:src@0[14/32]; signal r3:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 1, 15}, {{1, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 1 step 8: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@1[15/32] = r1:src@0[15/32]; signal r3:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 1, 16}, {{1, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 4}}},  // rank 1 step 9: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@1[16/32] = r1:src@0[16/32]; signal r4:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 1, 17}, {{1, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 5}}},  // rank 1 step 10: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@1[17/32] = r1:src@0[17/32]; signal r4:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 1, 18}, {{1, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 6}}},  // rank 1 step 11: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@1[18/32] = r1:src@0[18/32]; signal r4:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 1, 19}, {{1, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 7}}},  // rank 1 step 12: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@1[19/32] = r1:src@0[19/32]; signal r4:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 1, 20}, {{1, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 4}}},  // rank 1 step 13: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@1[20/32] = r1:src@0[20/32]; signal r5:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 1, 21}, {{1, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 5}}},  // rank 1 step 14: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@1[21/32] = r1:src@0[21/32]; signal r5:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 1, 22}, {{1, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 6}}},  // rank 1 step 15: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@1[22/32] = r1:src@0[22/32]; signal r5:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 1, 23}, {{1, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 7}}},  // rank 1 step 16: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@1[23/32] = r1:src@0[23/32]; signal r5:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 1, 24}, {{1, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 4}}},  // rank 1 step 17: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@1[24/32] = r1:src@0[24/32]; signal r6:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 1, 25}, {{1, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 5}}},  // rank 1 step 18: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@1[25/32] = r1:src@0[25/32]; signal r6:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 1, 26}, {{1, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 6}}},  // rank 1 step 19: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@1[26/32] = r1:src@0[26/32]; signal r6:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 1, 27}, {{1, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 7}}},  // rank 1 step 20: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@1[27/32] = r1:src@0[27/32]; signal r6:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 1, 28}, {{1, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 4}}},  // rank 1 step 21: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@1[28/32] = r1:src@0[28/32]; signal r7:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 1, 29}, {{1, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 5}}},  // rank 1 step 22: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@1[29/32] = r1:src@0[29/32]; signal r7:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 1, 30}, {{1, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 6}}},  // rank 1 step 23: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@1[30/32] = r1:src@0[30/32]; signal r7:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 1, 31}, {{1, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 7}}},  // rank 1 step 24: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@1[31/32] = r1:src@0[31/32]; signal r7:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 0}, {{1, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 1 step 25: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/32] = r1:src@0[0/32]; signal r0:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 1}, {{1, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 1 step 26: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/32] = r1:src@0[1/32]; signal r0:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 2}, {{1, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 1 step 27: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@1[2/32] = r1:src@0[2/32]; signal r0:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 1, 3}, {{1, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 1 step 28: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@1[3/32] = r1:src@0[3/32]; signal r0:arrive[7]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 32, 0, 4}, {{1, 1, 1, 32, 0, 4}, {1, 3, 0, 32, 0, 4}, {1, 3, 0, 32, 2, 4}, {1, 3, 0, 32, 3, 4}, {1, 3, 0, 32, 4, 4}, {1, 3, 0, 32, 5, 4}, {1, 3, 0, 32, 6, 4}, {1, 3, 0, 32, 7, 4}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{1, 6, 0}}},  // rank 1 step 29: reduce our part, piece 0; wait arrive[0], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r1:dst@0[4/32] = r1:src@0[4/32] + r1:inbox@0[4/32] + r1:inbox@2[4/32] + r1:inbox@3[4/32] + r1:inbox@4[4/32] + r1:inbox@5[4/32] + r1:inbox@6[4/32] + r1:inbox@7[4/32]; signal r1:reduced[0]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 32, 0, 5}, {{1, 1, 1, 32, 0, 5}, {1, 3, 0, 32, 0, 5}, {1, 3, 0, 32, 2, 5}, {1, 3, 0, 32, 3, 5}, {1, 3, 0, 32, 4, 5}, {1, 3, 0, 32, 5, 5}, {1, 3, 0, 32, 6, 5}, {1, 3, 0, 32, 7, 5}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{1, 6, 1}}},  // rank 1 step 30: reduce our part, piece 1; wait arrive[1], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r1:dst@0[5/32] = r1:src@0[5/32] + r1:inbox@0[5/32] + r1:inbox@2[5/32] + r1:inbox@3[5/32] + r1:inbox@4[5/32] + r1:inbox@5[5/32] + r1:inbox@6[5/32] + r1:inbox@7[5/32]; signal r1:reduced[1]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 32, 0, 6}, {{1, 1, 1, 32, 0, 6}, {1, 3, 0, 32, 0, 6}, {1, 3, 0, 32, 2, 6}, {1, 3, 0, 32, 3, 6}, {1, 3, 0, 32, 4, 6}, {1, 3, 0, 32, 5, 6}, {1, 3, 0, 32, 6, 6}, {1, 3, 0, 32, 7, 6}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{1, 6, 2}}},  // rank 1 step 31: reduce our part, piece 2; wait arrive[2], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r1:dst@0[6/32] = r1:src@0[6/32] + r1:inbox@0[6/32] + r1:inbox@2[6/32] + r1:inbox@3[6/32] + r1:inbox@4[6/32] + r1:inbox@5[6/32] + r1:inbox@6[6/32] + r1:inbox@7[6/32]; signal r1:reduced[2]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 2, 0, 32, 0, 7}, {{1, 1, 1, 32, 0, 7}, {1, 3, 0, 32, 0, 7}, {1, 3, 0, 32, 2, 7}, {1, 3, 0, 32, 3, 7}, {1, 3, 0, 32, 4, 7}, {1, 3, 0, 32, 5, 7}, {1, 3, 0, 32, 6, 7}, {1, 3, 0, 32, 7, 7}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{1, 6, 3}}},  // rank 1 step 32: reduce our part, piece 3; wait arrive[3], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r1:dst@0[7/32] = r1:src@0[7/32] + r1:inbox@0[7/32] + r1:inbox@2[7/32] + r1:inbox@3[7/32] + r1:inbox@4[7/32] + r1:inbox@5[7/32] + r1:inbox@6[7/32] + r1:inbox@7[7/32]; signal r1:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 4}}},  // rank 1 step 33: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[4/32] = r1:dst@0[4/32]; signal r2:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 5}}},  // rank 1 step 34: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[5/32] = r1:dst@0[5/32]; signal r2:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 6}}},  // rank 1 step 35: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[6/32] = r1:dst@0[6/32]; signal r2:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 7}}},  // rank 1 step 36: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[7/32] = r1:dst@0[7/32]; signal r2:gathered[7]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 4}}},  // rank 1 step 37: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/32] = r1:dst@0[4/32]; signal r3:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 5}}},  // rank 1 step 38: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/32] = r1:dst@0[5/32]; signal r3:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 6}}},  // rank 1 step 39: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[6/32] = r1:dst@0[6/32]; signal r3:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 7}}},  // rank 1 step 40: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[7/32] = r1:dst@0[7/32]; signal r3:gathered[7]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 4}}},  // rank 1 step 41: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[4/32] = r1:dst@0[4/32]; signal r4:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 5}}},  // rank 1 step 42: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[5/32] = r1:dst@0[5/32]; signal r4:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 6}}},  // rank 1 step 43: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[6/32] = r1:dst@0[6/32]; signal r4:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 7}}},  // rank 1 step 44: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[7/32] = r1:dst@0[7/32]; signal r4:gathered[7]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 4}}},  // rank 1 step 45: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[4/32] = r1:dst@0[4/32]; signal r5:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 5}}},  // rank 1 step 46: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[5/32] = r1:dst@0[5/32]; signal r5:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 6}}},  // rank 1 step 47: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[6/32] = r1:dst@0[6/32]; signal r5:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 7}}},  // rank 1 step 48: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[7/32] = r1:dst@0[7/32]; signal r5:gathered[7]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 4}}},  // rank 1 step 49: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[4/32] = r1:dst@0[4/32]; signal r6:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 5}}},  // rank 1 step 50: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[5/32] = r1:dst@0[5/32]; signal r6:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 6}}},  // rank 1 step 51: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[6/32] = r1:dst@0[6/32]; signal r6:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 7}}},  // rank 1 step 52: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[7/32] = r1:dst@0[7/32]; signal r6:gathered[7]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 4}}},  // rank 1 step 53: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[4/32] = r1:dst@0[4/32]; signal r7:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 5}}},  // rank 1 step 54: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[5/32] = r1:dst@0[5/32]; signal r7:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 6}}},  // rank 1 step 55: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[6/32] = r1:dst@0[6/32]; signal r7:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 7}}},  // rank 1 step 56: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[7/32] = r1:dst@0[7/32]; signal r7:gathered[7]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 4}, {{1, 2, 0, 32, 0, 4}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 4}}},  // rank 1 step 57: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/32] = r1:dst@0[4/32]; signal r0:gathered[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 5}, {{1, 2, 0, 32, 0, 5}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 5}}},  // rank 1 step 58: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/32] = r1:dst@0[5/32]; signal r0:gathered[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 6}, {{1, 2, 0, 32, 0, 6}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 6}}},  // rank 1 step 59: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[6/32] = r1:dst@0[6/32]; signal r0:gathered[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 7}, {{1, 2, 0, 32, 0, 7}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 7}}},  // rank 1 step 60: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[7/32] = r1:dst@0[7/32]; signal r0:gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}}, {}},  // rank 1 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[8], gathered[9], gathered[10], gathered[11]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}, {7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}}, {}},  // rank 1 step 62: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},  // rank 1 step 63: wait for every peer's reduced parts; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},  // rank 1 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 12}, {{2, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},  // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[12/32] = r2:src@0[12/32]; signal r3:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 13}, {{2, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},  // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[13/32] = r2:src@0[13/32]; signal r3:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 14}, {{2, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},  // rank 2 step 3: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@2[14/32] = r2:src@0[14/32]; signal r3:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 2, 15}, {{2, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},  // rank 2 step 4: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@2[15/32] = r2:src@0[15/32]; signal r3:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 2, 16}, {{2, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},  // rank 2 step 5: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@2[16/32] = r2:src@0[16/32]; signal r4:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 2, 17}, {{2, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},  // rank 2 step 6: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@2[17/32] = r2:src@0[17/32]; signal r4:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 2, 18}, {{2, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},  // rank 2 step 7: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@2[18/32] = r2:src@0[18/32]; signal r4:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 2, 19}, {{2, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},  // rank 2 step 8: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@2[19/32] = r2:src@0[19/32]; signal r4:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 2, 20}, {{2, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 8}}},  // rank 2 step 9: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@2[20/32] = r2:src@0[20/32]; signal r5:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 2, 21}, {{2, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 9}}},  // rank 2 step 10: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@2[21/32] = r2:src@0[21/32]; signal r5:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 2, 22}, {{2, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 10}}},  // rank 2 step 11: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@2[22/32] = r2:src@0[22/32]; signal r5:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 2, 23}, {{2, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 11}}},  // rank 2 step 12: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@2[23/32] = r2:src@0[23/32]; signal r5:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 2, 24}, {{2, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 8}}},  // rank 2 step 13: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@2[24/32] = r2:src@0[24/32]; signal r6:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 2, 25}, {{2, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 9}}},  // rank 2 step 14: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@2[25/32] = r2:src@0[25/32]; signal r6:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 2, 26}, {{2, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 10}}},  // rank 2 step 15: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@2[26/32] = r2:src@0[26/32]; signal r6:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 2, 27}, {{2, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 11}}},  // rank 2 step 16: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@2[27/32] = r2:src@0[27/32]; signal r6:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 2, 28}, {{2, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 8}}},  // rank 2 step 17: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@2[28/32] = r2:src@0[28/32]; signal r7:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 2, 29}, {{2, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 9}}},  // rank 2 step 18: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@2[29/32] = r2:src@0[29/32]; signal r7:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 2, 30}, {{2, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 10}}},  // rank 2 step 19: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@2[30/32] = r2:src@0[30/32]; signal r7:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 2, 31}, {{2, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 11}}},  // rank 2 step 20: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@2[31/32] = r2:src@0[31/32]; signal r7:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 0}, {{2, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 2 step 21: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/32] = r2:src@0[0/32]; signal r0:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 1}, {{2, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 2 step 22: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/32] = r2:src@0[1/32]; signal r0:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 2}, {{2, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 2 step 23: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@2[2/32] = r2:src@0[2/32]; signal r0:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 2, 3}, {{2, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 2 step 24: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@2[3/32] = r2:src@0[3/32]; signal r0:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 4}, {{2, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 2 step 25: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[4/32] = r2:src@0[4/32]; signal r1:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 5}, {{2, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 2 step 26: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[5/32] = r2:src@0[5/32]; signal r1:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 6}, {{2, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 2 step 27: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@2[6/32] = r2:src@0[6/32]; signal r1:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 2, 7}, {{2, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 2 step 28: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@2[7/32] = r2:src@0[7/32]; signal r1:arrive[11]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 32, 0, 8}, {{2, 1, 1, 32, 0, 8}, {2, 3, 0, 32, 0, 8}, {2, 3, 0, 32, 1, 8}, {2, 3, 0, 32, 3, 8}, {2, 3, 0, 32, 4, 8}, {2, 3, 0, 32, 5, 8}, {2, 3, 0, 32, 6, 8}, {2, 3, 0, 32, 7, 8}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{2, 6, 0}}},  // rank 2 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r2:dst@0[8/32] = r2:src@0[8/32] + r2:inbox@0[8/32] + r2:inbox@1[8/32] + r2:inbox@3[8/32] + r2:inbox@4[8/32] + r2:inbox@5[8/32] + r2:inbox@6[8/32] + r2:inbox@7[8/32]; signal r2:reduced[0]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 32, 0, 9}, {{2, 1, 1, 32, 0, 9}, {2, 3, 0, 32, 0, 9}, {2, 3, 0, 32, 1, 9}, {2, 3, 0, 32, 3, 9}, {2, 3, 0, 32, 4, 9}, {2, 3, 0, 32, 5, 9}, {2, 3, 0, 32, 6, 9}, {2, 3, 0, 32, 7, 9}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{2, 6, 1}}},  // rank 2 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r2:dst@0[9/32] = r2:src@0[9/32] + r2:inbox@0[9/32] + r2:inbox@1[9/32] + r2:inbox@3[9/32] + r2:inbox@4[9/32] + r2:inbox@5[9/32] + r2:inbox@6[9/32] + r2:inbox@7[9/32]; signal r2:reduced[1]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 32, 0, 10}, {{2, 1, 1, 32, 0, 10}, {2, 3, 0, 32, 0, 10}, {2, 3, 0, 32, 1, 10}, {2, 3, 0, 32, 3, 10}, {2, 3, 0, 32, 4, 10}, {2, 3, 0, 32, 5, 10}, {2, 3, 0, 32, 6, 10}, {2, 3, 0, 32, 7, 10}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{2, 6, 2}}},  // rank 2 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r2:dst@0[10/32] = r2:src@0[10/32] + r2:inbox@0[10/32] + r2:inbox@1[10/32] + r2:inbox@3[10/32] + r2:inbox@4[10/32] + r2:inbox@5[10/32] + r2:inbox@6[10/32] + r2:inbox@7[10/32]; signal r2:reduced[2]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 2, 0, 32, 0, 11}, {{2, 1, 1, 32, 0, 11}, {2, 3, 0, 32, 0, 11}, {2, 3, 0, 32, 1, 11}, {2, 3, 0, 32, 3, 11}, {2, 3, 0, 32, 4, 11}, {2, 3, 0, 32, 5, 11}, {2, 3, 0, 32, 6, 11}, {2, 3, 0, 32, 7, 11}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{2, 6, 3}}},  // rank 2 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r2:dst@0[11/32] = r2:src@0[11/32] + r2:inbox@0[11/32] + r2:inbox@1[11/32] + r2:inbox@3[11/32] + r2:inbox@4[11/32] + r2:inbox@5[11/32] + r2:inbox@6[11/32] + r2:inbox@7[11/32]; signal r2:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 8}}},  // rank 2 step 33: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/32] = r2:dst@0[8/32]; signal r3:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 9}}},  // rank 2 step 34: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/32] = r2:dst@0[9/32]; signal r3:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 10}}},  // rank 2 step 35: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[10/32] = r2:dst@0[10/32]; signal r3:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 11}}},  // rank 2 step 36: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[11/32] = r2:dst@0[11/32]; signal r3:gathered[11]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 8}}},  // rank 2 step 37: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[8/32] = r2:dst@0[8/32]; signal r4:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 9}}},  // rank 2 step 38: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[9/32] = r2:dst@0[9/32]; signal r4:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 10}}},  // rank 2 step 39: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[10/32] = r2:dst@0[10/32]; signal r4:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 11}}},  // rank 2 step 40: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[11/32] = r2:dst@0[11/32]; signal r4:gathered[11]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 8}}},  // rank 2 step 41: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[8/32] = r2:dst@0[8/32]; signal r5:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 9}}},  // rank 2 step 42: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[9/32] = r2:dst@0[9/32]; signal r5:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 10}}},  // rank 2 step 43: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[10/32] = r2:dst@0[10/32]; signal r5:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 11}}},  // rank 2 step 44: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[11/32] = r2:dst@0[11/32]; signal r5:gathered[11]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 8}}},  // rank 2 step 45: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[8/32] = r2:dst@0[8/32]; signal r6:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 9}}},  // rank 2 step 46: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[9/32] = r2:dst@0[9/32]; signal r6:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 10}}},  // rank 2 step 47: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[10/32] = r2:dst@0[10/32]; signal r6:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 11}}},  // rank 2 step 48: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[11/32] = r2:dst@0[11/32]; signal r6:gathered[11]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 8}}},  // rank 2 step 49: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[8/32] = r2:dst@0[8/32]; signal r7:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 9}}},  // rank 2 step 50: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[9/32] = r2:dst@0[9/32]; signal r7:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 10}}},  // rank 2 step 51: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[10/32] = r2:dst@0[10/32]; signal r7:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 11}}},  // rank 2 step 52: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[11/32] = r2:dst@0[11/32]; signal r7:gathered[11]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 8}}},  // rank 2 step 53: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/32] = r2:dst@0[8/32]; signal r0:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 9}}},  // rank 2 step 54: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/32] = r2:dst@0[9/32]; signal r0:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 10}}},  // rank 2 step 55: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[10/32] = r2:dst@0[10/32]; signal r0:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 11}}},  // rank 2 step 56: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[11/32] = r2:dst@0[11/32]; signal r0:gathered[11]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 8}, {{2, 2, 0, 32, 0, 8}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 8}}},  // rank 2 step 57: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/32] = r2:dst@0[8/32]; signal r1:gathered[8]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 9}, {{2, 2, 0, 32, 0, 9}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 9}}},  // rank 2 step 58: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/32] = r2:dst@0[9/32]; signal r1:gathered[9]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 10}, {{2, 2, 0, 32, 0, 10}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 10}}},  // rank 2 step 59: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[10/32] = r2:dst@0[10/32]; signal r1:gathered[10]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 11}, {{2, 2, 0, 32, 0, 11}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 11}}},  // rank 2 step 60: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[11/32] = r2:dst@0[11/32]; signal r1:gathered[11]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},  // rank 2 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}, {7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}}, {}},  // rank 2 step 62: wait for every peer's reduced parts; wait gathered[12], gathered[13], gathered[14], gathered[15], gathered[16], gathered[17], gathered[18], gathered[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},  // rank 2 step 63: wait for every peer's reduced parts; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},  // rank 2 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 3, 16}, {{3, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 12}}},  // rank 3 step 1: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@3[16/32] = r3:src@0[16/32]; signal r4:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 3, 17}, {{3, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 13}}},  // rank 3 step 2: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@3[17/32] = r3:src@0[17/32]; signal r4:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 3, 18}, {{3, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 14}}},  // rank 3 step 3: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@3[18/32] = r3:src@0[18/32]; signal r4:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 3, 19}, {{3, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 15}}},  // rank 3 step 4: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@3[19/32] = r3:src@0[19/32]; signal r4:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 3, 20}, {{3, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},  // rank 3 step 5: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@3[20/32] = r3:src@0[20/32]; signal r5:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 3, 21}, {{3, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},  // rank 3 step 6: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@3[21/32] = r3:src@0[21/32]; signal r5:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 3, 22}, {{3, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},  // rank 3 step 7: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@3[22/32] = r3:src@0[22/32]; signal r5:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 3, 23}, {{3, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},  // rank 3 step 8: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@3[23/32] = r3:src@0[23/32]; signal r5:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 3, 24}, {{3, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 12}}},  // rank 3 step 9: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@3[24/32] = r3:src@0[24/32]; signal r6:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 3, 25}, {{3, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 13}}},  // rank 3 step 10: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@3[25/32] = r3:src@0[25/32]; signal r6:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 3, 26}, {{3, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 14}}},  // rank 3 step 11: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@3[26/32] = r3:src@0[26/32]; signal r6:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 3, 27}, {{3, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 15}}},  // rank 3 step 12: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@3[27/32] = r3:src@0[27/32]; signal r6:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 3, 28}, {{3, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 12}}},  // rank 3 step 13: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@3[28/32] = r3:src@0[28/32]; signal r7:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 3, 29}, {{3, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 13}}},  // rank 3 step 14: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@3[29/32] = r3:src@0[29/32]; signal r7:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 3, 30}, {{3, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 14}}},  // rank 3 step 15: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@3[30/32] = r3:src@0[30/32]; signal r7:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 3, 31}, {{3, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 15}}},  // rank 3 step 16: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@3[31/32] = r3:src@0[31/32]; signal r7:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 0}, {{3, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 3 step 17: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/32] = r3:src@0[0/32]; signal r0:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 1}, {{3, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 3 step 18: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/32] = r3:src@0[1/32]; signal r0:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 2}, {{3, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 3 step 19: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@3[2/32] = r3:src@0[2/32]; signal r0:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 3, 3}, {{3, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 3 step 20: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@3[3/32] = r3:src@0[3/32]; signal r0:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 4}, {{3, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},  // rank 3 step 21: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[4/32] = r3:src@0[4/32]; signal r1:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 5}, {{3, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},  // rank 3 step 22: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[5/32] = r3:src@0[5/32]; signal r1:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 6}, {{3, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},  // rank 3 step 23: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@3[6/32] = r3:src@0[6/32]; signal r1:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 3, 7}, {{3, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},  // rank 3 step 24: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@3[7/32] = r3:src@0[7/32]; signal r1:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 8}, {{3, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 3 step 25: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[8/32] = r3:src@0[8/32]; signal r2:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 9}, {{3, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 3 step 26: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[9/32] = r3:src@0[9/32]; signal r2:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 10}, {{3, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 3 step 27: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@3[10/32] = r3:src@0[10/32]; signal r2:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 3, 11}, {{3, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 3 step 28: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@3[11/32] = r3:src@0[11/32]; signal r2:arrive[15]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 32, 0, 12}, {{3, 1, 1, 32, 0, 12}, {3, 3, 0, 32, 0, 12}, {3, 3, 0, 32, 1, 12}, {3, 3, 0, 32, 2, 12}, {3, 3, 0, 32, 4, 12}, {3, 3, 0, 32, 5, 12}, {3, 3, 0, 32, 6, 12}, {3, 3, 0, 32, 7, 12}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{3, 6, 0}}},  // rank 3 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8], arrive[16], arrive[20], arrive[24], arrive[28]; r3:dst@0[12/32] = r3:src@0[12/32] + r3:inbox@0[12/32] + r3:inbox@1[12/32] + r3:inbox@2[12/32] + r3:inbox@4[12/32] + r3:inbox@5[12/32] + r3:inbox@6[12/32] + r3:inbox@7[12/32]; signal r3:reduced[0]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 32, 0, 13}, {{3, 1, 1, 32, 0, 13}, {3, 3, 0, 32, 0, 13}, {3, 3, 0, 32, 1, 13}, {3, 3, 0, 32, 2, 13}, {3, 3, 0, 32, 4, 13}, {3, 3, 0, 32, 5, 13}, {3, 3, 0, 32, 6, 13}, {3, 3, 0, 32, 7, 13}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{3, 6, 1}}},  // rank 3 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9], arrive[17], arrive[21], arrive[25], arrive[29]; r3:dst@0[13/32] = r3:src@0[13/32] + r3:inbox@0[13/32] + r3:inbox@1[13/32] + r3:inbox@2[13/32] + r3:inbox@4[13/32] + r3:inbox@5[13/32] + r3:inbox@6[13/32] + r3:inbox@7[13/32]; signal r3:reduced[1]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 32, 0, 14}, {{3, 1, 1, 32, 0, 14}, {3, 3, 0, 32, 0, 14}, {3, 3, 0, 32, 1, 14}, {3, 3, 0, 32, 2, 14}, {3, 3, 0, 32, 4, 14}, {3, 3, 0, 32, 5, 14}, {3, 3, 0, 32, 6, 14}, {3, 3, 0, 32, 7, 14}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{3, 6, 2}}},  // rank 3 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10], arrive[18], arrive[22], arrive[26], arrive[30]; r3:dst@0[14/32] = r3:src@0[14/32] + r3:inbox@0[14/32] + r3:inbox@1[14/32] + r3:inbox@2[14/32] + r3:inbox@4[14/32] + r3:inbox@5[14/32] + r3:inbox@6[14/32] + r3:inbox@7[14/32]; signal r3:reduced[2]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 2, 0, 32, 0, 15}, {{3, 1, 1, 32, 0, 15}, {3, 3, 0, 32, 0, 15}, {3, 3, 0, 32, 1, 15}, {3, 3, 0, 32, 2, 15}, {3, 3, 0, 32, 4, 15}, {3, 3, 0, 32, 5, 15}, {3, 3, 0, 32, 6, 15}, {3, 3, 0, 32, 7, 15}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{3, 6, 3}}},  // rank 3 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11], arrive[19], arrive[23], arrive[27], arrive[31]; r3:dst@0[15/32] = r3:src@0[15/32] + r3:inbox@0[15/32] + r3:inbox@1[15/32] + r3:inbox@2[15/32] + r3:inbox@4[15/32] + r3:inbox@5[15/32] + r3:inbox@6[15/32] + r3:inbox@7[15/32]; signal r3:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 12}}},  // rank 3 step 33: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[12/32] = r3:dst@0[12/32]; signal r4:gathered[12]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 13}}},  // rank 3 step 34: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[13/32] = r3:dst@0[13/32]; signal r4:gathered[13]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 14}}},  // rank 3 step 35: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[14/32] = r3:dst@0[14/32]; signal r4:gathered[14]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 15}}},  // rank 3 step 36: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[15/32] = r3:dst@0[15/32]; signal r4:gathered[15]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 12}}},  // rank 3 step 37: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[12/32] = r3:dst@0[12/32]; signal r5:gathered[12]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 13}}},  // rank 3 step 38: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[13/32] = r3:dst@0[13/32]; signal r5:gathered[13]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 14}}},  // rank 3 step 39: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[14/32] = r3:dst@0[14/32]; signal r5:gathered[14]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 15}}},  // rank 3 step 40: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[15/32] = r3:dst@0[15/32]; signal r5:gathered[15]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 12}}},  // rank 3 step 41: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[12/32] = r3:dst@0[12/32]; signal r6:gathered[12]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 13}}},  // rank 3 step 42: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[13/32] = r3:dst@0[13/32]; signal r6:gathered[13]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 14}}},  // rank 3 step 43: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[14/32] = r3:dst@0[14/32]; signal r6:gathered[14]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 15}}},  // rank 3 step 44: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[15/32] = r3:dst@0[15/32]; signal r6:gathered[15]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 12}}},  // rank 3 step 45: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[12/32] = r3:dst@0[12/32]; signal r7:gathered[12]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 13}}},  // rank 3 step 46: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[13/32] = r3:dst@0[13/32]; signal r7:gathered[13]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 14}}},  // rank 3 step 47: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[14/32] = r3:dst@0[14/32]; signal r7:gathered[14]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 15}}},  // rank 3 step 48: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[15/32] = r3:dst@0[15/32]; signal r7:gathered[15]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 12}}},  // rank 3 step 49: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[12/32] = r3:dst@0[12/32]; signal r0:gathered[12]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 13}}},  // rank 3 step 50: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[13/32] = r3:dst@0[13/32]; signal r0:gathered[13]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 14}}},  // rank 3 step 51: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[14/32] = r3:dst@0[14/32]; signal r0:gathered[14]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 15}}},  // rank 3 step 52: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[15/32] = r3:dst@0[15/32]; signal r0:gathered[15]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 12}}},  // rank 3 step 53: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[12/32] = r3:dst@0[12/32]; signal r1:gathered[12]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 13}}},  // rank 3 step 54: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[13/32] = r3:dst@0[13/32]; signal r1:gathered[13]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 14}}},  // rank 3 step 55: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[14/32] = r3:dst@0[14/32]; signal r1:gathered[14]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 15}}},  // rank 3 step 56: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[15/32] = r3:dst@0[15/32]; signal r1:gathered[15]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 12}, {{3, 2, 0, 32, 0, 12}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 12}}},  // rank 3 step 57: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[12/32] = r3:dst@0[12/32]; signal r2:gathered[12]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 13}, {{3, 2, 0, 32, 0, 13}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 13}}},  // rank 3 step 58: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[13/32] = r3:dst@0[13/32]; signal r2:gathered[13]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 14}, {{3, 2, 0, 32, 0, 14}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 14}}},  // rank 3 step 59: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[14/32] = r3:dst@0[14/32]; signal r2:gathered[14]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 15}, {{3, 2, 0, 32, 0, 15}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 15}}},  // rank 3 step 60: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[15/32] = r3:dst@0[15/32]; signal r2:gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},  // rank 3 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}, {7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}}, {}},  // rank 3 step 62: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[16], gathered[17], gathered[18], gathered[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},  // rank 3 step 63: wait for every peer's reduced parts; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},  // rank 3 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 4, 20}, {{4, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 16}}},  // rank 4 step 1: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@4[20/32] = r4:src@0[20/32]; signal r5:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 4, 21}, {{4, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 17}}},  // rank 4 step 2: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@4[21/32] = r4:src@0[21/32]; signal r5:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 4, 22}, {{4, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 18}}},  // rank 4 step 3: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@4[22/32] = r4:src@0[22/32]; signal r5:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 4, 23}, {{4, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 19}}},  // rank 4 step 4: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@4[23/32] = r4:src@0[23/32]; signal r5:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 4, 24}, {{4, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},  // rank 4 step 5: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@4[24/32] = r4:src@0[24/32]; signal r6:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 4, 25}, {{4, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},  // rank 4 step 6: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@4[25/32] = r4:src@0[25/32]; signal r6:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 4, 26}, {{4, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},  // rank 4 step 7: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@4[26/32] = r4:src@0[26/32]; signal r6:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 4, 27}, {{4, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},  // rank 4 step 8: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@4[27/32] = r4:src@0[27/32]; signal r6:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 4, 28}, {{4, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 16}}},  // rank 4 step 9: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@4[28/32] = r4:src@0[28/32]; signal r7:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 4, 29}, {{4, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 17}}},  // rank 4 step 10: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@4[29/32] = r4:src@0[29/32]; signal r7:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 4, 30}, {{4, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 18}}},  // rank 4 step 11: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@4[30/32] = r4:src@0[30/32]; signal r7:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 4, 31}, {{4, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 19}}},  // rank 4 step 12: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@4[31/32] = r4:src@0[31/32]; signal r7:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 4, 0}, {{4, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 4 step 13: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@4[0/32] = r4:src@0[0/32]; signal r0:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 4, 1}, {{4, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 4 step 14: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@4[1/32] = r4:src@0[1/32]; signal r0:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 4, 2}, {{4, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 4 step 15: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@4[2/32] = r4:src@0[2/32]; signal r0:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 4, 3}, {{4, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 4 step 16: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@4[3/32] = r4:src@0[3/32]; signal r0:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 4, 4}, {{4, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 4 step 17: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@4[4/32] = r4:src@0[4/32]; signal r1:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 4, 5}, {{4, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 4 step 18: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@4[5/32] = r4:src@0[5/32]; signal r1:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 4, 6}, {{4, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 4 step 19: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@4[6/32] = r4:src@0[6/32]; signal r1:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 4, 7}, {{4, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 4 step 20: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@4[7/32] = r4:src@0[7/32]; signal r1:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 4, 8}, {{4, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 16}}},  // rank 4 step 21: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@4[8/32] = r4:src@0[8/32]; signal r2:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 4, 9}, {{4, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 17}}},  // rank 4 step 22: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@4[9/32] = r4:src@0[9/32]; signal r2:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 4, 10}, {{4, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 18}}},  // rank 4 step 23: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@4[10/32] = r4:src@0[10/32]; signal r2:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 4, 11}, {{4, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 19}}},  // rank 4 step 24: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@4[11/32] = r4:src@0[11/32]; signal r2:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 4, 12}, {{4, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},  // rank 4 step 25: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@4[12/32] = r4:src@0[12/32]; signal r3:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 4, 13}, {{4, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},  // rank 4 step 26: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@4[13/32] = r4:src@0[13/32]; signal r3:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 4, 14}, {{4, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},  // rank 4 step 27: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@4[14/32] = r4:src@0[14/32]; signal r3:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 4, 15}, {{4, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},  // rank 4 step 28: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@4[15/32] = r4:src@0[15/32]; signal r3:arrive[19]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 32, 0, 16}, {{4, 1, 1, 32, 0, 16}, {4, 3, 0, 32, 0, 16}, {4, 3, 0, 32, 1, 16}, {4, 3, 0, 32, 2, 16}, {4, 3, 0, 32, 3, 16}, {4, 3, 0, 32, 5, 16}, {4, 3, 0, 32, 6, 16}, {4, 3, 0, 32, 7, 16}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{4, 6, 0}}},  // rank 4 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[20], arrive[24], arrive[28]; r4:dst@0[16/32] = r4:src@0[16/32] + r4:inbox@0[16/32] + r4:inbox@1[16/32] + r4:inbox@2[16/32] + r4:inbox@3[16/32] + r4:inbox@5[16/32] + r4:inbox@6[16/32] + r4:inbox@7[16/32]; signal r4:reduced[0]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 32, 0, 17}, {{4, 1, 1, 32, 0, 17}, {4, 3, 0, 32, 0, 17}, {4, 3, 0, 32, 1, 17}, {4, 3, 0, 32, 2, 17}, {4, 3, 0, 32, 3, 17}, {4, 3, 0, 32, 5, 17}, {4, 3, 0, 32, 6, 17}, {4, 3, 0, 32, 7, 17}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{4, 6, 1}}},  // rank 4 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[21], arrive[25], arrive[29]; r4:dst@0[17/32] = r4:src@0[17/32] + r4:inbox@0[17/32] + r4:inbox@1[17/32] + r4:inbox@2[17/32] + r4:inbox@3[17/32] + r4:inbox@5[17/32] + r4:inbox@6[17/32] + r4:inbox@7[17/32]; signal r4:reduced[1]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 32, 0, 18}, {{4, 1, 1, 32, 0, 18}, {4, 3, 0, 32, 0, 18}, {4, 3, 0, 32, 1, 18}, {4, 3, 0, 32, 2, 18}, {4, 3, 0, 32, 3, 18}, {4, 3, 0, 32, 5, 18}, {4, 3, 0, 32, 6, 18}, {4, 3, 0, 32, 7, 18}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{4, 6, 2}}},  // rank 4 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[22], arrive[26], arrive[30]; r4:dst@0[18/32] = r4:src@0[18/32] + r4:inbox@0[18/32] + r4:inbox@1[18/32] + r4:inbox@2[18/32] + r4:inbox@3[18/32] + r4:inbox@5[18/32] + r4:inbox@6[18/32] + r4:inbox@7[18/32]; signal r4:reduced[2]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 2, 0, 32, 0, 19}, {{4, 1, 1, 32, 0, 19}, {4, 3, 0, 32, 0, 19}, {4, 3, 0, 32, 1, 19}, {4, 3, 0, 32, 2, 19}, {4, 3, 0, 32, 3, 19}, {4, 3, 0, 32, 5, 19}, {4, 3, 0, 32, 6, 19}, {4, 3, 0, 32, 7, 19}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{4, 6, 3}}},  // rank 4 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[23], arrive[27], arrive[31]; r4:dst@0[19/32] = r4:src@0[19/32] + r4:inbox@0[19/32] + r4:inbox@1[19/32] + r4:inbox@2[19/32] + r4:inbox@3[19/32] + r4:inbox@5[19/32] + r4:inbox@6[19/32] + r4:inbox@7[19/32]; signal r4:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 16}}},  // rank 4 step 33: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[16/32] = r4:dst@0[16/32]; signal r5:gathered[16]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 17}}},  // rank 4 step 34: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[17/32] = r4:dst@0[17/32]; signal r5:gathered[17]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 18}}},  // rank 4 step 35: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[18/32] = r4:dst@0[18/32]; signal r5:gathered[18]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 19}}},  // rank 4 step 36: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[19/32] = r4:dst@0[19/32]; signal r5:gathered[19]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 16}}},  // rank 4 step 37: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[16/32] = r4:dst@0[16/32]; signal r6:gathered[16]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 17}}},  // rank 4 step 38: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[17/32] = r4:dst@0[17/32]; signal r6:gathered[17]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 18}}},  // rank 4 step 39: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[18/32] = r4:dst@0[18/32]; signal r6:gathered[18]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 19}}},  // rank 4 step 40: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[19/32] = r4:dst@0[19/32]; signal r6:gathered[19]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 16}}},  // rank 4 step 41: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[16/32] = r4:dst@0[16/32]; signal r7:gathered[16]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 17}}},  // rank 4 step 42: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[17/32] = r4:dst@0[17/32]; signal r7:gathered[17]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 18}}},  // rank 4 step 43: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[18/32] = r4:dst@0[18/32]; signal r7:gathered[18]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 19}}},  // rank 4 step 44: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[19/32] = r4:dst@0[19/32]; signal r7:gathered[19]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 16}}},  // rank 4 step 45: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[16/32] = r4:dst@0[16/32]; signal r0:gathered[16]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 17}}},  // rank 4 step 46: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[17/32] = r4:dst@0[17/32]; signal r0:gathered[17]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 18}}},  // rank 4 step 47: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[18/32] = r4:dst@0[18/32]; signal r0:gathered[18]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 19}}},  // rank 4 step 48: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[19/32] = r4:dst@0[19/32]; signal r0:gathered[19]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 16}}},  // rank 4 step 49: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[16/32] = r4:dst@0[16/32]; signal r1:gathered[16]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 17}}},  // rank 4 step 50: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[17/32] = r4:dst@0[17/32]; signal r1:gathered[17]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 18}}},  // rank 4 step 51: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[18/32] = r4:dst@0[18/32]; signal r1:gathered[18]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 19}}},  // rank 4 step 52: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[19/32] = r4:dst@0[19/32]; signal r1:gathered[19]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 16}}},  // rank 4 step 53: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[16/32] = r4:dst@0[16/32]; signal r2:gathered[16]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 17}}},  // rank 4 step 54: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[17/32] = r4:dst@0[17/32]; signal r2:gathered[17]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 18}}},  // rank 4 step 55: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[18/32] = r4:dst@0[18/32]; signal r2:gathered[18]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 19}}},  // rank 4 step 56: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[19/32] = r4:dst@0[19/32]; signal r2:gathered[19]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 16}, {{4, 2, 0, 32, 0, 16}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 16}}},  // rank 4 step 57: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[16/32] = r4:dst@0[16/32]; signal r3:gathered[16]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 17}, {{4, 2, 0, 32, 0, 17}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 17}}},  // rank 4 step 58: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[17/32] = r4:dst@0[17/32]; signal r3:gathered[17]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 18}, {{4, 2, 0, 32, 0, 18}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 18}}},  // rank 4 step 59: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[18/32] = r4:dst@0[18/32]; signal r3:gathered[18]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 19}, {{4, 2, 0, 32, 0, 19}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 19}}},  // rank 4 step 60: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[19/32] = r4:dst@0[19/32]; signal r3:gathered[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},  // rank 4 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}, {7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},  // rank 4 step 62: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},  // rank 4 step 63: wait for every peer's reduced parts; wait gathered[20], gathered[21], gathered[22], gathered[23], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},  // rank 4 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 5, 24}, {{5, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 20}}},  // rank 5 step 1: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@5[24/32] = r5:src@0[24/32]; signal r6:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 5, 25}, {{5, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 21}}},  // rank 5 step 2: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@5[25/32] = r5:src@0[25/32]; signal r6:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 5, 26}, {{5, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 22}}},  // rank 5 step 3: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@5[26/32] = r5:src@0[26/32]; signal r6:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 5, 27}, {{5, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 23}}},  // rank 5 step 4: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@5[27/32] = r5:src@0[27/32]; signal r6:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 5, 28}, {{5, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},  // rank 5 step 5: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@5[28/32] = r5:src@0[28/32]; signal r7:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 5, 29}, {{5, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},  // rank 5 step 6: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@5[29/32] = r5:src@0[29/32]; signal r7:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 5, 30}, {{5, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},  // rank 5 step 7: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@5[30/32] = r5:src@0[30/32]; signal r7:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 5, 31}, {{5, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},  // rank 5 step 8: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@5[31/32] = r5:src@0[31/32]; signal r7:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 5, 0}, {{5, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 5 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@5[0/32] = r5:src@0[0/32]; signal r0:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 5, 1}, {{5, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 5 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@5[1/32] = r5:src@0[1/32]; signal r0:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 5, 2}, {{5, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 5 step 11: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@5[2/32] = r5:src@0[2/32]; signal r0:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 5, 3}, {{5, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 5 step 12: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@5[3/32] = r5:src@0[3/32]; signal r0:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 5, 4}, {{5, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 5 step 13: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@5[4/32] = r5:src@0[4/32]; signal r1:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 5, 5}, {{5, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 5 step 14: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@5[5/32] = r5:src@0[5/32]; signal r1:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 5, 6}, {{5, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 5 step 15: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@5[6/32] = r5:src@0[6/32]; signal r1:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 5, 7}, {{5, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 5 step 16: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@5[7/32] = r5:src@0[7/32]; signal r1:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 5, 8}, {{5, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 20}}},  // rank 5 step 17: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@5[8/32] = r5:src@0[8/32]; signal r2:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 5, 9}, {{5, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 21}}},  // rank 5 step 18: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@5[9/32] = r5:src@0[9/32]; signal r2:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 5, 10}, {{5, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 22}}},  // rank 5 step 19: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@5[10/32] = r5:src@0[10/32]; signal r2:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 5, 11}, {{5, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 23}}},  // rank 5 step 20: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@5[11/32] = r5:src@0[11/32]; signal r2:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 5, 12}, {{5, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},  // rank 5 step 21: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@5[12/32] = r5:src@0[12/32]; signal r3:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 5, 13}, {{5, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},  // rank 5 step 22: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@5[13/32] = r5:src@0[13/32]; signal r3:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 5, 14}, {{5, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},  // rank 5 step 23: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@5[14/32] = r5:src@0[14/32]; signal r3:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 5, 15}, {{5, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},  // rank 5 step 24: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@5[15/32] = r5:src@0[15/32]; signal r3:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 5, 16}, {{5, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},  // rank 5 step 25: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@5[16/32] = r5:src@0[16/32]; signal r4:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 5, 17}, {{5, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},  // rank 5 step 26: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@5[17/32] = r5:src@0[17/32]; signal r4:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 5, 18}, {{5, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},  // rank 5 step 27: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@5[18/32] = r5:src@0[18/32]; signal r4:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 5, 19}, {{5, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},  // rank 5 step 28: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@5[19/32] = r5:src@0[19/32]; signal r4:arrive[23]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 32, 0, 20}, {{5, 1, 1, 32, 0, 20}, {5, 3, 0, 32, 0, 20}, {5, 3, 0, 32, 1, 20}, {5, 3, 0, 32, 2, 20}, {5, 3, 0, 32, 3, 20}, {5, 3, 0, 32, 4, 20}, {5, 3, 0, 32, 6, 20}, {5, 3, 0, 32, 7, 20}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {{5, 6, 0}}},  // rank 5 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[24], arrive[28]; r5:dst@0[20/32] = r5:src@0[20/32] + r5:inbox@0[20/32] + r5:inbox@1[20/32] + r5:inbox@2[20/32] + r5:inbox@3[20/32] + r5:inbox@4[20/32] + r5:inbox@6[20/32] + r5:inbox@7[20/32]; signal r5:reduced[0]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 32, 0, 21}, {{5, 1, 1, 32, 0, 21}, {5, 3, 0, 32, 0, 21}, {5, 3, 0, 32, 1, 21}, {5, 3, 0, 32, 2, 21}, {5, 3, 0, 32, 3, 21}, {5, 3, 0, 32, 4, 21}, {5, 3, 0, 32, 6, 21}, {5, 3, 0, 32, 7, 21}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {{5, 6, 1}}},  // rank 5 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[25], arrive[29]; r5:dst@0[21/32] = r5:src@0[21/32] + r5:inbox@0[21/32] + r5:inbox@1[21/32] + r5:inbox@2[21/32] + r5:inbox@3[21/32] + r5:inbox@4[21/32] + r5:inbox@6[21/32] + r5:inbox@7[21/32]; signal r5:reduced[1]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 32, 0, 22}, {{5, 1, 1, 32, 0, 22}, {5, 3, 0, 32, 0, 22}, {5, 3, 0, 32, 1, 22}, {5, 3, 0, 32, 2, 22}, {5, 3, 0, 32, 3, 22}, {5, 3, 0, 32, 4, 22}, {5, 3, 0, 32, 6, 22}, {5, 3, 0, 32, 7, 22}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {{5, 6, 2}}},  // rank 5 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[26], arrive[30]; r5:dst@0[22/32] = r5:src@0[22/32] + r5:inbox@0[22/32] + r5:inbox@1[22/32] + r5:inbox@2[22/32] + r5:inbox@3[22/32] + r5:inbox@4[22/32] + r5:inbox@6[22/32] + r5:inbox@7[22/32]; signal r5:reduced[2]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 2, 0, 32, 0, 23}, {{5, 1, 1, 32, 0, 23}, {5, 3, 0, 32, 0, 23}, {5, 3, 0, 32, 1, 23}, {5, 3, 0, 32, 2, 23}, {5, 3, 0, 32, 3, 23}, {5, 3, 0, 32, 4, 23}, {5, 3, 0, 32, 6, 23}, {5, 3, 0, 32, 7, 23}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {{5, 6, 3}}},  // rank 5 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[27], arrive[31]; r5:dst@0[23/32] = r5:src@0[23/32] + r5:inbox@0[23/32] + r5:inbox@1[23/32] + r5:inbox@2[23/32] + r5:inbox@3[23/32] + r5:inbox@4[23/32] + r5:inbox@6[23/32] + r5:inbox@7[23/32]; signal r5:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 20}}},  // rank 5 step 33: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[20/32] = r5:dst@0[20/32]; signal r6:gathered[20]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 21}}},  // rank 5 step 34: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[21/32] = r5:dst@0[21/32]; signal r6:gathered[21]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 22}}},  // rank 5 step 35: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[22/32] = r5:dst@0[22/32]; signal r6:gathered[22]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 23}}},  // rank 5 step 36: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[23/32] = r5:dst@0[23/32]; signal r6:gathered[23]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 20}}},  // rank 5 step 37: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[20/32] = r5:dst@0[20/32]; signal r7:gathered[20]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 21}}},  // rank 5 step 38: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[21/32] = r5:dst@0[21/32]; signal r7:gathered[21]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 22}}},  // rank 5 step 39: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[22/32] = r5:dst@0[22/32]; signal r7:gathered[22]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 23}}},  // rank 5 step 40: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[23/32] = r5:dst@0[23/32]; signal r7:gathered[23]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 20}}},  // rank 5 step 41: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[20/32] = r5:dst@0[20/32]; signal r0:gathered[20]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 21}}},  // rank 5 step 42: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[21/32] = r5:dst@0[21/32]; signal r0:gathered[21]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 22}}},  // rank 5 step 43: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[22/32] = r5:dst@0[22/32]; signal r0:gathered[22]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 23}}},  // rank 5 step 44: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[23/32] = r5:dst@0[23/32]; signal r0:gathered[23]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 20}}},  // rank 5 step 45: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[20/32] = r5:dst@0[20/32]; signal r1:gathered[20]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 21}}},  // rank 5 step 46: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[21/32] = r5:dst@0[21/32]; signal r1:gathered[21]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 22}}},  // rank 5 step 47: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[22/32] = r5:dst@0[22/32]; signal r1:gathered[22]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 23}}},  // rank 5 step 48: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[23/32] = r5:dst@0[23/32]; signal r1:gathered[23]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 20}}},  // rank 5 step 49: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[20/32] = r5:dst@0[20/32]; signal r2:gathered[20]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 21}}},  // rank 5 step 50: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[21/32] = r5:dst@0[21/32]; signal r2:gathered[21]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 22}}},  // rank 5 step 51: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[22/32] = r5:dst@0[22/32]; signal r2:gathered[22]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 23}}},  // rank 5 step 52: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[23/32] = r5:dst@0[23/32]; signal r2:gathered[23]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 20}}},  // rank 5 step 53: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[20/32] = r5:dst@0[20/32]; signal r3:gathered[20]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 21}}},  // rank 5 step 54: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[21/32] = r5:dst@0[21/32]; signal r3:gathered[21]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 22}}},  // rank 5 step 55: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[22/32] = r5:dst@0[22/32]; signal r3:gathered[22]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 23}}},  // rank 5 step 56: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[23/32] = r5:dst@0[23/32]; signal r3:gathered[23]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 20}, {{5, 2, 0, 32, 0, 20}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 20}}},  // rank 5 step 57: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[20/32] = r5:dst@0[20/32]; signal r4:gathered[20]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 21}, {{5, 2, 0, 32, 0, 21}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 21}}},  // rank 5 step 58: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[21/32] = r5:dst@0[21/32]; signal r4:gathered[21]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 22}, {{5, 2, 0, 32, 0, 22}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 22}}},  // rank 5 step 59: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[22/32] = r5:dst@0[22/32]; signal r4:gathered[22]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 23}, {{5, 2, 0, 32, 0, 23}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 23}}},  // rank 5 step 60: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[23/32] = r5:dst@0[23/32]; signal r4:gathered[23]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},  // rank 5 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}, {7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},  // rank 5 step 62: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}, {7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},  // rank 5 step 63: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[24], gathered[25], gathered[26], gathered[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},  // rank 5 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 6, 28}, {{6, 1, 1, 32, 0, 28}}, {}, {{4, 0, 7, 1}}, {{7, 5, 24}}},  // rank 6 step 1: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@6[28/32] = r6:src@0[28/32]; signal r7:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 6, 29}, {{6, 1, 1, 32, 0, 29}}, {}, {{4, 0, 7, 1}}, {{7, 5, 25}}},  // rank 6 step 2: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@6[29/32] = r6:src@0[29/32]; signal r7:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 6, 30}, {{6, 1, 1, 32, 0, 30}}, {}, {{4, 0, 7, 1}}, {{7, 5, 26}}},  // rank 6 step 3: part 7 piece 2 to rank 7; wait entry[7]; r7:inbox@6[30/32] = r6:src@0[30/32]; signal r7:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 32, 6, 31}, {{6, 1, 1, 32, 0, 31}}, {}, {{4, 0, 7, 1}}, {{7, 5, 27}}},  // rank 6 step 4: part 7 piece 3 to rank 7; wait entry[7]; r7:inbox@6[31/32] = r6:src@0[31/32]; signal r7:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 6, 0}, {{6, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},  // rank 6 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@6[0/32] = r6:src@0[0/32]; signal r0:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 6, 1}, {{6, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},  // rank 6 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@6[1/32] = r6:src@0[1/32]; signal r0:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 6, 2}, {{6, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},  // rank 6 step 7: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@6[2/32] = r6:src@0[2/32]; signal r0:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 6, 3}, {{6, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},  // rank 6 step 8: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@6[3/32] = r6:src@0[3/32]; signal r0:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 6, 4}, {{6, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},  // rank 6 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@6[4/32] = r6:src@0[4/32]; signal r1:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 6, 5}, {{6, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},  // rank 6 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@6[5/32] = r6:src@0[5/32]; signal r1:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 6, 6}, {{6, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},  // rank 6 step 11: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@6[6/32] = r6:src@0[6/32]; signal r1:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 6, 7}, {{6, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},  // rank 6 step 12: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@6[7/32] = r6:src@0[7/32]; signal r1:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 6, 8}, {{6, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},  // rank 6 step 13: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@6[8/32] = r6:src@0[8/32]; signal r2:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 6, 9}, {{6, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},  // rank 6 step 14: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@6[9/32] = r6:src@0[9/32]; signal r2:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 6, 10}, {{6, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},  // rank 6 step 15: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@6[10/32] = r6:src@0[10/32]; signal r2:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 6, 11}, {{6, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},  // rank 6 step 16: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@6[11/32] = r6:src@0[11/32]; signal r2:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 6, 12}, {{6, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 24}}},  // rank 6 step 17: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@6[12/32] = r6:src@0[12/32]; signal r3:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 6, 13}, {{6, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 25}}},  // rank 6 step 18: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@6[13/32] = r6:src@0[13/32]; signal r3:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 6, 14}, {{6, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 26}}},  // rank 6 step 19: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@6[14/32] = r6:src@0[14/32]; signal r3:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 6, 15}, {{6, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 27}}},  // rank 6 step 20: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@6[15/32] = r6:src@0[15/32]; signal r3:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 6, 16}, {{6, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 24}}},  // rank 6 step 21: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@6[16/32] = r6:src@0[16/32]; signal r4:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 6, 17}, {{6, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 25}}},  // rank 6 step 22: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@6[17/32] = r6:src@0[17/32]; signal r4:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 6, 18}, {{6, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 26}}},  // rank 6 step 23: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@6[18/32] = r6:src@0[18/32]; signal r4:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 6, 19}, {{6, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 27}}},  // rank 6 step 24: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@6[19/32] = r6:src@0[19/32]; signal r4:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 6, 20}, {{6, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},  // rank 6 step 25: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@6[20/32] = r6:src@0[20/32]; signal r5:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 6, 21}, {{6, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},  // rank 6 step 26: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@6[21/32] = r6:src@0[21/32]; signal r5:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 6, 22}, {{6, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},  // rank 6 step 27: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@6[22/32] = r6:src@0[22/32]; signal r5:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 6, 23}, {{6, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},  // rank 6 step 28: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@6[23/32] = r6:src@0[23/32]; signal r5:arrive[27]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 32, 0, 24}, {{6, 1, 1, 32, 0, 24}, {6, 3, 0, 32, 0, 24}, {6, 3, 0, 32, 1, 24}, {6, 3, 0, 32, 2, 24}, {6, 3, 0, 32, 3, 24}, {6, 3, 0, 32, 4, 24}, {6, 3, 0, 32, 5, 24}, {6, 3, 0, 32, 7, 24}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 28, 1}}, {{6, 6, 0}}},  // rank 6 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[28]; r6:dst@0[24/32] = r6:src@0[24/32] + r6:inbox@0[24/32] + r6:inbox@1[24/32] + r6:inbox@2[24/32] + r6:inbox@3[24/32] + r6:inbox@4[24/32] + r6:inbox@5[24/32] + r6:inbox@7[24/32]; signal r6:reduced[0]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 32, 0, 25}, {{6, 1, 1, 32, 0, 25}, {6, 3, 0, 32, 0, 25}, {6, 3, 0, 32, 1, 25}, {6, 3, 0, 32, 2, 25}, {6, 3, 0, 32, 3, 25}, {6, 3, 0, 32, 4, 25}, {6, 3, 0, 32, 5, 25}, {6, 3, 0, 32, 7, 25}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 29, 1}}, {{6, 6, 1}}},  // rank 6 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[29]; r6:dst@0[25/32] = r6:src@0[25/32] + r6:inbox@0[25/32] + r6:inbox@1[25/32] + r6:inbox@2[25/32] + r6:inbox@3[25/32] + r6:inbox@4[25/32] + r6:inbox@5[25/32] + r6:inbox@7[25/32]; signal r6:reduced[1]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 32, 0, 26}, {{6, 1, 1, 32, 0, 26}, {6, 3, 0, 32, 0, 26}, {6, 3, 0, 32, 1, 26}, {6, 3, 0, 32, 2, 26}, {6, 3, 0, 32, 3, 26}, {6, 3, 0, 32, 4, 26}, {6, 3, 0, 32, 5, 26}, {6, 3, 0, 32, 7, 26}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 30, 1}}, {{6, 6, 2}}},  // rank 6 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[30]; r6:dst@0[26/32] = r6:src@0[26/32] + r6:inbox@0[26/32] + r6:inbox@1[26/32] + r6:inbox@2[26/32] + r6:inbox@3[26/32] + r6:inbox@4[26/32] + r6:inbox@5[26/32] + r6:inbox@7[26/32]; signal r6:reduced[2]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 2, 0, 32, 0, 27}, {{6, 1, 1, 32, 0, 27}, {6, 3, 0, 32, 0, 27}, {6, 3, 0, 32, 1, 27}, {6, 3, 0, 32, 2, 27}, {6, 3, 0, 32, 3, 27}, {6, 3, 0, 32, 4, 27}, {6, 3, 0, 32, 5, 27}, {6, 3, 0, 32, 7, 27}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 31, 1}}, {{6, 6, 3}}},  // rank 6 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[31]; r6:dst@0[27/32] = r6:src@0[27/32] + r6:inbox@0[27/32] + r6:inbox@1[27/32] + r6:inbox@2[27/32] + r6:inbox@3[27/32] + r6:inbox@4[27/32] + r6:inbox@5[27/32] + r6:inbox@7[27/32]; signal r6:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 7, 1}}, {{7, 7, 24}}},  // rank 6 step 33: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[24/32] = r6:dst@0[24/32]; signal r7:gathered[24]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 7, 1}}, {{7, 7, 25}}},  // rank 6 step 34: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[25/32] = r6:dst@0[25/32]; signal r7:gathered[25]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 7, 1}}, {{7, 7, 26}}},  // rank 6 step 35: reduced piece 2 to rank 7; wait reduced[2], entry[7]; r7:dst@0[26/32] = r6:dst@0[26/32]; signal r7:gathered[26]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 7, 1}}, {{7, 7, 27}}},  // rank 6 step 36: reduced piece 3 to rank 7; wait reduced[3], entry[7]; r7:dst@0[27/32] = r6:dst@0[27/32]; signal r7:gathered[27]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 24}}},  // rank 6 step 37: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[24/32] = r6:dst@0[24/32]; signal r0:gathered[24]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 25}}},  // rank 6 step 38: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[25/32] = r6:dst@0[25/32]; signal r0:gathered[25]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 26}}},  // rank 6 step 39: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[26/32] = r6:dst@0[26/32]; signal r0:gathered[26]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 27}}},  // rank 6 step 40: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[27/32] = r6:dst@0[27/32]; signal r0:gathered[27]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 24}}},  // rank 6 step 41: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[24/32] = r6:dst@0[24/32]; signal r1:gathered[24]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 25}}},  // rank 6 step 42: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[25/32] = r6:dst@0[25/32]; signal r1:gathered[25]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 26}}},  // rank 6 step 43: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[26/32] = r6:dst@0[26/32]; signal r1:gathered[26]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 27}}},  // rank 6 step 44: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[27/32] = r6:dst@0[27/32]; signal r1:gathered[27]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 24}}},  // rank 6 step 45: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[24/32] = r6:dst@0[24/32]; signal r2:gathered[24]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 25}}},  // rank 6 step 46: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[25/32] = r6:dst@0[25/32]; signal r2:gathered[25]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 26}}},  // rank 6 step 47: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[26/32] = r6:dst@0[26/32]; signal r2:gathered[26]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 27}}},  // rank 6 step 48: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[27/32] = r6:dst@0[27/32]; signal r2:gathered[27]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 24}}},  // rank 6 step 49: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[24/32] = r6:dst@0[24/32]; signal r3:gathered[24]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 25}}},  // rank 6 step 50: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[25/32] = r6:dst@0[25/32]; signal r3:gathered[25]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 26}}},  // rank 6 step 51: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[26/32] = r6:dst@0[26/32]; signal r3:gathered[26]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 27}}},  // rank 6 step 52: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[27/32] = r6:dst@0[27/32]; signal r3:gathered[27]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 24}}},  // rank 6 step 53: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[24/32] = r6:dst@0[24/32]; signal r4:gathered[24]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 25}}},  // rank 6 step 54: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[25/32] = r6:dst@0[25/32]; signal r4:gathered[25]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 26}}},  // rank 6 step 55: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[26/32] = r6:dst@0[26/32]; signal r4:gathered[26]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 27}}},  // rank 6 step 56: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[27/32] = r6:dst@0[27/32]; signal r4:gathered[27]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 24}, {{6, 2, 0, 32, 0, 24}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 24}}},  // rank 6 step 57: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[24/32] = r6:dst@0[24/32]; signal r5:gathered[24]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 25}, {{6, 2, 0, 32, 0, 25}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 25}}},  // rank 6 step 58: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[25/32] = r6:dst@0[25/32]; signal r5:gathered[25]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 26}, {{6, 2, 0, 32, 0, 26}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 26}}},  // rank 6 step 59: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[26/32] = r6:dst@0[26/32]; signal r5:gathered[26]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 27}, {{6, 2, 0, 32, 0, 27}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 27}}},  // rank 6 step 60: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[27/32] = r6:dst@0[27/32]; signal r5:gathered[27]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},  // rank 6 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}, {7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},  // rank 6 step 62: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}, {7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}}, {}},  // rank 6 step 63: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 28, 1}, {7, 0, 29, 1}, {7, 0, 30, 1}, {7, 0, 31, 1}}, {}},  // rank 6 step 64: wait for every peer's reduced parts; wait gathered[28], gathered[29], gathered[30], gathered[31]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 7, 0}, {{7, 1, 1, 32, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},  // rank 7 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@7[0/32] = r7:src@0[0/32]; signal r0:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 7, 1}, {{7, 1, 1, 32, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},  // rank 7 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@7[1/32] = r7:src@0[1/32]; signal r0:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 7, 2}, {{7, 1, 1, 32, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},  // rank 7 step 3: part 0 piece 2 to rank 0; wait entry[0]; r0:inbox@7[2/32] = r7:src@0[2/32]; signal r0:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 32, 7, 3}, {{7, 1, 1, 32, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},  // rank 7 step 4: part 0 piece 3 to rank 0; wait entry[0]; r0:inbox@7[3/32] = r7:src@0[3/32]; signal r0:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 7, 4}, {{7, 1, 1, 32, 0, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},  // rank 7 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@7[4/32] = r7:src@0[4/32]; signal r1:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 7, 5}, {{7, 1, 1, 32, 0, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},  // rank 7 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@7[5/32] = r7:src@0[5/32]; signal r1:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 7, 6}, {{7, 1, 1, 32, 0, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},  // rank 7 step 7: part 1 piece 2 to rank 1; wait entry[1]; r1:inbox@7[6/32] = r7:src@0[6/32]; signal r1:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 32, 7, 7}, {{7, 1, 1, 32, 0, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},  // rank 7 step 8: part 1 piece 3 to rank 1; wait entry[1]; r1:inbox@7[7/32] = r7:src@0[7/32]; signal r1:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 7, 8}, {{7, 1, 1, 32, 0, 8}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},  // rank 7 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@7[8/32] = r7:src@0[8/32]; signal r2:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 7, 9}, {{7, 1, 1, 32, 0, 9}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},  // rank 7 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@7[9/32] = r7:src@0[9/32]; signal r2:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 7, 10}, {{7, 1, 1, 32, 0, 10}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},  // rank 7 step 11: part 2 piece 2 to rank 2; wait entry[2]; r2:inbox@7[10/32] = r7:src@0[10/32]; signal r2:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 32, 7, 11}, {{7, 1, 1, 32, 0, 11}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},  // rank 7 step 12: part 2 piece 3 to rank 2; wait entry[2]; r2:inbox@7[11/32] = r7:src@0[11/32]; signal r2:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 7, 12}, {{7, 1, 1, 32, 0, 12}}, {}, {{4, 0, 3, 1}}, {{3, 5, 28}}},  // rank 7 step 13: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@7[12/32] = r7:src@0[12/32]; signal r3:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 7, 13}, {{7, 1, 1, 32, 0, 13}}, {}, {{4, 0, 3, 1}}, {{3, 5, 29}}},  // rank 7 step 14: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@7[13/32] = r7:src@0[13/32]; signal r3:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 7, 14}, {{7, 1, 1, 32, 0, 14}}, {}, {{4, 0, 3, 1}}, {{3, 5, 30}}},  // rank 7 step 15: part 3 piece 2 to rank 3; wait entry[3]; r3:inbox@7[14/32] = r7:src@0[14/32]; signal r3:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 32, 7, 15}, {{7, 1, 1, 32, 0, 15}}, {}, {{4, 0, 3, 1}}, {{3, 5, 31}}},  // rank 7 step 16: part 3 piece 3 to rank 3; wait entry[3]; r3:inbox@7[15/32] = r7:src@0[15/32]; signal r3:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 7, 16}, {{7, 1, 1, 32, 0, 16}}, {}, {{4, 0, 4, 1}}, {{4, 5, 28}}},  // rank 7 step 17: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@7[16/32] = r7:src@0[16/32]; signal r4:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 7, 17}, {{7, 1, 1, 32, 0, 17}}, {}, {{4, 0, 4, 1}}, {{4, 5, 29}}},  // rank 7 step 18: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@7[17/32] = r7:src@0[17/32]; signal r4:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 7, 18}, {{7, 1, 1, 32, 0, 18}}, {}, {{4, 0, 4, 1}}, {{4, 5, 30}}},  // rank 7 step 19: part 4 piece 2 to rank 4; wait entry[4]; r4:inbox@7[18/32] = r7:src@0[18/32]; signal r4:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 32, 7, 19}, {{7, 1, 1, 32, 0, 19}}, {}, {{4, 0, 4, 1}}, {{4, 5, 31}}},  // rank 7 step 20: part 4 piece 3 to rank 4; wait entry[4]; r4:inbox@7[19/32] = r7:src@0[19/32]; signal r4:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 7, 20}, {{7, 1, 1, 32, 0, 20}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},  // rank 7 step 21: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@7[20/32] = r7:src@0[20/32]; signal r5:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 7, 21}, {{7, 1, 1, 32, 0, 21}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},  // rank 7 step 22: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@7[21/32] = r7:src@0[21/32]; signal r5:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 7, 22}, {{7, 1, 1, 32, 0, 22}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},  // rank 7 step 23: part 5 piece 2 to rank 5; wait entry[5]; r5:inbox@7[22/32] = r7:src@0[22/32]; signal r5:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 32, 7, 23}, {{7, 1, 1, 32, 0, 23}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},  // rank 7 step 24: part 5 piece 3 to rank 5; wait entry[5]; r5:inbox@7[23/32] = r7:src@0[23/32]; signal r5:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 7, 24}, {{7, 1, 1, 32, 0, 24}}, {}, {{4, 0, 6, 1}}, {{6, 5, 28}}},  // rank 7 step 25: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@7[24/32] = r7:src@0[24/32]; signal r6:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 7, 25}, {{7, 1, 1, 32, 0, 25}}, {}, {{4, 0, 6, 1}}, {{6, 5, 29}}},  // rank 7 step 26: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@7[25/32] = r7:src@0[25/32]; signal r6:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 7, 26}, {{7, 1, 1, 32, 0, 26}}, {}, {{4, 0, 6, 1}}, {{6, 5, 30}}},  // rank 7 step 27: part 6 piece 2 to rank 6; wait entry[6]; r6:inbox@7[26/32] = r7:src@0[26/32]; signal r6:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 32, 7, 27}, {{7, 1, 1, 32, 0, 27}}, {}, {{4, 0, 6, 1}}, {{6, 5, 31}}},  // rank 7 step 28: part 6 piece 3 to rank 6; wait entry[6]; r6:inbox@7[27/32] = r7:src@0[27/32]; signal r6:arrive[31]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 32, 0, 28}, {{7, 1, 1, 32, 0, 28}, {7, 3, 0, 32, 0, 28}, {7, 3, 0, 32, 1, 28}, {7, 3, 0, 32, 2, 28}, {7, 3, 0, 32, 3, 28}, {7, 3, 0, 32, 4, 28}, {7, 3, 0, 32, 5, 28}, {7, 3, 0, 32, 6, 28}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}}, {{7, 6, 0}}},  // rank 7 step 29: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24]; r7:dst@0[28/32] = r7:src@0[28/32] + r7:inbox@0[28/32] + r7:inbox@1[28/32] + r7:inbox@2[28/32] + r7:inbox@3[28/32] + r7:inbox@4[28/32] + r7:inbox@5[28/32] + r7:inbox@6[28/32]; signal r7:reduced[0]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 32, 0, 29}, {{7, 1, 1, 32, 0, 29}, {7, 3, 0, 32, 0, 29}, {7, 3, 0, 32, 1, 29}, {7, 3, 0, 32, 2, 29}, {7, 3, 0, 32, 3, 29}, {7, 3, 0, 32, 4, 29}, {7, 3, 0, 32, 5, 29}, {7, 3, 0, 32, 6, 29}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}}, {{7, 6, 1}}},  // rank 7 step 30: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25]; r7:dst@0[29/32] = r7:src@0[29/32] + r7:inbox@0[29/32] + r7:inbox@1[29/32] + r7:inbox@2[29/32] + r7:inbox@3[29/32] + r7:inbox@4[29/32] + r7:inbox@5[29/32] + r7:inbox@6[29/32]; signal r7:reduced[1]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 32, 0, 30}, {{7, 1, 1, 32, 0, 30}, {7, 3, 0, 32, 0, 30}, {7, 3, 0, 32, 1, 30}, {7, 3, 0, 32, 2, 30}, {7, 3, 0, 32, 3, 30}, {7, 3, 0, 32, 4, 30}, {7, 3, 0, 32, 5, 30}, {7, 3, 0, 32, 6, 30}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}}, {{7, 6, 2}}},  // rank 7 step 31: reduce our part, piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26]; r7:dst@0[30/32] = r7:src@0[30/32] + r7:inbox@0[30/32] + r7:inbox@1[30/32] + r7:inbox@2[30/32] + r7:inbox@3[30/32] + r7:inbox@4[30/32] + r7:inbox@5[30/32] + r7:inbox@6[30/32]; signal r7:reduced[2]
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 2, 0, 32, 0, 31}, {{7, 1, 1, 32, 0, 31}, {7, 3, 0, 32, 0, 31}, {7, 3, 0, 32, 1, 31}, {7, 3, 0, 32, 2, 31}, {7, 3, 0, 32, 3, 31}, {7, 3, 0, 32, 4, 31}, {7, 3, 0, 32, 5, 31}, {7, 3, 0, 32, 6, 31}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}}, {{7, 6, 3}}},  // rank 7 step 32: reduce our part, piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27]; r7:dst@0[31/32] = r7:src@0[31/32] + r7:inbox@0[31/32] + r7:inbox@1[31/32] + r7:inbox@2[31/32] + r7:inbox@3[31/32] + r7:inbox@4[31/32] + r7:inbox@5[31/32] + r7:inbox@6[31/32]; signal r7:reduced[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 0, 1}}, {{0, 7, 28}}},  // rank 7 step 33: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[28/32] = r7:dst@0[28/32]; signal r0:gathered[28]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 0, 1}}, {{0, 7, 29}}},  // rank 7 step 34: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[29/32] = r7:dst@0[29/32]; signal r0:gathered[29]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 0, 1}}, {{0, 7, 30}}},  // rank 7 step 35: reduced piece 2 to rank 0; wait reduced[2], entry[0]; r0:dst@0[30/32] = r7:dst@0[30/32]; signal r0:gathered[30]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 0, 1}}, {{0, 7, 31}}},  // rank 7 step 36: reduced piece 3 to rank 0; wait reduced[3], entry[0]; r0:dst@0[31/32] = r7:dst@0[31/32]; signal r0:gathered[31]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 1, 1}}, {{1, 7, 28}}},  // rank 7 step 37: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[28/32] = r7:dst@0[28/32]; signal r1:gathered[28]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 1, 1}}, {{1, 7, 29}}},  // rank 7 step 38: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[29/32] = r7:dst@0[29/32]; signal r1:gathered[29]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 1, 1}}, {{1, 7, 30}}},  // rank 7 step 39: reduced piece 2 to rank 1; wait reduced[2], entry[1]; r1:dst@0[30/32] = r7:dst@0[30/32]; signal r1:gathered[30]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 1, 1}}, {{1, 7, 31}}},  // rank 7 step 40: reduced piece 3 to rank 1; wait reduced[3], entry[1]; r1:dst@0[31/32] = r7:dst@0[31/32]; signal r1:gathered[31]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 2, 1}}, {{2, 7, 28}}},  // rank 7 step 41: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[28/32] = r7:dst@0[28/32]; signal r2:gathered[28]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 2, 1}}, {{2, 7, 29}}},  // rank 7 step 42: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[29/32] = r7:dst@0[29/32]; signal r2:gathered[29]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 2, 1}}, {{2, 7, 30}}},  // rank 7 step 43: reduced piece 2 to rank 2; wait reduced[2], entry[2]; r2:dst@0[30/32] = r7:dst@0[30/32]; signal r2:gathered[30]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 2, 1}}, {{2, 7, 31}}},  // rank 7 step 44: reduced piece 3 to rank 2; wait reduced[3], entry[2]; r2:dst@0[31/32] = r7:dst@0[31/32]; signal r2:gathered[31]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 3, 1}}, {{3, 7, 28}}},  // rank 7 step 45: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[28/32] = r7:dst@0[28/32]; signal r3:gathered[28]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 3, 1}}, {{3, 7, 29}}},  // rank 7 step 46: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[29/32] = r7:dst@0[29/32]; signal r3:gathered[29]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 3, 1}}, {{3, 7, 30}}},  // rank 7 step 47: reduced piece 2 to rank 3; wait reduced[2], entry[3]; r3:dst@0[30/32] = r7:dst@0[30/32]; signal r3:gathered[30]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 3, 1}}, {{3, 7, 31}}},  // rank 7 step 48: reduced piece 3 to rank 3; wait reduced[3], entry[3]; r3:dst@0[31/32] = r7:dst@0[31/32]; signal r3:gathered[31]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 4, 1}}, {{4, 7, 28}}},  // rank 7 step 49: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[28/32] = r7:dst@0[28/32]; signal r4:gathered[28]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 4, 1}}, {{4, 7, 29}}},  // rank 7 step 50: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[29/32] = r7:dst@0[29/32]; signal r4:gathered[29]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 4, 1}}, {{4, 7, 30}}},  // rank 7 step 51: reduced piece 2 to rank 4; wait reduced[2], entry[4]; r4:dst@0[30/32] = r7:dst@0[30/32]; signal r4:gathered[30]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 4, 1}}, {{4, 7, 31}}},  // rank 7 step 52: reduced piece 3 to rank 4; wait reduced[3], entry[4]; r4:dst@0[31/32] = r7:dst@0[31/32]; signal r4:gathered[31]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 5, 1}}, {{5, 7, 28}}},  // rank 7 step 53: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[28/32] = r7:dst@0[28/32]; signal r5:gathered[28]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 5, 1}}, {{5, 7, 29}}},  // rank 7 step 54: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[29/32] = r7:dst@0[29/32]; signal r5:gathered[29]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 5, 1}}, {{5, 7, 30}}},  // rank 7 step 55: reduced piece 2 to rank 5; wait reduced[2], entry[5]; r5:dst@0[30/32] = r7:dst@0[30/32]; signal r5:gathered[30]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 5, 1}}, {{5, 7, 31}}},  // rank 7 step 56: reduced piece 3 to rank 5; wait reduced[3], entry[5]; r5:dst@0[31/32] = r7:dst@0[31/32]; signal r5:gathered[31]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 28}, {{7, 2, 0, 32, 0, 28}}, {}, {{6, 0, 0, 1}, {4, 0, 6, 1}}, {{6, 7, 28}}},  // rank 7 step 57: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[28/32] = r7:dst@0[28/32]; signal r6:gathered[28]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 29}, {{7, 2, 0, 32, 0, 29}}, {}, {{6, 0, 1, 1}, {4, 0, 6, 1}}, {{6, 7, 29}}},  // rank 7 step 58: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[29/32] = r7:dst@0[29/32]; signal r6:gathered[29]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 30}, {{7, 2, 0, 32, 0, 30}}, {}, {{6, 0, 2, 1}, {4, 0, 6, 1}}, {{6, 7, 30}}},  // rank 7 step 59: reduced piece 2 to rank 6; wait reduced[2], entry[6]; r6:dst@0[30/32] = r7:dst@0[30/32]; signal r6:gathered[30]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 32, 0, 31}, {{7, 2, 0, 32, 0, 31}}, {}, {{6, 0, 3, 1}, {4, 0, 6, 1}}, {{6, 7, 31}}},  // rank 7 step 60: reduced piece 3 to rank 6; wait reduced[3], entry[6]; r6:dst@0[31/32] = r7:dst@0[31/32]; signal r6:gathered[31]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 0, 1}, {7, 0, 1, 1}, {7, 0, 2, 1}, {7, 0, 3, 1}, {7, 0, 4, 1}, {7, 0, 5, 1}, {7, 0, 6, 1}, {7, 0, 7, 1}}, {}},  // rank 7 step 61: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 8, 1}, {7, 0, 9, 1}, {7, 0, 10, 1}, {7, 0, 11, 1}, {7, 0, 12, 1}, {7, 0, 13, 1}, {7, 0, 14, 1}, {7, 0, 15, 1}}, {}},  // rank 7 step 62: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 16, 1}, {7, 0, 17, 1}, {7, 0, 18, 1}, {7, 0, 19, 1}, {7, 0, 20, 1}, {7, 0, 21, 1}, {7, 0, 22, 1}, {7, 0, 23, 1}}, {}},  // rank 7 step 63: wait for every peer's reduced parts; wait gathered[16], gathered[17], gathered[18], gathered[19], gathered[20], gathered[21], gathered[22], gathered[23]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{7, 0, 24, 1}, {7, 0, 25, 1}, {7, 0, 26, 1}, {7, 0, 27, 1}}, {}},  // rank 7 step 64: wait for every peer's reduced parts; wait gathered[24], gathered[25], gathered[26], gathered[27]
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..64
-    {0, 0, 1, 65, 1, 0},
-    // rank 1: shares 65..129
-    {0, 0, 1, 65, 1, 0},
-    // rank 2: shares 130..194
-    {0, 0, 1, 65, 1, 0},
-    // rank 3: shares 195..259
-    {0, 0, 1, 65, 1, 0},
-    // rank 4: shares 260..324
-    {0, 0, 1, 65, 1, 0},
-    // rank 5: shares 325..389
-    {0, 0, 1, 65, 1, 0},
-    // rank 6: shares 390..454
-    {0, 0, 1, 65, 1, 0},
-    // rank 7: shares 455..519
-    {0, 0, 1, 65, 1, 0},
+    {0, 0, 1, 65, 1, 0, 1, 0, 0},  // rank 0: shares 0..64
+    {0, 0, 1, 65, 1, 0, 1, 0, 0},  // rank 1: shares 65..129
+    {0, 0, 1, 65, 1, 0, 1, 0, 0},  // rank 2: shares 130..194
+    {0, 0, 1, 65, 1, 0, 1, 0, 0},  // rank 3: shares 195..259
+    {0, 0, 1, 65, 1, 0, 1, 0, 0},  // rank 4: shares 260..324
+    {0, 0, 1, 65, 1, 0, 1, 0, 0},  // rank 5: shares 325..389
+    {0, 0, 1, 65, 1, 0, 1, 0, 0},  // rank 6: shares 390..454
+    {0, 0, 1, 65, 1, 0, 1, 0, 0},  // rank 7: shares 455..519
 };
-static __device__ const tsgen::share_table<520> shares_w8 =
-    tsgen::expand_shares<520>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][21] = {
+static __device__ const tsgen::share_table<520> shares_w8 = tsgen::expand_shares<520>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][21] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 62, 63, 64, 65 },
     { 65, 66, 70, 74, 78, 82, 86, 90, 94, 98, 102, 106, 110, 114, 118, 122, 126, 127, 128, 129, 130 },
     { 130, 131, 135, 139, 143, 147, 151, 155, 159, 163, 167, 171, 175, 179, 183, 187, 191, 192, 193, 194, 195 },
@@ -1720,7 +930,6 @@ template <> struct plan<8> {
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
 };
 
-
 }  // namespace all_reduce_two_shot_ce
 
 // ---------------------------------------------------------------------------
@@ -1742,110 +951,81 @@ extern "C" __global__ void all_reduce_two_shot_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_reduce_two_shot_ce_w2_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(2, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_reduce_two_shot_ce_w2_prepare(int rank, int device) { return tsgen::ce::prepare<2>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_reduce_two_shot_ce_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  cudaStream_t s[5] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 5));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w2_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
+        q.copy(1, {1, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4});  // step 1: part 1 piece 0 to rank 1
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
+        q.copy(1, {1, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5});  // step 2: part 1 piece 1 to rank 1
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
+        q.copy(1, {1, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6});  // step 3: part 1 piece 2 to rank 1
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
+        q.copy(1, {1, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7});  // step 4: part 1 piece 3 to rank 1
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (reduce our part, piece 0)
+        q.reduce(2, 5);  // step 5: reduce our part, piece 0
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (reduce our part, piece 1)
+        q.reduce(2, 6);  // step 6: reduce our part, piece 1
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (reduce our part, piece 2)
+        q.reduce(2, 7);  // step 7: reduce our part, piece 2
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (reduce our part, piece 3)
+        q.reduce(2, 8);  // step 8: reduce our part, piece 3
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduced piece 0 to rank 1)
+        q.copy(3, {1, 2, 0, 8, 0, 0}, {0, 2, 0, 8, 0, 0});  // step 9: reduced piece 0 to rank 1
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduced piece 1 to rank 1)
+        q.copy(3, {1, 2, 0, 8, 0, 1}, {0, 2, 0, 8, 0, 1});  // step 10: reduced piece 1 to rank 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduced piece 2 to rank 1)
+        q.copy(3, {1, 2, 0, 8, 0, 2}, {0, 2, 0, 8, 0, 2});  // step 11: reduced piece 2 to rank 1
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduced piece 3 to rank 1)
+        q.copy(3, {1, 2, 0, 8, 0, 3}, {0, 2, 0, 8, 0, 3});  // step 12: reduced piece 3 to rank 1
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (wait for every peer's reduced parts)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
+        q.copy(1, {0, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 0, 0});  // step 1: part 0 piece 0 to rank 0
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
+        q.copy(1, {0, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 0, 1});  // step 2: part 0 piece 1 to rank 0
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
+        q.copy(1, {0, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 0, 2});  // step 3: part 0 piece 2 to rank 0
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
+        q.copy(1, {0, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 0, 3});  // step 4: part 0 piece 3 to rank 0
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (reduce our part, piece 0)
+        q.reduce(2, 5);  // step 5: reduce our part, piece 0
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (reduce our part, piece 1)
+        q.reduce(2, 6);  // step 6: reduce our part, piece 1
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (reduce our part, piece 2)
+        q.reduce(2, 7);  // step 7: reduce our part, piece 2
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (reduce our part, piece 3)
+        q.reduce(2, 8);  // step 8: reduce our part, piece 3
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduced piece 0 to rank 0)
+        q.copy(3, {0, 2, 0, 8, 0, 4}, {1, 2, 0, 8, 0, 4});  // step 9: reduced piece 0 to rank 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduced piece 1 to rank 0)
+        q.copy(3, {0, 2, 0, 8, 0, 5}, {1, 2, 0, 8, 0, 5});  // step 10: reduced piece 1 to rank 0
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduced piece 2 to rank 0)
+        q.copy(3, {0, 2, 0, 8, 0, 6}, {1, 2, 0, 8, 0, 6});  // step 11: reduced piece 2 to rank 0
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduced piece 3 to rank 0)
+        q.copy(3, {0, 2, 0, 8, 0, 7}, {1, 2, 0, 8, 0, 7});  // step 12: reduced piece 3 to rank 0
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (wait for every peer's reduced parts)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_reduce_two_shot_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w2_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
-      copy(1, {1, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4});  // step 1: part 1 piece 0 to rank 1
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
-      copy(1, {1, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5});  // step 2: part 1 piece 1 to rank 1
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
-      copy(1, {1, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6});  // step 3: part 1 piece 2 to rank 1
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
-      copy(1, {1, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7});  // step 4: part 1 piece 3 to rank 1
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (reduce our part, piece 0)
-      reduce(2, 5);  // step 5: reduce our part, piece 0
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (reduce our part, piece 1)
-      reduce(2, 6);  // step 6: reduce our part, piece 1
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (reduce our part, piece 2)
-      reduce(2, 7);  // step 7: reduce our part, piece 2
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (reduce our part, piece 3)
-      reduce(2, 8);  // step 8: reduce our part, piece 3
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduced piece 0 to rank 1)
-      copy(3, {1, 2, 0, 8, 0, 0}, {0, 2, 0, 8, 0, 0});  // step 9: reduced piece 0 to rank 1
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduced piece 1 to rank 1)
-      copy(3, {1, 2, 0, 8, 0, 1}, {0, 2, 0, 8, 0, 1});  // step 10: reduced piece 1 to rank 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduced piece 2 to rank 1)
-      copy(3, {1, 2, 0, 8, 0, 2}, {0, 2, 0, 8, 0, 2});  // step 11: reduced piece 2 to rank 1
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduced piece 3 to rank 1)
-      copy(3, {1, 2, 0, 8, 0, 3}, {0, 2, 0, 8, 0, 3});  // step 12: reduced piece 3 to rank 1
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (wait for every peer's reduced parts)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
-      copy(1, {0, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 0, 0});  // step 1: part 0 piece 0 to rank 0
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
-      copy(1, {0, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 0, 1});  // step 2: part 0 piece 1 to rank 0
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
-      copy(1, {0, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 0, 2});  // step 3: part 0 piece 2 to rank 0
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
-      copy(1, {0, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 0, 3});  // step 4: part 0 piece 3 to rank 0
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (reduce our part, piece 0)
-      reduce(2, 5);  // step 5: reduce our part, piece 0
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (reduce our part, piece 1)
-      reduce(2, 6);  // step 6: reduce our part, piece 1
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (reduce our part, piece 2)
-      reduce(2, 7);  // step 7: reduce our part, piece 2
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (reduce our part, piece 3)
-      reduce(2, 8);  // step 8: reduce our part, piece 3
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduced piece 0 to rank 0)
-      copy(3, {0, 2, 0, 8, 0, 4}, {1, 2, 0, 8, 0, 4});  // step 9: reduced piece 0 to rank 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduced piece 1 to rank 0)
-      copy(3, {0, 2, 0, 8, 0, 5}, {1, 2, 0, 8, 0, 5});  // step 10: reduced piece 1 to rank 0
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduced piece 2 to rank 0)
-      copy(3, {0, 2, 0, 8, 0, 6}, {1, 2, 0, 8, 0, 6});  // step 11: reduced piece 2 to rank 0
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduced piece 3 to rank 0)
-      copy(3, {0, 2, 0, 8, 0, 7}, {1, 2, 0, 8, 0, 7});  // step 12: reduced piece 3 to rank 0
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (wait for every peer's reduced parts)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 5);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_reduce_two_shot_ce_w2_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_reduce_two_shot_ce::T, 2, 5, 64, 512, all_reduce_two_shot_ce_w2_sync, all_reduce_two_shot_ce_w2_reduce,
+                           all_reduce_two_shot_ce_w2_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered);
 }
 
 // ---------------------------------------------------------------------------
@@ -1867,195 +1047,166 @@ extern "C" __global__ void all_reduce_two_shot_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_reduce_two_shot_ce_w3_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(3, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_reduce_two_shot_ce_w3_prepare(int rank, int device) { return tsgen::ce::prepare<3>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_reduce_two_shot_ce_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  cudaStream_t s[7] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 7));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w3_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
+        q.copy(1, {1, 3, 0, 12, 0, 4}, {0, 1, 1, 12, 0, 4});  // step 1: part 1 piece 0 to rank 1
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
+        q.copy(1, {1, 3, 0, 12, 0, 5}, {0, 1, 1, 12, 0, 5});  // step 2: part 1 piece 1 to rank 1
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
+        q.copy(1, {1, 3, 0, 12, 0, 6}, {0, 1, 1, 12, 0, 6});  // step 3: part 1 piece 2 to rank 1
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
+        q.copy(1, {1, 3, 0, 12, 0, 7}, {0, 1, 1, 12, 0, 7});  // step 4: part 1 piece 3 to rank 1
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
+        q.copy(2, {2, 3, 0, 12, 0, 8}, {0, 1, 1, 12, 0, 8});  // step 5: part 2 piece 0 to rank 2
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
+        q.copy(2, {2, 3, 0, 12, 0, 9}, {0, 1, 1, 12, 0, 9});  // step 6: part 2 piece 1 to rank 2
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
+        q.copy(2, {2, 3, 0, 12, 0, 10}, {0, 1, 1, 12, 0, 10});  // step 7: part 2 piece 2 to rank 2
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
+        q.copy(2, {2, 3, 0, 12, 0, 11}, {0, 1, 1, 12, 0, 11});  // step 8: part 2 piece 3 to rank 2
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
+        q.reduce(3, 9);  // step 9: reduce our part, piece 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
+        q.reduce(3, 10);  // step 10: reduce our part, piece 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
+        q.reduce(3, 11);  // step 11: reduce our part, piece 2
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
+        q.reduce(3, 12);  // step 12: reduce our part, piece 3
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 1)
+        q.copy(4, {1, 2, 0, 12, 0, 0}, {0, 2, 0, 12, 0, 0});  // step 13: reduced piece 0 to rank 1
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 1)
+        q.copy(4, {1, 2, 0, 12, 0, 1}, {0, 2, 0, 12, 0, 1});  // step 14: reduced piece 1 to rank 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 1)
+        q.copy(4, {1, 2, 0, 12, 0, 2}, {0, 2, 0, 12, 0, 2});  // step 15: reduced piece 2 to rank 1
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 1)
+        q.copy(4, {1, 2, 0, 12, 0, 3}, {0, 2, 0, 12, 0, 3});  // step 16: reduced piece 3 to rank 1
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 2)
+        q.copy(5, {2, 2, 0, 12, 0, 0}, {0, 2, 0, 12, 0, 0});  // step 17: reduced piece 0 to rank 2
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 2)
+        q.copy(5, {2, 2, 0, 12, 0, 1}, {0, 2, 0, 12, 0, 1});  // step 18: reduced piece 1 to rank 2
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 2)
+        q.copy(5, {2, 2, 0, 12, 0, 2}, {0, 2, 0, 12, 0, 2});  // step 19: reduced piece 2 to rank 2
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 2)
+        q.copy(5, {2, 2, 0, 12, 0, 3}, {0, 2, 0, 12, 0, 3});  // step 20: reduced piece 3 to rank 2
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
+        q.copy(1, {2, 3, 0, 12, 1, 8}, {1, 1, 1, 12, 0, 8});  // step 1: part 2 piece 0 to rank 2
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
+        q.copy(1, {2, 3, 0, 12, 1, 9}, {1, 1, 1, 12, 0, 9});  // step 2: part 2 piece 1 to rank 2
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
+        q.copy(1, {2, 3, 0, 12, 1, 10}, {1, 1, 1, 12, 0, 10});  // step 3: part 2 piece 2 to rank 2
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
+        q.copy(1, {2, 3, 0, 12, 1, 11}, {1, 1, 1, 12, 0, 11});  // step 4: part 2 piece 3 to rank 2
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
+        q.copy(2, {0, 3, 0, 12, 1, 0}, {1, 1, 1, 12, 0, 0});  // step 5: part 0 piece 0 to rank 0
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
+        q.copy(2, {0, 3, 0, 12, 1, 1}, {1, 1, 1, 12, 0, 1});  // step 6: part 0 piece 1 to rank 0
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
+        q.copy(2, {0, 3, 0, 12, 1, 2}, {1, 1, 1, 12, 0, 2});  // step 7: part 0 piece 2 to rank 0
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
+        q.copy(2, {0, 3, 0, 12, 1, 3}, {1, 1, 1, 12, 0, 3});  // step 8: part 0 piece 3 to rank 0
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
+        q.reduce(3, 9);  // step 9: reduce our part, piece 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
+        q.reduce(3, 10);  // step 10: reduce our part, piece 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
+        q.reduce(3, 11);  // step 11: reduce our part, piece 2
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
+        q.reduce(3, 12);  // step 12: reduce our part, piece 3
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 2)
+        q.copy(4, {2, 2, 0, 12, 0, 4}, {1, 2, 0, 12, 0, 4});  // step 13: reduced piece 0 to rank 2
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 2)
+        q.copy(4, {2, 2, 0, 12, 0, 5}, {1, 2, 0, 12, 0, 5});  // step 14: reduced piece 1 to rank 2
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 2)
+        q.copy(4, {2, 2, 0, 12, 0, 6}, {1, 2, 0, 12, 0, 6});  // step 15: reduced piece 2 to rank 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 2)
+        q.copy(4, {2, 2, 0, 12, 0, 7}, {1, 2, 0, 12, 0, 7});  // step 16: reduced piece 3 to rank 2
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 0)
+        q.copy(5, {0, 2, 0, 12, 0, 4}, {1, 2, 0, 12, 0, 4});  // step 17: reduced piece 0 to rank 0
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 0)
+        q.copy(5, {0, 2, 0, 12, 0, 5}, {1, 2, 0, 12, 0, 5});  // step 18: reduced piece 1 to rank 0
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 0)
+        q.copy(5, {0, 2, 0, 12, 0, 6}, {1, 2, 0, 12, 0, 6});  // step 19: reduced piece 2 to rank 0
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 0)
+        q.copy(5, {0, 2, 0, 12, 0, 7}, {1, 2, 0, 12, 0, 7});  // step 20: reduced piece 3 to rank 0
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
+        q.copy(1, {0, 3, 0, 12, 2, 0}, {2, 1, 1, 12, 0, 0});  // step 1: part 0 piece 0 to rank 0
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
+        q.copy(1, {0, 3, 0, 12, 2, 1}, {2, 1, 1, 12, 0, 1});  // step 2: part 0 piece 1 to rank 0
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
+        q.copy(1, {0, 3, 0, 12, 2, 2}, {2, 1, 1, 12, 0, 2});  // step 3: part 0 piece 2 to rank 0
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
+        q.copy(1, {0, 3, 0, 12, 2, 3}, {2, 1, 1, 12, 0, 3});  // step 4: part 0 piece 3 to rank 0
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
+        q.copy(2, {1, 3, 0, 12, 2, 4}, {2, 1, 1, 12, 0, 4});  // step 5: part 1 piece 0 to rank 1
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
+        q.copy(2, {1, 3, 0, 12, 2, 5}, {2, 1, 1, 12, 0, 5});  // step 6: part 1 piece 1 to rank 1
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
+        q.copy(2, {1, 3, 0, 12, 2, 6}, {2, 1, 1, 12, 0, 6});  // step 7: part 1 piece 2 to rank 1
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
+        q.copy(2, {1, 3, 0, 12, 2, 7}, {2, 1, 1, 12, 0, 7});  // step 8: part 1 piece 3 to rank 1
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
+        q.reduce(3, 9);  // step 9: reduce our part, piece 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
+        q.reduce(3, 10);  // step 10: reduce our part, piece 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
+        q.reduce(3, 11);  // step 11: reduce our part, piece 2
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
+        q.reduce(3, 12);  // step 12: reduce our part, piece 3
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 0)
+        q.copy(4, {0, 2, 0, 12, 0, 8}, {2, 2, 0, 12, 0, 8});  // step 13: reduced piece 0 to rank 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 0)
+        q.copy(4, {0, 2, 0, 12, 0, 9}, {2, 2, 0, 12, 0, 9});  // step 14: reduced piece 1 to rank 0
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 0)
+        q.copy(4, {0, 2, 0, 12, 0, 10}, {2, 2, 0, 12, 0, 10});  // step 15: reduced piece 2 to rank 0
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 0)
+        q.copy(4, {0, 2, 0, 12, 0, 11}, {2, 2, 0, 12, 0, 11});  // step 16: reduced piece 3 to rank 0
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 1)
+        q.copy(5, {1, 2, 0, 12, 0, 8}, {2, 2, 0, 12, 0, 8});  // step 17: reduced piece 0 to rank 1
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 1)
+        q.copy(5, {1, 2, 0, 12, 0, 9}, {2, 2, 0, 12, 0, 9});  // step 18: reduced piece 1 to rank 1
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 1)
+        q.copy(5, {1, 2, 0, 12, 0, 10}, {2, 2, 0, 12, 0, 10});  // step 19: reduced piece 2 to rank 1
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 1)
+        q.copy(5, {1, 2, 0, 12, 0, 11}, {2, 2, 0, 12, 0, 11});  // step 20: reduced piece 3 to rank 1
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_reduce_two_shot_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w3_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
-      copy(1, {1, 3, 0, 12, 0, 4}, {0, 1, 1, 12, 0, 4});  // step 1: part 1 piece 0 to rank 1
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
-      copy(1, {1, 3, 0, 12, 0, 5}, {0, 1, 1, 12, 0, 5});  // step 2: part 1 piece 1 to rank 1
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
-      copy(1, {1, 3, 0, 12, 0, 6}, {0, 1, 1, 12, 0, 6});  // step 3: part 1 piece 2 to rank 1
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
-      copy(1, {1, 3, 0, 12, 0, 7}, {0, 1, 1, 12, 0, 7});  // step 4: part 1 piece 3 to rank 1
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
-      copy(2, {2, 3, 0, 12, 0, 8}, {0, 1, 1, 12, 0, 8});  // step 5: part 2 piece 0 to rank 2
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
-      copy(2, {2, 3, 0, 12, 0, 9}, {0, 1, 1, 12, 0, 9});  // step 6: part 2 piece 1 to rank 2
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
-      copy(2, {2, 3, 0, 12, 0, 10}, {0, 1, 1, 12, 0, 10});  // step 7: part 2 piece 2 to rank 2
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
-      copy(2, {2, 3, 0, 12, 0, 11}, {0, 1, 1, 12, 0, 11});  // step 8: part 2 piece 3 to rank 2
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
-      reduce(3, 9);  // step 9: reduce our part, piece 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
-      reduce(3, 10);  // step 10: reduce our part, piece 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
-      reduce(3, 11);  // step 11: reduce our part, piece 2
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
-      reduce(3, 12);  // step 12: reduce our part, piece 3
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 1)
-      copy(4, {1, 2, 0, 12, 0, 0}, {0, 2, 0, 12, 0, 0});  // step 13: reduced piece 0 to rank 1
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 1)
-      copy(4, {1, 2, 0, 12, 0, 1}, {0, 2, 0, 12, 0, 1});  // step 14: reduced piece 1 to rank 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 1)
-      copy(4, {1, 2, 0, 12, 0, 2}, {0, 2, 0, 12, 0, 2});  // step 15: reduced piece 2 to rank 1
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 1)
-      copy(4, {1, 2, 0, 12, 0, 3}, {0, 2, 0, 12, 0, 3});  // step 16: reduced piece 3 to rank 1
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 2)
-      copy(5, {2, 2, 0, 12, 0, 0}, {0, 2, 0, 12, 0, 0});  // step 17: reduced piece 0 to rank 2
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 2)
-      copy(5, {2, 2, 0, 12, 0, 1}, {0, 2, 0, 12, 0, 1});  // step 18: reduced piece 1 to rank 2
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 2)
-      copy(5, {2, 2, 0, 12, 0, 2}, {0, 2, 0, 12, 0, 2});  // step 19: reduced piece 2 to rank 2
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 2)
-      copy(5, {2, 2, 0, 12, 0, 3}, {0, 2, 0, 12, 0, 3});  // step 20: reduced piece 3 to rank 2
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
-      copy(1, {2, 3, 0, 12, 1, 8}, {1, 1, 1, 12, 0, 8});  // step 1: part 2 piece 0 to rank 2
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
-      copy(1, {2, 3, 0, 12, 1, 9}, {1, 1, 1, 12, 0, 9});  // step 2: part 2 piece 1 to rank 2
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
-      copy(1, {2, 3, 0, 12, 1, 10}, {1, 1, 1, 12, 0, 10});  // step 3: part 2 piece 2 to rank 2
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
-      copy(1, {2, 3, 0, 12, 1, 11}, {1, 1, 1, 12, 0, 11});  // step 4: part 2 piece 3 to rank 2
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
-      copy(2, {0, 3, 0, 12, 1, 0}, {1, 1, 1, 12, 0, 0});  // step 5: part 0 piece 0 to rank 0
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
-      copy(2, {0, 3, 0, 12, 1, 1}, {1, 1, 1, 12, 0, 1});  // step 6: part 0 piece 1 to rank 0
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
-      copy(2, {0, 3, 0, 12, 1, 2}, {1, 1, 1, 12, 0, 2});  // step 7: part 0 piece 2 to rank 0
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
-      copy(2, {0, 3, 0, 12, 1, 3}, {1, 1, 1, 12, 0, 3});  // step 8: part 0 piece 3 to rank 0
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
-      reduce(3, 9);  // step 9: reduce our part, piece 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
-      reduce(3, 10);  // step 10: reduce our part, piece 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
-      reduce(3, 11);  // step 11: reduce our part, piece 2
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
-      reduce(3, 12);  // step 12: reduce our part, piece 3
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 2)
-      copy(4, {2, 2, 0, 12, 0, 4}, {1, 2, 0, 12, 0, 4});  // step 13: reduced piece 0 to rank 2
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 2)
-      copy(4, {2, 2, 0, 12, 0, 5}, {1, 2, 0, 12, 0, 5});  // step 14: reduced piece 1 to rank 2
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 2)
-      copy(4, {2, 2, 0, 12, 0, 6}, {1, 2, 0, 12, 0, 6});  // step 15: reduced piece 2 to rank 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 2)
-      copy(4, {2, 2, 0, 12, 0, 7}, {1, 2, 0, 12, 0, 7});  // step 16: reduced piece 3 to rank 2
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 0)
-      copy(5, {0, 2, 0, 12, 0, 4}, {1, 2, 0, 12, 0, 4});  // step 17: reduced piece 0 to rank 0
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 0)
-      copy(5, {0, 2, 0, 12, 0, 5}, {1, 2, 0, 12, 0, 5});  // step 18: reduced piece 1 to rank 0
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 0)
-      copy(5, {0, 2, 0, 12, 0, 6}, {1, 2, 0, 12, 0, 6});  // step 19: reduced piece 2 to rank 0
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 0)
-      copy(5, {0, 2, 0, 12, 0, 7}, {1, 2, 0, 12, 0, 7});  // step 20: reduced piece 3 to rank 0
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
-      copy(1, {0, 3, 0, 12, 2, 0}, {2, 1, 1, 12, 0, 0});  // step 1: part 0 piece 0 to rank 0
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
-      copy(1, {0, 3, 0, 12, 2, 1}, {2, 1, 1, 12, 0, 1});  // step 2: part 0 piece 1 to rank 0
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
-      copy(1, {0, 3, 0, 12, 2, 2}, {2, 1, 1, 12, 0, 2});  // step 3: part 0 piece 2 to rank 0
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
-      copy(1, {0, 3, 0, 12, 2, 3}, {2, 1, 1, 12, 0, 3});  // step 4: part 0 piece 3 to rank 0
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
-      copy(2, {1, 3, 0, 12, 2, 4}, {2, 1, 1, 12, 0, 4});  // step 5: part 1 piece 0 to rank 1
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
-      copy(2, {1, 3, 0, 12, 2, 5}, {2, 1, 1, 12, 0, 5});  // step 6: part 1 piece 1 to rank 1
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
-      copy(2, {1, 3, 0, 12, 2, 6}, {2, 1, 1, 12, 0, 6});  // step 7: part 1 piece 2 to rank 1
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
-      copy(2, {1, 3, 0, 12, 2, 7}, {2, 1, 1, 12, 0, 7});  // step 8: part 1 piece 3 to rank 1
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce our part, piece 0)
-      reduce(3, 9);  // step 9: reduce our part, piece 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (reduce our part, piece 1)
-      reduce(3, 10);  // step 10: reduce our part, piece 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (reduce our part, piece 2)
-      reduce(3, 11);  // step 11: reduce our part, piece 2
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (reduce our part, piece 3)
-      reduce(3, 12);  // step 12: reduce our part, piece 3
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduced piece 0 to rank 0)
-      copy(4, {0, 2, 0, 12, 0, 8}, {2, 2, 0, 12, 0, 8});  // step 13: reduced piece 0 to rank 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduced piece 1 to rank 0)
-      copy(4, {0, 2, 0, 12, 0, 9}, {2, 2, 0, 12, 0, 9});  // step 14: reduced piece 1 to rank 0
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduced piece 2 to rank 0)
-      copy(4, {0, 2, 0, 12, 0, 10}, {2, 2, 0, 12, 0, 10});  // step 15: reduced piece 2 to rank 0
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduced piece 3 to rank 0)
-      copy(4, {0, 2, 0, 12, 0, 11}, {2, 2, 0, 12, 0, 11});  // step 16: reduced piece 3 to rank 0
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 1)
-      copy(5, {1, 2, 0, 12, 0, 8}, {2, 2, 0, 12, 0, 8});  // step 17: reduced piece 0 to rank 1
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 1)
-      copy(5, {1, 2, 0, 12, 0, 9}, {2, 2, 0, 12, 0, 9});  // step 18: reduced piece 1 to rank 1
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 1)
-      copy(5, {1, 2, 0, 12, 0, 10}, {2, 2, 0, 12, 0, 10});  // step 19: reduced piece 2 to rank 1
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 1)
-      copy(5, {1, 2, 0, 12, 0, 11}, {2, 2, 0, 12, 0, 11});  // step 20: reduced piece 3 to rank 1
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (wait for every peer's reduced parts)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 7);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_reduce_two_shot_ce_w3_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_reduce_two_shot_ce::T, 3, 7, 64, 512, all_reduce_two_shot_ce_w3_sync, all_reduce_two_shot_ce_w3_reduce,
+                           all_reduce_two_shot_ce_w3_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered);
 }
 
 // ---------------------------------------------------------------------------
@@ -2077,320 +1228,291 @@ extern "C" __global__ void all_reduce_two_shot_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_reduce_two_shot_ce_w4_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(4, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_reduce_two_shot_ce_w4_prepare(int rank, int device) { return tsgen::ce::prepare<4>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_reduce_two_shot_ce_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  cudaStream_t s[10] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8], lanes->side[9] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 10));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w4_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
+        q.copy(1, {1, 3, 0, 16, 0, 4}, {0, 1, 1, 16, 0, 4});  // step 1: part 1 piece 0 to rank 1
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
+        q.copy(1, {1, 3, 0, 16, 0, 5}, {0, 1, 1, 16, 0, 5});  // step 2: part 1 piece 1 to rank 1
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
+        q.copy(1, {1, 3, 0, 16, 0, 6}, {0, 1, 1, 16, 0, 6});  // step 3: part 1 piece 2 to rank 1
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
+        q.copy(1, {1, 3, 0, 16, 0, 7}, {0, 1, 1, 16, 0, 7});  // step 4: part 1 piece 3 to rank 1
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
+        q.copy(2, {2, 3, 0, 16, 0, 8}, {0, 1, 1, 16, 0, 8});  // step 5: part 2 piece 0 to rank 2
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
+        q.copy(2, {2, 3, 0, 16, 0, 9}, {0, 1, 1, 16, 0, 9});  // step 6: part 2 piece 1 to rank 2
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
+        q.copy(2, {2, 3, 0, 16, 0, 10}, {0, 1, 1, 16, 0, 10});  // step 7: part 2 piece 2 to rank 2
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
+        q.copy(2, {2, 3, 0, 16, 0, 11}, {0, 1, 1, 16, 0, 11});  // step 8: part 2 piece 3 to rank 2
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 3 piece 0 to rank 3)
+        q.copy(3, {3, 3, 0, 16, 0, 12}, {0, 1, 1, 16, 0, 12});  // step 9: part 3 piece 0 to rank 3
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 3 piece 1 to rank 3)
+        q.copy(3, {3, 3, 0, 16, 0, 13}, {0, 1, 1, 16, 0, 13});  // step 10: part 3 piece 1 to rank 3
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 3 piece 2 to rank 3)
+        q.copy(3, {3, 3, 0, 16, 0, 14}, {0, 1, 1, 16, 0, 14});  // step 11: part 3 piece 2 to rank 3
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 3 piece 3 to rank 3)
+        q.copy(3, {3, 3, 0, 16, 0, 15}, {0, 1, 1, 16, 0, 15});  // step 12: part 3 piece 3 to rank 3
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
+        q.reduce(4, 13);  // step 13: reduce our part, piece 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
+        q.reduce(4, 14);  // step 14: reduce our part, piece 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
+        q.reduce(4, 15);  // step 15: reduce our part, piece 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
+        q.reduce(4, 16);  // step 16: reduce our part, piece 3
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 1)
+        q.copy(5, {1, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 17: reduced piece 0 to rank 1
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 1)
+        q.copy(5, {1, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 18: reduced piece 1 to rank 1
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 1)
+        q.copy(5, {1, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 19: reduced piece 2 to rank 1
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 1)
+        q.copy(5, {1, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 20: reduced piece 3 to rank 1
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 2)
+        q.copy(6, {2, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 21: reduced piece 0 to rank 2
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 2)
+        q.copy(6, {2, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 22: reduced piece 1 to rank 2
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 2)
+        q.copy(6, {2, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 23: reduced piece 2 to rank 2
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 2)
+        q.copy(6, {2, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 24: reduced piece 3 to rank 2
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 3)
+        q.copy(7, {3, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 25: reduced piece 0 to rank 3
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 3)
+        q.copy(7, {3, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 26: reduced piece 1 to rank 3
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 3)
+        q.copy(7, {3, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 27: reduced piece 2 to rank 3
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 3)
+        q.copy(7, {3, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 28: reduced piece 3 to rank 3
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
+        q.sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
+        q.copy(1, {2, 3, 0, 16, 1, 8}, {1, 1, 1, 16, 0, 8});  // step 1: part 2 piece 0 to rank 2
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
+        q.copy(1, {2, 3, 0, 16, 1, 9}, {1, 1, 1, 16, 0, 9});  // step 2: part 2 piece 1 to rank 2
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
+        q.copy(1, {2, 3, 0, 16, 1, 10}, {1, 1, 1, 16, 0, 10});  // step 3: part 2 piece 2 to rank 2
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
+        q.copy(1, {2, 3, 0, 16, 1, 11}, {1, 1, 1, 16, 0, 11});  // step 4: part 2 piece 3 to rank 2
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 3 piece 0 to rank 3)
+        q.copy(2, {3, 3, 0, 16, 1, 12}, {1, 1, 1, 16, 0, 12});  // step 5: part 3 piece 0 to rank 3
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 3 piece 1 to rank 3)
+        q.copy(2, {3, 3, 0, 16, 1, 13}, {1, 1, 1, 16, 0, 13});  // step 6: part 3 piece 1 to rank 3
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 3 piece 2 to rank 3)
+        q.copy(2, {3, 3, 0, 16, 1, 14}, {1, 1, 1, 16, 0, 14});  // step 7: part 3 piece 2 to rank 3
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 3 piece 3 to rank 3)
+        q.copy(2, {3, 3, 0, 16, 1, 15}, {1, 1, 1, 16, 0, 15});  // step 8: part 3 piece 3 to rank 3
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 0 piece 0 to rank 0)
+        q.copy(3, {0, 3, 0, 16, 1, 0}, {1, 1, 1, 16, 0, 0});  // step 9: part 0 piece 0 to rank 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 0 piece 1 to rank 0)
+        q.copy(3, {0, 3, 0, 16, 1, 1}, {1, 1, 1, 16, 0, 1});  // step 10: part 0 piece 1 to rank 0
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 0 piece 2 to rank 0)
+        q.copy(3, {0, 3, 0, 16, 1, 2}, {1, 1, 1, 16, 0, 2});  // step 11: part 0 piece 2 to rank 0
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 0 piece 3 to rank 0)
+        q.copy(3, {0, 3, 0, 16, 1, 3}, {1, 1, 1, 16, 0, 3});  // step 12: part 0 piece 3 to rank 0
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
+        q.reduce(4, 13);  // step 13: reduce our part, piece 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
+        q.reduce(4, 14);  // step 14: reduce our part, piece 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
+        q.reduce(4, 15);  // step 15: reduce our part, piece 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
+        q.reduce(4, 16);  // step 16: reduce our part, piece 3
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 2)
+        q.copy(5, {2, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 17: reduced piece 0 to rank 2
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 2)
+        q.copy(5, {2, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 18: reduced piece 1 to rank 2
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 2)
+        q.copy(5, {2, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 19: reduced piece 2 to rank 2
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 2)
+        q.copy(5, {2, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 20: reduced piece 3 to rank 2
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 3)
+        q.copy(6, {3, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 21: reduced piece 0 to rank 3
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 3)
+        q.copy(6, {3, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 22: reduced piece 1 to rank 3
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 3)
+        q.copy(6, {3, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 23: reduced piece 2 to rank 3
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 3)
+        q.copy(6, {3, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 24: reduced piece 3 to rank 3
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 0)
+        q.copy(7, {0, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 25: reduced piece 0 to rank 0
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 0)
+        q.copy(7, {0, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 26: reduced piece 1 to rank 0
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 0)
+        q.copy(7, {0, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 27: reduced piece 2 to rank 0
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 0)
+        q.copy(7, {0, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 28: reduced piece 3 to rank 0
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
+        q.sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 3 piece 0 to rank 3)
+        q.copy(1, {3, 3, 0, 16, 2, 12}, {2, 1, 1, 16, 0, 12});  // step 1: part 3 piece 0 to rank 3
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 3 piece 1 to rank 3)
+        q.copy(1, {3, 3, 0, 16, 2, 13}, {2, 1, 1, 16, 0, 13});  // step 2: part 3 piece 1 to rank 3
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 3 piece 2 to rank 3)
+        q.copy(1, {3, 3, 0, 16, 2, 14}, {2, 1, 1, 16, 0, 14});  // step 3: part 3 piece 2 to rank 3
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 3 piece 3 to rank 3)
+        q.copy(1, {3, 3, 0, 16, 2, 15}, {2, 1, 1, 16, 0, 15});  // step 4: part 3 piece 3 to rank 3
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
+        q.copy(2, {0, 3, 0, 16, 2, 0}, {2, 1, 1, 16, 0, 0});  // step 5: part 0 piece 0 to rank 0
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
+        q.copy(2, {0, 3, 0, 16, 2, 1}, {2, 1, 1, 16, 0, 1});  // step 6: part 0 piece 1 to rank 0
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
+        q.copy(2, {0, 3, 0, 16, 2, 2}, {2, 1, 1, 16, 0, 2});  // step 7: part 0 piece 2 to rank 0
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
+        q.copy(2, {0, 3, 0, 16, 2, 3}, {2, 1, 1, 16, 0, 3});  // step 8: part 0 piece 3 to rank 0
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 1 piece 0 to rank 1)
+        q.copy(3, {1, 3, 0, 16, 2, 4}, {2, 1, 1, 16, 0, 4});  // step 9: part 1 piece 0 to rank 1
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 1 piece 1 to rank 1)
+        q.copy(3, {1, 3, 0, 16, 2, 5}, {2, 1, 1, 16, 0, 5});  // step 10: part 1 piece 1 to rank 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 1 piece 2 to rank 1)
+        q.copy(3, {1, 3, 0, 16, 2, 6}, {2, 1, 1, 16, 0, 6});  // step 11: part 1 piece 2 to rank 1
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 1 piece 3 to rank 1)
+        q.copy(3, {1, 3, 0, 16, 2, 7}, {2, 1, 1, 16, 0, 7});  // step 12: part 1 piece 3 to rank 1
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
+        q.reduce(4, 13);  // step 13: reduce our part, piece 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
+        q.reduce(4, 14);  // step 14: reduce our part, piece 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
+        q.reduce(4, 15);  // step 15: reduce our part, piece 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
+        q.reduce(4, 16);  // step 16: reduce our part, piece 3
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 3)
+        q.copy(5, {3, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 17: reduced piece 0 to rank 3
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 3)
+        q.copy(5, {3, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 18: reduced piece 1 to rank 3
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 3)
+        q.copy(5, {3, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 19: reduced piece 2 to rank 3
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 3)
+        q.copy(5, {3, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 20: reduced piece 3 to rank 3
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 0)
+        q.copy(6, {0, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 21: reduced piece 0 to rank 0
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 0)
+        q.copy(6, {0, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 22: reduced piece 1 to rank 0
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 0)
+        q.copy(6, {0, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 23: reduced piece 2 to rank 0
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 0)
+        q.copy(6, {0, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 24: reduced piece 3 to rank 0
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 1)
+        q.copy(7, {1, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 25: reduced piece 0 to rank 1
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 1)
+        q.copy(7, {1, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 26: reduced piece 1 to rank 1
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 1)
+        q.copy(7, {1, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 27: reduced piece 2 to rank 1
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 1)
+        q.copy(7, {1, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 28: reduced piece 3 to rank 1
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
+        q.sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
+        q.copy(1, {0, 3, 0, 16, 3, 0}, {3, 1, 1, 16, 0, 0});  // step 1: part 0 piece 0 to rank 0
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
+        q.copy(1, {0, 3, 0, 16, 3, 1}, {3, 1, 1, 16, 0, 1});  // step 2: part 0 piece 1 to rank 0
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
+        q.copy(1, {0, 3, 0, 16, 3, 2}, {3, 1, 1, 16, 0, 2});  // step 3: part 0 piece 2 to rank 0
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
+        q.copy(1, {0, 3, 0, 16, 3, 3}, {3, 1, 1, 16, 0, 3});  // step 4: part 0 piece 3 to rank 0
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
+        q.copy(2, {1, 3, 0, 16, 3, 4}, {3, 1, 1, 16, 0, 4});  // step 5: part 1 piece 0 to rank 1
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
+        q.copy(2, {1, 3, 0, 16, 3, 5}, {3, 1, 1, 16, 0, 5});  // step 6: part 1 piece 1 to rank 1
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
+        q.copy(2, {1, 3, 0, 16, 3, 6}, {3, 1, 1, 16, 0, 6});  // step 7: part 1 piece 2 to rank 1
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
+        q.copy(2, {1, 3, 0, 16, 3, 7}, {3, 1, 1, 16, 0, 7});  // step 8: part 1 piece 3 to rank 1
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 2 piece 0 to rank 2)
+        q.copy(3, {2, 3, 0, 16, 3, 8}, {3, 1, 1, 16, 0, 8});  // step 9: part 2 piece 0 to rank 2
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 2 piece 1 to rank 2)
+        q.copy(3, {2, 3, 0, 16, 3, 9}, {3, 1, 1, 16, 0, 9});  // step 10: part 2 piece 1 to rank 2
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 2 piece 2 to rank 2)
+        q.copy(3, {2, 3, 0, 16, 3, 10}, {3, 1, 1, 16, 0, 10});  // step 11: part 2 piece 2 to rank 2
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 2 piece 3 to rank 2)
+        q.copy(3, {2, 3, 0, 16, 3, 11}, {3, 1, 1, 16, 0, 11});  // step 12: part 2 piece 3 to rank 2
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
+        q.reduce(4, 13);  // step 13: reduce our part, piece 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
+        q.reduce(4, 14);  // step 14: reduce our part, piece 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
+        q.reduce(4, 15);  // step 15: reduce our part, piece 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
+        q.reduce(4, 16);  // step 16: reduce our part, piece 3
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 0)
+        q.copy(5, {0, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 17: reduced piece 0 to rank 0
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 0)
+        q.copy(5, {0, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 18: reduced piece 1 to rank 0
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 0)
+        q.copy(5, {0, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 19: reduced piece 2 to rank 0
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 0)
+        q.copy(5, {0, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 20: reduced piece 3 to rank 0
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 1)
+        q.copy(6, {1, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 21: reduced piece 0 to rank 1
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 1)
+        q.copy(6, {1, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 22: reduced piece 1 to rank 1
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 1)
+        q.copy(6, {1, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 23: reduced piece 2 to rank 1
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 1)
+        q.copy(6, {1, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 24: reduced piece 3 to rank 1
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 2)
+        q.copy(7, {2, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 25: reduced piece 0 to rank 2
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 2)
+        q.copy(7, {2, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 26: reduced piece 1 to rank 2
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 2)
+        q.copy(7, {2, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 27: reduced piece 2 to rank 2
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 2)
+        q.copy(7, {2, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 28: reduced piece 3 to rank 2
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
+        q.sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_reduce_two_shot_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w4_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
-      copy(1, {1, 3, 0, 16, 0, 4}, {0, 1, 1, 16, 0, 4});  // step 1: part 1 piece 0 to rank 1
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
-      copy(1, {1, 3, 0, 16, 0, 5}, {0, 1, 1, 16, 0, 5});  // step 2: part 1 piece 1 to rank 1
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
-      copy(1, {1, 3, 0, 16, 0, 6}, {0, 1, 1, 16, 0, 6});  // step 3: part 1 piece 2 to rank 1
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
-      copy(1, {1, 3, 0, 16, 0, 7}, {0, 1, 1, 16, 0, 7});  // step 4: part 1 piece 3 to rank 1
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
-      copy(2, {2, 3, 0, 16, 0, 8}, {0, 1, 1, 16, 0, 8});  // step 5: part 2 piece 0 to rank 2
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
-      copy(2, {2, 3, 0, 16, 0, 9}, {0, 1, 1, 16, 0, 9});  // step 6: part 2 piece 1 to rank 2
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
-      copy(2, {2, 3, 0, 16, 0, 10}, {0, 1, 1, 16, 0, 10});  // step 7: part 2 piece 2 to rank 2
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
-      copy(2, {2, 3, 0, 16, 0, 11}, {0, 1, 1, 16, 0, 11});  // step 8: part 2 piece 3 to rank 2
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 3 piece 0 to rank 3)
-      copy(3, {3, 3, 0, 16, 0, 12}, {0, 1, 1, 16, 0, 12});  // step 9: part 3 piece 0 to rank 3
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 3 piece 1 to rank 3)
-      copy(3, {3, 3, 0, 16, 0, 13}, {0, 1, 1, 16, 0, 13});  // step 10: part 3 piece 1 to rank 3
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 3 piece 2 to rank 3)
-      copy(3, {3, 3, 0, 16, 0, 14}, {0, 1, 1, 16, 0, 14});  // step 11: part 3 piece 2 to rank 3
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 3 piece 3 to rank 3)
-      copy(3, {3, 3, 0, 16, 0, 15}, {0, 1, 1, 16, 0, 15});  // step 12: part 3 piece 3 to rank 3
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
-      reduce(4, 13);  // step 13: reduce our part, piece 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
-      reduce(4, 14);  // step 14: reduce our part, piece 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
-      reduce(4, 15);  // step 15: reduce our part, piece 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
-      reduce(4, 16);  // step 16: reduce our part, piece 3
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 1)
-      copy(5, {1, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 17: reduced piece 0 to rank 1
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 1)
-      copy(5, {1, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 18: reduced piece 1 to rank 1
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 1)
-      copy(5, {1, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 19: reduced piece 2 to rank 1
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 1)
-      copy(5, {1, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 20: reduced piece 3 to rank 1
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 2)
-      copy(6, {2, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 21: reduced piece 0 to rank 2
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 2)
-      copy(6, {2, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 22: reduced piece 1 to rank 2
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 2)
-      copy(6, {2, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 23: reduced piece 2 to rank 2
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 2)
-      copy(6, {2, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 24: reduced piece 3 to rank 2
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 3)
-      copy(7, {3, 2, 0, 16, 0, 0}, {0, 2, 0, 16, 0, 0});  // step 25: reduced piece 0 to rank 3
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 3)
-      copy(7, {3, 2, 0, 16, 0, 1}, {0, 2, 0, 16, 0, 1});  // step 26: reduced piece 1 to rank 3
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 3)
-      copy(7, {3, 2, 0, 16, 0, 2}, {0, 2, 0, 16, 0, 2});  // step 27: reduced piece 2 to rank 3
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 3)
-      copy(7, {3, 2, 0, 16, 0, 3}, {0, 2, 0, 16, 0, 3});  // step 28: reduced piece 3 to rank 3
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
-      sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
-      copy(1, {2, 3, 0, 16, 1, 8}, {1, 1, 1, 16, 0, 8});  // step 1: part 2 piece 0 to rank 2
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
-      copy(1, {2, 3, 0, 16, 1, 9}, {1, 1, 1, 16, 0, 9});  // step 2: part 2 piece 1 to rank 2
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
-      copy(1, {2, 3, 0, 16, 1, 10}, {1, 1, 1, 16, 0, 10});  // step 3: part 2 piece 2 to rank 2
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
-      copy(1, {2, 3, 0, 16, 1, 11}, {1, 1, 1, 16, 0, 11});  // step 4: part 2 piece 3 to rank 2
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 3 piece 0 to rank 3)
-      copy(2, {3, 3, 0, 16, 1, 12}, {1, 1, 1, 16, 0, 12});  // step 5: part 3 piece 0 to rank 3
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 3 piece 1 to rank 3)
-      copy(2, {3, 3, 0, 16, 1, 13}, {1, 1, 1, 16, 0, 13});  // step 6: part 3 piece 1 to rank 3
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 3 piece 2 to rank 3)
-      copy(2, {3, 3, 0, 16, 1, 14}, {1, 1, 1, 16, 0, 14});  // step 7: part 3 piece 2 to rank 3
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 3 piece 3 to rank 3)
-      copy(2, {3, 3, 0, 16, 1, 15}, {1, 1, 1, 16, 0, 15});  // step 8: part 3 piece 3 to rank 3
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 0 piece 0 to rank 0)
-      copy(3, {0, 3, 0, 16, 1, 0}, {1, 1, 1, 16, 0, 0});  // step 9: part 0 piece 0 to rank 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 0 piece 1 to rank 0)
-      copy(3, {0, 3, 0, 16, 1, 1}, {1, 1, 1, 16, 0, 1});  // step 10: part 0 piece 1 to rank 0
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 0 piece 2 to rank 0)
-      copy(3, {0, 3, 0, 16, 1, 2}, {1, 1, 1, 16, 0, 2});  // step 11: part 0 piece 2 to rank 0
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 0 piece 3 to rank 0)
-      copy(3, {0, 3, 0, 16, 1, 3}, {1, 1, 1, 16, 0, 3});  // step 12: part 0 piece 3 to rank 0
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
-      reduce(4, 13);  // step 13: reduce our part, piece 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
-      reduce(4, 14);  // step 14: reduce our part, piece 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
-      reduce(4, 15);  // step 15: reduce our part, piece 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
-      reduce(4, 16);  // step 16: reduce our part, piece 3
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 2)
-      copy(5, {2, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 17: reduced piece 0 to rank 2
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 2)
-      copy(5, {2, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 18: reduced piece 1 to rank 2
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 2)
-      copy(5, {2, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 19: reduced piece 2 to rank 2
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 2)
-      copy(5, {2, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 20: reduced piece 3 to rank 2
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 3)
-      copy(6, {3, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 21: reduced piece 0 to rank 3
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 3)
-      copy(6, {3, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 22: reduced piece 1 to rank 3
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 3)
-      copy(6, {3, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 23: reduced piece 2 to rank 3
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 3)
-      copy(6, {3, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 24: reduced piece 3 to rank 3
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 0)
-      copy(7, {0, 2, 0, 16, 0, 4}, {1, 2, 0, 16, 0, 4});  // step 25: reduced piece 0 to rank 0
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 0)
-      copy(7, {0, 2, 0, 16, 0, 5}, {1, 2, 0, 16, 0, 5});  // step 26: reduced piece 1 to rank 0
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 0)
-      copy(7, {0, 2, 0, 16, 0, 6}, {1, 2, 0, 16, 0, 6});  // step 27: reduced piece 2 to rank 0
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 0)
-      copy(7, {0, 2, 0, 16, 0, 7}, {1, 2, 0, 16, 0, 7});  // step 28: reduced piece 3 to rank 0
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
-      sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 3 piece 0 to rank 3)
-      copy(1, {3, 3, 0, 16, 2, 12}, {2, 1, 1, 16, 0, 12});  // step 1: part 3 piece 0 to rank 3
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 3 piece 1 to rank 3)
-      copy(1, {3, 3, 0, 16, 2, 13}, {2, 1, 1, 16, 0, 13});  // step 2: part 3 piece 1 to rank 3
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 3 piece 2 to rank 3)
-      copy(1, {3, 3, 0, 16, 2, 14}, {2, 1, 1, 16, 0, 14});  // step 3: part 3 piece 2 to rank 3
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 3 piece 3 to rank 3)
-      copy(1, {3, 3, 0, 16, 2, 15}, {2, 1, 1, 16, 0, 15});  // step 4: part 3 piece 3 to rank 3
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
-      copy(2, {0, 3, 0, 16, 2, 0}, {2, 1, 1, 16, 0, 0});  // step 5: part 0 piece 0 to rank 0
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
-      copy(2, {0, 3, 0, 16, 2, 1}, {2, 1, 1, 16, 0, 1});  // step 6: part 0 piece 1 to rank 0
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
-      copy(2, {0, 3, 0, 16, 2, 2}, {2, 1, 1, 16, 0, 2});  // step 7: part 0 piece 2 to rank 0
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
-      copy(2, {0, 3, 0, 16, 2, 3}, {2, 1, 1, 16, 0, 3});  // step 8: part 0 piece 3 to rank 0
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 1 piece 0 to rank 1)
-      copy(3, {1, 3, 0, 16, 2, 4}, {2, 1, 1, 16, 0, 4});  // step 9: part 1 piece 0 to rank 1
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 1 piece 1 to rank 1)
-      copy(3, {1, 3, 0, 16, 2, 5}, {2, 1, 1, 16, 0, 5});  // step 10: part 1 piece 1 to rank 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 1 piece 2 to rank 1)
-      copy(3, {1, 3, 0, 16, 2, 6}, {2, 1, 1, 16, 0, 6});  // step 11: part 1 piece 2 to rank 1
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 1 piece 3 to rank 1)
-      copy(3, {1, 3, 0, 16, 2, 7}, {2, 1, 1, 16, 0, 7});  // step 12: part 1 piece 3 to rank 1
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
-      reduce(4, 13);  // step 13: reduce our part, piece 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
-      reduce(4, 14);  // step 14: reduce our part, piece 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
-      reduce(4, 15);  // step 15: reduce our part, piece 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
-      reduce(4, 16);  // step 16: reduce our part, piece 3
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 3)
-      copy(5, {3, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 17: reduced piece 0 to rank 3
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 3)
-      copy(5, {3, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 18: reduced piece 1 to rank 3
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 3)
-      copy(5, {3, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 19: reduced piece 2 to rank 3
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 3)
-      copy(5, {3, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 20: reduced piece 3 to rank 3
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 0)
-      copy(6, {0, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 21: reduced piece 0 to rank 0
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 0)
-      copy(6, {0, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 22: reduced piece 1 to rank 0
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 0)
-      copy(6, {0, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 23: reduced piece 2 to rank 0
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 0)
-      copy(6, {0, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 24: reduced piece 3 to rank 0
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 1)
-      copy(7, {1, 2, 0, 16, 0, 8}, {2, 2, 0, 16, 0, 8});  // step 25: reduced piece 0 to rank 1
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 1)
-      copy(7, {1, 2, 0, 16, 0, 9}, {2, 2, 0, 16, 0, 9});  // step 26: reduced piece 1 to rank 1
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 1)
-      copy(7, {1, 2, 0, 16, 0, 10}, {2, 2, 0, 16, 0, 10});  // step 27: reduced piece 2 to rank 1
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 1)
-      copy(7, {1, 2, 0, 16, 0, 11}, {2, 2, 0, 16, 0, 11});  // step 28: reduced piece 3 to rank 1
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
-      sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
-      copy(1, {0, 3, 0, 16, 3, 0}, {3, 1, 1, 16, 0, 0});  // step 1: part 0 piece 0 to rank 0
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
-      copy(1, {0, 3, 0, 16, 3, 1}, {3, 1, 1, 16, 0, 1});  // step 2: part 0 piece 1 to rank 0
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
-      copy(1, {0, 3, 0, 16, 3, 2}, {3, 1, 1, 16, 0, 2});  // step 3: part 0 piece 2 to rank 0
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
-      copy(1, {0, 3, 0, 16, 3, 3}, {3, 1, 1, 16, 0, 3});  // step 4: part 0 piece 3 to rank 0
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
-      copy(2, {1, 3, 0, 16, 3, 4}, {3, 1, 1, 16, 0, 4});  // step 5: part 1 piece 0 to rank 1
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
-      copy(2, {1, 3, 0, 16, 3, 5}, {3, 1, 1, 16, 0, 5});  // step 6: part 1 piece 1 to rank 1
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
-      copy(2, {1, 3, 0, 16, 3, 6}, {3, 1, 1, 16, 0, 6});  // step 7: part 1 piece 2 to rank 1
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
-      copy(2, {1, 3, 0, 16, 3, 7}, {3, 1, 1, 16, 0, 7});  // step 8: part 1 piece 3 to rank 1
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 2 piece 0 to rank 2)
-      copy(3, {2, 3, 0, 16, 3, 8}, {3, 1, 1, 16, 0, 8});  // step 9: part 2 piece 0 to rank 2
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 2 piece 1 to rank 2)
-      copy(3, {2, 3, 0, 16, 3, 9}, {3, 1, 1, 16, 0, 9});  // step 10: part 2 piece 1 to rank 2
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 2 piece 2 to rank 2)
-      copy(3, {2, 3, 0, 16, 3, 10}, {3, 1, 1, 16, 0, 10});  // step 11: part 2 piece 2 to rank 2
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 2 piece 3 to rank 2)
-      copy(3, {2, 3, 0, 16, 3, 11}, {3, 1, 1, 16, 0, 11});  // step 12: part 2 piece 3 to rank 2
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce our part, piece 0)
-      reduce(4, 13);  // step 13: reduce our part, piece 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (reduce our part, piece 1)
-      reduce(4, 14);  // step 14: reduce our part, piece 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (reduce our part, piece 2)
-      reduce(4, 15);  // step 15: reduce our part, piece 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (reduce our part, piece 3)
-      reduce(4, 16);  // step 16: reduce our part, piece 3
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (reduced piece 0 to rank 0)
-      copy(5, {0, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 17: reduced piece 0 to rank 0
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (reduced piece 1 to rank 0)
-      copy(5, {0, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 18: reduced piece 1 to rank 0
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (reduced piece 2 to rank 0)
-      copy(5, {0, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 19: reduced piece 2 to rank 0
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (reduced piece 3 to rank 0)
-      copy(5, {0, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 20: reduced piece 3 to rank 0
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (reduced piece 0 to rank 1)
-      copy(6, {1, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 21: reduced piece 0 to rank 1
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (reduced piece 1 to rank 1)
-      copy(6, {1, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 22: reduced piece 1 to rank 1
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (reduced piece 2 to rank 1)
-      copy(6, {1, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 23: reduced piece 2 to rank 1
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (reduced piece 3 to rank 1)
-      copy(6, {1, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 24: reduced piece 3 to rank 1
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (reduced piece 0 to rank 2)
-      copy(7, {2, 2, 0, 16, 0, 12}, {3, 2, 0, 16, 0, 12});  // step 25: reduced piece 0 to rank 2
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (reduced piece 1 to rank 2)
-      copy(7, {2, 2, 0, 16, 0, 13}, {3, 2, 0, 16, 0, 13});  // step 26: reduced piece 1 to rank 2
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (reduced piece 2 to rank 2)
-      copy(7, {2, 2, 0, 16, 0, 14}, {3, 2, 0, 16, 0, 14});  // step 27: reduced piece 2 to rank 2
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (reduced piece 3 to rank 2)
-      copy(7, {2, 2, 0, 16, 0, 15}, {3, 2, 0, 16, 0, 15});  // step 28: reduced piece 3 to rank 2
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (wait for every peer's reduced parts)
-      sync(9, -1, 30);  // waits of step 30 (wait for every peer's reduced parts)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 10);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_reduce_two_shot_ce_w4_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_reduce_two_shot_ce::T, 4, 10, 64, 512, all_reduce_two_shot_ce_w4_sync, all_reduce_two_shot_ce_w4_reduce,
+                           all_reduce_two_shot_ce_w4_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered);
 }
 
 // ---------------------------------------------------------------------------
@@ -2412,1183 +1534,1154 @@ extern "C" __global__ void all_reduce_two_shot_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t all_reduce_two_shot_ce_w8_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(8, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t all_reduce_two_shot_ce_w8_prepare(int rank, int device) { return tsgen::ce::prepare<8>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t all_reduce_two_shot_ce_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  cudaStream_t s[20] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8], lanes->side[9], lanes->side[10], lanes->side[11], lanes->side[12], lanes->side[13], lanes->side[14], lanes->side[15], lanes->side[16], lanes->side[17], lanes->side[18], lanes->side[19] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 20));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w8_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
+        q.copy(1, {1, 3, 0, 32, 0, 4}, {0, 1, 1, 32, 0, 4});  // step 1: part 1 piece 0 to rank 1
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
+        q.copy(1, {1, 3, 0, 32, 0, 5}, {0, 1, 1, 32, 0, 5});  // step 2: part 1 piece 1 to rank 1
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
+        q.copy(1, {1, 3, 0, 32, 0, 6}, {0, 1, 1, 32, 0, 6});  // step 3: part 1 piece 2 to rank 1
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
+        q.copy(1, {1, 3, 0, 32, 0, 7}, {0, 1, 1, 32, 0, 7});  // step 4: part 1 piece 3 to rank 1
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
+        q.copy(2, {2, 3, 0, 32, 0, 8}, {0, 1, 1, 32, 0, 8});  // step 5: part 2 piece 0 to rank 2
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
+        q.copy(2, {2, 3, 0, 32, 0, 9}, {0, 1, 1, 32, 0, 9});  // step 6: part 2 piece 1 to rank 2
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
+        q.copy(2, {2, 3, 0, 32, 0, 10}, {0, 1, 1, 32, 0, 10});  // step 7: part 2 piece 2 to rank 2
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
+        q.copy(2, {2, 3, 0, 32, 0, 11}, {0, 1, 1, 32, 0, 11});  // step 8: part 2 piece 3 to rank 2
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 3 piece 0 to rank 3)
+        q.copy(3, {3, 3, 0, 32, 0, 12}, {0, 1, 1, 32, 0, 12});  // step 9: part 3 piece 0 to rank 3
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 3 piece 1 to rank 3)
+        q.copy(3, {3, 3, 0, 32, 0, 13}, {0, 1, 1, 32, 0, 13});  // step 10: part 3 piece 1 to rank 3
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 3 piece 2 to rank 3)
+        q.copy(3, {3, 3, 0, 32, 0, 14}, {0, 1, 1, 32, 0, 14});  // step 11: part 3 piece 2 to rank 3
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 3 piece 3 to rank 3)
+        q.copy(3, {3, 3, 0, 32, 0, 15}, {0, 1, 1, 32, 0, 15});  // step 12: part 3 piece 3 to rank 3
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 4 piece 0 to rank 4)
+        q.copy(4, {4, 3, 0, 32, 0, 16}, {0, 1, 1, 32, 0, 16});  // step 13: part 4 piece 0 to rank 4
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 4 piece 1 to rank 4)
+        q.copy(4, {4, 3, 0, 32, 0, 17}, {0, 1, 1, 32, 0, 17});  // step 14: part 4 piece 1 to rank 4
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 4 piece 2 to rank 4)
+        q.copy(4, {4, 3, 0, 32, 0, 18}, {0, 1, 1, 32, 0, 18});  // step 15: part 4 piece 2 to rank 4
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 4 piece 3 to rank 4)
+        q.copy(4, {4, 3, 0, 32, 0, 19}, {0, 1, 1, 32, 0, 19});  // step 16: part 4 piece 3 to rank 4
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 5 piece 0 to rank 5)
+        q.copy(5, {5, 3, 0, 32, 0, 20}, {0, 1, 1, 32, 0, 20});  // step 17: part 5 piece 0 to rank 5
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 5 piece 1 to rank 5)
+        q.copy(5, {5, 3, 0, 32, 0, 21}, {0, 1, 1, 32, 0, 21});  // step 18: part 5 piece 1 to rank 5
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 5 piece 2 to rank 5)
+        q.copy(5, {5, 3, 0, 32, 0, 22}, {0, 1, 1, 32, 0, 22});  // step 19: part 5 piece 2 to rank 5
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 5 piece 3 to rank 5)
+        q.copy(5, {5, 3, 0, 32, 0, 23}, {0, 1, 1, 32, 0, 23});  // step 20: part 5 piece 3 to rank 5
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 6 piece 0 to rank 6)
+        q.copy(6, {6, 3, 0, 32, 0, 24}, {0, 1, 1, 32, 0, 24});  // step 21: part 6 piece 0 to rank 6
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 6 piece 1 to rank 6)
+        q.copy(6, {6, 3, 0, 32, 0, 25}, {0, 1, 1, 32, 0, 25});  // step 22: part 6 piece 1 to rank 6
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 6 piece 2 to rank 6)
+        q.copy(6, {6, 3, 0, 32, 0, 26}, {0, 1, 1, 32, 0, 26});  // step 23: part 6 piece 2 to rank 6
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 6 piece 3 to rank 6)
+        q.copy(6, {6, 3, 0, 32, 0, 27}, {0, 1, 1, 32, 0, 27});  // step 24: part 6 piece 3 to rank 6
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 7 piece 0 to rank 7)
+        q.copy(7, {7, 3, 0, 32, 0, 28}, {0, 1, 1, 32, 0, 28});  // step 25: part 7 piece 0 to rank 7
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 7 piece 1 to rank 7)
+        q.copy(7, {7, 3, 0, 32, 0, 29}, {0, 1, 1, 32, 0, 29});  // step 26: part 7 piece 1 to rank 7
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 7 piece 2 to rank 7)
+        q.copy(7, {7, 3, 0, 32, 0, 30}, {0, 1, 1, 32, 0, 30});  // step 27: part 7 piece 2 to rank 7
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 7 piece 3 to rank 7)
+        q.copy(7, {7, 3, 0, 32, 0, 31}, {0, 1, 1, 32, 0, 31});  // step 28: part 7 piece 3 to rank 7
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 1)
+        q.copy(9, {1, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 33: reduced piece 0 to rank 1
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 1)
+        q.copy(9, {1, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 34: reduced piece 1 to rank 1
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 1)
+        q.copy(9, {1, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 35: reduced piece 2 to rank 1
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 1)
+        q.copy(9, {1, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 36: reduced piece 3 to rank 1
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 2)
+        q.copy(10, {2, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 37: reduced piece 0 to rank 2
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 2)
+        q.copy(10, {2, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 38: reduced piece 1 to rank 2
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 2)
+        q.copy(10, {2, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 39: reduced piece 2 to rank 2
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 2)
+        q.copy(10, {2, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 40: reduced piece 3 to rank 2
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 3)
+        q.copy(11, {3, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 41: reduced piece 0 to rank 3
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 3)
+        q.copy(11, {3, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 42: reduced piece 1 to rank 3
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 3)
+        q.copy(11, {3, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 43: reduced piece 2 to rank 3
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 3)
+        q.copy(11, {3, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 44: reduced piece 3 to rank 3
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 4)
+        q.copy(12, {4, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 45: reduced piece 0 to rank 4
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 4)
+        q.copy(12, {4, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 46: reduced piece 1 to rank 4
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 4)
+        q.copy(12, {4, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 47: reduced piece 2 to rank 4
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 4)
+        q.copy(12, {4, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 48: reduced piece 3 to rank 4
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 5)
+        q.copy(13, {5, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 49: reduced piece 0 to rank 5
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 5)
+        q.copy(13, {5, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 50: reduced piece 1 to rank 5
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 5)
+        q.copy(13, {5, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 51: reduced piece 2 to rank 5
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 5)
+        q.copy(13, {5, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 52: reduced piece 3 to rank 5
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 6)
+        q.copy(14, {6, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 53: reduced piece 0 to rank 6
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 6)
+        q.copy(14, {6, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 54: reduced piece 1 to rank 6
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 6)
+        q.copy(14, {6, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 55: reduced piece 2 to rank 6
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 6)
+        q.copy(14, {6, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 56: reduced piece 3 to rank 6
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 7)
+        q.copy(15, {7, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 57: reduced piece 0 to rank 7
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 7)
+        q.copy(15, {7, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 58: reduced piece 1 to rank 7
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 7)
+        q.copy(15, {7, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 59: reduced piece 2 to rank 7
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 7)
+        q.copy(15, {7, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 60: reduced piece 3 to rank 7
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
+        q.copy(1, {2, 3, 0, 32, 1, 8}, {1, 1, 1, 32, 0, 8});  // step 1: part 2 piece 0 to rank 2
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
+        q.copy(1, {2, 3, 0, 32, 1, 9}, {1, 1, 1, 32, 0, 9});  // step 2: part 2 piece 1 to rank 2
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
+        q.copy(1, {2, 3, 0, 32, 1, 10}, {1, 1, 1, 32, 0, 10});  // step 3: part 2 piece 2 to rank 2
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
+        q.copy(1, {2, 3, 0, 32, 1, 11}, {1, 1, 1, 32, 0, 11});  // step 4: part 2 piece 3 to rank 2
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 3 piece 0 to rank 3)
+        q.copy(2, {3, 3, 0, 32, 1, 12}, {1, 1, 1, 32, 0, 12});  // step 5: part 3 piece 0 to rank 3
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 3 piece 1 to rank 3)
+        q.copy(2, {3, 3, 0, 32, 1, 13}, {1, 1, 1, 32, 0, 13});  // step 6: part 3 piece 1 to rank 3
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 3 piece 2 to rank 3)
+        q.copy(2, {3, 3, 0, 32, 1, 14}, {1, 1, 1, 32, 0, 14});  // step 7: part 3 piece 2 to rank 3
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 3 piece 3 to rank 3)
+        q.copy(2, {3, 3, 0, 32, 1, 15}, {1, 1, 1, 32, 0, 15});  // step 8: part 3 piece 3 to rank 3
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 4 piece 0 to rank 4)
+        q.copy(3, {4, 3, 0, 32, 1, 16}, {1, 1, 1, 32, 0, 16});  // step 9: part 4 piece 0 to rank 4
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 4 piece 1 to rank 4)
+        q.copy(3, {4, 3, 0, 32, 1, 17}, {1, 1, 1, 32, 0, 17});  // step 10: part 4 piece 1 to rank 4
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 4 piece 2 to rank 4)
+        q.copy(3, {4, 3, 0, 32, 1, 18}, {1, 1, 1, 32, 0, 18});  // step 11: part 4 piece 2 to rank 4
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 4 piece 3 to rank 4)
+        q.copy(3, {4, 3, 0, 32, 1, 19}, {1, 1, 1, 32, 0, 19});  // step 12: part 4 piece 3 to rank 4
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 5 piece 0 to rank 5)
+        q.copy(4, {5, 3, 0, 32, 1, 20}, {1, 1, 1, 32, 0, 20});  // step 13: part 5 piece 0 to rank 5
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 5 piece 1 to rank 5)
+        q.copy(4, {5, 3, 0, 32, 1, 21}, {1, 1, 1, 32, 0, 21});  // step 14: part 5 piece 1 to rank 5
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 5 piece 2 to rank 5)
+        q.copy(4, {5, 3, 0, 32, 1, 22}, {1, 1, 1, 32, 0, 22});  // step 15: part 5 piece 2 to rank 5
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 5 piece 3 to rank 5)
+        q.copy(4, {5, 3, 0, 32, 1, 23}, {1, 1, 1, 32, 0, 23});  // step 16: part 5 piece 3 to rank 5
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 6 piece 0 to rank 6)
+        q.copy(5, {6, 3, 0, 32, 1, 24}, {1, 1, 1, 32, 0, 24});  // step 17: part 6 piece 0 to rank 6
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 6 piece 1 to rank 6)
+        q.copy(5, {6, 3, 0, 32, 1, 25}, {1, 1, 1, 32, 0, 25});  // step 18: part 6 piece 1 to rank 6
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 6 piece 2 to rank 6)
+        q.copy(5, {6, 3, 0, 32, 1, 26}, {1, 1, 1, 32, 0, 26});  // step 19: part 6 piece 2 to rank 6
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 6 piece 3 to rank 6)
+        q.copy(5, {6, 3, 0, 32, 1, 27}, {1, 1, 1, 32, 0, 27});  // step 20: part 6 piece 3 to rank 6
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 7 piece 0 to rank 7)
+        q.copy(6, {7, 3, 0, 32, 1, 28}, {1, 1, 1, 32, 0, 28});  // step 21: part 7 piece 0 to rank 7
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 7 piece 1 to rank 7)
+        q.copy(6, {7, 3, 0, 32, 1, 29}, {1, 1, 1, 32, 0, 29});  // step 22: part 7 piece 1 to rank 7
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 7 piece 2 to rank 7)
+        q.copy(6, {7, 3, 0, 32, 1, 30}, {1, 1, 1, 32, 0, 30});  // step 23: part 7 piece 2 to rank 7
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 7 piece 3 to rank 7)
+        q.copy(6, {7, 3, 0, 32, 1, 31}, {1, 1, 1, 32, 0, 31});  // step 24: part 7 piece 3 to rank 7
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 0 piece 0 to rank 0)
+        q.copy(7, {0, 3, 0, 32, 1, 0}, {1, 1, 1, 32, 0, 0});  // step 25: part 0 piece 0 to rank 0
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 0 piece 1 to rank 0)
+        q.copy(7, {0, 3, 0, 32, 1, 1}, {1, 1, 1, 32, 0, 1});  // step 26: part 0 piece 1 to rank 0
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 0 piece 2 to rank 0)
+        q.copy(7, {0, 3, 0, 32, 1, 2}, {1, 1, 1, 32, 0, 2});  // step 27: part 0 piece 2 to rank 0
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 0 piece 3 to rank 0)
+        q.copy(7, {0, 3, 0, 32, 1, 3}, {1, 1, 1, 32, 0, 3});  // step 28: part 0 piece 3 to rank 0
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 2)
+        q.copy(9, {2, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 33: reduced piece 0 to rank 2
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 2)
+        q.copy(9, {2, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 34: reduced piece 1 to rank 2
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 2)
+        q.copy(9, {2, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 35: reduced piece 2 to rank 2
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 2)
+        q.copy(9, {2, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 36: reduced piece 3 to rank 2
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 3)
+        q.copy(10, {3, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 37: reduced piece 0 to rank 3
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 3)
+        q.copy(10, {3, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 38: reduced piece 1 to rank 3
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 3)
+        q.copy(10, {3, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 39: reduced piece 2 to rank 3
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 3)
+        q.copy(10, {3, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 40: reduced piece 3 to rank 3
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 4)
+        q.copy(11, {4, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 41: reduced piece 0 to rank 4
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 4)
+        q.copy(11, {4, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 42: reduced piece 1 to rank 4
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 4)
+        q.copy(11, {4, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 43: reduced piece 2 to rank 4
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 4)
+        q.copy(11, {4, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 44: reduced piece 3 to rank 4
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 5)
+        q.copy(12, {5, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 45: reduced piece 0 to rank 5
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 5)
+        q.copy(12, {5, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 46: reduced piece 1 to rank 5
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 5)
+        q.copy(12, {5, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 47: reduced piece 2 to rank 5
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 5)
+        q.copy(12, {5, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 48: reduced piece 3 to rank 5
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 6)
+        q.copy(13, {6, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 49: reduced piece 0 to rank 6
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 6)
+        q.copy(13, {6, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 50: reduced piece 1 to rank 6
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 6)
+        q.copy(13, {6, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 51: reduced piece 2 to rank 6
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 6)
+        q.copy(13, {6, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 52: reduced piece 3 to rank 6
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 7)
+        q.copy(14, {7, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 53: reduced piece 0 to rank 7
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 7)
+        q.copy(14, {7, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 54: reduced piece 1 to rank 7
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 7)
+        q.copy(14, {7, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 55: reduced piece 2 to rank 7
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 7)
+        q.copy(14, {7, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 56: reduced piece 3 to rank 7
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 0)
+        q.copy(15, {0, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 57: reduced piece 0 to rank 0
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 0)
+        q.copy(15, {0, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 58: reduced piece 1 to rank 0
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 0)
+        q.copy(15, {0, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 59: reduced piece 2 to rank 0
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 0)
+        q.copy(15, {0, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 60: reduced piece 3 to rank 0
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 3 piece 0 to rank 3)
+        q.copy(1, {3, 3, 0, 32, 2, 12}, {2, 1, 1, 32, 0, 12});  // step 1: part 3 piece 0 to rank 3
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 3 piece 1 to rank 3)
+        q.copy(1, {3, 3, 0, 32, 2, 13}, {2, 1, 1, 32, 0, 13});  // step 2: part 3 piece 1 to rank 3
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 3 piece 2 to rank 3)
+        q.copy(1, {3, 3, 0, 32, 2, 14}, {2, 1, 1, 32, 0, 14});  // step 3: part 3 piece 2 to rank 3
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 3 piece 3 to rank 3)
+        q.copy(1, {3, 3, 0, 32, 2, 15}, {2, 1, 1, 32, 0, 15});  // step 4: part 3 piece 3 to rank 3
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 4 piece 0 to rank 4)
+        q.copy(2, {4, 3, 0, 32, 2, 16}, {2, 1, 1, 32, 0, 16});  // step 5: part 4 piece 0 to rank 4
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 4 piece 1 to rank 4)
+        q.copy(2, {4, 3, 0, 32, 2, 17}, {2, 1, 1, 32, 0, 17});  // step 6: part 4 piece 1 to rank 4
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 4 piece 2 to rank 4)
+        q.copy(2, {4, 3, 0, 32, 2, 18}, {2, 1, 1, 32, 0, 18});  // step 7: part 4 piece 2 to rank 4
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 4 piece 3 to rank 4)
+        q.copy(2, {4, 3, 0, 32, 2, 19}, {2, 1, 1, 32, 0, 19});  // step 8: part 4 piece 3 to rank 4
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 5 piece 0 to rank 5)
+        q.copy(3, {5, 3, 0, 32, 2, 20}, {2, 1, 1, 32, 0, 20});  // step 9: part 5 piece 0 to rank 5
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 5 piece 1 to rank 5)
+        q.copy(3, {5, 3, 0, 32, 2, 21}, {2, 1, 1, 32, 0, 21});  // step 10: part 5 piece 1 to rank 5
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 5 piece 2 to rank 5)
+        q.copy(3, {5, 3, 0, 32, 2, 22}, {2, 1, 1, 32, 0, 22});  // step 11: part 5 piece 2 to rank 5
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 5 piece 3 to rank 5)
+        q.copy(3, {5, 3, 0, 32, 2, 23}, {2, 1, 1, 32, 0, 23});  // step 12: part 5 piece 3 to rank 5
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 6 piece 0 to rank 6)
+        q.copy(4, {6, 3, 0, 32, 2, 24}, {2, 1, 1, 32, 0, 24});  // step 13: part 6 piece 0 to rank 6
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 6 piece 1 to rank 6)
+        q.copy(4, {6, 3, 0, 32, 2, 25}, {2, 1, 1, 32, 0, 25});  // step 14: part 6 piece 1 to rank 6
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 6 piece 2 to rank 6)
+        q.copy(4, {6, 3, 0, 32, 2, 26}, {2, 1, 1, 32, 0, 26});  // step 15: part 6 piece 2 to rank 6
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 6 piece 3 to rank 6)
+        q.copy(4, {6, 3, 0, 32, 2, 27}, {2, 1, 1, 32, 0, 27});  // step 16: part 6 piece 3 to rank 6
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 7 piece 0 to rank 7)
+        q.copy(5, {7, 3, 0, 32, 2, 28}, {2, 1, 1, 32, 0, 28});  // step 17: part 7 piece 0 to rank 7
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 7 piece 1 to rank 7)
+        q.copy(5, {7, 3, 0, 32, 2, 29}, {2, 1, 1, 32, 0, 29});  // step 18: part 7 piece 1 to rank 7
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 7 piece 2 to rank 7)
+        q.copy(5, {7, 3, 0, 32, 2, 30}, {2, 1, 1, 32, 0, 30});  // step 19: part 7 piece 2 to rank 7
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 7 piece 3 to rank 7)
+        q.copy(5, {7, 3, 0, 32, 2, 31}, {2, 1, 1, 32, 0, 31});  // step 20: part 7 piece 3 to rank 7
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 0 piece 0 to rank 0)
+        q.copy(6, {0, 3, 0, 32, 2, 0}, {2, 1, 1, 32, 0, 0});  // step 21: part 0 piece 0 to rank 0
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 0 piece 1 to rank 0)
+        q.copy(6, {0, 3, 0, 32, 2, 1}, {2, 1, 1, 32, 0, 1});  // step 22: part 0 piece 1 to rank 0
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 0 piece 2 to rank 0)
+        q.copy(6, {0, 3, 0, 32, 2, 2}, {2, 1, 1, 32, 0, 2});  // step 23: part 0 piece 2 to rank 0
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 0 piece 3 to rank 0)
+        q.copy(6, {0, 3, 0, 32, 2, 3}, {2, 1, 1, 32, 0, 3});  // step 24: part 0 piece 3 to rank 0
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 1 piece 0 to rank 1)
+        q.copy(7, {1, 3, 0, 32, 2, 4}, {2, 1, 1, 32, 0, 4});  // step 25: part 1 piece 0 to rank 1
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 1 piece 1 to rank 1)
+        q.copy(7, {1, 3, 0, 32, 2, 5}, {2, 1, 1, 32, 0, 5});  // step 26: part 1 piece 1 to rank 1
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 1 piece 2 to rank 1)
+        q.copy(7, {1, 3, 0, 32, 2, 6}, {2, 1, 1, 32, 0, 6});  // step 27: part 1 piece 2 to rank 1
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 1 piece 3 to rank 1)
+        q.copy(7, {1, 3, 0, 32, 2, 7}, {2, 1, 1, 32, 0, 7});  // step 28: part 1 piece 3 to rank 1
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 3)
+        q.copy(9, {3, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 33: reduced piece 0 to rank 3
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 3)
+        q.copy(9, {3, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 34: reduced piece 1 to rank 3
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 3)
+        q.copy(9, {3, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 35: reduced piece 2 to rank 3
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 3)
+        q.copy(9, {3, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 36: reduced piece 3 to rank 3
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 4)
+        q.copy(10, {4, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 37: reduced piece 0 to rank 4
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 4)
+        q.copy(10, {4, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 38: reduced piece 1 to rank 4
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 4)
+        q.copy(10, {4, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 39: reduced piece 2 to rank 4
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 4)
+        q.copy(10, {4, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 40: reduced piece 3 to rank 4
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 5)
+        q.copy(11, {5, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 41: reduced piece 0 to rank 5
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 5)
+        q.copy(11, {5, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 42: reduced piece 1 to rank 5
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 5)
+        q.copy(11, {5, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 43: reduced piece 2 to rank 5
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 5)
+        q.copy(11, {5, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 44: reduced piece 3 to rank 5
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 6)
+        q.copy(12, {6, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 45: reduced piece 0 to rank 6
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 6)
+        q.copy(12, {6, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 46: reduced piece 1 to rank 6
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 6)
+        q.copy(12, {6, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 47: reduced piece 2 to rank 6
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 6)
+        q.copy(12, {6, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 48: reduced piece 3 to rank 6
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 7)
+        q.copy(13, {7, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 49: reduced piece 0 to rank 7
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 7)
+        q.copy(13, {7, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 50: reduced piece 1 to rank 7
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 7)
+        q.copy(13, {7, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 51: reduced piece 2 to rank 7
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 7)
+        q.copy(13, {7, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 52: reduced piece 3 to rank 7
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 0)
+        q.copy(14, {0, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 53: reduced piece 0 to rank 0
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 0)
+        q.copy(14, {0, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 54: reduced piece 1 to rank 0
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 0)
+        q.copy(14, {0, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 55: reduced piece 2 to rank 0
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 0)
+        q.copy(14, {0, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 56: reduced piece 3 to rank 0
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 1)
+        q.copy(15, {1, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 57: reduced piece 0 to rank 1
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 1)
+        q.copy(15, {1, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 58: reduced piece 1 to rank 1
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 1)
+        q.copy(15, {1, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 59: reduced piece 2 to rank 1
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 1)
+        q.copy(15, {1, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 60: reduced piece 3 to rank 1
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 4 piece 0 to rank 4)
+        q.copy(1, {4, 3, 0, 32, 3, 16}, {3, 1, 1, 32, 0, 16});  // step 1: part 4 piece 0 to rank 4
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 4 piece 1 to rank 4)
+        q.copy(1, {4, 3, 0, 32, 3, 17}, {3, 1, 1, 32, 0, 17});  // step 2: part 4 piece 1 to rank 4
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 4 piece 2 to rank 4)
+        q.copy(1, {4, 3, 0, 32, 3, 18}, {3, 1, 1, 32, 0, 18});  // step 3: part 4 piece 2 to rank 4
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 4 piece 3 to rank 4)
+        q.copy(1, {4, 3, 0, 32, 3, 19}, {3, 1, 1, 32, 0, 19});  // step 4: part 4 piece 3 to rank 4
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 5 piece 0 to rank 5)
+        q.copy(2, {5, 3, 0, 32, 3, 20}, {3, 1, 1, 32, 0, 20});  // step 5: part 5 piece 0 to rank 5
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 5 piece 1 to rank 5)
+        q.copy(2, {5, 3, 0, 32, 3, 21}, {3, 1, 1, 32, 0, 21});  // step 6: part 5 piece 1 to rank 5
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 5 piece 2 to rank 5)
+        q.copy(2, {5, 3, 0, 32, 3, 22}, {3, 1, 1, 32, 0, 22});  // step 7: part 5 piece 2 to rank 5
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 5 piece 3 to rank 5)
+        q.copy(2, {5, 3, 0, 32, 3, 23}, {3, 1, 1, 32, 0, 23});  // step 8: part 5 piece 3 to rank 5
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 6 piece 0 to rank 6)
+        q.copy(3, {6, 3, 0, 32, 3, 24}, {3, 1, 1, 32, 0, 24});  // step 9: part 6 piece 0 to rank 6
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 6 piece 1 to rank 6)
+        q.copy(3, {6, 3, 0, 32, 3, 25}, {3, 1, 1, 32, 0, 25});  // step 10: part 6 piece 1 to rank 6
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 6 piece 2 to rank 6)
+        q.copy(3, {6, 3, 0, 32, 3, 26}, {3, 1, 1, 32, 0, 26});  // step 11: part 6 piece 2 to rank 6
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 6 piece 3 to rank 6)
+        q.copy(3, {6, 3, 0, 32, 3, 27}, {3, 1, 1, 32, 0, 27});  // step 12: part 6 piece 3 to rank 6
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 7 piece 0 to rank 7)
+        q.copy(4, {7, 3, 0, 32, 3, 28}, {3, 1, 1, 32, 0, 28});  // step 13: part 7 piece 0 to rank 7
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 7 piece 1 to rank 7)
+        q.copy(4, {7, 3, 0, 32, 3, 29}, {3, 1, 1, 32, 0, 29});  // step 14: part 7 piece 1 to rank 7
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 7 piece 2 to rank 7)
+        q.copy(4, {7, 3, 0, 32, 3, 30}, {3, 1, 1, 32, 0, 30});  // step 15: part 7 piece 2 to rank 7
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 7 piece 3 to rank 7)
+        q.copy(4, {7, 3, 0, 32, 3, 31}, {3, 1, 1, 32, 0, 31});  // step 16: part 7 piece 3 to rank 7
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 0 piece 0 to rank 0)
+        q.copy(5, {0, 3, 0, 32, 3, 0}, {3, 1, 1, 32, 0, 0});  // step 17: part 0 piece 0 to rank 0
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 0 piece 1 to rank 0)
+        q.copy(5, {0, 3, 0, 32, 3, 1}, {3, 1, 1, 32, 0, 1});  // step 18: part 0 piece 1 to rank 0
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 0 piece 2 to rank 0)
+        q.copy(5, {0, 3, 0, 32, 3, 2}, {3, 1, 1, 32, 0, 2});  // step 19: part 0 piece 2 to rank 0
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 0 piece 3 to rank 0)
+        q.copy(5, {0, 3, 0, 32, 3, 3}, {3, 1, 1, 32, 0, 3});  // step 20: part 0 piece 3 to rank 0
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 1 piece 0 to rank 1)
+        q.copy(6, {1, 3, 0, 32, 3, 4}, {3, 1, 1, 32, 0, 4});  // step 21: part 1 piece 0 to rank 1
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 1 piece 1 to rank 1)
+        q.copy(6, {1, 3, 0, 32, 3, 5}, {3, 1, 1, 32, 0, 5});  // step 22: part 1 piece 1 to rank 1
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 1 piece 2 to rank 1)
+        q.copy(6, {1, 3, 0, 32, 3, 6}, {3, 1, 1, 32, 0, 6});  // step 23: part 1 piece 2 to rank 1
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 1 piece 3 to rank 1)
+        q.copy(6, {1, 3, 0, 32, 3, 7}, {3, 1, 1, 32, 0, 7});  // step 24: part 1 piece 3 to rank 1
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 2 piece 0 to rank 2)
+        q.copy(7, {2, 3, 0, 32, 3, 8}, {3, 1, 1, 32, 0, 8});  // step 25: part 2 piece 0 to rank 2
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 2 piece 1 to rank 2)
+        q.copy(7, {2, 3, 0, 32, 3, 9}, {3, 1, 1, 32, 0, 9});  // step 26: part 2 piece 1 to rank 2
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 2 piece 2 to rank 2)
+        q.copy(7, {2, 3, 0, 32, 3, 10}, {3, 1, 1, 32, 0, 10});  // step 27: part 2 piece 2 to rank 2
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 2 piece 3 to rank 2)
+        q.copy(7, {2, 3, 0, 32, 3, 11}, {3, 1, 1, 32, 0, 11});  // step 28: part 2 piece 3 to rank 2
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 4)
+        q.copy(9, {4, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 33: reduced piece 0 to rank 4
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 4)
+        q.copy(9, {4, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 34: reduced piece 1 to rank 4
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 4)
+        q.copy(9, {4, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 35: reduced piece 2 to rank 4
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 4)
+        q.copy(9, {4, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 36: reduced piece 3 to rank 4
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 5)
+        q.copy(10, {5, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 37: reduced piece 0 to rank 5
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 5)
+        q.copy(10, {5, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 38: reduced piece 1 to rank 5
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 5)
+        q.copy(10, {5, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 39: reduced piece 2 to rank 5
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 5)
+        q.copy(10, {5, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 40: reduced piece 3 to rank 5
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 6)
+        q.copy(11, {6, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 41: reduced piece 0 to rank 6
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 6)
+        q.copy(11, {6, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 42: reduced piece 1 to rank 6
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 6)
+        q.copy(11, {6, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 43: reduced piece 2 to rank 6
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 6)
+        q.copy(11, {6, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 44: reduced piece 3 to rank 6
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 7)
+        q.copy(12, {7, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 45: reduced piece 0 to rank 7
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 7)
+        q.copy(12, {7, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 46: reduced piece 1 to rank 7
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 7)
+        q.copy(12, {7, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 47: reduced piece 2 to rank 7
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 7)
+        q.copy(12, {7, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 48: reduced piece 3 to rank 7
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 0)
+        q.copy(13, {0, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 49: reduced piece 0 to rank 0
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 0)
+        q.copy(13, {0, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 50: reduced piece 1 to rank 0
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 0)
+        q.copy(13, {0, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 51: reduced piece 2 to rank 0
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 0)
+        q.copy(13, {0, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 52: reduced piece 3 to rank 0
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 1)
+        q.copy(14, {1, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 53: reduced piece 0 to rank 1
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 1)
+        q.copy(14, {1, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 54: reduced piece 1 to rank 1
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 1)
+        q.copy(14, {1, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 55: reduced piece 2 to rank 1
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 1)
+        q.copy(14, {1, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 56: reduced piece 3 to rank 1
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 2)
+        q.copy(15, {2, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 57: reduced piece 0 to rank 2
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 2)
+        q.copy(15, {2, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 58: reduced piece 1 to rank 2
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 2)
+        q.copy(15, {2, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 59: reduced piece 2 to rank 2
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 2)
+        q.copy(15, {2, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 60: reduced piece 3 to rank 2
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 4:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 5 piece 0 to rank 5)
+        q.copy(1, {5, 3, 0, 32, 4, 20}, {4, 1, 1, 32, 0, 20});  // step 1: part 5 piece 0 to rank 5
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 5 piece 1 to rank 5)
+        q.copy(1, {5, 3, 0, 32, 4, 21}, {4, 1, 1, 32, 0, 21});  // step 2: part 5 piece 1 to rank 5
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 5 piece 2 to rank 5)
+        q.copy(1, {5, 3, 0, 32, 4, 22}, {4, 1, 1, 32, 0, 22});  // step 3: part 5 piece 2 to rank 5
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 5 piece 3 to rank 5)
+        q.copy(1, {5, 3, 0, 32, 4, 23}, {4, 1, 1, 32, 0, 23});  // step 4: part 5 piece 3 to rank 5
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 6 piece 0 to rank 6)
+        q.copy(2, {6, 3, 0, 32, 4, 24}, {4, 1, 1, 32, 0, 24});  // step 5: part 6 piece 0 to rank 6
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 6 piece 1 to rank 6)
+        q.copy(2, {6, 3, 0, 32, 4, 25}, {4, 1, 1, 32, 0, 25});  // step 6: part 6 piece 1 to rank 6
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 6 piece 2 to rank 6)
+        q.copy(2, {6, 3, 0, 32, 4, 26}, {4, 1, 1, 32, 0, 26});  // step 7: part 6 piece 2 to rank 6
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 6 piece 3 to rank 6)
+        q.copy(2, {6, 3, 0, 32, 4, 27}, {4, 1, 1, 32, 0, 27});  // step 8: part 6 piece 3 to rank 6
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 7 piece 0 to rank 7)
+        q.copy(3, {7, 3, 0, 32, 4, 28}, {4, 1, 1, 32, 0, 28});  // step 9: part 7 piece 0 to rank 7
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 7 piece 1 to rank 7)
+        q.copy(3, {7, 3, 0, 32, 4, 29}, {4, 1, 1, 32, 0, 29});  // step 10: part 7 piece 1 to rank 7
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 7 piece 2 to rank 7)
+        q.copy(3, {7, 3, 0, 32, 4, 30}, {4, 1, 1, 32, 0, 30});  // step 11: part 7 piece 2 to rank 7
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 7 piece 3 to rank 7)
+        q.copy(3, {7, 3, 0, 32, 4, 31}, {4, 1, 1, 32, 0, 31});  // step 12: part 7 piece 3 to rank 7
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 0 piece 0 to rank 0)
+        q.copy(4, {0, 3, 0, 32, 4, 0}, {4, 1, 1, 32, 0, 0});  // step 13: part 0 piece 0 to rank 0
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 0 piece 1 to rank 0)
+        q.copy(4, {0, 3, 0, 32, 4, 1}, {4, 1, 1, 32, 0, 1});  // step 14: part 0 piece 1 to rank 0
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 0 piece 2 to rank 0)
+        q.copy(4, {0, 3, 0, 32, 4, 2}, {4, 1, 1, 32, 0, 2});  // step 15: part 0 piece 2 to rank 0
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 0 piece 3 to rank 0)
+        q.copy(4, {0, 3, 0, 32, 4, 3}, {4, 1, 1, 32, 0, 3});  // step 16: part 0 piece 3 to rank 0
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 1 piece 0 to rank 1)
+        q.copy(5, {1, 3, 0, 32, 4, 4}, {4, 1, 1, 32, 0, 4});  // step 17: part 1 piece 0 to rank 1
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 1 piece 1 to rank 1)
+        q.copy(5, {1, 3, 0, 32, 4, 5}, {4, 1, 1, 32, 0, 5});  // step 18: part 1 piece 1 to rank 1
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 1 piece 2 to rank 1)
+        q.copy(5, {1, 3, 0, 32, 4, 6}, {4, 1, 1, 32, 0, 6});  // step 19: part 1 piece 2 to rank 1
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 1 piece 3 to rank 1)
+        q.copy(5, {1, 3, 0, 32, 4, 7}, {4, 1, 1, 32, 0, 7});  // step 20: part 1 piece 3 to rank 1
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 2 piece 0 to rank 2)
+        q.copy(6, {2, 3, 0, 32, 4, 8}, {4, 1, 1, 32, 0, 8});  // step 21: part 2 piece 0 to rank 2
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 2 piece 1 to rank 2)
+        q.copy(6, {2, 3, 0, 32, 4, 9}, {4, 1, 1, 32, 0, 9});  // step 22: part 2 piece 1 to rank 2
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 2 piece 2 to rank 2)
+        q.copy(6, {2, 3, 0, 32, 4, 10}, {4, 1, 1, 32, 0, 10});  // step 23: part 2 piece 2 to rank 2
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 2 piece 3 to rank 2)
+        q.copy(6, {2, 3, 0, 32, 4, 11}, {4, 1, 1, 32, 0, 11});  // step 24: part 2 piece 3 to rank 2
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 3 piece 0 to rank 3)
+        q.copy(7, {3, 3, 0, 32, 4, 12}, {4, 1, 1, 32, 0, 12});  // step 25: part 3 piece 0 to rank 3
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 3 piece 1 to rank 3)
+        q.copy(7, {3, 3, 0, 32, 4, 13}, {4, 1, 1, 32, 0, 13});  // step 26: part 3 piece 1 to rank 3
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 3 piece 2 to rank 3)
+        q.copy(7, {3, 3, 0, 32, 4, 14}, {4, 1, 1, 32, 0, 14});  // step 27: part 3 piece 2 to rank 3
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 3 piece 3 to rank 3)
+        q.copy(7, {3, 3, 0, 32, 4, 15}, {4, 1, 1, 32, 0, 15});  // step 28: part 3 piece 3 to rank 3
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 5)
+        q.copy(9, {5, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 33: reduced piece 0 to rank 5
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 5)
+        q.copy(9, {5, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 34: reduced piece 1 to rank 5
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 5)
+        q.copy(9, {5, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 35: reduced piece 2 to rank 5
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 5)
+        q.copy(9, {5, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 36: reduced piece 3 to rank 5
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 6)
+        q.copy(10, {6, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 37: reduced piece 0 to rank 6
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 6)
+        q.copy(10, {6, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 38: reduced piece 1 to rank 6
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 6)
+        q.copy(10, {6, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 39: reduced piece 2 to rank 6
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 6)
+        q.copy(10, {6, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 40: reduced piece 3 to rank 6
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 7)
+        q.copy(11, {7, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 41: reduced piece 0 to rank 7
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 7)
+        q.copy(11, {7, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 42: reduced piece 1 to rank 7
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 7)
+        q.copy(11, {7, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 43: reduced piece 2 to rank 7
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 7)
+        q.copy(11, {7, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 44: reduced piece 3 to rank 7
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 0)
+        q.copy(12, {0, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 45: reduced piece 0 to rank 0
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 0)
+        q.copy(12, {0, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 46: reduced piece 1 to rank 0
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 0)
+        q.copy(12, {0, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 47: reduced piece 2 to rank 0
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 0)
+        q.copy(12, {0, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 48: reduced piece 3 to rank 0
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 1)
+        q.copy(13, {1, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 49: reduced piece 0 to rank 1
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 1)
+        q.copy(13, {1, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 50: reduced piece 1 to rank 1
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 1)
+        q.copy(13, {1, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 51: reduced piece 2 to rank 1
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 1)
+        q.copy(13, {1, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 52: reduced piece 3 to rank 1
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 2)
+        q.copy(14, {2, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 53: reduced piece 0 to rank 2
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 2)
+        q.copy(14, {2, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 54: reduced piece 1 to rank 2
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 2)
+        q.copy(14, {2, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 55: reduced piece 2 to rank 2
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 2)
+        q.copy(14, {2, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 56: reduced piece 3 to rank 2
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 3)
+        q.copy(15, {3, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 57: reduced piece 0 to rank 3
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 3)
+        q.copy(15, {3, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 58: reduced piece 1 to rank 3
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 3)
+        q.copy(15, {3, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 59: reduced piece 2 to rank 3
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 3)
+        q.copy(15, {3, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 60: reduced piece 3 to rank 3
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 5:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 6 piece 0 to rank 6)
+        q.copy(1, {6, 3, 0, 32, 5, 24}, {5, 1, 1, 32, 0, 24});  // step 1: part 6 piece 0 to rank 6
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 6 piece 1 to rank 6)
+        q.copy(1, {6, 3, 0, 32, 5, 25}, {5, 1, 1, 32, 0, 25});  // step 2: part 6 piece 1 to rank 6
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 6 piece 2 to rank 6)
+        q.copy(1, {6, 3, 0, 32, 5, 26}, {5, 1, 1, 32, 0, 26});  // step 3: part 6 piece 2 to rank 6
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 6 piece 3 to rank 6)
+        q.copy(1, {6, 3, 0, 32, 5, 27}, {5, 1, 1, 32, 0, 27});  // step 4: part 6 piece 3 to rank 6
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 7 piece 0 to rank 7)
+        q.copy(2, {7, 3, 0, 32, 5, 28}, {5, 1, 1, 32, 0, 28});  // step 5: part 7 piece 0 to rank 7
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 7 piece 1 to rank 7)
+        q.copy(2, {7, 3, 0, 32, 5, 29}, {5, 1, 1, 32, 0, 29});  // step 6: part 7 piece 1 to rank 7
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 7 piece 2 to rank 7)
+        q.copy(2, {7, 3, 0, 32, 5, 30}, {5, 1, 1, 32, 0, 30});  // step 7: part 7 piece 2 to rank 7
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 7 piece 3 to rank 7)
+        q.copy(2, {7, 3, 0, 32, 5, 31}, {5, 1, 1, 32, 0, 31});  // step 8: part 7 piece 3 to rank 7
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 0 piece 0 to rank 0)
+        q.copy(3, {0, 3, 0, 32, 5, 0}, {5, 1, 1, 32, 0, 0});  // step 9: part 0 piece 0 to rank 0
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 0 piece 1 to rank 0)
+        q.copy(3, {0, 3, 0, 32, 5, 1}, {5, 1, 1, 32, 0, 1});  // step 10: part 0 piece 1 to rank 0
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 0 piece 2 to rank 0)
+        q.copy(3, {0, 3, 0, 32, 5, 2}, {5, 1, 1, 32, 0, 2});  // step 11: part 0 piece 2 to rank 0
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 0 piece 3 to rank 0)
+        q.copy(3, {0, 3, 0, 32, 5, 3}, {5, 1, 1, 32, 0, 3});  // step 12: part 0 piece 3 to rank 0
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 1 piece 0 to rank 1)
+        q.copy(4, {1, 3, 0, 32, 5, 4}, {5, 1, 1, 32, 0, 4});  // step 13: part 1 piece 0 to rank 1
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 1 piece 1 to rank 1)
+        q.copy(4, {1, 3, 0, 32, 5, 5}, {5, 1, 1, 32, 0, 5});  // step 14: part 1 piece 1 to rank 1
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 1 piece 2 to rank 1)
+        q.copy(4, {1, 3, 0, 32, 5, 6}, {5, 1, 1, 32, 0, 6});  // step 15: part 1 piece 2 to rank 1
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 1 piece 3 to rank 1)
+        q.copy(4, {1, 3, 0, 32, 5, 7}, {5, 1, 1, 32, 0, 7});  // step 16: part 1 piece 3 to rank 1
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 2 piece 0 to rank 2)
+        q.copy(5, {2, 3, 0, 32, 5, 8}, {5, 1, 1, 32, 0, 8});  // step 17: part 2 piece 0 to rank 2
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 2 piece 1 to rank 2)
+        q.copy(5, {2, 3, 0, 32, 5, 9}, {5, 1, 1, 32, 0, 9});  // step 18: part 2 piece 1 to rank 2
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 2 piece 2 to rank 2)
+        q.copy(5, {2, 3, 0, 32, 5, 10}, {5, 1, 1, 32, 0, 10});  // step 19: part 2 piece 2 to rank 2
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 2 piece 3 to rank 2)
+        q.copy(5, {2, 3, 0, 32, 5, 11}, {5, 1, 1, 32, 0, 11});  // step 20: part 2 piece 3 to rank 2
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 3 piece 0 to rank 3)
+        q.copy(6, {3, 3, 0, 32, 5, 12}, {5, 1, 1, 32, 0, 12});  // step 21: part 3 piece 0 to rank 3
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 3 piece 1 to rank 3)
+        q.copy(6, {3, 3, 0, 32, 5, 13}, {5, 1, 1, 32, 0, 13});  // step 22: part 3 piece 1 to rank 3
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 3 piece 2 to rank 3)
+        q.copy(6, {3, 3, 0, 32, 5, 14}, {5, 1, 1, 32, 0, 14});  // step 23: part 3 piece 2 to rank 3
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 3 piece 3 to rank 3)
+        q.copy(6, {3, 3, 0, 32, 5, 15}, {5, 1, 1, 32, 0, 15});  // step 24: part 3 piece 3 to rank 3
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 4 piece 0 to rank 4)
+        q.copy(7, {4, 3, 0, 32, 5, 16}, {5, 1, 1, 32, 0, 16});  // step 25: part 4 piece 0 to rank 4
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 4 piece 1 to rank 4)
+        q.copy(7, {4, 3, 0, 32, 5, 17}, {5, 1, 1, 32, 0, 17});  // step 26: part 4 piece 1 to rank 4
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 4 piece 2 to rank 4)
+        q.copy(7, {4, 3, 0, 32, 5, 18}, {5, 1, 1, 32, 0, 18});  // step 27: part 4 piece 2 to rank 4
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 4 piece 3 to rank 4)
+        q.copy(7, {4, 3, 0, 32, 5, 19}, {5, 1, 1, 32, 0, 19});  // step 28: part 4 piece 3 to rank 4
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 6)
+        q.copy(9, {6, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 33: reduced piece 0 to rank 6
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 6)
+        q.copy(9, {6, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 34: reduced piece 1 to rank 6
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 6)
+        q.copy(9, {6, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 35: reduced piece 2 to rank 6
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 6)
+        q.copy(9, {6, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 36: reduced piece 3 to rank 6
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 7)
+        q.copy(10, {7, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 37: reduced piece 0 to rank 7
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 7)
+        q.copy(10, {7, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 38: reduced piece 1 to rank 7
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 7)
+        q.copy(10, {7, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 39: reduced piece 2 to rank 7
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 7)
+        q.copy(10, {7, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 40: reduced piece 3 to rank 7
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 0)
+        q.copy(11, {0, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 41: reduced piece 0 to rank 0
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 0)
+        q.copy(11, {0, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 42: reduced piece 1 to rank 0
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 0)
+        q.copy(11, {0, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 43: reduced piece 2 to rank 0
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 0)
+        q.copy(11, {0, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 44: reduced piece 3 to rank 0
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 1)
+        q.copy(12, {1, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 45: reduced piece 0 to rank 1
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 1)
+        q.copy(12, {1, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 46: reduced piece 1 to rank 1
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 1)
+        q.copy(12, {1, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 47: reduced piece 2 to rank 1
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 1)
+        q.copy(12, {1, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 48: reduced piece 3 to rank 1
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 2)
+        q.copy(13, {2, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 49: reduced piece 0 to rank 2
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 2)
+        q.copy(13, {2, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 50: reduced piece 1 to rank 2
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 2)
+        q.copy(13, {2, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 51: reduced piece 2 to rank 2
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 2)
+        q.copy(13, {2, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 52: reduced piece 3 to rank 2
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 3)
+        q.copy(14, {3, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 53: reduced piece 0 to rank 3
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 3)
+        q.copy(14, {3, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 54: reduced piece 1 to rank 3
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 3)
+        q.copy(14, {3, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 55: reduced piece 2 to rank 3
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 3)
+        q.copy(14, {3, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 56: reduced piece 3 to rank 3
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 4)
+        q.copy(15, {4, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 57: reduced piece 0 to rank 4
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 4)
+        q.copy(15, {4, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 58: reduced piece 1 to rank 4
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 4)
+        q.copy(15, {4, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 59: reduced piece 2 to rank 4
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 4)
+        q.copy(15, {4, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 60: reduced piece 3 to rank 4
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 6:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 7 piece 0 to rank 7)
+        q.copy(1, {7, 3, 0, 32, 6, 28}, {6, 1, 1, 32, 0, 28});  // step 1: part 7 piece 0 to rank 7
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 7 piece 1 to rank 7)
+        q.copy(1, {7, 3, 0, 32, 6, 29}, {6, 1, 1, 32, 0, 29});  // step 2: part 7 piece 1 to rank 7
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 7 piece 2 to rank 7)
+        q.copy(1, {7, 3, 0, 32, 6, 30}, {6, 1, 1, 32, 0, 30});  // step 3: part 7 piece 2 to rank 7
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 7 piece 3 to rank 7)
+        q.copy(1, {7, 3, 0, 32, 6, 31}, {6, 1, 1, 32, 0, 31});  // step 4: part 7 piece 3 to rank 7
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
+        q.copy(2, {0, 3, 0, 32, 6, 0}, {6, 1, 1, 32, 0, 0});  // step 5: part 0 piece 0 to rank 0
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
+        q.copy(2, {0, 3, 0, 32, 6, 1}, {6, 1, 1, 32, 0, 1});  // step 6: part 0 piece 1 to rank 0
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
+        q.copy(2, {0, 3, 0, 32, 6, 2}, {6, 1, 1, 32, 0, 2});  // step 7: part 0 piece 2 to rank 0
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
+        q.copy(2, {0, 3, 0, 32, 6, 3}, {6, 1, 1, 32, 0, 3});  // step 8: part 0 piece 3 to rank 0
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 1 piece 0 to rank 1)
+        q.copy(3, {1, 3, 0, 32, 6, 4}, {6, 1, 1, 32, 0, 4});  // step 9: part 1 piece 0 to rank 1
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 1 piece 1 to rank 1)
+        q.copy(3, {1, 3, 0, 32, 6, 5}, {6, 1, 1, 32, 0, 5});  // step 10: part 1 piece 1 to rank 1
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 1 piece 2 to rank 1)
+        q.copy(3, {1, 3, 0, 32, 6, 6}, {6, 1, 1, 32, 0, 6});  // step 11: part 1 piece 2 to rank 1
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 1 piece 3 to rank 1)
+        q.copy(3, {1, 3, 0, 32, 6, 7}, {6, 1, 1, 32, 0, 7});  // step 12: part 1 piece 3 to rank 1
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 2 piece 0 to rank 2)
+        q.copy(4, {2, 3, 0, 32, 6, 8}, {6, 1, 1, 32, 0, 8});  // step 13: part 2 piece 0 to rank 2
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 2 piece 1 to rank 2)
+        q.copy(4, {2, 3, 0, 32, 6, 9}, {6, 1, 1, 32, 0, 9});  // step 14: part 2 piece 1 to rank 2
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 2 piece 2 to rank 2)
+        q.copy(4, {2, 3, 0, 32, 6, 10}, {6, 1, 1, 32, 0, 10});  // step 15: part 2 piece 2 to rank 2
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 2 piece 3 to rank 2)
+        q.copy(4, {2, 3, 0, 32, 6, 11}, {6, 1, 1, 32, 0, 11});  // step 16: part 2 piece 3 to rank 2
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 3 piece 0 to rank 3)
+        q.copy(5, {3, 3, 0, 32, 6, 12}, {6, 1, 1, 32, 0, 12});  // step 17: part 3 piece 0 to rank 3
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 3 piece 1 to rank 3)
+        q.copy(5, {3, 3, 0, 32, 6, 13}, {6, 1, 1, 32, 0, 13});  // step 18: part 3 piece 1 to rank 3
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 3 piece 2 to rank 3)
+        q.copy(5, {3, 3, 0, 32, 6, 14}, {6, 1, 1, 32, 0, 14});  // step 19: part 3 piece 2 to rank 3
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 3 piece 3 to rank 3)
+        q.copy(5, {3, 3, 0, 32, 6, 15}, {6, 1, 1, 32, 0, 15});  // step 20: part 3 piece 3 to rank 3
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 4 piece 0 to rank 4)
+        q.copy(6, {4, 3, 0, 32, 6, 16}, {6, 1, 1, 32, 0, 16});  // step 21: part 4 piece 0 to rank 4
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 4 piece 1 to rank 4)
+        q.copy(6, {4, 3, 0, 32, 6, 17}, {6, 1, 1, 32, 0, 17});  // step 22: part 4 piece 1 to rank 4
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 4 piece 2 to rank 4)
+        q.copy(6, {4, 3, 0, 32, 6, 18}, {6, 1, 1, 32, 0, 18});  // step 23: part 4 piece 2 to rank 4
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 4 piece 3 to rank 4)
+        q.copy(6, {4, 3, 0, 32, 6, 19}, {6, 1, 1, 32, 0, 19});  // step 24: part 4 piece 3 to rank 4
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 5 piece 0 to rank 5)
+        q.copy(7, {5, 3, 0, 32, 6, 20}, {6, 1, 1, 32, 0, 20});  // step 25: part 5 piece 0 to rank 5
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 5 piece 1 to rank 5)
+        q.copy(7, {5, 3, 0, 32, 6, 21}, {6, 1, 1, 32, 0, 21});  // step 26: part 5 piece 1 to rank 5
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 5 piece 2 to rank 5)
+        q.copy(7, {5, 3, 0, 32, 6, 22}, {6, 1, 1, 32, 0, 22});  // step 27: part 5 piece 2 to rank 5
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 5 piece 3 to rank 5)
+        q.copy(7, {5, 3, 0, 32, 6, 23}, {6, 1, 1, 32, 0, 23});  // step 28: part 5 piece 3 to rank 5
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 7)
+        q.copy(9, {7, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 33: reduced piece 0 to rank 7
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 7)
+        q.copy(9, {7, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 34: reduced piece 1 to rank 7
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 7)
+        q.copy(9, {7, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 35: reduced piece 2 to rank 7
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 7)
+        q.copy(9, {7, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 36: reduced piece 3 to rank 7
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 0)
+        q.copy(10, {0, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 37: reduced piece 0 to rank 0
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 0)
+        q.copy(10, {0, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 38: reduced piece 1 to rank 0
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 0)
+        q.copy(10, {0, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 39: reduced piece 2 to rank 0
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 0)
+        q.copy(10, {0, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 40: reduced piece 3 to rank 0
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 1)
+        q.copy(11, {1, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 41: reduced piece 0 to rank 1
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 1)
+        q.copy(11, {1, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 42: reduced piece 1 to rank 1
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 1)
+        q.copy(11, {1, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 43: reduced piece 2 to rank 1
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 1)
+        q.copy(11, {1, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 44: reduced piece 3 to rank 1
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 2)
+        q.copy(12, {2, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 45: reduced piece 0 to rank 2
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 2)
+        q.copy(12, {2, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 46: reduced piece 1 to rank 2
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 2)
+        q.copy(12, {2, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 47: reduced piece 2 to rank 2
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 2)
+        q.copy(12, {2, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 48: reduced piece 3 to rank 2
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 3)
+        q.copy(13, {3, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 49: reduced piece 0 to rank 3
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 3)
+        q.copy(13, {3, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 50: reduced piece 1 to rank 3
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 3)
+        q.copy(13, {3, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 51: reduced piece 2 to rank 3
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 3)
+        q.copy(13, {3, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 52: reduced piece 3 to rank 3
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 4)
+        q.copy(14, {4, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 53: reduced piece 0 to rank 4
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 4)
+        q.copy(14, {4, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 54: reduced piece 1 to rank 4
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 4)
+        q.copy(14, {4, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 55: reduced piece 2 to rank 4
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 4)
+        q.copy(14, {4, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 56: reduced piece 3 to rank 4
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 5)
+        q.copy(15, {5, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 57: reduced piece 0 to rank 5
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 5)
+        q.copy(15, {5, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 58: reduced piece 1 to rank 5
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 5)
+        q.copy(15, {5, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 59: reduced piece 2 to rank 5
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 5)
+        q.copy(15, {5, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 60: reduced piece 3 to rank 5
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+      case 7:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
+        q.copy(1, {0, 3, 0, 32, 7, 0}, {7, 1, 1, 32, 0, 0});  // step 1: part 0 piece 0 to rank 0
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
+        q.copy(1, {0, 3, 0, 32, 7, 1}, {7, 1, 1, 32, 0, 1});  // step 2: part 0 piece 1 to rank 0
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
+        q.copy(1, {0, 3, 0, 32, 7, 2}, {7, 1, 1, 32, 0, 2});  // step 3: part 0 piece 2 to rank 0
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
+        q.copy(1, {0, 3, 0, 32, 7, 3}, {7, 1, 1, 32, 0, 3});  // step 4: part 0 piece 3 to rank 0
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
+        q.copy(2, {1, 3, 0, 32, 7, 4}, {7, 1, 1, 32, 0, 4});  // step 5: part 1 piece 0 to rank 1
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
+        q.copy(2, {1, 3, 0, 32, 7, 5}, {7, 1, 1, 32, 0, 5});  // step 6: part 1 piece 1 to rank 1
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
+        q.copy(2, {1, 3, 0, 32, 7, 6}, {7, 1, 1, 32, 0, 6});  // step 7: part 1 piece 2 to rank 1
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
+        q.copy(2, {1, 3, 0, 32, 7, 7}, {7, 1, 1, 32, 0, 7});  // step 8: part 1 piece 3 to rank 1
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (part 2 piece 0 to rank 2)
+        q.copy(3, {2, 3, 0, 32, 7, 8}, {7, 1, 1, 32, 0, 8});  // step 9: part 2 piece 0 to rank 2
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 2 piece 1 to rank 2)
+        q.copy(3, {2, 3, 0, 32, 7, 9}, {7, 1, 1, 32, 0, 9});  // step 10: part 2 piece 1 to rank 2
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 2 piece 2 to rank 2)
+        q.copy(3, {2, 3, 0, 32, 7, 10}, {7, 1, 1, 32, 0, 10});  // step 11: part 2 piece 2 to rank 2
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 2 piece 3 to rank 2)
+        q.copy(3, {2, 3, 0, 32, 7, 11}, {7, 1, 1, 32, 0, 11});  // step 12: part 2 piece 3 to rank 2
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (part 3 piece 0 to rank 3)
+        q.copy(4, {3, 3, 0, 32, 7, 12}, {7, 1, 1, 32, 0, 12});  // step 13: part 3 piece 0 to rank 3
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 3 piece 1 to rank 3)
+        q.copy(4, {3, 3, 0, 32, 7, 13}, {7, 1, 1, 32, 0, 13});  // step 14: part 3 piece 1 to rank 3
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 3 piece 2 to rank 3)
+        q.copy(4, {3, 3, 0, 32, 7, 14}, {7, 1, 1, 32, 0, 14});  // step 15: part 3 piece 2 to rank 3
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 3 piece 3 to rank 3)
+        q.copy(4, {3, 3, 0, 32, 7, 15}, {7, 1, 1, 32, 0, 15});  // step 16: part 3 piece 3 to rank 3
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (part 4 piece 0 to rank 4)
+        q.copy(5, {4, 3, 0, 32, 7, 16}, {7, 1, 1, 32, 0, 16});  // step 17: part 4 piece 0 to rank 4
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 4 piece 1 to rank 4)
+        q.copy(5, {4, 3, 0, 32, 7, 17}, {7, 1, 1, 32, 0, 17});  // step 18: part 4 piece 1 to rank 4
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 4 piece 2 to rank 4)
+        q.copy(5, {4, 3, 0, 32, 7, 18}, {7, 1, 1, 32, 0, 18});  // step 19: part 4 piece 2 to rank 4
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 4 piece 3 to rank 4)
+        q.copy(5, {4, 3, 0, 32, 7, 19}, {7, 1, 1, 32, 0, 19});  // step 20: part 4 piece 3 to rank 4
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (part 5 piece 0 to rank 5)
+        q.copy(6, {5, 3, 0, 32, 7, 20}, {7, 1, 1, 32, 0, 20});  // step 21: part 5 piece 0 to rank 5
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 5 piece 1 to rank 5)
+        q.copy(6, {5, 3, 0, 32, 7, 21}, {7, 1, 1, 32, 0, 21});  // step 22: part 5 piece 1 to rank 5
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 5 piece 2 to rank 5)
+        q.copy(6, {5, 3, 0, 32, 7, 22}, {7, 1, 1, 32, 0, 22});  // step 23: part 5 piece 2 to rank 5
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 5 piece 3 to rank 5)
+        q.copy(6, {5, 3, 0, 32, 7, 23}, {7, 1, 1, 32, 0, 23});  // step 24: part 5 piece 3 to rank 5
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (part 6 piece 0 to rank 6)
+        q.copy(7, {6, 3, 0, 32, 7, 24}, {7, 1, 1, 32, 0, 24});  // step 25: part 6 piece 0 to rank 6
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 6 piece 1 to rank 6)
+        q.copy(7, {6, 3, 0, 32, 7, 25}, {7, 1, 1, 32, 0, 25});  // step 26: part 6 piece 1 to rank 6
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 6 piece 2 to rank 6)
+        q.copy(7, {6, 3, 0, 32, 7, 26}, {7, 1, 1, 32, 0, 26});  // step 27: part 6 piece 2 to rank 6
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 6 piece 3 to rank 6)
+        q.copy(7, {6, 3, 0, 32, 7, 27}, {7, 1, 1, 32, 0, 27});  // step 28: part 6 piece 3 to rank 6
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
+        q.reduce(8, 29);  // step 29: reduce our part, piece 0
+        q.sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
+        q.reduce(8, 30);  // step 30: reduce our part, piece 1
+        q.sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
+        q.reduce(8, 31);  // step 31: reduce our part, piece 2
+        q.sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
+        q.reduce(8, 32);  // step 32: reduce our part, piece 3
+        q.sync(8, 32, -1);  // signals of step 32
+        q.sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 0)
+        q.copy(9, {0, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 33: reduced piece 0 to rank 0
+        q.sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 0)
+        q.copy(9, {0, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 34: reduced piece 1 to rank 0
+        q.sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 0)
+        q.copy(9, {0, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 35: reduced piece 2 to rank 0
+        q.sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 0)
+        q.copy(9, {0, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 36: reduced piece 3 to rank 0
+        q.sync(9, 36, -1);  // signals of step 36
+        q.sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 1)
+        q.copy(10, {1, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 37: reduced piece 0 to rank 1
+        q.sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 1)
+        q.copy(10, {1, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 38: reduced piece 1 to rank 1
+        q.sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 1)
+        q.copy(10, {1, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 39: reduced piece 2 to rank 1
+        q.sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 1)
+        q.copy(10, {1, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 40: reduced piece 3 to rank 1
+        q.sync(10, 40, -1);  // signals of step 40
+        q.sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 2)
+        q.copy(11, {2, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 41: reduced piece 0 to rank 2
+        q.sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 2)
+        q.copy(11, {2, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 42: reduced piece 1 to rank 2
+        q.sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 2)
+        q.copy(11, {2, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 43: reduced piece 2 to rank 2
+        q.sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 2)
+        q.copy(11, {2, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 44: reduced piece 3 to rank 2
+        q.sync(11, 44, -1);  // signals of step 44
+        q.sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 3)
+        q.copy(12, {3, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 45: reduced piece 0 to rank 3
+        q.sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 3)
+        q.copy(12, {3, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 46: reduced piece 1 to rank 3
+        q.sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 3)
+        q.copy(12, {3, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 47: reduced piece 2 to rank 3
+        q.sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 3)
+        q.copy(12, {3, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 48: reduced piece 3 to rank 3
+        q.sync(12, 48, -1);  // signals of step 48
+        q.sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 4)
+        q.copy(13, {4, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 49: reduced piece 0 to rank 4
+        q.sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 4)
+        q.copy(13, {4, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 50: reduced piece 1 to rank 4
+        q.sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 4)
+        q.copy(13, {4, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 51: reduced piece 2 to rank 4
+        q.sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 4)
+        q.copy(13, {4, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 52: reduced piece 3 to rank 4
+        q.sync(13, 52, -1);  // signals of step 52
+        q.sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 5)
+        q.copy(14, {5, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 53: reduced piece 0 to rank 5
+        q.sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 5)
+        q.copy(14, {5, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 54: reduced piece 1 to rank 5
+        q.sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 5)
+        q.copy(14, {5, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 55: reduced piece 2 to rank 5
+        q.sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 5)
+        q.copy(14, {5, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 56: reduced piece 3 to rank 5
+        q.sync(14, 56, -1);  // signals of step 56
+        q.sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 6)
+        q.copy(15, {6, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 57: reduced piece 0 to rank 6
+        q.sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 6)
+        q.copy(15, {6, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 58: reduced piece 1 to rank 6
+        q.sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 6)
+        q.copy(15, {6, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 59: reduced piece 2 to rank 6
+        q.sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 6)
+        q.copy(15, {6, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 60: reduced piece 3 to rank 6
+        q.sync(15, 60, -1);  // signals of step 60
+        q.sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
+        q.sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
+        q.sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
+        q.sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<all_reduce_two_shot_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    all_reduce_two_shot_ce_w8_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 1 piece 0 to rank 1)
-      copy(1, {1, 3, 0, 32, 0, 4}, {0, 1, 1, 32, 0, 4});  // step 1: part 1 piece 0 to rank 1
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 1 piece 1 to rank 1)
-      copy(1, {1, 3, 0, 32, 0, 5}, {0, 1, 1, 32, 0, 5});  // step 2: part 1 piece 1 to rank 1
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 1 piece 2 to rank 1)
-      copy(1, {1, 3, 0, 32, 0, 6}, {0, 1, 1, 32, 0, 6});  // step 3: part 1 piece 2 to rank 1
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 1 piece 3 to rank 1)
-      copy(1, {1, 3, 0, 32, 0, 7}, {0, 1, 1, 32, 0, 7});  // step 4: part 1 piece 3 to rank 1
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 2 piece 0 to rank 2)
-      copy(2, {2, 3, 0, 32, 0, 8}, {0, 1, 1, 32, 0, 8});  // step 5: part 2 piece 0 to rank 2
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 2 piece 1 to rank 2)
-      copy(2, {2, 3, 0, 32, 0, 9}, {0, 1, 1, 32, 0, 9});  // step 6: part 2 piece 1 to rank 2
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 2 piece 2 to rank 2)
-      copy(2, {2, 3, 0, 32, 0, 10}, {0, 1, 1, 32, 0, 10});  // step 7: part 2 piece 2 to rank 2
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 2 piece 3 to rank 2)
-      copy(2, {2, 3, 0, 32, 0, 11}, {0, 1, 1, 32, 0, 11});  // step 8: part 2 piece 3 to rank 2
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 3 piece 0 to rank 3)
-      copy(3, {3, 3, 0, 32, 0, 12}, {0, 1, 1, 32, 0, 12});  // step 9: part 3 piece 0 to rank 3
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 3 piece 1 to rank 3)
-      copy(3, {3, 3, 0, 32, 0, 13}, {0, 1, 1, 32, 0, 13});  // step 10: part 3 piece 1 to rank 3
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 3 piece 2 to rank 3)
-      copy(3, {3, 3, 0, 32, 0, 14}, {0, 1, 1, 32, 0, 14});  // step 11: part 3 piece 2 to rank 3
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 3 piece 3 to rank 3)
-      copy(3, {3, 3, 0, 32, 0, 15}, {0, 1, 1, 32, 0, 15});  // step 12: part 3 piece 3 to rank 3
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 4 piece 0 to rank 4)
-      copy(4, {4, 3, 0, 32, 0, 16}, {0, 1, 1, 32, 0, 16});  // step 13: part 4 piece 0 to rank 4
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 4 piece 1 to rank 4)
-      copy(4, {4, 3, 0, 32, 0, 17}, {0, 1, 1, 32, 0, 17});  // step 14: part 4 piece 1 to rank 4
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 4 piece 2 to rank 4)
-      copy(4, {4, 3, 0, 32, 0, 18}, {0, 1, 1, 32, 0, 18});  // step 15: part 4 piece 2 to rank 4
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 4 piece 3 to rank 4)
-      copy(4, {4, 3, 0, 32, 0, 19}, {0, 1, 1, 32, 0, 19});  // step 16: part 4 piece 3 to rank 4
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 5 piece 0 to rank 5)
-      copy(5, {5, 3, 0, 32, 0, 20}, {0, 1, 1, 32, 0, 20});  // step 17: part 5 piece 0 to rank 5
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 5 piece 1 to rank 5)
-      copy(5, {5, 3, 0, 32, 0, 21}, {0, 1, 1, 32, 0, 21});  // step 18: part 5 piece 1 to rank 5
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 5 piece 2 to rank 5)
-      copy(5, {5, 3, 0, 32, 0, 22}, {0, 1, 1, 32, 0, 22});  // step 19: part 5 piece 2 to rank 5
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 5 piece 3 to rank 5)
-      copy(5, {5, 3, 0, 32, 0, 23}, {0, 1, 1, 32, 0, 23});  // step 20: part 5 piece 3 to rank 5
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 6 piece 0 to rank 6)
-      copy(6, {6, 3, 0, 32, 0, 24}, {0, 1, 1, 32, 0, 24});  // step 21: part 6 piece 0 to rank 6
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 6 piece 1 to rank 6)
-      copy(6, {6, 3, 0, 32, 0, 25}, {0, 1, 1, 32, 0, 25});  // step 22: part 6 piece 1 to rank 6
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 6 piece 2 to rank 6)
-      copy(6, {6, 3, 0, 32, 0, 26}, {0, 1, 1, 32, 0, 26});  // step 23: part 6 piece 2 to rank 6
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 6 piece 3 to rank 6)
-      copy(6, {6, 3, 0, 32, 0, 27}, {0, 1, 1, 32, 0, 27});  // step 24: part 6 piece 3 to rank 6
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 7 piece 0 to rank 7)
-      copy(7, {7, 3, 0, 32, 0, 28}, {0, 1, 1, 32, 0, 28});  // step 25: part 7 piece 0 to rank 7
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 7 piece 1 to rank 7)
-      copy(7, {7, 3, 0, 32, 0, 29}, {0, 1, 1, 32, 0, 29});  // step 26: part 7 piece 1 to rank 7
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 7 piece 2 to rank 7)
-      copy(7, {7, 3, 0, 32, 0, 30}, {0, 1, 1, 32, 0, 30});  // step 27: part 7 piece 2 to rank 7
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 7 piece 3 to rank 7)
-      copy(7, {7, 3, 0, 32, 0, 31}, {0, 1, 1, 32, 0, 31});  // step 28: part 7 piece 3 to rank 7
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 1)
-      copy(9, {1, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 33: reduced piece 0 to rank 1
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 1)
-      copy(9, {1, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 34: reduced piece 1 to rank 1
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 1)
-      copy(9, {1, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 35: reduced piece 2 to rank 1
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 1)
-      copy(9, {1, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 36: reduced piece 3 to rank 1
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 2)
-      copy(10, {2, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 37: reduced piece 0 to rank 2
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 2)
-      copy(10, {2, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 38: reduced piece 1 to rank 2
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 2)
-      copy(10, {2, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 39: reduced piece 2 to rank 2
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 2)
-      copy(10, {2, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 40: reduced piece 3 to rank 2
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 3)
-      copy(11, {3, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 41: reduced piece 0 to rank 3
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 3)
-      copy(11, {3, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 42: reduced piece 1 to rank 3
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 3)
-      copy(11, {3, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 43: reduced piece 2 to rank 3
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 3)
-      copy(11, {3, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 44: reduced piece 3 to rank 3
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 4)
-      copy(12, {4, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 45: reduced piece 0 to rank 4
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 4)
-      copy(12, {4, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 46: reduced piece 1 to rank 4
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 4)
-      copy(12, {4, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 47: reduced piece 2 to rank 4
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 4)
-      copy(12, {4, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 48: reduced piece 3 to rank 4
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 5)
-      copy(13, {5, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 49: reduced piece 0 to rank 5
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 5)
-      copy(13, {5, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 50: reduced piece 1 to rank 5
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 5)
-      copy(13, {5, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 51: reduced piece 2 to rank 5
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 5)
-      copy(13, {5, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 52: reduced piece 3 to rank 5
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 6)
-      copy(14, {6, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 53: reduced piece 0 to rank 6
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 6)
-      copy(14, {6, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 54: reduced piece 1 to rank 6
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 6)
-      copy(14, {6, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 55: reduced piece 2 to rank 6
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 6)
-      copy(14, {6, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 56: reduced piece 3 to rank 6
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 7)
-      copy(15, {7, 2, 0, 32, 0, 0}, {0, 2, 0, 32, 0, 0});  // step 57: reduced piece 0 to rank 7
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 7)
-      copy(15, {7, 2, 0, 32, 0, 1}, {0, 2, 0, 32, 0, 1});  // step 58: reduced piece 1 to rank 7
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 7)
-      copy(15, {7, 2, 0, 32, 0, 2}, {0, 2, 0, 32, 0, 2});  // step 59: reduced piece 2 to rank 7
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 7)
-      copy(15, {7, 2, 0, 32, 0, 3}, {0, 2, 0, 32, 0, 3});  // step 60: reduced piece 3 to rank 7
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 2 piece 0 to rank 2)
-      copy(1, {2, 3, 0, 32, 1, 8}, {1, 1, 1, 32, 0, 8});  // step 1: part 2 piece 0 to rank 2
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 2 piece 1 to rank 2)
-      copy(1, {2, 3, 0, 32, 1, 9}, {1, 1, 1, 32, 0, 9});  // step 2: part 2 piece 1 to rank 2
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 2 piece 2 to rank 2)
-      copy(1, {2, 3, 0, 32, 1, 10}, {1, 1, 1, 32, 0, 10});  // step 3: part 2 piece 2 to rank 2
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 2 piece 3 to rank 2)
-      copy(1, {2, 3, 0, 32, 1, 11}, {1, 1, 1, 32, 0, 11});  // step 4: part 2 piece 3 to rank 2
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 3 piece 0 to rank 3)
-      copy(2, {3, 3, 0, 32, 1, 12}, {1, 1, 1, 32, 0, 12});  // step 5: part 3 piece 0 to rank 3
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 3 piece 1 to rank 3)
-      copy(2, {3, 3, 0, 32, 1, 13}, {1, 1, 1, 32, 0, 13});  // step 6: part 3 piece 1 to rank 3
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 3 piece 2 to rank 3)
-      copy(2, {3, 3, 0, 32, 1, 14}, {1, 1, 1, 32, 0, 14});  // step 7: part 3 piece 2 to rank 3
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 3 piece 3 to rank 3)
-      copy(2, {3, 3, 0, 32, 1, 15}, {1, 1, 1, 32, 0, 15});  // step 8: part 3 piece 3 to rank 3
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 4 piece 0 to rank 4)
-      copy(3, {4, 3, 0, 32, 1, 16}, {1, 1, 1, 32, 0, 16});  // step 9: part 4 piece 0 to rank 4
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 4 piece 1 to rank 4)
-      copy(3, {4, 3, 0, 32, 1, 17}, {1, 1, 1, 32, 0, 17});  // step 10: part 4 piece 1 to rank 4
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 4 piece 2 to rank 4)
-      copy(3, {4, 3, 0, 32, 1, 18}, {1, 1, 1, 32, 0, 18});  // step 11: part 4 piece 2 to rank 4
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 4 piece 3 to rank 4)
-      copy(3, {4, 3, 0, 32, 1, 19}, {1, 1, 1, 32, 0, 19});  // step 12: part 4 piece 3 to rank 4
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 5 piece 0 to rank 5)
-      copy(4, {5, 3, 0, 32, 1, 20}, {1, 1, 1, 32, 0, 20});  // step 13: part 5 piece 0 to rank 5
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 5 piece 1 to rank 5)
-      copy(4, {5, 3, 0, 32, 1, 21}, {1, 1, 1, 32, 0, 21});  // step 14: part 5 piece 1 to rank 5
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 5 piece 2 to rank 5)
-      copy(4, {5, 3, 0, 32, 1, 22}, {1, 1, 1, 32, 0, 22});  // step 15: part 5 piece 2 to rank 5
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 5 piece 3 to rank 5)
-      copy(4, {5, 3, 0, 32, 1, 23}, {1, 1, 1, 32, 0, 23});  // step 16: part 5 piece 3 to rank 5
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 6 piece 0 to rank 6)
-      copy(5, {6, 3, 0, 32, 1, 24}, {1, 1, 1, 32, 0, 24});  // step 17: part 6 piece 0 to rank 6
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 6 piece 1 to rank 6)
-      copy(5, {6, 3, 0, 32, 1, 25}, {1, 1, 1, 32, 0, 25});  // step 18: part 6 piece 1 to rank 6
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 6 piece 2 to rank 6)
-      copy(5, {6, 3, 0, 32, 1, 26}, {1, 1, 1, 32, 0, 26});  // step 19: part 6 piece 2 to rank 6
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 6 piece 3 to rank 6)
-      copy(5, {6, 3, 0, 32, 1, 27}, {1, 1, 1, 32, 0, 27});  // step 20: part 6 piece 3 to rank 6
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 7 piece 0 to rank 7)
-      copy(6, {7, 3, 0, 32, 1, 28}, {1, 1, 1, 32, 0, 28});  // step 21: part 7 piece 0 to rank 7
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 7 piece 1 to rank 7)
-      copy(6, {7, 3, 0, 32, 1, 29}, {1, 1, 1, 32, 0, 29});  // step 22: part 7 piece 1 to rank 7
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 7 piece 2 to rank 7)
-      copy(6, {7, 3, 0, 32, 1, 30}, {1, 1, 1, 32, 0, 30});  // step 23: part 7 piece 2 to rank 7
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 7 piece 3 to rank 7)
-      copy(6, {7, 3, 0, 32, 1, 31}, {1, 1, 1, 32, 0, 31});  // step 24: part 7 piece 3 to rank 7
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 0 piece 0 to rank 0)
-      copy(7, {0, 3, 0, 32, 1, 0}, {1, 1, 1, 32, 0, 0});  // step 25: part 0 piece 0 to rank 0
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 0 piece 1 to rank 0)
-      copy(7, {0, 3, 0, 32, 1, 1}, {1, 1, 1, 32, 0, 1});  // step 26: part 0 piece 1 to rank 0
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 0 piece 2 to rank 0)
-      copy(7, {0, 3, 0, 32, 1, 2}, {1, 1, 1, 32, 0, 2});  // step 27: part 0 piece 2 to rank 0
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 0 piece 3 to rank 0)
-      copy(7, {0, 3, 0, 32, 1, 3}, {1, 1, 1, 32, 0, 3});  // step 28: part 0 piece 3 to rank 0
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 2)
-      copy(9, {2, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 33: reduced piece 0 to rank 2
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 2)
-      copy(9, {2, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 34: reduced piece 1 to rank 2
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 2)
-      copy(9, {2, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 35: reduced piece 2 to rank 2
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 2)
-      copy(9, {2, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 36: reduced piece 3 to rank 2
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 3)
-      copy(10, {3, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 37: reduced piece 0 to rank 3
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 3)
-      copy(10, {3, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 38: reduced piece 1 to rank 3
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 3)
-      copy(10, {3, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 39: reduced piece 2 to rank 3
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 3)
-      copy(10, {3, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 40: reduced piece 3 to rank 3
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 4)
-      copy(11, {4, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 41: reduced piece 0 to rank 4
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 4)
-      copy(11, {4, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 42: reduced piece 1 to rank 4
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 4)
-      copy(11, {4, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 43: reduced piece 2 to rank 4
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 4)
-      copy(11, {4, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 44: reduced piece 3 to rank 4
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 5)
-      copy(12, {5, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 45: reduced piece 0 to rank 5
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 5)
-      copy(12, {5, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 46: reduced piece 1 to rank 5
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 5)
-      copy(12, {5, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 47: reduced piece 2 to rank 5
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 5)
-      copy(12, {5, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 48: reduced piece 3 to rank 5
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 6)
-      copy(13, {6, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 49: reduced piece 0 to rank 6
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 6)
-      copy(13, {6, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 50: reduced piece 1 to rank 6
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 6)
-      copy(13, {6, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 51: reduced piece 2 to rank 6
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 6)
-      copy(13, {6, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 52: reduced piece 3 to rank 6
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 7)
-      copy(14, {7, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 53: reduced piece 0 to rank 7
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 7)
-      copy(14, {7, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 54: reduced piece 1 to rank 7
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 7)
-      copy(14, {7, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 55: reduced piece 2 to rank 7
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 7)
-      copy(14, {7, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 56: reduced piece 3 to rank 7
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 0)
-      copy(15, {0, 2, 0, 32, 0, 4}, {1, 2, 0, 32, 0, 4});  // step 57: reduced piece 0 to rank 0
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 0)
-      copy(15, {0, 2, 0, 32, 0, 5}, {1, 2, 0, 32, 0, 5});  // step 58: reduced piece 1 to rank 0
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 0)
-      copy(15, {0, 2, 0, 32, 0, 6}, {1, 2, 0, 32, 0, 6});  // step 59: reduced piece 2 to rank 0
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 0)
-      copy(15, {0, 2, 0, 32, 0, 7}, {1, 2, 0, 32, 0, 7});  // step 60: reduced piece 3 to rank 0
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 3 piece 0 to rank 3)
-      copy(1, {3, 3, 0, 32, 2, 12}, {2, 1, 1, 32, 0, 12});  // step 1: part 3 piece 0 to rank 3
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 3 piece 1 to rank 3)
-      copy(1, {3, 3, 0, 32, 2, 13}, {2, 1, 1, 32, 0, 13});  // step 2: part 3 piece 1 to rank 3
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 3 piece 2 to rank 3)
-      copy(1, {3, 3, 0, 32, 2, 14}, {2, 1, 1, 32, 0, 14});  // step 3: part 3 piece 2 to rank 3
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 3 piece 3 to rank 3)
-      copy(1, {3, 3, 0, 32, 2, 15}, {2, 1, 1, 32, 0, 15});  // step 4: part 3 piece 3 to rank 3
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 4 piece 0 to rank 4)
-      copy(2, {4, 3, 0, 32, 2, 16}, {2, 1, 1, 32, 0, 16});  // step 5: part 4 piece 0 to rank 4
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 4 piece 1 to rank 4)
-      copy(2, {4, 3, 0, 32, 2, 17}, {2, 1, 1, 32, 0, 17});  // step 6: part 4 piece 1 to rank 4
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 4 piece 2 to rank 4)
-      copy(2, {4, 3, 0, 32, 2, 18}, {2, 1, 1, 32, 0, 18});  // step 7: part 4 piece 2 to rank 4
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 4 piece 3 to rank 4)
-      copy(2, {4, 3, 0, 32, 2, 19}, {2, 1, 1, 32, 0, 19});  // step 8: part 4 piece 3 to rank 4
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 5 piece 0 to rank 5)
-      copy(3, {5, 3, 0, 32, 2, 20}, {2, 1, 1, 32, 0, 20});  // step 9: part 5 piece 0 to rank 5
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 5 piece 1 to rank 5)
-      copy(3, {5, 3, 0, 32, 2, 21}, {2, 1, 1, 32, 0, 21});  // step 10: part 5 piece 1 to rank 5
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 5 piece 2 to rank 5)
-      copy(3, {5, 3, 0, 32, 2, 22}, {2, 1, 1, 32, 0, 22});  // step 11: part 5 piece 2 to rank 5
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 5 piece 3 to rank 5)
-      copy(3, {5, 3, 0, 32, 2, 23}, {2, 1, 1, 32, 0, 23});  // step 12: part 5 piece 3 to rank 5
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 6 piece 0 to rank 6)
-      copy(4, {6, 3, 0, 32, 2, 24}, {2, 1, 1, 32, 0, 24});  // step 13: part 6 piece 0 to rank 6
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 6 piece 1 to rank 6)
-      copy(4, {6, 3, 0, 32, 2, 25}, {2, 1, 1, 32, 0, 25});  // step 14: part 6 piece 1 to rank 6
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 6 piece 2 to rank 6)
-      copy(4, {6, 3, 0, 32, 2, 26}, {2, 1, 1, 32, 0, 26});  // step 15: part 6 piece 2 to rank 6
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 6 piece 3 to rank 6)
-      copy(4, {6, 3, 0, 32, 2, 27}, {2, 1, 1, 32, 0, 27});  // step 16: part 6 piece 3 to rank 6
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 7 piece 0 to rank 7)
-      copy(5, {7, 3, 0, 32, 2, 28}, {2, 1, 1, 32, 0, 28});  // step 17: part 7 piece 0 to rank 7
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 7 piece 1 to rank 7)
-      copy(5, {7, 3, 0, 32, 2, 29}, {2, 1, 1, 32, 0, 29});  // step 18: part 7 piece 1 to rank 7
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 7 piece 2 to rank 7)
-      copy(5, {7, 3, 0, 32, 2, 30}, {2, 1, 1, 32, 0, 30});  // step 19: part 7 piece 2 to rank 7
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 7 piece 3 to rank 7)
-      copy(5, {7, 3, 0, 32, 2, 31}, {2, 1, 1, 32, 0, 31});  // step 20: part 7 piece 3 to rank 7
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 0 piece 0 to rank 0)
-      copy(6, {0, 3, 0, 32, 2, 0}, {2, 1, 1, 32, 0, 0});  // step 21: part 0 piece 0 to rank 0
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 0 piece 1 to rank 0)
-      copy(6, {0, 3, 0, 32, 2, 1}, {2, 1, 1, 32, 0, 1});  // step 22: part 0 piece 1 to rank 0
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 0 piece 2 to rank 0)
-      copy(6, {0, 3, 0, 32, 2, 2}, {2, 1, 1, 32, 0, 2});  // step 23: part 0 piece 2 to rank 0
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 0 piece 3 to rank 0)
-      copy(6, {0, 3, 0, 32, 2, 3}, {2, 1, 1, 32, 0, 3});  // step 24: part 0 piece 3 to rank 0
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 1 piece 0 to rank 1)
-      copy(7, {1, 3, 0, 32, 2, 4}, {2, 1, 1, 32, 0, 4});  // step 25: part 1 piece 0 to rank 1
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 1 piece 1 to rank 1)
-      copy(7, {1, 3, 0, 32, 2, 5}, {2, 1, 1, 32, 0, 5});  // step 26: part 1 piece 1 to rank 1
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 1 piece 2 to rank 1)
-      copy(7, {1, 3, 0, 32, 2, 6}, {2, 1, 1, 32, 0, 6});  // step 27: part 1 piece 2 to rank 1
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 1 piece 3 to rank 1)
-      copy(7, {1, 3, 0, 32, 2, 7}, {2, 1, 1, 32, 0, 7});  // step 28: part 1 piece 3 to rank 1
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 3)
-      copy(9, {3, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 33: reduced piece 0 to rank 3
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 3)
-      copy(9, {3, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 34: reduced piece 1 to rank 3
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 3)
-      copy(9, {3, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 35: reduced piece 2 to rank 3
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 3)
-      copy(9, {3, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 36: reduced piece 3 to rank 3
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 4)
-      copy(10, {4, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 37: reduced piece 0 to rank 4
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 4)
-      copy(10, {4, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 38: reduced piece 1 to rank 4
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 4)
-      copy(10, {4, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 39: reduced piece 2 to rank 4
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 4)
-      copy(10, {4, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 40: reduced piece 3 to rank 4
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 5)
-      copy(11, {5, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 41: reduced piece 0 to rank 5
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 5)
-      copy(11, {5, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 42: reduced piece 1 to rank 5
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 5)
-      copy(11, {5, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 43: reduced piece 2 to rank 5
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 5)
-      copy(11, {5, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 44: reduced piece 3 to rank 5
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 6)
-      copy(12, {6, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 45: reduced piece 0 to rank 6
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 6)
-      copy(12, {6, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 46: reduced piece 1 to rank 6
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 6)
-      copy(12, {6, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 47: reduced piece 2 to rank 6
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 6)
-      copy(12, {6, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 48: reduced piece 3 to rank 6
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 7)
-      copy(13, {7, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 49: reduced piece 0 to rank 7
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 7)
-      copy(13, {7, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 50: reduced piece 1 to rank 7
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 7)
-      copy(13, {7, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 51: reduced piece 2 to rank 7
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 7)
-      copy(13, {7, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 52: reduced piece 3 to rank 7
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 0)
-      copy(14, {0, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 53: reduced piece 0 to rank 0
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 0)
-      copy(14, {0, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 54: reduced piece 1 to rank 0
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 0)
-      copy(14, {0, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 55: reduced piece 2 to rank 0
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 0)
-      copy(14, {0, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 56: reduced piece 3 to rank 0
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 1)
-      copy(15, {1, 2, 0, 32, 0, 8}, {2, 2, 0, 32, 0, 8});  // step 57: reduced piece 0 to rank 1
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 1)
-      copy(15, {1, 2, 0, 32, 0, 9}, {2, 2, 0, 32, 0, 9});  // step 58: reduced piece 1 to rank 1
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 1)
-      copy(15, {1, 2, 0, 32, 0, 10}, {2, 2, 0, 32, 0, 10});  // step 59: reduced piece 2 to rank 1
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 1)
-      copy(15, {1, 2, 0, 32, 0, 11}, {2, 2, 0, 32, 0, 11});  // step 60: reduced piece 3 to rank 1
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 4 piece 0 to rank 4)
-      copy(1, {4, 3, 0, 32, 3, 16}, {3, 1, 1, 32, 0, 16});  // step 1: part 4 piece 0 to rank 4
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 4 piece 1 to rank 4)
-      copy(1, {4, 3, 0, 32, 3, 17}, {3, 1, 1, 32, 0, 17});  // step 2: part 4 piece 1 to rank 4
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 4 piece 2 to rank 4)
-      copy(1, {4, 3, 0, 32, 3, 18}, {3, 1, 1, 32, 0, 18});  // step 3: part 4 piece 2 to rank 4
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 4 piece 3 to rank 4)
-      copy(1, {4, 3, 0, 32, 3, 19}, {3, 1, 1, 32, 0, 19});  // step 4: part 4 piece 3 to rank 4
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 5 piece 0 to rank 5)
-      copy(2, {5, 3, 0, 32, 3, 20}, {3, 1, 1, 32, 0, 20});  // step 5: part 5 piece 0 to rank 5
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 5 piece 1 to rank 5)
-      copy(2, {5, 3, 0, 32, 3, 21}, {3, 1, 1, 32, 0, 21});  // step 6: part 5 piece 1 to rank 5
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 5 piece 2 to rank 5)
-      copy(2, {5, 3, 0, 32, 3, 22}, {3, 1, 1, 32, 0, 22});  // step 7: part 5 piece 2 to rank 5
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 5 piece 3 to rank 5)
-      copy(2, {5, 3, 0, 32, 3, 23}, {3, 1, 1, 32, 0, 23});  // step 8: part 5 piece 3 to rank 5
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 6 piece 0 to rank 6)
-      copy(3, {6, 3, 0, 32, 3, 24}, {3, 1, 1, 32, 0, 24});  // step 9: part 6 piece 0 to rank 6
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 6 piece 1 to rank 6)
-      copy(3, {6, 3, 0, 32, 3, 25}, {3, 1, 1, 32, 0, 25});  // step 10: part 6 piece 1 to rank 6
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 6 piece 2 to rank 6)
-      copy(3, {6, 3, 0, 32, 3, 26}, {3, 1, 1, 32, 0, 26});  // step 11: part 6 piece 2 to rank 6
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 6 piece 3 to rank 6)
-      copy(3, {6, 3, 0, 32, 3, 27}, {3, 1, 1, 32, 0, 27});  // step 12: part 6 piece 3 to rank 6
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 7 piece 0 to rank 7)
-      copy(4, {7, 3, 0, 32, 3, 28}, {3, 1, 1, 32, 0, 28});  // step 13: part 7 piece 0 to rank 7
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 7 piece 1 to rank 7)
-      copy(4, {7, 3, 0, 32, 3, 29}, {3, 1, 1, 32, 0, 29});  // step 14: part 7 piece 1 to rank 7
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 7 piece 2 to rank 7)
-      copy(4, {7, 3, 0, 32, 3, 30}, {3, 1, 1, 32, 0, 30});  // step 15: part 7 piece 2 to rank 7
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 7 piece 3 to rank 7)
-      copy(4, {7, 3, 0, 32, 3, 31}, {3, 1, 1, 32, 0, 31});  // step 16: part 7 piece 3 to rank 7
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 0 piece 0 to rank 0)
-      copy(5, {0, 3, 0, 32, 3, 0}, {3, 1, 1, 32, 0, 0});  // step 17: part 0 piece 0 to rank 0
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 0 piece 1 to rank 0)
-      copy(5, {0, 3, 0, 32, 3, 1}, {3, 1, 1, 32, 0, 1});  // step 18: part 0 piece 1 to rank 0
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 0 piece 2 to rank 0)
-      copy(5, {0, 3, 0, 32, 3, 2}, {3, 1, 1, 32, 0, 2});  // step 19: part 0 piece 2 to rank 0
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 0 piece 3 to rank 0)
-      copy(5, {0, 3, 0, 32, 3, 3}, {3, 1, 1, 32, 0, 3});  // step 20: part 0 piece 3 to rank 0
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 1 piece 0 to rank 1)
-      copy(6, {1, 3, 0, 32, 3, 4}, {3, 1, 1, 32, 0, 4});  // step 21: part 1 piece 0 to rank 1
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 1 piece 1 to rank 1)
-      copy(6, {1, 3, 0, 32, 3, 5}, {3, 1, 1, 32, 0, 5});  // step 22: part 1 piece 1 to rank 1
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 1 piece 2 to rank 1)
-      copy(6, {1, 3, 0, 32, 3, 6}, {3, 1, 1, 32, 0, 6});  // step 23: part 1 piece 2 to rank 1
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 1 piece 3 to rank 1)
-      copy(6, {1, 3, 0, 32, 3, 7}, {3, 1, 1, 32, 0, 7});  // step 24: part 1 piece 3 to rank 1
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 2 piece 0 to rank 2)
-      copy(7, {2, 3, 0, 32, 3, 8}, {3, 1, 1, 32, 0, 8});  // step 25: part 2 piece 0 to rank 2
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 2 piece 1 to rank 2)
-      copy(7, {2, 3, 0, 32, 3, 9}, {3, 1, 1, 32, 0, 9});  // step 26: part 2 piece 1 to rank 2
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 2 piece 2 to rank 2)
-      copy(7, {2, 3, 0, 32, 3, 10}, {3, 1, 1, 32, 0, 10});  // step 27: part 2 piece 2 to rank 2
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 2 piece 3 to rank 2)
-      copy(7, {2, 3, 0, 32, 3, 11}, {3, 1, 1, 32, 0, 11});  // step 28: part 2 piece 3 to rank 2
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 4)
-      copy(9, {4, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 33: reduced piece 0 to rank 4
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 4)
-      copy(9, {4, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 34: reduced piece 1 to rank 4
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 4)
-      copy(9, {4, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 35: reduced piece 2 to rank 4
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 4)
-      copy(9, {4, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 36: reduced piece 3 to rank 4
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 5)
-      copy(10, {5, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 37: reduced piece 0 to rank 5
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 5)
-      copy(10, {5, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 38: reduced piece 1 to rank 5
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 5)
-      copy(10, {5, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 39: reduced piece 2 to rank 5
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 5)
-      copy(10, {5, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 40: reduced piece 3 to rank 5
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 6)
-      copy(11, {6, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 41: reduced piece 0 to rank 6
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 6)
-      copy(11, {6, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 42: reduced piece 1 to rank 6
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 6)
-      copy(11, {6, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 43: reduced piece 2 to rank 6
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 6)
-      copy(11, {6, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 44: reduced piece 3 to rank 6
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 7)
-      copy(12, {7, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 45: reduced piece 0 to rank 7
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 7)
-      copy(12, {7, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 46: reduced piece 1 to rank 7
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 7)
-      copy(12, {7, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 47: reduced piece 2 to rank 7
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 7)
-      copy(12, {7, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 48: reduced piece 3 to rank 7
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 0)
-      copy(13, {0, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 49: reduced piece 0 to rank 0
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 0)
-      copy(13, {0, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 50: reduced piece 1 to rank 0
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 0)
-      copy(13, {0, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 51: reduced piece 2 to rank 0
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 0)
-      copy(13, {0, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 52: reduced piece 3 to rank 0
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 1)
-      copy(14, {1, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 53: reduced piece 0 to rank 1
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 1)
-      copy(14, {1, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 54: reduced piece 1 to rank 1
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 1)
-      copy(14, {1, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 55: reduced piece 2 to rank 1
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 1)
-      copy(14, {1, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 56: reduced piece 3 to rank 1
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 2)
-      copy(15, {2, 2, 0, 32, 0, 12}, {3, 2, 0, 32, 0, 12});  // step 57: reduced piece 0 to rank 2
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 2)
-      copy(15, {2, 2, 0, 32, 0, 13}, {3, 2, 0, 32, 0, 13});  // step 58: reduced piece 1 to rank 2
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 2)
-      copy(15, {2, 2, 0, 32, 0, 14}, {3, 2, 0, 32, 0, 14});  // step 59: reduced piece 2 to rank 2
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 2)
-      copy(15, {2, 2, 0, 32, 0, 15}, {3, 2, 0, 32, 0, 15});  // step 60: reduced piece 3 to rank 2
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 4:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 5 piece 0 to rank 5)
-      copy(1, {5, 3, 0, 32, 4, 20}, {4, 1, 1, 32, 0, 20});  // step 1: part 5 piece 0 to rank 5
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 5 piece 1 to rank 5)
-      copy(1, {5, 3, 0, 32, 4, 21}, {4, 1, 1, 32, 0, 21});  // step 2: part 5 piece 1 to rank 5
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 5 piece 2 to rank 5)
-      copy(1, {5, 3, 0, 32, 4, 22}, {4, 1, 1, 32, 0, 22});  // step 3: part 5 piece 2 to rank 5
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 5 piece 3 to rank 5)
-      copy(1, {5, 3, 0, 32, 4, 23}, {4, 1, 1, 32, 0, 23});  // step 4: part 5 piece 3 to rank 5
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 6 piece 0 to rank 6)
-      copy(2, {6, 3, 0, 32, 4, 24}, {4, 1, 1, 32, 0, 24});  // step 5: part 6 piece 0 to rank 6
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 6 piece 1 to rank 6)
-      copy(2, {6, 3, 0, 32, 4, 25}, {4, 1, 1, 32, 0, 25});  // step 6: part 6 piece 1 to rank 6
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 6 piece 2 to rank 6)
-      copy(2, {6, 3, 0, 32, 4, 26}, {4, 1, 1, 32, 0, 26});  // step 7: part 6 piece 2 to rank 6
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 6 piece 3 to rank 6)
-      copy(2, {6, 3, 0, 32, 4, 27}, {4, 1, 1, 32, 0, 27});  // step 8: part 6 piece 3 to rank 6
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 7 piece 0 to rank 7)
-      copy(3, {7, 3, 0, 32, 4, 28}, {4, 1, 1, 32, 0, 28});  // step 9: part 7 piece 0 to rank 7
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 7 piece 1 to rank 7)
-      copy(3, {7, 3, 0, 32, 4, 29}, {4, 1, 1, 32, 0, 29});  // step 10: part 7 piece 1 to rank 7
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 7 piece 2 to rank 7)
-      copy(3, {7, 3, 0, 32, 4, 30}, {4, 1, 1, 32, 0, 30});  // step 11: part 7 piece 2 to rank 7
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 7 piece 3 to rank 7)
-      copy(3, {7, 3, 0, 32, 4, 31}, {4, 1, 1, 32, 0, 31});  // step 12: part 7 piece 3 to rank 7
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 0 piece 0 to rank 0)
-      copy(4, {0, 3, 0, 32, 4, 0}, {4, 1, 1, 32, 0, 0});  // step 13: part 0 piece 0 to rank 0
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 0 piece 1 to rank 0)
-      copy(4, {0, 3, 0, 32, 4, 1}, {4, 1, 1, 32, 0, 1});  // step 14: part 0 piece 1 to rank 0
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 0 piece 2 to rank 0)
-      copy(4, {0, 3, 0, 32, 4, 2}, {4, 1, 1, 32, 0, 2});  // step 15: part 0 piece 2 to rank 0
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 0 piece 3 to rank 0)
-      copy(4, {0, 3, 0, 32, 4, 3}, {4, 1, 1, 32, 0, 3});  // step 16: part 0 piece 3 to rank 0
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 1 piece 0 to rank 1)
-      copy(5, {1, 3, 0, 32, 4, 4}, {4, 1, 1, 32, 0, 4});  // step 17: part 1 piece 0 to rank 1
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 1 piece 1 to rank 1)
-      copy(5, {1, 3, 0, 32, 4, 5}, {4, 1, 1, 32, 0, 5});  // step 18: part 1 piece 1 to rank 1
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 1 piece 2 to rank 1)
-      copy(5, {1, 3, 0, 32, 4, 6}, {4, 1, 1, 32, 0, 6});  // step 19: part 1 piece 2 to rank 1
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 1 piece 3 to rank 1)
-      copy(5, {1, 3, 0, 32, 4, 7}, {4, 1, 1, 32, 0, 7});  // step 20: part 1 piece 3 to rank 1
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 2 piece 0 to rank 2)
-      copy(6, {2, 3, 0, 32, 4, 8}, {4, 1, 1, 32, 0, 8});  // step 21: part 2 piece 0 to rank 2
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 2 piece 1 to rank 2)
-      copy(6, {2, 3, 0, 32, 4, 9}, {4, 1, 1, 32, 0, 9});  // step 22: part 2 piece 1 to rank 2
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 2 piece 2 to rank 2)
-      copy(6, {2, 3, 0, 32, 4, 10}, {4, 1, 1, 32, 0, 10});  // step 23: part 2 piece 2 to rank 2
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 2 piece 3 to rank 2)
-      copy(6, {2, 3, 0, 32, 4, 11}, {4, 1, 1, 32, 0, 11});  // step 24: part 2 piece 3 to rank 2
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 3 piece 0 to rank 3)
-      copy(7, {3, 3, 0, 32, 4, 12}, {4, 1, 1, 32, 0, 12});  // step 25: part 3 piece 0 to rank 3
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 3 piece 1 to rank 3)
-      copy(7, {3, 3, 0, 32, 4, 13}, {4, 1, 1, 32, 0, 13});  // step 26: part 3 piece 1 to rank 3
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 3 piece 2 to rank 3)
-      copy(7, {3, 3, 0, 32, 4, 14}, {4, 1, 1, 32, 0, 14});  // step 27: part 3 piece 2 to rank 3
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 3 piece 3 to rank 3)
-      copy(7, {3, 3, 0, 32, 4, 15}, {4, 1, 1, 32, 0, 15});  // step 28: part 3 piece 3 to rank 3
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 5)
-      copy(9, {5, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 33: reduced piece 0 to rank 5
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 5)
-      copy(9, {5, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 34: reduced piece 1 to rank 5
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 5)
-      copy(9, {5, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 35: reduced piece 2 to rank 5
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 5)
-      copy(9, {5, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 36: reduced piece 3 to rank 5
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 6)
-      copy(10, {6, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 37: reduced piece 0 to rank 6
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 6)
-      copy(10, {6, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 38: reduced piece 1 to rank 6
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 6)
-      copy(10, {6, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 39: reduced piece 2 to rank 6
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 6)
-      copy(10, {6, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 40: reduced piece 3 to rank 6
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 7)
-      copy(11, {7, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 41: reduced piece 0 to rank 7
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 7)
-      copy(11, {7, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 42: reduced piece 1 to rank 7
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 7)
-      copy(11, {7, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 43: reduced piece 2 to rank 7
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 7)
-      copy(11, {7, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 44: reduced piece 3 to rank 7
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 0)
-      copy(12, {0, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 45: reduced piece 0 to rank 0
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 0)
-      copy(12, {0, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 46: reduced piece 1 to rank 0
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 0)
-      copy(12, {0, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 47: reduced piece 2 to rank 0
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 0)
-      copy(12, {0, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 48: reduced piece 3 to rank 0
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 1)
-      copy(13, {1, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 49: reduced piece 0 to rank 1
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 1)
-      copy(13, {1, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 50: reduced piece 1 to rank 1
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 1)
-      copy(13, {1, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 51: reduced piece 2 to rank 1
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 1)
-      copy(13, {1, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 52: reduced piece 3 to rank 1
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 2)
-      copy(14, {2, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 53: reduced piece 0 to rank 2
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 2)
-      copy(14, {2, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 54: reduced piece 1 to rank 2
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 2)
-      copy(14, {2, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 55: reduced piece 2 to rank 2
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 2)
-      copy(14, {2, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 56: reduced piece 3 to rank 2
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 3)
-      copy(15, {3, 2, 0, 32, 0, 16}, {4, 2, 0, 32, 0, 16});  // step 57: reduced piece 0 to rank 3
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 3)
-      copy(15, {3, 2, 0, 32, 0, 17}, {4, 2, 0, 32, 0, 17});  // step 58: reduced piece 1 to rank 3
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 3)
-      copy(15, {3, 2, 0, 32, 0, 18}, {4, 2, 0, 32, 0, 18});  // step 59: reduced piece 2 to rank 3
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 3)
-      copy(15, {3, 2, 0, 32, 0, 19}, {4, 2, 0, 32, 0, 19});  // step 60: reduced piece 3 to rank 3
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 5:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 6 piece 0 to rank 6)
-      copy(1, {6, 3, 0, 32, 5, 24}, {5, 1, 1, 32, 0, 24});  // step 1: part 6 piece 0 to rank 6
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 6 piece 1 to rank 6)
-      copy(1, {6, 3, 0, 32, 5, 25}, {5, 1, 1, 32, 0, 25});  // step 2: part 6 piece 1 to rank 6
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 6 piece 2 to rank 6)
-      copy(1, {6, 3, 0, 32, 5, 26}, {5, 1, 1, 32, 0, 26});  // step 3: part 6 piece 2 to rank 6
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 6 piece 3 to rank 6)
-      copy(1, {6, 3, 0, 32, 5, 27}, {5, 1, 1, 32, 0, 27});  // step 4: part 6 piece 3 to rank 6
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 7 piece 0 to rank 7)
-      copy(2, {7, 3, 0, 32, 5, 28}, {5, 1, 1, 32, 0, 28});  // step 5: part 7 piece 0 to rank 7
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 7 piece 1 to rank 7)
-      copy(2, {7, 3, 0, 32, 5, 29}, {5, 1, 1, 32, 0, 29});  // step 6: part 7 piece 1 to rank 7
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 7 piece 2 to rank 7)
-      copy(2, {7, 3, 0, 32, 5, 30}, {5, 1, 1, 32, 0, 30});  // step 7: part 7 piece 2 to rank 7
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 7 piece 3 to rank 7)
-      copy(2, {7, 3, 0, 32, 5, 31}, {5, 1, 1, 32, 0, 31});  // step 8: part 7 piece 3 to rank 7
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 0 piece 0 to rank 0)
-      copy(3, {0, 3, 0, 32, 5, 0}, {5, 1, 1, 32, 0, 0});  // step 9: part 0 piece 0 to rank 0
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 0 piece 1 to rank 0)
-      copy(3, {0, 3, 0, 32, 5, 1}, {5, 1, 1, 32, 0, 1});  // step 10: part 0 piece 1 to rank 0
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 0 piece 2 to rank 0)
-      copy(3, {0, 3, 0, 32, 5, 2}, {5, 1, 1, 32, 0, 2});  // step 11: part 0 piece 2 to rank 0
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 0 piece 3 to rank 0)
-      copy(3, {0, 3, 0, 32, 5, 3}, {5, 1, 1, 32, 0, 3});  // step 12: part 0 piece 3 to rank 0
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 1 piece 0 to rank 1)
-      copy(4, {1, 3, 0, 32, 5, 4}, {5, 1, 1, 32, 0, 4});  // step 13: part 1 piece 0 to rank 1
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 1 piece 1 to rank 1)
-      copy(4, {1, 3, 0, 32, 5, 5}, {5, 1, 1, 32, 0, 5});  // step 14: part 1 piece 1 to rank 1
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 1 piece 2 to rank 1)
-      copy(4, {1, 3, 0, 32, 5, 6}, {5, 1, 1, 32, 0, 6});  // step 15: part 1 piece 2 to rank 1
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 1 piece 3 to rank 1)
-      copy(4, {1, 3, 0, 32, 5, 7}, {5, 1, 1, 32, 0, 7});  // step 16: part 1 piece 3 to rank 1
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 2 piece 0 to rank 2)
-      copy(5, {2, 3, 0, 32, 5, 8}, {5, 1, 1, 32, 0, 8});  // step 17: part 2 piece 0 to rank 2
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 2 piece 1 to rank 2)
-      copy(5, {2, 3, 0, 32, 5, 9}, {5, 1, 1, 32, 0, 9});  // step 18: part 2 piece 1 to rank 2
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 2 piece 2 to rank 2)
-      copy(5, {2, 3, 0, 32, 5, 10}, {5, 1, 1, 32, 0, 10});  // step 19: part 2 piece 2 to rank 2
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 2 piece 3 to rank 2)
-      copy(5, {2, 3, 0, 32, 5, 11}, {5, 1, 1, 32, 0, 11});  // step 20: part 2 piece 3 to rank 2
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 3 piece 0 to rank 3)
-      copy(6, {3, 3, 0, 32, 5, 12}, {5, 1, 1, 32, 0, 12});  // step 21: part 3 piece 0 to rank 3
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 3 piece 1 to rank 3)
-      copy(6, {3, 3, 0, 32, 5, 13}, {5, 1, 1, 32, 0, 13});  // step 22: part 3 piece 1 to rank 3
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 3 piece 2 to rank 3)
-      copy(6, {3, 3, 0, 32, 5, 14}, {5, 1, 1, 32, 0, 14});  // step 23: part 3 piece 2 to rank 3
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 3 piece 3 to rank 3)
-      copy(6, {3, 3, 0, 32, 5, 15}, {5, 1, 1, 32, 0, 15});  // step 24: part 3 piece 3 to rank 3
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 4 piece 0 to rank 4)
-      copy(7, {4, 3, 0, 32, 5, 16}, {5, 1, 1, 32, 0, 16});  // step 25: part 4 piece 0 to rank 4
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 4 piece 1 to rank 4)
-      copy(7, {4, 3, 0, 32, 5, 17}, {5, 1, 1, 32, 0, 17});  // step 26: part 4 piece 1 to rank 4
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 4 piece 2 to rank 4)
-      copy(7, {4, 3, 0, 32, 5, 18}, {5, 1, 1, 32, 0, 18});  // step 27: part 4 piece 2 to rank 4
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 4 piece 3 to rank 4)
-      copy(7, {4, 3, 0, 32, 5, 19}, {5, 1, 1, 32, 0, 19});  // step 28: part 4 piece 3 to rank 4
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 6)
-      copy(9, {6, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 33: reduced piece 0 to rank 6
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 6)
-      copy(9, {6, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 34: reduced piece 1 to rank 6
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 6)
-      copy(9, {6, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 35: reduced piece 2 to rank 6
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 6)
-      copy(9, {6, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 36: reduced piece 3 to rank 6
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 7)
-      copy(10, {7, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 37: reduced piece 0 to rank 7
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 7)
-      copy(10, {7, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 38: reduced piece 1 to rank 7
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 7)
-      copy(10, {7, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 39: reduced piece 2 to rank 7
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 7)
-      copy(10, {7, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 40: reduced piece 3 to rank 7
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 0)
-      copy(11, {0, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 41: reduced piece 0 to rank 0
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 0)
-      copy(11, {0, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 42: reduced piece 1 to rank 0
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 0)
-      copy(11, {0, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 43: reduced piece 2 to rank 0
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 0)
-      copy(11, {0, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 44: reduced piece 3 to rank 0
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 1)
-      copy(12, {1, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 45: reduced piece 0 to rank 1
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 1)
-      copy(12, {1, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 46: reduced piece 1 to rank 1
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 1)
-      copy(12, {1, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 47: reduced piece 2 to rank 1
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 1)
-      copy(12, {1, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 48: reduced piece 3 to rank 1
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 2)
-      copy(13, {2, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 49: reduced piece 0 to rank 2
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 2)
-      copy(13, {2, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 50: reduced piece 1 to rank 2
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 2)
-      copy(13, {2, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 51: reduced piece 2 to rank 2
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 2)
-      copy(13, {2, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 52: reduced piece 3 to rank 2
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 3)
-      copy(14, {3, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 53: reduced piece 0 to rank 3
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 3)
-      copy(14, {3, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 54: reduced piece 1 to rank 3
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 3)
-      copy(14, {3, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 55: reduced piece 2 to rank 3
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 3)
-      copy(14, {3, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 56: reduced piece 3 to rank 3
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 4)
-      copy(15, {4, 2, 0, 32, 0, 20}, {5, 2, 0, 32, 0, 20});  // step 57: reduced piece 0 to rank 4
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 4)
-      copy(15, {4, 2, 0, 32, 0, 21}, {5, 2, 0, 32, 0, 21});  // step 58: reduced piece 1 to rank 4
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 4)
-      copy(15, {4, 2, 0, 32, 0, 22}, {5, 2, 0, 32, 0, 22});  // step 59: reduced piece 2 to rank 4
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 4)
-      copy(15, {4, 2, 0, 32, 0, 23}, {5, 2, 0, 32, 0, 23});  // step 60: reduced piece 3 to rank 4
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 6:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 7 piece 0 to rank 7)
-      copy(1, {7, 3, 0, 32, 6, 28}, {6, 1, 1, 32, 0, 28});  // step 1: part 7 piece 0 to rank 7
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 7 piece 1 to rank 7)
-      copy(1, {7, 3, 0, 32, 6, 29}, {6, 1, 1, 32, 0, 29});  // step 2: part 7 piece 1 to rank 7
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 7 piece 2 to rank 7)
-      copy(1, {7, 3, 0, 32, 6, 30}, {6, 1, 1, 32, 0, 30});  // step 3: part 7 piece 2 to rank 7
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 7 piece 3 to rank 7)
-      copy(1, {7, 3, 0, 32, 6, 31}, {6, 1, 1, 32, 0, 31});  // step 4: part 7 piece 3 to rank 7
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 0 piece 0 to rank 0)
-      copy(2, {0, 3, 0, 32, 6, 0}, {6, 1, 1, 32, 0, 0});  // step 5: part 0 piece 0 to rank 0
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 0 piece 1 to rank 0)
-      copy(2, {0, 3, 0, 32, 6, 1}, {6, 1, 1, 32, 0, 1});  // step 6: part 0 piece 1 to rank 0
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 0 piece 2 to rank 0)
-      copy(2, {0, 3, 0, 32, 6, 2}, {6, 1, 1, 32, 0, 2});  // step 7: part 0 piece 2 to rank 0
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 0 piece 3 to rank 0)
-      copy(2, {0, 3, 0, 32, 6, 3}, {6, 1, 1, 32, 0, 3});  // step 8: part 0 piece 3 to rank 0
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 1 piece 0 to rank 1)
-      copy(3, {1, 3, 0, 32, 6, 4}, {6, 1, 1, 32, 0, 4});  // step 9: part 1 piece 0 to rank 1
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 1 piece 1 to rank 1)
-      copy(3, {1, 3, 0, 32, 6, 5}, {6, 1, 1, 32, 0, 5});  // step 10: part 1 piece 1 to rank 1
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 1 piece 2 to rank 1)
-      copy(3, {1, 3, 0, 32, 6, 6}, {6, 1, 1, 32, 0, 6});  // step 11: part 1 piece 2 to rank 1
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 1 piece 3 to rank 1)
-      copy(3, {1, 3, 0, 32, 6, 7}, {6, 1, 1, 32, 0, 7});  // step 12: part 1 piece 3 to rank 1
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 2 piece 0 to rank 2)
-      copy(4, {2, 3, 0, 32, 6, 8}, {6, 1, 1, 32, 0, 8});  // step 13: part 2 piece 0 to rank 2
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 2 piece 1 to rank 2)
-      copy(4, {2, 3, 0, 32, 6, 9}, {6, 1, 1, 32, 0, 9});  // step 14: part 2 piece 1 to rank 2
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 2 piece 2 to rank 2)
-      copy(4, {2, 3, 0, 32, 6, 10}, {6, 1, 1, 32, 0, 10});  // step 15: part 2 piece 2 to rank 2
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 2 piece 3 to rank 2)
-      copy(4, {2, 3, 0, 32, 6, 11}, {6, 1, 1, 32, 0, 11});  // step 16: part 2 piece 3 to rank 2
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 3 piece 0 to rank 3)
-      copy(5, {3, 3, 0, 32, 6, 12}, {6, 1, 1, 32, 0, 12});  // step 17: part 3 piece 0 to rank 3
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 3 piece 1 to rank 3)
-      copy(5, {3, 3, 0, 32, 6, 13}, {6, 1, 1, 32, 0, 13});  // step 18: part 3 piece 1 to rank 3
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 3 piece 2 to rank 3)
-      copy(5, {3, 3, 0, 32, 6, 14}, {6, 1, 1, 32, 0, 14});  // step 19: part 3 piece 2 to rank 3
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 3 piece 3 to rank 3)
-      copy(5, {3, 3, 0, 32, 6, 15}, {6, 1, 1, 32, 0, 15});  // step 20: part 3 piece 3 to rank 3
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 4 piece 0 to rank 4)
-      copy(6, {4, 3, 0, 32, 6, 16}, {6, 1, 1, 32, 0, 16});  // step 21: part 4 piece 0 to rank 4
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 4 piece 1 to rank 4)
-      copy(6, {4, 3, 0, 32, 6, 17}, {6, 1, 1, 32, 0, 17});  // step 22: part 4 piece 1 to rank 4
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 4 piece 2 to rank 4)
-      copy(6, {4, 3, 0, 32, 6, 18}, {6, 1, 1, 32, 0, 18});  // step 23: part 4 piece 2 to rank 4
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 4 piece 3 to rank 4)
-      copy(6, {4, 3, 0, 32, 6, 19}, {6, 1, 1, 32, 0, 19});  // step 24: part 4 piece 3 to rank 4
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 5 piece 0 to rank 5)
-      copy(7, {5, 3, 0, 32, 6, 20}, {6, 1, 1, 32, 0, 20});  // step 25: part 5 piece 0 to rank 5
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 5 piece 1 to rank 5)
-      copy(7, {5, 3, 0, 32, 6, 21}, {6, 1, 1, 32, 0, 21});  // step 26: part 5 piece 1 to rank 5
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 5 piece 2 to rank 5)
-      copy(7, {5, 3, 0, 32, 6, 22}, {6, 1, 1, 32, 0, 22});  // step 27: part 5 piece 2 to rank 5
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 5 piece 3 to rank 5)
-      copy(7, {5, 3, 0, 32, 6, 23}, {6, 1, 1, 32, 0, 23});  // step 28: part 5 piece 3 to rank 5
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 7)
-      copy(9, {7, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 33: reduced piece 0 to rank 7
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 7)
-      copy(9, {7, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 34: reduced piece 1 to rank 7
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 7)
-      copy(9, {7, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 35: reduced piece 2 to rank 7
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 7)
-      copy(9, {7, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 36: reduced piece 3 to rank 7
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 0)
-      copy(10, {0, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 37: reduced piece 0 to rank 0
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 0)
-      copy(10, {0, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 38: reduced piece 1 to rank 0
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 0)
-      copy(10, {0, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 39: reduced piece 2 to rank 0
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 0)
-      copy(10, {0, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 40: reduced piece 3 to rank 0
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 1)
-      copy(11, {1, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 41: reduced piece 0 to rank 1
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 1)
-      copy(11, {1, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 42: reduced piece 1 to rank 1
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 1)
-      copy(11, {1, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 43: reduced piece 2 to rank 1
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 1)
-      copy(11, {1, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 44: reduced piece 3 to rank 1
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 2)
-      copy(12, {2, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 45: reduced piece 0 to rank 2
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 2)
-      copy(12, {2, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 46: reduced piece 1 to rank 2
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 2)
-      copy(12, {2, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 47: reduced piece 2 to rank 2
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 2)
-      copy(12, {2, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 48: reduced piece 3 to rank 2
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 3)
-      copy(13, {3, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 49: reduced piece 0 to rank 3
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 3)
-      copy(13, {3, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 50: reduced piece 1 to rank 3
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 3)
-      copy(13, {3, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 51: reduced piece 2 to rank 3
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 3)
-      copy(13, {3, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 52: reduced piece 3 to rank 3
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 4)
-      copy(14, {4, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 53: reduced piece 0 to rank 4
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 4)
-      copy(14, {4, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 54: reduced piece 1 to rank 4
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 4)
-      copy(14, {4, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 55: reduced piece 2 to rank 4
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 4)
-      copy(14, {4, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 56: reduced piece 3 to rank 4
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 5)
-      copy(15, {5, 2, 0, 32, 0, 24}, {6, 2, 0, 32, 0, 24});  // step 57: reduced piece 0 to rank 5
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 5)
-      copy(15, {5, 2, 0, 32, 0, 25}, {6, 2, 0, 32, 0, 25});  // step 58: reduced piece 1 to rank 5
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 5)
-      copy(15, {5, 2, 0, 32, 0, 26}, {6, 2, 0, 32, 0, 26});  // step 59: reduced piece 2 to rank 5
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 5)
-      copy(15, {5, 2, 0, 32, 0, 27}, {6, 2, 0, 32, 0, 27});  // step 60: reduced piece 3 to rank 5
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-    case 7:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (part 0 piece 0 to rank 0)
-      copy(1, {0, 3, 0, 32, 7, 0}, {7, 1, 1, 32, 0, 0});  // step 1: part 0 piece 0 to rank 0
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (part 0 piece 1 to rank 0)
-      copy(1, {0, 3, 0, 32, 7, 1}, {7, 1, 1, 32, 0, 1});  // step 2: part 0 piece 1 to rank 0
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (part 0 piece 2 to rank 0)
-      copy(1, {0, 3, 0, 32, 7, 2}, {7, 1, 1, 32, 0, 2});  // step 3: part 0 piece 2 to rank 0
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (part 0 piece 3 to rank 0)
-      copy(1, {0, 3, 0, 32, 7, 3}, {7, 1, 1, 32, 0, 3});  // step 4: part 0 piece 3 to rank 0
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (part 1 piece 0 to rank 1)
-      copy(2, {1, 3, 0, 32, 7, 4}, {7, 1, 1, 32, 0, 4});  // step 5: part 1 piece 0 to rank 1
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (part 1 piece 1 to rank 1)
-      copy(2, {1, 3, 0, 32, 7, 5}, {7, 1, 1, 32, 0, 5});  // step 6: part 1 piece 1 to rank 1
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (part 1 piece 2 to rank 1)
-      copy(2, {1, 3, 0, 32, 7, 6}, {7, 1, 1, 32, 0, 6});  // step 7: part 1 piece 2 to rank 1
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (part 1 piece 3 to rank 1)
-      copy(2, {1, 3, 0, 32, 7, 7}, {7, 1, 1, 32, 0, 7});  // step 8: part 1 piece 3 to rank 1
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (part 2 piece 0 to rank 2)
-      copy(3, {2, 3, 0, 32, 7, 8}, {7, 1, 1, 32, 0, 8});  // step 9: part 2 piece 0 to rank 2
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (part 2 piece 1 to rank 2)
-      copy(3, {2, 3, 0, 32, 7, 9}, {7, 1, 1, 32, 0, 9});  // step 10: part 2 piece 1 to rank 2
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (part 2 piece 2 to rank 2)
-      copy(3, {2, 3, 0, 32, 7, 10}, {7, 1, 1, 32, 0, 10});  // step 11: part 2 piece 2 to rank 2
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (part 2 piece 3 to rank 2)
-      copy(3, {2, 3, 0, 32, 7, 11}, {7, 1, 1, 32, 0, 11});  // step 12: part 2 piece 3 to rank 2
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (part 3 piece 0 to rank 3)
-      copy(4, {3, 3, 0, 32, 7, 12}, {7, 1, 1, 32, 0, 12});  // step 13: part 3 piece 0 to rank 3
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (part 3 piece 1 to rank 3)
-      copy(4, {3, 3, 0, 32, 7, 13}, {7, 1, 1, 32, 0, 13});  // step 14: part 3 piece 1 to rank 3
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (part 3 piece 2 to rank 3)
-      copy(4, {3, 3, 0, 32, 7, 14}, {7, 1, 1, 32, 0, 14});  // step 15: part 3 piece 2 to rank 3
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (part 3 piece 3 to rank 3)
-      copy(4, {3, 3, 0, 32, 7, 15}, {7, 1, 1, 32, 0, 15});  // step 16: part 3 piece 3 to rank 3
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (part 4 piece 0 to rank 4)
-      copy(5, {4, 3, 0, 32, 7, 16}, {7, 1, 1, 32, 0, 16});  // step 17: part 4 piece 0 to rank 4
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (part 4 piece 1 to rank 4)
-      copy(5, {4, 3, 0, 32, 7, 17}, {7, 1, 1, 32, 0, 17});  // step 18: part 4 piece 1 to rank 4
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (part 4 piece 2 to rank 4)
-      copy(5, {4, 3, 0, 32, 7, 18}, {7, 1, 1, 32, 0, 18});  // step 19: part 4 piece 2 to rank 4
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (part 4 piece 3 to rank 4)
-      copy(5, {4, 3, 0, 32, 7, 19}, {7, 1, 1, 32, 0, 19});  // step 20: part 4 piece 3 to rank 4
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (part 5 piece 0 to rank 5)
-      copy(6, {5, 3, 0, 32, 7, 20}, {7, 1, 1, 32, 0, 20});  // step 21: part 5 piece 0 to rank 5
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (part 5 piece 1 to rank 5)
-      copy(6, {5, 3, 0, 32, 7, 21}, {7, 1, 1, 32, 0, 21});  // step 22: part 5 piece 1 to rank 5
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (part 5 piece 2 to rank 5)
-      copy(6, {5, 3, 0, 32, 7, 22}, {7, 1, 1, 32, 0, 22});  // step 23: part 5 piece 2 to rank 5
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (part 5 piece 3 to rank 5)
-      copy(6, {5, 3, 0, 32, 7, 23}, {7, 1, 1, 32, 0, 23});  // step 24: part 5 piece 3 to rank 5
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (part 6 piece 0 to rank 6)
-      copy(7, {6, 3, 0, 32, 7, 24}, {7, 1, 1, 32, 0, 24});  // step 25: part 6 piece 0 to rank 6
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (part 6 piece 1 to rank 6)
-      copy(7, {6, 3, 0, 32, 7, 25}, {7, 1, 1, 32, 0, 25});  // step 26: part 6 piece 1 to rank 6
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (part 6 piece 2 to rank 6)
-      copy(7, {6, 3, 0, 32, 7, 26}, {7, 1, 1, 32, 0, 26});  // step 27: part 6 piece 2 to rank 6
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (part 6 piece 3 to rank 6)
-      copy(7, {6, 3, 0, 32, 7, 27}, {7, 1, 1, 32, 0, 27});  // step 28: part 6 piece 3 to rank 6
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce our part, piece 0)
-      reduce(8, 29);  // step 29: reduce our part, piece 0
-      sync(8, 29, 30);  // signals of step 29, then waits of step 30 (reduce our part, piece 1)
-      reduce(8, 30);  // step 30: reduce our part, piece 1
-      sync(8, 30, 31);  // signals of step 30, then waits of step 31 (reduce our part, piece 2)
-      reduce(8, 31);  // step 31: reduce our part, piece 2
-      sync(8, 31, 32);  // signals of step 31, then waits of step 32 (reduce our part, piece 3)
-      reduce(8, 32);  // step 32: reduce our part, piece 3
-      sync(8, 32, -1);  // signals of step 32
-      sync(9, -1, 33);  // waits of step 33 (reduced piece 0 to rank 0)
-      copy(9, {0, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 33: reduced piece 0 to rank 0
-      sync(9, 33, 34);  // signals of step 33, then waits of step 34 (reduced piece 1 to rank 0)
-      copy(9, {0, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 34: reduced piece 1 to rank 0
-      sync(9, 34, 35);  // signals of step 34, then waits of step 35 (reduced piece 2 to rank 0)
-      copy(9, {0, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 35: reduced piece 2 to rank 0
-      sync(9, 35, 36);  // signals of step 35, then waits of step 36 (reduced piece 3 to rank 0)
-      copy(9, {0, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 36: reduced piece 3 to rank 0
-      sync(9, 36, -1);  // signals of step 36
-      sync(10, -1, 37);  // waits of step 37 (reduced piece 0 to rank 1)
-      copy(10, {1, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 37: reduced piece 0 to rank 1
-      sync(10, 37, 38);  // signals of step 37, then waits of step 38 (reduced piece 1 to rank 1)
-      copy(10, {1, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 38: reduced piece 1 to rank 1
-      sync(10, 38, 39);  // signals of step 38, then waits of step 39 (reduced piece 2 to rank 1)
-      copy(10, {1, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 39: reduced piece 2 to rank 1
-      sync(10, 39, 40);  // signals of step 39, then waits of step 40 (reduced piece 3 to rank 1)
-      copy(10, {1, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 40: reduced piece 3 to rank 1
-      sync(10, 40, -1);  // signals of step 40
-      sync(11, -1, 41);  // waits of step 41 (reduced piece 0 to rank 2)
-      copy(11, {2, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 41: reduced piece 0 to rank 2
-      sync(11, 41, 42);  // signals of step 41, then waits of step 42 (reduced piece 1 to rank 2)
-      copy(11, {2, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 42: reduced piece 1 to rank 2
-      sync(11, 42, 43);  // signals of step 42, then waits of step 43 (reduced piece 2 to rank 2)
-      copy(11, {2, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 43: reduced piece 2 to rank 2
-      sync(11, 43, 44);  // signals of step 43, then waits of step 44 (reduced piece 3 to rank 2)
-      copy(11, {2, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 44: reduced piece 3 to rank 2
-      sync(11, 44, -1);  // signals of step 44
-      sync(12, -1, 45);  // waits of step 45 (reduced piece 0 to rank 3)
-      copy(12, {3, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 45: reduced piece 0 to rank 3
-      sync(12, 45, 46);  // signals of step 45, then waits of step 46 (reduced piece 1 to rank 3)
-      copy(12, {3, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 46: reduced piece 1 to rank 3
-      sync(12, 46, 47);  // signals of step 46, then waits of step 47 (reduced piece 2 to rank 3)
-      copy(12, {3, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 47: reduced piece 2 to rank 3
-      sync(12, 47, 48);  // signals of step 47, then waits of step 48 (reduced piece 3 to rank 3)
-      copy(12, {3, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 48: reduced piece 3 to rank 3
-      sync(12, 48, -1);  // signals of step 48
-      sync(13, -1, 49);  // waits of step 49 (reduced piece 0 to rank 4)
-      copy(13, {4, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 49: reduced piece 0 to rank 4
-      sync(13, 49, 50);  // signals of step 49, then waits of step 50 (reduced piece 1 to rank 4)
-      copy(13, {4, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 50: reduced piece 1 to rank 4
-      sync(13, 50, 51);  // signals of step 50, then waits of step 51 (reduced piece 2 to rank 4)
-      copy(13, {4, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 51: reduced piece 2 to rank 4
-      sync(13, 51, 52);  // signals of step 51, then waits of step 52 (reduced piece 3 to rank 4)
-      copy(13, {4, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 52: reduced piece 3 to rank 4
-      sync(13, 52, -1);  // signals of step 52
-      sync(14, -1, 53);  // waits of step 53 (reduced piece 0 to rank 5)
-      copy(14, {5, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 53: reduced piece 0 to rank 5
-      sync(14, 53, 54);  // signals of step 53, then waits of step 54 (reduced piece 1 to rank 5)
-      copy(14, {5, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 54: reduced piece 1 to rank 5
-      sync(14, 54, 55);  // signals of step 54, then waits of step 55 (reduced piece 2 to rank 5)
-      copy(14, {5, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 55: reduced piece 2 to rank 5
-      sync(14, 55, 56);  // signals of step 55, then waits of step 56 (reduced piece 3 to rank 5)
-      copy(14, {5, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 56: reduced piece 3 to rank 5
-      sync(14, 56, -1);  // signals of step 56
-      sync(15, -1, 57);  // waits of step 57 (reduced piece 0 to rank 6)
-      copy(15, {6, 2, 0, 32, 0, 28}, {7, 2, 0, 32, 0, 28});  // step 57: reduced piece 0 to rank 6
-      sync(15, 57, 58);  // signals of step 57, then waits of step 58 (reduced piece 1 to rank 6)
-      copy(15, {6, 2, 0, 32, 0, 29}, {7, 2, 0, 32, 0, 29});  // step 58: reduced piece 1 to rank 6
-      sync(15, 58, 59);  // signals of step 58, then waits of step 59 (reduced piece 2 to rank 6)
-      copy(15, {6, 2, 0, 32, 0, 30}, {7, 2, 0, 32, 0, 30});  // step 59: reduced piece 2 to rank 6
-      sync(15, 59, 60);  // signals of step 59, then waits of step 60 (reduced piece 3 to rank 6)
-      copy(15, {6, 2, 0, 32, 0, 31}, {7, 2, 0, 32, 0, 31});  // step 60: reduced piece 3 to rank 6
-      sync(15, 60, -1);  // signals of step 60
-      sync(16, -1, 61);  // waits of step 61 (wait for every peer's reduced parts)
-      sync(17, -1, 62);  // waits of step 62 (wait for every peer's reduced parts)
-      sync(18, -1, 63);  // waits of step 63 (wait for every peer's reduced parts)
-      sync(19, -1, 64);  // waits of step 64 (wait for every peer's reduced parts)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 20);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  all_reduce_two_shot_ce_w8_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<all_reduce_two_shot_ce::T, 8, 20, 64, 512, all_reduce_two_shot_ce_w8_sync, all_reduce_two_shot_ce_w8_reduce,
+                           all_reduce_two_shot_ce_w8_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive, reduced, gathered);
 }
 

@@ -8,12 +8,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   dst      int32_t        inout  count
@@ -23,13 +21,13 @@
 //   reduced  uint64_t       signal 2
 //   gathered uint64_t       signal 16
 // Contents (line numbers of this file):
-//   49: the hand-written library, included: tsgen/ptx.cuh 49, tsgen/sync.cuh 50, tsgen/copy.cuh 51, tsgen/plan.cuh 52
-//   57: the op's own code (namespace all_reduce_two_shot_inplace_i32: constants, tables, device code)
+//   46: the hand-written library, included: tsgen/ptx.cuh 46, tsgen/sync.cuh 47, tsgen/copy.cuh 48, tsgen/plan.cuh 49
+//   52: the op's own code (namespace all_reduce_two_shot_inplace_i32: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_reduce_two_shot_inplace_i32_w2 1844, all_reduce_two_shot_inplace_i32_w3 1851
-//     all_reduce_two_shot_inplace_i32_w4 1858, all_reduce_two_shot_inplace_i32_w8 1865
-//     all_reduce_two_shot_inplace_i32_w2_launch 1881, all_reduce_two_shot_inplace_i32_w3_launch 1882
-//     all_reduce_two_shot_inplace_i32_w4_launch 1883, all_reduce_two_shot_inplace_i32_w8_launch 1884
+//     all_reduce_two_shot_inplace_i32_w2 774, all_reduce_two_shot_inplace_i32_w3 779
+//     all_reduce_two_shot_inplace_i32_w4 784, all_reduce_two_shot_inplace_i32_w8 789
+//     all_reduce_two_shot_inplace_i32_w2_launch 797, all_reduce_two_shot_inplace_i32_w3_launch 798
+//     all_reduce_two_shot_inplace_i32_w4_launch 799, all_reduce_two_shot_inplace_i32_w8_launch 800
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -37,8 +35,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -51,9 +48,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// all_reduce: all_reduce_two_shot_inplace_i32
-// ---------------------------------------------------------------------------
+// ---- all_reduce: all_reduce_two_shot_inplace_i32 ----------------------------------------------------------------
 namespace all_reduce_two_shot_inplace_i32 {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -63,1458 +58,540 @@ constexpr int UNROLL = 4;
 
 typedef int32_t T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: dst
-//   2: inbox
-//   3: entry
-//   4: arrive
-//   5: reduced
-//   6: gathered
-static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };
+static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", "entry", "arrive", "reduced", "gathered" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
   char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2 || WORLD == 3)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 16 steps, 194 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 16 steps, 194 block shares over 64 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/4] = r0:dst@0[2/4]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 0, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/4] = r0:dst@0[3/4]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 0, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: reduce our part, piece 0; wait arrive[2]; r0:dst@0[0/4] = r0:dst@0[0/4] + r0:inbox@1[0/4]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}, {0, 2, 0, 4, 1, 0}}, {}, {{4, 0, 2, 16}}, {{0, 5, 0}}},
-    // rank 0 step 4: reduce our part, piece 1; wait arrive[3]; r0:dst@0[1/4] = r0:dst@0[1/4] + r0:inbox@1[1/4]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 1, 0, 4, 0, 1}, {{0, 1, 0, 4, 0, 1}, {0, 2, 0, 4, 1, 1}}, {}, {{4, 0, 3, 16}}, {{0, 5, 1}}},
-    // rank 0 step 5: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/4] = r0:dst@0[0/4]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
-    // rank 0 step 6: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/4] = r0:dst@0[1/4]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 4, 0, 1}, {{0, 1, 0, 4, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
-    // rank 0 step 7: wait for every peer's reduced parts; wait gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/4] = r1:dst@0[0/4]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 0}, {{1, 1, 0, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 1 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/4] = r1:dst@0[1/4]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 1}, {{1, 1, 0, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 1 step 3: reduce our part, piece 0; wait arrive[0]; r1:dst@0[2/4] = r1:dst@0[2/4] + r1:inbox@0[2/4]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 1, 0, 4, 0, 2}, {{1, 1, 0, 4, 0, 2}, {1, 2, 0, 4, 0, 2}}, {}, {{4, 0, 0, 16}}, {{1, 5, 0}}},
-    // rank 1 step 4: reduce our part, piece 1; wait arrive[1]; r1:dst@0[3/4] = r1:dst@0[3/4] + r1:inbox@0[3/4]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 1, 0, 4, 0, 3}, {{1, 1, 0, 4, 0, 3}, {1, 2, 0, 4, 0, 3}}, {}, {{4, 0, 1, 16}}, {{1, 5, 1}}},
-    // rank 1 step 5: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/4] = r1:dst@0[2/4]; signal r0:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 4, 0, 2}, {{1, 1, 0, 4, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
-    // rank 1 step 6: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/4] = r1:dst@0[3/4]; signal r0:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 4, 0, 3}, {{1, 1, 0, 4, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
-    // rank 1 step 7: wait for every peer's reduced parts; wait gathered[0], gathered[1]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 0, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/4] = r0:dst@0[2/4]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 0, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/4] = r0:dst@0[3/4]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}, {0, 2, 0, 4, 1, 0}}, {}, {{4, 0, 2, 16}}, {{0, 5, 0}}},  // rank 0 step 3: reduce our part, piece 0; wait arrive[2]; r0:dst@0[0/4] = r0:dst@0[0/4] + r0:inbox@1[0/4]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {0, 1, 0, 4, 0, 1}, {{0, 1, 0, 4, 0, 1}, {0, 2, 0, 4, 1, 1}}, {}, {{4, 0, 3, 16}}, {{0, 5, 1}}},  // rank 0 step 4: reduce our part, piece 1; wait arrive[3]; r0:dst@0[1/4] = r0:dst@0[1/4] + r0:inbox@1[1/4]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 4, 0, 0}, {{0, 1, 0, 4, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},  // rank 0 step 5: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/4] = r0:dst@0[0/4]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 4, 0, 1}, {{0, 1, 0, 4, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},  // rank 0 step 6: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/4] = r0:dst@0[1/4]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}}, {}},  // rank 0 step 7: wait for every peer's reduced parts; wait gathered[2], gathered[3]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 0}, {{1, 1, 0, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 1 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/4] = r1:dst@0[0/4]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 1}, {{1, 1, 0, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 1 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/4] = r1:dst@0[1/4]; signal r0:arrive[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 1, 0, 4, 0, 2}, {{1, 1, 0, 4, 0, 2}, {1, 2, 0, 4, 0, 2}}, {}, {{4, 0, 0, 16}}, {{1, 5, 0}}},  // rank 1 step 3: reduce our part, piece 0; wait arrive[0]; r1:dst@0[2/4] = r1:dst@0[2/4] + r1:inbox@0[2/4]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 1, 0, {1, 1, 0, 4, 0, 3}, {{1, 1, 0, 4, 0, 3}, {1, 2, 0, 4, 0, 3}}, {}, {{4, 0, 1, 16}}, {{1, 5, 1}}},  // rank 1 step 4: reduce our part, piece 1; wait arrive[1]; r1:dst@0[3/4] = r1:dst@0[3/4] + r1:inbox@0[3/4]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 4, 0, 2}, {{1, 1, 0, 4, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},  // rank 1 step 5: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/4] = r1:dst@0[2/4]; signal r0:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 4, 0, 3}, {{1, 1, 0, 4, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},  // rank 1 step 6: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/4] = r1:dst@0[3/4]; signal r0:gathered[3]; 16 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}}, {}},  // rank 1 step 7: wait for every peer's reduced parts; wait gathered[0], gathered[1]
 };
 static __device__ const int step_base_w2[2] = { 0, 8 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 36 steps, 483 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 36 steps, 483 block shares over 64 blocks, run as straight-line code
+// (plan<3>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/6] = r0:dst@0[2/6]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 0, 2}, {{0, 1, 0, 6, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/6] = r0:dst@0[3/6]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 0, 3}, {{0, 1, 0, 6, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/6] = r0:dst@0[4/6]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 0, 4}, {{0, 1, 0, 6, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/6] = r0:dst@0[5/6]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 0, 5}, {{0, 1, 0, 6, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 0 step 5: reduce our part, piece 0; wait arrive[2], arrive[4]; r0:dst@0[0/6] = r0:dst@0[0/6] + r0:inbox@1[0/6] + r0:inbox@2[0/6]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}, {0, 2, 0, 6, 1, 0}, {0, 2, 0, 6, 2, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}}, {{0, 5, 0}}},
-    // rank 0 step 6: reduce our part, piece 1; wait arrive[3], arrive[5]; r0:dst@0[1/6] = r0:dst@0[1/6] + r0:inbox@1[1/6] + r0:inbox@2[1/6]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}, {0, 2, 0, 6, 1, 1}, {0, 2, 0, 6, 2, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}}, {{0, 5, 1}}},
-    // rank 0 step 7: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/6] = r0:dst@0[0/6]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
-    // rank 0 step 8: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/6] = r0:dst@0[1/6]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
-    // rank 0 step 9: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/6] = r0:dst@0[0/6]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},
-    // rank 0 step 10: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/6] = r0:dst@0[1/6]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},
-    // rank 0 step 11: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/6] = r1:dst@0[4/6]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 1, 4}, {{1, 1, 0, 6, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
-    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/6] = r1:dst@0[5/6]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 1, 5}, {{1, 1, 0, 6, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 1 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/6] = r1:dst@0[0/6]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 1, 0}, {{1, 1, 0, 6, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 1 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/6] = r1:dst@0[1/6]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 1, 1}, {{1, 1, 0, 6, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 1 step 5: reduce our part, piece 0; wait arrive[0], arrive[4]; r1:dst@0[2/6] = r1:dst@0[2/6] + r1:inbox@0[2/6] + r1:inbox@2[2/6]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}, {1, 2, 0, 6, 0, 2}, {1, 2, 0, 6, 2, 2}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}}, {{1, 5, 0}}},
-    // rank 1 step 6: reduce our part, piece 1; wait arrive[1], arrive[5]; r1:dst@0[3/6] = r1:dst@0[3/6] + r1:inbox@0[3/6] + r1:inbox@2[3/6]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}, {1, 2, 0, 6, 0, 3}, {1, 2, 0, 6, 2, 3}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}}, {{1, 5, 1}}},
-    // rank 1 step 7: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/6] = r1:dst@0[2/6]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},
-    // rank 1 step 8: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/6] = r1:dst@0[3/6]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},
-    // rank 1 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/6] = r1:dst@0[2/6]; signal r0:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
-    // rank 1 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/6] = r1:dst@0[3/6]; signal r0:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
-    // rank 1 step 11: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
-    // rank 2 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/6] = r2:dst@0[0/6]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 2, 0}, {{2, 1, 0, 6, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 2 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/6] = r2:dst@0[1/6]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 2, 1}, {{2, 1, 0, 6, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 2 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/6] = r2:dst@0[2/6]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 2, 2}, {{2, 1, 0, 6, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
-    // rank 2 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/6] = r2:dst@0[3/6]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 2, 3}, {{2, 1, 0, 6, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
-    // rank 2 step 5: reduce our part, piece 0; wait arrive[0], arrive[2]; r2:dst@0[4/6] = r2:dst@0[4/6] + r2:inbox@0[4/6] + r2:inbox@1[4/6]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}, {2, 2, 0, 6, 0, 4}, {2, 2, 0, 6, 1, 4}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {{2, 5, 0}}},
-    // rank 2 step 6: reduce our part, piece 1; wait arrive[1], arrive[3]; r2:dst@0[5/6] = r2:dst@0[5/6] + r2:inbox@0[5/6] + r2:inbox@1[5/6]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}, {2, 2, 0, 6, 0, 5}, {2, 2, 0, 6, 1, 5}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}}, {{2, 5, 1}}},
-    // rank 2 step 7: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/6] = r2:dst@0[4/6]; signal r0:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},
-    // rank 2 step 8: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/6] = r2:dst@0[5/6]; signal r0:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},
-    // rank 2 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/6] = r2:dst@0[4/6]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},
-    // rank 2 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/6] = r2:dst@0[5/6]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},
-    // rank 2 step 11: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 0, 2}, {{0, 1, 0, 6, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/6] = r0:dst@0[2/6]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 0, 3}, {{0, 1, 0, 6, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/6] = r0:dst@0[3/6]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 0, 4}, {{0, 1, 0, 6, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/6] = r0:dst@0[4/6]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 0, 5}, {{0, 1, 0, 6, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/6] = r0:dst@0[5/6]; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}, {0, 2, 0, 6, 1, 0}, {0, 2, 0, 6, 2, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}}, {{0, 5, 0}}},  // rank 0 step 5: reduce our part, piece 0; wait arrive[2], arrive[4]; r0:dst@0[0/6] = r0:dst@0[0/6] + r0:inbox@1[0/6] + r0:inbox@2[0/6]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {0, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}, {0, 2, 0, 6, 1, 1}, {0, 2, 0, 6, 2, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}}, {{0, 5, 1}}},  // rank 0 step 6: reduce our part, piece 1; wait arrive[3], arrive[5]; r0:dst@0[1/6] = r0:dst@0[1/6] + r0:inbox@1[1/6] + r0:inbox@2[1/6]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},  // rank 0 step 7: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/6] = r0:dst@0[0/6]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},  // rank 0 step 8: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/6] = r0:dst@0[1/6]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 0}, {{0, 1, 0, 6, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},  // rank 0 step 9: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/6] = r0:dst@0[0/6]; signal r2:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 1}, {{0, 1, 0, 6, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},  // rank 0 step 10: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/6] = r0:dst@0[1/6]; signal r2:gathered[1]; 16 blocks
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},  // rank 0 step 11: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 1, 4}, {{1, 1, 0, 6, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},  // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/6] = r1:dst@0[4/6]; signal r2:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 6, 1, 5}, {{1, 1, 0, 6, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/6] = r1:dst@0[5/6]; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 1, 0}, {{1, 1, 0, 6, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 1 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/6] = r1:dst@0[0/6]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 1, 1}, {{1, 1, 0, 6, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 1 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/6] = r1:dst@0[1/6]; signal r0:arrive[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}, {1, 2, 0, 6, 0, 2}, {1, 2, 0, 6, 2, 2}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}}, {{1, 5, 0}}},  // rank 1 step 5: reduce our part, piece 0; wait arrive[0], arrive[4]; r1:dst@0[2/6] = r1:dst@0[2/6] + r1:inbox@0[2/6] + r1:inbox@2[2/6]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {1, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}, {1, 2, 0, 6, 0, 3}, {1, 2, 0, 6, 2, 3}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}}, {{1, 5, 1}}},  // rank 1 step 6: reduce our part, piece 1; wait arrive[1], arrive[5]; r1:dst@0[3/6] = r1:dst@0[3/6] + r1:inbox@0[3/6] + r1:inbox@2[3/6]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},  // rank 1 step 7: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/6] = r1:dst@0[2/6]; signal r2:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},  // rank 1 step 8: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/6] = r1:dst@0[3/6]; signal r2:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 2}, {{1, 1, 0, 6, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},  // rank 1 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/6] = r1:dst@0[2/6]; signal r0:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 3}, {{1, 1, 0, 6, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},  // rank 1 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/6] = r1:dst@0[3/6]; signal r0:gathered[3]; 16 blocks
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},  // rank 1 step 11: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 2, 0}, {{2, 1, 0, 6, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 2 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/6] = r2:dst@0[0/6]; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 6, 2, 1}, {{2, 1, 0, 6, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 2 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/6] = r2:dst@0[1/6]; signal r0:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 2, 2}, {{2, 1, 0, 6, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},  // rank 2 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/6] = r2:dst@0[2/6]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 6, 2, 3}, {{2, 1, 0, 6, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},  // rank 2 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/6] = r2:dst@0[3/6]; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}, {2, 2, 0, 6, 0, 4}, {2, 2, 0, 6, 1, 4}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {{2, 5, 0}}},  // rank 2 step 5: reduce our part, piece 0; wait arrive[0], arrive[2]; r2:dst@0[4/6] = r2:dst@0[4/6] + r2:inbox@0[4/6] + r2:inbox@1[4/6]; signal r2:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 1, 0, {2, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}, {2, 2, 0, 6, 0, 5}, {2, 2, 0, 6, 1, 5}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}}, {{2, 5, 1}}},  // rank 2 step 6: reduce our part, piece 1; wait arrive[1], arrive[3]; r2:dst@0[5/6] = r2:dst@0[5/6] + r2:inbox@0[5/6] + r2:inbox@1[5/6]; signal r2:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},  // rank 2 step 7: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/6] = r2:dst@0[4/6]; signal r0:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},  // rank 2 step 8: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/6] = r2:dst@0[5/6]; signal r0:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 4}, {{2, 1, 0, 6, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},  // rank 2 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/6] = r2:dst@0[4/6]; signal r1:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 6, 0, 5}, {{2, 1, 0, 6, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},  // rank 2 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/6] = r2:dst@0[5/6]; signal r1:gathered[5]; 16 blocks
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}}, {}},  // rank 2 step 11: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3]
 };
 static __device__ const int step_base_w3[3] = { 0, 12, 24 };
-// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 64 steps, 900 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 64 steps, 900 block shares over 64 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/8] = r0:dst@0[2/8]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 2}, {{0, 1, 0, 8, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/8] = r0:dst@0[3/8]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 3}, {{0, 1, 0, 8, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/8] = r0:dst@0[4/8]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 0, 4}, {{0, 1, 0, 8, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/8] = r0:dst@0[5/8]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 0, 5}, {{0, 1, 0, 8, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 0 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[6/8] = r0:dst@0[6/8]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 0, 6}, {{0, 1, 0, 8, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 0 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[7/8] = r0:dst@0[7/8]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 0, 7}, {{0, 1, 0, 8, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
-    // rank 0 step 7: reduce our part, piece 0; wait arrive[2], arrive[4], arrive[6]; r0:dst@0[0/8] = r0:dst@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}, {0, 2, 0, 8, 1, 0}, {0, 2, 0, 8, 2, 0}, {0, 2, 0, 8, 3, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {{0, 5, 0}}},
-    // rank 0 step 8: reduce our part, piece 1; wait arrive[3], arrive[5], arrive[7]; r0:dst@0[1/8] = r0:dst@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}, {0, 2, 0, 8, 1, 1}, {0, 2, 0, 8, 2, 1}, {0, 2, 0, 8, 3, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {{0, 5, 1}}},
-    // rank 0 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
-    // rank 0 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/8] = r0:dst@0[1/8]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
-    // rank 0 step 11: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/8] = r0:dst@0[0/8]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},
-    // rank 0 step 12: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/8] = r0:dst@0[1/8]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},
-    // rank 0 step 13: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/8] = r0:dst@0[0/8]; signal r3:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 0}}},
-    // rank 0 step 14: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/8] = r0:dst@0[1/8]; signal r3:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 1}}},
-    // rank 0 step 15: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/8] = r1:dst@0[4/8]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 1, 4}, {{1, 1, 0, 8, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
-    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/8] = r1:dst@0[5/8]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 1, 5}, {{1, 1, 0, 8, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 1 step 3: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[6/8] = r1:dst@0[6/8]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 1, 6}, {{1, 1, 0, 8, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
-    // rank 1 step 4: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[7/8] = r1:dst@0[7/8]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 1, 7}, {{1, 1, 0, 8, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
-    // rank 1 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/8] = r1:dst@0[0/8]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 1, 0}, {{1, 1, 0, 8, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 1 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/8] = r1:dst@0[1/8]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 1, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 1 step 7: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[6]; r1:dst@0[2/8] = r1:dst@0[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}, {1, 2, 0, 8, 0, 2}, {1, 2, 0, 8, 2, 2}, {1, 2, 0, 8, 3, 2}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {{1, 5, 0}}},
-    // rank 1 step 8: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[7]; r1:dst@0[3/8] = r1:dst@0[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}, {1, 2, 0, 8, 0, 3}, {1, 2, 0, 8, 2, 3}, {1, 2, 0, 8, 3, 3}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {{1, 5, 1}}},
-    // rank 1 step 9: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/8] = r1:dst@0[2/8]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},
-    // rank 1 step 10: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/8] = r1:dst@0[3/8]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},
-    // rank 1 step 11: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[2/8] = r1:dst@0[2/8]; signal r3:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 2}}},
-    // rank 1 step 12: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[3/8] = r1:dst@0[3/8]; signal r3:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 3}}},
-    // rank 1 step 13: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/8] = r1:dst@0[2/8]; signal r0:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
-    // rank 1 step 14: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/8] = r1:dst@0[3/8]; signal r0:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
-    // rank 1 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
-    // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[6/8] = r2:dst@0[6/8]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 2, 6}, {{2, 1, 0, 8, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
-    // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[7/8] = r2:dst@0[7/8]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 2, 7}, {{2, 1, 0, 8, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
-    // rank 2 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/8] = r2:dst@0[0/8]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 2, 0}, {{2, 1, 0, 8, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 2 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/8] = r2:dst@0[1/8]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 2, 1}, {{2, 1, 0, 8, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 2 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/8] = r2:dst@0[2/8]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 2, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
-    // rank 2 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/8] = r2:dst@0[3/8]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 2, 3}, {{2, 1, 0, 8, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
-    // rank 2 step 7: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[6]; r2:dst@0[4/8] = r2:dst@0[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}, {2, 2, 0, 8, 0, 4}, {2, 2, 0, 8, 1, 4}, {2, 2, 0, 8, 3, 4}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}}, {{2, 5, 0}}},
-    // rank 2 step 8: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[7]; r2:dst@0[5/8] = r2:dst@0[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}, {2, 2, 0, 8, 0, 5}, {2, 2, 0, 8, 1, 5}, {2, 2, 0, 8, 3, 5}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}}, {{2, 5, 1}}},
-    // rank 2 step 9: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/8] = r2:dst@0[4/8]; signal r3:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 4}}},
-    // rank 2 step 10: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/8] = r2:dst@0[5/8]; signal r3:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 5}}},
-    // rank 2 step 11: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/8] = r2:dst@0[4/8]; signal r0:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},
-    // rank 2 step 12: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/8] = r2:dst@0[5/8]; signal r0:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},
-    // rank 2 step 13: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/8] = r2:dst@0[4/8]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},
-    // rank 2 step 14: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/8] = r2:dst@0[5/8]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},
-    // rank 2 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
-    // rank 3 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/8] = r3:dst@0[0/8]; signal r0:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 3, 0}, {{3, 1, 0, 8, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
-    // rank 3 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/8] = r3:dst@0[1/8]; signal r0:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 3, 1}, {{3, 1, 0, 8, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
-    // rank 3 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[2/8] = r3:dst@0[2/8]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 3, 2}, {{3, 1, 0, 8, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
-    // rank 3 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[3/8] = r3:dst@0[3/8]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 3, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
-    // rank 3 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[4/8] = r3:dst@0[4/8]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 3, 4}, {{3, 1, 0, 8, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 3 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[5/8] = r3:dst@0[5/8]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 3, 5}, {{3, 1, 0, 8, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 3 step 7: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4]; r3:dst@0[6/8] = r3:dst@0[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8]; signal r3:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}, {3, 2, 0, 8, 0, 6}, {3, 2, 0, 8, 1, 6}, {3, 2, 0, 8, 2, 6}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}}, {{3, 5, 0}}},
-    // rank 3 step 8: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5]; r3:dst@0[7/8] = r3:dst@0[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8]; signal r3:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}, {3, 2, 0, 8, 0, 7}, {3, 2, 0, 8, 1, 7}, {3, 2, 0, 8, 2, 7}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}}, {{3, 5, 1}}},
-    // rank 3 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[6/8] = r3:dst@0[6/8]; signal r0:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 6}}},
-    // rank 3 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[7/8] = r3:dst@0[7/8]; signal r0:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 7}}},
-    // rank 3 step 11: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[6/8] = r3:dst@0[6/8]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 6}}},
-    // rank 3 step 12: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[7/8] = r3:dst@0[7/8]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 7}}},
-    // rank 3 step 13: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[6/8] = r3:dst@0[6/8]; signal r2:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 6}}},
-    // rank 3 step 14: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[7/8] = r3:dst@0[7/8]; signal r2:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 7}}},
-    // rank 3 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 2}, {{0, 1, 0, 8, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/8] = r0:dst@0[2/8]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 0, 3}, {{0, 1, 0, 8, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/8] = r0:dst@0[3/8]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 0, 4}, {{0, 1, 0, 8, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/8] = r0:dst@0[4/8]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 0, 5}, {{0, 1, 0, 8, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/8] = r0:dst@0[5/8]; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 0, 6}, {{0, 1, 0, 8, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 0 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[6/8] = r0:dst@0[6/8]; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 0, 7}, {{0, 1, 0, 8, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},  // rank 0 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[7/8] = r0:dst@0[7/8]; signal r3:arrive[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}, {0, 2, 0, 8, 1, 0}, {0, 2, 0, 8, 2, 0}, {0, 2, 0, 8, 3, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {{0, 5, 0}}},  // rank 0 step 7: reduce our part, piece 0; wait arrive[2], arrive[4], arrive[6]; r0:dst@0[0/8] = r0:dst@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {0, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}, {0, 2, 0, 8, 1, 1}, {0, 2, 0, 8, 2, 1}, {0, 2, 0, 8, 3, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {{0, 5, 1}}},  // rank 0 step 8: reduce our part, piece 1; wait arrive[3], arrive[5], arrive[7]; r0:dst@0[1/8] = r0:dst@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},  // rank 0 step 9: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/8] = r0:dst@0[0/8]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},  // rank 0 step 10: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/8] = r0:dst@0[1/8]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},  // rank 0 step 11: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/8] = r0:dst@0[0/8]; signal r2:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},  // rank 0 step 12: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/8] = r0:dst@0[1/8]; signal r2:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 0}, {{0, 1, 0, 8, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 0}}},  // rank 0 step 13: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/8] = r0:dst@0[0/8]; signal r3:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 1}, {{0, 1, 0, 8, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 1}}},  // rank 0 step 14: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/8] = r0:dst@0[1/8]; signal r3:gathered[1]; 16 blocks
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},  // rank 0 step 15: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 1, 4}, {{1, 1, 0, 8, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},  // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/8] = r1:dst@0[4/8]; signal r2:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 1, 5}, {{1, 1, 0, 8, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/8] = r1:dst@0[5/8]; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 1, 6}, {{1, 1, 0, 8, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},  // rank 1 step 3: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[6/8] = r1:dst@0[6/8]; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 1, 7}, {{1, 1, 0, 8, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},  // rank 1 step 4: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[7/8] = r1:dst@0[7/8]; signal r3:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 1, 0}, {{1, 1, 0, 8, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 1 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/8] = r1:dst@0[0/8]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 1, 1}, {{1, 1, 0, 8, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 1 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/8] = r1:dst@0[1/8]; signal r0:arrive[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}, {1, 2, 0, 8, 0, 2}, {1, 2, 0, 8, 2, 2}, {1, 2, 0, 8, 3, 2}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {{1, 5, 0}}},  // rank 1 step 7: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[6]; r1:dst@0[2/8] = r1:dst@0[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {1, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}, {1, 2, 0, 8, 0, 3}, {1, 2, 0, 8, 2, 3}, {1, 2, 0, 8, 3, 3}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {{1, 5, 1}}},  // rank 1 step 8: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[7]; r1:dst@0[3/8] = r1:dst@0[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},  // rank 1 step 9: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/8] = r1:dst@0[2/8]; signal r2:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},  // rank 1 step 10: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/8] = r1:dst@0[3/8]; signal r2:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 2}}},  // rank 1 step 11: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[2/8] = r1:dst@0[2/8]; signal r3:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 3}}},  // rank 1 step 12: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[3/8] = r1:dst@0[3/8]; signal r3:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 2}, {{1, 1, 0, 8, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},  // rank 1 step 13: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/8] = r1:dst@0[2/8]; signal r0:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 3}, {{1, 1, 0, 8, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},  // rank 1 step 14: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/8] = r1:dst@0[3/8]; signal r0:gathered[3]; 16 blocks
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},  // rank 1 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 2, 6}, {{2, 1, 0, 8, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},  // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[6/8] = r2:dst@0[6/8]; signal r3:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 8, 2, 7}, {{2, 1, 0, 8, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},  // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[7/8] = r2:dst@0[7/8]; signal r3:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 2, 0}, {{2, 1, 0, 8, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 2 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/8] = r2:dst@0[0/8]; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 2, 1}, {{2, 1, 0, 8, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 2 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/8] = r2:dst@0[1/8]; signal r0:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 2, 2}, {{2, 1, 0, 8, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},  // rank 2 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/8] = r2:dst@0[2/8]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 2, 3}, {{2, 1, 0, 8, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},  // rank 2 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/8] = r2:dst@0[3/8]; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}, {2, 2, 0, 8, 0, 4}, {2, 2, 0, 8, 1, 4}, {2, 2, 0, 8, 3, 4}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}}, {{2, 5, 0}}},  // rank 2 step 7: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[6]; r2:dst@0[4/8] = r2:dst@0[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8]; signal r2:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {2, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}, {2, 2, 0, 8, 0, 5}, {2, 2, 0, 8, 1, 5}, {2, 2, 0, 8, 3, 5}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}}, {{2, 5, 1}}},  // rank 2 step 8: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[7]; r2:dst@0[5/8] = r2:dst@0[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8]; signal r2:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 4}}},  // rank 2 step 9: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/8] = r2:dst@0[4/8]; signal r3:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 5}}},  // rank 2 step 10: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/8] = r2:dst@0[5/8]; signal r3:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},  // rank 2 step 11: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/8] = r2:dst@0[4/8]; signal r0:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},  // rank 2 step 12: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/8] = r2:dst@0[5/8]; signal r0:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 4}, {{2, 1, 0, 8, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},  // rank 2 step 13: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/8] = r2:dst@0[4/8]; signal r1:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 5}, {{2, 1, 0, 8, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},  // rank 2 step 14: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/8] = r2:dst@0[5/8]; signal r1:gathered[5]; 16 blocks
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},  // rank 2 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 3, 0}, {{3, 1, 0, 8, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},  // rank 3 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/8] = r3:dst@0[0/8]; signal r0:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 8, 3, 1}, {{3, 1, 0, 8, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},  // rank 3 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/8] = r3:dst@0[1/8]; signal r0:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 3, 2}, {{3, 1, 0, 8, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},  // rank 3 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[2/8] = r3:dst@0[2/8]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 8, 3, 3}, {{3, 1, 0, 8, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},  // rank 3 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[3/8] = r3:dst@0[3/8]; signal r1:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 3, 4}, {{3, 1, 0, 8, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 3 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[4/8] = r3:dst@0[4/8]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 8, 3, 5}, {{3, 1, 0, 8, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 3 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[5/8] = r3:dst@0[5/8]; signal r2:arrive[7]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}, {3, 2, 0, 8, 0, 6}, {3, 2, 0, 8, 1, 6}, {3, 2, 0, 8, 2, 6}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}}, {{3, 5, 0}}},  // rank 3 step 7: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4]; r3:dst@0[6/8] = r3:dst@0[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8]; signal r3:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 1, 0, {3, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}, {3, 2, 0, 8, 0, 7}, {3, 2, 0, 8, 1, 7}, {3, 2, 0, 8, 2, 7}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}}, {{3, 5, 1}}},  // rank 3 step 8: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5]; r3:dst@0[7/8] = r3:dst@0[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8]; signal r3:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 6}}},  // rank 3 step 9: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[6/8] = r3:dst@0[6/8]; signal r0:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 7}}},  // rank 3 step 10: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[7/8] = r3:dst@0[7/8]; signal r0:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 6}}},  // rank 3 step 11: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[6/8] = r3:dst@0[6/8]; signal r1:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 7}}},  // rank 3 step 12: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[7/8] = r3:dst@0[7/8]; signal r1:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 6}, {{3, 1, 0, 8, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 6}}},  // rank 3 step 13: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[6/8] = r3:dst@0[6/8]; signal r2:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 8, 0, 7}, {{3, 1, 0, 8, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 7}}},  // rank 3 step 14: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[7/8] = r3:dst@0[7/8]; signal r2:gathered[7]; 16 blocks
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}}, {}},  // rank 3 step 15: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5]
 };
 static __device__ const int step_base_w4[4] = { 0, 16, 32, 48 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..224
-    {7, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {7, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {7, 5, 16, 2, 1, 0},
-    {7, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {7, 9, 16, 2, 1, 0},
-    {7, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {7, 13, 16, 2, 1, 0},
-    {7, 14, 16, 2, 1, 0},
-    // rank 1: shares 225..449
-    {7, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {7, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {7, 5, 16, 2, 1, 0},
-    {7, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {7, 9, 16, 2, 1, 0},
-    {7, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {7, 13, 16, 2, 1, 0},
-    {7, 14, 16, 2, 1, 0},
-    // rank 2: shares 450..674
-    {7, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {7, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {7, 5, 16, 2, 1, 0},
-    {7, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {7, 9, 16, 2, 1, 0},
-    {7, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {7, 13, 16, 2, 1, 0},
-    {7, 14, 16, 2, 1, 0},
-    // rank 3: shares 675..899
-    {7, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {7, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {7, 5, 16, 2, 1, 0},
-    {7, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {7, 9, 16, 2, 1, 0},
-    {7, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {7, 13, 16, 2, 1, 0},
-    {7, 14, 16, 2, 1, 0},
+    {7, 15, 16, 2, 1, 0, 2, -6, -15}, {9, 0, 16, 2, 1, 0, 2, -8, 1}, {9, 1, 16, 2, 1, 0, 2, -8, 1}, {9, 2, 16, 2, 1, 0, 2, -8, 1}, {9, 3, 16, 2, 1, 0, 2, -8, 1}, {9, 4, 16, 2, 1, 0, 2, -8, 1}, {9, 5, 16, 2, 1, 0, 2, -8, 1}, {9, 6, 16, 2, 1, 0, 2, -8, 1},  // rank 0: shares 0..224
+    {9, 7, 16, 2, 1, 0, 2, -8, 1}, {9, 8, 16, 2, 1, 0, 2, -8, 1}, {9, 9, 16, 2, 1, 0, 2, -8, 1}, {9, 10, 16, 2, 1, 0, 2, -8, 1}, {9, 11, 16, 2, 1, 0, 2, -8, 1}, {9, 12, 16, 2, 1, 0, 2, -8, 1}, {9, 13, 16, 2, 1, 0, 2, -8, 1}, {9, 14, 16, 2, 1, 0, 2, -8, 1},
+    {9, 15, 16, 2, 1, 0, 2, -6, -15}, {11, 0, 16, 2, 1, 0, 2, -8, 1}, {11, 1, 16, 2, 1, 0, 2, -8, 1}, {11, 2, 16, 2, 1, 0, 2, -8, 1}, {11, 3, 16, 2, 1, 0, 2, -8, 1}, {11, 4, 16, 2, 1, 0, 2, -8, 1}, {11, 5, 16, 2, 1, 0, 2, -8, 1}, {11, 6, 16, 2, 1, 0, 2, -8, 1},
+    {11, 7, 16, 2, 1, 0, 2, -8, 1}, {11, 8, 16, 2, 1, 0, 2, -8, 1}, {11, 9, 16, 2, 1, 0, 2, -8, 1}, {11, 10, 16, 2, 1, 0, 2, -8, 1}, {11, 11, 16, 2, 1, 0, 2, -8, 1}, {11, 12, 16, 2, 1, 0, 2, -8, 1}, {11, 13, 16, 2, 1, 0, 2, -8, 1}, {11, 14, 16, 2, 1, 0, 2, -8, 1},
+    {11, 15, 16, 2, 1, 0, 2, -6, -15}, {13, 0, 16, 2, 1, 0, 2, -8, 1}, {13, 1, 16, 2, 1, 0, 2, -8, 1}, {13, 2, 16, 2, 1, 0, 2, -8, 1}, {13, 3, 16, 2, 1, 0, 2, -8, 1}, {13, 4, 16, 2, 1, 0, 2, -8, 1}, {13, 5, 16, 2, 1, 0, 2, -8, 1}, {13, 6, 16, 2, 1, 0, 2, -8, 1},
+    {13, 7, 16, 2, 1, 0, 2, -8, 1}, {13, 8, 16, 2, 1, 0, 2, -8, 1}, {13, 9, 16, 2, 1, 0, 2, -8, 1}, {13, 10, 16, 2, 1, 0, 2, -8, 1}, {13, 11, 16, 2, 1, 0, 2, -8, 1}, {13, 12, 16, 2, 1, 0, 2, -8, 1}, {13, 13, 16, 2, 1, 0, 2, -8, 1}, {13, 14, 16, 2, 1, 0, 2, -8, 1},
+    {13, 15, 16, 2, 1, 0, 2, -6, -15}, {15, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 14, 0, 1},
+    {7, 15, 16, 2, 1, 0, 2, -6, -15}, {9, 0, 16, 2, 1, 0, 2, -8, 1}, {9, 1, 16, 2, 1, 0, 2, -8, 1}, {9, 2, 16, 2, 1, 0, 2, -8, 1}, {9, 3, 16, 2, 1, 0, 2, -8, 1}, {9, 4, 16, 2, 1, 0, 2, -8, 1}, {9, 5, 16, 2, 1, 0, 2, -8, 1}, {9, 6, 16, 2, 1, 0, 2, -8, 1},  // rank 1: shares 225..449
+    {9, 7, 16, 2, 1, 0, 2, -8, 1}, {9, 8, 16, 2, 1, 0, 2, -8, 1}, {9, 9, 16, 2, 1, 0, 2, -8, 1}, {9, 10, 16, 2, 1, 0, 2, -8, 1}, {9, 11, 16, 2, 1, 0, 2, -8, 1}, {9, 12, 16, 2, 1, 0, 2, -8, 1}, {9, 13, 16, 2, 1, 0, 2, -8, 1}, {9, 14, 16, 2, 1, 0, 2, -8, 1},
+    {9, 15, 16, 2, 1, 0, 2, -6, -15}, {11, 0, 16, 2, 1, 0, 2, -8, 1}, {11, 1, 16, 2, 1, 0, 2, -8, 1}, {11, 2, 16, 2, 1, 0, 2, -8, 1}, {11, 3, 16, 2, 1, 0, 2, -8, 1}, {11, 4, 16, 2, 1, 0, 2, -8, 1}, {11, 5, 16, 2, 1, 0, 2, -8, 1}, {11, 6, 16, 2, 1, 0, 2, -8, 1},
+    {11, 7, 16, 2, 1, 0, 2, -8, 1}, {11, 8, 16, 2, 1, 0, 2, -8, 1}, {11, 9, 16, 2, 1, 0, 2, -8, 1}, {11, 10, 16, 2, 1, 0, 2, -8, 1}, {11, 11, 16, 2, 1, 0, 2, -8, 1}, {11, 12, 16, 2, 1, 0, 2, -8, 1}, {11, 13, 16, 2, 1, 0, 2, -8, 1}, {11, 14, 16, 2, 1, 0, 2, -8, 1},
+    {11, 15, 16, 2, 1, 0, 2, -6, -15}, {13, 0, 16, 2, 1, 0, 2, -8, 1}, {13, 1, 16, 2, 1, 0, 2, -8, 1}, {13, 2, 16, 2, 1, 0, 2, -8, 1}, {13, 3, 16, 2, 1, 0, 2, -8, 1}, {13, 4, 16, 2, 1, 0, 2, -8, 1}, {13, 5, 16, 2, 1, 0, 2, -8, 1}, {13, 6, 16, 2, 1, 0, 2, -8, 1},
+    {13, 7, 16, 2, 1, 0, 2, -8, 1}, {13, 8, 16, 2, 1, 0, 2, -8, 1}, {13, 9, 16, 2, 1, 0, 2, -8, 1}, {13, 10, 16, 2, 1, 0, 2, -8, 1}, {13, 11, 16, 2, 1, 0, 2, -8, 1}, {13, 12, 16, 2, 1, 0, 2, -8, 1}, {13, 13, 16, 2, 1, 0, 2, -8, 1}, {13, 14, 16, 2, 1, 0, 2, -8, 1},
+    {13, 15, 16, 2, 1, 0, 2, -6, -15}, {15, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 14, 0, 1},
+    {7, 15, 16, 2, 1, 0, 2, -6, -15}, {9, 0, 16, 2, 1, 0, 2, -8, 1}, {9, 1, 16, 2, 1, 0, 2, -8, 1}, {9, 2, 16, 2, 1, 0, 2, -8, 1}, {9, 3, 16, 2, 1, 0, 2, -8, 1}, {9, 4, 16, 2, 1, 0, 2, -8, 1}, {9, 5, 16, 2, 1, 0, 2, -8, 1}, {9, 6, 16, 2, 1, 0, 2, -8, 1},  // rank 2: shares 450..674
+    {9, 7, 16, 2, 1, 0, 2, -8, 1}, {9, 8, 16, 2, 1, 0, 2, -8, 1}, {9, 9, 16, 2, 1, 0, 2, -8, 1}, {9, 10, 16, 2, 1, 0, 2, -8, 1}, {9, 11, 16, 2, 1, 0, 2, -8, 1}, {9, 12, 16, 2, 1, 0, 2, -8, 1}, {9, 13, 16, 2, 1, 0, 2, -8, 1}, {9, 14, 16, 2, 1, 0, 2, -8, 1},
+    {9, 15, 16, 2, 1, 0, 2, -6, -15}, {11, 0, 16, 2, 1, 0, 2, -8, 1}, {11, 1, 16, 2, 1, 0, 2, -8, 1}, {11, 2, 16, 2, 1, 0, 2, -8, 1}, {11, 3, 16, 2, 1, 0, 2, -8, 1}, {11, 4, 16, 2, 1, 0, 2, -8, 1}, {11, 5, 16, 2, 1, 0, 2, -8, 1}, {11, 6, 16, 2, 1, 0, 2, -8, 1},
+    {11, 7, 16, 2, 1, 0, 2, -8, 1}, {11, 8, 16, 2, 1, 0, 2, -8, 1}, {11, 9, 16, 2, 1, 0, 2, -8, 1}, {11, 10, 16, 2, 1, 0, 2, -8, 1}, {11, 11, 16, 2, 1, 0, 2, -8, 1}, {11, 12, 16, 2, 1, 0, 2, -8, 1}, {11, 13, 16, 2, 1, 0, 2, -8, 1}, {11, 14, 16, 2, 1, 0, 2, -8, 1},
+    {11, 15, 16, 2, 1, 0, 2, -6, -15}, {13, 0, 16, 2, 1, 0, 2, -8, 1}, {13, 1, 16, 2, 1, 0, 2, -8, 1}, {13, 2, 16, 2, 1, 0, 2, -8, 1}, {13, 3, 16, 2, 1, 0, 2, -8, 1}, {13, 4, 16, 2, 1, 0, 2, -8, 1}, {13, 5, 16, 2, 1, 0, 2, -8, 1}, {13, 6, 16, 2, 1, 0, 2, -8, 1},
+    {13, 7, 16, 2, 1, 0, 2, -8, 1}, {13, 8, 16, 2, 1, 0, 2, -8, 1}, {13, 9, 16, 2, 1, 0, 2, -8, 1}, {13, 10, 16, 2, 1, 0, 2, -8, 1}, {13, 11, 16, 2, 1, 0, 2, -8, 1}, {13, 12, 16, 2, 1, 0, 2, -8, 1}, {13, 13, 16, 2, 1, 0, 2, -8, 1}, {13, 14, 16, 2, 1, 0, 2, -8, 1},
+    {13, 15, 16, 2, 1, 0, 2, -6, -15}, {15, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 14, 0, 1},
+    {7, 15, 16, 2, 1, 0, 2, -6, -15}, {9, 0, 16, 2, 1, 0, 2, -8, 1}, {9, 1, 16, 2, 1, 0, 2, -8, 1}, {9, 2, 16, 2, 1, 0, 2, -8, 1}, {9, 3, 16, 2, 1, 0, 2, -8, 1}, {9, 4, 16, 2, 1, 0, 2, -8, 1}, {9, 5, 16, 2, 1, 0, 2, -8, 1}, {9, 6, 16, 2, 1, 0, 2, -8, 1},  // rank 3: shares 675..899
+    {9, 7, 16, 2, 1, 0, 2, -8, 1}, {9, 8, 16, 2, 1, 0, 2, -8, 1}, {9, 9, 16, 2, 1, 0, 2, -8, 1}, {9, 10, 16, 2, 1, 0, 2, -8, 1}, {9, 11, 16, 2, 1, 0, 2, -8, 1}, {9, 12, 16, 2, 1, 0, 2, -8, 1}, {9, 13, 16, 2, 1, 0, 2, -8, 1}, {9, 14, 16, 2, 1, 0, 2, -8, 1},
+    {9, 15, 16, 2, 1, 0, 2, -6, -15}, {11, 0, 16, 2, 1, 0, 2, -8, 1}, {11, 1, 16, 2, 1, 0, 2, -8, 1}, {11, 2, 16, 2, 1, 0, 2, -8, 1}, {11, 3, 16, 2, 1, 0, 2, -8, 1}, {11, 4, 16, 2, 1, 0, 2, -8, 1}, {11, 5, 16, 2, 1, 0, 2, -8, 1}, {11, 6, 16, 2, 1, 0, 2, -8, 1},
+    {11, 7, 16, 2, 1, 0, 2, -8, 1}, {11, 8, 16, 2, 1, 0, 2, -8, 1}, {11, 9, 16, 2, 1, 0, 2, -8, 1}, {11, 10, 16, 2, 1, 0, 2, -8, 1}, {11, 11, 16, 2, 1, 0, 2, -8, 1}, {11, 12, 16, 2, 1, 0, 2, -8, 1}, {11, 13, 16, 2, 1, 0, 2, -8, 1}, {11, 14, 16, 2, 1, 0, 2, -8, 1},
+    {11, 15, 16, 2, 1, 0, 2, -6, -15}, {13, 0, 16, 2, 1, 0, 2, -8, 1}, {13, 1, 16, 2, 1, 0, 2, -8, 1}, {13, 2, 16, 2, 1, 0, 2, -8, 1}, {13, 3, 16, 2, 1, 0, 2, -8, 1}, {13, 4, 16, 2, 1, 0, 2, -8, 1}, {13, 5, 16, 2, 1, 0, 2, -8, 1}, {13, 6, 16, 2, 1, 0, 2, -8, 1},
+    {13, 7, 16, 2, 1, 0, 2, -8, 1}, {13, 8, 16, 2, 1, 0, 2, -8, 1}, {13, 9, 16, 2, 1, 0, 2, -8, 1}, {13, 10, 16, 2, 1, 0, 2, -8, 1}, {13, 11, 16, 2, 1, 0, 2, -8, 1}, {13, 12, 16, 2, 1, 0, 2, -8, 1}, {13, 13, 16, 2, 1, 0, 2, -8, 1}, {13, 14, 16, 2, 1, 0, 2, -8, 1},
+    {13, 15, 16, 2, 1, 0, 2, -6, -15}, {15, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 14, 0, 1},
 };
-static __device__ const tsgen::share_table<900> shares_w4 =
-    tsgen::expand_shares<900>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][65] = {
+static __device__ const tsgen::share_table<900> shares_w4 = tsgen::expand_shares<900>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][65] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 66, 70, 74, 78, 82, 86, 90, 94, 98, 102, 106, 110, 114, 118, 122, 126, 130, 134, 138, 142, 146, 150, 154, 158, 162, 166, 170, 174, 178, 182, 186, 190, 194, 197, 199, 201, 203, 205, 207, 209, 211, 213, 215, 217, 219, 221, 223, 225 },
     { 225, 227, 231, 235, 239, 243, 247, 251, 255, 259, 263, 267, 271, 275, 279, 283, 287, 291, 295, 299, 303, 307, 311, 315, 319, 323, 327, 331, 335, 339, 343, 347, 351, 355, 359, 363, 367, 371, 375, 379, 383, 387, 391, 395, 399, 403, 407, 411, 415, 419, 422, 424, 426, 428, 430, 432, 434, 436, 438, 440, 442, 444, 446, 448, 450 },
     { 450, 452, 456, 460, 464, 468, 472, 476, 480, 484, 488, 492, 496, 500, 504, 508, 512, 516, 520, 524, 528, 532, 536, 540, 544, 548, 552, 556, 560, 564, 568, 572, 576, 580, 584, 588, 592, 596, 600, 604, 608, 612, 616, 620, 624, 628, 632, 636, 640, 644, 647, 649, 651, 653, 655, 657, 659, 661, 663, 665, 667, 669, 671, 673, 675 },
     { 675, 677, 681, 685, 689, 693, 697, 701, 705, 709, 713, 717, 721, 725, 729, 733, 737, 741, 745, 749, 753, 757, 761, 765, 769, 773, 777, 781, 785, 789, 793, 797, 801, 805, 809, 813, 817, 821, 825, 829, 833, 837, 841, 845, 849, 853, 857, 861, 865, 869, 872, 874, 876, 878, 880, 882, 884, 886, 888, 890, 892, 894, 896, 898, 900 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 264 steps, 3856 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 264 steps, 3856 block shares over 64 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
-    // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/16] = r0:dst@0[2/16]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/16] = r0:dst@0[3/16]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/16] = r0:dst@0[4/16]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{0, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/16] = r0:dst@0[5/16]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{0, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 0 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[6/16] = r0:dst@0[6/16]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 6}, {{0, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 0 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[7/16] = r0:dst@0[7/16]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 7}, {{0, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
-    // rank 0 step 7: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@0[8/16] = r0:dst@0[8/16]; signal r4:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 0, 8}, {{0, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
-    // rank 0 step 8: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@0[9/16] = r0:dst@0[9/16]; signal r4:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 0, 9}, {{0, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},
-    // rank 0 step 9: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@0[10/16] = r0:dst@0[10/16]; signal r5:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 0, 10}, {{0, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
-    // rank 0 step 10: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@0[11/16] = r0:dst@0[11/16]; signal r5:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 0, 11}, {{0, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},
-    // rank 0 step 11: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@0[12/16] = r0:dst@0[12/16]; signal r6:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 0, 12}, {{0, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
-    // rank 0 step 12: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@0[13/16] = r0:dst@0[13/16]; signal r6:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 0, 13}, {{0, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},
-    // rank 0 step 13: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@0[14/16] = r0:dst@0[14/16]; signal r7:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 0, 14}, {{0, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
-    // rank 0 step 14: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@0[15/16] = r0:dst@0[15/16]; signal r7:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 0, 15}, {{0, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},
-    // rank 0 step 15: reduce our part, piece 0; wait arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r0:dst@0[0/16] = r0:dst@0[0/16] + r0:inbox@1[0/16] + r0:inbox@2[0/16] + r0:inbox@3[0/16] + r0:inbox@4[0/16] + r0:inbox@5[0/16] + r0:inbox@6[0/16] + r0:inbox@7[0/16]; signal r0:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}, {0, 2, 0, 16, 1, 0}, {0, 2, 0, 16, 2, 0}, {0, 2, 0, 16, 3, 0}, {0, 2, 0, 16, 4, 0}, {0, 2, 0, 16, 5, 0}, {0, 2, 0, 16, 6, 0}, {0, 2, 0, 16, 7, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{0, 5, 0}}},
-    // rank 0 step 16: reduce our part, piece 1; wait arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r0:dst@0[1/16] = r0:dst@0[1/16] + r0:inbox@1[1/16] + r0:inbox@2[1/16] + r0:inbox@3[1/16] + r0:inbox@4[1/16] + r0:inbox@5[1/16] + r0:inbox@6[1/16] + r0:inbox@7[1/16]; signal r0:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}, {0, 2, 0, 16, 1, 1}, {0, 2, 0, 16, 2, 1}, {0, 2, 0, 16, 3, 1}, {0, 2, 0, 16, 4, 1}, {0, 2, 0, 16, 5, 1}, {0, 2, 0, 16, 6, 1}, {0, 2, 0, 16, 7, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{0, 5, 1}}},
-    // rank 0 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},
-    // rank 0 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},
-    // rank 0 step 19: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/16] = r0:dst@0[0/16]; signal r2:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},
-    // rank 0 step 20: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/16] = r0:dst@0[1/16]; signal r2:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},
-    // rank 0 step 21: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/16] = r0:dst@0[0/16]; signal r3:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 0}}},
-    // rank 0 step 22: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/16] = r0:dst@0[1/16]; signal r3:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 1}}},
-    // rank 0 step 23: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[0/16] = r0:dst@0[0/16]; signal r4:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 0}}},
-    // rank 0 step 24: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[1/16] = r0:dst@0[1/16]; signal r4:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 1}}},
-    // rank 0 step 25: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[0/16] = r0:dst@0[0/16]; signal r5:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 0}}},
-    // rank 0 step 26: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[1/16] = r0:dst@0[1/16]; signal r5:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 1}}},
-    // rank 0 step 27: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[0/16] = r0:dst@0[0/16]; signal r6:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 0}}},
-    // rank 0 step 28: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[1/16] = r0:dst@0[1/16]; signal r6:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 1}}},
-    // rank 0 step 29: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[0/16] = r0:dst@0[0/16]; signal r7:gathered[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 0}}},
-    // rank 0 step 30: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[1/16] = r0:dst@0[1/16]; signal r7:gathered[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 1}}},
-    // rank 0 step 31: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
-    // rank 0 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
-    // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/16] = r1:dst@0[4/16]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 1, 4}, {{1, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
-    // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/16] = r1:dst@0[5/16]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 1, 5}, {{1, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 1 step 3: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[6/16] = r1:dst@0[6/16]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 1, 6}, {{1, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
-    // rank 1 step 4: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[7/16] = r1:dst@0[7/16]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 1, 7}, {{1, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
-    // rank 1 step 5: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@1[8/16] = r1:dst@0[8/16]; signal r4:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 1, 8}, {{1, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},
-    // rank 1 step 6: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@1[9/16] = r1:dst@0[9/16]; signal r4:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 1, 9}, {{1, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},
-    // rank 1 step 7: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@1[10/16] = r1:dst@0[10/16]; signal r5:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 1, 10}, {{1, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},
-    // rank 1 step 8: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@1[11/16] = r1:dst@0[11/16]; signal r5:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 1, 11}, {{1, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},
-    // rank 1 step 9: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@1[12/16] = r1:dst@0[12/16]; signal r6:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 1, 12}, {{1, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},
-    // rank 1 step 10: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@1[13/16] = r1:dst@0[13/16]; signal r6:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 1, 13}, {{1, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},
-    // rank 1 step 11: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@1[14/16] = r1:dst@0[14/16]; signal r7:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 1, 14}, {{1, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},
-    // rank 1 step 12: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@1[15/16] = r1:dst@0[15/16]; signal r7:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 1, 15}, {{1, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},
-    // rank 1 step 13: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/16] = r1:dst@0[0/16]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 1, 0}, {{1, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 1 step 14: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/16] = r1:dst@0[1/16]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 1, 1}, {{1, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 1 step 15: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r1:dst@0[2/16] = r1:dst@0[2/16] + r1:inbox@0[2/16] + r1:inbox@2[2/16] + r1:inbox@3[2/16] + r1:inbox@4[2/16] + r1:inbox@5[2/16] + r1:inbox@6[2/16] + r1:inbox@7[2/16]; signal r1:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}, {1, 2, 0, 16, 0, 2}, {1, 2, 0, 16, 2, 2}, {1, 2, 0, 16, 3, 2}, {1, 2, 0, 16, 4, 2}, {1, 2, 0, 16, 5, 2}, {1, 2, 0, 16, 6, 2}, {1, 2, 0, 16, 7, 2}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{1, 5, 0}}},
-    // rank 1 step 16: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r1:dst@0[3/16] = r1:dst@0[3/16] + r1:inbox@0[3/16] + r1:inbox@2[3/16] + r1:inbox@3[3/16] + r1:inbox@4[3/16] + r1:inbox@5[3/16] + r1:inbox@6[3/16] + r1:inbox@7[3/16]; signal r1:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}, {1, 2, 0, 16, 0, 3}, {1, 2, 0, 16, 2, 3}, {1, 2, 0, 16, 3, 3}, {1, 2, 0, 16, 4, 3}, {1, 2, 0, 16, 5, 3}, {1, 2, 0, 16, 6, 3}, {1, 2, 0, 16, 7, 3}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{1, 5, 1}}},
-    // rank 1 step 17: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/16] = r1:dst@0[2/16]; signal r2:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},
-    // rank 1 step 18: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/16] = r1:dst@0[3/16]; signal r2:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},
-    // rank 1 step 19: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[2/16] = r1:dst@0[2/16]; signal r3:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 2}}},
-    // rank 1 step 20: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[3/16] = r1:dst@0[3/16]; signal r3:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 3}}},
-    // rank 1 step 21: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[2/16] = r1:dst@0[2/16]; signal r4:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 2}}},
-    // rank 1 step 22: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[3/16] = r1:dst@0[3/16]; signal r4:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 3}}},
-    // rank 1 step 23: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[2/16] = r1:dst@0[2/16]; signal r5:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 2}}},
-    // rank 1 step 24: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[3/16] = r1:dst@0[3/16]; signal r5:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 3}}},
-    // rank 1 step 25: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[2/16] = r1:dst@0[2/16]; signal r6:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 2}}},
-    // rank 1 step 26: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[3/16] = r1:dst@0[3/16]; signal r6:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 3}}},
-    // rank 1 step 27: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[2/16] = r1:dst@0[2/16]; signal r7:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 2}}},
-    // rank 1 step 28: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[3/16] = r1:dst@0[3/16]; signal r7:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 3}}},
-    // rank 1 step 29: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/16] = r1:dst@0[2/16]; signal r0:gathered[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},
-    // rank 1 step 30: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/16] = r1:dst@0[3/16]; signal r0:gathered[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},
-    // rank 1 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
-    // rank 1 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
-    // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[6/16] = r2:dst@0[6/16]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 2, 6}, {{2, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
-    // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[7/16] = r2:dst@0[7/16]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 2, 7}, {{2, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
-    // rank 2 step 3: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@2[8/16] = r2:dst@0[8/16]; signal r4:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 2, 8}, {{2, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 4}}},
-    // rank 2 step 4: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@2[9/16] = r2:dst@0[9/16]; signal r4:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 2, 9}, {{2, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},
-    // rank 2 step 5: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@2[10/16] = r2:dst@0[10/16]; signal r5:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 2, 10}, {{2, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},
-    // rank 2 step 6: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@2[11/16] = r2:dst@0[11/16]; signal r5:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 2, 11}, {{2, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 5}}},
-    // rank 2 step 7: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@2[12/16] = r2:dst@0[12/16]; signal r6:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 2, 12}, {{2, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},
-    // rank 2 step 8: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@2[13/16] = r2:dst@0[13/16]; signal r6:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 2, 13}, {{2, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},
-    // rank 2 step 9: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@2[14/16] = r2:dst@0[14/16]; signal r7:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 2, 14}, {{2, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},
-    // rank 2 step 10: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@2[15/16] = r2:dst@0[15/16]; signal r7:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 2, 15}, {{2, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},
-    // rank 2 step 11: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/16] = r2:dst@0[0/16]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 2, 0}, {{2, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 2 step 12: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/16] = r2:dst@0[1/16]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 2, 1}, {{2, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 2 step 13: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/16] = r2:dst@0[2/16]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 2, 2}, {{2, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
-    // rank 2 step 14: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/16] = r2:dst@0[3/16]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 2, 3}, {{2, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
-    // rank 2 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r2:dst@0[4/16] = r2:dst@0[4/16] + r2:inbox@0[4/16] + r2:inbox@1[4/16] + r2:inbox@3[4/16] + r2:inbox@4[4/16] + r2:inbox@5[4/16] + r2:inbox@6[4/16] + r2:inbox@7[4/16]; signal r2:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}, {2, 2, 0, 16, 0, 4}, {2, 2, 0, 16, 1, 4}, {2, 2, 0, 16, 3, 4}, {2, 2, 0, 16, 4, 4}, {2, 2, 0, 16, 5, 4}, {2, 2, 0, 16, 6, 4}, {2, 2, 0, 16, 7, 4}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{2, 5, 0}}},
-    // rank 2 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r2:dst@0[5/16] = r2:dst@0[5/16] + r2:inbox@0[5/16] + r2:inbox@1[5/16] + r2:inbox@3[5/16] + r2:inbox@4[5/16] + r2:inbox@5[5/16] + r2:inbox@6[5/16] + r2:inbox@7[5/16]; signal r2:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}, {2, 2, 0, 16, 0, 5}, {2, 2, 0, 16, 1, 5}, {2, 2, 0, 16, 3, 5}, {2, 2, 0, 16, 4, 5}, {2, 2, 0, 16, 5, 5}, {2, 2, 0, 16, 6, 5}, {2, 2, 0, 16, 7, 5}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{2, 5, 1}}},
-    // rank 2 step 17: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 4}}},
-    // rank 2 step 18: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 5}}},
-    // rank 2 step 19: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[4/16] = r2:dst@0[4/16]; signal r4:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 4}}},
-    // rank 2 step 20: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[5/16] = r2:dst@0[5/16]; signal r4:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 5}}},
-    // rank 2 step 21: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[4/16] = r2:dst@0[4/16]; signal r5:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 4}}},
-    // rank 2 step 22: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[5/16] = r2:dst@0[5/16]; signal r5:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 5}}},
-    // rank 2 step 23: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[4/16] = r2:dst@0[4/16]; signal r6:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 4}}},
-    // rank 2 step 24: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[5/16] = r2:dst@0[5/16]; signal r6:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 5}}},
-    // rank 2 step 25: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[4/16] = r2:dst@0[4/16]; signal r7:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 4}}},
-    // rank 2 step 26: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[5/16] = r2:dst@0[5/16]; signal r7:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 5}}},
-    // rank 2 step 27: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/16] = r2:dst@0[4/16]; signal r0:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},
-    // rank 2 step 28: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/16] = r2:dst@0[5/16]; signal r0:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},
-    // rank 2 step 29: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/16] = r2:dst@0[4/16]; signal r1:gathered[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},
-    // rank 2 step 30: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/16] = r2:dst@0[5/16]; signal r1:gathered[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},
-    // rank 2 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[6], gathered[7], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
-    // rank 2 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
-    // rank 3 step 1: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@3[8/16] = r3:dst@0[8/16]; signal r4:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 3, 8}, {{3, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},
-    // rank 3 step 2: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@3[9/16] = r3:dst@0[9/16]; signal r4:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 3, 9}, {{3, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},
-    // rank 3 step 3: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@3[10/16] = r3:dst@0[10/16]; signal r5:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 3, 10}, {{3, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},
-    // rank 3 step 4: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@3[11/16] = r3:dst@0[11/16]; signal r5:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 3, 11}, {{3, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},
-    // rank 3 step 5: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@3[12/16] = r3:dst@0[12/16]; signal r6:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 3, 12}, {{3, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 6}}},
-    // rank 3 step 6: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@3[13/16] = r3:dst@0[13/16]; signal r6:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 3, 13}, {{3, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},
-    // rank 3 step 7: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@3[14/16] = r3:dst@0[14/16]; signal r7:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 3, 14}, {{3, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},
-    // rank 3 step 8: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@3[15/16] = r3:dst@0[15/16]; signal r7:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 3, 15}, {{3, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 7}}},
-    // rank 3 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/16] = r3:dst@0[0/16]; signal r0:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 3, 0}, {{3, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
-    // rank 3 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/16] = r3:dst@0[1/16]; signal r0:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 3, 1}, {{3, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
-    // rank 3 step 11: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[2/16] = r3:dst@0[2/16]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 3, 2}, {{3, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
-    // rank 3 step 12: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[3/16] = r3:dst@0[3/16]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 3, 3}, {{3, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
-    // rank 3 step 13: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[4/16] = r3:dst@0[4/16]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 3, 4}, {{3, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 3 step 14: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[5/16] = r3:dst@0[5/16]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 3, 5}, {{3, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 3 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[8], arrive[10], arrive[12], arrive[14]; r3:dst@0[6/16] = r3:dst@0[6/16] + r3:inbox@0[6/16] + r3:inbox@1[6/16] + r3:inbox@2[6/16] + r3:inbox@4[6/16] + r3:inbox@5[6/16] + r3:inbox@6[6/16] + r3:inbox@7[6/16]; signal r3:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}, {3, 2, 0, 16, 0, 6}, {3, 2, 0, 16, 1, 6}, {3, 2, 0, 16, 2, 6}, {3, 2, 0, 16, 4, 6}, {3, 2, 0, 16, 5, 6}, {3, 2, 0, 16, 6, 6}, {3, 2, 0, 16, 7, 6}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{3, 5, 0}}},
-    // rank 3 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[9], arrive[11], arrive[13], arrive[15]; r3:dst@0[7/16] = r3:dst@0[7/16] + r3:inbox@0[7/16] + r3:inbox@1[7/16] + r3:inbox@2[7/16] + r3:inbox@4[7/16] + r3:inbox@5[7/16] + r3:inbox@6[7/16] + r3:inbox@7[7/16]; signal r3:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}, {3, 2, 0, 16, 0, 7}, {3, 2, 0, 16, 1, 7}, {3, 2, 0, 16, 2, 7}, {3, 2, 0, 16, 4, 7}, {3, 2, 0, 16, 5, 7}, {3, 2, 0, 16, 6, 7}, {3, 2, 0, 16, 7, 7}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{3, 5, 1}}},
-    // rank 3 step 17: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[6/16] = r3:dst@0[6/16]; signal r4:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 6}}},
-    // rank 3 step 18: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[7/16] = r3:dst@0[7/16]; signal r4:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 7}}},
-    // rank 3 step 19: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[6/16] = r3:dst@0[6/16]; signal r5:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 6}}},
-    // rank 3 step 20: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[7/16] = r3:dst@0[7/16]; signal r5:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 7}}},
-    // rank 3 step 21: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[6/16] = r3:dst@0[6/16]; signal r6:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 6}}},
-    // rank 3 step 22: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[7/16] = r3:dst@0[7/16]; signal r6:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 7}}},
-    // rank 3 step 23: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[6/16] = r3:dst@0[6/16]; signal r7:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 6}}},
-    // rank 3 step 24: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[7/16] = r3:dst@0[7/16]; signal r7:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 7}}},
-    // rank 3 step 25: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 6}}},
-    // rank 3 step 26: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 7}}},
-    // rank 3 step 27: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[6/16] = r3:dst@0[6/16]; signal r1:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 6}}},
-    // rank 3 step 28: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[7/16] = r3:dst@0[7/16]; signal r1:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 7}}},
-    // rank 3 step 29: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[6/16] = r3:dst@0[6/16]; signal r2:gathered[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 6}}},
-    // rank 3 step 30: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[7/16] = r3:dst@0[7/16]; signal r2:gathered[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 7}}},
-    // rank 3 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[8], gathered[9]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},
-    // rank 3 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
-    // rank 4 step 1: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@4[10/16] = r4:dst@0[10/16]; signal r5:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 4, 10}, {{4, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 8}}},
-    // rank 4 step 2: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@4[11/16] = r4:dst@0[11/16]; signal r5:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 4, 11}, {{4, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 9}}},
-    // rank 4 step 3: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@4[12/16] = r4:dst@0[12/16]; signal r6:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 4, 12}, {{4, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 8}}},
-    // rank 4 step 4: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@4[13/16] = r4:dst@0[13/16]; signal r6:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 4, 13}, {{4, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 9}}},
-    // rank 4 step 5: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@4[14/16] = r4:dst@0[14/16]; signal r7:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 4, 14}, {{4, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 8}}},
-    // rank 4 step 6: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@4[15/16] = r4:dst@0[15/16]; signal r7:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 4, 15}, {{4, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 9}}},
-    // rank 4 step 7: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@4[0/16] = r4:dst@0[0/16]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 4, 0}, {{4, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
-    // rank 4 step 8: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@4[1/16] = r4:dst@0[1/16]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 4, 1}, {{4, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
-    // rank 4 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@4[2/16] = r4:dst@0[2/16]; signal r1:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 4, 2}, {{4, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 8}}},
-    // rank 4 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@4[3/16] = r4:dst@0[3/16]; signal r1:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 4, 3}, {{4, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 9}}},
-    // rank 4 step 11: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@4[4/16] = r4:dst@0[4/16]; signal r2:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 4, 4}, {{4, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
-    // rank 4 step 12: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@4[5/16] = r4:dst@0[5/16]; signal r2:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 4, 5}, {{4, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
-    // rank 4 step 13: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@4[6/16] = r4:dst@0[6/16]; signal r3:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 4, 6}, {{4, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
-    // rank 4 step 14: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@4[7/16] = r4:dst@0[7/16]; signal r3:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 4, 7}, {{4, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
-    // rank 4 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[10], arrive[12], arrive[14]; r4:dst@0[8/16] = r4:dst@0[8/16] + r4:inbox@0[8/16] + r4:inbox@1[8/16] + r4:inbox@2[8/16] + r4:inbox@3[8/16] + r4:inbox@5[8/16] + r4:inbox@6[8/16] + r4:inbox@7[8/16]; signal r4:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}, {4, 2, 0, 16, 0, 8}, {4, 2, 0, 16, 1, 8}, {4, 2, 0, 16, 2, 8}, {4, 2, 0, 16, 3, 8}, {4, 2, 0, 16, 5, 8}, {4, 2, 0, 16, 6, 8}, {4, 2, 0, 16, 7, 8}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{4, 5, 0}}},
-    // rank 4 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[11], arrive[13], arrive[15]; r4:dst@0[9/16] = r4:dst@0[9/16] + r4:inbox@0[9/16] + r4:inbox@1[9/16] + r4:inbox@2[9/16] + r4:inbox@3[9/16] + r4:inbox@5[9/16] + r4:inbox@6[9/16] + r4:inbox@7[9/16]; signal r4:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}, {4, 2, 0, 16, 0, 9}, {4, 2, 0, 16, 1, 9}, {4, 2, 0, 16, 2, 9}, {4, 2, 0, 16, 3, 9}, {4, 2, 0, 16, 5, 9}, {4, 2, 0, 16, 6, 9}, {4, 2, 0, 16, 7, 9}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{4, 5, 1}}},
-    // rank 4 step 17: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[8/16] = r4:dst@0[8/16]; signal r5:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 8}}},
-    // rank 4 step 18: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[9/16] = r4:dst@0[9/16]; signal r5:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 9}}},
-    // rank 4 step 19: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[8/16] = r4:dst@0[8/16]; signal r6:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 8}}},
-    // rank 4 step 20: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[9/16] = r4:dst@0[9/16]; signal r6:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 9}}},
-    // rank 4 step 21: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[8/16] = r4:dst@0[8/16]; signal r7:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 8}}},
-    // rank 4 step 22: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[9/16] = r4:dst@0[9/16]; signal r7:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 9}}},
-    // rank 4 step 23: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/16] = r4:dst@0[8/16]; signal r0:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 8}}},
-    // rank 4 step 24: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/16] = r4:dst@0[9/16]; signal r0:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 9}}},
-    // rank 4 step 25: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/16] = r4:dst@0[8/16]; signal r1:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 8}}},
-    // rank 4 step 26: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/16] = r4:dst@0[9/16]; signal r1:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 9}}},
-    // rank 4 step 27: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/16] = r4:dst@0[8/16]; signal r2:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 8}}},
-    // rank 4 step 28: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/16] = r4:dst@0[9/16]; signal r2:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 9}}},
-    // rank 4 step 29: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/16] = r4:dst@0[8/16]; signal r3:gathered[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 8}}},
-    // rank 4 step 30: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/16] = r4:dst@0[9/16]; signal r3:gathered[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 9}}},
-    // rank 4 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
-    // rank 4 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
-    // rank 5 step 1: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@5[12/16] = r5:dst@0[12/16]; signal r6:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 5, 12}, {{5, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 10}}},
-    // rank 5 step 2: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@5[13/16] = r5:dst@0[13/16]; signal r6:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 5, 13}, {{5, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 11}}},
-    // rank 5 step 3: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@5[14/16] = r5:dst@0[14/16]; signal r7:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 5, 14}, {{5, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 10}}},
-    // rank 5 step 4: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@5[15/16] = r5:dst@0[15/16]; signal r7:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 5, 15}, {{5, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 11}}},
-    // rank 5 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@5[0/16] = r5:dst@0[0/16]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 5, 0}, {{5, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
-    // rank 5 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@5[1/16] = r5:dst@0[1/16]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 5, 1}, {{5, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
-    // rank 5 step 7: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@5[2/16] = r5:dst@0[2/16]; signal r1:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 5, 2}, {{5, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 10}}},
-    // rank 5 step 8: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@5[3/16] = r5:dst@0[3/16]; signal r1:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 5, 3}, {{5, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 11}}},
-    // rank 5 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@5[4/16] = r5:dst@0[4/16]; signal r2:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 5, 4}, {{5, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
-    // rank 5 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@5[5/16] = r5:dst@0[5/16]; signal r2:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 5, 5}, {{5, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
-    // rank 5 step 11: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@5[6/16] = r5:dst@0[6/16]; signal r3:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 5, 6}, {{5, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
-    // rank 5 step 12: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@5[7/16] = r5:dst@0[7/16]; signal r3:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 5, 7}, {{5, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
-    // rank 5 step 13: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@5[8/16] = r5:dst@0[8/16]; signal r4:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 5, 8}, {{5, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 10}}},
-    // rank 5 step 14: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@5[9/16] = r5:dst@0[9/16]; signal r4:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 5, 9}, {{5, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 11}}},
-    // rank 5 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[12], arrive[14]; r5:dst@0[10/16] = r5:dst@0[10/16] + r5:inbox@0[10/16] + r5:inbox@1[10/16] + r5:inbox@2[10/16] + r5:inbox@3[10/16] + r5:inbox@4[10/16] + r5:inbox@6[10/16] + r5:inbox@7[10/16]; signal r5:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}, {5, 2, 0, 16, 0, 10}, {5, 2, 0, 16, 1, 10}, {5, 2, 0, 16, 2, 10}, {5, 2, 0, 16, 3, 10}, {5, 2, 0, 16, 4, 10}, {5, 2, 0, 16, 6, 10}, {5, 2, 0, 16, 7, 10}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{5, 5, 0}}},
-    // rank 5 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[13], arrive[15]; r5:dst@0[11/16] = r5:dst@0[11/16] + r5:inbox@0[11/16] + r5:inbox@1[11/16] + r5:inbox@2[11/16] + r5:inbox@3[11/16] + r5:inbox@4[11/16] + r5:inbox@6[11/16] + r5:inbox@7[11/16]; signal r5:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}, {5, 2, 0, 16, 0, 11}, {5, 2, 0, 16, 1, 11}, {5, 2, 0, 16, 2, 11}, {5, 2, 0, 16, 3, 11}, {5, 2, 0, 16, 4, 11}, {5, 2, 0, 16, 6, 11}, {5, 2, 0, 16, 7, 11}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{5, 5, 1}}},
-    // rank 5 step 17: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[10/16] = r5:dst@0[10/16]; signal r6:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 10}}},
-    // rank 5 step 18: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[11/16] = r5:dst@0[11/16]; signal r6:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 11}}},
-    // rank 5 step 19: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[10/16] = r5:dst@0[10/16]; signal r7:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 10}}},
-    // rank 5 step 20: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[11/16] = r5:dst@0[11/16]; signal r7:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 11}}},
-    // rank 5 step 21: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[10/16] = r5:dst@0[10/16]; signal r0:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 10}}},
-    // rank 5 step 22: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[11/16] = r5:dst@0[11/16]; signal r0:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 11}}},
-    // rank 5 step 23: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[10/16] = r5:dst@0[10/16]; signal r1:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 10}}},
-    // rank 5 step 24: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[11/16] = r5:dst@0[11/16]; signal r1:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 11}}},
-    // rank 5 step 25: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[10/16] = r5:dst@0[10/16]; signal r2:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 10}}},
-    // rank 5 step 26: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[11/16] = r5:dst@0[11/16]; signal r2:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 11}}},
-    // rank 5 step 27: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[10/16] = r5:dst@0[10/16]; signal r3:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 10}}},
-    // rank 5 step 28: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[11/16] = r5:dst@0[11/16]; signal r3:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 11}}},
-    // rank 5 step 29: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[10/16] = r5:dst@0[10/16]; signal r4:gathered[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 10}}},
-    // rank 5 step 30: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[11/16] = r5:dst@0[11/16]; signal r4:gathered[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 11}}},
-    // rank 5 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
-    // rank 5 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[12], gathered[13], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
-    // rank 6 step 1: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@6[14/16] = r6:dst@0[14/16]; signal r7:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 6, 14}, {{6, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 12}}},
-    // rank 6 step 2: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@6[15/16] = r6:dst@0[15/16]; signal r7:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 6, 15}, {{6, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 13}}},
-    // rank 6 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@6[0/16] = r6:dst@0[0/16]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 6, 0}, {{6, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
-    // rank 6 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@6[1/16] = r6:dst@0[1/16]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 6, 1}, {{6, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
-    // rank 6 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@6[2/16] = r6:dst@0[2/16]; signal r1:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 6, 2}, {{6, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 12}}},
-    // rank 6 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@6[3/16] = r6:dst@0[3/16]; signal r1:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 6, 3}, {{6, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 13}}},
-    // rank 6 step 7: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@6[4/16] = r6:dst@0[4/16]; signal r2:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 6, 4}, {{6, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
-    // rank 6 step 8: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@6[5/16] = r6:dst@0[5/16]; signal r2:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 6, 5}, {{6, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
-    // rank 6 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@6[6/16] = r6:dst@0[6/16]; signal r3:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 6, 6}, {{6, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 12}}},
-    // rank 6 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@6[7/16] = r6:dst@0[7/16]; signal r3:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 6, 7}, {{6, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 13}}},
-    // rank 6 step 11: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@6[8/16] = r6:dst@0[8/16]; signal r4:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 6, 8}, {{6, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 12}}},
-    // rank 6 step 12: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@6[9/16] = r6:dst@0[9/16]; signal r4:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 6, 9}, {{6, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 13}}},
-    // rank 6 step 13: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@6[10/16] = r6:dst@0[10/16]; signal r5:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 6, 10}, {{6, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 12}}},
-    // rank 6 step 14: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@6[11/16] = r6:dst@0[11/16]; signal r5:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 6, 11}, {{6, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 13}}},
-    // rank 6 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[14]; r6:dst@0[12/16] = r6:dst@0[12/16] + r6:inbox@0[12/16] + r6:inbox@1[12/16] + r6:inbox@2[12/16] + r6:inbox@3[12/16] + r6:inbox@4[12/16] + r6:inbox@5[12/16] + r6:inbox@7[12/16]; signal r6:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}, {6, 2, 0, 16, 0, 12}, {6, 2, 0, 16, 1, 12}, {6, 2, 0, 16, 2, 12}, {6, 2, 0, 16, 3, 12}, {6, 2, 0, 16, 4, 12}, {6, 2, 0, 16, 5, 12}, {6, 2, 0, 16, 7, 12}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 14, 16}}, {{6, 5, 0}}},
-    // rank 6 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[15]; r6:dst@0[13/16] = r6:dst@0[13/16] + r6:inbox@0[13/16] + r6:inbox@1[13/16] + r6:inbox@2[13/16] + r6:inbox@3[13/16] + r6:inbox@4[13/16] + r6:inbox@5[13/16] + r6:inbox@7[13/16]; signal r6:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}, {6, 2, 0, 16, 0, 13}, {6, 2, 0, 16, 1, 13}, {6, 2, 0, 16, 2, 13}, {6, 2, 0, 16, 3, 13}, {6, 2, 0, 16, 4, 13}, {6, 2, 0, 16, 5, 13}, {6, 2, 0, 16, 7, 13}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 15, 16}}, {{6, 5, 1}}},
-    // rank 6 step 17: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[12/16] = r6:dst@0[12/16]; signal r7:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 12}}},
-    // rank 6 step 18: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[13/16] = r6:dst@0[13/16]; signal r7:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 13}}},
-    // rank 6 step 19: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[12/16] = r6:dst@0[12/16]; signal r0:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 12}}},
-    // rank 6 step 20: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[13/16] = r6:dst@0[13/16]; signal r0:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 13}}},
-    // rank 6 step 21: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[12/16] = r6:dst@0[12/16]; signal r1:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 12}}},
-    // rank 6 step 22: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[13/16] = r6:dst@0[13/16]; signal r1:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 13}}},
-    // rank 6 step 23: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[12/16] = r6:dst@0[12/16]; signal r2:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 12}}},
-    // rank 6 step 24: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[13/16] = r6:dst@0[13/16]; signal r2:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 13}}},
-    // rank 6 step 25: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[12/16] = r6:dst@0[12/16]; signal r3:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 12}}},
-    // rank 6 step 26: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[13/16] = r6:dst@0[13/16]; signal r3:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 13}}},
-    // rank 6 step 27: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[12/16] = r6:dst@0[12/16]; signal r4:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 12}}},
-    // rank 6 step 28: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[13/16] = r6:dst@0[13/16]; signal r4:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 13}}},
-    // rank 6 step 29: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[12/16] = r6:dst@0[12/16]; signal r5:gathered[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 12}}},
-    // rank 6 step 30: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[13/16] = r6:dst@0[13/16]; signal r5:gathered[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 13}}},
-    // rank 6 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
-    // rank 6 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[14], gathered[15]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
-    // rank 7 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@7[0/16] = r7:dst@0[0/16]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 7, 0}, {{7, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
-    // rank 7 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@7[1/16] = r7:dst@0[1/16]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 7, 1}, {{7, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
-    // rank 7 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@7[2/16] = r7:dst@0[2/16]; signal r1:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 7, 2}, {{7, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 14}}},
-    // rank 7 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@7[3/16] = r7:dst@0[3/16]; signal r1:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 7, 3}, {{7, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 15}}},
-    // rank 7 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@7[4/16] = r7:dst@0[4/16]; signal r2:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 7, 4}, {{7, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
-    // rank 7 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@7[5/16] = r7:dst@0[5/16]; signal r2:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 7, 5}, {{7, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
-    // rank 7 step 7: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@7[6/16] = r7:dst@0[6/16]; signal r3:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 7, 6}, {{7, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 14}}},
-    // rank 7 step 8: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@7[7/16] = r7:dst@0[7/16]; signal r3:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 7, 7}, {{7, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 15}}},
-    // rank 7 step 9: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@7[8/16] = r7:dst@0[8/16]; signal r4:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 7, 8}, {{7, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 14}}},
-    // rank 7 step 10: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@7[9/16] = r7:dst@0[9/16]; signal r4:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 7, 9}, {{7, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 15}}},
-    // rank 7 step 11: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@7[10/16] = r7:dst@0[10/16]; signal r5:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 7, 10}, {{7, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 14}}},
-    // rank 7 step 12: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@7[11/16] = r7:dst@0[11/16]; signal r5:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 7, 11}, {{7, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 15}}},
-    // rank 7 step 13: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@7[12/16] = r7:dst@0[12/16]; signal r6:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 7, 12}, {{7, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 14}}},
-    // rank 7 step 14: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@7[13/16] = r7:dst@0[13/16]; signal r6:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 7, 13}, {{7, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 15}}},
-    // rank 7 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12]; r7:dst@0[14/16] = r7:dst@0[14/16] + r7:inbox@0[14/16] + r7:inbox@1[14/16] + r7:inbox@2[14/16] + r7:inbox@3[14/16] + r7:inbox@4[14/16] + r7:inbox@5[14/16] + r7:inbox@6[14/16]; signal r7:reduced[0]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}, {7, 2, 0, 16, 0, 14}, {7, 2, 0, 16, 1, 14}, {7, 2, 0, 16, 2, 14}, {7, 2, 0, 16, 3, 14}, {7, 2, 0, 16, 4, 14}, {7, 2, 0, 16, 5, 14}, {7, 2, 0, 16, 6, 14}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}}, {{7, 5, 0}}},
-    // rank 7 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13]; r7:dst@0[15/16] = r7:dst@0[15/16] + r7:inbox@0[15/16] + r7:inbox@1[15/16] + r7:inbox@2[15/16] + r7:inbox@3[15/16] + r7:inbox@4[15/16] + r7:inbox@5[15/16] + r7:inbox@6[15/16]; signal r7:reduced[1]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}, {7, 2, 0, 16, 0, 15}, {7, 2, 0, 16, 1, 15}, {7, 2, 0, 16, 2, 15}, {7, 2, 0, 16, 3, 15}, {7, 2, 0, 16, 4, 15}, {7, 2, 0, 16, 5, 15}, {7, 2, 0, 16, 6, 15}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}}, {{7, 5, 1}}},
-    // rank 7 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[14/16] = r7:dst@0[14/16]; signal r0:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 14}}},
-    // rank 7 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[15/16] = r7:dst@0[15/16]; signal r0:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 15}}},
-    // rank 7 step 19: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[14/16] = r7:dst@0[14/16]; signal r1:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 14}}},
-    // rank 7 step 20: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[15/16] = r7:dst@0[15/16]; signal r1:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 15}}},
-    // rank 7 step 21: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[14/16] = r7:dst@0[14/16]; signal r2:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 14}}},
-    // rank 7 step 22: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[15/16] = r7:dst@0[15/16]; signal r2:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 15}}},
-    // rank 7 step 23: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[14/16] = r7:dst@0[14/16]; signal r3:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 14}}},
-    // rank 7 step 24: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[15/16] = r7:dst@0[15/16]; signal r3:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 15}}},
-    // rank 7 step 25: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[14/16] = r7:dst@0[14/16]; signal r4:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 14}}},
-    // rank 7 step 26: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[15/16] = r7:dst@0[15/16]; signal r4:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 15}}},
-    // rank 7 step 27: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[14/16] = r7:dst@0[14/16]; signal r5:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 14}}},
-    // rank 7 step 28: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[15/16] = r7:dst@0[15/16]; signal r5:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 15}}},
-    // rank 7 step 29: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[14/16] = r7:dst@0[14/16]; signal r6:gathered[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 14}}},
-    // rank 7 step 30: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[15/16] = r7:dst@0[15/16]; signal r6:gathered[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 15}}},
-    // rank 7 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},
-    // rank 7 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13]
-    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 2}, {{0, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@0[2/16] = r0:dst@0[2/16]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 0, 3}, {{0, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@0[3/16] = r0:dst@0[3/16]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{0, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 3: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@0[4/16] = r0:dst@0[4/16]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{0, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 0 step 4: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@0[5/16] = r0:dst@0[5/16]; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 6}, {{0, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 0 step 5: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@0[6/16] = r0:dst@0[6/16]; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 0, 7}, {{0, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},  // rank 0 step 6: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@0[7/16] = r0:dst@0[7/16]; signal r3:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 0, 8}, {{0, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},  // rank 0 step 7: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@0[8/16] = r0:dst@0[8/16]; signal r4:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 0, 9}, {{0, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},  // rank 0 step 8: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@0[9/16] = r0:dst@0[9/16]; signal r4:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 0, 10}, {{0, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},  // rank 0 step 9: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@0[10/16] = r0:dst@0[10/16]; signal r5:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 0, 11}, {{0, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},  // rank 0 step 10: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@0[11/16] = r0:dst@0[11/16]; signal r5:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 0, 12}, {{0, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},  // rank 0 step 11: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@0[12/16] = r0:dst@0[12/16]; signal r6:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 0, 13}, {{0, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},  // rank 0 step 12: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@0[13/16] = r0:dst@0[13/16]; signal r6:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 0, 14}, {{0, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},  // rank 0 step 13: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@0[14/16] = r0:dst@0[14/16]; signal r7:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 0, 15}, {{0, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},  // rank 0 step 14: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@0[15/16] = r0:dst@0[15/16]; signal r7:arrive[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}, {0, 2, 0, 16, 1, 0}, {0, 2, 0, 16, 2, 0}, {0, 2, 0, 16, 3, 0}, {0, 2, 0, 16, 4, 0}, {0, 2, 0, 16, 5, 0}, {0, 2, 0, 16, 6, 0}, {0, 2, 0, 16, 7, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{0, 5, 0}}},  // rank 0 step 15: reduce our part, piece 0; wait arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r0:dst@0[0/16] = r0:dst@0[0/16] + r0:inbox@1[0/16] + r0:inbox@2[0/16] + r0:inbox@3[0/16] + r0:inbox@4[0/16] + r0:inbox@5[0/16] + r0:inbox@6[0/16] + r0:inbox@7[0/16]; signal r0:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {0, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}, {0, 2, 0, 16, 1, 1}, {0, 2, 0, 16, 2, 1}, {0, 2, 0, 16, 3, 1}, {0, 2, 0, 16, 4, 1}, {0, 2, 0, 16, 5, 1}, {0, 2, 0, 16, 6, 1}, {0, 2, 0, 16, 7, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{0, 5, 1}}},  // rank 0 step 16: reduce our part, piece 1; wait arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r0:dst@0[1/16] = r0:dst@0[1/16] + r0:inbox@1[1/16] + r0:inbox@2[1/16] + r0:inbox@3[1/16] + r0:inbox@4[1/16] + r0:inbox@5[1/16] + r0:inbox@6[1/16] + r0:inbox@7[1/16]; signal r0:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 0}}},  // rank 0 step 17: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[0/16] = r0:dst@0[0/16]; signal r1:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 1}}},  // rank 0 step 18: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[1/16] = r0:dst@0[1/16]; signal r1:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 0}}},  // rank 0 step 19: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[0/16] = r0:dst@0[0/16]; signal r2:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 1}}},  // rank 0 step 20: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[1/16] = r0:dst@0[1/16]; signal r2:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 0}}},  // rank 0 step 21: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[0/16] = r0:dst@0[0/16]; signal r3:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 1}}},  // rank 0 step 22: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[1/16] = r0:dst@0[1/16]; signal r3:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 0}}},  // rank 0 step 23: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[0/16] = r0:dst@0[0/16]; signal r4:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 1}}},  // rank 0 step 24: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[1/16] = r0:dst@0[1/16]; signal r4:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 0}}},  // rank 0 step 25: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[0/16] = r0:dst@0[0/16]; signal r5:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 1}}},  // rank 0 step 26: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[1/16] = r0:dst@0[1/16]; signal r5:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 0}}},  // rank 0 step 27: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[0/16] = r0:dst@0[0/16]; signal r6:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 1}}},  // rank 0 step 28: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[1/16] = r0:dst@0[1/16]; signal r6:gathered[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 0}, {{0, 1, 0, 16, 0, 0}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 0}}},  // rank 0 step 29: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[0/16] = r0:dst@0[0/16]; signal r7:gathered[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 1}, {{0, 1, 0, 16, 0, 1}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 1}}},  // rank 0 step 30: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[1/16] = r0:dst@0[1/16]; signal r7:gathered[1]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},  // rank 0 step 31: wait for every peer's reduced parts; wait gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9]
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},  // rank 0 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 1, 4}, {{1, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},  // rank 1 step 1: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@1[4/16] = r1:dst@0[4/16]; signal r2:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 1, 5}, {{1, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 1 step 2: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@1[5/16] = r1:dst@0[5/16]; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 1, 6}, {{1, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},  // rank 1 step 3: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@1[6/16] = r1:dst@0[6/16]; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 1, 7}, {{1, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},  // rank 1 step 4: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@1[7/16] = r1:dst@0[7/16]; signal r3:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 1, 8}, {{1, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},  // rank 1 step 5: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@1[8/16] = r1:dst@0[8/16]; signal r4:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 1, 9}, {{1, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},  // rank 1 step 6: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@1[9/16] = r1:dst@0[9/16]; signal r4:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 1, 10}, {{1, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},  // rank 1 step 7: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@1[10/16] = r1:dst@0[10/16]; signal r5:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 1, 11}, {{1, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},  // rank 1 step 8: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@1[11/16] = r1:dst@0[11/16]; signal r5:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 1, 12}, {{1, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},  // rank 1 step 9: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@1[12/16] = r1:dst@0[12/16]; signal r6:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 1, 13}, {{1, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},  // rank 1 step 10: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@1[13/16] = r1:dst@0[13/16]; signal r6:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 1, 14}, {{1, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},  // rank 1 step 11: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@1[14/16] = r1:dst@0[14/16]; signal r7:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 1, 15}, {{1, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},  // rank 1 step 12: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@1[15/16] = r1:dst@0[15/16]; signal r7:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 1, 0}, {{1, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 1 step 13: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@1[0/16] = r1:dst@0[0/16]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 1, 1}, {{1, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 1 step 14: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@1[1/16] = r1:dst@0[1/16]; signal r0:arrive[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}, {1, 2, 0, 16, 0, 2}, {1, 2, 0, 16, 2, 2}, {1, 2, 0, 16, 3, 2}, {1, 2, 0, 16, 4, 2}, {1, 2, 0, 16, 5, 2}, {1, 2, 0, 16, 6, 2}, {1, 2, 0, 16, 7, 2}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{1, 5, 0}}},  // rank 1 step 15: reduce our part, piece 0; wait arrive[0], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r1:dst@0[2/16] = r1:dst@0[2/16] + r1:inbox@0[2/16] + r1:inbox@2[2/16] + r1:inbox@3[2/16] + r1:inbox@4[2/16] + r1:inbox@5[2/16] + r1:inbox@6[2/16] + r1:inbox@7[2/16]; signal r1:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {1, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}, {1, 2, 0, 16, 0, 3}, {1, 2, 0, 16, 2, 3}, {1, 2, 0, 16, 3, 3}, {1, 2, 0, 16, 4, 3}, {1, 2, 0, 16, 5, 3}, {1, 2, 0, 16, 6, 3}, {1, 2, 0, 16, 7, 3}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{1, 5, 1}}},  // rank 1 step 16: reduce our part, piece 1; wait arrive[1], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r1:dst@0[3/16] = r1:dst@0[3/16] + r1:inbox@0[3/16] + r1:inbox@2[3/16] + r1:inbox@3[3/16] + r1:inbox@4[3/16] + r1:inbox@5[3/16] + r1:inbox@6[3/16] + r1:inbox@7[3/16]; signal r1:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 2}}},  // rank 1 step 17: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[2/16] = r1:dst@0[2/16]; signal r2:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 3}}},  // rank 1 step 18: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[3/16] = r1:dst@0[3/16]; signal r2:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 2}}},  // rank 1 step 19: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[2/16] = r1:dst@0[2/16]; signal r3:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 3}}},  // rank 1 step 20: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[3/16] = r1:dst@0[3/16]; signal r3:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 2}}},  // rank 1 step 21: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[2/16] = r1:dst@0[2/16]; signal r4:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 3}}},  // rank 1 step 22: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[3/16] = r1:dst@0[3/16]; signal r4:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 2}}},  // rank 1 step 23: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[2/16] = r1:dst@0[2/16]; signal r5:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 3}}},  // rank 1 step 24: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[3/16] = r1:dst@0[3/16]; signal r5:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 2}}},  // rank 1 step 25: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[2/16] = r1:dst@0[2/16]; signal r6:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 3}}},  // rank 1 step 26: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[3/16] = r1:dst@0[3/16]; signal r6:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 2}}},  // rank 1 step 27: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[2/16] = r1:dst@0[2/16]; signal r7:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 3}}},  // rank 1 step 28: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[3/16] = r1:dst@0[3/16]; signal r7:gathered[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 2}, {{1, 1, 0, 16, 0, 2}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 2}}},  // rank 1 step 29: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[2/16] = r1:dst@0[2/16]; signal r0:gathered[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 3}, {{1, 1, 0, 16, 0, 3}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 3}}},  // rank 1 step 30: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[3/16] = r1:dst@0[3/16]; signal r0:gathered[3]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},  // rank 1 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[4], gathered[5], gathered[6], gathered[7], gathered[8], gathered[9]
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},  // rank 1 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 2, 6}, {{2, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},  // rank 2 step 1: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@2[6/16] = r2:dst@0[6/16]; signal r3:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 2, 7}, {{2, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},  // rank 2 step 2: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@2[7/16] = r2:dst@0[7/16]; signal r3:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 2, 8}, {{2, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 4}}},  // rank 2 step 3: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@2[8/16] = r2:dst@0[8/16]; signal r4:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 2, 9}, {{2, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},  // rank 2 step 4: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@2[9/16] = r2:dst@0[9/16]; signal r4:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 2, 10}, {{2, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},  // rank 2 step 5: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@2[10/16] = r2:dst@0[10/16]; signal r5:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 2, 11}, {{2, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 5}}},  // rank 2 step 6: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@2[11/16] = r2:dst@0[11/16]; signal r5:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 2, 12}, {{2, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},  // rank 2 step 7: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@2[12/16] = r2:dst@0[12/16]; signal r6:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 2, 13}, {{2, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},  // rank 2 step 8: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@2[13/16] = r2:dst@0[13/16]; signal r6:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 2, 14}, {{2, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},  // rank 2 step 9: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@2[14/16] = r2:dst@0[14/16]; signal r7:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 2, 15}, {{2, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},  // rank 2 step 10: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@2[15/16] = r2:dst@0[15/16]; signal r7:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 2, 0}, {{2, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 2 step 11: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@2[0/16] = r2:dst@0[0/16]; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 2, 1}, {{2, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 2 step 12: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@2[1/16] = r2:dst@0[1/16]; signal r0:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 2, 2}, {{2, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},  // rank 2 step 13: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@2[2/16] = r2:dst@0[2/16]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 2, 3}, {{2, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},  // rank 2 step 14: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@2[3/16] = r2:dst@0[3/16]; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}, {2, 2, 0, 16, 0, 4}, {2, 2, 0, 16, 1, 4}, {2, 2, 0, 16, 3, 4}, {2, 2, 0, 16, 4, 4}, {2, 2, 0, 16, 5, 4}, {2, 2, 0, 16, 6, 4}, {2, 2, 0, 16, 7, 4}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{2, 5, 0}}},  // rank 2 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r2:dst@0[4/16] = r2:dst@0[4/16] + r2:inbox@0[4/16] + r2:inbox@1[4/16] + r2:inbox@3[4/16] + r2:inbox@4[4/16] + r2:inbox@5[4/16] + r2:inbox@6[4/16] + r2:inbox@7[4/16]; signal r2:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {2, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}, {2, 2, 0, 16, 0, 5}, {2, 2, 0, 16, 1, 5}, {2, 2, 0, 16, 3, 5}, {2, 2, 0, 16, 4, 5}, {2, 2, 0, 16, 5, 5}, {2, 2, 0, 16, 6, 5}, {2, 2, 0, 16, 7, 5}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{2, 5, 1}}},  // rank 2 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r2:dst@0[5/16] = r2:dst@0[5/16] + r2:inbox@0[5/16] + r2:inbox@1[5/16] + r2:inbox@3[5/16] + r2:inbox@4[5/16] + r2:inbox@5[5/16] + r2:inbox@6[5/16] + r2:inbox@7[5/16]; signal r2:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 4}}},  // rank 2 step 17: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 5}}},  // rank 2 step 18: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 4}}},  // rank 2 step 19: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[4/16] = r2:dst@0[4/16]; signal r4:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 5}}},  // rank 2 step 20: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[5/16] = r2:dst@0[5/16]; signal r4:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 4}}},  // rank 2 step 21: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[4/16] = r2:dst@0[4/16]; signal r5:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 5}}},  // rank 2 step 22: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[5/16] = r2:dst@0[5/16]; signal r5:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 4}}},  // rank 2 step 23: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[4/16] = r2:dst@0[4/16]; signal r6:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 5}}},  // rank 2 step 24: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[5/16] = r2:dst@0[5/16]; signal r6:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 4}}},  // rank 2 step 25: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[4/16] = r2:dst@0[4/16]; signal r7:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 5}}},  // rank 2 step 26: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[5/16] = r2:dst@0[5/16]; signal r7:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 4}}},  // rank 2 step 27: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[4/16] = r2:dst@0[4/16]; signal r0:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 5}}},  // rank 2 step 28: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[5/16] = r2:dst@0[5/16]; signal r0:gathered[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 4}, {{2, 1, 0, 16, 0, 4}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 4}}},  // rank 2 step 29: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[4/16] = r2:dst@0[4/16]; signal r1:gathered[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 5}, {{2, 1, 0, 16, 0, 5}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 5}}},  // rank 2 step 30: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[5/16] = r2:dst@0[5/16]; signal r1:gathered[5]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},  // rank 2 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[6], gathered[7], gathered[8], gathered[9]
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},  // rank 2 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 3, 8}, {{3, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},  // rank 3 step 1: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@3[8/16] = r3:dst@0[8/16]; signal r4:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 3, 9}, {{3, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},  // rank 3 step 2: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@3[9/16] = r3:dst@0[9/16]; signal r4:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 3, 10}, {{3, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},  // rank 3 step 3: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@3[10/16] = r3:dst@0[10/16]; signal r5:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 3, 11}, {{3, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},  // rank 3 step 4: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@3[11/16] = r3:dst@0[11/16]; signal r5:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 3, 12}, {{3, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 6}}},  // rank 3 step 5: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@3[12/16] = r3:dst@0[12/16]; signal r6:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 3, 13}, {{3, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},  // rank 3 step 6: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@3[13/16] = r3:dst@0[13/16]; signal r6:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 3, 14}, {{3, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},  // rank 3 step 7: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@3[14/16] = r3:dst@0[14/16]; signal r7:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 3, 15}, {{3, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 7}}},  // rank 3 step 8: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@3[15/16] = r3:dst@0[15/16]; signal r7:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 3, 0}, {{3, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},  // rank 3 step 9: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@3[0/16] = r3:dst@0[0/16]; signal r0:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 3, 1}, {{3, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},  // rank 3 step 10: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@3[1/16] = r3:dst@0[1/16]; signal r0:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 3, 2}, {{3, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},  // rank 3 step 11: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@3[2/16] = r3:dst@0[2/16]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 3, 3}, {{3, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},  // rank 3 step 12: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@3[3/16] = r3:dst@0[3/16]; signal r1:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 3, 4}, {{3, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 3 step 13: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@3[4/16] = r3:dst@0[4/16]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 3, 5}, {{3, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 3 step 14: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@3[5/16] = r3:dst@0[5/16]; signal r2:arrive[7]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}, {3, 2, 0, 16, 0, 6}, {3, 2, 0, 16, 1, 6}, {3, 2, 0, 16, 2, 6}, {3, 2, 0, 16, 4, 6}, {3, 2, 0, 16, 5, 6}, {3, 2, 0, 16, 6, 6}, {3, 2, 0, 16, 7, 6}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{3, 5, 0}}},  // rank 3 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[8], arrive[10], arrive[12], arrive[14]; r3:dst@0[6/16] = r3:dst@0[6/16] + r3:inbox@0[6/16] + r3:inbox@1[6/16] + r3:inbox@2[6/16] + r3:inbox@4[6/16] + r3:inbox@5[6/16] + r3:inbox@6[6/16] + r3:inbox@7[6/16]; signal r3:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {3, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}, {3, 2, 0, 16, 0, 7}, {3, 2, 0, 16, 1, 7}, {3, 2, 0, 16, 2, 7}, {3, 2, 0, 16, 4, 7}, {3, 2, 0, 16, 5, 7}, {3, 2, 0, 16, 6, 7}, {3, 2, 0, 16, 7, 7}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{3, 5, 1}}},  // rank 3 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[9], arrive[11], arrive[13], arrive[15]; r3:dst@0[7/16] = r3:dst@0[7/16] + r3:inbox@0[7/16] + r3:inbox@1[7/16] + r3:inbox@2[7/16] + r3:inbox@4[7/16] + r3:inbox@5[7/16] + r3:inbox@6[7/16] + r3:inbox@7[7/16]; signal r3:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 6}}},  // rank 3 step 17: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[6/16] = r3:dst@0[6/16]; signal r4:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 7}}},  // rank 3 step 18: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[7/16] = r3:dst@0[7/16]; signal r4:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 6}}},  // rank 3 step 19: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[6/16] = r3:dst@0[6/16]; signal r5:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 7}}},  // rank 3 step 20: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[7/16] = r3:dst@0[7/16]; signal r5:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 6}}},  // rank 3 step 21: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[6/16] = r3:dst@0[6/16]; signal r6:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 7}}},  // rank 3 step 22: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[7/16] = r3:dst@0[7/16]; signal r6:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 6}}},  // rank 3 step 23: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[6/16] = r3:dst@0[6/16]; signal r7:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 7}}},  // rank 3 step 24: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[7/16] = r3:dst@0[7/16]; signal r7:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 6}}},  // rank 3 step 25: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 7}}},  // rank 3 step 26: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 6}}},  // rank 3 step 27: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[6/16] = r3:dst@0[6/16]; signal r1:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 7}}},  // rank 3 step 28: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[7/16] = r3:dst@0[7/16]; signal r1:gathered[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 6}, {{3, 1, 0, 16, 0, 6}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 6}}},  // rank 3 step 29: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[6/16] = r3:dst@0[6/16]; signal r2:gathered[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 7}, {{3, 1, 0, 16, 0, 7}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 7}}},  // rank 3 step 30: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[7/16] = r3:dst@0[7/16]; signal r2:gathered[7]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 8, 16}, {6, 0, 9, 16}}, {}},  // rank 3 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[8], gathered[9]
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},  // rank 3 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 4, 10}, {{4, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 8}}},  // rank 4 step 1: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@4[10/16] = r4:dst@0[10/16]; signal r5:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 4, 11}, {{4, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 9}}},  // rank 4 step 2: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@4[11/16] = r4:dst@0[11/16]; signal r5:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 4, 12}, {{4, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 8}}},  // rank 4 step 3: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@4[12/16] = r4:dst@0[12/16]; signal r6:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 4, 13}, {{4, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 9}}},  // rank 4 step 4: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@4[13/16] = r4:dst@0[13/16]; signal r6:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 4, 14}, {{4, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 8}}},  // rank 4 step 5: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@4[14/16] = r4:dst@0[14/16]; signal r7:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 4, 15}, {{4, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 9}}},  // rank 4 step 6: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@4[15/16] = r4:dst@0[15/16]; signal r7:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 4, 0}, {{4, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},  // rank 4 step 7: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@4[0/16] = r4:dst@0[0/16]; signal r0:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 4, 1}, {{4, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},  // rank 4 step 8: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@4[1/16] = r4:dst@0[1/16]; signal r0:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 4, 2}, {{4, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 8}}},  // rank 4 step 9: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@4[2/16] = r4:dst@0[2/16]; signal r1:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 4, 3}, {{4, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 9}}},  // rank 4 step 10: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@4[3/16] = r4:dst@0[3/16]; signal r1:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 4, 4}, {{4, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},  // rank 4 step 11: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@4[4/16] = r4:dst@0[4/16]; signal r2:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 4, 5}, {{4, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},  // rank 4 step 12: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@4[5/16] = r4:dst@0[5/16]; signal r2:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 4, 6}, {{4, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},  // rank 4 step 13: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@4[6/16] = r4:dst@0[6/16]; signal r3:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 4, 7}, {{4, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},  // rank 4 step 14: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@4[7/16] = r4:dst@0[7/16]; signal r3:arrive[9]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}, {4, 2, 0, 16, 0, 8}, {4, 2, 0, 16, 1, 8}, {4, 2, 0, 16, 2, 8}, {4, 2, 0, 16, 3, 8}, {4, 2, 0, 16, 5, 8}, {4, 2, 0, 16, 6, 8}, {4, 2, 0, 16, 7, 8}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{4, 5, 0}}},  // rank 4 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[10], arrive[12], arrive[14]; r4:dst@0[8/16] = r4:dst@0[8/16] + r4:inbox@0[8/16] + r4:inbox@1[8/16] + r4:inbox@2[8/16] + r4:inbox@3[8/16] + r4:inbox@5[8/16] + r4:inbox@6[8/16] + r4:inbox@7[8/16]; signal r4:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {4, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}, {4, 2, 0, 16, 0, 9}, {4, 2, 0, 16, 1, 9}, {4, 2, 0, 16, 2, 9}, {4, 2, 0, 16, 3, 9}, {4, 2, 0, 16, 5, 9}, {4, 2, 0, 16, 6, 9}, {4, 2, 0, 16, 7, 9}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{4, 5, 1}}},  // rank 4 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[11], arrive[13], arrive[15]; r4:dst@0[9/16] = r4:dst@0[9/16] + r4:inbox@0[9/16] + r4:inbox@1[9/16] + r4:inbox@2[9/16] + r4:inbox@3[9/16] + r4:inbox@5[9/16] + r4:inbox@6[9/16] + r4:inbox@7[9/16]; signal r4:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 8}}},  // rank 4 step 17: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[8/16] = r4:dst@0[8/16]; signal r5:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 9}}},  // rank 4 step 18: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[9/16] = r4:dst@0[9/16]; signal r5:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 8}}},  // rank 4 step 19: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[8/16] = r4:dst@0[8/16]; signal r6:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 9}}},  // rank 4 step 20: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[9/16] = r4:dst@0[9/16]; signal r6:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 8}}},  // rank 4 step 21: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[8/16] = r4:dst@0[8/16]; signal r7:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 9}}},  // rank 4 step 22: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[9/16] = r4:dst@0[9/16]; signal r7:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 8}}},  // rank 4 step 23: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[8/16] = r4:dst@0[8/16]; signal r0:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 9}}},  // rank 4 step 24: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[9/16] = r4:dst@0[9/16]; signal r0:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 8}}},  // rank 4 step 25: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[8/16] = r4:dst@0[8/16]; signal r1:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 9}}},  // rank 4 step 26: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[9/16] = r4:dst@0[9/16]; signal r1:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 8}}},  // rank 4 step 27: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[8/16] = r4:dst@0[8/16]; signal r2:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 9}}},  // rank 4 step 28: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[9/16] = r4:dst@0[9/16]; signal r2:gathered[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 8}, {{4, 1, 0, 16, 0, 8}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 8}}},  // rank 4 step 29: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[8/16] = r4:dst@0[8/16]; signal r3:gathered[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 9}, {{4, 1, 0, 16, 0, 9}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 9}}},  // rank 4 step 30: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[9/16] = r4:dst@0[9/16]; signal r3:gathered[9]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},  // rank 4 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},  // rank 4 step 32: wait for every peer's reduced parts; wait gathered[10], gathered[11], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 5, 12}, {{5, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 10}}},  // rank 5 step 1: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@5[12/16] = r5:dst@0[12/16]; signal r6:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 5, 13}, {{5, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 11}}},  // rank 5 step 2: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@5[13/16] = r5:dst@0[13/16]; signal r6:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 5, 14}, {{5, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 10}}},  // rank 5 step 3: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@5[14/16] = r5:dst@0[14/16]; signal r7:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 5, 15}, {{5, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 11}}},  // rank 5 step 4: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@5[15/16] = r5:dst@0[15/16]; signal r7:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 5, 0}, {{5, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},  // rank 5 step 5: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@5[0/16] = r5:dst@0[0/16]; signal r0:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 5, 1}, {{5, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},  // rank 5 step 6: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@5[1/16] = r5:dst@0[1/16]; signal r0:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 5, 2}, {{5, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 10}}},  // rank 5 step 7: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@5[2/16] = r5:dst@0[2/16]; signal r1:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 5, 3}, {{5, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 11}}},  // rank 5 step 8: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@5[3/16] = r5:dst@0[3/16]; signal r1:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 5, 4}, {{5, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},  // rank 5 step 9: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@5[4/16] = r5:dst@0[4/16]; signal r2:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 5, 5}, {{5, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},  // rank 5 step 10: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@5[5/16] = r5:dst@0[5/16]; signal r2:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 5, 6}, {{5, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},  // rank 5 step 11: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@5[6/16] = r5:dst@0[6/16]; signal r3:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 5, 7}, {{5, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},  // rank 5 step 12: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@5[7/16] = r5:dst@0[7/16]; signal r3:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 5, 8}, {{5, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 10}}},  // rank 5 step 13: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@5[8/16] = r5:dst@0[8/16]; signal r4:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 5, 9}, {{5, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 11}}},  // rank 5 step 14: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@5[9/16] = r5:dst@0[9/16]; signal r4:arrive[11]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}, {5, 2, 0, 16, 0, 10}, {5, 2, 0, 16, 1, 10}, {5, 2, 0, 16, 2, 10}, {5, 2, 0, 16, 3, 10}, {5, 2, 0, 16, 4, 10}, {5, 2, 0, 16, 6, 10}, {5, 2, 0, 16, 7, 10}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {{5, 5, 0}}},  // rank 5 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[12], arrive[14]; r5:dst@0[10/16] = r5:dst@0[10/16] + r5:inbox@0[10/16] + r5:inbox@1[10/16] + r5:inbox@2[10/16] + r5:inbox@3[10/16] + r5:inbox@4[10/16] + r5:inbox@6[10/16] + r5:inbox@7[10/16]; signal r5:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {5, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}, {5, 2, 0, 16, 0, 11}, {5, 2, 0, 16, 1, 11}, {5, 2, 0, 16, 2, 11}, {5, 2, 0, 16, 3, 11}, {5, 2, 0, 16, 4, 11}, {5, 2, 0, 16, 6, 11}, {5, 2, 0, 16, 7, 11}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {{5, 5, 1}}},  // rank 5 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[13], arrive[15]; r5:dst@0[11/16] = r5:dst@0[11/16] + r5:inbox@0[11/16] + r5:inbox@1[11/16] + r5:inbox@2[11/16] + r5:inbox@3[11/16] + r5:inbox@4[11/16] + r5:inbox@6[11/16] + r5:inbox@7[11/16]; signal r5:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 10}}},  // rank 5 step 17: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[10/16] = r5:dst@0[10/16]; signal r6:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 11}}},  // rank 5 step 18: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[11/16] = r5:dst@0[11/16]; signal r6:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 10}}},  // rank 5 step 19: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[10/16] = r5:dst@0[10/16]; signal r7:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 11}}},  // rank 5 step 20: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[11/16] = r5:dst@0[11/16]; signal r7:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 10}}},  // rank 5 step 21: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[10/16] = r5:dst@0[10/16]; signal r0:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 11}}},  // rank 5 step 22: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[11/16] = r5:dst@0[11/16]; signal r0:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 10}}},  // rank 5 step 23: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[10/16] = r5:dst@0[10/16]; signal r1:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 11}}},  // rank 5 step 24: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[11/16] = r5:dst@0[11/16]; signal r1:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 10}}},  // rank 5 step 25: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[10/16] = r5:dst@0[10/16]; signal r2:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 11}}},  // rank 5 step 26: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[11/16] = r5:dst@0[11/16]; signal r2:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 10}}},  // rank 5 step 27: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[10/16] = r5:dst@0[10/16]; signal r3:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 11}}},  // rank 5 step 28: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[11/16] = r5:dst@0[11/16]; signal r3:gathered[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 10}, {{5, 1, 0, 16, 0, 10}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 10}}},  // rank 5 step 29: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[10/16] = r5:dst@0[10/16]; signal r4:gathered[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 11}, {{5, 1, 0, 16, 0, 11}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 11}}},  // rank 5 step 30: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[11/16] = r5:dst@0[11/16]; signal r4:gathered[11]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},  // rank 5 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},  // rank 5 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[12], gathered[13], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 6, 14}, {{6, 1, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}}, {{7, 4, 12}}},  // rank 6 step 1: part 7 piece 0 to rank 7; wait entry[7]; r7:inbox@6[14/16] = r6:dst@0[14/16]; signal r7:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 16, 6, 15}, {{6, 1, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}}, {{7, 4, 13}}},  // rank 6 step 2: part 7 piece 1 to rank 7; wait entry[7]; r7:inbox@6[15/16] = r6:dst@0[15/16]; signal r7:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 6, 0}, {{6, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},  // rank 6 step 3: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@6[0/16] = r6:dst@0[0/16]; signal r0:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 6, 1}, {{6, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},  // rank 6 step 4: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@6[1/16] = r6:dst@0[1/16]; signal r0:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 6, 2}, {{6, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 12}}},  // rank 6 step 5: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@6[2/16] = r6:dst@0[2/16]; signal r1:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 6, 3}, {{6, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 13}}},  // rank 6 step 6: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@6[3/16] = r6:dst@0[3/16]; signal r1:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 6, 4}, {{6, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},  // rank 6 step 7: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@6[4/16] = r6:dst@0[4/16]; signal r2:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 6, 5}, {{6, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},  // rank 6 step 8: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@6[5/16] = r6:dst@0[5/16]; signal r2:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 6, 6}, {{6, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 12}}},  // rank 6 step 9: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@6[6/16] = r6:dst@0[6/16]; signal r3:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 6, 7}, {{6, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 13}}},  // rank 6 step 10: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@6[7/16] = r6:dst@0[7/16]; signal r3:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 6, 8}, {{6, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 12}}},  // rank 6 step 11: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@6[8/16] = r6:dst@0[8/16]; signal r4:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 6, 9}, {{6, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 13}}},  // rank 6 step 12: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@6[9/16] = r6:dst@0[9/16]; signal r4:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 6, 10}, {{6, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 12}}},  // rank 6 step 13: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@6[10/16] = r6:dst@0[10/16]; signal r5:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 6, 11}, {{6, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 13}}},  // rank 6 step 14: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@6[11/16] = r6:dst@0[11/16]; signal r5:arrive[13]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}, {6, 2, 0, 16, 0, 12}, {6, 2, 0, 16, 1, 12}, {6, 2, 0, 16, 2, 12}, {6, 2, 0, 16, 3, 12}, {6, 2, 0, 16, 4, 12}, {6, 2, 0, 16, 5, 12}, {6, 2, 0, 16, 7, 12}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 14, 16}}, {{6, 5, 0}}},  // rank 6 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[14]; r6:dst@0[12/16] = r6:dst@0[12/16] + r6:inbox@0[12/16] + r6:inbox@1[12/16] + r6:inbox@2[12/16] + r6:inbox@3[12/16] + r6:inbox@4[12/16] + r6:inbox@5[12/16] + r6:inbox@7[12/16]; signal r6:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {6, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}, {6, 2, 0, 16, 0, 13}, {6, 2, 0, 16, 1, 13}, {6, 2, 0, 16, 2, 13}, {6, 2, 0, 16, 3, 13}, {6, 2, 0, 16, 4, 13}, {6, 2, 0, 16, 5, 13}, {6, 2, 0, 16, 7, 13}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 15, 16}}, {{6, 5, 1}}},  // rank 6 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[15]; r6:dst@0[13/16] = r6:dst@0[13/16] + r6:inbox@0[13/16] + r6:inbox@1[13/16] + r6:inbox@2[13/16] + r6:inbox@3[13/16] + r6:inbox@4[13/16] + r6:inbox@5[13/16] + r6:inbox@7[13/16]; signal r6:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 7, 1}}, {{7, 6, 12}}},  // rank 6 step 17: reduced piece 0 to rank 7; wait reduced[0], entry[7]; r7:dst@0[12/16] = r6:dst@0[12/16]; signal r7:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 7, 1}}, {{7, 6, 13}}},  // rank 6 step 18: reduced piece 1 to rank 7; wait reduced[1], entry[7]; r7:dst@0[13/16] = r6:dst@0[13/16]; signal r7:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 12}}},  // rank 6 step 19: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[12/16] = r6:dst@0[12/16]; signal r0:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 13}}},  // rank 6 step 20: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[13/16] = r6:dst@0[13/16]; signal r0:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 12}}},  // rank 6 step 21: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[12/16] = r6:dst@0[12/16]; signal r1:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 13}}},  // rank 6 step 22: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[13/16] = r6:dst@0[13/16]; signal r1:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 12}}},  // rank 6 step 23: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[12/16] = r6:dst@0[12/16]; signal r2:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 13}}},  // rank 6 step 24: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[13/16] = r6:dst@0[13/16]; signal r2:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 12}}},  // rank 6 step 25: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[12/16] = r6:dst@0[12/16]; signal r3:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 13}}},  // rank 6 step 26: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[13/16] = r6:dst@0[13/16]; signal r3:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 12}}},  // rank 6 step 27: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[12/16] = r6:dst@0[12/16]; signal r4:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 13}}},  // rank 6 step 28: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[13/16] = r6:dst@0[13/16]; signal r4:gathered[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 12}, {{6, 1, 0, 16, 0, 12}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 12}}},  // rank 6 step 29: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[12/16] = r6:dst@0[12/16]; signal r5:gathered[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 13}, {{6, 1, 0, 16, 0, 13}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 13}}},  // rank 6 step 30: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[13/16] = r6:dst@0[13/16]; signal r5:gathered[13]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},  // rank 6 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 14, 16}, {6, 0, 15, 16}}, {}},  // rank 6 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[14], gathered[15]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 7, 0}, {{7, 1, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},  // rank 7 step 1: part 0 piece 0 to rank 0; wait entry[0]; r0:inbox@7[0/16] = r7:dst@0[0/16]; signal r0:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 7, 1}, {{7, 1, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},  // rank 7 step 2: part 0 piece 1 to rank 0; wait entry[0]; r0:inbox@7[1/16] = r7:dst@0[1/16]; signal r0:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 7, 2}, {{7, 1, 0, 16, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 14}}},  // rank 7 step 3: part 1 piece 0 to rank 1; wait entry[1]; r1:inbox@7[2/16] = r7:dst@0[2/16]; signal r1:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 16, 7, 3}, {{7, 1, 0, 16, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 15}}},  // rank 7 step 4: part 1 piece 1 to rank 1; wait entry[1]; r1:inbox@7[3/16] = r7:dst@0[3/16]; signal r1:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 7, 4}, {{7, 1, 0, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},  // rank 7 step 5: part 2 piece 0 to rank 2; wait entry[2]; r2:inbox@7[4/16] = r7:dst@0[4/16]; signal r2:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 7, 5}, {{7, 1, 0, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},  // rank 7 step 6: part 2 piece 1 to rank 2; wait entry[2]; r2:inbox@7[5/16] = r7:dst@0[5/16]; signal r2:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 7, 6}, {{7, 1, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}}, {{3, 4, 14}}},  // rank 7 step 7: part 3 piece 0 to rank 3; wait entry[3]; r3:inbox@7[6/16] = r7:dst@0[6/16]; signal r3:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 16, 7, 7}, {{7, 1, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}}, {{3, 4, 15}}},  // rank 7 step 8: part 3 piece 1 to rank 3; wait entry[3]; r3:inbox@7[7/16] = r7:dst@0[7/16]; signal r3:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 7, 8}, {{7, 1, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}}, {{4, 4, 14}}},  // rank 7 step 9: part 4 piece 0 to rank 4; wait entry[4]; r4:inbox@7[8/16] = r7:dst@0[8/16]; signal r4:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 16, 7, 9}, {{7, 1, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}}, {{4, 4, 15}}},  // rank 7 step 10: part 4 piece 1 to rank 4; wait entry[4]; r4:inbox@7[9/16] = r7:dst@0[9/16]; signal r4:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 7, 10}, {{7, 1, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}}, {{5, 4, 14}}},  // rank 7 step 11: part 5 piece 0 to rank 5; wait entry[5]; r5:inbox@7[10/16] = r7:dst@0[10/16]; signal r5:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 16, 7, 11}, {{7, 1, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}}, {{5, 4, 15}}},  // rank 7 step 12: part 5 piece 1 to rank 5; wait entry[5]; r5:inbox@7[11/16] = r7:dst@0[11/16]; signal r5:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 7, 12}, {{7, 1, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}}, {{6, 4, 14}}},  // rank 7 step 13: part 6 piece 0 to rank 6; wait entry[6]; r6:inbox@7[12/16] = r7:dst@0[12/16]; signal r6:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 16, 7, 13}, {{7, 1, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}}, {{6, 4, 15}}},  // rank 7 step 14: part 6 piece 1 to rank 6; wait entry[6]; r6:inbox@7[13/16] = r7:dst@0[13/16]; signal r6:arrive[15]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}, {7, 2, 0, 16, 0, 14}, {7, 2, 0, 16, 1, 14}, {7, 2, 0, 16, 2, 14}, {7, 2, 0, 16, 3, 14}, {7, 2, 0, 16, 4, 14}, {7, 2, 0, 16, 5, 14}, {7, 2, 0, 16, 6, 14}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}}, {{7, 5, 0}}},  // rank 7 step 15: reduce our part, piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12]; r7:dst@0[14/16] = r7:dst@0[14/16] + r7:inbox@0[14/16] + r7:inbox@1[14/16] + r7:inbox@2[14/16] + r7:inbox@3[14/16] + r7:inbox@4[14/16] + r7:inbox@5[14/16] + r7:inbox@6[14/16]; signal r7:reduced[0]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 1, 0, {7, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}, {7, 2, 0, 16, 0, 15}, {7, 2, 0, 16, 1, 15}, {7, 2, 0, 16, 2, 15}, {7, 2, 0, 16, 3, 15}, {7, 2, 0, 16, 4, 15}, {7, 2, 0, 16, 5, 15}, {7, 2, 0, 16, 6, 15}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}}, {{7, 5, 1}}},  // rank 7 step 16: reduce our part, piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13]; r7:dst@0[15/16] = r7:dst@0[15/16] + r7:inbox@0[15/16] + r7:inbox@1[15/16] + r7:inbox@2[15/16] + r7:inbox@3[15/16] + r7:inbox@4[15/16] + r7:inbox@5[15/16] + r7:inbox@6[15/16]; signal r7:reduced[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 0, 1}}, {{0, 6, 14}}},  // rank 7 step 17: reduced piece 0 to rank 0; wait reduced[0], entry[0]; r0:dst@0[14/16] = r7:dst@0[14/16]; signal r0:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 0, 1}}, {{0, 6, 15}}},  // rank 7 step 18: reduced piece 1 to rank 0; wait reduced[1], entry[0]; r0:dst@0[15/16] = r7:dst@0[15/16]; signal r0:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 1, 1}}, {{1, 6, 14}}},  // rank 7 step 19: reduced piece 0 to rank 1; wait reduced[0], entry[1]; r1:dst@0[14/16] = r7:dst@0[14/16]; signal r1:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 1, 1}}, {{1, 6, 15}}},  // rank 7 step 20: reduced piece 1 to rank 1; wait reduced[1], entry[1]; r1:dst@0[15/16] = r7:dst@0[15/16]; signal r1:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 2, 1}}, {{2, 6, 14}}},  // rank 7 step 21: reduced piece 0 to rank 2; wait reduced[0], entry[2]; r2:dst@0[14/16] = r7:dst@0[14/16]; signal r2:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 2, 1}}, {{2, 6, 15}}},  // rank 7 step 22: reduced piece 1 to rank 2; wait reduced[1], entry[2]; r2:dst@0[15/16] = r7:dst@0[15/16]; signal r2:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 3, 1}}, {{3, 6, 14}}},  // rank 7 step 23: reduced piece 0 to rank 3; wait reduced[0], entry[3]; r3:dst@0[14/16] = r7:dst@0[14/16]; signal r3:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 3, 1}}, {{3, 6, 15}}},  // rank 7 step 24: reduced piece 1 to rank 3; wait reduced[1], entry[3]; r3:dst@0[15/16] = r7:dst@0[15/16]; signal r3:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 4, 1}}, {{4, 6, 14}}},  // rank 7 step 25: reduced piece 0 to rank 4; wait reduced[0], entry[4]; r4:dst@0[14/16] = r7:dst@0[14/16]; signal r4:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 4, 1}}, {{4, 6, 15}}},  // rank 7 step 26: reduced piece 1 to rank 4; wait reduced[1], entry[4]; r4:dst@0[15/16] = r7:dst@0[15/16]; signal r4:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 5, 1}}, {{5, 6, 14}}},  // rank 7 step 27: reduced piece 0 to rank 5; wait reduced[0], entry[5]; r5:dst@0[14/16] = r7:dst@0[14/16]; signal r5:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 5, 1}}, {{5, 6, 15}}},  // rank 7 step 28: reduced piece 1 to rank 5; wait reduced[1], entry[5]; r5:dst@0[15/16] = r7:dst@0[15/16]; signal r5:gathered[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 14}, {{7, 1, 0, 16, 0, 14}}, {}, {{5, 0, 0, 16}, {3, 0, 6, 1}}, {{6, 6, 14}}},  // rank 7 step 29: reduced piece 0 to rank 6; wait reduced[0], entry[6]; r6:dst@0[14/16] = r7:dst@0[14/16]; signal r6:gathered[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 1, 0, 16, 0, 15}, {{7, 1, 0, 16, 0, 15}}, {}, {{5, 0, 1, 16}, {3, 0, 6, 1}}, {{6, 6, 15}}},  // rank 7 step 30: reduced piece 1 to rank 6; wait reduced[1], entry[6]; r6:dst@0[15/16] = r7:dst@0[15/16]; signal r6:gathered[15]; 16 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 0, 16}, {6, 0, 1, 16}, {6, 0, 2, 16}, {6, 0, 3, 16}, {6, 0, 4, 16}, {6, 0, 5, 16}, {6, 0, 6, 16}, {6, 0, 7, 16}}, {}},  // rank 7 step 31: wait for every peer's reduced parts; wait gathered[0], gathered[1], gathered[2], gathered[3], gathered[4], gathered[5], gathered[6], gathered[7]
+    {TSGEN_OP_NONE, 0, 6, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{6, 0, 8, 16}, {6, 0, 9, 16}, {6, 0, 10, 16}, {6, 0, 11, 16}, {6, 0, 12, 16}, {6, 0, 13, 16}}, {}},  // rank 7 step 32: wait for every peer's reduced parts; wait gathered[8], gathered[9], gathered[10], gathered[11], gathered[12], gathered[13]
 };
 static __device__ const int step_base_w8[8] = { 0, 33, 66, 99, 132, 165, 198, 231 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..481
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
-    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
-    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
-    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
-    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
-    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
-    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
-    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
-    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
-    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
-    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
-    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
-    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
-    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
-    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
-    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
-    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
-    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
-    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
-    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
-    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
-    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
-    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
-    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
-    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
-    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
-    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
-    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
-    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
-    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
-    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
-    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
-    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
-    // rank 1: shares 482..963
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
-    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
-    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
-    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
-    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
-    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
-    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
-    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
-    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
-    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
-    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
-    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
-    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
-    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
-    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
-    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
-    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
-    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
-    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
-    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
-    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
-    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
-    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
-    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
-    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
-    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
-    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
-    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
-    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
-    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
-    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
-    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
-    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
-    // rank 2: shares 964..1445
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
-    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
-    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
-    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
-    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
-    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
-    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
-    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
-    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
-    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
-    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
-    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
-    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
-    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
-    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
-    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
-    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
-    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
-    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
-    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
-    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
-    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
-    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
-    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
-    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
-    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
-    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
-    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
-    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
-    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
-    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
-    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
-    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
-    // rank 3: shares 1446..1927
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
-    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
-    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
-    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
-    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
-    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
-    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
-    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
-    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
-    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
-    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
-    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
-    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
-    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
-    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
-    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
-    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
-    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
-    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
-    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
-    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
-    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
-    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
-    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
-    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
-    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
-    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
-    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
-    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
-    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
-    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
-    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
-    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
-    // rank 4: shares 1928..2409
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
-    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
-    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
-    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
-    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
-    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
-    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
-    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
-    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
-    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
-    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
-    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
-    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
-    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
-    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
-    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
-    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
-    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
-    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
-    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
-    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
-    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
-    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
-    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
-    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
-    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
-    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
-    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
-    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
-    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
-    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
-    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
-    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
-    // rank 5: shares 2410..2891
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
-    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
-    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
-    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
-    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
-    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
-    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
-    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
-    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
-    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
-    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
-    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
-    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
-    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
-    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
-    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
-    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
-    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
-    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
-    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
-    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
-    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
-    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
-    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
-    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
-    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
-    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
-    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
-    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
-    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
-    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
-    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
-    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
-    // rank 6: shares 2892..3373
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
-    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
-    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
-    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
-    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
-    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
-    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
-    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
-    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
-    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
-    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
-    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
-    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
-    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
-    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
-    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
-    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
-    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
-    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
-    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
-    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
-    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
-    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
-    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
-    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
-    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
-    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
-    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
-    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
-    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
-    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
-    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
-    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
-    // rank 7: shares 3374..3855
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {23, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0},
-    {9, 0, 16, 2, 1, 0}, {17, 0, 16, 2, 1, 0}, {25, 0, 16, 2, 1, 0}, {1, 1, 16, 2, 1, 0},
-    {9, 1, 16, 2, 1, 0}, {17, 1, 16, 2, 1, 0}, {25, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0},
-    {9, 2, 16, 2, 1, 0}, {17, 2, 16, 2, 1, 0}, {25, 2, 16, 2, 1, 0}, {1, 3, 16, 2, 1, 0},
-    {9, 3, 16, 2, 1, 0}, {17, 3, 16, 2, 1, 0}, {25, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0},
-    {9, 4, 16, 2, 1, 0}, {17, 4, 16, 2, 1, 0}, {25, 4, 16, 2, 1, 0}, {1, 5, 16, 2, 1, 0},
-    {9, 5, 16, 2, 1, 0}, {17, 5, 16, 2, 1, 0}, {25, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0},
-    {9, 6, 16, 2, 1, 0}, {17, 6, 16, 2, 1, 0}, {25, 6, 16, 2, 1, 0}, {1, 7, 16, 2, 1, 0},
-    {9, 7, 16, 2, 1, 0}, {17, 7, 16, 2, 1, 0}, {25, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0},
-    {9, 8, 16, 2, 1, 0}, {17, 8, 16, 2, 1, 0}, {25, 8, 16, 2, 1, 0}, {1, 9, 16, 2, 1, 0},
-    {9, 9, 16, 2, 1, 0}, {17, 9, 16, 2, 1, 0}, {25, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0},
-    {9, 10, 16, 2, 1, 0}, {17, 10, 16, 2, 1, 0}, {25, 10, 16, 2, 1, 0}, {1, 11, 16, 2, 1, 0},
-    {9, 11, 16, 2, 1, 0}, {17, 11, 16, 2, 1, 0}, {25, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0},
-    {9, 12, 16, 2, 1, 0}, {17, 12, 16, 2, 1, 0}, {25, 12, 16, 2, 1, 0}, {1, 13, 16, 2, 1, 0},
-    {9, 13, 16, 2, 1, 0}, {17, 13, 16, 2, 1, 0}, {25, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0},
-    {9, 14, 16, 2, 1, 0}, {17, 14, 16, 2, 1, 0}, {25, 14, 16, 2, 1, 0}, {1, 15, 16, 2, 1, 0},
-    {9, 15, 16, 2, 1, 0}, {17, 15, 16, 2, 1, 0}, {25, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0},
-    {11, 0, 16, 2, 1, 0}, {19, 0, 16, 2, 1, 0}, {27, 0, 16, 2, 1, 0}, {3, 1, 16, 2, 1, 0},
-    {11, 1, 16, 2, 1, 0}, {19, 1, 16, 2, 1, 0}, {27, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0},
-    {11, 2, 16, 2, 1, 0}, {19, 2, 16, 2, 1, 0}, {27, 2, 16, 2, 1, 0}, {3, 3, 16, 2, 1, 0},
-    {11, 3, 16, 2, 1, 0}, {19, 3, 16, 2, 1, 0}, {27, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0},
-    {11, 4, 16, 2, 1, 0}, {19, 4, 16, 2, 1, 0}, {27, 4, 16, 2, 1, 0}, {3, 5, 16, 2, 1, 0},
-    {11, 5, 16, 2, 1, 0}, {19, 5, 16, 2, 1, 0}, {27, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0},
-    {11, 6, 16, 2, 1, 0}, {19, 6, 16, 2, 1, 0}, {27, 6, 16, 2, 1, 0}, {3, 7, 16, 2, 1, 0},
-    {11, 7, 16, 2, 1, 0}, {19, 7, 16, 2, 1, 0}, {27, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0},
-    {11, 8, 16, 2, 1, 0}, {19, 8, 16, 2, 1, 0}, {27, 8, 16, 2, 1, 0}, {3, 9, 16, 2, 1, 0},
-    {11, 9, 16, 2, 1, 0}, {19, 9, 16, 2, 1, 0}, {27, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0},
-    {11, 10, 16, 2, 1, 0}, {19, 10, 16, 2, 1, 0}, {27, 10, 16, 2, 1, 0}, {3, 11, 16, 2, 1, 0},
-    {11, 11, 16, 2, 1, 0}, {19, 11, 16, 2, 1, 0}, {27, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0},
-    {11, 12, 16, 2, 1, 0}, {19, 12, 16, 2, 1, 0}, {27, 12, 16, 2, 1, 0}, {3, 13, 16, 2, 1, 0},
-    {11, 13, 16, 2, 1, 0}, {19, 13, 16, 2, 1, 0}, {27, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0},
-    {11, 14, 16, 2, 1, 0}, {19, 14, 16, 2, 1, 0}, {27, 14, 16, 2, 1, 0}, {3, 15, 16, 2, 1, 0},
-    {11, 15, 16, 2, 1, 0}, {19, 15, 16, 2, 1, 0}, {27, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0},
-    {13, 0, 16, 2, 1, 0}, {21, 0, 16, 2, 1, 0}, {29, 0, 16, 2, 1, 0}, {5, 1, 16, 2, 1, 0},
-    {13, 1, 16, 2, 1, 0}, {21, 1, 16, 2, 1, 0}, {29, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0},
-    {13, 2, 16, 2, 1, 0}, {21, 2, 16, 2, 1, 0}, {29, 2, 16, 2, 1, 0}, {5, 3, 16, 2, 1, 0},
-    {13, 3, 16, 2, 1, 0}, {21, 3, 16, 2, 1, 0}, {29, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0},
-    {13, 4, 16, 2, 1, 0}, {21, 4, 16, 2, 1, 0}, {29, 4, 16, 2, 1, 0}, {5, 5, 16, 2, 1, 0},
-    {13, 5, 16, 2, 1, 0}, {21, 5, 16, 2, 1, 0}, {29, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0},
-    {13, 6, 16, 2, 1, 0}, {21, 6, 16, 2, 1, 0}, {29, 6, 16, 2, 1, 0}, {5, 7, 16, 2, 1, 0},
-    {13, 7, 16, 2, 1, 0}, {21, 7, 16, 2, 1, 0}, {29, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0},
-    {13, 8, 16, 2, 1, 0}, {21, 8, 16, 2, 1, 0}, {29, 8, 16, 2, 1, 0}, {5, 9, 16, 2, 1, 0},
-    {13, 9, 16, 2, 1, 0}, {21, 9, 16, 2, 1, 0}, {29, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0},
-    {13, 10, 16, 2, 1, 0}, {21, 10, 16, 2, 1, 0}, {29, 10, 16, 2, 1, 0}, {5, 11, 16, 2, 1, 0},
-    {13, 11, 16, 2, 1, 0}, {21, 11, 16, 2, 1, 0}, {29, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0},
-    {13, 12, 16, 2, 1, 0}, {21, 12, 16, 2, 1, 0}, {29, 12, 16, 2, 1, 0}, {5, 13, 16, 2, 1, 0},
-    {13, 13, 16, 2, 1, 0}, {21, 13, 16, 2, 1, 0}, {29, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0},
-    {13, 14, 16, 2, 1, 0}, {21, 14, 16, 2, 1, 0}, {29, 14, 16, 2, 1, 0}, {5, 15, 16, 2, 1, 0},
-    {13, 15, 16, 2, 1, 0}, {21, 15, 16, 2, 1, 0}, {29, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0},
-    {15, 0, 16, 2, 1, 0}, {23, 0, 16, 2, 1, 0}, {31, 0, 1, 1, 0, 0}, {7, 1, 16, 2, 1, 0},
-    {15, 1, 16, 2, 1, 0}, {23, 1, 16, 2, 1, 0}, {32, 0, 1, 1, 0, 0}, {7, 2, 16, 2, 1, 0},
-    {15, 2, 16, 2, 1, 0}, {23, 2, 16, 2, 1, 0}, {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0},
-    {23, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0}, {23, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {23, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0},
-    {15, 6, 16, 2, 1, 0}, {23, 6, 16, 2, 1, 0}, {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0},
-    {23, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0}, {23, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {23, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0},
-    {15, 10, 16, 2, 1, 0}, {23, 10, 16, 2, 1, 0}, {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0},
-    {23, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0}, {23, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {23, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0},
-    {15, 14, 16, 2, 1, 0}, {23, 14, 16, 2, 1, 0},
+    {7, 15, 16, 2, 1, 0, 3, 8, 0}, {1, 0, 16, 2, 1, 0, 4, 8, 0}, {1, 1, 16, 2, 1, 0, 4, 8, 0}, {1, 2, 16, 2, 1, 0, 4, 8, 0}, {1, 3, 16, 2, 1, 0, 4, 8, 0}, {1, 4, 16, 2, 1, 0, 4, 8, 0}, {1, 5, 16, 2, 1, 0, 4, 8, 0}, {1, 6, 16, 2, 1, 0, 4, 8, 0},  // rank 0: shares 0..481
+    {1, 7, 16, 2, 1, 0, 4, 8, 0}, {1, 8, 16, 2, 1, 0, 4, 8, 0}, {1, 9, 16, 2, 1, 0, 4, 8, 0}, {1, 10, 16, 2, 1, 0, 4, 8, 0}, {1, 11, 16, 2, 1, 0, 4, 8, 0}, {1, 12, 16, 2, 1, 0, 4, 8, 0}, {1, 13, 16, 2, 1, 0, 4, 8, 0}, {1, 14, 16, 2, 1, 0, 4, 8, 0},
+    {1, 15, 16, 2, 1, 0, 4, 8, 0}, {3, 0, 16, 2, 1, 0, 4, 8, 0}, {3, 1, 16, 2, 1, 0, 4, 8, 0}, {3, 2, 16, 2, 1, 0, 4, 8, 0}, {3, 3, 16, 2, 1, 0, 4, 8, 0}, {3, 4, 16, 2, 1, 0, 4, 8, 0}, {3, 5, 16, 2, 1, 0, 4, 8, 0}, {3, 6, 16, 2, 1, 0, 4, 8, 0},
+    {3, 7, 16, 2, 1, 0, 4, 8, 0}, {3, 8, 16, 2, 1, 0, 4, 8, 0}, {3, 9, 16, 2, 1, 0, 4, 8, 0}, {3, 10, 16, 2, 1, 0, 4, 8, 0}, {3, 11, 16, 2, 1, 0, 4, 8, 0}, {3, 12, 16, 2, 1, 0, 4, 8, 0}, {3, 13, 16, 2, 1, 0, 4, 8, 0}, {3, 14, 16, 2, 1, 0, 4, 8, 0},
+    {3, 15, 16, 2, 1, 0, 4, 8, 0}, {5, 0, 16, 2, 1, 0, 4, 8, 0}, {5, 1, 16, 2, 1, 0, 4, 8, 0}, {5, 2, 16, 2, 1, 0, 4, 8, 0}, {5, 3, 16, 2, 1, 0, 4, 8, 0}, {5, 4, 16, 2, 1, 0, 4, 8, 0}, {5, 5, 16, 2, 1, 0, 4, 8, 0}, {5, 6, 16, 2, 1, 0, 4, 8, 0},
+    {5, 7, 16, 2, 1, 0, 4, 8, 0}, {5, 8, 16, 2, 1, 0, 4, 8, 0}, {5, 9, 16, 2, 1, 0, 4, 8, 0}, {5, 10, 16, 2, 1, 0, 4, 8, 0}, {5, 11, 16, 2, 1, 0, 4, 8, 0}, {5, 12, 16, 2, 1, 0, 4, 8, 0}, {5, 13, 16, 2, 1, 0, 4, 8, 0}, {5, 14, 16, 2, 1, 0, 4, 8, 0},
+    {5, 15, 16, 2, 1, 0, 4, 8, 0}, {7, 0, 16, 2, 1, 0, 3, 8, 0}, {31, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 3, 8, 0}, {32, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 2, 16, 2, 1, 0, 3, 8, 0}, {7, 3, 16, 2, 1, 0, 3, 8, 0}, {7, 4, 16, 2, 1, 0, 3, 8, 0},
+    {7, 5, 16, 2, 1, 0, 3, 8, 0}, {7, 6, 16, 2, 1, 0, 3, 8, 0}, {7, 7, 16, 2, 1, 0, 3, 8, 0}, {7, 8, 16, 2, 1, 0, 3, 8, 0}, {7, 9, 16, 2, 1, 0, 3, 8, 0}, {7, 10, 16, 2, 1, 0, 3, 8, 0}, {7, 11, 16, 2, 1, 0, 3, 8, 0}, {7, 12, 16, 2, 1, 0, 3, 8, 0},
+    {7, 13, 16, 2, 1, 0, 3, 8, 0}, {7, 14, 16, 2, 1, 0, 3, 8, 0},
+    {7, 15, 16, 2, 1, 0, 3, 8, 0}, {1, 0, 16, 2, 1, 0, 4, 8, 0}, {1, 1, 16, 2, 1, 0, 4, 8, 0}, {1, 2, 16, 2, 1, 0, 4, 8, 0}, {1, 3, 16, 2, 1, 0, 4, 8, 0}, {1, 4, 16, 2, 1, 0, 4, 8, 0}, {1, 5, 16, 2, 1, 0, 4, 8, 0}, {1, 6, 16, 2, 1, 0, 4, 8, 0},  // rank 1: shares 482..963
+    {1, 7, 16, 2, 1, 0, 4, 8, 0}, {1, 8, 16, 2, 1, 0, 4, 8, 0}, {1, 9, 16, 2, 1, 0, 4, 8, 0}, {1, 10, 16, 2, 1, 0, 4, 8, 0}, {1, 11, 16, 2, 1, 0, 4, 8, 0}, {1, 12, 16, 2, 1, 0, 4, 8, 0}, {1, 13, 16, 2, 1, 0, 4, 8, 0}, {1, 14, 16, 2, 1, 0, 4, 8, 0},
+    {1, 15, 16, 2, 1, 0, 4, 8, 0}, {3, 0, 16, 2, 1, 0, 4, 8, 0}, {3, 1, 16, 2, 1, 0, 4, 8, 0}, {3, 2, 16, 2, 1, 0, 4, 8, 0}, {3, 3, 16, 2, 1, 0, 4, 8, 0}, {3, 4, 16, 2, 1, 0, 4, 8, 0}, {3, 5, 16, 2, 1, 0, 4, 8, 0}, {3, 6, 16, 2, 1, 0, 4, 8, 0},
+    {3, 7, 16, 2, 1, 0, 4, 8, 0}, {3, 8, 16, 2, 1, 0, 4, 8, 0}, {3, 9, 16, 2, 1, 0, 4, 8, 0}, {3, 10, 16, 2, 1, 0, 4, 8, 0}, {3, 11, 16, 2, 1, 0, 4, 8, 0}, {3, 12, 16, 2, 1, 0, 4, 8, 0}, {3, 13, 16, 2, 1, 0, 4, 8, 0}, {3, 14, 16, 2, 1, 0, 4, 8, 0},
+    {3, 15, 16, 2, 1, 0, 4, 8, 0}, {5, 0, 16, 2, 1, 0, 4, 8, 0}, {5, 1, 16, 2, 1, 0, 4, 8, 0}, {5, 2, 16, 2, 1, 0, 4, 8, 0}, {5, 3, 16, 2, 1, 0, 4, 8, 0}, {5, 4, 16, 2, 1, 0, 4, 8, 0}, {5, 5, 16, 2, 1, 0, 4, 8, 0}, {5, 6, 16, 2, 1, 0, 4, 8, 0},
+    {5, 7, 16, 2, 1, 0, 4, 8, 0}, {5, 8, 16, 2, 1, 0, 4, 8, 0}, {5, 9, 16, 2, 1, 0, 4, 8, 0}, {5, 10, 16, 2, 1, 0, 4, 8, 0}, {5, 11, 16, 2, 1, 0, 4, 8, 0}, {5, 12, 16, 2, 1, 0, 4, 8, 0}, {5, 13, 16, 2, 1, 0, 4, 8, 0}, {5, 14, 16, 2, 1, 0, 4, 8, 0},
+    {5, 15, 16, 2, 1, 0, 4, 8, 0}, {7, 0, 16, 2, 1, 0, 3, 8, 0}, {31, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 3, 8, 0}, {32, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 2, 16, 2, 1, 0, 3, 8, 0}, {7, 3, 16, 2, 1, 0, 3, 8, 0}, {7, 4, 16, 2, 1, 0, 3, 8, 0},
+    {7, 5, 16, 2, 1, 0, 3, 8, 0}, {7, 6, 16, 2, 1, 0, 3, 8, 0}, {7, 7, 16, 2, 1, 0, 3, 8, 0}, {7, 8, 16, 2, 1, 0, 3, 8, 0}, {7, 9, 16, 2, 1, 0, 3, 8, 0}, {7, 10, 16, 2, 1, 0, 3, 8, 0}, {7, 11, 16, 2, 1, 0, 3, 8, 0}, {7, 12, 16, 2, 1, 0, 3, 8, 0},
+    {7, 13, 16, 2, 1, 0, 3, 8, 0}, {7, 14, 16, 2, 1, 0, 3, 8, 0},
+    {7, 15, 16, 2, 1, 0, 3, 8, 0}, {1, 0, 16, 2, 1, 0, 4, 8, 0}, {1, 1, 16, 2, 1, 0, 4, 8, 0}, {1, 2, 16, 2, 1, 0, 4, 8, 0}, {1, 3, 16, 2, 1, 0, 4, 8, 0}, {1, 4, 16, 2, 1, 0, 4, 8, 0}, {1, 5, 16, 2, 1, 0, 4, 8, 0}, {1, 6, 16, 2, 1, 0, 4, 8, 0},  // rank 2: shares 964..1445
+    {1, 7, 16, 2, 1, 0, 4, 8, 0}, {1, 8, 16, 2, 1, 0, 4, 8, 0}, {1, 9, 16, 2, 1, 0, 4, 8, 0}, {1, 10, 16, 2, 1, 0, 4, 8, 0}, {1, 11, 16, 2, 1, 0, 4, 8, 0}, {1, 12, 16, 2, 1, 0, 4, 8, 0}, {1, 13, 16, 2, 1, 0, 4, 8, 0}, {1, 14, 16, 2, 1, 0, 4, 8, 0},
+    {1, 15, 16, 2, 1, 0, 4, 8, 0}, {3, 0, 16, 2, 1, 0, 4, 8, 0}, {3, 1, 16, 2, 1, 0, 4, 8, 0}, {3, 2, 16, 2, 1, 0, 4, 8, 0}, {3, 3, 16, 2, 1, 0, 4, 8, 0}, {3, 4, 16, 2, 1, 0, 4, 8, 0}, {3, 5, 16, 2, 1, 0, 4, 8, 0}, {3, 6, 16, 2, 1, 0, 4, 8, 0},
+    {3, 7, 16, 2, 1, 0, 4, 8, 0}, {3, 8, 16, 2, 1, 0, 4, 8, 0}, {3, 9, 16, 2, 1, 0, 4, 8, 0}, {3, 10, 16, 2, 1, 0, 4, 8, 0}, {3, 11, 16, 2, 1, 0, 4, 8, 0}, {3, 12, 16, 2, 1, 0, 4, 8, 0}, {3, 13, 16, 2, 1, 0, 4, 8, 0}, {3, 14, 16, 2, 1, 0, 4, 8, 0},
+    {3, 15, 16, 2, 1, 0, 4, 8, 0}, {5, 0, 16, 2, 1, 0, 4, 8, 0}, {5, 1, 16, 2, 1, 0, 4, 8, 0}, {5, 2, 16, 2, 1, 0, 4, 8, 0}, {5, 3, 16, 2, 1, 0, 4, 8, 0}, {5, 4, 16, 2, 1, 0, 4, 8, 0}, {5, 5, 16, 2, 1, 0, 4, 8, 0}, {5, 6, 16, 2, 1, 0, 4, 8, 0},
+    {5, 7, 16, 2, 1, 0, 4, 8, 0}, {5, 8, 16, 2, 1, 0, 4, 8, 0}, {5, 9, 16, 2, 1, 0, 4, 8, 0}, {5, 10, 16, 2, 1, 0, 4, 8, 0}, {5, 11, 16, 2, 1, 0, 4, 8, 0}, {5, 12, 16, 2, 1, 0, 4, 8, 0}, {5, 13, 16, 2, 1, 0, 4, 8, 0}, {5, 14, 16, 2, 1, 0, 4, 8, 0},
+    {5, 15, 16, 2, 1, 0, 4, 8, 0}, {7, 0, 16, 2, 1, 0, 3, 8, 0}, {31, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 3, 8, 0}, {32, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 2, 16, 2, 1, 0, 3, 8, 0}, {7, 3, 16, 2, 1, 0, 3, 8, 0}, {7, 4, 16, 2, 1, 0, 3, 8, 0},
+    {7, 5, 16, 2, 1, 0, 3, 8, 0}, {7, 6, 16, 2, 1, 0, 3, 8, 0}, {7, 7, 16, 2, 1, 0, 3, 8, 0}, {7, 8, 16, 2, 1, 0, 3, 8, 0}, {7, 9, 16, 2, 1, 0, 3, 8, 0}, {7, 10, 16, 2, 1, 0, 3, 8, 0}, {7, 11, 16, 2, 1, 0, 3, 8, 0}, {7, 12, 16, 2, 1, 0, 3, 8, 0},
+    {7, 13, 16, 2, 1, 0, 3, 8, 0}, {7, 14, 16, 2, 1, 0, 3, 8, 0},
+    {7, 15, 16, 2, 1, 0, 3, 8, 0}, {1, 0, 16, 2, 1, 0, 4, 8, 0}, {1, 1, 16, 2, 1, 0, 4, 8, 0}, {1, 2, 16, 2, 1, 0, 4, 8, 0}, {1, 3, 16, 2, 1, 0, 4, 8, 0}, {1, 4, 16, 2, 1, 0, 4, 8, 0}, {1, 5, 16, 2, 1, 0, 4, 8, 0}, {1, 6, 16, 2, 1, 0, 4, 8, 0},  // rank 3: shares 1446..1927
+    {1, 7, 16, 2, 1, 0, 4, 8, 0}, {1, 8, 16, 2, 1, 0, 4, 8, 0}, {1, 9, 16, 2, 1, 0, 4, 8, 0}, {1, 10, 16, 2, 1, 0, 4, 8, 0}, {1, 11, 16, 2, 1, 0, 4, 8, 0}, {1, 12, 16, 2, 1, 0, 4, 8, 0}, {1, 13, 16, 2, 1, 0, 4, 8, 0}, {1, 14, 16, 2, 1, 0, 4, 8, 0},
+    {1, 15, 16, 2, 1, 0, 4, 8, 0}, {3, 0, 16, 2, 1, 0, 4, 8, 0}, {3, 1, 16, 2, 1, 0, 4, 8, 0}, {3, 2, 16, 2, 1, 0, 4, 8, 0}, {3, 3, 16, 2, 1, 0, 4, 8, 0}, {3, 4, 16, 2, 1, 0, 4, 8, 0}, {3, 5, 16, 2, 1, 0, 4, 8, 0}, {3, 6, 16, 2, 1, 0, 4, 8, 0},
+    {3, 7, 16, 2, 1, 0, 4, 8, 0}, {3, 8, 16, 2, 1, 0, 4, 8, 0}, {3, 9, 16, 2, 1, 0, 4, 8, 0}, {3, 10, 16, 2, 1, 0, 4, 8, 0}, {3, 11, 16, 2, 1, 0, 4, 8, 0}, {3, 12, 16, 2, 1, 0, 4, 8, 0}, {3, 13, 16, 2, 1, 0, 4, 8, 0}, {3, 14, 16, 2, 1, 0, 4, 8, 0},
+    {3, 15, 16, 2, 1, 0, 4, 8, 0}, {5, 0, 16, 2, 1, 0, 4, 8, 0}, {5, 1, 16, 2, 1, 0, 4, 8, 0}, {5, 2, 16, 2, 1, 0, 4, 8, 0}, {5, 3, 16, 2, 1, 0, 4, 8, 0}, {5, 4, 16, 2, 1, 0, 4, 8, 0}, {5, 5, 16, 2, 1, 0, 4, 8, 0}, {5, 6, 16, 2, 1, 0, 4, 8, 0},
+    {5, 7, 16, 2, 1, 0, 4, 8, 0}, {5, 8, 16, 2, 1, 0, 4, 8, 0}, {5, 9, 16, 2, 1, 0, 4, 8, 0}, {5, 10, 16, 2, 1, 0, 4, 8, 0}, {5, 11, 16, 2, 1, 0, 4, 8, 0}, {5, 12, 16, 2, 1, 0, 4, 8, 0}, {5, 13, 16, 2, 1, 0, 4, 8, 0}, {5, 14, 16, 2, 1, 0, 4, 8, 0},
+    {5, 15, 16, 2, 1, 0, 4, 8, 0}, {7, 0, 16, 2, 1, 0, 3, 8, 0}, {31, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 3, 8, 0}, {32, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 2, 16, 2, 1, 0, 3, 8, 0}, {7, 3, 16, 2, 1, 0, 3, 8, 0}, {7, 4, 16, 2, 1, 0, 3, 8, 0},
+    {7, 5, 16, 2, 1, 0, 3, 8, 0}, {7, 6, 16, 2, 1, 0, 3, 8, 0}, {7, 7, 16, 2, 1, 0, 3, 8, 0}, {7, 8, 16, 2, 1, 0, 3, 8, 0}, {7, 9, 16, 2, 1, 0, 3, 8, 0}, {7, 10, 16, 2, 1, 0, 3, 8, 0}, {7, 11, 16, 2, 1, 0, 3, 8, 0}, {7, 12, 16, 2, 1, 0, 3, 8, 0},
+    {7, 13, 16, 2, 1, 0, 3, 8, 0}, {7, 14, 16, 2, 1, 0, 3, 8, 0},
+    {7, 15, 16, 2, 1, 0, 3, 8, 0}, {1, 0, 16, 2, 1, 0, 4, 8, 0}, {1, 1, 16, 2, 1, 0, 4, 8, 0}, {1, 2, 16, 2, 1, 0, 4, 8, 0}, {1, 3, 16, 2, 1, 0, 4, 8, 0}, {1, 4, 16, 2, 1, 0, 4, 8, 0}, {1, 5, 16, 2, 1, 0, 4, 8, 0}, {1, 6, 16, 2, 1, 0, 4, 8, 0},  // rank 4: shares 1928..2409
+    {1, 7, 16, 2, 1, 0, 4, 8, 0}, {1, 8, 16, 2, 1, 0, 4, 8, 0}, {1, 9, 16, 2, 1, 0, 4, 8, 0}, {1, 10, 16, 2, 1, 0, 4, 8, 0}, {1, 11, 16, 2, 1, 0, 4, 8, 0}, {1, 12, 16, 2, 1, 0, 4, 8, 0}, {1, 13, 16, 2, 1, 0, 4, 8, 0}, {1, 14, 16, 2, 1, 0, 4, 8, 0},
+    {1, 15, 16, 2, 1, 0, 4, 8, 0}, {3, 0, 16, 2, 1, 0, 4, 8, 0}, {3, 1, 16, 2, 1, 0, 4, 8, 0}, {3, 2, 16, 2, 1, 0, 4, 8, 0}, {3, 3, 16, 2, 1, 0, 4, 8, 0}, {3, 4, 16, 2, 1, 0, 4, 8, 0}, {3, 5, 16, 2, 1, 0, 4, 8, 0}, {3, 6, 16, 2, 1, 0, 4, 8, 0},
+    {3, 7, 16, 2, 1, 0, 4, 8, 0}, {3, 8, 16, 2, 1, 0, 4, 8, 0}, {3, 9, 16, 2, 1, 0, 4, 8, 0}, {3, 10, 16, 2, 1, 0, 4, 8, 0}, {3, 11, 16, 2, 1, 0, 4, 8, 0}, {3, 12, 16, 2, 1, 0, 4, 8, 0}, {3, 13, 16, 2, 1, 0, 4, 8, 0}, {3, 14, 16, 2, 1, 0, 4, 8, 0},
+    {3, 15, 16, 2, 1, 0, 4, 8, 0}, {5, 0, 16, 2, 1, 0, 4, 8, 0}, {5, 1, 16, 2, 1, 0, 4, 8, 0}, {5, 2, 16, 2, 1, 0, 4, 8, 0}, {5, 3, 16, 2, 1, 0, 4, 8, 0}, {5, 4, 16, 2, 1, 0, 4, 8, 0}, {5, 5, 16, 2, 1, 0, 4, 8, 0}, {5, 6, 16, 2, 1, 0, 4, 8, 0},
+    {5, 7, 16, 2, 1, 0, 4, 8, 0}, {5, 8, 16, 2, 1, 0, 4, 8, 0}, {5, 9, 16, 2, 1, 0, 4, 8, 0}, {5, 10, 16, 2, 1, 0, 4, 8, 0}, {5, 11, 16, 2, 1, 0, 4, 8, 0}, {5, 12, 16, 2, 1, 0, 4, 8, 0}, {5, 13, 16, 2, 1, 0, 4, 8, 0}, {5, 14, 16, 2, 1, 0, 4, 8, 0},
+    {5, 15, 16, 2, 1, 0, 4, 8, 0}, {7, 0, 16, 2, 1, 0, 3, 8, 0}, {31, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 3, 8, 0}, {32, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 2, 16, 2, 1, 0, 3, 8, 0}, {7, 3, 16, 2, 1, 0, 3, 8, 0}, {7, 4, 16, 2, 1, 0, 3, 8, 0},
+    {7, 5, 16, 2, 1, 0, 3, 8, 0}, {7, 6, 16, 2, 1, 0, 3, 8, 0}, {7, 7, 16, 2, 1, 0, 3, 8, 0}, {7, 8, 16, 2, 1, 0, 3, 8, 0}, {7, 9, 16, 2, 1, 0, 3, 8, 0}, {7, 10, 16, 2, 1, 0, 3, 8, 0}, {7, 11, 16, 2, 1, 0, 3, 8, 0}, {7, 12, 16, 2, 1, 0, 3, 8, 0},
+    {7, 13, 16, 2, 1, 0, 3, 8, 0}, {7, 14, 16, 2, 1, 0, 3, 8, 0},
+    {7, 15, 16, 2, 1, 0, 3, 8, 0}, {1, 0, 16, 2, 1, 0, 4, 8, 0}, {1, 1, 16, 2, 1, 0, 4, 8, 0}, {1, 2, 16, 2, 1, 0, 4, 8, 0}, {1, 3, 16, 2, 1, 0, 4, 8, 0}, {1, 4, 16, 2, 1, 0, 4, 8, 0}, {1, 5, 16, 2, 1, 0, 4, 8, 0}, {1, 6, 16, 2, 1, 0, 4, 8, 0},  // rank 5: shares 2410..2891
+    {1, 7, 16, 2, 1, 0, 4, 8, 0}, {1, 8, 16, 2, 1, 0, 4, 8, 0}, {1, 9, 16, 2, 1, 0, 4, 8, 0}, {1, 10, 16, 2, 1, 0, 4, 8, 0}, {1, 11, 16, 2, 1, 0, 4, 8, 0}, {1, 12, 16, 2, 1, 0, 4, 8, 0}, {1, 13, 16, 2, 1, 0, 4, 8, 0}, {1, 14, 16, 2, 1, 0, 4, 8, 0},
+    {1, 15, 16, 2, 1, 0, 4, 8, 0}, {3, 0, 16, 2, 1, 0, 4, 8, 0}, {3, 1, 16, 2, 1, 0, 4, 8, 0}, {3, 2, 16, 2, 1, 0, 4, 8, 0}, {3, 3, 16, 2, 1, 0, 4, 8, 0}, {3, 4, 16, 2, 1, 0, 4, 8, 0}, {3, 5, 16, 2, 1, 0, 4, 8, 0}, {3, 6, 16, 2, 1, 0, 4, 8, 0},
+    {3, 7, 16, 2, 1, 0, 4, 8, 0}, {3, 8, 16, 2, 1, 0, 4, 8, 0}, {3, 9, 16, 2, 1, 0, 4, 8, 0}, {3, 10, 16, 2, 1, 0, 4, 8, 0}, {3, 11, 16, 2, 1, 0, 4, 8, 0}, {3, 12, 16, 2, 1, 0, 4, 8, 0}, {3, 13, 16, 2, 1, 0, 4, 8, 0}, {3, 14, 16, 2, 1, 0, 4, 8, 0},
+    {3, 15, 16, 2, 1, 0, 4, 8, 0}, {5, 0, 16, 2, 1, 0, 4, 8, 0}, {5, 1, 16, 2, 1, 0, 4, 8, 0}, {5, 2, 16, 2, 1, 0, 4, 8, 0}, {5, 3, 16, 2, 1, 0, 4, 8, 0}, {5, 4, 16, 2, 1, 0, 4, 8, 0}, {5, 5, 16, 2, 1, 0, 4, 8, 0}, {5, 6, 16, 2, 1, 0, 4, 8, 0},
+    {5, 7, 16, 2, 1, 0, 4, 8, 0}, {5, 8, 16, 2, 1, 0, 4, 8, 0}, {5, 9, 16, 2, 1, 0, 4, 8, 0}, {5, 10, 16, 2, 1, 0, 4, 8, 0}, {5, 11, 16, 2, 1, 0, 4, 8, 0}, {5, 12, 16, 2, 1, 0, 4, 8, 0}, {5, 13, 16, 2, 1, 0, 4, 8, 0}, {5, 14, 16, 2, 1, 0, 4, 8, 0},
+    {5, 15, 16, 2, 1, 0, 4, 8, 0}, {7, 0, 16, 2, 1, 0, 3, 8, 0}, {31, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 3, 8, 0}, {32, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 2, 16, 2, 1, 0, 3, 8, 0}, {7, 3, 16, 2, 1, 0, 3, 8, 0}, {7, 4, 16, 2, 1, 0, 3, 8, 0},
+    {7, 5, 16, 2, 1, 0, 3, 8, 0}, {7, 6, 16, 2, 1, 0, 3, 8, 0}, {7, 7, 16, 2, 1, 0, 3, 8, 0}, {7, 8, 16, 2, 1, 0, 3, 8, 0}, {7, 9, 16, 2, 1, 0, 3, 8, 0}, {7, 10, 16, 2, 1, 0, 3, 8, 0}, {7, 11, 16, 2, 1, 0, 3, 8, 0}, {7, 12, 16, 2, 1, 0, 3, 8, 0},
+    {7, 13, 16, 2, 1, 0, 3, 8, 0}, {7, 14, 16, 2, 1, 0, 3, 8, 0},
+    {7, 15, 16, 2, 1, 0, 3, 8, 0}, {1, 0, 16, 2, 1, 0, 4, 8, 0}, {1, 1, 16, 2, 1, 0, 4, 8, 0}, {1, 2, 16, 2, 1, 0, 4, 8, 0}, {1, 3, 16, 2, 1, 0, 4, 8, 0}, {1, 4, 16, 2, 1, 0, 4, 8, 0}, {1, 5, 16, 2, 1, 0, 4, 8, 0}, {1, 6, 16, 2, 1, 0, 4, 8, 0},  // rank 6: shares 2892..3373
+    {1, 7, 16, 2, 1, 0, 4, 8, 0}, {1, 8, 16, 2, 1, 0, 4, 8, 0}, {1, 9, 16, 2, 1, 0, 4, 8, 0}, {1, 10, 16, 2, 1, 0, 4, 8, 0}, {1, 11, 16, 2, 1, 0, 4, 8, 0}, {1, 12, 16, 2, 1, 0, 4, 8, 0}, {1, 13, 16, 2, 1, 0, 4, 8, 0}, {1, 14, 16, 2, 1, 0, 4, 8, 0},
+    {1, 15, 16, 2, 1, 0, 4, 8, 0}, {3, 0, 16, 2, 1, 0, 4, 8, 0}, {3, 1, 16, 2, 1, 0, 4, 8, 0}, {3, 2, 16, 2, 1, 0, 4, 8, 0}, {3, 3, 16, 2, 1, 0, 4, 8, 0}, {3, 4, 16, 2, 1, 0, 4, 8, 0}, {3, 5, 16, 2, 1, 0, 4, 8, 0}, {3, 6, 16, 2, 1, 0, 4, 8, 0},
+    {3, 7, 16, 2, 1, 0, 4, 8, 0}, {3, 8, 16, 2, 1, 0, 4, 8, 0}, {3, 9, 16, 2, 1, 0, 4, 8, 0}, {3, 10, 16, 2, 1, 0, 4, 8, 0}, {3, 11, 16, 2, 1, 0, 4, 8, 0}, {3, 12, 16, 2, 1, 0, 4, 8, 0}, {3, 13, 16, 2, 1, 0, 4, 8, 0}, {3, 14, 16, 2, 1, 0, 4, 8, 0},
+    {3, 15, 16, 2, 1, 0, 4, 8, 0}, {5, 0, 16, 2, 1, 0, 4, 8, 0}, {5, 1, 16, 2, 1, 0, 4, 8, 0}, {5, 2, 16, 2, 1, 0, 4, 8, 0}, {5, 3, 16, 2, 1, 0, 4, 8, 0}, {5, 4, 16, 2, 1, 0, 4, 8, 0}, {5, 5, 16, 2, 1, 0, 4, 8, 0}, {5, 6, 16, 2, 1, 0, 4, 8, 0},
+    {5, 7, 16, 2, 1, 0, 4, 8, 0}, {5, 8, 16, 2, 1, 0, 4, 8, 0}, {5, 9, 16, 2, 1, 0, 4, 8, 0}, {5, 10, 16, 2, 1, 0, 4, 8, 0}, {5, 11, 16, 2, 1, 0, 4, 8, 0}, {5, 12, 16, 2, 1, 0, 4, 8, 0}, {5, 13, 16, 2, 1, 0, 4, 8, 0}, {5, 14, 16, 2, 1, 0, 4, 8, 0},
+    {5, 15, 16, 2, 1, 0, 4, 8, 0}, {7, 0, 16, 2, 1, 0, 3, 8, 0}, {31, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 3, 8, 0}, {32, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 2, 16, 2, 1, 0, 3, 8, 0}, {7, 3, 16, 2, 1, 0, 3, 8, 0}, {7, 4, 16, 2, 1, 0, 3, 8, 0},
+    {7, 5, 16, 2, 1, 0, 3, 8, 0}, {7, 6, 16, 2, 1, 0, 3, 8, 0}, {7, 7, 16, 2, 1, 0, 3, 8, 0}, {7, 8, 16, 2, 1, 0, 3, 8, 0}, {7, 9, 16, 2, 1, 0, 3, 8, 0}, {7, 10, 16, 2, 1, 0, 3, 8, 0}, {7, 11, 16, 2, 1, 0, 3, 8, 0}, {7, 12, 16, 2, 1, 0, 3, 8, 0},
+    {7, 13, 16, 2, 1, 0, 3, 8, 0}, {7, 14, 16, 2, 1, 0, 3, 8, 0},
+    {7, 15, 16, 2, 1, 0, 3, 8, 0}, {1, 0, 16, 2, 1, 0, 4, 8, 0}, {1, 1, 16, 2, 1, 0, 4, 8, 0}, {1, 2, 16, 2, 1, 0, 4, 8, 0}, {1, 3, 16, 2, 1, 0, 4, 8, 0}, {1, 4, 16, 2, 1, 0, 4, 8, 0}, {1, 5, 16, 2, 1, 0, 4, 8, 0}, {1, 6, 16, 2, 1, 0, 4, 8, 0},  // rank 7: shares 3374..3855
+    {1, 7, 16, 2, 1, 0, 4, 8, 0}, {1, 8, 16, 2, 1, 0, 4, 8, 0}, {1, 9, 16, 2, 1, 0, 4, 8, 0}, {1, 10, 16, 2, 1, 0, 4, 8, 0}, {1, 11, 16, 2, 1, 0, 4, 8, 0}, {1, 12, 16, 2, 1, 0, 4, 8, 0}, {1, 13, 16, 2, 1, 0, 4, 8, 0}, {1, 14, 16, 2, 1, 0, 4, 8, 0},
+    {1, 15, 16, 2, 1, 0, 4, 8, 0}, {3, 0, 16, 2, 1, 0, 4, 8, 0}, {3, 1, 16, 2, 1, 0, 4, 8, 0}, {3, 2, 16, 2, 1, 0, 4, 8, 0}, {3, 3, 16, 2, 1, 0, 4, 8, 0}, {3, 4, 16, 2, 1, 0, 4, 8, 0}, {3, 5, 16, 2, 1, 0, 4, 8, 0}, {3, 6, 16, 2, 1, 0, 4, 8, 0},
+    {3, 7, 16, 2, 1, 0, 4, 8, 0}, {3, 8, 16, 2, 1, 0, 4, 8, 0}, {3, 9, 16, 2, 1, 0, 4, 8, 0}, {3, 10, 16, 2, 1, 0, 4, 8, 0}, {3, 11, 16, 2, 1, 0, 4, 8, 0}, {3, 12, 16, 2, 1, 0, 4, 8, 0}, {3, 13, 16, 2, 1, 0, 4, 8, 0}, {3, 14, 16, 2, 1, 0, 4, 8, 0},
+    {3, 15, 16, 2, 1, 0, 4, 8, 0}, {5, 0, 16, 2, 1, 0, 4, 8, 0}, {5, 1, 16, 2, 1, 0, 4, 8, 0}, {5, 2, 16, 2, 1, 0, 4, 8, 0}, {5, 3, 16, 2, 1, 0, 4, 8, 0}, {5, 4, 16, 2, 1, 0, 4, 8, 0}, {5, 5, 16, 2, 1, 0, 4, 8, 0}, {5, 6, 16, 2, 1, 0, 4, 8, 0},
+    {5, 7, 16, 2, 1, 0, 4, 8, 0}, {5, 8, 16, 2, 1, 0, 4, 8, 0}, {5, 9, 16, 2, 1, 0, 4, 8, 0}, {5, 10, 16, 2, 1, 0, 4, 8, 0}, {5, 11, 16, 2, 1, 0, 4, 8, 0}, {5, 12, 16, 2, 1, 0, 4, 8, 0}, {5, 13, 16, 2, 1, 0, 4, 8, 0}, {5, 14, 16, 2, 1, 0, 4, 8, 0},
+    {5, 15, 16, 2, 1, 0, 4, 8, 0}, {7, 0, 16, 2, 1, 0, 3, 8, 0}, {31, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 1, 16, 2, 1, 0, 3, 8, 0}, {32, 0, 1, 1, 0, 0, 1, 0, 0}, {7, 2, 16, 2, 1, 0, 3, 8, 0}, {7, 3, 16, 2, 1, 0, 3, 8, 0}, {7, 4, 16, 2, 1, 0, 3, 8, 0},
+    {7, 5, 16, 2, 1, 0, 3, 8, 0}, {7, 6, 16, 2, 1, 0, 3, 8, 0}, {7, 7, 16, 2, 1, 0, 3, 8, 0}, {7, 8, 16, 2, 1, 0, 3, 8, 0}, {7, 9, 16, 2, 1, 0, 3, 8, 0}, {7, 10, 16, 2, 1, 0, 3, 8, 0}, {7, 11, 16, 2, 1, 0, 3, 8, 0}, {7, 12, 16, 2, 1, 0, 3, 8, 0},
+    {7, 13, 16, 2, 1, 0, 3, 8, 0}, {7, 14, 16, 2, 1, 0, 3, 8, 0},
 };
-static __device__ const tsgen::share_table<3856> shares_w8 =
-    tsgen::expand_shares<3856>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][65] = {
+static __device__ const tsgen::share_table<3856> shares_w8 = tsgen::expand_shares<3856>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][65] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 6, 14, 22, 30, 38, 46, 54, 62, 70, 78, 86, 94, 102, 110, 118, 126, 134, 142, 150, 158, 166, 174, 182, 190, 198, 206, 214, 222, 230, 238, 246, 254, 262, 270, 278, 286, 294, 302, 310, 318, 326, 334, 342, 350, 358, 366, 374, 382, 390, 397, 404, 410, 416, 422, 428, 434, 440, 446, 452, 458, 464, 470, 476, 482 },
     { 482, 488, 496, 504, 512, 520, 528, 536, 544, 552, 560, 568, 576, 584, 592, 600, 608, 616, 624, 632, 640, 648, 656, 664, 672, 680, 688, 696, 704, 712, 720, 728, 736, 744, 752, 760, 768, 776, 784, 792, 800, 808, 816, 824, 832, 840, 848, 856, 864, 872, 879, 886, 892, 898, 904, 910, 916, 922, 928, 934, 940, 946, 952, 958, 964 },
     { 964, 970, 978, 986, 994, 1002, 1010, 1018, 1026, 1034, 1042, 1050, 1058, 1066, 1074, 1082, 1090, 1098, 1106, 1114, 1122, 1130, 1138, 1146, 1154, 1162, 1170, 1178, 1186, 1194, 1202, 1210, 1218, 1226, 1234, 1242, 1250, 1258, 1266, 1274, 1282, 1290, 1298, 1306, 1314, 1322, 1330, 1338, 1346, 1354, 1361, 1368, 1374, 1380, 1386, 1392, 1398, 1404, 1410, 1416, 1422, 1428, 1434, 1440, 1446 },
@@ -1526,254 +603,142 @@ static __device__ const uint16_t first_w8[8][65] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: part 1 piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: part 1 piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[1], b - 1, 16);  // step 1: part 1 piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[2], b - 1, 16);  // step 2: part 1 piece 1 to rank 1
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 3: reduce our part, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: reduce our part, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[3], b - 17, 16);  // step 3: reduce our part, piece 0
+          TSGEN_RUN_SHARE(steps_w2[4], b - 17, 16);  // step 4: reduce our part, piece 1
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 0 step 5: reduced piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: reduced piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[5], b - 33, 16);  // step 5: reduced piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[6], b - 33, 16);  // step 6: reduced piece 1 to rank 1
         }
-        if (b == 49) {  // block 49
-          // rank 0 step 7: wait for every peer's reduced parts
-          tsgen::run_share<T, UNROLL>(steps_w2[7], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 49) TSGEN_RUN_SHARE(steps_w2[7], 0, 1);  // block 49, step 7: wait for every peer's reduced parts
         break;
       case 1:
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: part 0 piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: part 0 piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[10], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[9], b - 1, 16);  // step 1: part 0 piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[10], b - 1, 16);  // step 2: part 0 piece 1 to rank 0
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 3: reduce our part, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[11], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: reduce our part, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[12], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[11], b - 17, 16);  // step 3: reduce our part, piece 0
+          TSGEN_RUN_SHARE(steps_w2[12], b - 17, 16);  // step 4: reduce our part, piece 1
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 1 step 5: reduced piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[13], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: reduced piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[14], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[13], b - 33, 16);  // step 5: reduced piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[14], b - 33, 16);  // step 6: reduced piece 1 to rank 0
         }
-        if (b == 49) {  // block 49
-          // rank 1 step 7: wait for every peer's reduced parts
-          tsgen::run_share<T, UNROLL>(steps_w2[15], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b == 49) TSGEN_RUN_SHARE(steps_w2[15], 0, 1);  // block 49, step 7: wait for every peer's reduced parts
         break;
     }
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x6u, index = 0; break;
-      case 1: mask = 0x5u, index = 1; break;
-      case 2: mask = 0x3u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x6u, index = 0; break; case 1: mask = 0x5u, index = 1; break; case 2: mask = 0x3u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w3 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
         if (b == 0) {  // block 0
-          // rank 0 step 7: reduced piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[7], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: reduced piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[8], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[7], 15, 16);  // step 7: reduced piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w3[8], 15, 16);  // step 8: reduced piece 1 to rank 1
         }
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: part 1 piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: part 1 piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 9: reduced piece 0 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 10: reduced piece 1 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[10], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[1], b - 1, 16);  // step 1: part 1 piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w3[2], b - 1, 16);  // step 2: part 1 piece 1 to rank 1
+          TSGEN_RUN_SHARE(steps_w3[9], b - 1, 16);  // step 9: reduced piece 0 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[10], b - 1, 16);  // step 10: reduced piece 1 to rank 2
         }
         if (b == 17) {  // block 17
-          // rank 0 step 3: part 2 piece 0 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[3], 0, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: part 2 piece 1 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[4], 0, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 11: wait for every peer's reduced parts
-          tsgen::run_share<T, UNROLL>(steps_w3[11], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[3], 0, 16);  // step 3: part 2 piece 0 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[4], 0, 16);  // step 4: part 2 piece 1 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[11], 0, 1);  // step 11: wait for every peer's reduced parts
         }
         if (b >= 18 && b < 33) {  // blocks 18..32
-          const int i = b - 18;
-          // rank 0 step 3: part 2 piece 0 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[3], 1 + i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: part 2 piece 1 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[4], 1 + i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[3], b - 17, 16);  // step 3: part 2 piece 0 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[4], b - 17, 16);  // step 4: part 2 piece 1 to rank 2
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 0 step 5: reduce our part, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w3[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: reduce our part, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w3[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[5], b - 33, 16);  // step 5: reduce our part, piece 0
+          TSGEN_RUN_SHARE(steps_w3[6], b - 33, 16);  // step 6: reduce our part, piece 1
         }
         if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 0 step 7: reduced piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[7], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: reduced piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[7], b - 49, 16);  // step 7: reduced piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w3[8], b - 49, 16);  // step 8: reduced piece 1 to rank 1
         }
         break;
       case 1:
         if (b == 0) {  // block 0
-          // rank 1 step 7: reduced piece 0 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[19], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: reduced piece 1 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[20], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[19], 15, 16);  // step 7: reduced piece 0 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[20], 15, 16);  // step 8: reduced piece 1 to rank 2
         }
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: part 2 piece 0 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[13], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: part 2 piece 1 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[14], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 9: reduced piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[21], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 10: reduced piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[22], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[13], b - 1, 16);  // step 1: part 2 piece 0 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[14], b - 1, 16);  // step 2: part 2 piece 1 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[21], b - 1, 16);  // step 9: reduced piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[22], b - 1, 16);  // step 10: reduced piece 1 to rank 0
         }
         if (b == 17) {  // block 17
-          // rank 1 step 3: part 0 piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[15], 0, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: part 0 piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[16], 0, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 11: wait for every peer's reduced parts
-          tsgen::run_share<T, UNROLL>(steps_w3[23], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[15], 0, 16);  // step 3: part 0 piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[16], 0, 16);  // step 4: part 0 piece 1 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[23], 0, 1);  // step 11: wait for every peer's reduced parts
         }
         if (b >= 18 && b < 33) {  // blocks 18..32
-          const int i = b - 18;
-          // rank 1 step 3: part 0 piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[15], 1 + i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: part 0 piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[16], 1 + i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[15], b - 17, 16);  // step 3: part 0 piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[16], b - 17, 16);  // step 4: part 0 piece 1 to rank 0
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 1 step 5: reduce our part, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w3[17], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: reduce our part, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w3[18], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[17], b - 33, 16);  // step 5: reduce our part, piece 0
+          TSGEN_RUN_SHARE(steps_w3[18], b - 33, 16);  // step 6: reduce our part, piece 1
         }
         if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 1 step 7: reduced piece 0 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[19], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: reduced piece 1 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[20], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[19], b - 49, 16);  // step 7: reduced piece 0 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[20], b - 49, 16);  // step 8: reduced piece 1 to rank 2
         }
         break;
       case 2:
         if (b == 0) {  // block 0
-          // rank 2 step 7: reduced piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[31], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 8: reduced piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[32], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[31], 15, 16);  // step 7: reduced piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[32], 15, 16);  // step 8: reduced piece 1 to rank 0
         }
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 2 step 1: part 0 piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[25], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 2: part 0 piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[26], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 9: reduced piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[33], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 10: reduced piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[34], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[25], b - 1, 16);  // step 1: part 0 piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[26], b - 1, 16);  // step 2: part 0 piece 1 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[33], b - 1, 16);  // step 9: reduced piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w3[34], b - 1, 16);  // step 10: reduced piece 1 to rank 1
         }
         if (b == 17) {  // block 17
-          // rank 2 step 3: part 1 piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[27], 0, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 4: part 1 piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[28], 0, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 11: wait for every peer's reduced parts
-          tsgen::run_share<T, UNROLL>(steps_w3[35], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[27], 0, 16);  // step 3: part 1 piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w3[28], 0, 16);  // step 4: part 1 piece 1 to rank 1
+          TSGEN_RUN_SHARE(steps_w3[35], 0, 1);  // step 11: wait for every peer's reduced parts
         }
         if (b >= 18 && b < 33) {  // blocks 18..32
-          const int i = b - 18;
-          // rank 2 step 3: part 1 piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[27], 1 + i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 4: part 1 piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[28], 1 + i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[27], b - 17, 16);  // step 3: part 1 piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w3[28], b - 17, 16);  // step 4: part 1 piece 1 to rank 1
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 2 step 5: reduce our part, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w3[29], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 6: reduce our part, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w3[30], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[29], b - 33, 16);  // step 5: reduce our part, piece 0
+          TSGEN_RUN_SHARE(steps_w3[30], b - 33, 16);  // step 6: reduce our part, piece 1
         }
         if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 2 step 7: reduced piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[31], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 8: reduced piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[32], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[31], b - 49, 16);  // step 7: reduced piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[32], b - 49, 16);  // step 8: reduced piece 1 to rank 0
         }
-        break;
-      default:
         break;
     }
   }
@@ -1782,17 +747,10 @@ template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xeu, index = 0; break;
-      case 1: mask = 0xdu, index = 1; break;
-      case 2: mask = 0xbu, index = 2; break;
-      case 3: mask = 0x7u, index = 3; break;
-      default: break;
+      case 0: mask = 0xeu, index = 0; break; case 1: mask = 0xdu, index = 1; break; case 2: mask = 0xbu, index = 2; break; case 3: mask = 0x7u, index = 3; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
@@ -1801,84 +759,42 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xfeu, index = 0; break;
-      case 1: mask = 0xfdu, index = 1; break;
-      case 2: mask = 0xfbu, index = 2; break;
-      case 3: mask = 0xf7u, index = 3; break;
-      case 4: mask = 0xefu, index = 4; break;
-      case 5: mask = 0xdfu, index = 5; break;
-      case 6: mask = 0xbfu, index = 6; break;
-      case 7: mask = 0x7fu, index = 7; break;
-      default: break;
+      case 0: mask = 0xfeu, index = 0; break; case 1: mask = 0xfdu, index = 1; break; case 2: mask = 0xfbu, index = 2; break; case 3: mask = 0xf7u, index = 3; break; case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break; case 6: mask = 0xbfu, index = 6; break; case 7: mask = 0x7fu, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 3: a small plan, run as straight-line code (plan<3>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<3>(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)reduced, (char*)gathered };
-  plan<3>::open(rank, bufs, peers);
-  plan<3>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace all_reduce_two_shot_inplace_i32
 
-// World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_inplace_i32_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_inplace_i32_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_two_shot_inplace_i32::run<2>(peers, rank, epoch, count, dst, inbox, entry, arrive, reduced, gathered);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_inplace_i32_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_reduce_two_shot_inplace_i32_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_two_shot_inplace_i32::run<3>(peers, rank, epoch, count, dst, inbox, entry, arrive, reduced, gathered);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_inplace_i32_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_inplace_i32_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_two_shot_inplace_i32::run<4>(peers, rank, epoch, count, dst, inbox, entry, arrive, reduced, gathered);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_inplace_i32_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {
+extern "C" __global__ void __launch_bounds__(512) all_reduce_two_shot_inplace_i32_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_reduce_two_shot_inplace_i32::run<8>(peers, rank, epoch, count, dst, inbox, entry, arrive, reduced, gathered);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through all_reduce_two_shot_inplace_i32::launch.
-namespace all_reduce_two_shot_inplace_i32 {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered);
-  return cudaGetLastError();
-}
-}  // namespace all_reduce_two_shot_inplace_i32
-
-extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_inplace_i32::launch<all_reduce_two_shot_inplace_i32_w2, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered, stream); }
-extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_inplace_i32::launch<all_reduce_two_shot_inplace_i32_w3, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered, stream); }
-extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_inplace_i32::launch<all_reduce_two_shot_inplace_i32_w4, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered, stream); }
-extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return all_reduce_two_shot_inplace_i32::launch<all_reduce_two_shot_inplace_i32_w8, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_two_shot_inplace_i32_w2, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered); }
+extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_two_shot_inplace_i32_w3, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered); }
+extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_two_shot_inplace_i32_w4, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered); }
+extern "C" cudaError_t all_reduce_two_shot_inplace_i32_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* reduced, uint64_t* gathered, cudaStream_t stream) { return tsgen::launch<all_reduce_two_shot_inplace_i32_w8, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive, reduced, gathered); }

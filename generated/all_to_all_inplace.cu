@@ -8,12 +8,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   dst      int32_t        inout  world * count
@@ -22,12 +20,12 @@
 //   arrive   uint64_t       signal 8
 //   sent     uint64_t       signal 8
 // Contents (line numbers of this file):
-//   47: the hand-written library, included: tsgen/ptx.cuh 47, tsgen/sync.cuh 48, tsgen/copy.cuh 49, tsgen/plan.cuh 50
-//   55: the op's own code (namespace all_to_all_inplace: constants, tables, device code)
+//   44: the hand-written library, included: tsgen/ptx.cuh 44, tsgen/sync.cuh 45, tsgen/copy.cuh 46, tsgen/plan.cuh 47
+//   50: the op's own code (namespace all_to_all_inplace: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_to_all_inplace_w2 969, all_to_all_inplace_w3 976, all_to_all_inplace_w4 983
-//     all_to_all_inplace_w8 990, all_to_all_inplace_w2_launch 1006, all_to_all_inplace_w3_launch 1007
-//     all_to_all_inplace_w4_launch 1008, all_to_all_inplace_w8_launch 1009
+//     all_to_all_inplace_w2 425, all_to_all_inplace_w3 430, all_to_all_inplace_w4 435
+//     all_to_all_inplace_w8 440, all_to_all_inplace_w2_launch 448, all_to_all_inplace_w3_launch 449
+//     all_to_all_inplace_w4_launch 450, all_to_all_inplace_w8_launch 451
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -35,8 +33,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -49,9 +46,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// all_to_all: all_to_all_inplace
-// ---------------------------------------------------------------------------
+// ---- all_to_all: all_to_all_inplace ----------------------------------------------------------------
 namespace all_to_all_inplace {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -61,543 +56,227 @@ constexpr int UNROLL = 4;
 
 typedef int32_t T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: dst
-//   2: inbox
-//   3: entry
-//   4: arrive
-//   5: sent
-static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", "entry", "arrive", "sent" };
+static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", "entry", "arrive", "sent" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
   char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)sent };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2 || WORLD == 3 || WORLD == 4)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 6 steps, 64 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 6 steps, 64 block shares over 64 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0 = r0:dst@1; signal r1:arrive[0], r0:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}, {0, 5, 1}}},
-    // rank 0 step 2: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r0:dst@1 = r0:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 1, 0}, {{0, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1 = r1:dst@0; signal r0:arrive[1], r1:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}, {1, 5, 0}}},
-    // rank 1 step 2: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r1:dst@0 = r1:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 0, 0}, {{1, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}, {0, 5, 1}}},  // rank 0 step 1: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0 = r0:dst@1; signal r1:arrive[0], r0:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 1, 0}, {{0, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 0 step 2: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r0:dst@1 = r0:inbox@1; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}, {1, 5, 0}}},  // rank 1 step 1: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1 = r1:dst@0; signal r0:arrive[1], r1:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 0, 0}, {{1, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 1 step 2: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r1:dst@0 = r1:inbox@0; 16 blocks
 };
 static __device__ const int step_base_w2[2] = { 0, 3 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 15 steps, 192 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 15 steps, 192 block shares over 64 blocks, run as straight-line code
+// (plan<3>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
-    // rank 0 step 1: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0 = r0:dst@1; signal r1:arrive[0], r0:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}, {0, 5, 1}}},
-    // rank 0 step 2: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0 = r0:dst@2; signal r2:arrive[0], r0:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}, {0, 5, 2}}},
-    // rank 0 step 3: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r0:dst@1 = r0:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 1, 0}, {{0, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 0 step 4: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r0:dst@2 = r0:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 2, 0}, {{0, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
-    // rank 1 step 1: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1 = r1:dst@2; signal r2:arrive[1], r1:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}, {1, 5, 2}}},
-    // rank 1 step 2: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1 = r1:dst@0; signal r0:arrive[1], r1:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}, {1, 5, 0}}},
-    // rank 1 step 3: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r1:dst@2 = r1:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 2, 0}, {{1, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 1 step 4: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r1:dst@0 = r1:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 0, 0}, {{1, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
-    // rank 2 step 1: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2 = r2:dst@0; signal r0:arrive[2], r2:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}, {2, 5, 0}}},
-    // rank 2 step 2: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2 = r2:dst@1; signal r1:arrive[2], r2:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}, {2, 5, 1}}},
-    // rank 2 step 3: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r2:dst@0 = r2:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 0, 0}, {{2, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 2 step 4: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r2:dst@1 = r2:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 1, 0}, {{2, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}, {0, 5, 1}}},  // rank 0 step 1: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0 = r0:dst@1; signal r1:arrive[0], r0:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}, {0, 5, 2}}},  // rank 0 step 2: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0 = r0:dst@2; signal r2:arrive[0], r0:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 1, 0}, {{0, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 0 step 3: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r0:dst@1 = r0:inbox@1; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 2, 0}, {{0, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 0 step 4: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r0:dst@2 = r0:inbox@2; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}, {1, 5, 2}}},  // rank 1 step 1: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1 = r1:dst@2; signal r2:arrive[1], r1:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}, {1, 5, 0}}},  // rank 1 step 2: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1 = r1:dst@0; signal r0:arrive[1], r1:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 2, 0}, {{1, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 1 step 3: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r1:dst@2 = r1:inbox@2; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 0, 0}, {{1, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 1 step 4: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r1:dst@0 = r1:inbox@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}, {2, 5, 0}}},  // rank 2 step 1: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2 = r2:dst@0; signal r0:arrive[2], r2:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}, {2, 5, 1}}},  // rank 2 step 2: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2 = r2:dst@1; signal r1:arrive[2], r2:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 0, 0}, {{2, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 2 step 3: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r2:dst@0 = r2:inbox@0; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 1, 0}, {{2, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 2 step 4: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r2:dst@1 = r2:inbox@1; 16 blocks
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
-// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 28 steps, 384 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 28 steps, 384 block shares over 64 blocks, run as straight-line code
+// (plan<4>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
-    // rank 0 step 1: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0 = r0:dst@1; signal r1:arrive[0], r0:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}, {0, 5, 1}}},
-    // rank 0 step 2: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0 = r0:dst@2; signal r2:arrive[0], r0:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}, {0, 5, 2}}},
-    // rank 0 step 3: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0 = r0:dst@3; signal r3:arrive[0], r0:sent[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}, {0, 5, 3}}},
-    // rank 0 step 4: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r0:dst@1 = r0:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 1, 0}, {{0, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 0 step 5: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r0:dst@2 = r0:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 2, 0}, {{0, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 0 step 6: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r0:dst@3 = r0:inbox@3; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 3, 0}, {{0, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
-    // rank 1 step 1: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1 = r1:dst@2; signal r2:arrive[1], r1:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}, {1, 5, 2}}},
-    // rank 1 step 2: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1 = r1:dst@3; signal r3:arrive[1], r1:sent[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}, {1, 5, 3}}},
-    // rank 1 step 3: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1 = r1:dst@0; signal r0:arrive[1], r1:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}, {1, 5, 0}}},
-    // rank 1 step 4: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r1:dst@2 = r1:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 2, 0}, {{1, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 1 step 5: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r1:dst@3 = r1:inbox@3; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 3, 0}, {{1, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},
-    // rank 1 step 6: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r1:dst@0 = r1:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 0, 0}, {{1, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
-    // rank 2 step 1: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2 = r2:dst@3; signal r3:arrive[2], r2:sent[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}, {2, 5, 3}}},
-    // rank 2 step 2: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2 = r2:dst@0; signal r0:arrive[2], r2:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}, {2, 5, 0}}},
-    // rank 2 step 3: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2 = r2:dst@1; signal r1:arrive[2], r2:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}, {2, 5, 1}}},
-    // rank 2 step 4: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r2:dst@3 = r2:inbox@3; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 3, 0}, {{2, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},
-    // rank 2 step 5: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r2:dst@0 = r2:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 0, 0}, {{2, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 2 step 6: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r2:dst@1 = r2:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 1, 0}, {{2, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
-    // rank 3 step 1: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3 = r3:dst@0; signal r0:arrive[3], r3:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}, {3, 5, 0}}},
-    // rank 3 step 2: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3 = r3:dst@1; signal r1:arrive[3], r3:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}, {3, 5, 1}}},
-    // rank 3 step 3: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3 = r3:dst@2; signal r2:arrive[3], r3:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}, {3, 5, 2}}},
-    // rank 3 step 4: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r3:dst@0 = r3:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 0, 0}, {{3, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 3 step 5: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r3:dst@1 = r3:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 1, 0}, {{3, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 3 step 6: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r3:dst@2 = r3:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 2, 0}, {{3, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}, {0, 5, 1}}},  // rank 0 step 1: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0 = r0:dst@1; signal r1:arrive[0], r0:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}, {0, 5, 2}}},  // rank 0 step 2: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0 = r0:dst@2; signal r2:arrive[0], r0:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}, {0, 5, 3}}},  // rank 0 step 3: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0 = r0:dst@3; signal r3:arrive[0], r0:sent[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 1, 0}, {{0, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 0 step 4: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r0:dst@1 = r0:inbox@1; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 2, 0}, {{0, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 0 step 5: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r0:dst@2 = r0:inbox@2; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 3, 0}, {{0, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},  // rank 0 step 6: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r0:dst@3 = r0:inbox@3; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}, {1, 5, 2}}},  // rank 1 step 1: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1 = r1:dst@2; signal r2:arrive[1], r1:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}, {1, 5, 3}}},  // rank 1 step 2: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1 = r1:dst@3; signal r3:arrive[1], r1:sent[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}, {1, 5, 0}}},  // rank 1 step 3: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1 = r1:dst@0; signal r0:arrive[1], r1:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 2, 0}, {{1, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 1 step 4: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r1:dst@2 = r1:inbox@2; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 3, 0}, {{1, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},  // rank 1 step 5: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r1:dst@3 = r1:inbox@3; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 0, 0}, {{1, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 1 step 6: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r1:dst@0 = r1:inbox@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}, {2, 5, 3}}},  // rank 2 step 1: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2 = r2:dst@3; signal r3:arrive[2], r2:sent[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}, {2, 5, 0}}},  // rank 2 step 2: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2 = r2:dst@0; signal r0:arrive[2], r2:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}, {2, 5, 1}}},  // rank 2 step 3: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2 = r2:dst@1; signal r1:arrive[2], r2:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 3, 0}, {{2, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},  // rank 2 step 4: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r2:dst@3 = r2:inbox@3; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 0, 0}, {{2, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 2 step 5: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r2:dst@0 = r2:inbox@0; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 1, 0}, {{2, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 2 step 6: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r2:dst@1 = r2:inbox@1; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}, {3, 5, 0}}},  // rank 3 step 1: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3 = r3:dst@0; signal r0:arrive[3], r3:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}, {3, 5, 1}}},  // rank 3 step 2: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3 = r3:dst@1; signal r1:arrive[3], r3:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}, {3, 5, 2}}},  // rank 3 step 3: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3 = r3:dst@2; signal r2:arrive[3], r3:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 0, 0}, {{3, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 3 step 4: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r3:dst@0 = r3:inbox@0; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 1, 0}, {{3, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 3 step 5: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r3:dst@1 = r3:inbox@1; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 2, 0}, {{3, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 3 step 6: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r3:dst@2 = r3:inbox@2; 16 blocks
 };
 static __device__ const int step_base_w4[4] = { 0, 7, 14, 21 };
-// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 120 steps, 1792 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 120 steps, 1792 block shares over 64 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
-    // rank 0 step 1: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0 = r0:dst@1; signal r1:arrive[0], r0:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}, {0, 5, 1}}},
-    // rank 0 step 2: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0 = r0:dst@2; signal r2:arrive[0], r0:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}, {0, 5, 2}}},
-    // rank 0 step 3: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0 = r0:dst@3; signal r3:arrive[0], r0:sent[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}, {0, 5, 3}}},
-    // rank 0 step 4: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0 = r0:dst@4; signal r4:arrive[0], r0:sent[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}, {0, 5, 4}}},
-    // rank 0 step 5: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0 = r0:dst@5; signal r5:arrive[0], r0:sent[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}, {0, 5, 5}}},
-    // rank 0 step 6: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0 = r0:dst@6; signal r6:arrive[0], r0:sent[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}, {0, 5, 6}}},
-    // rank 0 step 7: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0 = r0:dst@7; signal r7:arrive[0], r0:sent[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}, {0, 5, 7}}},
-    // rank 0 step 8: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r0:dst@1 = r0:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 1, 0}, {{0, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 0 step 9: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r0:dst@2 = r0:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 2, 0}, {{0, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 0 step 10: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r0:dst@3 = r0:inbox@3; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 3, 0}, {{0, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},
-    // rank 0 step 11: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r0:dst@4 = r0:inbox@4; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 4, 0}, {{0, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},
-    // rank 0 step 12: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r0:dst@5 = r0:inbox@5; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 5, 0}, {{0, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},
-    // rank 0 step 13: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r0:dst@6 = r0:inbox@6; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 6, 0}, {{0, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},
-    // rank 0 step 14: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r0:dst@7 = r0:inbox@7; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 7, 0}, {{0, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
-    // rank 1 step 1: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1 = r1:dst@2; signal r2:arrive[1], r1:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}, {1, 5, 2}}},
-    // rank 1 step 2: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1 = r1:dst@3; signal r3:arrive[1], r1:sent[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}, {1, 5, 3}}},
-    // rank 1 step 3: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1 = r1:dst@4; signal r4:arrive[1], r1:sent[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}, {1, 5, 4}}},
-    // rank 1 step 4: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1 = r1:dst@5; signal r5:arrive[1], r1:sent[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}, {1, 5, 5}}},
-    // rank 1 step 5: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1 = r1:dst@6; signal r6:arrive[1], r1:sent[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}, {1, 5, 6}}},
-    // rank 1 step 6: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1 = r1:dst@7; signal r7:arrive[1], r1:sent[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}, {1, 5, 7}}},
-    // rank 1 step 7: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1 = r1:dst@0; signal r0:arrive[1], r1:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}, {1, 5, 0}}},
-    // rank 1 step 8: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r1:dst@2 = r1:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 2, 0}, {{1, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 1 step 9: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r1:dst@3 = r1:inbox@3; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 3, 0}, {{1, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},
-    // rank 1 step 10: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r1:dst@4 = r1:inbox@4; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 4, 0}, {{1, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},
-    // rank 1 step 11: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r1:dst@5 = r1:inbox@5; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 5, 0}, {{1, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},
-    // rank 1 step 12: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r1:dst@6 = r1:inbox@6; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 6, 0}, {{1, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},
-    // rank 1 step 13: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r1:dst@7 = r1:inbox@7; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 7, 0}, {{1, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},
-    // rank 1 step 14: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r1:dst@0 = r1:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 0, 0}, {{1, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
-    // rank 2 step 1: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2 = r2:dst@3; signal r3:arrive[2], r2:sent[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}, {2, 5, 3}}},
-    // rank 2 step 2: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2 = r2:dst@4; signal r4:arrive[2], r2:sent[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}, {2, 5, 4}}},
-    // rank 2 step 3: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2 = r2:dst@5; signal r5:arrive[2], r2:sent[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}, {2, 5, 5}}},
-    // rank 2 step 4: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2 = r2:dst@6; signal r6:arrive[2], r2:sent[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}, {2, 5, 6}}},
-    // rank 2 step 5: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2 = r2:dst@7; signal r7:arrive[2], r2:sent[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}, {2, 5, 7}}},
-    // rank 2 step 6: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2 = r2:dst@0; signal r0:arrive[2], r2:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}, {2, 5, 0}}},
-    // rank 2 step 7: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2 = r2:dst@1; signal r1:arrive[2], r2:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}, {2, 5, 1}}},
-    // rank 2 step 8: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r2:dst@3 = r2:inbox@3; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 3, 0}, {{2, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},
-    // rank 2 step 9: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r2:dst@4 = r2:inbox@4; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 4, 0}, {{2, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},
-    // rank 2 step 10: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r2:dst@5 = r2:inbox@5; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 5, 0}, {{2, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},
-    // rank 2 step 11: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r2:dst@6 = r2:inbox@6; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 6, 0}, {{2, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},
-    // rank 2 step 12: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r2:dst@7 = r2:inbox@7; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 7, 0}, {{2, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},
-    // rank 2 step 13: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r2:dst@0 = r2:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 0, 0}, {{2, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 2 step 14: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r2:dst@1 = r2:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 1, 0}, {{2, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
-    // rank 3 step 1: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3 = r3:dst@4; signal r4:arrive[3], r3:sent[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}, {3, 5, 4}}},
-    // rank 3 step 2: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3 = r3:dst@5; signal r5:arrive[3], r3:sent[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}, {3, 5, 5}}},
-    // rank 3 step 3: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3 = r3:dst@6; signal r6:arrive[3], r3:sent[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}, {3, 5, 6}}},
-    // rank 3 step 4: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3 = r3:dst@7; signal r7:arrive[3], r3:sent[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}, {3, 5, 7}}},
-    // rank 3 step 5: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3 = r3:dst@0; signal r0:arrive[3], r3:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}, {3, 5, 0}}},
-    // rank 3 step 6: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3 = r3:dst@1; signal r1:arrive[3], r3:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}, {3, 5, 1}}},
-    // rank 3 step 7: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3 = r3:dst@2; signal r2:arrive[3], r3:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}, {3, 5, 2}}},
-    // rank 3 step 8: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r3:dst@4 = r3:inbox@4; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 4, 0}, {{3, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},
-    // rank 3 step 9: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r3:dst@5 = r3:inbox@5; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 5, 0}, {{3, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},
-    // rank 3 step 10: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r3:dst@6 = r3:inbox@6; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 6, 0}, {{3, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},
-    // rank 3 step 11: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r3:dst@7 = r3:inbox@7; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 7, 0}, {{3, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},
-    // rank 3 step 12: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r3:dst@0 = r3:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 0, 0}, {{3, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 3 step 13: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r3:dst@1 = r3:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 1, 0}, {{3, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 3 step 14: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r3:dst@2 = r3:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 2, 0}, {{3, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
-    // rank 4 step 1: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4 = r4:dst@5; signal r5:arrive[4], r4:sent[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}, {4, 5, 5}}},
-    // rank 4 step 2: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4 = r4:dst@6; signal r6:arrive[4], r4:sent[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}, {4, 5, 6}}},
-    // rank 4 step 3: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4 = r4:dst@7; signal r7:arrive[4], r4:sent[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}, {4, 5, 7}}},
-    // rank 4 step 4: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4 = r4:dst@0; signal r0:arrive[4], r4:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}, {4, 5, 0}}},
-    // rank 4 step 5: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4 = r4:dst@1; signal r1:arrive[4], r4:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}, {4, 5, 1}}},
-    // rank 4 step 6: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4 = r4:dst@2; signal r2:arrive[4], r4:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}, {4, 5, 2}}},
-    // rank 4 step 7: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4 = r4:dst@3; signal r3:arrive[4], r4:sent[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}, {4, 5, 3}}},
-    // rank 4 step 8: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r4:dst@5 = r4:inbox@5; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 5, 0}, {{4, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},
-    // rank 4 step 9: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r4:dst@6 = r4:inbox@6; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 6, 0}, {{4, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},
-    // rank 4 step 10: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r4:dst@7 = r4:inbox@7; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 7, 0}, {{4, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},
-    // rank 4 step 11: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r4:dst@0 = r4:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 0, 0}, {{4, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 4 step 12: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r4:dst@1 = r4:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 1, 0}, {{4, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 4 step 13: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r4:dst@2 = r4:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 2, 0}, {{4, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 4 step 14: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r4:dst@3 = r4:inbox@3; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 3, 0}, {{4, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
-    // rank 5 step 1: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5 = r5:dst@6; signal r6:arrive[5], r5:sent[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}, {5, 5, 6}}},
-    // rank 5 step 2: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5 = r5:dst@7; signal r7:arrive[5], r5:sent[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}, {5, 5, 7}}},
-    // rank 5 step 3: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5 = r5:dst@0; signal r0:arrive[5], r5:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}, {5, 5, 0}}},
-    // rank 5 step 4: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5 = r5:dst@1; signal r1:arrive[5], r5:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}, {5, 5, 1}}},
-    // rank 5 step 5: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5 = r5:dst@2; signal r2:arrive[5], r5:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}, {5, 5, 2}}},
-    // rank 5 step 6: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5 = r5:dst@3; signal r3:arrive[5], r5:sent[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}, {5, 5, 3}}},
-    // rank 5 step 7: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5 = r5:dst@4; signal r4:arrive[5], r5:sent[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}, {5, 5, 4}}},
-    // rank 5 step 8: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r5:dst@6 = r5:inbox@6; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 6, 0}, {{5, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},
-    // rank 5 step 9: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r5:dst@7 = r5:inbox@7; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 7, 0}, {{5, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},
-    // rank 5 step 10: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r5:dst@0 = r5:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 0, 0}, {{5, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 5 step 11: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r5:dst@1 = r5:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 1, 0}, {{5, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 5 step 12: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r5:dst@2 = r5:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 2, 0}, {{5, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 5 step 13: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r5:dst@3 = r5:inbox@3; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 3, 0}, {{5, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},
-    // rank 5 step 14: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r5:dst@4 = r5:inbox@4; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 4, 0}, {{5, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
-    // rank 6 step 1: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6 = r6:dst@7; signal r7:arrive[6], r6:sent[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}, {6, 5, 7}}},
-    // rank 6 step 2: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6 = r6:dst@0; signal r0:arrive[6], r6:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}, {6, 5, 0}}},
-    // rank 6 step 3: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6 = r6:dst@1; signal r1:arrive[6], r6:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}, {6, 5, 1}}},
-    // rank 6 step 4: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6 = r6:dst@2; signal r2:arrive[6], r6:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}, {6, 5, 2}}},
-    // rank 6 step 5: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6 = r6:dst@3; signal r3:arrive[6], r6:sent[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 6}, {6, 5, 3}}},
-    // rank 6 step 6: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6 = r6:dst@4; signal r4:arrive[6], r6:sent[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}, {6, 5, 4}}},
-    // rank 6 step 7: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6 = r6:dst@5; signal r5:arrive[6], r6:sent[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}, {6, 5, 5}}},
-    // rank 6 step 8: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r6:dst@7 = r6:inbox@7; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 7, 0}, {{6, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},
-    // rank 6 step 9: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r6:dst@0 = r6:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 0, 0}, {{6, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 6 step 10: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r6:dst@1 = r6:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 1, 0}, {{6, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 6 step 11: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r6:dst@2 = r6:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 2, 0}, {{6, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 6 step 12: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r6:dst@3 = r6:inbox@3; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 3, 0}, {{6, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},
-    // rank 6 step 13: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r6:dst@4 = r6:inbox@4; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 4, 0}, {{6, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},
-    // rank 6 step 14: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r6:dst@5 = r6:inbox@5; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 5, 0}, {{6, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
-    // rank 7 step 1: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7 = r7:dst@0; signal r0:arrive[7], r7:sent[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}, {7, 5, 0}}},
-    // rank 7 step 2: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7 = r7:dst@1; signal r1:arrive[7], r7:sent[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}, {7, 5, 1}}},
-    // rank 7 step 3: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7 = r7:dst@2; signal r2:arrive[7], r7:sent[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}, {7, 5, 2}}},
-    // rank 7 step 4: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7 = r7:dst@3; signal r3:arrive[7], r7:sent[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 7}, {7, 5, 3}}},
-    // rank 7 step 5: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7 = r7:dst@4; signal r4:arrive[7], r7:sent[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}, {7, 5, 4}}},
-    // rank 7 step 6: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7 = r7:dst@5; signal r5:arrive[7], r7:sent[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}, {7, 5, 5}}},
-    // rank 7 step 7: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7 = r7:dst@6; signal r6:arrive[7], r7:sent[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}, {7, 5, 6}}},
-    // rank 7 step 8: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r7:dst@0 = r7:inbox@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 0, 0}, {{7, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},
-    // rank 7 step 9: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r7:dst@1 = r7:inbox@1; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 1, 0}, {{7, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},
-    // rank 7 step 10: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r7:dst@2 = r7:inbox@2; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 2, 0}, {{7, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},
-    // rank 7 step 11: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r7:dst@3 = r7:inbox@3; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 3, 0}, {{7, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},
-    // rank 7 step 12: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r7:dst@4 = r7:inbox@4; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 4, 0}, {{7, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},
-    // rank 7 step 13: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r7:dst@5 = r7:inbox@5; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 5, 0}, {{7, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},
-    // rank 7 step 14: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r7:dst@6 = r7:inbox@6; 16 blocks
-    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 6, 0}, {{7, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}, {0, 5, 1}}},  // rank 0 step 1: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0 = r0:dst@1; signal r1:arrive[0], r0:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}, {0, 5, 2}}},  // rank 0 step 2: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0 = r0:dst@2; signal r2:arrive[0], r0:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}, {0, 5, 3}}},  // rank 0 step 3: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0 = r0:dst@3; signal r3:arrive[0], r0:sent[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}, {0, 5, 4}}},  // rank 0 step 4: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0 = r0:dst@4; signal r4:arrive[0], r0:sent[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}, {0, 5, 5}}},  // rank 0 step 5: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0 = r0:dst@5; signal r5:arrive[0], r0:sent[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}, {0, 5, 6}}},  // rank 0 step 6: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0 = r0:dst@6; signal r6:arrive[0], r0:sent[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 0, 0}, {{0, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}, {0, 5, 7}}},  // rank 0 step 7: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0 = r0:dst@7; signal r7:arrive[0], r0:sent[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 1, 0}, {{0, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 0 step 8: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r0:dst@1 = r0:inbox@1; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 2, 0}, {{0, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 0 step 9: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r0:dst@2 = r0:inbox@2; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 3, 0}, {{0, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},  // rank 0 step 10: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r0:dst@3 = r0:inbox@3; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 4, 0}, {{0, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},  // rank 0 step 11: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r0:dst@4 = r0:inbox@4; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 5, 0}, {{0, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},  // rank 0 step 12: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r0:dst@5 = r0:inbox@5; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 6, 0}, {{0, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},  // rank 0 step 13: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r0:dst@6 = r0:inbox@6; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {0, 1, 0, 1, 7, 0}, {{0, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},  // rank 0 step 14: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r0:dst@7 = r0:inbox@7; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}, {1, 5, 2}}},  // rank 1 step 1: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1 = r1:dst@2; signal r2:arrive[1], r1:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}, {1, 5, 3}}},  // rank 1 step 2: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1 = r1:dst@3; signal r3:arrive[1], r1:sent[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}, {1, 5, 4}}},  // rank 1 step 3: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1 = r1:dst@4; signal r4:arrive[1], r1:sent[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}, {1, 5, 5}}},  // rank 1 step 4: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1 = r1:dst@5; signal r5:arrive[1], r1:sent[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}, {1, 5, 6}}},  // rank 1 step 5: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1 = r1:dst@6; signal r6:arrive[1], r1:sent[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}, {1, 5, 7}}},  // rank 1 step 6: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1 = r1:dst@7; signal r7:arrive[1], r1:sent[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}, {1, 5, 0}}},  // rank 1 step 7: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1 = r1:dst@0; signal r0:arrive[1], r1:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 2, 0}, {{1, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 1 step 8: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r1:dst@2 = r1:inbox@2; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 3, 0}, {{1, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},  // rank 1 step 9: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r1:dst@3 = r1:inbox@3; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 4, 0}, {{1, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},  // rank 1 step 10: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r1:dst@4 = r1:inbox@4; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 5, 0}, {{1, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},  // rank 1 step 11: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r1:dst@5 = r1:inbox@5; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 6, 0}, {{1, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},  // rank 1 step 12: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r1:dst@6 = r1:inbox@6; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 7, 0}, {{1, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},  // rank 1 step 13: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r1:dst@7 = r1:inbox@7; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {1, 1, 0, 1, 0, 0}, {{1, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 1 step 14: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r1:dst@0 = r1:inbox@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}, {2, 5, 3}}},  // rank 2 step 1: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2 = r2:dst@3; signal r3:arrive[2], r2:sent[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}, {2, 5, 4}}},  // rank 2 step 2: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2 = r2:dst@4; signal r4:arrive[2], r2:sent[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}, {2, 5, 5}}},  // rank 2 step 3: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2 = r2:dst@5; signal r5:arrive[2], r2:sent[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}, {2, 5, 6}}},  // rank 2 step 4: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2 = r2:dst@6; signal r6:arrive[2], r2:sent[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}, {2, 5, 7}}},  // rank 2 step 5: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2 = r2:dst@7; signal r7:arrive[2], r2:sent[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}, {2, 5, 0}}},  // rank 2 step 6: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2 = r2:dst@0; signal r0:arrive[2], r2:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}, {2, 5, 1}}},  // rank 2 step 7: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2 = r2:dst@1; signal r1:arrive[2], r2:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 3, 0}, {{2, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},  // rank 2 step 8: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r2:dst@3 = r2:inbox@3; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 4, 0}, {{2, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},  // rank 2 step 9: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r2:dst@4 = r2:inbox@4; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 5, 0}, {{2, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},  // rank 2 step 10: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r2:dst@5 = r2:inbox@5; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 6, 0}, {{2, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},  // rank 2 step 11: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r2:dst@6 = r2:inbox@6; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 7, 0}, {{2, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},  // rank 2 step 12: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r2:dst@7 = r2:inbox@7; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 0, 0}, {{2, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 2 step 13: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r2:dst@0 = r2:inbox@0; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {2, 1, 0, 1, 1, 0}, {{2, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 2 step 14: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r2:dst@1 = r2:inbox@1; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}, {3, 5, 4}}},  // rank 3 step 1: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3 = r3:dst@4; signal r4:arrive[3], r3:sent[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}, {3, 5, 5}}},  // rank 3 step 2: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3 = r3:dst@5; signal r5:arrive[3], r3:sent[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}, {3, 5, 6}}},  // rank 3 step 3: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3 = r3:dst@6; signal r6:arrive[3], r3:sent[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}, {3, 5, 7}}},  // rank 3 step 4: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3 = r3:dst@7; signal r7:arrive[3], r3:sent[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}, {3, 5, 0}}},  // rank 3 step 5: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3 = r3:dst@0; signal r0:arrive[3], r3:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}, {3, 5, 1}}},  // rank 3 step 6: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3 = r3:dst@1; signal r1:arrive[3], r3:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}, {3, 5, 2}}},  // rank 3 step 7: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3 = r3:dst@2; signal r2:arrive[3], r3:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 4, 0}, {{3, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},  // rank 3 step 8: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r3:dst@4 = r3:inbox@4; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 5, 0}, {{3, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},  // rank 3 step 9: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r3:dst@5 = r3:inbox@5; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 6, 0}, {{3, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},  // rank 3 step 10: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r3:dst@6 = r3:inbox@6; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 7, 0}, {{3, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},  // rank 3 step 11: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r3:dst@7 = r3:inbox@7; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 0, 0}, {{3, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 3 step 12: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r3:dst@0 = r3:inbox@0; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 1, 0}, {{3, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 3 step 13: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r3:dst@1 = r3:inbox@1; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {3, 1, 0, 1, 2, 0}, {{3, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 3 step 14: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r3:dst@2 = r3:inbox@2; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}, {4, 5, 5}}},  // rank 4 step 1: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4 = r4:dst@5; signal r5:arrive[4], r4:sent[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}, {4, 5, 6}}},  // rank 4 step 2: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4 = r4:dst@6; signal r6:arrive[4], r4:sent[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}, {4, 5, 7}}},  // rank 4 step 3: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4 = r4:dst@7; signal r7:arrive[4], r4:sent[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}, {4, 5, 0}}},  // rank 4 step 4: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4 = r4:dst@0; signal r0:arrive[4], r4:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}, {4, 5, 1}}},  // rank 4 step 5: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4 = r4:dst@1; signal r1:arrive[4], r4:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}, {4, 5, 2}}},  // rank 4 step 6: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4 = r4:dst@2; signal r2:arrive[4], r4:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 4, 0}, {{4, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}, {4, 5, 3}}},  // rank 4 step 7: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4 = r4:dst@3; signal r3:arrive[4], r4:sent[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 5, 0}, {{4, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},  // rank 4 step 8: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r4:dst@5 = r4:inbox@5; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 6, 0}, {{4, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},  // rank 4 step 9: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r4:dst@6 = r4:inbox@6; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 7, 0}, {{4, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},  // rank 4 step 10: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r4:dst@7 = r4:inbox@7; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 0, 0}, {{4, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 4 step 11: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r4:dst@0 = r4:inbox@0; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 1, 0}, {{4, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 4 step 12: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r4:dst@1 = r4:inbox@1; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 2, 0}, {{4, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 4 step 13: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r4:dst@2 = r4:inbox@2; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {4, 1, 0, 1, 3, 0}, {{4, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},  // rank 4 step 14: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r4:dst@3 = r4:inbox@3; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}, {5, 5, 6}}},  // rank 5 step 1: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5 = r5:dst@6; signal r6:arrive[5], r5:sent[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}, {5, 5, 7}}},  // rank 5 step 2: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5 = r5:dst@7; signal r7:arrive[5], r5:sent[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}, {5, 5, 0}}},  // rank 5 step 3: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5 = r5:dst@0; signal r0:arrive[5], r5:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}, {5, 5, 1}}},  // rank 5 step 4: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5 = r5:dst@1; signal r1:arrive[5], r5:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}, {5, 5, 2}}},  // rank 5 step 5: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5 = r5:dst@2; signal r2:arrive[5], r5:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}, {5, 5, 3}}},  // rank 5 step 6: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5 = r5:dst@3; signal r3:arrive[5], r5:sent[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 5, 0}, {{5, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}, {5, 5, 4}}},  // rank 5 step 7: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5 = r5:dst@4; signal r4:arrive[5], r5:sent[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 6, 0}, {{5, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},  // rank 5 step 8: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r5:dst@6 = r5:inbox@6; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 7, 0}, {{5, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},  // rank 5 step 9: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r5:dst@7 = r5:inbox@7; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 0, 0}, {{5, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 5 step 10: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r5:dst@0 = r5:inbox@0; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 1, 0}, {{5, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 5 step 11: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r5:dst@1 = r5:inbox@1; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 2, 0}, {{5, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 5 step 12: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r5:dst@2 = r5:inbox@2; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 3, 0}, {{5, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},  // rank 5 step 13: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r5:dst@3 = r5:inbox@3; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {5, 1, 0, 1, 4, 0}, {{5, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},  // rank 5 step 14: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r5:dst@4 = r5:inbox@4; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {7, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}, {6, 5, 7}}},  // rank 6 step 1: chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6 = r6:dst@7; signal r7:arrive[6], r6:sent[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}, {6, 5, 0}}},  // rank 6 step 2: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6 = r6:dst@0; signal r0:arrive[6], r6:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}, {6, 5, 1}}},  // rank 6 step 3: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6 = r6:dst@1; signal r1:arrive[6], r6:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}, {6, 5, 2}}},  // rank 6 step 4: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6 = r6:dst@2; signal r2:arrive[6], r6:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 6}, {6, 5, 3}}},  // rank 6 step 5: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6 = r6:dst@3; signal r3:arrive[6], r6:sent[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}, {6, 5, 4}}},  // rank 6 step 6: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6 = r6:dst@4; signal r4:arrive[6], r6:sent[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 6, 0}, {{6, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}, {6, 5, 5}}},  // rank 6 step 7: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6 = r6:dst@5; signal r5:arrive[6], r6:sent[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 7, 0}, {{6, 2, 0, 1, 7, 0}}, {}, {{4, 0, 7, 16}, {5, 0, 7, 16}}, {}},  // rank 6 step 8: rank 7's chunk from the inbox; wait arrive[7], sent[7]; r6:dst@7 = r6:inbox@7; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 0, 0}, {{6, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 6 step 9: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r6:dst@0 = r6:inbox@0; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 1, 0}, {{6, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 6 step 10: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r6:dst@1 = r6:inbox@1; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 2, 0}, {{6, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 6 step 11: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r6:dst@2 = r6:inbox@2; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 3, 0}, {{6, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},  // rank 6 step 12: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r6:dst@3 = r6:inbox@3; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 4, 0}, {{6, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},  // rank 6 step 13: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r6:dst@4 = r6:inbox@4; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {6, 1, 0, 1, 5, 0}, {{6, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},  // rank 6 step 14: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r6:dst@5 = r6:inbox@5; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {0, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}, {7, 5, 0}}},  // rank 7 step 1: chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7 = r7:dst@0; signal r0:arrive[7], r7:sent[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {1, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}, {7, 5, 1}}},  // rank 7 step 2: chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7 = r7:dst@1; signal r1:arrive[7], r7:sent[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {2, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}, {7, 5, 2}}},  // rank 7 step 3: chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7 = r7:dst@2; signal r2:arrive[7], r7:sent[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {3, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 7}, {7, 5, 3}}},  // rank 7 step 4: chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7 = r7:dst@3; signal r3:arrive[7], r7:sent[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {4, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}, {7, 5, 4}}},  // rank 7 step 5: chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7 = r7:dst@4; signal r4:arrive[7], r7:sent[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {5, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}, {7, 5, 5}}},  // rank 7 step 6: chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7 = r7:dst@5; signal r5:arrive[7], r7:sent[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 2, 0, {6, 2, 0, 1, 7, 0}, {{7, 1, 0, 1, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}, {7, 5, 6}}},  // rank 7 step 7: chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7 = r7:dst@6; signal r6:arrive[7], r7:sent[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 0, 0}, {{7, 2, 0, 1, 0, 0}}, {}, {{4, 0, 0, 16}, {5, 0, 0, 16}}, {}},  // rank 7 step 8: rank 0's chunk from the inbox; wait arrive[0], sent[0]; r7:dst@0 = r7:inbox@0; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 1, 0}, {{7, 2, 0, 1, 1, 0}}, {}, {{4, 0, 1, 16}, {5, 0, 1, 16}}, {}},  // rank 7 step 9: rank 1's chunk from the inbox; wait arrive[1], sent[1]; r7:dst@1 = r7:inbox@1; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 2, 0}, {{7, 2, 0, 1, 2, 0}}, {}, {{4, 0, 2, 16}, {5, 0, 2, 16}}, {}},  // rank 7 step 10: rank 2's chunk from the inbox; wait arrive[2], sent[2]; r7:dst@2 = r7:inbox@2; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 3, 0}, {{7, 2, 0, 1, 3, 0}}, {}, {{4, 0, 3, 16}, {5, 0, 3, 16}}, {}},  // rank 7 step 11: rank 3's chunk from the inbox; wait arrive[3], sent[3]; r7:dst@3 = r7:inbox@3; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 4, 0}, {{7, 2, 0, 1, 4, 0}}, {}, {{4, 0, 4, 16}, {5, 0, 4, 16}}, {}},  // rank 7 step 12: rank 4's chunk from the inbox; wait arrive[4], sent[4]; r7:dst@4 = r7:inbox@4; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 5, 0}, {{7, 2, 0, 1, 5, 0}}, {}, {{4, 0, 5, 16}, {5, 0, 5, 16}}, {}},  // rank 7 step 13: rank 5's chunk from the inbox; wait arrive[5], sent[5]; r7:dst@5 = r7:inbox@5; 16 blocks
+    {TSGEN_OP_COPY, 1, 2, 0, 0, {7, 1, 0, 1, 6, 0}, {{7, 2, 0, 1, 6, 0}}, {}, {{4, 0, 6, 16}, {5, 0, 6, 16}}, {}},  // rank 7 step 14: rank 6's chunk from the inbox; wait arrive[6], sent[6]; r7:dst@6 = r7:inbox@6; 16 blocks
 };
 static __device__ const int step_base_w8[8] = { 0, 15, 30, 45, 60, 75, 90, 105 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..223
-    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
-    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
-    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
-    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
-    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
-    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
-    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
-    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
-    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
-    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
-    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
-    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
-    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
-    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
-    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
-    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
-    // rank 1: shares 224..447
-    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
-    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
-    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
-    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
-    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
-    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
-    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
-    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
-    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
-    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
-    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
-    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
-    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
-    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
-    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
-    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
-    // rank 2: shares 448..671
-    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
-    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
-    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
-    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
-    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
-    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
-    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
-    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
-    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
-    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
-    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
-    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
-    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
-    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
-    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
-    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
-    // rank 3: shares 672..895
-    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
-    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
-    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
-    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
-    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
-    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
-    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
-    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
-    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
-    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
-    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
-    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
-    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
-    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
-    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
-    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
-    // rank 4: shares 896..1119
-    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
-    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
-    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
-    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
-    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
-    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
-    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
-    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
-    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
-    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
-    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
-    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
-    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
-    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
-    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
-    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
-    // rank 5: shares 1120..1343
-    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
-    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
-    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
-    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
-    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
-    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
-    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
-    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
-    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
-    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
-    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
-    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
-    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
-    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
-    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
-    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
-    // rank 6: shares 1344..1567
-    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
-    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
-    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
-    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
-    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
-    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
-    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
-    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
-    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
-    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
-    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
-    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
-    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
-    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
-    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
-    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
-    // rank 7: shares 1568..1791
-    {4, 15, 16, 3, 4, 0}, {1, 0, 16, 4, 4, 0}, {1, 1, 16, 4, 4, 0}, {1, 2, 16, 4, 4, 0},
-    {1, 3, 16, 4, 4, 0}, {1, 4, 16, 4, 4, 0}, {1, 5, 16, 4, 4, 0}, {1, 6, 16, 4, 4, 0},
-    {1, 7, 16, 4, 4, 0}, {1, 8, 16, 4, 4, 0}, {1, 9, 16, 4, 4, 0}, {1, 10, 16, 4, 4, 0},
-    {1, 11, 16, 4, 4, 0}, {1, 12, 16, 4, 4, 0}, {1, 13, 16, 4, 4, 0}, {1, 14, 16, 4, 4, 0},
-    {1, 15, 16, 4, 4, 0}, {2, 0, 16, 4, 4, 0}, {2, 1, 16, 4, 4, 0}, {2, 2, 16, 4, 4, 0},
-    {2, 3, 16, 4, 4, 0}, {2, 4, 16, 4, 4, 0}, {2, 5, 16, 4, 4, 0}, {2, 6, 16, 4, 4, 0},
-    {2, 7, 16, 4, 4, 0}, {2, 8, 16, 4, 4, 0}, {2, 9, 16, 4, 4, 0}, {2, 10, 16, 4, 4, 0},
-    {2, 11, 16, 4, 4, 0}, {2, 12, 16, 4, 4, 0}, {2, 13, 16, 4, 4, 0}, {2, 14, 16, 4, 4, 0},
-    {2, 15, 16, 4, 4, 0}, {3, 0, 16, 3, 4, 0}, {3, 1, 16, 3, 4, 0}, {3, 2, 16, 3, 4, 0},
-    {3, 3, 16, 3, 4, 0}, {3, 4, 16, 3, 4, 0}, {3, 5, 16, 3, 4, 0}, {3, 6, 16, 3, 4, 0},
-    {3, 7, 16, 3, 4, 0}, {3, 8, 16, 3, 4, 0}, {3, 9, 16, 3, 4, 0}, {3, 10, 16, 3, 4, 0},
-    {3, 11, 16, 3, 4, 0}, {3, 12, 16, 3, 4, 0}, {3, 13, 16, 3, 4, 0}, {3, 14, 16, 3, 4, 0},
-    {3, 15, 16, 3, 4, 0}, {4, 0, 16, 3, 4, 0}, {4, 1, 16, 3, 4, 0}, {4, 2, 16, 3, 4, 0},
-    {4, 3, 16, 3, 4, 0}, {4, 4, 16, 3, 4, 0}, {4, 5, 16, 3, 4, 0}, {4, 6, 16, 3, 4, 0},
-    {4, 7, 16, 3, 4, 0}, {4, 8, 16, 3, 4, 0}, {4, 9, 16, 3, 4, 0}, {4, 10, 16, 3, 4, 0},
-    {4, 11, 16, 3, 4, 0}, {4, 12, 16, 3, 4, 0}, {4, 13, 16, 3, 4, 0}, {4, 14, 16, 3, 4, 0},
+    {4, 15, 16, 3, 4, 0, 1, 0, 0}, {1, 0, 16, 4, 4, 0, 16, 0, 1}, {2, 0, 16, 4, 4, 0, 16, 0, 1}, {3, 0, 16, 3, 4, 0, 16, 0, 1}, {4, 0, 16, 3, 4, 0, 15, 0, 1},  // rank 0: shares 0..223
+    {4, 15, 16, 3, 4, 0, 1, 0, 0}, {1, 0, 16, 4, 4, 0, 16, 0, 1}, {2, 0, 16, 4, 4, 0, 16, 0, 1}, {3, 0, 16, 3, 4, 0, 16, 0, 1}, {4, 0, 16, 3, 4, 0, 15, 0, 1},  // rank 1: shares 224..447
+    {4, 15, 16, 3, 4, 0, 1, 0, 0}, {1, 0, 16, 4, 4, 0, 16, 0, 1}, {2, 0, 16, 4, 4, 0, 16, 0, 1}, {3, 0, 16, 3, 4, 0, 16, 0, 1}, {4, 0, 16, 3, 4, 0, 15, 0, 1},  // rank 2: shares 448..671
+    {4, 15, 16, 3, 4, 0, 1, 0, 0}, {1, 0, 16, 4, 4, 0, 16, 0, 1}, {2, 0, 16, 4, 4, 0, 16, 0, 1}, {3, 0, 16, 3, 4, 0, 16, 0, 1}, {4, 0, 16, 3, 4, 0, 15, 0, 1},  // rank 3: shares 672..895
+    {4, 15, 16, 3, 4, 0, 1, 0, 0}, {1, 0, 16, 4, 4, 0, 16, 0, 1}, {2, 0, 16, 4, 4, 0, 16, 0, 1}, {3, 0, 16, 3, 4, 0, 16, 0, 1}, {4, 0, 16, 3, 4, 0, 15, 0, 1},  // rank 4: shares 896..1119
+    {4, 15, 16, 3, 4, 0, 1, 0, 0}, {1, 0, 16, 4, 4, 0, 16, 0, 1}, {2, 0, 16, 4, 4, 0, 16, 0, 1}, {3, 0, 16, 3, 4, 0, 16, 0, 1}, {4, 0, 16, 3, 4, 0, 15, 0, 1},  // rank 5: shares 1120..1343
+    {4, 15, 16, 3, 4, 0, 1, 0, 0}, {1, 0, 16, 4, 4, 0, 16, 0, 1}, {2, 0, 16, 4, 4, 0, 16, 0, 1}, {3, 0, 16, 3, 4, 0, 16, 0, 1}, {4, 0, 16, 3, 4, 0, 15, 0, 1},  // rank 6: shares 1344..1567
+    {4, 15, 16, 3, 4, 0, 1, 0, 0}, {1, 0, 16, 4, 4, 0, 16, 0, 1}, {2, 0, 16, 4, 4, 0, 16, 0, 1}, {3, 0, 16, 3, 4, 0, 16, 0, 1}, {4, 0, 16, 3, 4, 0, 15, 0, 1},  // rank 7: shares 1568..1791
 };
-static __device__ const tsgen::share_table<1792> shares_w8 =
-    tsgen::expand_shares<1792>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][65] = {
+static __device__ const tsgen::share_table<1792> shares_w8 = tsgen::expand_shares<1792>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][65] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63, 67, 71, 75, 79, 83, 87, 91, 95, 99, 103, 107, 111, 115, 119, 123, 127, 131, 134, 137, 140, 143, 146, 149, 152, 155, 158, 161, 164, 167, 170, 173, 176, 179, 182, 185, 188, 191, 194, 197, 200, 203, 206, 209, 212, 215, 218, 221, 224 },
     { 224, 227, 231, 235, 239, 243, 247, 251, 255, 259, 263, 267, 271, 275, 279, 283, 287, 291, 295, 299, 303, 307, 311, 315, 319, 323, 327, 331, 335, 339, 343, 347, 351, 355, 358, 361, 364, 367, 370, 373, 376, 379, 382, 385, 388, 391, 394, 397, 400, 403, 406, 409, 412, 415, 418, 421, 424, 427, 430, 433, 436, 439, 442, 445, 448 },
     { 448, 451, 455, 459, 463, 467, 471, 475, 479, 483, 487, 491, 495, 499, 503, 507, 511, 515, 519, 523, 527, 531, 535, 539, 543, 547, 551, 555, 559, 563, 567, 571, 575, 579, 582, 585, 588, 591, 594, 597, 600, 603, 606, 609, 612, 615, 618, 621, 624, 627, 630, 633, 636, 639, 642, 645, 648, 651, 654, 657, 660, 663, 666, 669, 672 },
@@ -609,307 +288,120 @@ static __device__ const uint16_t first_w8[8][65] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 2: rank 1's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 17) TSGEN_RUN_SHARE(steps_w2[1], b - 1, 16);  // blocks 1..16, step 1: chunk 1 to rank 1's inbox
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w2[2], b - 17, 16);  // blocks 17..32, step 2: rank 1's chunk from the inbox
         break;
       case 1:
-        if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 2: rank 0's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b >= 1 && b < 17) TSGEN_RUN_SHARE(steps_w2[4], b - 1, 16);  // blocks 1..16, step 1: chunk 0 to rank 0's inbox
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w2[5], b - 17, 16);  // blocks 17..32, step 2: rank 0's chunk from the inbox
         break;
     }
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x6u, index = 0; break;
-      case 1: mask = 0x5u, index = 1; break;
-      case 2: mask = 0x3u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x6u, index = 0; break; case 1: mask = 0x5u, index = 1; break; case 2: mask = 0x3u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w3 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b == 0) {  // block 0
-          // rank 0 step 4: rank 2's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[4], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 2: chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 0 step 3: rank 1's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 0 step 4: rank 2's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 0) TSGEN_RUN_SHARE(steps_w3[4], 15, 16);  // block 0, step 4: rank 2's chunk from the inbox
+        if (b >= 1 && b < 17) TSGEN_RUN_SHARE(steps_w3[1], b - 1, 16);  // blocks 1..16, step 1: chunk 1 to rank 1's inbox
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w3[2], b - 17, 16);  // blocks 17..32, step 2: chunk 2 to rank 2's inbox
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w3[3], b - 33, 16);  // blocks 33..48, step 3: rank 1's chunk from the inbox
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w3[4], b - 49, 16);  // blocks 49..63, step 4: rank 2's chunk from the inbox
         break;
       case 1:
-        if (b == 0) {  // block 0
-          // rank 1 step 4: rank 0's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[9], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 2: chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[7], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 1 step 3: rank 2's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 1 step 4: rank 0's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 0) TSGEN_RUN_SHARE(steps_w3[9], 15, 16);  // block 0, step 4: rank 0's chunk from the inbox
+        if (b >= 1 && b < 17) TSGEN_RUN_SHARE(steps_w3[6], b - 1, 16);  // blocks 1..16, step 1: chunk 2 to rank 2's inbox
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w3[7], b - 17, 16);  // blocks 17..32, step 2: chunk 0 to rank 0's inbox
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w3[8], b - 33, 16);  // blocks 33..48, step 3: rank 2's chunk from the inbox
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w3[9], b - 49, 16);  // blocks 49..63, step 4: rank 0's chunk from the inbox
         break;
       case 2:
-        if (b == 0) {  // block 0
-          // rank 2 step 4: rank 1's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[14], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 2 step 1: chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[11], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 2 step 2: chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[12], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 2 step 3: rank 0's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[13], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 2 step 4: rank 1's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[14], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b == 0) TSGEN_RUN_SHARE(steps_w3[14], 15, 16);  // block 0, step 4: rank 1's chunk from the inbox
+        if (b >= 1 && b < 17) TSGEN_RUN_SHARE(steps_w3[11], b - 1, 16);  // blocks 1..16, step 1: chunk 0 to rank 0's inbox
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w3[12], b - 17, 16);  // blocks 17..32, step 2: chunk 1 to rank 1's inbox
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w3[13], b - 33, 16);  // blocks 33..48, step 3: rank 0's chunk from the inbox
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w3[14], b - 49, 16);  // blocks 49..63, step 4: rank 1's chunk from the inbox
         break;
     }
   }
 };
 template <> struct plan<4> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xeu, index = 0; break;
-      case 1: mask = 0xdu, index = 1; break;
-      case 2: mask = 0xbu, index = 2; break;
-      case 3: mask = 0x7u, index = 3; break;
-      default: break;
+      case 0: mask = 0xeu, index = 0; break; case 1: mask = 0xdu, index = 1; break; case 2: mask = 0xbu, index = 2; break; case 3: mask = 0x7u, index = 3; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w4 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b == 0) {  // block 0
-          // rank 0 step 4: rank 1's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[4], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 0) TSGEN_RUN_SHARE(steps_w4[4], 15, 16);  // block 0, step 4: rank 1's chunk from the inbox
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 5: rank 2's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[1], b - 1, 16);  // step 1: chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w4[5], b - 1, 16);  // step 5: rank 2's chunk from the inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 2: chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: rank 3's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[2], b - 17, 16);  // step 2: chunk 2 to rank 2's inbox
+          TSGEN_RUN_SHARE(steps_w4[6], b - 17, 16);  // step 6: rank 3's chunk from the inbox
         }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 0 step 3: chunk 3 to rank 3's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 0 step 4: rank 1's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w4[3], b - 33, 16);  // blocks 33..48, step 3: chunk 3 to rank 3's inbox
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w4[4], b - 49, 16);  // blocks 49..63, step 4: rank 1's chunk from the inbox
         break;
       case 1:
-        if (b == 0) {  // block 0
-          // rank 1 step 4: rank 2's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[11], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 0) TSGEN_RUN_SHARE(steps_w4[11], 15, 16);  // block 0, step 4: rank 2's chunk from the inbox
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 5: rank 3's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[12], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[8], b - 1, 16);  // step 1: chunk 2 to rank 2's inbox
+          TSGEN_RUN_SHARE(steps_w4[12], b - 1, 16);  // step 5: rank 3's chunk from the inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 2: chunk 3 to rank 3's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: rank 0's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[13], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[9], b - 17, 16);  // step 2: chunk 3 to rank 3's inbox
+          TSGEN_RUN_SHARE(steps_w4[13], b - 17, 16);  // step 6: rank 0's chunk from the inbox
         }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 1 step 3: chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[10], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 1 step 4: rank 2's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[11], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w4[10], b - 33, 16);  // blocks 33..48, step 3: chunk 0 to rank 0's inbox
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w4[11], b - 49, 16);  // blocks 49..63, step 4: rank 2's chunk from the inbox
         break;
       case 2:
-        if (b == 0) {  // block 0
-          // rank 2 step 4: rank 3's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[18], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 0) TSGEN_RUN_SHARE(steps_w4[18], 15, 16);  // block 0, step 4: rank 3's chunk from the inbox
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 2 step 1: chunk 3 to rank 3's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[15], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 5: rank 0's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[19], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[15], b - 1, 16);  // step 1: chunk 3 to rank 3's inbox
+          TSGEN_RUN_SHARE(steps_w4[19], b - 1, 16);  // step 5: rank 0's chunk from the inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 2 step 2: chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[16], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 6: rank 1's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[20], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[16], b - 17, 16);  // step 2: chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w4[20], b - 17, 16);  // step 6: rank 1's chunk from the inbox
         }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 2 step 3: chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[17], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 2 step 4: rank 3's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[18], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w4[17], b - 33, 16);  // blocks 33..48, step 3: chunk 1 to rank 1's inbox
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w4[18], b - 49, 16);  // blocks 49..63, step 4: rank 3's chunk from the inbox
         break;
       case 3:
-        if (b == 0) {  // block 0
-          // rank 3 step 4: rank 0's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[25], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 0) TSGEN_RUN_SHARE(steps_w4[25], 15, 16);  // block 0, step 4: rank 0's chunk from the inbox
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 3 step 1: chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[22], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 3 step 5: rank 1's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[26], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[22], b - 1, 16);  // step 1: chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w4[26], b - 1, 16);  // step 5: rank 1's chunk from the inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 3 step 2: chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[23], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 3 step 6: rank 2's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[27], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[23], b - 17, 16);  // step 2: chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w4[27], b - 17, 16);  // step 6: rank 2's chunk from the inbox
         }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 3 step 3: chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[24], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 3 step 4: rank 0's chunk from the inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[25], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w4[24], b - 33, 16);  // blocks 33..48, step 3: chunk 2 to rank 2's inbox
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w4[25], b - 49, 16);  // blocks 49..63, step 4: rank 0's chunk from the inbox
         break;
     }
   }
@@ -918,92 +410,42 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xfeu, index = 0; break;
-      case 1: mask = 0xfdu, index = 1; break;
-      case 2: mask = 0xfbu, index = 2; break;
-      case 3: mask = 0xf7u, index = 3; break;
-      case 4: mask = 0xefu, index = 4; break;
-      case 5: mask = 0xdfu, index = 5; break;
-      case 6: mask = 0xbfu, index = 6; break;
-      case 7: mask = 0x7fu, index = 7; break;
-      default: break;
+      case 0: mask = 0xfeu, index = 0; break; case 1: mask = 0xfdu, index = 1; break; case 2: mask = 0xfbu, index = 2; break; case 3: mask = 0xf7u, index = 3; break; case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break; case 6: mask = 0xbfu, index = 6; break; case 7: mask = 0x7fu, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)sent };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 3: a small plan, run as straight-line code (plan<3>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<3>(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)sent };
-  plan<3>::open(rank, bufs, peers);
-  plan<3>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 4: a small plan, run as straight-line code (plan<4>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<4>(char* const* peers, int rank, uint64_t epoch, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive, (char*)sent };
-  plan<4>::open(rank, bufs, peers);
-  plan<4>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace all_to_all_inplace
 
-// World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_to_all_inplace_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_to_all_inplace_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_to_all_inplace::run<2>(peers, rank, epoch, count, dst, inbox, entry, arrive, sent);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_to_all_inplace_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_to_all_inplace_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_to_all_inplace::run<3>(peers, rank, epoch, count, dst, inbox, entry, arrive, sent);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) all_to_all_inplace_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
+extern "C" __global__ void __launch_bounds__(512, 1) all_to_all_inplace_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_to_all_inplace::run<4>(peers, rank, epoch, count, dst, inbox, entry, arrive, sent);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_to_all_inplace_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {
+extern "C" __global__ void __launch_bounds__(512) all_to_all_inplace_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_to_all_inplace::run<8>(peers, rank, epoch, count, dst, inbox, entry, arrive, sent);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through all_to_all_inplace::launch.
-namespace all_to_all_inplace {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive, sent);
-  return cudaGetLastError();
-}
-}  // namespace all_to_all_inplace
-
-extern "C" cudaError_t all_to_all_inplace_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return all_to_all_inplace::launch<all_to_all_inplace_w2, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, sent, stream); }
-extern "C" cudaError_t all_to_all_inplace_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return all_to_all_inplace::launch<all_to_all_inplace_w3, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, sent, stream); }
-extern "C" cudaError_t all_to_all_inplace_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return all_to_all_inplace::launch<all_to_all_inplace_w4, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, sent, stream); }
-extern "C" cudaError_t all_to_all_inplace_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return all_to_all_inplace::launch<all_to_all_inplace_w8, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, sent, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t all_to_all_inplace_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return tsgen::launch<all_to_all_inplace_w2, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive, sent); }
+extern "C" cudaError_t all_to_all_inplace_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return tsgen::launch<all_to_all_inplace_w3, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive, sent); }
+extern "C" cudaError_t all_to_all_inplace_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return tsgen::launch<all_to_all_inplace_w4, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive, sent); }
+extern "C" cudaError_t all_to_all_inplace_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* dst, int32_t* inbox, uint64_t* entry, uint64_t* arrive, uint64_t* sent, cudaStream_t stream) { return tsgen::launch<all_to_all_inplace_w8, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive, sent); }

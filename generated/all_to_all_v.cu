@@ -13,12 +13,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   counts   int32_t        input  64
@@ -27,12 +25,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   52: the hand-written library, included: tsgen/ptx.cuh 52, tsgen/sync.cuh 53, tsgen/copy.cuh 54, tsgen/plan.cuh 55
-//   60: the op's own code (namespace all_to_all_v: constants, tables, device code)
+//   49: the hand-written library, included: tsgen/ptx.cuh 49, tsgen/sync.cuh 50, tsgen/copy.cuh 51, tsgen/plan.cuh 52
+//   55: the op's own code (namespace all_to_all_v: constants, tables, device code)
 //   entry points (extern "C"):
-//     all_to_all_v_w2 114, all_to_all_v_w3 121, all_to_all_v_w4 128, all_to_all_v_w8 135
-//     all_to_all_v_w2_launch 151, all_to_all_v_w3_launch 152, all_to_all_v_w4_launch 153
-//     all_to_all_v_w8_launch 154
+//     all_to_all_v_w2 108, all_to_all_v_w3 113, all_to_all_v_w4 118, all_to_all_v_w8 123
+//     all_to_all_v_w2_launch 131, all_to_all_v_w3_launch 132, all_to_all_v_w4_launch 133
+//     all_to_all_v_w8_launch 134
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -40,8 +38,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -54,9 +51,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// all_to_all_v: all_to_all_v
-// ---------------------------------------------------------------------------
+// ---- all_to_all_v: all_to_all_v ----------------------------------------------------------------
 namespace all_to_all_v {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -110,45 +105,30 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace all_to_all_v
 
-// World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_to_all_v::run<2>(peers, rank, epoch, count, counts, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_to_all_v::run<3>(peers, rank, epoch, count, counts, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_to_all_v::run<4>(peers, rank, epoch, count, counts, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) all_to_all_v_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   all_to_all_v::run<8>(peers, rank, epoch, count, counts, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through all_to_all_v::launch.
-namespace all_to_all_v {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, counts, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-}  // namespace all_to_all_v
-
-extern "C" cudaError_t all_to_all_v_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return all_to_all_v::launch<all_to_all_v_w2, 64, 512, 0>(peers, rank, calls, count, counts, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t all_to_all_v_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return all_to_all_v::launch<all_to_all_v_w3, 64, 512, 0>(peers, rank, calls, count, counts, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t all_to_all_v_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return all_to_all_v::launch<all_to_all_v_w4, 64, 512, 0>(peers, rank, calls, count, counts, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t all_to_all_v_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return all_to_all_v::launch<all_to_all_v_w8, 64, 512, 0>(peers, rank, calls, count, counts, src, dst, entry, arrive, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t all_to_all_v_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<all_to_all_v_w2, 64, 512, 0>(stream, peers, rank, calls, count, counts, src, dst, entry, arrive); }
+extern "C" cudaError_t all_to_all_v_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<all_to_all_v_w3, 64, 512, 0>(stream, peers, rank, calls, count, counts, src, dst, entry, arrive); }
+extern "C" cudaError_t all_to_all_v_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<all_to_all_v_w4, 64, 512, 0>(stream, peers, rank, calls, count, counts, src, dst, entry, arrive); }
+extern "C" cudaError_t all_to_all_v_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, int32_t* counts, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<all_to_all_v_w8, 64, 512, 0>(stream, peers, rank, calls, count, counts, src, dst, entry, arrive); }

@@ -12,12 +12,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  count
@@ -25,16 +23,16 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   54: the hand-written library, included: tsgen/ptx.cuh 54, tsgen/sync.cuh 55, tsgen/copy.cuh 56, tsgen/plan.cuh 57, tsgen/ce.cuh 58
-//   63: the op's own code (namespace allgather_ce: constants, tables, device code)
+//   51: the hand-written library, included: tsgen/ptx.cuh 51, tsgen/sync.cuh 52, tsgen/copy.cuh 53, tsgen/plan.cuh 54, tsgen/ce.cuh 55
+//   58: the op's own code (namespace allgather_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_ce_w2_sync 498, allgather_ce_w2_reduce 503, allgather_ce_w2_end 510
-//     allgather_ce_w2_prepare 516, allgather_ce_w2_launch 525, allgather_ce_w3_sync 577
-//     allgather_ce_w3_reduce 582, allgather_ce_w3_end 589, allgather_ce_w3_prepare 595
-//     allgather_ce_w3_launch 604, allgather_ce_w4_sync 673, allgather_ce_w4_reduce 678
-//     allgather_ce_w4_end 685, allgather_ce_w4_prepare 691, allgather_ce_w4_launch 700
-//     allgather_ce_w8_sync 792, allgather_ce_w8_reduce 797, allgather_ce_w8_end 804
-//     allgather_ce_w8_prepare 810, allgather_ce_w8_launch 819
+//     allgather_ce_w2_sync 321, allgather_ce_w2_reduce 326, allgather_ce_w2_end 333
+//     allgather_ce_w2_prepare 338, allgather_ce_w2_launch 342, allgather_ce_w3_sync 371
+//     allgather_ce_w3_reduce 376, allgather_ce_w3_end 383, allgather_ce_w3_prepare 388
+//     allgather_ce_w3_launch 392, allgather_ce_w4_sync 438, allgather_ce_w4_reduce 443
+//     allgather_ce_w4_end 450, allgather_ce_w4_prepare 455, allgather_ce_w4_launch 459
+//     allgather_ce_w8_sync 528, allgather_ce_w8_reduce 533, allgather_ce_w8_end 540
+//     allgather_ce_w8_prepare 545, allgather_ce_w8_launch 549
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -42,8 +40,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -57,9 +54,7 @@
 #include "tsgen/plan.cuh"
 #include "tsgen/ce.cuh"
 
-// ---------------------------------------------------------------------------
-// allgather: allgather_ce
-// ---------------------------------------------------------------------------
+// ---- allgather: allgather_ce ----------------------------------------------------------------
 namespace allgather_ce {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -69,16 +64,9 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: entry
-//   4: arrive
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 // One call = the plan's steps spread over streams (the schedule's blocks):
 // copies are cudaMemcpyAsync, reductions run reduce<>, and sync<> raises the
@@ -95,369 +83,205 @@ static __device__ __forceinline__ void reduce(char* const* peers, int rank, uint
   tsgen::ce::reduce<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(plan<WORLD>::steps(rank)[step], rank, count, bufs, peers);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 8 steps, 8 block shares over 4 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 8 steps, 8 block shares over 4 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: local copy; r0:dst@0 = r0:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 3: wait for every peer's data; wait arrive[1]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 2: local copy; r1:dst@1 = r1:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 3: wait for every peer's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 2: local copy; r0:dst@0 = r0:src@0
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 1}}, {}},  // rank 0 step 3: wait for every peer's data; wait arrive[1]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 1: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 2: local copy; r1:dst@1 = r1:src@0
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}}, {}},  // rank 1 step 3: wait for every peer's data; wait arrive[0]
 };
 static __device__ const int step_base_w2[2] = { 0, 4 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w2[] = {
-    // rank 0: shares 0..3
-    {0, 0, 1, 4, 1, 0},
-    // rank 1: shares 4..7
-    {0, 0, 1, 4, 1, 0},
+    {0, 0, 1, 4, 1, 0, 1, 0, 0},  // rank 0: shares 0..3
+    {0, 0, 1, 4, 1, 0, 1, 0, 0},  // rank 1: shares 4..7
 };
-static __device__ const tsgen::share_table<8> shares_w2 =
-    tsgen::expand_shares<8>(share_runs_w2);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][5] = {
+static __device__ const tsgen::share_table<8> shares_w2 = tsgen::expand_shares<8>(share_runs_w2);
+static __device__ const uint16_t first_w2[2][5] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 2, 3, 4 },
     { 4, 5, 6, 7, 8 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 15 steps, 15 block shares over 5 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 15 steps, 15 block shares over 5 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
-    // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 3: local copy; r0:dst@0 = r0:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 4: wait for every peer's data; wait arrive[1], arrive[2]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 1}, {4, 0, 2, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
-    // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 3: local copy; r1:dst@1 = r1:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 4: wait for every peer's data; wait arrive[0], arrive[2]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 2, 1}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
-    // rank 2 step 1: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 2 step 2: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 2 step 3: local copy; r2:dst@2 = r2:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 4: wait for every peer's data; wait arrive[0], arrive[1]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 3: local copy; r0:dst@0 = r0:src@0
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 1}, {4, 0, 2, 1}}, {}},  // rank 0 step 4: wait for every peer's data; wait arrive[1], arrive[2]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 2: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 3: local copy; r1:dst@1 = r1:src@0
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 2, 1}}, {}},  // rank 1 step 4: wait for every peer's data; wait arrive[0], arrive[2]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 2 step 1: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 2 step 2: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 2 step 3: local copy; r2:dst@2 = r2:src@0
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}}, {}},  // rank 2 step 4: wait for every peer's data; wait arrive[0], arrive[1]
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w3[] = {
-    // rank 0: shares 0..4
-    {0, 0, 1, 5, 1, 0},
-    // rank 1: shares 5..9
-    {0, 0, 1, 5, 1, 0},
-    // rank 2: shares 10..14
-    {0, 0, 1, 5, 1, 0},
+    {0, 0, 1, 5, 1, 0, 1, 0, 0},  // rank 0: shares 0..4
+    {0, 0, 1, 5, 1, 0, 1, 0, 0},  // rank 1: shares 5..9
+    {0, 0, 1, 5, 1, 0, 1, 0, 0},  // rank 2: shares 10..14
 };
-static __device__ const tsgen::share_table<15> shares_w3 =
-    tsgen::expand_shares<15>(share_runs_w3);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][6] = {
+static __device__ const tsgen::share_table<15> shares_w3 = tsgen::expand_shares<15>(share_runs_w3);
+static __device__ const uint16_t first_w3[3][6] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 2, 3, 4, 5 },
     { 5, 6, 7, 8, 9, 10 },
     { 10, 11, 12, 13, 14, 15 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 24 steps, 24 block shares over 6 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 24 steps, 24 block shares over 6 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
-    // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 3: put to rank 3; wait entry[3]; r3:dst@0 = r0:src@0; signal r3:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 0 step 4: local copy; r0:dst@0 = r0:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 5: wait for every peer's data; wait arrive[1], arrive[2], arrive[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
-    // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: put to rank 3; wait entry[3]; r3:dst@1 = r1:src@0; signal r3:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
-    // rank 1 step 3: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 4: local copy; r1:dst@1 = r1:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 5: wait for every peer's data; wait arrive[0], arrive[2], arrive[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
-    // rank 2 step 1: put to rank 3; wait entry[3]; r3:dst@2 = r2:src@0; signal r3:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
-    // rank 2 step 2: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 2 step 3: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 2 step 4: local copy; r2:dst@2 = r2:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 5: wait for every peer's data; wait arrive[0], arrive[1], arrive[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 3, 1}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
-    // rank 3 step 1: put to rank 0; wait entry[0]; r0:dst@3 = r3:src@0; signal r0:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 3 step 2: put to rank 1; wait entry[1]; r1:dst@3 = r3:src@0; signal r1:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
-    // rank 3 step 3: put to rank 2; wait entry[2]; r2:dst@3 = r3:src@0; signal r2:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 3 step 4: local copy; r3:dst@3 = r3:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 3 step 5: wait for every peer's data; wait arrive[0], arrive[1], arrive[2]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 0 step 3: put to rank 3; wait entry[3]; r3:dst@0 = r0:src@0; signal r3:arrive[0]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 4: local copy; r0:dst@0 = r0:src@0
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}}, {}},  // rank 0 step 5: wait for every peer's data; wait arrive[1], arrive[2], arrive[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},  // rank 1 step 2: put to rank 3; wait entry[3]; r3:dst@1 = r1:src@0; signal r3:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 3: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 4: local copy; r1:dst@1 = r1:src@0
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}}, {}},  // rank 1 step 5: wait for every peer's data; wait arrive[0], arrive[2], arrive[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},  // rank 2 step 1: put to rank 3; wait entry[3]; r3:dst@2 = r2:src@0; signal r3:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 2 step 2: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 2 step 3: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 2 step 4: local copy; r2:dst@2 = r2:src@0
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 3, 1}}, {}},  // rank 2 step 5: wait for every peer's data; wait arrive[0], arrive[1], arrive[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 3 step 1: put to rank 0; wait entry[0]; r0:dst@3 = r3:src@0; signal r0:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},  // rank 3 step 2: put to rank 1; wait entry[1]; r1:dst@3 = r3:src@0; signal r1:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 3 step 3: put to rank 2; wait entry[2]; r2:dst@3 = r3:src@0; signal r2:arrive[3]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 3 step 4: local copy; r3:dst@3 = r3:src@0
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}}, {}},  // rank 3 step 5: wait for every peer's data; wait arrive[0], arrive[1], arrive[2]
 };
 static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..5
-    {0, 0, 1, 6, 1, 0},
-    // rank 1: shares 6..11
-    {0, 0, 1, 6, 1, 0},
-    // rank 2: shares 12..17
-    {0, 0, 1, 6, 1, 0},
-    // rank 3: shares 18..23
-    {0, 0, 1, 6, 1, 0},
+    {0, 0, 1, 6, 1, 0, 1, 0, 0},  // rank 0: shares 0..5
+    {0, 0, 1, 6, 1, 0, 1, 0, 0},  // rank 1: shares 6..11
+    {0, 0, 1, 6, 1, 0, 1, 0, 0},  // rank 2: shares 12..17
+    {0, 0, 1, 6, 1, 0, 1, 0, 0},  // rank 3: shares 18..23
 };
-static __device__ const tsgen::share_table<24> shares_w4 =
-    tsgen::expand_shares<24>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][7] = {
+static __device__ const tsgen::share_table<24> shares_w4 = tsgen::expand_shares<24>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][7] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 2, 3, 4, 5, 6 },
     { 6, 7, 8, 9, 10, 11, 12 },
     { 12, 13, 14, 15, 16, 17, 18 },
     { 18, 19, 20, 21, 22, 23, 24 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 80 steps, 80 block shares over 10 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 80 steps, 80 block shares over 10 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
-    // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 3: put to rank 3; wait entry[3]; r3:dst@0 = r0:src@0; signal r3:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 0 step 4: put to rank 4; wait entry[4]; r4:dst@0 = r0:src@0; signal r4:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
-    // rank 0 step 5: put to rank 5; wait entry[5]; r5:dst@0 = r0:src@0; signal r5:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
-    // rank 0 step 6: put to rank 6; wait entry[6]; r6:dst@0 = r0:src@0; signal r6:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
-    // rank 0 step 7: put to rank 7; wait entry[7]; r7:dst@0 = r0:src@0; signal r7:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
-    // rank 0 step 8: local copy; r0:dst@0 = r0:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 9: wait for every peer's data; wait arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
-    // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: put to rank 3; wait entry[3]; r3:dst@1 = r1:src@0; signal r3:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
-    // rank 1 step 3: put to rank 4; wait entry[4]; r4:dst@1 = r1:src@0; signal r4:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},
-    // rank 1 step 4: put to rank 5; wait entry[5]; r5:dst@1 = r1:src@0; signal r5:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},
-    // rank 1 step 5: put to rank 6; wait entry[6]; r6:dst@1 = r1:src@0; signal r6:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},
-    // rank 1 step 6: put to rank 7; wait entry[7]; r7:dst@1 = r1:src@0; signal r7:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},
-    // rank 1 step 7: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 8: local copy; r1:dst@1 = r1:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 9: wait for every peer's data; wait arrive[0], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
-    // rank 2 step 1: put to rank 3; wait entry[3]; r3:dst@2 = r2:src@0; signal r3:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
-    // rank 2 step 2: put to rank 4; wait entry[4]; r4:dst@2 = r2:src@0; signal r4:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},
-    // rank 2 step 3: put to rank 5; wait entry[5]; r5:dst@2 = r2:src@0; signal r5:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},
-    // rank 2 step 4: put to rank 6; wait entry[6]; r6:dst@2 = r2:src@0; signal r6:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},
-    // rank 2 step 5: put to rank 7; wait entry[7]; r7:dst@2 = r2:src@0; signal r7:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},
-    // rank 2 step 6: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 2 step 7: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 2 step 8: local copy; r2:dst@2 = r2:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
-    // rank 3 step 1: put to rank 4; wait entry[4]; r4:dst@3 = r3:src@0; signal r4:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},
-    // rank 3 step 2: put to rank 5; wait entry[5]; r5:dst@3 = r3:src@0; signal r5:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},
-    // rank 3 step 3: put to rank 6; wait entry[6]; r6:dst@3 = r3:src@0; signal r6:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},
-    // rank 3 step 4: put to rank 7; wait entry[7]; r7:dst@3 = r3:src@0; signal r7:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},
-    // rank 3 step 5: put to rank 0; wait entry[0]; r0:dst@3 = r3:src@0; signal r0:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 3 step 6: put to rank 1; wait entry[1]; r1:dst@3 = r3:src@0; signal r1:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
-    // rank 3 step 7: put to rank 2; wait entry[2]; r2:dst@3 = r3:src@0; signal r2:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 3 step 8: local copy; r3:dst@3 = r3:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 3 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
-    // rank 4 step 1: put to rank 5; wait entry[5]; r5:dst@4 = r4:src@0; signal r5:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},
-    // rank 4 step 2: put to rank 6; wait entry[6]; r6:dst@4 = r4:src@0; signal r6:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},
-    // rank 4 step 3: put to rank 7; wait entry[7]; r7:dst@4 = r4:src@0; signal r7:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},
-    // rank 4 step 4: put to rank 0; wait entry[0]; r0:dst@4 = r4:src@0; signal r0:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 4 step 5: put to rank 1; wait entry[1]; r1:dst@4 = r4:src@0; signal r1:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
-    // rank 4 step 6: put to rank 2; wait entry[2]; r2:dst@4 = r4:src@0; signal r2:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
-    // rank 4 step 7: put to rank 3; wait entry[3]; r3:dst@4 = r4:src@0; signal r3:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
-    // rank 4 step 8: local copy; r4:dst@4 = r4:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 4 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
-    // rank 5 step 1: put to rank 6; wait entry[6]; r6:dst@5 = r5:src@0; signal r6:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},
-    // rank 5 step 2: put to rank 7; wait entry[7]; r7:dst@5 = r5:src@0; signal r7:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},
-    // rank 5 step 3: put to rank 0; wait entry[0]; r0:dst@5 = r5:src@0; signal r0:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 5 step 4: put to rank 1; wait entry[1]; r1:dst@5 = r5:src@0; signal r1:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
-    // rank 5 step 5: put to rank 2; wait entry[2]; r2:dst@5 = r5:src@0; signal r2:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
-    // rank 5 step 6: put to rank 3; wait entry[3]; r3:dst@5 = r5:src@0; signal r3:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
-    // rank 5 step 7: put to rank 4; wait entry[4]; r4:dst@5 = r5:src@0; signal r4:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},
-    // rank 5 step 8: local copy; r5:dst@5 = r5:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 5 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
-    // rank 6 step 1: put to rank 7; wait entry[7]; r7:dst@6 = r6:src@0; signal r7:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},
-    // rank 6 step 2: put to rank 0; wait entry[0]; r0:dst@6 = r6:src@0; signal r0:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
-    // rank 6 step 3: put to rank 1; wait entry[1]; r1:dst@6 = r6:src@0; signal r1:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
-    // rank 6 step 4: put to rank 2; wait entry[2]; r2:dst@6 = r6:src@0; signal r2:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 6 step 5: put to rank 3; wait entry[3]; r3:dst@6 = r6:src@0; signal r3:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 6}}},
-    // rank 6 step 6: put to rank 4; wait entry[4]; r4:dst@6 = r6:src@0; signal r4:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},
-    // rank 6 step 7: put to rank 5; wait entry[5]; r5:dst@6 = r6:src@0; signal r5:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},
-    // rank 6 step 8: local copy; r6:dst@6 = r6:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 6 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 7, 1}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
-    // rank 7 step 1: put to rank 0; wait entry[0]; r0:dst@7 = r7:src@0; signal r0:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
-    // rank 7 step 2: put to rank 1; wait entry[1]; r1:dst@7 = r7:src@0; signal r1:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
-    // rank 7 step 3: put to rank 2; wait entry[2]; r2:dst@7 = r7:src@0; signal r2:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 7 step 4: put to rank 3; wait entry[3]; r3:dst@7 = r7:src@0; signal r3:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 7}}},
-    // rank 7 step 5: put to rank 4; wait entry[4]; r4:dst@7 = r7:src@0; signal r4:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},
-    // rank 7 step 6: put to rank 5; wait entry[5]; r5:dst@7 = r7:src@0; signal r5:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},
-    // rank 7 step 7: put to rank 6; wait entry[6]; r6:dst@7 = r7:src@0; signal r6:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},
-    // rank 7 step 8: local copy; r7:dst@7 = r7:src@0
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 7 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 0 step 3: put to rank 3; wait entry[3]; r3:dst@0 = r0:src@0; signal r3:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},  // rank 0 step 4: put to rank 4; wait entry[4]; r4:dst@0 = r0:src@0; signal r4:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},  // rank 0 step 5: put to rank 5; wait entry[5]; r5:dst@0 = r0:src@0; signal r5:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},  // rank 0 step 6: put to rank 6; wait entry[6]; r6:dst@0 = r0:src@0; signal r6:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},  // rank 0 step 7: put to rank 7; wait entry[7]; r7:dst@0 = r0:src@0; signal r7:arrive[0]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 8: local copy; r0:dst@0 = r0:src@0
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},  // rank 0 step 9: wait for every peer's data; wait arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},  // rank 1 step 2: put to rank 3; wait entry[3]; r3:dst@1 = r1:src@0; signal r3:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},  // rank 1 step 3: put to rank 4; wait entry[4]; r4:dst@1 = r1:src@0; signal r4:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},  // rank 1 step 4: put to rank 5; wait entry[5]; r5:dst@1 = r1:src@0; signal r5:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},  // rank 1 step 5: put to rank 6; wait entry[6]; r6:dst@1 = r1:src@0; signal r6:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},  // rank 1 step 6: put to rank 7; wait entry[7]; r7:dst@1 = r1:src@0; signal r7:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 7: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 8: local copy; r1:dst@1 = r1:src@0
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},  // rank 1 step 9: wait for every peer's data; wait arrive[0], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},  // rank 2 step 1: put to rank 3; wait entry[3]; r3:dst@2 = r2:src@0; signal r3:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},  // rank 2 step 2: put to rank 4; wait entry[4]; r4:dst@2 = r2:src@0; signal r4:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},  // rank 2 step 3: put to rank 5; wait entry[5]; r5:dst@2 = r2:src@0; signal r5:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},  // rank 2 step 4: put to rank 6; wait entry[6]; r6:dst@2 = r2:src@0; signal r6:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},  // rank 2 step 5: put to rank 7; wait entry[7]; r7:dst@2 = r2:src@0; signal r7:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 2 step 6: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 2 step 7: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 2 step 8: local copy; r2:dst@2 = r2:src@0
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},  // rank 2 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},  // rank 3 step 1: put to rank 4; wait entry[4]; r4:dst@3 = r3:src@0; signal r4:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},  // rank 3 step 2: put to rank 5; wait entry[5]; r5:dst@3 = r3:src@0; signal r5:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},  // rank 3 step 3: put to rank 6; wait entry[6]; r6:dst@3 = r3:src@0; signal r6:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},  // rank 3 step 4: put to rank 7; wait entry[7]; r7:dst@3 = r3:src@0; signal r7:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 3 step 5: put to rank 0; wait entry[0]; r0:dst@3 = r3:src@0; signal r0:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},  // rank 3 step 6: put to rank 1; wait entry[1]; r1:dst@3 = r3:src@0; signal r1:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 3 step 7: put to rank 2; wait entry[2]; r2:dst@3 = r3:src@0; signal r2:arrive[3]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 3 step 8: local copy; r3:dst@3 = r3:src@0
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},  // rank 3 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},  // rank 4 step 1: put to rank 5; wait entry[5]; r5:dst@4 = r4:src@0; signal r5:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},  // rank 4 step 2: put to rank 6; wait entry[6]; r6:dst@4 = r4:src@0; signal r6:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},  // rank 4 step 3: put to rank 7; wait entry[7]; r7:dst@4 = r4:src@0; signal r7:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 4 step 4: put to rank 0; wait entry[0]; r0:dst@4 = r4:src@0; signal r0:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},  // rank 4 step 5: put to rank 1; wait entry[1]; r1:dst@4 = r4:src@0; signal r1:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},  // rank 4 step 6: put to rank 2; wait entry[2]; r2:dst@4 = r4:src@0; signal r2:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},  // rank 4 step 7: put to rank 3; wait entry[3]; r3:dst@4 = r4:src@0; signal r3:arrive[4]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 4 step 8: local copy; r4:dst@4 = r4:src@0
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},  // rank 4 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},  // rank 5 step 1: put to rank 6; wait entry[6]; r6:dst@5 = r5:src@0; signal r6:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},  // rank 5 step 2: put to rank 7; wait entry[7]; r7:dst@5 = r5:src@0; signal r7:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 5 step 3: put to rank 0; wait entry[0]; r0:dst@5 = r5:src@0; signal r0:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},  // rank 5 step 4: put to rank 1; wait entry[1]; r1:dst@5 = r5:src@0; signal r1:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},  // rank 5 step 5: put to rank 2; wait entry[2]; r2:dst@5 = r5:src@0; signal r2:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},  // rank 5 step 6: put to rank 3; wait entry[3]; r3:dst@5 = r5:src@0; signal r3:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},  // rank 5 step 7: put to rank 4; wait entry[4]; r4:dst@5 = r5:src@0; signal r4:arrive[5]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 5 step 8: local copy; r5:dst@5 = r5:src@0
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 6, 1}, {4, 0, 7, 1}}, {}},  // rank 5 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},  // rank 6 step 1: put to rank 7; wait entry[7]; r7:dst@6 = r6:src@0; signal r7:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},  // rank 6 step 2: put to rank 0; wait entry[0]; r0:dst@6 = r6:src@0; signal r0:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},  // rank 6 step 3: put to rank 1; wait entry[1]; r1:dst@6 = r6:src@0; signal r1:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 6 step 4: put to rank 2; wait entry[2]; r2:dst@6 = r6:src@0; signal r2:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 6}}},  // rank 6 step 5: put to rank 3; wait entry[3]; r3:dst@6 = r6:src@0; signal r3:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},  // rank 6 step 6: put to rank 4; wait entry[4]; r4:dst@6 = r6:src@0; signal r4:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},  // rank 6 step 7: put to rank 5; wait entry[5]; r5:dst@6 = r6:src@0; signal r5:arrive[6]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 6 step 8: local copy; r6:dst@6 = r6:src@0
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 7, 1}}, {}},  // rank 6 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},  // rank 7 step 1: put to rank 0; wait entry[0]; r0:dst@7 = r7:src@0; signal r0:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},  // rank 7 step 2: put to rank 1; wait entry[1]; r1:dst@7 = r7:src@0; signal r1:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 7 step 3: put to rank 2; wait entry[2]; r2:dst@7 = r7:src@0; signal r2:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 7}}},  // rank 7 step 4: put to rank 3; wait entry[3]; r3:dst@7 = r7:src@0; signal r3:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},  // rank 7 step 5: put to rank 4; wait entry[4]; r4:dst@7 = r7:src@0; signal r4:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},  // rank 7 step 6: put to rank 5; wait entry[5]; r5:dst@7 = r7:src@0; signal r5:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},  // rank 7 step 7: put to rank 6; wait entry[6]; r6:dst@7 = r7:src@0; signal r6:arrive[7]
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 7 step 8: local copy; r7:dst@7 = r7:src@0
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 1}, {4, 0, 1, 1}, {4, 0, 2, 1}, {4, 0, 3, 1}, {4, 0, 4, 1}, {4, 0, 5, 1}, {4, 0, 6, 1}}, {}},  // rank 7 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6]
 };
 static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..9
-    {0, 0, 1, 10, 1, 0},
-    // rank 1: shares 10..19
-    {0, 0, 1, 10, 1, 0},
-    // rank 2: shares 20..29
-    {0, 0, 1, 10, 1, 0},
-    // rank 3: shares 30..39
-    {0, 0, 1, 10, 1, 0},
-    // rank 4: shares 40..49
-    {0, 0, 1, 10, 1, 0},
-    // rank 5: shares 50..59
-    {0, 0, 1, 10, 1, 0},
-    // rank 6: shares 60..69
-    {0, 0, 1, 10, 1, 0},
-    // rank 7: shares 70..79
-    {0, 0, 1, 10, 1, 0},
+    {0, 0, 1, 10, 1, 0, 1, 0, 0},  // rank 0: shares 0..9
+    {0, 0, 1, 10, 1, 0, 1, 0, 0},  // rank 1: shares 10..19
+    {0, 0, 1, 10, 1, 0, 1, 0, 0},  // rank 2: shares 20..29
+    {0, 0, 1, 10, 1, 0, 1, 0, 0},  // rank 3: shares 30..39
+    {0, 0, 1, 10, 1, 0, 1, 0, 0},  // rank 4: shares 40..49
+    {0, 0, 1, 10, 1, 0, 1, 0, 0},  // rank 5: shares 50..59
+    {0, 0, 1, 10, 1, 0, 1, 0, 0},  // rank 6: shares 60..69
+    {0, 0, 1, 10, 1, 0, 1, 0, 0},  // rank 7: shares 70..79
 };
-static __device__ const tsgen::share_table<80> shares_w8 =
-    tsgen::expand_shares<80>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][11] = {
+static __device__ const tsgen::share_table<80> shares_w8 = tsgen::expand_shares<80>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][11] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 },
     { 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20 },
     { 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30 },
@@ -489,7 +313,6 @@ template <> struct plan<8> {
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
 };
 
-
 }  // namespace allgather_ce
 
 // ---------------------------------------------------------------------------
@@ -511,64 +334,35 @@ extern "C" __global__ void allgather_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t allgather_ce_w2_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(2, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t allgather_ce_w2_prepare(int rank, int device) { return tsgen::ce::prepare<2>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t allgather_ce_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  cudaStream_t s[4] = { stream, lanes->side[1], lanes->side[2], lanes->side[3] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 4));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    allgather_ce_w2_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 1)
+        q.copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
+        q.sync(1, 1, -1);  // signals of step 1
+        q.copy(2, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: local copy
+        q.sync(3, -1, 3);  // waits of step 3 (wait for every peer's data)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 0)
+        q.copy(1, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 0
+        q.sync(1, 1, -1);  // signals of step 1
+        q.copy(2, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: local copy
+        q.sync(3, -1, 3);  // waits of step 3 (wait for every peer's data)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<allgather_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    allgather_ce_w2_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 1)
-      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
-      sync(1, 1, -1);  // signals of step 1
-      copy(2, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: local copy
-      sync(3, -1, 3);  // waits of step 3 (wait for every peer's data)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 0)
-      copy(1, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 0
-      sync(1, 1, -1);  // signals of step 1
-      copy(2, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: local copy
-      sync(3, -1, 3);  // waits of step 3 (wait for every peer's data)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 4);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  allgather_ce_w2_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<allgather_ce::T, 2, 4, 32, 512, allgather_ce_w2_sync, allgather_ce_w2_reduce,
+                           allgather_ce_w2_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -590,81 +384,52 @@ extern "C" __global__ void allgather_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t allgather_ce_w3_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(3, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t allgather_ce_w3_prepare(int rank, int device) { return tsgen::ce::prepare<3>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t allgather_ce_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  cudaStream_t s[5] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 5));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    allgather_ce_w3_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 1)
+        q.copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 2)
+        q.copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: put to rank 2
+        q.sync(2, 2, -1);  // signals of step 2
+        q.copy(3, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: local copy
+        q.sync(4, -1, 4);  // waits of step 4 (wait for every peer's data)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 2)
+        q.copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 2
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 0)
+        q.copy(2, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: put to rank 0
+        q.sync(2, 2, -1);  // signals of step 2
+        q.copy(3, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: local copy
+        q.sync(4, -1, 4);  // waits of step 4 (wait for every peer's data)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 0)
+        q.copy(1, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: put to rank 0
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 1)
+        q.copy(2, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: put to rank 1
+        q.sync(2, 2, -1);  // signals of step 2
+        q.copy(3, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 3: local copy
+        q.sync(4, -1, 4);  // waits of step 4 (wait for every peer's data)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<allgather_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    allgather_ce_w3_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 1)
-      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 2)
-      copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: put to rank 2
-      sync(2, 2, -1);  // signals of step 2
-      copy(3, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: local copy
-      sync(4, -1, 4);  // waits of step 4 (wait for every peer's data)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 2)
-      copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 2
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 0)
-      copy(2, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: put to rank 0
-      sync(2, 2, -1);  // signals of step 2
-      copy(3, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: local copy
-      sync(4, -1, 4);  // waits of step 4 (wait for every peer's data)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 0)
-      copy(1, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: put to rank 0
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 1)
-      copy(2, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: put to rank 1
-      sync(2, 2, -1);  // signals of step 2
-      copy(3, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 3: local copy
-      sync(4, -1, 4);  // waits of step 4 (wait for every peer's data)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 5);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  allgather_ce_w3_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<allgather_ce::T, 3, 5, 32, 512, allgather_ce_w3_sync, allgather_ce_w3_reduce,
+                           allgather_ce_w3_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -686,104 +451,75 @@ extern "C" __global__ void allgather_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t allgather_ce_w4_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(4, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t allgather_ce_w4_prepare(int rank, int device) { return tsgen::ce::prepare<4>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t allgather_ce_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  cudaStream_t s[6] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 6));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    allgather_ce_w4_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 1)
+        q.copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 2)
+        q.copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: put to rank 2
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 3)
+        q.copy(3, {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: put to rank 3
+        q.sync(3, 3, -1);  // signals of step 3
+        q.copy(4, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 4: local copy
+        q.sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 2)
+        q.copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 2
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 3)
+        q.copy(2, {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: put to rank 3
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 0)
+        q.copy(3, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: put to rank 0
+        q.sync(3, 3, -1);  // signals of step 3
+        q.copy(4, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 4: local copy
+        q.sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 3)
+        q.copy(1, {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: put to rank 3
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 0)
+        q.copy(2, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: put to rank 0
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 1)
+        q.copy(3, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 3: put to rank 1
+        q.sync(3, 3, -1);  // signals of step 3
+        q.copy(4, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 4: local copy
+        q.sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 0)
+        q.copy(1, {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 1: put to rank 0
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 1)
+        q.copy(2, {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 2: put to rank 1
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 2)
+        q.copy(3, {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 3: put to rank 2
+        q.sync(3, 3, -1);  // signals of step 3
+        q.copy(4, {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 4: local copy
+        q.sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<allgather_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    allgather_ce_w4_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 1)
-      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 2)
-      copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: put to rank 2
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 3)
-      copy(3, {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: put to rank 3
-      sync(3, 3, -1);  // signals of step 3
-      copy(4, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 4: local copy
-      sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 2)
-      copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 2
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 3)
-      copy(2, {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: put to rank 3
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 0)
-      copy(3, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: put to rank 0
-      sync(3, 3, -1);  // signals of step 3
-      copy(4, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 4: local copy
-      sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 3)
-      copy(1, {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: put to rank 3
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 0)
-      copy(2, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: put to rank 0
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 1)
-      copy(3, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 3: put to rank 1
-      sync(3, 3, -1);  // signals of step 3
-      copy(4, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 4: local copy
-      sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 0)
-      copy(1, {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 1: put to rank 0
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 1)
-      copy(2, {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 2: put to rank 1
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 2)
-      copy(3, {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 3: put to rank 2
-      sync(3, 3, -1);  // signals of step 3
-      copy(4, {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 4: local copy
-      sync(5, -1, 5);  // waits of step 5 (wait for every peer's data)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 6);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  allgather_ce_w4_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<allgather_ce::T, 4, 6, 32, 512, allgather_ce_w4_sync, allgather_ce_w4_reduce,
+                           allgather_ce_w4_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -805,255 +541,226 @@ extern "C" __global__ void allgather_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t allgather_ce_w8_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(8, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t allgather_ce_w8_prepare(int rank, int device) { return tsgen::ce::prepare<8>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t allgather_ce_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  cudaStream_t s[10] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8], lanes->side[9] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 10));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    allgather_ce_w8_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 1)
+        q.copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 2)
+        q.copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: put to rank 2
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 3)
+        q.copy(3, {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: put to rank 3
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (put to rank 4)
+        q.copy(4, {4, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 4: put to rank 4
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (put to rank 5)
+        q.copy(5, {5, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 5: put to rank 5
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (put to rank 6)
+        q.copy(6, {6, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 6: put to rank 6
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (put to rank 7)
+        q.copy(7, {7, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 7: put to rank 7
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 8: local copy
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 2)
+        q.copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 2
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 3)
+        q.copy(2, {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: put to rank 3
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 4)
+        q.copy(3, {4, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: put to rank 4
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (put to rank 5)
+        q.copy(4, {5, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 4: put to rank 5
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (put to rank 6)
+        q.copy(5, {6, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 5: put to rank 6
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (put to rank 7)
+        q.copy(6, {7, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 6: put to rank 7
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (put to rank 0)
+        q.copy(7, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 7: put to rank 0
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 8: local copy
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 3)
+        q.copy(1, {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: put to rank 3
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 4)
+        q.copy(2, {4, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: put to rank 4
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 5)
+        q.copy(3, {5, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 3: put to rank 5
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (put to rank 6)
+        q.copy(4, {6, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 4: put to rank 6
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (put to rank 7)
+        q.copy(5, {7, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 5: put to rank 7
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (put to rank 0)
+        q.copy(6, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 6: put to rank 0
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (put to rank 1)
+        q.copy(7, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 7: put to rank 1
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 8: local copy
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 4)
+        q.copy(1, {4, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 1: put to rank 4
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 5)
+        q.copy(2, {5, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 2: put to rank 5
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 6)
+        q.copy(3, {6, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 3: put to rank 6
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (put to rank 7)
+        q.copy(4, {7, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 4: put to rank 7
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (put to rank 0)
+        q.copy(5, {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 5: put to rank 0
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (put to rank 1)
+        q.copy(6, {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 6: put to rank 1
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (put to rank 2)
+        q.copy(7, {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 7: put to rank 2
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 8: local copy
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
+        break;
+      case 4:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 5)
+        q.copy(1, {5, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 1: put to rank 5
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 6)
+        q.copy(2, {6, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 2: put to rank 6
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 7)
+        q.copy(3, {7, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 3: put to rank 7
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (put to rank 0)
+        q.copy(4, {0, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 4: put to rank 0
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (put to rank 1)
+        q.copy(5, {1, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 5: put to rank 1
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (put to rank 2)
+        q.copy(6, {2, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 6: put to rank 2
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (put to rank 3)
+        q.copy(7, {3, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 7: put to rank 3
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {4, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 8: local copy
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
+        break;
+      case 5:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 6)
+        q.copy(1, {6, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 1: put to rank 6
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 7)
+        q.copy(2, {7, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 2: put to rank 7
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 0)
+        q.copy(3, {0, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 3: put to rank 0
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (put to rank 1)
+        q.copy(4, {1, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 4: put to rank 1
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (put to rank 2)
+        q.copy(5, {2, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 5: put to rank 2
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (put to rank 3)
+        q.copy(6, {3, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 6: put to rank 3
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (put to rank 4)
+        q.copy(7, {4, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 7: put to rank 4
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {5, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 8: local copy
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
+        break;
+      case 6:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 7)
+        q.copy(1, {7, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 1: put to rank 7
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 0)
+        q.copy(2, {0, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 2: put to rank 0
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 1)
+        q.copy(3, {1, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 3: put to rank 1
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (put to rank 2)
+        q.copy(4, {2, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 4: put to rank 2
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (put to rank 3)
+        q.copy(5, {3, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 5: put to rank 3
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (put to rank 4)
+        q.copy(6, {4, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 6: put to rank 4
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (put to rank 5)
+        q.copy(7, {5, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 7: put to rank 5
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {6, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 8: local copy
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
+        break;
+      case 7:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (put to rank 0)
+        q.copy(1, {0, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 1: put to rank 0
+        q.sync(1, 1, -1);  // signals of step 1
+        q.sync(2, -1, 2);  // waits of step 2 (put to rank 1)
+        q.copy(2, {1, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 2: put to rank 1
+        q.sync(2, 2, -1);  // signals of step 2
+        q.sync(3, -1, 3);  // waits of step 3 (put to rank 2)
+        q.copy(3, {2, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 3: put to rank 2
+        q.sync(3, 3, -1);  // signals of step 3
+        q.sync(4, -1, 4);  // waits of step 4 (put to rank 3)
+        q.copy(4, {3, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 4: put to rank 3
+        q.sync(4, 4, -1);  // signals of step 4
+        q.sync(5, -1, 5);  // waits of step 5 (put to rank 4)
+        q.copy(5, {4, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 5: put to rank 4
+        q.sync(5, 5, -1);  // signals of step 5
+        q.sync(6, -1, 6);  // waits of step 6 (put to rank 5)
+        q.copy(6, {5, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 6: put to rank 5
+        q.sync(6, 6, -1);  // signals of step 6
+        q.sync(7, -1, 7);  // waits of step 7 (put to rank 6)
+        q.copy(7, {6, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 7: put to rank 6
+        q.sync(7, 7, -1);  // signals of step 7
+        q.copy(8, {7, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 8: local copy
+        q.sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<allgather_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    allgather_ce_w8_reduce<<<32, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 1)
-      copy(1, {1, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 1: put to rank 1
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 2)
-      copy(2, {2, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 2: put to rank 2
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 3)
-      copy(3, {3, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 3: put to rank 3
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (put to rank 4)
-      copy(4, {4, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 4: put to rank 4
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (put to rank 5)
-      copy(5, {5, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 5: put to rank 5
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (put to rank 6)
-      copy(6, {6, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 6: put to rank 6
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (put to rank 7)
-      copy(7, {7, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 7: put to rank 7
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {0, 2, 0, 1, 0, 0}, {0, 1, 1, 1, 0, 0});  // step 8: local copy
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 2)
-      copy(1, {2, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 1: put to rank 2
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 3)
-      copy(2, {3, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 2: put to rank 3
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 4)
-      copy(3, {4, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 3: put to rank 4
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (put to rank 5)
-      copy(4, {5, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 4: put to rank 5
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (put to rank 6)
-      copy(5, {6, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 5: put to rank 6
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (put to rank 7)
-      copy(6, {7, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 6: put to rank 7
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (put to rank 0)
-      copy(7, {0, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 7: put to rank 0
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {1, 2, 0, 1, 1, 0}, {1, 1, 1, 1, 0, 0});  // step 8: local copy
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 3)
-      copy(1, {3, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 1: put to rank 3
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 4)
-      copy(2, {4, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 2: put to rank 4
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 5)
-      copy(3, {5, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 3: put to rank 5
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (put to rank 6)
-      copy(4, {6, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 4: put to rank 6
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (put to rank 7)
-      copy(5, {7, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 5: put to rank 7
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (put to rank 0)
-      copy(6, {0, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 6: put to rank 0
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (put to rank 1)
-      copy(7, {1, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 7: put to rank 1
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {2, 2, 0, 1, 2, 0}, {2, 1, 1, 1, 0, 0});  // step 8: local copy
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 4)
-      copy(1, {4, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 1: put to rank 4
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 5)
-      copy(2, {5, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 2: put to rank 5
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 6)
-      copy(3, {6, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 3: put to rank 6
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (put to rank 7)
-      copy(4, {7, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 4: put to rank 7
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (put to rank 0)
-      copy(5, {0, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 5: put to rank 0
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (put to rank 1)
-      copy(6, {1, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 6: put to rank 1
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (put to rank 2)
-      copy(7, {2, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 7: put to rank 2
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {3, 2, 0, 1, 3, 0}, {3, 1, 1, 1, 0, 0});  // step 8: local copy
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
-      break;
-    case 4:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 5)
-      copy(1, {5, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 1: put to rank 5
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 6)
-      copy(2, {6, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 2: put to rank 6
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 7)
-      copy(3, {7, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 3: put to rank 7
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (put to rank 0)
-      copy(4, {0, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 4: put to rank 0
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (put to rank 1)
-      copy(5, {1, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 5: put to rank 1
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (put to rank 2)
-      copy(6, {2, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 6: put to rank 2
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (put to rank 3)
-      copy(7, {3, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 7: put to rank 3
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {4, 2, 0, 1, 4, 0}, {4, 1, 1, 1, 0, 0});  // step 8: local copy
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
-      break;
-    case 5:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 6)
-      copy(1, {6, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 1: put to rank 6
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 7)
-      copy(2, {7, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 2: put to rank 7
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 0)
-      copy(3, {0, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 3: put to rank 0
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (put to rank 1)
-      copy(4, {1, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 4: put to rank 1
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (put to rank 2)
-      copy(5, {2, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 5: put to rank 2
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (put to rank 3)
-      copy(6, {3, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 6: put to rank 3
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (put to rank 4)
-      copy(7, {4, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 7: put to rank 4
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {5, 2, 0, 1, 5, 0}, {5, 1, 1, 1, 0, 0});  // step 8: local copy
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
-      break;
-    case 6:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 7)
-      copy(1, {7, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 1: put to rank 7
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 0)
-      copy(2, {0, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 2: put to rank 0
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 1)
-      copy(3, {1, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 3: put to rank 1
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (put to rank 2)
-      copy(4, {2, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 4: put to rank 2
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (put to rank 3)
-      copy(5, {3, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 5: put to rank 3
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (put to rank 4)
-      copy(6, {4, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 6: put to rank 4
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (put to rank 5)
-      copy(7, {5, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 7: put to rank 5
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {6, 2, 0, 1, 6, 0}, {6, 1, 1, 1, 0, 0});  // step 8: local copy
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
-      break;
-    case 7:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (put to rank 0)
-      copy(1, {0, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 1: put to rank 0
-      sync(1, 1, -1);  // signals of step 1
-      sync(2, -1, 2);  // waits of step 2 (put to rank 1)
-      copy(2, {1, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 2: put to rank 1
-      sync(2, 2, -1);  // signals of step 2
-      sync(3, -1, 3);  // waits of step 3 (put to rank 2)
-      copy(3, {2, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 3: put to rank 2
-      sync(3, 3, -1);  // signals of step 3
-      sync(4, -1, 4);  // waits of step 4 (put to rank 3)
-      copy(4, {3, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 4: put to rank 3
-      sync(4, 4, -1);  // signals of step 4
-      sync(5, -1, 5);  // waits of step 5 (put to rank 4)
-      copy(5, {4, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 5: put to rank 4
-      sync(5, 5, -1);  // signals of step 5
-      sync(6, -1, 6);  // waits of step 6 (put to rank 5)
-      copy(6, {5, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 6: put to rank 5
-      sync(6, 6, -1);  // signals of step 6
-      sync(7, -1, 7);  // waits of step 7 (put to rank 6)
-      copy(7, {6, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 7: put to rank 6
-      sync(7, 7, -1);  // signals of step 7
-      copy(8, {7, 2, 0, 1, 7, 0}, {7, 1, 1, 1, 0, 0});  // step 8: local copy
-      sync(9, -1, 9);  // waits of step 9 (wait for every peer's data)
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 10);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  allgather_ce_w8_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<allgather_ce::T, 8, 10, 32, 512, allgather_ce_w8_sync, allgather_ce_w8_reduce,
+                           allgather_ce_w8_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, entry, arrive);
 }
 

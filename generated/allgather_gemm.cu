@@ -34,13 +34,13 @@
 //   a_full   __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 16
 // Contents (line numbers of this file):
-//   55: the hand-written library, included: tsgen/ptx.cuh 55, tsgen/sync.cuh 56, tsgen/copy.cuh 57, tsgen/gemm.cuh 58, tsgen/fused.cuh 59
-//   64: the op's own code (namespace allgather_gemm: constants, tables, device code)
+//   54: the hand-written library, included: tsgen/ptx.cuh 54, tsgen/sync.cuh 55, tsgen/copy.cuh 56, tsgen/gemm.cuh 57, tsgen/fused.cuh 58
+//   61: the op's own code (namespace allgather_gemm: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_gemm_w2_gemm 148, allgather_gemm_w2_sync 158, allgather_gemm_w3_gemm 165
-//     allgather_gemm_w3_sync 175, allgather_gemm_w4_gemm 182, allgather_gemm_w4_sync 192
-//     allgather_gemm_w2_prepare 199, allgather_gemm_w2_launch 200, allgather_gemm_w3_prepare 201
-//     allgather_gemm_w3_launch 202, allgather_gemm_w4_prepare 203, allgather_gemm_w4_launch 204
+//     allgather_gemm_w2_gemm 145, allgather_gemm_w2_sync 155, allgather_gemm_w3_gemm 162
+//     allgather_gemm_w3_sync 172, allgather_gemm_w4_gemm 179, allgather_gemm_w4_sync 189
+//     allgather_gemm_w2_prepare 196, allgather_gemm_w2_launch 197, allgather_gemm_w3_prepare 198
+//     allgather_gemm_w3_launch 199, allgather_gemm_w4_prepare 200, allgather_gemm_w4_launch 201
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -48,8 +48,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -58,9 +57,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/fused.cuh"
 
-// ---------------------------------------------------------------------------
-// allgather_gemm: allgather_gemm
-// ---------------------------------------------------------------------------
+// ---- allgather_gemm: allgather_gemm ----------------------------------------------------------------
 namespace allgather_gemm {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -29,14 +29,14 @@
 //   a_full   __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 16
 // Contents (line numbers of this file):
-//   51: the hand-written library, included: tsgen/ptx.cuh 51, tsgen/sync.cuh 52, tsgen/copy.cuh 53, tsgen/gemm.cuh 54, tsgen/fused.cuh 55
-//   60: the op's own code (namespace allgather_gemm_plain: constants, tables, device code)
+//   50: the hand-written library, included: tsgen/ptx.cuh 50, tsgen/sync.cuh 51, tsgen/copy.cuh 52, tsgen/gemm.cuh 53, tsgen/fused.cuh 54
+//   57: the op's own code (namespace allgather_gemm_plain: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_gemm_plain_w2_gemm 144, allgather_gemm_plain_w2_sync 154, allgather_gemm_plain_w3_gemm 161
-//     allgather_gemm_plain_w3_sync 171, allgather_gemm_plain_w4_gemm 178, allgather_gemm_plain_w4_sync 188
-//     allgather_gemm_plain_w2_prepare 195, allgather_gemm_plain_w2_launch 196
-//     allgather_gemm_plain_w3_prepare 197, allgather_gemm_plain_w3_launch 198
-//     allgather_gemm_plain_w4_prepare 199, allgather_gemm_plain_w4_launch 200
+//     allgather_gemm_plain_w2_gemm 141, allgather_gemm_plain_w2_sync 151, allgather_gemm_plain_w3_gemm 158
+//     allgather_gemm_plain_w3_sync 168, allgather_gemm_plain_w4_gemm 175, allgather_gemm_plain_w4_sync 185
+//     allgather_gemm_plain_w2_prepare 192, allgather_gemm_plain_w2_launch 193
+//     allgather_gemm_plain_w3_prepare 194, allgather_gemm_plain_w3_launch 195
+//     allgather_gemm_plain_w4_prepare 196, allgather_gemm_plain_w4_launch 197
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -44,8 +44,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -54,9 +53,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/fused.cuh"
 
-// ---------------------------------------------------------------------------
-// allgather_gemm: allgather_gemm_plain
-// ---------------------------------------------------------------------------
+// ---- allgather_gemm: allgather_gemm_plain ----------------------------------------------------------------
 namespace allgather_gemm_plain {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -12,23 +12,21 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  count
 //   dst      __nv_bfloat16  output world * count
 //   barrier  uint64_t       signal 1
 // Contents (line numbers of this file):
-//   48: the hand-written library, included: tsgen/ptx.cuh 48, tsgen/sync.cuh 49, tsgen/copy.cuh 50, tsgen/plan.cuh 51
-//   56: the op's own code (namespace allgather_multimem: constants, tables, device code)
+//   45: the hand-written library, included: tsgen/ptx.cuh 45, tsgen/sync.cuh 46, tsgen/copy.cuh 47, tsgen/plan.cuh 48
+//   51: the op's own code (namespace allgather_multimem: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_multimem_w2 123, allgather_multimem_w4 130, allgather_multimem_w8 137
-//     allgather_multimem_w2_launch 153, allgather_multimem_w4_launch 154, allgather_multimem_w8_launch 155
+//     allgather_multimem_w2 117, allgather_multimem_w4 122, allgather_multimem_w8 127
+//     allgather_multimem_w2_launch 135, allgather_multimem_w4_launch 136, allgather_multimem_w8_launch 137
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -36,8 +34,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -50,9 +47,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// allgather: allgather_multimem
-// ---------------------------------------------------------------------------
+// ---- allgather: allgather_multimem ----------------------------------------------------------------
 namespace allgather_multimem {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -119,37 +114,24 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace allgather_multimem
 
-// World size 2: grid 32, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_multimem_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {
+extern "C" __global__ void __launch_bounds__(512) allgather_multimem_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_multimem::run<2>(peers, rank, epoch, count, src, dst, barrier);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 32, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_multimem_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {
+extern "C" __global__ void __launch_bounds__(512) allgather_multimem_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_multimem::run<4>(peers, rank, epoch, count, src, dst, barrier);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 32, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_multimem_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {
+extern "C" __global__ void __launch_bounds__(512) allgather_multimem_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_multimem::run<8>(peers, rank, epoch, count, src, dst, barrier);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through allgather_multimem::launch.
-namespace allgather_multimem {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, barrier);
-  return cudaGetLastError();
-}
-}  // namespace allgather_multimem
-
-extern "C" cudaError_t allgather_multimem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return allgather_multimem::launch<allgather_multimem_w2, 32, 512, 0>(peers, rank, calls, count, src, dst, barrier, stream); }
-extern "C" cudaError_t allgather_multimem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return allgather_multimem::launch<allgather_multimem_w4, 32, 512, 0>(peers, rank, calls, count, src, dst, barrier, stream); }
-extern "C" cudaError_t allgather_multimem_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return allgather_multimem::launch<allgather_multimem_w8, 32, 512, 0>(peers, rank, calls, count, src, dst, barrier, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t allgather_multimem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return tsgen::launch<allgather_multimem_w2, 32, 512, 0>(stream, peers, rank, calls, count, src, dst, barrier); }
+extern "C" cudaError_t allgather_multimem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return tsgen::launch<allgather_multimem_w4, 32, 512, 0>(stream, peers, rank, calls, count, src, dst, barrier); }
+extern "C" cudaError_t allgather_multimem_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* barrier, cudaStream_t stream) { return tsgen::launch<allgather_multimem_w8, 32, 512, 0>(stream, peers, rank, calls, count, src, dst, barrier); }

@@ -14,12 +14,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Transport nvshmem: the buffer pointers are this PE's addresses in one
 // nvshmem_malloc'd heap (same layout on every PE); puts and signals name the
 // target PE (= rank); `peers` is unused. Build: nvcc -rdc=true, then a device
@@ -32,12 +30,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   57: the hand-written library, included: tsgen/ptx.cuh 57, tsgen/sync.cuh 58, tsgen/copy.cuh 59, tsgen/plan.cuh 60, tsgen/nvshmem.cuh 61
-//   66: the op's own code (namespace allgather_nvshmem: constants, tables, device code)
+//   54: the hand-written library, included: tsgen/ptx.cuh 54, tsgen/sync.cuh 55, tsgen/copy.cuh 56, tsgen/plan.cuh 57, tsgen/nvshmem.cuh 58
+//   61: the op's own code (namespace allgather_nvshmem: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_nvshmem_w2 628, allgather_nvshmem_w3 635, allgather_nvshmem_w4 642, allgather_nvshmem_w8 649
-//     allgather_nvshmem_w2_launch 665, allgather_nvshmem_w3_launch 666, allgather_nvshmem_w4_launch 667
-//     allgather_nvshmem_w8_launch 668
+//     allgather_nvshmem_w2 315, allgather_nvshmem_w3 320, allgather_nvshmem_w4 325, allgather_nvshmem_w8 330
+//     allgather_nvshmem_w2_launch 338, allgather_nvshmem_w3_launch 339, allgather_nvshmem_w4_launch 340
+//     allgather_nvshmem_w8_launch 341
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -45,8 +43,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -60,9 +57,7 @@
 #include "tsgen/plan.cuh"
 #include "tsgen/nvshmem.cuh"
 
-// ---------------------------------------------------------------------------
-// allgather: allgather_nvshmem
-// ---------------------------------------------------------------------------
+// ---- allgather: allgather_nvshmem ----------------------------------------------------------------
 namespace allgather_nvshmem {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -72,16 +67,9 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: entry
-//   4: arrive
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
@@ -92,504 +80,205 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
                                              rank, epoch, count, bufs, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 8 steps, 68 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 8 steps, 68 block shares over 64 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: local copy; r0:dst@0 = r0:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 3: wait for every peer's data; wait arrive[1]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 2: local copy; r1:dst@1 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 3: wait for every peer's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 2: local copy; r0:dst@0 = r0:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}}, {}},  // rank 0 step 3: wait for every peer's data; wait arrive[1]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 1: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 2: local copy; r1:dst@1 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 1 step 3: wait for every peer's data; wait arrive[0]
 };
 static __device__ const int step_base_w2[2] = { 0, 4 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w2[] = {
-    // rank 0: shares 0..33
-    {0, 0, 1, 1, 0, 0}, {1, 0, 16, 16, 0, 1}, {2, 0, 16, 16, 0, 1}, {3, 0, 1, 1, 0, 0},
-    // rank 1: shares 34..67
-    {0, 0, 1, 1, 0, 0}, {1, 0, 16, 16, 0, 1}, {2, 0, 16, 16, 0, 1}, {3, 0, 1, 1, 0, 0},
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 0, 16, 16, 0, 1, 2, 1, 0}, {3, 0, 1, 1, 0, 0, 1, 0, 0},  // rank 0: shares 0..33
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 0, 16, 16, 0, 1, 2, 1, 0}, {3, 0, 1, 1, 0, 0, 1, 0, 0},  // rank 1: shares 34..67
 };
-static __device__ const tsgen::share_table<68> shares_w2 =
-    tsgen::expand_shares<68>(share_runs_w2);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][65] = {
+static __device__ const tsgen::share_table<68> shares_w2 = tsgen::expand_shares<68>(share_runs_w2);
+static __device__ const uint16_t first_w2[2][65] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34, 34 },
     { 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68, 68 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 15 steps, 150 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 15 steps, 150 block shares over 64 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
-    // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 3: local copy; r0:dst@0 = r0:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 4: wait for every peer's data; wait arrive[1], arrive[2]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
-    // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 3: local copy; r1:dst@1 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 4: wait for every peer's data; wait arrive[0], arrive[2]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
-    // rank 2 step 1: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 2 step 2: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 2 step 3: local copy; r2:dst@2 = r2:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 4: wait for every peer's data; wait arrive[0], arrive[1]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 3: local copy; r0:dst@0 = r0:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}}, {}},  // rank 0 step 4: wait for every peer's data; wait arrive[1], arrive[2]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 2: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 3: local copy; r1:dst@1 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {}},  // rank 1 step 4: wait for every peer's data; wait arrive[0], arrive[2]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 2 step 1: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 2 step 2: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 2 step 3: local copy; r2:dst@2 = r2:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}}, {}},  // rank 2 step 4: wait for every peer's data; wait arrive[0], arrive[1]
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w3[] = {
-    // rank 0: shares 0..49
-    {0, 0, 1, 1, 0, 0}, {1, 0, 16, 16, 0, 1}, {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1},
-    {4, 0, 1, 1, 0, 0},
-    // rank 1: shares 50..99
-    {0, 0, 1, 1, 0, 0}, {1, 0, 16, 16, 0, 1}, {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1},
-    {4, 0, 1, 1, 0, 0},
-    // rank 2: shares 100..149
-    {0, 0, 1, 1, 0, 0}, {1, 0, 16, 16, 0, 1}, {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1},
-    {4, 0, 1, 1, 0, 0},
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 0, 16, 16, 0, 1, 3, 1, 0}, {4, 0, 1, 1, 0, 0, 1, 0, 0},  // rank 0: shares 0..49
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 0, 16, 16, 0, 1, 3, 1, 0}, {4, 0, 1, 1, 0, 0, 1, 0, 0},  // rank 1: shares 50..99
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 0, 16, 16, 0, 1, 3, 1, 0}, {4, 0, 1, 1, 0, 0, 1, 0, 0},  // rank 2: shares 100..149
 };
-static __device__ const tsgen::share_table<150> shares_w3 =
-    tsgen::expand_shares<150>(share_runs_w3);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][65] = {
+static __device__ const tsgen::share_table<150> shares_w3 = tsgen::expand_shares<150>(share_runs_w3);
+static __device__ const uint16_t first_w3[3][65] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50, 50 },
     { 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100, 100 },
     { 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132, 133, 134, 135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150, 150 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 24 steps, 264 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 24 steps, 264 block shares over 64 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
-    // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 3: put to rank 3; wait entry[3]; r3:dst@0 = r0:src@0; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 0 step 4: local copy; r0:dst@0 = r0:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 5: wait for every peer's data; wait arrive[1], arrive[2], arrive[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
-    // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: put to rank 3; wait entry[3]; r3:dst@1 = r1:src@0; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
-    // rank 1 step 3: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 4: local copy; r1:dst@1 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 5: wait for every peer's data; wait arrive[0], arrive[2], arrive[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
-    // rank 2 step 1: put to rank 3; wait entry[3]; r3:dst@2 = r2:src@0; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
-    // rank 2 step 2: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 2 step 3: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 2 step 4: local copy; r2:dst@2 = r2:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 5: wait for every peer's data; wait arrive[0], arrive[1], arrive[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 3, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
-    // rank 3 step 1: put to rank 0; wait entry[0]; r0:dst@3 = r3:src@0; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 3 step 2: put to rank 1; wait entry[1]; r1:dst@3 = r3:src@0; signal r1:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
-    // rank 3 step 3: put to rank 2; wait entry[2]; r2:dst@3 = r3:src@0; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 3 step 4: local copy; r3:dst@3 = r3:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 3 step 5: wait for every peer's data; wait arrive[0], arrive[1], arrive[2]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 0 step 3: put to rank 3; wait entry[3]; r3:dst@0 = r0:src@0; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 4: local copy; r0:dst@0 = r0:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}}, {}},  // rank 0 step 5: wait for every peer's data; wait arrive[1], arrive[2], arrive[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},  // rank 1 step 2: put to rank 3; wait entry[3]; r3:dst@1 = r1:src@0; signal r3:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 3: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 4: local copy; r1:dst@1 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}}, {}},  // rank 1 step 5: wait for every peer's data; wait arrive[0], arrive[2], arrive[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},  // rank 2 step 1: put to rank 3; wait entry[3]; r3:dst@2 = r2:src@0; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 2 step 2: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 2 step 3: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 2 step 4: local copy; r2:dst@2 = r2:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 3, 16}}, {}},  // rank 2 step 5: wait for every peer's data; wait arrive[0], arrive[1], arrive[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 3 step 1: put to rank 0; wait entry[0]; r0:dst@3 = r3:src@0; signal r0:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},  // rank 3 step 2: put to rank 1; wait entry[1]; r1:dst@3 = r3:src@0; signal r1:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 3 step 3: put to rank 2; wait entry[2]; r2:dst@3 = r3:src@0; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 3 step 4: local copy; r3:dst@3 = r3:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}}, {}},  // rank 3 step 5: wait for every peer's data; wait arrive[0], arrive[1], arrive[2]
 };
 static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..65
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, -3, -15}, {5, 0, 1, 1, 0, 0}, {1, 1, 16, 15, 0, 1},
-    {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1}, {4, 0, 16, 15, 0, 1},
-    // rank 1: shares 66..131
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, -3, -15}, {5, 0, 1, 1, 0, 0}, {1, 1, 16, 15, 0, 1},
-    {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1}, {4, 0, 16, 15, 0, 1},
-    // rank 2: shares 132..197
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, -3, -15}, {5, 0, 1, 1, 0, 0}, {1, 1, 16, 15, 0, 1},
-    {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1}, {4, 0, 16, 15, 0, 1},
-    // rank 3: shares 198..263
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, -3, -15}, {5, 0, 1, 1, 0, 0}, {1, 1, 16, 15, 0, 1},
-    {2, 0, 16, 16, 0, 1}, {3, 0, 16, 16, 0, 1}, {4, 0, 16, 15, 0, 1},
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, -3, -15, 1, 0, 0}, {5, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 15, 0, 1, 1, 0, 0}, {2, 0, 16, 16, 0, 1, 2, 1, 0}, {4, 0, 16, 15, 0, 1, 1, 0, 0},  // rank 0: shares 0..65
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, -3, -15, 1, 0, 0}, {5, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 15, 0, 1, 1, 0, 0}, {2, 0, 16, 16, 0, 1, 2, 1, 0}, {4, 0, 16, 15, 0, 1, 1, 0, 0},  // rank 1: shares 66..131
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, -3, -15, 1, 0, 0}, {5, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 15, 0, 1, 1, 0, 0}, {2, 0, 16, 16, 0, 1, 2, 1, 0}, {4, 0, 16, 15, 0, 1, 1, 0, 0},  // rank 2: shares 132..197
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, -3, -15, 1, 0, 0}, {5, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 15, 0, 1, 1, 0, 0}, {2, 0, 16, 16, 0, 1, 2, 1, 0}, {4, 0, 16, 15, 0, 1, 1, 0, 0},  // rank 3: shares 198..263
 };
-static __device__ const tsgen::share_table<264> shares_w4 =
-    tsgen::expand_shares<264>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][65] = {
+static __device__ const tsgen::share_table<264> shares_w4 = tsgen::expand_shares<264>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][65] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66 },
     { 66, 68, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131, 132 },
     { 132, 134, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171, 172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191, 192, 193, 194, 195, 196, 197, 198 },
     { 198, 200, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212, 213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236, 237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248, 249, 250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261, 262, 263, 264 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 80 steps, 1040 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 80 steps, 1040 block shares over 64 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
-    // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 3: put to rank 3; wait entry[3]; r3:dst@0 = r0:src@0; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 0 step 4: put to rank 4; wait entry[4]; r4:dst@0 = r0:src@0; signal r4:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
-    // rank 0 step 5: put to rank 5; wait entry[5]; r5:dst@0 = r0:src@0; signal r5:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
-    // rank 0 step 6: put to rank 6; wait entry[6]; r6:dst@0 = r0:src@0; signal r6:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
-    // rank 0 step 7: put to rank 7; wait entry[7]; r7:dst@0 = r0:src@0; signal r7:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
-    // rank 0 step 8: local copy; r0:dst@0 = r0:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 9: wait for every peer's data; wait arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
-    // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: put to rank 3; wait entry[3]; r3:dst@1 = r1:src@0; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
-    // rank 1 step 3: put to rank 4; wait entry[4]; r4:dst@1 = r1:src@0; signal r4:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},
-    // rank 1 step 4: put to rank 5; wait entry[5]; r5:dst@1 = r1:src@0; signal r5:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},
-    // rank 1 step 5: put to rank 6; wait entry[6]; r6:dst@1 = r1:src@0; signal r6:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},
-    // rank 1 step 6: put to rank 7; wait entry[7]; r7:dst@1 = r1:src@0; signal r7:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},
-    // rank 1 step 7: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 8: local copy; r1:dst@1 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 9: wait for every peer's data; wait arrive[0], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
-    // rank 2 step 1: put to rank 3; wait entry[3]; r3:dst@2 = r2:src@0; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
-    // rank 2 step 2: put to rank 4; wait entry[4]; r4:dst@2 = r2:src@0; signal r4:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},
-    // rank 2 step 3: put to rank 5; wait entry[5]; r5:dst@2 = r2:src@0; signal r5:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},
-    // rank 2 step 4: put to rank 6; wait entry[6]; r6:dst@2 = r2:src@0; signal r6:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},
-    // rank 2 step 5: put to rank 7; wait entry[7]; r7:dst@2 = r2:src@0; signal r7:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},
-    // rank 2 step 6: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 2 step 7: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 2 step 8: local copy; r2:dst@2 = r2:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
-    // rank 3 step 1: put to rank 4; wait entry[4]; r4:dst@3 = r3:src@0; signal r4:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},
-    // rank 3 step 2: put to rank 5; wait entry[5]; r5:dst@3 = r3:src@0; signal r5:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},
-    // rank 3 step 3: put to rank 6; wait entry[6]; r6:dst@3 = r3:src@0; signal r6:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},
-    // rank 3 step 4: put to rank 7; wait entry[7]; r7:dst@3 = r3:src@0; signal r7:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},
-    // rank 3 step 5: put to rank 0; wait entry[0]; r0:dst@3 = r3:src@0; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 3 step 6: put to rank 1; wait entry[1]; r1:dst@3 = r3:src@0; signal r1:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
-    // rank 3 step 7: put to rank 2; wait entry[2]; r2:dst@3 = r3:src@0; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 3 step 8: local copy; r3:dst@3 = r3:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 3 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
-    // rank 4 step 1: put to rank 5; wait entry[5]; r5:dst@4 = r4:src@0; signal r5:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},
-    // rank 4 step 2: put to rank 6; wait entry[6]; r6:dst@4 = r4:src@0; signal r6:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},
-    // rank 4 step 3: put to rank 7; wait entry[7]; r7:dst@4 = r4:src@0; signal r7:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},
-    // rank 4 step 4: put to rank 0; wait entry[0]; r0:dst@4 = r4:src@0; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 4 step 5: put to rank 1; wait entry[1]; r1:dst@4 = r4:src@0; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
-    // rank 4 step 6: put to rank 2; wait entry[2]; r2:dst@4 = r4:src@0; signal r2:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
-    // rank 4 step 7: put to rank 3; wait entry[3]; r3:dst@4 = r4:src@0; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
-    // rank 4 step 8: local copy; r4:dst@4 = r4:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 4 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
-    // rank 5 step 1: put to rank 6; wait entry[6]; r6:dst@5 = r5:src@0; signal r6:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},
-    // rank 5 step 2: put to rank 7; wait entry[7]; r7:dst@5 = r5:src@0; signal r7:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},
-    // rank 5 step 3: put to rank 0; wait entry[0]; r0:dst@5 = r5:src@0; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 5 step 4: put to rank 1; wait entry[1]; r1:dst@5 = r5:src@0; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
-    // rank 5 step 5: put to rank 2; wait entry[2]; r2:dst@5 = r5:src@0; signal r2:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
-    // rank 5 step 6: put to rank 3; wait entry[3]; r3:dst@5 = r5:src@0; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
-    // rank 5 step 7: put to rank 4; wait entry[4]; r4:dst@5 = r5:src@0; signal r4:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},
-    // rank 5 step 8: local copy; r5:dst@5 = r5:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 5 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
-    // rank 6 step 1: put to rank 7; wait entry[7]; r7:dst@6 = r6:src@0; signal r7:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},
-    // rank 6 step 2: put to rank 0; wait entry[0]; r0:dst@6 = r6:src@0; signal r0:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
-    // rank 6 step 3: put to rank 1; wait entry[1]; r1:dst@6 = r6:src@0; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
-    // rank 6 step 4: put to rank 2; wait entry[2]; r2:dst@6 = r6:src@0; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 6 step 5: put to rank 3; wait entry[3]; r3:dst@6 = r6:src@0; signal r3:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 6}}},
-    // rank 6 step 6: put to rank 4; wait entry[4]; r4:dst@6 = r6:src@0; signal r4:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},
-    // rank 6 step 7: put to rank 5; wait entry[5]; r5:dst@6 = r6:src@0; signal r5:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},
-    // rank 6 step 8: local copy; r6:dst@6 = r6:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 6 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
-    // rank 7 step 1: put to rank 0; wait entry[0]; r0:dst@7 = r7:src@0; signal r0:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
-    // rank 7 step 2: put to rank 1; wait entry[1]; r1:dst@7 = r7:src@0; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
-    // rank 7 step 3: put to rank 2; wait entry[2]; r2:dst@7 = r7:src@0; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 7 step 4: put to rank 3; wait entry[3]; r3:dst@7 = r7:src@0; signal r3:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 7}}},
-    // rank 7 step 5: put to rank 4; wait entry[4]; r4:dst@7 = r7:src@0; signal r4:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},
-    // rank 7 step 6: put to rank 5; wait entry[5]; r5:dst@7 = r7:src@0; signal r5:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},
-    // rank 7 step 7: put to rank 6; wait entry[6]; r6:dst@7 = r7:src@0; signal r6:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},
-    // rank 7 step 8: local copy; r7:dst@7 = r7:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 7 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: put to rank 1; wait entry[1]; r1:dst@0 = r0:src@0; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 2: put to rank 2; wait entry[2]; r2:dst@0 = r0:src@0; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 0 step 3: put to rank 3; wait entry[3]; r3:dst@0 = r0:src@0; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},  // rank 0 step 4: put to rank 4; wait entry[4]; r4:dst@0 = r0:src@0; signal r4:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},  // rank 0 step 5: put to rank 5; wait entry[5]; r5:dst@0 = r0:src@0; signal r5:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},  // rank 0 step 6: put to rank 6; wait entry[6]; r6:dst@0 = r0:src@0; signal r6:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},  // rank 0 step 7: put to rank 7; wait entry[7]; r7:dst@0 = r0:src@0; signal r7:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 8: local copy; r0:dst@0 = r0:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 0 step 9: wait for every peer's data; wait arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: put to rank 2; wait entry[2]; r2:dst@1 = r1:src@0; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},  // rank 1 step 2: put to rank 3; wait entry[3]; r3:dst@1 = r1:src@0; signal r3:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},  // rank 1 step 3: put to rank 4; wait entry[4]; r4:dst@1 = r1:src@0; signal r4:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},  // rank 1 step 4: put to rank 5; wait entry[5]; r5:dst@1 = r1:src@0; signal r5:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},  // rank 1 step 5: put to rank 6; wait entry[6]; r6:dst@1 = r1:src@0; signal r6:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},  // rank 1 step 6: put to rank 7; wait entry[7]; r7:dst@1 = r1:src@0; signal r7:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 7: put to rank 0; wait entry[0]; r0:dst@1 = r1:src@0; signal r0:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 8: local copy; r1:dst@1 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 1 step 9: wait for every peer's data; wait arrive[0], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},  // rank 2 step 1: put to rank 3; wait entry[3]; r3:dst@2 = r2:src@0; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},  // rank 2 step 2: put to rank 4; wait entry[4]; r4:dst@2 = r2:src@0; signal r4:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},  // rank 2 step 3: put to rank 5; wait entry[5]; r5:dst@2 = r2:src@0; signal r5:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},  // rank 2 step 4: put to rank 6; wait entry[6]; r6:dst@2 = r2:src@0; signal r6:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},  // rank 2 step 5: put to rank 7; wait entry[7]; r7:dst@2 = r2:src@0; signal r7:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 2 step 6: put to rank 0; wait entry[0]; r0:dst@2 = r2:src@0; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 2 step 7: put to rank 1; wait entry[1]; r1:dst@2 = r2:src@0; signal r1:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 2 step 8: local copy; r2:dst@2 = r2:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 2 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},  // rank 3 step 1: put to rank 4; wait entry[4]; r4:dst@3 = r3:src@0; signal r4:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},  // rank 3 step 2: put to rank 5; wait entry[5]; r5:dst@3 = r3:src@0; signal r5:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},  // rank 3 step 3: put to rank 6; wait entry[6]; r6:dst@3 = r3:src@0; signal r6:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},  // rank 3 step 4: put to rank 7; wait entry[7]; r7:dst@3 = r3:src@0; signal r7:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 3 step 5: put to rank 0; wait entry[0]; r0:dst@3 = r3:src@0; signal r0:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},  // rank 3 step 6: put to rank 1; wait entry[1]; r1:dst@3 = r3:src@0; signal r1:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 3 step 7: put to rank 2; wait entry[2]; r2:dst@3 = r3:src@0; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 3 step 8: local copy; r3:dst@3 = r3:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 3 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},  // rank 4 step 1: put to rank 5; wait entry[5]; r5:dst@4 = r4:src@0; signal r5:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},  // rank 4 step 2: put to rank 6; wait entry[6]; r6:dst@4 = r4:src@0; signal r6:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},  // rank 4 step 3: put to rank 7; wait entry[7]; r7:dst@4 = r4:src@0; signal r7:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 4 step 4: put to rank 0; wait entry[0]; r0:dst@4 = r4:src@0; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},  // rank 4 step 5: put to rank 1; wait entry[1]; r1:dst@4 = r4:src@0; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},  // rank 4 step 6: put to rank 2; wait entry[2]; r2:dst@4 = r4:src@0; signal r2:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},  // rank 4 step 7: put to rank 3; wait entry[3]; r3:dst@4 = r4:src@0; signal r3:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 4 step 8: local copy; r4:dst@4 = r4:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 4 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},  // rank 5 step 1: put to rank 6; wait entry[6]; r6:dst@5 = r5:src@0; signal r6:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},  // rank 5 step 2: put to rank 7; wait entry[7]; r7:dst@5 = r5:src@0; signal r7:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 5 step 3: put to rank 0; wait entry[0]; r0:dst@5 = r5:src@0; signal r0:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},  // rank 5 step 4: put to rank 1; wait entry[1]; r1:dst@5 = r5:src@0; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},  // rank 5 step 5: put to rank 2; wait entry[2]; r2:dst@5 = r5:src@0; signal r2:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},  // rank 5 step 6: put to rank 3; wait entry[3]; r3:dst@5 = r5:src@0; signal r3:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},  // rank 5 step 7: put to rank 4; wait entry[4]; r4:dst@5 = r5:src@0; signal r4:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 5 step 8: local copy; r5:dst@5 = r5:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 5 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},  // rank 6 step 1: put to rank 7; wait entry[7]; r7:dst@6 = r6:src@0; signal r7:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},  // rank 6 step 2: put to rank 0; wait entry[0]; r0:dst@6 = r6:src@0; signal r0:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},  // rank 6 step 3: put to rank 1; wait entry[1]; r1:dst@6 = r6:src@0; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 6 step 4: put to rank 2; wait entry[2]; r2:dst@6 = r6:src@0; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 6}}},  // rank 6 step 5: put to rank 3; wait entry[3]; r3:dst@6 = r6:src@0; signal r3:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},  // rank 6 step 6: put to rank 4; wait entry[4]; r4:dst@6 = r6:src@0; signal r4:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},  // rank 6 step 7: put to rank 5; wait entry[5]; r5:dst@6 = r6:src@0; signal r5:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 6 step 8: local copy; r6:dst@6 = r6:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},  // rank 6 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},  // rank 7 step 1: put to rank 0; wait entry[0]; r0:dst@7 = r7:src@0; signal r0:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},  // rank 7 step 2: put to rank 1; wait entry[1]; r1:dst@7 = r7:src@0; signal r1:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 7 step 3: put to rank 2; wait entry[2]; r2:dst@7 = r7:src@0; signal r2:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 7}}},  // rank 7 step 4: put to rank 3; wait entry[3]; r3:dst@7 = r7:src@0; signal r3:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},  // rank 7 step 5: put to rank 4; wait entry[4]; r4:dst@7 = r7:src@0; signal r4:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},  // rank 7 step 6: put to rank 5; wait entry[5]; r5:dst@7 = r7:src@0; signal r5:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},  // rank 7 step 7: put to rank 6; wait entry[6]; r6:dst@7 = r7:src@0; signal r6:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 7 step 8: local copy; r7:dst@7 = r7:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}}, {}},  // rank 7 step 9: wait for every peer's data; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6]
 };
 static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..129
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
-    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
-    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
-    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
-    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
-    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
-    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
-    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
-    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
-    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
-    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
-    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
-    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
-    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
-    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
-    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
-    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
-    // rank 1: shares 130..259
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
-    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
-    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
-    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
-    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
-    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
-    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
-    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
-    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
-    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
-    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
-    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
-    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
-    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
-    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
-    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
-    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
-    // rank 2: shares 260..389
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
-    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
-    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
-    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
-    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
-    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
-    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
-    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
-    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
-    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
-    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
-    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
-    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
-    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
-    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
-    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
-    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
-    // rank 3: shares 390..519
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
-    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
-    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
-    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
-    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
-    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
-    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
-    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
-    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
-    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
-    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
-    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
-    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
-    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
-    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
-    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
-    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
-    // rank 4: shares 520..649
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
-    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
-    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
-    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
-    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
-    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
-    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
-    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
-    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
-    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
-    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
-    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
-    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
-    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
-    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
-    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
-    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
-    // rank 5: shares 650..779
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
-    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
-    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
-    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
-    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
-    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
-    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
-    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
-    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
-    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
-    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
-    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
-    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
-    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
-    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
-    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
-    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
-    // rank 6: shares 780..909
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
-    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
-    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
-    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
-    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
-    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
-    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
-    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
-    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
-    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
-    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
-    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
-    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
-    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
-    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
-    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
-    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
-    // rank 7: shares 910..1039
-    {0, 0, 1, 1, 0, 0}, {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0},
-    {1, 1, 16, 2, 4, 0}, {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0},
-    {1, 5, 16, 2, 4, 0}, {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0},
-    {1, 9, 16, 2, 4, 0}, {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0},
-    {1, 13, 16, 2, 4, 0}, {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0},
-    {2, 1, 16, 2, 4, 0}, {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0},
-    {2, 5, 16, 2, 4, 0}, {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0},
-    {2, 9, 16, 2, 4, 0}, {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0},
-    {2, 13, 16, 2, 4, 0}, {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0},
-    {3, 1, 16, 2, 4, 0}, {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0},
-    {3, 5, 16, 2, 4, 0}, {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0},
-    {3, 9, 16, 2, 4, 0}, {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0},
-    {3, 13, 16, 2, 4, 0}, {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0},
-    {4, 1, 16, 2, 4, 0}, {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0},
-    {4, 5, 16, 2, 4, 0}, {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0},
-    {4, 9, 16, 2, 4, 0}, {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0},
-    {4, 13, 16, 2, 4, 0}, {4, 14, 16, 2, 4, 0},
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 0: shares 0..129
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 1: shares 130..259
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 2: shares 260..389
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 3: shares 390..519
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 4: shares 520..649
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 5: shares 650..779
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 6: shares 780..909
+    {0, 0, 1, 1, 0, 0, 1, 0, 0}, {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 7: shares 910..1039
 };
-static __device__ const tsgen::share_table<1040> shares_w8 =
-    tsgen::expand_shares<1040>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][65] = {
+static __device__ const tsgen::share_table<1040> shares_w8 = tsgen::expand_shares<1040>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][65] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 3, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126, 128, 130 },
     { 130, 133, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258, 260 },
     { 260, 263, 266, 268, 270, 272, 274, 276, 278, 280, 282, 284, 286, 288, 290, 292, 294, 296, 298, 300, 302, 304, 306, 308, 310, 312, 314, 316, 318, 320, 322, 324, 326, 328, 330, 332, 334, 336, 338, 340, 342, 344, 346, 348, 350, 352, 354, 356, 358, 360, 362, 364, 366, 368, 370, 372, 374, 376, 378, 380, 382, 384, 386, 388, 390 },
@@ -621,48 +310,32 @@ template <> struct plan<8> {
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
 };
 
-
 }  // namespace allgather_nvshmem
 
-// World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_nvshmem::run<2>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_nvshmem::run<3>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_nvshmem::run<4>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) allgather_nvshmem_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_nvshmem::run<8>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through allgather_nvshmem::launch.
-namespace allgather_nvshmem {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-}  // namespace allgather_nvshmem
-
-extern "C" cudaError_t allgather_nvshmem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_nvshmem::launch<allgather_nvshmem_w2, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t allgather_nvshmem_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_nvshmem::launch<allgather_nvshmem_w3, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t allgather_nvshmem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_nvshmem::launch<allgather_nvshmem_w4, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t allgather_nvshmem_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_nvshmem::launch<allgather_nvshmem_w8, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t allgather_nvshmem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<allgather_nvshmem_w2, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t allgather_nvshmem_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<allgather_nvshmem_w3, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t allgather_nvshmem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<allgather_nvshmem_w4, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t allgather_nvshmem_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<allgather_nvshmem_w8, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }

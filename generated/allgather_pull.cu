@@ -8,12 +8,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  count
@@ -21,12 +19,12 @@
 //   entry    uint64_t       signal 8
 //   done     uint64_t       signal 8
 // Contents (line numbers of this file):
-//   46: the hand-written library, included: tsgen/ptx.cuh 46, tsgen/sync.cuh 47, tsgen/copy.cuh 48, tsgen/plan.cuh 49
-//   54: the op's own code (namespace allgather_pull: constants, tables, device code)
+//   43: the hand-written library, included: tsgen/ptx.cuh 43, tsgen/sync.cuh 44, tsgen/copy.cuh 45, tsgen/plan.cuh 46
+//   49: the op's own code (namespace allgather_pull: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_pull_w2 892, allgather_pull_w3 899, allgather_pull_w4 906, allgather_pull_w8 913
-//     allgather_pull_w2_launch 929, allgather_pull_w3_launch 930, allgather_pull_w4_launch 931
-//     allgather_pull_w8_launch 932
+//     allgather_pull_w2 373, allgather_pull_w3 378, allgather_pull_w4 383, allgather_pull_w8 388
+//     allgather_pull_w2_launch 396, allgather_pull_w3_launch 397, allgather_pull_w4_launch 398
+//     allgather_pull_w8_launch 399
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -34,8 +32,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -48,9 +45,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// allgather: allgather_pull
-// ---------------------------------------------------------------------------
+// ---- allgather: allgather_pull ----------------------------------------------------------------
 namespace allgather_pull {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -60,466 +55,185 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: entry
-//   4: done
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "done" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "done" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2 || WORLD == 3 || WORLD == 4)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 8 steps, 66 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 8 steps, 66 block shares over 64 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: get from rank 1; wait entry[1]; r0:dst@1 = r1:src@0; signal r1:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: local copy; r0:dst@0 = r0:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 3: wait until every peer has read our input; wait done[1]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: get from rank 0; wait entry[0]; r1:dst@0 = r0:src@0; signal r0:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 2: local copy; r1:dst@1 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 3: wait until every peer has read our input; wait done[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: get from rank 1; wait entry[1]; r0:dst@1 = r1:src@0; signal r1:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 2: local copy; r0:dst@0 = r0:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}}, {}},  // rank 0 step 3: wait until every peer has read our input; wait done[1]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 1: get from rank 0; wait entry[0]; r1:dst@0 = r0:src@0; signal r0:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 2: local copy; r1:dst@1 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 1 step 3: wait until every peer has read our input; wait done[0]
 };
 static __device__ const int step_base_w2[2] = { 0, 4 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 15 steps, 147 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 15 steps, 147 block shares over 64 blocks, run as straight-line code
+// (plan<3>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
-    // rank 0 step 1: get from rank 1; wait entry[1]; r0:dst@1 = r1:src@0; signal r1:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: get from rank 2; wait entry[2]; r0:dst@2 = r2:src@0; signal r2:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 3: local copy; r0:dst@0 = r0:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 4: wait until every peer has read our input; wait done[1], done[2]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
-    // rank 1 step 1: get from rank 2; wait entry[2]; r1:dst@2 = r2:src@0; signal r2:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: get from rank 0; wait entry[0]; r1:dst@0 = r0:src@0; signal r0:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 3: local copy; r1:dst@1 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 4: wait until every peer has read our input; wait done[0], done[2]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
-    // rank 2 step 1: get from rank 0; wait entry[0]; r2:dst@0 = r0:src@0; signal r0:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 2 step 2: get from rank 1; wait entry[1]; r2:dst@1 = r1:src@0; signal r1:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 2 step 3: local copy; r2:dst@2 = r2:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 4: wait until every peer has read our input; wait done[0], done[1]
-    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: get from rank 1; wait entry[1]; r0:dst@1 = r1:src@0; signal r1:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 2: get from rank 2; wait entry[2]; r0:dst@2 = r2:src@0; signal r2:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 3: local copy; r0:dst@0 = r0:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}}, {}},  // rank 0 step 4: wait until every peer has read our input; wait done[1], done[2]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: get from rank 2; wait entry[2]; r1:dst@2 = r2:src@0; signal r2:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 2: get from rank 0; wait entry[0]; r1:dst@0 = r0:src@0; signal r0:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 3: local copy; r1:dst@1 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {}},  // rank 1 step 4: wait until every peer has read our input; wait done[0], done[2]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 2 step 1: get from rank 0; wait entry[0]; r2:dst@0 = r0:src@0; signal r0:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 2 step 2: get from rank 1; wait entry[1]; r2:dst@1 = r1:src@0; signal r1:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 2 step 3: local copy; r2:dst@2 = r2:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 2, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}}, {}},  // rank 2 step 4: wait until every peer has read our input; wait done[0], done[1]
 };
 static __device__ const int step_base_w3[3] = { 0, 5, 10 };
-// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 24 steps, 260 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 24 steps, 260 block shares over 64 blocks, run as straight-line code
+// (plan<4>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
-    // rank 0 step 1: get from rank 1; wait entry[1]; r0:dst@1 = r1:src@0; signal r1:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: get from rank 2; wait entry[2]; r0:dst@2 = r2:src@0; signal r2:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 3: get from rank 3; wait entry[3]; r0:dst@3 = r3:src@0; signal r3:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 0 step 4: local copy; r0:dst@0 = r0:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 5: wait until every peer has read our input; wait done[1], done[2], done[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
-    // rank 1 step 1: get from rank 2; wait entry[2]; r1:dst@2 = r2:src@0; signal r2:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: get from rank 3; wait entry[3]; r1:dst@3 = r3:src@0; signal r3:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
-    // rank 1 step 3: get from rank 0; wait entry[0]; r1:dst@0 = r0:src@0; signal r0:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 4: local copy; r1:dst@1 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 5: wait until every peer has read our input; wait done[0], done[2], done[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
-    // rank 2 step 1: get from rank 3; wait entry[3]; r2:dst@3 = r3:src@0; signal r3:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
-    // rank 2 step 2: get from rank 0; wait entry[0]; r2:dst@0 = r0:src@0; signal r0:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 2 step 3: get from rank 1; wait entry[1]; r2:dst@1 = r1:src@0; signal r1:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 2 step 4: local copy; r2:dst@2 = r2:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 5: wait until every peer has read our input; wait done[0], done[1], done[3]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 3, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
-    // rank 3 step 1: get from rank 0; wait entry[0]; r3:dst@0 = r0:src@0; signal r0:done[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 3 step 2: get from rank 1; wait entry[1]; r3:dst@1 = r1:src@0; signal r1:done[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
-    // rank 3 step 3: get from rank 2; wait entry[2]; r3:dst@2 = r2:src@0; signal r2:done[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 3 step 4: local copy; r3:dst@3 = r3:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 3 step 5: wait until every peer has read our input; wait done[0], done[1], done[2]
-    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: get from rank 1; wait entry[1]; r0:dst@1 = r1:src@0; signal r1:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 2: get from rank 2; wait entry[2]; r0:dst@2 = r2:src@0; signal r2:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 0 step 3: get from rank 3; wait entry[3]; r0:dst@3 = r3:src@0; signal r3:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 4: local copy; r0:dst@0 = r0:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}}, {}},  // rank 0 step 5: wait until every peer has read our input; wait done[1], done[2], done[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: get from rank 2; wait entry[2]; r1:dst@2 = r2:src@0; signal r2:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},  // rank 1 step 2: get from rank 3; wait entry[3]; r1:dst@3 = r3:src@0; signal r3:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 3: get from rank 0; wait entry[0]; r1:dst@0 = r0:src@0; signal r0:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 4: local copy; r1:dst@1 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}}, {}},  // rank 1 step 5: wait until every peer has read our input; wait done[0], done[2], done[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},  // rank 2 step 1: get from rank 3; wait entry[3]; r2:dst@3 = r3:src@0; signal r3:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 2 step 2: get from rank 0; wait entry[0]; r2:dst@0 = r0:src@0; signal r0:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 2 step 3: get from rank 1; wait entry[1]; r2:dst@1 = r1:src@0; signal r1:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 2 step 4: local copy; r2:dst@2 = r2:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 3, 16}}, {}},  // rank 2 step 5: wait until every peer has read our input; wait done[0], done[1], done[3]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 3 step 1: get from rank 0; wait entry[0]; r3:dst@0 = r0:src@0; signal r0:done[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},  // rank 3 step 2: get from rank 1; wait entry[1]; r3:dst@1 = r1:src@0; signal r1:done[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 3 step 3: get from rank 2; wait entry[2]; r3:dst@2 = r2:src@0; signal r2:done[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 3 step 4: local copy; r3:dst@3 = r3:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 3, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}}, {}},  // rank 3 step 5: wait until every peer has read our input; wait done[0], done[1], done[2]
 };
 static __device__ const int step_base_w4[4] = { 0, 6, 12, 18 };
-// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 80 steps, 1032 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 80 steps, 1032 block shares over 64 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
-    // rank 0 step 1: get from rank 1; wait entry[1]; r0:dst@1 = r1:src@0; signal r1:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: get from rank 2; wait entry[2]; r0:dst@2 = r2:src@0; signal r2:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 3: get from rank 3; wait entry[3]; r0:dst@3 = r3:src@0; signal r3:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 0 step 4: get from rank 4; wait entry[4]; r0:dst@4 = r4:src@0; signal r4:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
-    // rank 0 step 5: get from rank 5; wait entry[5]; r0:dst@5 = r5:src@0; signal r5:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
-    // rank 0 step 6: get from rank 6; wait entry[6]; r0:dst@6 = r6:src@0; signal r6:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
-    // rank 0 step 7: get from rank 7; wait entry[7]; r0:dst@7 = r7:src@0; signal r7:done[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
-    // rank 0 step 8: local copy; r0:dst@0 = r0:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 0 step 9: wait until every peer has read our input; wait done[1], done[2], done[3], done[4], done[5], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
-    // rank 1 step 1: get from rank 2; wait entry[2]; r1:dst@2 = r2:src@0; signal r2:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: get from rank 3; wait entry[3]; r1:dst@3 = r3:src@0; signal r3:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
-    // rank 1 step 3: get from rank 4; wait entry[4]; r1:dst@4 = r4:src@0; signal r4:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},
-    // rank 1 step 4: get from rank 5; wait entry[5]; r1:dst@5 = r5:src@0; signal r5:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},
-    // rank 1 step 5: get from rank 6; wait entry[6]; r1:dst@6 = r6:src@0; signal r6:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},
-    // rank 1 step 6: get from rank 7; wait entry[7]; r1:dst@7 = r7:src@0; signal r7:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},
-    // rank 1 step 7: get from rank 0; wait entry[0]; r1:dst@0 = r0:src@0; signal r0:done[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 8: local copy; r1:dst@1 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 1 step 9: wait until every peer has read our input; wait done[0], done[2], done[3], done[4], done[5], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
-    // rank 2 step 1: get from rank 3; wait entry[3]; r2:dst@3 = r3:src@0; signal r3:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
-    // rank 2 step 2: get from rank 4; wait entry[4]; r2:dst@4 = r4:src@0; signal r4:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},
-    // rank 2 step 3: get from rank 5; wait entry[5]; r2:dst@5 = r5:src@0; signal r5:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},
-    // rank 2 step 4: get from rank 6; wait entry[6]; r2:dst@6 = r6:src@0; signal r6:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},
-    // rank 2 step 5: get from rank 7; wait entry[7]; r2:dst@7 = r7:src@0; signal r7:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},
-    // rank 2 step 6: get from rank 0; wait entry[0]; r2:dst@0 = r0:src@0; signal r0:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 2 step 7: get from rank 1; wait entry[1]; r2:dst@1 = r1:src@0; signal r1:done[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 2 step 8: local copy; r2:dst@2 = r2:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 9: wait until every peer has read our input; wait done[0], done[1], done[3], done[4], done[5], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
-    // rank 3 step 1: get from rank 4; wait entry[4]; r3:dst@4 = r4:src@0; signal r4:done[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},
-    // rank 3 step 2: get from rank 5; wait entry[5]; r3:dst@5 = r5:src@0; signal r5:done[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},
-    // rank 3 step 3: get from rank 6; wait entry[6]; r3:dst@6 = r6:src@0; signal r6:done[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},
-    // rank 3 step 4: get from rank 7; wait entry[7]; r3:dst@7 = r7:src@0; signal r7:done[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},
-    // rank 3 step 5: get from rank 0; wait entry[0]; r3:dst@0 = r0:src@0; signal r0:done[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 3 step 6: get from rank 1; wait entry[1]; r3:dst@1 = r1:src@0; signal r1:done[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
-    // rank 3 step 7: get from rank 2; wait entry[2]; r3:dst@2 = r2:src@0; signal r2:done[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 3 step 8: local copy; r3:dst@3 = r3:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 3 step 9: wait until every peer has read our input; wait done[0], done[1], done[2], done[4], done[5], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
-    // rank 4 step 1: get from rank 5; wait entry[5]; r4:dst@5 = r5:src@0; signal r5:done[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},
-    // rank 4 step 2: get from rank 6; wait entry[6]; r4:dst@6 = r6:src@0; signal r6:done[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},
-    // rank 4 step 3: get from rank 7; wait entry[7]; r4:dst@7 = r7:src@0; signal r7:done[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},
-    // rank 4 step 4: get from rank 0; wait entry[0]; r4:dst@0 = r0:src@0; signal r0:done[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 4 step 5: get from rank 1; wait entry[1]; r4:dst@1 = r1:src@0; signal r1:done[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
-    // rank 4 step 6: get from rank 2; wait entry[2]; r4:dst@2 = r2:src@0; signal r2:done[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
-    // rank 4 step 7: get from rank 3; wait entry[3]; r4:dst@3 = r3:src@0; signal r3:done[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
-    // rank 4 step 8: local copy; r4:dst@4 = r4:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 4 step 9: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[5], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
-    // rank 5 step 1: get from rank 6; wait entry[6]; r5:dst@6 = r6:src@0; signal r6:done[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},
-    // rank 5 step 2: get from rank 7; wait entry[7]; r5:dst@7 = r7:src@0; signal r7:done[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},
-    // rank 5 step 3: get from rank 0; wait entry[0]; r5:dst@0 = r0:src@0; signal r0:done[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 5 step 4: get from rank 1; wait entry[1]; r5:dst@1 = r1:src@0; signal r1:done[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
-    // rank 5 step 5: get from rank 2; wait entry[2]; r5:dst@2 = r2:src@0; signal r2:done[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
-    // rank 5 step 6: get from rank 3; wait entry[3]; r5:dst@3 = r3:src@0; signal r3:done[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
-    // rank 5 step 7: get from rank 4; wait entry[4]; r5:dst@4 = r4:src@0; signal r4:done[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},
-    // rank 5 step 8: local copy; r5:dst@5 = r5:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 5 step 9: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[6], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
-    // rank 6 step 1: get from rank 7; wait entry[7]; r6:dst@7 = r7:src@0; signal r7:done[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},
-    // rank 6 step 2: get from rank 0; wait entry[0]; r6:dst@0 = r0:src@0; signal r0:done[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
-    // rank 6 step 3: get from rank 1; wait entry[1]; r6:dst@1 = r1:src@0; signal r1:done[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
-    // rank 6 step 4: get from rank 2; wait entry[2]; r6:dst@2 = r2:src@0; signal r2:done[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 6 step 5: get from rank 3; wait entry[3]; r6:dst@3 = r3:src@0; signal r3:done[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 6}}},
-    // rank 6 step 6: get from rank 4; wait entry[4]; r6:dst@4 = r4:src@0; signal r4:done[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},
-    // rank 6 step 7: get from rank 5; wait entry[5]; r6:dst@5 = r5:src@0; signal r5:done[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},
-    // rank 6 step 8: local copy; r6:dst@6 = r6:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 6 step 9: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[5], done[7]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
-    // rank 7 step 1: get from rank 0; wait entry[0]; r7:dst@0 = r0:src@0; signal r0:done[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
-    // rank 7 step 2: get from rank 1; wait entry[1]; r7:dst@1 = r1:src@0; signal r1:done[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
-    // rank 7 step 3: get from rank 2; wait entry[2]; r7:dst@2 = r2:src@0; signal r2:done[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 7 step 4: get from rank 3; wait entry[3]; r7:dst@3 = r3:src@0; signal r3:done[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 7}}},
-    // rank 7 step 5: get from rank 4; wait entry[4]; r7:dst@4 = r4:src@0; signal r4:done[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},
-    // rank 7 step 6: get from rank 5; wait entry[5]; r7:dst@5 = r5:src@0; signal r5:done[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},
-    // rank 7 step 7: get from rank 6; wait entry[6]; r7:dst@6 = r6:src@0; signal r6:done[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},
-    // rank 7 step 8: local copy; r7:dst@7 = r7:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 7 step 9: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[5], done[6]
-    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: get from rank 1; wait entry[1]; r0:dst@1 = r1:src@0; signal r1:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 2: get from rank 2; wait entry[2]; r0:dst@2 = r2:src@0; signal r2:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 0 step 3: get from rank 3; wait entry[3]; r0:dst@3 = r3:src@0; signal r3:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},  // rank 0 step 4: get from rank 4; wait entry[4]; r0:dst@4 = r4:src@0; signal r4:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},  // rank 0 step 5: get from rank 5; wait entry[5]; r0:dst@5 = r5:src@0; signal r5:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},  // rank 0 step 6: get from rank 6; wait entry[6]; r0:dst@6 = r6:src@0; signal r6:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},  // rank 0 step 7: get from rank 7; wait entry[7]; r0:dst@7 = r7:src@0; signal r7:done[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 0 step 8: local copy; r0:dst@0 = r0:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 0 step 9: wait until every peer has read our input; wait done[1], done[2], done[3], done[4], done[5], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: get from rank 2; wait entry[2]; r1:dst@2 = r2:src@0; signal r2:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},  // rank 1 step 2: get from rank 3; wait entry[3]; r1:dst@3 = r3:src@0; signal r3:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},  // rank 1 step 3: get from rank 4; wait entry[4]; r1:dst@4 = r4:src@0; signal r4:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},  // rank 1 step 4: get from rank 5; wait entry[5]; r1:dst@5 = r5:src@0; signal r5:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},  // rank 1 step 5: get from rank 6; wait entry[6]; r1:dst@6 = r6:src@0; signal r6:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},  // rank 1 step 6: get from rank 7; wait entry[7]; r1:dst@7 = r7:src@0; signal r7:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 7: get from rank 0; wait entry[0]; r1:dst@0 = r0:src@0; signal r0:done[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 8: local copy; r1:dst@1 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 1 step 9: wait until every peer has read our input; wait done[0], done[2], done[3], done[4], done[5], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},  // rank 2 step 1: get from rank 3; wait entry[3]; r2:dst@3 = r3:src@0; signal r3:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},  // rank 2 step 2: get from rank 4; wait entry[4]; r2:dst@4 = r4:src@0; signal r4:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},  // rank 2 step 3: get from rank 5; wait entry[5]; r2:dst@5 = r5:src@0; signal r5:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},  // rank 2 step 4: get from rank 6; wait entry[6]; r2:dst@6 = r6:src@0; signal r6:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},  // rank 2 step 5: get from rank 7; wait entry[7]; r2:dst@7 = r7:src@0; signal r7:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 2 step 6: get from rank 0; wait entry[0]; r2:dst@0 = r0:src@0; signal r0:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 2 step 7: get from rank 1; wait entry[1]; r2:dst@1 = r1:src@0; signal r1:done[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 2 step 8: local copy; r2:dst@2 = r2:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 2 step 9: wait until every peer has read our input; wait done[0], done[1], done[3], done[4], done[5], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},  // rank 3 step 1: get from rank 4; wait entry[4]; r3:dst@4 = r4:src@0; signal r4:done[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},  // rank 3 step 2: get from rank 5; wait entry[5]; r3:dst@5 = r5:src@0; signal r5:done[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},  // rank 3 step 3: get from rank 6; wait entry[6]; r3:dst@6 = r6:src@0; signal r6:done[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},  // rank 3 step 4: get from rank 7; wait entry[7]; r3:dst@7 = r7:src@0; signal r7:done[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 3 step 5: get from rank 0; wait entry[0]; r3:dst@0 = r0:src@0; signal r0:done[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},  // rank 3 step 6: get from rank 1; wait entry[1]; r3:dst@1 = r1:src@0; signal r1:done[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 3 step 7: get from rank 2; wait entry[2]; r3:dst@2 = r2:src@0; signal r2:done[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 3 step 8: local copy; r3:dst@3 = r3:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 3 step 9: wait until every peer has read our input; wait done[0], done[1], done[2], done[4], done[5], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},  // rank 4 step 1: get from rank 5; wait entry[5]; r4:dst@5 = r5:src@0; signal r5:done[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},  // rank 4 step 2: get from rank 6; wait entry[6]; r4:dst@6 = r6:src@0; signal r6:done[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},  // rank 4 step 3: get from rank 7; wait entry[7]; r4:dst@7 = r7:src@0; signal r7:done[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 4 step 4: get from rank 0; wait entry[0]; r4:dst@0 = r0:src@0; signal r0:done[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},  // rank 4 step 5: get from rank 1; wait entry[1]; r4:dst@1 = r1:src@0; signal r1:done[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},  // rank 4 step 6: get from rank 2; wait entry[2]; r4:dst@2 = r2:src@0; signal r2:done[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},  // rank 4 step 7: get from rank 3; wait entry[3]; r4:dst@3 = r3:src@0; signal r3:done[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 4 step 8: local copy; r4:dst@4 = r4:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 4 step 9: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[5], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},  // rank 5 step 1: get from rank 6; wait entry[6]; r5:dst@6 = r6:src@0; signal r6:done[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},  // rank 5 step 2: get from rank 7; wait entry[7]; r5:dst@7 = r7:src@0; signal r7:done[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 5 step 3: get from rank 0; wait entry[0]; r5:dst@0 = r0:src@0; signal r0:done[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},  // rank 5 step 4: get from rank 1; wait entry[1]; r5:dst@1 = r1:src@0; signal r1:done[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},  // rank 5 step 5: get from rank 2; wait entry[2]; r5:dst@2 = r2:src@0; signal r2:done[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},  // rank 5 step 6: get from rank 3; wait entry[3]; r5:dst@3 = r3:src@0; signal r3:done[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},  // rank 5 step 7: get from rank 4; wait entry[4]; r5:dst@4 = r4:src@0; signal r4:done[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 5 step 8: local copy; r5:dst@5 = r5:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 7, 16}}, {}},  // rank 5 step 9: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[6], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},  // rank 6 step 1: get from rank 7; wait entry[7]; r6:dst@7 = r7:src@0; signal r7:done[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},  // rank 6 step 2: get from rank 0; wait entry[0]; r6:dst@0 = r0:src@0; signal r0:done[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},  // rank 6 step 3: get from rank 1; wait entry[1]; r6:dst@1 = r1:src@0; signal r1:done[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 6 step 4: get from rank 2; wait entry[2]; r6:dst@2 = r2:src@0; signal r2:done[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 6}}},  // rank 6 step 5: get from rank 3; wait entry[3]; r6:dst@3 = r3:src@0; signal r3:done[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},  // rank 6 step 6: get from rank 4; wait entry[4]; r6:dst@4 = r4:src@0; signal r4:done[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},  // rank 6 step 7: get from rank 5; wait entry[5]; r6:dst@5 = r5:src@0; signal r5:done[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 6 step 8: local copy; r6:dst@6 = r6:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},  // rank 6 step 9: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[5], done[7]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 0, 0}, {{0, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},  // rank 7 step 1: get from rank 0; wait entry[0]; r7:dst@0 = r0:src@0; signal r0:done[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 1, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},  // rank 7 step 2: get from rank 1; wait entry[1]; r7:dst@1 = r1:src@0; signal r1:done[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 2, 0}, {{2, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 7 step 3: get from rank 2; wait entry[2]; r7:dst@2 = r2:src@0; signal r2:done[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 3, 0}, {{3, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 7}}},  // rank 7 step 4: get from rank 3; wait entry[3]; r7:dst@3 = r3:src@0; signal r3:done[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 4, 0}, {{4, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},  // rank 7 step 5: get from rank 4; wait entry[4]; r7:dst@4 = r4:src@0; signal r4:done[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 5, 0}, {{5, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},  // rank 7 step 6: get from rank 5; wait entry[5]; r7:dst@5 = r5:src@0; signal r5:done[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 6, 0}, {{6, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},  // rank 7 step 7: get from rank 6; wait entry[6]; r7:dst@6 = r6:src@0; signal r6:done[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 1, 7, 0}, {{7, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 7 step 8: local copy; r7:dst@7 = r7:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 7, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}, {4, 0, 1, 16}, {4, 0, 2, 16}, {4, 0, 3, 16}, {4, 0, 4, 16}, {4, 0, 5, 16}, {4, 0, 6, 16}}, {}},  // rank 7 step 9: wait until every peer has read our input; wait done[0], done[1], done[2], done[3], done[4], done[5], done[6]
 };
 static __device__ const int step_base_w8[8] = { 0, 10, 20, 30, 40, 50, 60, 70 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..128
-    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
-    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
-    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
-    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
-    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
-    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
-    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
-    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
-    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
-    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
-    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
-    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
-    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
-    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
-    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
-    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
-    {4, 14, 16, 2, 4, 0},
-    // rank 1: shares 129..257
-    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
-    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
-    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
-    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
-    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
-    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
-    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
-    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
-    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
-    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
-    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
-    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
-    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
-    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
-    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
-    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
-    {4, 14, 16, 2, 4, 0},
-    // rank 2: shares 258..386
-    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
-    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
-    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
-    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
-    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
-    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
-    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
-    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
-    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
-    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
-    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
-    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
-    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
-    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
-    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
-    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
-    {4, 14, 16, 2, 4, 0},
-    // rank 3: shares 387..515
-    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
-    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
-    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
-    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
-    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
-    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
-    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
-    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
-    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
-    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
-    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
-    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
-    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
-    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
-    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
-    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
-    {4, 14, 16, 2, 4, 0},
-    // rank 4: shares 516..644
-    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
-    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
-    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
-    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
-    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
-    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
-    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
-    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
-    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
-    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
-    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
-    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
-    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
-    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
-    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
-    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
-    {4, 14, 16, 2, 4, 0},
-    // rank 5: shares 645..773
-    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
-    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
-    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
-    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
-    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
-    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
-    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
-    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
-    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
-    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
-    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
-    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
-    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
-    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
-    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
-    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
-    {4, 14, 16, 2, 4, 0},
-    // rank 6: shares 774..902
-    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
-    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
-    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
-    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
-    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
-    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
-    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
-    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
-    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
-    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
-    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
-    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
-    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
-    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
-    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
-    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
-    {4, 14, 16, 2, 4, 0},
-    // rank 7: shares 903..1031
-    {4, 15, 16, 2, 4, 0}, {1, 0, 16, 2, 4, 0}, {9, 0, 1, 1, 0, 0}, {1, 1, 16, 2, 4, 0},
-    {1, 2, 16, 2, 4, 0}, {1, 3, 16, 2, 4, 0}, {1, 4, 16, 2, 4, 0}, {1, 5, 16, 2, 4, 0},
-    {1, 6, 16, 2, 4, 0}, {1, 7, 16, 2, 4, 0}, {1, 8, 16, 2, 4, 0}, {1, 9, 16, 2, 4, 0},
-    {1, 10, 16, 2, 4, 0}, {1, 11, 16, 2, 4, 0}, {1, 12, 16, 2, 4, 0}, {1, 13, 16, 2, 4, 0},
-    {1, 14, 16, 2, 4, 0}, {1, 15, 16, 2, 4, 0}, {2, 0, 16, 2, 4, 0}, {2, 1, 16, 2, 4, 0},
-    {2, 2, 16, 2, 4, 0}, {2, 3, 16, 2, 4, 0}, {2, 4, 16, 2, 4, 0}, {2, 5, 16, 2, 4, 0},
-    {2, 6, 16, 2, 4, 0}, {2, 7, 16, 2, 4, 0}, {2, 8, 16, 2, 4, 0}, {2, 9, 16, 2, 4, 0},
-    {2, 10, 16, 2, 4, 0}, {2, 11, 16, 2, 4, 0}, {2, 12, 16, 2, 4, 0}, {2, 13, 16, 2, 4, 0},
-    {2, 14, 16, 2, 4, 0}, {2, 15, 16, 2, 4, 0}, {3, 0, 16, 2, 4, 0}, {3, 1, 16, 2, 4, 0},
-    {3, 2, 16, 2, 4, 0}, {3, 3, 16, 2, 4, 0}, {3, 4, 16, 2, 4, 0}, {3, 5, 16, 2, 4, 0},
-    {3, 6, 16, 2, 4, 0}, {3, 7, 16, 2, 4, 0}, {3, 8, 16, 2, 4, 0}, {3, 9, 16, 2, 4, 0},
-    {3, 10, 16, 2, 4, 0}, {3, 11, 16, 2, 4, 0}, {3, 12, 16, 2, 4, 0}, {3, 13, 16, 2, 4, 0},
-    {3, 14, 16, 2, 4, 0}, {3, 15, 16, 2, 4, 0}, {4, 0, 16, 2, 4, 0}, {4, 1, 16, 2, 4, 0},
-    {4, 2, 16, 2, 4, 0}, {4, 3, 16, 2, 4, 0}, {4, 4, 16, 2, 4, 0}, {4, 5, 16, 2, 4, 0},
-    {4, 6, 16, 2, 4, 0}, {4, 7, 16, 2, 4, 0}, {4, 8, 16, 2, 4, 0}, {4, 9, 16, 2, 4, 0},
-    {4, 10, 16, 2, 4, 0}, {4, 11, 16, 2, 4, 0}, {4, 12, 16, 2, 4, 0}, {4, 13, 16, 2, 4, 0},
-    {4, 14, 16, 2, 4, 0},
+    {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 0: shares 0..128
+    {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 1: shares 129..257
+    {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 2: shares 258..386
+    {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 3: shares 387..515
+    {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 4: shares 516..644
+    {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 5: shares 645..773
+    {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 6: shares 774..902
+    {4, 15, 16, 2, 4, 0, 2, -3, -15}, {9, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 16, 2, 4, 0, 15, 0, 1}, {2, 0, 16, 2, 4, 0, 16, 0, 1}, {3, 0, 16, 2, 4, 0, 16, 0, 1}, {4, 0, 16, 2, 4, 0, 15, 0, 1},  // rank 7: shares 903..1031
 };
-static __device__ const tsgen::share_table<1032> shares_w8 =
-    tsgen::expand_shares<1032>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][65] = {
+static __device__ const tsgen::share_table<1032> shares_w8 = tsgen::expand_shares<1032>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][65] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 2, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87, 89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127, 129 },
     { 129, 131, 134, 136, 138, 140, 142, 144, 146, 148, 150, 152, 154, 156, 158, 160, 162, 164, 166, 168, 170, 172, 174, 176, 178, 180, 182, 184, 186, 188, 190, 192, 194, 196, 198, 200, 202, 204, 206, 208, 210, 212, 214, 216, 218, 220, 222, 224, 226, 228, 230, 232, 234, 236, 238, 240, 242, 244, 246, 248, 250, 252, 254, 256, 258 },
     { 258, 260, 263, 265, 267, 269, 271, 273, 275, 277, 279, 281, 283, 285, 287, 289, 291, 293, 295, 297, 299, 301, 303, 305, 307, 309, 311, 313, 315, 317, 319, 321, 323, 325, 327, 329, 331, 333, 335, 337, 339, 341, 343, 345, 347, 349, 351, 353, 355, 357, 359, 361, 363, 365, 367, 369, 371, 373, 375, 377, 379, 381, 383, 385, 387 },
@@ -531,308 +245,111 @@ static __device__ const uint16_t first_w8[8][65] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: get from rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 2: local copy
-          tsgen::run_share<T, UNROLL>(steps_w2[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 0 step 3: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w2[3], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 17) TSGEN_RUN_SHARE(steps_w2[1], b - 1, 16);  // blocks 1..16, step 1: get from rank 1
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w2[2], b - 17, 16);  // blocks 17..32, step 2: local copy
+        if (b == 33) TSGEN_RUN_SHARE(steps_w2[3], 0, 1);  // block 33, step 3: wait until every peer has read our input
         break;
       case 1:
-        if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: get from rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 2: local copy
-          tsgen::run_share<T, UNROLL>(steps_w2[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 33) {  // block 33
-          // rank 1 step 3: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w2[7], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b >= 1 && b < 17) TSGEN_RUN_SHARE(steps_w2[5], b - 1, 16);  // blocks 1..16, step 1: get from rank 0
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w2[6], b - 17, 16);  // blocks 17..32, step 2: local copy
+        if (b == 33) TSGEN_RUN_SHARE(steps_w2[7], 0, 1);  // block 33, step 3: wait until every peer has read our input
         break;
     }
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x6u, index = 0; break;
-      case 1: mask = 0x5u, index = 1; break;
-      case 2: mask = 0x3u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x6u, index = 0; break; case 1: mask = 0x5u, index = 1; break; case 2: mask = 0x3u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w3 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: get from rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 2: get from rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 0 step 3: local copy
-          tsgen::run_share<T, UNROLL>(steps_w3[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 49) {  // block 49
-          // rank 0 step 4: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w3[4], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 17) TSGEN_RUN_SHARE(steps_w3[1], b - 1, 16);  // blocks 1..16, step 1: get from rank 1
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w3[2], b - 17, 16);  // blocks 17..32, step 2: get from rank 2
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w3[3], b - 33, 16);  // blocks 33..48, step 3: local copy
+        if (b == 49) TSGEN_RUN_SHARE(steps_w3[4], 0, 1);  // block 49, step 4: wait until every peer has read our input
         break;
       case 1:
-        if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: get from rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 2: get from rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[7], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 1 step 3: local copy
-          tsgen::run_share<T, UNROLL>(steps_w3[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 49) {  // block 49
-          // rank 1 step 4: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w3[9], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 1 && b < 17) TSGEN_RUN_SHARE(steps_w3[6], b - 1, 16);  // blocks 1..16, step 1: get from rank 2
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w3[7], b - 17, 16);  // blocks 17..32, step 2: get from rank 0
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w3[8], b - 33, 16);  // blocks 33..48, step 3: local copy
+        if (b == 49) TSGEN_RUN_SHARE(steps_w3[9], 0, 1);  // block 49, step 4: wait until every peer has read our input
         break;
       case 2:
-        if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 2 step 1: get from rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[11], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 2 step 2: get from rank 1
-          tsgen::run_share<T, UNROLL>(steps_w3[12], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 2 step 3: local copy
-          tsgen::run_share<T, UNROLL>(steps_w3[13], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 49) {  // block 49
-          // rank 2 step 4: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w3[14], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b >= 1 && b < 17) TSGEN_RUN_SHARE(steps_w3[11], b - 1, 16);  // blocks 1..16, step 1: get from rank 0
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w3[12], b - 17, 16);  // blocks 17..32, step 2: get from rank 1
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w3[13], b - 33, 16);  // blocks 33..48, step 3: local copy
+        if (b == 49) TSGEN_RUN_SHARE(steps_w3[14], 0, 1);  // block 49, step 4: wait until every peer has read our input
         break;
     }
   }
 };
 template <> struct plan<4> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xeu, index = 0; break;
-      case 1: mask = 0xdu, index = 1; break;
-      case 2: mask = 0xbu, index = 2; break;
-      case 3: mask = 0x7u, index = 3; break;
-      default: break;
+      case 0: mask = 0xeu, index = 0; break; case 1: mask = 0xdu, index = 1; break; case 2: mask = 0xbu, index = 2; break; case 3: mask = 0x7u, index = 3; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w4 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b == 0) {  // block 0
-          // rank 0 step 4: local copy
-          tsgen::run_share<T, UNROLL>(steps_w4[4], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 0) TSGEN_RUN_SHARE(steps_w4[4], 15, 16);  // block 0, step 4: local copy
         if (b == 1) {  // block 1
-          // rank 0 step 1: get from rank 1
-          tsgen::run_share<T, UNROLL>(steps_w4[1], 0, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 5: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w4[5], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[1], 0, 16);  // step 1: get from rank 1
+          TSGEN_RUN_SHARE(steps_w4[5], 0, 1);  // step 5: wait until every peer has read our input
         }
-        if (b >= 2 && b < 17) {  // blocks 2..16
-          const int i = b - 2;
-          // rank 0 step 1: get from rank 1
-          tsgen::run_share<T, UNROLL>(steps_w4[1], 1 + i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 2: get from rank 2
-          tsgen::run_share<T, UNROLL>(steps_w4[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 0 step 3: get from rank 3
-          tsgen::run_share<T, UNROLL>(steps_w4[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 0 step 4: local copy
-          tsgen::run_share<T, UNROLL>(steps_w4[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 2 && b < 17) TSGEN_RUN_SHARE(steps_w4[1], b - 1, 16);  // blocks 2..16, step 1: get from rank 1
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w4[2], b - 17, 16);  // blocks 17..32, step 2: get from rank 2
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w4[3], b - 33, 16);  // blocks 33..48, step 3: get from rank 3
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w4[4], b - 49, 16);  // blocks 49..63, step 4: local copy
         break;
       case 1:
-        if (b == 0) {  // block 0
-          // rank 1 step 4: local copy
-          tsgen::run_share<T, UNROLL>(steps_w4[10], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 0) TSGEN_RUN_SHARE(steps_w4[10], 15, 16);  // block 0, step 4: local copy
         if (b == 1) {  // block 1
-          // rank 1 step 1: get from rank 2
-          tsgen::run_share<T, UNROLL>(steps_w4[7], 0, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 5: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w4[11], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[7], 0, 16);  // step 1: get from rank 2
+          TSGEN_RUN_SHARE(steps_w4[11], 0, 1);  // step 5: wait until every peer has read our input
         }
-        if (b >= 2 && b < 17) {  // blocks 2..16
-          const int i = b - 2;
-          // rank 1 step 1: get from rank 2
-          tsgen::run_share<T, UNROLL>(steps_w4[7], 1 + i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 2: get from rank 3
-          tsgen::run_share<T, UNROLL>(steps_w4[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 1 step 3: get from rank 0
-          tsgen::run_share<T, UNROLL>(steps_w4[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 1 step 4: local copy
-          tsgen::run_share<T, UNROLL>(steps_w4[10], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 2 && b < 17) TSGEN_RUN_SHARE(steps_w4[7], b - 1, 16);  // blocks 2..16, step 1: get from rank 2
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w4[8], b - 17, 16);  // blocks 17..32, step 2: get from rank 3
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w4[9], b - 33, 16);  // blocks 33..48, step 3: get from rank 0
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w4[10], b - 49, 16);  // blocks 49..63, step 4: local copy
         break;
       case 2:
-        if (b == 0) {  // block 0
-          // rank 2 step 4: local copy
-          tsgen::run_share<T, UNROLL>(steps_w4[16], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 0) TSGEN_RUN_SHARE(steps_w4[16], 15, 16);  // block 0, step 4: local copy
         if (b == 1) {  // block 1
-          // rank 2 step 1: get from rank 3
-          tsgen::run_share<T, UNROLL>(steps_w4[13], 0, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 5: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w4[17], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[13], 0, 16);  // step 1: get from rank 3
+          TSGEN_RUN_SHARE(steps_w4[17], 0, 1);  // step 5: wait until every peer has read our input
         }
-        if (b >= 2 && b < 17) {  // blocks 2..16
-          const int i = b - 2;
-          // rank 2 step 1: get from rank 3
-          tsgen::run_share<T, UNROLL>(steps_w4[13], 1 + i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 2 step 2: get from rank 0
-          tsgen::run_share<T, UNROLL>(steps_w4[14], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 2 step 3: get from rank 1
-          tsgen::run_share<T, UNROLL>(steps_w4[15], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 2 step 4: local copy
-          tsgen::run_share<T, UNROLL>(steps_w4[16], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 2 && b < 17) TSGEN_RUN_SHARE(steps_w4[13], b - 1, 16);  // blocks 2..16, step 1: get from rank 3
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w4[14], b - 17, 16);  // blocks 17..32, step 2: get from rank 0
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w4[15], b - 33, 16);  // blocks 33..48, step 3: get from rank 1
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w4[16], b - 49, 16);  // blocks 49..63, step 4: local copy
         break;
       case 3:
-        if (b == 0) {  // block 0
-          // rank 3 step 4: local copy
-          tsgen::run_share<T, UNROLL>(steps_w4[22], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 0) TSGEN_RUN_SHARE(steps_w4[22], 15, 16);  // block 0, step 4: local copy
         if (b == 1) {  // block 1
-          // rank 3 step 1: get from rank 0
-          tsgen::run_share<T, UNROLL>(steps_w4[19], 0, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 3 step 5: wait until every peer has read our input
-          tsgen::run_share<T, UNROLL>(steps_w4[23], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[19], 0, 16);  // step 1: get from rank 0
+          TSGEN_RUN_SHARE(steps_w4[23], 0, 1);  // step 5: wait until every peer has read our input
         }
-        if (b >= 2 && b < 17) {  // blocks 2..16
-          const int i = b - 2;
-          // rank 3 step 1: get from rank 0
-          tsgen::run_share<T, UNROLL>(steps_w4[19], 1 + i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 3 step 2: get from rank 1
-          tsgen::run_share<T, UNROLL>(steps_w4[20], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 3 step 3: get from rank 2
-          tsgen::run_share<T, UNROLL>(steps_w4[21], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 3 step 4: local copy
-          tsgen::run_share<T, UNROLL>(steps_w4[22], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b >= 2 && b < 17) TSGEN_RUN_SHARE(steps_w4[19], b - 1, 16);  // blocks 2..16, step 1: get from rank 0
+        if (b >= 17 && b < 33) TSGEN_RUN_SHARE(steps_w4[20], b - 17, 16);  // blocks 17..32, step 2: get from rank 1
+        if (b >= 33 && b < 49) TSGEN_RUN_SHARE(steps_w4[21], b - 33, 16);  // blocks 33..48, step 3: get from rank 2
+        if (b >= 49 && b < 64) TSGEN_RUN_SHARE(steps_w4[22], b - 49, 16);  // blocks 49..63, step 4: local copy
         break;
     }
   }
@@ -841,92 +358,42 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xfeu, index = 0; break;
-      case 1: mask = 0xfdu, index = 1; break;
-      case 2: mask = 0xfbu, index = 2; break;
-      case 3: mask = 0xf7u, index = 3; break;
-      case 4: mask = 0xefu, index = 4; break;
-      case 5: mask = 0xdfu, index = 5; break;
-      case 6: mask = 0xbfu, index = 6; break;
-      case 7: mask = 0x7fu, index = 7; break;
-      default: break;
+      case 0: mask = 0xfeu, index = 0; break; case 1: mask = 0xfdu, index = 1; break; case 2: mask = 0xfbu, index = 2; break; case 3: mask = 0xf7u, index = 3; break; case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break; case 6: mask = 0xbfu, index = 6; break; case 7: mask = 0x7fu, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 3: a small plan, run as straight-line code (plan<3>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<3>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
-  plan<3>::open(rank, bufs, peers);
-  plan<3>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 4: a small plan, run as straight-line code (plan<4>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<4>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)done };
-  plan<4>::open(rank, bufs, peers);
-  plan<4>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace allgather_pull
 
-// World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) allgather_pull_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
+extern "C" __global__ void __launch_bounds__(512, 1) allgather_pull_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_pull::run<2>(peers, rank, epoch, count, src, dst, entry, done);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) allgather_pull_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
+extern "C" __global__ void __launch_bounds__(512, 1) allgather_pull_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_pull::run<3>(peers, rank, epoch, count, src, dst, entry, done);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) allgather_pull_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
+extern "C" __global__ void __launch_bounds__(512, 1) allgather_pull_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_pull::run<4>(peers, rank, epoch, count, src, dst, entry, done);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_pull_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {
+extern "C" __global__ void __launch_bounds__(512) allgather_pull_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_pull::run<8>(peers, rank, epoch, count, src, dst, entry, done);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through allgather_pull::launch.
-namespace allgather_pull {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, done);
-  return cudaGetLastError();
-}
-}  // namespace allgather_pull
-
-extern "C" cudaError_t allgather_pull_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return allgather_pull::launch<allgather_pull_w2, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
-extern "C" cudaError_t allgather_pull_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return allgather_pull::launch<allgather_pull_w3, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
-extern "C" cudaError_t allgather_pull_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return allgather_pull::launch<allgather_pull_w4, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
-extern "C" cudaError_t allgather_pull_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return allgather_pull::launch<allgather_pull_w8, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, done, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t allgather_pull_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return tsgen::launch<allgather_pull_w2, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, done); }
+extern "C" cudaError_t allgather_pull_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return tsgen::launch<allgather_pull_w3, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, done); }
+extern "C" cudaError_t allgather_pull_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return tsgen::launch<allgather_pull_w4, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, done); }
+extern "C" cudaError_t allgather_pull_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* done, cudaStream_t stream) { return tsgen::launch<allgather_pull_w8, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, done); }

@@ -12,12 +12,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  count
@@ -25,12 +23,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 32
 // Contents (line numbers of this file):
-//   50: the hand-written library, included: tsgen/ptx.cuh 50, tsgen/sync.cuh 51, tsgen/copy.cuh 52, tsgen/plan.cuh 53
-//   58: the op's own code (namespace allgather_ring: constants, tables, device code)
+//   47: the hand-written library, included: tsgen/ptx.cuh 47, tsgen/sync.cuh 48, tsgen/copy.cuh 49, tsgen/plan.cuh 50
+//   53: the op's own code (namespace allgather_ring: constants, tables, device code)
 //   entry points (extern "C"):
-//     allgather_ring_w2 1732, allgather_ring_w3 1739, allgather_ring_w4 1746, allgather_ring_w8 1753
-//     allgather_ring_w2_launch 1769, allgather_ring_w3_launch 1770, allgather_ring_w4_launch 1771
-//     allgather_ring_w8_launch 1772
+//     allgather_ring_w2 696, allgather_ring_w3 701, allgather_ring_w4 706, allgather_ring_w8 711
+//     allgather_ring_w2_launch 719, allgather_ring_w3_launch 720, allgather_ring_w4_launch 721
+//     allgather_ring_w8_launch 722
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -38,8 +36,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -52,9 +49,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// allgather: allgather_ring
-// ---------------------------------------------------------------------------
+// ---- allgather: allgather_ring ----------------------------------------------------------------
 namespace allgather_ring {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -64,1469 +59,526 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: entry
-//   4: arrive
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 20 steps, 1026 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 20 steps, 1026 block shares over 128 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
-    // rank 0 step 5: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 0 step 6: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 0 step 7: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 0 step 8: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 0 step 9: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: chunk 1 piece 0 to rank 0; wait entry[0]; r0:dst@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 1 step 2: chunk 1 piece 1 to rank 0; wait entry[0]; r0:dst@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 1 step 3: chunk 1 piece 2 to rank 0; wait entry[0]; r0:dst@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
-    // rank 1 step 4: chunk 1 piece 3 to rank 0; wait entry[0]; r0:dst@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
-    // rank 1 step 5: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 1 step 6: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 1 step 7: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 1 step 8: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 1 step 9: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},  // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 0 step 5: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 0 step 6: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 0 step 7: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 0 step 8: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 0 step 9: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 1 step 1: chunk 1 piece 0 to rank 0; wait entry[0]; r0:dst@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 1 step 2: chunk 1 piece 1 to rank 0; wait entry[0]; r0:dst@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},  // rank 1 step 3: chunk 1 piece 2 to rank 0; wait entry[0]; r0:dst@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},  // rank 1 step 4: chunk 1 piece 3 to rank 0; wait entry[0]; r0:dst@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 1 step 5: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 1 step 6: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 1 step 7: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 1 step 8: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}}, {}},  // rank 1 step 9: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3]
 };
 static __device__ const int step_base_w2[2] = { 0, 10 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 42 steps, 2307 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 42 steps, 2307 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 0}}},
-    // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
-    // rank 0 step 5: chunk 2 piece 0 to rank 1; wait entry[1], arrive[8]; r1:dst@2[0/4] = r0:dst@2[0/4]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},
-    // rank 0 step 6: chunk 2 piece 1 to rank 1; wait entry[1], arrive[9]; r1:dst@2[1/4] = r0:dst@2[1/4]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},
-    // rank 0 step 7: chunk 2 piece 2 to rank 1; wait entry[1], arrive[10]; r1:dst@2[2/4] = r0:dst@2[2/4]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},
-    // rank 0 step 8: chunk 2 piece 3 to rank 1; wait entry[1], arrive[11]; r1:dst@2[3/4] = r0:dst@2[3/4]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},
-    // rank 0 step 9: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 0 step 10: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 0 step 11: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 0 step 12: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 0 step 13: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: chunk 1 piece 0 to rank 2; wait entry[2]; r2:dst@1[0/4] = r1:src@0[0/4]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
-    // rank 1 step 2: chunk 1 piece 1 to rank 2; wait entry[2]; r2:dst@1[1/4] = r1:src@0[1/4]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
-    // rank 1 step 3: chunk 1 piece 2 to rank 2; wait entry[2]; r2:dst@1[2/4] = r1:src@0[2/4]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 1 step 4: chunk 1 piece 3 to rank 2; wait entry[2]; r2:dst@1[3/4] = r1:src@0[3/4]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 1 step 5: chunk 0 piece 0 to rank 2; wait entry[2], arrive[0]; r2:dst@0[0/4] = r1:dst@0[0/4]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},
-    // rank 1 step 6: chunk 0 piece 1 to rank 2; wait entry[2], arrive[1]; r2:dst@0[1/4] = r1:dst@0[1/4]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},
-    // rank 1 step 7: chunk 0 piece 2 to rank 2; wait entry[2], arrive[2]; r2:dst@0[2/4] = r1:dst@0[2/4]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},
-    // rank 1 step 8: chunk 0 piece 3 to rank 2; wait entry[2], arrive[3]; r2:dst@0[3/4] = r1:dst@0[3/4]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},
-    // rank 1 step 9: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 1 step 10: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 1 step 11: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 1 step 12: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 1 step 13: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
-    // rank 2 step 1: chunk 2 piece 0 to rank 0; wait entry[0]; r0:dst@2[0/4] = r2:src@0[0/4]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
-    // rank 2 step 2: chunk 2 piece 1 to rank 0; wait entry[0]; r0:dst@2[1/4] = r2:src@0[1/4]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
-    // rank 2 step 3: chunk 2 piece 2 to rank 0; wait entry[0]; r0:dst@2[2/4] = r2:src@0[2/4]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
-    // rank 2 step 4: chunk 2 piece 3 to rank 0; wait entry[0]; r0:dst@2[3/4] = r2:src@0[3/4]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
-    // rank 2 step 5: chunk 1 piece 0 to rank 0; wait entry[0], arrive[4]; r0:dst@1[0/4] = r2:dst@1[0/4]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
-    // rank 2 step 6: chunk 1 piece 1 to rank 0; wait entry[0], arrive[5]; r0:dst@1[1/4] = r2:dst@1[1/4]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
-    // rank 2 step 7: chunk 1 piece 2 to rank 0; wait entry[0], arrive[6]; r0:dst@1[2/4] = r2:dst@1[2/4]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
-    // rank 2 step 8: chunk 1 piece 3 to rank 0; wait entry[0], arrive[7]; r0:dst@1[3/4] = r2:dst@1[3/4]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
-    // rank 2 step 9: local copy, piece 0; r2:dst@2[0/4] = r2:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 2 step 10: local copy, piece 1; r2:dst@2[1/4] = r2:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 2 step 11: local copy, piece 2; r2:dst@2[2/4] = r2:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 2 step 12: local copy, piece 3; r2:dst@2[3/4] = r2:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 2 step 13: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},  // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},  // rank 0 step 5: chunk 2 piece 0 to rank 1; wait entry[1], arrive[8]; r1:dst@2[0/4] = r0:dst@2[0/4]; signal r1:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},  // rank 0 step 6: chunk 2 piece 1 to rank 1; wait entry[1], arrive[9]; r1:dst@2[1/4] = r0:dst@2[1/4]; signal r1:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},  // rank 0 step 7: chunk 2 piece 2 to rank 1; wait entry[1], arrive[10]; r1:dst@2[2/4] = r0:dst@2[2/4]; signal r1:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},  // rank 0 step 8: chunk 2 piece 3 to rank 1; wait entry[1], arrive[11]; r1:dst@2[3/4] = r0:dst@2[3/4]; signal r1:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 0 step 9: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 0 step 10: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 0 step 11: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 0 step 12: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},  // rank 0 step 13: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7], arrive[8], arrive[9], arrive[10], arrive[11]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},  // rank 1 step 1: chunk 1 piece 0 to rank 2; wait entry[2]; r2:dst@1[0/4] = r1:src@0[0/4]; signal r2:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},  // rank 1 step 2: chunk 1 piece 1 to rank 2; wait entry[2]; r2:dst@1[1/4] = r1:src@0[1/4]; signal r2:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 1 step 3: chunk 1 piece 2 to rank 2; wait entry[2]; r2:dst@1[2/4] = r1:src@0[2/4]; signal r2:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 1 step 4: chunk 1 piece 3 to rank 2; wait entry[2]; r2:dst@1[3/4] = r1:src@0[3/4]; signal r2:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},  // rank 1 step 5: chunk 0 piece 0 to rank 2; wait entry[2], arrive[0]; r2:dst@0[0/4] = r1:dst@0[0/4]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},  // rank 1 step 6: chunk 0 piece 1 to rank 2; wait entry[2], arrive[1]; r2:dst@0[1/4] = r1:dst@0[1/4]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},  // rank 1 step 7: chunk 0 piece 2 to rank 2; wait entry[2], arrive[2]; r2:dst@0[2/4] = r1:dst@0[2/4]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},  // rank 1 step 8: chunk 0 piece 3 to rank 2; wait entry[2], arrive[3]; r2:dst@0[3/4] = r1:dst@0[3/4]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 1 step 9: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 1 step 10: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 1 step 11: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 1 step 12: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},  // rank 1 step 13: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[8], arrive[9], arrive[10], arrive[11]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},  // rank 2 step 1: chunk 2 piece 0 to rank 0; wait entry[0]; r0:dst@2[0/4] = r2:src@0[0/4]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},  // rank 2 step 2: chunk 2 piece 1 to rank 0; wait entry[0]; r0:dst@2[1/4] = r2:src@0[1/4]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},  // rank 2 step 3: chunk 2 piece 2 to rank 0; wait entry[0]; r0:dst@2[2/4] = r2:src@0[2/4]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},  // rank 2 step 4: chunk 2 piece 3 to rank 0; wait entry[0]; r0:dst@2[3/4] = r2:src@0[3/4]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},  // rank 2 step 5: chunk 1 piece 0 to rank 0; wait entry[0], arrive[4]; r0:dst@1[0/4] = r2:dst@1[0/4]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},  // rank 2 step 6: chunk 1 piece 1 to rank 0; wait entry[0], arrive[5]; r0:dst@1[1/4] = r2:dst@1[1/4]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},  // rank 2 step 7: chunk 1 piece 2 to rank 0; wait entry[0], arrive[6]; r0:dst@1[2/4] = r2:dst@1[2/4]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},  // rank 2 step 8: chunk 1 piece 3 to rank 0; wait entry[0], arrive[7]; r0:dst@1[3/4] = r2:dst@1[3/4]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 2 step 9: local copy, piece 0; r2:dst@2[0/4] = r2:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 2 step 10: local copy, piece 1; r2:dst@2[1/4] = r2:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 2 step 11: local copy, piece 2; r2:dst@2[2/4] = r2:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 2 step 12: local copy, piece 3; r2:dst@2[3/4] = r2:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 2 step 13: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
 };
 static __device__ const int step_base_w3[3] = { 0, 14, 28 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w3[] = {
-    // rank 0: shares 0..768
-    {9, 63, 64, 4, 1, 0}, {1, 0, 64, 8, 1, 0}, {13, 0, 1, 1, 0, 0}, {1, 1, 64, 8, 1, 0},
-    {1, 2, 64, 8, 1, 0}, {1, 3, 64, 8, 1, 0}, {1, 4, 64, 8, 1, 0}, {1, 5, 64, 8, 1, 0},
-    {1, 6, 64, 8, 1, 0}, {1, 7, 64, 8, 1, 0}, {1, 8, 64, 8, 1, 0}, {1, 9, 64, 8, 1, 0},
-    {1, 10, 64, 8, 1, 0}, {1, 11, 64, 8, 1, 0}, {1, 12, 64, 8, 1, 0}, {1, 13, 64, 8, 1, 0},
-    {1, 14, 64, 8, 1, 0}, {1, 15, 64, 8, 1, 0}, {1, 16, 64, 8, 1, 0}, {1, 17, 64, 8, 1, 0},
-    {1, 18, 64, 8, 1, 0}, {1, 19, 64, 8, 1, 0}, {1, 20, 64, 8, 1, 0}, {1, 21, 64, 8, 1, 0},
-    {1, 22, 64, 8, 1, 0}, {1, 23, 64, 8, 1, 0}, {1, 24, 64, 8, 1, 0}, {1, 25, 64, 8, 1, 0},
-    {1, 26, 64, 8, 1, 0}, {1, 27, 64, 8, 1, 0}, {1, 28, 64, 8, 1, 0}, {1, 29, 64, 8, 1, 0},
-    {1, 30, 64, 8, 1, 0}, {1, 31, 64, 8, 1, 0}, {1, 32, 64, 8, 1, 0}, {1, 33, 64, 8, 1, 0},
-    {1, 34, 64, 8, 1, 0}, {1, 35, 64, 8, 1, 0}, {1, 36, 64, 8, 1, 0}, {1, 37, 64, 8, 1, 0},
-    {1, 38, 64, 8, 1, 0}, {1, 39, 64, 8, 1, 0}, {1, 40, 64, 8, 1, 0}, {1, 41, 64, 8, 1, 0},
-    {1, 42, 64, 8, 1, 0}, {1, 43, 64, 8, 1, 0}, {1, 44, 64, 8, 1, 0}, {1, 45, 64, 8, 1, 0},
-    {1, 46, 64, 8, 1, 0}, {1, 47, 64, 8, 1, 0}, {1, 48, 64, 8, 1, 0}, {1, 49, 64, 8, 1, 0},
-    {1, 50, 64, 8, 1, 0}, {1, 51, 64, 8, 1, 0}, {1, 52, 64, 8, 1, 0}, {1, 53, 64, 8, 1, 0},
-    {1, 54, 64, 8, 1, 0}, {1, 55, 64, 8, 1, 0}, {1, 56, 64, 8, 1, 0}, {1, 57, 64, 8, 1, 0},
-    {1, 58, 64, 8, 1, 0}, {1, 59, 64, 8, 1, 0}, {1, 60, 64, 8, 1, 0}, {1, 61, 64, 8, 1, 0},
-    {1, 62, 64, 8, 1, 0}, {1, 63, 64, 8, 1, 0}, {9, 0, 64, 4, 1, 0}, {9, 1, 64, 4, 1, 0},
-    {9, 2, 64, 4, 1, 0}, {9, 3, 64, 4, 1, 0}, {9, 4, 64, 4, 1, 0}, {9, 5, 64, 4, 1, 0},
-    {9, 6, 64, 4, 1, 0}, {9, 7, 64, 4, 1, 0}, {9, 8, 64, 4, 1, 0}, {9, 9, 64, 4, 1, 0},
-    {9, 10, 64, 4, 1, 0}, {9, 11, 64, 4, 1, 0}, {9, 12, 64, 4, 1, 0}, {9, 13, 64, 4, 1, 0},
-    {9, 14, 64, 4, 1, 0}, {9, 15, 64, 4, 1, 0}, {9, 16, 64, 4, 1, 0}, {9, 17, 64, 4, 1, 0},
-    {9, 18, 64, 4, 1, 0}, {9, 19, 64, 4, 1, 0}, {9, 20, 64, 4, 1, 0}, {9, 21, 64, 4, 1, 0},
-    {9, 22, 64, 4, 1, 0}, {9, 23, 64, 4, 1, 0}, {9, 24, 64, 4, 1, 0}, {9, 25, 64, 4, 1, 0},
-    {9, 26, 64, 4, 1, 0}, {9, 27, 64, 4, 1, 0}, {9, 28, 64, 4, 1, 0}, {9, 29, 64, 4, 1, 0},
-    {9, 30, 64, 4, 1, 0}, {9, 31, 64, 4, 1, 0}, {9, 32, 64, 4, 1, 0}, {9, 33, 64, 4, 1, 0},
-    {9, 34, 64, 4, 1, 0}, {9, 35, 64, 4, 1, 0}, {9, 36, 64, 4, 1, 0}, {9, 37, 64, 4, 1, 0},
-    {9, 38, 64, 4, 1, 0}, {9, 39, 64, 4, 1, 0}, {9, 40, 64, 4, 1, 0}, {9, 41, 64, 4, 1, 0},
-    {9, 42, 64, 4, 1, 0}, {9, 43, 64, 4, 1, 0}, {9, 44, 64, 4, 1, 0}, {9, 45, 64, 4, 1, 0},
-    {9, 46, 64, 4, 1, 0}, {9, 47, 64, 4, 1, 0}, {9, 48, 64, 4, 1, 0}, {9, 49, 64, 4, 1, 0},
-    {9, 50, 64, 4, 1, 0}, {9, 51, 64, 4, 1, 0}, {9, 52, 64, 4, 1, 0}, {9, 53, 64, 4, 1, 0},
-    {9, 54, 64, 4, 1, 0}, {9, 55, 64, 4, 1, 0}, {9, 56, 64, 4, 1, 0}, {9, 57, 64, 4, 1, 0},
-    {9, 58, 64, 4, 1, 0}, {9, 59, 64, 4, 1, 0}, {9, 60, 64, 4, 1, 0}, {9, 61, 64, 4, 1, 0},
-    {9, 62, 64, 4, 1, 0},
-    // rank 1: shares 769..1537
-    {9, 63, 64, 4, 1, 0}, {1, 0, 64, 8, 1, 0}, {13, 0, 1, 1, 0, 0}, {1, 1, 64, 8, 1, 0},
-    {1, 2, 64, 8, 1, 0}, {1, 3, 64, 8, 1, 0}, {1, 4, 64, 8, 1, 0}, {1, 5, 64, 8, 1, 0},
-    {1, 6, 64, 8, 1, 0}, {1, 7, 64, 8, 1, 0}, {1, 8, 64, 8, 1, 0}, {1, 9, 64, 8, 1, 0},
-    {1, 10, 64, 8, 1, 0}, {1, 11, 64, 8, 1, 0}, {1, 12, 64, 8, 1, 0}, {1, 13, 64, 8, 1, 0},
-    {1, 14, 64, 8, 1, 0}, {1, 15, 64, 8, 1, 0}, {1, 16, 64, 8, 1, 0}, {1, 17, 64, 8, 1, 0},
-    {1, 18, 64, 8, 1, 0}, {1, 19, 64, 8, 1, 0}, {1, 20, 64, 8, 1, 0}, {1, 21, 64, 8, 1, 0},
-    {1, 22, 64, 8, 1, 0}, {1, 23, 64, 8, 1, 0}, {1, 24, 64, 8, 1, 0}, {1, 25, 64, 8, 1, 0},
-    {1, 26, 64, 8, 1, 0}, {1, 27, 64, 8, 1, 0}, {1, 28, 64, 8, 1, 0}, {1, 29, 64, 8, 1, 0},
-    {1, 30, 64, 8, 1, 0}, {1, 31, 64, 8, 1, 0}, {1, 32, 64, 8, 1, 0}, {1, 33, 64, 8, 1, 0},
-    {1, 34, 64, 8, 1, 0}, {1, 35, 64, 8, 1, 0}, {1, 36, 64, 8, 1, 0}, {1, 37, 64, 8, 1, 0},
-    {1, 38, 64, 8, 1, 0}, {1, 39, 64, 8, 1, 0}, {1, 40, 64, 8, 1, 0}, {1, 41, 64, 8, 1, 0},
-    {1, 42, 64, 8, 1, 0}, {1, 43, 64, 8, 1, 0}, {1, 44, 64, 8, 1, 0}, {1, 45, 64, 8, 1, 0},
-    {1, 46, 64, 8, 1, 0}, {1, 47, 64, 8, 1, 0}, {1, 48, 64, 8, 1, 0}, {1, 49, 64, 8, 1, 0},
-    {1, 50, 64, 8, 1, 0}, {1, 51, 64, 8, 1, 0}, {1, 52, 64, 8, 1, 0}, {1, 53, 64, 8, 1, 0},
-    {1, 54, 64, 8, 1, 0}, {1, 55, 64, 8, 1, 0}, {1, 56, 64, 8, 1, 0}, {1, 57, 64, 8, 1, 0},
-    {1, 58, 64, 8, 1, 0}, {1, 59, 64, 8, 1, 0}, {1, 60, 64, 8, 1, 0}, {1, 61, 64, 8, 1, 0},
-    {1, 62, 64, 8, 1, 0}, {1, 63, 64, 8, 1, 0}, {9, 0, 64, 4, 1, 0}, {9, 1, 64, 4, 1, 0},
-    {9, 2, 64, 4, 1, 0}, {9, 3, 64, 4, 1, 0}, {9, 4, 64, 4, 1, 0}, {9, 5, 64, 4, 1, 0},
-    {9, 6, 64, 4, 1, 0}, {9, 7, 64, 4, 1, 0}, {9, 8, 64, 4, 1, 0}, {9, 9, 64, 4, 1, 0},
-    {9, 10, 64, 4, 1, 0}, {9, 11, 64, 4, 1, 0}, {9, 12, 64, 4, 1, 0}, {9, 13, 64, 4, 1, 0},
-    {9, 14, 64, 4, 1, 0}, {9, 15, 64, 4, 1, 0}, {9, 16, 64, 4, 1, 0}, {9, 17, 64, 4, 1, 0},
-    {9, 18, 64, 4, 1, 0}, {9, 19, 64, 4, 1, 0}, {9, 20, 64, 4, 1, 0}, {9, 21, 64, 4, 1, 0},
-    {9, 22, 64, 4, 1, 0}, {9, 23, 64, 4, 1, 0}, {9, 24, 64, 4, 1, 0}, {9, 25, 64, 4, 1, 0},
-    {9, 26, 64, 4, 1, 0}, {9, 27, 64, 4, 1, 0}, {9, 28, 64, 4, 1, 0}, {9, 29, 64, 4, 1, 0},
-    {9, 30, 64, 4, 1, 0}, {9, 31, 64, 4, 1, 0}, {9, 32, 64, 4, 1, 0}, {9, 33, 64, 4, 1, 0},
-    {9, 34, 64, 4, 1, 0}, {9, 35, 64, 4, 1, 0}, {9, 36, 64, 4, 1, 0}, {9, 37, 64, 4, 1, 0},
-    {9, 38, 64, 4, 1, 0}, {9, 39, 64, 4, 1, 0}, {9, 40, 64, 4, 1, 0}, {9, 41, 64, 4, 1, 0},
-    {9, 42, 64, 4, 1, 0}, {9, 43, 64, 4, 1, 0}, {9, 44, 64, 4, 1, 0}, {9, 45, 64, 4, 1, 0},
-    {9, 46, 64, 4, 1, 0}, {9, 47, 64, 4, 1, 0}, {9, 48, 64, 4, 1, 0}, {9, 49, 64, 4, 1, 0},
-    {9, 50, 64, 4, 1, 0}, {9, 51, 64, 4, 1, 0}, {9, 52, 64, 4, 1, 0}, {9, 53, 64, 4, 1, 0},
-    {9, 54, 64, 4, 1, 0}, {9, 55, 64, 4, 1, 0}, {9, 56, 64, 4, 1, 0}, {9, 57, 64, 4, 1, 0},
-    {9, 58, 64, 4, 1, 0}, {9, 59, 64, 4, 1, 0}, {9, 60, 64, 4, 1, 0}, {9, 61, 64, 4, 1, 0},
-    {9, 62, 64, 4, 1, 0},
-    // rank 2: shares 1538..2306
-    {9, 63, 64, 4, 1, 0}, {1, 0, 64, 8, 1, 0}, {13, 0, 1, 1, 0, 0}, {1, 1, 64, 8, 1, 0},
-    {1, 2, 64, 8, 1, 0}, {1, 3, 64, 8, 1, 0}, {1, 4, 64, 8, 1, 0}, {1, 5, 64, 8, 1, 0},
-    {1, 6, 64, 8, 1, 0}, {1, 7, 64, 8, 1, 0}, {1, 8, 64, 8, 1, 0}, {1, 9, 64, 8, 1, 0},
-    {1, 10, 64, 8, 1, 0}, {1, 11, 64, 8, 1, 0}, {1, 12, 64, 8, 1, 0}, {1, 13, 64, 8, 1, 0},
-    {1, 14, 64, 8, 1, 0}, {1, 15, 64, 8, 1, 0}, {1, 16, 64, 8, 1, 0}, {1, 17, 64, 8, 1, 0},
-    {1, 18, 64, 8, 1, 0}, {1, 19, 64, 8, 1, 0}, {1, 20, 64, 8, 1, 0}, {1, 21, 64, 8, 1, 0},
-    {1, 22, 64, 8, 1, 0}, {1, 23, 64, 8, 1, 0}, {1, 24, 64, 8, 1, 0}, {1, 25, 64, 8, 1, 0},
-    {1, 26, 64, 8, 1, 0}, {1, 27, 64, 8, 1, 0}, {1, 28, 64, 8, 1, 0}, {1, 29, 64, 8, 1, 0},
-    {1, 30, 64, 8, 1, 0}, {1, 31, 64, 8, 1, 0}, {1, 32, 64, 8, 1, 0}, {1, 33, 64, 8, 1, 0},
-    {1, 34, 64, 8, 1, 0}, {1, 35, 64, 8, 1, 0}, {1, 36, 64, 8, 1, 0}, {1, 37, 64, 8, 1, 0},
-    {1, 38, 64, 8, 1, 0}, {1, 39, 64, 8, 1, 0}, {1, 40, 64, 8, 1, 0}, {1, 41, 64, 8, 1, 0},
-    {1, 42, 64, 8, 1, 0}, {1, 43, 64, 8, 1, 0}, {1, 44, 64, 8, 1, 0}, {1, 45, 64, 8, 1, 0},
-    {1, 46, 64, 8, 1, 0}, {1, 47, 64, 8, 1, 0}, {1, 48, 64, 8, 1, 0}, {1, 49, 64, 8, 1, 0},
-    {1, 50, 64, 8, 1, 0}, {1, 51, 64, 8, 1, 0}, {1, 52, 64, 8, 1, 0}, {1, 53, 64, 8, 1, 0},
-    {1, 54, 64, 8, 1, 0}, {1, 55, 64, 8, 1, 0}, {1, 56, 64, 8, 1, 0}, {1, 57, 64, 8, 1, 0},
-    {1, 58, 64, 8, 1, 0}, {1, 59, 64, 8, 1, 0}, {1, 60, 64, 8, 1, 0}, {1, 61, 64, 8, 1, 0},
-    {1, 62, 64, 8, 1, 0}, {1, 63, 64, 8, 1, 0}, {9, 0, 64, 4, 1, 0}, {9, 1, 64, 4, 1, 0},
-    {9, 2, 64, 4, 1, 0}, {9, 3, 64, 4, 1, 0}, {9, 4, 64, 4, 1, 0}, {9, 5, 64, 4, 1, 0},
-    {9, 6, 64, 4, 1, 0}, {9, 7, 64, 4, 1, 0}, {9, 8, 64, 4, 1, 0}, {9, 9, 64, 4, 1, 0},
-    {9, 10, 64, 4, 1, 0}, {9, 11, 64, 4, 1, 0}, {9, 12, 64, 4, 1, 0}, {9, 13, 64, 4, 1, 0},
-    {9, 14, 64, 4, 1, 0}, {9, 15, 64, 4, 1, 0}, {9, 16, 64, 4, 1, 0}, {9, 17, 64, 4, 1, 0},
-    {9, 18, 64, 4, 1, 0}, {9, 19, 64, 4, 1, 0}, {9, 20, 64, 4, 1, 0}, {9, 21, 64, 4, 1, 0},
-    {9, 22, 64, 4, 1, 0}, {9, 23, 64, 4, 1, 0}, {9, 24, 64, 4, 1, 0}, {9, 25, 64, 4, 1, 0},
-    {9, 26, 64, 4, 1, 0}, {9, 27, 64, 4, 1, 0}, {9, 28, 64, 4, 1, 0}, {9, 29, 64, 4, 1, 0},
-    {9, 30, 64, 4, 1, 0}, {9, 31, 64, 4, 1, 0}, {9, 32, 64, 4, 1, 0}, {9, 33, 64, 4, 1, 0},
-    {9, 34, 64, 4, 1, 0}, {9, 35, 64, 4, 1, 0}, {9, 36, 64, 4, 1, 0}, {9, 37, 64, 4, 1, 0},
-    {9, 38, 64, 4, 1, 0}, {9, 39, 64, 4, 1, 0}, {9, 40, 64, 4, 1, 0}, {9, 41, 64, 4, 1, 0},
-    {9, 42, 64, 4, 1, 0}, {9, 43, 64, 4, 1, 0}, {9, 44, 64, 4, 1, 0}, {9, 45, 64, 4, 1, 0},
-    {9, 46, 64, 4, 1, 0}, {9, 47, 64, 4, 1, 0}, {9, 48, 64, 4, 1, 0}, {9, 49, 64, 4, 1, 0},
-    {9, 50, 64, 4, 1, 0}, {9, 51, 64, 4, 1, 0}, {9, 52, 64, 4, 1, 0}, {9, 53, 64, 4, 1, 0},
-    {9, 54, 64, 4, 1, 0}, {9, 55, 64, 4, 1, 0}, {9, 56, 64, 4, 1, 0}, {9, 57, 64, 4, 1, 0},
-    {9, 58, 64, 4, 1, 0}, {9, 59, 64, 4, 1, 0}, {9, 60, 64, 4, 1, 0}, {9, 61, 64, 4, 1, 0},
-    {9, 62, 64, 4, 1, 0},
+    {9, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 8, 1, 0, 1, 0, 0}, {13, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 8, 1, 0, 63, 0, 1}, {9, 0, 64, 4, 1, 0, 63, 0, 1},  // rank 0: shares 0..768
+    {9, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 8, 1, 0, 1, 0, 0}, {13, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 8, 1, 0, 63, 0, 1}, {9, 0, 64, 4, 1, 0, 63, 0, 1},  // rank 1: shares 769..1537
+    {9, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 8, 1, 0, 1, 0, 0}, {13, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 8, 1, 0, 63, 0, 1}, {9, 0, 64, 4, 1, 0, 63, 0, 1},  // rank 2: shares 1538..2306
 };
-static __device__ const tsgen::share_table<2307> shares_w3 =
-    tsgen::expand_shares<2307>(share_runs_w3);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][129] = {
+static __device__ const tsgen::share_table<2307> shares_w3 = tsgen::expand_shares<2307>(share_runs_w3);
+static __device__ const uint16_t first_w3[3][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 4, 13, 21, 29, 37, 45, 53, 61, 69, 77, 85, 93, 101, 109, 117, 125, 133, 141, 149, 157, 165, 173, 181, 189, 197, 205, 213, 221, 229, 237, 245, 253, 261, 269, 277, 285, 293, 301, 309, 317, 325, 333, 341, 349, 357, 365, 373, 381, 389, 397, 405, 413, 421, 429, 437, 445, 453, 461, 469, 477, 485, 493, 501, 509, 517, 521, 525, 529, 533, 537, 541, 545, 549, 553, 557, 561, 565, 569, 573, 577, 581, 585, 589, 593, 597, 601, 605, 609, 613, 617, 621, 625, 629, 633, 637, 641, 645, 649, 653, 657, 661, 665, 669, 673, 677, 681, 685, 689, 693, 697, 701, 705, 709, 713, 717, 721, 725, 729, 733, 737, 741, 745, 749, 753, 757, 761, 765, 769 },
     { 769, 773, 782, 790, 798, 806, 814, 822, 830, 838, 846, 854, 862, 870, 878, 886, 894, 902, 910, 918, 926, 934, 942, 950, 958, 966, 974, 982, 990, 998, 1006, 1014, 1022, 1030, 1038, 1046, 1054, 1062, 1070, 1078, 1086, 1094, 1102, 1110, 1118, 1126, 1134, 1142, 1150, 1158, 1166, 1174, 1182, 1190, 1198, 1206, 1214, 1222, 1230, 1238, 1246, 1254, 1262, 1270, 1278, 1286, 1290, 1294, 1298, 1302, 1306, 1310, 1314, 1318, 1322, 1326, 1330, 1334, 1338, 1342, 1346, 1350, 1354, 1358, 1362, 1366, 1370, 1374, 1378, 1382, 1386, 1390, 1394, 1398, 1402, 1406, 1410, 1414, 1418, 1422, 1426, 1430, 1434, 1438, 1442, 1446, 1450, 1454, 1458, 1462, 1466, 1470, 1474, 1478, 1482, 1486, 1490, 1494, 1498, 1502, 1506, 1510, 1514, 1518, 1522, 1526, 1530, 1534, 1538 },
     { 1538, 1542, 1551, 1559, 1567, 1575, 1583, 1591, 1599, 1607, 1615, 1623, 1631, 1639, 1647, 1655, 1663, 1671, 1679, 1687, 1695, 1703, 1711, 1719, 1727, 1735, 1743, 1751, 1759, 1767, 1775, 1783, 1791, 1799, 1807, 1815, 1823, 1831, 1839, 1847, 1855, 1863, 1871, 1879, 1887, 1895, 1903, 1911, 1919, 1927, 1935, 1943, 1951, 1959, 1967, 1975, 1983, 1991, 1999, 2007, 2015, 2023, 2031, 2039, 2047, 2055, 2059, 2063, 2067, 2071, 2075, 2079, 2083, 2087, 2091, 2095, 2099, 2103, 2107, 2111, 2115, 2119, 2123, 2127, 2131, 2135, 2139, 2143, 2147, 2151, 2155, 2159, 2163, 2167, 2171, 2175, 2179, 2183, 2187, 2191, 2195, 2199, 2203, 2207, 2211, 2215, 2219, 2223, 2227, 2231, 2235, 2239, 2243, 2247, 2251, 2255, 2259, 2263, 2267, 2271, 2275, 2279, 2283, 2287, 2291, 2295, 2299, 2303, 2307 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 76 steps, 4104 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 76 steps, 4104 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 0}}},
-    // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
-    // rank 0 step 5: chunk 3 piece 0 to rank 1; wait entry[1], arrive[12]; r1:dst@3[0/4] = r0:dst@3[0/4]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 0}, {{0, 2, 0, 4, 3, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 12, 64}}, {{1, 4, 12}}},
-    // rank 0 step 6: chunk 3 piece 1 to rank 1; wait entry[1], arrive[13]; r1:dst@3[1/4] = r0:dst@3[1/4]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 1}, {{0, 2, 0, 4, 3, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 13, 64}}, {{1, 4, 13}}},
-    // rank 0 step 7: chunk 3 piece 2 to rank 1; wait entry[1], arrive[14]; r1:dst@3[2/4] = r0:dst@3[2/4]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 2}, {{0, 2, 0, 4, 3, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 14, 64}}, {{1, 4, 14}}},
-    // rank 0 step 8: chunk 3 piece 3 to rank 1; wait entry[1], arrive[15]; r1:dst@3[3/4] = r0:dst@3[3/4]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 3}, {{0, 2, 0, 4, 3, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 15, 64}}, {{1, 4, 15}}},
-    // rank 0 step 9: chunk 2 piece 0 to rank 1; wait entry[1], arrive[8]; r1:dst@2[0/4] = r0:dst@2[0/4]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},
-    // rank 0 step 10: chunk 2 piece 1 to rank 1; wait entry[1], arrive[9]; r1:dst@2[1/4] = r0:dst@2[1/4]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},
-    // rank 0 step 11: chunk 2 piece 2 to rank 1; wait entry[1], arrive[10]; r1:dst@2[2/4] = r0:dst@2[2/4]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},
-    // rank 0 step 12: chunk 2 piece 3 to rank 1; wait entry[1], arrive[11]; r1:dst@2[3/4] = r0:dst@2[3/4]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},
-    // rank 0 step 13: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 0 step 14: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 0 step 15: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 0 step 16: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 0 step 17: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
-    // rank 0 step 18: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: chunk 1 piece 0 to rank 2; wait entry[2]; r2:dst@1[0/4] = r1:src@0[0/4]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
-    // rank 1 step 2: chunk 1 piece 1 to rank 2; wait entry[2]; r2:dst@1[1/4] = r1:src@0[1/4]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
-    // rank 1 step 3: chunk 1 piece 2 to rank 2; wait entry[2]; r2:dst@1[2/4] = r1:src@0[2/4]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 1 step 4: chunk 1 piece 3 to rank 2; wait entry[2]; r2:dst@1[3/4] = r1:src@0[3/4]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 1 step 5: chunk 0 piece 0 to rank 2; wait entry[2], arrive[0]; r2:dst@0[0/4] = r1:dst@0[0/4]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},
-    // rank 1 step 6: chunk 0 piece 1 to rank 2; wait entry[2], arrive[1]; r2:dst@0[1/4] = r1:dst@0[1/4]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},
-    // rank 1 step 7: chunk 0 piece 2 to rank 2; wait entry[2], arrive[2]; r2:dst@0[2/4] = r1:dst@0[2/4]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},
-    // rank 1 step 8: chunk 0 piece 3 to rank 2; wait entry[2], arrive[3]; r2:dst@0[3/4] = r1:dst@0[3/4]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},
-    // rank 1 step 9: chunk 3 piece 0 to rank 2; wait entry[2], arrive[12]; r2:dst@3[0/4] = r1:dst@3[0/4]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 0}, {{1, 2, 0, 4, 3, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 12, 64}}, {{2, 4, 12}}},
-    // rank 1 step 10: chunk 3 piece 1 to rank 2; wait entry[2], arrive[13]; r2:dst@3[1/4] = r1:dst@3[1/4]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 1}, {{1, 2, 0, 4, 3, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 13, 64}}, {{2, 4, 13}}},
-    // rank 1 step 11: chunk 3 piece 2 to rank 2; wait entry[2], arrive[14]; r2:dst@3[2/4] = r1:dst@3[2/4]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 2}, {{1, 2, 0, 4, 3, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 14, 64}}, {{2, 4, 14}}},
-    // rank 1 step 12: chunk 3 piece 3 to rank 2; wait entry[2], arrive[15]; r2:dst@3[3/4] = r1:dst@3[3/4]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 3}, {{1, 2, 0, 4, 3, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 15, 64}}, {{2, 4, 15}}},
-    // rank 1 step 13: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 1 step 14: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 1 step 15: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 1 step 16: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 1 step 17: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
-    // rank 1 step 18: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
-    // rank 2 step 1: chunk 2 piece 0 to rank 3; wait entry[3]; r3:dst@2[0/4] = r2:src@0[0/4]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
-    // rank 2 step 2: chunk 2 piece 1 to rank 3; wait entry[3]; r3:dst@2[1/4] = r2:src@0[1/4]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
-    // rank 2 step 3: chunk 2 piece 2 to rank 3; wait entry[3]; r3:dst@2[2/4] = r2:src@0[2/4]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
-    // rank 2 step 4: chunk 2 piece 3 to rank 3; wait entry[3]; r3:dst@2[3/4] = r2:src@0[3/4]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
-    // rank 2 step 5: chunk 1 piece 0 to rank 3; wait entry[3], arrive[4]; r3:dst@1[0/4] = r2:dst@1[0/4]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
-    // rank 2 step 6: chunk 1 piece 1 to rank 3; wait entry[3], arrive[5]; r3:dst@1[1/4] = r2:dst@1[1/4]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
-    // rank 2 step 7: chunk 1 piece 2 to rank 3; wait entry[3], arrive[6]; r3:dst@1[2/4] = r2:dst@1[2/4]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
-    // rank 2 step 8: chunk 1 piece 3 to rank 3; wait entry[3], arrive[7]; r3:dst@1[3/4] = r2:dst@1[3/4]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
-    // rank 2 step 9: chunk 0 piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/4] = r2:dst@0[0/4]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 0}, {{2, 2, 0, 4, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
-    // rank 2 step 10: chunk 0 piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/4] = r2:dst@0[1/4]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 1}, {{2, 2, 0, 4, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
-    // rank 2 step 11: chunk 0 piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/4] = r2:dst@0[2/4]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
-    // rank 2 step 12: chunk 0 piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/4] = r2:dst@0[3/4]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 3}, {{2, 2, 0, 4, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
-    // rank 2 step 13: local copy, piece 0; r2:dst@2[0/4] = r2:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 2 step 14: local copy, piece 1; r2:dst@2[1/4] = r2:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 2 step 15: local copy, piece 2; r2:dst@2[2/4] = r2:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 2 step 16: local copy, piece 3; r2:dst@2[3/4] = r2:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 2 step 17: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 2 step 18: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},
-    // rank 3 step 1: chunk 3 piece 0 to rank 0; wait entry[0]; r0:dst@3[0/4] = r3:src@0[0/4]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
-    // rank 3 step 2: chunk 3 piece 1 to rank 0; wait entry[0]; r0:dst@3[1/4] = r3:src@0[1/4]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
-    // rank 3 step 3: chunk 3 piece 2 to rank 0; wait entry[0]; r0:dst@3[2/4] = r3:src@0[2/4]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
-    // rank 3 step 4: chunk 3 piece 3 to rank 0; wait entry[0]; r0:dst@3[3/4] = r3:src@0[3/4]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
-    // rank 3 step 5: chunk 2 piece 0 to rank 0; wait entry[0], arrive[8]; r0:dst@2[0/4] = r3:dst@2[0/4]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 0}, {{3, 2, 0, 4, 2, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
-    // rank 3 step 6: chunk 2 piece 1 to rank 0; wait entry[0], arrive[9]; r0:dst@2[1/4] = r3:dst@2[1/4]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 1}, {{3, 2, 0, 4, 2, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
-    // rank 3 step 7: chunk 2 piece 2 to rank 0; wait entry[0], arrive[10]; r0:dst@2[2/4] = r3:dst@2[2/4]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 2}, {{3, 2, 0, 4, 2, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
-    // rank 3 step 8: chunk 2 piece 3 to rank 0; wait entry[0], arrive[11]; r0:dst@2[3/4] = r3:dst@2[3/4]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 3}, {{3, 2, 0, 4, 2, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
-    // rank 3 step 9: chunk 1 piece 0 to rank 0; wait entry[0], arrive[4]; r0:dst@1[0/4] = r3:dst@1[0/4]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 0}, {{3, 2, 0, 4, 1, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
-    // rank 3 step 10: chunk 1 piece 1 to rank 0; wait entry[0], arrive[5]; r0:dst@1[1/4] = r3:dst@1[1/4]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 1}, {{3, 2, 0, 4, 1, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
-    // rank 3 step 11: chunk 1 piece 2 to rank 0; wait entry[0], arrive[6]; r0:dst@1[2/4] = r3:dst@1[2/4]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 2}, {{3, 2, 0, 4, 1, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
-    // rank 3 step 12: chunk 1 piece 3 to rank 0; wait entry[0], arrive[7]; r0:dst@1[3/4] = r3:dst@1[3/4]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 3}, {{3, 2, 0, 4, 1, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
-    // rank 3 step 13: local copy, piece 0; r3:dst@3[0/4] = r3:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 3 step 14: local copy, piece 1; r3:dst@3[1/4] = r3:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 3 step 15: local copy, piece 2; r3:dst@3[2/4] = r3:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 3 step 16: local copy, piece 3; r3:dst@3[3/4] = r3:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 3 step 17: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 3 step 18: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},  // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 0}, {{0, 2, 0, 4, 3, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 12, 64}}, {{1, 4, 12}}},  // rank 0 step 5: chunk 3 piece 0 to rank 1; wait entry[1], arrive[12]; r1:dst@3[0/4] = r0:dst@3[0/4]; signal r1:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 1}, {{0, 2, 0, 4, 3, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 13, 64}}, {{1, 4, 13}}},  // rank 0 step 6: chunk 3 piece 1 to rank 1; wait entry[1], arrive[13]; r1:dst@3[1/4] = r0:dst@3[1/4]; signal r1:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 2}, {{0, 2, 0, 4, 3, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 14, 64}}, {{1, 4, 14}}},  // rank 0 step 7: chunk 3 piece 2 to rank 1; wait entry[1], arrive[14]; r1:dst@3[2/4] = r0:dst@3[2/4]; signal r1:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 3}, {{0, 2, 0, 4, 3, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 15, 64}}, {{1, 4, 15}}},  // rank 0 step 8: chunk 3 piece 3 to rank 1; wait entry[1], arrive[15]; r1:dst@3[3/4] = r0:dst@3[3/4]; signal r1:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},  // rank 0 step 9: chunk 2 piece 0 to rank 1; wait entry[1], arrive[8]; r1:dst@2[0/4] = r0:dst@2[0/4]; signal r1:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},  // rank 0 step 10: chunk 2 piece 1 to rank 1; wait entry[1], arrive[9]; r1:dst@2[1/4] = r0:dst@2[1/4]; signal r1:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},  // rank 0 step 11: chunk 2 piece 2 to rank 1; wait entry[1], arrive[10]; r1:dst@2[2/4] = r0:dst@2[2/4]; signal r1:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},  // rank 0 step 12: chunk 2 piece 3 to rank 1; wait entry[1], arrive[11]; r1:dst@2[3/4] = r0:dst@2[3/4]; signal r1:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 0 step 13: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 0 step 14: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 0 step 15: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 0 step 16: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},  // rank 0 step 17: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7], arrive[8], arrive[9], arrive[10], arrive[11]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 0 step 18: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},  // rank 1 step 1: chunk 1 piece 0 to rank 2; wait entry[2]; r2:dst@1[0/4] = r1:src@0[0/4]; signal r2:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},  // rank 1 step 2: chunk 1 piece 1 to rank 2; wait entry[2]; r2:dst@1[1/4] = r1:src@0[1/4]; signal r2:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 1 step 3: chunk 1 piece 2 to rank 2; wait entry[2]; r2:dst@1[2/4] = r1:src@0[2/4]; signal r2:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 1 step 4: chunk 1 piece 3 to rank 2; wait entry[2]; r2:dst@1[3/4] = r1:src@0[3/4]; signal r2:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},  // rank 1 step 5: chunk 0 piece 0 to rank 2; wait entry[2], arrive[0]; r2:dst@0[0/4] = r1:dst@0[0/4]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},  // rank 1 step 6: chunk 0 piece 1 to rank 2; wait entry[2], arrive[1]; r2:dst@0[1/4] = r1:dst@0[1/4]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},  // rank 1 step 7: chunk 0 piece 2 to rank 2; wait entry[2], arrive[2]; r2:dst@0[2/4] = r1:dst@0[2/4]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},  // rank 1 step 8: chunk 0 piece 3 to rank 2; wait entry[2], arrive[3]; r2:dst@0[3/4] = r1:dst@0[3/4]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 0}, {{1, 2, 0, 4, 3, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 12, 64}}, {{2, 4, 12}}},  // rank 1 step 9: chunk 3 piece 0 to rank 2; wait entry[2], arrive[12]; r2:dst@3[0/4] = r1:dst@3[0/4]; signal r2:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 1}, {{1, 2, 0, 4, 3, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 13, 64}}, {{2, 4, 13}}},  // rank 1 step 10: chunk 3 piece 1 to rank 2; wait entry[2], arrive[13]; r2:dst@3[1/4] = r1:dst@3[1/4]; signal r2:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 2}, {{1, 2, 0, 4, 3, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 14, 64}}, {{2, 4, 14}}},  // rank 1 step 11: chunk 3 piece 2 to rank 2; wait entry[2], arrive[14]; r2:dst@3[2/4] = r1:dst@3[2/4]; signal r2:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 3}, {{1, 2, 0, 4, 3, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 15, 64}}, {{2, 4, 15}}},  // rank 1 step 12: chunk 3 piece 3 to rank 2; wait entry[2], arrive[15]; r2:dst@3[3/4] = r1:dst@3[3/4]; signal r2:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 1 step 13: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 1 step 14: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 1 step 15: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 1 step 16: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},  // rank 1 step 17: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[8], arrive[9], arrive[10], arrive[11]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 1 step 18: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},  // rank 2 step 1: chunk 2 piece 0 to rank 3; wait entry[3]; r3:dst@2[0/4] = r2:src@0[0/4]; signal r3:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},  // rank 2 step 2: chunk 2 piece 1 to rank 3; wait entry[3]; r3:dst@2[1/4] = r2:src@0[1/4]; signal r3:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},  // rank 2 step 3: chunk 2 piece 2 to rank 3; wait entry[3]; r3:dst@2[2/4] = r2:src@0[2/4]; signal r3:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},  // rank 2 step 4: chunk 2 piece 3 to rank 3; wait entry[3]; r3:dst@2[3/4] = r2:src@0[3/4]; signal r3:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},  // rank 2 step 5: chunk 1 piece 0 to rank 3; wait entry[3], arrive[4]; r3:dst@1[0/4] = r2:dst@1[0/4]; signal r3:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},  // rank 2 step 6: chunk 1 piece 1 to rank 3; wait entry[3], arrive[5]; r3:dst@1[1/4] = r2:dst@1[1/4]; signal r3:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},  // rank 2 step 7: chunk 1 piece 2 to rank 3; wait entry[3], arrive[6]; r3:dst@1[2/4] = r2:dst@1[2/4]; signal r3:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},  // rank 2 step 8: chunk 1 piece 3 to rank 3; wait entry[3], arrive[7]; r3:dst@1[3/4] = r2:dst@1[3/4]; signal r3:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 0}, {{2, 2, 0, 4, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},  // rank 2 step 9: chunk 0 piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/4] = r2:dst@0[0/4]; signal r3:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 1}, {{2, 2, 0, 4, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},  // rank 2 step 10: chunk 0 piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/4] = r2:dst@0[1/4]; signal r3:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},  // rank 2 step 11: chunk 0 piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/4] = r2:dst@0[2/4]; signal r3:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 3}, {{2, 2, 0, 4, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},  // rank 2 step 12: chunk 0 piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/4] = r2:dst@0[3/4]; signal r3:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 2 step 13: local copy, piece 0; r2:dst@2[0/4] = r2:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 2 step 14: local copy, piece 1; r2:dst@2[1/4] = r2:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 2 step 15: local copy, piece 2; r2:dst@2[2/4] = r2:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 2 step 16: local copy, piece 3; r2:dst@2[3/4] = r2:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 2 step 17: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 2 step 18: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},  // rank 3 step 1: chunk 3 piece 0 to rank 0; wait entry[0]; r0:dst@3[0/4] = r3:src@0[0/4]; signal r0:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},  // rank 3 step 2: chunk 3 piece 1 to rank 0; wait entry[0]; r0:dst@3[1/4] = r3:src@0[1/4]; signal r0:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},  // rank 3 step 3: chunk 3 piece 2 to rank 0; wait entry[0]; r0:dst@3[2/4] = r3:src@0[2/4]; signal r0:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},  // rank 3 step 4: chunk 3 piece 3 to rank 0; wait entry[0]; r0:dst@3[3/4] = r3:src@0[3/4]; signal r0:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 0}, {{3, 2, 0, 4, 2, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},  // rank 3 step 5: chunk 2 piece 0 to rank 0; wait entry[0], arrive[8]; r0:dst@2[0/4] = r3:dst@2[0/4]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 1}, {{3, 2, 0, 4, 2, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},  // rank 3 step 6: chunk 2 piece 1 to rank 0; wait entry[0], arrive[9]; r0:dst@2[1/4] = r3:dst@2[1/4]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 2}, {{3, 2, 0, 4, 2, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},  // rank 3 step 7: chunk 2 piece 2 to rank 0; wait entry[0], arrive[10]; r0:dst@2[2/4] = r3:dst@2[2/4]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 3}, {{3, 2, 0, 4, 2, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},  // rank 3 step 8: chunk 2 piece 3 to rank 0; wait entry[0], arrive[11]; r0:dst@2[3/4] = r3:dst@2[3/4]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 0}, {{3, 2, 0, 4, 1, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},  // rank 3 step 9: chunk 1 piece 0 to rank 0; wait entry[0], arrive[4]; r0:dst@1[0/4] = r3:dst@1[0/4]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 1}, {{3, 2, 0, 4, 1, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},  // rank 3 step 10: chunk 1 piece 1 to rank 0; wait entry[0], arrive[5]; r0:dst@1[1/4] = r3:dst@1[1/4]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 2}, {{3, 2, 0, 4, 1, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},  // rank 3 step 11: chunk 1 piece 2 to rank 0; wait entry[0], arrive[6]; r0:dst@1[2/4] = r3:dst@1[2/4]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 3}, {{3, 2, 0, 4, 1, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},  // rank 3 step 12: chunk 1 piece 3 to rank 0; wait entry[0], arrive[7]; r0:dst@1[3/4] = r3:dst@1[3/4]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 3 step 13: local copy, piece 0; r3:dst@3[0/4] = r3:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 3 step 14: local copy, piece 1; r3:dst@3[1/4] = r3:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 3 step 15: local copy, piece 2; r3:dst@3[2/4] = r3:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 3 step 16: local copy, piece 3; r3:dst@3[3/4] = r3:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 3 step 17: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},  // rank 3 step 18: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11]
 };
 static __device__ const int step_base_w4[4] = { 0, 19, 38, 57 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..1025
-    {13, 63, 64, 4, 1, 0}, {1, 0, 64, 12, 1, 0}, {17, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
-    {18, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
-    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
-    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
-    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
-    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
-    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
-    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
-    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
-    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
-    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
-    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
-    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
-    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
-    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
-    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
-    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 4, 1, 0},
-    {13, 1, 64, 4, 1, 0}, {13, 2, 64, 4, 1, 0}, {13, 3, 64, 4, 1, 0}, {13, 4, 64, 4, 1, 0},
-    {13, 5, 64, 4, 1, 0}, {13, 6, 64, 4, 1, 0}, {13, 7, 64, 4, 1, 0}, {13, 8, 64, 4, 1, 0},
-    {13, 9, 64, 4, 1, 0}, {13, 10, 64, 4, 1, 0}, {13, 11, 64, 4, 1, 0}, {13, 12, 64, 4, 1, 0},
-    {13, 13, 64, 4, 1, 0}, {13, 14, 64, 4, 1, 0}, {13, 15, 64, 4, 1, 0}, {13, 16, 64, 4, 1, 0},
-    {13, 17, 64, 4, 1, 0}, {13, 18, 64, 4, 1, 0}, {13, 19, 64, 4, 1, 0}, {13, 20, 64, 4, 1, 0},
-    {13, 21, 64, 4, 1, 0}, {13, 22, 64, 4, 1, 0}, {13, 23, 64, 4, 1, 0}, {13, 24, 64, 4, 1, 0},
-    {13, 25, 64, 4, 1, 0}, {13, 26, 64, 4, 1, 0}, {13, 27, 64, 4, 1, 0}, {13, 28, 64, 4, 1, 0},
-    {13, 29, 64, 4, 1, 0}, {13, 30, 64, 4, 1, 0}, {13, 31, 64, 4, 1, 0}, {13, 32, 64, 4, 1, 0},
-    {13, 33, 64, 4, 1, 0}, {13, 34, 64, 4, 1, 0}, {13, 35, 64, 4, 1, 0}, {13, 36, 64, 4, 1, 0},
-    {13, 37, 64, 4, 1, 0}, {13, 38, 64, 4, 1, 0}, {13, 39, 64, 4, 1, 0}, {13, 40, 64, 4, 1, 0},
-    {13, 41, 64, 4, 1, 0}, {13, 42, 64, 4, 1, 0}, {13, 43, 64, 4, 1, 0}, {13, 44, 64, 4, 1, 0},
-    {13, 45, 64, 4, 1, 0}, {13, 46, 64, 4, 1, 0}, {13, 47, 64, 4, 1, 0}, {13, 48, 64, 4, 1, 0},
-    {13, 49, 64, 4, 1, 0}, {13, 50, 64, 4, 1, 0}, {13, 51, 64, 4, 1, 0}, {13, 52, 64, 4, 1, 0},
-    {13, 53, 64, 4, 1, 0}, {13, 54, 64, 4, 1, 0}, {13, 55, 64, 4, 1, 0}, {13, 56, 64, 4, 1, 0},
-    {13, 57, 64, 4, 1, 0}, {13, 58, 64, 4, 1, 0}, {13, 59, 64, 4, 1, 0}, {13, 60, 64, 4, 1, 0},
-    {13, 61, 64, 4, 1, 0}, {13, 62, 64, 4, 1, 0},
-    // rank 1: shares 1026..2051
-    {13, 63, 64, 4, 1, 0}, {1, 0, 64, 12, 1, 0}, {17, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
-    {18, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
-    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
-    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
-    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
-    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
-    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
-    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
-    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
-    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
-    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
-    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
-    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
-    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
-    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
-    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
-    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 4, 1, 0},
-    {13, 1, 64, 4, 1, 0}, {13, 2, 64, 4, 1, 0}, {13, 3, 64, 4, 1, 0}, {13, 4, 64, 4, 1, 0},
-    {13, 5, 64, 4, 1, 0}, {13, 6, 64, 4, 1, 0}, {13, 7, 64, 4, 1, 0}, {13, 8, 64, 4, 1, 0},
-    {13, 9, 64, 4, 1, 0}, {13, 10, 64, 4, 1, 0}, {13, 11, 64, 4, 1, 0}, {13, 12, 64, 4, 1, 0},
-    {13, 13, 64, 4, 1, 0}, {13, 14, 64, 4, 1, 0}, {13, 15, 64, 4, 1, 0}, {13, 16, 64, 4, 1, 0},
-    {13, 17, 64, 4, 1, 0}, {13, 18, 64, 4, 1, 0}, {13, 19, 64, 4, 1, 0}, {13, 20, 64, 4, 1, 0},
-    {13, 21, 64, 4, 1, 0}, {13, 22, 64, 4, 1, 0}, {13, 23, 64, 4, 1, 0}, {13, 24, 64, 4, 1, 0},
-    {13, 25, 64, 4, 1, 0}, {13, 26, 64, 4, 1, 0}, {13, 27, 64, 4, 1, 0}, {13, 28, 64, 4, 1, 0},
-    {13, 29, 64, 4, 1, 0}, {13, 30, 64, 4, 1, 0}, {13, 31, 64, 4, 1, 0}, {13, 32, 64, 4, 1, 0},
-    {13, 33, 64, 4, 1, 0}, {13, 34, 64, 4, 1, 0}, {13, 35, 64, 4, 1, 0}, {13, 36, 64, 4, 1, 0},
-    {13, 37, 64, 4, 1, 0}, {13, 38, 64, 4, 1, 0}, {13, 39, 64, 4, 1, 0}, {13, 40, 64, 4, 1, 0},
-    {13, 41, 64, 4, 1, 0}, {13, 42, 64, 4, 1, 0}, {13, 43, 64, 4, 1, 0}, {13, 44, 64, 4, 1, 0},
-    {13, 45, 64, 4, 1, 0}, {13, 46, 64, 4, 1, 0}, {13, 47, 64, 4, 1, 0}, {13, 48, 64, 4, 1, 0},
-    {13, 49, 64, 4, 1, 0}, {13, 50, 64, 4, 1, 0}, {13, 51, 64, 4, 1, 0}, {13, 52, 64, 4, 1, 0},
-    {13, 53, 64, 4, 1, 0}, {13, 54, 64, 4, 1, 0}, {13, 55, 64, 4, 1, 0}, {13, 56, 64, 4, 1, 0},
-    {13, 57, 64, 4, 1, 0}, {13, 58, 64, 4, 1, 0}, {13, 59, 64, 4, 1, 0}, {13, 60, 64, 4, 1, 0},
-    {13, 61, 64, 4, 1, 0}, {13, 62, 64, 4, 1, 0},
-    // rank 2: shares 2052..3077
-    {13, 63, 64, 4, 1, 0}, {1, 0, 64, 12, 1, 0}, {17, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
-    {18, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
-    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
-    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
-    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
-    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
-    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
-    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
-    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
-    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
-    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
-    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
-    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
-    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
-    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
-    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
-    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 4, 1, 0},
-    {13, 1, 64, 4, 1, 0}, {13, 2, 64, 4, 1, 0}, {13, 3, 64, 4, 1, 0}, {13, 4, 64, 4, 1, 0},
-    {13, 5, 64, 4, 1, 0}, {13, 6, 64, 4, 1, 0}, {13, 7, 64, 4, 1, 0}, {13, 8, 64, 4, 1, 0},
-    {13, 9, 64, 4, 1, 0}, {13, 10, 64, 4, 1, 0}, {13, 11, 64, 4, 1, 0}, {13, 12, 64, 4, 1, 0},
-    {13, 13, 64, 4, 1, 0}, {13, 14, 64, 4, 1, 0}, {13, 15, 64, 4, 1, 0}, {13, 16, 64, 4, 1, 0},
-    {13, 17, 64, 4, 1, 0}, {13, 18, 64, 4, 1, 0}, {13, 19, 64, 4, 1, 0}, {13, 20, 64, 4, 1, 0},
-    {13, 21, 64, 4, 1, 0}, {13, 22, 64, 4, 1, 0}, {13, 23, 64, 4, 1, 0}, {13, 24, 64, 4, 1, 0},
-    {13, 25, 64, 4, 1, 0}, {13, 26, 64, 4, 1, 0}, {13, 27, 64, 4, 1, 0}, {13, 28, 64, 4, 1, 0},
-    {13, 29, 64, 4, 1, 0}, {13, 30, 64, 4, 1, 0}, {13, 31, 64, 4, 1, 0}, {13, 32, 64, 4, 1, 0},
-    {13, 33, 64, 4, 1, 0}, {13, 34, 64, 4, 1, 0}, {13, 35, 64, 4, 1, 0}, {13, 36, 64, 4, 1, 0},
-    {13, 37, 64, 4, 1, 0}, {13, 38, 64, 4, 1, 0}, {13, 39, 64, 4, 1, 0}, {13, 40, 64, 4, 1, 0},
-    {13, 41, 64, 4, 1, 0}, {13, 42, 64, 4, 1, 0}, {13, 43, 64, 4, 1, 0}, {13, 44, 64, 4, 1, 0},
-    {13, 45, 64, 4, 1, 0}, {13, 46, 64, 4, 1, 0}, {13, 47, 64, 4, 1, 0}, {13, 48, 64, 4, 1, 0},
-    {13, 49, 64, 4, 1, 0}, {13, 50, 64, 4, 1, 0}, {13, 51, 64, 4, 1, 0}, {13, 52, 64, 4, 1, 0},
-    {13, 53, 64, 4, 1, 0}, {13, 54, 64, 4, 1, 0}, {13, 55, 64, 4, 1, 0}, {13, 56, 64, 4, 1, 0},
-    {13, 57, 64, 4, 1, 0}, {13, 58, 64, 4, 1, 0}, {13, 59, 64, 4, 1, 0}, {13, 60, 64, 4, 1, 0},
-    {13, 61, 64, 4, 1, 0}, {13, 62, 64, 4, 1, 0},
-    // rank 3: shares 3078..4103
-    {13, 63, 64, 4, 1, 0}, {1, 0, 64, 12, 1, 0}, {17, 0, 1, 1, 0, 0}, {1, 1, 64, 12, 1, 0},
-    {18, 0, 1, 1, 0, 0}, {1, 2, 64, 12, 1, 0}, {1, 3, 64, 12, 1, 0}, {1, 4, 64, 12, 1, 0},
-    {1, 5, 64, 12, 1, 0}, {1, 6, 64, 12, 1, 0}, {1, 7, 64, 12, 1, 0}, {1, 8, 64, 12, 1, 0},
-    {1, 9, 64, 12, 1, 0}, {1, 10, 64, 12, 1, 0}, {1, 11, 64, 12, 1, 0}, {1, 12, 64, 12, 1, 0},
-    {1, 13, 64, 12, 1, 0}, {1, 14, 64, 12, 1, 0}, {1, 15, 64, 12, 1, 0}, {1, 16, 64, 12, 1, 0},
-    {1, 17, 64, 12, 1, 0}, {1, 18, 64, 12, 1, 0}, {1, 19, 64, 12, 1, 0}, {1, 20, 64, 12, 1, 0},
-    {1, 21, 64, 12, 1, 0}, {1, 22, 64, 12, 1, 0}, {1, 23, 64, 12, 1, 0}, {1, 24, 64, 12, 1, 0},
-    {1, 25, 64, 12, 1, 0}, {1, 26, 64, 12, 1, 0}, {1, 27, 64, 12, 1, 0}, {1, 28, 64, 12, 1, 0},
-    {1, 29, 64, 12, 1, 0}, {1, 30, 64, 12, 1, 0}, {1, 31, 64, 12, 1, 0}, {1, 32, 64, 12, 1, 0},
-    {1, 33, 64, 12, 1, 0}, {1, 34, 64, 12, 1, 0}, {1, 35, 64, 12, 1, 0}, {1, 36, 64, 12, 1, 0},
-    {1, 37, 64, 12, 1, 0}, {1, 38, 64, 12, 1, 0}, {1, 39, 64, 12, 1, 0}, {1, 40, 64, 12, 1, 0},
-    {1, 41, 64, 12, 1, 0}, {1, 42, 64, 12, 1, 0}, {1, 43, 64, 12, 1, 0}, {1, 44, 64, 12, 1, 0},
-    {1, 45, 64, 12, 1, 0}, {1, 46, 64, 12, 1, 0}, {1, 47, 64, 12, 1, 0}, {1, 48, 64, 12, 1, 0},
-    {1, 49, 64, 12, 1, 0}, {1, 50, 64, 12, 1, 0}, {1, 51, 64, 12, 1, 0}, {1, 52, 64, 12, 1, 0},
-    {1, 53, 64, 12, 1, 0}, {1, 54, 64, 12, 1, 0}, {1, 55, 64, 12, 1, 0}, {1, 56, 64, 12, 1, 0},
-    {1, 57, 64, 12, 1, 0}, {1, 58, 64, 12, 1, 0}, {1, 59, 64, 12, 1, 0}, {1, 60, 64, 12, 1, 0},
-    {1, 61, 64, 12, 1, 0}, {1, 62, 64, 12, 1, 0}, {1, 63, 64, 12, 1, 0}, {13, 0, 64, 4, 1, 0},
-    {13, 1, 64, 4, 1, 0}, {13, 2, 64, 4, 1, 0}, {13, 3, 64, 4, 1, 0}, {13, 4, 64, 4, 1, 0},
-    {13, 5, 64, 4, 1, 0}, {13, 6, 64, 4, 1, 0}, {13, 7, 64, 4, 1, 0}, {13, 8, 64, 4, 1, 0},
-    {13, 9, 64, 4, 1, 0}, {13, 10, 64, 4, 1, 0}, {13, 11, 64, 4, 1, 0}, {13, 12, 64, 4, 1, 0},
-    {13, 13, 64, 4, 1, 0}, {13, 14, 64, 4, 1, 0}, {13, 15, 64, 4, 1, 0}, {13, 16, 64, 4, 1, 0},
-    {13, 17, 64, 4, 1, 0}, {13, 18, 64, 4, 1, 0}, {13, 19, 64, 4, 1, 0}, {13, 20, 64, 4, 1, 0},
-    {13, 21, 64, 4, 1, 0}, {13, 22, 64, 4, 1, 0}, {13, 23, 64, 4, 1, 0}, {13, 24, 64, 4, 1, 0},
-    {13, 25, 64, 4, 1, 0}, {13, 26, 64, 4, 1, 0}, {13, 27, 64, 4, 1, 0}, {13, 28, 64, 4, 1, 0},
-    {13, 29, 64, 4, 1, 0}, {13, 30, 64, 4, 1, 0}, {13, 31, 64, 4, 1, 0}, {13, 32, 64, 4, 1, 0},
-    {13, 33, 64, 4, 1, 0}, {13, 34, 64, 4, 1, 0}, {13, 35, 64, 4, 1, 0}, {13, 36, 64, 4, 1, 0},
-    {13, 37, 64, 4, 1, 0}, {13, 38, 64, 4, 1, 0}, {13, 39, 64, 4, 1, 0}, {13, 40, 64, 4, 1, 0},
-    {13, 41, 64, 4, 1, 0}, {13, 42, 64, 4, 1, 0}, {13, 43, 64, 4, 1, 0}, {13, 44, 64, 4, 1, 0},
-    {13, 45, 64, 4, 1, 0}, {13, 46, 64, 4, 1, 0}, {13, 47, 64, 4, 1, 0}, {13, 48, 64, 4, 1, 0},
-    {13, 49, 64, 4, 1, 0}, {13, 50, 64, 4, 1, 0}, {13, 51, 64, 4, 1, 0}, {13, 52, 64, 4, 1, 0},
-    {13, 53, 64, 4, 1, 0}, {13, 54, 64, 4, 1, 0}, {13, 55, 64, 4, 1, 0}, {13, 56, 64, 4, 1, 0},
-    {13, 57, 64, 4, 1, 0}, {13, 58, 64, 4, 1, 0}, {13, 59, 64, 4, 1, 0}, {13, 60, 64, 4, 1, 0},
-    {13, 61, 64, 4, 1, 0}, {13, 62, 64, 4, 1, 0},
+    {13, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 12, 1, 0, 1, 0, 0}, {17, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 12, 1, 0, 1, 0, 0}, {18, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 12, 1, 0, 62, 0, 1}, {13, 0, 64, 4, 1, 0, 63, 0, 1},  // rank 0: shares 0..1025
+    {13, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 12, 1, 0, 1, 0, 0}, {17, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 12, 1, 0, 1, 0, 0}, {18, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 12, 1, 0, 62, 0, 1}, {13, 0, 64, 4, 1, 0, 63, 0, 1},  // rank 1: shares 1026..2051
+    {13, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 12, 1, 0, 1, 0, 0}, {17, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 12, 1, 0, 1, 0, 0}, {18, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 12, 1, 0, 62, 0, 1}, {13, 0, 64, 4, 1, 0, 63, 0, 1},  // rank 2: shares 2052..3077
+    {13, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 12, 1, 0, 1, 0, 0}, {17, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 12, 1, 0, 1, 0, 0}, {18, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 12, 1, 0, 62, 0, 1}, {13, 0, 64, 4, 1, 0, 63, 0, 1},  // rank 3: shares 3078..4103
 };
-static __device__ const tsgen::share_table<4104> shares_w4 =
-    tsgen::expand_shares<4104>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][129] = {
+static __device__ const tsgen::share_table<4104> shares_w4 = tsgen::expand_shares<4104>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 4, 17, 30, 42, 54, 66, 78, 90, 102, 114, 126, 138, 150, 162, 174, 186, 198, 210, 222, 234, 246, 258, 270, 282, 294, 306, 318, 330, 342, 354, 366, 378, 390, 402, 414, 426, 438, 450, 462, 474, 486, 498, 510, 522, 534, 546, 558, 570, 582, 594, 606, 618, 630, 642, 654, 666, 678, 690, 702, 714, 726, 738, 750, 762, 774, 778, 782, 786, 790, 794, 798, 802, 806, 810, 814, 818, 822, 826, 830, 834, 838, 842, 846, 850, 854, 858, 862, 866, 870, 874, 878, 882, 886, 890, 894, 898, 902, 906, 910, 914, 918, 922, 926, 930, 934, 938, 942, 946, 950, 954, 958, 962, 966, 970, 974, 978, 982, 986, 990, 994, 998, 1002, 1006, 1010, 1014, 1018, 1022, 1026 },
     { 1026, 1030, 1043, 1056, 1068, 1080, 1092, 1104, 1116, 1128, 1140, 1152, 1164, 1176, 1188, 1200, 1212, 1224, 1236, 1248, 1260, 1272, 1284, 1296, 1308, 1320, 1332, 1344, 1356, 1368, 1380, 1392, 1404, 1416, 1428, 1440, 1452, 1464, 1476, 1488, 1500, 1512, 1524, 1536, 1548, 1560, 1572, 1584, 1596, 1608, 1620, 1632, 1644, 1656, 1668, 1680, 1692, 1704, 1716, 1728, 1740, 1752, 1764, 1776, 1788, 1800, 1804, 1808, 1812, 1816, 1820, 1824, 1828, 1832, 1836, 1840, 1844, 1848, 1852, 1856, 1860, 1864, 1868, 1872, 1876, 1880, 1884, 1888, 1892, 1896, 1900, 1904, 1908, 1912, 1916, 1920, 1924, 1928, 1932, 1936, 1940, 1944, 1948, 1952, 1956, 1960, 1964, 1968, 1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000, 2004, 2008, 2012, 2016, 2020, 2024, 2028, 2032, 2036, 2040, 2044, 2048, 2052 },
     { 2052, 2056, 2069, 2082, 2094, 2106, 2118, 2130, 2142, 2154, 2166, 2178, 2190, 2202, 2214, 2226, 2238, 2250, 2262, 2274, 2286, 2298, 2310, 2322, 2334, 2346, 2358, 2370, 2382, 2394, 2406, 2418, 2430, 2442, 2454, 2466, 2478, 2490, 2502, 2514, 2526, 2538, 2550, 2562, 2574, 2586, 2598, 2610, 2622, 2634, 2646, 2658, 2670, 2682, 2694, 2706, 2718, 2730, 2742, 2754, 2766, 2778, 2790, 2802, 2814, 2826, 2830, 2834, 2838, 2842, 2846, 2850, 2854, 2858, 2862, 2866, 2870, 2874, 2878, 2882, 2886, 2890, 2894, 2898, 2902, 2906, 2910, 2914, 2918, 2922, 2926, 2930, 2934, 2938, 2942, 2946, 2950, 2954, 2958, 2962, 2966, 2970, 2974, 2978, 2982, 2986, 2990, 2994, 2998, 3002, 3006, 3010, 3014, 3018, 3022, 3026, 3030, 3034, 3038, 3042, 3046, 3050, 3054, 3058, 3062, 3066, 3070, 3074, 3078 },
     { 3078, 3082, 3095, 3108, 3120, 3132, 3144, 3156, 3168, 3180, 3192, 3204, 3216, 3228, 3240, 3252, 3264, 3276, 3288, 3300, 3312, 3324, 3336, 3348, 3360, 3372, 3384, 3396, 3408, 3420, 3432, 3444, 3456, 3468, 3480, 3492, 3504, 3516, 3528, 3540, 3552, 3564, 3576, 3588, 3600, 3612, 3624, 3636, 3648, 3660, 3672, 3684, 3696, 3708, 3720, 3732, 3744, 3756, 3768, 3780, 3792, 3804, 3816, 3828, 3840, 3852, 3856, 3860, 3864, 3868, 3872, 3876, 3880, 3884, 3888, 3892, 3896, 3900, 3904, 3908, 3912, 3916, 3920, 3924, 3928, 3932, 3936, 3940, 3944, 3948, 3952, 3956, 3960, 3964, 3968, 3972, 3976, 3980, 3984, 3988, 3992, 3996, 4000, 4004, 4008, 4012, 4016, 4020, 4024, 4028, 4032, 4036, 4040, 4044, 4048, 4052, 4056, 4060, 4064, 4068, 4072, 4076, 4080, 4084, 4088, 4092, 4096, 4100, 4104 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 296 steps, 16416 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 296 steps, 16416 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 3, 0}}},
-    // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},
-    // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},
-    // rank 0 step 5: chunk 7 piece 0 to rank 1; wait entry[1], arrive[28]; r1:dst@7[0/4] = r0:dst@7[0/4]; signal r1:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 0}, {{0, 2, 0, 4, 7, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 28, 64}}, {{1, 4, 28}}},
-    // rank 0 step 6: chunk 7 piece 1 to rank 1; wait entry[1], arrive[29]; r1:dst@7[1/4] = r0:dst@7[1/4]; signal r1:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 1}, {{0, 2, 0, 4, 7, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 29, 64}}, {{1, 4, 29}}},
-    // rank 0 step 7: chunk 7 piece 2 to rank 1; wait entry[1], arrive[30]; r1:dst@7[2/4] = r0:dst@7[2/4]; signal r1:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 2}, {{0, 2, 0, 4, 7, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 30, 64}}, {{1, 4, 30}}},
-    // rank 0 step 8: chunk 7 piece 3 to rank 1; wait entry[1], arrive[31]; r1:dst@7[3/4] = r0:dst@7[3/4]; signal r1:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 3}, {{0, 2, 0, 4, 7, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 31, 64}}, {{1, 4, 31}}},
-    // rank 0 step 9: chunk 6 piece 0 to rank 1; wait entry[1], arrive[24]; r1:dst@6[0/4] = r0:dst@6[0/4]; signal r1:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 0}, {{0, 2, 0, 4, 6, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 24, 64}}, {{1, 4, 24}}},
-    // rank 0 step 10: chunk 6 piece 1 to rank 1; wait entry[1], arrive[25]; r1:dst@6[1/4] = r0:dst@6[1/4]; signal r1:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 1}, {{0, 2, 0, 4, 6, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 25, 64}}, {{1, 4, 25}}},
-    // rank 0 step 11: chunk 6 piece 2 to rank 1; wait entry[1], arrive[26]; r1:dst@6[2/4] = r0:dst@6[2/4]; signal r1:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 2}, {{0, 2, 0, 4, 6, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 26, 64}}, {{1, 4, 26}}},
-    // rank 0 step 12: chunk 6 piece 3 to rank 1; wait entry[1], arrive[27]; r1:dst@6[3/4] = r0:dst@6[3/4]; signal r1:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 3}, {{0, 2, 0, 4, 6, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 27, 64}}, {{1, 4, 27}}},
-    // rank 0 step 13: chunk 5 piece 0 to rank 1; wait entry[1], arrive[20]; r1:dst@5[0/4] = r0:dst@5[0/4]; signal r1:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 0}, {{0, 2, 0, 4, 5, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 20, 64}}, {{1, 4, 20}}},
-    // rank 0 step 14: chunk 5 piece 1 to rank 1; wait entry[1], arrive[21]; r1:dst@5[1/4] = r0:dst@5[1/4]; signal r1:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 1}, {{0, 2, 0, 4, 5, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 21, 64}}, {{1, 4, 21}}},
-    // rank 0 step 15: chunk 5 piece 2 to rank 1; wait entry[1], arrive[22]; r1:dst@5[2/4] = r0:dst@5[2/4]; signal r1:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 2}, {{0, 2, 0, 4, 5, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 22, 64}}, {{1, 4, 22}}},
-    // rank 0 step 16: chunk 5 piece 3 to rank 1; wait entry[1], arrive[23]; r1:dst@5[3/4] = r0:dst@5[3/4]; signal r1:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 3}, {{0, 2, 0, 4, 5, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 23, 64}}, {{1, 4, 23}}},
-    // rank 0 step 17: chunk 4 piece 0 to rank 1; wait entry[1], arrive[16]; r1:dst@4[0/4] = r0:dst@4[0/4]; signal r1:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 0}, {{0, 2, 0, 4, 4, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 16, 64}}, {{1, 4, 16}}},
-    // rank 0 step 18: chunk 4 piece 1 to rank 1; wait entry[1], arrive[17]; r1:dst@4[1/4] = r0:dst@4[1/4]; signal r1:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 1}, {{0, 2, 0, 4, 4, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 17, 64}}, {{1, 4, 17}}},
-    // rank 0 step 19: chunk 4 piece 2 to rank 1; wait entry[1], arrive[18]; r1:dst@4[2/4] = r0:dst@4[2/4]; signal r1:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 2}, {{0, 2, 0, 4, 4, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 18, 64}}, {{1, 4, 18}}},
-    // rank 0 step 20: chunk 4 piece 3 to rank 1; wait entry[1], arrive[19]; r1:dst@4[3/4] = r0:dst@4[3/4]; signal r1:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 3}, {{0, 2, 0, 4, 4, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 19, 64}}, {{1, 4, 19}}},
-    // rank 0 step 21: chunk 3 piece 0 to rank 1; wait entry[1], arrive[12]; r1:dst@3[0/4] = r0:dst@3[0/4]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 0}, {{0, 2, 0, 4, 3, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 12, 64}}, {{1, 4, 12}}},
-    // rank 0 step 22: chunk 3 piece 1 to rank 1; wait entry[1], arrive[13]; r1:dst@3[1/4] = r0:dst@3[1/4]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 1}, {{0, 2, 0, 4, 3, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 13, 64}}, {{1, 4, 13}}},
-    // rank 0 step 23: chunk 3 piece 2 to rank 1; wait entry[1], arrive[14]; r1:dst@3[2/4] = r0:dst@3[2/4]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 2}, {{0, 2, 0, 4, 3, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 14, 64}}, {{1, 4, 14}}},
-    // rank 0 step 24: chunk 3 piece 3 to rank 1; wait entry[1], arrive[15]; r1:dst@3[3/4] = r0:dst@3[3/4]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 3}, {{0, 2, 0, 4, 3, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 15, 64}}, {{1, 4, 15}}},
-    // rank 0 step 25: chunk 2 piece 0 to rank 1; wait entry[1], arrive[8]; r1:dst@2[0/4] = r0:dst@2[0/4]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},
-    // rank 0 step 26: chunk 2 piece 1 to rank 1; wait entry[1], arrive[9]; r1:dst@2[1/4] = r0:dst@2[1/4]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},
-    // rank 0 step 27: chunk 2 piece 2 to rank 1; wait entry[1], arrive[10]; r1:dst@2[2/4] = r0:dst@2[2/4]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},
-    // rank 0 step 28: chunk 2 piece 3 to rank 1; wait entry[1], arrive[11]; r1:dst@2[3/4] = r0:dst@2[3/4]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},
-    // rank 0 step 29: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 0 step 30: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 0 step 31: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 0 step 32: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 0 step 33: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
-    // rank 0 step 34: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15], arrive[16], arrive[17], arrive[18], arrive[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
-    // rank 0 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
-    // rank 0 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: chunk 1 piece 0 to rank 2; wait entry[2]; r2:dst@1[0/4] = r1:src@0[0/4]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
-    // rank 1 step 2: chunk 1 piece 1 to rank 2; wait entry[2]; r2:dst@1[1/4] = r1:src@0[1/4]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
-    // rank 1 step 3: chunk 1 piece 2 to rank 2; wait entry[2]; r2:dst@1[2/4] = r1:src@0[2/4]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 1 step 4: chunk 1 piece 3 to rank 2; wait entry[2]; r2:dst@1[3/4] = r1:src@0[3/4]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 1 step 5: chunk 0 piece 0 to rank 2; wait entry[2], arrive[0]; r2:dst@0[0/4] = r1:dst@0[0/4]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},
-    // rank 1 step 6: chunk 0 piece 1 to rank 2; wait entry[2], arrive[1]; r2:dst@0[1/4] = r1:dst@0[1/4]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},
-    // rank 1 step 7: chunk 0 piece 2 to rank 2; wait entry[2], arrive[2]; r2:dst@0[2/4] = r1:dst@0[2/4]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},
-    // rank 1 step 8: chunk 0 piece 3 to rank 2; wait entry[2], arrive[3]; r2:dst@0[3/4] = r1:dst@0[3/4]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},
-    // rank 1 step 9: chunk 7 piece 0 to rank 2; wait entry[2], arrive[28]; r2:dst@7[0/4] = r1:dst@7[0/4]; signal r2:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 0}, {{1, 2, 0, 4, 7, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 28, 64}}, {{2, 4, 28}}},
-    // rank 1 step 10: chunk 7 piece 1 to rank 2; wait entry[2], arrive[29]; r2:dst@7[1/4] = r1:dst@7[1/4]; signal r2:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 1}, {{1, 2, 0, 4, 7, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 29, 64}}, {{2, 4, 29}}},
-    // rank 1 step 11: chunk 7 piece 2 to rank 2; wait entry[2], arrive[30]; r2:dst@7[2/4] = r1:dst@7[2/4]; signal r2:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 2}, {{1, 2, 0, 4, 7, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 30, 64}}, {{2, 4, 30}}},
-    // rank 1 step 12: chunk 7 piece 3 to rank 2; wait entry[2], arrive[31]; r2:dst@7[3/4] = r1:dst@7[3/4]; signal r2:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 3}, {{1, 2, 0, 4, 7, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 31, 64}}, {{2, 4, 31}}},
-    // rank 1 step 13: chunk 6 piece 0 to rank 2; wait entry[2], arrive[24]; r2:dst@6[0/4] = r1:dst@6[0/4]; signal r2:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 0}, {{1, 2, 0, 4, 6, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 24, 64}}, {{2, 4, 24}}},
-    // rank 1 step 14: chunk 6 piece 1 to rank 2; wait entry[2], arrive[25]; r2:dst@6[1/4] = r1:dst@6[1/4]; signal r2:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 1}, {{1, 2, 0, 4, 6, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 25, 64}}, {{2, 4, 25}}},
-    // rank 1 step 15: chunk 6 piece 2 to rank 2; wait entry[2], arrive[26]; r2:dst@6[2/4] = r1:dst@6[2/4]; signal r2:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 2}, {{1, 2, 0, 4, 6, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 26, 64}}, {{2, 4, 26}}},
-    // rank 1 step 16: chunk 6 piece 3 to rank 2; wait entry[2], arrive[27]; r2:dst@6[3/4] = r1:dst@6[3/4]; signal r2:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 3}, {{1, 2, 0, 4, 6, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 27, 64}}, {{2, 4, 27}}},
-    // rank 1 step 17: chunk 5 piece 0 to rank 2; wait entry[2], arrive[20]; r2:dst@5[0/4] = r1:dst@5[0/4]; signal r2:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 0}, {{1, 2, 0, 4, 5, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 20, 64}}, {{2, 4, 20}}},
-    // rank 1 step 18: chunk 5 piece 1 to rank 2; wait entry[2], arrive[21]; r2:dst@5[1/4] = r1:dst@5[1/4]; signal r2:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 1}, {{1, 2, 0, 4, 5, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 21, 64}}, {{2, 4, 21}}},
-    // rank 1 step 19: chunk 5 piece 2 to rank 2; wait entry[2], arrive[22]; r2:dst@5[2/4] = r1:dst@5[2/4]; signal r2:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 2}, {{1, 2, 0, 4, 5, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 22, 64}}, {{2, 4, 22}}},
-    // rank 1 step 20: chunk 5 piece 3 to rank 2; wait entry[2], arrive[23]; r2:dst@5[3/4] = r1:dst@5[3/4]; signal r2:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 3}, {{1, 2, 0, 4, 5, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 23, 64}}, {{2, 4, 23}}},
-    // rank 1 step 21: chunk 4 piece 0 to rank 2; wait entry[2], arrive[16]; r2:dst@4[0/4] = r1:dst@4[0/4]; signal r2:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 0}, {{1, 2, 0, 4, 4, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 16, 64}}, {{2, 4, 16}}},
-    // rank 1 step 22: chunk 4 piece 1 to rank 2; wait entry[2], arrive[17]; r2:dst@4[1/4] = r1:dst@4[1/4]; signal r2:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 1}, {{1, 2, 0, 4, 4, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 17, 64}}, {{2, 4, 17}}},
-    // rank 1 step 23: chunk 4 piece 2 to rank 2; wait entry[2], arrive[18]; r2:dst@4[2/4] = r1:dst@4[2/4]; signal r2:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 2}, {{1, 2, 0, 4, 4, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 18, 64}}, {{2, 4, 18}}},
-    // rank 1 step 24: chunk 4 piece 3 to rank 2; wait entry[2], arrive[19]; r2:dst@4[3/4] = r1:dst@4[3/4]; signal r2:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 3}, {{1, 2, 0, 4, 4, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 19, 64}}, {{2, 4, 19}}},
-    // rank 1 step 25: chunk 3 piece 0 to rank 2; wait entry[2], arrive[12]; r2:dst@3[0/4] = r1:dst@3[0/4]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 0}, {{1, 2, 0, 4, 3, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 12, 64}}, {{2, 4, 12}}},
-    // rank 1 step 26: chunk 3 piece 1 to rank 2; wait entry[2], arrive[13]; r2:dst@3[1/4] = r1:dst@3[1/4]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 1}, {{1, 2, 0, 4, 3, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 13, 64}}, {{2, 4, 13}}},
-    // rank 1 step 27: chunk 3 piece 2 to rank 2; wait entry[2], arrive[14]; r2:dst@3[2/4] = r1:dst@3[2/4]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 2}, {{1, 2, 0, 4, 3, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 14, 64}}, {{2, 4, 14}}},
-    // rank 1 step 28: chunk 3 piece 3 to rank 2; wait entry[2], arrive[15]; r2:dst@3[3/4] = r1:dst@3[3/4]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 3}, {{1, 2, 0, 4, 3, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 15, 64}}, {{2, 4, 15}}},
-    // rank 1 step 29: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 1 step 30: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 1 step 31: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 1 step 32: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 1 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[8], arrive[9], arrive[10], arrive[11]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},
-    // rank 1 step 34: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15], arrive[16], arrive[17], arrive[18], arrive[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
-    // rank 1 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
-    // rank 1 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
-    // rank 2 step 1: chunk 2 piece 0 to rank 3; wait entry[3]; r3:dst@2[0/4] = r2:src@0[0/4]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
-    // rank 2 step 2: chunk 2 piece 1 to rank 3; wait entry[3]; r3:dst@2[1/4] = r2:src@0[1/4]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
-    // rank 2 step 3: chunk 2 piece 2 to rank 3; wait entry[3]; r3:dst@2[2/4] = r2:src@0[2/4]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
-    // rank 2 step 4: chunk 2 piece 3 to rank 3; wait entry[3]; r3:dst@2[3/4] = r2:src@0[3/4]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
-    // rank 2 step 5: chunk 1 piece 0 to rank 3; wait entry[3], arrive[4]; r3:dst@1[0/4] = r2:dst@1[0/4]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
-    // rank 2 step 6: chunk 1 piece 1 to rank 3; wait entry[3], arrive[5]; r3:dst@1[1/4] = r2:dst@1[1/4]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
-    // rank 2 step 7: chunk 1 piece 2 to rank 3; wait entry[3], arrive[6]; r3:dst@1[2/4] = r2:dst@1[2/4]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
-    // rank 2 step 8: chunk 1 piece 3 to rank 3; wait entry[3], arrive[7]; r3:dst@1[3/4] = r2:dst@1[3/4]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
-    // rank 2 step 9: chunk 0 piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/4] = r2:dst@0[0/4]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 0}, {{2, 2, 0, 4, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
-    // rank 2 step 10: chunk 0 piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/4] = r2:dst@0[1/4]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 1}, {{2, 2, 0, 4, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
-    // rank 2 step 11: chunk 0 piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/4] = r2:dst@0[2/4]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
-    // rank 2 step 12: chunk 0 piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/4] = r2:dst@0[3/4]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 3}, {{2, 2, 0, 4, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
-    // rank 2 step 13: chunk 7 piece 0 to rank 3; wait entry[3], arrive[28]; r3:dst@7[0/4] = r2:dst@7[0/4]; signal r3:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 0}, {{2, 2, 0, 4, 7, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 28, 64}}, {{3, 4, 28}}},
-    // rank 2 step 14: chunk 7 piece 1 to rank 3; wait entry[3], arrive[29]; r3:dst@7[1/4] = r2:dst@7[1/4]; signal r3:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 1}, {{2, 2, 0, 4, 7, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 29, 64}}, {{3, 4, 29}}},
-    // rank 2 step 15: chunk 7 piece 2 to rank 3; wait entry[3], arrive[30]; r3:dst@7[2/4] = r2:dst@7[2/4]; signal r3:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 2}, {{2, 2, 0, 4, 7, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 30, 64}}, {{3, 4, 30}}},
-    // rank 2 step 16: chunk 7 piece 3 to rank 3; wait entry[3], arrive[31]; r3:dst@7[3/4] = r2:dst@7[3/4]; signal r3:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 3}, {{2, 2, 0, 4, 7, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 31, 64}}, {{3, 4, 31}}},
-    // rank 2 step 17: chunk 6 piece 0 to rank 3; wait entry[3], arrive[24]; r3:dst@6[0/4] = r2:dst@6[0/4]; signal r3:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 0}, {{2, 2, 0, 4, 6, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 24, 64}}, {{3, 4, 24}}},
-    // rank 2 step 18: chunk 6 piece 1 to rank 3; wait entry[3], arrive[25]; r3:dst@6[1/4] = r2:dst@6[1/4]; signal r3:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 1}, {{2, 2, 0, 4, 6, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 25, 64}}, {{3, 4, 25}}},
-    // rank 2 step 19: chunk 6 piece 2 to rank 3; wait entry[3], arrive[26]; r3:dst@6[2/4] = r2:dst@6[2/4]; signal r3:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 2}, {{2, 2, 0, 4, 6, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 26, 64}}, {{3, 4, 26}}},
-    // rank 2 step 20: chunk 6 piece 3 to rank 3; wait entry[3], arrive[27]; r3:dst@6[3/4] = r2:dst@6[3/4]; signal r3:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 3}, {{2, 2, 0, 4, 6, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 27, 64}}, {{3, 4, 27}}},
-    // rank 2 step 21: chunk 5 piece 0 to rank 3; wait entry[3], arrive[20]; r3:dst@5[0/4] = r2:dst@5[0/4]; signal r3:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 0}, {{2, 2, 0, 4, 5, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 20, 64}}, {{3, 4, 20}}},
-    // rank 2 step 22: chunk 5 piece 1 to rank 3; wait entry[3], arrive[21]; r3:dst@5[1/4] = r2:dst@5[1/4]; signal r3:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 1}, {{2, 2, 0, 4, 5, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 21, 64}}, {{3, 4, 21}}},
-    // rank 2 step 23: chunk 5 piece 2 to rank 3; wait entry[3], arrive[22]; r3:dst@5[2/4] = r2:dst@5[2/4]; signal r3:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 2}, {{2, 2, 0, 4, 5, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 22, 64}}, {{3, 4, 22}}},
-    // rank 2 step 24: chunk 5 piece 3 to rank 3; wait entry[3], arrive[23]; r3:dst@5[3/4] = r2:dst@5[3/4]; signal r3:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 3}, {{2, 2, 0, 4, 5, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 23, 64}}, {{3, 4, 23}}},
-    // rank 2 step 25: chunk 4 piece 0 to rank 3; wait entry[3], arrive[16]; r3:dst@4[0/4] = r2:dst@4[0/4]; signal r3:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 0}, {{2, 2, 0, 4, 4, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 16, 64}}, {{3, 4, 16}}},
-    // rank 2 step 26: chunk 4 piece 1 to rank 3; wait entry[3], arrive[17]; r3:dst@4[1/4] = r2:dst@4[1/4]; signal r3:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 1}, {{2, 2, 0, 4, 4, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 17, 64}}, {{3, 4, 17}}},
-    // rank 2 step 27: chunk 4 piece 2 to rank 3; wait entry[3], arrive[18]; r3:dst@4[2/4] = r2:dst@4[2/4]; signal r3:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 2}, {{2, 2, 0, 4, 4, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 18, 64}}, {{3, 4, 18}}},
-    // rank 2 step 28: chunk 4 piece 3 to rank 3; wait entry[3], arrive[19]; r3:dst@4[3/4] = r2:dst@4[3/4]; signal r3:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 3}, {{2, 2, 0, 4, 4, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 19, 64}}, {{3, 4, 19}}},
-    // rank 2 step 29: local copy, piece 0; r2:dst@2[0/4] = r2:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 2 step 30: local copy, piece 1; r2:dst@2[1/4] = r2:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 2 step 31: local copy, piece 2; r2:dst@2[2/4] = r2:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 2 step 32: local copy, piece 3; r2:dst@2[3/4] = r2:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 2 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 2 step 34: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15], arrive[16], arrive[17], arrive[18], arrive[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
-    // rank 2 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
-    // rank 2 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},
-    // rank 3 step 1: chunk 3 piece 0 to rank 4; wait entry[4]; r4:dst@3[0/4] = r3:src@0[0/4]; signal r4:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 12}}},
-    // rank 3 step 2: chunk 3 piece 1 to rank 4; wait entry[4]; r4:dst@3[1/4] = r3:src@0[1/4]; signal r4:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 13}}},
-    // rank 3 step 3: chunk 3 piece 2 to rank 4; wait entry[4]; r4:dst@3[2/4] = r3:src@0[2/4]; signal r4:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {{3, 0, 4, 1}}, {{4, 4, 14}}},
-    // rank 3 step 4: chunk 3 piece 3 to rank 4; wait entry[4]; r4:dst@3[3/4] = r3:src@0[3/4]; signal r4:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {{3, 0, 4, 1}}, {{4, 4, 15}}},
-    // rank 3 step 5: chunk 2 piece 0 to rank 4; wait entry[4], arrive[8]; r4:dst@2[0/4] = r3:dst@2[0/4]; signal r4:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 0}, {{3, 2, 0, 4, 2, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 8, 64}}, {{4, 4, 8}}},
-    // rank 3 step 6: chunk 2 piece 1 to rank 4; wait entry[4], arrive[9]; r4:dst@2[1/4] = r3:dst@2[1/4]; signal r4:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 1}, {{3, 2, 0, 4, 2, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 9, 64}}, {{4, 4, 9}}},
-    // rank 3 step 7: chunk 2 piece 2 to rank 4; wait entry[4], arrive[10]; r4:dst@2[2/4] = r3:dst@2[2/4]; signal r4:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 2}, {{3, 2, 0, 4, 2, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 10, 64}}, {{4, 4, 10}}},
-    // rank 3 step 8: chunk 2 piece 3 to rank 4; wait entry[4], arrive[11]; r4:dst@2[3/4] = r3:dst@2[3/4]; signal r4:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 3}, {{3, 2, 0, 4, 2, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 11, 64}}, {{4, 4, 11}}},
-    // rank 3 step 9: chunk 1 piece 0 to rank 4; wait entry[4], arrive[4]; r4:dst@1[0/4] = r3:dst@1[0/4]; signal r4:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 0}, {{3, 2, 0, 4, 1, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 4, 64}}, {{4, 4, 4}}},
-    // rank 3 step 10: chunk 1 piece 1 to rank 4; wait entry[4], arrive[5]; r4:dst@1[1/4] = r3:dst@1[1/4]; signal r4:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 1}, {{3, 2, 0, 4, 1, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 5, 64}}, {{4, 4, 5}}},
-    // rank 3 step 11: chunk 1 piece 2 to rank 4; wait entry[4], arrive[6]; r4:dst@1[2/4] = r3:dst@1[2/4]; signal r4:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 2}, {{3, 2, 0, 4, 1, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 6, 64}}, {{4, 4, 6}}},
-    // rank 3 step 12: chunk 1 piece 3 to rank 4; wait entry[4], arrive[7]; r4:dst@1[3/4] = r3:dst@1[3/4]; signal r4:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 3}, {{3, 2, 0, 4, 1, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 7, 64}}, {{4, 4, 7}}},
-    // rank 3 step 13: chunk 0 piece 0 to rank 4; wait entry[4], arrive[0]; r4:dst@0[0/4] = r3:dst@0[0/4]; signal r4:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 0}, {{3, 2, 0, 4, 0, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 0, 64}}, {{4, 4, 0}}},
-    // rank 3 step 14: chunk 0 piece 1 to rank 4; wait entry[4], arrive[1]; r4:dst@0[1/4] = r3:dst@0[1/4]; signal r4:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 1}, {{3, 2, 0, 4, 0, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 1, 64}}, {{4, 4, 1}}},
-    // rank 3 step 15: chunk 0 piece 2 to rank 4; wait entry[4], arrive[2]; r4:dst@0[2/4] = r3:dst@0[2/4]; signal r4:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 2}, {{3, 2, 0, 4, 0, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 2, 64}}, {{4, 4, 2}}},
-    // rank 3 step 16: chunk 0 piece 3 to rank 4; wait entry[4], arrive[3]; r4:dst@0[3/4] = r3:dst@0[3/4]; signal r4:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 3}, {{3, 2, 0, 4, 0, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 3, 64}}, {{4, 4, 3}}},
-    // rank 3 step 17: chunk 7 piece 0 to rank 4; wait entry[4], arrive[28]; r4:dst@7[0/4] = r3:dst@7[0/4]; signal r4:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 0}, {{3, 2, 0, 4, 7, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 28, 64}}, {{4, 4, 28}}},
-    // rank 3 step 18: chunk 7 piece 1 to rank 4; wait entry[4], arrive[29]; r4:dst@7[1/4] = r3:dst@7[1/4]; signal r4:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 1}, {{3, 2, 0, 4, 7, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 29, 64}}, {{4, 4, 29}}},
-    // rank 3 step 19: chunk 7 piece 2 to rank 4; wait entry[4], arrive[30]; r4:dst@7[2/4] = r3:dst@7[2/4]; signal r4:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 2}, {{3, 2, 0, 4, 7, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 30, 64}}, {{4, 4, 30}}},
-    // rank 3 step 20: chunk 7 piece 3 to rank 4; wait entry[4], arrive[31]; r4:dst@7[3/4] = r3:dst@7[3/4]; signal r4:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 3}, {{3, 2, 0, 4, 7, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 31, 64}}, {{4, 4, 31}}},
-    // rank 3 step 21: chunk 6 piece 0 to rank 4; wait entry[4], arrive[24]; r4:dst@6[0/4] = r3:dst@6[0/4]; signal r4:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 0}, {{3, 2, 0, 4, 6, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 24, 64}}, {{4, 4, 24}}},
-    // rank 3 step 22: chunk 6 piece 1 to rank 4; wait entry[4], arrive[25]; r4:dst@6[1/4] = r3:dst@6[1/4]; signal r4:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 1}, {{3, 2, 0, 4, 6, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 25, 64}}, {{4, 4, 25}}},
-    // rank 3 step 23: chunk 6 piece 2 to rank 4; wait entry[4], arrive[26]; r4:dst@6[2/4] = r3:dst@6[2/4]; signal r4:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 2}, {{3, 2, 0, 4, 6, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 26, 64}}, {{4, 4, 26}}},
-    // rank 3 step 24: chunk 6 piece 3 to rank 4; wait entry[4], arrive[27]; r4:dst@6[3/4] = r3:dst@6[3/4]; signal r4:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 3}, {{3, 2, 0, 4, 6, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 27, 64}}, {{4, 4, 27}}},
-    // rank 3 step 25: chunk 5 piece 0 to rank 4; wait entry[4], arrive[20]; r4:dst@5[0/4] = r3:dst@5[0/4]; signal r4:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 0}, {{3, 2, 0, 4, 5, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 20, 64}}, {{4, 4, 20}}},
-    // rank 3 step 26: chunk 5 piece 1 to rank 4; wait entry[4], arrive[21]; r4:dst@5[1/4] = r3:dst@5[1/4]; signal r4:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 1}, {{3, 2, 0, 4, 5, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 21, 64}}, {{4, 4, 21}}},
-    // rank 3 step 27: chunk 5 piece 2 to rank 4; wait entry[4], arrive[22]; r4:dst@5[2/4] = r3:dst@5[2/4]; signal r4:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 2}, {{3, 2, 0, 4, 5, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 22, 64}}, {{4, 4, 22}}},
-    // rank 3 step 28: chunk 5 piece 3 to rank 4; wait entry[4], arrive[23]; r4:dst@5[3/4] = r3:dst@5[3/4]; signal r4:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 3}, {{3, 2, 0, 4, 5, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 23, 64}}, {{4, 4, 23}}},
-    // rank 3 step 29: local copy, piece 0; r3:dst@3[0/4] = r3:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 3 step 30: local copy, piece 1; r3:dst@3[1/4] = r3:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 3 step 31: local copy, piece 2; r3:dst@3[2/4] = r3:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 3 step 32: local copy, piece 3; r3:dst@3[3/4] = r3:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 3 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 3 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[16], arrive[17], arrive[18], arrive[19]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},
-    // rank 3 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
-    // rank 3 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 4}}},
-    // rank 4 step 1: chunk 4 piece 0 to rank 5; wait entry[5]; r5:dst@4[0/4] = r4:src@0[0/4]; signal r5:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 0}, {{4, 1, 1, 4, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 16}}},
-    // rank 4 step 2: chunk 4 piece 1 to rank 5; wait entry[5]; r5:dst@4[1/4] = r4:src@0[1/4]; signal r5:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 1}, {{4, 1, 1, 4, 0, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 17}}},
-    // rank 4 step 3: chunk 4 piece 2 to rank 5; wait entry[5]; r5:dst@4[2/4] = r4:src@0[2/4]; signal r5:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 2}, {{4, 1, 1, 4, 0, 2}}, {}, {{3, 0, 5, 1}}, {{5, 4, 18}}},
-    // rank 4 step 4: chunk 4 piece 3 to rank 5; wait entry[5]; r5:dst@4[3/4] = r4:src@0[3/4]; signal r5:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 3}, {{4, 1, 1, 4, 0, 3}}, {}, {{3, 0, 5, 1}}, {{5, 4, 19}}},
-    // rank 4 step 5: chunk 3 piece 0 to rank 5; wait entry[5], arrive[12]; r5:dst@3[0/4] = r4:dst@3[0/4]; signal r5:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 0}, {{4, 2, 0, 4, 3, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 12, 64}}, {{5, 4, 12}}},
-    // rank 4 step 6: chunk 3 piece 1 to rank 5; wait entry[5], arrive[13]; r5:dst@3[1/4] = r4:dst@3[1/4]; signal r5:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 1}, {{4, 2, 0, 4, 3, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 13, 64}}, {{5, 4, 13}}},
-    // rank 4 step 7: chunk 3 piece 2 to rank 5; wait entry[5], arrive[14]; r5:dst@3[2/4] = r4:dst@3[2/4]; signal r5:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 2}, {{4, 2, 0, 4, 3, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 14, 64}}, {{5, 4, 14}}},
-    // rank 4 step 8: chunk 3 piece 3 to rank 5; wait entry[5], arrive[15]; r5:dst@3[3/4] = r4:dst@3[3/4]; signal r5:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 3}, {{4, 2, 0, 4, 3, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 15, 64}}, {{5, 4, 15}}},
-    // rank 4 step 9: chunk 2 piece 0 to rank 5; wait entry[5], arrive[8]; r5:dst@2[0/4] = r4:dst@2[0/4]; signal r5:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 0}, {{4, 2, 0, 4, 2, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 8, 64}}, {{5, 4, 8}}},
-    // rank 4 step 10: chunk 2 piece 1 to rank 5; wait entry[5], arrive[9]; r5:dst@2[1/4] = r4:dst@2[1/4]; signal r5:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 1}, {{4, 2, 0, 4, 2, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 9, 64}}, {{5, 4, 9}}},
-    // rank 4 step 11: chunk 2 piece 2 to rank 5; wait entry[5], arrive[10]; r5:dst@2[2/4] = r4:dst@2[2/4]; signal r5:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 2}, {{4, 2, 0, 4, 2, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 10, 64}}, {{5, 4, 10}}},
-    // rank 4 step 12: chunk 2 piece 3 to rank 5; wait entry[5], arrive[11]; r5:dst@2[3/4] = r4:dst@2[3/4]; signal r5:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 3}, {{4, 2, 0, 4, 2, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 11, 64}}, {{5, 4, 11}}},
-    // rank 4 step 13: chunk 1 piece 0 to rank 5; wait entry[5], arrive[4]; r5:dst@1[0/4] = r4:dst@1[0/4]; signal r5:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 0}, {{4, 2, 0, 4, 1, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 4, 64}}, {{5, 4, 4}}},
-    // rank 4 step 14: chunk 1 piece 1 to rank 5; wait entry[5], arrive[5]; r5:dst@1[1/4] = r4:dst@1[1/4]; signal r5:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 1}, {{4, 2, 0, 4, 1, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 5, 64}}, {{5, 4, 5}}},
-    // rank 4 step 15: chunk 1 piece 2 to rank 5; wait entry[5], arrive[6]; r5:dst@1[2/4] = r4:dst@1[2/4]; signal r5:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 2}, {{4, 2, 0, 4, 1, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 6, 64}}, {{5, 4, 6}}},
-    // rank 4 step 16: chunk 1 piece 3 to rank 5; wait entry[5], arrive[7]; r5:dst@1[3/4] = r4:dst@1[3/4]; signal r5:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 3}, {{4, 2, 0, 4, 1, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 7, 64}}, {{5, 4, 7}}},
-    // rank 4 step 17: chunk 0 piece 0 to rank 5; wait entry[5], arrive[0]; r5:dst@0[0/4] = r4:dst@0[0/4]; signal r5:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 0}, {{4, 2, 0, 4, 0, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 0, 64}}, {{5, 4, 0}}},
-    // rank 4 step 18: chunk 0 piece 1 to rank 5; wait entry[5], arrive[1]; r5:dst@0[1/4] = r4:dst@0[1/4]; signal r5:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 1}, {{4, 2, 0, 4, 0, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 1, 64}}, {{5, 4, 1}}},
-    // rank 4 step 19: chunk 0 piece 2 to rank 5; wait entry[5], arrive[2]; r5:dst@0[2/4] = r4:dst@0[2/4]; signal r5:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 2}, {{4, 2, 0, 4, 0, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 2, 64}}, {{5, 4, 2}}},
-    // rank 4 step 20: chunk 0 piece 3 to rank 5; wait entry[5], arrive[3]; r5:dst@0[3/4] = r4:dst@0[3/4]; signal r5:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 3}, {{4, 2, 0, 4, 0, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 3, 64}}, {{5, 4, 3}}},
-    // rank 4 step 21: chunk 7 piece 0 to rank 5; wait entry[5], arrive[28]; r5:dst@7[0/4] = r4:dst@7[0/4]; signal r5:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 0}, {{4, 2, 0, 4, 7, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 28, 64}}, {{5, 4, 28}}},
-    // rank 4 step 22: chunk 7 piece 1 to rank 5; wait entry[5], arrive[29]; r5:dst@7[1/4] = r4:dst@7[1/4]; signal r5:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 1}, {{4, 2, 0, 4, 7, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 29, 64}}, {{5, 4, 29}}},
-    // rank 4 step 23: chunk 7 piece 2 to rank 5; wait entry[5], arrive[30]; r5:dst@7[2/4] = r4:dst@7[2/4]; signal r5:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 2}, {{4, 2, 0, 4, 7, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 30, 64}}, {{5, 4, 30}}},
-    // rank 4 step 24: chunk 7 piece 3 to rank 5; wait entry[5], arrive[31]; r5:dst@7[3/4] = r4:dst@7[3/4]; signal r5:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 3}, {{4, 2, 0, 4, 7, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 31, 64}}, {{5, 4, 31}}},
-    // rank 4 step 25: chunk 6 piece 0 to rank 5; wait entry[5], arrive[24]; r5:dst@6[0/4] = r4:dst@6[0/4]; signal r5:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 0}, {{4, 2, 0, 4, 6, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 24, 64}}, {{5, 4, 24}}},
-    // rank 4 step 26: chunk 6 piece 1 to rank 5; wait entry[5], arrive[25]; r5:dst@6[1/4] = r4:dst@6[1/4]; signal r5:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 1}, {{4, 2, 0, 4, 6, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 25, 64}}, {{5, 4, 25}}},
-    // rank 4 step 27: chunk 6 piece 2 to rank 5; wait entry[5], arrive[26]; r5:dst@6[2/4] = r4:dst@6[2/4]; signal r5:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 2}, {{4, 2, 0, 4, 6, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 26, 64}}, {{5, 4, 26}}},
-    // rank 4 step 28: chunk 6 piece 3 to rank 5; wait entry[5], arrive[27]; r5:dst@6[3/4] = r4:dst@6[3/4]; signal r5:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 3}, {{4, 2, 0, 4, 6, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 27, 64}}, {{5, 4, 27}}},
-    // rank 4 step 29: local copy, piece 0; r4:dst@4[0/4] = r4:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 0}, {{4, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 4 step 30: local copy, piece 1; r4:dst@4[1/4] = r4:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 1}, {{4, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 4 step 31: local copy, piece 2; r4:dst@4[2/4] = r4:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 2}, {{4, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 4 step 32: local copy, piece 3; r4:dst@4[3/4] = r4:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 3}, {{4, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 4 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 4 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 4 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
-    // rank 4 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 3, 5}}},
-    // rank 5 step 1: chunk 5 piece 0 to rank 6; wait entry[6]; r6:dst@5[0/4] = r5:src@0[0/4]; signal r6:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 0}, {{5, 1, 1, 4, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 20}}},
-    // rank 5 step 2: chunk 5 piece 1 to rank 6; wait entry[6]; r6:dst@5[1/4] = r5:src@0[1/4]; signal r6:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 1}, {{5, 1, 1, 4, 0, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 21}}},
-    // rank 5 step 3: chunk 5 piece 2 to rank 6; wait entry[6]; r6:dst@5[2/4] = r5:src@0[2/4]; signal r6:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 2}, {{5, 1, 1, 4, 0, 2}}, {}, {{3, 0, 6, 1}}, {{6, 4, 22}}},
-    // rank 5 step 4: chunk 5 piece 3 to rank 6; wait entry[6]; r6:dst@5[3/4] = r5:src@0[3/4]; signal r6:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 3}, {{5, 1, 1, 4, 0, 3}}, {}, {{3, 0, 6, 1}}, {{6, 4, 23}}},
-    // rank 5 step 5: chunk 4 piece 0 to rank 6; wait entry[6], arrive[16]; r6:dst@4[0/4] = r5:dst@4[0/4]; signal r6:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 0}, {{5, 2, 0, 4, 4, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 16, 64}}, {{6, 4, 16}}},
-    // rank 5 step 6: chunk 4 piece 1 to rank 6; wait entry[6], arrive[17]; r6:dst@4[1/4] = r5:dst@4[1/4]; signal r6:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 1}, {{5, 2, 0, 4, 4, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 17, 64}}, {{6, 4, 17}}},
-    // rank 5 step 7: chunk 4 piece 2 to rank 6; wait entry[6], arrive[18]; r6:dst@4[2/4] = r5:dst@4[2/4]; signal r6:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 2}, {{5, 2, 0, 4, 4, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 18, 64}}, {{6, 4, 18}}},
-    // rank 5 step 8: chunk 4 piece 3 to rank 6; wait entry[6], arrive[19]; r6:dst@4[3/4] = r5:dst@4[3/4]; signal r6:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 3}, {{5, 2, 0, 4, 4, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 19, 64}}, {{6, 4, 19}}},
-    // rank 5 step 9: chunk 3 piece 0 to rank 6; wait entry[6], arrive[12]; r6:dst@3[0/4] = r5:dst@3[0/4]; signal r6:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 0}, {{5, 2, 0, 4, 3, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 12, 64}}, {{6, 4, 12}}},
-    // rank 5 step 10: chunk 3 piece 1 to rank 6; wait entry[6], arrive[13]; r6:dst@3[1/4] = r5:dst@3[1/4]; signal r6:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 1}, {{5, 2, 0, 4, 3, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 13, 64}}, {{6, 4, 13}}},
-    // rank 5 step 11: chunk 3 piece 2 to rank 6; wait entry[6], arrive[14]; r6:dst@3[2/4] = r5:dst@3[2/4]; signal r6:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 2}, {{5, 2, 0, 4, 3, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 14, 64}}, {{6, 4, 14}}},
-    // rank 5 step 12: chunk 3 piece 3 to rank 6; wait entry[6], arrive[15]; r6:dst@3[3/4] = r5:dst@3[3/4]; signal r6:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 3}, {{5, 2, 0, 4, 3, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 15, 64}}, {{6, 4, 15}}},
-    // rank 5 step 13: chunk 2 piece 0 to rank 6; wait entry[6], arrive[8]; r6:dst@2[0/4] = r5:dst@2[0/4]; signal r6:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 0}, {{5, 2, 0, 4, 2, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 8, 64}}, {{6, 4, 8}}},
-    // rank 5 step 14: chunk 2 piece 1 to rank 6; wait entry[6], arrive[9]; r6:dst@2[1/4] = r5:dst@2[1/4]; signal r6:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 1}, {{5, 2, 0, 4, 2, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 9, 64}}, {{6, 4, 9}}},
-    // rank 5 step 15: chunk 2 piece 2 to rank 6; wait entry[6], arrive[10]; r6:dst@2[2/4] = r5:dst@2[2/4]; signal r6:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 2}, {{5, 2, 0, 4, 2, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 10, 64}}, {{6, 4, 10}}},
-    // rank 5 step 16: chunk 2 piece 3 to rank 6; wait entry[6], arrive[11]; r6:dst@2[3/4] = r5:dst@2[3/4]; signal r6:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 3}, {{5, 2, 0, 4, 2, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 11, 64}}, {{6, 4, 11}}},
-    // rank 5 step 17: chunk 1 piece 0 to rank 6; wait entry[6], arrive[4]; r6:dst@1[0/4] = r5:dst@1[0/4]; signal r6:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 0}, {{5, 2, 0, 4, 1, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 4, 64}}, {{6, 4, 4}}},
-    // rank 5 step 18: chunk 1 piece 1 to rank 6; wait entry[6], arrive[5]; r6:dst@1[1/4] = r5:dst@1[1/4]; signal r6:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 1}, {{5, 2, 0, 4, 1, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 5, 64}}, {{6, 4, 5}}},
-    // rank 5 step 19: chunk 1 piece 2 to rank 6; wait entry[6], arrive[6]; r6:dst@1[2/4] = r5:dst@1[2/4]; signal r6:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 2}, {{5, 2, 0, 4, 1, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 6, 64}}, {{6, 4, 6}}},
-    // rank 5 step 20: chunk 1 piece 3 to rank 6; wait entry[6], arrive[7]; r6:dst@1[3/4] = r5:dst@1[3/4]; signal r6:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 3}, {{5, 2, 0, 4, 1, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 7, 64}}, {{6, 4, 7}}},
-    // rank 5 step 21: chunk 0 piece 0 to rank 6; wait entry[6], arrive[0]; r6:dst@0[0/4] = r5:dst@0[0/4]; signal r6:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 0}, {{5, 2, 0, 4, 0, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 0, 64}}, {{6, 4, 0}}},
-    // rank 5 step 22: chunk 0 piece 1 to rank 6; wait entry[6], arrive[1]; r6:dst@0[1/4] = r5:dst@0[1/4]; signal r6:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 1}, {{5, 2, 0, 4, 0, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 1, 64}}, {{6, 4, 1}}},
-    // rank 5 step 23: chunk 0 piece 2 to rank 6; wait entry[6], arrive[2]; r6:dst@0[2/4] = r5:dst@0[2/4]; signal r6:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 2}, {{5, 2, 0, 4, 0, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 2, 64}}, {{6, 4, 2}}},
-    // rank 5 step 24: chunk 0 piece 3 to rank 6; wait entry[6], arrive[3]; r6:dst@0[3/4] = r5:dst@0[3/4]; signal r6:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 3}, {{5, 2, 0, 4, 0, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 3, 64}}, {{6, 4, 3}}},
-    // rank 5 step 25: chunk 7 piece 0 to rank 6; wait entry[6], arrive[28]; r6:dst@7[0/4] = r5:dst@7[0/4]; signal r6:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 0}, {{5, 2, 0, 4, 7, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 28, 64}}, {{6, 4, 28}}},
-    // rank 5 step 26: chunk 7 piece 1 to rank 6; wait entry[6], arrive[29]; r6:dst@7[1/4] = r5:dst@7[1/4]; signal r6:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 1}, {{5, 2, 0, 4, 7, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 29, 64}}, {{6, 4, 29}}},
-    // rank 5 step 27: chunk 7 piece 2 to rank 6; wait entry[6], arrive[30]; r6:dst@7[2/4] = r5:dst@7[2/4]; signal r6:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 2}, {{5, 2, 0, 4, 7, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 30, 64}}, {{6, 4, 30}}},
-    // rank 5 step 28: chunk 7 piece 3 to rank 6; wait entry[6], arrive[31]; r6:dst@7[3/4] = r5:dst@7[3/4]; signal r6:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 3}, {{5, 2, 0, 4, 7, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 31, 64}}, {{6, 4, 31}}},
-    // rank 5 step 29: local copy, piece 0; r5:dst@5[0/4] = r5:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 0}, {{5, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 5 step 30: local copy, piece 1; r5:dst@5[1/4] = r5:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 1}, {{5, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 5 step 31: local copy, piece 2; r5:dst@5[2/4] = r5:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 2}, {{5, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 5 step 32: local copy, piece 3; r5:dst@5[3/4] = r5:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 3}, {{5, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 5 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 5 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 5 step 35: wait for every chunk; wait arrive[16], arrive[17], arrive[18], arrive[19], arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
-    // rank 5 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 3, 6}}},
-    // rank 6 step 1: chunk 6 piece 0 to rank 7; wait entry[7]; r7:dst@6[0/4] = r6:src@0[0/4]; signal r7:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 0}, {{6, 1, 1, 4, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 24}}},
-    // rank 6 step 2: chunk 6 piece 1 to rank 7; wait entry[7]; r7:dst@6[1/4] = r6:src@0[1/4]; signal r7:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 1}, {{6, 1, 1, 4, 0, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 25}}},
-    // rank 6 step 3: chunk 6 piece 2 to rank 7; wait entry[7]; r7:dst@6[2/4] = r6:src@0[2/4]; signal r7:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 2}, {{6, 1, 1, 4, 0, 2}}, {}, {{3, 0, 7, 1}}, {{7, 4, 26}}},
-    // rank 6 step 4: chunk 6 piece 3 to rank 7; wait entry[7]; r7:dst@6[3/4] = r6:src@0[3/4]; signal r7:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 3}, {{6, 1, 1, 4, 0, 3}}, {}, {{3, 0, 7, 1}}, {{7, 4, 27}}},
-    // rank 6 step 5: chunk 5 piece 0 to rank 7; wait entry[7], arrive[20]; r7:dst@5[0/4] = r6:dst@5[0/4]; signal r7:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 0}, {{6, 2, 0, 4, 5, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 20, 64}}, {{7, 4, 20}}},
-    // rank 6 step 6: chunk 5 piece 1 to rank 7; wait entry[7], arrive[21]; r7:dst@5[1/4] = r6:dst@5[1/4]; signal r7:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 1}, {{6, 2, 0, 4, 5, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 21, 64}}, {{7, 4, 21}}},
-    // rank 6 step 7: chunk 5 piece 2 to rank 7; wait entry[7], arrive[22]; r7:dst@5[2/4] = r6:dst@5[2/4]; signal r7:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 2}, {{6, 2, 0, 4, 5, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 22, 64}}, {{7, 4, 22}}},
-    // rank 6 step 8: chunk 5 piece 3 to rank 7; wait entry[7], arrive[23]; r7:dst@5[3/4] = r6:dst@5[3/4]; signal r7:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 3}, {{6, 2, 0, 4, 5, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 23, 64}}, {{7, 4, 23}}},
-    // rank 6 step 9: chunk 4 piece 0 to rank 7; wait entry[7], arrive[16]; r7:dst@4[0/4] = r6:dst@4[0/4]; signal r7:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 0}, {{6, 2, 0, 4, 4, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 16, 64}}, {{7, 4, 16}}},
-    // rank 6 step 10: chunk 4 piece 1 to rank 7; wait entry[7], arrive[17]; r7:dst@4[1/4] = r6:dst@4[1/4]; signal r7:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 1}, {{6, 2, 0, 4, 4, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 17, 64}}, {{7, 4, 17}}},
-    // rank 6 step 11: chunk 4 piece 2 to rank 7; wait entry[7], arrive[18]; r7:dst@4[2/4] = r6:dst@4[2/4]; signal r7:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 2}, {{6, 2, 0, 4, 4, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 18, 64}}, {{7, 4, 18}}},
-    // rank 6 step 12: chunk 4 piece 3 to rank 7; wait entry[7], arrive[19]; r7:dst@4[3/4] = r6:dst@4[3/4]; signal r7:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 3}, {{6, 2, 0, 4, 4, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 19, 64}}, {{7, 4, 19}}},
-    // rank 6 step 13: chunk 3 piece 0 to rank 7; wait entry[7], arrive[12]; r7:dst@3[0/4] = r6:dst@3[0/4]; signal r7:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 0}, {{6, 2, 0, 4, 3, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 12, 64}}, {{7, 4, 12}}},
-    // rank 6 step 14: chunk 3 piece 1 to rank 7; wait entry[7], arrive[13]; r7:dst@3[1/4] = r6:dst@3[1/4]; signal r7:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 1}, {{6, 2, 0, 4, 3, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 13, 64}}, {{7, 4, 13}}},
-    // rank 6 step 15: chunk 3 piece 2 to rank 7; wait entry[7], arrive[14]; r7:dst@3[2/4] = r6:dst@3[2/4]; signal r7:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 2}, {{6, 2, 0, 4, 3, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 14, 64}}, {{7, 4, 14}}},
-    // rank 6 step 16: chunk 3 piece 3 to rank 7; wait entry[7], arrive[15]; r7:dst@3[3/4] = r6:dst@3[3/4]; signal r7:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 3}, {{6, 2, 0, 4, 3, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 15, 64}}, {{7, 4, 15}}},
-    // rank 6 step 17: chunk 2 piece 0 to rank 7; wait entry[7], arrive[8]; r7:dst@2[0/4] = r6:dst@2[0/4]; signal r7:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 0}, {{6, 2, 0, 4, 2, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 8, 64}}, {{7, 4, 8}}},
-    // rank 6 step 18: chunk 2 piece 1 to rank 7; wait entry[7], arrive[9]; r7:dst@2[1/4] = r6:dst@2[1/4]; signal r7:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 1}, {{6, 2, 0, 4, 2, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 9, 64}}, {{7, 4, 9}}},
-    // rank 6 step 19: chunk 2 piece 2 to rank 7; wait entry[7], arrive[10]; r7:dst@2[2/4] = r6:dst@2[2/4]; signal r7:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 2}, {{6, 2, 0, 4, 2, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 10, 64}}, {{7, 4, 10}}},
-    // rank 6 step 20: chunk 2 piece 3 to rank 7; wait entry[7], arrive[11]; r7:dst@2[3/4] = r6:dst@2[3/4]; signal r7:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 3}, {{6, 2, 0, 4, 2, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 11, 64}}, {{7, 4, 11}}},
-    // rank 6 step 21: chunk 1 piece 0 to rank 7; wait entry[7], arrive[4]; r7:dst@1[0/4] = r6:dst@1[0/4]; signal r7:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 0}, {{6, 2, 0, 4, 1, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 4, 64}}, {{7, 4, 4}}},
-    // rank 6 step 22: chunk 1 piece 1 to rank 7; wait entry[7], arrive[5]; r7:dst@1[1/4] = r6:dst@1[1/4]; signal r7:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 1}, {{6, 2, 0, 4, 1, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 5, 64}}, {{7, 4, 5}}},
-    // rank 6 step 23: chunk 1 piece 2 to rank 7; wait entry[7], arrive[6]; r7:dst@1[2/4] = r6:dst@1[2/4]; signal r7:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 2}, {{6, 2, 0, 4, 1, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 6, 64}}, {{7, 4, 6}}},
-    // rank 6 step 24: chunk 1 piece 3 to rank 7; wait entry[7], arrive[7]; r7:dst@1[3/4] = r6:dst@1[3/4]; signal r7:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 3}, {{6, 2, 0, 4, 1, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 7, 64}}, {{7, 4, 7}}},
-    // rank 6 step 25: chunk 0 piece 0 to rank 7; wait entry[7], arrive[0]; r7:dst@0[0/4] = r6:dst@0[0/4]; signal r7:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 0}, {{6, 2, 0, 4, 0, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 0, 64}}, {{7, 4, 0}}},
-    // rank 6 step 26: chunk 0 piece 1 to rank 7; wait entry[7], arrive[1]; r7:dst@0[1/4] = r6:dst@0[1/4]; signal r7:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 1}, {{6, 2, 0, 4, 0, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 1, 64}}, {{7, 4, 1}}},
-    // rank 6 step 27: chunk 0 piece 2 to rank 7; wait entry[7], arrive[2]; r7:dst@0[2/4] = r6:dst@0[2/4]; signal r7:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 2}, {{6, 2, 0, 4, 0, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 2, 64}}, {{7, 4, 2}}},
-    // rank 6 step 28: chunk 0 piece 3 to rank 7; wait entry[7], arrive[3]; r7:dst@0[3/4] = r6:dst@0[3/4]; signal r7:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 3}, {{6, 2, 0, 4, 0, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 3, 64}}, {{7, 4, 3}}},
-    // rank 6 step 29: local copy, piece 0; r6:dst@6[0/4] = r6:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 0}, {{6, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 6 step 30: local copy, piece 1; r6:dst@6[1/4] = r6:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 1}, {{6, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 6 step 31: local copy, piece 2; r6:dst@6[2/4] = r6:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 2}, {{6, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 6 step 32: local copy, piece 3; r6:dst@6[3/4] = r6:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 3}, {{6, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 6 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 6 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 6 step 35: wait for every chunk; wait arrive[16], arrive[17], arrive[18], arrive[19], arrive[20], arrive[21], arrive[22], arrive[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}}, {}},
-    // rank 6 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 3, 7}}},
-    // rank 7 step 1: chunk 7 piece 0 to rank 0; wait entry[0]; r0:dst@7[0/4] = r7:src@0[0/4]; signal r0:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 0}, {{7, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 28}}},
-    // rank 7 step 2: chunk 7 piece 1 to rank 0; wait entry[0]; r0:dst@7[1/4] = r7:src@0[1/4]; signal r0:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 1}, {{7, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 29}}},
-    // rank 7 step 3: chunk 7 piece 2 to rank 0; wait entry[0]; r0:dst@7[2/4] = r7:src@0[2/4]; signal r0:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 2}, {{7, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 30}}},
-    // rank 7 step 4: chunk 7 piece 3 to rank 0; wait entry[0]; r0:dst@7[3/4] = r7:src@0[3/4]; signal r0:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 3}, {{7, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 31}}},
-    // rank 7 step 5: chunk 6 piece 0 to rank 0; wait entry[0], arrive[24]; r0:dst@6[0/4] = r7:dst@6[0/4]; signal r0:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 0}, {{7, 2, 0, 4, 6, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 24, 64}}, {{0, 4, 24}}},
-    // rank 7 step 6: chunk 6 piece 1 to rank 0; wait entry[0], arrive[25]; r0:dst@6[1/4] = r7:dst@6[1/4]; signal r0:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 1}, {{7, 2, 0, 4, 6, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 25, 64}}, {{0, 4, 25}}},
-    // rank 7 step 7: chunk 6 piece 2 to rank 0; wait entry[0], arrive[26]; r0:dst@6[2/4] = r7:dst@6[2/4]; signal r0:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 2}, {{7, 2, 0, 4, 6, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 26, 64}}, {{0, 4, 26}}},
-    // rank 7 step 8: chunk 6 piece 3 to rank 0; wait entry[0], arrive[27]; r0:dst@6[3/4] = r7:dst@6[3/4]; signal r0:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 3}, {{7, 2, 0, 4, 6, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 27, 64}}, {{0, 4, 27}}},
-    // rank 7 step 9: chunk 5 piece 0 to rank 0; wait entry[0], arrive[20]; r0:dst@5[0/4] = r7:dst@5[0/4]; signal r0:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 0}, {{7, 2, 0, 4, 5, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 20, 64}}, {{0, 4, 20}}},
-    // rank 7 step 10: chunk 5 piece 1 to rank 0; wait entry[0], arrive[21]; r0:dst@5[1/4] = r7:dst@5[1/4]; signal r0:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 1}, {{7, 2, 0, 4, 5, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 21, 64}}, {{0, 4, 21}}},
-    // rank 7 step 11: chunk 5 piece 2 to rank 0; wait entry[0], arrive[22]; r0:dst@5[2/4] = r7:dst@5[2/4]; signal r0:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 2}, {{7, 2, 0, 4, 5, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 22, 64}}, {{0, 4, 22}}},
-    // rank 7 step 12: chunk 5 piece 3 to rank 0; wait entry[0], arrive[23]; r0:dst@5[3/4] = r7:dst@5[3/4]; signal r0:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 3}, {{7, 2, 0, 4, 5, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 23, 64}}, {{0, 4, 23}}},
-    // rank 7 step 13: chunk 4 piece 0 to rank 0; wait entry[0], arrive[16]; r0:dst@4[0/4] = r7:dst@4[0/4]; signal r0:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 0}, {{7, 2, 0, 4, 4, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 16, 64}}, {{0, 4, 16}}},
-    // rank 7 step 14: chunk 4 piece 1 to rank 0; wait entry[0], arrive[17]; r0:dst@4[1/4] = r7:dst@4[1/4]; signal r0:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 1}, {{7, 2, 0, 4, 4, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 17, 64}}, {{0, 4, 17}}},
-    // rank 7 step 15: chunk 4 piece 2 to rank 0; wait entry[0], arrive[18]; r0:dst@4[2/4] = r7:dst@4[2/4]; signal r0:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 2}, {{7, 2, 0, 4, 4, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 18, 64}}, {{0, 4, 18}}},
-    // rank 7 step 16: chunk 4 piece 3 to rank 0; wait entry[0], arrive[19]; r0:dst@4[3/4] = r7:dst@4[3/4]; signal r0:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 3}, {{7, 2, 0, 4, 4, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 19, 64}}, {{0, 4, 19}}},
-    // rank 7 step 17: chunk 3 piece 0 to rank 0; wait entry[0], arrive[12]; r0:dst@3[0/4] = r7:dst@3[0/4]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 0}, {{7, 2, 0, 4, 3, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
-    // rank 7 step 18: chunk 3 piece 1 to rank 0; wait entry[0], arrive[13]; r0:dst@3[1/4] = r7:dst@3[1/4]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 1}, {{7, 2, 0, 4, 3, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
-    // rank 7 step 19: chunk 3 piece 2 to rank 0; wait entry[0], arrive[14]; r0:dst@3[2/4] = r7:dst@3[2/4]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 2}, {{7, 2, 0, 4, 3, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
-    // rank 7 step 20: chunk 3 piece 3 to rank 0; wait entry[0], arrive[15]; r0:dst@3[3/4] = r7:dst@3[3/4]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 3}, {{7, 2, 0, 4, 3, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
-    // rank 7 step 21: chunk 2 piece 0 to rank 0; wait entry[0], arrive[8]; r0:dst@2[0/4] = r7:dst@2[0/4]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 0}, {{7, 2, 0, 4, 2, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
-    // rank 7 step 22: chunk 2 piece 1 to rank 0; wait entry[0], arrive[9]; r0:dst@2[1/4] = r7:dst@2[1/4]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 1}, {{7, 2, 0, 4, 2, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
-    // rank 7 step 23: chunk 2 piece 2 to rank 0; wait entry[0], arrive[10]; r0:dst@2[2/4] = r7:dst@2[2/4]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 2}, {{7, 2, 0, 4, 2, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
-    // rank 7 step 24: chunk 2 piece 3 to rank 0; wait entry[0], arrive[11]; r0:dst@2[3/4] = r7:dst@2[3/4]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 3}, {{7, 2, 0, 4, 2, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
-    // rank 7 step 25: chunk 1 piece 0 to rank 0; wait entry[0], arrive[4]; r0:dst@1[0/4] = r7:dst@1[0/4]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 0}, {{7, 2, 0, 4, 1, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
-    // rank 7 step 26: chunk 1 piece 1 to rank 0; wait entry[0], arrive[5]; r0:dst@1[1/4] = r7:dst@1[1/4]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 1}, {{7, 2, 0, 4, 1, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
-    // rank 7 step 27: chunk 1 piece 2 to rank 0; wait entry[0], arrive[6]; r0:dst@1[2/4] = r7:dst@1[2/4]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 2}, {{7, 2, 0, 4, 1, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
-    // rank 7 step 28: chunk 1 piece 3 to rank 0; wait entry[0], arrive[7]; r0:dst@1[3/4] = r7:dst@1[3/4]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 3}, {{7, 2, 0, 4, 1, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
-    // rank 7 step 29: local copy, piece 0; r7:dst@7[0/4] = r7:src@0[0/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 0}, {{7, 1, 1, 4, 0, 0}}, {}, {}, {}},
-    // rank 7 step 30: local copy, piece 1; r7:dst@7[1/4] = r7:src@0[1/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 1}, {{7, 1, 1, 4, 0, 1}}, {}, {}, {}},
-    // rank 7 step 31: local copy, piece 2; r7:dst@7[2/4] = r7:src@0[2/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 2}, {{7, 1, 1, 4, 0, 2}}, {}, {}, {}},
-    // rank 7 step 32: local copy, piece 3; r7:dst@7[3/4] = r7:src@0[3/4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 3}, {{7, 1, 1, 4, 0, 3}}, {}, {}, {}},
-    // rank 7 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 7 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 7 step 35: wait for every chunk; wait arrive[16], arrive[17], arrive[18], arrive[19], arrive[20], arrive[21], arrive[22], arrive[23]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}}, {}},
-    // rank 7 step 36: wait for every chunk; wait arrive[24], arrive[25], arrive[26], arrive[27]
-    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: chunk 0 piece 0 to rank 1; wait entry[1]; r1:dst@0[0/4] = r0:src@0[0/4]; signal r1:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: chunk 0 piece 1 to rank 1; wait entry[1]; r1:dst@0[1/4] = r0:src@0[1/4]; signal r1:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {{3, 0, 1, 1}}, {{1, 4, 2}}},  // rank 0 step 3: chunk 0 piece 2 to rank 1; wait entry[1]; r1:dst@0[2/4] = r0:src@0[2/4]; signal r1:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {{3, 0, 1, 1}}, {{1, 4, 3}}},  // rank 0 step 4: chunk 0 piece 3 to rank 1; wait entry[1]; r1:dst@0[3/4] = r0:src@0[3/4]; signal r1:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 0}, {{0, 2, 0, 4, 7, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 28, 64}}, {{1, 4, 28}}},  // rank 0 step 5: chunk 7 piece 0 to rank 1; wait entry[1], arrive[28]; r1:dst@7[0/4] = r0:dst@7[0/4]; signal r1:arrive[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 1}, {{0, 2, 0, 4, 7, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 29, 64}}, {{1, 4, 29}}},  // rank 0 step 6: chunk 7 piece 1 to rank 1; wait entry[1], arrive[29]; r1:dst@7[1/4] = r0:dst@7[1/4]; signal r1:arrive[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 2}, {{0, 2, 0, 4, 7, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 30, 64}}, {{1, 4, 30}}},  // rank 0 step 7: chunk 7 piece 2 to rank 1; wait entry[1], arrive[30]; r1:dst@7[2/4] = r0:dst@7[2/4]; signal r1:arrive[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 7, 3}, {{0, 2, 0, 4, 7, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 31, 64}}, {{1, 4, 31}}},  // rank 0 step 8: chunk 7 piece 3 to rank 1; wait entry[1], arrive[31]; r1:dst@7[3/4] = r0:dst@7[3/4]; signal r1:arrive[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 0}, {{0, 2, 0, 4, 6, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 24, 64}}, {{1, 4, 24}}},  // rank 0 step 9: chunk 6 piece 0 to rank 1; wait entry[1], arrive[24]; r1:dst@6[0/4] = r0:dst@6[0/4]; signal r1:arrive[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 1}, {{0, 2, 0, 4, 6, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 25, 64}}, {{1, 4, 25}}},  // rank 0 step 10: chunk 6 piece 1 to rank 1; wait entry[1], arrive[25]; r1:dst@6[1/4] = r0:dst@6[1/4]; signal r1:arrive[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 2}, {{0, 2, 0, 4, 6, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 26, 64}}, {{1, 4, 26}}},  // rank 0 step 11: chunk 6 piece 2 to rank 1; wait entry[1], arrive[26]; r1:dst@6[2/4] = r0:dst@6[2/4]; signal r1:arrive[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 6, 3}, {{0, 2, 0, 4, 6, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 27, 64}}, {{1, 4, 27}}},  // rank 0 step 12: chunk 6 piece 3 to rank 1; wait entry[1], arrive[27]; r1:dst@6[3/4] = r0:dst@6[3/4]; signal r1:arrive[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 0}, {{0, 2, 0, 4, 5, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 20, 64}}, {{1, 4, 20}}},  // rank 0 step 13: chunk 5 piece 0 to rank 1; wait entry[1], arrive[20]; r1:dst@5[0/4] = r0:dst@5[0/4]; signal r1:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 1}, {{0, 2, 0, 4, 5, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 21, 64}}, {{1, 4, 21}}},  // rank 0 step 14: chunk 5 piece 1 to rank 1; wait entry[1], arrive[21]; r1:dst@5[1/4] = r0:dst@5[1/4]; signal r1:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 2}, {{0, 2, 0, 4, 5, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 22, 64}}, {{1, 4, 22}}},  // rank 0 step 15: chunk 5 piece 2 to rank 1; wait entry[1], arrive[22]; r1:dst@5[2/4] = r0:dst@5[2/4]; signal r1:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 5, 3}, {{0, 2, 0, 4, 5, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 23, 64}}, {{1, 4, 23}}},  // rank 0 step 16: chunk 5 piece 3 to rank 1; wait entry[1], arrive[23]; r1:dst@5[3/4] = r0:dst@5[3/4]; signal r1:arrive[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 0}, {{0, 2, 0, 4, 4, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 16, 64}}, {{1, 4, 16}}},  // rank 0 step 17: chunk 4 piece 0 to rank 1; wait entry[1], arrive[16]; r1:dst@4[0/4] = r0:dst@4[0/4]; signal r1:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 1}, {{0, 2, 0, 4, 4, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 17, 64}}, {{1, 4, 17}}},  // rank 0 step 18: chunk 4 piece 1 to rank 1; wait entry[1], arrive[17]; r1:dst@4[1/4] = r0:dst@4[1/4]; signal r1:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 2}, {{0, 2, 0, 4, 4, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 18, 64}}, {{1, 4, 18}}},  // rank 0 step 19: chunk 4 piece 2 to rank 1; wait entry[1], arrive[18]; r1:dst@4[2/4] = r0:dst@4[2/4]; signal r1:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 4, 3}, {{0, 2, 0, 4, 4, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 19, 64}}, {{1, 4, 19}}},  // rank 0 step 20: chunk 4 piece 3 to rank 1; wait entry[1], arrive[19]; r1:dst@4[3/4] = r0:dst@4[3/4]; signal r1:arrive[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 0}, {{0, 2, 0, 4, 3, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 12, 64}}, {{1, 4, 12}}},  // rank 0 step 21: chunk 3 piece 0 to rank 1; wait entry[1], arrive[12]; r1:dst@3[0/4] = r0:dst@3[0/4]; signal r1:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 1}, {{0, 2, 0, 4, 3, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 13, 64}}, {{1, 4, 13}}},  // rank 0 step 22: chunk 3 piece 1 to rank 1; wait entry[1], arrive[13]; r1:dst@3[1/4] = r0:dst@3[1/4]; signal r1:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 2}, {{0, 2, 0, 4, 3, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 14, 64}}, {{1, 4, 14}}},  // rank 0 step 23: chunk 3 piece 2 to rank 1; wait entry[1], arrive[14]; r1:dst@3[2/4] = r0:dst@3[2/4]; signal r1:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 3, 3}, {{0, 2, 0, 4, 3, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 15, 64}}, {{1, 4, 15}}},  // rank 0 step 24: chunk 3 piece 3 to rank 1; wait entry[1], arrive[15]; r1:dst@3[3/4] = r0:dst@3[3/4]; signal r1:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 0}, {{0, 2, 0, 4, 2, 0}}, {}, {{3, 0, 1, 1}, {4, 0, 8, 64}}, {{1, 4, 8}}},  // rank 0 step 25: chunk 2 piece 0 to rank 1; wait entry[1], arrive[8]; r1:dst@2[0/4] = r0:dst@2[0/4]; signal r1:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 1}, {{0, 2, 0, 4, 2, 1}}, {}, {{3, 0, 1, 1}, {4, 0, 9, 64}}, {{1, 4, 9}}},  // rank 0 step 26: chunk 2 piece 1 to rank 1; wait entry[1], arrive[9]; r1:dst@2[1/4] = r0:dst@2[1/4]; signal r1:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 2}, {{0, 2, 0, 4, 2, 2}}, {}, {{3, 0, 1, 1}, {4, 0, 10, 64}}, {{1, 4, 10}}},  // rank 0 step 27: chunk 2 piece 2 to rank 1; wait entry[1], arrive[10]; r1:dst@2[2/4] = r0:dst@2[2/4]; signal r1:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {1, 2, 0, 4, 2, 3}, {{0, 2, 0, 4, 2, 3}}, {}, {{3, 0, 1, 1}, {4, 0, 11, 64}}, {{1, 4, 11}}},  // rank 0 step 28: chunk 2 piece 3 to rank 1; wait entry[1], arrive[11]; r1:dst@2[3/4] = r0:dst@2[3/4]; signal r1:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 0 step 29: local copy, piece 0; r0:dst@0[0/4] = r0:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 0 step 30: local copy, piece 1; r0:dst@0[1/4] = r0:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 0 step 31: local copy, piece 2; r0:dst@0[2/4] = r0:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 0 step 32: local copy, piece 3; r0:dst@0[3/4] = r0:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},  // rank 0 step 33: wait for every chunk; wait arrive[4], arrive[5], arrive[6], arrive[7], arrive[8], arrive[9], arrive[10], arrive[11]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},  // rank 0 step 34: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15], arrive[16], arrive[17], arrive[18], arrive[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},  // rank 0 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},  // rank 0 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},  // rank 1 step 1: chunk 1 piece 0 to rank 2; wait entry[2]; r2:dst@1[0/4] = r1:src@0[0/4]; signal r2:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},  // rank 1 step 2: chunk 1 piece 1 to rank 2; wait entry[2]; r2:dst@1[1/4] = r1:src@0[1/4]; signal r2:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 1 step 3: chunk 1 piece 2 to rank 2; wait entry[2]; r2:dst@1[2/4] = r1:src@0[2/4]; signal r2:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 1 step 4: chunk 1 piece 3 to rank 2; wait entry[2]; r2:dst@1[3/4] = r1:src@0[3/4]; signal r2:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 0}, {{1, 2, 0, 4, 0, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 0, 64}}, {{2, 4, 0}}},  // rank 1 step 5: chunk 0 piece 0 to rank 2; wait entry[2], arrive[0]; r2:dst@0[0/4] = r1:dst@0[0/4]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 1}, {{1, 2, 0, 4, 0, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 1, 64}}, {{2, 4, 1}}},  // rank 1 step 6: chunk 0 piece 1 to rank 2; wait entry[2], arrive[1]; r2:dst@0[1/4] = r1:dst@0[1/4]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 2}, {{1, 2, 0, 4, 0, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 2, 64}}, {{2, 4, 2}}},  // rank 1 step 7: chunk 0 piece 2 to rank 2; wait entry[2], arrive[2]; r2:dst@0[2/4] = r1:dst@0[2/4]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 0, 3}, {{1, 2, 0, 4, 0, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 3, 64}}, {{2, 4, 3}}},  // rank 1 step 8: chunk 0 piece 3 to rank 2; wait entry[2], arrive[3]; r2:dst@0[3/4] = r1:dst@0[3/4]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 0}, {{1, 2, 0, 4, 7, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 28, 64}}, {{2, 4, 28}}},  // rank 1 step 9: chunk 7 piece 0 to rank 2; wait entry[2], arrive[28]; r2:dst@7[0/4] = r1:dst@7[0/4]; signal r2:arrive[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 1}, {{1, 2, 0, 4, 7, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 29, 64}}, {{2, 4, 29}}},  // rank 1 step 10: chunk 7 piece 1 to rank 2; wait entry[2], arrive[29]; r2:dst@7[1/4] = r1:dst@7[1/4]; signal r2:arrive[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 2}, {{1, 2, 0, 4, 7, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 30, 64}}, {{2, 4, 30}}},  // rank 1 step 11: chunk 7 piece 2 to rank 2; wait entry[2], arrive[30]; r2:dst@7[2/4] = r1:dst@7[2/4]; signal r2:arrive[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 7, 3}, {{1, 2, 0, 4, 7, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 31, 64}}, {{2, 4, 31}}},  // rank 1 step 12: chunk 7 piece 3 to rank 2; wait entry[2], arrive[31]; r2:dst@7[3/4] = r1:dst@7[3/4]; signal r2:arrive[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 0}, {{1, 2, 0, 4, 6, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 24, 64}}, {{2, 4, 24}}},  // rank 1 step 13: chunk 6 piece 0 to rank 2; wait entry[2], arrive[24]; r2:dst@6[0/4] = r1:dst@6[0/4]; signal r2:arrive[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 1}, {{1, 2, 0, 4, 6, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 25, 64}}, {{2, 4, 25}}},  // rank 1 step 14: chunk 6 piece 1 to rank 2; wait entry[2], arrive[25]; r2:dst@6[1/4] = r1:dst@6[1/4]; signal r2:arrive[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 2}, {{1, 2, 0, 4, 6, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 26, 64}}, {{2, 4, 26}}},  // rank 1 step 15: chunk 6 piece 2 to rank 2; wait entry[2], arrive[26]; r2:dst@6[2/4] = r1:dst@6[2/4]; signal r2:arrive[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 6, 3}, {{1, 2, 0, 4, 6, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 27, 64}}, {{2, 4, 27}}},  // rank 1 step 16: chunk 6 piece 3 to rank 2; wait entry[2], arrive[27]; r2:dst@6[3/4] = r1:dst@6[3/4]; signal r2:arrive[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 0}, {{1, 2, 0, 4, 5, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 20, 64}}, {{2, 4, 20}}},  // rank 1 step 17: chunk 5 piece 0 to rank 2; wait entry[2], arrive[20]; r2:dst@5[0/4] = r1:dst@5[0/4]; signal r2:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 1}, {{1, 2, 0, 4, 5, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 21, 64}}, {{2, 4, 21}}},  // rank 1 step 18: chunk 5 piece 1 to rank 2; wait entry[2], arrive[21]; r2:dst@5[1/4] = r1:dst@5[1/4]; signal r2:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 2}, {{1, 2, 0, 4, 5, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 22, 64}}, {{2, 4, 22}}},  // rank 1 step 19: chunk 5 piece 2 to rank 2; wait entry[2], arrive[22]; r2:dst@5[2/4] = r1:dst@5[2/4]; signal r2:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 5, 3}, {{1, 2, 0, 4, 5, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 23, 64}}, {{2, 4, 23}}},  // rank 1 step 20: chunk 5 piece 3 to rank 2; wait entry[2], arrive[23]; r2:dst@5[3/4] = r1:dst@5[3/4]; signal r2:arrive[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 0}, {{1, 2, 0, 4, 4, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 16, 64}}, {{2, 4, 16}}},  // rank 1 step 21: chunk 4 piece 0 to rank 2; wait entry[2], arrive[16]; r2:dst@4[0/4] = r1:dst@4[0/4]; signal r2:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 1}, {{1, 2, 0, 4, 4, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 17, 64}}, {{2, 4, 17}}},  // rank 1 step 22: chunk 4 piece 1 to rank 2; wait entry[2], arrive[17]; r2:dst@4[1/4] = r1:dst@4[1/4]; signal r2:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 2}, {{1, 2, 0, 4, 4, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 18, 64}}, {{2, 4, 18}}},  // rank 1 step 23: chunk 4 piece 2 to rank 2; wait entry[2], arrive[18]; r2:dst@4[2/4] = r1:dst@4[2/4]; signal r2:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 4, 3}, {{1, 2, 0, 4, 4, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 19, 64}}, {{2, 4, 19}}},  // rank 1 step 24: chunk 4 piece 3 to rank 2; wait entry[2], arrive[19]; r2:dst@4[3/4] = r1:dst@4[3/4]; signal r2:arrive[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 0}, {{1, 2, 0, 4, 3, 0}}, {}, {{3, 0, 2, 1}, {4, 0, 12, 64}}, {{2, 4, 12}}},  // rank 1 step 25: chunk 3 piece 0 to rank 2; wait entry[2], arrive[12]; r2:dst@3[0/4] = r1:dst@3[0/4]; signal r2:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 1}, {{1, 2, 0, 4, 3, 1}}, {}, {{3, 0, 2, 1}, {4, 0, 13, 64}}, {{2, 4, 13}}},  // rank 1 step 26: chunk 3 piece 1 to rank 2; wait entry[2], arrive[13]; r2:dst@3[1/4] = r1:dst@3[1/4]; signal r2:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 2}, {{1, 2, 0, 4, 3, 2}}, {}, {{3, 0, 2, 1}, {4, 0, 14, 64}}, {{2, 4, 14}}},  // rank 1 step 27: chunk 3 piece 2 to rank 2; wait entry[2], arrive[14]; r2:dst@3[2/4] = r1:dst@3[2/4]; signal r2:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {2, 2, 0, 4, 3, 3}, {{1, 2, 0, 4, 3, 3}}, {}, {{3, 0, 2, 1}, {4, 0, 15, 64}}, {{2, 4, 15}}},  // rank 1 step 28: chunk 3 piece 3 to rank 2; wait entry[2], arrive[15]; r2:dst@3[3/4] = r1:dst@3[3/4]; signal r2:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 1 step 29: local copy, piece 0; r1:dst@1[0/4] = r1:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 1 step 30: local copy, piece 1; r1:dst@1[1/4] = r1:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 1 step 31: local copy, piece 2; r1:dst@1[2/4] = r1:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 1 step 32: local copy, piece 3; r1:dst@1[3/4] = r1:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}}, {}},  // rank 1 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[8], arrive[9], arrive[10], arrive[11]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},  // rank 1 step 34: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15], arrive[16], arrive[17], arrive[18], arrive[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},  // rank 1 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},  // rank 1 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},  // rank 2 step 1: chunk 2 piece 0 to rank 3; wait entry[3]; r3:dst@2[0/4] = r2:src@0[0/4]; signal r3:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},  // rank 2 step 2: chunk 2 piece 1 to rank 3; wait entry[3]; r3:dst@2[1/4] = r2:src@0[1/4]; signal r3:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},  // rank 2 step 3: chunk 2 piece 2 to rank 3; wait entry[3]; r3:dst@2[2/4] = r2:src@0[2/4]; signal r3:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},  // rank 2 step 4: chunk 2 piece 3 to rank 3; wait entry[3]; r3:dst@2[3/4] = r2:src@0[3/4]; signal r3:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 0}, {{2, 2, 0, 4, 1, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},  // rank 2 step 5: chunk 1 piece 0 to rank 3; wait entry[3], arrive[4]; r3:dst@1[0/4] = r2:dst@1[0/4]; signal r3:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 1}, {{2, 2, 0, 4, 1, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},  // rank 2 step 6: chunk 1 piece 1 to rank 3; wait entry[3], arrive[5]; r3:dst@1[1/4] = r2:dst@1[1/4]; signal r3:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 2}, {{2, 2, 0, 4, 1, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},  // rank 2 step 7: chunk 1 piece 2 to rank 3; wait entry[3], arrive[6]; r3:dst@1[2/4] = r2:dst@1[2/4]; signal r3:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 1, 3}, {{2, 2, 0, 4, 1, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},  // rank 2 step 8: chunk 1 piece 3 to rank 3; wait entry[3], arrive[7]; r3:dst@1[3/4] = r2:dst@1[3/4]; signal r3:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 0}, {{2, 2, 0, 4, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},  // rank 2 step 9: chunk 0 piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/4] = r2:dst@0[0/4]; signal r3:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 1}, {{2, 2, 0, 4, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},  // rank 2 step 10: chunk 0 piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/4] = r2:dst@0[1/4]; signal r3:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 2}, {{2, 2, 0, 4, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},  // rank 2 step 11: chunk 0 piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/4] = r2:dst@0[2/4]; signal r3:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 0, 3}, {{2, 2, 0, 4, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},  // rank 2 step 12: chunk 0 piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/4] = r2:dst@0[3/4]; signal r3:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 0}, {{2, 2, 0, 4, 7, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 28, 64}}, {{3, 4, 28}}},  // rank 2 step 13: chunk 7 piece 0 to rank 3; wait entry[3], arrive[28]; r3:dst@7[0/4] = r2:dst@7[0/4]; signal r3:arrive[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 1}, {{2, 2, 0, 4, 7, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 29, 64}}, {{3, 4, 29}}},  // rank 2 step 14: chunk 7 piece 1 to rank 3; wait entry[3], arrive[29]; r3:dst@7[1/4] = r2:dst@7[1/4]; signal r3:arrive[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 2}, {{2, 2, 0, 4, 7, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 30, 64}}, {{3, 4, 30}}},  // rank 2 step 15: chunk 7 piece 2 to rank 3; wait entry[3], arrive[30]; r3:dst@7[2/4] = r2:dst@7[2/4]; signal r3:arrive[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 7, 3}, {{2, 2, 0, 4, 7, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 31, 64}}, {{3, 4, 31}}},  // rank 2 step 16: chunk 7 piece 3 to rank 3; wait entry[3], arrive[31]; r3:dst@7[3/4] = r2:dst@7[3/4]; signal r3:arrive[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 0}, {{2, 2, 0, 4, 6, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 24, 64}}, {{3, 4, 24}}},  // rank 2 step 17: chunk 6 piece 0 to rank 3; wait entry[3], arrive[24]; r3:dst@6[0/4] = r2:dst@6[0/4]; signal r3:arrive[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 1}, {{2, 2, 0, 4, 6, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 25, 64}}, {{3, 4, 25}}},  // rank 2 step 18: chunk 6 piece 1 to rank 3; wait entry[3], arrive[25]; r3:dst@6[1/4] = r2:dst@6[1/4]; signal r3:arrive[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 2}, {{2, 2, 0, 4, 6, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 26, 64}}, {{3, 4, 26}}},  // rank 2 step 19: chunk 6 piece 2 to rank 3; wait entry[3], arrive[26]; r3:dst@6[2/4] = r2:dst@6[2/4]; signal r3:arrive[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 6, 3}, {{2, 2, 0, 4, 6, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 27, 64}}, {{3, 4, 27}}},  // rank 2 step 20: chunk 6 piece 3 to rank 3; wait entry[3], arrive[27]; r3:dst@6[3/4] = r2:dst@6[3/4]; signal r3:arrive[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 0}, {{2, 2, 0, 4, 5, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 20, 64}}, {{3, 4, 20}}},  // rank 2 step 21: chunk 5 piece 0 to rank 3; wait entry[3], arrive[20]; r3:dst@5[0/4] = r2:dst@5[0/4]; signal r3:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 1}, {{2, 2, 0, 4, 5, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 21, 64}}, {{3, 4, 21}}},  // rank 2 step 22: chunk 5 piece 1 to rank 3; wait entry[3], arrive[21]; r3:dst@5[1/4] = r2:dst@5[1/4]; signal r3:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 2}, {{2, 2, 0, 4, 5, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 22, 64}}, {{3, 4, 22}}},  // rank 2 step 23: chunk 5 piece 2 to rank 3; wait entry[3], arrive[22]; r3:dst@5[2/4] = r2:dst@5[2/4]; signal r3:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 5, 3}, {{2, 2, 0, 4, 5, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 23, 64}}, {{3, 4, 23}}},  // rank 2 step 24: chunk 5 piece 3 to rank 3; wait entry[3], arrive[23]; r3:dst@5[3/4] = r2:dst@5[3/4]; signal r3:arrive[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 0}, {{2, 2, 0, 4, 4, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 16, 64}}, {{3, 4, 16}}},  // rank 2 step 25: chunk 4 piece 0 to rank 3; wait entry[3], arrive[16]; r3:dst@4[0/4] = r2:dst@4[0/4]; signal r3:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 1}, {{2, 2, 0, 4, 4, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 17, 64}}, {{3, 4, 17}}},  // rank 2 step 26: chunk 4 piece 1 to rank 3; wait entry[3], arrive[17]; r3:dst@4[1/4] = r2:dst@4[1/4]; signal r3:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 2}, {{2, 2, 0, 4, 4, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 18, 64}}, {{3, 4, 18}}},  // rank 2 step 27: chunk 4 piece 2 to rank 3; wait entry[3], arrive[18]; r3:dst@4[2/4] = r2:dst@4[2/4]; signal r3:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 4, 4, 3}, {{2, 2, 0, 4, 4, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 19, 64}}, {{3, 4, 19}}},  // rank 2 step 28: chunk 4 piece 3 to rank 3; wait entry[3], arrive[19]; r3:dst@4[3/4] = r2:dst@4[3/4]; signal r3:arrive[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 2 step 29: local copy, piece 0; r2:dst@2[0/4] = r2:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 2 step 30: local copy, piece 1; r2:dst@2[1/4] = r2:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 2 step 31: local copy, piece 2; r2:dst@2[2/4] = r2:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {2, 2, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 2 step 32: local copy, piece 3; r2:dst@2[3/4] = r2:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 2 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},  // rank 2 step 34: wait for every chunk; wait arrive[12], arrive[13], arrive[14], arrive[15], arrive[16], arrive[17], arrive[18], arrive[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},  // rank 2 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},  // rank 2 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 12}}},  // rank 3 step 1: chunk 3 piece 0 to rank 4; wait entry[4]; r4:dst@3[0/4] = r3:src@0[0/4]; signal r4:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 13}}},  // rank 3 step 2: chunk 3 piece 1 to rank 4; wait entry[4]; r4:dst@3[1/4] = r3:src@0[1/4]; signal r4:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {{3, 0, 4, 1}}, {{4, 4, 14}}},  // rank 3 step 3: chunk 3 piece 2 to rank 4; wait entry[4]; r4:dst@3[2/4] = r3:src@0[2/4]; signal r4:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {{3, 0, 4, 1}}, {{4, 4, 15}}},  // rank 3 step 4: chunk 3 piece 3 to rank 4; wait entry[4]; r4:dst@3[3/4] = r3:src@0[3/4]; signal r4:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 0}, {{3, 2, 0, 4, 2, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 8, 64}}, {{4, 4, 8}}},  // rank 3 step 5: chunk 2 piece 0 to rank 4; wait entry[4], arrive[8]; r4:dst@2[0/4] = r3:dst@2[0/4]; signal r4:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 1}, {{3, 2, 0, 4, 2, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 9, 64}}, {{4, 4, 9}}},  // rank 3 step 6: chunk 2 piece 1 to rank 4; wait entry[4], arrive[9]; r4:dst@2[1/4] = r3:dst@2[1/4]; signal r4:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 2}, {{3, 2, 0, 4, 2, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 10, 64}}, {{4, 4, 10}}},  // rank 3 step 7: chunk 2 piece 2 to rank 4; wait entry[4], arrive[10]; r4:dst@2[2/4] = r3:dst@2[2/4]; signal r4:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 2, 3}, {{3, 2, 0, 4, 2, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 11, 64}}, {{4, 4, 11}}},  // rank 3 step 8: chunk 2 piece 3 to rank 4; wait entry[4], arrive[11]; r4:dst@2[3/4] = r3:dst@2[3/4]; signal r4:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 0}, {{3, 2, 0, 4, 1, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 4, 64}}, {{4, 4, 4}}},  // rank 3 step 9: chunk 1 piece 0 to rank 4; wait entry[4], arrive[4]; r4:dst@1[0/4] = r3:dst@1[0/4]; signal r4:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 1}, {{3, 2, 0, 4, 1, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 5, 64}}, {{4, 4, 5}}},  // rank 3 step 10: chunk 1 piece 1 to rank 4; wait entry[4], arrive[5]; r4:dst@1[1/4] = r3:dst@1[1/4]; signal r4:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 2}, {{3, 2, 0, 4, 1, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 6, 64}}, {{4, 4, 6}}},  // rank 3 step 11: chunk 1 piece 2 to rank 4; wait entry[4], arrive[6]; r4:dst@1[2/4] = r3:dst@1[2/4]; signal r4:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 1, 3}, {{3, 2, 0, 4, 1, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 7, 64}}, {{4, 4, 7}}},  // rank 3 step 12: chunk 1 piece 3 to rank 4; wait entry[4], arrive[7]; r4:dst@1[3/4] = r3:dst@1[3/4]; signal r4:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 0}, {{3, 2, 0, 4, 0, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 0, 64}}, {{4, 4, 0}}},  // rank 3 step 13: chunk 0 piece 0 to rank 4; wait entry[4], arrive[0]; r4:dst@0[0/4] = r3:dst@0[0/4]; signal r4:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 1}, {{3, 2, 0, 4, 0, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 1, 64}}, {{4, 4, 1}}},  // rank 3 step 14: chunk 0 piece 1 to rank 4; wait entry[4], arrive[1]; r4:dst@0[1/4] = r3:dst@0[1/4]; signal r4:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 2}, {{3, 2, 0, 4, 0, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 2, 64}}, {{4, 4, 2}}},  // rank 3 step 15: chunk 0 piece 2 to rank 4; wait entry[4], arrive[2]; r4:dst@0[2/4] = r3:dst@0[2/4]; signal r4:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 0, 3}, {{3, 2, 0, 4, 0, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 3, 64}}, {{4, 4, 3}}},  // rank 3 step 16: chunk 0 piece 3 to rank 4; wait entry[4], arrive[3]; r4:dst@0[3/4] = r3:dst@0[3/4]; signal r4:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 0}, {{3, 2, 0, 4, 7, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 28, 64}}, {{4, 4, 28}}},  // rank 3 step 17: chunk 7 piece 0 to rank 4; wait entry[4], arrive[28]; r4:dst@7[0/4] = r3:dst@7[0/4]; signal r4:arrive[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 1}, {{3, 2, 0, 4, 7, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 29, 64}}, {{4, 4, 29}}},  // rank 3 step 18: chunk 7 piece 1 to rank 4; wait entry[4], arrive[29]; r4:dst@7[1/4] = r3:dst@7[1/4]; signal r4:arrive[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 2}, {{3, 2, 0, 4, 7, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 30, 64}}, {{4, 4, 30}}},  // rank 3 step 19: chunk 7 piece 2 to rank 4; wait entry[4], arrive[30]; r4:dst@7[2/4] = r3:dst@7[2/4]; signal r4:arrive[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 7, 3}, {{3, 2, 0, 4, 7, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 31, 64}}, {{4, 4, 31}}},  // rank 3 step 20: chunk 7 piece 3 to rank 4; wait entry[4], arrive[31]; r4:dst@7[3/4] = r3:dst@7[3/4]; signal r4:arrive[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 0}, {{3, 2, 0, 4, 6, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 24, 64}}, {{4, 4, 24}}},  // rank 3 step 21: chunk 6 piece 0 to rank 4; wait entry[4], arrive[24]; r4:dst@6[0/4] = r3:dst@6[0/4]; signal r4:arrive[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 1}, {{3, 2, 0, 4, 6, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 25, 64}}, {{4, 4, 25}}},  // rank 3 step 22: chunk 6 piece 1 to rank 4; wait entry[4], arrive[25]; r4:dst@6[1/4] = r3:dst@6[1/4]; signal r4:arrive[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 2}, {{3, 2, 0, 4, 6, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 26, 64}}, {{4, 4, 26}}},  // rank 3 step 23: chunk 6 piece 2 to rank 4; wait entry[4], arrive[26]; r4:dst@6[2/4] = r3:dst@6[2/4]; signal r4:arrive[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 6, 3}, {{3, 2, 0, 4, 6, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 27, 64}}, {{4, 4, 27}}},  // rank 3 step 24: chunk 6 piece 3 to rank 4; wait entry[4], arrive[27]; r4:dst@6[3/4] = r3:dst@6[3/4]; signal r4:arrive[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 0}, {{3, 2, 0, 4, 5, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 20, 64}}, {{4, 4, 20}}},  // rank 3 step 25: chunk 5 piece 0 to rank 4; wait entry[4], arrive[20]; r4:dst@5[0/4] = r3:dst@5[0/4]; signal r4:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 1}, {{3, 2, 0, 4, 5, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 21, 64}}, {{4, 4, 21}}},  // rank 3 step 26: chunk 5 piece 1 to rank 4; wait entry[4], arrive[21]; r4:dst@5[1/4] = r3:dst@5[1/4]; signal r4:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 2}, {{3, 2, 0, 4, 5, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 22, 64}}, {{4, 4, 22}}},  // rank 3 step 27: chunk 5 piece 2 to rank 4; wait entry[4], arrive[22]; r4:dst@5[2/4] = r3:dst@5[2/4]; signal r4:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 4, 5, 3}, {{3, 2, 0, 4, 5, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 23, 64}}, {{4, 4, 23}}},  // rank 3 step 28: chunk 5 piece 3 to rank 4; wait entry[4], arrive[23]; r4:dst@5[3/4] = r3:dst@5[3/4]; signal r4:arrive[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 3 step 29: local copy, piece 0; r3:dst@3[0/4] = r3:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 3 step 30: local copy, piece 1; r3:dst@3[1/4] = r3:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 3 step 31: local copy, piece 2; r3:dst@3[2/4] = r3:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {3, 2, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 3 step 32: local copy, piece 3; r3:dst@3[3/4] = r3:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 3 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}}, {}},  // rank 3 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[16], arrive[17], arrive[18], arrive[19]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},  // rank 3 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},  // rank 3 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 4}}},  // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 0}, {{4, 1, 1, 4, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 16}}},  // rank 4 step 1: chunk 4 piece 0 to rank 5; wait entry[5]; r5:dst@4[0/4] = r4:src@0[0/4]; signal r5:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 1}, {{4, 1, 1, 4, 0, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 17}}},  // rank 4 step 2: chunk 4 piece 1 to rank 5; wait entry[5]; r5:dst@4[1/4] = r4:src@0[1/4]; signal r5:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 2}, {{4, 1, 1, 4, 0, 2}}, {}, {{3, 0, 5, 1}}, {{5, 4, 18}}},  // rank 4 step 3: chunk 4 piece 2 to rank 5; wait entry[5]; r5:dst@4[2/4] = r4:src@0[2/4]; signal r5:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 4, 4, 3}, {{4, 1, 1, 4, 0, 3}}, {}, {{3, 0, 5, 1}}, {{5, 4, 19}}},  // rank 4 step 4: chunk 4 piece 3 to rank 5; wait entry[5]; r5:dst@4[3/4] = r4:src@0[3/4]; signal r5:arrive[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 0}, {{4, 2, 0, 4, 3, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 12, 64}}, {{5, 4, 12}}},  // rank 4 step 5: chunk 3 piece 0 to rank 5; wait entry[5], arrive[12]; r5:dst@3[0/4] = r4:dst@3[0/4]; signal r5:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 1}, {{4, 2, 0, 4, 3, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 13, 64}}, {{5, 4, 13}}},  // rank 4 step 6: chunk 3 piece 1 to rank 5; wait entry[5], arrive[13]; r5:dst@3[1/4] = r4:dst@3[1/4]; signal r5:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 2}, {{4, 2, 0, 4, 3, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 14, 64}}, {{5, 4, 14}}},  // rank 4 step 7: chunk 3 piece 2 to rank 5; wait entry[5], arrive[14]; r5:dst@3[2/4] = r4:dst@3[2/4]; signal r5:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 3, 3}, {{4, 2, 0, 4, 3, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 15, 64}}, {{5, 4, 15}}},  // rank 4 step 8: chunk 3 piece 3 to rank 5; wait entry[5], arrive[15]; r5:dst@3[3/4] = r4:dst@3[3/4]; signal r5:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 0}, {{4, 2, 0, 4, 2, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 8, 64}}, {{5, 4, 8}}},  // rank 4 step 9: chunk 2 piece 0 to rank 5; wait entry[5], arrive[8]; r5:dst@2[0/4] = r4:dst@2[0/4]; signal r5:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 1}, {{4, 2, 0, 4, 2, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 9, 64}}, {{5, 4, 9}}},  // rank 4 step 10: chunk 2 piece 1 to rank 5; wait entry[5], arrive[9]; r5:dst@2[1/4] = r4:dst@2[1/4]; signal r5:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 2}, {{4, 2, 0, 4, 2, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 10, 64}}, {{5, 4, 10}}},  // rank 4 step 11: chunk 2 piece 2 to rank 5; wait entry[5], arrive[10]; r5:dst@2[2/4] = r4:dst@2[2/4]; signal r5:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 2, 3}, {{4, 2, 0, 4, 2, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 11, 64}}, {{5, 4, 11}}},  // rank 4 step 12: chunk 2 piece 3 to rank 5; wait entry[5], arrive[11]; r5:dst@2[3/4] = r4:dst@2[3/4]; signal r5:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 0}, {{4, 2, 0, 4, 1, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 4, 64}}, {{5, 4, 4}}},  // rank 4 step 13: chunk 1 piece 0 to rank 5; wait entry[5], arrive[4]; r5:dst@1[0/4] = r4:dst@1[0/4]; signal r5:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 1}, {{4, 2, 0, 4, 1, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 5, 64}}, {{5, 4, 5}}},  // rank 4 step 14: chunk 1 piece 1 to rank 5; wait entry[5], arrive[5]; r5:dst@1[1/4] = r4:dst@1[1/4]; signal r5:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 2}, {{4, 2, 0, 4, 1, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 6, 64}}, {{5, 4, 6}}},  // rank 4 step 15: chunk 1 piece 2 to rank 5; wait entry[5], arrive[6]; r5:dst@1[2/4] = r4:dst@1[2/4]; signal r5:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 1, 3}, {{4, 2, 0, 4, 1, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 7, 64}}, {{5, 4, 7}}},  // rank 4 step 16: chunk 1 piece 3 to rank 5; wait entry[5], arrive[7]; r5:dst@1[3/4] = r4:dst@1[3/4]; signal r5:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 0}, {{4, 2, 0, 4, 0, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 0, 64}}, {{5, 4, 0}}},  // rank 4 step 17: chunk 0 piece 0 to rank 5; wait entry[5], arrive[0]; r5:dst@0[0/4] = r4:dst@0[0/4]; signal r5:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 1}, {{4, 2, 0, 4, 0, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 1, 64}}, {{5, 4, 1}}},  // rank 4 step 18: chunk 0 piece 1 to rank 5; wait entry[5], arrive[1]; r5:dst@0[1/4] = r4:dst@0[1/4]; signal r5:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 2}, {{4, 2, 0, 4, 0, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 2, 64}}, {{5, 4, 2}}},  // rank 4 step 19: chunk 0 piece 2 to rank 5; wait entry[5], arrive[2]; r5:dst@0[2/4] = r4:dst@0[2/4]; signal r5:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 0, 3}, {{4, 2, 0, 4, 0, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 3, 64}}, {{5, 4, 3}}},  // rank 4 step 20: chunk 0 piece 3 to rank 5; wait entry[5], arrive[3]; r5:dst@0[3/4] = r4:dst@0[3/4]; signal r5:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 0}, {{4, 2, 0, 4, 7, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 28, 64}}, {{5, 4, 28}}},  // rank 4 step 21: chunk 7 piece 0 to rank 5; wait entry[5], arrive[28]; r5:dst@7[0/4] = r4:dst@7[0/4]; signal r5:arrive[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 1}, {{4, 2, 0, 4, 7, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 29, 64}}, {{5, 4, 29}}},  // rank 4 step 22: chunk 7 piece 1 to rank 5; wait entry[5], arrive[29]; r5:dst@7[1/4] = r4:dst@7[1/4]; signal r5:arrive[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 2}, {{4, 2, 0, 4, 7, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 30, 64}}, {{5, 4, 30}}},  // rank 4 step 23: chunk 7 piece 2 to rank 5; wait entry[5], arrive[30]; r5:dst@7[2/4] = r4:dst@7[2/4]; signal r5:arrive[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 7, 3}, {{4, 2, 0, 4, 7, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 31, 64}}, {{5, 4, 31}}},  // rank 4 step 24: chunk 7 piece 3 to rank 5; wait entry[5], arrive[31]; r5:dst@7[3/4] = r4:dst@7[3/4]; signal r5:arrive[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 0}, {{4, 2, 0, 4, 6, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 24, 64}}, {{5, 4, 24}}},  // rank 4 step 25: chunk 6 piece 0 to rank 5; wait entry[5], arrive[24]; r5:dst@6[0/4] = r4:dst@6[0/4]; signal r5:arrive[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 1}, {{4, 2, 0, 4, 6, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 25, 64}}, {{5, 4, 25}}},  // rank 4 step 26: chunk 6 piece 1 to rank 5; wait entry[5], arrive[25]; r5:dst@6[1/4] = r4:dst@6[1/4]; signal r5:arrive[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 2}, {{4, 2, 0, 4, 6, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 26, 64}}, {{5, 4, 26}}},  // rank 4 step 27: chunk 6 piece 2 to rank 5; wait entry[5], arrive[26]; r5:dst@6[2/4] = r4:dst@6[2/4]; signal r5:arrive[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 4, 6, 3}, {{4, 2, 0, 4, 6, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 27, 64}}, {{5, 4, 27}}},  // rank 4 step 28: chunk 6 piece 3 to rank 5; wait entry[5], arrive[27]; r5:dst@6[3/4] = r4:dst@6[3/4]; signal r5:arrive[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 0}, {{4, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 4 step 29: local copy, piece 0; r4:dst@4[0/4] = r4:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 1}, {{4, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 4 step 30: local copy, piece 1; r4:dst@4[1/4] = r4:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 2}, {{4, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 4 step 31: local copy, piece 2; r4:dst@4[2/4] = r4:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {4, 2, 0, 4, 4, 3}, {{4, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 4 step 32: local copy, piece 3; r4:dst@4[3/4] = r4:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 4 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 4 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},  // rank 4 step 35: wait for every chunk; wait arrive[20], arrive[21], arrive[22], arrive[23], arrive[24], arrive[25], arrive[26], arrive[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},  // rank 4 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 3, 5}}},  // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 0}, {{5, 1, 1, 4, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 20}}},  // rank 5 step 1: chunk 5 piece 0 to rank 6; wait entry[6]; r6:dst@5[0/4] = r5:src@0[0/4]; signal r6:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 1}, {{5, 1, 1, 4, 0, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 21}}},  // rank 5 step 2: chunk 5 piece 1 to rank 6; wait entry[6]; r6:dst@5[1/4] = r5:src@0[1/4]; signal r6:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 2}, {{5, 1, 1, 4, 0, 2}}, {}, {{3, 0, 6, 1}}, {{6, 4, 22}}},  // rank 5 step 3: chunk 5 piece 2 to rank 6; wait entry[6]; r6:dst@5[2/4] = r5:src@0[2/4]; signal r6:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 4, 5, 3}, {{5, 1, 1, 4, 0, 3}}, {}, {{3, 0, 6, 1}}, {{6, 4, 23}}},  // rank 5 step 4: chunk 5 piece 3 to rank 6; wait entry[6]; r6:dst@5[3/4] = r5:src@0[3/4]; signal r6:arrive[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 0}, {{5, 2, 0, 4, 4, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 16, 64}}, {{6, 4, 16}}},  // rank 5 step 5: chunk 4 piece 0 to rank 6; wait entry[6], arrive[16]; r6:dst@4[0/4] = r5:dst@4[0/4]; signal r6:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 1}, {{5, 2, 0, 4, 4, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 17, 64}}, {{6, 4, 17}}},  // rank 5 step 6: chunk 4 piece 1 to rank 6; wait entry[6], arrive[17]; r6:dst@4[1/4] = r5:dst@4[1/4]; signal r6:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 2}, {{5, 2, 0, 4, 4, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 18, 64}}, {{6, 4, 18}}},  // rank 5 step 7: chunk 4 piece 2 to rank 6; wait entry[6], arrive[18]; r6:dst@4[2/4] = r5:dst@4[2/4]; signal r6:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 4, 3}, {{5, 2, 0, 4, 4, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 19, 64}}, {{6, 4, 19}}},  // rank 5 step 8: chunk 4 piece 3 to rank 6; wait entry[6], arrive[19]; r6:dst@4[3/4] = r5:dst@4[3/4]; signal r6:arrive[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 0}, {{5, 2, 0, 4, 3, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 12, 64}}, {{6, 4, 12}}},  // rank 5 step 9: chunk 3 piece 0 to rank 6; wait entry[6], arrive[12]; r6:dst@3[0/4] = r5:dst@3[0/4]; signal r6:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 1}, {{5, 2, 0, 4, 3, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 13, 64}}, {{6, 4, 13}}},  // rank 5 step 10: chunk 3 piece 1 to rank 6; wait entry[6], arrive[13]; r6:dst@3[1/4] = r5:dst@3[1/4]; signal r6:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 2}, {{5, 2, 0, 4, 3, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 14, 64}}, {{6, 4, 14}}},  // rank 5 step 11: chunk 3 piece 2 to rank 6; wait entry[6], arrive[14]; r6:dst@3[2/4] = r5:dst@3[2/4]; signal r6:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 3, 3}, {{5, 2, 0, 4, 3, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 15, 64}}, {{6, 4, 15}}},  // rank 5 step 12: chunk 3 piece 3 to rank 6; wait entry[6], arrive[15]; r6:dst@3[3/4] = r5:dst@3[3/4]; signal r6:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 0}, {{5, 2, 0, 4, 2, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 8, 64}}, {{6, 4, 8}}},  // rank 5 step 13: chunk 2 piece 0 to rank 6; wait entry[6], arrive[8]; r6:dst@2[0/4] = r5:dst@2[0/4]; signal r6:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 1}, {{5, 2, 0, 4, 2, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 9, 64}}, {{6, 4, 9}}},  // rank 5 step 14: chunk 2 piece 1 to rank 6; wait entry[6], arrive[9]; r6:dst@2[1/4] = r5:dst@2[1/4]; signal r6:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 2}, {{5, 2, 0, 4, 2, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 10, 64}}, {{6, 4, 10}}},  // rank 5 step 15: chunk 2 piece 2 to rank 6; wait entry[6], arrive[10]; r6:dst@2[2/4] = r5:dst@2[2/4]; signal r6:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 2, 3}, {{5, 2, 0, 4, 2, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 11, 64}}, {{6, 4, 11}}},  // rank 5 step 16: chunk 2 piece 3 to rank 6; wait entry[6], arrive[11]; r6:dst@2[3/4] = r5:dst@2[3/4]; signal r6:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 0}, {{5, 2, 0, 4, 1, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 4, 64}}, {{6, 4, 4}}},  // rank 5 step 17: chunk 1 piece 0 to rank 6; wait entry[6], arrive[4]; r6:dst@1[0/4] = r5:dst@1[0/4]; signal r6:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 1}, {{5, 2, 0, 4, 1, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 5, 64}}, {{6, 4, 5}}},  // rank 5 step 18: chunk 1 piece 1 to rank 6; wait entry[6], arrive[5]; r6:dst@1[1/4] = r5:dst@1[1/4]; signal r6:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 2}, {{5, 2, 0, 4, 1, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 6, 64}}, {{6, 4, 6}}},  // rank 5 step 19: chunk 1 piece 2 to rank 6; wait entry[6], arrive[6]; r6:dst@1[2/4] = r5:dst@1[2/4]; signal r6:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 1, 3}, {{5, 2, 0, 4, 1, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 7, 64}}, {{6, 4, 7}}},  // rank 5 step 20: chunk 1 piece 3 to rank 6; wait entry[6], arrive[7]; r6:dst@1[3/4] = r5:dst@1[3/4]; signal r6:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 0}, {{5, 2, 0, 4, 0, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 0, 64}}, {{6, 4, 0}}},  // rank 5 step 21: chunk 0 piece 0 to rank 6; wait entry[6], arrive[0]; r6:dst@0[0/4] = r5:dst@0[0/4]; signal r6:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 1}, {{5, 2, 0, 4, 0, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 1, 64}}, {{6, 4, 1}}},  // rank 5 step 22: chunk 0 piece 1 to rank 6; wait entry[6], arrive[1]; r6:dst@0[1/4] = r5:dst@0[1/4]; signal r6:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 2}, {{5, 2, 0, 4, 0, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 2, 64}}, {{6, 4, 2}}},  // rank 5 step 23: chunk 0 piece 2 to rank 6; wait entry[6], arrive[2]; r6:dst@0[2/4] = r5:dst@0[2/4]; signal r6:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 0, 3}, {{5, 2, 0, 4, 0, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 3, 64}}, {{6, 4, 3}}},  // rank 5 step 24: chunk 0 piece 3 to rank 6; wait entry[6], arrive[3]; r6:dst@0[3/4] = r5:dst@0[3/4]; signal r6:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 0}, {{5, 2, 0, 4, 7, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 28, 64}}, {{6, 4, 28}}},  // rank 5 step 25: chunk 7 piece 0 to rank 6; wait entry[6], arrive[28]; r6:dst@7[0/4] = r5:dst@7[0/4]; signal r6:arrive[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 1}, {{5, 2, 0, 4, 7, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 29, 64}}, {{6, 4, 29}}},  // rank 5 step 26: chunk 7 piece 1 to rank 6; wait entry[6], arrive[29]; r6:dst@7[1/4] = r5:dst@7[1/4]; signal r6:arrive[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 2}, {{5, 2, 0, 4, 7, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 30, 64}}, {{6, 4, 30}}},  // rank 5 step 27: chunk 7 piece 2 to rank 6; wait entry[6], arrive[30]; r6:dst@7[2/4] = r5:dst@7[2/4]; signal r6:arrive[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 4, 7, 3}, {{5, 2, 0, 4, 7, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 31, 64}}, {{6, 4, 31}}},  // rank 5 step 28: chunk 7 piece 3 to rank 6; wait entry[6], arrive[31]; r6:dst@7[3/4] = r5:dst@7[3/4]; signal r6:arrive[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 0}, {{5, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 5 step 29: local copy, piece 0; r5:dst@5[0/4] = r5:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 1}, {{5, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 5 step 30: local copy, piece 1; r5:dst@5[1/4] = r5:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 2}, {{5, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 5 step 31: local copy, piece 2; r5:dst@5[2/4] = r5:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {5, 2, 0, 4, 5, 3}, {{5, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 5 step 32: local copy, piece 3; r5:dst@5[3/4] = r5:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 5 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 5 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},  // rank 5 step 35: wait for every chunk; wait arrive[16], arrive[17], arrive[18], arrive[19], arrive[24], arrive[25], arrive[26], arrive[27]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},  // rank 5 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 3, 6}}},  // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 0}, {{6, 1, 1, 4, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 24}}},  // rank 6 step 1: chunk 6 piece 0 to rank 7; wait entry[7]; r7:dst@6[0/4] = r6:src@0[0/4]; signal r7:arrive[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 1}, {{6, 1, 1, 4, 0, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 25}}},  // rank 6 step 2: chunk 6 piece 1 to rank 7; wait entry[7]; r7:dst@6[1/4] = r6:src@0[1/4]; signal r7:arrive[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 2}, {{6, 1, 1, 4, 0, 2}}, {}, {{3, 0, 7, 1}}, {{7, 4, 26}}},  // rank 6 step 3: chunk 6 piece 2 to rank 7; wait entry[7]; r7:dst@6[2/4] = r6:src@0[2/4]; signal r7:arrive[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 4, 6, 3}, {{6, 1, 1, 4, 0, 3}}, {}, {{3, 0, 7, 1}}, {{7, 4, 27}}},  // rank 6 step 4: chunk 6 piece 3 to rank 7; wait entry[7]; r7:dst@6[3/4] = r6:src@0[3/4]; signal r7:arrive[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 0}, {{6, 2, 0, 4, 5, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 20, 64}}, {{7, 4, 20}}},  // rank 6 step 5: chunk 5 piece 0 to rank 7; wait entry[7], arrive[20]; r7:dst@5[0/4] = r6:dst@5[0/4]; signal r7:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 1}, {{6, 2, 0, 4, 5, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 21, 64}}, {{7, 4, 21}}},  // rank 6 step 6: chunk 5 piece 1 to rank 7; wait entry[7], arrive[21]; r7:dst@5[1/4] = r6:dst@5[1/4]; signal r7:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 2}, {{6, 2, 0, 4, 5, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 22, 64}}, {{7, 4, 22}}},  // rank 6 step 7: chunk 5 piece 2 to rank 7; wait entry[7], arrive[22]; r7:dst@5[2/4] = r6:dst@5[2/4]; signal r7:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 5, 3}, {{6, 2, 0, 4, 5, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 23, 64}}, {{7, 4, 23}}},  // rank 6 step 8: chunk 5 piece 3 to rank 7; wait entry[7], arrive[23]; r7:dst@5[3/4] = r6:dst@5[3/4]; signal r7:arrive[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 0}, {{6, 2, 0, 4, 4, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 16, 64}}, {{7, 4, 16}}},  // rank 6 step 9: chunk 4 piece 0 to rank 7; wait entry[7], arrive[16]; r7:dst@4[0/4] = r6:dst@4[0/4]; signal r7:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 1}, {{6, 2, 0, 4, 4, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 17, 64}}, {{7, 4, 17}}},  // rank 6 step 10: chunk 4 piece 1 to rank 7; wait entry[7], arrive[17]; r7:dst@4[1/4] = r6:dst@4[1/4]; signal r7:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 2}, {{6, 2, 0, 4, 4, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 18, 64}}, {{7, 4, 18}}},  // rank 6 step 11: chunk 4 piece 2 to rank 7; wait entry[7], arrive[18]; r7:dst@4[2/4] = r6:dst@4[2/4]; signal r7:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 4, 3}, {{6, 2, 0, 4, 4, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 19, 64}}, {{7, 4, 19}}},  // rank 6 step 12: chunk 4 piece 3 to rank 7; wait entry[7], arrive[19]; r7:dst@4[3/4] = r6:dst@4[3/4]; signal r7:arrive[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 0}, {{6, 2, 0, 4, 3, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 12, 64}}, {{7, 4, 12}}},  // rank 6 step 13: chunk 3 piece 0 to rank 7; wait entry[7], arrive[12]; r7:dst@3[0/4] = r6:dst@3[0/4]; signal r7:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 1}, {{6, 2, 0, 4, 3, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 13, 64}}, {{7, 4, 13}}},  // rank 6 step 14: chunk 3 piece 1 to rank 7; wait entry[7], arrive[13]; r7:dst@3[1/4] = r6:dst@3[1/4]; signal r7:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 2}, {{6, 2, 0, 4, 3, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 14, 64}}, {{7, 4, 14}}},  // rank 6 step 15: chunk 3 piece 2 to rank 7; wait entry[7], arrive[14]; r7:dst@3[2/4] = r6:dst@3[2/4]; signal r7:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 3, 3}, {{6, 2, 0, 4, 3, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 15, 64}}, {{7, 4, 15}}},  // rank 6 step 16: chunk 3 piece 3 to rank 7; wait entry[7], arrive[15]; r7:dst@3[3/4] = r6:dst@3[3/4]; signal r7:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 0}, {{6, 2, 0, 4, 2, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 8, 64}}, {{7, 4, 8}}},  // rank 6 step 17: chunk 2 piece 0 to rank 7; wait entry[7], arrive[8]; r7:dst@2[0/4] = r6:dst@2[0/4]; signal r7:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 1}, {{6, 2, 0, 4, 2, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 9, 64}}, {{7, 4, 9}}},  // rank 6 step 18: chunk 2 piece 1 to rank 7; wait entry[7], arrive[9]; r7:dst@2[1/4] = r6:dst@2[1/4]; signal r7:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 2}, {{6, 2, 0, 4, 2, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 10, 64}}, {{7, 4, 10}}},  // rank 6 step 19: chunk 2 piece 2 to rank 7; wait entry[7], arrive[10]; r7:dst@2[2/4] = r6:dst@2[2/4]; signal r7:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 2, 3}, {{6, 2, 0, 4, 2, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 11, 64}}, {{7, 4, 11}}},  // rank 6 step 20: chunk 2 piece 3 to rank 7; wait entry[7], arrive[11]; r7:dst@2[3/4] = r6:dst@2[3/4]; signal r7:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 0}, {{6, 2, 0, 4, 1, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 4, 64}}, {{7, 4, 4}}},  // rank 6 step 21: chunk 1 piece 0 to rank 7; wait entry[7], arrive[4]; r7:dst@1[0/4] = r6:dst@1[0/4]; signal r7:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 1}, {{6, 2, 0, 4, 1, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 5, 64}}, {{7, 4, 5}}},  // rank 6 step 22: chunk 1 piece 1 to rank 7; wait entry[7], arrive[5]; r7:dst@1[1/4] = r6:dst@1[1/4]; signal r7:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 2}, {{6, 2, 0, 4, 1, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 6, 64}}, {{7, 4, 6}}},  // rank 6 step 23: chunk 1 piece 2 to rank 7; wait entry[7], arrive[6]; r7:dst@1[2/4] = r6:dst@1[2/4]; signal r7:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 1, 3}, {{6, 2, 0, 4, 1, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 7, 64}}, {{7, 4, 7}}},  // rank 6 step 24: chunk 1 piece 3 to rank 7; wait entry[7], arrive[7]; r7:dst@1[3/4] = r6:dst@1[3/4]; signal r7:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 0}, {{6, 2, 0, 4, 0, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 0, 64}}, {{7, 4, 0}}},  // rank 6 step 25: chunk 0 piece 0 to rank 7; wait entry[7], arrive[0]; r7:dst@0[0/4] = r6:dst@0[0/4]; signal r7:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 1}, {{6, 2, 0, 4, 0, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 1, 64}}, {{7, 4, 1}}},  // rank 6 step 26: chunk 0 piece 1 to rank 7; wait entry[7], arrive[1]; r7:dst@0[1/4] = r6:dst@0[1/4]; signal r7:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 2}, {{6, 2, 0, 4, 0, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 2, 64}}, {{7, 4, 2}}},  // rank 6 step 27: chunk 0 piece 2 to rank 7; wait entry[7], arrive[2]; r7:dst@0[2/4] = r6:dst@0[2/4]; signal r7:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 4, 0, 3}, {{6, 2, 0, 4, 0, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 3, 64}}, {{7, 4, 3}}},  // rank 6 step 28: chunk 0 piece 3 to rank 7; wait entry[7], arrive[3]; r7:dst@0[3/4] = r6:dst@0[3/4]; signal r7:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 0}, {{6, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 6 step 29: local copy, piece 0; r6:dst@6[0/4] = r6:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 1}, {{6, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 6 step 30: local copy, piece 1; r6:dst@6[1/4] = r6:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 2}, {{6, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 6 step 31: local copy, piece 2; r6:dst@6[2/4] = r6:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {6, 2, 0, 4, 6, 3}, {{6, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 6 step 32: local copy, piece 3; r6:dst@6[3/4] = r6:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 6 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 6 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}}, {}},  // rank 6 step 35: wait for every chunk; wait arrive[16], arrive[17], arrive[18], arrive[19], arrive[20], arrive[21], arrive[22], arrive[23]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 28, 64}, {4, 0, 29, 64}, {4, 0, 30, 64}, {4, 0, 31, 64}}, {}},  // rank 6 step 36: wait for every chunk; wait arrive[28], arrive[29], arrive[30], arrive[31]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 3, 7}}},  // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 0}, {{7, 1, 1, 4, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 28}}},  // rank 7 step 1: chunk 7 piece 0 to rank 0; wait entry[0]; r0:dst@7[0/4] = r7:src@0[0/4]; signal r0:arrive[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 1}, {{7, 1, 1, 4, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 29}}},  // rank 7 step 2: chunk 7 piece 1 to rank 0; wait entry[0]; r0:dst@7[1/4] = r7:src@0[1/4]; signal r0:arrive[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 2}, {{7, 1, 1, 4, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 30}}},  // rank 7 step 3: chunk 7 piece 2 to rank 0; wait entry[0]; r0:dst@7[2/4] = r7:src@0[2/4]; signal r0:arrive[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 4, 7, 3}, {{7, 1, 1, 4, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 31}}},  // rank 7 step 4: chunk 7 piece 3 to rank 0; wait entry[0]; r0:dst@7[3/4] = r7:src@0[3/4]; signal r0:arrive[31]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 0}, {{7, 2, 0, 4, 6, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 24, 64}}, {{0, 4, 24}}},  // rank 7 step 5: chunk 6 piece 0 to rank 0; wait entry[0], arrive[24]; r0:dst@6[0/4] = r7:dst@6[0/4]; signal r0:arrive[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 1}, {{7, 2, 0, 4, 6, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 25, 64}}, {{0, 4, 25}}},  // rank 7 step 6: chunk 6 piece 1 to rank 0; wait entry[0], arrive[25]; r0:dst@6[1/4] = r7:dst@6[1/4]; signal r0:arrive[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 2}, {{7, 2, 0, 4, 6, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 26, 64}}, {{0, 4, 26}}},  // rank 7 step 7: chunk 6 piece 2 to rank 0; wait entry[0], arrive[26]; r0:dst@6[2/4] = r7:dst@6[2/4]; signal r0:arrive[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 6, 3}, {{7, 2, 0, 4, 6, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 27, 64}}, {{0, 4, 27}}},  // rank 7 step 8: chunk 6 piece 3 to rank 0; wait entry[0], arrive[27]; r0:dst@6[3/4] = r7:dst@6[3/4]; signal r0:arrive[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 0}, {{7, 2, 0, 4, 5, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 20, 64}}, {{0, 4, 20}}},  // rank 7 step 9: chunk 5 piece 0 to rank 0; wait entry[0], arrive[20]; r0:dst@5[0/4] = r7:dst@5[0/4]; signal r0:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 1}, {{7, 2, 0, 4, 5, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 21, 64}}, {{0, 4, 21}}},  // rank 7 step 10: chunk 5 piece 1 to rank 0; wait entry[0], arrive[21]; r0:dst@5[1/4] = r7:dst@5[1/4]; signal r0:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 2}, {{7, 2, 0, 4, 5, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 22, 64}}, {{0, 4, 22}}},  // rank 7 step 11: chunk 5 piece 2 to rank 0; wait entry[0], arrive[22]; r0:dst@5[2/4] = r7:dst@5[2/4]; signal r0:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 5, 3}, {{7, 2, 0, 4, 5, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 23, 64}}, {{0, 4, 23}}},  // rank 7 step 12: chunk 5 piece 3 to rank 0; wait entry[0], arrive[23]; r0:dst@5[3/4] = r7:dst@5[3/4]; signal r0:arrive[23]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 0}, {{7, 2, 0, 4, 4, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 16, 64}}, {{0, 4, 16}}},  // rank 7 step 13: chunk 4 piece 0 to rank 0; wait entry[0], arrive[16]; r0:dst@4[0/4] = r7:dst@4[0/4]; signal r0:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 1}, {{7, 2, 0, 4, 4, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 17, 64}}, {{0, 4, 17}}},  // rank 7 step 14: chunk 4 piece 1 to rank 0; wait entry[0], arrive[17]; r0:dst@4[1/4] = r7:dst@4[1/4]; signal r0:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 2}, {{7, 2, 0, 4, 4, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 18, 64}}, {{0, 4, 18}}},  // rank 7 step 15: chunk 4 piece 2 to rank 0; wait entry[0], arrive[18]; r0:dst@4[2/4] = r7:dst@4[2/4]; signal r0:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 4, 3}, {{7, 2, 0, 4, 4, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 19, 64}}, {{0, 4, 19}}},  // rank 7 step 16: chunk 4 piece 3 to rank 0; wait entry[0], arrive[19]; r0:dst@4[3/4] = r7:dst@4[3/4]; signal r0:arrive[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 0}, {{7, 2, 0, 4, 3, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},  // rank 7 step 17: chunk 3 piece 0 to rank 0; wait entry[0], arrive[12]; r0:dst@3[0/4] = r7:dst@3[0/4]; signal r0:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 1}, {{7, 2, 0, 4, 3, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},  // rank 7 step 18: chunk 3 piece 1 to rank 0; wait entry[0], arrive[13]; r0:dst@3[1/4] = r7:dst@3[1/4]; signal r0:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 2}, {{7, 2, 0, 4, 3, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},  // rank 7 step 19: chunk 3 piece 2 to rank 0; wait entry[0], arrive[14]; r0:dst@3[2/4] = r7:dst@3[2/4]; signal r0:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 3, 3}, {{7, 2, 0, 4, 3, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},  // rank 7 step 20: chunk 3 piece 3 to rank 0; wait entry[0], arrive[15]; r0:dst@3[3/4] = r7:dst@3[3/4]; signal r0:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 0}, {{7, 2, 0, 4, 2, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},  // rank 7 step 21: chunk 2 piece 0 to rank 0; wait entry[0], arrive[8]; r0:dst@2[0/4] = r7:dst@2[0/4]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 1}, {{7, 2, 0, 4, 2, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},  // rank 7 step 22: chunk 2 piece 1 to rank 0; wait entry[0], arrive[9]; r0:dst@2[1/4] = r7:dst@2[1/4]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 2}, {{7, 2, 0, 4, 2, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},  // rank 7 step 23: chunk 2 piece 2 to rank 0; wait entry[0], arrive[10]; r0:dst@2[2/4] = r7:dst@2[2/4]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 2, 3}, {{7, 2, 0, 4, 2, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},  // rank 7 step 24: chunk 2 piece 3 to rank 0; wait entry[0], arrive[11]; r0:dst@2[3/4] = r7:dst@2[3/4]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 0}, {{7, 2, 0, 4, 1, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},  // rank 7 step 25: chunk 1 piece 0 to rank 0; wait entry[0], arrive[4]; r0:dst@1[0/4] = r7:dst@1[0/4]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 1}, {{7, 2, 0, 4, 1, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},  // rank 7 step 26: chunk 1 piece 1 to rank 0; wait entry[0], arrive[5]; r0:dst@1[1/4] = r7:dst@1[1/4]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 2}, {{7, 2, 0, 4, 1, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},  // rank 7 step 27: chunk 1 piece 2 to rank 0; wait entry[0], arrive[6]; r0:dst@1[2/4] = r7:dst@1[2/4]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 4, 1, 3}, {{7, 2, 0, 4, 1, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},  // rank 7 step 28: chunk 1 piece 3 to rank 0; wait entry[0], arrive[7]; r0:dst@1[3/4] = r7:dst@1[3/4]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 0}, {{7, 1, 1, 4, 0, 0}}, {}, {}, {}},  // rank 7 step 29: local copy, piece 0; r7:dst@7[0/4] = r7:src@0[0/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 1}, {{7, 1, 1, 4, 0, 1}}, {}, {}, {}},  // rank 7 step 30: local copy, piece 1; r7:dst@7[1/4] = r7:src@0[1/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 2}, {{7, 1, 1, 4, 0, 2}}, {}, {}, {}},  // rank 7 step 31: local copy, piece 2; r7:dst@7[2/4] = r7:src@0[2/4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {7, 2, 0, 4, 7, 3}, {{7, 1, 1, 4, 0, 3}}, {}, {}, {}},  // rank 7 step 32: local copy, piece 3; r7:dst@7[3/4] = r7:src@0[3/4]; 64 blocks
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 7 step 33: wait for every chunk; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 7 step 34: wait for every chunk; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 16, 64}, {4, 0, 17, 64}, {4, 0, 18, 64}, {4, 0, 19, 64}, {4, 0, 20, 64}, {4, 0, 21, 64}, {4, 0, 22, 64}, {4, 0, 23, 64}}, {}},  // rank 7 step 35: wait for every chunk; wait arrive[16], arrive[17], arrive[18], arrive[19], arrive[20], arrive[21], arrive[22], arrive[23]
+    {TSGEN_OP_NONE, 0, 4, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 24, 64}, {4, 0, 25, 64}, {4, 0, 26, 64}, {4, 0, 27, 64}}, {}},  // rank 7 step 36: wait for every chunk; wait arrive[24], arrive[25], arrive[26], arrive[27]
 };
 static __device__ const int step_base_w8[8] = { 0, 37, 74, 111, 148, 185, 222, 259 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..2051
-    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
-    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
-    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
-    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
-    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
-    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
-    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
-    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
-    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
-    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
-    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
-    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
-    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
-    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
-    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
-    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
-    // rank 1: shares 2052..4103
-    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
-    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
-    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
-    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
-    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
-    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
-    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
-    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
-    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
-    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
-    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
-    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
-    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
-    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
-    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
-    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
-    // rank 2: shares 4104..6155
-    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
-    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
-    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
-    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
-    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
-    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
-    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
-    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
-    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
-    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
-    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
-    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
-    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
-    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
-    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
-    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
-    // rank 3: shares 6156..8207
-    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
-    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
-    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
-    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
-    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
-    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
-    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
-    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
-    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
-    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
-    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
-    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
-    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
-    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
-    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
-    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
-    // rank 4: shares 8208..10259
-    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
-    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
-    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
-    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
-    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
-    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
-    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
-    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
-    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
-    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
-    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
-    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
-    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
-    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
-    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
-    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
-    // rank 5: shares 10260..12311
-    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
-    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
-    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
-    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
-    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
-    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
-    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
-    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
-    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
-    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
-    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
-    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
-    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
-    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
-    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
-    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
-    // rank 6: shares 12312..14363
-    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
-    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
-    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
-    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
-    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
-    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
-    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
-    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
-    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
-    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
-    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
-    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
-    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
-    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
-    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
-    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
-    // rank 7: shares 14364..16415
-    {29, 63, 64, 4, 1, 0}, {1, 0, 64, 28, 1, 0}, {33, 0, 1, 1, 0, 0}, {1, 1, 64, 28, 1, 0},
-    {34, 0, 1, 1, 0, 0}, {1, 2, 64, 28, 1, 0}, {35, 0, 1, 1, 0, 0}, {1, 3, 64, 28, 1, 0},
-    {36, 0, 1, 1, 0, 0}, {1, 4, 64, 28, 1, 0}, {1, 5, 64, 28, 1, 0}, {1, 6, 64, 28, 1, 0},
-    {1, 7, 64, 28, 1, 0}, {1, 8, 64, 28, 1, 0}, {1, 9, 64, 28, 1, 0}, {1, 10, 64, 28, 1, 0},
-    {1, 11, 64, 28, 1, 0}, {1, 12, 64, 28, 1, 0}, {1, 13, 64, 28, 1, 0}, {1, 14, 64, 28, 1, 0},
-    {1, 15, 64, 28, 1, 0}, {1, 16, 64, 28, 1, 0}, {1, 17, 64, 28, 1, 0}, {1, 18, 64, 28, 1, 0},
-    {1, 19, 64, 28, 1, 0}, {1, 20, 64, 28, 1, 0}, {1, 21, 64, 28, 1, 0}, {1, 22, 64, 28, 1, 0},
-    {1, 23, 64, 28, 1, 0}, {1, 24, 64, 28, 1, 0}, {1, 25, 64, 28, 1, 0}, {1, 26, 64, 28, 1, 0},
-    {1, 27, 64, 28, 1, 0}, {1, 28, 64, 28, 1, 0}, {1, 29, 64, 28, 1, 0}, {1, 30, 64, 28, 1, 0},
-    {1, 31, 64, 28, 1, 0}, {1, 32, 64, 28, 1, 0}, {1, 33, 64, 28, 1, 0}, {1, 34, 64, 28, 1, 0},
-    {1, 35, 64, 28, 1, 0}, {1, 36, 64, 28, 1, 0}, {1, 37, 64, 28, 1, 0}, {1, 38, 64, 28, 1, 0},
-    {1, 39, 64, 28, 1, 0}, {1, 40, 64, 28, 1, 0}, {1, 41, 64, 28, 1, 0}, {1, 42, 64, 28, 1, 0},
-    {1, 43, 64, 28, 1, 0}, {1, 44, 64, 28, 1, 0}, {1, 45, 64, 28, 1, 0}, {1, 46, 64, 28, 1, 0},
-    {1, 47, 64, 28, 1, 0}, {1, 48, 64, 28, 1, 0}, {1, 49, 64, 28, 1, 0}, {1, 50, 64, 28, 1, 0},
-    {1, 51, 64, 28, 1, 0}, {1, 52, 64, 28, 1, 0}, {1, 53, 64, 28, 1, 0}, {1, 54, 64, 28, 1, 0},
-    {1, 55, 64, 28, 1, 0}, {1, 56, 64, 28, 1, 0}, {1, 57, 64, 28, 1, 0}, {1, 58, 64, 28, 1, 0},
-    {1, 59, 64, 28, 1, 0}, {1, 60, 64, 28, 1, 0}, {1, 61, 64, 28, 1, 0}, {1, 62, 64, 28, 1, 0},
-    {1, 63, 64, 28, 1, 0}, {29, 0, 64, 4, 1, 0}, {29, 1, 64, 4, 1, 0}, {29, 2, 64, 4, 1, 0},
-    {29, 3, 64, 4, 1, 0}, {29, 4, 64, 4, 1, 0}, {29, 5, 64, 4, 1, 0}, {29, 6, 64, 4, 1, 0},
-    {29, 7, 64, 4, 1, 0}, {29, 8, 64, 4, 1, 0}, {29, 9, 64, 4, 1, 0}, {29, 10, 64, 4, 1, 0},
-    {29, 11, 64, 4, 1, 0}, {29, 12, 64, 4, 1, 0}, {29, 13, 64, 4, 1, 0}, {29, 14, 64, 4, 1, 0},
-    {29, 15, 64, 4, 1, 0}, {29, 16, 64, 4, 1, 0}, {29, 17, 64, 4, 1, 0}, {29, 18, 64, 4, 1, 0},
-    {29, 19, 64, 4, 1, 0}, {29, 20, 64, 4, 1, 0}, {29, 21, 64, 4, 1, 0}, {29, 22, 64, 4, 1, 0},
-    {29, 23, 64, 4, 1, 0}, {29, 24, 64, 4, 1, 0}, {29, 25, 64, 4, 1, 0}, {29, 26, 64, 4, 1, 0},
-    {29, 27, 64, 4, 1, 0}, {29, 28, 64, 4, 1, 0}, {29, 29, 64, 4, 1, 0}, {29, 30, 64, 4, 1, 0},
-    {29, 31, 64, 4, 1, 0}, {29, 32, 64, 4, 1, 0}, {29, 33, 64, 4, 1, 0}, {29, 34, 64, 4, 1, 0},
-    {29, 35, 64, 4, 1, 0}, {29, 36, 64, 4, 1, 0}, {29, 37, 64, 4, 1, 0}, {29, 38, 64, 4, 1, 0},
-    {29, 39, 64, 4, 1, 0}, {29, 40, 64, 4, 1, 0}, {29, 41, 64, 4, 1, 0}, {29, 42, 64, 4, 1, 0},
-    {29, 43, 64, 4, 1, 0}, {29, 44, 64, 4, 1, 0}, {29, 45, 64, 4, 1, 0}, {29, 46, 64, 4, 1, 0},
-    {29, 47, 64, 4, 1, 0}, {29, 48, 64, 4, 1, 0}, {29, 49, 64, 4, 1, 0}, {29, 50, 64, 4, 1, 0},
-    {29, 51, 64, 4, 1, 0}, {29, 52, 64, 4, 1, 0}, {29, 53, 64, 4, 1, 0}, {29, 54, 64, 4, 1, 0},
-    {29, 55, 64, 4, 1, 0}, {29, 56, 64, 4, 1, 0}, {29, 57, 64, 4, 1, 0}, {29, 58, 64, 4, 1, 0},
-    {29, 59, 64, 4, 1, 0}, {29, 60, 64, 4, 1, 0}, {29, 61, 64, 4, 1, 0}, {29, 62, 64, 4, 1, 0},
+    {29, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {33, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {34, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {35, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 0: shares 0..2051
+    {36, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 4, 1, 0, 63, 0, 1},
+    {29, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {33, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {34, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {35, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 1: shares 2052..4103
+    {36, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 4, 1, 0, 63, 0, 1},
+    {29, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {33, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {34, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {35, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 2: shares 4104..6155
+    {36, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 4, 1, 0, 63, 0, 1},
+    {29, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {33, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {34, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {35, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 3: shares 6156..8207
+    {36, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 4, 1, 0, 63, 0, 1},
+    {29, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {33, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {34, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {35, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 4: shares 8208..10259
+    {36, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 4, 1, 0, 63, 0, 1},
+    {29, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {33, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {34, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {35, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 5: shares 10260..12311
+    {36, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 4, 1, 0, 63, 0, 1},
+    {29, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {33, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {34, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {35, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 6: shares 12312..14363
+    {36, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 4, 1, 0, 63, 0, 1},
+    {29, 63, 64, 4, 1, 0, 1, 0, 0}, {1, 0, 64, 28, 1, 0, 1, 0, 0}, {33, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 1, 64, 28, 1, 0, 1, 0, 0}, {34, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 2, 64, 28, 1, 0, 1, 0, 0}, {35, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 3, 64, 28, 1, 0, 1, 0, 0},  // rank 7: shares 14364..16415
+    {36, 0, 1, 1, 0, 0, 1, 0, 0}, {1, 4, 64, 28, 1, 0, 60, 0, 1}, {29, 0, 64, 4, 1, 0, 63, 0, 1},
 };
-static __device__ const tsgen::share_table<16416> shares_w8 =
-    tsgen::expand_shares<16416>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][129] = {
+static __device__ const tsgen::share_table<16416> shares_w8 = tsgen::expand_shares<16416>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 4, 33, 62, 91, 120, 148, 176, 204, 232, 260, 288, 316, 344, 372, 400, 428, 456, 484, 512, 540, 568, 596, 624, 652, 680, 708, 736, 764, 792, 820, 848, 876, 904, 932, 960, 988, 1016, 1044, 1072, 1100, 1128, 1156, 1184, 1212, 1240, 1268, 1296, 1324, 1352, 1380, 1408, 1436, 1464, 1492, 1520, 1548, 1576, 1604, 1632, 1660, 1688, 1716, 1744, 1772, 1800, 1804, 1808, 1812, 1816, 1820, 1824, 1828, 1832, 1836, 1840, 1844, 1848, 1852, 1856, 1860, 1864, 1868, 1872, 1876, 1880, 1884, 1888, 1892, 1896, 1900, 1904, 1908, 1912, 1916, 1920, 1924, 1928, 1932, 1936, 1940, 1944, 1948, 1952, 1956, 1960, 1964, 1968, 1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000, 2004, 2008, 2012, 2016, 2020, 2024, 2028, 2032, 2036, 2040, 2044, 2048, 2052 },
     { 2052, 2056, 2085, 2114, 2143, 2172, 2200, 2228, 2256, 2284, 2312, 2340, 2368, 2396, 2424, 2452, 2480, 2508, 2536, 2564, 2592, 2620, 2648, 2676, 2704, 2732, 2760, 2788, 2816, 2844, 2872, 2900, 2928, 2956, 2984, 3012, 3040, 3068, 3096, 3124, 3152, 3180, 3208, 3236, 3264, 3292, 3320, 3348, 3376, 3404, 3432, 3460, 3488, 3516, 3544, 3572, 3600, 3628, 3656, 3684, 3712, 3740, 3768, 3796, 3824, 3852, 3856, 3860, 3864, 3868, 3872, 3876, 3880, 3884, 3888, 3892, 3896, 3900, 3904, 3908, 3912, 3916, 3920, 3924, 3928, 3932, 3936, 3940, 3944, 3948, 3952, 3956, 3960, 3964, 3968, 3972, 3976, 3980, 3984, 3988, 3992, 3996, 4000, 4004, 4008, 4012, 4016, 4020, 4024, 4028, 4032, 4036, 4040, 4044, 4048, 4052, 4056, 4060, 4064, 4068, 4072, 4076, 4080, 4084, 4088, 4092, 4096, 4100, 4104 },
     { 4104, 4108, 4137, 4166, 4195, 4224, 4252, 4280, 4308, 4336, 4364, 4392, 4420, 4448, 4476, 4504, 4532, 4560, 4588, 4616, 4644, 4672, 4700, 4728, 4756, 4784, 4812, 4840, 4868, 4896, 4924, 4952, 4980, 5008, 5036, 5064, 5092, 5120, 5148, 5176, 5204, 5232, 5260, 5288, 5316, 5344, 5372, 5400, 5428, 5456, 5484, 5512, 5540, 5568, 5596, 5624, 5652, 5680, 5708, 5736, 5764, 5792, 5820, 5848, 5876, 5904, 5908, 5912, 5916, 5920, 5924, 5928, 5932, 5936, 5940, 5944, 5948, 5952, 5956, 5960, 5964, 5968, 5972, 5976, 5980, 5984, 5988, 5992, 5996, 6000, 6004, 6008, 6012, 6016, 6020, 6024, 6028, 6032, 6036, 6040, 6044, 6048, 6052, 6056, 6060, 6064, 6068, 6072, 6076, 6080, 6084, 6088, 6092, 6096, 6100, 6104, 6108, 6112, 6116, 6120, 6124, 6128, 6132, 6136, 6140, 6144, 6148, 6152, 6156 },
@@ -1538,120 +590,67 @@ static __device__ const uint16_t first_w8[8][129] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
         if (b == 0) {  // block 0
-          // rank 0 step 5: local copy, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[5], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: local copy, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[6], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 7: local copy, piece 2
-          tsgen::run_share<T, UNROLL>(steps_w2[7], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: local copy, piece 3
-          tsgen::run_share<T, UNROLL>(steps_w2[8], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[5], 63, 64);  // step 5: local copy, piece 0
+          TSGEN_RUN_SHARE(steps_w2[6], 63, 64);  // step 6: local copy, piece 1
+          TSGEN_RUN_SHARE(steps_w2[7], 63, 64);  // step 7: local copy, piece 2
+          TSGEN_RUN_SHARE(steps_w2[8], 63, 64);  // step 8: local copy, piece 3
         }
         if (b == 1) {  // block 1
-          // rank 0 step 1: chunk 0 piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[1], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: chunk 0 piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[2], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 3: chunk 0 piece 2 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[3], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: chunk 0 piece 3 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[4], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 9: wait for every chunk
-          tsgen::run_share<T, UNROLL>(steps_w2[9], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[1], 0, 64);  // step 1: chunk 0 piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[2], 0, 64);  // step 2: chunk 0 piece 1 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[3], 0, 64);  // step 3: chunk 0 piece 2 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[4], 0, 64);  // step 4: chunk 0 piece 3 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[9], 0, 1);  // step 9: wait for every chunk
         }
         if (b >= 2 && b < 65) {  // blocks 2..64
-          const int i = b - 2;
-          // rank 0 step 1: chunk 0 piece 0 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[1], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: chunk 0 piece 1 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[2], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 3: chunk 0 piece 2 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[3], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: chunk 0 piece 3 to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[4], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[1], b - 1, 64);  // step 1: chunk 0 piece 0 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[2], b - 1, 64);  // step 2: chunk 0 piece 1 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[3], b - 1, 64);  // step 3: chunk 0 piece 2 to rank 1
+          TSGEN_RUN_SHARE(steps_w2[4], b - 1, 64);  // step 4: chunk 0 piece 3 to rank 1
         }
         if (b >= 65 && b < 128) {  // blocks 65..127
-          const int i = b - 65;
-          // rank 0 step 5: local copy, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[5], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: local copy, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[6], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 7: local copy, piece 2
-          tsgen::run_share<T, UNROLL>(steps_w2[7], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: local copy, piece 3
-          tsgen::run_share<T, UNROLL>(steps_w2[8], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[5], b - 65, 64);  // step 5: local copy, piece 0
+          TSGEN_RUN_SHARE(steps_w2[6], b - 65, 64);  // step 6: local copy, piece 1
+          TSGEN_RUN_SHARE(steps_w2[7], b - 65, 64);  // step 7: local copy, piece 2
+          TSGEN_RUN_SHARE(steps_w2[8], b - 65, 64);  // step 8: local copy, piece 3
         }
         break;
       case 1:
         if (b == 0) {  // block 0
-          // rank 1 step 5: local copy, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[15], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: local copy, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[16], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 7: local copy, piece 2
-          tsgen::run_share<T, UNROLL>(steps_w2[17], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: local copy, piece 3
-          tsgen::run_share<T, UNROLL>(steps_w2[18], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[15], 63, 64);  // step 5: local copy, piece 0
+          TSGEN_RUN_SHARE(steps_w2[16], 63, 64);  // step 6: local copy, piece 1
+          TSGEN_RUN_SHARE(steps_w2[17], 63, 64);  // step 7: local copy, piece 2
+          TSGEN_RUN_SHARE(steps_w2[18], 63, 64);  // step 8: local copy, piece 3
         }
         if (b == 1) {  // block 1
-          // rank 1 step 1: chunk 1 piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[11], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: chunk 1 piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[12], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 3: chunk 1 piece 2 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[13], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: chunk 1 piece 3 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[14], 0, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 9: wait for every chunk
-          tsgen::run_share<T, UNROLL>(steps_w2[19], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[11], 0, 64);  // step 1: chunk 1 piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[12], 0, 64);  // step 2: chunk 1 piece 1 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[13], 0, 64);  // step 3: chunk 1 piece 2 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[14], 0, 64);  // step 4: chunk 1 piece 3 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[19], 0, 1);  // step 9: wait for every chunk
         }
         if (b >= 2 && b < 65) {  // blocks 2..64
-          const int i = b - 2;
-          // rank 1 step 1: chunk 1 piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[11], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: chunk 1 piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[12], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 3: chunk 1 piece 2 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[13], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: chunk 1 piece 3 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[14], 1 + i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[11], b - 1, 64);  // step 1: chunk 1 piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[12], b - 1, 64);  // step 2: chunk 1 piece 1 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[13], b - 1, 64);  // step 3: chunk 1 piece 2 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[14], b - 1, 64);  // step 4: chunk 1 piece 3 to rank 0
         }
         if (b >= 65 && b < 128) {  // blocks 65..127
-          const int i = b - 65;
-          // rank 1 step 5: local copy, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[15], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: local copy, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[16], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 7: local copy, piece 2
-          tsgen::run_share<T, UNROLL>(steps_w2[17], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: local copy, piece 3
-          tsgen::run_share<T, UNROLL>(steps_w2[18], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[15], b - 65, 64);  // step 5: local copy, piece 0
+          TSGEN_RUN_SHARE(steps_w2[16], b - 65, 64);  // step 6: local copy, piece 1
+          TSGEN_RUN_SHARE(steps_w2[17], b - 65, 64);  // step 7: local copy, piece 2
+          TSGEN_RUN_SHARE(steps_w2[18], b - 65, 64);  // step 8: local copy, piece 3
         }
-        break;
-      default:
         break;
     }
   }
@@ -1660,17 +659,9 @@ template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w3.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x4u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      case 2: mask = 0x2u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x4u, index = 0; break; case 1: mask = 0x1u, index = 1; break; case 2: mask = 0x2u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
 };
@@ -1678,17 +669,10 @@ template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0x8u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      case 2: mask = 0x2u, index = 2; break;
-      case 3: mask = 0x4u, index = 3; break;
-      default: break;
+      case 0: mask = 0x8u, index = 0; break; case 1: mask = 0x1u, index = 1; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x4u, index = 3; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
@@ -1697,76 +681,42 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0x80u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      case 2: mask = 0x2u, index = 2; break;
-      case 3: mask = 0x4u, index = 3; break;
-      case 4: mask = 0x8u, index = 4; break;
-      case 5: mask = 0x10u, index = 5; break;
-      case 6: mask = 0x20u, index = 6; break;
-      case 7: mask = 0x40u, index = 7; break;
-      default: break;
+      case 0: mask = 0x80u, index = 0; break; case 1: mask = 0x1u, index = 1; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x4u, index = 3; break; case 4: mask = 0x8u, index = 4; break;
+      case 5: mask = 0x10u, index = 5; break; case 6: mask = 0x20u, index = 6; break; case 7: mask = 0x40u, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace allgather_ring
 
-// World size 2: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) allgather_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) allgather_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_ring::run<2>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) allgather_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_ring::run<3>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_ring_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) allgather_ring_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_ring::run<4>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) allgather_ring_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) allgather_ring_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   allgather_ring::run<8>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through allgather_ring::launch.
-namespace allgather_ring {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-}  // namespace allgather_ring
-
-extern "C" cudaError_t allgather_ring_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_ring::launch<allgather_ring_w2, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t allgather_ring_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_ring::launch<allgather_ring_w3, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t allgather_ring_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_ring::launch<allgather_ring_w4, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t allgather_ring_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return allgather_ring::launch<allgather_ring_w8, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t allgather_ring_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<allgather_ring_w2, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t allgather_ring_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<allgather_ring_w3, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t allgather_ring_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<allgather_ring_w4, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t allgather_ring_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<allgather_ring_w8, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }

@@ -39,12 +39,12 @@
 //   dsum     float          scratch 32 * count
 //   lse2     float          scratch 32 * count
 // Contents (line numbers of this file):
-//   59: the hand-written library, included: tsgen/ptx.cuh 59, tsgen/sync.cuh 60, tsgen/copy.cuh 61, tsgen/attention_bwd.cuh 62
-//   67: the op's own code (namespace attention_backward_hd128: constants, tables, device code)
+//   58: the hand-written library, included: tsgen/ptx.cuh 58, tsgen/sync.cuh 59, tsgen/copy.cuh 60, tsgen/attention_bwd.cuh 61
+//   64: the op's own code (namespace attention_backward_hd128: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_backward_hd128_w1_preprocess 95, attention_backward_hd128_w1_main 101
-//     attention_backward_hd128_w1_convert 106, attention_backward_hd128_w1_backward 112
-//     attention_backward_hd128_w1_launch 126
+//     attention_backward_hd128_w1_preprocess 92, attention_backward_hd128_w1_main 98
+//     attention_backward_hd128_w1_convert 103, attention_backward_hd128_w1_backward 109
+//     attention_backward_hd128_w1_launch 123
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -52,8 +52,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -61,9 +60,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/attention_bwd.cuh"
 
-// ---------------------------------------------------------------------------
-// attention_backward: attention_backward_hd128
-// ---------------------------------------------------------------------------
+// ---- attention_backward: attention_backward_hd128 ----------------------------------------------------------------
 namespace attention_backward_hd128 {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -35,10 +35,10 @@
 //   o        __nv_bfloat16  output 4096 * count
 //   lse      float          output 32 * count
 // Contents (line numbers of this file):
-//   53: the hand-written library, included: tsgen/ptx.cuh 53, tsgen/sync.cuh 54, tsgen/copy.cuh 55, tsgen/gemm.cuh 56, tsgen/attention.cuh 57
-//   62: the op's own code (namespace attention_hd128: constants, tables, device code)
+//   52: the hand-written library, included: tsgen/ptx.cuh 52, tsgen/sync.cuh 53, tsgen/copy.cuh 54, tsgen/gemm.cuh 55, tsgen/attention.cuh 56
+//   59: the op's own code (namespace attention_hd128: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_hd128_w1_kernel 154, attention_hd128_w1_forward 162, attention_hd128_w1_launch 173
+//     attention_hd128_w1_kernel 151, attention_hd128_w1_forward 159, attention_hd128_w1_launch 170
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -46,8 +46,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -56,9 +55,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/attention.cuh"
 
-// ---------------------------------------------------------------------------
-// attention: attention_hd128
-// ---------------------------------------------------------------------------
+// ---- attention: attention_hd128 ----------------------------------------------------------------
 namespace attention_hd128 {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -35,11 +35,11 @@
 //   o        __nv_bfloat16  output 2048 * count
 //   lse      float          output 32 * count
 // Contents (line numbers of this file):
-//   54: the hand-written library, included: tsgen/ptx.cuh 54, tsgen/sync.cuh 55, tsgen/copy.cuh 56, tsgen/gemm.cuh 57, tsgen/attention.cuh 58
-//   63: the op's own code (namespace attention_hd64_causal: constants, tables, device code)
+//   53: the hand-written library, included: tsgen/ptx.cuh 53, tsgen/sync.cuh 54, tsgen/copy.cuh 55, tsgen/gemm.cuh 56, tsgen/attention.cuh 57
+//   60: the op's own code (namespace attention_hd64_causal: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_hd64_causal_w1_kernel 147, attention_hd64_causal_w1_forward 155
-//     attention_hd64_causal_w1_launch 166
+//     attention_hd64_causal_w1_kernel 144, attention_hd64_causal_w1_forward 152
+//     attention_hd64_causal_w1_launch 163
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -47,8 +47,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -57,9 +56,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/attention.cuh"
 
-// ---------------------------------------------------------------------------
-// attention: attention_hd64_causal
-// ---------------------------------------------------------------------------
+// ---- attention: attention_hd64_causal ----------------------------------------------------------------
 namespace attention_hd64_causal {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -10,12 +10,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      uint32_t       input  count
@@ -24,11 +22,11 @@
 //   counter  uint64_t       signal 1
 //   flags    uint64_t       signal 8
 // Contents (line numbers of this file):
-//   43: the hand-written library, included: tsgen/ptx.cuh 43, tsgen/sync.cuh 44, tsgen/copy.cuh 45
-//   50: the op's own code (namespace barrier_all: constants, tables, device code)
+//   40: the hand-written library, included: tsgen/ptx.cuh 40, tsgen/sync.cuh 41, tsgen/copy.cuh 42
+//   45: the op's own code (namespace barrier_all: constants, tables, device code)
 //   entry points (extern "C"):
-//     barrier_all_w2 79, barrier_all_w3 86, barrier_all_w4 93, barrier_all_w2_launch 109
-//     barrier_all_w3_launch 110, barrier_all_w4_launch 111
+//     barrier_all_w2 73, barrier_all_w3 78, barrier_all_w4 83, barrier_all_w2_launch 91
+//     barrier_all_w3_launch 92, barrier_all_w4_launch 93
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -36,17 +34,14 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
 #include "tsgen/sync.cuh"
 #include "tsgen/copy.cuh"
 
-// ---------------------------------------------------------------------------
-// barrier_all: barrier_all
-// ---------------------------------------------------------------------------
+// ---- barrier_all: barrier_all ----------------------------------------------------------------
 namespace barrier_all {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -75,37 +70,24 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace barrier_all
 
-// World size 2: grid 32, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) barrier_all_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags) {
+extern "C" __global__ void __launch_bounds__(256) barrier_all_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   barrier_all::run<2>(peers, rank, epoch, count, src, stage, dst, counter, flags);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 32, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) barrier_all_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags) {
+extern "C" __global__ void __launch_bounds__(256) barrier_all_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   barrier_all::run<3>(peers, rank, epoch, count, src, stage, dst, counter, flags);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 32, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) barrier_all_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags) {
+extern "C" __global__ void __launch_bounds__(256) barrier_all_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   barrier_all::run<4>(peers, rank, epoch, count, src, stage, dst, counter, flags);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through barrier_all::launch.
-namespace barrier_all {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, stage, dst, counter, flags);
-  return cudaGetLastError();
-}
-}  // namespace barrier_all
-
-extern "C" cudaError_t barrier_all_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) { return barrier_all::launch<barrier_all_w2, 32, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, flags, stream); }
-extern "C" cudaError_t barrier_all_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) { return barrier_all::launch<barrier_all_w3, 32, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, flags, stream); }
-extern "C" cudaError_t barrier_all_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) { return barrier_all::launch<barrier_all_w4, 32, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, flags, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t barrier_all_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) { return tsgen::launch<barrier_all_w2, 32, 256, 0>(stream, peers, rank, calls, count, src, stage, dst, counter, flags); }
+extern "C" cudaError_t barrier_all_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) { return tsgen::launch<barrier_all_w3, 32, 256, 0>(stream, peers, rank, calls, count, src, stage, dst, counter, flags); }
+extern "C" cudaError_t barrier_all_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, uint64_t* flags, cudaStream_t stream) { return tsgen::launch<barrier_all_w4, 32, 256, 0>(stream, peers, rank, calls, count, src, stage, dst, counter, flags); }

@@ -10,12 +10,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      uint32_t       input  count
@@ -23,11 +21,11 @@
 //   dst      uint32_t       output count
 //   counter  uint64_t       signal 1
 // Contents (line numbers of this file):
-//   42: the hand-written library, included: tsgen/ptx.cuh 42, tsgen/sync.cuh 43, tsgen/copy.cuh 44
-//   49: the op's own code (namespace barrier_blocks: constants, tables, device code)
+//   39: the hand-written library, included: tsgen/ptx.cuh 39, tsgen/sync.cuh 40, tsgen/copy.cuh 41
+//   44: the op's own code (namespace barrier_blocks: constants, tables, device code)
 //   entry points (extern "C"):
-//     barrier_blocks_w2 76, barrier_blocks_w3 83, barrier_blocks_w4 90, barrier_blocks_w2_launch 106
-//     barrier_blocks_w3_launch 107, barrier_blocks_w4_launch 108
+//     barrier_blocks_w2 70, barrier_blocks_w3 75, barrier_blocks_w4 80, barrier_blocks_w2_launch 88
+//     barrier_blocks_w3_launch 89, barrier_blocks_w4_launch 90
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -35,17 +33,14 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
 #include "tsgen/sync.cuh"
 #include "tsgen/copy.cuh"
 
-// ---------------------------------------------------------------------------
-// barrier_blocks: barrier_blocks
-// ---------------------------------------------------------------------------
+// ---- barrier_blocks: barrier_blocks ----------------------------------------------------------------
 namespace barrier_blocks {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -72,37 +67,24 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace barrier_blocks
 
-// World size 2: grid 132, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) barrier_blocks_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter) {
+extern "C" __global__ void __launch_bounds__(256) barrier_blocks_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter) {  // grid 132, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   barrier_blocks::run<2>(peers, rank, epoch, count, src, stage, dst, counter);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 132, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) barrier_blocks_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter) {
+extern "C" __global__ void __launch_bounds__(256) barrier_blocks_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter) {  // grid 132, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   barrier_blocks::run<3>(peers, rank, epoch, count, src, stage, dst, counter);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 132, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) barrier_blocks_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter) {
+extern "C" __global__ void __launch_bounds__(256) barrier_blocks_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter) {  // grid 132, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   barrier_blocks::run<4>(peers, rank, epoch, count, src, stage, dst, counter);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through barrier_blocks::launch.
-namespace barrier_blocks {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, stage, dst, counter);
-  return cudaGetLastError();
-}
-}  // namespace barrier_blocks
-
-extern "C" cudaError_t barrier_blocks_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) { return barrier_blocks::launch<barrier_blocks_w2, 132, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, stream); }
-extern "C" cudaError_t barrier_blocks_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) { return barrier_blocks::launch<barrier_blocks_w3, 132, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, stream); }
-extern "C" cudaError_t barrier_blocks_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) { return barrier_blocks::launch<barrier_blocks_w4, 132, 256, 0>(peers, rank, calls, count, src, stage, dst, counter, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t barrier_blocks_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) { return tsgen::launch<barrier_blocks_w2, 132, 256, 0>(stream, peers, rank, calls, count, src, stage, dst, counter); }
+extern "C" cudaError_t barrier_blocks_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) { return tsgen::launch<barrier_blocks_w3, 132, 256, 0>(stream, peers, rank, calls, count, src, stage, dst, counter); }
+extern "C" cudaError_t barrier_blocks_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* stage, uint32_t* dst, uint64_t* counter, cudaStream_t stream) { return tsgen::launch<barrier_blocks_w4, 132, 256, 0>(stream, peers, rank, calls, count, src, stage, dst, counter); }

@@ -8,12 +8,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      float          input  count
@@ -21,11 +19,11 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 1
 // Contents (line numbers of this file):
-//   45: the hand-written library, included: tsgen/ptx.cuh 45, tsgen/sync.cuh 46, tsgen/copy.cuh 47, tsgen/plan.cuh 48
-//   53: the op's own code (namespace broadcast: constants, tables, device code)
+//   42: the hand-written library, included: tsgen/ptx.cuh 42, tsgen/sync.cuh 43, tsgen/copy.cuh 44, tsgen/plan.cuh 45
+//   48: the op's own code (namespace broadcast: constants, tables, device code)
 //   entry points (extern "C"):
-//     broadcast_w2 513, broadcast_w3 520, broadcast_w4 527, broadcast_w8 534, broadcast_w2_launch 550
-//     broadcast_w3_launch 551, broadcast_w4_launch 552, broadcast_w8_launch 553
+//     broadcast_w2 266, broadcast_w3 271, broadcast_w4 276, broadcast_w8 281, broadcast_w2_launch 289
+//     broadcast_w3_launch 290, broadcast_w4_launch 291, broadcast_w8_launch 292
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -33,8 +31,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -47,9 +44,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// broadcast: broadcast
-// ---------------------------------------------------------------------------
+// ---- broadcast: broadcast ----------------------------------------------------------------
 namespace broadcast {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -59,495 +54,239 @@ constexpr int UNROLL = 4;
 
 typedef float T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: entry
-//   4: arrive
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2 || WORLD == 3 || WORLD == 4 || WORLD == 8)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 4 steps, 33 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 4 steps, 33 block shares over 64 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 1 step 0: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
-    // rank 1 step 1: local copy; r1:dst@0 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 0 step 1: wait for the root's data; wait arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},  // rank 1 step 0: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 1: local copy; r1:dst@0 = r1:src@0; 16 blocks
 };
 static __device__ const int step_base_w2[2] = { 0, 2 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 7 steps, 50 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 7 steps, 50 block shares over 64 blocks, run as straight-line code
+// (plan<3>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 1 step 0: put to rank 2; wait entry[2]; r2:dst@0 = r1:src@0; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 1 step 1: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
-    // rank 1 step 2: local copy; r1:dst@0 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
-    // rank 2 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 0 step 1: wait for the root's data; wait arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 1 step 0: put to rank 2; wait entry[2]; r2:dst@0 = r1:src@0; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},  // rank 1 step 1: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 2: local copy; r1:dst@0 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 2 step 1: wait for the root's data; wait arrive[0]
 };
 static __device__ const int step_base_w3[3] = { 0, 2, 5 };
-// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 10 steps, 67 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 10 steps, 67 block shares over 64 blocks, run as straight-line code
+// (plan<4>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 1 step 0: put to rank 2; wait entry[2]; r2:dst@0 = r1:src@0; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 1 step 1: put to rank 3; wait entry[3]; r3:dst@0 = r1:src@0; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 1 step 2: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
-    // rank 1 step 3: local copy; r1:dst@0 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
-    // rank 2 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r1:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 3}}},
-    // rank 3 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 0 step 1: wait for the root's data; wait arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 1 step 0: put to rank 2; wait entry[2]; r2:dst@0 = r1:src@0; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 1 step 1: put to rank 3; wait entry[3]; r3:dst@0 = r1:src@0; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},  // rank 1 step 2: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 3: local copy; r1:dst@0 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 2 step 1: wait for the root's data; wait arrive[0]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r1:entry[3]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 3 step 1: wait for the root's data; wait arrive[0]
 };
 static __device__ const int step_base_w4[4] = { 0, 2, 6, 8 };
-// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 22 steps, 135 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 22 steps, 135 block shares over 64 blocks, run as straight-line code
+// (plan<8>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 1 step 0: put to rank 2; wait entry[2]; r2:dst@0 = r1:src@0; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 1 step 1: put to rank 3; wait entry[3]; r3:dst@0 = r1:src@0; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 1 step 2: put to rank 4; wait entry[4]; r4:dst@0 = r1:src@0; signal r4:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
-    // rank 1 step 3: put to rank 5; wait entry[5]; r5:dst@0 = r1:src@0; signal r5:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
-    // rank 1 step 4: put to rank 6; wait entry[6]; r6:dst@0 = r1:src@0; signal r6:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
-    // rank 1 step 5: put to rank 7; wait entry[7]; r7:dst@0 = r1:src@0; signal r7:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
-    // rank 1 step 6: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
-    // rank 1 step 7: local copy; r1:dst@0 = r1:src@0; 16 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
-    // rank 2 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r1:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 3}}},
-    // rank 3 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r1:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 4}}},
-    // rank 4 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r1:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 5}}},
-    // rank 5 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r1:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 6}}},
-    // rank 6 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r1:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 7}}},
-    // rank 7 step 1: wait for the root's data; wait arrive[0]
-    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 0 step 1: wait for the root's data; wait arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 1 step 0: put to rank 2; wait entry[2]; r2:dst@0 = r1:src@0; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 1 step 1: put to rank 3; wait entry[3]; r3:dst@0 = r1:src@0; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},  // rank 1 step 2: put to rank 4; wait entry[4]; r4:dst@0 = r1:src@0; signal r4:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},  // rank 1 step 3: put to rank 5; wait entry[5]; r5:dst@0 = r1:src@0; signal r5:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},  // rank 1 step 4: put to rank 6; wait entry[6]; r6:dst@0 = r1:src@0; signal r6:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},  // rank 1 step 5: put to rank 7; wait entry[7]; r7:dst@0 = r1:src@0; signal r7:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},  // rank 1 step 6: put to rank 0; wait entry[0]; r0:dst@0 = r1:src@0; signal r0:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 1, 0, 0}, {{1, 1, 1, 1, 0, 0}}, {}, {}, {}},  // rank 1 step 7: local copy; r1:dst@0 = r1:src@0; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 2 step 1: wait for the root's data; wait arrive[0]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r1:entry[3]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 3 step 1: wait for the root's data; wait arrive[0]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 4}}},  // rank 4 step 0: entry: signal every peer; signal r1:entry[4]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 4 step 1: wait for the root's data; wait arrive[0]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 5}}},  // rank 5 step 0: entry: signal every peer; signal r1:entry[5]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 5 step 1: wait for the root's data; wait arrive[0]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 6}}},  // rank 6 step 0: entry: signal every peer; signal r1:entry[6]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 6 step 1: wait for the root's data; wait arrive[0]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 7}}},  // rank 7 step 0: entry: signal every peer; signal r1:entry[7]
+    {TSGEN_OP_NONE, 0, 1, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 16}}, {}},  // rank 7 step 1: wait for the root's data; wait arrive[0]
 };
 static __device__ const int step_base_w8[8] = { 0, 2, 10, 12, 14, 16, 18, 20 };
-// No share or block tables: world size 8 runs as straight-line code (plan<8>::run below).
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b == 1) {  // block 1
-          // rank 0 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w2[1], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w2[1], 0, 1);  // block 1, step 1: wait for the root's data
         break;
       case 1:
-        if (b >= 0 && b < 16) {  // blocks 0..15
-          const int i = b - 0;
-          // rank 1 step 0: put to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 16 && b < 32) {  // blocks 16..31
-          const int i = b - 16;
-          // rank 1 step 1: local copy
-          tsgen::run_share<T, UNROLL>(steps_w2[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b >= 0 && b < 16) TSGEN_RUN_SHARE(steps_w2[2], b, 16);  // blocks 0..15, step 0: put to rank 0
+        if (b >= 16 && b < 32) TSGEN_RUN_SHARE(steps_w2[3], b - 16, 16);  // blocks 16..31, step 1: local copy
         break;
     }
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 2: mask = 0x2u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 2: mask = 0x2u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w3 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b == 1) {  // block 1
-          // rank 0 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w3[1], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w3[1], 0, 1);  // block 1, step 1: wait for the root's data
         break;
       case 1:
-        if (b >= 0 && b < 16) {  // blocks 0..15
-          const int i = b - 0;
-          // rank 1 step 0: put to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 16 && b < 32) {  // blocks 16..31
-          const int i = b - 16;
-          // rank 1 step 1: put to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 32 && b < 48) {  // blocks 32..47
-          const int i = b - 32;
-          // rank 1 step 2: local copy
-          tsgen::run_share<T, UNROLL>(steps_w3[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 0 && b < 16) TSGEN_RUN_SHARE(steps_w3[2], b, 16);  // blocks 0..15, step 0: put to rank 2
+        if (b >= 16 && b < 32) TSGEN_RUN_SHARE(steps_w3[3], b - 16, 16);  // blocks 16..31, step 1: put to rank 0
+        if (b >= 32 && b < 48) TSGEN_RUN_SHARE(steps_w3[4], b - 32, 16);  // blocks 32..47, step 2: local copy
         break;
       case 2:
-        if (b == 1) {  // block 1
-          // rank 2 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w3[6], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b == 1) TSGEN_RUN_SHARE(steps_w3[6], 0, 1);  // block 1, step 1: wait for the root's data
         break;
     }
   }
 };
 template <> struct plan<4> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 2: mask = 0x2u, index = 2; break;
-      case 3: mask = 0x2u, index = 3; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x2u, index = 3; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w4 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b == 1) {  // block 1
-          // rank 0 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w4[1], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w4[1], 0, 1);  // block 1, step 1: wait for the root's data
         break;
       case 1:
-        if (b >= 0 && b < 16) {  // blocks 0..15
-          const int i = b - 0;
-          // rank 1 step 0: put to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w4[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 16 && b < 32) {  // blocks 16..31
-          const int i = b - 16;
-          // rank 1 step 1: put to rank 3
-          tsgen::run_share<T, UNROLL>(steps_w4[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 32 && b < 48) {  // blocks 32..47
-          const int i = b - 32;
-          // rank 1 step 2: put to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w4[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b >= 48 && b < 64) {  // blocks 48..63
-          const int i = b - 48;
-          // rank 1 step 3: local copy
-          tsgen::run_share<T, UNROLL>(steps_w4[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b >= 0 && b < 16) TSGEN_RUN_SHARE(steps_w4[2], b, 16);  // blocks 0..15, step 0: put to rank 2
+        if (b >= 16 && b < 32) TSGEN_RUN_SHARE(steps_w4[3], b - 16, 16);  // blocks 16..31, step 1: put to rank 3
+        if (b >= 32 && b < 48) TSGEN_RUN_SHARE(steps_w4[4], b - 32, 16);  // blocks 32..47, step 2: put to rank 0
+        if (b >= 48 && b < 64) TSGEN_RUN_SHARE(steps_w4[5], b - 48, 16);  // blocks 48..63, step 3: local copy
         break;
       case 2:
-        if (b == 1) {  // block 1
-          // rank 2 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w4[7], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w4[7], 0, 1);  // block 1, step 1: wait for the root's data
         break;
       case 3:
-        if (b == 1) {  // block 1
-          // rank 3 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w4[9], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b == 1) TSGEN_RUN_SHARE(steps_w4[9], 0, 1);  // block 1, step 1: wait for the root's data
         break;
     }
   }
 };
 template <> struct plan<8> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 2: mask = 0x2u, index = 2; break;
-      case 3: mask = 0x2u, index = 3; break;
-      case 4: mask = 0x2u, index = 4; break;
-      case 5: mask = 0x2u, index = 5; break;
-      case 6: mask = 0x2u, index = 6; break;
-      case 7: mask = 0x2u, index = 7; break;
-      default: break;
+      case 0: mask = 0x2u, index = 0; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x2u, index = 3; break; case 4: mask = 0x2u, index = 4; break; case 5: mask = 0x2u, index = 5; break;
+      case 6: mask = 0x2u, index = 6; break; case 7: mask = 0x2u, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w8 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b == 1) {  // block 1
-          // rank 0 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w8[1], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w8[1], 0, 1);  // block 1, step 1: wait for the root's data
         break;
       case 1:
         if (b >= 0 && b < 16) {  // blocks 0..15
-          const int i = b - 0;
-          // rank 1 step 0: put to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w8[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: put to rank 6
-          tsgen::run_share<T, UNROLL>(steps_w8[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w8[2], b, 16);  // step 0: put to rank 2
+          TSGEN_RUN_SHARE(steps_w8[6], b, 16);  // step 4: put to rank 6
         }
         if (b >= 16 && b < 32) {  // blocks 16..31
-          const int i = b - 16;
-          // rank 1 step 1: put to rank 3
-          tsgen::run_share<T, UNROLL>(steps_w8[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 5: put to rank 7
-          tsgen::run_share<T, UNROLL>(steps_w8[7], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w8[3], b - 16, 16);  // step 1: put to rank 3
+          TSGEN_RUN_SHARE(steps_w8[7], b - 16, 16);  // step 5: put to rank 7
         }
         if (b >= 32 && b < 48) {  // blocks 32..47
-          const int i = b - 32;
-          // rank 1 step 2: put to rank 4
-          tsgen::run_share<T, UNROLL>(steps_w8[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: put to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w8[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w8[4], b - 32, 16);  // step 2: put to rank 4
+          TSGEN_RUN_SHARE(steps_w8[8], b - 32, 16);  // step 6: put to rank 0
         }
         if (b >= 48 && b < 64) {  // blocks 48..63
-          const int i = b - 48;
-          // rank 1 step 3: put to rank 5
-          tsgen::run_share<T, UNROLL>(steps_w8[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 7: local copy
-          tsgen::run_share<T, UNROLL>(steps_w8[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w8[5], b - 48, 16);  // step 3: put to rank 5
+          TSGEN_RUN_SHARE(steps_w8[9], b - 48, 16);  // step 7: local copy
         }
         break;
       case 2:
-        if (b == 1) {  // block 1
-          // rank 2 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w8[11], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w8[11], 0, 1);  // block 1, step 1: wait for the root's data
         break;
       case 3:
-        if (b == 1) {  // block 1
-          // rank 3 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w8[13], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w8[13], 0, 1);  // block 1, step 1: wait for the root's data
         break;
       case 4:
-        if (b == 1) {  // block 1
-          // rank 4 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w8[15], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w8[15], 0, 1);  // block 1, step 1: wait for the root's data
         break;
       case 5:
-        if (b == 1) {  // block 1
-          // rank 5 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w8[17], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w8[17], 0, 1);  // block 1, step 1: wait for the root's data
         break;
       case 6:
-        if (b == 1) {  // block 1
-          // rank 6 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w8[19], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w8[19], 0, 1);  // block 1, step 1: wait for the root's data
         break;
       case 7:
-        if (b == 1) {  // block 1
-          // rank 7 step 1: wait for the root's data
-          tsgen::run_share<T, UNROLL>(steps_w8[21], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        break;
-      default:
+        if (b == 1) TSGEN_RUN_SHARE(steps_w8[21], 0, 1);  // block 1, step 1: wait for the root's data
         break;
     }
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 3: a small plan, run as straight-line code (plan<3>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<3>(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  plan<3>::open(rank, bufs, peers);
-  plan<3>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 4: a small plan, run as straight-line code (plan<4>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<4>(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  plan<4>::open(rank, bufs, peers);
-  plan<4>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 8: a small plan, run as straight-line code (plan<8>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<8>(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  plan<8>::open(rank, bufs, peers);
-  plan<8>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace broadcast
 
-// World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   broadcast::run<2>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   broadcast::run<3>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   broadcast::run<4>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) broadcast_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   broadcast::run<8>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through broadcast::launch.
-namespace broadcast {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-}  // namespace broadcast
-
-extern "C" cudaError_t broadcast_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast::launch<broadcast_w2, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t broadcast_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast::launch<broadcast_w3, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t broadcast_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast::launch<broadcast_w4, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t broadcast_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast::launch<broadcast_w8, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t broadcast_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<broadcast_w2, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t broadcast_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<broadcast_w3, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t broadcast_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<broadcast_w4, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t broadcast_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<broadcast_w8, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }

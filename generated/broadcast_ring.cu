@@ -13,12 +13,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  count
@@ -26,12 +24,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 16
 // Contents (line numbers of this file):
-//   51: the hand-written library, included: tsgen/ptx.cuh 51, tsgen/sync.cuh 52, tsgen/copy.cuh 53, tsgen/plan.cuh 54
-//   59: the op's own code (namespace broadcast_ring: constants, tables, device code)
+//   48: the hand-written library, included: tsgen/ptx.cuh 48, tsgen/sync.cuh 49, tsgen/copy.cuh 50, tsgen/plan.cuh 51
+//   54: the op's own code (namespace broadcast_ring: constants, tables, device code)
 //   entry points (extern "C"):
-//     broadcast_ring_w2 1259, broadcast_ring_w3 1266, broadcast_ring_w4 1273, broadcast_ring_w8 1280
-//     broadcast_ring_w2_launch 1296, broadcast_ring_w3_launch 1297, broadcast_ring_w4_launch 1298
-//     broadcast_ring_w8_launch 1299
+//     broadcast_ring_w2 586, broadcast_ring_w3 591, broadcast_ring_w4 596, broadcast_ring_w8 601
+//     broadcast_ring_w2_launch 609, broadcast_ring_w3_launch 610, broadcast_ring_w4_launch 611
+//     broadcast_ring_w8_launch 612
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -39,8 +37,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -53,9 +50,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// broadcast: broadcast_ring
-// ---------------------------------------------------------------------------
+// ---- broadcast: broadcast_ring ----------------------------------------------------------------
 namespace broadcast_ring {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -65,872 +60,365 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: entry
-//   4: arrive
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "entry", "arrive" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2 || WORLD == 3)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 35 steps, 2050 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 35 steps, 2050 block shares over 128 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 1 step 0: piece 0 to rank 0; wait entry[0]; r0:dst@0[0/16] = r1:src@0[0/16]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},
-    // rank 1 step 1: piece 1 to rank 0; wait entry[0]; r0:dst@0[1/16] = r1:src@0[1/16]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},
-    // rank 1 step 2: piece 2 to rank 0; wait entry[0]; r0:dst@0[2/16] = r1:src@0[2/16]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 1 step 3: piece 3 to rank 0; wait entry[0]; r0:dst@0[3/16] = r1:src@0[3/16]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 1 step 4: piece 4 to rank 0; wait entry[0]; r0:dst@0[4/16] = r1:src@0[4/16]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 1 step 5: piece 5 to rank 0; wait entry[0]; r0:dst@0[5/16] = r1:src@0[5/16]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 1 step 6: piece 6 to rank 0; wait entry[0]; r0:dst@0[6/16] = r1:src@0[6/16]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
-    // rank 1 step 7: piece 7 to rank 0; wait entry[0]; r0:dst@0[7/16] = r1:src@0[7/16]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
-    // rank 1 step 8: piece 8 to rank 0; wait entry[0]; r0:dst@0[8/16] = r1:src@0[8/16]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
-    // rank 1 step 9: piece 9 to rank 0; wait entry[0]; r0:dst@0[9/16] = r1:src@0[9/16]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
-    // rank 1 step 10: piece 10 to rank 0; wait entry[0]; r0:dst@0[10/16] = r1:src@0[10/16]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
-    // rank 1 step 11: piece 11 to rank 0; wait entry[0]; r0:dst@0[11/16] = r1:src@0[11/16]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
-    // rank 1 step 12: piece 12 to rank 0; wait entry[0]; r0:dst@0[12/16] = r1:src@0[12/16]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
-    // rank 1 step 13: piece 13 to rank 0; wait entry[0]; r0:dst@0[13/16] = r1:src@0[13/16]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
-    // rank 1 step 14: piece 14 to rank 0; wait entry[0]; r0:dst@0[14/16] = r1:src@0[14/16]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
-    // rank 1 step 15: piece 15 to rank 0; wait entry[0]; r0:dst@0[15/16] = r1:src@0[15/16]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
-    // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},
-    // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},
-    // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},
-    // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},
-    // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},
-    // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},
-    // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},
-    // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},
-    // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},
-    // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},
-    // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},
-    // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},
-    // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},
-    // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},
-    // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},
-    // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 0}}},  // rank 1 step 0: piece 0 to rank 0; wait entry[0]; r0:dst@0[0/16] = r1:src@0[0/16]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 1}}},  // rank 1 step 1: piece 1 to rank 0; wait entry[0]; r0:dst@0[1/16] = r1:src@0[1/16]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 1 step 2: piece 2 to rank 0; wait entry[0]; r0:dst@0[2/16] = r1:src@0[2/16]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 1 step 3: piece 3 to rank 0; wait entry[0]; r0:dst@0[3/16] = r1:src@0[3/16]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 1 step 4: piece 4 to rank 0; wait entry[0]; r0:dst@0[4/16] = r1:src@0[4/16]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 1 step 5: piece 5 to rank 0; wait entry[0]; r0:dst@0[5/16] = r1:src@0[5/16]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},  // rank 1 step 6: piece 6 to rank 0; wait entry[0]; r0:dst@0[6/16] = r1:src@0[6/16]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},  // rank 1 step 7: piece 7 to rank 0; wait entry[0]; r0:dst@0[7/16] = r1:src@0[7/16]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},  // rank 1 step 8: piece 8 to rank 0; wait entry[0]; r0:dst@0[8/16] = r1:src@0[8/16]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},  // rank 1 step 9: piece 9 to rank 0; wait entry[0]; r0:dst@0[9/16] = r1:src@0[9/16]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},  // rank 1 step 10: piece 10 to rank 0; wait entry[0]; r0:dst@0[10/16] = r1:src@0[10/16]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},  // rank 1 step 11: piece 11 to rank 0; wait entry[0]; r0:dst@0[11/16] = r1:src@0[11/16]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},  // rank 1 step 12: piece 12 to rank 0; wait entry[0]; r0:dst@0[12/16] = r1:src@0[12/16]; signal r0:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},  // rank 1 step 13: piece 13 to rank 0; wait entry[0]; r0:dst@0[13/16] = r1:src@0[13/16]; signal r0:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},  // rank 1 step 14: piece 14 to rank 0; wait entry[0]; r0:dst@0[14/16] = r1:src@0[14/16]; signal r0:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},  // rank 1 step 15: piece 15 to rank 0; wait entry[0]; r0:dst@0[15/16] = r1:src@0[15/16]; signal r0:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},  // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},  // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},  // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},  // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},  // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},  // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},  // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},  // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},  // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},  // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},  // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},  // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},  // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},  // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},  // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},  // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
 };
 static __device__ const int step_base_w2[2] = { 0, 3 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 52 steps, 3074 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 52 steps, 3074 block shares over 128 blocks, run as straight-line code
+// (plan<3>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 0}}},
-    // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 1 step 0: piece 0 to rank 2; wait entry[2]; r2:dst@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 1 step 1: piece 1 to rank 2; wait entry[2]; r2:dst@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: piece 2 to rank 2; wait entry[2]; r2:dst@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
-    // rank 1 step 3: piece 3 to rank 2; wait entry[2]; r2:dst@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 1 step 4: piece 4 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:src@0[4/16]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
-    // rank 1 step 5: piece 5 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:src@0[5/16]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
-    // rank 1 step 6: piece 6 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:src@0[6/16]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 1 step 7: piece 7 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:src@0[7/16]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 1 step 8: piece 8 to rank 2; wait entry[2]; r2:dst@0[8/16] = r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
-    // rank 1 step 9: piece 9 to rank 2; wait entry[2]; r2:dst@0[9/16] = r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
-    // rank 1 step 10: piece 10 to rank 2; wait entry[2]; r2:dst@0[10/16] = r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
-    // rank 1 step 11: piece 11 to rank 2; wait entry[2]; r2:dst@0[11/16] = r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
-    // rank 1 step 12: piece 12 to rank 2; wait entry[2]; r2:dst@0[12/16] = r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
-    // rank 1 step 13: piece 13 to rank 2; wait entry[2]; r2:dst@0[13/16] = r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
-    // rank 1 step 14: piece 14 to rank 2; wait entry[2]; r2:dst@0[14/16] = r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
-    // rank 1 step 15: piece 15 to rank 2; wait entry[2]; r2:dst@0[15/16] = r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
-    // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},
-    // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},
-    // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},
-    // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},
-    // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},
-    // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},
-    // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},
-    // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},
-    // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},
-    // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},
-    // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},
-    // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},
-    // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},
-    // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},
-    // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},
-    // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
-    // rank 2 step 1: piece 0 to rank 0; wait entry[0], arrive[0]; r0:dst@0[0/16] = r2:dst@0[0/16]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},
-    // rank 2 step 2: piece 1 to rank 0; wait entry[0], arrive[1]; r0:dst@0[1/16] = r2:dst@0[1/16]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},
-    // rank 2 step 3: piece 2 to rank 0; wait entry[0], arrive[2]; r0:dst@0[2/16] = r2:dst@0[2/16]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},
-    // rank 2 step 4: piece 3 to rank 0; wait entry[0], arrive[3]; r0:dst@0[3/16] = r2:dst@0[3/16]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},
-    // rank 2 step 5: piece 4 to rank 0; wait entry[0], arrive[4]; r0:dst@0[4/16] = r2:dst@0[4/16]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
-    // rank 2 step 6: piece 5 to rank 0; wait entry[0], arrive[5]; r0:dst@0[5/16] = r2:dst@0[5/16]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
-    // rank 2 step 7: piece 6 to rank 0; wait entry[0], arrive[6]; r0:dst@0[6/16] = r2:dst@0[6/16]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
-    // rank 2 step 8: piece 7 to rank 0; wait entry[0], arrive[7]; r0:dst@0[7/16] = r2:dst@0[7/16]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
-    // rank 2 step 9: piece 8 to rank 0; wait entry[0], arrive[8]; r0:dst@0[8/16] = r2:dst@0[8/16]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
-    // rank 2 step 10: piece 9 to rank 0; wait entry[0], arrive[9]; r0:dst@0[9/16] = r2:dst@0[9/16]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
-    // rank 2 step 11: piece 10 to rank 0; wait entry[0], arrive[10]; r0:dst@0[10/16] = r2:dst@0[10/16]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
-    // rank 2 step 12: piece 11 to rank 0; wait entry[0], arrive[11]; r0:dst@0[11/16] = r2:dst@0[11/16]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
-    // rank 2 step 13: piece 12 to rank 0; wait entry[0], arrive[12]; r0:dst@0[12/16] = r2:dst@0[12/16]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
-    // rank 2 step 14: piece 13 to rank 0; wait entry[0], arrive[13]; r0:dst@0[13/16] = r2:dst@0[13/16]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
-    // rank 2 step 15: piece 14 to rank 0; wait entry[0], arrive[14]; r0:dst@0[14/16] = r2:dst@0[14/16]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
-    // rank 2 step 16: piece 15 to rank 0; wait entry[0], arrive[15]; r0:dst@0[15/16] = r2:dst@0[15/16]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 1 step 0: piece 0 to rank 2; wait entry[2]; r2:dst@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: piece 1 to rank 2; wait entry[2]; r2:dst@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},  // rank 1 step 2: piece 2 to rank 2; wait entry[2]; r2:dst@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 1 step 3: piece 3 to rank 2; wait entry[2]; r2:dst@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},  // rank 1 step 4: piece 4 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:src@0[4/16]; signal r2:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},  // rank 1 step 5: piece 5 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:src@0[5/16]; signal r2:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 1 step 6: piece 6 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:src@0[6/16]; signal r2:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 1 step 7: piece 7 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:src@0[7/16]; signal r2:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},  // rank 1 step 8: piece 8 to rank 2; wait entry[2]; r2:dst@0[8/16] = r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},  // rank 1 step 9: piece 9 to rank 2; wait entry[2]; r2:dst@0[9/16] = r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},  // rank 1 step 10: piece 10 to rank 2; wait entry[2]; r2:dst@0[10/16] = r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},  // rank 1 step 11: piece 11 to rank 2; wait entry[2]; r2:dst@0[11/16] = r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},  // rank 1 step 12: piece 12 to rank 2; wait entry[2]; r2:dst@0[12/16] = r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},  // rank 1 step 13: piece 13 to rank 2; wait entry[2]; r2:dst@0[13/16] = r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},  // rank 1 step 14: piece 14 to rank 2; wait entry[2]; r2:dst@0[14/16] = r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},  // rank 1 step 15: piece 15 to rank 2; wait entry[2]; r2:dst@0[15/16] = r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},  // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},  // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},  // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},  // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},  // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},  // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},  // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},  // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},  // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},  // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},  // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},  // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},  // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},  // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},  // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},  // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},  // rank 2 step 1: piece 0 to rank 0; wait entry[0], arrive[0]; r0:dst@0[0/16] = r2:dst@0[0/16]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},  // rank 2 step 2: piece 1 to rank 0; wait entry[0], arrive[1]; r0:dst@0[1/16] = r2:dst@0[1/16]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},  // rank 2 step 3: piece 2 to rank 0; wait entry[0], arrive[2]; r0:dst@0[2/16] = r2:dst@0[2/16]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},  // rank 2 step 4: piece 3 to rank 0; wait entry[0], arrive[3]; r0:dst@0[3/16] = r2:dst@0[3/16]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},  // rank 2 step 5: piece 4 to rank 0; wait entry[0], arrive[4]; r0:dst@0[4/16] = r2:dst@0[4/16]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},  // rank 2 step 6: piece 5 to rank 0; wait entry[0], arrive[5]; r0:dst@0[5/16] = r2:dst@0[5/16]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},  // rank 2 step 7: piece 6 to rank 0; wait entry[0], arrive[6]; r0:dst@0[6/16] = r2:dst@0[6/16]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},  // rank 2 step 8: piece 7 to rank 0; wait entry[0], arrive[7]; r0:dst@0[7/16] = r2:dst@0[7/16]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},  // rank 2 step 9: piece 8 to rank 0; wait entry[0], arrive[8]; r0:dst@0[8/16] = r2:dst@0[8/16]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},  // rank 2 step 10: piece 9 to rank 0; wait entry[0], arrive[9]; r0:dst@0[9/16] = r2:dst@0[9/16]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},  // rank 2 step 11: piece 10 to rank 0; wait entry[0], arrive[10]; r0:dst@0[10/16] = r2:dst@0[10/16]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},  // rank 2 step 12: piece 11 to rank 0; wait entry[0], arrive[11]; r0:dst@0[11/16] = r2:dst@0[11/16]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},  // rank 2 step 13: piece 12 to rank 0; wait entry[0], arrive[12]; r0:dst@0[12/16] = r2:dst@0[12/16]; signal r0:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},  // rank 2 step 14: piece 13 to rank 0; wait entry[0], arrive[13]; r0:dst@0[13/16] = r2:dst@0[13/16]; signal r0:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},  // rank 2 step 15: piece 14 to rank 0; wait entry[0], arrive[14]; r0:dst@0[14/16] = r2:dst@0[14/16]; signal r0:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},  // rank 2 step 16: piece 15 to rank 0; wait entry[0], arrive[15]; r0:dst@0[15/16] = r2:dst@0[15/16]; signal r0:arrive[15]; 64 blocks
 };
 static __device__ const int step_base_w3[3] = { 0, 3, 35 };
-// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 69 steps, 4098 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 69 steps, 4098 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 0}}},
-    // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 1 step 0: piece 0 to rank 2; wait entry[2]; r2:dst@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 1 step 1: piece 1 to rank 2; wait entry[2]; r2:dst@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: piece 2 to rank 2; wait entry[2]; r2:dst@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
-    // rank 1 step 3: piece 3 to rank 2; wait entry[2]; r2:dst@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 1 step 4: piece 4 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:src@0[4/16]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
-    // rank 1 step 5: piece 5 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:src@0[5/16]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
-    // rank 1 step 6: piece 6 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:src@0[6/16]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 1 step 7: piece 7 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:src@0[7/16]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 1 step 8: piece 8 to rank 2; wait entry[2]; r2:dst@0[8/16] = r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
-    // rank 1 step 9: piece 9 to rank 2; wait entry[2]; r2:dst@0[9/16] = r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
-    // rank 1 step 10: piece 10 to rank 2; wait entry[2]; r2:dst@0[10/16] = r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
-    // rank 1 step 11: piece 11 to rank 2; wait entry[2]; r2:dst@0[11/16] = r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
-    // rank 1 step 12: piece 12 to rank 2; wait entry[2]; r2:dst@0[12/16] = r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
-    // rank 1 step 13: piece 13 to rank 2; wait entry[2]; r2:dst@0[13/16] = r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
-    // rank 1 step 14: piece 14 to rank 2; wait entry[2]; r2:dst@0[14/16] = r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
-    // rank 1 step 15: piece 15 to rank 2; wait entry[2]; r2:dst@0[15/16] = r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
-    // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},
-    // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},
-    // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},
-    // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},
-    // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},
-    // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},
-    // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},
-    // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},
-    // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},
-    // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},
-    // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},
-    // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},
-    // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},
-    // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},
-    // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},
-    // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
-    // rank 2 step 1: piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/16] = r2:dst@0[0/16]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
-    // rank 2 step 2: piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/16] = r2:dst@0[1/16]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
-    // rank 2 step 3: piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/16] = r2:dst@0[2/16]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
-    // rank 2 step 4: piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/16] = r2:dst@0[3/16]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
-    // rank 2 step 5: piece 4 to rank 3; wait entry[3], arrive[4]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
-    // rank 2 step 6: piece 5 to rank 3; wait entry[3], arrive[5]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
-    // rank 2 step 7: piece 6 to rank 3; wait entry[3], arrive[6]; r3:dst@0[6/16] = r2:dst@0[6/16]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
-    // rank 2 step 8: piece 7 to rank 3; wait entry[3], arrive[7]; r3:dst@0[7/16] = r2:dst@0[7/16]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
-    // rank 2 step 9: piece 8 to rank 3; wait entry[3], arrive[8]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{3, 0, 3, 1}, {4, 0, 8, 64}}, {{3, 4, 8}}},
-    // rank 2 step 10: piece 9 to rank 3; wait entry[3], arrive[9]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{3, 0, 3, 1}, {4, 0, 9, 64}}, {{3, 4, 9}}},
-    // rank 2 step 11: piece 10 to rank 3; wait entry[3], arrive[10]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{3, 0, 3, 1}, {4, 0, 10, 64}}, {{3, 4, 10}}},
-    // rank 2 step 12: piece 11 to rank 3; wait entry[3], arrive[11]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{3, 0, 3, 1}, {4, 0, 11, 64}}, {{3, 4, 11}}},
-    // rank 2 step 13: piece 12 to rank 3; wait entry[3], arrive[12]; r3:dst@0[12/16] = r2:dst@0[12/16]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {}, {{3, 0, 3, 1}, {4, 0, 12, 64}}, {{3, 4, 12}}},
-    // rank 2 step 14: piece 13 to rank 3; wait entry[3], arrive[13]; r3:dst@0[13/16] = r2:dst@0[13/16]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {}, {{3, 0, 3, 1}, {4, 0, 13, 64}}, {{3, 4, 13}}},
-    // rank 2 step 15: piece 14 to rank 3; wait entry[3], arrive[14]; r3:dst@0[14/16] = r2:dst@0[14/16]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {}, {{3, 0, 3, 1}, {4, 0, 14, 64}}, {{3, 4, 14}}},
-    // rank 2 step 16: piece 15 to rank 3; wait entry[3], arrive[15]; r3:dst@0[15/16] = r2:dst@0[15/16]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {}, {{3, 0, 3, 1}, {4, 0, 15, 64}}, {{3, 4, 15}}},
-    // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},
-    // rank 3 step 1: piece 0 to rank 0; wait entry[0], arrive[0]; r0:dst@0[0/16] = r3:dst@0[0/16]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 0}, {{3, 2, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},
-    // rank 3 step 2: piece 1 to rank 0; wait entry[0], arrive[1]; r0:dst@0[1/16] = r3:dst@0[1/16]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 1}, {{3, 2, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},
-    // rank 3 step 3: piece 2 to rank 0; wait entry[0], arrive[2]; r0:dst@0[2/16] = r3:dst@0[2/16]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 2}, {{3, 2, 0, 16, 0, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},
-    // rank 3 step 4: piece 3 to rank 0; wait entry[0], arrive[3]; r0:dst@0[3/16] = r3:dst@0[3/16]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 3}, {{3, 2, 0, 16, 0, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},
-    // rank 3 step 5: piece 4 to rank 0; wait entry[0], arrive[4]; r0:dst@0[4/16] = r3:dst@0[4/16]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
-    // rank 3 step 6: piece 5 to rank 0; wait entry[0], arrive[5]; r0:dst@0[5/16] = r3:dst@0[5/16]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
-    // rank 3 step 7: piece 6 to rank 0; wait entry[0], arrive[6]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
-    // rank 3 step 8: piece 7 to rank 0; wait entry[0], arrive[7]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
-    // rank 3 step 9: piece 8 to rank 0; wait entry[0], arrive[8]; r0:dst@0[8/16] = r3:dst@0[8/16]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
-    // rank 3 step 10: piece 9 to rank 0; wait entry[0], arrive[9]; r0:dst@0[9/16] = r3:dst@0[9/16]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
-    // rank 3 step 11: piece 10 to rank 0; wait entry[0], arrive[10]; r0:dst@0[10/16] = r3:dst@0[10/16]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
-    // rank 3 step 12: piece 11 to rank 0; wait entry[0], arrive[11]; r0:dst@0[11/16] = r3:dst@0[11/16]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
-    // rank 3 step 13: piece 12 to rank 0; wait entry[0], arrive[12]; r0:dst@0[12/16] = r3:dst@0[12/16]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
-    // rank 3 step 14: piece 13 to rank 0; wait entry[0], arrive[13]; r0:dst@0[13/16] = r3:dst@0[13/16]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
-    // rank 3 step 15: piece 14 to rank 0; wait entry[0], arrive[14]; r0:dst@0[14/16] = r3:dst@0[14/16]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
-    // rank 3 step 16: piece 15 to rank 0; wait entry[0], arrive[15]; r0:dst@0[15/16] = r3:dst@0[15/16]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 1 step 0: piece 0 to rank 2; wait entry[2]; r2:dst@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: piece 1 to rank 2; wait entry[2]; r2:dst@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},  // rank 1 step 2: piece 2 to rank 2; wait entry[2]; r2:dst@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 1 step 3: piece 3 to rank 2; wait entry[2]; r2:dst@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},  // rank 1 step 4: piece 4 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:src@0[4/16]; signal r2:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},  // rank 1 step 5: piece 5 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:src@0[5/16]; signal r2:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 1 step 6: piece 6 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:src@0[6/16]; signal r2:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 1 step 7: piece 7 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:src@0[7/16]; signal r2:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},  // rank 1 step 8: piece 8 to rank 2; wait entry[2]; r2:dst@0[8/16] = r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},  // rank 1 step 9: piece 9 to rank 2; wait entry[2]; r2:dst@0[9/16] = r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},  // rank 1 step 10: piece 10 to rank 2; wait entry[2]; r2:dst@0[10/16] = r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},  // rank 1 step 11: piece 11 to rank 2; wait entry[2]; r2:dst@0[11/16] = r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},  // rank 1 step 12: piece 12 to rank 2; wait entry[2]; r2:dst@0[12/16] = r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},  // rank 1 step 13: piece 13 to rank 2; wait entry[2]; r2:dst@0[13/16] = r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},  // rank 1 step 14: piece 14 to rank 2; wait entry[2]; r2:dst@0[14/16] = r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},  // rank 1 step 15: piece 15 to rank 2; wait entry[2]; r2:dst@0[15/16] = r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},  // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},  // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},  // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},  // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},  // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},  // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},  // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},  // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},  // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},  // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},  // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},  // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},  // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},  // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},  // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},  // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},  // rank 2 step 1: piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/16] = r2:dst@0[0/16]; signal r3:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},  // rank 2 step 2: piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/16] = r2:dst@0[1/16]; signal r3:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},  // rank 2 step 3: piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/16] = r2:dst@0[2/16]; signal r3:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},  // rank 2 step 4: piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/16] = r2:dst@0[3/16]; signal r3:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},  // rank 2 step 5: piece 4 to rank 3; wait entry[3], arrive[4]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},  // rank 2 step 6: piece 5 to rank 3; wait entry[3], arrive[5]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},  // rank 2 step 7: piece 6 to rank 3; wait entry[3], arrive[6]; r3:dst@0[6/16] = r2:dst@0[6/16]; signal r3:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},  // rank 2 step 8: piece 7 to rank 3; wait entry[3], arrive[7]; r3:dst@0[7/16] = r2:dst@0[7/16]; signal r3:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{3, 0, 3, 1}, {4, 0, 8, 64}}, {{3, 4, 8}}},  // rank 2 step 9: piece 8 to rank 3; wait entry[3], arrive[8]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{3, 0, 3, 1}, {4, 0, 9, 64}}, {{3, 4, 9}}},  // rank 2 step 10: piece 9 to rank 3; wait entry[3], arrive[9]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{3, 0, 3, 1}, {4, 0, 10, 64}}, {{3, 4, 10}}},  // rank 2 step 11: piece 10 to rank 3; wait entry[3], arrive[10]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{3, 0, 3, 1}, {4, 0, 11, 64}}, {{3, 4, 11}}},  // rank 2 step 12: piece 11 to rank 3; wait entry[3], arrive[11]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {}, {{3, 0, 3, 1}, {4, 0, 12, 64}}, {{3, 4, 12}}},  // rank 2 step 13: piece 12 to rank 3; wait entry[3], arrive[12]; r3:dst@0[12/16] = r2:dst@0[12/16]; signal r3:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {}, {{3, 0, 3, 1}, {4, 0, 13, 64}}, {{3, 4, 13}}},  // rank 2 step 14: piece 13 to rank 3; wait entry[3], arrive[13]; r3:dst@0[13/16] = r2:dst@0[13/16]; signal r3:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {}, {{3, 0, 3, 1}, {4, 0, 14, 64}}, {{3, 4, 14}}},  // rank 2 step 15: piece 14 to rank 3; wait entry[3], arrive[14]; r3:dst@0[14/16] = r2:dst@0[14/16]; signal r3:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {}, {{3, 0, 3, 1}, {4, 0, 15, 64}}, {{3, 4, 15}}},  // rank 2 step 16: piece 15 to rank 3; wait entry[3], arrive[15]; r3:dst@0[15/16] = r2:dst@0[15/16]; signal r3:arrive[15]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 0}, {{3, 2, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},  // rank 3 step 1: piece 0 to rank 0; wait entry[0], arrive[0]; r0:dst@0[0/16] = r3:dst@0[0/16]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 1}, {{3, 2, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},  // rank 3 step 2: piece 1 to rank 0; wait entry[0], arrive[1]; r0:dst@0[1/16] = r3:dst@0[1/16]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 2}, {{3, 2, 0, 16, 0, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},  // rank 3 step 3: piece 2 to rank 0; wait entry[0], arrive[2]; r0:dst@0[2/16] = r3:dst@0[2/16]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 3}, {{3, 2, 0, 16, 0, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},  // rank 3 step 4: piece 3 to rank 0; wait entry[0], arrive[3]; r0:dst@0[3/16] = r3:dst@0[3/16]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},  // rank 3 step 5: piece 4 to rank 0; wait entry[0], arrive[4]; r0:dst@0[4/16] = r3:dst@0[4/16]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},  // rank 3 step 6: piece 5 to rank 0; wait entry[0], arrive[5]; r0:dst@0[5/16] = r3:dst@0[5/16]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},  // rank 3 step 7: piece 6 to rank 0; wait entry[0], arrive[6]; r0:dst@0[6/16] = r3:dst@0[6/16]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},  // rank 3 step 8: piece 7 to rank 0; wait entry[0], arrive[7]; r0:dst@0[7/16] = r3:dst@0[7/16]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},  // rank 3 step 9: piece 8 to rank 0; wait entry[0], arrive[8]; r0:dst@0[8/16] = r3:dst@0[8/16]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},  // rank 3 step 10: piece 9 to rank 0; wait entry[0], arrive[9]; r0:dst@0[9/16] = r3:dst@0[9/16]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},  // rank 3 step 11: piece 10 to rank 0; wait entry[0], arrive[10]; r0:dst@0[10/16] = r3:dst@0[10/16]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},  // rank 3 step 12: piece 11 to rank 0; wait entry[0], arrive[11]; r0:dst@0[11/16] = r3:dst@0[11/16]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},  // rank 3 step 13: piece 12 to rank 0; wait entry[0], arrive[12]; r0:dst@0[12/16] = r3:dst@0[12/16]; signal r0:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},  // rank 3 step 14: piece 13 to rank 0; wait entry[0], arrive[13]; r0:dst@0[13/16] = r3:dst@0[13/16]; signal r0:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},  // rank 3 step 15: piece 14 to rank 0; wait entry[0], arrive[14]; r0:dst@0[14/16] = r3:dst@0[14/16]; signal r0:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},  // rank 3 step 16: piece 15 to rank 0; wait entry[0], arrive[15]; r0:dst@0[15/16] = r3:dst@0[15/16]; signal r0:arrive[15]; 64 blocks
 };
 static __device__ const int step_base_w4[4] = { 0, 3, 35, 52 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..1
-    {1, 0, 1, 2, 1, 0},
-    // rank 1: shares 2..2049
-    {0, 0, 64, 16, 1, 0}, {0, 1, 64, 16, 1, 0}, {0, 2, 64, 16, 1, 0}, {0, 3, 64, 16, 1, 0},
-    {0, 4, 64, 16, 1, 0}, {0, 5, 64, 16, 1, 0}, {0, 6, 64, 16, 1, 0}, {0, 7, 64, 16, 1, 0},
-    {0, 8, 64, 16, 1, 0}, {0, 9, 64, 16, 1, 0}, {0, 10, 64, 16, 1, 0}, {0, 11, 64, 16, 1, 0},
-    {0, 12, 64, 16, 1, 0}, {0, 13, 64, 16, 1, 0}, {0, 14, 64, 16, 1, 0}, {0, 15, 64, 16, 1, 0},
-    {0, 16, 64, 16, 1, 0}, {0, 17, 64, 16, 1, 0}, {0, 18, 64, 16, 1, 0}, {0, 19, 64, 16, 1, 0},
-    {0, 20, 64, 16, 1, 0}, {0, 21, 64, 16, 1, 0}, {0, 22, 64, 16, 1, 0}, {0, 23, 64, 16, 1, 0},
-    {0, 24, 64, 16, 1, 0}, {0, 25, 64, 16, 1, 0}, {0, 26, 64, 16, 1, 0}, {0, 27, 64, 16, 1, 0},
-    {0, 28, 64, 16, 1, 0}, {0, 29, 64, 16, 1, 0}, {0, 30, 64, 16, 1, 0}, {0, 31, 64, 16, 1, 0},
-    {0, 32, 64, 16, 1, 0}, {0, 33, 64, 16, 1, 0}, {0, 34, 64, 16, 1, 0}, {0, 35, 64, 16, 1, 0},
-    {0, 36, 64, 16, 1, 0}, {0, 37, 64, 16, 1, 0}, {0, 38, 64, 16, 1, 0}, {0, 39, 64, 16, 1, 0},
-    {0, 40, 64, 16, 1, 0}, {0, 41, 64, 16, 1, 0}, {0, 42, 64, 16, 1, 0}, {0, 43, 64, 16, 1, 0},
-    {0, 44, 64, 16, 1, 0}, {0, 45, 64, 16, 1, 0}, {0, 46, 64, 16, 1, 0}, {0, 47, 64, 16, 1, 0},
-    {0, 48, 64, 16, 1, 0}, {0, 49, 64, 16, 1, 0}, {0, 50, 64, 16, 1, 0}, {0, 51, 64, 16, 1, 0},
-    {0, 52, 64, 16, 1, 0}, {0, 53, 64, 16, 1, 0}, {0, 54, 64, 16, 1, 0}, {0, 55, 64, 16, 1, 0},
-    {0, 56, 64, 16, 1, 0}, {0, 57, 64, 16, 1, 0}, {0, 58, 64, 16, 1, 0}, {0, 59, 64, 16, 1, 0},
-    {0, 60, 64, 16, 1, 0}, {0, 61, 64, 16, 1, 0}, {0, 62, 64, 16, 1, 0}, {0, 63, 64, 16, 1, 0},
-    {16, 0, 64, 16, 1, 0}, {16, 1, 64, 16, 1, 0}, {16, 2, 64, 16, 1, 0}, {16, 3, 64, 16, 1, 0},
-    {16, 4, 64, 16, 1, 0}, {16, 5, 64, 16, 1, 0}, {16, 6, 64, 16, 1, 0}, {16, 7, 64, 16, 1, 0},
-    {16, 8, 64, 16, 1, 0}, {16, 9, 64, 16, 1, 0}, {16, 10, 64, 16, 1, 0}, {16, 11, 64, 16, 1, 0},
-    {16, 12, 64, 16, 1, 0}, {16, 13, 64, 16, 1, 0}, {16, 14, 64, 16, 1, 0}, {16, 15, 64, 16, 1, 0},
-    {16, 16, 64, 16, 1, 0}, {16, 17, 64, 16, 1, 0}, {16, 18, 64, 16, 1, 0}, {16, 19, 64, 16, 1, 0},
-    {16, 20, 64, 16, 1, 0}, {16, 21, 64, 16, 1, 0}, {16, 22, 64, 16, 1, 0}, {16, 23, 64, 16, 1, 0},
-    {16, 24, 64, 16, 1, 0}, {16, 25, 64, 16, 1, 0}, {16, 26, 64, 16, 1, 0}, {16, 27, 64, 16, 1, 0},
-    {16, 28, 64, 16, 1, 0}, {16, 29, 64, 16, 1, 0}, {16, 30, 64, 16, 1, 0}, {16, 31, 64, 16, 1, 0},
-    {16, 32, 64, 16, 1, 0}, {16, 33, 64, 16, 1, 0}, {16, 34, 64, 16, 1, 0}, {16, 35, 64, 16, 1, 0},
-    {16, 36, 64, 16, 1, 0}, {16, 37, 64, 16, 1, 0}, {16, 38, 64, 16, 1, 0}, {16, 39, 64, 16, 1, 0},
-    {16, 40, 64, 16, 1, 0}, {16, 41, 64, 16, 1, 0}, {16, 42, 64, 16, 1, 0}, {16, 43, 64, 16, 1, 0},
-    {16, 44, 64, 16, 1, 0}, {16, 45, 64, 16, 1, 0}, {16, 46, 64, 16, 1, 0}, {16, 47, 64, 16, 1, 0},
-    {16, 48, 64, 16, 1, 0}, {16, 49, 64, 16, 1, 0}, {16, 50, 64, 16, 1, 0}, {16, 51, 64, 16, 1, 0},
-    {16, 52, 64, 16, 1, 0}, {16, 53, 64, 16, 1, 0}, {16, 54, 64, 16, 1, 0}, {16, 55, 64, 16, 1, 0},
-    {16, 56, 64, 16, 1, 0}, {16, 57, 64, 16, 1, 0}, {16, 58, 64, 16, 1, 0}, {16, 59, 64, 16, 1, 0},
-    {16, 60, 64, 16, 1, 0}, {16, 61, 64, 16, 1, 0}, {16, 62, 64, 16, 1, 0}, {16, 63, 64, 16, 1, 0},
-    // rank 2: shares 2050..3073
-    {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0}, {1, 3, 64, 16, 1, 0},
-    {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0}, {1, 7, 64, 16, 1, 0},
-    {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0}, {1, 11, 64, 16, 1, 0},
-    {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0}, {1, 15, 64, 16, 1, 0},
-    {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0}, {1, 19, 64, 16, 1, 0},
-    {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0}, {1, 23, 64, 16, 1, 0},
-    {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0}, {1, 27, 64, 16, 1, 0},
-    {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0}, {1, 31, 64, 16, 1, 0},
-    {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0}, {1, 35, 64, 16, 1, 0},
-    {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0}, {1, 39, 64, 16, 1, 0},
-    {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0}, {1, 43, 64, 16, 1, 0},
-    {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0}, {1, 47, 64, 16, 1, 0},
-    {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0}, {1, 51, 64, 16, 1, 0},
-    {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0}, {1, 55, 64, 16, 1, 0},
-    {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0}, {1, 59, 64, 16, 1, 0},
-    {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0}, {1, 63, 64, 16, 1, 0},
-    // rank 3: shares 3074..4097
-    {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0}, {1, 3, 64, 16, 1, 0},
-    {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0}, {1, 7, 64, 16, 1, 0},
-    {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0}, {1, 11, 64, 16, 1, 0},
-    {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0}, {1, 15, 64, 16, 1, 0},
-    {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0}, {1, 19, 64, 16, 1, 0},
-    {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0}, {1, 23, 64, 16, 1, 0},
-    {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0}, {1, 27, 64, 16, 1, 0},
-    {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0}, {1, 31, 64, 16, 1, 0},
-    {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0}, {1, 35, 64, 16, 1, 0},
-    {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0}, {1, 39, 64, 16, 1, 0},
-    {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0}, {1, 43, 64, 16, 1, 0},
-    {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0}, {1, 47, 64, 16, 1, 0},
-    {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0}, {1, 51, 64, 16, 1, 0},
-    {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0}, {1, 55, 64, 16, 1, 0},
-    {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0}, {1, 59, 64, 16, 1, 0},
-    {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0}, {1, 63, 64, 16, 1, 0},
+    {1, 0, 1, 2, 1, 0, 1, 0, 0},  // rank 0: shares 0..1
+    {0, 0, 64, 16, 1, 0, 64, 0, 1}, {16, 0, 64, 16, 1, 0, 64, 0, 1},  // rank 1: shares 2..2049
+    {1, 0, 64, 16, 1, 0, 64, 0, 1},  // rank 2: shares 2050..3073
+    {1, 0, 64, 16, 1, 0, 64, 0, 1},  // rank 3: shares 3074..4097
 };
-static __device__ const tsgen::share_table<4098> shares_w4 =
-    tsgen::expand_shares<4098>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][129] = {
+static __device__ const tsgen::share_table<4098> shares_w4 = tsgen::expand_shares<4098>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2 },
     { 2, 18, 34, 50, 66, 82, 98, 114, 130, 146, 162, 178, 194, 210, 226, 242, 258, 274, 290, 306, 322, 338, 354, 370, 386, 402, 418, 434, 450, 466, 482, 498, 514, 530, 546, 562, 578, 594, 610, 626, 642, 658, 674, 690, 706, 722, 738, 754, 770, 786, 802, 818, 834, 850, 866, 882, 898, 914, 930, 946, 962, 978, 994, 1010, 1026, 1042, 1058, 1074, 1090, 1106, 1122, 1138, 1154, 1170, 1186, 1202, 1218, 1234, 1250, 1266, 1282, 1298, 1314, 1330, 1346, 1362, 1378, 1394, 1410, 1426, 1442, 1458, 1474, 1490, 1506, 1522, 1538, 1554, 1570, 1586, 1602, 1618, 1634, 1650, 1666, 1682, 1698, 1714, 1730, 1746, 1762, 1778, 1794, 1810, 1826, 1842, 1858, 1874, 1890, 1906, 1922, 1938, 1954, 1970, 1986, 2002, 2018, 2034, 2050 },
     { 2050, 2050, 2066, 2082, 2098, 2114, 2130, 2146, 2162, 2178, 2194, 2210, 2226, 2242, 2258, 2274, 2290, 2306, 2322, 2338, 2354, 2370, 2386, 2402, 2418, 2434, 2450, 2466, 2482, 2498, 2514, 2530, 2546, 2562, 2578, 2594, 2610, 2626, 2642, 2658, 2674, 2690, 2706, 2722, 2738, 2754, 2770, 2786, 2802, 2818, 2834, 2850, 2866, 2882, 2898, 2914, 2930, 2946, 2962, 2978, 2994, 3010, 3026, 3042, 3058, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074 },
     { 3074, 3074, 3090, 3106, 3122, 3138, 3154, 3170, 3186, 3202, 3218, 3234, 3250, 3266, 3282, 3298, 3314, 3330, 3346, 3362, 3378, 3394, 3410, 3426, 3442, 3458, 3474, 3490, 3506, 3522, 3538, 3554, 3570, 3586, 3602, 3618, 3634, 3650, 3666, 3682, 3698, 3714, 3730, 3746, 3762, 3778, 3794, 3810, 3826, 3842, 3858, 3874, 3890, 3906, 3922, 3938, 3954, 3970, 3986, 4002, 4018, 4034, 4050, 4066, 4082, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098, 4098 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 137 steps, 8194 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 137 steps, 8194 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 3, 0}}},
-    // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},
-    // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
-    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},
-    // rank 1 step 0: piece 0 to rank 2; wait entry[2]; r2:dst@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 1 step 1: piece 1 to rank 2; wait entry[2]; r2:dst@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 1 step 2: piece 2 to rank 2; wait entry[2]; r2:dst@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
-    // rank 1 step 3: piece 3 to rank 2; wait entry[2]; r2:dst@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 1 step 4: piece 4 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:src@0[4/16]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},
-    // rank 1 step 5: piece 5 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:src@0[5/16]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},
-    // rank 1 step 6: piece 6 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:src@0[6/16]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 1 step 7: piece 7 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:src@0[7/16]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 1 step 8: piece 8 to rank 2; wait entry[2]; r2:dst@0[8/16] = r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
-    // rank 1 step 9: piece 9 to rank 2; wait entry[2]; r2:dst@0[9/16] = r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
-    // rank 1 step 10: piece 10 to rank 2; wait entry[2]; r2:dst@0[10/16] = r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
-    // rank 1 step 11: piece 11 to rank 2; wait entry[2]; r2:dst@0[11/16] = r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
-    // rank 1 step 12: piece 12 to rank 2; wait entry[2]; r2:dst@0[12/16] = r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
-    // rank 1 step 13: piece 13 to rank 2; wait entry[2]; r2:dst@0[13/16] = r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
-    // rank 1 step 14: piece 14 to rank 2; wait entry[2]; r2:dst@0[14/16] = r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
-    // rank 1 step 15: piece 15 to rank 2; wait entry[2]; r2:dst@0[15/16] = r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
-    // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},
-    // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},
-    // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},
-    // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},
-    // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},
-    // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},
-    // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},
-    // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},
-    // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},
-    // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},
-    // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},
-    // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},
-    // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},
-    // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},
-    // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},
-    // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},
-    // rank 2 step 1: piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/16] = r2:dst@0[0/16]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},
-    // rank 2 step 2: piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/16] = r2:dst@0[1/16]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},
-    // rank 2 step 3: piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/16] = r2:dst@0[2/16]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},
-    // rank 2 step 4: piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/16] = r2:dst@0[3/16]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},
-    // rank 2 step 5: piece 4 to rank 3; wait entry[3], arrive[4]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},
-    // rank 2 step 6: piece 5 to rank 3; wait entry[3], arrive[5]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},
-    // rank 2 step 7: piece 6 to rank 3; wait entry[3], arrive[6]; r3:dst@0[6/16] = r2:dst@0[6/16]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},
-    // rank 2 step 8: piece 7 to rank 3; wait entry[3], arrive[7]; r3:dst@0[7/16] = r2:dst@0[7/16]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},
-    // rank 2 step 9: piece 8 to rank 3; wait entry[3], arrive[8]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{3, 0, 3, 1}, {4, 0, 8, 64}}, {{3, 4, 8}}},
-    // rank 2 step 10: piece 9 to rank 3; wait entry[3], arrive[9]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{3, 0, 3, 1}, {4, 0, 9, 64}}, {{3, 4, 9}}},
-    // rank 2 step 11: piece 10 to rank 3; wait entry[3], arrive[10]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{3, 0, 3, 1}, {4, 0, 10, 64}}, {{3, 4, 10}}},
-    // rank 2 step 12: piece 11 to rank 3; wait entry[3], arrive[11]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{3, 0, 3, 1}, {4, 0, 11, 64}}, {{3, 4, 11}}},
-    // rank 2 step 13: piece 12 to rank 3; wait entry[3], arrive[12]; r3:dst@0[12/16] = r2:dst@0[12/16]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {}, {{3, 0, 3, 1}, {4, 0, 12, 64}}, {{3, 4, 12}}},
-    // rank 2 step 14: piece 13 to rank 3; wait entry[3], arrive[13]; r3:dst@0[13/16] = r2:dst@0[13/16]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {}, {{3, 0, 3, 1}, {4, 0, 13, 64}}, {{3, 4, 13}}},
-    // rank 2 step 15: piece 14 to rank 3; wait entry[3], arrive[14]; r3:dst@0[14/16] = r2:dst@0[14/16]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {}, {{3, 0, 3, 1}, {4, 0, 14, 64}}, {{3, 4, 14}}},
-    // rank 2 step 16: piece 15 to rank 3; wait entry[3], arrive[15]; r3:dst@0[15/16] = r2:dst@0[15/16]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {}, {{3, 0, 3, 1}, {4, 0, 15, 64}}, {{3, 4, 15}}},
-    // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},
-    // rank 3 step 1: piece 0 to rank 4; wait entry[4], arrive[0]; r4:dst@0[0/16] = r3:dst@0[0/16]; signal r4:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 0}, {{3, 2, 0, 16, 0, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 0, 64}}, {{4, 4, 0}}},
-    // rank 3 step 2: piece 1 to rank 4; wait entry[4], arrive[1]; r4:dst@0[1/16] = r3:dst@0[1/16]; signal r4:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 1}, {{3, 2, 0, 16, 0, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 1, 64}}, {{4, 4, 1}}},
-    // rank 3 step 3: piece 2 to rank 4; wait entry[4], arrive[2]; r4:dst@0[2/16] = r3:dst@0[2/16]; signal r4:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 2}, {{3, 2, 0, 16, 0, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 2, 64}}, {{4, 4, 2}}},
-    // rank 3 step 4: piece 3 to rank 4; wait entry[4], arrive[3]; r4:dst@0[3/16] = r3:dst@0[3/16]; signal r4:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 3}, {{3, 2, 0, 16, 0, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 3, 64}}, {{4, 4, 3}}},
-    // rank 3 step 5: piece 4 to rank 4; wait entry[4], arrive[4]; r4:dst@0[4/16] = r3:dst@0[4/16]; signal r4:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {}, {{3, 0, 4, 1}, {4, 0, 4, 64}}, {{4, 4, 4}}},
-    // rank 3 step 6: piece 5 to rank 4; wait entry[4], arrive[5]; r4:dst@0[5/16] = r3:dst@0[5/16]; signal r4:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {}, {{3, 0, 4, 1}, {4, 0, 5, 64}}, {{4, 4, 5}}},
-    // rank 3 step 7: piece 6 to rank 4; wait entry[4], arrive[6]; r4:dst@0[6/16] = r3:dst@0[6/16]; signal r4:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {}, {{3, 0, 4, 1}, {4, 0, 6, 64}}, {{4, 4, 6}}},
-    // rank 3 step 8: piece 7 to rank 4; wait entry[4], arrive[7]; r4:dst@0[7/16] = r3:dst@0[7/16]; signal r4:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {}, {{3, 0, 4, 1}, {4, 0, 7, 64}}, {{4, 4, 7}}},
-    // rank 3 step 9: piece 8 to rank 4; wait entry[4], arrive[8]; r4:dst@0[8/16] = r3:dst@0[8/16]; signal r4:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}, {4, 0, 8, 64}}, {{4, 4, 8}}},
-    // rank 3 step 10: piece 9 to rank 4; wait entry[4], arrive[9]; r4:dst@0[9/16] = r3:dst@0[9/16]; signal r4:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}, {4, 0, 9, 64}}, {{4, 4, 9}}},
-    // rank 3 step 11: piece 10 to rank 4; wait entry[4], arrive[10]; r4:dst@0[10/16] = r3:dst@0[10/16]; signal r4:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {}, {{3, 0, 4, 1}, {4, 0, 10, 64}}, {{4, 4, 10}}},
-    // rank 3 step 12: piece 11 to rank 4; wait entry[4], arrive[11]; r4:dst@0[11/16] = r3:dst@0[11/16]; signal r4:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {}, {{3, 0, 4, 1}, {4, 0, 11, 64}}, {{4, 4, 11}}},
-    // rank 3 step 13: piece 12 to rank 4; wait entry[4], arrive[12]; r4:dst@0[12/16] = r3:dst@0[12/16]; signal r4:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{3, 0, 4, 1}, {4, 0, 12, 64}}, {{4, 4, 12}}},
-    // rank 3 step 14: piece 13 to rank 4; wait entry[4], arrive[13]; r4:dst@0[13/16] = r3:dst@0[13/16]; signal r4:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{3, 0, 4, 1}, {4, 0, 13, 64}}, {{4, 4, 13}}},
-    // rank 3 step 15: piece 14 to rank 4; wait entry[4], arrive[14]; r4:dst@0[14/16] = r3:dst@0[14/16]; signal r4:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{3, 0, 4, 1}, {4, 0, 14, 64}}, {{4, 4, 14}}},
-    // rank 3 step 16: piece 15 to rank 4; wait entry[4], arrive[15]; r4:dst@0[15/16] = r3:dst@0[15/16]; signal r4:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{3, 0, 4, 1}, {4, 0, 15, 64}}, {{4, 4, 15}}},
-    // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 4}}},
-    // rank 4 step 1: piece 0 to rank 5; wait entry[5], arrive[0]; r5:dst@0[0/16] = r4:dst@0[0/16]; signal r5:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 0}, {{4, 2, 0, 16, 0, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 0, 64}}, {{5, 4, 0}}},
-    // rank 4 step 2: piece 1 to rank 5; wait entry[5], arrive[1]; r5:dst@0[1/16] = r4:dst@0[1/16]; signal r5:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 1}, {{4, 2, 0, 16, 0, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 1, 64}}, {{5, 4, 1}}},
-    // rank 4 step 3: piece 2 to rank 5; wait entry[5], arrive[2]; r5:dst@0[2/16] = r4:dst@0[2/16]; signal r5:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 2}, {{4, 2, 0, 16, 0, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 2, 64}}, {{5, 4, 2}}},
-    // rank 4 step 4: piece 3 to rank 5; wait entry[5], arrive[3]; r5:dst@0[3/16] = r4:dst@0[3/16]; signal r5:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 3}, {{4, 2, 0, 16, 0, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 3, 64}}, {{5, 4, 3}}},
-    // rank 4 step 5: piece 4 to rank 5; wait entry[5], arrive[4]; r5:dst@0[4/16] = r4:dst@0[4/16]; signal r5:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 4}, {{4, 2, 0, 16, 0, 4}}, {}, {{3, 0, 5, 1}, {4, 0, 4, 64}}, {{5, 4, 4}}},
-    // rank 4 step 6: piece 5 to rank 5; wait entry[5], arrive[5]; r5:dst@0[5/16] = r4:dst@0[5/16]; signal r5:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 5}, {{4, 2, 0, 16, 0, 5}}, {}, {{3, 0, 5, 1}, {4, 0, 5, 64}}, {{5, 4, 5}}},
-    // rank 4 step 7: piece 6 to rank 5; wait entry[5], arrive[6]; r5:dst@0[6/16] = r4:dst@0[6/16]; signal r5:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 6}, {{4, 2, 0, 16, 0, 6}}, {}, {{3, 0, 5, 1}, {4, 0, 6, 64}}, {{5, 4, 6}}},
-    // rank 4 step 8: piece 7 to rank 5; wait entry[5], arrive[7]; r5:dst@0[7/16] = r4:dst@0[7/16]; signal r5:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 7}, {{4, 2, 0, 16, 0, 7}}, {}, {{3, 0, 5, 1}, {4, 0, 7, 64}}, {{5, 4, 7}}},
-    // rank 4 step 9: piece 8 to rank 5; wait entry[5], arrive[8]; r5:dst@0[8/16] = r4:dst@0[8/16]; signal r5:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {}, {{3, 0, 5, 1}, {4, 0, 8, 64}}, {{5, 4, 8}}},
-    // rank 4 step 10: piece 9 to rank 5; wait entry[5], arrive[9]; r5:dst@0[9/16] = r4:dst@0[9/16]; signal r5:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {}, {{3, 0, 5, 1}, {4, 0, 9, 64}}, {{5, 4, 9}}},
-    // rank 4 step 11: piece 10 to rank 5; wait entry[5], arrive[10]; r5:dst@0[10/16] = r4:dst@0[10/16]; signal r5:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 10}, {{4, 2, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}, {4, 0, 10, 64}}, {{5, 4, 10}}},
-    // rank 4 step 12: piece 11 to rank 5; wait entry[5], arrive[11]; r5:dst@0[11/16] = r4:dst@0[11/16]; signal r5:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 11}, {{4, 2, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}, {4, 0, 11, 64}}, {{5, 4, 11}}},
-    // rank 4 step 13: piece 12 to rank 5; wait entry[5], arrive[12]; r5:dst@0[12/16] = r4:dst@0[12/16]; signal r5:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 12}, {{4, 2, 0, 16, 0, 12}}, {}, {{3, 0, 5, 1}, {4, 0, 12, 64}}, {{5, 4, 12}}},
-    // rank 4 step 14: piece 13 to rank 5; wait entry[5], arrive[13]; r5:dst@0[13/16] = r4:dst@0[13/16]; signal r5:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 13}, {{4, 2, 0, 16, 0, 13}}, {}, {{3, 0, 5, 1}, {4, 0, 13, 64}}, {{5, 4, 13}}},
-    // rank 4 step 15: piece 14 to rank 5; wait entry[5], arrive[14]; r5:dst@0[14/16] = r4:dst@0[14/16]; signal r5:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 14}, {{4, 2, 0, 16, 0, 14}}, {}, {{3, 0, 5, 1}, {4, 0, 14, 64}}, {{5, 4, 14}}},
-    // rank 4 step 16: piece 15 to rank 5; wait entry[5], arrive[15]; r5:dst@0[15/16] = r4:dst@0[15/16]; signal r5:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 15}, {{4, 2, 0, 16, 0, 15}}, {}, {{3, 0, 5, 1}, {4, 0, 15, 64}}, {{5, 4, 15}}},
-    // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 3, 5}}},
-    // rank 5 step 1: piece 0 to rank 6; wait entry[6], arrive[0]; r6:dst@0[0/16] = r5:dst@0[0/16]; signal r6:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 0}, {{5, 2, 0, 16, 0, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 0, 64}}, {{6, 4, 0}}},
-    // rank 5 step 2: piece 1 to rank 6; wait entry[6], arrive[1]; r6:dst@0[1/16] = r5:dst@0[1/16]; signal r6:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 1}, {{5, 2, 0, 16, 0, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 1, 64}}, {{6, 4, 1}}},
-    // rank 5 step 3: piece 2 to rank 6; wait entry[6], arrive[2]; r6:dst@0[2/16] = r5:dst@0[2/16]; signal r6:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 2}, {{5, 2, 0, 16, 0, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 2, 64}}, {{6, 4, 2}}},
-    // rank 5 step 4: piece 3 to rank 6; wait entry[6], arrive[3]; r6:dst@0[3/16] = r5:dst@0[3/16]; signal r6:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 3}, {{5, 2, 0, 16, 0, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 3, 64}}, {{6, 4, 3}}},
-    // rank 5 step 5: piece 4 to rank 6; wait entry[6], arrive[4]; r6:dst@0[4/16] = r5:dst@0[4/16]; signal r6:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 4}, {{5, 2, 0, 16, 0, 4}}, {}, {{3, 0, 6, 1}, {4, 0, 4, 64}}, {{6, 4, 4}}},
-    // rank 5 step 6: piece 5 to rank 6; wait entry[6], arrive[5]; r6:dst@0[5/16] = r5:dst@0[5/16]; signal r6:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 5}, {{5, 2, 0, 16, 0, 5}}, {}, {{3, 0, 6, 1}, {4, 0, 5, 64}}, {{6, 4, 5}}},
-    // rank 5 step 7: piece 6 to rank 6; wait entry[6], arrive[6]; r6:dst@0[6/16] = r5:dst@0[6/16]; signal r6:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 6}, {{5, 2, 0, 16, 0, 6}}, {}, {{3, 0, 6, 1}, {4, 0, 6, 64}}, {{6, 4, 6}}},
-    // rank 5 step 8: piece 7 to rank 6; wait entry[6], arrive[7]; r6:dst@0[7/16] = r5:dst@0[7/16]; signal r6:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 7}, {{5, 2, 0, 16, 0, 7}}, {}, {{3, 0, 6, 1}, {4, 0, 7, 64}}, {{6, 4, 7}}},
-    // rank 5 step 9: piece 8 to rank 6; wait entry[6], arrive[8]; r6:dst@0[8/16] = r5:dst@0[8/16]; signal r6:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 8}, {{5, 2, 0, 16, 0, 8}}, {}, {{3, 0, 6, 1}, {4, 0, 8, 64}}, {{6, 4, 8}}},
-    // rank 5 step 10: piece 9 to rank 6; wait entry[6], arrive[9]; r6:dst@0[9/16] = r5:dst@0[9/16]; signal r6:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 9}, {{5, 2, 0, 16, 0, 9}}, {}, {{3, 0, 6, 1}, {4, 0, 9, 64}}, {{6, 4, 9}}},
-    // rank 5 step 11: piece 10 to rank 6; wait entry[6], arrive[10]; r6:dst@0[10/16] = r5:dst@0[10/16]; signal r6:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {}, {{3, 0, 6, 1}, {4, 0, 10, 64}}, {{6, 4, 10}}},
-    // rank 5 step 12: piece 11 to rank 6; wait entry[6], arrive[11]; r6:dst@0[11/16] = r5:dst@0[11/16]; signal r6:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {}, {{3, 0, 6, 1}, {4, 0, 11, 64}}, {{6, 4, 11}}},
-    // rank 5 step 13: piece 12 to rank 6; wait entry[6], arrive[12]; r6:dst@0[12/16] = r5:dst@0[12/16]; signal r6:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 12}, {{5, 2, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}, {4, 0, 12, 64}}, {{6, 4, 12}}},
-    // rank 5 step 14: piece 13 to rank 6; wait entry[6], arrive[13]; r6:dst@0[13/16] = r5:dst@0[13/16]; signal r6:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 13}, {{5, 2, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}, {4, 0, 13, 64}}, {{6, 4, 13}}},
-    // rank 5 step 15: piece 14 to rank 6; wait entry[6], arrive[14]; r6:dst@0[14/16] = r5:dst@0[14/16]; signal r6:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 14}, {{5, 2, 0, 16, 0, 14}}, {}, {{3, 0, 6, 1}, {4, 0, 14, 64}}, {{6, 4, 14}}},
-    // rank 5 step 16: piece 15 to rank 6; wait entry[6], arrive[15]; r6:dst@0[15/16] = r5:dst@0[15/16]; signal r6:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 15}, {{5, 2, 0, 16, 0, 15}}, {}, {{3, 0, 6, 1}, {4, 0, 15, 64}}, {{6, 4, 15}}},
-    // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 3, 6}}},
-    // rank 6 step 1: piece 0 to rank 7; wait entry[7], arrive[0]; r7:dst@0[0/16] = r6:dst@0[0/16]; signal r7:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 0}, {{6, 2, 0, 16, 0, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 0, 64}}, {{7, 4, 0}}},
-    // rank 6 step 2: piece 1 to rank 7; wait entry[7], arrive[1]; r7:dst@0[1/16] = r6:dst@0[1/16]; signal r7:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 1}, {{6, 2, 0, 16, 0, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 1, 64}}, {{7, 4, 1}}},
-    // rank 6 step 3: piece 2 to rank 7; wait entry[7], arrive[2]; r7:dst@0[2/16] = r6:dst@0[2/16]; signal r7:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 2}, {{6, 2, 0, 16, 0, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 2, 64}}, {{7, 4, 2}}},
-    // rank 6 step 4: piece 3 to rank 7; wait entry[7], arrive[3]; r7:dst@0[3/16] = r6:dst@0[3/16]; signal r7:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 3}, {{6, 2, 0, 16, 0, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 3, 64}}, {{7, 4, 3}}},
-    // rank 6 step 5: piece 4 to rank 7; wait entry[7], arrive[4]; r7:dst@0[4/16] = r6:dst@0[4/16]; signal r7:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 4}, {{6, 2, 0, 16, 0, 4}}, {}, {{3, 0, 7, 1}, {4, 0, 4, 64}}, {{7, 4, 4}}},
-    // rank 6 step 6: piece 5 to rank 7; wait entry[7], arrive[5]; r7:dst@0[5/16] = r6:dst@0[5/16]; signal r7:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 5}, {{6, 2, 0, 16, 0, 5}}, {}, {{3, 0, 7, 1}, {4, 0, 5, 64}}, {{7, 4, 5}}},
-    // rank 6 step 7: piece 6 to rank 7; wait entry[7], arrive[6]; r7:dst@0[6/16] = r6:dst@0[6/16]; signal r7:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 6}, {{6, 2, 0, 16, 0, 6}}, {}, {{3, 0, 7, 1}, {4, 0, 6, 64}}, {{7, 4, 6}}},
-    // rank 6 step 8: piece 7 to rank 7; wait entry[7], arrive[7]; r7:dst@0[7/16] = r6:dst@0[7/16]; signal r7:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 7}, {{6, 2, 0, 16, 0, 7}}, {}, {{3, 0, 7, 1}, {4, 0, 7, 64}}, {{7, 4, 7}}},
-    // rank 6 step 9: piece 8 to rank 7; wait entry[7], arrive[8]; r7:dst@0[8/16] = r6:dst@0[8/16]; signal r7:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 8}, {{6, 2, 0, 16, 0, 8}}, {}, {{3, 0, 7, 1}, {4, 0, 8, 64}}, {{7, 4, 8}}},
-    // rank 6 step 10: piece 9 to rank 7; wait entry[7], arrive[9]; r7:dst@0[9/16] = r6:dst@0[9/16]; signal r7:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 9}, {{6, 2, 0, 16, 0, 9}}, {}, {{3, 0, 7, 1}, {4, 0, 9, 64}}, {{7, 4, 9}}},
-    // rank 6 step 11: piece 10 to rank 7; wait entry[7], arrive[10]; r7:dst@0[10/16] = r6:dst@0[10/16]; signal r7:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 10}, {{6, 2, 0, 16, 0, 10}}, {}, {{3, 0, 7, 1}, {4, 0, 10, 64}}, {{7, 4, 10}}},
-    // rank 6 step 12: piece 11 to rank 7; wait entry[7], arrive[11]; r7:dst@0[11/16] = r6:dst@0[11/16]; signal r7:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 11}, {{6, 2, 0, 16, 0, 11}}, {}, {{3, 0, 7, 1}, {4, 0, 11, 64}}, {{7, 4, 11}}},
-    // rank 6 step 13: piece 12 to rank 7; wait entry[7], arrive[12]; r7:dst@0[12/16] = r6:dst@0[12/16]; signal r7:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {}, {{3, 0, 7, 1}, {4, 0, 12, 64}}, {{7, 4, 12}}},
-    // rank 6 step 14: piece 13 to rank 7; wait entry[7], arrive[13]; r7:dst@0[13/16] = r6:dst@0[13/16]; signal r7:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {}, {{3, 0, 7, 1}, {4, 0, 13, 64}}, {{7, 4, 13}}},
-    // rank 6 step 15: piece 14 to rank 7; wait entry[7], arrive[14]; r7:dst@0[14/16] = r6:dst@0[14/16]; signal r7:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 14}, {{6, 2, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}, {4, 0, 14, 64}}, {{7, 4, 14}}},
-    // rank 6 step 16: piece 15 to rank 7; wait entry[7], arrive[15]; r7:dst@0[15/16] = r6:dst@0[15/16]; signal r7:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 15}, {{6, 2, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}, {4, 0, 15, 64}}, {{7, 4, 15}}},
-    // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 3, 7}}},
-    // rank 7 step 1: piece 0 to rank 0; wait entry[0], arrive[0]; r0:dst@0[0/16] = r7:dst@0[0/16]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 0}, {{7, 2, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},
-    // rank 7 step 2: piece 1 to rank 0; wait entry[0], arrive[1]; r0:dst@0[1/16] = r7:dst@0[1/16]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 1}, {{7, 2, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},
-    // rank 7 step 3: piece 2 to rank 0; wait entry[0], arrive[2]; r0:dst@0[2/16] = r7:dst@0[2/16]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 2}, {{7, 2, 0, 16, 0, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},
-    // rank 7 step 4: piece 3 to rank 0; wait entry[0], arrive[3]; r0:dst@0[3/16] = r7:dst@0[3/16]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 3}, {{7, 2, 0, 16, 0, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},
-    // rank 7 step 5: piece 4 to rank 0; wait entry[0], arrive[4]; r0:dst@0[4/16] = r7:dst@0[4/16]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{7, 2, 0, 16, 0, 4}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},
-    // rank 7 step 6: piece 5 to rank 0; wait entry[0], arrive[5]; r0:dst@0[5/16] = r7:dst@0[5/16]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{7, 2, 0, 16, 0, 5}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},
-    // rank 7 step 7: piece 6 to rank 0; wait entry[0], arrive[6]; r0:dst@0[6/16] = r7:dst@0[6/16]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{7, 2, 0, 16, 0, 6}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},
-    // rank 7 step 8: piece 7 to rank 0; wait entry[0], arrive[7]; r0:dst@0[7/16] = r7:dst@0[7/16]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{7, 2, 0, 16, 0, 7}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},
-    // rank 7 step 9: piece 8 to rank 0; wait entry[0], arrive[8]; r0:dst@0[8/16] = r7:dst@0[8/16]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{7, 2, 0, 16, 0, 8}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},
-    // rank 7 step 10: piece 9 to rank 0; wait entry[0], arrive[9]; r0:dst@0[9/16] = r7:dst@0[9/16]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{7, 2, 0, 16, 0, 9}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},
-    // rank 7 step 11: piece 10 to rank 0; wait entry[0], arrive[10]; r0:dst@0[10/16] = r7:dst@0[10/16]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{7, 2, 0, 16, 0, 10}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},
-    // rank 7 step 12: piece 11 to rank 0; wait entry[0], arrive[11]; r0:dst@0[11/16] = r7:dst@0[11/16]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{7, 2, 0, 16, 0, 11}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},
-    // rank 7 step 13: piece 12 to rank 0; wait entry[0], arrive[12]; r0:dst@0[12/16] = r7:dst@0[12/16]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{7, 2, 0, 16, 0, 12}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},
-    // rank 7 step 14: piece 13 to rank 0; wait entry[0], arrive[13]; r0:dst@0[13/16] = r7:dst@0[13/16]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{7, 2, 0, 16, 0, 13}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},
-    // rank 7 step 15: piece 14 to rank 0; wait entry[0], arrive[14]; r0:dst@0[14/16] = r7:dst@0[14/16]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},
-    // rank 7 step 16: piece 15 to rank 0; wait entry[0], arrive[15]; r0:dst@0[15/16] = r7:dst@0[15/16]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 0, 64}, {4, 0, 1, 64}, {4, 0, 2, 64}, {4, 0, 3, 64}, {4, 0, 4, 64}, {4, 0, 5, 64}, {4, 0, 6, 64}, {4, 0, 7, 64}}, {}},  // rank 0 step 1: wait for every piece; wait arrive[0], arrive[1], arrive[2], arrive[3], arrive[4], arrive[5], arrive[6], arrive[7]
+    {TSGEN_OP_NONE, 0, 8, 0, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {{4, 0, 8, 64}, {4, 0, 9, 64}, {4, 0, 10, 64}, {4, 0, 11, 64}, {4, 0, 12, 64}, {4, 0, 13, 64}, {4, 0, 14, 64}, {4, 0, 15, 64}}, {}},  // rank 0 step 2: wait for every piece; wait arrive[8], arrive[9], arrive[10], arrive[11], arrive[12], arrive[13], arrive[14], arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 1 step 0: piece 0 to rank 2; wait entry[2]; r2:dst@0[0/16] = r1:src@0[0/16]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 1 step 1: piece 1 to rank 2; wait entry[2]; r2:dst@0[1/16] = r1:src@0[1/16]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},  // rank 1 step 2: piece 2 to rank 2; wait entry[2]; r2:dst@0[2/16] = r1:src@0[2/16]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 1 step 3: piece 3 to rank 2; wait entry[2]; r2:dst@0[3/16] = r1:src@0[3/16]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {{3, 0, 2, 1}}, {{2, 4, 4}}},  // rank 1 step 4: piece 4 to rank 2; wait entry[2]; r2:dst@0[4/16] = r1:src@0[4/16]; signal r2:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {{3, 0, 2, 1}}, {{2, 4, 5}}},  // rank 1 step 5: piece 5 to rank 2; wait entry[2]; r2:dst@0[5/16] = r1:src@0[5/16]; signal r2:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 1 step 6: piece 6 to rank 2; wait entry[2]; r2:dst@0[6/16] = r1:src@0[6/16]; signal r2:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 1 step 7: piece 7 to rank 2; wait entry[2]; r2:dst@0[7/16] = r1:src@0[7/16]; signal r2:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},  // rank 1 step 8: piece 8 to rank 2; wait entry[2]; r2:dst@0[8/16] = r1:src@0[8/16]; signal r2:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},  // rank 1 step 9: piece 9 to rank 2; wait entry[2]; r2:dst@0[9/16] = r1:src@0[9/16]; signal r2:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},  // rank 1 step 10: piece 10 to rank 2; wait entry[2]; r2:dst@0[10/16] = r1:src@0[10/16]; signal r2:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},  // rank 1 step 11: piece 11 to rank 2; wait entry[2]; r2:dst@0[11/16] = r1:src@0[11/16]; signal r2:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},  // rank 1 step 12: piece 12 to rank 2; wait entry[2]; r2:dst@0[12/16] = r1:src@0[12/16]; signal r2:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},  // rank 1 step 13: piece 13 to rank 2; wait entry[2]; r2:dst@0[13/16] = r1:src@0[13/16]; signal r2:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},  // rank 1 step 14: piece 14 to rank 2; wait entry[2]; r2:dst@0[14/16] = r1:src@0[14/16]; signal r2:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},  // rank 1 step 15: piece 15 to rank 2; wait entry[2]; r2:dst@0[15/16] = r1:src@0[15/16]; signal r2:arrive[15]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 0}, {{1, 1, 1, 16, 0, 0}}, {}, {}, {}},  // rank 1 step 16: local copy, piece 0; r1:dst@0[0/16] = r1:src@0[0/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 1}, {{1, 1, 1, 16, 0, 1}}, {}, {}, {}},  // rank 1 step 17: local copy, piece 1; r1:dst@0[1/16] = r1:src@0[1/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 2}, {{1, 1, 1, 16, 0, 2}}, {}, {}, {}},  // rank 1 step 18: local copy, piece 2; r1:dst@0[2/16] = r1:src@0[2/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 3}, {{1, 1, 1, 16, 0, 3}}, {}, {}, {}},  // rank 1 step 19: local copy, piece 3; r1:dst@0[3/16] = r1:src@0[3/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 4}, {{1, 1, 1, 16, 0, 4}}, {}, {}, {}},  // rank 1 step 20: local copy, piece 4; r1:dst@0[4/16] = r1:src@0[4/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 5}, {{1, 1, 1, 16, 0, 5}}, {}, {}, {}},  // rank 1 step 21: local copy, piece 5; r1:dst@0[5/16] = r1:src@0[5/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 6}, {{1, 1, 1, 16, 0, 6}}, {}, {}, {}},  // rank 1 step 22: local copy, piece 6; r1:dst@0[6/16] = r1:src@0[6/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 7}, {{1, 1, 1, 16, 0, 7}}, {}, {}, {}},  // rank 1 step 23: local copy, piece 7; r1:dst@0[7/16] = r1:src@0[7/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 8}, {{1, 1, 1, 16, 0, 8}}, {}, {}, {}},  // rank 1 step 24: local copy, piece 8; r1:dst@0[8/16] = r1:src@0[8/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 9}, {{1, 1, 1, 16, 0, 9}}, {}, {}, {}},  // rank 1 step 25: local copy, piece 9; r1:dst@0[9/16] = r1:src@0[9/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 10}, {{1, 1, 1, 16, 0, 10}}, {}, {}, {}},  // rank 1 step 26: local copy, piece 10; r1:dst@0[10/16] = r1:src@0[10/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 11}, {{1, 1, 1, 16, 0, 11}}, {}, {}, {}},  // rank 1 step 27: local copy, piece 11; r1:dst@0[11/16] = r1:src@0[11/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 12}, {{1, 1, 1, 16, 0, 12}}, {}, {}, {}},  // rank 1 step 28: local copy, piece 12; r1:dst@0[12/16] = r1:src@0[12/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 13}, {{1, 1, 1, 16, 0, 13}}, {}, {}, {}},  // rank 1 step 29: local copy, piece 13; r1:dst@0[13/16] = r1:src@0[13/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 14}, {{1, 1, 1, 16, 0, 14}}, {}, {}, {}},  // rank 1 step 30: local copy, piece 14; r1:dst@0[14/16] = r1:src@0[14/16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 0, 0, 0, {1, 2, 0, 16, 0, 15}, {{1, 1, 1, 16, 0, 15}}, {}, {}, {}},  // rank 1 step 31: local copy, piece 15; r1:dst@0[15/16] = r1:src@0[15/16]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 0}, {{2, 2, 0, 16, 0, 0}}, {}, {{3, 0, 3, 1}, {4, 0, 0, 64}}, {{3, 4, 0}}},  // rank 2 step 1: piece 0 to rank 3; wait entry[3], arrive[0]; r3:dst@0[0/16] = r2:dst@0[0/16]; signal r3:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 1}, {{2, 2, 0, 16, 0, 1}}, {}, {{3, 0, 3, 1}, {4, 0, 1, 64}}, {{3, 4, 1}}},  // rank 2 step 2: piece 1 to rank 3; wait entry[3], arrive[1]; r3:dst@0[1/16] = r2:dst@0[1/16]; signal r3:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 2}, {{2, 2, 0, 16, 0, 2}}, {}, {{3, 0, 3, 1}, {4, 0, 2, 64}}, {{3, 4, 2}}},  // rank 2 step 3: piece 2 to rank 3; wait entry[3], arrive[2]; r3:dst@0[2/16] = r2:dst@0[2/16]; signal r3:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 3}, {{2, 2, 0, 16, 0, 3}}, {}, {{3, 0, 3, 1}, {4, 0, 3, 64}}, {{3, 4, 3}}},  // rank 2 step 4: piece 3 to rank 3; wait entry[3], arrive[3]; r3:dst@0[3/16] = r2:dst@0[3/16]; signal r3:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 4}, {{2, 2, 0, 16, 0, 4}}, {}, {{3, 0, 3, 1}, {4, 0, 4, 64}}, {{3, 4, 4}}},  // rank 2 step 5: piece 4 to rank 3; wait entry[3], arrive[4]; r3:dst@0[4/16] = r2:dst@0[4/16]; signal r3:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 5}, {{2, 2, 0, 16, 0, 5}}, {}, {{3, 0, 3, 1}, {4, 0, 5, 64}}, {{3, 4, 5}}},  // rank 2 step 6: piece 5 to rank 3; wait entry[3], arrive[5]; r3:dst@0[5/16] = r2:dst@0[5/16]; signal r3:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 6}, {{2, 2, 0, 16, 0, 6}}, {}, {{3, 0, 3, 1}, {4, 0, 6, 64}}, {{3, 4, 6}}},  // rank 2 step 7: piece 6 to rank 3; wait entry[3], arrive[6]; r3:dst@0[6/16] = r2:dst@0[6/16]; signal r3:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 7}, {{2, 2, 0, 16, 0, 7}}, {}, {{3, 0, 3, 1}, {4, 0, 7, 64}}, {{3, 4, 7}}},  // rank 2 step 8: piece 7 to rank 3; wait entry[3], arrive[7]; r3:dst@0[7/16] = r2:dst@0[7/16]; signal r3:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 8}, {{2, 2, 0, 16, 0, 8}}, {}, {{3, 0, 3, 1}, {4, 0, 8, 64}}, {{3, 4, 8}}},  // rank 2 step 9: piece 8 to rank 3; wait entry[3], arrive[8]; r3:dst@0[8/16] = r2:dst@0[8/16]; signal r3:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 9}, {{2, 2, 0, 16, 0, 9}}, {}, {{3, 0, 3, 1}, {4, 0, 9, 64}}, {{3, 4, 9}}},  // rank 2 step 10: piece 9 to rank 3; wait entry[3], arrive[9]; r3:dst@0[9/16] = r2:dst@0[9/16]; signal r3:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 10}, {{2, 2, 0, 16, 0, 10}}, {}, {{3, 0, 3, 1}, {4, 0, 10, 64}}, {{3, 4, 10}}},  // rank 2 step 11: piece 10 to rank 3; wait entry[3], arrive[10]; r3:dst@0[10/16] = r2:dst@0[10/16]; signal r3:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 11}, {{2, 2, 0, 16, 0, 11}}, {}, {{3, 0, 3, 1}, {4, 0, 11, 64}}, {{3, 4, 11}}},  // rank 2 step 12: piece 11 to rank 3; wait entry[3], arrive[11]; r3:dst@0[11/16] = r2:dst@0[11/16]; signal r3:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 12}, {{2, 2, 0, 16, 0, 12}}, {}, {{3, 0, 3, 1}, {4, 0, 12, 64}}, {{3, 4, 12}}},  // rank 2 step 13: piece 12 to rank 3; wait entry[3], arrive[12]; r3:dst@0[12/16] = r2:dst@0[12/16]; signal r3:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 13}, {{2, 2, 0, 16, 0, 13}}, {}, {{3, 0, 3, 1}, {4, 0, 13, 64}}, {{3, 4, 13}}},  // rank 2 step 14: piece 13 to rank 3; wait entry[3], arrive[13]; r3:dst@0[13/16] = r2:dst@0[13/16]; signal r3:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 14}, {{2, 2, 0, 16, 0, 14}}, {}, {{3, 0, 3, 1}, {4, 0, 14, 64}}, {{3, 4, 14}}},  // rank 2 step 15: piece 14 to rank 3; wait entry[3], arrive[14]; r3:dst@0[14/16] = r2:dst@0[14/16]; signal r3:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {3, 2, 0, 16, 0, 15}, {{2, 2, 0, 16, 0, 15}}, {}, {{3, 0, 3, 1}, {4, 0, 15, 64}}, {{3, 4, 15}}},  // rank 2 step 16: piece 15 to rank 3; wait entry[3], arrive[15]; r3:dst@0[15/16] = r2:dst@0[15/16]; signal r3:arrive[15]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 0}, {{3, 2, 0, 16, 0, 0}}, {}, {{3, 0, 4, 1}, {4, 0, 0, 64}}, {{4, 4, 0}}},  // rank 3 step 1: piece 0 to rank 4; wait entry[4], arrive[0]; r4:dst@0[0/16] = r3:dst@0[0/16]; signal r4:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 1}, {{3, 2, 0, 16, 0, 1}}, {}, {{3, 0, 4, 1}, {4, 0, 1, 64}}, {{4, 4, 1}}},  // rank 3 step 2: piece 1 to rank 4; wait entry[4], arrive[1]; r4:dst@0[1/16] = r3:dst@0[1/16]; signal r4:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 2}, {{3, 2, 0, 16, 0, 2}}, {}, {{3, 0, 4, 1}, {4, 0, 2, 64}}, {{4, 4, 2}}},  // rank 3 step 3: piece 2 to rank 4; wait entry[4], arrive[2]; r4:dst@0[2/16] = r3:dst@0[2/16]; signal r4:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 3}, {{3, 2, 0, 16, 0, 3}}, {}, {{3, 0, 4, 1}, {4, 0, 3, 64}}, {{4, 4, 3}}},  // rank 3 step 4: piece 3 to rank 4; wait entry[4], arrive[3]; r4:dst@0[3/16] = r3:dst@0[3/16]; signal r4:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 4}, {{3, 2, 0, 16, 0, 4}}, {}, {{3, 0, 4, 1}, {4, 0, 4, 64}}, {{4, 4, 4}}},  // rank 3 step 5: piece 4 to rank 4; wait entry[4], arrive[4]; r4:dst@0[4/16] = r3:dst@0[4/16]; signal r4:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 5}, {{3, 2, 0, 16, 0, 5}}, {}, {{3, 0, 4, 1}, {4, 0, 5, 64}}, {{4, 4, 5}}},  // rank 3 step 6: piece 5 to rank 4; wait entry[4], arrive[5]; r4:dst@0[5/16] = r3:dst@0[5/16]; signal r4:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 6}, {{3, 2, 0, 16, 0, 6}}, {}, {{3, 0, 4, 1}, {4, 0, 6, 64}}, {{4, 4, 6}}},  // rank 3 step 7: piece 6 to rank 4; wait entry[4], arrive[6]; r4:dst@0[6/16] = r3:dst@0[6/16]; signal r4:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 7}, {{3, 2, 0, 16, 0, 7}}, {}, {{3, 0, 4, 1}, {4, 0, 7, 64}}, {{4, 4, 7}}},  // rank 3 step 8: piece 7 to rank 4; wait entry[4], arrive[7]; r4:dst@0[7/16] = r3:dst@0[7/16]; signal r4:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 8}, {{3, 2, 0, 16, 0, 8}}, {}, {{3, 0, 4, 1}, {4, 0, 8, 64}}, {{4, 4, 8}}},  // rank 3 step 9: piece 8 to rank 4; wait entry[4], arrive[8]; r4:dst@0[8/16] = r3:dst@0[8/16]; signal r4:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 9}, {{3, 2, 0, 16, 0, 9}}, {}, {{3, 0, 4, 1}, {4, 0, 9, 64}}, {{4, 4, 9}}},  // rank 3 step 10: piece 9 to rank 4; wait entry[4], arrive[9]; r4:dst@0[9/16] = r3:dst@0[9/16]; signal r4:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 10}, {{3, 2, 0, 16, 0, 10}}, {}, {{3, 0, 4, 1}, {4, 0, 10, 64}}, {{4, 4, 10}}},  // rank 3 step 11: piece 10 to rank 4; wait entry[4], arrive[10]; r4:dst@0[10/16] = r3:dst@0[10/16]; signal r4:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 11}, {{3, 2, 0, 16, 0, 11}}, {}, {{3, 0, 4, 1}, {4, 0, 11, 64}}, {{4, 4, 11}}},  // rank 3 step 12: piece 11 to rank 4; wait entry[4], arrive[11]; r4:dst@0[11/16] = r3:dst@0[11/16]; signal r4:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 12}, {{3, 2, 0, 16, 0, 12}}, {}, {{3, 0, 4, 1}, {4, 0, 12, 64}}, {{4, 4, 12}}},  // rank 3 step 13: piece 12 to rank 4; wait entry[4], arrive[12]; r4:dst@0[12/16] = r3:dst@0[12/16]; signal r4:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 13}, {{3, 2, 0, 16, 0, 13}}, {}, {{3, 0, 4, 1}, {4, 0, 13, 64}}, {{4, 4, 13}}},  // rank 3 step 14: piece 13 to rank 4; wait entry[4], arrive[13]; r4:dst@0[13/16] = r3:dst@0[13/16]; signal r4:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 14}, {{3, 2, 0, 16, 0, 14}}, {}, {{3, 0, 4, 1}, {4, 0, 14, 64}}, {{4, 4, 14}}},  // rank 3 step 15: piece 14 to rank 4; wait entry[4], arrive[14]; r4:dst@0[14/16] = r3:dst@0[14/16]; signal r4:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {4, 2, 0, 16, 0, 15}, {{3, 2, 0, 16, 0, 15}}, {}, {{3, 0, 4, 1}, {4, 0, 15, 64}}, {{4, 4, 15}}},  // rank 3 step 16: piece 15 to rank 4; wait entry[4], arrive[15]; r4:dst@0[15/16] = r3:dst@0[15/16]; signal r4:arrive[15]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 3, 4}}},  // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 0}, {{4, 2, 0, 16, 0, 0}}, {}, {{3, 0, 5, 1}, {4, 0, 0, 64}}, {{5, 4, 0}}},  // rank 4 step 1: piece 0 to rank 5; wait entry[5], arrive[0]; r5:dst@0[0/16] = r4:dst@0[0/16]; signal r5:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 1}, {{4, 2, 0, 16, 0, 1}}, {}, {{3, 0, 5, 1}, {4, 0, 1, 64}}, {{5, 4, 1}}},  // rank 4 step 2: piece 1 to rank 5; wait entry[5], arrive[1]; r5:dst@0[1/16] = r4:dst@0[1/16]; signal r5:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 2}, {{4, 2, 0, 16, 0, 2}}, {}, {{3, 0, 5, 1}, {4, 0, 2, 64}}, {{5, 4, 2}}},  // rank 4 step 3: piece 2 to rank 5; wait entry[5], arrive[2]; r5:dst@0[2/16] = r4:dst@0[2/16]; signal r5:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 3}, {{4, 2, 0, 16, 0, 3}}, {}, {{3, 0, 5, 1}, {4, 0, 3, 64}}, {{5, 4, 3}}},  // rank 4 step 4: piece 3 to rank 5; wait entry[5], arrive[3]; r5:dst@0[3/16] = r4:dst@0[3/16]; signal r5:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 4}, {{4, 2, 0, 16, 0, 4}}, {}, {{3, 0, 5, 1}, {4, 0, 4, 64}}, {{5, 4, 4}}},  // rank 4 step 5: piece 4 to rank 5; wait entry[5], arrive[4]; r5:dst@0[4/16] = r4:dst@0[4/16]; signal r5:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 5}, {{4, 2, 0, 16, 0, 5}}, {}, {{3, 0, 5, 1}, {4, 0, 5, 64}}, {{5, 4, 5}}},  // rank 4 step 6: piece 5 to rank 5; wait entry[5], arrive[5]; r5:dst@0[5/16] = r4:dst@0[5/16]; signal r5:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 6}, {{4, 2, 0, 16, 0, 6}}, {}, {{3, 0, 5, 1}, {4, 0, 6, 64}}, {{5, 4, 6}}},  // rank 4 step 7: piece 6 to rank 5; wait entry[5], arrive[6]; r5:dst@0[6/16] = r4:dst@0[6/16]; signal r5:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 7}, {{4, 2, 0, 16, 0, 7}}, {}, {{3, 0, 5, 1}, {4, 0, 7, 64}}, {{5, 4, 7}}},  // rank 4 step 8: piece 7 to rank 5; wait entry[5], arrive[7]; r5:dst@0[7/16] = r4:dst@0[7/16]; signal r5:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 8}, {{4, 2, 0, 16, 0, 8}}, {}, {{3, 0, 5, 1}, {4, 0, 8, 64}}, {{5, 4, 8}}},  // rank 4 step 9: piece 8 to rank 5; wait entry[5], arrive[8]; r5:dst@0[8/16] = r4:dst@0[8/16]; signal r5:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 9}, {{4, 2, 0, 16, 0, 9}}, {}, {{3, 0, 5, 1}, {4, 0, 9, 64}}, {{5, 4, 9}}},  // rank 4 step 10: piece 9 to rank 5; wait entry[5], arrive[9]; r5:dst@0[9/16] = r4:dst@0[9/16]; signal r5:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 10}, {{4, 2, 0, 16, 0, 10}}, {}, {{3, 0, 5, 1}, {4, 0, 10, 64}}, {{5, 4, 10}}},  // rank 4 step 11: piece 10 to rank 5; wait entry[5], arrive[10]; r5:dst@0[10/16] = r4:dst@0[10/16]; signal r5:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 11}, {{4, 2, 0, 16, 0, 11}}, {}, {{3, 0, 5, 1}, {4, 0, 11, 64}}, {{5, 4, 11}}},  // rank 4 step 12: piece 11 to rank 5; wait entry[5], arrive[11]; r5:dst@0[11/16] = r4:dst@0[11/16]; signal r5:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 12}, {{4, 2, 0, 16, 0, 12}}, {}, {{3, 0, 5, 1}, {4, 0, 12, 64}}, {{5, 4, 12}}},  // rank 4 step 13: piece 12 to rank 5; wait entry[5], arrive[12]; r5:dst@0[12/16] = r4:dst@0[12/16]; signal r5:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 13}, {{4, 2, 0, 16, 0, 13}}, {}, {{3, 0, 5, 1}, {4, 0, 13, 64}}, {{5, 4, 13}}},  // rank 4 step 14: piece 13 to rank 5; wait entry[5], arrive[13]; r5:dst@0[13/16] = r4:dst@0[13/16]; signal r5:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 14}, {{4, 2, 0, 16, 0, 14}}, {}, {{3, 0, 5, 1}, {4, 0, 14, 64}}, {{5, 4, 14}}},  // rank 4 step 15: piece 14 to rank 5; wait entry[5], arrive[14]; r5:dst@0[14/16] = r4:dst@0[14/16]; signal r5:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {5, 2, 0, 16, 0, 15}, {{4, 2, 0, 16, 0, 15}}, {}, {{3, 0, 5, 1}, {4, 0, 15, 64}}, {{5, 4, 15}}},  // rank 4 step 16: piece 15 to rank 5; wait entry[5], arrive[15]; r5:dst@0[15/16] = r4:dst@0[15/16]; signal r5:arrive[15]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 3, 5}}},  // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 0}, {{5, 2, 0, 16, 0, 0}}, {}, {{3, 0, 6, 1}, {4, 0, 0, 64}}, {{6, 4, 0}}},  // rank 5 step 1: piece 0 to rank 6; wait entry[6], arrive[0]; r6:dst@0[0/16] = r5:dst@0[0/16]; signal r6:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 1}, {{5, 2, 0, 16, 0, 1}}, {}, {{3, 0, 6, 1}, {4, 0, 1, 64}}, {{6, 4, 1}}},  // rank 5 step 2: piece 1 to rank 6; wait entry[6], arrive[1]; r6:dst@0[1/16] = r5:dst@0[1/16]; signal r6:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 2}, {{5, 2, 0, 16, 0, 2}}, {}, {{3, 0, 6, 1}, {4, 0, 2, 64}}, {{6, 4, 2}}},  // rank 5 step 3: piece 2 to rank 6; wait entry[6], arrive[2]; r6:dst@0[2/16] = r5:dst@0[2/16]; signal r6:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 3}, {{5, 2, 0, 16, 0, 3}}, {}, {{3, 0, 6, 1}, {4, 0, 3, 64}}, {{6, 4, 3}}},  // rank 5 step 4: piece 3 to rank 6; wait entry[6], arrive[3]; r6:dst@0[3/16] = r5:dst@0[3/16]; signal r6:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 4}, {{5, 2, 0, 16, 0, 4}}, {}, {{3, 0, 6, 1}, {4, 0, 4, 64}}, {{6, 4, 4}}},  // rank 5 step 5: piece 4 to rank 6; wait entry[6], arrive[4]; r6:dst@0[4/16] = r5:dst@0[4/16]; signal r6:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 5}, {{5, 2, 0, 16, 0, 5}}, {}, {{3, 0, 6, 1}, {4, 0, 5, 64}}, {{6, 4, 5}}},  // rank 5 step 6: piece 5 to rank 6; wait entry[6], arrive[5]; r6:dst@0[5/16] = r5:dst@0[5/16]; signal r6:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 6}, {{5, 2, 0, 16, 0, 6}}, {}, {{3, 0, 6, 1}, {4, 0, 6, 64}}, {{6, 4, 6}}},  // rank 5 step 7: piece 6 to rank 6; wait entry[6], arrive[6]; r6:dst@0[6/16] = r5:dst@0[6/16]; signal r6:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 7}, {{5, 2, 0, 16, 0, 7}}, {}, {{3, 0, 6, 1}, {4, 0, 7, 64}}, {{6, 4, 7}}},  // rank 5 step 8: piece 7 to rank 6; wait entry[6], arrive[7]; r6:dst@0[7/16] = r5:dst@0[7/16]; signal r6:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 8}, {{5, 2, 0, 16, 0, 8}}, {}, {{3, 0, 6, 1}, {4, 0, 8, 64}}, {{6, 4, 8}}},  // rank 5 step 9: piece 8 to rank 6; wait entry[6], arrive[8]; r6:dst@0[8/16] = r5:dst@0[8/16]; signal r6:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 9}, {{5, 2, 0, 16, 0, 9}}, {}, {{3, 0, 6, 1}, {4, 0, 9, 64}}, {{6, 4, 9}}},  // rank 5 step 10: piece 9 to rank 6; wait entry[6], arrive[9]; r6:dst@0[9/16] = r5:dst@0[9/16]; signal r6:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 10}, {{5, 2, 0, 16, 0, 10}}, {}, {{3, 0, 6, 1}, {4, 0, 10, 64}}, {{6, 4, 10}}},  // rank 5 step 11: piece 10 to rank 6; wait entry[6], arrive[10]; r6:dst@0[10/16] = r5:dst@0[10/16]; signal r6:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 11}, {{5, 2, 0, 16, 0, 11}}, {}, {{3, 0, 6, 1}, {4, 0, 11, 64}}, {{6, 4, 11}}},  // rank 5 step 12: piece 11 to rank 6; wait entry[6], arrive[11]; r6:dst@0[11/16] = r5:dst@0[11/16]; signal r6:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 12}, {{5, 2, 0, 16, 0, 12}}, {}, {{3, 0, 6, 1}, {4, 0, 12, 64}}, {{6, 4, 12}}},  // rank 5 step 13: piece 12 to rank 6; wait entry[6], arrive[12]; r6:dst@0[12/16] = r5:dst@0[12/16]; signal r6:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 13}, {{5, 2, 0, 16, 0, 13}}, {}, {{3, 0, 6, 1}, {4, 0, 13, 64}}, {{6, 4, 13}}},  // rank 5 step 14: piece 13 to rank 6; wait entry[6], arrive[13]; r6:dst@0[13/16] = r5:dst@0[13/16]; signal r6:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 14}, {{5, 2, 0, 16, 0, 14}}, {}, {{3, 0, 6, 1}, {4, 0, 14, 64}}, {{6, 4, 14}}},  // rank 5 step 15: piece 14 to rank 6; wait entry[6], arrive[14]; r6:dst@0[14/16] = r5:dst@0[14/16]; signal r6:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {6, 2, 0, 16, 0, 15}, {{5, 2, 0, 16, 0, 15}}, {}, {{3, 0, 6, 1}, {4, 0, 15, 64}}, {{6, 4, 15}}},  // rank 5 step 16: piece 15 to rank 6; wait entry[6], arrive[15]; r6:dst@0[15/16] = r5:dst@0[15/16]; signal r6:arrive[15]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 3, 6}}},  // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 0}, {{6, 2, 0, 16, 0, 0}}, {}, {{3, 0, 7, 1}, {4, 0, 0, 64}}, {{7, 4, 0}}},  // rank 6 step 1: piece 0 to rank 7; wait entry[7], arrive[0]; r7:dst@0[0/16] = r6:dst@0[0/16]; signal r7:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 1}, {{6, 2, 0, 16, 0, 1}}, {}, {{3, 0, 7, 1}, {4, 0, 1, 64}}, {{7, 4, 1}}},  // rank 6 step 2: piece 1 to rank 7; wait entry[7], arrive[1]; r7:dst@0[1/16] = r6:dst@0[1/16]; signal r7:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 2}, {{6, 2, 0, 16, 0, 2}}, {}, {{3, 0, 7, 1}, {4, 0, 2, 64}}, {{7, 4, 2}}},  // rank 6 step 3: piece 2 to rank 7; wait entry[7], arrive[2]; r7:dst@0[2/16] = r6:dst@0[2/16]; signal r7:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 3}, {{6, 2, 0, 16, 0, 3}}, {}, {{3, 0, 7, 1}, {4, 0, 3, 64}}, {{7, 4, 3}}},  // rank 6 step 4: piece 3 to rank 7; wait entry[7], arrive[3]; r7:dst@0[3/16] = r6:dst@0[3/16]; signal r7:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 4}, {{6, 2, 0, 16, 0, 4}}, {}, {{3, 0, 7, 1}, {4, 0, 4, 64}}, {{7, 4, 4}}},  // rank 6 step 5: piece 4 to rank 7; wait entry[7], arrive[4]; r7:dst@0[4/16] = r6:dst@0[4/16]; signal r7:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 5}, {{6, 2, 0, 16, 0, 5}}, {}, {{3, 0, 7, 1}, {4, 0, 5, 64}}, {{7, 4, 5}}},  // rank 6 step 6: piece 5 to rank 7; wait entry[7], arrive[5]; r7:dst@0[5/16] = r6:dst@0[5/16]; signal r7:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 6}, {{6, 2, 0, 16, 0, 6}}, {}, {{3, 0, 7, 1}, {4, 0, 6, 64}}, {{7, 4, 6}}},  // rank 6 step 7: piece 6 to rank 7; wait entry[7], arrive[6]; r7:dst@0[6/16] = r6:dst@0[6/16]; signal r7:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 7}, {{6, 2, 0, 16, 0, 7}}, {}, {{3, 0, 7, 1}, {4, 0, 7, 64}}, {{7, 4, 7}}},  // rank 6 step 8: piece 7 to rank 7; wait entry[7], arrive[7]; r7:dst@0[7/16] = r6:dst@0[7/16]; signal r7:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 8}, {{6, 2, 0, 16, 0, 8}}, {}, {{3, 0, 7, 1}, {4, 0, 8, 64}}, {{7, 4, 8}}},  // rank 6 step 9: piece 8 to rank 7; wait entry[7], arrive[8]; r7:dst@0[8/16] = r6:dst@0[8/16]; signal r7:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 9}, {{6, 2, 0, 16, 0, 9}}, {}, {{3, 0, 7, 1}, {4, 0, 9, 64}}, {{7, 4, 9}}},  // rank 6 step 10: piece 9 to rank 7; wait entry[7], arrive[9]; r7:dst@0[9/16] = r6:dst@0[9/16]; signal r7:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 10}, {{6, 2, 0, 16, 0, 10}}, {}, {{3, 0, 7, 1}, {4, 0, 10, 64}}, {{7, 4, 10}}},  // rank 6 step 11: piece 10 to rank 7; wait entry[7], arrive[10]; r7:dst@0[10/16] = r6:dst@0[10/16]; signal r7:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 11}, {{6, 2, 0, 16, 0, 11}}, {}, {{3, 0, 7, 1}, {4, 0, 11, 64}}, {{7, 4, 11}}},  // rank 6 step 12: piece 11 to rank 7; wait entry[7], arrive[11]; r7:dst@0[11/16] = r6:dst@0[11/16]; signal r7:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 12}, {{6, 2, 0, 16, 0, 12}}, {}, {{3, 0, 7, 1}, {4, 0, 12, 64}}, {{7, 4, 12}}},  // rank 6 step 13: piece 12 to rank 7; wait entry[7], arrive[12]; r7:dst@0[12/16] = r6:dst@0[12/16]; signal r7:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 13}, {{6, 2, 0, 16, 0, 13}}, {}, {{3, 0, 7, 1}, {4, 0, 13, 64}}, {{7, 4, 13}}},  // rank 6 step 14: piece 13 to rank 7; wait entry[7], arrive[13]; r7:dst@0[13/16] = r6:dst@0[13/16]; signal r7:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 14}, {{6, 2, 0, 16, 0, 14}}, {}, {{3, 0, 7, 1}, {4, 0, 14, 64}}, {{7, 4, 14}}},  // rank 6 step 15: piece 14 to rank 7; wait entry[7], arrive[14]; r7:dst@0[14/16] = r6:dst@0[14/16]; signal r7:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {7, 2, 0, 16, 0, 15}, {{6, 2, 0, 16, 0, 15}}, {}, {{3, 0, 7, 1}, {4, 0, 15, 64}}, {{7, 4, 15}}},  // rank 6 step 16: piece 15 to rank 7; wait entry[7], arrive[15]; r7:dst@0[15/16] = r6:dst@0[15/16]; signal r7:arrive[15]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 3, 7}}},  // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 0}, {{7, 2, 0, 16, 0, 0}}, {}, {{3, 0, 0, 1}, {4, 0, 0, 64}}, {{0, 4, 0}}},  // rank 7 step 1: piece 0 to rank 0; wait entry[0], arrive[0]; r0:dst@0[0/16] = r7:dst@0[0/16]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 1}, {{7, 2, 0, 16, 0, 1}}, {}, {{3, 0, 0, 1}, {4, 0, 1, 64}}, {{0, 4, 1}}},  // rank 7 step 2: piece 1 to rank 0; wait entry[0], arrive[1]; r0:dst@0[1/16] = r7:dst@0[1/16]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 2}, {{7, 2, 0, 16, 0, 2}}, {}, {{3, 0, 0, 1}, {4, 0, 2, 64}}, {{0, 4, 2}}},  // rank 7 step 3: piece 2 to rank 0; wait entry[0], arrive[2]; r0:dst@0[2/16] = r7:dst@0[2/16]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 3}, {{7, 2, 0, 16, 0, 3}}, {}, {{3, 0, 0, 1}, {4, 0, 3, 64}}, {{0, 4, 3}}},  // rank 7 step 4: piece 3 to rank 0; wait entry[0], arrive[3]; r0:dst@0[3/16] = r7:dst@0[3/16]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 4}, {{7, 2, 0, 16, 0, 4}}, {}, {{3, 0, 0, 1}, {4, 0, 4, 64}}, {{0, 4, 4}}},  // rank 7 step 5: piece 4 to rank 0; wait entry[0], arrive[4]; r0:dst@0[4/16] = r7:dst@0[4/16]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 5}, {{7, 2, 0, 16, 0, 5}}, {}, {{3, 0, 0, 1}, {4, 0, 5, 64}}, {{0, 4, 5}}},  // rank 7 step 6: piece 5 to rank 0; wait entry[0], arrive[5]; r0:dst@0[5/16] = r7:dst@0[5/16]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 6}, {{7, 2, 0, 16, 0, 6}}, {}, {{3, 0, 0, 1}, {4, 0, 6, 64}}, {{0, 4, 6}}},  // rank 7 step 7: piece 6 to rank 0; wait entry[0], arrive[6]; r0:dst@0[6/16] = r7:dst@0[6/16]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 7}, {{7, 2, 0, 16, 0, 7}}, {}, {{3, 0, 0, 1}, {4, 0, 7, 64}}, {{0, 4, 7}}},  // rank 7 step 8: piece 7 to rank 0; wait entry[0], arrive[7]; r0:dst@0[7/16] = r7:dst@0[7/16]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 8}, {{7, 2, 0, 16, 0, 8}}, {}, {{3, 0, 0, 1}, {4, 0, 8, 64}}, {{0, 4, 8}}},  // rank 7 step 9: piece 8 to rank 0; wait entry[0], arrive[8]; r0:dst@0[8/16] = r7:dst@0[8/16]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 9}, {{7, 2, 0, 16, 0, 9}}, {}, {{3, 0, 0, 1}, {4, 0, 9, 64}}, {{0, 4, 9}}},  // rank 7 step 10: piece 9 to rank 0; wait entry[0], arrive[9]; r0:dst@0[9/16] = r7:dst@0[9/16]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 10}, {{7, 2, 0, 16, 0, 10}}, {}, {{3, 0, 0, 1}, {4, 0, 10, 64}}, {{0, 4, 10}}},  // rank 7 step 11: piece 10 to rank 0; wait entry[0], arrive[10]; r0:dst@0[10/16] = r7:dst@0[10/16]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 11}, {{7, 2, 0, 16, 0, 11}}, {}, {{3, 0, 0, 1}, {4, 0, 11, 64}}, {{0, 4, 11}}},  // rank 7 step 12: piece 11 to rank 0; wait entry[0], arrive[11]; r0:dst@0[11/16] = r7:dst@0[11/16]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 12}, {{7, 2, 0, 16, 0, 12}}, {}, {{3, 0, 0, 1}, {4, 0, 12, 64}}, {{0, 4, 12}}},  // rank 7 step 13: piece 12 to rank 0; wait entry[0], arrive[12]; r0:dst@0[12/16] = r7:dst@0[12/16]; signal r0:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 13}, {{7, 2, 0, 16, 0, 13}}, {}, {{3, 0, 0, 1}, {4, 0, 13, 64}}, {{0, 4, 13}}},  // rank 7 step 14: piece 13 to rank 0; wait entry[0], arrive[13]; r0:dst@0[13/16] = r7:dst@0[13/16]; signal r0:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 14}, {{7, 2, 0, 16, 0, 14}}, {}, {{3, 0, 0, 1}, {4, 0, 14, 64}}, {{0, 4, 14}}},  // rank 7 step 15: piece 14 to rank 0; wait entry[0], arrive[14]; r0:dst@0[14/16] = r7:dst@0[14/16]; signal r0:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 2, 1, 0, {0, 2, 0, 16, 0, 15}, {{7, 2, 0, 16, 0, 15}}, {}, {{3, 0, 0, 1}, {4, 0, 15, 64}}, {{0, 4, 15}}},  // rank 7 step 16: piece 15 to rank 0; wait entry[0], arrive[15]; r0:dst@0[15/16] = r7:dst@0[15/16]; signal r0:arrive[15]; 64 blocks
 };
 static __device__ const int step_base_w8[8] = { 0, 3, 35, 52, 69, 86, 103, 120 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..1
-    {1, 0, 1, 2, 1, 0},
-    // rank 1: shares 2..2049
-    {0, 0, 64, 16, 1, 0}, {0, 1, 64, 16, 1, 0}, {0, 2, 64, 16, 1, 0}, {0, 3, 64, 16, 1, 0},
-    {0, 4, 64, 16, 1, 0}, {0, 5, 64, 16, 1, 0}, {0, 6, 64, 16, 1, 0}, {0, 7, 64, 16, 1, 0},
-    {0, 8, 64, 16, 1, 0}, {0, 9, 64, 16, 1, 0}, {0, 10, 64, 16, 1, 0}, {0, 11, 64, 16, 1, 0},
-    {0, 12, 64, 16, 1, 0}, {0, 13, 64, 16, 1, 0}, {0, 14, 64, 16, 1, 0}, {0, 15, 64, 16, 1, 0},
-    {0, 16, 64, 16, 1, 0}, {0, 17, 64, 16, 1, 0}, {0, 18, 64, 16, 1, 0}, {0, 19, 64, 16, 1, 0},
-    {0, 20, 64, 16, 1, 0}, {0, 21, 64, 16, 1, 0}, {0, 22, 64, 16, 1, 0}, {0, 23, 64, 16, 1, 0},
-    {0, 24, 64, 16, 1, 0}, {0, 25, 64, 16, 1, 0}, {0, 26, 64, 16, 1, 0}, {0, 27, 64, 16, 1, 0},
-    {0, 28, 64, 16, 1, 0}, {0, 29, 64, 16, 1, 0}, {0, 30, 64, 16, 1, 0}, {0, 31, 64, 16, 1, 0},
-    {0, 32, 64, 16, 1, 0}, {0, 33, 64, 16, 1, 0}, {0, 34, 64, 16, 1, 0}, {0, 35, 64, 16, 1, 0},
-    {0, 36, 64, 16, 1, 0}, {0, 37, 64, 16, 1, 0}, {0, 38, 64, 16, 1, 0}, {0, 39, 64, 16, 1, 0},
-    {0, 40, 64, 16, 1, 0}, {0, 41, 64, 16, 1, 0}, {0, 42, 64, 16, 1, 0}, {0, 43, 64, 16, 1, 0},
-    {0, 44, 64, 16, 1, 0}, {0, 45, 64, 16, 1, 0}, {0, 46, 64, 16, 1, 0}, {0, 47, 64, 16, 1, 0},
-    {0, 48, 64, 16, 1, 0}, {0, 49, 64, 16, 1, 0}, {0, 50, 64, 16, 1, 0}, {0, 51, 64, 16, 1, 0},
-    {0, 52, 64, 16, 1, 0}, {0, 53, 64, 16, 1, 0}, {0, 54, 64, 16, 1, 0}, {0, 55, 64, 16, 1, 0},
-    {0, 56, 64, 16, 1, 0}, {0, 57, 64, 16, 1, 0}, {0, 58, 64, 16, 1, 0}, {0, 59, 64, 16, 1, 0},
-    {0, 60, 64, 16, 1, 0}, {0, 61, 64, 16, 1, 0}, {0, 62, 64, 16, 1, 0}, {0, 63, 64, 16, 1, 0},
-    {16, 0, 64, 16, 1, 0}, {16, 1, 64, 16, 1, 0}, {16, 2, 64, 16, 1, 0}, {16, 3, 64, 16, 1, 0},
-    {16, 4, 64, 16, 1, 0}, {16, 5, 64, 16, 1, 0}, {16, 6, 64, 16, 1, 0}, {16, 7, 64, 16, 1, 0},
-    {16, 8, 64, 16, 1, 0}, {16, 9, 64, 16, 1, 0}, {16, 10, 64, 16, 1, 0}, {16, 11, 64, 16, 1, 0},
-    {16, 12, 64, 16, 1, 0}, {16, 13, 64, 16, 1, 0}, {16, 14, 64, 16, 1, 0}, {16, 15, 64, 16, 1, 0},
-    {16, 16, 64, 16, 1, 0}, {16, 17, 64, 16, 1, 0}, {16, 18, 64, 16, 1, 0}, {16, 19, 64, 16, 1, 0},
-    {16, 20, 64, 16, 1, 0}, {16, 21, 64, 16, 1, 0}, {16, 22, 64, 16, 1, 0}, {16, 23, 64, 16, 1, 0},
-    {16, 24, 64, 16, 1, 0}, {16, 25, 64, 16, 1, 0}, {16, 26, 64, 16, 1, 0}, {16, 27, 64, 16, 1, 0},
-    {16, 28, 64, 16, 1, 0}, {16, 29, 64, 16, 1, 0}, {16, 30, 64, 16, 1, 0}, {16, 31, 64, 16, 1, 0},
-    {16, 32, 64, 16, 1, 0}, {16, 33, 64, 16, 1, 0}, {16, 34, 64, 16, 1, 0}, {16, 35, 64, 16, 1, 0},
-    {16, 36, 64, 16, 1, 0}, {16, 37, 64, 16, 1, 0}, {16, 38, 64, 16, 1, 0}, {16, 39, 64, 16, 1, 0},
-    {16, 40, 64, 16, 1, 0}, {16, 41, 64, 16, 1, 0}, {16, 42, 64, 16, 1, 0}, {16, 43, 64, 16, 1, 0},
-    {16, 44, 64, 16, 1, 0}, {16, 45, 64, 16, 1, 0}, {16, 46, 64, 16, 1, 0}, {16, 47, 64, 16, 1, 0},
-    {16, 48, 64, 16, 1, 0}, {16, 49, 64, 16, 1, 0}, {16, 50, 64, 16, 1, 0}, {16, 51, 64, 16, 1, 0},
-    {16, 52, 64, 16, 1, 0}, {16, 53, 64, 16, 1, 0}, {16, 54, 64, 16, 1, 0}, {16, 55, 64, 16, 1, 0},
-    {16, 56, 64, 16, 1, 0}, {16, 57, 64, 16, 1, 0}, {16, 58, 64, 16, 1, 0}, {16, 59, 64, 16, 1, 0},
-    {16, 60, 64, 16, 1, 0}, {16, 61, 64, 16, 1, 0}, {16, 62, 64, 16, 1, 0}, {16, 63, 64, 16, 1, 0},
-    // rank 2: shares 2050..3073
-    {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0}, {1, 3, 64, 16, 1, 0},
-    {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0}, {1, 7, 64, 16, 1, 0},
-    {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0}, {1, 11, 64, 16, 1, 0},
-    {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0}, {1, 15, 64, 16, 1, 0},
-    {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0}, {1, 19, 64, 16, 1, 0},
-    {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0}, {1, 23, 64, 16, 1, 0},
-    {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0}, {1, 27, 64, 16, 1, 0},
-    {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0}, {1, 31, 64, 16, 1, 0},
-    {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0}, {1, 35, 64, 16, 1, 0},
-    {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0}, {1, 39, 64, 16, 1, 0},
-    {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0}, {1, 43, 64, 16, 1, 0},
-    {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0}, {1, 47, 64, 16, 1, 0},
-    {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0}, {1, 51, 64, 16, 1, 0},
-    {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0}, {1, 55, 64, 16, 1, 0},
-    {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0}, {1, 59, 64, 16, 1, 0},
-    {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0}, {1, 63, 64, 16, 1, 0},
-    // rank 3: shares 3074..4097
-    {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0}, {1, 3, 64, 16, 1, 0},
-    {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0}, {1, 7, 64, 16, 1, 0},
-    {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0}, {1, 11, 64, 16, 1, 0},
-    {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0}, {1, 15, 64, 16, 1, 0},
-    {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0}, {1, 19, 64, 16, 1, 0},
-    {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0}, {1, 23, 64, 16, 1, 0},
-    {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0}, {1, 27, 64, 16, 1, 0},
-    {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0}, {1, 31, 64, 16, 1, 0},
-    {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0}, {1, 35, 64, 16, 1, 0},
-    {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0}, {1, 39, 64, 16, 1, 0},
-    {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0}, {1, 43, 64, 16, 1, 0},
-    {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0}, {1, 47, 64, 16, 1, 0},
-    {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0}, {1, 51, 64, 16, 1, 0},
-    {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0}, {1, 55, 64, 16, 1, 0},
-    {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0}, {1, 59, 64, 16, 1, 0},
-    {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0}, {1, 63, 64, 16, 1, 0},
-    // rank 4: shares 4098..5121
-    {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0}, {1, 3, 64, 16, 1, 0},
-    {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0}, {1, 7, 64, 16, 1, 0},
-    {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0}, {1, 11, 64, 16, 1, 0},
-    {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0}, {1, 15, 64, 16, 1, 0},
-    {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0}, {1, 19, 64, 16, 1, 0},
-    {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0}, {1, 23, 64, 16, 1, 0},
-    {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0}, {1, 27, 64, 16, 1, 0},
-    {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0}, {1, 31, 64, 16, 1, 0},
-    {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0}, {1, 35, 64, 16, 1, 0},
-    {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0}, {1, 39, 64, 16, 1, 0},
-    {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0}, {1, 43, 64, 16, 1, 0},
-    {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0}, {1, 47, 64, 16, 1, 0},
-    {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0}, {1, 51, 64, 16, 1, 0},
-    {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0}, {1, 55, 64, 16, 1, 0},
-    {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0}, {1, 59, 64, 16, 1, 0},
-    {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0}, {1, 63, 64, 16, 1, 0},
-    // rank 5: shares 5122..6145
-    {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0}, {1, 3, 64, 16, 1, 0},
-    {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0}, {1, 7, 64, 16, 1, 0},
-    {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0}, {1, 11, 64, 16, 1, 0},
-    {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0}, {1, 15, 64, 16, 1, 0},
-    {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0}, {1, 19, 64, 16, 1, 0},
-    {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0}, {1, 23, 64, 16, 1, 0},
-    {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0}, {1, 27, 64, 16, 1, 0},
-    {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0}, {1, 31, 64, 16, 1, 0},
-    {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0}, {1, 35, 64, 16, 1, 0},
-    {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0}, {1, 39, 64, 16, 1, 0},
-    {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0}, {1, 43, 64, 16, 1, 0},
-    {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0}, {1, 47, 64, 16, 1, 0},
-    {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0}, {1, 51, 64, 16, 1, 0},
-    {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0}, {1, 55, 64, 16, 1, 0},
-    {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0}, {1, 59, 64, 16, 1, 0},
-    {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0}, {1, 63, 64, 16, 1, 0},
-    // rank 6: shares 6146..7169
-    {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0}, {1, 3, 64, 16, 1, 0},
-    {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0}, {1, 7, 64, 16, 1, 0},
-    {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0}, {1, 11, 64, 16, 1, 0},
-    {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0}, {1, 15, 64, 16, 1, 0},
-    {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0}, {1, 19, 64, 16, 1, 0},
-    {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0}, {1, 23, 64, 16, 1, 0},
-    {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0}, {1, 27, 64, 16, 1, 0},
-    {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0}, {1, 31, 64, 16, 1, 0},
-    {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0}, {1, 35, 64, 16, 1, 0},
-    {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0}, {1, 39, 64, 16, 1, 0},
-    {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0}, {1, 43, 64, 16, 1, 0},
-    {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0}, {1, 47, 64, 16, 1, 0},
-    {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0}, {1, 51, 64, 16, 1, 0},
-    {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0}, {1, 55, 64, 16, 1, 0},
-    {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0}, {1, 59, 64, 16, 1, 0},
-    {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0}, {1, 63, 64, 16, 1, 0},
-    // rank 7: shares 7170..8193
-    {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0}, {1, 3, 64, 16, 1, 0},
-    {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0}, {1, 7, 64, 16, 1, 0},
-    {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0}, {1, 11, 64, 16, 1, 0},
-    {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0}, {1, 15, 64, 16, 1, 0},
-    {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0}, {1, 19, 64, 16, 1, 0},
-    {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0}, {1, 23, 64, 16, 1, 0},
-    {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0}, {1, 27, 64, 16, 1, 0},
-    {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0}, {1, 31, 64, 16, 1, 0},
-    {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0}, {1, 35, 64, 16, 1, 0},
-    {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0}, {1, 39, 64, 16, 1, 0},
-    {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0}, {1, 43, 64, 16, 1, 0},
-    {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0}, {1, 47, 64, 16, 1, 0},
-    {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0}, {1, 51, 64, 16, 1, 0},
-    {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0}, {1, 55, 64, 16, 1, 0},
-    {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0}, {1, 59, 64, 16, 1, 0},
-    {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0}, {1, 63, 64, 16, 1, 0},
+    {1, 0, 1, 2, 1, 0, 1, 0, 0},  // rank 0: shares 0..1
+    {0, 0, 64, 16, 1, 0, 64, 0, 1}, {16, 0, 64, 16, 1, 0, 64, 0, 1},  // rank 1: shares 2..2049
+    {1, 0, 64, 16, 1, 0, 64, 0, 1},  // rank 2: shares 2050..3073
+    {1, 0, 64, 16, 1, 0, 64, 0, 1},  // rank 3: shares 3074..4097
+    {1, 0, 64, 16, 1, 0, 64, 0, 1},  // rank 4: shares 4098..5121
+    {1, 0, 64, 16, 1, 0, 64, 0, 1},  // rank 5: shares 5122..6145
+    {1, 0, 64, 16, 1, 0, 64, 0, 1},  // rank 6: shares 6146..7169
+    {1, 0, 64, 16, 1, 0, 64, 0, 1},  // rank 7: shares 7170..8193
 };
-static __device__ const tsgen::share_table<8194> shares_w8 =
-    tsgen::expand_shares<8194>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][129] = {
+static __device__ const tsgen::share_table<8194> shares_w8 = tsgen::expand_shares<8194>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2 },
     { 2, 18, 34, 50, 66, 82, 98, 114, 130, 146, 162, 178, 194, 210, 226, 242, 258, 274, 290, 306, 322, 338, 354, 370, 386, 402, 418, 434, 450, 466, 482, 498, 514, 530, 546, 562, 578, 594, 610, 626, 642, 658, 674, 690, 706, 722, 738, 754, 770, 786, 802, 818, 834, 850, 866, 882, 898, 914, 930, 946, 962, 978, 994, 1010, 1026, 1042, 1058, 1074, 1090, 1106, 1122, 1138, 1154, 1170, 1186, 1202, 1218, 1234, 1250, 1266, 1282, 1298, 1314, 1330, 1346, 1362, 1378, 1394, 1410, 1426, 1442, 1458, 1474, 1490, 1506, 1522, 1538, 1554, 1570, 1586, 1602, 1618, 1634, 1650, 1666, 1682, 1698, 1714, 1730, 1746, 1762, 1778, 1794, 1810, 1826, 1842, 1858, 1874, 1890, 1906, 1922, 1938, 1954, 1970, 1986, 2002, 2018, 2034, 2050 },
     { 2050, 2050, 2066, 2082, 2098, 2114, 2130, 2146, 2162, 2178, 2194, 2210, 2226, 2242, 2258, 2274, 2290, 2306, 2322, 2338, 2354, 2370, 2386, 2402, 2418, 2434, 2450, 2466, 2482, 2498, 2514, 2530, 2546, 2562, 2578, 2594, 2610, 2626, 2642, 2658, 2674, 2690, 2706, 2722, 2738, 2754, 2770, 2786, 2802, 2818, 2834, 2850, 2866, 2882, 2898, 2914, 2930, 2946, 2962, 2978, 2994, 3010, 3026, 3042, 3058, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074, 3074 },
@@ -942,255 +430,129 @@ static __device__ const uint16_t first_w8[8][129] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b == 1) {  // block 1
-          // rank 0 step 1: wait for every piece
-          tsgen::run_share<T, UNROLL>(steps_w2[1], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 2) {  // block 2
-          // rank 0 step 2: wait for every piece
-          tsgen::run_share<T, UNROLL>(steps_w2[2], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w2[1], 0, 1);  // block 1, step 1: wait for every piece
+        if (b == 2) TSGEN_RUN_SHARE(steps_w2[2], 0, 1);  // block 2, step 2: wait for every piece
         break;
       case 1:
         if (b >= 0 && b < 64) {  // blocks 0..63
-          const int i = b - 0;
-          // rank 1 step 0: piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[3], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 1: piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[4], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: piece 2 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[5], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 3: piece 3 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[6], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: piece 4 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[7], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 5: piece 5 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[8], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: piece 6 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[9], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 7: piece 7 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[10], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: piece 8 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[11], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 9: piece 9 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[12], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 10: piece 10 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[13], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 11: piece 11 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[14], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 12: piece 12 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[15], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 13: piece 13 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[16], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 14: piece 14 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[17], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 15: piece 15 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[18], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[3], b, 64);  // step 0: piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[4], b, 64);  // step 1: piece 1 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[5], b, 64);  // step 2: piece 2 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[6], b, 64);  // step 3: piece 3 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[7], b, 64);  // step 4: piece 4 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[8], b, 64);  // step 5: piece 5 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[9], b, 64);  // step 6: piece 6 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[10], b, 64);  // step 7: piece 7 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[11], b, 64);  // step 8: piece 8 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[12], b, 64);  // step 9: piece 9 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[13], b, 64);  // step 10: piece 10 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[14], b, 64);  // step 11: piece 11 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[15], b, 64);  // step 12: piece 12 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[16], b, 64);  // step 13: piece 13 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[17], b, 64);  // step 14: piece 14 to rank 0
+          TSGEN_RUN_SHARE(steps_w2[18], b, 64);  // step 15: piece 15 to rank 0
         }
         if (b >= 64 && b < 128) {  // blocks 64..127
-          const int i = b - 64;
-          // rank 1 step 16: local copy, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[19], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 17: local copy, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[20], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 18: local copy, piece 2
-          tsgen::run_share<T, UNROLL>(steps_w2[21], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 19: local copy, piece 3
-          tsgen::run_share<T, UNROLL>(steps_w2[22], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 20: local copy, piece 4
-          tsgen::run_share<T, UNROLL>(steps_w2[23], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 21: local copy, piece 5
-          tsgen::run_share<T, UNROLL>(steps_w2[24], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 22: local copy, piece 6
-          tsgen::run_share<T, UNROLL>(steps_w2[25], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 23: local copy, piece 7
-          tsgen::run_share<T, UNROLL>(steps_w2[26], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 24: local copy, piece 8
-          tsgen::run_share<T, UNROLL>(steps_w2[27], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 25: local copy, piece 9
-          tsgen::run_share<T, UNROLL>(steps_w2[28], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 26: local copy, piece 10
-          tsgen::run_share<T, UNROLL>(steps_w2[29], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 27: local copy, piece 11
-          tsgen::run_share<T, UNROLL>(steps_w2[30], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 28: local copy, piece 12
-          tsgen::run_share<T, UNROLL>(steps_w2[31], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 29: local copy, piece 13
-          tsgen::run_share<T, UNROLL>(steps_w2[32], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 30: local copy, piece 14
-          tsgen::run_share<T, UNROLL>(steps_w2[33], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 31: local copy, piece 15
-          tsgen::run_share<T, UNROLL>(steps_w2[34], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[19], b - 64, 64);  // step 16: local copy, piece 0
+          TSGEN_RUN_SHARE(steps_w2[20], b - 64, 64);  // step 17: local copy, piece 1
+          TSGEN_RUN_SHARE(steps_w2[21], b - 64, 64);  // step 18: local copy, piece 2
+          TSGEN_RUN_SHARE(steps_w2[22], b - 64, 64);  // step 19: local copy, piece 3
+          TSGEN_RUN_SHARE(steps_w2[23], b - 64, 64);  // step 20: local copy, piece 4
+          TSGEN_RUN_SHARE(steps_w2[24], b - 64, 64);  // step 21: local copy, piece 5
+          TSGEN_RUN_SHARE(steps_w2[25], b - 64, 64);  // step 22: local copy, piece 6
+          TSGEN_RUN_SHARE(steps_w2[26], b - 64, 64);  // step 23: local copy, piece 7
+          TSGEN_RUN_SHARE(steps_w2[27], b - 64, 64);  // step 24: local copy, piece 8
+          TSGEN_RUN_SHARE(steps_w2[28], b - 64, 64);  // step 25: local copy, piece 9
+          TSGEN_RUN_SHARE(steps_w2[29], b - 64, 64);  // step 26: local copy, piece 10
+          TSGEN_RUN_SHARE(steps_w2[30], b - 64, 64);  // step 27: local copy, piece 11
+          TSGEN_RUN_SHARE(steps_w2[31], b - 64, 64);  // step 28: local copy, piece 12
+          TSGEN_RUN_SHARE(steps_w2[32], b - 64, 64);  // step 29: local copy, piece 13
+          TSGEN_RUN_SHARE(steps_w2[33], b - 64, 64);  // step 30: local copy, piece 14
+          TSGEN_RUN_SHARE(steps_w2[34], b - 64, 64);  // step 31: local copy, piece 15
         }
-        break;
-      default:
         break;
     }
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x4u, index = 0; break;
-      case 2: mask = 0x2u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x4u, index = 0; break; case 2: mask = 0x2u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w3 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
-        if (b == 1) {  // block 1
-          // rank 0 step 1: wait for every piece
-          tsgen::run_share<T, UNROLL>(steps_w3[1], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
-        if (b == 2) {  // block 2
-          // rank 0 step 2: wait for every piece
-          tsgen::run_share<T, UNROLL>(steps_w3[2], 0, 1, rank, epoch, count, bufs, peers, buffer_names);
-        }
+        if (b == 1) TSGEN_RUN_SHARE(steps_w3[1], 0, 1);  // block 1, step 1: wait for every piece
+        if (b == 2) TSGEN_RUN_SHARE(steps_w3[2], 0, 1);  // block 2, step 2: wait for every piece
         break;
       case 1:
         if (b >= 0 && b < 64) {  // blocks 0..63
-          const int i = b - 0;
-          // rank 1 step 0: piece 0 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[3], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 1: piece 1 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[4], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: piece 2 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[5], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 3: piece 3 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[6], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: piece 4 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[7], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 5: piece 5 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[8], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: piece 6 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[9], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 7: piece 7 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[10], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: piece 8 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[11], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 9: piece 9 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[12], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 10: piece 10 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[13], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 11: piece 11 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[14], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 12: piece 12 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[15], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 13: piece 13 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[16], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 14: piece 14 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[17], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 15: piece 15 to rank 2
-          tsgen::run_share<T, UNROLL>(steps_w3[18], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[3], b, 64);  // step 0: piece 0 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[4], b, 64);  // step 1: piece 1 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[5], b, 64);  // step 2: piece 2 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[6], b, 64);  // step 3: piece 3 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[7], b, 64);  // step 4: piece 4 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[8], b, 64);  // step 5: piece 5 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[9], b, 64);  // step 6: piece 6 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[10], b, 64);  // step 7: piece 7 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[11], b, 64);  // step 8: piece 8 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[12], b, 64);  // step 9: piece 9 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[13], b, 64);  // step 10: piece 10 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[14], b, 64);  // step 11: piece 11 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[15], b, 64);  // step 12: piece 12 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[16], b, 64);  // step 13: piece 13 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[17], b, 64);  // step 14: piece 14 to rank 2
+          TSGEN_RUN_SHARE(steps_w3[18], b, 64);  // step 15: piece 15 to rank 2
         }
         if (b >= 64 && b < 128) {  // blocks 64..127
-          const int i = b - 64;
-          // rank 1 step 16: local copy, piece 0
-          tsgen::run_share<T, UNROLL>(steps_w3[19], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 17: local copy, piece 1
-          tsgen::run_share<T, UNROLL>(steps_w3[20], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 18: local copy, piece 2
-          tsgen::run_share<T, UNROLL>(steps_w3[21], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 19: local copy, piece 3
-          tsgen::run_share<T, UNROLL>(steps_w3[22], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 20: local copy, piece 4
-          tsgen::run_share<T, UNROLL>(steps_w3[23], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 21: local copy, piece 5
-          tsgen::run_share<T, UNROLL>(steps_w3[24], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 22: local copy, piece 6
-          tsgen::run_share<T, UNROLL>(steps_w3[25], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 23: local copy, piece 7
-          tsgen::run_share<T, UNROLL>(steps_w3[26], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 24: local copy, piece 8
-          tsgen::run_share<T, UNROLL>(steps_w3[27], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 25: local copy, piece 9
-          tsgen::run_share<T, UNROLL>(steps_w3[28], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 26: local copy, piece 10
-          tsgen::run_share<T, UNROLL>(steps_w3[29], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 27: local copy, piece 11
-          tsgen::run_share<T, UNROLL>(steps_w3[30], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 28: local copy, piece 12
-          tsgen::run_share<T, UNROLL>(steps_w3[31], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 29: local copy, piece 13
-          tsgen::run_share<T, UNROLL>(steps_w3[32], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 30: local copy, piece 14
-          tsgen::run_share<T, UNROLL>(steps_w3[33], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 31: local copy, piece 15
-          tsgen::run_share<T, UNROLL>(steps_w3[34], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[19], b - 64, 64);  // step 16: local copy, piece 0
+          TSGEN_RUN_SHARE(steps_w3[20], b - 64, 64);  // step 17: local copy, piece 1
+          TSGEN_RUN_SHARE(steps_w3[21], b - 64, 64);  // step 18: local copy, piece 2
+          TSGEN_RUN_SHARE(steps_w3[22], b - 64, 64);  // step 19: local copy, piece 3
+          TSGEN_RUN_SHARE(steps_w3[23], b - 64, 64);  // step 20: local copy, piece 4
+          TSGEN_RUN_SHARE(steps_w3[24], b - 64, 64);  // step 21: local copy, piece 5
+          TSGEN_RUN_SHARE(steps_w3[25], b - 64, 64);  // step 22: local copy, piece 6
+          TSGEN_RUN_SHARE(steps_w3[26], b - 64, 64);  // step 23: local copy, piece 7
+          TSGEN_RUN_SHARE(steps_w3[27], b - 64, 64);  // step 24: local copy, piece 8
+          TSGEN_RUN_SHARE(steps_w3[28], b - 64, 64);  // step 25: local copy, piece 9
+          TSGEN_RUN_SHARE(steps_w3[29], b - 64, 64);  // step 26: local copy, piece 10
+          TSGEN_RUN_SHARE(steps_w3[30], b - 64, 64);  // step 27: local copy, piece 11
+          TSGEN_RUN_SHARE(steps_w3[31], b - 64, 64);  // step 28: local copy, piece 12
+          TSGEN_RUN_SHARE(steps_w3[32], b - 64, 64);  // step 29: local copy, piece 13
+          TSGEN_RUN_SHARE(steps_w3[33], b - 64, 64);  // step 30: local copy, piece 14
+          TSGEN_RUN_SHARE(steps_w3[34], b - 64, 64);  // step 31: local copy, piece 15
         }
         break;
       case 2:
         if (b >= 1 && b < 65) {  // blocks 1..64
-          const int i = b - 1;
-          // rank 2 step 1: piece 0 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[36], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 2: piece 1 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[37], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 3: piece 2 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[38], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 4: piece 3 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[39], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 5: piece 4 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[40], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 6: piece 5 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[41], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 7: piece 6 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[42], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 8: piece 7 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[43], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 9: piece 8 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[44], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 10: piece 9 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[45], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 11: piece 10 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[46], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 12: piece 11 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[47], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 13: piece 12 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[48], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 14: piece 13 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[49], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 15: piece 14 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[50], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 16: piece 15 to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w3[51], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[36], b - 1, 64);  // step 1: piece 0 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[37], b - 1, 64);  // step 2: piece 1 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[38], b - 1, 64);  // step 3: piece 2 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[39], b - 1, 64);  // step 4: piece 3 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[40], b - 1, 64);  // step 5: piece 4 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[41], b - 1, 64);  // step 6: piece 5 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[42], b - 1, 64);  // step 7: piece 6 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[43], b - 1, 64);  // step 8: piece 7 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[44], b - 1, 64);  // step 9: piece 8 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[45], b - 1, 64);  // step 10: piece 9 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[46], b - 1, 64);  // step 11: piece 10 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[47], b - 1, 64);  // step 12: piece 11 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[48], b - 1, 64);  // step 13: piece 12 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[49], b - 1, 64);  // step 14: piece 13 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[50], b - 1, 64);  // step 15: piece 14 to rank 0
+          TSGEN_RUN_SHARE(steps_w3[51], b - 1, 64);  // step 16: piece 15 to rank 0
         }
-        break;
-      default:
         break;
     }
   }
@@ -1199,17 +561,9 @@ template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x8u, index = 0; break;
-      case 2: mask = 0x2u, index = 2; break;
-      case 3: mask = 0x4u, index = 3; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x8u, index = 0; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x4u, index = 3; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
 };
@@ -1217,83 +571,42 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0x80u, index = 0; break;
-      case 2: mask = 0x2u, index = 2; break;
-      case 3: mask = 0x4u, index = 3; break;
-      case 4: mask = 0x8u, index = 4; break;
-      case 5: mask = 0x10u, index = 5; break;
-      case 6: mask = 0x20u, index = 6; break;
-      case 7: mask = 0x40u, index = 7; break;
-      default: break;
+      case 0: mask = 0x80u, index = 0; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x4u, index = 3; break; case 4: mask = 0x8u, index = 4; break; case 5: mask = 0x10u, index = 5; break;
+      case 6: mask = 0x20u, index = 6; break; case 7: mask = 0x40u, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 3: a small plan, run as straight-line code (plan<3>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<3>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)entry, (char*)arrive };
-  plan<3>::open(rank, bufs, peers);
-  plan<3>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace broadcast_ring
 
-// World size 2: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) broadcast_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) broadcast_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   broadcast_ring::run<2>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) broadcast_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) broadcast_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   broadcast_ring::run<3>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) broadcast_ring_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) broadcast_ring_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   broadcast_ring::run<4>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) broadcast_ring_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) broadcast_ring_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   broadcast_ring::run<8>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through broadcast_ring::launch.
-namespace broadcast_ring {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-}  // namespace broadcast_ring
-
-extern "C" cudaError_t broadcast_ring_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast_ring::launch<broadcast_ring_w2, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t broadcast_ring_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast_ring::launch<broadcast_ring_w3, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t broadcast_ring_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast_ring::launch<broadcast_ring_w4, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t broadcast_ring_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return broadcast_ring::launch<broadcast_ring_w8, 128, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t broadcast_ring_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<broadcast_ring_w2, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t broadcast_ring_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<broadcast_ring_w3, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t broadcast_ring_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<broadcast_ring_w4, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t broadcast_ring_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<broadcast_ring_w8, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }

@@ -23,7 +23,7 @@
 //   they have arrived (neighbour to neighbour).
 // One call: entry kernel (calls[0] -> epoch, FREE raised at peers) on `stream`; two copy
 // streams (A, B) wait for every peer's FREE, then walk this rank's part of the schedule
-// table below: [wait for an own panel to arrive,] cudaMemcpy(2D)Async into the peer's panel
+// table below: [wait for an own panel to arrive,] cudaMemcpy2DAsync (A) or cudaMemcpyAsync (B) into the peer's panel
 // (copy engine), a one-block kernel that raises the panel's READY signal at the peer.
 // Meanwhile ONE GEMM on `stream` (leaving 2 SMs free for those kernels) computes
 // c = a_pan . b_pan over all K in fp32 registers, walking the panels (i + j) mod q, ...; its
@@ -38,10 +38,10 @@
 //   b_pan    __nv_bfloat16  scratch 33554432
 //   sig      uint64_t       signal 80
 // Contents (line numbers of this file):
-//   56: the hand-written library, included: tsgen/ptx.cuh 56, tsgen/sync.cuh 57, tsgen/copy.cuh 58, tsgen/gemm.cuh 59, tsgen/grid.cuh 60
-//   65: the op's own code (namespace cannon: constants, tables, device code)
+//   55: the hand-written library, included: tsgen/ptx.cuh 55, tsgen/sync.cuh 56, tsgen/copy.cuh 57, tsgen/gemm.cuh 58, tsgen/grid.cuh 59
+//   62: the op's own code (namespace cannon: constants, tables, device code)
 //   entry points (extern "C"):
-//     cannon_w4_gemm 158, cannon_w4_sync 169, cannon_w4_prepare 176, cannon_w4_launch 186
+//     cannon_w4_gemm 155, cannon_w4_sync 166, cannon_w4_prepare 172, cannon_w4_launch 173
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -49,8 +49,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -59,9 +58,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/grid.cuh"
 
-// ---------------------------------------------------------------------------
-// cannon: cannon
-// ---------------------------------------------------------------------------
+// ---- cannon: cannon ----------------------------------------------------------------
 namespace cannon {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -171,71 +168,9 @@ cannon_w4_sync(char* const* peers, int rank, uint64_t* calls, uint64_t* sig, int
   tsgen::grid::sync_body<4>(peers, rank, calls, sig, mode, target, index);
 }
 
-// Rank `rank`'s GEMM shared-memory opt-in and side streams, made on `device` before any rank's
-// first call (the manifest's "prepare"; see tsgen::grid::lanes).
-extern "C" cudaError_t cannon_w4_prepare(int rank, int device) {
-  TSGEN_GRID_TRY(tsgen::prepare_on(4, rank, device));
-  int ctas;
-  TSGEN_GRID_TRY(tsgen::gemm::resident_ctas<cannon::Config<2>>(
-      reinterpret_cast<const void*>(cannon_w4_gemm), &ctas));
-  tsgen::grid::Lanes* l;
-  return tsgen::grid::lanes(rank, &l);
-}
-
-// Host launcher: see the top of this file.
+// Host: prepare and launcher (see the top of this file), tsgen::grid::prepare and launch (tsgen/grid.cuh).
+extern "C" cudaError_t cannon_w4_prepare(int rank, int device) { return tsgen::grid::prepare<cannon::Config<2>, 4, cannon_w4_gemm>(rank, device); }
 extern "C" cudaError_t cannon_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* a_pan, __nv_bfloat16* b_pan, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen::grid;
-  using C = cannon::Config<2>;
-  using E = C::Element;
-  constexpr int WORLD = 4;
-  if (count == 0) return cudaSuccess;
-  TSGEN_GRID_TRY(tsgen::use_device_of(calls));
-  if (count > tsgen::gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  const uint32_t rows = (uint32_t)count;
-  const tsgen::gemm::TensorMaps* maps;  // a_pan (rows x K), b_pan (K x N/q), c (rows x N/q)
-  TSGEN_GRID_TRY(tsgen::gemm::tensor_maps<C>(a_pan, b_pan, c, rows, &maps));
-  unsigned grid;
-  TSGEN_GRID_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(cannon_w4_gemm), rows,
-                                           cannon::RESERVE_SMS, &grid));
-  cannon_w4_sync<<<1, SYNC_THREADS, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, 0);
-  TSGEN_GRID_TRY(cudaGetLastError());
-  Lanes* l;
-  TSGEN_GRID_TRY(lanes(rank, &l));
-  TSGEN_GRID_TRY(cudaEventRecord(l->fork, stream));
-  for (int o = 0; o < 2; ++o) {
-    TSGEN_GRID_TRY(cudaStreamWaitEvent(l->copy[o], l->fork, 0));
-    cannon_w4_sync<<<1, SYNC_THREADS, 0, l->copy[o]>>>(peers, rank, calls, sig, WAIT_FREE, 0, 0);
-    TSGEN_GRID_TRY(cudaGetLastError());
-  }
-  for (const CopyStep& s : cannon::STEPS_W4[rank]) {
-    cudaStream_t lane = l->copy[s.operand];
-    const int ready = (s.operand == 0 ? A_READY : B_READY);
-    if (s.wait >= 0) {
-      cannon_w4_sync<<<1, SYNC_THREADS, 0, lane>>>(peers, rank, calls, sig, WAIT_READY, 0, ready + s.wait);
-      TSGEN_GRID_TRY(cudaGetLastError());
-    }
-    if (s.operand == 0) {  // rows x K/q columns into columns [slot K/q, ...) of the peer's a_pan
-      E* dst = host_peer_ptr(a_pan, peers_host, rank, s.dst) + (size_t)s.slot * C::KB;
-      const E* src = s.from_input ? a : a_pan + (size_t)s.slot * C::KB;
-      const size_t src_pitch = (s.from_input ? C::KB : C::K) * sizeof(E);
-      TSGEN_GRID_TRY(cudaMemcpy2DAsync(dst, C::K * sizeof(E), src, src_pitch, C::KB * sizeof(E), rows,
-                                       cudaMemcpyDefault, lane));
-    } else {  // K/q rows x N/q into rows [slot K/q, ...) of the peer's b_pan
-      const size_t panel = (size_t)C::KB * C::N;
-      E* dst = host_peer_ptr(b_pan, peers_host, rank, s.dst) + (size_t)s.slot * panel;
-      const E* src = s.from_input ? b : b_pan + (size_t)s.slot * panel;
-      TSGEN_GRID_TRY(cudaMemcpyAsync(dst, src, panel * sizeof(E), cudaMemcpyDefault, lane));
-    }
-    cannon_w4_sync<<<1, SYNC_THREADS, 0, lane>>>(peers, rank, calls, sig, SIGNAL, s.dst, ready + s.slot);
-    TSGEN_GRID_TRY(cudaGetLastError());
-  }
-  cannon_w4_gemm<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
-      maps->a, maps->b, maps->c, calls, sig, rank, count);
-  TSGEN_GRID_TRY(cudaGetLastError());
-  for (int o = 0; o < 2; ++o) {
-    TSGEN_GRID_TRY(cudaEventRecord(l->done[o], l->copy[o]));
-    TSGEN_GRID_TRY(cudaStreamWaitEvent(stream, l->done[o], 0));
-  }
-  return cudaSuccess;
+  return tsgen::grid::launch<cannon::Config<2>, 4, cannon::RESERVE_SMS, cannon_w4_gemm, cannon_w4_sync>(cannon::STEPS_W4, peers, peers_host, rank, calls, count, a, b, c, a_pan, b_pan, sig, stream);
 }
 

@@ -38,13 +38,13 @@
 //   v_full   __nv_bfloat16  scratch 1024 * world * count
 //   sig      uint64_t       signal 33
 // Contents (line numbers of this file):
-//   59: the hand-written library, included: tsgen/ptx.cuh 59, tsgen/sync.cuh 60, tsgen/copy.cuh 61, tsgen/gemm.cuh 62, tsgen/attention.cuh 63, tsgen/fused.cuh 64, tsgen/cp.cuh 65
-//   70: the op's own code (namespace cp_attention: constants, tables, device code)
+//   58: the hand-written library, included: tsgen/ptx.cuh 58, tsgen/sync.cuh 59, tsgen/copy.cuh 60, tsgen/gemm.cuh 61, tsgen/attention.cuh 62, tsgen/fused.cuh 63, tsgen/cp.cuh 64
+//   67: the op's own code (namespace cp_attention: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_attention 195, cp_attention_w2_sync 205, cp_attention_w4_sync 217
-//     cp_attention_w8_sync 229, cp_attention_w2_prepare 254, cp_attention_w2_launch 255
-//     cp_attention_w4_prepare 256, cp_attention_w4_launch 257, cp_attention_w8_prepare 258
-//     cp_attention_w8_launch 259
+//     cp_attention_attention 192, cp_attention_w2_sync 202, cp_attention_w4_sync 214
+//     cp_attention_w8_sync 226, cp_attention_w2_prepare 251, cp_attention_w2_launch 252
+//     cp_attention_w4_prepare 253, cp_attention_w4_launch 254, cp_attention_w8_prepare 255
+//     cp_attention_w8_launch 256
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -52,8 +52,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -64,9 +63,7 @@
 #include "tsgen/fused.cuh"
 #include "tsgen/cp.cuh"
 
-// ---------------------------------------------------------------------------
-// cp_attention: cp_attention
-// ---------------------------------------------------------------------------
+// ---- cp_attention: cp_attention ----------------------------------------------------------------
 namespace cp_attention {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

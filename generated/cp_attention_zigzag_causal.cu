@@ -39,14 +39,14 @@
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 33
 // Contents (line numbers of this file):
-//   61: the hand-written library, included: tsgen/ptx.cuh 61, tsgen/sync.cuh 62, tsgen/copy.cuh 63, tsgen/gemm.cuh 64, tsgen/attention.cuh 65, tsgen/fused.cuh 66, tsgen/cp.cuh 67
-//   72: the op's own code (namespace cp_attention_zigzag_causal: constants, tables, device code)
+//   60: the hand-written library, included: tsgen/ptx.cuh 60, tsgen/sync.cuh 61, tsgen/copy.cuh 62, tsgen/gemm.cuh 63, tsgen/attention.cuh 64, tsgen/fused.cuh 65, tsgen/cp.cuh 66
+//   69: the op's own code (namespace cp_attention_zigzag_causal: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_attention 197, cp_attention_zigzag_causal_w2_sync 207
-//     cp_attention_zigzag_causal_w4_sync 219, cp_attention_zigzag_causal_w8_sync 231
-//     cp_attention_zigzag_causal_w2_prepare 256, cp_attention_zigzag_causal_w2_launch 257
-//     cp_attention_zigzag_causal_w4_prepare 258, cp_attention_zigzag_causal_w4_launch 259
-//     cp_attention_zigzag_causal_w8_prepare 260, cp_attention_zigzag_causal_w8_launch 261
+//     cp_attention_zigzag_causal_attention 194, cp_attention_zigzag_causal_w2_sync 204
+//     cp_attention_zigzag_causal_w4_sync 216, cp_attention_zigzag_causal_w8_sync 228
+//     cp_attention_zigzag_causal_w2_prepare 253, cp_attention_zigzag_causal_w2_launch 254
+//     cp_attention_zigzag_causal_w4_prepare 255, cp_attention_zigzag_causal_w4_launch 256
+//     cp_attention_zigzag_causal_w8_prepare 257, cp_attention_zigzag_causal_w8_launch 258
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -54,8 +54,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -66,9 +65,7 @@
 #include "tsgen/fused.cuh"
 #include "tsgen/cp.cuh"
 
-// ---------------------------------------------------------------------------
-// cp_attention: cp_attention_zigzag_causal
-// ---------------------------------------------------------------------------
+// ---- cp_attention: cp_attention_zigzag_causal ----------------------------------------------------------------
 namespace cp_attention_zigzag_causal {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -38,16 +38,16 @@
 //   v_full   __nv_bfloat16  scratch 512 * world * count
 //   sig      uint64_t       signal 33
 // Contents (line numbers of this file):
-//   62: the hand-written library, included: tsgen/ptx.cuh 62, tsgen/sync.cuh 63, tsgen/copy.cuh 64, tsgen/gemm.cuh 65, tsgen/attention.cuh 66, tsgen/fused.cuh 67, tsgen/cp.cuh 68
-//   73: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
+//   61: the hand-written library, included: tsgen/ptx.cuh 61, tsgen/sync.cuh 62, tsgen/copy.cuh 63, tsgen/gemm.cuh 64, tsgen/attention.cuh 65, tsgen/fused.cuh 66, tsgen/cp.cuh 67
+//   70: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_sm_attention 198, cp_attention_zigzag_causal_sm_w2_sync 208
-//     cp_attention_zigzag_causal_sm_w2_push 218, cp_attention_zigzag_causal_sm_w4_sync 228
-//     cp_attention_zigzag_causal_sm_w4_push 238, cp_attention_zigzag_causal_sm_w8_sync 248
-//     cp_attention_zigzag_causal_sm_w8_push 258, cp_attention_zigzag_causal_sm_w2_prepare 281
-//     cp_attention_zigzag_causal_sm_w2_launch 282, cp_attention_zigzag_causal_sm_w4_prepare 283
-//     cp_attention_zigzag_causal_sm_w4_launch 284, cp_attention_zigzag_causal_sm_w8_prepare 285
-//     cp_attention_zigzag_causal_sm_w8_launch 286
+//     cp_attention_zigzag_causal_sm_attention 195, cp_attention_zigzag_causal_sm_w2_sync 205
+//     cp_attention_zigzag_causal_sm_w2_push 215, cp_attention_zigzag_causal_sm_w4_sync 225
+//     cp_attention_zigzag_causal_sm_w4_push 235, cp_attention_zigzag_causal_sm_w8_sync 245
+//     cp_attention_zigzag_causal_sm_w8_push 255, cp_attention_zigzag_causal_sm_w2_prepare 278
+//     cp_attention_zigzag_causal_sm_w2_launch 279, cp_attention_zigzag_causal_sm_w4_prepare 280
+//     cp_attention_zigzag_causal_sm_w4_launch 281, cp_attention_zigzag_causal_sm_w8_prepare 282
+//     cp_attention_zigzag_causal_sm_w8_launch 283
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -55,8 +55,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -67,9 +66,7 @@
 #include "tsgen/fused.cuh"
 #include "tsgen/cp.cuh"
 
-// ---------------------------------------------------------------------------
-// cp_attention: cp_attention_zigzag_causal_sm
-// ---------------------------------------------------------------------------
+// ---- cp_attention: cp_attention_zigzag_causal_sm ----------------------------------------------------------------
 namespace cp_attention_zigzag_causal_sm {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -26,10 +26,10 @@
 //   b        __nv_bfloat16  input  67108864
 //   c        __nv_bfloat16  output 8192 * count
 // Contents (line numbers of this file):
-//   44: the hand-written library, included: tsgen/ptx.cuh 44, tsgen/sync.cuh 45, tsgen/copy.cuh 46, tsgen/gemm.cuh 47
-//   52: the op's own code (namespace gemm_bf16: constants, tables, device code)
+//   43: the hand-written library, included: tsgen/ptx.cuh 43, tsgen/sync.cuh 44, tsgen/copy.cuh 45, tsgen/gemm.cuh 46
+//   49: the op's own code (namespace gemm_bf16: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_bf16_w1_kernel 130, gemm_bf16_w1_launch 137
+//     gemm_bf16_w1_kernel 127, gemm_bf16_w1_launch 134
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -37,8 +37,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -46,9 +45,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/gemm.cuh"
 
-// ---------------------------------------------------------------------------
-// gemm: gemm_bf16
-// ---------------------------------------------------------------------------
+// ---- gemm: gemm_bf16 ----------------------------------------------------------------
 namespace gemm_bf16 {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

@@ -31,14 +31,14 @@
 //   partial  __nv_bfloat16  scratch 8192 * world * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   53: the hand-written library, included: tsgen/ptx.cuh 53, tsgen/sync.cuh 54, tsgen/copy.cuh 55, tsgen/gemm.cuh 56, tsgen/fused.cuh 57
-//   62: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
+//   52: the hand-written library, included: tsgen/ptx.cuh 52, tsgen/sync.cuh 53, tsgen/copy.cuh 54, tsgen/gemm.cuh 55, tsgen/fused.cuh 56
+//   59: the op's own code (namespace gemm_reduce_scatter_plain: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_plain_w2_gemm 151, gemm_reduce_scatter_plain_w2_reduce 163
-//     gemm_reduce_scatter_plain_w2_sync 170, gemm_reduce_scatter_plain_w4_gemm 177
-//     gemm_reduce_scatter_plain_w4_reduce 189, gemm_reduce_scatter_plain_w4_sync 196
-//     gemm_reduce_scatter_plain_w2_prepare 266, gemm_reduce_scatter_plain_w2_launch 267
-//     gemm_reduce_scatter_plain_w4_prepare 268, gemm_reduce_scatter_plain_w4_launch 269
+//     gemm_reduce_scatter_plain_w2_gemm 156, gemm_reduce_scatter_plain_w2_reduce 168
+//     gemm_reduce_scatter_plain_w2_sync 175, gemm_reduce_scatter_plain_w4_gemm 182
+//     gemm_reduce_scatter_plain_w4_reduce 194, gemm_reduce_scatter_plain_w4_sync 201
+//     gemm_reduce_scatter_plain_w2_prepare 208, gemm_reduce_scatter_plain_w2_launch 209
+//     gemm_reduce_scatter_plain_w4_prepare 210, gemm_reduce_scatter_plain_w4_launch 211
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -46,8 +46,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -56,9 +55,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/fused.cuh"
 
-// ---------------------------------------------------------------------------
-// gemm_reduce_scatter: gemm_reduce_scatter_plain
-// ---------------------------------------------------------------------------
+// ---- gemm_reduce_scatter: gemm_reduce_scatter_plain ----------------------------------------------------------------
 namespace gemm_reduce_scatter_plain {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -144,6 +141,14 @@ constexpr int RESERVE_SMS = 0;
 // is more than half an SM's), clusters of 2 so that its CTAs take whole cluster slots
 constexpr int REDUCE_THREADS = 512, REDUCE_UNROLL = 4, REDUCE_SMEM = 128 * 1024;
 
+// What the host launcher and prepare take from the spec (tsgen::fused::gemm_reduce_scatter_launch).
+struct Host {
+  static constexpr tsgen::fused::ScatterMode MODE = tsgen::fused::ScatterMode::PLAIN;
+  static constexpr int RESERVE_SMS = gemm_reduce_scatter_plain::RESERVE_SMS;
+  static constexpr int FULL_GRID = (BLOCKS + 1) / 2 * 2;  // the reduce's grid: every SM (whole clusters)
+  static constexpr int REDUCE_THREADS = gemm_reduce_scatter_plain::REDUCE_THREADS, REDUCE_SMEM = gemm_reduce_scatter_plain::REDUCE_SMEM;
+};
+
 }  // namespace gemm_reduce_scatter_plain
 
 // ---- world size 2 ----
@@ -198,72 +203,9 @@ gemm_reduce_scatter_plain_w4_sync(char* const* peers, int rank, uint64_t* calls,
   tsgen::fused::sync_body<4>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher (see the top of this file): world size WORLD's GEMM, REDUCE and SYNC kernels;
-// the extern "C" NAME_wW_launch below are its instances.
-namespace gemm_reduce_scatter_plain {
-template <int WORLD, auto GEMM, auto REDUCE, auto SYNC>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen::fused;
-  using C = Config<WORLD>;
-  if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
-  if (count > tsgen::gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  const uint32_t rows = (uint32_t)count;  // per batch (row block)
-  // tensor maps: A (3-D: column, row, block), B (K/world x N), partial (3-D)
-  thread_local MapCache<3> cache;
-  const void* const key[6] = {a, b, partial, (const void*)(uintptr_t)count, nullptr, nullptr};
-  auto* maps = cache.find(key);
-  if (!maps) {
-    maps = cache.slot(key);
-    using L = tsgen::gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen::gemm::tensor_map_dtype<typename C::Element>();
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[1], dtype, b, C::K, C::N, C::TILE_K));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[2], dtype, partial, rows, C::N, 64, WORLD, true));
-    maps->valid = true;
-  }
-  static bool reduce_ready[64];  // per device: the reduce kernel's shared-memory opt-in
-  int dev = 0;
-  TSGEN_FUSED_TRY(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-  if (!reduce_ready[dev]) {
-    TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         gemm_reduce_scatter_plain::REDUCE_SMEM));
-    reduce_ready[dev] = true;
-  }
-  unsigned grid;
-  TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows,
-                                            gemm_reduce_scatter_plain::RESERVE_SMS, &grid));
-  constexpr unsigned FULL = (gemm_reduce_scatter_plain::BLOCKS + 1) / 2 * 2;  // every SM (whole clusters)
-  constexpr int T = gemm_reduce_scatter_plain::REDUCE_THREADS, SMEM = gemm_reduce_scatter_plain::REDUCE_SMEM;
-  // the entry: calls[0] -> this call's epoch, FREE raised at every peer
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_FREE, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
-      maps->maps[0], maps->maps[1], maps->maps[2], peers, calls, sig, rank, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, SIGNAL_ALL, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  REDUCE<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, nullptr, c, count, PULL_ALL);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  return cudaSuccess;
-}
-
-// Rank `rank`'s GEMM and reduce shared-memory opt-in, made on `device`
-// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
-template <int WORLD, auto GEMM, auto REDUCE>
-static cudaError_t prepare(int rank, int device) {
-  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, false));
-  int ctas;
-  TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
-  TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, REDUCE_SMEM));
-  return cudaSuccess;
-}
-}  // namespace gemm_reduce_scatter_plain
-
-extern "C" cudaError_t gemm_reduce_scatter_plain_w2_prepare(int rank, int device) { return gemm_reduce_scatter_plain::prepare<2, gemm_reduce_scatter_plain_w2_gemm, gemm_reduce_scatter_plain_w2_reduce>(rank, device); }
-extern "C" cudaError_t gemm_reduce_scatter_plain_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_plain::launch<2, gemm_reduce_scatter_plain_w2_gemm, gemm_reduce_scatter_plain_w2_reduce, gemm_reduce_scatter_plain_w2_sync>(peers, rank, calls, count, a, b, c, partial, sig, stream); }
-extern "C" cudaError_t gemm_reduce_scatter_plain_w4_prepare(int rank, int device) { return gemm_reduce_scatter_plain::prepare<4, gemm_reduce_scatter_plain_w4_gemm, gemm_reduce_scatter_plain_w4_reduce>(rank, device); }
-extern "C" cudaError_t gemm_reduce_scatter_plain_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_plain::launch<4, gemm_reduce_scatter_plain_w4_gemm, gemm_reduce_scatter_plain_w4_reduce, gemm_reduce_scatter_plain_w4_sync>(peers, rank, calls, count, a, b, c, partial, sig, stream); }
+// Host launcher and prepare (see the top of this file): tsgen::fused::gemm_reduce_scatter_launch and
+// _prepare (tsgen/fused.cuh) with this op's Host constants; the extern "C" NAME_wW_* below are their instances.
+extern "C" cudaError_t gemm_reduce_scatter_plain_w2_prepare(int rank, int device) { return tsgen::fused::gemm_reduce_scatter_prepare<gemm_reduce_scatter_plain::Host, gemm_reduce_scatter_plain::Config<2>, 2, gemm_reduce_scatter_plain_w2_gemm, gemm_reduce_scatter_plain_w2_reduce>(rank, device); }
+extern "C" cudaError_t gemm_reduce_scatter_plain_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) { return tsgen::fused::gemm_reduce_scatter_launch<gemm_reduce_scatter_plain::Host, gemm_reduce_scatter_plain::Config<2>, 2, gemm_reduce_scatter_plain_w2_gemm, gemm_reduce_scatter_plain_w2_reduce, gemm_reduce_scatter_plain_w2_sync>(peers, nullptr, rank, calls, count, a, b, c, partial, nullptr, sig, stream); }
+extern "C" cudaError_t gemm_reduce_scatter_plain_w4_prepare(int rank, int device) { return tsgen::fused::gemm_reduce_scatter_prepare<gemm_reduce_scatter_plain::Host, gemm_reduce_scatter_plain::Config<4>, 4, gemm_reduce_scatter_plain_w4_gemm, gemm_reduce_scatter_plain_w4_reduce>(rank, device); }
+extern "C" cudaError_t gemm_reduce_scatter_plain_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, __nv_bfloat16* partial, uint64_t* sig, cudaStream_t stream) { return tsgen::fused::gemm_reduce_scatter_launch<gemm_reduce_scatter_plain::Host, gemm_reduce_scatter_plain::Config<4>, 4, gemm_reduce_scatter_plain_w4_gemm, gemm_reduce_scatter_plain_w4_reduce, gemm_reduce_scatter_plain_w4_sync>(peers, nullptr, rank, calls, count, a, b, c, partial, nullptr, sig, stream); }

@@ -35,13 +35,13 @@
 //   c        __nv_bfloat16  output 8192 * count
 //   sig      uint64_t       signal 26
 // Contents (line numbers of this file):
-//   56: the hand-written library, included: tsgen/ptx.cuh 56, tsgen/sync.cuh 57, tsgen/copy.cuh 58, tsgen/gemm.cuh 59, tsgen/fused.cuh 60
-//   65: the op's own code (namespace gemm_reduce_scatter_push_add: constants, tables, device code)
+//   55: the hand-written library, included: tsgen/ptx.cuh 55, tsgen/sync.cuh 56, tsgen/copy.cuh 57, tsgen/gemm.cuh 58, tsgen/fused.cuh 59
+//   62: the op's own code (namespace gemm_reduce_scatter_push_add: constants, tables, device code)
 //   entry points (extern "C"):
-//     gemm_reduce_scatter_push_add_w2_gemm 155, gemm_reduce_scatter_push_add_w2_sync 167
-//     gemm_reduce_scatter_push_add_w4_gemm 174, gemm_reduce_scatter_push_add_w4_sync 186
-//     gemm_reduce_scatter_push_add_w2_prepare 246, gemm_reduce_scatter_push_add_w2_launch 247
-//     gemm_reduce_scatter_push_add_w4_prepare 248, gemm_reduce_scatter_push_add_w4_launch 249
+//     gemm_reduce_scatter_push_add_w2_gemm 160, gemm_reduce_scatter_push_add_w2_sync 172
+//     gemm_reduce_scatter_push_add_w4_gemm 179, gemm_reduce_scatter_push_add_w4_sync 191
+//     gemm_reduce_scatter_push_add_w2_prepare 198, gemm_reduce_scatter_push_add_w2_launch 199
+//     gemm_reduce_scatter_push_add_w4_prepare 200, gemm_reduce_scatter_push_add_w4_launch 201
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -49,8 +49,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -59,9 +58,7 @@
 #include "tsgen/gemm.cuh"
 #include "tsgen/fused.cuh"
 
-// ---------------------------------------------------------------------------
-// gemm_reduce_scatter: gemm_reduce_scatter_push_add
-// ---------------------------------------------------------------------------
+// ---- gemm_reduce_scatter: gemm_reduce_scatter_push_add ----------------------------------------------------------------
 namespace gemm_reduce_scatter_push_add {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -148,6 +145,14 @@ constexpr int RESERVE_SMS = 0;
 // is more than half an SM's), clusters of 2 so that its CTAs take whole cluster slots
 constexpr int REDUCE_THREADS = 512, REDUCE_UNROLL = 4, REDUCE_SMEM = 128 * 1024;
 
+// What the host launcher and prepare take from the spec (tsgen::fused::gemm_reduce_scatter_launch).
+struct Host {
+  static constexpr tsgen::fused::ScatterMode MODE = tsgen::fused::ScatterMode::PUSH_ADD;
+  static constexpr int RESERVE_SMS = gemm_reduce_scatter_push_add::RESERVE_SMS;
+  static constexpr int FULL_GRID = (BLOCKS + 1) / 2 * 2;  // the reduce's grid: every SM (whole clusters)
+  static constexpr int REDUCE_THREADS = gemm_reduce_scatter_push_add::REDUCE_THREADS, REDUCE_SMEM = gemm_reduce_scatter_push_add::REDUCE_SMEM;
+};
+
 }  // namespace gemm_reduce_scatter_push_add
 
 // ---- world size 2 ----
@@ -188,62 +193,9 @@ gemm_reduce_scatter_push_add_w4_sync(char* const* peers, int rank, uint64_t* cal
   tsgen::fused::sync_body<4>(peers, rank, calls, sig, mode, target);
 }
 
-// Host launcher (see the top of this file): world size WORLD's GEMM, REDUCE and SYNC kernels;
-// the extern "C" NAME_wW_launch below are its instances.
-namespace gemm_reduce_scatter_push_add {
-template <int WORLD, auto GEMM, auto REDUCE, auto SYNC>
-static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, uint64_t* sig, cudaStream_t stream) {
-  using namespace tsgen::fused;
-  using C = Config<WORLD>;
-  if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
-  if (count > tsgen::gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  const uint32_t rows = (uint32_t)count;  // per batch (row block)
-  // tensor maps: A (3-D: column, row, block), B (K/world x N), every owner q's c (3-D,
-  // as this process addresses it; the cache key names the peer table it came from)
-  thread_local MapCache<2 + WORLD> cache;
-  const void* const key[6] = {a, b, c, (const void*)(uintptr_t)count, peers_host,
-                              peers_host[(rank + 1) % WORLD]};
-  auto* maps = cache.find(key);
-  if (!maps) {
-    maps = cache.slot(key);
-    using L = tsgen::gemm::Layout<C>;
-    constexpr CUtensorMapDataType dtype = tsgen::gemm::tensor_map_dtype<typename C::Element>();
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[1], dtype, b, C::K, C::N, C::TILE_K));
-    for (int q = 0; q < WORLD; ++q)  // q's c: count x N, one batch
-      TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[2 + q], dtype, host_peer_ptr(c, peers_host, rank, q),
-                                                 rows, C::N, 64, 1, true));
-    maps->valid = true;
-  }
-  unsigned grid;
-  TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows,
-                                            gemm_reduce_scatter_push_add::RESERVE_SMS, &grid));
-  // the entry: calls[0] -> this call's epoch (FREE: once the GEMM has zeroed our c)
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, BEGIN, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  PushMaps<WORLD> push;
-  for (int q = 0; q < WORLD; ++q) push.to[q] = maps->maps[2 + q];
-  GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
-      maps->maps[0], maps->maps[1], push, peers, calls, sig, rank, count, c);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_READY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
-  return cudaSuccess;
-}
-
-// Rank `rank`'s GEMM shared-memory opt-in, made on `device`
-// before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
-template <int WORLD, auto GEMM, auto REDUCE>
-static cudaError_t prepare(int rank, int device) {
-  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(WORLD, rank, device, false));
-  int ctas;
-  TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<Config<WORLD>>(reinterpret_cast<const void*>(GEMM), &ctas));
-  return cudaSuccess;
-}
-}  // namespace gemm_reduce_scatter_push_add
-
-extern "C" cudaError_t gemm_reduce_scatter_push_add_w2_prepare(int rank, int device) { return gemm_reduce_scatter_push_add::prepare<2, gemm_reduce_scatter_push_add_w2_gemm, nullptr>(rank, device); }
-extern "C" cudaError_t gemm_reduce_scatter_push_add_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_push_add::launch<2, gemm_reduce_scatter_push_add_w2_gemm, nullptr, gemm_reduce_scatter_push_add_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, sig, stream); }
-extern "C" cudaError_t gemm_reduce_scatter_push_add_w4_prepare(int rank, int device) { return gemm_reduce_scatter_push_add::prepare<4, gemm_reduce_scatter_push_add_w4_gemm, nullptr>(rank, device); }
-extern "C" cudaError_t gemm_reduce_scatter_push_add_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, uint64_t* sig, cudaStream_t stream) { return gemm_reduce_scatter_push_add::launch<4, gemm_reduce_scatter_push_add_w4_gemm, nullptr, gemm_reduce_scatter_push_add_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, sig, stream); }
+// Host launcher and prepare (see the top of this file): tsgen::fused::gemm_reduce_scatter_launch and
+// _prepare (tsgen/fused.cuh) with this op's Host constants; the extern "C" NAME_wW_* below are their instances.
+extern "C" cudaError_t gemm_reduce_scatter_push_add_w2_prepare(int rank, int device) { return tsgen::fused::gemm_reduce_scatter_prepare<gemm_reduce_scatter_push_add::Host, gemm_reduce_scatter_push_add::Config<2>, 2, gemm_reduce_scatter_push_add_w2_gemm, nullptr>(rank, device); }
+extern "C" cudaError_t gemm_reduce_scatter_push_add_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, uint64_t* sig, cudaStream_t stream) { return tsgen::fused::gemm_reduce_scatter_launch<gemm_reduce_scatter_push_add::Host, gemm_reduce_scatter_push_add::Config<2>, 2, gemm_reduce_scatter_push_add_w2_gemm, nullptr, gemm_reduce_scatter_push_add_w2_sync>(peers, peers_host, rank, calls, count, a, b, c, nullptr, nullptr, sig, stream); }
+extern "C" cudaError_t gemm_reduce_scatter_push_add_w4_prepare(int rank, int device) { return tsgen::fused::gemm_reduce_scatter_prepare<gemm_reduce_scatter_push_add::Host, gemm_reduce_scatter_push_add::Config<4>, 4, gemm_reduce_scatter_push_add_w4_gemm, nullptr>(rank, device); }
+extern "C" cudaError_t gemm_reduce_scatter_push_add_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* c, uint64_t* sig, cudaStream_t stream) { return tsgen::fused::gemm_reduce_scatter_launch<gemm_reduce_scatter_push_add::Host, gemm_reduce_scatter_push_add::Config<4>, 4, gemm_reduce_scatter_push_add_w4_gemm, nullptr, gemm_reduce_scatter_push_add_w4_sync>(peers, peers_host, rank, calls, count, a, b, c, nullptr, nullptr, sig, stream); }

@@ -13,12 +13,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in tokens; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in tokens; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   x        __nv_bfloat16  input  2048 * count
@@ -35,13 +33,13 @@
 //   sig      uint64_t       signal 24
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
-//   56: the hand-written library, included: tsgen/ptx.cuh 56, tsgen/sync.cuh 57, tsgen/copy.cuh 58, tsgen/moe.cuh 59
-//   64: the op's own code (namespace moe: constants, tables, device code)
+//   53: the hand-written library, included: tsgen/ptx.cuh 53, tsgen/sync.cuh 54, tsgen/copy.cuh 55, tsgen/moe.cuh 56
+//   59: the op's own code (namespace moe: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_w2_dispatch 135, moe_w2_combine 143, moe_w2_dispatch_launch 151, moe_w2_combine_launch 160
-//     moe_w2_launch 173, moe_w4_dispatch 180, moe_w4_combine 188, moe_w4_dispatch_launch 196
-//     moe_w4_combine_launch 205, moe_w4_launch 218, moe_w8_dispatch 225, moe_w8_combine 233
-//     moe_w8_dispatch_launch 241, moe_w8_combine_launch 250, moe_w8_launch 263
+//     moe_w2_dispatch 130, moe_w2_combine 138, moe_w2_dispatch_launch 146, moe_w2_combine_launch 155
+//     moe_w2_launch 168, moe_w4_dispatch 175, moe_w4_combine 183, moe_w4_dispatch_launch 191
+//     moe_w4_combine_launch 200, moe_w4_launch 213, moe_w8_dispatch 220, moe_w8_combine 228
+//     moe_w8_dispatch_launch 236, moe_w8_combine_launch 245, moe_w8_launch 258
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -49,8 +47,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -58,9 +55,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/moe.cuh"
 
-// ---------------------------------------------------------------------------
-// moe: moe
-// ---------------------------------------------------------------------------
+// ---- moe: moe ----------------------------------------------------------------
 namespace moe {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

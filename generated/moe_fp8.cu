@@ -12,12 +12,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in tokens; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in tokens; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   x        __nv_bfloat16  input  2048 * count
@@ -36,15 +34,15 @@
 //   sig      uint64_t       signal 24
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
-//   59: the hand-written library, included: tsgen/ptx.cuh 59, tsgen/sync.cuh 60, tsgen/copy.cuh 61, tsgen/moe.cuh 62
-//   67: the op's own code (namespace moe_fp8: constants, tables, device code)
+//   56: the hand-written library, included: tsgen/ptx.cuh 56, tsgen/sync.cuh 57, tsgen/copy.cuh 58, tsgen/moe.cuh 59
+//   62: the op's own code (namespace moe_fp8: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_fp8_w2_dispatch 140, moe_fp8_w2_combine 148, moe_fp8_w2_dequantize 156
-//     moe_fp8_w2_dispatch_launch 161, moe_fp8_w2_combine_launch 170, moe_fp8_w2_launch 183
-//     moe_fp8_w4_dispatch 194, moe_fp8_w4_combine 202, moe_fp8_w4_dequantize 210
-//     moe_fp8_w4_dispatch_launch 215, moe_fp8_w4_combine_launch 224, moe_fp8_w4_launch 237
-//     moe_fp8_w8_dispatch 248, moe_fp8_w8_combine 256, moe_fp8_w8_dequantize 264
-//     moe_fp8_w8_dispatch_launch 269, moe_fp8_w8_combine_launch 278, moe_fp8_w8_launch 291
+//     moe_fp8_w2_dispatch 135, moe_fp8_w2_combine 143, moe_fp8_w2_dequantize 151
+//     moe_fp8_w2_dispatch_launch 156, moe_fp8_w2_combine_launch 165, moe_fp8_w2_launch 178
+//     moe_fp8_w4_dispatch 189, moe_fp8_w4_combine 197, moe_fp8_w4_dequantize 205
+//     moe_fp8_w4_dispatch_launch 210, moe_fp8_w4_combine_launch 219, moe_fp8_w4_launch 232
+//     moe_fp8_w8_dispatch 243, moe_fp8_w8_combine 251, moe_fp8_w8_dequantize 259
+//     moe_fp8_w8_dispatch_launch 264, moe_fp8_w8_combine_launch 273, moe_fp8_w8_launch 286
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -52,8 +50,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -61,9 +58,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/moe.cuh"
 
-// ---------------------------------------------------------------------------
-// moe: moe_fp8
-// ---------------------------------------------------------------------------
+// ---- moe: moe_fp8 ----------------------------------------------------------------
 namespace moe_fp8 {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 

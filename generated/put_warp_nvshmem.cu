@@ -11,22 +11,20 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in bytes; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in bytes; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      uint8_t        input  count
 //   dst      uint8_t        output count
 // Contents (line numbers of this file):
-//   41: the hand-written library, included: tsgen/ptx.cuh 41, tsgen/sync.cuh 42, tsgen/copy.cuh 43, tsgen/nvshmem.cuh 44
-//   49: the op's own code (namespace put_warp_nvshmem: constants, tables, device code)
+//   38: the hand-written library, included: tsgen/ptx.cuh 38, tsgen/sync.cuh 39, tsgen/copy.cuh 40, tsgen/nvshmem.cuh 41
+//   44: the op's own code (namespace put_warp_nvshmem: constants, tables, device code)
 //   entry points (extern "C"):
-//     put_warp_nvshmem_w2 80, put_warp_nvshmem_w3 87, put_warp_nvshmem_w4 94, put_warp_nvshmem_w2_launch 110
-//     put_warp_nvshmem_w3_launch 111, put_warp_nvshmem_w4_launch 112
+//     put_warp_nvshmem_w2 74, put_warp_nvshmem_w3 79, put_warp_nvshmem_w4 84, put_warp_nvshmem_w2_launch 92
+//     put_warp_nvshmem_w3_launch 93, put_warp_nvshmem_w4_launch 94
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -34,8 +32,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -43,9 +40,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/nvshmem.cuh"
 
-// ---------------------------------------------------------------------------
-// put_warp: put_warp_nvshmem
-// ---------------------------------------------------------------------------
+// ---- put_warp: put_warp_nvshmem ----------------------------------------------------------------
 namespace put_warp_nvshmem {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -76,37 +71,24 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace put_warp_nvshmem
 
-// World size 2: grid 132, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) put_warp_nvshmem_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst) {
+extern "C" __global__ void __launch_bounds__(512) put_warp_nvshmem_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst) {  // grid 132, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   put_warp_nvshmem::run<2>(peers, rank, epoch, count, src, dst);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 132, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) put_warp_nvshmem_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst) {
+extern "C" __global__ void __launch_bounds__(512) put_warp_nvshmem_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst) {  // grid 132, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   put_warp_nvshmem::run<3>(peers, rank, epoch, count, src, dst);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 132, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) put_warp_nvshmem_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst) {
+extern "C" __global__ void __launch_bounds__(512) put_warp_nvshmem_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst) {  // grid 132, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   put_warp_nvshmem::run<4>(peers, rank, epoch, count, src, dst);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through put_warp_nvshmem::launch.
-namespace put_warp_nvshmem {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst);
-  return cudaGetLastError();
-}
-}  // namespace put_warp_nvshmem
-
-extern "C" cudaError_t put_warp_nvshmem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) { return put_warp_nvshmem::launch<put_warp_nvshmem_w2, 132, 512, 0>(peers, rank, calls, count, src, dst, stream); }
-extern "C" cudaError_t put_warp_nvshmem_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) { return put_warp_nvshmem::launch<put_warp_nvshmem_w3, 132, 512, 0>(peers, rank, calls, count, src, dst, stream); }
-extern "C" cudaError_t put_warp_nvshmem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) { return put_warp_nvshmem::launch<put_warp_nvshmem_w4, 132, 512, 0>(peers, rank, calls, count, src, dst, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t put_warp_nvshmem_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) { return tsgen::launch<put_warp_nvshmem_w2, 132, 512, 0>(stream, peers, rank, calls, count, src, dst); }
+extern "C" cudaError_t put_warp_nvshmem_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) { return tsgen::launch<put_warp_nvshmem_w3, 132, 512, 0>(stream, peers, rank, calls, count, src, dst); }
+extern "C" cudaError_t put_warp_nvshmem_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint8_t* src, uint8_t* dst, cudaStream_t stream) { return tsgen::launch<put_warp_nvshmem_w4, 132, 512, 0>(stream, peers, rank, calls, count, src, dst); }

@@ -12,12 +12,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  world * count
@@ -26,16 +24,16 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 32
 // Contents (line numbers of this file):
-//   55: the hand-written library, included: tsgen/ptx.cuh 55, tsgen/sync.cuh 56, tsgen/copy.cuh 57, tsgen/plan.cuh 58, tsgen/ce.cuh 59
-//   64: the op's own code (namespace reduce_scatter_ce: constants, tables, device code)
+//   52: the hand-written library, included: tsgen/ptx.cuh 52, tsgen/sync.cuh 53, tsgen/copy.cuh 54, tsgen/plan.cuh 55, tsgen/ce.cuh 56
+//   59: the op's own code (namespace reduce_scatter_ce: constants, tables, device code)
 //   entry points (extern "C"):
-//     reduce_scatter_ce_w2_sync 1024, reduce_scatter_ce_w2_reduce 1029, reduce_scatter_ce_w2_end 1036
-//     reduce_scatter_ce_w2_prepare 1042, reduce_scatter_ce_w2_launch 1051, reduce_scatter_ce_w3_sync 1127
-//     reduce_scatter_ce_w3_reduce 1132, reduce_scatter_ce_w3_end 1139, reduce_scatter_ce_w3_prepare 1145
-//     reduce_scatter_ce_w3_launch 1154, reduce_scatter_ce_w4_sync 1277, reduce_scatter_ce_w4_reduce 1282
-//     reduce_scatter_ce_w4_end 1289, reduce_scatter_ce_w4_prepare 1295, reduce_scatter_ce_w4_launch 1304
-//     reduce_scatter_ce_w8_sync 1492, reduce_scatter_ce_w8_reduce 1497, reduce_scatter_ce_w8_end 1504
-//     reduce_scatter_ce_w8_prepare 1510, reduce_scatter_ce_w8_launch 1519
+//     reduce_scatter_ce_w2_sync 584, reduce_scatter_ce_w2_reduce 589, reduce_scatter_ce_w2_end 596
+//     reduce_scatter_ce_w2_prepare 601, reduce_scatter_ce_w2_launch 605, reduce_scatter_ce_w3_sync 658
+//     reduce_scatter_ce_w3_reduce 663, reduce_scatter_ce_w3_end 670, reduce_scatter_ce_w3_prepare 675
+//     reduce_scatter_ce_w3_launch 679, reduce_scatter_ce_w4_sync 779, reduce_scatter_ce_w4_reduce 784
+//     reduce_scatter_ce_w4_end 791, reduce_scatter_ce_w4_prepare 796, reduce_scatter_ce_w4_launch 800
+//     reduce_scatter_ce_w8_sync 965, reduce_scatter_ce_w8_reduce 970, reduce_scatter_ce_w8_end 977
+//     reduce_scatter_ce_w8_prepare 982, reduce_scatter_ce_w8_launch 986
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -43,8 +41,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -58,9 +55,7 @@
 #include "tsgen/plan.cuh"
 #include "tsgen/ce.cuh"
 
-// ---------------------------------------------------------------------------
-// reduce_scatter: reduce_scatter_ce
-// ---------------------------------------------------------------------------
+// ---- reduce_scatter: reduce_scatter_ce ----------------------------------------------------------------
 namespace reduce_scatter_ce {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -70,17 +65,9 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: inbox
-//   4: entry
-//   5: arrive
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 // One call = the plan's steps spread over streams (the schedule's blocks):
 // copies are cudaMemcpyAsync, reductions run reduce<>, and sync<> raises the
@@ -97,893 +84,467 @@ static __device__ __forceinline__ void reduce(char* const* peers, int rank, uint
   tsgen::ce::reduce<T, (UNROLL > 2 ? UNROLL / 2 : 1)>(plan<WORLD>::steps(rank)[step], rank, count, bufs, peers);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 18 steps, 18 block shares over 3 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 18 steps, 18 block shares over 3 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/4] = r0:src@1[0/4]; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/4] = r0:src@1[1/4]; signal r1:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/4] = r0:src@1[2/4]; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/4] = r0:src@1[3/4]; signal r1:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: reduce piece 0; wait arrive[4]; r0:dst@0[0/4] = r0:src@0[0/4] + r0:inbox@1[0/4]
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {0, 3, 0, 4, 1, 0}}, {}, {{5, 0, 4, 1}}, {}},
-    // rank 0 step 6: reduce piece 1; wait arrive[5]; r0:dst@0[1/4] = r0:src@0[1/4] + r0:inbox@1[1/4]
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}, {0, 3, 0, 4, 1, 1}}, {}, {{5, 0, 5, 1}}, {}},
-    // rank 0 step 7: reduce piece 2; wait arrive[6]; r0:dst@0[2/4] = r0:src@0[2/4] + r0:inbox@1[2/4]
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}, {0, 3, 0, 4, 1, 2}}, {}, {{5, 0, 6, 1}}, {}},
-    // rank 0 step 8: reduce piece 3; wait arrive[7]; r0:dst@0[3/4] = r0:src@0[3/4] + r0:inbox@1[3/4]
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}, {0, 3, 0, 4, 1, 3}}, {}, {{5, 0, 7, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 1 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 1 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 1 step 5: reduce piece 0; wait arrive[0]; r1:dst@0[0/4] = r1:src@1[0/4] + r1:inbox@0[0/4]
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 4, 0, 0}, {{1, 1, 1, 4, 1, 0}, {1, 3, 0, 4, 0, 0}}, {}, {{5, 0, 0, 1}}, {}},
-    // rank 1 step 6: reduce piece 1; wait arrive[1]; r1:dst@0[1/4] = r1:src@1[1/4] + r1:inbox@0[1/4]
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 4, 0, 1}, {{1, 1, 1, 4, 1, 1}, {1, 3, 0, 4, 0, 1}}, {}, {{5, 0, 1, 1}}, {}},
-    // rank 1 step 7: reduce piece 2; wait arrive[2]; r1:dst@0[2/4] = r1:src@1[2/4] + r1:inbox@0[2/4]
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 4, 0, 2}, {{1, 1, 1, 4, 1, 2}, {1, 3, 0, 4, 0, 2}}, {}, {{5, 0, 2, 1}}, {}},
-    // rank 1 step 8: reduce piece 3; wait arrive[3]; r1:dst@0[3/4] = r1:src@1[3/4] + r1:inbox@0[3/4]
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 1, 3}, {1, 3, 0, 4, 0, 3}}, {}, {{5, 0, 3, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/4] = r0:src@1[0/4]; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/4] = r0:src@1[1/4]; signal r1:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/4] = r0:src@1[2/4]; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/4] = r0:src@1[3/4]; signal r1:arrive[3]
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {0, 3, 0, 4, 1, 0}}, {}, {{5, 0, 4, 1}}, {}},  // rank 0 step 5: reduce piece 0; wait arrive[4]; r0:dst@0[0/4] = r0:src@0[0/4] + r0:inbox@1[0/4]
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}, {0, 3, 0, 4, 1, 1}}, {}, {{5, 0, 5, 1}}, {}},  // rank 0 step 6: reduce piece 1; wait arrive[5]; r0:dst@0[1/4] = r0:src@0[1/4] + r0:inbox@1[1/4]
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}, {0, 3, 0, 4, 1, 2}}, {}, {{5, 0, 6, 1}}, {}},  // rank 0 step 7: reduce piece 2; wait arrive[6]; r0:dst@0[2/4] = r0:src@0[2/4] + r0:inbox@1[2/4]
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}, {0, 3, 0, 4, 1, 3}}, {}, {{5, 0, 7, 1}}, {}},  // rank 0 step 8: reduce piece 3; wait arrive[7]; r0:dst@0[3/4] = r0:src@0[3/4] + r0:inbox@1[3/4]
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 1 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 1 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 4, 0, 0}, {{1, 1, 1, 4, 1, 0}, {1, 3, 0, 4, 0, 0}}, {}, {{5, 0, 0, 1}}, {}},  // rank 1 step 5: reduce piece 0; wait arrive[0]; r1:dst@0[0/4] = r1:src@1[0/4] + r1:inbox@0[0/4]
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 4, 0, 1}, {{1, 1, 1, 4, 1, 1}, {1, 3, 0, 4, 0, 1}}, {}, {{5, 0, 1, 1}}, {}},  // rank 1 step 6: reduce piece 1; wait arrive[1]; r1:dst@0[1/4] = r1:src@1[1/4] + r1:inbox@0[1/4]
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 4, 0, 2}, {{1, 1, 1, 4, 1, 2}, {1, 3, 0, 4, 0, 2}}, {}, {{5, 0, 2, 1}}, {}},  // rank 1 step 7: reduce piece 2; wait arrive[2]; r1:dst@0[2/4] = r1:src@1[2/4] + r1:inbox@0[2/4]
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 1, 3}, {1, 3, 0, 4, 0, 3}}, {}, {{5, 0, 3, 1}}, {}},  // rank 1 step 8: reduce piece 3; wait arrive[3]; r1:dst@0[3/4] = r1:src@1[3/4] + r1:inbox@0[3/4]
 };
 static __device__ const int step_base_w2[2] = { 0, 9 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w2[] = {
-    // rank 0: shares 0..8
-    {0, 0, 1, 9, 1, 0},
-    // rank 1: shares 9..17
-    {0, 0, 1, 9, 1, 0},
+    {0, 0, 1, 9, 1, 0, 1, 0, 0},  // rank 0: shares 0..8
+    {0, 0, 1, 9, 1, 0, 1, 0, 0},  // rank 1: shares 9..17
 };
-static __device__ const tsgen::share_table<18> shares_w2 =
-    tsgen::expand_shares<18>(share_runs_w2);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w2[2][4] = {
+static __device__ const tsgen::share_table<18> shares_w2 = tsgen::expand_shares<18>(share_runs_w2);
+static __device__ const uint16_t first_w2[2][4] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 5, 9 },
     { 9, 10, 14, 18 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 39 steps, 39 block shares over 4 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 39 steps, 39 block shares over 4 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/4] = r0:src@1[0/4]; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/4] = r0:src@1[1/4]; signal r1:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/4] = r0:src@1[2/4]; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/4] = r0:src@1[3/4]; signal r1:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/4] = r0:src@2[0/4]; signal r2:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/4] = r0:src@2[1/4]; signal r2:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 7: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/4] = r0:src@2[2/4]; signal r2:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 8: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/4] = r0:src@2[3/4]; signal r2:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 9: reduce piece 0; wait arrive[4], arrive[8]; r0:dst@0[0/4] = r0:src@0[0/4] + r0:inbox@1[0/4] + r0:inbox@2[0/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {0, 3, 0, 4, 1, 0}, {0, 3, 0, 4, 2, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}}, {}},
-    // rank 0 step 10: reduce piece 1; wait arrive[5], arrive[9]; r0:dst@0[1/4] = r0:src@0[1/4] + r0:inbox@1[1/4] + r0:inbox@2[1/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}, {0, 3, 0, 4, 1, 1}, {0, 3, 0, 4, 2, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}}, {}},
-    // rank 0 step 11: reduce piece 2; wait arrive[6], arrive[10]; r0:dst@0[2/4] = r0:src@0[2/4] + r0:inbox@1[2/4] + r0:inbox@2[2/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}, {0, 3, 0, 4, 1, 2}, {0, 3, 0, 4, 2, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}}, {}},
-    // rank 0 step 12: reduce piece 3; wait arrive[7], arrive[11]; r0:dst@0[3/4] = r0:src@0[3/4] + r0:inbox@1[3/4] + r0:inbox@2[3/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}, {0, 3, 0, 4, 1, 3}, {0, 3, 0, 4, 2, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/4] = r1:src@2[0/4]; signal r2:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/4] = r1:src@2[1/4]; signal r2:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/4] = r1:src@2[2/4]; signal r2:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/4] = r1:src@2[3/4]; signal r2:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 1 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 1 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 1 step 7: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 1 step 8: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 1 step 9: reduce piece 0; wait arrive[0], arrive[8]; r1:dst@0[0/4] = r1:src@1[0/4] + r1:inbox@0[0/4] + r1:inbox@2[0/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 4, 0, 0}, {{1, 1, 1, 4, 1, 0}, {1, 3, 0, 4, 0, 0}, {1, 3, 0, 4, 2, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}}, {}},
-    // rank 1 step 10: reduce piece 1; wait arrive[1], arrive[9]; r1:dst@0[1/4] = r1:src@1[1/4] + r1:inbox@0[1/4] + r1:inbox@2[1/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 4, 0, 1}, {{1, 1, 1, 4, 1, 1}, {1, 3, 0, 4, 0, 1}, {1, 3, 0, 4, 2, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}}, {}},
-    // rank 1 step 11: reduce piece 2; wait arrive[2], arrive[10]; r1:dst@0[2/4] = r1:src@1[2/4] + r1:inbox@0[2/4] + r1:inbox@2[2/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 4, 0, 2}, {{1, 1, 1, 4, 1, 2}, {1, 3, 0, 4, 0, 2}, {1, 3, 0, 4, 2, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}}, {}},
-    // rank 1 step 12: reduce piece 3; wait arrive[3], arrive[11]; r1:dst@0[3/4] = r1:src@1[3/4] + r1:inbox@0[3/4] + r1:inbox@2[3/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 1, 3}, {1, 3, 0, 4, 0, 3}, {1, 3, 0, 4, 2, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},
-    // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/4] = r2:src@0[0/4]; signal r0:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 2 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/4] = r2:src@0[1/4]; signal r0:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 2 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/4] = r2:src@0[2/4]; signal r0:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 2 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/4] = r2:src@0[3/4]; signal r0:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 2 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/4] = r2:src@1[0/4]; signal r1:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 2 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/4] = r2:src@1[1/4]; signal r1:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 2 step 7: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/4] = r2:src@1[2/4]; signal r1:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 2 step 8: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/4] = r2:src@1[3/4]; signal r1:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 2 step 9: reduce piece 0; wait arrive[0], arrive[4]; r2:dst@0[0/4] = r2:src@2[0/4] + r2:inbox@0[0/4] + r2:inbox@1[0/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 4, 0, 0}, {{2, 1, 1, 4, 2, 0}, {2, 3, 0, 4, 0, 0}, {2, 3, 0, 4, 1, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}}, {}},
-    // rank 2 step 10: reduce piece 1; wait arrive[1], arrive[5]; r2:dst@0[1/4] = r2:src@2[1/4] + r2:inbox@0[1/4] + r2:inbox@1[1/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 4, 0, 1}, {{2, 1, 1, 4, 2, 1}, {2, 3, 0, 4, 0, 1}, {2, 3, 0, 4, 1, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}}, {}},
-    // rank 2 step 11: reduce piece 2; wait arrive[2], arrive[6]; r2:dst@0[2/4] = r2:src@2[2/4] + r2:inbox@0[2/4] + r2:inbox@1[2/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 4, 0, 2}, {{2, 1, 1, 4, 2, 2}, {2, 3, 0, 4, 0, 2}, {2, 3, 0, 4, 1, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}}, {}},
-    // rank 2 step 12: reduce piece 3; wait arrive[3], arrive[7]; r2:dst@0[3/4] = r2:src@2[3/4] + r2:inbox@0[3/4] + r2:inbox@1[3/4]
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 4, 0, 3}, {{2, 1, 1, 4, 2, 3}, {2, 3, 0, 4, 0, 3}, {2, 3, 0, 4, 1, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/4] = r0:src@1[0/4]; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/4] = r0:src@1[1/4]; signal r1:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/4] = r0:src@1[2/4]; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/4] = r0:src@1[3/4]; signal r1:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/4] = r0:src@2[0/4]; signal r2:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/4] = r0:src@2[1/4]; signal r2:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 7: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/4] = r0:src@2[2/4]; signal r2:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 8: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/4] = r0:src@2[3/4]; signal r2:arrive[3]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {0, 3, 0, 4, 1, 0}, {0, 3, 0, 4, 2, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}}, {}},  // rank 0 step 9: reduce piece 0; wait arrive[4], arrive[8]; r0:dst@0[0/4] = r0:src@0[0/4] + r0:inbox@1[0/4] + r0:inbox@2[0/4]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}, {0, 3, 0, 4, 1, 1}, {0, 3, 0, 4, 2, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}}, {}},  // rank 0 step 10: reduce piece 1; wait arrive[5], arrive[9]; r0:dst@0[1/4] = r0:src@0[1/4] + r0:inbox@1[1/4] + r0:inbox@2[1/4]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}, {0, 3, 0, 4, 1, 2}, {0, 3, 0, 4, 2, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}}, {}},  // rank 0 step 11: reduce piece 2; wait arrive[6], arrive[10]; r0:dst@0[2/4] = r0:src@0[2/4] + r0:inbox@1[2/4] + r0:inbox@2[2/4]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}, {0, 3, 0, 4, 1, 3}, {0, 3, 0, 4, 2, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}}, {}},  // rank 0 step 12: reduce piece 3; wait arrive[7], arrive[11]; r0:dst@0[3/4] = r0:src@0[3/4] + r0:inbox@1[3/4] + r0:inbox@2[3/4]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/4] = r1:src@2[0/4]; signal r2:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/4] = r1:src@2[1/4]; signal r2:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/4] = r1:src@2[2/4]; signal r2:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/4] = r1:src@2[3/4]; signal r2:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 1 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 1 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 1 step 7: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 1 step 8: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 4, 0, 0}, {{1, 1, 1, 4, 1, 0}, {1, 3, 0, 4, 0, 0}, {1, 3, 0, 4, 2, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}}, {}},  // rank 1 step 9: reduce piece 0; wait arrive[0], arrive[8]; r1:dst@0[0/4] = r1:src@1[0/4] + r1:inbox@0[0/4] + r1:inbox@2[0/4]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 4, 0, 1}, {{1, 1, 1, 4, 1, 1}, {1, 3, 0, 4, 0, 1}, {1, 3, 0, 4, 2, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}}, {}},  // rank 1 step 10: reduce piece 1; wait arrive[1], arrive[9]; r1:dst@0[1/4] = r1:src@1[1/4] + r1:inbox@0[1/4] + r1:inbox@2[1/4]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 4, 0, 2}, {{1, 1, 1, 4, 1, 2}, {1, 3, 0, 4, 0, 2}, {1, 3, 0, 4, 2, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}}, {}},  // rank 1 step 11: reduce piece 2; wait arrive[2], arrive[10]; r1:dst@0[2/4] = r1:src@1[2/4] + r1:inbox@0[2/4] + r1:inbox@2[2/4]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 1, 3}, {1, 3, 0, 4, 0, 3}, {1, 3, 0, 4, 2, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}}, {}},  // rank 1 step 12: reduce piece 3; wait arrive[3], arrive[11]; r1:dst@0[3/4] = r1:src@1[3/4] + r1:inbox@0[3/4] + r1:inbox@2[3/4]
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/4] = r2:src@0[0/4]; signal r0:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 2 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/4] = r2:src@0[1/4]; signal r0:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 2 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/4] = r2:src@0[2/4]; signal r0:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 2 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/4] = r2:src@0[3/4]; signal r0:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 2 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/4] = r2:src@1[0/4]; signal r1:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 2 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/4] = r2:src@1[1/4]; signal r1:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 2 step 7: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/4] = r2:src@1[2/4]; signal r1:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 2 step 8: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/4] = r2:src@1[3/4]; signal r1:arrive[11]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 4, 0, 0}, {{2, 1, 1, 4, 2, 0}, {2, 3, 0, 4, 0, 0}, {2, 3, 0, 4, 1, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}}, {}},  // rank 2 step 9: reduce piece 0; wait arrive[0], arrive[4]; r2:dst@0[0/4] = r2:src@2[0/4] + r2:inbox@0[0/4] + r2:inbox@1[0/4]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 4, 0, 1}, {{2, 1, 1, 4, 2, 1}, {2, 3, 0, 4, 0, 1}, {2, 3, 0, 4, 1, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}}, {}},  // rank 2 step 10: reduce piece 1; wait arrive[1], arrive[5]; r2:dst@0[1/4] = r2:src@2[1/4] + r2:inbox@0[1/4] + r2:inbox@1[1/4]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 4, 0, 2}, {{2, 1, 1, 4, 2, 2}, {2, 3, 0, 4, 0, 2}, {2, 3, 0, 4, 1, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}}, {}},  // rank 2 step 11: reduce piece 2; wait arrive[2], arrive[6]; r2:dst@0[2/4] = r2:src@2[2/4] + r2:inbox@0[2/4] + r2:inbox@1[2/4]
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 4, 0, 3}, {{2, 1, 1, 4, 2, 3}, {2, 3, 0, 4, 0, 3}, {2, 3, 0, 4, 1, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}}, {}},  // rank 2 step 12: reduce piece 3; wait arrive[3], arrive[7]; r2:dst@0[3/4] = r2:src@2[3/4] + r2:inbox@0[3/4] + r2:inbox@1[3/4]
 };
 static __device__ const int step_base_w3[3] = { 0, 13, 26 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w3[] = {
-    // rank 0: shares 0..12
-    {0, 0, 1, 13, 1, 0},
-    // rank 1: shares 13..25
-    {0, 0, 1, 13, 1, 0},
-    // rank 2: shares 26..38
-    {0, 0, 1, 13, 1, 0},
+    {0, 0, 1, 13, 1, 0, 1, 0, 0},  // rank 0: shares 0..12
+    {0, 0, 1, 13, 1, 0, 1, 0, 0},  // rank 1: shares 13..25
+    {0, 0, 1, 13, 1, 0, 1, 0, 0},  // rank 2: shares 26..38
 };
-static __device__ const tsgen::share_table<39> shares_w3 =
-    tsgen::expand_shares<39>(share_runs_w3);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][5] = {
+static __device__ const tsgen::share_table<39> shares_w3 = tsgen::expand_shares<39>(share_runs_w3);
+static __device__ const uint16_t first_w3[3][5] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 5, 9, 13 },
     { 13, 14, 18, 22, 26 },
     { 26, 27, 31, 35, 39 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 68 steps, 68 block shares over 5 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 68 steps, 68 block shares over 5 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/4] = r0:src@1[0/4]; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/4] = r0:src@1[1/4]; signal r1:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/4] = r0:src@1[2/4]; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/4] = r0:src@1[3/4]; signal r1:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/4] = r0:src@2[0/4]; signal r2:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/4] = r0:src@2[1/4]; signal r2:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 7: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/4] = r0:src@2[2/4]; signal r2:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 8: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/4] = r0:src@2[3/4]; signal r2:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/4] = r0:src@3[0/4]; signal r3:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/4] = r0:src@3[1/4]; signal r3:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 11: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[2/4] = r0:src@3[2/4]; signal r3:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 0 step 12: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[3/4] = r0:src@3[3/4]; signal r3:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 0 step 13: reduce piece 0; wait arrive[4], arrive[8], arrive[12]; r0:dst@0[0/4] = r0:src@0[0/4] + r0:inbox@1[0/4] + r0:inbox@2[0/4] + r0:inbox@3[0/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {0, 3, 0, 4, 1, 0}, {0, 3, 0, 4, 2, 0}, {0, 3, 0, 4, 3, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}}, {}},
-    // rank 0 step 14: reduce piece 1; wait arrive[5], arrive[9], arrive[13]; r0:dst@0[1/4] = r0:src@0[1/4] + r0:inbox@1[1/4] + r0:inbox@2[1/4] + r0:inbox@3[1/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}, {0, 3, 0, 4, 1, 1}, {0, 3, 0, 4, 2, 1}, {0, 3, 0, 4, 3, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}}, {}},
-    // rank 0 step 15: reduce piece 2; wait arrive[6], arrive[10], arrive[14]; r0:dst@0[2/4] = r0:src@0[2/4] + r0:inbox@1[2/4] + r0:inbox@2[2/4] + r0:inbox@3[2/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}, {0, 3, 0, 4, 1, 2}, {0, 3, 0, 4, 2, 2}, {0, 3, 0, 4, 3, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}}, {}},
-    // rank 0 step 16: reduce piece 3; wait arrive[7], arrive[11], arrive[15]; r0:dst@0[3/4] = r0:src@0[3/4] + r0:inbox@1[3/4] + r0:inbox@2[3/4] + r0:inbox@3[3/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}, {0, 3, 0, 4, 1, 3}, {0, 3, 0, 4, 2, 3}, {0, 3, 0, 4, 3, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/4] = r1:src@2[0/4]; signal r2:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/4] = r1:src@2[1/4]; signal r2:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/4] = r1:src@2[2/4]; signal r2:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/4] = r1:src@2[3/4]; signal r2:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 1 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/4] = r1:src@3[0/4]; signal r3:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 1 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/4] = r1:src@3[1/4]; signal r3:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 1 step 7: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[2/4] = r1:src@3[2/4]; signal r3:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 1 step 8: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[3/4] = r1:src@3[3/4]; signal r3:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 1 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 1 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 1 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 1 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 1 step 13: reduce piece 0; wait arrive[0], arrive[8], arrive[12]; r1:dst@0[0/4] = r1:src@1[0/4] + r1:inbox@0[0/4] + r1:inbox@2[0/4] + r1:inbox@3[0/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 4, 0, 0}, {{1, 1, 1, 4, 1, 0}, {1, 3, 0, 4, 0, 0}, {1, 3, 0, 4, 2, 0}, {1, 3, 0, 4, 3, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}}, {}},
-    // rank 1 step 14: reduce piece 1; wait arrive[1], arrive[9], arrive[13]; r1:dst@0[1/4] = r1:src@1[1/4] + r1:inbox@0[1/4] + r1:inbox@2[1/4] + r1:inbox@3[1/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 4, 0, 1}, {{1, 1, 1, 4, 1, 1}, {1, 3, 0, 4, 0, 1}, {1, 3, 0, 4, 2, 1}, {1, 3, 0, 4, 3, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}}, {}},
-    // rank 1 step 15: reduce piece 2; wait arrive[2], arrive[10], arrive[14]; r1:dst@0[2/4] = r1:src@1[2/4] + r1:inbox@0[2/4] + r1:inbox@2[2/4] + r1:inbox@3[2/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 4, 0, 2}, {{1, 1, 1, 4, 1, 2}, {1, 3, 0, 4, 0, 2}, {1, 3, 0, 4, 2, 2}, {1, 3, 0, 4, 3, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}}, {}},
-    // rank 1 step 16: reduce piece 3; wait arrive[3], arrive[11], arrive[15]; r1:dst@0[3/4] = r1:src@1[3/4] + r1:inbox@0[3/4] + r1:inbox@2[3/4] + r1:inbox@3[3/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 1, 3}, {1, 3, 0, 4, 0, 3}, {1, 3, 0, 4, 2, 3}, {1, 3, 0, 4, 3, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
-    // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/4] = r2:src@3[0/4]; signal r3:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/4] = r2:src@3[1/4]; signal r3:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 2 step 3: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[2/4] = r2:src@3[2/4]; signal r3:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 2 step 4: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[3/4] = r2:src@3[3/4]; signal r3:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 2 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/4] = r2:src@0[0/4]; signal r0:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 2 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/4] = r2:src@0[1/4]; signal r0:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 2 step 7: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/4] = r2:src@0[2/4]; signal r0:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 2 step 8: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/4] = r2:src@0[3/4]; signal r0:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 2 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/4] = r2:src@1[0/4]; signal r1:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 2 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/4] = r2:src@1[1/4]; signal r1:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 2 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/4] = r2:src@1[2/4]; signal r1:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 2 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/4] = r2:src@1[3/4]; signal r1:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 2 step 13: reduce piece 0; wait arrive[0], arrive[4], arrive[12]; r2:dst@0[0/4] = r2:src@2[0/4] + r2:inbox@0[0/4] + r2:inbox@1[0/4] + r2:inbox@3[0/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 4, 0, 0}, {{2, 1, 1, 4, 2, 0}, {2, 3, 0, 4, 0, 0}, {2, 3, 0, 4, 1, 0}, {2, 3, 0, 4, 3, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 12, 1}}, {}},
-    // rank 2 step 14: reduce piece 1; wait arrive[1], arrive[5], arrive[13]; r2:dst@0[1/4] = r2:src@2[1/4] + r2:inbox@0[1/4] + r2:inbox@1[1/4] + r2:inbox@3[1/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 4, 0, 1}, {{2, 1, 1, 4, 2, 1}, {2, 3, 0, 4, 0, 1}, {2, 3, 0, 4, 1, 1}, {2, 3, 0, 4, 3, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 13, 1}}, {}},
-    // rank 2 step 15: reduce piece 2; wait arrive[2], arrive[6], arrive[14]; r2:dst@0[2/4] = r2:src@2[2/4] + r2:inbox@0[2/4] + r2:inbox@1[2/4] + r2:inbox@3[2/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 4, 0, 2}, {{2, 1, 1, 4, 2, 2}, {2, 3, 0, 4, 0, 2}, {2, 3, 0, 4, 1, 2}, {2, 3, 0, 4, 3, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 14, 1}}, {}},
-    // rank 2 step 16: reduce piece 3; wait arrive[3], arrive[7], arrive[15]; r2:dst@0[3/4] = r2:src@2[3/4] + r2:inbox@0[3/4] + r2:inbox@1[3/4] + r2:inbox@3[3/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 4, 0, 3}, {{2, 1, 1, 4, 2, 3}, {2, 3, 0, 4, 0, 3}, {2, 3, 0, 4, 1, 3}, {2, 3, 0, 4, 3, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 15, 1}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
-    // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/4] = r3:src@0[0/4]; signal r0:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 3 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/4] = r3:src@0[1/4]; signal r0:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 3 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[2/4] = r3:src@0[2/4]; signal r0:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 3 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[3/4] = r3:src@0[3/4]; signal r0:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 3 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/4] = r3:src@1[0/4]; signal r1:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 3 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/4] = r3:src@1[1/4]; signal r1:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 3 step 7: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[2/4] = r3:src@1[2/4]; signal r1:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 3 step 8: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[3/4] = r3:src@1[3/4]; signal r1:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 3 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/4] = r3:src@2[0/4]; signal r2:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 3 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/4] = r3:src@2[1/4]; signal r2:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 3 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[2/4] = r3:src@2[2/4]; signal r2:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 3 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[3/4] = r3:src@2[3/4]; signal r2:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 3 step 13: reduce piece 0; wait arrive[0], arrive[4], arrive[8]; r3:dst@0[0/4] = r3:src@3[0/4] + r3:inbox@0[0/4] + r3:inbox@1[0/4] + r3:inbox@2[0/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 4, 0, 0}, {{3, 1, 1, 4, 3, 0}, {3, 3, 0, 4, 0, 0}, {3, 3, 0, 4, 1, 0}, {3, 3, 0, 4, 2, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}}, {}},
-    // rank 3 step 14: reduce piece 1; wait arrive[1], arrive[5], arrive[9]; r3:dst@0[1/4] = r3:src@3[1/4] + r3:inbox@0[1/4] + r3:inbox@1[1/4] + r3:inbox@2[1/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 4, 0, 1}, {{3, 1, 1, 4, 3, 1}, {3, 3, 0, 4, 0, 1}, {3, 3, 0, 4, 1, 1}, {3, 3, 0, 4, 2, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}}, {}},
-    // rank 3 step 15: reduce piece 2; wait arrive[2], arrive[6], arrive[10]; r3:dst@0[2/4] = r3:src@3[2/4] + r3:inbox@0[2/4] + r3:inbox@1[2/4] + r3:inbox@2[2/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 4, 0, 2}, {{3, 1, 1, 4, 3, 2}, {3, 3, 0, 4, 0, 2}, {3, 3, 0, 4, 1, 2}, {3, 3, 0, 4, 2, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}}, {}},
-    // rank 3 step 16: reduce piece 3; wait arrive[3], arrive[7], arrive[11]; r3:dst@0[3/4] = r3:src@3[3/4] + r3:inbox@0[3/4] + r3:inbox@1[3/4] + r3:inbox@2[3/4]
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 4, 0, 3}, {{3, 1, 1, 4, 3, 3}, {3, 3, 0, 4, 0, 3}, {3, 3, 0, 4, 1, 3}, {3, 3, 0, 4, 2, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/4] = r0:src@1[0/4]; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/4] = r0:src@1[1/4]; signal r1:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/4] = r0:src@1[2/4]; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/4] = r0:src@1[3/4]; signal r1:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/4] = r0:src@2[0/4]; signal r2:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/4] = r0:src@2[1/4]; signal r2:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 7: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/4] = r0:src@2[2/4]; signal r2:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 8: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/4] = r0:src@2[3/4]; signal r2:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 0 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/4] = r0:src@3[0/4]; signal r3:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 0 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/4] = r0:src@3[1/4]; signal r3:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 0 step 11: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[2/4] = r0:src@3[2/4]; signal r3:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 0 step 12: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[3/4] = r0:src@3[3/4]; signal r3:arrive[3]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {0, 3, 0, 4, 1, 0}, {0, 3, 0, 4, 2, 0}, {0, 3, 0, 4, 3, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}}, {}},  // rank 0 step 13: reduce piece 0; wait arrive[4], arrive[8], arrive[12]; r0:dst@0[0/4] = r0:src@0[0/4] + r0:inbox@1[0/4] + r0:inbox@2[0/4] + r0:inbox@3[0/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}, {0, 3, 0, 4, 1, 1}, {0, 3, 0, 4, 2, 1}, {0, 3, 0, 4, 3, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}}, {}},  // rank 0 step 14: reduce piece 1; wait arrive[5], arrive[9], arrive[13]; r0:dst@0[1/4] = r0:src@0[1/4] + r0:inbox@1[1/4] + r0:inbox@2[1/4] + r0:inbox@3[1/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}, {0, 3, 0, 4, 1, 2}, {0, 3, 0, 4, 2, 2}, {0, 3, 0, 4, 3, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}}, {}},  // rank 0 step 15: reduce piece 2; wait arrive[6], arrive[10], arrive[14]; r0:dst@0[2/4] = r0:src@0[2/4] + r0:inbox@1[2/4] + r0:inbox@2[2/4] + r0:inbox@3[2/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}, {0, 3, 0, 4, 1, 3}, {0, 3, 0, 4, 2, 3}, {0, 3, 0, 4, 3, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}}, {}},  // rank 0 step 16: reduce piece 3; wait arrive[7], arrive[11], arrive[15]; r0:dst@0[3/4] = r0:src@0[3/4] + r0:inbox@1[3/4] + r0:inbox@2[3/4] + r0:inbox@3[3/4]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/4] = r1:src@2[0/4]; signal r2:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/4] = r1:src@2[1/4]; signal r2:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/4] = r1:src@2[2/4]; signal r2:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/4] = r1:src@2[3/4]; signal r2:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 1 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/4] = r1:src@3[0/4]; signal r3:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 1 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/4] = r1:src@3[1/4]; signal r3:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 1 step 7: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[2/4] = r1:src@3[2/4]; signal r3:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 1 step 8: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[3/4] = r1:src@3[3/4]; signal r3:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 1 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 1 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 1 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 1 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 4, 0, 0}, {{1, 1, 1, 4, 1, 0}, {1, 3, 0, 4, 0, 0}, {1, 3, 0, 4, 2, 0}, {1, 3, 0, 4, 3, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}}, {}},  // rank 1 step 13: reduce piece 0; wait arrive[0], arrive[8], arrive[12]; r1:dst@0[0/4] = r1:src@1[0/4] + r1:inbox@0[0/4] + r1:inbox@2[0/4] + r1:inbox@3[0/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 4, 0, 1}, {{1, 1, 1, 4, 1, 1}, {1, 3, 0, 4, 0, 1}, {1, 3, 0, 4, 2, 1}, {1, 3, 0, 4, 3, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}}, {}},  // rank 1 step 14: reduce piece 1; wait arrive[1], arrive[9], arrive[13]; r1:dst@0[1/4] = r1:src@1[1/4] + r1:inbox@0[1/4] + r1:inbox@2[1/4] + r1:inbox@3[1/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 4, 0, 2}, {{1, 1, 1, 4, 1, 2}, {1, 3, 0, 4, 0, 2}, {1, 3, 0, 4, 2, 2}, {1, 3, 0, 4, 3, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}}, {}},  // rank 1 step 15: reduce piece 2; wait arrive[2], arrive[10], arrive[14]; r1:dst@0[2/4] = r1:src@1[2/4] + r1:inbox@0[2/4] + r1:inbox@2[2/4] + r1:inbox@3[2/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 1, 3}, {1, 3, 0, 4, 0, 3}, {1, 3, 0, 4, 2, 3}, {1, 3, 0, 4, 3, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}}, {}},  // rank 1 step 16: reduce piece 3; wait arrive[3], arrive[11], arrive[15]; r1:dst@0[3/4] = r1:src@1[3/4] + r1:inbox@0[3/4] + r1:inbox@2[3/4] + r1:inbox@3[3/4]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},  // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/4] = r2:src@3[0/4]; signal r3:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},  // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/4] = r2:src@3[1/4]; signal r3:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},  // rank 2 step 3: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[2/4] = r2:src@3[2/4]; signal r3:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},  // rank 2 step 4: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[3/4] = r2:src@3[3/4]; signal r3:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 2 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/4] = r2:src@0[0/4]; signal r0:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 2 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/4] = r2:src@0[1/4]; signal r0:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 2 step 7: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/4] = r2:src@0[2/4]; signal r0:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 2 step 8: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/4] = r2:src@0[3/4]; signal r0:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 2 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/4] = r2:src@1[0/4]; signal r1:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 2 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/4] = r2:src@1[1/4]; signal r1:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 2 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/4] = r2:src@1[2/4]; signal r1:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 2 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/4] = r2:src@1[3/4]; signal r1:arrive[11]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 4, 0, 0}, {{2, 1, 1, 4, 2, 0}, {2, 3, 0, 4, 0, 0}, {2, 3, 0, 4, 1, 0}, {2, 3, 0, 4, 3, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 12, 1}}, {}},  // rank 2 step 13: reduce piece 0; wait arrive[0], arrive[4], arrive[12]; r2:dst@0[0/4] = r2:src@2[0/4] + r2:inbox@0[0/4] + r2:inbox@1[0/4] + r2:inbox@3[0/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 4, 0, 1}, {{2, 1, 1, 4, 2, 1}, {2, 3, 0, 4, 0, 1}, {2, 3, 0, 4, 1, 1}, {2, 3, 0, 4, 3, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 13, 1}}, {}},  // rank 2 step 14: reduce piece 1; wait arrive[1], arrive[5], arrive[13]; r2:dst@0[1/4] = r2:src@2[1/4] + r2:inbox@0[1/4] + r2:inbox@1[1/4] + r2:inbox@3[1/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 4, 0, 2}, {{2, 1, 1, 4, 2, 2}, {2, 3, 0, 4, 0, 2}, {2, 3, 0, 4, 1, 2}, {2, 3, 0, 4, 3, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 14, 1}}, {}},  // rank 2 step 15: reduce piece 2; wait arrive[2], arrive[6], arrive[14]; r2:dst@0[2/4] = r2:src@2[2/4] + r2:inbox@0[2/4] + r2:inbox@1[2/4] + r2:inbox@3[2/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 4, 0, 3}, {{2, 1, 1, 4, 2, 3}, {2, 3, 0, 4, 0, 3}, {2, 3, 0, 4, 1, 3}, {2, 3, 0, 4, 3, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 15, 1}}, {}},  // rank 2 step 16: reduce piece 3; wait arrive[3], arrive[7], arrive[15]; r2:dst@0[3/4] = r2:src@2[3/4] + r2:inbox@0[3/4] + r2:inbox@1[3/4] + r2:inbox@3[3/4]
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/4] = r3:src@0[0/4]; signal r0:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 3 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/4] = r3:src@0[1/4]; signal r0:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 3 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[2/4] = r3:src@0[2/4]; signal r0:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 3 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[3/4] = r3:src@0[3/4]; signal r0:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},  // rank 3 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/4] = r3:src@1[0/4]; signal r1:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},  // rank 3 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/4] = r3:src@1[1/4]; signal r1:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},  // rank 3 step 7: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[2/4] = r3:src@1[2/4]; signal r1:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},  // rank 3 step 8: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[3/4] = r3:src@1[3/4]; signal r1:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 3 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/4] = r3:src@2[0/4]; signal r2:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 3 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/4] = r3:src@2[1/4]; signal r2:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 3 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[2/4] = r3:src@2[2/4]; signal r2:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 3 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[3/4] = r3:src@2[3/4]; signal r2:arrive[15]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 4, 0, 0}, {{3, 1, 1, 4, 3, 0}, {3, 3, 0, 4, 0, 0}, {3, 3, 0, 4, 1, 0}, {3, 3, 0, 4, 2, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}}, {}},  // rank 3 step 13: reduce piece 0; wait arrive[0], arrive[4], arrive[8]; r3:dst@0[0/4] = r3:src@3[0/4] + r3:inbox@0[0/4] + r3:inbox@1[0/4] + r3:inbox@2[0/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 4, 0, 1}, {{3, 1, 1, 4, 3, 1}, {3, 3, 0, 4, 0, 1}, {3, 3, 0, 4, 1, 1}, {3, 3, 0, 4, 2, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}}, {}},  // rank 3 step 14: reduce piece 1; wait arrive[1], arrive[5], arrive[9]; r3:dst@0[1/4] = r3:src@3[1/4] + r3:inbox@0[1/4] + r3:inbox@1[1/4] + r3:inbox@2[1/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 4, 0, 2}, {{3, 1, 1, 4, 3, 2}, {3, 3, 0, 4, 0, 2}, {3, 3, 0, 4, 1, 2}, {3, 3, 0, 4, 2, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}}, {}},  // rank 3 step 15: reduce piece 2; wait arrive[2], arrive[6], arrive[10]; r3:dst@0[2/4] = r3:src@3[2/4] + r3:inbox@0[2/4] + r3:inbox@1[2/4] + r3:inbox@2[2/4]
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 4, 0, 3}, {{3, 1, 1, 4, 3, 3}, {3, 3, 0, 4, 0, 3}, {3, 3, 0, 4, 1, 3}, {3, 3, 0, 4, 2, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}}, {}},  // rank 3 step 16: reduce piece 3; wait arrive[3], arrive[7], arrive[11]; r3:dst@0[3/4] = r3:src@3[3/4] + r3:inbox@0[3/4] + r3:inbox@1[3/4] + r3:inbox@2[3/4]
 };
 static __device__ const int step_base_w4[4] = { 0, 17, 34, 51 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..16
-    {0, 0, 1, 17, 1, 0},
-    // rank 1: shares 17..33
-    {0, 0, 1, 17, 1, 0},
-    // rank 2: shares 34..50
-    {0, 0, 1, 17, 1, 0},
-    // rank 3: shares 51..67
-    {0, 0, 1, 17, 1, 0},
+    {0, 0, 1, 17, 1, 0, 1, 0, 0},  // rank 0: shares 0..16
+    {0, 0, 1, 17, 1, 0, 1, 0, 0},  // rank 1: shares 17..33
+    {0, 0, 1, 17, 1, 0, 1, 0, 0},  // rank 2: shares 34..50
+    {0, 0, 1, 17, 1, 0, 1, 0, 0},  // rank 3: shares 51..67
 };
-static __device__ const tsgen::share_table<68> shares_w4 =
-    tsgen::expand_shares<68>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][6] = {
+static __device__ const tsgen::share_table<68> shares_w4 = tsgen::expand_shares<68>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][6] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 5, 9, 13, 17 },
     { 17, 18, 22, 26, 30, 34 },
     { 34, 35, 39, 43, 47, 51 },
     { 51, 52, 56, 60, 64, 68 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 264 steps, 264 block shares over 9 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 264 steps, 264 block shares over 9 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/4] = r0:src@1[0/4]; signal r1:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/4] = r0:src@1[1/4]; signal r1:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/4] = r0:src@1[2/4]; signal r1:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/4] = r0:src@1[3/4]; signal r1:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/4] = r0:src@2[0/4]; signal r2:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/4] = r0:src@2[1/4]; signal r2:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 7: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/4] = r0:src@2[2/4]; signal r2:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 8: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/4] = r0:src@2[3/4]; signal r2:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/4] = r0:src@3[0/4]; signal r3:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/4] = r0:src@3[1/4]; signal r3:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 11: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[2/4] = r0:src@3[2/4]; signal r3:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 0 step 12: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[3/4] = r0:src@3[3/4]; signal r3:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 0 step 13: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[0/4] = r0:src@4[0/4]; signal r4:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
-    // rank 0 step 14: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[1/4] = r0:src@4[1/4]; signal r4:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 1}}},
-    // rank 0 step 15: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[2/4] = r0:src@4[2/4]; signal r4:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
-    // rank 0 step 16: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[3/4] = r0:src@4[3/4]; signal r4:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 3}}},
-    // rank 0 step 17: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[0/4] = r0:src@5[0/4]; signal r5:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
-    // rank 0 step 18: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[1/4] = r0:src@5[1/4]; signal r5:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 1}}},
-    // rank 0 step 19: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[2/4] = r0:src@5[2/4]; signal r5:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
-    // rank 0 step 20: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[3/4] = r0:src@5[3/4]; signal r5:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 3}}},
-    // rank 0 step 21: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[0/4] = r0:src@6[0/4]; signal r6:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
-    // rank 0 step 22: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[1/4] = r0:src@6[1/4]; signal r6:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 1}}},
-    // rank 0 step 23: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[2/4] = r0:src@6[2/4]; signal r6:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
-    // rank 0 step 24: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[3/4] = r0:src@6[3/4]; signal r6:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 3}}},
-    // rank 0 step 25: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[0/4] = r0:src@7[0/4]; signal r7:arrive[0]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
-    // rank 0 step 26: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[1/4] = r0:src@7[1/4]; signal r7:arrive[1]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 1}}},
-    // rank 0 step 27: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[2/4] = r0:src@7[2/4]; signal r7:arrive[2]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
-    // rank 0 step 28: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[3/4] = r0:src@7[3/4]; signal r7:arrive[3]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 3}}},
-    // rank 0 step 29: reduce piece 0; wait arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r0:dst@0[0/4] = r0:src@0[0/4] + r0:inbox@1[0/4] + r0:inbox@2[0/4] + r0:inbox@3[0/4] + r0:inbox@4[0/4] + r0:inbox@5[0/4] + r0:inbox@6[0/4] + r0:inbox@7[0/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {0, 3, 0, 4, 1, 0}, {0, 3, 0, 4, 2, 0}, {0, 3, 0, 4, 3, 0}, {0, 3, 0, 4, 4, 0}, {0, 3, 0, 4, 5, 0}, {0, 3, 0, 4, 6, 0}, {0, 3, 0, 4, 7, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},
-    // rank 0 step 30: reduce piece 1; wait arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r0:dst@0[1/4] = r0:src@0[1/4] + r0:inbox@1[1/4] + r0:inbox@2[1/4] + r0:inbox@3[1/4] + r0:inbox@4[1/4] + r0:inbox@5[1/4] + r0:inbox@6[1/4] + r0:inbox@7[1/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}, {0, 3, 0, 4, 1, 1}, {0, 3, 0, 4, 2, 1}, {0, 3, 0, 4, 3, 1}, {0, 3, 0, 4, 4, 1}, {0, 3, 0, 4, 5, 1}, {0, 3, 0, 4, 6, 1}, {0, 3, 0, 4, 7, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},
-    // rank 0 step 31: reduce piece 2; wait arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r0:dst@0[2/4] = r0:src@0[2/4] + r0:inbox@1[2/4] + r0:inbox@2[2/4] + r0:inbox@3[2/4] + r0:inbox@4[2/4] + r0:inbox@5[2/4] + r0:inbox@6[2/4] + r0:inbox@7[2/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}, {0, 3, 0, 4, 1, 2}, {0, 3, 0, 4, 2, 2}, {0, 3, 0, 4, 3, 2}, {0, 3, 0, 4, 4, 2}, {0, 3, 0, 4, 5, 2}, {0, 3, 0, 4, 6, 2}, {0, 3, 0, 4, 7, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},
-    // rank 0 step 32: reduce piece 3; wait arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r0:dst@0[3/4] = r0:src@0[3/4] + r0:inbox@1[3/4] + r0:inbox@2[3/4] + r0:inbox@3[3/4] + r0:inbox@4[3/4] + r0:inbox@5[3/4] + r0:inbox@6[3/4] + r0:inbox@7[3/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}, {0, 3, 0, 4, 1, 3}, {0, 3, 0, 4, 2, 3}, {0, 3, 0, 4, 3, 3}, {0, 3, 0, 4, 4, 3}, {0, 3, 0, 4, 5, 3}, {0, 3, 0, 4, 6, 3}, {0, 3, 0, 4, 7, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/4] = r1:src@2[0/4]; signal r2:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/4] = r1:src@2[1/4]; signal r2:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/4] = r1:src@2[2/4]; signal r2:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/4] = r1:src@2[3/4]; signal r2:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 1 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/4] = r1:src@3[0/4]; signal r3:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 1 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/4] = r1:src@3[1/4]; signal r3:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 1 step 7: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[2/4] = r1:src@3[2/4]; signal r3:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 1 step 8: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[3/4] = r1:src@3[3/4]; signal r3:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 1 step 9: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[0/4] = r1:src@4[0/4]; signal r4:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
-    // rank 1 step 10: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[1/4] = r1:src@4[1/4]; signal r4:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 5}}},
-    // rank 1 step 11: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[2/4] = r1:src@4[2/4]; signal r4:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 6}}},
-    // rank 1 step 12: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[3/4] = r1:src@4[3/4]; signal r4:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 7}}},
-    // rank 1 step 13: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[0/4] = r1:src@5[0/4]; signal r5:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
-    // rank 1 step 14: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[1/4] = r1:src@5[1/4]; signal r5:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 5}}},
-    // rank 1 step 15: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[2/4] = r1:src@5[2/4]; signal r5:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
-    // rank 1 step 16: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[3/4] = r1:src@5[3/4]; signal r5:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 7}}},
-    // rank 1 step 17: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[0/4] = r1:src@6[0/4]; signal r6:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
-    // rank 1 step 18: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[1/4] = r1:src@6[1/4]; signal r6:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 5}}},
-    // rank 1 step 19: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[2/4] = r1:src@6[2/4]; signal r6:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
-    // rank 1 step 20: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[3/4] = r1:src@6[3/4]; signal r6:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 7}}},
-    // rank 1 step 21: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[0/4] = r1:src@7[0/4]; signal r7:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
-    // rank 1 step 22: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[1/4] = r1:src@7[1/4]; signal r7:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 5}}},
-    // rank 1 step 23: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[2/4] = r1:src@7[2/4]; signal r7:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
-    // rank 1 step 24: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[3/4] = r1:src@7[3/4]; signal r7:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 7}}},
-    // rank 1 step 25: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 1 step 26: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 1 step 27: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 1 step 28: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 1 step 29: reduce piece 0; wait arrive[0], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r1:dst@0[0/4] = r1:src@1[0/4] + r1:inbox@0[0/4] + r1:inbox@2[0/4] + r1:inbox@3[0/4] + r1:inbox@4[0/4] + r1:inbox@5[0/4] + r1:inbox@6[0/4] + r1:inbox@7[0/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 4, 0, 0}, {{1, 1, 1, 4, 1, 0}, {1, 3, 0, 4, 0, 0}, {1, 3, 0, 4, 2, 0}, {1, 3, 0, 4, 3, 0}, {1, 3, 0, 4, 4, 0}, {1, 3, 0, 4, 5, 0}, {1, 3, 0, 4, 6, 0}, {1, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},
-    // rank 1 step 30: reduce piece 1; wait arrive[1], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r1:dst@0[1/4] = r1:src@1[1/4] + r1:inbox@0[1/4] + r1:inbox@2[1/4] + r1:inbox@3[1/4] + r1:inbox@4[1/4] + r1:inbox@5[1/4] + r1:inbox@6[1/4] + r1:inbox@7[1/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 4, 0, 1}, {{1, 1, 1, 4, 1, 1}, {1, 3, 0, 4, 0, 1}, {1, 3, 0, 4, 2, 1}, {1, 3, 0, 4, 3, 1}, {1, 3, 0, 4, 4, 1}, {1, 3, 0, 4, 5, 1}, {1, 3, 0, 4, 6, 1}, {1, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},
-    // rank 1 step 31: reduce piece 2; wait arrive[2], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r1:dst@0[2/4] = r1:src@1[2/4] + r1:inbox@0[2/4] + r1:inbox@2[2/4] + r1:inbox@3[2/4] + r1:inbox@4[2/4] + r1:inbox@5[2/4] + r1:inbox@6[2/4] + r1:inbox@7[2/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 4, 0, 2}, {{1, 1, 1, 4, 1, 2}, {1, 3, 0, 4, 0, 2}, {1, 3, 0, 4, 2, 2}, {1, 3, 0, 4, 3, 2}, {1, 3, 0, 4, 4, 2}, {1, 3, 0, 4, 5, 2}, {1, 3, 0, 4, 6, 2}, {1, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},
-    // rank 1 step 32: reduce piece 3; wait arrive[3], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r1:dst@0[3/4] = r1:src@1[3/4] + r1:inbox@0[3/4] + r1:inbox@2[3/4] + r1:inbox@3[3/4] + r1:inbox@4[3/4] + r1:inbox@5[3/4] + r1:inbox@6[3/4] + r1:inbox@7[3/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 1, 3}, {1, 3, 0, 4, 0, 3}, {1, 3, 0, 4, 2, 3}, {1, 3, 0, 4, 3, 3}, {1, 3, 0, 4, 4, 3}, {1, 3, 0, 4, 5, 3}, {1, 3, 0, 4, 6, 3}, {1, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
-    // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/4] = r2:src@3[0/4]; signal r3:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/4] = r2:src@3[1/4]; signal r3:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 2 step 3: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[2/4] = r2:src@3[2/4]; signal r3:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 2 step 4: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[3/4] = r2:src@3[3/4]; signal r3:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 2 step 5: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[0/4] = r2:src@4[0/4]; signal r4:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
-    // rank 2 step 6: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[1/4] = r2:src@4[1/4]; signal r4:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
-    // rank 2 step 7: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[2/4] = r2:src@4[2/4]; signal r4:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
-    // rank 2 step 8: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[3/4] = r2:src@4[3/4]; signal r4:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
-    // rank 2 step 9: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[0/4] = r2:src@5[0/4]; signal r5:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 8}}},
-    // rank 2 step 10: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[1/4] = r2:src@5[1/4]; signal r5:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 9}}},
-    // rank 2 step 11: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[2/4] = r2:src@5[2/4]; signal r5:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 10}}},
-    // rank 2 step 12: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[3/4] = r2:src@5[3/4]; signal r5:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 11}}},
-    // rank 2 step 13: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[0/4] = r2:src@6[0/4]; signal r6:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
-    // rank 2 step 14: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[1/4] = r2:src@6[1/4]; signal r6:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 9}}},
-    // rank 2 step 15: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[2/4] = r2:src@6[2/4]; signal r6:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 10}}},
-    // rank 2 step 16: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[3/4] = r2:src@6[3/4]; signal r6:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 11}}},
-    // rank 2 step 17: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[0/4] = r2:src@7[0/4]; signal r7:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
-    // rank 2 step 18: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[1/4] = r2:src@7[1/4]; signal r7:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 9}}},
-    // rank 2 step 19: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[2/4] = r2:src@7[2/4]; signal r7:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
-    // rank 2 step 20: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[3/4] = r2:src@7[3/4]; signal r7:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 11}}},
-    // rank 2 step 21: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/4] = r2:src@0[0/4]; signal r0:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 2 step 22: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/4] = r2:src@0[1/4]; signal r0:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 2 step 23: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/4] = r2:src@0[2/4]; signal r0:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 2 step 24: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/4] = r2:src@0[3/4]; signal r0:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 2 step 25: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/4] = r2:src@1[0/4]; signal r1:arrive[8]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 2 step 26: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/4] = r2:src@1[1/4]; signal r1:arrive[9]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 2 step 27: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/4] = r2:src@1[2/4]; signal r1:arrive[10]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 2 step 28: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/4] = r2:src@1[3/4]; signal r1:arrive[11]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 2 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r2:dst@0[0/4] = r2:src@2[0/4] + r2:inbox@0[0/4] + r2:inbox@1[0/4] + r2:inbox@3[0/4] + r2:inbox@4[0/4] + r2:inbox@5[0/4] + r2:inbox@6[0/4] + r2:inbox@7[0/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 4, 0, 0}, {{2, 1, 1, 4, 2, 0}, {2, 3, 0, 4, 0, 0}, {2, 3, 0, 4, 1, 0}, {2, 3, 0, 4, 3, 0}, {2, 3, 0, 4, 4, 0}, {2, 3, 0, 4, 5, 0}, {2, 3, 0, 4, 6, 0}, {2, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},
-    // rank 2 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r2:dst@0[1/4] = r2:src@2[1/4] + r2:inbox@0[1/4] + r2:inbox@1[1/4] + r2:inbox@3[1/4] + r2:inbox@4[1/4] + r2:inbox@5[1/4] + r2:inbox@6[1/4] + r2:inbox@7[1/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 4, 0, 1}, {{2, 1, 1, 4, 2, 1}, {2, 3, 0, 4, 0, 1}, {2, 3, 0, 4, 1, 1}, {2, 3, 0, 4, 3, 1}, {2, 3, 0, 4, 4, 1}, {2, 3, 0, 4, 5, 1}, {2, 3, 0, 4, 6, 1}, {2, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},
-    // rank 2 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r2:dst@0[2/4] = r2:src@2[2/4] + r2:inbox@0[2/4] + r2:inbox@1[2/4] + r2:inbox@3[2/4] + r2:inbox@4[2/4] + r2:inbox@5[2/4] + r2:inbox@6[2/4] + r2:inbox@7[2/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 4, 0, 2}, {{2, 1, 1, 4, 2, 2}, {2, 3, 0, 4, 0, 2}, {2, 3, 0, 4, 1, 2}, {2, 3, 0, 4, 3, 2}, {2, 3, 0, 4, 4, 2}, {2, 3, 0, 4, 5, 2}, {2, 3, 0, 4, 6, 2}, {2, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},
-    // rank 2 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r2:dst@0[3/4] = r2:src@2[3/4] + r2:inbox@0[3/4] + r2:inbox@1[3/4] + r2:inbox@3[3/4] + r2:inbox@4[3/4] + r2:inbox@5[3/4] + r2:inbox@6[3/4] + r2:inbox@7[3/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 4, 0, 3}, {{2, 1, 1, 4, 2, 3}, {2, 3, 0, 4, 0, 3}, {2, 3, 0, 4, 1, 3}, {2, 3, 0, 4, 3, 3}, {2, 3, 0, 4, 4, 3}, {2, 3, 0, 4, 5, 3}, {2, 3, 0, 4, 6, 3}, {2, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
-    // rank 3 step 1: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[0/4] = r3:src@4[0/4]; signal r4:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
-    // rank 3 step 2: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[1/4] = r3:src@4[1/4]; signal r4:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 13}}},
-    // rank 3 step 3: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[2/4] = r3:src@4[2/4]; signal r4:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
-    // rank 3 step 4: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[3/4] = r3:src@4[3/4]; signal r4:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 15}}},
-    // rank 3 step 5: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[0/4] = r3:src@5[0/4]; signal r5:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
-    // rank 3 step 6: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[1/4] = r3:src@5[1/4]; signal r5:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
-    // rank 3 step 7: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[2/4] = r3:src@5[2/4]; signal r5:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
-    // rank 3 step 8: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[3/4] = r3:src@5[3/4]; signal r5:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
-    // rank 3 step 9: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[0/4] = r3:src@6[0/4]; signal r6:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 12}}},
-    // rank 3 step 10: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[1/4] = r3:src@6[1/4]; signal r6:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 13}}},
-    // rank 3 step 11: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[2/4] = r3:src@6[2/4]; signal r6:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
-    // rank 3 step 12: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[3/4] = r3:src@6[3/4]; signal r6:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 15}}},
-    // rank 3 step 13: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[0/4] = r3:src@7[0/4]; signal r7:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 12}}},
-    // rank 3 step 14: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[1/4] = r3:src@7[1/4]; signal r7:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 13}}},
-    // rank 3 step 15: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[2/4] = r3:src@7[2/4]; signal r7:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 14}}},
-    // rank 3 step 16: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[3/4] = r3:src@7[3/4]; signal r7:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 15}}},
-    // rank 3 step 17: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/4] = r3:src@0[0/4]; signal r0:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 3 step 18: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/4] = r3:src@0[1/4]; signal r0:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 3 step 19: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[2/4] = r3:src@0[2/4]; signal r0:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 3 step 20: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[3/4] = r3:src@0[3/4]; signal r0:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 3 step 21: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/4] = r3:src@1[0/4]; signal r1:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 3 step 22: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/4] = r3:src@1[1/4]; signal r1:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 3 step 23: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[2/4] = r3:src@1[2/4]; signal r1:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 3 step 24: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[3/4] = r3:src@1[3/4]; signal r1:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 3 step 25: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/4] = r3:src@2[0/4]; signal r2:arrive[12]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 3 step 26: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/4] = r3:src@2[1/4]; signal r2:arrive[13]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 3 step 27: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[2/4] = r3:src@2[2/4]; signal r2:arrive[14]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 3 step 28: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[3/4] = r3:src@2[3/4]; signal r2:arrive[15]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 3 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[8], arrive[16], arrive[20], arrive[24], arrive[28]; r3:dst@0[0/4] = r3:src@3[0/4] + r3:inbox@0[0/4] + r3:inbox@1[0/4] + r3:inbox@2[0/4] + r3:inbox@4[0/4] + r3:inbox@5[0/4] + r3:inbox@6[0/4] + r3:inbox@7[0/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 4, 0, 0}, {{3, 1, 1, 4, 3, 0}, {3, 3, 0, 4, 0, 0}, {3, 3, 0, 4, 1, 0}, {3, 3, 0, 4, 2, 0}, {3, 3, 0, 4, 4, 0}, {3, 3, 0, 4, 5, 0}, {3, 3, 0, 4, 6, 0}, {3, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},
-    // rank 3 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[9], arrive[17], arrive[21], arrive[25], arrive[29]; r3:dst@0[1/4] = r3:src@3[1/4] + r3:inbox@0[1/4] + r3:inbox@1[1/4] + r3:inbox@2[1/4] + r3:inbox@4[1/4] + r3:inbox@5[1/4] + r3:inbox@6[1/4] + r3:inbox@7[1/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 4, 0, 1}, {{3, 1, 1, 4, 3, 1}, {3, 3, 0, 4, 0, 1}, {3, 3, 0, 4, 1, 1}, {3, 3, 0, 4, 2, 1}, {3, 3, 0, 4, 4, 1}, {3, 3, 0, 4, 5, 1}, {3, 3, 0, 4, 6, 1}, {3, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},
-    // rank 3 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[10], arrive[18], arrive[22], arrive[26], arrive[30]; r3:dst@0[2/4] = r3:src@3[2/4] + r3:inbox@0[2/4] + r3:inbox@1[2/4] + r3:inbox@2[2/4] + r3:inbox@4[2/4] + r3:inbox@5[2/4] + r3:inbox@6[2/4] + r3:inbox@7[2/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 4, 0, 2}, {{3, 1, 1, 4, 3, 2}, {3, 3, 0, 4, 0, 2}, {3, 3, 0, 4, 1, 2}, {3, 3, 0, 4, 2, 2}, {3, 3, 0, 4, 4, 2}, {3, 3, 0, 4, 5, 2}, {3, 3, 0, 4, 6, 2}, {3, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},
-    // rank 3 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[11], arrive[19], arrive[23], arrive[27], arrive[31]; r3:dst@0[3/4] = r3:src@3[3/4] + r3:inbox@0[3/4] + r3:inbox@1[3/4] + r3:inbox@2[3/4] + r3:inbox@4[3/4] + r3:inbox@5[3/4] + r3:inbox@6[3/4] + r3:inbox@7[3/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 4, 0, 3}, {{3, 1, 1, 4, 3, 3}, {3, 3, 0, 4, 0, 3}, {3, 3, 0, 4, 1, 3}, {3, 3, 0, 4, 2, 3}, {3, 3, 0, 4, 4, 3}, {3, 3, 0, 4, 5, 3}, {3, 3, 0, 4, 6, 3}, {3, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
-    // rank 4 step 1: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[0/4] = r4:src@5[0/4]; signal r5:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 16}}},
-    // rank 4 step 2: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[1/4] = r4:src@5[1/4]; signal r5:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 17}}},
-    // rank 4 step 3: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[2/4] = r4:src@5[2/4]; signal r5:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 18}}},
-    // rank 4 step 4: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[3/4] = r4:src@5[3/4]; signal r5:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 19}}},
-    // rank 4 step 5: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[0/4] = r4:src@6[0/4]; signal r6:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
-    // rank 4 step 6: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[1/4] = r4:src@6[1/4]; signal r6:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
-    // rank 4 step 7: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[2/4] = r4:src@6[2/4]; signal r6:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
-    // rank 4 step 8: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[3/4] = r4:src@6[3/4]; signal r6:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
-    // rank 4 step 9: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[0/4] = r4:src@7[0/4]; signal r7:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 16}}},
-    // rank 4 step 10: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[1/4] = r4:src@7[1/4]; signal r7:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 17}}},
-    // rank 4 step 11: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[2/4] = r4:src@7[2/4]; signal r7:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 18}}},
-    // rank 4 step 12: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[3/4] = r4:src@7[3/4]; signal r7:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 19}}},
-    // rank 4 step 13: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[0/4] = r4:src@0[0/4]; signal r0:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 4 step 14: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[1/4] = r4:src@0[1/4]; signal r0:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 4 step 15: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[2/4] = r4:src@0[2/4]; signal r0:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 4 step 16: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[3/4] = r4:src@0[3/4]; signal r0:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 4 step 17: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[0/4] = r4:src@1[0/4]; signal r1:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 4 step 18: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[1/4] = r4:src@1[1/4]; signal r1:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 4 step 19: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[2/4] = r4:src@1[2/4]; signal r1:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 4 step 20: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[3/4] = r4:src@1[3/4]; signal r1:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 4 step 21: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[0/4] = r4:src@2[0/4]; signal r2:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 16}}},
-    // rank 4 step 22: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[1/4] = r4:src@2[1/4]; signal r2:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 17}}},
-    // rank 4 step 23: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[2/4] = r4:src@2[2/4]; signal r2:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 18}}},
-    // rank 4 step 24: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[3/4] = r4:src@2[3/4]; signal r2:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 19}}},
-    // rank 4 step 25: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[0/4] = r4:src@3[0/4]; signal r3:arrive[16]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
-    // rank 4 step 26: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[1/4] = r4:src@3[1/4]; signal r3:arrive[17]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
-    // rank 4 step 27: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[2/4] = r4:src@3[2/4]; signal r3:arrive[18]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
-    // rank 4 step 28: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[3/4] = r4:src@3[3/4]; signal r3:arrive[19]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
-    // rank 4 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[20], arrive[24], arrive[28]; r4:dst@0[0/4] = r4:src@4[0/4] + r4:inbox@0[0/4] + r4:inbox@1[0/4] + r4:inbox@2[0/4] + r4:inbox@3[0/4] + r4:inbox@5[0/4] + r4:inbox@6[0/4] + r4:inbox@7[0/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 4, 0, 0}, {{4, 1, 1, 4, 4, 0}, {4, 3, 0, 4, 0, 0}, {4, 3, 0, 4, 1, 0}, {4, 3, 0, 4, 2, 0}, {4, 3, 0, 4, 3, 0}, {4, 3, 0, 4, 5, 0}, {4, 3, 0, 4, 6, 0}, {4, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},
-    // rank 4 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[21], arrive[25], arrive[29]; r4:dst@0[1/4] = r4:src@4[1/4] + r4:inbox@0[1/4] + r4:inbox@1[1/4] + r4:inbox@2[1/4] + r4:inbox@3[1/4] + r4:inbox@5[1/4] + r4:inbox@6[1/4] + r4:inbox@7[1/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 4, 0, 1}, {{4, 1, 1, 4, 4, 1}, {4, 3, 0, 4, 0, 1}, {4, 3, 0, 4, 1, 1}, {4, 3, 0, 4, 2, 1}, {4, 3, 0, 4, 3, 1}, {4, 3, 0, 4, 5, 1}, {4, 3, 0, 4, 6, 1}, {4, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},
-    // rank 4 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[22], arrive[26], arrive[30]; r4:dst@0[2/4] = r4:src@4[2/4] + r4:inbox@0[2/4] + r4:inbox@1[2/4] + r4:inbox@2[2/4] + r4:inbox@3[2/4] + r4:inbox@5[2/4] + r4:inbox@6[2/4] + r4:inbox@7[2/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 4, 0, 2}, {{4, 1, 1, 4, 4, 2}, {4, 3, 0, 4, 0, 2}, {4, 3, 0, 4, 1, 2}, {4, 3, 0, 4, 2, 2}, {4, 3, 0, 4, 3, 2}, {4, 3, 0, 4, 5, 2}, {4, 3, 0, 4, 6, 2}, {4, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},
-    // rank 4 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[23], arrive[27], arrive[31]; r4:dst@0[3/4] = r4:src@4[3/4] + r4:inbox@0[3/4] + r4:inbox@1[3/4] + r4:inbox@2[3/4] + r4:inbox@3[3/4] + r4:inbox@5[3/4] + r4:inbox@6[3/4] + r4:inbox@7[3/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 4, 0, 3}, {{4, 1, 1, 4, 4, 3}, {4, 3, 0, 4, 0, 3}, {4, 3, 0, 4, 1, 3}, {4, 3, 0, 4, 2, 3}, {4, 3, 0, 4, 3, 3}, {4, 3, 0, 4, 5, 3}, {4, 3, 0, 4, 6, 3}, {4, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
-    // rank 5 step 1: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[0/4] = r5:src@6[0/4]; signal r6:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 20}}},
-    // rank 5 step 2: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[1/4] = r5:src@6[1/4]; signal r6:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 21}}},
-    // rank 5 step 3: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[2/4] = r5:src@6[2/4]; signal r6:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 22}}},
-    // rank 5 step 4: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[3/4] = r5:src@6[3/4]; signal r6:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 23}}},
-    // rank 5 step 5: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[0/4] = r5:src@7[0/4]; signal r7:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
-    // rank 5 step 6: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[1/4] = r5:src@7[1/4]; signal r7:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
-    // rank 5 step 7: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[2/4] = r5:src@7[2/4]; signal r7:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
-    // rank 5 step 8: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[3/4] = r5:src@7[3/4]; signal r7:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
-    // rank 5 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[0/4] = r5:src@0[0/4]; signal r0:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 5 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[1/4] = r5:src@0[1/4]; signal r0:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 5 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[2/4] = r5:src@0[2/4]; signal r0:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 5 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[3/4] = r5:src@0[3/4]; signal r0:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 5 step 13: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[0/4] = r5:src@1[0/4]; signal r1:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 5 step 14: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[1/4] = r5:src@1[1/4]; signal r1:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 5 step 15: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[2/4] = r5:src@1[2/4]; signal r1:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 5 step 16: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[3/4] = r5:src@1[3/4]; signal r1:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 5 step 17: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[0/4] = r5:src@2[0/4]; signal r2:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 20}}},
-    // rank 5 step 18: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[1/4] = r5:src@2[1/4]; signal r2:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 21}}},
-    // rank 5 step 19: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[2/4] = r5:src@2[2/4]; signal r2:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 22}}},
-    // rank 5 step 20: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[3/4] = r5:src@2[3/4]; signal r2:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 23}}},
-    // rank 5 step 21: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[0/4] = r5:src@3[0/4]; signal r3:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
-    // rank 5 step 22: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[1/4] = r5:src@3[1/4]; signal r3:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
-    // rank 5 step 23: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[2/4] = r5:src@3[2/4]; signal r3:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
-    // rank 5 step 24: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[3/4] = r5:src@3[3/4]; signal r3:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
-    // rank 5 step 25: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[0/4] = r5:src@4[0/4]; signal r4:arrive[20]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
-    // rank 5 step 26: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[1/4] = r5:src@4[1/4]; signal r4:arrive[21]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
-    // rank 5 step 27: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[2/4] = r5:src@4[2/4]; signal r4:arrive[22]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
-    // rank 5 step 28: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[3/4] = r5:src@4[3/4]; signal r4:arrive[23]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
-    // rank 5 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[24], arrive[28]; r5:dst@0[0/4] = r5:src@5[0/4] + r5:inbox@0[0/4] + r5:inbox@1[0/4] + r5:inbox@2[0/4] + r5:inbox@3[0/4] + r5:inbox@4[0/4] + r5:inbox@6[0/4] + r5:inbox@7[0/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 4, 0, 0}, {{5, 1, 1, 4, 5, 0}, {5, 3, 0, 4, 0, 0}, {5, 3, 0, 4, 1, 0}, {5, 3, 0, 4, 2, 0}, {5, 3, 0, 4, 3, 0}, {5, 3, 0, 4, 4, 0}, {5, 3, 0, 4, 6, 0}, {5, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},
-    // rank 5 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[25], arrive[29]; r5:dst@0[1/4] = r5:src@5[1/4] + r5:inbox@0[1/4] + r5:inbox@1[1/4] + r5:inbox@2[1/4] + r5:inbox@3[1/4] + r5:inbox@4[1/4] + r5:inbox@6[1/4] + r5:inbox@7[1/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 4, 0, 1}, {{5, 1, 1, 4, 5, 1}, {5, 3, 0, 4, 0, 1}, {5, 3, 0, 4, 1, 1}, {5, 3, 0, 4, 2, 1}, {5, 3, 0, 4, 3, 1}, {5, 3, 0, 4, 4, 1}, {5, 3, 0, 4, 6, 1}, {5, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},
-    // rank 5 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[26], arrive[30]; r5:dst@0[2/4] = r5:src@5[2/4] + r5:inbox@0[2/4] + r5:inbox@1[2/4] + r5:inbox@2[2/4] + r5:inbox@3[2/4] + r5:inbox@4[2/4] + r5:inbox@6[2/4] + r5:inbox@7[2/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 4, 0, 2}, {{5, 1, 1, 4, 5, 2}, {5, 3, 0, 4, 0, 2}, {5, 3, 0, 4, 1, 2}, {5, 3, 0, 4, 2, 2}, {5, 3, 0, 4, 3, 2}, {5, 3, 0, 4, 4, 2}, {5, 3, 0, 4, 6, 2}, {5, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},
-    // rank 5 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[27], arrive[31]; r5:dst@0[3/4] = r5:src@5[3/4] + r5:inbox@0[3/4] + r5:inbox@1[3/4] + r5:inbox@2[3/4] + r5:inbox@3[3/4] + r5:inbox@4[3/4] + r5:inbox@6[3/4] + r5:inbox@7[3/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 4, 0, 3}, {{5, 1, 1, 4, 5, 3}, {5, 3, 0, 4, 0, 3}, {5, 3, 0, 4, 1, 3}, {5, 3, 0, 4, 2, 3}, {5, 3, 0, 4, 3, 3}, {5, 3, 0, 4, 4, 3}, {5, 3, 0, 4, 6, 3}, {5, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
-    // rank 6 step 1: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[0/4] = r6:src@7[0/4]; signal r7:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 24}}},
-    // rank 6 step 2: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[1/4] = r6:src@7[1/4]; signal r7:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 25}}},
-    // rank 6 step 3: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[2/4] = r6:src@7[2/4]; signal r7:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 26}}},
-    // rank 6 step 4: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[3/4] = r6:src@7[3/4]; signal r7:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 27}}},
-    // rank 6 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[0/4] = r6:src@0[0/4]; signal r0:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
-    // rank 6 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[1/4] = r6:src@0[1/4]; signal r0:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
-    // rank 6 step 7: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[2/4] = r6:src@0[2/4]; signal r0:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
-    // rank 6 step 8: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[3/4] = r6:src@0[3/4]; signal r0:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
-    // rank 6 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[0/4] = r6:src@1[0/4]; signal r1:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
-    // rank 6 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[1/4] = r6:src@1[1/4]; signal r1:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
-    // rank 6 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[2/4] = r6:src@1[2/4]; signal r1:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
-    // rank 6 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[3/4] = r6:src@1[3/4]; signal r1:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
-    // rank 6 step 13: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[0/4] = r6:src@2[0/4]; signal r2:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
-    // rank 6 step 14: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[1/4] = r6:src@2[1/4]; signal r2:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
-    // rank 6 step 15: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[2/4] = r6:src@2[2/4]; signal r2:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
-    // rank 6 step 16: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[3/4] = r6:src@2[3/4]; signal r2:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
-    // rank 6 step 17: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[0/4] = r6:src@3[0/4]; signal r3:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 24}}},
-    // rank 6 step 18: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[1/4] = r6:src@3[1/4]; signal r3:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 25}}},
-    // rank 6 step 19: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[2/4] = r6:src@3[2/4]; signal r3:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 26}}},
-    // rank 6 step 20: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[3/4] = r6:src@3[3/4]; signal r3:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 27}}},
-    // rank 6 step 21: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[0/4] = r6:src@4[0/4]; signal r4:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 24}}},
-    // rank 6 step 22: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[1/4] = r6:src@4[1/4]; signal r4:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 25}}},
-    // rank 6 step 23: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[2/4] = r6:src@4[2/4]; signal r4:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 26}}},
-    // rank 6 step 24: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[3/4] = r6:src@4[3/4]; signal r4:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 27}}},
-    // rank 6 step 25: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[0/4] = r6:src@5[0/4]; signal r5:arrive[24]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
-    // rank 6 step 26: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[1/4] = r6:src@5[1/4]; signal r5:arrive[25]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
-    // rank 6 step 27: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[2/4] = r6:src@5[2/4]; signal r5:arrive[26]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
-    // rank 6 step 28: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[3/4] = r6:src@5[3/4]; signal r5:arrive[27]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
-    // rank 6 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[28]; r6:dst@0[0/4] = r6:src@6[0/4] + r6:inbox@0[0/4] + r6:inbox@1[0/4] + r6:inbox@2[0/4] + r6:inbox@3[0/4] + r6:inbox@4[0/4] + r6:inbox@5[0/4] + r6:inbox@7[0/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 4, 0, 0}, {{6, 1, 1, 4, 6, 0}, {6, 3, 0, 4, 0, 0}, {6, 3, 0, 4, 1, 0}, {6, 3, 0, 4, 2, 0}, {6, 3, 0, 4, 3, 0}, {6, 3, 0, 4, 4, 0}, {6, 3, 0, 4, 5, 0}, {6, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 28, 1}}, {}},
-    // rank 6 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[29]; r6:dst@0[1/4] = r6:src@6[1/4] + r6:inbox@0[1/4] + r6:inbox@1[1/4] + r6:inbox@2[1/4] + r6:inbox@3[1/4] + r6:inbox@4[1/4] + r6:inbox@5[1/4] + r6:inbox@7[1/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 4, 0, 1}, {{6, 1, 1, 4, 6, 1}, {6, 3, 0, 4, 0, 1}, {6, 3, 0, 4, 1, 1}, {6, 3, 0, 4, 2, 1}, {6, 3, 0, 4, 3, 1}, {6, 3, 0, 4, 4, 1}, {6, 3, 0, 4, 5, 1}, {6, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 29, 1}}, {}},
-    // rank 6 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[30]; r6:dst@0[2/4] = r6:src@6[2/4] + r6:inbox@0[2/4] + r6:inbox@1[2/4] + r6:inbox@2[2/4] + r6:inbox@3[2/4] + r6:inbox@4[2/4] + r6:inbox@5[2/4] + r6:inbox@7[2/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 4, 0, 2}, {{6, 1, 1, 4, 6, 2}, {6, 3, 0, 4, 0, 2}, {6, 3, 0, 4, 1, 2}, {6, 3, 0, 4, 2, 2}, {6, 3, 0, 4, 3, 2}, {6, 3, 0, 4, 4, 2}, {6, 3, 0, 4, 5, 2}, {6, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 30, 1}}, {}},
-    // rank 6 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[31]; r6:dst@0[3/4] = r6:src@6[3/4] + r6:inbox@0[3/4] + r6:inbox@1[3/4] + r6:inbox@2[3/4] + r6:inbox@3[3/4] + r6:inbox@4[3/4] + r6:inbox@5[3/4] + r6:inbox@7[3/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 4, 0, 3}, {{6, 1, 1, 4, 6, 3}, {6, 3, 0, 4, 0, 3}, {6, 3, 0, 4, 1, 3}, {6, 3, 0, 4, 2, 3}, {6, 3, 0, 4, 3, 3}, {6, 3, 0, 4, 4, 3}, {6, 3, 0, 4, 5, 3}, {6, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 31, 1}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
-    // rank 7 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[0/4] = r7:src@0[0/4]; signal r0:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
-    // rank 7 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[1/4] = r7:src@0[1/4]; signal r0:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
-    // rank 7 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[2/4] = r7:src@0[2/4]; signal r0:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
-    // rank 7 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[3/4] = r7:src@0[3/4]; signal r0:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
-    // rank 7 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[0/4] = r7:src@1[0/4]; signal r1:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
-    // rank 7 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[1/4] = r7:src@1[1/4]; signal r1:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
-    // rank 7 step 7: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[2/4] = r7:src@1[2/4]; signal r1:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
-    // rank 7 step 8: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[3/4] = r7:src@1[3/4]; signal r1:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
-    // rank 7 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[0/4] = r7:src@2[0/4]; signal r2:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
-    // rank 7 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[1/4] = r7:src@2[1/4]; signal r2:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
-    // rank 7 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[2/4] = r7:src@2[2/4]; signal r2:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
-    // rank 7 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[3/4] = r7:src@2[3/4]; signal r2:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
-    // rank 7 step 13: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[0/4] = r7:src@3[0/4]; signal r3:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 28}}},
-    // rank 7 step 14: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[1/4] = r7:src@3[1/4]; signal r3:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 29}}},
-    // rank 7 step 15: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[2/4] = r7:src@3[2/4]; signal r3:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 30}}},
-    // rank 7 step 16: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[3/4] = r7:src@3[3/4]; signal r3:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 31}}},
-    // rank 7 step 17: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[0/4] = r7:src@4[0/4]; signal r4:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 28}}},
-    // rank 7 step 18: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[1/4] = r7:src@4[1/4]; signal r4:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 29}}},
-    // rank 7 step 19: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[2/4] = r7:src@4[2/4]; signal r4:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 30}}},
-    // rank 7 step 20: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[3/4] = r7:src@4[3/4]; signal r4:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 31}}},
-    // rank 7 step 21: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[0/4] = r7:src@5[0/4]; signal r5:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
-    // rank 7 step 22: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[1/4] = r7:src@5[1/4]; signal r5:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
-    // rank 7 step 23: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[2/4] = r7:src@5[2/4]; signal r5:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
-    // rank 7 step 24: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[3/4] = r7:src@5[3/4]; signal r5:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
-    // rank 7 step 25: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[0/4] = r7:src@6[0/4]; signal r6:arrive[28]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 28}}},
-    // rank 7 step 26: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[1/4] = r7:src@6[1/4]; signal r6:arrive[29]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 29}}},
-    // rank 7 step 27: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[2/4] = r7:src@6[2/4]; signal r6:arrive[30]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 30}}},
-    // rank 7 step 28: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[3/4] = r7:src@6[3/4]; signal r6:arrive[31]
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 31}}},
-    // rank 7 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24]; r7:dst@0[0/4] = r7:src@7[0/4] + r7:inbox@0[0/4] + r7:inbox@1[0/4] + r7:inbox@2[0/4] + r7:inbox@3[0/4] + r7:inbox@4[0/4] + r7:inbox@5[0/4] + r7:inbox@6[0/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 4, 0, 0}, {{7, 1, 1, 4, 7, 0}, {7, 3, 0, 4, 0, 0}, {7, 3, 0, 4, 1, 0}, {7, 3, 0, 4, 2, 0}, {7, 3, 0, 4, 3, 0}, {7, 3, 0, 4, 4, 0}, {7, 3, 0, 4, 5, 0}, {7, 3, 0, 4, 6, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}}, {}},
-    // rank 7 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25]; r7:dst@0[1/4] = r7:src@7[1/4] + r7:inbox@0[1/4] + r7:inbox@1[1/4] + r7:inbox@2[1/4] + r7:inbox@3[1/4] + r7:inbox@4[1/4] + r7:inbox@5[1/4] + r7:inbox@6[1/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 4, 0, 1}, {{7, 1, 1, 4, 7, 1}, {7, 3, 0, 4, 0, 1}, {7, 3, 0, 4, 1, 1}, {7, 3, 0, 4, 2, 1}, {7, 3, 0, 4, 3, 1}, {7, 3, 0, 4, 4, 1}, {7, 3, 0, 4, 5, 1}, {7, 3, 0, 4, 6, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}}, {}},
-    // rank 7 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26]; r7:dst@0[2/4] = r7:src@7[2/4] + r7:inbox@0[2/4] + r7:inbox@1[2/4] + r7:inbox@2[2/4] + r7:inbox@3[2/4] + r7:inbox@4[2/4] + r7:inbox@5[2/4] + r7:inbox@6[2/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 4, 0, 2}, {{7, 1, 1, 4, 7, 2}, {7, 3, 0, 4, 0, 2}, {7, 3, 0, 4, 1, 2}, {7, 3, 0, 4, 2, 2}, {7, 3, 0, 4, 3, 2}, {7, 3, 0, 4, 4, 2}, {7, 3, 0, 4, 5, 2}, {7, 3, 0, 4, 6, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}}, {}},
-    // rank 7 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27]; r7:dst@0[3/4] = r7:src@7[3/4] + r7:inbox@0[3/4] + r7:inbox@1[3/4] + r7:inbox@2[3/4] + r7:inbox@3[3/4] + r7:inbox@4[3/4] + r7:inbox@5[3/4] + r7:inbox@6[3/4]
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 4, 0, 3}, {{7, 1, 1, 4, 7, 3}, {7, 3, 0, 4, 0, 3}, {7, 3, 0, 4, 1, 3}, {7, 3, 0, 4, 2, 3}, {7, 3, 0, 4, 3, 3}, {7, 3, 0, 4, 4, 3}, {7, 3, 0, 4, 5, 3}, {7, 3, 0, 4, 6, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/4] = r0:src@1[0/4]; signal r1:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/4] = r0:src@1[1/4]; signal r1:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/4] = r0:src@1[2/4]; signal r1:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/4] = r0:src@1[3/4]; signal r1:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/4] = r0:src@2[0/4]; signal r2:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/4] = r0:src@2[1/4]; signal r2:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 7: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/4] = r0:src@2[2/4]; signal r2:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 8: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/4] = r0:src@2[3/4]; signal r2:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 0 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/4] = r0:src@3[0/4]; signal r3:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 0 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/4] = r0:src@3[1/4]; signal r3:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 0 step 11: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[2/4] = r0:src@3[2/4]; signal r3:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 0 step 12: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[3/4] = r0:src@3[3/4]; signal r3:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 0}}},  // rank 0 step 13: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[0/4] = r0:src@4[0/4]; signal r4:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 1}}},  // rank 0 step 14: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[1/4] = r0:src@4[1/4]; signal r4:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 2}}},  // rank 0 step 15: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[2/4] = r0:src@4[2/4]; signal r4:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 3}}},  // rank 0 step 16: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[3/4] = r0:src@4[3/4]; signal r4:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 0}}},  // rank 0 step 17: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[0/4] = r0:src@5[0/4]; signal r5:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 1}}},  // rank 0 step 18: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[1/4] = r0:src@5[1/4]; signal r5:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 2}}},  // rank 0 step 19: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[2/4] = r0:src@5[2/4]; signal r5:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 3}}},  // rank 0 step 20: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[3/4] = r0:src@5[3/4]; signal r5:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 0}}},  // rank 0 step 21: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[0/4] = r0:src@6[0/4]; signal r6:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 1}}},  // rank 0 step 22: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[1/4] = r0:src@6[1/4]; signal r6:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 2}}},  // rank 0 step 23: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[2/4] = r0:src@6[2/4]; signal r6:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 3}}},  // rank 0 step 24: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[3/4] = r0:src@6[3/4]; signal r6:arrive[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 0, 0}, {{0, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 0}}},  // rank 0 step 25: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[0/4] = r0:src@7[0/4]; signal r7:arrive[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 0, 1}, {{0, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 1}}},  // rank 0 step 26: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[1/4] = r0:src@7[1/4]; signal r7:arrive[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 0, 2}, {{0, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 2}}},  // rank 0 step 27: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[2/4] = r0:src@7[2/4]; signal r7:arrive[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 0, 3}, {{0, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 3}}},  // rank 0 step 28: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[3/4] = r0:src@7[3/4]; signal r7:arrive[3]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 4, 0, 0}, {{0, 1, 1, 4, 0, 0}, {0, 3, 0, 4, 1, 0}, {0, 3, 0, 4, 2, 0}, {0, 3, 0, 4, 3, 0}, {0, 3, 0, 4, 4, 0}, {0, 3, 0, 4, 5, 0}, {0, 3, 0, 4, 6, 0}, {0, 3, 0, 4, 7, 0}}, {}, {{5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},  // rank 0 step 29: reduce piece 0; wait arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r0:dst@0[0/4] = r0:src@0[0/4] + r0:inbox@1[0/4] + r0:inbox@2[0/4] + r0:inbox@3[0/4] + r0:inbox@4[0/4] + r0:inbox@5[0/4] + r0:inbox@6[0/4] + r0:inbox@7[0/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 4, 0, 1}, {{0, 1, 1, 4, 0, 1}, {0, 3, 0, 4, 1, 1}, {0, 3, 0, 4, 2, 1}, {0, 3, 0, 4, 3, 1}, {0, 3, 0, 4, 4, 1}, {0, 3, 0, 4, 5, 1}, {0, 3, 0, 4, 6, 1}, {0, 3, 0, 4, 7, 1}}, {}, {{5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},  // rank 0 step 30: reduce piece 1; wait arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r0:dst@0[1/4] = r0:src@0[1/4] + r0:inbox@1[1/4] + r0:inbox@2[1/4] + r0:inbox@3[1/4] + r0:inbox@4[1/4] + r0:inbox@5[1/4] + r0:inbox@6[1/4] + r0:inbox@7[1/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 4, 0, 2}, {{0, 1, 1, 4, 0, 2}, {0, 3, 0, 4, 1, 2}, {0, 3, 0, 4, 2, 2}, {0, 3, 0, 4, 3, 2}, {0, 3, 0, 4, 4, 2}, {0, 3, 0, 4, 5, 2}, {0, 3, 0, 4, 6, 2}, {0, 3, 0, 4, 7, 2}}, {}, {{5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},  // rank 0 step 31: reduce piece 2; wait arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r0:dst@0[2/4] = r0:src@0[2/4] + r0:inbox@1[2/4] + r0:inbox@2[2/4] + r0:inbox@3[2/4] + r0:inbox@4[2/4] + r0:inbox@5[2/4] + r0:inbox@6[2/4] + r0:inbox@7[2/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 4, 0, 3}, {{0, 1, 1, 4, 0, 3}, {0, 3, 0, 4, 1, 3}, {0, 3, 0, 4, 2, 3}, {0, 3, 0, 4, 3, 3}, {0, 3, 0, 4, 4, 3}, {0, 3, 0, 4, 5, 3}, {0, 3, 0, 4, 6, 3}, {0, 3, 0, 4, 7, 3}}, {}, {{5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},  // rank 0 step 32: reduce piece 3; wait arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r0:dst@0[3/4] = r0:src@0[3/4] + r0:inbox@1[3/4] + r0:inbox@2[3/4] + r0:inbox@3[3/4] + r0:inbox@4[3/4] + r0:inbox@5[3/4] + r0:inbox@6[3/4] + r0:inbox@7[3/4]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/4] = r1:src@2[0/4]; signal r2:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/4] = r1:src@2[1/4]; signal r2:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/4] = r1:src@2[2/4]; signal r2:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/4] = r1:src@2[3/4]; signal r2:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 1 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/4] = r1:src@3[0/4]; signal r3:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 1 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/4] = r1:src@3[1/4]; signal r3:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 1 step 7: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[2/4] = r1:src@3[2/4]; signal r3:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 1 step 8: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[3/4] = r1:src@3[3/4]; signal r3:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 4}}},  // rank 1 step 9: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[0/4] = r1:src@4[0/4]; signal r4:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 5}}},  // rank 1 step 10: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[1/4] = r1:src@4[1/4]; signal r4:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 6}}},  // rank 1 step 11: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[2/4] = r1:src@4[2/4]; signal r4:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 7}}},  // rank 1 step 12: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[3/4] = r1:src@4[3/4]; signal r4:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 4}}},  // rank 1 step 13: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[0/4] = r1:src@5[0/4]; signal r5:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 5}}},  // rank 1 step 14: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[1/4] = r1:src@5[1/4]; signal r5:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 6}}},  // rank 1 step 15: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[2/4] = r1:src@5[2/4]; signal r5:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 7}}},  // rank 1 step 16: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[3/4] = r1:src@5[3/4]; signal r5:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 4}}},  // rank 1 step 17: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[0/4] = r1:src@6[0/4]; signal r6:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 5}}},  // rank 1 step 18: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[1/4] = r1:src@6[1/4]; signal r6:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 6}}},  // rank 1 step 19: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[2/4] = r1:src@6[2/4]; signal r6:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 7}}},  // rank 1 step 20: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[3/4] = r1:src@6[3/4]; signal r6:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 4}}},  // rank 1 step 21: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[0/4] = r1:src@7[0/4]; signal r7:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 5}}},  // rank 1 step 22: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[1/4] = r1:src@7[1/4]; signal r7:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 6}}},  // rank 1 step 23: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[2/4] = r1:src@7[2/4]; signal r7:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 7}}},  // rank 1 step 24: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[3/4] = r1:src@7[3/4]; signal r7:arrive[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 0}, {{1, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 1 step 25: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/4] = r1:src@0[0/4]; signal r0:arrive[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 1}, {{1, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 1 step 26: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/4] = r1:src@0[1/4]; signal r0:arrive[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 2}, {{1, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 1 step 27: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/4] = r1:src@0[2/4]; signal r0:arrive[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 1, 3}, {{1, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 1 step 28: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/4] = r1:src@0[3/4]; signal r0:arrive[7]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 4, 0, 0}, {{1, 1, 1, 4, 1, 0}, {1, 3, 0, 4, 0, 0}, {1, 3, 0, 4, 2, 0}, {1, 3, 0, 4, 3, 0}, {1, 3, 0, 4, 4, 0}, {1, 3, 0, 4, 5, 0}, {1, 3, 0, 4, 6, 0}, {1, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},  // rank 1 step 29: reduce piece 0; wait arrive[0], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r1:dst@0[0/4] = r1:src@1[0/4] + r1:inbox@0[0/4] + r1:inbox@2[0/4] + r1:inbox@3[0/4] + r1:inbox@4[0/4] + r1:inbox@5[0/4] + r1:inbox@6[0/4] + r1:inbox@7[0/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 4, 0, 1}, {{1, 1, 1, 4, 1, 1}, {1, 3, 0, 4, 0, 1}, {1, 3, 0, 4, 2, 1}, {1, 3, 0, 4, 3, 1}, {1, 3, 0, 4, 4, 1}, {1, 3, 0, 4, 5, 1}, {1, 3, 0, 4, 6, 1}, {1, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},  // rank 1 step 30: reduce piece 1; wait arrive[1], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r1:dst@0[1/4] = r1:src@1[1/4] + r1:inbox@0[1/4] + r1:inbox@2[1/4] + r1:inbox@3[1/4] + r1:inbox@4[1/4] + r1:inbox@5[1/4] + r1:inbox@6[1/4] + r1:inbox@7[1/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 4, 0, 2}, {{1, 1, 1, 4, 1, 2}, {1, 3, 0, 4, 0, 2}, {1, 3, 0, 4, 2, 2}, {1, 3, 0, 4, 3, 2}, {1, 3, 0, 4, 4, 2}, {1, 3, 0, 4, 5, 2}, {1, 3, 0, 4, 6, 2}, {1, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},  // rank 1 step 31: reduce piece 2; wait arrive[2], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r1:dst@0[2/4] = r1:src@1[2/4] + r1:inbox@0[2/4] + r1:inbox@2[2/4] + r1:inbox@3[2/4] + r1:inbox@4[2/4] + r1:inbox@5[2/4] + r1:inbox@6[2/4] + r1:inbox@7[2/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 4, 0, 3}, {{1, 1, 1, 4, 1, 3}, {1, 3, 0, 4, 0, 3}, {1, 3, 0, 4, 2, 3}, {1, 3, 0, 4, 3, 3}, {1, 3, 0, 4, 4, 3}, {1, 3, 0, 4, 5, 3}, {1, 3, 0, 4, 6, 3}, {1, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},  // rank 1 step 32: reduce piece 3; wait arrive[3], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r1:dst@0[3/4] = r1:src@1[3/4] + r1:inbox@0[3/4] + r1:inbox@2[3/4] + r1:inbox@3[3/4] + r1:inbox@4[3/4] + r1:inbox@5[3/4] + r1:inbox@6[3/4] + r1:inbox@7[3/4]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},  // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/4] = r2:src@3[0/4]; signal r3:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},  // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/4] = r2:src@3[1/4]; signal r3:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},  // rank 2 step 3: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[2/4] = r2:src@3[2/4]; signal r3:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},  // rank 2 step 4: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[3/4] = r2:src@3[3/4]; signal r3:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},  // rank 2 step 5: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[0/4] = r2:src@4[0/4]; signal r4:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},  // rank 2 step 6: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[1/4] = r2:src@4[1/4]; signal r4:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},  // rank 2 step 7: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[2/4] = r2:src@4[2/4]; signal r4:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},  // rank 2 step 8: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[3/4] = r2:src@4[3/4]; signal r4:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 8}}},  // rank 2 step 9: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[0/4] = r2:src@5[0/4]; signal r5:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 9}}},  // rank 2 step 10: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[1/4] = r2:src@5[1/4]; signal r5:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 10}}},  // rank 2 step 11: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[2/4] = r2:src@5[2/4]; signal r5:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 11}}},  // rank 2 step 12: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[3/4] = r2:src@5[3/4]; signal r5:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 8}}},  // rank 2 step 13: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[0/4] = r2:src@6[0/4]; signal r6:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 9}}},  // rank 2 step 14: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[1/4] = r2:src@6[1/4]; signal r6:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 10}}},  // rank 2 step 15: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[2/4] = r2:src@6[2/4]; signal r6:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 11}}},  // rank 2 step 16: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[3/4] = r2:src@6[3/4]; signal r6:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 8}}},  // rank 2 step 17: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[0/4] = r2:src@7[0/4]; signal r7:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 9}}},  // rank 2 step 18: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[1/4] = r2:src@7[1/4]; signal r7:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 10}}},  // rank 2 step 19: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[2/4] = r2:src@7[2/4]; signal r7:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 11}}},  // rank 2 step 20: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[3/4] = r2:src@7[3/4]; signal r7:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 2 step 21: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/4] = r2:src@0[0/4]; signal r0:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 2 step 22: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/4] = r2:src@0[1/4]; signal r0:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 2 step 23: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/4] = r2:src@0[2/4]; signal r0:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 2 step 24: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/4] = r2:src@0[3/4]; signal r0:arrive[11]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 0}, {{2, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 2 step 25: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/4] = r2:src@1[0/4]; signal r1:arrive[8]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 1}, {{2, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 2 step 26: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/4] = r2:src@1[1/4]; signal r1:arrive[9]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 2}, {{2, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 2 step 27: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/4] = r2:src@1[2/4]; signal r1:arrive[10]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 2, 3}, {{2, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 2 step 28: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/4] = r2:src@1[3/4]; signal r1:arrive[11]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 4, 0, 0}, {{2, 1, 1, 4, 2, 0}, {2, 3, 0, 4, 0, 0}, {2, 3, 0, 4, 1, 0}, {2, 3, 0, 4, 3, 0}, {2, 3, 0, 4, 4, 0}, {2, 3, 0, 4, 5, 0}, {2, 3, 0, 4, 6, 0}, {2, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},  // rank 2 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[12], arrive[16], arrive[20], arrive[24], arrive[28]; r2:dst@0[0/4] = r2:src@2[0/4] + r2:inbox@0[0/4] + r2:inbox@1[0/4] + r2:inbox@3[0/4] + r2:inbox@4[0/4] + r2:inbox@5[0/4] + r2:inbox@6[0/4] + r2:inbox@7[0/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 4, 0, 1}, {{2, 1, 1, 4, 2, 1}, {2, 3, 0, 4, 0, 1}, {2, 3, 0, 4, 1, 1}, {2, 3, 0, 4, 3, 1}, {2, 3, 0, 4, 4, 1}, {2, 3, 0, 4, 5, 1}, {2, 3, 0, 4, 6, 1}, {2, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},  // rank 2 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[13], arrive[17], arrive[21], arrive[25], arrive[29]; r2:dst@0[1/4] = r2:src@2[1/4] + r2:inbox@0[1/4] + r2:inbox@1[1/4] + r2:inbox@3[1/4] + r2:inbox@4[1/4] + r2:inbox@5[1/4] + r2:inbox@6[1/4] + r2:inbox@7[1/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 4, 0, 2}, {{2, 1, 1, 4, 2, 2}, {2, 3, 0, 4, 0, 2}, {2, 3, 0, 4, 1, 2}, {2, 3, 0, 4, 3, 2}, {2, 3, 0, 4, 4, 2}, {2, 3, 0, 4, 5, 2}, {2, 3, 0, 4, 6, 2}, {2, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},  // rank 2 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[14], arrive[18], arrive[22], arrive[26], arrive[30]; r2:dst@0[2/4] = r2:src@2[2/4] + r2:inbox@0[2/4] + r2:inbox@1[2/4] + r2:inbox@3[2/4] + r2:inbox@4[2/4] + r2:inbox@5[2/4] + r2:inbox@6[2/4] + r2:inbox@7[2/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 4, 0, 3}, {{2, 1, 1, 4, 2, 3}, {2, 3, 0, 4, 0, 3}, {2, 3, 0, 4, 1, 3}, {2, 3, 0, 4, 3, 3}, {2, 3, 0, 4, 4, 3}, {2, 3, 0, 4, 5, 3}, {2, 3, 0, 4, 6, 3}, {2, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},  // rank 2 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[15], arrive[19], arrive[23], arrive[27], arrive[31]; r2:dst@0[3/4] = r2:src@2[3/4] + r2:inbox@0[3/4] + r2:inbox@1[3/4] + r2:inbox@3[3/4] + r2:inbox@4[3/4] + r2:inbox@5[3/4] + r2:inbox@6[3/4] + r2:inbox@7[3/4]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 12}}},  // rank 3 step 1: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[0/4] = r3:src@4[0/4]; signal r4:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 13}}},  // rank 3 step 2: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[1/4] = r3:src@4[1/4]; signal r4:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 14}}},  // rank 3 step 3: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[2/4] = r3:src@4[2/4]; signal r4:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 15}}},  // rank 3 step 4: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[3/4] = r3:src@4[3/4]; signal r4:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},  // rank 3 step 5: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[0/4] = r3:src@5[0/4]; signal r5:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},  // rank 3 step 6: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[1/4] = r3:src@5[1/4]; signal r5:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},  // rank 3 step 7: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[2/4] = r3:src@5[2/4]; signal r5:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},  // rank 3 step 8: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[3/4] = r3:src@5[3/4]; signal r5:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 12}}},  // rank 3 step 9: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[0/4] = r3:src@6[0/4]; signal r6:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 13}}},  // rank 3 step 10: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[1/4] = r3:src@6[1/4]; signal r6:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 14}}},  // rank 3 step 11: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[2/4] = r3:src@6[2/4]; signal r6:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 15}}},  // rank 3 step 12: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[3/4] = r3:src@6[3/4]; signal r6:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 12}}},  // rank 3 step 13: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[0/4] = r3:src@7[0/4]; signal r7:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 13}}},  // rank 3 step 14: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[1/4] = r3:src@7[1/4]; signal r7:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 14}}},  // rank 3 step 15: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[2/4] = r3:src@7[2/4]; signal r7:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 15}}},  // rank 3 step 16: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[3/4] = r3:src@7[3/4]; signal r7:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 3 step 17: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/4] = r3:src@0[0/4]; signal r0:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 3 step 18: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/4] = r3:src@0[1/4]; signal r0:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 3 step 19: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[2/4] = r3:src@0[2/4]; signal r0:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 3 step 20: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[3/4] = r3:src@0[3/4]; signal r0:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},  // rank 3 step 21: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/4] = r3:src@1[0/4]; signal r1:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},  // rank 3 step 22: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/4] = r3:src@1[1/4]; signal r1:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},  // rank 3 step 23: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[2/4] = r3:src@1[2/4]; signal r1:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},  // rank 3 step 24: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[3/4] = r3:src@1[3/4]; signal r1:arrive[15]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 0}, {{3, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 3 step 25: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/4] = r3:src@2[0/4]; signal r2:arrive[12]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 1}, {{3, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 3 step 26: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/4] = r3:src@2[1/4]; signal r2:arrive[13]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 2}, {{3, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 3 step 27: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[2/4] = r3:src@2[2/4]; signal r2:arrive[14]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 3, 3}, {{3, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 3 step 28: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[3/4] = r3:src@2[3/4]; signal r2:arrive[15]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 4, 0, 0}, {{3, 1, 1, 4, 3, 0}, {3, 3, 0, 4, 0, 0}, {3, 3, 0, 4, 1, 0}, {3, 3, 0, 4, 2, 0}, {3, 3, 0, 4, 4, 0}, {3, 3, 0, 4, 5, 0}, {3, 3, 0, 4, 6, 0}, {3, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},  // rank 3 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[8], arrive[16], arrive[20], arrive[24], arrive[28]; r3:dst@0[0/4] = r3:src@3[0/4] + r3:inbox@0[0/4] + r3:inbox@1[0/4] + r3:inbox@2[0/4] + r3:inbox@4[0/4] + r3:inbox@5[0/4] + r3:inbox@6[0/4] + r3:inbox@7[0/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 4, 0, 1}, {{3, 1, 1, 4, 3, 1}, {3, 3, 0, 4, 0, 1}, {3, 3, 0, 4, 1, 1}, {3, 3, 0, 4, 2, 1}, {3, 3, 0, 4, 4, 1}, {3, 3, 0, 4, 5, 1}, {3, 3, 0, 4, 6, 1}, {3, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},  // rank 3 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[9], arrive[17], arrive[21], arrive[25], arrive[29]; r3:dst@0[1/4] = r3:src@3[1/4] + r3:inbox@0[1/4] + r3:inbox@1[1/4] + r3:inbox@2[1/4] + r3:inbox@4[1/4] + r3:inbox@5[1/4] + r3:inbox@6[1/4] + r3:inbox@7[1/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 4, 0, 2}, {{3, 1, 1, 4, 3, 2}, {3, 3, 0, 4, 0, 2}, {3, 3, 0, 4, 1, 2}, {3, 3, 0, 4, 2, 2}, {3, 3, 0, 4, 4, 2}, {3, 3, 0, 4, 5, 2}, {3, 3, 0, 4, 6, 2}, {3, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},  // rank 3 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[10], arrive[18], arrive[22], arrive[26], arrive[30]; r3:dst@0[2/4] = r3:src@3[2/4] + r3:inbox@0[2/4] + r3:inbox@1[2/4] + r3:inbox@2[2/4] + r3:inbox@4[2/4] + r3:inbox@5[2/4] + r3:inbox@6[2/4] + r3:inbox@7[2/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 4, 0, 3}, {{3, 1, 1, 4, 3, 3}, {3, 3, 0, 4, 0, 3}, {3, 3, 0, 4, 1, 3}, {3, 3, 0, 4, 2, 3}, {3, 3, 0, 4, 4, 3}, {3, 3, 0, 4, 5, 3}, {3, 3, 0, 4, 6, 3}, {3, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},  // rank 3 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[11], arrive[19], arrive[23], arrive[27], arrive[31]; r3:dst@0[3/4] = r3:src@3[3/4] + r3:inbox@0[3/4] + r3:inbox@1[3/4] + r3:inbox@2[3/4] + r3:inbox@4[3/4] + r3:inbox@5[3/4] + r3:inbox@6[3/4] + r3:inbox@7[3/4]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 16}}},  // rank 4 step 1: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[0/4] = r4:src@5[0/4]; signal r5:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 17}}},  // rank 4 step 2: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[1/4] = r4:src@5[1/4]; signal r5:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 18}}},  // rank 4 step 3: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[2/4] = r4:src@5[2/4]; signal r5:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 19}}},  // rank 4 step 4: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[3/4] = r4:src@5[3/4]; signal r5:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},  // rank 4 step 5: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[0/4] = r4:src@6[0/4]; signal r6:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},  // rank 4 step 6: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[1/4] = r4:src@6[1/4]; signal r6:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},  // rank 4 step 7: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[2/4] = r4:src@6[2/4]; signal r6:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},  // rank 4 step 8: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[3/4] = r4:src@6[3/4]; signal r6:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 16}}},  // rank 4 step 9: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[0/4] = r4:src@7[0/4]; signal r7:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 17}}},  // rank 4 step 10: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[1/4] = r4:src@7[1/4]; signal r7:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 18}}},  // rank 4 step 11: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[2/4] = r4:src@7[2/4]; signal r7:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 19}}},  // rank 4 step 12: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[3/4] = r4:src@7[3/4]; signal r7:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 4 step 13: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[0/4] = r4:src@0[0/4]; signal r0:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 4 step 14: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[1/4] = r4:src@0[1/4]; signal r0:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 4 step 15: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[2/4] = r4:src@0[2/4]; signal r0:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 4 step 16: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[3/4] = r4:src@0[3/4]; signal r0:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 4 step 17: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[0/4] = r4:src@1[0/4]; signal r1:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 4 step 18: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[1/4] = r4:src@1[1/4]; signal r1:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 4 step 19: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[2/4] = r4:src@1[2/4]; signal r1:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 4 step 20: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[3/4] = r4:src@1[3/4]; signal r1:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 16}}},  // rank 4 step 21: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[0/4] = r4:src@2[0/4]; signal r2:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 17}}},  // rank 4 step 22: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[1/4] = r4:src@2[1/4]; signal r2:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 18}}},  // rank 4 step 23: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[2/4] = r4:src@2[2/4]; signal r2:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 19}}},  // rank 4 step 24: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[3/4] = r4:src@2[3/4]; signal r2:arrive[19]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 4, 0}, {{4, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},  // rank 4 step 25: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[0/4] = r4:src@3[0/4]; signal r3:arrive[16]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 4, 1}, {{4, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},  // rank 4 step 26: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[1/4] = r4:src@3[1/4]; signal r3:arrive[17]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 4, 2}, {{4, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},  // rank 4 step 27: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[2/4] = r4:src@3[2/4]; signal r3:arrive[18]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 4, 3}, {{4, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},  // rank 4 step 28: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[3/4] = r4:src@3[3/4]; signal r3:arrive[19]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 4, 0, 0}, {{4, 1, 1, 4, 4, 0}, {4, 3, 0, 4, 0, 0}, {4, 3, 0, 4, 1, 0}, {4, 3, 0, 4, 2, 0}, {4, 3, 0, 4, 3, 0}, {4, 3, 0, 4, 5, 0}, {4, 3, 0, 4, 6, 0}, {4, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},  // rank 4 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[20], arrive[24], arrive[28]; r4:dst@0[0/4] = r4:src@4[0/4] + r4:inbox@0[0/4] + r4:inbox@1[0/4] + r4:inbox@2[0/4] + r4:inbox@3[0/4] + r4:inbox@5[0/4] + r4:inbox@6[0/4] + r4:inbox@7[0/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 4, 0, 1}, {{4, 1, 1, 4, 4, 1}, {4, 3, 0, 4, 0, 1}, {4, 3, 0, 4, 1, 1}, {4, 3, 0, 4, 2, 1}, {4, 3, 0, 4, 3, 1}, {4, 3, 0, 4, 5, 1}, {4, 3, 0, 4, 6, 1}, {4, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},  // rank 4 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[21], arrive[25], arrive[29]; r4:dst@0[1/4] = r4:src@4[1/4] + r4:inbox@0[1/4] + r4:inbox@1[1/4] + r4:inbox@2[1/4] + r4:inbox@3[1/4] + r4:inbox@5[1/4] + r4:inbox@6[1/4] + r4:inbox@7[1/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 4, 0, 2}, {{4, 1, 1, 4, 4, 2}, {4, 3, 0, 4, 0, 2}, {4, 3, 0, 4, 1, 2}, {4, 3, 0, 4, 2, 2}, {4, 3, 0, 4, 3, 2}, {4, 3, 0, 4, 5, 2}, {4, 3, 0, 4, 6, 2}, {4, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},  // rank 4 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[22], arrive[26], arrive[30]; r4:dst@0[2/4] = r4:src@4[2/4] + r4:inbox@0[2/4] + r4:inbox@1[2/4] + r4:inbox@2[2/4] + r4:inbox@3[2/4] + r4:inbox@5[2/4] + r4:inbox@6[2/4] + r4:inbox@7[2/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 4, 0, 3}, {{4, 1, 1, 4, 4, 3}, {4, 3, 0, 4, 0, 3}, {4, 3, 0, 4, 1, 3}, {4, 3, 0, 4, 2, 3}, {4, 3, 0, 4, 3, 3}, {4, 3, 0, 4, 5, 3}, {4, 3, 0, 4, 6, 3}, {4, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},  // rank 4 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[23], arrive[27], arrive[31]; r4:dst@0[3/4] = r4:src@4[3/4] + r4:inbox@0[3/4] + r4:inbox@1[3/4] + r4:inbox@2[3/4] + r4:inbox@3[3/4] + r4:inbox@5[3/4] + r4:inbox@6[3/4] + r4:inbox@7[3/4]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 20}}},  // rank 5 step 1: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[0/4] = r5:src@6[0/4]; signal r6:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 21}}},  // rank 5 step 2: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[1/4] = r5:src@6[1/4]; signal r6:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 22}}},  // rank 5 step 3: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[2/4] = r5:src@6[2/4]; signal r6:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 23}}},  // rank 5 step 4: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[3/4] = r5:src@6[3/4]; signal r6:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},  // rank 5 step 5: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[0/4] = r5:src@7[0/4]; signal r7:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},  // rank 5 step 6: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[1/4] = r5:src@7[1/4]; signal r7:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},  // rank 5 step 7: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[2/4] = r5:src@7[2/4]; signal r7:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},  // rank 5 step 8: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[3/4] = r5:src@7[3/4]; signal r7:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 5 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[0/4] = r5:src@0[0/4]; signal r0:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 5 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[1/4] = r5:src@0[1/4]; signal r0:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 5 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[2/4] = r5:src@0[2/4]; signal r0:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 5 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[3/4] = r5:src@0[3/4]; signal r0:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 5 step 13: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[0/4] = r5:src@1[0/4]; signal r1:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 5 step 14: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[1/4] = r5:src@1[1/4]; signal r1:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 5 step 15: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[2/4] = r5:src@1[2/4]; signal r1:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 5 step 16: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[3/4] = r5:src@1[3/4]; signal r1:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 20}}},  // rank 5 step 17: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[0/4] = r5:src@2[0/4]; signal r2:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 21}}},  // rank 5 step 18: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[1/4] = r5:src@2[1/4]; signal r2:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 22}}},  // rank 5 step 19: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[2/4] = r5:src@2[2/4]; signal r2:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 23}}},  // rank 5 step 20: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[3/4] = r5:src@2[3/4]; signal r2:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},  // rank 5 step 21: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[0/4] = r5:src@3[0/4]; signal r3:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},  // rank 5 step 22: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[1/4] = r5:src@3[1/4]; signal r3:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},  // rank 5 step 23: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[2/4] = r5:src@3[2/4]; signal r3:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},  // rank 5 step 24: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[3/4] = r5:src@3[3/4]; signal r3:arrive[23]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 5, 0}, {{5, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},  // rank 5 step 25: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[0/4] = r5:src@4[0/4]; signal r4:arrive[20]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 5, 1}, {{5, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},  // rank 5 step 26: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[1/4] = r5:src@4[1/4]; signal r4:arrive[21]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 5, 2}, {{5, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},  // rank 5 step 27: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[2/4] = r5:src@4[2/4]; signal r4:arrive[22]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 5, 3}, {{5, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},  // rank 5 step 28: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[3/4] = r5:src@4[3/4]; signal r4:arrive[23]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 4, 0, 0}, {{5, 1, 1, 4, 5, 0}, {5, 3, 0, 4, 0, 0}, {5, 3, 0, 4, 1, 0}, {5, 3, 0, 4, 2, 0}, {5, 3, 0, 4, 3, 0}, {5, 3, 0, 4, 4, 0}, {5, 3, 0, 4, 6, 0}, {5, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 24, 1}, {5, 0, 28, 1}}, {}},  // rank 5 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[24], arrive[28]; r5:dst@0[0/4] = r5:src@5[0/4] + r5:inbox@0[0/4] + r5:inbox@1[0/4] + r5:inbox@2[0/4] + r5:inbox@3[0/4] + r5:inbox@4[0/4] + r5:inbox@6[0/4] + r5:inbox@7[0/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 4, 0, 1}, {{5, 1, 1, 4, 5, 1}, {5, 3, 0, 4, 0, 1}, {5, 3, 0, 4, 1, 1}, {5, 3, 0, 4, 2, 1}, {5, 3, 0, 4, 3, 1}, {5, 3, 0, 4, 4, 1}, {5, 3, 0, 4, 6, 1}, {5, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 25, 1}, {5, 0, 29, 1}}, {}},  // rank 5 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[25], arrive[29]; r5:dst@0[1/4] = r5:src@5[1/4] + r5:inbox@0[1/4] + r5:inbox@1[1/4] + r5:inbox@2[1/4] + r5:inbox@3[1/4] + r5:inbox@4[1/4] + r5:inbox@6[1/4] + r5:inbox@7[1/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 4, 0, 2}, {{5, 1, 1, 4, 5, 2}, {5, 3, 0, 4, 0, 2}, {5, 3, 0, 4, 1, 2}, {5, 3, 0, 4, 2, 2}, {5, 3, 0, 4, 3, 2}, {5, 3, 0, 4, 4, 2}, {5, 3, 0, 4, 6, 2}, {5, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 26, 1}, {5, 0, 30, 1}}, {}},  // rank 5 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[26], arrive[30]; r5:dst@0[2/4] = r5:src@5[2/4] + r5:inbox@0[2/4] + r5:inbox@1[2/4] + r5:inbox@2[2/4] + r5:inbox@3[2/4] + r5:inbox@4[2/4] + r5:inbox@6[2/4] + r5:inbox@7[2/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 4, 0, 3}, {{5, 1, 1, 4, 5, 3}, {5, 3, 0, 4, 0, 3}, {5, 3, 0, 4, 1, 3}, {5, 3, 0, 4, 2, 3}, {5, 3, 0, 4, 3, 3}, {5, 3, 0, 4, 4, 3}, {5, 3, 0, 4, 6, 3}, {5, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 27, 1}, {5, 0, 31, 1}}, {}},  // rank 5 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[27], arrive[31]; r5:dst@0[3/4] = r5:src@5[3/4] + r5:inbox@0[3/4] + r5:inbox@1[3/4] + r5:inbox@2[3/4] + r5:inbox@3[3/4] + r5:inbox@4[3/4] + r5:inbox@6[3/4] + r5:inbox@7[3/4]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 24}}},  // rank 6 step 1: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[0/4] = r6:src@7[0/4]; signal r7:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 25}}},  // rank 6 step 2: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[1/4] = r6:src@7[1/4]; signal r7:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 26}}},  // rank 6 step 3: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[2/4] = r6:src@7[2/4]; signal r7:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 27}}},  // rank 6 step 4: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[3/4] = r6:src@7[3/4]; signal r7:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},  // rank 6 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[0/4] = r6:src@0[0/4]; signal r0:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},  // rank 6 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[1/4] = r6:src@0[1/4]; signal r0:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},  // rank 6 step 7: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[2/4] = r6:src@0[2/4]; signal r0:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},  // rank 6 step 8: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[3/4] = r6:src@0[3/4]; signal r0:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},  // rank 6 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[0/4] = r6:src@1[0/4]; signal r1:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},  // rank 6 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[1/4] = r6:src@1[1/4]; signal r1:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},  // rank 6 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[2/4] = r6:src@1[2/4]; signal r1:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},  // rank 6 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[3/4] = r6:src@1[3/4]; signal r1:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},  // rank 6 step 13: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[0/4] = r6:src@2[0/4]; signal r2:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},  // rank 6 step 14: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[1/4] = r6:src@2[1/4]; signal r2:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},  // rank 6 step 15: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[2/4] = r6:src@2[2/4]; signal r2:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},  // rank 6 step 16: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[3/4] = r6:src@2[3/4]; signal r2:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 24}}},  // rank 6 step 17: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[0/4] = r6:src@3[0/4]; signal r3:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 25}}},  // rank 6 step 18: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[1/4] = r6:src@3[1/4]; signal r3:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 26}}},  // rank 6 step 19: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[2/4] = r6:src@3[2/4]; signal r3:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 27}}},  // rank 6 step 20: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[3/4] = r6:src@3[3/4]; signal r3:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 24}}},  // rank 6 step 21: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[0/4] = r6:src@4[0/4]; signal r4:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 25}}},  // rank 6 step 22: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[1/4] = r6:src@4[1/4]; signal r4:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 26}}},  // rank 6 step 23: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[2/4] = r6:src@4[2/4]; signal r4:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 27}}},  // rank 6 step 24: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[3/4] = r6:src@4[3/4]; signal r4:arrive[27]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 6, 0}, {{6, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},  // rank 6 step 25: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[0/4] = r6:src@5[0/4]; signal r5:arrive[24]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 6, 1}, {{6, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},  // rank 6 step 26: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[1/4] = r6:src@5[1/4]; signal r5:arrive[25]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 6, 2}, {{6, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},  // rank 6 step 27: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[2/4] = r6:src@5[2/4]; signal r5:arrive[26]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 6, 3}, {{6, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},  // rank 6 step 28: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[3/4] = r6:src@5[3/4]; signal r5:arrive[27]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 4, 0, 0}, {{6, 1, 1, 4, 6, 0}, {6, 3, 0, 4, 0, 0}, {6, 3, 0, 4, 1, 0}, {6, 3, 0, 4, 2, 0}, {6, 3, 0, 4, 3, 0}, {6, 3, 0, 4, 4, 0}, {6, 3, 0, 4, 5, 0}, {6, 3, 0, 4, 7, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 28, 1}}, {}},  // rank 6 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[28]; r6:dst@0[0/4] = r6:src@6[0/4] + r6:inbox@0[0/4] + r6:inbox@1[0/4] + r6:inbox@2[0/4] + r6:inbox@3[0/4] + r6:inbox@4[0/4] + r6:inbox@5[0/4] + r6:inbox@7[0/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 4, 0, 1}, {{6, 1, 1, 4, 6, 1}, {6, 3, 0, 4, 0, 1}, {6, 3, 0, 4, 1, 1}, {6, 3, 0, 4, 2, 1}, {6, 3, 0, 4, 3, 1}, {6, 3, 0, 4, 4, 1}, {6, 3, 0, 4, 5, 1}, {6, 3, 0, 4, 7, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 29, 1}}, {}},  // rank 6 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[29]; r6:dst@0[1/4] = r6:src@6[1/4] + r6:inbox@0[1/4] + r6:inbox@1[1/4] + r6:inbox@2[1/4] + r6:inbox@3[1/4] + r6:inbox@4[1/4] + r6:inbox@5[1/4] + r6:inbox@7[1/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 4, 0, 2}, {{6, 1, 1, 4, 6, 2}, {6, 3, 0, 4, 0, 2}, {6, 3, 0, 4, 1, 2}, {6, 3, 0, 4, 2, 2}, {6, 3, 0, 4, 3, 2}, {6, 3, 0, 4, 4, 2}, {6, 3, 0, 4, 5, 2}, {6, 3, 0, 4, 7, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 30, 1}}, {}},  // rank 6 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[30]; r6:dst@0[2/4] = r6:src@6[2/4] + r6:inbox@0[2/4] + r6:inbox@1[2/4] + r6:inbox@2[2/4] + r6:inbox@3[2/4] + r6:inbox@4[2/4] + r6:inbox@5[2/4] + r6:inbox@7[2/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 4, 0, 3}, {{6, 1, 1, 4, 6, 3}, {6, 3, 0, 4, 0, 3}, {6, 3, 0, 4, 1, 3}, {6, 3, 0, 4, 2, 3}, {6, 3, 0, 4, 3, 3}, {6, 3, 0, 4, 4, 3}, {6, 3, 0, 4, 5, 3}, {6, 3, 0, 4, 7, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 31, 1}}, {}},  // rank 6 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[31]; r6:dst@0[3/4] = r6:src@6[3/4] + r6:inbox@0[3/4] + r6:inbox@1[3/4] + r6:inbox@2[3/4] + r6:inbox@3[3/4] + r6:inbox@4[3/4] + r6:inbox@5[3/4] + r6:inbox@7[3/4]
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},  // rank 7 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[0/4] = r7:src@0[0/4]; signal r0:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},  // rank 7 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[1/4] = r7:src@0[1/4]; signal r0:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},  // rank 7 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[2/4] = r7:src@0[2/4]; signal r0:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},  // rank 7 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[3/4] = r7:src@0[3/4]; signal r0:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},  // rank 7 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[0/4] = r7:src@1[0/4]; signal r1:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},  // rank 7 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[1/4] = r7:src@1[1/4]; signal r1:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},  // rank 7 step 7: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[2/4] = r7:src@1[2/4]; signal r1:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},  // rank 7 step 8: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[3/4] = r7:src@1[3/4]; signal r1:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},  // rank 7 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[0/4] = r7:src@2[0/4]; signal r2:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},  // rank 7 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[1/4] = r7:src@2[1/4]; signal r2:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},  // rank 7 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[2/4] = r7:src@2[2/4]; signal r2:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},  // rank 7 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[3/4] = r7:src@2[3/4]; signal r2:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 28}}},  // rank 7 step 13: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[0/4] = r7:src@3[0/4]; signal r3:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 29}}},  // rank 7 step 14: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[1/4] = r7:src@3[1/4]; signal r3:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 30}}},  // rank 7 step 15: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[2/4] = r7:src@3[2/4]; signal r3:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 31}}},  // rank 7 step 16: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[3/4] = r7:src@3[3/4]; signal r3:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 28}}},  // rank 7 step 17: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[0/4] = r7:src@4[0/4]; signal r4:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 29}}},  // rank 7 step 18: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[1/4] = r7:src@4[1/4]; signal r4:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 30}}},  // rank 7 step 19: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[2/4] = r7:src@4[2/4]; signal r4:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 31}}},  // rank 7 step 20: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[3/4] = r7:src@4[3/4]; signal r4:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},  // rank 7 step 21: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[0/4] = r7:src@5[0/4]; signal r5:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},  // rank 7 step 22: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[1/4] = r7:src@5[1/4]; signal r5:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},  // rank 7 step 23: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[2/4] = r7:src@5[2/4]; signal r5:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},  // rank 7 step 24: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[3/4] = r7:src@5[3/4]; signal r5:arrive[31]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 7, 0}, {{7, 1, 1, 4, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 28}}},  // rank 7 step 25: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[0/4] = r7:src@6[0/4]; signal r6:arrive[28]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 7, 1}, {{7, 1, 1, 4, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 29}}},  // rank 7 step 26: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[1/4] = r7:src@6[1/4]; signal r6:arrive[29]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 7, 2}, {{7, 1, 1, 4, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 30}}},  // rank 7 step 27: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[2/4] = r7:src@6[2/4]; signal r6:arrive[30]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 4, 7, 3}, {{7, 1, 1, 4, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 31}}},  // rank 7 step 28: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[3/4] = r7:src@6[3/4]; signal r6:arrive[31]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 4, 0, 0}, {{7, 1, 1, 4, 7, 0}, {7, 3, 0, 4, 0, 0}, {7, 3, 0, 4, 1, 0}, {7, 3, 0, 4, 2, 0}, {7, 3, 0, 4, 3, 0}, {7, 3, 0, 4, 4, 0}, {7, 3, 0, 4, 5, 0}, {7, 3, 0, 4, 6, 0}}, {}, {{5, 0, 0, 1}, {5, 0, 4, 1}, {5, 0, 8, 1}, {5, 0, 12, 1}, {5, 0, 16, 1}, {5, 0, 20, 1}, {5, 0, 24, 1}}, {}},  // rank 7 step 29: reduce piece 0; wait arrive[0], arrive[4], arrive[8], arrive[12], arrive[16], arrive[20], arrive[24]; r7:dst@0[0/4] = r7:src@7[0/4] + r7:inbox@0[0/4] + r7:inbox@1[0/4] + r7:inbox@2[0/4] + r7:inbox@3[0/4] + r7:inbox@4[0/4] + r7:inbox@5[0/4] + r7:inbox@6[0/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 4, 0, 1}, {{7, 1, 1, 4, 7, 1}, {7, 3, 0, 4, 0, 1}, {7, 3, 0, 4, 1, 1}, {7, 3, 0, 4, 2, 1}, {7, 3, 0, 4, 3, 1}, {7, 3, 0, 4, 4, 1}, {7, 3, 0, 4, 5, 1}, {7, 3, 0, 4, 6, 1}}, {}, {{5, 0, 1, 1}, {5, 0, 5, 1}, {5, 0, 9, 1}, {5, 0, 13, 1}, {5, 0, 17, 1}, {5, 0, 21, 1}, {5, 0, 25, 1}}, {}},  // rank 7 step 30: reduce piece 1; wait arrive[1], arrive[5], arrive[9], arrive[13], arrive[17], arrive[21], arrive[25]; r7:dst@0[1/4] = r7:src@7[1/4] + r7:inbox@0[1/4] + r7:inbox@1[1/4] + r7:inbox@2[1/4] + r7:inbox@3[1/4] + r7:inbox@4[1/4] + r7:inbox@5[1/4] + r7:inbox@6[1/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 4, 0, 2}, {{7, 1, 1, 4, 7, 2}, {7, 3, 0, 4, 0, 2}, {7, 3, 0, 4, 1, 2}, {7, 3, 0, 4, 2, 2}, {7, 3, 0, 4, 3, 2}, {7, 3, 0, 4, 4, 2}, {7, 3, 0, 4, 5, 2}, {7, 3, 0, 4, 6, 2}}, {}, {{5, 0, 2, 1}, {5, 0, 6, 1}, {5, 0, 10, 1}, {5, 0, 14, 1}, {5, 0, 18, 1}, {5, 0, 22, 1}, {5, 0, 26, 1}}, {}},  // rank 7 step 31: reduce piece 2; wait arrive[2], arrive[6], arrive[10], arrive[14], arrive[18], arrive[22], arrive[26]; r7:dst@0[2/4] = r7:src@7[2/4] + r7:inbox@0[2/4] + r7:inbox@1[2/4] + r7:inbox@2[2/4] + r7:inbox@3[2/4] + r7:inbox@4[2/4] + r7:inbox@5[2/4] + r7:inbox@6[2/4]
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 4, 0, 3}, {{7, 1, 1, 4, 7, 3}, {7, 3, 0, 4, 0, 3}, {7, 3, 0, 4, 1, 3}, {7, 3, 0, 4, 2, 3}, {7, 3, 0, 4, 3, 3}, {7, 3, 0, 4, 4, 3}, {7, 3, 0, 4, 5, 3}, {7, 3, 0, 4, 6, 3}}, {}, {{5, 0, 3, 1}, {5, 0, 7, 1}, {5, 0, 11, 1}, {5, 0, 15, 1}, {5, 0, 19, 1}, {5, 0, 23, 1}, {5, 0, 27, 1}}, {}},  // rank 7 step 32: reduce piece 3; wait arrive[3], arrive[7], arrive[11], arrive[15], arrive[19], arrive[23], arrive[27]; r7:dst@0[3/4] = r7:src@7[3/4] + r7:inbox@0[3/4] + r7:inbox@1[3/4] + r7:inbox@2[3/4] + r7:inbox@3[3/4] + r7:inbox@4[3/4] + r7:inbox@5[3/4] + r7:inbox@6[3/4]
 };
 static __device__ const int step_base_w8[8] = { 0, 33, 66, 99, 132, 165, 198, 231 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..32
-    {0, 0, 1, 33, 1, 0},
-    // rank 1: shares 33..65
-    {0, 0, 1, 33, 1, 0},
-    // rank 2: shares 66..98
-    {0, 0, 1, 33, 1, 0},
-    // rank 3: shares 99..131
-    {0, 0, 1, 33, 1, 0},
-    // rank 4: shares 132..164
-    {0, 0, 1, 33, 1, 0},
-    // rank 5: shares 165..197
-    {0, 0, 1, 33, 1, 0},
-    // rank 6: shares 198..230
-    {0, 0, 1, 33, 1, 0},
-    // rank 7: shares 231..263
-    {0, 0, 1, 33, 1, 0},
+    {0, 0, 1, 33, 1, 0, 1, 0, 0},  // rank 0: shares 0..32
+    {0, 0, 1, 33, 1, 0, 1, 0, 0},  // rank 1: shares 33..65
+    {0, 0, 1, 33, 1, 0, 1, 0, 0},  // rank 2: shares 66..98
+    {0, 0, 1, 33, 1, 0, 1, 0, 0},  // rank 3: shares 99..131
+    {0, 0, 1, 33, 1, 0, 1, 0, 0},  // rank 4: shares 132..164
+    {0, 0, 1, 33, 1, 0, 1, 0, 0},  // rank 5: shares 165..197
+    {0, 0, 1, 33, 1, 0, 1, 0, 0},  // rank 6: shares 198..230
+    {0, 0, 1, 33, 1, 0, 1, 0, 0},  // rank 7: shares 231..263
 };
-static __device__ const tsgen::share_table<264> shares_w8 =
-    tsgen::expand_shares<264>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][10] = {
+static __device__ const tsgen::share_table<264> shares_w8 = tsgen::expand_shares<264>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][10] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 1, 5, 9, 13, 17, 21, 25, 29, 33 },
     { 33, 34, 38, 42, 46, 50, 54, 58, 62, 66 },
     { 66, 67, 71, 75, 79, 83, 87, 91, 95, 99 },
@@ -1015,7 +576,6 @@ template <> struct plan<8> {
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
 };
 
-
 }  // namespace reduce_scatter_ce
 
 // ---------------------------------------------------------------------------
@@ -1037,88 +597,59 @@ extern "C" __global__ void reduce_scatter_ce_w2_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t reduce_scatter_ce_w2_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(2, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t reduce_scatter_ce_w2_prepare(int rank, int device) { return tsgen::ce::prepare<2>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t reduce_scatter_ce_w2_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 2) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  cudaStream_t s[3] = { stream, lanes->side[1], lanes->side[2] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 3));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w2_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (reduce piece 0)
+        q.reduce(2, 5);  // step 5: reduce piece 0
+        q.sync(2, -1, 6);  // waits of step 6 (reduce piece 1)
+        q.reduce(2, 6);  // step 6: reduce piece 1
+        q.sync(2, -1, 7);  // waits of step 7 (reduce piece 2)
+        q.reduce(2, 7);  // step 7: reduce piece 2
+        q.sync(2, -1, 8);  // waits of step 8 (reduce piece 3)
+        q.reduce(2, 8);  // step 8: reduce piece 3
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (reduce piece 0)
+        q.reduce(2, 5);  // step 5: reduce piece 0
+        q.sync(2, -1, 6);  // waits of step 6 (reduce piece 1)
+        q.reduce(2, 6);  // step 6: reduce piece 1
+        q.sync(2, -1, 7);  // waits of step 7 (reduce piece 2)
+        q.reduce(2, 7);  // step 7: reduce piece 2
+        q.sync(2, -1, 8);  // waits of step 8 (reduce piece 3)
+        q.reduce(2, 8);  // step 8: reduce piece 3
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w2_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (reduce piece 0)
-      reduce(2, 5);  // step 5: reduce piece 0
-      sync(2, -1, 6);  // waits of step 6 (reduce piece 1)
-      reduce(2, 6);  // step 6: reduce piece 1
-      sync(2, -1, 7);  // waits of step 7 (reduce piece 2)
-      reduce(2, 7);  // step 7: reduce piece 2
-      sync(2, -1, 8);  // waits of step 8 (reduce piece 3)
-      reduce(2, 8);  // step 8: reduce piece 3
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (reduce piece 0)
-      reduce(2, 5);  // step 5: reduce piece 0
-      sync(2, -1, 6);  // waits of step 6 (reduce piece 1)
-      reduce(2, 6);  // step 6: reduce piece 1
-      sync(2, -1, 7);  // waits of step 7 (reduce piece 2)
-      reduce(2, 7);  // step 7: reduce piece 2
-      sync(2, -1, 8);  // waits of step 8 (reduce piece 3)
-      reduce(2, 8);  // step 8: reduce piece 3
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 3);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  reduce_scatter_ce_w2_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<reduce_scatter_ce::T, 2, 3, 64, 512, reduce_scatter_ce_w2_sync, reduce_scatter_ce_w2_reduce,
+                           reduce_scatter_ce_w2_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -1140,135 +671,106 @@ extern "C" __global__ void reduce_scatter_ce_w3_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t reduce_scatter_ce_w3_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(3, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t reduce_scatter_ce_w3_prepare(int rank, int device) { return tsgen::ce::prepare<3>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t reduce_scatter_ce_w3_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 3) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  cudaStream_t s[4] = { stream, lanes->side[1], lanes->side[2], lanes->side[3] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 4));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w3_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
+        q.reduce(3, 9);  // step 9: reduce piece 0
+        q.sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
+        q.reduce(3, 10);  // step 10: reduce piece 1
+        q.sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
+        q.reduce(3, 11);  // step 11: reduce piece 2
+        q.sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
+        q.reduce(3, 12);  // step 12: reduce piece 3
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
+        q.reduce(3, 9);  // step 9: reduce piece 0
+        q.sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
+        q.reduce(3, 10);  // step 10: reduce piece 1
+        q.sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
+        q.reduce(3, 11);  // step 11: reduce piece 2
+        q.sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
+        q.reduce(3, 12);  // step 12: reduce piece 3
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
+        q.reduce(3, 9);  // step 9: reduce piece 0
+        q.sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
+        q.reduce(3, 10);  // step 10: reduce piece 1
+        q.sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
+        q.reduce(3, 11);  // step 11: reduce piece 2
+        q.sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
+        q.reduce(3, 12);  // step 12: reduce piece 3
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w3_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
-      reduce(3, 9);  // step 9: reduce piece 0
-      sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
-      reduce(3, 10);  // step 10: reduce piece 1
-      sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
-      reduce(3, 11);  // step 11: reduce piece 2
-      sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
-      reduce(3, 12);  // step 12: reduce piece 3
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
-      reduce(3, 9);  // step 9: reduce piece 0
-      sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
-      reduce(3, 10);  // step 10: reduce piece 1
-      sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
-      reduce(3, 11);  // step 11: reduce piece 2
-      sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
-      reduce(3, 12);  // step 12: reduce piece 3
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (reduce piece 0)
-      reduce(3, 9);  // step 9: reduce piece 0
-      sync(3, -1, 10);  // waits of step 10 (reduce piece 1)
-      reduce(3, 10);  // step 10: reduce piece 1
-      sync(3, -1, 11);  // waits of step 11 (reduce piece 2)
-      reduce(3, 11);  // step 11: reduce piece 2
-      sync(3, -1, 12);  // waits of step 12 (reduce piece 3)
-      reduce(3, 12);  // step 12: reduce piece 3
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 4);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  reduce_scatter_ce_w3_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<reduce_scatter_ce::T, 3, 4, 64, 512, reduce_scatter_ce_w3_sync, reduce_scatter_ce_w3_reduce,
+                           reduce_scatter_ce_w3_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -1290,200 +792,171 @@ extern "C" __global__ void reduce_scatter_ce_w4_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t reduce_scatter_ce_w4_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(4, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t reduce_scatter_ce_w4_prepare(int rank, int device) { return tsgen::ce::prepare<4>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t reduce_scatter_ce_w4_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 4) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  cudaStream_t s[5] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 5));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w4_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0});  // step 9: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1});  // step 10: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2});  // step 11: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3});  // step 12: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+        q.reduce(4, 13);  // step 13: reduce piece 0
+        q.sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+        q.reduce(4, 14);  // step 14: reduce piece 1
+        q.sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+        q.reduce(4, 15);  // step 15: reduce piece 2
+        q.sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+        q.reduce(4, 16);  // step 16: reduce piece 3
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0});  // step 5: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1});  // step 6: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2});  // step 7: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3});  // step 8: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 9: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 10: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 11: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 12: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+        q.reduce(4, 13);  // step 13: reduce piece 0
+        q.sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+        q.reduce(4, 14);  // step 14: reduce piece 1
+        q.sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+        q.reduce(4, 15);  // step 15: reduce piece 2
+        q.sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+        q.reduce(4, 16);  // step 16: reduce piece 3
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0});  // step 1: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1});  // step 2: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2});  // step 3: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3});  // step 4: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 9: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 10: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 11: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 12: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+        q.reduce(4, 13);  // step 13: reduce piece 0
+        q.sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+        q.reduce(4, 14);  // step 14: reduce piece 1
+        q.sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+        q.reduce(4, 15);  // step 15: reduce piece 2
+        q.sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+        q.reduce(4, 16);  // step 16: reduce piece 3
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0});  // step 9: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1});  // step 10: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2});  // step 11: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3});  // step 12: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
+        q.reduce(4, 13);  // step 13: reduce piece 0
+        q.sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
+        q.reduce(4, 14);  // step 14: reduce piece 1
+        q.sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
+        q.reduce(4, 15);  // step 15: reduce piece 2
+        q.sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
+        q.reduce(4, 16);  // step 16: reduce piece 3
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w4_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0});  // step 9: piece 0 of chunk 3 to rank 3's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1});  // step 10: piece 1 of chunk 3 to rank 3's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2});  // step 11: piece 2 of chunk 3 to rank 3's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3});  // step 12: piece 3 of chunk 3 to rank 3's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
-      reduce(4, 13);  // step 13: reduce piece 0
-      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
-      reduce(4, 14);  // step 14: reduce piece 1
-      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
-      reduce(4, 15);  // step 15: reduce piece 2
-      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
-      reduce(4, 16);  // step 16: reduce piece 3
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0});  // step 5: piece 0 of chunk 3 to rank 3's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1});  // step 6: piece 1 of chunk 3 to rank 3's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2});  // step 7: piece 2 of chunk 3 to rank 3's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3});  // step 8: piece 3 of chunk 3 to rank 3's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 9: piece 0 of chunk 0 to rank 0's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 10: piece 1 of chunk 0 to rank 0's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 11: piece 2 of chunk 0 to rank 0's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 12: piece 3 of chunk 0 to rank 0's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
-      reduce(4, 13);  // step 13: reduce piece 0
-      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
-      reduce(4, 14);  // step 14: reduce piece 1
-      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
-      reduce(4, 15);  // step 15: reduce piece 2
-      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
-      reduce(4, 16);  // step 16: reduce piece 3
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0});  // step 1: piece 0 of chunk 3 to rank 3's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1});  // step 2: piece 1 of chunk 3 to rank 3's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2});  // step 3: piece 2 of chunk 3 to rank 3's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3});  // step 4: piece 3 of chunk 3 to rank 3's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 9: piece 0 of chunk 1 to rank 1's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 10: piece 1 of chunk 1 to rank 1's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 11: piece 2 of chunk 1 to rank 1's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 12: piece 3 of chunk 1 to rank 1's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
-      reduce(4, 13);  // step 13: reduce piece 0
-      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
-      reduce(4, 14);  // step 14: reduce piece 1
-      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
-      reduce(4, 15);  // step 15: reduce piece 2
-      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
-      reduce(4, 16);  // step 16: reduce piece 3
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0});  // step 9: piece 0 of chunk 2 to rank 2's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1});  // step 10: piece 1 of chunk 2 to rank 2's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2});  // step 11: piece 2 of chunk 2 to rank 2's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3});  // step 12: piece 3 of chunk 2 to rank 2's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (reduce piece 0)
-      reduce(4, 13);  // step 13: reduce piece 0
-      sync(4, -1, 14);  // waits of step 14 (reduce piece 1)
-      reduce(4, 14);  // step 14: reduce piece 1
-      sync(4, -1, 15);  // waits of step 15 (reduce piece 2)
-      reduce(4, 15);  // step 15: reduce piece 2
-      sync(4, -1, 16);  // waits of step 16 (reduce piece 3)
-      reduce(4, 16);  // step 16: reduce piece 3
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 5);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  reduce_scatter_ce_w4_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<reduce_scatter_ce::T, 4, 5, 64, 512, reduce_scatter_ce_w4_sync, reduce_scatter_ce_w4_reduce,
+                           reduce_scatter_ce_w4_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive);
 }
 
 // ---------------------------------------------------------------------------
@@ -1505,639 +978,610 @@ extern "C" __global__ void reduce_scatter_ce_w8_end(uint64_t* calls) {
   tsgen::ptx::st_relaxed_gpu_global_u64(calls, tsgen::call_begin(calls));
 }
 
-// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
-// "prepare"; see tsgen::ce::lanes).
-extern "C" cudaError_t reduce_scatter_ce_w8_prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(8, rank, device));
-  tsgen::ce::lanes* lanes = nullptr;
-  return tsgen::ce::lanes_get(rank, &lanes);
-}
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's "prepare").
+extern "C" cudaError_t reduce_scatter_ce_w8_prepare(int rank, int device) { return tsgen::ce::prepare<8>(rank, device); }
 
-// Host launcher: enqueues one call of rank `rank` on `stream` (and on side
-// streams forked from it and joined back). peers_host: the same table as
-// peers, in host memory. Returns the first CUDA error.
+// Host launcher: rank `rank`'s stream program (below), run by tsgen::ce::launch: side streams
+// forked from `stream` and joined back; peers_host: the same table as peers, in host memory.
 extern "C" cudaError_t reduce_scatter_ce_w8_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  if (rank < 0 || rank >= 8) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
-  tsgen::ce::lanes* lanes = nullptr;
-  TSGEN_CE_TRY(tsgen::ce::lanes_get(rank, &lanes));
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  cudaStream_t s[9] = { stream, lanes->side[1], lanes->side[2], lanes->side[3], lanes->side[4], lanes->side[5], lanes->side[6], lanes->side[7], lanes->side[8] };
-  TSGEN_CE_TRY(tsgen::ce::fork(stream, lanes, 9));
-  // From here on the first error stops the enqueuing, but the side streams are still
-  // joined: an unjoined fork would break a stream capture and hide the error.
-  cudaError_t err = cudaSuccess;
-  auto sync = [&](int b, int sig, int wait) {  // signals of step sig, then waits of step wait
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w8_sync<<<1, 32, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, sig, wait);
-    err = cudaGetLastError();
+  auto program = [&](auto& q) {
+    switch (rank) {
+      case 0:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0});  // step 9: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1});  // step 10: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2});  // step 11: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(3, {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3});  // step 12: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(4, {4, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 4, 0});  // step 13: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(4, {4, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 4, 1});  // step 14: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(4, {4, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 4, 2});  // step 15: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(4, {4, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 4, 3});  // step 16: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(5, {5, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 5, 0});  // step 17: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(5, {5, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 5, 1});  // step 18: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(5, {5, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 5, 2});  // step 19: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(5, {5, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 5, 3});  // step 20: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(6, {6, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 6, 0});  // step 21: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(6, {6, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 6, 1});  // step 22: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(6, {6, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 6, 2});  // step 23: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(6, {6, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 6, 3});  // step 24: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(7, {7, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 7, 0});  // step 25: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(7, {7, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 7, 1});  // step 26: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(7, {7, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 7, 2});  // step 27: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(7, {7, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 7, 3});  // step 28: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 1:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0});  // step 5: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1});  // step 6: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2});  // step 7: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(2, {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3});  // step 8: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(3, {4, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 4, 0});  // step 9: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(3, {4, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 4, 1});  // step 10: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(3, {4, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 4, 2});  // step 11: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(3, {4, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 4, 3});  // step 12: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(4, {5, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 5, 0});  // step 13: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(4, {5, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 5, 1});  // step 14: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(4, {5, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 5, 2});  // step 15: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(4, {5, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 5, 3});  // step 16: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(5, {6, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 6, 0});  // step 17: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(5, {6, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 6, 1});  // step 18: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(5, {6, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 6, 2});  // step 19: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(5, {6, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 6, 3});  // step 20: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(6, {7, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 7, 0});  // step 21: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(6, {7, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 7, 1});  // step 22: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(6, {7, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 7, 2});  // step 23: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(6, {7, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 7, 3});  // step 24: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(7, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 25: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(7, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 26: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(7, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 27: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(7, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 28: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 2:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0});  // step 1: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1});  // step 2: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2});  // step 3: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(1, {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3});  // step 4: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(2, {4, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 4, 0});  // step 5: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(2, {4, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 4, 1});  // step 6: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(2, {4, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 4, 2});  // step 7: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(2, {4, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 4, 3});  // step 8: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(3, {5, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 5, 0});  // step 9: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(3, {5, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 5, 1});  // step 10: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(3, {5, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 5, 2});  // step 11: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(3, {5, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 5, 3});  // step 12: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(4, {6, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 6, 0});  // step 13: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(4, {6, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 6, 1});  // step 14: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(4, {6, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 6, 2});  // step 15: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(4, {6, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 6, 3});  // step 16: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(5, {7, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 7, 0});  // step 17: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(5, {7, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 7, 1});  // step 18: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(5, {7, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 7, 2});  // step 19: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(5, {7, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 7, 3});  // step 20: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(6, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 21: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(6, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 22: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(6, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 23: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(6, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 24: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(7, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 25: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(7, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 26: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(7, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 27: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(7, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 28: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 3:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(1, {4, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 4, 0});  // step 1: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(1, {4, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 4, 1});  // step 2: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(1, {4, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 4, 2});  // step 3: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(1, {4, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 4, 3});  // step 4: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(2, {5, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 5, 0});  // step 5: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(2, {5, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 5, 1});  // step 6: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(2, {5, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 5, 2});  // step 7: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(2, {5, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 5, 3});  // step 8: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(3, {6, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 6, 0});  // step 9: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(3, {6, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 6, 1});  // step 10: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(3, {6, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 6, 2});  // step 11: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(3, {6, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 6, 3});  // step 12: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(4, {7, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 7, 0});  // step 13: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(4, {7, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 7, 1});  // step 14: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(4, {7, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 7, 2});  // step 15: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(4, {7, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 7, 3});  // step 16: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(5, {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0});  // step 17: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(5, {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1});  // step 18: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(5, {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2});  // step 19: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(5, {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3});  // step 20: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(6, {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0});  // step 21: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(6, {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1});  // step 22: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(6, {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2});  // step 23: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(6, {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3});  // step 24: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(7, {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0});  // step 25: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(7, {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1});  // step 26: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(7, {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2});  // step 27: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(7, {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3});  // step 28: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 4:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(1, {5, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 5, 0});  // step 1: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(1, {5, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 5, 1});  // step 2: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(1, {5, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 5, 2});  // step 3: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(1, {5, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 5, 3});  // step 4: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(2, {6, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 6, 0});  // step 5: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(2, {6, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 6, 1});  // step 6: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(2, {6, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 6, 2});  // step 7: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(2, {6, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 6, 3});  // step 8: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(3, {7, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 7, 0});  // step 9: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(3, {7, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 7, 1});  // step 10: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(3, {7, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 7, 2});  // step 11: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(3, {7, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 7, 3});  // step 12: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(4, {0, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 0, 0});  // step 13: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(4, {0, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 0, 1});  // step 14: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(4, {0, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 0, 2});  // step 15: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(4, {0, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 0, 3});  // step 16: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(5, {1, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 1, 0});  // step 17: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(5, {1, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 1, 1});  // step 18: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(5, {1, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 1, 2});  // step 19: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(5, {1, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 1, 3});  // step 20: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(6, {2, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 2, 0});  // step 21: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(6, {2, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 2, 1});  // step 22: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(6, {2, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 2, 2});  // step 23: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(6, {2, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 2, 3});  // step 24: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(7, {3, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 3, 0});  // step 25: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(7, {3, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 3, 1});  // step 26: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(7, {3, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 3, 2});  // step 27: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(7, {3, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 3, 3});  // step 28: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 5:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(1, {6, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 6, 0});  // step 1: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(1, {6, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 6, 1});  // step 2: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(1, {6, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 6, 2});  // step 3: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(1, {6, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 6, 3});  // step 4: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(2, {7, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 7, 0});  // step 5: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(2, {7, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 7, 1});  // step 6: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(2, {7, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 7, 2});  // step 7: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(2, {7, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 7, 3});  // step 8: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 0, 0});  // step 9: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 0, 1});  // step 10: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 0, 2});  // step 11: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(3, {0, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 0, 3});  // step 12: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(4, {1, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 1, 0});  // step 13: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(4, {1, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 1, 1});  // step 14: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(4, {1, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 1, 2});  // step 15: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(4, {1, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 1, 3});  // step 16: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(5, {2, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 2, 0});  // step 17: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(5, {2, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 2, 1});  // step 18: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(5, {2, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 2, 2});  // step 19: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(5, {2, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 2, 3});  // step 20: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(6, {3, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 3, 0});  // step 21: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(6, {3, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 3, 1});  // step 22: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(6, {3, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 3, 2});  // step 23: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(6, {3, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 3, 3});  // step 24: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(7, {4, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 4, 0});  // step 25: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(7, {4, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 4, 1});  // step 26: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(7, {4, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 4, 2});  // step 27: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(7, {4, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 4, 3});  // step 28: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 6:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 7 to rank 7's inbox)
+        q.copy(1, {7, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 7, 0});  // step 1: piece 0 of chunk 7 to rank 7's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 7 to rank 7's inbox)
+        q.copy(1, {7, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 7, 1});  // step 2: piece 1 of chunk 7 to rank 7's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 7 to rank 7's inbox)
+        q.copy(1, {7, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 7, 2});  // step 3: piece 2 of chunk 7 to rank 7's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 7 to rank 7's inbox)
+        q.copy(1, {7, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 7, 3});  // step 4: piece 3 of chunk 7 to rank 7's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(2, {0, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 1, 0});  // step 9: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 1, 1});  // step 10: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 1, 2});  // step 11: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(3, {1, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 1, 3});  // step 12: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(4, {2, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 2, 0});  // step 13: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(4, {2, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 2, 1});  // step 14: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(4, {2, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 2, 2});  // step 15: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(4, {2, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 2, 3});  // step 16: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(5, {3, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 3, 0});  // step 17: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(5, {3, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 3, 1});  // step 18: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(5, {3, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 3, 2});  // step 19: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(5, {3, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 3, 3});  // step 20: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(6, {4, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 4, 0});  // step 21: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(6, {4, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 4, 1});  // step 22: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(6, {4, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 4, 2});  // step 23: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(6, {4, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 4, 3});  // step 24: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(7, {5, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 5, 0});  // step 25: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(7, {5, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 5, 1});  // step 26: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(7, {5, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 5, 2});  // step 27: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(7, {5, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 5, 3});  // step 28: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+      case 7:
+        q.sync(0, 0, -1);  // signals of step 0
+        q.sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
+        q.sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
+        q.sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
+        q.sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
+        q.copy(1, {0, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
+        q.sync(1, 4, -1);  // signals of step 4
+        q.sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
+        q.sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
+        q.sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
+        q.sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
+        q.copy(2, {1, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
+        q.sync(2, 8, -1);  // signals of step 8
+        q.sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 2, 0});  // step 9: piece 0 of chunk 2 to rank 2's inbox
+        q.sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 2, 1});  // step 10: piece 1 of chunk 2 to rank 2's inbox
+        q.sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 2, 2});  // step 11: piece 2 of chunk 2 to rank 2's inbox
+        q.sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
+        q.copy(3, {2, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 2, 3});  // step 12: piece 3 of chunk 2 to rank 2's inbox
+        q.sync(3, 12, -1);  // signals of step 12
+        q.sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 3 to rank 3's inbox)
+        q.copy(4, {3, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 3, 0});  // step 13: piece 0 of chunk 3 to rank 3's inbox
+        q.sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 3 to rank 3's inbox)
+        q.copy(4, {3, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 3, 1});  // step 14: piece 1 of chunk 3 to rank 3's inbox
+        q.sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 3 to rank 3's inbox)
+        q.copy(4, {3, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 3, 2});  // step 15: piece 2 of chunk 3 to rank 3's inbox
+        q.sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 3 to rank 3's inbox)
+        q.copy(4, {3, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 3, 3});  // step 16: piece 3 of chunk 3 to rank 3's inbox
+        q.sync(4, 16, -1);  // signals of step 16
+        q.sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 4 to rank 4's inbox)
+        q.copy(5, {4, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 4, 0});  // step 17: piece 0 of chunk 4 to rank 4's inbox
+        q.sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 4 to rank 4's inbox)
+        q.copy(5, {4, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 4, 1});  // step 18: piece 1 of chunk 4 to rank 4's inbox
+        q.sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 4 to rank 4's inbox)
+        q.copy(5, {4, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 4, 2});  // step 19: piece 2 of chunk 4 to rank 4's inbox
+        q.sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 4 to rank 4's inbox)
+        q.copy(5, {4, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 4, 3});  // step 20: piece 3 of chunk 4 to rank 4's inbox
+        q.sync(5, 20, -1);  // signals of step 20
+        q.sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 5 to rank 5's inbox)
+        q.copy(6, {5, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 5, 0});  // step 21: piece 0 of chunk 5 to rank 5's inbox
+        q.sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 5 to rank 5's inbox)
+        q.copy(6, {5, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 5, 1});  // step 22: piece 1 of chunk 5 to rank 5's inbox
+        q.sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 5 to rank 5's inbox)
+        q.copy(6, {5, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 5, 2});  // step 23: piece 2 of chunk 5 to rank 5's inbox
+        q.sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 5 to rank 5's inbox)
+        q.copy(6, {5, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 5, 3});  // step 24: piece 3 of chunk 5 to rank 5's inbox
+        q.sync(6, 24, -1);  // signals of step 24
+        q.sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 6 to rank 6's inbox)
+        q.copy(7, {6, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 6, 0});  // step 25: piece 0 of chunk 6 to rank 6's inbox
+        q.sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 6 to rank 6's inbox)
+        q.copy(7, {6, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 6, 1});  // step 26: piece 1 of chunk 6 to rank 6's inbox
+        q.sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 6 to rank 6's inbox)
+        q.copy(7, {6, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 6, 2});  // step 27: piece 2 of chunk 6 to rank 6's inbox
+        q.sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 6 to rank 6's inbox)
+        q.copy(7, {6, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 6, 3});  // step 28: piece 3 of chunk 6 to rank 6's inbox
+        q.sync(7, 28, -1);  // signals of step 28
+        q.sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
+        q.reduce(8, 29);  // step 29: reduce piece 0
+        q.sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
+        q.reduce(8, 30);  // step 30: reduce piece 1
+        q.sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
+        q.reduce(8, 31);  // step 31: reduce piece 2
+        q.sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
+        q.reduce(8, 32);  // step 32: reduce piece 3
+        break;
+    }
   };
-  auto copy = [&](int b, const tsgen::slice& dst, const tsgen::slice& src) {
-    if (err == cudaSuccess) err = tsgen::ce::copy<reduce_scatter_ce::T>(s[b], dst, src, bufs, peers_host, rank, count);
-  };
-  auto reduce = [&](int b, int step) {
-    if (err != cudaSuccess) return;
-    reduce_scatter_ce_w8_reduce<<<64, 512, 0, s[b]>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive, step);
-    err = cudaGetLastError();
-  };
-  switch (rank) {
-    case 0:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 1, 0});  // step 1: piece 0 of chunk 1 to rank 1's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 1, 1});  // step 2: piece 1 of chunk 1 to rank 1's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 1, 2});  // step 3: piece 2 of chunk 1 to rank 1's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(1, {1, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 1, 3});  // step 4: piece 3 of chunk 1 to rank 1's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 2, 0});  // step 5: piece 0 of chunk 2 to rank 2's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 2, 1});  // step 6: piece 1 of chunk 2 to rank 2's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 2, 2});  // step 7: piece 2 of chunk 2 to rank 2's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(2, {2, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 2, 3});  // step 8: piece 3 of chunk 2 to rank 2's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 3, 0});  // step 9: piece 0 of chunk 3 to rank 3's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 3, 1});  // step 10: piece 1 of chunk 3 to rank 3's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 3, 2});  // step 11: piece 2 of chunk 3 to rank 3's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(3, {3, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 3, 3});  // step 12: piece 3 of chunk 3 to rank 3's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(4, {4, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 4, 0});  // step 13: piece 0 of chunk 4 to rank 4's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(4, {4, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 4, 1});  // step 14: piece 1 of chunk 4 to rank 4's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(4, {4, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 4, 2});  // step 15: piece 2 of chunk 4 to rank 4's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(4, {4, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 4, 3});  // step 16: piece 3 of chunk 4 to rank 4's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(5, {5, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 5, 0});  // step 17: piece 0 of chunk 5 to rank 5's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(5, {5, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 5, 1});  // step 18: piece 1 of chunk 5 to rank 5's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(5, {5, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 5, 2});  // step 19: piece 2 of chunk 5 to rank 5's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(5, {5, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 5, 3});  // step 20: piece 3 of chunk 5 to rank 5's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(6, {6, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 6, 0});  // step 21: piece 0 of chunk 6 to rank 6's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(6, {6, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 6, 1});  // step 22: piece 1 of chunk 6 to rank 6's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(6, {6, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 6, 2});  // step 23: piece 2 of chunk 6 to rank 6's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(6, {6, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 6, 3});  // step 24: piece 3 of chunk 6 to rank 6's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(7, {7, 3, 0, 4, 0, 0}, {0, 1, 1, 4, 7, 0});  // step 25: piece 0 of chunk 7 to rank 7's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(7, {7, 3, 0, 4, 0, 1}, {0, 1, 1, 4, 7, 1});  // step 26: piece 1 of chunk 7 to rank 7's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(7, {7, 3, 0, 4, 0, 2}, {0, 1, 1, 4, 7, 2});  // step 27: piece 2 of chunk 7 to rank 7's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(7, {7, 3, 0, 4, 0, 3}, {0, 1, 1, 4, 7, 3});  // step 28: piece 3 of chunk 7 to rank 7's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 1:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 2, 0});  // step 1: piece 0 of chunk 2 to rank 2's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 2, 1});  // step 2: piece 1 of chunk 2 to rank 2's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 2, 2});  // step 3: piece 2 of chunk 2 to rank 2's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(1, {2, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 2, 3});  // step 4: piece 3 of chunk 2 to rank 2's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 3, 0});  // step 5: piece 0 of chunk 3 to rank 3's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 3, 1});  // step 6: piece 1 of chunk 3 to rank 3's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 3, 2});  // step 7: piece 2 of chunk 3 to rank 3's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(2, {3, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 3, 3});  // step 8: piece 3 of chunk 3 to rank 3's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(3, {4, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 4, 0});  // step 9: piece 0 of chunk 4 to rank 4's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(3, {4, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 4, 1});  // step 10: piece 1 of chunk 4 to rank 4's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(3, {4, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 4, 2});  // step 11: piece 2 of chunk 4 to rank 4's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(3, {4, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 4, 3});  // step 12: piece 3 of chunk 4 to rank 4's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(4, {5, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 5, 0});  // step 13: piece 0 of chunk 5 to rank 5's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(4, {5, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 5, 1});  // step 14: piece 1 of chunk 5 to rank 5's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(4, {5, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 5, 2});  // step 15: piece 2 of chunk 5 to rank 5's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(4, {5, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 5, 3});  // step 16: piece 3 of chunk 5 to rank 5's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(5, {6, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 6, 0});  // step 17: piece 0 of chunk 6 to rank 6's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(5, {6, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 6, 1});  // step 18: piece 1 of chunk 6 to rank 6's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(5, {6, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 6, 2});  // step 19: piece 2 of chunk 6 to rank 6's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(5, {6, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 6, 3});  // step 20: piece 3 of chunk 6 to rank 6's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(6, {7, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 7, 0});  // step 21: piece 0 of chunk 7 to rank 7's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(6, {7, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 7, 1});  // step 22: piece 1 of chunk 7 to rank 7's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(6, {7, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 7, 2});  // step 23: piece 2 of chunk 7 to rank 7's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(6, {7, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 7, 3});  // step 24: piece 3 of chunk 7 to rank 7's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(7, {0, 3, 0, 4, 1, 0}, {1, 1, 1, 4, 0, 0});  // step 25: piece 0 of chunk 0 to rank 0's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(7, {0, 3, 0, 4, 1, 1}, {1, 1, 1, 4, 0, 1});  // step 26: piece 1 of chunk 0 to rank 0's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(7, {0, 3, 0, 4, 1, 2}, {1, 1, 1, 4, 0, 2});  // step 27: piece 2 of chunk 0 to rank 0's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(7, {0, 3, 0, 4, 1, 3}, {1, 1, 1, 4, 0, 3});  // step 28: piece 3 of chunk 0 to rank 0's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 2:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 3, 0});  // step 1: piece 0 of chunk 3 to rank 3's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 3, 1});  // step 2: piece 1 of chunk 3 to rank 3's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 3, 2});  // step 3: piece 2 of chunk 3 to rank 3's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(1, {3, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 3, 3});  // step 4: piece 3 of chunk 3 to rank 3's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(2, {4, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 4, 0});  // step 5: piece 0 of chunk 4 to rank 4's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(2, {4, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 4, 1});  // step 6: piece 1 of chunk 4 to rank 4's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(2, {4, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 4, 2});  // step 7: piece 2 of chunk 4 to rank 4's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(2, {4, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 4, 3});  // step 8: piece 3 of chunk 4 to rank 4's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(3, {5, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 5, 0});  // step 9: piece 0 of chunk 5 to rank 5's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(3, {5, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 5, 1});  // step 10: piece 1 of chunk 5 to rank 5's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(3, {5, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 5, 2});  // step 11: piece 2 of chunk 5 to rank 5's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(3, {5, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 5, 3});  // step 12: piece 3 of chunk 5 to rank 5's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(4, {6, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 6, 0});  // step 13: piece 0 of chunk 6 to rank 6's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(4, {6, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 6, 1});  // step 14: piece 1 of chunk 6 to rank 6's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(4, {6, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 6, 2});  // step 15: piece 2 of chunk 6 to rank 6's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(4, {6, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 6, 3});  // step 16: piece 3 of chunk 6 to rank 6's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(5, {7, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 7, 0});  // step 17: piece 0 of chunk 7 to rank 7's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(5, {7, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 7, 1});  // step 18: piece 1 of chunk 7 to rank 7's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(5, {7, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 7, 2});  // step 19: piece 2 of chunk 7 to rank 7's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(5, {7, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 7, 3});  // step 20: piece 3 of chunk 7 to rank 7's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(6, {0, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 0, 0});  // step 21: piece 0 of chunk 0 to rank 0's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(6, {0, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 0, 1});  // step 22: piece 1 of chunk 0 to rank 0's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(6, {0, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 0, 2});  // step 23: piece 2 of chunk 0 to rank 0's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(6, {0, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 0, 3});  // step 24: piece 3 of chunk 0 to rank 0's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(7, {1, 3, 0, 4, 2, 0}, {2, 1, 1, 4, 1, 0});  // step 25: piece 0 of chunk 1 to rank 1's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(7, {1, 3, 0, 4, 2, 1}, {2, 1, 1, 4, 1, 1});  // step 26: piece 1 of chunk 1 to rank 1's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(7, {1, 3, 0, 4, 2, 2}, {2, 1, 1, 4, 1, 2});  // step 27: piece 2 of chunk 1 to rank 1's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(7, {1, 3, 0, 4, 2, 3}, {2, 1, 1, 4, 1, 3});  // step 28: piece 3 of chunk 1 to rank 1's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 3:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(1, {4, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 4, 0});  // step 1: piece 0 of chunk 4 to rank 4's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(1, {4, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 4, 1});  // step 2: piece 1 of chunk 4 to rank 4's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(1, {4, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 4, 2});  // step 3: piece 2 of chunk 4 to rank 4's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(1, {4, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 4, 3});  // step 4: piece 3 of chunk 4 to rank 4's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(2, {5, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 5, 0});  // step 5: piece 0 of chunk 5 to rank 5's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(2, {5, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 5, 1});  // step 6: piece 1 of chunk 5 to rank 5's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(2, {5, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 5, 2});  // step 7: piece 2 of chunk 5 to rank 5's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(2, {5, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 5, 3});  // step 8: piece 3 of chunk 5 to rank 5's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(3, {6, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 6, 0});  // step 9: piece 0 of chunk 6 to rank 6's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(3, {6, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 6, 1});  // step 10: piece 1 of chunk 6 to rank 6's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(3, {6, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 6, 2});  // step 11: piece 2 of chunk 6 to rank 6's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(3, {6, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 6, 3});  // step 12: piece 3 of chunk 6 to rank 6's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(4, {7, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 7, 0});  // step 13: piece 0 of chunk 7 to rank 7's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(4, {7, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 7, 1});  // step 14: piece 1 of chunk 7 to rank 7's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(4, {7, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 7, 2});  // step 15: piece 2 of chunk 7 to rank 7's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(4, {7, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 7, 3});  // step 16: piece 3 of chunk 7 to rank 7's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(5, {0, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 0, 0});  // step 17: piece 0 of chunk 0 to rank 0's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(5, {0, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 0, 1});  // step 18: piece 1 of chunk 0 to rank 0's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(5, {0, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 0, 2});  // step 19: piece 2 of chunk 0 to rank 0's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(5, {0, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 0, 3});  // step 20: piece 3 of chunk 0 to rank 0's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(6, {1, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 1, 0});  // step 21: piece 0 of chunk 1 to rank 1's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(6, {1, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 1, 1});  // step 22: piece 1 of chunk 1 to rank 1's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(6, {1, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 1, 2});  // step 23: piece 2 of chunk 1 to rank 1's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(6, {1, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 1, 3});  // step 24: piece 3 of chunk 1 to rank 1's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(7, {2, 3, 0, 4, 3, 0}, {3, 1, 1, 4, 2, 0});  // step 25: piece 0 of chunk 2 to rank 2's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(7, {2, 3, 0, 4, 3, 1}, {3, 1, 1, 4, 2, 1});  // step 26: piece 1 of chunk 2 to rank 2's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(7, {2, 3, 0, 4, 3, 2}, {3, 1, 1, 4, 2, 2});  // step 27: piece 2 of chunk 2 to rank 2's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(7, {2, 3, 0, 4, 3, 3}, {3, 1, 1, 4, 2, 3});  // step 28: piece 3 of chunk 2 to rank 2's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 4:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(1, {5, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 5, 0});  // step 1: piece 0 of chunk 5 to rank 5's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(1, {5, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 5, 1});  // step 2: piece 1 of chunk 5 to rank 5's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(1, {5, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 5, 2});  // step 3: piece 2 of chunk 5 to rank 5's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(1, {5, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 5, 3});  // step 4: piece 3 of chunk 5 to rank 5's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(2, {6, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 6, 0});  // step 5: piece 0 of chunk 6 to rank 6's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(2, {6, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 6, 1});  // step 6: piece 1 of chunk 6 to rank 6's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(2, {6, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 6, 2});  // step 7: piece 2 of chunk 6 to rank 6's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(2, {6, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 6, 3});  // step 8: piece 3 of chunk 6 to rank 6's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(3, {7, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 7, 0});  // step 9: piece 0 of chunk 7 to rank 7's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(3, {7, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 7, 1});  // step 10: piece 1 of chunk 7 to rank 7's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(3, {7, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 7, 2});  // step 11: piece 2 of chunk 7 to rank 7's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(3, {7, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 7, 3});  // step 12: piece 3 of chunk 7 to rank 7's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(4, {0, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 0, 0});  // step 13: piece 0 of chunk 0 to rank 0's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(4, {0, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 0, 1});  // step 14: piece 1 of chunk 0 to rank 0's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(4, {0, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 0, 2});  // step 15: piece 2 of chunk 0 to rank 0's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(4, {0, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 0, 3});  // step 16: piece 3 of chunk 0 to rank 0's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(5, {1, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 1, 0});  // step 17: piece 0 of chunk 1 to rank 1's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(5, {1, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 1, 1});  // step 18: piece 1 of chunk 1 to rank 1's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(5, {1, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 1, 2});  // step 19: piece 2 of chunk 1 to rank 1's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(5, {1, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 1, 3});  // step 20: piece 3 of chunk 1 to rank 1's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(6, {2, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 2, 0});  // step 21: piece 0 of chunk 2 to rank 2's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(6, {2, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 2, 1});  // step 22: piece 1 of chunk 2 to rank 2's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(6, {2, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 2, 2});  // step 23: piece 2 of chunk 2 to rank 2's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(6, {2, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 2, 3});  // step 24: piece 3 of chunk 2 to rank 2's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(7, {3, 3, 0, 4, 4, 0}, {4, 1, 1, 4, 3, 0});  // step 25: piece 0 of chunk 3 to rank 3's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(7, {3, 3, 0, 4, 4, 1}, {4, 1, 1, 4, 3, 1});  // step 26: piece 1 of chunk 3 to rank 3's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(7, {3, 3, 0, 4, 4, 2}, {4, 1, 1, 4, 3, 2});  // step 27: piece 2 of chunk 3 to rank 3's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(7, {3, 3, 0, 4, 4, 3}, {4, 1, 1, 4, 3, 3});  // step 28: piece 3 of chunk 3 to rank 3's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 5:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(1, {6, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 6, 0});  // step 1: piece 0 of chunk 6 to rank 6's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(1, {6, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 6, 1});  // step 2: piece 1 of chunk 6 to rank 6's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(1, {6, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 6, 2});  // step 3: piece 2 of chunk 6 to rank 6's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(1, {6, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 6, 3});  // step 4: piece 3 of chunk 6 to rank 6's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(2, {7, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 7, 0});  // step 5: piece 0 of chunk 7 to rank 7's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(2, {7, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 7, 1});  // step 6: piece 1 of chunk 7 to rank 7's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(2, {7, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 7, 2});  // step 7: piece 2 of chunk 7 to rank 7's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(2, {7, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 7, 3});  // step 8: piece 3 of chunk 7 to rank 7's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 0, 0});  // step 9: piece 0 of chunk 0 to rank 0's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 0, 1});  // step 10: piece 1 of chunk 0 to rank 0's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 0, 2});  // step 11: piece 2 of chunk 0 to rank 0's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(3, {0, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 0, 3});  // step 12: piece 3 of chunk 0 to rank 0's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(4, {1, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 1, 0});  // step 13: piece 0 of chunk 1 to rank 1's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(4, {1, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 1, 1});  // step 14: piece 1 of chunk 1 to rank 1's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(4, {1, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 1, 2});  // step 15: piece 2 of chunk 1 to rank 1's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(4, {1, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 1, 3});  // step 16: piece 3 of chunk 1 to rank 1's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(5, {2, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 2, 0});  // step 17: piece 0 of chunk 2 to rank 2's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(5, {2, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 2, 1});  // step 18: piece 1 of chunk 2 to rank 2's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(5, {2, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 2, 2});  // step 19: piece 2 of chunk 2 to rank 2's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(5, {2, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 2, 3});  // step 20: piece 3 of chunk 2 to rank 2's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(6, {3, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 3, 0});  // step 21: piece 0 of chunk 3 to rank 3's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(6, {3, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 3, 1});  // step 22: piece 1 of chunk 3 to rank 3's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(6, {3, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 3, 2});  // step 23: piece 2 of chunk 3 to rank 3's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(6, {3, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 3, 3});  // step 24: piece 3 of chunk 3 to rank 3's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(7, {4, 3, 0, 4, 5, 0}, {5, 1, 1, 4, 4, 0});  // step 25: piece 0 of chunk 4 to rank 4's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(7, {4, 3, 0, 4, 5, 1}, {5, 1, 1, 4, 4, 1});  // step 26: piece 1 of chunk 4 to rank 4's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(7, {4, 3, 0, 4, 5, 2}, {5, 1, 1, 4, 4, 2});  // step 27: piece 2 of chunk 4 to rank 4's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(7, {4, 3, 0, 4, 5, 3}, {5, 1, 1, 4, 4, 3});  // step 28: piece 3 of chunk 4 to rank 4's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 6:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 7 to rank 7's inbox)
-      copy(1, {7, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 7, 0});  // step 1: piece 0 of chunk 7 to rank 7's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 7 to rank 7's inbox)
-      copy(1, {7, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 7, 1});  // step 2: piece 1 of chunk 7 to rank 7's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 7 to rank 7's inbox)
-      copy(1, {7, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 7, 2});  // step 3: piece 2 of chunk 7 to rank 7's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 7 to rank 7's inbox)
-      copy(1, {7, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 7, 3});  // step 4: piece 3 of chunk 7 to rank 7's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 0, 0});  // step 5: piece 0 of chunk 0 to rank 0's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 0, 1});  // step 6: piece 1 of chunk 0 to rank 0's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 0, 2});  // step 7: piece 2 of chunk 0 to rank 0's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(2, {0, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 0, 3});  // step 8: piece 3 of chunk 0 to rank 0's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 1, 0});  // step 9: piece 0 of chunk 1 to rank 1's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 1, 1});  // step 10: piece 1 of chunk 1 to rank 1's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 1, 2});  // step 11: piece 2 of chunk 1 to rank 1's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(3, {1, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 1, 3});  // step 12: piece 3 of chunk 1 to rank 1's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(4, {2, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 2, 0});  // step 13: piece 0 of chunk 2 to rank 2's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(4, {2, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 2, 1});  // step 14: piece 1 of chunk 2 to rank 2's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(4, {2, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 2, 2});  // step 15: piece 2 of chunk 2 to rank 2's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(4, {2, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 2, 3});  // step 16: piece 3 of chunk 2 to rank 2's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(5, {3, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 3, 0});  // step 17: piece 0 of chunk 3 to rank 3's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(5, {3, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 3, 1});  // step 18: piece 1 of chunk 3 to rank 3's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(5, {3, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 3, 2});  // step 19: piece 2 of chunk 3 to rank 3's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(5, {3, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 3, 3});  // step 20: piece 3 of chunk 3 to rank 3's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(6, {4, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 4, 0});  // step 21: piece 0 of chunk 4 to rank 4's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(6, {4, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 4, 1});  // step 22: piece 1 of chunk 4 to rank 4's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(6, {4, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 4, 2});  // step 23: piece 2 of chunk 4 to rank 4's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(6, {4, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 4, 3});  // step 24: piece 3 of chunk 4 to rank 4's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(7, {5, 3, 0, 4, 6, 0}, {6, 1, 1, 4, 5, 0});  // step 25: piece 0 of chunk 5 to rank 5's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(7, {5, 3, 0, 4, 6, 1}, {6, 1, 1, 4, 5, 1});  // step 26: piece 1 of chunk 5 to rank 5's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(7, {5, 3, 0, 4, 6, 2}, {6, 1, 1, 4, 5, 2});  // step 27: piece 2 of chunk 5 to rank 5's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(7, {5, 3, 0, 4, 6, 3}, {6, 1, 1, 4, 5, 3});  // step 28: piece 3 of chunk 5 to rank 5's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-    case 7:
-      sync(0, 0, -1);  // signals of step 0
-      sync(1, -1, 1);  // waits of step 1 (piece 0 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 0, 0});  // step 1: piece 0 of chunk 0 to rank 0's inbox
-      sync(1, 1, 2);  // signals of step 1, then waits of step 2 (piece 1 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 0, 1});  // step 2: piece 1 of chunk 0 to rank 0's inbox
-      sync(1, 2, 3);  // signals of step 2, then waits of step 3 (piece 2 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 0, 2});  // step 3: piece 2 of chunk 0 to rank 0's inbox
-      sync(1, 3, 4);  // signals of step 3, then waits of step 4 (piece 3 of chunk 0 to rank 0's inbox)
-      copy(1, {0, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 0, 3});  // step 4: piece 3 of chunk 0 to rank 0's inbox
-      sync(1, 4, -1);  // signals of step 4
-      sync(2, -1, 5);  // waits of step 5 (piece 0 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 1, 0});  // step 5: piece 0 of chunk 1 to rank 1's inbox
-      sync(2, 5, 6);  // signals of step 5, then waits of step 6 (piece 1 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 1, 1});  // step 6: piece 1 of chunk 1 to rank 1's inbox
-      sync(2, 6, 7);  // signals of step 6, then waits of step 7 (piece 2 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 1, 2});  // step 7: piece 2 of chunk 1 to rank 1's inbox
-      sync(2, 7, 8);  // signals of step 7, then waits of step 8 (piece 3 of chunk 1 to rank 1's inbox)
-      copy(2, {1, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 1, 3});  // step 8: piece 3 of chunk 1 to rank 1's inbox
-      sync(2, 8, -1);  // signals of step 8
-      sync(3, -1, 9);  // waits of step 9 (piece 0 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 2, 0});  // step 9: piece 0 of chunk 2 to rank 2's inbox
-      sync(3, 9, 10);  // signals of step 9, then waits of step 10 (piece 1 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 2, 1});  // step 10: piece 1 of chunk 2 to rank 2's inbox
-      sync(3, 10, 11);  // signals of step 10, then waits of step 11 (piece 2 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 2, 2});  // step 11: piece 2 of chunk 2 to rank 2's inbox
-      sync(3, 11, 12);  // signals of step 11, then waits of step 12 (piece 3 of chunk 2 to rank 2's inbox)
-      copy(3, {2, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 2, 3});  // step 12: piece 3 of chunk 2 to rank 2's inbox
-      sync(3, 12, -1);  // signals of step 12
-      sync(4, -1, 13);  // waits of step 13 (piece 0 of chunk 3 to rank 3's inbox)
-      copy(4, {3, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 3, 0});  // step 13: piece 0 of chunk 3 to rank 3's inbox
-      sync(4, 13, 14);  // signals of step 13, then waits of step 14 (piece 1 of chunk 3 to rank 3's inbox)
-      copy(4, {3, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 3, 1});  // step 14: piece 1 of chunk 3 to rank 3's inbox
-      sync(4, 14, 15);  // signals of step 14, then waits of step 15 (piece 2 of chunk 3 to rank 3's inbox)
-      copy(4, {3, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 3, 2});  // step 15: piece 2 of chunk 3 to rank 3's inbox
-      sync(4, 15, 16);  // signals of step 15, then waits of step 16 (piece 3 of chunk 3 to rank 3's inbox)
-      copy(4, {3, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 3, 3});  // step 16: piece 3 of chunk 3 to rank 3's inbox
-      sync(4, 16, -1);  // signals of step 16
-      sync(5, -1, 17);  // waits of step 17 (piece 0 of chunk 4 to rank 4's inbox)
-      copy(5, {4, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 4, 0});  // step 17: piece 0 of chunk 4 to rank 4's inbox
-      sync(5, 17, 18);  // signals of step 17, then waits of step 18 (piece 1 of chunk 4 to rank 4's inbox)
-      copy(5, {4, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 4, 1});  // step 18: piece 1 of chunk 4 to rank 4's inbox
-      sync(5, 18, 19);  // signals of step 18, then waits of step 19 (piece 2 of chunk 4 to rank 4's inbox)
-      copy(5, {4, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 4, 2});  // step 19: piece 2 of chunk 4 to rank 4's inbox
-      sync(5, 19, 20);  // signals of step 19, then waits of step 20 (piece 3 of chunk 4 to rank 4's inbox)
-      copy(5, {4, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 4, 3});  // step 20: piece 3 of chunk 4 to rank 4's inbox
-      sync(5, 20, -1);  // signals of step 20
-      sync(6, -1, 21);  // waits of step 21 (piece 0 of chunk 5 to rank 5's inbox)
-      copy(6, {5, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 5, 0});  // step 21: piece 0 of chunk 5 to rank 5's inbox
-      sync(6, 21, 22);  // signals of step 21, then waits of step 22 (piece 1 of chunk 5 to rank 5's inbox)
-      copy(6, {5, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 5, 1});  // step 22: piece 1 of chunk 5 to rank 5's inbox
-      sync(6, 22, 23);  // signals of step 22, then waits of step 23 (piece 2 of chunk 5 to rank 5's inbox)
-      copy(6, {5, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 5, 2});  // step 23: piece 2 of chunk 5 to rank 5's inbox
-      sync(6, 23, 24);  // signals of step 23, then waits of step 24 (piece 3 of chunk 5 to rank 5's inbox)
-      copy(6, {5, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 5, 3});  // step 24: piece 3 of chunk 5 to rank 5's inbox
-      sync(6, 24, -1);  // signals of step 24
-      sync(7, -1, 25);  // waits of step 25 (piece 0 of chunk 6 to rank 6's inbox)
-      copy(7, {6, 3, 0, 4, 7, 0}, {7, 1, 1, 4, 6, 0});  // step 25: piece 0 of chunk 6 to rank 6's inbox
-      sync(7, 25, 26);  // signals of step 25, then waits of step 26 (piece 1 of chunk 6 to rank 6's inbox)
-      copy(7, {6, 3, 0, 4, 7, 1}, {7, 1, 1, 4, 6, 1});  // step 26: piece 1 of chunk 6 to rank 6's inbox
-      sync(7, 26, 27);  // signals of step 26, then waits of step 27 (piece 2 of chunk 6 to rank 6's inbox)
-      copy(7, {6, 3, 0, 4, 7, 2}, {7, 1, 1, 4, 6, 2});  // step 27: piece 2 of chunk 6 to rank 6's inbox
-      sync(7, 27, 28);  // signals of step 27, then waits of step 28 (piece 3 of chunk 6 to rank 6's inbox)
-      copy(7, {6, 3, 0, 4, 7, 3}, {7, 1, 1, 4, 6, 3});  // step 28: piece 3 of chunk 6 to rank 6's inbox
-      sync(7, 28, -1);  // signals of step 28
-      sync(8, -1, 29);  // waits of step 29 (reduce piece 0)
-      reduce(8, 29);  // step 29: reduce piece 0
-      sync(8, -1, 30);  // waits of step 30 (reduce piece 1)
-      reduce(8, 30);  // step 30: reduce piece 1
-      sync(8, -1, 31);  // waits of step 31 (reduce piece 2)
-      reduce(8, 31);  // step 31: reduce piece 2
-      sync(8, -1, 32);  // waits of step 32 (reduce piece 3)
-      reduce(8, 32);  // step 32: reduce piece 3
-      break;
-  }
-  const cudaError_t joined = tsgen::ce::join(stream, lanes, 9);
-  if (err != cudaSuccess) return err;
-  if (joined != cudaSuccess) return joined;
-  reduce_scatter_ce_w8_end<<<1, 1, 0, stream>>>(calls);
-  return cudaGetLastError();
+  return tsgen::ce::launch<reduce_scatter_ce::T, 8, 9, 64, 512, reduce_scatter_ce_w8_sync, reduce_scatter_ce_w8_reduce,
+                           reduce_scatter_ce_w8_end>(stream, peers_host, bufs, rank, calls, count, program, peers, rank, calls, count, src, dst, inbox, entry, arrive);
 }
 

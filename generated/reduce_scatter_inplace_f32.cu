@@ -8,12 +8,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   dst      float          inout  world * count
@@ -21,13 +19,13 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 16
 // Contents (line numbers of this file):
-//   47: the hand-written library, included: tsgen/ptx.cuh 47, tsgen/sync.cuh 48, tsgen/copy.cuh 49, tsgen/plan.cuh 50
-//   55: the op's own code (namespace reduce_scatter_inplace_f32: constants, tables, device code)
+//   44: the hand-written library, included: tsgen/ptx.cuh 44, tsgen/sync.cuh 45, tsgen/copy.cuh 46, tsgen/plan.cuh 47
+//   50: the op's own code (namespace reduce_scatter_inplace_f32: constants, tables, device code)
 //   entry points (extern "C"):
-//     reduce_scatter_inplace_f32_w2 1187, reduce_scatter_inplace_f32_w3 1194
-//     reduce_scatter_inplace_f32_w4 1201, reduce_scatter_inplace_f32_w8 1208
-//     reduce_scatter_inplace_f32_w2_launch 1224, reduce_scatter_inplace_f32_w3_launch 1225
-//     reduce_scatter_inplace_f32_w4_launch 1226, reduce_scatter_inplace_f32_w8_launch 1227
+//     reduce_scatter_inplace_f32_w2 584, reduce_scatter_inplace_f32_w3 589
+//     reduce_scatter_inplace_f32_w4 594, reduce_scatter_inplace_f32_w8 599
+//     reduce_scatter_inplace_f32_w2_launch 607, reduce_scatter_inplace_f32_w3_launch 608
+//     reduce_scatter_inplace_f32_w4_launch 609, reduce_scatter_inplace_f32_w8_launch 610
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -35,8 +33,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -49,9 +46,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// reduce_scatter: reduce_scatter_inplace_f32
-// ---------------------------------------------------------------------------
+// ---- reduce_scatter: reduce_scatter_inplace_f32 ----------------------------------------------------------------
 namespace reduce_scatter_inplace_f32 {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -61,738 +56,317 @@ constexpr int UNROLL = 4;
 
 typedef float T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: dst
-//   2: inbox
-//   3: entry
-//   4: arrive
-static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", "entry", "arrive" };
+static __device__ const char* const buffer_names[] = { "calls", "dst", "inbox", "entry", "arrive" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {
   char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2 || WORLD == 3 || WORLD == 4)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 10 steps, 128 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 10 steps, 128 block shares over 64 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: reduce piece 0; wait arrive[2]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}}, {}, {{4, 0, 2, 16}}, {}},
-    // rank 0 step 4: reduce piece 1; wait arrive[3]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}}, {}, {{4, 0, 3, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},
-    // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 1 step 3: reduce piece 0; wait arrive[0]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}}, {}, {{4, 0, 0, 16}}, {}},
-    // rank 1 step 4: reduce piece 1; wait arrive[1]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}}, {}, {{4, 0, 1, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}}, {}, {{4, 0, 2, 16}}, {}},  // rank 0 step 3: reduce piece 0; wait arrive[2]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}}, {}, {{4, 0, 3, 16}}, {}},  // rank 0 step 4: reduce piece 1; wait arrive[3]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}}, {}, {{4, 0, 0, 16}}, {}},  // rank 1 step 3: reduce piece 0; wait arrive[0]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}}, {}, {{4, 0, 1, 16}}, {}},  // rank 1 step 4: reduce piece 1; wait arrive[1]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2]; 16 blocks
 };
 static __device__ const int step_base_w2[2] = { 0, 5 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 21 steps, 288 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 21 steps, 288 block shares over 64 blocks, run as straight-line code
+// (plan<3>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:dst@2[0/2]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:dst@2[1/2]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 0 step 5: reduce piece 0; wait arrive[2], arrive[4]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}}, {}},
-    // rank 0 step 6: reduce piece 1; wait arrive[3], arrive[5]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:dst@2[0/2]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
-    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:dst@2[1/2]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 1 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 1 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 1 step 5: reduce piece 0; wait arrive[0], arrive[4]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}}, {}},
-    // rank 1 step 6: reduce piece 1; wait arrive[1], arrive[5]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},
-    // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:dst@0[0/2]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 2 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:dst@0[1/2]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 2 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:dst@1[0/2]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
-    // rank 2 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:dst@1[1/2]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
-    // rank 2 step 5: reduce piece 0; wait arrive[0], arrive[2]; r2:dst@2[0/2] = r2:dst@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {}},
-    // rank 2 step 6: reduce piece 1; wait arrive[1], arrive[3]; r2:dst@2[1/2] = r2:dst@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:dst@2[0/2]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:dst@2[1/2]; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}}, {}},  // rank 0 step 5: reduce piece 0; wait arrive[2], arrive[4]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}}, {}},  // rank 0 step 6: reduce piece 1; wait arrive[3], arrive[5]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},  // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:dst@2[0/2]; signal r2:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:dst@2[1/2]; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 1 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 1 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}}, {}},  // rank 1 step 5: reduce piece 0; wait arrive[0], arrive[4]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}}, {}},  // rank 1 step 6: reduce piece 1; wait arrive[1], arrive[5]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:dst@0[0/2]; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 2 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:dst@0[1/2]; signal r0:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},  // rank 2 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:dst@1[0/2]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},  // rank 2 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:dst@1[1/2]; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}}, {}},  // rank 2 step 5: reduce piece 0; wait arrive[0], arrive[2]; r2:dst@2[0/2] = r2:dst@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}}, {}},  // rank 2 step 6: reduce piece 1; wait arrive[1], arrive[3]; r2:dst@2[1/2] = r2:dst@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2]; 16 blocks
 };
 static __device__ const int step_base_w3[3] = { 0, 7, 14 };
-// No share or block tables: world size 3 runs as straight-line code (plan<3>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 36 steps, 512 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 36 steps, 512 block shares over 64 blocks, run as straight-line code
+// (plan<4>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:dst@2[0/2]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:dst@2[1/2]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 0 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/2] = r0:dst@3[0/2]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 0 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/2] = r0:dst@3[1/2]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
-    // rank 0 step 7: reduce piece 0; wait arrive[2], arrive[4], arrive[6]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2] + r0:inbox@3[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}, {0, 2, 0, 2, 3, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {}},
-    // rank 0 step 8: reduce piece 1; wait arrive[3], arrive[5], arrive[7]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2] + r0:inbox@3[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}, {0, 2, 0, 2, 3, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:dst@2[0/2]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
-    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:dst@2[1/2]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 1 step 3: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/2] = r1:dst@3[0/2]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
-    // rank 1 step 4: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/2] = r1:dst@3[1/2]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
-    // rank 1 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 1 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 1 step 7: reduce piece 0; wait arrive[0], arrive[4], arrive[6]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2] + r1:inbox@3[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}, {1, 2, 0, 2, 3, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {}},
-    // rank 1 step 8: reduce piece 1; wait arrive[1], arrive[5], arrive[7]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2] + r1:inbox@3[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}, {1, 2, 0, 2, 3, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},
-    // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/2] = r2:dst@3[0/2]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
-    // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/2] = r2:dst@3[1/2]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
-    // rank 2 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:dst@0[0/2]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 2 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:dst@0[1/2]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 2 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:dst@1[0/2]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
-    // rank 2 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:dst@1[1/2]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
-    // rank 2 step 7: reduce piece 0; wait arrive[0], arrive[2], arrive[6]; r2:dst@2[0/2] = r2:dst@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2] + r2:inbox@3[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}, {2, 2, 0, 2, 3, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}}, {}},
-    // rank 2 step 8: reduce piece 1; wait arrive[1], arrive[3], arrive[7]; r2:dst@2[1/2] = r2:dst@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2] + r2:inbox@3[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}, {2, 2, 0, 2, 3, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},
-    // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/2] = r3:dst@0[0/2]; signal r0:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
-    // rank 3 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/2] = r3:dst@0[1/2]; signal r0:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
-    // rank 3 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/2] = r3:dst@1[0/2]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
-    // rank 3 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/2] = r3:dst@1[1/2]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
-    // rank 3 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/2] = r3:dst@2[0/2]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 3 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/2] = r3:dst@2[1/2]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 3 step 7: reduce piece 0; wait arrive[0], arrive[2], arrive[4]; r3:dst@3[0/2] = r3:dst@3[0/2] + r3:inbox@0[0/2] + r3:inbox@1[0/2] + r3:inbox@2[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 1, 0, 2, 3, 0}, {{3, 1, 0, 2, 3, 0}, {3, 2, 0, 2, 0, 0}, {3, 2, 0, 2, 1, 0}, {3, 2, 0, 2, 2, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}}, {}},
-    // rank 3 step 8: reduce piece 1; wait arrive[1], arrive[3], arrive[5]; r3:dst@3[1/2] = r3:dst@3[1/2] + r3:inbox@0[1/2] + r3:inbox@1[1/2] + r3:inbox@2[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 1, 0, 2, 3, 1}, {{3, 1, 0, 2, 3, 1}, {3, 2, 0, 2, 0, 1}, {3, 2, 0, 2, 1, 1}, {3, 2, 0, 2, 2, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:dst@2[0/2]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:dst@2[1/2]; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 0 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/2] = r0:dst@3[0/2]; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},  // rank 0 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/2] = r0:dst@3[1/2]; signal r3:arrive[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}, {0, 2, 0, 2, 3, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {}},  // rank 0 step 7: reduce piece 0; wait arrive[2], arrive[4], arrive[6]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2] + r0:inbox@3[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}, {0, 2, 0, 2, 3, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},  // rank 0 step 8: reduce piece 1; wait arrive[3], arrive[5], arrive[7]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2] + r0:inbox@3[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},  // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:dst@2[0/2]; signal r2:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:dst@2[1/2]; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},  // rank 1 step 3: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/2] = r1:dst@3[0/2]; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},  // rank 1 step 4: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/2] = r1:dst@3[1/2]; signal r3:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 1 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 1 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}, {1, 2, 0, 2, 3, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}}, {}},  // rank 1 step 7: reduce piece 0; wait arrive[0], arrive[4], arrive[6]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2] + r1:inbox@3[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}, {1, 2, 0, 2, 3, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}}, {}},  // rank 1 step 8: reduce piece 1; wait arrive[1], arrive[5], arrive[7]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2] + r1:inbox@3[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},  // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/2] = r2:dst@3[0/2]; signal r3:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},  // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/2] = r2:dst@3[1/2]; signal r3:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 2 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:dst@0[0/2]; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 2 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:dst@0[1/2]; signal r0:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},  // rank 2 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:dst@1[0/2]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},  // rank 2 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:dst@1[1/2]; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}, {2, 2, 0, 2, 3, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}}, {}},  // rank 2 step 7: reduce piece 0; wait arrive[0], arrive[2], arrive[6]; r2:dst@2[0/2] = r2:dst@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2] + r2:inbox@3[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}, {2, 2, 0, 2, 3, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}}, {}},  // rank 2 step 8: reduce piece 1; wait arrive[1], arrive[3], arrive[7]; r2:dst@2[1/2] = r2:dst@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2] + r2:inbox@3[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},  // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/2] = r3:dst@0[0/2]; signal r0:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},  // rank 3 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/2] = r3:dst@0[1/2]; signal r0:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},  // rank 3 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/2] = r3:dst@1[0/2]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},  // rank 3 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/2] = r3:dst@1[1/2]; signal r1:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 3 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/2] = r3:dst@2[0/2]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 3 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/2] = r3:dst@2[1/2]; signal r2:arrive[7]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 1, 0, 2, 3, 0}, {{3, 1, 0, 2, 3, 0}, {3, 2, 0, 2, 0, 0}, {3, 2, 0, 2, 1, 0}, {3, 2, 0, 2, 2, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}}, {}},  // rank 3 step 7: reduce piece 0; wait arrive[0], arrive[2], arrive[4]; r3:dst@3[0/2] = r3:dst@3[0/2] + r3:inbox@0[0/2] + r3:inbox@1[0/2] + r3:inbox@2[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 1, 0, 2, 3, 1}, {{3, 1, 0, 2, 3, 1}, {3, 2, 0, 2, 0, 1}, {3, 2, 0, 2, 1, 1}, {3, 2, 0, 2, 2, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}}, {}},  // rank 3 step 8: reduce piece 1; wait arrive[1], arrive[3], arrive[5]; r3:dst@3[1/2] = r3:dst@3[1/2] + r3:inbox@0[1/2] + r3:inbox@1[1/2] + r3:inbox@2[1/2]; 16 blocks
 };
 static __device__ const int step_base_w4[4] = { 0, 9, 18, 27 };
-// No share or block tables: world size 4 runs as straight-line code (plan<4>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 136 steps, 2048 block shares over 64 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 136 steps, 2048 block shares over 64 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},
-    // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:dst@2[0/2]; signal r2:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},
-    // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:dst@2[1/2]; signal r2:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},
-    // rank 0 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/2] = r0:dst@3[0/2]; signal r3:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},
-    // rank 0 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/2] = r0:dst@3[1/2]; signal r3:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},
-    // rank 0 step 7: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[0/2] = r0:dst@4[0/2]; signal r4:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},
-    // rank 0 step 8: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[1/2] = r0:dst@4[1/2]; signal r4:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},
-    // rank 0 step 9: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[0/2] = r0:dst@5[0/2]; signal r5:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},
-    // rank 0 step 10: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[1/2] = r0:dst@5[1/2]; signal r5:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},
-    // rank 0 step 11: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[0/2] = r0:dst@6[0/2]; signal r6:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},
-    // rank 0 step 12: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[1/2] = r0:dst@6[1/2]; signal r6:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},
-    // rank 0 step 13: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[0/2] = r0:dst@7[0/2]; signal r7:arrive[0]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},
-    // rank 0 step 14: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[1/2] = r0:dst@7[1/2]; signal r7:arrive[1]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},
-    // rank 0 step 15: reduce piece 0; wait arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2] + r0:inbox@3[0/2] + r0:inbox@4[0/2] + r0:inbox@5[0/2] + r0:inbox@6[0/2] + r0:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}, {0, 2, 0, 2, 3, 0}, {0, 2, 0, 2, 4, 0}, {0, 2, 0, 2, 5, 0}, {0, 2, 0, 2, 6, 0}, {0, 2, 0, 2, 7, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
-    // rank 0 step 16: reduce piece 1; wait arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2] + r0:inbox@3[1/2] + r0:inbox@4[1/2] + r0:inbox@5[1/2] + r0:inbox@6[1/2] + r0:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}, {0, 2, 0, 2, 3, 1}, {0, 2, 0, 2, 4, 1}, {0, 2, 0, 2, 5, 1}, {0, 2, 0, 2, 6, 1}, {0, 2, 0, 2, 7, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:dst@2[0/2]; signal r2:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},
-    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:dst@2[1/2]; signal r2:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},
-    // rank 1 step 3: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/2] = r1:dst@3[0/2]; signal r3:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},
-    // rank 1 step 4: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/2] = r1:dst@3[1/2]; signal r3:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},
-    // rank 1 step 5: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[0/2] = r1:dst@4[0/2]; signal r4:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},
-    // rank 1 step 6: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[1/2] = r1:dst@4[1/2]; signal r4:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},
-    // rank 1 step 7: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[0/2] = r1:dst@5[0/2]; signal r5:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},
-    // rank 1 step 8: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[1/2] = r1:dst@5[1/2]; signal r5:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},
-    // rank 1 step 9: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[0/2] = r1:dst@6[0/2]; signal r6:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},
-    // rank 1 step 10: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[1/2] = r1:dst@6[1/2]; signal r6:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},
-    // rank 1 step 11: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[0/2] = r1:dst@7[0/2]; signal r7:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},
-    // rank 1 step 12: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[1/2] = r1:dst@7[1/2]; signal r7:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},
-    // rank 1 step 13: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},
-    // rank 1 step 14: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},
-    // rank 1 step 15: reduce piece 0; wait arrive[0], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2] + r1:inbox@3[0/2] + r1:inbox@4[0/2] + r1:inbox@5[0/2] + r1:inbox@6[0/2] + r1:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}, {1, 2, 0, 2, 3, 0}, {1, 2, 0, 2, 4, 0}, {1, 2, 0, 2, 5, 0}, {1, 2, 0, 2, 6, 0}, {1, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
-    // rank 1 step 16: reduce piece 1; wait arrive[1], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2] + r1:inbox@3[1/2] + r1:inbox@4[1/2] + r1:inbox@5[1/2] + r1:inbox@6[1/2] + r1:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}, {1, 2, 0, 2, 3, 1}, {1, 2, 0, 2, 4, 1}, {1, 2, 0, 2, 5, 1}, {1, 2, 0, 2, 6, 1}, {1, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},
-    // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/2] = r2:dst@3[0/2]; signal r3:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},
-    // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/2] = r2:dst@3[1/2]; signal r3:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},
-    // rank 2 step 3: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[0/2] = r2:dst@4[0/2]; signal r4:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 4}}},
-    // rank 2 step 4: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[1/2] = r2:dst@4[1/2]; signal r4:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},
-    // rank 2 step 5: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[0/2] = r2:dst@5[0/2]; signal r5:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},
-    // rank 2 step 6: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[1/2] = r2:dst@5[1/2]; signal r5:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 5}}},
-    // rank 2 step 7: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[0/2] = r2:dst@6[0/2]; signal r6:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},
-    // rank 2 step 8: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[1/2] = r2:dst@6[1/2]; signal r6:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},
-    // rank 2 step 9: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[0/2] = r2:dst@7[0/2]; signal r7:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},
-    // rank 2 step 10: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[1/2] = r2:dst@7[1/2]; signal r7:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},
-    // rank 2 step 11: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:dst@0[0/2]; signal r0:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},
-    // rank 2 step 12: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:dst@0[1/2]; signal r0:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},
-    // rank 2 step 13: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:dst@1[0/2]; signal r1:arrive[4]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},
-    // rank 2 step 14: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:dst@1[1/2]; signal r1:arrive[5]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},
-    // rank 2 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r2:dst@2[0/2] = r2:dst@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2] + r2:inbox@3[0/2] + r2:inbox@4[0/2] + r2:inbox@5[0/2] + r2:inbox@6[0/2] + r2:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}, {2, 2, 0, 2, 3, 0}, {2, 2, 0, 2, 4, 0}, {2, 2, 0, 2, 5, 0}, {2, 2, 0, 2, 6, 0}, {2, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
-    // rank 2 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r2:dst@2[1/2] = r2:dst@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2] + r2:inbox@3[1/2] + r2:inbox@4[1/2] + r2:inbox@5[1/2] + r2:inbox@6[1/2] + r2:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}, {2, 2, 0, 2, 3, 1}, {2, 2, 0, 2, 4, 1}, {2, 2, 0, 2, 5, 1}, {2, 2, 0, 2, 6, 1}, {2, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},
-    // rank 3 step 1: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[0/2] = r3:dst@4[0/2]; signal r4:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},
-    // rank 3 step 2: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[1/2] = r3:dst@4[1/2]; signal r4:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},
-    // rank 3 step 3: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[0/2] = r3:dst@5[0/2]; signal r5:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},
-    // rank 3 step 4: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[1/2] = r3:dst@5[1/2]; signal r5:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},
-    // rank 3 step 5: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[0/2] = r3:dst@6[0/2]; signal r6:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 6}}},
-    // rank 3 step 6: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[1/2] = r3:dst@6[1/2]; signal r6:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},
-    // rank 3 step 7: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[0/2] = r3:dst@7[0/2]; signal r7:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},
-    // rank 3 step 8: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[1/2] = r3:dst@7[1/2]; signal r7:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 7}}},
-    // rank 3 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/2] = r3:dst@0[0/2]; signal r0:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},
-    // rank 3 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/2] = r3:dst@0[1/2]; signal r0:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},
-    // rank 3 step 11: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/2] = r3:dst@1[0/2]; signal r1:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},
-    // rank 3 step 12: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/2] = r3:dst@1[1/2]; signal r1:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},
-    // rank 3 step 13: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/2] = r3:dst@2[0/2]; signal r2:arrive[6]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},
-    // rank 3 step 14: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/2] = r3:dst@2[1/2]; signal r2:arrive[7]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},
-    // rank 3 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[8], arrive[10], arrive[12], arrive[14]; r3:dst@3[0/2] = r3:dst@3[0/2] + r3:inbox@0[0/2] + r3:inbox@1[0/2] + r3:inbox@2[0/2] + r3:inbox@4[0/2] + r3:inbox@5[0/2] + r3:inbox@6[0/2] + r3:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 1, 0, 2, 3, 0}, {{3, 1, 0, 2, 3, 0}, {3, 2, 0, 2, 0, 0}, {3, 2, 0, 2, 1, 0}, {3, 2, 0, 2, 2, 0}, {3, 2, 0, 2, 4, 0}, {3, 2, 0, 2, 5, 0}, {3, 2, 0, 2, 6, 0}, {3, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
-    // rank 3 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[9], arrive[11], arrive[13], arrive[15]; r3:dst@3[1/2] = r3:dst@3[1/2] + r3:inbox@0[1/2] + r3:inbox@1[1/2] + r3:inbox@2[1/2] + r3:inbox@4[1/2] + r3:inbox@5[1/2] + r3:inbox@6[1/2] + r3:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 1, 0, 2, 3, 1}, {{3, 1, 0, 2, 3, 1}, {3, 2, 0, 2, 0, 1}, {3, 2, 0, 2, 1, 1}, {3, 2, 0, 2, 2, 1}, {3, 2, 0, 2, 4, 1}, {3, 2, 0, 2, 5, 1}, {3, 2, 0, 2, 6, 1}, {3, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},
-    // rank 4 step 1: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[0/2] = r4:dst@5[0/2]; signal r5:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 8}}},
-    // rank 4 step 2: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[1/2] = r4:dst@5[1/2]; signal r5:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 9}}},
-    // rank 4 step 3: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[0/2] = r4:dst@6[0/2]; signal r6:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 8}}},
-    // rank 4 step 4: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[1/2] = r4:dst@6[1/2]; signal r6:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 9}}},
-    // rank 4 step 5: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[0/2] = r4:dst@7[0/2]; signal r7:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 8}}},
-    // rank 4 step 6: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[1/2] = r4:dst@7[1/2]; signal r7:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 9}}},
-    // rank 4 step 7: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[0/2] = r4:dst@0[0/2]; signal r0:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},
-    // rank 4 step 8: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[1/2] = r4:dst@0[1/2]; signal r0:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},
-    // rank 4 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[0/2] = r4:dst@1[0/2]; signal r1:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 8}}},
-    // rank 4 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[1/2] = r4:dst@1[1/2]; signal r1:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 9}}},
-    // rank 4 step 11: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[0/2] = r4:dst@2[0/2]; signal r2:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},
-    // rank 4 step 12: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[1/2] = r4:dst@2[1/2]; signal r2:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},
-    // rank 4 step 13: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[0/2] = r4:dst@3[0/2]; signal r3:arrive[8]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},
-    // rank 4 step 14: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[1/2] = r4:dst@3[1/2]; signal r3:arrive[9]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},
-    // rank 4 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[10], arrive[12], arrive[14]; r4:dst@4[0/2] = r4:dst@4[0/2] + r4:inbox@0[0/2] + r4:inbox@1[0/2] + r4:inbox@2[0/2] + r4:inbox@3[0/2] + r4:inbox@5[0/2] + r4:inbox@6[0/2] + r4:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 1, 0, 2, 4, 0}, {{4, 1, 0, 2, 4, 0}, {4, 2, 0, 2, 0, 0}, {4, 2, 0, 2, 1, 0}, {4, 2, 0, 2, 2, 0}, {4, 2, 0, 2, 3, 0}, {4, 2, 0, 2, 5, 0}, {4, 2, 0, 2, 6, 0}, {4, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
-    // rank 4 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[11], arrive[13], arrive[15]; r4:dst@4[1/2] = r4:dst@4[1/2] + r4:inbox@0[1/2] + r4:inbox@1[1/2] + r4:inbox@2[1/2] + r4:inbox@3[1/2] + r4:inbox@5[1/2] + r4:inbox@6[1/2] + r4:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 1, 0, 2, 4, 1}, {{4, 1, 0, 2, 4, 1}, {4, 2, 0, 2, 0, 1}, {4, 2, 0, 2, 1, 1}, {4, 2, 0, 2, 2, 1}, {4, 2, 0, 2, 3, 1}, {4, 2, 0, 2, 5, 1}, {4, 2, 0, 2, 6, 1}, {4, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},
-    // rank 5 step 1: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[0/2] = r5:dst@6[0/2]; signal r6:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 10}}},
-    // rank 5 step 2: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[1/2] = r5:dst@6[1/2]; signal r6:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 11}}},
-    // rank 5 step 3: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[0/2] = r5:dst@7[0/2]; signal r7:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 10}}},
-    // rank 5 step 4: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[1/2] = r5:dst@7[1/2]; signal r7:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 11}}},
-    // rank 5 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[0/2] = r5:dst@0[0/2]; signal r0:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},
-    // rank 5 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[1/2] = r5:dst@0[1/2]; signal r0:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},
-    // rank 5 step 7: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[0/2] = r5:dst@1[0/2]; signal r1:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 10}}},
-    // rank 5 step 8: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[1/2] = r5:dst@1[1/2]; signal r1:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 11}}},
-    // rank 5 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[0/2] = r5:dst@2[0/2]; signal r2:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},
-    // rank 5 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[1/2] = r5:dst@2[1/2]; signal r2:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},
-    // rank 5 step 11: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[0/2] = r5:dst@3[0/2]; signal r3:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},
-    // rank 5 step 12: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[1/2] = r5:dst@3[1/2]; signal r3:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},
-    // rank 5 step 13: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[0/2] = r5:dst@4[0/2]; signal r4:arrive[10]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 10}}},
-    // rank 5 step 14: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[1/2] = r5:dst@4[1/2]; signal r4:arrive[11]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 11}}},
-    // rank 5 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[12], arrive[14]; r5:dst@5[0/2] = r5:dst@5[0/2] + r5:inbox@0[0/2] + r5:inbox@1[0/2] + r5:inbox@2[0/2] + r5:inbox@3[0/2] + r5:inbox@4[0/2] + r5:inbox@6[0/2] + r5:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 1, 0, 2, 5, 0}, {{5, 1, 0, 2, 5, 0}, {5, 2, 0, 2, 0, 0}, {5, 2, 0, 2, 1, 0}, {5, 2, 0, 2, 2, 0}, {5, 2, 0, 2, 3, 0}, {5, 2, 0, 2, 4, 0}, {5, 2, 0, 2, 6, 0}, {5, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},
-    // rank 5 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[13], arrive[15]; r5:dst@5[1/2] = r5:dst@5[1/2] + r5:inbox@0[1/2] + r5:inbox@1[1/2] + r5:inbox@2[1/2] + r5:inbox@3[1/2] + r5:inbox@4[1/2] + r5:inbox@6[1/2] + r5:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 1, 0, 2, 5, 1}, {{5, 1, 0, 2, 5, 1}, {5, 2, 0, 2, 0, 1}, {5, 2, 0, 2, 1, 1}, {5, 2, 0, 2, 2, 1}, {5, 2, 0, 2, 3, 1}, {5, 2, 0, 2, 4, 1}, {5, 2, 0, 2, 6, 1}, {5, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},
-    // rank 6 step 1: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[0/2] = r6:dst@7[0/2]; signal r7:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 12}}},
-    // rank 6 step 2: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[1/2] = r6:dst@7[1/2]; signal r7:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 13}}},
-    // rank 6 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[0/2] = r6:dst@0[0/2]; signal r0:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},
-    // rank 6 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[1/2] = r6:dst@0[1/2]; signal r0:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},
-    // rank 6 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[0/2] = r6:dst@1[0/2]; signal r1:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 12}}},
-    // rank 6 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[1/2] = r6:dst@1[1/2]; signal r1:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 13}}},
-    // rank 6 step 7: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[0/2] = r6:dst@2[0/2]; signal r2:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},
-    // rank 6 step 8: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[1/2] = r6:dst@2[1/2]; signal r2:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},
-    // rank 6 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[0/2] = r6:dst@3[0/2]; signal r3:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 12}}},
-    // rank 6 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[1/2] = r6:dst@3[1/2]; signal r3:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 13}}},
-    // rank 6 step 11: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[0/2] = r6:dst@4[0/2]; signal r4:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 12}}},
-    // rank 6 step 12: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[1/2] = r6:dst@4[1/2]; signal r4:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 13}}},
-    // rank 6 step 13: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[0/2] = r6:dst@5[0/2]; signal r5:arrive[12]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 12}}},
-    // rank 6 step 14: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[1/2] = r6:dst@5[1/2]; signal r5:arrive[13]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 13}}},
-    // rank 6 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[14]; r6:dst@6[0/2] = r6:dst@6[0/2] + r6:inbox@0[0/2] + r6:inbox@1[0/2] + r6:inbox@2[0/2] + r6:inbox@3[0/2] + r6:inbox@4[0/2] + r6:inbox@5[0/2] + r6:inbox@7[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 1, 0, 2, 6, 0}, {{6, 1, 0, 2, 6, 0}, {6, 2, 0, 2, 0, 0}, {6, 2, 0, 2, 1, 0}, {6, 2, 0, 2, 2, 0}, {6, 2, 0, 2, 3, 0}, {6, 2, 0, 2, 4, 0}, {6, 2, 0, 2, 5, 0}, {6, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 14, 16}}, {}},
-    // rank 6 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[15]; r6:dst@6[1/2] = r6:dst@6[1/2] + r6:inbox@0[1/2] + r6:inbox@1[1/2] + r6:inbox@2[1/2] + r6:inbox@3[1/2] + r6:inbox@4[1/2] + r6:inbox@5[1/2] + r6:inbox@7[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 1, 0, 2, 6, 1}, {{6, 1, 0, 2, 6, 1}, {6, 2, 0, 2, 0, 1}, {6, 2, 0, 2, 1, 1}, {6, 2, 0, 2, 2, 1}, {6, 2, 0, 2, 3, 1}, {6, 2, 0, 2, 4, 1}, {6, 2, 0, 2, 5, 1}, {6, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 15, 16}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},
-    // rank 7 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[0/2] = r7:dst@0[0/2]; signal r0:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},
-    // rank 7 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[1/2] = r7:dst@0[1/2]; signal r0:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},
-    // rank 7 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[0/2] = r7:dst@1[0/2]; signal r1:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 14}}},
-    // rank 7 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[1/2] = r7:dst@1[1/2]; signal r1:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 15}}},
-    // rank 7 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[0/2] = r7:dst@2[0/2]; signal r2:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},
-    // rank 7 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[1/2] = r7:dst@2[1/2]; signal r2:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},
-    // rank 7 step 7: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[0/2] = r7:dst@3[0/2]; signal r3:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 14}}},
-    // rank 7 step 8: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[1/2] = r7:dst@3[1/2]; signal r3:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 15}}},
-    // rank 7 step 9: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[0/2] = r7:dst@4[0/2]; signal r4:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 14}}},
-    // rank 7 step 10: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[1/2] = r7:dst@4[1/2]; signal r4:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 15}}},
-    // rank 7 step 11: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[0/2] = r7:dst@5[0/2]; signal r5:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 14}}},
-    // rank 7 step 12: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[1/2] = r7:dst@5[1/2]; signal r5:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 15}}},
-    // rank 7 step 13: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[0/2] = r7:dst@6[0/2]; signal r6:arrive[14]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 14}}},
-    // rank 7 step 14: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[1/2] = r7:dst@6[1/2]; signal r6:arrive[15]; 16 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 15}}},
-    // rank 7 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12]; r7:dst@7[0/2] = r7:dst@7[0/2] + r7:inbox@0[0/2] + r7:inbox@1[0/2] + r7:inbox@2[0/2] + r7:inbox@3[0/2] + r7:inbox@4[0/2] + r7:inbox@5[0/2] + r7:inbox@6[0/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 1, 0, 2, 7, 0}, {{7, 1, 0, 2, 7, 0}, {7, 2, 0, 2, 0, 0}, {7, 2, 0, 2, 1, 0}, {7, 2, 0, 2, 2, 0}, {7, 2, 0, 2, 3, 0}, {7, 2, 0, 2, 4, 0}, {7, 2, 0, 2, 5, 0}, {7, 2, 0, 2, 6, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}}, {}},
-    // rank 7 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13]; r7:dst@7[1/2] = r7:dst@7[1/2] + r7:inbox@0[1/2] + r7:inbox@1[1/2] + r7:inbox@2[1/2] + r7:inbox@3[1/2] + r7:inbox@4[1/2] + r7:inbox@5[1/2] + r7:inbox@6[1/2]; 16 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 1, 0, 2, 7, 1}, {{7, 1, 0, 2, 7, 1}, {7, 2, 0, 2, 0, 1}, {7, 2, 0, 2, 1, 1}, {7, 2, 0, 2, 2, 1}, {7, 2, 0, 2, 3, 1}, {7, 2, 0, 2, 4, 1}, {7, 2, 0, 2, 5, 1}, {7, 2, 0, 2, 6, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 3, 0}, {2, 3, 0}, {3, 3, 0}, {4, 3, 0}, {5, 3, 0}, {6, 3, 0}, {7, 3, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/2] = r0:dst@1[0/2]; signal r1:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/2] = r0:dst@1[1/2]; signal r1:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 0}}},  // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/2] = r0:dst@2[0/2]; signal r2:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 1}}},  // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/2] = r0:dst@2[1/2]; signal r2:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 0}}},  // rank 0 step 5: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/2] = r0:dst@3[0/2]; signal r3:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 1}}},  // rank 0 step 6: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/2] = r0:dst@3[1/2]; signal r3:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 0}}},  // rank 0 step 7: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[0/2] = r0:dst@4[0/2]; signal r4:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 1}}},  // rank 0 step 8: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[1/2] = r0:dst@4[1/2]; signal r4:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 0}}},  // rank 0 step 9: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[0/2] = r0:dst@5[0/2]; signal r5:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 1}}},  // rank 0 step 10: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[1/2] = r0:dst@5[1/2]; signal r5:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 0}}},  // rank 0 step 11: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[0/2] = r0:dst@6[0/2]; signal r6:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 1}}},  // rank 0 step 12: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[1/2] = r0:dst@6[1/2]; signal r6:arrive[1]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 0, 0}, {{0, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 0}}},  // rank 0 step 13: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[0/2] = r0:dst@7[0/2]; signal r7:arrive[0]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 0, 1}, {{0, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 1}}},  // rank 0 step 14: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[1/2] = r0:dst@7[1/2]; signal r7:arrive[1]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 1, 0, 2, 0, 0}, {{0, 1, 0, 2, 0, 0}, {0, 2, 0, 2, 1, 0}, {0, 2, 0, 2, 2, 0}, {0, 2, 0, 2, 3, 0}, {0, 2, 0, 2, 4, 0}, {0, 2, 0, 2, 5, 0}, {0, 2, 0, 2, 6, 0}, {0, 2, 0, 2, 7, 0}}, {}, {{4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},  // rank 0 step 15: reduce piece 0; wait arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r0:dst@0[0/2] = r0:dst@0[0/2] + r0:inbox@1[0/2] + r0:inbox@2[0/2] + r0:inbox@3[0/2] + r0:inbox@4[0/2] + r0:inbox@5[0/2] + r0:inbox@6[0/2] + r0:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 1, 0, 2, 0, 1}, {{0, 1, 0, 2, 0, 1}, {0, 2, 0, 2, 1, 1}, {0, 2, 0, 2, 2, 1}, {0, 2, 0, 2, 3, 1}, {0, 2, 0, 2, 4, 1}, {0, 2, 0, 2, 5, 1}, {0, 2, 0, 2, 6, 1}, {0, 2, 0, 2, 7, 1}}, {}, {{4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},  // rank 0 step 16: reduce piece 1; wait arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r0:dst@0[1/2] = r0:dst@0[1/2] + r0:inbox@1[1/2] + r0:inbox@2[1/2] + r0:inbox@3[1/2] + r0:inbox@4[1/2] + r0:inbox@5[1/2] + r0:inbox@6[1/2] + r0:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 1}, {2, 3, 1}, {3, 3, 1}, {4, 3, 1}, {5, 3, 1}, {6, 3, 1}, {7, 3, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 2}}},  // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/2] = r1:dst@2[0/2]; signal r2:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 3}}},  // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/2] = r1:dst@2[1/2]; signal r2:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 2}}},  // rank 1 step 3: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/2] = r1:dst@3[0/2]; signal r3:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 3}}},  // rank 1 step 4: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/2] = r1:dst@3[1/2]; signal r3:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 2}}},  // rank 1 step 5: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[0/2] = r1:dst@4[0/2]; signal r4:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 3}}},  // rank 1 step 6: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[1/2] = r1:dst@4[1/2]; signal r4:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 2}}},  // rank 1 step 7: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[0/2] = r1:dst@5[0/2]; signal r5:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 3}}},  // rank 1 step 8: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[1/2] = r1:dst@5[1/2]; signal r5:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 2}}},  // rank 1 step 9: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[0/2] = r1:dst@6[0/2]; signal r6:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 3}}},  // rank 1 step 10: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[1/2] = r1:dst@6[1/2]; signal r6:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 2}}},  // rank 1 step 11: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[0/2] = r1:dst@7[0/2]; signal r7:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 3}}},  // rank 1 step 12: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[1/2] = r1:dst@7[1/2]; signal r7:arrive[3]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 0}, {{1, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 2}}},  // rank 1 step 13: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/2] = r1:dst@0[0/2]; signal r0:arrive[2]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 1, 1}, {{1, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 3}}},  // rank 1 step 14: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/2] = r1:dst@0[1/2]; signal r0:arrive[3]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 1, 0, 2, 1, 0}, {{1, 1, 0, 2, 1, 0}, {1, 2, 0, 2, 0, 0}, {1, 2, 0, 2, 2, 0}, {1, 2, 0, 2, 3, 0}, {1, 2, 0, 2, 4, 0}, {1, 2, 0, 2, 5, 0}, {1, 2, 0, 2, 6, 0}, {1, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},  // rank 1 step 15: reduce piece 0; wait arrive[0], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r1:dst@1[0/2] = r1:dst@1[0/2] + r1:inbox@0[0/2] + r1:inbox@2[0/2] + r1:inbox@3[0/2] + r1:inbox@4[0/2] + r1:inbox@5[0/2] + r1:inbox@6[0/2] + r1:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 1, 0, 2, 1, 1}, {{1, 1, 0, 2, 1, 1}, {1, 2, 0, 2, 0, 1}, {1, 2, 0, 2, 2, 1}, {1, 2, 0, 2, 3, 1}, {1, 2, 0, 2, 4, 1}, {1, 2, 0, 2, 5, 1}, {1, 2, 0, 2, 6, 1}, {1, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},  // rank 1 step 16: reduce piece 1; wait arrive[1], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r1:dst@1[1/2] = r1:dst@1[1/2] + r1:inbox@0[1/2] + r1:inbox@2[1/2] + r1:inbox@3[1/2] + r1:inbox@4[1/2] + r1:inbox@5[1/2] + r1:inbox@6[1/2] + r1:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 2}, {1, 3, 2}, {3, 3, 2}, {4, 3, 2}, {5, 3, 2}, {6, 3, 2}, {7, 3, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 4}}},  // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/2] = r2:dst@3[0/2]; signal r3:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 5}}},  // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/2] = r2:dst@3[1/2]; signal r3:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 4}}},  // rank 2 step 3: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[0/2] = r2:dst@4[0/2]; signal r4:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 5}}},  // rank 2 step 4: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[1/2] = r2:dst@4[1/2]; signal r4:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 4}}},  // rank 2 step 5: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[0/2] = r2:dst@5[0/2]; signal r5:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 5}}},  // rank 2 step 6: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[1/2] = r2:dst@5[1/2]; signal r5:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 4}}},  // rank 2 step 7: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[0/2] = r2:dst@6[0/2]; signal r6:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 5}}},  // rank 2 step 8: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[1/2] = r2:dst@6[1/2]; signal r6:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 4}}},  // rank 2 step 9: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[0/2] = r2:dst@7[0/2]; signal r7:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 5}}},  // rank 2 step 10: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[1/2] = r2:dst@7[1/2]; signal r7:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 4}}},  // rank 2 step 11: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/2] = r2:dst@0[0/2]; signal r0:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 5}}},  // rank 2 step 12: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/2] = r2:dst@0[1/2]; signal r0:arrive[5]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 0}, {{2, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 4}}},  // rank 2 step 13: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/2] = r2:dst@1[0/2]; signal r1:arrive[4]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 2, 1}, {{2, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 5}}},  // rank 2 step 14: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/2] = r2:dst@1[1/2]; signal r1:arrive[5]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 1, 0, 2, 2, 0}, {{2, 1, 0, 2, 2, 0}, {2, 2, 0, 2, 0, 0}, {2, 2, 0, 2, 1, 0}, {2, 2, 0, 2, 3, 0}, {2, 2, 0, 2, 4, 0}, {2, 2, 0, 2, 5, 0}, {2, 2, 0, 2, 6, 0}, {2, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},  // rank 2 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[6], arrive[8], arrive[10], arrive[12], arrive[14]; r2:dst@2[0/2] = r2:dst@2[0/2] + r2:inbox@0[0/2] + r2:inbox@1[0/2] + r2:inbox@3[0/2] + r2:inbox@4[0/2] + r2:inbox@5[0/2] + r2:inbox@6[0/2] + r2:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 1, 0, 2, 2, 1}, {{2, 1, 0, 2, 2, 1}, {2, 2, 0, 2, 0, 1}, {2, 2, 0, 2, 1, 1}, {2, 2, 0, 2, 3, 1}, {2, 2, 0, 2, 4, 1}, {2, 2, 0, 2, 5, 1}, {2, 2, 0, 2, 6, 1}, {2, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},  // rank 2 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[7], arrive[9], arrive[11], arrive[13], arrive[15]; r2:dst@2[1/2] = r2:dst@2[1/2] + r2:inbox@0[1/2] + r2:inbox@1[1/2] + r2:inbox@3[1/2] + r2:inbox@4[1/2] + r2:inbox@5[1/2] + r2:inbox@6[1/2] + r2:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 3}, {1, 3, 3}, {2, 3, 3}, {4, 3, 3}, {5, 3, 3}, {6, 3, 3}, {7, 3, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 6}}},  // rank 3 step 1: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[0/2] = r3:dst@4[0/2]; signal r4:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 7}}},  // rank 3 step 2: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[1/2] = r3:dst@4[1/2]; signal r4:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 6}}},  // rank 3 step 3: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[0/2] = r3:dst@5[0/2]; signal r5:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 7}}},  // rank 3 step 4: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[1/2] = r3:dst@5[1/2]; signal r5:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 6}}},  // rank 3 step 5: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[0/2] = r3:dst@6[0/2]; signal r6:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 7}}},  // rank 3 step 6: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[1/2] = r3:dst@6[1/2]; signal r6:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 6}}},  // rank 3 step 7: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[0/2] = r3:dst@7[0/2]; signal r7:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 7}}},  // rank 3 step 8: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[1/2] = r3:dst@7[1/2]; signal r7:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 6}}},  // rank 3 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/2] = r3:dst@0[0/2]; signal r0:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 7}}},  // rank 3 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/2] = r3:dst@0[1/2]; signal r0:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 6}}},  // rank 3 step 11: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/2] = r3:dst@1[0/2]; signal r1:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 7}}},  // rank 3 step 12: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/2] = r3:dst@1[1/2]; signal r1:arrive[7]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 0}, {{3, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 6}}},  // rank 3 step 13: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/2] = r3:dst@2[0/2]; signal r2:arrive[6]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 3, 1}, {{3, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 7}}},  // rank 3 step 14: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/2] = r3:dst@2[1/2]; signal r2:arrive[7]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 1, 0, 2, 3, 0}, {{3, 1, 0, 2, 3, 0}, {3, 2, 0, 2, 0, 0}, {3, 2, 0, 2, 1, 0}, {3, 2, 0, 2, 2, 0}, {3, 2, 0, 2, 4, 0}, {3, 2, 0, 2, 5, 0}, {3, 2, 0, 2, 6, 0}, {3, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},  // rank 3 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[8], arrive[10], arrive[12], arrive[14]; r3:dst@3[0/2] = r3:dst@3[0/2] + r3:inbox@0[0/2] + r3:inbox@1[0/2] + r3:inbox@2[0/2] + r3:inbox@4[0/2] + r3:inbox@5[0/2] + r3:inbox@6[0/2] + r3:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 1, 0, 2, 3, 1}, {{3, 1, 0, 2, 3, 1}, {3, 2, 0, 2, 0, 1}, {3, 2, 0, 2, 1, 1}, {3, 2, 0, 2, 2, 1}, {3, 2, 0, 2, 4, 1}, {3, 2, 0, 2, 5, 1}, {3, 2, 0, 2, 6, 1}, {3, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},  // rank 3 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[9], arrive[11], arrive[13], arrive[15]; r3:dst@3[1/2] = r3:dst@3[1/2] + r3:inbox@0[1/2] + r3:inbox@1[1/2] + r3:inbox@2[1/2] + r3:inbox@4[1/2] + r3:inbox@5[1/2] + r3:inbox@6[1/2] + r3:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 4}, {1, 3, 4}, {2, 3, 4}, {3, 3, 4}, {5, 3, 4}, {6, 3, 4}, {7, 3, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 8}}},  // rank 4 step 1: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[0/2] = r4:dst@5[0/2]; signal r5:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 9}}},  // rank 4 step 2: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[1/2] = r4:dst@5[1/2]; signal r5:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 8}}},  // rank 4 step 3: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[0/2] = r4:dst@6[0/2]; signal r6:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 9}}},  // rank 4 step 4: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[1/2] = r4:dst@6[1/2]; signal r6:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 8}}},  // rank 4 step 5: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[0/2] = r4:dst@7[0/2]; signal r7:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 9}}},  // rank 4 step 6: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[1/2] = r4:dst@7[1/2]; signal r7:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 8}}},  // rank 4 step 7: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[0/2] = r4:dst@0[0/2]; signal r0:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 9}}},  // rank 4 step 8: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[1/2] = r4:dst@0[1/2]; signal r0:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 8}}},  // rank 4 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[0/2] = r4:dst@1[0/2]; signal r1:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 9}}},  // rank 4 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[1/2] = r4:dst@1[1/2]; signal r1:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 8}}},  // rank 4 step 11: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[0/2] = r4:dst@2[0/2]; signal r2:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 9}}},  // rank 4 step 12: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[1/2] = r4:dst@2[1/2]; signal r2:arrive[9]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 4, 0}, {{4, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 8}}},  // rank 4 step 13: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[0/2] = r4:dst@3[0/2]; signal r3:arrive[8]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 4, 1}, {{4, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 9}}},  // rank 4 step 14: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[1/2] = r4:dst@3[1/2]; signal r3:arrive[9]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 1, 0, 2, 4, 0}, {{4, 1, 0, 2, 4, 0}, {4, 2, 0, 2, 0, 0}, {4, 2, 0, 2, 1, 0}, {4, 2, 0, 2, 2, 0}, {4, 2, 0, 2, 3, 0}, {4, 2, 0, 2, 5, 0}, {4, 2, 0, 2, 6, 0}, {4, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},  // rank 4 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[10], arrive[12], arrive[14]; r4:dst@4[0/2] = r4:dst@4[0/2] + r4:inbox@0[0/2] + r4:inbox@1[0/2] + r4:inbox@2[0/2] + r4:inbox@3[0/2] + r4:inbox@5[0/2] + r4:inbox@6[0/2] + r4:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 1, 0, 2, 4, 1}, {{4, 1, 0, 2, 4, 1}, {4, 2, 0, 2, 0, 1}, {4, 2, 0, 2, 1, 1}, {4, 2, 0, 2, 2, 1}, {4, 2, 0, 2, 3, 1}, {4, 2, 0, 2, 5, 1}, {4, 2, 0, 2, 6, 1}, {4, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},  // rank 4 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[11], arrive[13], arrive[15]; r4:dst@4[1/2] = r4:dst@4[1/2] + r4:inbox@0[1/2] + r4:inbox@1[1/2] + r4:inbox@2[1/2] + r4:inbox@3[1/2] + r4:inbox@5[1/2] + r4:inbox@6[1/2] + r4:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 5}, {1, 3, 5}, {2, 3, 5}, {3, 3, 5}, {4, 3, 5}, {6, 3, 5}, {7, 3, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 10}}},  // rank 5 step 1: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[0/2] = r5:dst@6[0/2]; signal r6:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 11}}},  // rank 5 step 2: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[1/2] = r5:dst@6[1/2]; signal r6:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 10}}},  // rank 5 step 3: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[0/2] = r5:dst@7[0/2]; signal r7:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 11}}},  // rank 5 step 4: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[1/2] = r5:dst@7[1/2]; signal r7:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 10}}},  // rank 5 step 5: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[0/2] = r5:dst@0[0/2]; signal r0:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 11}}},  // rank 5 step 6: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[1/2] = r5:dst@0[1/2]; signal r0:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 10}}},  // rank 5 step 7: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[0/2] = r5:dst@1[0/2]; signal r1:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 11}}},  // rank 5 step 8: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[1/2] = r5:dst@1[1/2]; signal r1:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 10}}},  // rank 5 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[0/2] = r5:dst@2[0/2]; signal r2:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 11}}},  // rank 5 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[1/2] = r5:dst@2[1/2]; signal r2:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 10}}},  // rank 5 step 11: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[0/2] = r5:dst@3[0/2]; signal r3:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 11}}},  // rank 5 step 12: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[1/2] = r5:dst@3[1/2]; signal r3:arrive[11]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 5, 0}, {{5, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 10}}},  // rank 5 step 13: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[0/2] = r5:dst@4[0/2]; signal r4:arrive[10]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 5, 1}, {{5, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 11}}},  // rank 5 step 14: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[1/2] = r5:dst@4[1/2]; signal r4:arrive[11]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 1, 0, 2, 5, 0}, {{5, 1, 0, 2, 5, 0}, {5, 2, 0, 2, 0, 0}, {5, 2, 0, 2, 1, 0}, {5, 2, 0, 2, 2, 0}, {5, 2, 0, 2, 3, 0}, {5, 2, 0, 2, 4, 0}, {5, 2, 0, 2, 6, 0}, {5, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 12, 16}, {4, 0, 14, 16}}, {}},  // rank 5 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[12], arrive[14]; r5:dst@5[0/2] = r5:dst@5[0/2] + r5:inbox@0[0/2] + r5:inbox@1[0/2] + r5:inbox@2[0/2] + r5:inbox@3[0/2] + r5:inbox@4[0/2] + r5:inbox@6[0/2] + r5:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 1, 0, 2, 5, 1}, {{5, 1, 0, 2, 5, 1}, {5, 2, 0, 2, 0, 1}, {5, 2, 0, 2, 1, 1}, {5, 2, 0, 2, 2, 1}, {5, 2, 0, 2, 3, 1}, {5, 2, 0, 2, 4, 1}, {5, 2, 0, 2, 6, 1}, {5, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 13, 16}, {4, 0, 15, 16}}, {}},  // rank 5 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[13], arrive[15]; r5:dst@5[1/2] = r5:dst@5[1/2] + r5:inbox@0[1/2] + r5:inbox@1[1/2] + r5:inbox@2[1/2] + r5:inbox@3[1/2] + r5:inbox@4[1/2] + r5:inbox@6[1/2] + r5:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 6}, {1, 3, 6}, {2, 3, 6}, {3, 3, 6}, {4, 3, 6}, {5, 3, 6}, {7, 3, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 7, 0}}, {}, {{3, 0, 7, 1}}, {{7, 4, 12}}},  // rank 6 step 1: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[0/2] = r6:dst@7[0/2]; signal r7:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 7, 1}}, {}, {{3, 0, 7, 1}}, {{7, 4, 13}}},  // rank 6 step 2: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[1/2] = r6:dst@7[1/2]; signal r7:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 12}}},  // rank 6 step 3: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[0/2] = r6:dst@0[0/2]; signal r0:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 13}}},  // rank 6 step 4: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[1/2] = r6:dst@0[1/2]; signal r0:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 12}}},  // rank 6 step 5: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[0/2] = r6:dst@1[0/2]; signal r1:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 13}}},  // rank 6 step 6: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[1/2] = r6:dst@1[1/2]; signal r1:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 12}}},  // rank 6 step 7: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[0/2] = r6:dst@2[0/2]; signal r2:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 13}}},  // rank 6 step 8: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[1/2] = r6:dst@2[1/2]; signal r2:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 12}}},  // rank 6 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[0/2] = r6:dst@3[0/2]; signal r3:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 13}}},  // rank 6 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[1/2] = r6:dst@3[1/2]; signal r3:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 12}}},  // rank 6 step 11: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[0/2] = r6:dst@4[0/2]; signal r4:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 13}}},  // rank 6 step 12: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[1/2] = r6:dst@4[1/2]; signal r4:arrive[13]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 6, 0}, {{6, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 12}}},  // rank 6 step 13: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[0/2] = r6:dst@5[0/2]; signal r5:arrive[12]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 6, 1}, {{6, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 13}}},  // rank 6 step 14: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[1/2] = r6:dst@5[1/2]; signal r5:arrive[13]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 1, 0, 2, 6, 0}, {{6, 1, 0, 2, 6, 0}, {6, 2, 0, 2, 0, 0}, {6, 2, 0, 2, 1, 0}, {6, 2, 0, 2, 2, 0}, {6, 2, 0, 2, 3, 0}, {6, 2, 0, 2, 4, 0}, {6, 2, 0, 2, 5, 0}, {6, 2, 0, 2, 7, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 14, 16}}, {}},  // rank 6 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[14]; r6:dst@6[0/2] = r6:dst@6[0/2] + r6:inbox@0[0/2] + r6:inbox@1[0/2] + r6:inbox@2[0/2] + r6:inbox@3[0/2] + r6:inbox@4[0/2] + r6:inbox@5[0/2] + r6:inbox@7[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 1, 0, 2, 6, 1}, {{6, 1, 0, 2, 6, 1}, {6, 2, 0, 2, 0, 1}, {6, 2, 0, 2, 1, 1}, {6, 2, 0, 2, 2, 1}, {6, 2, 0, 2, 3, 1}, {6, 2, 0, 2, 4, 1}, {6, 2, 0, 2, 5, 1}, {6, 2, 0, 2, 7, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 15, 16}}, {}},  // rank 6 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[15]; r6:dst@6[1/2] = r6:dst@6[1/2] + r6:inbox@0[1/2] + r6:inbox@1[1/2] + r6:inbox@2[1/2] + r6:inbox@3[1/2] + r6:inbox@4[1/2] + r6:inbox@5[1/2] + r6:inbox@7[1/2]; 16 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 3, 7}, {1, 3, 7}, {2, 3, 7}, {3, 3, 7}, {4, 3, 7}, {5, 3, 7}, {6, 3, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 0, 0}}, {}, {{3, 0, 0, 1}}, {{0, 4, 14}}},  // rank 7 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[0/2] = r7:dst@0[0/2]; signal r0:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 0, 1}}, {}, {{3, 0, 0, 1}}, {{0, 4, 15}}},  // rank 7 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[1/2] = r7:dst@0[1/2]; signal r0:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 1, 0}}, {}, {{3, 0, 1, 1}}, {{1, 4, 14}}},  // rank 7 step 3: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[0/2] = r7:dst@1[0/2]; signal r1:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 1, 1}}, {}, {{3, 0, 1, 1}}, {{1, 4, 15}}},  // rank 7 step 4: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[1/2] = r7:dst@1[1/2]; signal r1:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 2, 0}}, {}, {{3, 0, 2, 1}}, {{2, 4, 14}}},  // rank 7 step 5: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[0/2] = r7:dst@2[0/2]; signal r2:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 2, 1}}, {}, {{3, 0, 2, 1}}, {{2, 4, 15}}},  // rank 7 step 6: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[1/2] = r7:dst@2[1/2]; signal r2:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 3, 0}}, {}, {{3, 0, 3, 1}}, {{3, 4, 14}}},  // rank 7 step 7: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[0/2] = r7:dst@3[0/2]; signal r3:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 3, 1}}, {}, {{3, 0, 3, 1}}, {{3, 4, 15}}},  // rank 7 step 8: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[1/2] = r7:dst@3[1/2]; signal r3:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 4, 0}}, {}, {{3, 0, 4, 1}}, {{4, 4, 14}}},  // rank 7 step 9: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[0/2] = r7:dst@4[0/2]; signal r4:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 4, 1}}, {}, {{3, 0, 4, 1}}, {{4, 4, 15}}},  // rank 7 step 10: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[1/2] = r7:dst@4[1/2]; signal r4:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 5, 0}}, {}, {{3, 0, 5, 1}}, {{5, 4, 14}}},  // rank 7 step 11: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[0/2] = r7:dst@5[0/2]; signal r5:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 5, 1}}, {}, {{3, 0, 5, 1}}, {{5, 4, 15}}},  // rank 7 step 12: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[1/2] = r7:dst@5[1/2]; signal r5:arrive[15]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 7, 0}, {{7, 1, 0, 2, 6, 0}}, {}, {{3, 0, 6, 1}}, {{6, 4, 14}}},  // rank 7 step 13: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[0/2] = r7:dst@6[0/2]; signal r6:arrive[14]; 16 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 2, 0, 2, 7, 1}, {{7, 1, 0, 2, 6, 1}}, {}, {{3, 0, 6, 1}}, {{6, 4, 15}}},  // rank 7 step 14: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[1/2] = r7:dst@6[1/2]; signal r6:arrive[15]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 1, 0, 2, 7, 0}, {{7, 1, 0, 2, 7, 0}, {7, 2, 0, 2, 0, 0}, {7, 2, 0, 2, 1, 0}, {7, 2, 0, 2, 2, 0}, {7, 2, 0, 2, 3, 0}, {7, 2, 0, 2, 4, 0}, {7, 2, 0, 2, 5, 0}, {7, 2, 0, 2, 6, 0}}, {}, {{4, 0, 0, 16}, {4, 0, 2, 16}, {4, 0, 4, 16}, {4, 0, 6, 16}, {4, 0, 8, 16}, {4, 0, 10, 16}, {4, 0, 12, 16}}, {}},  // rank 7 step 15: reduce piece 0; wait arrive[0], arrive[2], arrive[4], arrive[6], arrive[8], arrive[10], arrive[12]; r7:dst@7[0/2] = r7:dst@7[0/2] + r7:inbox@0[0/2] + r7:inbox@1[0/2] + r7:inbox@2[0/2] + r7:inbox@3[0/2] + r7:inbox@4[0/2] + r7:inbox@5[0/2] + r7:inbox@6[0/2]; 16 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 1, 0, 2, 7, 1}, {{7, 1, 0, 2, 7, 1}, {7, 2, 0, 2, 0, 1}, {7, 2, 0, 2, 1, 1}, {7, 2, 0, 2, 2, 1}, {7, 2, 0, 2, 3, 1}, {7, 2, 0, 2, 4, 1}, {7, 2, 0, 2, 5, 1}, {7, 2, 0, 2, 6, 1}}, {}, {{4, 0, 1, 16}, {4, 0, 3, 16}, {4, 0, 5, 16}, {4, 0, 7, 16}, {4, 0, 9, 16}, {4, 0, 11, 16}, {4, 0, 13, 16}}, {}},  // rank 7 step 16: reduce piece 1; wait arrive[1], arrive[3], arrive[5], arrive[7], arrive[9], arrive[11], arrive[13]; r7:dst@7[1/2] = r7:dst@7[1/2] + r7:inbox@0[1/2] + r7:inbox@1[1/2] + r7:inbox@2[1/2] + r7:inbox@3[1/2] + r7:inbox@4[1/2] + r7:inbox@5[1/2] + r7:inbox@6[1/2]; 16 blocks
 };
 static __device__ const int step_base_w8[8] = { 0, 17, 34, 51, 68, 85, 102, 119 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..255
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
-    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
-    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
-    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
-    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
-    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
-    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
-    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
-    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
-    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
-    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
-    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
-    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
-    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
-    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
-    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
-    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
-    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
-    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
-    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
-    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
-    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
-    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
-    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
-    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
-    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
-    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
-    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
-    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
-    // rank 1: shares 256..511
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
-    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
-    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
-    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
-    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
-    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
-    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
-    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
-    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
-    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
-    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
-    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
-    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
-    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
-    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
-    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
-    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
-    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
-    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
-    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
-    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
-    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
-    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
-    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
-    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
-    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
-    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
-    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
-    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
-    // rank 2: shares 512..767
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
-    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
-    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
-    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
-    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
-    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
-    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
-    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
-    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
-    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
-    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
-    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
-    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
-    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
-    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
-    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
-    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
-    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
-    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
-    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
-    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
-    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
-    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
-    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
-    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
-    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
-    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
-    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
-    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
-    // rank 3: shares 768..1023
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
-    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
-    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
-    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
-    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
-    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
-    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
-    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
-    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
-    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
-    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
-    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
-    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
-    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
-    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
-    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
-    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
-    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
-    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
-    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
-    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
-    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
-    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
-    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
-    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
-    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
-    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
-    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
-    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
-    // rank 4: shares 1024..1279
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
-    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
-    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
-    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
-    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
-    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
-    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
-    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
-    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
-    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
-    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
-    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
-    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
-    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
-    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
-    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
-    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
-    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
-    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
-    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
-    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
-    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
-    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
-    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
-    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
-    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
-    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
-    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
-    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
-    // rank 5: shares 1280..1535
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
-    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
-    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
-    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
-    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
-    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
-    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
-    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
-    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
-    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
-    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
-    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
-    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
-    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
-    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
-    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
-    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
-    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
-    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
-    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
-    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
-    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
-    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
-    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
-    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
-    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
-    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
-    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
-    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
-    // rank 6: shares 1536..1791
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
-    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
-    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
-    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
-    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
-    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
-    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
-    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
-    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
-    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
-    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
-    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
-    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
-    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
-    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
-    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
-    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
-    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
-    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
-    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
-    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
-    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
-    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
-    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
-    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
-    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
-    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
-    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
-    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
-    // rank 7: shares 1792..2047
-    {7, 15, 16, 2, 1, 0}, {15, 15, 16, 2, 1, 0}, {1, 0, 16, 2, 1, 0}, {9, 0, 16, 2, 1, 0},
-    {1, 1, 16, 2, 1, 0}, {9, 1, 16, 2, 1, 0}, {1, 2, 16, 2, 1, 0}, {9, 2, 16, 2, 1, 0},
-    {1, 3, 16, 2, 1, 0}, {9, 3, 16, 2, 1, 0}, {1, 4, 16, 2, 1, 0}, {9, 4, 16, 2, 1, 0},
-    {1, 5, 16, 2, 1, 0}, {9, 5, 16, 2, 1, 0}, {1, 6, 16, 2, 1, 0}, {9, 6, 16, 2, 1, 0},
-    {1, 7, 16, 2, 1, 0}, {9, 7, 16, 2, 1, 0}, {1, 8, 16, 2, 1, 0}, {9, 8, 16, 2, 1, 0},
-    {1, 9, 16, 2, 1, 0}, {9, 9, 16, 2, 1, 0}, {1, 10, 16, 2, 1, 0}, {9, 10, 16, 2, 1, 0},
-    {1, 11, 16, 2, 1, 0}, {9, 11, 16, 2, 1, 0}, {1, 12, 16, 2, 1, 0}, {9, 12, 16, 2, 1, 0},
-    {1, 13, 16, 2, 1, 0}, {9, 13, 16, 2, 1, 0}, {1, 14, 16, 2, 1, 0}, {9, 14, 16, 2, 1, 0},
-    {1, 15, 16, 2, 1, 0}, {9, 15, 16, 2, 1, 0}, {3, 0, 16, 2, 1, 0}, {11, 0, 16, 2, 1, 0},
-    {3, 1, 16, 2, 1, 0}, {11, 1, 16, 2, 1, 0}, {3, 2, 16, 2, 1, 0}, {11, 2, 16, 2, 1, 0},
-    {3, 3, 16, 2, 1, 0}, {11, 3, 16, 2, 1, 0}, {3, 4, 16, 2, 1, 0}, {11, 4, 16, 2, 1, 0},
-    {3, 5, 16, 2, 1, 0}, {11, 5, 16, 2, 1, 0}, {3, 6, 16, 2, 1, 0}, {11, 6, 16, 2, 1, 0},
-    {3, 7, 16, 2, 1, 0}, {11, 7, 16, 2, 1, 0}, {3, 8, 16, 2, 1, 0}, {11, 8, 16, 2, 1, 0},
-    {3, 9, 16, 2, 1, 0}, {11, 9, 16, 2, 1, 0}, {3, 10, 16, 2, 1, 0}, {11, 10, 16, 2, 1, 0},
-    {3, 11, 16, 2, 1, 0}, {11, 11, 16, 2, 1, 0}, {3, 12, 16, 2, 1, 0}, {11, 12, 16, 2, 1, 0},
-    {3, 13, 16, 2, 1, 0}, {11, 13, 16, 2, 1, 0}, {3, 14, 16, 2, 1, 0}, {11, 14, 16, 2, 1, 0},
-    {3, 15, 16, 2, 1, 0}, {11, 15, 16, 2, 1, 0}, {5, 0, 16, 2, 1, 0}, {13, 0, 16, 2, 1, 0},
-    {5, 1, 16, 2, 1, 0}, {13, 1, 16, 2, 1, 0}, {5, 2, 16, 2, 1, 0}, {13, 2, 16, 2, 1, 0},
-    {5, 3, 16, 2, 1, 0}, {13, 3, 16, 2, 1, 0}, {5, 4, 16, 2, 1, 0}, {13, 4, 16, 2, 1, 0},
-    {5, 5, 16, 2, 1, 0}, {13, 5, 16, 2, 1, 0}, {5, 6, 16, 2, 1, 0}, {13, 6, 16, 2, 1, 0},
-    {5, 7, 16, 2, 1, 0}, {13, 7, 16, 2, 1, 0}, {5, 8, 16, 2, 1, 0}, {13, 8, 16, 2, 1, 0},
-    {5, 9, 16, 2, 1, 0}, {13, 9, 16, 2, 1, 0}, {5, 10, 16, 2, 1, 0}, {13, 10, 16, 2, 1, 0},
-    {5, 11, 16, 2, 1, 0}, {13, 11, 16, 2, 1, 0}, {5, 12, 16, 2, 1, 0}, {13, 12, 16, 2, 1, 0},
-    {5, 13, 16, 2, 1, 0}, {13, 13, 16, 2, 1, 0}, {5, 14, 16, 2, 1, 0}, {13, 14, 16, 2, 1, 0},
-    {5, 15, 16, 2, 1, 0}, {13, 15, 16, 2, 1, 0}, {7, 0, 16, 2, 1, 0}, {15, 0, 16, 2, 1, 0},
-    {7, 1, 16, 2, 1, 0}, {15, 1, 16, 2, 1, 0}, {7, 2, 16, 2, 1, 0}, {15, 2, 16, 2, 1, 0},
-    {7, 3, 16, 2, 1, 0}, {15, 3, 16, 2, 1, 0}, {7, 4, 16, 2, 1, 0}, {15, 4, 16, 2, 1, 0},
-    {7, 5, 16, 2, 1, 0}, {15, 5, 16, 2, 1, 0}, {7, 6, 16, 2, 1, 0}, {15, 6, 16, 2, 1, 0},
-    {7, 7, 16, 2, 1, 0}, {15, 7, 16, 2, 1, 0}, {7, 8, 16, 2, 1, 0}, {15, 8, 16, 2, 1, 0},
-    {7, 9, 16, 2, 1, 0}, {15, 9, 16, 2, 1, 0}, {7, 10, 16, 2, 1, 0}, {15, 10, 16, 2, 1, 0},
-    {7, 11, 16, 2, 1, 0}, {15, 11, 16, 2, 1, 0}, {7, 12, 16, 2, 1, 0}, {15, 12, 16, 2, 1, 0},
-    {7, 13, 16, 2, 1, 0}, {15, 13, 16, 2, 1, 0}, {7, 14, 16, 2, 1, 0}, {15, 14, 16, 2, 1, 0},
+    {7, 15, 16, 2, 1, 0, 2, 8, 0}, {1, 0, 16, 2, 1, 0, 2, 8, 0}, {1, 1, 16, 2, 1, 0, 2, 8, 0}, {1, 2, 16, 2, 1, 0, 2, 8, 0}, {1, 3, 16, 2, 1, 0, 2, 8, 0}, {1, 4, 16, 2, 1, 0, 2, 8, 0}, {1, 5, 16, 2, 1, 0, 2, 8, 0}, {1, 6, 16, 2, 1, 0, 2, 8, 0},  // rank 0: shares 0..255
+    {1, 7, 16, 2, 1, 0, 2, 8, 0}, {1, 8, 16, 2, 1, 0, 2, 8, 0}, {1, 9, 16, 2, 1, 0, 2, 8, 0}, {1, 10, 16, 2, 1, 0, 2, 8, 0}, {1, 11, 16, 2, 1, 0, 2, 8, 0}, {1, 12, 16, 2, 1, 0, 2, 8, 0}, {1, 13, 16, 2, 1, 0, 2, 8, 0}, {1, 14, 16, 2, 1, 0, 2, 8, 0},
+    {1, 15, 16, 2, 1, 0, 2, 8, 0}, {3, 0, 16, 2, 1, 0, 2, 8, 0}, {3, 1, 16, 2, 1, 0, 2, 8, 0}, {3, 2, 16, 2, 1, 0, 2, 8, 0}, {3, 3, 16, 2, 1, 0, 2, 8, 0}, {3, 4, 16, 2, 1, 0, 2, 8, 0}, {3, 5, 16, 2, 1, 0, 2, 8, 0}, {3, 6, 16, 2, 1, 0, 2, 8, 0},
+    {3, 7, 16, 2, 1, 0, 2, 8, 0}, {3, 8, 16, 2, 1, 0, 2, 8, 0}, {3, 9, 16, 2, 1, 0, 2, 8, 0}, {3, 10, 16, 2, 1, 0, 2, 8, 0}, {3, 11, 16, 2, 1, 0, 2, 8, 0}, {3, 12, 16, 2, 1, 0, 2, 8, 0}, {3, 13, 16, 2, 1, 0, 2, 8, 0}, {3, 14, 16, 2, 1, 0, 2, 8, 0},
+    {3, 15, 16, 2, 1, 0, 2, 8, 0}, {5, 0, 16, 2, 1, 0, 2, 8, 0}, {5, 1, 16, 2, 1, 0, 2, 8, 0}, {5, 2, 16, 2, 1, 0, 2, 8, 0}, {5, 3, 16, 2, 1, 0, 2, 8, 0}, {5, 4, 16, 2, 1, 0, 2, 8, 0}, {5, 5, 16, 2, 1, 0, 2, 8, 0}, {5, 6, 16, 2, 1, 0, 2, 8, 0},
+    {5, 7, 16, 2, 1, 0, 2, 8, 0}, {5, 8, 16, 2, 1, 0, 2, 8, 0}, {5, 9, 16, 2, 1, 0, 2, 8, 0}, {5, 10, 16, 2, 1, 0, 2, 8, 0}, {5, 11, 16, 2, 1, 0, 2, 8, 0}, {5, 12, 16, 2, 1, 0, 2, 8, 0}, {5, 13, 16, 2, 1, 0, 2, 8, 0}, {5, 14, 16, 2, 1, 0, 2, 8, 0},
+    {5, 15, 16, 2, 1, 0, 2, 8, 0}, {7, 0, 16, 2, 1, 0, 2, 8, 0}, {7, 1, 16, 2, 1, 0, 2, 8, 0}, {7, 2, 16, 2, 1, 0, 2, 8, 0}, {7, 3, 16, 2, 1, 0, 2, 8, 0}, {7, 4, 16, 2, 1, 0, 2, 8, 0}, {7, 5, 16, 2, 1, 0, 2, 8, 0}, {7, 6, 16, 2, 1, 0, 2, 8, 0},
+    {7, 7, 16, 2, 1, 0, 2, 8, 0}, {7, 8, 16, 2, 1, 0, 2, 8, 0}, {7, 9, 16, 2, 1, 0, 2, 8, 0}, {7, 10, 16, 2, 1, 0, 2, 8, 0}, {7, 11, 16, 2, 1, 0, 2, 8, 0}, {7, 12, 16, 2, 1, 0, 2, 8, 0}, {7, 13, 16, 2, 1, 0, 2, 8, 0}, {7, 14, 16, 2, 1, 0, 2, 8, 0},
+    {7, 15, 16, 2, 1, 0, 2, 8, 0}, {1, 0, 16, 2, 1, 0, 2, 8, 0}, {1, 1, 16, 2, 1, 0, 2, 8, 0}, {1, 2, 16, 2, 1, 0, 2, 8, 0}, {1, 3, 16, 2, 1, 0, 2, 8, 0}, {1, 4, 16, 2, 1, 0, 2, 8, 0}, {1, 5, 16, 2, 1, 0, 2, 8, 0}, {1, 6, 16, 2, 1, 0, 2, 8, 0},  // rank 1: shares 256..511
+    {1, 7, 16, 2, 1, 0, 2, 8, 0}, {1, 8, 16, 2, 1, 0, 2, 8, 0}, {1, 9, 16, 2, 1, 0, 2, 8, 0}, {1, 10, 16, 2, 1, 0, 2, 8, 0}, {1, 11, 16, 2, 1, 0, 2, 8, 0}, {1, 12, 16, 2, 1, 0, 2, 8, 0}, {1, 13, 16, 2, 1, 0, 2, 8, 0}, {1, 14, 16, 2, 1, 0, 2, 8, 0},
+    {1, 15, 16, 2, 1, 0, 2, 8, 0}, {3, 0, 16, 2, 1, 0, 2, 8, 0}, {3, 1, 16, 2, 1, 0, 2, 8, 0}, {3, 2, 16, 2, 1, 0, 2, 8, 0}, {3, 3, 16, 2, 1, 0, 2, 8, 0}, {3, 4, 16, 2, 1, 0, 2, 8, 0}, {3, 5, 16, 2, 1, 0, 2, 8, 0}, {3, 6, 16, 2, 1, 0, 2, 8, 0},
+    {3, 7, 16, 2, 1, 0, 2, 8, 0}, {3, 8, 16, 2, 1, 0, 2, 8, 0}, {3, 9, 16, 2, 1, 0, 2, 8, 0}, {3, 10, 16, 2, 1, 0, 2, 8, 0}, {3, 11, 16, 2, 1, 0, 2, 8, 0}, {3, 12, 16, 2, 1, 0, 2, 8, 0}, {3, 13, 16, 2, 1, 0, 2, 8, 0}, {3, 14, 16, 2, 1, 0, 2, 8, 0},
+    {3, 15, 16, 2, 1, 0, 2, 8, 0}, {5, 0, 16, 2, 1, 0, 2, 8, 0}, {5, 1, 16, 2, 1, 0, 2, 8, 0}, {5, 2, 16, 2, 1, 0, 2, 8, 0}, {5, 3, 16, 2, 1, 0, 2, 8, 0}, {5, 4, 16, 2, 1, 0, 2, 8, 0}, {5, 5, 16, 2, 1, 0, 2, 8, 0}, {5, 6, 16, 2, 1, 0, 2, 8, 0},
+    {5, 7, 16, 2, 1, 0, 2, 8, 0}, {5, 8, 16, 2, 1, 0, 2, 8, 0}, {5, 9, 16, 2, 1, 0, 2, 8, 0}, {5, 10, 16, 2, 1, 0, 2, 8, 0}, {5, 11, 16, 2, 1, 0, 2, 8, 0}, {5, 12, 16, 2, 1, 0, 2, 8, 0}, {5, 13, 16, 2, 1, 0, 2, 8, 0}, {5, 14, 16, 2, 1, 0, 2, 8, 0},
+    {5, 15, 16, 2, 1, 0, 2, 8, 0}, {7, 0, 16, 2, 1, 0, 2, 8, 0}, {7, 1, 16, 2, 1, 0, 2, 8, 0}, {7, 2, 16, 2, 1, 0, 2, 8, 0}, {7, 3, 16, 2, 1, 0, 2, 8, 0}, {7, 4, 16, 2, 1, 0, 2, 8, 0}, {7, 5, 16, 2, 1, 0, 2, 8, 0}, {7, 6, 16, 2, 1, 0, 2, 8, 0},
+    {7, 7, 16, 2, 1, 0, 2, 8, 0}, {7, 8, 16, 2, 1, 0, 2, 8, 0}, {7, 9, 16, 2, 1, 0, 2, 8, 0}, {7, 10, 16, 2, 1, 0, 2, 8, 0}, {7, 11, 16, 2, 1, 0, 2, 8, 0}, {7, 12, 16, 2, 1, 0, 2, 8, 0}, {7, 13, 16, 2, 1, 0, 2, 8, 0}, {7, 14, 16, 2, 1, 0, 2, 8, 0},
+    {7, 15, 16, 2, 1, 0, 2, 8, 0}, {1, 0, 16, 2, 1, 0, 2, 8, 0}, {1, 1, 16, 2, 1, 0, 2, 8, 0}, {1, 2, 16, 2, 1, 0, 2, 8, 0}, {1, 3, 16, 2, 1, 0, 2, 8, 0}, {1, 4, 16, 2, 1, 0, 2, 8, 0}, {1, 5, 16, 2, 1, 0, 2, 8, 0}, {1, 6, 16, 2, 1, 0, 2, 8, 0},  // rank 2: shares 512..767
+    {1, 7, 16, 2, 1, 0, 2, 8, 0}, {1, 8, 16, 2, 1, 0, 2, 8, 0}, {1, 9, 16, 2, 1, 0, 2, 8, 0}, {1, 10, 16, 2, 1, 0, 2, 8, 0}, {1, 11, 16, 2, 1, 0, 2, 8, 0}, {1, 12, 16, 2, 1, 0, 2, 8, 0}, {1, 13, 16, 2, 1, 0, 2, 8, 0}, {1, 14, 16, 2, 1, 0, 2, 8, 0},
+    {1, 15, 16, 2, 1, 0, 2, 8, 0}, {3, 0, 16, 2, 1, 0, 2, 8, 0}, {3, 1, 16, 2, 1, 0, 2, 8, 0}, {3, 2, 16, 2, 1, 0, 2, 8, 0}, {3, 3, 16, 2, 1, 0, 2, 8, 0}, {3, 4, 16, 2, 1, 0, 2, 8, 0}, {3, 5, 16, 2, 1, 0, 2, 8, 0}, {3, 6, 16, 2, 1, 0, 2, 8, 0},
+    {3, 7, 16, 2, 1, 0, 2, 8, 0}, {3, 8, 16, 2, 1, 0, 2, 8, 0}, {3, 9, 16, 2, 1, 0, 2, 8, 0}, {3, 10, 16, 2, 1, 0, 2, 8, 0}, {3, 11, 16, 2, 1, 0, 2, 8, 0}, {3, 12, 16, 2, 1, 0, 2, 8, 0}, {3, 13, 16, 2, 1, 0, 2, 8, 0}, {3, 14, 16, 2, 1, 0, 2, 8, 0},
+    {3, 15, 16, 2, 1, 0, 2, 8, 0}, {5, 0, 16, 2, 1, 0, 2, 8, 0}, {5, 1, 16, 2, 1, 0, 2, 8, 0}, {5, 2, 16, 2, 1, 0, 2, 8, 0}, {5, 3, 16, 2, 1, 0, 2, 8, 0}, {5, 4, 16, 2, 1, 0, 2, 8, 0}, {5, 5, 16, 2, 1, 0, 2, 8, 0}, {5, 6, 16, 2, 1, 0, 2, 8, 0},
+    {5, 7, 16, 2, 1, 0, 2, 8, 0}, {5, 8, 16, 2, 1, 0, 2, 8, 0}, {5, 9, 16, 2, 1, 0, 2, 8, 0}, {5, 10, 16, 2, 1, 0, 2, 8, 0}, {5, 11, 16, 2, 1, 0, 2, 8, 0}, {5, 12, 16, 2, 1, 0, 2, 8, 0}, {5, 13, 16, 2, 1, 0, 2, 8, 0}, {5, 14, 16, 2, 1, 0, 2, 8, 0},
+    {5, 15, 16, 2, 1, 0, 2, 8, 0}, {7, 0, 16, 2, 1, 0, 2, 8, 0}, {7, 1, 16, 2, 1, 0, 2, 8, 0}, {7, 2, 16, 2, 1, 0, 2, 8, 0}, {7, 3, 16, 2, 1, 0, 2, 8, 0}, {7, 4, 16, 2, 1, 0, 2, 8, 0}, {7, 5, 16, 2, 1, 0, 2, 8, 0}, {7, 6, 16, 2, 1, 0, 2, 8, 0},
+    {7, 7, 16, 2, 1, 0, 2, 8, 0}, {7, 8, 16, 2, 1, 0, 2, 8, 0}, {7, 9, 16, 2, 1, 0, 2, 8, 0}, {7, 10, 16, 2, 1, 0, 2, 8, 0}, {7, 11, 16, 2, 1, 0, 2, 8, 0}, {7, 12, 16, 2, 1, 0, 2, 8, 0}, {7, 13, 16, 2, 1, 0, 2, 8, 0}, {7, 14, 16, 2, 1, 0, 2, 8, 0},
+    {7, 15, 16, 2, 1, 0, 2, 8, 0}, {1, 0, 16, 2, 1, 0, 2, 8, 0}, {1, 1, 16, 2, 1, 0, 2, 8, 0}, {1, 2, 16, 2, 1, 0, 2, 8, 0}, {1, 3, 16, 2, 1, 0, 2, 8, 0}, {1, 4, 16, 2, 1, 0, 2, 8, 0}, {1, 5, 16, 2, 1, 0, 2, 8, 0}, {1, 6, 16, 2, 1, 0, 2, 8, 0},  // rank 3: shares 768..1023
+    {1, 7, 16, 2, 1, 0, 2, 8, 0}, {1, 8, 16, 2, 1, 0, 2, 8, 0}, {1, 9, 16, 2, 1, 0, 2, 8, 0}, {1, 10, 16, 2, 1, 0, 2, 8, 0}, {1, 11, 16, 2, 1, 0, 2, 8, 0}, {1, 12, 16, 2, 1, 0, 2, 8, 0}, {1, 13, 16, 2, 1, 0, 2, 8, 0}, {1, 14, 16, 2, 1, 0, 2, 8, 0},
+    {1, 15, 16, 2, 1, 0, 2, 8, 0}, {3, 0, 16, 2, 1, 0, 2, 8, 0}, {3, 1, 16, 2, 1, 0, 2, 8, 0}, {3, 2, 16, 2, 1, 0, 2, 8, 0}, {3, 3, 16, 2, 1, 0, 2, 8, 0}, {3, 4, 16, 2, 1, 0, 2, 8, 0}, {3, 5, 16, 2, 1, 0, 2, 8, 0}, {3, 6, 16, 2, 1, 0, 2, 8, 0},
+    {3, 7, 16, 2, 1, 0, 2, 8, 0}, {3, 8, 16, 2, 1, 0, 2, 8, 0}, {3, 9, 16, 2, 1, 0, 2, 8, 0}, {3, 10, 16, 2, 1, 0, 2, 8, 0}, {3, 11, 16, 2, 1, 0, 2, 8, 0}, {3, 12, 16, 2, 1, 0, 2, 8, 0}, {3, 13, 16, 2, 1, 0, 2, 8, 0}, {3, 14, 16, 2, 1, 0, 2, 8, 0},
+    {3, 15, 16, 2, 1, 0, 2, 8, 0}, {5, 0, 16, 2, 1, 0, 2, 8, 0}, {5, 1, 16, 2, 1, 0, 2, 8, 0}, {5, 2, 16, 2, 1, 0, 2, 8, 0}, {5, 3, 16, 2, 1, 0, 2, 8, 0}, {5, 4, 16, 2, 1, 0, 2, 8, 0}, {5, 5, 16, 2, 1, 0, 2, 8, 0}, {5, 6, 16, 2, 1, 0, 2, 8, 0},
+    {5, 7, 16, 2, 1, 0, 2, 8, 0}, {5, 8, 16, 2, 1, 0, 2, 8, 0}, {5, 9, 16, 2, 1, 0, 2, 8, 0}, {5, 10, 16, 2, 1, 0, 2, 8, 0}, {5, 11, 16, 2, 1, 0, 2, 8, 0}, {5, 12, 16, 2, 1, 0, 2, 8, 0}, {5, 13, 16, 2, 1, 0, 2, 8, 0}, {5, 14, 16, 2, 1, 0, 2, 8, 0},
+    {5, 15, 16, 2, 1, 0, 2, 8, 0}, {7, 0, 16, 2, 1, 0, 2, 8, 0}, {7, 1, 16, 2, 1, 0, 2, 8, 0}, {7, 2, 16, 2, 1, 0, 2, 8, 0}, {7, 3, 16, 2, 1, 0, 2, 8, 0}, {7, 4, 16, 2, 1, 0, 2, 8, 0}, {7, 5, 16, 2, 1, 0, 2, 8, 0}, {7, 6, 16, 2, 1, 0, 2, 8, 0},
+    {7, 7, 16, 2, 1, 0, 2, 8, 0}, {7, 8, 16, 2, 1, 0, 2, 8, 0}, {7, 9, 16, 2, 1, 0, 2, 8, 0}, {7, 10, 16, 2, 1, 0, 2, 8, 0}, {7, 11, 16, 2, 1, 0, 2, 8, 0}, {7, 12, 16, 2, 1, 0, 2, 8, 0}, {7, 13, 16, 2, 1, 0, 2, 8, 0}, {7, 14, 16, 2, 1, 0, 2, 8, 0},
+    {7, 15, 16, 2, 1, 0, 2, 8, 0}, {1, 0, 16, 2, 1, 0, 2, 8, 0}, {1, 1, 16, 2, 1, 0, 2, 8, 0}, {1, 2, 16, 2, 1, 0, 2, 8, 0}, {1, 3, 16, 2, 1, 0, 2, 8, 0}, {1, 4, 16, 2, 1, 0, 2, 8, 0}, {1, 5, 16, 2, 1, 0, 2, 8, 0}, {1, 6, 16, 2, 1, 0, 2, 8, 0},  // rank 4: shares 1024..1279
+    {1, 7, 16, 2, 1, 0, 2, 8, 0}, {1, 8, 16, 2, 1, 0, 2, 8, 0}, {1, 9, 16, 2, 1, 0, 2, 8, 0}, {1, 10, 16, 2, 1, 0, 2, 8, 0}, {1, 11, 16, 2, 1, 0, 2, 8, 0}, {1, 12, 16, 2, 1, 0, 2, 8, 0}, {1, 13, 16, 2, 1, 0, 2, 8, 0}, {1, 14, 16, 2, 1, 0, 2, 8, 0},
+    {1, 15, 16, 2, 1, 0, 2, 8, 0}, {3, 0, 16, 2, 1, 0, 2, 8, 0}, {3, 1, 16, 2, 1, 0, 2, 8, 0}, {3, 2, 16, 2, 1, 0, 2, 8, 0}, {3, 3, 16, 2, 1, 0, 2, 8, 0}, {3, 4, 16, 2, 1, 0, 2, 8, 0}, {3, 5, 16, 2, 1, 0, 2, 8, 0}, {3, 6, 16, 2, 1, 0, 2, 8, 0},
+    {3, 7, 16, 2, 1, 0, 2, 8, 0}, {3, 8, 16, 2, 1, 0, 2, 8, 0}, {3, 9, 16, 2, 1, 0, 2, 8, 0}, {3, 10, 16, 2, 1, 0, 2, 8, 0}, {3, 11, 16, 2, 1, 0, 2, 8, 0}, {3, 12, 16, 2, 1, 0, 2, 8, 0}, {3, 13, 16, 2, 1, 0, 2, 8, 0}, {3, 14, 16, 2, 1, 0, 2, 8, 0},
+    {3, 15, 16, 2, 1, 0, 2, 8, 0}, {5, 0, 16, 2, 1, 0, 2, 8, 0}, {5, 1, 16, 2, 1, 0, 2, 8, 0}, {5, 2, 16, 2, 1, 0, 2, 8, 0}, {5, 3, 16, 2, 1, 0, 2, 8, 0}, {5, 4, 16, 2, 1, 0, 2, 8, 0}, {5, 5, 16, 2, 1, 0, 2, 8, 0}, {5, 6, 16, 2, 1, 0, 2, 8, 0},
+    {5, 7, 16, 2, 1, 0, 2, 8, 0}, {5, 8, 16, 2, 1, 0, 2, 8, 0}, {5, 9, 16, 2, 1, 0, 2, 8, 0}, {5, 10, 16, 2, 1, 0, 2, 8, 0}, {5, 11, 16, 2, 1, 0, 2, 8, 0}, {5, 12, 16, 2, 1, 0, 2, 8, 0}, {5, 13, 16, 2, 1, 0, 2, 8, 0}, {5, 14, 16, 2, 1, 0, 2, 8, 0},
+    {5, 15, 16, 2, 1, 0, 2, 8, 0}, {7, 0, 16, 2, 1, 0, 2, 8, 0}, {7, 1, 16, 2, 1, 0, 2, 8, 0}, {7, 2, 16, 2, 1, 0, 2, 8, 0}, {7, 3, 16, 2, 1, 0, 2, 8, 0}, {7, 4, 16, 2, 1, 0, 2, 8, 0}, {7, 5, 16, 2, 1, 0, 2, 8, 0}, {7, 6, 16, 2, 1, 0, 2, 8, 0},
+    {7, 7, 16, 2, 1, 0, 2, 8, 0}, {7, 8, 16, 2, 1, 0, 2, 8, 0}, {7, 9, 16, 2, 1, 0, 2, 8, 0}, {7, 10, 16, 2, 1, 0, 2, 8, 0}, {7, 11, 16, 2, 1, 0, 2, 8, 0}, {7, 12, 16, 2, 1, 0, 2, 8, 0}, {7, 13, 16, 2, 1, 0, 2, 8, 0}, {7, 14, 16, 2, 1, 0, 2, 8, 0},
+    {7, 15, 16, 2, 1, 0, 2, 8, 0}, {1, 0, 16, 2, 1, 0, 2, 8, 0}, {1, 1, 16, 2, 1, 0, 2, 8, 0}, {1, 2, 16, 2, 1, 0, 2, 8, 0}, {1, 3, 16, 2, 1, 0, 2, 8, 0}, {1, 4, 16, 2, 1, 0, 2, 8, 0}, {1, 5, 16, 2, 1, 0, 2, 8, 0}, {1, 6, 16, 2, 1, 0, 2, 8, 0},  // rank 5: shares 1280..1535
+    {1, 7, 16, 2, 1, 0, 2, 8, 0}, {1, 8, 16, 2, 1, 0, 2, 8, 0}, {1, 9, 16, 2, 1, 0, 2, 8, 0}, {1, 10, 16, 2, 1, 0, 2, 8, 0}, {1, 11, 16, 2, 1, 0, 2, 8, 0}, {1, 12, 16, 2, 1, 0, 2, 8, 0}, {1, 13, 16, 2, 1, 0, 2, 8, 0}, {1, 14, 16, 2, 1, 0, 2, 8, 0},
+    {1, 15, 16, 2, 1, 0, 2, 8, 0}, {3, 0, 16, 2, 1, 0, 2, 8, 0}, {3, 1, 16, 2, 1, 0, 2, 8, 0}, {3, 2, 16, 2, 1, 0, 2, 8, 0}, {3, 3, 16, 2, 1, 0, 2, 8, 0}, {3, 4, 16, 2, 1, 0, 2, 8, 0}, {3, 5, 16, 2, 1, 0, 2, 8, 0}, {3, 6, 16, 2, 1, 0, 2, 8, 0},
+    {3, 7, 16, 2, 1, 0, 2, 8, 0}, {3, 8, 16, 2, 1, 0, 2, 8, 0}, {3, 9, 16, 2, 1, 0, 2, 8, 0}, {3, 10, 16, 2, 1, 0, 2, 8, 0}, {3, 11, 16, 2, 1, 0, 2, 8, 0}, {3, 12, 16, 2, 1, 0, 2, 8, 0}, {3, 13, 16, 2, 1, 0, 2, 8, 0}, {3, 14, 16, 2, 1, 0, 2, 8, 0},
+    {3, 15, 16, 2, 1, 0, 2, 8, 0}, {5, 0, 16, 2, 1, 0, 2, 8, 0}, {5, 1, 16, 2, 1, 0, 2, 8, 0}, {5, 2, 16, 2, 1, 0, 2, 8, 0}, {5, 3, 16, 2, 1, 0, 2, 8, 0}, {5, 4, 16, 2, 1, 0, 2, 8, 0}, {5, 5, 16, 2, 1, 0, 2, 8, 0}, {5, 6, 16, 2, 1, 0, 2, 8, 0},
+    {5, 7, 16, 2, 1, 0, 2, 8, 0}, {5, 8, 16, 2, 1, 0, 2, 8, 0}, {5, 9, 16, 2, 1, 0, 2, 8, 0}, {5, 10, 16, 2, 1, 0, 2, 8, 0}, {5, 11, 16, 2, 1, 0, 2, 8, 0}, {5, 12, 16, 2, 1, 0, 2, 8, 0}, {5, 13, 16, 2, 1, 0, 2, 8, 0}, {5, 14, 16, 2, 1, 0, 2, 8, 0},
+    {5, 15, 16, 2, 1, 0, 2, 8, 0}, {7, 0, 16, 2, 1, 0, 2, 8, 0}, {7, 1, 16, 2, 1, 0, 2, 8, 0}, {7, 2, 16, 2, 1, 0, 2, 8, 0}, {7, 3, 16, 2, 1, 0, 2, 8, 0}, {7, 4, 16, 2, 1, 0, 2, 8, 0}, {7, 5, 16, 2, 1, 0, 2, 8, 0}, {7, 6, 16, 2, 1, 0, 2, 8, 0},
+    {7, 7, 16, 2, 1, 0, 2, 8, 0}, {7, 8, 16, 2, 1, 0, 2, 8, 0}, {7, 9, 16, 2, 1, 0, 2, 8, 0}, {7, 10, 16, 2, 1, 0, 2, 8, 0}, {7, 11, 16, 2, 1, 0, 2, 8, 0}, {7, 12, 16, 2, 1, 0, 2, 8, 0}, {7, 13, 16, 2, 1, 0, 2, 8, 0}, {7, 14, 16, 2, 1, 0, 2, 8, 0},
+    {7, 15, 16, 2, 1, 0, 2, 8, 0}, {1, 0, 16, 2, 1, 0, 2, 8, 0}, {1, 1, 16, 2, 1, 0, 2, 8, 0}, {1, 2, 16, 2, 1, 0, 2, 8, 0}, {1, 3, 16, 2, 1, 0, 2, 8, 0}, {1, 4, 16, 2, 1, 0, 2, 8, 0}, {1, 5, 16, 2, 1, 0, 2, 8, 0}, {1, 6, 16, 2, 1, 0, 2, 8, 0},  // rank 6: shares 1536..1791
+    {1, 7, 16, 2, 1, 0, 2, 8, 0}, {1, 8, 16, 2, 1, 0, 2, 8, 0}, {1, 9, 16, 2, 1, 0, 2, 8, 0}, {1, 10, 16, 2, 1, 0, 2, 8, 0}, {1, 11, 16, 2, 1, 0, 2, 8, 0}, {1, 12, 16, 2, 1, 0, 2, 8, 0}, {1, 13, 16, 2, 1, 0, 2, 8, 0}, {1, 14, 16, 2, 1, 0, 2, 8, 0},
+    {1, 15, 16, 2, 1, 0, 2, 8, 0}, {3, 0, 16, 2, 1, 0, 2, 8, 0}, {3, 1, 16, 2, 1, 0, 2, 8, 0}, {3, 2, 16, 2, 1, 0, 2, 8, 0}, {3, 3, 16, 2, 1, 0, 2, 8, 0}, {3, 4, 16, 2, 1, 0, 2, 8, 0}, {3, 5, 16, 2, 1, 0, 2, 8, 0}, {3, 6, 16, 2, 1, 0, 2, 8, 0},
+    {3, 7, 16, 2, 1, 0, 2, 8, 0}, {3, 8, 16, 2, 1, 0, 2, 8, 0}, {3, 9, 16, 2, 1, 0, 2, 8, 0}, {3, 10, 16, 2, 1, 0, 2, 8, 0}, {3, 11, 16, 2, 1, 0, 2, 8, 0}, {3, 12, 16, 2, 1, 0, 2, 8, 0}, {3, 13, 16, 2, 1, 0, 2, 8, 0}, {3, 14, 16, 2, 1, 0, 2, 8, 0},
+    {3, 15, 16, 2, 1, 0, 2, 8, 0}, {5, 0, 16, 2, 1, 0, 2, 8, 0}, {5, 1, 16, 2, 1, 0, 2, 8, 0}, {5, 2, 16, 2, 1, 0, 2, 8, 0}, {5, 3, 16, 2, 1, 0, 2, 8, 0}, {5, 4, 16, 2, 1, 0, 2, 8, 0}, {5, 5, 16, 2, 1, 0, 2, 8, 0}, {5, 6, 16, 2, 1, 0, 2, 8, 0},
+    {5, 7, 16, 2, 1, 0, 2, 8, 0}, {5, 8, 16, 2, 1, 0, 2, 8, 0}, {5, 9, 16, 2, 1, 0, 2, 8, 0}, {5, 10, 16, 2, 1, 0, 2, 8, 0}, {5, 11, 16, 2, 1, 0, 2, 8, 0}, {5, 12, 16, 2, 1, 0, 2, 8, 0}, {5, 13, 16, 2, 1, 0, 2, 8, 0}, {5, 14, 16, 2, 1, 0, 2, 8, 0},
+    {5, 15, 16, 2, 1, 0, 2, 8, 0}, {7, 0, 16, 2, 1, 0, 2, 8, 0}, {7, 1, 16, 2, 1, 0, 2, 8, 0}, {7, 2, 16, 2, 1, 0, 2, 8, 0}, {7, 3, 16, 2, 1, 0, 2, 8, 0}, {7, 4, 16, 2, 1, 0, 2, 8, 0}, {7, 5, 16, 2, 1, 0, 2, 8, 0}, {7, 6, 16, 2, 1, 0, 2, 8, 0},
+    {7, 7, 16, 2, 1, 0, 2, 8, 0}, {7, 8, 16, 2, 1, 0, 2, 8, 0}, {7, 9, 16, 2, 1, 0, 2, 8, 0}, {7, 10, 16, 2, 1, 0, 2, 8, 0}, {7, 11, 16, 2, 1, 0, 2, 8, 0}, {7, 12, 16, 2, 1, 0, 2, 8, 0}, {7, 13, 16, 2, 1, 0, 2, 8, 0}, {7, 14, 16, 2, 1, 0, 2, 8, 0},
+    {7, 15, 16, 2, 1, 0, 2, 8, 0}, {1, 0, 16, 2, 1, 0, 2, 8, 0}, {1, 1, 16, 2, 1, 0, 2, 8, 0}, {1, 2, 16, 2, 1, 0, 2, 8, 0}, {1, 3, 16, 2, 1, 0, 2, 8, 0}, {1, 4, 16, 2, 1, 0, 2, 8, 0}, {1, 5, 16, 2, 1, 0, 2, 8, 0}, {1, 6, 16, 2, 1, 0, 2, 8, 0},  // rank 7: shares 1792..2047
+    {1, 7, 16, 2, 1, 0, 2, 8, 0}, {1, 8, 16, 2, 1, 0, 2, 8, 0}, {1, 9, 16, 2, 1, 0, 2, 8, 0}, {1, 10, 16, 2, 1, 0, 2, 8, 0}, {1, 11, 16, 2, 1, 0, 2, 8, 0}, {1, 12, 16, 2, 1, 0, 2, 8, 0}, {1, 13, 16, 2, 1, 0, 2, 8, 0}, {1, 14, 16, 2, 1, 0, 2, 8, 0},
+    {1, 15, 16, 2, 1, 0, 2, 8, 0}, {3, 0, 16, 2, 1, 0, 2, 8, 0}, {3, 1, 16, 2, 1, 0, 2, 8, 0}, {3, 2, 16, 2, 1, 0, 2, 8, 0}, {3, 3, 16, 2, 1, 0, 2, 8, 0}, {3, 4, 16, 2, 1, 0, 2, 8, 0}, {3, 5, 16, 2, 1, 0, 2, 8, 0}, {3, 6, 16, 2, 1, 0, 2, 8, 0},
+    {3, 7, 16, 2, 1, 0, 2, 8, 0}, {3, 8, 16, 2, 1, 0, 2, 8, 0}, {3, 9, 16, 2, 1, 0, 2, 8, 0}, {3, 10, 16, 2, 1, 0, 2, 8, 0}, {3, 11, 16, 2, 1, 0, 2, 8, 0}, {3, 12, 16, 2, 1, 0, 2, 8, 0}, {3, 13, 16, 2, 1, 0, 2, 8, 0}, {3, 14, 16, 2, 1, 0, 2, 8, 0},
+    {3, 15, 16, 2, 1, 0, 2, 8, 0}, {5, 0, 16, 2, 1, 0, 2, 8, 0}, {5, 1, 16, 2, 1, 0, 2, 8, 0}, {5, 2, 16, 2, 1, 0, 2, 8, 0}, {5, 3, 16, 2, 1, 0, 2, 8, 0}, {5, 4, 16, 2, 1, 0, 2, 8, 0}, {5, 5, 16, 2, 1, 0, 2, 8, 0}, {5, 6, 16, 2, 1, 0, 2, 8, 0},
+    {5, 7, 16, 2, 1, 0, 2, 8, 0}, {5, 8, 16, 2, 1, 0, 2, 8, 0}, {5, 9, 16, 2, 1, 0, 2, 8, 0}, {5, 10, 16, 2, 1, 0, 2, 8, 0}, {5, 11, 16, 2, 1, 0, 2, 8, 0}, {5, 12, 16, 2, 1, 0, 2, 8, 0}, {5, 13, 16, 2, 1, 0, 2, 8, 0}, {5, 14, 16, 2, 1, 0, 2, 8, 0},
+    {5, 15, 16, 2, 1, 0, 2, 8, 0}, {7, 0, 16, 2, 1, 0, 2, 8, 0}, {7, 1, 16, 2, 1, 0, 2, 8, 0}, {7, 2, 16, 2, 1, 0, 2, 8, 0}, {7, 3, 16, 2, 1, 0, 2, 8, 0}, {7, 4, 16, 2, 1, 0, 2, 8, 0}, {7, 5, 16, 2, 1, 0, 2, 8, 0}, {7, 6, 16, 2, 1, 0, 2, 8, 0},
+    {7, 7, 16, 2, 1, 0, 2, 8, 0}, {7, 8, 16, 2, 1, 0, 2, 8, 0}, {7, 9, 16, 2, 1, 0, 2, 8, 0}, {7, 10, 16, 2, 1, 0, 2, 8, 0}, {7, 11, 16, 2, 1, 0, 2, 8, 0}, {7, 12, 16, 2, 1, 0, 2, 8, 0}, {7, 13, 16, 2, 1, 0, 2, 8, 0}, {7, 14, 16, 2, 1, 0, 2, 8, 0},
 };
-static __device__ const tsgen::share_table<2048> shares_w8 =
-    tsgen::expand_shares<2048>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][65] = {
+static __device__ const tsgen::share_table<2048> shares_w8 = tsgen::expand_shares<2048>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][65] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124, 128, 132, 136, 140, 144, 148, 152, 156, 160, 164, 168, 172, 176, 180, 184, 188, 192, 196, 200, 204, 208, 212, 216, 220, 224, 228, 232, 236, 240, 244, 248, 252, 256 },
     { 256, 260, 264, 268, 272, 276, 280, 284, 288, 292, 296, 300, 304, 308, 312, 316, 320, 324, 328, 332, 336, 340, 344, 348, 352, 356, 360, 364, 368, 372, 376, 380, 384, 388, 392, 396, 400, 404, 408, 412, 416, 420, 424, 428, 432, 436, 440, 444, 448, 452, 456, 460, 464, 468, 472, 476, 480, 484, 488, 492, 496, 500, 504, 508, 512 },
     { 512, 516, 520, 524, 528, 532, 536, 540, 544, 548, 552, 556, 560, 564, 568, 572, 576, 580, 584, 588, 592, 596, 600, 604, 608, 612, 616, 620, 624, 628, 632, 636, 640, 644, 648, 652, 656, 660, 664, 668, 672, 676, 680, 684, 688, 692, 696, 700, 704, 708, 712, 716, 720, 724, 728, 732, 736, 740, 744, 748, 752, 756, 760, 764, 768 },
@@ -804,330 +378,189 @@ static __device__ const uint16_t first_w8[8][65] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[1], b - 1, 16);  // step 1: piece 0 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w2[2], b - 1, 16);  // step 2: piece 1 of chunk 1 to rank 1's inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 3: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[3], b - 17, 16);  // step 3: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w2[4], b - 17, 16);  // step 4: reduce piece 1
         }
         break;
       case 1:
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[7], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[6], b - 1, 16);  // step 1: piece 0 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w2[7], b - 1, 16);  // step 2: piece 1 of chunk 0 to rank 0's inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 3: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[8], b - 17, 16);  // step 3: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w2[9], b - 17, 16);  // step 4: reduce piece 1
         }
-        break;
-      default:
         break;
     }
   }
 };
 template <> struct plan<3> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x6u, index = 0; break;
-      case 1: mask = 0x5u, index = 1; break;
-      case 2: mask = 0x3u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x6u, index = 0; break; case 1: mask = 0x5u, index = 1; break; case 2: mask = 0x3u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w3 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[1], b - 1, 16);  // step 1: piece 0 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w3[2], b - 1, 16);  // step 2: piece 1 of chunk 1 to rank 1's inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[3], b - 17, 16);  // step 3: piece 0 of chunk 2 to rank 2's inbox
+          TSGEN_RUN_SHARE(steps_w3[4], b - 17, 16);  // step 4: piece 1 of chunk 2 to rank 2's inbox
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 0 step 5: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w3[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w3[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[5], b - 33, 16);  // step 5: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w3[6], b - 33, 16);  // step 6: reduce piece 1
         }
         break;
       case 1:
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[9], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[8], b - 1, 16);  // step 1: piece 0 of chunk 2 to rank 2's inbox
+          TSGEN_RUN_SHARE(steps_w3[9], b - 1, 16);  // step 2: piece 1 of chunk 2 to rank 2's inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 3: piece 0 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[10], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: piece 1 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[11], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[10], b - 17, 16);  // step 3: piece 0 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w3[11], b - 17, 16);  // step 4: piece 1 of chunk 0 to rank 0's inbox
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 1 step 5: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w3[12], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w3[13], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[12], b - 33, 16);  // step 5: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w3[13], b - 33, 16);  // step 6: reduce piece 1
         }
         break;
       case 2:
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[15], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 2: piece 1 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[16], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[15], b - 1, 16);  // step 1: piece 0 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w3[16], b - 1, 16);  // step 2: piece 1 of chunk 0 to rank 0's inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 2 step 3: piece 0 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[17], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 4: piece 1 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w3[18], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[17], b - 17, 16);  // step 3: piece 0 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w3[18], b - 17, 16);  // step 4: piece 1 of chunk 1 to rank 1's inbox
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 2 step 5: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w3[19], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 6: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w3[20], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w3[19], b - 33, 16);  // step 5: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w3[20], b - 33, 16);  // step 6: reduce piece 1
         }
-        break;
-      default:
         break;
     }
   }
 };
 template <> struct plan<4> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xeu, index = 0; break;
-      case 1: mask = 0xdu, index = 1; break;
-      case 2: mask = 0xbu, index = 2; break;
-      case 3: mask = 0x7u, index = 3; break;
-      default: break;
+      case 0: mask = 0xeu, index = 0; break; case 1: mask = 0xdu, index = 1; break; case 2: mask = 0xbu, index = 2; break; case 3: mask = 0x7u, index = 3; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w4 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
         if (b == 0) {  // block 0
-          // rank 0 step 7: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w4[7], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w4[8], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[7], 15, 16);  // step 7: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w4[8], 15, 16);  // step 8: reduce piece 1
         }
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[1], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[2], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[1], b - 1, 16);  // step 1: piece 0 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w4[2], b - 1, 16);  // step 2: piece 1 of chunk 1 to rank 1's inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 0 step 3: piece 0 of chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[3], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: piece 1 of chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[4], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[3], b - 17, 16);  // step 3: piece 0 of chunk 2 to rank 2's inbox
+          TSGEN_RUN_SHARE(steps_w4[4], b - 17, 16);  // step 4: piece 1 of chunk 2 to rank 2's inbox
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 0 step 5: piece 0 of chunk 3 to rank 3's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[5], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: piece 1 of chunk 3 to rank 3's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[6], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[5], b - 33, 16);  // step 5: piece 0 of chunk 3 to rank 3's inbox
+          TSGEN_RUN_SHARE(steps_w4[6], b - 33, 16);  // step 6: piece 1 of chunk 3 to rank 3's inbox
         }
         if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 0 step 7: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w4[7], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w4[8], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[7], b - 49, 16);  // step 7: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w4[8], b - 49, 16);  // step 8: reduce piece 1
         }
         break;
       case 1:
         if (b == 0) {  // block 0
-          // rank 1 step 7: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w4[16], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w4[17], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[16], 15, 16);  // step 7: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w4[17], 15, 16);  // step 8: reduce piece 1
         }
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[10], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[11], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[10], b - 1, 16);  // step 1: piece 0 of chunk 2 to rank 2's inbox
+          TSGEN_RUN_SHARE(steps_w4[11], b - 1, 16);  // step 2: piece 1 of chunk 2 to rank 2's inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 1 step 3: piece 0 of chunk 3 to rank 3's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[12], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: piece 1 of chunk 3 to rank 3's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[13], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[12], b - 17, 16);  // step 3: piece 0 of chunk 3 to rank 3's inbox
+          TSGEN_RUN_SHARE(steps_w4[13], b - 17, 16);  // step 4: piece 1 of chunk 3 to rank 3's inbox
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 1 step 5: piece 0 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[14], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: piece 1 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[15], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[14], b - 33, 16);  // step 5: piece 0 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w4[15], b - 33, 16);  // step 6: piece 1 of chunk 0 to rank 0's inbox
         }
         if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 1 step 7: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w4[16], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w4[17], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[16], b - 49, 16);  // step 7: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w4[17], b - 49, 16);  // step 8: reduce piece 1
         }
         break;
       case 2:
         if (b == 0) {  // block 0
-          // rank 2 step 7: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w4[25], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 8: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w4[26], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[25], 15, 16);  // step 7: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w4[26], 15, 16);  // step 8: reduce piece 1
         }
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[19], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[20], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[19], b - 1, 16);  // step 1: piece 0 of chunk 3 to rank 3's inbox
+          TSGEN_RUN_SHARE(steps_w4[20], b - 1, 16);  // step 2: piece 1 of chunk 3 to rank 3's inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 2 step 3: piece 0 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[21], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 4: piece 1 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[22], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[21], b - 17, 16);  // step 3: piece 0 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w4[22], b - 17, 16);  // step 4: piece 1 of chunk 0 to rank 0's inbox
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 2 step 5: piece 0 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[23], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 6: piece 1 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[24], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[23], b - 33, 16);  // step 5: piece 0 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w4[24], b - 33, 16);  // step 6: piece 1 of chunk 1 to rank 1's inbox
         }
         if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 2 step 7: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w4[25], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 2 step 8: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w4[26], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[25], b - 49, 16);  // step 7: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w4[26], b - 49, 16);  // step 8: reduce piece 1
         }
         break;
       case 3:
         if (b == 0) {  // block 0
-          // rank 3 step 7: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w4[34], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 3 step 8: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w4[35], 15, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[34], 15, 16);  // step 7: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w4[35], 15, 16);  // step 8: reduce piece 1
         }
         if (b >= 1 && b < 17) {  // blocks 1..16
-          const int i = b - 1;
-          // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[28], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 3 step 2: piece 1 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[29], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[28], b - 1, 16);  // step 1: piece 0 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w4[29], b - 1, 16);  // step 2: piece 1 of chunk 0 to rank 0's inbox
         }
         if (b >= 17 && b < 33) {  // blocks 17..32
-          const int i = b - 17;
-          // rank 3 step 3: piece 0 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[30], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 3 step 4: piece 1 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[31], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[30], b - 17, 16);  // step 3: piece 0 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w4[31], b - 17, 16);  // step 4: piece 1 of chunk 1 to rank 1's inbox
         }
         if (b >= 33 && b < 49) {  // blocks 33..48
-          const int i = b - 33;
-          // rank 3 step 5: piece 0 of chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[32], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 3 step 6: piece 1 of chunk 2 to rank 2's inbox
-          tsgen::run_share<T, UNROLL>(steps_w4[33], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[32], b - 33, 16);  // step 5: piece 0 of chunk 2 to rank 2's inbox
+          TSGEN_RUN_SHARE(steps_w4[33], b - 33, 16);  // step 6: piece 1 of chunk 2 to rank 2's inbox
         }
         if (b >= 49 && b < 64) {  // blocks 49..63
-          const int i = b - 49;
-          // rank 3 step 7: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w4[34], i, 16, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 3 step 8: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w4[35], i, 16, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w4[34], b - 49, 16);  // step 7: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w4[35], b - 49, 16);  // step 8: reduce piece 1
         }
-        break;
-      default:
         break;
     }
   }
@@ -1136,92 +569,42 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xfeu, index = 0; break;
-      case 1: mask = 0xfdu, index = 1; break;
-      case 2: mask = 0xfbu, index = 2; break;
-      case 3: mask = 0xf7u, index = 3; break;
-      case 4: mask = 0xefu, index = 4; break;
-      case 5: mask = 0xdfu, index = 5; break;
-      case 6: mask = 0xbfu, index = 6; break;
-      case 7: mask = 0x7fu, index = 7; break;
-      default: break;
+      case 0: mask = 0xfeu, index = 0; break; case 1: mask = 0xfdu, index = 1; break; case 2: mask = 0xfbu, index = 2; break; case 3: mask = 0xf7u, index = 3; break; case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break; case 6: mask = 0xbfu, index = 6; break; case 7: mask = 0x7fu, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[3], index, rank, peers);
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 3: a small plan, run as straight-line code (plan<3>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<3>(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  plan<3>::open(rank, bufs, peers);
-  plan<3>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
-// World size 4: a small plan, run as straight-line code (plan<4>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<4>(char* const* peers, int rank, uint64_t epoch, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  plan<4>::open(rank, bufs, peers);
-  plan<4>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace reduce_scatter_inplace_f32
 
-// World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_inplace_f32_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_inplace_f32_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_inplace_f32::run<2>(peers, rank, epoch, count, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_inplace_f32_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_inplace_f32_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_inplace_f32::run<3>(peers, rank, epoch, count, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_inplace_f32_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_inplace_f32_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_inplace_f32::run<4>(peers, rank, epoch, count, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) reduce_scatter_inplace_f32_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) reduce_scatter_inplace_f32_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_inplace_f32::run<8>(peers, rank, epoch, count, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through reduce_scatter_inplace_f32::launch.
-namespace reduce_scatter_inplace_f32 {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, dst, inbox, entry, arrive);
-  return cudaGetLastError();
-}
-}  // namespace reduce_scatter_inplace_f32
-
-extern "C" cudaError_t reduce_scatter_inplace_f32_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_inplace_f32::launch<reduce_scatter_inplace_f32_w2, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, stream); }
-extern "C" cudaError_t reduce_scatter_inplace_f32_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_inplace_f32::launch<reduce_scatter_inplace_f32_w3, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, stream); }
-extern "C" cudaError_t reduce_scatter_inplace_f32_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_inplace_f32::launch<reduce_scatter_inplace_f32_w4, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, stream); }
-extern "C" cudaError_t reduce_scatter_inplace_f32_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_inplace_f32::launch<reduce_scatter_inplace_f32_w8, 64, 512, 0>(peers, rank, calls, count, dst, inbox, entry, arrive, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t reduce_scatter_inplace_f32_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_inplace_f32_w2, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive); }
+extern "C" cudaError_t reduce_scatter_inplace_f32_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_inplace_f32_w3, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive); }
+extern "C" cudaError_t reduce_scatter_inplace_f32_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_inplace_f32_w4, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive); }
+extern "C" cudaError_t reduce_scatter_inplace_f32_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* dst, float* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_inplace_f32_w8, 64, 512, 0>(stream, peers, rank, calls, count, dst, inbox, entry, arrive); }

@@ -10,12 +10,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  world * count
@@ -24,12 +22,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 64
 // Contents (line numbers of this file):
-//   49: the hand-written library, included: tsgen/ptx.cuh 49, tsgen/sync.cuh 50, tsgen/copy.cuh 51, tsgen/plan.cuh 52
-//   57: the op's own code (namespace reduce_scatter_large: constants, tables, device code)
+//   46: the hand-written library, included: tsgen/ptx.cuh 46, tsgen/sync.cuh 47, tsgen/copy.cuh 48, tsgen/plan.cuh 49
+//   52: the op's own code (namespace reduce_scatter_large: constants, tables, device code)
 //   entry points (extern "C"):
-//     reduce_scatter_large_w2 2591, reduce_scatter_large_w3 2598, reduce_scatter_large_w4 2605
-//     reduce_scatter_large_w8 2612, reduce_scatter_large_w2_launch 2628, reduce_scatter_large_w3_launch 2629
-//     reduce_scatter_large_w4_launch 2630, reduce_scatter_large_w8_launch 2631
+//     reduce_scatter_large_w2 1124, reduce_scatter_large_w3 1129, reduce_scatter_large_w4 1134
+//     reduce_scatter_large_w8 1139, reduce_scatter_large_w2_launch 1147, reduce_scatter_large_w3_launch 1148
+//     reduce_scatter_large_w4_launch 1149, reduce_scatter_large_w8_launch 1150
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -37,8 +35,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -51,9 +48,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// reduce_scatter: reduce_scatter_large
-// ---------------------------------------------------------------------------
+// ---- reduce_scatter: reduce_scatter_large ----------------------------------------------------------------
 namespace reduce_scatter_large {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -63,2341 +58,965 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: inbox
-//   4: entry
-//   5: arrive
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 34 steps, 1024 block shares over 129 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 34 steps, 1024 block shares over 129 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 9: reduce piece 0; wait arrive[8]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}}, {}, {{5, 0, 8, 32}}, {}},
-    // rank 0 step 10: reduce piece 1; wait arrive[9]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}}, {}, {{5, 0, 9, 32}}, {}},
-    // rank 0 step 11: reduce piece 2; wait arrive[10]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}}, {}, {{5, 0, 10, 32}}, {}},
-    // rank 0 step 12: reduce piece 3; wait arrive[11]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}}, {}, {{5, 0, 11, 32}}, {}},
-    // rank 0 step 13: reduce piece 4; wait arrive[12]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}}, {}, {{5, 0, 12, 32}}, {}},
-    // rank 0 step 14: reduce piece 5; wait arrive[13]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}}, {}, {{5, 0, 13, 32}}, {}},
-    // rank 0 step 15: reduce piece 6; wait arrive[14]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}}, {}, {{5, 0, 14, 32}}, {}},
-    // rank 0 step 16: reduce piece 7; wait arrive[15]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}}, {}, {{5, 0, 15, 32}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 1 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 1 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 1 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 1 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 1 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 1 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 1 step 9: reduce piece 0; wait arrive[0]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}}, {}, {{5, 0, 0, 32}}, {}},
-    // rank 1 step 10: reduce piece 1; wait arrive[1]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}}, {}, {{5, 0, 1, 32}}, {}},
-    // rank 1 step 11: reduce piece 2; wait arrive[2]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}}, {}, {{5, 0, 2, 32}}, {}},
-    // rank 1 step 12: reduce piece 3; wait arrive[3]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}}, {}, {{5, 0, 3, 32}}, {}},
-    // rank 1 step 13: reduce piece 4; wait arrive[4]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}}, {}, {{5, 0, 4, 32}}, {}},
-    // rank 1 step 14: reduce piece 5; wait arrive[5]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}}, {}, {{5, 0, 5, 32}}, {}},
-    // rank 1 step 15: reduce piece 6; wait arrive[6]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}}, {}, {{5, 0, 6, 32}}, {}},
-    // rank 1 step 16: reduce piece 7; wait arrive[7]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}}, {}, {{5, 0, 7, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}}, {}, {{5, 0, 8, 32}}, {}},  // rank 0 step 9: reduce piece 0; wait arrive[8]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}}, {}, {{5, 0, 9, 32}}, {}},  // rank 0 step 10: reduce piece 1; wait arrive[9]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}}, {}, {{5, 0, 10, 32}}, {}},  // rank 0 step 11: reduce piece 2; wait arrive[10]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}}, {}, {{5, 0, 11, 32}}, {}},  // rank 0 step 12: reduce piece 3; wait arrive[11]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}}, {}, {{5, 0, 12, 32}}, {}},  // rank 0 step 13: reduce piece 4; wait arrive[12]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}}, {}, {{5, 0, 13, 32}}, {}},  // rank 0 step 14: reduce piece 5; wait arrive[13]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}}, {}, {{5, 0, 14, 32}}, {}},  // rank 0 step 15: reduce piece 6; wait arrive[14]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}}, {}, {{5, 0, 15, 32}}, {}},  // rank 0 step 16: reduce piece 7; wait arrive[15]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 1 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 1 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 1 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 1 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 1 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 1 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}}, {}, {{5, 0, 0, 32}}, {}},  // rank 1 step 9: reduce piece 0; wait arrive[0]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}}, {}, {{5, 0, 1, 32}}, {}},  // rank 1 step 10: reduce piece 1; wait arrive[1]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}}, {}, {{5, 0, 2, 32}}, {}},  // rank 1 step 11: reduce piece 2; wait arrive[2]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}}, {}, {{5, 0, 3, 32}}, {}},  // rank 1 step 12: reduce piece 3; wait arrive[3]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}}, {}, {{5, 0, 4, 32}}, {}},  // rank 1 step 13: reduce piece 4; wait arrive[4]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}}, {}, {{5, 0, 5, 32}}, {}},  // rank 1 step 14: reduce piece 5; wait arrive[5]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}}, {}, {{5, 0, 6, 32}}, {}},  // rank 1 step 15: reduce piece 6; wait arrive[6]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}}, {}, {{5, 0, 7, 32}}, {}},  // rank 1 step 16: reduce piece 7; wait arrive[7]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8]; 32 blocks
 };
 static __device__ const int step_base_w2[2] = { 0, 17 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 75 steps, 2304 block shares over 129 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 75 steps, 2304 block shares over 129 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/8] = r0:src@2[0/8]; signal r2:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/8] = r0:src@2[1/8]; signal r2:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/8] = r0:src@2[2/8]; signal r2:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/8] = r0:src@2[3/8]; signal r2:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 13: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[4/8] = r0:src@2[4/8]; signal r2:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 0 step 14: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[5/8] = r0:src@2[5/8]; signal r2:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 0 step 15: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[6/8] = r0:src@2[6/8]; signal r2:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 0 step 16: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[7/8] = r0:src@2[7/8]; signal r2:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 0 step 17: reduce piece 0; wait arrive[8], arrive[16]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}}, {}, {{5, 0, 8, 32}, {5, 0, 16, 32}}, {}},
-    // rank 0 step 18: reduce piece 1; wait arrive[9], arrive[17]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}}, {}, {{5, 0, 9, 32}, {5, 0, 17, 32}}, {}},
-    // rank 0 step 19: reduce piece 2; wait arrive[10], arrive[18]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8] + r0:inbox@2[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}}, {}, {{5, 0, 10, 32}, {5, 0, 18, 32}}, {}},
-    // rank 0 step 20: reduce piece 3; wait arrive[11], arrive[19]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8] + r0:inbox@2[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}}, {}, {{5, 0, 11, 32}, {5, 0, 19, 32}}, {}},
-    // rank 0 step 21: reduce piece 4; wait arrive[12], arrive[20]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8] + r0:inbox@2[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}}, {}, {{5, 0, 12, 32}, {5, 0, 20, 32}}, {}},
-    // rank 0 step 22: reduce piece 5; wait arrive[13], arrive[21]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8] + r0:inbox@2[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}}, {}, {{5, 0, 13, 32}, {5, 0, 21, 32}}, {}},
-    // rank 0 step 23: reduce piece 6; wait arrive[14], arrive[22]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8] + r0:inbox@2[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}}, {}, {{5, 0, 14, 32}, {5, 0, 22, 32}}, {}},
-    // rank 0 step 24: reduce piece 7; wait arrive[15], arrive[23]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8] + r0:inbox@2[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}}, {}, {{5, 0, 15, 32}, {5, 0, 23, 32}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/8] = r1:src@2[0/8]; signal r2:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/8] = r1:src@2[1/8]; signal r2:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/8] = r1:src@2[2/8]; signal r2:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/8] = r1:src@2[3/8]; signal r2:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 1 step 5: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[4/8] = r1:src@2[4/8]; signal r2:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 1 step 6: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[5/8] = r1:src@2[5/8]; signal r2:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 1 step 7: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[6/8] = r1:src@2[6/8]; signal r2:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 1 step 8: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[7/8] = r1:src@2[7/8]; signal r2:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 1 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 1 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 1 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 1 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 1 step 13: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 1 step 14: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 1 step 15: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 1 step 16: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 1 step 17: reduce piece 0; wait arrive[0], arrive[16]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8] + r1:inbox@2[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 16, 32}}, {}},
-    // rank 1 step 18: reduce piece 1; wait arrive[1], arrive[17]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8] + r1:inbox@2[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 17, 32}}, {}},
-    // rank 1 step 19: reduce piece 2; wait arrive[2], arrive[18]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 18, 32}}, {}},
-    // rank 1 step 20: reduce piece 3; wait arrive[3], arrive[19]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 19, 32}}, {}},
-    // rank 1 step 21: reduce piece 4; wait arrive[4], arrive[20]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8] + r1:inbox@2[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 20, 32}}, {}},
-    // rank 1 step 22: reduce piece 5; wait arrive[5], arrive[21]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8] + r1:inbox@2[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 21, 32}}, {}},
-    // rank 1 step 23: reduce piece 6; wait arrive[6], arrive[22]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8] + r1:inbox@2[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 22, 32}}, {}},
-    // rank 1 step 24: reduce piece 7; wait arrive[7], arrive[23]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8] + r1:inbox@2[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 23, 32}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},
-    // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 2 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 2 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/8] = r2:src@0[2/8]; signal r0:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 2 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/8] = r2:src@0[3/8]; signal r0:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 2 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[4/8] = r2:src@0[4/8]; signal r0:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 2 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[5/8] = r2:src@0[5/8]; signal r0:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 2 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[6/8] = r2:src@0[6/8]; signal r0:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 2 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[7/8] = r2:src@0[7/8]; signal r0:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 2 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/8] = r2:src@1[0/8]; signal r1:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 2 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/8] = r2:src@1[1/8]; signal r1:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 2 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/8] = r2:src@1[2/8]; signal r1:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 2 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/8] = r2:src@1[3/8]; signal r1:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 2 step 13: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[4/8] = r2:src@1[4/8]; signal r1:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 2 step 14: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[5/8] = r2:src@1[5/8]; signal r1:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 2 step 15: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[6/8] = r2:src@1[6/8]; signal r1:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 2 step 16: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[7/8] = r2:src@1[7/8]; signal r1:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 2 step 17: reduce piece 0; wait arrive[0], arrive[8]; r2:dst@0[0/8] = r2:src@2[0/8] + r2:inbox@0[0/8] + r2:inbox@1[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}}, {}},
-    // rank 2 step 18: reduce piece 1; wait arrive[1], arrive[9]; r2:dst@0[1/8] = r2:src@2[1/8] + r2:inbox@0[1/8] + r2:inbox@1[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}}, {}},
-    // rank 2 step 19: reduce piece 2; wait arrive[2], arrive[10]; r2:dst@0[2/8] = r2:src@2[2/8] + r2:inbox@0[2/8] + r2:inbox@1[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}}, {}},
-    // rank 2 step 20: reduce piece 3; wait arrive[3], arrive[11]; r2:dst@0[3/8] = r2:src@2[3/8] + r2:inbox@0[3/8] + r2:inbox@1[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}}, {}},
-    // rank 2 step 21: reduce piece 4; wait arrive[4], arrive[12]; r2:dst@0[4/8] = r2:src@2[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}}, {}},
-    // rank 2 step 22: reduce piece 5; wait arrive[5], arrive[13]; r2:dst@0[5/8] = r2:src@2[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}}, {}},
-    // rank 2 step 23: reduce piece 6; wait arrive[6], arrive[14]; r2:dst@0[6/8] = r2:src@2[6/8] + r2:inbox@0[6/8] + r2:inbox@1[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}}, {}},
-    // rank 2 step 24: reduce piece 7; wait arrive[7], arrive[15]; r2:dst@0[7/8] = r2:src@2[7/8] + r2:inbox@0[7/8] + r2:inbox@1[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/8] = r0:src@2[0/8]; signal r2:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/8] = r0:src@2[1/8]; signal r2:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/8] = r0:src@2[2/8]; signal r2:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/8] = r0:src@2[3/8]; signal r2:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 0 step 13: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[4/8] = r0:src@2[4/8]; signal r2:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 0 step 14: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[5/8] = r0:src@2[5/8]; signal r2:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 0 step 15: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[6/8] = r0:src@2[6/8]; signal r2:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 0 step 16: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[7/8] = r0:src@2[7/8]; signal r2:arrive[7]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}}, {}, {{5, 0, 8, 32}, {5, 0, 16, 32}}, {}},  // rank 0 step 17: reduce piece 0; wait arrive[8], arrive[16]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}}, {}, {{5, 0, 9, 32}, {5, 0, 17, 32}}, {}},  // rank 0 step 18: reduce piece 1; wait arrive[9], arrive[17]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}}, {}, {{5, 0, 10, 32}, {5, 0, 18, 32}}, {}},  // rank 0 step 19: reduce piece 2; wait arrive[10], arrive[18]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8] + r0:inbox@2[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}}, {}, {{5, 0, 11, 32}, {5, 0, 19, 32}}, {}},  // rank 0 step 20: reduce piece 3; wait arrive[11], arrive[19]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8] + r0:inbox@2[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}}, {}, {{5, 0, 12, 32}, {5, 0, 20, 32}}, {}},  // rank 0 step 21: reduce piece 4; wait arrive[12], arrive[20]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8] + r0:inbox@2[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}}, {}, {{5, 0, 13, 32}, {5, 0, 21, 32}}, {}},  // rank 0 step 22: reduce piece 5; wait arrive[13], arrive[21]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8] + r0:inbox@2[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}}, {}, {{5, 0, 14, 32}, {5, 0, 22, 32}}, {}},  // rank 0 step 23: reduce piece 6; wait arrive[14], arrive[22]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8] + r0:inbox@2[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}}, {}, {{5, 0, 15, 32}, {5, 0, 23, 32}}, {}},  // rank 0 step 24: reduce piece 7; wait arrive[15], arrive[23]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8] + r0:inbox@2[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},  // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/8] = r1:src@2[0/8]; signal r2:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},  // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/8] = r1:src@2[1/8]; signal r2:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},  // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/8] = r1:src@2[2/8]; signal r2:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},  // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/8] = r1:src@2[3/8]; signal r2:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 1 step 5: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[4/8] = r1:src@2[4/8]; signal r2:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 1 step 6: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[5/8] = r1:src@2[5/8]; signal r2:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 1 step 7: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[6/8] = r1:src@2[6/8]; signal r2:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 1 step 8: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[7/8] = r1:src@2[7/8]; signal r2:arrive[15]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 1 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 1 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 1 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 1 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 1 step 13: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 1 step 14: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 1 step 15: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 1 step 16: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 16, 32}}, {}},  // rank 1 step 17: reduce piece 0; wait arrive[0], arrive[16]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8] + r1:inbox@2[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 17, 32}}, {}},  // rank 1 step 18: reduce piece 1; wait arrive[1], arrive[17]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8] + r1:inbox@2[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 18, 32}}, {}},  // rank 1 step 19: reduce piece 2; wait arrive[2], arrive[18]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 19, 32}}, {}},  // rank 1 step 20: reduce piece 3; wait arrive[3], arrive[19]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 20, 32}}, {}},  // rank 1 step 21: reduce piece 4; wait arrive[4], arrive[20]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8] + r1:inbox@2[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 21, 32}}, {}},  // rank 1 step 22: reduce piece 5; wait arrive[5], arrive[21]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8] + r1:inbox@2[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 22, 32}}, {}},  // rank 1 step 23: reduce piece 6; wait arrive[6], arrive[22]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8] + r1:inbox@2[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 23, 32}}, {}},  // rank 1 step 24: reduce piece 7; wait arrive[7], arrive[23]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8] + r1:inbox@2[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 2, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 2 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 2 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 2 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/8] = r2:src@0[2/8]; signal r0:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 2 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/8] = r2:src@0[3/8]; signal r0:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 2 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[4/8] = r2:src@0[4/8]; signal r0:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 2 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[5/8] = r2:src@0[5/8]; signal r0:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 2 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[6/8] = r2:src@0[6/8]; signal r0:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 2 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[7/8] = r2:src@0[7/8]; signal r0:arrive[23]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 2 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/8] = r2:src@1[0/8]; signal r1:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 2 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/8] = r2:src@1[1/8]; signal r1:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 2 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/8] = r2:src@1[2/8]; signal r1:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 2 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/8] = r2:src@1[3/8]; signal r1:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 2 step 13: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[4/8] = r2:src@1[4/8]; signal r1:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 2 step 14: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[5/8] = r2:src@1[5/8]; signal r1:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 2 step 15: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[6/8] = r2:src@1[6/8]; signal r1:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 2 step 16: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[7/8] = r2:src@1[7/8]; signal r1:arrive[23]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}}, {}},  // rank 2 step 17: reduce piece 0; wait arrive[0], arrive[8]; r2:dst@0[0/8] = r2:src@2[0/8] + r2:inbox@0[0/8] + r2:inbox@1[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}}, {}},  // rank 2 step 18: reduce piece 1; wait arrive[1], arrive[9]; r2:dst@0[1/8] = r2:src@2[1/8] + r2:inbox@0[1/8] + r2:inbox@1[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}}, {}},  // rank 2 step 19: reduce piece 2; wait arrive[2], arrive[10]; r2:dst@0[2/8] = r2:src@2[2/8] + r2:inbox@0[2/8] + r2:inbox@1[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}}, {}},  // rank 2 step 20: reduce piece 3; wait arrive[3], arrive[11]; r2:dst@0[3/8] = r2:src@2[3/8] + r2:inbox@0[3/8] + r2:inbox@1[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}}, {}},  // rank 2 step 21: reduce piece 4; wait arrive[4], arrive[12]; r2:dst@0[4/8] = r2:src@2[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}}, {}},  // rank 2 step 22: reduce piece 5; wait arrive[5], arrive[13]; r2:dst@0[5/8] = r2:src@2[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}}, {}},  // rank 2 step 23: reduce piece 6; wait arrive[6], arrive[14]; r2:dst@0[6/8] = r2:src@2[6/8] + r2:inbox@0[6/8] + r2:inbox@1[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 3, 2, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}}, {}},  // rank 2 step 24: reduce piece 7; wait arrive[7], arrive[15]; r2:dst@0[7/8] = r2:src@2[7/8] + r2:inbox@0[7/8] + r2:inbox@1[7/8]; 32 blocks
 };
 static __device__ const int step_base_w3[3] = { 0, 25, 50 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w3[] = {
-    // rank 0: shares 0..767
-    {1, 0, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {1, 4, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {1, 8, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {1, 12, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {1, 16, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {1, 20, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {1, 24, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {1, 28, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {9, 0, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {9, 4, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {9, 8, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {9, 12, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {9, 16, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {9, 20, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {9, 24, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {9, 28, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {17, 0, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {17, 4, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {17, 8, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {17, 12, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {17, 16, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {17, 20, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {17, 24, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {17, 28, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    // rank 1: shares 768..1535
-    {1, 0, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {1, 4, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {1, 8, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {1, 12, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {1, 16, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {1, 20, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {1, 24, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {1, 28, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {9, 0, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {9, 4, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {9, 8, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {9, 12, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {9, 16, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {9, 20, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {9, 24, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {9, 28, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {17, 0, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {17, 4, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {17, 8, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {17, 12, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {17, 16, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {17, 20, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {17, 24, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {17, 28, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    // rank 2: shares 1536..2303
-    {1, 0, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {1, 4, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {1, 8, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {1, 12, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {1, 16, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {1, 20, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {1, 24, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {1, 28, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {9, 0, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {9, 4, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {9, 8, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {9, 12, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {9, 16, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {9, 20, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {9, 24, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {9, 28, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {17, 0, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {17, 4, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {17, 8, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {17, 12, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {17, 16, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {17, 20, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {17, 24, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {17, 28, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
+    {1, 0, 32, 8, 1, 0, 32, 0, 1}, {9, 0, 32, 8, 1, 0, 32, 0, 1}, {17, 0, 32, 8, 1, 0, 32, 0, 1},  // rank 0: shares 0..767
+    {1, 0, 32, 8, 1, 0, 32, 0, 1}, {9, 0, 32, 8, 1, 0, 32, 0, 1}, {17, 0, 32, 8, 1, 0, 32, 0, 1},  // rank 1: shares 768..1535
+    {1, 0, 32, 8, 1, 0, 32, 0, 1}, {9, 0, 32, 8, 1, 0, 32, 0, 1}, {17, 0, 32, 8, 1, 0, 32, 0, 1},  // rank 2: shares 1536..2303
 };
-static __device__ const tsgen::share_table<2304> shares_w3 =
-    tsgen::expand_shares<2304>(share_runs_w3);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][130] = {
+static __device__ const tsgen::share_table<2304> shares_w3 = tsgen::expand_shares<2304>(share_runs_w3);
+static __device__ const uint16_t first_w3[3][130] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256, 264, 272, 280, 288, 296, 304, 312, 320, 328, 336, 344, 352, 360, 368, 376, 384, 392, 400, 408, 416, 424, 432, 440, 448, 456, 464, 472, 480, 488, 496, 504, 512, 520, 528, 536, 544, 552, 560, 568, 576, 584, 592, 600, 608, 616, 624, 632, 640, 648, 656, 664, 672, 680, 688, 696, 704, 712, 720, 728, 736, 744, 752, 760, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768, 768 },
     { 768, 768, 776, 784, 792, 800, 808, 816, 824, 832, 840, 848, 856, 864, 872, 880, 888, 896, 904, 912, 920, 928, 936, 944, 952, 960, 968, 976, 984, 992, 1000, 1008, 1016, 1024, 1032, 1040, 1048, 1056, 1064, 1072, 1080, 1088, 1096, 1104, 1112, 1120, 1128, 1136, 1144, 1152, 1160, 1168, 1176, 1184, 1192, 1200, 1208, 1216, 1224, 1232, 1240, 1248, 1256, 1264, 1272, 1280, 1288, 1296, 1304, 1312, 1320, 1328, 1336, 1344, 1352, 1360, 1368, 1376, 1384, 1392, 1400, 1408, 1416, 1424, 1432, 1440, 1448, 1456, 1464, 1472, 1480, 1488, 1496, 1504, 1512, 1520, 1528, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536, 1536 },
     { 1536, 1536, 1544, 1552, 1560, 1568, 1576, 1584, 1592, 1600, 1608, 1616, 1624, 1632, 1640, 1648, 1656, 1664, 1672, 1680, 1688, 1696, 1704, 1712, 1720, 1728, 1736, 1744, 1752, 1760, 1768, 1776, 1784, 1792, 1800, 1808, 1816, 1824, 1832, 1840, 1848, 1856, 1864, 1872, 1880, 1888, 1896, 1904, 1912, 1920, 1928, 1936, 1944, 1952, 1960, 1968, 1976, 1984, 1992, 2000, 2008, 2016, 2024, 2032, 2040, 2048, 2056, 2064, 2072, 2080, 2088, 2096, 2104, 2112, 2120, 2128, 2136, 2144, 2152, 2160, 2168, 2176, 2184, 2192, 2200, 2208, 2216, 2224, 2232, 2240, 2248, 2256, 2264, 2272, 2280, 2288, 2296, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304, 2304 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 132 steps, 4096 block shares over 129 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 132 steps, 4096 block shares over 129 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/8] = r0:src@2[0/8]; signal r2:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/8] = r0:src@2[1/8]; signal r2:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/8] = r0:src@2[2/8]; signal r2:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/8] = r0:src@2[3/8]; signal r2:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 13: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[4/8] = r0:src@2[4/8]; signal r2:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 0 step 14: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[5/8] = r0:src@2[5/8]; signal r2:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 0 step 15: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[6/8] = r0:src@2[6/8]; signal r2:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 0 step 16: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[7/8] = r0:src@2[7/8]; signal r2:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 0 step 17: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/8] = r0:src@3[0/8]; signal r3:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 18: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/8] = r0:src@3[1/8]; signal r3:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 19: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[2/8] = r0:src@3[2/8]; signal r3:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 0 step 20: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[3/8] = r0:src@3[3/8]; signal r3:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 0 step 21: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[4/8] = r0:src@3[4/8]; signal r3:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 0 step 22: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[5/8] = r0:src@3[5/8]; signal r3:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 0 step 23: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[6/8] = r0:src@3[6/8]; signal r3:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 0 step 24: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[7/8] = r0:src@3[7/8]; signal r3:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 0 step 25: reduce piece 0; wait arrive[8], arrive[16], arrive[24]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}, {0, 3, 0, 8, 3, 0}}, {}, {{5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}}, {}},
-    // rank 0 step 26: reduce piece 1; wait arrive[9], arrive[17], arrive[25]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}, {0, 3, 0, 8, 3, 1}}, {}, {{5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}}, {}},
-    // rank 0 step 27: reduce piece 2; wait arrive[10], arrive[18], arrive[26]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8] + r0:inbox@2[2/8] + r0:inbox@3[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}, {0, 3, 0, 8, 3, 2}}, {}, {{5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}}, {}},
-    // rank 0 step 28: reduce piece 3; wait arrive[11], arrive[19], arrive[27]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8] + r0:inbox@2[3/8] + r0:inbox@3[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}, {0, 3, 0, 8, 3, 3}}, {}, {{5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}}, {}},
-    // rank 0 step 29: reduce piece 4; wait arrive[12], arrive[20], arrive[28]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8] + r0:inbox@2[4/8] + r0:inbox@3[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}, {0, 3, 0, 8, 3, 4}}, {}, {{5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}}, {}},
-    // rank 0 step 30: reduce piece 5; wait arrive[13], arrive[21], arrive[29]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8] + r0:inbox@2[5/8] + r0:inbox@3[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}, {0, 3, 0, 8, 3, 5}}, {}, {{5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}}, {}},
-    // rank 0 step 31: reduce piece 6; wait arrive[14], arrive[22], arrive[30]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8] + r0:inbox@2[6/8] + r0:inbox@3[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}, {0, 3, 0, 8, 3, 6}}, {}, {{5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}}, {}},
-    // rank 0 step 32: reduce piece 7; wait arrive[15], arrive[23], arrive[31]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8] + r0:inbox@2[7/8] + r0:inbox@3[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}, {0, 3, 0, 8, 3, 7}}, {}, {{5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/8] = r1:src@2[0/8]; signal r2:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/8] = r1:src@2[1/8]; signal r2:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/8] = r1:src@2[2/8]; signal r2:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/8] = r1:src@2[3/8]; signal r2:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 1 step 5: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[4/8] = r1:src@2[4/8]; signal r2:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 1 step 6: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[5/8] = r1:src@2[5/8]; signal r2:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 1 step 7: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[6/8] = r1:src@2[6/8]; signal r2:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 1 step 8: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[7/8] = r1:src@2[7/8]; signal r2:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 1 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/8] = r1:src@3[0/8]; signal r3:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 1 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/8] = r1:src@3[1/8]; signal r3:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 1 step 11: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[2/8] = r1:src@3[2/8]; signal r3:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 1 step 12: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[3/8] = r1:src@3[3/8]; signal r3:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 1 step 13: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[4/8] = r1:src@3[4/8]; signal r3:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
-    // rank 1 step 14: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[5/8] = r1:src@3[5/8]; signal r3:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
-    // rank 1 step 15: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[6/8] = r1:src@3[6/8]; signal r3:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
-    // rank 1 step 16: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[7/8] = r1:src@3[7/8]; signal r3:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
-    // rank 1 step 17: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 1 step 18: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 1 step 19: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 1 step 20: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 1 step 21: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 1 step 22: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 1 step 23: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 1 step 24: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 1 step 25: reduce piece 0; wait arrive[0], arrive[16], arrive[24]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8] + r1:inbox@2[0/8] + r1:inbox@3[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}, {1, 3, 0, 8, 3, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}}, {}},
-    // rank 1 step 26: reduce piece 1; wait arrive[1], arrive[17], arrive[25]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8] + r1:inbox@2[1/8] + r1:inbox@3[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}, {1, 3, 0, 8, 3, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}}, {}},
-    // rank 1 step 27: reduce piece 2; wait arrive[2], arrive[18], arrive[26]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}, {1, 3, 0, 8, 3, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}}, {}},
-    // rank 1 step 28: reduce piece 3; wait arrive[3], arrive[19], arrive[27]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}, {1, 3, 0, 8, 3, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}}, {}},
-    // rank 1 step 29: reduce piece 4; wait arrive[4], arrive[20], arrive[28]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8] + r1:inbox@2[4/8] + r1:inbox@3[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}, {1, 3, 0, 8, 3, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}}, {}},
-    // rank 1 step 30: reduce piece 5; wait arrive[5], arrive[21], arrive[29]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8] + r1:inbox@2[5/8] + r1:inbox@3[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}, {1, 3, 0, 8, 3, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}}, {}},
-    // rank 1 step 31: reduce piece 6; wait arrive[6], arrive[22], arrive[30]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8] + r1:inbox@2[6/8] + r1:inbox@3[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}, {1, 3, 0, 8, 3, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}}, {}},
-    // rank 1 step 32: reduce piece 7; wait arrive[7], arrive[23], arrive[31]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8] + r1:inbox@2[7/8] + r1:inbox@3[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}, {1, 3, 0, 8, 3, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},
-    // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/8] = r2:src@3[0/8]; signal r3:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
-    // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/8] = r2:src@3[1/8]; signal r3:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
-    // rank 2 step 3: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[2/8] = r2:src@3[2/8]; signal r3:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
-    // rank 2 step 4: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[3/8] = r2:src@3[3/8]; signal r3:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
-    // rank 2 step 5: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[4/8] = r2:src@3[4/8]; signal r3:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
-    // rank 2 step 6: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[5/8] = r2:src@3[5/8]; signal r3:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
-    // rank 2 step 7: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[6/8] = r2:src@3[6/8]; signal r3:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
-    // rank 2 step 8: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[7/8] = r2:src@3[7/8]; signal r3:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
-    // rank 2 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 2 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 2 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/8] = r2:src@0[2/8]; signal r0:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 2 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/8] = r2:src@0[3/8]; signal r0:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 2 step 13: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[4/8] = r2:src@0[4/8]; signal r0:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 2 step 14: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[5/8] = r2:src@0[5/8]; signal r0:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 2 step 15: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[6/8] = r2:src@0[6/8]; signal r0:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 2 step 16: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[7/8] = r2:src@0[7/8]; signal r0:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 2 step 17: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/8] = r2:src@1[0/8]; signal r1:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 2 step 18: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/8] = r2:src@1[1/8]; signal r1:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 2 step 19: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/8] = r2:src@1[2/8]; signal r1:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 2 step 20: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/8] = r2:src@1[3/8]; signal r1:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 2 step 21: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[4/8] = r2:src@1[4/8]; signal r1:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 2 step 22: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[5/8] = r2:src@1[5/8]; signal r1:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 2 step 23: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[6/8] = r2:src@1[6/8]; signal r1:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 2 step 24: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[7/8] = r2:src@1[7/8]; signal r1:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 2 step 25: reduce piece 0; wait arrive[0], arrive[8], arrive[24]; r2:dst@0[0/8] = r2:src@2[0/8] + r2:inbox@0[0/8] + r2:inbox@1[0/8] + r2:inbox@3[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}, {2, 3, 0, 8, 3, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 24, 32}}, {}},
-    // rank 2 step 26: reduce piece 1; wait arrive[1], arrive[9], arrive[25]; r2:dst@0[1/8] = r2:src@2[1/8] + r2:inbox@0[1/8] + r2:inbox@1[1/8] + r2:inbox@3[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}, {2, 3, 0, 8, 3, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 25, 32}}, {}},
-    // rank 2 step 27: reduce piece 2; wait arrive[2], arrive[10], arrive[26]; r2:dst@0[2/8] = r2:src@2[2/8] + r2:inbox@0[2/8] + r2:inbox@1[2/8] + r2:inbox@3[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}, {2, 3, 0, 8, 3, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 26, 32}}, {}},
-    // rank 2 step 28: reduce piece 3; wait arrive[3], arrive[11], arrive[27]; r2:dst@0[3/8] = r2:src@2[3/8] + r2:inbox@0[3/8] + r2:inbox@1[3/8] + r2:inbox@3[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}, {2, 3, 0, 8, 3, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 27, 32}}, {}},
-    // rank 2 step 29: reduce piece 4; wait arrive[4], arrive[12], arrive[28]; r2:dst@0[4/8] = r2:src@2[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}, {2, 3, 0, 8, 3, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 28, 32}}, {}},
-    // rank 2 step 30: reduce piece 5; wait arrive[5], arrive[13], arrive[29]; r2:dst@0[5/8] = r2:src@2[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}, {2, 3, 0, 8, 3, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 29, 32}}, {}},
-    // rank 2 step 31: reduce piece 6; wait arrive[6], arrive[14], arrive[30]; r2:dst@0[6/8] = r2:src@2[6/8] + r2:inbox@0[6/8] + r2:inbox@1[6/8] + r2:inbox@3[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}, {2, 3, 0, 8, 3, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 30, 32}}, {}},
-    // rank 2 step 32: reduce piece 7; wait arrive[7], arrive[15], arrive[31]; r2:dst@0[7/8] = r2:src@2[7/8] + r2:inbox@0[7/8] + r2:inbox@1[7/8] + r2:inbox@3[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}, {2, 3, 0, 8, 3, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 31, 32}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},
-    // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/8] = r3:src@0[0/8]; signal r0:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
-    // rank 3 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/8] = r3:src@0[1/8]; signal r0:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
-    // rank 3 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[2/8] = r3:src@0[2/8]; signal r0:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
-    // rank 3 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[3/8] = r3:src@0[3/8]; signal r0:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
-    // rank 3 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[4/8] = r3:src@0[4/8]; signal r0:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
-    // rank 3 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[5/8] = r3:src@0[5/8]; signal r0:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
-    // rank 3 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[6/8] = r3:src@0[6/8]; signal r0:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
-    // rank 3 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[7/8] = r3:src@0[7/8]; signal r0:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
-    // rank 3 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/8] = r3:src@1[0/8]; signal r1:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
-    // rank 3 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/8] = r3:src@1[1/8]; signal r1:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
-    // rank 3 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[2/8] = r3:src@1[2/8]; signal r1:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
-    // rank 3 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[3/8] = r3:src@1[3/8]; signal r1:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
-    // rank 3 step 13: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[4/8] = r3:src@1[4/8]; signal r1:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
-    // rank 3 step 14: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[5/8] = r3:src@1[5/8]; signal r1:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
-    // rank 3 step 15: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[6/8] = r3:src@1[6/8]; signal r1:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
-    // rank 3 step 16: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[7/8] = r3:src@1[7/8]; signal r1:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
-    // rank 3 step 17: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/8] = r3:src@2[0/8]; signal r2:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
-    // rank 3 step 18: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/8] = r3:src@2[1/8]; signal r2:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
-    // rank 3 step 19: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[2/8] = r3:src@2[2/8]; signal r2:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
-    // rank 3 step 20: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[3/8] = r3:src@2[3/8]; signal r2:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
-    // rank 3 step 21: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[4/8] = r3:src@2[4/8]; signal r2:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
-    // rank 3 step 22: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[5/8] = r3:src@2[5/8]; signal r2:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
-    // rank 3 step 23: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[6/8] = r3:src@2[6/8]; signal r2:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
-    // rank 3 step 24: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[7/8] = r3:src@2[7/8]; signal r2:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
-    // rank 3 step 25: reduce piece 0; wait arrive[0], arrive[8], arrive[16]; r3:dst@0[0/8] = r3:src@3[0/8] + r3:inbox@0[0/8] + r3:inbox@1[0/8] + r3:inbox@2[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 1, 1, 8, 3, 0}, {3, 3, 0, 8, 0, 0}, {3, 3, 0, 8, 1, 0}, {3, 3, 0, 8, 2, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}}, {}},
-    // rank 3 step 26: reduce piece 1; wait arrive[1], arrive[9], arrive[17]; r3:dst@0[1/8] = r3:src@3[1/8] + r3:inbox@0[1/8] + r3:inbox@1[1/8] + r3:inbox@2[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 1, 1, 8, 3, 1}, {3, 3, 0, 8, 0, 1}, {3, 3, 0, 8, 1, 1}, {3, 3, 0, 8, 2, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}}, {}},
-    // rank 3 step 27: reduce piece 2; wait arrive[2], arrive[10], arrive[18]; r3:dst@0[2/8] = r3:src@3[2/8] + r3:inbox@0[2/8] + r3:inbox@1[2/8] + r3:inbox@2[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 1, 1, 8, 3, 2}, {3, 3, 0, 8, 0, 2}, {3, 3, 0, 8, 1, 2}, {3, 3, 0, 8, 2, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}}, {}},
-    // rank 3 step 28: reduce piece 3; wait arrive[3], arrive[11], arrive[19]; r3:dst@0[3/8] = r3:src@3[3/8] + r3:inbox@0[3/8] + r3:inbox@1[3/8] + r3:inbox@2[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 1, 1, 8, 3, 3}, {3, 3, 0, 8, 0, 3}, {3, 3, 0, 8, 1, 3}, {3, 3, 0, 8, 2, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}}, {}},
-    // rank 3 step 29: reduce piece 4; wait arrive[4], arrive[12], arrive[20]; r3:dst@0[4/8] = r3:src@3[4/8] + r3:inbox@0[4/8] + r3:inbox@1[4/8] + r3:inbox@2[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 1, 1, 8, 3, 4}, {3, 3, 0, 8, 0, 4}, {3, 3, 0, 8, 1, 4}, {3, 3, 0, 8, 2, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}}, {}},
-    // rank 3 step 30: reduce piece 5; wait arrive[5], arrive[13], arrive[21]; r3:dst@0[5/8] = r3:src@3[5/8] + r3:inbox@0[5/8] + r3:inbox@1[5/8] + r3:inbox@2[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 1, 1, 8, 3, 5}, {3, 3, 0, 8, 0, 5}, {3, 3, 0, 8, 1, 5}, {3, 3, 0, 8, 2, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}}, {}},
-    // rank 3 step 31: reduce piece 6; wait arrive[6], arrive[14], arrive[22]; r3:dst@0[6/8] = r3:src@3[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 1, 1, 8, 3, 6}, {3, 3, 0, 8, 0, 6}, {3, 3, 0, 8, 1, 6}, {3, 3, 0, 8, 2, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}}, {}},
-    // rank 3 step 32: reduce piece 7; wait arrive[7], arrive[15], arrive[23]; r3:dst@0[7/8] = r3:src@3[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 1, 1, 8, 3, 7}, {3, 3, 0, 8, 0, 7}, {3, 3, 0, 8, 1, 7}, {3, 3, 0, 8, 2, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/8] = r0:src@2[0/8]; signal r2:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/8] = r0:src@2[1/8]; signal r2:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/8] = r0:src@2[2/8]; signal r2:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/8] = r0:src@2[3/8]; signal r2:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 0 step 13: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[4/8] = r0:src@2[4/8]; signal r2:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 0 step 14: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[5/8] = r0:src@2[5/8]; signal r2:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 0 step 15: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[6/8] = r0:src@2[6/8]; signal r2:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 0 step 16: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[7/8] = r0:src@2[7/8]; signal r2:arrive[7]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 0 step 17: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/8] = r0:src@3[0/8]; signal r3:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 0 step 18: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/8] = r0:src@3[1/8]; signal r3:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 0 step 19: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[2/8] = r0:src@3[2/8]; signal r3:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 0 step 20: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[3/8] = r0:src@3[3/8]; signal r3:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 0 step 21: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[4/8] = r0:src@3[4/8]; signal r3:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 0 step 22: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[5/8] = r0:src@3[5/8]; signal r3:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 0 step 23: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[6/8] = r0:src@3[6/8]; signal r3:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 0 step 24: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[7/8] = r0:src@3[7/8]; signal r3:arrive[7]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}, {0, 3, 0, 8, 3, 0}}, {}, {{5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}}, {}},  // rank 0 step 25: reduce piece 0; wait arrive[8], arrive[16], arrive[24]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}, {0, 3, 0, 8, 3, 1}}, {}, {{5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}}, {}},  // rank 0 step 26: reduce piece 1; wait arrive[9], arrive[17], arrive[25]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}, {0, 3, 0, 8, 3, 2}}, {}, {{5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}}, {}},  // rank 0 step 27: reduce piece 2; wait arrive[10], arrive[18], arrive[26]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8] + r0:inbox@2[2/8] + r0:inbox@3[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}, {0, 3, 0, 8, 3, 3}}, {}, {{5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}}, {}},  // rank 0 step 28: reduce piece 3; wait arrive[11], arrive[19], arrive[27]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8] + r0:inbox@2[3/8] + r0:inbox@3[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}, {0, 3, 0, 8, 3, 4}}, {}, {{5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}}, {}},  // rank 0 step 29: reduce piece 4; wait arrive[12], arrive[20], arrive[28]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8] + r0:inbox@2[4/8] + r0:inbox@3[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}, {0, 3, 0, 8, 3, 5}}, {}, {{5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}}, {}},  // rank 0 step 30: reduce piece 5; wait arrive[13], arrive[21], arrive[29]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8] + r0:inbox@2[5/8] + r0:inbox@3[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}, {0, 3, 0, 8, 3, 6}}, {}, {{5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}}, {}},  // rank 0 step 31: reduce piece 6; wait arrive[14], arrive[22], arrive[30]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8] + r0:inbox@2[6/8] + r0:inbox@3[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}, {0, 3, 0, 8, 3, 7}}, {}, {{5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}}, {}},  // rank 0 step 32: reduce piece 7; wait arrive[15], arrive[23], arrive[31]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8] + r0:inbox@2[7/8] + r0:inbox@3[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},  // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/8] = r1:src@2[0/8]; signal r2:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},  // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/8] = r1:src@2[1/8]; signal r2:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},  // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/8] = r1:src@2[2/8]; signal r2:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},  // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/8] = r1:src@2[3/8]; signal r2:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 1 step 5: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[4/8] = r1:src@2[4/8]; signal r2:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 1 step 6: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[5/8] = r1:src@2[5/8]; signal r2:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 1 step 7: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[6/8] = r1:src@2[6/8]; signal r2:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 1 step 8: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[7/8] = r1:src@2[7/8]; signal r2:arrive[15]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},  // rank 1 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/8] = r1:src@3[0/8]; signal r3:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},  // rank 1 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/8] = r1:src@3[1/8]; signal r3:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},  // rank 1 step 11: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[2/8] = r1:src@3[2/8]; signal r3:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},  // rank 1 step 12: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[3/8] = r1:src@3[3/8]; signal r3:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},  // rank 1 step 13: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[4/8] = r1:src@3[4/8]; signal r3:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},  // rank 1 step 14: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[5/8] = r1:src@3[5/8]; signal r3:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},  // rank 1 step 15: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[6/8] = r1:src@3[6/8]; signal r3:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},  // rank 1 step 16: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[7/8] = r1:src@3[7/8]; signal r3:arrive[15]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 1 step 17: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 1 step 18: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 1 step 19: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 1 step 20: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 1 step 21: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 1 step 22: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 1 step 23: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 1 step 24: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}, {1, 3, 0, 8, 3, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}}, {}},  // rank 1 step 25: reduce piece 0; wait arrive[0], arrive[16], arrive[24]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8] + r1:inbox@2[0/8] + r1:inbox@3[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}, {1, 3, 0, 8, 3, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}}, {}},  // rank 1 step 26: reduce piece 1; wait arrive[1], arrive[17], arrive[25]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8] + r1:inbox@2[1/8] + r1:inbox@3[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}, {1, 3, 0, 8, 3, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}}, {}},  // rank 1 step 27: reduce piece 2; wait arrive[2], arrive[18], arrive[26]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}, {1, 3, 0, 8, 3, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}}, {}},  // rank 1 step 28: reduce piece 3; wait arrive[3], arrive[19], arrive[27]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}, {1, 3, 0, 8, 3, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}}, {}},  // rank 1 step 29: reduce piece 4; wait arrive[4], arrive[20], arrive[28]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8] + r1:inbox@2[4/8] + r1:inbox@3[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}, {1, 3, 0, 8, 3, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}}, {}},  // rank 1 step 30: reduce piece 5; wait arrive[5], arrive[21], arrive[29]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8] + r1:inbox@2[5/8] + r1:inbox@3[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}, {1, 3, 0, 8, 3, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}}, {}},  // rank 1 step 31: reduce piece 6; wait arrive[6], arrive[22], arrive[30]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8] + r1:inbox@2[6/8] + r1:inbox@3[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}, {1, 3, 0, 8, 3, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}}, {}},  // rank 1 step 32: reduce piece 7; wait arrive[7], arrive[23], arrive[31]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8] + r1:inbox@2[7/8] + r1:inbox@3[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},  // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/8] = r2:src@3[0/8]; signal r3:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},  // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/8] = r2:src@3[1/8]; signal r3:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},  // rank 2 step 3: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[2/8] = r2:src@3[2/8]; signal r3:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},  // rank 2 step 4: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[3/8] = r2:src@3[3/8]; signal r3:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},  // rank 2 step 5: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[4/8] = r2:src@3[4/8]; signal r3:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},  // rank 2 step 6: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[5/8] = r2:src@3[5/8]; signal r3:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},  // rank 2 step 7: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[6/8] = r2:src@3[6/8]; signal r3:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},  // rank 2 step 8: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[7/8] = r2:src@3[7/8]; signal r3:arrive[23]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 2 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 2 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 2 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/8] = r2:src@0[2/8]; signal r0:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 2 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/8] = r2:src@0[3/8]; signal r0:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 2 step 13: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[4/8] = r2:src@0[4/8]; signal r0:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 2 step 14: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[5/8] = r2:src@0[5/8]; signal r0:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 2 step 15: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[6/8] = r2:src@0[6/8]; signal r0:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 2 step 16: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[7/8] = r2:src@0[7/8]; signal r0:arrive[23]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 2 step 17: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/8] = r2:src@1[0/8]; signal r1:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 2 step 18: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/8] = r2:src@1[1/8]; signal r1:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 2 step 19: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/8] = r2:src@1[2/8]; signal r1:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 2 step 20: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/8] = r2:src@1[3/8]; signal r1:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 2 step 21: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[4/8] = r2:src@1[4/8]; signal r1:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 2 step 22: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[5/8] = r2:src@1[5/8]; signal r1:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 2 step 23: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[6/8] = r2:src@1[6/8]; signal r1:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 2 step 24: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[7/8] = r2:src@1[7/8]; signal r1:arrive[23]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}, {2, 3, 0, 8, 3, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 24, 32}}, {}},  // rank 2 step 25: reduce piece 0; wait arrive[0], arrive[8], arrive[24]; r2:dst@0[0/8] = r2:src@2[0/8] + r2:inbox@0[0/8] + r2:inbox@1[0/8] + r2:inbox@3[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}, {2, 3, 0, 8, 3, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 25, 32}}, {}},  // rank 2 step 26: reduce piece 1; wait arrive[1], arrive[9], arrive[25]; r2:dst@0[1/8] = r2:src@2[1/8] + r2:inbox@0[1/8] + r2:inbox@1[1/8] + r2:inbox@3[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}, {2, 3, 0, 8, 3, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 26, 32}}, {}},  // rank 2 step 27: reduce piece 2; wait arrive[2], arrive[10], arrive[26]; r2:dst@0[2/8] = r2:src@2[2/8] + r2:inbox@0[2/8] + r2:inbox@1[2/8] + r2:inbox@3[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}, {2, 3, 0, 8, 3, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 27, 32}}, {}},  // rank 2 step 28: reduce piece 3; wait arrive[3], arrive[11], arrive[27]; r2:dst@0[3/8] = r2:src@2[3/8] + r2:inbox@0[3/8] + r2:inbox@1[3/8] + r2:inbox@3[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}, {2, 3, 0, 8, 3, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 28, 32}}, {}},  // rank 2 step 29: reduce piece 4; wait arrive[4], arrive[12], arrive[28]; r2:dst@0[4/8] = r2:src@2[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}, {2, 3, 0, 8, 3, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 29, 32}}, {}},  // rank 2 step 30: reduce piece 5; wait arrive[5], arrive[13], arrive[29]; r2:dst@0[5/8] = r2:src@2[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}, {2, 3, 0, 8, 3, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 30, 32}}, {}},  // rank 2 step 31: reduce piece 6; wait arrive[6], arrive[14], arrive[30]; r2:dst@0[6/8] = r2:src@2[6/8] + r2:inbox@0[6/8] + r2:inbox@1[6/8] + r2:inbox@3[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}, {2, 3, 0, 8, 3, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 31, 32}}, {}},  // rank 2 step 32: reduce piece 7; wait arrive[7], arrive[15], arrive[31]; r2:dst@0[7/8] = r2:src@2[7/8] + r2:inbox@0[7/8] + r2:inbox@1[7/8] + r2:inbox@3[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 3, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},  // rank 3 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/8] = r3:src@0[0/8]; signal r0:arrive[24]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},  // rank 3 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/8] = r3:src@0[1/8]; signal r0:arrive[25]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},  // rank 3 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[2/8] = r3:src@0[2/8]; signal r0:arrive[26]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},  // rank 3 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[3/8] = r3:src@0[3/8]; signal r0:arrive[27]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},  // rank 3 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[4/8] = r3:src@0[4/8]; signal r0:arrive[28]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},  // rank 3 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[5/8] = r3:src@0[5/8]; signal r0:arrive[29]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},  // rank 3 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[6/8] = r3:src@0[6/8]; signal r0:arrive[30]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},  // rank 3 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[7/8] = r3:src@0[7/8]; signal r0:arrive[31]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},  // rank 3 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/8] = r3:src@1[0/8]; signal r1:arrive[24]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},  // rank 3 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/8] = r3:src@1[1/8]; signal r1:arrive[25]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},  // rank 3 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[2/8] = r3:src@1[2/8]; signal r1:arrive[26]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},  // rank 3 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[3/8] = r3:src@1[3/8]; signal r1:arrive[27]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},  // rank 3 step 13: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[4/8] = r3:src@1[4/8]; signal r1:arrive[28]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},  // rank 3 step 14: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[5/8] = r3:src@1[5/8]; signal r1:arrive[29]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},  // rank 3 step 15: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[6/8] = r3:src@1[6/8]; signal r1:arrive[30]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},  // rank 3 step 16: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[7/8] = r3:src@1[7/8]; signal r1:arrive[31]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},  // rank 3 step 17: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/8] = r3:src@2[0/8]; signal r2:arrive[24]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},  // rank 3 step 18: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/8] = r3:src@2[1/8]; signal r2:arrive[25]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},  // rank 3 step 19: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[2/8] = r3:src@2[2/8]; signal r2:arrive[26]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},  // rank 3 step 20: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[3/8] = r3:src@2[3/8]; signal r2:arrive[27]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},  // rank 3 step 21: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[4/8] = r3:src@2[4/8]; signal r2:arrive[28]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},  // rank 3 step 22: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[5/8] = r3:src@2[5/8]; signal r2:arrive[29]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},  // rank 3 step 23: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[6/8] = r3:src@2[6/8]; signal r2:arrive[30]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},  // rank 3 step 24: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[7/8] = r3:src@2[7/8]; signal r2:arrive[31]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 1, 1, 8, 3, 0}, {3, 3, 0, 8, 0, 0}, {3, 3, 0, 8, 1, 0}, {3, 3, 0, 8, 2, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}}, {}},  // rank 3 step 25: reduce piece 0; wait arrive[0], arrive[8], arrive[16]; r3:dst@0[0/8] = r3:src@3[0/8] + r3:inbox@0[0/8] + r3:inbox@1[0/8] + r3:inbox@2[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 1, 1, 8, 3, 1}, {3, 3, 0, 8, 0, 1}, {3, 3, 0, 8, 1, 1}, {3, 3, 0, 8, 2, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}}, {}},  // rank 3 step 26: reduce piece 1; wait arrive[1], arrive[9], arrive[17]; r3:dst@0[1/8] = r3:src@3[1/8] + r3:inbox@0[1/8] + r3:inbox@1[1/8] + r3:inbox@2[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 1, 1, 8, 3, 2}, {3, 3, 0, 8, 0, 2}, {3, 3, 0, 8, 1, 2}, {3, 3, 0, 8, 2, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}}, {}},  // rank 3 step 27: reduce piece 2; wait arrive[2], arrive[10], arrive[18]; r3:dst@0[2/8] = r3:src@3[2/8] + r3:inbox@0[2/8] + r3:inbox@1[2/8] + r3:inbox@2[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 1, 1, 8, 3, 3}, {3, 3, 0, 8, 0, 3}, {3, 3, 0, 8, 1, 3}, {3, 3, 0, 8, 2, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}}, {}},  // rank 3 step 28: reduce piece 3; wait arrive[3], arrive[11], arrive[19]; r3:dst@0[3/8] = r3:src@3[3/8] + r3:inbox@0[3/8] + r3:inbox@1[3/8] + r3:inbox@2[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 1, 1, 8, 3, 4}, {3, 3, 0, 8, 0, 4}, {3, 3, 0, 8, 1, 4}, {3, 3, 0, 8, 2, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}}, {}},  // rank 3 step 29: reduce piece 4; wait arrive[4], arrive[12], arrive[20]; r3:dst@0[4/8] = r3:src@3[4/8] + r3:inbox@0[4/8] + r3:inbox@1[4/8] + r3:inbox@2[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 1, 1, 8, 3, 5}, {3, 3, 0, 8, 0, 5}, {3, 3, 0, 8, 1, 5}, {3, 3, 0, 8, 2, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}}, {}},  // rank 3 step 30: reduce piece 5; wait arrive[5], arrive[13], arrive[21]; r3:dst@0[5/8] = r3:src@3[5/8] + r3:inbox@0[5/8] + r3:inbox@1[5/8] + r3:inbox@2[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 1, 1, 8, 3, 6}, {3, 3, 0, 8, 0, 6}, {3, 3, 0, 8, 1, 6}, {3, 3, 0, 8, 2, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}}, {}},  // rank 3 step 31: reduce piece 6; wait arrive[6], arrive[14], arrive[22]; r3:dst@0[6/8] = r3:src@3[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 4, 3, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 1, 1, 8, 3, 7}, {3, 3, 0, 8, 0, 7}, {3, 3, 0, 8, 1, 7}, {3, 3, 0, 8, 2, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}}, {}},  // rank 3 step 32: reduce piece 7; wait arrive[7], arrive[15], arrive[23]; r3:dst@0[7/8] = r3:src@3[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8]; 32 blocks
 };
 static __device__ const int step_base_w4[4] = { 0, 33, 66, 99 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..1023
-    {1, 0, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {1, 4, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {1, 8, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {1, 12, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {1, 16, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {1, 20, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {1, 24, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {1, 28, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {9, 0, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {9, 4, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {9, 8, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {9, 12, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {9, 16, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {9, 20, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {9, 24, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {9, 28, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {17, 0, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {17, 4, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {17, 8, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {17, 12, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {17, 16, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {17, 20, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {17, 24, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {17, 28, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {25, 0, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {25, 4, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {25, 8, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {25, 12, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {25, 16, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {25, 20, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {25, 24, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {25, 28, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
-    // rank 1: shares 1024..2047
-    {1, 0, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {1, 4, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {1, 8, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {1, 12, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {1, 16, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {1, 20, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {1, 24, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {1, 28, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {9, 0, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {9, 4, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {9, 8, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {9, 12, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {9, 16, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {9, 20, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {9, 24, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {9, 28, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {17, 0, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {17, 4, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {17, 8, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {17, 12, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {17, 16, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {17, 20, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {17, 24, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {17, 28, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {25, 0, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {25, 4, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {25, 8, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {25, 12, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {25, 16, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {25, 20, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {25, 24, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {25, 28, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
-    // rank 2: shares 2048..3071
-    {1, 0, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {1, 4, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {1, 8, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {1, 12, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {1, 16, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {1, 20, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {1, 24, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {1, 28, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {9, 0, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {9, 4, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {9, 8, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {9, 12, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {9, 16, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {9, 20, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {9, 24, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {9, 28, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {17, 0, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {17, 4, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {17, 8, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {17, 12, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {17, 16, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {17, 20, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {17, 24, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {17, 28, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {25, 0, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {25, 4, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {25, 8, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {25, 12, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {25, 16, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {25, 20, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {25, 24, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {25, 28, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
-    // rank 3: shares 3072..4095
-    {1, 0, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {1, 4, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {1, 8, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {1, 12, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {1, 16, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {1, 20, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {1, 24, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {1, 28, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {9, 0, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {9, 4, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {9, 8, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {9, 12, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {9, 16, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {9, 20, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {9, 24, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {9, 28, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {17, 0, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {17, 4, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {17, 8, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {17, 12, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {17, 16, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {17, 20, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {17, 24, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {17, 28, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {25, 0, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {25, 4, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {25, 8, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {25, 12, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {25, 16, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {25, 20, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {25, 24, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {25, 28, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
+    {1, 0, 32, 8, 1, 0, 32, 0, 1}, {9, 0, 32, 8, 1, 0, 32, 0, 1}, {17, 0, 32, 8, 1, 0, 32, 0, 1}, {25, 0, 32, 8, 1, 0, 32, 0, 1},  // rank 0: shares 0..1023
+    {1, 0, 32, 8, 1, 0, 32, 0, 1}, {9, 0, 32, 8, 1, 0, 32, 0, 1}, {17, 0, 32, 8, 1, 0, 32, 0, 1}, {25, 0, 32, 8, 1, 0, 32, 0, 1},  // rank 1: shares 1024..2047
+    {1, 0, 32, 8, 1, 0, 32, 0, 1}, {9, 0, 32, 8, 1, 0, 32, 0, 1}, {17, 0, 32, 8, 1, 0, 32, 0, 1}, {25, 0, 32, 8, 1, 0, 32, 0, 1},  // rank 2: shares 2048..3071
+    {1, 0, 32, 8, 1, 0, 32, 0, 1}, {9, 0, 32, 8, 1, 0, 32, 0, 1}, {17, 0, 32, 8, 1, 0, 32, 0, 1}, {25, 0, 32, 8, 1, 0, 32, 0, 1},  // rank 3: shares 3072..4095
 };
-static __device__ const tsgen::share_table<4096> shares_w4 =
-    tsgen::expand_shares<4096>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][130] = {
+static __device__ const tsgen::share_table<4096> shares_w4 = tsgen::expand_shares<4096>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][130] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176, 184, 192, 200, 208, 216, 224, 232, 240, 248, 256, 264, 272, 280, 288, 296, 304, 312, 320, 328, 336, 344, 352, 360, 368, 376, 384, 392, 400, 408, 416, 424, 432, 440, 448, 456, 464, 472, 480, 488, 496, 504, 512, 520, 528, 536, 544, 552, 560, 568, 576, 584, 592, 600, 608, 616, 624, 632, 640, 648, 656, 664, 672, 680, 688, 696, 704, 712, 720, 728, 736, 744, 752, 760, 768, 776, 784, 792, 800, 808, 816, 824, 832, 840, 848, 856, 864, 872, 880, 888, 896, 904, 912, 920, 928, 936, 944, 952, 960, 968, 976, 984, 992, 1000, 1008, 1016, 1024 },
     { 1024, 1024, 1032, 1040, 1048, 1056, 1064, 1072, 1080, 1088, 1096, 1104, 1112, 1120, 1128, 1136, 1144, 1152, 1160, 1168, 1176, 1184, 1192, 1200, 1208, 1216, 1224, 1232, 1240, 1248, 1256, 1264, 1272, 1280, 1288, 1296, 1304, 1312, 1320, 1328, 1336, 1344, 1352, 1360, 1368, 1376, 1384, 1392, 1400, 1408, 1416, 1424, 1432, 1440, 1448, 1456, 1464, 1472, 1480, 1488, 1496, 1504, 1512, 1520, 1528, 1536, 1544, 1552, 1560, 1568, 1576, 1584, 1592, 1600, 1608, 1616, 1624, 1632, 1640, 1648, 1656, 1664, 1672, 1680, 1688, 1696, 1704, 1712, 1720, 1728, 1736, 1744, 1752, 1760, 1768, 1776, 1784, 1792, 1800, 1808, 1816, 1824, 1832, 1840, 1848, 1856, 1864, 1872, 1880, 1888, 1896, 1904, 1912, 1920, 1928, 1936, 1944, 1952, 1960, 1968, 1976, 1984, 1992, 2000, 2008, 2016, 2024, 2032, 2040, 2048 },
     { 2048, 2048, 2056, 2064, 2072, 2080, 2088, 2096, 2104, 2112, 2120, 2128, 2136, 2144, 2152, 2160, 2168, 2176, 2184, 2192, 2200, 2208, 2216, 2224, 2232, 2240, 2248, 2256, 2264, 2272, 2280, 2288, 2296, 2304, 2312, 2320, 2328, 2336, 2344, 2352, 2360, 2368, 2376, 2384, 2392, 2400, 2408, 2416, 2424, 2432, 2440, 2448, 2456, 2464, 2472, 2480, 2488, 2496, 2504, 2512, 2520, 2528, 2536, 2544, 2552, 2560, 2568, 2576, 2584, 2592, 2600, 2608, 2616, 2624, 2632, 2640, 2648, 2656, 2664, 2672, 2680, 2688, 2696, 2704, 2712, 2720, 2728, 2736, 2744, 2752, 2760, 2768, 2776, 2784, 2792, 2800, 2808, 2816, 2824, 2832, 2840, 2848, 2856, 2864, 2872, 2880, 2888, 2896, 2904, 2912, 2920, 2928, 2936, 2944, 2952, 2960, 2968, 2976, 2984, 2992, 3000, 3008, 3016, 3024, 3032, 3040, 3048, 3056, 3064, 3072 },
     { 3072, 3072, 3080, 3088, 3096, 3104, 3112, 3120, 3128, 3136, 3144, 3152, 3160, 3168, 3176, 3184, 3192, 3200, 3208, 3216, 3224, 3232, 3240, 3248, 3256, 3264, 3272, 3280, 3288, 3296, 3304, 3312, 3320, 3328, 3336, 3344, 3352, 3360, 3368, 3376, 3384, 3392, 3400, 3408, 3416, 3424, 3432, 3440, 3448, 3456, 3464, 3472, 3480, 3488, 3496, 3504, 3512, 3520, 3528, 3536, 3544, 3552, 3560, 3568, 3576, 3584, 3592, 3600, 3608, 3616, 3624, 3632, 3640, 3648, 3656, 3664, 3672, 3680, 3688, 3696, 3704, 3712, 3720, 3728, 3736, 3744, 3752, 3760, 3768, 3776, 3784, 3792, 3800, 3808, 3816, 3824, 3832, 3840, 3848, 3856, 3864, 3872, 3880, 3888, 3896, 3904, 3912, 3920, 3928, 3936, 3944, 3952, 3960, 3968, 3976, 3984, 3992, 4000, 4008, 4016, 4024, 4032, 4040, 4048, 4056, 4064, 4072, 4080, 4088, 4096 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 520 steps, 16384 block shares over 129 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 520 steps, 16384 block shares over 129 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},
-    // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},
-    // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},
-    // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},
-    // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},
-    // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},
-    // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},
-    // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},
-    // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},
-    // rank 0 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/8] = r0:src@2[0/8]; signal r2:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 0 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/8] = r0:src@2[1/8]; signal r2:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 0 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/8] = r0:src@2[2/8]; signal r2:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 0 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/8] = r0:src@2[3/8]; signal r2:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 0 step 13: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[4/8] = r0:src@2[4/8]; signal r2:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 0 step 14: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[5/8] = r0:src@2[5/8]; signal r2:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 0 step 15: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[6/8] = r0:src@2[6/8]; signal r2:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 0 step 16: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[7/8] = r0:src@2[7/8]; signal r2:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 0 step 17: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/8] = r0:src@3[0/8]; signal r3:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 0 step 18: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/8] = r0:src@3[1/8]; signal r3:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 0 step 19: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[2/8] = r0:src@3[2/8]; signal r3:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 0 step 20: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[3/8] = r0:src@3[3/8]; signal r3:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 0 step 21: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[4/8] = r0:src@3[4/8]; signal r3:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 0 step 22: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[5/8] = r0:src@3[5/8]; signal r3:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 0 step 23: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[6/8] = r0:src@3[6/8]; signal r3:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 0 step 24: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[7/8] = r0:src@3[7/8]; signal r3:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 0 step 25: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[0/8] = r0:src@4[0/8]; signal r4:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 0}}},
-    // rank 0 step 26: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[1/8] = r0:src@4[1/8]; signal r4:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 1}}},
-    // rank 0 step 27: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[2/8] = r0:src@4[2/8]; signal r4:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 2}}},
-    // rank 0 step 28: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[3/8] = r0:src@4[3/8]; signal r4:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 3}}},
-    // rank 0 step 29: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[4/8] = r0:src@4[4/8]; signal r4:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 4}}},
-    // rank 0 step 30: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[5/8] = r0:src@4[5/8]; signal r4:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 5}}},
-    // rank 0 step 31: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[6/8] = r0:src@4[6/8]; signal r4:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 6}}},
-    // rank 0 step 32: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[7/8] = r0:src@4[7/8]; signal r4:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 7}}},
-    // rank 0 step 33: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[0/8] = r0:src@5[0/8]; signal r5:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 0}}},
-    // rank 0 step 34: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[1/8] = r0:src@5[1/8]; signal r5:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 1}}},
-    // rank 0 step 35: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[2/8] = r0:src@5[2/8]; signal r5:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 2}}},
-    // rank 0 step 36: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[3/8] = r0:src@5[3/8]; signal r5:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 3}}},
-    // rank 0 step 37: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[4/8] = r0:src@5[4/8]; signal r5:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 4}}},
-    // rank 0 step 38: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[5/8] = r0:src@5[5/8]; signal r5:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 5}}},
-    // rank 0 step 39: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[6/8] = r0:src@5[6/8]; signal r5:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 6}}},
-    // rank 0 step 40: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[7/8] = r0:src@5[7/8]; signal r5:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 7}}},
-    // rank 0 step 41: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[0/8] = r0:src@6[0/8]; signal r6:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 0}}},
-    // rank 0 step 42: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[1/8] = r0:src@6[1/8]; signal r6:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 1}}},
-    // rank 0 step 43: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[2/8] = r0:src@6[2/8]; signal r6:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 2}}},
-    // rank 0 step 44: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[3/8] = r0:src@6[3/8]; signal r6:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 3}}},
-    // rank 0 step 45: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[4/8] = r0:src@6[4/8]; signal r6:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 4}}},
-    // rank 0 step 46: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[5/8] = r0:src@6[5/8]; signal r6:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 5}}},
-    // rank 0 step 47: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[6/8] = r0:src@6[6/8]; signal r6:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 6}}},
-    // rank 0 step 48: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[7/8] = r0:src@6[7/8]; signal r6:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 7}}},
-    // rank 0 step 49: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[0/8] = r0:src@7[0/8]; signal r7:arrive[0]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 0}}},
-    // rank 0 step 50: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[1/8] = r0:src@7[1/8]; signal r7:arrive[1]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 1}}},
-    // rank 0 step 51: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[2/8] = r0:src@7[2/8]; signal r7:arrive[2]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 2}}},
-    // rank 0 step 52: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[3/8] = r0:src@7[3/8]; signal r7:arrive[3]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 3}}},
-    // rank 0 step 53: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[4/8] = r0:src@7[4/8]; signal r7:arrive[4]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 4}}},
-    // rank 0 step 54: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[5/8] = r0:src@7[5/8]; signal r7:arrive[5]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 5}}},
-    // rank 0 step 55: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[6/8] = r0:src@7[6/8]; signal r7:arrive[6]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 6}}},
-    // rank 0 step 56: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[7/8] = r0:src@7[7/8]; signal r7:arrive[7]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 7}}},
-    // rank 0 step 57: reduce piece 0; wait arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8] + r0:inbox@4[0/8] + r0:inbox@5[0/8] + r0:inbox@6[0/8] + r0:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}, {0, 3, 0, 8, 3, 0}, {0, 3, 0, 8, 4, 0}, {0, 3, 0, 8, 5, 0}, {0, 3, 0, 8, 6, 0}, {0, 3, 0, 8, 7, 0}}, {}, {{5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
-    // rank 0 step 58: reduce piece 1; wait arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8] + r0:inbox@4[1/8] + r0:inbox@5[1/8] + r0:inbox@6[1/8] + r0:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}, {0, 3, 0, 8, 3, 1}, {0, 3, 0, 8, 4, 1}, {0, 3, 0, 8, 5, 1}, {0, 3, 0, 8, 6, 1}, {0, 3, 0, 8, 7, 1}}, {}, {{5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
-    // rank 0 step 59: reduce piece 2; wait arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8] + r0:inbox@2[2/8] + r0:inbox@3[2/8] + r0:inbox@4[2/8] + r0:inbox@5[2/8] + r0:inbox@6[2/8] + r0:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}, {0, 3, 0, 8, 3, 2}, {0, 3, 0, 8, 4, 2}, {0, 3, 0, 8, 5, 2}, {0, 3, 0, 8, 6, 2}, {0, 3, 0, 8, 7, 2}}, {}, {{5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
-    // rank 0 step 60: reduce piece 3; wait arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8] + r0:inbox@2[3/8] + r0:inbox@3[3/8] + r0:inbox@4[3/8] + r0:inbox@5[3/8] + r0:inbox@6[3/8] + r0:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}, {0, 3, 0, 8, 3, 3}, {0, 3, 0, 8, 4, 3}, {0, 3, 0, 8, 5, 3}, {0, 3, 0, 8, 6, 3}, {0, 3, 0, 8, 7, 3}}, {}, {{5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
-    // rank 0 step 61: reduce piece 4; wait arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8] + r0:inbox@2[4/8] + r0:inbox@3[4/8] + r0:inbox@4[4/8] + r0:inbox@5[4/8] + r0:inbox@6[4/8] + r0:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}, {0, 3, 0, 8, 3, 4}, {0, 3, 0, 8, 4, 4}, {0, 3, 0, 8, 5, 4}, {0, 3, 0, 8, 6, 4}, {0, 3, 0, 8, 7, 4}}, {}, {{5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
-    // rank 0 step 62: reduce piece 5; wait arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8] + r0:inbox@2[5/8] + r0:inbox@3[5/8] + r0:inbox@4[5/8] + r0:inbox@5[5/8] + r0:inbox@6[5/8] + r0:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}, {0, 3, 0, 8, 3, 5}, {0, 3, 0, 8, 4, 5}, {0, 3, 0, 8, 5, 5}, {0, 3, 0, 8, 6, 5}, {0, 3, 0, 8, 7, 5}}, {}, {{5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
-    // rank 0 step 63: reduce piece 6; wait arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8] + r0:inbox@2[6/8] + r0:inbox@3[6/8] + r0:inbox@4[6/8] + r0:inbox@5[6/8] + r0:inbox@6[6/8] + r0:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}, {0, 3, 0, 8, 3, 6}, {0, 3, 0, 8, 4, 6}, {0, 3, 0, 8, 5, 6}, {0, 3, 0, 8, 6, 6}, {0, 3, 0, 8, 7, 6}}, {}, {{5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
-    // rank 0 step 64: reduce piece 7; wait arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8] + r0:inbox@2[7/8] + r0:inbox@3[7/8] + r0:inbox@4[7/8] + r0:inbox@5[7/8] + r0:inbox@6[7/8] + r0:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}, {0, 3, 0, 8, 3, 7}, {0, 3, 0, 8, 4, 7}, {0, 3, 0, 8, 5, 7}, {0, 3, 0, 8, 6, 7}, {0, 3, 0, 8, 7, 7}}, {}, {{5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},
-    // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/8] = r1:src@2[0/8]; signal r2:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},
-    // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/8] = r1:src@2[1/8]; signal r2:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},
-    // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/8] = r1:src@2[2/8]; signal r2:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},
-    // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/8] = r1:src@2[3/8]; signal r2:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},
-    // rank 1 step 5: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[4/8] = r1:src@2[4/8]; signal r2:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},
-    // rank 1 step 6: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[5/8] = r1:src@2[5/8]; signal r2:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},
-    // rank 1 step 7: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[6/8] = r1:src@2[6/8]; signal r2:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},
-    // rank 1 step 8: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[7/8] = r1:src@2[7/8]; signal r2:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},
-    // rank 1 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/8] = r1:src@3[0/8]; signal r3:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 1 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/8] = r1:src@3[1/8]; signal r3:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 1 step 11: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[2/8] = r1:src@3[2/8]; signal r3:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 1 step 12: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[3/8] = r1:src@3[3/8]; signal r3:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 1 step 13: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[4/8] = r1:src@3[4/8]; signal r3:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
-    // rank 1 step 14: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[5/8] = r1:src@3[5/8]; signal r3:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
-    // rank 1 step 15: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[6/8] = r1:src@3[6/8]; signal r3:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
-    // rank 1 step 16: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[7/8] = r1:src@3[7/8]; signal r3:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
-    // rank 1 step 17: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[0/8] = r1:src@4[0/8]; signal r4:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},
-    // rank 1 step 18: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[1/8] = r1:src@4[1/8]; signal r4:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},
-    // rank 1 step 19: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[2/8] = r1:src@4[2/8]; signal r4:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},
-    // rank 1 step 20: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[3/8] = r1:src@4[3/8]; signal r4:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},
-    // rank 1 step 21: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[4/8] = r1:src@4[4/8]; signal r4:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 12}}},
-    // rank 1 step 22: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[5/8] = r1:src@4[5/8]; signal r4:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 13}}},
-    // rank 1 step 23: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[6/8] = r1:src@4[6/8]; signal r4:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 14}}},
-    // rank 1 step 24: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[7/8] = r1:src@4[7/8]; signal r4:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 15}}},
-    // rank 1 step 25: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[0/8] = r1:src@5[0/8]; signal r5:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 8}}},
-    // rank 1 step 26: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[1/8] = r1:src@5[1/8]; signal r5:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 9}}},
-    // rank 1 step 27: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[2/8] = r1:src@5[2/8]; signal r5:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 10}}},
-    // rank 1 step 28: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[3/8] = r1:src@5[3/8]; signal r5:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 11}}},
-    // rank 1 step 29: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[4/8] = r1:src@5[4/8]; signal r5:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},
-    // rank 1 step 30: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[5/8] = r1:src@5[5/8]; signal r5:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},
-    // rank 1 step 31: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[6/8] = r1:src@5[6/8]; signal r5:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},
-    // rank 1 step 32: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[7/8] = r1:src@5[7/8]; signal r5:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},
-    // rank 1 step 33: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[0/8] = r1:src@6[0/8]; signal r6:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 8}}},
-    // rank 1 step 34: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[1/8] = r1:src@6[1/8]; signal r6:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 9}}},
-    // rank 1 step 35: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[2/8] = r1:src@6[2/8]; signal r6:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 10}}},
-    // rank 1 step 36: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[3/8] = r1:src@6[3/8]; signal r6:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 11}}},
-    // rank 1 step 37: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[4/8] = r1:src@6[4/8]; signal r6:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 12}}},
-    // rank 1 step 38: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[5/8] = r1:src@6[5/8]; signal r6:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 13}}},
-    // rank 1 step 39: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[6/8] = r1:src@6[6/8]; signal r6:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 14}}},
-    // rank 1 step 40: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[7/8] = r1:src@6[7/8]; signal r6:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 15}}},
-    // rank 1 step 41: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[0/8] = r1:src@7[0/8]; signal r7:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 8}}},
-    // rank 1 step 42: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[1/8] = r1:src@7[1/8]; signal r7:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 9}}},
-    // rank 1 step 43: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[2/8] = r1:src@7[2/8]; signal r7:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 10}}},
-    // rank 1 step 44: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[3/8] = r1:src@7[3/8]; signal r7:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 11}}},
-    // rank 1 step 45: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[4/8] = r1:src@7[4/8]; signal r7:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 12}}},
-    // rank 1 step 46: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[5/8] = r1:src@7[5/8]; signal r7:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 13}}},
-    // rank 1 step 47: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[6/8] = r1:src@7[6/8]; signal r7:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 14}}},
-    // rank 1 step 48: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[7/8] = r1:src@7[7/8]; signal r7:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 15}}},
-    // rank 1 step 49: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 1 step 50: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 1 step 51: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 1 step 52: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 1 step 53: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 1 step 54: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 1 step 55: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 1 step 56: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 1 step 57: reduce piece 0; wait arrive[0], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8] + r1:inbox@2[0/8] + r1:inbox@3[0/8] + r1:inbox@4[0/8] + r1:inbox@5[0/8] + r1:inbox@6[0/8] + r1:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}, {1, 3, 0, 8, 3, 0}, {1, 3, 0, 8, 4, 0}, {1, 3, 0, 8, 5, 0}, {1, 3, 0, 8, 6, 0}, {1, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
-    // rank 1 step 58: reduce piece 1; wait arrive[1], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8] + r1:inbox@2[1/8] + r1:inbox@3[1/8] + r1:inbox@4[1/8] + r1:inbox@5[1/8] + r1:inbox@6[1/8] + r1:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}, {1, 3, 0, 8, 3, 1}, {1, 3, 0, 8, 4, 1}, {1, 3, 0, 8, 5, 1}, {1, 3, 0, 8, 6, 1}, {1, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
-    // rank 1 step 59: reduce piece 2; wait arrive[2], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8] + r1:inbox@4[2/8] + r1:inbox@5[2/8] + r1:inbox@6[2/8] + r1:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}, {1, 3, 0, 8, 3, 2}, {1, 3, 0, 8, 4, 2}, {1, 3, 0, 8, 5, 2}, {1, 3, 0, 8, 6, 2}, {1, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
-    // rank 1 step 60: reduce piece 3; wait arrive[3], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8] + r1:inbox@4[3/8] + r1:inbox@5[3/8] + r1:inbox@6[3/8] + r1:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}, {1, 3, 0, 8, 3, 3}, {1, 3, 0, 8, 4, 3}, {1, 3, 0, 8, 5, 3}, {1, 3, 0, 8, 6, 3}, {1, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
-    // rank 1 step 61: reduce piece 4; wait arrive[4], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8] + r1:inbox@2[4/8] + r1:inbox@3[4/8] + r1:inbox@4[4/8] + r1:inbox@5[4/8] + r1:inbox@6[4/8] + r1:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}, {1, 3, 0, 8, 3, 4}, {1, 3, 0, 8, 4, 4}, {1, 3, 0, 8, 5, 4}, {1, 3, 0, 8, 6, 4}, {1, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
-    // rank 1 step 62: reduce piece 5; wait arrive[5], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8] + r1:inbox@2[5/8] + r1:inbox@3[5/8] + r1:inbox@4[5/8] + r1:inbox@5[5/8] + r1:inbox@6[5/8] + r1:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}, {1, 3, 0, 8, 3, 5}, {1, 3, 0, 8, 4, 5}, {1, 3, 0, 8, 5, 5}, {1, 3, 0, 8, 6, 5}, {1, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
-    // rank 1 step 63: reduce piece 6; wait arrive[6], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8] + r1:inbox@2[6/8] + r1:inbox@3[6/8] + r1:inbox@4[6/8] + r1:inbox@5[6/8] + r1:inbox@6[6/8] + r1:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}, {1, 3, 0, 8, 3, 6}, {1, 3, 0, 8, 4, 6}, {1, 3, 0, 8, 5, 6}, {1, 3, 0, 8, 6, 6}, {1, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
-    // rank 1 step 64: reduce piece 7; wait arrive[7], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8] + r1:inbox@2[7/8] + r1:inbox@3[7/8] + r1:inbox@4[7/8] + r1:inbox@5[7/8] + r1:inbox@6[7/8] + r1:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}, {1, 3, 0, 8, 3, 7}, {1, 3, 0, 8, 4, 7}, {1, 3, 0, 8, 5, 7}, {1, 3, 0, 8, 6, 7}, {1, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},
-    // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/8] = r2:src@3[0/8]; signal r3:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},
-    // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/8] = r2:src@3[1/8]; signal r3:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},
-    // rank 2 step 3: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[2/8] = r2:src@3[2/8]; signal r3:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},
-    // rank 2 step 4: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[3/8] = r2:src@3[3/8]; signal r3:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},
-    // rank 2 step 5: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[4/8] = r2:src@3[4/8]; signal r3:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},
-    // rank 2 step 6: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[5/8] = r2:src@3[5/8]; signal r3:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},
-    // rank 2 step 7: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[6/8] = r2:src@3[6/8]; signal r3:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},
-    // rank 2 step 8: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[7/8] = r2:src@3[7/8]; signal r3:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},
-    // rank 2 step 9: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[0/8] = r2:src@4[0/8]; signal r4:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 16}}},
-    // rank 2 step 10: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[1/8] = r2:src@4[1/8]; signal r4:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 17}}},
-    // rank 2 step 11: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[2/8] = r2:src@4[2/8]; signal r4:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 18}}},
-    // rank 2 step 12: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[3/8] = r2:src@4[3/8]; signal r4:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 19}}},
-    // rank 2 step 13: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[4/8] = r2:src@4[4/8]; signal r4:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
-    // rank 2 step 14: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[5/8] = r2:src@4[5/8]; signal r4:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
-    // rank 2 step 15: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[6/8] = r2:src@4[6/8]; signal r4:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
-    // rank 2 step 16: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[7/8] = r2:src@4[7/8]; signal r4:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
-    // rank 2 step 17: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[0/8] = r2:src@5[0/8]; signal r5:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 16}}},
-    // rank 2 step 18: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[1/8] = r2:src@5[1/8]; signal r5:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 17}}},
-    // rank 2 step 19: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[2/8] = r2:src@5[2/8]; signal r5:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 18}}},
-    // rank 2 step 20: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[3/8] = r2:src@5[3/8]; signal r5:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 19}}},
-    // rank 2 step 21: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[4/8] = r2:src@5[4/8]; signal r5:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 20}}},
-    // rank 2 step 22: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[5/8] = r2:src@5[5/8]; signal r5:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 21}}},
-    // rank 2 step 23: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[6/8] = r2:src@5[6/8]; signal r5:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 22}}},
-    // rank 2 step 24: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[7/8] = r2:src@5[7/8]; signal r5:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 23}}},
-    // rank 2 step 25: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[0/8] = r2:src@6[0/8]; signal r6:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},
-    // rank 2 step 26: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[1/8] = r2:src@6[1/8]; signal r6:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},
-    // rank 2 step 27: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[2/8] = r2:src@6[2/8]; signal r6:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},
-    // rank 2 step 28: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[3/8] = r2:src@6[3/8]; signal r6:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},
-    // rank 2 step 29: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[4/8] = r2:src@6[4/8]; signal r6:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 20}}},
-    // rank 2 step 30: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[5/8] = r2:src@6[5/8]; signal r6:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 21}}},
-    // rank 2 step 31: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[6/8] = r2:src@6[6/8]; signal r6:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 22}}},
-    // rank 2 step 32: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[7/8] = r2:src@6[7/8]; signal r6:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 23}}},
-    // rank 2 step 33: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[0/8] = r2:src@7[0/8]; signal r7:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 16}}},
-    // rank 2 step 34: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[1/8] = r2:src@7[1/8]; signal r7:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 17}}},
-    // rank 2 step 35: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[2/8] = r2:src@7[2/8]; signal r7:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 18}}},
-    // rank 2 step 36: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[3/8] = r2:src@7[3/8]; signal r7:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 19}}},
-    // rank 2 step 37: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[4/8] = r2:src@7[4/8]; signal r7:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},
-    // rank 2 step 38: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[5/8] = r2:src@7[5/8]; signal r7:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},
-    // rank 2 step 39: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[6/8] = r2:src@7[6/8]; signal r7:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},
-    // rank 2 step 40: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[7/8] = r2:src@7[7/8]; signal r7:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},
-    // rank 2 step 41: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 2 step 42: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 2 step 43: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/8] = r2:src@0[2/8]; signal r0:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 2 step 44: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/8] = r2:src@0[3/8]; signal r0:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 2 step 45: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[4/8] = r2:src@0[4/8]; signal r0:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 2 step 46: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[5/8] = r2:src@0[5/8]; signal r0:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 2 step 47: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[6/8] = r2:src@0[6/8]; signal r0:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 2 step 48: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[7/8] = r2:src@0[7/8]; signal r0:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 2 step 49: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/8] = r2:src@1[0/8]; signal r1:arrive[16]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 2 step 50: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/8] = r2:src@1[1/8]; signal r1:arrive[17]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 2 step 51: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/8] = r2:src@1[2/8]; signal r1:arrive[18]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 2 step 52: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/8] = r2:src@1[3/8]; signal r1:arrive[19]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 2 step 53: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[4/8] = r2:src@1[4/8]; signal r1:arrive[20]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 2 step 54: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[5/8] = r2:src@1[5/8]; signal r1:arrive[21]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 2 step 55: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[6/8] = r2:src@1[6/8]; signal r1:arrive[22]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 2 step 56: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[7/8] = r2:src@1[7/8]; signal r1:arrive[23]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 2 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r2:dst@0[0/8] = r2:src@2[0/8] + r2:inbox@0[0/8] + r2:inbox@1[0/8] + r2:inbox@3[0/8] + r2:inbox@4[0/8] + r2:inbox@5[0/8] + r2:inbox@6[0/8] + r2:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}, {2, 3, 0, 8, 3, 0}, {2, 3, 0, 8, 4, 0}, {2, 3, 0, 8, 5, 0}, {2, 3, 0, 8, 6, 0}, {2, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
-    // rank 2 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r2:dst@0[1/8] = r2:src@2[1/8] + r2:inbox@0[1/8] + r2:inbox@1[1/8] + r2:inbox@3[1/8] + r2:inbox@4[1/8] + r2:inbox@5[1/8] + r2:inbox@6[1/8] + r2:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}, {2, 3, 0, 8, 3, 1}, {2, 3, 0, 8, 4, 1}, {2, 3, 0, 8, 5, 1}, {2, 3, 0, 8, 6, 1}, {2, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
-    // rank 2 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r2:dst@0[2/8] = r2:src@2[2/8] + r2:inbox@0[2/8] + r2:inbox@1[2/8] + r2:inbox@3[2/8] + r2:inbox@4[2/8] + r2:inbox@5[2/8] + r2:inbox@6[2/8] + r2:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}, {2, 3, 0, 8, 3, 2}, {2, 3, 0, 8, 4, 2}, {2, 3, 0, 8, 5, 2}, {2, 3, 0, 8, 6, 2}, {2, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
-    // rank 2 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r2:dst@0[3/8] = r2:src@2[3/8] + r2:inbox@0[3/8] + r2:inbox@1[3/8] + r2:inbox@3[3/8] + r2:inbox@4[3/8] + r2:inbox@5[3/8] + r2:inbox@6[3/8] + r2:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}, {2, 3, 0, 8, 3, 3}, {2, 3, 0, 8, 4, 3}, {2, 3, 0, 8, 5, 3}, {2, 3, 0, 8, 6, 3}, {2, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
-    // rank 2 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r2:dst@0[4/8] = r2:src@2[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8] + r2:inbox@4[4/8] + r2:inbox@5[4/8] + r2:inbox@6[4/8] + r2:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}, {2, 3, 0, 8, 3, 4}, {2, 3, 0, 8, 4, 4}, {2, 3, 0, 8, 5, 4}, {2, 3, 0, 8, 6, 4}, {2, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
-    // rank 2 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r2:dst@0[5/8] = r2:src@2[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8] + r2:inbox@4[5/8] + r2:inbox@5[5/8] + r2:inbox@6[5/8] + r2:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}, {2, 3, 0, 8, 3, 5}, {2, 3, 0, 8, 4, 5}, {2, 3, 0, 8, 5, 5}, {2, 3, 0, 8, 6, 5}, {2, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
-    // rank 2 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r2:dst@0[6/8] = r2:src@2[6/8] + r2:inbox@0[6/8] + r2:inbox@1[6/8] + r2:inbox@3[6/8] + r2:inbox@4[6/8] + r2:inbox@5[6/8] + r2:inbox@6[6/8] + r2:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}, {2, 3, 0, 8, 3, 6}, {2, 3, 0, 8, 4, 6}, {2, 3, 0, 8, 5, 6}, {2, 3, 0, 8, 6, 6}, {2, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
-    // rank 2 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r2:dst@0[7/8] = r2:src@2[7/8] + r2:inbox@0[7/8] + r2:inbox@1[7/8] + r2:inbox@3[7/8] + r2:inbox@4[7/8] + r2:inbox@5[7/8] + r2:inbox@6[7/8] + r2:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}, {2, 3, 0, 8, 3, 7}, {2, 3, 0, 8, 4, 7}, {2, 3, 0, 8, 5, 7}, {2, 3, 0, 8, 6, 7}, {2, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},
-    // rank 3 step 1: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[0/8] = r3:src@4[0/8]; signal r4:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 24}}},
-    // rank 3 step 2: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[1/8] = r3:src@4[1/8]; signal r4:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 25}}},
-    // rank 3 step 3: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[2/8] = r3:src@4[2/8]; signal r4:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 26}}},
-    // rank 3 step 4: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[3/8] = r3:src@4[3/8]; signal r4:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 27}}},
-    // rank 3 step 5: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[4/8] = r3:src@4[4/8]; signal r4:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 28}}},
-    // rank 3 step 6: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[5/8] = r3:src@4[5/8]; signal r4:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 29}}},
-    // rank 3 step 7: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[6/8] = r3:src@4[6/8]; signal r4:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 30}}},
-    // rank 3 step 8: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[7/8] = r3:src@4[7/8]; signal r4:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 31}}},
-    // rank 3 step 9: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[0/8] = r3:src@5[0/8]; signal r5:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
-    // rank 3 step 10: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[1/8] = r3:src@5[1/8]; signal r5:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
-    // rank 3 step 11: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[2/8] = r3:src@5[2/8]; signal r5:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
-    // rank 3 step 12: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[3/8] = r3:src@5[3/8]; signal r5:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
-    // rank 3 step 13: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[4/8] = r3:src@5[4/8]; signal r5:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
-    // rank 3 step 14: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[5/8] = r3:src@5[5/8]; signal r5:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
-    // rank 3 step 15: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[6/8] = r3:src@5[6/8]; signal r5:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
-    // rank 3 step 16: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[7/8] = r3:src@5[7/8]; signal r5:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
-    // rank 3 step 17: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[0/8] = r3:src@6[0/8]; signal r6:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 24}}},
-    // rank 3 step 18: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[1/8] = r3:src@6[1/8]; signal r6:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 25}}},
-    // rank 3 step 19: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[2/8] = r3:src@6[2/8]; signal r6:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 26}}},
-    // rank 3 step 20: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[3/8] = r3:src@6[3/8]; signal r6:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 27}}},
-    // rank 3 step 21: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[4/8] = r3:src@6[4/8]; signal r6:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 28}}},
-    // rank 3 step 22: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[5/8] = r3:src@6[5/8]; signal r6:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 29}}},
-    // rank 3 step 23: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[6/8] = r3:src@6[6/8]; signal r6:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 30}}},
-    // rank 3 step 24: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[7/8] = r3:src@6[7/8]; signal r6:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 31}}},
-    // rank 3 step 25: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[0/8] = r3:src@7[0/8]; signal r7:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 24}}},
-    // rank 3 step 26: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[1/8] = r3:src@7[1/8]; signal r7:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 25}}},
-    // rank 3 step 27: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[2/8] = r3:src@7[2/8]; signal r7:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 26}}},
-    // rank 3 step 28: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[3/8] = r3:src@7[3/8]; signal r7:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 27}}},
-    // rank 3 step 29: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[4/8] = r3:src@7[4/8]; signal r7:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 28}}},
-    // rank 3 step 30: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[5/8] = r3:src@7[5/8]; signal r7:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 29}}},
-    // rank 3 step 31: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[6/8] = r3:src@7[6/8]; signal r7:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 30}}},
-    // rank 3 step 32: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[7/8] = r3:src@7[7/8]; signal r7:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 31}}},
-    // rank 3 step 33: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/8] = r3:src@0[0/8]; signal r0:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},
-    // rank 3 step 34: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/8] = r3:src@0[1/8]; signal r0:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},
-    // rank 3 step 35: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[2/8] = r3:src@0[2/8]; signal r0:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},
-    // rank 3 step 36: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[3/8] = r3:src@0[3/8]; signal r0:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},
-    // rank 3 step 37: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[4/8] = r3:src@0[4/8]; signal r0:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},
-    // rank 3 step 38: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[5/8] = r3:src@0[5/8]; signal r0:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},
-    // rank 3 step 39: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[6/8] = r3:src@0[6/8]; signal r0:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},
-    // rank 3 step 40: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[7/8] = r3:src@0[7/8]; signal r0:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},
-    // rank 3 step 41: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/8] = r3:src@1[0/8]; signal r1:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
-    // rank 3 step 42: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/8] = r3:src@1[1/8]; signal r1:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
-    // rank 3 step 43: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[2/8] = r3:src@1[2/8]; signal r1:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
-    // rank 3 step 44: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[3/8] = r3:src@1[3/8]; signal r1:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
-    // rank 3 step 45: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[4/8] = r3:src@1[4/8]; signal r1:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
-    // rank 3 step 46: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[5/8] = r3:src@1[5/8]; signal r1:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
-    // rank 3 step 47: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[6/8] = r3:src@1[6/8]; signal r1:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
-    // rank 3 step 48: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[7/8] = r3:src@1[7/8]; signal r1:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
-    // rank 3 step 49: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/8] = r3:src@2[0/8]; signal r2:arrive[24]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},
-    // rank 3 step 50: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/8] = r3:src@2[1/8]; signal r2:arrive[25]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},
-    // rank 3 step 51: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[2/8] = r3:src@2[2/8]; signal r2:arrive[26]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},
-    // rank 3 step 52: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[3/8] = r3:src@2[3/8]; signal r2:arrive[27]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},
-    // rank 3 step 53: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[4/8] = r3:src@2[4/8]; signal r2:arrive[28]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},
-    // rank 3 step 54: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[5/8] = r3:src@2[5/8]; signal r2:arrive[29]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},
-    // rank 3 step 55: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[6/8] = r3:src@2[6/8]; signal r2:arrive[30]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},
-    // rank 3 step 56: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[7/8] = r3:src@2[7/8]; signal r2:arrive[31]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},
-    // rank 3 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[32], arrive[40], arrive[48], arrive[56]; r3:dst@0[0/8] = r3:src@3[0/8] + r3:inbox@0[0/8] + r3:inbox@1[0/8] + r3:inbox@2[0/8] + r3:inbox@4[0/8] + r3:inbox@5[0/8] + r3:inbox@6[0/8] + r3:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 1, 1, 8, 3, 0}, {3, 3, 0, 8, 0, 0}, {3, 3, 0, 8, 1, 0}, {3, 3, 0, 8, 2, 0}, {3, 3, 0, 8, 4, 0}, {3, 3, 0, 8, 5, 0}, {3, 3, 0, 8, 6, 0}, {3, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
-    // rank 3 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[33], arrive[41], arrive[49], arrive[57]; r3:dst@0[1/8] = r3:src@3[1/8] + r3:inbox@0[1/8] + r3:inbox@1[1/8] + r3:inbox@2[1/8] + r3:inbox@4[1/8] + r3:inbox@5[1/8] + r3:inbox@6[1/8] + r3:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 1, 1, 8, 3, 1}, {3, 3, 0, 8, 0, 1}, {3, 3, 0, 8, 1, 1}, {3, 3, 0, 8, 2, 1}, {3, 3, 0, 8, 4, 1}, {3, 3, 0, 8, 5, 1}, {3, 3, 0, 8, 6, 1}, {3, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
-    // rank 3 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[34], arrive[42], arrive[50], arrive[58]; r3:dst@0[2/8] = r3:src@3[2/8] + r3:inbox@0[2/8] + r3:inbox@1[2/8] + r3:inbox@2[2/8] + r3:inbox@4[2/8] + r3:inbox@5[2/8] + r3:inbox@6[2/8] + r3:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 1, 1, 8, 3, 2}, {3, 3, 0, 8, 0, 2}, {3, 3, 0, 8, 1, 2}, {3, 3, 0, 8, 2, 2}, {3, 3, 0, 8, 4, 2}, {3, 3, 0, 8, 5, 2}, {3, 3, 0, 8, 6, 2}, {3, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
-    // rank 3 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[35], arrive[43], arrive[51], arrive[59]; r3:dst@0[3/8] = r3:src@3[3/8] + r3:inbox@0[3/8] + r3:inbox@1[3/8] + r3:inbox@2[3/8] + r3:inbox@4[3/8] + r3:inbox@5[3/8] + r3:inbox@6[3/8] + r3:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 1, 1, 8, 3, 3}, {3, 3, 0, 8, 0, 3}, {3, 3, 0, 8, 1, 3}, {3, 3, 0, 8, 2, 3}, {3, 3, 0, 8, 4, 3}, {3, 3, 0, 8, 5, 3}, {3, 3, 0, 8, 6, 3}, {3, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
-    // rank 3 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[36], arrive[44], arrive[52], arrive[60]; r3:dst@0[4/8] = r3:src@3[4/8] + r3:inbox@0[4/8] + r3:inbox@1[4/8] + r3:inbox@2[4/8] + r3:inbox@4[4/8] + r3:inbox@5[4/8] + r3:inbox@6[4/8] + r3:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 1, 1, 8, 3, 4}, {3, 3, 0, 8, 0, 4}, {3, 3, 0, 8, 1, 4}, {3, 3, 0, 8, 2, 4}, {3, 3, 0, 8, 4, 4}, {3, 3, 0, 8, 5, 4}, {3, 3, 0, 8, 6, 4}, {3, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
-    // rank 3 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[37], arrive[45], arrive[53], arrive[61]; r3:dst@0[5/8] = r3:src@3[5/8] + r3:inbox@0[5/8] + r3:inbox@1[5/8] + r3:inbox@2[5/8] + r3:inbox@4[5/8] + r3:inbox@5[5/8] + r3:inbox@6[5/8] + r3:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 1, 1, 8, 3, 5}, {3, 3, 0, 8, 0, 5}, {3, 3, 0, 8, 1, 5}, {3, 3, 0, 8, 2, 5}, {3, 3, 0, 8, 4, 5}, {3, 3, 0, 8, 5, 5}, {3, 3, 0, 8, 6, 5}, {3, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
-    // rank 3 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[38], arrive[46], arrive[54], arrive[62]; r3:dst@0[6/8] = r3:src@3[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8] + r3:inbox@4[6/8] + r3:inbox@5[6/8] + r3:inbox@6[6/8] + r3:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 1, 1, 8, 3, 6}, {3, 3, 0, 8, 0, 6}, {3, 3, 0, 8, 1, 6}, {3, 3, 0, 8, 2, 6}, {3, 3, 0, 8, 4, 6}, {3, 3, 0, 8, 5, 6}, {3, 3, 0, 8, 6, 6}, {3, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
-    // rank 3 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[39], arrive[47], arrive[55], arrive[63]; r3:dst@0[7/8] = r3:src@3[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8] + r3:inbox@4[7/8] + r3:inbox@5[7/8] + r3:inbox@6[7/8] + r3:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 1, 1, 8, 3, 7}, {3, 3, 0, 8, 0, 7}, {3, 3, 0, 8, 1, 7}, {3, 3, 0, 8, 2, 7}, {3, 3, 0, 8, 4, 7}, {3, 3, 0, 8, 5, 7}, {3, 3, 0, 8, 6, 7}, {3, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},
-    // rank 4 step 1: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[0/8] = r4:src@5[0/8]; signal r5:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 32}}},
-    // rank 4 step 2: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[1/8] = r4:src@5[1/8]; signal r5:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 33}}},
-    // rank 4 step 3: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[2/8] = r4:src@5[2/8]; signal r5:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 34}}},
-    // rank 4 step 4: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[3/8] = r4:src@5[3/8]; signal r5:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 35}}},
-    // rank 4 step 5: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[4/8] = r4:src@5[4/8]; signal r5:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 36}}},
-    // rank 4 step 6: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[5/8] = r4:src@5[5/8]; signal r5:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 37}}},
-    // rank 4 step 7: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[6/8] = r4:src@5[6/8]; signal r5:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 38}}},
-    // rank 4 step 8: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[7/8] = r4:src@5[7/8]; signal r5:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 39}}},
-    // rank 4 step 9: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[0/8] = r4:src@6[0/8]; signal r6:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 32}}},
-    // rank 4 step 10: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[1/8] = r4:src@6[1/8]; signal r6:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 33}}},
-    // rank 4 step 11: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[2/8] = r4:src@6[2/8]; signal r6:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 34}}},
-    // rank 4 step 12: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[3/8] = r4:src@6[3/8]; signal r6:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 35}}},
-    // rank 4 step 13: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[4/8] = r4:src@6[4/8]; signal r6:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 36}}},
-    // rank 4 step 14: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[5/8] = r4:src@6[5/8]; signal r6:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 37}}},
-    // rank 4 step 15: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[6/8] = r4:src@6[6/8]; signal r6:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 38}}},
-    // rank 4 step 16: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[7/8] = r4:src@6[7/8]; signal r6:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 39}}},
-    // rank 4 step 17: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[0/8] = r4:src@7[0/8]; signal r7:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 32}}},
-    // rank 4 step 18: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[1/8] = r4:src@7[1/8]; signal r7:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 33}}},
-    // rank 4 step 19: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[2/8] = r4:src@7[2/8]; signal r7:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 34}}},
-    // rank 4 step 20: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[3/8] = r4:src@7[3/8]; signal r7:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 35}}},
-    // rank 4 step 21: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[4/8] = r4:src@7[4/8]; signal r7:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 36}}},
-    // rank 4 step 22: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[5/8] = r4:src@7[5/8]; signal r7:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 37}}},
-    // rank 4 step 23: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[6/8] = r4:src@7[6/8]; signal r7:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 38}}},
-    // rank 4 step 24: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[7/8] = r4:src@7[7/8]; signal r7:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 39}}},
-    // rank 4 step 25: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[0/8] = r4:src@0[0/8]; signal r0:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 32}}},
-    // rank 4 step 26: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[1/8] = r4:src@0[1/8]; signal r0:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 33}}},
-    // rank 4 step 27: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[2/8] = r4:src@0[2/8]; signal r0:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 34}}},
-    // rank 4 step 28: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[3/8] = r4:src@0[3/8]; signal r0:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 35}}},
-    // rank 4 step 29: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[4/8] = r4:src@0[4/8]; signal r0:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 36}}},
-    // rank 4 step 30: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[5/8] = r4:src@0[5/8]; signal r0:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 37}}},
-    // rank 4 step 31: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[6/8] = r4:src@0[6/8]; signal r0:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 38}}},
-    // rank 4 step 32: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[7/8] = r4:src@0[7/8]; signal r0:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 39}}},
-    // rank 4 step 33: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[0/8] = r4:src@1[0/8]; signal r1:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 32}}},
-    // rank 4 step 34: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[1/8] = r4:src@1[1/8]; signal r1:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 33}}},
-    // rank 4 step 35: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[2/8] = r4:src@1[2/8]; signal r1:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 34}}},
-    // rank 4 step 36: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[3/8] = r4:src@1[3/8]; signal r1:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 35}}},
-    // rank 4 step 37: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[4/8] = r4:src@1[4/8]; signal r1:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 36}}},
-    // rank 4 step 38: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[5/8] = r4:src@1[5/8]; signal r1:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 37}}},
-    // rank 4 step 39: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[6/8] = r4:src@1[6/8]; signal r1:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 38}}},
-    // rank 4 step 40: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[7/8] = r4:src@1[7/8]; signal r1:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 39}}},
-    // rank 4 step 41: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[0/8] = r4:src@2[0/8]; signal r2:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 32}}},
-    // rank 4 step 42: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[1/8] = r4:src@2[1/8]; signal r2:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 33}}},
-    // rank 4 step 43: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[2/8] = r4:src@2[2/8]; signal r2:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 34}}},
-    // rank 4 step 44: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[3/8] = r4:src@2[3/8]; signal r2:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 35}}},
-    // rank 4 step 45: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[4/8] = r4:src@2[4/8]; signal r2:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 36}}},
-    // rank 4 step 46: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[5/8] = r4:src@2[5/8]; signal r2:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 37}}},
-    // rank 4 step 47: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[6/8] = r4:src@2[6/8]; signal r2:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 38}}},
-    // rank 4 step 48: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[7/8] = r4:src@2[7/8]; signal r2:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 39}}},
-    // rank 4 step 49: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[0/8] = r4:src@3[0/8]; signal r3:arrive[32]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 32}}},
-    // rank 4 step 50: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[1/8] = r4:src@3[1/8]; signal r3:arrive[33]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 33}}},
-    // rank 4 step 51: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[2/8] = r4:src@3[2/8]; signal r3:arrive[34]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 34}}},
-    // rank 4 step 52: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[3/8] = r4:src@3[3/8]; signal r3:arrive[35]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 35}}},
-    // rank 4 step 53: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[4/8] = r4:src@3[4/8]; signal r3:arrive[36]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 36}}},
-    // rank 4 step 54: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[5/8] = r4:src@3[5/8]; signal r3:arrive[37]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 37}}},
-    // rank 4 step 55: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[6/8] = r4:src@3[6/8]; signal r3:arrive[38]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 38}}},
-    // rank 4 step 56: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[7/8] = r4:src@3[7/8]; signal r3:arrive[39]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 39}}},
-    // rank 4 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[40], arrive[48], arrive[56]; r4:dst@0[0/8] = r4:src@4[0/8] + r4:inbox@0[0/8] + r4:inbox@1[0/8] + r4:inbox@2[0/8] + r4:inbox@3[0/8] + r4:inbox@5[0/8] + r4:inbox@6[0/8] + r4:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 0}, {{4, 1, 1, 8, 4, 0}, {4, 3, 0, 8, 0, 0}, {4, 3, 0, 8, 1, 0}, {4, 3, 0, 8, 2, 0}, {4, 3, 0, 8, 3, 0}, {4, 3, 0, 8, 5, 0}, {4, 3, 0, 8, 6, 0}, {4, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
-    // rank 4 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[41], arrive[49], arrive[57]; r4:dst@0[1/8] = r4:src@4[1/8] + r4:inbox@0[1/8] + r4:inbox@1[1/8] + r4:inbox@2[1/8] + r4:inbox@3[1/8] + r4:inbox@5[1/8] + r4:inbox@6[1/8] + r4:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 1}, {{4, 1, 1, 8, 4, 1}, {4, 3, 0, 8, 0, 1}, {4, 3, 0, 8, 1, 1}, {4, 3, 0, 8, 2, 1}, {4, 3, 0, 8, 3, 1}, {4, 3, 0, 8, 5, 1}, {4, 3, 0, 8, 6, 1}, {4, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
-    // rank 4 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[42], arrive[50], arrive[58]; r4:dst@0[2/8] = r4:src@4[2/8] + r4:inbox@0[2/8] + r4:inbox@1[2/8] + r4:inbox@2[2/8] + r4:inbox@3[2/8] + r4:inbox@5[2/8] + r4:inbox@6[2/8] + r4:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 2}, {{4, 1, 1, 8, 4, 2}, {4, 3, 0, 8, 0, 2}, {4, 3, 0, 8, 1, 2}, {4, 3, 0, 8, 2, 2}, {4, 3, 0, 8, 3, 2}, {4, 3, 0, 8, 5, 2}, {4, 3, 0, 8, 6, 2}, {4, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
-    // rank 4 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[43], arrive[51], arrive[59]; r4:dst@0[3/8] = r4:src@4[3/8] + r4:inbox@0[3/8] + r4:inbox@1[3/8] + r4:inbox@2[3/8] + r4:inbox@3[3/8] + r4:inbox@5[3/8] + r4:inbox@6[3/8] + r4:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 3}, {{4, 1, 1, 8, 4, 3}, {4, 3, 0, 8, 0, 3}, {4, 3, 0, 8, 1, 3}, {4, 3, 0, 8, 2, 3}, {4, 3, 0, 8, 3, 3}, {4, 3, 0, 8, 5, 3}, {4, 3, 0, 8, 6, 3}, {4, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
-    // rank 4 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[44], arrive[52], arrive[60]; r4:dst@0[4/8] = r4:src@4[4/8] + r4:inbox@0[4/8] + r4:inbox@1[4/8] + r4:inbox@2[4/8] + r4:inbox@3[4/8] + r4:inbox@5[4/8] + r4:inbox@6[4/8] + r4:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 4}, {{4, 1, 1, 8, 4, 4}, {4, 3, 0, 8, 0, 4}, {4, 3, 0, 8, 1, 4}, {4, 3, 0, 8, 2, 4}, {4, 3, 0, 8, 3, 4}, {4, 3, 0, 8, 5, 4}, {4, 3, 0, 8, 6, 4}, {4, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
-    // rank 4 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[45], arrive[53], arrive[61]; r4:dst@0[5/8] = r4:src@4[5/8] + r4:inbox@0[5/8] + r4:inbox@1[5/8] + r4:inbox@2[5/8] + r4:inbox@3[5/8] + r4:inbox@5[5/8] + r4:inbox@6[5/8] + r4:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 5}, {{4, 1, 1, 8, 4, 5}, {4, 3, 0, 8, 0, 5}, {4, 3, 0, 8, 1, 5}, {4, 3, 0, 8, 2, 5}, {4, 3, 0, 8, 3, 5}, {4, 3, 0, 8, 5, 5}, {4, 3, 0, 8, 6, 5}, {4, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
-    // rank 4 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[46], arrive[54], arrive[62]; r4:dst@0[6/8] = r4:src@4[6/8] + r4:inbox@0[6/8] + r4:inbox@1[6/8] + r4:inbox@2[6/8] + r4:inbox@3[6/8] + r4:inbox@5[6/8] + r4:inbox@6[6/8] + r4:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 6}, {{4, 1, 1, 8, 4, 6}, {4, 3, 0, 8, 0, 6}, {4, 3, 0, 8, 1, 6}, {4, 3, 0, 8, 2, 6}, {4, 3, 0, 8, 3, 6}, {4, 3, 0, 8, 5, 6}, {4, 3, 0, 8, 6, 6}, {4, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
-    // rank 4 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[47], arrive[55], arrive[63]; r4:dst@0[7/8] = r4:src@4[7/8] + r4:inbox@0[7/8] + r4:inbox@1[7/8] + r4:inbox@2[7/8] + r4:inbox@3[7/8] + r4:inbox@5[7/8] + r4:inbox@6[7/8] + r4:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 7}, {{4, 1, 1, 8, 4, 7}, {4, 3, 0, 8, 0, 7}, {4, 3, 0, 8, 1, 7}, {4, 3, 0, 8, 2, 7}, {4, 3, 0, 8, 3, 7}, {4, 3, 0, 8, 5, 7}, {4, 3, 0, 8, 6, 7}, {4, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},
-    // rank 5 step 1: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[0/8] = r5:src@6[0/8]; signal r6:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 40}}},
-    // rank 5 step 2: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[1/8] = r5:src@6[1/8]; signal r6:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 41}}},
-    // rank 5 step 3: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[2/8] = r5:src@6[2/8]; signal r6:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 42}}},
-    // rank 5 step 4: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[3/8] = r5:src@6[3/8]; signal r6:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 43}}},
-    // rank 5 step 5: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[4/8] = r5:src@6[4/8]; signal r6:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 44}}},
-    // rank 5 step 6: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[5/8] = r5:src@6[5/8]; signal r6:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 45}}},
-    // rank 5 step 7: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[6/8] = r5:src@6[6/8]; signal r6:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 46}}},
-    // rank 5 step 8: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[7/8] = r5:src@6[7/8]; signal r6:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 47}}},
-    // rank 5 step 9: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[0/8] = r5:src@7[0/8]; signal r7:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 40}}},
-    // rank 5 step 10: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[1/8] = r5:src@7[1/8]; signal r7:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 41}}},
-    // rank 5 step 11: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[2/8] = r5:src@7[2/8]; signal r7:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 42}}},
-    // rank 5 step 12: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[3/8] = r5:src@7[3/8]; signal r7:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 43}}},
-    // rank 5 step 13: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[4/8] = r5:src@7[4/8]; signal r7:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 44}}},
-    // rank 5 step 14: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[5/8] = r5:src@7[5/8]; signal r7:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 45}}},
-    // rank 5 step 15: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[6/8] = r5:src@7[6/8]; signal r7:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 46}}},
-    // rank 5 step 16: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[7/8] = r5:src@7[7/8]; signal r7:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 47}}},
-    // rank 5 step 17: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[0/8] = r5:src@0[0/8]; signal r0:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 40}}},
-    // rank 5 step 18: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[1/8] = r5:src@0[1/8]; signal r0:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 41}}},
-    // rank 5 step 19: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[2/8] = r5:src@0[2/8]; signal r0:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 42}}},
-    // rank 5 step 20: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[3/8] = r5:src@0[3/8]; signal r0:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 43}}},
-    // rank 5 step 21: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[4/8] = r5:src@0[4/8]; signal r0:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 44}}},
-    // rank 5 step 22: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[5/8] = r5:src@0[5/8]; signal r0:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 45}}},
-    // rank 5 step 23: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[6/8] = r5:src@0[6/8]; signal r0:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 46}}},
-    // rank 5 step 24: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[7/8] = r5:src@0[7/8]; signal r0:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 47}}},
-    // rank 5 step 25: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[0/8] = r5:src@1[0/8]; signal r1:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 40}}},
-    // rank 5 step 26: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[1/8] = r5:src@1[1/8]; signal r1:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 41}}},
-    // rank 5 step 27: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[2/8] = r5:src@1[2/8]; signal r1:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 42}}},
-    // rank 5 step 28: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[3/8] = r5:src@1[3/8]; signal r1:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 43}}},
-    // rank 5 step 29: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[4/8] = r5:src@1[4/8]; signal r1:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 44}}},
-    // rank 5 step 30: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[5/8] = r5:src@1[5/8]; signal r1:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 45}}},
-    // rank 5 step 31: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[6/8] = r5:src@1[6/8]; signal r1:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 46}}},
-    // rank 5 step 32: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[7/8] = r5:src@1[7/8]; signal r1:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 47}}},
-    // rank 5 step 33: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[0/8] = r5:src@2[0/8]; signal r2:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 40}}},
-    // rank 5 step 34: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[1/8] = r5:src@2[1/8]; signal r2:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 41}}},
-    // rank 5 step 35: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[2/8] = r5:src@2[2/8]; signal r2:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 42}}},
-    // rank 5 step 36: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[3/8] = r5:src@2[3/8]; signal r2:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 43}}},
-    // rank 5 step 37: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[4/8] = r5:src@2[4/8]; signal r2:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 44}}},
-    // rank 5 step 38: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[5/8] = r5:src@2[5/8]; signal r2:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 45}}},
-    // rank 5 step 39: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[6/8] = r5:src@2[6/8]; signal r2:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 46}}},
-    // rank 5 step 40: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[7/8] = r5:src@2[7/8]; signal r2:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 47}}},
-    // rank 5 step 41: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[0/8] = r5:src@3[0/8]; signal r3:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 40}}},
-    // rank 5 step 42: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[1/8] = r5:src@3[1/8]; signal r3:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 41}}},
-    // rank 5 step 43: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[2/8] = r5:src@3[2/8]; signal r3:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 42}}},
-    // rank 5 step 44: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[3/8] = r5:src@3[3/8]; signal r3:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 43}}},
-    // rank 5 step 45: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[4/8] = r5:src@3[4/8]; signal r3:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 44}}},
-    // rank 5 step 46: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[5/8] = r5:src@3[5/8]; signal r3:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 45}}},
-    // rank 5 step 47: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[6/8] = r5:src@3[6/8]; signal r3:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 46}}},
-    // rank 5 step 48: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[7/8] = r5:src@3[7/8]; signal r3:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 47}}},
-    // rank 5 step 49: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[0/8] = r5:src@4[0/8]; signal r4:arrive[40]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 40}}},
-    // rank 5 step 50: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[1/8] = r5:src@4[1/8]; signal r4:arrive[41]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 41}}},
-    // rank 5 step 51: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[2/8] = r5:src@4[2/8]; signal r4:arrive[42]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 42}}},
-    // rank 5 step 52: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[3/8] = r5:src@4[3/8]; signal r4:arrive[43]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 43}}},
-    // rank 5 step 53: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[4/8] = r5:src@4[4/8]; signal r4:arrive[44]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 44}}},
-    // rank 5 step 54: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[5/8] = r5:src@4[5/8]; signal r4:arrive[45]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 45}}},
-    // rank 5 step 55: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[6/8] = r5:src@4[6/8]; signal r4:arrive[46]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 46}}},
-    // rank 5 step 56: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[7/8] = r5:src@4[7/8]; signal r4:arrive[47]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 47}}},
-    // rank 5 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[48], arrive[56]; r5:dst@0[0/8] = r5:src@5[0/8] + r5:inbox@0[0/8] + r5:inbox@1[0/8] + r5:inbox@2[0/8] + r5:inbox@3[0/8] + r5:inbox@4[0/8] + r5:inbox@6[0/8] + r5:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 0}, {{5, 1, 1, 8, 5, 0}, {5, 3, 0, 8, 0, 0}, {5, 3, 0, 8, 1, 0}, {5, 3, 0, 8, 2, 0}, {5, 3, 0, 8, 3, 0}, {5, 3, 0, 8, 4, 0}, {5, 3, 0, 8, 6, 0}, {5, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},
-    // rank 5 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[49], arrive[57]; r5:dst@0[1/8] = r5:src@5[1/8] + r5:inbox@0[1/8] + r5:inbox@1[1/8] + r5:inbox@2[1/8] + r5:inbox@3[1/8] + r5:inbox@4[1/8] + r5:inbox@6[1/8] + r5:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 1}, {{5, 1, 1, 8, 5, 1}, {5, 3, 0, 8, 0, 1}, {5, 3, 0, 8, 1, 1}, {5, 3, 0, 8, 2, 1}, {5, 3, 0, 8, 3, 1}, {5, 3, 0, 8, 4, 1}, {5, 3, 0, 8, 6, 1}, {5, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},
-    // rank 5 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[50], arrive[58]; r5:dst@0[2/8] = r5:src@5[2/8] + r5:inbox@0[2/8] + r5:inbox@1[2/8] + r5:inbox@2[2/8] + r5:inbox@3[2/8] + r5:inbox@4[2/8] + r5:inbox@6[2/8] + r5:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 2}, {{5, 1, 1, 8, 5, 2}, {5, 3, 0, 8, 0, 2}, {5, 3, 0, 8, 1, 2}, {5, 3, 0, 8, 2, 2}, {5, 3, 0, 8, 3, 2}, {5, 3, 0, 8, 4, 2}, {5, 3, 0, 8, 6, 2}, {5, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},
-    // rank 5 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[51], arrive[59]; r5:dst@0[3/8] = r5:src@5[3/8] + r5:inbox@0[3/8] + r5:inbox@1[3/8] + r5:inbox@2[3/8] + r5:inbox@3[3/8] + r5:inbox@4[3/8] + r5:inbox@6[3/8] + r5:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 3}, {{5, 1, 1, 8, 5, 3}, {5, 3, 0, 8, 0, 3}, {5, 3, 0, 8, 1, 3}, {5, 3, 0, 8, 2, 3}, {5, 3, 0, 8, 3, 3}, {5, 3, 0, 8, 4, 3}, {5, 3, 0, 8, 6, 3}, {5, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},
-    // rank 5 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[52], arrive[60]; r5:dst@0[4/8] = r5:src@5[4/8] + r5:inbox@0[4/8] + r5:inbox@1[4/8] + r5:inbox@2[4/8] + r5:inbox@3[4/8] + r5:inbox@4[4/8] + r5:inbox@6[4/8] + r5:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 4}, {{5, 1, 1, 8, 5, 4}, {5, 3, 0, 8, 0, 4}, {5, 3, 0, 8, 1, 4}, {5, 3, 0, 8, 2, 4}, {5, 3, 0, 8, 3, 4}, {5, 3, 0, 8, 4, 4}, {5, 3, 0, 8, 6, 4}, {5, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},
-    // rank 5 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[53], arrive[61]; r5:dst@0[5/8] = r5:src@5[5/8] + r5:inbox@0[5/8] + r5:inbox@1[5/8] + r5:inbox@2[5/8] + r5:inbox@3[5/8] + r5:inbox@4[5/8] + r5:inbox@6[5/8] + r5:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 5}, {{5, 1, 1, 8, 5, 5}, {5, 3, 0, 8, 0, 5}, {5, 3, 0, 8, 1, 5}, {5, 3, 0, 8, 2, 5}, {5, 3, 0, 8, 3, 5}, {5, 3, 0, 8, 4, 5}, {5, 3, 0, 8, 6, 5}, {5, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},
-    // rank 5 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[54], arrive[62]; r5:dst@0[6/8] = r5:src@5[6/8] + r5:inbox@0[6/8] + r5:inbox@1[6/8] + r5:inbox@2[6/8] + r5:inbox@3[6/8] + r5:inbox@4[6/8] + r5:inbox@6[6/8] + r5:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 6}, {{5, 1, 1, 8, 5, 6}, {5, 3, 0, 8, 0, 6}, {5, 3, 0, 8, 1, 6}, {5, 3, 0, 8, 2, 6}, {5, 3, 0, 8, 3, 6}, {5, 3, 0, 8, 4, 6}, {5, 3, 0, 8, 6, 6}, {5, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},
-    // rank 5 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[55], arrive[63]; r5:dst@0[7/8] = r5:src@5[7/8] + r5:inbox@0[7/8] + r5:inbox@1[7/8] + r5:inbox@2[7/8] + r5:inbox@3[7/8] + r5:inbox@4[7/8] + r5:inbox@6[7/8] + r5:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 7}, {{5, 1, 1, 8, 5, 7}, {5, 3, 0, 8, 0, 7}, {5, 3, 0, 8, 1, 7}, {5, 3, 0, 8, 2, 7}, {5, 3, 0, 8, 3, 7}, {5, 3, 0, 8, 4, 7}, {5, 3, 0, 8, 6, 7}, {5, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},
-    // rank 6 step 1: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[0/8] = r6:src@7[0/8]; signal r7:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 48}}},
-    // rank 6 step 2: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[1/8] = r6:src@7[1/8]; signal r7:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 49}}},
-    // rank 6 step 3: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[2/8] = r6:src@7[2/8]; signal r7:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 50}}},
-    // rank 6 step 4: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[3/8] = r6:src@7[3/8]; signal r7:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 51}}},
-    // rank 6 step 5: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[4/8] = r6:src@7[4/8]; signal r7:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 52}}},
-    // rank 6 step 6: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[5/8] = r6:src@7[5/8]; signal r7:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 53}}},
-    // rank 6 step 7: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[6/8] = r6:src@7[6/8]; signal r7:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 54}}},
-    // rank 6 step 8: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[7/8] = r6:src@7[7/8]; signal r7:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 55}}},
-    // rank 6 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[0/8] = r6:src@0[0/8]; signal r0:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 48}}},
-    // rank 6 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[1/8] = r6:src@0[1/8]; signal r0:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 49}}},
-    // rank 6 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[2/8] = r6:src@0[2/8]; signal r0:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 50}}},
-    // rank 6 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[3/8] = r6:src@0[3/8]; signal r0:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 51}}},
-    // rank 6 step 13: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[4/8] = r6:src@0[4/8]; signal r0:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 52}}},
-    // rank 6 step 14: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[5/8] = r6:src@0[5/8]; signal r0:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 53}}},
-    // rank 6 step 15: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[6/8] = r6:src@0[6/8]; signal r0:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 54}}},
-    // rank 6 step 16: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[7/8] = r6:src@0[7/8]; signal r0:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 55}}},
-    // rank 6 step 17: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[0/8] = r6:src@1[0/8]; signal r1:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 48}}},
-    // rank 6 step 18: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[1/8] = r6:src@1[1/8]; signal r1:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 49}}},
-    // rank 6 step 19: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[2/8] = r6:src@1[2/8]; signal r1:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 50}}},
-    // rank 6 step 20: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[3/8] = r6:src@1[3/8]; signal r1:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 51}}},
-    // rank 6 step 21: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[4/8] = r6:src@1[4/8]; signal r1:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 52}}},
-    // rank 6 step 22: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[5/8] = r6:src@1[5/8]; signal r1:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 53}}},
-    // rank 6 step 23: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[6/8] = r6:src@1[6/8]; signal r1:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 54}}},
-    // rank 6 step 24: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[7/8] = r6:src@1[7/8]; signal r1:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 55}}},
-    // rank 6 step 25: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[0/8] = r6:src@2[0/8]; signal r2:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 48}}},
-    // rank 6 step 26: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[1/8] = r6:src@2[1/8]; signal r2:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 49}}},
-    // rank 6 step 27: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[2/8] = r6:src@2[2/8]; signal r2:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 50}}},
-    // rank 6 step 28: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[3/8] = r6:src@2[3/8]; signal r2:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 51}}},
-    // rank 6 step 29: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[4/8] = r6:src@2[4/8]; signal r2:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 52}}},
-    // rank 6 step 30: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[5/8] = r6:src@2[5/8]; signal r2:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 53}}},
-    // rank 6 step 31: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[6/8] = r6:src@2[6/8]; signal r2:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 54}}},
-    // rank 6 step 32: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[7/8] = r6:src@2[7/8]; signal r2:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 55}}},
-    // rank 6 step 33: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[0/8] = r6:src@3[0/8]; signal r3:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 48}}},
-    // rank 6 step 34: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[1/8] = r6:src@3[1/8]; signal r3:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 49}}},
-    // rank 6 step 35: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[2/8] = r6:src@3[2/8]; signal r3:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 50}}},
-    // rank 6 step 36: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[3/8] = r6:src@3[3/8]; signal r3:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 51}}},
-    // rank 6 step 37: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[4/8] = r6:src@3[4/8]; signal r3:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 52}}},
-    // rank 6 step 38: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[5/8] = r6:src@3[5/8]; signal r3:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 53}}},
-    // rank 6 step 39: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[6/8] = r6:src@3[6/8]; signal r3:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 54}}},
-    // rank 6 step 40: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[7/8] = r6:src@3[7/8]; signal r3:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 55}}},
-    // rank 6 step 41: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[0/8] = r6:src@4[0/8]; signal r4:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 48}}},
-    // rank 6 step 42: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[1/8] = r6:src@4[1/8]; signal r4:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 49}}},
-    // rank 6 step 43: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[2/8] = r6:src@4[2/8]; signal r4:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 50}}},
-    // rank 6 step 44: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[3/8] = r6:src@4[3/8]; signal r4:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 51}}},
-    // rank 6 step 45: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[4/8] = r6:src@4[4/8]; signal r4:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 52}}},
-    // rank 6 step 46: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[5/8] = r6:src@4[5/8]; signal r4:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 53}}},
-    // rank 6 step 47: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[6/8] = r6:src@4[6/8]; signal r4:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 54}}},
-    // rank 6 step 48: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[7/8] = r6:src@4[7/8]; signal r4:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 55}}},
-    // rank 6 step 49: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[0/8] = r6:src@5[0/8]; signal r5:arrive[48]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 48}}},
-    // rank 6 step 50: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[1/8] = r6:src@5[1/8]; signal r5:arrive[49]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 49}}},
-    // rank 6 step 51: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[2/8] = r6:src@5[2/8]; signal r5:arrive[50]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 50}}},
-    // rank 6 step 52: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[3/8] = r6:src@5[3/8]; signal r5:arrive[51]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 51}}},
-    // rank 6 step 53: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[4/8] = r6:src@5[4/8]; signal r5:arrive[52]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 52}}},
-    // rank 6 step 54: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[5/8] = r6:src@5[5/8]; signal r5:arrive[53]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 53}}},
-    // rank 6 step 55: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[6/8] = r6:src@5[6/8]; signal r5:arrive[54]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 54}}},
-    // rank 6 step 56: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[7/8] = r6:src@5[7/8]; signal r5:arrive[55]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 55}}},
-    // rank 6 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[56]; r6:dst@0[0/8] = r6:src@6[0/8] + r6:inbox@0[0/8] + r6:inbox@1[0/8] + r6:inbox@2[0/8] + r6:inbox@3[0/8] + r6:inbox@4[0/8] + r6:inbox@5[0/8] + r6:inbox@7[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 0}, {{6, 1, 1, 8, 6, 0}, {6, 3, 0, 8, 0, 0}, {6, 3, 0, 8, 1, 0}, {6, 3, 0, 8, 2, 0}, {6, 3, 0, 8, 3, 0}, {6, 3, 0, 8, 4, 0}, {6, 3, 0, 8, 5, 0}, {6, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 56, 32}}, {}},
-    // rank 6 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[57]; r6:dst@0[1/8] = r6:src@6[1/8] + r6:inbox@0[1/8] + r6:inbox@1[1/8] + r6:inbox@2[1/8] + r6:inbox@3[1/8] + r6:inbox@4[1/8] + r6:inbox@5[1/8] + r6:inbox@7[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 1}, {{6, 1, 1, 8, 6, 1}, {6, 3, 0, 8, 0, 1}, {6, 3, 0, 8, 1, 1}, {6, 3, 0, 8, 2, 1}, {6, 3, 0, 8, 3, 1}, {6, 3, 0, 8, 4, 1}, {6, 3, 0, 8, 5, 1}, {6, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 57, 32}}, {}},
-    // rank 6 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[58]; r6:dst@0[2/8] = r6:src@6[2/8] + r6:inbox@0[2/8] + r6:inbox@1[2/8] + r6:inbox@2[2/8] + r6:inbox@3[2/8] + r6:inbox@4[2/8] + r6:inbox@5[2/8] + r6:inbox@7[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 2}, {{6, 1, 1, 8, 6, 2}, {6, 3, 0, 8, 0, 2}, {6, 3, 0, 8, 1, 2}, {6, 3, 0, 8, 2, 2}, {6, 3, 0, 8, 3, 2}, {6, 3, 0, 8, 4, 2}, {6, 3, 0, 8, 5, 2}, {6, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 58, 32}}, {}},
-    // rank 6 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[59]; r6:dst@0[3/8] = r6:src@6[3/8] + r6:inbox@0[3/8] + r6:inbox@1[3/8] + r6:inbox@2[3/8] + r6:inbox@3[3/8] + r6:inbox@4[3/8] + r6:inbox@5[3/8] + r6:inbox@7[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 3}, {{6, 1, 1, 8, 6, 3}, {6, 3, 0, 8, 0, 3}, {6, 3, 0, 8, 1, 3}, {6, 3, 0, 8, 2, 3}, {6, 3, 0, 8, 3, 3}, {6, 3, 0, 8, 4, 3}, {6, 3, 0, 8, 5, 3}, {6, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 59, 32}}, {}},
-    // rank 6 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[60]; r6:dst@0[4/8] = r6:src@6[4/8] + r6:inbox@0[4/8] + r6:inbox@1[4/8] + r6:inbox@2[4/8] + r6:inbox@3[4/8] + r6:inbox@4[4/8] + r6:inbox@5[4/8] + r6:inbox@7[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 4}, {{6, 1, 1, 8, 6, 4}, {6, 3, 0, 8, 0, 4}, {6, 3, 0, 8, 1, 4}, {6, 3, 0, 8, 2, 4}, {6, 3, 0, 8, 3, 4}, {6, 3, 0, 8, 4, 4}, {6, 3, 0, 8, 5, 4}, {6, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 60, 32}}, {}},
-    // rank 6 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[61]; r6:dst@0[5/8] = r6:src@6[5/8] + r6:inbox@0[5/8] + r6:inbox@1[5/8] + r6:inbox@2[5/8] + r6:inbox@3[5/8] + r6:inbox@4[5/8] + r6:inbox@5[5/8] + r6:inbox@7[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 5}, {{6, 1, 1, 8, 6, 5}, {6, 3, 0, 8, 0, 5}, {6, 3, 0, 8, 1, 5}, {6, 3, 0, 8, 2, 5}, {6, 3, 0, 8, 3, 5}, {6, 3, 0, 8, 4, 5}, {6, 3, 0, 8, 5, 5}, {6, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 61, 32}}, {}},
-    // rank 6 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[62]; r6:dst@0[6/8] = r6:src@6[6/8] + r6:inbox@0[6/8] + r6:inbox@1[6/8] + r6:inbox@2[6/8] + r6:inbox@3[6/8] + r6:inbox@4[6/8] + r6:inbox@5[6/8] + r6:inbox@7[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 6}, {{6, 1, 1, 8, 6, 6}, {6, 3, 0, 8, 0, 6}, {6, 3, 0, 8, 1, 6}, {6, 3, 0, 8, 2, 6}, {6, 3, 0, 8, 3, 6}, {6, 3, 0, 8, 4, 6}, {6, 3, 0, 8, 5, 6}, {6, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 62, 32}}, {}},
-    // rank 6 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[63]; r6:dst@0[7/8] = r6:src@6[7/8] + r6:inbox@0[7/8] + r6:inbox@1[7/8] + r6:inbox@2[7/8] + r6:inbox@3[7/8] + r6:inbox@4[7/8] + r6:inbox@5[7/8] + r6:inbox@7[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 7}, {{6, 1, 1, 8, 6, 7}, {6, 3, 0, 8, 0, 7}, {6, 3, 0, 8, 1, 7}, {6, 3, 0, 8, 2, 7}, {6, 3, 0, 8, 3, 7}, {6, 3, 0, 8, 4, 7}, {6, 3, 0, 8, 5, 7}, {6, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 63, 32}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},
-    // rank 7 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[0/8] = r7:src@0[0/8]; signal r0:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 56}}},
-    // rank 7 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[1/8] = r7:src@0[1/8]; signal r0:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 57}}},
-    // rank 7 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[2/8] = r7:src@0[2/8]; signal r0:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 58}}},
-    // rank 7 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[3/8] = r7:src@0[3/8]; signal r0:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 59}}},
-    // rank 7 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[4/8] = r7:src@0[4/8]; signal r0:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 60}}},
-    // rank 7 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[5/8] = r7:src@0[5/8]; signal r0:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 61}}},
-    // rank 7 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[6/8] = r7:src@0[6/8]; signal r0:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 62}}},
-    // rank 7 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[7/8] = r7:src@0[7/8]; signal r0:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 63}}},
-    // rank 7 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[0/8] = r7:src@1[0/8]; signal r1:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 56}}},
-    // rank 7 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[1/8] = r7:src@1[1/8]; signal r1:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 57}}},
-    // rank 7 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[2/8] = r7:src@1[2/8]; signal r1:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 58}}},
-    // rank 7 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[3/8] = r7:src@1[3/8]; signal r1:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 59}}},
-    // rank 7 step 13: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[4/8] = r7:src@1[4/8]; signal r1:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 60}}},
-    // rank 7 step 14: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[5/8] = r7:src@1[5/8]; signal r1:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 61}}},
-    // rank 7 step 15: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[6/8] = r7:src@1[6/8]; signal r1:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 62}}},
-    // rank 7 step 16: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[7/8] = r7:src@1[7/8]; signal r1:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 63}}},
-    // rank 7 step 17: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[0/8] = r7:src@2[0/8]; signal r2:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 56}}},
-    // rank 7 step 18: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[1/8] = r7:src@2[1/8]; signal r2:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 57}}},
-    // rank 7 step 19: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[2/8] = r7:src@2[2/8]; signal r2:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 58}}},
-    // rank 7 step 20: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[3/8] = r7:src@2[3/8]; signal r2:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 59}}},
-    // rank 7 step 21: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[4/8] = r7:src@2[4/8]; signal r2:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 60}}},
-    // rank 7 step 22: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[5/8] = r7:src@2[5/8]; signal r2:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 61}}},
-    // rank 7 step 23: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[6/8] = r7:src@2[6/8]; signal r2:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 62}}},
-    // rank 7 step 24: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[7/8] = r7:src@2[7/8]; signal r2:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 63}}},
-    // rank 7 step 25: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[0/8] = r7:src@3[0/8]; signal r3:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 56}}},
-    // rank 7 step 26: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[1/8] = r7:src@3[1/8]; signal r3:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 57}}},
-    // rank 7 step 27: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[2/8] = r7:src@3[2/8]; signal r3:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 58}}},
-    // rank 7 step 28: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[3/8] = r7:src@3[3/8]; signal r3:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 59}}},
-    // rank 7 step 29: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[4/8] = r7:src@3[4/8]; signal r3:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 60}}},
-    // rank 7 step 30: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[5/8] = r7:src@3[5/8]; signal r3:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 61}}},
-    // rank 7 step 31: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[6/8] = r7:src@3[6/8]; signal r3:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 62}}},
-    // rank 7 step 32: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[7/8] = r7:src@3[7/8]; signal r3:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 63}}},
-    // rank 7 step 33: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[0/8] = r7:src@4[0/8]; signal r4:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 56}}},
-    // rank 7 step 34: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[1/8] = r7:src@4[1/8]; signal r4:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 57}}},
-    // rank 7 step 35: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[2/8] = r7:src@4[2/8]; signal r4:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 58}}},
-    // rank 7 step 36: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[3/8] = r7:src@4[3/8]; signal r4:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 59}}},
-    // rank 7 step 37: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[4/8] = r7:src@4[4/8]; signal r4:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 60}}},
-    // rank 7 step 38: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[5/8] = r7:src@4[5/8]; signal r4:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 61}}},
-    // rank 7 step 39: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[6/8] = r7:src@4[6/8]; signal r4:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 62}}},
-    // rank 7 step 40: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[7/8] = r7:src@4[7/8]; signal r4:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 63}}},
-    // rank 7 step 41: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[0/8] = r7:src@5[0/8]; signal r5:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 56}}},
-    // rank 7 step 42: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[1/8] = r7:src@5[1/8]; signal r5:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 57}}},
-    // rank 7 step 43: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[2/8] = r7:src@5[2/8]; signal r5:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 58}}},
-    // rank 7 step 44: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[3/8] = r7:src@5[3/8]; signal r5:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 59}}},
-    // rank 7 step 45: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[4/8] = r7:src@5[4/8]; signal r5:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 60}}},
-    // rank 7 step 46: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[5/8] = r7:src@5[5/8]; signal r5:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 61}}},
-    // rank 7 step 47: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[6/8] = r7:src@5[6/8]; signal r5:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 62}}},
-    // rank 7 step 48: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[7/8] = r7:src@5[7/8]; signal r5:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 63}}},
-    // rank 7 step 49: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[0/8] = r7:src@6[0/8]; signal r6:arrive[56]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 56}}},
-    // rank 7 step 50: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[1/8] = r7:src@6[1/8]; signal r6:arrive[57]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 57}}},
-    // rank 7 step 51: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[2/8] = r7:src@6[2/8]; signal r6:arrive[58]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 58}}},
-    // rank 7 step 52: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[3/8] = r7:src@6[3/8]; signal r6:arrive[59]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 59}}},
-    // rank 7 step 53: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[4/8] = r7:src@6[4/8]; signal r6:arrive[60]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 60}}},
-    // rank 7 step 54: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[5/8] = r7:src@6[5/8]; signal r6:arrive[61]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 61}}},
-    // rank 7 step 55: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[6/8] = r7:src@6[6/8]; signal r6:arrive[62]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 62}}},
-    // rank 7 step 56: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[7/8] = r7:src@6[7/8]; signal r6:arrive[63]; 32 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 63}}},
-    // rank 7 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48]; r7:dst@0[0/8] = r7:src@7[0/8] + r7:inbox@0[0/8] + r7:inbox@1[0/8] + r7:inbox@2[0/8] + r7:inbox@3[0/8] + r7:inbox@4[0/8] + r7:inbox@5[0/8] + r7:inbox@6[0/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 0}, {{7, 1, 1, 8, 7, 0}, {7, 3, 0, 8, 0, 0}, {7, 3, 0, 8, 1, 0}, {7, 3, 0, 8, 2, 0}, {7, 3, 0, 8, 3, 0}, {7, 3, 0, 8, 4, 0}, {7, 3, 0, 8, 5, 0}, {7, 3, 0, 8, 6, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}}, {}},
-    // rank 7 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49]; r7:dst@0[1/8] = r7:src@7[1/8] + r7:inbox@0[1/8] + r7:inbox@1[1/8] + r7:inbox@2[1/8] + r7:inbox@3[1/8] + r7:inbox@4[1/8] + r7:inbox@5[1/8] + r7:inbox@6[1/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 1}, {{7, 1, 1, 8, 7, 1}, {7, 3, 0, 8, 0, 1}, {7, 3, 0, 8, 1, 1}, {7, 3, 0, 8, 2, 1}, {7, 3, 0, 8, 3, 1}, {7, 3, 0, 8, 4, 1}, {7, 3, 0, 8, 5, 1}, {7, 3, 0, 8, 6, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}}, {}},
-    // rank 7 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50]; r7:dst@0[2/8] = r7:src@7[2/8] + r7:inbox@0[2/8] + r7:inbox@1[2/8] + r7:inbox@2[2/8] + r7:inbox@3[2/8] + r7:inbox@4[2/8] + r7:inbox@5[2/8] + r7:inbox@6[2/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 2}, {{7, 1, 1, 8, 7, 2}, {7, 3, 0, 8, 0, 2}, {7, 3, 0, 8, 1, 2}, {7, 3, 0, 8, 2, 2}, {7, 3, 0, 8, 3, 2}, {7, 3, 0, 8, 4, 2}, {7, 3, 0, 8, 5, 2}, {7, 3, 0, 8, 6, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}}, {}},
-    // rank 7 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51]; r7:dst@0[3/8] = r7:src@7[3/8] + r7:inbox@0[3/8] + r7:inbox@1[3/8] + r7:inbox@2[3/8] + r7:inbox@3[3/8] + r7:inbox@4[3/8] + r7:inbox@5[3/8] + r7:inbox@6[3/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 3}, {{7, 1, 1, 8, 7, 3}, {7, 3, 0, 8, 0, 3}, {7, 3, 0, 8, 1, 3}, {7, 3, 0, 8, 2, 3}, {7, 3, 0, 8, 3, 3}, {7, 3, 0, 8, 4, 3}, {7, 3, 0, 8, 5, 3}, {7, 3, 0, 8, 6, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}}, {}},
-    // rank 7 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52]; r7:dst@0[4/8] = r7:src@7[4/8] + r7:inbox@0[4/8] + r7:inbox@1[4/8] + r7:inbox@2[4/8] + r7:inbox@3[4/8] + r7:inbox@4[4/8] + r7:inbox@5[4/8] + r7:inbox@6[4/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 4}, {{7, 1, 1, 8, 7, 4}, {7, 3, 0, 8, 0, 4}, {7, 3, 0, 8, 1, 4}, {7, 3, 0, 8, 2, 4}, {7, 3, 0, 8, 3, 4}, {7, 3, 0, 8, 4, 4}, {7, 3, 0, 8, 5, 4}, {7, 3, 0, 8, 6, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}}, {}},
-    // rank 7 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53]; r7:dst@0[5/8] = r7:src@7[5/8] + r7:inbox@0[5/8] + r7:inbox@1[5/8] + r7:inbox@2[5/8] + r7:inbox@3[5/8] + r7:inbox@4[5/8] + r7:inbox@5[5/8] + r7:inbox@6[5/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 5}, {{7, 1, 1, 8, 7, 5}, {7, 3, 0, 8, 0, 5}, {7, 3, 0, 8, 1, 5}, {7, 3, 0, 8, 2, 5}, {7, 3, 0, 8, 3, 5}, {7, 3, 0, 8, 4, 5}, {7, 3, 0, 8, 5, 5}, {7, 3, 0, 8, 6, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}}, {}},
-    // rank 7 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54]; r7:dst@0[6/8] = r7:src@7[6/8] + r7:inbox@0[6/8] + r7:inbox@1[6/8] + r7:inbox@2[6/8] + r7:inbox@3[6/8] + r7:inbox@4[6/8] + r7:inbox@5[6/8] + r7:inbox@6[6/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 6}, {{7, 1, 1, 8, 7, 6}, {7, 3, 0, 8, 0, 6}, {7, 3, 0, 8, 1, 6}, {7, 3, 0, 8, 2, 6}, {7, 3, 0, 8, 3, 6}, {7, 3, 0, 8, 4, 6}, {7, 3, 0, 8, 5, 6}, {7, 3, 0, 8, 6, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}}, {}},
-    // rank 7 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55]; r7:dst@0[7/8] = r7:src@7[7/8] + r7:inbox@0[7/8] + r7:inbox@1[7/8] + r7:inbox@2[7/8] + r7:inbox@3[7/8] + r7:inbox@4[7/8] + r7:inbox@5[7/8] + r7:inbox@6[7/8]; 32 blocks
-    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 7}, {{7, 1, 1, 8, 7, 7}, {7, 3, 0, 8, 0, 7}, {7, 3, 0, 8, 1, 7}, {7, 3, 0, 8, 2, 7}, {7, 3, 0, 8, 3, 7}, {7, 3, 0, 8, 4, 7}, {7, 3, 0, 8, 5, 7}, {7, 3, 0, 8, 6, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}, {2, 4, 0}, {3, 4, 0}, {4, 4, 0}, {5, 4, 0}, {6, 4, 0}, {7, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0], r2:entry[0], r3:entry[0], r4:entry[0], r5:entry[0], r6:entry[0], r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 0}}},  // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[0/8] = r0:src@1[0/8]; signal r1:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 1}}},  // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[1/8] = r0:src@1[1/8]; signal r1:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 2}}},  // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[2/8] = r0:src@1[2/8]; signal r1:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 3}}},  // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[3/8] = r0:src@1[3/8]; signal r1:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 4}}},  // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[4/8] = r0:src@1[4/8]; signal r1:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 5}}},  // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[5/8] = r0:src@1[5/8]; signal r1:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 6}}},  // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[6/8] = r0:src@1[6/8]; signal r1:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 7}}},  // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@0[7/8] = r0:src@1[7/8]; signal r1:arrive[7]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 0 step 9: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[0/8] = r0:src@2[0/8]; signal r2:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 0 step 10: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[1/8] = r0:src@2[1/8]; signal r2:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 0 step 11: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[2/8] = r0:src@2[2/8]; signal r2:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 0 step 12: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[3/8] = r0:src@2[3/8]; signal r2:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 0 step 13: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[4/8] = r0:src@2[4/8]; signal r2:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 0 step 14: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[5/8] = r0:src@2[5/8]; signal r2:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 0 step 15: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[6/8] = r0:src@2[6/8]; signal r2:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 0 step 16: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@0[7/8] = r0:src@2[7/8]; signal r2:arrive[7]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 0 step 17: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[0/8] = r0:src@3[0/8]; signal r3:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 0 step 18: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[1/8] = r0:src@3[1/8]; signal r3:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 0 step 19: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[2/8] = r0:src@3[2/8]; signal r3:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 0 step 20: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[3/8] = r0:src@3[3/8]; signal r3:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 0 step 21: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[4/8] = r0:src@3[4/8]; signal r3:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 0 step 22: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[5/8] = r0:src@3[5/8]; signal r3:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 0 step 23: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[6/8] = r0:src@3[6/8]; signal r3:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 0 step 24: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@0[7/8] = r0:src@3[7/8]; signal r3:arrive[7]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 0}}},  // rank 0 step 25: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[0/8] = r0:src@4[0/8]; signal r4:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 1}}},  // rank 0 step 26: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[1/8] = r0:src@4[1/8]; signal r4:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 2}}},  // rank 0 step 27: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[2/8] = r0:src@4[2/8]; signal r4:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 3}}},  // rank 0 step 28: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[3/8] = r0:src@4[3/8]; signal r4:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 4}}},  // rank 0 step 29: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[4/8] = r0:src@4[4/8]; signal r4:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 5}}},  // rank 0 step 30: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[5/8] = r0:src@4[5/8]; signal r4:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 6}}},  // rank 0 step 31: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[6/8] = r0:src@4[6/8]; signal r4:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 7}}},  // rank 0 step 32: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@0[7/8] = r0:src@4[7/8]; signal r4:arrive[7]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 0}}},  // rank 0 step 33: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[0/8] = r0:src@5[0/8]; signal r5:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 1}}},  // rank 0 step 34: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[1/8] = r0:src@5[1/8]; signal r5:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 2}}},  // rank 0 step 35: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[2/8] = r0:src@5[2/8]; signal r5:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 3}}},  // rank 0 step 36: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[3/8] = r0:src@5[3/8]; signal r5:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 4}}},  // rank 0 step 37: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[4/8] = r0:src@5[4/8]; signal r5:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 5}}},  // rank 0 step 38: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[5/8] = r0:src@5[5/8]; signal r5:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 6}}},  // rank 0 step 39: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[6/8] = r0:src@5[6/8]; signal r5:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 7}}},  // rank 0 step 40: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@0[7/8] = r0:src@5[7/8]; signal r5:arrive[7]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 0}}},  // rank 0 step 41: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[0/8] = r0:src@6[0/8]; signal r6:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 1}}},  // rank 0 step 42: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[1/8] = r0:src@6[1/8]; signal r6:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 2}}},  // rank 0 step 43: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[2/8] = r0:src@6[2/8]; signal r6:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 3}}},  // rank 0 step 44: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[3/8] = r0:src@6[3/8]; signal r6:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 4}}},  // rank 0 step 45: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[4/8] = r0:src@6[4/8]; signal r6:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 5}}},  // rank 0 step 46: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[5/8] = r0:src@6[5/8]; signal r6:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 6}}},  // rank 0 step 47: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[6/8] = r0:src@6[6/8]; signal r6:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 7}}},  // rank 0 step 48: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@0[7/8] = r0:src@6[7/8]; signal r6:arrive[7]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 0}, {{0, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 0}}},  // rank 0 step 49: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[0/8] = r0:src@7[0/8]; signal r7:arrive[0]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 1}, {{0, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 1}}},  // rank 0 step 50: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[1/8] = r0:src@7[1/8]; signal r7:arrive[1]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 2}, {{0, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 2}}},  // rank 0 step 51: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[2/8] = r0:src@7[2/8]; signal r7:arrive[2]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 3}, {{0, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 3}}},  // rank 0 step 52: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[3/8] = r0:src@7[3/8]; signal r7:arrive[3]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 4}, {{0, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 4}}},  // rank 0 step 53: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[4/8] = r0:src@7[4/8]; signal r7:arrive[4]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 5}, {{0, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 5}}},  // rank 0 step 54: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[5/8] = r0:src@7[5/8]; signal r7:arrive[5]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 6}, {{0, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 6}}},  // rank 0 step 55: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[6/8] = r0:src@7[6/8]; signal r7:arrive[6]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 0, 7}, {{0, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 7}}},  // rank 0 step 56: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@0[7/8] = r0:src@7[7/8]; signal r7:arrive[7]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 1, 1, 8, 0, 0}, {0, 3, 0, 8, 1, 0}, {0, 3, 0, 8, 2, 0}, {0, 3, 0, 8, 3, 0}, {0, 3, 0, 8, 4, 0}, {0, 3, 0, 8, 5, 0}, {0, 3, 0, 8, 6, 0}, {0, 3, 0, 8, 7, 0}}, {}, {{5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},  // rank 0 step 57: reduce piece 0; wait arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r0:dst@0[0/8] = r0:src@0[0/8] + r0:inbox@1[0/8] + r0:inbox@2[0/8] + r0:inbox@3[0/8] + r0:inbox@4[0/8] + r0:inbox@5[0/8] + r0:inbox@6[0/8] + r0:inbox@7[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 1, 1, 8, 0, 1}, {0, 3, 0, 8, 1, 1}, {0, 3, 0, 8, 2, 1}, {0, 3, 0, 8, 3, 1}, {0, 3, 0, 8, 4, 1}, {0, 3, 0, 8, 5, 1}, {0, 3, 0, 8, 6, 1}, {0, 3, 0, 8, 7, 1}}, {}, {{5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},  // rank 0 step 58: reduce piece 1; wait arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r0:dst@0[1/8] = r0:src@0[1/8] + r0:inbox@1[1/8] + r0:inbox@2[1/8] + r0:inbox@3[1/8] + r0:inbox@4[1/8] + r0:inbox@5[1/8] + r0:inbox@6[1/8] + r0:inbox@7[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 1, 1, 8, 0, 2}, {0, 3, 0, 8, 1, 2}, {0, 3, 0, 8, 2, 2}, {0, 3, 0, 8, 3, 2}, {0, 3, 0, 8, 4, 2}, {0, 3, 0, 8, 5, 2}, {0, 3, 0, 8, 6, 2}, {0, 3, 0, 8, 7, 2}}, {}, {{5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},  // rank 0 step 59: reduce piece 2; wait arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r0:dst@0[2/8] = r0:src@0[2/8] + r0:inbox@1[2/8] + r0:inbox@2[2/8] + r0:inbox@3[2/8] + r0:inbox@4[2/8] + r0:inbox@5[2/8] + r0:inbox@6[2/8] + r0:inbox@7[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 1, 1, 8, 0, 3}, {0, 3, 0, 8, 1, 3}, {0, 3, 0, 8, 2, 3}, {0, 3, 0, 8, 3, 3}, {0, 3, 0, 8, 4, 3}, {0, 3, 0, 8, 5, 3}, {0, 3, 0, 8, 6, 3}, {0, 3, 0, 8, 7, 3}}, {}, {{5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},  // rank 0 step 60: reduce piece 3; wait arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r0:dst@0[3/8] = r0:src@0[3/8] + r0:inbox@1[3/8] + r0:inbox@2[3/8] + r0:inbox@3[3/8] + r0:inbox@4[3/8] + r0:inbox@5[3/8] + r0:inbox@6[3/8] + r0:inbox@7[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 1, 1, 8, 0, 4}, {0, 3, 0, 8, 1, 4}, {0, 3, 0, 8, 2, 4}, {0, 3, 0, 8, 3, 4}, {0, 3, 0, 8, 4, 4}, {0, 3, 0, 8, 5, 4}, {0, 3, 0, 8, 6, 4}, {0, 3, 0, 8, 7, 4}}, {}, {{5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},  // rank 0 step 61: reduce piece 4; wait arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r0:dst@0[4/8] = r0:src@0[4/8] + r0:inbox@1[4/8] + r0:inbox@2[4/8] + r0:inbox@3[4/8] + r0:inbox@4[4/8] + r0:inbox@5[4/8] + r0:inbox@6[4/8] + r0:inbox@7[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 1, 1, 8, 0, 5}, {0, 3, 0, 8, 1, 5}, {0, 3, 0, 8, 2, 5}, {0, 3, 0, 8, 3, 5}, {0, 3, 0, 8, 4, 5}, {0, 3, 0, 8, 5, 5}, {0, 3, 0, 8, 6, 5}, {0, 3, 0, 8, 7, 5}}, {}, {{5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},  // rank 0 step 62: reduce piece 5; wait arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r0:dst@0[5/8] = r0:src@0[5/8] + r0:inbox@1[5/8] + r0:inbox@2[5/8] + r0:inbox@3[5/8] + r0:inbox@4[5/8] + r0:inbox@5[5/8] + r0:inbox@6[5/8] + r0:inbox@7[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 1, 1, 8, 0, 6}, {0, 3, 0, 8, 1, 6}, {0, 3, 0, 8, 2, 6}, {0, 3, 0, 8, 3, 6}, {0, 3, 0, 8, 4, 6}, {0, 3, 0, 8, 5, 6}, {0, 3, 0, 8, 6, 6}, {0, 3, 0, 8, 7, 6}}, {}, {{5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},  // rank 0 step 63: reduce piece 6; wait arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r0:dst@0[6/8] = r0:src@0[6/8] + r0:inbox@1[6/8] + r0:inbox@2[6/8] + r0:inbox@3[6/8] + r0:inbox@4[6/8] + r0:inbox@5[6/8] + r0:inbox@6[6/8] + r0:inbox@7[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 1, 1, 8, 0, 7}, {0, 3, 0, 8, 1, 7}, {0, 3, 0, 8, 2, 7}, {0, 3, 0, 8, 3, 7}, {0, 3, 0, 8, 4, 7}, {0, 3, 0, 8, 5, 7}, {0, 3, 0, 8, 6, 7}, {0, 3, 0, 8, 7, 7}}, {}, {{5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},  // rank 0 step 64: reduce piece 7; wait arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r0:dst@0[7/8] = r0:src@0[7/8] + r0:inbox@1[7/8] + r0:inbox@2[7/8] + r0:inbox@3[7/8] + r0:inbox@4[7/8] + r0:inbox@5[7/8] + r0:inbox@6[7/8] + r0:inbox@7[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}, {2, 4, 1}, {3, 4, 1}, {4, 4, 1}, {5, 4, 1}, {6, 4, 1}, {7, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1], r2:entry[1], r3:entry[1], r4:entry[1], r5:entry[1], r6:entry[1], r7:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 8}}},  // rank 1 step 1: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[0/8] = r1:src@2[0/8]; signal r2:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 9}}},  // rank 1 step 2: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[1/8] = r1:src@2[1/8]; signal r2:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 10}}},  // rank 1 step 3: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[2/8] = r1:src@2[2/8]; signal r2:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 11}}},  // rank 1 step 4: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[3/8] = r1:src@2[3/8]; signal r2:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 12}}},  // rank 1 step 5: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[4/8] = r1:src@2[4/8]; signal r2:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 13}}},  // rank 1 step 6: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[5/8] = r1:src@2[5/8]; signal r2:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 14}}},  // rank 1 step 7: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[6/8] = r1:src@2[6/8]; signal r2:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 15}}},  // rank 1 step 8: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@1[7/8] = r1:src@2[7/8]; signal r2:arrive[15]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},  // rank 1 step 9: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[0/8] = r1:src@3[0/8]; signal r3:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},  // rank 1 step 10: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[1/8] = r1:src@3[1/8]; signal r3:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},  // rank 1 step 11: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[2/8] = r1:src@3[2/8]; signal r3:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},  // rank 1 step 12: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[3/8] = r1:src@3[3/8]; signal r3:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},  // rank 1 step 13: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[4/8] = r1:src@3[4/8]; signal r3:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},  // rank 1 step 14: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[5/8] = r1:src@3[5/8]; signal r3:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},  // rank 1 step 15: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[6/8] = r1:src@3[6/8]; signal r3:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},  // rank 1 step 16: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@1[7/8] = r1:src@3[7/8]; signal r3:arrive[15]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 8}}},  // rank 1 step 17: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[0/8] = r1:src@4[0/8]; signal r4:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 9}}},  // rank 1 step 18: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[1/8] = r1:src@4[1/8]; signal r4:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 10}}},  // rank 1 step 19: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[2/8] = r1:src@4[2/8]; signal r4:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 11}}},  // rank 1 step 20: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[3/8] = r1:src@4[3/8]; signal r4:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 12}}},  // rank 1 step 21: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[4/8] = r1:src@4[4/8]; signal r4:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 13}}},  // rank 1 step 22: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[5/8] = r1:src@4[5/8]; signal r4:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 14}}},  // rank 1 step 23: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[6/8] = r1:src@4[6/8]; signal r4:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 15}}},  // rank 1 step 24: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@1[7/8] = r1:src@4[7/8]; signal r4:arrive[15]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 8}}},  // rank 1 step 25: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[0/8] = r1:src@5[0/8]; signal r5:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 9}}},  // rank 1 step 26: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[1/8] = r1:src@5[1/8]; signal r5:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 10}}},  // rank 1 step 27: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[2/8] = r1:src@5[2/8]; signal r5:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 11}}},  // rank 1 step 28: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[3/8] = r1:src@5[3/8]; signal r5:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 12}}},  // rank 1 step 29: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[4/8] = r1:src@5[4/8]; signal r5:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 13}}},  // rank 1 step 30: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[5/8] = r1:src@5[5/8]; signal r5:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 14}}},  // rank 1 step 31: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[6/8] = r1:src@5[6/8]; signal r5:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 15}}},  // rank 1 step 32: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@1[7/8] = r1:src@5[7/8]; signal r5:arrive[15]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 8}}},  // rank 1 step 33: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[0/8] = r1:src@6[0/8]; signal r6:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 9}}},  // rank 1 step 34: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[1/8] = r1:src@6[1/8]; signal r6:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 10}}},  // rank 1 step 35: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[2/8] = r1:src@6[2/8]; signal r6:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 11}}},  // rank 1 step 36: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[3/8] = r1:src@6[3/8]; signal r6:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 12}}},  // rank 1 step 37: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[4/8] = r1:src@6[4/8]; signal r6:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 13}}},  // rank 1 step 38: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[5/8] = r1:src@6[5/8]; signal r6:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 14}}},  // rank 1 step 39: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[6/8] = r1:src@6[6/8]; signal r6:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 15}}},  // rank 1 step 40: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@1[7/8] = r1:src@6[7/8]; signal r6:arrive[15]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 8}}},  // rank 1 step 41: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[0/8] = r1:src@7[0/8]; signal r7:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 9}}},  // rank 1 step 42: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[1/8] = r1:src@7[1/8]; signal r7:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 10}}},  // rank 1 step 43: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[2/8] = r1:src@7[2/8]; signal r7:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 11}}},  // rank 1 step 44: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[3/8] = r1:src@7[3/8]; signal r7:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 12}}},  // rank 1 step 45: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[4/8] = r1:src@7[4/8]; signal r7:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 13}}},  // rank 1 step 46: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[5/8] = r1:src@7[5/8]; signal r7:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 14}}},  // rank 1 step 47: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[6/8] = r1:src@7[6/8]; signal r7:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 15}}},  // rank 1 step 48: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@1[7/8] = r1:src@7[7/8]; signal r7:arrive[15]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 1 step 49: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[0/8] = r1:src@0[0/8]; signal r0:arrive[8]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 1 step 50: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[1/8] = r1:src@0[1/8]; signal r0:arrive[9]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 1 step 51: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[2/8] = r1:src@0[2/8]; signal r0:arrive[10]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 1 step 52: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[3/8] = r1:src@0[3/8]; signal r0:arrive[11]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 1 step 53: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[4/8] = r1:src@0[4/8]; signal r0:arrive[12]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 1 step 54: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[5/8] = r1:src@0[5/8]; signal r0:arrive[13]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 1 step 55: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[6/8] = r1:src@0[6/8]; signal r0:arrive[14]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 1 step 56: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@1[7/8] = r1:src@0[7/8]; signal r0:arrive[15]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 1, 1, 8, 1, 0}, {1, 3, 0, 8, 0, 0}, {1, 3, 0, 8, 2, 0}, {1, 3, 0, 8, 3, 0}, {1, 3, 0, 8, 4, 0}, {1, 3, 0, 8, 5, 0}, {1, 3, 0, 8, 6, 0}, {1, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},  // rank 1 step 57: reduce piece 0; wait arrive[0], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r1:dst@0[0/8] = r1:src@1[0/8] + r1:inbox@0[0/8] + r1:inbox@2[0/8] + r1:inbox@3[0/8] + r1:inbox@4[0/8] + r1:inbox@5[0/8] + r1:inbox@6[0/8] + r1:inbox@7[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 1, 1, 8, 1, 1}, {1, 3, 0, 8, 0, 1}, {1, 3, 0, 8, 2, 1}, {1, 3, 0, 8, 3, 1}, {1, 3, 0, 8, 4, 1}, {1, 3, 0, 8, 5, 1}, {1, 3, 0, 8, 6, 1}, {1, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},  // rank 1 step 58: reduce piece 1; wait arrive[1], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r1:dst@0[1/8] = r1:src@1[1/8] + r1:inbox@0[1/8] + r1:inbox@2[1/8] + r1:inbox@3[1/8] + r1:inbox@4[1/8] + r1:inbox@5[1/8] + r1:inbox@6[1/8] + r1:inbox@7[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 1, 1, 8, 1, 2}, {1, 3, 0, 8, 0, 2}, {1, 3, 0, 8, 2, 2}, {1, 3, 0, 8, 3, 2}, {1, 3, 0, 8, 4, 2}, {1, 3, 0, 8, 5, 2}, {1, 3, 0, 8, 6, 2}, {1, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},  // rank 1 step 59: reduce piece 2; wait arrive[2], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r1:dst@0[2/8] = r1:src@1[2/8] + r1:inbox@0[2/8] + r1:inbox@2[2/8] + r1:inbox@3[2/8] + r1:inbox@4[2/8] + r1:inbox@5[2/8] + r1:inbox@6[2/8] + r1:inbox@7[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 1, 1, 8, 1, 3}, {1, 3, 0, 8, 0, 3}, {1, 3, 0, 8, 2, 3}, {1, 3, 0, 8, 3, 3}, {1, 3, 0, 8, 4, 3}, {1, 3, 0, 8, 5, 3}, {1, 3, 0, 8, 6, 3}, {1, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},  // rank 1 step 60: reduce piece 3; wait arrive[3], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r1:dst@0[3/8] = r1:src@1[3/8] + r1:inbox@0[3/8] + r1:inbox@2[3/8] + r1:inbox@3[3/8] + r1:inbox@4[3/8] + r1:inbox@5[3/8] + r1:inbox@6[3/8] + r1:inbox@7[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 1, 1, 8, 1, 4}, {1, 3, 0, 8, 0, 4}, {1, 3, 0, 8, 2, 4}, {1, 3, 0, 8, 3, 4}, {1, 3, 0, 8, 4, 4}, {1, 3, 0, 8, 5, 4}, {1, 3, 0, 8, 6, 4}, {1, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},  // rank 1 step 61: reduce piece 4; wait arrive[4], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r1:dst@0[4/8] = r1:src@1[4/8] + r1:inbox@0[4/8] + r1:inbox@2[4/8] + r1:inbox@3[4/8] + r1:inbox@4[4/8] + r1:inbox@5[4/8] + r1:inbox@6[4/8] + r1:inbox@7[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 1, 1, 8, 1, 5}, {1, 3, 0, 8, 0, 5}, {1, 3, 0, 8, 2, 5}, {1, 3, 0, 8, 3, 5}, {1, 3, 0, 8, 4, 5}, {1, 3, 0, 8, 5, 5}, {1, 3, 0, 8, 6, 5}, {1, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},  // rank 1 step 62: reduce piece 5; wait arrive[5], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r1:dst@0[5/8] = r1:src@1[5/8] + r1:inbox@0[5/8] + r1:inbox@2[5/8] + r1:inbox@3[5/8] + r1:inbox@4[5/8] + r1:inbox@5[5/8] + r1:inbox@6[5/8] + r1:inbox@7[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 1, 1, 8, 1, 6}, {1, 3, 0, 8, 0, 6}, {1, 3, 0, 8, 2, 6}, {1, 3, 0, 8, 3, 6}, {1, 3, 0, 8, 4, 6}, {1, 3, 0, 8, 5, 6}, {1, 3, 0, 8, 6, 6}, {1, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},  // rank 1 step 63: reduce piece 6; wait arrive[6], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r1:dst@0[6/8] = r1:src@1[6/8] + r1:inbox@0[6/8] + r1:inbox@2[6/8] + r1:inbox@3[6/8] + r1:inbox@4[6/8] + r1:inbox@5[6/8] + r1:inbox@6[6/8] + r1:inbox@7[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 1, 1, 8, 1, 7}, {1, 3, 0, 8, 0, 7}, {1, 3, 0, 8, 2, 7}, {1, 3, 0, 8, 3, 7}, {1, 3, 0, 8, 4, 7}, {1, 3, 0, 8, 5, 7}, {1, 3, 0, 8, 6, 7}, {1, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},  // rank 1 step 64: reduce piece 7; wait arrive[7], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r1:dst@0[7/8] = r1:src@1[7/8] + r1:inbox@0[7/8] + r1:inbox@2[7/8] + r1:inbox@3[7/8] + r1:inbox@4[7/8] + r1:inbox@5[7/8] + r1:inbox@6[7/8] + r1:inbox@7[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 2}, {1, 4, 2}, {3, 4, 2}, {4, 4, 2}, {5, 4, 2}, {6, 4, 2}, {7, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r0:entry[2], r1:entry[2], r3:entry[2], r4:entry[2], r5:entry[2], r6:entry[2], r7:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 16}}},  // rank 2 step 1: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[0/8] = r2:src@3[0/8]; signal r3:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 17}}},  // rank 2 step 2: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[1/8] = r2:src@3[1/8]; signal r3:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 18}}},  // rank 2 step 3: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[2/8] = r2:src@3[2/8]; signal r3:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 19}}},  // rank 2 step 4: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[3/8] = r2:src@3[3/8]; signal r3:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 20}}},  // rank 2 step 5: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[4/8] = r2:src@3[4/8]; signal r3:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 21}}},  // rank 2 step 6: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[5/8] = r2:src@3[5/8]; signal r3:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 22}}},  // rank 2 step 7: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[6/8] = r2:src@3[6/8]; signal r3:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 23}}},  // rank 2 step 8: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@2[7/8] = r2:src@3[7/8]; signal r3:arrive[23]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 16}}},  // rank 2 step 9: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[0/8] = r2:src@4[0/8]; signal r4:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 17}}},  // rank 2 step 10: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[1/8] = r2:src@4[1/8]; signal r4:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 18}}},  // rank 2 step 11: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[2/8] = r2:src@4[2/8]; signal r4:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 19}}},  // rank 2 step 12: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[3/8] = r2:src@4[3/8]; signal r4:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},  // rank 2 step 13: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[4/8] = r2:src@4[4/8]; signal r4:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},  // rank 2 step 14: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[5/8] = r2:src@4[5/8]; signal r4:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},  // rank 2 step 15: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[6/8] = r2:src@4[6/8]; signal r4:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},  // rank 2 step 16: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@2[7/8] = r2:src@4[7/8]; signal r4:arrive[23]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 16}}},  // rank 2 step 17: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[0/8] = r2:src@5[0/8]; signal r5:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 17}}},  // rank 2 step 18: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[1/8] = r2:src@5[1/8]; signal r5:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 18}}},  // rank 2 step 19: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[2/8] = r2:src@5[2/8]; signal r5:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 19}}},  // rank 2 step 20: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[3/8] = r2:src@5[3/8]; signal r5:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 20}}},  // rank 2 step 21: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[4/8] = r2:src@5[4/8]; signal r5:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 21}}},  // rank 2 step 22: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[5/8] = r2:src@5[5/8]; signal r5:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 22}}},  // rank 2 step 23: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[6/8] = r2:src@5[6/8]; signal r5:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 23}}},  // rank 2 step 24: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@2[7/8] = r2:src@5[7/8]; signal r5:arrive[23]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 16}}},  // rank 2 step 25: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[0/8] = r2:src@6[0/8]; signal r6:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 17}}},  // rank 2 step 26: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[1/8] = r2:src@6[1/8]; signal r6:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 18}}},  // rank 2 step 27: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[2/8] = r2:src@6[2/8]; signal r6:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 19}}},  // rank 2 step 28: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[3/8] = r2:src@6[3/8]; signal r6:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 20}}},  // rank 2 step 29: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[4/8] = r2:src@6[4/8]; signal r6:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 21}}},  // rank 2 step 30: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[5/8] = r2:src@6[5/8]; signal r6:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 22}}},  // rank 2 step 31: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[6/8] = r2:src@6[6/8]; signal r6:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 23}}},  // rank 2 step 32: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@2[7/8] = r2:src@6[7/8]; signal r6:arrive[23]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 16}}},  // rank 2 step 33: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[0/8] = r2:src@7[0/8]; signal r7:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 17}}},  // rank 2 step 34: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[1/8] = r2:src@7[1/8]; signal r7:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 18}}},  // rank 2 step 35: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[2/8] = r2:src@7[2/8]; signal r7:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 19}}},  // rank 2 step 36: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[3/8] = r2:src@7[3/8]; signal r7:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 20}}},  // rank 2 step 37: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[4/8] = r2:src@7[4/8]; signal r7:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 21}}},  // rank 2 step 38: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[5/8] = r2:src@7[5/8]; signal r7:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 22}}},  // rank 2 step 39: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[6/8] = r2:src@7[6/8]; signal r7:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 23}}},  // rank 2 step 40: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@2[7/8] = r2:src@7[7/8]; signal r7:arrive[23]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 2 step 41: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[0/8] = r2:src@0[0/8]; signal r0:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 2 step 42: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[1/8] = r2:src@0[1/8]; signal r0:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 2 step 43: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[2/8] = r2:src@0[2/8]; signal r0:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 2 step 44: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[3/8] = r2:src@0[3/8]; signal r0:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 2 step 45: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[4/8] = r2:src@0[4/8]; signal r0:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 2 step 46: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[5/8] = r2:src@0[5/8]; signal r0:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 2 step 47: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[6/8] = r2:src@0[6/8]; signal r0:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 2 step 48: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@2[7/8] = r2:src@0[7/8]; signal r0:arrive[23]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 2 step 49: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[0/8] = r2:src@1[0/8]; signal r1:arrive[16]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 2 step 50: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[1/8] = r2:src@1[1/8]; signal r1:arrive[17]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 2 step 51: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[2/8] = r2:src@1[2/8]; signal r1:arrive[18]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 2 step 52: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[3/8] = r2:src@1[3/8]; signal r1:arrive[19]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 2 step 53: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[4/8] = r2:src@1[4/8]; signal r1:arrive[20]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 2 step 54: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[5/8] = r2:src@1[5/8]; signal r1:arrive[21]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 2 step 55: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[6/8] = r2:src@1[6/8]; signal r1:arrive[22]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 2 step 56: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@2[7/8] = r2:src@1[7/8]; signal r1:arrive[23]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 1, 1, 8, 2, 0}, {2, 3, 0, 8, 0, 0}, {2, 3, 0, 8, 1, 0}, {2, 3, 0, 8, 3, 0}, {2, 3, 0, 8, 4, 0}, {2, 3, 0, 8, 5, 0}, {2, 3, 0, 8, 6, 0}, {2, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},  // rank 2 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[24], arrive[32], arrive[40], arrive[48], arrive[56]; r2:dst@0[0/8] = r2:src@2[0/8] + r2:inbox@0[0/8] + r2:inbox@1[0/8] + r2:inbox@3[0/8] + r2:inbox@4[0/8] + r2:inbox@5[0/8] + r2:inbox@6[0/8] + r2:inbox@7[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 1, 1, 8, 2, 1}, {2, 3, 0, 8, 0, 1}, {2, 3, 0, 8, 1, 1}, {2, 3, 0, 8, 3, 1}, {2, 3, 0, 8, 4, 1}, {2, 3, 0, 8, 5, 1}, {2, 3, 0, 8, 6, 1}, {2, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},  // rank 2 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[25], arrive[33], arrive[41], arrive[49], arrive[57]; r2:dst@0[1/8] = r2:src@2[1/8] + r2:inbox@0[1/8] + r2:inbox@1[1/8] + r2:inbox@3[1/8] + r2:inbox@4[1/8] + r2:inbox@5[1/8] + r2:inbox@6[1/8] + r2:inbox@7[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 1, 1, 8, 2, 2}, {2, 3, 0, 8, 0, 2}, {2, 3, 0, 8, 1, 2}, {2, 3, 0, 8, 3, 2}, {2, 3, 0, 8, 4, 2}, {2, 3, 0, 8, 5, 2}, {2, 3, 0, 8, 6, 2}, {2, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},  // rank 2 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[26], arrive[34], arrive[42], arrive[50], arrive[58]; r2:dst@0[2/8] = r2:src@2[2/8] + r2:inbox@0[2/8] + r2:inbox@1[2/8] + r2:inbox@3[2/8] + r2:inbox@4[2/8] + r2:inbox@5[2/8] + r2:inbox@6[2/8] + r2:inbox@7[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 1, 1, 8, 2, 3}, {2, 3, 0, 8, 0, 3}, {2, 3, 0, 8, 1, 3}, {2, 3, 0, 8, 3, 3}, {2, 3, 0, 8, 4, 3}, {2, 3, 0, 8, 5, 3}, {2, 3, 0, 8, 6, 3}, {2, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},  // rank 2 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[27], arrive[35], arrive[43], arrive[51], arrive[59]; r2:dst@0[3/8] = r2:src@2[3/8] + r2:inbox@0[3/8] + r2:inbox@1[3/8] + r2:inbox@3[3/8] + r2:inbox@4[3/8] + r2:inbox@5[3/8] + r2:inbox@6[3/8] + r2:inbox@7[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 1, 1, 8, 2, 4}, {2, 3, 0, 8, 0, 4}, {2, 3, 0, 8, 1, 4}, {2, 3, 0, 8, 3, 4}, {2, 3, 0, 8, 4, 4}, {2, 3, 0, 8, 5, 4}, {2, 3, 0, 8, 6, 4}, {2, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},  // rank 2 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[28], arrive[36], arrive[44], arrive[52], arrive[60]; r2:dst@0[4/8] = r2:src@2[4/8] + r2:inbox@0[4/8] + r2:inbox@1[4/8] + r2:inbox@3[4/8] + r2:inbox@4[4/8] + r2:inbox@5[4/8] + r2:inbox@6[4/8] + r2:inbox@7[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 1, 1, 8, 2, 5}, {2, 3, 0, 8, 0, 5}, {2, 3, 0, 8, 1, 5}, {2, 3, 0, 8, 3, 5}, {2, 3, 0, 8, 4, 5}, {2, 3, 0, 8, 5, 5}, {2, 3, 0, 8, 6, 5}, {2, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},  // rank 2 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[29], arrive[37], arrive[45], arrive[53], arrive[61]; r2:dst@0[5/8] = r2:src@2[5/8] + r2:inbox@0[5/8] + r2:inbox@1[5/8] + r2:inbox@3[5/8] + r2:inbox@4[5/8] + r2:inbox@5[5/8] + r2:inbox@6[5/8] + r2:inbox@7[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 1, 1, 8, 2, 6}, {2, 3, 0, 8, 0, 6}, {2, 3, 0, 8, 1, 6}, {2, 3, 0, 8, 3, 6}, {2, 3, 0, 8, 4, 6}, {2, 3, 0, 8, 5, 6}, {2, 3, 0, 8, 6, 6}, {2, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},  // rank 2 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[30], arrive[38], arrive[46], arrive[54], arrive[62]; r2:dst@0[6/8] = r2:src@2[6/8] + r2:inbox@0[6/8] + r2:inbox@1[6/8] + r2:inbox@3[6/8] + r2:inbox@4[6/8] + r2:inbox@5[6/8] + r2:inbox@6[6/8] + r2:inbox@7[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 1, 1, 8, 2, 7}, {2, 3, 0, 8, 0, 7}, {2, 3, 0, 8, 1, 7}, {2, 3, 0, 8, 3, 7}, {2, 3, 0, 8, 4, 7}, {2, 3, 0, 8, 5, 7}, {2, 3, 0, 8, 6, 7}, {2, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},  // rank 2 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[31], arrive[39], arrive[47], arrive[55], arrive[63]; r2:dst@0[7/8] = r2:src@2[7/8] + r2:inbox@0[7/8] + r2:inbox@1[7/8] + r2:inbox@3[7/8] + r2:inbox@4[7/8] + r2:inbox@5[7/8] + r2:inbox@6[7/8] + r2:inbox@7[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 3}, {1, 4, 3}, {2, 4, 3}, {4, 4, 3}, {5, 4, 3}, {6, 4, 3}, {7, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r0:entry[3], r1:entry[3], r2:entry[3], r4:entry[3], r5:entry[3], r6:entry[3], r7:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 24}}},  // rank 3 step 1: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[0/8] = r3:src@4[0/8]; signal r4:arrive[24]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 25}}},  // rank 3 step 2: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[1/8] = r3:src@4[1/8]; signal r4:arrive[25]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 26}}},  // rank 3 step 3: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[2/8] = r3:src@4[2/8]; signal r4:arrive[26]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 27}}},  // rank 3 step 4: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[3/8] = r3:src@4[3/8]; signal r4:arrive[27]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 28}}},  // rank 3 step 5: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[4/8] = r3:src@4[4/8]; signal r4:arrive[28]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 29}}},  // rank 3 step 6: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[5/8] = r3:src@4[5/8]; signal r4:arrive[29]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 30}}},  // rank 3 step 7: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[6/8] = r3:src@4[6/8]; signal r4:arrive[30]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 31}}},  // rank 3 step 8: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@3[7/8] = r3:src@4[7/8]; signal r4:arrive[31]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},  // rank 3 step 9: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[0/8] = r3:src@5[0/8]; signal r5:arrive[24]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},  // rank 3 step 10: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[1/8] = r3:src@5[1/8]; signal r5:arrive[25]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},  // rank 3 step 11: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[2/8] = r3:src@5[2/8]; signal r5:arrive[26]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},  // rank 3 step 12: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[3/8] = r3:src@5[3/8]; signal r5:arrive[27]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},  // rank 3 step 13: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[4/8] = r3:src@5[4/8]; signal r5:arrive[28]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},  // rank 3 step 14: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[5/8] = r3:src@5[5/8]; signal r5:arrive[29]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},  // rank 3 step 15: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[6/8] = r3:src@5[6/8]; signal r5:arrive[30]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},  // rank 3 step 16: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@3[7/8] = r3:src@5[7/8]; signal r5:arrive[31]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 24}}},  // rank 3 step 17: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[0/8] = r3:src@6[0/8]; signal r6:arrive[24]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 25}}},  // rank 3 step 18: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[1/8] = r3:src@6[1/8]; signal r6:arrive[25]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 26}}},  // rank 3 step 19: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[2/8] = r3:src@6[2/8]; signal r6:arrive[26]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 27}}},  // rank 3 step 20: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[3/8] = r3:src@6[3/8]; signal r6:arrive[27]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 28}}},  // rank 3 step 21: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[4/8] = r3:src@6[4/8]; signal r6:arrive[28]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 29}}},  // rank 3 step 22: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[5/8] = r3:src@6[5/8]; signal r6:arrive[29]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 30}}},  // rank 3 step 23: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[6/8] = r3:src@6[6/8]; signal r6:arrive[30]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 31}}},  // rank 3 step 24: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@3[7/8] = r3:src@6[7/8]; signal r6:arrive[31]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 24}}},  // rank 3 step 25: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[0/8] = r3:src@7[0/8]; signal r7:arrive[24]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 25}}},  // rank 3 step 26: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[1/8] = r3:src@7[1/8]; signal r7:arrive[25]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 26}}},  // rank 3 step 27: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[2/8] = r3:src@7[2/8]; signal r7:arrive[26]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 27}}},  // rank 3 step 28: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[3/8] = r3:src@7[3/8]; signal r7:arrive[27]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 28}}},  // rank 3 step 29: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[4/8] = r3:src@7[4/8]; signal r7:arrive[28]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 29}}},  // rank 3 step 30: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[5/8] = r3:src@7[5/8]; signal r7:arrive[29]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 30}}},  // rank 3 step 31: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[6/8] = r3:src@7[6/8]; signal r7:arrive[30]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 31}}},  // rank 3 step 32: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@3[7/8] = r3:src@7[7/8]; signal r7:arrive[31]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 24}}},  // rank 3 step 33: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[0/8] = r3:src@0[0/8]; signal r0:arrive[24]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 25}}},  // rank 3 step 34: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[1/8] = r3:src@0[1/8]; signal r0:arrive[25]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 26}}},  // rank 3 step 35: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[2/8] = r3:src@0[2/8]; signal r0:arrive[26]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 27}}},  // rank 3 step 36: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[3/8] = r3:src@0[3/8]; signal r0:arrive[27]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 28}}},  // rank 3 step 37: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[4/8] = r3:src@0[4/8]; signal r0:arrive[28]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 29}}},  // rank 3 step 38: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[5/8] = r3:src@0[5/8]; signal r0:arrive[29]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 30}}},  // rank 3 step 39: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[6/8] = r3:src@0[6/8]; signal r0:arrive[30]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 31}}},  // rank 3 step 40: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@3[7/8] = r3:src@0[7/8]; signal r0:arrive[31]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},  // rank 3 step 41: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[0/8] = r3:src@1[0/8]; signal r1:arrive[24]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},  // rank 3 step 42: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[1/8] = r3:src@1[1/8]; signal r1:arrive[25]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},  // rank 3 step 43: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[2/8] = r3:src@1[2/8]; signal r1:arrive[26]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},  // rank 3 step 44: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[3/8] = r3:src@1[3/8]; signal r1:arrive[27]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},  // rank 3 step 45: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[4/8] = r3:src@1[4/8]; signal r1:arrive[28]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},  // rank 3 step 46: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[5/8] = r3:src@1[5/8]; signal r1:arrive[29]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},  // rank 3 step 47: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[6/8] = r3:src@1[6/8]; signal r1:arrive[30]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},  // rank 3 step 48: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@3[7/8] = r3:src@1[7/8]; signal r1:arrive[31]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 24}}},  // rank 3 step 49: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[0/8] = r3:src@2[0/8]; signal r2:arrive[24]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 25}}},  // rank 3 step 50: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[1/8] = r3:src@2[1/8]; signal r2:arrive[25]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 26}}},  // rank 3 step 51: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[2/8] = r3:src@2[2/8]; signal r2:arrive[26]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 27}}},  // rank 3 step 52: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[3/8] = r3:src@2[3/8]; signal r2:arrive[27]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 28}}},  // rank 3 step 53: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[4/8] = r3:src@2[4/8]; signal r2:arrive[28]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 29}}},  // rank 3 step 54: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[5/8] = r3:src@2[5/8]; signal r2:arrive[29]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 30}}},  // rank 3 step 55: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[6/8] = r3:src@2[6/8]; signal r2:arrive[30]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 3, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 31}}},  // rank 3 step 56: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@3[7/8] = r3:src@2[7/8]; signal r2:arrive[31]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 1, 1, 8, 3, 0}, {3, 3, 0, 8, 0, 0}, {3, 3, 0, 8, 1, 0}, {3, 3, 0, 8, 2, 0}, {3, 3, 0, 8, 4, 0}, {3, 3, 0, 8, 5, 0}, {3, 3, 0, 8, 6, 0}, {3, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},  // rank 3 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[32], arrive[40], arrive[48], arrive[56]; r3:dst@0[0/8] = r3:src@3[0/8] + r3:inbox@0[0/8] + r3:inbox@1[0/8] + r3:inbox@2[0/8] + r3:inbox@4[0/8] + r3:inbox@5[0/8] + r3:inbox@6[0/8] + r3:inbox@7[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 1, 1, 8, 3, 1}, {3, 3, 0, 8, 0, 1}, {3, 3, 0, 8, 1, 1}, {3, 3, 0, 8, 2, 1}, {3, 3, 0, 8, 4, 1}, {3, 3, 0, 8, 5, 1}, {3, 3, 0, 8, 6, 1}, {3, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},  // rank 3 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[33], arrive[41], arrive[49], arrive[57]; r3:dst@0[1/8] = r3:src@3[1/8] + r3:inbox@0[1/8] + r3:inbox@1[1/8] + r3:inbox@2[1/8] + r3:inbox@4[1/8] + r3:inbox@5[1/8] + r3:inbox@6[1/8] + r3:inbox@7[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 1, 1, 8, 3, 2}, {3, 3, 0, 8, 0, 2}, {3, 3, 0, 8, 1, 2}, {3, 3, 0, 8, 2, 2}, {3, 3, 0, 8, 4, 2}, {3, 3, 0, 8, 5, 2}, {3, 3, 0, 8, 6, 2}, {3, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},  // rank 3 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[34], arrive[42], arrive[50], arrive[58]; r3:dst@0[2/8] = r3:src@3[2/8] + r3:inbox@0[2/8] + r3:inbox@1[2/8] + r3:inbox@2[2/8] + r3:inbox@4[2/8] + r3:inbox@5[2/8] + r3:inbox@6[2/8] + r3:inbox@7[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 1, 1, 8, 3, 3}, {3, 3, 0, 8, 0, 3}, {3, 3, 0, 8, 1, 3}, {3, 3, 0, 8, 2, 3}, {3, 3, 0, 8, 4, 3}, {3, 3, 0, 8, 5, 3}, {3, 3, 0, 8, 6, 3}, {3, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},  // rank 3 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[35], arrive[43], arrive[51], arrive[59]; r3:dst@0[3/8] = r3:src@3[3/8] + r3:inbox@0[3/8] + r3:inbox@1[3/8] + r3:inbox@2[3/8] + r3:inbox@4[3/8] + r3:inbox@5[3/8] + r3:inbox@6[3/8] + r3:inbox@7[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 1, 1, 8, 3, 4}, {3, 3, 0, 8, 0, 4}, {3, 3, 0, 8, 1, 4}, {3, 3, 0, 8, 2, 4}, {3, 3, 0, 8, 4, 4}, {3, 3, 0, 8, 5, 4}, {3, 3, 0, 8, 6, 4}, {3, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},  // rank 3 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[36], arrive[44], arrive[52], arrive[60]; r3:dst@0[4/8] = r3:src@3[4/8] + r3:inbox@0[4/8] + r3:inbox@1[4/8] + r3:inbox@2[4/8] + r3:inbox@4[4/8] + r3:inbox@5[4/8] + r3:inbox@6[4/8] + r3:inbox@7[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 1, 1, 8, 3, 5}, {3, 3, 0, 8, 0, 5}, {3, 3, 0, 8, 1, 5}, {3, 3, 0, 8, 2, 5}, {3, 3, 0, 8, 4, 5}, {3, 3, 0, 8, 5, 5}, {3, 3, 0, 8, 6, 5}, {3, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},  // rank 3 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[37], arrive[45], arrive[53], arrive[61]; r3:dst@0[5/8] = r3:src@3[5/8] + r3:inbox@0[5/8] + r3:inbox@1[5/8] + r3:inbox@2[5/8] + r3:inbox@4[5/8] + r3:inbox@5[5/8] + r3:inbox@6[5/8] + r3:inbox@7[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 1, 1, 8, 3, 6}, {3, 3, 0, 8, 0, 6}, {3, 3, 0, 8, 1, 6}, {3, 3, 0, 8, 2, 6}, {3, 3, 0, 8, 4, 6}, {3, 3, 0, 8, 5, 6}, {3, 3, 0, 8, 6, 6}, {3, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},  // rank 3 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[38], arrive[46], arrive[54], arrive[62]; r3:dst@0[6/8] = r3:src@3[6/8] + r3:inbox@0[6/8] + r3:inbox@1[6/8] + r3:inbox@2[6/8] + r3:inbox@4[6/8] + r3:inbox@5[6/8] + r3:inbox@6[6/8] + r3:inbox@7[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 1, 1, 8, 3, 7}, {3, 3, 0, 8, 0, 7}, {3, 3, 0, 8, 1, 7}, {3, 3, 0, 8, 2, 7}, {3, 3, 0, 8, 4, 7}, {3, 3, 0, 8, 5, 7}, {3, 3, 0, 8, 6, 7}, {3, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},  // rank 3 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[39], arrive[47], arrive[55], arrive[63]; r3:dst@0[7/8] = r3:src@3[7/8] + r3:inbox@0[7/8] + r3:inbox@1[7/8] + r3:inbox@2[7/8] + r3:inbox@4[7/8] + r3:inbox@5[7/8] + r3:inbox@6[7/8] + r3:inbox@7[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 4}, {1, 4, 4}, {2, 4, 4}, {3, 4, 4}, {5, 4, 4}, {6, 4, 4}, {7, 4, 4}}},  // rank 4 step 0: entry: signal every peer; signal r0:entry[4], r1:entry[4], r2:entry[4], r3:entry[4], r5:entry[4], r6:entry[4], r7:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 32}}},  // rank 4 step 1: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[0/8] = r4:src@5[0/8]; signal r5:arrive[32]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 33}}},  // rank 4 step 2: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[1/8] = r4:src@5[1/8]; signal r5:arrive[33]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 34}}},  // rank 4 step 3: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[2/8] = r4:src@5[2/8]; signal r5:arrive[34]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 35}}},  // rank 4 step 4: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[3/8] = r4:src@5[3/8]; signal r5:arrive[35]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 36}}},  // rank 4 step 5: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[4/8] = r4:src@5[4/8]; signal r5:arrive[36]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 37}}},  // rank 4 step 6: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[5/8] = r4:src@5[5/8]; signal r5:arrive[37]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 38}}},  // rank 4 step 7: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[6/8] = r4:src@5[6/8]; signal r5:arrive[38]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 39}}},  // rank 4 step 8: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@4[7/8] = r4:src@5[7/8]; signal r5:arrive[39]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 32}}},  // rank 4 step 9: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[0/8] = r4:src@6[0/8]; signal r6:arrive[32]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 33}}},  // rank 4 step 10: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[1/8] = r4:src@6[1/8]; signal r6:arrive[33]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 34}}},  // rank 4 step 11: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[2/8] = r4:src@6[2/8]; signal r6:arrive[34]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 35}}},  // rank 4 step 12: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[3/8] = r4:src@6[3/8]; signal r6:arrive[35]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 36}}},  // rank 4 step 13: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[4/8] = r4:src@6[4/8]; signal r6:arrive[36]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 37}}},  // rank 4 step 14: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[5/8] = r4:src@6[5/8]; signal r6:arrive[37]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 38}}},  // rank 4 step 15: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[6/8] = r4:src@6[6/8]; signal r6:arrive[38]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 39}}},  // rank 4 step 16: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@4[7/8] = r4:src@6[7/8]; signal r6:arrive[39]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 32}}},  // rank 4 step 17: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[0/8] = r4:src@7[0/8]; signal r7:arrive[32]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 33}}},  // rank 4 step 18: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[1/8] = r4:src@7[1/8]; signal r7:arrive[33]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 34}}},  // rank 4 step 19: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[2/8] = r4:src@7[2/8]; signal r7:arrive[34]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 35}}},  // rank 4 step 20: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[3/8] = r4:src@7[3/8]; signal r7:arrive[35]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 36}}},  // rank 4 step 21: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[4/8] = r4:src@7[4/8]; signal r7:arrive[36]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 37}}},  // rank 4 step 22: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[5/8] = r4:src@7[5/8]; signal r7:arrive[37]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 38}}},  // rank 4 step 23: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[6/8] = r4:src@7[6/8]; signal r7:arrive[38]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 39}}},  // rank 4 step 24: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@4[7/8] = r4:src@7[7/8]; signal r7:arrive[39]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 32}}},  // rank 4 step 25: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[0/8] = r4:src@0[0/8]; signal r0:arrive[32]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 33}}},  // rank 4 step 26: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[1/8] = r4:src@0[1/8]; signal r0:arrive[33]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 34}}},  // rank 4 step 27: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[2/8] = r4:src@0[2/8]; signal r0:arrive[34]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 35}}},  // rank 4 step 28: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[3/8] = r4:src@0[3/8]; signal r0:arrive[35]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 36}}},  // rank 4 step 29: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[4/8] = r4:src@0[4/8]; signal r0:arrive[36]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 37}}},  // rank 4 step 30: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[5/8] = r4:src@0[5/8]; signal r0:arrive[37]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 38}}},  // rank 4 step 31: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[6/8] = r4:src@0[6/8]; signal r0:arrive[38]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 39}}},  // rank 4 step 32: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@4[7/8] = r4:src@0[7/8]; signal r0:arrive[39]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 32}}},  // rank 4 step 33: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[0/8] = r4:src@1[0/8]; signal r1:arrive[32]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 33}}},  // rank 4 step 34: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[1/8] = r4:src@1[1/8]; signal r1:arrive[33]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 34}}},  // rank 4 step 35: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[2/8] = r4:src@1[2/8]; signal r1:arrive[34]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 35}}},  // rank 4 step 36: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[3/8] = r4:src@1[3/8]; signal r1:arrive[35]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 36}}},  // rank 4 step 37: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[4/8] = r4:src@1[4/8]; signal r1:arrive[36]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 37}}},  // rank 4 step 38: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[5/8] = r4:src@1[5/8]; signal r1:arrive[37]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 38}}},  // rank 4 step 39: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[6/8] = r4:src@1[6/8]; signal r1:arrive[38]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 39}}},  // rank 4 step 40: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@4[7/8] = r4:src@1[7/8]; signal r1:arrive[39]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 32}}},  // rank 4 step 41: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[0/8] = r4:src@2[0/8]; signal r2:arrive[32]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 33}}},  // rank 4 step 42: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[1/8] = r4:src@2[1/8]; signal r2:arrive[33]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 34}}},  // rank 4 step 43: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[2/8] = r4:src@2[2/8]; signal r2:arrive[34]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 35}}},  // rank 4 step 44: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[3/8] = r4:src@2[3/8]; signal r2:arrive[35]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 36}}},  // rank 4 step 45: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[4/8] = r4:src@2[4/8]; signal r2:arrive[36]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 37}}},  // rank 4 step 46: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[5/8] = r4:src@2[5/8]; signal r2:arrive[37]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 38}}},  // rank 4 step 47: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[6/8] = r4:src@2[6/8]; signal r2:arrive[38]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 39}}},  // rank 4 step 48: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@4[7/8] = r4:src@2[7/8]; signal r2:arrive[39]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 0}, {{4, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 32}}},  // rank 4 step 49: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[0/8] = r4:src@3[0/8]; signal r3:arrive[32]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 1}, {{4, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 33}}},  // rank 4 step 50: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[1/8] = r4:src@3[1/8]; signal r3:arrive[33]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 2}, {{4, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 34}}},  // rank 4 step 51: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[2/8] = r4:src@3[2/8]; signal r3:arrive[34]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 3}, {{4, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 35}}},  // rank 4 step 52: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[3/8] = r4:src@3[3/8]; signal r3:arrive[35]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 4}, {{4, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 36}}},  // rank 4 step 53: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[4/8] = r4:src@3[4/8]; signal r3:arrive[36]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 5}, {{4, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 37}}},  // rank 4 step 54: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[5/8] = r4:src@3[5/8]; signal r3:arrive[37]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 6}, {{4, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 38}}},  // rank 4 step 55: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[6/8] = r4:src@3[6/8]; signal r3:arrive[38]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 4, 7}, {{4, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 39}}},  // rank 4 step 56: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@4[7/8] = r4:src@3[7/8]; signal r3:arrive[39]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 0}, {{4, 1, 1, 8, 4, 0}, {4, 3, 0, 8, 0, 0}, {4, 3, 0, 8, 1, 0}, {4, 3, 0, 8, 2, 0}, {4, 3, 0, 8, 3, 0}, {4, 3, 0, 8, 5, 0}, {4, 3, 0, 8, 6, 0}, {4, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},  // rank 4 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[40], arrive[48], arrive[56]; r4:dst@0[0/8] = r4:src@4[0/8] + r4:inbox@0[0/8] + r4:inbox@1[0/8] + r4:inbox@2[0/8] + r4:inbox@3[0/8] + r4:inbox@5[0/8] + r4:inbox@6[0/8] + r4:inbox@7[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 1}, {{4, 1, 1, 8, 4, 1}, {4, 3, 0, 8, 0, 1}, {4, 3, 0, 8, 1, 1}, {4, 3, 0, 8, 2, 1}, {4, 3, 0, 8, 3, 1}, {4, 3, 0, 8, 5, 1}, {4, 3, 0, 8, 6, 1}, {4, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},  // rank 4 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[41], arrive[49], arrive[57]; r4:dst@0[1/8] = r4:src@4[1/8] + r4:inbox@0[1/8] + r4:inbox@1[1/8] + r4:inbox@2[1/8] + r4:inbox@3[1/8] + r4:inbox@5[1/8] + r4:inbox@6[1/8] + r4:inbox@7[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 2}, {{4, 1, 1, 8, 4, 2}, {4, 3, 0, 8, 0, 2}, {4, 3, 0, 8, 1, 2}, {4, 3, 0, 8, 2, 2}, {4, 3, 0, 8, 3, 2}, {4, 3, 0, 8, 5, 2}, {4, 3, 0, 8, 6, 2}, {4, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},  // rank 4 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[42], arrive[50], arrive[58]; r4:dst@0[2/8] = r4:src@4[2/8] + r4:inbox@0[2/8] + r4:inbox@1[2/8] + r4:inbox@2[2/8] + r4:inbox@3[2/8] + r4:inbox@5[2/8] + r4:inbox@6[2/8] + r4:inbox@7[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 3}, {{4, 1, 1, 8, 4, 3}, {4, 3, 0, 8, 0, 3}, {4, 3, 0, 8, 1, 3}, {4, 3, 0, 8, 2, 3}, {4, 3, 0, 8, 3, 3}, {4, 3, 0, 8, 5, 3}, {4, 3, 0, 8, 6, 3}, {4, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},  // rank 4 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[43], arrive[51], arrive[59]; r4:dst@0[3/8] = r4:src@4[3/8] + r4:inbox@0[3/8] + r4:inbox@1[3/8] + r4:inbox@2[3/8] + r4:inbox@3[3/8] + r4:inbox@5[3/8] + r4:inbox@6[3/8] + r4:inbox@7[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 4}, {{4, 1, 1, 8, 4, 4}, {4, 3, 0, 8, 0, 4}, {4, 3, 0, 8, 1, 4}, {4, 3, 0, 8, 2, 4}, {4, 3, 0, 8, 3, 4}, {4, 3, 0, 8, 5, 4}, {4, 3, 0, 8, 6, 4}, {4, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},  // rank 4 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[44], arrive[52], arrive[60]; r4:dst@0[4/8] = r4:src@4[4/8] + r4:inbox@0[4/8] + r4:inbox@1[4/8] + r4:inbox@2[4/8] + r4:inbox@3[4/8] + r4:inbox@5[4/8] + r4:inbox@6[4/8] + r4:inbox@7[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 5}, {{4, 1, 1, 8, 4, 5}, {4, 3, 0, 8, 0, 5}, {4, 3, 0, 8, 1, 5}, {4, 3, 0, 8, 2, 5}, {4, 3, 0, 8, 3, 5}, {4, 3, 0, 8, 5, 5}, {4, 3, 0, 8, 6, 5}, {4, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},  // rank 4 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[45], arrive[53], arrive[61]; r4:dst@0[5/8] = r4:src@4[5/8] + r4:inbox@0[5/8] + r4:inbox@1[5/8] + r4:inbox@2[5/8] + r4:inbox@3[5/8] + r4:inbox@5[5/8] + r4:inbox@6[5/8] + r4:inbox@7[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 6}, {{4, 1, 1, 8, 4, 6}, {4, 3, 0, 8, 0, 6}, {4, 3, 0, 8, 1, 6}, {4, 3, 0, 8, 2, 6}, {4, 3, 0, 8, 3, 6}, {4, 3, 0, 8, 5, 6}, {4, 3, 0, 8, 6, 6}, {4, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},  // rank 4 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[46], arrive[54], arrive[62]; r4:dst@0[6/8] = r4:src@4[6/8] + r4:inbox@0[6/8] + r4:inbox@1[6/8] + r4:inbox@2[6/8] + r4:inbox@3[6/8] + r4:inbox@5[6/8] + r4:inbox@6[6/8] + r4:inbox@7[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {4, 2, 0, 8, 0, 7}, {{4, 1, 1, 8, 4, 7}, {4, 3, 0, 8, 0, 7}, {4, 3, 0, 8, 1, 7}, {4, 3, 0, 8, 2, 7}, {4, 3, 0, 8, 3, 7}, {4, 3, 0, 8, 5, 7}, {4, 3, 0, 8, 6, 7}, {4, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},  // rank 4 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[47], arrive[55], arrive[63]; r4:dst@0[7/8] = r4:src@4[7/8] + r4:inbox@0[7/8] + r4:inbox@1[7/8] + r4:inbox@2[7/8] + r4:inbox@3[7/8] + r4:inbox@5[7/8] + r4:inbox@6[7/8] + r4:inbox@7[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 5}, {1, 4, 5}, {2, 4, 5}, {3, 4, 5}, {4, 4, 5}, {6, 4, 5}, {7, 4, 5}}},  // rank 5 step 0: entry: signal every peer; signal r0:entry[5], r1:entry[5], r2:entry[5], r3:entry[5], r4:entry[5], r6:entry[5], r7:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 40}}},  // rank 5 step 1: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[0/8] = r5:src@6[0/8]; signal r6:arrive[40]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 41}}},  // rank 5 step 2: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[1/8] = r5:src@6[1/8]; signal r6:arrive[41]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 42}}},  // rank 5 step 3: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[2/8] = r5:src@6[2/8]; signal r6:arrive[42]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 43}}},  // rank 5 step 4: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[3/8] = r5:src@6[3/8]; signal r6:arrive[43]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 44}}},  // rank 5 step 5: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[4/8] = r5:src@6[4/8]; signal r6:arrive[44]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 45}}},  // rank 5 step 6: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[5/8] = r5:src@6[5/8]; signal r6:arrive[45]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 46}}},  // rank 5 step 7: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[6/8] = r5:src@6[6/8]; signal r6:arrive[46]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 47}}},  // rank 5 step 8: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@5[7/8] = r5:src@6[7/8]; signal r6:arrive[47]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 40}}},  // rank 5 step 9: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[0/8] = r5:src@7[0/8]; signal r7:arrive[40]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 41}}},  // rank 5 step 10: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[1/8] = r5:src@7[1/8]; signal r7:arrive[41]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 42}}},  // rank 5 step 11: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[2/8] = r5:src@7[2/8]; signal r7:arrive[42]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 43}}},  // rank 5 step 12: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[3/8] = r5:src@7[3/8]; signal r7:arrive[43]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 44}}},  // rank 5 step 13: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[4/8] = r5:src@7[4/8]; signal r7:arrive[44]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 45}}},  // rank 5 step 14: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[5/8] = r5:src@7[5/8]; signal r7:arrive[45]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 46}}},  // rank 5 step 15: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[6/8] = r5:src@7[6/8]; signal r7:arrive[46]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 47}}},  // rank 5 step 16: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@5[7/8] = r5:src@7[7/8]; signal r7:arrive[47]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 40}}},  // rank 5 step 17: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[0/8] = r5:src@0[0/8]; signal r0:arrive[40]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 41}}},  // rank 5 step 18: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[1/8] = r5:src@0[1/8]; signal r0:arrive[41]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 42}}},  // rank 5 step 19: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[2/8] = r5:src@0[2/8]; signal r0:arrive[42]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 43}}},  // rank 5 step 20: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[3/8] = r5:src@0[3/8]; signal r0:arrive[43]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 44}}},  // rank 5 step 21: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[4/8] = r5:src@0[4/8]; signal r0:arrive[44]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 45}}},  // rank 5 step 22: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[5/8] = r5:src@0[5/8]; signal r0:arrive[45]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 46}}},  // rank 5 step 23: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[6/8] = r5:src@0[6/8]; signal r0:arrive[46]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 47}}},  // rank 5 step 24: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@5[7/8] = r5:src@0[7/8]; signal r0:arrive[47]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 40}}},  // rank 5 step 25: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[0/8] = r5:src@1[0/8]; signal r1:arrive[40]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 41}}},  // rank 5 step 26: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[1/8] = r5:src@1[1/8]; signal r1:arrive[41]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 42}}},  // rank 5 step 27: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[2/8] = r5:src@1[2/8]; signal r1:arrive[42]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 43}}},  // rank 5 step 28: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[3/8] = r5:src@1[3/8]; signal r1:arrive[43]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 44}}},  // rank 5 step 29: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[4/8] = r5:src@1[4/8]; signal r1:arrive[44]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 45}}},  // rank 5 step 30: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[5/8] = r5:src@1[5/8]; signal r1:arrive[45]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 46}}},  // rank 5 step 31: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[6/8] = r5:src@1[6/8]; signal r1:arrive[46]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 47}}},  // rank 5 step 32: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@5[7/8] = r5:src@1[7/8]; signal r1:arrive[47]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 40}}},  // rank 5 step 33: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[0/8] = r5:src@2[0/8]; signal r2:arrive[40]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 41}}},  // rank 5 step 34: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[1/8] = r5:src@2[1/8]; signal r2:arrive[41]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 42}}},  // rank 5 step 35: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[2/8] = r5:src@2[2/8]; signal r2:arrive[42]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 43}}},  // rank 5 step 36: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[3/8] = r5:src@2[3/8]; signal r2:arrive[43]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 44}}},  // rank 5 step 37: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[4/8] = r5:src@2[4/8]; signal r2:arrive[44]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 45}}},  // rank 5 step 38: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[5/8] = r5:src@2[5/8]; signal r2:arrive[45]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 46}}},  // rank 5 step 39: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[6/8] = r5:src@2[6/8]; signal r2:arrive[46]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 47}}},  // rank 5 step 40: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@5[7/8] = r5:src@2[7/8]; signal r2:arrive[47]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 40}}},  // rank 5 step 41: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[0/8] = r5:src@3[0/8]; signal r3:arrive[40]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 41}}},  // rank 5 step 42: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[1/8] = r5:src@3[1/8]; signal r3:arrive[41]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 42}}},  // rank 5 step 43: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[2/8] = r5:src@3[2/8]; signal r3:arrive[42]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 43}}},  // rank 5 step 44: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[3/8] = r5:src@3[3/8]; signal r3:arrive[43]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 44}}},  // rank 5 step 45: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[4/8] = r5:src@3[4/8]; signal r3:arrive[44]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 45}}},  // rank 5 step 46: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[5/8] = r5:src@3[5/8]; signal r3:arrive[45]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 46}}},  // rank 5 step 47: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[6/8] = r5:src@3[6/8]; signal r3:arrive[46]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 47}}},  // rank 5 step 48: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@5[7/8] = r5:src@3[7/8]; signal r3:arrive[47]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 0}, {{5, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 40}}},  // rank 5 step 49: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[0/8] = r5:src@4[0/8]; signal r4:arrive[40]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 1}, {{5, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 41}}},  // rank 5 step 50: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[1/8] = r5:src@4[1/8]; signal r4:arrive[41]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 2}, {{5, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 42}}},  // rank 5 step 51: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[2/8] = r5:src@4[2/8]; signal r4:arrive[42]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 3}, {{5, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 43}}},  // rank 5 step 52: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[3/8] = r5:src@4[3/8]; signal r4:arrive[43]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 4}, {{5, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 44}}},  // rank 5 step 53: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[4/8] = r5:src@4[4/8]; signal r4:arrive[44]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 5}, {{5, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 45}}},  // rank 5 step 54: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[5/8] = r5:src@4[5/8]; signal r4:arrive[45]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 6}, {{5, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 46}}},  // rank 5 step 55: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[6/8] = r5:src@4[6/8]; signal r4:arrive[46]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 5, 7}, {{5, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 47}}},  // rank 5 step 56: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@5[7/8] = r5:src@4[7/8]; signal r4:arrive[47]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 0}, {{5, 1, 1, 8, 5, 0}, {5, 3, 0, 8, 0, 0}, {5, 3, 0, 8, 1, 0}, {5, 3, 0, 8, 2, 0}, {5, 3, 0, 8, 3, 0}, {5, 3, 0, 8, 4, 0}, {5, 3, 0, 8, 6, 0}, {5, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 48, 32}, {5, 0, 56, 32}}, {}},  // rank 5 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[48], arrive[56]; r5:dst@0[0/8] = r5:src@5[0/8] + r5:inbox@0[0/8] + r5:inbox@1[0/8] + r5:inbox@2[0/8] + r5:inbox@3[0/8] + r5:inbox@4[0/8] + r5:inbox@6[0/8] + r5:inbox@7[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 1}, {{5, 1, 1, 8, 5, 1}, {5, 3, 0, 8, 0, 1}, {5, 3, 0, 8, 1, 1}, {5, 3, 0, 8, 2, 1}, {5, 3, 0, 8, 3, 1}, {5, 3, 0, 8, 4, 1}, {5, 3, 0, 8, 6, 1}, {5, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 49, 32}, {5, 0, 57, 32}}, {}},  // rank 5 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[49], arrive[57]; r5:dst@0[1/8] = r5:src@5[1/8] + r5:inbox@0[1/8] + r5:inbox@1[1/8] + r5:inbox@2[1/8] + r5:inbox@3[1/8] + r5:inbox@4[1/8] + r5:inbox@6[1/8] + r5:inbox@7[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 2}, {{5, 1, 1, 8, 5, 2}, {5, 3, 0, 8, 0, 2}, {5, 3, 0, 8, 1, 2}, {5, 3, 0, 8, 2, 2}, {5, 3, 0, 8, 3, 2}, {5, 3, 0, 8, 4, 2}, {5, 3, 0, 8, 6, 2}, {5, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 50, 32}, {5, 0, 58, 32}}, {}},  // rank 5 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[50], arrive[58]; r5:dst@0[2/8] = r5:src@5[2/8] + r5:inbox@0[2/8] + r5:inbox@1[2/8] + r5:inbox@2[2/8] + r5:inbox@3[2/8] + r5:inbox@4[2/8] + r5:inbox@6[2/8] + r5:inbox@7[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 3}, {{5, 1, 1, 8, 5, 3}, {5, 3, 0, 8, 0, 3}, {5, 3, 0, 8, 1, 3}, {5, 3, 0, 8, 2, 3}, {5, 3, 0, 8, 3, 3}, {5, 3, 0, 8, 4, 3}, {5, 3, 0, 8, 6, 3}, {5, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 51, 32}, {5, 0, 59, 32}}, {}},  // rank 5 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[51], arrive[59]; r5:dst@0[3/8] = r5:src@5[3/8] + r5:inbox@0[3/8] + r5:inbox@1[3/8] + r5:inbox@2[3/8] + r5:inbox@3[3/8] + r5:inbox@4[3/8] + r5:inbox@6[3/8] + r5:inbox@7[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 4}, {{5, 1, 1, 8, 5, 4}, {5, 3, 0, 8, 0, 4}, {5, 3, 0, 8, 1, 4}, {5, 3, 0, 8, 2, 4}, {5, 3, 0, 8, 3, 4}, {5, 3, 0, 8, 4, 4}, {5, 3, 0, 8, 6, 4}, {5, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 52, 32}, {5, 0, 60, 32}}, {}},  // rank 5 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[52], arrive[60]; r5:dst@0[4/8] = r5:src@5[4/8] + r5:inbox@0[4/8] + r5:inbox@1[4/8] + r5:inbox@2[4/8] + r5:inbox@3[4/8] + r5:inbox@4[4/8] + r5:inbox@6[4/8] + r5:inbox@7[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 5}, {{5, 1, 1, 8, 5, 5}, {5, 3, 0, 8, 0, 5}, {5, 3, 0, 8, 1, 5}, {5, 3, 0, 8, 2, 5}, {5, 3, 0, 8, 3, 5}, {5, 3, 0, 8, 4, 5}, {5, 3, 0, 8, 6, 5}, {5, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 53, 32}, {5, 0, 61, 32}}, {}},  // rank 5 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[53], arrive[61]; r5:dst@0[5/8] = r5:src@5[5/8] + r5:inbox@0[5/8] + r5:inbox@1[5/8] + r5:inbox@2[5/8] + r5:inbox@3[5/8] + r5:inbox@4[5/8] + r5:inbox@6[5/8] + r5:inbox@7[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 6}, {{5, 1, 1, 8, 5, 6}, {5, 3, 0, 8, 0, 6}, {5, 3, 0, 8, 1, 6}, {5, 3, 0, 8, 2, 6}, {5, 3, 0, 8, 3, 6}, {5, 3, 0, 8, 4, 6}, {5, 3, 0, 8, 6, 6}, {5, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 54, 32}, {5, 0, 62, 32}}, {}},  // rank 5 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[54], arrive[62]; r5:dst@0[6/8] = r5:src@5[6/8] + r5:inbox@0[6/8] + r5:inbox@1[6/8] + r5:inbox@2[6/8] + r5:inbox@3[6/8] + r5:inbox@4[6/8] + r5:inbox@6[6/8] + r5:inbox@7[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {5, 2, 0, 8, 0, 7}, {{5, 1, 1, 8, 5, 7}, {5, 3, 0, 8, 0, 7}, {5, 3, 0, 8, 1, 7}, {5, 3, 0, 8, 2, 7}, {5, 3, 0, 8, 3, 7}, {5, 3, 0, 8, 4, 7}, {5, 3, 0, 8, 6, 7}, {5, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 55, 32}, {5, 0, 63, 32}}, {}},  // rank 5 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[55], arrive[63]; r5:dst@0[7/8] = r5:src@5[7/8] + r5:inbox@0[7/8] + r5:inbox@1[7/8] + r5:inbox@2[7/8] + r5:inbox@3[7/8] + r5:inbox@4[7/8] + r5:inbox@6[7/8] + r5:inbox@7[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 6}, {1, 4, 6}, {2, 4, 6}, {3, 4, 6}, {4, 4, 6}, {5, 4, 6}, {7, 4, 6}}},  // rank 6 step 0: entry: signal every peer; signal r0:entry[6], r1:entry[6], r2:entry[6], r3:entry[6], r4:entry[6], r5:entry[6], r7:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 7, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 48}}},  // rank 6 step 1: piece 0 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[0/8] = r6:src@7[0/8]; signal r7:arrive[48]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 7, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 49}}},  // rank 6 step 2: piece 1 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[1/8] = r6:src@7[1/8]; signal r7:arrive[49]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 7, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 50}}},  // rank 6 step 3: piece 2 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[2/8] = r6:src@7[2/8]; signal r7:arrive[50]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 7, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 51}}},  // rank 6 step 4: piece 3 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[3/8] = r6:src@7[3/8]; signal r7:arrive[51]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 7, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 52}}},  // rank 6 step 5: piece 4 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[4/8] = r6:src@7[4/8]; signal r7:arrive[52]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 7, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 53}}},  // rank 6 step 6: piece 5 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[5/8] = r6:src@7[5/8]; signal r7:arrive[53]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 7, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 54}}},  // rank 6 step 7: piece 6 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[6/8] = r6:src@7[6/8]; signal r7:arrive[54]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 7, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 55}}},  // rank 6 step 8: piece 7 of chunk 7 to rank 7's inbox; wait entry[7]; r7:inbox@6[7/8] = r6:src@7[7/8]; signal r7:arrive[55]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 48}}},  // rank 6 step 9: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[0/8] = r6:src@0[0/8]; signal r0:arrive[48]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 49}}},  // rank 6 step 10: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[1/8] = r6:src@0[1/8]; signal r0:arrive[49]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 50}}},  // rank 6 step 11: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[2/8] = r6:src@0[2/8]; signal r0:arrive[50]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 51}}},  // rank 6 step 12: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[3/8] = r6:src@0[3/8]; signal r0:arrive[51]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 52}}},  // rank 6 step 13: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[4/8] = r6:src@0[4/8]; signal r0:arrive[52]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 53}}},  // rank 6 step 14: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[5/8] = r6:src@0[5/8]; signal r0:arrive[53]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 54}}},  // rank 6 step 15: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[6/8] = r6:src@0[6/8]; signal r0:arrive[54]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 55}}},  // rank 6 step 16: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@6[7/8] = r6:src@0[7/8]; signal r0:arrive[55]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 48}}},  // rank 6 step 17: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[0/8] = r6:src@1[0/8]; signal r1:arrive[48]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 49}}},  // rank 6 step 18: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[1/8] = r6:src@1[1/8]; signal r1:arrive[49]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 50}}},  // rank 6 step 19: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[2/8] = r6:src@1[2/8]; signal r1:arrive[50]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 51}}},  // rank 6 step 20: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[3/8] = r6:src@1[3/8]; signal r1:arrive[51]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 52}}},  // rank 6 step 21: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[4/8] = r6:src@1[4/8]; signal r1:arrive[52]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 53}}},  // rank 6 step 22: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[5/8] = r6:src@1[5/8]; signal r1:arrive[53]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 54}}},  // rank 6 step 23: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[6/8] = r6:src@1[6/8]; signal r1:arrive[54]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 55}}},  // rank 6 step 24: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@6[7/8] = r6:src@1[7/8]; signal r1:arrive[55]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 48}}},  // rank 6 step 25: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[0/8] = r6:src@2[0/8]; signal r2:arrive[48]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 49}}},  // rank 6 step 26: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[1/8] = r6:src@2[1/8]; signal r2:arrive[49]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 50}}},  // rank 6 step 27: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[2/8] = r6:src@2[2/8]; signal r2:arrive[50]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 51}}},  // rank 6 step 28: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[3/8] = r6:src@2[3/8]; signal r2:arrive[51]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 52}}},  // rank 6 step 29: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[4/8] = r6:src@2[4/8]; signal r2:arrive[52]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 53}}},  // rank 6 step 30: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[5/8] = r6:src@2[5/8]; signal r2:arrive[53]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 54}}},  // rank 6 step 31: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[6/8] = r6:src@2[6/8]; signal r2:arrive[54]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 55}}},  // rank 6 step 32: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@6[7/8] = r6:src@2[7/8]; signal r2:arrive[55]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 48}}},  // rank 6 step 33: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[0/8] = r6:src@3[0/8]; signal r3:arrive[48]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 49}}},  // rank 6 step 34: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[1/8] = r6:src@3[1/8]; signal r3:arrive[49]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 50}}},  // rank 6 step 35: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[2/8] = r6:src@3[2/8]; signal r3:arrive[50]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 51}}},  // rank 6 step 36: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[3/8] = r6:src@3[3/8]; signal r3:arrive[51]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 52}}},  // rank 6 step 37: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[4/8] = r6:src@3[4/8]; signal r3:arrive[52]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 53}}},  // rank 6 step 38: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[5/8] = r6:src@3[5/8]; signal r3:arrive[53]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 54}}},  // rank 6 step 39: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[6/8] = r6:src@3[6/8]; signal r3:arrive[54]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 55}}},  // rank 6 step 40: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@6[7/8] = r6:src@3[7/8]; signal r3:arrive[55]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 48}}},  // rank 6 step 41: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[0/8] = r6:src@4[0/8]; signal r4:arrive[48]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 49}}},  // rank 6 step 42: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[1/8] = r6:src@4[1/8]; signal r4:arrive[49]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 50}}},  // rank 6 step 43: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[2/8] = r6:src@4[2/8]; signal r4:arrive[50]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 51}}},  // rank 6 step 44: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[3/8] = r6:src@4[3/8]; signal r4:arrive[51]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 52}}},  // rank 6 step 45: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[4/8] = r6:src@4[4/8]; signal r4:arrive[52]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 53}}},  // rank 6 step 46: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[5/8] = r6:src@4[5/8]; signal r4:arrive[53]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 54}}},  // rank 6 step 47: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[6/8] = r6:src@4[6/8]; signal r4:arrive[54]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 55}}},  // rank 6 step 48: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@6[7/8] = r6:src@4[7/8]; signal r4:arrive[55]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 0}, {{6, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 48}}},  // rank 6 step 49: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[0/8] = r6:src@5[0/8]; signal r5:arrive[48]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 1}, {{6, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 49}}},  // rank 6 step 50: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[1/8] = r6:src@5[1/8]; signal r5:arrive[49]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 2}, {{6, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 50}}},  // rank 6 step 51: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[2/8] = r6:src@5[2/8]; signal r5:arrive[50]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 3}, {{6, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 51}}},  // rank 6 step 52: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[3/8] = r6:src@5[3/8]; signal r5:arrive[51]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 4}, {{6, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 52}}},  // rank 6 step 53: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[4/8] = r6:src@5[4/8]; signal r5:arrive[52]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 5}, {{6, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 53}}},  // rank 6 step 54: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[5/8] = r6:src@5[5/8]; signal r5:arrive[53]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 6}, {{6, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 54}}},  // rank 6 step 55: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[6/8] = r6:src@5[6/8]; signal r5:arrive[54]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 6, 7}, {{6, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 55}}},  // rank 6 step 56: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@6[7/8] = r6:src@5[7/8]; signal r5:arrive[55]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 0}, {{6, 1, 1, 8, 6, 0}, {6, 3, 0, 8, 0, 0}, {6, 3, 0, 8, 1, 0}, {6, 3, 0, 8, 2, 0}, {6, 3, 0, 8, 3, 0}, {6, 3, 0, 8, 4, 0}, {6, 3, 0, 8, 5, 0}, {6, 3, 0, 8, 7, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 56, 32}}, {}},  // rank 6 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[56]; r6:dst@0[0/8] = r6:src@6[0/8] + r6:inbox@0[0/8] + r6:inbox@1[0/8] + r6:inbox@2[0/8] + r6:inbox@3[0/8] + r6:inbox@4[0/8] + r6:inbox@5[0/8] + r6:inbox@7[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 1}, {{6, 1, 1, 8, 6, 1}, {6, 3, 0, 8, 0, 1}, {6, 3, 0, 8, 1, 1}, {6, 3, 0, 8, 2, 1}, {6, 3, 0, 8, 3, 1}, {6, 3, 0, 8, 4, 1}, {6, 3, 0, 8, 5, 1}, {6, 3, 0, 8, 7, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 57, 32}}, {}},  // rank 6 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[57]; r6:dst@0[1/8] = r6:src@6[1/8] + r6:inbox@0[1/8] + r6:inbox@1[1/8] + r6:inbox@2[1/8] + r6:inbox@3[1/8] + r6:inbox@4[1/8] + r6:inbox@5[1/8] + r6:inbox@7[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 2}, {{6, 1, 1, 8, 6, 2}, {6, 3, 0, 8, 0, 2}, {6, 3, 0, 8, 1, 2}, {6, 3, 0, 8, 2, 2}, {6, 3, 0, 8, 3, 2}, {6, 3, 0, 8, 4, 2}, {6, 3, 0, 8, 5, 2}, {6, 3, 0, 8, 7, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 58, 32}}, {}},  // rank 6 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[58]; r6:dst@0[2/8] = r6:src@6[2/8] + r6:inbox@0[2/8] + r6:inbox@1[2/8] + r6:inbox@2[2/8] + r6:inbox@3[2/8] + r6:inbox@4[2/8] + r6:inbox@5[2/8] + r6:inbox@7[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 3}, {{6, 1, 1, 8, 6, 3}, {6, 3, 0, 8, 0, 3}, {6, 3, 0, 8, 1, 3}, {6, 3, 0, 8, 2, 3}, {6, 3, 0, 8, 3, 3}, {6, 3, 0, 8, 4, 3}, {6, 3, 0, 8, 5, 3}, {6, 3, 0, 8, 7, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 59, 32}}, {}},  // rank 6 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[59]; r6:dst@0[3/8] = r6:src@6[3/8] + r6:inbox@0[3/8] + r6:inbox@1[3/8] + r6:inbox@2[3/8] + r6:inbox@3[3/8] + r6:inbox@4[3/8] + r6:inbox@5[3/8] + r6:inbox@7[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 4}, {{6, 1, 1, 8, 6, 4}, {6, 3, 0, 8, 0, 4}, {6, 3, 0, 8, 1, 4}, {6, 3, 0, 8, 2, 4}, {6, 3, 0, 8, 3, 4}, {6, 3, 0, 8, 4, 4}, {6, 3, 0, 8, 5, 4}, {6, 3, 0, 8, 7, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 60, 32}}, {}},  // rank 6 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[60]; r6:dst@0[4/8] = r6:src@6[4/8] + r6:inbox@0[4/8] + r6:inbox@1[4/8] + r6:inbox@2[4/8] + r6:inbox@3[4/8] + r6:inbox@4[4/8] + r6:inbox@5[4/8] + r6:inbox@7[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 5}, {{6, 1, 1, 8, 6, 5}, {6, 3, 0, 8, 0, 5}, {6, 3, 0, 8, 1, 5}, {6, 3, 0, 8, 2, 5}, {6, 3, 0, 8, 3, 5}, {6, 3, 0, 8, 4, 5}, {6, 3, 0, 8, 5, 5}, {6, 3, 0, 8, 7, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 61, 32}}, {}},  // rank 6 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[61]; r6:dst@0[5/8] = r6:src@6[5/8] + r6:inbox@0[5/8] + r6:inbox@1[5/8] + r6:inbox@2[5/8] + r6:inbox@3[5/8] + r6:inbox@4[5/8] + r6:inbox@5[5/8] + r6:inbox@7[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 6}, {{6, 1, 1, 8, 6, 6}, {6, 3, 0, 8, 0, 6}, {6, 3, 0, 8, 1, 6}, {6, 3, 0, 8, 2, 6}, {6, 3, 0, 8, 3, 6}, {6, 3, 0, 8, 4, 6}, {6, 3, 0, 8, 5, 6}, {6, 3, 0, 8, 7, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 62, 32}}, {}},  // rank 6 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[62]; r6:dst@0[6/8] = r6:src@6[6/8] + r6:inbox@0[6/8] + r6:inbox@1[6/8] + r6:inbox@2[6/8] + r6:inbox@3[6/8] + r6:inbox@4[6/8] + r6:inbox@5[6/8] + r6:inbox@7[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {6, 2, 0, 8, 0, 7}, {{6, 1, 1, 8, 6, 7}, {6, 3, 0, 8, 0, 7}, {6, 3, 0, 8, 1, 7}, {6, 3, 0, 8, 2, 7}, {6, 3, 0, 8, 3, 7}, {6, 3, 0, 8, 4, 7}, {6, 3, 0, 8, 5, 7}, {6, 3, 0, 8, 7, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 63, 32}}, {}},  // rank 6 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[63]; r6:dst@0[7/8] = r6:src@6[7/8] + r6:inbox@0[7/8] + r6:inbox@1[7/8] + r6:inbox@2[7/8] + r6:inbox@3[7/8] + r6:inbox@4[7/8] + r6:inbox@5[7/8] + r6:inbox@7[7/8]; 32 blocks
+    {TSGEN_OP_NONE, 0, 0, 7, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 7}, {1, 4, 7}, {2, 4, 7}, {3, 4, 7}, {4, 4, 7}, {5, 4, 7}, {6, 4, 7}}},  // rank 7 step 0: entry: signal every peer; signal r0:entry[7], r1:entry[7], r2:entry[7], r3:entry[7], r4:entry[7], r5:entry[7], r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 56}}},  // rank 7 step 1: piece 0 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[0/8] = r7:src@0[0/8]; signal r0:arrive[56]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 57}}},  // rank 7 step 2: piece 1 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[1/8] = r7:src@0[1/8]; signal r0:arrive[57]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 58}}},  // rank 7 step 3: piece 2 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[2/8] = r7:src@0[2/8]; signal r0:arrive[58]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 59}}},  // rank 7 step 4: piece 3 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[3/8] = r7:src@0[3/8]; signal r0:arrive[59]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 60}}},  // rank 7 step 5: piece 4 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[4/8] = r7:src@0[4/8]; signal r0:arrive[60]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 61}}},  // rank 7 step 6: piece 5 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[5/8] = r7:src@0[5/8]; signal r0:arrive[61]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 62}}},  // rank 7 step 7: piece 6 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[6/8] = r7:src@0[6/8]; signal r0:arrive[62]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 63}}},  // rank 7 step 8: piece 7 of chunk 0 to rank 0's inbox; wait entry[0]; r0:inbox@7[7/8] = r7:src@0[7/8]; signal r0:arrive[63]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 56}}},  // rank 7 step 9: piece 0 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[0/8] = r7:src@1[0/8]; signal r1:arrive[56]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 57}}},  // rank 7 step 10: piece 1 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[1/8] = r7:src@1[1/8]; signal r1:arrive[57]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 58}}},  // rank 7 step 11: piece 2 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[2/8] = r7:src@1[2/8]; signal r1:arrive[58]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 59}}},  // rank 7 step 12: piece 3 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[3/8] = r7:src@1[3/8]; signal r1:arrive[59]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 60}}},  // rank 7 step 13: piece 4 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[4/8] = r7:src@1[4/8]; signal r1:arrive[60]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 61}}},  // rank 7 step 14: piece 5 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[5/8] = r7:src@1[5/8]; signal r1:arrive[61]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 62}}},  // rank 7 step 15: piece 6 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[6/8] = r7:src@1[6/8]; signal r1:arrive[62]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 63}}},  // rank 7 step 16: piece 7 of chunk 1 to rank 1's inbox; wait entry[1]; r1:inbox@7[7/8] = r7:src@1[7/8]; signal r1:arrive[63]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 2, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 56}}},  // rank 7 step 17: piece 0 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[0/8] = r7:src@2[0/8]; signal r2:arrive[56]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 2, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 57}}},  // rank 7 step 18: piece 1 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[1/8] = r7:src@2[1/8]; signal r2:arrive[57]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 2, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 58}}},  // rank 7 step 19: piece 2 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[2/8] = r7:src@2[2/8]; signal r2:arrive[58]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 2, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 59}}},  // rank 7 step 20: piece 3 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[3/8] = r7:src@2[3/8]; signal r2:arrive[59]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 2, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 60}}},  // rank 7 step 21: piece 4 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[4/8] = r7:src@2[4/8]; signal r2:arrive[60]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 2, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 61}}},  // rank 7 step 22: piece 5 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[5/8] = r7:src@2[5/8]; signal r2:arrive[61]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 2, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 62}}},  // rank 7 step 23: piece 6 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[6/8] = r7:src@2[6/8]; signal r2:arrive[62]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 2, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 63}}},  // rank 7 step 24: piece 7 of chunk 2 to rank 2's inbox; wait entry[2]; r2:inbox@7[7/8] = r7:src@2[7/8]; signal r2:arrive[63]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 3, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 56}}},  // rank 7 step 25: piece 0 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[0/8] = r7:src@3[0/8]; signal r3:arrive[56]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 3, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 57}}},  // rank 7 step 26: piece 1 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[1/8] = r7:src@3[1/8]; signal r3:arrive[57]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 3, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 58}}},  // rank 7 step 27: piece 2 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[2/8] = r7:src@3[2/8]; signal r3:arrive[58]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 3, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 59}}},  // rank 7 step 28: piece 3 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[3/8] = r7:src@3[3/8]; signal r3:arrive[59]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 3, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 60}}},  // rank 7 step 29: piece 4 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[4/8] = r7:src@3[4/8]; signal r3:arrive[60]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 3, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 61}}},  // rank 7 step 30: piece 5 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[5/8] = r7:src@3[5/8]; signal r3:arrive[61]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 3, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 62}}},  // rank 7 step 31: piece 6 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[6/8] = r7:src@3[6/8]; signal r3:arrive[62]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 3, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 63}}},  // rank 7 step 32: piece 7 of chunk 3 to rank 3's inbox; wait entry[3]; r3:inbox@7[7/8] = r7:src@3[7/8]; signal r3:arrive[63]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 4, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 56}}},  // rank 7 step 33: piece 0 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[0/8] = r7:src@4[0/8]; signal r4:arrive[56]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 4, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 57}}},  // rank 7 step 34: piece 1 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[1/8] = r7:src@4[1/8]; signal r4:arrive[57]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 4, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 58}}},  // rank 7 step 35: piece 2 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[2/8] = r7:src@4[2/8]; signal r4:arrive[58]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 4, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 59}}},  // rank 7 step 36: piece 3 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[3/8] = r7:src@4[3/8]; signal r4:arrive[59]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 4, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 60}}},  // rank 7 step 37: piece 4 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[4/8] = r7:src@4[4/8]; signal r4:arrive[60]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 4, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 61}}},  // rank 7 step 38: piece 5 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[5/8] = r7:src@4[5/8]; signal r4:arrive[61]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 4, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 62}}},  // rank 7 step 39: piece 6 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[6/8] = r7:src@4[6/8]; signal r4:arrive[62]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 4, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 63}}},  // rank 7 step 40: piece 7 of chunk 4 to rank 4's inbox; wait entry[4]; r4:inbox@7[7/8] = r7:src@4[7/8]; signal r4:arrive[63]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 5, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 56}}},  // rank 7 step 41: piece 0 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[0/8] = r7:src@5[0/8]; signal r5:arrive[56]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 5, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 57}}},  // rank 7 step 42: piece 1 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[1/8] = r7:src@5[1/8]; signal r5:arrive[57]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 5, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 58}}},  // rank 7 step 43: piece 2 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[2/8] = r7:src@5[2/8]; signal r5:arrive[58]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 5, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 59}}},  // rank 7 step 44: piece 3 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[3/8] = r7:src@5[3/8]; signal r5:arrive[59]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 5, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 60}}},  // rank 7 step 45: piece 4 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[4/8] = r7:src@5[4/8]; signal r5:arrive[60]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 5, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 61}}},  // rank 7 step 46: piece 5 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[5/8] = r7:src@5[5/8]; signal r5:arrive[61]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 5, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 62}}},  // rank 7 step 47: piece 6 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[6/8] = r7:src@5[6/8]; signal r5:arrive[62]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 5, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 63}}},  // rank 7 step 48: piece 7 of chunk 5 to rank 5's inbox; wait entry[5]; r5:inbox@7[7/8] = r7:src@5[7/8]; signal r5:arrive[63]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 0}, {{7, 1, 1, 8, 6, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 56}}},  // rank 7 step 49: piece 0 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[0/8] = r7:src@6[0/8]; signal r6:arrive[56]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 1}, {{7, 1, 1, 8, 6, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 57}}},  // rank 7 step 50: piece 1 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[1/8] = r7:src@6[1/8]; signal r6:arrive[57]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 2}, {{7, 1, 1, 8, 6, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 58}}},  // rank 7 step 51: piece 2 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[2/8] = r7:src@6[2/8]; signal r6:arrive[58]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 3}, {{7, 1, 1, 8, 6, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 59}}},  // rank 7 step 52: piece 3 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[3/8] = r7:src@6[3/8]; signal r6:arrive[59]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 4}, {{7, 1, 1, 8, 6, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 60}}},  // rank 7 step 53: piece 4 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[4/8] = r7:src@6[4/8]; signal r6:arrive[60]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 5}, {{7, 1, 1, 8, 6, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 61}}},  // rank 7 step 54: piece 5 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[5/8] = r7:src@6[5/8]; signal r6:arrive[61]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 6}, {{7, 1, 1, 8, 6, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 62}}},  // rank 7 step 55: piece 6 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[6/8] = r7:src@6[6/8]; signal r6:arrive[62]; 32 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 7, 7}, {{7, 1, 1, 8, 6, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 63}}},  // rank 7 step 56: piece 7 of chunk 6 to rank 6's inbox; wait entry[6]; r6:inbox@7[7/8] = r7:src@6[7/8]; signal r6:arrive[63]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 0}, {{7, 1, 1, 8, 7, 0}, {7, 3, 0, 8, 0, 0}, {7, 3, 0, 8, 1, 0}, {7, 3, 0, 8, 2, 0}, {7, 3, 0, 8, 3, 0}, {7, 3, 0, 8, 4, 0}, {7, 3, 0, 8, 5, 0}, {7, 3, 0, 8, 6, 0}}, {}, {{5, 0, 0, 32}, {5, 0, 8, 32}, {5, 0, 16, 32}, {5, 0, 24, 32}, {5, 0, 32, 32}, {5, 0, 40, 32}, {5, 0, 48, 32}}, {}},  // rank 7 step 57: reduce piece 0; wait arrive[0], arrive[8], arrive[16], arrive[24], arrive[32], arrive[40], arrive[48]; r7:dst@0[0/8] = r7:src@7[0/8] + r7:inbox@0[0/8] + r7:inbox@1[0/8] + r7:inbox@2[0/8] + r7:inbox@3[0/8] + r7:inbox@4[0/8] + r7:inbox@5[0/8] + r7:inbox@6[0/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 1}, {{7, 1, 1, 8, 7, 1}, {7, 3, 0, 8, 0, 1}, {7, 3, 0, 8, 1, 1}, {7, 3, 0, 8, 2, 1}, {7, 3, 0, 8, 3, 1}, {7, 3, 0, 8, 4, 1}, {7, 3, 0, 8, 5, 1}, {7, 3, 0, 8, 6, 1}}, {}, {{5, 0, 1, 32}, {5, 0, 9, 32}, {5, 0, 17, 32}, {5, 0, 25, 32}, {5, 0, 33, 32}, {5, 0, 41, 32}, {5, 0, 49, 32}}, {}},  // rank 7 step 58: reduce piece 1; wait arrive[1], arrive[9], arrive[17], arrive[25], arrive[33], arrive[41], arrive[49]; r7:dst@0[1/8] = r7:src@7[1/8] + r7:inbox@0[1/8] + r7:inbox@1[1/8] + r7:inbox@2[1/8] + r7:inbox@3[1/8] + r7:inbox@4[1/8] + r7:inbox@5[1/8] + r7:inbox@6[1/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 2}, {{7, 1, 1, 8, 7, 2}, {7, 3, 0, 8, 0, 2}, {7, 3, 0, 8, 1, 2}, {7, 3, 0, 8, 2, 2}, {7, 3, 0, 8, 3, 2}, {7, 3, 0, 8, 4, 2}, {7, 3, 0, 8, 5, 2}, {7, 3, 0, 8, 6, 2}}, {}, {{5, 0, 2, 32}, {5, 0, 10, 32}, {5, 0, 18, 32}, {5, 0, 26, 32}, {5, 0, 34, 32}, {5, 0, 42, 32}, {5, 0, 50, 32}}, {}},  // rank 7 step 59: reduce piece 2; wait arrive[2], arrive[10], arrive[18], arrive[26], arrive[34], arrive[42], arrive[50]; r7:dst@0[2/8] = r7:src@7[2/8] + r7:inbox@0[2/8] + r7:inbox@1[2/8] + r7:inbox@2[2/8] + r7:inbox@3[2/8] + r7:inbox@4[2/8] + r7:inbox@5[2/8] + r7:inbox@6[2/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 3}, {{7, 1, 1, 8, 7, 3}, {7, 3, 0, 8, 0, 3}, {7, 3, 0, 8, 1, 3}, {7, 3, 0, 8, 2, 3}, {7, 3, 0, 8, 3, 3}, {7, 3, 0, 8, 4, 3}, {7, 3, 0, 8, 5, 3}, {7, 3, 0, 8, 6, 3}}, {}, {{5, 0, 3, 32}, {5, 0, 11, 32}, {5, 0, 19, 32}, {5, 0, 27, 32}, {5, 0, 35, 32}, {5, 0, 43, 32}, {5, 0, 51, 32}}, {}},  // rank 7 step 60: reduce piece 3; wait arrive[3], arrive[11], arrive[19], arrive[27], arrive[35], arrive[43], arrive[51]; r7:dst@0[3/8] = r7:src@7[3/8] + r7:inbox@0[3/8] + r7:inbox@1[3/8] + r7:inbox@2[3/8] + r7:inbox@3[3/8] + r7:inbox@4[3/8] + r7:inbox@5[3/8] + r7:inbox@6[3/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 4}, {{7, 1, 1, 8, 7, 4}, {7, 3, 0, 8, 0, 4}, {7, 3, 0, 8, 1, 4}, {7, 3, 0, 8, 2, 4}, {7, 3, 0, 8, 3, 4}, {7, 3, 0, 8, 4, 4}, {7, 3, 0, 8, 5, 4}, {7, 3, 0, 8, 6, 4}}, {}, {{5, 0, 4, 32}, {5, 0, 12, 32}, {5, 0, 20, 32}, {5, 0, 28, 32}, {5, 0, 36, 32}, {5, 0, 44, 32}, {5, 0, 52, 32}}, {}},  // rank 7 step 61: reduce piece 4; wait arrive[4], arrive[12], arrive[20], arrive[28], arrive[36], arrive[44], arrive[52]; r7:dst@0[4/8] = r7:src@7[4/8] + r7:inbox@0[4/8] + r7:inbox@1[4/8] + r7:inbox@2[4/8] + r7:inbox@3[4/8] + r7:inbox@4[4/8] + r7:inbox@5[4/8] + r7:inbox@6[4/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 5}, {{7, 1, 1, 8, 7, 5}, {7, 3, 0, 8, 0, 5}, {7, 3, 0, 8, 1, 5}, {7, 3, 0, 8, 2, 5}, {7, 3, 0, 8, 3, 5}, {7, 3, 0, 8, 4, 5}, {7, 3, 0, 8, 5, 5}, {7, 3, 0, 8, 6, 5}}, {}, {{5, 0, 5, 32}, {5, 0, 13, 32}, {5, 0, 21, 32}, {5, 0, 29, 32}, {5, 0, 37, 32}, {5, 0, 45, 32}, {5, 0, 53, 32}}, {}},  // rank 7 step 62: reduce piece 5; wait arrive[5], arrive[13], arrive[21], arrive[29], arrive[37], arrive[45], arrive[53]; r7:dst@0[5/8] = r7:src@7[5/8] + r7:inbox@0[5/8] + r7:inbox@1[5/8] + r7:inbox@2[5/8] + r7:inbox@3[5/8] + r7:inbox@4[5/8] + r7:inbox@5[5/8] + r7:inbox@6[5/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 6}, {{7, 1, 1, 8, 7, 6}, {7, 3, 0, 8, 0, 6}, {7, 3, 0, 8, 1, 6}, {7, 3, 0, 8, 2, 6}, {7, 3, 0, 8, 3, 6}, {7, 3, 0, 8, 4, 6}, {7, 3, 0, 8, 5, 6}, {7, 3, 0, 8, 6, 6}}, {}, {{5, 0, 6, 32}, {5, 0, 14, 32}, {5, 0, 22, 32}, {5, 0, 30, 32}, {5, 0, 38, 32}, {5, 0, 46, 32}, {5, 0, 54, 32}}, {}},  // rank 7 step 63: reduce piece 6; wait arrive[6], arrive[14], arrive[22], arrive[30], arrive[38], arrive[46], arrive[54]; r7:dst@0[6/8] = r7:src@7[6/8] + r7:inbox@0[6/8] + r7:inbox@1[6/8] + r7:inbox@2[6/8] + r7:inbox@3[6/8] + r7:inbox@4[6/8] + r7:inbox@5[6/8] + r7:inbox@6[6/8]; 32 blocks
+    {TSGEN_OP_REDUCE, 8, 7, 0, 0, {7, 2, 0, 8, 0, 7}, {{7, 1, 1, 8, 7, 7}, {7, 3, 0, 8, 0, 7}, {7, 3, 0, 8, 1, 7}, {7, 3, 0, 8, 2, 7}, {7, 3, 0, 8, 3, 7}, {7, 3, 0, 8, 4, 7}, {7, 3, 0, 8, 5, 7}, {7, 3, 0, 8, 6, 7}}, {}, {{5, 0, 7, 32}, {5, 0, 15, 32}, {5, 0, 23, 32}, {5, 0, 31, 32}, {5, 0, 39, 32}, {5, 0, 47, 32}, {5, 0, 55, 32}}, {}},  // rank 7 step 64: reduce piece 7; wait arrive[7], arrive[15], arrive[23], arrive[31], arrive[39], arrive[47], arrive[55]; r7:dst@0[7/8] = r7:src@7[7/8] + r7:inbox@0[7/8] + r7:inbox@1[7/8] + r7:inbox@2[7/8] + r7:inbox@3[7/8] + r7:inbox@4[7/8] + r7:inbox@5[7/8] + r7:inbox@6[7/8]; 32 blocks
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..2047
-    {33, 0, 32, 8, 1, 0}, {1, 0, 32, 8, 1, 0}, {33, 1, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0},
-    {33, 2, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {33, 3, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {33, 4, 32, 8, 1, 0}, {1, 4, 32, 8, 1, 0}, {33, 5, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0},
-    {33, 6, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {33, 7, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {33, 8, 32, 8, 1, 0}, {1, 8, 32, 8, 1, 0}, {33, 9, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0},
-    {33, 10, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {33, 11, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {33, 12, 32, 8, 1, 0}, {1, 12, 32, 8, 1, 0}, {33, 13, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0},
-    {33, 14, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {33, 15, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {33, 16, 32, 8, 1, 0}, {1, 16, 32, 8, 1, 0}, {33, 17, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0},
-    {33, 18, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {33, 19, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {33, 20, 32, 8, 1, 0}, {1, 20, 32, 8, 1, 0}, {33, 21, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0},
-    {33, 22, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {33, 23, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {33, 24, 32, 8, 1, 0}, {1, 24, 32, 8, 1, 0}, {33, 25, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0},
-    {33, 26, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {33, 27, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {33, 28, 32, 8, 1, 0}, {1, 28, 32, 8, 1, 0}, {33, 29, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0},
-    {33, 30, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {33, 31, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {41, 0, 32, 8, 1, 0}, {9, 0, 32, 8, 1, 0}, {41, 1, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0},
-    {41, 2, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {41, 3, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {41, 4, 32, 8, 1, 0}, {9, 4, 32, 8, 1, 0}, {41, 5, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0},
-    {41, 6, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {41, 7, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {41, 8, 32, 8, 1, 0}, {9, 8, 32, 8, 1, 0}, {41, 9, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0},
-    {41, 10, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {41, 11, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {41, 12, 32, 8, 1, 0}, {9, 12, 32, 8, 1, 0}, {41, 13, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0},
-    {41, 14, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {41, 15, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {41, 16, 32, 8, 1, 0}, {9, 16, 32, 8, 1, 0}, {41, 17, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0},
-    {41, 18, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {41, 19, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {41, 20, 32, 8, 1, 0}, {9, 20, 32, 8, 1, 0}, {41, 21, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0},
-    {41, 22, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {41, 23, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {41, 24, 32, 8, 1, 0}, {9, 24, 32, 8, 1, 0}, {41, 25, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0},
-    {41, 26, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {41, 27, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {41, 28, 32, 8, 1, 0}, {9, 28, 32, 8, 1, 0}, {41, 29, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0},
-    {41, 30, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {41, 31, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {49, 0, 32, 8, 1, 0}, {17, 0, 32, 8, 1, 0}, {49, 1, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0},
-    {49, 2, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {49, 3, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {49, 4, 32, 8, 1, 0}, {17, 4, 32, 8, 1, 0}, {49, 5, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0},
-    {49, 6, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {49, 7, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {49, 8, 32, 8, 1, 0}, {17, 8, 32, 8, 1, 0}, {49, 9, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0},
-    {49, 10, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {49, 11, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {49, 12, 32, 8, 1, 0}, {17, 12, 32, 8, 1, 0}, {49, 13, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0},
-    {49, 14, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {49, 15, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {49, 16, 32, 8, 1, 0}, {17, 16, 32, 8, 1, 0}, {49, 17, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0},
-    {49, 18, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {49, 19, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {49, 20, 32, 8, 1, 0}, {17, 20, 32, 8, 1, 0}, {49, 21, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0},
-    {49, 22, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {49, 23, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {49, 24, 32, 8, 1, 0}, {17, 24, 32, 8, 1, 0}, {49, 25, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0},
-    {49, 26, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {49, 27, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {49, 28, 32, 8, 1, 0}, {17, 28, 32, 8, 1, 0}, {49, 29, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0},
-    {49, 30, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {49, 31, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {57, 0, 32, 8, 1, 0}, {25, 0, 32, 8, 1, 0}, {57, 1, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0},
-    {57, 2, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {57, 3, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {57, 4, 32, 8, 1, 0}, {25, 4, 32, 8, 1, 0}, {57, 5, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0},
-    {57, 6, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {57, 7, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {57, 8, 32, 8, 1, 0}, {25, 8, 32, 8, 1, 0}, {57, 9, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0},
-    {57, 10, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {57, 11, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {57, 12, 32, 8, 1, 0}, {25, 12, 32, 8, 1, 0}, {57, 13, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0},
-    {57, 14, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {57, 15, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {57, 16, 32, 8, 1, 0}, {25, 16, 32, 8, 1, 0}, {57, 17, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0},
-    {57, 18, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {57, 19, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {57, 20, 32, 8, 1, 0}, {25, 20, 32, 8, 1, 0}, {57, 21, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0},
-    {57, 22, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {57, 23, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {57, 24, 32, 8, 1, 0}, {25, 24, 32, 8, 1, 0}, {57, 25, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0},
-    {57, 26, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {57, 27, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {57, 28, 32, 8, 1, 0}, {25, 28, 32, 8, 1, 0}, {57, 29, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0},
-    {57, 30, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {57, 31, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
-    // rank 1: shares 2048..4095
-    {33, 0, 32, 8, 1, 0}, {1, 0, 32, 8, 1, 0}, {33, 1, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0},
-    {33, 2, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {33, 3, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {33, 4, 32, 8, 1, 0}, {1, 4, 32, 8, 1, 0}, {33, 5, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0},
-    {33, 6, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {33, 7, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {33, 8, 32, 8, 1, 0}, {1, 8, 32, 8, 1, 0}, {33, 9, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0},
-    {33, 10, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {33, 11, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {33, 12, 32, 8, 1, 0}, {1, 12, 32, 8, 1, 0}, {33, 13, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0},
-    {33, 14, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {33, 15, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {33, 16, 32, 8, 1, 0}, {1, 16, 32, 8, 1, 0}, {33, 17, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0},
-    {33, 18, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {33, 19, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {33, 20, 32, 8, 1, 0}, {1, 20, 32, 8, 1, 0}, {33, 21, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0},
-    {33, 22, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {33, 23, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {33, 24, 32, 8, 1, 0}, {1, 24, 32, 8, 1, 0}, {33, 25, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0},
-    {33, 26, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {33, 27, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {33, 28, 32, 8, 1, 0}, {1, 28, 32, 8, 1, 0}, {33, 29, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0},
-    {33, 30, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {33, 31, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {41, 0, 32, 8, 1, 0}, {9, 0, 32, 8, 1, 0}, {41, 1, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0},
-    {41, 2, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {41, 3, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {41, 4, 32, 8, 1, 0}, {9, 4, 32, 8, 1, 0}, {41, 5, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0},
-    {41, 6, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {41, 7, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {41, 8, 32, 8, 1, 0}, {9, 8, 32, 8, 1, 0}, {41, 9, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0},
-    {41, 10, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {41, 11, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {41, 12, 32, 8, 1, 0}, {9, 12, 32, 8, 1, 0}, {41, 13, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0},
-    {41, 14, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {41, 15, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {41, 16, 32, 8, 1, 0}, {9, 16, 32, 8, 1, 0}, {41, 17, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0},
-    {41, 18, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {41, 19, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {41, 20, 32, 8, 1, 0}, {9, 20, 32, 8, 1, 0}, {41, 21, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0},
-    {41, 22, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {41, 23, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {41, 24, 32, 8, 1, 0}, {9, 24, 32, 8, 1, 0}, {41, 25, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0},
-    {41, 26, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {41, 27, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {41, 28, 32, 8, 1, 0}, {9, 28, 32, 8, 1, 0}, {41, 29, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0},
-    {41, 30, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {41, 31, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {49, 0, 32, 8, 1, 0}, {17, 0, 32, 8, 1, 0}, {49, 1, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0},
-    {49, 2, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {49, 3, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {49, 4, 32, 8, 1, 0}, {17, 4, 32, 8, 1, 0}, {49, 5, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0},
-    {49, 6, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {49, 7, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {49, 8, 32, 8, 1, 0}, {17, 8, 32, 8, 1, 0}, {49, 9, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0},
-    {49, 10, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {49, 11, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {49, 12, 32, 8, 1, 0}, {17, 12, 32, 8, 1, 0}, {49, 13, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0},
-    {49, 14, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {49, 15, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {49, 16, 32, 8, 1, 0}, {17, 16, 32, 8, 1, 0}, {49, 17, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0},
-    {49, 18, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {49, 19, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {49, 20, 32, 8, 1, 0}, {17, 20, 32, 8, 1, 0}, {49, 21, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0},
-    {49, 22, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {49, 23, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {49, 24, 32, 8, 1, 0}, {17, 24, 32, 8, 1, 0}, {49, 25, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0},
-    {49, 26, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {49, 27, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {49, 28, 32, 8, 1, 0}, {17, 28, 32, 8, 1, 0}, {49, 29, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0},
-    {49, 30, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {49, 31, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {57, 0, 32, 8, 1, 0}, {25, 0, 32, 8, 1, 0}, {57, 1, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0},
-    {57, 2, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {57, 3, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {57, 4, 32, 8, 1, 0}, {25, 4, 32, 8, 1, 0}, {57, 5, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0},
-    {57, 6, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {57, 7, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {57, 8, 32, 8, 1, 0}, {25, 8, 32, 8, 1, 0}, {57, 9, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0},
-    {57, 10, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {57, 11, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {57, 12, 32, 8, 1, 0}, {25, 12, 32, 8, 1, 0}, {57, 13, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0},
-    {57, 14, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {57, 15, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {57, 16, 32, 8, 1, 0}, {25, 16, 32, 8, 1, 0}, {57, 17, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0},
-    {57, 18, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {57, 19, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {57, 20, 32, 8, 1, 0}, {25, 20, 32, 8, 1, 0}, {57, 21, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0},
-    {57, 22, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {57, 23, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {57, 24, 32, 8, 1, 0}, {25, 24, 32, 8, 1, 0}, {57, 25, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0},
-    {57, 26, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {57, 27, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {57, 28, 32, 8, 1, 0}, {25, 28, 32, 8, 1, 0}, {57, 29, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0},
-    {57, 30, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {57, 31, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
-    // rank 2: shares 4096..6143
-    {33, 0, 32, 8, 1, 0}, {1, 0, 32, 8, 1, 0}, {33, 1, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0},
-    {33, 2, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {33, 3, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {33, 4, 32, 8, 1, 0}, {1, 4, 32, 8, 1, 0}, {33, 5, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0},
-    {33, 6, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {33, 7, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {33, 8, 32, 8, 1, 0}, {1, 8, 32, 8, 1, 0}, {33, 9, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0},
-    {33, 10, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {33, 11, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {33, 12, 32, 8, 1, 0}, {1, 12, 32, 8, 1, 0}, {33, 13, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0},
-    {33, 14, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {33, 15, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {33, 16, 32, 8, 1, 0}, {1, 16, 32, 8, 1, 0}, {33, 17, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0},
-    {33, 18, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {33, 19, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {33, 20, 32, 8, 1, 0}, {1, 20, 32, 8, 1, 0}, {33, 21, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0},
-    {33, 22, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {33, 23, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {33, 24, 32, 8, 1, 0}, {1, 24, 32, 8, 1, 0}, {33, 25, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0},
-    {33, 26, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {33, 27, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {33, 28, 32, 8, 1, 0}, {1, 28, 32, 8, 1, 0}, {33, 29, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0},
-    {33, 30, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {33, 31, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {41, 0, 32, 8, 1, 0}, {9, 0, 32, 8, 1, 0}, {41, 1, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0},
-    {41, 2, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {41, 3, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {41, 4, 32, 8, 1, 0}, {9, 4, 32, 8, 1, 0}, {41, 5, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0},
-    {41, 6, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {41, 7, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {41, 8, 32, 8, 1, 0}, {9, 8, 32, 8, 1, 0}, {41, 9, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0},
-    {41, 10, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {41, 11, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {41, 12, 32, 8, 1, 0}, {9, 12, 32, 8, 1, 0}, {41, 13, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0},
-    {41, 14, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {41, 15, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {41, 16, 32, 8, 1, 0}, {9, 16, 32, 8, 1, 0}, {41, 17, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0},
-    {41, 18, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {41, 19, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {41, 20, 32, 8, 1, 0}, {9, 20, 32, 8, 1, 0}, {41, 21, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0},
-    {41, 22, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {41, 23, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {41, 24, 32, 8, 1, 0}, {9, 24, 32, 8, 1, 0}, {41, 25, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0},
-    {41, 26, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {41, 27, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {41, 28, 32, 8, 1, 0}, {9, 28, 32, 8, 1, 0}, {41, 29, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0},
-    {41, 30, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {41, 31, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {49, 0, 32, 8, 1, 0}, {17, 0, 32, 8, 1, 0}, {49, 1, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0},
-    {49, 2, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {49, 3, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {49, 4, 32, 8, 1, 0}, {17, 4, 32, 8, 1, 0}, {49, 5, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0},
-    {49, 6, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {49, 7, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {49, 8, 32, 8, 1, 0}, {17, 8, 32, 8, 1, 0}, {49, 9, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0},
-    {49, 10, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {49, 11, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {49, 12, 32, 8, 1, 0}, {17, 12, 32, 8, 1, 0}, {49, 13, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0},
-    {49, 14, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {49, 15, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {49, 16, 32, 8, 1, 0}, {17, 16, 32, 8, 1, 0}, {49, 17, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0},
-    {49, 18, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {49, 19, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {49, 20, 32, 8, 1, 0}, {17, 20, 32, 8, 1, 0}, {49, 21, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0},
-    {49, 22, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {49, 23, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {49, 24, 32, 8, 1, 0}, {17, 24, 32, 8, 1, 0}, {49, 25, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0},
-    {49, 26, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {49, 27, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {49, 28, 32, 8, 1, 0}, {17, 28, 32, 8, 1, 0}, {49, 29, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0},
-    {49, 30, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {49, 31, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {57, 0, 32, 8, 1, 0}, {25, 0, 32, 8, 1, 0}, {57, 1, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0},
-    {57, 2, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {57, 3, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {57, 4, 32, 8, 1, 0}, {25, 4, 32, 8, 1, 0}, {57, 5, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0},
-    {57, 6, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {57, 7, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {57, 8, 32, 8, 1, 0}, {25, 8, 32, 8, 1, 0}, {57, 9, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0},
-    {57, 10, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {57, 11, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {57, 12, 32, 8, 1, 0}, {25, 12, 32, 8, 1, 0}, {57, 13, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0},
-    {57, 14, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {57, 15, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {57, 16, 32, 8, 1, 0}, {25, 16, 32, 8, 1, 0}, {57, 17, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0},
-    {57, 18, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {57, 19, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {57, 20, 32, 8, 1, 0}, {25, 20, 32, 8, 1, 0}, {57, 21, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0},
-    {57, 22, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {57, 23, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {57, 24, 32, 8, 1, 0}, {25, 24, 32, 8, 1, 0}, {57, 25, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0},
-    {57, 26, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {57, 27, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {57, 28, 32, 8, 1, 0}, {25, 28, 32, 8, 1, 0}, {57, 29, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0},
-    {57, 30, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {57, 31, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
-    // rank 3: shares 6144..8191
-    {33, 0, 32, 8, 1, 0}, {1, 0, 32, 8, 1, 0}, {33, 1, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0},
-    {33, 2, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {33, 3, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {33, 4, 32, 8, 1, 0}, {1, 4, 32, 8, 1, 0}, {33, 5, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0},
-    {33, 6, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {33, 7, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {33, 8, 32, 8, 1, 0}, {1, 8, 32, 8, 1, 0}, {33, 9, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0},
-    {33, 10, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {33, 11, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {33, 12, 32, 8, 1, 0}, {1, 12, 32, 8, 1, 0}, {33, 13, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0},
-    {33, 14, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {33, 15, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {33, 16, 32, 8, 1, 0}, {1, 16, 32, 8, 1, 0}, {33, 17, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0},
-    {33, 18, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {33, 19, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {33, 20, 32, 8, 1, 0}, {1, 20, 32, 8, 1, 0}, {33, 21, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0},
-    {33, 22, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {33, 23, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {33, 24, 32, 8, 1, 0}, {1, 24, 32, 8, 1, 0}, {33, 25, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0},
-    {33, 26, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {33, 27, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {33, 28, 32, 8, 1, 0}, {1, 28, 32, 8, 1, 0}, {33, 29, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0},
-    {33, 30, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {33, 31, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {41, 0, 32, 8, 1, 0}, {9, 0, 32, 8, 1, 0}, {41, 1, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0},
-    {41, 2, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {41, 3, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {41, 4, 32, 8, 1, 0}, {9, 4, 32, 8, 1, 0}, {41, 5, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0},
-    {41, 6, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {41, 7, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {41, 8, 32, 8, 1, 0}, {9, 8, 32, 8, 1, 0}, {41, 9, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0},
-    {41, 10, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {41, 11, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {41, 12, 32, 8, 1, 0}, {9, 12, 32, 8, 1, 0}, {41, 13, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0},
-    {41, 14, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {41, 15, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {41, 16, 32, 8, 1, 0}, {9, 16, 32, 8, 1, 0}, {41, 17, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0},
-    {41, 18, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {41, 19, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {41, 20, 32, 8, 1, 0}, {9, 20, 32, 8, 1, 0}, {41, 21, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0},
-    {41, 22, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {41, 23, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {41, 24, 32, 8, 1, 0}, {9, 24, 32, 8, 1, 0}, {41, 25, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0},
-    {41, 26, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {41, 27, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {41, 28, 32, 8, 1, 0}, {9, 28, 32, 8, 1, 0}, {41, 29, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0},
-    {41, 30, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {41, 31, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {49, 0, 32, 8, 1, 0}, {17, 0, 32, 8, 1, 0}, {49, 1, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0},
-    {49, 2, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {49, 3, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {49, 4, 32, 8, 1, 0}, {17, 4, 32, 8, 1, 0}, {49, 5, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0},
-    {49, 6, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {49, 7, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {49, 8, 32, 8, 1, 0}, {17, 8, 32, 8, 1, 0}, {49, 9, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0},
-    {49, 10, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {49, 11, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {49, 12, 32, 8, 1, 0}, {17, 12, 32, 8, 1, 0}, {49, 13, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0},
-    {49, 14, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {49, 15, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {49, 16, 32, 8, 1, 0}, {17, 16, 32, 8, 1, 0}, {49, 17, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0},
-    {49, 18, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {49, 19, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {49, 20, 32, 8, 1, 0}, {17, 20, 32, 8, 1, 0}, {49, 21, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0},
-    {49, 22, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {49, 23, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {49, 24, 32, 8, 1, 0}, {17, 24, 32, 8, 1, 0}, {49, 25, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0},
-    {49, 26, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {49, 27, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {49, 28, 32, 8, 1, 0}, {17, 28, 32, 8, 1, 0}, {49, 29, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0},
-    {49, 30, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {49, 31, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {57, 0, 32, 8, 1, 0}, {25, 0, 32, 8, 1, 0}, {57, 1, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0},
-    {57, 2, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {57, 3, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {57, 4, 32, 8, 1, 0}, {25, 4, 32, 8, 1, 0}, {57, 5, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0},
-    {57, 6, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {57, 7, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {57, 8, 32, 8, 1, 0}, {25, 8, 32, 8, 1, 0}, {57, 9, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0},
-    {57, 10, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {57, 11, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {57, 12, 32, 8, 1, 0}, {25, 12, 32, 8, 1, 0}, {57, 13, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0},
-    {57, 14, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {57, 15, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {57, 16, 32, 8, 1, 0}, {25, 16, 32, 8, 1, 0}, {57, 17, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0},
-    {57, 18, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {57, 19, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {57, 20, 32, 8, 1, 0}, {25, 20, 32, 8, 1, 0}, {57, 21, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0},
-    {57, 22, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {57, 23, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {57, 24, 32, 8, 1, 0}, {25, 24, 32, 8, 1, 0}, {57, 25, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0},
-    {57, 26, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {57, 27, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {57, 28, 32, 8, 1, 0}, {25, 28, 32, 8, 1, 0}, {57, 29, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0},
-    {57, 30, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {57, 31, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
-    // rank 4: shares 8192..10239
-    {33, 0, 32, 8, 1, 0}, {1, 0, 32, 8, 1, 0}, {33, 1, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0},
-    {33, 2, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {33, 3, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {33, 4, 32, 8, 1, 0}, {1, 4, 32, 8, 1, 0}, {33, 5, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0},
-    {33, 6, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {33, 7, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {33, 8, 32, 8, 1, 0}, {1, 8, 32, 8, 1, 0}, {33, 9, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0},
-    {33, 10, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {33, 11, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {33, 12, 32, 8, 1, 0}, {1, 12, 32, 8, 1, 0}, {33, 13, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0},
-    {33, 14, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {33, 15, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {33, 16, 32, 8, 1, 0}, {1, 16, 32, 8, 1, 0}, {33, 17, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0},
-    {33, 18, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {33, 19, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {33, 20, 32, 8, 1, 0}, {1, 20, 32, 8, 1, 0}, {33, 21, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0},
-    {33, 22, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {33, 23, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {33, 24, 32, 8, 1, 0}, {1, 24, 32, 8, 1, 0}, {33, 25, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0},
-    {33, 26, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {33, 27, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {33, 28, 32, 8, 1, 0}, {1, 28, 32, 8, 1, 0}, {33, 29, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0},
-    {33, 30, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {33, 31, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {41, 0, 32, 8, 1, 0}, {9, 0, 32, 8, 1, 0}, {41, 1, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0},
-    {41, 2, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {41, 3, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {41, 4, 32, 8, 1, 0}, {9, 4, 32, 8, 1, 0}, {41, 5, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0},
-    {41, 6, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {41, 7, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {41, 8, 32, 8, 1, 0}, {9, 8, 32, 8, 1, 0}, {41, 9, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0},
-    {41, 10, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {41, 11, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {41, 12, 32, 8, 1, 0}, {9, 12, 32, 8, 1, 0}, {41, 13, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0},
-    {41, 14, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {41, 15, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {41, 16, 32, 8, 1, 0}, {9, 16, 32, 8, 1, 0}, {41, 17, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0},
-    {41, 18, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {41, 19, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {41, 20, 32, 8, 1, 0}, {9, 20, 32, 8, 1, 0}, {41, 21, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0},
-    {41, 22, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {41, 23, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {41, 24, 32, 8, 1, 0}, {9, 24, 32, 8, 1, 0}, {41, 25, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0},
-    {41, 26, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {41, 27, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {41, 28, 32, 8, 1, 0}, {9, 28, 32, 8, 1, 0}, {41, 29, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0},
-    {41, 30, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {41, 31, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {49, 0, 32, 8, 1, 0}, {17, 0, 32, 8, 1, 0}, {49, 1, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0},
-    {49, 2, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {49, 3, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {49, 4, 32, 8, 1, 0}, {17, 4, 32, 8, 1, 0}, {49, 5, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0},
-    {49, 6, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {49, 7, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {49, 8, 32, 8, 1, 0}, {17, 8, 32, 8, 1, 0}, {49, 9, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0},
-    {49, 10, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {49, 11, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {49, 12, 32, 8, 1, 0}, {17, 12, 32, 8, 1, 0}, {49, 13, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0},
-    {49, 14, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {49, 15, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {49, 16, 32, 8, 1, 0}, {17, 16, 32, 8, 1, 0}, {49, 17, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0},
-    {49, 18, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {49, 19, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {49, 20, 32, 8, 1, 0}, {17, 20, 32, 8, 1, 0}, {49, 21, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0},
-    {49, 22, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {49, 23, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {49, 24, 32, 8, 1, 0}, {17, 24, 32, 8, 1, 0}, {49, 25, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0},
-    {49, 26, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {49, 27, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {49, 28, 32, 8, 1, 0}, {17, 28, 32, 8, 1, 0}, {49, 29, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0},
-    {49, 30, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {49, 31, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {57, 0, 32, 8, 1, 0}, {25, 0, 32, 8, 1, 0}, {57, 1, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0},
-    {57, 2, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {57, 3, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {57, 4, 32, 8, 1, 0}, {25, 4, 32, 8, 1, 0}, {57, 5, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0},
-    {57, 6, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {57, 7, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {57, 8, 32, 8, 1, 0}, {25, 8, 32, 8, 1, 0}, {57, 9, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0},
-    {57, 10, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {57, 11, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {57, 12, 32, 8, 1, 0}, {25, 12, 32, 8, 1, 0}, {57, 13, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0},
-    {57, 14, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {57, 15, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {57, 16, 32, 8, 1, 0}, {25, 16, 32, 8, 1, 0}, {57, 17, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0},
-    {57, 18, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {57, 19, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {57, 20, 32, 8, 1, 0}, {25, 20, 32, 8, 1, 0}, {57, 21, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0},
-    {57, 22, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {57, 23, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {57, 24, 32, 8, 1, 0}, {25, 24, 32, 8, 1, 0}, {57, 25, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0},
-    {57, 26, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {57, 27, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {57, 28, 32, 8, 1, 0}, {25, 28, 32, 8, 1, 0}, {57, 29, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0},
-    {57, 30, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {57, 31, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
-    // rank 5: shares 10240..12287
-    {33, 0, 32, 8, 1, 0}, {1, 0, 32, 8, 1, 0}, {33, 1, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0},
-    {33, 2, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {33, 3, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {33, 4, 32, 8, 1, 0}, {1, 4, 32, 8, 1, 0}, {33, 5, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0},
-    {33, 6, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {33, 7, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {33, 8, 32, 8, 1, 0}, {1, 8, 32, 8, 1, 0}, {33, 9, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0},
-    {33, 10, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {33, 11, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {33, 12, 32, 8, 1, 0}, {1, 12, 32, 8, 1, 0}, {33, 13, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0},
-    {33, 14, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {33, 15, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {33, 16, 32, 8, 1, 0}, {1, 16, 32, 8, 1, 0}, {33, 17, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0},
-    {33, 18, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {33, 19, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {33, 20, 32, 8, 1, 0}, {1, 20, 32, 8, 1, 0}, {33, 21, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0},
-    {33, 22, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {33, 23, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {33, 24, 32, 8, 1, 0}, {1, 24, 32, 8, 1, 0}, {33, 25, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0},
-    {33, 26, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {33, 27, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {33, 28, 32, 8, 1, 0}, {1, 28, 32, 8, 1, 0}, {33, 29, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0},
-    {33, 30, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {33, 31, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {41, 0, 32, 8, 1, 0}, {9, 0, 32, 8, 1, 0}, {41, 1, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0},
-    {41, 2, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {41, 3, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {41, 4, 32, 8, 1, 0}, {9, 4, 32, 8, 1, 0}, {41, 5, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0},
-    {41, 6, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {41, 7, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {41, 8, 32, 8, 1, 0}, {9, 8, 32, 8, 1, 0}, {41, 9, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0},
-    {41, 10, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {41, 11, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {41, 12, 32, 8, 1, 0}, {9, 12, 32, 8, 1, 0}, {41, 13, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0},
-    {41, 14, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {41, 15, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {41, 16, 32, 8, 1, 0}, {9, 16, 32, 8, 1, 0}, {41, 17, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0},
-    {41, 18, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {41, 19, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {41, 20, 32, 8, 1, 0}, {9, 20, 32, 8, 1, 0}, {41, 21, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0},
-    {41, 22, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {41, 23, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {41, 24, 32, 8, 1, 0}, {9, 24, 32, 8, 1, 0}, {41, 25, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0},
-    {41, 26, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {41, 27, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {41, 28, 32, 8, 1, 0}, {9, 28, 32, 8, 1, 0}, {41, 29, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0},
-    {41, 30, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {41, 31, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {49, 0, 32, 8, 1, 0}, {17, 0, 32, 8, 1, 0}, {49, 1, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0},
-    {49, 2, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {49, 3, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {49, 4, 32, 8, 1, 0}, {17, 4, 32, 8, 1, 0}, {49, 5, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0},
-    {49, 6, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {49, 7, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {49, 8, 32, 8, 1, 0}, {17, 8, 32, 8, 1, 0}, {49, 9, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0},
-    {49, 10, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {49, 11, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {49, 12, 32, 8, 1, 0}, {17, 12, 32, 8, 1, 0}, {49, 13, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0},
-    {49, 14, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {49, 15, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {49, 16, 32, 8, 1, 0}, {17, 16, 32, 8, 1, 0}, {49, 17, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0},
-    {49, 18, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {49, 19, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {49, 20, 32, 8, 1, 0}, {17, 20, 32, 8, 1, 0}, {49, 21, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0},
-    {49, 22, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {49, 23, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {49, 24, 32, 8, 1, 0}, {17, 24, 32, 8, 1, 0}, {49, 25, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0},
-    {49, 26, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {49, 27, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {49, 28, 32, 8, 1, 0}, {17, 28, 32, 8, 1, 0}, {49, 29, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0},
-    {49, 30, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {49, 31, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {57, 0, 32, 8, 1, 0}, {25, 0, 32, 8, 1, 0}, {57, 1, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0},
-    {57, 2, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {57, 3, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {57, 4, 32, 8, 1, 0}, {25, 4, 32, 8, 1, 0}, {57, 5, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0},
-    {57, 6, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {57, 7, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {57, 8, 32, 8, 1, 0}, {25, 8, 32, 8, 1, 0}, {57, 9, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0},
-    {57, 10, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {57, 11, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {57, 12, 32, 8, 1, 0}, {25, 12, 32, 8, 1, 0}, {57, 13, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0},
-    {57, 14, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {57, 15, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {57, 16, 32, 8, 1, 0}, {25, 16, 32, 8, 1, 0}, {57, 17, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0},
-    {57, 18, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {57, 19, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {57, 20, 32, 8, 1, 0}, {25, 20, 32, 8, 1, 0}, {57, 21, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0},
-    {57, 22, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {57, 23, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {57, 24, 32, 8, 1, 0}, {25, 24, 32, 8, 1, 0}, {57, 25, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0},
-    {57, 26, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {57, 27, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {57, 28, 32, 8, 1, 0}, {25, 28, 32, 8, 1, 0}, {57, 29, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0},
-    {57, 30, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {57, 31, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
-    // rank 6: shares 12288..14335
-    {33, 0, 32, 8, 1, 0}, {1, 0, 32, 8, 1, 0}, {33, 1, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0},
-    {33, 2, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {33, 3, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {33, 4, 32, 8, 1, 0}, {1, 4, 32, 8, 1, 0}, {33, 5, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0},
-    {33, 6, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {33, 7, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {33, 8, 32, 8, 1, 0}, {1, 8, 32, 8, 1, 0}, {33, 9, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0},
-    {33, 10, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {33, 11, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {33, 12, 32, 8, 1, 0}, {1, 12, 32, 8, 1, 0}, {33, 13, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0},
-    {33, 14, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {33, 15, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {33, 16, 32, 8, 1, 0}, {1, 16, 32, 8, 1, 0}, {33, 17, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0},
-    {33, 18, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {33, 19, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {33, 20, 32, 8, 1, 0}, {1, 20, 32, 8, 1, 0}, {33, 21, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0},
-    {33, 22, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {33, 23, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {33, 24, 32, 8, 1, 0}, {1, 24, 32, 8, 1, 0}, {33, 25, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0},
-    {33, 26, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {33, 27, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {33, 28, 32, 8, 1, 0}, {1, 28, 32, 8, 1, 0}, {33, 29, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0},
-    {33, 30, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {33, 31, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {41, 0, 32, 8, 1, 0}, {9, 0, 32, 8, 1, 0}, {41, 1, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0},
-    {41, 2, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {41, 3, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {41, 4, 32, 8, 1, 0}, {9, 4, 32, 8, 1, 0}, {41, 5, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0},
-    {41, 6, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {41, 7, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {41, 8, 32, 8, 1, 0}, {9, 8, 32, 8, 1, 0}, {41, 9, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0},
-    {41, 10, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {41, 11, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {41, 12, 32, 8, 1, 0}, {9, 12, 32, 8, 1, 0}, {41, 13, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0},
-    {41, 14, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {41, 15, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {41, 16, 32, 8, 1, 0}, {9, 16, 32, 8, 1, 0}, {41, 17, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0},
-    {41, 18, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {41, 19, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {41, 20, 32, 8, 1, 0}, {9, 20, 32, 8, 1, 0}, {41, 21, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0},
-    {41, 22, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {41, 23, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {41, 24, 32, 8, 1, 0}, {9, 24, 32, 8, 1, 0}, {41, 25, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0},
-    {41, 26, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {41, 27, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {41, 28, 32, 8, 1, 0}, {9, 28, 32, 8, 1, 0}, {41, 29, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0},
-    {41, 30, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {41, 31, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {49, 0, 32, 8, 1, 0}, {17, 0, 32, 8, 1, 0}, {49, 1, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0},
-    {49, 2, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {49, 3, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {49, 4, 32, 8, 1, 0}, {17, 4, 32, 8, 1, 0}, {49, 5, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0},
-    {49, 6, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {49, 7, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {49, 8, 32, 8, 1, 0}, {17, 8, 32, 8, 1, 0}, {49, 9, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0},
-    {49, 10, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {49, 11, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {49, 12, 32, 8, 1, 0}, {17, 12, 32, 8, 1, 0}, {49, 13, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0},
-    {49, 14, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {49, 15, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {49, 16, 32, 8, 1, 0}, {17, 16, 32, 8, 1, 0}, {49, 17, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0},
-    {49, 18, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {49, 19, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {49, 20, 32, 8, 1, 0}, {17, 20, 32, 8, 1, 0}, {49, 21, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0},
-    {49, 22, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {49, 23, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {49, 24, 32, 8, 1, 0}, {17, 24, 32, 8, 1, 0}, {49, 25, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0},
-    {49, 26, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {49, 27, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {49, 28, 32, 8, 1, 0}, {17, 28, 32, 8, 1, 0}, {49, 29, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0},
-    {49, 30, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {49, 31, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {57, 0, 32, 8, 1, 0}, {25, 0, 32, 8, 1, 0}, {57, 1, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0},
-    {57, 2, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {57, 3, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {57, 4, 32, 8, 1, 0}, {25, 4, 32, 8, 1, 0}, {57, 5, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0},
-    {57, 6, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {57, 7, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {57, 8, 32, 8, 1, 0}, {25, 8, 32, 8, 1, 0}, {57, 9, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0},
-    {57, 10, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {57, 11, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {57, 12, 32, 8, 1, 0}, {25, 12, 32, 8, 1, 0}, {57, 13, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0},
-    {57, 14, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {57, 15, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {57, 16, 32, 8, 1, 0}, {25, 16, 32, 8, 1, 0}, {57, 17, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0},
-    {57, 18, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {57, 19, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {57, 20, 32, 8, 1, 0}, {25, 20, 32, 8, 1, 0}, {57, 21, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0},
-    {57, 22, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {57, 23, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {57, 24, 32, 8, 1, 0}, {25, 24, 32, 8, 1, 0}, {57, 25, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0},
-    {57, 26, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {57, 27, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {57, 28, 32, 8, 1, 0}, {25, 28, 32, 8, 1, 0}, {57, 29, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0},
-    {57, 30, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {57, 31, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
-    // rank 7: shares 14336..16383
-    {33, 0, 32, 8, 1, 0}, {1, 0, 32, 8, 1, 0}, {33, 1, 32, 8, 1, 0}, {1, 1, 32, 8, 1, 0},
-    {33, 2, 32, 8, 1, 0}, {1, 2, 32, 8, 1, 0}, {33, 3, 32, 8, 1, 0}, {1, 3, 32, 8, 1, 0},
-    {33, 4, 32, 8, 1, 0}, {1, 4, 32, 8, 1, 0}, {33, 5, 32, 8, 1, 0}, {1, 5, 32, 8, 1, 0},
-    {33, 6, 32, 8, 1, 0}, {1, 6, 32, 8, 1, 0}, {33, 7, 32, 8, 1, 0}, {1, 7, 32, 8, 1, 0},
-    {33, 8, 32, 8, 1, 0}, {1, 8, 32, 8, 1, 0}, {33, 9, 32, 8, 1, 0}, {1, 9, 32, 8, 1, 0},
-    {33, 10, 32, 8, 1, 0}, {1, 10, 32, 8, 1, 0}, {33, 11, 32, 8, 1, 0}, {1, 11, 32, 8, 1, 0},
-    {33, 12, 32, 8, 1, 0}, {1, 12, 32, 8, 1, 0}, {33, 13, 32, 8, 1, 0}, {1, 13, 32, 8, 1, 0},
-    {33, 14, 32, 8, 1, 0}, {1, 14, 32, 8, 1, 0}, {33, 15, 32, 8, 1, 0}, {1, 15, 32, 8, 1, 0},
-    {33, 16, 32, 8, 1, 0}, {1, 16, 32, 8, 1, 0}, {33, 17, 32, 8, 1, 0}, {1, 17, 32, 8, 1, 0},
-    {33, 18, 32, 8, 1, 0}, {1, 18, 32, 8, 1, 0}, {33, 19, 32, 8, 1, 0}, {1, 19, 32, 8, 1, 0},
-    {33, 20, 32, 8, 1, 0}, {1, 20, 32, 8, 1, 0}, {33, 21, 32, 8, 1, 0}, {1, 21, 32, 8, 1, 0},
-    {33, 22, 32, 8, 1, 0}, {1, 22, 32, 8, 1, 0}, {33, 23, 32, 8, 1, 0}, {1, 23, 32, 8, 1, 0},
-    {33, 24, 32, 8, 1, 0}, {1, 24, 32, 8, 1, 0}, {33, 25, 32, 8, 1, 0}, {1, 25, 32, 8, 1, 0},
-    {33, 26, 32, 8, 1, 0}, {1, 26, 32, 8, 1, 0}, {33, 27, 32, 8, 1, 0}, {1, 27, 32, 8, 1, 0},
-    {33, 28, 32, 8, 1, 0}, {1, 28, 32, 8, 1, 0}, {33, 29, 32, 8, 1, 0}, {1, 29, 32, 8, 1, 0},
-    {33, 30, 32, 8, 1, 0}, {1, 30, 32, 8, 1, 0}, {33, 31, 32, 8, 1, 0}, {1, 31, 32, 8, 1, 0},
-    {41, 0, 32, 8, 1, 0}, {9, 0, 32, 8, 1, 0}, {41, 1, 32, 8, 1, 0}, {9, 1, 32, 8, 1, 0},
-    {41, 2, 32, 8, 1, 0}, {9, 2, 32, 8, 1, 0}, {41, 3, 32, 8, 1, 0}, {9, 3, 32, 8, 1, 0},
-    {41, 4, 32, 8, 1, 0}, {9, 4, 32, 8, 1, 0}, {41, 5, 32, 8, 1, 0}, {9, 5, 32, 8, 1, 0},
-    {41, 6, 32, 8, 1, 0}, {9, 6, 32, 8, 1, 0}, {41, 7, 32, 8, 1, 0}, {9, 7, 32, 8, 1, 0},
-    {41, 8, 32, 8, 1, 0}, {9, 8, 32, 8, 1, 0}, {41, 9, 32, 8, 1, 0}, {9, 9, 32, 8, 1, 0},
-    {41, 10, 32, 8, 1, 0}, {9, 10, 32, 8, 1, 0}, {41, 11, 32, 8, 1, 0}, {9, 11, 32, 8, 1, 0},
-    {41, 12, 32, 8, 1, 0}, {9, 12, 32, 8, 1, 0}, {41, 13, 32, 8, 1, 0}, {9, 13, 32, 8, 1, 0},
-    {41, 14, 32, 8, 1, 0}, {9, 14, 32, 8, 1, 0}, {41, 15, 32, 8, 1, 0}, {9, 15, 32, 8, 1, 0},
-    {41, 16, 32, 8, 1, 0}, {9, 16, 32, 8, 1, 0}, {41, 17, 32, 8, 1, 0}, {9, 17, 32, 8, 1, 0},
-    {41, 18, 32, 8, 1, 0}, {9, 18, 32, 8, 1, 0}, {41, 19, 32, 8, 1, 0}, {9, 19, 32, 8, 1, 0},
-    {41, 20, 32, 8, 1, 0}, {9, 20, 32, 8, 1, 0}, {41, 21, 32, 8, 1, 0}, {9, 21, 32, 8, 1, 0},
-    {41, 22, 32, 8, 1, 0}, {9, 22, 32, 8, 1, 0}, {41, 23, 32, 8, 1, 0}, {9, 23, 32, 8, 1, 0},
-    {41, 24, 32, 8, 1, 0}, {9, 24, 32, 8, 1, 0}, {41, 25, 32, 8, 1, 0}, {9, 25, 32, 8, 1, 0},
-    {41, 26, 32, 8, 1, 0}, {9, 26, 32, 8, 1, 0}, {41, 27, 32, 8, 1, 0}, {9, 27, 32, 8, 1, 0},
-    {41, 28, 32, 8, 1, 0}, {9, 28, 32, 8, 1, 0}, {41, 29, 32, 8, 1, 0}, {9, 29, 32, 8, 1, 0},
-    {41, 30, 32, 8, 1, 0}, {9, 30, 32, 8, 1, 0}, {41, 31, 32, 8, 1, 0}, {9, 31, 32, 8, 1, 0},
-    {49, 0, 32, 8, 1, 0}, {17, 0, 32, 8, 1, 0}, {49, 1, 32, 8, 1, 0}, {17, 1, 32, 8, 1, 0},
-    {49, 2, 32, 8, 1, 0}, {17, 2, 32, 8, 1, 0}, {49, 3, 32, 8, 1, 0}, {17, 3, 32, 8, 1, 0},
-    {49, 4, 32, 8, 1, 0}, {17, 4, 32, 8, 1, 0}, {49, 5, 32, 8, 1, 0}, {17, 5, 32, 8, 1, 0},
-    {49, 6, 32, 8, 1, 0}, {17, 6, 32, 8, 1, 0}, {49, 7, 32, 8, 1, 0}, {17, 7, 32, 8, 1, 0},
-    {49, 8, 32, 8, 1, 0}, {17, 8, 32, 8, 1, 0}, {49, 9, 32, 8, 1, 0}, {17, 9, 32, 8, 1, 0},
-    {49, 10, 32, 8, 1, 0}, {17, 10, 32, 8, 1, 0}, {49, 11, 32, 8, 1, 0}, {17, 11, 32, 8, 1, 0},
-    {49, 12, 32, 8, 1, 0}, {17, 12, 32, 8, 1, 0}, {49, 13, 32, 8, 1, 0}, {17, 13, 32, 8, 1, 0},
-    {49, 14, 32, 8, 1, 0}, {17, 14, 32, 8, 1, 0}, {49, 15, 32, 8, 1, 0}, {17, 15, 32, 8, 1, 0},
-    {49, 16, 32, 8, 1, 0}, {17, 16, 32, 8, 1, 0}, {49, 17, 32, 8, 1, 0}, {17, 17, 32, 8, 1, 0},
-    {49, 18, 32, 8, 1, 0}, {17, 18, 32, 8, 1, 0}, {49, 19, 32, 8, 1, 0}, {17, 19, 32, 8, 1, 0},
-    {49, 20, 32, 8, 1, 0}, {17, 20, 32, 8, 1, 0}, {49, 21, 32, 8, 1, 0}, {17, 21, 32, 8, 1, 0},
-    {49, 22, 32, 8, 1, 0}, {17, 22, 32, 8, 1, 0}, {49, 23, 32, 8, 1, 0}, {17, 23, 32, 8, 1, 0},
-    {49, 24, 32, 8, 1, 0}, {17, 24, 32, 8, 1, 0}, {49, 25, 32, 8, 1, 0}, {17, 25, 32, 8, 1, 0},
-    {49, 26, 32, 8, 1, 0}, {17, 26, 32, 8, 1, 0}, {49, 27, 32, 8, 1, 0}, {17, 27, 32, 8, 1, 0},
-    {49, 28, 32, 8, 1, 0}, {17, 28, 32, 8, 1, 0}, {49, 29, 32, 8, 1, 0}, {17, 29, 32, 8, 1, 0},
-    {49, 30, 32, 8, 1, 0}, {17, 30, 32, 8, 1, 0}, {49, 31, 32, 8, 1, 0}, {17, 31, 32, 8, 1, 0},
-    {57, 0, 32, 8, 1, 0}, {25, 0, 32, 8, 1, 0}, {57, 1, 32, 8, 1, 0}, {25, 1, 32, 8, 1, 0},
-    {57, 2, 32, 8, 1, 0}, {25, 2, 32, 8, 1, 0}, {57, 3, 32, 8, 1, 0}, {25, 3, 32, 8, 1, 0},
-    {57, 4, 32, 8, 1, 0}, {25, 4, 32, 8, 1, 0}, {57, 5, 32, 8, 1, 0}, {25, 5, 32, 8, 1, 0},
-    {57, 6, 32, 8, 1, 0}, {25, 6, 32, 8, 1, 0}, {57, 7, 32, 8, 1, 0}, {25, 7, 32, 8, 1, 0},
-    {57, 8, 32, 8, 1, 0}, {25, 8, 32, 8, 1, 0}, {57, 9, 32, 8, 1, 0}, {25, 9, 32, 8, 1, 0},
-    {57, 10, 32, 8, 1, 0}, {25, 10, 32, 8, 1, 0}, {57, 11, 32, 8, 1, 0}, {25, 11, 32, 8, 1, 0},
-    {57, 12, 32, 8, 1, 0}, {25, 12, 32, 8, 1, 0}, {57, 13, 32, 8, 1, 0}, {25, 13, 32, 8, 1, 0},
-    {57, 14, 32, 8, 1, 0}, {25, 14, 32, 8, 1, 0}, {57, 15, 32, 8, 1, 0}, {25, 15, 32, 8, 1, 0},
-    {57, 16, 32, 8, 1, 0}, {25, 16, 32, 8, 1, 0}, {57, 17, 32, 8, 1, 0}, {25, 17, 32, 8, 1, 0},
-    {57, 18, 32, 8, 1, 0}, {25, 18, 32, 8, 1, 0}, {57, 19, 32, 8, 1, 0}, {25, 19, 32, 8, 1, 0},
-    {57, 20, 32, 8, 1, 0}, {25, 20, 32, 8, 1, 0}, {57, 21, 32, 8, 1, 0}, {25, 21, 32, 8, 1, 0},
-    {57, 22, 32, 8, 1, 0}, {25, 22, 32, 8, 1, 0}, {57, 23, 32, 8, 1, 0}, {25, 23, 32, 8, 1, 0},
-    {57, 24, 32, 8, 1, 0}, {25, 24, 32, 8, 1, 0}, {57, 25, 32, 8, 1, 0}, {25, 25, 32, 8, 1, 0},
-    {57, 26, 32, 8, 1, 0}, {25, 26, 32, 8, 1, 0}, {57, 27, 32, 8, 1, 0}, {25, 27, 32, 8, 1, 0},
-    {57, 28, 32, 8, 1, 0}, {25, 28, 32, 8, 1, 0}, {57, 29, 32, 8, 1, 0}, {25, 29, 32, 8, 1, 0},
-    {57, 30, 32, 8, 1, 0}, {25, 30, 32, 8, 1, 0}, {57, 31, 32, 8, 1, 0}, {25, 31, 32, 8, 1, 0},
+    {33, 0, 32, 8, 1, 0, 2, -32, 0}, {33, 1, 32, 8, 1, 0, 2, -32, 0}, {33, 2, 32, 8, 1, 0, 2, -32, 0}, {33, 3, 32, 8, 1, 0, 2, -32, 0}, {33, 4, 32, 8, 1, 0, 2, -32, 0}, {33, 5, 32, 8, 1, 0, 2, -32, 0}, {33, 6, 32, 8, 1, 0, 2, -32, 0}, {33, 7, 32, 8, 1, 0, 2, -32, 0},  // rank 0: shares 0..2047
+    {33, 8, 32, 8, 1, 0, 2, -32, 0}, {33, 9, 32, 8, 1, 0, 2, -32, 0}, {33, 10, 32, 8, 1, 0, 2, -32, 0}, {33, 11, 32, 8, 1, 0, 2, -32, 0}, {33, 12, 32, 8, 1, 0, 2, -32, 0}, {33, 13, 32, 8, 1, 0, 2, -32, 0}, {33, 14, 32, 8, 1, 0, 2, -32, 0}, {33, 15, 32, 8, 1, 0, 2, -32, 0},
+    {33, 16, 32, 8, 1, 0, 2, -32, 0}, {33, 17, 32, 8, 1, 0, 2, -32, 0}, {33, 18, 32, 8, 1, 0, 2, -32, 0}, {33, 19, 32, 8, 1, 0, 2, -32, 0}, {33, 20, 32, 8, 1, 0, 2, -32, 0}, {33, 21, 32, 8, 1, 0, 2, -32, 0}, {33, 22, 32, 8, 1, 0, 2, -32, 0}, {33, 23, 32, 8, 1, 0, 2, -32, 0},
+    {33, 24, 32, 8, 1, 0, 2, -32, 0}, {33, 25, 32, 8, 1, 0, 2, -32, 0}, {33, 26, 32, 8, 1, 0, 2, -32, 0}, {33, 27, 32, 8, 1, 0, 2, -32, 0}, {33, 28, 32, 8, 1, 0, 2, -32, 0}, {33, 29, 32, 8, 1, 0, 2, -32, 0}, {33, 30, 32, 8, 1, 0, 2, -32, 0}, {33, 31, 32, 8, 1, 0, 2, -32, 0},
+    {41, 0, 32, 8, 1, 0, 2, -32, 0}, {41, 1, 32, 8, 1, 0, 2, -32, 0}, {41, 2, 32, 8, 1, 0, 2, -32, 0}, {41, 3, 32, 8, 1, 0, 2, -32, 0}, {41, 4, 32, 8, 1, 0, 2, -32, 0}, {41, 5, 32, 8, 1, 0, 2, -32, 0}, {41, 6, 32, 8, 1, 0, 2, -32, 0}, {41, 7, 32, 8, 1, 0, 2, -32, 0},
+    {41, 8, 32, 8, 1, 0, 2, -32, 0}, {41, 9, 32, 8, 1, 0, 2, -32, 0}, {41, 10, 32, 8, 1, 0, 2, -32, 0}, {41, 11, 32, 8, 1, 0, 2, -32, 0}, {41, 12, 32, 8, 1, 0, 2, -32, 0}, {41, 13, 32, 8, 1, 0, 2, -32, 0}, {41, 14, 32, 8, 1, 0, 2, -32, 0}, {41, 15, 32, 8, 1, 0, 2, -32, 0},
+    {41, 16, 32, 8, 1, 0, 2, -32, 0}, {41, 17, 32, 8, 1, 0, 2, -32, 0}, {41, 18, 32, 8, 1, 0, 2, -32, 0}, {41, 19, 32, 8, 1, 0, 2, -32, 0}, {41, 20, 32, 8, 1, 0, 2, -32, 0}, {41, 21, 32, 8, 1, 0, 2, -32, 0}, {41, 22, 32, 8, 1, 0, 2, -32, 0}, {41, 23, 32, 8, 1, 0, 2, -32, 0},
+    {41, 24, 32, 8, 1, 0, 2, -32, 0}, {41, 25, 32, 8, 1, 0, 2, -32, 0}, {41, 26, 32, 8, 1, 0, 2, -32, 0}, {41, 27, 32, 8, 1, 0, 2, -32, 0}, {41, 28, 32, 8, 1, 0, 2, -32, 0}, {41, 29, 32, 8, 1, 0, 2, -32, 0}, {41, 30, 32, 8, 1, 0, 2, -32, 0}, {41, 31, 32, 8, 1, 0, 2, -32, 0},
+    {49, 0, 32, 8, 1, 0, 2, -32, 0}, {49, 1, 32, 8, 1, 0, 2, -32, 0}, {49, 2, 32, 8, 1, 0, 2, -32, 0}, {49, 3, 32, 8, 1, 0, 2, -32, 0}, {49, 4, 32, 8, 1, 0, 2, -32, 0}, {49, 5, 32, 8, 1, 0, 2, -32, 0}, {49, 6, 32, 8, 1, 0, 2, -32, 0}, {49, 7, 32, 8, 1, 0, 2, -32, 0},
+    {49, 8, 32, 8, 1, 0, 2, -32, 0}, {49, 9, 32, 8, 1, 0, 2, -32, 0}, {49, 10, 32, 8, 1, 0, 2, -32, 0}, {49, 11, 32, 8, 1, 0, 2, -32, 0}, {49, 12, 32, 8, 1, 0, 2, -32, 0}, {49, 13, 32, 8, 1, 0, 2, -32, 0}, {49, 14, 32, 8, 1, 0, 2, -32, 0}, {49, 15, 32, 8, 1, 0, 2, -32, 0},
+    {49, 16, 32, 8, 1, 0, 2, -32, 0}, {49, 17, 32, 8, 1, 0, 2, -32, 0}, {49, 18, 32, 8, 1, 0, 2, -32, 0}, {49, 19, 32, 8, 1, 0, 2, -32, 0}, {49, 20, 32, 8, 1, 0, 2, -32, 0}, {49, 21, 32, 8, 1, 0, 2, -32, 0}, {49, 22, 32, 8, 1, 0, 2, -32, 0}, {49, 23, 32, 8, 1, 0, 2, -32, 0},
+    {49, 24, 32, 8, 1, 0, 2, -32, 0}, {49, 25, 32, 8, 1, 0, 2, -32, 0}, {49, 26, 32, 8, 1, 0, 2, -32, 0}, {49, 27, 32, 8, 1, 0, 2, -32, 0}, {49, 28, 32, 8, 1, 0, 2, -32, 0}, {49, 29, 32, 8, 1, 0, 2, -32, 0}, {49, 30, 32, 8, 1, 0, 2, -32, 0}, {49, 31, 32, 8, 1, 0, 2, -32, 0},
+    {57, 0, 32, 8, 1, 0, 2, -32, 0}, {57, 1, 32, 8, 1, 0, 2, -32, 0}, {57, 2, 32, 8, 1, 0, 2, -32, 0}, {57, 3, 32, 8, 1, 0, 2, -32, 0}, {57, 4, 32, 8, 1, 0, 2, -32, 0}, {57, 5, 32, 8, 1, 0, 2, -32, 0}, {57, 6, 32, 8, 1, 0, 2, -32, 0}, {57, 7, 32, 8, 1, 0, 2, -32, 0},
+    {57, 8, 32, 8, 1, 0, 2, -32, 0}, {57, 9, 32, 8, 1, 0, 2, -32, 0}, {57, 10, 32, 8, 1, 0, 2, -32, 0}, {57, 11, 32, 8, 1, 0, 2, -32, 0}, {57, 12, 32, 8, 1, 0, 2, -32, 0}, {57, 13, 32, 8, 1, 0, 2, -32, 0}, {57, 14, 32, 8, 1, 0, 2, -32, 0}, {57, 15, 32, 8, 1, 0, 2, -32, 0},
+    {57, 16, 32, 8, 1, 0, 2, -32, 0}, {57, 17, 32, 8, 1, 0, 2, -32, 0}, {57, 18, 32, 8, 1, 0, 2, -32, 0}, {57, 19, 32, 8, 1, 0, 2, -32, 0}, {57, 20, 32, 8, 1, 0, 2, -32, 0}, {57, 21, 32, 8, 1, 0, 2, -32, 0}, {57, 22, 32, 8, 1, 0, 2, -32, 0}, {57, 23, 32, 8, 1, 0, 2, -32, 0},
+    {57, 24, 32, 8, 1, 0, 2, -32, 0}, {57, 25, 32, 8, 1, 0, 2, -32, 0}, {57, 26, 32, 8, 1, 0, 2, -32, 0}, {57, 27, 32, 8, 1, 0, 2, -32, 0}, {57, 28, 32, 8, 1, 0, 2, -32, 0}, {57, 29, 32, 8, 1, 0, 2, -32, 0}, {57, 30, 32, 8, 1, 0, 2, -32, 0}, {57, 31, 32, 8, 1, 0, 2, -32, 0},
+    {33, 0, 32, 8, 1, 0, 2, -32, 0}, {33, 1, 32, 8, 1, 0, 2, -32, 0}, {33, 2, 32, 8, 1, 0, 2, -32, 0}, {33, 3, 32, 8, 1, 0, 2, -32, 0}, {33, 4, 32, 8, 1, 0, 2, -32, 0}, {33, 5, 32, 8, 1, 0, 2, -32, 0}, {33, 6, 32, 8, 1, 0, 2, -32, 0}, {33, 7, 32, 8, 1, 0, 2, -32, 0},  // rank 1: shares 2048..4095
+    {33, 8, 32, 8, 1, 0, 2, -32, 0}, {33, 9, 32, 8, 1, 0, 2, -32, 0}, {33, 10, 32, 8, 1, 0, 2, -32, 0}, {33, 11, 32, 8, 1, 0, 2, -32, 0}, {33, 12, 32, 8, 1, 0, 2, -32, 0}, {33, 13, 32, 8, 1, 0, 2, -32, 0}, {33, 14, 32, 8, 1, 0, 2, -32, 0}, {33, 15, 32, 8, 1, 0, 2, -32, 0},
+    {33, 16, 32, 8, 1, 0, 2, -32, 0}, {33, 17, 32, 8, 1, 0, 2, -32, 0}, {33, 18, 32, 8, 1, 0, 2, -32, 0}, {33, 19, 32, 8, 1, 0, 2, -32, 0}, {33, 20, 32, 8, 1, 0, 2, -32, 0}, {33, 21, 32, 8, 1, 0, 2, -32, 0}, {33, 22, 32, 8, 1, 0, 2, -32, 0}, {33, 23, 32, 8, 1, 0, 2, -32, 0},
+    {33, 24, 32, 8, 1, 0, 2, -32, 0}, {33, 25, 32, 8, 1, 0, 2, -32, 0}, {33, 26, 32, 8, 1, 0, 2, -32, 0}, {33, 27, 32, 8, 1, 0, 2, -32, 0}, {33, 28, 32, 8, 1, 0, 2, -32, 0}, {33, 29, 32, 8, 1, 0, 2, -32, 0}, {33, 30, 32, 8, 1, 0, 2, -32, 0}, {33, 31, 32, 8, 1, 0, 2, -32, 0},
+    {41, 0, 32, 8, 1, 0, 2, -32, 0}, {41, 1, 32, 8, 1, 0, 2, -32, 0}, {41, 2, 32, 8, 1, 0, 2, -32, 0}, {41, 3, 32, 8, 1, 0, 2, -32, 0}, {41, 4, 32, 8, 1, 0, 2, -32, 0}, {41, 5, 32, 8, 1, 0, 2, -32, 0}, {41, 6, 32, 8, 1, 0, 2, -32, 0}, {41, 7, 32, 8, 1, 0, 2, -32, 0},
+    {41, 8, 32, 8, 1, 0, 2, -32, 0}, {41, 9, 32, 8, 1, 0, 2, -32, 0}, {41, 10, 32, 8, 1, 0, 2, -32, 0}, {41, 11, 32, 8, 1, 0, 2, -32, 0}, {41, 12, 32, 8, 1, 0, 2, -32, 0}, {41, 13, 32, 8, 1, 0, 2, -32, 0}, {41, 14, 32, 8, 1, 0, 2, -32, 0}, {41, 15, 32, 8, 1, 0, 2, -32, 0},
+    {41, 16, 32, 8, 1, 0, 2, -32, 0}, {41, 17, 32, 8, 1, 0, 2, -32, 0}, {41, 18, 32, 8, 1, 0, 2, -32, 0}, {41, 19, 32, 8, 1, 0, 2, -32, 0}, {41, 20, 32, 8, 1, 0, 2, -32, 0}, {41, 21, 32, 8, 1, 0, 2, -32, 0}, {41, 22, 32, 8, 1, 0, 2, -32, 0}, {41, 23, 32, 8, 1, 0, 2, -32, 0},
+    {41, 24, 32, 8, 1, 0, 2, -32, 0}, {41, 25, 32, 8, 1, 0, 2, -32, 0}, {41, 26, 32, 8, 1, 0, 2, -32, 0}, {41, 27, 32, 8, 1, 0, 2, -32, 0}, {41, 28, 32, 8, 1, 0, 2, -32, 0}, {41, 29, 32, 8, 1, 0, 2, -32, 0}, {41, 30, 32, 8, 1, 0, 2, -32, 0}, {41, 31, 32, 8, 1, 0, 2, -32, 0},
+    {49, 0, 32, 8, 1, 0, 2, -32, 0}, {49, 1, 32, 8, 1, 0, 2, -32, 0}, {49, 2, 32, 8, 1, 0, 2, -32, 0}, {49, 3, 32, 8, 1, 0, 2, -32, 0}, {49, 4, 32, 8, 1, 0, 2, -32, 0}, {49, 5, 32, 8, 1, 0, 2, -32, 0}, {49, 6, 32, 8, 1, 0, 2, -32, 0}, {49, 7, 32, 8, 1, 0, 2, -32, 0},
+    {49, 8, 32, 8, 1, 0, 2, -32, 0}, {49, 9, 32, 8, 1, 0, 2, -32, 0}, {49, 10, 32, 8, 1, 0, 2, -32, 0}, {49, 11, 32, 8, 1, 0, 2, -32, 0}, {49, 12, 32, 8, 1, 0, 2, -32, 0}, {49, 13, 32, 8, 1, 0, 2, -32, 0}, {49, 14, 32, 8, 1, 0, 2, -32, 0}, {49, 15, 32, 8, 1, 0, 2, -32, 0},
+    {49, 16, 32, 8, 1, 0, 2, -32, 0}, {49, 17, 32, 8, 1, 0, 2, -32, 0}, {49, 18, 32, 8, 1, 0, 2, -32, 0}, {49, 19, 32, 8, 1, 0, 2, -32, 0}, {49, 20, 32, 8, 1, 0, 2, -32, 0}, {49, 21, 32, 8, 1, 0, 2, -32, 0}, {49, 22, 32, 8, 1, 0, 2, -32, 0}, {49, 23, 32, 8, 1, 0, 2, -32, 0},
+    {49, 24, 32, 8, 1, 0, 2, -32, 0}, {49, 25, 32, 8, 1, 0, 2, -32, 0}, {49, 26, 32, 8, 1, 0, 2, -32, 0}, {49, 27, 32, 8, 1, 0, 2, -32, 0}, {49, 28, 32, 8, 1, 0, 2, -32, 0}, {49, 29, 32, 8, 1, 0, 2, -32, 0}, {49, 30, 32, 8, 1, 0, 2, -32, 0}, {49, 31, 32, 8, 1, 0, 2, -32, 0},
+    {57, 0, 32, 8, 1, 0, 2, -32, 0}, {57, 1, 32, 8, 1, 0, 2, -32, 0}, {57, 2, 32, 8, 1, 0, 2, -32, 0}, {57, 3, 32, 8, 1, 0, 2, -32, 0}, {57, 4, 32, 8, 1, 0, 2, -32, 0}, {57, 5, 32, 8, 1, 0, 2, -32, 0}, {57, 6, 32, 8, 1, 0, 2, -32, 0}, {57, 7, 32, 8, 1, 0, 2, -32, 0},
+    {57, 8, 32, 8, 1, 0, 2, -32, 0}, {57, 9, 32, 8, 1, 0, 2, -32, 0}, {57, 10, 32, 8, 1, 0, 2, -32, 0}, {57, 11, 32, 8, 1, 0, 2, -32, 0}, {57, 12, 32, 8, 1, 0, 2, -32, 0}, {57, 13, 32, 8, 1, 0, 2, -32, 0}, {57, 14, 32, 8, 1, 0, 2, -32, 0}, {57, 15, 32, 8, 1, 0, 2, -32, 0},
+    {57, 16, 32, 8, 1, 0, 2, -32, 0}, {57, 17, 32, 8, 1, 0, 2, -32, 0}, {57, 18, 32, 8, 1, 0, 2, -32, 0}, {57, 19, 32, 8, 1, 0, 2, -32, 0}, {57, 20, 32, 8, 1, 0, 2, -32, 0}, {57, 21, 32, 8, 1, 0, 2, -32, 0}, {57, 22, 32, 8, 1, 0, 2, -32, 0}, {57, 23, 32, 8, 1, 0, 2, -32, 0},
+    {57, 24, 32, 8, 1, 0, 2, -32, 0}, {57, 25, 32, 8, 1, 0, 2, -32, 0}, {57, 26, 32, 8, 1, 0, 2, -32, 0}, {57, 27, 32, 8, 1, 0, 2, -32, 0}, {57, 28, 32, 8, 1, 0, 2, -32, 0}, {57, 29, 32, 8, 1, 0, 2, -32, 0}, {57, 30, 32, 8, 1, 0, 2, -32, 0}, {57, 31, 32, 8, 1, 0, 2, -32, 0},
+    {33, 0, 32, 8, 1, 0, 2, -32, 0}, {33, 1, 32, 8, 1, 0, 2, -32, 0}, {33, 2, 32, 8, 1, 0, 2, -32, 0}, {33, 3, 32, 8, 1, 0, 2, -32, 0}, {33, 4, 32, 8, 1, 0, 2, -32, 0}, {33, 5, 32, 8, 1, 0, 2, -32, 0}, {33, 6, 32, 8, 1, 0, 2, -32, 0}, {33, 7, 32, 8, 1, 0, 2, -32, 0},  // rank 2: shares 4096..6143
+    {33, 8, 32, 8, 1, 0, 2, -32, 0}, {33, 9, 32, 8, 1, 0, 2, -32, 0}, {33, 10, 32, 8, 1, 0, 2, -32, 0}, {33, 11, 32, 8, 1, 0, 2, -32, 0}, {33, 12, 32, 8, 1, 0, 2, -32, 0}, {33, 13, 32, 8, 1, 0, 2, -32, 0}, {33, 14, 32, 8, 1, 0, 2, -32, 0}, {33, 15, 32, 8, 1, 0, 2, -32, 0},
+    {33, 16, 32, 8, 1, 0, 2, -32, 0}, {33, 17, 32, 8, 1, 0, 2, -32, 0}, {33, 18, 32, 8, 1, 0, 2, -32, 0}, {33, 19, 32, 8, 1, 0, 2, -32, 0}, {33, 20, 32, 8, 1, 0, 2, -32, 0}, {33, 21, 32, 8, 1, 0, 2, -32, 0}, {33, 22, 32, 8, 1, 0, 2, -32, 0}, {33, 23, 32, 8, 1, 0, 2, -32, 0},
+    {33, 24, 32, 8, 1, 0, 2, -32, 0}, {33, 25, 32, 8, 1, 0, 2, -32, 0}, {33, 26, 32, 8, 1, 0, 2, -32, 0}, {33, 27, 32, 8, 1, 0, 2, -32, 0}, {33, 28, 32, 8, 1, 0, 2, -32, 0}, {33, 29, 32, 8, 1, 0, 2, -32, 0}, {33, 30, 32, 8, 1, 0, 2, -32, 0}, {33, 31, 32, 8, 1, 0, 2, -32, 0},
+    {41, 0, 32, 8, 1, 0, 2, -32, 0}, {41, 1, 32, 8, 1, 0, 2, -32, 0}, {41, 2, 32, 8, 1, 0, 2, -32, 0}, {41, 3, 32, 8, 1, 0, 2, -32, 0}, {41, 4, 32, 8, 1, 0, 2, -32, 0}, {41, 5, 32, 8, 1, 0, 2, -32, 0}, {41, 6, 32, 8, 1, 0, 2, -32, 0}, {41, 7, 32, 8, 1, 0, 2, -32, 0},
+    {41, 8, 32, 8, 1, 0, 2, -32, 0}, {41, 9, 32, 8, 1, 0, 2, -32, 0}, {41, 10, 32, 8, 1, 0, 2, -32, 0}, {41, 11, 32, 8, 1, 0, 2, -32, 0}, {41, 12, 32, 8, 1, 0, 2, -32, 0}, {41, 13, 32, 8, 1, 0, 2, -32, 0}, {41, 14, 32, 8, 1, 0, 2, -32, 0}, {41, 15, 32, 8, 1, 0, 2, -32, 0},
+    {41, 16, 32, 8, 1, 0, 2, -32, 0}, {41, 17, 32, 8, 1, 0, 2, -32, 0}, {41, 18, 32, 8, 1, 0, 2, -32, 0}, {41, 19, 32, 8, 1, 0, 2, -32, 0}, {41, 20, 32, 8, 1, 0, 2, -32, 0}, {41, 21, 32, 8, 1, 0, 2, -32, 0}, {41, 22, 32, 8, 1, 0, 2, -32, 0}, {41, 23, 32, 8, 1, 0, 2, -32, 0},
+    {41, 24, 32, 8, 1, 0, 2, -32, 0}, {41, 25, 32, 8, 1, 0, 2, -32, 0}, {41, 26, 32, 8, 1, 0, 2, -32, 0}, {41, 27, 32, 8, 1, 0, 2, -32, 0}, {41, 28, 32, 8, 1, 0, 2, -32, 0}, {41, 29, 32, 8, 1, 0, 2, -32, 0}, {41, 30, 32, 8, 1, 0, 2, -32, 0}, {41, 31, 32, 8, 1, 0, 2, -32, 0},
+    {49, 0, 32, 8, 1, 0, 2, -32, 0}, {49, 1, 32, 8, 1, 0, 2, -32, 0}, {49, 2, 32, 8, 1, 0, 2, -32, 0}, {49, 3, 32, 8, 1, 0, 2, -32, 0}, {49, 4, 32, 8, 1, 0, 2, -32, 0}, {49, 5, 32, 8, 1, 0, 2, -32, 0}, {49, 6, 32, 8, 1, 0, 2, -32, 0}, {49, 7, 32, 8, 1, 0, 2, -32, 0},
+    {49, 8, 32, 8, 1, 0, 2, -32, 0}, {49, 9, 32, 8, 1, 0, 2, -32, 0}, {49, 10, 32, 8, 1, 0, 2, -32, 0}, {49, 11, 32, 8, 1, 0, 2, -32, 0}, {49, 12, 32, 8, 1, 0, 2, -32, 0}, {49, 13, 32, 8, 1, 0, 2, -32, 0}, {49, 14, 32, 8, 1, 0, 2, -32, 0}, {49, 15, 32, 8, 1, 0, 2, -32, 0},
+    {49, 16, 32, 8, 1, 0, 2, -32, 0}, {49, 17, 32, 8, 1, 0, 2, -32, 0}, {49, 18, 32, 8, 1, 0, 2, -32, 0}, {49, 19, 32, 8, 1, 0, 2, -32, 0}, {49, 20, 32, 8, 1, 0, 2, -32, 0}, {49, 21, 32, 8, 1, 0, 2, -32, 0}, {49, 22, 32, 8, 1, 0, 2, -32, 0}, {49, 23, 32, 8, 1, 0, 2, -32, 0},
+    {49, 24, 32, 8, 1, 0, 2, -32, 0}, {49, 25, 32, 8, 1, 0, 2, -32, 0}, {49, 26, 32, 8, 1, 0, 2, -32, 0}, {49, 27, 32, 8, 1, 0, 2, -32, 0}, {49, 28, 32, 8, 1, 0, 2, -32, 0}, {49, 29, 32, 8, 1, 0, 2, -32, 0}, {49, 30, 32, 8, 1, 0, 2, -32, 0}, {49, 31, 32, 8, 1, 0, 2, -32, 0},
+    {57, 0, 32, 8, 1, 0, 2, -32, 0}, {57, 1, 32, 8, 1, 0, 2, -32, 0}, {57, 2, 32, 8, 1, 0, 2, -32, 0}, {57, 3, 32, 8, 1, 0, 2, -32, 0}, {57, 4, 32, 8, 1, 0, 2, -32, 0}, {57, 5, 32, 8, 1, 0, 2, -32, 0}, {57, 6, 32, 8, 1, 0, 2, -32, 0}, {57, 7, 32, 8, 1, 0, 2, -32, 0},
+    {57, 8, 32, 8, 1, 0, 2, -32, 0}, {57, 9, 32, 8, 1, 0, 2, -32, 0}, {57, 10, 32, 8, 1, 0, 2, -32, 0}, {57, 11, 32, 8, 1, 0, 2, -32, 0}, {57, 12, 32, 8, 1, 0, 2, -32, 0}, {57, 13, 32, 8, 1, 0, 2, -32, 0}, {57, 14, 32, 8, 1, 0, 2, -32, 0}, {57, 15, 32, 8, 1, 0, 2, -32, 0},
+    {57, 16, 32, 8, 1, 0, 2, -32, 0}, {57, 17, 32, 8, 1, 0, 2, -32, 0}, {57, 18, 32, 8, 1, 0, 2, -32, 0}, {57, 19, 32, 8, 1, 0, 2, -32, 0}, {57, 20, 32, 8, 1, 0, 2, -32, 0}, {57, 21, 32, 8, 1, 0, 2, -32, 0}, {57, 22, 32, 8, 1, 0, 2, -32, 0}, {57, 23, 32, 8, 1, 0, 2, -32, 0},
+    {57, 24, 32, 8, 1, 0, 2, -32, 0}, {57, 25, 32, 8, 1, 0, 2, -32, 0}, {57, 26, 32, 8, 1, 0, 2, -32, 0}, {57, 27, 32, 8, 1, 0, 2, -32, 0}, {57, 28, 32, 8, 1, 0, 2, -32, 0}, {57, 29, 32, 8, 1, 0, 2, -32, 0}, {57, 30, 32, 8, 1, 0, 2, -32, 0}, {57, 31, 32, 8, 1, 0, 2, -32, 0},
+    {33, 0, 32, 8, 1, 0, 2, -32, 0}, {33, 1, 32, 8, 1, 0, 2, -32, 0}, {33, 2, 32, 8, 1, 0, 2, -32, 0}, {33, 3, 32, 8, 1, 0, 2, -32, 0}, {33, 4, 32, 8, 1, 0, 2, -32, 0}, {33, 5, 32, 8, 1, 0, 2, -32, 0}, {33, 6, 32, 8, 1, 0, 2, -32, 0}, {33, 7, 32, 8, 1, 0, 2, -32, 0},  // rank 3: shares 6144..8191
+    {33, 8, 32, 8, 1, 0, 2, -32, 0}, {33, 9, 32, 8, 1, 0, 2, -32, 0}, {33, 10, 32, 8, 1, 0, 2, -32, 0}, {33, 11, 32, 8, 1, 0, 2, -32, 0}, {33, 12, 32, 8, 1, 0, 2, -32, 0}, {33, 13, 32, 8, 1, 0, 2, -32, 0}, {33, 14, 32, 8, 1, 0, 2, -32, 0}, {33, 15, 32, 8, 1, 0, 2, -32, 0},
+    {33, 16, 32, 8, 1, 0, 2, -32, 0}, {33, 17, 32, 8, 1, 0, 2, -32, 0}, {33, 18, 32, 8, 1, 0, 2, -32, 0}, {33, 19, 32, 8, 1, 0, 2, -32, 0}, {33, 20, 32, 8, 1, 0, 2, -32, 0}, {33, 21, 32, 8, 1, 0, 2, -32, 0}, {33, 22, 32, 8, 1, 0, 2, -32, 0}, {33, 23, 32, 8, 1, 0, 2, -32, 0},
+    {33, 24, 32, 8, 1, 0, 2, -32, 0}, {33, 25, 32, 8, 1, 0, 2, -32, 0}, {33, 26, 32, 8, 1, 0, 2, -32, 0}, {33, 27, 32, 8, 1, 0, 2, -32, 0}, {33, 28, 32, 8, 1, 0, 2, -32, 0}, {33, 29, 32, 8, 1, 0, 2, -32, 0}, {33, 30, 32, 8, 1, 0, 2, -32, 0}, {33, 31, 32, 8, 1, 0, 2, -32, 0},
+    {41, 0, 32, 8, 1, 0, 2, -32, 0}, {41, 1, 32, 8, 1, 0, 2, -32, 0}, {41, 2, 32, 8, 1, 0, 2, -32, 0}, {41, 3, 32, 8, 1, 0, 2, -32, 0}, {41, 4, 32, 8, 1, 0, 2, -32, 0}, {41, 5, 32, 8, 1, 0, 2, -32, 0}, {41, 6, 32, 8, 1, 0, 2, -32, 0}, {41, 7, 32, 8, 1, 0, 2, -32, 0},
+    {41, 8, 32, 8, 1, 0, 2, -32, 0}, {41, 9, 32, 8, 1, 0, 2, -32, 0}, {41, 10, 32, 8, 1, 0, 2, -32, 0}, {41, 11, 32, 8, 1, 0, 2, -32, 0}, {41, 12, 32, 8, 1, 0, 2, -32, 0}, {41, 13, 32, 8, 1, 0, 2, -32, 0}, {41, 14, 32, 8, 1, 0, 2, -32, 0}, {41, 15, 32, 8, 1, 0, 2, -32, 0},
+    {41, 16, 32, 8, 1, 0, 2, -32, 0}, {41, 17, 32, 8, 1, 0, 2, -32, 0}, {41, 18, 32, 8, 1, 0, 2, -32, 0}, {41, 19, 32, 8, 1, 0, 2, -32, 0}, {41, 20, 32, 8, 1, 0, 2, -32, 0}, {41, 21, 32, 8, 1, 0, 2, -32, 0}, {41, 22, 32, 8, 1, 0, 2, -32, 0}, {41, 23, 32, 8, 1, 0, 2, -32, 0},
+    {41, 24, 32, 8, 1, 0, 2, -32, 0}, {41, 25, 32, 8, 1, 0, 2, -32, 0}, {41, 26, 32, 8, 1, 0, 2, -32, 0}, {41, 27, 32, 8, 1, 0, 2, -32, 0}, {41, 28, 32, 8, 1, 0, 2, -32, 0}, {41, 29, 32, 8, 1, 0, 2, -32, 0}, {41, 30, 32, 8, 1, 0, 2, -32, 0}, {41, 31, 32, 8, 1, 0, 2, -32, 0},
+    {49, 0, 32, 8, 1, 0, 2, -32, 0}, {49, 1, 32, 8, 1, 0, 2, -32, 0}, {49, 2, 32, 8, 1, 0, 2, -32, 0}, {49, 3, 32, 8, 1, 0, 2, -32, 0}, {49, 4, 32, 8, 1, 0, 2, -32, 0}, {49, 5, 32, 8, 1, 0, 2, -32, 0}, {49, 6, 32, 8, 1, 0, 2, -32, 0}, {49, 7, 32, 8, 1, 0, 2, -32, 0},
+    {49, 8, 32, 8, 1, 0, 2, -32, 0}, {49, 9, 32, 8, 1, 0, 2, -32, 0}, {49, 10, 32, 8, 1, 0, 2, -32, 0}, {49, 11, 32, 8, 1, 0, 2, -32, 0}, {49, 12, 32, 8, 1, 0, 2, -32, 0}, {49, 13, 32, 8, 1, 0, 2, -32, 0}, {49, 14, 32, 8, 1, 0, 2, -32, 0}, {49, 15, 32, 8, 1, 0, 2, -32, 0},
+    {49, 16, 32, 8, 1, 0, 2, -32, 0}, {49, 17, 32, 8, 1, 0, 2, -32, 0}, {49, 18, 32, 8, 1, 0, 2, -32, 0}, {49, 19, 32, 8, 1, 0, 2, -32, 0}, {49, 20, 32, 8, 1, 0, 2, -32, 0}, {49, 21, 32, 8, 1, 0, 2, -32, 0}, {49, 22, 32, 8, 1, 0, 2, -32, 0}, {49, 23, 32, 8, 1, 0, 2, -32, 0},
+    {49, 24, 32, 8, 1, 0, 2, -32, 0}, {49, 25, 32, 8, 1, 0, 2, -32, 0}, {49, 26, 32, 8, 1, 0, 2, -32, 0}, {49, 27, 32, 8, 1, 0, 2, -32, 0}, {49, 28, 32, 8, 1, 0, 2, -32, 0}, {49, 29, 32, 8, 1, 0, 2, -32, 0}, {49, 30, 32, 8, 1, 0, 2, -32, 0}, {49, 31, 32, 8, 1, 0, 2, -32, 0},
+    {57, 0, 32, 8, 1, 0, 2, -32, 0}, {57, 1, 32, 8, 1, 0, 2, -32, 0}, {57, 2, 32, 8, 1, 0, 2, -32, 0}, {57, 3, 32, 8, 1, 0, 2, -32, 0}, {57, 4, 32, 8, 1, 0, 2, -32, 0}, {57, 5, 32, 8, 1, 0, 2, -32, 0}, {57, 6, 32, 8, 1, 0, 2, -32, 0}, {57, 7, 32, 8, 1, 0, 2, -32, 0},
+    {57, 8, 32, 8, 1, 0, 2, -32, 0}, {57, 9, 32, 8, 1, 0, 2, -32, 0}, {57, 10, 32, 8, 1, 0, 2, -32, 0}, {57, 11, 32, 8, 1, 0, 2, -32, 0}, {57, 12, 32, 8, 1, 0, 2, -32, 0}, {57, 13, 32, 8, 1, 0, 2, -32, 0}, {57, 14, 32, 8, 1, 0, 2, -32, 0}, {57, 15, 32, 8, 1, 0, 2, -32, 0},
+    {57, 16, 32, 8, 1, 0, 2, -32, 0}, {57, 17, 32, 8, 1, 0, 2, -32, 0}, {57, 18, 32, 8, 1, 0, 2, -32, 0}, {57, 19, 32, 8, 1, 0, 2, -32, 0}, {57, 20, 32, 8, 1, 0, 2, -32, 0}, {57, 21, 32, 8, 1, 0, 2, -32, 0}, {57, 22, 32, 8, 1, 0, 2, -32, 0}, {57, 23, 32, 8, 1, 0, 2, -32, 0},
+    {57, 24, 32, 8, 1, 0, 2, -32, 0}, {57, 25, 32, 8, 1, 0, 2, -32, 0}, {57, 26, 32, 8, 1, 0, 2, -32, 0}, {57, 27, 32, 8, 1, 0, 2, -32, 0}, {57, 28, 32, 8, 1, 0, 2, -32, 0}, {57, 29, 32, 8, 1, 0, 2, -32, 0}, {57, 30, 32, 8, 1, 0, 2, -32, 0}, {57, 31, 32, 8, 1, 0, 2, -32, 0},
+    {33, 0, 32, 8, 1, 0, 2, -32, 0}, {33, 1, 32, 8, 1, 0, 2, -32, 0}, {33, 2, 32, 8, 1, 0, 2, -32, 0}, {33, 3, 32, 8, 1, 0, 2, -32, 0}, {33, 4, 32, 8, 1, 0, 2, -32, 0}, {33, 5, 32, 8, 1, 0, 2, -32, 0}, {33, 6, 32, 8, 1, 0, 2, -32, 0}, {33, 7, 32, 8, 1, 0, 2, -32, 0},  // rank 4: shares 8192..10239
+    {33, 8, 32, 8, 1, 0, 2, -32, 0}, {33, 9, 32, 8, 1, 0, 2, -32, 0}, {33, 10, 32, 8, 1, 0, 2, -32, 0}, {33, 11, 32, 8, 1, 0, 2, -32, 0}, {33, 12, 32, 8, 1, 0, 2, -32, 0}, {33, 13, 32, 8, 1, 0, 2, -32, 0}, {33, 14, 32, 8, 1, 0, 2, -32, 0}, {33, 15, 32, 8, 1, 0, 2, -32, 0},
+    {33, 16, 32, 8, 1, 0, 2, -32, 0}, {33, 17, 32, 8, 1, 0, 2, -32, 0}, {33, 18, 32, 8, 1, 0, 2, -32, 0}, {33, 19, 32, 8, 1, 0, 2, -32, 0}, {33, 20, 32, 8, 1, 0, 2, -32, 0}, {33, 21, 32, 8, 1, 0, 2, -32, 0}, {33, 22, 32, 8, 1, 0, 2, -32, 0}, {33, 23, 32, 8, 1, 0, 2, -32, 0},
+    {33, 24, 32, 8, 1, 0, 2, -32, 0}, {33, 25, 32, 8, 1, 0, 2, -32, 0}, {33, 26, 32, 8, 1, 0, 2, -32, 0}, {33, 27, 32, 8, 1, 0, 2, -32, 0}, {33, 28, 32, 8, 1, 0, 2, -32, 0}, {33, 29, 32, 8, 1, 0, 2, -32, 0}, {33, 30, 32, 8, 1, 0, 2, -32, 0}, {33, 31, 32, 8, 1, 0, 2, -32, 0},
+    {41, 0, 32, 8, 1, 0, 2, -32, 0}, {41, 1, 32, 8, 1, 0, 2, -32, 0}, {41, 2, 32, 8, 1, 0, 2, -32, 0}, {41, 3, 32, 8, 1, 0, 2, -32, 0}, {41, 4, 32, 8, 1, 0, 2, -32, 0}, {41, 5, 32, 8, 1, 0, 2, -32, 0}, {41, 6, 32, 8, 1, 0, 2, -32, 0}, {41, 7, 32, 8, 1, 0, 2, -32, 0},
+    {41, 8, 32, 8, 1, 0, 2, -32, 0}, {41, 9, 32, 8, 1, 0, 2, -32, 0}, {41, 10, 32, 8, 1, 0, 2, -32, 0}, {41, 11, 32, 8, 1, 0, 2, -32, 0}, {41, 12, 32, 8, 1, 0, 2, -32, 0}, {41, 13, 32, 8, 1, 0, 2, -32, 0}, {41, 14, 32, 8, 1, 0, 2, -32, 0}, {41, 15, 32, 8, 1, 0, 2, -32, 0},
+    {41, 16, 32, 8, 1, 0, 2, -32, 0}, {41, 17, 32, 8, 1, 0, 2, -32, 0}, {41, 18, 32, 8, 1, 0, 2, -32, 0}, {41, 19, 32, 8, 1, 0, 2, -32, 0}, {41, 20, 32, 8, 1, 0, 2, -32, 0}, {41, 21, 32, 8, 1, 0, 2, -32, 0}, {41, 22, 32, 8, 1, 0, 2, -32, 0}, {41, 23, 32, 8, 1, 0, 2, -32, 0},
+    {41, 24, 32, 8, 1, 0, 2, -32, 0}, {41, 25, 32, 8, 1, 0, 2, -32, 0}, {41, 26, 32, 8, 1, 0, 2, -32, 0}, {41, 27, 32, 8, 1, 0, 2, -32, 0}, {41, 28, 32, 8, 1, 0, 2, -32, 0}, {41, 29, 32, 8, 1, 0, 2, -32, 0}, {41, 30, 32, 8, 1, 0, 2, -32, 0}, {41, 31, 32, 8, 1, 0, 2, -32, 0},
+    {49, 0, 32, 8, 1, 0, 2, -32, 0}, {49, 1, 32, 8, 1, 0, 2, -32, 0}, {49, 2, 32, 8, 1, 0, 2, -32, 0}, {49, 3, 32, 8, 1, 0, 2, -32, 0}, {49, 4, 32, 8, 1, 0, 2, -32, 0}, {49, 5, 32, 8, 1, 0, 2, -32, 0}, {49, 6, 32, 8, 1, 0, 2, -32, 0}, {49, 7, 32, 8, 1, 0, 2, -32, 0},
+    {49, 8, 32, 8, 1, 0, 2, -32, 0}, {49, 9, 32, 8, 1, 0, 2, -32, 0}, {49, 10, 32, 8, 1, 0, 2, -32, 0}, {49, 11, 32, 8, 1, 0, 2, -32, 0}, {49, 12, 32, 8, 1, 0, 2, -32, 0}, {49, 13, 32, 8, 1, 0, 2, -32, 0}, {49, 14, 32, 8, 1, 0, 2, -32, 0}, {49, 15, 32, 8, 1, 0, 2, -32, 0},
+    {49, 16, 32, 8, 1, 0, 2, -32, 0}, {49, 17, 32, 8, 1, 0, 2, -32, 0}, {49, 18, 32, 8, 1, 0, 2, -32, 0}, {49, 19, 32, 8, 1, 0, 2, -32, 0}, {49, 20, 32, 8, 1, 0, 2, -32, 0}, {49, 21, 32, 8, 1, 0, 2, -32, 0}, {49, 22, 32, 8, 1, 0, 2, -32, 0}, {49, 23, 32, 8, 1, 0, 2, -32, 0},
+    {49, 24, 32, 8, 1, 0, 2, -32, 0}, {49, 25, 32, 8, 1, 0, 2, -32, 0}, {49, 26, 32, 8, 1, 0, 2, -32, 0}, {49, 27, 32, 8, 1, 0, 2, -32, 0}, {49, 28, 32, 8, 1, 0, 2, -32, 0}, {49, 29, 32, 8, 1, 0, 2, -32, 0}, {49, 30, 32, 8, 1, 0, 2, -32, 0}, {49, 31, 32, 8, 1, 0, 2, -32, 0},
+    {57, 0, 32, 8, 1, 0, 2, -32, 0}, {57, 1, 32, 8, 1, 0, 2, -32, 0}, {57, 2, 32, 8, 1, 0, 2, -32, 0}, {57, 3, 32, 8, 1, 0, 2, -32, 0}, {57, 4, 32, 8, 1, 0, 2, -32, 0}, {57, 5, 32, 8, 1, 0, 2, -32, 0}, {57, 6, 32, 8, 1, 0, 2, -32, 0}, {57, 7, 32, 8, 1, 0, 2, -32, 0},
+    {57, 8, 32, 8, 1, 0, 2, -32, 0}, {57, 9, 32, 8, 1, 0, 2, -32, 0}, {57, 10, 32, 8, 1, 0, 2, -32, 0}, {57, 11, 32, 8, 1, 0, 2, -32, 0}, {57, 12, 32, 8, 1, 0, 2, -32, 0}, {57, 13, 32, 8, 1, 0, 2, -32, 0}, {57, 14, 32, 8, 1, 0, 2, -32, 0}, {57, 15, 32, 8, 1, 0, 2, -32, 0},
+    {57, 16, 32, 8, 1, 0, 2, -32, 0}, {57, 17, 32, 8, 1, 0, 2, -32, 0}, {57, 18, 32, 8, 1, 0, 2, -32, 0}, {57, 19, 32, 8, 1, 0, 2, -32, 0}, {57, 20, 32, 8, 1, 0, 2, -32, 0}, {57, 21, 32, 8, 1, 0, 2, -32, 0}, {57, 22, 32, 8, 1, 0, 2, -32, 0}, {57, 23, 32, 8, 1, 0, 2, -32, 0},
+    {57, 24, 32, 8, 1, 0, 2, -32, 0}, {57, 25, 32, 8, 1, 0, 2, -32, 0}, {57, 26, 32, 8, 1, 0, 2, -32, 0}, {57, 27, 32, 8, 1, 0, 2, -32, 0}, {57, 28, 32, 8, 1, 0, 2, -32, 0}, {57, 29, 32, 8, 1, 0, 2, -32, 0}, {57, 30, 32, 8, 1, 0, 2, -32, 0}, {57, 31, 32, 8, 1, 0, 2, -32, 0},
+    {33, 0, 32, 8, 1, 0, 2, -32, 0}, {33, 1, 32, 8, 1, 0, 2, -32, 0}, {33, 2, 32, 8, 1, 0, 2, -32, 0}, {33, 3, 32, 8, 1, 0, 2, -32, 0}, {33, 4, 32, 8, 1, 0, 2, -32, 0}, {33, 5, 32, 8, 1, 0, 2, -32, 0}, {33, 6, 32, 8, 1, 0, 2, -32, 0}, {33, 7, 32, 8, 1, 0, 2, -32, 0},  // rank 5: shares 10240..12287
+    {33, 8, 32, 8, 1, 0, 2, -32, 0}, {33, 9, 32, 8, 1, 0, 2, -32, 0}, {33, 10, 32, 8, 1, 0, 2, -32, 0}, {33, 11, 32, 8, 1, 0, 2, -32, 0}, {33, 12, 32, 8, 1, 0, 2, -32, 0}, {33, 13, 32, 8, 1, 0, 2, -32, 0}, {33, 14, 32, 8, 1, 0, 2, -32, 0}, {33, 15, 32, 8, 1, 0, 2, -32, 0},
+    {33, 16, 32, 8, 1, 0, 2, -32, 0}, {33, 17, 32, 8, 1, 0, 2, -32, 0}, {33, 18, 32, 8, 1, 0, 2, -32, 0}, {33, 19, 32, 8, 1, 0, 2, -32, 0}, {33, 20, 32, 8, 1, 0, 2, -32, 0}, {33, 21, 32, 8, 1, 0, 2, -32, 0}, {33, 22, 32, 8, 1, 0, 2, -32, 0}, {33, 23, 32, 8, 1, 0, 2, -32, 0},
+    {33, 24, 32, 8, 1, 0, 2, -32, 0}, {33, 25, 32, 8, 1, 0, 2, -32, 0}, {33, 26, 32, 8, 1, 0, 2, -32, 0}, {33, 27, 32, 8, 1, 0, 2, -32, 0}, {33, 28, 32, 8, 1, 0, 2, -32, 0}, {33, 29, 32, 8, 1, 0, 2, -32, 0}, {33, 30, 32, 8, 1, 0, 2, -32, 0}, {33, 31, 32, 8, 1, 0, 2, -32, 0},
+    {41, 0, 32, 8, 1, 0, 2, -32, 0}, {41, 1, 32, 8, 1, 0, 2, -32, 0}, {41, 2, 32, 8, 1, 0, 2, -32, 0}, {41, 3, 32, 8, 1, 0, 2, -32, 0}, {41, 4, 32, 8, 1, 0, 2, -32, 0}, {41, 5, 32, 8, 1, 0, 2, -32, 0}, {41, 6, 32, 8, 1, 0, 2, -32, 0}, {41, 7, 32, 8, 1, 0, 2, -32, 0},
+    {41, 8, 32, 8, 1, 0, 2, -32, 0}, {41, 9, 32, 8, 1, 0, 2, -32, 0}, {41, 10, 32, 8, 1, 0, 2, -32, 0}, {41, 11, 32, 8, 1, 0, 2, -32, 0}, {41, 12, 32, 8, 1, 0, 2, -32, 0}, {41, 13, 32, 8, 1, 0, 2, -32, 0}, {41, 14, 32, 8, 1, 0, 2, -32, 0}, {41, 15, 32, 8, 1, 0, 2, -32, 0},
+    {41, 16, 32, 8, 1, 0, 2, -32, 0}, {41, 17, 32, 8, 1, 0, 2, -32, 0}, {41, 18, 32, 8, 1, 0, 2, -32, 0}, {41, 19, 32, 8, 1, 0, 2, -32, 0}, {41, 20, 32, 8, 1, 0, 2, -32, 0}, {41, 21, 32, 8, 1, 0, 2, -32, 0}, {41, 22, 32, 8, 1, 0, 2, -32, 0}, {41, 23, 32, 8, 1, 0, 2, -32, 0},
+    {41, 24, 32, 8, 1, 0, 2, -32, 0}, {41, 25, 32, 8, 1, 0, 2, -32, 0}, {41, 26, 32, 8, 1, 0, 2, -32, 0}, {41, 27, 32, 8, 1, 0, 2, -32, 0}, {41, 28, 32, 8, 1, 0, 2, -32, 0}, {41, 29, 32, 8, 1, 0, 2, -32, 0}, {41, 30, 32, 8, 1, 0, 2, -32, 0}, {41, 31, 32, 8, 1, 0, 2, -32, 0},
+    {49, 0, 32, 8, 1, 0, 2, -32, 0}, {49, 1, 32, 8, 1, 0, 2, -32, 0}, {49, 2, 32, 8, 1, 0, 2, -32, 0}, {49, 3, 32, 8, 1, 0, 2, -32, 0}, {49, 4, 32, 8, 1, 0, 2, -32, 0}, {49, 5, 32, 8, 1, 0, 2, -32, 0}, {49, 6, 32, 8, 1, 0, 2, -32, 0}, {49, 7, 32, 8, 1, 0, 2, -32, 0},
+    {49, 8, 32, 8, 1, 0, 2, -32, 0}, {49, 9, 32, 8, 1, 0, 2, -32, 0}, {49, 10, 32, 8, 1, 0, 2, -32, 0}, {49, 11, 32, 8, 1, 0, 2, -32, 0}, {49, 12, 32, 8, 1, 0, 2, -32, 0}, {49, 13, 32, 8, 1, 0, 2, -32, 0}, {49, 14, 32, 8, 1, 0, 2, -32, 0}, {49, 15, 32, 8, 1, 0, 2, -32, 0},
+    {49, 16, 32, 8, 1, 0, 2, -32, 0}, {49, 17, 32, 8, 1, 0, 2, -32, 0}, {49, 18, 32, 8, 1, 0, 2, -32, 0}, {49, 19, 32, 8, 1, 0, 2, -32, 0}, {49, 20, 32, 8, 1, 0, 2, -32, 0}, {49, 21, 32, 8, 1, 0, 2, -32, 0}, {49, 22, 32, 8, 1, 0, 2, -32, 0}, {49, 23, 32, 8, 1, 0, 2, -32, 0},
+    {49, 24, 32, 8, 1, 0, 2, -32, 0}, {49, 25, 32, 8, 1, 0, 2, -32, 0}, {49, 26, 32, 8, 1, 0, 2, -32, 0}, {49, 27, 32, 8, 1, 0, 2, -32, 0}, {49, 28, 32, 8, 1, 0, 2, -32, 0}, {49, 29, 32, 8, 1, 0, 2, -32, 0}, {49, 30, 32, 8, 1, 0, 2, -32, 0}, {49, 31, 32, 8, 1, 0, 2, -32, 0},
+    {57, 0, 32, 8, 1, 0, 2, -32, 0}, {57, 1, 32, 8, 1, 0, 2, -32, 0}, {57, 2, 32, 8, 1, 0, 2, -32, 0}, {57, 3, 32, 8, 1, 0, 2, -32, 0}, {57, 4, 32, 8, 1, 0, 2, -32, 0}, {57, 5, 32, 8, 1, 0, 2, -32, 0}, {57, 6, 32, 8, 1, 0, 2, -32, 0}, {57, 7, 32, 8, 1, 0, 2, -32, 0},
+    {57, 8, 32, 8, 1, 0, 2, -32, 0}, {57, 9, 32, 8, 1, 0, 2, -32, 0}, {57, 10, 32, 8, 1, 0, 2, -32, 0}, {57, 11, 32, 8, 1, 0, 2, -32, 0}, {57, 12, 32, 8, 1, 0, 2, -32, 0}, {57, 13, 32, 8, 1, 0, 2, -32, 0}, {57, 14, 32, 8, 1, 0, 2, -32, 0}, {57, 15, 32, 8, 1, 0, 2, -32, 0},
+    {57, 16, 32, 8, 1, 0, 2, -32, 0}, {57, 17, 32, 8, 1, 0, 2, -32, 0}, {57, 18, 32, 8, 1, 0, 2, -32, 0}, {57, 19, 32, 8, 1, 0, 2, -32, 0}, {57, 20, 32, 8, 1, 0, 2, -32, 0}, {57, 21, 32, 8, 1, 0, 2, -32, 0}, {57, 22, 32, 8, 1, 0, 2, -32, 0}, {57, 23, 32, 8, 1, 0, 2, -32, 0},
+    {57, 24, 32, 8, 1, 0, 2, -32, 0}, {57, 25, 32, 8, 1, 0, 2, -32, 0}, {57, 26, 32, 8, 1, 0, 2, -32, 0}, {57, 27, 32, 8, 1, 0, 2, -32, 0}, {57, 28, 32, 8, 1, 0, 2, -32, 0}, {57, 29, 32, 8, 1, 0, 2, -32, 0}, {57, 30, 32, 8, 1, 0, 2, -32, 0}, {57, 31, 32, 8, 1, 0, 2, -32, 0},
+    {33, 0, 32, 8, 1, 0, 2, -32, 0}, {33, 1, 32, 8, 1, 0, 2, -32, 0}, {33, 2, 32, 8, 1, 0, 2, -32, 0}, {33, 3, 32, 8, 1, 0, 2, -32, 0}, {33, 4, 32, 8, 1, 0, 2, -32, 0}, {33, 5, 32, 8, 1, 0, 2, -32, 0}, {33, 6, 32, 8, 1, 0, 2, -32, 0}, {33, 7, 32, 8, 1, 0, 2, -32, 0},  // rank 6: shares 12288..14335
+    {33, 8, 32, 8, 1, 0, 2, -32, 0}, {33, 9, 32, 8, 1, 0, 2, -32, 0}, {33, 10, 32, 8, 1, 0, 2, -32, 0}, {33, 11, 32, 8, 1, 0, 2, -32, 0}, {33, 12, 32, 8, 1, 0, 2, -32, 0}, {33, 13, 32, 8, 1, 0, 2, -32, 0}, {33, 14, 32, 8, 1, 0, 2, -32, 0}, {33, 15, 32, 8, 1, 0, 2, -32, 0},
+    {33, 16, 32, 8, 1, 0, 2, -32, 0}, {33, 17, 32, 8, 1, 0, 2, -32, 0}, {33, 18, 32, 8, 1, 0, 2, -32, 0}, {33, 19, 32, 8, 1, 0, 2, -32, 0}, {33, 20, 32, 8, 1, 0, 2, -32, 0}, {33, 21, 32, 8, 1, 0, 2, -32, 0}, {33, 22, 32, 8, 1, 0, 2, -32, 0}, {33, 23, 32, 8, 1, 0, 2, -32, 0},
+    {33, 24, 32, 8, 1, 0, 2, -32, 0}, {33, 25, 32, 8, 1, 0, 2, -32, 0}, {33, 26, 32, 8, 1, 0, 2, -32, 0}, {33, 27, 32, 8, 1, 0, 2, -32, 0}, {33, 28, 32, 8, 1, 0, 2, -32, 0}, {33, 29, 32, 8, 1, 0, 2, -32, 0}, {33, 30, 32, 8, 1, 0, 2, -32, 0}, {33, 31, 32, 8, 1, 0, 2, -32, 0},
+    {41, 0, 32, 8, 1, 0, 2, -32, 0}, {41, 1, 32, 8, 1, 0, 2, -32, 0}, {41, 2, 32, 8, 1, 0, 2, -32, 0}, {41, 3, 32, 8, 1, 0, 2, -32, 0}, {41, 4, 32, 8, 1, 0, 2, -32, 0}, {41, 5, 32, 8, 1, 0, 2, -32, 0}, {41, 6, 32, 8, 1, 0, 2, -32, 0}, {41, 7, 32, 8, 1, 0, 2, -32, 0},
+    {41, 8, 32, 8, 1, 0, 2, -32, 0}, {41, 9, 32, 8, 1, 0, 2, -32, 0}, {41, 10, 32, 8, 1, 0, 2, -32, 0}, {41, 11, 32, 8, 1, 0, 2, -32, 0}, {41, 12, 32, 8, 1, 0, 2, -32, 0}, {41, 13, 32, 8, 1, 0, 2, -32, 0}, {41, 14, 32, 8, 1, 0, 2, -32, 0}, {41, 15, 32, 8, 1, 0, 2, -32, 0},
+    {41, 16, 32, 8, 1, 0, 2, -32, 0}, {41, 17, 32, 8, 1, 0, 2, -32, 0}, {41, 18, 32, 8, 1, 0, 2, -32, 0}, {41, 19, 32, 8, 1, 0, 2, -32, 0}, {41, 20, 32, 8, 1, 0, 2, -32, 0}, {41, 21, 32, 8, 1, 0, 2, -32, 0}, {41, 22, 32, 8, 1, 0, 2, -32, 0}, {41, 23, 32, 8, 1, 0, 2, -32, 0},
+    {41, 24, 32, 8, 1, 0, 2, -32, 0}, {41, 25, 32, 8, 1, 0, 2, -32, 0}, {41, 26, 32, 8, 1, 0, 2, -32, 0}, {41, 27, 32, 8, 1, 0, 2, -32, 0}, {41, 28, 32, 8, 1, 0, 2, -32, 0}, {41, 29, 32, 8, 1, 0, 2, -32, 0}, {41, 30, 32, 8, 1, 0, 2, -32, 0}, {41, 31, 32, 8, 1, 0, 2, -32, 0},
+    {49, 0, 32, 8, 1, 0, 2, -32, 0}, {49, 1, 32, 8, 1, 0, 2, -32, 0}, {49, 2, 32, 8, 1, 0, 2, -32, 0}, {49, 3, 32, 8, 1, 0, 2, -32, 0}, {49, 4, 32, 8, 1, 0, 2, -32, 0}, {49, 5, 32, 8, 1, 0, 2, -32, 0}, {49, 6, 32, 8, 1, 0, 2, -32, 0}, {49, 7, 32, 8, 1, 0, 2, -32, 0},
+    {49, 8, 32, 8, 1, 0, 2, -32, 0}, {49, 9, 32, 8, 1, 0, 2, -32, 0}, {49, 10, 32, 8, 1, 0, 2, -32, 0}, {49, 11, 32, 8, 1, 0, 2, -32, 0}, {49, 12, 32, 8, 1, 0, 2, -32, 0}, {49, 13, 32, 8, 1, 0, 2, -32, 0}, {49, 14, 32, 8, 1, 0, 2, -32, 0}, {49, 15, 32, 8, 1, 0, 2, -32, 0},
+    {49, 16, 32, 8, 1, 0, 2, -32, 0}, {49, 17, 32, 8, 1, 0, 2, -32, 0}, {49, 18, 32, 8, 1, 0, 2, -32, 0}, {49, 19, 32, 8, 1, 0, 2, -32, 0}, {49, 20, 32, 8, 1, 0, 2, -32, 0}, {49, 21, 32, 8, 1, 0, 2, -32, 0}, {49, 22, 32, 8, 1, 0, 2, -32, 0}, {49, 23, 32, 8, 1, 0, 2, -32, 0},
+    {49, 24, 32, 8, 1, 0, 2, -32, 0}, {49, 25, 32, 8, 1, 0, 2, -32, 0}, {49, 26, 32, 8, 1, 0, 2, -32, 0}, {49, 27, 32, 8, 1, 0, 2, -32, 0}, {49, 28, 32, 8, 1, 0, 2, -32, 0}, {49, 29, 32, 8, 1, 0, 2, -32, 0}, {49, 30, 32, 8, 1, 0, 2, -32, 0}, {49, 31, 32, 8, 1, 0, 2, -32, 0},
+    {57, 0, 32, 8, 1, 0, 2, -32, 0}, {57, 1, 32, 8, 1, 0, 2, -32, 0}, {57, 2, 32, 8, 1, 0, 2, -32, 0}, {57, 3, 32, 8, 1, 0, 2, -32, 0}, {57, 4, 32, 8, 1, 0, 2, -32, 0}, {57, 5, 32, 8, 1, 0, 2, -32, 0}, {57, 6, 32, 8, 1, 0, 2, -32, 0}, {57, 7, 32, 8, 1, 0, 2, -32, 0},
+    {57, 8, 32, 8, 1, 0, 2, -32, 0}, {57, 9, 32, 8, 1, 0, 2, -32, 0}, {57, 10, 32, 8, 1, 0, 2, -32, 0}, {57, 11, 32, 8, 1, 0, 2, -32, 0}, {57, 12, 32, 8, 1, 0, 2, -32, 0}, {57, 13, 32, 8, 1, 0, 2, -32, 0}, {57, 14, 32, 8, 1, 0, 2, -32, 0}, {57, 15, 32, 8, 1, 0, 2, -32, 0},
+    {57, 16, 32, 8, 1, 0, 2, -32, 0}, {57, 17, 32, 8, 1, 0, 2, -32, 0}, {57, 18, 32, 8, 1, 0, 2, -32, 0}, {57, 19, 32, 8, 1, 0, 2, -32, 0}, {57, 20, 32, 8, 1, 0, 2, -32, 0}, {57, 21, 32, 8, 1, 0, 2, -32, 0}, {57, 22, 32, 8, 1, 0, 2, -32, 0}, {57, 23, 32, 8, 1, 0, 2, -32, 0},
+    {57, 24, 32, 8, 1, 0, 2, -32, 0}, {57, 25, 32, 8, 1, 0, 2, -32, 0}, {57, 26, 32, 8, 1, 0, 2, -32, 0}, {57, 27, 32, 8, 1, 0, 2, -32, 0}, {57, 28, 32, 8, 1, 0, 2, -32, 0}, {57, 29, 32, 8, 1, 0, 2, -32, 0}, {57, 30, 32, 8, 1, 0, 2, -32, 0}, {57, 31, 32, 8, 1, 0, 2, -32, 0},
+    {33, 0, 32, 8, 1, 0, 2, -32, 0}, {33, 1, 32, 8, 1, 0, 2, -32, 0}, {33, 2, 32, 8, 1, 0, 2, -32, 0}, {33, 3, 32, 8, 1, 0, 2, -32, 0}, {33, 4, 32, 8, 1, 0, 2, -32, 0}, {33, 5, 32, 8, 1, 0, 2, -32, 0}, {33, 6, 32, 8, 1, 0, 2, -32, 0}, {33, 7, 32, 8, 1, 0, 2, -32, 0},  // rank 7: shares 14336..16383
+    {33, 8, 32, 8, 1, 0, 2, -32, 0}, {33, 9, 32, 8, 1, 0, 2, -32, 0}, {33, 10, 32, 8, 1, 0, 2, -32, 0}, {33, 11, 32, 8, 1, 0, 2, -32, 0}, {33, 12, 32, 8, 1, 0, 2, -32, 0}, {33, 13, 32, 8, 1, 0, 2, -32, 0}, {33, 14, 32, 8, 1, 0, 2, -32, 0}, {33, 15, 32, 8, 1, 0, 2, -32, 0},
+    {33, 16, 32, 8, 1, 0, 2, -32, 0}, {33, 17, 32, 8, 1, 0, 2, -32, 0}, {33, 18, 32, 8, 1, 0, 2, -32, 0}, {33, 19, 32, 8, 1, 0, 2, -32, 0}, {33, 20, 32, 8, 1, 0, 2, -32, 0}, {33, 21, 32, 8, 1, 0, 2, -32, 0}, {33, 22, 32, 8, 1, 0, 2, -32, 0}, {33, 23, 32, 8, 1, 0, 2, -32, 0},
+    {33, 24, 32, 8, 1, 0, 2, -32, 0}, {33, 25, 32, 8, 1, 0, 2, -32, 0}, {33, 26, 32, 8, 1, 0, 2, -32, 0}, {33, 27, 32, 8, 1, 0, 2, -32, 0}, {33, 28, 32, 8, 1, 0, 2, -32, 0}, {33, 29, 32, 8, 1, 0, 2, -32, 0}, {33, 30, 32, 8, 1, 0, 2, -32, 0}, {33, 31, 32, 8, 1, 0, 2, -32, 0},
+    {41, 0, 32, 8, 1, 0, 2, -32, 0}, {41, 1, 32, 8, 1, 0, 2, -32, 0}, {41, 2, 32, 8, 1, 0, 2, -32, 0}, {41, 3, 32, 8, 1, 0, 2, -32, 0}, {41, 4, 32, 8, 1, 0, 2, -32, 0}, {41, 5, 32, 8, 1, 0, 2, -32, 0}, {41, 6, 32, 8, 1, 0, 2, -32, 0}, {41, 7, 32, 8, 1, 0, 2, -32, 0},
+    {41, 8, 32, 8, 1, 0, 2, -32, 0}, {41, 9, 32, 8, 1, 0, 2, -32, 0}, {41, 10, 32, 8, 1, 0, 2, -32, 0}, {41, 11, 32, 8, 1, 0, 2, -32, 0}, {41, 12, 32, 8, 1, 0, 2, -32, 0}, {41, 13, 32, 8, 1, 0, 2, -32, 0}, {41, 14, 32, 8, 1, 0, 2, -32, 0}, {41, 15, 32, 8, 1, 0, 2, -32, 0},
+    {41, 16, 32, 8, 1, 0, 2, -32, 0}, {41, 17, 32, 8, 1, 0, 2, -32, 0}, {41, 18, 32, 8, 1, 0, 2, -32, 0}, {41, 19, 32, 8, 1, 0, 2, -32, 0}, {41, 20, 32, 8, 1, 0, 2, -32, 0}, {41, 21, 32, 8, 1, 0, 2, -32, 0}, {41, 22, 32, 8, 1, 0, 2, -32, 0}, {41, 23, 32, 8, 1, 0, 2, -32, 0},
+    {41, 24, 32, 8, 1, 0, 2, -32, 0}, {41, 25, 32, 8, 1, 0, 2, -32, 0}, {41, 26, 32, 8, 1, 0, 2, -32, 0}, {41, 27, 32, 8, 1, 0, 2, -32, 0}, {41, 28, 32, 8, 1, 0, 2, -32, 0}, {41, 29, 32, 8, 1, 0, 2, -32, 0}, {41, 30, 32, 8, 1, 0, 2, -32, 0}, {41, 31, 32, 8, 1, 0, 2, -32, 0},
+    {49, 0, 32, 8, 1, 0, 2, -32, 0}, {49, 1, 32, 8, 1, 0, 2, -32, 0}, {49, 2, 32, 8, 1, 0, 2, -32, 0}, {49, 3, 32, 8, 1, 0, 2, -32, 0}, {49, 4, 32, 8, 1, 0, 2, -32, 0}, {49, 5, 32, 8, 1, 0, 2, -32, 0}, {49, 6, 32, 8, 1, 0, 2, -32, 0}, {49, 7, 32, 8, 1, 0, 2, -32, 0},
+    {49, 8, 32, 8, 1, 0, 2, -32, 0}, {49, 9, 32, 8, 1, 0, 2, -32, 0}, {49, 10, 32, 8, 1, 0, 2, -32, 0}, {49, 11, 32, 8, 1, 0, 2, -32, 0}, {49, 12, 32, 8, 1, 0, 2, -32, 0}, {49, 13, 32, 8, 1, 0, 2, -32, 0}, {49, 14, 32, 8, 1, 0, 2, -32, 0}, {49, 15, 32, 8, 1, 0, 2, -32, 0},
+    {49, 16, 32, 8, 1, 0, 2, -32, 0}, {49, 17, 32, 8, 1, 0, 2, -32, 0}, {49, 18, 32, 8, 1, 0, 2, -32, 0}, {49, 19, 32, 8, 1, 0, 2, -32, 0}, {49, 20, 32, 8, 1, 0, 2, -32, 0}, {49, 21, 32, 8, 1, 0, 2, -32, 0}, {49, 22, 32, 8, 1, 0, 2, -32, 0}, {49, 23, 32, 8, 1, 0, 2, -32, 0},
+    {49, 24, 32, 8, 1, 0, 2, -32, 0}, {49, 25, 32, 8, 1, 0, 2, -32, 0}, {49, 26, 32, 8, 1, 0, 2, -32, 0}, {49, 27, 32, 8, 1, 0, 2, -32, 0}, {49, 28, 32, 8, 1, 0, 2, -32, 0}, {49, 29, 32, 8, 1, 0, 2, -32, 0}, {49, 30, 32, 8, 1, 0, 2, -32, 0}, {49, 31, 32, 8, 1, 0, 2, -32, 0},
+    {57, 0, 32, 8, 1, 0, 2, -32, 0}, {57, 1, 32, 8, 1, 0, 2, -32, 0}, {57, 2, 32, 8, 1, 0, 2, -32, 0}, {57, 3, 32, 8, 1, 0, 2, -32, 0}, {57, 4, 32, 8, 1, 0, 2, -32, 0}, {57, 5, 32, 8, 1, 0, 2, -32, 0}, {57, 6, 32, 8, 1, 0, 2, -32, 0}, {57, 7, 32, 8, 1, 0, 2, -32, 0},
+    {57, 8, 32, 8, 1, 0, 2, -32, 0}, {57, 9, 32, 8, 1, 0, 2, -32, 0}, {57, 10, 32, 8, 1, 0, 2, -32, 0}, {57, 11, 32, 8, 1, 0, 2, -32, 0}, {57, 12, 32, 8, 1, 0, 2, -32, 0}, {57, 13, 32, 8, 1, 0, 2, -32, 0}, {57, 14, 32, 8, 1, 0, 2, -32, 0}, {57, 15, 32, 8, 1, 0, 2, -32, 0},
+    {57, 16, 32, 8, 1, 0, 2, -32, 0}, {57, 17, 32, 8, 1, 0, 2, -32, 0}, {57, 18, 32, 8, 1, 0, 2, -32, 0}, {57, 19, 32, 8, 1, 0, 2, -32, 0}, {57, 20, 32, 8, 1, 0, 2, -32, 0}, {57, 21, 32, 8, 1, 0, 2, -32, 0}, {57, 22, 32, 8, 1, 0, 2, -32, 0}, {57, 23, 32, 8, 1, 0, 2, -32, 0},
+    {57, 24, 32, 8, 1, 0, 2, -32, 0}, {57, 25, 32, 8, 1, 0, 2, -32, 0}, {57, 26, 32, 8, 1, 0, 2, -32, 0}, {57, 27, 32, 8, 1, 0, 2, -32, 0}, {57, 28, 32, 8, 1, 0, 2, -32, 0}, {57, 29, 32, 8, 1, 0, 2, -32, 0}, {57, 30, 32, 8, 1, 0, 2, -32, 0}, {57, 31, 32, 8, 1, 0, 2, -32, 0},
 };
-static __device__ const tsgen::share_table<16384> shares_w8 =
-    tsgen::expand_shares<16384>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][130] = {
+static __device__ const tsgen::share_table<16384> shares_w8 = tsgen::expand_shares<16384>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][130] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 8, 24, 40, 56, 72, 88, 104, 120, 136, 152, 168, 184, 200, 216, 232, 248, 264, 280, 296, 312, 328, 344, 360, 376, 392, 408, 424, 440, 456, 472, 488, 504, 520, 536, 552, 568, 584, 600, 616, 632, 648, 664, 680, 696, 712, 728, 744, 760, 776, 792, 808, 824, 840, 856, 872, 888, 904, 920, 936, 952, 968, 984, 1000, 1016, 1032, 1048, 1064, 1080, 1096, 1112, 1128, 1144, 1160, 1176, 1192, 1208, 1224, 1240, 1256, 1272, 1288, 1304, 1320, 1336, 1352, 1368, 1384, 1400, 1416, 1432, 1448, 1464, 1480, 1496, 1512, 1528, 1544, 1560, 1576, 1592, 1608, 1624, 1640, 1656, 1672, 1688, 1704, 1720, 1736, 1752, 1768, 1784, 1800, 1816, 1832, 1848, 1864, 1880, 1896, 1912, 1928, 1944, 1960, 1976, 1992, 2008, 2024, 2040, 2048 },
     { 2048, 2056, 2072, 2088, 2104, 2120, 2136, 2152, 2168, 2184, 2200, 2216, 2232, 2248, 2264, 2280, 2296, 2312, 2328, 2344, 2360, 2376, 2392, 2408, 2424, 2440, 2456, 2472, 2488, 2504, 2520, 2536, 2552, 2568, 2584, 2600, 2616, 2632, 2648, 2664, 2680, 2696, 2712, 2728, 2744, 2760, 2776, 2792, 2808, 2824, 2840, 2856, 2872, 2888, 2904, 2920, 2936, 2952, 2968, 2984, 3000, 3016, 3032, 3048, 3064, 3080, 3096, 3112, 3128, 3144, 3160, 3176, 3192, 3208, 3224, 3240, 3256, 3272, 3288, 3304, 3320, 3336, 3352, 3368, 3384, 3400, 3416, 3432, 3448, 3464, 3480, 3496, 3512, 3528, 3544, 3560, 3576, 3592, 3608, 3624, 3640, 3656, 3672, 3688, 3704, 3720, 3736, 3752, 3768, 3784, 3800, 3816, 3832, 3848, 3864, 3880, 3896, 3912, 3928, 3944, 3960, 3976, 3992, 4008, 4024, 4040, 4056, 4072, 4088, 4096 },
     { 4096, 4104, 4120, 4136, 4152, 4168, 4184, 4200, 4216, 4232, 4248, 4264, 4280, 4296, 4312, 4328, 4344, 4360, 4376, 4392, 4408, 4424, 4440, 4456, 4472, 4488, 4504, 4520, 4536, 4552, 4568, 4584, 4600, 4616, 4632, 4648, 4664, 4680, 4696, 4712, 4728, 4744, 4760, 4776, 4792, 4808, 4824, 4840, 4856, 4872, 4888, 4904, 4920, 4936, 4952, 4968, 4984, 5000, 5016, 5032, 5048, 5064, 5080, 5096, 5112, 5128, 5144, 5160, 5176, 5192, 5208, 5224, 5240, 5256, 5272, 5288, 5304, 5320, 5336, 5352, 5368, 5384, 5400, 5416, 5432, 5448, 5464, 5480, 5496, 5512, 5528, 5544, 5560, 5576, 5592, 5608, 5624, 5640, 5656, 5672, 5688, 5704, 5720, 5736, 5752, 5768, 5784, 5800, 5816, 5832, 5848, 5864, 5880, 5896, 5912, 5928, 5944, 5960, 5976, 5992, 6008, 6024, 6040, 6056, 6072, 6088, 6104, 6120, 6136, 6144 },
@@ -2409,108 +1028,57 @@ static __device__ const uint16_t first_w8[8][130] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
         if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 0 step 1: piece 0 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[1], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: piece 1 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[2], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 3: piece 2 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[3], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: piece 3 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[4], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 5: piece 4 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[5], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: piece 5 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[6], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 7: piece 6 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[7], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: piece 7 of chunk 1 to rank 1's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[8], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[1], b - 1, 32);  // step 1: piece 0 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w2[2], b - 1, 32);  // step 2: piece 1 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w2[3], b - 1, 32);  // step 3: piece 2 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w2[4], b - 1, 32);  // step 4: piece 3 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w2[5], b - 1, 32);  // step 5: piece 4 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w2[6], b - 1, 32);  // step 6: piece 5 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w2[7], b - 1, 32);  // step 7: piece 6 of chunk 1 to rank 1's inbox
+          TSGEN_RUN_SHARE(steps_w2[8], b - 1, 32);  // step 8: piece 7 of chunk 1 to rank 1's inbox
         }
         if (b >= 33 && b < 65) {  // blocks 33..64
-          const int i = b - 33;
-          // rank 0 step 9: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[9], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 10: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[10], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 11: reduce piece 2
-          tsgen::run_share<T, UNROLL>(steps_w2[11], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 12: reduce piece 3
-          tsgen::run_share<T, UNROLL>(steps_w2[12], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 13: reduce piece 4
-          tsgen::run_share<T, UNROLL>(steps_w2[13], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 14: reduce piece 5
-          tsgen::run_share<T, UNROLL>(steps_w2[14], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 15: reduce piece 6
-          tsgen::run_share<T, UNROLL>(steps_w2[15], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 16: reduce piece 7
-          tsgen::run_share<T, UNROLL>(steps_w2[16], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[9], b - 33, 32);  // step 9: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w2[10], b - 33, 32);  // step 10: reduce piece 1
+          TSGEN_RUN_SHARE(steps_w2[11], b - 33, 32);  // step 11: reduce piece 2
+          TSGEN_RUN_SHARE(steps_w2[12], b - 33, 32);  // step 12: reduce piece 3
+          TSGEN_RUN_SHARE(steps_w2[13], b - 33, 32);  // step 13: reduce piece 4
+          TSGEN_RUN_SHARE(steps_w2[14], b - 33, 32);  // step 14: reduce piece 5
+          TSGEN_RUN_SHARE(steps_w2[15], b - 33, 32);  // step 15: reduce piece 6
+          TSGEN_RUN_SHARE(steps_w2[16], b - 33, 32);  // step 16: reduce piece 7
         }
         break;
       case 1:
         if (b >= 1 && b < 33) {  // blocks 1..32
-          const int i = b - 1;
-          // rank 1 step 1: piece 0 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[18], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: piece 1 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[19], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 3: piece 2 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[20], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: piece 3 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[21], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 5: piece 4 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[22], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: piece 5 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[23], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 7: piece 6 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[24], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: piece 7 of chunk 0 to rank 0's inbox
-          tsgen::run_share<T, UNROLL>(steps_w2[25], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[18], b - 1, 32);  // step 1: piece 0 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w2[19], b - 1, 32);  // step 2: piece 1 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w2[20], b - 1, 32);  // step 3: piece 2 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w2[21], b - 1, 32);  // step 4: piece 3 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w2[22], b - 1, 32);  // step 5: piece 4 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w2[23], b - 1, 32);  // step 6: piece 5 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w2[24], b - 1, 32);  // step 7: piece 6 of chunk 0 to rank 0's inbox
+          TSGEN_RUN_SHARE(steps_w2[25], b - 1, 32);  // step 8: piece 7 of chunk 0 to rank 0's inbox
         }
         if (b >= 33 && b < 65) {  // blocks 33..64
-          const int i = b - 33;
-          // rank 1 step 9: reduce piece 0
-          tsgen::run_share<T, UNROLL>(steps_w2[26], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 10: reduce piece 1
-          tsgen::run_share<T, UNROLL>(steps_w2[27], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 11: reduce piece 2
-          tsgen::run_share<T, UNROLL>(steps_w2[28], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 12: reduce piece 3
-          tsgen::run_share<T, UNROLL>(steps_w2[29], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 13: reduce piece 4
-          tsgen::run_share<T, UNROLL>(steps_w2[30], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 14: reduce piece 5
-          tsgen::run_share<T, UNROLL>(steps_w2[31], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 15: reduce piece 6
-          tsgen::run_share<T, UNROLL>(steps_w2[32], i, 32, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 16: reduce piece 7
-          tsgen::run_share<T, UNROLL>(steps_w2[33], i, 32, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[26], b - 33, 32);  // step 9: reduce piece 0
+          TSGEN_RUN_SHARE(steps_w2[27], b - 33, 32);  // step 10: reduce piece 1
+          TSGEN_RUN_SHARE(steps_w2[28], b - 33, 32);  // step 11: reduce piece 2
+          TSGEN_RUN_SHARE(steps_w2[29], b - 33, 32);  // step 12: reduce piece 3
+          TSGEN_RUN_SHARE(steps_w2[30], b - 33, 32);  // step 13: reduce piece 4
+          TSGEN_RUN_SHARE(steps_w2[31], b - 33, 32);  // step 14: reduce piece 5
+          TSGEN_RUN_SHARE(steps_w2[32], b - 33, 32);  // step 15: reduce piece 6
+          TSGEN_RUN_SHARE(steps_w2[33], b - 33, 32);  // step 16: reduce piece 7
         }
-        break;
-      default:
         break;
     }
   }
@@ -2519,17 +1087,9 @@ template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w3.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x6u, index = 0; break;
-      case 1: mask = 0x5u, index = 1; break;
-      case 2: mask = 0x3u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x6u, index = 0; break; case 1: mask = 0x5u, index = 1; break; case 2: mask = 0x3u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
 };
@@ -2537,17 +1097,10 @@ template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xeu, index = 0; break;
-      case 1: mask = 0xdu, index = 1; break;
-      case 2: mask = 0xbu, index = 2; break;
-      case 3: mask = 0x7u, index = 3; break;
-      default: break;
+      case 0: mask = 0xeu, index = 0; break; case 1: mask = 0xdu, index = 1; break; case 2: mask = 0xbu, index = 2; break; case 3: mask = 0x7u, index = 3; break; default: break;
     }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
@@ -2556,76 +1109,42 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0xfeu, index = 0; break;
-      case 1: mask = 0xfdu, index = 1; break;
-      case 2: mask = 0xfbu, index = 2; break;
-      case 3: mask = 0xf7u, index = 3; break;
-      case 4: mask = 0xefu, index = 4; break;
-      case 5: mask = 0xdfu, index = 5; break;
-      case 6: mask = 0xbfu, index = 6; break;
-      case 7: mask = 0x7fu, index = 7; break;
-      default: break;
+      case 0: mask = 0xfeu, index = 0; break; case 1: mask = 0xfdu, index = 1; break; case 2: mask = 0xfbu, index = 2; break; case 3: mask = 0xf7u, index = 3; break; case 4: mask = 0xefu, index = 4; break;
+      case 5: mask = 0xdfu, index = 5; break; case 6: mask = 0xbfu, index = 6; break; case 7: mask = 0x7fu, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace reduce_scatter_large
 
-// World size 2: grid 129, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_large_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_large_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 129, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_large::run<2>(peers, rank, epoch, count, src, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 129, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) reduce_scatter_large_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) reduce_scatter_large_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 129, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_large::run<3>(peers, rank, epoch, count, src, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 129, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) reduce_scatter_large_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) reduce_scatter_large_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 129, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_large::run<4>(peers, rank, epoch, count, src, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 129, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) reduce_scatter_large_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) reduce_scatter_large_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 129, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_large::run<8>(peers, rank, epoch, count, src, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through reduce_scatter_large::launch.
-namespace reduce_scatter_large {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive);
-  return cudaGetLastError();
-}
-}  // namespace reduce_scatter_large
-
-extern "C" cudaError_t reduce_scatter_large_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_large::launch<reduce_scatter_large_w2, 129, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
-extern "C" cudaError_t reduce_scatter_large_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_large::launch<reduce_scatter_large_w3, 129, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
-extern "C" cudaError_t reduce_scatter_large_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_large::launch<reduce_scatter_large_w4, 129, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
-extern "C" cudaError_t reduce_scatter_large_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_large::launch<reduce_scatter_large_w8, 129, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t reduce_scatter_large_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_large_w2, 129, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive); }
+extern "C" cudaError_t reduce_scatter_large_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_large_w3, 129, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive); }
+extern "C" cudaError_t reduce_scatter_large_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_large_w4, 129, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive); }
+extern "C" cudaError_t reduce_scatter_large_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_large_w8, 129, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive); }

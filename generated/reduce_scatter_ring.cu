@@ -14,12 +14,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  world * count
@@ -28,12 +26,12 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 64
 // Contents (line numbers of this file):
-//   53: the hand-written library, included: tsgen/ptx.cuh 53, tsgen/sync.cuh 54, tsgen/copy.cuh 55, tsgen/plan.cuh 56
-//   61: the op's own code (namespace reduce_scatter_ring: constants, tables, device code)
+//   50: the hand-written library, included: tsgen/ptx.cuh 50, tsgen/sync.cuh 51, tsgen/copy.cuh 52, tsgen/plan.cuh 53
+//   56: the op's own code (namespace reduce_scatter_ring: constants, tables, device code)
 //   entry points (extern "C"):
-//     reduce_scatter_ring_w2 2399, reduce_scatter_ring_w3 2406, reduce_scatter_ring_w4 2413
-//     reduce_scatter_ring_w8 2420, reduce_scatter_ring_w2_launch 2436, reduce_scatter_ring_w3_launch 2437
-//     reduce_scatter_ring_w4_launch 2438, reduce_scatter_ring_w8_launch 2439
+//     reduce_scatter_ring_w2 1028, reduce_scatter_ring_w3 1033, reduce_scatter_ring_w4 1038
+//     reduce_scatter_ring_w8 1043, reduce_scatter_ring_w2_launch 1051, reduce_scatter_ring_w3_launch 1052
+//     reduce_scatter_ring_w4_launch 1053, reduce_scatter_ring_w8_launch 1054
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -41,8 +39,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 // The plan tables' limits (tsgen.plan.ir)
 #define TSGEN_MAX_SRCS 8
 #define TSGEN_MAX_WAITS 8
@@ -55,9 +52,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/plan.cuh"
 
-// ---------------------------------------------------------------------------
-// reduce_scatter: reduce_scatter_ring
-// ---------------------------------------------------------------------------
+// ---- reduce_scatter: reduce_scatter_ring ----------------------------------------------------------------
 namespace reduce_scatter_ring {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -67,2109 +62,845 @@ constexpr int UNROLL = 4;
 
 typedef __nv_bfloat16 T;
 
-// Buffer table: index -> kernel argument (plans name buffers by index).
-//   0: calls
-//   1: src
-//   2: dst
-//   3: inbox
-//   4: entry
-//   5: arrive
-static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive" };
+static __device__ const char* const buffer_names[] = { "calls", "src", "dst", "inbox", "entry", "arrive" };  // plans name buffers by index
 
-// plan<W>: the plan for world size W (its step, share and block tables), after the op's functions.
-template <int WORLD> struct plan;
+template <int WORLD> struct plan;  // the plan for world size W (its tables), after the op's functions
 
 template <int WORLD>
 static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
   char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
   plan<WORLD>::open(rank, bufs, peers);
-  tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
-                             plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
-                             rank, epoch, count, bufs, peers, buffer_names);
+  if constexpr (WORLD == 2)  // small plans: straight-line code
+    plan<WORLD>::template run<T, UNROLL>(rank, epoch, count, bufs, peers);
+  else
+    tsgen::run_plan<T, UNROLL>(plan<WORLD>::steps(rank), plan<WORLD>::shares(),
+                               plan<WORLD>::first(rank, blockIdx.x), plan<WORLD>::first(rank, blockIdx.x + 1),
+                               rank, epoch, count, bufs, peers, buffer_names);
 }
 
-// ---------------------------------------------------------------------------
-// Plan for world size 2: 34 steps, 2048 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 2: 34 steps, 2048 block shares over 128 blocks, run as straight-line code
+// (plan<2>::run below: each step a constant entry, no share or block table); verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w2[] = {
-    // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},
-    // rank 0 step 1: chunk 1 piece 0: our part to rank 1; wait entry[1]; r1:inbox@1[0/8] = r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 0 step 2: chunk 1 piece 1: our part to rank 1; wait entry[1]; r1:inbox@1[1/8] = r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 0 step 3: chunk 1 piece 2: our part to rank 1; wait entry[1]; r1:inbox@1[2/8] = r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 0 step 4: chunk 1 piece 3: our part to rank 1; wait entry[1]; r1:inbox@1[3/8] = r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 0 step 5: chunk 1 piece 4: our part to rank 1; wait entry[1]; r1:inbox@1[4/8] = r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 0 step 6: chunk 1 piece 5: our part to rank 1; wait entry[1]; r1:inbox@1[5/8] = r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 0 step 7: chunk 1 piece 6: our part to rank 1; wait entry[1]; r1:inbox@1[6/8] = r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 0 step 8: chunk 1 piece 7: our part to rank 1; wait entry[1]; r1:inbox@1[7/8] = r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 0 step 9: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
-    // rank 0 step 10: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
-    // rank 0 step 11: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
-    // rank 0 step 12: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
-    // rank 0 step 13: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
-    // rank 0 step 14: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
-    // rank 0 step 15: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
-    // rank 0 step 16: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: chunk 0 piece 0: our part to rank 0; wait entry[0]; r0:inbox@0[0/8] = r1:src@0[0/8]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 0}}},
-    // rank 1 step 2: chunk 0 piece 1: our part to rank 0; wait entry[0]; r0:inbox@0[1/8] = r1:src@0[1/8]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 1}}},
-    // rank 1 step 3: chunk 0 piece 2: our part to rank 0; wait entry[0]; r0:inbox@0[2/8] = r1:src@0[2/8]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 1 step 4: chunk 0 piece 3: our part to rank 0; wait entry[0]; r0:inbox@0[3/8] = r1:src@0[3/8]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 1 step 5: chunk 0 piece 4: our part to rank 0; wait entry[0]; r0:inbox@0[4/8] = r1:src@0[4/8]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 1 step 6: chunk 0 piece 5: our part to rank 0; wait entry[0]; r0:inbox@0[5/8] = r1:src@0[5/8]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 1 step 7: chunk 0 piece 6: our part to rank 0; wait entry[0]; r0:inbox@0[6/8] = r1:src@0[6/8]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 1 step 8: chunk 0 piece 7: our part to rank 0; wait entry[0]; r0:inbox@0[7/8] = r1:src@0[7/8]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 1 step 9: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},
-    // rank 1 step 10: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},
-    // rank 1 step 11: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},
-    // rank 1 step 12: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},
-    // rank 1 step 13: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},
-    // rank 1 step 14: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},
-    // rank 1 step 15: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},
-    // rank 1 step 16: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r1:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 1, 1, 8, 1, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 0 step 1: chunk 1 piece 0: our part to rank 1; wait entry[1]; r1:inbox@1[0/8] = r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 1, 1, 8, 1, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 0 step 2: chunk 1 piece 1: our part to rank 1; wait entry[1]; r1:inbox@1[1/8] = r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 1, 1, 8, 1, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 0 step 3: chunk 1 piece 2: our part to rank 1; wait entry[1]; r1:inbox@1[2/8] = r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 1, 1, 8, 1, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 0 step 4: chunk 1 piece 3: our part to rank 1; wait entry[1]; r1:inbox@1[3/8] = r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 1, 1, 8, 1, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 12}}},  // rank 0 step 5: chunk 1 piece 4: our part to rank 1; wait entry[1]; r1:inbox@1[4/8] = r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 1, 1, 8, 1, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 13}}},  // rank 0 step 6: chunk 1 piece 5: our part to rank 1; wait entry[1]; r1:inbox@1[5/8] = r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 1, 1, 8, 1, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 14}}},  // rank 0 step 7: chunk 1 piece 6: our part to rank 1; wait entry[1]; r1:inbox@1[6/8] = r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 1, 1, 8, 1, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 15}}},  // rank 0 step 8: chunk 1 piece 7: our part to rank 1; wait entry[1]; r1:inbox@1[7/8] = r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},  // rank 0 step 9: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},  // rank 0 step 10: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},  // rank 0 step 11: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},  // rank 0 step 12: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},  // rank 0 step 13: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},  // rank 0 step 14: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},  // rank 0 step 15: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},  // rank 0 step 16: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 0}}},  // rank 1 step 1: chunk 0 piece 0: our part to rank 0; wait entry[0]; r0:inbox@0[0/8] = r1:src@0[0/8]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 1}}},  // rank 1 step 2: chunk 0 piece 1: our part to rank 0; wait entry[0]; r0:inbox@0[1/8] = r1:src@0[1/8]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 2}}},  // rank 1 step 3: chunk 0 piece 2: our part to rank 0; wait entry[0]; r0:inbox@0[2/8] = r1:src@0[2/8]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 3}}},  // rank 1 step 4: chunk 0 piece 3: our part to rank 0; wait entry[0]; r0:inbox@0[3/8] = r1:src@0[3/8]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 1 step 5: chunk 0 piece 4: our part to rank 0; wait entry[0]; r0:inbox@0[4/8] = r1:src@0[4/8]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 1 step 6: chunk 0 piece 5: our part to rank 0; wait entry[0]; r0:inbox@0[5/8] = r1:src@0[5/8]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 1 step 7: chunk 0 piece 6: our part to rank 0; wait entry[0]; r0:inbox@0[6/8] = r1:src@0[6/8]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 1 step 8: chunk 0 piece 7: our part to rank 0; wait entry[0]; r0:inbox@0[7/8] = r1:src@0[7/8]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},  // rank 1 step 9: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},  // rank 1 step 10: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},  // rank 1 step 11: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},  // rank 1 step 12: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},  // rank 1 step 13: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},  // rank 1 step 14: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},  // rank 1 step 15: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},  // rank 1 step 16: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
 };
 static __device__ const int step_base_w2[2] = { 0, 17 };
-// No share or block tables: world size 2 runs as straight-line code (plan<2>::run below).
 
-// ---------------------------------------------------------------------------
-// Plan for world size 3: 75 steps, 4608 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 3: 75 steps, 4608 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w3[] = {
-    // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 0}}},
-    // rank 0 step 1: chunk 2 piece 0: our part to rank 1; wait entry[1]; r1:inbox@2[0/8] = r0:src@2[0/8]; signal r1:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 0 step 2: chunk 2 piece 1: our part to rank 1; wait entry[1]; r1:inbox@2[1/8] = r0:src@2[1/8]; signal r1:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 0 step 3: chunk 2 piece 2: our part to rank 1; wait entry[1]; r1:inbox@2[2/8] = r0:src@2[2/8]; signal r1:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 0 step 4: chunk 2 piece 3: our part to rank 1; wait entry[1]; r1:inbox@2[3/8] = r0:src@2[3/8]; signal r1:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 0 step 5: chunk 2 piece 4: our part to rank 1; wait entry[1]; r1:inbox@2[4/8] = r0:src@2[4/8]; signal r1:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 0 step 6: chunk 2 piece 5: our part to rank 1; wait entry[1]; r1:inbox@2[5/8] = r0:src@2[5/8]; signal r1:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 0 step 7: chunk 2 piece 6: our part to rank 1; wait entry[1]; r1:inbox@2[6/8] = r0:src@2[6/8]; signal r1:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 0 step 8: chunk 2 piece 7: our part to rank 1; wait entry[1]; r1:inbox@2[7/8] = r0:src@2[7/8]; signal r1:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 0 step 9: chunk 1 piece 0: partial sum + our part to rank 1; wait arrive[8], entry[1]; r1:inbox@1[0/8] = r0:inbox@1[0/8] + r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 0 step 10: chunk 1 piece 1: partial sum + our part to rank 1; wait arrive[9], entry[1]; r1:inbox@1[1/8] = r0:inbox@1[1/8] + r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 0 step 11: chunk 1 piece 2: partial sum + our part to rank 1; wait arrive[10], entry[1]; r1:inbox@1[2/8] = r0:inbox@1[2/8] + r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 0 step 12: chunk 1 piece 3: partial sum + our part to rank 1; wait arrive[11], entry[1]; r1:inbox@1[3/8] = r0:inbox@1[3/8] + r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 0 step 13: chunk 1 piece 4: partial sum + our part to rank 1; wait arrive[12], entry[1]; r1:inbox@1[4/8] = r0:inbox@1[4/8] + r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 0 step 14: chunk 1 piece 5: partial sum + our part to rank 1; wait arrive[13], entry[1]; r1:inbox@1[5/8] = r0:inbox@1[5/8] + r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 0 step 15: chunk 1 piece 6: partial sum + our part to rank 1; wait arrive[14], entry[1]; r1:inbox@1[6/8] = r0:inbox@1[6/8] + r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 0 step 16: chunk 1 piece 7: partial sum + our part to rank 1; wait arrive[15], entry[1]; r1:inbox@1[7/8] = r0:inbox@1[7/8] + r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 0 step 17: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
-    // rank 0 step 18: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
-    // rank 0 step 19: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
-    // rank 0 step 20: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
-    // rank 0 step 21: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
-    // rank 0 step 22: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
-    // rank 0 step 23: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
-    // rank 0 step 24: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: chunk 0 piece 0: our part to rank 2; wait entry[2]; r2:inbox@0[0/8] = r1:src@0[0/8]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 1 step 2: chunk 0 piece 1: our part to rank 2; wait entry[2]; r2:inbox@0[1/8] = r1:src@0[1/8]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 1 step 3: chunk 0 piece 2: our part to rank 2; wait entry[2]; r2:inbox@0[2/8] = r1:src@0[2/8]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 4: chunk 0 piece 3: our part to rank 2; wait entry[2]; r2:inbox@0[3/8] = r1:src@0[3/8]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 5: chunk 0 piece 4: our part to rank 2; wait entry[2]; r2:inbox@0[4/8] = r1:src@0[4/8]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 1 step 6: chunk 0 piece 5: our part to rank 2; wait entry[2]; r2:inbox@0[5/8] = r1:src@0[5/8]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 1 step 7: chunk 0 piece 6: our part to rank 2; wait entry[2]; r2:inbox@0[6/8] = r1:src@0[6/8]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 1 step 8: chunk 0 piece 7: our part to rank 2; wait entry[2]; r2:inbox@0[7/8] = r1:src@0[7/8]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 1 step 9: chunk 2 piece 0: partial sum + our part to rank 2; wait arrive[16], entry[2]; r2:inbox@2[0/8] = r1:inbox@2[0/8] + r1:src@2[0/8]; signal r2:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
-    // rank 1 step 10: chunk 2 piece 1: partial sum + our part to rank 2; wait arrive[17], entry[2]; r2:inbox@2[1/8] = r1:inbox@2[1/8] + r1:src@2[1/8]; signal r2:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
-    // rank 1 step 11: chunk 2 piece 2: partial sum + our part to rank 2; wait arrive[18], entry[2]; r2:inbox@2[2/8] = r1:inbox@2[2/8] + r1:src@2[2/8]; signal r2:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
-    // rank 1 step 12: chunk 2 piece 3: partial sum + our part to rank 2; wait arrive[19], entry[2]; r2:inbox@2[3/8] = r1:inbox@2[3/8] + r1:src@2[3/8]; signal r2:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
-    // rank 1 step 13: chunk 2 piece 4: partial sum + our part to rank 2; wait arrive[20], entry[2]; r2:inbox@2[4/8] = r1:inbox@2[4/8] + r1:src@2[4/8]; signal r2:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
-    // rank 1 step 14: chunk 2 piece 5: partial sum + our part to rank 2; wait arrive[21], entry[2]; r2:inbox@2[5/8] = r1:inbox@2[5/8] + r1:src@2[5/8]; signal r2:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
-    // rank 1 step 15: chunk 2 piece 6: partial sum + our part to rank 2; wait arrive[22], entry[2]; r2:inbox@2[6/8] = r1:inbox@2[6/8] + r1:src@2[6/8]; signal r2:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
-    // rank 1 step 16: chunk 2 piece 7: partial sum + our part to rank 2; wait arrive[23], entry[2]; r2:inbox@2[7/8] = r1:inbox@2[7/8] + r1:src@2[7/8]; signal r2:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
-    // rank 1 step 17: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},
-    // rank 1 step 18: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},
-    // rank 1 step 19: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},
-    // rank 1 step 20: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},
-    // rank 1 step 21: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},
-    // rank 1 step 22: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},
-    // rank 1 step 23: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},
-    // rank 1 step 24: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
-    // rank 2 step 1: chunk 1 piece 0: our part to rank 0; wait entry[0]; r0:inbox@1[0/8] = r2:src@1[0/8]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 2 step 2: chunk 1 piece 1: our part to rank 0; wait entry[0]; r0:inbox@1[1/8] = r2:src@1[1/8]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 2 step 3: chunk 1 piece 2: our part to rank 0; wait entry[0]; r0:inbox@1[2/8] = r2:src@1[2/8]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 2 step 4: chunk 1 piece 3: our part to rank 0; wait entry[0]; r0:inbox@1[3/8] = r2:src@1[3/8]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 2 step 5: chunk 1 piece 4: our part to rank 0; wait entry[0]; r0:inbox@1[4/8] = r2:src@1[4/8]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 2 step 6: chunk 1 piece 5: our part to rank 0; wait entry[0]; r0:inbox@1[5/8] = r2:src@1[5/8]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 2 step 7: chunk 1 piece 6: our part to rank 0; wait entry[0]; r0:inbox@1[6/8] = r2:src@1[6/8]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 2 step 8: chunk 1 piece 7: our part to rank 0; wait entry[0]; r0:inbox@1[7/8] = r2:src@1[7/8]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 2 step 9: chunk 0 piece 0: partial sum + our part to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/8] = r2:inbox@0[0/8] + r2:src@0[0/8]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
-    // rank 2 step 10: chunk 0 piece 1: partial sum + our part to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/8] = r2:inbox@0[1/8] + r2:src@0[1/8]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
-    // rank 2 step 11: chunk 0 piece 2: partial sum + our part to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/8] = r2:inbox@0[2/8] + r2:src@0[2/8]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 2 step 12: chunk 0 piece 3: partial sum + our part to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/8] = r2:inbox@0[3/8] + r2:src@0[3/8]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 2 step 13: chunk 0 piece 4: partial sum + our part to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/8] = r2:inbox@0[4/8] + r2:src@0[4/8]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 2 step 14: chunk 0 piece 5: partial sum + our part to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/8] = r2:inbox@0[5/8] + r2:src@0[5/8]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 2 step 15: chunk 0 piece 6: partial sum + our part to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/8] = r2:inbox@0[6/8] + r2:src@0[6/8]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 2 step 16: chunk 0 piece 7: partial sum + our part to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/8] = r2:inbox@0[7/8] + r2:src@0[7/8]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 2 step 17: our chunk, piece 0: last partial sum + our part; wait arrive[16]; r2:dst@0[0/8] = r2:inbox@2[0/8] + r2:src@2[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}}, {}},
-    // rank 2 step 18: our chunk, piece 1: last partial sum + our part; wait arrive[17]; r2:dst@0[1/8] = r2:inbox@2[1/8] + r2:src@2[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}}, {}},
-    // rank 2 step 19: our chunk, piece 2: last partial sum + our part; wait arrive[18]; r2:dst@0[2/8] = r2:inbox@2[2/8] + r2:src@2[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}}, {}},
-    // rank 2 step 20: our chunk, piece 3: last partial sum + our part; wait arrive[19]; r2:dst@0[3/8] = r2:inbox@2[3/8] + r2:src@2[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}}, {}},
-    // rank 2 step 21: our chunk, piece 4: last partial sum + our part; wait arrive[20]; r2:dst@0[4/8] = r2:inbox@2[4/8] + r2:src@2[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}}, {}},
-    // rank 2 step 22: our chunk, piece 5: last partial sum + our part; wait arrive[21]; r2:dst@0[5/8] = r2:inbox@2[5/8] + r2:src@2[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}}, {}},
-    // rank 2 step 23: our chunk, piece 6: last partial sum + our part; wait arrive[22]; r2:dst@0[6/8] = r2:inbox@2[6/8] + r2:src@2[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}}, {}},
-    // rank 2 step 24: our chunk, piece 7: last partial sum + our part; wait arrive[23]; r2:dst@0[7/8] = r2:inbox@2[7/8] + r2:src@2[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r2:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 0}, {{0, 1, 1, 8, 2, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 0 step 1: chunk 2 piece 0: our part to rank 1; wait entry[1]; r1:inbox@2[0/8] = r0:src@2[0/8]; signal r1:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 1}, {{0, 1, 1, 8, 2, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 0 step 2: chunk 2 piece 1: our part to rank 1; wait entry[1]; r1:inbox@2[1/8] = r0:src@2[1/8]; signal r1:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 2}, {{0, 1, 1, 8, 2, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 0 step 3: chunk 2 piece 2: our part to rank 1; wait entry[1]; r1:inbox@2[2/8] = r0:src@2[2/8]; signal r1:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 3}, {{0, 1, 1, 8, 2, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 0 step 4: chunk 2 piece 3: our part to rank 1; wait entry[1]; r1:inbox@2[3/8] = r0:src@2[3/8]; signal r1:arrive[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 4}, {{0, 1, 1, 8, 2, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 0 step 5: chunk 2 piece 4: our part to rank 1; wait entry[1]; r1:inbox@2[4/8] = r0:src@2[4/8]; signal r1:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 5}, {{0, 1, 1, 8, 2, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 0 step 6: chunk 2 piece 5: our part to rank 1; wait entry[1]; r1:inbox@2[5/8] = r0:src@2[5/8]; signal r1:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 6}, {{0, 1, 1, 8, 2, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 0 step 7: chunk 2 piece 6: our part to rank 1; wait entry[1]; r1:inbox@2[6/8] = r0:src@2[6/8]; signal r1:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 2, 7}, {{0, 1, 1, 8, 2, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 0 step 8: chunk 2 piece 7: our part to rank 1; wait entry[1]; r1:inbox@2[7/8] = r0:src@2[7/8]; signal r1:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 0 step 9: chunk 1 piece 0: partial sum + our part to rank 1; wait arrive[8], entry[1]; r1:inbox@1[0/8] = r0:inbox@1[0/8] + r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 0 step 10: chunk 1 piece 1: partial sum + our part to rank 1; wait arrive[9], entry[1]; r1:inbox@1[1/8] = r0:inbox@1[1/8] + r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 0 step 11: chunk 1 piece 2: partial sum + our part to rank 1; wait arrive[10], entry[1]; r1:inbox@1[2/8] = r0:inbox@1[2/8] + r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 0 step 12: chunk 1 piece 3: partial sum + our part to rank 1; wait arrive[11], entry[1]; r1:inbox@1[3/8] = r0:inbox@1[3/8] + r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},  // rank 0 step 13: chunk 1 piece 4: partial sum + our part to rank 1; wait arrive[12], entry[1]; r1:inbox@1[4/8] = r0:inbox@1[4/8] + r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},  // rank 0 step 14: chunk 1 piece 5: partial sum + our part to rank 1; wait arrive[13], entry[1]; r1:inbox@1[5/8] = r0:inbox@1[5/8] + r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},  // rank 0 step 15: chunk 1 piece 6: partial sum + our part to rank 1; wait arrive[14], entry[1]; r1:inbox@1[6/8] = r0:inbox@1[6/8] + r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},  // rank 0 step 16: chunk 1 piece 7: partial sum + our part to rank 1; wait arrive[15], entry[1]; r1:inbox@1[7/8] = r0:inbox@1[7/8] + r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},  // rank 0 step 17: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},  // rank 0 step 18: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},  // rank 0 step 19: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},  // rank 0 step 20: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},  // rank 0 step 21: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},  // rank 0 step 22: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},  // rank 0 step 23: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},  // rank 0 step 24: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 1 step 1: chunk 0 piece 0: our part to rank 2; wait entry[2]; r2:inbox@0[0/8] = r1:src@0[0/8]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 1 step 2: chunk 0 piece 1: our part to rank 2; wait entry[2]; r2:inbox@0[1/8] = r1:src@0[1/8]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 1 step 3: chunk 0 piece 2: our part to rank 2; wait entry[2]; r2:inbox@0[2/8] = r1:src@0[2/8]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 1 step 4: chunk 0 piece 3: our part to rank 2; wait entry[2]; r2:inbox@0[3/8] = r1:src@0[3/8]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 1 step 5: chunk 0 piece 4: our part to rank 2; wait entry[2]; r2:inbox@0[4/8] = r1:src@0[4/8]; signal r2:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 1 step 6: chunk 0 piece 5: our part to rank 2; wait entry[2]; r2:inbox@0[5/8] = r1:src@0[5/8]; signal r2:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 1 step 7: chunk 0 piece 6: our part to rank 2; wait entry[2]; r2:inbox@0[6/8] = r1:src@0[6/8]; signal r2:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 1 step 8: chunk 0 piece 7: our part to rank 2; wait entry[2]; r2:inbox@0[7/8] = r1:src@0[7/8]; signal r2:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},  // rank 1 step 9: chunk 2 piece 0: partial sum + our part to rank 2; wait arrive[16], entry[2]; r2:inbox@2[0/8] = r1:inbox@2[0/8] + r1:src@2[0/8]; signal r2:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},  // rank 1 step 10: chunk 2 piece 1: partial sum + our part to rank 2; wait arrive[17], entry[2]; r2:inbox@2[1/8] = r1:inbox@2[1/8] + r1:src@2[1/8]; signal r2:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},  // rank 1 step 11: chunk 2 piece 2: partial sum + our part to rank 2; wait arrive[18], entry[2]; r2:inbox@2[2/8] = r1:inbox@2[2/8] + r1:src@2[2/8]; signal r2:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},  // rank 1 step 12: chunk 2 piece 3: partial sum + our part to rank 2; wait arrive[19], entry[2]; r2:inbox@2[3/8] = r1:inbox@2[3/8] + r1:src@2[3/8]; signal r2:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},  // rank 1 step 13: chunk 2 piece 4: partial sum + our part to rank 2; wait arrive[20], entry[2]; r2:inbox@2[4/8] = r1:inbox@2[4/8] + r1:src@2[4/8]; signal r2:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},  // rank 1 step 14: chunk 2 piece 5: partial sum + our part to rank 2; wait arrive[21], entry[2]; r2:inbox@2[5/8] = r1:inbox@2[5/8] + r1:src@2[5/8]; signal r2:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},  // rank 1 step 15: chunk 2 piece 6: partial sum + our part to rank 2; wait arrive[22], entry[2]; r2:inbox@2[6/8] = r1:inbox@2[6/8] + r1:src@2[6/8]; signal r2:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},  // rank 1 step 16: chunk 2 piece 7: partial sum + our part to rank 2; wait arrive[23], entry[2]; r2:inbox@2[7/8] = r1:inbox@2[7/8] + r1:src@2[7/8]; signal r2:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},  // rank 1 step 17: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},  // rank 1 step 18: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},  // rank 1 step 19: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},  // rank 1 step 20: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},  // rank 1 step 21: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},  // rank 1 step 22: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},  // rank 1 step 23: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},  // rank 1 step 24: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 2 step 1: chunk 1 piece 0: our part to rank 0; wait entry[0]; r0:inbox@1[0/8] = r2:src@1[0/8]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 2 step 2: chunk 1 piece 1: our part to rank 0; wait entry[0]; r0:inbox@1[1/8] = r2:src@1[1/8]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 2 step 3: chunk 1 piece 2: our part to rank 0; wait entry[0]; r0:inbox@1[2/8] = r2:src@1[2/8]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 2 step 4: chunk 1 piece 3: our part to rank 0; wait entry[0]; r0:inbox@1[3/8] = r2:src@1[3/8]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 2 step 5: chunk 1 piece 4: our part to rank 0; wait entry[0]; r0:inbox@1[4/8] = r2:src@1[4/8]; signal r0:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 2 step 6: chunk 1 piece 5: our part to rank 0; wait entry[0]; r0:inbox@1[5/8] = r2:src@1[5/8]; signal r0:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 2 step 7: chunk 1 piece 6: our part to rank 0; wait entry[0]; r0:inbox@1[6/8] = r2:src@1[6/8]; signal r0:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 2 step 8: chunk 1 piece 7: our part to rank 0; wait entry[0]; r0:inbox@1[7/8] = r2:src@1[7/8]; signal r0:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},  // rank 2 step 9: chunk 0 piece 0: partial sum + our part to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/8] = r2:inbox@0[0/8] + r2:src@0[0/8]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},  // rank 2 step 10: chunk 0 piece 1: partial sum + our part to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/8] = r2:inbox@0[1/8] + r2:src@0[1/8]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},  // rank 2 step 11: chunk 0 piece 2: partial sum + our part to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/8] = r2:inbox@0[2/8] + r2:src@0[2/8]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},  // rank 2 step 12: chunk 0 piece 3: partial sum + our part to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/8] = r2:inbox@0[3/8] + r2:src@0[3/8]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 2 step 13: chunk 0 piece 4: partial sum + our part to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/8] = r2:inbox@0[4/8] + r2:src@0[4/8]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 2 step 14: chunk 0 piece 5: partial sum + our part to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/8] = r2:inbox@0[5/8] + r2:src@0[5/8]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 2 step 15: chunk 0 piece 6: partial sum + our part to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/8] = r2:inbox@0[6/8] + r2:src@0[6/8]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 2 step 16: chunk 0 piece 7: partial sum + our part to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/8] = r2:inbox@0[7/8] + r2:src@0[7/8]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}}, {}},  // rank 2 step 17: our chunk, piece 0: last partial sum + our part; wait arrive[16]; r2:dst@0[0/8] = r2:inbox@2[0/8] + r2:src@2[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}}, {}},  // rank 2 step 18: our chunk, piece 1: last partial sum + our part; wait arrive[17]; r2:dst@0[1/8] = r2:inbox@2[1/8] + r2:src@2[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}}, {}},  // rank 2 step 19: our chunk, piece 2: last partial sum + our part; wait arrive[18]; r2:dst@0[2/8] = r2:inbox@2[2/8] + r2:src@2[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}}, {}},  // rank 2 step 20: our chunk, piece 3: last partial sum + our part; wait arrive[19]; r2:dst@0[3/8] = r2:inbox@2[3/8] + r2:src@2[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}}, {}},  // rank 2 step 21: our chunk, piece 4: last partial sum + our part; wait arrive[20]; r2:dst@0[4/8] = r2:inbox@2[4/8] + r2:src@2[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}}, {}},  // rank 2 step 22: our chunk, piece 5: last partial sum + our part; wait arrive[21]; r2:dst@0[5/8] = r2:inbox@2[5/8] + r2:src@2[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}}, {}},  // rank 2 step 23: our chunk, piece 6: last partial sum + our part; wait arrive[22]; r2:dst@0[6/8] = r2:inbox@2[6/8] + r2:src@2[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}}, {}},  // rank 2 step 24: our chunk, piece 7: last partial sum + our part; wait arrive[23]; r2:dst@0[7/8] = r2:inbox@2[7/8] + r2:src@2[7/8]; 64 blocks
 };
 static __device__ const int step_base_w3[3] = { 0, 25, 50 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w3[] = {
-    // rank 0: shares 0..1535
-    {17, 63, 64, 8, 1, 0}, {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0},
-    {1, 3, 64, 16, 1, 0}, {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0},
-    {1, 7, 64, 16, 1, 0}, {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0},
-    {1, 11, 64, 16, 1, 0}, {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0},
-    {1, 15, 64, 16, 1, 0}, {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0},
-    {1, 19, 64, 16, 1, 0}, {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0},
-    {1, 23, 64, 16, 1, 0}, {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0},
-    {1, 27, 64, 16, 1, 0}, {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0},
-    {1, 31, 64, 16, 1, 0}, {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0},
-    {1, 35, 64, 16, 1, 0}, {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0},
-    {1, 39, 64, 16, 1, 0}, {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0},
-    {1, 43, 64, 16, 1, 0}, {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0},
-    {1, 47, 64, 16, 1, 0}, {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0},
-    {1, 51, 64, 16, 1, 0}, {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0},
-    {1, 55, 64, 16, 1, 0}, {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0},
-    {1, 59, 64, 16, 1, 0}, {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0},
-    {1, 63, 64, 16, 1, 0}, {17, 0, 64, 8, 1, 0}, {17, 1, 64, 8, 1, 0}, {17, 2, 64, 8, 1, 0},
-    {17, 3, 64, 8, 1, 0}, {17, 4, 64, 8, 1, 0}, {17, 5, 64, 8, 1, 0}, {17, 6, 64, 8, 1, 0},
-    {17, 7, 64, 8, 1, 0}, {17, 8, 64, 8, 1, 0}, {17, 9, 64, 8, 1, 0}, {17, 10, 64, 8, 1, 0},
-    {17, 11, 64, 8, 1, 0}, {17, 12, 64, 8, 1, 0}, {17, 13, 64, 8, 1, 0}, {17, 14, 64, 8, 1, 0},
-    {17, 15, 64, 8, 1, 0}, {17, 16, 64, 8, 1, 0}, {17, 17, 64, 8, 1, 0}, {17, 18, 64, 8, 1, 0},
-    {17, 19, 64, 8, 1, 0}, {17, 20, 64, 8, 1, 0}, {17, 21, 64, 8, 1, 0}, {17, 22, 64, 8, 1, 0},
-    {17, 23, 64, 8, 1, 0}, {17, 24, 64, 8, 1, 0}, {17, 25, 64, 8, 1, 0}, {17, 26, 64, 8, 1, 0},
-    {17, 27, 64, 8, 1, 0}, {17, 28, 64, 8, 1, 0}, {17, 29, 64, 8, 1, 0}, {17, 30, 64, 8, 1, 0},
-    {17, 31, 64, 8, 1, 0}, {17, 32, 64, 8, 1, 0}, {17, 33, 64, 8, 1, 0}, {17, 34, 64, 8, 1, 0},
-    {17, 35, 64, 8, 1, 0}, {17, 36, 64, 8, 1, 0}, {17, 37, 64, 8, 1, 0}, {17, 38, 64, 8, 1, 0},
-    {17, 39, 64, 8, 1, 0}, {17, 40, 64, 8, 1, 0}, {17, 41, 64, 8, 1, 0}, {17, 42, 64, 8, 1, 0},
-    {17, 43, 64, 8, 1, 0}, {17, 44, 64, 8, 1, 0}, {17, 45, 64, 8, 1, 0}, {17, 46, 64, 8, 1, 0},
-    {17, 47, 64, 8, 1, 0}, {17, 48, 64, 8, 1, 0}, {17, 49, 64, 8, 1, 0}, {17, 50, 64, 8, 1, 0},
-    {17, 51, 64, 8, 1, 0}, {17, 52, 64, 8, 1, 0}, {17, 53, 64, 8, 1, 0}, {17, 54, 64, 8, 1, 0},
-    {17, 55, 64, 8, 1, 0}, {17, 56, 64, 8, 1, 0}, {17, 57, 64, 8, 1, 0}, {17, 58, 64, 8, 1, 0},
-    {17, 59, 64, 8, 1, 0}, {17, 60, 64, 8, 1, 0}, {17, 61, 64, 8, 1, 0}, {17, 62, 64, 8, 1, 0},
-    // rank 1: shares 1536..3071
-    {17, 63, 64, 8, 1, 0}, {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0},
-    {1, 3, 64, 16, 1, 0}, {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0},
-    {1, 7, 64, 16, 1, 0}, {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0},
-    {1, 11, 64, 16, 1, 0}, {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0},
-    {1, 15, 64, 16, 1, 0}, {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0},
-    {1, 19, 64, 16, 1, 0}, {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0},
-    {1, 23, 64, 16, 1, 0}, {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0},
-    {1, 27, 64, 16, 1, 0}, {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0},
-    {1, 31, 64, 16, 1, 0}, {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0},
-    {1, 35, 64, 16, 1, 0}, {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0},
-    {1, 39, 64, 16, 1, 0}, {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0},
-    {1, 43, 64, 16, 1, 0}, {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0},
-    {1, 47, 64, 16, 1, 0}, {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0},
-    {1, 51, 64, 16, 1, 0}, {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0},
-    {1, 55, 64, 16, 1, 0}, {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0},
-    {1, 59, 64, 16, 1, 0}, {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0},
-    {1, 63, 64, 16, 1, 0}, {17, 0, 64, 8, 1, 0}, {17, 1, 64, 8, 1, 0}, {17, 2, 64, 8, 1, 0},
-    {17, 3, 64, 8, 1, 0}, {17, 4, 64, 8, 1, 0}, {17, 5, 64, 8, 1, 0}, {17, 6, 64, 8, 1, 0},
-    {17, 7, 64, 8, 1, 0}, {17, 8, 64, 8, 1, 0}, {17, 9, 64, 8, 1, 0}, {17, 10, 64, 8, 1, 0},
-    {17, 11, 64, 8, 1, 0}, {17, 12, 64, 8, 1, 0}, {17, 13, 64, 8, 1, 0}, {17, 14, 64, 8, 1, 0},
-    {17, 15, 64, 8, 1, 0}, {17, 16, 64, 8, 1, 0}, {17, 17, 64, 8, 1, 0}, {17, 18, 64, 8, 1, 0},
-    {17, 19, 64, 8, 1, 0}, {17, 20, 64, 8, 1, 0}, {17, 21, 64, 8, 1, 0}, {17, 22, 64, 8, 1, 0},
-    {17, 23, 64, 8, 1, 0}, {17, 24, 64, 8, 1, 0}, {17, 25, 64, 8, 1, 0}, {17, 26, 64, 8, 1, 0},
-    {17, 27, 64, 8, 1, 0}, {17, 28, 64, 8, 1, 0}, {17, 29, 64, 8, 1, 0}, {17, 30, 64, 8, 1, 0},
-    {17, 31, 64, 8, 1, 0}, {17, 32, 64, 8, 1, 0}, {17, 33, 64, 8, 1, 0}, {17, 34, 64, 8, 1, 0},
-    {17, 35, 64, 8, 1, 0}, {17, 36, 64, 8, 1, 0}, {17, 37, 64, 8, 1, 0}, {17, 38, 64, 8, 1, 0},
-    {17, 39, 64, 8, 1, 0}, {17, 40, 64, 8, 1, 0}, {17, 41, 64, 8, 1, 0}, {17, 42, 64, 8, 1, 0},
-    {17, 43, 64, 8, 1, 0}, {17, 44, 64, 8, 1, 0}, {17, 45, 64, 8, 1, 0}, {17, 46, 64, 8, 1, 0},
-    {17, 47, 64, 8, 1, 0}, {17, 48, 64, 8, 1, 0}, {17, 49, 64, 8, 1, 0}, {17, 50, 64, 8, 1, 0},
-    {17, 51, 64, 8, 1, 0}, {17, 52, 64, 8, 1, 0}, {17, 53, 64, 8, 1, 0}, {17, 54, 64, 8, 1, 0},
-    {17, 55, 64, 8, 1, 0}, {17, 56, 64, 8, 1, 0}, {17, 57, 64, 8, 1, 0}, {17, 58, 64, 8, 1, 0},
-    {17, 59, 64, 8, 1, 0}, {17, 60, 64, 8, 1, 0}, {17, 61, 64, 8, 1, 0}, {17, 62, 64, 8, 1, 0},
-    // rank 2: shares 3072..4607
-    {17, 63, 64, 8, 1, 0}, {1, 0, 64, 16, 1, 0}, {1, 1, 64, 16, 1, 0}, {1, 2, 64, 16, 1, 0},
-    {1, 3, 64, 16, 1, 0}, {1, 4, 64, 16, 1, 0}, {1, 5, 64, 16, 1, 0}, {1, 6, 64, 16, 1, 0},
-    {1, 7, 64, 16, 1, 0}, {1, 8, 64, 16, 1, 0}, {1, 9, 64, 16, 1, 0}, {1, 10, 64, 16, 1, 0},
-    {1, 11, 64, 16, 1, 0}, {1, 12, 64, 16, 1, 0}, {1, 13, 64, 16, 1, 0}, {1, 14, 64, 16, 1, 0},
-    {1, 15, 64, 16, 1, 0}, {1, 16, 64, 16, 1, 0}, {1, 17, 64, 16, 1, 0}, {1, 18, 64, 16, 1, 0},
-    {1, 19, 64, 16, 1, 0}, {1, 20, 64, 16, 1, 0}, {1, 21, 64, 16, 1, 0}, {1, 22, 64, 16, 1, 0},
-    {1, 23, 64, 16, 1, 0}, {1, 24, 64, 16, 1, 0}, {1, 25, 64, 16, 1, 0}, {1, 26, 64, 16, 1, 0},
-    {1, 27, 64, 16, 1, 0}, {1, 28, 64, 16, 1, 0}, {1, 29, 64, 16, 1, 0}, {1, 30, 64, 16, 1, 0},
-    {1, 31, 64, 16, 1, 0}, {1, 32, 64, 16, 1, 0}, {1, 33, 64, 16, 1, 0}, {1, 34, 64, 16, 1, 0},
-    {1, 35, 64, 16, 1, 0}, {1, 36, 64, 16, 1, 0}, {1, 37, 64, 16, 1, 0}, {1, 38, 64, 16, 1, 0},
-    {1, 39, 64, 16, 1, 0}, {1, 40, 64, 16, 1, 0}, {1, 41, 64, 16, 1, 0}, {1, 42, 64, 16, 1, 0},
-    {1, 43, 64, 16, 1, 0}, {1, 44, 64, 16, 1, 0}, {1, 45, 64, 16, 1, 0}, {1, 46, 64, 16, 1, 0},
-    {1, 47, 64, 16, 1, 0}, {1, 48, 64, 16, 1, 0}, {1, 49, 64, 16, 1, 0}, {1, 50, 64, 16, 1, 0},
-    {1, 51, 64, 16, 1, 0}, {1, 52, 64, 16, 1, 0}, {1, 53, 64, 16, 1, 0}, {1, 54, 64, 16, 1, 0},
-    {1, 55, 64, 16, 1, 0}, {1, 56, 64, 16, 1, 0}, {1, 57, 64, 16, 1, 0}, {1, 58, 64, 16, 1, 0},
-    {1, 59, 64, 16, 1, 0}, {1, 60, 64, 16, 1, 0}, {1, 61, 64, 16, 1, 0}, {1, 62, 64, 16, 1, 0},
-    {1, 63, 64, 16, 1, 0}, {17, 0, 64, 8, 1, 0}, {17, 1, 64, 8, 1, 0}, {17, 2, 64, 8, 1, 0},
-    {17, 3, 64, 8, 1, 0}, {17, 4, 64, 8, 1, 0}, {17, 5, 64, 8, 1, 0}, {17, 6, 64, 8, 1, 0},
-    {17, 7, 64, 8, 1, 0}, {17, 8, 64, 8, 1, 0}, {17, 9, 64, 8, 1, 0}, {17, 10, 64, 8, 1, 0},
-    {17, 11, 64, 8, 1, 0}, {17, 12, 64, 8, 1, 0}, {17, 13, 64, 8, 1, 0}, {17, 14, 64, 8, 1, 0},
-    {17, 15, 64, 8, 1, 0}, {17, 16, 64, 8, 1, 0}, {17, 17, 64, 8, 1, 0}, {17, 18, 64, 8, 1, 0},
-    {17, 19, 64, 8, 1, 0}, {17, 20, 64, 8, 1, 0}, {17, 21, 64, 8, 1, 0}, {17, 22, 64, 8, 1, 0},
-    {17, 23, 64, 8, 1, 0}, {17, 24, 64, 8, 1, 0}, {17, 25, 64, 8, 1, 0}, {17, 26, 64, 8, 1, 0},
-    {17, 27, 64, 8, 1, 0}, {17, 28, 64, 8, 1, 0}, {17, 29, 64, 8, 1, 0}, {17, 30, 64, 8, 1, 0},
-    {17, 31, 64, 8, 1, 0}, {17, 32, 64, 8, 1, 0}, {17, 33, 64, 8, 1, 0}, {17, 34, 64, 8, 1, 0},
-    {17, 35, 64, 8, 1, 0}, {17, 36, 64, 8, 1, 0}, {17, 37, 64, 8, 1, 0}, {17, 38, 64, 8, 1, 0},
-    {17, 39, 64, 8, 1, 0}, {17, 40, 64, 8, 1, 0}, {17, 41, 64, 8, 1, 0}, {17, 42, 64, 8, 1, 0},
-    {17, 43, 64, 8, 1, 0}, {17, 44, 64, 8, 1, 0}, {17, 45, 64, 8, 1, 0}, {17, 46, 64, 8, 1, 0},
-    {17, 47, 64, 8, 1, 0}, {17, 48, 64, 8, 1, 0}, {17, 49, 64, 8, 1, 0}, {17, 50, 64, 8, 1, 0},
-    {17, 51, 64, 8, 1, 0}, {17, 52, 64, 8, 1, 0}, {17, 53, 64, 8, 1, 0}, {17, 54, 64, 8, 1, 0},
-    {17, 55, 64, 8, 1, 0}, {17, 56, 64, 8, 1, 0}, {17, 57, 64, 8, 1, 0}, {17, 58, 64, 8, 1, 0},
-    {17, 59, 64, 8, 1, 0}, {17, 60, 64, 8, 1, 0}, {17, 61, 64, 8, 1, 0}, {17, 62, 64, 8, 1, 0},
+    {17, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 16, 1, 0, 64, 0, 1}, {17, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 0: shares 0..1535
+    {17, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 16, 1, 0, 64, 0, 1}, {17, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 1: shares 1536..3071
+    {17, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 16, 1, 0, 64, 0, 1}, {17, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 2: shares 3072..4607
 };
-static __device__ const tsgen::share_table<4608> shares_w3 =
-    tsgen::expand_shares<4608>(share_runs_w3);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w3[3][129] = {
+static __device__ const tsgen::share_table<4608> shares_w3 = tsgen::expand_shares<4608>(share_runs_w3);
+static __device__ const uint16_t first_w3[3][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 8, 24, 40, 56, 72, 88, 104, 120, 136, 152, 168, 184, 200, 216, 232, 248, 264, 280, 296, 312, 328, 344, 360, 376, 392, 408, 424, 440, 456, 472, 488, 504, 520, 536, 552, 568, 584, 600, 616, 632, 648, 664, 680, 696, 712, 728, 744, 760, 776, 792, 808, 824, 840, 856, 872, 888, 904, 920, 936, 952, 968, 984, 1000, 1016, 1032, 1040, 1048, 1056, 1064, 1072, 1080, 1088, 1096, 1104, 1112, 1120, 1128, 1136, 1144, 1152, 1160, 1168, 1176, 1184, 1192, 1200, 1208, 1216, 1224, 1232, 1240, 1248, 1256, 1264, 1272, 1280, 1288, 1296, 1304, 1312, 1320, 1328, 1336, 1344, 1352, 1360, 1368, 1376, 1384, 1392, 1400, 1408, 1416, 1424, 1432, 1440, 1448, 1456, 1464, 1472, 1480, 1488, 1496, 1504, 1512, 1520, 1528, 1536 },
     { 1536, 1544, 1560, 1576, 1592, 1608, 1624, 1640, 1656, 1672, 1688, 1704, 1720, 1736, 1752, 1768, 1784, 1800, 1816, 1832, 1848, 1864, 1880, 1896, 1912, 1928, 1944, 1960, 1976, 1992, 2008, 2024, 2040, 2056, 2072, 2088, 2104, 2120, 2136, 2152, 2168, 2184, 2200, 2216, 2232, 2248, 2264, 2280, 2296, 2312, 2328, 2344, 2360, 2376, 2392, 2408, 2424, 2440, 2456, 2472, 2488, 2504, 2520, 2536, 2552, 2568, 2576, 2584, 2592, 2600, 2608, 2616, 2624, 2632, 2640, 2648, 2656, 2664, 2672, 2680, 2688, 2696, 2704, 2712, 2720, 2728, 2736, 2744, 2752, 2760, 2768, 2776, 2784, 2792, 2800, 2808, 2816, 2824, 2832, 2840, 2848, 2856, 2864, 2872, 2880, 2888, 2896, 2904, 2912, 2920, 2928, 2936, 2944, 2952, 2960, 2968, 2976, 2984, 2992, 3000, 3008, 3016, 3024, 3032, 3040, 3048, 3056, 3064, 3072 },
     { 3072, 3080, 3096, 3112, 3128, 3144, 3160, 3176, 3192, 3208, 3224, 3240, 3256, 3272, 3288, 3304, 3320, 3336, 3352, 3368, 3384, 3400, 3416, 3432, 3448, 3464, 3480, 3496, 3512, 3528, 3544, 3560, 3576, 3592, 3608, 3624, 3640, 3656, 3672, 3688, 3704, 3720, 3736, 3752, 3768, 3784, 3800, 3816, 3832, 3848, 3864, 3880, 3896, 3912, 3928, 3944, 3960, 3976, 3992, 4008, 4024, 4040, 4056, 4072, 4088, 4104, 4112, 4120, 4128, 4136, 4144, 4152, 4160, 4168, 4176, 4184, 4192, 4200, 4208, 4216, 4224, 4232, 4240, 4248, 4256, 4264, 4272, 4280, 4288, 4296, 4304, 4312, 4320, 4328, 4336, 4344, 4352, 4360, 4368, 4376, 4384, 4392, 4400, 4408, 4416, 4424, 4432, 4440, 4448, 4456, 4464, 4472, 4480, 4488, 4496, 4504, 4512, 4520, 4528, 4536, 4544, 4552, 4560, 4568, 4576, 4584, 4592, 4600, 4608 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 4: 132 steps, 8192 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 4: 132 steps, 8192 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w4[] = {
-    // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 0}}},
-    // rank 0 step 1: chunk 3 piece 0: our part to rank 1; wait entry[1]; r1:inbox@3[0/8] = r0:src@3[0/8]; signal r1:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 0}, {{0, 1, 1, 8, 3, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},
-    // rank 0 step 2: chunk 3 piece 1: our part to rank 1; wait entry[1]; r1:inbox@3[1/8] = r0:src@3[1/8]; signal r1:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 1}, {{0, 1, 1, 8, 3, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},
-    // rank 0 step 3: chunk 3 piece 2: our part to rank 1; wait entry[1]; r1:inbox@3[2/8] = r0:src@3[2/8]; signal r1:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 2}, {{0, 1, 1, 8, 3, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},
-    // rank 0 step 4: chunk 3 piece 3: our part to rank 1; wait entry[1]; r1:inbox@3[3/8] = r0:src@3[3/8]; signal r1:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 3}, {{0, 1, 1, 8, 3, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},
-    // rank 0 step 5: chunk 3 piece 4: our part to rank 1; wait entry[1]; r1:inbox@3[4/8] = r0:src@3[4/8]; signal r1:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 4}, {{0, 1, 1, 8, 3, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},
-    // rank 0 step 6: chunk 3 piece 5: our part to rank 1; wait entry[1]; r1:inbox@3[5/8] = r0:src@3[5/8]; signal r1:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 5}, {{0, 1, 1, 8, 3, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},
-    // rank 0 step 7: chunk 3 piece 6: our part to rank 1; wait entry[1]; r1:inbox@3[6/8] = r0:src@3[6/8]; signal r1:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 6}, {{0, 1, 1, 8, 3, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},
-    // rank 0 step 8: chunk 3 piece 7: our part to rank 1; wait entry[1]; r1:inbox@3[7/8] = r0:src@3[7/8]; signal r1:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 7}, {{0, 1, 1, 8, 3, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},
-    // rank 0 step 9: chunk 2 piece 0: partial sum + our part to rank 1; wait arrive[16], entry[1]; r1:inbox@2[0/8] = r0:inbox@2[0/8] + r0:src@2[0/8]; signal r1:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 0}, {{0, 3, 0, 8, 2, 0}, {0, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 0 step 10: chunk 2 piece 1: partial sum + our part to rank 1; wait arrive[17], entry[1]; r1:inbox@2[1/8] = r0:inbox@2[1/8] + r0:src@2[1/8]; signal r1:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 1}, {{0, 3, 0, 8, 2, 1}, {0, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 0 step 11: chunk 2 piece 2: partial sum + our part to rank 1; wait arrive[18], entry[1]; r1:inbox@2[2/8] = r0:inbox@2[2/8] + r0:src@2[2/8]; signal r1:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 2}, {{0, 3, 0, 8, 2, 2}, {0, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 0 step 12: chunk 2 piece 3: partial sum + our part to rank 1; wait arrive[19], entry[1]; r1:inbox@2[3/8] = r0:inbox@2[3/8] + r0:src@2[3/8]; signal r1:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 3}, {{0, 3, 0, 8, 2, 3}, {0, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 0 step 13: chunk 2 piece 4: partial sum + our part to rank 1; wait arrive[20], entry[1]; r1:inbox@2[4/8] = r0:inbox@2[4/8] + r0:src@2[4/8]; signal r1:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 4}, {{0, 3, 0, 8, 2, 4}, {0, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 0 step 14: chunk 2 piece 5: partial sum + our part to rank 1; wait arrive[21], entry[1]; r1:inbox@2[5/8] = r0:inbox@2[5/8] + r0:src@2[5/8]; signal r1:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 5}, {{0, 3, 0, 8, 2, 5}, {0, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 0 step 15: chunk 2 piece 6: partial sum + our part to rank 1; wait arrive[22], entry[1]; r1:inbox@2[6/8] = r0:inbox@2[6/8] + r0:src@2[6/8]; signal r1:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 6}, {{0, 3, 0, 8, 2, 6}, {0, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 0 step 16: chunk 2 piece 7: partial sum + our part to rank 1; wait arrive[23], entry[1]; r1:inbox@2[7/8] = r0:inbox@2[7/8] + r0:src@2[7/8]; signal r1:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 7}, {{0, 3, 0, 8, 2, 7}, {0, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 0 step 17: chunk 1 piece 0: partial sum + our part to rank 1; wait arrive[8], entry[1]; r1:inbox@1[0/8] = r0:inbox@1[0/8] + r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 0 step 18: chunk 1 piece 1: partial sum + our part to rank 1; wait arrive[9], entry[1]; r1:inbox@1[1/8] = r0:inbox@1[1/8] + r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 0 step 19: chunk 1 piece 2: partial sum + our part to rank 1; wait arrive[10], entry[1]; r1:inbox@1[2/8] = r0:inbox@1[2/8] + r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 0 step 20: chunk 1 piece 3: partial sum + our part to rank 1; wait arrive[11], entry[1]; r1:inbox@1[3/8] = r0:inbox@1[3/8] + r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 0 step 21: chunk 1 piece 4: partial sum + our part to rank 1; wait arrive[12], entry[1]; r1:inbox@1[4/8] = r0:inbox@1[4/8] + r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 0 step 22: chunk 1 piece 5: partial sum + our part to rank 1; wait arrive[13], entry[1]; r1:inbox@1[5/8] = r0:inbox@1[5/8] + r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 0 step 23: chunk 1 piece 6: partial sum + our part to rank 1; wait arrive[14], entry[1]; r1:inbox@1[6/8] = r0:inbox@1[6/8] + r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 0 step 24: chunk 1 piece 7: partial sum + our part to rank 1; wait arrive[15], entry[1]; r1:inbox@1[7/8] = r0:inbox@1[7/8] + r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 0 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
-    // rank 0 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
-    // rank 0 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
-    // rank 0 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
-    // rank 0 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
-    // rank 0 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
-    // rank 0 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
-    // rank 0 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: chunk 0 piece 0: our part to rank 2; wait entry[2]; r2:inbox@0[0/8] = r1:src@0[0/8]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 1 step 2: chunk 0 piece 1: our part to rank 2; wait entry[2]; r2:inbox@0[1/8] = r1:src@0[1/8]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 1 step 3: chunk 0 piece 2: our part to rank 2; wait entry[2]; r2:inbox@0[2/8] = r1:src@0[2/8]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 4: chunk 0 piece 3: our part to rank 2; wait entry[2]; r2:inbox@0[3/8] = r1:src@0[3/8]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 5: chunk 0 piece 4: our part to rank 2; wait entry[2]; r2:inbox@0[4/8] = r1:src@0[4/8]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 1 step 6: chunk 0 piece 5: our part to rank 2; wait entry[2]; r2:inbox@0[5/8] = r1:src@0[5/8]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 1 step 7: chunk 0 piece 6: our part to rank 2; wait entry[2]; r2:inbox@0[6/8] = r1:src@0[6/8]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 1 step 8: chunk 0 piece 7: our part to rank 2; wait entry[2]; r2:inbox@0[7/8] = r1:src@0[7/8]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 1 step 9: chunk 3 piece 0: partial sum + our part to rank 2; wait arrive[24], entry[2]; r2:inbox@3[0/8] = r1:inbox@3[0/8] + r1:src@3[0/8]; signal r2:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 0}, {{1, 3, 0, 8, 3, 0}, {1, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},
-    // rank 1 step 10: chunk 3 piece 1: partial sum + our part to rank 2; wait arrive[25], entry[2]; r2:inbox@3[1/8] = r1:inbox@3[1/8] + r1:src@3[1/8]; signal r2:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 1}, {{1, 3, 0, 8, 3, 1}, {1, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},
-    // rank 1 step 11: chunk 3 piece 2: partial sum + our part to rank 2; wait arrive[26], entry[2]; r2:inbox@3[2/8] = r1:inbox@3[2/8] + r1:src@3[2/8]; signal r2:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 2}, {{1, 3, 0, 8, 3, 2}, {1, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},
-    // rank 1 step 12: chunk 3 piece 3: partial sum + our part to rank 2; wait arrive[27], entry[2]; r2:inbox@3[3/8] = r1:inbox@3[3/8] + r1:src@3[3/8]; signal r2:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 3}, {{1, 3, 0, 8, 3, 3}, {1, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},
-    // rank 1 step 13: chunk 3 piece 4: partial sum + our part to rank 2; wait arrive[28], entry[2]; r2:inbox@3[4/8] = r1:inbox@3[4/8] + r1:src@3[4/8]; signal r2:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 4}, {{1, 3, 0, 8, 3, 4}, {1, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},
-    // rank 1 step 14: chunk 3 piece 5: partial sum + our part to rank 2; wait arrive[29], entry[2]; r2:inbox@3[5/8] = r1:inbox@3[5/8] + r1:src@3[5/8]; signal r2:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 5}, {{1, 3, 0, 8, 3, 5}, {1, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},
-    // rank 1 step 15: chunk 3 piece 6: partial sum + our part to rank 2; wait arrive[30], entry[2]; r2:inbox@3[6/8] = r1:inbox@3[6/8] + r1:src@3[6/8]; signal r2:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 6}, {{1, 3, 0, 8, 3, 6}, {1, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},
-    // rank 1 step 16: chunk 3 piece 7: partial sum + our part to rank 2; wait arrive[31], entry[2]; r2:inbox@3[7/8] = r1:inbox@3[7/8] + r1:src@3[7/8]; signal r2:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 7}, {{1, 3, 0, 8, 3, 7}, {1, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},
-    // rank 1 step 17: chunk 2 piece 0: partial sum + our part to rank 2; wait arrive[16], entry[2]; r2:inbox@2[0/8] = r1:inbox@2[0/8] + r1:src@2[0/8]; signal r2:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
-    // rank 1 step 18: chunk 2 piece 1: partial sum + our part to rank 2; wait arrive[17], entry[2]; r2:inbox@2[1/8] = r1:inbox@2[1/8] + r1:src@2[1/8]; signal r2:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
-    // rank 1 step 19: chunk 2 piece 2: partial sum + our part to rank 2; wait arrive[18], entry[2]; r2:inbox@2[2/8] = r1:inbox@2[2/8] + r1:src@2[2/8]; signal r2:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
-    // rank 1 step 20: chunk 2 piece 3: partial sum + our part to rank 2; wait arrive[19], entry[2]; r2:inbox@2[3/8] = r1:inbox@2[3/8] + r1:src@2[3/8]; signal r2:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
-    // rank 1 step 21: chunk 2 piece 4: partial sum + our part to rank 2; wait arrive[20], entry[2]; r2:inbox@2[4/8] = r1:inbox@2[4/8] + r1:src@2[4/8]; signal r2:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
-    // rank 1 step 22: chunk 2 piece 5: partial sum + our part to rank 2; wait arrive[21], entry[2]; r2:inbox@2[5/8] = r1:inbox@2[5/8] + r1:src@2[5/8]; signal r2:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
-    // rank 1 step 23: chunk 2 piece 6: partial sum + our part to rank 2; wait arrive[22], entry[2]; r2:inbox@2[6/8] = r1:inbox@2[6/8] + r1:src@2[6/8]; signal r2:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
-    // rank 1 step 24: chunk 2 piece 7: partial sum + our part to rank 2; wait arrive[23], entry[2]; r2:inbox@2[7/8] = r1:inbox@2[7/8] + r1:src@2[7/8]; signal r2:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
-    // rank 1 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},
-    // rank 1 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},
-    // rank 1 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},
-    // rank 1 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},
-    // rank 1 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},
-    // rank 1 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},
-    // rank 1 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},
-    // rank 1 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
-    // rank 2 step 1: chunk 1 piece 0: our part to rank 3; wait entry[3]; r3:inbox@1[0/8] = r2:src@1[0/8]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 2 step 2: chunk 1 piece 1: our part to rank 3; wait entry[3]; r3:inbox@1[1/8] = r2:src@1[1/8]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 2 step 3: chunk 1 piece 2: our part to rank 3; wait entry[3]; r3:inbox@1[2/8] = r2:src@1[2/8]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 2 step 4: chunk 1 piece 3: our part to rank 3; wait entry[3]; r3:inbox@1[3/8] = r2:src@1[3/8]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 2 step 5: chunk 1 piece 4: our part to rank 3; wait entry[3]; r3:inbox@1[4/8] = r2:src@1[4/8]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
-    // rank 2 step 6: chunk 1 piece 5: our part to rank 3; wait entry[3]; r3:inbox@1[5/8] = r2:src@1[5/8]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
-    // rank 2 step 7: chunk 1 piece 6: our part to rank 3; wait entry[3]; r3:inbox@1[6/8] = r2:src@1[6/8]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
-    // rank 2 step 8: chunk 1 piece 7: our part to rank 3; wait entry[3]; r3:inbox@1[7/8] = r2:src@1[7/8]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
-    // rank 2 step 9: chunk 0 piece 0: partial sum + our part to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/8] = r2:inbox@0[0/8] + r2:src@0[0/8]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 2 step 10: chunk 0 piece 1: partial sum + our part to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/8] = r2:inbox@0[1/8] + r2:src@0[1/8]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 2 step 11: chunk 0 piece 2: partial sum + our part to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/8] = r2:inbox@0[2/8] + r2:src@0[2/8]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 2 step 12: chunk 0 piece 3: partial sum + our part to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/8] = r2:inbox@0[3/8] + r2:src@0[3/8]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 2 step 13: chunk 0 piece 4: partial sum + our part to rank 3; wait arrive[4], entry[3]; r3:inbox@0[4/8] = r2:inbox@0[4/8] + r2:src@0[4/8]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 2 step 14: chunk 0 piece 5: partial sum + our part to rank 3; wait arrive[5], entry[3]; r3:inbox@0[5/8] = r2:inbox@0[5/8] + r2:src@0[5/8]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 2 step 15: chunk 0 piece 6: partial sum + our part to rank 3; wait arrive[6], entry[3]; r3:inbox@0[6/8] = r2:inbox@0[6/8] + r2:src@0[6/8]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 2 step 16: chunk 0 piece 7: partial sum + our part to rank 3; wait arrive[7], entry[3]; r3:inbox@0[7/8] = r2:inbox@0[7/8] + r2:src@0[7/8]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 2 step 17: chunk 3 piece 0: partial sum + our part to rank 3; wait arrive[24], entry[3]; r3:inbox@3[0/8] = r2:inbox@3[0/8] + r2:src@3[0/8]; signal r3:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 0}, {{2, 3, 0, 8, 3, 0}, {2, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},
-    // rank 2 step 18: chunk 3 piece 1: partial sum + our part to rank 3; wait arrive[25], entry[3]; r3:inbox@3[1/8] = r2:inbox@3[1/8] + r2:src@3[1/8]; signal r3:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 1}, {{2, 3, 0, 8, 3, 1}, {2, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},
-    // rank 2 step 19: chunk 3 piece 2: partial sum + our part to rank 3; wait arrive[26], entry[3]; r3:inbox@3[2/8] = r2:inbox@3[2/8] + r2:src@3[2/8]; signal r3:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 2}, {{2, 3, 0, 8, 3, 2}, {2, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},
-    // rank 2 step 20: chunk 3 piece 3: partial sum + our part to rank 3; wait arrive[27], entry[3]; r3:inbox@3[3/8] = r2:inbox@3[3/8] + r2:src@3[3/8]; signal r3:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 3}, {{2, 3, 0, 8, 3, 3}, {2, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},
-    // rank 2 step 21: chunk 3 piece 4: partial sum + our part to rank 3; wait arrive[28], entry[3]; r3:inbox@3[4/8] = r2:inbox@3[4/8] + r2:src@3[4/8]; signal r3:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 4}, {{2, 3, 0, 8, 3, 4}, {2, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},
-    // rank 2 step 22: chunk 3 piece 5: partial sum + our part to rank 3; wait arrive[29], entry[3]; r3:inbox@3[5/8] = r2:inbox@3[5/8] + r2:src@3[5/8]; signal r3:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 5}, {{2, 3, 0, 8, 3, 5}, {2, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},
-    // rank 2 step 23: chunk 3 piece 6: partial sum + our part to rank 3; wait arrive[30], entry[3]; r3:inbox@3[6/8] = r2:inbox@3[6/8] + r2:src@3[6/8]; signal r3:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 6}, {{2, 3, 0, 8, 3, 6}, {2, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},
-    // rank 2 step 24: chunk 3 piece 7: partial sum + our part to rank 3; wait arrive[31], entry[3]; r3:inbox@3[7/8] = r2:inbox@3[7/8] + r2:src@3[7/8]; signal r3:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 7}, {{2, 3, 0, 8, 3, 7}, {2, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},
-    // rank 2 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[16]; r2:dst@0[0/8] = r2:inbox@2[0/8] + r2:src@2[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}}, {}},
-    // rank 2 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[17]; r2:dst@0[1/8] = r2:inbox@2[1/8] + r2:src@2[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}}, {}},
-    // rank 2 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[18]; r2:dst@0[2/8] = r2:inbox@2[2/8] + r2:src@2[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}}, {}},
-    // rank 2 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[19]; r2:dst@0[3/8] = r2:inbox@2[3/8] + r2:src@2[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}}, {}},
-    // rank 2 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[20]; r2:dst@0[4/8] = r2:inbox@2[4/8] + r2:src@2[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}}, {}},
-    // rank 2 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[21]; r2:dst@0[5/8] = r2:inbox@2[5/8] + r2:src@2[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}}, {}},
-    // rank 2 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[22]; r2:dst@0[6/8] = r2:inbox@2[6/8] + r2:src@2[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}}, {}},
-    // rank 2 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[23]; r2:dst@0[7/8] = r2:inbox@2[7/8] + r2:src@2[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},
-    // rank 3 step 1: chunk 2 piece 0: our part to rank 0; wait entry[0]; r0:inbox@2[0/8] = r3:src@2[0/8]; signal r0:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 3 step 2: chunk 2 piece 1: our part to rank 0; wait entry[0]; r0:inbox@2[1/8] = r3:src@2[1/8]; signal r0:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 3 step 3: chunk 2 piece 2: our part to rank 0; wait entry[0]; r0:inbox@2[2/8] = r3:src@2[2/8]; signal r0:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 3 step 4: chunk 2 piece 3: our part to rank 0; wait entry[0]; r0:inbox@2[3/8] = r3:src@2[3/8]; signal r0:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 3 step 5: chunk 2 piece 4: our part to rank 0; wait entry[0]; r0:inbox@2[4/8] = r3:src@2[4/8]; signal r0:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 3 step 6: chunk 2 piece 5: our part to rank 0; wait entry[0]; r0:inbox@2[5/8] = r3:src@2[5/8]; signal r0:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 3 step 7: chunk 2 piece 6: our part to rank 0; wait entry[0]; r0:inbox@2[6/8] = r3:src@2[6/8]; signal r0:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 3 step 8: chunk 2 piece 7: our part to rank 0; wait entry[0]; r0:inbox@2[7/8] = r3:src@2[7/8]; signal r0:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 3 step 9: chunk 1 piece 0: partial sum + our part to rank 0; wait arrive[8], entry[0]; r0:inbox@1[0/8] = r3:inbox@1[0/8] + r3:src@1[0/8]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 0}, {{3, 3, 0, 8, 1, 0}, {3, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 3 step 10: chunk 1 piece 1: partial sum + our part to rank 0; wait arrive[9], entry[0]; r0:inbox@1[1/8] = r3:inbox@1[1/8] + r3:src@1[1/8]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 1}, {{3, 3, 0, 8, 1, 1}, {3, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 3 step 11: chunk 1 piece 2: partial sum + our part to rank 0; wait arrive[10], entry[0]; r0:inbox@1[2/8] = r3:inbox@1[2/8] + r3:src@1[2/8]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 2}, {{3, 3, 0, 8, 1, 2}, {3, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 3 step 12: chunk 1 piece 3: partial sum + our part to rank 0; wait arrive[11], entry[0]; r0:inbox@1[3/8] = r3:inbox@1[3/8] + r3:src@1[3/8]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 3}, {{3, 3, 0, 8, 1, 3}, {3, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 3 step 13: chunk 1 piece 4: partial sum + our part to rank 0; wait arrive[12], entry[0]; r0:inbox@1[4/8] = r3:inbox@1[4/8] + r3:src@1[4/8]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 4}, {{3, 3, 0, 8, 1, 4}, {3, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 3 step 14: chunk 1 piece 5: partial sum + our part to rank 0; wait arrive[13], entry[0]; r0:inbox@1[5/8] = r3:inbox@1[5/8] + r3:src@1[5/8]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 5}, {{3, 3, 0, 8, 1, 5}, {3, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 3 step 15: chunk 1 piece 6: partial sum + our part to rank 0; wait arrive[14], entry[0]; r0:inbox@1[6/8] = r3:inbox@1[6/8] + r3:src@1[6/8]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 6}, {{3, 3, 0, 8, 1, 6}, {3, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 3 step 16: chunk 1 piece 7: partial sum + our part to rank 0; wait arrive[15], entry[0]; r0:inbox@1[7/8] = r3:inbox@1[7/8] + r3:src@1[7/8]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 7}, {{3, 3, 0, 8, 1, 7}, {3, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 3 step 17: chunk 0 piece 0: partial sum + our part to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/8] = r3:inbox@0[0/8] + r3:src@0[0/8]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 0}, {{3, 3, 0, 8, 0, 0}, {3, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
-    // rank 3 step 18: chunk 0 piece 1: partial sum + our part to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/8] = r3:inbox@0[1/8] + r3:src@0[1/8]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 1}, {{3, 3, 0, 8, 0, 1}, {3, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
-    // rank 3 step 19: chunk 0 piece 2: partial sum + our part to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/8] = r3:inbox@0[2/8] + r3:src@0[2/8]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 2}, {{3, 3, 0, 8, 0, 2}, {3, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 3 step 20: chunk 0 piece 3: partial sum + our part to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/8] = r3:inbox@0[3/8] + r3:src@0[3/8]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 3}, {{3, 3, 0, 8, 0, 3}, {3, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 3 step 21: chunk 0 piece 4: partial sum + our part to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/8] = r3:inbox@0[4/8] + r3:src@0[4/8]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 4}, {{3, 3, 0, 8, 0, 4}, {3, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 3 step 22: chunk 0 piece 5: partial sum + our part to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/8] = r3:inbox@0[5/8] + r3:src@0[5/8]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 5}, {{3, 3, 0, 8, 0, 5}, {3, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 3 step 23: chunk 0 piece 6: partial sum + our part to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/8] = r3:inbox@0[6/8] + r3:src@0[6/8]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 6}, {{3, 3, 0, 8, 0, 6}, {3, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 3 step 24: chunk 0 piece 7: partial sum + our part to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/8] = r3:inbox@0[7/8] + r3:src@0[7/8]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 7}, {{3, 3, 0, 8, 0, 7}, {3, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 3 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[24]; r3:dst@0[0/8] = r3:inbox@3[0/8] + r3:src@3[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 3, 0, 8, 3, 0}, {3, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}}, {}},
-    // rank 3 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[25]; r3:dst@0[1/8] = r3:inbox@3[1/8] + r3:src@3[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 3, 0, 8, 3, 1}, {3, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}}, {}},
-    // rank 3 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[26]; r3:dst@0[2/8] = r3:inbox@3[2/8] + r3:src@3[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 3, 0, 8, 3, 2}, {3, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}}, {}},
-    // rank 3 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[27]; r3:dst@0[3/8] = r3:inbox@3[3/8] + r3:src@3[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 3, 0, 8, 3, 3}, {3, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}}, {}},
-    // rank 3 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[28]; r3:dst@0[4/8] = r3:inbox@3[4/8] + r3:src@3[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 3, 0, 8, 3, 4}, {3, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}}, {}},
-    // rank 3 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[29]; r3:dst@0[5/8] = r3:inbox@3[5/8] + r3:src@3[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 3, 0, 8, 3, 5}, {3, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}}, {}},
-    // rank 3 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[30]; r3:dst@0[6/8] = r3:inbox@3[6/8] + r3:src@3[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 3, 0, 8, 3, 6}, {3, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}}, {}},
-    // rank 3 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[31]; r3:dst@0[7/8] = r3:inbox@3[7/8] + r3:src@3[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 3, 0, 8, 3, 7}, {3, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r3:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 0}, {{0, 1, 1, 8, 3, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 24}}},  // rank 0 step 1: chunk 3 piece 0: our part to rank 1; wait entry[1]; r1:inbox@3[0/8] = r0:src@3[0/8]; signal r1:arrive[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 1}, {{0, 1, 1, 8, 3, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 25}}},  // rank 0 step 2: chunk 3 piece 1: our part to rank 1; wait entry[1]; r1:inbox@3[1/8] = r0:src@3[1/8]; signal r1:arrive[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 2}, {{0, 1, 1, 8, 3, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 26}}},  // rank 0 step 3: chunk 3 piece 2: our part to rank 1; wait entry[1]; r1:inbox@3[2/8] = r0:src@3[2/8]; signal r1:arrive[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 3}, {{0, 1, 1, 8, 3, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 27}}},  // rank 0 step 4: chunk 3 piece 3: our part to rank 1; wait entry[1]; r1:inbox@3[3/8] = r0:src@3[3/8]; signal r1:arrive[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 4}, {{0, 1, 1, 8, 3, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 28}}},  // rank 0 step 5: chunk 3 piece 4: our part to rank 1; wait entry[1]; r1:inbox@3[4/8] = r0:src@3[4/8]; signal r1:arrive[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 5}, {{0, 1, 1, 8, 3, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 29}}},  // rank 0 step 6: chunk 3 piece 5: our part to rank 1; wait entry[1]; r1:inbox@3[5/8] = r0:src@3[5/8]; signal r1:arrive[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 6}, {{0, 1, 1, 8, 3, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 30}}},  // rank 0 step 7: chunk 3 piece 6: our part to rank 1; wait entry[1]; r1:inbox@3[6/8] = r0:src@3[6/8]; signal r1:arrive[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 3, 7}, {{0, 1, 1, 8, 3, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 31}}},  // rank 0 step 8: chunk 3 piece 7: our part to rank 1; wait entry[1]; r1:inbox@3[7/8] = r0:src@3[7/8]; signal r1:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 0}, {{0, 3, 0, 8, 2, 0}, {0, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 0 step 9: chunk 2 piece 0: partial sum + our part to rank 1; wait arrive[16], entry[1]; r1:inbox@2[0/8] = r0:inbox@2[0/8] + r0:src@2[0/8]; signal r1:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 1}, {{0, 3, 0, 8, 2, 1}, {0, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 0 step 10: chunk 2 piece 1: partial sum + our part to rank 1; wait arrive[17], entry[1]; r1:inbox@2[1/8] = r0:inbox@2[1/8] + r0:src@2[1/8]; signal r1:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 2}, {{0, 3, 0, 8, 2, 2}, {0, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 0 step 11: chunk 2 piece 2: partial sum + our part to rank 1; wait arrive[18], entry[1]; r1:inbox@2[2/8] = r0:inbox@2[2/8] + r0:src@2[2/8]; signal r1:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 3}, {{0, 3, 0, 8, 2, 3}, {0, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 0 step 12: chunk 2 piece 3: partial sum + our part to rank 1; wait arrive[19], entry[1]; r1:inbox@2[3/8] = r0:inbox@2[3/8] + r0:src@2[3/8]; signal r1:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 4}, {{0, 3, 0, 8, 2, 4}, {0, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 0 step 13: chunk 2 piece 4: partial sum + our part to rank 1; wait arrive[20], entry[1]; r1:inbox@2[4/8] = r0:inbox@2[4/8] + r0:src@2[4/8]; signal r1:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 5}, {{0, 3, 0, 8, 2, 5}, {0, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 0 step 14: chunk 2 piece 5: partial sum + our part to rank 1; wait arrive[21], entry[1]; r1:inbox@2[5/8] = r0:inbox@2[5/8] + r0:src@2[5/8]; signal r1:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 6}, {{0, 3, 0, 8, 2, 6}, {0, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 0 step 15: chunk 2 piece 6: partial sum + our part to rank 1; wait arrive[22], entry[1]; r1:inbox@2[6/8] = r0:inbox@2[6/8] + r0:src@2[6/8]; signal r1:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 7}, {{0, 3, 0, 8, 2, 7}, {0, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 0 step 16: chunk 2 piece 7: partial sum + our part to rank 1; wait arrive[23], entry[1]; r1:inbox@2[7/8] = r0:inbox@2[7/8] + r0:src@2[7/8]; signal r1:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 0 step 17: chunk 1 piece 0: partial sum + our part to rank 1; wait arrive[8], entry[1]; r1:inbox@1[0/8] = r0:inbox@1[0/8] + r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 0 step 18: chunk 1 piece 1: partial sum + our part to rank 1; wait arrive[9], entry[1]; r1:inbox@1[1/8] = r0:inbox@1[1/8] + r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 0 step 19: chunk 1 piece 2: partial sum + our part to rank 1; wait arrive[10], entry[1]; r1:inbox@1[2/8] = r0:inbox@1[2/8] + r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 0 step 20: chunk 1 piece 3: partial sum + our part to rank 1; wait arrive[11], entry[1]; r1:inbox@1[3/8] = r0:inbox@1[3/8] + r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},  // rank 0 step 21: chunk 1 piece 4: partial sum + our part to rank 1; wait arrive[12], entry[1]; r1:inbox@1[4/8] = r0:inbox@1[4/8] + r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},  // rank 0 step 22: chunk 1 piece 5: partial sum + our part to rank 1; wait arrive[13], entry[1]; r1:inbox@1[5/8] = r0:inbox@1[5/8] + r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},  // rank 0 step 23: chunk 1 piece 6: partial sum + our part to rank 1; wait arrive[14], entry[1]; r1:inbox@1[6/8] = r0:inbox@1[6/8] + r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},  // rank 0 step 24: chunk 1 piece 7: partial sum + our part to rank 1; wait arrive[15], entry[1]; r1:inbox@1[7/8] = r0:inbox@1[7/8] + r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},  // rank 0 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},  // rank 0 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},  // rank 0 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},  // rank 0 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},  // rank 0 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},  // rank 0 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},  // rank 0 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},  // rank 0 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 1 step 1: chunk 0 piece 0: our part to rank 2; wait entry[2]; r2:inbox@0[0/8] = r1:src@0[0/8]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 1 step 2: chunk 0 piece 1: our part to rank 2; wait entry[2]; r2:inbox@0[1/8] = r1:src@0[1/8]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 1 step 3: chunk 0 piece 2: our part to rank 2; wait entry[2]; r2:inbox@0[2/8] = r1:src@0[2/8]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 1 step 4: chunk 0 piece 3: our part to rank 2; wait entry[2]; r2:inbox@0[3/8] = r1:src@0[3/8]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 1 step 5: chunk 0 piece 4: our part to rank 2; wait entry[2]; r2:inbox@0[4/8] = r1:src@0[4/8]; signal r2:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 1 step 6: chunk 0 piece 5: our part to rank 2; wait entry[2]; r2:inbox@0[5/8] = r1:src@0[5/8]; signal r2:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 1 step 7: chunk 0 piece 6: our part to rank 2; wait entry[2]; r2:inbox@0[6/8] = r1:src@0[6/8]; signal r2:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 1 step 8: chunk 0 piece 7: our part to rank 2; wait entry[2]; r2:inbox@0[7/8] = r1:src@0[7/8]; signal r2:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 0}, {{1, 3, 0, 8, 3, 0}, {1, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},  // rank 1 step 9: chunk 3 piece 0: partial sum + our part to rank 2; wait arrive[24], entry[2]; r2:inbox@3[0/8] = r1:inbox@3[0/8] + r1:src@3[0/8]; signal r2:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 1}, {{1, 3, 0, 8, 3, 1}, {1, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},  // rank 1 step 10: chunk 3 piece 1: partial sum + our part to rank 2; wait arrive[25], entry[2]; r2:inbox@3[1/8] = r1:inbox@3[1/8] + r1:src@3[1/8]; signal r2:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 2}, {{1, 3, 0, 8, 3, 2}, {1, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},  // rank 1 step 11: chunk 3 piece 2: partial sum + our part to rank 2; wait arrive[26], entry[2]; r2:inbox@3[2/8] = r1:inbox@3[2/8] + r1:src@3[2/8]; signal r2:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 3}, {{1, 3, 0, 8, 3, 3}, {1, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},  // rank 1 step 12: chunk 3 piece 3: partial sum + our part to rank 2; wait arrive[27], entry[2]; r2:inbox@3[3/8] = r1:inbox@3[3/8] + r1:src@3[3/8]; signal r2:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 4}, {{1, 3, 0, 8, 3, 4}, {1, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},  // rank 1 step 13: chunk 3 piece 4: partial sum + our part to rank 2; wait arrive[28], entry[2]; r2:inbox@3[4/8] = r1:inbox@3[4/8] + r1:src@3[4/8]; signal r2:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 5}, {{1, 3, 0, 8, 3, 5}, {1, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},  // rank 1 step 14: chunk 3 piece 5: partial sum + our part to rank 2; wait arrive[29], entry[2]; r2:inbox@3[5/8] = r1:inbox@3[5/8] + r1:src@3[5/8]; signal r2:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 6}, {{1, 3, 0, 8, 3, 6}, {1, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},  // rank 1 step 15: chunk 3 piece 6: partial sum + our part to rank 2; wait arrive[30], entry[2]; r2:inbox@3[6/8] = r1:inbox@3[6/8] + r1:src@3[6/8]; signal r2:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 7}, {{1, 3, 0, 8, 3, 7}, {1, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},  // rank 1 step 16: chunk 3 piece 7: partial sum + our part to rank 2; wait arrive[31], entry[2]; r2:inbox@3[7/8] = r1:inbox@3[7/8] + r1:src@3[7/8]; signal r2:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},  // rank 1 step 17: chunk 2 piece 0: partial sum + our part to rank 2; wait arrive[16], entry[2]; r2:inbox@2[0/8] = r1:inbox@2[0/8] + r1:src@2[0/8]; signal r2:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},  // rank 1 step 18: chunk 2 piece 1: partial sum + our part to rank 2; wait arrive[17], entry[2]; r2:inbox@2[1/8] = r1:inbox@2[1/8] + r1:src@2[1/8]; signal r2:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},  // rank 1 step 19: chunk 2 piece 2: partial sum + our part to rank 2; wait arrive[18], entry[2]; r2:inbox@2[2/8] = r1:inbox@2[2/8] + r1:src@2[2/8]; signal r2:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},  // rank 1 step 20: chunk 2 piece 3: partial sum + our part to rank 2; wait arrive[19], entry[2]; r2:inbox@2[3/8] = r1:inbox@2[3/8] + r1:src@2[3/8]; signal r2:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},  // rank 1 step 21: chunk 2 piece 4: partial sum + our part to rank 2; wait arrive[20], entry[2]; r2:inbox@2[4/8] = r1:inbox@2[4/8] + r1:src@2[4/8]; signal r2:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},  // rank 1 step 22: chunk 2 piece 5: partial sum + our part to rank 2; wait arrive[21], entry[2]; r2:inbox@2[5/8] = r1:inbox@2[5/8] + r1:src@2[5/8]; signal r2:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},  // rank 1 step 23: chunk 2 piece 6: partial sum + our part to rank 2; wait arrive[22], entry[2]; r2:inbox@2[6/8] = r1:inbox@2[6/8] + r1:src@2[6/8]; signal r2:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},  // rank 1 step 24: chunk 2 piece 7: partial sum + our part to rank 2; wait arrive[23], entry[2]; r2:inbox@2[7/8] = r1:inbox@2[7/8] + r1:src@2[7/8]; signal r2:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},  // rank 1 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},  // rank 1 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},  // rank 1 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},  // rank 1 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},  // rank 1 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},  // rank 1 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},  // rank 1 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},  // rank 1 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},  // rank 2 step 1: chunk 1 piece 0: our part to rank 3; wait entry[3]; r3:inbox@1[0/8] = r2:src@1[0/8]; signal r3:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},  // rank 2 step 2: chunk 1 piece 1: our part to rank 3; wait entry[3]; r3:inbox@1[1/8] = r2:src@1[1/8]; signal r3:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},  // rank 2 step 3: chunk 1 piece 2: our part to rank 3; wait entry[3]; r3:inbox@1[2/8] = r2:src@1[2/8]; signal r3:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},  // rank 2 step 4: chunk 1 piece 3: our part to rank 3; wait entry[3]; r3:inbox@1[3/8] = r2:src@1[3/8]; signal r3:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},  // rank 2 step 5: chunk 1 piece 4: our part to rank 3; wait entry[3]; r3:inbox@1[4/8] = r2:src@1[4/8]; signal r3:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},  // rank 2 step 6: chunk 1 piece 5: our part to rank 3; wait entry[3]; r3:inbox@1[5/8] = r2:src@1[5/8]; signal r3:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},  // rank 2 step 7: chunk 1 piece 6: our part to rank 3; wait entry[3]; r3:inbox@1[6/8] = r2:src@1[6/8]; signal r3:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},  // rank 2 step 8: chunk 1 piece 7: our part to rank 3; wait entry[3]; r3:inbox@1[7/8] = r2:src@1[7/8]; signal r3:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 2 step 9: chunk 0 piece 0: partial sum + our part to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/8] = r2:inbox@0[0/8] + r2:src@0[0/8]; signal r3:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 2 step 10: chunk 0 piece 1: partial sum + our part to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/8] = r2:inbox@0[1/8] + r2:src@0[1/8]; signal r3:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 2 step 11: chunk 0 piece 2: partial sum + our part to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/8] = r2:inbox@0[2/8] + r2:src@0[2/8]; signal r3:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 2 step 12: chunk 0 piece 3: partial sum + our part to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/8] = r2:inbox@0[3/8] + r2:src@0[3/8]; signal r3:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 2 step 13: chunk 0 piece 4: partial sum + our part to rank 3; wait arrive[4], entry[3]; r3:inbox@0[4/8] = r2:inbox@0[4/8] + r2:src@0[4/8]; signal r3:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 2 step 14: chunk 0 piece 5: partial sum + our part to rank 3; wait arrive[5], entry[3]; r3:inbox@0[5/8] = r2:inbox@0[5/8] + r2:src@0[5/8]; signal r3:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 2 step 15: chunk 0 piece 6: partial sum + our part to rank 3; wait arrive[6], entry[3]; r3:inbox@0[6/8] = r2:inbox@0[6/8] + r2:src@0[6/8]; signal r3:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 2 step 16: chunk 0 piece 7: partial sum + our part to rank 3; wait arrive[7], entry[3]; r3:inbox@0[7/8] = r2:inbox@0[7/8] + r2:src@0[7/8]; signal r3:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 0}, {{2, 3, 0, 8, 3, 0}, {2, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},  // rank 2 step 17: chunk 3 piece 0: partial sum + our part to rank 3; wait arrive[24], entry[3]; r3:inbox@3[0/8] = r2:inbox@3[0/8] + r2:src@3[0/8]; signal r3:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 1}, {{2, 3, 0, 8, 3, 1}, {2, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},  // rank 2 step 18: chunk 3 piece 1: partial sum + our part to rank 3; wait arrive[25], entry[3]; r3:inbox@3[1/8] = r2:inbox@3[1/8] + r2:src@3[1/8]; signal r3:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 2}, {{2, 3, 0, 8, 3, 2}, {2, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},  // rank 2 step 19: chunk 3 piece 2: partial sum + our part to rank 3; wait arrive[26], entry[3]; r3:inbox@3[2/8] = r2:inbox@3[2/8] + r2:src@3[2/8]; signal r3:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 3}, {{2, 3, 0, 8, 3, 3}, {2, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},  // rank 2 step 20: chunk 3 piece 3: partial sum + our part to rank 3; wait arrive[27], entry[3]; r3:inbox@3[3/8] = r2:inbox@3[3/8] + r2:src@3[3/8]; signal r3:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 4}, {{2, 3, 0, 8, 3, 4}, {2, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},  // rank 2 step 21: chunk 3 piece 4: partial sum + our part to rank 3; wait arrive[28], entry[3]; r3:inbox@3[4/8] = r2:inbox@3[4/8] + r2:src@3[4/8]; signal r3:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 5}, {{2, 3, 0, 8, 3, 5}, {2, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},  // rank 2 step 22: chunk 3 piece 5: partial sum + our part to rank 3; wait arrive[29], entry[3]; r3:inbox@3[5/8] = r2:inbox@3[5/8] + r2:src@3[5/8]; signal r3:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 6}, {{2, 3, 0, 8, 3, 6}, {2, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},  // rank 2 step 23: chunk 3 piece 6: partial sum + our part to rank 3; wait arrive[30], entry[3]; r3:inbox@3[6/8] = r2:inbox@3[6/8] + r2:src@3[6/8]; signal r3:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 7}, {{2, 3, 0, 8, 3, 7}, {2, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},  // rank 2 step 24: chunk 3 piece 7: partial sum + our part to rank 3; wait arrive[31], entry[3]; r3:inbox@3[7/8] = r2:inbox@3[7/8] + r2:src@3[7/8]; signal r3:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}}, {}},  // rank 2 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[16]; r2:dst@0[0/8] = r2:inbox@2[0/8] + r2:src@2[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}}, {}},  // rank 2 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[17]; r2:dst@0[1/8] = r2:inbox@2[1/8] + r2:src@2[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}}, {}},  // rank 2 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[18]; r2:dst@0[2/8] = r2:inbox@2[2/8] + r2:src@2[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}}, {}},  // rank 2 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[19]; r2:dst@0[3/8] = r2:inbox@2[3/8] + r2:src@2[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}}, {}},  // rank 2 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[20]; r2:dst@0[4/8] = r2:inbox@2[4/8] + r2:src@2[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}}, {}},  // rank 2 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[21]; r2:dst@0[5/8] = r2:inbox@2[5/8] + r2:src@2[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}}, {}},  // rank 2 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[22]; r2:dst@0[6/8] = r2:inbox@2[6/8] + r2:src@2[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}}, {}},  // rank 2 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[23]; r2:dst@0[7/8] = r2:inbox@2[7/8] + r2:src@2[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 3 step 1: chunk 2 piece 0: our part to rank 0; wait entry[0]; r0:inbox@2[0/8] = r3:src@2[0/8]; signal r0:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 3 step 2: chunk 2 piece 1: our part to rank 0; wait entry[0]; r0:inbox@2[1/8] = r3:src@2[1/8]; signal r0:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 3 step 3: chunk 2 piece 2: our part to rank 0; wait entry[0]; r0:inbox@2[2/8] = r3:src@2[2/8]; signal r0:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 3 step 4: chunk 2 piece 3: our part to rank 0; wait entry[0]; r0:inbox@2[3/8] = r3:src@2[3/8]; signal r0:arrive[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 3 step 5: chunk 2 piece 4: our part to rank 0; wait entry[0]; r0:inbox@2[4/8] = r3:src@2[4/8]; signal r0:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 3 step 6: chunk 2 piece 5: our part to rank 0; wait entry[0]; r0:inbox@2[5/8] = r3:src@2[5/8]; signal r0:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 3 step 7: chunk 2 piece 6: our part to rank 0; wait entry[0]; r0:inbox@2[6/8] = r3:src@2[6/8]; signal r0:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 2, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 3 step 8: chunk 2 piece 7: our part to rank 0; wait entry[0]; r0:inbox@2[7/8] = r3:src@2[7/8]; signal r0:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 0}, {{3, 3, 0, 8, 1, 0}, {3, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 3 step 9: chunk 1 piece 0: partial sum + our part to rank 0; wait arrive[8], entry[0]; r0:inbox@1[0/8] = r3:inbox@1[0/8] + r3:src@1[0/8]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 1}, {{3, 3, 0, 8, 1, 1}, {3, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 3 step 10: chunk 1 piece 1: partial sum + our part to rank 0; wait arrive[9], entry[0]; r0:inbox@1[1/8] = r3:inbox@1[1/8] + r3:src@1[1/8]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 2}, {{3, 3, 0, 8, 1, 2}, {3, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 3 step 11: chunk 1 piece 2: partial sum + our part to rank 0; wait arrive[10], entry[0]; r0:inbox@1[2/8] = r3:inbox@1[2/8] + r3:src@1[2/8]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 3}, {{3, 3, 0, 8, 1, 3}, {3, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 3 step 12: chunk 1 piece 3: partial sum + our part to rank 0; wait arrive[11], entry[0]; r0:inbox@1[3/8] = r3:inbox@1[3/8] + r3:src@1[3/8]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 4}, {{3, 3, 0, 8, 1, 4}, {3, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 3 step 13: chunk 1 piece 4: partial sum + our part to rank 0; wait arrive[12], entry[0]; r0:inbox@1[4/8] = r3:inbox@1[4/8] + r3:src@1[4/8]; signal r0:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 5}, {{3, 3, 0, 8, 1, 5}, {3, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 3 step 14: chunk 1 piece 5: partial sum + our part to rank 0; wait arrive[13], entry[0]; r0:inbox@1[5/8] = r3:inbox@1[5/8] + r3:src@1[5/8]; signal r0:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 6}, {{3, 3, 0, 8, 1, 6}, {3, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 3 step 15: chunk 1 piece 6: partial sum + our part to rank 0; wait arrive[14], entry[0]; r0:inbox@1[6/8] = r3:inbox@1[6/8] + r3:src@1[6/8]; signal r0:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 7}, {{3, 3, 0, 8, 1, 7}, {3, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 3 step 16: chunk 1 piece 7: partial sum + our part to rank 0; wait arrive[15], entry[0]; r0:inbox@1[7/8] = r3:inbox@1[7/8] + r3:src@1[7/8]; signal r0:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 0}, {{3, 3, 0, 8, 0, 0}, {3, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},  // rank 3 step 17: chunk 0 piece 0: partial sum + our part to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/8] = r3:inbox@0[0/8] + r3:src@0[0/8]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 1}, {{3, 3, 0, 8, 0, 1}, {3, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},  // rank 3 step 18: chunk 0 piece 1: partial sum + our part to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/8] = r3:inbox@0[1/8] + r3:src@0[1/8]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 2}, {{3, 3, 0, 8, 0, 2}, {3, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},  // rank 3 step 19: chunk 0 piece 2: partial sum + our part to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/8] = r3:inbox@0[2/8] + r3:src@0[2/8]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 3}, {{3, 3, 0, 8, 0, 3}, {3, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},  // rank 3 step 20: chunk 0 piece 3: partial sum + our part to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/8] = r3:inbox@0[3/8] + r3:src@0[3/8]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 4}, {{3, 3, 0, 8, 0, 4}, {3, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 3 step 21: chunk 0 piece 4: partial sum + our part to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/8] = r3:inbox@0[4/8] + r3:src@0[4/8]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 5}, {{3, 3, 0, 8, 0, 5}, {3, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 3 step 22: chunk 0 piece 5: partial sum + our part to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/8] = r3:inbox@0[5/8] + r3:src@0[5/8]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 6}, {{3, 3, 0, 8, 0, 6}, {3, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 3 step 23: chunk 0 piece 6: partial sum + our part to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/8] = r3:inbox@0[6/8] + r3:src@0[6/8]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 7}, {{3, 3, 0, 8, 0, 7}, {3, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 3 step 24: chunk 0 piece 7: partial sum + our part to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/8] = r3:inbox@0[7/8] + r3:src@0[7/8]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 3, 0, 8, 3, 0}, {3, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}}, {}},  // rank 3 step 25: our chunk, piece 0: last partial sum + our part; wait arrive[24]; r3:dst@0[0/8] = r3:inbox@3[0/8] + r3:src@3[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 3, 0, 8, 3, 1}, {3, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}}, {}},  // rank 3 step 26: our chunk, piece 1: last partial sum + our part; wait arrive[25]; r3:dst@0[1/8] = r3:inbox@3[1/8] + r3:src@3[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 3, 0, 8, 3, 2}, {3, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}}, {}},  // rank 3 step 27: our chunk, piece 2: last partial sum + our part; wait arrive[26]; r3:dst@0[2/8] = r3:inbox@3[2/8] + r3:src@3[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 3, 0, 8, 3, 3}, {3, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}}, {}},  // rank 3 step 28: our chunk, piece 3: last partial sum + our part; wait arrive[27]; r3:dst@0[3/8] = r3:inbox@3[3/8] + r3:src@3[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 3, 0, 8, 3, 4}, {3, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}}, {}},  // rank 3 step 29: our chunk, piece 4: last partial sum + our part; wait arrive[28]; r3:dst@0[4/8] = r3:inbox@3[4/8] + r3:src@3[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 3, 0, 8, 3, 5}, {3, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}}, {}},  // rank 3 step 30: our chunk, piece 5: last partial sum + our part; wait arrive[29]; r3:dst@0[5/8] = r3:inbox@3[5/8] + r3:src@3[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 3, 0, 8, 3, 6}, {3, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}}, {}},  // rank 3 step 31: our chunk, piece 6: last partial sum + our part; wait arrive[30]; r3:dst@0[6/8] = r3:inbox@3[6/8] + r3:src@3[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 3, 0, 8, 3, 7}, {3, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}}, {}},  // rank 3 step 32: our chunk, piece 7: last partial sum + our part; wait arrive[31]; r3:dst@0[7/8] = r3:inbox@3[7/8] + r3:src@3[7/8]; 64 blocks
 };
 static __device__ const int step_base_w4[4] = { 0, 33, 66, 99 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w4[] = {
-    // rank 0: shares 0..2047
-    {25, 63, 64, 8, 1, 0}, {1, 0, 64, 24, 1, 0}, {1, 1, 64, 24, 1, 0}, {1, 2, 64, 24, 1, 0},
-    {1, 3, 64, 24, 1, 0}, {1, 4, 64, 24, 1, 0}, {1, 5, 64, 24, 1, 0}, {1, 6, 64, 24, 1, 0},
-    {1, 7, 64, 24, 1, 0}, {1, 8, 64, 24, 1, 0}, {1, 9, 64, 24, 1, 0}, {1, 10, 64, 24, 1, 0},
-    {1, 11, 64, 24, 1, 0}, {1, 12, 64, 24, 1, 0}, {1, 13, 64, 24, 1, 0}, {1, 14, 64, 24, 1, 0},
-    {1, 15, 64, 24, 1, 0}, {1, 16, 64, 24, 1, 0}, {1, 17, 64, 24, 1, 0}, {1, 18, 64, 24, 1, 0},
-    {1, 19, 64, 24, 1, 0}, {1, 20, 64, 24, 1, 0}, {1, 21, 64, 24, 1, 0}, {1, 22, 64, 24, 1, 0},
-    {1, 23, 64, 24, 1, 0}, {1, 24, 64, 24, 1, 0}, {1, 25, 64, 24, 1, 0}, {1, 26, 64, 24, 1, 0},
-    {1, 27, 64, 24, 1, 0}, {1, 28, 64, 24, 1, 0}, {1, 29, 64, 24, 1, 0}, {1, 30, 64, 24, 1, 0},
-    {1, 31, 64, 24, 1, 0}, {1, 32, 64, 24, 1, 0}, {1, 33, 64, 24, 1, 0}, {1, 34, 64, 24, 1, 0},
-    {1, 35, 64, 24, 1, 0}, {1, 36, 64, 24, 1, 0}, {1, 37, 64, 24, 1, 0}, {1, 38, 64, 24, 1, 0},
-    {1, 39, 64, 24, 1, 0}, {1, 40, 64, 24, 1, 0}, {1, 41, 64, 24, 1, 0}, {1, 42, 64, 24, 1, 0},
-    {1, 43, 64, 24, 1, 0}, {1, 44, 64, 24, 1, 0}, {1, 45, 64, 24, 1, 0}, {1, 46, 64, 24, 1, 0},
-    {1, 47, 64, 24, 1, 0}, {1, 48, 64, 24, 1, 0}, {1, 49, 64, 24, 1, 0}, {1, 50, 64, 24, 1, 0},
-    {1, 51, 64, 24, 1, 0}, {1, 52, 64, 24, 1, 0}, {1, 53, 64, 24, 1, 0}, {1, 54, 64, 24, 1, 0},
-    {1, 55, 64, 24, 1, 0}, {1, 56, 64, 24, 1, 0}, {1, 57, 64, 24, 1, 0}, {1, 58, 64, 24, 1, 0},
-    {1, 59, 64, 24, 1, 0}, {1, 60, 64, 24, 1, 0}, {1, 61, 64, 24, 1, 0}, {1, 62, 64, 24, 1, 0},
-    {1, 63, 64, 24, 1, 0}, {25, 0, 64, 8, 1, 0}, {25, 1, 64, 8, 1, 0}, {25, 2, 64, 8, 1, 0},
-    {25, 3, 64, 8, 1, 0}, {25, 4, 64, 8, 1, 0}, {25, 5, 64, 8, 1, 0}, {25, 6, 64, 8, 1, 0},
-    {25, 7, 64, 8, 1, 0}, {25, 8, 64, 8, 1, 0}, {25, 9, 64, 8, 1, 0}, {25, 10, 64, 8, 1, 0},
-    {25, 11, 64, 8, 1, 0}, {25, 12, 64, 8, 1, 0}, {25, 13, 64, 8, 1, 0}, {25, 14, 64, 8, 1, 0},
-    {25, 15, 64, 8, 1, 0}, {25, 16, 64, 8, 1, 0}, {25, 17, 64, 8, 1, 0}, {25, 18, 64, 8, 1, 0},
-    {25, 19, 64, 8, 1, 0}, {25, 20, 64, 8, 1, 0}, {25, 21, 64, 8, 1, 0}, {25, 22, 64, 8, 1, 0},
-    {25, 23, 64, 8, 1, 0}, {25, 24, 64, 8, 1, 0}, {25, 25, 64, 8, 1, 0}, {25, 26, 64, 8, 1, 0},
-    {25, 27, 64, 8, 1, 0}, {25, 28, 64, 8, 1, 0}, {25, 29, 64, 8, 1, 0}, {25, 30, 64, 8, 1, 0},
-    {25, 31, 64, 8, 1, 0}, {25, 32, 64, 8, 1, 0}, {25, 33, 64, 8, 1, 0}, {25, 34, 64, 8, 1, 0},
-    {25, 35, 64, 8, 1, 0}, {25, 36, 64, 8, 1, 0}, {25, 37, 64, 8, 1, 0}, {25, 38, 64, 8, 1, 0},
-    {25, 39, 64, 8, 1, 0}, {25, 40, 64, 8, 1, 0}, {25, 41, 64, 8, 1, 0}, {25, 42, 64, 8, 1, 0},
-    {25, 43, 64, 8, 1, 0}, {25, 44, 64, 8, 1, 0}, {25, 45, 64, 8, 1, 0}, {25, 46, 64, 8, 1, 0},
-    {25, 47, 64, 8, 1, 0}, {25, 48, 64, 8, 1, 0}, {25, 49, 64, 8, 1, 0}, {25, 50, 64, 8, 1, 0},
-    {25, 51, 64, 8, 1, 0}, {25, 52, 64, 8, 1, 0}, {25, 53, 64, 8, 1, 0}, {25, 54, 64, 8, 1, 0},
-    {25, 55, 64, 8, 1, 0}, {25, 56, 64, 8, 1, 0}, {25, 57, 64, 8, 1, 0}, {25, 58, 64, 8, 1, 0},
-    {25, 59, 64, 8, 1, 0}, {25, 60, 64, 8, 1, 0}, {25, 61, 64, 8, 1, 0}, {25, 62, 64, 8, 1, 0},
-    // rank 1: shares 2048..4095
-    {25, 63, 64, 8, 1, 0}, {1, 0, 64, 24, 1, 0}, {1, 1, 64, 24, 1, 0}, {1, 2, 64, 24, 1, 0},
-    {1, 3, 64, 24, 1, 0}, {1, 4, 64, 24, 1, 0}, {1, 5, 64, 24, 1, 0}, {1, 6, 64, 24, 1, 0},
-    {1, 7, 64, 24, 1, 0}, {1, 8, 64, 24, 1, 0}, {1, 9, 64, 24, 1, 0}, {1, 10, 64, 24, 1, 0},
-    {1, 11, 64, 24, 1, 0}, {1, 12, 64, 24, 1, 0}, {1, 13, 64, 24, 1, 0}, {1, 14, 64, 24, 1, 0},
-    {1, 15, 64, 24, 1, 0}, {1, 16, 64, 24, 1, 0}, {1, 17, 64, 24, 1, 0}, {1, 18, 64, 24, 1, 0},
-    {1, 19, 64, 24, 1, 0}, {1, 20, 64, 24, 1, 0}, {1, 21, 64, 24, 1, 0}, {1, 22, 64, 24, 1, 0},
-    {1, 23, 64, 24, 1, 0}, {1, 24, 64, 24, 1, 0}, {1, 25, 64, 24, 1, 0}, {1, 26, 64, 24, 1, 0},
-    {1, 27, 64, 24, 1, 0}, {1, 28, 64, 24, 1, 0}, {1, 29, 64, 24, 1, 0}, {1, 30, 64, 24, 1, 0},
-    {1, 31, 64, 24, 1, 0}, {1, 32, 64, 24, 1, 0}, {1, 33, 64, 24, 1, 0}, {1, 34, 64, 24, 1, 0},
-    {1, 35, 64, 24, 1, 0}, {1, 36, 64, 24, 1, 0}, {1, 37, 64, 24, 1, 0}, {1, 38, 64, 24, 1, 0},
-    {1, 39, 64, 24, 1, 0}, {1, 40, 64, 24, 1, 0}, {1, 41, 64, 24, 1, 0}, {1, 42, 64, 24, 1, 0},
-    {1, 43, 64, 24, 1, 0}, {1, 44, 64, 24, 1, 0}, {1, 45, 64, 24, 1, 0}, {1, 46, 64, 24, 1, 0},
-    {1, 47, 64, 24, 1, 0}, {1, 48, 64, 24, 1, 0}, {1, 49, 64, 24, 1, 0}, {1, 50, 64, 24, 1, 0},
-    {1, 51, 64, 24, 1, 0}, {1, 52, 64, 24, 1, 0}, {1, 53, 64, 24, 1, 0}, {1, 54, 64, 24, 1, 0},
-    {1, 55, 64, 24, 1, 0}, {1, 56, 64, 24, 1, 0}, {1, 57, 64, 24, 1, 0}, {1, 58, 64, 24, 1, 0},
-    {1, 59, 64, 24, 1, 0}, {1, 60, 64, 24, 1, 0}, {1, 61, 64, 24, 1, 0}, {1, 62, 64, 24, 1, 0},
-    {1, 63, 64, 24, 1, 0}, {25, 0, 64, 8, 1, 0}, {25, 1, 64, 8, 1, 0}, {25, 2, 64, 8, 1, 0},
-    {25, 3, 64, 8, 1, 0}, {25, 4, 64, 8, 1, 0}, {25, 5, 64, 8, 1, 0}, {25, 6, 64, 8, 1, 0},
-    {25, 7, 64, 8, 1, 0}, {25, 8, 64, 8, 1, 0}, {25, 9, 64, 8, 1, 0}, {25, 10, 64, 8, 1, 0},
-    {25, 11, 64, 8, 1, 0}, {25, 12, 64, 8, 1, 0}, {25, 13, 64, 8, 1, 0}, {25, 14, 64, 8, 1, 0},
-    {25, 15, 64, 8, 1, 0}, {25, 16, 64, 8, 1, 0}, {25, 17, 64, 8, 1, 0}, {25, 18, 64, 8, 1, 0},
-    {25, 19, 64, 8, 1, 0}, {25, 20, 64, 8, 1, 0}, {25, 21, 64, 8, 1, 0}, {25, 22, 64, 8, 1, 0},
-    {25, 23, 64, 8, 1, 0}, {25, 24, 64, 8, 1, 0}, {25, 25, 64, 8, 1, 0}, {25, 26, 64, 8, 1, 0},
-    {25, 27, 64, 8, 1, 0}, {25, 28, 64, 8, 1, 0}, {25, 29, 64, 8, 1, 0}, {25, 30, 64, 8, 1, 0},
-    {25, 31, 64, 8, 1, 0}, {25, 32, 64, 8, 1, 0}, {25, 33, 64, 8, 1, 0}, {25, 34, 64, 8, 1, 0},
-    {25, 35, 64, 8, 1, 0}, {25, 36, 64, 8, 1, 0}, {25, 37, 64, 8, 1, 0}, {25, 38, 64, 8, 1, 0},
-    {25, 39, 64, 8, 1, 0}, {25, 40, 64, 8, 1, 0}, {25, 41, 64, 8, 1, 0}, {25, 42, 64, 8, 1, 0},
-    {25, 43, 64, 8, 1, 0}, {25, 44, 64, 8, 1, 0}, {25, 45, 64, 8, 1, 0}, {25, 46, 64, 8, 1, 0},
-    {25, 47, 64, 8, 1, 0}, {25, 48, 64, 8, 1, 0}, {25, 49, 64, 8, 1, 0}, {25, 50, 64, 8, 1, 0},
-    {25, 51, 64, 8, 1, 0}, {25, 52, 64, 8, 1, 0}, {25, 53, 64, 8, 1, 0}, {25, 54, 64, 8, 1, 0},
-    {25, 55, 64, 8, 1, 0}, {25, 56, 64, 8, 1, 0}, {25, 57, 64, 8, 1, 0}, {25, 58, 64, 8, 1, 0},
-    {25, 59, 64, 8, 1, 0}, {25, 60, 64, 8, 1, 0}, {25, 61, 64, 8, 1, 0}, {25, 62, 64, 8, 1, 0},
-    // rank 2: shares 4096..6143
-    {25, 63, 64, 8, 1, 0}, {1, 0, 64, 24, 1, 0}, {1, 1, 64, 24, 1, 0}, {1, 2, 64, 24, 1, 0},
-    {1, 3, 64, 24, 1, 0}, {1, 4, 64, 24, 1, 0}, {1, 5, 64, 24, 1, 0}, {1, 6, 64, 24, 1, 0},
-    {1, 7, 64, 24, 1, 0}, {1, 8, 64, 24, 1, 0}, {1, 9, 64, 24, 1, 0}, {1, 10, 64, 24, 1, 0},
-    {1, 11, 64, 24, 1, 0}, {1, 12, 64, 24, 1, 0}, {1, 13, 64, 24, 1, 0}, {1, 14, 64, 24, 1, 0},
-    {1, 15, 64, 24, 1, 0}, {1, 16, 64, 24, 1, 0}, {1, 17, 64, 24, 1, 0}, {1, 18, 64, 24, 1, 0},
-    {1, 19, 64, 24, 1, 0}, {1, 20, 64, 24, 1, 0}, {1, 21, 64, 24, 1, 0}, {1, 22, 64, 24, 1, 0},
-    {1, 23, 64, 24, 1, 0}, {1, 24, 64, 24, 1, 0}, {1, 25, 64, 24, 1, 0}, {1, 26, 64, 24, 1, 0},
-    {1, 27, 64, 24, 1, 0}, {1, 28, 64, 24, 1, 0}, {1, 29, 64, 24, 1, 0}, {1, 30, 64, 24, 1, 0},
-    {1, 31, 64, 24, 1, 0}, {1, 32, 64, 24, 1, 0}, {1, 33, 64, 24, 1, 0}, {1, 34, 64, 24, 1, 0},
-    {1, 35, 64, 24, 1, 0}, {1, 36, 64, 24, 1, 0}, {1, 37, 64, 24, 1, 0}, {1, 38, 64, 24, 1, 0},
-    {1, 39, 64, 24, 1, 0}, {1, 40, 64, 24, 1, 0}, {1, 41, 64, 24, 1, 0}, {1, 42, 64, 24, 1, 0},
-    {1, 43, 64, 24, 1, 0}, {1, 44, 64, 24, 1, 0}, {1, 45, 64, 24, 1, 0}, {1, 46, 64, 24, 1, 0},
-    {1, 47, 64, 24, 1, 0}, {1, 48, 64, 24, 1, 0}, {1, 49, 64, 24, 1, 0}, {1, 50, 64, 24, 1, 0},
-    {1, 51, 64, 24, 1, 0}, {1, 52, 64, 24, 1, 0}, {1, 53, 64, 24, 1, 0}, {1, 54, 64, 24, 1, 0},
-    {1, 55, 64, 24, 1, 0}, {1, 56, 64, 24, 1, 0}, {1, 57, 64, 24, 1, 0}, {1, 58, 64, 24, 1, 0},
-    {1, 59, 64, 24, 1, 0}, {1, 60, 64, 24, 1, 0}, {1, 61, 64, 24, 1, 0}, {1, 62, 64, 24, 1, 0},
-    {1, 63, 64, 24, 1, 0}, {25, 0, 64, 8, 1, 0}, {25, 1, 64, 8, 1, 0}, {25, 2, 64, 8, 1, 0},
-    {25, 3, 64, 8, 1, 0}, {25, 4, 64, 8, 1, 0}, {25, 5, 64, 8, 1, 0}, {25, 6, 64, 8, 1, 0},
-    {25, 7, 64, 8, 1, 0}, {25, 8, 64, 8, 1, 0}, {25, 9, 64, 8, 1, 0}, {25, 10, 64, 8, 1, 0},
-    {25, 11, 64, 8, 1, 0}, {25, 12, 64, 8, 1, 0}, {25, 13, 64, 8, 1, 0}, {25, 14, 64, 8, 1, 0},
-    {25, 15, 64, 8, 1, 0}, {25, 16, 64, 8, 1, 0}, {25, 17, 64, 8, 1, 0}, {25, 18, 64, 8, 1, 0},
-    {25, 19, 64, 8, 1, 0}, {25, 20, 64, 8, 1, 0}, {25, 21, 64, 8, 1, 0}, {25, 22, 64, 8, 1, 0},
-    {25, 23, 64, 8, 1, 0}, {25, 24, 64, 8, 1, 0}, {25, 25, 64, 8, 1, 0}, {25, 26, 64, 8, 1, 0},
-    {25, 27, 64, 8, 1, 0}, {25, 28, 64, 8, 1, 0}, {25, 29, 64, 8, 1, 0}, {25, 30, 64, 8, 1, 0},
-    {25, 31, 64, 8, 1, 0}, {25, 32, 64, 8, 1, 0}, {25, 33, 64, 8, 1, 0}, {25, 34, 64, 8, 1, 0},
-    {25, 35, 64, 8, 1, 0}, {25, 36, 64, 8, 1, 0}, {25, 37, 64, 8, 1, 0}, {25, 38, 64, 8, 1, 0},
-    {25, 39, 64, 8, 1, 0}, {25, 40, 64, 8, 1, 0}, {25, 41, 64, 8, 1, 0}, {25, 42, 64, 8, 1, 0},
-    {25, 43, 64, 8, 1, 0}, {25, 44, 64, 8, 1, 0}, {25, 45, 64, 8, 1, 0}, {25, 46, 64, 8, 1, 0},
-    {25, 47, 64, 8, 1, 0}, {25, 48, 64, 8, 1, 0}, {25, 49, 64, 8, 1, 0}, {25, 50, 64, 8, 1, 0},
-    {25, 51, 64, 8, 1, 0}, {25, 52, 64, 8, 1, 0}, {25, 53, 64, 8, 1, 0}, {25, 54, 64, 8, 1, 0},
-    {25, 55, 64, 8, 1, 0}, {25, 56, 64, 8, 1, 0}, {25, 57, 64, 8, 1, 0}, {25, 58, 64, 8, 1, 0},
-    {25, 59, 64, 8, 1, 0}, {25, 60, 64, 8, 1, 0}, {25, 61, 64, 8, 1, 0}, {25, 62, 64, 8, 1, 0},
-    // rank 3: shares 6144..8191
-    {25, 63, 64, 8, 1, 0}, {1, 0, 64, 24, 1, 0}, {1, 1, 64, 24, 1, 0}, {1, 2, 64, 24, 1, 0},
-    {1, 3, 64, 24, 1, 0}, {1, 4, 64, 24, 1, 0}, {1, 5, 64, 24, 1, 0}, {1, 6, 64, 24, 1, 0},
-    {1, 7, 64, 24, 1, 0}, {1, 8, 64, 24, 1, 0}, {1, 9, 64, 24, 1, 0}, {1, 10, 64, 24, 1, 0},
-    {1, 11, 64, 24, 1, 0}, {1, 12, 64, 24, 1, 0}, {1, 13, 64, 24, 1, 0}, {1, 14, 64, 24, 1, 0},
-    {1, 15, 64, 24, 1, 0}, {1, 16, 64, 24, 1, 0}, {1, 17, 64, 24, 1, 0}, {1, 18, 64, 24, 1, 0},
-    {1, 19, 64, 24, 1, 0}, {1, 20, 64, 24, 1, 0}, {1, 21, 64, 24, 1, 0}, {1, 22, 64, 24, 1, 0},
-    {1, 23, 64, 24, 1, 0}, {1, 24, 64, 24, 1, 0}, {1, 25, 64, 24, 1, 0}, {1, 26, 64, 24, 1, 0},
-    {1, 27, 64, 24, 1, 0}, {1, 28, 64, 24, 1, 0}, {1, 29, 64, 24, 1, 0}, {1, 30, 64, 24, 1, 0},
-    {1, 31, 64, 24, 1, 0}, {1, 32, 64, 24, 1, 0}, {1, 33, 64, 24, 1, 0}, {1, 34, 64, 24, 1, 0},
-    {1, 35, 64, 24, 1, 0}, {1, 36, 64, 24, 1, 0}, {1, 37, 64, 24, 1, 0}, {1, 38, 64, 24, 1, 0},
-    {1, 39, 64, 24, 1, 0}, {1, 40, 64, 24, 1, 0}, {1, 41, 64, 24, 1, 0}, {1, 42, 64, 24, 1, 0},
-    {1, 43, 64, 24, 1, 0}, {1, 44, 64, 24, 1, 0}, {1, 45, 64, 24, 1, 0}, {1, 46, 64, 24, 1, 0},
-    {1, 47, 64, 24, 1, 0}, {1, 48, 64, 24, 1, 0}, {1, 49, 64, 24, 1, 0}, {1, 50, 64, 24, 1, 0},
-    {1, 51, 64, 24, 1, 0}, {1, 52, 64, 24, 1, 0}, {1, 53, 64, 24, 1, 0}, {1, 54, 64, 24, 1, 0},
-    {1, 55, 64, 24, 1, 0}, {1, 56, 64, 24, 1, 0}, {1, 57, 64, 24, 1, 0}, {1, 58, 64, 24, 1, 0},
-    {1, 59, 64, 24, 1, 0}, {1, 60, 64, 24, 1, 0}, {1, 61, 64, 24, 1, 0}, {1, 62, 64, 24, 1, 0},
-    {1, 63, 64, 24, 1, 0}, {25, 0, 64, 8, 1, 0}, {25, 1, 64, 8, 1, 0}, {25, 2, 64, 8, 1, 0},
-    {25, 3, 64, 8, 1, 0}, {25, 4, 64, 8, 1, 0}, {25, 5, 64, 8, 1, 0}, {25, 6, 64, 8, 1, 0},
-    {25, 7, 64, 8, 1, 0}, {25, 8, 64, 8, 1, 0}, {25, 9, 64, 8, 1, 0}, {25, 10, 64, 8, 1, 0},
-    {25, 11, 64, 8, 1, 0}, {25, 12, 64, 8, 1, 0}, {25, 13, 64, 8, 1, 0}, {25, 14, 64, 8, 1, 0},
-    {25, 15, 64, 8, 1, 0}, {25, 16, 64, 8, 1, 0}, {25, 17, 64, 8, 1, 0}, {25, 18, 64, 8, 1, 0},
-    {25, 19, 64, 8, 1, 0}, {25, 20, 64, 8, 1, 0}, {25, 21, 64, 8, 1, 0}, {25, 22, 64, 8, 1, 0},
-    {25, 23, 64, 8, 1, 0}, {25, 24, 64, 8, 1, 0}, {25, 25, 64, 8, 1, 0}, {25, 26, 64, 8, 1, 0},
-    {25, 27, 64, 8, 1, 0}, {25, 28, 64, 8, 1, 0}, {25, 29, 64, 8, 1, 0}, {25, 30, 64, 8, 1, 0},
-    {25, 31, 64, 8, 1, 0}, {25, 32, 64, 8, 1, 0}, {25, 33, 64, 8, 1, 0}, {25, 34, 64, 8, 1, 0},
-    {25, 35, 64, 8, 1, 0}, {25, 36, 64, 8, 1, 0}, {25, 37, 64, 8, 1, 0}, {25, 38, 64, 8, 1, 0},
-    {25, 39, 64, 8, 1, 0}, {25, 40, 64, 8, 1, 0}, {25, 41, 64, 8, 1, 0}, {25, 42, 64, 8, 1, 0},
-    {25, 43, 64, 8, 1, 0}, {25, 44, 64, 8, 1, 0}, {25, 45, 64, 8, 1, 0}, {25, 46, 64, 8, 1, 0},
-    {25, 47, 64, 8, 1, 0}, {25, 48, 64, 8, 1, 0}, {25, 49, 64, 8, 1, 0}, {25, 50, 64, 8, 1, 0},
-    {25, 51, 64, 8, 1, 0}, {25, 52, 64, 8, 1, 0}, {25, 53, 64, 8, 1, 0}, {25, 54, 64, 8, 1, 0},
-    {25, 55, 64, 8, 1, 0}, {25, 56, 64, 8, 1, 0}, {25, 57, 64, 8, 1, 0}, {25, 58, 64, 8, 1, 0},
-    {25, 59, 64, 8, 1, 0}, {25, 60, 64, 8, 1, 0}, {25, 61, 64, 8, 1, 0}, {25, 62, 64, 8, 1, 0},
+    {25, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 24, 1, 0, 64, 0, 1}, {25, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 0: shares 0..2047
+    {25, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 24, 1, 0, 64, 0, 1}, {25, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 1: shares 2048..4095
+    {25, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 24, 1, 0, 64, 0, 1}, {25, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 2: shares 4096..6143
+    {25, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 24, 1, 0, 64, 0, 1}, {25, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 3: shares 6144..8191
 };
-static __device__ const tsgen::share_table<8192> shares_w4 =
-    tsgen::expand_shares<8192>(share_runs_w4);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w4[4][129] = {
+static __device__ const tsgen::share_table<8192> shares_w4 = tsgen::expand_shares<8192>(share_runs_w4);
+static __device__ const uint16_t first_w4[4][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 8, 32, 56, 80, 104, 128, 152, 176, 200, 224, 248, 272, 296, 320, 344, 368, 392, 416, 440, 464, 488, 512, 536, 560, 584, 608, 632, 656, 680, 704, 728, 752, 776, 800, 824, 848, 872, 896, 920, 944, 968, 992, 1016, 1040, 1064, 1088, 1112, 1136, 1160, 1184, 1208, 1232, 1256, 1280, 1304, 1328, 1352, 1376, 1400, 1424, 1448, 1472, 1496, 1520, 1544, 1552, 1560, 1568, 1576, 1584, 1592, 1600, 1608, 1616, 1624, 1632, 1640, 1648, 1656, 1664, 1672, 1680, 1688, 1696, 1704, 1712, 1720, 1728, 1736, 1744, 1752, 1760, 1768, 1776, 1784, 1792, 1800, 1808, 1816, 1824, 1832, 1840, 1848, 1856, 1864, 1872, 1880, 1888, 1896, 1904, 1912, 1920, 1928, 1936, 1944, 1952, 1960, 1968, 1976, 1984, 1992, 2000, 2008, 2016, 2024, 2032, 2040, 2048 },
     { 2048, 2056, 2080, 2104, 2128, 2152, 2176, 2200, 2224, 2248, 2272, 2296, 2320, 2344, 2368, 2392, 2416, 2440, 2464, 2488, 2512, 2536, 2560, 2584, 2608, 2632, 2656, 2680, 2704, 2728, 2752, 2776, 2800, 2824, 2848, 2872, 2896, 2920, 2944, 2968, 2992, 3016, 3040, 3064, 3088, 3112, 3136, 3160, 3184, 3208, 3232, 3256, 3280, 3304, 3328, 3352, 3376, 3400, 3424, 3448, 3472, 3496, 3520, 3544, 3568, 3592, 3600, 3608, 3616, 3624, 3632, 3640, 3648, 3656, 3664, 3672, 3680, 3688, 3696, 3704, 3712, 3720, 3728, 3736, 3744, 3752, 3760, 3768, 3776, 3784, 3792, 3800, 3808, 3816, 3824, 3832, 3840, 3848, 3856, 3864, 3872, 3880, 3888, 3896, 3904, 3912, 3920, 3928, 3936, 3944, 3952, 3960, 3968, 3976, 3984, 3992, 4000, 4008, 4016, 4024, 4032, 4040, 4048, 4056, 4064, 4072, 4080, 4088, 4096 },
     { 4096, 4104, 4128, 4152, 4176, 4200, 4224, 4248, 4272, 4296, 4320, 4344, 4368, 4392, 4416, 4440, 4464, 4488, 4512, 4536, 4560, 4584, 4608, 4632, 4656, 4680, 4704, 4728, 4752, 4776, 4800, 4824, 4848, 4872, 4896, 4920, 4944, 4968, 4992, 5016, 5040, 5064, 5088, 5112, 5136, 5160, 5184, 5208, 5232, 5256, 5280, 5304, 5328, 5352, 5376, 5400, 5424, 5448, 5472, 5496, 5520, 5544, 5568, 5592, 5616, 5640, 5648, 5656, 5664, 5672, 5680, 5688, 5696, 5704, 5712, 5720, 5728, 5736, 5744, 5752, 5760, 5768, 5776, 5784, 5792, 5800, 5808, 5816, 5824, 5832, 5840, 5848, 5856, 5864, 5872, 5880, 5888, 5896, 5904, 5912, 5920, 5928, 5936, 5944, 5952, 5960, 5968, 5976, 5984, 5992, 6000, 6008, 6016, 6024, 6032, 6040, 6048, 6056, 6064, 6072, 6080, 6088, 6096, 6104, 6112, 6120, 6128, 6136, 6144 },
     { 6144, 6152, 6176, 6200, 6224, 6248, 6272, 6296, 6320, 6344, 6368, 6392, 6416, 6440, 6464, 6488, 6512, 6536, 6560, 6584, 6608, 6632, 6656, 6680, 6704, 6728, 6752, 6776, 6800, 6824, 6848, 6872, 6896, 6920, 6944, 6968, 6992, 7016, 7040, 7064, 7088, 7112, 7136, 7160, 7184, 7208, 7232, 7256, 7280, 7304, 7328, 7352, 7376, 7400, 7424, 7448, 7472, 7496, 7520, 7544, 7568, 7592, 7616, 7640, 7664, 7688, 7696, 7704, 7712, 7720, 7728, 7736, 7744, 7752, 7760, 7768, 7776, 7784, 7792, 7800, 7808, 7816, 7824, 7832, 7840, 7848, 7856, 7864, 7872, 7880, 7888, 7896, 7904, 7912, 7920, 7928, 7936, 7944, 7952, 7960, 7968, 7976, 7984, 7992, 8000, 8008, 8016, 8024, 8032, 8040, 8048, 8056, 8064, 8072, 8080, 8088, 8096, 8104, 8112, 8120, 8128, 8136, 8144, 8152, 8160, 8168, 8176, 8184, 8192 },
 };
 
-// ---------------------------------------------------------------------------
-// Plan for world size 8: 520 steps, 32768 block shares over 128 blocks.
-// Verified on the CPU by `tsgen verify` (the same tables, many interleavings).
-// ---------------------------------------------------------------------------
+// Plan for world size 8: 520 steps, 32768 block shares over 128 blocks; verified on the CPU by `tsgen verify`.
 static __device__ const tsgen::step steps_w8[] = {
-    // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 4, 0}}},
-    // rank 0 step 1: chunk 7 piece 0: our part to rank 1; wait entry[1]; r1:inbox@7[0/8] = r0:src@7[0/8]; signal r1:arrive[56]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 0}, {{0, 1, 1, 8, 7, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 56}}},
-    // rank 0 step 2: chunk 7 piece 1: our part to rank 1; wait entry[1]; r1:inbox@7[1/8] = r0:src@7[1/8]; signal r1:arrive[57]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 1}, {{0, 1, 1, 8, 7, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 57}}},
-    // rank 0 step 3: chunk 7 piece 2: our part to rank 1; wait entry[1]; r1:inbox@7[2/8] = r0:src@7[2/8]; signal r1:arrive[58]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 2}, {{0, 1, 1, 8, 7, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 58}}},
-    // rank 0 step 4: chunk 7 piece 3: our part to rank 1; wait entry[1]; r1:inbox@7[3/8] = r0:src@7[3/8]; signal r1:arrive[59]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 3}, {{0, 1, 1, 8, 7, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 59}}},
-    // rank 0 step 5: chunk 7 piece 4: our part to rank 1; wait entry[1]; r1:inbox@7[4/8] = r0:src@7[4/8]; signal r1:arrive[60]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 4}, {{0, 1, 1, 8, 7, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 60}}},
-    // rank 0 step 6: chunk 7 piece 5: our part to rank 1; wait entry[1]; r1:inbox@7[5/8] = r0:src@7[5/8]; signal r1:arrive[61]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 5}, {{0, 1, 1, 8, 7, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 61}}},
-    // rank 0 step 7: chunk 7 piece 6: our part to rank 1; wait entry[1]; r1:inbox@7[6/8] = r0:src@7[6/8]; signal r1:arrive[62]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 6}, {{0, 1, 1, 8, 7, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 62}}},
-    // rank 0 step 8: chunk 7 piece 7: our part to rank 1; wait entry[1]; r1:inbox@7[7/8] = r0:src@7[7/8]; signal r1:arrive[63]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 7}, {{0, 1, 1, 8, 7, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 63}}},
-    // rank 0 step 9: chunk 6 piece 0: partial sum + our part to rank 1; wait arrive[48], entry[1]; r1:inbox@6[0/8] = r0:inbox@6[0/8] + r0:src@6[0/8]; signal r1:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 0}, {{0, 3, 0, 8, 6, 0}, {0, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 1, 1}}, {{1, 5, 48}}},
-    // rank 0 step 10: chunk 6 piece 1: partial sum + our part to rank 1; wait arrive[49], entry[1]; r1:inbox@6[1/8] = r0:inbox@6[1/8] + r0:src@6[1/8]; signal r1:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 1}, {{0, 3, 0, 8, 6, 1}, {0, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 1, 1}}, {{1, 5, 49}}},
-    // rank 0 step 11: chunk 6 piece 2: partial sum + our part to rank 1; wait arrive[50], entry[1]; r1:inbox@6[2/8] = r0:inbox@6[2/8] + r0:src@6[2/8]; signal r1:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 2}, {{0, 3, 0, 8, 6, 2}, {0, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 1, 1}}, {{1, 5, 50}}},
-    // rank 0 step 12: chunk 6 piece 3: partial sum + our part to rank 1; wait arrive[51], entry[1]; r1:inbox@6[3/8] = r0:inbox@6[3/8] + r0:src@6[3/8]; signal r1:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 3}, {{0, 3, 0, 8, 6, 3}, {0, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 1, 1}}, {{1, 5, 51}}},
-    // rank 0 step 13: chunk 6 piece 4: partial sum + our part to rank 1; wait arrive[52], entry[1]; r1:inbox@6[4/8] = r0:inbox@6[4/8] + r0:src@6[4/8]; signal r1:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 4}, {{0, 3, 0, 8, 6, 4}, {0, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 1, 1}}, {{1, 5, 52}}},
-    // rank 0 step 14: chunk 6 piece 5: partial sum + our part to rank 1; wait arrive[53], entry[1]; r1:inbox@6[5/8] = r0:inbox@6[5/8] + r0:src@6[5/8]; signal r1:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 5}, {{0, 3, 0, 8, 6, 5}, {0, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 1, 1}}, {{1, 5, 53}}},
-    // rank 0 step 15: chunk 6 piece 6: partial sum + our part to rank 1; wait arrive[54], entry[1]; r1:inbox@6[6/8] = r0:inbox@6[6/8] + r0:src@6[6/8]; signal r1:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 6}, {{0, 3, 0, 8, 6, 6}, {0, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 1, 1}}, {{1, 5, 54}}},
-    // rank 0 step 16: chunk 6 piece 7: partial sum + our part to rank 1; wait arrive[55], entry[1]; r1:inbox@6[7/8] = r0:inbox@6[7/8] + r0:src@6[7/8]; signal r1:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 7}, {{0, 3, 0, 8, 6, 7}, {0, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 1, 1}}, {{1, 5, 55}}},
-    // rank 0 step 17: chunk 5 piece 0: partial sum + our part to rank 1; wait arrive[40], entry[1]; r1:inbox@5[0/8] = r0:inbox@5[0/8] + r0:src@5[0/8]; signal r1:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 0}, {{0, 3, 0, 8, 5, 0}, {0, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 1, 1}}, {{1, 5, 40}}},
-    // rank 0 step 18: chunk 5 piece 1: partial sum + our part to rank 1; wait arrive[41], entry[1]; r1:inbox@5[1/8] = r0:inbox@5[1/8] + r0:src@5[1/8]; signal r1:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 1}, {{0, 3, 0, 8, 5, 1}, {0, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 1, 1}}, {{1, 5, 41}}},
-    // rank 0 step 19: chunk 5 piece 2: partial sum + our part to rank 1; wait arrive[42], entry[1]; r1:inbox@5[2/8] = r0:inbox@5[2/8] + r0:src@5[2/8]; signal r1:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 2}, {{0, 3, 0, 8, 5, 2}, {0, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 1, 1}}, {{1, 5, 42}}},
-    // rank 0 step 20: chunk 5 piece 3: partial sum + our part to rank 1; wait arrive[43], entry[1]; r1:inbox@5[3/8] = r0:inbox@5[3/8] + r0:src@5[3/8]; signal r1:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 3}, {{0, 3, 0, 8, 5, 3}, {0, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 1, 1}}, {{1, 5, 43}}},
-    // rank 0 step 21: chunk 5 piece 4: partial sum + our part to rank 1; wait arrive[44], entry[1]; r1:inbox@5[4/8] = r0:inbox@5[4/8] + r0:src@5[4/8]; signal r1:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 4}, {{0, 3, 0, 8, 5, 4}, {0, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 1, 1}}, {{1, 5, 44}}},
-    // rank 0 step 22: chunk 5 piece 5: partial sum + our part to rank 1; wait arrive[45], entry[1]; r1:inbox@5[5/8] = r0:inbox@5[5/8] + r0:src@5[5/8]; signal r1:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 5}, {{0, 3, 0, 8, 5, 5}, {0, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 1, 1}}, {{1, 5, 45}}},
-    // rank 0 step 23: chunk 5 piece 6: partial sum + our part to rank 1; wait arrive[46], entry[1]; r1:inbox@5[6/8] = r0:inbox@5[6/8] + r0:src@5[6/8]; signal r1:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 6}, {{0, 3, 0, 8, 5, 6}, {0, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 1, 1}}, {{1, 5, 46}}},
-    // rank 0 step 24: chunk 5 piece 7: partial sum + our part to rank 1; wait arrive[47], entry[1]; r1:inbox@5[7/8] = r0:inbox@5[7/8] + r0:src@5[7/8]; signal r1:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 7}, {{0, 3, 0, 8, 5, 7}, {0, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 1, 1}}, {{1, 5, 47}}},
-    // rank 0 step 25: chunk 4 piece 0: partial sum + our part to rank 1; wait arrive[32], entry[1]; r1:inbox@4[0/8] = r0:inbox@4[0/8] + r0:src@4[0/8]; signal r1:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 0}, {{0, 3, 0, 8, 4, 0}, {0, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 1, 1}}, {{1, 5, 32}}},
-    // rank 0 step 26: chunk 4 piece 1: partial sum + our part to rank 1; wait arrive[33], entry[1]; r1:inbox@4[1/8] = r0:inbox@4[1/8] + r0:src@4[1/8]; signal r1:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 1}, {{0, 3, 0, 8, 4, 1}, {0, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 1, 1}}, {{1, 5, 33}}},
-    // rank 0 step 27: chunk 4 piece 2: partial sum + our part to rank 1; wait arrive[34], entry[1]; r1:inbox@4[2/8] = r0:inbox@4[2/8] + r0:src@4[2/8]; signal r1:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 2}, {{0, 3, 0, 8, 4, 2}, {0, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 1, 1}}, {{1, 5, 34}}},
-    // rank 0 step 28: chunk 4 piece 3: partial sum + our part to rank 1; wait arrive[35], entry[1]; r1:inbox@4[3/8] = r0:inbox@4[3/8] + r0:src@4[3/8]; signal r1:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 3}, {{0, 3, 0, 8, 4, 3}, {0, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 1, 1}}, {{1, 5, 35}}},
-    // rank 0 step 29: chunk 4 piece 4: partial sum + our part to rank 1; wait arrive[36], entry[1]; r1:inbox@4[4/8] = r0:inbox@4[4/8] + r0:src@4[4/8]; signal r1:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 4}, {{0, 3, 0, 8, 4, 4}, {0, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 1, 1}}, {{1, 5, 36}}},
-    // rank 0 step 30: chunk 4 piece 5: partial sum + our part to rank 1; wait arrive[37], entry[1]; r1:inbox@4[5/8] = r0:inbox@4[5/8] + r0:src@4[5/8]; signal r1:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 5}, {{0, 3, 0, 8, 4, 5}, {0, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 1, 1}}, {{1, 5, 37}}},
-    // rank 0 step 31: chunk 4 piece 6: partial sum + our part to rank 1; wait arrive[38], entry[1]; r1:inbox@4[6/8] = r0:inbox@4[6/8] + r0:src@4[6/8]; signal r1:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 6}, {{0, 3, 0, 8, 4, 6}, {0, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 1, 1}}, {{1, 5, 38}}},
-    // rank 0 step 32: chunk 4 piece 7: partial sum + our part to rank 1; wait arrive[39], entry[1]; r1:inbox@4[7/8] = r0:inbox@4[7/8] + r0:src@4[7/8]; signal r1:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 7}, {{0, 3, 0, 8, 4, 7}, {0, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 1, 1}}, {{1, 5, 39}}},
-    // rank 0 step 33: chunk 3 piece 0: partial sum + our part to rank 1; wait arrive[24], entry[1]; r1:inbox@3[0/8] = r0:inbox@3[0/8] + r0:src@3[0/8]; signal r1:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 0}, {{0, 3, 0, 8, 3, 0}, {0, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 1, 1}}, {{1, 5, 24}}},
-    // rank 0 step 34: chunk 3 piece 1: partial sum + our part to rank 1; wait arrive[25], entry[1]; r1:inbox@3[1/8] = r0:inbox@3[1/8] + r0:src@3[1/8]; signal r1:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 1}, {{0, 3, 0, 8, 3, 1}, {0, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 1, 1}}, {{1, 5, 25}}},
-    // rank 0 step 35: chunk 3 piece 2: partial sum + our part to rank 1; wait arrive[26], entry[1]; r1:inbox@3[2/8] = r0:inbox@3[2/8] + r0:src@3[2/8]; signal r1:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 2}, {{0, 3, 0, 8, 3, 2}, {0, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 1, 1}}, {{1, 5, 26}}},
-    // rank 0 step 36: chunk 3 piece 3: partial sum + our part to rank 1; wait arrive[27], entry[1]; r1:inbox@3[3/8] = r0:inbox@3[3/8] + r0:src@3[3/8]; signal r1:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 3}, {{0, 3, 0, 8, 3, 3}, {0, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 1, 1}}, {{1, 5, 27}}},
-    // rank 0 step 37: chunk 3 piece 4: partial sum + our part to rank 1; wait arrive[28], entry[1]; r1:inbox@3[4/8] = r0:inbox@3[4/8] + r0:src@3[4/8]; signal r1:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 4}, {{0, 3, 0, 8, 3, 4}, {0, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 1, 1}}, {{1, 5, 28}}},
-    // rank 0 step 38: chunk 3 piece 5: partial sum + our part to rank 1; wait arrive[29], entry[1]; r1:inbox@3[5/8] = r0:inbox@3[5/8] + r0:src@3[5/8]; signal r1:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 5}, {{0, 3, 0, 8, 3, 5}, {0, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 1, 1}}, {{1, 5, 29}}},
-    // rank 0 step 39: chunk 3 piece 6: partial sum + our part to rank 1; wait arrive[30], entry[1]; r1:inbox@3[6/8] = r0:inbox@3[6/8] + r0:src@3[6/8]; signal r1:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 6}, {{0, 3, 0, 8, 3, 6}, {0, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 1, 1}}, {{1, 5, 30}}},
-    // rank 0 step 40: chunk 3 piece 7: partial sum + our part to rank 1; wait arrive[31], entry[1]; r1:inbox@3[7/8] = r0:inbox@3[7/8] + r0:src@3[7/8]; signal r1:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 7}, {{0, 3, 0, 8, 3, 7}, {0, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 1, 1}}, {{1, 5, 31}}},
-    // rank 0 step 41: chunk 2 piece 0: partial sum + our part to rank 1; wait arrive[16], entry[1]; r1:inbox@2[0/8] = r0:inbox@2[0/8] + r0:src@2[0/8]; signal r1:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 0}, {{0, 3, 0, 8, 2, 0}, {0, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},
-    // rank 0 step 42: chunk 2 piece 1: partial sum + our part to rank 1; wait arrive[17], entry[1]; r1:inbox@2[1/8] = r0:inbox@2[1/8] + r0:src@2[1/8]; signal r1:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 1}, {{0, 3, 0, 8, 2, 1}, {0, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},
-    // rank 0 step 43: chunk 2 piece 2: partial sum + our part to rank 1; wait arrive[18], entry[1]; r1:inbox@2[2/8] = r0:inbox@2[2/8] + r0:src@2[2/8]; signal r1:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 2}, {{0, 3, 0, 8, 2, 2}, {0, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},
-    // rank 0 step 44: chunk 2 piece 3: partial sum + our part to rank 1; wait arrive[19], entry[1]; r1:inbox@2[3/8] = r0:inbox@2[3/8] + r0:src@2[3/8]; signal r1:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 3}, {{0, 3, 0, 8, 2, 3}, {0, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},
-    // rank 0 step 45: chunk 2 piece 4: partial sum + our part to rank 1; wait arrive[20], entry[1]; r1:inbox@2[4/8] = r0:inbox@2[4/8] + r0:src@2[4/8]; signal r1:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 4}, {{0, 3, 0, 8, 2, 4}, {0, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},
-    // rank 0 step 46: chunk 2 piece 5: partial sum + our part to rank 1; wait arrive[21], entry[1]; r1:inbox@2[5/8] = r0:inbox@2[5/8] + r0:src@2[5/8]; signal r1:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 5}, {{0, 3, 0, 8, 2, 5}, {0, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},
-    // rank 0 step 47: chunk 2 piece 6: partial sum + our part to rank 1; wait arrive[22], entry[1]; r1:inbox@2[6/8] = r0:inbox@2[6/8] + r0:src@2[6/8]; signal r1:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 6}, {{0, 3, 0, 8, 2, 6}, {0, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},
-    // rank 0 step 48: chunk 2 piece 7: partial sum + our part to rank 1; wait arrive[23], entry[1]; r1:inbox@2[7/8] = r0:inbox@2[7/8] + r0:src@2[7/8]; signal r1:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 7}, {{0, 3, 0, 8, 2, 7}, {0, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},
-    // rank 0 step 49: chunk 1 piece 0: partial sum + our part to rank 1; wait arrive[8], entry[1]; r1:inbox@1[0/8] = r0:inbox@1[0/8] + r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},
-    // rank 0 step 50: chunk 1 piece 1: partial sum + our part to rank 1; wait arrive[9], entry[1]; r1:inbox@1[1/8] = r0:inbox@1[1/8] + r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},
-    // rank 0 step 51: chunk 1 piece 2: partial sum + our part to rank 1; wait arrive[10], entry[1]; r1:inbox@1[2/8] = r0:inbox@1[2/8] + r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},
-    // rank 0 step 52: chunk 1 piece 3: partial sum + our part to rank 1; wait arrive[11], entry[1]; r1:inbox@1[3/8] = r0:inbox@1[3/8] + r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},
-    // rank 0 step 53: chunk 1 piece 4: partial sum + our part to rank 1; wait arrive[12], entry[1]; r1:inbox@1[4/8] = r0:inbox@1[4/8] + r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},
-    // rank 0 step 54: chunk 1 piece 5: partial sum + our part to rank 1; wait arrive[13], entry[1]; r1:inbox@1[5/8] = r0:inbox@1[5/8] + r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},
-    // rank 0 step 55: chunk 1 piece 6: partial sum + our part to rank 1; wait arrive[14], entry[1]; r1:inbox@1[6/8] = r0:inbox@1[6/8] + r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},
-    // rank 0 step 56: chunk 1 piece 7: partial sum + our part to rank 1; wait arrive[15], entry[1]; r1:inbox@1[7/8] = r0:inbox@1[7/8] + r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},
-    // rank 0 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},
-    // rank 0 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},
-    // rank 0 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},
-    // rank 0 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},
-    // rank 0 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},
-    // rank 0 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},
-    // rank 0 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},
-    // rank 0 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},
-    // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},
-    // rank 1 step 1: chunk 0 piece 0: our part to rank 2; wait entry[2]; r2:inbox@0[0/8] = r1:src@0[0/8]; signal r2:arrive[0]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},
-    // rank 1 step 2: chunk 0 piece 1: our part to rank 2; wait entry[2]; r2:inbox@0[1/8] = r1:src@0[1/8]; signal r2:arrive[1]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},
-    // rank 1 step 3: chunk 0 piece 2: our part to rank 2; wait entry[2]; r2:inbox@0[2/8] = r1:src@0[2/8]; signal r2:arrive[2]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},
-    // rank 1 step 4: chunk 0 piece 3: our part to rank 2; wait entry[2]; r2:inbox@0[3/8] = r1:src@0[3/8]; signal r2:arrive[3]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},
-    // rank 1 step 5: chunk 0 piece 4: our part to rank 2; wait entry[2]; r2:inbox@0[4/8] = r1:src@0[4/8]; signal r2:arrive[4]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},
-    // rank 1 step 6: chunk 0 piece 5: our part to rank 2; wait entry[2]; r2:inbox@0[5/8] = r1:src@0[5/8]; signal r2:arrive[5]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},
-    // rank 1 step 7: chunk 0 piece 6: our part to rank 2; wait entry[2]; r2:inbox@0[6/8] = r1:src@0[6/8]; signal r2:arrive[6]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},
-    // rank 1 step 8: chunk 0 piece 7: our part to rank 2; wait entry[2]; r2:inbox@0[7/8] = r1:src@0[7/8]; signal r2:arrive[7]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},
-    // rank 1 step 9: chunk 7 piece 0: partial sum + our part to rank 2; wait arrive[56], entry[2]; r2:inbox@7[0/8] = r1:inbox@7[0/8] + r1:src@7[0/8]; signal r2:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 0}, {{1, 3, 0, 8, 7, 0}, {1, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 2, 1}}, {{2, 5, 56}}},
-    // rank 1 step 10: chunk 7 piece 1: partial sum + our part to rank 2; wait arrive[57], entry[2]; r2:inbox@7[1/8] = r1:inbox@7[1/8] + r1:src@7[1/8]; signal r2:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 1}, {{1, 3, 0, 8, 7, 1}, {1, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 2, 1}}, {{2, 5, 57}}},
-    // rank 1 step 11: chunk 7 piece 2: partial sum + our part to rank 2; wait arrive[58], entry[2]; r2:inbox@7[2/8] = r1:inbox@7[2/8] + r1:src@7[2/8]; signal r2:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 2}, {{1, 3, 0, 8, 7, 2}, {1, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 2, 1}}, {{2, 5, 58}}},
-    // rank 1 step 12: chunk 7 piece 3: partial sum + our part to rank 2; wait arrive[59], entry[2]; r2:inbox@7[3/8] = r1:inbox@7[3/8] + r1:src@7[3/8]; signal r2:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 3}, {{1, 3, 0, 8, 7, 3}, {1, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 2, 1}}, {{2, 5, 59}}},
-    // rank 1 step 13: chunk 7 piece 4: partial sum + our part to rank 2; wait arrive[60], entry[2]; r2:inbox@7[4/8] = r1:inbox@7[4/8] + r1:src@7[4/8]; signal r2:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 4}, {{1, 3, 0, 8, 7, 4}, {1, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 2, 1}}, {{2, 5, 60}}},
-    // rank 1 step 14: chunk 7 piece 5: partial sum + our part to rank 2; wait arrive[61], entry[2]; r2:inbox@7[5/8] = r1:inbox@7[5/8] + r1:src@7[5/8]; signal r2:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 5}, {{1, 3, 0, 8, 7, 5}, {1, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 2, 1}}, {{2, 5, 61}}},
-    // rank 1 step 15: chunk 7 piece 6: partial sum + our part to rank 2; wait arrive[62], entry[2]; r2:inbox@7[6/8] = r1:inbox@7[6/8] + r1:src@7[6/8]; signal r2:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 6}, {{1, 3, 0, 8, 7, 6}, {1, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 2, 1}}, {{2, 5, 62}}},
-    // rank 1 step 16: chunk 7 piece 7: partial sum + our part to rank 2; wait arrive[63], entry[2]; r2:inbox@7[7/8] = r1:inbox@7[7/8] + r1:src@7[7/8]; signal r2:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 7}, {{1, 3, 0, 8, 7, 7}, {1, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 2, 1}}, {{2, 5, 63}}},
-    // rank 1 step 17: chunk 6 piece 0: partial sum + our part to rank 2; wait arrive[48], entry[2]; r2:inbox@6[0/8] = r1:inbox@6[0/8] + r1:src@6[0/8]; signal r2:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 0}, {{1, 3, 0, 8, 6, 0}, {1, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 2, 1}}, {{2, 5, 48}}},
-    // rank 1 step 18: chunk 6 piece 1: partial sum + our part to rank 2; wait arrive[49], entry[2]; r2:inbox@6[1/8] = r1:inbox@6[1/8] + r1:src@6[1/8]; signal r2:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 1}, {{1, 3, 0, 8, 6, 1}, {1, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 2, 1}}, {{2, 5, 49}}},
-    // rank 1 step 19: chunk 6 piece 2: partial sum + our part to rank 2; wait arrive[50], entry[2]; r2:inbox@6[2/8] = r1:inbox@6[2/8] + r1:src@6[2/8]; signal r2:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 2}, {{1, 3, 0, 8, 6, 2}, {1, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 2, 1}}, {{2, 5, 50}}},
-    // rank 1 step 20: chunk 6 piece 3: partial sum + our part to rank 2; wait arrive[51], entry[2]; r2:inbox@6[3/8] = r1:inbox@6[3/8] + r1:src@6[3/8]; signal r2:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 3}, {{1, 3, 0, 8, 6, 3}, {1, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 2, 1}}, {{2, 5, 51}}},
-    // rank 1 step 21: chunk 6 piece 4: partial sum + our part to rank 2; wait arrive[52], entry[2]; r2:inbox@6[4/8] = r1:inbox@6[4/8] + r1:src@6[4/8]; signal r2:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 4}, {{1, 3, 0, 8, 6, 4}, {1, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 2, 1}}, {{2, 5, 52}}},
-    // rank 1 step 22: chunk 6 piece 5: partial sum + our part to rank 2; wait arrive[53], entry[2]; r2:inbox@6[5/8] = r1:inbox@6[5/8] + r1:src@6[5/8]; signal r2:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 5}, {{1, 3, 0, 8, 6, 5}, {1, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 2, 1}}, {{2, 5, 53}}},
-    // rank 1 step 23: chunk 6 piece 6: partial sum + our part to rank 2; wait arrive[54], entry[2]; r2:inbox@6[6/8] = r1:inbox@6[6/8] + r1:src@6[6/8]; signal r2:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 6}, {{1, 3, 0, 8, 6, 6}, {1, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 2, 1}}, {{2, 5, 54}}},
-    // rank 1 step 24: chunk 6 piece 7: partial sum + our part to rank 2; wait arrive[55], entry[2]; r2:inbox@6[7/8] = r1:inbox@6[7/8] + r1:src@6[7/8]; signal r2:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 7}, {{1, 3, 0, 8, 6, 7}, {1, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 2, 1}}, {{2, 5, 55}}},
-    // rank 1 step 25: chunk 5 piece 0: partial sum + our part to rank 2; wait arrive[40], entry[2]; r2:inbox@5[0/8] = r1:inbox@5[0/8] + r1:src@5[0/8]; signal r2:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 0}, {{1, 3, 0, 8, 5, 0}, {1, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 2, 1}}, {{2, 5, 40}}},
-    // rank 1 step 26: chunk 5 piece 1: partial sum + our part to rank 2; wait arrive[41], entry[2]; r2:inbox@5[1/8] = r1:inbox@5[1/8] + r1:src@5[1/8]; signal r2:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 1}, {{1, 3, 0, 8, 5, 1}, {1, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 2, 1}}, {{2, 5, 41}}},
-    // rank 1 step 27: chunk 5 piece 2: partial sum + our part to rank 2; wait arrive[42], entry[2]; r2:inbox@5[2/8] = r1:inbox@5[2/8] + r1:src@5[2/8]; signal r2:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 2}, {{1, 3, 0, 8, 5, 2}, {1, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 2, 1}}, {{2, 5, 42}}},
-    // rank 1 step 28: chunk 5 piece 3: partial sum + our part to rank 2; wait arrive[43], entry[2]; r2:inbox@5[3/8] = r1:inbox@5[3/8] + r1:src@5[3/8]; signal r2:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 3}, {{1, 3, 0, 8, 5, 3}, {1, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 2, 1}}, {{2, 5, 43}}},
-    // rank 1 step 29: chunk 5 piece 4: partial sum + our part to rank 2; wait arrive[44], entry[2]; r2:inbox@5[4/8] = r1:inbox@5[4/8] + r1:src@5[4/8]; signal r2:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 4}, {{1, 3, 0, 8, 5, 4}, {1, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 2, 1}}, {{2, 5, 44}}},
-    // rank 1 step 30: chunk 5 piece 5: partial sum + our part to rank 2; wait arrive[45], entry[2]; r2:inbox@5[5/8] = r1:inbox@5[5/8] + r1:src@5[5/8]; signal r2:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 5}, {{1, 3, 0, 8, 5, 5}, {1, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 2, 1}}, {{2, 5, 45}}},
-    // rank 1 step 31: chunk 5 piece 6: partial sum + our part to rank 2; wait arrive[46], entry[2]; r2:inbox@5[6/8] = r1:inbox@5[6/8] + r1:src@5[6/8]; signal r2:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 6}, {{1, 3, 0, 8, 5, 6}, {1, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 2, 1}}, {{2, 5, 46}}},
-    // rank 1 step 32: chunk 5 piece 7: partial sum + our part to rank 2; wait arrive[47], entry[2]; r2:inbox@5[7/8] = r1:inbox@5[7/8] + r1:src@5[7/8]; signal r2:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 7}, {{1, 3, 0, 8, 5, 7}, {1, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 2, 1}}, {{2, 5, 47}}},
-    // rank 1 step 33: chunk 4 piece 0: partial sum + our part to rank 2; wait arrive[32], entry[2]; r2:inbox@4[0/8] = r1:inbox@4[0/8] + r1:src@4[0/8]; signal r2:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 0}, {{1, 3, 0, 8, 4, 0}, {1, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 2, 1}}, {{2, 5, 32}}},
-    // rank 1 step 34: chunk 4 piece 1: partial sum + our part to rank 2; wait arrive[33], entry[2]; r2:inbox@4[1/8] = r1:inbox@4[1/8] + r1:src@4[1/8]; signal r2:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 1}, {{1, 3, 0, 8, 4, 1}, {1, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 2, 1}}, {{2, 5, 33}}},
-    // rank 1 step 35: chunk 4 piece 2: partial sum + our part to rank 2; wait arrive[34], entry[2]; r2:inbox@4[2/8] = r1:inbox@4[2/8] + r1:src@4[2/8]; signal r2:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 2}, {{1, 3, 0, 8, 4, 2}, {1, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 2, 1}}, {{2, 5, 34}}},
-    // rank 1 step 36: chunk 4 piece 3: partial sum + our part to rank 2; wait arrive[35], entry[2]; r2:inbox@4[3/8] = r1:inbox@4[3/8] + r1:src@4[3/8]; signal r2:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 3}, {{1, 3, 0, 8, 4, 3}, {1, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 2, 1}}, {{2, 5, 35}}},
-    // rank 1 step 37: chunk 4 piece 4: partial sum + our part to rank 2; wait arrive[36], entry[2]; r2:inbox@4[4/8] = r1:inbox@4[4/8] + r1:src@4[4/8]; signal r2:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 4}, {{1, 3, 0, 8, 4, 4}, {1, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 2, 1}}, {{2, 5, 36}}},
-    // rank 1 step 38: chunk 4 piece 5: partial sum + our part to rank 2; wait arrive[37], entry[2]; r2:inbox@4[5/8] = r1:inbox@4[5/8] + r1:src@4[5/8]; signal r2:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 5}, {{1, 3, 0, 8, 4, 5}, {1, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 2, 1}}, {{2, 5, 37}}},
-    // rank 1 step 39: chunk 4 piece 6: partial sum + our part to rank 2; wait arrive[38], entry[2]; r2:inbox@4[6/8] = r1:inbox@4[6/8] + r1:src@4[6/8]; signal r2:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 6}, {{1, 3, 0, 8, 4, 6}, {1, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 2, 1}}, {{2, 5, 38}}},
-    // rank 1 step 40: chunk 4 piece 7: partial sum + our part to rank 2; wait arrive[39], entry[2]; r2:inbox@4[7/8] = r1:inbox@4[7/8] + r1:src@4[7/8]; signal r2:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 7}, {{1, 3, 0, 8, 4, 7}, {1, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 2, 1}}, {{2, 5, 39}}},
-    // rank 1 step 41: chunk 3 piece 0: partial sum + our part to rank 2; wait arrive[24], entry[2]; r2:inbox@3[0/8] = r1:inbox@3[0/8] + r1:src@3[0/8]; signal r2:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 0}, {{1, 3, 0, 8, 3, 0}, {1, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},
-    // rank 1 step 42: chunk 3 piece 1: partial sum + our part to rank 2; wait arrive[25], entry[2]; r2:inbox@3[1/8] = r1:inbox@3[1/8] + r1:src@3[1/8]; signal r2:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 1}, {{1, 3, 0, 8, 3, 1}, {1, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},
-    // rank 1 step 43: chunk 3 piece 2: partial sum + our part to rank 2; wait arrive[26], entry[2]; r2:inbox@3[2/8] = r1:inbox@3[2/8] + r1:src@3[2/8]; signal r2:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 2}, {{1, 3, 0, 8, 3, 2}, {1, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},
-    // rank 1 step 44: chunk 3 piece 3: partial sum + our part to rank 2; wait arrive[27], entry[2]; r2:inbox@3[3/8] = r1:inbox@3[3/8] + r1:src@3[3/8]; signal r2:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 3}, {{1, 3, 0, 8, 3, 3}, {1, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},
-    // rank 1 step 45: chunk 3 piece 4: partial sum + our part to rank 2; wait arrive[28], entry[2]; r2:inbox@3[4/8] = r1:inbox@3[4/8] + r1:src@3[4/8]; signal r2:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 4}, {{1, 3, 0, 8, 3, 4}, {1, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},
-    // rank 1 step 46: chunk 3 piece 5: partial sum + our part to rank 2; wait arrive[29], entry[2]; r2:inbox@3[5/8] = r1:inbox@3[5/8] + r1:src@3[5/8]; signal r2:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 5}, {{1, 3, 0, 8, 3, 5}, {1, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},
-    // rank 1 step 47: chunk 3 piece 6: partial sum + our part to rank 2; wait arrive[30], entry[2]; r2:inbox@3[6/8] = r1:inbox@3[6/8] + r1:src@3[6/8]; signal r2:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 6}, {{1, 3, 0, 8, 3, 6}, {1, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},
-    // rank 1 step 48: chunk 3 piece 7: partial sum + our part to rank 2; wait arrive[31], entry[2]; r2:inbox@3[7/8] = r1:inbox@3[7/8] + r1:src@3[7/8]; signal r2:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 7}, {{1, 3, 0, 8, 3, 7}, {1, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},
-    // rank 1 step 49: chunk 2 piece 0: partial sum + our part to rank 2; wait arrive[16], entry[2]; r2:inbox@2[0/8] = r1:inbox@2[0/8] + r1:src@2[0/8]; signal r2:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},
-    // rank 1 step 50: chunk 2 piece 1: partial sum + our part to rank 2; wait arrive[17], entry[2]; r2:inbox@2[1/8] = r1:inbox@2[1/8] + r1:src@2[1/8]; signal r2:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},
-    // rank 1 step 51: chunk 2 piece 2: partial sum + our part to rank 2; wait arrive[18], entry[2]; r2:inbox@2[2/8] = r1:inbox@2[2/8] + r1:src@2[2/8]; signal r2:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},
-    // rank 1 step 52: chunk 2 piece 3: partial sum + our part to rank 2; wait arrive[19], entry[2]; r2:inbox@2[3/8] = r1:inbox@2[3/8] + r1:src@2[3/8]; signal r2:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},
-    // rank 1 step 53: chunk 2 piece 4: partial sum + our part to rank 2; wait arrive[20], entry[2]; r2:inbox@2[4/8] = r1:inbox@2[4/8] + r1:src@2[4/8]; signal r2:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},
-    // rank 1 step 54: chunk 2 piece 5: partial sum + our part to rank 2; wait arrive[21], entry[2]; r2:inbox@2[5/8] = r1:inbox@2[5/8] + r1:src@2[5/8]; signal r2:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},
-    // rank 1 step 55: chunk 2 piece 6: partial sum + our part to rank 2; wait arrive[22], entry[2]; r2:inbox@2[6/8] = r1:inbox@2[6/8] + r1:src@2[6/8]; signal r2:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},
-    // rank 1 step 56: chunk 2 piece 7: partial sum + our part to rank 2; wait arrive[23], entry[2]; r2:inbox@2[7/8] = r1:inbox@2[7/8] + r1:src@2[7/8]; signal r2:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},
-    // rank 1 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},
-    // rank 1 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},
-    // rank 1 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},
-    // rank 1 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},
-    // rank 1 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},
-    // rank 1 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},
-    // rank 1 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},
-    // rank 1 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},
-    // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},
-    // rank 2 step 1: chunk 1 piece 0: our part to rank 3; wait entry[3]; r3:inbox@1[0/8] = r2:src@1[0/8]; signal r3:arrive[8]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},
-    // rank 2 step 2: chunk 1 piece 1: our part to rank 3; wait entry[3]; r3:inbox@1[1/8] = r2:src@1[1/8]; signal r3:arrive[9]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},
-    // rank 2 step 3: chunk 1 piece 2: our part to rank 3; wait entry[3]; r3:inbox@1[2/8] = r2:src@1[2/8]; signal r3:arrive[10]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},
-    // rank 2 step 4: chunk 1 piece 3: our part to rank 3; wait entry[3]; r3:inbox@1[3/8] = r2:src@1[3/8]; signal r3:arrive[11]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},
-    // rank 2 step 5: chunk 1 piece 4: our part to rank 3; wait entry[3]; r3:inbox@1[4/8] = r2:src@1[4/8]; signal r3:arrive[12]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},
-    // rank 2 step 6: chunk 1 piece 5: our part to rank 3; wait entry[3]; r3:inbox@1[5/8] = r2:src@1[5/8]; signal r3:arrive[13]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},
-    // rank 2 step 7: chunk 1 piece 6: our part to rank 3; wait entry[3]; r3:inbox@1[6/8] = r2:src@1[6/8]; signal r3:arrive[14]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},
-    // rank 2 step 8: chunk 1 piece 7: our part to rank 3; wait entry[3]; r3:inbox@1[7/8] = r2:src@1[7/8]; signal r3:arrive[15]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},
-    // rank 2 step 9: chunk 0 piece 0: partial sum + our part to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/8] = r2:inbox@0[0/8] + r2:src@0[0/8]; signal r3:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},
-    // rank 2 step 10: chunk 0 piece 1: partial sum + our part to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/8] = r2:inbox@0[1/8] + r2:src@0[1/8]; signal r3:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},
-    // rank 2 step 11: chunk 0 piece 2: partial sum + our part to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/8] = r2:inbox@0[2/8] + r2:src@0[2/8]; signal r3:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},
-    // rank 2 step 12: chunk 0 piece 3: partial sum + our part to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/8] = r2:inbox@0[3/8] + r2:src@0[3/8]; signal r3:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},
-    // rank 2 step 13: chunk 0 piece 4: partial sum + our part to rank 3; wait arrive[4], entry[3]; r3:inbox@0[4/8] = r2:inbox@0[4/8] + r2:src@0[4/8]; signal r3:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 3, 1}}, {{3, 5, 4}}},
-    // rank 2 step 14: chunk 0 piece 5: partial sum + our part to rank 3; wait arrive[5], entry[3]; r3:inbox@0[5/8] = r2:inbox@0[5/8] + r2:src@0[5/8]; signal r3:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 3, 1}}, {{3, 5, 5}}},
-    // rank 2 step 15: chunk 0 piece 6: partial sum + our part to rank 3; wait arrive[6], entry[3]; r3:inbox@0[6/8] = r2:inbox@0[6/8] + r2:src@0[6/8]; signal r3:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 3, 1}}, {{3, 5, 6}}},
-    // rank 2 step 16: chunk 0 piece 7: partial sum + our part to rank 3; wait arrive[7], entry[3]; r3:inbox@0[7/8] = r2:inbox@0[7/8] + r2:src@0[7/8]; signal r3:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 3, 1}}, {{3, 5, 7}}},
-    // rank 2 step 17: chunk 7 piece 0: partial sum + our part to rank 3; wait arrive[56], entry[3]; r3:inbox@7[0/8] = r2:inbox@7[0/8] + r2:src@7[0/8]; signal r3:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 0}, {{2, 3, 0, 8, 7, 0}, {2, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 3, 1}}, {{3, 5, 56}}},
-    // rank 2 step 18: chunk 7 piece 1: partial sum + our part to rank 3; wait arrive[57], entry[3]; r3:inbox@7[1/8] = r2:inbox@7[1/8] + r2:src@7[1/8]; signal r3:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 1}, {{2, 3, 0, 8, 7, 1}, {2, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 3, 1}}, {{3, 5, 57}}},
-    // rank 2 step 19: chunk 7 piece 2: partial sum + our part to rank 3; wait arrive[58], entry[3]; r3:inbox@7[2/8] = r2:inbox@7[2/8] + r2:src@7[2/8]; signal r3:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 2}, {{2, 3, 0, 8, 7, 2}, {2, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 3, 1}}, {{3, 5, 58}}},
-    // rank 2 step 20: chunk 7 piece 3: partial sum + our part to rank 3; wait arrive[59], entry[3]; r3:inbox@7[3/8] = r2:inbox@7[3/8] + r2:src@7[3/8]; signal r3:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 3}, {{2, 3, 0, 8, 7, 3}, {2, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 3, 1}}, {{3, 5, 59}}},
-    // rank 2 step 21: chunk 7 piece 4: partial sum + our part to rank 3; wait arrive[60], entry[3]; r3:inbox@7[4/8] = r2:inbox@7[4/8] + r2:src@7[4/8]; signal r3:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 4}, {{2, 3, 0, 8, 7, 4}, {2, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 3, 1}}, {{3, 5, 60}}},
-    // rank 2 step 22: chunk 7 piece 5: partial sum + our part to rank 3; wait arrive[61], entry[3]; r3:inbox@7[5/8] = r2:inbox@7[5/8] + r2:src@7[5/8]; signal r3:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 5}, {{2, 3, 0, 8, 7, 5}, {2, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 3, 1}}, {{3, 5, 61}}},
-    // rank 2 step 23: chunk 7 piece 6: partial sum + our part to rank 3; wait arrive[62], entry[3]; r3:inbox@7[6/8] = r2:inbox@7[6/8] + r2:src@7[6/8]; signal r3:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 6}, {{2, 3, 0, 8, 7, 6}, {2, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 3, 1}}, {{3, 5, 62}}},
-    // rank 2 step 24: chunk 7 piece 7: partial sum + our part to rank 3; wait arrive[63], entry[3]; r3:inbox@7[7/8] = r2:inbox@7[7/8] + r2:src@7[7/8]; signal r3:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 7}, {{2, 3, 0, 8, 7, 7}, {2, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 3, 1}}, {{3, 5, 63}}},
-    // rank 2 step 25: chunk 6 piece 0: partial sum + our part to rank 3; wait arrive[48], entry[3]; r3:inbox@6[0/8] = r2:inbox@6[0/8] + r2:src@6[0/8]; signal r3:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 0}, {{2, 3, 0, 8, 6, 0}, {2, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 3, 1}}, {{3, 5, 48}}},
-    // rank 2 step 26: chunk 6 piece 1: partial sum + our part to rank 3; wait arrive[49], entry[3]; r3:inbox@6[1/8] = r2:inbox@6[1/8] + r2:src@6[1/8]; signal r3:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 1}, {{2, 3, 0, 8, 6, 1}, {2, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 3, 1}}, {{3, 5, 49}}},
-    // rank 2 step 27: chunk 6 piece 2: partial sum + our part to rank 3; wait arrive[50], entry[3]; r3:inbox@6[2/8] = r2:inbox@6[2/8] + r2:src@6[2/8]; signal r3:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 2}, {{2, 3, 0, 8, 6, 2}, {2, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 3, 1}}, {{3, 5, 50}}},
-    // rank 2 step 28: chunk 6 piece 3: partial sum + our part to rank 3; wait arrive[51], entry[3]; r3:inbox@6[3/8] = r2:inbox@6[3/8] + r2:src@6[3/8]; signal r3:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 3}, {{2, 3, 0, 8, 6, 3}, {2, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 3, 1}}, {{3, 5, 51}}},
-    // rank 2 step 29: chunk 6 piece 4: partial sum + our part to rank 3; wait arrive[52], entry[3]; r3:inbox@6[4/8] = r2:inbox@6[4/8] + r2:src@6[4/8]; signal r3:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 4}, {{2, 3, 0, 8, 6, 4}, {2, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 3, 1}}, {{3, 5, 52}}},
-    // rank 2 step 30: chunk 6 piece 5: partial sum + our part to rank 3; wait arrive[53], entry[3]; r3:inbox@6[5/8] = r2:inbox@6[5/8] + r2:src@6[5/8]; signal r3:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 5}, {{2, 3, 0, 8, 6, 5}, {2, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 3, 1}}, {{3, 5, 53}}},
-    // rank 2 step 31: chunk 6 piece 6: partial sum + our part to rank 3; wait arrive[54], entry[3]; r3:inbox@6[6/8] = r2:inbox@6[6/8] + r2:src@6[6/8]; signal r3:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 6}, {{2, 3, 0, 8, 6, 6}, {2, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 3, 1}}, {{3, 5, 54}}},
-    // rank 2 step 32: chunk 6 piece 7: partial sum + our part to rank 3; wait arrive[55], entry[3]; r3:inbox@6[7/8] = r2:inbox@6[7/8] + r2:src@6[7/8]; signal r3:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 7}, {{2, 3, 0, 8, 6, 7}, {2, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 3, 1}}, {{3, 5, 55}}},
-    // rank 2 step 33: chunk 5 piece 0: partial sum + our part to rank 3; wait arrive[40], entry[3]; r3:inbox@5[0/8] = r2:inbox@5[0/8] + r2:src@5[0/8]; signal r3:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 0}, {{2, 3, 0, 8, 5, 0}, {2, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 3, 1}}, {{3, 5, 40}}},
-    // rank 2 step 34: chunk 5 piece 1: partial sum + our part to rank 3; wait arrive[41], entry[3]; r3:inbox@5[1/8] = r2:inbox@5[1/8] + r2:src@5[1/8]; signal r3:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 1}, {{2, 3, 0, 8, 5, 1}, {2, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 3, 1}}, {{3, 5, 41}}},
-    // rank 2 step 35: chunk 5 piece 2: partial sum + our part to rank 3; wait arrive[42], entry[3]; r3:inbox@5[2/8] = r2:inbox@5[2/8] + r2:src@5[2/8]; signal r3:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 2}, {{2, 3, 0, 8, 5, 2}, {2, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 3, 1}}, {{3, 5, 42}}},
-    // rank 2 step 36: chunk 5 piece 3: partial sum + our part to rank 3; wait arrive[43], entry[3]; r3:inbox@5[3/8] = r2:inbox@5[3/8] + r2:src@5[3/8]; signal r3:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 3}, {{2, 3, 0, 8, 5, 3}, {2, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 3, 1}}, {{3, 5, 43}}},
-    // rank 2 step 37: chunk 5 piece 4: partial sum + our part to rank 3; wait arrive[44], entry[3]; r3:inbox@5[4/8] = r2:inbox@5[4/8] + r2:src@5[4/8]; signal r3:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 4}, {{2, 3, 0, 8, 5, 4}, {2, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 3, 1}}, {{3, 5, 44}}},
-    // rank 2 step 38: chunk 5 piece 5: partial sum + our part to rank 3; wait arrive[45], entry[3]; r3:inbox@5[5/8] = r2:inbox@5[5/8] + r2:src@5[5/8]; signal r3:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 5}, {{2, 3, 0, 8, 5, 5}, {2, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 3, 1}}, {{3, 5, 45}}},
-    // rank 2 step 39: chunk 5 piece 6: partial sum + our part to rank 3; wait arrive[46], entry[3]; r3:inbox@5[6/8] = r2:inbox@5[6/8] + r2:src@5[6/8]; signal r3:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 6}, {{2, 3, 0, 8, 5, 6}, {2, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 3, 1}}, {{3, 5, 46}}},
-    // rank 2 step 40: chunk 5 piece 7: partial sum + our part to rank 3; wait arrive[47], entry[3]; r3:inbox@5[7/8] = r2:inbox@5[7/8] + r2:src@5[7/8]; signal r3:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 7}, {{2, 3, 0, 8, 5, 7}, {2, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 3, 1}}, {{3, 5, 47}}},
-    // rank 2 step 41: chunk 4 piece 0: partial sum + our part to rank 3; wait arrive[32], entry[3]; r3:inbox@4[0/8] = r2:inbox@4[0/8] + r2:src@4[0/8]; signal r3:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 0}, {{2, 3, 0, 8, 4, 0}, {2, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 3, 1}}, {{3, 5, 32}}},
-    // rank 2 step 42: chunk 4 piece 1: partial sum + our part to rank 3; wait arrive[33], entry[3]; r3:inbox@4[1/8] = r2:inbox@4[1/8] + r2:src@4[1/8]; signal r3:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 1}, {{2, 3, 0, 8, 4, 1}, {2, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 3, 1}}, {{3, 5, 33}}},
-    // rank 2 step 43: chunk 4 piece 2: partial sum + our part to rank 3; wait arrive[34], entry[3]; r3:inbox@4[2/8] = r2:inbox@4[2/8] + r2:src@4[2/8]; signal r3:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 2}, {{2, 3, 0, 8, 4, 2}, {2, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 3, 1}}, {{3, 5, 34}}},
-    // rank 2 step 44: chunk 4 piece 3: partial sum + our part to rank 3; wait arrive[35], entry[3]; r3:inbox@4[3/8] = r2:inbox@4[3/8] + r2:src@4[3/8]; signal r3:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 3}, {{2, 3, 0, 8, 4, 3}, {2, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 3, 1}}, {{3, 5, 35}}},
-    // rank 2 step 45: chunk 4 piece 4: partial sum + our part to rank 3; wait arrive[36], entry[3]; r3:inbox@4[4/8] = r2:inbox@4[4/8] + r2:src@4[4/8]; signal r3:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 4}, {{2, 3, 0, 8, 4, 4}, {2, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 3, 1}}, {{3, 5, 36}}},
-    // rank 2 step 46: chunk 4 piece 5: partial sum + our part to rank 3; wait arrive[37], entry[3]; r3:inbox@4[5/8] = r2:inbox@4[5/8] + r2:src@4[5/8]; signal r3:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 5}, {{2, 3, 0, 8, 4, 5}, {2, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 3, 1}}, {{3, 5, 37}}},
-    // rank 2 step 47: chunk 4 piece 6: partial sum + our part to rank 3; wait arrive[38], entry[3]; r3:inbox@4[6/8] = r2:inbox@4[6/8] + r2:src@4[6/8]; signal r3:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 6}, {{2, 3, 0, 8, 4, 6}, {2, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 3, 1}}, {{3, 5, 38}}},
-    // rank 2 step 48: chunk 4 piece 7: partial sum + our part to rank 3; wait arrive[39], entry[3]; r3:inbox@4[7/8] = r2:inbox@4[7/8] + r2:src@4[7/8]; signal r3:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 7}, {{2, 3, 0, 8, 4, 7}, {2, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 3, 1}}, {{3, 5, 39}}},
-    // rank 2 step 49: chunk 3 piece 0: partial sum + our part to rank 3; wait arrive[24], entry[3]; r3:inbox@3[0/8] = r2:inbox@3[0/8] + r2:src@3[0/8]; signal r3:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 0}, {{2, 3, 0, 8, 3, 0}, {2, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},
-    // rank 2 step 50: chunk 3 piece 1: partial sum + our part to rank 3; wait arrive[25], entry[3]; r3:inbox@3[1/8] = r2:inbox@3[1/8] + r2:src@3[1/8]; signal r3:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 1}, {{2, 3, 0, 8, 3, 1}, {2, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},
-    // rank 2 step 51: chunk 3 piece 2: partial sum + our part to rank 3; wait arrive[26], entry[3]; r3:inbox@3[2/8] = r2:inbox@3[2/8] + r2:src@3[2/8]; signal r3:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 2}, {{2, 3, 0, 8, 3, 2}, {2, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},
-    // rank 2 step 52: chunk 3 piece 3: partial sum + our part to rank 3; wait arrive[27], entry[3]; r3:inbox@3[3/8] = r2:inbox@3[3/8] + r2:src@3[3/8]; signal r3:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 3}, {{2, 3, 0, 8, 3, 3}, {2, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},
-    // rank 2 step 53: chunk 3 piece 4: partial sum + our part to rank 3; wait arrive[28], entry[3]; r3:inbox@3[4/8] = r2:inbox@3[4/8] + r2:src@3[4/8]; signal r3:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 4}, {{2, 3, 0, 8, 3, 4}, {2, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},
-    // rank 2 step 54: chunk 3 piece 5: partial sum + our part to rank 3; wait arrive[29], entry[3]; r3:inbox@3[5/8] = r2:inbox@3[5/8] + r2:src@3[5/8]; signal r3:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 5}, {{2, 3, 0, 8, 3, 5}, {2, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},
-    // rank 2 step 55: chunk 3 piece 6: partial sum + our part to rank 3; wait arrive[30], entry[3]; r3:inbox@3[6/8] = r2:inbox@3[6/8] + r2:src@3[6/8]; signal r3:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 6}, {{2, 3, 0, 8, 3, 6}, {2, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},
-    // rank 2 step 56: chunk 3 piece 7: partial sum + our part to rank 3; wait arrive[31], entry[3]; r3:inbox@3[7/8] = r2:inbox@3[7/8] + r2:src@3[7/8]; signal r3:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 7}, {{2, 3, 0, 8, 3, 7}, {2, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},
-    // rank 2 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[16]; r2:dst@0[0/8] = r2:inbox@2[0/8] + r2:src@2[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}}, {}},
-    // rank 2 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[17]; r2:dst@0[1/8] = r2:inbox@2[1/8] + r2:src@2[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}}, {}},
-    // rank 2 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[18]; r2:dst@0[2/8] = r2:inbox@2[2/8] + r2:src@2[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}}, {}},
-    // rank 2 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[19]; r2:dst@0[3/8] = r2:inbox@2[3/8] + r2:src@2[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}}, {}},
-    // rank 2 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[20]; r2:dst@0[4/8] = r2:inbox@2[4/8] + r2:src@2[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}}, {}},
-    // rank 2 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[21]; r2:dst@0[5/8] = r2:inbox@2[5/8] + r2:src@2[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}}, {}},
-    // rank 2 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[22]; r2:dst@0[6/8] = r2:inbox@2[6/8] + r2:src@2[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}}, {}},
-    // rank 2 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[23]; r2:dst@0[7/8] = r2:inbox@2[7/8] + r2:src@2[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}}, {}},
-    // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},
-    // rank 3 step 1: chunk 2 piece 0: our part to rank 4; wait entry[4]; r4:inbox@2[0/8] = r3:src@2[0/8]; signal r4:arrive[16]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 16}}},
-    // rank 3 step 2: chunk 2 piece 1: our part to rank 4; wait entry[4]; r4:inbox@2[1/8] = r3:src@2[1/8]; signal r4:arrive[17]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 17}}},
-    // rank 3 step 3: chunk 2 piece 2: our part to rank 4; wait entry[4]; r4:inbox@2[2/8] = r3:src@2[2/8]; signal r4:arrive[18]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 18}}},
-    // rank 3 step 4: chunk 2 piece 3: our part to rank 4; wait entry[4]; r4:inbox@2[3/8] = r3:src@2[3/8]; signal r4:arrive[19]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 19}}},
-    // rank 3 step 5: chunk 2 piece 4: our part to rank 4; wait entry[4]; r4:inbox@2[4/8] = r3:src@2[4/8]; signal r4:arrive[20]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},
-    // rank 3 step 6: chunk 2 piece 5: our part to rank 4; wait entry[4]; r4:inbox@2[5/8] = r3:src@2[5/8]; signal r4:arrive[21]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},
-    // rank 3 step 7: chunk 2 piece 6: our part to rank 4; wait entry[4]; r4:inbox@2[6/8] = r3:src@2[6/8]; signal r4:arrive[22]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},
-    // rank 3 step 8: chunk 2 piece 7: our part to rank 4; wait entry[4]; r4:inbox@2[7/8] = r3:src@2[7/8]; signal r4:arrive[23]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},
-    // rank 3 step 9: chunk 1 piece 0: partial sum + our part to rank 4; wait arrive[8], entry[4]; r4:inbox@1[0/8] = r3:inbox@1[0/8] + r3:src@1[0/8]; signal r4:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 0}, {{3, 3, 0, 8, 1, 0}, {3, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 4, 1}}, {{4, 5, 8}}},
-    // rank 3 step 10: chunk 1 piece 1: partial sum + our part to rank 4; wait arrive[9], entry[4]; r4:inbox@1[1/8] = r3:inbox@1[1/8] + r3:src@1[1/8]; signal r4:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 1}, {{3, 3, 0, 8, 1, 1}, {3, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 4, 1}}, {{4, 5, 9}}},
-    // rank 3 step 11: chunk 1 piece 2: partial sum + our part to rank 4; wait arrive[10], entry[4]; r4:inbox@1[2/8] = r3:inbox@1[2/8] + r3:src@1[2/8]; signal r4:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 2}, {{3, 3, 0, 8, 1, 2}, {3, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 4, 1}}, {{4, 5, 10}}},
-    // rank 3 step 12: chunk 1 piece 3: partial sum + our part to rank 4; wait arrive[11], entry[4]; r4:inbox@1[3/8] = r3:inbox@1[3/8] + r3:src@1[3/8]; signal r4:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 3}, {{3, 3, 0, 8, 1, 3}, {3, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 4, 1}}, {{4, 5, 11}}},
-    // rank 3 step 13: chunk 1 piece 4: partial sum + our part to rank 4; wait arrive[12], entry[4]; r4:inbox@1[4/8] = r3:inbox@1[4/8] + r3:src@1[4/8]; signal r4:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 4}, {{3, 3, 0, 8, 1, 4}, {3, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 4, 1}}, {{4, 5, 12}}},
-    // rank 3 step 14: chunk 1 piece 5: partial sum + our part to rank 4; wait arrive[13], entry[4]; r4:inbox@1[5/8] = r3:inbox@1[5/8] + r3:src@1[5/8]; signal r4:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 5}, {{3, 3, 0, 8, 1, 5}, {3, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 4, 1}}, {{4, 5, 13}}},
-    // rank 3 step 15: chunk 1 piece 6: partial sum + our part to rank 4; wait arrive[14], entry[4]; r4:inbox@1[6/8] = r3:inbox@1[6/8] + r3:src@1[6/8]; signal r4:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 6}, {{3, 3, 0, 8, 1, 6}, {3, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 4, 1}}, {{4, 5, 14}}},
-    // rank 3 step 16: chunk 1 piece 7: partial sum + our part to rank 4; wait arrive[15], entry[4]; r4:inbox@1[7/8] = r3:inbox@1[7/8] + r3:src@1[7/8]; signal r4:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 7}, {{3, 3, 0, 8, 1, 7}, {3, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 4, 1}}, {{4, 5, 15}}},
-    // rank 3 step 17: chunk 0 piece 0: partial sum + our part to rank 4; wait arrive[0], entry[4]; r4:inbox@0[0/8] = r3:inbox@0[0/8] + r3:src@0[0/8]; signal r4:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 0}, {{3, 3, 0, 8, 0, 0}, {3, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 4, 1}}, {{4, 5, 0}}},
-    // rank 3 step 18: chunk 0 piece 1: partial sum + our part to rank 4; wait arrive[1], entry[4]; r4:inbox@0[1/8] = r3:inbox@0[1/8] + r3:src@0[1/8]; signal r4:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 1}, {{3, 3, 0, 8, 0, 1}, {3, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 4, 1}}, {{4, 5, 1}}},
-    // rank 3 step 19: chunk 0 piece 2: partial sum + our part to rank 4; wait arrive[2], entry[4]; r4:inbox@0[2/8] = r3:inbox@0[2/8] + r3:src@0[2/8]; signal r4:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 2}, {{3, 3, 0, 8, 0, 2}, {3, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 4, 1}}, {{4, 5, 2}}},
-    // rank 3 step 20: chunk 0 piece 3: partial sum + our part to rank 4; wait arrive[3], entry[4]; r4:inbox@0[3/8] = r3:inbox@0[3/8] + r3:src@0[3/8]; signal r4:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 3}, {{3, 3, 0, 8, 0, 3}, {3, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 4, 1}}, {{4, 5, 3}}},
-    // rank 3 step 21: chunk 0 piece 4: partial sum + our part to rank 4; wait arrive[4], entry[4]; r4:inbox@0[4/8] = r3:inbox@0[4/8] + r3:src@0[4/8]; signal r4:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 4}, {{3, 3, 0, 8, 0, 4}, {3, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 4, 1}}, {{4, 5, 4}}},
-    // rank 3 step 22: chunk 0 piece 5: partial sum + our part to rank 4; wait arrive[5], entry[4]; r4:inbox@0[5/8] = r3:inbox@0[5/8] + r3:src@0[5/8]; signal r4:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 5}, {{3, 3, 0, 8, 0, 5}, {3, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 4, 1}}, {{4, 5, 5}}},
-    // rank 3 step 23: chunk 0 piece 6: partial sum + our part to rank 4; wait arrive[6], entry[4]; r4:inbox@0[6/8] = r3:inbox@0[6/8] + r3:src@0[6/8]; signal r4:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 6}, {{3, 3, 0, 8, 0, 6}, {3, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 4, 1}}, {{4, 5, 6}}},
-    // rank 3 step 24: chunk 0 piece 7: partial sum + our part to rank 4; wait arrive[7], entry[4]; r4:inbox@0[7/8] = r3:inbox@0[7/8] + r3:src@0[7/8]; signal r4:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 7}, {{3, 3, 0, 8, 0, 7}, {3, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 4, 1}}, {{4, 5, 7}}},
-    // rank 3 step 25: chunk 7 piece 0: partial sum + our part to rank 4; wait arrive[56], entry[4]; r4:inbox@7[0/8] = r3:inbox@7[0/8] + r3:src@7[0/8]; signal r4:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 0}, {{3, 3, 0, 8, 7, 0}, {3, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 4, 1}}, {{4, 5, 56}}},
-    // rank 3 step 26: chunk 7 piece 1: partial sum + our part to rank 4; wait arrive[57], entry[4]; r4:inbox@7[1/8] = r3:inbox@7[1/8] + r3:src@7[1/8]; signal r4:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 1}, {{3, 3, 0, 8, 7, 1}, {3, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 4, 1}}, {{4, 5, 57}}},
-    // rank 3 step 27: chunk 7 piece 2: partial sum + our part to rank 4; wait arrive[58], entry[4]; r4:inbox@7[2/8] = r3:inbox@7[2/8] + r3:src@7[2/8]; signal r4:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 2}, {{3, 3, 0, 8, 7, 2}, {3, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 4, 1}}, {{4, 5, 58}}},
-    // rank 3 step 28: chunk 7 piece 3: partial sum + our part to rank 4; wait arrive[59], entry[4]; r4:inbox@7[3/8] = r3:inbox@7[3/8] + r3:src@7[3/8]; signal r4:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 3}, {{3, 3, 0, 8, 7, 3}, {3, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 4, 1}}, {{4, 5, 59}}},
-    // rank 3 step 29: chunk 7 piece 4: partial sum + our part to rank 4; wait arrive[60], entry[4]; r4:inbox@7[4/8] = r3:inbox@7[4/8] + r3:src@7[4/8]; signal r4:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 4}, {{3, 3, 0, 8, 7, 4}, {3, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 4, 1}}, {{4, 5, 60}}},
-    // rank 3 step 30: chunk 7 piece 5: partial sum + our part to rank 4; wait arrive[61], entry[4]; r4:inbox@7[5/8] = r3:inbox@7[5/8] + r3:src@7[5/8]; signal r4:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 5}, {{3, 3, 0, 8, 7, 5}, {3, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 4, 1}}, {{4, 5, 61}}},
-    // rank 3 step 31: chunk 7 piece 6: partial sum + our part to rank 4; wait arrive[62], entry[4]; r4:inbox@7[6/8] = r3:inbox@7[6/8] + r3:src@7[6/8]; signal r4:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 6}, {{3, 3, 0, 8, 7, 6}, {3, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 4, 1}}, {{4, 5, 62}}},
-    // rank 3 step 32: chunk 7 piece 7: partial sum + our part to rank 4; wait arrive[63], entry[4]; r4:inbox@7[7/8] = r3:inbox@7[7/8] + r3:src@7[7/8]; signal r4:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 7}, {{3, 3, 0, 8, 7, 7}, {3, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 4, 1}}, {{4, 5, 63}}},
-    // rank 3 step 33: chunk 6 piece 0: partial sum + our part to rank 4; wait arrive[48], entry[4]; r4:inbox@6[0/8] = r3:inbox@6[0/8] + r3:src@6[0/8]; signal r4:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 0}, {{3, 3, 0, 8, 6, 0}, {3, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 4, 1}}, {{4, 5, 48}}},
-    // rank 3 step 34: chunk 6 piece 1: partial sum + our part to rank 4; wait arrive[49], entry[4]; r4:inbox@6[1/8] = r3:inbox@6[1/8] + r3:src@6[1/8]; signal r4:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 1}, {{3, 3, 0, 8, 6, 1}, {3, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 4, 1}}, {{4, 5, 49}}},
-    // rank 3 step 35: chunk 6 piece 2: partial sum + our part to rank 4; wait arrive[50], entry[4]; r4:inbox@6[2/8] = r3:inbox@6[2/8] + r3:src@6[2/8]; signal r4:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 2}, {{3, 3, 0, 8, 6, 2}, {3, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 4, 1}}, {{4, 5, 50}}},
-    // rank 3 step 36: chunk 6 piece 3: partial sum + our part to rank 4; wait arrive[51], entry[4]; r4:inbox@6[3/8] = r3:inbox@6[3/8] + r3:src@6[3/8]; signal r4:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 3}, {{3, 3, 0, 8, 6, 3}, {3, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 4, 1}}, {{4, 5, 51}}},
-    // rank 3 step 37: chunk 6 piece 4: partial sum + our part to rank 4; wait arrive[52], entry[4]; r4:inbox@6[4/8] = r3:inbox@6[4/8] + r3:src@6[4/8]; signal r4:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 4}, {{3, 3, 0, 8, 6, 4}, {3, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 4, 1}}, {{4, 5, 52}}},
-    // rank 3 step 38: chunk 6 piece 5: partial sum + our part to rank 4; wait arrive[53], entry[4]; r4:inbox@6[5/8] = r3:inbox@6[5/8] + r3:src@6[5/8]; signal r4:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 5}, {{3, 3, 0, 8, 6, 5}, {3, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 4, 1}}, {{4, 5, 53}}},
-    // rank 3 step 39: chunk 6 piece 6: partial sum + our part to rank 4; wait arrive[54], entry[4]; r4:inbox@6[6/8] = r3:inbox@6[6/8] + r3:src@6[6/8]; signal r4:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 6}, {{3, 3, 0, 8, 6, 6}, {3, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 4, 1}}, {{4, 5, 54}}},
-    // rank 3 step 40: chunk 6 piece 7: partial sum + our part to rank 4; wait arrive[55], entry[4]; r4:inbox@6[7/8] = r3:inbox@6[7/8] + r3:src@6[7/8]; signal r4:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 7}, {{3, 3, 0, 8, 6, 7}, {3, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 4, 1}}, {{4, 5, 55}}},
-    // rank 3 step 41: chunk 5 piece 0: partial sum + our part to rank 4; wait arrive[40], entry[4]; r4:inbox@5[0/8] = r3:inbox@5[0/8] + r3:src@5[0/8]; signal r4:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 0}, {{3, 3, 0, 8, 5, 0}, {3, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 4, 1}}, {{4, 5, 40}}},
-    // rank 3 step 42: chunk 5 piece 1: partial sum + our part to rank 4; wait arrive[41], entry[4]; r4:inbox@5[1/8] = r3:inbox@5[1/8] + r3:src@5[1/8]; signal r4:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 1}, {{3, 3, 0, 8, 5, 1}, {3, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 4, 1}}, {{4, 5, 41}}},
-    // rank 3 step 43: chunk 5 piece 2: partial sum + our part to rank 4; wait arrive[42], entry[4]; r4:inbox@5[2/8] = r3:inbox@5[2/8] + r3:src@5[2/8]; signal r4:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 2}, {{3, 3, 0, 8, 5, 2}, {3, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 4, 1}}, {{4, 5, 42}}},
-    // rank 3 step 44: chunk 5 piece 3: partial sum + our part to rank 4; wait arrive[43], entry[4]; r4:inbox@5[3/8] = r3:inbox@5[3/8] + r3:src@5[3/8]; signal r4:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 3}, {{3, 3, 0, 8, 5, 3}, {3, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 4, 1}}, {{4, 5, 43}}},
-    // rank 3 step 45: chunk 5 piece 4: partial sum + our part to rank 4; wait arrive[44], entry[4]; r4:inbox@5[4/8] = r3:inbox@5[4/8] + r3:src@5[4/8]; signal r4:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 4}, {{3, 3, 0, 8, 5, 4}, {3, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 4, 1}}, {{4, 5, 44}}},
-    // rank 3 step 46: chunk 5 piece 5: partial sum + our part to rank 4; wait arrive[45], entry[4]; r4:inbox@5[5/8] = r3:inbox@5[5/8] + r3:src@5[5/8]; signal r4:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 5}, {{3, 3, 0, 8, 5, 5}, {3, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 4, 1}}, {{4, 5, 45}}},
-    // rank 3 step 47: chunk 5 piece 6: partial sum + our part to rank 4; wait arrive[46], entry[4]; r4:inbox@5[6/8] = r3:inbox@5[6/8] + r3:src@5[6/8]; signal r4:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 6}, {{3, 3, 0, 8, 5, 6}, {3, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 4, 1}}, {{4, 5, 46}}},
-    // rank 3 step 48: chunk 5 piece 7: partial sum + our part to rank 4; wait arrive[47], entry[4]; r4:inbox@5[7/8] = r3:inbox@5[7/8] + r3:src@5[7/8]; signal r4:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 7}, {{3, 3, 0, 8, 5, 7}, {3, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 4, 1}}, {{4, 5, 47}}},
-    // rank 3 step 49: chunk 4 piece 0: partial sum + our part to rank 4; wait arrive[32], entry[4]; r4:inbox@4[0/8] = r3:inbox@4[0/8] + r3:src@4[0/8]; signal r4:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 0}, {{3, 3, 0, 8, 4, 0}, {3, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 4, 1}}, {{4, 5, 32}}},
-    // rank 3 step 50: chunk 4 piece 1: partial sum + our part to rank 4; wait arrive[33], entry[4]; r4:inbox@4[1/8] = r3:inbox@4[1/8] + r3:src@4[1/8]; signal r4:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 1}, {{3, 3, 0, 8, 4, 1}, {3, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 4, 1}}, {{4, 5, 33}}},
-    // rank 3 step 51: chunk 4 piece 2: partial sum + our part to rank 4; wait arrive[34], entry[4]; r4:inbox@4[2/8] = r3:inbox@4[2/8] + r3:src@4[2/8]; signal r4:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 2}, {{3, 3, 0, 8, 4, 2}, {3, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 4, 1}}, {{4, 5, 34}}},
-    // rank 3 step 52: chunk 4 piece 3: partial sum + our part to rank 4; wait arrive[35], entry[4]; r4:inbox@4[3/8] = r3:inbox@4[3/8] + r3:src@4[3/8]; signal r4:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 3}, {{3, 3, 0, 8, 4, 3}, {3, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 4, 1}}, {{4, 5, 35}}},
-    // rank 3 step 53: chunk 4 piece 4: partial sum + our part to rank 4; wait arrive[36], entry[4]; r4:inbox@4[4/8] = r3:inbox@4[4/8] + r3:src@4[4/8]; signal r4:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 4}, {{3, 3, 0, 8, 4, 4}, {3, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 4, 1}}, {{4, 5, 36}}},
-    // rank 3 step 54: chunk 4 piece 5: partial sum + our part to rank 4; wait arrive[37], entry[4]; r4:inbox@4[5/8] = r3:inbox@4[5/8] + r3:src@4[5/8]; signal r4:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 5}, {{3, 3, 0, 8, 4, 5}, {3, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 4, 1}}, {{4, 5, 37}}},
-    // rank 3 step 55: chunk 4 piece 6: partial sum + our part to rank 4; wait arrive[38], entry[4]; r4:inbox@4[6/8] = r3:inbox@4[6/8] + r3:src@4[6/8]; signal r4:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 6}, {{3, 3, 0, 8, 4, 6}, {3, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 4, 1}}, {{4, 5, 38}}},
-    // rank 3 step 56: chunk 4 piece 7: partial sum + our part to rank 4; wait arrive[39], entry[4]; r4:inbox@4[7/8] = r3:inbox@4[7/8] + r3:src@4[7/8]; signal r4:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 7}, {{3, 3, 0, 8, 4, 7}, {3, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 4, 1}}, {{4, 5, 39}}},
-    // rank 3 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[24]; r3:dst@0[0/8] = r3:inbox@3[0/8] + r3:src@3[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 3, 0, 8, 3, 0}, {3, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}}, {}},
-    // rank 3 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[25]; r3:dst@0[1/8] = r3:inbox@3[1/8] + r3:src@3[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 3, 0, 8, 3, 1}, {3, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}}, {}},
-    // rank 3 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[26]; r3:dst@0[2/8] = r3:inbox@3[2/8] + r3:src@3[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 3, 0, 8, 3, 2}, {3, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}}, {}},
-    // rank 3 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[27]; r3:dst@0[3/8] = r3:inbox@3[3/8] + r3:src@3[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 3, 0, 8, 3, 3}, {3, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}}, {}},
-    // rank 3 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[28]; r3:dst@0[4/8] = r3:inbox@3[4/8] + r3:src@3[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 3, 0, 8, 3, 4}, {3, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}}, {}},
-    // rank 3 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[29]; r3:dst@0[5/8] = r3:inbox@3[5/8] + r3:src@3[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 3, 0, 8, 3, 5}, {3, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}}, {}},
-    // rank 3 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[30]; r3:dst@0[6/8] = r3:inbox@3[6/8] + r3:src@3[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 3, 0, 8, 3, 6}, {3, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}}, {}},
-    // rank 3 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[31]; r3:dst@0[7/8] = r3:inbox@3[7/8] + r3:src@3[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 3, 0, 8, 3, 7}, {3, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}}, {}},
-    // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 4}}},
-    // rank 4 step 1: chunk 3 piece 0: our part to rank 5; wait entry[5]; r5:inbox@3[0/8] = r4:src@3[0/8]; signal r5:arrive[24]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 0}, {{4, 1, 1, 8, 3, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},
-    // rank 4 step 2: chunk 3 piece 1: our part to rank 5; wait entry[5]; r5:inbox@3[1/8] = r4:src@3[1/8]; signal r5:arrive[25]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 1}, {{4, 1, 1, 8, 3, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},
-    // rank 4 step 3: chunk 3 piece 2: our part to rank 5; wait entry[5]; r5:inbox@3[2/8] = r4:src@3[2/8]; signal r5:arrive[26]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 2}, {{4, 1, 1, 8, 3, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},
-    // rank 4 step 4: chunk 3 piece 3: our part to rank 5; wait entry[5]; r5:inbox@3[3/8] = r4:src@3[3/8]; signal r5:arrive[27]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 3}, {{4, 1, 1, 8, 3, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},
-    // rank 4 step 5: chunk 3 piece 4: our part to rank 5; wait entry[5]; r5:inbox@3[4/8] = r4:src@3[4/8]; signal r5:arrive[28]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 4}, {{4, 1, 1, 8, 3, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},
-    // rank 4 step 6: chunk 3 piece 5: our part to rank 5; wait entry[5]; r5:inbox@3[5/8] = r4:src@3[5/8]; signal r5:arrive[29]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 5}, {{4, 1, 1, 8, 3, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},
-    // rank 4 step 7: chunk 3 piece 6: our part to rank 5; wait entry[5]; r5:inbox@3[6/8] = r4:src@3[6/8]; signal r5:arrive[30]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 6}, {{4, 1, 1, 8, 3, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},
-    // rank 4 step 8: chunk 3 piece 7: our part to rank 5; wait entry[5]; r5:inbox@3[7/8] = r4:src@3[7/8]; signal r5:arrive[31]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 7}, {{4, 1, 1, 8, 3, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},
-    // rank 4 step 9: chunk 2 piece 0: partial sum + our part to rank 5; wait arrive[16], entry[5]; r5:inbox@2[0/8] = r4:inbox@2[0/8] + r4:src@2[0/8]; signal r5:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 0}, {{4, 3, 0, 8, 2, 0}, {4, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 5, 1}}, {{5, 5, 16}}},
-    // rank 4 step 10: chunk 2 piece 1: partial sum + our part to rank 5; wait arrive[17], entry[5]; r5:inbox@2[1/8] = r4:inbox@2[1/8] + r4:src@2[1/8]; signal r5:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 1}, {{4, 3, 0, 8, 2, 1}, {4, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 5, 1}}, {{5, 5, 17}}},
-    // rank 4 step 11: chunk 2 piece 2: partial sum + our part to rank 5; wait arrive[18], entry[5]; r5:inbox@2[2/8] = r4:inbox@2[2/8] + r4:src@2[2/8]; signal r5:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 2}, {{4, 3, 0, 8, 2, 2}, {4, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 5, 1}}, {{5, 5, 18}}},
-    // rank 4 step 12: chunk 2 piece 3: partial sum + our part to rank 5; wait arrive[19], entry[5]; r5:inbox@2[3/8] = r4:inbox@2[3/8] + r4:src@2[3/8]; signal r5:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 3}, {{4, 3, 0, 8, 2, 3}, {4, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 5, 1}}, {{5, 5, 19}}},
-    // rank 4 step 13: chunk 2 piece 4: partial sum + our part to rank 5; wait arrive[20], entry[5]; r5:inbox@2[4/8] = r4:inbox@2[4/8] + r4:src@2[4/8]; signal r5:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 4}, {{4, 3, 0, 8, 2, 4}, {4, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 5, 1}}, {{5, 5, 20}}},
-    // rank 4 step 14: chunk 2 piece 5: partial sum + our part to rank 5; wait arrive[21], entry[5]; r5:inbox@2[5/8] = r4:inbox@2[5/8] + r4:src@2[5/8]; signal r5:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 5}, {{4, 3, 0, 8, 2, 5}, {4, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 5, 1}}, {{5, 5, 21}}},
-    // rank 4 step 15: chunk 2 piece 6: partial sum + our part to rank 5; wait arrive[22], entry[5]; r5:inbox@2[6/8] = r4:inbox@2[6/8] + r4:src@2[6/8]; signal r5:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 6}, {{4, 3, 0, 8, 2, 6}, {4, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 5, 1}}, {{5, 5, 22}}},
-    // rank 4 step 16: chunk 2 piece 7: partial sum + our part to rank 5; wait arrive[23], entry[5]; r5:inbox@2[7/8] = r4:inbox@2[7/8] + r4:src@2[7/8]; signal r5:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 7}, {{4, 3, 0, 8, 2, 7}, {4, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 5, 1}}, {{5, 5, 23}}},
-    // rank 4 step 17: chunk 1 piece 0: partial sum + our part to rank 5; wait arrive[8], entry[5]; r5:inbox@1[0/8] = r4:inbox@1[0/8] + r4:src@1[0/8]; signal r5:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 0}, {{4, 3, 0, 8, 1, 0}, {4, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 5, 1}}, {{5, 5, 8}}},
-    // rank 4 step 18: chunk 1 piece 1: partial sum + our part to rank 5; wait arrive[9], entry[5]; r5:inbox@1[1/8] = r4:inbox@1[1/8] + r4:src@1[1/8]; signal r5:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 1}, {{4, 3, 0, 8, 1, 1}, {4, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 5, 1}}, {{5, 5, 9}}},
-    // rank 4 step 19: chunk 1 piece 2: partial sum + our part to rank 5; wait arrive[10], entry[5]; r5:inbox@1[2/8] = r4:inbox@1[2/8] + r4:src@1[2/8]; signal r5:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 2}, {{4, 3, 0, 8, 1, 2}, {4, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 5, 1}}, {{5, 5, 10}}},
-    // rank 4 step 20: chunk 1 piece 3: partial sum + our part to rank 5; wait arrive[11], entry[5]; r5:inbox@1[3/8] = r4:inbox@1[3/8] + r4:src@1[3/8]; signal r5:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 3}, {{4, 3, 0, 8, 1, 3}, {4, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 5, 1}}, {{5, 5, 11}}},
-    // rank 4 step 21: chunk 1 piece 4: partial sum + our part to rank 5; wait arrive[12], entry[5]; r5:inbox@1[4/8] = r4:inbox@1[4/8] + r4:src@1[4/8]; signal r5:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 4}, {{4, 3, 0, 8, 1, 4}, {4, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 5, 1}}, {{5, 5, 12}}},
-    // rank 4 step 22: chunk 1 piece 5: partial sum + our part to rank 5; wait arrive[13], entry[5]; r5:inbox@1[5/8] = r4:inbox@1[5/8] + r4:src@1[5/8]; signal r5:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 5}, {{4, 3, 0, 8, 1, 5}, {4, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 5, 1}}, {{5, 5, 13}}},
-    // rank 4 step 23: chunk 1 piece 6: partial sum + our part to rank 5; wait arrive[14], entry[5]; r5:inbox@1[6/8] = r4:inbox@1[6/8] + r4:src@1[6/8]; signal r5:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 6}, {{4, 3, 0, 8, 1, 6}, {4, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 5, 1}}, {{5, 5, 14}}},
-    // rank 4 step 24: chunk 1 piece 7: partial sum + our part to rank 5; wait arrive[15], entry[5]; r5:inbox@1[7/8] = r4:inbox@1[7/8] + r4:src@1[7/8]; signal r5:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 7}, {{4, 3, 0, 8, 1, 7}, {4, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 5, 1}}, {{5, 5, 15}}},
-    // rank 4 step 25: chunk 0 piece 0: partial sum + our part to rank 5; wait arrive[0], entry[5]; r5:inbox@0[0/8] = r4:inbox@0[0/8] + r4:src@0[0/8]; signal r5:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 0}, {{4, 3, 0, 8, 0, 0}, {4, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 5, 1}}, {{5, 5, 0}}},
-    // rank 4 step 26: chunk 0 piece 1: partial sum + our part to rank 5; wait arrive[1], entry[5]; r5:inbox@0[1/8] = r4:inbox@0[1/8] + r4:src@0[1/8]; signal r5:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 1}, {{4, 3, 0, 8, 0, 1}, {4, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 5, 1}}, {{5, 5, 1}}},
-    // rank 4 step 27: chunk 0 piece 2: partial sum + our part to rank 5; wait arrive[2], entry[5]; r5:inbox@0[2/8] = r4:inbox@0[2/8] + r4:src@0[2/8]; signal r5:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 2}, {{4, 3, 0, 8, 0, 2}, {4, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 5, 1}}, {{5, 5, 2}}},
-    // rank 4 step 28: chunk 0 piece 3: partial sum + our part to rank 5; wait arrive[3], entry[5]; r5:inbox@0[3/8] = r4:inbox@0[3/8] + r4:src@0[3/8]; signal r5:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 3}, {{4, 3, 0, 8, 0, 3}, {4, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 5, 1}}, {{5, 5, 3}}},
-    // rank 4 step 29: chunk 0 piece 4: partial sum + our part to rank 5; wait arrive[4], entry[5]; r5:inbox@0[4/8] = r4:inbox@0[4/8] + r4:src@0[4/8]; signal r5:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 4}, {{4, 3, 0, 8, 0, 4}, {4, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 5, 1}}, {{5, 5, 4}}},
-    // rank 4 step 30: chunk 0 piece 5: partial sum + our part to rank 5; wait arrive[5], entry[5]; r5:inbox@0[5/8] = r4:inbox@0[5/8] + r4:src@0[5/8]; signal r5:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 5}, {{4, 3, 0, 8, 0, 5}, {4, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 5, 1}}, {{5, 5, 5}}},
-    // rank 4 step 31: chunk 0 piece 6: partial sum + our part to rank 5; wait arrive[6], entry[5]; r5:inbox@0[6/8] = r4:inbox@0[6/8] + r4:src@0[6/8]; signal r5:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 6}, {{4, 3, 0, 8, 0, 6}, {4, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 5, 1}}, {{5, 5, 6}}},
-    // rank 4 step 32: chunk 0 piece 7: partial sum + our part to rank 5; wait arrive[7], entry[5]; r5:inbox@0[7/8] = r4:inbox@0[7/8] + r4:src@0[7/8]; signal r5:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 7}, {{4, 3, 0, 8, 0, 7}, {4, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 5, 1}}, {{5, 5, 7}}},
-    // rank 4 step 33: chunk 7 piece 0: partial sum + our part to rank 5; wait arrive[56], entry[5]; r5:inbox@7[0/8] = r4:inbox@7[0/8] + r4:src@7[0/8]; signal r5:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 0}, {{4, 3, 0, 8, 7, 0}, {4, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 5, 1}}, {{5, 5, 56}}},
-    // rank 4 step 34: chunk 7 piece 1: partial sum + our part to rank 5; wait arrive[57], entry[5]; r5:inbox@7[1/8] = r4:inbox@7[1/8] + r4:src@7[1/8]; signal r5:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 1}, {{4, 3, 0, 8, 7, 1}, {4, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 5, 1}}, {{5, 5, 57}}},
-    // rank 4 step 35: chunk 7 piece 2: partial sum + our part to rank 5; wait arrive[58], entry[5]; r5:inbox@7[2/8] = r4:inbox@7[2/8] + r4:src@7[2/8]; signal r5:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 2}, {{4, 3, 0, 8, 7, 2}, {4, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 5, 1}}, {{5, 5, 58}}},
-    // rank 4 step 36: chunk 7 piece 3: partial sum + our part to rank 5; wait arrive[59], entry[5]; r5:inbox@7[3/8] = r4:inbox@7[3/8] + r4:src@7[3/8]; signal r5:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 3}, {{4, 3, 0, 8, 7, 3}, {4, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 5, 1}}, {{5, 5, 59}}},
-    // rank 4 step 37: chunk 7 piece 4: partial sum + our part to rank 5; wait arrive[60], entry[5]; r5:inbox@7[4/8] = r4:inbox@7[4/8] + r4:src@7[4/8]; signal r5:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 4}, {{4, 3, 0, 8, 7, 4}, {4, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 5, 1}}, {{5, 5, 60}}},
-    // rank 4 step 38: chunk 7 piece 5: partial sum + our part to rank 5; wait arrive[61], entry[5]; r5:inbox@7[5/8] = r4:inbox@7[5/8] + r4:src@7[5/8]; signal r5:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 5}, {{4, 3, 0, 8, 7, 5}, {4, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 5, 1}}, {{5, 5, 61}}},
-    // rank 4 step 39: chunk 7 piece 6: partial sum + our part to rank 5; wait arrive[62], entry[5]; r5:inbox@7[6/8] = r4:inbox@7[6/8] + r4:src@7[6/8]; signal r5:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 6}, {{4, 3, 0, 8, 7, 6}, {4, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 5, 1}}, {{5, 5, 62}}},
-    // rank 4 step 40: chunk 7 piece 7: partial sum + our part to rank 5; wait arrive[63], entry[5]; r5:inbox@7[7/8] = r4:inbox@7[7/8] + r4:src@7[7/8]; signal r5:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 7}, {{4, 3, 0, 8, 7, 7}, {4, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 5, 1}}, {{5, 5, 63}}},
-    // rank 4 step 41: chunk 6 piece 0: partial sum + our part to rank 5; wait arrive[48], entry[5]; r5:inbox@6[0/8] = r4:inbox@6[0/8] + r4:src@6[0/8]; signal r5:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 0}, {{4, 3, 0, 8, 6, 0}, {4, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 5, 1}}, {{5, 5, 48}}},
-    // rank 4 step 42: chunk 6 piece 1: partial sum + our part to rank 5; wait arrive[49], entry[5]; r5:inbox@6[1/8] = r4:inbox@6[1/8] + r4:src@6[1/8]; signal r5:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 1}, {{4, 3, 0, 8, 6, 1}, {4, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 5, 1}}, {{5, 5, 49}}},
-    // rank 4 step 43: chunk 6 piece 2: partial sum + our part to rank 5; wait arrive[50], entry[5]; r5:inbox@6[2/8] = r4:inbox@6[2/8] + r4:src@6[2/8]; signal r5:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 2}, {{4, 3, 0, 8, 6, 2}, {4, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 5, 1}}, {{5, 5, 50}}},
-    // rank 4 step 44: chunk 6 piece 3: partial sum + our part to rank 5; wait arrive[51], entry[5]; r5:inbox@6[3/8] = r4:inbox@6[3/8] + r4:src@6[3/8]; signal r5:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 3}, {{4, 3, 0, 8, 6, 3}, {4, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 5, 1}}, {{5, 5, 51}}},
-    // rank 4 step 45: chunk 6 piece 4: partial sum + our part to rank 5; wait arrive[52], entry[5]; r5:inbox@6[4/8] = r4:inbox@6[4/8] + r4:src@6[4/8]; signal r5:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 4}, {{4, 3, 0, 8, 6, 4}, {4, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 5, 1}}, {{5, 5, 52}}},
-    // rank 4 step 46: chunk 6 piece 5: partial sum + our part to rank 5; wait arrive[53], entry[5]; r5:inbox@6[5/8] = r4:inbox@6[5/8] + r4:src@6[5/8]; signal r5:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 5}, {{4, 3, 0, 8, 6, 5}, {4, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 5, 1}}, {{5, 5, 53}}},
-    // rank 4 step 47: chunk 6 piece 6: partial sum + our part to rank 5; wait arrive[54], entry[5]; r5:inbox@6[6/8] = r4:inbox@6[6/8] + r4:src@6[6/8]; signal r5:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 6}, {{4, 3, 0, 8, 6, 6}, {4, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 5, 1}}, {{5, 5, 54}}},
-    // rank 4 step 48: chunk 6 piece 7: partial sum + our part to rank 5; wait arrive[55], entry[5]; r5:inbox@6[7/8] = r4:inbox@6[7/8] + r4:src@6[7/8]; signal r5:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 7}, {{4, 3, 0, 8, 6, 7}, {4, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 5, 1}}, {{5, 5, 55}}},
-    // rank 4 step 49: chunk 5 piece 0: partial sum + our part to rank 5; wait arrive[40], entry[5]; r5:inbox@5[0/8] = r4:inbox@5[0/8] + r4:src@5[0/8]; signal r5:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 0}, {{4, 3, 0, 8, 5, 0}, {4, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 5, 1}}, {{5, 5, 40}}},
-    // rank 4 step 50: chunk 5 piece 1: partial sum + our part to rank 5; wait arrive[41], entry[5]; r5:inbox@5[1/8] = r4:inbox@5[1/8] + r4:src@5[1/8]; signal r5:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 1}, {{4, 3, 0, 8, 5, 1}, {4, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 5, 1}}, {{5, 5, 41}}},
-    // rank 4 step 51: chunk 5 piece 2: partial sum + our part to rank 5; wait arrive[42], entry[5]; r5:inbox@5[2/8] = r4:inbox@5[2/8] + r4:src@5[2/8]; signal r5:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 2}, {{4, 3, 0, 8, 5, 2}, {4, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 5, 1}}, {{5, 5, 42}}},
-    // rank 4 step 52: chunk 5 piece 3: partial sum + our part to rank 5; wait arrive[43], entry[5]; r5:inbox@5[3/8] = r4:inbox@5[3/8] + r4:src@5[3/8]; signal r5:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 3}, {{4, 3, 0, 8, 5, 3}, {4, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 5, 1}}, {{5, 5, 43}}},
-    // rank 4 step 53: chunk 5 piece 4: partial sum + our part to rank 5; wait arrive[44], entry[5]; r5:inbox@5[4/8] = r4:inbox@5[4/8] + r4:src@5[4/8]; signal r5:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 4}, {{4, 3, 0, 8, 5, 4}, {4, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 5, 1}}, {{5, 5, 44}}},
-    // rank 4 step 54: chunk 5 piece 5: partial sum + our part to rank 5; wait arrive[45], entry[5]; r5:inbox@5[5/8] = r4:inbox@5[5/8] + r4:src@5[5/8]; signal r5:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 5}, {{4, 3, 0, 8, 5, 5}, {4, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 5, 1}}, {{5, 5, 45}}},
-    // rank 4 step 55: chunk 5 piece 6: partial sum + our part to rank 5; wait arrive[46], entry[5]; r5:inbox@5[6/8] = r4:inbox@5[6/8] + r4:src@5[6/8]; signal r5:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 6}, {{4, 3, 0, 8, 5, 6}, {4, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 5, 1}}, {{5, 5, 46}}},
-    // rank 4 step 56: chunk 5 piece 7: partial sum + our part to rank 5; wait arrive[47], entry[5]; r5:inbox@5[7/8] = r4:inbox@5[7/8] + r4:src@5[7/8]; signal r5:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 7}, {{4, 3, 0, 8, 5, 7}, {4, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 5, 1}}, {{5, 5, 47}}},
-    // rank 4 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[32]; r4:dst@0[0/8] = r4:inbox@4[0/8] + r4:src@4[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 0}, {{4, 3, 0, 8, 4, 0}, {4, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}}, {}},
-    // rank 4 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[33]; r4:dst@0[1/8] = r4:inbox@4[1/8] + r4:src@4[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 1}, {{4, 3, 0, 8, 4, 1}, {4, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}}, {}},
-    // rank 4 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[34]; r4:dst@0[2/8] = r4:inbox@4[2/8] + r4:src@4[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 2}, {{4, 3, 0, 8, 4, 2}, {4, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}}, {}},
-    // rank 4 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[35]; r4:dst@0[3/8] = r4:inbox@4[3/8] + r4:src@4[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 3}, {{4, 3, 0, 8, 4, 3}, {4, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}}, {}},
-    // rank 4 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[36]; r4:dst@0[4/8] = r4:inbox@4[4/8] + r4:src@4[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 4}, {{4, 3, 0, 8, 4, 4}, {4, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}}, {}},
-    // rank 4 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[37]; r4:dst@0[5/8] = r4:inbox@4[5/8] + r4:src@4[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 5}, {{4, 3, 0, 8, 4, 5}, {4, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}}, {}},
-    // rank 4 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[38]; r4:dst@0[6/8] = r4:inbox@4[6/8] + r4:src@4[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 6}, {{4, 3, 0, 8, 4, 6}, {4, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}}, {}},
-    // rank 4 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[39]; r4:dst@0[7/8] = r4:inbox@4[7/8] + r4:src@4[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 7}, {{4, 3, 0, 8, 4, 7}, {4, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}}, {}},
-    // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 4, 5}}},
-    // rank 5 step 1: chunk 4 piece 0: our part to rank 6; wait entry[6]; r6:inbox@4[0/8] = r5:src@4[0/8]; signal r6:arrive[32]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 0}, {{5, 1, 1, 8, 4, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 32}}},
-    // rank 5 step 2: chunk 4 piece 1: our part to rank 6; wait entry[6]; r6:inbox@4[1/8] = r5:src@4[1/8]; signal r6:arrive[33]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 1}, {{5, 1, 1, 8, 4, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 33}}},
-    // rank 5 step 3: chunk 4 piece 2: our part to rank 6; wait entry[6]; r6:inbox@4[2/8] = r5:src@4[2/8]; signal r6:arrive[34]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 2}, {{5, 1, 1, 8, 4, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 34}}},
-    // rank 5 step 4: chunk 4 piece 3: our part to rank 6; wait entry[6]; r6:inbox@4[3/8] = r5:src@4[3/8]; signal r6:arrive[35]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 3}, {{5, 1, 1, 8, 4, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 35}}},
-    // rank 5 step 5: chunk 4 piece 4: our part to rank 6; wait entry[6]; r6:inbox@4[4/8] = r5:src@4[4/8]; signal r6:arrive[36]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 4}, {{5, 1, 1, 8, 4, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 36}}},
-    // rank 5 step 6: chunk 4 piece 5: our part to rank 6; wait entry[6]; r6:inbox@4[5/8] = r5:src@4[5/8]; signal r6:arrive[37]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 5}, {{5, 1, 1, 8, 4, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 37}}},
-    // rank 5 step 7: chunk 4 piece 6: our part to rank 6; wait entry[6]; r6:inbox@4[6/8] = r5:src@4[6/8]; signal r6:arrive[38]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 6}, {{5, 1, 1, 8, 4, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 38}}},
-    // rank 5 step 8: chunk 4 piece 7: our part to rank 6; wait entry[6]; r6:inbox@4[7/8] = r5:src@4[7/8]; signal r6:arrive[39]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 7}, {{5, 1, 1, 8, 4, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 39}}},
-    // rank 5 step 9: chunk 3 piece 0: partial sum + our part to rank 6; wait arrive[24], entry[6]; r6:inbox@3[0/8] = r5:inbox@3[0/8] + r5:src@3[0/8]; signal r6:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 0}, {{5, 3, 0, 8, 3, 0}, {5, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 6, 1}}, {{6, 5, 24}}},
-    // rank 5 step 10: chunk 3 piece 1: partial sum + our part to rank 6; wait arrive[25], entry[6]; r6:inbox@3[1/8] = r5:inbox@3[1/8] + r5:src@3[1/8]; signal r6:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 1}, {{5, 3, 0, 8, 3, 1}, {5, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 6, 1}}, {{6, 5, 25}}},
-    // rank 5 step 11: chunk 3 piece 2: partial sum + our part to rank 6; wait arrive[26], entry[6]; r6:inbox@3[2/8] = r5:inbox@3[2/8] + r5:src@3[2/8]; signal r6:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 2}, {{5, 3, 0, 8, 3, 2}, {5, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 6, 1}}, {{6, 5, 26}}},
-    // rank 5 step 12: chunk 3 piece 3: partial sum + our part to rank 6; wait arrive[27], entry[6]; r6:inbox@3[3/8] = r5:inbox@3[3/8] + r5:src@3[3/8]; signal r6:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 3}, {{5, 3, 0, 8, 3, 3}, {5, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 6, 1}}, {{6, 5, 27}}},
-    // rank 5 step 13: chunk 3 piece 4: partial sum + our part to rank 6; wait arrive[28], entry[6]; r6:inbox@3[4/8] = r5:inbox@3[4/8] + r5:src@3[4/8]; signal r6:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 4}, {{5, 3, 0, 8, 3, 4}, {5, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 6, 1}}, {{6, 5, 28}}},
-    // rank 5 step 14: chunk 3 piece 5: partial sum + our part to rank 6; wait arrive[29], entry[6]; r6:inbox@3[5/8] = r5:inbox@3[5/8] + r5:src@3[5/8]; signal r6:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 5}, {{5, 3, 0, 8, 3, 5}, {5, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 6, 1}}, {{6, 5, 29}}},
-    // rank 5 step 15: chunk 3 piece 6: partial sum + our part to rank 6; wait arrive[30], entry[6]; r6:inbox@3[6/8] = r5:inbox@3[6/8] + r5:src@3[6/8]; signal r6:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 6}, {{5, 3, 0, 8, 3, 6}, {5, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 6, 1}}, {{6, 5, 30}}},
-    // rank 5 step 16: chunk 3 piece 7: partial sum + our part to rank 6; wait arrive[31], entry[6]; r6:inbox@3[7/8] = r5:inbox@3[7/8] + r5:src@3[7/8]; signal r6:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 7}, {{5, 3, 0, 8, 3, 7}, {5, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 6, 1}}, {{6, 5, 31}}},
-    // rank 5 step 17: chunk 2 piece 0: partial sum + our part to rank 6; wait arrive[16], entry[6]; r6:inbox@2[0/8] = r5:inbox@2[0/8] + r5:src@2[0/8]; signal r6:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 0}, {{5, 3, 0, 8, 2, 0}, {5, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 6, 1}}, {{6, 5, 16}}},
-    // rank 5 step 18: chunk 2 piece 1: partial sum + our part to rank 6; wait arrive[17], entry[6]; r6:inbox@2[1/8] = r5:inbox@2[1/8] + r5:src@2[1/8]; signal r6:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 1}, {{5, 3, 0, 8, 2, 1}, {5, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 6, 1}}, {{6, 5, 17}}},
-    // rank 5 step 19: chunk 2 piece 2: partial sum + our part to rank 6; wait arrive[18], entry[6]; r6:inbox@2[2/8] = r5:inbox@2[2/8] + r5:src@2[2/8]; signal r6:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 2}, {{5, 3, 0, 8, 2, 2}, {5, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 6, 1}}, {{6, 5, 18}}},
-    // rank 5 step 20: chunk 2 piece 3: partial sum + our part to rank 6; wait arrive[19], entry[6]; r6:inbox@2[3/8] = r5:inbox@2[3/8] + r5:src@2[3/8]; signal r6:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 3}, {{5, 3, 0, 8, 2, 3}, {5, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 6, 1}}, {{6, 5, 19}}},
-    // rank 5 step 21: chunk 2 piece 4: partial sum + our part to rank 6; wait arrive[20], entry[6]; r6:inbox@2[4/8] = r5:inbox@2[4/8] + r5:src@2[4/8]; signal r6:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 4}, {{5, 3, 0, 8, 2, 4}, {5, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 6, 1}}, {{6, 5, 20}}},
-    // rank 5 step 22: chunk 2 piece 5: partial sum + our part to rank 6; wait arrive[21], entry[6]; r6:inbox@2[5/8] = r5:inbox@2[5/8] + r5:src@2[5/8]; signal r6:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 5}, {{5, 3, 0, 8, 2, 5}, {5, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 6, 1}}, {{6, 5, 21}}},
-    // rank 5 step 23: chunk 2 piece 6: partial sum + our part to rank 6; wait arrive[22], entry[6]; r6:inbox@2[6/8] = r5:inbox@2[6/8] + r5:src@2[6/8]; signal r6:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 6}, {{5, 3, 0, 8, 2, 6}, {5, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 6, 1}}, {{6, 5, 22}}},
-    // rank 5 step 24: chunk 2 piece 7: partial sum + our part to rank 6; wait arrive[23], entry[6]; r6:inbox@2[7/8] = r5:inbox@2[7/8] + r5:src@2[7/8]; signal r6:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 7}, {{5, 3, 0, 8, 2, 7}, {5, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 6, 1}}, {{6, 5, 23}}},
-    // rank 5 step 25: chunk 1 piece 0: partial sum + our part to rank 6; wait arrive[8], entry[6]; r6:inbox@1[0/8] = r5:inbox@1[0/8] + r5:src@1[0/8]; signal r6:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 0}, {{5, 3, 0, 8, 1, 0}, {5, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 6, 1}}, {{6, 5, 8}}},
-    // rank 5 step 26: chunk 1 piece 1: partial sum + our part to rank 6; wait arrive[9], entry[6]; r6:inbox@1[1/8] = r5:inbox@1[1/8] + r5:src@1[1/8]; signal r6:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 1}, {{5, 3, 0, 8, 1, 1}, {5, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 6, 1}}, {{6, 5, 9}}},
-    // rank 5 step 27: chunk 1 piece 2: partial sum + our part to rank 6; wait arrive[10], entry[6]; r6:inbox@1[2/8] = r5:inbox@1[2/8] + r5:src@1[2/8]; signal r6:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 2}, {{5, 3, 0, 8, 1, 2}, {5, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 6, 1}}, {{6, 5, 10}}},
-    // rank 5 step 28: chunk 1 piece 3: partial sum + our part to rank 6; wait arrive[11], entry[6]; r6:inbox@1[3/8] = r5:inbox@1[3/8] + r5:src@1[3/8]; signal r6:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 3}, {{5, 3, 0, 8, 1, 3}, {5, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 6, 1}}, {{6, 5, 11}}},
-    // rank 5 step 29: chunk 1 piece 4: partial sum + our part to rank 6; wait arrive[12], entry[6]; r6:inbox@1[4/8] = r5:inbox@1[4/8] + r5:src@1[4/8]; signal r6:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 4}, {{5, 3, 0, 8, 1, 4}, {5, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 6, 1}}, {{6, 5, 12}}},
-    // rank 5 step 30: chunk 1 piece 5: partial sum + our part to rank 6; wait arrive[13], entry[6]; r6:inbox@1[5/8] = r5:inbox@1[5/8] + r5:src@1[5/8]; signal r6:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 5}, {{5, 3, 0, 8, 1, 5}, {5, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 6, 1}}, {{6, 5, 13}}},
-    // rank 5 step 31: chunk 1 piece 6: partial sum + our part to rank 6; wait arrive[14], entry[6]; r6:inbox@1[6/8] = r5:inbox@1[6/8] + r5:src@1[6/8]; signal r6:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 6}, {{5, 3, 0, 8, 1, 6}, {5, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 6, 1}}, {{6, 5, 14}}},
-    // rank 5 step 32: chunk 1 piece 7: partial sum + our part to rank 6; wait arrive[15], entry[6]; r6:inbox@1[7/8] = r5:inbox@1[7/8] + r5:src@1[7/8]; signal r6:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 7}, {{5, 3, 0, 8, 1, 7}, {5, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 6, 1}}, {{6, 5, 15}}},
-    // rank 5 step 33: chunk 0 piece 0: partial sum + our part to rank 6; wait arrive[0], entry[6]; r6:inbox@0[0/8] = r5:inbox@0[0/8] + r5:src@0[0/8]; signal r6:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 0}, {{5, 3, 0, 8, 0, 0}, {5, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 6, 1}}, {{6, 5, 0}}},
-    // rank 5 step 34: chunk 0 piece 1: partial sum + our part to rank 6; wait arrive[1], entry[6]; r6:inbox@0[1/8] = r5:inbox@0[1/8] + r5:src@0[1/8]; signal r6:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 1}, {{5, 3, 0, 8, 0, 1}, {5, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 6, 1}}, {{6, 5, 1}}},
-    // rank 5 step 35: chunk 0 piece 2: partial sum + our part to rank 6; wait arrive[2], entry[6]; r6:inbox@0[2/8] = r5:inbox@0[2/8] + r5:src@0[2/8]; signal r6:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 2}, {{5, 3, 0, 8, 0, 2}, {5, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 6, 1}}, {{6, 5, 2}}},
-    // rank 5 step 36: chunk 0 piece 3: partial sum + our part to rank 6; wait arrive[3], entry[6]; r6:inbox@0[3/8] = r5:inbox@0[3/8] + r5:src@0[3/8]; signal r6:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 3}, {{5, 3, 0, 8, 0, 3}, {5, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 6, 1}}, {{6, 5, 3}}},
-    // rank 5 step 37: chunk 0 piece 4: partial sum + our part to rank 6; wait arrive[4], entry[6]; r6:inbox@0[4/8] = r5:inbox@0[4/8] + r5:src@0[4/8]; signal r6:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 4}, {{5, 3, 0, 8, 0, 4}, {5, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 6, 1}}, {{6, 5, 4}}},
-    // rank 5 step 38: chunk 0 piece 5: partial sum + our part to rank 6; wait arrive[5], entry[6]; r6:inbox@0[5/8] = r5:inbox@0[5/8] + r5:src@0[5/8]; signal r6:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 5}, {{5, 3, 0, 8, 0, 5}, {5, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 6, 1}}, {{6, 5, 5}}},
-    // rank 5 step 39: chunk 0 piece 6: partial sum + our part to rank 6; wait arrive[6], entry[6]; r6:inbox@0[6/8] = r5:inbox@0[6/8] + r5:src@0[6/8]; signal r6:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 6}, {{5, 3, 0, 8, 0, 6}, {5, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 6, 1}}, {{6, 5, 6}}},
-    // rank 5 step 40: chunk 0 piece 7: partial sum + our part to rank 6; wait arrive[7], entry[6]; r6:inbox@0[7/8] = r5:inbox@0[7/8] + r5:src@0[7/8]; signal r6:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 7}, {{5, 3, 0, 8, 0, 7}, {5, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 6, 1}}, {{6, 5, 7}}},
-    // rank 5 step 41: chunk 7 piece 0: partial sum + our part to rank 6; wait arrive[56], entry[6]; r6:inbox@7[0/8] = r5:inbox@7[0/8] + r5:src@7[0/8]; signal r6:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 0}, {{5, 3, 0, 8, 7, 0}, {5, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 6, 1}}, {{6, 5, 56}}},
-    // rank 5 step 42: chunk 7 piece 1: partial sum + our part to rank 6; wait arrive[57], entry[6]; r6:inbox@7[1/8] = r5:inbox@7[1/8] + r5:src@7[1/8]; signal r6:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 1}, {{5, 3, 0, 8, 7, 1}, {5, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 6, 1}}, {{6, 5, 57}}},
-    // rank 5 step 43: chunk 7 piece 2: partial sum + our part to rank 6; wait arrive[58], entry[6]; r6:inbox@7[2/8] = r5:inbox@7[2/8] + r5:src@7[2/8]; signal r6:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 2}, {{5, 3, 0, 8, 7, 2}, {5, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 6, 1}}, {{6, 5, 58}}},
-    // rank 5 step 44: chunk 7 piece 3: partial sum + our part to rank 6; wait arrive[59], entry[6]; r6:inbox@7[3/8] = r5:inbox@7[3/8] + r5:src@7[3/8]; signal r6:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 3}, {{5, 3, 0, 8, 7, 3}, {5, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 6, 1}}, {{6, 5, 59}}},
-    // rank 5 step 45: chunk 7 piece 4: partial sum + our part to rank 6; wait arrive[60], entry[6]; r6:inbox@7[4/8] = r5:inbox@7[4/8] + r5:src@7[4/8]; signal r6:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 4}, {{5, 3, 0, 8, 7, 4}, {5, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 6, 1}}, {{6, 5, 60}}},
-    // rank 5 step 46: chunk 7 piece 5: partial sum + our part to rank 6; wait arrive[61], entry[6]; r6:inbox@7[5/8] = r5:inbox@7[5/8] + r5:src@7[5/8]; signal r6:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 5}, {{5, 3, 0, 8, 7, 5}, {5, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 6, 1}}, {{6, 5, 61}}},
-    // rank 5 step 47: chunk 7 piece 6: partial sum + our part to rank 6; wait arrive[62], entry[6]; r6:inbox@7[6/8] = r5:inbox@7[6/8] + r5:src@7[6/8]; signal r6:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 6}, {{5, 3, 0, 8, 7, 6}, {5, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 6, 1}}, {{6, 5, 62}}},
-    // rank 5 step 48: chunk 7 piece 7: partial sum + our part to rank 6; wait arrive[63], entry[6]; r6:inbox@7[7/8] = r5:inbox@7[7/8] + r5:src@7[7/8]; signal r6:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 7}, {{5, 3, 0, 8, 7, 7}, {5, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 6, 1}}, {{6, 5, 63}}},
-    // rank 5 step 49: chunk 6 piece 0: partial sum + our part to rank 6; wait arrive[48], entry[6]; r6:inbox@6[0/8] = r5:inbox@6[0/8] + r5:src@6[0/8]; signal r6:arrive[48]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 0}, {{5, 3, 0, 8, 6, 0}, {5, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 6, 1}}, {{6, 5, 48}}},
-    // rank 5 step 50: chunk 6 piece 1: partial sum + our part to rank 6; wait arrive[49], entry[6]; r6:inbox@6[1/8] = r5:inbox@6[1/8] + r5:src@6[1/8]; signal r6:arrive[49]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 1}, {{5, 3, 0, 8, 6, 1}, {5, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 6, 1}}, {{6, 5, 49}}},
-    // rank 5 step 51: chunk 6 piece 2: partial sum + our part to rank 6; wait arrive[50], entry[6]; r6:inbox@6[2/8] = r5:inbox@6[2/8] + r5:src@6[2/8]; signal r6:arrive[50]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 2}, {{5, 3, 0, 8, 6, 2}, {5, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 6, 1}}, {{6, 5, 50}}},
-    // rank 5 step 52: chunk 6 piece 3: partial sum + our part to rank 6; wait arrive[51], entry[6]; r6:inbox@6[3/8] = r5:inbox@6[3/8] + r5:src@6[3/8]; signal r6:arrive[51]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 3}, {{5, 3, 0, 8, 6, 3}, {5, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 6, 1}}, {{6, 5, 51}}},
-    // rank 5 step 53: chunk 6 piece 4: partial sum + our part to rank 6; wait arrive[52], entry[6]; r6:inbox@6[4/8] = r5:inbox@6[4/8] + r5:src@6[4/8]; signal r6:arrive[52]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 4}, {{5, 3, 0, 8, 6, 4}, {5, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 6, 1}}, {{6, 5, 52}}},
-    // rank 5 step 54: chunk 6 piece 5: partial sum + our part to rank 6; wait arrive[53], entry[6]; r6:inbox@6[5/8] = r5:inbox@6[5/8] + r5:src@6[5/8]; signal r6:arrive[53]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 5}, {{5, 3, 0, 8, 6, 5}, {5, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 6, 1}}, {{6, 5, 53}}},
-    // rank 5 step 55: chunk 6 piece 6: partial sum + our part to rank 6; wait arrive[54], entry[6]; r6:inbox@6[6/8] = r5:inbox@6[6/8] + r5:src@6[6/8]; signal r6:arrive[54]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 6}, {{5, 3, 0, 8, 6, 6}, {5, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 6, 1}}, {{6, 5, 54}}},
-    // rank 5 step 56: chunk 6 piece 7: partial sum + our part to rank 6; wait arrive[55], entry[6]; r6:inbox@6[7/8] = r5:inbox@6[7/8] + r5:src@6[7/8]; signal r6:arrive[55]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 7}, {{5, 3, 0, 8, 6, 7}, {5, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 6, 1}}, {{6, 5, 55}}},
-    // rank 5 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[40]; r5:dst@0[0/8] = r5:inbox@5[0/8] + r5:src@5[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 0}, {{5, 3, 0, 8, 5, 0}, {5, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}}, {}},
-    // rank 5 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[41]; r5:dst@0[1/8] = r5:inbox@5[1/8] + r5:src@5[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 1}, {{5, 3, 0, 8, 5, 1}, {5, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}}, {}},
-    // rank 5 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[42]; r5:dst@0[2/8] = r5:inbox@5[2/8] + r5:src@5[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 2}, {{5, 3, 0, 8, 5, 2}, {5, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}}, {}},
-    // rank 5 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[43]; r5:dst@0[3/8] = r5:inbox@5[3/8] + r5:src@5[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 3}, {{5, 3, 0, 8, 5, 3}, {5, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}}, {}},
-    // rank 5 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[44]; r5:dst@0[4/8] = r5:inbox@5[4/8] + r5:src@5[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 4}, {{5, 3, 0, 8, 5, 4}, {5, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}}, {}},
-    // rank 5 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[45]; r5:dst@0[5/8] = r5:inbox@5[5/8] + r5:src@5[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 5}, {{5, 3, 0, 8, 5, 5}, {5, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}}, {}},
-    // rank 5 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[46]; r5:dst@0[6/8] = r5:inbox@5[6/8] + r5:src@5[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 6}, {{5, 3, 0, 8, 5, 6}, {5, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}}, {}},
-    // rank 5 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[47]; r5:dst@0[7/8] = r5:inbox@5[7/8] + r5:src@5[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 7}, {{5, 3, 0, 8, 5, 7}, {5, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}}, {}},
-    // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 4, 6}}},
-    // rank 6 step 1: chunk 5 piece 0: our part to rank 7; wait entry[7]; r7:inbox@5[0/8] = r6:src@5[0/8]; signal r7:arrive[40]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 0}, {{6, 1, 1, 8, 5, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 40}}},
-    // rank 6 step 2: chunk 5 piece 1: our part to rank 7; wait entry[7]; r7:inbox@5[1/8] = r6:src@5[1/8]; signal r7:arrive[41]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 1}, {{6, 1, 1, 8, 5, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 41}}},
-    // rank 6 step 3: chunk 5 piece 2: our part to rank 7; wait entry[7]; r7:inbox@5[2/8] = r6:src@5[2/8]; signal r7:arrive[42]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 2}, {{6, 1, 1, 8, 5, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 42}}},
-    // rank 6 step 4: chunk 5 piece 3: our part to rank 7; wait entry[7]; r7:inbox@5[3/8] = r6:src@5[3/8]; signal r7:arrive[43]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 3}, {{6, 1, 1, 8, 5, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 43}}},
-    // rank 6 step 5: chunk 5 piece 4: our part to rank 7; wait entry[7]; r7:inbox@5[4/8] = r6:src@5[4/8]; signal r7:arrive[44]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 4}, {{6, 1, 1, 8, 5, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 44}}},
-    // rank 6 step 6: chunk 5 piece 5: our part to rank 7; wait entry[7]; r7:inbox@5[5/8] = r6:src@5[5/8]; signal r7:arrive[45]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 5}, {{6, 1, 1, 8, 5, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 45}}},
-    // rank 6 step 7: chunk 5 piece 6: our part to rank 7; wait entry[7]; r7:inbox@5[6/8] = r6:src@5[6/8]; signal r7:arrive[46]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 6}, {{6, 1, 1, 8, 5, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 46}}},
-    // rank 6 step 8: chunk 5 piece 7: our part to rank 7; wait entry[7]; r7:inbox@5[7/8] = r6:src@5[7/8]; signal r7:arrive[47]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 7}, {{6, 1, 1, 8, 5, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 47}}},
-    // rank 6 step 9: chunk 4 piece 0: partial sum + our part to rank 7; wait arrive[32], entry[7]; r7:inbox@4[0/8] = r6:inbox@4[0/8] + r6:src@4[0/8]; signal r7:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 0}, {{6, 3, 0, 8, 4, 0}, {6, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 7, 1}}, {{7, 5, 32}}},
-    // rank 6 step 10: chunk 4 piece 1: partial sum + our part to rank 7; wait arrive[33], entry[7]; r7:inbox@4[1/8] = r6:inbox@4[1/8] + r6:src@4[1/8]; signal r7:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 1}, {{6, 3, 0, 8, 4, 1}, {6, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 7, 1}}, {{7, 5, 33}}},
-    // rank 6 step 11: chunk 4 piece 2: partial sum + our part to rank 7; wait arrive[34], entry[7]; r7:inbox@4[2/8] = r6:inbox@4[2/8] + r6:src@4[2/8]; signal r7:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 2}, {{6, 3, 0, 8, 4, 2}, {6, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 7, 1}}, {{7, 5, 34}}},
-    // rank 6 step 12: chunk 4 piece 3: partial sum + our part to rank 7; wait arrive[35], entry[7]; r7:inbox@4[3/8] = r6:inbox@4[3/8] + r6:src@4[3/8]; signal r7:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 3}, {{6, 3, 0, 8, 4, 3}, {6, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 7, 1}}, {{7, 5, 35}}},
-    // rank 6 step 13: chunk 4 piece 4: partial sum + our part to rank 7; wait arrive[36], entry[7]; r7:inbox@4[4/8] = r6:inbox@4[4/8] + r6:src@4[4/8]; signal r7:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 4}, {{6, 3, 0, 8, 4, 4}, {6, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 7, 1}}, {{7, 5, 36}}},
-    // rank 6 step 14: chunk 4 piece 5: partial sum + our part to rank 7; wait arrive[37], entry[7]; r7:inbox@4[5/8] = r6:inbox@4[5/8] + r6:src@4[5/8]; signal r7:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 5}, {{6, 3, 0, 8, 4, 5}, {6, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 7, 1}}, {{7, 5, 37}}},
-    // rank 6 step 15: chunk 4 piece 6: partial sum + our part to rank 7; wait arrive[38], entry[7]; r7:inbox@4[6/8] = r6:inbox@4[6/8] + r6:src@4[6/8]; signal r7:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 6}, {{6, 3, 0, 8, 4, 6}, {6, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 7, 1}}, {{7, 5, 38}}},
-    // rank 6 step 16: chunk 4 piece 7: partial sum + our part to rank 7; wait arrive[39], entry[7]; r7:inbox@4[7/8] = r6:inbox@4[7/8] + r6:src@4[7/8]; signal r7:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 7}, {{6, 3, 0, 8, 4, 7}, {6, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 7, 1}}, {{7, 5, 39}}},
-    // rank 6 step 17: chunk 3 piece 0: partial sum + our part to rank 7; wait arrive[24], entry[7]; r7:inbox@3[0/8] = r6:inbox@3[0/8] + r6:src@3[0/8]; signal r7:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 0}, {{6, 3, 0, 8, 3, 0}, {6, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 7, 1}}, {{7, 5, 24}}},
-    // rank 6 step 18: chunk 3 piece 1: partial sum + our part to rank 7; wait arrive[25], entry[7]; r7:inbox@3[1/8] = r6:inbox@3[1/8] + r6:src@3[1/8]; signal r7:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 1}, {{6, 3, 0, 8, 3, 1}, {6, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 7, 1}}, {{7, 5, 25}}},
-    // rank 6 step 19: chunk 3 piece 2: partial sum + our part to rank 7; wait arrive[26], entry[7]; r7:inbox@3[2/8] = r6:inbox@3[2/8] + r6:src@3[2/8]; signal r7:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 2}, {{6, 3, 0, 8, 3, 2}, {6, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 7, 1}}, {{7, 5, 26}}},
-    // rank 6 step 20: chunk 3 piece 3: partial sum + our part to rank 7; wait arrive[27], entry[7]; r7:inbox@3[3/8] = r6:inbox@3[3/8] + r6:src@3[3/8]; signal r7:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 3}, {{6, 3, 0, 8, 3, 3}, {6, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 7, 1}}, {{7, 5, 27}}},
-    // rank 6 step 21: chunk 3 piece 4: partial sum + our part to rank 7; wait arrive[28], entry[7]; r7:inbox@3[4/8] = r6:inbox@3[4/8] + r6:src@3[4/8]; signal r7:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 4}, {{6, 3, 0, 8, 3, 4}, {6, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 7, 1}}, {{7, 5, 28}}},
-    // rank 6 step 22: chunk 3 piece 5: partial sum + our part to rank 7; wait arrive[29], entry[7]; r7:inbox@3[5/8] = r6:inbox@3[5/8] + r6:src@3[5/8]; signal r7:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 5}, {{6, 3, 0, 8, 3, 5}, {6, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 7, 1}}, {{7, 5, 29}}},
-    // rank 6 step 23: chunk 3 piece 6: partial sum + our part to rank 7; wait arrive[30], entry[7]; r7:inbox@3[6/8] = r6:inbox@3[6/8] + r6:src@3[6/8]; signal r7:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 6}, {{6, 3, 0, 8, 3, 6}, {6, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 7, 1}}, {{7, 5, 30}}},
-    // rank 6 step 24: chunk 3 piece 7: partial sum + our part to rank 7; wait arrive[31], entry[7]; r7:inbox@3[7/8] = r6:inbox@3[7/8] + r6:src@3[7/8]; signal r7:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 7}, {{6, 3, 0, 8, 3, 7}, {6, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 7, 1}}, {{7, 5, 31}}},
-    // rank 6 step 25: chunk 2 piece 0: partial sum + our part to rank 7; wait arrive[16], entry[7]; r7:inbox@2[0/8] = r6:inbox@2[0/8] + r6:src@2[0/8]; signal r7:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 0}, {{6, 3, 0, 8, 2, 0}, {6, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 7, 1}}, {{7, 5, 16}}},
-    // rank 6 step 26: chunk 2 piece 1: partial sum + our part to rank 7; wait arrive[17], entry[7]; r7:inbox@2[1/8] = r6:inbox@2[1/8] + r6:src@2[1/8]; signal r7:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 1}, {{6, 3, 0, 8, 2, 1}, {6, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 7, 1}}, {{7, 5, 17}}},
-    // rank 6 step 27: chunk 2 piece 2: partial sum + our part to rank 7; wait arrive[18], entry[7]; r7:inbox@2[2/8] = r6:inbox@2[2/8] + r6:src@2[2/8]; signal r7:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 2}, {{6, 3, 0, 8, 2, 2}, {6, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 7, 1}}, {{7, 5, 18}}},
-    // rank 6 step 28: chunk 2 piece 3: partial sum + our part to rank 7; wait arrive[19], entry[7]; r7:inbox@2[3/8] = r6:inbox@2[3/8] + r6:src@2[3/8]; signal r7:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 3}, {{6, 3, 0, 8, 2, 3}, {6, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 7, 1}}, {{7, 5, 19}}},
-    // rank 6 step 29: chunk 2 piece 4: partial sum + our part to rank 7; wait arrive[20], entry[7]; r7:inbox@2[4/8] = r6:inbox@2[4/8] + r6:src@2[4/8]; signal r7:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 4}, {{6, 3, 0, 8, 2, 4}, {6, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 7, 1}}, {{7, 5, 20}}},
-    // rank 6 step 30: chunk 2 piece 5: partial sum + our part to rank 7; wait arrive[21], entry[7]; r7:inbox@2[5/8] = r6:inbox@2[5/8] + r6:src@2[5/8]; signal r7:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 5}, {{6, 3, 0, 8, 2, 5}, {6, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 7, 1}}, {{7, 5, 21}}},
-    // rank 6 step 31: chunk 2 piece 6: partial sum + our part to rank 7; wait arrive[22], entry[7]; r7:inbox@2[6/8] = r6:inbox@2[6/8] + r6:src@2[6/8]; signal r7:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 6}, {{6, 3, 0, 8, 2, 6}, {6, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 7, 1}}, {{7, 5, 22}}},
-    // rank 6 step 32: chunk 2 piece 7: partial sum + our part to rank 7; wait arrive[23], entry[7]; r7:inbox@2[7/8] = r6:inbox@2[7/8] + r6:src@2[7/8]; signal r7:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 7}, {{6, 3, 0, 8, 2, 7}, {6, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 7, 1}}, {{7, 5, 23}}},
-    // rank 6 step 33: chunk 1 piece 0: partial sum + our part to rank 7; wait arrive[8], entry[7]; r7:inbox@1[0/8] = r6:inbox@1[0/8] + r6:src@1[0/8]; signal r7:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 0}, {{6, 3, 0, 8, 1, 0}, {6, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 7, 1}}, {{7, 5, 8}}},
-    // rank 6 step 34: chunk 1 piece 1: partial sum + our part to rank 7; wait arrive[9], entry[7]; r7:inbox@1[1/8] = r6:inbox@1[1/8] + r6:src@1[1/8]; signal r7:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 1}, {{6, 3, 0, 8, 1, 1}, {6, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 7, 1}}, {{7, 5, 9}}},
-    // rank 6 step 35: chunk 1 piece 2: partial sum + our part to rank 7; wait arrive[10], entry[7]; r7:inbox@1[2/8] = r6:inbox@1[2/8] + r6:src@1[2/8]; signal r7:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 2}, {{6, 3, 0, 8, 1, 2}, {6, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 7, 1}}, {{7, 5, 10}}},
-    // rank 6 step 36: chunk 1 piece 3: partial sum + our part to rank 7; wait arrive[11], entry[7]; r7:inbox@1[3/8] = r6:inbox@1[3/8] + r6:src@1[3/8]; signal r7:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 3}, {{6, 3, 0, 8, 1, 3}, {6, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 7, 1}}, {{7, 5, 11}}},
-    // rank 6 step 37: chunk 1 piece 4: partial sum + our part to rank 7; wait arrive[12], entry[7]; r7:inbox@1[4/8] = r6:inbox@1[4/8] + r6:src@1[4/8]; signal r7:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 4}, {{6, 3, 0, 8, 1, 4}, {6, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 7, 1}}, {{7, 5, 12}}},
-    // rank 6 step 38: chunk 1 piece 5: partial sum + our part to rank 7; wait arrive[13], entry[7]; r7:inbox@1[5/8] = r6:inbox@1[5/8] + r6:src@1[5/8]; signal r7:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 5}, {{6, 3, 0, 8, 1, 5}, {6, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 7, 1}}, {{7, 5, 13}}},
-    // rank 6 step 39: chunk 1 piece 6: partial sum + our part to rank 7; wait arrive[14], entry[7]; r7:inbox@1[6/8] = r6:inbox@1[6/8] + r6:src@1[6/8]; signal r7:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 6}, {{6, 3, 0, 8, 1, 6}, {6, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 7, 1}}, {{7, 5, 14}}},
-    // rank 6 step 40: chunk 1 piece 7: partial sum + our part to rank 7; wait arrive[15], entry[7]; r7:inbox@1[7/8] = r6:inbox@1[7/8] + r6:src@1[7/8]; signal r7:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 7}, {{6, 3, 0, 8, 1, 7}, {6, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 7, 1}}, {{7, 5, 15}}},
-    // rank 6 step 41: chunk 0 piece 0: partial sum + our part to rank 7; wait arrive[0], entry[7]; r7:inbox@0[0/8] = r6:inbox@0[0/8] + r6:src@0[0/8]; signal r7:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 0}, {{6, 3, 0, 8, 0, 0}, {6, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 7, 1}}, {{7, 5, 0}}},
-    // rank 6 step 42: chunk 0 piece 1: partial sum + our part to rank 7; wait arrive[1], entry[7]; r7:inbox@0[1/8] = r6:inbox@0[1/8] + r6:src@0[1/8]; signal r7:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 1}, {{6, 3, 0, 8, 0, 1}, {6, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 7, 1}}, {{7, 5, 1}}},
-    // rank 6 step 43: chunk 0 piece 2: partial sum + our part to rank 7; wait arrive[2], entry[7]; r7:inbox@0[2/8] = r6:inbox@0[2/8] + r6:src@0[2/8]; signal r7:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 2}, {{6, 3, 0, 8, 0, 2}, {6, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 7, 1}}, {{7, 5, 2}}},
-    // rank 6 step 44: chunk 0 piece 3: partial sum + our part to rank 7; wait arrive[3], entry[7]; r7:inbox@0[3/8] = r6:inbox@0[3/8] + r6:src@0[3/8]; signal r7:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 3}, {{6, 3, 0, 8, 0, 3}, {6, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 7, 1}}, {{7, 5, 3}}},
-    // rank 6 step 45: chunk 0 piece 4: partial sum + our part to rank 7; wait arrive[4], entry[7]; r7:inbox@0[4/8] = r6:inbox@0[4/8] + r6:src@0[4/8]; signal r7:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 4}, {{6, 3, 0, 8, 0, 4}, {6, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 7, 1}}, {{7, 5, 4}}},
-    // rank 6 step 46: chunk 0 piece 5: partial sum + our part to rank 7; wait arrive[5], entry[7]; r7:inbox@0[5/8] = r6:inbox@0[5/8] + r6:src@0[5/8]; signal r7:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 5}, {{6, 3, 0, 8, 0, 5}, {6, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 7, 1}}, {{7, 5, 5}}},
-    // rank 6 step 47: chunk 0 piece 6: partial sum + our part to rank 7; wait arrive[6], entry[7]; r7:inbox@0[6/8] = r6:inbox@0[6/8] + r6:src@0[6/8]; signal r7:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 6}, {{6, 3, 0, 8, 0, 6}, {6, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 7, 1}}, {{7, 5, 6}}},
-    // rank 6 step 48: chunk 0 piece 7: partial sum + our part to rank 7; wait arrive[7], entry[7]; r7:inbox@0[7/8] = r6:inbox@0[7/8] + r6:src@0[7/8]; signal r7:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 7}, {{6, 3, 0, 8, 0, 7}, {6, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 7, 1}}, {{7, 5, 7}}},
-    // rank 6 step 49: chunk 7 piece 0: partial sum + our part to rank 7; wait arrive[56], entry[7]; r7:inbox@7[0/8] = r6:inbox@7[0/8] + r6:src@7[0/8]; signal r7:arrive[56]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 0}, {{6, 3, 0, 8, 7, 0}, {6, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 7, 1}}, {{7, 5, 56}}},
-    // rank 6 step 50: chunk 7 piece 1: partial sum + our part to rank 7; wait arrive[57], entry[7]; r7:inbox@7[1/8] = r6:inbox@7[1/8] + r6:src@7[1/8]; signal r7:arrive[57]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 1}, {{6, 3, 0, 8, 7, 1}, {6, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 7, 1}}, {{7, 5, 57}}},
-    // rank 6 step 51: chunk 7 piece 2: partial sum + our part to rank 7; wait arrive[58], entry[7]; r7:inbox@7[2/8] = r6:inbox@7[2/8] + r6:src@7[2/8]; signal r7:arrive[58]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 2}, {{6, 3, 0, 8, 7, 2}, {6, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 7, 1}}, {{7, 5, 58}}},
-    // rank 6 step 52: chunk 7 piece 3: partial sum + our part to rank 7; wait arrive[59], entry[7]; r7:inbox@7[3/8] = r6:inbox@7[3/8] + r6:src@7[3/8]; signal r7:arrive[59]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 3}, {{6, 3, 0, 8, 7, 3}, {6, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 7, 1}}, {{7, 5, 59}}},
-    // rank 6 step 53: chunk 7 piece 4: partial sum + our part to rank 7; wait arrive[60], entry[7]; r7:inbox@7[4/8] = r6:inbox@7[4/8] + r6:src@7[4/8]; signal r7:arrive[60]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 4}, {{6, 3, 0, 8, 7, 4}, {6, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 7, 1}}, {{7, 5, 60}}},
-    // rank 6 step 54: chunk 7 piece 5: partial sum + our part to rank 7; wait arrive[61], entry[7]; r7:inbox@7[5/8] = r6:inbox@7[5/8] + r6:src@7[5/8]; signal r7:arrive[61]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 5}, {{6, 3, 0, 8, 7, 5}, {6, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 7, 1}}, {{7, 5, 61}}},
-    // rank 6 step 55: chunk 7 piece 6: partial sum + our part to rank 7; wait arrive[62], entry[7]; r7:inbox@7[6/8] = r6:inbox@7[6/8] + r6:src@7[6/8]; signal r7:arrive[62]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 6}, {{6, 3, 0, 8, 7, 6}, {6, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 7, 1}}, {{7, 5, 62}}},
-    // rank 6 step 56: chunk 7 piece 7: partial sum + our part to rank 7; wait arrive[63], entry[7]; r7:inbox@7[7/8] = r6:inbox@7[7/8] + r6:src@7[7/8]; signal r7:arrive[63]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 7}, {{6, 3, 0, 8, 7, 7}, {6, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 7, 1}}, {{7, 5, 63}}},
-    // rank 6 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[48]; r6:dst@0[0/8] = r6:inbox@6[0/8] + r6:src@6[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 0}, {{6, 3, 0, 8, 6, 0}, {6, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}}, {}},
-    // rank 6 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[49]; r6:dst@0[1/8] = r6:inbox@6[1/8] + r6:src@6[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 1}, {{6, 3, 0, 8, 6, 1}, {6, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}}, {}},
-    // rank 6 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[50]; r6:dst@0[2/8] = r6:inbox@6[2/8] + r6:src@6[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 2}, {{6, 3, 0, 8, 6, 2}, {6, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}}, {}},
-    // rank 6 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[51]; r6:dst@0[3/8] = r6:inbox@6[3/8] + r6:src@6[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 3}, {{6, 3, 0, 8, 6, 3}, {6, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}}, {}},
-    // rank 6 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[52]; r6:dst@0[4/8] = r6:inbox@6[4/8] + r6:src@6[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 4}, {{6, 3, 0, 8, 6, 4}, {6, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}}, {}},
-    // rank 6 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[53]; r6:dst@0[5/8] = r6:inbox@6[5/8] + r6:src@6[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 5}, {{6, 3, 0, 8, 6, 5}, {6, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}}, {}},
-    // rank 6 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[54]; r6:dst@0[6/8] = r6:inbox@6[6/8] + r6:src@6[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 6}, {{6, 3, 0, 8, 6, 6}, {6, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}}, {}},
-    // rank 6 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[55]; r6:dst@0[7/8] = r6:inbox@6[7/8] + r6:src@6[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 7}, {{6, 3, 0, 8, 6, 7}, {6, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}}, {}},
-    // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
-    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 4, 7}}},
-    // rank 7 step 1: chunk 6 piece 0: our part to rank 0; wait entry[0]; r0:inbox@6[0/8] = r7:src@6[0/8]; signal r0:arrive[48]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 0}, {{7, 1, 1, 8, 6, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 48}}},
-    // rank 7 step 2: chunk 6 piece 1: our part to rank 0; wait entry[0]; r0:inbox@6[1/8] = r7:src@6[1/8]; signal r0:arrive[49]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 1}, {{7, 1, 1, 8, 6, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 49}}},
-    // rank 7 step 3: chunk 6 piece 2: our part to rank 0; wait entry[0]; r0:inbox@6[2/8] = r7:src@6[2/8]; signal r0:arrive[50]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 2}, {{7, 1, 1, 8, 6, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 50}}},
-    // rank 7 step 4: chunk 6 piece 3: our part to rank 0; wait entry[0]; r0:inbox@6[3/8] = r7:src@6[3/8]; signal r0:arrive[51]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 3}, {{7, 1, 1, 8, 6, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 51}}},
-    // rank 7 step 5: chunk 6 piece 4: our part to rank 0; wait entry[0]; r0:inbox@6[4/8] = r7:src@6[4/8]; signal r0:arrive[52]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 4}, {{7, 1, 1, 8, 6, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 52}}},
-    // rank 7 step 6: chunk 6 piece 5: our part to rank 0; wait entry[0]; r0:inbox@6[5/8] = r7:src@6[5/8]; signal r0:arrive[53]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 5}, {{7, 1, 1, 8, 6, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 53}}},
-    // rank 7 step 7: chunk 6 piece 6: our part to rank 0; wait entry[0]; r0:inbox@6[6/8] = r7:src@6[6/8]; signal r0:arrive[54]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 6}, {{7, 1, 1, 8, 6, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 54}}},
-    // rank 7 step 8: chunk 6 piece 7: our part to rank 0; wait entry[0]; r0:inbox@6[7/8] = r7:src@6[7/8]; signal r0:arrive[55]; 64 blocks
-    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 7}, {{7, 1, 1, 8, 6, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 55}}},
-    // rank 7 step 9: chunk 5 piece 0: partial sum + our part to rank 0; wait arrive[40], entry[0]; r0:inbox@5[0/8] = r7:inbox@5[0/8] + r7:src@5[0/8]; signal r0:arrive[40]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 0}, {{7, 3, 0, 8, 5, 0}, {7, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 0, 1}}, {{0, 5, 40}}},
-    // rank 7 step 10: chunk 5 piece 1: partial sum + our part to rank 0; wait arrive[41], entry[0]; r0:inbox@5[1/8] = r7:inbox@5[1/8] + r7:src@5[1/8]; signal r0:arrive[41]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 1}, {{7, 3, 0, 8, 5, 1}, {7, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 0, 1}}, {{0, 5, 41}}},
-    // rank 7 step 11: chunk 5 piece 2: partial sum + our part to rank 0; wait arrive[42], entry[0]; r0:inbox@5[2/8] = r7:inbox@5[2/8] + r7:src@5[2/8]; signal r0:arrive[42]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 2}, {{7, 3, 0, 8, 5, 2}, {7, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 0, 1}}, {{0, 5, 42}}},
-    // rank 7 step 12: chunk 5 piece 3: partial sum + our part to rank 0; wait arrive[43], entry[0]; r0:inbox@5[3/8] = r7:inbox@5[3/8] + r7:src@5[3/8]; signal r0:arrive[43]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 3}, {{7, 3, 0, 8, 5, 3}, {7, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 0, 1}}, {{0, 5, 43}}},
-    // rank 7 step 13: chunk 5 piece 4: partial sum + our part to rank 0; wait arrive[44], entry[0]; r0:inbox@5[4/8] = r7:inbox@5[4/8] + r7:src@5[4/8]; signal r0:arrive[44]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 4}, {{7, 3, 0, 8, 5, 4}, {7, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 0, 1}}, {{0, 5, 44}}},
-    // rank 7 step 14: chunk 5 piece 5: partial sum + our part to rank 0; wait arrive[45], entry[0]; r0:inbox@5[5/8] = r7:inbox@5[5/8] + r7:src@5[5/8]; signal r0:arrive[45]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 5}, {{7, 3, 0, 8, 5, 5}, {7, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 0, 1}}, {{0, 5, 45}}},
-    // rank 7 step 15: chunk 5 piece 6: partial sum + our part to rank 0; wait arrive[46], entry[0]; r0:inbox@5[6/8] = r7:inbox@5[6/8] + r7:src@5[6/8]; signal r0:arrive[46]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 6}, {{7, 3, 0, 8, 5, 6}, {7, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 0, 1}}, {{0, 5, 46}}},
-    // rank 7 step 16: chunk 5 piece 7: partial sum + our part to rank 0; wait arrive[47], entry[0]; r0:inbox@5[7/8] = r7:inbox@5[7/8] + r7:src@5[7/8]; signal r0:arrive[47]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 7}, {{7, 3, 0, 8, 5, 7}, {7, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 0, 1}}, {{0, 5, 47}}},
-    // rank 7 step 17: chunk 4 piece 0: partial sum + our part to rank 0; wait arrive[32], entry[0]; r0:inbox@4[0/8] = r7:inbox@4[0/8] + r7:src@4[0/8]; signal r0:arrive[32]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 0}, {{7, 3, 0, 8, 4, 0}, {7, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 0, 1}}, {{0, 5, 32}}},
-    // rank 7 step 18: chunk 4 piece 1: partial sum + our part to rank 0; wait arrive[33], entry[0]; r0:inbox@4[1/8] = r7:inbox@4[1/8] + r7:src@4[1/8]; signal r0:arrive[33]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 1}, {{7, 3, 0, 8, 4, 1}, {7, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 0, 1}}, {{0, 5, 33}}},
-    // rank 7 step 19: chunk 4 piece 2: partial sum + our part to rank 0; wait arrive[34], entry[0]; r0:inbox@4[2/8] = r7:inbox@4[2/8] + r7:src@4[2/8]; signal r0:arrive[34]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 2}, {{7, 3, 0, 8, 4, 2}, {7, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 0, 1}}, {{0, 5, 34}}},
-    // rank 7 step 20: chunk 4 piece 3: partial sum + our part to rank 0; wait arrive[35], entry[0]; r0:inbox@4[3/8] = r7:inbox@4[3/8] + r7:src@4[3/8]; signal r0:arrive[35]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 3}, {{7, 3, 0, 8, 4, 3}, {7, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 0, 1}}, {{0, 5, 35}}},
-    // rank 7 step 21: chunk 4 piece 4: partial sum + our part to rank 0; wait arrive[36], entry[0]; r0:inbox@4[4/8] = r7:inbox@4[4/8] + r7:src@4[4/8]; signal r0:arrive[36]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 4}, {{7, 3, 0, 8, 4, 4}, {7, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 0, 1}}, {{0, 5, 36}}},
-    // rank 7 step 22: chunk 4 piece 5: partial sum + our part to rank 0; wait arrive[37], entry[0]; r0:inbox@4[5/8] = r7:inbox@4[5/8] + r7:src@4[5/8]; signal r0:arrive[37]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 5}, {{7, 3, 0, 8, 4, 5}, {7, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 0, 1}}, {{0, 5, 37}}},
-    // rank 7 step 23: chunk 4 piece 6: partial sum + our part to rank 0; wait arrive[38], entry[0]; r0:inbox@4[6/8] = r7:inbox@4[6/8] + r7:src@4[6/8]; signal r0:arrive[38]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 6}, {{7, 3, 0, 8, 4, 6}, {7, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 0, 1}}, {{0, 5, 38}}},
-    // rank 7 step 24: chunk 4 piece 7: partial sum + our part to rank 0; wait arrive[39], entry[0]; r0:inbox@4[7/8] = r7:inbox@4[7/8] + r7:src@4[7/8]; signal r0:arrive[39]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 7}, {{7, 3, 0, 8, 4, 7}, {7, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 0, 1}}, {{0, 5, 39}}},
-    // rank 7 step 25: chunk 3 piece 0: partial sum + our part to rank 0; wait arrive[24], entry[0]; r0:inbox@3[0/8] = r7:inbox@3[0/8] + r7:src@3[0/8]; signal r0:arrive[24]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 0}, {{7, 3, 0, 8, 3, 0}, {7, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 0, 1}}, {{0, 5, 24}}},
-    // rank 7 step 26: chunk 3 piece 1: partial sum + our part to rank 0; wait arrive[25], entry[0]; r0:inbox@3[1/8] = r7:inbox@3[1/8] + r7:src@3[1/8]; signal r0:arrive[25]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 1}, {{7, 3, 0, 8, 3, 1}, {7, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 0, 1}}, {{0, 5, 25}}},
-    // rank 7 step 27: chunk 3 piece 2: partial sum + our part to rank 0; wait arrive[26], entry[0]; r0:inbox@3[2/8] = r7:inbox@3[2/8] + r7:src@3[2/8]; signal r0:arrive[26]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 2}, {{7, 3, 0, 8, 3, 2}, {7, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 0, 1}}, {{0, 5, 26}}},
-    // rank 7 step 28: chunk 3 piece 3: partial sum + our part to rank 0; wait arrive[27], entry[0]; r0:inbox@3[3/8] = r7:inbox@3[3/8] + r7:src@3[3/8]; signal r0:arrive[27]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 3}, {{7, 3, 0, 8, 3, 3}, {7, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 0, 1}}, {{0, 5, 27}}},
-    // rank 7 step 29: chunk 3 piece 4: partial sum + our part to rank 0; wait arrive[28], entry[0]; r0:inbox@3[4/8] = r7:inbox@3[4/8] + r7:src@3[4/8]; signal r0:arrive[28]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 4}, {{7, 3, 0, 8, 3, 4}, {7, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 0, 1}}, {{0, 5, 28}}},
-    // rank 7 step 30: chunk 3 piece 5: partial sum + our part to rank 0; wait arrive[29], entry[0]; r0:inbox@3[5/8] = r7:inbox@3[5/8] + r7:src@3[5/8]; signal r0:arrive[29]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 5}, {{7, 3, 0, 8, 3, 5}, {7, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 0, 1}}, {{0, 5, 29}}},
-    // rank 7 step 31: chunk 3 piece 6: partial sum + our part to rank 0; wait arrive[30], entry[0]; r0:inbox@3[6/8] = r7:inbox@3[6/8] + r7:src@3[6/8]; signal r0:arrive[30]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 6}, {{7, 3, 0, 8, 3, 6}, {7, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 0, 1}}, {{0, 5, 30}}},
-    // rank 7 step 32: chunk 3 piece 7: partial sum + our part to rank 0; wait arrive[31], entry[0]; r0:inbox@3[7/8] = r7:inbox@3[7/8] + r7:src@3[7/8]; signal r0:arrive[31]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 7}, {{7, 3, 0, 8, 3, 7}, {7, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 0, 1}}, {{0, 5, 31}}},
-    // rank 7 step 33: chunk 2 piece 0: partial sum + our part to rank 0; wait arrive[16], entry[0]; r0:inbox@2[0/8] = r7:inbox@2[0/8] + r7:src@2[0/8]; signal r0:arrive[16]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 0}, {{7, 3, 0, 8, 2, 0}, {7, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 0, 1}}, {{0, 5, 16}}},
-    // rank 7 step 34: chunk 2 piece 1: partial sum + our part to rank 0; wait arrive[17], entry[0]; r0:inbox@2[1/8] = r7:inbox@2[1/8] + r7:src@2[1/8]; signal r0:arrive[17]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 1}, {{7, 3, 0, 8, 2, 1}, {7, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 0, 1}}, {{0, 5, 17}}},
-    // rank 7 step 35: chunk 2 piece 2: partial sum + our part to rank 0; wait arrive[18], entry[0]; r0:inbox@2[2/8] = r7:inbox@2[2/8] + r7:src@2[2/8]; signal r0:arrive[18]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 2}, {{7, 3, 0, 8, 2, 2}, {7, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 0, 1}}, {{0, 5, 18}}},
-    // rank 7 step 36: chunk 2 piece 3: partial sum + our part to rank 0; wait arrive[19], entry[0]; r0:inbox@2[3/8] = r7:inbox@2[3/8] + r7:src@2[3/8]; signal r0:arrive[19]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 3}, {{7, 3, 0, 8, 2, 3}, {7, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 0, 1}}, {{0, 5, 19}}},
-    // rank 7 step 37: chunk 2 piece 4: partial sum + our part to rank 0; wait arrive[20], entry[0]; r0:inbox@2[4/8] = r7:inbox@2[4/8] + r7:src@2[4/8]; signal r0:arrive[20]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 4}, {{7, 3, 0, 8, 2, 4}, {7, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 0, 1}}, {{0, 5, 20}}},
-    // rank 7 step 38: chunk 2 piece 5: partial sum + our part to rank 0; wait arrive[21], entry[0]; r0:inbox@2[5/8] = r7:inbox@2[5/8] + r7:src@2[5/8]; signal r0:arrive[21]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 5}, {{7, 3, 0, 8, 2, 5}, {7, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 0, 1}}, {{0, 5, 21}}},
-    // rank 7 step 39: chunk 2 piece 6: partial sum + our part to rank 0; wait arrive[22], entry[0]; r0:inbox@2[6/8] = r7:inbox@2[6/8] + r7:src@2[6/8]; signal r0:arrive[22]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 6}, {{7, 3, 0, 8, 2, 6}, {7, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 0, 1}}, {{0, 5, 22}}},
-    // rank 7 step 40: chunk 2 piece 7: partial sum + our part to rank 0; wait arrive[23], entry[0]; r0:inbox@2[7/8] = r7:inbox@2[7/8] + r7:src@2[7/8]; signal r0:arrive[23]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 7}, {{7, 3, 0, 8, 2, 7}, {7, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 0, 1}}, {{0, 5, 23}}},
-    // rank 7 step 41: chunk 1 piece 0: partial sum + our part to rank 0; wait arrive[8], entry[0]; r0:inbox@1[0/8] = r7:inbox@1[0/8] + r7:src@1[0/8]; signal r0:arrive[8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 0}, {{7, 3, 0, 8, 1, 0}, {7, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},
-    // rank 7 step 42: chunk 1 piece 1: partial sum + our part to rank 0; wait arrive[9], entry[0]; r0:inbox@1[1/8] = r7:inbox@1[1/8] + r7:src@1[1/8]; signal r0:arrive[9]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 1}, {{7, 3, 0, 8, 1, 1}, {7, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},
-    // rank 7 step 43: chunk 1 piece 2: partial sum + our part to rank 0; wait arrive[10], entry[0]; r0:inbox@1[2/8] = r7:inbox@1[2/8] + r7:src@1[2/8]; signal r0:arrive[10]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 2}, {{7, 3, 0, 8, 1, 2}, {7, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},
-    // rank 7 step 44: chunk 1 piece 3: partial sum + our part to rank 0; wait arrive[11], entry[0]; r0:inbox@1[3/8] = r7:inbox@1[3/8] + r7:src@1[3/8]; signal r0:arrive[11]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 3}, {{7, 3, 0, 8, 1, 3}, {7, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},
-    // rank 7 step 45: chunk 1 piece 4: partial sum + our part to rank 0; wait arrive[12], entry[0]; r0:inbox@1[4/8] = r7:inbox@1[4/8] + r7:src@1[4/8]; signal r0:arrive[12]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 4}, {{7, 3, 0, 8, 1, 4}, {7, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},
-    // rank 7 step 46: chunk 1 piece 5: partial sum + our part to rank 0; wait arrive[13], entry[0]; r0:inbox@1[5/8] = r7:inbox@1[5/8] + r7:src@1[5/8]; signal r0:arrive[13]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 5}, {{7, 3, 0, 8, 1, 5}, {7, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},
-    // rank 7 step 47: chunk 1 piece 6: partial sum + our part to rank 0; wait arrive[14], entry[0]; r0:inbox@1[6/8] = r7:inbox@1[6/8] + r7:src@1[6/8]; signal r0:arrive[14]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 6}, {{7, 3, 0, 8, 1, 6}, {7, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},
-    // rank 7 step 48: chunk 1 piece 7: partial sum + our part to rank 0; wait arrive[15], entry[0]; r0:inbox@1[7/8] = r7:inbox@1[7/8] + r7:src@1[7/8]; signal r0:arrive[15]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 7}, {{7, 3, 0, 8, 1, 7}, {7, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},
-    // rank 7 step 49: chunk 0 piece 0: partial sum + our part to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/8] = r7:inbox@0[0/8] + r7:src@0[0/8]; signal r0:arrive[0]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 0}, {{7, 3, 0, 8, 0, 0}, {7, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},
-    // rank 7 step 50: chunk 0 piece 1: partial sum + our part to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/8] = r7:inbox@0[1/8] + r7:src@0[1/8]; signal r0:arrive[1]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 1}, {{7, 3, 0, 8, 0, 1}, {7, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},
-    // rank 7 step 51: chunk 0 piece 2: partial sum + our part to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/8] = r7:inbox@0[2/8] + r7:src@0[2/8]; signal r0:arrive[2]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 2}, {{7, 3, 0, 8, 0, 2}, {7, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},
-    // rank 7 step 52: chunk 0 piece 3: partial sum + our part to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/8] = r7:inbox@0[3/8] + r7:src@0[3/8]; signal r0:arrive[3]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 3}, {{7, 3, 0, 8, 0, 3}, {7, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},
-    // rank 7 step 53: chunk 0 piece 4: partial sum + our part to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/8] = r7:inbox@0[4/8] + r7:src@0[4/8]; signal r0:arrive[4]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 4}, {{7, 3, 0, 8, 0, 4}, {7, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},
-    // rank 7 step 54: chunk 0 piece 5: partial sum + our part to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/8] = r7:inbox@0[5/8] + r7:src@0[5/8]; signal r0:arrive[5]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 5}, {{7, 3, 0, 8, 0, 5}, {7, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},
-    // rank 7 step 55: chunk 0 piece 6: partial sum + our part to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/8] = r7:inbox@0[6/8] + r7:src@0[6/8]; signal r0:arrive[6]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 6}, {{7, 3, 0, 8, 0, 6}, {7, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},
-    // rank 7 step 56: chunk 0 piece 7: partial sum + our part to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/8] = r7:inbox@0[7/8] + r7:src@0[7/8]; signal r0:arrive[7]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 7}, {{7, 3, 0, 8, 0, 7}, {7, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},
-    // rank 7 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[56]; r7:dst@0[0/8] = r7:inbox@7[0/8] + r7:src@7[0/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 0}, {{7, 3, 0, 8, 7, 0}, {7, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}}, {}},
-    // rank 7 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[57]; r7:dst@0[1/8] = r7:inbox@7[1/8] + r7:src@7[1/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 1}, {{7, 3, 0, 8, 7, 1}, {7, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}}, {}},
-    // rank 7 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[58]; r7:dst@0[2/8] = r7:inbox@7[2/8] + r7:src@7[2/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 2}, {{7, 3, 0, 8, 7, 2}, {7, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}}, {}},
-    // rank 7 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[59]; r7:dst@0[3/8] = r7:inbox@7[3/8] + r7:src@7[3/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 3}, {{7, 3, 0, 8, 7, 3}, {7, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}}, {}},
-    // rank 7 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[60]; r7:dst@0[4/8] = r7:inbox@7[4/8] + r7:src@7[4/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 4}, {{7, 3, 0, 8, 7, 4}, {7, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}}, {}},
-    // rank 7 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[61]; r7:dst@0[5/8] = r7:inbox@7[5/8] + r7:src@7[5/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 5}, {{7, 3, 0, 8, 7, 5}, {7, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}}, {}},
-    // rank 7 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[62]; r7:dst@0[6/8] = r7:inbox@7[6/8] + r7:src@7[6/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 6}, {{7, 3, 0, 8, 7, 6}, {7, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}}, {}},
-    // rank 7 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[63]; r7:dst@0[7/8] = r7:inbox@7[7/8] + r7:src@7[7/8]; 64 blocks
-    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 7}, {{7, 3, 0, 8, 7, 7}, {7, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}}, {}},
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{7, 4, 0}}},  // rank 0 step 0: entry: signal every peer; signal r7:entry[0]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 0}, {{0, 1, 1, 8, 7, 0}}, {}, {{4, 0, 1, 1}}, {{1, 5, 56}}},  // rank 0 step 1: chunk 7 piece 0: our part to rank 1; wait entry[1]; r1:inbox@7[0/8] = r0:src@7[0/8]; signal r1:arrive[56]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 1}, {{0, 1, 1, 8, 7, 1}}, {}, {{4, 0, 1, 1}}, {{1, 5, 57}}},  // rank 0 step 2: chunk 7 piece 1: our part to rank 1; wait entry[1]; r1:inbox@7[1/8] = r0:src@7[1/8]; signal r1:arrive[57]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 2}, {{0, 1, 1, 8, 7, 2}}, {}, {{4, 0, 1, 1}}, {{1, 5, 58}}},  // rank 0 step 3: chunk 7 piece 2: our part to rank 1; wait entry[1]; r1:inbox@7[2/8] = r0:src@7[2/8]; signal r1:arrive[58]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 3}, {{0, 1, 1, 8, 7, 3}}, {}, {{4, 0, 1, 1}}, {{1, 5, 59}}},  // rank 0 step 4: chunk 7 piece 3: our part to rank 1; wait entry[1]; r1:inbox@7[3/8] = r0:src@7[3/8]; signal r1:arrive[59]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 4}, {{0, 1, 1, 8, 7, 4}}, {}, {{4, 0, 1, 1}}, {{1, 5, 60}}},  // rank 0 step 5: chunk 7 piece 4: our part to rank 1; wait entry[1]; r1:inbox@7[4/8] = r0:src@7[4/8]; signal r1:arrive[60]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 5}, {{0, 1, 1, 8, 7, 5}}, {}, {{4, 0, 1, 1}}, {{1, 5, 61}}},  // rank 0 step 6: chunk 7 piece 5: our part to rank 1; wait entry[1]; r1:inbox@7[5/8] = r0:src@7[5/8]; signal r1:arrive[61]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 6}, {{0, 1, 1, 8, 7, 6}}, {}, {{4, 0, 1, 1}}, {{1, 5, 62}}},  // rank 0 step 7: chunk 7 piece 6: our part to rank 1; wait entry[1]; r1:inbox@7[6/8] = r0:src@7[6/8]; signal r1:arrive[62]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {1, 3, 0, 8, 7, 7}, {{0, 1, 1, 8, 7, 7}}, {}, {{4, 0, 1, 1}}, {{1, 5, 63}}},  // rank 0 step 8: chunk 7 piece 7: our part to rank 1; wait entry[1]; r1:inbox@7[7/8] = r0:src@7[7/8]; signal r1:arrive[63]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 0}, {{0, 3, 0, 8, 6, 0}, {0, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 1, 1}}, {{1, 5, 48}}},  // rank 0 step 9: chunk 6 piece 0: partial sum + our part to rank 1; wait arrive[48], entry[1]; r1:inbox@6[0/8] = r0:inbox@6[0/8] + r0:src@6[0/8]; signal r1:arrive[48]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 1}, {{0, 3, 0, 8, 6, 1}, {0, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 1, 1}}, {{1, 5, 49}}},  // rank 0 step 10: chunk 6 piece 1: partial sum + our part to rank 1; wait arrive[49], entry[1]; r1:inbox@6[1/8] = r0:inbox@6[1/8] + r0:src@6[1/8]; signal r1:arrive[49]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 2}, {{0, 3, 0, 8, 6, 2}, {0, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 1, 1}}, {{1, 5, 50}}},  // rank 0 step 11: chunk 6 piece 2: partial sum + our part to rank 1; wait arrive[50], entry[1]; r1:inbox@6[2/8] = r0:inbox@6[2/8] + r0:src@6[2/8]; signal r1:arrive[50]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 3}, {{0, 3, 0, 8, 6, 3}, {0, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 1, 1}}, {{1, 5, 51}}},  // rank 0 step 12: chunk 6 piece 3: partial sum + our part to rank 1; wait arrive[51], entry[1]; r1:inbox@6[3/8] = r0:inbox@6[3/8] + r0:src@6[3/8]; signal r1:arrive[51]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 4}, {{0, 3, 0, 8, 6, 4}, {0, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 1, 1}}, {{1, 5, 52}}},  // rank 0 step 13: chunk 6 piece 4: partial sum + our part to rank 1; wait arrive[52], entry[1]; r1:inbox@6[4/8] = r0:inbox@6[4/8] + r0:src@6[4/8]; signal r1:arrive[52]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 5}, {{0, 3, 0, 8, 6, 5}, {0, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 1, 1}}, {{1, 5, 53}}},  // rank 0 step 14: chunk 6 piece 5: partial sum + our part to rank 1; wait arrive[53], entry[1]; r1:inbox@6[5/8] = r0:inbox@6[5/8] + r0:src@6[5/8]; signal r1:arrive[53]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 6}, {{0, 3, 0, 8, 6, 6}, {0, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 1, 1}}, {{1, 5, 54}}},  // rank 0 step 15: chunk 6 piece 6: partial sum + our part to rank 1; wait arrive[54], entry[1]; r1:inbox@6[6/8] = r0:inbox@6[6/8] + r0:src@6[6/8]; signal r1:arrive[54]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 6, 7}, {{0, 3, 0, 8, 6, 7}, {0, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 1, 1}}, {{1, 5, 55}}},  // rank 0 step 16: chunk 6 piece 7: partial sum + our part to rank 1; wait arrive[55], entry[1]; r1:inbox@6[7/8] = r0:inbox@6[7/8] + r0:src@6[7/8]; signal r1:arrive[55]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 0}, {{0, 3, 0, 8, 5, 0}, {0, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 1, 1}}, {{1, 5, 40}}},  // rank 0 step 17: chunk 5 piece 0: partial sum + our part to rank 1; wait arrive[40], entry[1]; r1:inbox@5[0/8] = r0:inbox@5[0/8] + r0:src@5[0/8]; signal r1:arrive[40]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 1}, {{0, 3, 0, 8, 5, 1}, {0, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 1, 1}}, {{1, 5, 41}}},  // rank 0 step 18: chunk 5 piece 1: partial sum + our part to rank 1; wait arrive[41], entry[1]; r1:inbox@5[1/8] = r0:inbox@5[1/8] + r0:src@5[1/8]; signal r1:arrive[41]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 2}, {{0, 3, 0, 8, 5, 2}, {0, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 1, 1}}, {{1, 5, 42}}},  // rank 0 step 19: chunk 5 piece 2: partial sum + our part to rank 1; wait arrive[42], entry[1]; r1:inbox@5[2/8] = r0:inbox@5[2/8] + r0:src@5[2/8]; signal r1:arrive[42]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 3}, {{0, 3, 0, 8, 5, 3}, {0, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 1, 1}}, {{1, 5, 43}}},  // rank 0 step 20: chunk 5 piece 3: partial sum + our part to rank 1; wait arrive[43], entry[1]; r1:inbox@5[3/8] = r0:inbox@5[3/8] + r0:src@5[3/8]; signal r1:arrive[43]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 4}, {{0, 3, 0, 8, 5, 4}, {0, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 1, 1}}, {{1, 5, 44}}},  // rank 0 step 21: chunk 5 piece 4: partial sum + our part to rank 1; wait arrive[44], entry[1]; r1:inbox@5[4/8] = r0:inbox@5[4/8] + r0:src@5[4/8]; signal r1:arrive[44]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 5}, {{0, 3, 0, 8, 5, 5}, {0, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 1, 1}}, {{1, 5, 45}}},  // rank 0 step 22: chunk 5 piece 5: partial sum + our part to rank 1; wait arrive[45], entry[1]; r1:inbox@5[5/8] = r0:inbox@5[5/8] + r0:src@5[5/8]; signal r1:arrive[45]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 6}, {{0, 3, 0, 8, 5, 6}, {0, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 1, 1}}, {{1, 5, 46}}},  // rank 0 step 23: chunk 5 piece 6: partial sum + our part to rank 1; wait arrive[46], entry[1]; r1:inbox@5[6/8] = r0:inbox@5[6/8] + r0:src@5[6/8]; signal r1:arrive[46]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 5, 7}, {{0, 3, 0, 8, 5, 7}, {0, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 1, 1}}, {{1, 5, 47}}},  // rank 0 step 24: chunk 5 piece 7: partial sum + our part to rank 1; wait arrive[47], entry[1]; r1:inbox@5[7/8] = r0:inbox@5[7/8] + r0:src@5[7/8]; signal r1:arrive[47]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 0}, {{0, 3, 0, 8, 4, 0}, {0, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 1, 1}}, {{1, 5, 32}}},  // rank 0 step 25: chunk 4 piece 0: partial sum + our part to rank 1; wait arrive[32], entry[1]; r1:inbox@4[0/8] = r0:inbox@4[0/8] + r0:src@4[0/8]; signal r1:arrive[32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 1}, {{0, 3, 0, 8, 4, 1}, {0, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 1, 1}}, {{1, 5, 33}}},  // rank 0 step 26: chunk 4 piece 1: partial sum + our part to rank 1; wait arrive[33], entry[1]; r1:inbox@4[1/8] = r0:inbox@4[1/8] + r0:src@4[1/8]; signal r1:arrive[33]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 2}, {{0, 3, 0, 8, 4, 2}, {0, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 1, 1}}, {{1, 5, 34}}},  // rank 0 step 27: chunk 4 piece 2: partial sum + our part to rank 1; wait arrive[34], entry[1]; r1:inbox@4[2/8] = r0:inbox@4[2/8] + r0:src@4[2/8]; signal r1:arrive[34]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 3}, {{0, 3, 0, 8, 4, 3}, {0, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 1, 1}}, {{1, 5, 35}}},  // rank 0 step 28: chunk 4 piece 3: partial sum + our part to rank 1; wait arrive[35], entry[1]; r1:inbox@4[3/8] = r0:inbox@4[3/8] + r0:src@4[3/8]; signal r1:arrive[35]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 4}, {{0, 3, 0, 8, 4, 4}, {0, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 1, 1}}, {{1, 5, 36}}},  // rank 0 step 29: chunk 4 piece 4: partial sum + our part to rank 1; wait arrive[36], entry[1]; r1:inbox@4[4/8] = r0:inbox@4[4/8] + r0:src@4[4/8]; signal r1:arrive[36]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 5}, {{0, 3, 0, 8, 4, 5}, {0, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 1, 1}}, {{1, 5, 37}}},  // rank 0 step 30: chunk 4 piece 5: partial sum + our part to rank 1; wait arrive[37], entry[1]; r1:inbox@4[5/8] = r0:inbox@4[5/8] + r0:src@4[5/8]; signal r1:arrive[37]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 6}, {{0, 3, 0, 8, 4, 6}, {0, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 1, 1}}, {{1, 5, 38}}},  // rank 0 step 31: chunk 4 piece 6: partial sum + our part to rank 1; wait arrive[38], entry[1]; r1:inbox@4[6/8] = r0:inbox@4[6/8] + r0:src@4[6/8]; signal r1:arrive[38]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 4, 7}, {{0, 3, 0, 8, 4, 7}, {0, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 1, 1}}, {{1, 5, 39}}},  // rank 0 step 32: chunk 4 piece 7: partial sum + our part to rank 1; wait arrive[39], entry[1]; r1:inbox@4[7/8] = r0:inbox@4[7/8] + r0:src@4[7/8]; signal r1:arrive[39]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 0}, {{0, 3, 0, 8, 3, 0}, {0, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 1, 1}}, {{1, 5, 24}}},  // rank 0 step 33: chunk 3 piece 0: partial sum + our part to rank 1; wait arrive[24], entry[1]; r1:inbox@3[0/8] = r0:inbox@3[0/8] + r0:src@3[0/8]; signal r1:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 1}, {{0, 3, 0, 8, 3, 1}, {0, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 1, 1}}, {{1, 5, 25}}},  // rank 0 step 34: chunk 3 piece 1: partial sum + our part to rank 1; wait arrive[25], entry[1]; r1:inbox@3[1/8] = r0:inbox@3[1/8] + r0:src@3[1/8]; signal r1:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 2}, {{0, 3, 0, 8, 3, 2}, {0, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 1, 1}}, {{1, 5, 26}}},  // rank 0 step 35: chunk 3 piece 2: partial sum + our part to rank 1; wait arrive[26], entry[1]; r1:inbox@3[2/8] = r0:inbox@3[2/8] + r0:src@3[2/8]; signal r1:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 3}, {{0, 3, 0, 8, 3, 3}, {0, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 1, 1}}, {{1, 5, 27}}},  // rank 0 step 36: chunk 3 piece 3: partial sum + our part to rank 1; wait arrive[27], entry[1]; r1:inbox@3[3/8] = r0:inbox@3[3/8] + r0:src@3[3/8]; signal r1:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 4}, {{0, 3, 0, 8, 3, 4}, {0, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 1, 1}}, {{1, 5, 28}}},  // rank 0 step 37: chunk 3 piece 4: partial sum + our part to rank 1; wait arrive[28], entry[1]; r1:inbox@3[4/8] = r0:inbox@3[4/8] + r0:src@3[4/8]; signal r1:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 5}, {{0, 3, 0, 8, 3, 5}, {0, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 1, 1}}, {{1, 5, 29}}},  // rank 0 step 38: chunk 3 piece 5: partial sum + our part to rank 1; wait arrive[29], entry[1]; r1:inbox@3[5/8] = r0:inbox@3[5/8] + r0:src@3[5/8]; signal r1:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 6}, {{0, 3, 0, 8, 3, 6}, {0, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 1, 1}}, {{1, 5, 30}}},  // rank 0 step 39: chunk 3 piece 6: partial sum + our part to rank 1; wait arrive[30], entry[1]; r1:inbox@3[6/8] = r0:inbox@3[6/8] + r0:src@3[6/8]; signal r1:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 3, 7}, {{0, 3, 0, 8, 3, 7}, {0, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 1, 1}}, {{1, 5, 31}}},  // rank 0 step 40: chunk 3 piece 7: partial sum + our part to rank 1; wait arrive[31], entry[1]; r1:inbox@3[7/8] = r0:inbox@3[7/8] + r0:src@3[7/8]; signal r1:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 0}, {{0, 3, 0, 8, 2, 0}, {0, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 1, 1}}, {{1, 5, 16}}},  // rank 0 step 41: chunk 2 piece 0: partial sum + our part to rank 1; wait arrive[16], entry[1]; r1:inbox@2[0/8] = r0:inbox@2[0/8] + r0:src@2[0/8]; signal r1:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 1}, {{0, 3, 0, 8, 2, 1}, {0, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 1, 1}}, {{1, 5, 17}}},  // rank 0 step 42: chunk 2 piece 1: partial sum + our part to rank 1; wait arrive[17], entry[1]; r1:inbox@2[1/8] = r0:inbox@2[1/8] + r0:src@2[1/8]; signal r1:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 2}, {{0, 3, 0, 8, 2, 2}, {0, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 1, 1}}, {{1, 5, 18}}},  // rank 0 step 43: chunk 2 piece 2: partial sum + our part to rank 1; wait arrive[18], entry[1]; r1:inbox@2[2/8] = r0:inbox@2[2/8] + r0:src@2[2/8]; signal r1:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 3}, {{0, 3, 0, 8, 2, 3}, {0, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 1, 1}}, {{1, 5, 19}}},  // rank 0 step 44: chunk 2 piece 3: partial sum + our part to rank 1; wait arrive[19], entry[1]; r1:inbox@2[3/8] = r0:inbox@2[3/8] + r0:src@2[3/8]; signal r1:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 4}, {{0, 3, 0, 8, 2, 4}, {0, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 1, 1}}, {{1, 5, 20}}},  // rank 0 step 45: chunk 2 piece 4: partial sum + our part to rank 1; wait arrive[20], entry[1]; r1:inbox@2[4/8] = r0:inbox@2[4/8] + r0:src@2[4/8]; signal r1:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 5}, {{0, 3, 0, 8, 2, 5}, {0, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 1, 1}}, {{1, 5, 21}}},  // rank 0 step 46: chunk 2 piece 5: partial sum + our part to rank 1; wait arrive[21], entry[1]; r1:inbox@2[5/8] = r0:inbox@2[5/8] + r0:src@2[5/8]; signal r1:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 6}, {{0, 3, 0, 8, 2, 6}, {0, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 1, 1}}, {{1, 5, 22}}},  // rank 0 step 47: chunk 2 piece 6: partial sum + our part to rank 1; wait arrive[22], entry[1]; r1:inbox@2[6/8] = r0:inbox@2[6/8] + r0:src@2[6/8]; signal r1:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 2, 7}, {{0, 3, 0, 8, 2, 7}, {0, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 1, 1}}, {{1, 5, 23}}},  // rank 0 step 48: chunk 2 piece 7: partial sum + our part to rank 1; wait arrive[23], entry[1]; r1:inbox@2[7/8] = r0:inbox@2[7/8] + r0:src@2[7/8]; signal r1:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 0}, {{0, 3, 0, 8, 1, 0}, {0, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 1, 1}}, {{1, 5, 8}}},  // rank 0 step 49: chunk 1 piece 0: partial sum + our part to rank 1; wait arrive[8], entry[1]; r1:inbox@1[0/8] = r0:inbox@1[0/8] + r0:src@1[0/8]; signal r1:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 1}, {{0, 3, 0, 8, 1, 1}, {0, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 1, 1}}, {{1, 5, 9}}},  // rank 0 step 50: chunk 1 piece 1: partial sum + our part to rank 1; wait arrive[9], entry[1]; r1:inbox@1[1/8] = r0:inbox@1[1/8] + r0:src@1[1/8]; signal r1:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 2}, {{0, 3, 0, 8, 1, 2}, {0, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 1, 1}}, {{1, 5, 10}}},  // rank 0 step 51: chunk 1 piece 2: partial sum + our part to rank 1; wait arrive[10], entry[1]; r1:inbox@1[2/8] = r0:inbox@1[2/8] + r0:src@1[2/8]; signal r1:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 3}, {{0, 3, 0, 8, 1, 3}, {0, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 1, 1}}, {{1, 5, 11}}},  // rank 0 step 52: chunk 1 piece 3: partial sum + our part to rank 1; wait arrive[11], entry[1]; r1:inbox@1[3/8] = r0:inbox@1[3/8] + r0:src@1[3/8]; signal r1:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 4}, {{0, 3, 0, 8, 1, 4}, {0, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 1, 1}}, {{1, 5, 12}}},  // rank 0 step 53: chunk 1 piece 4: partial sum + our part to rank 1; wait arrive[12], entry[1]; r1:inbox@1[4/8] = r0:inbox@1[4/8] + r0:src@1[4/8]; signal r1:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 5}, {{0, 3, 0, 8, 1, 5}, {0, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 1, 1}}, {{1, 5, 13}}},  // rank 0 step 54: chunk 1 piece 5: partial sum + our part to rank 1; wait arrive[13], entry[1]; r1:inbox@1[5/8] = r0:inbox@1[5/8] + r0:src@1[5/8]; signal r1:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 6}, {{0, 3, 0, 8, 1, 6}, {0, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 1, 1}}, {{1, 5, 14}}},  // rank 0 step 55: chunk 1 piece 6: partial sum + our part to rank 1; wait arrive[14], entry[1]; r1:inbox@1[6/8] = r0:inbox@1[6/8] + r0:src@1[6/8]; signal r1:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {1, 3, 0, 8, 1, 7}, {{0, 3, 0, 8, 1, 7}, {0, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 1, 1}}, {{1, 5, 15}}},  // rank 0 step 56: chunk 1 piece 7: partial sum + our part to rank 1; wait arrive[15], entry[1]; r1:inbox@1[7/8] = r0:inbox@1[7/8] + r0:src@1[7/8]; signal r1:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 0}, {{0, 3, 0, 8, 0, 0}, {0, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}}, {}},  // rank 0 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[0]; r0:dst@0[0/8] = r0:inbox@0[0/8] + r0:src@0[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 1}, {{0, 3, 0, 8, 0, 1}, {0, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}}, {}},  // rank 0 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[1]; r0:dst@0[1/8] = r0:inbox@0[1/8] + r0:src@0[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 2}, {{0, 3, 0, 8, 0, 2}, {0, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}}, {}},  // rank 0 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[2]; r0:dst@0[2/8] = r0:inbox@0[2/8] + r0:src@0[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 3}, {{0, 3, 0, 8, 0, 3}, {0, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}}, {}},  // rank 0 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[3]; r0:dst@0[3/8] = r0:inbox@0[3/8] + r0:src@0[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 4}, {{0, 3, 0, 8, 0, 4}, {0, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}}, {}},  // rank 0 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[4]; r0:dst@0[4/8] = r0:inbox@0[4/8] + r0:src@0[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 5}, {{0, 3, 0, 8, 0, 5}, {0, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}}, {}},  // rank 0 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[5]; r0:dst@0[5/8] = r0:inbox@0[5/8] + r0:src@0[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 6}, {{0, 3, 0, 8, 0, 6}, {0, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}}, {}},  // rank 0 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[6]; r0:dst@0[6/8] = r0:inbox@0[6/8] + r0:src@0[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {0, 2, 0, 8, 0, 7}, {{0, 3, 0, 8, 0, 7}, {0, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}}, {}},  // rank 0 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[7]; r0:dst@0[7/8] = r0:inbox@0[7/8] + r0:src@0[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{0, 4, 1}}},  // rank 1 step 0: entry: signal every peer; signal r0:entry[1]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 0}, {{1, 1, 1, 8, 0, 0}}, {}, {{4, 0, 2, 1}}, {{2, 5, 0}}},  // rank 1 step 1: chunk 0 piece 0: our part to rank 2; wait entry[2]; r2:inbox@0[0/8] = r1:src@0[0/8]; signal r2:arrive[0]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 1}, {{1, 1, 1, 8, 0, 1}}, {}, {{4, 0, 2, 1}}, {{2, 5, 1}}},  // rank 1 step 2: chunk 0 piece 1: our part to rank 2; wait entry[2]; r2:inbox@0[1/8] = r1:src@0[1/8]; signal r2:arrive[1]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 2}, {{1, 1, 1, 8, 0, 2}}, {}, {{4, 0, 2, 1}}, {{2, 5, 2}}},  // rank 1 step 3: chunk 0 piece 2: our part to rank 2; wait entry[2]; r2:inbox@0[2/8] = r1:src@0[2/8]; signal r2:arrive[2]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 3}, {{1, 1, 1, 8, 0, 3}}, {}, {{4, 0, 2, 1}}, {{2, 5, 3}}},  // rank 1 step 4: chunk 0 piece 3: our part to rank 2; wait entry[2]; r2:inbox@0[3/8] = r1:src@0[3/8]; signal r2:arrive[3]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 4}, {{1, 1, 1, 8, 0, 4}}, {}, {{4, 0, 2, 1}}, {{2, 5, 4}}},  // rank 1 step 5: chunk 0 piece 4: our part to rank 2; wait entry[2]; r2:inbox@0[4/8] = r1:src@0[4/8]; signal r2:arrive[4]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 5}, {{1, 1, 1, 8, 0, 5}}, {}, {{4, 0, 2, 1}}, {{2, 5, 5}}},  // rank 1 step 6: chunk 0 piece 5: our part to rank 2; wait entry[2]; r2:inbox@0[5/8] = r1:src@0[5/8]; signal r2:arrive[5]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 6}, {{1, 1, 1, 8, 0, 6}}, {}, {{4, 0, 2, 1}}, {{2, 5, 6}}},  // rank 1 step 7: chunk 0 piece 6: our part to rank 2; wait entry[2]; r2:inbox@0[6/8] = r1:src@0[6/8]; signal r2:arrive[6]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {2, 3, 0, 8, 0, 7}, {{1, 1, 1, 8, 0, 7}}, {}, {{4, 0, 2, 1}}, {{2, 5, 7}}},  // rank 1 step 8: chunk 0 piece 7: our part to rank 2; wait entry[2]; r2:inbox@0[7/8] = r1:src@0[7/8]; signal r2:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 0}, {{1, 3, 0, 8, 7, 0}, {1, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 2, 1}}, {{2, 5, 56}}},  // rank 1 step 9: chunk 7 piece 0: partial sum + our part to rank 2; wait arrive[56], entry[2]; r2:inbox@7[0/8] = r1:inbox@7[0/8] + r1:src@7[0/8]; signal r2:arrive[56]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 1}, {{1, 3, 0, 8, 7, 1}, {1, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 2, 1}}, {{2, 5, 57}}},  // rank 1 step 10: chunk 7 piece 1: partial sum + our part to rank 2; wait arrive[57], entry[2]; r2:inbox@7[1/8] = r1:inbox@7[1/8] + r1:src@7[1/8]; signal r2:arrive[57]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 2}, {{1, 3, 0, 8, 7, 2}, {1, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 2, 1}}, {{2, 5, 58}}},  // rank 1 step 11: chunk 7 piece 2: partial sum + our part to rank 2; wait arrive[58], entry[2]; r2:inbox@7[2/8] = r1:inbox@7[2/8] + r1:src@7[2/8]; signal r2:arrive[58]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 3}, {{1, 3, 0, 8, 7, 3}, {1, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 2, 1}}, {{2, 5, 59}}},  // rank 1 step 12: chunk 7 piece 3: partial sum + our part to rank 2; wait arrive[59], entry[2]; r2:inbox@7[3/8] = r1:inbox@7[3/8] + r1:src@7[3/8]; signal r2:arrive[59]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 4}, {{1, 3, 0, 8, 7, 4}, {1, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 2, 1}}, {{2, 5, 60}}},  // rank 1 step 13: chunk 7 piece 4: partial sum + our part to rank 2; wait arrive[60], entry[2]; r2:inbox@7[4/8] = r1:inbox@7[4/8] + r1:src@7[4/8]; signal r2:arrive[60]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 5}, {{1, 3, 0, 8, 7, 5}, {1, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 2, 1}}, {{2, 5, 61}}},  // rank 1 step 14: chunk 7 piece 5: partial sum + our part to rank 2; wait arrive[61], entry[2]; r2:inbox@7[5/8] = r1:inbox@7[5/8] + r1:src@7[5/8]; signal r2:arrive[61]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 6}, {{1, 3, 0, 8, 7, 6}, {1, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 2, 1}}, {{2, 5, 62}}},  // rank 1 step 15: chunk 7 piece 6: partial sum + our part to rank 2; wait arrive[62], entry[2]; r2:inbox@7[6/8] = r1:inbox@7[6/8] + r1:src@7[6/8]; signal r2:arrive[62]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 7, 7}, {{1, 3, 0, 8, 7, 7}, {1, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 2, 1}}, {{2, 5, 63}}},  // rank 1 step 16: chunk 7 piece 7: partial sum + our part to rank 2; wait arrive[63], entry[2]; r2:inbox@7[7/8] = r1:inbox@7[7/8] + r1:src@7[7/8]; signal r2:arrive[63]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 0}, {{1, 3, 0, 8, 6, 0}, {1, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 2, 1}}, {{2, 5, 48}}},  // rank 1 step 17: chunk 6 piece 0: partial sum + our part to rank 2; wait arrive[48], entry[2]; r2:inbox@6[0/8] = r1:inbox@6[0/8] + r1:src@6[0/8]; signal r2:arrive[48]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 1}, {{1, 3, 0, 8, 6, 1}, {1, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 2, 1}}, {{2, 5, 49}}},  // rank 1 step 18: chunk 6 piece 1: partial sum + our part to rank 2; wait arrive[49], entry[2]; r2:inbox@6[1/8] = r1:inbox@6[1/8] + r1:src@6[1/8]; signal r2:arrive[49]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 2}, {{1, 3, 0, 8, 6, 2}, {1, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 2, 1}}, {{2, 5, 50}}},  // rank 1 step 19: chunk 6 piece 2: partial sum + our part to rank 2; wait arrive[50], entry[2]; r2:inbox@6[2/8] = r1:inbox@6[2/8] + r1:src@6[2/8]; signal r2:arrive[50]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 3}, {{1, 3, 0, 8, 6, 3}, {1, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 2, 1}}, {{2, 5, 51}}},  // rank 1 step 20: chunk 6 piece 3: partial sum + our part to rank 2; wait arrive[51], entry[2]; r2:inbox@6[3/8] = r1:inbox@6[3/8] + r1:src@6[3/8]; signal r2:arrive[51]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 4}, {{1, 3, 0, 8, 6, 4}, {1, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 2, 1}}, {{2, 5, 52}}},  // rank 1 step 21: chunk 6 piece 4: partial sum + our part to rank 2; wait arrive[52], entry[2]; r2:inbox@6[4/8] = r1:inbox@6[4/8] + r1:src@6[4/8]; signal r2:arrive[52]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 5}, {{1, 3, 0, 8, 6, 5}, {1, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 2, 1}}, {{2, 5, 53}}},  // rank 1 step 22: chunk 6 piece 5: partial sum + our part to rank 2; wait arrive[53], entry[2]; r2:inbox@6[5/8] = r1:inbox@6[5/8] + r1:src@6[5/8]; signal r2:arrive[53]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 6}, {{1, 3, 0, 8, 6, 6}, {1, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 2, 1}}, {{2, 5, 54}}},  // rank 1 step 23: chunk 6 piece 6: partial sum + our part to rank 2; wait arrive[54], entry[2]; r2:inbox@6[6/8] = r1:inbox@6[6/8] + r1:src@6[6/8]; signal r2:arrive[54]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 6, 7}, {{1, 3, 0, 8, 6, 7}, {1, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 2, 1}}, {{2, 5, 55}}},  // rank 1 step 24: chunk 6 piece 7: partial sum + our part to rank 2; wait arrive[55], entry[2]; r2:inbox@6[7/8] = r1:inbox@6[7/8] + r1:src@6[7/8]; signal r2:arrive[55]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 0}, {{1, 3, 0, 8, 5, 0}, {1, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 2, 1}}, {{2, 5, 40}}},  // rank 1 step 25: chunk 5 piece 0: partial sum + our part to rank 2; wait arrive[40], entry[2]; r2:inbox@5[0/8] = r1:inbox@5[0/8] + r1:src@5[0/8]; signal r2:arrive[40]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 1}, {{1, 3, 0, 8, 5, 1}, {1, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 2, 1}}, {{2, 5, 41}}},  // rank 1 step 26: chunk 5 piece 1: partial sum + our part to rank 2; wait arrive[41], entry[2]; r2:inbox@5[1/8] = r1:inbox@5[1/8] + r1:src@5[1/8]; signal r2:arrive[41]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 2}, {{1, 3, 0, 8, 5, 2}, {1, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 2, 1}}, {{2, 5, 42}}},  // rank 1 step 27: chunk 5 piece 2: partial sum + our part to rank 2; wait arrive[42], entry[2]; r2:inbox@5[2/8] = r1:inbox@5[2/8] + r1:src@5[2/8]; signal r2:arrive[42]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 3}, {{1, 3, 0, 8, 5, 3}, {1, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 2, 1}}, {{2, 5, 43}}},  // rank 1 step 28: chunk 5 piece 3: partial sum + our part to rank 2; wait arrive[43], entry[2]; r2:inbox@5[3/8] = r1:inbox@5[3/8] + r1:src@5[3/8]; signal r2:arrive[43]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 4}, {{1, 3, 0, 8, 5, 4}, {1, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 2, 1}}, {{2, 5, 44}}},  // rank 1 step 29: chunk 5 piece 4: partial sum + our part to rank 2; wait arrive[44], entry[2]; r2:inbox@5[4/8] = r1:inbox@5[4/8] + r1:src@5[4/8]; signal r2:arrive[44]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 5}, {{1, 3, 0, 8, 5, 5}, {1, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 2, 1}}, {{2, 5, 45}}},  // rank 1 step 30: chunk 5 piece 5: partial sum + our part to rank 2; wait arrive[45], entry[2]; r2:inbox@5[5/8] = r1:inbox@5[5/8] + r1:src@5[5/8]; signal r2:arrive[45]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 6}, {{1, 3, 0, 8, 5, 6}, {1, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 2, 1}}, {{2, 5, 46}}},  // rank 1 step 31: chunk 5 piece 6: partial sum + our part to rank 2; wait arrive[46], entry[2]; r2:inbox@5[6/8] = r1:inbox@5[6/8] + r1:src@5[6/8]; signal r2:arrive[46]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 5, 7}, {{1, 3, 0, 8, 5, 7}, {1, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 2, 1}}, {{2, 5, 47}}},  // rank 1 step 32: chunk 5 piece 7: partial sum + our part to rank 2; wait arrive[47], entry[2]; r2:inbox@5[7/8] = r1:inbox@5[7/8] + r1:src@5[7/8]; signal r2:arrive[47]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 0}, {{1, 3, 0, 8, 4, 0}, {1, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 2, 1}}, {{2, 5, 32}}},  // rank 1 step 33: chunk 4 piece 0: partial sum + our part to rank 2; wait arrive[32], entry[2]; r2:inbox@4[0/8] = r1:inbox@4[0/8] + r1:src@4[0/8]; signal r2:arrive[32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 1}, {{1, 3, 0, 8, 4, 1}, {1, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 2, 1}}, {{2, 5, 33}}},  // rank 1 step 34: chunk 4 piece 1: partial sum + our part to rank 2; wait arrive[33], entry[2]; r2:inbox@4[1/8] = r1:inbox@4[1/8] + r1:src@4[1/8]; signal r2:arrive[33]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 2}, {{1, 3, 0, 8, 4, 2}, {1, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 2, 1}}, {{2, 5, 34}}},  // rank 1 step 35: chunk 4 piece 2: partial sum + our part to rank 2; wait arrive[34], entry[2]; r2:inbox@4[2/8] = r1:inbox@4[2/8] + r1:src@4[2/8]; signal r2:arrive[34]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 3}, {{1, 3, 0, 8, 4, 3}, {1, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 2, 1}}, {{2, 5, 35}}},  // rank 1 step 36: chunk 4 piece 3: partial sum + our part to rank 2; wait arrive[35], entry[2]; r2:inbox@4[3/8] = r1:inbox@4[3/8] + r1:src@4[3/8]; signal r2:arrive[35]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 4}, {{1, 3, 0, 8, 4, 4}, {1, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 2, 1}}, {{2, 5, 36}}},  // rank 1 step 37: chunk 4 piece 4: partial sum + our part to rank 2; wait arrive[36], entry[2]; r2:inbox@4[4/8] = r1:inbox@4[4/8] + r1:src@4[4/8]; signal r2:arrive[36]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 5}, {{1, 3, 0, 8, 4, 5}, {1, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 2, 1}}, {{2, 5, 37}}},  // rank 1 step 38: chunk 4 piece 5: partial sum + our part to rank 2; wait arrive[37], entry[2]; r2:inbox@4[5/8] = r1:inbox@4[5/8] + r1:src@4[5/8]; signal r2:arrive[37]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 6}, {{1, 3, 0, 8, 4, 6}, {1, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 2, 1}}, {{2, 5, 38}}},  // rank 1 step 39: chunk 4 piece 6: partial sum + our part to rank 2; wait arrive[38], entry[2]; r2:inbox@4[6/8] = r1:inbox@4[6/8] + r1:src@4[6/8]; signal r2:arrive[38]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 4, 7}, {{1, 3, 0, 8, 4, 7}, {1, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 2, 1}}, {{2, 5, 39}}},  // rank 1 step 40: chunk 4 piece 7: partial sum + our part to rank 2; wait arrive[39], entry[2]; r2:inbox@4[7/8] = r1:inbox@4[7/8] + r1:src@4[7/8]; signal r2:arrive[39]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 0}, {{1, 3, 0, 8, 3, 0}, {1, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 2, 1}}, {{2, 5, 24}}},  // rank 1 step 41: chunk 3 piece 0: partial sum + our part to rank 2; wait arrive[24], entry[2]; r2:inbox@3[0/8] = r1:inbox@3[0/8] + r1:src@3[0/8]; signal r2:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 1}, {{1, 3, 0, 8, 3, 1}, {1, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 2, 1}}, {{2, 5, 25}}},  // rank 1 step 42: chunk 3 piece 1: partial sum + our part to rank 2; wait arrive[25], entry[2]; r2:inbox@3[1/8] = r1:inbox@3[1/8] + r1:src@3[1/8]; signal r2:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 2}, {{1, 3, 0, 8, 3, 2}, {1, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 2, 1}}, {{2, 5, 26}}},  // rank 1 step 43: chunk 3 piece 2: partial sum + our part to rank 2; wait arrive[26], entry[2]; r2:inbox@3[2/8] = r1:inbox@3[2/8] + r1:src@3[2/8]; signal r2:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 3}, {{1, 3, 0, 8, 3, 3}, {1, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 2, 1}}, {{2, 5, 27}}},  // rank 1 step 44: chunk 3 piece 3: partial sum + our part to rank 2; wait arrive[27], entry[2]; r2:inbox@3[3/8] = r1:inbox@3[3/8] + r1:src@3[3/8]; signal r2:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 4}, {{1, 3, 0, 8, 3, 4}, {1, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 2, 1}}, {{2, 5, 28}}},  // rank 1 step 45: chunk 3 piece 4: partial sum + our part to rank 2; wait arrive[28], entry[2]; r2:inbox@3[4/8] = r1:inbox@3[4/8] + r1:src@3[4/8]; signal r2:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 5}, {{1, 3, 0, 8, 3, 5}, {1, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 2, 1}}, {{2, 5, 29}}},  // rank 1 step 46: chunk 3 piece 5: partial sum + our part to rank 2; wait arrive[29], entry[2]; r2:inbox@3[5/8] = r1:inbox@3[5/8] + r1:src@3[5/8]; signal r2:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 6}, {{1, 3, 0, 8, 3, 6}, {1, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 2, 1}}, {{2, 5, 30}}},  // rank 1 step 47: chunk 3 piece 6: partial sum + our part to rank 2; wait arrive[30], entry[2]; r2:inbox@3[6/8] = r1:inbox@3[6/8] + r1:src@3[6/8]; signal r2:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 3, 7}, {{1, 3, 0, 8, 3, 7}, {1, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 2, 1}}, {{2, 5, 31}}},  // rank 1 step 48: chunk 3 piece 7: partial sum + our part to rank 2; wait arrive[31], entry[2]; r2:inbox@3[7/8] = r1:inbox@3[7/8] + r1:src@3[7/8]; signal r2:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 0}, {{1, 3, 0, 8, 2, 0}, {1, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 2, 1}}, {{2, 5, 16}}},  // rank 1 step 49: chunk 2 piece 0: partial sum + our part to rank 2; wait arrive[16], entry[2]; r2:inbox@2[0/8] = r1:inbox@2[0/8] + r1:src@2[0/8]; signal r2:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 1}, {{1, 3, 0, 8, 2, 1}, {1, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 2, 1}}, {{2, 5, 17}}},  // rank 1 step 50: chunk 2 piece 1: partial sum + our part to rank 2; wait arrive[17], entry[2]; r2:inbox@2[1/8] = r1:inbox@2[1/8] + r1:src@2[1/8]; signal r2:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 2}, {{1, 3, 0, 8, 2, 2}, {1, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 2, 1}}, {{2, 5, 18}}},  // rank 1 step 51: chunk 2 piece 2: partial sum + our part to rank 2; wait arrive[18], entry[2]; r2:inbox@2[2/8] = r1:inbox@2[2/8] + r1:src@2[2/8]; signal r2:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 3}, {{1, 3, 0, 8, 2, 3}, {1, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 2, 1}}, {{2, 5, 19}}},  // rank 1 step 52: chunk 2 piece 3: partial sum + our part to rank 2; wait arrive[19], entry[2]; r2:inbox@2[3/8] = r1:inbox@2[3/8] + r1:src@2[3/8]; signal r2:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 4}, {{1, 3, 0, 8, 2, 4}, {1, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 2, 1}}, {{2, 5, 20}}},  // rank 1 step 53: chunk 2 piece 4: partial sum + our part to rank 2; wait arrive[20], entry[2]; r2:inbox@2[4/8] = r1:inbox@2[4/8] + r1:src@2[4/8]; signal r2:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 5}, {{1, 3, 0, 8, 2, 5}, {1, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 2, 1}}, {{2, 5, 21}}},  // rank 1 step 54: chunk 2 piece 5: partial sum + our part to rank 2; wait arrive[21], entry[2]; r2:inbox@2[5/8] = r1:inbox@2[5/8] + r1:src@2[5/8]; signal r2:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 6}, {{1, 3, 0, 8, 2, 6}, {1, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 2, 1}}, {{2, 5, 22}}},  // rank 1 step 55: chunk 2 piece 6: partial sum + our part to rank 2; wait arrive[22], entry[2]; r2:inbox@2[6/8] = r1:inbox@2[6/8] + r1:src@2[6/8]; signal r2:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {2, 3, 0, 8, 2, 7}, {{1, 3, 0, 8, 2, 7}, {1, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 2, 1}}, {{2, 5, 23}}},  // rank 1 step 56: chunk 2 piece 7: partial sum + our part to rank 2; wait arrive[23], entry[2]; r2:inbox@2[7/8] = r1:inbox@2[7/8] + r1:src@2[7/8]; signal r2:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 0}, {{1, 3, 0, 8, 1, 0}, {1, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}}, {}},  // rank 1 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[8]; r1:dst@0[0/8] = r1:inbox@1[0/8] + r1:src@1[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 1}, {{1, 3, 0, 8, 1, 1}, {1, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}}, {}},  // rank 1 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[9]; r1:dst@0[1/8] = r1:inbox@1[1/8] + r1:src@1[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 2}, {{1, 3, 0, 8, 1, 2}, {1, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}}, {}},  // rank 1 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[10]; r1:dst@0[2/8] = r1:inbox@1[2/8] + r1:src@1[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 3}, {{1, 3, 0, 8, 1, 3}, {1, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}}, {}},  // rank 1 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[11]; r1:dst@0[3/8] = r1:inbox@1[3/8] + r1:src@1[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 4}, {{1, 3, 0, 8, 1, 4}, {1, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}}, {}},  // rank 1 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[12]; r1:dst@0[4/8] = r1:inbox@1[4/8] + r1:src@1[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 5}, {{1, 3, 0, 8, 1, 5}, {1, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}}, {}},  // rank 1 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[13]; r1:dst@0[5/8] = r1:inbox@1[5/8] + r1:src@1[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 6}, {{1, 3, 0, 8, 1, 6}, {1, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}}, {}},  // rank 1 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[14]; r1:dst@0[6/8] = r1:inbox@1[6/8] + r1:src@1[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {1, 2, 0, 8, 0, 7}, {{1, 3, 0, 8, 1, 7}, {1, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}}, {}},  // rank 1 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[15]; r1:dst@0[7/8] = r1:inbox@1[7/8] + r1:src@1[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{1, 4, 2}}},  // rank 2 step 0: entry: signal every peer; signal r1:entry[2]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 0}, {{2, 1, 1, 8, 1, 0}}, {}, {{4, 0, 3, 1}}, {{3, 5, 8}}},  // rank 2 step 1: chunk 1 piece 0: our part to rank 3; wait entry[3]; r3:inbox@1[0/8] = r2:src@1[0/8]; signal r3:arrive[8]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 1}, {{2, 1, 1, 8, 1, 1}}, {}, {{4, 0, 3, 1}}, {{3, 5, 9}}},  // rank 2 step 2: chunk 1 piece 1: our part to rank 3; wait entry[3]; r3:inbox@1[1/8] = r2:src@1[1/8]; signal r3:arrive[9]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 2}, {{2, 1, 1, 8, 1, 2}}, {}, {{4, 0, 3, 1}}, {{3, 5, 10}}},  // rank 2 step 3: chunk 1 piece 2: our part to rank 3; wait entry[3]; r3:inbox@1[2/8] = r2:src@1[2/8]; signal r3:arrive[10]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 3}, {{2, 1, 1, 8, 1, 3}}, {}, {{4, 0, 3, 1}}, {{3, 5, 11}}},  // rank 2 step 4: chunk 1 piece 3: our part to rank 3; wait entry[3]; r3:inbox@1[3/8] = r2:src@1[3/8]; signal r3:arrive[11]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 4}, {{2, 1, 1, 8, 1, 4}}, {}, {{4, 0, 3, 1}}, {{3, 5, 12}}},  // rank 2 step 5: chunk 1 piece 4: our part to rank 3; wait entry[3]; r3:inbox@1[4/8] = r2:src@1[4/8]; signal r3:arrive[12]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 5}, {{2, 1, 1, 8, 1, 5}}, {}, {{4, 0, 3, 1}}, {{3, 5, 13}}},  // rank 2 step 6: chunk 1 piece 5: our part to rank 3; wait entry[3]; r3:inbox@1[5/8] = r2:src@1[5/8]; signal r3:arrive[13]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 6}, {{2, 1, 1, 8, 1, 6}}, {}, {{4, 0, 3, 1}}, {{3, 5, 14}}},  // rank 2 step 7: chunk 1 piece 6: our part to rank 3; wait entry[3]; r3:inbox@1[6/8] = r2:src@1[6/8]; signal r3:arrive[14]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {3, 3, 0, 8, 1, 7}, {{2, 1, 1, 8, 1, 7}}, {}, {{4, 0, 3, 1}}, {{3, 5, 15}}},  // rank 2 step 8: chunk 1 piece 7: our part to rank 3; wait entry[3]; r3:inbox@1[7/8] = r2:src@1[7/8]; signal r3:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 0}, {{2, 3, 0, 8, 0, 0}, {2, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 3, 1}}, {{3, 5, 0}}},  // rank 2 step 9: chunk 0 piece 0: partial sum + our part to rank 3; wait arrive[0], entry[3]; r3:inbox@0[0/8] = r2:inbox@0[0/8] + r2:src@0[0/8]; signal r3:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 1}, {{2, 3, 0, 8, 0, 1}, {2, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 3, 1}}, {{3, 5, 1}}},  // rank 2 step 10: chunk 0 piece 1: partial sum + our part to rank 3; wait arrive[1], entry[3]; r3:inbox@0[1/8] = r2:inbox@0[1/8] + r2:src@0[1/8]; signal r3:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 2}, {{2, 3, 0, 8, 0, 2}, {2, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 3, 1}}, {{3, 5, 2}}},  // rank 2 step 11: chunk 0 piece 2: partial sum + our part to rank 3; wait arrive[2], entry[3]; r3:inbox@0[2/8] = r2:inbox@0[2/8] + r2:src@0[2/8]; signal r3:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 3}, {{2, 3, 0, 8, 0, 3}, {2, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 3, 1}}, {{3, 5, 3}}},  // rank 2 step 12: chunk 0 piece 3: partial sum + our part to rank 3; wait arrive[3], entry[3]; r3:inbox@0[3/8] = r2:inbox@0[3/8] + r2:src@0[3/8]; signal r3:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 4}, {{2, 3, 0, 8, 0, 4}, {2, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 3, 1}}, {{3, 5, 4}}},  // rank 2 step 13: chunk 0 piece 4: partial sum + our part to rank 3; wait arrive[4], entry[3]; r3:inbox@0[4/8] = r2:inbox@0[4/8] + r2:src@0[4/8]; signal r3:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 5}, {{2, 3, 0, 8, 0, 5}, {2, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 3, 1}}, {{3, 5, 5}}},  // rank 2 step 14: chunk 0 piece 5: partial sum + our part to rank 3; wait arrive[5], entry[3]; r3:inbox@0[5/8] = r2:inbox@0[5/8] + r2:src@0[5/8]; signal r3:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 6}, {{2, 3, 0, 8, 0, 6}, {2, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 3, 1}}, {{3, 5, 6}}},  // rank 2 step 15: chunk 0 piece 6: partial sum + our part to rank 3; wait arrive[6], entry[3]; r3:inbox@0[6/8] = r2:inbox@0[6/8] + r2:src@0[6/8]; signal r3:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 0, 7}, {{2, 3, 0, 8, 0, 7}, {2, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 3, 1}}, {{3, 5, 7}}},  // rank 2 step 16: chunk 0 piece 7: partial sum + our part to rank 3; wait arrive[7], entry[3]; r3:inbox@0[7/8] = r2:inbox@0[7/8] + r2:src@0[7/8]; signal r3:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 0}, {{2, 3, 0, 8, 7, 0}, {2, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 3, 1}}, {{3, 5, 56}}},  // rank 2 step 17: chunk 7 piece 0: partial sum + our part to rank 3; wait arrive[56], entry[3]; r3:inbox@7[0/8] = r2:inbox@7[0/8] + r2:src@7[0/8]; signal r3:arrive[56]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 1}, {{2, 3, 0, 8, 7, 1}, {2, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 3, 1}}, {{3, 5, 57}}},  // rank 2 step 18: chunk 7 piece 1: partial sum + our part to rank 3; wait arrive[57], entry[3]; r3:inbox@7[1/8] = r2:inbox@7[1/8] + r2:src@7[1/8]; signal r3:arrive[57]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 2}, {{2, 3, 0, 8, 7, 2}, {2, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 3, 1}}, {{3, 5, 58}}},  // rank 2 step 19: chunk 7 piece 2: partial sum + our part to rank 3; wait arrive[58], entry[3]; r3:inbox@7[2/8] = r2:inbox@7[2/8] + r2:src@7[2/8]; signal r3:arrive[58]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 3}, {{2, 3, 0, 8, 7, 3}, {2, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 3, 1}}, {{3, 5, 59}}},  // rank 2 step 20: chunk 7 piece 3: partial sum + our part to rank 3; wait arrive[59], entry[3]; r3:inbox@7[3/8] = r2:inbox@7[3/8] + r2:src@7[3/8]; signal r3:arrive[59]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 4}, {{2, 3, 0, 8, 7, 4}, {2, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 3, 1}}, {{3, 5, 60}}},  // rank 2 step 21: chunk 7 piece 4: partial sum + our part to rank 3; wait arrive[60], entry[3]; r3:inbox@7[4/8] = r2:inbox@7[4/8] + r2:src@7[4/8]; signal r3:arrive[60]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 5}, {{2, 3, 0, 8, 7, 5}, {2, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 3, 1}}, {{3, 5, 61}}},  // rank 2 step 22: chunk 7 piece 5: partial sum + our part to rank 3; wait arrive[61], entry[3]; r3:inbox@7[5/8] = r2:inbox@7[5/8] + r2:src@7[5/8]; signal r3:arrive[61]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 6}, {{2, 3, 0, 8, 7, 6}, {2, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 3, 1}}, {{3, 5, 62}}},  // rank 2 step 23: chunk 7 piece 6: partial sum + our part to rank 3; wait arrive[62], entry[3]; r3:inbox@7[6/8] = r2:inbox@7[6/8] + r2:src@7[6/8]; signal r3:arrive[62]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 7, 7}, {{2, 3, 0, 8, 7, 7}, {2, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 3, 1}}, {{3, 5, 63}}},  // rank 2 step 24: chunk 7 piece 7: partial sum + our part to rank 3; wait arrive[63], entry[3]; r3:inbox@7[7/8] = r2:inbox@7[7/8] + r2:src@7[7/8]; signal r3:arrive[63]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 0}, {{2, 3, 0, 8, 6, 0}, {2, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 3, 1}}, {{3, 5, 48}}},  // rank 2 step 25: chunk 6 piece 0: partial sum + our part to rank 3; wait arrive[48], entry[3]; r3:inbox@6[0/8] = r2:inbox@6[0/8] + r2:src@6[0/8]; signal r3:arrive[48]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 1}, {{2, 3, 0, 8, 6, 1}, {2, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 3, 1}}, {{3, 5, 49}}},  // rank 2 step 26: chunk 6 piece 1: partial sum + our part to rank 3; wait arrive[49], entry[3]; r3:inbox@6[1/8] = r2:inbox@6[1/8] + r2:src@6[1/8]; signal r3:arrive[49]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 2}, {{2, 3, 0, 8, 6, 2}, {2, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 3, 1}}, {{3, 5, 50}}},  // rank 2 step 27: chunk 6 piece 2: partial sum + our part to rank 3; wait arrive[50], entry[3]; r3:inbox@6[2/8] = r2:inbox@6[2/8] + r2:src@6[2/8]; signal r3:arrive[50]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 3}, {{2, 3, 0, 8, 6, 3}, {2, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 3, 1}}, {{3, 5, 51}}},  // rank 2 step 28: chunk 6 piece 3: partial sum + our part to rank 3; wait arrive[51], entry[3]; r3:inbox@6[3/8] = r2:inbox@6[3/8] + r2:src@6[3/8]; signal r3:arrive[51]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 4}, {{2, 3, 0, 8, 6, 4}, {2, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 3, 1}}, {{3, 5, 52}}},  // rank 2 step 29: chunk 6 piece 4: partial sum + our part to rank 3; wait arrive[52], entry[3]; r3:inbox@6[4/8] = r2:inbox@6[4/8] + r2:src@6[4/8]; signal r3:arrive[52]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 5}, {{2, 3, 0, 8, 6, 5}, {2, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 3, 1}}, {{3, 5, 53}}},  // rank 2 step 30: chunk 6 piece 5: partial sum + our part to rank 3; wait arrive[53], entry[3]; r3:inbox@6[5/8] = r2:inbox@6[5/8] + r2:src@6[5/8]; signal r3:arrive[53]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 6}, {{2, 3, 0, 8, 6, 6}, {2, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 3, 1}}, {{3, 5, 54}}},  // rank 2 step 31: chunk 6 piece 6: partial sum + our part to rank 3; wait arrive[54], entry[3]; r3:inbox@6[6/8] = r2:inbox@6[6/8] + r2:src@6[6/8]; signal r3:arrive[54]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 6, 7}, {{2, 3, 0, 8, 6, 7}, {2, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 3, 1}}, {{3, 5, 55}}},  // rank 2 step 32: chunk 6 piece 7: partial sum + our part to rank 3; wait arrive[55], entry[3]; r3:inbox@6[7/8] = r2:inbox@6[7/8] + r2:src@6[7/8]; signal r3:arrive[55]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 0}, {{2, 3, 0, 8, 5, 0}, {2, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 3, 1}}, {{3, 5, 40}}},  // rank 2 step 33: chunk 5 piece 0: partial sum + our part to rank 3; wait arrive[40], entry[3]; r3:inbox@5[0/8] = r2:inbox@5[0/8] + r2:src@5[0/8]; signal r3:arrive[40]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 1}, {{2, 3, 0, 8, 5, 1}, {2, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 3, 1}}, {{3, 5, 41}}},  // rank 2 step 34: chunk 5 piece 1: partial sum + our part to rank 3; wait arrive[41], entry[3]; r3:inbox@5[1/8] = r2:inbox@5[1/8] + r2:src@5[1/8]; signal r3:arrive[41]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 2}, {{2, 3, 0, 8, 5, 2}, {2, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 3, 1}}, {{3, 5, 42}}},  // rank 2 step 35: chunk 5 piece 2: partial sum + our part to rank 3; wait arrive[42], entry[3]; r3:inbox@5[2/8] = r2:inbox@5[2/8] + r2:src@5[2/8]; signal r3:arrive[42]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 3}, {{2, 3, 0, 8, 5, 3}, {2, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 3, 1}}, {{3, 5, 43}}},  // rank 2 step 36: chunk 5 piece 3: partial sum + our part to rank 3; wait arrive[43], entry[3]; r3:inbox@5[3/8] = r2:inbox@5[3/8] + r2:src@5[3/8]; signal r3:arrive[43]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 4}, {{2, 3, 0, 8, 5, 4}, {2, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 3, 1}}, {{3, 5, 44}}},  // rank 2 step 37: chunk 5 piece 4: partial sum + our part to rank 3; wait arrive[44], entry[3]; r3:inbox@5[4/8] = r2:inbox@5[4/8] + r2:src@5[4/8]; signal r3:arrive[44]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 5}, {{2, 3, 0, 8, 5, 5}, {2, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 3, 1}}, {{3, 5, 45}}},  // rank 2 step 38: chunk 5 piece 5: partial sum + our part to rank 3; wait arrive[45], entry[3]; r3:inbox@5[5/8] = r2:inbox@5[5/8] + r2:src@5[5/8]; signal r3:arrive[45]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 6}, {{2, 3, 0, 8, 5, 6}, {2, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 3, 1}}, {{3, 5, 46}}},  // rank 2 step 39: chunk 5 piece 6: partial sum + our part to rank 3; wait arrive[46], entry[3]; r3:inbox@5[6/8] = r2:inbox@5[6/8] + r2:src@5[6/8]; signal r3:arrive[46]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 5, 7}, {{2, 3, 0, 8, 5, 7}, {2, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 3, 1}}, {{3, 5, 47}}},  // rank 2 step 40: chunk 5 piece 7: partial sum + our part to rank 3; wait arrive[47], entry[3]; r3:inbox@5[7/8] = r2:inbox@5[7/8] + r2:src@5[7/8]; signal r3:arrive[47]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 0}, {{2, 3, 0, 8, 4, 0}, {2, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 3, 1}}, {{3, 5, 32}}},  // rank 2 step 41: chunk 4 piece 0: partial sum + our part to rank 3; wait arrive[32], entry[3]; r3:inbox@4[0/8] = r2:inbox@4[0/8] + r2:src@4[0/8]; signal r3:arrive[32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 1}, {{2, 3, 0, 8, 4, 1}, {2, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 3, 1}}, {{3, 5, 33}}},  // rank 2 step 42: chunk 4 piece 1: partial sum + our part to rank 3; wait arrive[33], entry[3]; r3:inbox@4[1/8] = r2:inbox@4[1/8] + r2:src@4[1/8]; signal r3:arrive[33]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 2}, {{2, 3, 0, 8, 4, 2}, {2, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 3, 1}}, {{3, 5, 34}}},  // rank 2 step 43: chunk 4 piece 2: partial sum + our part to rank 3; wait arrive[34], entry[3]; r3:inbox@4[2/8] = r2:inbox@4[2/8] + r2:src@4[2/8]; signal r3:arrive[34]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 3}, {{2, 3, 0, 8, 4, 3}, {2, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 3, 1}}, {{3, 5, 35}}},  // rank 2 step 44: chunk 4 piece 3: partial sum + our part to rank 3; wait arrive[35], entry[3]; r3:inbox@4[3/8] = r2:inbox@4[3/8] + r2:src@4[3/8]; signal r3:arrive[35]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 4}, {{2, 3, 0, 8, 4, 4}, {2, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 3, 1}}, {{3, 5, 36}}},  // rank 2 step 45: chunk 4 piece 4: partial sum + our part to rank 3; wait arrive[36], entry[3]; r3:inbox@4[4/8] = r2:inbox@4[4/8] + r2:src@4[4/8]; signal r3:arrive[36]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 5}, {{2, 3, 0, 8, 4, 5}, {2, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 3, 1}}, {{3, 5, 37}}},  // rank 2 step 46: chunk 4 piece 5: partial sum + our part to rank 3; wait arrive[37], entry[3]; r3:inbox@4[5/8] = r2:inbox@4[5/8] + r2:src@4[5/8]; signal r3:arrive[37]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 6}, {{2, 3, 0, 8, 4, 6}, {2, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 3, 1}}, {{3, 5, 38}}},  // rank 2 step 47: chunk 4 piece 6: partial sum + our part to rank 3; wait arrive[38], entry[3]; r3:inbox@4[6/8] = r2:inbox@4[6/8] + r2:src@4[6/8]; signal r3:arrive[38]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 4, 7}, {{2, 3, 0, 8, 4, 7}, {2, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 3, 1}}, {{3, 5, 39}}},  // rank 2 step 48: chunk 4 piece 7: partial sum + our part to rank 3; wait arrive[39], entry[3]; r3:inbox@4[7/8] = r2:inbox@4[7/8] + r2:src@4[7/8]; signal r3:arrive[39]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 0}, {{2, 3, 0, 8, 3, 0}, {2, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 3, 1}}, {{3, 5, 24}}},  // rank 2 step 49: chunk 3 piece 0: partial sum + our part to rank 3; wait arrive[24], entry[3]; r3:inbox@3[0/8] = r2:inbox@3[0/8] + r2:src@3[0/8]; signal r3:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 1}, {{2, 3, 0, 8, 3, 1}, {2, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 3, 1}}, {{3, 5, 25}}},  // rank 2 step 50: chunk 3 piece 1: partial sum + our part to rank 3; wait arrive[25], entry[3]; r3:inbox@3[1/8] = r2:inbox@3[1/8] + r2:src@3[1/8]; signal r3:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 2}, {{2, 3, 0, 8, 3, 2}, {2, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 3, 1}}, {{3, 5, 26}}},  // rank 2 step 51: chunk 3 piece 2: partial sum + our part to rank 3; wait arrive[26], entry[3]; r3:inbox@3[2/8] = r2:inbox@3[2/8] + r2:src@3[2/8]; signal r3:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 3}, {{2, 3, 0, 8, 3, 3}, {2, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 3, 1}}, {{3, 5, 27}}},  // rank 2 step 52: chunk 3 piece 3: partial sum + our part to rank 3; wait arrive[27], entry[3]; r3:inbox@3[3/8] = r2:inbox@3[3/8] + r2:src@3[3/8]; signal r3:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 4}, {{2, 3, 0, 8, 3, 4}, {2, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 3, 1}}, {{3, 5, 28}}},  // rank 2 step 53: chunk 3 piece 4: partial sum + our part to rank 3; wait arrive[28], entry[3]; r3:inbox@3[4/8] = r2:inbox@3[4/8] + r2:src@3[4/8]; signal r3:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 5}, {{2, 3, 0, 8, 3, 5}, {2, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 3, 1}}, {{3, 5, 29}}},  // rank 2 step 54: chunk 3 piece 5: partial sum + our part to rank 3; wait arrive[29], entry[3]; r3:inbox@3[5/8] = r2:inbox@3[5/8] + r2:src@3[5/8]; signal r3:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 6}, {{2, 3, 0, 8, 3, 6}, {2, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 3, 1}}, {{3, 5, 30}}},  // rank 2 step 55: chunk 3 piece 6: partial sum + our part to rank 3; wait arrive[30], entry[3]; r3:inbox@3[6/8] = r2:inbox@3[6/8] + r2:src@3[6/8]; signal r3:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {3, 3, 0, 8, 3, 7}, {{2, 3, 0, 8, 3, 7}, {2, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 3, 1}}, {{3, 5, 31}}},  // rank 2 step 56: chunk 3 piece 7: partial sum + our part to rank 3; wait arrive[31], entry[3]; r3:inbox@3[7/8] = r2:inbox@3[7/8] + r2:src@3[7/8]; signal r3:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 0}, {{2, 3, 0, 8, 2, 0}, {2, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}}, {}},  // rank 2 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[16]; r2:dst@0[0/8] = r2:inbox@2[0/8] + r2:src@2[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 1}, {{2, 3, 0, 8, 2, 1}, {2, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}}, {}},  // rank 2 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[17]; r2:dst@0[1/8] = r2:inbox@2[1/8] + r2:src@2[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 2}, {{2, 3, 0, 8, 2, 2}, {2, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}}, {}},  // rank 2 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[18]; r2:dst@0[2/8] = r2:inbox@2[2/8] + r2:src@2[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 3}, {{2, 3, 0, 8, 2, 3}, {2, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}}, {}},  // rank 2 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[19]; r2:dst@0[3/8] = r2:inbox@2[3/8] + r2:src@2[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 4}, {{2, 3, 0, 8, 2, 4}, {2, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}}, {}},  // rank 2 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[20]; r2:dst@0[4/8] = r2:inbox@2[4/8] + r2:src@2[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 5}, {{2, 3, 0, 8, 2, 5}, {2, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}}, {}},  // rank 2 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[21]; r2:dst@0[5/8] = r2:inbox@2[5/8] + r2:src@2[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 6}, {{2, 3, 0, 8, 2, 6}, {2, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}}, {}},  // rank 2 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[22]; r2:dst@0[6/8] = r2:inbox@2[6/8] + r2:src@2[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {2, 2, 0, 8, 0, 7}, {{2, 3, 0, 8, 2, 7}, {2, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}}, {}},  // rank 2 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[23]; r2:dst@0[7/8] = r2:inbox@2[7/8] + r2:src@2[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{2, 4, 3}}},  // rank 3 step 0: entry: signal every peer; signal r2:entry[3]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 0}, {{3, 1, 1, 8, 2, 0}}, {}, {{4, 0, 4, 1}}, {{4, 5, 16}}},  // rank 3 step 1: chunk 2 piece 0: our part to rank 4; wait entry[4]; r4:inbox@2[0/8] = r3:src@2[0/8]; signal r4:arrive[16]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 1}, {{3, 1, 1, 8, 2, 1}}, {}, {{4, 0, 4, 1}}, {{4, 5, 17}}},  // rank 3 step 2: chunk 2 piece 1: our part to rank 4; wait entry[4]; r4:inbox@2[1/8] = r3:src@2[1/8]; signal r4:arrive[17]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 2}, {{3, 1, 1, 8, 2, 2}}, {}, {{4, 0, 4, 1}}, {{4, 5, 18}}},  // rank 3 step 3: chunk 2 piece 2: our part to rank 4; wait entry[4]; r4:inbox@2[2/8] = r3:src@2[2/8]; signal r4:arrive[18]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 3}, {{3, 1, 1, 8, 2, 3}}, {}, {{4, 0, 4, 1}}, {{4, 5, 19}}},  // rank 3 step 4: chunk 2 piece 3: our part to rank 4; wait entry[4]; r4:inbox@2[3/8] = r3:src@2[3/8]; signal r4:arrive[19]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 4}, {{3, 1, 1, 8, 2, 4}}, {}, {{4, 0, 4, 1}}, {{4, 5, 20}}},  // rank 3 step 5: chunk 2 piece 4: our part to rank 4; wait entry[4]; r4:inbox@2[4/8] = r3:src@2[4/8]; signal r4:arrive[20]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 5}, {{3, 1, 1, 8, 2, 5}}, {}, {{4, 0, 4, 1}}, {{4, 5, 21}}},  // rank 3 step 6: chunk 2 piece 5: our part to rank 4; wait entry[4]; r4:inbox@2[5/8] = r3:src@2[5/8]; signal r4:arrive[21]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 6}, {{3, 1, 1, 8, 2, 6}}, {}, {{4, 0, 4, 1}}, {{4, 5, 22}}},  // rank 3 step 7: chunk 2 piece 6: our part to rank 4; wait entry[4]; r4:inbox@2[6/8] = r3:src@2[6/8]; signal r4:arrive[22]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {4, 3, 0, 8, 2, 7}, {{3, 1, 1, 8, 2, 7}}, {}, {{4, 0, 4, 1}}, {{4, 5, 23}}},  // rank 3 step 8: chunk 2 piece 7: our part to rank 4; wait entry[4]; r4:inbox@2[7/8] = r3:src@2[7/8]; signal r4:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 0}, {{3, 3, 0, 8, 1, 0}, {3, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 4, 1}}, {{4, 5, 8}}},  // rank 3 step 9: chunk 1 piece 0: partial sum + our part to rank 4; wait arrive[8], entry[4]; r4:inbox@1[0/8] = r3:inbox@1[0/8] + r3:src@1[0/8]; signal r4:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 1}, {{3, 3, 0, 8, 1, 1}, {3, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 4, 1}}, {{4, 5, 9}}},  // rank 3 step 10: chunk 1 piece 1: partial sum + our part to rank 4; wait arrive[9], entry[4]; r4:inbox@1[1/8] = r3:inbox@1[1/8] + r3:src@1[1/8]; signal r4:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 2}, {{3, 3, 0, 8, 1, 2}, {3, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 4, 1}}, {{4, 5, 10}}},  // rank 3 step 11: chunk 1 piece 2: partial sum + our part to rank 4; wait arrive[10], entry[4]; r4:inbox@1[2/8] = r3:inbox@1[2/8] + r3:src@1[2/8]; signal r4:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 3}, {{3, 3, 0, 8, 1, 3}, {3, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 4, 1}}, {{4, 5, 11}}},  // rank 3 step 12: chunk 1 piece 3: partial sum + our part to rank 4; wait arrive[11], entry[4]; r4:inbox@1[3/8] = r3:inbox@1[3/8] + r3:src@1[3/8]; signal r4:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 4}, {{3, 3, 0, 8, 1, 4}, {3, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 4, 1}}, {{4, 5, 12}}},  // rank 3 step 13: chunk 1 piece 4: partial sum + our part to rank 4; wait arrive[12], entry[4]; r4:inbox@1[4/8] = r3:inbox@1[4/8] + r3:src@1[4/8]; signal r4:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 5}, {{3, 3, 0, 8, 1, 5}, {3, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 4, 1}}, {{4, 5, 13}}},  // rank 3 step 14: chunk 1 piece 5: partial sum + our part to rank 4; wait arrive[13], entry[4]; r4:inbox@1[5/8] = r3:inbox@1[5/8] + r3:src@1[5/8]; signal r4:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 6}, {{3, 3, 0, 8, 1, 6}, {3, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 4, 1}}, {{4, 5, 14}}},  // rank 3 step 15: chunk 1 piece 6: partial sum + our part to rank 4; wait arrive[14], entry[4]; r4:inbox@1[6/8] = r3:inbox@1[6/8] + r3:src@1[6/8]; signal r4:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 1, 7}, {{3, 3, 0, 8, 1, 7}, {3, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 4, 1}}, {{4, 5, 15}}},  // rank 3 step 16: chunk 1 piece 7: partial sum + our part to rank 4; wait arrive[15], entry[4]; r4:inbox@1[7/8] = r3:inbox@1[7/8] + r3:src@1[7/8]; signal r4:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 0}, {{3, 3, 0, 8, 0, 0}, {3, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 4, 1}}, {{4, 5, 0}}},  // rank 3 step 17: chunk 0 piece 0: partial sum + our part to rank 4; wait arrive[0], entry[4]; r4:inbox@0[0/8] = r3:inbox@0[0/8] + r3:src@0[0/8]; signal r4:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 1}, {{3, 3, 0, 8, 0, 1}, {3, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 4, 1}}, {{4, 5, 1}}},  // rank 3 step 18: chunk 0 piece 1: partial sum + our part to rank 4; wait arrive[1], entry[4]; r4:inbox@0[1/8] = r3:inbox@0[1/8] + r3:src@0[1/8]; signal r4:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 2}, {{3, 3, 0, 8, 0, 2}, {3, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 4, 1}}, {{4, 5, 2}}},  // rank 3 step 19: chunk 0 piece 2: partial sum + our part to rank 4; wait arrive[2], entry[4]; r4:inbox@0[2/8] = r3:inbox@0[2/8] + r3:src@0[2/8]; signal r4:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 3}, {{3, 3, 0, 8, 0, 3}, {3, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 4, 1}}, {{4, 5, 3}}},  // rank 3 step 20: chunk 0 piece 3: partial sum + our part to rank 4; wait arrive[3], entry[4]; r4:inbox@0[3/8] = r3:inbox@0[3/8] + r3:src@0[3/8]; signal r4:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 4}, {{3, 3, 0, 8, 0, 4}, {3, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 4, 1}}, {{4, 5, 4}}},  // rank 3 step 21: chunk 0 piece 4: partial sum + our part to rank 4; wait arrive[4], entry[4]; r4:inbox@0[4/8] = r3:inbox@0[4/8] + r3:src@0[4/8]; signal r4:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 5}, {{3, 3, 0, 8, 0, 5}, {3, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 4, 1}}, {{4, 5, 5}}},  // rank 3 step 22: chunk 0 piece 5: partial sum + our part to rank 4; wait arrive[5], entry[4]; r4:inbox@0[5/8] = r3:inbox@0[5/8] + r3:src@0[5/8]; signal r4:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 6}, {{3, 3, 0, 8, 0, 6}, {3, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 4, 1}}, {{4, 5, 6}}},  // rank 3 step 23: chunk 0 piece 6: partial sum + our part to rank 4; wait arrive[6], entry[4]; r4:inbox@0[6/8] = r3:inbox@0[6/8] + r3:src@0[6/8]; signal r4:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 0, 7}, {{3, 3, 0, 8, 0, 7}, {3, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 4, 1}}, {{4, 5, 7}}},  // rank 3 step 24: chunk 0 piece 7: partial sum + our part to rank 4; wait arrive[7], entry[4]; r4:inbox@0[7/8] = r3:inbox@0[7/8] + r3:src@0[7/8]; signal r4:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 0}, {{3, 3, 0, 8, 7, 0}, {3, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 4, 1}}, {{4, 5, 56}}},  // rank 3 step 25: chunk 7 piece 0: partial sum + our part to rank 4; wait arrive[56], entry[4]; r4:inbox@7[0/8] = r3:inbox@7[0/8] + r3:src@7[0/8]; signal r4:arrive[56]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 1}, {{3, 3, 0, 8, 7, 1}, {3, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 4, 1}}, {{4, 5, 57}}},  // rank 3 step 26: chunk 7 piece 1: partial sum + our part to rank 4; wait arrive[57], entry[4]; r4:inbox@7[1/8] = r3:inbox@7[1/8] + r3:src@7[1/8]; signal r4:arrive[57]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 2}, {{3, 3, 0, 8, 7, 2}, {3, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 4, 1}}, {{4, 5, 58}}},  // rank 3 step 27: chunk 7 piece 2: partial sum + our part to rank 4; wait arrive[58], entry[4]; r4:inbox@7[2/8] = r3:inbox@7[2/8] + r3:src@7[2/8]; signal r4:arrive[58]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 3}, {{3, 3, 0, 8, 7, 3}, {3, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 4, 1}}, {{4, 5, 59}}},  // rank 3 step 28: chunk 7 piece 3: partial sum + our part to rank 4; wait arrive[59], entry[4]; r4:inbox@7[3/8] = r3:inbox@7[3/8] + r3:src@7[3/8]; signal r4:arrive[59]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 4}, {{3, 3, 0, 8, 7, 4}, {3, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 4, 1}}, {{4, 5, 60}}},  // rank 3 step 29: chunk 7 piece 4: partial sum + our part to rank 4; wait arrive[60], entry[4]; r4:inbox@7[4/8] = r3:inbox@7[4/8] + r3:src@7[4/8]; signal r4:arrive[60]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 5}, {{3, 3, 0, 8, 7, 5}, {3, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 4, 1}}, {{4, 5, 61}}},  // rank 3 step 30: chunk 7 piece 5: partial sum + our part to rank 4; wait arrive[61], entry[4]; r4:inbox@7[5/8] = r3:inbox@7[5/8] + r3:src@7[5/8]; signal r4:arrive[61]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 6}, {{3, 3, 0, 8, 7, 6}, {3, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 4, 1}}, {{4, 5, 62}}},  // rank 3 step 31: chunk 7 piece 6: partial sum + our part to rank 4; wait arrive[62], entry[4]; r4:inbox@7[6/8] = r3:inbox@7[6/8] + r3:src@7[6/8]; signal r4:arrive[62]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 7, 7}, {{3, 3, 0, 8, 7, 7}, {3, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 4, 1}}, {{4, 5, 63}}},  // rank 3 step 32: chunk 7 piece 7: partial sum + our part to rank 4; wait arrive[63], entry[4]; r4:inbox@7[7/8] = r3:inbox@7[7/8] + r3:src@7[7/8]; signal r4:arrive[63]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 0}, {{3, 3, 0, 8, 6, 0}, {3, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 4, 1}}, {{4, 5, 48}}},  // rank 3 step 33: chunk 6 piece 0: partial sum + our part to rank 4; wait arrive[48], entry[4]; r4:inbox@6[0/8] = r3:inbox@6[0/8] + r3:src@6[0/8]; signal r4:arrive[48]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 1}, {{3, 3, 0, 8, 6, 1}, {3, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 4, 1}}, {{4, 5, 49}}},  // rank 3 step 34: chunk 6 piece 1: partial sum + our part to rank 4; wait arrive[49], entry[4]; r4:inbox@6[1/8] = r3:inbox@6[1/8] + r3:src@6[1/8]; signal r4:arrive[49]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 2}, {{3, 3, 0, 8, 6, 2}, {3, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 4, 1}}, {{4, 5, 50}}},  // rank 3 step 35: chunk 6 piece 2: partial sum + our part to rank 4; wait arrive[50], entry[4]; r4:inbox@6[2/8] = r3:inbox@6[2/8] + r3:src@6[2/8]; signal r4:arrive[50]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 3}, {{3, 3, 0, 8, 6, 3}, {3, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 4, 1}}, {{4, 5, 51}}},  // rank 3 step 36: chunk 6 piece 3: partial sum + our part to rank 4; wait arrive[51], entry[4]; r4:inbox@6[3/8] = r3:inbox@6[3/8] + r3:src@6[3/8]; signal r4:arrive[51]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 4}, {{3, 3, 0, 8, 6, 4}, {3, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 4, 1}}, {{4, 5, 52}}},  // rank 3 step 37: chunk 6 piece 4: partial sum + our part to rank 4; wait arrive[52], entry[4]; r4:inbox@6[4/8] = r3:inbox@6[4/8] + r3:src@6[4/8]; signal r4:arrive[52]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 5}, {{3, 3, 0, 8, 6, 5}, {3, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 4, 1}}, {{4, 5, 53}}},  // rank 3 step 38: chunk 6 piece 5: partial sum + our part to rank 4; wait arrive[53], entry[4]; r4:inbox@6[5/8] = r3:inbox@6[5/8] + r3:src@6[5/8]; signal r4:arrive[53]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 6}, {{3, 3, 0, 8, 6, 6}, {3, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 4, 1}}, {{4, 5, 54}}},  // rank 3 step 39: chunk 6 piece 6: partial sum + our part to rank 4; wait arrive[54], entry[4]; r4:inbox@6[6/8] = r3:inbox@6[6/8] + r3:src@6[6/8]; signal r4:arrive[54]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 6, 7}, {{3, 3, 0, 8, 6, 7}, {3, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 4, 1}}, {{4, 5, 55}}},  // rank 3 step 40: chunk 6 piece 7: partial sum + our part to rank 4; wait arrive[55], entry[4]; r4:inbox@6[7/8] = r3:inbox@6[7/8] + r3:src@6[7/8]; signal r4:arrive[55]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 0}, {{3, 3, 0, 8, 5, 0}, {3, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 4, 1}}, {{4, 5, 40}}},  // rank 3 step 41: chunk 5 piece 0: partial sum + our part to rank 4; wait arrive[40], entry[4]; r4:inbox@5[0/8] = r3:inbox@5[0/8] + r3:src@5[0/8]; signal r4:arrive[40]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 1}, {{3, 3, 0, 8, 5, 1}, {3, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 4, 1}}, {{4, 5, 41}}},  // rank 3 step 42: chunk 5 piece 1: partial sum + our part to rank 4; wait arrive[41], entry[4]; r4:inbox@5[1/8] = r3:inbox@5[1/8] + r3:src@5[1/8]; signal r4:arrive[41]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 2}, {{3, 3, 0, 8, 5, 2}, {3, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 4, 1}}, {{4, 5, 42}}},  // rank 3 step 43: chunk 5 piece 2: partial sum + our part to rank 4; wait arrive[42], entry[4]; r4:inbox@5[2/8] = r3:inbox@5[2/8] + r3:src@5[2/8]; signal r4:arrive[42]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 3}, {{3, 3, 0, 8, 5, 3}, {3, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 4, 1}}, {{4, 5, 43}}},  // rank 3 step 44: chunk 5 piece 3: partial sum + our part to rank 4; wait arrive[43], entry[4]; r4:inbox@5[3/8] = r3:inbox@5[3/8] + r3:src@5[3/8]; signal r4:arrive[43]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 4}, {{3, 3, 0, 8, 5, 4}, {3, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 4, 1}}, {{4, 5, 44}}},  // rank 3 step 45: chunk 5 piece 4: partial sum + our part to rank 4; wait arrive[44], entry[4]; r4:inbox@5[4/8] = r3:inbox@5[4/8] + r3:src@5[4/8]; signal r4:arrive[44]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 5}, {{3, 3, 0, 8, 5, 5}, {3, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 4, 1}}, {{4, 5, 45}}},  // rank 3 step 46: chunk 5 piece 5: partial sum + our part to rank 4; wait arrive[45], entry[4]; r4:inbox@5[5/8] = r3:inbox@5[5/8] + r3:src@5[5/8]; signal r4:arrive[45]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 6}, {{3, 3, 0, 8, 5, 6}, {3, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 4, 1}}, {{4, 5, 46}}},  // rank 3 step 47: chunk 5 piece 6: partial sum + our part to rank 4; wait arrive[46], entry[4]; r4:inbox@5[6/8] = r3:inbox@5[6/8] + r3:src@5[6/8]; signal r4:arrive[46]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 5, 7}, {{3, 3, 0, 8, 5, 7}, {3, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 4, 1}}, {{4, 5, 47}}},  // rank 3 step 48: chunk 5 piece 7: partial sum + our part to rank 4; wait arrive[47], entry[4]; r4:inbox@5[7/8] = r3:inbox@5[7/8] + r3:src@5[7/8]; signal r4:arrive[47]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 0}, {{3, 3, 0, 8, 4, 0}, {3, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 4, 1}}, {{4, 5, 32}}},  // rank 3 step 49: chunk 4 piece 0: partial sum + our part to rank 4; wait arrive[32], entry[4]; r4:inbox@4[0/8] = r3:inbox@4[0/8] + r3:src@4[0/8]; signal r4:arrive[32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 1}, {{3, 3, 0, 8, 4, 1}, {3, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 4, 1}}, {{4, 5, 33}}},  // rank 3 step 50: chunk 4 piece 1: partial sum + our part to rank 4; wait arrive[33], entry[4]; r4:inbox@4[1/8] = r3:inbox@4[1/8] + r3:src@4[1/8]; signal r4:arrive[33]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 2}, {{3, 3, 0, 8, 4, 2}, {3, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 4, 1}}, {{4, 5, 34}}},  // rank 3 step 51: chunk 4 piece 2: partial sum + our part to rank 4; wait arrive[34], entry[4]; r4:inbox@4[2/8] = r3:inbox@4[2/8] + r3:src@4[2/8]; signal r4:arrive[34]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 3}, {{3, 3, 0, 8, 4, 3}, {3, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 4, 1}}, {{4, 5, 35}}},  // rank 3 step 52: chunk 4 piece 3: partial sum + our part to rank 4; wait arrive[35], entry[4]; r4:inbox@4[3/8] = r3:inbox@4[3/8] + r3:src@4[3/8]; signal r4:arrive[35]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 4}, {{3, 3, 0, 8, 4, 4}, {3, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 4, 1}}, {{4, 5, 36}}},  // rank 3 step 53: chunk 4 piece 4: partial sum + our part to rank 4; wait arrive[36], entry[4]; r4:inbox@4[4/8] = r3:inbox@4[4/8] + r3:src@4[4/8]; signal r4:arrive[36]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 5}, {{3, 3, 0, 8, 4, 5}, {3, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 4, 1}}, {{4, 5, 37}}},  // rank 3 step 54: chunk 4 piece 5: partial sum + our part to rank 4; wait arrive[37], entry[4]; r4:inbox@4[5/8] = r3:inbox@4[5/8] + r3:src@4[5/8]; signal r4:arrive[37]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 6}, {{3, 3, 0, 8, 4, 6}, {3, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 4, 1}}, {{4, 5, 38}}},  // rank 3 step 55: chunk 4 piece 6: partial sum + our part to rank 4; wait arrive[38], entry[4]; r4:inbox@4[6/8] = r3:inbox@4[6/8] + r3:src@4[6/8]; signal r4:arrive[38]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {4, 3, 0, 8, 4, 7}, {{3, 3, 0, 8, 4, 7}, {3, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 4, 1}}, {{4, 5, 39}}},  // rank 3 step 56: chunk 4 piece 7: partial sum + our part to rank 4; wait arrive[39], entry[4]; r4:inbox@4[7/8] = r3:inbox@4[7/8] + r3:src@4[7/8]; signal r4:arrive[39]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 0}, {{3, 3, 0, 8, 3, 0}, {3, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}}, {}},  // rank 3 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[24]; r3:dst@0[0/8] = r3:inbox@3[0/8] + r3:src@3[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 1}, {{3, 3, 0, 8, 3, 1}, {3, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}}, {}},  // rank 3 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[25]; r3:dst@0[1/8] = r3:inbox@3[1/8] + r3:src@3[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 2}, {{3, 3, 0, 8, 3, 2}, {3, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}}, {}},  // rank 3 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[26]; r3:dst@0[2/8] = r3:inbox@3[2/8] + r3:src@3[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 3}, {{3, 3, 0, 8, 3, 3}, {3, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}}, {}},  // rank 3 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[27]; r3:dst@0[3/8] = r3:inbox@3[3/8] + r3:src@3[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 4}, {{3, 3, 0, 8, 3, 4}, {3, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}}, {}},  // rank 3 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[28]; r3:dst@0[4/8] = r3:inbox@3[4/8] + r3:src@3[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 5}, {{3, 3, 0, 8, 3, 5}, {3, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}}, {}},  // rank 3 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[29]; r3:dst@0[5/8] = r3:inbox@3[5/8] + r3:src@3[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 6}, {{3, 3, 0, 8, 3, 6}, {3, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}}, {}},  // rank 3 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[30]; r3:dst@0[6/8] = r3:inbox@3[6/8] + r3:src@3[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {3, 2, 0, 8, 0, 7}, {{3, 3, 0, 8, 3, 7}, {3, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}}, {}},  // rank 3 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[31]; r3:dst@0[7/8] = r3:inbox@3[7/8] + r3:src@3[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{3, 4, 4}}},  // rank 4 step 0: entry: signal every peer; signal r3:entry[4]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 0}, {{4, 1, 1, 8, 3, 0}}, {}, {{4, 0, 5, 1}}, {{5, 5, 24}}},  // rank 4 step 1: chunk 3 piece 0: our part to rank 5; wait entry[5]; r5:inbox@3[0/8] = r4:src@3[0/8]; signal r5:arrive[24]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 1}, {{4, 1, 1, 8, 3, 1}}, {}, {{4, 0, 5, 1}}, {{5, 5, 25}}},  // rank 4 step 2: chunk 3 piece 1: our part to rank 5; wait entry[5]; r5:inbox@3[1/8] = r4:src@3[1/8]; signal r5:arrive[25]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 2}, {{4, 1, 1, 8, 3, 2}}, {}, {{4, 0, 5, 1}}, {{5, 5, 26}}},  // rank 4 step 3: chunk 3 piece 2: our part to rank 5; wait entry[5]; r5:inbox@3[2/8] = r4:src@3[2/8]; signal r5:arrive[26]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 3}, {{4, 1, 1, 8, 3, 3}}, {}, {{4, 0, 5, 1}}, {{5, 5, 27}}},  // rank 4 step 4: chunk 3 piece 3: our part to rank 5; wait entry[5]; r5:inbox@3[3/8] = r4:src@3[3/8]; signal r5:arrive[27]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 4}, {{4, 1, 1, 8, 3, 4}}, {}, {{4, 0, 5, 1}}, {{5, 5, 28}}},  // rank 4 step 5: chunk 3 piece 4: our part to rank 5; wait entry[5]; r5:inbox@3[4/8] = r4:src@3[4/8]; signal r5:arrive[28]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 5}, {{4, 1, 1, 8, 3, 5}}, {}, {{4, 0, 5, 1}}, {{5, 5, 29}}},  // rank 4 step 6: chunk 3 piece 5: our part to rank 5; wait entry[5]; r5:inbox@3[5/8] = r4:src@3[5/8]; signal r5:arrive[29]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 6}, {{4, 1, 1, 8, 3, 6}}, {}, {{4, 0, 5, 1}}, {{5, 5, 30}}},  // rank 4 step 7: chunk 3 piece 6: our part to rank 5; wait entry[5]; r5:inbox@3[6/8] = r4:src@3[6/8]; signal r5:arrive[30]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {5, 3, 0, 8, 3, 7}, {{4, 1, 1, 8, 3, 7}}, {}, {{4, 0, 5, 1}}, {{5, 5, 31}}},  // rank 4 step 8: chunk 3 piece 7: our part to rank 5; wait entry[5]; r5:inbox@3[7/8] = r4:src@3[7/8]; signal r5:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 0}, {{4, 3, 0, 8, 2, 0}, {4, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 5, 1}}, {{5, 5, 16}}},  // rank 4 step 9: chunk 2 piece 0: partial sum + our part to rank 5; wait arrive[16], entry[5]; r5:inbox@2[0/8] = r4:inbox@2[0/8] + r4:src@2[0/8]; signal r5:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 1}, {{4, 3, 0, 8, 2, 1}, {4, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 5, 1}}, {{5, 5, 17}}},  // rank 4 step 10: chunk 2 piece 1: partial sum + our part to rank 5; wait arrive[17], entry[5]; r5:inbox@2[1/8] = r4:inbox@2[1/8] + r4:src@2[1/8]; signal r5:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 2}, {{4, 3, 0, 8, 2, 2}, {4, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 5, 1}}, {{5, 5, 18}}},  // rank 4 step 11: chunk 2 piece 2: partial sum + our part to rank 5; wait arrive[18], entry[5]; r5:inbox@2[2/8] = r4:inbox@2[2/8] + r4:src@2[2/8]; signal r5:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 3}, {{4, 3, 0, 8, 2, 3}, {4, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 5, 1}}, {{5, 5, 19}}},  // rank 4 step 12: chunk 2 piece 3: partial sum + our part to rank 5; wait arrive[19], entry[5]; r5:inbox@2[3/8] = r4:inbox@2[3/8] + r4:src@2[3/8]; signal r5:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 4}, {{4, 3, 0, 8, 2, 4}, {4, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 5, 1}}, {{5, 5, 20}}},  // rank 4 step 13: chunk 2 piece 4: partial sum + our part to rank 5; wait arrive[20], entry[5]; r5:inbox@2[4/8] = r4:inbox@2[4/8] + r4:src@2[4/8]; signal r5:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 5}, {{4, 3, 0, 8, 2, 5}, {4, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 5, 1}}, {{5, 5, 21}}},  // rank 4 step 14: chunk 2 piece 5: partial sum + our part to rank 5; wait arrive[21], entry[5]; r5:inbox@2[5/8] = r4:inbox@2[5/8] + r4:src@2[5/8]; signal r5:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 6}, {{4, 3, 0, 8, 2, 6}, {4, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 5, 1}}, {{5, 5, 22}}},  // rank 4 step 15: chunk 2 piece 6: partial sum + our part to rank 5; wait arrive[22], entry[5]; r5:inbox@2[6/8] = r4:inbox@2[6/8] + r4:src@2[6/8]; signal r5:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 2, 7}, {{4, 3, 0, 8, 2, 7}, {4, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 5, 1}}, {{5, 5, 23}}},  // rank 4 step 16: chunk 2 piece 7: partial sum + our part to rank 5; wait arrive[23], entry[5]; r5:inbox@2[7/8] = r4:inbox@2[7/8] + r4:src@2[7/8]; signal r5:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 0}, {{4, 3, 0, 8, 1, 0}, {4, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 5, 1}}, {{5, 5, 8}}},  // rank 4 step 17: chunk 1 piece 0: partial sum + our part to rank 5; wait arrive[8], entry[5]; r5:inbox@1[0/8] = r4:inbox@1[0/8] + r4:src@1[0/8]; signal r5:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 1}, {{4, 3, 0, 8, 1, 1}, {4, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 5, 1}}, {{5, 5, 9}}},  // rank 4 step 18: chunk 1 piece 1: partial sum + our part to rank 5; wait arrive[9], entry[5]; r5:inbox@1[1/8] = r4:inbox@1[1/8] + r4:src@1[1/8]; signal r5:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 2}, {{4, 3, 0, 8, 1, 2}, {4, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 5, 1}}, {{5, 5, 10}}},  // rank 4 step 19: chunk 1 piece 2: partial sum + our part to rank 5; wait arrive[10], entry[5]; r5:inbox@1[2/8] = r4:inbox@1[2/8] + r4:src@1[2/8]; signal r5:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 3}, {{4, 3, 0, 8, 1, 3}, {4, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 5, 1}}, {{5, 5, 11}}},  // rank 4 step 20: chunk 1 piece 3: partial sum + our part to rank 5; wait arrive[11], entry[5]; r5:inbox@1[3/8] = r4:inbox@1[3/8] + r4:src@1[3/8]; signal r5:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 4}, {{4, 3, 0, 8, 1, 4}, {4, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 5, 1}}, {{5, 5, 12}}},  // rank 4 step 21: chunk 1 piece 4: partial sum + our part to rank 5; wait arrive[12], entry[5]; r5:inbox@1[4/8] = r4:inbox@1[4/8] + r4:src@1[4/8]; signal r5:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 5}, {{4, 3, 0, 8, 1, 5}, {4, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 5, 1}}, {{5, 5, 13}}},  // rank 4 step 22: chunk 1 piece 5: partial sum + our part to rank 5; wait arrive[13], entry[5]; r5:inbox@1[5/8] = r4:inbox@1[5/8] + r4:src@1[5/8]; signal r5:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 6}, {{4, 3, 0, 8, 1, 6}, {4, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 5, 1}}, {{5, 5, 14}}},  // rank 4 step 23: chunk 1 piece 6: partial sum + our part to rank 5; wait arrive[14], entry[5]; r5:inbox@1[6/8] = r4:inbox@1[6/8] + r4:src@1[6/8]; signal r5:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 1, 7}, {{4, 3, 0, 8, 1, 7}, {4, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 5, 1}}, {{5, 5, 15}}},  // rank 4 step 24: chunk 1 piece 7: partial sum + our part to rank 5; wait arrive[15], entry[5]; r5:inbox@1[7/8] = r4:inbox@1[7/8] + r4:src@1[7/8]; signal r5:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 0}, {{4, 3, 0, 8, 0, 0}, {4, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 5, 1}}, {{5, 5, 0}}},  // rank 4 step 25: chunk 0 piece 0: partial sum + our part to rank 5; wait arrive[0], entry[5]; r5:inbox@0[0/8] = r4:inbox@0[0/8] + r4:src@0[0/8]; signal r5:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 1}, {{4, 3, 0, 8, 0, 1}, {4, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 5, 1}}, {{5, 5, 1}}},  // rank 4 step 26: chunk 0 piece 1: partial sum + our part to rank 5; wait arrive[1], entry[5]; r5:inbox@0[1/8] = r4:inbox@0[1/8] + r4:src@0[1/8]; signal r5:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 2}, {{4, 3, 0, 8, 0, 2}, {4, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 5, 1}}, {{5, 5, 2}}},  // rank 4 step 27: chunk 0 piece 2: partial sum + our part to rank 5; wait arrive[2], entry[5]; r5:inbox@0[2/8] = r4:inbox@0[2/8] + r4:src@0[2/8]; signal r5:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 3}, {{4, 3, 0, 8, 0, 3}, {4, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 5, 1}}, {{5, 5, 3}}},  // rank 4 step 28: chunk 0 piece 3: partial sum + our part to rank 5; wait arrive[3], entry[5]; r5:inbox@0[3/8] = r4:inbox@0[3/8] + r4:src@0[3/8]; signal r5:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 4}, {{4, 3, 0, 8, 0, 4}, {4, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 5, 1}}, {{5, 5, 4}}},  // rank 4 step 29: chunk 0 piece 4: partial sum + our part to rank 5; wait arrive[4], entry[5]; r5:inbox@0[4/8] = r4:inbox@0[4/8] + r4:src@0[4/8]; signal r5:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 5}, {{4, 3, 0, 8, 0, 5}, {4, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 5, 1}}, {{5, 5, 5}}},  // rank 4 step 30: chunk 0 piece 5: partial sum + our part to rank 5; wait arrive[5], entry[5]; r5:inbox@0[5/8] = r4:inbox@0[5/8] + r4:src@0[5/8]; signal r5:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 6}, {{4, 3, 0, 8, 0, 6}, {4, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 5, 1}}, {{5, 5, 6}}},  // rank 4 step 31: chunk 0 piece 6: partial sum + our part to rank 5; wait arrive[6], entry[5]; r5:inbox@0[6/8] = r4:inbox@0[6/8] + r4:src@0[6/8]; signal r5:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 0, 7}, {{4, 3, 0, 8, 0, 7}, {4, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 5, 1}}, {{5, 5, 7}}},  // rank 4 step 32: chunk 0 piece 7: partial sum + our part to rank 5; wait arrive[7], entry[5]; r5:inbox@0[7/8] = r4:inbox@0[7/8] + r4:src@0[7/8]; signal r5:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 0}, {{4, 3, 0, 8, 7, 0}, {4, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 5, 1}}, {{5, 5, 56}}},  // rank 4 step 33: chunk 7 piece 0: partial sum + our part to rank 5; wait arrive[56], entry[5]; r5:inbox@7[0/8] = r4:inbox@7[0/8] + r4:src@7[0/8]; signal r5:arrive[56]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 1}, {{4, 3, 0, 8, 7, 1}, {4, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 5, 1}}, {{5, 5, 57}}},  // rank 4 step 34: chunk 7 piece 1: partial sum + our part to rank 5; wait arrive[57], entry[5]; r5:inbox@7[1/8] = r4:inbox@7[1/8] + r4:src@7[1/8]; signal r5:arrive[57]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 2}, {{4, 3, 0, 8, 7, 2}, {4, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 5, 1}}, {{5, 5, 58}}},  // rank 4 step 35: chunk 7 piece 2: partial sum + our part to rank 5; wait arrive[58], entry[5]; r5:inbox@7[2/8] = r4:inbox@7[2/8] + r4:src@7[2/8]; signal r5:arrive[58]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 3}, {{4, 3, 0, 8, 7, 3}, {4, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 5, 1}}, {{5, 5, 59}}},  // rank 4 step 36: chunk 7 piece 3: partial sum + our part to rank 5; wait arrive[59], entry[5]; r5:inbox@7[3/8] = r4:inbox@7[3/8] + r4:src@7[3/8]; signal r5:arrive[59]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 4}, {{4, 3, 0, 8, 7, 4}, {4, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 5, 1}}, {{5, 5, 60}}},  // rank 4 step 37: chunk 7 piece 4: partial sum + our part to rank 5; wait arrive[60], entry[5]; r5:inbox@7[4/8] = r4:inbox@7[4/8] + r4:src@7[4/8]; signal r5:arrive[60]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 5}, {{4, 3, 0, 8, 7, 5}, {4, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 5, 1}}, {{5, 5, 61}}},  // rank 4 step 38: chunk 7 piece 5: partial sum + our part to rank 5; wait arrive[61], entry[5]; r5:inbox@7[5/8] = r4:inbox@7[5/8] + r4:src@7[5/8]; signal r5:arrive[61]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 6}, {{4, 3, 0, 8, 7, 6}, {4, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 5, 1}}, {{5, 5, 62}}},  // rank 4 step 39: chunk 7 piece 6: partial sum + our part to rank 5; wait arrive[62], entry[5]; r5:inbox@7[6/8] = r4:inbox@7[6/8] + r4:src@7[6/8]; signal r5:arrive[62]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 7, 7}, {{4, 3, 0, 8, 7, 7}, {4, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 5, 1}}, {{5, 5, 63}}},  // rank 4 step 40: chunk 7 piece 7: partial sum + our part to rank 5; wait arrive[63], entry[5]; r5:inbox@7[7/8] = r4:inbox@7[7/8] + r4:src@7[7/8]; signal r5:arrive[63]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 0}, {{4, 3, 0, 8, 6, 0}, {4, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 5, 1}}, {{5, 5, 48}}},  // rank 4 step 41: chunk 6 piece 0: partial sum + our part to rank 5; wait arrive[48], entry[5]; r5:inbox@6[0/8] = r4:inbox@6[0/8] + r4:src@6[0/8]; signal r5:arrive[48]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 1}, {{4, 3, 0, 8, 6, 1}, {4, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 5, 1}}, {{5, 5, 49}}},  // rank 4 step 42: chunk 6 piece 1: partial sum + our part to rank 5; wait arrive[49], entry[5]; r5:inbox@6[1/8] = r4:inbox@6[1/8] + r4:src@6[1/8]; signal r5:arrive[49]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 2}, {{4, 3, 0, 8, 6, 2}, {4, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 5, 1}}, {{5, 5, 50}}},  // rank 4 step 43: chunk 6 piece 2: partial sum + our part to rank 5; wait arrive[50], entry[5]; r5:inbox@6[2/8] = r4:inbox@6[2/8] + r4:src@6[2/8]; signal r5:arrive[50]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 3}, {{4, 3, 0, 8, 6, 3}, {4, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 5, 1}}, {{5, 5, 51}}},  // rank 4 step 44: chunk 6 piece 3: partial sum + our part to rank 5; wait arrive[51], entry[5]; r5:inbox@6[3/8] = r4:inbox@6[3/8] + r4:src@6[3/8]; signal r5:arrive[51]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 4}, {{4, 3, 0, 8, 6, 4}, {4, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 5, 1}}, {{5, 5, 52}}},  // rank 4 step 45: chunk 6 piece 4: partial sum + our part to rank 5; wait arrive[52], entry[5]; r5:inbox@6[4/8] = r4:inbox@6[4/8] + r4:src@6[4/8]; signal r5:arrive[52]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 5}, {{4, 3, 0, 8, 6, 5}, {4, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 5, 1}}, {{5, 5, 53}}},  // rank 4 step 46: chunk 6 piece 5: partial sum + our part to rank 5; wait arrive[53], entry[5]; r5:inbox@6[5/8] = r4:inbox@6[5/8] + r4:src@6[5/8]; signal r5:arrive[53]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 6}, {{4, 3, 0, 8, 6, 6}, {4, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 5, 1}}, {{5, 5, 54}}},  // rank 4 step 47: chunk 6 piece 6: partial sum + our part to rank 5; wait arrive[54], entry[5]; r5:inbox@6[6/8] = r4:inbox@6[6/8] + r4:src@6[6/8]; signal r5:arrive[54]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 6, 7}, {{4, 3, 0, 8, 6, 7}, {4, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 5, 1}}, {{5, 5, 55}}},  // rank 4 step 48: chunk 6 piece 7: partial sum + our part to rank 5; wait arrive[55], entry[5]; r5:inbox@6[7/8] = r4:inbox@6[7/8] + r4:src@6[7/8]; signal r5:arrive[55]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 0}, {{4, 3, 0, 8, 5, 0}, {4, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 5, 1}}, {{5, 5, 40}}},  // rank 4 step 49: chunk 5 piece 0: partial sum + our part to rank 5; wait arrive[40], entry[5]; r5:inbox@5[0/8] = r4:inbox@5[0/8] + r4:src@5[0/8]; signal r5:arrive[40]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 1}, {{4, 3, 0, 8, 5, 1}, {4, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 5, 1}}, {{5, 5, 41}}},  // rank 4 step 50: chunk 5 piece 1: partial sum + our part to rank 5; wait arrive[41], entry[5]; r5:inbox@5[1/8] = r4:inbox@5[1/8] + r4:src@5[1/8]; signal r5:arrive[41]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 2}, {{4, 3, 0, 8, 5, 2}, {4, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 5, 1}}, {{5, 5, 42}}},  // rank 4 step 51: chunk 5 piece 2: partial sum + our part to rank 5; wait arrive[42], entry[5]; r5:inbox@5[2/8] = r4:inbox@5[2/8] + r4:src@5[2/8]; signal r5:arrive[42]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 3}, {{4, 3, 0, 8, 5, 3}, {4, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 5, 1}}, {{5, 5, 43}}},  // rank 4 step 52: chunk 5 piece 3: partial sum + our part to rank 5; wait arrive[43], entry[5]; r5:inbox@5[3/8] = r4:inbox@5[3/8] + r4:src@5[3/8]; signal r5:arrive[43]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 4}, {{4, 3, 0, 8, 5, 4}, {4, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 5, 1}}, {{5, 5, 44}}},  // rank 4 step 53: chunk 5 piece 4: partial sum + our part to rank 5; wait arrive[44], entry[5]; r5:inbox@5[4/8] = r4:inbox@5[4/8] + r4:src@5[4/8]; signal r5:arrive[44]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 5}, {{4, 3, 0, 8, 5, 5}, {4, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 5, 1}}, {{5, 5, 45}}},  // rank 4 step 54: chunk 5 piece 5: partial sum + our part to rank 5; wait arrive[45], entry[5]; r5:inbox@5[5/8] = r4:inbox@5[5/8] + r4:src@5[5/8]; signal r5:arrive[45]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 6}, {{4, 3, 0, 8, 5, 6}, {4, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 5, 1}}, {{5, 5, 46}}},  // rank 4 step 55: chunk 5 piece 6: partial sum + our part to rank 5; wait arrive[46], entry[5]; r5:inbox@5[6/8] = r4:inbox@5[6/8] + r4:src@5[6/8]; signal r5:arrive[46]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {5, 3, 0, 8, 5, 7}, {{4, 3, 0, 8, 5, 7}, {4, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 5, 1}}, {{5, 5, 47}}},  // rank 4 step 56: chunk 5 piece 7: partial sum + our part to rank 5; wait arrive[47], entry[5]; r5:inbox@5[7/8] = r4:inbox@5[7/8] + r4:src@5[7/8]; signal r5:arrive[47]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 0}, {{4, 3, 0, 8, 4, 0}, {4, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}}, {}},  // rank 4 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[32]; r4:dst@0[0/8] = r4:inbox@4[0/8] + r4:src@4[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 1}, {{4, 3, 0, 8, 4, 1}, {4, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}}, {}},  // rank 4 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[33]; r4:dst@0[1/8] = r4:inbox@4[1/8] + r4:src@4[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 2}, {{4, 3, 0, 8, 4, 2}, {4, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}}, {}},  // rank 4 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[34]; r4:dst@0[2/8] = r4:inbox@4[2/8] + r4:src@4[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 3}, {{4, 3, 0, 8, 4, 3}, {4, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}}, {}},  // rank 4 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[35]; r4:dst@0[3/8] = r4:inbox@4[3/8] + r4:src@4[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 4}, {{4, 3, 0, 8, 4, 4}, {4, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}}, {}},  // rank 4 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[36]; r4:dst@0[4/8] = r4:inbox@4[4/8] + r4:src@4[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 5}, {{4, 3, 0, 8, 4, 5}, {4, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}}, {}},  // rank 4 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[37]; r4:dst@0[5/8] = r4:inbox@4[5/8] + r4:src@4[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 6}, {{4, 3, 0, 8, 4, 6}, {4, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}}, {}},  // rank 4 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[38]; r4:dst@0[6/8] = r4:inbox@4[6/8] + r4:src@4[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {4, 2, 0, 8, 0, 7}, {{4, 3, 0, 8, 4, 7}, {4, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}}, {}},  // rank 4 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[39]; r4:dst@0[7/8] = r4:inbox@4[7/8] + r4:src@4[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{4, 4, 5}}},  // rank 5 step 0: entry: signal every peer; signal r4:entry[5]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 0}, {{5, 1, 1, 8, 4, 0}}, {}, {{4, 0, 6, 1}}, {{6, 5, 32}}},  // rank 5 step 1: chunk 4 piece 0: our part to rank 6; wait entry[6]; r6:inbox@4[0/8] = r5:src@4[0/8]; signal r6:arrive[32]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 1}, {{5, 1, 1, 8, 4, 1}}, {}, {{4, 0, 6, 1}}, {{6, 5, 33}}},  // rank 5 step 2: chunk 4 piece 1: our part to rank 6; wait entry[6]; r6:inbox@4[1/8] = r5:src@4[1/8]; signal r6:arrive[33]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 2}, {{5, 1, 1, 8, 4, 2}}, {}, {{4, 0, 6, 1}}, {{6, 5, 34}}},  // rank 5 step 3: chunk 4 piece 2: our part to rank 6; wait entry[6]; r6:inbox@4[2/8] = r5:src@4[2/8]; signal r6:arrive[34]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 3}, {{5, 1, 1, 8, 4, 3}}, {}, {{4, 0, 6, 1}}, {{6, 5, 35}}},  // rank 5 step 4: chunk 4 piece 3: our part to rank 6; wait entry[6]; r6:inbox@4[3/8] = r5:src@4[3/8]; signal r6:arrive[35]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 4}, {{5, 1, 1, 8, 4, 4}}, {}, {{4, 0, 6, 1}}, {{6, 5, 36}}},  // rank 5 step 5: chunk 4 piece 4: our part to rank 6; wait entry[6]; r6:inbox@4[4/8] = r5:src@4[4/8]; signal r6:arrive[36]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 5}, {{5, 1, 1, 8, 4, 5}}, {}, {{4, 0, 6, 1}}, {{6, 5, 37}}},  // rank 5 step 6: chunk 4 piece 5: our part to rank 6; wait entry[6]; r6:inbox@4[5/8] = r5:src@4[5/8]; signal r6:arrive[37]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 6}, {{5, 1, 1, 8, 4, 6}}, {}, {{4, 0, 6, 1}}, {{6, 5, 38}}},  // rank 5 step 7: chunk 4 piece 6: our part to rank 6; wait entry[6]; r6:inbox@4[6/8] = r5:src@4[6/8]; signal r6:arrive[38]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {6, 3, 0, 8, 4, 7}, {{5, 1, 1, 8, 4, 7}}, {}, {{4, 0, 6, 1}}, {{6, 5, 39}}},  // rank 5 step 8: chunk 4 piece 7: our part to rank 6; wait entry[6]; r6:inbox@4[7/8] = r5:src@4[7/8]; signal r6:arrive[39]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 0}, {{5, 3, 0, 8, 3, 0}, {5, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 6, 1}}, {{6, 5, 24}}},  // rank 5 step 9: chunk 3 piece 0: partial sum + our part to rank 6; wait arrive[24], entry[6]; r6:inbox@3[0/8] = r5:inbox@3[0/8] + r5:src@3[0/8]; signal r6:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 1}, {{5, 3, 0, 8, 3, 1}, {5, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 6, 1}}, {{6, 5, 25}}},  // rank 5 step 10: chunk 3 piece 1: partial sum + our part to rank 6; wait arrive[25], entry[6]; r6:inbox@3[1/8] = r5:inbox@3[1/8] + r5:src@3[1/8]; signal r6:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 2}, {{5, 3, 0, 8, 3, 2}, {5, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 6, 1}}, {{6, 5, 26}}},  // rank 5 step 11: chunk 3 piece 2: partial sum + our part to rank 6; wait arrive[26], entry[6]; r6:inbox@3[2/8] = r5:inbox@3[2/8] + r5:src@3[2/8]; signal r6:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 3}, {{5, 3, 0, 8, 3, 3}, {5, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 6, 1}}, {{6, 5, 27}}},  // rank 5 step 12: chunk 3 piece 3: partial sum + our part to rank 6; wait arrive[27], entry[6]; r6:inbox@3[3/8] = r5:inbox@3[3/8] + r5:src@3[3/8]; signal r6:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 4}, {{5, 3, 0, 8, 3, 4}, {5, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 6, 1}}, {{6, 5, 28}}},  // rank 5 step 13: chunk 3 piece 4: partial sum + our part to rank 6; wait arrive[28], entry[6]; r6:inbox@3[4/8] = r5:inbox@3[4/8] + r5:src@3[4/8]; signal r6:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 5}, {{5, 3, 0, 8, 3, 5}, {5, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 6, 1}}, {{6, 5, 29}}},  // rank 5 step 14: chunk 3 piece 5: partial sum + our part to rank 6; wait arrive[29], entry[6]; r6:inbox@3[5/8] = r5:inbox@3[5/8] + r5:src@3[5/8]; signal r6:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 6}, {{5, 3, 0, 8, 3, 6}, {5, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 6, 1}}, {{6, 5, 30}}},  // rank 5 step 15: chunk 3 piece 6: partial sum + our part to rank 6; wait arrive[30], entry[6]; r6:inbox@3[6/8] = r5:inbox@3[6/8] + r5:src@3[6/8]; signal r6:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 3, 7}, {{5, 3, 0, 8, 3, 7}, {5, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 6, 1}}, {{6, 5, 31}}},  // rank 5 step 16: chunk 3 piece 7: partial sum + our part to rank 6; wait arrive[31], entry[6]; r6:inbox@3[7/8] = r5:inbox@3[7/8] + r5:src@3[7/8]; signal r6:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 0}, {{5, 3, 0, 8, 2, 0}, {5, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 6, 1}}, {{6, 5, 16}}},  // rank 5 step 17: chunk 2 piece 0: partial sum + our part to rank 6; wait arrive[16], entry[6]; r6:inbox@2[0/8] = r5:inbox@2[0/8] + r5:src@2[0/8]; signal r6:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 1}, {{5, 3, 0, 8, 2, 1}, {5, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 6, 1}}, {{6, 5, 17}}},  // rank 5 step 18: chunk 2 piece 1: partial sum + our part to rank 6; wait arrive[17], entry[6]; r6:inbox@2[1/8] = r5:inbox@2[1/8] + r5:src@2[1/8]; signal r6:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 2}, {{5, 3, 0, 8, 2, 2}, {5, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 6, 1}}, {{6, 5, 18}}},  // rank 5 step 19: chunk 2 piece 2: partial sum + our part to rank 6; wait arrive[18], entry[6]; r6:inbox@2[2/8] = r5:inbox@2[2/8] + r5:src@2[2/8]; signal r6:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 3}, {{5, 3, 0, 8, 2, 3}, {5, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 6, 1}}, {{6, 5, 19}}},  // rank 5 step 20: chunk 2 piece 3: partial sum + our part to rank 6; wait arrive[19], entry[6]; r6:inbox@2[3/8] = r5:inbox@2[3/8] + r5:src@2[3/8]; signal r6:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 4}, {{5, 3, 0, 8, 2, 4}, {5, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 6, 1}}, {{6, 5, 20}}},  // rank 5 step 21: chunk 2 piece 4: partial sum + our part to rank 6; wait arrive[20], entry[6]; r6:inbox@2[4/8] = r5:inbox@2[4/8] + r5:src@2[4/8]; signal r6:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 5}, {{5, 3, 0, 8, 2, 5}, {5, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 6, 1}}, {{6, 5, 21}}},  // rank 5 step 22: chunk 2 piece 5: partial sum + our part to rank 6; wait arrive[21], entry[6]; r6:inbox@2[5/8] = r5:inbox@2[5/8] + r5:src@2[5/8]; signal r6:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 6}, {{5, 3, 0, 8, 2, 6}, {5, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 6, 1}}, {{6, 5, 22}}},  // rank 5 step 23: chunk 2 piece 6: partial sum + our part to rank 6; wait arrive[22], entry[6]; r6:inbox@2[6/8] = r5:inbox@2[6/8] + r5:src@2[6/8]; signal r6:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 2, 7}, {{5, 3, 0, 8, 2, 7}, {5, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 6, 1}}, {{6, 5, 23}}},  // rank 5 step 24: chunk 2 piece 7: partial sum + our part to rank 6; wait arrive[23], entry[6]; r6:inbox@2[7/8] = r5:inbox@2[7/8] + r5:src@2[7/8]; signal r6:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 0}, {{5, 3, 0, 8, 1, 0}, {5, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 6, 1}}, {{6, 5, 8}}},  // rank 5 step 25: chunk 1 piece 0: partial sum + our part to rank 6; wait arrive[8], entry[6]; r6:inbox@1[0/8] = r5:inbox@1[0/8] + r5:src@1[0/8]; signal r6:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 1}, {{5, 3, 0, 8, 1, 1}, {5, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 6, 1}}, {{6, 5, 9}}},  // rank 5 step 26: chunk 1 piece 1: partial sum + our part to rank 6; wait arrive[9], entry[6]; r6:inbox@1[1/8] = r5:inbox@1[1/8] + r5:src@1[1/8]; signal r6:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 2}, {{5, 3, 0, 8, 1, 2}, {5, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 6, 1}}, {{6, 5, 10}}},  // rank 5 step 27: chunk 1 piece 2: partial sum + our part to rank 6; wait arrive[10], entry[6]; r6:inbox@1[2/8] = r5:inbox@1[2/8] + r5:src@1[2/8]; signal r6:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 3}, {{5, 3, 0, 8, 1, 3}, {5, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 6, 1}}, {{6, 5, 11}}},  // rank 5 step 28: chunk 1 piece 3: partial sum + our part to rank 6; wait arrive[11], entry[6]; r6:inbox@1[3/8] = r5:inbox@1[3/8] + r5:src@1[3/8]; signal r6:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 4}, {{5, 3, 0, 8, 1, 4}, {5, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 6, 1}}, {{6, 5, 12}}},  // rank 5 step 29: chunk 1 piece 4: partial sum + our part to rank 6; wait arrive[12], entry[6]; r6:inbox@1[4/8] = r5:inbox@1[4/8] + r5:src@1[4/8]; signal r6:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 5}, {{5, 3, 0, 8, 1, 5}, {5, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 6, 1}}, {{6, 5, 13}}},  // rank 5 step 30: chunk 1 piece 5: partial sum + our part to rank 6; wait arrive[13], entry[6]; r6:inbox@1[5/8] = r5:inbox@1[5/8] + r5:src@1[5/8]; signal r6:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 6}, {{5, 3, 0, 8, 1, 6}, {5, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 6, 1}}, {{6, 5, 14}}},  // rank 5 step 31: chunk 1 piece 6: partial sum + our part to rank 6; wait arrive[14], entry[6]; r6:inbox@1[6/8] = r5:inbox@1[6/8] + r5:src@1[6/8]; signal r6:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 1, 7}, {{5, 3, 0, 8, 1, 7}, {5, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 6, 1}}, {{6, 5, 15}}},  // rank 5 step 32: chunk 1 piece 7: partial sum + our part to rank 6; wait arrive[15], entry[6]; r6:inbox@1[7/8] = r5:inbox@1[7/8] + r5:src@1[7/8]; signal r6:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 0}, {{5, 3, 0, 8, 0, 0}, {5, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 6, 1}}, {{6, 5, 0}}},  // rank 5 step 33: chunk 0 piece 0: partial sum + our part to rank 6; wait arrive[0], entry[6]; r6:inbox@0[0/8] = r5:inbox@0[0/8] + r5:src@0[0/8]; signal r6:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 1}, {{5, 3, 0, 8, 0, 1}, {5, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 6, 1}}, {{6, 5, 1}}},  // rank 5 step 34: chunk 0 piece 1: partial sum + our part to rank 6; wait arrive[1], entry[6]; r6:inbox@0[1/8] = r5:inbox@0[1/8] + r5:src@0[1/8]; signal r6:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 2}, {{5, 3, 0, 8, 0, 2}, {5, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 6, 1}}, {{6, 5, 2}}},  // rank 5 step 35: chunk 0 piece 2: partial sum + our part to rank 6; wait arrive[2], entry[6]; r6:inbox@0[2/8] = r5:inbox@0[2/8] + r5:src@0[2/8]; signal r6:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 3}, {{5, 3, 0, 8, 0, 3}, {5, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 6, 1}}, {{6, 5, 3}}},  // rank 5 step 36: chunk 0 piece 3: partial sum + our part to rank 6; wait arrive[3], entry[6]; r6:inbox@0[3/8] = r5:inbox@0[3/8] + r5:src@0[3/8]; signal r6:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 4}, {{5, 3, 0, 8, 0, 4}, {5, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 6, 1}}, {{6, 5, 4}}},  // rank 5 step 37: chunk 0 piece 4: partial sum + our part to rank 6; wait arrive[4], entry[6]; r6:inbox@0[4/8] = r5:inbox@0[4/8] + r5:src@0[4/8]; signal r6:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 5}, {{5, 3, 0, 8, 0, 5}, {5, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 6, 1}}, {{6, 5, 5}}},  // rank 5 step 38: chunk 0 piece 5: partial sum + our part to rank 6; wait arrive[5], entry[6]; r6:inbox@0[5/8] = r5:inbox@0[5/8] + r5:src@0[5/8]; signal r6:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 6}, {{5, 3, 0, 8, 0, 6}, {5, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 6, 1}}, {{6, 5, 6}}},  // rank 5 step 39: chunk 0 piece 6: partial sum + our part to rank 6; wait arrive[6], entry[6]; r6:inbox@0[6/8] = r5:inbox@0[6/8] + r5:src@0[6/8]; signal r6:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 0, 7}, {{5, 3, 0, 8, 0, 7}, {5, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 6, 1}}, {{6, 5, 7}}},  // rank 5 step 40: chunk 0 piece 7: partial sum + our part to rank 6; wait arrive[7], entry[6]; r6:inbox@0[7/8] = r5:inbox@0[7/8] + r5:src@0[7/8]; signal r6:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 0}, {{5, 3, 0, 8, 7, 0}, {5, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 6, 1}}, {{6, 5, 56}}},  // rank 5 step 41: chunk 7 piece 0: partial sum + our part to rank 6; wait arrive[56], entry[6]; r6:inbox@7[0/8] = r5:inbox@7[0/8] + r5:src@7[0/8]; signal r6:arrive[56]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 1}, {{5, 3, 0, 8, 7, 1}, {5, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 6, 1}}, {{6, 5, 57}}},  // rank 5 step 42: chunk 7 piece 1: partial sum + our part to rank 6; wait arrive[57], entry[6]; r6:inbox@7[1/8] = r5:inbox@7[1/8] + r5:src@7[1/8]; signal r6:arrive[57]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 2}, {{5, 3, 0, 8, 7, 2}, {5, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 6, 1}}, {{6, 5, 58}}},  // rank 5 step 43: chunk 7 piece 2: partial sum + our part to rank 6; wait arrive[58], entry[6]; r6:inbox@7[2/8] = r5:inbox@7[2/8] + r5:src@7[2/8]; signal r6:arrive[58]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 3}, {{5, 3, 0, 8, 7, 3}, {5, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 6, 1}}, {{6, 5, 59}}},  // rank 5 step 44: chunk 7 piece 3: partial sum + our part to rank 6; wait arrive[59], entry[6]; r6:inbox@7[3/8] = r5:inbox@7[3/8] + r5:src@7[3/8]; signal r6:arrive[59]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 4}, {{5, 3, 0, 8, 7, 4}, {5, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 6, 1}}, {{6, 5, 60}}},  // rank 5 step 45: chunk 7 piece 4: partial sum + our part to rank 6; wait arrive[60], entry[6]; r6:inbox@7[4/8] = r5:inbox@7[4/8] + r5:src@7[4/8]; signal r6:arrive[60]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 5}, {{5, 3, 0, 8, 7, 5}, {5, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 6, 1}}, {{6, 5, 61}}},  // rank 5 step 46: chunk 7 piece 5: partial sum + our part to rank 6; wait arrive[61], entry[6]; r6:inbox@7[5/8] = r5:inbox@7[5/8] + r5:src@7[5/8]; signal r6:arrive[61]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 6}, {{5, 3, 0, 8, 7, 6}, {5, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 6, 1}}, {{6, 5, 62}}},  // rank 5 step 47: chunk 7 piece 6: partial sum + our part to rank 6; wait arrive[62], entry[6]; r6:inbox@7[6/8] = r5:inbox@7[6/8] + r5:src@7[6/8]; signal r6:arrive[62]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 7, 7}, {{5, 3, 0, 8, 7, 7}, {5, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 6, 1}}, {{6, 5, 63}}},  // rank 5 step 48: chunk 7 piece 7: partial sum + our part to rank 6; wait arrive[63], entry[6]; r6:inbox@7[7/8] = r5:inbox@7[7/8] + r5:src@7[7/8]; signal r6:arrive[63]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 0}, {{5, 3, 0, 8, 6, 0}, {5, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}, {4, 0, 6, 1}}, {{6, 5, 48}}},  // rank 5 step 49: chunk 6 piece 0: partial sum + our part to rank 6; wait arrive[48], entry[6]; r6:inbox@6[0/8] = r5:inbox@6[0/8] + r5:src@6[0/8]; signal r6:arrive[48]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 1}, {{5, 3, 0, 8, 6, 1}, {5, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}, {4, 0, 6, 1}}, {{6, 5, 49}}},  // rank 5 step 50: chunk 6 piece 1: partial sum + our part to rank 6; wait arrive[49], entry[6]; r6:inbox@6[1/8] = r5:inbox@6[1/8] + r5:src@6[1/8]; signal r6:arrive[49]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 2}, {{5, 3, 0, 8, 6, 2}, {5, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}, {4, 0, 6, 1}}, {{6, 5, 50}}},  // rank 5 step 51: chunk 6 piece 2: partial sum + our part to rank 6; wait arrive[50], entry[6]; r6:inbox@6[2/8] = r5:inbox@6[2/8] + r5:src@6[2/8]; signal r6:arrive[50]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 3}, {{5, 3, 0, 8, 6, 3}, {5, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}, {4, 0, 6, 1}}, {{6, 5, 51}}},  // rank 5 step 52: chunk 6 piece 3: partial sum + our part to rank 6; wait arrive[51], entry[6]; r6:inbox@6[3/8] = r5:inbox@6[3/8] + r5:src@6[3/8]; signal r6:arrive[51]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 4}, {{5, 3, 0, 8, 6, 4}, {5, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}, {4, 0, 6, 1}}, {{6, 5, 52}}},  // rank 5 step 53: chunk 6 piece 4: partial sum + our part to rank 6; wait arrive[52], entry[6]; r6:inbox@6[4/8] = r5:inbox@6[4/8] + r5:src@6[4/8]; signal r6:arrive[52]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 5}, {{5, 3, 0, 8, 6, 5}, {5, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}, {4, 0, 6, 1}}, {{6, 5, 53}}},  // rank 5 step 54: chunk 6 piece 5: partial sum + our part to rank 6; wait arrive[53], entry[6]; r6:inbox@6[5/8] = r5:inbox@6[5/8] + r5:src@6[5/8]; signal r6:arrive[53]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 6}, {{5, 3, 0, 8, 6, 6}, {5, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}, {4, 0, 6, 1}}, {{6, 5, 54}}},  // rank 5 step 55: chunk 6 piece 6: partial sum + our part to rank 6; wait arrive[54], entry[6]; r6:inbox@6[6/8] = r5:inbox@6[6/8] + r5:src@6[6/8]; signal r6:arrive[54]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {6, 3, 0, 8, 6, 7}, {{5, 3, 0, 8, 6, 7}, {5, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}, {4, 0, 6, 1}}, {{6, 5, 55}}},  // rank 5 step 56: chunk 6 piece 7: partial sum + our part to rank 6; wait arrive[55], entry[6]; r6:inbox@6[7/8] = r5:inbox@6[7/8] + r5:src@6[7/8]; signal r6:arrive[55]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 0}, {{5, 3, 0, 8, 5, 0}, {5, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}}, {}},  // rank 5 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[40]; r5:dst@0[0/8] = r5:inbox@5[0/8] + r5:src@5[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 1}, {{5, 3, 0, 8, 5, 1}, {5, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}}, {}},  // rank 5 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[41]; r5:dst@0[1/8] = r5:inbox@5[1/8] + r5:src@5[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 2}, {{5, 3, 0, 8, 5, 2}, {5, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}}, {}},  // rank 5 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[42]; r5:dst@0[2/8] = r5:inbox@5[2/8] + r5:src@5[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 3}, {{5, 3, 0, 8, 5, 3}, {5, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}}, {}},  // rank 5 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[43]; r5:dst@0[3/8] = r5:inbox@5[3/8] + r5:src@5[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 4}, {{5, 3, 0, 8, 5, 4}, {5, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}}, {}},  // rank 5 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[44]; r5:dst@0[4/8] = r5:inbox@5[4/8] + r5:src@5[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 5}, {{5, 3, 0, 8, 5, 5}, {5, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}}, {}},  // rank 5 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[45]; r5:dst@0[5/8] = r5:inbox@5[5/8] + r5:src@5[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 6}, {{5, 3, 0, 8, 5, 6}, {5, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}}, {}},  // rank 5 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[46]; r5:dst@0[6/8] = r5:inbox@5[6/8] + r5:src@5[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {5, 2, 0, 8, 0, 7}, {{5, 3, 0, 8, 5, 7}, {5, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}}, {}},  // rank 5 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[47]; r5:dst@0[7/8] = r5:inbox@5[7/8] + r5:src@5[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{5, 4, 6}}},  // rank 6 step 0: entry: signal every peer; signal r5:entry[6]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 0}, {{6, 1, 1, 8, 5, 0}}, {}, {{4, 0, 7, 1}}, {{7, 5, 40}}},  // rank 6 step 1: chunk 5 piece 0: our part to rank 7; wait entry[7]; r7:inbox@5[0/8] = r6:src@5[0/8]; signal r7:arrive[40]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 1}, {{6, 1, 1, 8, 5, 1}}, {}, {{4, 0, 7, 1}}, {{7, 5, 41}}},  // rank 6 step 2: chunk 5 piece 1: our part to rank 7; wait entry[7]; r7:inbox@5[1/8] = r6:src@5[1/8]; signal r7:arrive[41]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 2}, {{6, 1, 1, 8, 5, 2}}, {}, {{4, 0, 7, 1}}, {{7, 5, 42}}},  // rank 6 step 3: chunk 5 piece 2: our part to rank 7; wait entry[7]; r7:inbox@5[2/8] = r6:src@5[2/8]; signal r7:arrive[42]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 3}, {{6, 1, 1, 8, 5, 3}}, {}, {{4, 0, 7, 1}}, {{7, 5, 43}}},  // rank 6 step 4: chunk 5 piece 3: our part to rank 7; wait entry[7]; r7:inbox@5[3/8] = r6:src@5[3/8]; signal r7:arrive[43]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 4}, {{6, 1, 1, 8, 5, 4}}, {}, {{4, 0, 7, 1}}, {{7, 5, 44}}},  // rank 6 step 5: chunk 5 piece 4: our part to rank 7; wait entry[7]; r7:inbox@5[4/8] = r6:src@5[4/8]; signal r7:arrive[44]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 5}, {{6, 1, 1, 8, 5, 5}}, {}, {{4, 0, 7, 1}}, {{7, 5, 45}}},  // rank 6 step 6: chunk 5 piece 5: our part to rank 7; wait entry[7]; r7:inbox@5[5/8] = r6:src@5[5/8]; signal r7:arrive[45]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 6}, {{6, 1, 1, 8, 5, 6}}, {}, {{4, 0, 7, 1}}, {{7, 5, 46}}},  // rank 6 step 7: chunk 5 piece 6: our part to rank 7; wait entry[7]; r7:inbox@5[6/8] = r6:src@5[6/8]; signal r7:arrive[46]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {7, 3, 0, 8, 5, 7}, {{6, 1, 1, 8, 5, 7}}, {}, {{4, 0, 7, 1}}, {{7, 5, 47}}},  // rank 6 step 8: chunk 5 piece 7: our part to rank 7; wait entry[7]; r7:inbox@5[7/8] = r6:src@5[7/8]; signal r7:arrive[47]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 0}, {{6, 3, 0, 8, 4, 0}, {6, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 7, 1}}, {{7, 5, 32}}},  // rank 6 step 9: chunk 4 piece 0: partial sum + our part to rank 7; wait arrive[32], entry[7]; r7:inbox@4[0/8] = r6:inbox@4[0/8] + r6:src@4[0/8]; signal r7:arrive[32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 1}, {{6, 3, 0, 8, 4, 1}, {6, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 7, 1}}, {{7, 5, 33}}},  // rank 6 step 10: chunk 4 piece 1: partial sum + our part to rank 7; wait arrive[33], entry[7]; r7:inbox@4[1/8] = r6:inbox@4[1/8] + r6:src@4[1/8]; signal r7:arrive[33]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 2}, {{6, 3, 0, 8, 4, 2}, {6, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 7, 1}}, {{7, 5, 34}}},  // rank 6 step 11: chunk 4 piece 2: partial sum + our part to rank 7; wait arrive[34], entry[7]; r7:inbox@4[2/8] = r6:inbox@4[2/8] + r6:src@4[2/8]; signal r7:arrive[34]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 3}, {{6, 3, 0, 8, 4, 3}, {6, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 7, 1}}, {{7, 5, 35}}},  // rank 6 step 12: chunk 4 piece 3: partial sum + our part to rank 7; wait arrive[35], entry[7]; r7:inbox@4[3/8] = r6:inbox@4[3/8] + r6:src@4[3/8]; signal r7:arrive[35]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 4}, {{6, 3, 0, 8, 4, 4}, {6, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 7, 1}}, {{7, 5, 36}}},  // rank 6 step 13: chunk 4 piece 4: partial sum + our part to rank 7; wait arrive[36], entry[7]; r7:inbox@4[4/8] = r6:inbox@4[4/8] + r6:src@4[4/8]; signal r7:arrive[36]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 5}, {{6, 3, 0, 8, 4, 5}, {6, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 7, 1}}, {{7, 5, 37}}},  // rank 6 step 14: chunk 4 piece 5: partial sum + our part to rank 7; wait arrive[37], entry[7]; r7:inbox@4[5/8] = r6:inbox@4[5/8] + r6:src@4[5/8]; signal r7:arrive[37]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 6}, {{6, 3, 0, 8, 4, 6}, {6, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 7, 1}}, {{7, 5, 38}}},  // rank 6 step 15: chunk 4 piece 6: partial sum + our part to rank 7; wait arrive[38], entry[7]; r7:inbox@4[6/8] = r6:inbox@4[6/8] + r6:src@4[6/8]; signal r7:arrive[38]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 4, 7}, {{6, 3, 0, 8, 4, 7}, {6, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 7, 1}}, {{7, 5, 39}}},  // rank 6 step 16: chunk 4 piece 7: partial sum + our part to rank 7; wait arrive[39], entry[7]; r7:inbox@4[7/8] = r6:inbox@4[7/8] + r6:src@4[7/8]; signal r7:arrive[39]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 0}, {{6, 3, 0, 8, 3, 0}, {6, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 7, 1}}, {{7, 5, 24}}},  // rank 6 step 17: chunk 3 piece 0: partial sum + our part to rank 7; wait arrive[24], entry[7]; r7:inbox@3[0/8] = r6:inbox@3[0/8] + r6:src@3[0/8]; signal r7:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 1}, {{6, 3, 0, 8, 3, 1}, {6, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 7, 1}}, {{7, 5, 25}}},  // rank 6 step 18: chunk 3 piece 1: partial sum + our part to rank 7; wait arrive[25], entry[7]; r7:inbox@3[1/8] = r6:inbox@3[1/8] + r6:src@3[1/8]; signal r7:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 2}, {{6, 3, 0, 8, 3, 2}, {6, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 7, 1}}, {{7, 5, 26}}},  // rank 6 step 19: chunk 3 piece 2: partial sum + our part to rank 7; wait arrive[26], entry[7]; r7:inbox@3[2/8] = r6:inbox@3[2/8] + r6:src@3[2/8]; signal r7:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 3}, {{6, 3, 0, 8, 3, 3}, {6, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 7, 1}}, {{7, 5, 27}}},  // rank 6 step 20: chunk 3 piece 3: partial sum + our part to rank 7; wait arrive[27], entry[7]; r7:inbox@3[3/8] = r6:inbox@3[3/8] + r6:src@3[3/8]; signal r7:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 4}, {{6, 3, 0, 8, 3, 4}, {6, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 7, 1}}, {{7, 5, 28}}},  // rank 6 step 21: chunk 3 piece 4: partial sum + our part to rank 7; wait arrive[28], entry[7]; r7:inbox@3[4/8] = r6:inbox@3[4/8] + r6:src@3[4/8]; signal r7:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 5}, {{6, 3, 0, 8, 3, 5}, {6, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 7, 1}}, {{7, 5, 29}}},  // rank 6 step 22: chunk 3 piece 5: partial sum + our part to rank 7; wait arrive[29], entry[7]; r7:inbox@3[5/8] = r6:inbox@3[5/8] + r6:src@3[5/8]; signal r7:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 6}, {{6, 3, 0, 8, 3, 6}, {6, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 7, 1}}, {{7, 5, 30}}},  // rank 6 step 23: chunk 3 piece 6: partial sum + our part to rank 7; wait arrive[30], entry[7]; r7:inbox@3[6/8] = r6:inbox@3[6/8] + r6:src@3[6/8]; signal r7:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 3, 7}, {{6, 3, 0, 8, 3, 7}, {6, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 7, 1}}, {{7, 5, 31}}},  // rank 6 step 24: chunk 3 piece 7: partial sum + our part to rank 7; wait arrive[31], entry[7]; r7:inbox@3[7/8] = r6:inbox@3[7/8] + r6:src@3[7/8]; signal r7:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 0}, {{6, 3, 0, 8, 2, 0}, {6, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 7, 1}}, {{7, 5, 16}}},  // rank 6 step 25: chunk 2 piece 0: partial sum + our part to rank 7; wait arrive[16], entry[7]; r7:inbox@2[0/8] = r6:inbox@2[0/8] + r6:src@2[0/8]; signal r7:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 1}, {{6, 3, 0, 8, 2, 1}, {6, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 7, 1}}, {{7, 5, 17}}},  // rank 6 step 26: chunk 2 piece 1: partial sum + our part to rank 7; wait arrive[17], entry[7]; r7:inbox@2[1/8] = r6:inbox@2[1/8] + r6:src@2[1/8]; signal r7:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 2}, {{6, 3, 0, 8, 2, 2}, {6, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 7, 1}}, {{7, 5, 18}}},  // rank 6 step 27: chunk 2 piece 2: partial sum + our part to rank 7; wait arrive[18], entry[7]; r7:inbox@2[2/8] = r6:inbox@2[2/8] + r6:src@2[2/8]; signal r7:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 3}, {{6, 3, 0, 8, 2, 3}, {6, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 7, 1}}, {{7, 5, 19}}},  // rank 6 step 28: chunk 2 piece 3: partial sum + our part to rank 7; wait arrive[19], entry[7]; r7:inbox@2[3/8] = r6:inbox@2[3/8] + r6:src@2[3/8]; signal r7:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 4}, {{6, 3, 0, 8, 2, 4}, {6, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 7, 1}}, {{7, 5, 20}}},  // rank 6 step 29: chunk 2 piece 4: partial sum + our part to rank 7; wait arrive[20], entry[7]; r7:inbox@2[4/8] = r6:inbox@2[4/8] + r6:src@2[4/8]; signal r7:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 5}, {{6, 3, 0, 8, 2, 5}, {6, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 7, 1}}, {{7, 5, 21}}},  // rank 6 step 30: chunk 2 piece 5: partial sum + our part to rank 7; wait arrive[21], entry[7]; r7:inbox@2[5/8] = r6:inbox@2[5/8] + r6:src@2[5/8]; signal r7:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 6}, {{6, 3, 0, 8, 2, 6}, {6, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 7, 1}}, {{7, 5, 22}}},  // rank 6 step 31: chunk 2 piece 6: partial sum + our part to rank 7; wait arrive[22], entry[7]; r7:inbox@2[6/8] = r6:inbox@2[6/8] + r6:src@2[6/8]; signal r7:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 2, 7}, {{6, 3, 0, 8, 2, 7}, {6, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 7, 1}}, {{7, 5, 23}}},  // rank 6 step 32: chunk 2 piece 7: partial sum + our part to rank 7; wait arrive[23], entry[7]; r7:inbox@2[7/8] = r6:inbox@2[7/8] + r6:src@2[7/8]; signal r7:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 0}, {{6, 3, 0, 8, 1, 0}, {6, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 7, 1}}, {{7, 5, 8}}},  // rank 6 step 33: chunk 1 piece 0: partial sum + our part to rank 7; wait arrive[8], entry[7]; r7:inbox@1[0/8] = r6:inbox@1[0/8] + r6:src@1[0/8]; signal r7:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 1}, {{6, 3, 0, 8, 1, 1}, {6, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 7, 1}}, {{7, 5, 9}}},  // rank 6 step 34: chunk 1 piece 1: partial sum + our part to rank 7; wait arrive[9], entry[7]; r7:inbox@1[1/8] = r6:inbox@1[1/8] + r6:src@1[1/8]; signal r7:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 2}, {{6, 3, 0, 8, 1, 2}, {6, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 7, 1}}, {{7, 5, 10}}},  // rank 6 step 35: chunk 1 piece 2: partial sum + our part to rank 7; wait arrive[10], entry[7]; r7:inbox@1[2/8] = r6:inbox@1[2/8] + r6:src@1[2/8]; signal r7:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 3}, {{6, 3, 0, 8, 1, 3}, {6, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 7, 1}}, {{7, 5, 11}}},  // rank 6 step 36: chunk 1 piece 3: partial sum + our part to rank 7; wait arrive[11], entry[7]; r7:inbox@1[3/8] = r6:inbox@1[3/8] + r6:src@1[3/8]; signal r7:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 4}, {{6, 3, 0, 8, 1, 4}, {6, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 7, 1}}, {{7, 5, 12}}},  // rank 6 step 37: chunk 1 piece 4: partial sum + our part to rank 7; wait arrive[12], entry[7]; r7:inbox@1[4/8] = r6:inbox@1[4/8] + r6:src@1[4/8]; signal r7:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 5}, {{6, 3, 0, 8, 1, 5}, {6, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 7, 1}}, {{7, 5, 13}}},  // rank 6 step 38: chunk 1 piece 5: partial sum + our part to rank 7; wait arrive[13], entry[7]; r7:inbox@1[5/8] = r6:inbox@1[5/8] + r6:src@1[5/8]; signal r7:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 6}, {{6, 3, 0, 8, 1, 6}, {6, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 7, 1}}, {{7, 5, 14}}},  // rank 6 step 39: chunk 1 piece 6: partial sum + our part to rank 7; wait arrive[14], entry[7]; r7:inbox@1[6/8] = r6:inbox@1[6/8] + r6:src@1[6/8]; signal r7:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 1, 7}, {{6, 3, 0, 8, 1, 7}, {6, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 7, 1}}, {{7, 5, 15}}},  // rank 6 step 40: chunk 1 piece 7: partial sum + our part to rank 7; wait arrive[15], entry[7]; r7:inbox@1[7/8] = r6:inbox@1[7/8] + r6:src@1[7/8]; signal r7:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 0}, {{6, 3, 0, 8, 0, 0}, {6, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 7, 1}}, {{7, 5, 0}}},  // rank 6 step 41: chunk 0 piece 0: partial sum + our part to rank 7; wait arrive[0], entry[7]; r7:inbox@0[0/8] = r6:inbox@0[0/8] + r6:src@0[0/8]; signal r7:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 1}, {{6, 3, 0, 8, 0, 1}, {6, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 7, 1}}, {{7, 5, 1}}},  // rank 6 step 42: chunk 0 piece 1: partial sum + our part to rank 7; wait arrive[1], entry[7]; r7:inbox@0[1/8] = r6:inbox@0[1/8] + r6:src@0[1/8]; signal r7:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 2}, {{6, 3, 0, 8, 0, 2}, {6, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 7, 1}}, {{7, 5, 2}}},  // rank 6 step 43: chunk 0 piece 2: partial sum + our part to rank 7; wait arrive[2], entry[7]; r7:inbox@0[2/8] = r6:inbox@0[2/8] + r6:src@0[2/8]; signal r7:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 3}, {{6, 3, 0, 8, 0, 3}, {6, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 7, 1}}, {{7, 5, 3}}},  // rank 6 step 44: chunk 0 piece 3: partial sum + our part to rank 7; wait arrive[3], entry[7]; r7:inbox@0[3/8] = r6:inbox@0[3/8] + r6:src@0[3/8]; signal r7:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 4}, {{6, 3, 0, 8, 0, 4}, {6, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 7, 1}}, {{7, 5, 4}}},  // rank 6 step 45: chunk 0 piece 4: partial sum + our part to rank 7; wait arrive[4], entry[7]; r7:inbox@0[4/8] = r6:inbox@0[4/8] + r6:src@0[4/8]; signal r7:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 5}, {{6, 3, 0, 8, 0, 5}, {6, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 7, 1}}, {{7, 5, 5}}},  // rank 6 step 46: chunk 0 piece 5: partial sum + our part to rank 7; wait arrive[5], entry[7]; r7:inbox@0[5/8] = r6:inbox@0[5/8] + r6:src@0[5/8]; signal r7:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 6}, {{6, 3, 0, 8, 0, 6}, {6, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 7, 1}}, {{7, 5, 6}}},  // rank 6 step 47: chunk 0 piece 6: partial sum + our part to rank 7; wait arrive[6], entry[7]; r7:inbox@0[6/8] = r6:inbox@0[6/8] + r6:src@0[6/8]; signal r7:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 0, 7}, {{6, 3, 0, 8, 0, 7}, {6, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 7, 1}}, {{7, 5, 7}}},  // rank 6 step 48: chunk 0 piece 7: partial sum + our part to rank 7; wait arrive[7], entry[7]; r7:inbox@0[7/8] = r6:inbox@0[7/8] + r6:src@0[7/8]; signal r7:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 0}, {{6, 3, 0, 8, 7, 0}, {6, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}, {4, 0, 7, 1}}, {{7, 5, 56}}},  // rank 6 step 49: chunk 7 piece 0: partial sum + our part to rank 7; wait arrive[56], entry[7]; r7:inbox@7[0/8] = r6:inbox@7[0/8] + r6:src@7[0/8]; signal r7:arrive[56]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 1}, {{6, 3, 0, 8, 7, 1}, {6, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}, {4, 0, 7, 1}}, {{7, 5, 57}}},  // rank 6 step 50: chunk 7 piece 1: partial sum + our part to rank 7; wait arrive[57], entry[7]; r7:inbox@7[1/8] = r6:inbox@7[1/8] + r6:src@7[1/8]; signal r7:arrive[57]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 2}, {{6, 3, 0, 8, 7, 2}, {6, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}, {4, 0, 7, 1}}, {{7, 5, 58}}},  // rank 6 step 51: chunk 7 piece 2: partial sum + our part to rank 7; wait arrive[58], entry[7]; r7:inbox@7[2/8] = r6:inbox@7[2/8] + r6:src@7[2/8]; signal r7:arrive[58]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 3}, {{6, 3, 0, 8, 7, 3}, {6, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}, {4, 0, 7, 1}}, {{7, 5, 59}}},  // rank 6 step 52: chunk 7 piece 3: partial sum + our part to rank 7; wait arrive[59], entry[7]; r7:inbox@7[3/8] = r6:inbox@7[3/8] + r6:src@7[3/8]; signal r7:arrive[59]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 4}, {{6, 3, 0, 8, 7, 4}, {6, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}, {4, 0, 7, 1}}, {{7, 5, 60}}},  // rank 6 step 53: chunk 7 piece 4: partial sum + our part to rank 7; wait arrive[60], entry[7]; r7:inbox@7[4/8] = r6:inbox@7[4/8] + r6:src@7[4/8]; signal r7:arrive[60]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 5}, {{6, 3, 0, 8, 7, 5}, {6, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}, {4, 0, 7, 1}}, {{7, 5, 61}}},  // rank 6 step 54: chunk 7 piece 5: partial sum + our part to rank 7; wait arrive[61], entry[7]; r7:inbox@7[5/8] = r6:inbox@7[5/8] + r6:src@7[5/8]; signal r7:arrive[61]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 6}, {{6, 3, 0, 8, 7, 6}, {6, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}, {4, 0, 7, 1}}, {{7, 5, 62}}},  // rank 6 step 55: chunk 7 piece 6: partial sum + our part to rank 7; wait arrive[62], entry[7]; r7:inbox@7[6/8] = r6:inbox@7[6/8] + r6:src@7[6/8]; signal r7:arrive[62]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {7, 3, 0, 8, 7, 7}, {{6, 3, 0, 8, 7, 7}, {6, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}, {4, 0, 7, 1}}, {{7, 5, 63}}},  // rank 6 step 56: chunk 7 piece 7: partial sum + our part to rank 7; wait arrive[63], entry[7]; r7:inbox@7[7/8] = r6:inbox@7[7/8] + r6:src@7[7/8]; signal r7:arrive[63]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 0}, {{6, 3, 0, 8, 6, 0}, {6, 1, 1, 8, 6, 0}}, {}, {{5, 0, 48, 64}}, {}},  // rank 6 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[48]; r6:dst@0[0/8] = r6:inbox@6[0/8] + r6:src@6[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 1}, {{6, 3, 0, 8, 6, 1}, {6, 1, 1, 8, 6, 1}}, {}, {{5, 0, 49, 64}}, {}},  // rank 6 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[49]; r6:dst@0[1/8] = r6:inbox@6[1/8] + r6:src@6[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 2}, {{6, 3, 0, 8, 6, 2}, {6, 1, 1, 8, 6, 2}}, {}, {{5, 0, 50, 64}}, {}},  // rank 6 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[50]; r6:dst@0[2/8] = r6:inbox@6[2/8] + r6:src@6[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 3}, {{6, 3, 0, 8, 6, 3}, {6, 1, 1, 8, 6, 3}}, {}, {{5, 0, 51, 64}}, {}},  // rank 6 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[51]; r6:dst@0[3/8] = r6:inbox@6[3/8] + r6:src@6[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 4}, {{6, 3, 0, 8, 6, 4}, {6, 1, 1, 8, 6, 4}}, {}, {{5, 0, 52, 64}}, {}},  // rank 6 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[52]; r6:dst@0[4/8] = r6:inbox@6[4/8] + r6:src@6[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 5}, {{6, 3, 0, 8, 6, 5}, {6, 1, 1, 8, 6, 5}}, {}, {{5, 0, 53, 64}}, {}},  // rank 6 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[53]; r6:dst@0[5/8] = r6:inbox@6[5/8] + r6:src@6[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 6}, {{6, 3, 0, 8, 6, 6}, {6, 1, 1, 8, 6, 6}}, {}, {{5, 0, 54, 64}}, {}},  // rank 6 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[54]; r6:dst@0[6/8] = r6:inbox@6[6/8] + r6:src@6[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {6, 2, 0, 8, 0, 7}, {{6, 3, 0, 8, 6, 7}, {6, 1, 1, 8, 6, 7}}, {}, {{5, 0, 55, 64}}, {}},  // rank 6 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[55]; r6:dst@0[7/8] = r6:inbox@6[7/8] + r6:src@6[7/8]; 64 blocks
+    {TSGEN_OP_NONE, 0, 0, 1, 0, {0, 0, 0, 1, 0, 0}, {}, {}, {}, {{6, 4, 7}}},  // rank 7 step 0: entry: signal every peer; signal r6:entry[7]
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 0}, {{7, 1, 1, 8, 6, 0}}, {}, {{4, 0, 0, 1}}, {{0, 5, 48}}},  // rank 7 step 1: chunk 6 piece 0: our part to rank 0; wait entry[0]; r0:inbox@6[0/8] = r7:src@6[0/8]; signal r0:arrive[48]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 1}, {{7, 1, 1, 8, 6, 1}}, {}, {{4, 0, 0, 1}}, {{0, 5, 49}}},  // rank 7 step 2: chunk 6 piece 1: our part to rank 0; wait entry[0]; r0:inbox@6[1/8] = r7:src@6[1/8]; signal r0:arrive[49]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 2}, {{7, 1, 1, 8, 6, 2}}, {}, {{4, 0, 0, 1}}, {{0, 5, 50}}},  // rank 7 step 3: chunk 6 piece 2: our part to rank 0; wait entry[0]; r0:inbox@6[2/8] = r7:src@6[2/8]; signal r0:arrive[50]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 3}, {{7, 1, 1, 8, 6, 3}}, {}, {{4, 0, 0, 1}}, {{0, 5, 51}}},  // rank 7 step 4: chunk 6 piece 3: our part to rank 0; wait entry[0]; r0:inbox@6[3/8] = r7:src@6[3/8]; signal r0:arrive[51]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 4}, {{7, 1, 1, 8, 6, 4}}, {}, {{4, 0, 0, 1}}, {{0, 5, 52}}},  // rank 7 step 5: chunk 6 piece 4: our part to rank 0; wait entry[0]; r0:inbox@6[4/8] = r7:src@6[4/8]; signal r0:arrive[52]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 5}, {{7, 1, 1, 8, 6, 5}}, {}, {{4, 0, 0, 1}}, {{0, 5, 53}}},  // rank 7 step 6: chunk 6 piece 5: our part to rank 0; wait entry[0]; r0:inbox@6[5/8] = r7:src@6[5/8]; signal r0:arrive[53]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 6}, {{7, 1, 1, 8, 6, 6}}, {}, {{4, 0, 0, 1}}, {{0, 5, 54}}},  // rank 7 step 7: chunk 6 piece 6: our part to rank 0; wait entry[0]; r0:inbox@6[6/8] = r7:src@6[6/8]; signal r0:arrive[54]; 64 blocks
+    {TSGEN_OP_COPY, 1, 1, 1, 0, {0, 3, 0, 8, 6, 7}, {{7, 1, 1, 8, 6, 7}}, {}, {{4, 0, 0, 1}}, {{0, 5, 55}}},  // rank 7 step 8: chunk 6 piece 7: our part to rank 0; wait entry[0]; r0:inbox@6[7/8] = r7:src@6[7/8]; signal r0:arrive[55]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 0}, {{7, 3, 0, 8, 5, 0}, {7, 1, 1, 8, 5, 0}}, {}, {{5, 0, 40, 64}, {4, 0, 0, 1}}, {{0, 5, 40}}},  // rank 7 step 9: chunk 5 piece 0: partial sum + our part to rank 0; wait arrive[40], entry[0]; r0:inbox@5[0/8] = r7:inbox@5[0/8] + r7:src@5[0/8]; signal r0:arrive[40]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 1}, {{7, 3, 0, 8, 5, 1}, {7, 1, 1, 8, 5, 1}}, {}, {{5, 0, 41, 64}, {4, 0, 0, 1}}, {{0, 5, 41}}},  // rank 7 step 10: chunk 5 piece 1: partial sum + our part to rank 0; wait arrive[41], entry[0]; r0:inbox@5[1/8] = r7:inbox@5[1/8] + r7:src@5[1/8]; signal r0:arrive[41]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 2}, {{7, 3, 0, 8, 5, 2}, {7, 1, 1, 8, 5, 2}}, {}, {{5, 0, 42, 64}, {4, 0, 0, 1}}, {{0, 5, 42}}},  // rank 7 step 11: chunk 5 piece 2: partial sum + our part to rank 0; wait arrive[42], entry[0]; r0:inbox@5[2/8] = r7:inbox@5[2/8] + r7:src@5[2/8]; signal r0:arrive[42]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 3}, {{7, 3, 0, 8, 5, 3}, {7, 1, 1, 8, 5, 3}}, {}, {{5, 0, 43, 64}, {4, 0, 0, 1}}, {{0, 5, 43}}},  // rank 7 step 12: chunk 5 piece 3: partial sum + our part to rank 0; wait arrive[43], entry[0]; r0:inbox@5[3/8] = r7:inbox@5[3/8] + r7:src@5[3/8]; signal r0:arrive[43]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 4}, {{7, 3, 0, 8, 5, 4}, {7, 1, 1, 8, 5, 4}}, {}, {{5, 0, 44, 64}, {4, 0, 0, 1}}, {{0, 5, 44}}},  // rank 7 step 13: chunk 5 piece 4: partial sum + our part to rank 0; wait arrive[44], entry[0]; r0:inbox@5[4/8] = r7:inbox@5[4/8] + r7:src@5[4/8]; signal r0:arrive[44]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 5}, {{7, 3, 0, 8, 5, 5}, {7, 1, 1, 8, 5, 5}}, {}, {{5, 0, 45, 64}, {4, 0, 0, 1}}, {{0, 5, 45}}},  // rank 7 step 14: chunk 5 piece 5: partial sum + our part to rank 0; wait arrive[45], entry[0]; r0:inbox@5[5/8] = r7:inbox@5[5/8] + r7:src@5[5/8]; signal r0:arrive[45]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 6}, {{7, 3, 0, 8, 5, 6}, {7, 1, 1, 8, 5, 6}}, {}, {{5, 0, 46, 64}, {4, 0, 0, 1}}, {{0, 5, 46}}},  // rank 7 step 15: chunk 5 piece 6: partial sum + our part to rank 0; wait arrive[46], entry[0]; r0:inbox@5[6/8] = r7:inbox@5[6/8] + r7:src@5[6/8]; signal r0:arrive[46]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 5, 7}, {{7, 3, 0, 8, 5, 7}, {7, 1, 1, 8, 5, 7}}, {}, {{5, 0, 47, 64}, {4, 0, 0, 1}}, {{0, 5, 47}}},  // rank 7 step 16: chunk 5 piece 7: partial sum + our part to rank 0; wait arrive[47], entry[0]; r0:inbox@5[7/8] = r7:inbox@5[7/8] + r7:src@5[7/8]; signal r0:arrive[47]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 0}, {{7, 3, 0, 8, 4, 0}, {7, 1, 1, 8, 4, 0}}, {}, {{5, 0, 32, 64}, {4, 0, 0, 1}}, {{0, 5, 32}}},  // rank 7 step 17: chunk 4 piece 0: partial sum + our part to rank 0; wait arrive[32], entry[0]; r0:inbox@4[0/8] = r7:inbox@4[0/8] + r7:src@4[0/8]; signal r0:arrive[32]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 1}, {{7, 3, 0, 8, 4, 1}, {7, 1, 1, 8, 4, 1}}, {}, {{5, 0, 33, 64}, {4, 0, 0, 1}}, {{0, 5, 33}}},  // rank 7 step 18: chunk 4 piece 1: partial sum + our part to rank 0; wait arrive[33], entry[0]; r0:inbox@4[1/8] = r7:inbox@4[1/8] + r7:src@4[1/8]; signal r0:arrive[33]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 2}, {{7, 3, 0, 8, 4, 2}, {7, 1, 1, 8, 4, 2}}, {}, {{5, 0, 34, 64}, {4, 0, 0, 1}}, {{0, 5, 34}}},  // rank 7 step 19: chunk 4 piece 2: partial sum + our part to rank 0; wait arrive[34], entry[0]; r0:inbox@4[2/8] = r7:inbox@4[2/8] + r7:src@4[2/8]; signal r0:arrive[34]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 3}, {{7, 3, 0, 8, 4, 3}, {7, 1, 1, 8, 4, 3}}, {}, {{5, 0, 35, 64}, {4, 0, 0, 1}}, {{0, 5, 35}}},  // rank 7 step 20: chunk 4 piece 3: partial sum + our part to rank 0; wait arrive[35], entry[0]; r0:inbox@4[3/8] = r7:inbox@4[3/8] + r7:src@4[3/8]; signal r0:arrive[35]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 4}, {{7, 3, 0, 8, 4, 4}, {7, 1, 1, 8, 4, 4}}, {}, {{5, 0, 36, 64}, {4, 0, 0, 1}}, {{0, 5, 36}}},  // rank 7 step 21: chunk 4 piece 4: partial sum + our part to rank 0; wait arrive[36], entry[0]; r0:inbox@4[4/8] = r7:inbox@4[4/8] + r7:src@4[4/8]; signal r0:arrive[36]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 5}, {{7, 3, 0, 8, 4, 5}, {7, 1, 1, 8, 4, 5}}, {}, {{5, 0, 37, 64}, {4, 0, 0, 1}}, {{0, 5, 37}}},  // rank 7 step 22: chunk 4 piece 5: partial sum + our part to rank 0; wait arrive[37], entry[0]; r0:inbox@4[5/8] = r7:inbox@4[5/8] + r7:src@4[5/8]; signal r0:arrive[37]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 6}, {{7, 3, 0, 8, 4, 6}, {7, 1, 1, 8, 4, 6}}, {}, {{5, 0, 38, 64}, {4, 0, 0, 1}}, {{0, 5, 38}}},  // rank 7 step 23: chunk 4 piece 6: partial sum + our part to rank 0; wait arrive[38], entry[0]; r0:inbox@4[6/8] = r7:inbox@4[6/8] + r7:src@4[6/8]; signal r0:arrive[38]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 4, 7}, {{7, 3, 0, 8, 4, 7}, {7, 1, 1, 8, 4, 7}}, {}, {{5, 0, 39, 64}, {4, 0, 0, 1}}, {{0, 5, 39}}},  // rank 7 step 24: chunk 4 piece 7: partial sum + our part to rank 0; wait arrive[39], entry[0]; r0:inbox@4[7/8] = r7:inbox@4[7/8] + r7:src@4[7/8]; signal r0:arrive[39]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 0}, {{7, 3, 0, 8, 3, 0}, {7, 1, 1, 8, 3, 0}}, {}, {{5, 0, 24, 64}, {4, 0, 0, 1}}, {{0, 5, 24}}},  // rank 7 step 25: chunk 3 piece 0: partial sum + our part to rank 0; wait arrive[24], entry[0]; r0:inbox@3[0/8] = r7:inbox@3[0/8] + r7:src@3[0/8]; signal r0:arrive[24]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 1}, {{7, 3, 0, 8, 3, 1}, {7, 1, 1, 8, 3, 1}}, {}, {{5, 0, 25, 64}, {4, 0, 0, 1}}, {{0, 5, 25}}},  // rank 7 step 26: chunk 3 piece 1: partial sum + our part to rank 0; wait arrive[25], entry[0]; r0:inbox@3[1/8] = r7:inbox@3[1/8] + r7:src@3[1/8]; signal r0:arrive[25]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 2}, {{7, 3, 0, 8, 3, 2}, {7, 1, 1, 8, 3, 2}}, {}, {{5, 0, 26, 64}, {4, 0, 0, 1}}, {{0, 5, 26}}},  // rank 7 step 27: chunk 3 piece 2: partial sum + our part to rank 0; wait arrive[26], entry[0]; r0:inbox@3[2/8] = r7:inbox@3[2/8] + r7:src@3[2/8]; signal r0:arrive[26]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 3}, {{7, 3, 0, 8, 3, 3}, {7, 1, 1, 8, 3, 3}}, {}, {{5, 0, 27, 64}, {4, 0, 0, 1}}, {{0, 5, 27}}},  // rank 7 step 28: chunk 3 piece 3: partial sum + our part to rank 0; wait arrive[27], entry[0]; r0:inbox@3[3/8] = r7:inbox@3[3/8] + r7:src@3[3/8]; signal r0:arrive[27]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 4}, {{7, 3, 0, 8, 3, 4}, {7, 1, 1, 8, 3, 4}}, {}, {{5, 0, 28, 64}, {4, 0, 0, 1}}, {{0, 5, 28}}},  // rank 7 step 29: chunk 3 piece 4: partial sum + our part to rank 0; wait arrive[28], entry[0]; r0:inbox@3[4/8] = r7:inbox@3[4/8] + r7:src@3[4/8]; signal r0:arrive[28]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 5}, {{7, 3, 0, 8, 3, 5}, {7, 1, 1, 8, 3, 5}}, {}, {{5, 0, 29, 64}, {4, 0, 0, 1}}, {{0, 5, 29}}},  // rank 7 step 30: chunk 3 piece 5: partial sum + our part to rank 0; wait arrive[29], entry[0]; r0:inbox@3[5/8] = r7:inbox@3[5/8] + r7:src@3[5/8]; signal r0:arrive[29]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 6}, {{7, 3, 0, 8, 3, 6}, {7, 1, 1, 8, 3, 6}}, {}, {{5, 0, 30, 64}, {4, 0, 0, 1}}, {{0, 5, 30}}},  // rank 7 step 31: chunk 3 piece 6: partial sum + our part to rank 0; wait arrive[30], entry[0]; r0:inbox@3[6/8] = r7:inbox@3[6/8] + r7:src@3[6/8]; signal r0:arrive[30]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 3, 7}, {{7, 3, 0, 8, 3, 7}, {7, 1, 1, 8, 3, 7}}, {}, {{5, 0, 31, 64}, {4, 0, 0, 1}}, {{0, 5, 31}}},  // rank 7 step 32: chunk 3 piece 7: partial sum + our part to rank 0; wait arrive[31], entry[0]; r0:inbox@3[7/8] = r7:inbox@3[7/8] + r7:src@3[7/8]; signal r0:arrive[31]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 0}, {{7, 3, 0, 8, 2, 0}, {7, 1, 1, 8, 2, 0}}, {}, {{5, 0, 16, 64}, {4, 0, 0, 1}}, {{0, 5, 16}}},  // rank 7 step 33: chunk 2 piece 0: partial sum + our part to rank 0; wait arrive[16], entry[0]; r0:inbox@2[0/8] = r7:inbox@2[0/8] + r7:src@2[0/8]; signal r0:arrive[16]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 1}, {{7, 3, 0, 8, 2, 1}, {7, 1, 1, 8, 2, 1}}, {}, {{5, 0, 17, 64}, {4, 0, 0, 1}}, {{0, 5, 17}}},  // rank 7 step 34: chunk 2 piece 1: partial sum + our part to rank 0; wait arrive[17], entry[0]; r0:inbox@2[1/8] = r7:inbox@2[1/8] + r7:src@2[1/8]; signal r0:arrive[17]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 2}, {{7, 3, 0, 8, 2, 2}, {7, 1, 1, 8, 2, 2}}, {}, {{5, 0, 18, 64}, {4, 0, 0, 1}}, {{0, 5, 18}}},  // rank 7 step 35: chunk 2 piece 2: partial sum + our part to rank 0; wait arrive[18], entry[0]; r0:inbox@2[2/8] = r7:inbox@2[2/8] + r7:src@2[2/8]; signal r0:arrive[18]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 3}, {{7, 3, 0, 8, 2, 3}, {7, 1, 1, 8, 2, 3}}, {}, {{5, 0, 19, 64}, {4, 0, 0, 1}}, {{0, 5, 19}}},  // rank 7 step 36: chunk 2 piece 3: partial sum + our part to rank 0; wait arrive[19], entry[0]; r0:inbox@2[3/8] = r7:inbox@2[3/8] + r7:src@2[3/8]; signal r0:arrive[19]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 4}, {{7, 3, 0, 8, 2, 4}, {7, 1, 1, 8, 2, 4}}, {}, {{5, 0, 20, 64}, {4, 0, 0, 1}}, {{0, 5, 20}}},  // rank 7 step 37: chunk 2 piece 4: partial sum + our part to rank 0; wait arrive[20], entry[0]; r0:inbox@2[4/8] = r7:inbox@2[4/8] + r7:src@2[4/8]; signal r0:arrive[20]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 5}, {{7, 3, 0, 8, 2, 5}, {7, 1, 1, 8, 2, 5}}, {}, {{5, 0, 21, 64}, {4, 0, 0, 1}}, {{0, 5, 21}}},  // rank 7 step 38: chunk 2 piece 5: partial sum + our part to rank 0; wait arrive[21], entry[0]; r0:inbox@2[5/8] = r7:inbox@2[5/8] + r7:src@2[5/8]; signal r0:arrive[21]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 6}, {{7, 3, 0, 8, 2, 6}, {7, 1, 1, 8, 2, 6}}, {}, {{5, 0, 22, 64}, {4, 0, 0, 1}}, {{0, 5, 22}}},  // rank 7 step 39: chunk 2 piece 6: partial sum + our part to rank 0; wait arrive[22], entry[0]; r0:inbox@2[6/8] = r7:inbox@2[6/8] + r7:src@2[6/8]; signal r0:arrive[22]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 2, 7}, {{7, 3, 0, 8, 2, 7}, {7, 1, 1, 8, 2, 7}}, {}, {{5, 0, 23, 64}, {4, 0, 0, 1}}, {{0, 5, 23}}},  // rank 7 step 40: chunk 2 piece 7: partial sum + our part to rank 0; wait arrive[23], entry[0]; r0:inbox@2[7/8] = r7:inbox@2[7/8] + r7:src@2[7/8]; signal r0:arrive[23]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 0}, {{7, 3, 0, 8, 1, 0}, {7, 1, 1, 8, 1, 0}}, {}, {{5, 0, 8, 64}, {4, 0, 0, 1}}, {{0, 5, 8}}},  // rank 7 step 41: chunk 1 piece 0: partial sum + our part to rank 0; wait arrive[8], entry[0]; r0:inbox@1[0/8] = r7:inbox@1[0/8] + r7:src@1[0/8]; signal r0:arrive[8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 1}, {{7, 3, 0, 8, 1, 1}, {7, 1, 1, 8, 1, 1}}, {}, {{5, 0, 9, 64}, {4, 0, 0, 1}}, {{0, 5, 9}}},  // rank 7 step 42: chunk 1 piece 1: partial sum + our part to rank 0; wait arrive[9], entry[0]; r0:inbox@1[1/8] = r7:inbox@1[1/8] + r7:src@1[1/8]; signal r0:arrive[9]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 2}, {{7, 3, 0, 8, 1, 2}, {7, 1, 1, 8, 1, 2}}, {}, {{5, 0, 10, 64}, {4, 0, 0, 1}}, {{0, 5, 10}}},  // rank 7 step 43: chunk 1 piece 2: partial sum + our part to rank 0; wait arrive[10], entry[0]; r0:inbox@1[2/8] = r7:inbox@1[2/8] + r7:src@1[2/8]; signal r0:arrive[10]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 3}, {{7, 3, 0, 8, 1, 3}, {7, 1, 1, 8, 1, 3}}, {}, {{5, 0, 11, 64}, {4, 0, 0, 1}}, {{0, 5, 11}}},  // rank 7 step 44: chunk 1 piece 3: partial sum + our part to rank 0; wait arrive[11], entry[0]; r0:inbox@1[3/8] = r7:inbox@1[3/8] + r7:src@1[3/8]; signal r0:arrive[11]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 4}, {{7, 3, 0, 8, 1, 4}, {7, 1, 1, 8, 1, 4}}, {}, {{5, 0, 12, 64}, {4, 0, 0, 1}}, {{0, 5, 12}}},  // rank 7 step 45: chunk 1 piece 4: partial sum + our part to rank 0; wait arrive[12], entry[0]; r0:inbox@1[4/8] = r7:inbox@1[4/8] + r7:src@1[4/8]; signal r0:arrive[12]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 5}, {{7, 3, 0, 8, 1, 5}, {7, 1, 1, 8, 1, 5}}, {}, {{5, 0, 13, 64}, {4, 0, 0, 1}}, {{0, 5, 13}}},  // rank 7 step 46: chunk 1 piece 5: partial sum + our part to rank 0; wait arrive[13], entry[0]; r0:inbox@1[5/8] = r7:inbox@1[5/8] + r7:src@1[5/8]; signal r0:arrive[13]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 6}, {{7, 3, 0, 8, 1, 6}, {7, 1, 1, 8, 1, 6}}, {}, {{5, 0, 14, 64}, {4, 0, 0, 1}}, {{0, 5, 14}}},  // rank 7 step 47: chunk 1 piece 6: partial sum + our part to rank 0; wait arrive[14], entry[0]; r0:inbox@1[6/8] = r7:inbox@1[6/8] + r7:src@1[6/8]; signal r0:arrive[14]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 1, 7}, {{7, 3, 0, 8, 1, 7}, {7, 1, 1, 8, 1, 7}}, {}, {{5, 0, 15, 64}, {4, 0, 0, 1}}, {{0, 5, 15}}},  // rank 7 step 48: chunk 1 piece 7: partial sum + our part to rank 0; wait arrive[15], entry[0]; r0:inbox@1[7/8] = r7:inbox@1[7/8] + r7:src@1[7/8]; signal r0:arrive[15]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 0}, {{7, 3, 0, 8, 0, 0}, {7, 1, 1, 8, 0, 0}}, {}, {{5, 0, 0, 64}, {4, 0, 0, 1}}, {{0, 5, 0}}},  // rank 7 step 49: chunk 0 piece 0: partial sum + our part to rank 0; wait arrive[0], entry[0]; r0:inbox@0[0/8] = r7:inbox@0[0/8] + r7:src@0[0/8]; signal r0:arrive[0]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 1}, {{7, 3, 0, 8, 0, 1}, {7, 1, 1, 8, 0, 1}}, {}, {{5, 0, 1, 64}, {4, 0, 0, 1}}, {{0, 5, 1}}},  // rank 7 step 50: chunk 0 piece 1: partial sum + our part to rank 0; wait arrive[1], entry[0]; r0:inbox@0[1/8] = r7:inbox@0[1/8] + r7:src@0[1/8]; signal r0:arrive[1]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 2}, {{7, 3, 0, 8, 0, 2}, {7, 1, 1, 8, 0, 2}}, {}, {{5, 0, 2, 64}, {4, 0, 0, 1}}, {{0, 5, 2}}},  // rank 7 step 51: chunk 0 piece 2: partial sum + our part to rank 0; wait arrive[2], entry[0]; r0:inbox@0[2/8] = r7:inbox@0[2/8] + r7:src@0[2/8]; signal r0:arrive[2]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 3}, {{7, 3, 0, 8, 0, 3}, {7, 1, 1, 8, 0, 3}}, {}, {{5, 0, 3, 64}, {4, 0, 0, 1}}, {{0, 5, 3}}},  // rank 7 step 52: chunk 0 piece 3: partial sum + our part to rank 0; wait arrive[3], entry[0]; r0:inbox@0[3/8] = r7:inbox@0[3/8] + r7:src@0[3/8]; signal r0:arrive[3]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 4}, {{7, 3, 0, 8, 0, 4}, {7, 1, 1, 8, 0, 4}}, {}, {{5, 0, 4, 64}, {4, 0, 0, 1}}, {{0, 5, 4}}},  // rank 7 step 53: chunk 0 piece 4: partial sum + our part to rank 0; wait arrive[4], entry[0]; r0:inbox@0[4/8] = r7:inbox@0[4/8] + r7:src@0[4/8]; signal r0:arrive[4]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 5}, {{7, 3, 0, 8, 0, 5}, {7, 1, 1, 8, 0, 5}}, {}, {{5, 0, 5, 64}, {4, 0, 0, 1}}, {{0, 5, 5}}},  // rank 7 step 54: chunk 0 piece 5: partial sum + our part to rank 0; wait arrive[5], entry[0]; r0:inbox@0[5/8] = r7:inbox@0[5/8] + r7:src@0[5/8]; signal r0:arrive[5]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 6}, {{7, 3, 0, 8, 0, 6}, {7, 1, 1, 8, 0, 6}}, {}, {{5, 0, 6, 64}, {4, 0, 0, 1}}, {{0, 5, 6}}},  // rank 7 step 55: chunk 0 piece 6: partial sum + our part to rank 0; wait arrive[6], entry[0]; r0:inbox@0[6/8] = r7:inbox@0[6/8] + r7:src@0[6/8]; signal r0:arrive[6]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 2, 1, 0, {0, 3, 0, 8, 0, 7}, {{7, 3, 0, 8, 0, 7}, {7, 1, 1, 8, 0, 7}}, {}, {{5, 0, 7, 64}, {4, 0, 0, 1}}, {{0, 5, 7}}},  // rank 7 step 56: chunk 0 piece 7: partial sum + our part to rank 0; wait arrive[7], entry[0]; r0:inbox@0[7/8] = r7:inbox@0[7/8] + r7:src@0[7/8]; signal r0:arrive[7]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 0}, {{7, 3, 0, 8, 7, 0}, {7, 1, 1, 8, 7, 0}}, {}, {{5, 0, 56, 64}}, {}},  // rank 7 step 57: our chunk, piece 0: last partial sum + our part; wait arrive[56]; r7:dst@0[0/8] = r7:inbox@7[0/8] + r7:src@7[0/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 1}, {{7, 3, 0, 8, 7, 1}, {7, 1, 1, 8, 7, 1}}, {}, {{5, 0, 57, 64}}, {}},  // rank 7 step 58: our chunk, piece 1: last partial sum + our part; wait arrive[57]; r7:dst@0[1/8] = r7:inbox@7[1/8] + r7:src@7[1/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 2}, {{7, 3, 0, 8, 7, 2}, {7, 1, 1, 8, 7, 2}}, {}, {{5, 0, 58, 64}}, {}},  // rank 7 step 59: our chunk, piece 2: last partial sum + our part; wait arrive[58]; r7:dst@0[2/8] = r7:inbox@7[2/8] + r7:src@7[2/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 3}, {{7, 3, 0, 8, 7, 3}, {7, 1, 1, 8, 7, 3}}, {}, {{5, 0, 59, 64}}, {}},  // rank 7 step 60: our chunk, piece 3: last partial sum + our part; wait arrive[59]; r7:dst@0[3/8] = r7:inbox@7[3/8] + r7:src@7[3/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 4}, {{7, 3, 0, 8, 7, 4}, {7, 1, 1, 8, 7, 4}}, {}, {{5, 0, 60, 64}}, {}},  // rank 7 step 61: our chunk, piece 4: last partial sum + our part; wait arrive[60]; r7:dst@0[4/8] = r7:inbox@7[4/8] + r7:src@7[4/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 5}, {{7, 3, 0, 8, 7, 5}, {7, 1, 1, 8, 7, 5}}, {}, {{5, 0, 61, 64}}, {}},  // rank 7 step 62: our chunk, piece 5: last partial sum + our part; wait arrive[61]; r7:dst@0[5/8] = r7:inbox@7[5/8] + r7:src@7[5/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 6}, {{7, 3, 0, 8, 7, 6}, {7, 1, 1, 8, 7, 6}}, {}, {{5, 0, 62, 64}}, {}},  // rank 7 step 63: our chunk, piece 6: last partial sum + our part; wait arrive[62]; r7:dst@0[6/8] = r7:inbox@7[6/8] + r7:src@7[6/8]; 64 blocks
+    {TSGEN_OP_REDUCE, 2, 1, 0, 0, {7, 2, 0, 8, 0, 7}, {{7, 3, 0, 8, 7, 7}, {7, 1, 1, 8, 7, 7}}, {}, {{5, 0, 63, 64}}, {}},  // rank 7 step 64: our chunk, piece 7: last partial sum + our part; wait arrive[63]; r7:dst@0[7/8] = r7:inbox@7[7/8] + r7:src@7[7/8]; 64 blocks
 };
 static __device__ const int step_base_w8[8] = { 0, 65, 130, 195, 260, 325, 390, 455 };
-// Shares, run-length encoded: {step, share, shares, n, dstep, dshare} stands for the n
-// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (expanded at compile time).
+// Shares, run-length encoded: {step, share, shares, n, dstep, dshare, reps, rstep, rshare} stands for
+// {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m < reps, k < n (expanded at compile time).
 static constexpr tsgen::share_run share_runs_w8[] = {
-    // rank 0: shares 0..4095
-    {57, 63, 64, 8, 1, 0}, {1, 0, 64, 56, 1, 0}, {1, 1, 64, 56, 1, 0}, {1, 2, 64, 56, 1, 0},
-    {1, 3, 64, 56, 1, 0}, {1, 4, 64, 56, 1, 0}, {1, 5, 64, 56, 1, 0}, {1, 6, 64, 56, 1, 0},
-    {1, 7, 64, 56, 1, 0}, {1, 8, 64, 56, 1, 0}, {1, 9, 64, 56, 1, 0}, {1, 10, 64, 56, 1, 0},
-    {1, 11, 64, 56, 1, 0}, {1, 12, 64, 56, 1, 0}, {1, 13, 64, 56, 1, 0}, {1, 14, 64, 56, 1, 0},
-    {1, 15, 64, 56, 1, 0}, {1, 16, 64, 56, 1, 0}, {1, 17, 64, 56, 1, 0}, {1, 18, 64, 56, 1, 0},
-    {1, 19, 64, 56, 1, 0}, {1, 20, 64, 56, 1, 0}, {1, 21, 64, 56, 1, 0}, {1, 22, 64, 56, 1, 0},
-    {1, 23, 64, 56, 1, 0}, {1, 24, 64, 56, 1, 0}, {1, 25, 64, 56, 1, 0}, {1, 26, 64, 56, 1, 0},
-    {1, 27, 64, 56, 1, 0}, {1, 28, 64, 56, 1, 0}, {1, 29, 64, 56, 1, 0}, {1, 30, 64, 56, 1, 0},
-    {1, 31, 64, 56, 1, 0}, {1, 32, 64, 56, 1, 0}, {1, 33, 64, 56, 1, 0}, {1, 34, 64, 56, 1, 0},
-    {1, 35, 64, 56, 1, 0}, {1, 36, 64, 56, 1, 0}, {1, 37, 64, 56, 1, 0}, {1, 38, 64, 56, 1, 0},
-    {1, 39, 64, 56, 1, 0}, {1, 40, 64, 56, 1, 0}, {1, 41, 64, 56, 1, 0}, {1, 42, 64, 56, 1, 0},
-    {1, 43, 64, 56, 1, 0}, {1, 44, 64, 56, 1, 0}, {1, 45, 64, 56, 1, 0}, {1, 46, 64, 56, 1, 0},
-    {1, 47, 64, 56, 1, 0}, {1, 48, 64, 56, 1, 0}, {1, 49, 64, 56, 1, 0}, {1, 50, 64, 56, 1, 0},
-    {1, 51, 64, 56, 1, 0}, {1, 52, 64, 56, 1, 0}, {1, 53, 64, 56, 1, 0}, {1, 54, 64, 56, 1, 0},
-    {1, 55, 64, 56, 1, 0}, {1, 56, 64, 56, 1, 0}, {1, 57, 64, 56, 1, 0}, {1, 58, 64, 56, 1, 0},
-    {1, 59, 64, 56, 1, 0}, {1, 60, 64, 56, 1, 0}, {1, 61, 64, 56, 1, 0}, {1, 62, 64, 56, 1, 0},
-    {1, 63, 64, 56, 1, 0}, {57, 0, 64, 8, 1, 0}, {57, 1, 64, 8, 1, 0}, {57, 2, 64, 8, 1, 0},
-    {57, 3, 64, 8, 1, 0}, {57, 4, 64, 8, 1, 0}, {57, 5, 64, 8, 1, 0}, {57, 6, 64, 8, 1, 0},
-    {57, 7, 64, 8, 1, 0}, {57, 8, 64, 8, 1, 0}, {57, 9, 64, 8, 1, 0}, {57, 10, 64, 8, 1, 0},
-    {57, 11, 64, 8, 1, 0}, {57, 12, 64, 8, 1, 0}, {57, 13, 64, 8, 1, 0}, {57, 14, 64, 8, 1, 0},
-    {57, 15, 64, 8, 1, 0}, {57, 16, 64, 8, 1, 0}, {57, 17, 64, 8, 1, 0}, {57, 18, 64, 8, 1, 0},
-    {57, 19, 64, 8, 1, 0}, {57, 20, 64, 8, 1, 0}, {57, 21, 64, 8, 1, 0}, {57, 22, 64, 8, 1, 0},
-    {57, 23, 64, 8, 1, 0}, {57, 24, 64, 8, 1, 0}, {57, 25, 64, 8, 1, 0}, {57, 26, 64, 8, 1, 0},
-    {57, 27, 64, 8, 1, 0}, {57, 28, 64, 8, 1, 0}, {57, 29, 64, 8, 1, 0}, {57, 30, 64, 8, 1, 0},
-    {57, 31, 64, 8, 1, 0}, {57, 32, 64, 8, 1, 0}, {57, 33, 64, 8, 1, 0}, {57, 34, 64, 8, 1, 0},
-    {57, 35, 64, 8, 1, 0}, {57, 36, 64, 8, 1, 0}, {57, 37, 64, 8, 1, 0}, {57, 38, 64, 8, 1, 0},
-    {57, 39, 64, 8, 1, 0}, {57, 40, 64, 8, 1, 0}, {57, 41, 64, 8, 1, 0}, {57, 42, 64, 8, 1, 0},
-    {57, 43, 64, 8, 1, 0}, {57, 44, 64, 8, 1, 0}, {57, 45, 64, 8, 1, 0}, {57, 46, 64, 8, 1, 0},
-    {57, 47, 64, 8, 1, 0}, {57, 48, 64, 8, 1, 0}, {57, 49, 64, 8, 1, 0}, {57, 50, 64, 8, 1, 0},
-    {57, 51, 64, 8, 1, 0}, {57, 52, 64, 8, 1, 0}, {57, 53, 64, 8, 1, 0}, {57, 54, 64, 8, 1, 0},
-    {57, 55, 64, 8, 1, 0}, {57, 56, 64, 8, 1, 0}, {57, 57, 64, 8, 1, 0}, {57, 58, 64, 8, 1, 0},
-    {57, 59, 64, 8, 1, 0}, {57, 60, 64, 8, 1, 0}, {57, 61, 64, 8, 1, 0}, {57, 62, 64, 8, 1, 0},
-    // rank 1: shares 4096..8191
-    {57, 63, 64, 8, 1, 0}, {1, 0, 64, 56, 1, 0}, {1, 1, 64, 56, 1, 0}, {1, 2, 64, 56, 1, 0},
-    {1, 3, 64, 56, 1, 0}, {1, 4, 64, 56, 1, 0}, {1, 5, 64, 56, 1, 0}, {1, 6, 64, 56, 1, 0},
-    {1, 7, 64, 56, 1, 0}, {1, 8, 64, 56, 1, 0}, {1, 9, 64, 56, 1, 0}, {1, 10, 64, 56, 1, 0},
-    {1, 11, 64, 56, 1, 0}, {1, 12, 64, 56, 1, 0}, {1, 13, 64, 56, 1, 0}, {1, 14, 64, 56, 1, 0},
-    {1, 15, 64, 56, 1, 0}, {1, 16, 64, 56, 1, 0}, {1, 17, 64, 56, 1, 0}, {1, 18, 64, 56, 1, 0},
-    {1, 19, 64, 56, 1, 0}, {1, 20, 64, 56, 1, 0}, {1, 21, 64, 56, 1, 0}, {1, 22, 64, 56, 1, 0},
-    {1, 23, 64, 56, 1, 0}, {1, 24, 64, 56, 1, 0}, {1, 25, 64, 56, 1, 0}, {1, 26, 64, 56, 1, 0},
-    {1, 27, 64, 56, 1, 0}, {1, 28, 64, 56, 1, 0}, {1, 29, 64, 56, 1, 0}, {1, 30, 64, 56, 1, 0},
-    {1, 31, 64, 56, 1, 0}, {1, 32, 64, 56, 1, 0}, {1, 33, 64, 56, 1, 0}, {1, 34, 64, 56, 1, 0},
-    {1, 35, 64, 56, 1, 0}, {1, 36, 64, 56, 1, 0}, {1, 37, 64, 56, 1, 0}, {1, 38, 64, 56, 1, 0},
-    {1, 39, 64, 56, 1, 0}, {1, 40, 64, 56, 1, 0}, {1, 41, 64, 56, 1, 0}, {1, 42, 64, 56, 1, 0},
-    {1, 43, 64, 56, 1, 0}, {1, 44, 64, 56, 1, 0}, {1, 45, 64, 56, 1, 0}, {1, 46, 64, 56, 1, 0},
-    {1, 47, 64, 56, 1, 0}, {1, 48, 64, 56, 1, 0}, {1, 49, 64, 56, 1, 0}, {1, 50, 64, 56, 1, 0},
-    {1, 51, 64, 56, 1, 0}, {1, 52, 64, 56, 1, 0}, {1, 53, 64, 56, 1, 0}, {1, 54, 64, 56, 1, 0},
-    {1, 55, 64, 56, 1, 0}, {1, 56, 64, 56, 1, 0}, {1, 57, 64, 56, 1, 0}, {1, 58, 64, 56, 1, 0},
-    {1, 59, 64, 56, 1, 0}, {1, 60, 64, 56, 1, 0}, {1, 61, 64, 56, 1, 0}, {1, 62, 64, 56, 1, 0},
-    {1, 63, 64, 56, 1, 0}, {57, 0, 64, 8, 1, 0}, {57, 1, 64, 8, 1, 0}, {57, 2, 64, 8, 1, 0},
-    {57, 3, 64, 8, 1, 0}, {57, 4, 64, 8, 1, 0}, {57, 5, 64, 8, 1, 0}, {57, 6, 64, 8, 1, 0},
-    {57, 7, 64, 8, 1, 0}, {57, 8, 64, 8, 1, 0}, {57, 9, 64, 8, 1, 0}, {57, 10, 64, 8, 1, 0},
-    {57, 11, 64, 8, 1, 0}, {57, 12, 64, 8, 1, 0}, {57, 13, 64, 8, 1, 0}, {57, 14, 64, 8, 1, 0},
-    {57, 15, 64, 8, 1, 0}, {57, 16, 64, 8, 1, 0}, {57, 17, 64, 8, 1, 0}, {57, 18, 64, 8, 1, 0},
-    {57, 19, 64, 8, 1, 0}, {57, 20, 64, 8, 1, 0}, {57, 21, 64, 8, 1, 0}, {57, 22, 64, 8, 1, 0},
-    {57, 23, 64, 8, 1, 0}, {57, 24, 64, 8, 1, 0}, {57, 25, 64, 8, 1, 0}, {57, 26, 64, 8, 1, 0},
-    {57, 27, 64, 8, 1, 0}, {57, 28, 64, 8, 1, 0}, {57, 29, 64, 8, 1, 0}, {57, 30, 64, 8, 1, 0},
-    {57, 31, 64, 8, 1, 0}, {57, 32, 64, 8, 1, 0}, {57, 33, 64, 8, 1, 0}, {57, 34, 64, 8, 1, 0},
-    {57, 35, 64, 8, 1, 0}, {57, 36, 64, 8, 1, 0}, {57, 37, 64, 8, 1, 0}, {57, 38, 64, 8, 1, 0},
-    {57, 39, 64, 8, 1, 0}, {57, 40, 64, 8, 1, 0}, {57, 41, 64, 8, 1, 0}, {57, 42, 64, 8, 1, 0},
-    {57, 43, 64, 8, 1, 0}, {57, 44, 64, 8, 1, 0}, {57, 45, 64, 8, 1, 0}, {57, 46, 64, 8, 1, 0},
-    {57, 47, 64, 8, 1, 0}, {57, 48, 64, 8, 1, 0}, {57, 49, 64, 8, 1, 0}, {57, 50, 64, 8, 1, 0},
-    {57, 51, 64, 8, 1, 0}, {57, 52, 64, 8, 1, 0}, {57, 53, 64, 8, 1, 0}, {57, 54, 64, 8, 1, 0},
-    {57, 55, 64, 8, 1, 0}, {57, 56, 64, 8, 1, 0}, {57, 57, 64, 8, 1, 0}, {57, 58, 64, 8, 1, 0},
-    {57, 59, 64, 8, 1, 0}, {57, 60, 64, 8, 1, 0}, {57, 61, 64, 8, 1, 0}, {57, 62, 64, 8, 1, 0},
-    // rank 2: shares 8192..12287
-    {57, 63, 64, 8, 1, 0}, {1, 0, 64, 56, 1, 0}, {1, 1, 64, 56, 1, 0}, {1, 2, 64, 56, 1, 0},
-    {1, 3, 64, 56, 1, 0}, {1, 4, 64, 56, 1, 0}, {1, 5, 64, 56, 1, 0}, {1, 6, 64, 56, 1, 0},
-    {1, 7, 64, 56, 1, 0}, {1, 8, 64, 56, 1, 0}, {1, 9, 64, 56, 1, 0}, {1, 10, 64, 56, 1, 0},
-    {1, 11, 64, 56, 1, 0}, {1, 12, 64, 56, 1, 0}, {1, 13, 64, 56, 1, 0}, {1, 14, 64, 56, 1, 0},
-    {1, 15, 64, 56, 1, 0}, {1, 16, 64, 56, 1, 0}, {1, 17, 64, 56, 1, 0}, {1, 18, 64, 56, 1, 0},
-    {1, 19, 64, 56, 1, 0}, {1, 20, 64, 56, 1, 0}, {1, 21, 64, 56, 1, 0}, {1, 22, 64, 56, 1, 0},
-    {1, 23, 64, 56, 1, 0}, {1, 24, 64, 56, 1, 0}, {1, 25, 64, 56, 1, 0}, {1, 26, 64, 56, 1, 0},
-    {1, 27, 64, 56, 1, 0}, {1, 28, 64, 56, 1, 0}, {1, 29, 64, 56, 1, 0}, {1, 30, 64, 56, 1, 0},
-    {1, 31, 64, 56, 1, 0}, {1, 32, 64, 56, 1, 0}, {1, 33, 64, 56, 1, 0}, {1, 34, 64, 56, 1, 0},
-    {1, 35, 64, 56, 1, 0}, {1, 36, 64, 56, 1, 0}, {1, 37, 64, 56, 1, 0}, {1, 38, 64, 56, 1, 0},
-    {1, 39, 64, 56, 1, 0}, {1, 40, 64, 56, 1, 0}, {1, 41, 64, 56, 1, 0}, {1, 42, 64, 56, 1, 0},
-    {1, 43, 64, 56, 1, 0}, {1, 44, 64, 56, 1, 0}, {1, 45, 64, 56, 1, 0}, {1, 46, 64, 56, 1, 0},
-    {1, 47, 64, 56, 1, 0}, {1, 48, 64, 56, 1, 0}, {1, 49, 64, 56, 1, 0}, {1, 50, 64, 56, 1, 0},
-    {1, 51, 64, 56, 1, 0}, {1, 52, 64, 56, 1, 0}, {1, 53, 64, 56, 1, 0}, {1, 54, 64, 56, 1, 0},
-    {1, 55, 64, 56, 1, 0}, {1, 56, 64, 56, 1, 0}, {1, 57, 64, 56, 1, 0}, {1, 58, 64, 56, 1, 0},
-    {1, 59, 64, 56, 1, 0}, {1, 60, 64, 56, 1, 0}, {1, 61, 64, 56, 1, 0}, {1, 62, 64, 56, 1, 0},
-    {1, 63, 64, 56, 1, 0}, {57, 0, 64, 8, 1, 0}, {57, 1, 64, 8, 1, 0}, {57, 2, 64, 8, 1, 0},
-    {57, 3, 64, 8, 1, 0}, {57, 4, 64, 8, 1, 0}, {57, 5, 64, 8, 1, 0}, {57, 6, 64, 8, 1, 0},
-    {57, 7, 64, 8, 1, 0}, {57, 8, 64, 8, 1, 0}, {57, 9, 64, 8, 1, 0}, {57, 10, 64, 8, 1, 0},
-    {57, 11, 64, 8, 1, 0}, {57, 12, 64, 8, 1, 0}, {57, 13, 64, 8, 1, 0}, {57, 14, 64, 8, 1, 0},
-    {57, 15, 64, 8, 1, 0}, {57, 16, 64, 8, 1, 0}, {57, 17, 64, 8, 1, 0}, {57, 18, 64, 8, 1, 0},
-    {57, 19, 64, 8, 1, 0}, {57, 20, 64, 8, 1, 0}, {57, 21, 64, 8, 1, 0}, {57, 22, 64, 8, 1, 0},
-    {57, 23, 64, 8, 1, 0}, {57, 24, 64, 8, 1, 0}, {57, 25, 64, 8, 1, 0}, {57, 26, 64, 8, 1, 0},
-    {57, 27, 64, 8, 1, 0}, {57, 28, 64, 8, 1, 0}, {57, 29, 64, 8, 1, 0}, {57, 30, 64, 8, 1, 0},
-    {57, 31, 64, 8, 1, 0}, {57, 32, 64, 8, 1, 0}, {57, 33, 64, 8, 1, 0}, {57, 34, 64, 8, 1, 0},
-    {57, 35, 64, 8, 1, 0}, {57, 36, 64, 8, 1, 0}, {57, 37, 64, 8, 1, 0}, {57, 38, 64, 8, 1, 0},
-    {57, 39, 64, 8, 1, 0}, {57, 40, 64, 8, 1, 0}, {57, 41, 64, 8, 1, 0}, {57, 42, 64, 8, 1, 0},
-    {57, 43, 64, 8, 1, 0}, {57, 44, 64, 8, 1, 0}, {57, 45, 64, 8, 1, 0}, {57, 46, 64, 8, 1, 0},
-    {57, 47, 64, 8, 1, 0}, {57, 48, 64, 8, 1, 0}, {57, 49, 64, 8, 1, 0}, {57, 50, 64, 8, 1, 0},
-    {57, 51, 64, 8, 1, 0}, {57, 52, 64, 8, 1, 0}, {57, 53, 64, 8, 1, 0}, {57, 54, 64, 8, 1, 0},
-    {57, 55, 64, 8, 1, 0}, {57, 56, 64, 8, 1, 0}, {57, 57, 64, 8, 1, 0}, {57, 58, 64, 8, 1, 0},
-    {57, 59, 64, 8, 1, 0}, {57, 60, 64, 8, 1, 0}, {57, 61, 64, 8, 1, 0}, {57, 62, 64, 8, 1, 0},
-    // rank 3: shares 12288..16383
-    {57, 63, 64, 8, 1, 0}, {1, 0, 64, 56, 1, 0}, {1, 1, 64, 56, 1, 0}, {1, 2, 64, 56, 1, 0},
-    {1, 3, 64, 56, 1, 0}, {1, 4, 64, 56, 1, 0}, {1, 5, 64, 56, 1, 0}, {1, 6, 64, 56, 1, 0},
-    {1, 7, 64, 56, 1, 0}, {1, 8, 64, 56, 1, 0}, {1, 9, 64, 56, 1, 0}, {1, 10, 64, 56, 1, 0},
-    {1, 11, 64, 56, 1, 0}, {1, 12, 64, 56, 1, 0}, {1, 13, 64, 56, 1, 0}, {1, 14, 64, 56, 1, 0},
-    {1, 15, 64, 56, 1, 0}, {1, 16, 64, 56, 1, 0}, {1, 17, 64, 56, 1, 0}, {1, 18, 64, 56, 1, 0},
-    {1, 19, 64, 56, 1, 0}, {1, 20, 64, 56, 1, 0}, {1, 21, 64, 56, 1, 0}, {1, 22, 64, 56, 1, 0},
-    {1, 23, 64, 56, 1, 0}, {1, 24, 64, 56, 1, 0}, {1, 25, 64, 56, 1, 0}, {1, 26, 64, 56, 1, 0},
-    {1, 27, 64, 56, 1, 0}, {1, 28, 64, 56, 1, 0}, {1, 29, 64, 56, 1, 0}, {1, 30, 64, 56, 1, 0},
-    {1, 31, 64, 56, 1, 0}, {1, 32, 64, 56, 1, 0}, {1, 33, 64, 56, 1, 0}, {1, 34, 64, 56, 1, 0},
-    {1, 35, 64, 56, 1, 0}, {1, 36, 64, 56, 1, 0}, {1, 37, 64, 56, 1, 0}, {1, 38, 64, 56, 1, 0},
-    {1, 39, 64, 56, 1, 0}, {1, 40, 64, 56, 1, 0}, {1, 41, 64, 56, 1, 0}, {1, 42, 64, 56, 1, 0},
-    {1, 43, 64, 56, 1, 0}, {1, 44, 64, 56, 1, 0}, {1, 45, 64, 56, 1, 0}, {1, 46, 64, 56, 1, 0},
-    {1, 47, 64, 56, 1, 0}, {1, 48, 64, 56, 1, 0}, {1, 49, 64, 56, 1, 0}, {1, 50, 64, 56, 1, 0},
-    {1, 51, 64, 56, 1, 0}, {1, 52, 64, 56, 1, 0}, {1, 53, 64, 56, 1, 0}, {1, 54, 64, 56, 1, 0},
-    {1, 55, 64, 56, 1, 0}, {1, 56, 64, 56, 1, 0}, {1, 57, 64, 56, 1, 0}, {1, 58, 64, 56, 1, 0},
-    {1, 59, 64, 56, 1, 0}, {1, 60, 64, 56, 1, 0}, {1, 61, 64, 56, 1, 0}, {1, 62, 64, 56, 1, 0},
-    {1, 63, 64, 56, 1, 0}, {57, 0, 64, 8, 1, 0}, {57, 1, 64, 8, 1, 0}, {57, 2, 64, 8, 1, 0},
-    {57, 3, 64, 8, 1, 0}, {57, 4, 64, 8, 1, 0}, {57, 5, 64, 8, 1, 0}, {57, 6, 64, 8, 1, 0},
-    {57, 7, 64, 8, 1, 0}, {57, 8, 64, 8, 1, 0}, {57, 9, 64, 8, 1, 0}, {57, 10, 64, 8, 1, 0},
-    {57, 11, 64, 8, 1, 0}, {57, 12, 64, 8, 1, 0}, {57, 13, 64, 8, 1, 0}, {57, 14, 64, 8, 1, 0},
-    {57, 15, 64, 8, 1, 0}, {57, 16, 64, 8, 1, 0}, {57, 17, 64, 8, 1, 0}, {57, 18, 64, 8, 1, 0},
-    {57, 19, 64, 8, 1, 0}, {57, 20, 64, 8, 1, 0}, {57, 21, 64, 8, 1, 0}, {57, 22, 64, 8, 1, 0},
-    {57, 23, 64, 8, 1, 0}, {57, 24, 64, 8, 1, 0}, {57, 25, 64, 8, 1, 0}, {57, 26, 64, 8, 1, 0},
-    {57, 27, 64, 8, 1, 0}, {57, 28, 64, 8, 1, 0}, {57, 29, 64, 8, 1, 0}, {57, 30, 64, 8, 1, 0},
-    {57, 31, 64, 8, 1, 0}, {57, 32, 64, 8, 1, 0}, {57, 33, 64, 8, 1, 0}, {57, 34, 64, 8, 1, 0},
-    {57, 35, 64, 8, 1, 0}, {57, 36, 64, 8, 1, 0}, {57, 37, 64, 8, 1, 0}, {57, 38, 64, 8, 1, 0},
-    {57, 39, 64, 8, 1, 0}, {57, 40, 64, 8, 1, 0}, {57, 41, 64, 8, 1, 0}, {57, 42, 64, 8, 1, 0},
-    {57, 43, 64, 8, 1, 0}, {57, 44, 64, 8, 1, 0}, {57, 45, 64, 8, 1, 0}, {57, 46, 64, 8, 1, 0},
-    {57, 47, 64, 8, 1, 0}, {57, 48, 64, 8, 1, 0}, {57, 49, 64, 8, 1, 0}, {57, 50, 64, 8, 1, 0},
-    {57, 51, 64, 8, 1, 0}, {57, 52, 64, 8, 1, 0}, {57, 53, 64, 8, 1, 0}, {57, 54, 64, 8, 1, 0},
-    {57, 55, 64, 8, 1, 0}, {57, 56, 64, 8, 1, 0}, {57, 57, 64, 8, 1, 0}, {57, 58, 64, 8, 1, 0},
-    {57, 59, 64, 8, 1, 0}, {57, 60, 64, 8, 1, 0}, {57, 61, 64, 8, 1, 0}, {57, 62, 64, 8, 1, 0},
-    // rank 4: shares 16384..20479
-    {57, 63, 64, 8, 1, 0}, {1, 0, 64, 56, 1, 0}, {1, 1, 64, 56, 1, 0}, {1, 2, 64, 56, 1, 0},
-    {1, 3, 64, 56, 1, 0}, {1, 4, 64, 56, 1, 0}, {1, 5, 64, 56, 1, 0}, {1, 6, 64, 56, 1, 0},
-    {1, 7, 64, 56, 1, 0}, {1, 8, 64, 56, 1, 0}, {1, 9, 64, 56, 1, 0}, {1, 10, 64, 56, 1, 0},
-    {1, 11, 64, 56, 1, 0}, {1, 12, 64, 56, 1, 0}, {1, 13, 64, 56, 1, 0}, {1, 14, 64, 56, 1, 0},
-    {1, 15, 64, 56, 1, 0}, {1, 16, 64, 56, 1, 0}, {1, 17, 64, 56, 1, 0}, {1, 18, 64, 56, 1, 0},
-    {1, 19, 64, 56, 1, 0}, {1, 20, 64, 56, 1, 0}, {1, 21, 64, 56, 1, 0}, {1, 22, 64, 56, 1, 0},
-    {1, 23, 64, 56, 1, 0}, {1, 24, 64, 56, 1, 0}, {1, 25, 64, 56, 1, 0}, {1, 26, 64, 56, 1, 0},
-    {1, 27, 64, 56, 1, 0}, {1, 28, 64, 56, 1, 0}, {1, 29, 64, 56, 1, 0}, {1, 30, 64, 56, 1, 0},
-    {1, 31, 64, 56, 1, 0}, {1, 32, 64, 56, 1, 0}, {1, 33, 64, 56, 1, 0}, {1, 34, 64, 56, 1, 0},
-    {1, 35, 64, 56, 1, 0}, {1, 36, 64, 56, 1, 0}, {1, 37, 64, 56, 1, 0}, {1, 38, 64, 56, 1, 0},
-    {1, 39, 64, 56, 1, 0}, {1, 40, 64, 56, 1, 0}, {1, 41, 64, 56, 1, 0}, {1, 42, 64, 56, 1, 0},
-    {1, 43, 64, 56, 1, 0}, {1, 44, 64, 56, 1, 0}, {1, 45, 64, 56, 1, 0}, {1, 46, 64, 56, 1, 0},
-    {1, 47, 64, 56, 1, 0}, {1, 48, 64, 56, 1, 0}, {1, 49, 64, 56, 1, 0}, {1, 50, 64, 56, 1, 0},
-    {1, 51, 64, 56, 1, 0}, {1, 52, 64, 56, 1, 0}, {1, 53, 64, 56, 1, 0}, {1, 54, 64, 56, 1, 0},
-    {1, 55, 64, 56, 1, 0}, {1, 56, 64, 56, 1, 0}, {1, 57, 64, 56, 1, 0}, {1, 58, 64, 56, 1, 0},
-    {1, 59, 64, 56, 1, 0}, {1, 60, 64, 56, 1, 0}, {1, 61, 64, 56, 1, 0}, {1, 62, 64, 56, 1, 0},
-    {1, 63, 64, 56, 1, 0}, {57, 0, 64, 8, 1, 0}, {57, 1, 64, 8, 1, 0}, {57, 2, 64, 8, 1, 0},
-    {57, 3, 64, 8, 1, 0}, {57, 4, 64, 8, 1, 0}, {57, 5, 64, 8, 1, 0}, {57, 6, 64, 8, 1, 0},
-    {57, 7, 64, 8, 1, 0}, {57, 8, 64, 8, 1, 0}, {57, 9, 64, 8, 1, 0}, {57, 10, 64, 8, 1, 0},
-    {57, 11, 64, 8, 1, 0}, {57, 12, 64, 8, 1, 0}, {57, 13, 64, 8, 1, 0}, {57, 14, 64, 8, 1, 0},
-    {57, 15, 64, 8, 1, 0}, {57, 16, 64, 8, 1, 0}, {57, 17, 64, 8, 1, 0}, {57, 18, 64, 8, 1, 0},
-    {57, 19, 64, 8, 1, 0}, {57, 20, 64, 8, 1, 0}, {57, 21, 64, 8, 1, 0}, {57, 22, 64, 8, 1, 0},
-    {57, 23, 64, 8, 1, 0}, {57, 24, 64, 8, 1, 0}, {57, 25, 64, 8, 1, 0}, {57, 26, 64, 8, 1, 0},
-    {57, 27, 64, 8, 1, 0}, {57, 28, 64, 8, 1, 0}, {57, 29, 64, 8, 1, 0}, {57, 30, 64, 8, 1, 0},
-    {57, 31, 64, 8, 1, 0}, {57, 32, 64, 8, 1, 0}, {57, 33, 64, 8, 1, 0}, {57, 34, 64, 8, 1, 0},
-    {57, 35, 64, 8, 1, 0}, {57, 36, 64, 8, 1, 0}, {57, 37, 64, 8, 1, 0}, {57, 38, 64, 8, 1, 0},
-    {57, 39, 64, 8, 1, 0}, {57, 40, 64, 8, 1, 0}, {57, 41, 64, 8, 1, 0}, {57, 42, 64, 8, 1, 0},
-    {57, 43, 64, 8, 1, 0}, {57, 44, 64, 8, 1, 0}, {57, 45, 64, 8, 1, 0}, {57, 46, 64, 8, 1, 0},
-    {57, 47, 64, 8, 1, 0}, {57, 48, 64, 8, 1, 0}, {57, 49, 64, 8, 1, 0}, {57, 50, 64, 8, 1, 0},
-    {57, 51, 64, 8, 1, 0}, {57, 52, 64, 8, 1, 0}, {57, 53, 64, 8, 1, 0}, {57, 54, 64, 8, 1, 0},
-    {57, 55, 64, 8, 1, 0}, {57, 56, 64, 8, 1, 0}, {57, 57, 64, 8, 1, 0}, {57, 58, 64, 8, 1, 0},
-    {57, 59, 64, 8, 1, 0}, {57, 60, 64, 8, 1, 0}, {57, 61, 64, 8, 1, 0}, {57, 62, 64, 8, 1, 0},
-    // rank 5: shares 20480..24575
-    {57, 63, 64, 8, 1, 0}, {1, 0, 64, 56, 1, 0}, {1, 1, 64, 56, 1, 0}, {1, 2, 64, 56, 1, 0},
-    {1, 3, 64, 56, 1, 0}, {1, 4, 64, 56, 1, 0}, {1, 5, 64, 56, 1, 0}, {1, 6, 64, 56, 1, 0},
-    {1, 7, 64, 56, 1, 0}, {1, 8, 64, 56, 1, 0}, {1, 9, 64, 56, 1, 0}, {1, 10, 64, 56, 1, 0},
-    {1, 11, 64, 56, 1, 0}, {1, 12, 64, 56, 1, 0}, {1, 13, 64, 56, 1, 0}, {1, 14, 64, 56, 1, 0},
-    {1, 15, 64, 56, 1, 0}, {1, 16, 64, 56, 1, 0}, {1, 17, 64, 56, 1, 0}, {1, 18, 64, 56, 1, 0},
-    {1, 19, 64, 56, 1, 0}, {1, 20, 64, 56, 1, 0}, {1, 21, 64, 56, 1, 0}, {1, 22, 64, 56, 1, 0},
-    {1, 23, 64, 56, 1, 0}, {1, 24, 64, 56, 1, 0}, {1, 25, 64, 56, 1, 0}, {1, 26, 64, 56, 1, 0},
-    {1, 27, 64, 56, 1, 0}, {1, 28, 64, 56, 1, 0}, {1, 29, 64, 56, 1, 0}, {1, 30, 64, 56, 1, 0},
-    {1, 31, 64, 56, 1, 0}, {1, 32, 64, 56, 1, 0}, {1, 33, 64, 56, 1, 0}, {1, 34, 64, 56, 1, 0},
-    {1, 35, 64, 56, 1, 0}, {1, 36, 64, 56, 1, 0}, {1, 37, 64, 56, 1, 0}, {1, 38, 64, 56, 1, 0},
-    {1, 39, 64, 56, 1, 0}, {1, 40, 64, 56, 1, 0}, {1, 41, 64, 56, 1, 0}, {1, 42, 64, 56, 1, 0},
-    {1, 43, 64, 56, 1, 0}, {1, 44, 64, 56, 1, 0}, {1, 45, 64, 56, 1, 0}, {1, 46, 64, 56, 1, 0},
-    {1, 47, 64, 56, 1, 0}, {1, 48, 64, 56, 1, 0}, {1, 49, 64, 56, 1, 0}, {1, 50, 64, 56, 1, 0},
-    {1, 51, 64, 56, 1, 0}, {1, 52, 64, 56, 1, 0}, {1, 53, 64, 56, 1, 0}, {1, 54, 64, 56, 1, 0},
-    {1, 55, 64, 56, 1, 0}, {1, 56, 64, 56, 1, 0}, {1, 57, 64, 56, 1, 0}, {1, 58, 64, 56, 1, 0},
-    {1, 59, 64, 56, 1, 0}, {1, 60, 64, 56, 1, 0}, {1, 61, 64, 56, 1, 0}, {1, 62, 64, 56, 1, 0},
-    {1, 63, 64, 56, 1, 0}, {57, 0, 64, 8, 1, 0}, {57, 1, 64, 8, 1, 0}, {57, 2, 64, 8, 1, 0},
-    {57, 3, 64, 8, 1, 0}, {57, 4, 64, 8, 1, 0}, {57, 5, 64, 8, 1, 0}, {57, 6, 64, 8, 1, 0},
-    {57, 7, 64, 8, 1, 0}, {57, 8, 64, 8, 1, 0}, {57, 9, 64, 8, 1, 0}, {57, 10, 64, 8, 1, 0},
-    {57, 11, 64, 8, 1, 0}, {57, 12, 64, 8, 1, 0}, {57, 13, 64, 8, 1, 0}, {57, 14, 64, 8, 1, 0},
-    {57, 15, 64, 8, 1, 0}, {57, 16, 64, 8, 1, 0}, {57, 17, 64, 8, 1, 0}, {57, 18, 64, 8, 1, 0},
-    {57, 19, 64, 8, 1, 0}, {57, 20, 64, 8, 1, 0}, {57, 21, 64, 8, 1, 0}, {57, 22, 64, 8, 1, 0},
-    {57, 23, 64, 8, 1, 0}, {57, 24, 64, 8, 1, 0}, {57, 25, 64, 8, 1, 0}, {57, 26, 64, 8, 1, 0},
-    {57, 27, 64, 8, 1, 0}, {57, 28, 64, 8, 1, 0}, {57, 29, 64, 8, 1, 0}, {57, 30, 64, 8, 1, 0},
-    {57, 31, 64, 8, 1, 0}, {57, 32, 64, 8, 1, 0}, {57, 33, 64, 8, 1, 0}, {57, 34, 64, 8, 1, 0},
-    {57, 35, 64, 8, 1, 0}, {57, 36, 64, 8, 1, 0}, {57, 37, 64, 8, 1, 0}, {57, 38, 64, 8, 1, 0},
-    {57, 39, 64, 8, 1, 0}, {57, 40, 64, 8, 1, 0}, {57, 41, 64, 8, 1, 0}, {57, 42, 64, 8, 1, 0},
-    {57, 43, 64, 8, 1, 0}, {57, 44, 64, 8, 1, 0}, {57, 45, 64, 8, 1, 0}, {57, 46, 64, 8, 1, 0},
-    {57, 47, 64, 8, 1, 0}, {57, 48, 64, 8, 1, 0}, {57, 49, 64, 8, 1, 0}, {57, 50, 64, 8, 1, 0},
-    {57, 51, 64, 8, 1, 0}, {57, 52, 64, 8, 1, 0}, {57, 53, 64, 8, 1, 0}, {57, 54, 64, 8, 1, 0},
-    {57, 55, 64, 8, 1, 0}, {57, 56, 64, 8, 1, 0}, {57, 57, 64, 8, 1, 0}, {57, 58, 64, 8, 1, 0},
-    {57, 59, 64, 8, 1, 0}, {57, 60, 64, 8, 1, 0}, {57, 61, 64, 8, 1, 0}, {57, 62, 64, 8, 1, 0},
-    // rank 6: shares 24576..28671
-    {57, 63, 64, 8, 1, 0}, {1, 0, 64, 56, 1, 0}, {1, 1, 64, 56, 1, 0}, {1, 2, 64, 56, 1, 0},
-    {1, 3, 64, 56, 1, 0}, {1, 4, 64, 56, 1, 0}, {1, 5, 64, 56, 1, 0}, {1, 6, 64, 56, 1, 0},
-    {1, 7, 64, 56, 1, 0}, {1, 8, 64, 56, 1, 0}, {1, 9, 64, 56, 1, 0}, {1, 10, 64, 56, 1, 0},
-    {1, 11, 64, 56, 1, 0}, {1, 12, 64, 56, 1, 0}, {1, 13, 64, 56, 1, 0}, {1, 14, 64, 56, 1, 0},
-    {1, 15, 64, 56, 1, 0}, {1, 16, 64, 56, 1, 0}, {1, 17, 64, 56, 1, 0}, {1, 18, 64, 56, 1, 0},
-    {1, 19, 64, 56, 1, 0}, {1, 20, 64, 56, 1, 0}, {1, 21, 64, 56, 1, 0}, {1, 22, 64, 56, 1, 0},
-    {1, 23, 64, 56, 1, 0}, {1, 24, 64, 56, 1, 0}, {1, 25, 64, 56, 1, 0}, {1, 26, 64, 56, 1, 0},
-    {1, 27, 64, 56, 1, 0}, {1, 28, 64, 56, 1, 0}, {1, 29, 64, 56, 1, 0}, {1, 30, 64, 56, 1, 0},
-    {1, 31, 64, 56, 1, 0}, {1, 32, 64, 56, 1, 0}, {1, 33, 64, 56, 1, 0}, {1, 34, 64, 56, 1, 0},
-    {1, 35, 64, 56, 1, 0}, {1, 36, 64, 56, 1, 0}, {1, 37, 64, 56, 1, 0}, {1, 38, 64, 56, 1, 0},
-    {1, 39, 64, 56, 1, 0}, {1, 40, 64, 56, 1, 0}, {1, 41, 64, 56, 1, 0}, {1, 42, 64, 56, 1, 0},
-    {1, 43, 64, 56, 1, 0}, {1, 44, 64, 56, 1, 0}, {1, 45, 64, 56, 1, 0}, {1, 46, 64, 56, 1, 0},
-    {1, 47, 64, 56, 1, 0}, {1, 48, 64, 56, 1, 0}, {1, 49, 64, 56, 1, 0}, {1, 50, 64, 56, 1, 0},
-    {1, 51, 64, 56, 1, 0}, {1, 52, 64, 56, 1, 0}, {1, 53, 64, 56, 1, 0}, {1, 54, 64, 56, 1, 0},
-    {1, 55, 64, 56, 1, 0}, {1, 56, 64, 56, 1, 0}, {1, 57, 64, 56, 1, 0}, {1, 58, 64, 56, 1, 0},
-    {1, 59, 64, 56, 1, 0}, {1, 60, 64, 56, 1, 0}, {1, 61, 64, 56, 1, 0}, {1, 62, 64, 56, 1, 0},
-    {1, 63, 64, 56, 1, 0}, {57, 0, 64, 8, 1, 0}, {57, 1, 64, 8, 1, 0}, {57, 2, 64, 8, 1, 0},
-    {57, 3, 64, 8, 1, 0}, {57, 4, 64, 8, 1, 0}, {57, 5, 64, 8, 1, 0}, {57, 6, 64, 8, 1, 0},
-    {57, 7, 64, 8, 1, 0}, {57, 8, 64, 8, 1, 0}, {57, 9, 64, 8, 1, 0}, {57, 10, 64, 8, 1, 0},
-    {57, 11, 64, 8, 1, 0}, {57, 12, 64, 8, 1, 0}, {57, 13, 64, 8, 1, 0}, {57, 14, 64, 8, 1, 0},
-    {57, 15, 64, 8, 1, 0}, {57, 16, 64, 8, 1, 0}, {57, 17, 64, 8, 1, 0}, {57, 18, 64, 8, 1, 0},
-    {57, 19, 64, 8, 1, 0}, {57, 20, 64, 8, 1, 0}, {57, 21, 64, 8, 1, 0}, {57, 22, 64, 8, 1, 0},
-    {57, 23, 64, 8, 1, 0}, {57, 24, 64, 8, 1, 0}, {57, 25, 64, 8, 1, 0}, {57, 26, 64, 8, 1, 0},
-    {57, 27, 64, 8, 1, 0}, {57, 28, 64, 8, 1, 0}, {57, 29, 64, 8, 1, 0}, {57, 30, 64, 8, 1, 0},
-    {57, 31, 64, 8, 1, 0}, {57, 32, 64, 8, 1, 0}, {57, 33, 64, 8, 1, 0}, {57, 34, 64, 8, 1, 0},
-    {57, 35, 64, 8, 1, 0}, {57, 36, 64, 8, 1, 0}, {57, 37, 64, 8, 1, 0}, {57, 38, 64, 8, 1, 0},
-    {57, 39, 64, 8, 1, 0}, {57, 40, 64, 8, 1, 0}, {57, 41, 64, 8, 1, 0}, {57, 42, 64, 8, 1, 0},
-    {57, 43, 64, 8, 1, 0}, {57, 44, 64, 8, 1, 0}, {57, 45, 64, 8, 1, 0}, {57, 46, 64, 8, 1, 0},
-    {57, 47, 64, 8, 1, 0}, {57, 48, 64, 8, 1, 0}, {57, 49, 64, 8, 1, 0}, {57, 50, 64, 8, 1, 0},
-    {57, 51, 64, 8, 1, 0}, {57, 52, 64, 8, 1, 0}, {57, 53, 64, 8, 1, 0}, {57, 54, 64, 8, 1, 0},
-    {57, 55, 64, 8, 1, 0}, {57, 56, 64, 8, 1, 0}, {57, 57, 64, 8, 1, 0}, {57, 58, 64, 8, 1, 0},
-    {57, 59, 64, 8, 1, 0}, {57, 60, 64, 8, 1, 0}, {57, 61, 64, 8, 1, 0}, {57, 62, 64, 8, 1, 0},
-    // rank 7: shares 28672..32767
-    {57, 63, 64, 8, 1, 0}, {1, 0, 64, 56, 1, 0}, {1, 1, 64, 56, 1, 0}, {1, 2, 64, 56, 1, 0},
-    {1, 3, 64, 56, 1, 0}, {1, 4, 64, 56, 1, 0}, {1, 5, 64, 56, 1, 0}, {1, 6, 64, 56, 1, 0},
-    {1, 7, 64, 56, 1, 0}, {1, 8, 64, 56, 1, 0}, {1, 9, 64, 56, 1, 0}, {1, 10, 64, 56, 1, 0},
-    {1, 11, 64, 56, 1, 0}, {1, 12, 64, 56, 1, 0}, {1, 13, 64, 56, 1, 0}, {1, 14, 64, 56, 1, 0},
-    {1, 15, 64, 56, 1, 0}, {1, 16, 64, 56, 1, 0}, {1, 17, 64, 56, 1, 0}, {1, 18, 64, 56, 1, 0},
-    {1, 19, 64, 56, 1, 0}, {1, 20, 64, 56, 1, 0}, {1, 21, 64, 56, 1, 0}, {1, 22, 64, 56, 1, 0},
-    {1, 23, 64, 56, 1, 0}, {1, 24, 64, 56, 1, 0}, {1, 25, 64, 56, 1, 0}, {1, 26, 64, 56, 1, 0},
-    {1, 27, 64, 56, 1, 0}, {1, 28, 64, 56, 1, 0}, {1, 29, 64, 56, 1, 0}, {1, 30, 64, 56, 1, 0},
-    {1, 31, 64, 56, 1, 0}, {1, 32, 64, 56, 1, 0}, {1, 33, 64, 56, 1, 0}, {1, 34, 64, 56, 1, 0},
-    {1, 35, 64, 56, 1, 0}, {1, 36, 64, 56, 1, 0}, {1, 37, 64, 56, 1, 0}, {1, 38, 64, 56, 1, 0},
-    {1, 39, 64, 56, 1, 0}, {1, 40, 64, 56, 1, 0}, {1, 41, 64, 56, 1, 0}, {1, 42, 64, 56, 1, 0},
-    {1, 43, 64, 56, 1, 0}, {1, 44, 64, 56, 1, 0}, {1, 45, 64, 56, 1, 0}, {1, 46, 64, 56, 1, 0},
-    {1, 47, 64, 56, 1, 0}, {1, 48, 64, 56, 1, 0}, {1, 49, 64, 56, 1, 0}, {1, 50, 64, 56, 1, 0},
-    {1, 51, 64, 56, 1, 0}, {1, 52, 64, 56, 1, 0}, {1, 53, 64, 56, 1, 0}, {1, 54, 64, 56, 1, 0},
-    {1, 55, 64, 56, 1, 0}, {1, 56, 64, 56, 1, 0}, {1, 57, 64, 56, 1, 0}, {1, 58, 64, 56, 1, 0},
-    {1, 59, 64, 56, 1, 0}, {1, 60, 64, 56, 1, 0}, {1, 61, 64, 56, 1, 0}, {1, 62, 64, 56, 1, 0},
-    {1, 63, 64, 56, 1, 0}, {57, 0, 64, 8, 1, 0}, {57, 1, 64, 8, 1, 0}, {57, 2, 64, 8, 1, 0},
-    {57, 3, 64, 8, 1, 0}, {57, 4, 64, 8, 1, 0}, {57, 5, 64, 8, 1, 0}, {57, 6, 64, 8, 1, 0},
-    {57, 7, 64, 8, 1, 0}, {57, 8, 64, 8, 1, 0}, {57, 9, 64, 8, 1, 0}, {57, 10, 64, 8, 1, 0},
-    {57, 11, 64, 8, 1, 0}, {57, 12, 64, 8, 1, 0}, {57, 13, 64, 8, 1, 0}, {57, 14, 64, 8, 1, 0},
-    {57, 15, 64, 8, 1, 0}, {57, 16, 64, 8, 1, 0}, {57, 17, 64, 8, 1, 0}, {57, 18, 64, 8, 1, 0},
-    {57, 19, 64, 8, 1, 0}, {57, 20, 64, 8, 1, 0}, {57, 21, 64, 8, 1, 0}, {57, 22, 64, 8, 1, 0},
-    {57, 23, 64, 8, 1, 0}, {57, 24, 64, 8, 1, 0}, {57, 25, 64, 8, 1, 0}, {57, 26, 64, 8, 1, 0},
-    {57, 27, 64, 8, 1, 0}, {57, 28, 64, 8, 1, 0}, {57, 29, 64, 8, 1, 0}, {57, 30, 64, 8, 1, 0},
-    {57, 31, 64, 8, 1, 0}, {57, 32, 64, 8, 1, 0}, {57, 33, 64, 8, 1, 0}, {57, 34, 64, 8, 1, 0},
-    {57, 35, 64, 8, 1, 0}, {57, 36, 64, 8, 1, 0}, {57, 37, 64, 8, 1, 0}, {57, 38, 64, 8, 1, 0},
-    {57, 39, 64, 8, 1, 0}, {57, 40, 64, 8, 1, 0}, {57, 41, 64, 8, 1, 0}, {57, 42, 64, 8, 1, 0},
-    {57, 43, 64, 8, 1, 0}, {57, 44, 64, 8, 1, 0}, {57, 45, 64, 8, 1, 0}, {57, 46, 64, 8, 1, 0},
-    {57, 47, 64, 8, 1, 0}, {57, 48, 64, 8, 1, 0}, {57, 49, 64, 8, 1, 0}, {57, 50, 64, 8, 1, 0},
-    {57, 51, 64, 8, 1, 0}, {57, 52, 64, 8, 1, 0}, {57, 53, 64, 8, 1, 0}, {57, 54, 64, 8, 1, 0},
-    {57, 55, 64, 8, 1, 0}, {57, 56, 64, 8, 1, 0}, {57, 57, 64, 8, 1, 0}, {57, 58, 64, 8, 1, 0},
-    {57, 59, 64, 8, 1, 0}, {57, 60, 64, 8, 1, 0}, {57, 61, 64, 8, 1, 0}, {57, 62, 64, 8, 1, 0},
+    {57, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 56, 1, 0, 64, 0, 1}, {57, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 0: shares 0..4095
+    {57, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 56, 1, 0, 64, 0, 1}, {57, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 1: shares 4096..8191
+    {57, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 56, 1, 0, 64, 0, 1}, {57, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 2: shares 8192..12287
+    {57, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 56, 1, 0, 64, 0, 1}, {57, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 3: shares 12288..16383
+    {57, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 56, 1, 0, 64, 0, 1}, {57, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 4: shares 16384..20479
+    {57, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 56, 1, 0, 64, 0, 1}, {57, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 5: shares 20480..24575
+    {57, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 56, 1, 0, 64, 0, 1}, {57, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 6: shares 24576..28671
+    {57, 63, 64, 8, 1, 0, 1, 0, 0}, {1, 0, 64, 56, 1, 0, 64, 0, 1}, {57, 0, 64, 8, 1, 0, 63, 0, 1},  // rank 7: shares 28672..32767
 };
-static __device__ const tsgen::share_table<32768> shares_w8 =
-    tsgen::expand_shares<32768>(share_runs_w8);
-// Block b of rank r executes shares [first[r][b], first[r][b + 1]).
-static __device__ const uint16_t first_w8[8][129] = {
+static __device__ const tsgen::share_table<32768> shares_w8 = tsgen::expand_shares<32768>(share_runs_w8);
+static __device__ const uint16_t first_w8[8][129] = {  // block b of rank r runs shares [first[r][b], first[r][b + 1])
     { 0, 8, 64, 120, 176, 232, 288, 344, 400, 456, 512, 568, 624, 680, 736, 792, 848, 904, 960, 1016, 1072, 1128, 1184, 1240, 1296, 1352, 1408, 1464, 1520, 1576, 1632, 1688, 1744, 1800, 1856, 1912, 1968, 2024, 2080, 2136, 2192, 2248, 2304, 2360, 2416, 2472, 2528, 2584, 2640, 2696, 2752, 2808, 2864, 2920, 2976, 3032, 3088, 3144, 3200, 3256, 3312, 3368, 3424, 3480, 3536, 3592, 3600, 3608, 3616, 3624, 3632, 3640, 3648, 3656, 3664, 3672, 3680, 3688, 3696, 3704, 3712, 3720, 3728, 3736, 3744, 3752, 3760, 3768, 3776, 3784, 3792, 3800, 3808, 3816, 3824, 3832, 3840, 3848, 3856, 3864, 3872, 3880, 3888, 3896, 3904, 3912, 3920, 3928, 3936, 3944, 3952, 3960, 3968, 3976, 3984, 3992, 4000, 4008, 4016, 4024, 4032, 4040, 4048, 4056, 4064, 4072, 4080, 4088, 4096 },
     { 4096, 4104, 4160, 4216, 4272, 4328, 4384, 4440, 4496, 4552, 4608, 4664, 4720, 4776, 4832, 4888, 4944, 5000, 5056, 5112, 5168, 5224, 5280, 5336, 5392, 5448, 5504, 5560, 5616, 5672, 5728, 5784, 5840, 5896, 5952, 6008, 6064, 6120, 6176, 6232, 6288, 6344, 6400, 6456, 6512, 6568, 6624, 6680, 6736, 6792, 6848, 6904, 6960, 7016, 7072, 7128, 7184, 7240, 7296, 7352, 7408, 7464, 7520, 7576, 7632, 7688, 7696, 7704, 7712, 7720, 7728, 7736, 7744, 7752, 7760, 7768, 7776, 7784, 7792, 7800, 7808, 7816, 7824, 7832, 7840, 7848, 7856, 7864, 7872, 7880, 7888, 7896, 7904, 7912, 7920, 7928, 7936, 7944, 7952, 7960, 7968, 7976, 7984, 7992, 8000, 8008, 8016, 8024, 8032, 8040, 8048, 8056, 8064, 8072, 8080, 8088, 8096, 8104, 8112, 8120, 8128, 8136, 8144, 8152, 8160, 8168, 8176, 8184, 8192 },
     { 8192, 8200, 8256, 8312, 8368, 8424, 8480, 8536, 8592, 8648, 8704, 8760, 8816, 8872, 8928, 8984, 9040, 9096, 9152, 9208, 9264, 9320, 9376, 9432, 9488, 9544, 9600, 9656, 9712, 9768, 9824, 9880, 9936, 9992, 10048, 10104, 10160, 10216, 10272, 10328, 10384, 10440, 10496, 10552, 10608, 10664, 10720, 10776, 10832, 10888, 10944, 11000, 11056, 11112, 11168, 11224, 11280, 11336, 11392, 11448, 11504, 11560, 11616, 11672, 11728, 11784, 11792, 11800, 11808, 11816, 11824, 11832, 11840, 11848, 11856, 11864, 11872, 11880, 11888, 11896, 11904, 11912, 11920, 11928, 11936, 11944, 11952, 11960, 11968, 11976, 11984, 11992, 12000, 12008, 12016, 12024, 12032, 12040, 12048, 12056, 12064, 12072, 12080, 12088, 12096, 12104, 12112, 12120, 12128, 12136, 12144, 12152, 12160, 12168, 12176, 12184, 12192, 12200, 12208, 12216, 12224, 12232, 12240, 12248, 12256, 12264, 12272, 12280, 12288 },
@@ -2181,144 +912,77 @@ static __device__ const uint16_t first_w8[8][129] = {
 };
 
 template <> struct plan<2> {
-  static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w2 + step_base_w2[r]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x2u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x2u, index = 0; break; case 1: mask = 0x1u, index = 1; break; default: break; }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
-  // The plan as straight-line code: this rank's and this block's shares, each step a
-  // constant entry of steps_w2 (no step, share or block table is read at run time).
-  // Block b of a group lo..hi-1 runs share (the group's first) + b - lo of each of its steps.
-  template <typename T, int UNROLL>
-  static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs,
-                                             char* const* peers) {
+  template <typename T, int UNROLL> static __device__ __forceinline__ void run(int rank, uint64_t epoch, uint64_t count, char* const* bufs, char* const* peers) {
     const int b = blockIdx.x;
     switch (rank) {
       case 0:
         if (b == 0) {  // block 0
-          // rank 0 step 9: our chunk, piece 0: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[9], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 10: our chunk, piece 1: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[10], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 11: our chunk, piece 2: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[11], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 12: our chunk, piece 3: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[12], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 13: our chunk, piece 4: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[13], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 14: our chunk, piece 5: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[14], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 15: our chunk, piece 6: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[15], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 16: our chunk, piece 7: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[16], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[9], 63, 64);  // step 9: our chunk, piece 0: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[10], 63, 64);  // step 10: our chunk, piece 1: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[11], 63, 64);  // step 11: our chunk, piece 2: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[12], 63, 64);  // step 12: our chunk, piece 3: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[13], 63, 64);  // step 13: our chunk, piece 4: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[14], 63, 64);  // step 14: our chunk, piece 5: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[15], 63, 64);  // step 15: our chunk, piece 6: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[16], 63, 64);  // step 16: our chunk, piece 7: last partial sum + our part
         }
         if (b >= 1 && b < 65) {  // blocks 1..64
-          const int i = b - 1;
-          // rank 0 step 1: chunk 1 piece 0: our part to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[1], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 2: chunk 1 piece 1: our part to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[2], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 3: chunk 1 piece 2: our part to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[3], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 4: chunk 1 piece 3: our part to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[4], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 5: chunk 1 piece 4: our part to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[5], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 6: chunk 1 piece 5: our part to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[6], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 7: chunk 1 piece 6: our part to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[7], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 8: chunk 1 piece 7: our part to rank 1
-          tsgen::run_share<T, UNROLL>(steps_w2[8], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[1], b - 1, 64);  // step 1: chunk 1 piece 0: our part to rank 1
+          TSGEN_RUN_SHARE(steps_w2[2], b - 1, 64);  // step 2: chunk 1 piece 1: our part to rank 1
+          TSGEN_RUN_SHARE(steps_w2[3], b - 1, 64);  // step 3: chunk 1 piece 2: our part to rank 1
+          TSGEN_RUN_SHARE(steps_w2[4], b - 1, 64);  // step 4: chunk 1 piece 3: our part to rank 1
+          TSGEN_RUN_SHARE(steps_w2[5], b - 1, 64);  // step 5: chunk 1 piece 4: our part to rank 1
+          TSGEN_RUN_SHARE(steps_w2[6], b - 1, 64);  // step 6: chunk 1 piece 5: our part to rank 1
+          TSGEN_RUN_SHARE(steps_w2[7], b - 1, 64);  // step 7: chunk 1 piece 6: our part to rank 1
+          TSGEN_RUN_SHARE(steps_w2[8], b - 1, 64);  // step 8: chunk 1 piece 7: our part to rank 1
         }
         if (b >= 65 && b < 128) {  // blocks 65..127
-          const int i = b - 65;
-          // rank 0 step 9: our chunk, piece 0: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[9], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 10: our chunk, piece 1: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[10], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 11: our chunk, piece 2: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[11], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 12: our chunk, piece 3: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[12], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 13: our chunk, piece 4: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[13], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 14: our chunk, piece 5: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[14], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 15: our chunk, piece 6: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[15], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 0 step 16: our chunk, piece 7: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[16], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[9], b - 65, 64);  // step 9: our chunk, piece 0: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[10], b - 65, 64);  // step 10: our chunk, piece 1: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[11], b - 65, 64);  // step 11: our chunk, piece 2: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[12], b - 65, 64);  // step 12: our chunk, piece 3: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[13], b - 65, 64);  // step 13: our chunk, piece 4: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[14], b - 65, 64);  // step 14: our chunk, piece 5: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[15], b - 65, 64);  // step 15: our chunk, piece 6: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[16], b - 65, 64);  // step 16: our chunk, piece 7: last partial sum + our part
         }
         break;
       case 1:
         if (b == 0) {  // block 0
-          // rank 1 step 9: our chunk, piece 0: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[26], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 10: our chunk, piece 1: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[27], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 11: our chunk, piece 2: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[28], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 12: our chunk, piece 3: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[29], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 13: our chunk, piece 4: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[30], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 14: our chunk, piece 5: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[31], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 15: our chunk, piece 6: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[32], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 16: our chunk, piece 7: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[33], 63, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[26], 63, 64);  // step 9: our chunk, piece 0: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[27], 63, 64);  // step 10: our chunk, piece 1: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[28], 63, 64);  // step 11: our chunk, piece 2: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[29], 63, 64);  // step 12: our chunk, piece 3: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[30], 63, 64);  // step 13: our chunk, piece 4: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[31], 63, 64);  // step 14: our chunk, piece 5: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[32], 63, 64);  // step 15: our chunk, piece 6: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[33], 63, 64);  // step 16: our chunk, piece 7: last partial sum + our part
         }
         if (b >= 1 && b < 65) {  // blocks 1..64
-          const int i = b - 1;
-          // rank 1 step 1: chunk 0 piece 0: our part to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[18], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 2: chunk 0 piece 1: our part to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[19], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 3: chunk 0 piece 2: our part to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[20], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 4: chunk 0 piece 3: our part to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[21], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 5: chunk 0 piece 4: our part to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[22], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 6: chunk 0 piece 5: our part to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[23], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 7: chunk 0 piece 6: our part to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[24], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 8: chunk 0 piece 7: our part to rank 0
-          tsgen::run_share<T, UNROLL>(steps_w2[25], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[18], b - 1, 64);  // step 1: chunk 0 piece 0: our part to rank 0
+          TSGEN_RUN_SHARE(steps_w2[19], b - 1, 64);  // step 2: chunk 0 piece 1: our part to rank 0
+          TSGEN_RUN_SHARE(steps_w2[20], b - 1, 64);  // step 3: chunk 0 piece 2: our part to rank 0
+          TSGEN_RUN_SHARE(steps_w2[21], b - 1, 64);  // step 4: chunk 0 piece 3: our part to rank 0
+          TSGEN_RUN_SHARE(steps_w2[22], b - 1, 64);  // step 5: chunk 0 piece 4: our part to rank 0
+          TSGEN_RUN_SHARE(steps_w2[23], b - 1, 64);  // step 6: chunk 0 piece 5: our part to rank 0
+          TSGEN_RUN_SHARE(steps_w2[24], b - 1, 64);  // step 7: chunk 0 piece 6: our part to rank 0
+          TSGEN_RUN_SHARE(steps_w2[25], b - 1, 64);  // step 8: chunk 0 piece 7: our part to rank 0
         }
         if (b >= 65 && b < 128) {  // blocks 65..127
-          const int i = b - 65;
-          // rank 1 step 9: our chunk, piece 0: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[26], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 10: our chunk, piece 1: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[27], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 11: our chunk, piece 2: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[28], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 12: our chunk, piece 3: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[29], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 13: our chunk, piece 4: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[30], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 14: our chunk, piece 5: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[31], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 15: our chunk, piece 6: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[32], i, 64, rank, epoch, count, bufs, peers, buffer_names);
-          // rank 1 step 16: our chunk, piece 7: last partial sum + our part
-          tsgen::run_share<T, UNROLL>(steps_w2[33], i, 64, rank, epoch, count, bufs, peers, buffer_names);
+          TSGEN_RUN_SHARE(steps_w2[26], b - 65, 64);  // step 9: our chunk, piece 0: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[27], b - 65, 64);  // step 10: our chunk, piece 1: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[28], b - 65, 64);  // step 11: our chunk, piece 2: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[29], b - 65, 64);  // step 12: our chunk, piece 3: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[30], b - 65, 64);  // step 13: our chunk, piece 4: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[31], b - 65, 64);  // step 14: our chunk, piece 5: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[32], b - 65, 64);  // step 15: our chunk, piece 6: last partial sum + our part
+          TSGEN_RUN_SHARE(steps_w2[33], b - 65, 64);  // step 16: our chunk, piece 7: last partial sum + our part
         }
-        break;
-      default:
         break;
     }
   }
@@ -2327,17 +991,9 @@ template <> struct plan<3> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w3 + step_base_w3[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w3.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w3[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
-    switch (rank) {
-      case 0: mask = 0x4u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      case 2: mask = 0x2u, index = 2; break;
-      default: break;
-    }
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
+    switch (rank) { case 0: mask = 0x4u, index = 0; break; case 1: mask = 0x1u, index = 1; break; case 2: mask = 0x2u, index = 2; break; default: break; }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
 };
@@ -2345,17 +1001,10 @@ template <> struct plan<4> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w4 + step_base_w4[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w4.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w4[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0x8u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      case 2: mask = 0x2u, index = 2; break;
-      case 3: mask = 0x4u, index = 3; break;
-      default: break;
+      case 0: mask = 0x8u, index = 0; break; case 1: mask = 0x1u, index = 1; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x4u, index = 3; break; default: break;
     }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
@@ -2364,76 +1013,42 @@ template <> struct plan<8> {
   static __device__ __forceinline__ const tsgen::step* steps(int r) { return steps_w8 + step_base_w8[r]; }
   static __device__ __forceinline__ const tsgen::share* shares() { return shares_w8.v; }
   static __device__ __forceinline__ int first(int r, int b) { return first_w8[r][b]; }
-  // Each rank's opening signal (its first step: raise one counter at each of some peers),
-  // raised by block 0 at kernel start instead of through the tables.
-  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {
-    uint32_t mask = 0;  // bit q: signal rank q
-    int index = 0;
+  static __device__ __forceinline__ void open(int rank, char* const* bufs, char* const* peers) {  // the opening signal (tsgen::open_signal)
+    uint32_t mask = 0; int index = 0;  // mask bit q: signal rank q
     switch (rank) {
-      case 0: mask = 0x80u, index = 0; break;
-      case 1: mask = 0x1u, index = 1; break;
-      case 2: mask = 0x2u, index = 2; break;
-      case 3: mask = 0x4u, index = 3; break;
-      case 4: mask = 0x8u, index = 4; break;
-      case 5: mask = 0x10u, index = 5; break;
-      case 6: mask = 0x20u, index = 6; break;
-      case 7: mask = 0x40u, index = 7; break;
-      default: break;
+      case 0: mask = 0x80u, index = 0; break; case 1: mask = 0x1u, index = 1; break; case 2: mask = 0x2u, index = 2; break; case 3: mask = 0x4u, index = 3; break; case 4: mask = 0x8u, index = 4; break;
+      case 5: mask = 0x10u, index = 5; break; case 6: mask = 0x20u, index = 6; break; case 7: mask = 0x40u, index = 7; break; default: break;
     }
     tsgen::open_signal(mask, bufs[4], index, rank, peers);
   }
 };
 
-
-// World size 2: a small plan, run as straight-line code (plan<2>::run), not through the tables.
-template <>
-__device__ __forceinline__ void run<2>(char* const* peers, int rank, uint64_t epoch, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
-  char* const bufs[] = { nullptr, (char*)src, (char*)dst, (char*)inbox, (char*)entry, (char*)arrive };
-  plan<2>::open(rank, bufs, peers);
-  plan<2>::run<T, UNROLL>(rank, epoch, count, bufs, peers);
-}
-
 }  // namespace reduce_scatter_ring
 
-// World size 2: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512, 1) reduce_scatter_ring_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_ring::run<2>(peers, rank, epoch, count, src, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) reduce_scatter_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) reduce_scatter_ring_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_ring::run<3>(peers, rank, epoch, count, src, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) reduce_scatter_ring_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) reduce_scatter_ring_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_ring::run<4>(peers, rank, epoch, count, src, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 128, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) reduce_scatter_ring_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) reduce_scatter_ring_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive) {  // grid 128, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   reduce_scatter_ring::run<8>(peers, rank, epoch, count, src, dst, inbox, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through reduce_scatter_ring::launch.
-namespace reduce_scatter_ring {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, inbox, entry, arrive);
-  return cudaGetLastError();
-}
-}  // namespace reduce_scatter_ring
-
-extern "C" cudaError_t reduce_scatter_ring_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_ring::launch<reduce_scatter_ring_w2, 128, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
-extern "C" cudaError_t reduce_scatter_ring_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_ring::launch<reduce_scatter_ring_w3, 128, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
-extern "C" cudaError_t reduce_scatter_ring_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_ring::launch<reduce_scatter_ring_w4, 128, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
-extern "C" cudaError_t reduce_scatter_ring_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return reduce_scatter_ring::launch<reduce_scatter_ring_w8, 128, 512, 0>(peers, rank, calls, count, src, dst, inbox, entry, arrive, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t reduce_scatter_ring_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_ring_w2, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive); }
+extern "C" cudaError_t reduce_scatter_ring_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_ring_w3, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive); }
+extern "C" cudaError_t reduce_scatter_ring_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_ring_w4, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive); }
+extern "C" cudaError_t reduce_scatter_ring_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, __nv_bfloat16* inbox, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<reduce_scatter_ring_w8, 128, 512, 0>(stream, peers, rank, calls, count, src, dst, inbox, entry, arrive); }

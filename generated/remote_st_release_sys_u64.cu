@@ -10,23 +10,21 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      uint64_t       input  count
 //   dst      uint64_t       output count
 // Contents (line numbers of this file):
-//   41: the hand-written library, included: tsgen/ptx.cuh 41, tsgen/sync.cuh 42, tsgen/copy.cuh 43
-//   48: the op's own code (namespace remote_st_release_sys_u64: constants, tables, device code)
+//   38: the hand-written library, included: tsgen/ptx.cuh 38, tsgen/sync.cuh 39, tsgen/copy.cuh 40
+//   43: the op's own code (namespace remote_st_release_sys_u64: constants, tables, device code)
 //   entry points (extern "C"):
-//     remote_st_release_sys_u64_w2 72, remote_st_release_sys_u64_w3 79, remote_st_release_sys_u64_w4 86
-//     remote_st_release_sys_u64_w2_launch 102, remote_st_release_sys_u64_w3_launch 103
-//     remote_st_release_sys_u64_w4_launch 104
+//     remote_st_release_sys_u64_w2 66, remote_st_release_sys_u64_w3 71, remote_st_release_sys_u64_w4 76
+//     remote_st_release_sys_u64_w2_launch 84, remote_st_release_sys_u64_w3_launch 85
+//     remote_st_release_sys_u64_w4_launch 86
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -34,17 +32,14 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
 #include "tsgen/sync.cuh"
 #include "tsgen/copy.cuh"
 
-// ---------------------------------------------------------------------------
-// remote_st: remote_st_release_sys_u64
-// ---------------------------------------------------------------------------
+// ---- remote_st: remote_st_release_sys_u64 ----------------------------------------------------------------
 namespace remote_st_release_sys_u64 {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -68,37 +63,24 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace remote_st_release_sys_u64
 
-// World size 2: grid 64, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst) {
+extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   remote_st_release_sys_u64::run<2>(peers, rank, epoch, count, src, dst);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 64, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst) {
+extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   remote_st_release_sys_u64::run<3>(peers, rank, epoch, count, src, dst);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst) {
+extern "C" __global__ void __launch_bounds__(256) remote_st_release_sys_u64_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   remote_st_release_sys_u64::run<4>(peers, rank, epoch, count, src, dst);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through remote_st_release_sys_u64::launch.
-namespace remote_st_release_sys_u64 {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst);
-  return cudaGetLastError();
-}
-}  // namespace remote_st_release_sys_u64
-
-extern "C" cudaError_t remote_st_release_sys_u64_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) { return remote_st_release_sys_u64::launch<remote_st_release_sys_u64_w2, 64, 256, 0>(peers, rank, calls, count, src, dst, stream); }
-extern "C" cudaError_t remote_st_release_sys_u64_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) { return remote_st_release_sys_u64::launch<remote_st_release_sys_u64_w3, 64, 256, 0>(peers, rank, calls, count, src, dst, stream); }
-extern "C" cudaError_t remote_st_release_sys_u64_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) { return remote_st_release_sys_u64::launch<remote_st_release_sys_u64_w4, 64, 256, 0>(peers, rank, calls, count, src, dst, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t remote_st_release_sys_u64_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) { return tsgen::launch<remote_st_release_sys_u64_w2, 64, 256, 0>(stream, peers, rank, calls, count, src, dst); }
+extern "C" cudaError_t remote_st_release_sys_u64_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) { return tsgen::launch<remote_st_release_sys_u64_w3, 64, 256, 0>(stream, peers, rank, calls, count, src, dst); }
+extern "C" cudaError_t remote_st_release_sys_u64_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint64_t* src, uint64_t* dst, cudaStream_t stream) { return tsgen::launch<remote_st_release_sys_u64_w4, 64, 256, 0>(stream, peers, rank, calls, count, src, dst); }

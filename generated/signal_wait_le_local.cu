@@ -10,12 +10,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      uint32_t       input  count
@@ -23,12 +21,12 @@
 //   dst      uint32_t       output count
 //   signal   uint64_t       signal 1  (starts as bytes 0xFF)
 // Contents (line numbers of this file):
-//   43: the hand-written library, included: tsgen/ptx.cuh 43, tsgen/sync.cuh 44, tsgen/copy.cuh 45
-//   50: the op's own code (namespace signal_wait_le_local: constants, tables, device code)
+//   40: the hand-written library, included: tsgen/ptx.cuh 40, tsgen/sync.cuh 41, tsgen/copy.cuh 42
+//   45: the op's own code (namespace signal_wait_le_local: constants, tables, device code)
 //   entry points (extern "C"):
-//     signal_wait_le_local_w2 86, signal_wait_le_local_w3 93, signal_wait_le_local_w4 100
-//     signal_wait_le_local_w2_launch 116, signal_wait_le_local_w3_launch 117
-//     signal_wait_le_local_w4_launch 118
+//     signal_wait_le_local_w2 80, signal_wait_le_local_w3 85, signal_wait_le_local_w4 90
+//     signal_wait_le_local_w2_launch 98, signal_wait_le_local_w3_launch 99
+//     signal_wait_le_local_w4_launch 100
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -36,17 +34,14 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
 #include "tsgen/sync.cuh"
 #include "tsgen/copy.cuh"
 
-// ---------------------------------------------------------------------------
-// signal_wait: signal_wait_le_local
-// ---------------------------------------------------------------------------
+// ---- signal_wait: signal_wait_le_local ----------------------------------------------------------------
 namespace signal_wait_le_local {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -82,37 +77,24 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace signal_wait_le_local
 
-// World size 2: grid 4, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) signal_wait_le_local_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {
+extern "C" __global__ void __launch_bounds__(256) signal_wait_le_local_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {  // grid 4, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   signal_wait_le_local::run<2>(peers, rank, epoch, count, src, inbox, dst, signal);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 4, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) signal_wait_le_local_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {
+extern "C" __global__ void __launch_bounds__(256) signal_wait_le_local_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {  // grid 4, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   signal_wait_le_local::run<3>(peers, rank, epoch, count, src, inbox, dst, signal);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 4, block 256, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(256) signal_wait_le_local_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {
+extern "C" __global__ void __launch_bounds__(256) signal_wait_le_local_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal) {  // grid 4, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   signal_wait_le_local::run<4>(peers, rank, epoch, count, src, inbox, dst, signal);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through signal_wait_le_local::launch.
-namespace signal_wait_le_local {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, inbox, dst, signal);
-  return cudaGetLastError();
-}
-}  // namespace signal_wait_le_local
-
-extern "C" cudaError_t signal_wait_le_local_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) { return signal_wait_le_local::launch<signal_wait_le_local_w2, 4, 256, 0>(peers, rank, calls, count, src, inbox, dst, signal, stream); }
-extern "C" cudaError_t signal_wait_le_local_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) { return signal_wait_le_local::launch<signal_wait_le_local_w3, 4, 256, 0>(peers, rank, calls, count, src, inbox, dst, signal, stream); }
-extern "C" cudaError_t signal_wait_le_local_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) { return signal_wait_le_local::launch<signal_wait_le_local_w4, 4, 256, 0>(peers, rank, calls, count, src, inbox, dst, signal, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t signal_wait_le_local_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) { return tsgen::launch<signal_wait_le_local_w2, 4, 256, 0>(stream, peers, rank, calls, count, src, inbox, dst, signal); }
+extern "C" cudaError_t signal_wait_le_local_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) { return tsgen::launch<signal_wait_le_local_w3, 4, 256, 0>(stream, peers, rank, calls, count, src, inbox, dst, signal); }
+extern "C" cudaError_t signal_wait_le_local_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, uint32_t* src, uint32_t* inbox, uint32_t* dst, uint64_t* signal, cudaStream_t stream) { return tsgen::launch<signal_wait_le_local_w4, 4, 256, 0>(stream, peers, rank, calls, count, src, inbox, dst, signal); }

@@ -10,12 +10,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in elements; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in elements; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      float          input  count
@@ -24,11 +22,11 @@
 //   ready    uint64_t       signal 1
 //   slot_free uint64_t       signal 1
 // Contents (line numbers of this file):
-//   43: the hand-written library, included: tsgen/ptx.cuh 43, tsgen/sync.cuh 44, tsgen/copy.cuh 45
-//   50: the op's own code (namespace simple_shift: constants, tables, device code)
+//   40: the hand-written library, included: tsgen/ptx.cuh 40, tsgen/sync.cuh 41, tsgen/copy.cuh 42
+//   45: the op's own code (namespace simple_shift: constants, tables, device code)
 //   entry points (extern "C"):
-//     simple_shift_w2 95, simple_shift_w3 102, simple_shift_w4 109, simple_shift_w2_launch 125
-//     simple_shift_w3_launch 126, simple_shift_w4_launch 127
+//     simple_shift_w2 89, simple_shift_w3 94, simple_shift_w4 99, simple_shift_w2_launch 107
+//     simple_shift_w3_launch 108, simple_shift_w4_launch 109
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -36,17 +34,14 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
 #include "tsgen/sync.cuh"
 #include "tsgen/copy.cuh"
 
-// ---------------------------------------------------------------------------
-// simple_shift: simple_shift
-// ---------------------------------------------------------------------------
+// ---- simple_shift: simple_shift ----------------------------------------------------------------
 namespace simple_shift {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -91,37 +86,24 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace simple_shift
 
-// World size 2: grid 32, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) simple_shift_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free) {
+extern "C" __global__ void __launch_bounds__(512) simple_shift_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   simple_shift::run<2>(peers, rank, epoch, count, src, inbox, dst, ready, slot_free);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 32, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) simple_shift_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free) {
+extern "C" __global__ void __launch_bounds__(512) simple_shift_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   simple_shift::run<3>(peers, rank, epoch, count, src, inbox, dst, ready, slot_free);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 32, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) simple_shift_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free) {
+extern "C" __global__ void __launch_bounds__(512) simple_shift_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free) {  // grid 32, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   simple_shift::run<4>(peers, rank, epoch, count, src, inbox, dst, ready, slot_free);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through simple_shift::launch.
-namespace simple_shift {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, inbox, dst, ready, slot_free);
-  return cudaGetLastError();
-}
-}  // namespace simple_shift
-
-extern "C" cudaError_t simple_shift_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return simple_shift::launch<simple_shift_w2, 32, 512, 0>(peers, rank, calls, count, src, inbox, dst, ready, slot_free, stream); }
-extern "C" cudaError_t simple_shift_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return simple_shift::launch<simple_shift_w3, 32, 512, 0>(peers, rank, calls, count, src, inbox, dst, ready, slot_free, stream); }
-extern "C" cudaError_t simple_shift_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return simple_shift::launch<simple_shift_w4, 32, 512, 0>(peers, rank, calls, count, src, inbox, dst, ready, slot_free, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t simple_shift_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return tsgen::launch<simple_shift_w2, 32, 512, 0>(stream, peers, rank, calls, count, src, inbox, dst, ready, slot_free); }
+extern "C" cudaError_t simple_shift_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return tsgen::launch<simple_shift_w3, 32, 512, 0>(stream, peers, rank, calls, count, src, inbox, dst, ready, slot_free); }
+extern "C" cudaError_t simple_shift_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, float* src, float* inbox, float* dst, uint64_t* ready, uint64_t* slot_free, cudaStream_t stream) { return tsgen::launch<simple_shift_w4, 32, 512, 0>(stream, peers, rank, calls, count, src, inbox, dst, ready, slot_free); }

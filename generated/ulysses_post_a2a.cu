@@ -12,12 +12,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in rows; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in rows; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   src      __nv_bfloat16  input  6144 * count
@@ -25,13 +23,13 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   46: the hand-written library, included: tsgen/ptx.cuh 46, tsgen/sync.cuh 47, tsgen/copy.cuh 48, tsgen/ulysses.cuh 49
-//   54: the op's own code (namespace ulysses_post_a2a: constants, tables, device code)
+//   43: the hand-written library, included: tsgen/ptx.cuh 43, tsgen/sync.cuh 44, tsgen/copy.cuh 45, tsgen/ulysses.cuh 46
+//   49: the op's own code (namespace ulysses_post_a2a: constants, tables, device code)
 //   entry points (extern "C"):
-//     ulysses_post_a2a_w2 94, ulysses_post_a2a_w3 101, ulysses_post_a2a_w4 108, ulysses_post_a2a_w8 115
-//     ulysses_post_a2a_w2_launch 131, ulysses_post_a2a_w3_launch 132, ulysses_post_a2a_w4_launch 133
-//     ulysses_post_a2a_w8_launch 134, ulysses_post_a2a_w2_launch_seq 139, ulysses_post_a2a_w3_launch_seq 147
-//     ulysses_post_a2a_w4_launch_seq 155, ulysses_post_a2a_w8_launch_seq 163
+//     ulysses_post_a2a_w2 88, ulysses_post_a2a_w3 93, ulysses_post_a2a_w4 98, ulysses_post_a2a_w8 103
+//     ulysses_post_a2a_w2_launch 111, ulysses_post_a2a_w3_launch 112, ulysses_post_a2a_w4_launch 113
+//     ulysses_post_a2a_w8_launch 114, ulysses_post_a2a_w2_launch_seq 119, ulysses_post_a2a_w3_launch_seq 127
+//     ulysses_post_a2a_w4_launch_seq 135, ulysses_post_a2a_w8_launch_seq 143
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -39,8 +37,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -48,9 +45,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/ulysses.cuh"
 
-// ---------------------------------------------------------------------------
-// ulysses_post_a2a: ulysses_post_a2a
-// ---------------------------------------------------------------------------
+// ---- ulysses_post_a2a: ulysses_post_a2a ----------------------------------------------------------------
 namespace ulysses_post_a2a {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -90,48 +85,33 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace ulysses_post_a2a
 
-// World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_post_a2a::run<2>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 3: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w3(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_post_a2a::run<3>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_post_a2a::run<4>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) ulysses_post_a2a_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_post_a2a::run<8>(peers, rank, epoch, count, src, dst, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through ulysses_post_a2a::launch.
-namespace ulysses_post_a2a {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, src, dst, entry, arrive);
-  return cudaGetLastError();
-}
-}  // namespace ulysses_post_a2a
-
-extern "C" cudaError_t ulysses_post_a2a_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return ulysses_post_a2a::launch<ulysses_post_a2a_w2, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t ulysses_post_a2a_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return ulysses_post_a2a::launch<ulysses_post_a2a_w3, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t ulysses_post_a2a_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return ulysses_post_a2a::launch<ulysses_post_a2a_w4, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
-extern "C" cudaError_t ulysses_post_a2a_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return ulysses_post_a2a::launch<ulysses_post_a2a_w8, 64, 512, 0>(peers, rank, calls, count, src, dst, entry, arrive, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t ulysses_post_a2a_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<ulysses_post_a2a_w2, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t ulysses_post_a2a_w3_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<ulysses_post_a2a_w3, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t ulysses_post_a2a_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<ulysses_post_a2a_w4, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
+extern "C" cudaError_t ulysses_post_a2a_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* src, __nv_bfloat16* dst, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<ulysses_post_a2a_w8, 64, 512, 0>(stream, peers, rank, calls, count, src, dst, entry, arrive); }
 
 // Host entry points that take the sequence length S instead of count = S / P: an S that the
 // world size does not divide is refused (a message on stderr, cudaErrorInvalidValue) before

@@ -13,12 +13,10 @@
 //
 // Calling convention (every kernel of this file):
 //   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive
-// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank;
-// calls: this rank's call counter in its heap (zeroed once; the kernel takes its
-// epoch, the call number 1, 2, ... that signals count up to, from it and
-// advances it at the end: nothing is reset, and CUDA graph replay works);
-// count: run-time size in rows; then one pointer per buffer
-// into this rank's symmetric heap (same offsets on every rank).
+// peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
+// call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
+// count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
+// count: run-time size in rows; then one pointer per buffer into this rank's symmetric heap (same offsets on every rank).
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
 //   qkv      __nv_bfloat16  input  2560 * count
@@ -28,13 +26,13 @@
 //   entry    uint64_t       signal 8
 //   arrive   uint64_t       signal 8
 // Contents (line numbers of this file):
-//   49: the hand-written library, included: tsgen/ptx.cuh 49, tsgen/sync.cuh 50, tsgen/copy.cuh 51, tsgen/ulysses.cuh 52
-//   57: the op's own code (namespace ulysses_pre_a2a_gqa: constants, tables, device code)
+//   46: the hand-written library, included: tsgen/ptx.cuh 46, tsgen/sync.cuh 47, tsgen/copy.cuh 48, tsgen/ulysses.cuh 49
+//   52: the op's own code (namespace ulysses_pre_a2a_gqa: constants, tables, device code)
 //   entry points (extern "C"):
-//     ulysses_pre_a2a_gqa_w2 115, ulysses_pre_a2a_gqa_w4 122, ulysses_pre_a2a_gqa_w8 129
-//     ulysses_pre_a2a_gqa_w2_launch 145, ulysses_pre_a2a_gqa_w4_launch 146
-//     ulysses_pre_a2a_gqa_w8_launch 147, ulysses_pre_a2a_gqa_w2_launch_seq 152
-//     ulysses_pre_a2a_gqa_w4_launch_seq 160, ulysses_pre_a2a_gqa_w8_launch_seq 168
+//     ulysses_pre_a2a_gqa_w2 109, ulysses_pre_a2a_gqa_w4 114, ulysses_pre_a2a_gqa_w8 119
+//     ulysses_pre_a2a_gqa_w2_launch 127, ulysses_pre_a2a_gqa_w4_launch 128
+//     ulysses_pre_a2a_gqa_w8_launch 129, ulysses_pre_a2a_gqa_w2_launch_seq 134
+//     ulysses_pre_a2a_gqa_w4_launch_seq 142, ulysses_pre_a2a_gqa_w8_launch_seq 150
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -42,8 +40,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-// sync.timeout_ms = 10000
-#define TSGEN_TIMEOUT_NS 10000000000ull
+#define TSGEN_TIMEOUT_NS 10000000000ull  // sync.timeout_ms = 10000
 
 // The hand-written library (templates/include/tsgen/, docs/design/headers.md)
 #include "tsgen/ptx.cuh"
@@ -51,9 +48,7 @@
 #include "tsgen/copy.cuh"
 #include "tsgen/ulysses.cuh"
 
-// ---------------------------------------------------------------------------
-// ulysses_pre_a2a: ulysses_pre_a2a_gqa
-// ---------------------------------------------------------------------------
+// ---- ulysses_pre_a2a: ulysses_pre_a2a_gqa ----------------------------------------------------------------
 namespace ulysses_pre_a2a_gqa {
 namespace ptx = tsgen::ptx;  // the PTX helpers, each named for its instruction (tsgen/ptx.cuh)
 
@@ -111,40 +106,27 @@ static __device__ __forceinline__ void run(char* const* peers, int rank, uint64_
 
 }  // namespace ulysses_pre_a2a_gqa
 
-// World size 2: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) ulysses_pre_a2a_gqa_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) ulysses_pre_a2a_gqa_w2(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_pre_a2a_gqa::run<2>(peers, rank, epoch, count, qkv, q, k, v, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 4: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) ulysses_pre_a2a_gqa_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) ulysses_pre_a2a_gqa_w4(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_pre_a2a_gqa::run<4>(peers, rank, epoch, count, qkv, q, k, v, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
-
-// World size 8: grid 64, block 512, 0 bytes of shared memory.
-extern "C" __global__ void __launch_bounds__(512) ulysses_pre_a2a_gqa_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive) {
+extern "C" __global__ void __launch_bounds__(512) ulysses_pre_a2a_gqa_w8(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive) {  // grid 64, 0 B shared memory
   const uint64_t epoch = tsgen::call_begin(calls);
   ulysses_pre_a2a_gqa::run<8>(peers, rank, epoch, count, qkv, q, k, v, entry, arrive);
   tsgen::call_end(calls, epoch);
 }
 
 // Host launchers for C++ projects that vendor this file: NAME_launch(..., stream) launches
-// kernel NAME with its grid, block and shared memory, through ulysses_pre_a2a_gqa::launch.
-namespace ulysses_pre_a2a_gqa {
-template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM>
-static cudaError_t launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) {
-  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(peers, rank, calls, count, qkv, q, k, v, entry, arrive);
-  return cudaGetLastError();
-}
-}  // namespace ulysses_pre_a2a_gqa
-
-extern "C" cudaError_t ulysses_pre_a2a_gqa_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return ulysses_pre_a2a_gqa::launch<ulysses_pre_a2a_gqa_w2, 64, 512, 0>(peers, rank, calls, count, qkv, q, k, v, entry, arrive, stream); }
-extern "C" cudaError_t ulysses_pre_a2a_gqa_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return ulysses_pre_a2a_gqa::launch<ulysses_pre_a2a_gqa_w4, 64, 512, 0>(peers, rank, calls, count, qkv, q, k, v, entry, arrive, stream); }
-extern "C" cudaError_t ulysses_pre_a2a_gqa_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return ulysses_pre_a2a_gqa::launch<ulysses_pre_a2a_gqa_w8, 64, 512, 0>(peers, rank, calls, count, qkv, q, k, v, entry, arrive, stream); }
+// kernel NAME with its grid, block and shared memory (tsgen::launch, tsgen/sync.cuh).
+extern "C" cudaError_t ulysses_pre_a2a_gqa_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<ulysses_pre_a2a_gqa_w2, 64, 512, 0>(stream, peers, rank, calls, count, qkv, q, k, v, entry, arrive); }
+extern "C" cudaError_t ulysses_pre_a2a_gqa_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<ulysses_pre_a2a_gqa_w4, 64, 512, 0>(stream, peers, rank, calls, count, qkv, q, k, v, entry, arrive); }
+extern "C" cudaError_t ulysses_pre_a2a_gqa_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* qkv, __nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, uint64_t* entry, uint64_t* arrive, cudaStream_t stream) { return tsgen::launch<ulysses_pre_a2a_gqa_w8, 64, 512, 0>(stream, peers, rank, calls, count, qkv, q, k, v, entry, arrive); }
 
 // Host entry points that take the sequence length S instead of count = S / P: an S that the
 // world size does not divide is refused (a message on stderr, cudaErrorInvalidValue) before

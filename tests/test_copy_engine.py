@@ -89,7 +89,7 @@ def test_launcher_enqueues_one_memcpy_per_copy_step():
     body = text.split(f'extern "C" cudaError_t {k4["launcher"]}(')[1].split("\n}\n")[0]
     plan = _plan(ROOT / "specs" / "allgather_ce.yaml", 4)
     copies = sum(s.op == "copy" for rp in plan.ranks for s in rp.steps)
-    assert len(re.findall(r"^\s+copy\(\d+, ", body, re.M)) == copies
+    assert len(re.findall(r"^\s+q\.copy\(\d+, ", body, re.M)) == copies
     assert [int(x) for x in re.findall(r"case (\d+):", body)] == [0, 1, 2, 3]
 
 

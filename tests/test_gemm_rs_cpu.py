@@ -87,19 +87,23 @@ def test_render_and_manifest(path):
     assert bufs["c"]["role"] == "output" and bufs["sig"]["elems"]["fixed"] == 26
     assert "K = gemm_reduce_scatter" in r.source
     assert f"constexpr bool OVERLAP = {'true' if overlapped else 'false'};" in r.source
-    assert ("PULL_PEER);" in r.source) == (mode == "pull") and ("PULL_ALL);" in r.source) == (mode == "none")
-    assert ("SUM_PUSHED);" in r.source) == (mode == "push" and not add)
-    # add: the GEMM zeroes c and raises FREE itself (the entry only begins the call), tiles are added
-    # through per-owner maps of c, then a wait for every READY
-    assert ("WAIT_READY, 0);" in r.source) == add and ("BEGIN, 0);" in r.source) == add
+    # the launcher is tsgen::fused::gemm_reduce_scatter_launch (tsgen/fused.cuh), told the protocol by
+    # the op's Host::MODE: add (the GEMM zeroes c and raises FREE itself, tiles are added through
+    # per-owner maps of c, then a wait for every READY), push (stores through per-owner maps, then
+    # the reduce sums the slots), pull (a reduce on a side stream beside the GEMM), plain
+    want = {"pull": "PULL", "none": "PLAIN", "push": "PUSH_ADD" if add else "PUSH"}[mode]
+    assert f"MODE = tsgen::fused::ScatterMode::{want};" in r.source
+    assert r.source.count("tsgen::fused::gemm_reduce_scatter_launch<gemm_reduce_scatter") == len(m["kernels"])
+    # what a mode does not use is passed as nullptr: peers_host but for push, partial with add, acc but for pull
+    call = r.source.split("tsgen::fused::gemm_reduce_scatter_launch<")[1].split("\n")[0]
+    args = call.split(">(", 1)[1].split(", ")
+    assert args[1] == ("peers_host" if mode == "push" else "nullptr")
+    assert args[8:10] == ["nullptr" if add else "partial", "acc" if mode == "pull" else "nullptr"]
     assert ("tsgen::fused::AddHook hook" in r.source) == add
     assert ("tsgen::fused::PushHook hook" in r.source) == (mode == "push" and not add)
     assert ("_reduce(char* const* peers" in r.source) == (not add)
     if mode == "push":  # stores through per-owner tensor maps; no reserved SMs, no side stream
-        assert "tsgen::fused::PushMaps<4> push" in r.source
-        assert f"host_peer_ptr({'c' if add else 'partial'}, peers_host, rank, q)" in r.source
-        launchers = r.source.split("// ---- world size 2 ----")[1]
-        assert "constexpr int RESERVE_SMS = 0;" in r.source and "l->signal" not in launchers
+        assert "constexpr int RESERVE_SMS = 0;" in r.source
     else:
         assert "ScatterHook<gemm_reduce_scatter" in r.source
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in r.source

@@ -63,7 +63,8 @@ def test_render_and_manifest(path):
     assert sizes["b_pan"]["fixed"] == 8192 * 4096
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in r.source
     assert "tsgen::grid::PanelHook<C::K_BLOCKS, C::KBP>" in r.source
-    assert "cudaMemcpy2DAsync(dst, C::K * sizeof(E)" in r.source
+    # the launcher is tsgen::grid::launch (tsgen/grid.cuh: the copies), walking this op's schedule
+    assert "return tsgen::grid::launch<" in r.source and f"::STEPS_W4, peers, peers_host, rank" in r.source
     # the launcher's table is the plan's schedule
     table = re.search(r"STEPS_W4\[4\]\[(\d+)\] = \{\n(.*?)\n\};", r.source, re.S)
     rows = [[tuple(map(int, c.split(","))) for c in re.findall(r"\{(-?\d+, -?\d+, -?\d+, -?\d+, -?\d+)\}", line)]

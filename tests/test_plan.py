@@ -291,13 +291,14 @@ def test_share_runs_expand_to_the_table(spec, w, hoist):
 
     plan = job_plan(spec, w)  # cached: the plain and hoisted tests of (spec, w) read one plan
     runs = share_runs(plan, hoist_opening=hoist)
-    expanded = [(step + k * dstep, share + k * dshare, shares)
-                for rank in runs for step, share, shares, n, dstep, dshare in rank for k in range(n)]
+    expanded = [(step + m * rstep + k * dstep, share + m * rshare + k * dshare, shares)
+                for rank in runs for step, share, shares, n, dstep, dshare, reps, rstep, rshare in rank
+                for m in range(reps) for k in range(n)]
     table = [e for rank in _table_shares(plan, hoist) for block in rank for e in block]
     assert expanded == table
-    assert [sum(run[3] for run in r) for r in runs] == [sum(map(len, rank)) for rank in _table_shares(plan, hoist)]
-    assert all(0 <= x < 2**16 for r in runs for run in r for x in run[:4])
-    assert all(-2**15 <= x < 2**15 for r in runs for run in r for x in run[4:])
+    assert [sum(run[3] * run[6] for run in r) for r in runs] == [sum(map(len, rank)) for rank in _table_shares(plan, hoist)]
+    assert all(0 <= x < 2**16 for r in runs for run in r for x in (*run[:4], run[6]))
+    assert all(-2**15 <= x < 2**15 for r in runs for run in r for x in (*run[4:6], *run[7:]))
 
 
 def test_straight_line_groups_merge_blocks():
@@ -338,13 +339,13 @@ def test_plan_code_tables_renders_no_straight_line_code():
     loaded = load_spec(ROOT / "specs" / "all_reduce_one_shot.yaml")
     forced = spec_variant(loaded, {"launch": {"plan_code": "tables"}})
     auto, tables = render(loaded).source, render(forced).source
+    assert "if constexpr (WORLD == 2 || WORLD == 3 || WORLD == 4 || WORLD == 8)" in auto
     for w in (2, 3, 4, 8):
-        assert f"plan<{w}>::run<T, UNROLL>(rank, epoch" in auto
-        assert f"tsgen::run_share<T, UNROLL>(steps_w{w}[" in auto
+        assert f"TSGEN_RUN_SHARE(steps_w{w}[" in auto
         assert f"static __device__ const tsgen::share_table<" in tables and f" shares_w{w} =" in tables
         assert f" shares_w{w} =" not in auto and f"first_w{w}[" not in auto
         assert _step_table(auto, w) == _step_table(tables, w)
-    assert "tsgen::run_share<T, UNROLL>(steps_w" not in tables and "::run<T, UNROLL>" not in tables
+    assert "TSGEN_RUN_SHARE(" not in tables and "::template run<T, UNROLL>" not in tables
 
 
 def _step_table(source, w):
@@ -360,7 +361,7 @@ def test_more_than_512_threads_keep_the_tables():
     spec = wide.model
     assert spec.launch.threads == 1024
     assert get_family(spec.op).template_vars(spec)["straight_line"] == {}
-    assert "::run<T, UNROLL>" not in render(wide).source
+    assert "::template run<T, UNROLL>" not in render(wide).source
 
 
 def test_table_limits_are_emitted_from_the_ir():
@@ -398,5 +399,5 @@ def test_table_structs_are_declared_as_python_writes_their_rows():
     assert c_init("share", shares=3, step=1, share=2) == "{1, 2, 3}"
     with pytest.raises(ValueError, match="tsgen::share has the fields step, share, shares"):
         c_init("share", step=1, share=2)
-    # share_runs' tuples (step, share, shares, n, dstep, dshare) follow tsgen::share_run
-    assert field_names("share_run") == ("step", "share", "shares", "n", "dstep", "dshare")
+    # share_runs' tuples (step, share, shares, n, dstep, dshare, reps, rstep, rshare) follow tsgen::share_run
+    assert field_names("share_run") == ("step", "share", "shares", "n", "dstep", "dshare", "reps", "rstep", "rshare")

@@ -34,7 +34,8 @@ C_STRUCTS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
                  ("step_signal", "signal[TSGEN_MAX_SIGNALS]")),
         "share": (("uint16_t", "step"), ("uint16_t", "share"), ("uint16_t", "shares")),
         "share_run": (("uint16_t", "step"), ("uint16_t", "share"), ("uint16_t", "shares"), ("uint16_t", "n"),
-                      ("int16_t", "dstep"), ("int16_t", "dshare")),
+                      ("int16_t", "dstep"), ("int16_t", "dshare"), ("uint16_t", "reps"), ("int16_t", "rstep"),
+                      ("int16_t", "rshare")),
     },
 }
 
@@ -315,13 +316,15 @@ def stream_program(plan: CommPlan, rank: int) -> list[list[StreamOp]]:
     return program
 
 
-def share_runs(plan, hoist_opening: bool = False) -> list[list[tuple[int, int, int, int, int, int]]]:
-    """The share table (every rank's blocks' shares, in table order) run-length encoded, per
-    rank: runs (step, share, shares, n, dstep, dshare) that stand for the n entries
-    {step + k*dstep, share + k*dshare, shares}, k = 0..n-1 (tsgen::share_run in
-    tsgen/plan.cuh; the device table is expanded from them at compile time, entry for
-    entry the table c_tables lists). A block's shares (the ring: steps 1, 2, 3, .. of one
-    share) and consecutive blocks (share 0, 1, 2, .. of one step) each make one run."""
+def share_runs(plan, hoist_opening: bool = False) -> list[list[tuple[int, ...]]]:
+    """The share table (every rank's blocks' shares, in table order) run-length encoded twice,
+    per rank: runs (step, share, shares, n, dstep, dshare, reps, rstep, rshare) that stand for
+    the entries {step + m*rstep + k*dstep, share + m*rshare + k*dshare, shares}, m = 0..reps-1
+    (outer), k = 0..n-1 (tsgen::share_run in tsgen/plan.cuh; the device table is expanded
+    from them at compile time, entry for entry the table c_tables lists). A block's shares (the
+    ring: steps 1, 2, 3, .. of one share) and consecutive blocks (share 0, 1, 2, .. of one
+    step) each make one inner run; consecutive inner runs alike but for a constant shift of
+    their first entry (block after block of the same steps) make one outer run."""
     out = []
     for blocks in block_shares(plan, hoist_opening):
         runs: list[list[int]] = []
@@ -335,5 +338,18 @@ def share_runs(plan, hoist_opening: bool = False) -> list[list[tuple[int, int, i
                     runs[-1][3] += 1
                     continue
             runs.append([sh.step, sh.share, sh.shares, 1, 0, 0])
-        out.append([tuple(r) for r in runs])
+        outer: list[list[int]] = []
+        for r in runs:
+            if outer:
+                step, share, shares, n, dstep, dshare, reps, rstep, rshare = outer[-1]
+                shift = (r[0] - step, r[1] - share)
+                if r[2:] == [shares, n, dstep, dshare] and all(abs(x) < 2**15 for x in shift):
+                    if reps == 1:
+                        outer[-1][6:] = [2, *shift]
+                        continue
+                    if (r[0], r[1]) == (step + reps * rstep, share + reps * rshare):
+                        outer[-1][6] += 1
+                        continue
+            outer.append(r + [1, 0, 0])
+        out.append([tuple(r) for r in outer])
     return out

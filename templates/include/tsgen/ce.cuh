@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include <mutex>
+#include <tuple>
 
 #include "tsgen/ptx.cuh"
 #include "tsgen/sync.cuh"
@@ -111,11 +112,8 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   TSGEN_CE_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     l->device = device;
-    TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
-    for (int i = 1; i < TSGEN_CE_MAX_STREAMS; ++i) {
-      TSGEN_CE_TRY(cudaStreamCreateWithFlags(&l->side[i], cudaStreamNonBlocking));
-      TSGEN_CE_TRY(cudaEventCreateWithFlags(&l->join[i], cudaEventDisableTiming));
-    }
+    TSGEN_CE_TRY(tsgen::make_lanes({{l->side + 1, TSGEN_CE_MAX_STREAMS - 1, false}},
+                                   {{&l->fork, 1}, {l->join + 1, TSGEN_CE_MAX_STREAMS - 1}}));
     l->ready = true;
   }
   *out = l;
@@ -159,6 +157,75 @@ static cudaError_t copy(cudaStream_t stream, const slice& dst, const slice& src,
   return cudaMemcpyAsync(slice_ptr<T>(dst, bufs, peers_host, rank, lo),
                          slice_ptr<T>(src, bufs, peers_host, rank, slo),
                          (hi - lo) * sizeof(T), cudaMemcpyDefault, stream);
+}
+
+
+// ---------------------------------------------------------------------------
+// Host side: one call (a module's NAME_wW_launch) and its prepare
+// ---------------------------------------------------------------------------
+
+// What a rank's stream program enqueues, on stream b of the call (0: the caller's): sync (the
+// signals of step `sig`, then the waits of step `wait`: the SYNC kernel, one block), copy (a
+// copy step's DMA transfer) and reduce (a reduce step's REDUCE kernel, GRID x BLOCK). `args`
+// are the kernels' calling-convention arguments, passed before their own. After the first
+// error nothing more is enqueued; `err` keeps it.
+template <typename T, int NSTREAMS, unsigned GRID, unsigned BLOCK, auto SYNC, auto REDUCE, typename... Args>
+struct queue {
+  cudaStream_t s[NSTREAMS];
+  char* const* bufs;
+  char* const* peers_host;
+  int rank;
+  uint64_t count;
+  std::tuple<Args...> args;
+  cudaError_t err;
+
+  void sync(int b, int sig, int wait) {
+    if (err != cudaSuccess) return;
+    std::apply([&](auto... a) { SYNC<<<1, 32, 0, s[b]>>>(a..., sig, wait); }, args);
+    err = cudaGetLastError();
+  }
+  void copy(int b, const slice& dst, const slice& src) {
+    if (err == cudaSuccess) err = tsgen::ce::copy<T>(s[b], dst, src, bufs, peers_host, rank, count);
+  }
+  void reduce(int b, int step) {
+    if (err != cudaSuccess) return;
+    std::apply([&](auto... a) { REDUCE<<<GRID, BLOCK, 0, s[b]>>>(a..., step); }, args);
+    err = cudaGetLastError();
+  }
+};
+
+// One call of rank `rank` (world size WORLD): streams 1..NSTREAMS-1 forked from `stream`,
+// `program(q)` enqueues the rank's stream program through a queue q, the streams are joined
+// back (after an error too: an unjoined fork would break a stream capture and hide the error),
+// then END marks the call over. Returns the first CUDA error. bufs: the plan's buffer table;
+// peers_host: the heap bases in host memory; args: the kernels' calling-convention arguments.
+template <typename T, int WORLD, int NSTREAMS, unsigned GRID, unsigned BLOCK, auto SYNC, auto REDUCE, auto END,
+          class Program, typename... Args>
+static cudaError_t launch(cudaStream_t stream, char* const* peers_host, char* const* bufs, int rank, uint64_t* calls,
+                          uint64_t count, Program program, Args... args) {
+  static_assert(NSTREAMS >= 1 && NSTREAMS <= TSGEN_CE_MAX_STREAMS, "a plan's streams fit the lanes");
+  if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
+  TSGEN_CE_TRY(tsgen::use_device_of(calls));
+  lanes* l = nullptr;
+  TSGEN_CE_TRY(lanes_get(rank, &l));
+  queue<T, NSTREAMS, GRID, BLOCK, SYNC, REDUCE, Args...> q{{stream}, bufs, peers_host, rank, count, {args...}, cudaSuccess};
+  for (int i = 1; i < NSTREAMS; ++i) q.s[i] = l->side[i];
+  TSGEN_CE_TRY(fork(stream, l, NSTREAMS));
+  program(q);
+  const cudaError_t joined = join(stream, l, NSTREAMS);
+  if (q.err != cudaSuccess) return q.err;
+  if (joined != cudaSuccess) return joined;
+  END<<<1, 1, 0, stream>>>(calls);
+  return cudaGetLastError();
+}
+
+// Rank `rank`'s side streams, made on `device` before any rank's first call (the manifest's
+// "prepare"; see lanes).
+template <int WORLD>
+static cudaError_t prepare(int rank, int device) {
+  TSGEN_CE_TRY(tsgen::prepare_on(WORLD, rank, device));
+  lanes* l = nullptr;
+  return lanes_get(rank, &l);
 }
 
 }  // namespace ce

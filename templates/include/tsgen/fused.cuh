@@ -394,15 +394,9 @@ static cudaError_t lanes(int rank, Lanes** out) {
   TSGEN_FUSED_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
-    int lo = 0, hi = 0;
-    TSGEN_FUSED_TRY(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-    TSGEN_FUSED_TRY(cudaStreamCreateWithFlags(&l->copy, cudaStreamNonBlocking));
     // signals are on the GEMM's critical path: their kernels go first when SMs free up
-    TSGEN_FUSED_TRY(cudaStreamCreateWithPriority(&l->signal, cudaStreamNonBlocking, hi));
-    TSGEN_FUSED_TRY(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
-    TSGEN_FUSED_TRY(cudaEventCreateWithFlags(&l->copy_done, cudaEventDisableTiming));
-    TSGEN_FUSED_TRY(cudaEventCreateWithFlags(&l->signal_done, cudaEventDisableTiming));
-    for (int i = 0; i < MAX_WORLD; ++i) TSGEN_FUSED_TRY(cudaEventCreateWithFlags(&l->copied[i], cudaEventDisableTiming));
+    TSGEN_FUSED_TRY(tsgen::make_lanes({{&l->copy, 1, false}, {&l->signal, 1, true}},
+                                      {{&l->fork, 1}, {&l->copy_done, 1}, {&l->signal_done, 1}, {l->copied, MAX_WORLD}}));
     l->ready = true;
   }
   *out = l;
@@ -451,6 +445,18 @@ struct MapCache {
     for (int i = 0; i < 6; ++i) e->key[i] = key[i];
     return e;
   }
+  // The entry for `key`; when it is not cached, a slot whose maps encode(maps) fills (nullptr and
+  // the error in *err when that fails: the slot stays invalid).
+  template <class Encode>
+  Entry* get(const void* const (&key)[6], Encode encode, cudaError_t* err) {
+    Entry* e = find(key);
+    if (e) return e;
+    e = slot(key);
+    *err = encode(e->maps);
+    if (*err != cudaSuccess) return nullptr;
+    e->valid = true;
+    return e;
+  }
 };
 
 // ---------------------------------------------------------------------------
@@ -471,17 +477,17 @@ static cudaError_t allgather_gemm_launch(char* const* peers, char* const* peers_
   // tensor maps: gathered A (3-D: column, row, source), our A (3-D, one source), B, C (3-D)
   thread_local MapCache<4> cache;
   const void* const key[6] = {a, a_full, b, c, (const void*)(uintptr_t)count, (const void*)(uintptr_t)rank};
-  auto* maps = cache.find(key);
-  if (!maps) {
-    maps = cache.slot(key);
+  auto encode = [&](CUtensorMap* m) {
     using L = tsgen::gemm::Layout<C>;
     constexpr CUtensorMapDataType dtype = tsgen::gemm::tensor_map_dtype<typename C::Element>();
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[0], dtype, a_full, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[1], dtype, a, rows, C::K, L::A_BOX_ROWS, 1, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[2], dtype, b, C::K, C::N, C::TILE_K));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&maps->maps[3], dtype, c, rows, C::N, 64, WORLD, true));
-    maps->valid = true;
-  }
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[0], dtype, a_full, rows, C::K, L::A_BOX_ROWS, WORLD, true));
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[1], dtype, a, rows, C::K, L::A_BOX_ROWS, 1, true));
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[2], dtype, b, C::K, C::N, C::TILE_K));
+    return tsgen::gemm::encode_matrix(&m[3], dtype, c, rows, C::N, 64, WORLD, true);
+  };
+  cudaError_t err = cudaSuccess;
+  auto* maps = cache.get(key, encode, &err);
+  if (!maps) return err;
   unsigned grid;
   TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, RESERVE_SMS, &grid));
   const size_t shard = (size_t)rows * C::K * sizeof(typename C::Element);
@@ -534,6 +540,131 @@ static cudaError_t allgather_gemm_prepare(int rank, int device) {
   TSGEN_FUSED_TRY(prepare_rank(WORLD, rank, device, OVERLAPPED));
   int ctas;
   return tsgen::gemm::resident_ctas<C>(reinterpret_cast<const void*>(GEMM), &ctas);
+}
+
+// ---------------------------------------------------------------------------
+// Host side of one call of a gemm_reduce_scatter op (its NAME_wW_launch) and its prepare.
+// ---------------------------------------------------------------------------
+// How a gemm_reduce_scatter op moves the partial products (the spec's overlap and reduce; the
+// protocol of each is described at the top of a generated source):
+//   PLAIN: the whole GEMM into `partial`, then every rank pulls and sums its row block;
+//   PULL: a reduce kernel on a side stream pulls each source's block as soon as it is ready,
+//         beside the GEMM (which leaves H::RESERVE_SMS SMs to it);
+//   PUSH: the GEMM's epilogue stores each block into its owner's `partial` slot;
+//   PUSH_ADD: the epilogue adds each block into its owner's c (TMA reduce-add), no reduce kernel.
+enum class ScatterMode { PLAIN, PULL, PUSH, PUSH_ADD };
+
+// H: the op's host constants (templates/ops/gemm_reduce_scatter.cu.j2: MODE, RESERVE_SMS,
+// FULL_GRID (the reduce's grid: every SM, whole clusters), REDUCE_THREADS, REDUCE_SMEM); C: the
+// GEMM's Config at world size WORLD; GEMM, REDUCE (nullptr for PUSH_ADD) and SYNC: world size
+// WORLD's kernels. Arguments a mode does not use (peers_host but for PUSH and PUSH_ADD, partial
+// for PUSH_ADD, acc but for PULL) are nullptr.
+template <class H, class C, int WORLD, auto GEMM, auto REDUCE, auto SYNC>
+static cudaError_t gemm_reduce_scatter_launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls,
+                                              uint64_t count, typename C::Element* a, typename C::Element* b,
+                                              typename C::Element* c, typename C::Element* partial, float* acc,
+                                              uint64_t* sig, cudaStream_t stream) {
+  constexpr ScatterMode MODE = H::MODE;
+  constexpr bool PUSHED = MODE == ScatterMode::PUSH || MODE == ScatterMode::PUSH_ADD;
+  if (count == 0) return cudaSuccess;
+  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
+  if (count > tsgen::gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
+  const uint32_t rows = (uint32_t)count;  // per batch (row block)
+  // tensor maps: A (3-D: column, row, block), B (K/world x N), then partial (3-D), or with PUSHED
+  // every owner q's partial (PUSH_ADD: c) as this process addresses it (the cache key names the
+  // peer table it came from)
+  thread_local MapCache<PUSHED ? 2 + WORLD : 3> cache;
+  typename C::Element* const out = MODE == ScatterMode::PUSH_ADD ? c : partial;
+  const void* const key[6] = {a, b, out, (const void*)(uintptr_t)count, PUSHED ? (const void*)peers_host : nullptr,
+                              PUSHED ? (const void*)peers_host[(rank + 1) % WORLD] : nullptr};
+  auto encode = [&](CUtensorMap* m) {
+    using L = tsgen::gemm::Layout<C>;
+    constexpr CUtensorMapDataType dtype = tsgen::gemm::tensor_map_dtype<typename C::Element>();
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
+    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[1], dtype, b, C::K, C::N, C::TILE_K));
+    if constexpr (PUSHED) {
+      for (int q = 0; q < WORLD; ++q)  // q's partial (WORLD slots), or q's c (count x N, one batch)
+        TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[2 + q], dtype, host_peer_ptr(out, peers_host, rank, q), rows,
+                                                   C::N, 64, MODE == ScatterMode::PUSH_ADD ? 1 : WORLD, true));
+      return cudaSuccess;
+    } else {
+      return tsgen::gemm::encode_matrix(&m[2], dtype, partial, rows, C::N, 64, WORLD, true);
+    }
+  };
+  cudaError_t err = cudaSuccess;
+  auto* maps = cache.get(key, encode, &err);
+  if (!maps) return err;
+  if constexpr (MODE != ScatterMode::PUSH_ADD) {
+    static bool reduce_ready[64];  // per device: the reduce kernel's shared-memory opt-in
+    int dev = 0;
+    TSGEN_FUSED_TRY(cudaGetDevice(&dev));
+    if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+    if (!reduce_ready[dev]) {
+      TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, H::REDUCE_SMEM));
+      reduce_ready[dev] = true;
+    }
+  }
+  unsigned grid;
+  TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, H::RESERVE_SMS, &grid));
+  constexpr unsigned FULL = H::FULL_GRID;
+  constexpr int T = H::REDUCE_THREADS, SMEM = H::REDUCE_SMEM;
+  // the entry: calls[0] -> this call's epoch; FREE raised at every peer (PUSH_ADD: once the GEMM
+  // has zeroed our c)
+  SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, MODE == ScatterMode::PUSH_ADD ? BEGIN : ENTRY, 0);
+  TSGEN_FUSED_TRY(cudaGetLastError());
+  if constexpr (PUSHED) {
+    PushMaps<WORLD> push;
+    for (int q = 0; q < WORLD; ++q) push.to[q] = maps->maps[2 + q];
+    if constexpr (MODE == ScatterMode::PUSH_ADD) {
+      GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
+          maps->maps[0], maps->maps[1], push, peers, calls, sig, rank, count, c);
+      TSGEN_FUSED_TRY(cudaGetLastError());
+      SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_READY, 0);
+    } else {
+      GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
+          maps->maps[0], maps->maps[1], push, peers, calls, sig, rank, count);
+      TSGEN_FUSED_TRY(cudaGetLastError());
+      REDUCE<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, nullptr, c, count, SUM_PUSHED);
+    }
+    TSGEN_FUSED_TRY(cudaGetLastError());
+  } else if constexpr (MODE == ScatterMode::PULL) {
+    Lanes* l;
+    TSGEN_FUSED_TRY(lanes(rank, &l));
+    TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
+    TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
+    GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
+        maps->maps[0], maps->maps[1], maps->maps[2], peers, calls, sig, rank, count);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+    REDUCE<<<H::RESERVE_SMS, T, SMEM, l->signal>>>(peers, rank, calls, sig, partial, acc, c, count, PULL_PEER);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_FUSED_TRY(cudaEventRecord(l->signal_done, l->signal));
+    TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
+    REDUCE<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, acc, c, count, FINISH);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+  } else {
+    SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_FREE, 0);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+    GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
+        maps->maps[0], maps->maps[1], maps->maps[2], peers, calls, sig, rank, count);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+    SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, SIGNAL_ALL, 0);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+    REDUCE<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, nullptr, c, count, PULL_ALL);
+    TSGEN_FUSED_TRY(cudaGetLastError());
+  }
+  return cudaSuccess;
+}
+
+// Rank `rank`'s GEMM and reduce shared-memory opt-ins (and with PULL its side streams), made on
+// `device` before any rank's first call (the manifest's "prepare"; see lanes).
+template <class H, class C, int WORLD, auto GEMM, auto REDUCE>
+static cudaError_t gemm_reduce_scatter_prepare(int rank, int device) {
+  TSGEN_FUSED_TRY(prepare_rank(WORLD, rank, device, H::MODE == ScatterMode::PULL));
+  int ctas;
+  TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<C>(reinterpret_cast<const void*>(GEMM), &ctas));
+  if constexpr (H::MODE != ScatterMode::PUSH_ADD)
+    TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, H::REDUCE_SMEM));
+  return cudaSuccess;
 }
 
 }  // namespace fused

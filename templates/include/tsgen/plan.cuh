@@ -81,12 +81,15 @@ struct share {
   uint16_t step, share, shares;
 };
 
-// A share table as the source writes it, run-length encoded: a run stands for the n entries
-// {step + k*dstep, share + k*dshare, shares}, k = 0..n-1. share_table<N> holds the
-// expanded table, computed at compile time (the device sees the plain entries).
+// A share table as the source writes it, run-length encoded twice: a run stands for the n
+// entries {step + k*dstep, share + k*dshare, shares}, k = 0..n-1, written reps times, the
+// m-th time with step + m*rstep and share + m*rshare (m = 0..reps-1). share_table<N> holds
+// the expanded table, computed at compile time (the device sees the plain entries).
 struct share_run {
   uint16_t step, share, shares, n;
   int16_t dstep, dshare;
+  uint16_t reps;
+  int16_t rstep, rshare;
 };
 template <int N>
 struct share_table {
@@ -97,9 +100,10 @@ static __host__ __device__ constexpr share_table<N> expand_shares(const share_ru
   share_table<N> t{};
   int k = 0;
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < runs[i].n; ++j)
-      t.v[k++] = share{uint16_t(runs[i].step + j * runs[i].dstep), uint16_t(runs[i].share + j * runs[i].dshare),
-                             runs[i].shares};
+    for (int m = 0; m < runs[i].reps; ++m)
+      for (int j = 0; j < runs[i].n; ++j)
+        t.v[k++] = share{uint16_t(runs[i].step + m * runs[i].rstep + j * runs[i].dstep),
+                         uint16_t(runs[i].share + m * runs[i].rshare + j * runs[i].dshare), runs[i].shares};
   return t;
 }
 
@@ -404,6 +408,13 @@ static __device__ __forceinline__ void run_share(const step& st, int share, int 
     red_add_release_sys_global_u64(s.rank == rank ? c : peer_ptr(c, peers, rank, s.rank), 1ull);
   }
 }
+
+// A small plan's straight-line code (plan<W>::run, templates/ops/plan_tables.cu.j2) runs
+// share SHARE of SHARES of step ST with this, one line per block group: it names run's own
+// template and function parameters (T, UNROLL, rank, epoch, count, bufs, peers) and the
+// op's buffer_names.
+#define TSGEN_RUN_SHARE(ST, SHARE, SHARES) \
+  tsgen::run_share<T, UNROLL>(ST, SHARE, SHARES, rank, epoch, count, bufs, peers, buffer_names)
 
 // Execute this block's shares of the plan: shares[first..last) of this rank's tables.
 template <typename T, int UNROLL>

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <initializer_list>
+
 #include "tsgen/ptx.cuh"
 
 #ifndef TSGEN_TIMEOUT_NS
@@ -109,6 +111,14 @@ static __device__ __forceinline__ void call_end(uint64_t* calls, uint64_t epoch)
   }
 }
 
+// Host: launch KERNEL with its grid, block and shared memory on `stream` (the extern "C"
+// NAME_launch entry points a generated source has for C++ projects that vendor it).
+template <auto KERNEL, unsigned GRID, unsigned BLOCK, unsigned SMEM, typename... Args>
+static cudaError_t launch(cudaStream_t stream, Args... args) {
+  KERNEL<<<GRID, BLOCK, SMEM, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 // Symmetric memory: every rank lays its buffers out the same way inside one
 // allocation whose base address, per rank, is peers[rank]. A local pointer is
 // turned into the same element on rank `peer` by rebasing its offset.
@@ -168,13 +178,63 @@ static inline cudaError_t use_device_of(const void* local) {
 }
 
 // Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
-// tsgen/fused.cuh, tsgen/grid.cuh): made on one device, never used on another. Sets `device`
-// to the current one; cudaErrorInvalidDevice when lanes already made (`made`) on `made_on`
-// are asked for on another device.
+// tsgen/fused.cuh, tsgen/grid.cuh, made by make_lanes below): made on one device, never used
+// on another. Sets `device` to the current one; cudaErrorInvalidDevice when lanes already
+// made (`made`) on `made_on` are asked for on another device.
 static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
   cudaError_t err = cudaGetDevice(device);
   if (err != cudaSuccess) return err;
   return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
+}
+
+// Making lanes: the streams of each group of `streams` (non-blocking; at the device's highest
+// priority where `high`: their small kernels are on a GEMM's critical path) and the events of
+// `events` (no timing), on the current device. All or none: when a creation fails, those this
+// call made are destroyed, every slot is left null, and the error is returned (the caller's lanes
+// stay unmade; a later call tries again).
+struct stream_slots {
+  cudaStream_t* at;
+  int n;
+  bool high;
+};
+struct event_slots {
+  cudaEvent_t* at;
+  int n;
+};
+static inline cudaError_t make_lanes(std::initializer_list<stream_slots> streams,
+                                     std::initializer_list<event_slots> events) {
+  for (const stream_slots& g : streams)
+    for (int i = 0; i < g.n; ++i) g.at[i] = nullptr;
+  for (const event_slots& g : events)
+    for (int i = 0; i < g.n; ++i) g.at[i] = nullptr;
+  int lo = 0, hi = 0;
+  cudaError_t err = cudaDeviceGetStreamPriorityRange(&lo, &hi);
+  for (const stream_slots& g : streams)
+    for (int i = 0; i < g.n && err == cudaSuccess; ++i) {
+      cudaStream_t made = nullptr;
+      err = g.high ? cudaStreamCreateWithPriority(&made, cudaStreamNonBlocking, hi)
+                   : cudaStreamCreateWithFlags(&made, cudaStreamNonBlocking);
+      if (err == cudaSuccess) g.at[i] = made;
+    }
+  for (const event_slots& g : events)
+    for (int i = 0; i < g.n && err == cudaSuccess; ++i) {
+      cudaEvent_t made = nullptr;
+      err = cudaEventCreateWithFlags(&made, cudaEventDisableTiming);
+      if (err == cudaSuccess) g.at[i] = made;
+    }
+  if (err != cudaSuccess) {
+    for (const stream_slots& g : streams)
+      for (int i = 0; i < g.n; ++i) {
+        if (g.at[i]) cudaStreamDestroy(g.at[i]);
+        g.at[i] = nullptr;
+      }
+    for (const event_slots& g : events)
+      for (int i = 0; i < g.n; ++i) {
+        if (g.at[i]) cudaEventDestroy(g.at[i]);
+        g.at[i] = nullptr;
+      }
+  }
+  return err;
 }
 
 // The start of a module's NAME_wW_prepare(rank, device): the rank checked against the world,
