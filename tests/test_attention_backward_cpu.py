@@ -2,16 +2,17 @@
 CPU: against central finite differences of sum(O * G) through the float64 forward reference,
 against torch autograd of scaled_dot_product_attention where torch is installed, its float32
 and sampled-rows paths, its layouts, and the per-element tolerance the kernel will be held to
-(o_tolerance over the |.| sums of each product) against a float64 emulation of the kernel's
-16-bit roundings. No GPU, no nvcc."""
+(grad_tolerance: o_tolerance over the |.| sums of each product, and a floor for dS's cancellation)
+against a float64 emulation of the kernel's 16-bit roundings and against float32 rounding. No GPU,
+no nvcc."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tsgen.ops.attention import (attention_backward_reference, attention_reference, from_bshd, o_tolerance,
-                                 query_positions)
+from tsgen.ops.attention import (attention_backward_reference, attention_reference, from_bshd, grad_tolerance,
+                                 o_tolerance, query_positions)
 from tsgen.ops.collectives import from_f64, to_f64
 
 SCALE = 0.35
@@ -134,7 +135,7 @@ def bf16(x):
 
 
 def test_tolerance_holds_the_kernels_rounding_and_catches_wrong_gradients():
-    """o_tolerance over the |.| sums of each product (with_abs) against a float64 emulation of
+    """grad_tolerance: o_tolerance over the |.| sums of each product (with_abs) against a float64 emulation of
     what the kernel rounds (P and dS to bf16 before their matrix products, the gradients to
     bf16; the forward's O in bf16 and LSE in float32 as its inputs): every element within half
     the bound. All-zero gradients, and dK / dV without the GQA sum (one query head's share),
@@ -146,8 +147,10 @@ def test_tolerance_holds_the_kernels_rounding_and_catches_wrong_gradients():
     scale = 64 ** -0.5
     o, lse = attention_reference(q, k, v, scale, True)
     o, lse = bf16(o), lse.astype(np.float32)
-    *ref, dq_abs, dk_abs, dv_abs = attention_backward_reference(q, k, v, o, do, lse, scale, True, with_abs=True)
-    tols = [o_tolerance(r, a, "bfloat16") for r, a in zip(ref, (dq_abs, dk_abs, dv_abs))]
+    *ref, dq_abs, dk_abs, dv_abs, dq_cancel, dk_cancel = attention_backward_reference(q, k, v, o, do, lse, scale,
+                                                                                      True, with_abs=True)
+    tols = [grad_tolerance(r, a, c, "bfloat16", 64) for r, a, c in zip(ref, (dq_abs, dk_abs, dv_abs),
+                                                                        (dq_cancel, dk_cancel, None))]
     # the kernel, emulated in float64 with its roundings
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     dsum = np.einsum("bshd,bshd->bhs", do, o)
@@ -167,6 +170,43 @@ def test_tolerance_holds_the_kernels_rounding_and_catches_wrong_gradients():
                                             True)
     for name, got, want, tol in zip(("dk", "dv"), one_head[1:], ref[1:], tols[1:]):
         assert (np.abs(got - want) > tol).mean() > 0.5, (name, "the GQA sum dropped")
+
+
+def test_tolerance_floor_holds_float32_cancellation_and_catches_wrong_dq():
+    """Issue 35: a causal query that sees one key has P = 1, dP = D and dS = P (dP - D) = 0, so its
+    dQ is 0 up to the float32 rounding of dP and D (on one H200 the kernel against the float32
+    reference: up to 2.4e-6 apart in fp16 hd 128, over o_tolerance's 1e-6). Twice the error of a
+    float32 computation of the gradients (the kernel's and the float32 reference's, as the GPU
+    script compares them) exceeds o_tolerance there and passes grad_tolerance's floor; dQ doubled,
+    dQ of row 0 set to 1e-3 and dQ without the last block of keys still fail."""
+    sq, heads, d = 48, 32, 128
+    rng = np.random.default_rng(1)
+
+    def half(x):
+        return to_f64(from_f64(x.reshape(-1), "float16"), "float16").reshape(x.shape)
+
+    q, k, v, do = (half(rng.standard_normal((1, sq, heads, d))) for _ in range(4))
+    scale = d ** -0.5
+    o, lse = attention_reference(q, k, v, scale, True)
+    o, lse = half(o), lse.astype(np.float32).astype(np.float64)
+    *ref, dq_abs, dk_abs, dv_abs, dq_cancel, dk_cancel = attention_backward_reference(q, k, v, o, do, lse, scale,
+                                                                                      True, with_abs=True)
+    f32 = attention_backward_reference(q, k, v, o, do, lse, scale, True, dtype=np.float32)
+    assert not ref[0][:, 0].any()  # row 0: dS = 0 exactly in float64 (fp16 products, O = v_0)
+    tols = [grad_tolerance(r, a, c, "float16", d) for r, a, c in zip(ref, (dq_abs, dk_abs, dv_abs),
+                                                                    (dq_cancel, dk_cancel, None))]
+    noisy = [r + 2 * (g - r) for r, g in zip(ref, f32)]
+    old_bad = np.abs(noisy[0] - ref[0]) > o_tolerance(ref[0], dq_abs, "float16")
+    assert old_bad[:, :1].any() and not old_bad[:, 8:].any(), "the cancelling rows are the ones past o_tolerance"
+    for name, got, want, tol in zip(("dq", "dk", "dv"), noisy, ref, tols):
+        assert (np.abs(got - want) <= tol).all(), name
+    row0 = ref[0].copy()
+    row0[:, 0] = 1e-3
+    block = attention_backward_reference(q, k[:, :sq - 16], v[:, :sq - 16], o, do, lse, scale, True)[0]
+    for what, got, where in (("doubled", 2 * ref[0], slice(None)), ("row 0 = 1e-3", row0, slice(0, 1)),
+                             ("last 16 keys dropped", block, slice(sq - 16, None))):
+        bad = np.abs(got - ref[0]) > tols[0]
+        assert bad[:, where].mean() > 0.5, (what, bad[:, where].mean())
 
 
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("contiguous", False)])

@@ -391,6 +391,12 @@ def _probs_and_ds(q, k, v, do, lse, dsum, visible, scale):
     return p, p * (do @ v.T - dsum[:, None])
 
 
+def _cancelled_terms(p, do, v, dsum_abs):
+    """C = P * (|dO| |v|^T + sum |dO| |o|): the |.| sums of the terms of dP = dO v^T and of D, which
+    dS = P (dP - D) subtracts (grad_tolerance's rounding floor)."""
+    return p * (np.abs(do) @ np.abs(v).T + dsum_abs[:, None])
+
+
 def attention_backward_reference(q, k, v, o, do, lse, scale: float, causal: bool, q_pos=None, k_pos=None, *,
                                  layout: str = "bshd", q_rows=None, kv_rows=None, dtype=np.float64,
                                  chunk: int = 1024, with_abs: bool = False):
@@ -406,8 +412,10 @@ def attention_backward_reference(q, k, v, o, do, lse, scale: float, causal: bool
     those rows only, kv_rows dK and dV of those keys only, each from every key (query) in blocks
     of `chunk`: a check of sampled rows costs O(rows x length) and never holds an sq x skv matrix.
     Returns dQ [b, rows, h, d], dK, dV [b, rows, hkv, d]; with_abs: also |.| sums of the terms of
-    each (sum_j |dS_ij| |k_j| scale, sum_i |dS_ij| |q_i| scale, sum_i P_ij |dO_i|) for
-    grad_tolerance, in the same order and layout."""
+    each (sum_j |dS_ij| |k_j| scale, sum_i |dS_ij| |q_i| scale, sum_i P_ij |dO_i|), then the sums
+    of the terms dS cancels (C_ij = P_ij (sum |dO_i| |v_j| + sum |dO_i| |o_i|): dP_ij's and D_i's
+    terms) for dQ and dK (scale sum_j C_ij |k_j|, scale sum_i C_ij |q_i|), for grad_tolerance, in
+    the same order and layout: eight arrays."""
     # to bshd (the transposition is its own inverse)
     q, k, v, o, do = (from_bshd(x, layout).astype(dtype, copy=False) for x in (q, k, v, o, do))
     lse = np.asarray(lse, dtype=dtype)
@@ -422,18 +430,22 @@ def attention_backward_reference(q, k, v, o, do, lse, scale: float, causal: bool
     dq = np.zeros((b, len(qi), h, d), dtype)
     dk = np.zeros((b, len(kj), hkv, d), dtype)
     dv = np.zeros((b, len(kj), hkv, d), dtype)
-    absum = [np.zeros_like(x) for x in (dq, dk, dv)] if with_abs else None
+    absum = [np.zeros_like(x) for x in (dq, dk, dv, dq, dk)] if with_abs else None
+    # D's terms, sum_e |dO_ie| |o_ie| (with_abs: the cancellation sums)
+    dsum_abs = np.einsum("bshd,bshd->bhs", np.abs(do), np.abs(o)) if with_abs else None
     for bi in range(b):
         for hi in range(h):
             g = hi // group
             qh, kh, vh, doh = q[bi, :, hi], k[bi, :, g], v[bi, :, g], do[bi, :, hi]
             for c in range(0, skv, chunk):  # dQ of rows qi: every key, a block at a time
                 keys = slice(c, c + chunk)
-                _, ds = _probs_and_ds(qh[qi], kh[keys], vh[keys], doh[qi], lse[bi, hi, qi], dsum[bi, hi, qi],
+                p, ds = _probs_and_ds(qh[qi], kh[keys], vh[keys], doh[qi], lse[bi, hi, qi], dsum[bi, hi, qi],
                                       _visible(qp[qi], kp[keys], causal), scale)
                 dq[bi, :, hi] += scale * (ds @ kh[keys])
                 if with_abs:
                     absum[0][bi, :, hi] += scale * (np.abs(ds) @ np.abs(kh[keys]))
+                    cancel = _cancelled_terms(p, doh[qi], vh[keys], dsum_abs[bi, hi, qi])
+                    absum[3][bi, :, hi] += scale * (cancel @ np.abs(kh[keys]))
             for c in range(0, sq, chunk):  # dK, dV of keys kj: every query, a block at a time
                 rows = slice(c, c + chunk)
                 p, ds = _probs_and_ds(qh[rows], kh[kj], vh[kj], doh[rows], lse[bi, hi, rows], dsum[bi, hi, rows],
@@ -443,6 +455,8 @@ def attention_backward_reference(q, k, v, o, do, lse, scale: float, causal: bool
                 if with_abs:
                     absum[1][bi, :, g] += scale * (np.abs(ds).T @ np.abs(qh[rows]))
                     absum[2][bi, :, g] += p.T @ np.abs(doh[rows])
+                    cancel = _cancelled_terms(p, doh[rows], vh[kj], dsum_abs[bi, hi, rows])
+                    absum[4][bi, :, g] += scale * (cancel.T @ np.abs(qh[rows]))
     grads = tuple(from_bshd(x, layout) for x in (dq, dk, dv))
     return (grads + tuple(from_bshd(x, layout) for x in absum)) if with_abs else grads
 
@@ -453,11 +467,25 @@ def o_tolerance(o: np.ndarray, o_abs: np.ndarray, dtype: str) -> np.ndarray:
     of P to 16 bits before P V, each term at most half a unit: 2^-8 (2^-11) of sum_j p_ij |v_j|,
     given four times that here. Bounded per element, not by max|v| over the tensor: a zero or a
     stale V chunk then shows (at world 8 the old bound, 2 units of max|v|, let an all-zero O pass
-    in most elements). The backward's gradients are held to the same bound over the |.| sums of
-    their own products (attention_backward_reference's with_abs: P dO with P rounded to 16 bits,
-    dS Q and dS K with dS rounded), each gradient rounded once to 16 bits."""
+    in most elements). grad_tolerance holds the backward's gradients to the same bound over the
+    |.| sums of their own products (attention_backward_reference's with_abs: P dO with P rounded
+    to 16 bits, dS Q and dS K with dS rounded), each gradient rounded once to 16 bits, plus a
+    floor for dS's cancellation."""
     ulp = 2.0**-7 if dtype == "bfloat16" else 2.0**-10
-    return ulp * np.abs(o) + 2 * ulp * o_abs + 1e-6
+    return ulp * abs(o) + 2 * ulp * o_abs + 1e-6  # abs(): NumPy arrays or torch tensors
+
+
+def grad_tolerance(g, g_abs, g_cancel, dtype: str, head_dim: int):
+    """The backward's per-element bound on a gradient (NumPy arrays or torch tensors):
+    o_tolerance over the |.| sums of its product (g_abs), plus a floor for the cancellation in
+    dS = P (dP - D): dP and D are float32 dot products of head_dim terms, each within head_dim
+    2^-24 of the |.| sum of its terms whatever the summation order, and where dP ~ D (a causal
+    row that sees one key: dS = 0 exactly) that rounding is all of dS. Once for the kernel and
+    once for a float32 reference: head_dim 2^-23 of g_cancel (attention_backward_reference's
+    cancellation sums, with_abs; None for dV, which subtracts nothing). docs/design/attention.md,
+    "Tolerances" (issue 35)."""
+    tol = o_tolerance(g, g_abs, dtype)
+    return tol if g_cancel is None else tol + head_dim * 2.0**-23 * g_cancel
 
 
 CHECK_ROWS = 64  # query rows the timed-output check compares, spread over the sequence

@@ -38,7 +38,7 @@ from pydantic import Field
 
 from ..spec_types import StrictModel
 from .attention import (AttentionShape, OneGpuAttentionSpec, attention_backward_reference, attention_reference,
-                        from_bshd, heads_problems, o_tolerance, scale_of, scale_vars, to_bshd)
+                        from_bshd, grad_tolerance, heads_problems, scale_of, scale_vars, to_bshd)
 from .base import Buffer, OpFamily, one_kernel_abi
 from .collectives import from_f64, to_f64
 
@@ -164,10 +164,16 @@ class AttentionBackwardFamily(OpFamily):
         return {name: [from_f64(g.reshape(-1), spec.dtype)] for name, g in zip(GRADS, grads)}
 
     def tolerance(self, spec, world, count, inputs):
-        """Per element, o_tolerance over each product's |.| sums (tsgen/ops/attention.py)."""
+        """Per element, grad_tolerance over each product's |.| sums and dS's cancellation sums
+        (tsgen/ops/attention.py)."""
         out = self._grads(spec, count, inputs, with_abs=True)
-        return {name: [o_tolerance(g.reshape(-1), a.reshape(-1), spec.dtype)]
-                for name, g, a in zip(GRADS, out[:3], out[3:])}
+        cancels = (*out[6:], None)  # dQ's, dK's; dV cancels nothing
+
+        def flat(x):
+            return None if x is None else x.reshape(-1)
+
+        return {name: [grad_tolerance(flat(g), flat(a), flat(c), spec.dtype, spec.params.head_dim)]
+                for name, g, a, c in zip(GRADS, out[:3], out[3:6], cancels)}
 
 
 def flops(batch: int, q_len: int, kv_len: int, heads: int, head_dim: int, causal: bool) -> float:
