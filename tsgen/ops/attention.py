@@ -145,6 +145,11 @@ def scale_vars(spec: AttentionSpec) -> dict[str, str]:
     return {"softmax_scale": repr(float(scale)), "scale_log2": repr(float(scale * math.log2(math.e)))}
 
 
+def shape_constants(p: AttentionShape) -> dict[str, int]:
+    """The shape constants every attention kernel's source defines (forward, backward, cp_attention)."""
+    return {"HEAD_DIM": p.head_dim, "HEADS": p.heads, "KV_HEADS": p.kv_heads, "BATCH": p.batch}
+
+
 def shape_key(p) -> str:
     """What makes two attention benchmarks (attention, cp_attention) time the same work at one
     size: batch, heads, KV heads, head dim, layout, causality."""
@@ -262,10 +267,7 @@ class AttentionFamily(OpFamily):
     def constants(self, spec):
         p = spec.params
         return {
-            "HEAD_DIM": p.head_dim,
-            "HEADS": p.heads,
-            "KV_HEADS": p.kv_heads,
-            "BATCH": p.batch,
+            **shape_constants(p),
             "TILE_M": p.tile.m,
             "TILE_N": p.tile.n,
             "STAGES": p.stages,

@@ -38,7 +38,7 @@ from pydantic import Field
 
 from ..spec_types import StrictModel
 from .attention import (AttentionShape, OneGpuAttentionSpec, attention_backward_reference, attention_reference,
-                        from_bshd, grad_tolerance, heads_problems, scale_of, scale_vars, to_bshd)
+                        from_bshd, grad_tolerance, heads_problems, scale_of, scale_vars, shape_constants, to_bshd)
 from .base import Buffer, OpFamily, one_kernel_abi
 from .collectives import from_f64, to_f64
 
@@ -123,10 +123,7 @@ class AttentionBackwardFamily(OpFamily):
     def constants(self, spec):
         p = spec.params
         return {
-            "HEAD_DIM": p.head_dim,
-            "HEADS": p.heads,
-            "KV_HEADS": p.kv_heads,
-            "BATCH": p.batch,
+            **shape_constants(p),
             "CAUSAL": int(p.causal),
             "BHSD": int(p.layout == "bhsd"),
             "THREADS": spec.launch.threads,

@@ -47,7 +47,7 @@ from ..errors import RuntimeSetupError
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, WorldSizes
 from .attention import (AttentionFamily, AttentionTile, SoftmaxScale, attention_reference, check_query_rows, flops,
-                        from_bshd, o_tolerance, scale_of, scale_vars, shape_key, smem_bytes, to_bshd,
+                        from_bshd, o_tolerance, scale_of, scale_vars, shape_constants, shape_key, smem_bytes, to_bshd,
                         worst_row_error)
 from .base import Buffer, OpFamily, copy_engine_refusal, launcher_vars, one_kernel_abi
 from .collectives import from_f64, to_f64
@@ -329,10 +329,7 @@ class CpAttentionFamily(OpFamily):
     def constants(self, spec):
         p = spec.params
         return {
-            "HEAD_DIM": p.head_dim,
-            "HEADS": p.heads,
-            "KV_HEADS": p.kv_heads,
-            "BATCH": p.batch,
+            **shape_constants(p),
             "TILE_M": p.tile.m,
             "TILE_N": p.tile.n,
             "STAGES": p.stages,
