@@ -104,6 +104,17 @@ NEGATIVE_CONTROLS = {
 }
 
 
+def wrong_chunk_offset(text: str) -> str:
+    """allgather's W 2 plan with rank 1's put landing at offset 0 of rank 0's output instead of 1:
+    the step entry (its description trails it as a comment) gets its destination offset changed."""
+    import re
+
+    head, tail = text.split("static __device__ const tsgen::step steps_w2[]", 1)
+    tail = re.sub(r"(\{TSGEN_OP_COPY, 1, 1, 1, 0, )\{0, 2, 0, 1, 1, 0\}(.*// rank 1 step 1: put to rank 0;)",
+                  r"\1{0, 2, 0, 1, 0, 0}\2", tail, count=1)
+    return head + "static __device__ const tsgen::step steps_w2[]" + tail
+
+
 SKEW_SEED = 7  # the rank skew of `tsgen test --skew`: seeded, so a failure reproduces
 
 
@@ -193,16 +204,8 @@ def test_collective_dtype_matrix(spec, dtype, world):
 def test_collective_negative_control_wrong_chunk_offset():
     """The plan table with one chunk offset broken (rank 1 puts its chunk at offset 0
     of rank 0's output instead of offset 1) must fail on the GPU as it fails `tsgen verify`."""
-    import re
-
     need_gpus(2)
-
-    def mutate(text):
-        head, tail = text.split("static __device__ const tsgen::step steps_w2[]", 1)
-        tail = re.sub(r"(// rank 1 step 1: put to rank 0;[^\n]*\n\s*\{TSGEN_OP_COPY, 1, 1, 1, 0, )\{0, 2, 0, 1, 1, 0\}",
-                      r"\1{0, 2, 0, 1, 0, 0}", tail, count=1)
-        return head + "static __device__ const tsgen::step steps_w2[]" + tail
-
+    mutate = wrong_chunk_offset
     lines, report = [], {}
     ok = run_test("specs/allgather.yaml", 2, iters=CONTROL_CALLS, echo=lines.append, mutate=mutate, report=report)
     record("negative_control", {"spec": "allgather (plan table)", "removed": "rank 1's put offset 1 -> 0",
