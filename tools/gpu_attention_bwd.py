@@ -204,6 +204,7 @@ def run_case(torch, op: Op, case: dict, gen, device: str = "cuda", forward=None)
     chained = {}
     if case.get("forward"):
         t["o"], t["lse"] = torch.full_like(t["o"], math.nan), torch.full_like(lse, math.nan)
+        torch.cuda.synchronize()  # the NaN fills ran on the current stream, the forward runs on `stream`
         forward(t["q"], t["k"], t["v"], t["o"], t["lse"], batch, q_len, kv_len, stream, q_offset=q_offset)
         stream.synchronize()
         o = to_bshd(t["o"], op.bhsd)
