@@ -208,7 +208,12 @@ def test_results_check_warns_when_no_gpu_run_saw_the_newest_device_code(tmp_path
     r = run_cli("results", *args, "--check")
     assert r.code == 0 and "tsgen: warning: no GPU test run in results/tests/" in r.stderr, r  # a warning, not a failure
     second = _git(repo, "rev-parse", "--short", "HEAD")
-    (tests / f"2026-11-27-{second}-dirty.json").write_text(json.dumps({"meta": {"date": "2026-11-27"}, "summary": {}}))
+    (tests / f"2026-11-27-{second}-dirty.json").write_text(json.dumps(
+        {"meta": {"date": "2026-11-27"}, "summary": {"suite": {"passed": 9, "failed": 2}}}))
+    warning = gate_warning(repo / "results")  # a run of the change that failed is no gate passed
+    assert warning and f"2026-11-27-{second}-dirty: 2 failed" in warning and "has not passed" in warning
+    (tests / f"2026-11-28-{second}.json").write_text(json.dumps(
+        {"meta": {"date": "2026-11-28"}, "summary": {"suite": {"passed": 11, "failed": 0}}}))
     assert gate_warning(repo / "results") is None
 
 

@@ -248,11 +248,21 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess | None:
         return None
 
 
+def _failed_tests(run: Result) -> int:
+    """How many tests of a GPU test run failed (its JSON's summary.suite.failed; 0 when it says nothing)."""
+    try:
+        data = json.loads((run.folder / f"{run.stem}.json").read_text())
+        return int(((data.get("summary") or {}).get("suite") or {}).get("failed") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
 def gate_warning(results: Path) -> str | None:
     """A warning when no GPU test run in results/tests/ (tools/gpu_gate.sh, gpu_shared.sh,
     gpu_real.sh write them, named after the commit they ran) ran the newest commit that changed
-    templates/, generated/ or tsgen/runtime/, or a later one (by git's history); None when one did,
-    or when git cannot tell (no repository, no such commit)."""
+    templates/, generated/ or tsgen/runtime/, or a later one (by git's history), or when every run that
+    did had failed tests; None when one did and passed, or when git cannot tell (no repository, no
+    such commit)."""
     results = Path(results).resolve()
     top = _git(results, "rev-parse", "--show-toplevel")
     if top is None or top.returncode:
@@ -263,12 +273,19 @@ def gate_warning(results: Path) -> str | None:
         return None
     full, short, subject = (last.stdout.strip().split(" ", 2) + ["", ""])[:3]
     runs = [run for (kind, _), found in scan(results).items() if kind == "tests" for run in found]
+    failed_runs = []
     for run in runs:
         m = _STEM.match(run.stem)
         if m and m.group(2) != "unknown":
             ran = _git(root, "merge-base", "--is-ancestor", full, m.group(2).removesuffix("-dirty"))
             if ran is not None and ran.returncode == 0:  # the run's commit has that change
-                return None
+                failed = _failed_tests(run)
+                if not failed:
+                    return None
+                failed_runs.append(f"{run.folder.relative_to(results).as_posix()}/{run.stem}: {failed} failed")
+    if failed_runs:
+        return (f"every GPU test run in results/tests/ that ran {short} ({subject[:60]}) or a later commit had "
+                f"failures ({'; '.join(failed_runs)}): the gate has not passed; run tools/gpu_gate.sh on a GPU")
     newest = max(runs, key=Result.order, default=None)
     where = f"the newest: {newest.folder.relative_to(results).as_posix()}/{newest.stem}" if newest else "there is none"
     return (f"no GPU test run in results/tests/ ({where}) ran {short} ({subject[:60]}), which changed templates/, "
