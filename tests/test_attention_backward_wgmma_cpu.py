@@ -164,3 +164,31 @@ def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_nee
             masked_steps += masked
             unmasked_steps += not masked
     assert masked_steps and unmasked_steps, "both kinds of step occur"
+
+
+# ---------------------------------------------------------------------------
+# tools/gpu_attention_bwd.py --impl (the GPU script the lead runs)
+# ---------------------------------------------------------------------------
+
+
+def test_gpu_tool_runs_the_impls_side_by_side():
+    from conftest import load_script
+    from tsgen.spec import merge
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    assert tool.IMPLS == ("mma_sync", "wgmma")
+    assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
+    assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
+    for name in set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS):  # every variant is a valid wgmma spec
+        spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], {"params": {"impl": "wgmma"}})).model
+        assert spec.params.impl == "wgmma"
+    row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 100.0},
+           "tsgen_wgmma": {"tflops": 400.0, "ratio_mma_sync": 4.0}, "sdpa_cudnn": {"tflops": 500.0, "ratio": 5.0}}
+    summary = {"device": "NVIDIA H200", "date": "2026-11-27", "command": "c", "checks": {},
+               "bench": {"rows": [row]}}
+    text = tool.markdown(summary)
+    assert "| variant | S | tsgen | tsgen_wgmma | x | SDPA flash | ratio | SDPA cuDNN | ratio |" in text
+    assert "| v | 4096 | 100 | 400 | 4.00 | - | - | 500 | 5.00 |" in text
+    # one impl alone: the table as before
+    assert "| v | 4096 | 100 | - | - | 500 | 5.00 |" in tool.markdown(
+        {**summary, "bench": {"rows": [{k: v for k, v in row.items() if k != "tsgen_wgmma"}]}})
