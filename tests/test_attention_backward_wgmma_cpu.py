@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, compile_test, missing_tool, rendered_source
+from test_attention_backward_op_cpu import bf16
 from test_attention_cpu import ptxas_problems
 from tsgen.ops import get_family
 from tsgen.ops.attention_backward import IMPLS, WGMMA_STAGES, smem_bytes, threads
@@ -192,3 +193,151 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     # one impl alone: the table as before
     assert "| v | 4096 | 100 | - | - | 500 | 5.00 |" in tool.markdown(
         {**summary, "bench": {"rows": [{k: v for k, v in row.items() if k != "tsgen_wgmma"}]}})
+
+
+# ---------------------------------------------------------------------------
+# One CTA of the wgmma kernel, modelled through its shared-memory addresses (no GPU here)
+# ---------------------------------------------------------------------------
+#
+# Shared memory as the hardware sees it: 16-bit elements at byte addresses, the 128-byte swizzle
+# (the 16-byte unit index, address bits 4-6, XORed with bits 7-9, within 1024-byte aligned
+# blocks) applied by the TMA writes and by the wgmma reads; the wgmma operand layouts the PTX ISA
+# defines for 128B-swizzled descriptors (K-major: 8-row groups SBO = 1024 bytes apart, k16 steps
+# 32 bytes along the row; M/N-major: 64 contiguous M/N elements per K row, 8-row K groups SBO
+# apart, 64-element blocks LBO apart), the accumulator layout of a warpgroup (row 16 warp + lane / 4
+# (+ 8), column 8q + 2 (lane % 4) (+ 1)). The kernel's side is the header's: its layout offsets,
+# descriptor starts and steps (restated here, the dS^T store's column expression read from the
+# header), the dQ split per head dim, the mask. A wrong swizzle in the dS^T store, a transposed
+# read, a wrong dQ column box or key range fails the check against the family's reference.
+
+WG_HEADER = ROOT / "templates" / "include" / "tsgen" / "attention_bwd_wgmma.cuh"
+
+
+def swizzled(addr):
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+class Smem:
+    def __init__(self, nbytes):
+        self.mem = np.full(nbytes // 2, np.nan)
+
+    def tma_rows(self, base, box_bytes, x, rows):  # TMA: rows [r][c] of 64-column boxes, swizzled
+        for r in range(rows.shape[0]):
+            for c in range(rows.shape[1]):
+                self.mem[swizzled(base + (c // 64) * box_bytes + r * 128 + (c % 64) * 2) // 2] = rows[r, c]
+
+    def k_major(self, start, m_rows):  # [m][16] of a K-major operand from descriptor start
+        out = np.empty((m_rows, 16))
+        for m in range(m_rows):
+            for k in range(16):
+                out[m, k] = self.mem[swizzled(start + k * 2 + (m % 8) * 128 + (m // 8) * 1024) // 2]
+        return out
+
+    def mn_major(self, start, n_cols, lbo):  # [16][n] of an M/N-major operand from descriptor start
+        out = np.empty((16, n_cols))
+        for k in range(16):
+            for n in range(n_cols):
+                out[k, n] = self.mem[swizzled(start + (n % 64) * 2 + (n // 64) * lbo + (k % 8) * 128 + (k // 8) * 1024) // 2]
+        return out
+
+
+def header_ds_column():
+    text = WG_HEADER.read_text()
+    expr = re.search(r"const uint32_t col = (.+);", text)
+    assert expr, "the dS^T store's column expression"
+    return lambda q, lane: eval(expr.group(1), {}, {"q": q, "swizzle": lane // 4, "lane": lane})
+
+
+def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal):
+    """One CTA (keys 0 .. 127 of one KV head; one query head): q, do [rows, d], k, v [kv_len, d]
+    (16-bit values), lse2, dsum [rows]. -> dq [rows, d] (unscaled), dk (unscaled), dv [kv_len, d]."""
+    BN, BM, boxes = 128, 64, d // 64
+    KV_BOX, Q_BOX = BN * 128, BM * 128
+    K_OFF, V_OFF = 0, boxes * KV_BOX
+    Q_OFF = V_OFF + boxes * KV_BOX
+    DO_OFF = Q_OFF + boxes * Q_BOX
+    DS_OFF = DO_OFF + boxes * Q_BOX
+    split_n = d == 128
+    ds_col = header_ds_column()
+    sm = Smem(DS_OFF + 2 * BN * 128)
+    pad = np.zeros((BN, d))
+    pad[:kv_len] = k
+    sm.tma_rows(K_OFF, KV_BOX, 0, pad)
+    pad = np.zeros((BN, d))
+    pad[:kv_len] = v
+    sm.tma_rows(V_OFF, KV_BOX, 0, pad)
+    rows = q.shape[0]
+    dq = np.zeros((rows, d))
+    dk, dv = np.zeros((2, 64, d)), np.zeros((2, 64, d))  # per warpgroup: its 64 keys
+    for step, r0 in enumerate(range(0, rows, BM)):
+        n = min(BM, rows - r0)
+        for name, src, off in (("q", q, Q_OFF), ("do", do, DO_OFF)):
+            tile = np.zeros((BM, d))
+            tile[:n] = src[r0:r0 + n]
+            sm.tma_rows(off, Q_BOX, 0, tile)
+        l2, ds_ = np.full(BM, np.inf), np.zeros(BM)
+        l2[:n], ds_[:n] = lse2[r0:r0 + n], dsum[r0:r0 + n]
+        ds_base = DS_OFF + (step % 2) * BN * 128
+        a_frags = []
+        for cw in range(2):
+            s, dp = np.zeros((64, BM)), np.zeros((64, BM))
+            for kk in range(d // 16):
+                kv_step, q_step = (kk // 4) * KV_BOX + (kk % 4) * 32, (kk // 4) * Q_BOX + (kk % 4) * 32
+                s += sm.k_major(K_OFF + 64 * cw * 128 + kv_step, 64) @ sm.k_major(Q_OFF + q_step, BM).T
+                dp += sm.k_major(V_OFF + 64 * cw * 128 + kv_step, 64) @ sm.k_major(DO_OFF + q_step, BM).T
+            key = 64 * cw + np.arange(64)[:, None]
+            qrow = r0 + np.arange(BM)[None, :]
+            p = np.exp2(s * scale_log2 - l2[None, :])
+            seen = (key < kv_len) & ((key <= qrow) if causal else True)
+            p = np.where(seen, p, 0.0)
+            dsT = p * (dp - ds_[None, :])
+            p16, ds16 = bf16(p), bf16(dsT)
+            a_frags.append((p16, ds16))
+            # the store, thread by thread, in the accumulator layout
+            for warp in range(4):
+                for lane in range(32):
+                    row = 16 * warp + lane // 4
+                    for qq in range(8):
+                        for h in range(2):
+                            for e in range(2):
+                                addr = ds_base + (64 * cw + row) * 128 + 8 * h * 128 + ds_col(qq, lane) + 2 * e
+                                sm.mem[addr // 2] = ds16[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            for kq in range(BM // 16):  # dV += P^T dO, dK += dS^T Q: B N-major, k16 steps of 2048 bytes
+                dv[cw] += p16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(DO_OFF + kq * 2048, d, Q_BOX)
+                dk[cw] += ds16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(Q_OFF + kq * 2048, d, Q_BOX)
+        for cw in range(2):  # after DS_READY: dQ = dS K
+            col_box, key0 = (cw, 0) if split_n else (0, 64 * cw)
+            keys = BN if split_n else 64
+            acc = np.zeros((BM, 64))
+            for kk in range(keys // 16):
+                a = sm.mn_major(ds_base + key0 * 128 + kk * 2048, BM, BN * 128).T  # M-major A: [m][k]
+                b = sm.mn_major(K_OFF + col_box * KV_BOX + key0 * 128 + kk * 2048, 64, KV_BOX)
+                acc += a @ b
+            dq[r0:r0 + n, 64 * col_box:64 * col_box + 64] += acc[:n]
+    return dq, np.concatenate(list(dk))[:kv_len], np.concatenate(list(dv))[:kv_len]
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False), (64, True)])
+def test_shared_memory_model_of_one_cta(d, causal):
+    """100 keys (a tail of the 128-key block) against 150 queries (three steps, a tail; both dS^T
+    buffers used), one head: dQ, dK, dV through the modelled operand addresses against the
+    family's reference within its tolerance."""
+    from tsgen.ops.attention import attention_backward_reference, attention_reference, o_tolerance
+
+    rng = np.random.default_rng(3)
+    rows, kv_len, scale = 150, 100, 1 / np.sqrt(d)
+    q, do = (bf16(rng.standard_normal((1, rows, 1, d))) for _ in range(2))
+    k, v = (bf16(rng.standard_normal((1, kv_len, 1, d))) for _ in range(2))
+    o, lse = attention_reference(q, k, v, scale, causal)
+    o = bf16(o)
+    lse = lse.astype(np.float32).astype(np.float64)
+    dsum = np.einsum("bshd,bshd->bhs", do, o)[0, 0]
+    lse2 = np.where(np.isneginf(lse[0, 0]), np.inf, lse[0, 0] * np.log2(np.e))
+    dq, dk, dv = model_cta(q[0, :, 0], k[0, :, 0], v[0, :, 0], do[0, :, 0], lse2, dsum, scale * np.log2(np.e), d,
+                           kv_len, causal)
+    want = attention_backward_reference(q, k, v, o, do, lse, scale, causal, with_abs=True)
+    for name, g, w, a in (("dq", dq * scale, want[0], want[3]), ("dk", dk * scale, want[1], want[4]),
+                          ("dv", dv, want[2], want[5])):
+        g = g[None, :, None]
+        bad = np.abs(g - w) > o_tolerance(w, a, "bfloat16")
+        assert not bad.any(), (name, int(bad.sum()), bad.size)
