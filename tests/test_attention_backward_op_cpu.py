@@ -46,9 +46,9 @@ BAD = [
     ("world_size", "name: a\nop: attention_backward\nworld_sizes: [2]\n", ["4:15: world_sizes[0]: Input should be 1"]),
     ("forward_tiles", BWD + "params:\n  stages: 2\n", ["6:3: params.stages: unknown key"]),
     ("threads", BWD + "launch:\n  threads: 384\n",
-     ["6:3: launch.threads: params.impl mma_sync runs 128 threads per CTA, not 384 (leave launch.threads out)"]),
-    ("threads_wgmma", BWD + "params:\n  impl: wgmma\nlaunch:\n  threads: 128\n",
-     ["8:3: launch.threads: params.impl wgmma runs 384 threads per CTA, not 128 (leave launch.threads out)"]),
+     ["6:3: launch.threads: params.impl mma_sync runs 128 threads per CTA, not 384: set launch.threads: 128"]),
+    ("threads_wgmma", BWD + "params:\n  impl: wgmma\n",
+     ["2:1: launch.threads: params.impl wgmma runs 384 threads per CTA, not 128: set launch.threads: 384"]),
     ("impl", BWD + "params:\n  impl: hgmma\n", ["6:3: params.impl: Input should be 'mma_sync' or 'wgmma'"]),
     ("scale", BWD + "params:\n  softmax_scale: 0\n", ["6:3: params.softmax_scale: Input should be greater than 0"]),
 ]

@@ -16,7 +16,7 @@ from conftest import ROOT, compile_test, missing_tool, rendered_source
 from test_attention_backward_op_cpu import bf16
 from test_attention_cpu import ptxas_problems
 from tsgen.ops import get_family
-from tsgen.ops.attention_backward import IMPLS, WGMMA_STAGES, smem_bytes, threads
+from tsgen.ops.attention_backward import IMPLS, WGMMA_STAGES, smem_bytes
 from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc
 
@@ -28,7 +28,8 @@ needs_sass = compile_test(NO_SASS and f"SASS checks need nvcc and cuobjdump: {NO
 
 
 def variant(name, params=None, **changes):
-    return spec_variant(load_spec(SPEC), {**changes, "name": name, "params": {"impl": "wgmma", **(params or {})}})
+    return spec_variant(load_spec(SPEC), {**changes, "name": name, "params": {"impl": "wgmma", **(params or {})},
+                                          "launch": {"threads": 384}})
 
 
 VARIANTS = {
@@ -41,7 +42,7 @@ VARIANTS = {
 
 def test_defaults_and_sizes():
     spec = variant("v").model
-    assert spec.params.impl == "wgmma" and spec.launch.threads == 0 and threads(spec) == IMPLS["wgmma"]["threads"]
+    assert spec.params.impl == "wgmma" and spec.launch.threads == IMPLS["wgmma"]["threads"] == 384
     assert [k.block for k in get_family("attention_backward").abi(spec).kernels] == [384]
     assert [k.block for k in get_family("attention_backward").abi(load_spec(SPEC).model).kernels] == [128]
     assert load_spec(SPEC).model.params.impl == "mma_sync", "the default stays mma_sync until a GPU proves wgmma"
@@ -181,7 +182,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
     for name in set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS):  # every variant is a valid wgmma spec
-        spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], {"params": {"impl": "wgmma"}})).model
+        spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma"))).model
         assert spec.params.impl == "wgmma"
     row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 100.0},
            "tsgen_wgmma": {"tflops": 400.0, "ratio_mma_sync": 4.0}, "sdpa_cudnn": {"tflops": 500.0, "ratio": 5.0}}

@@ -97,9 +97,14 @@ def build(out: Path, name: str, impl: str = IMPLS[0]) -> dict:
     from tsgen.spec import load_spec, merge, spec_variant
 
     changes = merge(VARIANTS[name], {"name": f"attbwd_{impl_name(name, impl)}"})
-    if impl != IMPLS[0]:
-        changes = merge(changes, {"params": {"impl": impl}})
-    return build_loaded(out, spec_variant(load_spec(SPEC), changes))
+    return build_loaded(out, spec_variant(load_spec(SPEC), merge(changes, impl_changes(impl))))
+
+
+def impl_changes(impl: str) -> dict:
+    """The spec changes that select main kernel `impl` (its threads per CTA go with it)."""
+    from tsgen.ops.attention_backward import IMPLS as THREADS
+
+    return {} if impl == IMPLS[0] else {"params": {"impl": impl}, "launch": {"threads": THREADS[impl]["threads"]}}
 
 
 class Op:

@@ -98,7 +98,7 @@ def lower(loaded: LoadedSpec, base: Path | None = None) -> Lowered:
         "",
         f"op {spec.op}: {family.summary_of(spec)}",
         f"kernels: {', '.join(k.name for k in abi.kernels)} "
-        f"(one per world size; grid {abi.kernels[0].grid} x {abi.kernels[0].block} threads)",
+        f"(one per world size; grid {spec.launch.blocks} x {spec.launch.threads} threads)",
         f"count unit: {family.count_unit}",
     ]
     if spec.description:

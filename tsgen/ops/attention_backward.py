@@ -60,9 +60,9 @@ class AttentionBackwardParams(AttentionShape):
 
 
 class AttentionBackwardLaunch(StrictModel):
-    threads: Literal[0, 128, 384] = Field(
-        0, description="the main kernel's threads, fixed by params.impl: 128 (mma_sync: 4 warps, 16 keys each) "
-        "or 384 (wgmma: a producer and two consumer warpgroups); 0: the impl's")
+    threads: Literal[128, 384] = Field(
+        128, description="the main kernel's threads, fixed by params.impl: 128 (mma_sync: 4 warps, 16 keys each) "
+        "or 384 (wgmma: a producer and two consumer warpgroups)")
     blocks: Literal[0] = Field(0, description="one CTA per (block of keys, KV head, sequence): a plain grid")
 
 
@@ -73,11 +73,6 @@ class AttentionBackwardSpec(OneGpuAttentionSpec):
     op: Literal["attention_backward"]
     params: AttentionBackwardParams = AttentionBackwardParams()
     launch: AttentionBackwardLaunch = AttentionBackwardLaunch()
-
-
-def threads(spec: AttentionBackwardSpec) -> int:
-    """The main kernel's threads per CTA: params.impl's."""
-    return IMPLS[spec.params.impl]["threads"]
 
 
 def smem_bytes(spec: AttentionBackwardSpec) -> int:
@@ -127,10 +122,10 @@ class AttentionBackwardFamily(OpFamily):
 
     def check(self, spec):
         problems = heads_problems(spec.params)
-        want = threads(spec)
-        if spec.launch.threads not in (0, want):
+        want = IMPLS[spec.params.impl]["threads"]
+        if spec.launch.threads != want:
             problems.append((("launch", "threads"), f"params.impl {spec.params.impl} runs {want} threads per CTA, "
-                             f"not {spec.launch.threads} (leave launch.threads out)"))
+                             f"not {spec.launch.threads}: set launch.threads: {want}"))
         return problems
 
     def buffers(self, spec):
@@ -157,7 +152,7 @@ class AttentionBackwardFamily(OpFamily):
             **shape_constants(p),
             "CAUSAL": int(p.causal),
             "BHSD": int(p.layout == "bhsd"),
-            "THREADS": threads(spec),
+            "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),
             **({"TILE_M": BLOCK_M, "TILE_N": IMPLS["wgmma"]["block_n"], "STAGES": WGMMA_STAGES}
@@ -168,8 +163,7 @@ class AttentionBackwardFamily(OpFamily):
         return scale_vars(spec)
 
     def abi(self, spec):
-        return one_kernel_abi(self, spec, smem=smem_bytes(spec), constants=self.constants(spec),
-                              threads=threads(spec))
+        return one_kernel_abi(self, spec, smem=smem_bytes(spec), constants=self.constants(spec))
 
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):

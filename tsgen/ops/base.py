@@ -326,10 +326,9 @@ def with_peers_host(args: tuple[Arg, ...]) -> tuple[Arg, ...]:
 
 
 def one_kernel_abi(family: OpFamily, spec: Any, smem: int, constants: dict[str, int],
-                   peers_host: bool = False, threads: int | None = None) -> ModuleAbi:
+                   peers_host: bool = False) -> ModuleAbi:
     """The ABI of a module with one kernel per world size taking the calling convention
-    (LEADING_ARGS, then one pointer per buffer) on a grid of launch.blocks x launch.threads
-    (`threads`: the family's own count instead, where its parameters fix it);
+    (LEADING_ARGS, then one pointer per buffer) on a grid of launch.blocks x launch.threads;
     `peers_host`: its host launcher also takes the host copy of the peer table (with_peers_host)."""
     # Every module's heap starts with its call counter: [0] calls completed,
     # [1] blocks finished (the last block of a call advances [0]).
@@ -339,8 +338,7 @@ def one_kernel_abi(family: OpFamily, spec: Any, smem: int, constants: dict[str, 
     )
     launcher_args = with_peers_host(args) if peers_host else None
     kernels = tuple(
-        Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks,
-               block=spec.launch.threads if threads is None else threads,
+        Kernel(name=f"{spec.name}_w{w}", world_size=w, grid=spec.launch.blocks, block=spec.launch.threads,
                smem=smem, args=args, launcher_args=launcher_args, prepares=family.prepares(spec))
         for w in spec.world_sizes
     )
