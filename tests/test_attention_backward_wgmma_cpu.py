@@ -238,7 +238,8 @@ class Smem:
         out = np.empty((16, n_cols))
         for k in range(16):
             for n in range(n_cols):
-                out[k, n] = self.mem[swizzled(start + (n % 64) * 2 + (n // 64) * lbo + (k % 8) * 128 + (k // 8) * 1024) // 2]
+                at = start + (n % 64) * 2 + (n // 64) * lbo + (k % 8) * 128 + (k // 8) * 1024
+                out[k, n] = self.mem[swizzled(at) // 2]
         return out
 
 

@@ -442,25 +442,49 @@ static void launch_convert(Convert conv, const Problem& p, const Sizes& z, cudaS
   conv<<<(unsigned)(blocks < 4096 ? blocks : 4096), CONVERT_THREADS, 0, stream>>>(p);
 }
 
-// One backward call: the three kernels on `stream`. Workspace: dq_accum (batch * q_len * HEADS *
-// HEAD_DIM floats), dsum and lse2 (batch * HEADS * q_len floats each). Positions as the forward's
-// (q_split >= q_len: one query segment).
+// One backward call: the preprocess, the main kernel and the convert pass on `stream`, shared by
+// both main kernels. `main` is the main kernel's launch: main.prepare(p, z) (host set-up, before
+// anything is launched: the shared-memory opt-in, descriptors) and main.launch(p, z, stream).
+// Workspace: dq_accum (batch * q_len * HEADS * HEAD_DIM floats), dsum and lse2 (batch * HEADS *
+// q_len floats each). Positions as the forward's (q_split >= q_len: one query segment).
+template <class C, class Pre, class Convert, class Main>
+static cudaError_t call(Pre pre, Convert conv, Main& main, uint32_t block_n, const Problem& given, uint64_t batch,
+                        uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split, int64_t q_offset2,
+                        int64_t kv_offset, cudaStream_t stream) {
+  Problem p;
+  Sizes z;
+  cudaError_t err =
+      prepare_call<C>(given, batch, q_len, kv_len, q_offset, q_split, q_offset2, kv_offset, block_n, p, z);
+  if (err != cudaSuccess || z.empty) return err;
+  err = main.prepare(p, z);
+  if (err != cudaSuccess) return err;
+  launch_preprocess<C>(pre, p, z, stream);
+  if (z.ctas > 0) main.launch(p, z, stream);
+  launch_convert<C>(conv, p, z, stream);
+  return cudaGetLastError();
+}
+
+// The mma.sync main kernel's launch (for `call`).
+template <class C, class Kernel>
+struct MmaSyncMain {
+  Kernel kernel;
+  // the shared-memory opt-in: per call (a host call of microseconds, against milliseconds of work)
+  cudaError_t prepare(const Problem&, const Sizes&) {
+    return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                Layout<C>::SMEM_BYTES);
+  }
+  void launch(const Problem& p, const Sizes& z, cudaStream_t stream) {
+    kernel<<<(unsigned)z.ctas, THREADS, Layout<C>::SMEM_BYTES, stream>>>(p);
+  }
+};
+
+// One backward call with the mma.sync main kernel.
 template <class C, class Pre, class Main, class Convert>
 static cudaError_t launch(Pre pre, Main main, Convert conv, const Problem& given, uint64_t batch, uint64_t q_len,
                           uint64_t kv_len, int64_t q_offset, int64_t q_split, int64_t q_offset2, int64_t kv_offset,
                           cudaStream_t stream) {
-  Problem p;
-  Sizes z;
-  cudaError_t err = prepare_call<C>(given, batch, q_len, kv_len, q_offset, q_split, q_offset2, kv_offset, BLOCK_N, p, z);
-  if (err != cudaSuccess || z.empty) return err;
-  // the shared-memory opt-in: per call (a host call of microseconds, against milliseconds of work)
-  err = cudaFuncSetAttribute(reinterpret_cast<const void*>(main), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Layout<C>::SMEM_BYTES);
-  if (err != cudaSuccess) return err;
-  launch_preprocess<C>(pre, p, z, stream);
-  if (z.ctas > 0) main<<<(unsigned)z.ctas, THREADS, Layout<C>::SMEM_BYTES, stream>>>(p);
-  launch_convert<C>(conv, p, z, stream);
-  return cudaGetLastError();
+  MmaSyncMain<C, Main> m{main};
+  return call<C>(pre, conv, m, BLOCK_N, given, batch, q_len, kv_len, q_offset, q_split, q_offset2, kv_offset, stream);
 }
 
 }  // namespace attention_bwd

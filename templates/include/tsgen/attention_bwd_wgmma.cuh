@@ -165,8 +165,8 @@ struct Walk {
 // Whether step (query rows [r0, r1), the CTA's keys from first_key) needs the element-wise mask:
 // keys past kv_len, or (CAUSAL) a key after the earliest query position of the rows. Host-compiled
 // by the tests (with Walk).
-__host__ __device__ __forceinline__ bool step_masked(const Problem& p, bool causal, uint32_t k0, int32_t first_key, int32_t r0,
-                                            int32_t r1) {
+__host__ __device__ __forceinline__ bool step_masked(const Problem& p, bool causal, uint32_t k0, int32_t first_key,
+                                                     int32_t r0, int32_t r1) {
   if (k0 + BLOCK_N > p.kv_len) return true;
   if (!causal) return false;
   int32_t first = query_position(p, r0);
@@ -175,17 +175,6 @@ __host__ __device__ __forceinline__ bool step_masked(const Problem& p, bool caus
     first = second < first ? second : first;
   }
   return first_key + BLOCK_N - 1 > first;
-}
-
-// TMA coordinates of (column d, row s, head h, sequence b) in a [b, s, h, d] or [b, h, s, d] map.
-template <class C>
-static __device__ __forceinline__ void load_box(uint32_t dst, const CUtensorMap* map, int d, int s, int h, int b,
-                                                uint32_t bar) {
-  if constexpr (C::BHSD) {
-    tma_load_4d(dst, map, d, s, h, b, bar);
-  } else {
-    tma_load_4d(dst, map, d, h, s, b, bar);
-  }
 }
 
 // The producer warp (all 32 lanes; lane 0 issues the TMA loads).
@@ -199,8 +188,10 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
     mbar_arrive_expect_tx(smem + L::KV_FULL, 2 * L::KV_TILE);
 #pragma unroll
     for (int x = 0; x < L::BOXES; ++x) {
-      load_box<C>(smem + L::K_OFF + x * L::KV_BOX, k_map, 64 * x, (int)k0, (int)hk, (int)b, smem + L::KV_FULL);
-      load_box<C>(smem + L::V_OFF + x * L::KV_BOX, v_map, 64 * x, (int)k0, (int)hk, (int)b, smem + L::KV_FULL);
+      attention::load_rows<C>(smem + L::K_OFF + x * L::KV_BOX, k_map, 64 * x, (int)k0, (int)hk, (int)b,
+                              smem + L::KV_FULL);
+      attention::load_rows<C>(smem + L::V_OFF + x * L::KV_BOX, v_map, 64 * x, (int)k0, (int)hk, (int)b,
+                              smem + L::KV_FULL);
     }
   }
   uint32_t step = 0;
@@ -221,10 +212,9 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
       mbar_arrive_expect_tx(full, 2 * L::Q_TILE);
 #pragma unroll
       for (int x = 0; x < L::BOXES; ++x) {
-        load_box<C>(smem + L::Q_OFF + stage * L::Q_TILE + x * L::Q_BOX, q_map, 64 * x, (int)r0, (int)w.hq, (int)b,
-                    full);
-        load_box<C>(smem + L::DO_OFF + stage * L::Q_TILE + x * L::Q_BOX, do_map, 64 * x, (int)r0, (int)w.hq, (int)b,
-                    full);
+        const uint32_t box = stage * L::Q_TILE + x * L::Q_BOX;
+        attention::load_rows<C>(smem + L::Q_OFF + box, q_map, 64 * x, (int)r0, (int)w.hq, (int)b, full);
+        attention::load_rows<C>(smem + L::DO_OFF + box, do_map, 64 * x, (int)r0, (int)w.hq, (int)b, full);
       }
     } else {
       mbar_arrive(full);
@@ -367,7 +357,8 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       const uint64_t ds_desc = sw128_descriptor(ds_base + dq_key0 * 128, L::DS_BUF, 1024);
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < L::DQ_KEYS / 16; ++k) C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
+      for (int k = 0; k < L::DQ_KEYS / 16; ++k)
+        C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
       wgmma_commit_group();
     }
     wgmma_wait_group<1>();  // dV, dK done: the stage's Q and dO are no longer read
@@ -443,31 +434,34 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
   }
 }
 
-// One backward call with this main kernel: the shared preprocess and convert (tsgen/attention_bwd.cuh)
-// around it; the TMA descriptors of Q, K, V and dO from the forward's encoder (tsgen/attention.cuh:
-// boxes of TILE_M = 64 rows for Q and dO (its `o`), TILE_N = 128 for K and V), reused while the
-// pointers and sizes stay the same.
-template <class C, class Pre, class Main, class Convert>
-static cudaError_t launch(Pre pre, Main main, Convert conv, const Problem& given, uint64_t batch, uint64_t q_len,
+// This main kernel's launch (for attention_bwd::call): the TMA descriptors of Q, K, V and dO from
+// the forward's encoder (tsgen/attention.cuh: boxes of TILE_M = 64 rows for Q and dO (its `o`),
+// TILE_N = 128 for K and V), reused while the pointers and sizes stay the same.
+template <class C, class Kernel>
+struct Main {
+  Kernel kernel;
+  const attention::TensorMaps* maps = nullptr;
+  cudaError_t prepare(const Problem& p, const Sizes& z) {
+    if (z.ctas == 0) return cudaSuccess;
+    // q_len 0 (dK = dV = 0): maps of one row, never read (an encoded tensor has no empty dimension)
+    const cudaError_t err =
+        attention::tensor_maps<C>(p.q, p.k, p.v, p.dout, p.batch, p.q_len > 0 ? p.q_len : 1, p.kv_len, &maps);
+    if (err != cudaSuccess) return err;
+    return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                Layout<C>::SMEM_BYTES);
+  }
+  void launch(const Problem& p, const Sizes& z, cudaStream_t stream) {
+    kernel<<<(unsigned)z.ctas, THREADS, Layout<C>::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, p);
+  }
+};
+
+// One backward call with this main kernel: the shared preprocess and convert around it.
+template <class C, class Pre, class Kernel, class Convert>
+static cudaError_t launch(Pre pre, Kernel main, Convert conv, const Problem& given, uint64_t batch, uint64_t q_len,
                           uint64_t kv_len, int64_t q_offset, int64_t q_split, int64_t q_offset2, int64_t kv_offset,
                           cudaStream_t stream) {
-  Problem p;
-  Sizes z;
-  cudaError_t err = prepare_call<C>(given, batch, q_len, kv_len, q_offset, q_split, q_offset2, kv_offset, BLOCK_N, p, z);
-  if (err != cudaSuccess || z.empty) return err;
-  const attention::TensorMaps* maps = nullptr;
-  if (z.ctas > 0) {
-    // q_len 0 (dK = dV = 0): maps of one row, never read (an encoded tensor has no empty dimension)
-    err = attention::tensor_maps<C>(p.q, p.k, p.v, p.dout, p.batch, p.q_len > 0 ? p.q_len : 1, p.kv_len, &maps);
-    if (err != cudaSuccess) return err;
-    err = cudaFuncSetAttribute(reinterpret_cast<const void*>(main), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               Layout<C>::SMEM_BYTES);
-    if (err != cudaSuccess) return err;
-  }
-  launch_preprocess<C>(pre, p, z, stream);
-  if (z.ctas > 0) main<<<(unsigned)z.ctas, THREADS, Layout<C>::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, p);
-  launch_convert<C>(conv, p, z, stream);
-  return cudaGetLastError();
+  Main<C, Kernel> m{main};
+  return call<C>(pre, conv, m, BLOCK_N, given, batch, q_len, kv_len, q_offset, q_split, q_offset2, kv_offset, stream);
 }
 
 }  // namespace wgmma
