@@ -45,7 +45,11 @@ BAD = [
     ("dtype", BWD + "dtype: float32\n", ["5:1: dtype: Input should be 'bfloat16' or 'float16'"]),
     ("world_size", "name: a\nop: attention_backward\nworld_sizes: [2]\n", ["4:15: world_sizes[0]: Input should be 1"]),
     ("forward_tiles", BWD + "params:\n  stages: 2\n", ["6:3: params.stages: unknown key"]),
-    ("threads", BWD + "launch:\n  threads: 384\n", ["6:3: launch.threads: Input should be 128"]),
+    ("threads", BWD + "launch:\n  threads: 384\n",
+     ["6:3: launch.threads: params.impl mma_sync runs 128 threads per CTA, not 384: set launch.threads: 128"]),
+    ("threads_wgmma", BWD + "params:\n  impl: wgmma\n",
+     ["2:1: launch.threads: params.impl wgmma runs 384 threads per CTA, not 128: set launch.threads: 384"]),
+    ("impl", BWD + "params:\n  impl: hgmma\n", ["6:3: params.impl: Input should be 'mma_sync' or 'wgmma'"]),
     ("scale", BWD + "params:\n  softmax_scale: 0\n", ["6:3: params.softmax_scale: Input should be greater than 0"]),
 ]
 

@@ -1,8 +1,13 @@
 """The `attention_backward` op on one GPU: correctness against a float32 reference, then a short
 bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
-Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench]
+Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma]
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment)
+
+--impl: the main kernels to run (params.impl; default mma_sync): each listed one is built, checked
+and benched with the same variants and cases; a variant of an impl other than mma_sync is named
+NAME_IMPL (its checks' rows), and its bench timings are column tsgen_IMPL of the same rows,
+interleaved with the others (ratio_mma_sync: mma_sync's time / its time).
 
 1. Build: the variants below, rendered from specs/attention_backward_hd128.yaml, compiled into
    host-launcher shared libraries (in parallel) before anything runs.
@@ -78,11 +83,28 @@ BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd1
 BENCH_SEQS = [4096, 8192, 16384]
 
 
-def build(out: Path, name: str) -> dict:
-    """Render and compile variant `name` of SPEC: {"manifest", "library", "softmax_scale"}."""
+IMPLS = ("mma_sync", "wgmma")  # params.impl; the first is the default and the bench's "tsgen" column
+
+
+def impl_name(name: str, impl: str) -> str:
+    """Variant `name` built with main kernel `impl`: mma_sync's keeps the name."""
+    return name if impl == IMPLS[0] else f"{name}_{impl}"
+
+
+def build(out: Path, name: str, impl: str = IMPLS[0]) -> dict:
+    """Render and compile variant `name` of SPEC with main kernel `impl`: {"manifest", "library",
+    "softmax_scale"}."""
     from tsgen.spec import load_spec, merge, spec_variant
 
-    return build_loaded(out, spec_variant(load_spec(SPEC), merge(VARIANTS[name], {"name": f"attbwd_{name}"})))
+    changes = merge(VARIANTS[name], {"name": f"attbwd_{impl_name(name, impl)}"})
+    return build_loaded(out, spec_variant(load_spec(SPEC), merge(changes, impl_changes(impl))))
+
+
+def impl_changes(impl: str) -> dict:
+    """The spec changes that select main kernel `impl` (its threads per CTA go with it)."""
+    from tsgen.ops.attention_backward import IMPLS as THREADS
+
+    return {} if impl == IMPLS[0] else {"params": {"impl": impl}, "launch": {"threads": THREADS[impl]["threads"]}}
 
 
 class Op:
@@ -278,6 +300,7 @@ def check_variant(built: dict, quick: bool, echo=print) -> dict:
 
 
 def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
+    """built: variant name -> {impl: its build} (the impls timed side by side, interleaved)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -288,7 +311,8 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
     clock = TorchClock(torch)
     rows = []
     for name in BENCH_VARIANTS:
-        op = Op(built[name])
+        ops = {impl: Op(b) for impl, b in built[name].items()}
+        op = next(iter(ops.values()))
         for seq in BENCH_SEQS[:1] if quick else BENCH_SEQS:
             batch = max(1, TOKENS // seq)
             dt = torch_dtype(torch, op.dtype)
@@ -306,8 +330,10 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
             ws = op.workspace(torch, batch, seq)
             dot = t["do"].transpose(1, 2)
 
-            def tsgen_call(i, rs):
-                op(t, ws, batch, seq, seq, stream)
+            def tsgen_call(impl):
+                def call(i, rs):
+                    ops[impl](t, ws, batch, seq, seq, stream)
+                return call
 
             def sdpa(backend):
                 with sdpa_kernel(backend), torch.cuda.stream(stream):
@@ -319,7 +345,8 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
                         torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True)
                 return call
 
-            impls = {"tsgen": tsgen_call}
+            impls = {("tsgen" if impl == IMPLS[0] else f"tsgen_{impl}"): tsgen_call(impl) for impl in ops}
+            ref = "tsgen" if "tsgen" in impls else next(iter(impls))
             for label, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
                 try:
                     impls[label] = sdpa(backend)
@@ -335,8 +362,10 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
                 row[k] = {"us": tm.median_us, "tflops": f / tm.median_us / 1e6, "problems": tm.problems}
                 if row[k]["tflops"] > PEAK_TFLOPS:
                     row[k]["problems"].append(f"{row[k]['tflops']:.0f} TFLOP/s is above the dense peak")
-                if k != "tsgen":
-                    row[k]["ratio"] = paired_ratio(tm.samples_us, timings["tsgen"].samples_us)["ratio"]
+                if not k.startswith("tsgen"):
+                    row[k]["ratio"] = paired_ratio(tm.samples_us, timings[ref].samples_us)["ratio"]
+                elif k != ref:
+                    row[k]["ratio_mma_sync"] = paired_ratio(timings[ref].samples_us, tm.samples_us)["ratio"]
             rows.append(row)
             echo(json.dumps(row))
             del t, ws, qt, kt, vt
@@ -378,10 +407,17 @@ def markdown(s: dict) -> str:
         if "error" in r:
             out.append(f"| {name} | {r['error']} | | | | | | NO |")
     if s.get("bench"):
-        out += ["", "## Speed (TFLOP/s: 10 b h s^2 d, halved causal; ratio = SDPA time / tsgen time, paired rounds)", "",
-                "| variant | S | tsgen | SDPA flash | ratio | SDPA cuDNN | ratio |", "|---|---|---|---|---|---|---|"]
-        for row in s["bench"].get("rows", []):
-            cells = [f"{row['tsgen']['tflops']:.0f}"]
+        rows = s["bench"].get("rows", [])
+        extra = sorted({k for row in rows for k in row if k.startswith("tsgen_")})  # other impls
+        out += ["", "## Speed (TFLOP/s: 10 b h s^2 d, halved causal; ratio = SDPA time / tsgen time, paired rounds"
+                + (f"; {', '.join(extra)}: other main kernels, x = mma_sync's time / theirs" if extra else "") + ")", "",
+                "| variant | S | tsgen | " + "".join(f"{k} | x | " for k in extra)
+                + "SDPA flash | ratio | SDPA cuDNN | ratio |", "|---|---|---|" + "---|---|" * len(extra) + "---|---|---|---|"]
+        for row in rows:
+            cells = [f"{row['tsgen']['tflops']:.0f}" if "tsgen" in row else "-"]
+            for k in extra:
+                cells += [f"{row[k]['tflops']:.0f}", f"{row[k]['ratio_mma_sync']:.2f}" if "ratio_mma_sync" in row[k]
+                          else "-"] if k in row else ["-", "-"]
             for k in ("sdpa_flash", "sdpa_cudnn"):
                 cells += [f"{row[k]['tflops']:.0f}", f"{row[k]['ratio']:.2f}"] if k in row else ["-", "-"]
             out.append(f"| {row['variant']} | {row['seq']} | " + " | ".join(cells) + " |")
@@ -395,6 +431,8 @@ def main() -> int:
     ap.add_argument("out", nargs="?", default="/tmp/tsgen-out")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--impl", default=IMPLS[0],
+                    help=f"comma-separated main kernels to build, check and bench side by side: {', '.join(IMPLS)}")
     ap.add_argument("--child", nargs="+")
     a = ap.parse_args()
     if a.child:
@@ -405,29 +443,35 @@ def main() -> int:
             result = bench(built_json, a.quick)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
+    impls = [i for i in a.impl.split(",") if i]
+    if not impls or set(impls) - set(IMPLS):
+        ap.error(f"--impl: a comma-separated list of {', '.join(IMPLS)}, not {a.impl!r}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     names = sorted(set(CHECK_VARIANTS) | (set() if a.no_bench else set(BENCH_VARIANTS)))
+    jobs = [(n, i) for i in impls for n in names]
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
-        built = dict(zip(names, ex.map(lambda n: build(out, n), names)))
+        built = dict(zip(jobs, ex.map(lambda j: build(out, *j), jobs)))
         forwards = dict(zip(CHAINED, ex.map(lambda n: build_forward(out, CHAINED[n]), CHAINED)))
-    for name, fwd in forwards.items():
-        built[name] = {**built[name], "forward": fwd}
+    for (name, impl), b in built.items():
+        if name in forwards:
+            built[name, impl] = {**b, "forward": forwards[name]}
     print(f"built {len(built)} variants", flush=True)
     checks = {}
-    for name in CHECK_VARIANTS:
-        extra = ["--quick"] if a.quick else []
-        r, log = child(["check", json.dumps(built[name]), *extra], CHECK_TIMEOUT_S)
-        checks[name] = r
-        print(f"{name}: {'pass' if r.get('pass') else 'FAIL'}", flush=True)
-        if not r.get("pass"):
-            print(log[-4000:], flush=True)
+    for impl in impls:
+        for name in CHECK_VARIANTS:
+            extra = ["--quick"] if a.quick else []
+            r, log = child(["check", json.dumps(built[name, impl]), *extra], CHECK_TIMEOUT_S)
+            checks[impl_name(name, impl)] = r
+            print(f"{impl_name(name, impl)}: {'pass' if r.get('pass') else 'FAIL'}", flush=True)
+            if not r.get("pass"):
+                print(log[-4000:], flush=True)
     summary = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(sys.argv), "checks": checks}
     if not a.no_bench:
         extra = ["--quick"] if a.quick else []
-        summary["bench"], log = child(["bench", json.dumps({n: built[n] for n in BENCH_VARIANTS}), *extra],
-                                      BENCH_TIMEOUT_S)
+        summary["bench"], log = child(["bench", json.dumps({n: {i: built[n, i] for i in impls} for n in BENCH_VARIANTS}),
+                                       *extra], BENCH_TIMEOUT_S * len(impls))
         if "rows" not in summary["bench"]:
             print(log[-4000:], flush=True)
     (out / "attention_bwd.json").write_text(json.dumps(summary, indent=1))

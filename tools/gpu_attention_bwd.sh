@@ -4,6 +4,8 @@
 # poisoned outputs and workspace; causal and not, GQA, hd 64 and 128, fp16, bhsd; two chained after
 # tsgen's forward), a short bench against torch autograd of SDPA's backward (flash, cuDNN), then the
 # shipped specs through the harness (tests/test_gpu.py's one-GPU sweep). Results under $OUT.
+# Arguments go to the script: --impl mma_sync,wgmma checks and benches both main kernels (give it
+# ATTENTION_BWD_TIMEOUT=480: twice the children).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 rc=0

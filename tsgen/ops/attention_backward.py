@@ -42,14 +42,28 @@ from .attention import (AttentionShape, OneGpuAttentionSpec, attention_backward_
 from .base import Buffer, OpFamily, one_kernel_abi
 from .collectives import from_f64, to_f64
 
-BLOCK_M = 64  # query rows per step (tsgen::attention_bwd::BLOCK_M)
+BLOCK_M = 64  # query rows per step (tsgen::attention_bwd::BLOCK_M; the wgmma kernel's too)
 BLOCK_N = 64  # keys per CTA (BLOCK_N)
 GRADS = ("dq", "dk", "dv")
 
+# The main kernel's implementations (params.impl): threads per CTA and keys per CTA.
+IMPLS = {"mma_sync": {"threads": 128, "block_n": 64},  # tsgen/attention_bwd.cuh
+         "wgmma": {"threads": 384, "block_n": 128}}    # tsgen/attention_bwd_wgmma.cuh
+WGMMA_STAGES = 2  # Q / dO stages of the wgmma kernel's ring (tsgen::attention_bwd::wgmma)
+
+
+class AttentionBackwardParams(AttentionShape):
+    impl: Literal["mma_sync", "wgmma"] = Field(
+        "mma_sync", description="the main kernel: mma_sync (4 warps per block of 64 keys, plain loads; proven on "
+        "GPUs) or wgmma (sm_90a, FlashAttention-3 style: a TMA producer warp, two consumer warpgroups per block "
+        "of 128 keys, every product a wgmma; not yet run on a GPU)")
+
 
 class AttentionBackwardLaunch(StrictModel):
-    threads: Literal[128] = Field(128, description="4 warps, 16 keys each, per block of 64 keys")
-    blocks: Literal[0] = Field(0, description="one CTA per (block of 64 keys, KV head, sequence): a plain grid")
+    threads: Literal[128, 384] = Field(
+        128, description="the main kernel's threads, fixed by params.impl: 128 (mma_sync: 4 warps, 16 keys each) "
+        "or 384 (wgmma: a producer and two consumer warpgroups)")
+    blocks: Literal[0] = Field(0, description="one CTA per (block of keys, KV head, sequence): a plain grid")
 
 
 class AttentionBackwardSpec(OneGpuAttentionSpec):
@@ -57,14 +71,21 @@ class AttentionBackwardSpec(OneGpuAttentionSpec):
     dO's and the gradients')."""
 
     op: Literal["attention_backward"]
-    params: AttentionShape = AttentionShape()
+    params: AttentionBackwardParams = AttentionBackwardParams()
     launch: AttentionBackwardLaunch = AttentionBackwardLaunch()
 
 
 def smem_bytes(spec: AttentionBackwardSpec) -> int:
-    """K, V, Q and dO tiles of 64 rows padded by 8 elements, dS^T (64 x 72), LSE2 and D of 64
-    rows (tsgen::attention_bwd::Layout asserts the same)."""
-    pitch = spec.params.head_dim + 8
+    """mma_sync: K, V, Q and dO tiles of 64 rows padded by 8 elements, dS^T (64 x 72), LSE2 and
+    D of 64 rows (tsgen::attention_bwd::Layout asserts the same). wgmma: K and V of 128 rows,
+    STAGES Q and dO tiles of 64 rows (128B-swizzled, no padding), two dS^T buffers (128 x 64),
+    LSE2 and D per stage, the barriers, 1024 bytes of slack for the alignment
+    (tsgen::attention_bwd::wgmma::Layout asserts the same)."""
+    d = spec.params.head_dim
+    if spec.params.impl == "wgmma":
+        n, st = IMPLS["wgmma"]["block_n"], WGMMA_STAGES
+        return 2 * (2 * n * d + 2 * st * BLOCK_M * d + 2 * n * 64) + 2 * 4 * st * BLOCK_M + 8 * (1 + 2 * st) + 1024
+    pitch = d + 8
     return 2 * ((2 * BLOCK_N + 2 * BLOCK_M) * pitch + BLOCK_N * (BLOCK_M + 8)) + 2 * 4 * BLOCK_M
 
 
@@ -100,7 +121,12 @@ class AttentionBackwardFamily(OpFamily):
     )
 
     def check(self, spec):
-        return heads_problems(spec.params)
+        problems = heads_problems(spec.params)
+        want = IMPLS[spec.params.impl]["threads"]
+        if spec.launch.threads != want:
+            problems.append((("launch", "threads"), f"params.impl {spec.params.impl} runs {want} threads per CTA, "
+                             f"not {spec.launch.threads}: set launch.threads: {want}"))
+        return problems
 
     def buffers(self, spec):
         p = spec.params
@@ -129,6 +155,8 @@ class AttentionBackwardFamily(OpFamily):
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),
+            **({"TILE_M": BLOCK_M, "TILE_N": IMPLS["wgmma"]["block_n"], "STAGES": WGMMA_STAGES}
+               if p.impl == "wgmma" else {}),
         }
 
     def template_vars(self, spec):

@@ -392,14 +392,23 @@ __device__ void convert(const Problem& p) {
   }
 }
 
-// One backward call: the three kernels on `stream`. Workspace: dq_accum (batch * q_len * HEADS *
-// HEAD_DIM floats), dsum and lse2 (batch * HEADS * q_len floats each). Positions as the forward's
-// (q_split >= q_len: one query segment).
-template <class C, class Pre, class Main, class Convert>
-static cudaError_t launch(Pre pre, Main main, Convert conv, const Problem& given, uint64_t batch, uint64_t q_len,
-                          uint64_t kv_len, int64_t q_offset, int64_t q_split, int64_t q_offset2, int64_t kv_offset,
-                          cudaStream_t stream) {
-  Problem p = given;
+// The checked sizes of one call (prepare_call): the launches' grids.
+struct Sizes {
+  bool empty;            // batch 0: nothing to do
+  uint64_t rows;         // batch * HEADS * q_len (the preprocess's rows, LSE's elements)
+  uint64_t pre_blocks;   // of the preprocess
+  uint64_t ctas;         // of the main kernel: KV blocks x KV heads x batch
+};
+
+// Checks a call's arguments and fills the Problem (positions as the forward's; q_split >= q_len:
+// one query segment) and the grids; `block_n`: the main kernel's keys per CTA. Shared by both
+// main kernels (mma.sync here, wgmma in tsgen/attention_bwd_wgmma.cuh).
+template <class C>
+static cudaError_t prepare_call(const Problem& given, uint64_t batch, uint64_t q_len, uint64_t kv_len,
+                                int64_t q_offset, int64_t q_split, int64_t q_offset2, int64_t kv_offset,
+                                uint32_t block_n, Problem& p, Sizes& z) {
+  p = given;
+  z = Sizes{batch == 0, 0, 0, 0};
   if (batch == 0) return cudaSuccess;
   if (q_len > MAX_LEN || kv_len > MAX_LEN || batch > MAX_LEN || p.q == nullptr || p.k == nullptr ||
       p.v == nullptr || p.o == nullptr || p.dout == nullptr || p.lse == nullptr || p.dq == nullptr ||
@@ -412,23 +421,70 @@ static cudaError_t launch(Pre pre, Main main, Convert conv, const Problem& given
   p.batch = (uint32_t)batch, p.q_len = (uint32_t)q_len, p.kv_len = (uint32_t)kv_len;
   p.q_offset = (int32_t)q_offset, p.q_offset2 = (int32_t)q_offset2, p.kv_offset = (int32_t)kv_offset;
   p.q_split = (int32_t)(q_split < 0 ? 0 : q_split > (int64_t)q_len ? (int64_t)q_len : q_split);
-  p.kv_blocks = (uint32_t)((kv_len + BLOCK_N - 1) / BLOCK_N);
-  const uint64_t rows = batch * C::HEADS * q_len;
-  const uint64_t pre_blocks = (rows * (C::HEAD_DIM / 8) + PRE_THREADS - 1) / PRE_THREADS;
-  const uint64_t ctas = (uint64_t)p.kv_blocks * C::KV_HEADS * batch;
-  if (pre_blocks > 0x7FFFFFFFull || ctas > 0x7FFFFFFFull) return cudaErrorInvalidValue;
-  // the shared-memory opt-in: per call (a host call of microseconds, against milliseconds of work)
-  cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(main),
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<C>::SMEM_BYTES);
+  p.kv_blocks = (uint32_t)((kv_len + block_n - 1) / block_n);
+  z.rows = batch * C::HEADS * q_len;
+  z.pre_blocks = (z.rows * (C::HEAD_DIM / 8) + PRE_THREADS - 1) / PRE_THREADS;
+  z.ctas = (uint64_t)p.kv_blocks * C::KV_HEADS * batch;
+  if (z.pre_blocks > 0x7FFFFFFFull || z.ctas > 0x7FFFFFFFull) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+template <class C, class Pre>
+static void launch_preprocess(Pre pre, const Problem& p, const Sizes& z, cudaStream_t stream) {
+  if (z.rows > 0) pre<<<(unsigned)z.pre_blocks, PRE_THREADS, 0, stream>>>(p);
+}
+
+template <class C, class Convert>
+static void launch_convert(Convert conv, const Problem& p, const Sizes& z, cudaStream_t stream) {
+  if (z.rows == 0) return;
+  const uint64_t n4 = z.rows * C::HEAD_DIM / 4;
+  const uint64_t blocks = (n4 + CONVERT_THREADS - 1) / CONVERT_THREADS;
+  conv<<<(unsigned)(blocks < 4096 ? blocks : 4096), CONVERT_THREADS, 0, stream>>>(p);
+}
+
+// One backward call: the preprocess, the main kernel and the convert pass on `stream`, shared by
+// both main kernels. `main` is the main kernel's launch: main.prepare(p, z) (host set-up, before
+// anything is launched: the shared-memory opt-in, descriptors) and main.launch(p, z, stream).
+// Workspace: dq_accum (batch * q_len * HEADS * HEAD_DIM floats), dsum and lse2 (batch * HEADS *
+// q_len floats each). Positions as the forward's (q_split >= q_len: one query segment).
+template <class C, class Pre, class Convert, class Main>
+static cudaError_t call(Pre pre, Convert conv, Main& main, uint32_t block_n, const Problem& given, uint64_t batch,
+                        uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split, int64_t q_offset2,
+                        int64_t kv_offset, cudaStream_t stream) {
+  Problem p;
+  Sizes z;
+  cudaError_t err =
+      prepare_call<C>(given, batch, q_len, kv_len, q_offset, q_split, q_offset2, kv_offset, block_n, p, z);
+  if (err != cudaSuccess || z.empty) return err;
+  err = main.prepare(p, z);
   if (err != cudaSuccess) return err;
-  if (rows > 0) pre<<<(unsigned)pre_blocks, PRE_THREADS, 0, stream>>>(p);
-  if (ctas > 0) main<<<(unsigned)ctas, THREADS, Layout<C>::SMEM_BYTES, stream>>>(p);
-  if (rows > 0) {
-    const uint64_t n4 = rows * C::HEAD_DIM / 4;
-    const uint64_t blocks = (n4 + CONVERT_THREADS - 1) / CONVERT_THREADS;
-    conv<<<(unsigned)(blocks < 4096 ? blocks : 4096), CONVERT_THREADS, 0, stream>>>(p);
-  }
+  launch_preprocess<C>(pre, p, z, stream);
+  if (z.ctas > 0) main.launch(p, z, stream);
+  launch_convert<C>(conv, p, z, stream);
   return cudaGetLastError();
+}
+
+// The mma.sync main kernel's launch (for `call`).
+template <class C, class Kernel>
+struct MmaSyncMain {
+  Kernel kernel;
+  // the shared-memory opt-in: per call (a host call of microseconds, against milliseconds of work)
+  cudaError_t prepare(const Problem&, const Sizes&) {
+    return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                Layout<C>::SMEM_BYTES);
+  }
+  void launch(const Problem& p, const Sizes& z, cudaStream_t stream) {
+    kernel<<<(unsigned)z.ctas, THREADS, Layout<C>::SMEM_BYTES, stream>>>(p);
+  }
+};
+
+// One backward call with the mma.sync main kernel.
+template <class C, class Pre, class Main, class Convert>
+static cudaError_t launch(Pre pre, Main main, Convert conv, const Problem& given, uint64_t batch, uint64_t q_len,
+                          uint64_t kv_len, int64_t q_offset, int64_t q_split, int64_t q_offset2, int64_t kv_offset,
+                          cudaStream_t stream) {
+  MmaSyncMain<C, Main> m{main};
+  return call<C>(pre, conv, m, BLOCK_N, given, batch, q_len, kv_len, q_offset, q_split, q_offset2, kv_offset, stream);
 }
 
 }  // namespace attention_bwd

@@ -1,0 +1,471 @@
+// tsgen/attention_bwd_wgmma.cuh -- the flash-attention backward's main kernel for Hopper (sm_90a),
+// in the FlashAttention-3 style: TMA loads, an mbarrier ring fed by a producer warp, two consumer
+// warpgroups computing every product with wgmma. The second implementation of the main kernel
+// (params.impl: wgmma); the preprocess, the dQ conversion, the workspace and the calling
+// convention are tsgen/attention_bwd.cuh's (the mma.sync kernel's), shared.
+//
+// Hand-written; included by generated attention_backward sources with params.impl = wgmma. The
+// op's template supplies a `Config` struct: the attention_bwd Config's members (Element, BF16,
+// HEAD_DIM, HEADS, KV_HEADS, CAUSAL, BHSD, SCALE, SCALE_LOG2, SMEM_BYTES), TILE_M (= BLOCK_M)
+// and TILE_N (= BLOCK_N, for the forward's TMA descriptor encoder), STAGES, and three wgmma
+// instructions (templates/ops/attention_backward.cu.j2):
+//   mma_s   (m64n64k16,        A and B K-major in shared memory):   S^T = K Q^T, dP^T = V dO^T
+//   mma_rs  (m64n{HEAD_DIM}k16, A in registers, B N-major):         dV += P^T dO, dK += dS^T Q
+//   mma_dq  (m64n64k16,        A M-major, B N-major, shared memory): dQ = dS K
+//
+// Work: one CTA per (block of BLOCK_N = 128 keys, KV head, sequence), KV block major as the
+// mma.sync kernel's (block 0 of every head first: with CAUSAL it sees the most queries). 384
+// threads:
+//   * warpgroup 0: its warp 0 is the producer (40 registers, setmaxnreg.dec; warps 1-3 leave at
+//     once). Lane 0 loads K and V of the block once (TMA, kv_full), then for each step of the walk
+//     (query head of the GQA group, query block of BLOCK_M = 64 rows; CAUSAL skips the blocks that
+//     see none of the CTA's keys, rows_see_keys) the Q and dO tiles into stage `step % STAGES` of
+//     a ring (q_full / q_empty); the 32 lanes copy the step's LSE2 and D (64 fp32 each, +inf and 0
+//     for rows past q_len) into the same stage with plain loads and stores, and every lane
+//     arrives on q_full (32 arrivals, lane 0's with the TMA bytes).
+//   * warpgroups 1 and 2, the consumers (232 registers): warpgroup w owns keys 64w .. 64w + 63 of
+//     the block, as the M of its products (the transposed form, as the mma.sync kernel's). Per
+//     step:
+//       S^T = K_w Q^T, dP^T = V_w dO^T   (wgmma, 64 keys x 64 queries each, fp32; one group)
+//       P^T = exp2(SCALE_LOG2 S^T - LSE2) (0 where masked: key >= kv_len, or CAUSAL and key
+//             after query; masked only on the steps that can need it), dS^T = P^T (dP^T - D)
+//       P^T, dS^T -> 16-bit A fragments in registers (the accumulator layout is the register-A
+//             layout: the forward's to_operand); dS^T also to shared memory [key][query]
+//             (128B-swizzled rows of 64 queries), buffer step % 2
+//       dV_w += P^T dO, dK_w += dS^T Q   (wgmma, A from registers, dO and Q N-major: one group)
+//       barrier DS_READY (both consumer warpgroups: dS^T of all BLOCK_N keys is in shared memory)
+//       dQ (64 queries x 64 columns) = dS K (wgmma, dS^T read M-major through the transpose bit,
+//             K N-major): HEAD_DIM 128: warpgroup w takes columns 64w .. 64w + 63 over all 128
+//             keys; HEAD_DIM 64: warpgroup w takes all 64 columns over its own 64 keys (either
+//             way an m64n64 accumulator of 32 registers; a 32-column half of a 128-byte swizzle
+//             row is not a canonical wgmma layout)
+//       wait for the dV / dK group, release the stage (q_empty), wait for dQ, add it into
+//             dq_accum with fp32 reductions (red.global.add.f32; a race by design, as the
+//             mma.sync kernel's: the order of the adds is not fixed)
+//     After the walk, dK (times SCALE) and dV leave from registers (rows past kv_len clipped).
+//
+// Hazards (and what orders each):
+//   - Q / dO / LSE2 / D stage reuse: the producer reloads a stage only after both consumer
+//     warpgroups arrived on its q_empty (one thread each), which each does after wgmma.wait_group
+//     has retired every wgmma reading the stage (S^T, dP^T, dV, dK), and after DS_READY: every
+//     thread of both warpgroups read its LSE2 / D before that barrier (the arrive is a release).
+//   - LSE2 / D written by generic stores of the producer lanes, read by the consumers: each
+//     lane's mbarrier arrive (release) before the consumers' wait (acquire) on q_full.
+//   - dS^T written by generic stores, read by wgmma (the async proxy): fence.proxy.async.shared::cta
+//     by every writing thread, then the named barrier DS_READY, then the wgmma.
+//   - dS^T buffer reuse: buffer step % 2. A warpgroup writes buffer b % 2 at step b + 2 only after
+//     passing DS_READY of step b + 1, which the other warpgroup reaches only after its
+//     wgmma.wait_group retired its dQ product of step b (the only reader of that buffer).
+//   - Registers under wgmma: wgmma.fence before every group whose A fragments or accumulators
+//     were written by ordinary instructions; accumulators read only after wgmma.wait_group
+//     (fence_operand keeps the compiler from hoisting the reads).
+//   - Rows past q_len: TMA fills Q and dO with zeros, LSE2 = +inf gives P = 0 (no mask needed);
+//     keys past kv_len: zeros give S = 0 and P = exp2(-LSE2) != 0, so they are masked explicitly.
+//   - The producer's tail waits (with the timeout of gemm::mbar_wait) for the consumers' release
+//     of the last STAGES steps: a consumer stuck on a load that never lands traps, not hangs.
+#ifndef TSGEN_ATTENTION_BWD_WGMMA_CUH
+#define TSGEN_ATTENTION_BWD_WGMMA_CUH
+
+#include "tsgen/attention.cuh"
+#include "tsgen/attention_bwd.cuh"
+
+namespace tsgen {
+namespace attention_bwd {
+namespace wgmma {
+
+using attention::mbar_wait_no_timeout;
+using attention::tma_load_4d;
+using gemm::fence_mbarrier_init_release_cluster;
+using gemm::mbar_arrive;
+using gemm::mbar_arrive_expect_tx;
+using gemm::mbar_init;
+using gemm::mbar_wait;
+using gemm::named_barrier_sync;
+using gemm::prefetch_tensormap;
+using gemm::setmaxnreg_dec;
+using gemm::setmaxnreg_inc;
+using gemm::smem_u32;
+using gemm::st_shared_u32;
+using gemm::sw128_descriptor;
+using gemm::wgmma_commit_group;
+using gemm::wgmma_fence;
+using gemm::wgmma_wait_group;
+
+constexpr int BLOCK_M = 64;   // query rows per step
+constexpr int BLOCK_N = 128;  // keys per CTA: 64 per consumer warpgroup
+constexpr int THREADS = 384;
+constexpr uint32_t DS_READY = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads')
+
+template <class C>
+struct Layout {
+  static_assert(sizeof(typename C::Element) == 2, "16-bit inputs");
+  static_assert(C::HEAD_DIM == 64 || C::HEAD_DIM == 128, "head dim 64 or 128");
+  static_assert(C::TILE_M == BLOCK_M && C::TILE_N == BLOCK_N, "the Config's tiles are this header's");
+  static constexpr int BOXES = C::HEAD_DIM / 64;  // 64-column (128-byte) boxes per row
+  static constexpr int Q_BOX = BLOCK_M * 128;     // one box of a Q or dO tile
+  static constexpr int KV_BOX = BLOCK_N * 128;    // one box of K or V
+  static constexpr int Q_TILE = BOXES * Q_BOX;
+  static constexpr int KV_TILE = BOXES * KV_BOX;
+  static constexpr int DS_BUF = BLOCK_N * 128;  // dS^T: BLOCK_N key rows x 64 queries (16-bit)
+  static constexpr int S_ACC = 32;              // fp32 per thread of a 64 x 64 accumulator
+  static constexpr int D_ACC = C::HEAD_DIM / 2;  // of a 64 x HEAD_DIM one (dK, dV)
+  static constexpr int K16 = BLOCK_M / 16;       // k16 steps of dV, dK (over the queries)
+  static constexpr bool DQ_SPLIT_N = C::HEAD_DIM == 128;  // dQ: columns split (else keys split)
+  static constexpr int DQ_KEYS = DQ_SPLIT_N ? BLOCK_N : 64;
+
+  static constexpr int K_OFF = 0;
+  static constexpr int V_OFF = K_OFF + KV_TILE;
+  static constexpr int Q_OFF = V_OFF + KV_TILE;
+  static constexpr int DO_OFF = Q_OFF + C::STAGES * Q_TILE;
+  static constexpr int DS_OFF = DO_OFF + C::STAGES * Q_TILE;
+  static constexpr int LSE2_OFF = DS_OFF + 2 * DS_BUF;  // fp32 [STAGES][BLOCK_M]
+  static constexpr int DSUM_OFF = LSE2_OFF + 4 * C::STAGES * BLOCK_M;
+  static constexpr int BAR_OFF = DSUM_OFF + 4 * C::STAGES * BLOCK_M;
+  static constexpr int KV_FULL = BAR_OFF, Q_FULL = BAR_OFF + 8, Q_EMPTY = Q_FULL + 8 * C::STAGES;
+  static constexpr int SMEM_BYTES = Q_EMPTY + 8 * C::STAGES + 1024;  // + slack for aligning the base
+  static_assert(SMEM_BYTES == C::SMEM_BYTES, "tsgen/ops/attention_backward.py smem_bytes() disagrees");
+};
+
+// The walk of one CTA: (query head of the group, query block), CAUSAL skipping the blocks that see
+// none of its keys. The producer and the consumers step through the same sequence.
+template <class C>
+struct Walk {
+  static constexpr uint32_t GROUP = C::HEADS / C::KV_HEADS;
+  uint32_t hq, qb, q_blocks, hq_end;
+  int32_t first_key;
+  __host__ __device__ __forceinline__ Walk(const Problem& p, uint32_t hk, int32_t first_key_)
+      : hq(hk * GROUP), qb(0), q_blocks((p.q_len + BLOCK_M - 1) / BLOCK_M), hq_end((hk + 1) * GROUP),
+        first_key(first_key_) {
+    skip(p);
+  }
+  __host__ __device__ __forceinline__ bool done() const { return hq >= hq_end || q_blocks == 0; }
+  __host__ __device__ __forceinline__ void next(const Problem& p) {
+    advance();
+    skip(p);
+  }
+  __host__ __device__ __forceinline__ uint32_t rows_end(const Problem& p) const {  // r1 of the step
+    return (qb + 1) * BLOCK_M < p.q_len ? (qb + 1) * BLOCK_M : p.q_len;
+  }
+
+ private:
+  __host__ __device__ __forceinline__ void advance() {
+    if (++qb == q_blocks) qb = 0, ++hq;
+  }
+  __host__ __device__ __forceinline__ void skip(const Problem& p) {
+    if constexpr (C::CAUSAL) {
+      while (!done()) {
+        const uint32_t r0 = qb * BLOCK_M, r1 = rows_end(p);
+        if (rows_see_keys(p, (int32_t)r0, (int32_t)r1, first_key)) break;
+        advance();
+      }
+    }
+  }
+};
+
+// Whether step (query rows [r0, r1), the CTA's keys from first_key) needs the element-wise mask:
+// keys past kv_len, or (CAUSAL) a key after the earliest query position of the rows. Host-compiled
+// by the tests (with Walk).
+__host__ __device__ __forceinline__ bool step_masked(const Problem& p, bool causal, uint32_t k0, int32_t first_key,
+                                                     int32_t r0, int32_t r1) {
+  if (k0 + BLOCK_N > p.kv_len) return true;
+  if (!causal) return false;
+  int32_t first = query_position(p, r0);
+  if (r0 < p.q_split && p.q_split < r1) {
+    const int32_t second = query_position(p, p.q_split);
+    first = second < first ? second : first;
+  }
+  return first_key + BLOCK_N - 1 > first;
+}
+
+// The producer warp (all 32 lanes; lane 0 issues the TMA loads).
+template <class C>
+static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const CUtensorMap* k_map,
+                                               const CUtensorMap* v_map, const CUtensorMap* do_map, uint32_t smem,
+                                               const Problem& p, uint32_t b, uint32_t hk, uint32_t k0) {
+  using L = Layout<C>;
+  const uint32_t lane = threadIdx.x % 32;
+  if (lane == 0) {
+    mbar_arrive_expect_tx(smem + L::KV_FULL, 2 * L::KV_TILE);
+#pragma unroll
+    for (int x = 0; x < L::BOXES; ++x) {
+      attention::load_rows<C>(smem + L::K_OFF + x * L::KV_BOX, k_map, 64 * x, (int)k0, (int)hk, (int)b,
+                              smem + L::KV_FULL);
+      attention::load_rows<C>(smem + L::V_OFF + x * L::KV_BOX, v_map, 64 * x, (int)k0, (int)hk, (int)b,
+                              smem + L::KV_FULL);
+    }
+  }
+  uint32_t step = 0;
+  for (Walk<C> w(p, hk, p.kv_offset + (int32_t)k0); !w.done(); w.next(p), ++step) {
+    const uint32_t stage = step % C::STAGES, phase = (step / C::STAGES) & 1;
+    mbar_wait(smem + L::Q_EMPTY + 8 * stage, phase ^ 1);  // a fresh barrier passes parity 1
+    const uint32_t r0 = w.qb * BLOCK_M;
+    for (uint32_t i = lane; i < BLOCK_M; i += 32) {
+      const size_t at = ((size_t)b * C::HEADS + w.hq) * p.q_len + r0 + i;
+      const bool in = r0 + i < p.q_len;
+      const float l2 = in ? p.lse2[at] : INFINITY;  // padding rows: P = 0
+      const float d = in ? p.dsum[at] : 0.f;
+      st_shared_u32(smem + L::LSE2_OFF + 4 * (stage * BLOCK_M + i), __float_as_uint(l2));
+      st_shared_u32(smem + L::DSUM_OFF + 4 * (stage * BLOCK_M + i), __float_as_uint(d));
+    }
+    const uint32_t full = smem + L::Q_FULL + 8 * stage;
+    if (lane == 0) {
+      mbar_arrive_expect_tx(full, 2 * L::Q_TILE);
+#pragma unroll
+      for (int x = 0; x < L::BOXES; ++x) {
+        const uint32_t box = stage * L::Q_TILE + x * L::Q_BOX;
+        attention::load_rows<C>(smem + L::Q_OFF + box, q_map, 64 * x, (int)r0, (int)w.hq, (int)b, full);
+        attention::load_rows<C>(smem + L::DO_OFF + box, do_map, 64 * x, (int)r0, (int)w.hq, (int)b, full);
+      }
+    } else {
+      mbar_arrive(full);
+    }
+  }
+  // Tail: the consumers release the last stages (with the timeout: a stuck pipeline traps).
+  for (uint32_t s = step > (uint32_t)C::STAGES ? step - C::STAGES : 0; s < step; ++s)
+    mbar_wait(smem + L::Q_EMPTY + 8 * (s % C::STAGES), (s / C::STAGES) & 1);
+}
+
+// A 64 x 64 fp32 accumulator (the wgmma layout: register 4q + {0, 1} is (row g, column 8q + 2c + {0, 1}),
+// 4q + {2, 3} row g + 8, with g = 16 warp + lane / 4, c = lane % 4) -> the 16-bit A fragments of a
+// product over its columns: k16 step k holds registers (g, 2c), (g + 8, 2c), (g, 2c + 8), (g + 8, 2c + 8)
+// of columns 16k .. 16k + 15 (as the forward's to_operand).
+template <class C>
+static __device__ __forceinline__ void to_operand(const float (&s)[32], uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) a[k][x] = gemm::pack2<typename C::Element>(s[8 * k + 2 * x], s[8 * k + 2 * x + 1]);
+}
+
+// P^T and dS^T in place of S^T and dP^T. MASK: keys past kv_len, or (CAUSAL) after the query, give 0.
+template <class C, bool MASK>
+static __device__ __forceinline__ void probabilities(float (&s)[32], float (&dp)[32], uint32_t smem, uint32_t stage,
+                                                     const Problem& p, uint32_t key_lo, int32_t r0) {
+  using L = Layout<C>;
+  const uint32_t c = threadIdx.x % 4;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * q + 2 * c + e;  // the query row of the step
+      const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * BLOCK_M + col)));
+      const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * BLOCK_M + col)));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 4 * q + 2 * h + e;
+        float pr = attention::exp2_approx(fmaf(s[i], C::SCALE_LOG2, -l2));
+        if constexpr (MASK) {
+          const uint32_t key = key_lo + 8 * h;  // within the sequence
+          bool seen = key < p.kv_len;
+          if constexpr (C::CAUSAL) seen = seen && p.kv_offset + (int32_t)key <= query_position(p, r0 + col);
+          if (!seen) pr = 0.f;
+        }
+        s[i] = pr;
+        dp[i] = pr * (dp[i] - d);
+      }
+    }
+  }
+}
+
+template <class C>
+static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, uint32_t cw, uint32_t b,
+                                               uint32_t hk, uint32_t k0) {
+  using L = Layout<C>;
+  const uint32_t t = threadIdx.x % 128, lane = t % 32, warp = t / 32;
+  const uint32_t row = 16 * warp + lane / 4;  // and row + 8: this thread's keys (of the warpgroup's 64)
+  const uint32_t key_lo = k0 + 64 * cw + row;  // within the sequence
+  const int32_t first_key = p.kv_offset + (int32_t)k0;
+  float dk[L::D_ACC], dv[L::D_ACC];
+#pragma unroll
+  for (int i = 0; i < L::D_ACC; ++i) dk[i] = 0.f, dv[i] = 0.f;
+
+  // Descriptors (see tsgen/gemm.cuh): K-major operands step 32 bytes per k16 within a 64-column box,
+  // N/M-major ones 16 rows = 2048 bytes.
+  const uint64_t k_desc = sw128_descriptor(smem + L::K_OFF + 64 * cw * 128, 16, 1024);  // A of S^T: K_w
+  const uint64_t v_desc = sw128_descriptor(smem + L::V_OFF + 64 * cw * 128, 16, 1024);
+  const uint32_t dq_col_box = L::DQ_SPLIT_N ? cw : 0, dq_key0 = L::DQ_SPLIT_N ? 0 : 64 * cw;
+  const uint64_t kn_desc = sw128_descriptor(smem + L::K_OFF + dq_col_box * L::KV_BOX + dq_key0 * 128, L::KV_BOX, 1024);
+
+  mbar_wait_no_timeout(smem + L::KV_FULL, 0);
+  uint32_t step = 0;
+  for (Walk<C> w(p, hk, first_key); !w.done(); w.next(p), ++step) {
+    const uint32_t stage = step % C::STAGES, phase = (step / C::STAGES) & 1;
+    const uint32_t r0 = w.qb * BLOCK_M, r1 = w.rows_end(p);
+    const uint32_t q_base = smem + L::Q_OFF + stage * L::Q_TILE, do_base = smem + L::DO_OFF + stage * L::Q_TILE;
+    const uint32_t ds_base = smem + L::DS_OFF + (step % 2) * L::DS_BUF;
+    mbar_wait_no_timeout(smem + L::Q_FULL + 8 * stage, phase);
+
+    // S^T = K_w Q^T, dP^T = V_w dO^T
+    float s[32], dp[32];
+    {
+      const uint64_t q_desc = sw128_descriptor(q_base, 16, 1024), do_desc = sw128_descriptor(do_base, 16, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
+        const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
+        C::mma_s(s, k_desc + (kv_step >> 4), q_desc + (q_step >> 4), k > 0);
+      }
+#pragma unroll
+      for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
+        const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
+        C::mma_s(dp, v_desc + (kv_step >> 4), do_desc + (q_step >> 4), k > 0);
+      }
+      wgmma_commit_group();
+      wgmma_wait_group<0>();
+      attention::fence_all<C>(s, 32);
+      attention::fence_all<C>(dp, 32);
+    }
+    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
+      probabilities<C, true>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
+    } else {
+      probabilities<C, false>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
+    }
+    uint32_t ap[4][4], ad[4][4];
+    to_operand<C>(s, ap);
+    to_operand<C>(dp, ad);
+
+    // dS^T (16-bit) to shared memory: key row 64 cw + row (+ 8), 128B-swizzled (the 16-byte unit
+    // q of a row at q ^ (row % 8); row % 8 = lane / 4)
+    {
+      const uint32_t base = ds_base + (64 * cw + row) * 128, swizzle = lane / 4;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const uint32_t col = ((q ^ swizzle) << 4) + 4 * (lane % 4);
+        const uint32_t k = q / 2, x = q % 2;  // registers 4q .. 4q + 3 are ad[k][2x], ad[k][2x + 1]
+        st_shared_u32(base + col, ad[k][2 * x]);
+        st_shared_u32(base + 8 * 128 + col, ad[k][2 * x + 1]);
+      }
+      fence_proxy_async_shared_cta();  // visible to the wgmma (async proxy) after the barrier
+    }
+
+    // dV_w += P^T dO, dK_w += dS^T Q (over the step's 64 queries)
+    {
+      const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < L::K16; ++k) C::mma_rs(dv, ap[k], do_n + ((k * 2048) >> 4), 1);
+#pragma unroll
+      for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
+      wgmma_commit_group();
+    }
+
+    named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced
+
+    // dQ (64 queries x 64 columns) = dS K over DQ_KEYS keys
+    float dq[32];
+    {
+      const uint64_t ds_desc = sw128_descriptor(ds_base + dq_key0 * 128, L::DS_BUF, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < L::DQ_KEYS / 16; ++k)
+        C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
+      wgmma_commit_group();
+    }
+    wgmma_wait_group<1>();  // dV, dK done: the stage's Q and dO are no longer read
+    attention::fence_all<C>(dk, L::D_ACC);
+    attention::fence_all<C>(dv, L::D_ACC);
+    if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
+    wgmma_wait_group<0>();
+    attention::fence_all<C>(dq, 32);
+
+    // dq += dQ: query row r0 + row (+ 8), columns 64 dq_col_box + 8q + 2c (+ 1)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t q_row = r0 + row + 8 * h;
+      if (q_row >= p.q_len) continue;
+      float* dst = p.dq_accum + row_offset<C>(b, q_row, w.hq, C::HEADS, p.q_len) + 64 * dq_col_box + 2 * (lane % 4);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        atomicAdd(dst + 8 * q, dq[4 * q + 2 * h]);
+        atomicAdd(dst + 8 * q + 1, dq[4 * q + 2 * h + 1]);
+      }
+    }
+  }
+
+  // dK (times the scale) and dV: key rows key_lo (+ 8), columns 8q + 2c (+ 1); rows past kv_len clipped
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t key = key_lo + 8 * h;
+    if (key >= p.kv_len) continue;
+    const size_t at = row_offset<C>(b, key, hk, C::KV_HEADS, p.kv_len);
+    uint32_t* dkg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at);
+    uint32_t* dvg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at);
+#pragma unroll
+    for (int q = 0; q < C::HEAD_DIM / 8; ++q) {
+      dkg[4 * q + lane % 4] = pack2<C>(dk[4 * q + 2 * h] * C::SCALE, dk[4 * q + 2 * h + 1] * C::SCALE);
+      dvg[4 * q + lane % 4] = pack2<C>(dv[4 * q + 2 * h], dv[4 * q + 2 * h + 1]);
+    }
+  }
+}
+
+// The main kernel's body.
+template <class C>
+static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, const CUtensorMap* k_map,
+                                                   const CUtensorMap* v_map, const CUtensorMap* do_map,
+                                                   const Problem& p) {
+  using L = Layout<C>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t heads_x_batch = p.batch * C::KV_HEADS;
+  const uint32_t j = blockIdx.x / heads_x_batch;  // the KV block: block 0 of every head first
+  const uint32_t hk = blockIdx.x % heads_x_batch % C::KV_HEADS, b = blockIdx.x % heads_x_batch / C::KV_HEADS;
+  const uint32_t k0 = j * BLOCK_N;
+  if (threadIdx.x == 0) {
+    mbar_init(smem + L::KV_FULL, 1);
+    for (int s = 0; s < C::STAGES; ++s) {
+      mbar_init(smem + L::Q_FULL + 8 * s, 32);  // the producer warp's lanes (lane 0 with the TMA bytes)
+      mbar_init(smem + L::Q_EMPTY + 8 * s, 2);  // one arrival per consumer warpgroup
+    }
+    fence_mbarrier_init_release_cluster();  // visible to the TMA unit
+    prefetch_tensormap(q_map);
+    prefetch_tensormap(k_map);
+    prefetch_tensormap(v_map);
+    prefetch_tensormap(do_map);
+  }
+  __syncthreads();
+  const uint32_t warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
+    setmaxnreg_dec<40>();
+    if (threadIdx.x < 32) produce<C>(q_map, k_map, v_map, do_map, smem, p, b, hk, k0);
+  } else {
+    setmaxnreg_inc<232>();
+    consume<C>(p, smem, warpgroup - 1, b, hk, k0);
+  }
+}
+
+// This main kernel's launch (for attention_bwd::call): the TMA descriptors of Q, K, V and dO from
+// the forward's encoder (tsgen/attention.cuh: boxes of TILE_M = 64 rows for Q and dO (its `o`),
+// TILE_N = 128 for K and V), reused while the pointers and sizes stay the same.
+template <class C, class Kernel>
+struct Main {
+  Kernel kernel;
+  const attention::TensorMaps* maps = nullptr;
+  cudaError_t prepare(const Problem& p, const Sizes& z) {
+    if (z.ctas == 0) return cudaSuccess;
+    // q_len 0 (dK = dV = 0): maps of one row, never read (an encoded tensor has no empty dimension)
+    const cudaError_t err =
+        attention::tensor_maps<C>(p.q, p.k, p.v, p.dout, p.batch, p.q_len > 0 ? p.q_len : 1, p.kv_len, &maps);
+    if (err != cudaSuccess) return err;
+    return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                Layout<C>::SMEM_BYTES);
+  }
+  void launch(const Problem& p, const Sizes& z, cudaStream_t stream) {
+    kernel<<<(unsigned)z.ctas, THREADS, Layout<C>::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, p);
+  }
+};
+
+// One backward call with this main kernel: the shared preprocess and convert around it.
+template <class C, class Pre, class Kernel, class Convert>
+static cudaError_t launch(Pre pre, Kernel main, Convert conv, const Problem& given, uint64_t batch, uint64_t q_len,
+                          uint64_t kv_len, int64_t q_offset, int64_t q_split, int64_t q_offset2, int64_t kv_offset,
+                          cudaStream_t stream) {
+  Main<C, Kernel> m{main};
+  return call<C>(pre, conv, m, BLOCK_N, given, batch, q_len, kv_len, q_offset, q_split, q_offset2, kv_offset, stream);
+}
+
+}  // namespace wgmma
+}  // namespace attention_bwd
+}  // namespace tsgen
+
+#endif  // TSGEN_ATTENTION_BWD_WGMMA_CUH
