@@ -11,11 +11,14 @@ travels through a traced graph, as it does for torch's own symm_mem and function
 Launching reuses the runtime's pieces: the source compiles to the shared library with the host
 launchers (toolchain.compile_source mode "shared", the form a C++ user vendors), `<kernel>_launch`
 comes through ctypes (runtime.world._host_launcher), and the arguments follow the manifest's roles
-(runtime.world.arg_values). Every call: check the tensor, copy it into the heap's input buffer
-(skipped when it is that buffer: `op.empty`), launch on torch.cuda.current_stream(), copy the heap's
-output buffer into a new tensor. Nothing here waits on the host, so the op is capturable in a CUDA
-graph once each shape has been called before (the first call of a shape makes its heap, a
-collective).
+(runtime.world.arg_values). Every call: check the tensors; hand the launcher each local buffer's
+tensor by address (a buffer only this rank's kernel touches, the family's `torch_local`: the fused
+GEMMs' A, B, C) and copy every other input into its heap slot (skipped when it is that slot:
+`op.empty`); launch on torch.cuda.current_stream(); copy every other output out of its heap slot
+(skipped when the out= tensor is that slot: `op.empty_out`). The outputs are new tensors, or the
+caller's in the out= form, `tsgen::<module>_out` (a mutating op: no autograd). Nothing here waits
+on the host, so the op is capturable in a CUDA graph once each shape has been called before (the
+first call of a shape makes its heap, a collective).
 """
 
 from __future__ import annotations
