@@ -653,6 +653,58 @@ def test_plan_call_collective_copies(ops):
     assert not plan.pointers and not plan.copy_in and not plan.copy_out
 
 
+def test_call_path_on_cpu(fused, monkeypatch):
+    """A whole allgather_gemm call, on CPU: its heap a CPU tensor laid out by the manifest, the
+    launcher a stand-in that writes what the kernel would (C, and the peers' rows of the gathered
+    A in its heap slot). The launcher gets the caller's A, B and C by address and the heap's slots
+    for the rest; C comes back written in place, the gathered A copied out with this rank's rows
+    from A; a C at an unaligned address goes through its slot and is copied out."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from tsgen.torch.heap import Heap
+    from tsgen.torch.ops import _HeapState
+
+    ag, _ = fused
+    sig, kernel, count, world = ag.signature, ag.kernel, 2, 4
+    slots, nbytes = ag.manifest.layout(count, world)
+    heap = Heap("cpu", torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(world, dtype=torch.int64),
+                (ctypes.c_uint64 * world)())
+    state = _HeapState.of(heap, slots, kernel, 0, count)
+    names = [a.name for a in kernel.launcher_args]
+    seen = []
+
+    def launcher(*args):  # the kernel's writes: C = 1, the other ranks' rows of the gathered A = 2
+        got = {n: a.value for n, a in zip(names, args)}
+        seen.append(got)
+        for name, value, skip in (("c", 1.0, 0), ("a_full", 2.0, count * 8192)):
+            src = torch.full((world * count * {"c": 2048, "a_full": 8192}[name] - skip,), value, dtype=BF16)
+            ctypes.memmove(got[name] + skip * 2, src.data_ptr(), src.numel() * 2)
+        return 0
+
+    monkeypatch.setattr(ag, "trace_only", False)
+    monkeypatch.setattr(ag, "device", -1)  # torch.cuda.device(-1): no device switch
+    monkeypatch.setattr(ag, "_launcher", launcher)
+    monkeypatch.setattr(ag, "_heap", lambda n: state)
+    monkeypatch.setattr(ag, "_check", lambda tensors: sig.check([(t.shape, "bfloat16", True) for t in tensors]))
+    monkeypatch.setattr(ag, "_check_out", lambda tensors, outs: sig.check_out([t.shape for t in tensors],
+                                                                                [(o.shape, "bfloat16", True) for o in outs]))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))
+    x, w1 = torch.full((count, 8192), 3.0, dtype=BF16), torch.zeros(8192, 2048, dtype=BF16)
+    offset = {s.name: s.offset for s in slots}
+    c, a_full = torch.zeros(8, 2048, dtype=BF16), torch.zeros(8, 8192, dtype=BF16)
+    got = ag._forward(x, w1, out=(c, a_full))
+    assert got[0] is c and got[1] is a_full
+    assert seen[-1]["a"] == x.data_ptr() and seen[-1]["b"] == w1.data_ptr() and seen[-1]["c"] == c.data_ptr()
+    assert seen[-1]["a_full"] == heap.base + offset["a_full"] and seen[-1]["calls"] == heap.base + offset["calls"]
+    assert bool((c == 1).all()) and bool((a_full[:count] == 3).all()) and bool((a_full[count:] == 2).all())
+    odd = torch.zeros(c.numel() + 1, dtype=BF16)[1:].view(c.shape)
+    ag._forward(x, w1, out=(odd, a_full))
+    assert seen[-1]["c"] == heap.base + offset["c"] and bool((odd == 1).all())
+    c2, a_full2 = ag._forward(x, w1)  # the functional form: new tensors, C written in place
+    assert seen[-1]["c"] == c2.data_ptr() and bool((c2 == 1).all()) and bool((a_full2[count:] == 2).all())
+
+
 def test_out_overlap_refused():
     from tsgen.torch.ops import overlap_problem
 

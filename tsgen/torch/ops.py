@@ -253,6 +253,15 @@ class _HeapState:
     views: dict[str, torch.Tensor] = field(default_factory=dict)  # made once per slot: calls reuse them
     last: str | None = None  # the entry called last on this heap (modules of several ops, signature.order)
 
+    @classmethod
+    def of(cls, heap: heap_mod.Heap, slots: list[Slot], kernel: Any, rank: int, count: int) -> "_HeapState":
+        """The state of `heap` laid out as `slots`: the launcher's arguments by the manifest's roles
+        (runtime.world.arg_values), each buffer's place among them."""
+        values = arg_values(kernel.launcher_args, rank, count, heap.base, {s.name: s.offset for s in slots},
+                            heap.peer_table.data_ptr(), ctypes.addressof(heap.host_table))
+        return cls(heap, {s.name: s for s in slots}, launcher_cargs(kernel.launcher_args, values),
+                   {a.name: i for i, a in enumerate(kernel.launcher_args) if a.role == "buffer"})
+
     def view(self, slot: str) -> torch.Tensor:
         if slot not in self.views:
             s = self.slots[slot]
@@ -406,10 +415,7 @@ class TorchOp:
         if heap.kind == "ipc":
             self.heap_mode = "ipc"  # decided once: every rank agreed
         self.heap_kind = heap.kind
-        values = arg_values(self.kernel.launcher_args, self.rank, count, heap.base, {s.name: s.offset for s in slots},
-                            heap.peer_table.data_ptr(), ctypes.addressof(heap.host_table))
-        state = _HeapState(heap, {s.name: s for s in slots}, launcher_cargs(self.kernel.launcher_args, values),
-                           {a.name: i for i, a in enumerate(self.kernel.launcher_args) if a.role == "buffer"})
+        state = _HeapState.of(heap, slots, self.kernel, self.rank, count)
         self._heaps[count] = state
         return state
 
