@@ -16,7 +16,12 @@ and all_to_all_single (W, W). Which rank's chunk lands where is the op family's 
 head_dim] in, [batch, S, heads/P, head_dim] out): the family's `torch_tensors(constants, world)`
 hook names each data buffer's dimensions, every one fixed at compile time but one, a multiple of
 the run-time count (or all fixed: a GEMM's B). Such an op takes and returns exactly those shapes
-(allgather_gemm: A [M/P, K], B [K, N/P] in; C [M, N/P] and the gathered A [M, K] out).
+(allgather_gemm: A [M/P, K], B [K, N/P] in; C [M, N/P] and the gathered A [M, K] out). Such a
+family may also name its local buffers, those only this rank's kernel touches
+(`torch_local(constants, world, buffers)`): the op hands the launcher the caller's tensors for
+them (tsgen/torch/ops.py plan_call).
+
+Either kind also gives the out= form's schema and checks (`out_schema`, `check_out`).
 """
 
 from __future__ import annotations
