@@ -566,9 +566,11 @@ def test_out_refuses_grad(fused):
             ag(x, w1, out=(c, a_full))
 
 
-def test_out_compile_fullgraph(fused):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_out_compile_fullgraph(fused, dynamic):
     """AG-GEMM -> gelu -> GEMM-RS on the out= form under torch.compile(fullgraph=True): no graph break,
-    both ops in the graph (functionalized: auto_functionalized), the outputs' shapes. CPU fake
+    both ops in the graph (functionalized: auto_functionalized), the outputs' shapes; static and
+    symbolic sizes (the out= checks become guards). CPU fake
     tensors: the graph's epilogue copies into the mutated inputs, which fake CUDA tensors cannot
     do on a CPU build."""
     from torch._dynamo.backends.common import aot_autograd
@@ -588,7 +590,7 @@ def test_out_compile_fullgraph(fused):
     torch._dynamo.reset()
     with fake_mode():
         args = _fused_operands("cpu")
-        y = torch.compile(block, fullgraph=True, backend=aot_autograd(fw_compiler=keep))(*args)
+        y = torch.compile(block, fullgraph=True, dynamic=dynamic, backend=aot_autograd(fw_compiler=keep))(*args)
         assert tuple(y.shape) == (64, 8192)
     code = graphs[0].code
     assert code.index("tsgen.allgather_gemm_out") < code.index("tsgen.gemm_reduce_scatter_out"), code
