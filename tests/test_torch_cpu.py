@@ -486,6 +486,238 @@ def test_fused_compile_backward(fused):
     assert sum("mm" in t for t in bwd) >= 2, bwd  # the two local weight-gradient GEMMs
 
 
+# -- the out= form ------------------------------------------------------------------------------------
+
+def test_out_schemas_and_local_buffers(fused, ops, groups):
+    """Each op has a mutating out= form, tsgen::<module>_out (outputs as Tensor(a!) arguments,
+    nothing returned: what torch.compile functionalizes). The fused GEMMs' A, B and C are local (only
+    this rank's kernel touches them: passed by address); the gathered A is not (peers' copies land in
+    it), nor C of a gemm_reduce_scatter whose peers add into it (reduce: add), nor a collective's
+    buffers."""
+    ag, rs = fused
+    assert str(torch.ops.tsgen.allgather_gemm_out.default._schema) == (
+        "tsgen::allgather_gemm_out(Tensor a, Tensor b, Tensor(a!) c, Tensor(b!) a_full, str group_name) -> ()")
+    assert str(torch.ops.tsgen.gemm_reduce_scatter_out.default._schema) == (
+        "tsgen::gemm_reduce_scatter_out(Tensor a, Tensor b, Tensor(a!) c, str group_name) -> ()")
+    assert str(torch.ops.tsgen.allgather_out.default._schema) == \
+        "tsgen::allgather_out(Tensor x, Tensor(a!) dst, str group_name) -> ()"
+    assert ag.signature.local() == {"a", "b", "c"} and rs.signature.local() == {"a", "b", "c"}
+    add = signature_of(Manifest.load(GEN / "gemm_reduce_scatter_push_add.json"), 2, 0)
+    assert add.local() == {"a", "b"}
+    assert ops[2][0].signature.local() == frozenset()
+
+
+def _fused_operands(device: str = "cuda"):
+    """x, W1, W2 and the out= tensors (C, the gathered x, y) of AG-GEMM -> GEMM-RS at W 4, 64 rows per rank."""
+    shapes = ((64, 8192), (8192, 2048), (2048, 8192), (256, 2048), (256, 8192), (64, 8192))
+    return tuple(torch.empty(s, dtype=BF16, device=device) for s in shapes)
+
+
+def test_out_fake(fused, ops):
+    """Under FakeTensorMode the out= form checks and returns the tensors it was given."""
+    ag, rs = fused
+    with fake_mode():
+        x, w1, w2, c, a_full, y = _fused_operands()
+        got = ag(x, w1, out=(c, a_full))
+        assert got[0] is c and got[1] is a_full
+        assert rs(c, w2, out=y) is y
+        z = torch.empty(8, 16, dtype=BF16, device="cuda")
+        assert ops[2][0](torch.empty(4, 16, dtype=BF16, device="cuda"), out=z) is z
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda c, a_full: (c.float(), a_full), r"tsgen::allgather_gemm on rank 0: out c: dtype float32, but "
+     r"specs/allgather_gemm.yaml writes bfloat16"),
+    (lambda c, a_full: (torch.empty(128, 2048, dtype=BF16, device="cuda"), a_full), r"out c: shape \(128, 2048\), but this call writes \(256, 2048\) \(\[M, N/P "
+     r"2048\]\)"),
+    (lambda c, a_full: (c, torch.empty(8192, 256, dtype=BF16, device="cuda").t()), r"out a_full: not contiguous"),
+    (lambda c, a_full: (c,), r"tsgen::allgather_gemm on rank 0: out= takes a tuple of 2 tensors \(c, a_full\), got "
+     r"tuple of 1"),
+    (lambda c, a_full: c, r"out= takes a tuple of 2 tensors \(c, a_full\), got FakeTensor"),
+])
+def test_out_errors(fused, make, match):
+    ag, _ = fused
+    with fake_mode():
+        x, w1, _, c, a_full, _ = _fused_operands()
+        with pytest.raises(TsgenArgumentError, match=match):
+            ag(x, w1, out=make(c, a_full))
+
+
+def test_out_collective_errors(ops):
+    ag, rs = ops[2]
+    with fake_mode():
+        x = torch.empty(4, 16, dtype=BF16, device="cuda")
+        with pytest.raises(TsgenArgumentError, match=r"tsgen::allgather on rank 0: out dst: shape \(4, 16\), but this "
+                                                     r"call writes \(8, 16\) \(2/1 of the input's dimension 0"):
+            ag(x, out=torch.empty(4, 16, dtype=BF16, device="cuda"))
+        with pytest.raises(TsgenArgumentError, match=r"tsgen::reduce_scatter on rank 0: argument x: dimension 0 is 3"):
+            rs(torch.empty(3, 16, dtype=BF16, device="cuda"), out=x)
+
+
+def test_out_refuses_grad(fused):
+    """The out= form has no backward: inputs that require a gradient are refused (not silently cut)."""
+    ag, _ = fused
+    with fake_mode():
+        x, w1, _, c, a_full, _ = _fused_operands()
+        w1.requires_grad_(True)
+        with pytest.raises(TsgenArgumentError, match=r"tsgen::allgather_gemm on rank 0: the out= form has no backward"):
+            ag(x, w1, out=(c, a_full))
+        with torch.no_grad():
+            ag(x, w1, out=(c, a_full))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_out_compile_fullgraph(fused, dynamic):
+    """AG-GEMM -> gelu -> GEMM-RS on the out= form under torch.compile(fullgraph=True): no graph break,
+    both ops in the graph (functionalized: auto_functionalized), the outputs' shapes; static and
+    symbolic sizes (the out= checks become guards). CPU fake
+    tensors: the graph's epilogue copies into the mutated inputs, which fake CUDA tensors cannot
+    do on a CPU build."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    ag, rs = fused
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def block(x, w1, w2, c, a_full, y):
+        ag(x, w1, out=(c, a_full))
+        return rs(torch.nn.functional.gelu(c), w2, out=y)
+
+    torch._dynamo.reset()
+    with fake_mode():
+        args = _fused_operands("cpu")
+        y = torch.compile(block, fullgraph=True, dynamic=dynamic, backend=aot_autograd(fw_compiler=keep))(*args)
+        assert tuple(y.shape) == (64, 8192)
+    code = graphs[0].code
+    assert code.index("tsgen.allgather_gemm_out") < code.index("tsgen.gemm_reduce_scatter_out"), code
+
+
+def test_out_not_for_module_entries(moe):
+    with pytest.raises(TsgenArgumentError, match=r"tsgen::moe_dispatch on rank 0: no out= form for one op of a module"):
+        moe.dispatch(torch.empty(4, 2048, dtype=BF16), out=torch.empty(1))
+    assert not hasattr(torch.ops.tsgen, "moe_dispatch_out")
+
+
+def test_empty_out_needs_gpu(fused, moe):
+    ag, _ = fused
+    with pytest.raises(TsgenTorchError, match=r"tsgen::allgather_gemm on rank 0: loaded on a group without GPUs"):
+        ag.empty_out(64, 8192)
+    with pytest.raises(TsgenArgumentError, match=r"argument a: dimension 1 \(K\) is 4096"):
+        ag.empty_out(64, 4096)
+    with pytest.raises(TsgenArgumentError, match=r"tsgen::moe_combine on rank 0: no out= form"):
+        moe.combine.empty_out(2048, 2048)
+
+
+def _heap_views(sig, count: int, world: int):
+    """A CPU stand-in for a heap: one tensor per buffer of `sig`'s manifest slots, and view(name)."""
+    manifest_buffers = {b.name: b for b in (*sig.inputs, *sig.outputs)}
+    heap = {name: torch.zeros(b.elems(count, world) + 64, dtype=getattr(torch, b.dtype))[8:]  # 16-byte aligned
+            for name, b in manifest_buffers.items()}
+    return heap, heap.__getitem__
+
+
+def test_plan_call_binds_local_buffers(fused):
+    """The fused GEMMs' A, B and C go to the launcher by address (no copy); the gathered A is copied
+    out of the heap, unless the out tensor is its heap slot (empty_out); a tensor at an address TMA
+    cannot take (2 bytes off) goes through its heap slot."""
+    from tsgen.torch.ops import plan_call
+
+    ag, _ = fused
+    sig = ag.signature
+    heap, view = _heap_views(sig, 64, 4)
+    x, w1, c, a_full = (torch.zeros(s, dtype=BF16) for s in ((64, 8192), (8192, 2048), (256, 2048), (256, 8192)))
+    plan = plan_call(sig, (x, w1), (c, a_full), view)
+    assert plan.pointers == {"a": x.data_ptr(), "b": w1.data_ptr(), "c": c.data_ptr()} and not plan.copy_in
+    assert [(o.data_ptr(), v.data_ptr()) for o, v in plan.copy_out] == [(a_full.data_ptr(), heap["a_full"].data_ptr())]
+    in_heap = heap["a_full"][:a_full.numel()].view(a_full.shape)
+    assert not plan_call(sig, (x, w1), (c, in_heap), view).copy_out
+    odd = torch.zeros(c.numel() + 1, dtype=BF16)[1:].view(c.shape)
+    plan = plan_call(sig, (x, w1), (odd, in_heap), view)
+    assert "c" not in plan.pointers and [o.data_ptr() for o, _ in plan.copy_out] == [odd.data_ptr()]
+
+
+def test_plan_call_collective_copies(ops):
+    """A collective's buffers are all in the heap: the input copied in unless it is the slot (op.empty),
+    the output copied out unless it is the slot (op.empty_out)."""
+    from tsgen.torch.ops import plan_call
+
+    ag, _ = ops[2]
+    heap, view = _heap_views(ag.signature, 32, 2)
+    x, y = torch.zeros(4, 8, dtype=BF16), torch.zeros(8, 8, dtype=BF16)
+    plan = plan_call(ag.signature, (x,), (y,), view)
+    assert not plan.pointers and len(plan.copy_in) == 1 and len(plan.copy_out) == 1
+    slots = (heap["src"][:32].view(4, 8), heap["dst"][:64].view(8, 8))
+    plan = plan_call(ag.signature, slots[:1], slots[1:], view)
+    assert not plan.pointers and not plan.copy_in and not plan.copy_out
+
+
+def test_call_path_on_cpu(fused, monkeypatch):
+    """A whole allgather_gemm call, on CPU: its heap a CPU tensor laid out by the manifest, the
+    launcher a stand-in that writes what the kernel would (C, and the peers' rows of the gathered
+    A in its heap slot). The launcher gets the caller's A, B and C by address and the heap's slots
+    for the rest; C comes back written in place, the gathered A copied out with this rank's rows
+    from A; a C at an unaligned address goes through its slot and is copied out."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from tsgen.torch.heap import Heap
+    from tsgen.torch.ops import _HeapState
+
+    ag, _ = fused
+    sig, kernel, count, world = ag.signature, ag.kernel, 2, 4
+    slots, nbytes = ag.manifest.layout(count, world)
+    heap = Heap("cpu", torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(world, dtype=torch.int64),
+                (ctypes.c_uint64 * world)())
+    state = _HeapState.of(heap, slots, kernel, 0, count)
+    names = [a.name for a in kernel.launcher_args]
+    seen = []
+
+    def launcher(*args):  # the kernel's writes: C = 1, the other ranks' rows of the gathered A = 2
+        got = {n: a.value for n, a in zip(names, args)}
+        seen.append(got)
+        for name, value, skip in (("c", 1.0, 0), ("a_full", 2.0, count * 8192)):
+            src = torch.full((world * count * {"c": 2048, "a_full": 8192}[name] - skip,), value, dtype=BF16)
+            ctypes.memmove(got[name] + skip * 2, src.data_ptr(), src.numel() * 2)
+        return 0
+
+    monkeypatch.setattr(ag, "trace_only", False)
+    monkeypatch.setattr(ag, "device", -1)  # torch.cuda.device(-1): no device switch
+    monkeypatch.setattr(ag, "_launcher", launcher)
+    monkeypatch.setattr(ag, "_heap", lambda n: state)
+    monkeypatch.setattr(ag, "_check", lambda tensors: sig.check([(t.shape, "bfloat16", True) for t in tensors]))
+    monkeypatch.setattr(ag, "_check_out", lambda tensors, outs: sig.check_out([t.shape for t in tensors],
+                                                                                [(o.shape, "bfloat16", True) for o in outs]))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))
+    x, w1 = torch.full((count, 8192), 3.0, dtype=BF16), torch.zeros(8192, 2048, dtype=BF16)
+    offset = {s.name: s.offset for s in slots}
+    c, a_full = torch.zeros(8, 2048, dtype=BF16), torch.zeros(8, 8192, dtype=BF16)
+    got = ag._forward(x, w1, out=(c, a_full))
+    assert got[0] is c and got[1] is a_full
+    assert seen[-1]["a"] == x.data_ptr() and seen[-1]["b"] == w1.data_ptr() and seen[-1]["c"] == c.data_ptr()
+    assert seen[-1]["a_full"] == heap.base + offset["a_full"] and seen[-1]["calls"] == heap.base + offset["calls"]
+    assert bool((c == 1).all()) and bool((a_full[:count] == 3).all()) and bool((a_full[count:] == 2).all())
+    odd = torch.zeros(c.numel() + 1, dtype=BF16)[1:].view(c.shape)
+    ag._forward(x, w1, out=(odd, a_full))
+    assert seen[-1]["c"] == heap.base + offset["c"] and bool((odd == 1).all())
+    c2, a_full2 = ag._forward(x, w1)  # the functional form: new tensors, C written in place
+    assert seen[-1]["c"] == c2.data_ptr() and bool((c2 == 1).all()) and bool((a_full2[count:] == 2).all())
+
+
+def test_out_overlap_refused():
+    from tsgen.torch.ops import overlap_problem
+
+    buf = torch.zeros(100, dtype=BF16)
+    assert overlap_problem(("a",), (buf[:50],), ("c",), (buf[50:],)) is None
+    assert overlap_problem(("a",), (buf[:50],), ("c",), (buf[40:90],)) == (
+        "out c overlaps argument a in memory (the kernel reads its inputs while it writes its outputs); pass a tensor "
+        "of its own")
+    assert "out d overlaps out c" in overlap_problem(("a",), (buf[:10],), ("c", "d"), (buf[20:40], buf[30:50]))
+
+
 def _example_fused():
     """The fused GEMM specs examples/torch/tp_mlp.py loads at each world size, rendered: {W: (ag, rs) CachedModule}."""
     import sys
@@ -499,6 +731,49 @@ def _example_fused():
     finally:
         sys.path.remove(str(ROOT / "examples" / "torch"))
     return {w: tuple(render_to_cache(load_spec(p)) for p in pair) for w, pair in tp_mlp.FUSED_SPECS.items()}
+
+
+class _OneRankOp:
+    """A stand-in for a fused op at world size 1 with the out= form's contract (no kernel): the
+    AG-GEMM writes (C, gathered A), the GEMM-RS writes C; empty_out gives plain tensors."""
+
+    world = 1
+
+    def __init__(self, n: int | None = None):
+        self.n = n  # the AG-GEMM's N (None: a GEMM-RS)
+
+    def __call__(self, a, b, out):
+        if self.n is None:
+            out.copy_(a @ b)
+        else:
+            out[0].copy_(a @ b)
+            out[1].copy_(a)
+        return out
+
+    def empty_out(self, *shape):
+        m, k = shape[0] if len(shape) == 1 else shape
+        return torch.empty(m, self.n, dtype=torch.float64), torch.empty(m, k, dtype=torch.float64)
+
+
+def test_example_out_variant_gradients():
+    """examples/torch/tp_mlp.py's out= variant (its own autograd.Function over the out= form) gives
+    autograd's output and gradients of the same block (float64, one rank: the gather and scatter are
+    identities), so its backward formulas are those of the functional ops."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples" / "torch"))
+    try:
+        import tp_mlp
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "torch"))
+    g = torch.Generator().manual_seed(3)
+    h, f, rows = 16, 24, 10
+    w1, w2 = torch.randn(h, f, generator=g, dtype=torch.float64), torch.randn(f, h, generator=g, dtype=torch.float64)
+    x, dy = torch.randn(rows, h, generator=g, dtype=torch.float64), torch.randn(rows, h, generator=g, dtype=torch.float64)
+    got = tp_mlp.step(tp_mlp.FusedOutTPMLP(_OneRankOp(f), _OneRankOp(), w1, w2), x, dy)
+    want = tp_mlp.step(tp_mlp.TPMLP(lambda t: t, lambda t: t, w1, w2), x, dy)
+    for name, a, b in zip(tp_mlp.NAMES, got, want):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), name
 
 
 def test_example_fused_specs_are_adjoints():

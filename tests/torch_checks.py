@@ -8,7 +8,9 @@ tests/test_torch_gpu.py where there are 2 GPUs and torch):
 Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's detail):
   fused_*: allgather_gemm / gemm_reduce_scatter (the specs examples/torch/tp_mlp.py loads) against
     NCCL + cuBLAS, the gathered A bit for bit, their gradients against the twins' autograd,
-    AG-GEMM -> GEMM-RS in a CUDA graph, 20 replays against eager calls;
+    AG-GEMM -> GEMM-RS in a CUDA graph, 20 replays against eager calls; the out= form bit for bit
+    against the functional form (C in place, at an unaligned address, the gathered A in the heap
+    slot empty_out gives) and in a CUDA graph, 20 replays;
   moe_*: MoE dispatch / combine against all_to_all_single with the routing's splits + index_add,
     bit for bit on integer rows; the input gradient; dispatch -> combine in a CUDA graph, 20 replays;
   ulysses_*: Ulysses pre / post all-to-alls (and the packed GQA pre) against the twins
@@ -20,6 +22,8 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
   all_reduce_one_shot / all_to_all / broadcast against all_reduce / all_to_all_single / broadcast,
     bit for bit (integer data for the sum);
   zero_copy: an input from op.empty() is read in place (no copy) and gives the same result;
+  out_form: the out= form of allgather (into empty_out's heap slot and into a plain tensor) and
+    reduce_scatter, exact against NCCL;
   graph: allgather -> reduce_scatter captured in one torch.cuda.CUDAGraph, 100 replays with new
     data each, every replay checked;
   grad: autograd through the ops (allgather's backward a tsgen reduce_scatter and the other way
@@ -253,6 +257,26 @@ def main_checks() -> None:
         return same and good, f"input in the heap: {same}; {why}"
 
     zero_copy()
+
+    @checked("out_form")
+    def out_form():
+        """allgather's out= form: into empty_out's heap slot (written in place, no copy out) and into a
+        NaN-poisoned plain tensor (copied out of the heap: a peer writes the output); reduce_scatter
+        into a plain tensor; each exact against NCCL."""
+        x = data((1024, 512), gen, True)
+        want = twins.all_gather(x)
+        into = ag.empty_out(x.shape)
+        in_heap = into.data_ptr() == ag._heaps[1024 * 512].view(ag.signature.output.name).data_ptr()
+        into.view(torch.int16).fill_(-1)
+        good1, why1 = compare(ag(x, out=into), want, exact=True)
+        plain = torch.full_like(want, float("nan"))
+        good2, why2 = compare(ag(x, out=plain), want, exact=True)
+        z = torch.full_like(x, float("nan"))
+        good3, why3 = compare(rs(want, out=z), twins.reduce_scatter(want), exact=True)
+        return in_heap and good1 and good2 and good3, (f"empty_out in the heap: {in_heap}; allgather into it: {why1}; "
+                                                       f"into a plain tensor: {why2}; reduce_scatter: {why3}")
+
+    out_form()
 
     @checked("graph_100_replays")
     def graph():
@@ -507,6 +531,54 @@ def check_fused(gen) -> None:
         return total == 0, f"20 replays: {total} elements differ from the eager calls"
 
     graph()
+
+    @checked("fused_out")
+    def out_form():
+        """The out= form gives the functional form's bits: C written in place into a NaN-poisoned
+        tensor (a local output: its address goes to the launcher), the gathered A into the heap slot
+        empty_out gave (no copy out), a C at a 2-byte offset (not TMA-aligned: through the heap and
+        copied out), gemm_reduce_scatter's C in place."""
+        a, w1, a2, w2 = operands()
+        c_want, a_full_want = (t.clone() for t in ag(a, w1))  # before the out= calls reuse the heap
+        y_want = rs(a2, w2).clone()
+        c_local, a_full = ag.empty_out(a.shape)
+        slot = ag._heaps[rows].view("a_full")
+        in_heap = a_full.data_ptr() == slot.data_ptr() and c_local.data_ptr() != ag._heaps[rows].view("c").data_ptr()
+        notes, ok = [f"gathered A in the heap slot: {in_heap}"], in_heap
+        odd = torch.empty(c_want.numel() + 1, dtype=BF16, device="cuda")[1:].view(c_want.shape)
+        for what, c in (("C in place", c_local), ("C at a 2-byte offset", odd)):
+            c.fill_(float("nan"))
+            a_full.view(torch.uint8).fill_(0xFF)
+            got = ag(a, w1, out=(c, a_full))
+            same = got[0] is c and torch.equal(bits(c), bits(c_want)) and torch.equal(bits(a_full), bits(a_full_want))
+            ok &= same
+            notes.append(f"{what}: {'same bits' if same else 'DIFFERENT'}")
+        y = torch.full_like(y_want, float("nan"))
+        same = rs(a2, w2, out=y) is y and torch.equal(bits(y), bits(y_want))
+        notes.append(f"gemm_reduce_scatter C in place: {'same bits' if same else 'DIFFERENT'}")
+        return ok and same, "; ".join(notes)
+
+    out_form()
+
+    @checked("fused_out_graph_20_replays")
+    def out_graph():
+        """AG-GEMM -> GEMM-RS in the out= form (static outputs, the gathered A in the heap) captured in
+        a CUDA graph: every replay gives the eager functional calls' bits."""
+        a, w1, _, w2 = operands()
+        c, a_full = ag.empty_out(a.shape)
+        y = torch.empty(rows, h, dtype=BF16, device="cuda")
+
+        def call():
+            ag(a, w1, out=(c, a_full))
+            return (rs(c, w2, out=y),)
+
+        def wrong(outs):
+            return (int((bits(outs[0]) != bits(rs(ag(a, w1)[0], w2))).sum().item()),)
+
+        (total,) = replayed(call, lambda: a.copy_(data((rows, h), gen, False)), wrong, 20)
+        return total == 0, f"20 replays: {total} elements differ from the eager functional calls"
+
+    out_graph()
 
 
 def check_moe(gen) -> None:

@@ -8,14 +8,17 @@
 # (tools/device_env.sh sets the variables; tsgen.torch refuses a multicast handle).
 #   1. tests/torch_checks.py: allgather / reduce_scatter against NCCL (poisoned outputs, exact on
 #      integer data), all_reduce / all_to_all / broadcast against NCCL, op.empty zero copy, CUDA graph
-#      capture + 100 replays, gradients against the torch-only twins, CUDA IPC heaps, argument errors;
+#      capture + 100 replays, gradients against the torch-only twins, CUDA IPC heaps, argument errors,
+#      the out= form of allgather / reduce_scatter;
 #      Ulysses pre / post (and packed GQA pre) against all_to_all_single + permutes, bit for bit, their
 #      gradients against the twins' autograd, pre -> post in a CUDA graph, 100 replays; allgather_gemm /
-#      gemm_reduce_scatter against NCCL + cuBLAS, their gradients, AG-GEMM -> GEMM-RS in a CUDA graph; MoE
+#      gemm_reduce_scatter against NCCL + cuBLAS, their gradients, AG-GEMM -> GEMM-RS in a CUDA graph, their
+#      out= form bit for bit against the functional form and in a CUDA graph; MoE
 #      dispatch / combine against all_to_all_single + index_add, the gradient, a CUDA graph
 #   2. tests/torch_checks.py --probe: a peer that never arrives -> the timeout diagnosis as an error
 #   3. examples/torch/tp_mlp.py --compile: TP MLP forward + backward against its NCCL twin: AG-GEMM ->
-#      GEMM-RS eager and torch.compile(fullgraph=True), allgather / reduce_scatter + torch GEMMs; step times
+#      GEMM-RS eager, on the out= form and torch.compile(fullgraph=True), allgather / reduce_scatter + torch
+#      GEMMs; step times
 #   4. examples/torch/ulysses_attention.py: Ulysses attention layer (torch SDPA inside) forward +
 #      backward against its all_to_all_single twin, step times of both
 #   5. examples/torch/moe_layer.py: MoE layer (dispatch -> per-expert torch GEMMs -> combine) forward +

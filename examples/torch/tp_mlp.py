@@ -10,7 +10,9 @@ Each rank holds S/W rows of the input and 1/W of both weights (W1 by columns, W2
 The tsgen block runs allgather_gemm and gemm_reduce_scatter (the gather / reduce-scatter fused
 into the GEMM), paired: each is the other's backward (AG-GEMM's dX is a GEMM-RS of dY with W1^T,
 GEMM-RS's dA an AG-GEMM of dY with W2^T; the weight gradients are local torch GEMMs,
-tsgen/torch/grads.py). A GEMM spec fixes H and F/W at compile time, and the pair must be compiled
+tsgen/torch/grads.py). A second fused variant runs the same math on the ops' out= form in an
+autograd.Function of its own (_FusedOut): outputs into the caller's tensors, the backward's gathered
+dY left in the heap (no copy out). A GEMM spec fixes H and F/W at compile time, and the pair must be compiled
 for mirrored shapes: at W = 2 the block uses examples/torch/specs/tp_mlp_{ag_gemm,gemm_rs}.yaml
 (H 4096, F 16384), at W = 4 the shipped specs/allgather_gemm.yaml and gemm_reduce_scatter.yaml
 (H 8192, F 8192); S is free (a multiple of W, here and for the kernels' row tiles any size).
@@ -77,6 +79,48 @@ class FusedTPMLP(TPMLP):
         return self.scatter(torch.nn.functional.gelu(h, approximate="tanh"), self.w2)
 
 
+class _FusedOut(torch.autograd.Function):
+    """The fused block's forward and backward on the ops' out= form (no autograd of its own: this
+    Function says what the backward runs, the formulas of tsgen/torch/grads.py). The GEMMs' C goes
+    straight into the tensors passed (written in place: a local output). The forward's gathered x
+    is kept for dW1, so it goes to a tensor of its own (a copy out of the heap: the backward's
+    AG-GEMM of dY reuses that heap slot before dW1 is computed); the backward's gathered dY is used
+    at once (dW2), so it stays in the heap slot empty_out gives: no copy out."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, ag, rs):
+        s, h = x.shape[0] * ag.world, x.shape[1]
+        c = torch.empty(s, w1.shape[1], dtype=x.dtype, device=x.device)
+        x_full = torch.empty(s, h, dtype=x.dtype, device=x.device)
+        ag(x, w1, out=(c, x_full))
+        act = torch.nn.functional.gelu(c, approximate="tanh")
+        y = torch.empty_like(x)
+        rs(act, w2, out=y)
+        ctx.ops = ag, rs
+        ctx.save_for_backward(w1, w2, c, act, x_full)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        ag, rs = ctx.ops
+        w1, w2, c, act, x_full = ctx.saved_tensors
+        dy = dy.contiguous()
+        d_act, dy_full = ag.empty_out(dy.shape)  # dA of GEMM-RS (in place) and the gathered dY (the heap slot)
+        ag(dy, w2.t().contiguous(), out=(d_act, dy_full))
+        dw2 = act.t() @ dy_full  # before the next AG-GEMM call of this count reuses the slot
+        dc = torch.ops.aten.gelu_backward(d_act, c, approximate="tanh")
+        dx = torch.empty_like(dy)
+        rs(dc, w1.t().contiguous(), out=dx)
+        return dx, x_full.t() @ dc, dw2, None, None
+
+
+class FusedOutTPMLP(TPMLP):
+    """The fused block on the out= form (_FusedOut): the same math, fewer copies out of the heaps."""
+
+    def forward(self, x):
+        return _FusedOut.apply(x, self.w1, self.w2, self.gather, self.scatter)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8192, help="S: sequence length over all ranks")
@@ -103,12 +147,14 @@ def main() -> int:
     twin = "twin (NCCL + torch GEMMs)"
     blocks = {twin: TPMLP(AllGather.apply, ReduceScatter.apply, w1, w2),
               "tsgen AG-GEMM / GEMM-RS eager": FusedTPMLP(ag_gemm, gemm_rs, w1, w2),
+              "tsgen AG-GEMM / GEMM-RS eager, out=": FusedOutTPMLP(ag_gemm, gemm_rs, w1, w2),
               "tsgen allgather / reduce_scatter + torch GEMMs": TPMLP(ag, rs, w1, w2)}
     if args.compile:
         compiled = FusedTPMLP(ag_gemm, gemm_rs, w1, w2)
         compiled.forward = torch.compile(compiled.forward, fullgraph=True)
         blocks["tsgen AG-GEMM / GEMM-RS compiled"] = compiled
     checks = {"tsgen AG-GEMM / GEMM-RS eager": "tp_mlp_fused_fwd_bwd",
+              "tsgen AG-GEMM / GEMM-RS eager, out=": "tp_mlp_fused_out_fwd_bwd",
               "tsgen allgather / reduce_scatter + torch GEMMs": "tp_mlp_collectives_fwd_bwd",
               "tsgen AG-GEMM / GEMM-RS compiled": "tp_mlp_fused_compiled_fwd_bwd"}
     want = step(blocks[twin], x, dy)

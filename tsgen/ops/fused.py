@@ -151,6 +151,14 @@ class AllgatherGemmFamily(OpFamily):
         return {"a": ((("M/P", 1), ("K", k)), 0), "b": ((("K", k), ("N/P", n)), None),
                 "c": ((("M", world), ("N/P", n)), 0), "a_full": ((("M", world), ("K", k)), 0, "a")}
 
+    def torch_local(self, constants, world, buffers):
+        """The buffers only this rank's kernel touches (tsgen.torch hands the launcher the caller's
+        tensors for them: no copy in or out; tsgen/fused.cuh allgather_gemm_launch): A (the GEMM's
+        own rows, and the source of the copies into the peers' a_full), B and C (the GEMM's tensor
+        maps, encoded from these pointers). Not a_full: the peers' copies land in it, at its offset
+        in their heaps."""
+        return {"a", "b", "c"}
+
     def abi(self, spec):
         # the launcher also addresses peers' a_full for cudaMemcpyAsync: the host copy of the table
         return one_kernel_abi(self, spec, smem_bytes(spec), self.constants(spec), peers_host=True)
@@ -360,6 +368,12 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
         k, n = constants["K"], constants["N"]
         return {"a": ((("M", world), ("K/P", k // world)), 0), "b": ((("K/P", k // world), ("N", n)), None),
                 "c": ((("M/P", 1), ("N", n)), 0)}
+
+    def torch_local(self, constants, world, buffers):
+        """A and B (the GEMM's tensor maps) and C, which the reduce writes locally (tsgen/fused.cuh
+        gemm_reduce_scatter_launch) but with reduce: add, where the peers' epilogues add their tiles
+        into the owner's C (that spec has no `partial`): then C is in the heap."""
+        return {"a", "b", "c"} if "partial" in buffers else {"a", "b"}
 
     def abi(self, spec):
         # push: the launcher encodes a tensor map of every owner's partial: the host copy of the table

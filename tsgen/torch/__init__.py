@@ -7,8 +7,9 @@
     tsgen.torch.pair(ag, rs)                                              # each is the other's backward
     y = ag(x)                  # torch.ops.tsgen.allgather(x, group_name): (n, ...) -> (W*n, ...)
     x = ag.empty(n, 1024)      # an input in the symmetric heap: no copy in
+    ag(x, out=ag.empty_out(x.shape))   # the out= form: into the heap's output slot, no copy out
 
-docs/torch.md has the whole story: what a call costs, CUDA graphs, torch.compile, errors.
+docs/torch.md has the whole story: what a call costs, the out= form, CUDA graphs, torch.compile, errors.
 Importing tsgen never imports torch; importing tsgen.torch without torch says what to install.
 """
 

@@ -11,11 +11,14 @@ travels through a traced graph, as it does for torch's own symm_mem and function
 Launching reuses the runtime's pieces: the source compiles to the shared library with the host
 launchers (toolchain.compile_source mode "shared", the form a C++ user vendors), `<kernel>_launch`
 comes through ctypes (runtime.world._host_launcher), and the arguments follow the manifest's roles
-(runtime.world.arg_values). Every call: check the tensor, copy it into the heap's input buffer
-(skipped when it is that buffer: `op.empty`), launch on torch.cuda.current_stream(), copy the heap's
-output buffer into a new tensor. Nothing here waits on the host, so the op is capturable in a CUDA
-graph once each shape has been called before (the first call of a shape makes its heap, a
-collective).
+(runtime.world.arg_values). Every call: check the tensors; hand the launcher each local buffer's
+tensor by address (a buffer only this rank's kernel touches, the family's `torch_local`: the fused
+GEMMs' A, B, C) and copy every other input into its heap slot (skipped when it is that slot:
+`op.empty`); launch on torch.cuda.current_stream(); copy every other output out of its heap slot
+(skipped when the out= tensor is that slot: `op.empty_out`). The outputs are new tensors, or the
+caller's in the out= form, `tsgen::<module>_out` (a mutating op: no autograd). Nothing here waits
+on the host, so the op is capturable in a CUDA graph once each shape has been called before (the
+first call of a shape makes its heap, a collective).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,15 +75,17 @@ def _metas(tensors: tuple) -> list[tuple]:
     return [(t.shape, _dtype_name(t.dtype), t.is_contiguous()) for t in tensors]
 
 
-def _define(name: str, schema: str) -> None:
+def _define(name: str, signature: Any) -> None:
     """Register tsgen::<name>: schema (the signature's: its tensors, then the group's name), the real
     kernel (any device: it names a wrong one itself), the fake kernel, and the autograd formula
-    (the adjoint op, see pair)."""
+    (the adjoint op, see pair); and its out= form (_define_out)."""
     if name in _DEFINED:
         return
     lib = _library()
     qual = f"tsgen::{name}"
-    lib.define(schema)
+    lib.define(signature.schema())
+    if getattr(signature, "entry", None) is None:
+        _define_out(name, signature)
 
     def real(*args: Any) -> Any:
         return _lookup(name, args[-1])._forward(*args[:-1])
@@ -121,6 +126,93 @@ def _define(name: str, schema: str) -> None:
     torch.library.register_autograd(qual, backward, setup_context=setup_context, lib=lib)
 
 
+def _define_out(name: str, signature: Any) -> None:
+    """Register tsgen::<name>_out, the out= form: the inputs, then the outputs as mutated arguments
+    (`Tensor(a!) c, Tensor(b!) a_full`), then the group's name; returns nothing. A mutating op:
+    torch.compile functionalizes it (auto_functionalized) and the fake kernel only checks the
+    tensors. No autograd formula (as for torch's own out= variants): TorchOp.__call__ refuses
+    inputs that require a gradient."""
+    lib = _library()
+    qual = f"tsgen::{name}_out"
+    lib.define(signature.out_schema())
+    n = len(signature.arg_names)
+
+    def real(*args: Any) -> None:
+        _lookup(name, args[-1])._forward(*args[:n], out=args[n:-1])
+
+    def fake(*args: Any) -> None:
+        sig = _lookup(name, args[-1]).signature
+        tensors, outs = args[:n], args[n:-1]
+        sig.check(_metas(tensors))
+        sig.check_out([t.shape for t in tensors], _metas(outs))
+
+    torch.library.impl(qual, "default", real, lib=lib)
+    torch.library.register_fake(qual, fake, lib=lib)
+
+
+# The address alignment a buffer handed to a launcher in place of its heap slot must have: TMA's
+# (cuTensorMapEncodeTiled wants 16 bytes; the local buffers of the shipped families are tensor maps).
+# A tensor at another address goes through its heap slot, as a buffer that is not local does.
+ALIGN = 16
+
+
+@dataclass
+class CallPlan:
+    """How one call moves its tensors: `pointers`, buffer name -> the address of the caller's tensor
+    the launcher gets in place of the buffer's heap slot (a local buffer); `copy_in`, (heap slot,
+    tensor) pairs copied before the launch; `copy_out`, (tensor, heap slot) pairs copied after."""
+
+    pointers: dict[str, int]
+    copy_in: list[tuple[torch.Tensor, torch.Tensor]]
+    copy_out: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def plan_call(sig: Any, tensors: tuple, outs: Sequence[torch.Tensor], view: Callable[[str], torch.Tensor]) -> CallPlan:
+    """The CallPlan of a call on `tensors` writing `outs` (both checked), `view(buffer)` being the
+    buffer's heap slot (1-d, its dtype). A local buffer (sig.local(): only this rank's kernel
+    touches it) at an ALIGN-aligned address is passed by the tensor's address: no copy. Any other
+    input is copied into its slot unless it is that slot (op.empty); any other output is copied out
+    of its slot unless it is that slot (op.empty_out)."""
+    local = sig.local()
+    ins = getattr(sig, "ins", None)
+    pointers: dict[str, int] = {}
+    copy_in, copy_out = [], []
+    for i, (b, t) in enumerate(zip(sig.inputs, tensors)):
+        if ins is not None and ins[i].how != "in":  # "arg": passed after the buffers; "shape": checked only
+            continue
+        if b.name in local and t.data_ptr() % ALIGN == 0:
+            pointers[b.name] = t.data_ptr()
+            continue
+        slot = view(b.name)
+        if t.data_ptr() != slot.data_ptr():
+            copy_in.append((slot[:t.numel()], t.reshape(-1)))
+    for b, o in zip(sig.outputs, outs):
+        if b.name in local and o.data_ptr() % ALIGN == 0:
+            pointers[b.name] = o.data_ptr()
+            continue
+        slot = view(b.name)
+        if o.data_ptr() != slot.data_ptr():
+            copy_out.append((o.view(-1), slot[:o.numel()]))
+    return CallPlan(pointers, copy_in, copy_out)
+
+
+def overlap_problem(arg_names: Sequence[str], tensors: Sequence[torch.Tensor], out_names: Sequence[str],
+                    outs: Sequence[torch.Tensor]) -> str | None:
+    """Which out= output overlaps an input or an earlier output in memory (contiguous tensors: their
+    bytes from data_ptr), or None: the kernel reads its inputs while it writes, and an output
+    written twice holds one of the two."""
+    seen = [(f"argument {a}", t) for a, t in zip(arg_names, tensors)]
+    for name, o in zip(out_names, outs):
+        lo, hi = o.data_ptr(), o.data_ptr() + o.numel() * o.element_size()
+        for what, t in seen:
+            a, b = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+            if lo < b and a < hi and lo < hi and a < b:
+                return (f"out {name} overlaps {what} in memory (the kernel reads its inputs while it writes its "
+                        "outputs); pass a tensor of its own")
+        seen.append((f"out {name}", o))
+    return None
+
+
 def _resolve(spec_or_manifest: Any, source: Any) -> tuple[Manifest, Path]:
     """(manifest, source path) of a spec file (rendered into the compile cache), a NAME.json
     manifest (its NAME.cu beside it unless `source`), or a Manifest with `source`."""
@@ -157,8 +249,18 @@ class _HeapState:
     heap: heap_mod.Heap
     slots: dict[str, Slot]
     cargs: list[Any]  # the launcher's arguments but the stream
+    index: dict[str, int] = field(default_factory=dict)  # buffer name -> its place in cargs
     views: dict[str, torch.Tensor] = field(default_factory=dict)  # made once per slot: calls reuse them
     last: str | None = None  # the entry called last on this heap (modules of several ops, signature.order)
+
+    @classmethod
+    def of(cls, heap: heap_mod.Heap, slots: list[Slot], kernel: Any, rank: int, count: int) -> "_HeapState":
+        """The state of `heap` laid out as `slots`: the launcher's arguments by the manifest's roles
+        (runtime.world.arg_values), each buffer's place among them."""
+        values = arg_values(kernel.launcher_args, rank, count, heap.base, {s.name: s.offset for s in slots},
+                            heap.peer_table.data_ptr(), ctypes.addressof(heap.host_table))
+        return cls(heap, {s.name: s for s in slots}, launcher_cargs(kernel.launcher_args, values),
+                   {a.name: i for i, a in enumerate(kernel.launcher_args) if a.role == "buffer"})
 
     def view(self, slot: str) -> torch.Tensor:
         if slot not in self.views:
@@ -195,8 +297,38 @@ class TorchOp:
         return (f"<tsgen.torch op {self.signature.qualname} rank {self.rank}/{self.world} group {self.group_name!r} "
                 f"{'trace only' if self.trace_only else f'cuda:{self.device}'}>")
 
-    def __call__(self, *tensors: torch.Tensor) -> Any:
-        return getattr(torch.ops.tsgen, self.name)(*tensors, self.group_name)
+    def __call__(self, *tensors: torch.Tensor, out: Any = None) -> Any:
+        """The op on `tensors`: new output tensors (differentiable once paired); with `out` (a tensor,
+        or a tuple of one per output in order) the out= form, tsgen::<module>_out: the results go
+        into those tensors, which it returns. A local output (allgather_gemm's and
+        gemm_reduce_scatter's C) is written in place wherever it lives; one a peer writes (a
+        collective's output, allgather_gemm's gathered A) is written in place when it is this op's
+        heap slot (from empty_out), else copied out of the heap into it. No backward: inputs that
+        require a gradient are refused while grad mode is on."""
+        if out is None:
+            return getattr(torch.ops.tsgen, self.name)(*tensors, self.group_name)
+        outs = self._outs_of(out)
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*tensors, *outs)):
+            raise TsgenArgumentError(
+                f"{self.where}: the out= form has no backward (it writes the caller's tensors, as torch's out= "
+                "variants do); call it under torch.no_grad() or inside an autograd.Function, or call the "
+                "functional form, which pair() makes differentiable")
+        getattr(torch.ops.tsgen, f"{self.name}_out")(*tensors, *outs, self.group_name)
+        return out
+
+    def _outs_of(self, out: Any) -> tuple:
+        """`out` as the tuple the out= form takes; TsgenArgumentError naming what it writes otherwise."""
+        sig = self.signature
+        names = sig.out_names
+        if getattr(sig, "entry", None) is not None:
+            raise TsgenArgumentError(f"{self.where}: no out= form for one op of a module of several ops "
+                                     f"({self.manifest.spec}: its outputs are the module's receive buffers)")
+        outs = (out,) if isinstance(out, torch.Tensor) else tuple(out) if isinstance(out, (tuple, list)) else None
+        if outs is None or len(outs) != len(names) or not all(isinstance(o, torch.Tensor) for o in outs):
+            want = "a tensor" if len(names) == 1 else f"a tuple of {len(names)} tensors"
+            raise TsgenArgumentError(f"{self.where}: out= takes {want} ({', '.join(names)}), got "
+                                     f"{type(out).__name__}{f' of {len(outs)}' if outs is not None else ''}")
+        return outs
 
     @property
     def where(self) -> str:
@@ -283,9 +415,7 @@ class TorchOp:
         if heap.kind == "ipc":
             self.heap_mode = "ipc"  # decided once: every rank agreed
         self.heap_kind = heap.kind
-        values = arg_values(self.kernel.launcher_args, self.rank, count, heap.base, {s.name: s.offset for s in slots},
-                            heap.peer_table.data_ptr(), ctypes.addressof(heap.host_table))
-        state = _HeapState(heap, {s.name: s for s in slots}, launcher_cargs(self.kernel.launcher_args, values))
+        state = _HeapState.of(heap, slots, self.kernel, self.rank, count)
         self._heaps[count] = state
         return state
 
@@ -312,39 +442,55 @@ class TorchOp:
                                   f"{dist.get_backend(self.group)!r}, CUDA available: {torch.cuda.is_available()}): it "
                                   "traces (fake kernels) but does not run")
 
-    def _forward(self, *tensors: torch.Tensor) -> Any:
+    def _check_out(self, tensors: tuple, outs: tuple) -> None:
+        """The out= form's outputs: dtype and shape of what this call writes, contiguous, on this
+        rank's GPU, and overlapping neither an input nor each other (the kernel reads the inputs
+        while it writes)."""
+        sig = self.signature
+        sig.check_out([t.shape for t in tensors], _metas(outs))
+        for name, o in zip(sig.out_names, outs):
+            if o.device.type != "cuda" or (self.device is not None and o.device.index != self.device):
+                raise TsgenArgumentError(f"{self.where}: out {name}: on {o.device}, but this rank's op runs on "
+                                         f"cuda:{self.device}")
+        problem = overlap_problem(sig.arg_names, tensors, sig.out_names, outs)
+        if problem:
+            raise TsgenArgumentError(f"{self.where}: {problem}")
+
+    def _forward(self, *tensors: torch.Tensor, out: Sequence[torch.Tensor] | None = None) -> Any:
         count = self._check(tensors)
         self._need_gpu()
         sig = self.signature
         x = tensors[0]
-        outs = [torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[b.dtype]), device=x.device)
-                for shape, b in zip(sig.out_shapes([t.shape for t in tensors]), sig.outputs)]
+        if out is None:  # the functional form: new tensors
+            outs = [torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[b.dtype]), device=x.device)
+                    for shape, b in zip(sig.out_shapes([t.shape for t in tensors]), sig.outputs)]
+        else:
+            outs = list(out)
+            self._check_out(tensors, tuple(outs))
         result = outs[0] if len(outs) == 1 else tuple(outs)
         if count == 0:
             return result
         state = self._heap(count)
         self._check_order(state)
-        pointers = []
-        for i, (b, t) in enumerate(zip(sig.inputs, tensors)):
-            how = sig.ins[i].how if hasattr(sig, "ins") else "in"
-            if how == "arg":  # read where it is, by the kernel on this GPU
-                pointers.append(ctypes.c_void_p(t.data_ptr()))
-                continue
-            if how == "shape":
-                continue
-            src = state.view(b.name)
-            if t.data_ptr() != src.data_ptr():  # not op.empty()'s tensor: one copy in
-                src[:t.numel()].copy_(t.reshape(-1))
+        plan = plan_call(sig, tensors, outs, state.view)
+        args = list(state.cargs)
+        for name, ptr in plan.pointers.items():  # local buffers: the caller's tensors
+            args[state.index[name]] = ctypes.c_void_p(ptr)
+        for i, t in enumerate(tensors):  # "arg" inputs: read where they are, by the kernel on this GPU
+            if hasattr(sig, "ins") and sig.ins[i].how == "arg":
+                args.append(ctypes.c_void_p(t.data_ptr()))
+        for slot, t in plan.copy_in:  # not op.empty()'s tensor: one copy in
+            slot.copy_(t)
         with torch.cuda.device(self.device):
             stream = torch.cuda.current_stream()
-            err = self._launcher(*state.cargs, *pointers, ctypes.c_void_p(stream.cuda_stream))
+            err = self._launcher(*args, ctypes.c_void_p(stream.cuda_stream))
         if err != 0:
             raise TsgenTorchError(f"{self.where}: {self.kernel.launcher} failed with cudaError {err} "
                                   f"(count {count}); a kernel that trapped before leaves this error: "
                                   "tsgen.torch.synchronize() names it")
         state.last = getattr(sig, "entry", None)
-        for b, out in zip(sig.outputs, outs):
-            out.view(-1).copy_(state.view(b.name)[:out.numel()])
+        for o, slot in plan.copy_out:
+            o.copy_(slot)
         for o, dim, i in sig.own_blocks():  # this rank's block is the input the kernel read it from
             outs[o].narrow(dim, self.rank * count, count).copy_(tensors[i])
         return result
@@ -364,6 +510,48 @@ class TorchOp:
                                   f"{self.manifest.spec}'s ops run in the order {' -> '.join(order)} -> "
                                   f"{order[0]} ... on the same tokens")
 
+    def empty_out(self, *shape: Any) -> Any:
+        """The out= tensors for a call whose first input has `shape` (as `empty` takes it): a tensor, or
+        a tuple in output order. An output a peer writes (a collective's, allgather_gemm's gathered
+        A) must live in the symmetric heap to be written in place: it is a view of this op's heap
+        slot, so the call copies nothing out. It holds the results of the op's latest call with
+        this count, and the next such call (a backward's too, where the op is a paired adjoint)
+        overwrites it; valid until close(). A local output (allgather_gemm's and
+        gemm_reduce_scatter's C) is a new torch.empty: the kernel writes it wherever it lives.
+        A collective the first time a count is used (it makes the heap)."""
+        sig = self.signature
+        if getattr(sig, "entry", None) is not None:
+            self._outs_of(None)  # raises: no out= form
+        shape, count = self._first_count(shape, "empty_out")
+        self._need_gpu()
+        local = sig.local()
+        outs = []
+        for want, b in zip(sig.out_shapes([shape]), sig.outputs):
+            dtype = getattr(torch, TORCH_DTYPES[b.dtype])
+            if count == 0 or b.name in local:
+                outs.append(torch.empty(want, dtype=dtype, device=f"cuda:{self.device}"))
+                continue
+            numel = 1
+            for n in want:
+                numel *= n
+            outs.append(self._heap(count).view(b.name)[:numel].view(want))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _first_count(self, shape: tuple, what: str) -> tuple[tuple, int]:
+        """(shape, count) of the first input `shape` (as `empty` and `empty_out` take it); a
+        TsgenArgumentError where the first input sizes no heap."""
+        sig = self.signature
+        shape = sig.input_shape_for(shape)
+        count = sig.count_of(sig.arg_names[0], shape, TORCH_DTYPES[sig.input.dtype], True)
+        first = sig.ins[0] if hasattr(sig, "ins") else None
+        if first is not None and (first.how != "in" or first.count_dim is None):
+            why = ("is read where it is, in no heap (any CUDA tensor of that shape does)" if first.how == "arg" else
+                   "sizes no heap (its shape is fixed)")
+            does = ("makes the first input in the op's heap" if what == "empty" else
+                    "sizes the op's heap by the first input")
+            raise TsgenArgumentError(f"{sig.where(sig.arg_names[0])}: op.{what} {does}, but {first.described()} {why}")
+        return shape, count
+
     def empty(self, *shape: Any) -> torch.Tensor:
         """An input tensor of `shape` that lives in this op's symmetric heap: the op reads it where it
         is (no copy in). A collective the first time a shape is used (it makes the heap). Valid until
@@ -371,15 +559,8 @@ class TorchOp:
         input (x); an op whose first input lives in no heap (MoE combine's y, read where it is) or
         has no run-time count to size one says so (TsgenArgumentError)."""
         sig = self.signature
-        shape = sig.input_shape_for(shape)
+        shape, count = self._first_count(shape, "empty")
         dtype = TORCH_DTYPES[sig.input.dtype]
-        count = sig.count_of(sig.arg_names[0], shape, dtype, True)
-        first = sig.ins[0] if hasattr(sig, "ins") else None
-        if first is not None and (first.how != "in" or first.count_dim is None):
-            why = ("is read where it is, in no heap (any CUDA tensor of that shape does)" if first.how == "arg" else
-                   "sizes no heap (its shape is fixed)")
-            raise TsgenArgumentError(f"{sig.where(sig.arg_names[0])}: op.empty makes the first input in the op's heap, "
-                                     f"but {first.described()} {why}")
         self._need_gpu()
         numel = 1
         for n in shape:
@@ -467,7 +648,7 @@ def _load_one(manifest: Manifest, src: Path, group: Any, signature: Any, arch: s
                               f"{_DEFINED[name][:12]}) defined the op in this process; one module name is one "
                               "op: give the spec another name")
     op = TorchOp(manifest, src, group, signature, arch, heap, shares)
-    _define(name, signature.schema())
+    _define(name, signature)
     _DEFINED[name] = manifest.spec_sha256
     _OPS[key] = op
     return op

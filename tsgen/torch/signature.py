@@ -16,7 +16,12 @@ and all_to_all_single (W, W). Which rank's chunk lands where is the op family's 
 head_dim] in, [batch, S, heads/P, head_dim] out): the family's `torch_tensors(constants, world)`
 hook names each data buffer's dimensions, every one fixed at compile time but one, a multiple of
 the run-time count (or all fixed: a GEMM's B). Such an op takes and returns exactly those shapes
-(allgather_gemm: A [M/P, K], B [K, N/P] in; C [M, N/P] and the gathered A [M, K] out).
+(allgather_gemm: A [M/P, K], B [K, N/P] in; C [M, N/P] and the gathered A [M, K] out). Such a
+family may also name its local buffers, those only this rank's kernel touches
+(`torch_local(constants, world, buffers)`): the op hands the launcher the caller's tensors for
+them (tsgen/torch/ops.py plan_call).
+
+Either kind also gives the out= form's schema and checks (`out_schema`, `check_out`).
 """
 
 from __future__ import annotations
@@ -184,6 +189,48 @@ class _Signature:
         input there (TensorLayout.own_from)."""
         return []
 
+    def local(self) -> frozenset[str]:
+        """The data buffers only this rank's kernel reads or writes (no peer addresses them): the
+        launcher may be handed any tensor on this GPU for them, so the op reads such an input where
+        it is and writes such an output straight into the caller's tensor (the family's
+        `torch_local`; none for the collectives, whose plans address peers' buffers)."""
+        return frozenset()
+
+    @property
+    def out_names(self) -> tuple[str, ...]:
+        """The out= form's output arguments: the output buffers' names."""
+        return tuple(b.name for b in self.outputs)
+
+    def out_schema(self) -> str:
+        """The schema of the out= form, tsgen::<module>_out: the inputs, then each output as a mutated
+        argument (Tensor(a!) c, ...), then the group's name; returns nothing (the caller's tensors hold
+        the results)."""
+        clash = set(self.out_names) & {*self.arg_names, "group_name", "out"}
+        if clash:  # a family bug: caught at load, not as a broken schema
+            raise TsgenTorchError(f"{self.qualname}: output buffer names {sorted(clash)} clash with its arguments")
+        args = ", ".join(f"Tensor {a}" for a in self.arg_names)
+        outs = ", ".join(f"Tensor({chr(ord('a') + i)}!) {n}" for i, n in enumerate(self.out_names))
+        return f"{self.module}_out({args}, {outs}, str group_name) -> ()"
+
+    def check_out(self, shapes: Sequence[Sequence[Any]], outs: Sequence[tuple[Sequence[Any], str, bool]]) -> None:
+        """Check the out= form's outputs, given as (shape, torch dtype name, contiguous), against what a
+        call on inputs of `shapes` (already checked) writes; a TsgenArgumentError naming the output."""
+        names = self.out_names
+        if len(outs) != len(names):
+            raise TsgenArgumentError(f"{self.qualname} on rank {self.rank}: out= has {len(outs)} tensors, but the op "
+                                     f"writes {len(names)} ({', '.join(names)})")
+        for i, (name, b, want, (shape, dtype, contiguous)) in enumerate(zip(names, self.outputs,
+                                                                            self.out_shapes(shapes), outs)):
+            where = f"{self.qualname} on rank {self.rank}: out {name}"
+            if dtype != TORCH_DTYPES[b.dtype]:
+                raise TsgenArgumentError(f"{where}: dtype {dtype}, but {self.spec} writes {b.dtype}")
+            if len(shape) != len(want) or any(g != w for g, w in zip(shape, want)):
+                raise TsgenArgumentError(f"{where}: shape {tuple(shape)}, but this call writes {tuple(want)} "
+                                         f"({self._out_described(i)})")
+            if not contiguous:
+                raise TsgenArgumentError(f"{where}: not contiguous (shape {tuple(shape)}); the kernel writes one "
+                                         "dense buffer")
+
     def input_shape_for(self, shape: Sequence[Any]) -> tuple:
         """`shape` as given to op.empty (a tuple, or the sizes as separate arguments)."""
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -299,6 +346,9 @@ class OpSignature(_Signature):
     def out_shapes(self, shapes: Sequence[Sequence[Any]]) -> list[tuple]:
         return [self.out_shape(shapes[0])]
 
+    def _out_described(self, i: int) -> str:
+        return f"{self.out_units}/{self.in_units} of the input's dimension 0, the rest as the input"
+
     def _mirror_problem(self, other: "_Signature") -> str | None:
         if (other.in_units, other.out_units) != (self.out_units, self.in_units):
             return (f"{other.qualname} maps {other.in_units} chunks to {other.out_units}; the adjoint of "
@@ -322,6 +372,9 @@ class TensorLayout:
     # an input: "in" (copied into its buffer), "shape" (only checked) or "arg" (passed by pointer,
     # after the buffers: `buffer` then describes it, in no heap); an output: "out"
     how: str = "in"
+    # only this rank's kernel touches the buffer (the family's torch_local): the launcher takes the
+    # caller's tensor for it (an input read where it is, an output written in place)
+    local: bool = False
 
     @property
     def name(self) -> str:
@@ -396,7 +449,10 @@ class ShapedSignature(_Signature):
         if len(ins) + len(outs) != len(data):
             roles = ", ".join(f"{b.name} ({b.role})" for b in data)
             raise TsgenTorchError(f"{where}: {manifest.spec} has {roles}; in-place buffers are not supported yet")
-        tensors = get_family(manifest.op).torch_tensors(dict(manifest.constants), world)
+        family = get_family(manifest.op)
+        tensors = family.torch_tensors(dict(manifest.constants), world)
+        local = (family.torch_local(dict(manifest.constants), world, {b.name for b in manifest.buffers})
+                 if hasattr(family, "torch_local") else ())
         # a scratch buffer the family names is returned too (after the outputs, in buffer order)
         outs = [b for b in manifest.buffers if b.role == "output" or (b.role == "scratch" and b.name in tensors)]
         layouts = []
@@ -408,7 +464,7 @@ class ShapedSignature(_Signature):
                 raise TsgenTorchError(problem)
             dims, count_dim, *own = tensors[b.name]
             t = TensorLayout(b, tuple((str(n), int(v)) for n, v in dims), count_dim, own[0] if own else None,
-                             "out" if b in outs else "in")
+                             "out" if b in outs else "in", b.name in local)
             if t.own_from is not None and (t.own_from not in [i.name for i in ins] or count_dim is None
                                            or t.dims[count_dim][1] != world):
                 raise TsgenTorchError(f"{where}: tensor {t.described()} of buffer {b.name} takes its own rows from "
@@ -425,6 +481,12 @@ class ShapedSignature(_Signature):
             raise TsgenTorchError(f"{where}: no input of {manifest.spec} has a dimension the run-time count sizes")
         return cls(manifest.name, manifest.op, manifest.spec, world, rank, tuple(layouts[:len(ins)]),
                    tuple(layouts[len(ins):]))
+
+    def local(self) -> frozenset[str]:
+        return frozenset(t.name for t in (*self.ins, *self.outs) if t.local)
+
+    def _out_described(self, i: int) -> str:
+        return self.outs[i].described()
 
     def own_blocks(self) -> list[tuple[int, int, int]]:
         names = [t.name for t in self.ins]
