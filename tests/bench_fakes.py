@@ -6,7 +6,9 @@ event (or synchronizing) moves the host clock to it; every API call moves the ho
 HOST_US. So events on another stream than the calls bracket nothing (their stream is idle),
 and a skipped launch leaves a region of a few host steps. Modules write the family's
 reference into the outputs of the ranks they run (and advance the device call counter), as
-the real kernels would; `break_rank` leaves one rank's outputs alone.
+the real kernels would; `break_rank` leaves one rank's outputs alone. moe's dispatch (its pair
+and its dispatch entry) also writes what its rank receives (tsgen.bench.moe_phases.expected_received);
+the dispatch entry through `Module.deliver`, which a test replaces to deliver wrong rows there.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ class Bufs:
         self.bases = {r: (r + 1) << 40 for r in range(module.world.size)}
         self.data = [{s.name: arr(np.zeros(s.elems, np_dtype(s.dtype))) for s in self.slots}
                      for _ in range(module.world.size)]
-        self.calls_begun, self.snapshots = {}, {}
+        self.calls_begun, self.snapshots, self.received = {}, {}, {}
 
     def array(self, name, rank):
         return self.data[rank][name]
@@ -200,9 +202,15 @@ class Module:
         written, counter = PHASES[entry]
         for r in ranks:
             assert extra is None or len(extra(r)) == 1  # combine's y
-        self.launch(bufs, ranks, streams, only=(written,), counter=counter)
+        self.launch(bufs, ranks, streams, only=(written,), counter=counter, entry=entry)
 
-    def launch(self, bufs, ranks=None, streams=None, only=None, counter="calls"):
+    @staticmethod
+    def deliver(rank, segments):
+        """The received rows (moe_phases.Received) the dispatch entry writes on `rank`: all of them, right."""
+        return segments
+
+    def launch(self, bufs, ranks=None, streams=None, only=None, counter="calls", entry=None):
+        """A call (`entry` None) or one entry of it (launch_entry)."""
         world = self.world
         ranks = list(world.ranks if ranks is None else ranks)
         spec = world.spec  # the variant the runner loaded (see World.load)
@@ -225,12 +233,25 @@ class Module:
                     for n, per in out.items():
                         if only is None or n in only:
                             bufs.array(n, q)[...] = per[q].view(bufs.array(n, q).dtype)
+                    if fam.kind == "moe" and entry in (None, "dispatch"):  # the call's number: its counter after it
+                        self.write_received(bufs, q, bufs.snapshots[k], int(bufs.array(counter, r)[0]) + 1,
+                                            self.deliver if entry else (lambda rank, segments: segments))
                 if counts:
                     bufs.array(counter, r)[0] += 1
             return go
 
         for r in ranks:
             (streams or world.streams)[r].run(world.kernel_us, effect(r))
+
+    def write_received(self, bufs, rank, inputs, call, deliver):
+        from tsgen.bench.moe_phases import expected_received
+
+        key = (call & 1, id(inputs))  # the rows depend on the inputs and, low-latency, the call's half
+        if key not in bufs.received:
+            bufs.received[key] = expected_received(self.world.spec, self.world.size, inputs, call)
+        for seg in deliver(rank, bufs.received[key][rank]):
+            a, width = bufs.array(seg.name, rank), seg.rows.shape[1]
+            a[seg.start * width:seg.start * width + seg.rows.size] = seg.rows.reshape(-1).view(a.dtype)
 
     def close(self):
         pass

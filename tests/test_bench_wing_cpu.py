@@ -351,6 +351,9 @@ def test_moe_dispatch_and_combine_are_timed_each_alone(monkeypatch, spec_path):
     for name, r in phases.items():
         assert r["wrong"] == 0 and not r["compare"] and r["role"] == name and r["sms"] == spec.launch.blocks
         assert r["busbw_GBps"] == pytest.approx(max(sent[name]) / r["time_us"] / 1e3)
+    rows = phases["dispatch"]["received_check"]  # what the ranks received, compared row by row
+    assert phases["dispatch"]["received_wrong"] == 0 and rows.endswith("rows on rank(s) 0, 1")
+    assert int(rows.split("bit-exact: ")[1].split()[0]) > 0
     assert "ratios" in pair and not any("tsgen " in k for k in pair["ratios"])
 
 
@@ -407,6 +410,55 @@ def test_moe_phase_that_writes_nothing_is_an_error(monkeypatch):
     out = bench_spec("specs/moe.yaml", 2, "100", echo=lambda s: None, **FAST)
     assert any("tsgen dispatch" in e and "wrong" in e for e in out.errors), out.errors
     assert not any(r.get("phase") == "dispatch" and r["impl"].startswith("tsgen") for r in out.rows)
+
+
+def _no_rows(segments):
+    return []
+
+
+def _two_rows_swapped(segments):
+    """The first payload rows (bf16 recv_x, fp8 recv_q, a low-latency slot's recv_x) with two rows
+    or more: its rows 0 and 1 trade places; their handles stay."""
+    seg = next(s for s in segments if s.name in ("recv_x", "recv_q") and len(s.rows) >= 2)
+    rows = seg.rows.copy()
+    rows[[0, 1]] = rows[[1, 0]]
+    return [dataclasses.replace(s, rows=rows) if s is seg else s for s in segments]
+
+
+def _wrong_handle(segments):
+    """The first handle (normal: [source rank, token], its token one more; low-latency: token * 32 + k,
+    its k one more) is off by one; the rows stay right."""
+    seg = next(s for s in segments if s.name in ("handle", "recv_src"))
+    rows = seg.rows.copy()
+    rows[0, -1] += 1
+    return [dataclasses.replace(s, rows=rows) if s is seg else s for s in segments]
+
+
+@pytest.mark.parametrize("spec_path", ["specs/moe.yaml", "specs/moe_fp8.yaml", "specs/moe_ll.yaml"])
+@pytest.mark.parametrize("mangle, rank, named", [
+    (_no_rows, 0, None),  # None: every received buffer
+    (_two_rows_swapped, 1, ("recv_x", "recv_q")),
+    (_wrong_handle, 1, ("handle", "recv_src"))])
+def test_moe_dispatch_alone_checks_the_received_rows(monkeypatch, spec_path, mangle, rank, named):
+    """Dispatch alone's received rows (poisoned after its warm-up) are compared bit for bit with what
+    the ranks should hold: a dispatch that counts right but delivers no rows on one rank, two rows
+    swapped, or a wrong handle is an error naming the rank and the buffer, not a row; the pair and
+    combine alone keep their rows."""
+    from tsgen.bench.moe_phases import received_buffers
+
+    install(monkeypatch)
+    fake_multiprocess(monkeypatch)
+    monkeypatch.setattr(bench_fakes.Module, "deliver",
+                        staticmethod(lambda r, segments: mangle(segments) if r == rank else segments))
+    out = bench_spec(spec_path, 2, "100", echo=lambda s: None, **FAST)
+    names = [n for n in received_buffers(load_spec(spec_path).model) if named is None or n in named]
+    assert len(names) == (len(received_buffers(load_spec(spec_path).model)) if named is None else 1)
+    for name in names:
+        assert any(e.startswith("tsgen dispatch ") and f": rank {rank} {name}: " in e and "differ" in e
+                   for e in out.errors), (name, out.errors)
+    assert not any(f"rank {1 - rank} " in e for e in out.errors), out.errors
+    assert any(e.startswith("tsgen dispatch (") and "wrong elements" in e for e in out.errors), out.errors
+    assert sorted(r.get("phase") or "pair" for r in out.rows if r["impl"].startswith("tsgen")) == ["combine", "pair"]
 
 
 def test_moe_phase_refused_is_a_note_and_the_other_phase_stays(monkeypatch):
