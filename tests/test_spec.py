@@ -406,4 +406,4 @@ def test_shipped_specs_select_by_family_attributes():
     for loaded in shipped(transport="copy_engine"):
         assert loaded.model.params.transport == "copy_engine"
     assert shipped_specs(category="collective", op="gemm") == []
-    assert {load_spec(p).model.op for p in shipped_specs(category="compute")} == {"gemm", "attention"}
+    assert {load_spec(p).model.op for p in shipped_specs(category="compute")} == {"gemm", "attention", "attention_backward"}

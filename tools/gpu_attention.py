@@ -126,19 +126,24 @@ def variant_spec(name: str, timeout_ms: int | None = 3000):
     return spec_variant(load_spec(SPEC), updates)
 
 
-def build(out: Path, name: str, timeout_ms: int | None = 3000) -> dict:
-    """Render and compile variant `name`: {"manifest", "library", "spec"}."""
+def build_loaded(out: Path, loaded) -> dict:
+    """Render a loaded spec into OUT/build/generated and compile its host-launcher library:
+    {"manifest", "library", "softmax_scale"} (also tools/gpu_attention_bwd.py's)."""
     from tsgen.render import render, write_if_different
     from tsgen.toolchain import compile_source
 
-    loaded = variant_spec(name, timeout_ms)
     rendered = render(loaded, base=ROOT)
     gen = out / "build" / "generated"
     for file, text in rendered.files().items():
         write_if_different(gen / file, text)
     lib = compile_source(gen / f"{rendered.name}.cu", mode="shared").output
-    return {"manifest": str(gen / f"{rendered.name}.json"), "library": str(lib), "spec": str(SPEC),
+    return {"manifest": str(gen / f"{rendered.name}.json"), "library": str(lib),
             "softmax_scale": loaded.model.params.softmax_scale}
+
+
+def build(out: Path, name: str, timeout_ms: int | None = 3000) -> dict:
+    """Render and compile variant `name`: {"manifest", "library", "spec", "softmax_scale"}."""
+    return {**build_loaded(out, variant_spec(name, timeout_ms)), "spec": str(SPEC)}
 
 
 class Op:

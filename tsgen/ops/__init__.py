@@ -10,9 +10,9 @@ tsgen.shipped.shipped_specs, never through lists of op kinds of its own.
 from __future__ import annotations
 
 from .base import CATEGORIES, GPU_SWEEPS, OpFamily
-from . import all_to_all_v, attention, collectives, cp_attention, fused, gemm, grid_gemm, moe, primitives, ulysses
+from . import all_to_all_v, attention, attention_backward, collectives, cp_attention, fused, gemm, grid_gemm, moe, primitives, ulysses
 
-_MODULES = [primitives, collectives, all_to_all_v, gemm, fused, grid_gemm, attention, ulysses, cp_attention, moe]
+_MODULES = [primitives, collectives, all_to_all_v, gemm, fused, grid_gemm, attention, attention_backward, ulysses, cp_attention, moe]
 
 _FAMILIES: dict[str, OpFamily] = {}
 for _module in _MODULES:

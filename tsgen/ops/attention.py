@@ -30,8 +30,8 @@ warpgroups take turns at the tensor cores (ping-pong). Causal: only blocks that 
 diagonal are masked, blocks past it are never loaded. O leaves through TMA stores.
 
 The backward (dQ, dK, dV) has its reference here (attention_backward_reference, the algorithm
-the kernel will run, with per-element tolerances through o_tolerance); its kernel is designed in
-docs/design/attention.md and not built yet.
+the kernel runs, with per-element tolerances through o_tolerance); its op is `attention_backward`
+(tsgen/ops/attention_backward.py), designed in docs/design/attention.md.
 """
 
 from __future__ import annotations
@@ -74,17 +74,30 @@ class AttentionTile(StrictModel):
                    description="keys per KV block (the N of S = Q K^T, the K of O += P V)")
 
 
-class AttentionParams(StrictModel):
+class AttentionShape(StrictModel):
+    """The problem's shape, shared by the forward (`attention`) and the backward
+    (`attention_backward`, tsgen/ops/attention_backward.py)."""
+
     head_dim: Literal[64, 128] = Field(128, description="Q, K, V and O columns per head")
     heads: int = Field(32, ge=1, le=1024, description="query heads")
     kv_heads: int = Field(32, ge=1, le=1024, description="K and V heads; divides heads (grouped-query attention)")
     batch: int = Field(1, ge=1, le=1 << 20,
                        description="sequences per call of the runtime's entry (<kernel>_launch, whose count is "
-                       "the sequence length); <kernel>_forward takes the batch at run time")
+                       "the sequence length); the run-time entry takes the batch at run time")
     causal: bool = Field(False, description="a query sees only keys at positions <= its own")
     softmax_scale: SoftmaxScale | None = Field(None, description="scale of Q K^T; default 1 / sqrt(head_dim)")
     layout: Literal["bshd", "bhsd"] = Field(
         "bshd", description="bshd: [batch, seq, heads, head_dim]; bhsd: [batch, heads, seq, head_dim]")
+
+
+def heads_problems(p: AttentionShape) -> list[tuple[tuple, str]]:
+    """The KV heads must divide the query heads (each KV head serves a group of query heads)."""
+    if p.kv_heads > p.heads or p.heads % p.kv_heads:
+        return [(("params", "kv_heads"), f"{p.kv_heads} KV heads do not divide {p.heads} query heads")]
+    return []
+
+
+class AttentionParams(AttentionShape):
     tile: AttentionTile = AttentionTile()
     stages: int = Field(2, ge=1, le=8, description="K and V blocks in flight (each its own ring)")
     pingpong: bool = Field(True, description="the two consumer warpgroups take turns issuing their GEMMs "
@@ -104,14 +117,19 @@ class AttentionLaunch(StrictModel):
     threads: Literal[384] = Field(384, description="one producer + two consumer warpgroups")
 
 
-class AttentionSpec(SpecBase):
-    """Spec of op `attention`: flash-attention forward, O and LSE."""
+class OneGpuAttentionSpec(SpecBase):
+    """What the forward's and the backward's specs share: one GPU, a 16-bit element type."""
 
-    op: Literal["attention"]
     world_sizes: Annotated[
         list[Literal[1]], BeforeValidator(_as_list), Field(min_length=1, max_length=1)
     ] = Field(description="attention runs on one GPU: [1]")
     dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Q, K, V and O element type")
+
+
+class AttentionSpec(OneGpuAttentionSpec):
+    """Spec of op `attention`: flash-attention forward, O and LSE."""
+
+    op: Literal["attention"]
     params: AttentionParams = AttentionParams()
     launch: AttentionLaunch = AttentionLaunch()
 
@@ -213,10 +231,7 @@ class AttentionFamily(OpFamily):
 
     def check(self, spec):
         p = spec.params
-        problems = []
-        if p.kv_heads > p.heads or p.heads % p.kv_heads:
-            problems.append((("params", "kv_heads"),
-                             f"{p.kv_heads} KV heads do not divide {p.heads} query heads"))
+        problems = heads_problems(p)
         acc = accumulators(spec)
         if acc > MAX_ACCUMULATORS:
             problems.append((("params", "tile", "n"),

@@ -1,0 +1,427 @@
+"""The `attention_backward` op on one GPU: correctness against a float32 reference, then a short
+bench against torch autograd of SDPA's backward (flash and cuDNN backends).
+
+Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench]
+       (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment)
+
+1. Build: the variants below, rendered from specs/attention_backward_hd128.yaml, compiled into
+   host-launcher shared libraries (in parallel) before anything runs.
+2. Correctness, one child process per variant (a trapping kernel ends its CUDA context): each
+   case draws random 16-bit Q, K, V, dO (torch, on the GPU), computes O (rounded to 16 bits)
+   and LSE with a float32 forward, and checks dQ, dK, dV of <kernel>_backward against the
+   float32 backward of the same formulas (tsgen.ops.attention.attention_backward_reference's,
+   on the GPU, TF32 off) element by element: |got - ref| <= ulp |ref| + 2 ulp (the |.| sums of
+   each product) + 1e-6 (o_tolerance's bound, ulp 2^-7 bf16 / 2^-10 fp16); no NaN. Before every
+   checked call the outputs and the fp32 workspace are poisoned with NaN and sentinels sit after
+   the outputs' ends. Cases: S = 1000 (tails of queries and keys, batch 2), 4096; one case of
+   20 back-to-back calls (the dQ accumulator must be zeroed per call); one where q_len and
+   kv_len differ (causal: bottom-right aligned positions).
+3. Bench (one child): hd 128, 32 heads (32 and 8 KV heads), S 4K, 8K, 16K (16K tokens: batch =
+   16384 / S), causal and not: tsgen's three kernels against torch autograd of
+   scaled_dot_product_attention (flash and cuDNN backends: the backward only, the forward run
+   once), timed in interleaved rounds (tsgen/bench/timing.py Sampler, eager), FLOPs 10 b h s^2 d
+   (halved causal).
+
+Writes OUT_DIR/attention_bwd.json and OUT_DIR/attention_bwd.md and prints the tables. Exit code
+0: every check passed; 1: a check failed or a child crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import ctypes
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "tools"))
+
+from tsgen.env import force_no_multicast  # noqa: E402
+from gpu_attention import build_loaded  # noqa: E402  (the forward's script: render and compile a spec)
+
+force_no_multicast()
+
+SPEC = ROOT / "specs" / "attention_backward_hd128.yaml"
+PEAK_TFLOPS = 990.0  # dense bf16 of an H100 / H200 SXM: anything above is a measurement error
+TOKENS = 16384
+CHECK_TIMEOUT_S, BENCH_TIMEOUT_S = 120, 150
+
+
+def variant(head_dim=128, causal=False, kv_heads=32, **extra) -> dict:
+    changes = {"params": {"head_dim": head_dim, "causal": causal, "kv_heads": kv_heads}}
+    for key, value in extra.items():
+        (changes if key == "dtype" else changes["params"])[key] = value
+    return changes
+
+
+VARIANTS = {f"hd{d}_{'causal' if c else 'full'}_kv{kv}": variant(d, c, kv)
+            for d in (64, 128) for c in (False, True) for kv in (32, 8)}
+VARIANTS.update({
+    "fp16_hd128_causal_kv8": variant(128, True, 8, dtype="float16"),
+    "hd128_full_kv4_bhsd": variant(128, False, 4, layout="bhsd"),
+})
+CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd64_full_kv8", "hd64_causal_kv32",
+                  "fp16_hd128_causal_kv8", "hd128_full_kv4_bhsd"]
+BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd128_causal_kv8"]
+BENCH_SEQS = [4096, 8192, 16384]
+
+
+def build(out: Path, name: str) -> dict:
+    """Render and compile variant `name` of SPEC: {"manifest", "library", "softmax_scale"}."""
+    from tsgen.spec import load_spec, merge, spec_variant
+
+    return build_loaded(out, spec_variant(load_spec(SPEC), merge(VARIANTS[name], {"name": f"attbwd_{name}"})))
+
+
+class Op:
+    """One compiled variant, called through <kernel>_backward with torch tensors."""
+
+    def __init__(self, built: dict):
+        self.manifest = json.loads(Path(built["manifest"]).read_text())
+        c = self.manifest["constants"]
+        self.head_dim, self.heads, self.kv_heads = c["HEAD_DIM"], c["HEADS"], c["KV_HEADS"]
+        self.causal, self.bhsd = bool(c["CAUSAL"]), bool(c["BHSD"])
+        self.dtype = self.manifest["buffers"][1]["dtype"]
+        scale = built["softmax_scale"]
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(self.head_dim)
+        lib = ctypes.CDLL(built["library"])
+        self.fn = getattr(lib, self.manifest["kernels"][0]["name"] + "_backward")
+        self.fn.restype = ctypes.c_int
+        u64, i64, vp = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
+        self.fn.argtypes = [vp] * 12 + [u64, u64, u64, i64, i64, i64, i64, vp]
+
+    def workspace(self, torch, batch, q_len, device="cuda"):
+        f32 = dict(device=device, dtype=torch.float32)
+        return (torch.empty(batch * q_len * self.heads * self.head_dim, **f32),
+                torch.empty(batch * self.heads * q_len, **f32), torch.empty(batch * self.heads * q_len, **f32))
+
+    def __call__(self, t: dict, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0):
+        ptrs = [t[n].data_ptr() for n in ("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv")] + [w.data_ptr() for w in ws]
+        err = self.fn(*ptrs, batch, q_len, kv_len, q_offset, q_len, 0, kv_offset, stream.cuda_stream)
+        if err != 0:
+            raise RuntimeError(f"{self.manifest['name']}_backward returned cudaError {err}")
+
+
+def torch_dtype(torch, name: str):
+    return torch.bfloat16 if name == "bfloat16" else torch.float16
+
+
+def to_bshd(x, bhsd: bool):
+    return x.transpose(1, 2) if bhsd else x
+
+
+# ---------------------------------------------------------------------------
+# The float32 reference on the GPU (the formulas of attention_backward_reference)
+# ---------------------------------------------------------------------------
+
+
+def reference(torch, q, k, v, do, scale, causal, q_offset=0, kv_offset=0):
+    """q, do [B, Sq, H, D], k, v [B, Skv, Hkv, D] (float32, bshd) -> O (rounded by the caller), LSE
+    [B, H, Sq], and a function of O giving dQ, dK, dV and their |.| sums, all float32 bshd."""
+    B, Sq, H, D = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    g = H // Hkv
+    qp = q_offset + torch.arange(Sq, device=q.device)
+    kp = kv_offset + torch.arange(Skv, device=q.device)
+    hidden = (kp[None, :] > qp[:, None]) if causal else None
+
+    def scores(b, h):
+        s = scale * (q[b, :, h] @ k[b, :, h // g].T)
+        return s.masked_fill(hidden, -math.inf) if causal else s
+
+    o = torch.zeros_like(q)
+    lse = torch.empty(B, H, Sq, device=q.device)
+    for b in range(B):
+        for h in range(H):
+            s = scores(b, h)
+            lse[b, h] = torch.logsumexp(s, dim=1)
+            o[b, :, h] = torch.softmax(s, dim=1).nan_to_num(0.0) @ v[b, :, h // g]
+
+    def grads(o16):
+        dsum = (do * o16).sum(-1)  # [B, Sq, H]
+        out = [torch.zeros_like(x) for x in (q, k, v, q, k, v)]
+        dq, dk, dv, aq, ak, av = out
+        for b in range(B):
+            for h in range(H):
+                kh, vh = k[b, :, h // g], v[b, :, h // g]
+                seen = torch.isfinite(lse[b, h])
+                p = torch.exp(scores(b, h) - torch.where(seen, lse[b, h], 0.0)[:, None])
+                p = torch.where(seen[:, None], p, 0.0)
+                ds = p * (do[b, :, h] @ vh.T - dsum[b, :, h][:, None])
+                dq[b, :, h] = scale * (ds @ kh)
+                dk[b, :, h // g] += scale * (ds.T @ q[b, :, h])
+                dv[b, :, h // g] += p.T @ do[b, :, h]
+                aq[b, :, h] = scale * (ds.abs() @ kh.abs())
+                ak[b, :, h // g] += scale * (ds.abs().T @ q[b, :, h].abs())
+                av[b, :, h // g] += p.T @ do[b, :, h].abs()
+        return out
+
+    return o, lse, grads
+
+
+def tolerance(torch, ref, absum, dtype: str):
+    ulp = 2.0**-7 if dtype == "bfloat16" else 2.0**-10
+    return ulp * ref.abs() + 2 * ulp * absum + 1e-6
+
+
+def run_case(torch, op: Op, case: dict, gen, device: str = "cuda") -> dict:
+    """One case: random inputs, the reference, `calls` calls of `op` on poisoned outputs and
+    workspace, the per-element check (device "cpu": the tests' fake ops)."""
+    batch, q_len, kv_len, calls = case["batch"], case["q_len"], case["kv_len"], case.get("calls", 1)
+    dt = torch_dtype(torch, op.dtype)
+    # causal with q_len != kv_len: bottom-right aligned (the last query sees every key)
+    q_offset = kv_len - q_len if op.causal else 0
+
+    def randn(rows, heads):
+        return torch.randn(batch, rows, heads, op.head_dim, device=device, generator=gen).to(dt)
+
+    q, k, v, do = randn(q_len, op.heads), randn(kv_len, op.kv_heads), randn(kv_len, op.kv_heads), randn(q_len, op.heads)
+    f32 = [x.float() for x in (q, k, v, do)]
+    o32, lse, grads = reference(torch, *f32, op.scale, op.causal, q_offset=q_offset)
+    o = o32.to(dt)
+    dq, dk, dv, aq, ak, av = grads(o.float())
+
+    def layout(x):  # bshd -> the op's layout, contiguous
+        return to_bshd(x, op.bhsd).contiguous()
+
+    guard = 64  # sentinel elements after each output
+    t = {"q": layout(q), "k": layout(k), "v": layout(v), "o": layout(o), "do": layout(do), "lse": lse.contiguous()}
+    flat = {}
+    for name, like in (("dq", q), ("dk", k), ("dv", v)):
+        flat[name] = torch.empty(like.numel() + guard, device=device, dtype=dt)
+        t[name] = flat[name][:like.numel()].view(layout(like).shape)
+    ws = op.workspace(torch, batch, q_len, device)
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    for x in list(flat.values()) + list(ws):
+        x.fill_(math.nan)
+    for x in flat.values():
+        x[-guard:].fill_(7.0)
+    if stream is not None:
+        torch.cuda.synchronize()
+    for _ in range(calls):
+        op(t, ws, batch, q_len, kv_len, stream, q_offset=q_offset)
+    if stream is not None:
+        stream.synchronize()
+    result = {"case": case, "calls": calls}
+    ok = True
+    for name, ref, absum in (("dq", dq, aq), ("dk", dk, ak), ("dv", dv, av)):
+        got = to_bshd(t[name], op.bhsd).float()
+        bad = ~((got - ref).abs() <= tolerance(torch, ref, absum, op.dtype))
+        rel = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+        sentinel = bool((flat[name][-guard:] == 7.0).all())
+        result[name] = {"wrong": int(bad.sum()), "of": bad.numel(), "rel_err": rel, "nan": int(got.isnan().sum()),
+                        "sentinel_ok": sentinel}
+        if bad.any():
+            i = int(bad.flatten().nonzero()[0])
+            result[name]["first_wrong"] = {"index": i, "got": float(got.flatten()[i]), "ref": float(ref.flatten()[i])}
+        ok = ok and not bad.any() and sentinel
+    result["pass"] = ok
+    return result
+
+
+def cases_for(op: Op, quick: bool) -> list[dict]:
+    cases = [{"batch": 2, "q_len": 1000, "kv_len": 1000},
+             {"batch": 1, "q_len": 1000, "kv_len": 1000, "calls": 20},
+             {"batch": 1, "q_len": 300, "kv_len": 777}]
+    if not quick:
+        cases.append({"batch": 1, "q_len": 4096, "kv_len": 4096})
+    return cases
+
+
+def check_variant(built: dict, quick: bool, echo=print) -> dict:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    op = Op(built)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(1)
+    results = []
+    for case in cases_for(op, quick):
+        r = run_case(torch, op, case, gen)
+        results.append(r)
+        echo(json.dumps(r))
+    return {"pass": all(r["pass"] for r in results), "cases": results}
+
+
+# ---------------------------------------------------------------------------
+# Bench
+# ---------------------------------------------------------------------------
+
+
+def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tsgen.bench.timing import Sampler, TorchClock, paired_ratio, time_interleaved
+    from tsgen.ops.attention_backward import flops
+
+    clock = TorchClock(torch)
+    rows = []
+    for name in BENCH_VARIANTS:
+        op = Op(built[name])
+        for seq in BENCH_SEQS[:1] if quick else BENCH_SEQS:
+            batch = max(1, TOKENS // seq)
+            dt = torch_dtype(torch, op.dtype)
+            t = {n: torch.randn(batch, seq, h, op.head_dim, device="cuda", dtype=dt)
+                 for n, h in (("q", op.heads), ("k", op.kv_heads), ("v", op.kv_heads), ("do", op.heads))}
+            stream = torch.cuda.Stream()
+            # O from SDPA's forward; LSE zeros: timing only, the values do not change the work
+            qt, kt, vt = (t[n].transpose(1, 2).requires_grad_(True) for n in ("q", "k", "v"))
+            with torch.no_grad():
+                t["o"] = F.scaled_dot_product_attention(qt, kt, vt, is_causal=op.causal,
+                                                        enable_gqa=op.heads != op.kv_heads).transpose(1, 2).contiguous()
+            t["lse"] = torch.zeros(batch, op.heads, seq, device="cuda")
+            for n in ("dq", "dk", "dv"):
+                t[n] = torch.empty_like(t[{"dq": "q", "dk": "k", "dv": "v"}[n]])
+            ws = op.workspace(torch, batch, seq)
+            dot = t["do"].transpose(1, 2)
+
+            def tsgen_call(i, rs):
+                op(t, ws, batch, seq, seq, stream)
+
+            def sdpa(backend):
+                with sdpa_kernel(backend), torch.cuda.stream(stream):
+                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=op.causal,
+                                                         enable_gqa=op.heads != op.kv_heads)
+
+                def call(i, rs):
+                    with torch.cuda.stream(stream):
+                        torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True)
+                return call
+
+            impls = {"tsgen": tsgen_call}
+            for label, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+                try:
+                    impls[label] = sdpa(backend)
+                    impls[label](0, [0])  # a backend that refuses the shape says so here
+                except RuntimeError as e:  # a backend that refuses the shape
+                    echo(f"{name} S={seq}: {label} unavailable: {str(e).splitlines()[0]}")
+            samplers = {k: Sampler(clock, [0], {0: stream}, fn, calls=3, warmup=2, graphs=False, label=k)
+                        for k, fn in impls.items()}
+            timings = time_interleaved(samplers, rounds=5)
+            f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
+            row = {"variant": name, "seq": seq, "batch": batch}
+            for k, tm in timings.items():
+                row[k] = {"us": tm.median_us, "tflops": f / tm.median_us / 1e6, "problems": tm.problems}
+                if row[k]["tflops"] > PEAK_TFLOPS:
+                    row[k]["problems"].append(f"{row[k]['tflops']:.0f} TFLOP/s is above the dense peak")
+                if k != "tsgen":
+                    row[k]["ratio"] = paired_ratio(tm.samples_us, timings["tsgen"].samples_us)["ratio"]
+            rows.append(row)
+            echo(json.dumps(row))
+            del t, ws, qt, kt, vt
+            torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------------------
+# Children and the report
+# ---------------------------------------------------------------------------
+
+
+def child(args: list[str], timeout: float) -> tuple[dict, str]:
+    cmd = [sys.executable, __file__, "--child", *args]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        log = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"pass": False, "error": f"timed out after {timeout} s"}, log
+    lines = p.stdout.splitlines()
+    for line in reversed(lines):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:]), p.stdout + p.stderr
+    return {"pass": False, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] or ''}"}, p.stdout + p.stderr
+
+
+def markdown(s: dict) -> str:
+    out = [f"# attention_backward on one GPU ({s['device']}, {s['date']})", "", f"Command: `{s['command']}`", "",
+           "## Correctness", "", "| variant | case | calls | dQ wrong | dK wrong | dV wrong | rel err dQ / dK / dV | pass |",
+           "|---|---|---|---|---|---|---|---|"]
+    for name, r in s["checks"].items():
+        for c in r.get("cases", []):
+            case = c["case"]
+            out.append(f"| {name} | b{case['batch']} q{case['q_len']} kv{case['kv_len']} | {c['calls']} | "
+                       + " | ".join(f"{c[g]['wrong']} / {c[g]['of']}" for g in ("dq", "dk", "dv"))
+                       + " | " + " / ".join(f"{c[g]['rel_err']:.1e}" for g in ("dq", "dk", "dv"))
+                       + f" | {'yes' if c['pass'] else 'NO'} |")
+        if "error" in r:
+            out.append(f"| {name} | {r['error']} | | | | | | NO |")
+    if s.get("bench"):
+        out += ["", "## Speed (TFLOP/s: 10 b h s^2 d, halved causal; ratio = SDPA time / tsgen time, paired rounds)", "",
+                "| variant | S | tsgen | SDPA flash | ratio | SDPA cuDNN | ratio |", "|---|---|---|---|---|---|---|"]
+        for row in s["bench"].get("rows", []):
+            cells = [f"{row['tsgen']['tflops']:.0f}"]
+            for k in ("sdpa_flash", "sdpa_cudnn"):
+                cells += [f"{row[k]['tflops']:.0f}", f"{row[k]['ratio']:.2f}"] if k in row else ["-", "-"]
+            out.append(f"| {row['variant']} | {row['seq']} | " + " | ".join(cells) + " |")
+        if "error" in s["bench"]:
+            out.append(f"\nBench error: {s['bench']['error']}")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?", default="/tmp/tsgen-out")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--child", nargs="+")
+    a = ap.parse_args()
+    if a.child:
+        kind, built_json = a.child[0], json.loads(a.child[1])
+        if kind == "check":
+            result = check_variant(built_json, a.quick)
+        else:
+            result = bench(built_json, a.quick)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = sorted(set(CHECK_VARIANTS) | (set() if a.no_bench else set(BENCH_VARIANTS)))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
+        built = dict(zip(names, ex.map(lambda n: build(out, n), names)))
+    print(f"built {len(built)} variants", flush=True)
+    checks = {}
+    for name in CHECK_VARIANTS:
+        extra = ["--quick"] if a.quick else []
+        r, log = child(["check", json.dumps(built[name]), *extra], CHECK_TIMEOUT_S)
+        checks[name] = r
+        print(f"{name}: {'pass' if r.get('pass') else 'FAIL'}", flush=True)
+        if not r.get("pass"):
+            print(log[-4000:], flush=True)
+    summary = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "command": " ".join(sys.argv), "checks": checks}
+    if not a.no_bench:
+        extra = ["--quick"] if a.quick else []
+        summary["bench"], log = child(["bench", json.dumps({n: built[n] for n in BENCH_VARIANTS}), *extra],
+                                      BENCH_TIMEOUT_S)
+        if "rows" not in summary["bench"]:
+            print(log[-4000:], flush=True)
+    (out / "attention_bwd.json").write_text(json.dumps(summary, indent=1))
+    text = markdown(summary)
+    (out / "attention_bwd.md").write_text(text)
+    print(text)
+    ok = all(r.get("pass") for r in checks.values()) and all(
+        not v.get("problems") for row in summary.get("bench", {}).get("rows", []) for v in row.values()
+        if isinstance(v, dict))
+    return 0 if ok else 1
+
+
+def device_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

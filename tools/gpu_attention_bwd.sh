@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One device call for the attention backward (one GPU, < 5 min): build the variants, check dQ, dK, dV
+# against a float32 reference (S 1000 with tails, 4096, q_len != kv_len, 20 back-to-back calls,
+# poisoned outputs and workspace; causal and not, GQA, hd 64 and 128, fp16, bhsd), then the shipped
+# specs through the harness (tests/test_gpu.py's one-GPU sweep), then a short bench against torch
+# autograd of SDPA's backward (flash, cuDNN). Results under $OUT.
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+rc=0
+timeout ${ATTENTION_BWD_TIMEOUT:-200} python3 tools/gpu_attention_bwd.py "$OUT" "$@" || rc=1
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "attention_through_the_harness and attention_backward" \
+  2>&1 | tail -15 || rc=1
+exit $rc

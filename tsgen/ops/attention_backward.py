@@ -1,0 +1,180 @@
+"""attention_backward: the gradients dQ, dK, dV of the `attention` op's forward on one GPU.
+
+    D = rowsum(dO * O),  P = exp(scale Q K^T - LSE)  (the forward's LSE: no second softmax),
+    dV = P^T dO,  dS = P * (dO V^T - D),  dQ = scale dS K,  dK = scale dS^T Q
+
+Inputs Q, K, V, O, dO (`dout`) and LSE as the forward wrote them (its layouts: params.layout;
+LSE fp32 [batch, heads, q_len], natural log, -inf where a query saw no key); outputs dQ, dK,
+dV, 16-bit, in the layout of Q, K and V. GQA: dK and dV of a KV head are summed over the
+query heads of its group. Positions and the causal mask are the forward's.
+
+A family of its own, not a mode of `attention`: every buffer differs (six inputs, three
+outputs, an fp32 workspace), and so do the launch, the kernels and the tile parameters; what
+the two share (the shape parameters, the GQA check, the scale, the reference and the
+tolerance) they import from tsgen/ops/attention.py, one home each.
+
+Three kernels per call (templates/include/tsgen/attention_bwd.cuh): a preprocess (D, LSE in
+base 2, dQ's fp32 accumulator zeroed), the main kernel (a CTA per block of 64 keys walks the
+query blocks of its group's heads; dK, dV in registers, dQ added into the fp32 accumulator
+with atomics), and a conversion of dQ to 16 bits. This first version uses mma.sync, not the
+FA3-style wgmma pipeline docs/design/attention.md plans: correctness before speed.
+
+Host entry points (host_launch):
+  <kernel>_launch(peers, rank, calls, count, q, k, v, o, dout, lse, dq, dk, dv, dq_accum,
+      dsum, lse2, stream): tsgen's calling convention, count = the sequence length (q_len =
+      kv_len), params.batch sequences, positions from 0.
+  <kernel>_backward(q, k, v, o, dout, lse, dq, dk, dv, dq_accum, dsum, lse2, batch, q_len,
+      kv_len, q_offset, q_split, q_offset2, kv_offset, stream): everything at run time; the
+      workspace: dq_accum batch * q_len * heads * head_dim floats, dsum and lse2 batch *
+      heads * q_len floats each.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from ..spec_types import StrictModel
+from .attention import (AttentionShape, OneGpuAttentionSpec, attention_backward_reference, attention_reference,
+                        from_bshd, heads_problems, o_tolerance, scale_of, scale_vars, to_bshd)
+from .base import Buffer, OpFamily, one_kernel_abi
+from .collectives import from_f64, to_f64
+
+BLOCK_M = 64  # query rows per step (tsgen::attention_bwd::BLOCK_M)
+BLOCK_N = 64  # keys per CTA (BLOCK_N)
+GRADS = ("dq", "dk", "dv")
+
+
+class AttentionBackwardLaunch(StrictModel):
+    threads: Literal[128] = Field(128, description="4 warps, 16 keys each, per block of 64 keys")
+    blocks: Literal[0] = Field(0, description="one CTA per (block of 64 keys, KV head, sequence): a plain grid")
+
+
+class AttentionBackwardSpec(OneGpuAttentionSpec):
+    """Spec of op `attention_backward`: dQ, dK and dV of the flash-attention forward (dtype: also
+    dO's and the gradients')."""
+
+    op: Literal["attention_backward"]
+    params: AttentionShape = AttentionShape()
+    launch: AttentionBackwardLaunch = AttentionBackwardLaunch()
+
+
+def smem_bytes(spec: AttentionBackwardSpec) -> int:
+    """K, V, Q and dO tiles of 64 rows padded by 8 elements, dS^T (64 x 72), LSE2 and D of 64
+    rows (tsgen::attention_bwd::Layout asserts the same)."""
+    pitch = spec.params.head_dim + 8
+    return 2 * ((2 * BLOCK_N + 2 * BLOCK_M) * pitch + BLOCK_N * (BLOCK_M + 8)) + 2 * 4 * BLOCK_M
+
+
+def backward_inputs(spec, count: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random Q, K, V and dO, and O and LSE from the float64 forward reference (O rounded to the
+    16-bit type as the forward writes it), as flat arrays in the spec's layout and types."""
+    p = spec.params
+    rows_q, rows_kv = p.batch * count * p.heads * p.head_dim, p.batch * count * p.kv_heads * p.head_dim
+    out = {name: from_f64(rng.standard_normal(n), spec.dtype)
+           for name, n in (("q", rows_q), ("k", rows_kv), ("v", rows_kv), ("dout", rows_q))}
+    q, k, v = (to_bshd(to_f64(out[n], spec.dtype), p.batch, count, h, p.head_dim, p.layout)
+               for n, h in (("q", p.heads), ("k", p.kv_heads), ("v", p.kv_heads)))
+    o, lse = attention_reference(q, k, v, scale_of(spec), p.causal)
+    out["o"] = from_f64(from_bshd(o, p.layout).reshape(-1), spec.dtype)
+    out["lse"] = lse.reshape(-1).astype(np.float32)
+    return out
+
+
+class AttentionBackwardFamily(OpFamily):
+    kind = "attention_backward"
+    Spec = AttentionBackwardSpec
+    template = "attention_backward.cu.j2"
+    category = "compute"
+    gpu_sweep = "one_gpu"  # and tools/gpu_attention_bwd.py: lengths, GQA, layouts, the bench
+    variant_worlds = ()
+    min_world = 1
+    count_unit = "rows"  # sequence positions (q_len = kv_len) through <kernel>_launch
+    host_launch = True  # three kernels per call
+    summary = (
+        "flash-attention backward on one GPU: dQ, dK, dV from Q, K, V, O, dO and the forward's LSE; "
+        "a preprocess (D = rowsum(dO O)), a main kernel per block of 64 keys (mma.sync; dK, dV in "
+        "registers, GQA summed there; dQ by fp32 atomics), a conversion of dQ"
+    )
+
+    def check(self, spec):
+        return heads_problems(spec.params)
+
+    def buffers(self, spec):
+        p = spec.params
+        q_row, kv_row = p.batch * p.heads * p.head_dim, p.batch * p.kv_heads * p.head_dim
+        return (
+            Buffer("q", spec.dtype, "input", per_count=q_row),
+            Buffer("k", spec.dtype, "input", per_count=kv_row),
+            Buffer("v", spec.dtype, "input", per_count=kv_row),
+            Buffer("o", spec.dtype, "input", per_count=q_row),
+            Buffer("dout", spec.dtype, "input", per_count=q_row),
+            Buffer("lse", "float32", "input", per_count=p.batch * p.heads),
+            Buffer("dq", spec.dtype, "output", per_count=q_row),
+            Buffer("dk", spec.dtype, "output", per_count=kv_row),
+            Buffer("dv", spec.dtype, "output", per_count=kv_row),
+            Buffer("dq_accum", "float32", "scratch", per_count=q_row),
+            Buffer("dsum", "float32", "scratch", per_count=p.batch * p.heads),
+            Buffer("lse2", "float32", "scratch", per_count=p.batch * p.heads),
+        )
+
+    def constants(self, spec):
+        p = spec.params
+        return {
+            "HEAD_DIM": p.head_dim,
+            "HEADS": p.heads,
+            "KV_HEADS": p.kv_heads,
+            "BATCH": p.batch,
+            "CAUSAL": int(p.causal),
+            "BHSD": int(p.layout == "bhsd"),
+            "THREADS": spec.launch.threads,
+            "BLOCKS": spec.launch.blocks,
+            "SMEM_BYTES": smem_bytes(spec),
+        }
+
+    def template_vars(self, spec):
+        return scale_vars(spec)
+
+    def abi(self, spec):
+        return one_kernel_abi(self, spec, smem=smem_bytes(spec), constants=self.constants(spec))
+
+    # -- reference ----------------------------------------------------------
+    def make_inputs(self, spec, world, count, rng, pattern):
+        """Random Q, K, V, dO; O and LSE from the forward's reference (backward_inputs)."""
+        return {name: [x] for name, x in backward_inputs(spec, count, rng).items()}
+
+    def _grads(self, spec, count, inputs, with_abs):
+        p = spec.params
+
+        def shaped(name, heads):  # flat -> the layout's 4-d shape (the reference takes that layout)
+            x = to_f64(inputs[name][0], spec.dtype)
+            return x.reshape((p.batch, count, heads, p.head_dim) if p.layout == "bshd"
+                             else (p.batch, heads, count, p.head_dim))
+
+        q, o, do = (shaped(n, p.heads) for n in ("q", "o", "dout"))
+        k, v = (shaped(n, p.kv_heads) for n in ("k", "v"))
+        lse = inputs["lse"][0].astype(np.float64).reshape(p.batch, p.heads, count)
+        return attention_backward_reference(q, k, v, o, do, lse, scale_of(spec), p.causal, layout=p.layout,
+                                            with_abs=with_abs)
+
+    def reference(self, spec, world, count, inputs):
+        grads = self._grads(spec, count, inputs, with_abs=False)
+        return {name: [from_f64(g.reshape(-1), spec.dtype)] for name, g in zip(GRADS, grads)}
+
+    def tolerance(self, spec, world, count, inputs):
+        """Per element, o_tolerance over each product's |.| sums (tsgen/ops/attention.py)."""
+        out = self._grads(spec, count, inputs, with_abs=True)
+        return {name: [o_tolerance(g.reshape(-1), a.reshape(-1), spec.dtype)]
+                for name, g, a in zip(GRADS, out[:3], out[3:])}
+
+
+def flops(batch: int, q_len: int, kv_len: int, heads: int, head_dim: int, causal: bool) -> float:
+    """10 b h sq skv d (five matrix products: S, dP, dV, dK, dQ), halved for causal: the
+    FlashAttention papers' convention, 2.5 x the forward's."""
+    f = 10.0 * batch * heads * q_len * kv_len * head_dim
+    return f / 2 if causal else f
+
+
+FAMILIES: list[OpFamily] = [AttentionBackwardFamily()]
