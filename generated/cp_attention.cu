@@ -36,15 +36,15 @@
 //   lse      float          output 32 * count
 //   k_full   __nv_bfloat16  scratch 1024 * world * count
 //   v_full   __nv_bfloat16  scratch 1024 * world * count
-//   sig      uint64_t       signal 32
+//   sig      uint64_t       signal 33
 // Contents (line numbers of this file):
 //   59: the hand-written library, included: tsgen/ptx.cuh 59, tsgen/sync.cuh 60, tsgen/copy.cuh 61, tsgen/gemm.cuh 62, tsgen/attention.cuh 63, tsgen/fused.cuh 64, tsgen/cp.cuh 65
 //   70: the op's own code (namespace cp_attention: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_attention 192, cp_attention_w2_sync 202, cp_attention_w4_sync 214
-//     cp_attention_w8_sync 226, cp_attention_w2_prepare 250, cp_attention_w2_launch 251
-//     cp_attention_w4_prepare 252, cp_attention_w4_launch 253, cp_attention_w8_prepare 254
-//     cp_attention_w8_launch 255
+//     cp_attention_attention 194, cp_attention_w2_sync 204, cp_attention_w4_sync 216
+//     cp_attention_w8_sync 228, cp_attention_w2_prepare 252, cp_attention_w2_launch 253
+//     cp_attention_w4_prepare 254, cp_attention_w4_launch 255, cp_attention_w8_prepare 256
+//     cp_attention_w8_launch 257
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -88,7 +88,8 @@ constexpr int RESERVE_SMS = 2;
 constexpr int SKIP_WAIT = 0;
 constexpr int THREADS = 384;
 constexpr int BLOCKS = 0;
-constexpr int SMEM_BYTES = 164944;
+constexpr int SMEM_BYTES = 164952;
+constexpr int SIGNALS = 33;
 
 // Flash attention: head dim 128, 32 query heads over 8 KV heads, not causal,
 // softmax scale 0.08838834764831843; tiles of 128 queries x blocks of 128 keys, 2 stage(s) of K and V,
@@ -172,6 +173,7 @@ struct Config {
 
 constexpr int GATHER_THREADS = 512;  // threads of a push kernel CTA
 constexpr int SIGNAL_CHUNKS = 16;    // mode of the sync kernel beside tsgen::fused::SyncMode's
+static_assert(SIGNALS == tsgen::cp::SIGNALS, "the sig buffer (tsgen/ops/cp_attention.py SIGNALS) is not tsgen/cp.cuh's");
 
 // Rows of this spec's tensors as tsgen/cp.cuh's Geometry.
 static __host__ __device__ inline tsgen::cp::Geometry geometry(int world, uint64_t count) {
@@ -187,7 +189,7 @@ static __host__ __device__ inline tsgen::cp::Geometry geometry(int world, uint64
 
 }  // namespace cp_attention
 
-// The attention kernel (the same for every world size): 384 threads, 164944 bytes of dynamic
+// The attention kernel (the same for every world size): 384 threads, 164952 bytes of dynamic
 // shared memory, one CTA per SM.
 extern "C" __global__ void __launch_bounds__(384, 1)
 cp_attention_attention(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,

@@ -36,18 +36,18 @@
 //   lse      float          output 32 * count
 //   k_full   __nv_bfloat16  scratch 512 * world * count
 //   v_full   __nv_bfloat16  scratch 512 * world * count
-//   sig      uint64_t       signal 32
+//   sig      uint64_t       signal 33
 // Contents (line numbers of this file):
 //   62: the hand-written library, included: tsgen/ptx.cuh 62, tsgen/sync.cuh 63, tsgen/copy.cuh 64, tsgen/gemm.cuh 65, tsgen/attention.cuh 66, tsgen/fused.cuh 67, tsgen/cp.cuh 68
 //   73: the op's own code (namespace cp_attention_zigzag_causal_sm: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_zigzag_causal_sm_attention 195, cp_attention_zigzag_causal_sm_w2_sync 205
-//     cp_attention_zigzag_causal_sm_w2_push 215, cp_attention_zigzag_causal_sm_w4_sync 225
-//     cp_attention_zigzag_causal_sm_w4_push 235, cp_attention_zigzag_causal_sm_w8_sync 245
-//     cp_attention_zigzag_causal_sm_w8_push 255, cp_attention_zigzag_causal_sm_w2_prepare 277
-//     cp_attention_zigzag_causal_sm_w2_launch 278, cp_attention_zigzag_causal_sm_w4_prepare 279
-//     cp_attention_zigzag_causal_sm_w4_launch 280, cp_attention_zigzag_causal_sm_w8_prepare 281
-//     cp_attention_zigzag_causal_sm_w8_launch 282
+//     cp_attention_zigzag_causal_sm_attention 197, cp_attention_zigzag_causal_sm_w2_sync 207
+//     cp_attention_zigzag_causal_sm_w2_push 217, cp_attention_zigzag_causal_sm_w4_sync 227
+//     cp_attention_zigzag_causal_sm_w4_push 237, cp_attention_zigzag_causal_sm_w8_sync 247
+//     cp_attention_zigzag_causal_sm_w8_push 257, cp_attention_zigzag_causal_sm_w2_prepare 279
+//     cp_attention_zigzag_causal_sm_w2_launch 280, cp_attention_zigzag_causal_sm_w4_prepare 281
+//     cp_attention_zigzag_causal_sm_w4_launch 282, cp_attention_zigzag_causal_sm_w8_prepare 283
+//     cp_attention_zigzag_causal_sm_w8_launch 284
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -91,7 +91,8 @@ constexpr int RESERVE_SMS = 8;
 constexpr int SKIP_WAIT = 0;
 constexpr int THREADS = 384;
 constexpr int BLOCKS = 0;
-constexpr int SMEM_BYTES = 164944;
+constexpr int SMEM_BYTES = 164952;
+constexpr int SIGNALS = 33;
 
 // Flash attention: head dim 128, 32 query heads over 4 KV heads, causal,
 // softmax scale 0.08838834764831843; tiles of 128 queries x blocks of 128 keys, 2 stage(s) of K and V,
@@ -175,6 +176,7 @@ struct Config {
 
 constexpr int GATHER_THREADS = 512;  // threads of a push kernel CTA
 constexpr int SIGNAL_CHUNKS = 16;    // mode of the sync kernel beside tsgen::fused::SyncMode's
+static_assert(SIGNALS == tsgen::cp::SIGNALS, "the sig buffer (tsgen/ops/cp_attention.py SIGNALS) is not tsgen/cp.cuh's");
 
 // Rows of this spec's tensors as tsgen/cp.cuh's Geometry.
 static __host__ __device__ inline tsgen::cp::Geometry geometry(int world, uint64_t count) {
@@ -190,7 +192,7 @@ static __host__ __device__ inline tsgen::cp::Geometry geometry(int world, uint64
 
 }  // namespace cp_attention_zigzag_causal_sm
 
-// The attention kernel (the same for every world size): 384 threads, 164944 bytes of dynamic
+// The attention kernel (the same for every world size): 384 threads, 164952 bytes of dynamic
 // shared memory, one CTA per SM.
 extern "C" __global__ void __launch_bounds__(384, 1)
 cp_attention_zigzag_causal_sm_attention(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,

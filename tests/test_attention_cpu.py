@@ -65,7 +65,7 @@ BAD = [
      ["7:3: params.kv_heads: 5 KV heads do not divide 32 query heads"]),
     ("kv_heads_more", ATT + "params:\n  kv_heads: 64\n", ["6:3: params.kv_heads: 64 KV heads do not divide 32 query heads"]),
     ("shared_memory", ATT + "params:\n  stages: 4\n",
-     [f"6:3: params.stages: 4 stages of K and V blocks of 128 x 128 (+ the 128-row Q tile) need 296080 bytes of "
+     [f"6:3: params.stages: 4 stages of K and V blocks of 128 x 128 (+ the 128-row Q tile) need 296088 bytes of "
       f"shared memory; sm_90 has {SMEM_LIMIT} per block: use fewer stages or a smaller tile.n"]),
     ("registers", ATT + "params:\n  tile: {n: 192}\n",
      ["6:10: params.tile.n: head_dim 128 with blocks of 192 keys needs 208 accumulator registers per consumer thread "
@@ -90,8 +90,8 @@ def test_shipped_specs():
     spec = load_spec(SPEC).model
     p = spec.params
     assert (p.head_dim, p.heads, p.kv_heads, p.causal, p.tile.m, p.tile.n, p.stages) == (128, 32, 32, False, 128, 128, 2)
-    # Q tile + 2 x (K + V) stages + 10 barriers + alignment slack
-    assert smem_bytes(spec) == 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 10 + 1024
+    # Q tile + 2 x (K + V) stages + 10 barriers + the dynamic schedule's tile slot + alignment slack
+    assert smem_bytes(spec) == 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 8 * 10 + 8 + 1024
     sp = load_spec(ROOT / "specs" / "attention_sp.yaml").model
     assert sp.params.kv_waits and sp.params.causal and sp.params.heads // sp.params.kv_heads == 8
 
@@ -291,11 +291,13 @@ WALK = r"""
 #include "SOURCE"
 #include <cstdlib>
 // Every tile of a problem: "T m0 head batch blocks", then "B j masked" per KV block.
+// argv[8] (optional): head_group (the dynamic schedule's order).
 int main(int argc, char** argv) {
   using C = MODULE::Config;
   tsgen::attention::Problem p = {};
   p.batch = atoi(argv[1]); p.q_len = atoi(argv[2]); p.kv_len = atoi(argv[3]);
   p.q_offset = atoi(argv[4]); p.q_split = atoi(argv[5]); p.q_offset2 = atoi(argv[6]); p.kv_offset = atoi(argv[7]);
+  p.head_group = argc > 8 ? atoi(argv[8]) : 0;
   p.m_tiles = (p.q_len + C::TILE_M - 1) / C::TILE_M;
   p.tiles = p.m_tiles * C::HEADS * p.batch;
   for (uint32_t t = 0; t < p.tiles; ++t) {
@@ -338,19 +340,26 @@ PROBLEMS = [  # batch, q_len, kv_len, q_offset, q_split (None: q_len), q_offset2
 
 
 @needs_nvcc
-@pytest.mark.parametrize("causal", [False, True])
-def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal):
+@pytest.mark.parametrize("causal, head_group", [(False, 0), (True, 0), (True, 2), (True, 4)])
+def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal, head_group):
+    """head_group > 0: the dynamic schedule's order (groups of head_group (batch, head) pairs,
+    the last of 3 batches x 2 heads smaller with 4), which must still give every tile once."""
     name = "w"
     loaded = variant(name, params={"causal": causal, "heads": 2, "kv_heads": 1, "tile": {"n": 176}})
     exe = walker(rendered_source(loaded, tmp_path), name, tmp_path)
     M, N = 128, 176
-    for b, sq, skv, qo, split, qo2, ko in PROBLEMS:
+    for b, sq, skv, qo, split, qo2, ko in PROBLEMS + [(3, 300, 300, 0, None, 0, 0)]:
         split = sq if split is None else split
-        tiles = walk(exe, b, sq, skv, qo, split, qo2, ko)
+        tiles = walk(exe, b, sq, skv, qo, split, qo2, ko, head_group)
         assert sorted(t[:3] for t in tiles) == sorted([m0, h, bi] for m0 in range(0, sq, M) for h in range(2)
                                                       for bi in range(b)), "every tile once"
-        if causal:  # longest tiles first within each head
+        if causal and not head_group:  # longest tiles first within each head
             assert [t[0] for t in tiles[: -(-sq // M)]] == sorted(range(0, sq, M), reverse=True)
+        elif causal:  # per group: the last query tile of each of its pairs, then the one before, ...
+            pairs = [(bi, h) for bi in range(b) for h in range(2)]
+            want = [[m0, h, bi] for g in range(0, len(pairs), head_group)
+                    for m0 in sorted(range(0, sq, M), reverse=True) for bi, h in pairs[g:g + head_group]]
+            assert [t[:3] for t in tiles] == want
         qp, kp = query_positions(sq, qo, split, qo2), ko + np.arange(skv)
         for m0, _, _, blocks, masked in tiles:
             rows = qp[m0:min(m0 + M, sq)]
@@ -434,3 +443,60 @@ def test_o_tolerance_holds_the_kernels_rounding_and_catches_zero_and_stale_outpu
     stale[:, : s // 8] = bf16(rng.standard_normal((b, s // 8, h, d)))  # one chunk of 8 from another call
     o_stale, _ = attention_reference(q, k, stale, scale, False)
     assert (np.abs(o_stale - o) > tol).mean() > 0.05
+
+
+# ---------------------------------------------------------------------------
+# The bench's check of timed outputs (issue 33 item 4): rows over the whole sequence, each
+# against its own norm, so a kernel that drops the last keys fails
+# ---------------------------------------------------------------------------
+
+S_CHECK, KEPT = 16384, 12288  # 16K causal; the broken output ignores every key past 0.75 S
+
+
+def test_check_rows_spread_over_the_sequence():
+    from tsgen.ops.attention import CHECK_ROWS, check_query_rows
+
+    for count in (1, 2, 77, 1000, S_CHECK):
+        rows = check_query_rows(count)
+        assert rows[0] == 0 and rows[-1] == count - 1 and len(set(rows)) == len(rows)
+        assert len(rows) >= min(CHECK_ROWS, count)
+        if count >= CHECK_ROWS:  # no stretch of the sequence unseen
+            assert np.diff(rows).max() <= -(-count // (CHECK_ROWS - 1)) + 1
+            assert count - 2 in rows
+
+
+def _bf16(x):
+    from tsgen.ops.collectives import from_f64
+
+    return from_f64(x, "bfloat16")
+
+
+def test_check_rows_fails_an_output_that_drops_the_last_keys():
+    """At 16K causal, an O computed as if every key past 0.75 S did not exist fails the bench's
+    check, the true O (rounded to bf16, as the kernel's) passes. Both are right at every row
+    below 0.75 S, so a check of a few rows or of one pooled error passes both (it did before
+    issue 33: 4 rows, one norm)."""
+    from tsgen.bench.runner import MAX_REL_ERR
+    from tsgen.ops.attention import check_query_rows
+
+    loaded = spec_variant(load_spec(ROOT / "specs" / "attention_hd64_causal.yaml"),
+                          {"name": "chk", "params": {"heads": 2, "kv_heads": 1}})
+    family = get_family("attention")
+    rng = np.random.default_rng(7)
+    d = 64
+    raw = {n: _bf16(rng.standard_normal(S_CHECK * h * d)) for n, h in (("q", 2), ("k", 1), ("v", 1))}
+    q, k, v = (to_f64(raw[n], "bfloat16").reshape(1, S_CHECK, -1, d) for n in ("q", "k", "v"))
+    rows = check_query_rows(S_CHECK)
+    scale = 1 / math.sqrt(d)
+    outputs = {}
+    for name, keys in (("true", S_CHECK), ("drops keys", KEPT)):
+        o = np.zeros((1, S_CHECK, 2, d))
+        o[:, rows] = attention_reference(q[:, rows], k[:, :keys], v[:, :keys], scale, True, q_pos=rows)[0]
+        outputs[name] = _bf16(o.reshape(-1))
+
+    def check(o):
+        bufs = {**raw, "o": o}
+        return family.bench.check_rows(family, loaded.model, 1, S_CHECK, lambda n, r, a, b: bufs[n][a:b])
+
+    assert check(outputs["true"]) <= MAX_REL_ERR
+    assert check(outputs["drops keys"]) > 10 * MAX_REL_ERR

@@ -265,3 +265,41 @@ def test_launcher_refuses_bad_calls_with_a_message_before_touching_cuda(capfd):
         in capfd.readouterr().err
     assert call(2, 334) == 1
     assert "rank 2, count 334: rank out of range" in capfd.readouterr().err
+
+
+def test_check_rows_fails_an_output_that_drops_the_last_keys():
+    """cp_attention's bench check at 16K causal zig-zag over 2 ranks: O computed as if every key
+    past 0.75 S did not exist fails, the true O (bf16) passes (issue 33 item 4)."""
+    from tsgen.bench.runner import MAX_REL_ERR
+    from tsgen.ops.attention import attention_reference, check_query_rows
+    from tsgen.ops.collectives import from_f64
+
+    seq, kept, world, d = 16384, 12288, 2, 128
+    count = seq // world
+    loaded = variant("chk", base="cp_attention_zigzag_causal", params={"heads": 2, "kv_heads": 1})
+    family = get_family("cp_attention")
+    rng = np.random.default_rng(7)
+    raw = {n: [from_f64(rng.standard_normal(count * h * d), "bfloat16") for _ in range(world)]
+           for n, h in (("q", 2), ("k", 1), ("v", 1))}
+    pos = [positions("zigzag", world, count, r) for r in range(world)]
+    k, v = (np.zeros((1, seq, 1, d)) for _ in range(2))
+    for r in range(world):
+        k[:, pos[r]] = to_f64(raw["k"][r], "bfloat16").reshape(1, count, 1, d)
+        v[:, pos[r]] = to_f64(raw["v"][r], "bfloat16").reshape(1, count, 1, d)
+    rows = check_query_rows(count)
+    outputs = {}
+    for name, keys in (("true", seq), ("drops keys", kept)):
+        outputs[name] = []
+        for r in range(world):
+            q = to_f64(raw["q"][r], "bfloat16").reshape(1, count, 2, d)
+            o = np.zeros((1, count, 2, d))
+            o[:, rows] = attention_reference(q[:, rows], k[:, :keys], v[:, :keys], 1 / math.sqrt(d), True,
+                                             q_pos=pos[r][rows])[0]
+            outputs[name].append(from_f64(o.reshape(-1), "bfloat16"))
+
+    def check(o):
+        bufs = {**raw, "o": o}
+        return family.bench.check_rows(family, loaded.model, world, count, lambda n, r, a, b: bufs[n][r][a:b])
+
+    assert check(outputs["true"]) <= MAX_REL_ERR
+    assert check(outputs["drops keys"]) > 10 * MAX_REL_ERR

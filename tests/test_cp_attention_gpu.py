@@ -27,11 +27,14 @@ CASES = {  # name -> (params, count)
 }
 
 
-def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=None):
+def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=None, blocks=None):
     need_gpus(world)
     lines = []
+    changes = {"name": f"cp_{name}", "params": params, "sync": {"timeout_ms": 3000}}
+    if blocks is not None:
+        changes["launch"] = {"blocks": blocks}
     ok = run_test(spec, world, count=count, iters=iters, echo=lines.append, skew=skew, report=report,
-                  variant={"name": f"cp_{name}", "params": params, "sync": {"timeout_ms": 3000}})
+                  variant=changes)
     record("cp_attention", {"case": name, "world": world, "skew": skew, "pass": ok, "lines": lines})
     return ok, lines
 
@@ -41,6 +44,19 @@ def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=N
 def test_cp_attention(case, world):
     params, count = CASES[case]
     ok, lines = _run(case, world, params, count)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["zigzag_causal_gqa", "contiguous_causal_bhsd", "contiguous_full_gqa"])
+def test_cp_attention_more_tiles_than_ctas(case, world):
+    """3 attention CTAs a rank (launch.blocks), so each takes several tiles: causal, from the
+    dynamic schedule's counter (tsgen/attention.cuh: longest first in head groups, the counter
+    back at 0 after each of the 20 calls, or the next call would skip tiles and leave poison);
+    not causal, the static stride. The shipped grids (130 CTAs) take one tile each at these
+    sizes, so only this test draws a tile from the counter."""
+    params, count = CASES[case]
+    ok, lines = _run(f"{case}_3_ctas", world, params, count, blocks=3)
     assert ok, "\n".join(lines)
 
 

@@ -71,13 +71,54 @@ def test_item_order_is_the_kernels(tmp_path):
     loaded = spec_variant(load_spec(ROOT / "specs" / "attention_hd128.yaml"),
                           {"name": "order", "params": {"causal": True, "heads": 3, "kv_heads": 1}})
     exe = walker(rendered_source(loaded, tmp_path), "order", tmp_path)
-    for seq, world in ((2048, 2), (4096, 4), (2000, 2)):
-        shape = cs.Shape(seq=seq, world=world, heads=3, kv_heads=1)
+    for seq, world, l2 in ((2048, 2, 50 << 20), (4096, 4, 50 << 20), (2000, 2, 50 << 20), (4096, 2, 2 << 20)):
+        shape = cs.Shape(seq=seq, world=world, heads=3, kv_heads=1, batch=2, l2_bytes=l2)
         for rank in range(world):
-            p = cs.cp_problem(shape, rank)
-            tiles = walk(exe, p.batch, p.q_len, p.kv_len, p.q_offset, p.q_split, p.q_offset2, p.kv_offset)
-            assert [t[:4] for t in tiles] == [[it.m * 128, it.head, it.batch, it.blocks]
-                                             for it in cs.kernel_items(p)], (seq, world, rank)
+            for dynamic in (False, True):
+                p = cs.cp_problem(shape, rank, dynamic=dynamic)
+                assert p.head_group == (3 if dynamic else 0)  # one KV head: a group is its 3 query heads
+                tiles = walk(exe, p.batch, p.q_len, p.kv_len, p.q_offset, p.q_split, p.q_offset2, p.kv_offset,
+                             p.head_group)
+                assert [t[:4] for t in tiles] == [[it.m * 128, it.head, it.batch, it.blocks]
+                                                 for it in cs.kernel_items(p)], (seq, world, rank, dynamic)
+                if dynamic:  # longest first within each group of 3 (batch, head) pairs
+                    for g in range(0, len(tiles), 3 * p.m_tiles):
+                        costs = [t[3] for t in tiles[g:g + 3 * p.m_tiles]]
+                        assert costs == sorted(costs, reverse=True), (seq, world, rank)
+
+
+HEAD_GROUPS = [  # heads, kv_heads, head_dim, kv_len, l2_bytes -> query heads per group
+    (32, 4, 128, 16384, 50 << 20, 24), (32, 4, 128, 32768, 50 << 20, 8), (32, 4, 128, 1024, 50 << 20, 32),
+    (32, 8, 64, 1 << 20, 50 << 20, 4), (4, 4, 128, 4096, 0, 1),
+]
+
+
+@pytest.mark.parametrize("heads, kv_heads, d, kv_len, l2, want", HEAD_GROUPS)
+def test_head_group_fits_half_of_l2(heads, kv_heads, d, kv_len, l2, want):
+    """The model's head_group: whole KV heads whose K and V fit in half of L2, at least one."""
+    assert cs.head_group(heads, kv_heads, d, kv_len, l2) == want
+
+
+@needs_nvcc
+def test_head_group_is_the_headers(tmp_path):
+    """tsgen::attention::head_group compiled for the host gives the model's groups."""
+    import subprocess
+
+    from tsgen.headers import include_flags
+    from tsgen.toolchain import gencode_flags
+
+    loaded = spec_variant(load_spec(ROOT / "specs" / "attention_hd128.yaml"),
+                          {"name": "hg", "params": {"heads": 32, "kv_heads": 4}})
+    main = tmp_path / "hg_main.cu"
+    main.write_text(f'#include "{rendered_source(loaded, tmp_path)}"\n#include <cstdlib>\n'
+                    "int main(int, char** argv) { printf(\"%u\\n\", tsgen::attention::head_group<hg::Config>("
+                    "strtoull(argv[1], 0, 10), strtoull(argv[2], 0, 10))); }\n")
+    exe = tmp_path / "hg_main"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
+                    str(main)], check=True, capture_output=True)
+    for kv_len, l2 in ((16384, 50 << 20), (32768, 50 << 20), (1024, 50 << 20), (4096, 0), (65536, 60 << 20)):
+        got = subprocess.run([str(exe), str(kv_len), str(l2)], capture_output=True, text=True, check=True).stdout
+        assert int(got) == cs.head_group(32, 4, 128, kv_len, l2), (kv_len, l2)
 
 
 def test_single_gpu_kernel_items_longest_first_per_head():

@@ -46,14 +46,15 @@ from pydantic import Field
 from ..errors import RuntimeSetupError
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, WorldSizes
-from .attention import (AttentionFamily, AttentionTile, SoftmaxScale, attention_reference, flops, from_bshd,
-                        o_tolerance, scale_of, scale_vars, shape_key, smem_bytes, to_bshd)
+from .attention import (AttentionFamily, AttentionTile, SoftmaxScale, attention_reference, check_query_rows, flops,
+                        from_bshd, o_tolerance, scale_of, scale_vars, shape_key, smem_bytes, to_bshd,
+                        worst_row_error)
 from .base import Buffer, OpFamily, copy_engine_refusal, launcher_vars, one_kernel_abi
 from .collectives import from_f64, to_f64
-from .conventions import Baseline, BenchCase, BenchConventions, rel_err, sample_rows
+from .conventions import Baseline, BenchCase, BenchConventions
 
 MAX_WORLD = 8  # tsgen::cp::MAX_WORLD
-SIGNALS = 4 * MAX_WORLD  # tsgen::cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8]
+SIGNALS = 4 * MAX_WORLD + 1  # tsgen::cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8], WORK
 ENTRY_SMS = 1  # gather sm: the SM the launcher's one-block entry kernel needs beside the push and the attention
 CE_RESERVE_SMS = 2  # gather copy_engine: SMs the attention leaves to the one-block signal kernels
 
@@ -172,8 +173,10 @@ class CpAttentionBench(BenchConventions):
         return shape_key(spec.params)
 
     def check_rows(self, family, spec, world, count, fetch):
-        """O at sampled rows of sequence 0 of each rank against float32 attention of those
-        queries over every rank's K and V at their positions."""
+        """O at rows of sequence 0 of each rank spread over its rows (`check_query_rows`; the
+        sequence's last positions are rank 0's last rows zig-zag, rank W - 1's contiguous)
+        against float32 attention of those queries over every rank's K and V at their positions:
+        the worst row's relative error (`worst_row_error`)."""
         p = spec.params
 
         def tensor(name, r, heads):
@@ -186,11 +189,11 @@ class CpAttentionBench(BenchConventions):
         for r in range(world):
             k[:, pos[r]], v[:, pos[r]] = tensor("k", r, p.kv_heads), tensor("v", r, p.kv_heads)
         worst = 0.0
+        rows = check_query_rows(count)
         for r in range(world):
-            rows = sample_rows(count)
             ref, _ = attention_reference(tensor("q", r, p.heads)[:, rows], k, v, scale_of(spec), p.causal,
                                          q_pos=pos[r][rows])
-            worst = max(worst, rel_err(tensor("o", r, p.heads)[:, rows], ref))
+            worst = max(worst, worst_row_error(tensor("o", r, p.heads)[:, rows], ref))
         return worst
 
 
@@ -293,6 +296,7 @@ class CpAttentionFamily(OpFamily):
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),
+            "SIGNALS": SIGNALS,
         }
 
     def abi(self, spec):

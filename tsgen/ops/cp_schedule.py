@@ -4,7 +4,9 @@ What it models, from the source (templates/include/tsgen/attention.cuh, tsgen/cp
 
 * **Work items.** One item = one query tile (TILE_M rows of one head of one sequence). The
   kernel numbers them t = (batch * HEADS + head) * m_tiles + within, and with CAUSAL takes
-  m = m_tiles - 1 - within (the last rows of each head first: `tile_of`). An item's cost is
+  m = m_tiles - 1 - within (the last rows of each head first: `tile_of`); cp_attention's causal
+  kernel (issue 33) numbers them longest first within groups of `head_group` (batch, head)
+  pairs whose K and V fit in half of L2 (`kernel_items`, `head_group`). An item's cost is
   the KV blocks it loads: every block up to the one holding the last key any of its rows sees
   (`tile_of`'s `blocks`), walked from the top block down.
 * **Positions.** The kernel's `Problem`: query row r at q_offset + r below q_split, at
@@ -60,6 +62,7 @@ class Shape:
     tile_n: int = 128
     causal: bool = True
     zigzag: bool = True
+    l2_bytes: int = 50 << 20  # H100 / H200
 
     @property
     def count(self) -> int:
@@ -82,6 +85,7 @@ class Problem:
     tile_m: int
     tile_n: int
     causal: bool
+    head_group: int = 0  # (batch, head) pairs per group of the longest-first order; 0: head by head
 
     @property
     def m_tiles(self) -> int:
@@ -97,8 +101,17 @@ class Problem:
         return np.where(r < self.q_split, self.q_offset + r, self.q_offset2 + (r - self.q_split))
 
 
-def cp_problem(shape: Shape, rank: int) -> Problem:
-    """Rank `rank`'s problem as tsgen::cp::launch sets it."""
+def head_group(heads: int, kv_heads: int, head_dim: int, kv_len: int, l2_bytes: int) -> int:
+    """Query heads per group of the longest-first order (tsgen::attention::head_group): as many
+    KV heads as have their K and V (kv_len rows each) in half of L2, at least one, times the
+    query heads per KV head."""
+    per_kv_head = 2 * kv_len * head_dim * 2
+    return min(max(l2_bytes // 2 // max(per_kv_head, 1), 1), kv_heads) * (heads // kv_heads)
+
+
+def cp_problem(shape: Shape, rank: int, dynamic: bool = False) -> Problem:
+    """Rank `rank`'s problem as tsgen::cp::launch sets it (dynamic: the causal kernel's
+    longest-first order in head groups, as it launches since issue 33; False: the order before)."""
     c, w = shape.count, shape.world
     half = c // 2
     zig = shape.causal and shape.zigzag
@@ -106,7 +119,9 @@ def cp_problem(shape: Shape, rank: int) -> Problem:
     return Problem(q_len=c, kv_len=w * c, q_offset=q_offset, q_split=half if zig else c,
                    q_offset2=(2 * w - 1 - rank) * half if zig else 0, kv_offset=0,
                    kv_chunk=half if zig else c, heads=shape.heads, batch=shape.batch, tile_m=shape.tile_m,
-                   tile_n=shape.tile_n, causal=shape.causal)
+                   tile_n=shape.tile_n, causal=shape.causal,
+                   head_group=head_group(shape.heads, shape.kv_heads, shape.head_dim, w * c, shape.l2_bytes)
+                   if dynamic and shape.causal else 0)
 
 
 def single_problem(shape: Shape) -> Problem:
@@ -146,9 +161,19 @@ def tile_blocks(p: Problem, m: int) -> int:
 
 
 def kernel_items(p: Problem) -> list[Item]:
-    """Every item in the kernel's order (tile index t = 0, 1, ...: tile_of)."""
+    """Every item in the kernel's order (tile index t = 0, 1, ...: tile_of). head_group G > 0:
+    groups of G (batch, head) pairs (the last may be smaller), and within a group query tile m
+    from the last down, each over the group's pairs: longest first wherever positions grow with
+    the row (every layout cp_attention makes)."""
     out = []
-    for bh in range(p.batch * p.heads):
+    pairs = p.batch * p.heads
+    if p.head_group:
+        for g0 in range(0, pairs, p.head_group):
+            group = range(g0, min(g0 + p.head_group, pairs))
+            for m in range(p.m_tiles - 1, -1, -1):
+                out += [Item(m, bh % p.heads, bh // p.heads, 0, tile_blocks(p, m)) for bh in group]
+        return out
+    for bh in range(pairs):
         for within in range(p.m_tiles):
             m = p.m_tiles - 1 - within if p.causal else within
             out.append(Item(m, bh % p.heads, bh // p.heads, 0, tile_blocks(p, m)))
@@ -298,7 +323,7 @@ class Variant:
     """One schedule of the cp kernel: its order, scheduler, split threshold and grid."""
 
     name: str
-    order: str = "kernel"  # kernel | longest_first
+    order: str = "kernel"  # kernel (before issue 33) | longest_first (every item sorted) | groups (the kernel now)
     scheduler: str = "static"  # static | snake | dynamic (see simulate)
     split_above: int | None = None  # blocks; None: no split
     reserve_sms: int = 2  # the gather's SMs (copy engine: the signal kernels')
@@ -306,11 +331,12 @@ class Variant:
 
 
 def cp_items(p: Problem, v: Variant) -> list[Item]:
+    """p: cp_problem(..., dynamic=v.order == "groups")."""
     items = kernel_items(p)
     if v.order == "longest_first":
         items = longest_first(items)
-    elif v.order != "kernel":
-        raise ValueError(f"order {v.order!r}: kernel or longest_first")
+    elif v.order not in ("kernel", "groups"):
+        raise ValueError(f"order {v.order!r}: kernel, longest_first or groups")
     if v.split_above is not None:
         items = split_longest(items, v.split_above)
     return items
@@ -320,7 +346,7 @@ def cp_run(shape: Shape, v: Variant, timing: Timing, gather: Gather, sms: int = 
     """The slowest rank's run and that rank."""
     runs = []
     for rank in range(shape.world):
-        p = cp_problem(shape, rank)
+        p = cp_problem(shape, rank, dynamic=v.order == "groups")
         ready = chunk_ready(shape, rank, gather if v.gather else None)
         runs.append((simulate(p, cp_items(p, v), sms - v.reserve_sms, v.scheduler, timing, ready), rank))
     return max(runs, key=lambda r: r[0].makespan)
@@ -344,6 +370,7 @@ VARIANTS = (
     Variant("longest first, static stride", order="longest_first"),
     Variant("longest first, snake stride", order="longest_first", scheduler="snake"),
     Variant("longest first, dynamic counter", order="longest_first", scheduler="dynamic"),
+    Variant("longest first in L2 head groups, dynamic (the kernel now)", order="groups", scheduler="dynamic"),
     Variant("longest first, dynamic, split > 64 blocks", order="longest_first", scheduler="dynamic", split_above=64),
     Variant("longest first, dynamic, 132 CTAs (gather on no SM)", order="longest_first", scheduler="dynamic",
             reserve_sms=0),

@@ -25,6 +25,18 @@
 // that run together read the same K and V from L2), and with CAUSAL the longest tiles
 // (last rows) of each head come first. CTA c takes tiles c, c + gridDim.x, ...: a plain
 // grid of one CTA per tile, or a persistent grid (the launcher's `blocks`).
+// The dynamic schedule (Problem::work set; cp_attention's causal kernel, issue 33): tiles are
+// numbered longest first within groups of `head_group` (batch, head) pairs (the KV heads whose
+// K and V fit in half of L2: `head_group`): all the group's pairs' last query tiles, then the
+// tiles before, ...; CTA c takes tile c, then the next tile of an atomic counter each time it
+// is done (the CTA that frees first takes the next tile: no tail of long tiles on a few SMs).
+// The producer thread takes the tile and publishes it to the consumers in shared memory
+// (`TILE`, read after q_full); a tile >= tiles ends the CTA. The counter needs no reset by the
+// host: the CTA that draws the call's last value (tiles - 1: every CTA draws until it gets a
+// tile past the end, once) sets it back to 0, after every other draw of the call (one
+// location's order), so it holds 0 at the next kernel's start (stream order; CUDA graph
+// replay too). Each caller owns its counter (cp_attention: the rank's own `sig` slot, also
+// when ranks share a GPU).
 //
 // One CTA (384 threads):
 //   * warpgroup 0, the producer, keeps 40 registers (setmaxnreg.dec); one thread loads
@@ -135,6 +147,12 @@ static __device__ __forceinline__ void mbar_wait_no_timeout(uint32_t bar, uint32
   }
 }
 
+static __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 static __device__ __forceinline__ float rcp_approx(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -170,7 +188,8 @@ struct Layout {
   static constexpr int Q_FULL = BAR_OFF, Q_EMPTY = BAR_OFF + 8;
   static constexpr int K_FULL = BAR_OFF + 16, K_EMPTY = K_FULL + 8 * C::STAGES;
   static constexpr int V_FULL = K_EMPTY + 8 * C::STAGES, V_EMPTY = V_FULL + 8 * C::STAGES;
-  static constexpr int SMEM_BYTES = V_EMPTY + 8 * C::STAGES + 1024;  // + slack for aligning the base
+  static constexpr int TILE = V_EMPTY + 8 * C::STAGES;  // u32: the dynamic schedule's current tile
+  static constexpr int SMEM_BYTES = TILE + 8 + 1024;    // + slack for aligning the base
   static_assert(SMEM_BYTES == C::SMEM_BYTES, "tsgen/ops/attention.py smem_bytes() disagrees with this layout");
 
   // named barriers: 0 is __syncthreads'; PINGPONG turns; per-warpgroup epilogue
@@ -191,7 +210,20 @@ struct Problem {
   uint32_t batch, q_len, kv_len;
   int32_t q_offset, q_split, q_offset2, kv_offset;  // positions: see the top of this file
   uint32_t m_tiles, tiles;                          // query tiles per head; tiles in all
+  uint32_t head_group;  // (batch, head) pairs per group of the longest-first order (0: head-major)
+  uint64_t* work;       // the dynamic schedule's tile counter, 0 at the start (nullptr: static stride)
 };
+
+// Query heads per group of the dynamic schedule's order: as many KV heads as have their K and
+// V (kv_len rows each) in half of L2 (`l2_bytes`), at least one, times the query heads per KV
+// head (tsgen/ops/cp_schedule.py head_group).
+template <class C>
+static __host__ __device__ inline uint32_t head_group(uint64_t kv_len, uint64_t l2_bytes) {
+  const uint64_t per_kv_head = 2 * kv_len * C::HEAD_DIM * 2;
+  uint64_t kv = l2_bytes / 2 / (per_kv_head > 0 ? per_kv_head : 1);
+  kv = kv < 1 ? 1 : kv > (uint64_t)C::KV_HEADS ? (uint64_t)C::KV_HEADS : kv;
+  return (uint32_t)kv * (uint32_t)(C::HEADS / C::KV_HEADS);
+}
 
 // Global position of query row r.
 static __host__ __device__ __forceinline__ int64_t q_position(const Problem& p, int64_t r) {
@@ -208,8 +240,18 @@ struct Tile {
 template <class C>
 static __host__ __device__ __forceinline__ Tile tile_of(const Problem& p, uint32_t t) {
   Tile tile;
-  const uint32_t within = t % p.m_tiles, bh = t / p.m_tiles;
-  const uint32_t m = C::CAUSAL ? p.m_tiles - 1 - within : within;  // causal: longest tiles first
+  uint32_t m, bh;
+  if (p.head_group > 0) {  // groups of head_group pairs; within one, the last query tiles of each pair first
+    const uint32_t pairs = p.batch * C::HEADS, per_group = p.head_group * p.m_tiles;
+    const uint32_t g = t / per_group, in = t % per_group;
+    const uint32_t size = pairs - g * p.head_group < p.head_group ? pairs - g * p.head_group : p.head_group;
+    m = p.m_tiles - 1 - in / size;
+    bh = g * p.head_group + in % size;
+  } else {
+    const uint32_t within = t % p.m_tiles;
+    bh = t / p.m_tiles;
+    m = C::CAUSAL ? p.m_tiles - 1 - within : within;  // causal: longest tiles first
+  }
   tile.m0 = m * C::TILE_M;
   tile.head = bh % C::HEADS;
   tile.batch = bh / C::HEADS;
@@ -284,17 +326,39 @@ static __device__ __forceinline__ void wait_chunks(const Problem& p, uint64_t ex
   }
 }
 
+// The producer's next tile after t: static, t + gridDim.x; dynamic, gridDim.x + the counter's
+// next value (the first gridDim.x tiles are the CTAs' first). Every CTA draws until it gets a
+// tile >= tiles, once, so a call draws the values 0 .. tiles - 1: the CTA that draws the last
+// one resets the counter for the next call (every other draw of the call came before it in the
+// counter's order).
+static __device__ __forceinline__ uint32_t next_tile(const Problem& p, uint32_t t) {
+  if (p.work == nullptr) return t + gridDim.x;
+  const uint64_t i = atom_add_relaxed_gpu_global_u64(p.work, 1ull);
+  if (i == (uint64_t)p.tiles - 1) st_relaxed_gpu_global_u64(p.work, 0ull);
+  return i < (uint64_t)p.tiles ? (uint32_t)(gridDim.x + i) : p.tiles;  // i < tiles: no overflow
+}
+
 template <class C>
 static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                const CUtensorMap* v_map, uint32_t smem, const Problem& p) {
   using L = Layout<C>;
   uint32_t count = 0, tiles = 0;  // KV blocks and tiles loaded so far
   const uint64_t expected = C::KV_WAITS && p.kv_epoch != nullptr ? ld_relaxed_gpu_global_u64(p.kv_epoch) : p.kv_expected;
-  for (uint32_t t = blockIdx.x; t < p.tiles; t += gridDim.x, ++tiles) {
+  const bool dynamic = p.work != nullptr;
+  for (uint32_t t = blockIdx.x;; ++tiles) {
+    if (!dynamic && t >= p.tiles) break;  // static: the consumers count the same tiles
+    // Q: the consumers are done with the previous tile's Q (and the O stores staged in it),
+    // and have read its number
+    mbar_wait(smem + L::Q_EMPTY, (tiles & 1) ^ 1);
+    if (dynamic) {
+      st_shared_u32(smem + L::TILE, t);  // released to the consumers by the arrive on q_full
+      if (t >= p.tiles) {                // the end: q_full completes with no bytes
+        mbar_arrive(smem + L::Q_FULL);
+        break;
+      }
+    }
     const Tile tile = tile_of<C>(p, t);
     const int kvh = (int)(tile.head / L::GROUP), h = (int)tile.head, b = (int)tile.batch;
-    // Q: the consumers are done with the previous tile's Q (and the O stores staged in it)
-    mbar_wait(smem + L::Q_EMPTY, (tiles & 1) ^ 1);
     mbar_arrive_expect_tx(smem + L::Q_FULL, L::Q_BYTES);
 #pragma unroll
     for (int x = 0; x < L::BOXES; ++x)
@@ -328,10 +392,12 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
       }
     }
     count += (uint32_t)tile.blocks;
+    t = next_tile(p, t);
   }
   // Tail: wait (with the timeout) until the consumers have released every stage and the last
-  // Q, so that a consumer stuck on a load that never lands makes the kernel trap, not hang.
-  if (tiles > 0) mbar_wait(smem + L::Q_EMPTY, (tiles - 1) & 1);
+  // Q, so that a consumer stuck on a load that never lands makes the kernel trap, not hang
+  // (dynamic: the wait before publishing the end did it for Q).
+  if (!dynamic && tiles > 0) mbar_wait(smem + L::Q_EMPTY, (tiles - 1) & 1);
   for (uint32_t c = count > C::STAGES ? count - C::STAGES : 0; c < count; ++c) {
     const Ring<C> r(c);
     mbar_wait(smem + L::K_EMPTY + 8 * r.stage, r.phase);
@@ -526,14 +592,20 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
   uint32_t a[L::K16][4];
   Softmax<C> sm;
   uint32_t count = 0, tiles = 0;
+  const bool dynamic = p.work != nullptr;
   if (cw == 1) turn_pass<C>(cw);  // warpgroup 0 issues first
-  for (uint32_t tn = blockIdx.x; tn < p.tiles; tn += gridDim.x, ++tiles) {
+  for (uint32_t tn = blockIdx.x;; tn += gridDim.x, ++tiles) {
+    if (!dynamic && tn >= p.tiles) break;
+    mbar_wait_no_timeout(smem + L::Q_FULL, tiles & 1);
+    if (dynamic) {  // the producer's tile (written before its arrive on q_full)
+      tn = ld_shared_u32(smem + L::TILE);
+      if (tn >= p.tiles) break;
+    }
     const Tile tile = tile_of<C>(p, tn);
     int64_t q_pos[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) q_pos[r] = q_position(p, tile.m0 + cw * 64 + 16 * (t / 32) + (t % 32) / 4 + 8 * r);
     sm.reset();
-    mbar_wait_no_timeout(smem + L::Q_FULL, tiles & 1);
     const int32_t n = tile.blocks;
     if (n == 0) {
 #pragma unroll
@@ -736,13 +808,16 @@ static cudaError_t prepare(const void* kernel) {
 // Positions: see the top of this file (q_split >= q_len: one query segment). KV_WAITS
 // kernels wait on kv_signal[c] >= kv_expected (kv_epoch given: >= *kv_epoch, read on the
 // device) before KV chunk c (kv_chunk rows) unless kv_signal is null; chunk kv_unwaited
-// (test-only; -1: none) is not waited for.
+// (test-only; -1: none) is not waited for. `work` (a u64 holding 0, owned by this caller):
+// the dynamic schedule, longest first in head groups sized by this device's L2 (see the top
+// of this file); nullptr: tiles c, c + grid, ... per CTA.
 template <class C, class Kernel>
 static cudaError_t launch(Kernel kernel, const void* q, const void* k, const void* v, void* o, float* lse,
                           uint64_t batch, uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split,
                           int64_t q_offset2, int64_t kv_offset, const uint64_t* kv_signal, uint64_t kv_chunk,
                           uint64_t kv_expected, int blocks, cudaStream_t stream,
-                          const uint64_t* kv_epoch = nullptr, int32_t kv_unwaited = -1) {
+                          const uint64_t* kv_epoch = nullptr, int32_t kv_unwaited = -1,
+                          uint64_t* work = nullptr) {
   using L = Layout<C>;
   if (batch == 0 || q_len == 0) return cudaSuccess;
   if (q_len > MAX_LEN || kv_len > MAX_LEN || batch > MAX_LEN || q == nullptr || k == nullptr || v == nullptr ||
@@ -767,6 +842,15 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   const uint64_t tiles = (uint64_t)p.m_tiles * C::HEADS * batch;
   if (tiles > 0x7FFFFFFFull) return cudaErrorInvalidValue;
   p.tiles = (uint32_t)tiles;
+  p.work = work;
+  p.head_group = 0;
+  if (work != nullptr) {
+    int device, l2;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
+    if (e != cudaSuccess) return e;
+    p.head_group = head_group<C>(kv_len, (uint64_t)l2);
+  }
   const TensorMaps* maps;
   cudaError_t err = tensor_maps<C>(q, k, v, o, (uint32_t)batch, (uint32_t)q_len, (uint32_t)kv_len, &maps);
   if (err != cudaSuccess) return err;

@@ -13,6 +13,8 @@
 //                  rank that holds it, after its copy: the attention producer waits for it).
 //   sig[ARRIVED + d] (push kernel, this rank's own): CTAs done with their part of receiver d in
 //                  this call; the last resets it and raises READY at d.
+//   sig[WORK]      (causal, this rank's own): the attention kernel's tile counter (its dynamic
+//                  schedule, tsgen/attention.cuh: 0 between calls, reset by its last draw).
 //
 // Tensors: a rank's K (and V) is `lines` runs of count rows of `row_bytes` each: bshd
 // [batch, count, KV_HEADS, HEAD_DIM] = batch lines of KV_HEADS x HEAD_DIM x 2 bytes a row,
@@ -40,7 +42,8 @@ constexpr int MAX_WORLD = 8;
 constexpr int FREE = 0;                          // = fused::FREE
 constexpr int READY = MAX_WORLD;                 // sig[READY + c], c < 2 MAX_WORLD (zig-zag: 2 chunks a rank)
 constexpr int ARRIVED = READY + 2 * MAX_WORLD;   // sig[ARRIVED + d]
-constexpr int SIGNALS = ARRIVED + MAX_WORLD;     // tsgen/ops/cp_attention.py SIGNALS
+constexpr int WORK = ARRIVED + MAX_WORLD;        // sig[WORK]
+constexpr int SIGNALS = WORK + 1;                // tsgen/ops/cp_attention.py SIGNALS
 static_assert(FREE == fused::FREE && MAX_WORLD == fused::MAX_WORLD, "tsgen_fused's FREE exchange");
 
 // Where rows live (the same on every rank; tsgen/ops/cp_attention.py `segments`).
@@ -239,7 +242,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   // capture must not end with a fork open.
   const cudaError_t launched = tsgen::attention::launch<typename Op::Config>(
       ATTENTION, q, k_full, v_full, o, lse, Op::BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
-      sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited);
+      sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited, Op::CAUSAL ? sig + WORK : nullptr);
   TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
   TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
   if constexpr (!Op::SM_GATHER) {
