@@ -192,7 +192,17 @@ class Module:
     def alloc(self, count):
         return Bufs(self, count)
 
-    def launch(self, bufs, ranks=None, streams=None):
+    def launch_entry(self, entry, bufs, ranks, streams, extra=None):
+        """One entry of a call of several (moe's dispatch, combine): the output it writes and its
+        counter (tsgen.bench.moe_phases.PHASES)."""
+        from tsgen.bench.moe_phases import PHASES
+
+        written, counter = PHASES[entry]
+        for r in ranks:
+            assert extra is None or len(extra(r)) == 1  # combine's y
+        self.launch(bufs, ranks, streams, only=(written,), counter=counter)
+
+    def launch(self, bufs, ranks=None, streams=None, only=None, counter="calls"):
         world = self.world
         ranks = list(world.ranks if ranks is None else ranks)
         spec = world.spec  # the variant the runner loaded (see World.load)
@@ -213,9 +223,10 @@ class Module:
                 q = (r + spec.params.shift) % world.size if getattr(fam, "direction", None) == "put" else r
                 if q != world.break_rank:
                     for n, per in out.items():
-                        bufs.array(n, q)[...] = per[q].view(bufs.array(n, q).dtype)
+                        if only is None or n in only:
+                            bufs.array(n, q)[...] = per[q].view(bufs.array(n, q).dtype)
                 if counts:
-                    bufs.array("calls", r)[0] += 1
+                    bufs.array(counter, r)[0] += 1
             return go
 
         for r in ranks:

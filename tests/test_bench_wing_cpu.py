@@ -7,8 +7,10 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import bench_fakes
 import tsgen.bench.baselines as B
 from bench_fakes import install
 from conftest import run_cli
@@ -324,6 +326,76 @@ def test_deepep_rows_become_measurements(monkeypatch):
     assert skipped.timing is None and skipped.size == 128 and "cannot be imported" in skipped.skipped
     assert ceiling.size == 4096 and ceiling.impl.startswith("peer copy ceiling (cudaMemcpyPeerAsync 256 MiB")
     assert not ceiling.compare and ceiling.extra["wrong"] == 0
+
+
+@pytest.mark.parametrize("spec_path", ["specs/moe.yaml", "specs/moe_fp8.yaml", "specs/moe_ll.yaml"])
+def test_moe_dispatch_and_combine_are_timed_each_alone(monkeypatch, spec_path):
+    """Beside tsgen's pair, its dispatch alone and its combine alone (tsgen/bench/moe_phases.py): each
+    through its own host entry, its own bytes (the bottleneck rank's, that phase only), its SM count,
+    its output checked, compared with nothing; they add up to the pair's bytes."""
+    from tsgen.ops.moe import traffic
+
+    install(monkeypatch)
+    fake_multiprocess(monkeypatch)
+    out = bench_spec(spec_path, 2, "100", echo=lambda s: None, **FAST)
+    assert out.errors == []
+    pair = next(r for r in out.rows if r["impl"] == "tsgen")
+    phases = {r["phase"]: r for r in out.rows if r["impl"].startswith("tsgen ") and r.get("phase")}
+    assert set(phases) == {"dispatch", "combine"}
+    spec = load_spec(spec_path).model
+    payload = spec.params.payload
+    assert phases["dispatch"]["impl"] == f"tsgen dispatch ({payload}, {spec.launch.blocks} SMs)"
+    assert phases["combine"]["impl"] == f"tsgen combine (bf16, {spec.launch.blocks} SMs)"
+    family = get_family("moe")
+    sent = traffic(spec, 2, family.bench.bench_inputs(family, spec, 2, 100, np.random.default_rng(12345)))
+    for name, r in phases.items():
+        assert r["wrong"] == 0 and not r["compare"] and r["role"] == name and r["sms"] == spec.launch.blocks
+        assert r["busbw_GBps"] == pytest.approx(max(sent[name]) / r["time_us"] / 1e3)
+    assert "ratios" in pair and not any("tsgen " in k for k in pair["ratios"])
+
+
+def test_moe_phase_that_writes_nothing_is_an_error(monkeypatch):
+    """A dispatch entry that counts its call but leaves recv_counts alone (poisoned after the warm-up)
+    is caught by the phase's own check: an error, not a row."""
+    install(monkeypatch)
+    fake_multiprocess(monkeypatch)
+    real = bench_fakes.Module.launch_entry
+
+    def broken(self, entry, bufs, ranks, streams, extra=None):
+        if entry != "dispatch":
+            return real(self, entry, bufs, ranks, streams, extra)
+        for r in ranks:  # counts the call, writes nothing
+
+            def count(r=r):
+                bufs.array("calls", r)[0] += 1
+
+            streams[r].run(self.world.kernel_us, count)
+
+    monkeypatch.setattr(bench_fakes.Module, "launch_entry", broken)
+    out = bench_spec("specs/moe.yaml", 2, "100", echo=lambda s: None, **FAST)
+    assert any("tsgen dispatch" in e and "wrong" in e for e in out.errors), out.errors
+    assert not any(r.get("phase") == "dispatch" and r["impl"].startswith("tsgen") for r in out.rows)
+
+
+def test_moe_phase_refused_is_a_note_and_the_other_phase_stays(monkeypatch):
+    """A phase whose launch is refused (a cudaError from its host entry) becomes a note naming the error;
+    the pair and the other phase keep their rows."""
+    from tsgen.errors import RuntimeSetupError
+
+    install(monkeypatch)
+    fake_multiprocess(monkeypatch)
+    real = bench_fakes.Module.launch_entry
+
+    def refused(self, entry, bufs, ranks, streams, extra=None):
+        if entry == "combine":
+            raise RuntimeSetupError("rank 0: moe_w2_combine_launch failed with cudaError 1")
+        return real(self, entry, bufs, ranks, streams, extra)
+
+    monkeypatch.setattr(bench_fakes.Module, "launch_entry", refused)
+    out = bench_spec("specs/moe.yaml", 2, "100", echo=lambda s: None, **FAST)
+    assert out.errors == []
+    assert [r["phase"] for r in out.rows if r["impl"].startswith("tsgen ") and r.get("phase")] == ["dispatch"]
+    assert any(n.startswith("tsgen combine (bf16, 32 SMs) at 100: not timed: RuntimeSetupError") for n in out.notes), out.notes
 
 
 def test_every_family_states_its_conventions():

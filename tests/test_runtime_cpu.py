@@ -458,7 +458,7 @@ def test_host_launchers_of_ranks_sharing_a_gpu_run_in_rank_order_on_the_callers_
         module.world, module._pool, module._registered = world, None, []
         module.manifest = type("M", (), {"name": "k"})()
         module.kernel = KernelEntry("k_w4", "k_w4_launch", 4, (1, 1, 1), (32, 1, 1), 0, (), (), prepare or "")
-        module._host_launch = lambda buffers, rank, stream, seen=seen: seen.append((rank, threading.get_ident()))
+        module._host_launch = lambda buffers, rank, stream, *entry, seen=seen: seen.append((rank, threading.get_ident()))
         module.launcher = object()
         module.launch(None, streams=world.streams)
         module.close()

@@ -8,6 +8,7 @@ a list of Measured out):
   cublas_whole  the whole M x K . K x N product of a grid GEMM on one GPU
   sdpa          attention through PyTorch SDPA (flash and cuDNN backends) on rank 0's GPU
   cudnn_frontend  attention through cuDNN's SDPA graph (cudnn-frontend) on rank 0's GPU
+  moe_phases    tsgen's own MoE dispatch alone and combine alone (the row beside its pair)
 One process per GPU (tsgen launch; the workers run the function the config names), after tsgen's
 timings, rows of Measured from the workers' JSON:
   collectives   nccl, symm_mem: the collective through NCCL / SymmetricMemory (tsgen/bench/nccl.py)
@@ -88,6 +89,15 @@ def cublas_whole(step) -> list[Measured]:
                   reps=step.reps, warmup=step.warmup, label=f"cuBLAS whole {step.label}")
     case = BenchCase(m, m, flops=2.0 * m * p.n * p.k)
     return [Measured(f"{impl}, whole matrix on 1 GPU", m, t, case=case)]
+
+
+def moe_phases(step) -> list[Measured]:
+    """tsgen's own MoE dispatch alone and combine alone, beside its pair (tsgen/bench/moe_phases.py):
+    rows with their phase's bytes and SM count, compared with nothing."""
+    from .moe_phases import time_phases
+
+    return [Measured(impl, step.case.size, timing, case=case, compare=False, role=fields["phase"], extra=fields,
+                     skipped=fields.get("skipped")) for impl, timing, case, fields in time_phases(step)]
 
 
 def _candidates(step, found) -> list[Measured]:

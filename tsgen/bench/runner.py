@@ -68,10 +68,25 @@ class Step:
     warmup: int
     name: str  # the spec's name, or its label in a suite
     label: str  # name, size and pattern
+    host: dict | None = None  # the host inputs of set 0 the reference check uses (set by tsgen's timing)
 
     @property
     def conv(self):
         return self.family.bench
+
+    def poison(self, names) -> None:
+        """Every set's outputs `names` on every rank filled with the poison the check looks for."""
+        w = self.world
+        for b in self.sets:
+            for r in w.ranks:
+                with w.cp.cuda.Device(w.devices[r]):
+                    for name in names:
+                        b.array(name, r).view(np.uint8)[...] = poison_byte(POISON_CALL)
+
+    def check(self, what: str) -> tuple[dict, list[str]]:
+        """The timed outputs of set 0 against the reference of the host inputs (see _check), for a
+        part of the call timed after tsgen's (`what`: whose, in the messages)."""
+        return _check(self, self.host, False, what)
 
 
 @dataclass
@@ -223,7 +238,7 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev,
     """tsgen's timing and checks; with `rivals` (baselines holding a prepared Sampler), all of them
     timed in interleaved rounds (timing.time_interleaved), each rival's Timing set on it."""
     w, conv, sets = step.world, step.conv, step.sets
-    host = _fill_inputs(step)
+    host = step.host = _fill_inputs(step)
     in_place = any(s.role == "inout" for s in sets[0].slots)
     outputs = [s for s in sets[0].slots if s.role == "output"]
     launched = [0]
@@ -235,11 +250,7 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev,
         step.module.launch(sets[i % len(sets)], ranks=ranks, streams=w.streams)
 
     def poison() -> None:
-        for b in sets:
-            for r in w.ranks:
-                with w.cp.cuda.Device(w.devices[r]):
-                    for s in outputs:
-                        b.array(s.name, r).view(np.uint8)[...] = poison_byte(POISON_CALL)
+        step.poison([s.name for s in outputs])
 
     def counter(rank: int) -> int:
         with w.cp.cuda.Device(w.devices[rank]):
@@ -372,10 +383,10 @@ def _random(cp, rs, arr, dtype: str) -> None:
         arr[...] = rs.randint(0, 256, n).astype(arr.dtype)
 
 
-def _check(step: Step, host: dict | None, in_place: bool) -> tuple[dict, list[str]]:
-    """The one check of the timed outputs: fields for the row, and problems."""
+def _check(step: Step, host: dict | None, in_place: bool, what: str | None = None) -> tuple[dict, list[str]]:
+    """The one check of the timed outputs (`what`: whose, in the messages): fields for the row, and problems."""
     w, conv, spec, family, set0 = step.world, step.conv, step.spec, step.family, step.sets[0]
-    what = f"tsgen {step.label}"
+    what = what or f"tsgen {step.label}"
     outputs = [s for s in set0.slots if s.role in ("output", "inout")]
     poison = poison_byte(POISON_CALL)
     ranks = [r for r in conv.checked_ranks(family, spec, w.size, step.pattern) if r in w.ranks]

@@ -51,12 +51,14 @@ class MoeBench(BenchConventions):
     all_to_all_single-based dispatch / combine (counts exchange, permute, all-to-all, unpermute
     with index_add), one process per GPU (tsgen/bench/moe_torch.py); DeepEP's dispatch, combine
     and pair where its wheel is installed, beside the measured peer-copy ceiling
-    (tsgen/bench/moe_deepep.py)."""
+    (tsgen/bench/moe_deepep.py). Beside the pair, tsgen's dispatch alone and combine alone, each with
+    its own bytes and SM count ("tsgen_phases", in this process: tsgen/bench/moe_phases.py)."""
 
     kind = "latency"
     size_unit = "count"
     metric = "time_us"
-    baselines = (Baseline("torch_moe", "moe_a2a"), Baseline("deepep", "deepep"))
+    baselines = (Baseline("tsgen_phases", "moe_phases", in_process=True), Baseline("torch_moe", "moe_a2a"),
+                 Baseline("deepep", "deepep"))
 
     def group_shape(self, spec):
         """The baseline moves what the routing and row shape say: a variant of another shape (or

@@ -248,6 +248,7 @@ class Module:
         self.functions = {}  # per local rank
         self.launcher = None
         self._pool = None  # threads that call host launchers, one per local rank
+        self._entries: dict[str, Any] = {}  # launch_entry's functions, by entry
         self._registered: list[int] = []  # CUmodule handles the backend registered (NVSHMEM)
         self.binary = compile_for(manifest, self.source, arch).output
         if world.shared:
@@ -329,9 +330,26 @@ class Module:
                 if current.ptr != streams[rank].ptr:
                     current.wait_event(streams[rank].record())
 
-    def _host_launch_all(self, buffers: "Buffers", ranks: list[int], streams) -> None:
-        """Call the host launcher of every rank. With one rank per GPU, each from its own thread:
-        a launcher may block its thread inside a CUDA call until peers have launched too
+    def launch_entry(self, entry: str, buffers: Buffers, ranks: Sequence[int], streams: Sequence[Any],
+                     extra: Callable[[int], Sequence[int]] | None = None) -> None:
+        """Call one entry of a host-launch module whose call is several (moe: `<kernel>_dispatch_launch`,
+        `<kernel>_combine_launch`): the launcher's arguments, then `extra(rank)` (pointers), then the
+        stream, on every rank of `ranks` as `launch` calls the launcher (threads, never waiting)."""
+        if self.launcher is None:
+            raise RuntimeSetupError(f"{self.manifest.name}: entry {entry!r}: the module has no host launcher")
+        if entry not in self._entries:
+            import ctypes
+
+            binary = self.binary
+            fn = own_symbol(ctypes.CDLL(str(binary)), binary, f"{self.kernel.name}_{entry}_launch")
+            fn.restype = ctypes.c_int
+            self._entries[entry] = fn
+        self._host_launch_all(buffers, list(ranks), streams, self._entries[entry], extra)
+
+    def _host_launch_all(self, buffers: "Buffers", ranks: list[int], streams, fn=None,
+                         extra: Callable[[int], Sequence[int]] | None = None) -> None:
+        """Call the host launcher (or entry `fn`) of every rank. With one rank per GPU, each from its
+        own thread: a launcher may block its thread inside a CUDA call until peers have launched too
         (measured: a cudaMemcpyAsync that reads a peer, or one queued on the legacy default stream
         behind a wait), which from a single thread never happens. Where ranks share a GPU, one
         after another from this thread, in rank order (sequential_launch says why)."""
@@ -339,7 +357,7 @@ class Module:
 
         def one(rank: int) -> None:
             with cp.cuda.Device(self.world.devices[rank]):
-                self._host_launch(buffers, rank, streams[rank])
+                self._host_launch(buffers, rank, streams[rank], fn, () if extra is None else extra(rank))
 
         if len(ranks) == 1 or sequential_launch(self.world.devices, ranks, side_streams=bool(self.kernel.prepare)):
             for rank in ranks:
@@ -361,16 +379,17 @@ class Module:
             self.world.backend.unregister_module(handle)
         self._registered.clear()
 
-    def _host_launch(self, buffers: "Buffers", rank: int, stream: Any) -> None:
+    def _host_launch(self, buffers: "Buffers", rank: int, stream: Any, fn=None, extra: Sequence[int] = ()) -> None:
         import ctypes
 
         specs = self.kernel.launcher_args
         args = launcher_cargs(specs, buffers.arg_values(specs, rank))
+        args += [ctypes.c_void_p(p) for p in extra]
         args.append(ctypes.c_void_p(stream.ptr))
-        err = self.launcher(*args)
+        err = (fn or self.launcher)(*args)
         if err != 0:
             raise RuntimeSetupError(
-                f"rank {rank}: {self.kernel.launcher} failed with cudaError {err} "
+                f"rank {rank}: {getattr(fn, '__name__', None) or self.kernel.launcher} failed with cudaError {err} "
                 f"({self.manifest.name}, count {buffers.count})"
             )
 

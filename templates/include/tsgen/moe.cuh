@@ -99,6 +99,12 @@ static __device__ __forceinline__ void token_chunk(int tokens, int b, int blocks
   *hi = min(tokens, *lo + per);
 }
 
+// The sums' work split: `parts` warps a token where the warps outnumber the tokens (decode sizes: 128
+// tokens on 512 warps), each part taking every parts-th slice of 32 lanes' vectors of the row.
+static __device__ __forceinline__ int sum_parts(int tokens, int nwarps) {
+  return tokens > 0 ? max(1, nwarps / tokens) : 1;
+}
+
 // One warp copies a row of HIDDEN bf16 from src to dst (16-byte vectors, UNROLL in flight).
 template <class C>
 static __device__ __forceinline__ void copy_row(__nv_bfloat16* dst_, const __nv_bfloat16* src_, int lane) {
@@ -132,39 +138,59 @@ static __device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t v) {
 
 // One warp quantizes the row at src (HIDDEN bf16, HIDDEN % 128 == 0) and stores the e4m3 bytes and
 // scales to every destination rank in mask `mm`, at row `pos[d]` of that rank's recv_q / recv_scale.
+// The quantization is fused into the send, shaped like the bf16 copy: a lane's chunk is 16 channels
+// (two 16-byte loads in, one 16-byte store of e4m3 out), 8 lanes make a 128-channel group (amax over
+// 3 shuffles), and UNROLL chunks per lane are loaded before any is converted (2 x UNROLL 16-byte loads
+// in flight per lane; issue 34: one 16-byte load per lane at a time, 8-byte stores, left the fp8
+// dispatch latency-bound and slower than the bf16 one).
 template <class C>
 static __device__ __forceinline__ void push_row_fp8(const __nv_bfloat16* src_, uint32_t mm, const int* pos,
                                                     uint8_t* recv_q, float* recv_scale, char* const* peers,
                                                     int rank, int lane) {
-  constexpr int VECS = C::HIDDEN / 8, GROUPS = C::HIDDEN / 128;  // 16 lanes (vectors) per group
+  constexpr int CHUNKS = C::HIDDEN / 16, GROUPS = C::HIDDEN / 128, PASS = 32 * C::UNROLL;
   const uint4* src = reinterpret_cast<const uint4*>(src_);
-  for (int base = 0; base < VECS; base += 32) {
-    const int v0 = base + lane;
-    const bool on = v0 < VECS;  // HIDDEN = 128 x odd: the upper half-warp idles on the last pass
-    const uint4 v = on ? ld_nc_na_global_v4(src + v0) : make_uint4(0, 0, 0, 0);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-    float f[8], amax = 0.f;
+  for (int base = 0; base < CHUNKS; base += PASS) {  // warp-uniform: every lane takes part in the shuffles
+    uint4 v[C::UNROLL][2];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 p = __bfloat1622float2(h[i]);
-      f[2 * i] = p.x;
-      f[2 * i + 1] = p.y;
-      amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
+    for (int u = 0; u < C::UNROLL; ++u) {
+      const int c = base + u * 32 + lane;
+      if (c < CHUNKS) {
+        v[u][0] = ld_nc_na_global_v4(src + 2 * c);
+        v[u][1] = ld_nc_na_global_v4(src + 2 * c + 1);
+      } else {
+        v[u][0] = v[u][1] = make_uint4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    amax = fmaxf(amax, 1e-4f);
-    const float scale = amax / 448.f, inv = 448.f / amax;
-    uint2 q;
-    q.x = (uint32_t)e4m3x2(f[0] * inv, f[1] * inv) | (uint32_t)e4m3x2(f[2] * inv, f[3] * inv) << 16;
-    q.y = (uint32_t)e4m3x2(f[4] * inv, f[5] * inv) | (uint32_t)e4m3x2(f[6] * inv, f[7] * inv) << 16;
-    if (!on) continue;
+    for (int u = 0; u < C::UNROLL; ++u) {
+      if (base + u * 32 >= CHUNKS) break;  // warp-uniform; CHUNKS % 8 == 0: a group is all in or all out
+      const int c = base + u * 32 + lane;
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(v[u]);
+      float f[16], amax = 0.f;
 #pragma unroll
-    for (int d = 0; d < C::WORLD; ++d) {
-      if (!((mm >> d) & 1u)) continue;
-      uint2* dq = reinterpret_cast<uint2*>(peer_ptr(recv_q, peers, rank, d) + (size_t)pos[d] * C::HIDDEN);
-      dq[v0] = q;
-      if ((lane & 15) == 0) peer_ptr(recv_scale, peers, rank, d)[(size_t)pos[d] * GROUPS + v0 / 16] = scale;
+      for (int i = 0; i < 8; ++i) {
+        const float2 p = __bfloat1622float2(h[i]);
+        f[2 * i] = p.x;
+        f[2 * i + 1] = p.y;
+        amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
+      }
+#pragma unroll
+      for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      amax = fmaxf(amax, 1e-4f);
+      const float scale = amax / 448.f, inv = 448.f / amax;
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        w[i] = (uint32_t)e4m3x2(f[4 * i] * inv, f[4 * i + 1] * inv) |
+               (uint32_t)e4m3x2(f[4 * i + 2] * inv, f[4 * i + 3] * inv) << 16;
+      if (c >= CHUNKS) continue;
+      const uint4 q = make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+      for (int d = 0; d < C::WORLD; ++d) {
+        if (!((mm >> d) & 1u)) continue;
+        st_na_global_v4(reinterpret_cast<uint4*>(peer_ptr(recv_q, peers, rank, d) + (size_t)pos[d] * C::HIDDEN) + c, q);
+        if ((lane & 7) == 0) peer_ptr(recv_scale, peers, rank, d)[(size_t)pos[d] * GROUPS + c / 8] = scale;
+      }
     }
   }
 }
@@ -402,8 +428,10 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
                         make_site("moe.comb", rank, rank, tid));
   __syncthreads();
 
-  // 2. sums, one warp per token
-  for (int t = gwarp; t < tokens; t += nwarps) {
+  // 2. sums, a warp per token (or `parts` warps, sum_parts)
+  const int parts = sum_parts(tokens, nwarps);
+  for (int item = gwarp; item < tokens * parts; item += nwarps) {
+    const int t = item / parts, part = item % parts;
     const uint32_t m = route_mask<C>(b.topk_idx, t);
     float scale[W];
 #pragma unroll
@@ -418,27 +446,42 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
       }
     uint4* dst = reinterpret_cast<uint4*>(b.out + (size_t)t * C::HIDDEN);
     const uint4* slots = reinterpret_cast<const uint4*>(b.comb + (size_t)t * W * C::HIDDEN);
-    for (int v0 = lane; v0 < VECS; v0 += 32) {
-      float acc[8];
+    // UNROLL vectors per lane: each rank's UNROLL loads are issued before they are summed (issue 34:
+    // one vector per lane at a time left this local pass latency-bound on combine's few SMs)
+    for (int v0 = part * 32 * C::UNROLL + lane; v0 < VECS; v0 += 32 * C::UNROLL * parts) {
+      float acc[C::UNROLL][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      for (int u = 0; u < C::UNROLL; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
 #pragma unroll
       for (int d = 0; d < W; ++d) {
         if (!((m >> d) & 1u)) continue;
-        const uint4 v = ld_weak_global_v4(slots + (size_t)d * VECS + v0);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        uint4 v[C::UNROLL];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(h[i]);
-          acc[2 * i] = fmaf(f.x, scale[d], acc[2 * i]);
-          acc[2 * i + 1] = fmaf(f.y, scale[d], acc[2 * i + 1]);
+        for (int u = 0; u < C::UNROLL; ++u)
+          if (v0 + u * 32 < VECS) v[u] = ld_weak_global_v4(slots + (size_t)d * VECS + v0 + u * 32);
+#pragma unroll
+        for (int u = 0; u < C::UNROLL; ++u) {
+          if (v0 + u * 32 >= VECS) continue;
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            acc[u][2 * i] = fmaf(f.x, scale[d], acc[u][2 * i]);
+            acc[u][2 * i + 1] = fmaf(f.y, scale[d], acc[u][2 * i + 1]);
+          }
         }
       }
-      uint4 o;
-      __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      st_weak_global_v4(dst + v0, o);
+      for (int u = 0; u < C::UNROLL; ++u) {
+        if (v0 + u * 32 >= VECS) continue;
+        uint4 o;
+        __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[u][2 * i], acc[u][2 * i + 1]);
+        st_weak_global_v4(dst + v0 + u * 32, o);
+      }
     }
   }
 }
@@ -580,26 +623,40 @@ static __device__ __forceinline__ void ll_combine(char* const* peers, int rank, 
   if (tid < W)
     wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x, make_site("moe.ll_comb", rank, rank, tid));
   __syncthreads();
-  // 2. weighted sums, one warp per token
+  // 2. weighted sums, a warp per token (or `parts` warps, sum_parts)
   const int gwarp = blockIdx.x * NWARPS + warp, nwarps = gridDim.x * NWARPS;
-  for (int t = gwarp; t < tokens; t += nwarps) {
+  const int parts = sum_parts(tokens, nwarps);
+  for (int item = gwarp; item < tokens * parts; item += nwarps) {
+    const int t = item / parts, part = item % parts;
     uint4* dst = reinterpret_cast<uint4*>(b.out + (size_t)t * C::HIDDEN);
     const uint4* slots = reinterpret_cast<const uint4*>(b.comb + (size_t)t * K * C::HIDDEN);
-    for (int v0 = lane; v0 < VECS; v0 += 32) {
+    // The token's routing read once, then per vector every slot's load issued before any is summed
+    // (issue 34: one slot at a time, the routing re-read per vector, kept K dependent loads in a row)
+    bool on[K];
+    float wk[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int e = __ldg(b.topk_idx + (size_t)t * K + k);
+      on[k] = e >= 0 && e < E;
+      wk[k] = on[k] ? __ldg(b.topk_weights + (size_t)t * K + k) : 0.f;
+    }
+    for (int v0 = part * 32 + lane; v0 < VECS; v0 += 32 * parts) {
+      uint4 v[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+        if (on[k]) v[k] = ld_weak_global_v4(slots + (size_t)k * VECS + v0);
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll
       for (int k = 0; k < K; ++k) {
-        const int e = __ldg(b.topk_idx + (size_t)t * K + k);
-        if (e < 0 || e >= E) continue;
-        const float w = __ldg(b.topk_weights + (size_t)t * K + k);
-        const uint4 v = ld_weak_global_v4(slots + (size_t)k * VECS + v0);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        if (!on[k]) continue;
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float2 f = __bfloat1622float2(h[i]);
-          acc[2 * i] = fmaf(f.x, w, acc[2 * i]);
-          acc[2 * i + 1] = fmaf(f.y, w, acc[2 * i + 1]);
+          acc[2 * i] = fmaf(f.x, wk[k], acc[2 * i]);
+          acc[2 * i + 1] = fmaf(f.y, wk[k], acc[2 * i + 1]);
         }
       }
       uint4 o;
