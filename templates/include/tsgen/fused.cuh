@@ -608,6 +608,8 @@ static cudaError_t gemm_reduce_scatter_launch(char* const* peers, char* const* p
   TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, H::RESERVE_SMS, &grid));
   constexpr unsigned FULL = H::FULL_GRID;
   constexpr int T = H::REDUCE_THREADS, SMEM = H::REDUCE_SMEM;
+  Lanes* l = nullptr;  // PULL's side stream, made (first call) before anything is enqueued: a failure
+  if constexpr (MODE == ScatterMode::PULL) TSGEN_FUSED_TRY(lanes(rank, &l));  // leaves the call counter alone
   // the entry: calls[0] -> this call's epoch; FREE raised at every peer (PUSH_ADD: once the GEMM
   // has zeroed our c)
   SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, MODE == ScatterMode::PUSH_ADD ? BEGIN : ENTRY, 0);
@@ -628,8 +630,6 @@ static cudaError_t gemm_reduce_scatter_launch(char* const* peers, char* const* p
     }
     TSGEN_FUSED_TRY(cudaGetLastError());
   } else if constexpr (MODE == ScatterMode::PULL) {
-    Lanes* l;
-    TSGEN_FUSED_TRY(lanes(rank, &l));
     TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
     TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
     GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(

@@ -184,10 +184,10 @@ static cudaError_t launch(const CopyStep (&schedule)[WORLD][NSTEPS], char* const
   TSGEN_GRID_TRY(tsgen::gemm::tensor_maps<C>(a_pan, b_pan, c, rows, &maps));
   unsigned grid;
   TSGEN_GRID_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, RESERVE_SMS, &grid));
+  Lanes* l;  // made (first call) before anything is enqueued: a failure here leaves the call counter alone
+  TSGEN_GRID_TRY(lanes(rank, &l));
   SYNC<<<1, SYNC_THREADS, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, 0);
   TSGEN_GRID_TRY(cudaGetLastError());
-  Lanes* l;
-  TSGEN_GRID_TRY(lanes(rank, &l));
   TSGEN_GRID_TRY(cudaEventRecord(l->fork, stream));
   for (int o = 0; o < 2; ++o) {
     TSGEN_GRID_TRY(cudaStreamWaitEvent(l->copy[o], l->fork, 0));
