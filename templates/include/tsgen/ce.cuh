@@ -28,13 +28,6 @@
 #define TSGEN_CE_MAX_STREAMS 32
 #define TSGEN_CE_MAX_RANKS 64
 
-// Return the first CUDA error of an expression from the enclosing launcher.
-#define TSGEN_CE_TRY(expr)                  \
-  do {                                      \
-    const cudaError_t tsgen_err_ = (expr);  \
-    if (tsgen_err_ != cudaSuccess) return tsgen_err_; \
-  } while (0)
-
 namespace tsgen {
 namespace ce {
 
@@ -109,10 +102,10 @@ static cudaError_t lanes_get(int rank, lanes** out) {
   lanes* l = &all[rank];
   int device;
   std::lock_guard<std::mutex> lock(made);
-  TSGEN_CE_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
+  TSGEN_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {  // a failed attempt leaves ready false; the next call makes them again
     l->device = device;
-    TSGEN_CE_TRY(tsgen::make_lanes({{l->side + 1, TSGEN_CE_MAX_STREAMS - 1, false}},
+    TSGEN_TRY(tsgen::make_lanes({{l->side + 1, TSGEN_CE_MAX_STREAMS - 1, false}},
                                    {{&l->fork, 1}, {l->join + 1, TSGEN_CE_MAX_STREAMS - 1}}));
     l->ready = true;
   }
@@ -122,16 +115,16 @@ static cudaError_t lanes_get(int rank, lanes** out) {
 
 // Streams 1..n-1 start after everything already queued on `stream`.
 static cudaError_t fork(cudaStream_t stream, lanes* l, int n) {
-  TSGEN_CE_TRY(cudaEventRecord(l->fork, stream));
-  for (int i = 1; i < n; ++i) TSGEN_CE_TRY(cudaStreamWaitEvent(l->side[i], l->fork, 0));
+  TSGEN_TRY(cudaEventRecord(l->fork, stream));
+  for (int i = 1; i < n; ++i) TSGEN_TRY(cudaStreamWaitEvent(l->side[i], l->fork, 0));
   return cudaSuccess;
 }
 
 // `stream` continues after everything queued on streams 1..n-1.
 static cudaError_t join(cudaStream_t stream, lanes* l, int n) {
   for (int i = 1; i < n; ++i) {
-    TSGEN_CE_TRY(cudaEventRecord(l->join[i], l->side[i]));
-    TSGEN_CE_TRY(cudaStreamWaitEvent(stream, l->join[i], 0));
+    TSGEN_TRY(cudaEventRecord(l->join[i], l->side[i]));
+    TSGEN_TRY(cudaStreamWaitEvent(stream, l->join[i], 0));
   }
   return cudaSuccess;
 }
@@ -205,12 +198,12 @@ static cudaError_t launch(cudaStream_t stream, char* const* peers_host, char* co
                           uint64_t count, Program program, Args... args) {
   static_assert(NSTREAMS >= 1 && NSTREAMS <= TSGEN_CE_MAX_STREAMS, "a plan's streams fit the lanes");
   if (rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
-  TSGEN_CE_TRY(tsgen::use_device_of(calls));
+  TSGEN_TRY(tsgen::use_device_of(calls));
   lanes* l = nullptr;
-  TSGEN_CE_TRY(lanes_get(rank, &l));
+  TSGEN_TRY(lanes_get(rank, &l));
   queue<T, NSTREAMS, GRID, BLOCK, SYNC, REDUCE, Args...> q{{stream}, bufs, peers_host, rank, count, {args...}, cudaSuccess};
   for (int i = 1; i < NSTREAMS; ++i) q.s[i] = l->side[i];
-  TSGEN_CE_TRY(fork(stream, l, NSTREAMS));
+  TSGEN_TRY(fork(stream, l, NSTREAMS));
   program(q);
   const cudaError_t joined = join(stream, l, NSTREAMS);
   if (q.err != cudaSuccess) return q.err;
@@ -223,7 +216,7 @@ static cudaError_t launch(cudaStream_t stream, char* const* peers_host, char* co
 // "prepare"; see lanes).
 template <int WORLD>
 static cudaError_t prepare(int rank, int device) {
-  TSGEN_CE_TRY(tsgen::prepare_on(WORLD, rank, device));
+  TSGEN_TRY(tsgen::prepare_on(WORLD, rank, device));
   lanes* l = nullptr;
   return lanes_get(rank, &l);
 }

@@ -190,11 +190,11 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   if (Op::ZIGZAG && count % 2)
     return refused<Op>(WORLD, rank, count, "zig-zag needs an even row count (two chunks of count / 2)",
                        cudaErrorInvalidValue);
-  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
+  TSGEN_TRY(tsgen::use_device_of(calls));
   const Geometry g = Op::geometry(WORLD, count);
   int device, sms;
-  TSGEN_FUSED_TRY(cudaGetDevice(&device));
-  TSGEN_FUSED_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  TSGEN_TRY(cudaGetDevice(&device));
+  TSGEN_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // The persistent attention CTAs take whole SMs and wait for the gather: they must leave its SMs free.
   const int grid = Op::BLOCKS ? Op::BLOCKS : sms - Op::RESERVE_SMS;
   if (grid < 1 || grid > sms - Op::RESERVE_SMS)
@@ -207,18 +207,18 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   const int64_t q_offset2 = Op::CAUSAL && Op::ZIGZAG ? (2 * WORLD - 1 - rank) * half : 0;
   const int unwaited = Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;
   SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
+  TSGEN_TRY(cudaGetLastError());
   Lanes* l;
-  TSGEN_FUSED_TRY(lanes(rank, &l));
-  TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
+  TSGEN_TRY(lanes(rank, &l));
+  TSGEN_TRY(cudaEventRecord(l->fork, stream));
+  TSGEN_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
   if constexpr (Op::SM_GATHER) {
     PUSH<<<Op::GATHER_BLOCKS, Op::GATHER_THREADS, 0, l->copy>>>(peers, rank, calls, sig, k, v, k_full, v_full, count);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
   } else {
-    TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
+    TSGEN_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
     SYNC<<<1, 32, 0, l->copy>>>(peers, rank, calls, sig, WAIT_FREE, 0, count);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
     const size_t src_pitch = (size_t)count * g.row_bytes, dst_pitch = WORLD * src_pitch;
     for (int i = 0; i < WORLD; ++i) {  // ourselves first, then rank + 1 (it reads our rows right after its own), ...
       const int d = (rank + i) % WORLD;
@@ -228,15 +228,15 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
         const Segment x = segment(g, rank, d, s);
         const size_t width = (size_t)x.rows * g.row_bytes, from = (size_t)x.src_row * g.row_bytes,
                      to = (size_t)x.dst_row * g.row_bytes;
-        TSGEN_FUSED_TRY(cudaMemcpy2DAsync(kd + to, dst_pitch, (const char*)k + from, src_pitch, width, g.lines,
+        TSGEN_TRY(cudaMemcpy2DAsync(kd + to, dst_pitch, (const char*)k + from, src_pitch, width, g.lines,
                                           cudaMemcpyDefault, l->copy));
-        TSGEN_FUSED_TRY(cudaMemcpy2DAsync(vd + to, dst_pitch, (const char*)v + from, src_pitch, width, g.lines,
+        TSGEN_TRY(cudaMemcpy2DAsync(vd + to, dst_pitch, (const char*)v + from, src_pitch, width, g.lines,
                                           cudaMemcpyDefault, l->copy));
       }
-      TSGEN_FUSED_TRY(cudaEventRecord(l->copied[i], l->copy));
-      TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->copied[i], 0));
+      TSGEN_TRY(cudaEventRecord(l->copied[i], l->copy));
+      TSGEN_TRY(cudaStreamWaitEvent(l->signal, l->copied[i], 0));
       SYNC<<<1, 32, 0, l->signal>>>(peers, rank, calls, sig, Op::SIGNAL_CHUNKS, d, count);
-      TSGEN_FUSED_TRY(cudaGetLastError());
+      TSGEN_TRY(cudaGetLastError());
     }
   }
   // Its error (if any) is returned after the side streams are joined back into `stream`: a
@@ -245,11 +245,11 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
       ATTENTION, q, k_full, v_full, o, lse, Op::BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
       sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited, Op::CAUSAL ? sig + WORK : nullptr,
       Op::TRACE ? sig + SIGNALS : nullptr, (uint32_t)Op::TRACE);
-  TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
-  TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
+  TSGEN_TRY(cudaEventRecord(l->copy_done, l->copy));
+  TSGEN_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
   if constexpr (!Op::SM_GATHER) {
-    TSGEN_FUSED_TRY(cudaEventRecord(l->signal_done, l->signal));
-    TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
+    TSGEN_TRY(cudaEventRecord(l->signal_done, l->signal));
+    TSGEN_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
   }
   return launched;
 }
@@ -258,7 +258,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
 // before any rank's first call (the manifest's "prepare"; see tsgen::fused::lanes).
 template <class Op, auto ATTENTION>
 static cudaError_t prepare(int world, int rank, int device) {
-  TSGEN_FUSED_TRY(tsgen::fused::prepare_rank(world, rank, device, true));
+  TSGEN_TRY(tsgen::fused::prepare_rank(world, rank, device, true));
   return tsgen::attention::prepare<typename Op::Config>(reinterpret_cast<const void*>(ATTENTION));
 }
 

@@ -368,12 +368,6 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 // ---------------------------------------------------------------------------
 // Host: side streams per rank (made on its first call, kept for the process).
 // ---------------------------------------------------------------------------
-#define TSGEN_FUSED_TRY(expr)                           \
-  do {                                                  \
-    const cudaError_t tsgen_err_ = (expr);              \
-    if (tsgen_err_ != cudaSuccess) return tsgen_err_;   \
-  } while (0)
-
 struct Lanes {
   cudaStream_t copy, signal;  // the gather's copies; the signal kernels after each copy
   cudaEvent_t fork, copied[MAX_WORLD], copy_done, signal_done;
@@ -391,11 +385,11 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_WORLD) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_FUSED_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
+  TSGEN_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     // signals are on the GEMM's critical path: their kernels go first when SMs free up
-    TSGEN_FUSED_TRY(tsgen::make_lanes({{&l->copy, 1, false}, {&l->signal, 1, true}},
+    TSGEN_TRY(tsgen::make_lanes({{&l->copy, 1, false}, {&l->signal, 1, true}},
                                       {{&l->fork, 1}, {&l->copy_done, 1}, {&l->signal_done, 1}, {l->copied, MAX_WORLD}}));
     l->ready = true;
   }
@@ -406,7 +400,7 @@ static cudaError_t lanes(int rank, Lanes** out) {
 // The start of a module's NAME_wW_prepare: `device` current, and rank `rank`'s side streams
 // made there when its launcher uses them (`with_lanes`).
 static cudaError_t prepare_rank(int world, int rank, int device, bool with_lanes) {
-  TSGEN_FUSED_TRY(tsgen::prepare_on(world, rank, device));
+  TSGEN_TRY(tsgen::prepare_on(world, rank, device));
   Lanes* l;
   return with_lanes ? lanes(rank, &l) : cudaSuccess;
 }
@@ -471,7 +465,7 @@ static cudaError_t allgather_gemm_launch(char* const* peers, char* const* peers_
                                          uint64_t count, T* a, T* b, T* c, T* a_full, uint64_t* sig,
                                          cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
+  TSGEN_TRY(tsgen::use_device_of(calls));
   if (count > tsgen::gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
   const uint32_t rows = (uint32_t)count;
   // tensor maps: gathered A (3-D: column, row, source), our A (3-D, one source), B, C (3-D)
@@ -480,55 +474,55 @@ static cudaError_t allgather_gemm_launch(char* const* peers, char* const* peers_
   auto encode = [&](CUtensorMap* m) {
     using L = tsgen::gemm::Layout<C>;
     constexpr CUtensorMapDataType dtype = tsgen::gemm::tensor_map_dtype<typename C::Element>();
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[0], dtype, a_full, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[1], dtype, a, rows, C::K, L::A_BOX_ROWS, 1, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[2], dtype, b, C::K, C::N, C::TILE_K));
+    TSGEN_TRY(tsgen::gemm::encode_matrix(&m[0], dtype, a_full, rows, C::K, L::A_BOX_ROWS, WORLD, true));
+    TSGEN_TRY(tsgen::gemm::encode_matrix(&m[1], dtype, a, rows, C::K, L::A_BOX_ROWS, 1, true));
+    TSGEN_TRY(tsgen::gemm::encode_matrix(&m[2], dtype, b, C::K, C::N, C::TILE_K));
     return tsgen::gemm::encode_matrix(&m[3], dtype, c, rows, C::N, 64, WORLD, true);
   };
   cudaError_t err = cudaSuccess;
   auto* maps = cache.get(key, encode, &err);
   if (!maps) return err;
   unsigned grid;
-  TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, RESERVE_SMS, &grid));
+  TSGEN_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, RESERVE_SMS, &grid));
   const size_t shard = (size_t)rows * C::K * sizeof(typename C::Element);
   SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
+  TSGEN_TRY(cudaGetLastError());
   [[maybe_unused]] Lanes* l = nullptr;  // the side streams: OVERLAPPED only
   if constexpr (OVERLAPPED) {
-    TSGEN_FUSED_TRY(lanes(rank, &l));
-    TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
-    TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
-    TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
+    TSGEN_TRY(lanes(rank, &l));
+    TSGEN_TRY(cudaEventRecord(l->fork, stream));
+    TSGEN_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
+    TSGEN_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
     SYNC<<<1, 32, 0, l->copy>>>(peers, rank, calls, sig, WAIT_FREE, 0);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
     for (int i = 1; i < WORLD; ++i) {  // rank - 1 first: its GEMM needs our rows right after its own
       const int peer = (rank - i + WORLD) % WORLD;
       char* dst = host_peer_ptr((char*)a_full, peers_host, rank, peer) + (size_t)rank * shard;
-      TSGEN_FUSED_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, l->copy));
-      TSGEN_FUSED_TRY(cudaEventRecord(l->copied[i], l->copy));
-      TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->copied[i], 0));
+      TSGEN_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, l->copy));
+      TSGEN_TRY(cudaEventRecord(l->copied[i], l->copy));
+      TSGEN_TRY(cudaStreamWaitEvent(l->signal, l->copied[i], 0));
       SYNC<<<1, 32, 0, l->signal>>>(peers, rank, calls, sig, SIGNAL, peer);
-      TSGEN_FUSED_TRY(cudaGetLastError());
+      TSGEN_TRY(cudaGetLastError());
     }
   } else {
     SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_FREE, 0);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
     for (int i = 1; i < WORLD; ++i) {
       const int peer = (rank - i + WORLD) % WORLD;
       char* dst = host_peer_ptr((char*)a_full, peers_host, rank, peer) + (size_t)rank * shard;
-      TSGEN_FUSED_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, stream));
+      TSGEN_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDefault, stream));
     }
     SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, SIGNAL_ALL, 0);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
   }
   GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
       maps->maps[0], maps->maps[1], maps->maps[2], maps->maps[3], calls, sig, rank, count);
-  TSGEN_FUSED_TRY(cudaGetLastError());
+  TSGEN_TRY(cudaGetLastError());
   if constexpr (OVERLAPPED) {
-    TSGEN_FUSED_TRY(cudaEventRecord(l->copy_done, l->copy));
-    TSGEN_FUSED_TRY(cudaEventRecord(l->signal_done, l->signal));
-    TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
-    TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
+    TSGEN_TRY(cudaEventRecord(l->copy_done, l->copy));
+    TSGEN_TRY(cudaEventRecord(l->signal_done, l->signal));
+    TSGEN_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
+    TSGEN_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
   }
   return cudaSuccess;
 }
@@ -537,7 +531,7 @@ static cudaError_t allgather_gemm_launch(char* const* peers, char* const* peers_
 // before any rank's first call (the manifest's "prepare"; see lanes).
 template <class C, bool OVERLAPPED, int WORLD, auto GEMM>
 static cudaError_t allgather_gemm_prepare(int rank, int device) {
-  TSGEN_FUSED_TRY(prepare_rank(WORLD, rank, device, OVERLAPPED));
+  TSGEN_TRY(prepare_rank(WORLD, rank, device, OVERLAPPED));
   int ctas;
   return tsgen::gemm::resident_ctas<C>(reinterpret_cast<const void*>(GEMM), &ctas);
 }
@@ -567,7 +561,7 @@ static cudaError_t gemm_reduce_scatter_launch(char* const* peers, char* const* p
   constexpr ScatterMode MODE = H::MODE;
   constexpr bool PUSHED = MODE == ScatterMode::PUSH || MODE == ScatterMode::PUSH_ADD;
   if (count == 0) return cudaSuccess;
-  TSGEN_FUSED_TRY(tsgen::use_device_of(calls));
+  TSGEN_TRY(tsgen::use_device_of(calls));
   if (count > tsgen::gemm::MAX_ROWS / WORLD || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
   const uint32_t rows = (uint32_t)count;  // per batch (row block)
   // tensor maps: A (3-D: column, row, block), B (K/world x N), then partial (3-D), or with PUSHED
@@ -580,11 +574,11 @@ static cudaError_t gemm_reduce_scatter_launch(char* const* peers, char* const* p
   auto encode = [&](CUtensorMap* m) {
     using L = tsgen::gemm::Layout<C>;
     constexpr CUtensorMapDataType dtype = tsgen::gemm::tensor_map_dtype<typename C::Element>();
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
-    TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[1], dtype, b, C::K, C::N, C::TILE_K));
+    TSGEN_TRY(tsgen::gemm::encode_matrix(&m[0], dtype, a, rows, C::K, L::A_BOX_ROWS, WORLD, true));
+    TSGEN_TRY(tsgen::gemm::encode_matrix(&m[1], dtype, b, C::K, C::N, C::TILE_K));
     if constexpr (PUSHED) {
       for (int q = 0; q < WORLD; ++q)  // q's partial (WORLD slots), or q's c (count x N, one batch)
-        TSGEN_FUSED_TRY(tsgen::gemm::encode_matrix(&m[2 + q], dtype, host_peer_ptr(out, peers_host, rank, q), rows,
+        TSGEN_TRY(tsgen::gemm::encode_matrix(&m[2 + q], dtype, host_peer_ptr(out, peers_host, rank, q), rows,
                                                    C::N, 64, MODE == ScatterMode::PUSH_ADD ? 1 : WORLD, true));
       return cudaSuccess;
     } else {
@@ -597,60 +591,60 @@ static cudaError_t gemm_reduce_scatter_launch(char* const* peers, char* const* p
   if constexpr (MODE != ScatterMode::PUSH_ADD) {
     static bool reduce_ready[64];  // per device: the reduce kernel's shared-memory opt-in
     int dev = 0;
-    TSGEN_FUSED_TRY(cudaGetDevice(&dev));
+    TSGEN_TRY(cudaGetDevice(&dev));
     if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
     if (!reduce_ready[dev]) {
-      TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, H::REDUCE_SMEM));
+      TSGEN_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, H::REDUCE_SMEM));
       reduce_ready[dev] = true;
     }
   }
   unsigned grid;
-  TSGEN_FUSED_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, H::RESERVE_SMS, &grid));
+  TSGEN_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, H::RESERVE_SMS, &grid));
   constexpr unsigned FULL = H::FULL_GRID;
   constexpr int T = H::REDUCE_THREADS, SMEM = H::REDUCE_SMEM;
   Lanes* l = nullptr;  // PULL's side stream, made (first call) before anything is enqueued: a failure
-  if constexpr (MODE == ScatterMode::PULL) TSGEN_FUSED_TRY(lanes(rank, &l));  // leaves the call counter alone
+  if constexpr (MODE == ScatterMode::PULL) TSGEN_TRY(lanes(rank, &l));  // leaves the call counter alone
   // the entry: calls[0] -> this call's epoch; FREE raised at every peer (PUSH_ADD: once the GEMM
   // has zeroed our c)
   SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, MODE == ScatterMode::PUSH_ADD ? BEGIN : ENTRY, 0);
-  TSGEN_FUSED_TRY(cudaGetLastError());
+  TSGEN_TRY(cudaGetLastError());
   if constexpr (PUSHED) {
     PushMaps<WORLD> push;
     for (int q = 0; q < WORLD; ++q) push.to[q] = maps->maps[2 + q];
     if constexpr (MODE == ScatterMode::PUSH_ADD) {
       GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
           maps->maps[0], maps->maps[1], push, peers, calls, sig, rank, count, c);
-      TSGEN_FUSED_TRY(cudaGetLastError());
+      TSGEN_TRY(cudaGetLastError());
       SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_READY, 0);
     } else {
       GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
           maps->maps[0], maps->maps[1], push, peers, calls, sig, rank, count);
-      TSGEN_FUSED_TRY(cudaGetLastError());
+      TSGEN_TRY(cudaGetLastError());
       REDUCE<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, nullptr, c, count, SUM_PUSHED);
     }
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
   } else if constexpr (MODE == ScatterMode::PULL) {
-    TSGEN_FUSED_TRY(cudaEventRecord(l->fork, stream));
-    TSGEN_FUSED_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
+    TSGEN_TRY(cudaEventRecord(l->fork, stream));
+    TSGEN_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
     GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
         maps->maps[0], maps->maps[1], maps->maps[2], peers, calls, sig, rank, count);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
     REDUCE<<<H::RESERVE_SMS, T, SMEM, l->signal>>>(peers, rank, calls, sig, partial, acc, c, count, PULL_PEER);
-    TSGEN_FUSED_TRY(cudaGetLastError());
-    TSGEN_FUSED_TRY(cudaEventRecord(l->signal_done, l->signal));
-    TSGEN_FUSED_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
+    TSGEN_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaEventRecord(l->signal_done, l->signal));
+    TSGEN_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
     REDUCE<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, acc, c, count, FINISH);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
   } else {
     SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, WAIT_FREE, 0);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
     GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
         maps->maps[0], maps->maps[1], maps->maps[2], peers, calls, sig, rank, count);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
     SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, SIGNAL_ALL, 0);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
     REDUCE<<<FULL, T, SMEM, stream>>>(peers, rank, calls, sig, partial, nullptr, c, count, PULL_ALL);
-    TSGEN_FUSED_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
   }
   return cudaSuccess;
 }
@@ -659,11 +653,11 @@ static cudaError_t gemm_reduce_scatter_launch(char* const* peers, char* const* p
 // `device` before any rank's first call (the manifest's "prepare"; see lanes).
 template <class H, class C, int WORLD, auto GEMM, auto REDUCE>
 static cudaError_t gemm_reduce_scatter_prepare(int rank, int device) {
-  TSGEN_FUSED_TRY(prepare_rank(WORLD, rank, device, H::MODE == ScatterMode::PULL));
+  TSGEN_TRY(prepare_rank(WORLD, rank, device, H::MODE == ScatterMode::PULL));
   int ctas;
-  TSGEN_FUSED_TRY(tsgen::gemm::resident_ctas<C>(reinterpret_cast<const void*>(GEMM), &ctas));
+  TSGEN_TRY(tsgen::gemm::resident_ctas<C>(reinterpret_cast<const void*>(GEMM), &ctas));
   if constexpr (H::MODE != ScatterMode::PUSH_ADD)
-    TSGEN_FUSED_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, H::REDUCE_SMEM));
+    TSGEN_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, H::REDUCE_SMEM));
   return cudaSuccess;
 }
 

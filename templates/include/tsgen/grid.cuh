@@ -122,12 +122,6 @@ static __device__ __forceinline__ void sync_body(char* const* peers, int rank, u
 // ---------------------------------------------------------------------------
 // Host: side streams per rank (made on its first call, kept for the process).
 // ---------------------------------------------------------------------------
-#define TSGEN_GRID_TRY(expr)                            \
-  do {                                                  \
-    const cudaError_t tsgen_err_ = (expr);              \
-    if (tsgen_err_ != cudaSuccess) return tsgen_err_;   \
-  } while (0)
-
 struct Lanes {
   cudaStream_t copy[2];  // the pushes of A, of B (copy engine + their signal / wait kernels)
   cudaEvent_t fork, done[2];
@@ -145,11 +139,11 @@ static cudaError_t lanes(int rank, Lanes** out) {
   if (rank < 0 || rank >= MAX_RANKS) return cudaErrorInvalidValue;
   Lanes* l = &all[rank];
   int device;
-  TSGEN_GRID_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
+  TSGEN_TRY(tsgen::lanes_device(l->ready, l->device, &device));  // prepared on another device?
   if (!l->ready) {
     l->device = device;
     // their small kernels are on the GEMM's critical path: they go first when SMs free up
-    TSGEN_GRID_TRY(tsgen::make_lanes({{l->copy, 2, true}}, {{l->done, 2}, {&l->fork, 1}}));
+    TSGEN_TRY(tsgen::make_lanes({{l->copy, 2, true}}, {{l->done, 2}, {&l->fork, 1}}));
     l->ready = true;
   }
   *out = l;
@@ -177,51 +171,51 @@ static cudaError_t launch(const CopyStep (&schedule)[WORLD][NSTEPS], char* const
                           uint64_t* sig, cudaStream_t stream) {
   using E = typename C::Element;
   if (count == 0) return cudaSuccess;
-  TSGEN_GRID_TRY(tsgen::use_device_of(calls));
+  TSGEN_TRY(tsgen::use_device_of(calls));
   if (count > tsgen::gemm::MAX_ROWS || rank < 0 || rank >= WORLD) return cudaErrorInvalidValue;
   const uint32_t rows = (uint32_t)count;
   const tsgen::gemm::TensorMaps* maps;  // a_pan (rows x K), b_pan (K x N/q), c (rows x N/q)
-  TSGEN_GRID_TRY(tsgen::gemm::tensor_maps<C>(a_pan, b_pan, c, rows, &maps));
+  TSGEN_TRY(tsgen::gemm::tensor_maps<C>(a_pan, b_pan, c, rows, &maps));
   unsigned grid;
-  TSGEN_GRID_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, RESERVE_SMS, &grid));
+  TSGEN_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, RESERVE_SMS, &grid));
   Lanes* l;  // made (first call) before anything is enqueued: a failure here leaves the call counter alone
-  TSGEN_GRID_TRY(lanes(rank, &l));
+  TSGEN_TRY(lanes(rank, &l));
   SYNC<<<1, SYNC_THREADS, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, 0);
-  TSGEN_GRID_TRY(cudaGetLastError());
-  TSGEN_GRID_TRY(cudaEventRecord(l->fork, stream));
+  TSGEN_TRY(cudaGetLastError());
+  TSGEN_TRY(cudaEventRecord(l->fork, stream));
   for (int o = 0; o < 2; ++o) {
-    TSGEN_GRID_TRY(cudaStreamWaitEvent(l->copy[o], l->fork, 0));
+    TSGEN_TRY(cudaStreamWaitEvent(l->copy[o], l->fork, 0));
     SYNC<<<1, SYNC_THREADS, 0, l->copy[o]>>>(peers, rank, calls, sig, WAIT_FREE, 0, 0);
-    TSGEN_GRID_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
   }
   for (const CopyStep& s : schedule[rank]) {
     cudaStream_t lane = l->copy[s.operand];
     const int ready = (s.operand == 0 ? A_READY : B_READY);
     if (s.wait >= 0) {
       SYNC<<<1, SYNC_THREADS, 0, lane>>>(peers, rank, calls, sig, WAIT_READY, 0, ready + s.wait);
-      TSGEN_GRID_TRY(cudaGetLastError());
+      TSGEN_TRY(cudaGetLastError());
     }
     if (s.operand == 0) {  // rows x K/q columns into columns [slot K/q, ...) of the peer's a_pan
       E* dst = host_peer_ptr(a_pan, peers_host, rank, s.dst) + (size_t)s.slot * C::KB;
       const E* src = s.from_input ? a : a_pan + (size_t)s.slot * C::KB;
       const size_t src_pitch = (s.from_input ? C::KB : C::K) * sizeof(E);
-      TSGEN_GRID_TRY(cudaMemcpy2DAsync(dst, C::K * sizeof(E), src, src_pitch, C::KB * sizeof(E), rows,
+      TSGEN_TRY(cudaMemcpy2DAsync(dst, C::K * sizeof(E), src, src_pitch, C::KB * sizeof(E), rows,
                                        cudaMemcpyDefault, lane));
     } else {  // K/q rows x N/q into rows [slot K/q, ...) of the peer's b_pan
       const size_t panel = (size_t)C::KB * C::N;
       E* dst = host_peer_ptr(b_pan, peers_host, rank, s.dst) + (size_t)s.slot * panel;
       const E* src = s.from_input ? b : b_pan + (size_t)s.slot * panel;
-      TSGEN_GRID_TRY(cudaMemcpyAsync(dst, src, panel * sizeof(E), cudaMemcpyDefault, lane));
+      TSGEN_TRY(cudaMemcpyAsync(dst, src, panel * sizeof(E), cudaMemcpyDefault, lane));
     }
     SYNC<<<1, SYNC_THREADS, 0, lane>>>(peers, rank, calls, sig, SIGNAL, s.dst, ready + s.slot);
-    TSGEN_GRID_TRY(cudaGetLastError());
+    TSGEN_TRY(cudaGetLastError());
   }
   GEMM<<<grid, tsgen::gemm::Layout<C>::THREADS, tsgen::gemm::Layout<C>::SMEM_BYTES, stream>>>(
       maps->a, maps->b, maps->c, calls, sig, rank, count);
-  TSGEN_GRID_TRY(cudaGetLastError());
+  TSGEN_TRY(cudaGetLastError());
   for (int o = 0; o < 2; ++o) {
-    TSGEN_GRID_TRY(cudaEventRecord(l->done[o], l->copy[o]));
-    TSGEN_GRID_TRY(cudaStreamWaitEvent(stream, l->done[o], 0));
+    TSGEN_TRY(cudaEventRecord(l->done[o], l->copy[o]));
+    TSGEN_TRY(cudaStreamWaitEvent(stream, l->done[o], 0));
   }
   return cudaSuccess;
 }
@@ -230,9 +224,9 @@ static cudaError_t launch(const CopyStep (&schedule)[WORLD][NSTEPS], char* const
 // first call (the manifest's "prepare"; see lanes).
 template <class C, int WORLD, auto GEMM>
 static cudaError_t prepare(int rank, int device) {
-  TSGEN_GRID_TRY(tsgen::prepare_on(WORLD, rank, device));
+  TSGEN_TRY(tsgen::prepare_on(WORLD, rank, device));
   int ctas;
-  TSGEN_GRID_TRY(tsgen::gemm::resident_ctas<C>(reinterpret_cast<const void*>(GEMM), &ctas));
+  TSGEN_TRY(tsgen::gemm::resident_ctas<C>(reinterpret_cast<const void*>(GEMM), &ctas));
   Lanes* l;
   return lanes(rank, &l);
 }

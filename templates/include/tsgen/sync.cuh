@@ -187,6 +187,13 @@ static inline cudaError_t lanes_device(bool made, int made_on, int* device) {
   return made && made_on != *device ? cudaErrorInvalidDevice : cudaSuccess;
 }
 
+// Host launchers: return the first CUDA error of an expression from the enclosing function.
+#define TSGEN_TRY(expr)                                 \
+  do {                                                  \
+    const cudaError_t tsgen_err_ = (expr);              \
+    if (tsgen_err_ != cudaSuccess) return tsgen_err_;   \
+  } while (0)
+
 // Making lanes: the streams of each group of `streams` (non-blocking; at the device's highest
 // priority where `high`: their small kernels are on a GEMM's critical path) and the events of
 // `events` (no timing), on the current device. All or none: when a creation fails, those this
