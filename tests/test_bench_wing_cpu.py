@@ -354,6 +354,38 @@ def test_moe_dispatch_and_combine_are_timed_each_alone(monkeypatch, spec_path):
     assert "ratios" in pair and not any("tsgen " in k for k in pair["ratios"])
 
 
+def test_moe_phase_compared_with_the_fastest_same_phase_baseline(monkeypatch):
+    """tsgen's dispatch alone gets a ratio against the fastest DeepEP row of the same phase, mode and
+    payload (here of two SM counts); its combine, with no such row, none; the pair keeps its own."""
+    from tsgen.bench.runner import PHASE_RATIO
+
+    install(monkeypatch)
+    fake_multiprocess(monkeypatch)
+    fields = {"phase": "dispatch", "ep_mode": "normal", "payload": "bf16", "wrong": 0}
+    case = BenchCase(100, 100, link_bytes=1.0, bw_bytes=2.0)
+
+    def deepep(names, family, spec, world, sizes, iters, reps, warmup):
+        return [m for s in sizes for m in (
+            B.Measured("DeepEP normal dispatch+combine (bf16, 24 SMs)", s, Timing([160.0] * 2, 4, "eager")),
+            B.Measured("DeepEP normal dispatch (bf16, 24 SMs)", s, Timing([120.0] * 2, 4, "eager"), case=case,
+                       compare=False, role="dispatch", extra=dict(fields, sms=24)),
+            B.Measured("DeepEP normal dispatch (bf16, 48 SMs)", s, Timing([80.0] * 2, 4, "eager"), case=case,
+                       compare=False, role="dispatch", extra=dict(fields, sms=48)),
+            B.Measured("DeepEP normal dispatch (fp8, 48 SMs)", s, Timing([20.0] * 2, 4, "eager"), case=case,
+                       compare=False, role="dispatch", extra=dict(fields, payload="fp8", sms=48)))]
+
+    monkeypatch.setattr(B, "deepep", deepep)
+    out = bench_spec("specs/moe.yaml", 2, "100", echo=lambda s: None, **FAST)
+    assert out.errors == []
+    phases = {r["phase"]: r for r in out.rows if r["impl"].startswith("tsgen ") and r.get("phase")}
+    d = phases["dispatch"]
+    assert d["phase_rival"] == "DeepEP normal dispatch (bf16, 48 SMs)"
+    assert d["ratios"] == {PHASE_RATIO: pytest.approx(80.0 / d["time_us"])}
+    assert "ratios" not in phases["combine"]
+    pair = next(r for r in out.rows if r["impl"] == "tsgen")
+    assert PHASE_RATIO not in pair["ratios"] and "DeepEP normal dispatch+combine (bf16, 24 SMs)" in pair["ratios"]
+
+
 def test_moe_phase_that_writes_nothing_is_an_error(monkeypatch):
     """A dispatch entry that counts its call but leaves recv_counts alone (poisoned after the warm-up)
     is caught by the phase's own check: an error, not a row."""

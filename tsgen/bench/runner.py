@@ -311,9 +311,23 @@ def baseline_group(spec, family, world: int) -> str:
     return f"{spec.op}/{_dtype(spec)}/w{world}{family.bench.group_shape(spec)}"
 
 
+# the ratio of a part of tsgen's call timed alone (a row with `phase`: moe's dispatch, combine)
+PHASE_RATIO = "fastest baseline, same phase"
+
+
 def add_ratios(rows: list[dict]) -> None:
     """ratios[baseline] = t_baseline / t_tsgen (> 1: tsgen faster) at the same size and pattern;
-    with components (GEMM alone, communication alone), overlap = max(t_gemm, t_comm) / t."""
+    with components (GEMM alone, communication alone), overlap = max(t_gemm, t_comm) / t; a part of
+    tsgen's call timed alone (`phase`) against the fastest baseline row of the same phase, mode and
+    payload (ratios[PHASE_RATIO], that row's impl in `phase_rival`)."""
+    for r in rows:
+        if not r.get("phase") or not r["impl"].startswith("tsgen ") or r.get("note", "").startswith(SHARED_NOTE):
+            continue
+        rivals = [b for b in rows if b.get("baseline") and not b["impl"].startswith("tsgen ")
+                  and all(b.get(k) == r.get(k) for k in ("phase", "ep_mode", "payload", "size", "group"))]
+        if rivals:
+            best = min(rivals, key=lambda b: b["time_us"])
+            r["ratios"], r["phase_rival"] = {PHASE_RATIO: best["time_us"] / r["time_us"]}, best["impl"]
     for r in rows:
         if r["impl"] != "tsgen" or r.get("note", "").startswith(SHARED_NOTE):
             continue
