@@ -12,7 +12,7 @@
 // ranks hand back in fp32 and writes bf16 in the original order.
 //
 // Calling convention (every kernel of this file):
-//   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls
+//   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls
 // peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
 // call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
 // count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
@@ -28,18 +28,19 @@
 //   recv_idx int32_t        scratch 16384
 //   recv_w   float          scratch 16384
 //   handle   int32_t        scratch 4096
+//   self_row int32_t        scratch 256
 //   comb     __nv_bfloat16  scratch 4194304
 //   cnt      int32_t        scratch 576
 //   sig      uint64_t       signal 24
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
-//   53: the hand-written library, included: tsgen/ptx.cuh 53, tsgen/sync.cuh 54, tsgen/copy.cuh 55, tsgen/moe.cuh 56
-//   59: the op's own code (namespace moe: constants, tables, device code)
+//   54: the hand-written library, included: tsgen/ptx.cuh 54, tsgen/sync.cuh 55, tsgen/copy.cuh 56, tsgen/moe.cuh 57
+//   60: the op's own code (namespace moe: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_w2_dispatch 130, moe_w2_combine 138, moe_w2_dispatch_launch 146, moe_w2_combine_launch 155
-//     moe_w2_launch 168, moe_w4_dispatch 175, moe_w4_combine 183, moe_w4_dispatch_launch 191
-//     moe_w4_combine_launch 200, moe_w4_launch 213, moe_w8_dispatch 220, moe_w8_combine 228
-//     moe_w8_dispatch_launch 236, moe_w8_combine_launch 245, moe_w8_launch 258
+//     moe_w2_dispatch 132, moe_w2_combine 140, moe_w2_dispatch_launch 148, moe_w2_combine_launch 157
+//     moe_w2_launch 170, moe_w4_dispatch 177, moe_w4_combine 185, moe_w4_dispatch_launch 193
+//     moe_w4_combine_launch 202, moe_w4_launch 215, moe_w8_dispatch 222, moe_w8_combine 230
+//     moe_w8_dispatch_launch 238, moe_w8_combine_launch 247, moe_w8_launch 260
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -83,7 +84,7 @@ struct Config {
   static constexpr bool WEIGHTED = ::moe::WEIGHTED != 0, FP8 = ::moe::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 
-static __device__ __forceinline__ tsgen::moe::Buffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig) {
+static __device__ __forceinline__ tsgen::moe::Buffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig) {
   tsgen::moe::Buffers b{};
   b.x = x;
   b.topk_idx = topk_idx;
@@ -94,6 +95,7 @@ static __device__ __forceinline__ tsgen::moe::Buffers buffers(__nv_bfloat16* x, 
   b.recv_idx = recv_idx;
   b.recv_w = recv_w;
   b.handle = handle;
+  b.self_row = self_row;
   b.comb = comb;
   b.cnt = cnt;
   b.sig = sig;
@@ -127,137 +129,137 @@ static cudaError_t refused(const char* launcher, int rank, const char* what, uin
 }  // namespace moe
 
 // ---- world size 2: grid 32 x 512 threads per kernel ----
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::dispatch<moe::Config<2>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_dispatch"),
-                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig));
+                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
   tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
   tsgen::moe::combine<moe::Config<2>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_combine"),
-                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig), y);
+                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
-extern "C" cudaError_t moe_w2_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+extern "C" cudaError_t moe_w2_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w2_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w2_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+  moe_w2_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t moe_w2_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+extern "C" cudaError_t moe_w2_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w2_combine_launch", rank, "more tokens than the capacity", count);
   if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
     return moe::refused("moe_w2_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w2_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
+  moe_w2_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, y);
   return cudaGetLastError();
 }
 
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert), so out[t] = sum over t's destination ranks.
-extern "C" cudaError_t moe_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = moe_w2_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
-  if (err == cudaSuccess) err = moe_w2_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_x, stream);
+extern "C" cudaError_t moe_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  cudaError_t err = moe_w2_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, stream);
+  if (err == cudaSuccess) err = moe_w2_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, recv_x, stream);
   return err;
 }
 
 // ---- world size 4: grid 32 x 512 threads per kernel ----
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::dispatch<moe::Config<4>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_dispatch"),
-                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig));
+                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
   tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
   tsgen::moe::combine<moe::Config<4>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_combine"),
-                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig), y);
+                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
-extern "C" cudaError_t moe_w4_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+extern "C" cudaError_t moe_w4_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w4_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w4_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+  moe_w4_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t moe_w4_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+extern "C" cudaError_t moe_w4_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w4_combine_launch", rank, "more tokens than the capacity", count);
   if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
     return moe::refused("moe_w4_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w4_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
+  moe_w4_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, y);
   return cudaGetLastError();
 }
 
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert), so out[t] = sum over t's destination ranks.
-extern "C" cudaError_t moe_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = moe_w4_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
-  if (err == cudaSuccess) err = moe_w4_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_x, stream);
+extern "C" cudaError_t moe_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  cudaError_t err = moe_w4_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, stream);
+  if (err == cudaSuccess) err = moe_w4_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, recv_x, stream);
   return err;
 }
 
 // ---- world size 8: grid 32 x 512 threads per kernel ----
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::dispatch<moe::Config<8>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_dispatch"),
-                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig));
+                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
   tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
   tsgen::moe::combine<moe::Config<8>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_combine"),
-                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig), y);
+                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
-extern "C" cudaError_t moe_w8_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+extern "C" cudaError_t moe_w8_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w8_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w8_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+  moe_w8_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t moe_w8_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+extern "C" cudaError_t moe_w8_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w8_combine_launch", rank, "more tokens than the capacity", count);
   if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
     return moe::refused("moe_w8_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w8_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
+  moe_w8_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, y);
   return cudaGetLastError();
 }
 
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert), so out[t] = sum over t's destination ranks.
-extern "C" cudaError_t moe_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = moe_w8_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
-  if (err == cudaSuccess) err = moe_w8_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_x, stream);
+extern "C" cudaError_t moe_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  cudaError_t err = moe_w8_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, stream);
+  if (err == cudaSuccess) err = moe_w8_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, recv_x, stream);
   return err;
 }
 

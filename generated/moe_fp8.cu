@@ -11,7 +11,7 @@
 // 4 bytes per 128; combine stays bf16.
 //
 // Calling convention (every kernel of this file):
-//   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls
+//   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls
 // peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
 // call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
 // count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
@@ -29,20 +29,21 @@
 //   recv_idx int32_t        scratch 16384
 //   recv_w   float          scratch 16384
 //   handle   int32_t        scratch 4096
+//   self_row int32_t        scratch 256
 //   comb     __nv_bfloat16  scratch 4194304
 //   cnt      int32_t        scratch 576
 //   sig      uint64_t       signal 24
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
-//   56: the hand-written library, included: tsgen/ptx.cuh 56, tsgen/sync.cuh 57, tsgen/copy.cuh 58, tsgen/moe.cuh 59
-//   62: the op's own code (namespace moe_fp8: constants, tables, device code)
+//   57: the hand-written library, included: tsgen/ptx.cuh 57, tsgen/sync.cuh 58, tsgen/copy.cuh 59, tsgen/moe.cuh 60
+//   63: the op's own code (namespace moe_fp8: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_fp8_w2_dispatch 135, moe_fp8_w2_combine 143, moe_fp8_w2_dequantize 151
-//     moe_fp8_w2_dispatch_launch 156, moe_fp8_w2_combine_launch 165, moe_fp8_w2_launch 178
-//     moe_fp8_w4_dispatch 189, moe_fp8_w4_combine 197, moe_fp8_w4_dequantize 205
-//     moe_fp8_w4_dispatch_launch 210, moe_fp8_w4_combine_launch 219, moe_fp8_w4_launch 232
-//     moe_fp8_w8_dispatch 243, moe_fp8_w8_combine 251, moe_fp8_w8_dequantize 259
-//     moe_fp8_w8_dispatch_launch 264, moe_fp8_w8_combine_launch 273, moe_fp8_w8_launch 286
+//     moe_fp8_w2_dispatch 137, moe_fp8_w2_combine 145, moe_fp8_w2_dequantize 153
+//     moe_fp8_w2_dispatch_launch 158, moe_fp8_w2_combine_launch 167, moe_fp8_w2_launch 180
+//     moe_fp8_w4_dispatch 191, moe_fp8_w4_combine 199, moe_fp8_w4_dequantize 207
+//     moe_fp8_w4_dispatch_launch 212, moe_fp8_w4_combine_launch 221, moe_fp8_w4_launch 234
+//     moe_fp8_w8_dispatch 245, moe_fp8_w8_combine 253, moe_fp8_w8_dequantize 261
+//     moe_fp8_w8_dispatch_launch 266, moe_fp8_w8_combine_launch 275, moe_fp8_w8_launch 288
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -86,7 +87,7 @@ struct Config {
   static constexpr bool WEIGHTED = ::moe_fp8::WEIGHTED != 0, FP8 = ::moe_fp8::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 
-static __device__ __forceinline__ tsgen::moe::Buffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig) {
+static __device__ __forceinline__ tsgen::moe::Buffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig) {
   tsgen::moe::Buffers b{};
   b.x = x;
   b.topk_idx = topk_idx;
@@ -99,6 +100,7 @@ static __device__ __forceinline__ tsgen::moe::Buffers buffers(__nv_bfloat16* x, 
   b.recv_idx = recv_idx;
   b.recv_w = recv_w;
   b.handle = handle;
+  b.self_row = self_row;
   b.comb = comb;
   b.cnt = cnt;
   b.sig = sig;
@@ -132,164 +134,164 @@ static cudaError_t refused(const char* launcher, int rank, const char* what, uin
 }  // namespace moe_fp8
 
 // ---- world size 2: grid 32 x 512 threads per kernel ----
-extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w2_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w2_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::dispatch<moe_fp8::Config<2>>(peers, rank, epoch, moe_fp8::checked_tokens(count, rank, "moe_dispatch"),
-                                              moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig));
+                                              moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
   tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
-extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w2_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w2_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
   tsgen::moe::combine<moe_fp8::Config<2>>(peers, rank, epoch, moe_fp8::checked_tokens(count, rank, "moe_combine"),
-                                             moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig), y);
+                                             moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
 
 // The fp8 rows of the last dispatch as bf16, into recv_bf16 (what `tsgen test` hands combine).
-extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w2_dequantize(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
-  tsgen::moe::dequantize<moe_fp8::Config<2>>(moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig));
+extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w2_dequantize(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+  tsgen::moe::dequantize<moe_fp8::Config<2>>(moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
 }
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
-extern "C" cudaError_t moe_fp8_w2_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+extern "C" cudaError_t moe_fp8_w2_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
   if (count > (uint64_t)moe_fp8::CAP)
     return moe_fp8::refused("moe_fp8_w2_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_fp8_w2_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+  moe_fp8_w2_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t moe_fp8_w2_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+extern "C" cudaError_t moe_fp8_w2_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
   if (count > (uint64_t)moe_fp8::CAP)
     return moe_fp8::refused("moe_fp8_w2_combine_launch", rank, "more tokens than the capacity", count);
   if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
     return moe_fp8::refused("moe_fp8_w2_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_fp8_w2_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
+  moe_fp8_w2_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, y);
   return cudaGetLastError();
 }
 
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert: the fp8 rows dequantized), so out[t] = sum over t's destination ranks.
-extern "C" cudaError_t moe_fp8_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = moe_fp8_w2_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
+extern "C" cudaError_t moe_fp8_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  cudaError_t err = moe_fp8_w2_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, stream);
   if (err == cudaSuccess) {
-    moe_fp8_w2_dequantize<<<tsgen::moe::DEQUANT_BLOCKS, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+    moe_fp8_w2_dequantize<<<tsgen::moe::DEQUANT_BLOCKS, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
     err = cudaGetLastError();
   }
-  if (err == cudaSuccess) err = moe_fp8_w2_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_bf16, stream);
+  if (err == cudaSuccess) err = moe_fp8_w2_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, recv_bf16, stream);
   return err;
 }
 
 // ---- world size 4: grid 32 x 512 threads per kernel ----
-extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w4_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w4_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::dispatch<moe_fp8::Config<4>>(peers, rank, epoch, moe_fp8::checked_tokens(count, rank, "moe_dispatch"),
-                                              moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig));
+                                              moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
   tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
-extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w4_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w4_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
   tsgen::moe::combine<moe_fp8::Config<4>>(peers, rank, epoch, moe_fp8::checked_tokens(count, rank, "moe_combine"),
-                                             moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig), y);
+                                             moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
 
 // The fp8 rows of the last dispatch as bf16, into recv_bf16 (what `tsgen test` hands combine).
-extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w4_dequantize(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
-  tsgen::moe::dequantize<moe_fp8::Config<4>>(moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig));
+extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w4_dequantize(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+  tsgen::moe::dequantize<moe_fp8::Config<4>>(moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
 }
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
-extern "C" cudaError_t moe_fp8_w4_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+extern "C" cudaError_t moe_fp8_w4_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
   if (count > (uint64_t)moe_fp8::CAP)
     return moe_fp8::refused("moe_fp8_w4_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_fp8_w4_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+  moe_fp8_w4_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t moe_fp8_w4_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+extern "C" cudaError_t moe_fp8_w4_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
   if (count > (uint64_t)moe_fp8::CAP)
     return moe_fp8::refused("moe_fp8_w4_combine_launch", rank, "more tokens than the capacity", count);
   if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
     return moe_fp8::refused("moe_fp8_w4_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_fp8_w4_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
+  moe_fp8_w4_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, y);
   return cudaGetLastError();
 }
 
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert: the fp8 rows dequantized), so out[t] = sum over t's destination ranks.
-extern "C" cudaError_t moe_fp8_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = moe_fp8_w4_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
+extern "C" cudaError_t moe_fp8_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  cudaError_t err = moe_fp8_w4_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, stream);
   if (err == cudaSuccess) {
-    moe_fp8_w4_dequantize<<<tsgen::moe::DEQUANT_BLOCKS, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+    moe_fp8_w4_dequantize<<<tsgen::moe::DEQUANT_BLOCKS, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
     err = cudaGetLastError();
   }
-  if (err == cudaSuccess) err = moe_fp8_w4_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_bf16, stream);
+  if (err == cudaSuccess) err = moe_fp8_w4_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, recv_bf16, stream);
   return err;
 }
 
 // ---- world size 8: grid 32 x 512 threads per kernel ----
-extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w8_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w8_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::dispatch<moe_fp8::Config<8>>(peers, rank, epoch, moe_fp8::checked_tokens(count, rank, "moe_dispatch"),
-                                              moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig));
+                                              moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
   tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
-extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w8_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w8_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
   tsgen::moe::combine<moe_fp8::Config<8>>(peers, rank, epoch, moe_fp8::checked_tokens(count, rank, "moe_combine"),
-                                             moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig), y);
+                                             moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
 
 // The fp8 rows of the last dispatch as bf16, into recv_bf16 (what `tsgen test` hands combine).
-extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w8_dequantize(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
-  tsgen::moe::dequantize<moe_fp8::Config<8>>(moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig));
+extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w8_dequantize(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+  tsgen::moe::dequantize<moe_fp8::Config<8>>(moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
 }
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
-extern "C" cudaError_t moe_fp8_w8_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+extern "C" cudaError_t moe_fp8_w8_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
   if (count > (uint64_t)moe_fp8::CAP)
     return moe_fp8::refused("moe_fp8_w8_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_fp8_w8_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+  moe_fp8_w8_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t moe_fp8_w8_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+extern "C" cudaError_t moe_fp8_w8_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
   if (count > (uint64_t)moe_fp8::CAP)
     return moe_fp8::refused("moe_fp8_w8_combine_launch", rank, "more tokens than the capacity", count);
   if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
     return moe_fp8::refused("moe_fp8_w8_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_fp8_w8_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, y);
+  moe_fp8_w8_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, y);
   return cudaGetLastError();
 }
 
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert: the fp8 rows dequantized), so out[t] = sum over t's destination ranks.
-extern "C" cudaError_t moe_fp8_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = moe_fp8_w8_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, stream);
+extern "C" cudaError_t moe_fp8_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+  cudaError_t err = moe_fp8_w8_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, stream);
   if (err == cudaSuccess) {
-    moe_fp8_w8_dequantize<<<tsgen::moe::DEQUANT_BLOCKS, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls);
+    moe_fp8_w8_dequantize<<<tsgen::moe::DEQUANT_BLOCKS, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
     err = cudaGetLastError();
   }
-  if (err == cudaSuccess) err = moe_fp8_w8_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, comb, cnt, sig, combine_calls, recv_bf16, stream);
+  if (err == cudaSuccess) err = moe_fp8_w8_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, recv_bf16, stream);
   return err;
 }
 

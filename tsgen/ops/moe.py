@@ -227,6 +227,7 @@ class MoeFamily(OpFamily):
             Buffer("recv_idx", "int32", "scratch", per_count=0, fixed=recv * p.topk),
             Buffer("recv_w", "float32", "scratch", per_count=0, fixed=recv * p.topk),
             Buffer("handle", "int32", "scratch", per_count=0, fixed=recv * 2),
+            Buffer("self_row", "int32", "scratch", per_count=0, fixed=p.capacity),
             Buffer("comb", "bfloat16", "scratch", per_count=0, fixed=p.capacity * wmax * p.hidden),
             Buffer("cnt", "int32", "scratch", per_count=0, fixed=wmax * wmax + wmax * p.experts),
             Buffer("sig", "uint64", "signal", per_count=0, fixed=3 * wmax),

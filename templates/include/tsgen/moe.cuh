@@ -23,17 +23,23 @@
 //   4. every block raises sig[DATA + rank] on every destination by one (release); block 0 waits
 //      for gridDim.x arrivals from every source and writes recv_counts.
 // combine (one kernel):
-//   1. every received row r goes back to its source s, into s's comb[token][this rank] (push);
-//      each block then raises sig[COMB + rank] on every rank by one.
+//   1. every received row r from another rank s goes back to s, into s's comb[token][this rank]
+//      (push); each block then raises sig[COMB + rank] on every rank by one. A rank's rows of its
+//      own tokens stay in y: dispatch wrote where (self_row[token]).
 //   2. every block waits for every rank's arrivals, then sums each of its tokens' rows over
 //      the token's destination ranks in fp32 (each scaled by the sum of the token's top-k
 //      weights of experts on that rank when WEIGHTED), rounded once to bf16, original order.
+//      Reading y after the arrivals is safe: a peer writes rows of the next call into this rank's
+//      receive buffer (which y may be) only once every rank's next counts row arrived, and this
+//      rank writes its own after this combine.
 //
 // Back-to-back calls: signals count up with the call number (dispatch and combine each have
 // their own call counter); nothing is reset. Call order per rank: dispatch, (experts), combine,
-// dispatch, ...: a source writes its next counts and rows only after its combine has received
-// every rank's rows, i.e. after every rank's combine of the previous call has pushed (so read)
-// its receive buffers; counts are read before a rank's data arrivals are signalled.
+// dispatch, ...: a source writes its next counts only after its combine has received every rank's
+// rows, i.e. after every rank's combine of the previous call has pushed (so read) the rows bound
+// for other ranks, and its next rows only after every rank's next counts row arrived, i.e. after
+// every rank's combine ended (combine reads a rank's own rows in y after its arrivals); counts are
+// read before a rank's data arrivals are signalled.
 #ifndef TSGEN_MOE_CUH
 #define TSGEN_MOE_CUH
 
@@ -67,6 +73,7 @@ struct Buffers {
   int32_t* recv_idx;        // [RECV][TOPK] local expert id or -1
   float* recv_w;            // [RECV][TOPK]
   int32_t* handle;          // [RECV][2] (source rank, source token)
+  int32_t* self_row;        // [CAP] token t's row in this rank's own receive buffer (so in combine's y), -1: none
   __nv_bfloat16* comb;      // [CAP][WMAX][HIDDEN] combine's inbox, slot = sending rank
   __nv_bfloat16* recv_bf16;  // [RECV][HIDDEN] (payload fp8) dequantize's output
   int32_t* cnt;             // [WMAX][WMAX] counts matrix, then [WMAX][EXPERTS] per-expert counts
@@ -337,6 +344,7 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
 #pragma unroll
       for (int d = 0; d < W; ++d)
         if (((mm >> d) & 1u) && (unsigned)s_pos[i][d] >= (unsigned)C::RECV) mm &= ~(1u << d);  // past the capacity: dropped
+      if (lane == 0) b.self_row[tok] = (mm >> rank) & 1u ? s_pos[i][rank] : -1;  // combine reads it in y
       if (mm == 0) continue;
       if constexpr (C::FP8) {
         push_row_fp8<C>(b.x + (size_t)tok * C::HIDDEN, mm, s_pos[i], b.recv_q, b.recv_scale, peers, rank, lane);
@@ -418,6 +426,7 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
   for (int r = gwarp; r < rows; r += nwarps) {
     const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
     if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
+    if (s == rank) continue;  // this rank's own tokens: step 2 reads their rows in y (self_row)
     copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
                 y + (size_t)r * C::HIDDEN, lane);
   }
@@ -432,7 +441,8 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
   const int parts = sum_parts(tokens, nwarps);
   for (int item = gwarp; item < tokens * parts; item += nwarps) {
     const int t = item / parts, part = item % parts;
-    const uint32_t m = route_mask<C>(b.topk_idx, t);
+    const int own = b.self_row[t];  // its row in y, or -1 (not sent here, or dropped past the capacity)
+    const uint32_t m = route_mask<C>(b.topk_idx, t) & ((unsigned)own < (unsigned)C::RECV ? ~0u : ~(1u << rank));
     float scale[W];
 #pragma unroll
     for (int d = 0; d < W; ++d) scale[d] = C::WEIGHTED ? 0.f : 1.f;
@@ -446,6 +456,7 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
       }
     uint4* dst = reinterpret_cast<uint4*>(b.out + (size_t)t * C::HIDDEN);
     const uint4* slots = reinterpret_cast<const uint4*>(b.comb + (size_t)t * W * C::HIDDEN);
+    const uint4* mine = reinterpret_cast<const uint4*>(y + (size_t)max(own, 0) * C::HIDDEN);
     // UNROLL vectors per lane: each rank's UNROLL loads are issued before they are summed (issue 34:
     // one vector per lane at a time left this local pass latency-bound on combine's few SMs)
     for (int v0 = part * 32 * C::UNROLL + lane; v0 < VECS; v0 += 32 * C::UNROLL * parts) {
@@ -460,7 +471,8 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
         uint4 v[C::UNROLL];
 #pragma unroll
         for (int u = 0; u < C::UNROLL; ++u)
-          if (v0 + u * 32 < VECS) v[u] = ld_weak_global_v4(slots + (size_t)d * VECS + v0 + u * 32);
+          if (v0 + u * 32 < VECS)
+            v[u] = ld_weak_global_v4((d == rank ? mine : slots + (size_t)d * VECS) + v0 + u * 32);
 #pragma unroll
         for (int u = 0; u < C::UNROLL; ++u) {
           if (v0 + u * 32 >= VECS) continue;
