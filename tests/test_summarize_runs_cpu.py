@@ -70,13 +70,17 @@ def test_an_mps_only_run_lists_each_ipc_launch_and_no_suite(tmp_path):
     rows = [{"nproc": 2, "cmd": ["python", "-m", "tsgen", "test", "specs/x.yaml"], "rc": 0, "stdout": "x: PASS\n",
              "stderr": ""},
             {"nproc": 4, "cmd": ["python", "-m", "tsgen", "test", "specs/x.yaml"], "rc": 1, "stdout": "",
-             "stderr": "tsgen: rank 3: cudaErrorMpsMaxConnectionsReached | 809\n\n"}]
+             "stderr": "tsgen: rank 3: cudaErrorMpsMaxConnectionsReached | 809\n\n"},
+            {"nproc": 2, "cmd": ["python", "-c", "run_test(..., mutate=lambda t: t)"], "rc": 1, "stdout": "x: FAIL\n",
+             "stderr": ""}]
     (run / "ipc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = _summarize(run, tmp_path / "results")
     assert "| whole GPU suite (pytest) | not run |" in out
     assert "1 passed, 1 failed, 0 skipped (stopped before the end" in out
-    assert "| 4 | `python -m tsgen test specs/x.yaml` | 1 | tsgen: rank 3: cudaErrorMpsMaxConnectionsReached / 809 |" in out
-    assert "| 2 | `python -m tsgen test specs/x.yaml` | 0 | x: PASS |" in out
+    assert ("| 4 | `python -m tsgen test specs/x.yaml` | 1 | 0 UNEXPECTED | tsgen: rank 3: "
+            "cudaErrorMpsMaxConnectionsReached / 809 |") in out
+    assert "| 2 | `python -m tsgen test specs/x.yaml` | 0 | 0 | x: PASS |" in out
+    assert "| 2 | `python -c run_test(..., mutate=lambda t: t)` | 1 | 1 (negative control) | x: FAIL |" in out
 
 
 def test_failed_ids_skip_reasons_and_control_detection_are_kept(tmp_path):

@@ -106,7 +106,9 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     negs, probes = jsonl(run, "negative_control"), jsonl(run, "timeout_probe")
     vendor = (run / "vendor.txt").read_text().splitlines() if (run / "vendor.txt").exists() else []
     # every ipc test's `tsgen launch`: its exit code and last line (kept also when pytest was cut off)
+    # a run whose command mutates the kernel (`mutate=`) is a negative control: it must exit 1
     ipc_runs = [{"nproc": r["nproc"], "cmd": shorten(" ".join(["python", *r["cmd"][1:]]), 110), "rc": r["rc"],
+                 "expect": 1 if any("mutate=" in a for a in r["cmd"]) else 0,
                  "last": next((ln for ln in reversed((r["stderr"] + "\n" + r["stdout"]).splitlines()) if ln.strip()), "")}
                 for r in jsonl(run, "ipc")]
     summary = {
@@ -179,9 +181,11 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
         md += [f"| {s['count']} | {cell(s['reason'])}{' (' + s['part'] + ')' if s.get('part') else ''} | "
                f"{cell(', '.join(s['where']), 120)} |" for s in skips]
     if ipc_runs:
-        md += ["", "ipc runs (`tsgen launch`, one process per rank):", "", "| processes | command | exit | last line |",
-               "|---|---|---|---|"]
-        md += [f"| {r['nproc']} | `{r['cmd'].replace('|', '/')}` | {r['rc']} | {r['last'][:160].replace('|', '/')} |" for r in ipc_runs]
+        md += ["", "ipc runs (`tsgen launch`, one process per rank; a command that mutates the kernel is a negative "
+               "control and must exit 1):", "", "| processes | command | exit | expected | last line |", "|---|---|---|---|---|"]
+        md += [f"| {r['nproc']} | `{r['cmd'].replace('|', '/')}` | {r['rc']} | "
+               f"{'1 (negative control)' if r.get('expect') else 0}{'' if r['rc'] == r.get('expect', 0) else ' UNEXPECTED'} | "
+               f"{r['last'][:160].replace('|', '/')} |" for r in ipc_runs]
     return {"meta": meta, "summary": summary, "correctness": corr, "dtype_matrix": dtypes,
             "negative_control": negs, "timeout_probe": probes}, "\n".join(md) + "\n"
 
