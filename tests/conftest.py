@@ -166,6 +166,40 @@ def _nvcc_only_in_compile_tests(request, monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", Popen)
 
 
+# -- tsgen.torch on CPU (tests/test_torch_cpu.py, tests/test_torch_attention_cpu.py): torch imported lazily
+
+def fake_mode():
+    """FakeTensorMode taking real tensors too: tsgen.torch's fake kernels run without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def aot_graphs(make):
+    """torch.compile(fullgraph=True) with AOTAutograd of `fn` on `args`, where (fn, args) = make() is
+    called under FakeTensorMode (CPU fake tensors: autograd on fake CUDA tensors needs a CUDA build);
+    the output summed and backpropagated. Returns (args, output, the call targets of the forward
+    graph, of the backward graph)."""
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    fw, bw = [], []
+
+    def keep(store):
+        def compiler(gm, example_inputs):
+            store.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    with fake_mode():
+        fn, args = make()
+        y = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(*args)
+        y.sum().backward()
+    return args, y, *([str(n.target) for n in g[0].graph.nodes if n.op == "call_function"] for g in (fw, bw))
+
+
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch):
     """An empty compile cache of this test's own."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from conftest import aot_graphs, fake_mode, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN = ROOT / "generated"
@@ -50,36 +50,6 @@ def groups():
 def ops(groups):
     """allgather and reduce_scatter at W 2 and W 4, paired (each the other's backward)."""
     return paired(groups, "allgather", "reduce_scatter")
-
-
-def fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def aot_graphs(make):
-    """torch.compile(fullgraph=True) with AOTAutograd of `fn` on `args`, where (fn, args) = make() is
-    called under FakeTensorMode (CPU fake tensors: autograd on fake CUDA tensors needs a CUDA build);
-    the output summed and backpropagated. Returns (args, output, the call targets of the forward
-    graph, of the backward graph)."""
-    from torch._dynamo.backends.common import aot_autograd
-    from functorch.compile import make_boxed_func
-
-    fw, bw = [], []
-
-    def keep(store):
-        def compiler(gm, example_inputs):
-            store.append(gm)
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    torch._dynamo.reset()
-    with fake_mode():
-        fn, args = make()
-        y = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep(fw), bw_compiler=keep(bw)))(*args)
-        y.sum().backward()
-    return args, y, *([str(n.target) for n in g[0].graph.nodes if n.op == "call_function"] for g in (fw, bw))
 
 
 def paired(groups, a: str, b: str, worlds=(2, 4)) -> dict:

@@ -53,6 +53,7 @@ Exit code 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -78,7 +79,12 @@ RESULTS: list[bool] = []
 
 def report(name: str, ok: bool, detail: str = "", group=None, word: str = "PASS") -> bool:
     """Gather every rank's (ok, detail); rank 0 prints one CHECK line (`word` where every rank is ok:
-    SKIP for a check that could not run, with the reason in the detail)."""
+    SKIP for a check that could not run, with the reason in the detail). Without a process group
+    (--attention) the one process prints its own."""
+    if not dist.is_initialized():  # --attention: one process, no group
+        print(f"CHECK {name} {word if ok else 'FAIL'} {detail}".rstrip(), flush=True)
+        RESULTS.append(bool(ok))
+        return bool(ok)
     results = [None] * dist.get_world_size(group)
     dist.all_gather_object(results, (bool(ok), f"r{dist.get_rank()}: {detail}" if detail else ""), group=group)
     all_ok = all(r[0] for r in results)
@@ -689,6 +695,330 @@ def probe() -> None:
     store.set("tsgen_probe_done", "PASS" if ok else "FAIL")
     os._exit(0 if ok else 1)  # the CUDA context is lost: no clean shutdown
 
+# -- --attention: tsgen's attention forward + backward as one op, one GPU, no process group -------
+
+# name -> (forward spec, backward spec): the shipped forwards, each with a backward of its shape
+ATTENTION_PAIRS = {
+    "hd128": ("specs/attention_hd128.yaml", "specs/attention_backward_hd128.yaml"),
+    "hd128_causal_gqa": ("specs/attention_hd128_causal_gqa.yaml",
+                         "examples/torch/specs/attention_backward_hd128_causal_gqa.yaml"),
+    "hd64_causal": ("specs/attention_hd64_causal.yaml", "examples/torch/specs/attention_backward_hd64_causal.yaml"),
+}
+ATTENTION_CASES = ((2, 1000), (1, 4096))  # (batch, S): S 1000 ends in a partial query tile and key block
+MAX_REL_ERR = 1e-2  # ||got - ref|| / ||ref|| of O, dQ, dK, dV: 16-bit results measure about 2.4e-3 (bf16)
+
+
+def to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """[batch, seq, heads, d] in `layout` as [batch, heads, seq, d] (a view; its own inverse)."""
+    return x if layout == "bhsd" else x.transpose(1, 2)
+
+
+def attention_inputs(sig, batch: int, q_len: int, kv_len: int, gen, device="cuda") -> tuple:
+    """Random normal q, k, v and dO in the op's layout and dtype, contiguous."""
+    dt = getattr(torch, sig.dtype)
+
+    def randn(rows, heads):
+        x = torch.randn(batch, rows, heads, sig.head_dim, generator=gen, device=device).to(dt)
+        return to_bhsd(x, sig.layout).contiguous() if sig.layout == "bhsd" else x
+
+    return randn(q_len, sig.heads), randn(kv_len, sig.kv_heads), randn(kv_len, sig.kv_heads), randn(q_len, sig.heads)
+
+
+def sdpa_reference(sig, q, k, v, do) -> dict:
+    """O, dQ, dK, dV in float32 (the op's layout): torch autograd of F.scaled_dot_product_attention
+    on the upcast inputs, its math backend (TF32 off: main sets it), the causal mask top-left as
+    the op's (positions from 0), GQA by repeating K and V over each group's query heads (autograd
+    sums their gradients back)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = sig.heads // sig.kv_heads
+    qf, kf, vf = (to_bhsd(x, sig.layout).float().requires_grad_(True) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        o = F.scaled_dot_product_attention(qf, kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1),
+                                           is_causal=sig.causal, scale=sig.scale)
+    o.backward(to_bhsd(do, sig.layout).float())
+    return {name: to_bhsd(x.detach(), sig.layout) for name, x in
+            (("o", o), ("dq", qf.grad), ("dk", kf.grad), ("dv", vf.grad))}
+
+
+def attention_bounds(sig, q, k, v, do, ref: dict, o_got: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(LSE [batch, heads, S] in float32, the per-element bound of each result), the bounds the
+    attention families hold their kernels to (tsgen/ops/attention.py): O within o_tolerance of the
+    |.| sums sum_j p_ij |v_j|; LSE within 1e-3 relative (absolute below 1); each gradient within
+    grad_tolerance of the |.| sums of its products and of the terms dS = P (dP - D) cancels
+    (attention_backward_reference's with_abs, here in float32 on the GPU), plus what the kernel's
+    D = rowsum(dO O) owes to its 16-bit O: it shifts dS_ij by -P_ij dD_i, dD_i = rowsum(dO_i (O_got -
+    O_ref)_i), so dQ_i by at most scale |dD_i| sum_j P_ij |k_j| and dK_j by scale sum_i P_ij |dD_i|
+    |q_i| (the reference's D is of the exact O). One KV head (and its group of query heads) at a
+    time: a few [group, S, S_kv] float32 matrices at once."""
+    from tsgen.ops.attention import grad_tolerance, o_tolerance
+
+    group, scale = sig.heads // sig.kv_heads, sig.scale
+    qf, dof, orf, ogf = (to_bhsd(x, sig.layout).float() for x in (q, do, ref["o"], o_got))
+    kf, vf = (to_bhsd(x, sig.layout).float() for x in (k, v))
+    q_len, kv_len = qf.shape[2], kf.shape[2]
+    hidden = torch.ones(q_len, kv_len, dtype=torch.bool, device=qf.device).triu(1) if sig.causal else None
+    o_abs, aq, cq, eq = (torch.zeros_like(qf) for _ in range(4))
+    ak, ck, ek, av = (torch.zeros_like(kf) for _ in range(4))
+    lse = torch.empty(qf.shape[:3], device=qf.device)
+    for b in range(qf.shape[0]):
+        for g in range(sig.kv_heads):
+            hs = slice(g * group, (g + 1) * group)
+            qh, doh, orh, ogh = qf[b, hs], dof[b, hs], orf[b, hs], ogf[b, hs]  # [group, S, D]
+            kh, vh = kf[b, g], vf[b, g]  # [S_kv, D]
+            s = scale * (qh @ kh.T)
+            if hidden is not None:
+                s = s.masked_fill(hidden, -math.inf)
+            lse[b, hs] = torch.logsumexp(s, -1)
+            p = torch.exp(s - lse[b, hs, :, None])
+            del s
+            ds = p * (doh @ vh.T - (doh * orh).sum(-1, keepdim=True)).abs()  # |dS|
+            o_abs[b, hs] = p @ vh.abs()
+            aq[b, hs] = scale * (ds @ kh.abs())
+            ak[b, g] = scale * (ds.transpose(1, 2) @ qh.abs()).sum(0)
+            av[b, g] = (p.transpose(1, 2) @ doh.abs()).sum(0)
+            del ds
+            cancel = p * (doh.abs() @ vh.abs().T + (doh.abs() * orh.abs()).sum(-1, keepdim=True))
+            cq[b, hs] = scale * (cancel @ kh.abs())
+            ck[b, g] = scale * (cancel.transpose(1, 2) @ qh.abs()).sum(0)
+            del cancel
+            dd = (doh * (ogh - orh)).sum(-1, keepdim=True).abs()
+            eq[b, hs] = scale * dd * (p @ kh.abs())
+            ek[b, g] = scale * (p.transpose(1, 2) @ (dd * qh.abs())).sum(0)
+    back = {n: to_bhsd(x, sig.layout) for n, x in (("o", o_abs), ("aq", aq), ("cq", cq), ("eq", eq), ("ak", ak),
+                                                   ("ck", ck), ("ek", ek), ("av", av))}
+    hd, dt = sig.head_dim, sig.dtype
+    return lse, {"o": o_tolerance(ref["o"], back["o"], dt), "lse": 1e-3 * lse.abs().clamp_min(1.0),
+                 "dq": grad_tolerance(ref["dq"], back["aq"], back["cq"], dt, hd) + back["eq"],
+                 "dk": grad_tolerance(ref["dk"], back["ak"], back["ck"], dt, hd) + back["ek"],
+                 "dv": grad_tolerance(ref["dv"], back["av"], None, dt, hd)}
+
+
+def attention_compare(got: dict, ref: dict, tol: dict) -> tuple[bool, str]:
+    """Every element of O, LSE, dQ, dK, dV within its bound (a NaN never is), and O and the gradients
+    within MAX_REL_ERR of the reference in norm (the per-element bound is a worst case, loose where
+    many terms of either sign add up: the norm sees an error spread over every element)."""
+    ok, notes = True, []
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        g, r = got[name].float(), ref[name].float()
+        wrong = int((~((g - r).abs() <= tol[name])).sum())
+        rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
+        good = wrong == 0 and (name == "lse" or rel <= MAX_REL_ERR)
+        ok &= good
+        notes.append(f"{name} {wrong}/{g.numel()} wrong, rel {rel:.1e}{'' if good else ' FAIL'}")
+    return ok, ", ".join(notes)
+
+
+def poison_allocator(nbytes: int) -> list[tuple[int, int]]:
+    """Fill `nbytes` of fresh device memory (and 8 MiB of the caching allocator's small blocks) with
+    0xFF bytes, NaN in bf16 and float32, then free it: the allocations that follow on this stream
+    take these blocks, so an output element a kernel leaves unwritten reads NaN. The filled address
+    ranges, to tell which outputs landed in them."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = [torch.empty(nbytes, dtype=torch.uint8, device="cuda")]
+    held += [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(8)]  # the small pool's blocks
+    for t in held:
+        t.fill_(0xFF)
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in held]
+    del held
+    return spans
+
+
+def poisoned(t: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
+    """Whether tensor `t` lies in memory poison_allocator filled."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    return any(a <= lo and hi <= b for a, b in spans)
+
+
+def attention_case(attn, batch: int, seq: int, gen) -> tuple[dict, dict, dict, tuple, str]:
+    """One forward + backward through autograd on fresh random inputs, every output allocated in
+    poisoned memory: (got, ref, bounds, (q, k, v, dO), how many outputs were poisoned)."""
+    sig = attn.signature
+    q, k, v, do = attention_inputs(sig, batch, seq, seq, gen)
+    ref = sdpa_reference(sig, q, k, v, do)
+    qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
+    size = sum(x.numel() * x.element_size() for x in (q, k, v)) * 3 + (8 << 20)  # the outputs, the fp32 workspace
+    spans = poison_allocator(size)
+    o, lse = attn(qa, ka, va, return_lse=True)
+    spans_back = poison_allocator(size)
+    o.backward(do)
+    got = {"o": o.detach(), "lse": lse, "dq": qa.grad, "dk": ka.grad, "dv": va.grad}
+    hits = sum(poisoned(got[n], spans) for n in ("o", "lse")) + sum(poisoned(got[n], spans_back) for n in ("dq", "dk",
+                                                                                                        "dv"))
+    ref["lse"], bounds = attention_bounds(sig, q, k, v, do, ref, got["o"])
+    return got, ref, bounds, (q, k, v, do), f"{hits}/5 outputs in NaN-poisoned memory"
+
+
+def attention_checks() -> None:
+    """--attention: tsgen.torch.attention on GPU 0 (module doc)."""
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        report("attention_setup", False, "no CUDA device: --attention runs on one GPU")
+        return
+    torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference is float32
+    torch.backends.cudnn.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(35)
+    ops = {}
+
+    @checked("attention_load")
+    def load():
+        t0 = time.perf_counter()
+        for name, (fwd, bwd) in ATTENTION_PAIRS.items():
+            ops[name] = tt.attention(ROOT / fwd, ROOT / bwd)
+        return True, f"{len(ops)} pairs in {time.perf_counter() - t0:.1f} s (render + nvcc, or the cache)"
+
+    if not load():
+        return
+    for name, attn in ops.items():
+        for batch, seq in ATTENTION_CASES:
+            @checked(f"attention_{name}_b{batch}_s{seq}")
+            def case():
+                got, ref, bounds, _, poison_note = attention_case(attn, batch, seq, gen)
+                ok, detail = attention_compare(got, ref, bounds)
+                return ok, f"{detail}; {poison_note}"
+
+            case()
+
+    @checked("attention_negative_controls")
+    def controls():
+        """The comparison above must fail on wrong results: the backward fed an LSE 0.05 too large
+        (P, so every gradient, 5% too small), dK and dV swapped, the last query row of O zeroed."""
+        attn = ops["hd128"]
+        got, ref, bounds, (q, k, v, do), _ = attention_case(attn, 2, 1000, gen)
+        dq, dk, dv = attn.grads(q, k, v, got["o"], do, got["lse"] + 0.05)
+        tail = got["o"].clone()
+        tail[:, -1] = 0
+        wrong = {"LSE + 0.05": {**got, "dq": dq, "dk": dk, "dv": dv},
+                 "dK, dV swapped": {**got, "dk": got["dv"], "dv": got["dk"]},
+                 "last row of O zeroed": {**got, "o": tail}}
+        notes, ok = [], True
+        for what, bad in wrong.items():
+            caught, detail = attention_compare(bad, ref, bounds)
+            ok &= not caught
+            notes.append(f"{what}: {'caught' if not caught else 'NOT CAUGHT'} ({detail})")
+        return ok, "; ".join(notes)
+
+    controls()
+
+    @checked("attention_compile_fullgraph")
+    def compiled():
+        """A tiny module calling the op under torch.compile(fullgraph=True) (Inductor): the op in
+        Dynamo's graph, its forward and backward against the reference."""
+        from torch._dynamo.backends.registry import lookup_backend
+
+        attn = ops["hd128_causal_gqa"]
+        sig = attn.signature
+        seen, inductor = [], lookup_backend("inductor")  # what backend="inductor" runs
+
+        def backend(gm, example_inputs):
+            seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return inductor(gm, example_inputs)
+
+        class Tiny(torch.nn.Module):
+            def forward(self, q, k, v):
+                o, lse = attn(q, k, v, return_lse=True)
+                return o.float(), lse
+
+        torch._dynamo.reset()
+        module = torch.compile(Tiny(), fullgraph=True, backend=backend)
+        q, k, v, do = attention_inputs(sig, 1, 1000, 1000, gen)
+        ref = sdpa_reference(sig, q, k, v, do)
+        qa, ka, va = (x.clone().requires_grad_(True) for x in (q, k, v))
+        out, lse = module(qa, ka, va)
+        out.backward(do.float())
+        o = out.detach().to(q.dtype)  # exact: O was 16-bit
+        ref["lse"], bounds = attention_bounds(sig, q, k, v, do, ref, o)
+        ok, detail = attention_compare({"o": o, "lse": lse, "dq": qa.grad, "dk": ka.grad, "dv": va.grad}, ref, bounds)
+        in_graph = any(sig.module in t for t in seen)
+        return ok and in_graph, f"tsgen::{sig.module} in Dynamo's graph: {in_graph}; {detail}"
+
+    compiled()
+
+    @checked("attention_cuda_graph_20_replays")
+    def graph():
+        """Forward + backward captured in one CUDA graph (warm-up on a side stream first, grads set
+        to None before capture), replayed 20 times with fresh inputs copied into the static ones,
+        every replay's O, LSE and gradients against the reference."""
+        attn = ops["hd128_causal_gqa"]
+        sig = attn.signature
+        static = [x.clone().requires_grad_(i < 3) for i, x in enumerate(attention_inputs(sig, 1, 1000, 1000, gen))]
+        qs, ks, vs, dos = static
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for t in (qs, ks, vs):
+                    t.grad = None
+                attn(qs, ks, vs).backward(dos)
+        torch.cuda.current_stream().wait_stream(side)
+        for t in (qs, ks, vs):
+            t.grad = None
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            o, lse = attn(qs, ks, vs, return_lse=True)
+            o.backward(dos)
+        bad, last = 0, ""
+        for _ in range(20):
+            fresh = attention_inputs(sig, 1, 1000, 1000, gen)
+            with torch.no_grad():
+                for t, x in zip(static, fresh):
+                    t.copy_(x)
+            g.replay()
+            torch.cuda.synchronize()
+            ref = sdpa_reference(sig, *fresh)
+            ref["lse"], bounds = attention_bounds(sig, *fresh, ref, o.detach())
+            good, last = attention_compare({"o": o.detach(), "lse": lse, "dq": qs.grad, "dk": ks.grad, "dv": vs.grad},
+                                           ref, bounds)
+            bad += not good
+        return bad == 0, f"{bad} of 20 replays wrong; the last: {last}"
+
+    graph()
+
+    @checked("attention_step_times")
+    def times():
+        """Forward + backward, eager, S 4096: tsgen's op against torch SDPA's autograd (its default
+        backend, bf16), CUDA events around 10 steps after 3 of warm-up, one after the other."""
+        notes = []
+        for name, attn in ops.items():
+            sig = attn.signature
+            q, k, v, do = (x.requires_grad_(i < 3) for i, x in enumerate(attention_inputs(sig, 1, 4096, 4096, gen)))
+            group = sig.heads // sig.kv_heads
+
+            def tsgen_step():
+                attn(q, k, v).backward(do)
+
+            def sdpa_step():  # GQA as SDPA takes it (torch >= 2.5), no repeated K and V
+                qb, kb, vb = (to_bhsd(x, sig.layout) for x in (q, k, v))
+                o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=sig.causal, scale=sig.scale,
+                                                   **({"enable_gqa": True} if group > 1 else {}))
+                o.backward(to_bhsd(do, sig.layout))
+
+            ms = {}
+            for label, step in (("sdpa", sdpa_step), ("tsgen", tsgen_step)):
+                for i in range(13):
+                    if i == 3:
+                        torch.cuda.synchronize()
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                    for t in (q, k, v):
+                        t.grad = None
+                    step()
+                end.record()
+                end.synchronize()
+                ms[label] = start.elapsed_time(end) / 10
+            for label in ("sdpa", "tsgen"):
+                print(f"TIME attention {name}_s4096_{label}: {ms[label]:.3f} ms/step ({ms['sdpa'] / ms[label]:.2f}x "
+                      "the twin)", flush=True)
+            notes.append(f"{name}: tsgen {ms['tsgen']:.2f} ms, SDPA {ms['sdpa']:.2f} ms")
+        return True, "; ".join(notes) + " (fwd + bwd, S 4096, batch 1; a first reading)"
+
+    times()
+
+
 # -- --shared: ranks sharing one GPU -----------------------------------------------------------
 
 def shared_device(local_rank: int, gpus: int) -> int:
@@ -893,6 +1223,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--probe", action="store_true", help="the peer-never-arrives probe (see the module doc)")
     ap.add_argument("--shared", action="store_true", help="ranks sharing one GPU, gloo group, MPS (module doc)")
+    ap.add_argument("--attention", action="store_true",
+                    help="tsgen.torch.attention on one GPU, no process group, no torchrun (module doc)")
     ap.add_argument("--heaps", default=os.environ.get("TSGEN_TORCH_HEAP") or "ipc,symm_mem",
                     help="--shared: the heap modes to check, in order (default: $TSGEN_TORCH_HEAP, else both)")
     args = ap.parse_args()
@@ -902,6 +1234,9 @@ def main() -> int:
     if args.probe:
         probe()
         return 0
+    if args.attention:
+        attention_checks()
+        return 0 if RESULTS and all(RESULTS) else 1
     if args.shared:
         shared(heaps)
     else:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 31 on GPUs: tsgen kernels as torch ops (tsgen.torch), one process per GPU under torchrun.
-# Needs 2 GPUs (the shared step alone: 1), torch with CUDA, nvcc (and pydantic: carry it in .whl/
+# Needs 2 GPUs (the shared or the attention step alone: 1), torch with CUDA, nvcc (and pydantic: carry it in .whl/
 # where the image lacks it, docs/running.md). One command; every step has a timeout and the script starts no step
 # after BUDGET s (default 540), so it ends inside a 10-minute device call. Logs under $OUT/torch;
 # the CHECK / TIME table ($OUT/torch_checks.md) and the steps' PASS/FAIL table ($OUT/torch_summary.md)
@@ -23,7 +23,13 @@
 #      backward against its all_to_all_single twin, step times of both
 #   5. examples/torch/moe_layer.py: MoE layer (dispatch -> per-expert torch GEMMs -> combine) forward +
 #      backward against its all_to_all_single twin, step times of both
-#   6. tests/torch_checks.py --shared, last: 4 ranks on GPU 0 alone (CUDA_VISIBLE_DEVICES=0), a gloo
+#   6. tests/torch_checks.py --attention, one GPU, no torchrun: tsgen.torch.attention (the attention forward and
+#      its attention_backward as one differentiable op) on bf16 hd128, hd128 causal GQA 32:8 and hd64 causal at S 1000
+#      (batch 2: tails) and 4096, O / LSE / dQ / dK / dV against torch autograd of SDPA in float32 (the families'
+#      per-element bounds, and 1e-2 in norm), outputs in NaN-poisoned memory; negative controls (a wrong LSE, dK and
+#      dV swapped, a zeroed row of O) that the comparison must catch; torch.compile(fullgraph=True) (Inductor) of a
+#      tiny module; forward + backward in a CUDA graph, 20 replays, each checked; step times beside SDPA's
+#   7. tests/torch_checks.py --shared, last: 4 ranks on GPU 0 alone (CUDA_VISIBLE_DEVICES=0), a gloo
 #      group (no NCCL), TSGEN_SHARE_GPUS=1, under an MPS control daemon started for this step and
 #      stopped after it (tools/mps.sh; the steps before run without MPS): allgather / reduce_scatter /
 #      all_to_all / Ulysses pre + post, 20 calls each, and a CUDA graph of 20 replays, against local
@@ -32,8 +38,9 @@
 #      ranks run with CUDA_DEVICE_MAX_CONNECTIONS at the driver's default: under MPS the clients'
 #      hardware queues come out of one pool (docs/lab/shared_gpu.md: 4 clients x 32 fail).
 # Environment: TP_ARGS, ULYSSES_ARGS, MOE_ARGS (extra arguments of the examples), TSGEN_TORCH_HEAP (auto | symm_mem | ipc),
-# TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe shared; default all; environment and compile always
-# run). One GPU: TORCH_STEPS=shared bash tools/gpu_torch.sh
+# TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe attention shared; default all; environment and
+# compile always run). One GPU: TORCH_STEPS=shared bash tools/gpu_torch.sh, TORCH_STEPS=attention bash tools/gpu_torch.sh
+# (the attention step alone: about a minute after the compile step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/device_env.sh
@@ -43,7 +50,7 @@ source tools/steps.sh
 RUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
 
 want() { [ -z "${TORCH_STEPS:-}" ] || [[ " $TORCH_STEPS " == *" $1 "* ]]; }
-NEED=1  # GPUs: 2 for any step with one process per GPU, 1 for the shared step alone
+NEED=1  # GPUs: 2 for any step with one process per GPU, 1 for the shared or the attention step alone
 for s in checks probe tp_mlp ulysses moe; do want $s && NEED=2; done
 step "environment" 60 python3 -c "
 import torch, sys
@@ -52,7 +59,10 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', n, [torch.
 print('peer access 0->1:', n > 1 and torch.cuda.can_device_access_peer(0, 1))
 sys.exit(0 if n >= $NEED else 1)" || { summary "tsgen.torch on GPUs: needs $NEED GPU(s)" torch_summary.md; exit 1; }
 cat "$LOG/environment.log"
-# render + compile the modules once, in parallel, before the ranks ask for them (they would wait on the lock)
+# render + compile the modules once, in parallel, before the ranks ask for them (they would wait on the lock);
+# those of the selected steps only (the attention step's pairs: tests/torch_checks.py ATTENTION_PAIRS)
+COLLECTIVES=0; for s in checks probe tp_mlp ulysses moe shared; do want $s && COLLECTIVES=1; done
+ATTENTION=0; want attention && ATTENTION=1
 step "compile" 150 python3 -c "
 from concurrent.futures import ThreadPoolExecutor
 from tsgen.harness import render_to_cache
@@ -61,10 +71,16 @@ from tsgen.toolchain import compile_source
 def one(spec):
     m = render_to_cache(load_spec(spec))
     return compile_source(m.source, mode='shared').output
-specs = [f'specs/{s}.yaml' for s in ('allgather', 'reduce_scatter', 'all_reduce_one_shot', 'all_to_all', 'broadcast',
-                                     'ulysses_pre_a2a', 'ulysses_post_a2a', 'ulysses_pre_a2a_gqa', 'allgather_gemm',
-                                     'gemm_reduce_scatter', 'moe')]
-specs += [f'examples/torch/specs/{s}.yaml' for s in ('tp_mlp_ag_gemm', 'tp_mlp_gemm_rs')]
+specs = []
+if $COLLECTIVES:
+    specs += [f'specs/{s}.yaml' for s in ('allgather', 'reduce_scatter', 'all_reduce_one_shot', 'all_to_all', 'broadcast',
+                                          'ulysses_pre_a2a', 'ulysses_post_a2a', 'ulysses_pre_a2a_gqa', 'allgather_gemm',
+                                          'gemm_reduce_scatter', 'moe')]
+    specs += [f'examples/torch/specs/{s}.yaml' for s in ('tp_mlp_ag_gemm', 'tp_mlp_gemm_rs')]
+if $ATTENTION:
+    specs += ['specs/attention_hd128.yaml', 'specs/attention_backward_hd128.yaml', 'specs/attention_hd128_causal_gqa.yaml',
+              'examples/torch/specs/attention_backward_hd128_causal_gqa.yaml', 'specs/attention_hd64_causal.yaml',
+              'examples/torch/specs/attention_backward_hd64_causal.yaml']
 with ThreadPoolExecutor(12) as pool:
     print(*pool.map(one, specs), sep='\n')"
 want checks && step "torch checks (2 ranks, NCCL group)" 240 $RUN tests/torch_checks.py
@@ -72,6 +88,8 @@ want probe && step "peer never arrives (2 ranks, gloo group)" 90 $RUN tests/torc
 want tp_mlp && step "tp_mlp fused + collectives vs NCCL twin" 200 $RUN examples/torch/tp_mlp.py --compile ${TP_ARGS:-}
 want ulysses && step "ulysses_attention vs all_to_all_single twin" 120 $RUN examples/torch/ulysses_attention.py ${ULYSSES_ARGS:-}
 want moe && step "moe_layer vs all_to_all_single twin" 120 $RUN examples/torch/moe_layer.py ${MOE_ARGS:-}
+# one GPU, no process group: plain python, not torchrun
+want attention && step "attention fwd+bwd as one op (1 GPU)" 150 python3 tests/torch_checks.py --attention
 # last: the only step under MPS (the daemon serves GPU 0 alone, and is stopped however the step ends)
 if want shared; then
   source tools/mps.sh

@@ -232,6 +232,9 @@ class AttentionFamily(OpFamily):
     count_unit = "rows"  # sequence positions (q_len = kv_len) through <kernel>_launch
     bench = AttentionBench()
     host_launch = True  # TMA descriptors are encoded on the host
+    # tsgen.torch: a one-GPU op, the forward and the backward paired as one differentiable op
+    # (tsgen/torch/attention_op.py); tsgen.torch.load points here
+    torch_loader = "tsgen.torch.attention(forward_spec, backward_spec)"
     summary = (
         "flash-attention forward on one Hopper GPU: TMA + mbarrier pipeline, producer and two consumer "
         "warpgroups, wgmma for Q K^T and P V, online softmax, causal tile skipping, GQA, O and LSE"

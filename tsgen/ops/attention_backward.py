@@ -114,6 +114,9 @@ class AttentionBackwardFamily(OpFamily):
     min_world = 1
     count_unit = "rows"  # sequence positions (q_len = kv_len) through <kernel>_launch
     host_launch = True  # three kernels per call
+    # tsgen.torch: a one-GPU op, the forward and the backward paired as one differentiable op
+    # (tsgen/torch/attention_op.py); tsgen.torch.load points here
+    torch_loader = "tsgen.torch.attention(forward_spec, backward_spec)"
     summary = (
         "flash-attention backward on one GPU: dQ, dK, dV from Q, K, V, O, dO and the forward's LSE; "
         "a preprocess (D = rowsum(dO O)), a main kernel per block of 64 keys (mma.sync; dK, dV in "

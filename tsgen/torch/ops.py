@@ -214,10 +214,18 @@ def overlap_problem(arg_names: Sequence[str], tensors: Sequence[torch.Tensor], o
 
 
 def _resolve(spec_or_manifest: Any, source: Any) -> tuple[Manifest, Path]:
-    """(manifest, source path) of a spec file (rendered into the compile cache), a NAME.json
-    manifest (its NAME.cu beside it unless `source`), or a Manifest with `source`."""
+    """(manifest, source path) of a spec file or a tsgen.spec.LoadedSpec (spec_variant's; rendered
+    into the compile cache), a NAME.json manifest (its NAME.cu beside it unless `source`), or a
+    Manifest with `source`."""
+    from ..spec import LoadedSpec
+
     if isinstance(spec_or_manifest, Manifest):
         return module_files(spec_or_manifest, source)
+    if isinstance(spec_or_manifest, LoadedSpec):
+        from ..harness import render_to_cache
+
+        module = render_to_cache(spec_or_manifest)
+        return module.manifest, module.source
     path = Path(spec_or_manifest)
     if path.suffix in (".yaml", ".yml"):
         from ..harness import render_to_cache
@@ -227,7 +235,8 @@ def _resolve(spec_or_manifest: Any, source: Any) -> tuple[Manifest, Path]:
         return module.manifest, module.source
     if path.suffix == ".json":
         return module_files(path, source)
-    raise TsgenTorchError(f"{path}: give a spec (.yaml), a manifest (NAME.json) or a tsgen.manifest.Manifest")
+    raise TsgenTorchError(f"{path}: give a spec (.yaml), a manifest (NAME.json), a tsgen.manifest.Manifest or a "
+                          "tsgen.spec.LoadedSpec")
 
 
 def _arch(device: int) -> str:

@@ -73,6 +73,9 @@ def kind_problem(op: str) -> str | None:
     from ..ops import get_family
 
     family = get_family(op)
+    loader = getattr(family, "torch_loader", None)  # a one-GPU op with a loader of its own (attention)
+    if loader:
+        return f"op kind {op} runs on one GPU, without a process group: load it with {loader}"
     if not _runs_as_torch_op(family):
         return (f"op kind {op} ({family.category}) is not a tsgen.torch op yet; tsgen.torch runs "
                 f"{', '.join(supported_kinds())}")
