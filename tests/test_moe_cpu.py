@@ -321,6 +321,85 @@ def test_dispatch_position_arithmetic_matches_layout():
                             assert warp_base[w, d] + pre[d] == counts[:s, d].sum() + lays[s]["pos"][rnd + i, d]
 
 
+def test_combine_chunk_schedule_covers_every_wait_and_every_token():
+    """tsgen/moe.cuh's normal combine in Python: the chunks of each rank's receive buffer dealt over
+    the sender warps (each chunk to one warp), the ranks each chunk's signal goes to (those with rows
+    in it, from the handles), and the chunk every token's sum waits for (its row on that rank, from
+    dispatch's sent_row, over CHUNK): every wait is for a chunk whose signal goes to the waiting rank;
+    the blocks' token queues (block b: tokens b, b + blocks, ..., `parts` items each) hand out every
+    (token, part) exactly once."""
+    from tsgen.ops.moe import COMBINE_CHUNK_ROWS as CHUNK
+
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        world = int(rng.choice([2, 3, 4, 8]))
+        experts = world * int(rng.integers(1, 4))
+        topk = int(rng.integers(1, min(experts, 4) + 1))
+        case = str(rng.choice(["random", "skewed", "no_expert", "same_rank", "one_rank_idle"]))
+        tokens = [int(rng.integers(0, 150)) for _ in range(world)]
+        blocks, warps = int(rng.integers(1, 9)), int(rng.choice([1, 2, 16]))
+        senders = warps // 2 if warps > 1 else 1
+        inputs = {"x": [np.zeros(tokens[r] * 8, np.uint16) for r in range(world)],
+                  "topk_idx": [routing(case, world, experts, topk, tokens[r], rng, r) for r in range(world)],
+                  "topk_weights": [np.ones(tokens[r] * topk, np.float32) for r in range(world)]}
+        recv = world * max(tokens + [1])
+        disp = dispatch_reference(inputs, world, experts, topk, 8, recv)
+        lays = [layout(inputs["topk_idx"][s], world, experts, topk) for s in range(world)]
+        signalled = set()  # (rank d whose chunk, chunk, rank it is signalled to)
+        for d in range(world):
+            handles = disp[d]["handle"]
+            rows = min(len(handles), recv)
+            owner = {}
+            for g in range(blocks * senders):  # sender warp g = block * senders + warp
+                for c in range(g, -(-rows // CHUNK), blocks * senders):
+                    assert c not in owner
+                    owner[c] = g
+                    to = {int(handles[r, 0]) for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK))} - {d}
+                    signalled |= {(d, c, s) for s in to}
+            assert sorted(owner) == list(range(-(-rows // CHUNK)))
+        for s in range(world):
+            sent_row = np.where(lays[s]["mask"], lays[s]["pos"] + sum(lays[j]["per_rank"] for j in range(s)), -1)
+            for t in range(tokens[s]):
+                for d in range(world):
+                    if d != s and sent_row[t, d] >= 0:
+                        assert disp[d]["handle"][sent_row[t, d]].tolist() == [s, t]
+                        assert (d, sent_row[t, d] // CHUNK, s) in signalled, (s, t, d)
+            parts = max(1, blocks * warps // tokens[s]) if tokens[s] else 1
+            handed = []
+            for b in range(blocks):
+                items = ((tokens[s] - 1 - b) // blocks + 1 if tokens[s] > b else 0) * parts
+                handed += [(b + i // parts * blocks, i % parts) for i in range(items)]
+            assert sorted(handed) == [(t, p) for t in range(tokens[s]) for p in range(parts)]
+
+
+def test_combine_grid_of_its_own():
+    """params.combine_blocks: the combine launch uses it, dispatch keeps launch.blocks, the manifest's
+    grid (what the residency checks read) is the larger, a shared GPU fits both, the phase rows name
+    each kernel's SMs; low-latency mode refuses it."""
+    from tsgen.harness import render_to_cache
+    from tsgen.ops import get_family
+    from tsgen.ops.moe import combine_chunks, phase_sms
+    from tsgen.spec import spec_variant
+
+    family = get_family("moe")
+    base = load_spec(ROOT / "specs" / "moe.yaml")
+    assert phase_sms(base.model, "combine") == phase_sms(base.model, "dispatch") == base.model.launch.blocks
+    loaded = spec_variant(base, {"params": {"combine_blocks": 64}})
+    spec = loaded.model
+    assert {k.grid for k in family.abi(spec).kernels} == {64}
+    assert (phase_sms(spec, "dispatch"), phase_sms(spec, "combine")) == (32, 64)
+    text = render_to_cache(loaded).source.read_text()
+    assert text.count("_combine<<<64, 512, 0, stream>>>") == len(spec.world_sizes)
+    assert text.count("_dispatch<<<32, 512, 0, stream>>>") == len(spec.world_sizes)
+    assert family.shared_fit(spec, 2, 132) == {}
+    assert family.shared_fit(spec, 4, 132) == {"params": {"combine_blocks": 33}}
+    assert family.shared_fit(spec, 8, 132) == {"launch": {"blocks": 16}, "params": {"combine_blocks": 16}}
+    sig = {b.name: b for b in family.buffers(spec)}["chunk_sig"]
+    assert sig.fixed == max(spec.world_sizes) * combine_chunks(spec)
+    with pytest.raises(Exception, match="only the normal mode's combine has a grid of its own"):
+        spec_variant(load_spec(ROOT / "specs" / "moe_ll.yaml"), {"params": {"combine_blocks": 64}})
+
+
 # ---------------------------------------------------------------------------
 # The GPU tests' driver (tests/test_moe_gpu.py) on a simulated device: the kernels' effects come
 # from the references, so every check, poison and bookkeeping path of the driver runs on CPU.

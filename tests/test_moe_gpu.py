@@ -373,6 +373,17 @@ def test_moe_dispatch_combine(world, weighted):
     assert not problems, "\n".join(lines + problems[:10])
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_combine_on_its_own_grid(world):
+    """params.combine_blocks: combine on more blocks than dispatch (the moe-w2 suite's 64 against
+    32), its chunks dealt over another number of sender warps; every output right, also back to
+    back (on a shared GPU both grids are fitted: 4 ranks get 33 combine blocks against 16)."""
+    need_gpus(world)
+    problems, lines = run_moe(world, variant={"launch": {"blocks": 16}, "params": {"combine_blocks": 40}}, burst=20)
+    _record({"test": "combine_grid", "world": world, "pass": not problems, "problems": problems[:5], "lines": lines})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_moe_fp8_dispatch(world):
     """FP8 payload: e4m3 bytes and scales bit-exact with the reference quantizer, the error of the
@@ -470,12 +481,13 @@ def test_moe_low_latency_negative_control_slot_wait_removed():
 # The other waits, each removed (satisfied at once) with rank skew: the same checks must fail.
 #   data: dispatch's block 0 waits for every source block's rows before the kernel ends (combine,
 #         the next kernel, reads the handles and rows)
-#   comb / ll_comb: combine waits for every rank's rows before it sums them
+#   comb: a token's sum waits for the chunks that hold its rows on the other ranks (chunk_sig)
+#   ll_comb: low-latency combine waits for every rank's rows before it sums them
 MORE_CONTROLS = {
     "data": (SPEC, "wait_ge_acquire_sys(b.sig + SIG_DATA * WMAX + tid, epoch * (uint64_t)gridDim.x,",
              "wait_ge_acquire_sys(b.sig + SIG_DATA * WMAX + tid, 0ull,"),
-    "comb": (SPEC, "wait_ge_acquire_sys(b.sig + SIG_COMB * WMAX + tid, epoch * (uint64_t)gridDim.x,",
-             "wait_ge_acquire_sys(b.sig + SIG_COMB * WMAX + tid, 0ull,"),
+    "comb": (SPEC, "wait_ge_acquire_sys(b.chunk_sig + lane * NCHUNK + row / CHUNK, epoch,",
+             "wait_ge_acquire_sys(b.chunk_sig + lane * NCHUNK + row / CHUNK, 0ull,"),
     "ll_comb": (LL_SPEC, "wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x,",
                 "wait_ge_acquire_sys(b.csig + tid, 0ull,"),
 }
