@@ -31,17 +31,17 @@
 //   sent_row int32_t        scratch 2048
 //   comb     __nv_bfloat16  scratch 4194304
 //   cnt      int32_t        scratch 576
-//   sig      uint64_t       signal 16
+//   sig      uint64_t       signal 17
 //   chunk_sig uint64_t       signal 8192
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
 //   55: the hand-written library, included: tsgen/ptx.cuh 55, tsgen/sync.cuh 56, tsgen/copy.cuh 57, tsgen/moe.cuh 58
 //   61: the op's own code (namespace moe: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_w2_dispatch 137, moe_w2_combine 145, moe_w2_dispatch_launch 153, moe_w2_combine_launch 162
-//     moe_w2_launch 175, moe_w4_dispatch 182, moe_w4_combine 190, moe_w4_dispatch_launch 198
-//     moe_w4_combine_launch 207, moe_w4_launch 220, moe_w8_dispatch 227, moe_w8_combine 235
-//     moe_w8_dispatch_launch 243, moe_w8_combine_launch 252, moe_w8_launch 265
+//     moe_w2_dispatch 158, moe_w2_combine 166, moe_w2_dispatch_launch 174, moe_w2_combine_launch 183
+//     moe_w2_launch 196, moe_w4_dispatch 203, moe_w4_combine 211, moe_w4_dispatch_launch 219
+//     moe_w4_combine_launch 228, moe_w4_launch 241, moe_w8_dispatch 248, moe_w8_combine 256
+//     moe_w8_dispatch_launch 264, moe_w8_combine_launch 273, moe_w8_launch 286
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -122,6 +122,27 @@ static __device__ __forceinline__ int checked_tokens(uint64_t count, int rank, c
   return (int)count;
 }
 
+// Normal combine sums the tokens of the dispatch before it: a token past that dispatch's count has
+// no row recorded (its sent_row entries are an older call's, or never written) and would wait for
+// chunks nobody signals (a timeout, then a trap naming only the wait). So a larger count stops
+// here, naming both counts (dispatch keeps its count in sig[SIG_TOKENS * WMAX], a signal word: 0
+// before the first dispatch). A smaller count is fine: those tokens' rows are this call's.
+static __device__ __noinline__ __attribute__((noreturn)) void more_than_dispatched(int rank, uint64_t count,
+                                                                                    uint64_t dispatched) {
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    printf("tsgen: moe_combine: rank %d got count = %llu tokens, but its last dispatch had %llu; combine "
+           "sums the tokens of the dispatch before it: pass it the same count\n", rank,
+           (unsigned long long)count, (unsigned long long)dispatched);
+  __trap();
+}
+
+static __device__ __forceinline__ int combine_tokens(uint64_t count, const uint64_t* sig, int rank) {
+  const int tokens = checked_tokens(count, rank, "moe_combine");
+  const uint64_t dispatched = sig[tsgen::moe::SIG_TOKENS * WMAX];
+  if (count > dispatched) more_than_dispatched(rank, count, dispatched);
+  return tokens;
+}
+
 // The host launchers refuse what they can see before anything is launched (the kernels' own
 // check above is the backstop for a caller that launches them directly): a kernel that traps
 // takes down the CUDA context, and with it every rank that shares it.
@@ -144,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_dispatch(char* const
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
 extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
-  tsgen::moe::combine<moe::Config<2>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_combine"),
+  tsgen::moe::combine<moe::Config<2>>(peers, rank, epoch, moe::combine_tokens(count, sig, rank),
                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
@@ -189,7 +210,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_dispatch(char* const
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
 extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
-  tsgen::moe::combine<moe::Config<4>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_combine"),
+  tsgen::moe::combine<moe::Config<4>>(peers, rank, epoch, moe::combine_tokens(count, sig, rank),
                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
@@ -234,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_dispatch(char* const
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
 extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
-  tsgen::moe::combine<moe::Config<8>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_combine"),
+  tsgen::moe::combine<moe::Config<8>>(peers, rank, epoch, moe::combine_tokens(count, sig, rank),
                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig), y);
   tsgen::call_end(combine_calls, epoch);
 }

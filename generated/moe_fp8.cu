@@ -32,19 +32,19 @@
 //   sent_row int32_t        scratch 2048
 //   comb     __nv_bfloat16  scratch 4194304
 //   cnt      int32_t        scratch 576
-//   sig      uint64_t       signal 16
+//   sig      uint64_t       signal 17
 //   chunk_sig uint64_t       signal 8192
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
 //   58: the hand-written library, included: tsgen/ptx.cuh 58, tsgen/sync.cuh 59, tsgen/copy.cuh 60, tsgen/moe.cuh 61
 //   64: the op's own code (namespace moe_fp8: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_fp8_w2_dispatch 142, moe_fp8_w2_combine 150, moe_fp8_w2_dequantize 158
-//     moe_fp8_w2_dispatch_launch 163, moe_fp8_w2_combine_launch 172, moe_fp8_w2_launch 185
-//     moe_fp8_w4_dispatch 196, moe_fp8_w4_combine 204, moe_fp8_w4_dequantize 212
-//     moe_fp8_w4_dispatch_launch 217, moe_fp8_w4_combine_launch 226, moe_fp8_w4_launch 239
-//     moe_fp8_w8_dispatch 250, moe_fp8_w8_combine 258, moe_fp8_w8_dequantize 266
-//     moe_fp8_w8_dispatch_launch 271, moe_fp8_w8_combine_launch 280, moe_fp8_w8_launch 293
+//     moe_fp8_w2_dispatch 163, moe_fp8_w2_combine 171, moe_fp8_w2_dequantize 179
+//     moe_fp8_w2_dispatch_launch 184, moe_fp8_w2_combine_launch 193, moe_fp8_w2_launch 206
+//     moe_fp8_w4_dispatch 217, moe_fp8_w4_combine 225, moe_fp8_w4_dequantize 233
+//     moe_fp8_w4_dispatch_launch 238, moe_fp8_w4_combine_launch 247, moe_fp8_w4_launch 260
+//     moe_fp8_w8_dispatch 271, moe_fp8_w8_combine 279, moe_fp8_w8_dequantize 287
+//     moe_fp8_w8_dispatch_launch 292, moe_fp8_w8_combine_launch 301, moe_fp8_w8_launch 314
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -127,6 +127,27 @@ static __device__ __forceinline__ int checked_tokens(uint64_t count, int rank, c
   return (int)count;
 }
 
+// Normal combine sums the tokens of the dispatch before it: a token past that dispatch's count has
+// no row recorded (its sent_row entries are an older call's, or never written) and would wait for
+// chunks nobody signals (a timeout, then a trap naming only the wait). So a larger count stops
+// here, naming both counts (dispatch keeps its count in sig[SIG_TOKENS * WMAX], a signal word: 0
+// before the first dispatch). A smaller count is fine: those tokens' rows are this call's.
+static __device__ __noinline__ __attribute__((noreturn)) void more_than_dispatched(int rank, uint64_t count,
+                                                                                    uint64_t dispatched) {
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    printf("tsgen: moe_combine: rank %d got count = %llu tokens, but its last dispatch had %llu; combine "
+           "sums the tokens of the dispatch before it: pass it the same count\n", rank,
+           (unsigned long long)count, (unsigned long long)dispatched);
+  __trap();
+}
+
+static __device__ __forceinline__ int combine_tokens(uint64_t count, const uint64_t* sig, int rank) {
+  const int tokens = checked_tokens(count, rank, "moe_combine");
+  const uint64_t dispatched = sig[tsgen::moe::SIG_TOKENS * WMAX];
+  if (count > dispatched) more_than_dispatched(rank, count, dispatched);
+  return tokens;
+}
+
 // The host launchers refuse what they can see before anything is launched (the kernels' own
 // check above is the backstop for a caller that launches them directly): a kernel that traps
 // takes down the CUDA context, and with it every rank that shares it.
@@ -149,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w2_dispatch(char* c
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
 extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w2_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
-  tsgen::moe::combine<moe_fp8::Config<2>>(peers, rank, epoch, moe_fp8::checked_tokens(count, rank, "moe_combine"),
+  tsgen::moe::combine<moe_fp8::Config<2>>(peers, rank, epoch, moe_fp8::combine_tokens(count, sig, rank),
                                              moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
@@ -203,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w4_dispatch(char* c
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
 extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w4_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
-  tsgen::moe::combine<moe_fp8::Config<4>>(peers, rank, epoch, moe_fp8::checked_tokens(count, rank, "moe_combine"),
+  tsgen::moe::combine<moe_fp8::Config<4>>(peers, rank, epoch, moe_fp8::combine_tokens(count, sig, rank),
                                              moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
@@ -257,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w8_dispatch(char* c
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
 extern "C" __global__ void __launch_bounds__(512, 1) moe_fp8_w8_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, uint8_t* recv_q, float* recv_scale, __nv_bfloat16* recv_bf16, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
-  tsgen::moe::combine<moe_fp8::Config<8>>(peers, rank, epoch, moe_fp8::checked_tokens(count, rank, "moe_combine"),
+  tsgen::moe::combine<moe_fp8::Config<8>>(peers, rank, epoch, moe_fp8::combine_tokens(count, sig, rank),
                                              moe_fp8::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_q, recv_scale, recv_bf16, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig), y);
   tsgen::call_end(combine_calls, epoch);
 }

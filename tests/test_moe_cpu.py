@@ -568,8 +568,8 @@ def _fake_moe_class(gpu, break_what=None):
                         for name, key in (("recv_idx", "recv_idx"), ("recv_w", "recv_w"), ("handle", "handle")):
                             v = ref[d][key][:n].reshape(-1)
                             a(name, d)[: v.size] = v
-                if break_what == "dispatch":
-                    a("recv_counts", 0)[0] += 1
+                if break_what == "dispatch" or (break_what == "pair_counts" and which == "pair"):
+                    a("recv_counts", 0)[2] += 1  # rows from source 0: what a stale `cnt` read shows
                 if which == "dispatch":
                     return
                 ys = rows
@@ -612,6 +612,39 @@ def test_gpu_driver_on_a_simulated_device(monkeypatch, spec, world):
         monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu, broken))
         problems, _ = gpu.run_moe(world, iters=2, spec=f"specs/{spec}.yaml", variant=variant)
         assert problems, broken
+
+
+@pytest.mark.parametrize("spec", ["moe", "moe_ll"])
+def test_gpu_driver_poisons_combine_scratch_and_checks_every_burst_pair_counts(monkeypatch, spec):
+    """Moe.load poisons combine's inbox (bf16 NaN) and, in normal mode, sent_row (-2), so a sum
+    read too early or a row dispatch did not record fails whatever the call before left; the
+    back-to-back pairs compare every pair's recv_counts, not only out (a count read from a peer's
+    next call shows only there)."""
+    import test_moe_gpu as gpu
+    import tsgen.runtime
+
+    variant = {"params": {"hidden": 256, "capacity": 40}, "test": {"count": 39}}
+    monkeypatch.setattr(tsgen.runtime, "World", _FakeWorld)
+    loads = []
+
+    class Watched(_fake_moe_class(gpu)):
+        def load(self, inputs, call):
+            super().load(inputs, call)
+            for r in self.world.ranks:
+                comb = self.bufs.array("comb", r).view(np.uint16)
+                assert (comb == gpu.COMB_POISON).all()
+                assert np.isnan(to_f64(comb[:1], "bfloat16")).all()
+                if not self.ll:
+                    assert (self.bufs.array("sent_row", r) == gpu.SENT_ROW_POISON).all()
+            loads.append(call)
+
+    monkeypatch.setattr(gpu, "Moe", Watched)
+    problems, _ = gpu.run_moe(2, iters=2, spec=f"specs/{spec}.yaml", burst=3, variant=variant)
+    assert problems == [] and loads == [0, 1]
+    monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu, "pair_counts"))
+    problems, _ = gpu.run_moe(2, iters=1, spec=f"specs/{spec}.yaml", burst=3, variant=variant)
+    assert problems and all(p.startswith("back-to-back pair") and "recv_counts" in p for p in problems), problems
+    assert len(problems) == 3  # one per pair (rank 0's)
 
 
 def test_gpu_driver_overflow_and_negative_control_paths(monkeypatch):
@@ -683,6 +716,33 @@ def test_launchers_refuse_too_many_tokens_and_a_null_y_before_touching_cuda(capf
     assert f"{kernel}_dispatch_launch: rank 1: more tokens than the capacity (count = {cap + 1}" in capfd.readouterr().err
     assert combine(*args(cap), None, None) == 1
     assert f"{kernel}_combine_launch: rank 1: y is null" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["moe", "moe_fp8", "moe_ll"])
+def test_combine_checks_its_count_against_the_last_dispatch(spec):
+    """Normal mode: dispatch keeps its token count in sig's last word (a signal: zeroed once at
+    allocation, so 0 before the first dispatch), and combine's entry stops on a larger count with
+    both counts named (tokens past dispatch's have no rows in sent_row and would wait for chunks
+    nobody signals). Low-latency mode has neither. (Source checks: the trap itself needs a GPU.)"""
+    from tsgen.harness import render_to_cache
+    from tsgen.headers import amalgamate
+    from tsgen.ops import get_family
+
+    loaded = load_spec(ROOT / "specs" / f"{spec}.yaml")
+    wmax = max(loaded.model.world_sizes)
+    bufs = {b.name: b for b in get_family("moe").buffers(loaded.model)}
+    text = amalgamate(render_to_cache(loaded).source.read_text())
+    if spec == "moe_ll":
+        assert "sig" not in bufs and "combine_tokens" not in text
+        return
+    assert (bufs["sig"].role, bufs["sig"].fixed, bufs["sig"].init) == ("signal", 2 * wmax + 1, 0)
+    assert text.count("b.sig[SIG_TOKENS * WMAX] = (uint64_t)tokens;") == 1
+    assert "SIG_COUNTS = 0, SIG_DATA = 1, SIG_TOKENS = 2" in text
+    assert text.count("::combine_tokens(count, sig, rank)") == len(loaded.model.world_sizes)
+    assert "but its last dispatch had %llu" in text
+    # recv_counts comes from shared memory, never from `cnt` after the arrival wait
+    tail = text[text.index("make_site(\"moe.data\""):text.index("static __device__ __forceinline__ void combine(")]
+    assert "b.cnt" not in tail and "s_from[j]" in tail and "s_ecount[l]" in tail
 
 
 def test_static_shared_memory_over_the_limit_is_a_spec_error():

@@ -139,13 +139,13 @@ STATIC_SMEM_LIMIT = 48 * 1024  # bytes of __shared__ arrays a block may declare 
 
 def dispatch_static_smem(spec, world: int) -> int:
     """Bytes of the dispatch kernel's __shared__ arrays (tsgen/moe.cuh) at one world size: normal
-    mode s_total..s_run [W] x 5, s_ecount [E], s_warp [warps][W], s_pos [threads][W], s_mask
+    mode s_total..s_run and s_from [W] x 6, s_ecount [E], s_warp [warps][W], s_pos [threads][W], s_mask
     [threads]; low-latency s_warp [warps], s_run, s_pair [threads * topk]. 4 bytes each."""
     p, threads = spec.params, spec.launch.threads
     warps = threads // 32
     if low_latency(spec):
         return 4 * (warps + 1 + threads * p.topk)
-    return 4 * (5 * world + p.experts + warps * world + threads * world + threads)
+    return 4 * (6 * world + p.experts + warps * world + threads * world + threads)
 
 
 def low_latency(spec) -> bool:
@@ -274,7 +274,9 @@ class MoeFamily(OpFamily):
             Buffer("sent_row", "int32", "scratch", per_count=0, fixed=p.capacity * wmax),
             Buffer("comb", "bfloat16", "scratch", per_count=0, fixed=p.capacity * wmax * p.hidden),
             Buffer("cnt", "int32", "scratch", per_count=0, fixed=wmax * wmax + wmax * p.experts),
-            Buffer("sig", "uint64", "signal", per_count=0, fixed=2 * wmax),
+            # counts rows arrived [wmax], data arrivals [wmax], then the last dispatch's token count
+            # (combine refuses more: tsgen/moe.cuh, SIG_TOKENS)
+            Buffer("sig", "uint64", "signal", per_count=0, fixed=2 * wmax + 1),
             Buffer("chunk_sig", "uint64", "signal", per_count=0, fixed=wmax * combine_chunks(spec)),
             Buffer("combine_calls", "uint64", "signal", per_count=0, fixed=2),
         )

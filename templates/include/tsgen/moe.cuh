@@ -14,14 +14,17 @@
 //      raises sig[COUNTS + rank] there to the epoch.
 //   2. every block waits for all ranks' rows: rank s's rows for rank d start at
 //      base(s, d) = sum_{j < s} counts[j][d], so d receives its rows grouped by source rank, and
-//      inside one source in source token order (position = tokens before it that go to d).
+//      inside one source in source token order (position = tokens before it that go to d); block 0
+//      also copies what recv_counts will report (rows from each source, pairs per local expert)
+//      out of `cnt` into shared memory here, before its arrivals (see "Back-to-back calls").
 //   3. every block pushes its tokens: one warp per token, each 16-byte vector of the row loaded
 //      once and stored to every destination rank; lanes write the metadata: per top-k slot the
 //      local expert id (-1 when that expert is not on the destination) and its weight (0 there),
 //      and the handle (source rank, source token). A row past the destination's receive
 //      capacity is not written: the overflow is reported (recv_counts[1], a printf), never silent.
 //   4. every block raises sig[DATA + rank] on every destination by one (release); block 0 waits
-//      for gridDim.x arrivals from every source and writes recv_counts.
+//      for gridDim.x arrivals from every source and writes recv_counts (from shared memory, not
+//      `cnt`), and this call's token count into sig[TOKENS] (combine checks its count against it).
 // combine (one kernel, on its own grid: params.combine_blocks, default dispatch's; every block of
 // every rank resident at once, like dispatch's):
 //   1. rows home (the first half of each block's warps, the senders): this rank's receive buffer
@@ -49,9 +52,15 @@
 // every row of its receive buffer bound for other ranks; a peer writes its next rows (into this
 // rank's receive buffer) and its next combine's rows (into this rank's inbox) only after every
 // rank's next counts row arrived (a peer's next combine follows its next dispatch), so after this
-// rank's combine ended; counts are read before a rank's data arrivals are signalled. A chunk
-// signal of call n + 1 (value n + 1) satisfies a wait of call n only where the rows it announces
-// are already the next call's, which the argument above rules out.
+// rank's combine ended. `cnt` is the exception: a peer s with no rows on this rank d never waits
+// for d in combine, so s may start its next dispatch, and write its next counts into d's `cnt`,
+// while d is still in this dispatch. What bounds it: s's dispatch ends only after its block 0 saw
+// every block's data arrival of d (step 4), and d reads `cnt` only before its arrivals: every
+// block in step 2, where block 0 also copies what recv_counts reports into shared memory (step 4's
+// leading __syncthreads orders those reads before the arrival's release). So every read of `cnt`
+// of call n comes before any write of call n + 1 (also for fp8, which shares this dispatch). A
+// chunk signal of call n + 1 (value n + 1) satisfies a wait of call n only where the rows it
+// announces are already the next call's, which the argument above rules out.
 #ifndef TSGEN_MOE_CUH
 #define TSGEN_MOE_CUH
 
@@ -65,9 +74,10 @@
 namespace tsgen {
 namespace moe {
 
-// sig layout (uint64, WMAX each): counts rows arrived, data arrivals. (Combine's signals are per
-// chunk: chunk_sig.)
-enum { SIG_COUNTS = 0, SIG_DATA = 1 };
+// sig layout (uint64): [SIG_COUNTS][WMAX] counts rows arrived, [SIG_DATA][WMAX] data arrivals, then
+// one word, sig[SIG_TOKENS * WMAX]: this rank's token count at its last dispatch (local; a combine
+// with more tokens stops with both counts named). (Combine's signals are per chunk: chunk_sig.)
+enum { SIG_COUNTS = 0, SIG_DATA = 1, SIG_TOKENS = 2 };
 
 // recv_counts layout (int32): [0] rows received (may exceed the receive capacity), [1] flags,
 // [2, 2 + WMAX) rows from each source rank, [2 + WMAX, 2 + WMAX + E) (token, expert) pairs per
@@ -90,7 +100,7 @@ struct Buffers {
   __nv_bfloat16* comb;      // [CAP][WMAX][HIDDEN] combine's inbox, slot = sending rank
   __nv_bfloat16* recv_bf16;  // [RECV][HIDDEN] (payload fp8) dequantize's output
   int32_t* cnt;             // [WMAX][WMAX] counts matrix, then [WMAX][EXPERTS] per-expert counts
-  uint64_t* sig;            // [2][WMAX]
+  uint64_t* sig;            // [2][WMAX], then the last dispatch's token count (SIG_TOKENS)
   uint64_t* chunk_sig;      // [WMAX][ceil(RECV / CHUNK)]: [d][c] = the last combine call whose chunk c of
                             // rank d's receive buffer was pushed here (combine's epoch)
 };
@@ -258,7 +268,8 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
   constexpr int W = C::WORLD, WMAX = C::WMAX, E = C::EXPERTS, L = E / W, K = C::TOPK;
   constexpr int NWARPS = C::THREADS / 32, VECS = C::HIDDEN / 8;  // 16-byte vectors per row
   __shared__ int s_total[W], s_before[W], s_base[W], s_into[W], s_run[W];
-  __shared__ int s_ecount[E];
+  __shared__ int s_from[W];  // block 0: rows from each source (recv_counts), read in step 2
+  __shared__ int s_ecount[E];  // block 0: this rank's pairs per expert (step 1), then pairs received per local expert (step 2)
   __shared__ int s_warp[NWARPS][W];
   __shared__ int s_pos[C::THREADS][W];
   __shared__ uint32_t s_mask[C::THREADS];
@@ -324,6 +335,19 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
     s_base[tid] = base;  // where this rank's rows start on rank tid
     s_into[tid] = into;  // rows rank tid receives in all
     s_run[tid] = base + s_before[tid];
+  }
+  // block 0: what recv_counts reports, out of `cnt` now, while every counts row of this call is
+  // there; step 4 writes it from shared memory. A peer with no rows here may write its next
+  // counts into `cnt` once it saw this rank's data arrivals ("Back-to-back calls" above), and
+  // step 4's leading __syncthreads orders these reads before them. (s_ecount's per-expert counts
+  // of step 1 were stored to the peers before the __syncthreads ahead of the counts release.)
+  if (blockIdx.x == 0) {
+    if (tid < W) s_from[tid] = b.cnt[tid * WMAX + rank];
+    for (int l = tid; l < L; l += C::THREADS) {
+      int sum = 0;
+      for (int j = 0; j < W; ++j) sum += b.cnt[WMAX * WMAX + j * E + l];
+      s_ecount[l] = sum;
+    }
   }
   __syncthreads();
 
@@ -419,13 +443,10 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
              "(params.recv_capacity); the rows past it were dropped (recv_counts[1] flags it)\n",
              rank, received, C::RECV);
   }
-  for (int j = tid; j < WMAX; j += C::THREADS) b.recv_counts[2 + j] = j < W ? b.cnt[j * WMAX + rank] : 0;
-  for (int l = tid; l < E; l += C::THREADS) {
-    int sum = 0;
-    if (l < L)
-      for (int j = 0; j < W; ++j) sum += b.cnt[WMAX * WMAX + j * E + l];
-    b.recv_counts[2 + WMAX + l] = sum;
-  }
+  // from shared memory (step 2): a peer may already have written its next counts into `cnt`
+  for (int j = tid; j < WMAX; j += C::THREADS) b.recv_counts[2 + j] = j < W ? s_from[j] : 0;
+  for (int l = tid; l < E; l += C::THREADS) b.recv_counts[2 + WMAX + l] = l < L ? s_ecount[l] : 0;
+  if (tid == 0) b.sig[SIG_TOKENS * WMAX] = (uint64_t)tokens;  // for combine's count check (moe.cu.j2)
 }
 
 template <class C>
