@@ -12,7 +12,8 @@
 //   Q, O, dO, dQ  [batch, q_len, HEADS, HEAD_DIM]     (BHSD: [batch, HEADS, q_len, HEAD_DIM])
 //   K, V, dK, dV  [batch, kv_len, KV_HEADS, HEAD_DIM] (BHSD: [batch, KV_HEADS, kv_len, HEAD_DIM])
 //   LSE           [batch, HEADS, q_len] fp32, natural log, -inf where a query saw no key
-// Workspace (fp32, the caller's): dq_accum as dQ's shape and layout, dsum and lse2 as LSE's.
+// Workspace (fp32, the caller's): dq_accum as dQ's shape and layout (Config::DQ_TILED, the wgmma kernel's
+// bulk reductions: the same size, tiled as dq_tiled_offset says), dsum and lse2 as LSE's.
 // Positions and the causal mask: as the forward's (query row r at q_offset + r before q_split,
 // q_offset2 + r - q_split after; key j at kv_offset + j; a query sees keys at positions <= its own).
 //
@@ -36,7 +37,7 @@
 //      and adds it into dq_accum with fp32 atomics (red.global.add): every KV block adds into every
 //      query block it sees, so the adds race by design and land in no fixed order (run-to-run
 //      differences of fp32 rounding). dK (times SCALE) and dV leave from registers at the end.
-//   3. convert: dQ = 16-bit(SCALE * dq_accum).
+//   3. convert: dQ = 16-bit(SCALE * dq_accum) (DQ_TILED: read through dq_tiled_offset).
 //
 // Hazards: the CTA barrier before each query block's loads (the last block's products still read
 // Q, dO and dS in shared memory), the barrier between writing dS and reading it for dQ, LSE2 = +inf
@@ -106,6 +107,22 @@ __host__ __device__ __forceinline__ bool rows_see_keys(const Problem& p, int32_t
     last = first_segment > last ? first_segment : last;
   }
   return last >= first_key;
+}
+
+// The tiled dq_accum of the wgmma kernel's bulk reductions (Config::DQ_TILED; the mma.sync kernel's
+// and dq_reduce atomic's is dQ's own layout): per (sequence, head) the q_len x head_dim floats of the
+// bhsd order, but each block of 64 rows r0 .. r0 + n - 1 (n = min(64, q_len - r0): the last block may be
+// short) stored as head_dim / 64 column panels of n x 64 floats, panel x at x n 64 floats from the
+// block's start, row i of a panel 256 bytes, its 32-byte chunk u (columns 8u .. 8u + 7) at chunk
+// u ^ (i % 8). One consumer warpgroup's step partial (64 rows x 64 columns, its shared-memory staging
+// in the same order) is then n x 256 contiguous bytes: one bulk reduction (its first n rows), and the
+// staging stores of a warp (8 rows x 4 float pairs of one chunk) hit every bank twice, no more. Same
+// number of floats as dQ: the workspace's size does not change. Host-compiled by the tests.
+__host__ __device__ __forceinline__ uint64_t dq_tiled_offset(uint32_t b, uint32_t h, uint32_t r, uint32_t col,
+                                                             uint32_t heads, uint32_t q_len, uint32_t head_dim) {
+  const uint32_t r0 = r / 64 * 64, i = r - r0, n = q_len - r0 < 64 ? q_len - r0 : 64;
+  return (((uint64_t)b * heads + h) * q_len + r0) * head_dim + (uint64_t)(col / 64) * n * 64 + i * 64 +
+         ((((col % 64) / 8) ^ (i % 8)) * 8) + col % 8;
 }
 
 template <class C>
@@ -380,14 +397,27 @@ __device__ void main_kernel(const Problem& p) {
   }
 }
 
-// 3. dQ = 16-bit(SCALE * dq_accum), 4 elements per thread per step.
+// 3. dQ = 16-bit(SCALE * dq_accum), 4 elements per thread per step. DQ_TILED: the 4 floats of dQ's
+//    elements 4i .. 4i + 3 (one row, columns 4k .. 4k + 3: half of a 32-byte chunk) from the tiled layout.
 template <class C>
 __device__ void convert(const Problem& p) {
   const uint64_t n4 = (uint64_t)p.batch * p.q_len * C::HEADS * C::HEAD_DIM / 4;
   const float4* src = reinterpret_cast<const float4*>(p.dq_accum);
   uint2* dst = reinterpret_cast<uint2*>(p.dq);
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (uint64_t)gridDim.x * blockDim.x) {
-    const float4 a = src[i];
+    uint64_t from = i;
+    if constexpr (C::DQ_TILED) {
+      const uint32_t col = (uint32_t)(4 * i % C::HEAD_DIM);
+      const uint64_t row = 4 * i / C::HEAD_DIM;  // of dQ's layout: (b, h, s) bhsd, (b, s, h) bshd
+      uint32_t b, h, s;
+      if constexpr (C::BHSD) {
+        s = (uint32_t)(row % p.q_len), h = (uint32_t)(row / p.q_len % C::HEADS), b = (uint32_t)(row / p.q_len / C::HEADS);
+      } else {
+        h = (uint32_t)(row % C::HEADS), s = (uint32_t)(row / C::HEADS % p.q_len), b = (uint32_t)(row / C::HEADS / p.q_len);
+      }
+      from = dq_tiled_offset(b, h, s, col, C::HEADS, p.q_len, C::HEAD_DIM) / 4;
+    }
+    const float4 a = src[from];
     dst[i] = make_uint2(pack2<C>(a.x * C::SCALE, a.y * C::SCALE), pack2<C>(a.z * C::SCALE, a.w * C::SCALE));
   }
 }
