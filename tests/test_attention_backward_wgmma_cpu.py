@@ -90,10 +90,12 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
     64: keys split); three waits per step at most; TMA loads, no local memory. dQ's adds: bulk, the
     default: 16 64-bit shared stores per thread and one bulk reduction (UBLKRED) per warpgroup and
     step, its two waits (the staging's reads before DS_READY, all writes before the end), no
-    per-element reduction; atomic: the 32 fp32 reductions per thread and step, no bulk reduction."""
+    per-element reduction; atomic: the 32 fp32 reductions per thread and step, no bulk reduction.
+    Named barriers by immediate ids only: ptxas counts 4 (bulk) or 2 (atomic), not 16."""
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
     source = rendered_source(variant("v", params={"head_dim": head_dim, "dq_reduce": dq_reduce}), tmp_path)
-    sass = dump_sass(compile_source(source).output)
+    compiled = compile_source(source)
+    sass = dump_sass(compiled.output)
     main = sass[sass.index("Function : v_w1_main"):]
     main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
     ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", main)
@@ -115,11 +117,46 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
         assert names.count("UBLKRED.G.S.ADD.F32.RN") == 1 and red == 0, "one bulk reduction, no element atomics"
         assert names.count("STS.64") == 16, "the dQ staging: 32 floats per thread as 16 pairs"
         assert names.count("DEPBAR.LE") == 2, "the bulk group's waits: staging read (per step), writes (at the end)"
-        assert names.count("BAR.SYNC.DEFER_BLOCKING") == 3, "__syncthreads, DS_READY, DQ_STAGED"
+        # __syncthreads (0), DS_READY (1), DQ_STAGED of warpgroup 0 and 1 (2, 3: predicated, immediate ids)
+        bars = sorted(int(m, 16) for m in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)\b", main))
+        assert names.count("BAR.SYNC.DEFER_BLOCKING") == 4 and bars == [0, 1, 2, 3], bars
     else:
         assert red == 32 and "UBLKRED.G.S.ADD.F32.RN" not in names
+    # ptxas's count of named barriers (an id in a register would count as all 16)
+    elf = subprocess.run([str(find_cuobjdump()), "-elf", str(compiled.output)], capture_output=True, text=True,
+                         check=True).stdout
+    counts = [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)]
+    assert counts == [4 if dq_reduce == "bulk" else 2], counts
     assert not [n for n in names if n.startswith(("LDL", "STL", "ATOM"))], "no local memory, no returned atomics"
     assert "CALL" not in " ".join(names), "no calls (they would serialize the wgmma)"
+
+
+@needs_sass
+@pytest.mark.parametrize("head_dim,dtype,layout,dq_reduce", [(128, "bfloat16", "bshd", "bulk"),
+                                                             (64, "float16", "bhsd", "bulk"),
+                                                             (128, "bfloat16", "bshd", "atomic")])
+def test_sass_of_the_convert_kernel(tmp_path, monkeypatch, head_dim, dtype, layout, dq_reduce):
+    """The convert pass. bulk (DQ_TILED): straight-line per tile, no division (no CALL, no
+    reciprocal): head_dim / 16 loads of 16 bytes and head_dim / 32 stores of 16 bytes per thread (32-byte
+    chunks in, 8 columns out), at most 5 instructions per element plus 40; before the rewrite
+    (03c9e4b) it did 64-bit divisions by q_len and HEADS per float4 (160 instructions and a CALL).
+    atomic (dq_accum in dQ's layout): the grid-stride loop, one 16-byte load and one 8-byte store
+    per step, 40 instructions (its SASS is the pre-i35fast one)."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    source = rendered_source(variant("v", dtype=dtype, params={"head_dim": head_dim, "layout": layout,
+                                                              "dq_reduce": dq_reduce}), tmp_path)
+    sass = dump_sass(compile_source(source).output)
+    conv = sass[sass.index("Function : v_w1_convert"):]
+    conv = conv[:conv.index("Function :", 10)] if "Function :" in conv[10:] else conv
+    names = [n for n in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", conv)
+             if n != "NOP"]
+    memory = sorted(n for n in names if n.startswith(("LDG", "STG", "LDL", "STL")))
+    assert not [n for n in names if n.startswith(("CALL", "RET", "MUFU", "I2F"))], "no division"
+    if dq_reduce == "bulk":
+        assert memory == ["LDG.E.128"] * (head_dim // 16) + ["STG.E.128"] * (head_dim // 32), memory
+        assert len(names) <= 5 * head_dim // 4 + 40, len(names)
+    else:
+        assert memory == ["LDG.E.128", "STG.E.64"] and len(names) <= 42, (memory, len(names))
 
 
 # ---------------------------------------------------------------------------
@@ -307,10 +344,10 @@ def header_dq_staging():
 def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal, tiled=None):
     """One CTA (keys 0 .. 127 of one KV head; one query head): q, do [rows, d], k, v [kv_len, d]
     (16-bit values), lse2, dsum [rows]. -> dq [rows, d] (unscaled), dk (unscaled), dv [kv_len, d].
-    tiled (dq_reduce bulk): dq_tiled_offset of every (row, column) of the head, host-compiled from
-    the header: dQ goes through the staging stores (the header's expressions, thread by thread), one
-    bulk reduction of n x 64 floats per warpgroup and step into a flat dq_accum, and is read back
-    by the convert pass's offsets."""
+    tiled (dq_reduce bulk): the convert pass's dq_accum float of every (row, column) of the head
+    (its ConvertTiled map, host-compiled from the header): dQ goes through the staging stores (the
+    header's expressions, thread by thread), one bulk reduction of n x 64 floats per warpgroup and
+    step into a flat dq_accum, and is read back through the convert's map."""
     BN, BM, boxes = 128, 64, d // 64
     KV_BOX, Q_BOX = BN * 128, BM * 128
     K_OFF, V_OFF = 0, boxes * KV_BOX
@@ -399,22 +436,60 @@ TILED = r"""
 #include "tsgen/attention_bwd.cuh"
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <vector>
+namespace ab = tsgen::attention_bwd;
+// The convert pass's DQ_TILED map, CTA by CTA (grid x: 64-row blocks, y: heads, z: sequences) and
+// thread by thread: for each dQ element (flat, in dQ's layout) the dq_accum float it is read from.
+template <uint32_t H, uint32_t D, bool BHSD>
+int convert_map(uint32_t batch, uint32_t q_len) {
+  using T = ab::ConvertTiled<H, D, BHSD>;
+  std::vector<long long> out((size_t)batch * q_len * H * D, -1);
+  for (uint32_t b = 0; b < batch; ++b)
+    for (uint32_t h = 0; h < H; ++h)
+      for (uint32_t r0 = 0; r0 < q_len; r0 += ab::BLOCK_M) {
+        const uint32_t n = T::rows(r0, q_len);
+        const uint64_t src = T::src_tile(b, h, r0, q_len), dst = T::dst_tile(b, h, r0, q_len);
+        for (uint32_t tid = 0; tid < ab::CONVERT_THREADS; ++tid)
+          for (uint32_t x = 0; x < D / 64; ++x)
+            for (uint32_t k = 0; k < ab::CONVERT_CHUNKS; ++k) {
+              uint32_t row, from, to;
+              T::chunk(tid, x, k, n, row, from, to);
+              if (row >= n) continue;
+              if (from % 8 != 0 || to % 8 != 0) return 2;  // 32-byte reads, 16-byte writes
+              for (uint32_t j = 0; j < 8; ++j) {
+                const uint64_t at = dst + to + j;
+                if (at >= out.size() || out[at] != -1) return 3;  // out of range or written twice
+                out[at] = (long long)(src + from + j);
+              }
+            }
+      }
+  for (long long v : out) printf("%lld\n", v);
+  return 0;
+}
 int main(int argc, char** argv) {
   (void)argc;
-  const uint32_t batch = atoi(argv[1]), heads = atoi(argv[2]), q_len = atoi(argv[3]), d = atoi(argv[4]);
-  for (uint32_t b = 0; b < batch; ++b)
-    for (uint32_t h = 0; h < heads; ++h)
-      for (uint32_t r = 0; r < q_len; ++r)
-        for (uint32_t c = 0; c < d; ++c)
-          printf("%llu\n", (unsigned long long)tsgen::attention_bwd::dq_tiled_offset(b, h, r, c, heads, q_len, d));
+  const uint32_t batch = atoi(argv[2]), heads = atoi(argv[3]), q_len = atoi(argv[4]), d = atoi(argv[5]);
+  if (strcmp(argv[1], "offsets") == 0) {
+    for (uint32_t b = 0; b < batch; ++b)
+      for (uint32_t h = 0; h < heads; ++h)
+        for (uint32_t r = 0; r < q_len; ++r)
+          for (uint32_t c = 0; c < d; ++c)
+            printf("%llu\n", (unsigned long long)ab::dq_tiled_offset(b, h, r, c, heads, q_len, d));
+    return 0;
+  }
+  const int bhsd = atoi(argv[6]);
+#define CASE(H, D, L) if (heads == H && d == D && bhsd == L) return convert_map<H, D, L>(batch, q_len);
+  CASE(1, 64, 0) CASE(1, 128, 0) CASE(1, 64, 1) CASE(1, 128, 1) CASE(3, 64, 0) CASE(3, 128, 0) CASE(3, 64, 1)
+  CASE(3, 128, 1) CASE(4, 64, 0) CASE(4, 128, 0) CASE(4, 64, 1) CASE(4, 128, 1)
+  return 1;
 }
 """
 
 
 @pytest.fixture(scope="module")
-def tiled_offsets(tmp_path_factory):
-    """dq_tiled_offset (tsgen/attention_bwd.cuh) host-compiled: (batch, heads, q_len, d) -> offsets
-    [batch, heads, q_len, d]."""
+def tiled_program(tmp_path_factory):
+    """dq_tiled_offset and the convert pass's map (tsgen/attention_bwd.cuh's ConvertTiled), host-compiled."""
     from tsgen.headers import include_flags
 
     if NO_NVCC:
@@ -424,12 +499,44 @@ def tiled_offsets(tmp_path_factory):
     subprocess.run([str(find_nvcc()), *include_flags(), "-std=c++17", "-w", "-o", str(tmp / "tiled"),
                     str(tmp / "tiled.cu")], check=True, capture_output=True)
 
-    def offsets(batch, heads, q_len, d):
-        out = subprocess.run([str(tmp / "tiled"), *map(str, (batch, heads, q_len, d))], capture_output=True,
-                             text=True, check=True).stdout
-        return np.array(out.split(), dtype=np.int64).reshape(batch, heads, q_len, d)
+    def run(*args):
+        out = subprocess.run([str(tmp / "tiled"), *map(str, args)], capture_output=True, text=True, check=True).stdout
+        return np.array(out.split(), dtype=np.int64)
 
-    return offsets
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiled_offsets(tiled_program):
+    """dq_tiled_offset: (batch, heads, q_len, d) -> offsets [batch, heads, q_len, d]."""
+    return lambda batch, heads, q_len, d: tiled_program("offsets", batch, heads, q_len, d).reshape(
+        batch, heads, q_len, d)
+
+
+@pytest.fixture(scope="module")
+def convert_map(tiled_program):
+    """The convert pass (DQ_TILED): (batch, heads, q_len, d, bhsd) -> for each dQ element, flat in dQ's
+    layout, the dq_accum float it reads (the program fails on a chunk written twice or out of range)."""
+    return lambda batch, heads, q_len, d, bhsd: tiled_program("convert", batch, heads, q_len, d, int(bhsd))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("heads,d", [(4, 128), (3, 64), (4, 64), (1, 128)])
+@pytest.mark.parametrize("q_len", [150, 70, 64, 33, 129, 1])
+def test_convert_reads_every_dq_element_from_its_dq_accum_float(tiled_offsets, convert_map, layout, heads, d, q_len):
+    """The convert pass's DQ_TILED map (one CTA per 64-row block, head and sequence; 32-byte chunks of
+    the tile in order, 16-byte stores of 8 columns), simulated CTA by CTA and thread by thread on the
+    host: every dQ element of 2 sequences is written exactly once, from the dq_accum float that
+    dq_tiled_offset gives its (sequence, head, row, column), in dQ's layout (bshd or bhsd). GQA needs
+    nothing of its own here: the convert sees only the query heads (4 = a GQA group of 2 KV heads x 2)."""
+    batch = 2
+    off = tiled_offsets(batch, heads, q_len, d)  # [b, h, r, c]
+    want = (off if layout == "bhsd" else off.transpose(0, 2, 1, 3)).reshape(-1)
+    got = convert_map(batch, heads, q_len, d, layout == "bhsd")
+    assert got.size == want.size and (got >= 0).all(), "every dQ element written"
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, (bad[:8], got[bad[:8]], want[bad[:8]])
 
 
 @needs_nvcc
@@ -464,7 +571,7 @@ def test_shared_memory_model_of_one_cta(request, d, causal, tiled):
     """100 keys (a tail of the 128-key block) against 150 queries (three steps, a tail; both dS^T
     buffers used), one head: dQ, dK, dV through the modelled operand addresses against the
     family's reference within its tolerance. tiled: dQ through the bulk path (staging stores,
-    bulk reductions of the valid rows, the convert's read through dq_tiled_offset)."""
+    bulk reductions of the valid rows, the convert's read through its host-compiled map)."""
     from tsgen.ops.attention import attention_backward_reference, attention_reference, o_tolerance
 
     rng = np.random.default_rng(3)
@@ -476,7 +583,7 @@ def test_shared_memory_model_of_one_cta(request, d, causal, tiled):
     lse = lse.astype(np.float32).astype(np.float64)
     dsum = np.einsum("bshd,bshd->bhs", do, o)[0, 0]
     lse2 = np.where(np.isneginf(lse[0, 0]), np.inf, lse[0, 0] * np.log2(np.e))
-    offsets = request.getfixturevalue("tiled_offsets")(1, 1, rows, d)[0, 0] if tiled else None
+    offsets = request.getfixturevalue("convert_map")(1, 1, rows, d, False).reshape(rows, d) if tiled else None
     dq, dk, dv = model_cta(q[0, :, 0], k[0, :, 0], v[0, :, 0], do[0, :, 0], lse2, dsum, scale * np.log2(np.e), d,
                            kv_len, causal, tiled=offsets)
     want = attention_backward_reference(q, k, v, o, do, lse, scale, causal, with_abs=True)

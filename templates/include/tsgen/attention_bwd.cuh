@@ -37,7 +37,7 @@
 //      and adds it into dq_accum with fp32 atomics (red.global.add): every KV block adds into every
 //      query block it sees, so the adds race by design and land in no fixed order (run-to-run
 //      differences of fp32 rounding). dK (times SCALE) and dV leave from registers at the end.
-//   3. convert: dQ = 16-bit(SCALE * dq_accum) (DQ_TILED: read through dq_tiled_offset).
+//   3. convert: dQ = 16-bit(SCALE * dq_accum) (DQ_TILED: one CTA per tiled 64-row block, ConvertTiled).
 //
 // Hazards: the CTA barrier before each query block's loads (the last block's products still read
 // Q, dO and dS in shared memory), the barrier between writing dS and reading it for dQ, LSE2 = +inf
@@ -397,28 +397,83 @@ __device__ void main_kernel(const Problem& p) {
   }
 }
 
-// 3. dQ = 16-bit(SCALE * dq_accum), 4 elements per thread per step. DQ_TILED: the 4 floats of dQ's
-//    elements 4i .. 4i + 3 (one row, columns 4k .. 4k + 3: half of a 32-byte chunk) from the tiled layout.
+// 3. dQ = 16-bit(SCALE * dq_accum).
+//    Not DQ_TILED (dq_accum in dQ's layout): 4 elements per thread per step, a grid-stride loop.
+//    DQ_TILED: one CTA per (64-row block, head, sequence) tile (grid: launch_convert): the tile's
+//    n x HEAD_DIM floats are one contiguous run of dq_accum (dq_tiled_offset; n = the block's rows),
+//    read as 32-byte chunks in order (a warp: 1 KiB contiguous), each chunk 8 columns of one dQ row,
+//    written as one 16-byte store (a row's 64-column panel: 8 threads, 128 contiguous bytes). Every
+//    index is a shift, mask, add or a multiply by a constant; the tile comes from blockIdx (no
+//    division); ConvertTiled says which chunk goes where.
+constexpr int CONVERT_CHUNKS = BLOCK_M * 8 / CONVERT_THREADS;  // 32-byte chunks per thread per 64-column panel
+
+// DQ_TILED's map (host-compiled by the tests): tile (b, h, r0) of n = rows(r0, q_len) rows starts
+// at float src_tile(..) of dq_accum and element dst_tile(..) of dQ; chunk k (0 .. CONVERT_CHUNKS - 1)
+// of panel x (0 .. HEAD_DIM / 64 - 1) of thread tid is the tile's 8 floats from `from` (32-byte
+// slot s = tid % 8 of the panel's row i: floats x n 64 + 64 i + 8 s), dQ's elements from `to`: row
+// i, columns 64 x + 8 (s ^ (i % 8)) .. + 7 (dq_tiled_offset's chunk swizzle); it exists when i < n.
+template <uint32_t HEADS, uint32_t HEAD_DIM, bool BHSD>
+struct ConvertTiled {
+  static constexpr uint32_t ROW_STRIDE = BHSD ? HEAD_DIM : HEADS * HEAD_DIM;  // dQ's, in elements
+  static __host__ __device__ __forceinline__ uint32_t rows(uint32_t r0, uint32_t q_len) {
+    return q_len - r0 < BLOCK_M ? q_len - r0 : BLOCK_M;
+  }
+  static __host__ __device__ __forceinline__ uint64_t src_tile(uint32_t b, uint32_t h, uint32_t r0, uint32_t q_len) {
+    return (((uint64_t)b * HEADS + h) * q_len + r0) * HEAD_DIM;
+  }
+  static __host__ __device__ __forceinline__ uint64_t dst_tile(uint32_t b, uint32_t h, uint32_t r0, uint32_t q_len) {
+    return BHSD ? src_tile(b, h, r0, q_len) : (((uint64_t)b * q_len + r0) * HEADS + h) * HEAD_DIM;
+  }
+  static __host__ __device__ __forceinline__ void chunk(uint32_t tid, uint32_t x, uint32_t k, uint32_t n,
+                                                        uint32_t& row, uint32_t& from, uint32_t& to) {
+    const uint32_t slot = tid % 8, i = tid / 8 + k * (CONVERT_THREADS / 8);
+    row = i;
+    from = x * n * 64 + 64 * i + 8 * slot;
+    to = i * ROW_STRIDE + 64 * x + 8 * (slot ^ (i % 8));
+  }
+};
+
 template <class C>
 __device__ void convert(const Problem& p) {
-  const uint64_t n4 = (uint64_t)p.batch * p.q_len * C::HEADS * C::HEAD_DIM / 4;
-  const float4* src = reinterpret_cast<const float4*>(p.dq_accum);
-  uint2* dst = reinterpret_cast<uint2*>(p.dq);
-  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (uint64_t)gridDim.x * blockDim.x) {
-    uint64_t from = i;
-    if constexpr (C::DQ_TILED) {
-      const uint32_t col = (uint32_t)(4 * i % C::HEAD_DIM);
-      const uint64_t row = 4 * i / C::HEAD_DIM;  // of dQ's layout: (b, h, s) bhsd, (b, s, h) bshd
-      uint32_t b, h, s;
-      if constexpr (C::BHSD) {
-        s = (uint32_t)(row % p.q_len), h = (uint32_t)(row / p.q_len % C::HEADS), b = (uint32_t)(row / p.q_len / C::HEADS);
-      } else {
-        h = (uint32_t)(row % C::HEADS), s = (uint32_t)(row / C::HEADS % p.q_len), b = (uint32_t)(row / C::HEADS / p.q_len);
-      }
-      from = dq_tiled_offset(b, h, s, col, C::HEADS, p.q_len, C::HEAD_DIM) / 4;
+  if constexpr (C::DQ_TILED) {
+    static_assert(BLOCK_M * 8 % CONVERT_THREADS == 0, "whole passes of a panel's 64 x 8 chunks");
+    using T = ConvertTiled<C::HEADS, C::HEAD_DIM, C::BHSD>;
+    constexpr int PANELS = C::HEAD_DIM / 64;
+    const uint32_t h = blockIdx.y, r0 = blockIdx.x * BLOCK_M, n = T::rows(r0, p.q_len);
+    for (uint32_t b = blockIdx.z; b < p.batch; b += gridDim.z) {
+      const float4* src = reinterpret_cast<const float4*>(p.dq_accum + T::src_tile(b, h, r0, p.q_len));
+      uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.dq) + T::dst_tile(b, h, r0, p.q_len));
+      float4 v[PANELS][CONVERT_CHUNKS][2];  // every load of the tile issued before the first store
+#pragma unroll
+      for (int x = 0; x < PANELS; ++x)
+#pragma unroll
+        for (int k = 0; k < CONVERT_CHUNKS; ++k) {
+          uint32_t row, from, to;
+          T::chunk(threadIdx.x, x, k, n, row, from, to);
+          if (row < n) v[x][k][0] = src[from / 4], v[x][k][1] = src[from / 4 + 1];
+        }
+#pragma unroll
+      for (int x = 0; x < PANELS; ++x)
+#pragma unroll
+        for (int k = 0; k < CONVERT_CHUNKS; ++k) {
+          uint32_t row, from, to;
+          T::chunk(threadIdx.x, x, k, n, row, from, to);
+          if (row < n) {
+            const float4 a = v[x][k][0], c = v[x][k][1];
+            dst[to / 8] =
+                make_uint4(pack2<C>(a.x * C::SCALE, a.y * C::SCALE), pack2<C>(a.z * C::SCALE, a.w * C::SCALE),
+                           pack2<C>(c.x * C::SCALE, c.y * C::SCALE), pack2<C>(c.z * C::SCALE, c.w * C::SCALE));
+          }
+        }
     }
-    const float4 a = src[from];
-    dst[i] = make_uint2(pack2<C>(a.x * C::SCALE, a.y * C::SCALE), pack2<C>(a.z * C::SCALE, a.w * C::SCALE));
+  } else {
+    const uint64_t n4 = (uint64_t)p.batch * p.q_len * C::HEADS * C::HEAD_DIM / 4;
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum);
+    uint2* dst = reinterpret_cast<uint2*>(p.dq);
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (uint64_t)gridDim.x * blockDim.x) {
+      const float4 a = src[i];
+      dst[i] = make_uint2(pack2<C>(a.x * C::SCALE, a.y * C::SCALE), pack2<C>(a.z * C::SCALE, a.w * C::SCALE));
+    }
   }
 }
 
@@ -467,6 +522,11 @@ static void launch_preprocess(Pre pre, const Problem& p, const Sizes& z, cudaStr
 template <class C, class Convert>
 static void launch_convert(Convert conv, const Problem& p, const Sizes& z, cudaStream_t stream) {
   if (z.rows == 0) return;
+  if constexpr (C::DQ_TILED) {  // one CTA per (64-row block, head, sequence); sequences past 65535 by a loop
+    const dim3 grid((p.q_len + BLOCK_M - 1) / BLOCK_M, C::HEADS, p.batch < 65535 ? p.batch : 65535);
+    conv<<<grid, CONVERT_THREADS, 0, stream>>>(p);
+    return;
+  }
   const uint64_t n4 = z.rows * C::HEAD_DIM / 4;
   const uint64_t blocks = (n4 + CONVERT_THREADS - 1) / CONVERT_THREADS;
   conv<<<(unsigned)(blocks < 4096 ? blocks : 4096), CONVERT_THREADS, 0, stream>>>(p);

@@ -74,8 +74,8 @@
 //     thread, and thread 0 issued them all). At the end thread 0 waits for the writes
 //     (cp.async.bulk.wait_group 0) before the CTA exits.
 //   - DQ_TILED, dq_accum: the preprocess zeroes every float (same size as dQ; the tiled layout is a
-//     permutation), in stream order before this kernel; the convert pass reads it through
-//     dq_tiled_offset after this kernel (stream order; the bulk writes complete before exit).
+//     permutation), in stream order before this kernel; the convert pass reads it (ConvertTiled: one
+//     CTA per 64-row block) after this kernel (stream order; the bulk writes complete before exit).
 //   - The producer's tail waits (with the timeout of gemm::mbar_wait) for the consumers' release
 //     of the last STAGES steps: a consumer stuck on a load that never lands traps, not hangs.
 #ifndef TSGEN_ATTENTION_BWD_WGMMA_CUH
@@ -123,6 +123,12 @@ static __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t 
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
                "r"(bytes)
                : "memory");
+}
+
+// bar.sync with an immediate id (ptxas counts the ids a kernel uses; an id in a register counts as all 16)
+template <uint32_t ID>
+static __device__ __forceinline__ void named_barrier_sync_imm(uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"n"(ID), "r"(threads) : "memory");
 }
 
 static __device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float x, float y) {
@@ -423,7 +429,11 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
           st_shared_v2_f32(at + ((q ^ (lane / 4)) << 5), dq[4 * q + 2 * h], dq[4 * q + 2 * h + 1]);
       }
       fence_proxy_async_shared_cta();           // generic stores, read by the bulk reduction (async proxy)
-      named_barrier_sync(DQ_STAGED + cw, 128);  // the warpgroup's 64 rows staged
+      // the warpgroup's 64 rows staged; immediate barrier ids (a register id makes ptxas reserve all 16)
+      if (cw == 0)
+        named_barrier_sync_imm<DQ_STAGED>(128);
+      else
+        named_barrier_sync_imm<DQ_STAGED + 1>(128);
       if (t == 0) {
         const uint32_t n = r1 - r0;
         float* dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + r0) * C::HEAD_DIM +
@@ -512,9 +522,12 @@ struct Main {
   Kernel kernel;
   const attention::TensorMaps* maps = nullptr;
   cudaError_t prepare(const Problem& p, const Sizes& z) {
+    // DQ_TILED: the bulk reductions need 16-byte aligned destinations (their offsets are multiples of 256
+    // bytes) and the convert pass stores dQ 16 bytes at a time (8 columns of one row)
+    if (Layout<C>::DQ_TILED &&
+        (reinterpret_cast<uintptr_t>(p.dq_accum) % 16 != 0 || reinterpret_cast<uintptr_t>(p.dq) % 16 != 0))
+      return cudaErrorInvalidValue;
     if (z.ctas == 0) return cudaSuccess;
-    // DQ_TILED: the bulk reductions need 16-byte aligned destinations (their offsets are multiples of 256 bytes)
-    if (Layout<C>::DQ_TILED && reinterpret_cast<uintptr_t>(p.dq_accum) % 16 != 0) return cudaErrorInvalidValue;
     // q_len 0 (dK = dV = 0): maps of one row, never read (an encoded tensor has no empty dimension)
     const cudaError_t err =
         attention::tensor_maps<C>(p.q, p.k, p.v, p.dout, p.batch, p.q_len > 0 ? p.q_len : 1, p.kv_len, &maps);
