@@ -42,9 +42,9 @@
 //   58: the hand-written library, included: tsgen/ptx.cuh 58, tsgen/sync.cuh 59, tsgen/copy.cuh 60, tsgen/attention_bwd.cuh 61
 //   64: the op's own code (namespace attention_backward_hd64_causal_gqa: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_backward_hd64_causal_gqa_w1_preprocess 92, attention_backward_hd64_causal_gqa_w1_main 98
-//     attention_backward_hd64_causal_gqa_w1_convert 103, attention_backward_hd64_causal_gqa_w1_backward 109
-//     attention_backward_hd64_causal_gqa_w1_launch 123
+//     attention_backward_hd64_causal_gqa_w1_preprocess 94, attention_backward_hd64_causal_gqa_w1_main 100
+//     attention_backward_hd64_causal_gqa_w1_convert 105, attention_backward_hd64_causal_gqa_w1_backward 111
+//     attention_backward_hd64_causal_gqa_w1_launch 125
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -84,6 +84,8 @@ struct Config {
   static constexpr int SMEM_BYTES = attention_backward_hd64_causal_gqa::SMEM_BYTES;
   static constexpr float SCALE = 0.125f;          // the softmax scale
   static constexpr float SCALE_LOG2 = 0.18033688011112042f;  // softmax scale * log2(e)
+  // dq_accum in the tiled layout of the wgmma kernel's bulk reductions (tsgen::attention_bwd::dq_tiled_offset)
+  static constexpr bool DQ_TILED = false;
 };
 static_assert(HEADS % KV_HEADS == 0, "KV heads divide the query heads");
 

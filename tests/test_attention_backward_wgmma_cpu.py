@@ -16,13 +16,14 @@ from conftest import ROOT, compile_test, missing_tool, rendered_source
 from test_attention_backward_op_cpu import bf16
 from test_attention_cpu import ptxas_problems
 from tsgen.ops import get_family
-from tsgen.ops.attention_backward import IMPLS, WGMMA_STAGES, smem_bytes
+from tsgen.ops.attention_backward import DQ_STAGING, IMPLS, WGMMA_STAGES, smem_bytes
 from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc
 
 SPEC = ROOT / "specs" / "attention_backward_hd128.yaml"
 NO_NVCC = missing_tool(find_nvcc)
 needs_nvcc = compile_test(NO_NVCC and f"nvcc not found: {NO_NVCC}")
+NVCC_MARKS = [pytest.mark.compile, pytest.mark.skipif(bool(NO_NVCC), reason=f"nvcc not found: {NO_NVCC}")]
 NO_SASS = NO_NVCC or missing_tool(find_cuobjdump)
 needs_sass = compile_test(NO_SASS and f"SASS checks need nvcc and cuobjdump: {NO_SASS}")
 
@@ -37,6 +38,8 @@ VARIANTS = {
     "hd128_f16_causal": {"dtype": "float16", "params": {"causal": True}},
     "hd64_causal_gqa": {"params": {"head_dim": 64, "kv_heads": 8, "causal": True}},
     "hd64_bhsd_f16": {"dtype": "float16", "params": {"head_dim": 64, "layout": "bhsd"}},
+    "hd128_causal_atomic": {"params": {"causal": True, "dq_reduce": "atomic"}},
+    "hd64_gqa_atomic": {"params": {"head_dim": 64, "kv_heads": 8, "dq_reduce": "atomic"}},
 }
 
 
@@ -46,13 +49,23 @@ def test_defaults_and_sizes():
     assert [k.block for k in get_family("attention_backward").abi(spec).kernels] == [384]
     assert [k.block for k in get_family("attention_backward").abi(load_spec(SPEC).model).kernels] == [128]
     assert load_spec(SPEC).model.params.impl == "mma_sync", "the default stays mma_sync until a GPU proves wgmma"
-    # K, V (128 rows), 2 stages of Q and dO (64 rows), two dS^T buffers (128 x 64), LSE2 and D per stage,
-    # 5 barriers, 1024 bytes of alignment slack; within the 227 KiB a CTA may opt into
-    assert WGMMA_STAGES == 2
-    assert smem_bytes(spec) == 2 * (2 * 128 * 128 + 2 * 2 * 64 * 128 + 2 * 128 * 64) + 2 * 4 * 2 * 64 + 40 + 1024
+    # K, V (128 rows), 2 stages of Q and dO (64 rows), two dS^T buffers (128 x 64), the fp32 dQ staging of
+    # the two consumer warpgroups (64 x 64 each; dq_reduce bulk, the default), LSE2 and D per stage, 5
+    # barriers, 1024 bytes of alignment slack; within the 227 KiB a CTA may opt into
+    assert WGMMA_STAGES == 2 and DQ_STAGING == 2 * 64 * 64 * 4
+    assert spec.params.dq_reduce is None and spec.params.dq_tiled
+    atomic = variant("v", params={"dq_reduce": "atomic"}).model
+    assert not atomic.params.dq_tiled and not load_spec(SPEC).model.params.dq_tiled
+    assert smem_bytes(atomic) == 2 * (2 * 128 * 128 + 2 * 2 * 64 * 128 + 2 * 128 * 64) + 2 * 4 * 2 * 64 + 40 + 1024
+    assert smem_bytes(spec) == smem_bytes(atomic) + 32768
     assert smem_bytes(variant("v", params={"head_dim": 64}).model) == 2 * (2 * 128 * 64 + 2 * 2 * 64 * 64 +
-                                                                             2 * 128 * 64) + 1024 + 40 + 1024
+                                                                             2 * 128 * 64) + 32768 + 1024 + 40 + 1024
     assert smem_bytes(spec) <= 227 * 1024
+    fam = get_family("attention_backward")
+    assert fam.constants(spec)["DQ_TILED"] == 1 and fam.constants(atomic)["DQ_TILED"] == 0
+    mma_bulk = load_spec(SPEC).model.model_copy(update={"params": load_spec(SPEC).model.params.model_copy(
+        update={"dq_reduce": "bulk"})})
+    assert [w for w, _ in fam.check(mma_bulk)] == [("params", "dq_reduce")], "bulk needs the wgmma kernel"
 
 
 @needs_nvcc
@@ -69,15 +82,20 @@ def test_variants_compile_without_spills(tmp_path, monkeypatch, name):
 
 
 @needs_sass
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim):
+@pytest.mark.parametrize("head_dim,dq_reduce", [(128, "bulk"), (64, "bulk"), (128, "atomic")])
+def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
     """S^T and dP^T: 2 x head_dim / 16 HGMMA 64x64 from shared memory, K-major; dV and dK: 2 x 4
     HGMMA 64 x head_dim with A from registers, B transposed (N-major); dQ: HGMMA 64x64 with both
     operands transposed, over 128 keys (hd 128: columns split between the warpgroups) or 64 (hd
-    64: keys split); three waits per step at most; TMA loads, fp32 reductions, no local memory."""
+    64: keys split); three waits per step at most; TMA loads, no local memory. dQ's adds: bulk, the
+    default: 16 64-bit shared stores per thread and one bulk reduction (UBLKRED) per warpgroup and
+    step, its two waits (the staging's reads before DS_READY, all writes before the end), no
+    per-element reduction; atomic: the 32 fp32 reductions per thread and step, no bulk reduction.
+    Named barriers by immediate ids only: ptxas counts 4 (bulk) or 2 (atomic), not 16."""
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
-    source = rendered_source(variant("v", params={"head_dim": head_dim}), tmp_path)
-    sass = dump_sass(compile_source(source).output)
+    source = rendered_source(variant("v", params={"head_dim": head_dim, "dq_reduce": dq_reduce}), tmp_path)
+    compiled = compile_source(source)
+    sass = dump_sass(compiled.output)
     main = sass[sass.index("Function : v_w1_main"):]
     main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
     ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", main)
@@ -92,10 +110,53 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim):
     assert len(hgmma) == len(ss) + len(rs) + len(dq)
     assert names.count("WARPGROUP.DEPBAR.LE") <= 3, "the wgmma of a step are batched, not serialized"
     for op in ("UTMALDG.4D", "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "USETMAXREG.DEALLOC.CTAPOOL",
-               "USETMAXREG.TRY_ALLOC.CTAPOOL", "MUFU.EX2", "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU"):
+               "USETMAXREG.TRY_ALLOC.CTAPOOL", "MUFU.EX2"):
         assert op in names, op
+    red = names.count("REDG.E.ADD.F32.FTZ.RN.STRONG.GPU")
+    if dq_reduce == "bulk":
+        assert names.count("UBLKRED.G.S.ADD.F32.RN") == 1 and red == 0, "one bulk reduction, no element atomics"
+        assert names.count("STS.64") == 16, "the dQ staging: 32 floats per thread as 16 pairs"
+        assert names.count("DEPBAR.LE") == 2, "the bulk group's waits: staging read (per step), writes (at the end)"
+        # __syncthreads (0), DS_READY (1), DQ_STAGED of warpgroup 0 and 1 (2, 3: predicated, immediate ids)
+        bars = sorted(int(m, 16) for m in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)\b", main))
+        assert names.count("BAR.SYNC.DEFER_BLOCKING") == 4 and bars == [0, 1, 2, 3], bars
+    else:
+        assert red == 32 and "UBLKRED.G.S.ADD.F32.RN" not in names
+    # ptxas's count of named barriers (an id in a register would count as all 16)
+    elf = subprocess.run([str(find_cuobjdump()), "-elf", str(compiled.output)], capture_output=True, text=True,
+                         check=True).stdout
+    counts = [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)]
+    assert counts == [4 if dq_reduce == "bulk" else 2], counts
     assert not [n for n in names if n.startswith(("LDL", "STL", "ATOM"))], "no local memory, no returned atomics"
     assert "CALL" not in " ".join(names), "no calls (they would serialize the wgmma)"
+
+
+@needs_sass
+@pytest.mark.parametrize("head_dim,dtype,layout,dq_reduce", [(128, "bfloat16", "bshd", "bulk"),
+                                                             (64, "float16", "bhsd", "bulk"),
+                                                             (128, "bfloat16", "bshd", "atomic")])
+def test_sass_of_the_convert_kernel(tmp_path, monkeypatch, head_dim, dtype, layout, dq_reduce):
+    """The convert pass. bulk (DQ_TILED): straight-line per tile, no division (no CALL, no
+    reciprocal): head_dim / 16 loads of 16 bytes and head_dim / 32 stores of 16 bytes per thread (32-byte
+    chunks in, 8 columns out), at most 5 instructions per element plus 40; before the rewrite
+    (03c9e4b) it did 64-bit divisions by q_len and HEADS per float4 (160 instructions and a CALL).
+    atomic (dq_accum in dQ's layout): the grid-stride loop, one 16-byte load and one 8-byte store
+    per step, 40 instructions (its SASS is the pre-i35fast one)."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    source = rendered_source(variant("v", dtype=dtype, params={"head_dim": head_dim, "layout": layout,
+                                                              "dq_reduce": dq_reduce}), tmp_path)
+    sass = dump_sass(compile_source(source).output)
+    conv = sass[sass.index("Function : v_w1_convert"):]
+    conv = conv[:conv.index("Function :", 10)] if "Function :" in conv[10:] else conv
+    names = [n for n in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", conv)
+             if n != "NOP"]
+    memory = sorted(n for n in names if n.startswith(("LDG", "STG", "LDL", "STL")))
+    assert not [n for n in names if n.startswith(("CALL", "RET", "MUFU", "I2F"))], "no division"
+    if dq_reduce == "bulk":
+        assert memory == ["LDG.E.128"] * (head_dim // 16) + ["STG.E.128"] * (head_dim // 32), memory
+        assert len(names) <= 5 * head_dim // 4 + 40, len(names)
+    else:
+        assert memory == ["LDG.E.128", "STG.E.64"] and len(names) <= 42, (memory, len(names))
 
 
 # ---------------------------------------------------------------------------
@@ -178,14 +239,17 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     from tsgen.spec import merge
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    assert tool.IMPLS == ("mma_sync", "wgmma")
+    assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red")
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
+    assert tool.impl_name("hd64_full_kv8", "wgmma_red") == "hd64_full_kv8_wgmma_red"
     for name in set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS):  # every variant is a valid wgmma spec
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma"))).model
-        assert spec.params.impl == "wgmma"
+        assert spec.params.impl == "wgmma" and spec.params.dq_tiled and spec.launch.threads == 384
+        spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_red"))).model
+        assert spec.params.impl == "wgmma" and not spec.params.dq_tiled and spec.launch.threads == 384
     row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 100.0},
-           "tsgen_wgmma": {"tflops": 400.0, "ratio_mma_sync": 4.0}, "sdpa_cudnn": {"tflops": 500.0, "ratio": 5.0}}
+           "tsgen_wgmma": {"tflops": 400.0, "ratio_ref": 4.0}, "sdpa_cudnn": {"tflops": 500.0, "ratio": 5.0}}
     summary = {"device": "NVIDIA H200", "date": "2026-11-27", "command": "c", "checks": {},
                "bench": {"rows": [row]}}
     text = tool.markdown(summary)
@@ -194,6 +258,13 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     # one impl alone: the table as before
     assert "| v | 4096 | 100 | - | - | 500 | 5.00 |" in tool.markdown(
         {**summary, "bench": {"rows": [{k: v for k, v in row.items() if k != "tsgen_wgmma"}]}})
+    # the old wgmma and the new side by side: x against the first listed, SDPA's ratio against the last
+    two = {"variant": "v", "seq": 4096, "batch": 4, "ref": "tsgen_wgmma_red", "last": "tsgen_wgmma",
+           "tsgen_wgmma_red": {"tflops": 250.0}, "tsgen_wgmma": {"tflops": 350.0, "ratio_ref": 1.4},
+           "sdpa_cudnn": {"tflops": 500.0, "ratio": 1.43}}
+    text = tool.markdown({**summary, "bench": {"rows": [two]}})
+    assert "ratio = SDPA time / tsgen_wgmma time" in text and "x = tsgen_wgmma_red's time / theirs" in text
+    assert "| v | 4096 | - | 350 | 1.40 | 250 | - | - | - | 500 | 1.43 |" in text
 
 
 # ---------------------------------------------------------------------------
@@ -250,9 +321,33 @@ def header_ds_column():
     return lambda q, lane: eval(expr.group(1), {}, {"q": q, "swizzle": lane // 4, "lane": lane})
 
 
-def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal):
+def header_dq_staging():
+    """The dQ staging store of the header (dq_reduce bulk): a function (row, h, lane, q) -> (byte offset
+    in the warpgroup's staging buffer, register of the first float; the second is the next register)."""
+    text = WG_HEADER.read_text()
+    at = re.search(r"const uint32_t at = staging \+ (.+);", text)
+    st = re.search(r"st_shared_v2_f32\(at \+ (.+?), dq\[(.+?)\], dq\[(.+?)\]\);", text)
+    assert at and st, "the staging store's address and registers"
+
+    def py(expr):
+        return expr.replace(" / ", " // ")
+
+    def store(row, h, lane, q):
+        env = {"row": row, "h": h, "lane": lane, "q": q}
+        first, second = eval(py(st.group(2)), {}, env), eval(py(st.group(3)), {}, env)
+        assert second == first + 1
+        return eval(py(at.group(1)), {}, env) + eval(py(st.group(1)), {}, env), first
+
+    return store
+
+
+def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal, tiled=None):
     """One CTA (keys 0 .. 127 of one KV head; one query head): q, do [rows, d], k, v [kv_len, d]
-    (16-bit values), lse2, dsum [rows]. -> dq [rows, d] (unscaled), dk (unscaled), dv [kv_len, d]."""
+    (16-bit values), lse2, dsum [rows]. -> dq [rows, d] (unscaled), dk (unscaled), dv [kv_len, d].
+    tiled (dq_reduce bulk): the convert pass's dq_accum float of every (row, column) of the head
+    (its ConvertTiled map, host-compiled from the header): dQ goes through the staging stores (the
+    header's expressions, thread by thread), one bulk reduction of n x 64 floats per warpgroup and
+    step into a flat dq_accum, and is read back through the convert's map."""
     BN, BM, boxes = 128, 64, d // 64
     KV_BOX, Q_BOX = BN * 128, BM * 128
     K_OFF, V_OFF = 0, boxes * KV_BOX
@@ -270,6 +365,8 @@ def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal):
     sm.tma_rows(V_OFF, KV_BOX, 0, pad)
     rows = q.shape[0]
     dq = np.zeros((rows, d))
+    accum = np.zeros(rows * d)  # dq_accum of the head (tiled)
+    stage_store = header_dq_staging() if tiled is not None else None
     dk, dv = np.zeros((2, 64, d)), np.zeros((2, 64, d))  # per warpgroup: its 64 keys
     for step, r0 in enumerate(range(0, rows, BM)):
         n = min(BM, rows - r0)
@@ -315,15 +412,166 @@ def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal):
                 a = sm.mn_major(ds_base + key0 * 128 + kk * 2048, BM, BN * 128).T  # M-major A: [m][k]
                 b = sm.mn_major(K_OFF + col_box * KV_BOX + key0 * 128 + kk * 2048, 64, KV_BOX)
                 acc += a @ b
-            dq[r0:r0 + n, 64 * col_box:64 * col_box + 64] += acc[:n]
+            if tiled is None:
+                dq[r0:r0 + n, 64 * col_box:64 * col_box + 64] += acc[:n]
+                continue
+            staging = np.full(64 * 64, np.nan)  # fp32, this warpgroup's buffer
+            for warp in range(4):
+                for lane in range(32):
+                    row = 16 * warp + lane // 4
+                    for h in range(2):
+                        for qq in range(8):
+                            at, reg = stage_store(row, h, lane, qq)
+                            for e in range(2):  # register 4q + 2h + e: (row + 8h, column 8q + 2 (lane % 4) + e)
+                                assert (reg + e) // 4 == qq and (reg + e) % 4 == 2 * h + e
+                                staging[at // 4 + e] = acc[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            base = r0 * d + col_box * n * 64  # the bulk reduction's destination (floats), n x 256 bytes
+            accum[base:base + n * 64] += staging[:n * 64]
+    if tiled is not None:
+        dq = accum[tiled]
     return dq, np.concatenate(list(dk))[:kv_len], np.concatenate(list(dv))[:kv_len]
 
 
-@pytest.mark.parametrize("d,causal", [(128, True), (64, False), (64, True)])
-def test_shared_memory_model_of_one_cta(d, causal):
+TILED = r"""
+#include "tsgen/attention_bwd.cuh"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+namespace ab = tsgen::attention_bwd;
+// The convert pass's DQ_TILED map, CTA by CTA (grid x: 64-row blocks, y: heads, z: sequences) and
+// thread by thread: for each dQ element (flat, in dQ's layout) the dq_accum float it is read from.
+template <uint32_t H, uint32_t D, bool BHSD>
+int convert_map(uint32_t batch, uint32_t q_len) {
+  using T = ab::ConvertTiled<H, D, BHSD>;
+  std::vector<long long> out((size_t)batch * q_len * H * D, -1);
+  for (uint32_t b = 0; b < batch; ++b)
+    for (uint32_t h = 0; h < H; ++h)
+      for (uint32_t r0 = 0; r0 < q_len; r0 += ab::BLOCK_M) {
+        const uint32_t n = T::rows(r0, q_len);
+        const uint64_t src = T::src_tile(b, h, r0, q_len), dst = T::dst_tile(b, h, r0, q_len);
+        for (uint32_t tid = 0; tid < ab::CONVERT_THREADS; ++tid)
+          for (uint32_t x = 0; x < D / 64; ++x)
+            for (uint32_t k = 0; k < ab::CONVERT_CHUNKS; ++k) {
+              uint32_t row, from, to;
+              T::chunk(tid, x, k, n, row, from, to);
+              if (row >= n) continue;
+              if (from % 8 != 0 || to % 8 != 0) return 2;  // 32-byte reads, 16-byte writes
+              for (uint32_t j = 0; j < 8; ++j) {
+                const uint64_t at = dst + to + j;
+                if (at >= out.size() || out[at] != -1) return 3;  // out of range or written twice
+                out[at] = (long long)(src + from + j);
+              }
+            }
+      }
+  for (long long v : out) printf("%lld\n", v);
+  return 0;
+}
+int main(int argc, char** argv) {
+  (void)argc;
+  const uint32_t batch = atoi(argv[2]), heads = atoi(argv[3]), q_len = atoi(argv[4]), d = atoi(argv[5]);
+  if (strcmp(argv[1], "offsets") == 0) {
+    for (uint32_t b = 0; b < batch; ++b)
+      for (uint32_t h = 0; h < heads; ++h)
+        for (uint32_t r = 0; r < q_len; ++r)
+          for (uint32_t c = 0; c < d; ++c)
+            printf("%llu\n", (unsigned long long)ab::dq_tiled_offset(b, h, r, c, heads, q_len, d));
+    return 0;
+  }
+  const int bhsd = atoi(argv[6]);
+#define CASE(H, D, L) if (heads == H && d == D && bhsd == L) return convert_map<H, D, L>(batch, q_len);
+  CASE(1, 64, 0) CASE(1, 128, 0) CASE(1, 64, 1) CASE(1, 128, 1) CASE(3, 64, 0) CASE(3, 128, 0) CASE(3, 64, 1)
+  CASE(3, 128, 1) CASE(4, 64, 0) CASE(4, 128, 0) CASE(4, 64, 1) CASE(4, 128, 1)
+  return 1;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def tiled_program(tmp_path_factory):
+    """dq_tiled_offset and the convert pass's map (tsgen/attention_bwd.cuh's ConvertTiled), host-compiled."""
+    from tsgen.headers import include_flags
+
+    if NO_NVCC:
+        pytest.skip(f"nvcc not found: {NO_NVCC}")
+    tmp = tmp_path_factory.mktemp("tiled")
+    (tmp / "tiled.cu").write_text(TILED)
+    subprocess.run([str(find_nvcc()), *include_flags(), "-std=c++17", "-w", "-o", str(tmp / "tiled"),
+                    str(tmp / "tiled.cu")], check=True, capture_output=True)
+
+    def run(*args):
+        out = subprocess.run([str(tmp / "tiled"), *map(str, args)], capture_output=True, text=True, check=True).stdout
+        return np.array(out.split(), dtype=np.int64)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiled_offsets(tiled_program):
+    """dq_tiled_offset: (batch, heads, q_len, d) -> offsets [batch, heads, q_len, d]."""
+    return lambda batch, heads, q_len, d: tiled_program("offsets", batch, heads, q_len, d).reshape(
+        batch, heads, q_len, d)
+
+
+@pytest.fixture(scope="module")
+def convert_map(tiled_program):
+    """The convert pass (DQ_TILED): (batch, heads, q_len, d, bhsd) -> for each dQ element, flat in dQ's
+    layout, the dq_accum float it reads (the program fails on a chunk written twice or out of range)."""
+    return lambda batch, heads, q_len, d, bhsd: tiled_program("convert", batch, heads, q_len, d, int(bhsd))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("heads,d", [(4, 128), (3, 64), (4, 64), (1, 128)])
+@pytest.mark.parametrize("q_len", [150, 70, 64, 33, 129, 1])
+def test_convert_reads_every_dq_element_from_its_dq_accum_float(tiled_offsets, convert_map, layout, heads, d, q_len):
+    """The convert pass's DQ_TILED map (one CTA per 64-row block, head and sequence; 32-byte chunks of
+    the tile in order, 16-byte stores of 8 columns), simulated CTA by CTA and thread by thread on the
+    host: every dQ element of 2 sequences is written exactly once, from the dq_accum float that
+    dq_tiled_offset gives its (sequence, head, row, column), in dQ's layout (bshd or bhsd). GQA needs
+    nothing of its own here: the convert sees only the query heads (4 = a GQA group of 2 KV heads x 2)."""
+    batch = 2
+    off = tiled_offsets(batch, heads, q_len, d)  # [b, h, r, c]
+    want = (off if layout == "bhsd" else off.transpose(0, 2, 1, 3)).reshape(-1)
+    got = convert_map(batch, heads, q_len, d, layout == "bhsd")
+    assert got.size == want.size and (got >= 0).all(), "every dQ element written"
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, (bad[:8], got[bad[:8]], want[bad[:8]])
+
+
+@needs_nvcc
+@pytest.mark.parametrize("batch,heads,q_len,d", [(1, 1, 150, 128), (2, 3, 64, 64), (1, 2, 1, 128), (2, 2, 200, 64),
+                                                  (1, 1, 129, 128), (3, 1, 63, 64)])
+def test_tiled_dq_accum_layout(tiled_offsets, batch, heads, q_len, d):
+    """The tiled dq_accum (dq_reduce bulk) uses exactly dQ's number of floats, each once (the
+    preprocess zeroes all of it, the workspace keeps its size); every (64-row block, 64-column panel)
+    is one contiguous run of n x 64 floats at the kernel's bulk destination ((b heads + h) q_len + r0)
+    d + panel n 64 (n: the block's rows, short at the tail), its rows in order, 256 bytes each; the
+    convert pass's 4 columns 4k .. 4k + 3 are 4 consecutive floats (one 16-byte load)."""
+    off = tiled_offsets(batch, heads, q_len, d)
+    assert np.array_equal(np.sort(off.reshape(-1)), np.arange(off.size))
+    for b in range(batch):
+        for h in range(heads):
+            for r0 in range(0, q_len, 64):
+                n = min(64, q_len - r0)
+                for x in range(d // 64):
+                    block = off[b, h, r0:r0 + n, 64 * x:64 * x + 64]
+                    base = ((b * heads + h) * q_len + r0) * d + x * n * 64
+                    assert np.array_equal(np.sort(block.reshape(-1)), base + np.arange(n * 64))
+                    assert np.array_equal(block.min(axis=1) - base, 64 * np.arange(n)), "row i at 256 i bytes"
+    quads = off.reshape(-1, 4)
+    assert (quads % 4 == [0, 1, 2, 3]).all() and (np.diff(quads, axis=1) == 1).all()
+
+
+@pytest.mark.parametrize("d,causal,tiled", [(128, True, False), (64, False, False), (64, True, False),
+                                            pytest.param(128, True, True, marks=NVCC_MARKS),
+                                            pytest.param(128, False, True, marks=NVCC_MARKS),
+                                            pytest.param(64, True, True, marks=NVCC_MARKS)])
+def test_shared_memory_model_of_one_cta(request, d, causal, tiled):
     """100 keys (a tail of the 128-key block) against 150 queries (three steps, a tail; both dS^T
     buffers used), one head: dQ, dK, dV through the modelled operand addresses against the
-    family's reference within its tolerance."""
+    family's reference within its tolerance. tiled: dQ through the bulk path (staging stores,
+    bulk reductions of the valid rows, the convert's read through its host-compiled map)."""
     from tsgen.ops.attention import attention_backward_reference, attention_reference, o_tolerance
 
     rng = np.random.default_rng(3)
@@ -335,8 +583,9 @@ def test_shared_memory_model_of_one_cta(d, causal):
     lse = lse.astype(np.float32).astype(np.float64)
     dsum = np.einsum("bshd,bshd->bhs", do, o)[0, 0]
     lse2 = np.where(np.isneginf(lse[0, 0]), np.inf, lse[0, 0] * np.log2(np.e))
+    offsets = request.getfixturevalue("convert_map")(1, 1, rows, d, False).reshape(rows, d) if tiled else None
     dq, dk, dv = model_cta(q[0, :, 0], k[0, :, 0], v[0, :, 0], do[0, :, 0], lse2, dsum, scale * np.log2(np.e), d,
-                           kv_len, causal)
+                           kv_len, causal, tiled=offsets)
     want = attention_backward_reference(q, k, v, o, do, lse, scale, causal, with_abs=True)
     for name, g, w, a in (("dq", dq * scale, want[0], want[3]), ("dk", dk * scale, want[1], want[4]),
                           ("dv", dv, want[2], want[5])):

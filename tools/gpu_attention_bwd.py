@@ -1,13 +1,16 @@
 """The `attention_backward` op on one GPU: correctness against a float32 reference, then a short
 bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
-Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma]
+Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma]
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment)
 
---impl: the main kernels to run (params.impl; default mma_sync): each listed one is built, checked
-and benched with the same variants and cases; a variant of an impl other than mma_sync is named
-NAME_IMPL (its checks' rows), and its bench timings are column tsgen_IMPL of the same rows,
-interleaved with the others (ratio_mma_sync: mma_sync's time / its time).
+--impl: the main kernels to run (default mma_sync): mma_sync (params.impl mma_sync), wgmma
+(params.impl wgmma: dQ by bulk reductions, its default) and wgmma_red (params.impl wgmma with
+dq_reduce atomic: the first wgmma version's per-element fp32 reductions). Each listed one is built,
+checked and benched with the same variants and cases; a variant of an impl other than mma_sync is
+named NAME_IMPL (its checks' rows), and its bench timings are column tsgen_IMPL of the same rows,
+interleaved with the others (ratio_ref: the first listed impl's time / its time, x in the table; the
+SDPA columns' ratio: SDPA's time / the last listed impl's, so list the candidate last).
 
 1. Build: the variants below, rendered from specs/attention_backward_hd128.yaml, compiled into
    host-launcher shared libraries (in parallel) before anything runs.
@@ -83,7 +86,9 @@ BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd1
 BENCH_SEQS = [4096, 8192, 16384]
 
 
-IMPLS = ("mma_sync", "wgmma")  # params.impl; the first is the default and the bench's "tsgen" column
+IMPLS = ("mma_sync", "wgmma", "wgmma_red")  # main kernels; the first is the default and the bench's "tsgen" column
+# the spec params of each (beside its threads per CTA, those of params.impl)
+IMPL_PARAMS = {"mma_sync": {}, "wgmma": {"impl": "wgmma"}, "wgmma_red": {"impl": "wgmma", "dq_reduce": "atomic"}}
 
 
 def impl_name(name: str, impl: str) -> str:
@@ -104,7 +109,8 @@ def impl_changes(impl: str) -> dict:
     """The spec changes that select main kernel `impl` (its threads per CTA go with it)."""
     from tsgen.ops.attention_backward import IMPLS as THREADS
 
-    return {} if impl == IMPLS[0] else {"params": {"impl": impl}, "launch": {"threads": THREADS[impl]["threads"]}}
+    params = IMPL_PARAMS[impl]
+    return {} if impl == IMPLS[0] else {"params": dict(params), "launch": {"threads": THREADS[params["impl"]]["threads"]}}
 
 
 class Op:
@@ -300,7 +306,8 @@ def check_variant(built: dict, quick: bool, echo=print) -> dict:
 
 
 def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
-    """built: variant name -> {impl: its build} (the impls timed side by side, interleaved)."""
+    """built: variant name -> {impl: its build} (the impls timed side by side, interleaved; the first
+    is the reference of ratio_ref)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -346,7 +353,8 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
                 return call
 
             impls = {("tsgen" if impl == IMPLS[0] else f"tsgen_{impl}"): tsgen_call(impl) for impl in ops}
-            ref = "tsgen" if "tsgen" in impls else next(iter(impls))
+            ref = next(iter(impls))  # the first listed impl: x of the others
+            last = list(impls)[-1]  # the last listed: SDPA's ratios (the candidate, listed last)
             for label, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
                 try:
                     impls[label] = sdpa(backend)
@@ -363,9 +371,10 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
                 if row[k]["tflops"] > PEAK_TFLOPS:
                     row[k]["problems"].append(f"{row[k]['tflops']:.0f} TFLOP/s is above the dense peak")
                 if not k.startswith("tsgen"):
-                    row[k]["ratio"] = paired_ratio(tm.samples_us, timings[ref].samples_us)["ratio"]
+                    row[k]["ratio"] = paired_ratio(tm.samples_us, timings[last].samples_us)["ratio"]
                 elif k != ref:
-                    row[k]["ratio_mma_sync"] = paired_ratio(timings[ref].samples_us, tm.samples_us)["ratio"]
+                    row[k]["ratio_ref"] = paired_ratio(timings[ref].samples_us, tm.samples_us)["ratio"]
+            row["ref"], row["last"] = ref, last
             rows.append(row)
             echo(json.dumps(row))
             del t, ws, qt, kt, vt
@@ -409,15 +418,18 @@ def markdown(s: dict) -> str:
     if s.get("bench"):
         rows = s["bench"].get("rows", [])
         extra = sorted({k for row in rows for k in row if k.startswith("tsgen_")})  # other impls
-        out += ["", "## Speed (TFLOP/s: 10 b h s^2 d, halved causal; ratio = SDPA time / tsgen time, paired rounds"
-                + (f"; {', '.join(extra)}: other main kernels, x = mma_sync's time / theirs" if extra else "") + ")", "",
+        ref = rows[0].get("ref", "tsgen") if rows else "tsgen"
+        last = rows[0].get("last", ref) if rows else ref
+        out += ["", "## Speed (TFLOP/s: 10 b h s^2 d, halved causal; ratio = SDPA time / "
+                f"{last} time, paired rounds"
+                + (f"; {', '.join(extra)}: other main kernels, x = {ref}'s time / theirs" if extra else "") + ")", "",
                 "| variant | S | tsgen | " + "".join(f"{k} | x | " for k in extra)
                 + "SDPA flash | ratio | SDPA cuDNN | ratio |", "|---|---|---|" + "---|---|" * len(extra) + "---|---|---|---|"]
         for row in rows:
             cells = [f"{row['tsgen']['tflops']:.0f}" if "tsgen" in row else "-"]
             for k in extra:
-                cells += [f"{row[k]['tflops']:.0f}", f"{row[k]['ratio_mma_sync']:.2f}" if "ratio_mma_sync" in row[k]
-                          else "-"] if k in row else ["-", "-"]
+                ratio = row[k].get("ratio_ref", row[k].get("ratio_mma_sync")) if k in row else None
+                cells += [f"{row[k]['tflops']:.0f}", f"{ratio:.2f}" if ratio is not None else "-"] if k in row else ["-", "-"]
             for k in ("sdpa_flash", "sdpa_cudnn"):
                 cells += [f"{row[k]['tflops']:.0f}", f"{row[k]['ratio']:.2f}"] if k in row else ["-", "-"]
             out.append(f"| {row['variant']} | {row['seq']} | " + " | ".join(cells) + " |")

@@ -17,7 +17,10 @@ Three kernels per call (templates/include/tsgen/attention_bwd.cuh): a preprocess
 base 2, dQ's fp32 accumulator zeroed), the main kernel (a CTA per block of 64 keys walks the
 query blocks of its group's heads; dK, dV in registers, dQ added into the fp32 accumulator
 with atomics), and a conversion of dQ to 16 bits. This first version uses mma.sync, not the
-FA3-style wgmma pipeline docs/design/attention.md plans: correctness before speed.
+FA3-style wgmma pipeline docs/design/attention.md plans: correctness before speed. The second main
+kernel (params.impl: wgmma, tsgen/attention_bwd_wgmma.cuh) is that pipeline; by default it adds dQ
+with one bulk reduction per consumer warpgroup and step into a tiled dq_accum (params.dq_reduce,
+the same workspace size).
 
 Host entry points (host_launch):
   <kernel>_launch(peers, rank, calls, count, q, k, v, o, dout, lse, dq, dk, dv, dq_accum,
@@ -50,13 +53,25 @@ GRADS = ("dq", "dk", "dv")
 IMPLS = {"mma_sync": {"threads": 128, "block_n": 64},  # tsgen/attention_bwd.cuh
          "wgmma": {"threads": 384, "block_n": 128}}    # tsgen/attention_bwd_wgmma.cuh
 WGMMA_STAGES = 2  # Q / dO stages of the wgmma kernel's ring (tsgen::attention_bwd::wgmma)
+DQ_STAGING = 2 * BLOCK_M * 64 * 4  # the wgmma kernel's fp32 dQ staging (dq_reduce bulk): 64 x 64 per warpgroup
 
 
 class AttentionBackwardParams(AttentionShape):
     impl: Literal["mma_sync", "wgmma"] = Field(
         "mma_sync", description="the main kernel: mma_sync (4 warps per block of 64 keys, plain loads; proven on "
         "GPUs) or wgmma (sm_90a, FlashAttention-3 style: a TMA producer warp, two consumer warpgroups per block "
-        "of 128 keys, every product a wgmma; not yet run on a GPU)")
+        "of 128 keys, every product a wgmma; correct on an H200, not yet the default)")
+    dq_reduce: Literal["bulk", "atomic"] | None = Field(
+        None, description="how the wgmma main kernel adds each step's dQ into the fp32 accumulator: bulk (the "
+        "default with impl wgmma: the warpgroup's 64 x 64 partial through shared memory, one "
+        "cp.reduce.async.bulk add.f32 per warpgroup and step into a tiled accumulator) or atomic (one "
+        "red.global.add.f32 per element from registers, the first wgmma version; kept to bench against). "
+        "mma_sync: atomic only")
+
+    @property
+    def dq_tiled(self) -> bool:
+        """dq_accum in the tiled layout of the bulk reductions (tsgen::attention_bwd::dq_tiled_offset)."""
+        return self.impl == "wgmma" and self.dq_reduce != "atomic"
 
 
 class AttentionBackwardLaunch(StrictModel):
@@ -79,12 +94,15 @@ def smem_bytes(spec: AttentionBackwardSpec) -> int:
     """mma_sync: K, V, Q and dO tiles of 64 rows padded by 8 elements, dS^T (64 x 72), LSE2 and
     D of 64 rows (tsgen::attention_bwd::Layout asserts the same). wgmma: K and V of 128 rows,
     STAGES Q and dO tiles of 64 rows (128B-swizzled, no padding), two dS^T buffers (128 x 64),
-    LSE2 and D per stage, the barriers, 1024 bytes of slack for the alignment
-    (tsgen::attention_bwd::wgmma::Layout asserts the same)."""
+    the fp32 dQ staging of the two consumer warpgroups (64 x 64 each, dq_reduce bulk), LSE2 and D per
+    stage, the barriers, 1024 bytes of slack for the alignment (tsgen::attention_bwd::wgmma::Layout
+    asserts the same)."""
     d = spec.params.head_dim
     if spec.params.impl == "wgmma":
         n, st = IMPLS["wgmma"]["block_n"], WGMMA_STAGES
-        return 2 * (2 * n * d + 2 * st * BLOCK_M * d + 2 * n * 64) + 2 * 4 * st * BLOCK_M + 8 * (1 + 2 * st) + 1024
+        staging = DQ_STAGING if spec.params.dq_tiled else 0
+        return (2 * (2 * n * d + 2 * st * BLOCK_M * d + 2 * n * 64) + staging + 2 * 4 * st * BLOCK_M + 8 * (1 + 2 * st)
+                + 1024)
     pitch = d + 8
     return 2 * ((2 * BLOCK_N + 2 * BLOCK_M) * pitch + BLOCK_N * (BLOCK_M + 8)) + 2 * 4 * BLOCK_M
 
@@ -125,6 +143,9 @@ class AttentionBackwardFamily(OpFamily):
 
     def check(self, spec):
         problems = heads_problems(spec.params)
+        if spec.params.impl == "mma_sync" and spec.params.dq_reduce == "bulk":
+            problems.append((("params", "dq_reduce"), "dq_reduce bulk needs params.impl wgmma (the mma_sync kernel "
+                             "adds dQ with atomics only)"))
         want = IMPLS[spec.params.impl]["threads"]
         if spec.launch.threads != want:
             problems.append((("launch", "threads"), f"params.impl {spec.params.impl} runs {want} threads per CTA, "
@@ -158,8 +179,8 @@ class AttentionBackwardFamily(OpFamily):
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),
-            **({"TILE_M": BLOCK_M, "TILE_N": IMPLS["wgmma"]["block_n"], "STAGES": WGMMA_STAGES}
-               if p.impl == "wgmma" else {}),
+            **({"TILE_M": BLOCK_M, "TILE_N": IMPLS["wgmma"]["block_n"], "STAGES": WGMMA_STAGES,
+                "DQ_TILED": int(p.dq_tiled)} if p.impl == "wgmma" else {}),
         }
 
     def template_vars(self, spec):

@@ -12,7 +12,8 @@
 //   Q, O, dO, dQ  [batch, q_len, HEADS, HEAD_DIM]     (BHSD: [batch, HEADS, q_len, HEAD_DIM])
 //   K, V, dK, dV  [batch, kv_len, KV_HEADS, HEAD_DIM] (BHSD: [batch, KV_HEADS, kv_len, HEAD_DIM])
 //   LSE           [batch, HEADS, q_len] fp32, natural log, -inf where a query saw no key
-// Workspace (fp32, the caller's): dq_accum as dQ's shape and layout, dsum and lse2 as LSE's.
+// Workspace (fp32, the caller's): dq_accum as dQ's shape and layout (Config::DQ_TILED, the wgmma kernel's
+// bulk reductions: the same size, tiled as dq_tiled_offset says), dsum and lse2 as LSE's.
 // Positions and the causal mask: as the forward's (query row r at q_offset + r before q_split,
 // q_offset2 + r - q_split after; key j at kv_offset + j; a query sees keys at positions <= its own).
 //
@@ -36,7 +37,7 @@
 //      and adds it into dq_accum with fp32 atomics (red.global.add): every KV block adds into every
 //      query block it sees, so the adds race by design and land in no fixed order (run-to-run
 //      differences of fp32 rounding). dK (times SCALE) and dV leave from registers at the end.
-//   3. convert: dQ = 16-bit(SCALE * dq_accum).
+//   3. convert: dQ = 16-bit(SCALE * dq_accum) (DQ_TILED: one CTA per tiled 64-row block, ConvertTiled).
 //
 // Hazards: the CTA barrier before each query block's loads (the last block's products still read
 // Q, dO and dS in shared memory), the barrier between writing dS and reading it for dQ, LSE2 = +inf
@@ -106,6 +107,22 @@ __host__ __device__ __forceinline__ bool rows_see_keys(const Problem& p, int32_t
     last = first_segment > last ? first_segment : last;
   }
   return last >= first_key;
+}
+
+// The tiled dq_accum of the wgmma kernel's bulk reductions (Config::DQ_TILED; the mma.sync kernel's
+// and dq_reduce atomic's is dQ's own layout): per (sequence, head) the q_len x head_dim floats of the
+// bhsd order, but each block of 64 rows r0 .. r0 + n - 1 (n = min(64, q_len - r0): the last block may be
+// short) stored as head_dim / 64 column panels of n x 64 floats, panel x at x n 64 floats from the
+// block's start, row i of a panel 256 bytes, its 32-byte chunk u (columns 8u .. 8u + 7) at chunk
+// u ^ (i % 8). One consumer warpgroup's step partial (64 rows x 64 columns, its shared-memory staging
+// in the same order) is then n x 256 contiguous bytes: one bulk reduction (its first n rows), and the
+// staging stores of a warp (8 rows x 4 float pairs of one chunk) hit every bank twice, no more. Same
+// number of floats as dQ: the workspace's size does not change. Host-compiled by the tests.
+__host__ __device__ __forceinline__ uint64_t dq_tiled_offset(uint32_t b, uint32_t h, uint32_t r, uint32_t col,
+                                                             uint32_t heads, uint32_t q_len, uint32_t head_dim) {
+  const uint32_t r0 = r / 64 * 64, i = r - r0, n = q_len - r0 < 64 ? q_len - r0 : 64;
+  return (((uint64_t)b * heads + h) * q_len + r0) * head_dim + (uint64_t)(col / 64) * n * 64 + i * 64 +
+         ((((col % 64) / 8) ^ (i % 8)) * 8) + col % 8;
 }
 
 template <class C>
@@ -380,15 +397,83 @@ __device__ void main_kernel(const Problem& p) {
   }
 }
 
-// 3. dQ = 16-bit(SCALE * dq_accum), 4 elements per thread per step.
+// 3. dQ = 16-bit(SCALE * dq_accum).
+//    Not DQ_TILED (dq_accum in dQ's layout): 4 elements per thread per step, a grid-stride loop.
+//    DQ_TILED: one CTA per (64-row block, head, sequence) tile (grid: launch_convert): the tile's
+//    n x HEAD_DIM floats are one contiguous run of dq_accum (dq_tiled_offset; n = the block's rows),
+//    read as 32-byte chunks in order (a warp: 1 KiB contiguous), each chunk 8 columns of one dQ row,
+//    written as one 16-byte store (a row's 64-column panel: 8 threads, 128 contiguous bytes). Every
+//    index is a shift, mask, add or a multiply by a constant; the tile comes from blockIdx (no
+//    division); ConvertTiled says which chunk goes where.
+constexpr int CONVERT_CHUNKS = BLOCK_M * 8 / CONVERT_THREADS;  // 32-byte chunks per thread per 64-column panel
+
+// DQ_TILED's map (host-compiled by the tests): tile (b, h, r0) of n = rows(r0, q_len) rows starts
+// at float src_tile(..) of dq_accum and element dst_tile(..) of dQ; chunk k (0 .. CONVERT_CHUNKS - 1)
+// of panel x (0 .. HEAD_DIM / 64 - 1) of thread tid is the tile's 8 floats from `from` (32-byte
+// slot s = tid % 8 of the panel's row i: floats x n 64 + 64 i + 8 s), dQ's elements from `to`: row
+// i, columns 64 x + 8 (s ^ (i % 8)) .. + 7 (dq_tiled_offset's chunk swizzle); it exists when i < n.
+template <uint32_t HEADS, uint32_t HEAD_DIM, bool BHSD>
+struct ConvertTiled {
+  static constexpr uint32_t ROW_STRIDE = BHSD ? HEAD_DIM : HEADS * HEAD_DIM;  // dQ's, in elements
+  static __host__ __device__ __forceinline__ uint32_t rows(uint32_t r0, uint32_t q_len) {
+    return q_len - r0 < BLOCK_M ? q_len - r0 : BLOCK_M;
+  }
+  static __host__ __device__ __forceinline__ uint64_t src_tile(uint32_t b, uint32_t h, uint32_t r0, uint32_t q_len) {
+    return (((uint64_t)b * HEADS + h) * q_len + r0) * HEAD_DIM;
+  }
+  static __host__ __device__ __forceinline__ uint64_t dst_tile(uint32_t b, uint32_t h, uint32_t r0, uint32_t q_len) {
+    return BHSD ? src_tile(b, h, r0, q_len) : (((uint64_t)b * q_len + r0) * HEADS + h) * HEAD_DIM;
+  }
+  static __host__ __device__ __forceinline__ void chunk(uint32_t tid, uint32_t x, uint32_t k, uint32_t n,
+                                                        uint32_t& row, uint32_t& from, uint32_t& to) {
+    const uint32_t slot = tid % 8, i = tid / 8 + k * (CONVERT_THREADS / 8);
+    row = i;
+    from = x * n * 64 + 64 * i + 8 * slot;
+    to = i * ROW_STRIDE + 64 * x + 8 * (slot ^ (i % 8));
+  }
+};
+
 template <class C>
 __device__ void convert(const Problem& p) {
-  const uint64_t n4 = (uint64_t)p.batch * p.q_len * C::HEADS * C::HEAD_DIM / 4;
-  const float4* src = reinterpret_cast<const float4*>(p.dq_accum);
-  uint2* dst = reinterpret_cast<uint2*>(p.dq);
-  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (uint64_t)gridDim.x * blockDim.x) {
-    const float4 a = src[i];
-    dst[i] = make_uint2(pack2<C>(a.x * C::SCALE, a.y * C::SCALE), pack2<C>(a.z * C::SCALE, a.w * C::SCALE));
+  if constexpr (C::DQ_TILED) {
+    static_assert(BLOCK_M * 8 % CONVERT_THREADS == 0, "whole passes of a panel's 64 x 8 chunks");
+    using T = ConvertTiled<C::HEADS, C::HEAD_DIM, C::BHSD>;
+    constexpr int PANELS = C::HEAD_DIM / 64;
+    const uint32_t h = blockIdx.y, r0 = blockIdx.x * BLOCK_M, n = T::rows(r0, p.q_len);
+    for (uint32_t b = blockIdx.z; b < p.batch; b += gridDim.z) {
+      const float4* src = reinterpret_cast<const float4*>(p.dq_accum + T::src_tile(b, h, r0, p.q_len));
+      uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.dq) + T::dst_tile(b, h, r0, p.q_len));
+      float4 v[PANELS][CONVERT_CHUNKS][2];  // every load of the tile issued before the first store
+#pragma unroll
+      for (int x = 0; x < PANELS; ++x)
+#pragma unroll
+        for (int k = 0; k < CONVERT_CHUNKS; ++k) {
+          uint32_t row, from, to;
+          T::chunk(threadIdx.x, x, k, n, row, from, to);
+          if (row < n) v[x][k][0] = src[from / 4], v[x][k][1] = src[from / 4 + 1];
+        }
+#pragma unroll
+      for (int x = 0; x < PANELS; ++x)
+#pragma unroll
+        for (int k = 0; k < CONVERT_CHUNKS; ++k) {
+          uint32_t row, from, to;
+          T::chunk(threadIdx.x, x, k, n, row, from, to);
+          if (row < n) {
+            const float4 a = v[x][k][0], c = v[x][k][1];
+            dst[to / 8] =
+                make_uint4(pack2<C>(a.x * C::SCALE, a.y * C::SCALE), pack2<C>(a.z * C::SCALE, a.w * C::SCALE),
+                           pack2<C>(c.x * C::SCALE, c.y * C::SCALE), pack2<C>(c.z * C::SCALE, c.w * C::SCALE));
+          }
+        }
+    }
+  } else {
+    const uint64_t n4 = (uint64_t)p.batch * p.q_len * C::HEADS * C::HEAD_DIM / 4;
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum);
+    uint2* dst = reinterpret_cast<uint2*>(p.dq);
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += (uint64_t)gridDim.x * blockDim.x) {
+      const float4 a = src[i];
+      dst[i] = make_uint2(pack2<C>(a.x * C::SCALE, a.y * C::SCALE), pack2<C>(a.z * C::SCALE, a.w * C::SCALE));
+    }
   }
 }
 
@@ -437,6 +522,11 @@ static void launch_preprocess(Pre pre, const Problem& p, const Sizes& z, cudaStr
 template <class C, class Convert>
 static void launch_convert(Convert conv, const Problem& p, const Sizes& z, cudaStream_t stream) {
   if (z.rows == 0) return;
+  if constexpr (C::DQ_TILED) {  // one CTA per (64-row block, head, sequence); sequences past 65535 by a loop
+    const dim3 grid((p.q_len + BLOCK_M - 1) / BLOCK_M, C::HEADS, p.batch < 65535 ? p.batch : 65535);
+    conv<<<grid, CONVERT_THREADS, 0, stream>>>(p);
+    return;
+  }
   const uint64_t n4 = z.rows * C::HEAD_DIM / 4;
   const uint64_t blocks = (n4 + CONVERT_THREADS - 1) / CONVERT_THREADS;
   conv<<<(unsigned)(blocks < 4096 ? blocks : 4096), CONVERT_THREADS, 0, stream>>>(p);

@@ -40,8 +40,13 @@
 //             way an m64n64 accumulator of 32 registers; a 32-column half of a 128-byte swizzle
 //             row is not a canonical wgmma layout)
 //       wait for the dV / dK group, release the stage (q_empty), wait for dQ, add it into
-//             dq_accum with fp32 reductions (red.global.add.f32; a race by design, as the
-//             mma.sync kernel's: the order of the adds is not fixed)
+//             dq_accum: DQ_TILED (dq_reduce bulk, the default): the 64 x 64 partial into the
+//             warpgroup's fp32 staging buffer in shared memory (tsgen::attention_bwd::dq_tiled_offset's
+//             panel order), barrier DQ_STAGED + w, and thread 0 adds the step's valid rows with one
+//             cp.reduce.async.bulk .add.f32 (n x 256 contiguous bytes) into the tiled dq_accum;
+//             dq_reduce atomic: fp32 reductions from registers (red.global.add.f32, dQ's own
+//             layout). Either way a race by design, as the mma.sync kernel's: the order of the adds
+//             is not fixed
 //     After the walk, dK (times SCALE) and dV leave from registers (rows past kv_len clipped).
 //
 // Hazards (and what orders each):
@@ -61,6 +66,16 @@
 //     (fence_operand keeps the compiler from hoisting the reads).
 //   - Rows past q_len: TMA fills Q and dO with zeros, LSE2 = +inf gives P = 0 (no mask needed);
 //     keys past kv_len: zeros give S = 0 and P = exp2(-LSE2) != 0, so they are masked explicitly.
+//   - DQ_TILED, the staging buffer (one per consumer warpgroup): generic stores read by the bulk
+//     reduction (async proxy): fence.proxy.async.shared::cta by every writing thread, then the
+//     warpgroup's named barrier DQ_STAGED + w, then thread 0 issues the reduction. Reuse: the next
+//     step writes the buffer only after DS_READY, which thread 0 reaches only after
+//     cp.async.bulk.wait_group.read 0 (the last reduction has read its source; bulk groups are per
+//     thread, and thread 0 issued them all). At the end thread 0 waits for the writes
+//     (cp.async.bulk.wait_group 0) before the CTA exits.
+//   - DQ_TILED, dq_accum: the preprocess zeroes every float (same size as dQ; the tiled layout is a
+//     permutation), in stream order before this kernel; the convert pass reads it (ConvertTiled: one
+//     CTA per 64-row block) after this kernel (stream order; the bulk writes complete before exit).
 //   - The producer's tail waits (with the timeout of gemm::mbar_wait) for the consumers' release
 //     of the last STAGES steps: a consumer stuck on a load that never lands traps, not hangs.
 #ifndef TSGEN_ATTENTION_BWD_WGMMA_CUH
@@ -75,6 +90,9 @@ namespace wgmma {
 
 using attention::mbar_wait_no_timeout;
 using attention::tma_load_4d;
+using gemm::bulk_commit_group;
+using gemm::bulk_wait_group_all;
+using gemm::bulk_wait_group_read;
 using gemm::fence_mbarrier_init_release_cluster;
 using gemm::mbar_arrive;
 using gemm::mbar_arrive_expect_tx;
@@ -95,6 +113,27 @@ constexpr int BLOCK_M = 64;   // query rows per step
 constexpr int BLOCK_N = 128;  // keys per CTA: 64 per consumer warpgroup
 constexpr int THREADS = 384;
 constexpr uint32_t DS_READY = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads')
+constexpr uint32_t DQ_STAGED = 2;  // + w: named barrier of consumer warpgroup w (DQ_TILED: its staging written)
+
+// cp.reduce.async.bulk (not .tensor): `bytes` (a multiple of 16) of fp32 at shared `src` added into
+// global `dst` (both 16-byte aligned), element-wise, at L2, by the TMA unit; each element's add is
+// atomic, the order of concurrent adds is not fixed. Completes through this thread's bulk groups
+// (gemm.cuh's bulk_commit_group, bulk_wait_group_read, bulk_wait_group_all).
+static __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+
+// bar.sync with an immediate id (ptxas counts the ids a kernel uses; an id in a register counts as all 16)
+template <uint32_t ID>
+static __device__ __forceinline__ void named_barrier_sync_imm(uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"n"(ID), "r"(threads) : "memory");
+}
+
+static __device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
 
 template <class C>
 struct Layout {
@@ -112,13 +151,16 @@ struct Layout {
   static constexpr int K16 = BLOCK_M / 16;       // k16 steps of dV, dK (over the queries)
   static constexpr bool DQ_SPLIT_N = C::HEAD_DIM == 128;  // dQ: columns split (else keys split)
   static constexpr int DQ_KEYS = DQ_SPLIT_N ? BLOCK_N : 64;
+  static constexpr bool DQ_TILED = C::DQ_TILED;   // dQ by bulk reductions through a staging buffer
+  static constexpr int DQ_BUF = BLOCK_M * 64 * 4;  // one warpgroup's fp32 dQ partial (64 x 64)
 
   static constexpr int K_OFF = 0;
   static constexpr int V_OFF = K_OFF + KV_TILE;
   static constexpr int Q_OFF = V_OFF + KV_TILE;
   static constexpr int DO_OFF = Q_OFF + C::STAGES * Q_TILE;
   static constexpr int DS_OFF = DO_OFF + C::STAGES * Q_TILE;
-  static constexpr int LSE2_OFF = DS_OFF + 2 * DS_BUF;  // fp32 [STAGES][BLOCK_M]
+  static constexpr int DQ_OFF = DS_OFF + 2 * DS_BUF;  // DQ_TILED: fp32 [2 warpgroups][64 rows][64], tiled
+  static constexpr int LSE2_OFF = DQ_OFF + (DQ_TILED ? 2 * DQ_BUF : 0);  // fp32 [STAGES][BLOCK_M]
   static constexpr int DSUM_OFF = LSE2_OFF + 4 * C::STAGES * BLOCK_M;
   static constexpr int BAR_OFF = DSUM_OFF + 4 * C::STAGES * BLOCK_M;
   static constexpr int KV_FULL = BAR_OFF, Q_FULL = BAR_OFF + 8, Q_EMPTY = Q_FULL + 8 * C::STAGES;
@@ -349,7 +391,12 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       wgmma_commit_group();
     }
 
-    named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced
+    // DQ_TILED: this warpgroup's staging buffer is rewritten after DS_READY (below); the bulk
+    // reduction of the last step (thread 0's bulk group) must have finished reading it first. Issued a
+    // whole step ago: the wait does not stall in the steady state.
+    if constexpr (L::DQ_TILED)
+      if (t == 0) bulk_wait_group_read<0>();
+    named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced (and the staging free)
 
     // dQ (64 queries x 64 columns) = dS K over DQ_KEYS keys
     float dq[32];
@@ -368,19 +415,52 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     wgmma_wait_group<0>();
     attention::fence_all<C>(dq, 32);
 
-    // dq += dQ: query row r0 + row (+ 8), columns 64 dq_col_box + 8q + 2c (+ 1)
+    if constexpr (L::DQ_TILED) {
+      // dq += dQ through the staging buffer: row i = row (+ 8) of the step's 64 queries, its 32-byte
+      // chunk q (columns 8q .. 8q + 7 of the warpgroup's 64) at chunk q ^ (i % 8), i % 8 = lane / 4
+      // (tsgen::attention_bwd::dq_tiled_offset's panel order); then one bulk reduction of the
+      // step's n valid rows (n x 256 contiguous bytes) into panel dq_col_box of the query block.
+      const uint32_t staging = smem + L::DQ_OFF + cw * L::DQ_BUF;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t q_row = r0 + row + 8 * h;
-      if (q_row >= p.q_len) continue;
-      float* dst = p.dq_accum + row_offset<C>(b, q_row, w.hq, C::HEADS, p.q_len) + 64 * dq_col_box + 2 * (lane % 4);
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t at = staging + (row + 8 * h) * 256 + 8 * (lane % 4);
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        atomicAdd(dst + 8 * q, dq[4 * q + 2 * h]);
-        atomicAdd(dst + 8 * q + 1, dq[4 * q + 2 * h + 1]);
+        for (int q = 0; q < 8; ++q)
+          st_shared_v2_f32(at + ((q ^ (lane / 4)) << 5), dq[4 * q + 2 * h], dq[4 * q + 2 * h + 1]);
+      }
+      fence_proxy_async_shared_cta();           // generic stores, read by the bulk reduction (async proxy)
+      // the warpgroup's 64 rows staged; immediate barrier ids (a register id makes ptxas reserve all 16)
+      if (cw == 0)
+        named_barrier_sync_imm<DQ_STAGED>(128);
+      else
+        named_barrier_sync_imm<DQ_STAGED + 1>(128);
+      if (t == 0) {
+        const uint32_t n = r1 - r0;
+        float* dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + r0) * C::HEAD_DIM +
+                     (size_t)dq_col_box * n * 64;
+        bulk_reduce_add_f32(dst, staging, n * 256);
+        bulk_commit_group();
+      }
+    } else {  // dq_reduce atomic
+      // dq += dQ: query row r0 + row (+ 8), columns 64 dq_col_box + 8q + 2c (+ 1)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t q_row = r0 + row + 8 * h;
+        if (q_row >= p.q_len) continue;
+        float* dst = p.dq_accum + row_offset<C>(b, q_row, w.hq, C::HEADS, p.q_len) + 64 * dq_col_box + 2 * (lane % 4);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          atomicAdd(dst + 8 * q, dq[4 * q + 2 * h]);
+          atomicAdd(dst + 8 * q + 1, dq[4 * q + 2 * h + 1]);
+        }
       }
     }
   }
+
+  // DQ_TILED: every bulk reduction complete (its writes done) before the CTA ends and its shared
+  // memory goes (the reads alone would free the memory; the convert pass reads dq_accum next)
+  if constexpr (L::DQ_TILED)
+    if (t == 0) bulk_wait_group_all();
 
   // dK (times the scale) and dV: key rows key_lo (+ 8), columns 8q + 2c (+ 1); rows past kv_len clipped
 #pragma unroll
@@ -442,6 +522,11 @@ struct Main {
   Kernel kernel;
   const attention::TensorMaps* maps = nullptr;
   cudaError_t prepare(const Problem& p, const Sizes& z) {
+    // DQ_TILED: the bulk reductions need 16-byte aligned destinations (their offsets are multiples of 256
+    // bytes) and the convert pass stores dQ 16 bytes at a time (8 columns of one row)
+    if (Layout<C>::DQ_TILED &&
+        (reinterpret_cast<uintptr_t>(p.dq_accum) % 16 != 0 || reinterpret_cast<uintptr_t>(p.dq) % 16 != 0))
+      return cudaErrorInvalidValue;
     if (z.ctas == 0) return cudaSuccess;
     // q_len 0 (dK = dV = 0): maps of one row, never read (an encoded tensor has no empty dimension)
     const cudaError_t err =
