@@ -86,6 +86,31 @@ def test_add_ratios_pairs_rows_of_the_same_rounds_only():
     assert row["ratios"]["c"] == pytest.approx(2.0) and "c" not in row["ratio_spread"]
 
 
+def test_add_ratios_prefers_the_baseline_of_the_rows_own_rounds():
+    """A suite with baselines_per_entry times the same baseline once per entry of a group: each
+    tsgen row is paired with the one of its own rounds, whatever the order of the rows."""
+    rows = []
+    for n, (t, b) in enumerate([(30.0, 33.0), (20.0, 36.0)], start=1):
+        rows.append({"impl": "tsgen", "size": 8, "group": "g", "time_us": t, "round_set": n, "samples_us": [t] * 3})
+        rows.append({"impl": "b", "baseline": True, "compare": True, "size": 8, "group": "g", "time_us": b,
+                     "round_set": n, "samples_us": [b] * 3})
+    for order in (rows, rows[::-1]):
+        add_ratios(list(order))
+        assert rows[0]["ratios"]["b"] == pytest.approx(1.1) and rows[2]["ratios"]["b"] == pytest.approx(1.8)
+
+
+def test_suite_baselines_must_be_the_ops(tmp_path):
+    from tsgen.bench.suites import load_suite
+    from tsgen.errors import SpecError
+
+    from conftest import ROOT
+
+    bad = tmp_path / "s.yaml"
+    bad.write_text(f"description: d\ngpus: 1\nbaselines: [nccl]\nentries:\n  - spec: {ROOT / 'specs' / 'attention_hd128.yaml'}\n")
+    with pytest.raises(SpecError, match="baselines: 'nccl' is not a baseline of op attention \\(sdpa, cudnn_frontend\\)"):
+        load_suite(bad)
+
+
 # ---------------------------------------------------------------------------
 # cudnn-frontend's graph arguments
 # ---------------------------------------------------------------------------

@@ -75,6 +75,15 @@ BAD = [
     ("dtype", ATT + "dtype: float32\n", ["5:1: dtype: Input should be 'bfloat16' or 'float16'"]),
     ("world_size", "name: a\nop: attention\nworld_sizes: [2]\n", ["4:15: world_sizes[0]: Input should be 1"]),
     ("threads", ATT + "launch:\n  threads: 256\n", ["6:3: launch.threads: Input should be 384"]),
+    ("schedule", ATT + "params:\n  schedule: dynamic\n",
+     ["6:3: params.schedule: Input should be 'grid' or 'persistent'"]),
+    ("overlap_needs_persistent", ATT + "params:\n  epilogue_overlap: true\n",
+     ["6:3: params.epilogue_overlap: epilogue_overlap overlaps a tile's epilogue with the next tile of the same "
+      "CTA: it needs schedule: persistent (a grid of one CTA per tile has no next tile)"]),
+    ("overlap_shared_memory", ATT + "params:\n  stages: 3\n  schedule: persistent\n  epilogue_overlap: true\n",
+     [f"6:3: params.stages: 3 stages of K and V blocks of 128 x 128 (+ the 128-row Q tile and its O staging "
+      f"(epilogue_overlap)) need 263288 bytes of shared memory; sm_90 has {SMEM_LIMIT} per block: use fewer "
+      f"stages or a smaller tile.n"]),
 ]
 
 
@@ -198,6 +207,44 @@ def test_family_reference_and_tolerance(tmp_path):
     assert tol["o"][0].shape == ref["o"][0].shape and (tol["lse"][0] >= 1e-3).all()
 
 
+def test_persistent_schedule_renders_the_counter_and_its_reset():
+    """params.schedule: persistent (issue 33): the module's own tile counter, handed to the launcher
+    with one CTA per SM; the counter's reset is the kernel's (next_tile: the draw of the call's last
+    value stores 0), so no host reset and nothing between CUDA graph replays. The default renders
+    none of it (the shipped specs' sources are unchanged)."""
+    plain = render(load_spec(SPEC), base=ROOT)
+    assert "schedule" not in plain.source and "__device__ uint64_t work" not in plain.source
+    assert "PERSISTENT" not in json.loads(plain.manifest)["constants"]
+    r = render(variant("ps", params={"schedule": "persistent"}), base=ROOT)
+    assert "__device__ uint64_t work;" in r.source
+    assert "tsgen::attention::persistent<ps::Config>(\n      reinterpret_cast<const void*>(ps_w1_kernel), &ps::work, &work, &blocks);" in r.source
+    assert "kv_expected, blocks, stream, nullptr, -1, work, nullptr, 0,\n" in r.source
+    assert "EPILOGUE_OVERLAP" not in r.source
+    m = json.loads(r.manifest)
+    assert m["constants"]["PERSISTENT"] == 1 and m["constants"]["SMEM_BYTES"] == smem_bytes(load_spec(SPEC).model)
+    header = (ROOT / "templates" / "include" / "tsgen" / "attention.cuh").read_text()
+    reset = re.search(r"static __device__ __forceinline__ uint32_t next_tile\(.*?\n}\n", header, re.S).group(0)
+    assert "atom_add_relaxed_gpu_global_u64(p.work, 1ull)" in reset
+    assert "if (i == (uint64_t)p.tiles - 1) st_relaxed_gpu_global_u64(p.work, 0ull);" in reset
+    o = render(variant("po", params={"schedule": "persistent", "epilogue_overlap": True}), base=ROOT)
+    assert "static constexpr bool EPILOGUE_OVERLAP = po::EPILOGUE_OVERLAP != 0;" in o.source
+    mo = json.loads(o.manifest)
+    assert mo["constants"]["EPILOGUE_OVERLAP"] == 1
+    assert mo["constants"]["SMEM_BYTES"] == smem_bytes(load_spec(SPEC).model) + 128 * 128 * 2  # O staging
+
+
+def test_variant_suite_loads_and_its_variants_are_the_schedule():
+    """suites/attention-variants.yaml: every entry a valid spec variant, cudnn-frontend alone, timed
+    per entry; the shipped specs' entries keep schedule grid."""
+    from tsgen.bench.suites import load_suite
+
+    s = load_suite(ROOT / "suites" / "attention-variants.yaml")
+    assert s.model.baselines == ["cudnn_frontend"] and s.model.baselines_per_entry
+    schedules = {(e.label or e.loaded.model.name): e.loaded.model.params.schedule for e in s.entries}
+    assert schedules["attention_hd128"] == "grid" and schedules["attention_hd128_overlap"] == "persistent"
+    assert len(schedules) == len(s.entries), "labels are unique"
+
+
 # ---------------------------------------------------------------------------
 # Build: sm_90a cubin and the launchers' shared library
 # ---------------------------------------------------------------------------
@@ -266,7 +313,14 @@ def test_sass(cache, name, head_dim):
     {"params": {"pingpong": False, "causal": True}},
     {"params": {"head_dim": 64, "kv_waits": True, "kv_wait_scope": "gpu"}},
     {"params": {"tile": {"n": 176}}},
-], ids=["f16", "bhsd_gqa8", "no_pingpong_causal", "hd64_waits", "blocks_176"])
+    {"params": {"schedule": "persistent"}},
+    {"params": {"schedule": "persistent", "epilogue_overlap": True, "causal": True, "pingpong": True, "kv_heads": 8}},
+    {"params": {"schedule": "persistent", "epilogue_overlap": True, "layout": "bhsd", "kv_waits": True}},
+    {"params": {"schedule": "persistent", "epilogue_overlap": True, "head_dim": 64, "causal": True, "pingpong": True,
+                "stages": 3}},
+    {"params": {"head_dim": 64, "causal": True, "pingpong": True, "stages": 3, "tile": {"n": 176}}},
+], ids=["f16", "bhsd_gqa8", "no_pingpong_causal", "hd64_waits", "blocks_176", "persistent",
+        "overlap_causal_gqa8", "overlap_bhsd_waits", "overlap_hd64_causal_s3", "hd64_causal_n176_s3"])
 def test_variants_compile(cache, tmp_path, changes):
     res = compile_source(rendered_source(variant("v", **changes), tmp_path))
     entry = res.report["v_w1_kernel"]
@@ -391,6 +445,9 @@ def test_gpu_tool_variants_are_valid_specs(tmp_path, tool):
     for name in tool.VARIANTS:
         tool.variant_spec(name)  # raises SpecError if the variant is not a valid spec
     assert set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS) | set(tool.TUNE_VARIANTS) <= set(tool.VARIANTS)
+    assert set(tool.SCHEDULE_VARIANTS) <= set(tool.VARIANTS) and not set(tool.SCHEDULE_VARIANTS) & set(tool.TUNE_VARIANTS)
+    assert all(tool.variant_spec(n).model.params.schedule == "persistent" for n in tool.SCHEDULE_VARIANTS
+               if "_persistent" in n or "_overlap" in n)
 
 
 def test_gpu_tool_report(tool):

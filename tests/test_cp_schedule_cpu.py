@@ -112,13 +112,16 @@ def test_head_group_is_the_headers(tmp_path):
     main = tmp_path / "hg_main.cu"
     main.write_text(f'#include "{rendered_source(loaded, tmp_path)}"\n#include <cstdlib>\n'
                     "int main(int, char** argv) { printf(\"%u\\n\", tsgen::attention::head_group<hg::Config>("
-                    "strtoull(argv[1], 0, 10), strtoull(argv[2], 0, 10))); }\n")
+                    "strtoull(argv[1], 0, 10), strtoull(argv[2], 0, 10), argv[3][0] == '1')); }\n")
     exe = tmp_path / "hg_main"
     subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
                     str(main)], check=True, capture_output=True)
-    for kv_len, l2 in ((16384, 50 << 20), (32768, 50 << 20), (1024, 50 << 20), (4096, 0), (65536, 60 << 20)):
-        got = subprocess.run([str(exe), str(kv_len), str(l2)], capture_output=True, text=True, check=True).stdout
-        assert int(got) == cs.head_group(32, 4, 128, kv_len, l2), (kv_len, l2)
+    for kv_len, l2 in ((16384, 50 << 20), (32768, 50 << 20), (1024, 50 << 20), (4096, 0), (65536, 60 << 20),
+                       (16384, 60 << 20)):
+        for balanced in (False, True):
+            got = subprocess.run([str(exe), str(kv_len), str(l2), str(int(balanced))], capture_output=True, text=True,
+                                 check=True).stdout
+            assert int(got) == cs.head_group(32, 4, 128, kv_len, l2, balanced), (kv_len, l2, balanced)
 
 
 def test_single_gpu_kernel_items_longest_first_per_head():
@@ -206,3 +209,25 @@ def test_static_stride_leaves_the_tail_and_longest_first_closes_it():
 def test_split_halves_cover_the_range():
     items = cs.split_longest([cs.Item(0, 0, 0, 0, 9), cs.Item(1, 0, 0, 0, 3)], above=4)
     assert [(it.lo, it.hi, it.merge) for it in items] == [(4, 9, True), (0, 4, True), (0, 3, False)]
+
+
+def test_balanced_head_groups():
+    """The single-GPU persistent schedule's groups: as many as the L2 rule gives, of equal sizes."""
+    assert cs.head_group(32, 32, 64, 4096, 60 << 20) == 30  # 1 MiB of K and V per head: 30 fit
+    assert cs.head_group(32, 32, 64, 4096, 60 << 20, balanced=True) == 16  # 2 groups: 16 + 16, not 30 + 2
+    assert cs.head_group(32, 32, 64, 8192, 60 << 20, balanced=True) == 11  # 3 groups: 11 + 11 + 10
+    assert cs.head_group(32, 8, 128, 8192, 60 << 20, balanced=True) == 16  # 6 of 8 KV heads fit: 2 groups of 4 (x 4)
+    assert cs.head_group(32, 4, 128, 16384, 50 << 20, balanced=True) == 16
+
+
+def test_single_gpu_persistent_schedule_removes_the_causal_tail():
+    """The model's single-GPU schedules (suite attention-variants' predictions, docs/design/attention.md):
+    the plain grid's causal tail at S = 4K is ~12 % idle SM time, longest first in balanced head
+    groups from the counter leaves < 1 %; not causal, the counter changes nothing (equal tiles)."""
+    t = cs.Timing()
+    causal = cs.single_runs(cs.Shape(seq=4096, world=1, heads=32, kv_heads=32, head_dim=64, zigzag=False,
+                                     l2_bytes=60 << 20), t)
+    assert causal["grid"].efficiency < 0.9 and causal["persistent"].efficiency > 0.99
+    flat = cs.single_runs(cs.Shape(seq=8192, world=1, heads=32, kv_heads=32, causal=False, zigzag=False), t)
+    assert flat["persistent"].makespan == flat["grid"].makespan
+    assert flat["overlap"].makespan < flat["grid"].makespan

@@ -1,6 +1,6 @@
 """The `attention` op on one GPU: correctness, then tsgen against torch SDPA (flash and cuDNN).
 
-Usage: python tools/gpu_attention.py OUT_DIR [--quick] [--no-bench] [--no-checks]
+Usage: python tools/gpu_attention.py OUT_DIR [--quick] [--no-bench] [--no-checks] [--variants NAMES|schedule]
        (on the lent machines: bash tools/gpu_attention.sh, which sets up the environment)
 
 1. Build: every spec variant below is rendered from specs/attention_hd128.yaml and compiled
@@ -101,12 +101,30 @@ VARIANTS.update({
     "hd64_causal_kv32_n192s3_nopp": variant(64, True, 32, tile={"n": 192}, stages=3, pingpong=False),
     "probe_waits": variant(128, True, 4, kv_waits=True),  # built with a 200 ms timeout
 })
+# issue 33's schedule variants (docs/design/attention.md, "The persistent schedule"): checked alone by
+# `--variants schedule` before suites/attention-variants.yaml times them
+VARIANTS.update({
+    "hd128_full_kv32_persistent": variant(128, False, 32, schedule="persistent"),
+    "hd128_full_kv32_overlap": variant(128, False, 32, schedule="persistent", epilogue_overlap=True),
+    "hd128_causal_kv8_persistent": variant(128, True, 8, schedule="persistent"),
+    "hd128_causal_kv8_overlap": variant(128, True, 8, schedule="persistent", epilogue_overlap=True),
+    "hd128_causal_kv4_waits_overlap": variant(128, True, 4, kv_waits=True, schedule="persistent",
+                                              epilogue_overlap=True),
+    "hd128_full_kv4_bhsd_overlap": variant(128, False, 4, layout="bhsd", schedule="persistent",
+                                           epilogue_overlap=True),
+    "hd64_causal_kv32_overlap": variant(64, True, 32, schedule="persistent", epilogue_overlap=True),
+    "hd64_causal_kv32_overlap_s3": variant(64, True, 32, stages=3, schedule="persistent", epilogue_overlap=True),
+    "hd64_causal_kv32_n176s3": variant(64, True, 32, tile={"n": 176}, stages=3),
+})
+SCHEDULE_VARIANTS = [n for n in VARIANTS if n.endswith(("_persistent", "_overlap", "_overlap_s3"))] + [
+    "hd64_causal_kv32_n176s3"]
 CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd128_causal_kv4_waits", "hd64_full_kv32",
                   "hd64_causal_kv8", "fp16_hd128_causal_kv32", "hd128_full_kv4_bhsd", "hd128_causal_kv32_nopp",
                   "hd128_full_kv32_n176"]
 BENCH_VARIANTS = [f"hd{d}_{c}_kv{kv}" for d in (128, 64) for c in ("full", "causal") for kv in (32, 8)]
 TUNE_VARIANTS = [n for n in VARIANTS if n.startswith(("hd128_full_kv32_", "hd128_causal_kv32_", "hd64_full_kv32_",
-                                                       "hd64_causal_kv32_"))]  # benched at TUNE_SEQS
+                                                       "hd64_causal_kv32_"))
+                 and n not in SCHEDULE_VARIANTS]  # benched at TUNE_SEQS (the schedule's: the suite's)
 TUNE_SEQS = {128: SEQS, 64: [8192, 16384]}  # by head dim
 
 
@@ -154,6 +172,7 @@ class Op:
         c = self.manifest["constants"]
         self.head_dim, self.heads, self.kv_heads = c["HEAD_DIM"], c["HEADS"], c["KV_HEADS"]
         self.causal, self.bhsd, self.waits = bool(c["CAUSAL"]), bool(c["BHSD"]), bool(c["KV_WAITS"])
+        self.persistent = bool(c.get("PERSISTENT", 0))  # params.schedule: persistent (the tile counter)
         self.dtype = self.manifest["buffers"][1]["dtype"]
         scale = built["softmax_scale"]
         self.scale = scale if scale is not None else 1.0 / math.sqrt(self.head_dim)
@@ -319,6 +338,50 @@ def run_wait_case(torch, op: Op, gen, calls: int = 2) -> dict:
     return worst
 
 
+def run_graph_case(torch, op: Op, gen, replays: int = 3, B: int = 2, n: int = 4097) -> dict:
+    """One call captured in a CUDA graph (after a plain warm-up call), replayed `replays` times,
+    each with fresh inputs copied into the captured buffers and poisoned outputs: a kernel whose
+    state (the persistent schedule's tile counter) is not back at its start after a call fails."""
+    H, Hkv, D = op.heads, op.kv_heads, op.head_dim
+    dt = torch_dtype(torch, op.dtype)
+    stream = torch.cuda.Stream()
+    q = torch.empty(B, n, H, D, device="cuda", dtype=dt)
+    k = torch.empty(B, n, Hkv, D, device="cuda", dtype=dt)
+    v = torch.empty_like(k)
+    o = torch.empty(B, n, H, D, device="cuda", dtype=dt)
+    lse = torch.empty(B, H, n, device="cuda", dtype=torch.float32)
+    bufs = [x if not op.bhsd else torch.empty_like(x.transpose(1, 2).contiguous()) for x in (q, k, v, o)]
+
+    def call():
+        op(bufs[0], bufs[1], bufs[2], bufs[3], lse, B, n, n, stream)
+
+    with torch.cuda.stream(stream):
+        call()  # the launcher's one-time set-up (shared-memory opt-in, counter address) outside the capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    worst = {"rel_err": 0.0, "lse_err": 0.0, "nan": 0, "lse_inf_mismatch": 0, "guard_written": 0}
+    pos = positions(torch, n)
+    for _ in range(replays):
+        fresh = [torch.randn(x.shape, device="cuda", generator=gen).to(dt) for x in (q, k, v)]
+        for dst, src in zip(bufs[:3], fresh):
+            dst.copy_(src if not op.bhsd else src.transpose(1, 2).contiguous())
+        bufs[3].fill_(float("nan"))
+        lse.fill_(float("nan"))
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        got = bufs[3].transpose(1, 2) if op.bhsd else bufs[3]
+        ro, rlse = reference(torch, fresh[0], fresh[1], fresh[2], op.scale, op.causal, pos, pos)
+        r = compare(torch, got, lse, ro, rlse, 0, 0)
+        for key in worst:
+            worst[key] = max(worst[key], r[key])
+    worst["pass"] = (worst["rel_err"] <= MAX_REL_ERR and worst["lse_err"] <= MAX_LSE_ERR and worst["nan"] == 0
+                     and worst["lse_inf_mismatch"] == 0)
+    return worst
+
+
 def cases_for(op: Op, quick: bool) -> list[dict]:
     cases = []
     lengths = [1, 77, 1000, 4097] if not quick else [77, 4097]
@@ -373,6 +436,19 @@ def check_variant(built: dict, quick: bool, echo=print) -> dict:
         ok &= r["pass"]
         echo(f"  {case['name']}: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, lse err "
              f"{r['lse_err']:.1e}, nan {r['nan']}, -inf mismatch {r['lse_inf_mismatch']}, guard {r['guard_written']}"
+             + (f" {r['error']}" if "error" in r else ""), flush=True)
+    if op.persistent:  # the tile counter across CUDA graph replays
+        t0 = time.perf_counter()
+        try:
+            r = run_graph_case(torch, op, gen)
+        except Exception as e:  # noqa: BLE001
+            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
+                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        r.update(case="seq 4097 batch 2, one call in a CUDA graph replayed 3 times", calls=3,
+                 seconds=round(time.perf_counter() - t0, 2))
+        rows.append(r)
+        ok &= r["pass"]
+        echo(f"  graph replays: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, nan {r['nan']}"
              + (f" {r['error']}" if "error" in r else ""), flush=True)
     if op.waits:
         t0 = time.perf_counter()
@@ -617,6 +693,9 @@ def main() -> int:
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--deadline", type=float, default=220, help="seconds for the whole run")
     ap.add_argument("--bench-seconds", type=float, default=90, help="seconds kept for the bench")
+    ap.add_argument("--variants", default=None,
+                    help="check only these variants (comma-separated names, or `schedule`: SCHEDULE_VARIANTS); "
+                    "no bench, no runtime check, no timeout probe")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "ARG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     out = args.out
@@ -648,6 +727,13 @@ def main() -> int:
     deadline = started + args.deadline
     command = " ".join(["python", "tools/gpu_attention.py", *sys.argv[1:]])
     names = sorted(set(CHECK_VARIANTS + BENCH_VARIANTS + TUNE_VARIANTS + ["probe_waits"]))
+    only = None
+    if args.variants:
+        only = SCHEDULE_VARIANTS if args.variants == "schedule" else args.variants.split(",")
+        unknown = [n for n in only if n not in VARIANTS]
+        if unknown:
+            ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+        names, args.no_bench = list(only), True
     builds, build_errors = {}, {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
         futures = {pool.submit(build, out, n, 200 if n == "probe_waits" else 3000): n for n in names}
@@ -666,13 +752,14 @@ def main() -> int:
     checks = {}
     if not args.no_checks:
         check_deadline = deadline - (0 if args.no_bench else args.bench_seconds)
-        names = [n for n in CHECK_VARIANTS if n in builds]
-        checks.update(run_children(out, "check", names, check_deadline - 25, quick))
-        checks.update(run_children(out, "runtime", ["attention_hd128_causal_gqa"], check_deadline - 12, []))
-        if "probe_waits" in builds:
+        names = [n for n in (only or CHECK_VARIANTS) if n in builds]
+        checks.update(run_children(out, "check", names, check_deadline - (0 if only else 25), quick))
+        if only is None:
+            checks.update(run_children(out, "runtime", ["attention_hd128_causal_gqa"], check_deadline - 12, []))
+        if "probe_waits" in builds and only is None:
             probe = run_children(out, "probe", ["probe_waits"], check_deadline, [])
             checks["timeout_probe"] = probe["probe_waits"]
-        for n in CHECK_VARIANTS:
+        for n in only or CHECK_VARIANTS:
             checks.setdefault(n, {"pass": False, "crashed": ["not built"]})
         all_ok &= all(c.get("pass") for c in checks.values())
     timing = {"rows": [], "device": "?"}

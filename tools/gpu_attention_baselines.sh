@@ -6,6 +6,14 @@
 #       kernels in parallel ~90 s; per row 15 rounds x (3-5 calls) x 4 implementations, the longest
 #       (h64/kv8 16K not causal, ~13 ms a call, flash ~2x) ~5 s, ~60 s of timing in all; cuDNN graph
 #       builds a few s each]
+#   tools/gpu_attention_baselines.sh variants    ONE GPU (issue 33's schedule, docs/design/attention.md "The
+#       persistent schedule"): tools/gpu_attention.py's correctness cases for the schedule variants (tails,
+#       offsets, zig-zag, rows that see no key, 20 back-to-back calls, CUDA graph replays), then suite
+#       attention-variants (16 entries, 38 rows, tsgen against cudnn-frontend alone, each entry in its own 15
+#       interleaved rounds). About 4 minutes on an H200 [computed: compiling 16 + 9 kernels ~30 + ~20 s (27 s
+#       for the 16 on 8 CPU jobs here); the checks' cases are <= 4097 rows, ~30 s; the suite's timed calls
+#       ~10 s (sum over rows of 15 rounds x 2 implementations x 3 calls), the rest per-row set-up and checks
+#       at ~3 s a row]
 #   tools/gpu_attention_baselines.sh cp          TWO GPUs: suite cp-w2 (cp_attention at S = 16K, 32K against
 #       the naive all_gather + masked SDPA and the zig-zag per-chunk SDPA + LSE merge; the ideal entries
 #       with their interleaved attention baselines). About 3-4 minutes [computed: compiling 4 kernels
@@ -24,7 +32,12 @@ python3 -c "import torch, cudnn" 2>/dev/null || python3 -m pip install -q --no-i
 export PYTHONPATH=/tmp/site:$PWD
 step "cudnn-frontend imports" 60 python3 -c "import torch, cudnn; print('cuDNN', cudnn.backend_version(), 'frontend', cudnn.__version__)"
 step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/test_attention_baselines_cpu.py
+[ "$MODE" = variants ] && BUDGET=${BUDGET_VARIANTS:-270}
 case "$MODE" in
+  variants)
+    step "precompile" 60 python3 tools/precompile_suites.py attention-variants --jobs 16
+    step "schedule checks" 75 python3 tools/gpu_attention.py "$OUT/schedule_checks" --variants schedule --quick --deadline 70
+    step "bench attention-variants" 170 python3 -m tsgen bench --suite attention-variants --results "$OUT/results" ;;
   attention)
     step "precompile" 150 python3 tools/precompile_suites.py attention attention-gqa64
     step "bench attention" 200 python3 -m tsgen bench --suite attention --results "$OUT/results"
@@ -36,7 +49,7 @@ case "$MODE" in
     step "trace 16K" 90 python3 tools/attention_trace.py "$OUT/trace_16k" --seq 16384
     step "trace 32K" 90 python3 tools/attention_trace.py "$OUT/trace_32k" --seq 32768
     tail -n 4 "$LOG"/trace_*.log 2>/dev/null ;;
-  *) echo "usage: $0 attention|cp" >&2; exit 2 ;;
+  *) echo "usage: $0 attention|variants|cp" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
 import json, pathlib, sys

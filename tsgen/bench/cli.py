@@ -122,9 +122,11 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
             bar.label = what
             bar.update(1)
 
+        chosen = dict(only_baselines=tuple(s.model.baselines) if s.model.baselines else None,
+                      baselines_per_entry=s.model.baselines_per_entry) if suite else {}
         outcomes, env = run_entries(entries, iters=iters, reps=reps, warmup=warmup, backend=backend,
                                     share_gpus=share_gpus, baselines=not no_baselines, control=control, arch=arch,
-                                    echo=log, progress=progress)
+                                    echo=log, progress=progress, **chosen)
     rows = [r for o in outcomes for r in o.rows]
     errors = [e for o in outcomes for e in o.errors]
     notes = [n for o in outcomes for n in o.notes]

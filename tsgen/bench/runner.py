@@ -127,10 +127,11 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                label: str | None = None, iters: int = 20, reps: int = 7, warmup: int = 3,
                patterns: tuple[str, ...] | None = None, backend: str = "single", share_gpus: bool | None = None,
                baselines: bool = True, arch: str = "sm_90a", echo: Callable[[str], None] = print,
-               progress: Callable[[str], None] | None = None, control: str | None = None, world=None) -> Outcome:
+               progress: Callable[[str], None] | None = None, control: str | None = None, world=None,
+               only_baselines: tuple[str, ...] | None = None) -> Outcome:
     """Time `spec_path` (with `variant` merged in; or a LoadedSpec, loaded once by the caller) at
-    `sizes` (default: the op's) against its baselines; errors instead of rows for every result
-    that fails a check."""
+    `sizes` (default: the op's) against its baselines (`only_baselines`: those of these names);
+    errors instead of rows for every result that fails a check."""
     from ..runtime import World
     from ..runtime.backends import world_size
 
@@ -142,6 +143,7 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
     spec, family = loaded.model, get_family(loaded.model.op)
     conv = family.bench
     check_baselines(conv.baselines)
+    chosen = tuple(b for b in conv.baselines if only_baselines is None or b.name in only_baselines)
     if world is not None:
         gpus = world.size
     elif backend == "single" and gpus is None:
@@ -177,10 +179,10 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                     step = Step(w, module, spec, family, case, pattern, ranks, sets, iters, reps, warmup, name,
                                 f"{name} {human(size)}{'' if pattern == 'all' else ' ' + pattern}")
                     # interleaved: the baselines are prepared first and timed in the same rounds as tsgen
-                    rivals = run_in_process(conv.baselines, step) if in_process and conv.interleave else []
+                    rivals = run_in_process(chosen, step) if in_process and conv.interleave else []
                     row, problems = _time_tsgen(step, control, ceil, dev, rivals)
                     _report(out, row, problems, echo)
-                    later = run_in_process(conv.baselines, step) if in_process and not conv.interleave else []
+                    later = run_in_process(chosen, step) if in_process and not conv.interleave else []
                     for m in rivals + later:
                         if m.timing is None:
                             out.notes.append(f"{m.impl} at {human(size)}: not timed: {m.skipped}")
@@ -197,9 +199,9 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
             out.notes.append("baselines not timed (--no-baselines)" if control is None else "negative control")
         elif backend != "single":
             out.notes.append(f"--backend {backend}: tsgen alone (the baselines start their own processes)")
-        elif any(not b.in_process for b in conv.baselines):
-            echo(f"baselines: {', '.join(b.name for b in conv.baselines if not b.in_process)}, one process per GPU ...")
-            for m in run_multiprocess(conv.baselines, family, spec, w.size, size_list, iters, reps, warmup):
+        elif any(not b.in_process for b in chosen):
+            echo(f"baselines: {', '.join(b.name for b in chosen if not b.in_process)}, one process per GPU ...")
+            for m in run_multiprocess(chosen, family, spec, w.size, size_list, iters, reps, warmup):
                 if m.timing is None:
                     out.notes.append(f"{m.impl} at {human(m.size)}: not timed: {m.skipped}")
                     continue
@@ -334,13 +336,16 @@ def add_ratios(rows: list[dict]) -> None:
         same = [b for b in rows if b.get("baseline") and b["size"] == r["size"] and b.get("group") == r.get("group")
                 and b.get("pattern", r.get("pattern")) == r.get("pattern")]
         ratios, spreads = {}, {}
+        # a baseline timed in this row's own rounds wins over another row of the same impl (a suite's
+        # baselines_per_entry times one per entry of a group)
+        own = {b["impl"] for b in same if r.get("round_set") and r.get("round_set") == b.get("round_set")}
         for b in same:
             if not b.get("compare"):
                 continue
             if r.get("round_set") and r.get("round_set") == b.get("round_set"):  # the same rounds: round by round
                 paired = paired_ratio(b["samples_us"], r["samples_us"])
                 ratios[b["impl"]], spreads[b["impl"]] = paired.pop("ratio"), paired
-            else:
+            elif b["impl"] not in own:
                 ratios[b["impl"]] = b["time_us"] / r["time_us"]
         if ratios:
             r["ratios"] = ratios

@@ -16,9 +16,12 @@ their commands live in the results they produced):
     readme:                      # rows of the performance tables of docs/benchmarks.md (tsgen/bench/index.py)
       title: Collectives at world 4 against NCCL
       sizes: [256M, 1G]
+    baselines: [nccl]            # only these of the op's baselines (default: all of them)
+    baselines_per_entry: false   # true: every entry times its baselines, also where an earlier entry
+                                 # of its group did (variants of one shape, each in its own interleaved rounds)
 
 Entries run in order; consecutive entries of one world size share one World; the baselines
-of a group of rows (same op, dtype, world, sizes) are timed once. Results go to
+of a group of rows (same op, dtype, world, sizes) are timed once, unless baselines_per_entry. Results go to
 RESULTS/<op or family>/<suite>/<date>-<commit>.{json,md} (tsgen/bench/results.py).
 """
 
@@ -66,6 +69,11 @@ class SuiteModel(StrictModel):
     reps: int = Field(7, ge=1)
     entries: list[EntryModel] = Field(min_length=1)
     readme: ReadmeModel | None = None
+    baselines: list[str] | None = Field(None, min_length=1, description="names of the op's baselines to time "
+                                        "(its conventions' Baseline.name); default: all of them")
+    baselines_per_entry: bool = Field(False, description="every entry times its baselines, also where an earlier "
+                                      "entry of its group (same op, dtype, world and shape) did: variants of one "
+                                      "shape, each paired round by round with the baselines (interleaved ops)")
 
 
 @dataclass
@@ -132,6 +140,12 @@ def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
                 names.add(e.label or loaded.model.name)
             except SpecError as err:
                 problems += [f"{where}.{'variant' if e.variant else 'spec'}: {p}" for p in err.problems]
+        if loaded is not None and model.baselines is not None:
+            from ..ops import get_family
+
+            known = [b.name for b in get_family(loaded.model.op).bench.baselines]
+            problems += [f"{path}: baselines: {b!r} is not a baseline of op {loaded.model.op} "
+                         f"({', '.join(known) or 'it has none'})" for b in model.baselines if b not in known]
         entries.append(Entry(Path(e.spec), e.gpus or model.gpus, sizes, e.label, e.variant,
                              tuple(e.patterns) if e.patterns else None, tuple(e.ideal_of or ()), loaded))
     for i, e in enumerate(entries):
@@ -186,11 +200,13 @@ def stop_on_signals() -> None:
 def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup: int = 3, backend: str = "single",
                 share_gpus: bool | None = None, baselines: bool = True, control: str | None = None,
                 arch: str = "sm_90a", echo: Callable[[str], None] = print,
-                progress: Callable[[str], None] | None = None):
+                progress: Callable[[str], None] | None = None, only_baselines: tuple[str, ...] | None = None,
+                baselines_per_entry: bool = False):
     """Run entries in order, one World per run of consecutive entries with the same world size.
     Returns (outcomes, the environment of the last World). Stopped by a signal (Stopped, or
     KeyboardInterrupt) part way: the outcomes of the entries finished, and env["stopped"] says
-    after how many of them and why."""
+    after how many of them and why. only_baselines, baselines_per_entry: the suite's baselines
+    and baselines_per_entry."""
     from ..ops import get_family
     from ..runtime import World
     from ..runtime.backends import world_size
@@ -221,8 +237,9 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
                 for e, _, key in group:
                     out = bench_spec(e.loaded, gpus, e.sizes, label=e.label, iters=iters, reps=reps,
                                      warmup=warmup, patterns=e.patterns, backend=backend, share_gpus=share_gpus,
-                                     baselines=baselines and key not in timed, arch=arch, echo=echo, progress=progress,
-                                     control=control, world=world)
+                                     baselines=baselines and (baselines_per_entry or key not in timed), arch=arch,
+                                     echo=echo, progress=progress, control=control, world=world,
+                                     only_baselines=only_baselines)
                     timed.add(key)
                     outcomes.append(out)
     except (Stopped, KeyboardInterrupt) as why:

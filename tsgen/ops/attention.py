@@ -108,12 +108,23 @@ class AttentionParams(AttentionShape):
     kv_wait_diagnostic: bool = Field(
         False, description="a wait that times out prints who waited for what (tsgen/sync.cuh) before it traps; "
         "the printf is a function call, which makes ptxas serialize every wgmma: for debugging hangs only")
+    schedule: Literal["grid", "persistent"] = Field(
+        "grid", description="grid: one CTA per query tile, dispatched by the hardware (launch.blocks N: N CTAs "
+        "walking tiles c, c + N, ...); persistent: one CTA per SM (by occupancy; launch.blocks N: at most N) taking "
+        "tiles from a tile counter of the module, longest first in L2-sized head groups when causal, head-major "
+        "when not. The counter resets itself at the end of each call (back-to-back calls and CUDA graph replays "
+        "need nothing), but calls of one module must not run concurrently on one device")
+    epilogue_overlap: bool = Field(
+        False, description="stage O in shared memory of its own (one more Q tile's bytes) and release Q after a "
+        "tile's last S = Q K^T, so that with schedule: persistent the next tile's Q and first K blocks load during "
+        "this tile's last P V and epilogue, and its O store drains during the next tile's first S")
 
 
 class AttentionLaunch(StrictModel):
     blocks: int = Field(0, ge=0, le=1 << 20,
-                        description="0: one CTA per tile (a plain grid); N: at most N CTAs, each walking "
-                        "tiles blockIdx.x, + N, ... (persistent)")
+                        description="0: one CTA per tile (a plain grid; params.schedule persistent: one per SM); "
+                        "N: at most N CTAs, each walking tiles blockIdx.x, + N, ... (persistent; params.schedule "
+                        "persistent: tiles from the counter)")
     threads: Literal[384] = Field(384, description="one producer + two consumer warpgroups")
 
 
@@ -157,13 +168,15 @@ def shape_key(p) -> str:
 
 
 def smem_bytes(spec: AttentionSpec) -> int:
-    """Q tile + K and V stages + barriers + the dynamic schedule's tile slot + alignment slack
-    (tsgen::attention::Layout asserts it)."""
+    """Q tile + K and V stages (+ the O staging of epilogue_overlap, a Q tile's size) + barriers +
+    the dynamic schedule's tile slot + alignment slack (tsgen::attention::Layout asserts it).
+    cp_attention's params have no epilogue_overlap: O staged in Q's memory there."""
     p = spec.params
     q = p.tile.m * p.head_dim * 2
     kv = p.tile.n * p.head_dim * 2
+    o = q if getattr(p, "epilogue_overlap", False) else 0
     barriers = 8 * (2 + 4 * p.stages)
-    return q + 2 * p.stages * kv + barriers + 8 + SMEM_ALIGN_SLACK
+    return q + 2 * p.stages * kv + o + barriers + 8 + SMEM_ALIGN_SLACK
 
 
 def accumulators(spec: AttentionSpec) -> int:
@@ -251,10 +264,16 @@ class AttentionFamily(OpFamily):
                              f"P {p.tile.n // 4}); at most {MAX_ACCUMULATORS} fit: use a smaller tile.n"))
         need = smem_bytes(spec)
         if need > SMEM_LIMIT:
+            overlap = getattr(p, "epilogue_overlap", False)  # cp_attention's check calls this one too
+            staging = " and its O staging (epilogue_overlap)" if overlap else ""
             problems.append((("params", "stages"),
                              f"{p.stages} stages of K and V blocks of {p.tile.n} x {p.head_dim} (+ the "
-                             f"{p.tile.m}-row Q tile) need {need} bytes of shared memory; sm_90 has "
+                             f"{p.tile.m}-row Q tile{staging}) need {need} bytes of shared memory; sm_90 has "
                              f"{SMEM_LIMIT} per block: use fewer stages or a smaller tile.n"))
+        if getattr(p, "epilogue_overlap", False) and p.schedule != "persistent":
+            problems.append((("params", "epilogue_overlap"),
+                             "epilogue_overlap overlaps a tile's epilogue with the next tile of the same CTA: it "
+                             "needs schedule: persistent (a grid of one CTA per tile has no next tile)"))
         return problems
 
     def buffers(self, spec):
@@ -281,6 +300,9 @@ class AttentionFamily(OpFamily):
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),
+            # only where set: the shipped specs' sources and manifests stay as they were
+            **({"PERSISTENT": 1} if p.schedule == "persistent" else {}),
+            **({"EPILOGUE_OVERLAP": 1} if p.epilogue_overlap else {}),
         }
 
     def template_vars(self, spec):

@@ -102,12 +102,16 @@ class Problem:
         return np.where(r < self.q_split, self.q_offset + r, self.q_offset2 + (r - self.q_split))
 
 
-def head_group(heads: int, kv_heads: int, head_dim: int, kv_len: int, l2_bytes: int) -> int:
+def head_group(heads: int, kv_heads: int, head_dim: int, kv_len: int, l2_bytes: int, balanced: bool = False) -> int:
     """Query heads per group of the longest-first order (tsgen::attention::head_group): as many
     KV heads as have their K and V (kv_len rows each) in half of L2, at least one, times the
-    query heads per KV head."""
+    query heads per KV head; `balanced` (the single-GPU persistent schedule): as many groups, of
+    equal sizes (within one KV head)."""
     per_kv_head = 2 * kv_len * head_dim * 2
-    return min(max(l2_bytes // 2 // max(per_kv_head, 1), 1), kv_heads) * (heads // kv_heads)
+    kv = min(max(l2_bytes // 2 // max(per_kv_head, 1), 1), kv_heads)
+    if balanced:
+        kv = -(-kv_heads // -(-kv_heads // kv))
+    return kv * (heads // kv_heads)
 
 
 def cp_problem(shape: Shape, rank: int, dynamic: bool = False) -> Problem:
@@ -406,6 +410,45 @@ def table(seqs=(16384, 32768), world: int = 2, timing: Timing = Timing(), gather
     return "\n".join(lines)
 
 
+def single_runs(shape: Shape, timing: Timing, sms: int = 132, overlap_overhead: float = 0.3) -> dict[str, Run]:
+    """The single-GPU attention kernel's schedules (issue 33, params.schedule): "grid", the plain
+    grid (one CTA per tile in kernel order, the hardware's dispatch as a dynamic scheduler);
+    "persistent", one CTA per SM taking tiles from the counter (causal: longest first in L2-sized
+    head groups; not causal: head-major), the same per-tile overhead; "overlap", the same with the
+    per-tile overhead cut to `overlap_overhead` blocks (epilogue_overlap: the next tile's Q and
+    first K land during this tile's last P V and epilogue; what is left is its first S and
+    softmax, not overlapped with a P V, and the epilogue's register-to-shared writes)."""
+    p = single_problem(shape)
+    grouped = replace(p, head_group=head_group(shape.heads, shape.kv_heads, shape.head_dim, shape.seq,
+                                               shape.l2_bytes, balanced=True) if shape.causal else 0)
+    return {"grid": simulate(p, kernel_items(p), sms, "dynamic", timing),
+            "persistent": simulate(grouped, kernel_items(grouped), sms, "dynamic", timing),
+            "overlap": simulate(grouped, kernel_items(grouped), sms, "dynamic",
+                                replace(timing, tile_overhead=overlap_overhead))}
+
+
+def single_table(seqs=(4096, 8192, 16384), timing: Timing = Timing(), overlap_overhead: float = 0.3) -> str:
+    """The single-GPU schedules of `single_runs` for suite attention-variants' shapes: per shape
+    and S, each schedule's CTA efficiency (work over CTAs x makespan), the tail's idle SM time,
+    and its predicted speed-up over the plain grid (makespan ratio)."""
+    shapes = [("hd128 32 heads, not causal", dict(heads=32, kv_heads=32, head_dim=128, causal=False)),
+              ("hd128 causal GQA 32:8", dict(heads=32, kv_heads=8, head_dim=128, causal=True)),
+              ("hd64 causal 32 heads", dict(heads=32, kv_heads=32, head_dim=64, causal=True)),
+              ("hd128 64:8, not causal", dict(heads=64, kv_heads=8, head_dim=128, causal=False)),
+              ("hd128 64:8, causal", dict(heads=64, kv_heads=8, head_dim=128, causal=True))]
+    lines = [f"timing {timing}, overlap: {overlap_overhead} blocks per tile, 132 CTAs, L2 60 MiB (H200)", ""]
+    for name, kw in shapes:
+        for s in seqs:
+            shape = Shape(seq=s, world=1, zigzag=False, l2_bytes=60 << 20, **kw)
+            own = replace(timing, block_us=timing.block_us * kw["head_dim"] / 128)  # at the same rate
+            runs = single_runs(shape, own, overlap_overhead=overlap_overhead)
+            grid = runs["grid"].makespan
+            cells = [f"{k} eff {r.efficiency:.3f} idle {(1 - r.efficiency) * r.makespan:5.0f} us/SM "
+                     f"x{grid / r.makespan:.3f}" for k, r in runs.items()]
+            lines.append(f"{name:<28} S={s:>5}: makespan {grid:7.0f} us | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     import argparse
 
@@ -418,8 +461,15 @@ def main(argv=None) -> None:
     ap.add_argument("--nvlink", type=float, default=Gather.nvlink_GBps, help="GB/s of one copy to a peer")
     ap.add_argument("--hbm-copy", type=float, default=Gather.hbm_copy_GBps, help="GB/s of the copy to itself")
     ap.add_argument("--signal-us", type=float, default=Gather.signal_us, help="us per signal kernel")
+    ap.add_argument("--single", action="store_true", help="the single-GPU kernel's schedules (single_table) instead")
+    ap.add_argument("--overlap-overhead", type=float, default=0.3, help="--single: blocks' worth per tile with "
+                    "epilogue_overlap")
     a = ap.parse_args(argv)
     timing = Timing(block_us=block_us_at(a.tflops), tile_overhead=a.tile_overhead, merge_blocks=a.merge)
+    if a.single:
+        print(single_table(tuple(int(x) for x in a.seqs.split(",")) if a.seqs != "16384,32768" else (4096, 8192, 16384),
+                           timing, a.overlap_overhead))
+        return
     print(table(tuple(int(x) for x in a.seqs.split(",")), a.world, timing,
                 Gather(nvlink_GBps=a.nvlink, hbm_copy_GBps=a.hbm_copy, signal_us=a.signal_us)))
 

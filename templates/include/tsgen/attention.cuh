@@ -36,7 +36,16 @@
 // tile past the end, once) sets it back to 0, after every other draw of the call (one
 // location's order), so it holds 0 at the next kernel's start (stream order; CUDA graph
 // replay too). Each caller owns its counter (cp_attention: the rank's own `sig` slot, also
-// when ranks share a GPU).
+// when ranks share a GPU; single-GPU attention with params.schedule: persistent: a __device__
+// counter of its module, `persistent` below). Causal tiles go longest first in head groups; not
+// causal (equal tiles) head-major, the counter only hands them out.
+// Epilogue overlap (Config::EPILOGUE_OVERLAP, params.epilogue_overlap; default off): O is staged
+// in a buffer of its own after the V stages, not in the Q tile, and each consumer warpgroup
+// releases Q (q_empty) as soon as its last S = Q K^T has completed, not after its epilogue; its
+// epilogue waits, before writing the staging buffer, until the previous tile's O store has read
+// it. So in a persistent grid the producer loads the next tile's Q and first K blocks during
+// this tile's last softmax, last P V and epilogue, and the O store drains while the next tile's
+// first S runs.
 // Test-only trace (the code exists only where TSGEN_ATTENTION_TRACE is defined before this
 // header: cp_attention's params.trace): with Problem::trace set, the producer thread appends one
 // record per tile, trace[0] counting them (atomic; records past trace_records are counted, not
@@ -66,10 +75,11 @@
 //     barriers), so one's softmax overlaps the other's GEMMs.
 //   * epilogue: O / l rounded to 16 bits into the warpgroup's own rows of the Q tile's
 //     shared memory (128B-swizzled), stored with TMA (rows >= q_len clipped); LSE from
-//     registers. Then q_empty: the producer may load the next tile's Q.
+//     registers. Then q_empty: the producer may load the next tile's Q. (EPILOGUE_OVERLAP:
+//     the rows of the O staging buffer instead, and q_empty came after the last S.)
 //
 // Shared memory (1024-byte aligned, every tile 128B-swizzled in 64-column boxes):
-//   Q (HEAD_DIM / 64 boxes of TILE_M rows) | K stages | V stages | barriers
+//   Q (HEAD_DIM / 64 boxes of TILE_M rows) | K stages | V stages | [O staging] | barriers
 #ifndef TSGEN_ATTENTION_CUH
 #define TSGEN_ATTENTION_CUH
 
@@ -170,6 +180,14 @@ static __device__ __forceinline__ float rcp_approx(float x) {
 // Sizes and shared-memory offsets derived from the Config
 // ---------------------------------------------------------------------------
 
+// Config::EPILOGUE_OVERLAP where the Config has it (only specs with params.epilogue_overlap
+// emit it), else false.
+template <class C, class = void>
+struct epilogue_overlap_of : std::false_type {};
+template <class C>
+struct epilogue_overlap_of<C, std::void_t<decltype(C::EPILOGUE_OVERLAP)>>
+    : std::integral_constant<bool, C::EPILOGUE_OVERLAP> {};
+
 template <class C>
 struct Layout {
   static_assert(sizeof(typename C::Element) == 2, "16-bit inputs");
@@ -188,10 +206,14 @@ struct Layout {
   static constexpr int K16 = C::TILE_N / 16;     // k16 steps of P V
   static constexpr int GROUP = C::HEADS / C::KV_HEADS;
 
+  static constexpr bool OVERLAP = epilogue_overlap_of<C>::value;  // O staged apart from Q
+
   static constexpr int Q_OFF = 0;
   static constexpr int K_OFF = Q_OFF + Q_BYTES;
   static constexpr int V_OFF = K_OFF + C::STAGES * KV_STAGE;
-  static constexpr int BAR_OFF = V_OFF + C::STAGES * KV_STAGE;
+  static constexpr int STAGES_END = V_OFF + C::STAGES * KV_STAGE;
+  static constexpr int O_OFF = OVERLAP ? STAGES_END : Q_OFF;  // O staging: boxes as Q's (else Q's own memory)
+  static constexpr int BAR_OFF = STAGES_END + (OVERLAP ? Q_BYTES : 0);
   static constexpr int Q_FULL = BAR_OFF, Q_EMPTY = BAR_OFF + 8;
   static constexpr int K_FULL = BAR_OFF + 16, K_EMPTY = K_FULL + 8 * C::STAGES;
   static constexpr int V_FULL = K_EMPTY + 8 * C::STAGES, V_EMPTY = V_FULL + 8 * C::STAGES;
@@ -225,12 +247,19 @@ struct Problem {
 
 // Query heads per group of the dynamic schedule's order: as many KV heads as have their K and
 // V (kv_len rows each) in half of L2 (`l2_bytes`), at least one, times the query heads per KV
-// head (tsgen/ops/cp_schedule.py head_group).
+// head (tsgen/ops/cp_schedule.py head_group). `balanced` (the single-GPU persistent schedule):
+// the same number of groups, of equal size (within one KV head), so that the last group is not a
+// small one whose long tiles start late and end the call alone (32 heads in groups of 30: the
+// last 2 heads' tiles run after the others').
 template <class C>
-static __host__ __device__ inline uint32_t head_group(uint64_t kv_len, uint64_t l2_bytes) {
+static __host__ __device__ inline uint32_t head_group(uint64_t kv_len, uint64_t l2_bytes, bool balanced = false) {
   const uint64_t per_kv_head = 2 * kv_len * C::HEAD_DIM * 2;
   uint64_t kv = l2_bytes / 2 / (per_kv_head > 0 ? per_kv_head : 1);
   kv = kv < 1 ? 1 : kv > (uint64_t)C::KV_HEADS ? (uint64_t)C::KV_HEADS : kv;
+  if (balanced) {
+    const uint64_t groups = ((uint64_t)C::KV_HEADS + kv - 1) / kv;
+    kv = ((uint64_t)C::KV_HEADS + groups - 1) / groups;
+  }
   return (uint32_t)kv * (uint32_t)(C::HEADS / C::KV_HEADS);
 }
 
@@ -591,9 +620,11 @@ static __device__ __forceinline__ void epilogue(float (&o)[Layout<C>::O_ACC], So
       p.lse[((uint64_t)tile.batch * C::HEADS + tile.head) * p.q_len + q] = lse;
     }
   }
-  // Every warp of the warpgroup is past its last wgmma reading this Q rows' shared memory.
+  // Every warp of the warpgroup is past its last wgmma reading this Q rows' shared memory
+  // (OVERLAP: the previous tile's O store has read the staging rows, thread 0's bulk group).
+  if (L::OVERLAP && t == 0) bulk_wait_group_read<0>();
   named_barrier_sync(L::EPILOGUE + cw, 128);
-  const uint32_t base = smem + L::Q_OFF + cw * 64 * 128;
+  const uint32_t base = smem + L::O_OFF + cw * 64 * 128;
   const uint32_t swizzle = lane / 4;  // = row % 8: 128B swizzle XORs the 16-byte unit with it
 #pragma unroll
   for (int x = 0; x < L::BOXES; ++x) {
@@ -621,9 +652,11 @@ static __device__ __forceinline__ void epilogue(float (&o)[Layout<C>::O_ACC], So
         }
       }
       bulk_commit_group();
-      bulk_wait_group_read<0>();  // the stores have read the shared memory: Q may be reloaded
+      // the stores have read the shared memory: Q may be reloaded (OVERLAP: the next
+      // epilogue waits for that, and Q was released after the last S)
+      if (!L::OVERLAP) bulk_wait_group_read<0>();
     }
-    mbar_arrive(smem + L::Q_EMPTY);
+    if (!L::OVERLAP) mbar_arrive(smem + L::Q_EMPTY);
   }
 }
 
@@ -670,6 +703,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         wgmma_wait_group<0>();
         fence_all<C>(s, L::S_ACC);
         if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * r.stage);
+        if (L::OVERLAP && n == 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
         if (block_masked<C>(p, tile, n - 1)) {
           sm.template step<true, true>(s, scale, p, n - 1, q_pos);
         } else {
@@ -693,6 +727,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         wgmma_wait_group<1>();  // S_i is done; P V may still run
         fence_all<C>(s, L::S_ACC);
         if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * rk.stage);
+        if (L::OVERLAP && i == n - 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
         if (block_masked<C>(p, tile, j)) {
           sm.template step<true, false>(s, scale, p, j, q_pos);
         } else {
@@ -719,6 +754,9 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
       }
     }
     epilogue<C>(o, sm, o_map, smem, cw, tile, p);
+    // OVERLAP, a tile with no visible key (no S read Q): Q released here, after the epilogue's
+    // barriers, by which every thread of the warpgroup has read the tile's number (dynamic).
+    if (L::OVERLAP && n == 0 && leader) mbar_arrive(smem + L::Q_EMPTY);
     count += (uint32_t)n;
   }
   if (cw == 0) turn_wait<C>(cw);  // takes warpgroup 1's last hand-over: the barriers end balanced
@@ -850,13 +888,49 @@ static cudaError_t prepare(const void* kernel) {
   return err;
 }
 
+// The persistent schedule of a single-GPU launcher (params.schedule: persistent): `counter`, the
+// device address of the module's tile counter (a __device__ u64: 0 at module load, and back to
+// 0 at the end of every call, next_tile), into *work; where *blocks is 0, as many CTAs as can
+// be resident at once (SMs x CTAs per SM by occupancy: 1 for these kernels). Looked up once per
+// device. The counter belongs to the module, not to the call: two calls of one module that run
+// at the same time (different streams of one device) would share it: calls must be in stream
+// order (back to back, CUDA graph replays: fine).
+template <class C>
+static cudaError_t persistent(const void* kernel, const void* counter, uint64_t** work, int* blocks) {
+  constexpr int MAX_DEVICES = 64;
+  static std::atomic<uint64_t*> counters[MAX_DEVICES];
+  static std::atomic<int> grids[MAX_DEVICES];
+  int device;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  uint64_t* address = device < MAX_DEVICES ? counters[device].load() : nullptr;
+  int grid = device < MAX_DEVICES ? grids[device].load() : 0;
+  if (address == nullptr || grid == 0) {
+    err = prepare<C>(kernel);  // the shared-memory opt-in first: occupancy counts with it
+    void* symbol = nullptr;
+    int sms = 0, per_sm = 0;
+    if (err == cudaSuccess) err = cudaGetSymbolAddress(&symbol, counter);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess)
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Layout<C>::THREADS, Layout<C>::SMEM_BYTES);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    address = static_cast<uint64_t*>(symbol), grid = sms * per_sm;
+    if (device < MAX_DEVICES) counters[device].store(address), grids[device].store(grid);
+  }
+  *work = address;
+  if (*blocks <= 0) *blocks = grid;
+  return cudaSuccess;
+}
+
 // One call. `blocks` = 0: one CTA per tile; else at most `blocks` CTAs walk the tiles.
 // Positions: see the top of this file (q_split >= q_len: one query segment). KV_WAITS
 // kernels wait on kv_signal[c] >= kv_expected (kv_epoch given: >= *kv_epoch, read on the
 // device) before KV chunk c (kv_chunk rows) unless kv_signal is null; chunk kv_unwaited
 // (test-only; -1: none) is not waited for. `work` (a u64 holding 0, owned by this caller):
 // the dynamic schedule, longest first in head groups sized by this device's L2 (see the top
-// of this file); nullptr: tiles c, c + grid, ... per CTA. `trace` (trace_records records):
+// of this file; balanced_groups: of equal sizes, head_group); nullptr: tiles c, c + grid, ...
+// per CTA. `trace` (trace_records records):
 // the test-only trace where TSGEN_ATTENTION_TRACE is defined.
 template <class C, class Kernel>
 static cudaError_t launch(Kernel kernel, const void* q, const void* k, const void* v, void* o, float* lse,
@@ -864,7 +938,8 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
                           int64_t q_offset2, int64_t kv_offset, const uint64_t* kv_signal, uint64_t kv_chunk,
                           uint64_t kv_expected, int blocks, cudaStream_t stream,
                           const uint64_t* kv_epoch = nullptr, int32_t kv_unwaited = -1,
-                          uint64_t* work = nullptr, uint64_t* trace = nullptr, uint32_t trace_records = 0) {
+                          uint64_t* work = nullptr, uint64_t* trace = nullptr, uint32_t trace_records = 0,
+                          bool balanced_groups = false) {
   using L = Layout<C>;
   if (batch == 0 || q_len == 0) return cudaSuccess;
   if (q_len > MAX_LEN || kv_len > MAX_LEN || batch > MAX_LEN || q == nullptr || k == nullptr || v == nullptr ||
@@ -893,12 +968,12 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   p.trace = trace;
   p.trace_records = trace_records;
   p.head_group = 0;
-  if (work != nullptr) {
+  if (work != nullptr && C::CAUSAL) {  // not causal: equal tiles, head-major (the best L2 reuse)
     int device, l2;
     cudaError_t e = cudaGetDevice(&device);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
     if (e != cudaSuccess) return e;
-    p.head_group = head_group<C>(kv_len, (uint64_t)l2);
+    p.head_group = head_group<C>(kv_len, (uint64_t)l2, balanced_groups);
   }
   const TensorMaps* maps;
   cudaError_t err = tensor_maps<C>(q, k, v, o, (uint32_t)batch, (uint32_t)q_len, (uint32_t)kv_len, &maps);
