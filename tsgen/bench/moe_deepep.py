@@ -50,6 +50,17 @@ NVL_BUFFER_BYTES = int(1e9)  # DeepEP's intranode buffer per rank (its tests use
 NORMAL_SMS_SWEEP = (24, 48, 64)
 
 
+def sms_from_env(value: str | None) -> list[int] | None:
+    """TSGEN_DEEPEP_SMS ("64" or "48,64"): the SM counts DeepEP's normal mode is timed at instead of
+    NORMAL_SMS_SWEEP (a shorter run when its fastest count is known); None where unset or empty."""
+    if not value or not value.strip():
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"TSGEN_DEEPEP_SMS={value!r}: give even SM counts separated by commas, e.g. 64 or 48,64") from None
+
+
 def sms_sweep(cfg: dict) -> tuple[int, ...]:
     """The normal-mode SM counts to time: cfg["sms"] (a count or a list) or NORMAL_SMS_SWEEP; each
     even and positive (DeepEP runs a channel on each pair of SMs)."""
