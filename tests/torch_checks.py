@@ -4,6 +4,8 @@ tests/test_torch_gpu.py where there are 2 GPUs and torch):
     torchrun --nproc-per-node 2 tests/torch_checks.py            # the checks, NCCL group
     torchrun --nproc-per-node 2 tests/torch_checks.py --probe    # a peer that never arrives, gloo group
     TSGEN_SHARE_GPUS=1 torchrun --nproc-per-node 4 tests/torch_checks.py --shared   # 4 ranks, one GPU, MPS
+    torchrun --nproc-per-node 2 tests/torch_checks.py --cp       # cp_attention fwd + bwd, NCCL group
+    TSGEN_SHARE_GPUS=1 torchrun --nproc-per-node 4 tests/torch_checks.py --cp --shared   # on one GPU, MPS
 
 Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's detail):
   fused_*: allgather_gemm / gemm_reduce_scatter (the specs examples/torch/tp_mlp.py loads) against
@@ -30,6 +32,13 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
     round) against the torch-only twins (examples/torch/twins.py);
   ipc_heap: the same op on a second group with heaps from CUDA IPC instead of symmetric memory;
   errors: a tensor on the other GPU, a float32 tensor: exceptions naming argument and rank.
+--cp: tsgen.torch.cp_attention (context-parallel attention, forward + backward, composed from the
+  allgather, attention _at and reduce_scatter ops) at W = the ranks: zig-zag causal GQA 32:8 and
+  contiguous not causal, S 2048 and 8192 (S / W rows per rank), every rank's O, LSE, dQ, dK, dV
+  against float32 autograd of SDPA over the whole sequence (the --attention bounds); a negative
+  control (the dK / dV reduce-scatter left out) that must be caught; step times against an NCCL
+  all_gather + SDPA twin and the single-GPU ideal. With --shared: ranks on one GPU, gloo, MPS, S
+  2048, no times.
 --probe: both ranks call allgather once (CUDA IPC heaps on a gloo group: no NCCL watchdog to
   take the process down), then rank 1 stops calling: rank 0's kernel waits for it, times out after
   the spec's sync.timeout_ms (10 s), traps, and tsgen.torch.synchronize() must raise the kernel's
@@ -1019,6 +1028,243 @@ def attention_checks() -> None:
     times()
 
 
+# -- --cp: tsgen.torch.cp_attention (context-parallel attention, forward + backward) on the group ----
+
+# (name in ATTENTION_PAIRS, layout): zig-zag causal (GQA 32:8) and contiguous not causal (32 heads)
+CP_CASES = (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous"))
+CP_SEQS = (2048, 8192)  # the whole sequence S; each rank holds S / W rows
+CP_SHARED_SEQS = (2048,)  # ranks sharing one GPU: every rank computes the whole reference
+
+
+def cp_reference(sig, q, k, v, do) -> dict:
+    """sdpa_reference over the whole sequence, one KV head (and its query heads) at a time: a few
+    [group, S, S] float32 matrices at once (S 8192: about 1 GiB each), bshd."""
+    from types import SimpleNamespace
+
+    group = sig.heads // sig.kv_heads
+    one = SimpleNamespace(heads=group, kv_heads=1, layout="bshd", causal=sig.causal, scale=sig.scale)
+    parts = [sdpa_reference(one, q[:, :, g * group:(g + 1) * group], k[:, :, g:g + 1], v[:, :, g:g + 1],
+                            do[:, :, g * group:(g + 1) * group]) for g in range(sig.kv_heads)]
+    return {name: torch.cat([p[name] for p in parts], 2) for name in ("o", "dq", "dk", "dv")}
+
+
+def cp_all_rows(x: torch.Tensor, rows: list[torch.Tensor], group, on_cpu: bool) -> torch.Tensor:
+    """Every rank's rows of x ([B, n, ...] bshd) placed at their positions (rows[r]: rank r's) in one
+    [B, S, ...] tensor, through torch.distributed (gloo: CPU tensors)."""
+    w = dist.get_world_size(group)
+    dev = torch.device("cpu") if on_cpu else x.device
+    parts = [torch.empty(x.shape, dtype=x.dtype, device=dev) for _ in range(w)]
+    dist.all_gather(parts, x.detach().to(dev).contiguous(), group=group)
+    full = x.new_empty((x.shape[0], x.shape[1] * w, *x.shape[2:]))
+    for r, part in enumerate(parts):
+        full[:, rows[r]] = part.to(x.device)
+    return full
+
+
+def cp_checks(group, shared: bool) -> None:
+    """--cp (module doc): tsgen.torch.cp_attention on `group` against float32 autograd of SDPA over the
+    whole sequence, every rank's O, LSE, dQ, dK, dV (the attention checks' per-element bounds and norm);
+    a negative control (the reduce-scatter replaced by this rank's own partial sums); step times
+    beside an NCCL all_gather + SDPA twin and the single-GPU attention over the whole sequence
+    (not on a shared GPU)."""
+    import copy
+
+    import torch.nn.functional as F
+    from tsgen.ops.cp_attention import positions as row_positions
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    gen = torch.Generator(device="cuda").manual_seed(35)  # the same on every rank: every rank makes the whole inputs
+    ops = {}
+
+    @checked("cp_load")
+    def load():
+        t0 = time.perf_counter()
+        for name, layout in CP_CASES:
+            fwd, bwd = ATTENTION_PAIRS[name]
+            ops[(name, layout)] = tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
+                                                  ROOT / "specs" / "reduce_scatter.yaml", group, layout=layout)
+        return True, f"{len(ops)} ops at world {w} in {time.perf_counter() - t0:.1f} s"
+
+    if not load():
+        return
+
+    def case(cp, S: int, bad: bool = False):
+        sig = cp.attention.signature
+        n = S // w
+        rows = [torch.tensor(row_positions(cp.layout, w, n, x), device="cuda") for x in range(w)]
+        q, k, v, do = attention_inputs(sig, 1, S, S, gen)
+        mine = [x.index_select(1, rows[r]).contiguous() for x in (q, k, v, do)]
+        qa, ka, va = (x.clone().requires_grad_(True) for x in mine[:3])
+        op = cp
+        if bad:  # the reduce-scatter dropped: dK, dV of this rank's own queries only
+            op = copy.copy(cp)
+            op._reduce_scatter = lambda x: x.chunk(w)[r].contiguous()
+        o, lse = op(qa, ka, va, return_lse=True)
+        o.backward(mine[3])
+        got = {"o": o.detach(), "lse": lse, "dq": qa.grad, "dk": ka.grad, "dv": va.grad}
+        ref = cp_reference(sig, q, k, v, do)
+        o_full = cp_all_rows(got["o"], rows, group, shared)
+        ref["lse"], bounds = attention_bounds(sig, q, k, v, do, ref, o_full)
+        pick = {n_: (lambda t, d=(2 if n_ == "lse" else 1): t.index_select(d, rows[r])) for n_ in got}
+        return attention_compare(got, {n_: pick[n_](x) for n_, x in ref.items()},
+                                 {n_: pick[n_](x) for n_, x in bounds.items()})
+
+    for (name, layout), cp in ops.items():
+        for S in (CP_SHARED_SEQS if shared else CP_SEQS):
+            @checked(f"cp_{name}_{layout}_w{w}_s{S}")
+            def one():
+                return case(cp, S)
+
+            one()
+
+    @checked(f"cp_negative_control_w{w}")
+    def control():
+        """The comparison must fail when the dK / dV reduce-scatter is left out (each rank keeping its
+        own queries' partial sums): caught on every rank."""
+        ok, detail = case(ops[CP_CASES[0]], CP_SEQS[0], bad=True)
+        return not ok, f"{'caught' if not ok else 'NOT CAUGHT'} ({detail})"
+
+    control()
+    if shared:
+        return
+
+    @checked(f"cp_step_times_w{w}")
+    def times():
+        """Forward + backward per step, batch 1, CUDA events around 10 steps after 3 of warm-up, each rank
+        its own: tsgen.torch.cp_attention; the twin, NCCL all_gather_into_tensor of K and V (its
+        backward reduce_scatter_tensor, examples/torch/twins.py), the gathered rows in position
+        order, SDPA per query segment (causal zig-zag: two segments, each against the keys up to its
+        end, causal_lower_right), SDPA's default backends and cuDNN alone; and the single-GPU ideal,
+        tsgen.torch.attention over the whole sequence on one GPU divided by W (the issue's target
+        for the fused version: >= 0.90 of it)."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+
+        notes = []
+        for (name, layout), cp in ops.items():
+            sig = cp.attention.signature
+            group_heads = sig.heads // sig.kv_heads
+            for S in CP_SEQS:
+                n = S // w
+                q, k, v, do = attention_inputs(sig, 1, n, n, gen)
+                q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+                pos = cp_positions_of(cp, n)
+                order = cp_gather_order(cp, n)
+
+                def tsgen_step():
+                    cp(q, k, v).backward(do)
+
+                def twin_step():
+                    kf, vf = (twins.AllGather.apply(x.transpose(0, 1), group).transpose(0, 1) for x in (k, v))
+                    if order is not None:
+                        kf, vf = kf[:, order], vf[:, order]
+                    kb, vb = kf.transpose(1, 2), vf.transpose(1, 2)
+                    segs = ([(0, pos[1], pos[0] + pos[1]), (pos[1], n, pos[2] + n - pos[1])] if sig.causal
+                            else [(0, n, S)])
+                    outs = []
+                    for a, b, end in segs:
+                        qb = q[:, a:b].transpose(1, 2)
+                        mask = causal_lower_right(b - a, end) if sig.causal else None
+                        outs.append(F.scaled_dot_product_attention(
+                            qb, kb[:, :, :end], vb[:, :, :end], attn_mask=mask, scale=sig.scale,
+                            **({"enable_gqa": True} if group_heads > 1 else {})))
+                    torch.cat(outs, 2).transpose(1, 2).backward(do)
+
+                def timed(step):
+                    dist.barrier(group)
+                    for i in range(13):
+                        if i == 3:
+                            torch.cuda.synchronize()
+                            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            start.record()
+                        for t in (q, k, v):
+                            t.grad = None
+                        step()
+                    end.record()
+                    end.synchronize()
+                    return start.elapsed_time(end) / 10
+
+                ms = {"tsgen": timed(tsgen_step)}
+                for label, backends in (("twin", None), ("twin_cudnn", [SDPBackend.CUDNN_ATTENTION])):
+                    try:  # the same on every rank: a refusal is every rank's, before any collective
+                        if backends is None:
+                            ms[label] = timed(twin_step)
+                        else:
+                            with sdpa_kernel(backends):
+                                ms[label] = timed(twin_step)
+                    except RuntimeError as e:  # SDPA refuses this mask, shape or backend
+                        notes.append(f"{name} s{S} {label}: {str(e).splitlines()[0][:100]}")
+                qf, kf, vf, dof = (x.requires_grad_(i < 3) for i, x in enumerate(attention_inputs(sig, 1, S, S, gen)))
+
+                def single_step():
+                    cp.attention(qf, kf, vf).backward(dof)
+
+                dist.barrier(group)
+                for i in range(13):
+                    if i == 3:
+                        torch.cuda.synchronize()
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                    for t in (qf, kf, vf):
+                        t.grad = None
+                    single_step()
+                end.record()
+                end.synchronize()
+                ms["ideal"] = start.elapsed_time(end) / 10 / w
+                if r == 0:
+                    for label in [x for x in ("tsgen", "twin", "twin_cudnn") if x in ms]:
+                        vs = f"{ms['twin'] / ms[label]:.2f}x the twin; " if "twin" in ms else ""
+                        print(f"TIME cp_attention {name}_{layout}_w{w}_s{S}_{label}: {ms[label]:.3f} ms/step "
+                              f"({vs}ideal/this {ms['ideal'] / ms[label]:.2f})", flush=True)
+                    print(f"TIME cp_attention {name}_{layout}_w{w}_s{S}_ideal: {ms['ideal']:.3f} ms/step (single-GPU "
+                          f"tsgen attention fwd+bwd over S {S} / {w})", flush=True)
+                notes.append(f"{name} {layout} s{S}: tsgen {ms['tsgen']:.2f} ms, twin {ms.get('twin', float('nan')):.2f} "
+                             f"ms, {ms['ideal'] / ms['tsgen']:.2f} of ideal")
+        return True, "; ".join(notes) + " (fwd + bwd, batch 1; a first reading)"
+
+    times()
+
+
+def cp_positions_of(cp, n: int) -> tuple:
+    from tsgen.torch.cp_attention_op import cp_positions
+
+    return cp_positions(cp.layout, cp.world, n, cp.rank)
+
+
+def cp_gather_order(cp, n: int):
+    from tsgen.torch.cp_attention_op import gather_order
+
+    order = gather_order(cp.layout, cp.causal, cp.world, n)
+    return None if order is None else torch.tensor(order, device="cuda")
+
+
+def cp_main(shared: bool) -> None:
+    """--cp: one process per GPU on an NCCL group; with --shared, the ranks on the visible GPUs (all on
+    GPU 0 where one is visible) on a gloo group under MPS (TSGEN_SHARE_GPUS=1)."""
+    if shared:
+        from tsgen.env import shared_gpu_env
+
+        shared_gpu_env(rank_per_process=True)
+        dev = shared_device(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+        prime_printf(dev)
+    else:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=180))
+    try:
+        cp_checks(dist.group.WORLD, shared)
+    except Exception as e:  # noqa: BLE001 - a setup failure: its FAIL
+        traceback.print_exc()
+        report("cp_setup", False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    tt.close_all()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # -- --shared: ranks sharing one GPU -----------------------------------------------------------
 
 def shared_device(local_rank: int, gpus: int) -> int:
@@ -1225,6 +1471,8 @@ def main() -> int:
     ap.add_argument("--shared", action="store_true", help="ranks sharing one GPU, gloo group, MPS (module doc)")
     ap.add_argument("--attention", action="store_true",
                     help="tsgen.torch.attention on one GPU, no process group, no torchrun (module doc)")
+    ap.add_argument("--cp", action="store_true",
+                    help="tsgen.torch.cp_attention under torchrun (NCCL), or with --shared on one GPU (module doc)")
     ap.add_argument("--heaps", default=os.environ.get("TSGEN_TORCH_HEAP") or "ipc,symm_mem",
                     help="--shared: the heap modes to check, in order (default: $TSGEN_TORCH_HEAP, else both)")
     args = ap.parse_args()
@@ -1236,6 +1484,9 @@ def main() -> int:
         return 0
     if args.attention:
         attention_checks()
+        return 0 if RESULTS and all(RESULTS) else 1
+    if args.cp:
+        cp_main(args.shared)
         return 0 if RESULTS and all(RESULTS) else 1
     if args.shared:
         shared(heaps)

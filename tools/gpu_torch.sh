@@ -29,6 +29,10 @@
 #      per-element bounds, and 1e-2 in norm), outputs in NaN-poisoned memory; negative controls (a wrong LSE, dK and
 #      dV swapped, a zeroed row of O) that the comparison must catch; torch.compile(fullgraph=True) (Inductor) of a
 #      tiny module; forward + backward in a CUDA graph, 20 replays, each checked; step times beside SDPA's
+#   6b. tests/torch_checks.py --cp (TORCH_STEPS=cp, 2 ranks, NCCL): tsgen.torch.cp_attention, zig-zag causal GQA and
+#      contiguous not causal at S 2048 and 8192, every rank's O / LSE / dQ / dK / dV against float32 SDPA autograd over
+#      the whole sequence, a negative control (no reduce-scatter), step times beside NCCL all_gather + SDPA and the
+#      single-GPU ideal; cp_shared (under MPS, below): the same at W 2 and 4 on GPU 0, S 2048, no times
 #   7. tests/torch_checks.py --shared, last: 4 ranks on GPU 0 alone (CUDA_VISIBLE_DEVICES=0), a gloo
 #      group (no NCCL), TSGEN_SHARE_GPUS=1, under an MPS control daemon started for this step and
 #      stopped after it (tools/mps.sh; the steps before run without MPS): allgather / reduce_scatter /
@@ -38,7 +42,7 @@
 #      ranks run with CUDA_DEVICE_MAX_CONNECTIONS at the driver's default: under MPS the clients'
 #      hardware queues come out of one pool (docs/lab/shared_gpu.md: 4 clients x 32 fail).
 # Environment: TP_ARGS, ULYSSES_ARGS, MOE_ARGS (extra arguments of the examples), TSGEN_TORCH_HEAP (auto | symm_mem | ipc),
-# TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe attention shared; default all; environment and
+# TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe attention cp shared cp_shared; default all; environment and
 # compile always run). One GPU: TORCH_STEPS=shared bash tools/gpu_torch.sh, TORCH_STEPS=attention bash tools/gpu_torch.sh
 # (the attention step alone: about a minute after the compile step).
 set -uo pipefail
@@ -51,7 +55,7 @@ RUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
 
 want() { [ -z "${TORCH_STEPS:-}" ] || [[ " $TORCH_STEPS " == *" $1 "* ]]; }
 NEED=1  # GPUs: 2 for any step with one process per GPU, 1 for the shared or the attention step alone
-for s in checks probe tp_mlp ulysses moe; do want $s && NEED=2; done
+for s in checks probe tp_mlp ulysses moe cp; do want $s && NEED=2; done
 step "environment" 60 python3 -c "
 import torch, sys
 n = torch.cuda.device_count()
@@ -61,8 +65,8 @@ sys.exit(0 if n >= $NEED else 1)" || { summary "tsgen.torch on GPUs: needs $NEED
 cat "$LOG/environment.log"
 # render + compile the modules once, in parallel, before the ranks ask for them (they would wait on the lock);
 # those of the selected steps only (the attention step's pairs: tests/torch_checks.py ATTENTION_PAIRS)
-COLLECTIVES=0; for s in checks probe tp_mlp ulysses moe shared; do want $s && COLLECTIVES=1; done
-ATTENTION=0; want attention && ATTENTION=1
+COLLECTIVES=0; for s in checks probe tp_mlp ulysses moe shared cp cp_shared; do want $s && COLLECTIVES=1; done
+ATTENTION=0; for s in attention cp cp_shared; do want $s && ATTENTION=1; done
 step "compile" 150 python3 -c "
 from concurrent.futures import ThreadPoolExecutor
 from tsgen.harness import render_to_cache
@@ -90,15 +94,21 @@ want ulysses && step "ulysses_attention vs all_to_all_single twin" 120 $RUN exam
 want moe && step "moe_layer vs all_to_all_single twin" 120 $RUN examples/torch/moe_layer.py ${MOE_ARGS:-}
 # one GPU, no process group: plain python, not torchrun
 want attention && step "attention fwd+bwd as one op (1 GPU)" 150 python3 tests/torch_checks.py --attention
+want cp && step "cp_attention fwd+bwd (2 ranks, NCCL)" 300 $RUN tests/torch_checks.py --cp
 # last: the only step under MPS (the daemon serves GPU 0 alone, and is stopped however the step ends)
-if want shared; then
+if want shared || want cp_shared; then
   source tools/mps.sh
   if CUDA_VISIBLE_DEVICES=0 mps_start; then
     trap 'mps_stop "$OUT/torch_mps_log"' EXIT  # a script stopped inside the step stops the daemon too
-    for heap in ipc symm_mem; do
+    want shared && for heap in ipc symm_mem; do
       CUDA_VISIBLE_DEVICES=0 TSGEN_SHARE_GPUS=1 TSGEN_TORCH_HEAP=$heap step "shared GPU, 4 ranks, $heap heaps (gloo, MPS)" 150 \
         env -u CUDA_DEVICE_MAX_CONNECTIONS python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
         tests/torch_checks.py --shared
+    done
+    want cp_shared && for w in 2 4; do
+      CUDA_VISIBLE_DEVICES=0 TSGEN_SHARE_GPUS=1 step "cp_attention fwd+bwd, $w ranks on one GPU (gloo, MPS)" 240 \
+        env -u CUDA_DEVICE_MAX_CONNECTIONS python3 -m torch.distributed.run --standalone --nproc-per-node $w \
+        tests/torch_checks.py --cp --shared
     done
     mps_stop "$OUT/torch_mps_log"  # its server.log names refused clients
     trap - EXIT

@@ -165,6 +165,26 @@ class AttentionSignature:
                                      f"{tuple(want)} [batch, heads, S], contiguous")
         return batch, q_len, kv_len
 
+    def check_positions(self, positions: Sequence[Any] | None, q_len: Any) -> tuple:
+        """(q_offset, q_split, q_offset2, kv_offset) for the run-time entries: query row r sits at
+        position q_offset + r (r < q_split) or q_offset2 + r - q_split, key row j at kv_offset + j
+        (the templates' convention). None: (0, q_len, 0, 0), positions from 0. Offsets >= 0 and
+        0 <= q_split <= q_len, else a TsgenArgumentError naming the value."""
+        if positions is None:
+            return (0, q_len, 0, 0)
+        pos = tuple(positions)
+        if len(pos) != 4:
+            raise TsgenArgumentError(f"{self.qualname}: positions {pos}: give 4 integers (q_offset, q_split, "
+                                     "q_offset2, kv_offset)")
+        q_offset, q_split, q_offset2, kv_offset = pos
+        for name, value in (("q_offset", q_offset), ("q_offset2", q_offset2), ("kv_offset", kv_offset)):
+            if value < 0:
+                raise TsgenArgumentError(f"{self.qualname}: {name} {value}: positions are >= 0")
+        if not 0 <= q_split <= q_len:
+            raise TsgenArgumentError(f"{self.qualname}: q_split {q_split}: the first query segment's rows, "
+                                     f"0..q_len ({q_len})")
+        return pos
+
     def pair_problem(self, backward: "AttentionSignature") -> str | None:
         """Why `backward` cannot be this forward's backward, or None: the op kinds, and every field of
         AGREE that differs."""
@@ -246,27 +266,34 @@ class _Module:
             raise TsgenTorchError(f"{self.signature.qualname}: {self.entry} failed with cudaError {err} ({what}); a "
                                   "kernel that trapped before leaves this error: tsgen.torch.synchronize() names it")
 
-    def run_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    positions: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """O and LSE; `positions` (q_offset, q_split, q_offset2, kv_offset) as check_positions takes
+        them (None: from 0, one query segment)."""
         sig = self.signature
         batch, q_len, kv_len = sig.check_forward(ops_mod._metas((q, k, v)))
+        pos = sig.check_positions(positions, q_len)
         device = self._device((("q", q), ("k", k), ("v", v)))
         o = torch.empty_like(q)
         lse = torch.empty(sig.lse_shape(batch, q_len), dtype=torch.float32, device=q.device)
         if batch * q_len == 0:
             return o, lse
-        # positions from 0 (q_offset, kv_offset), one query segment (q_split = q_len), no KV waits
+        # the query rows' positions (two segments: zig-zag), the keys' from kv_offset, no KV waits
         self._launch(device, [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), batch, q_len,
-                              kv_len, 0, q_len, 0, 0, None, 0, 0, sig.blocks],
-                     f"batch {batch}, S {q_len}, S_kv {kv_len}")
+                              kv_len, *pos, None, 0, 0, sig.blocks],
+                     f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}")
         return o, lse
 
     def run_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dout: torch.Tensor,
-                     lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     lse: torch.Tensor, positions: Sequence[int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dQ, dK, dV; `positions` as run_forward's (the forward's)."""
         sig = self.signature
         if dout.is_contiguous() and dout.data_ptr() % ALIGN:
             dout = dout.clone()  # an output gradient is autograd's, at any address: the kernel's copy is aligned
         tensors = (q, k, v, o, dout, lse)
         batch, q_len, kv_len = sig.check_backward(ops_mod._metas(tensors))
+        pos = sig.check_positions(positions, q_len)
         device = self._device(tuple(zip(("q", "k", "v", "o", "dout", "lse"), tensors)))
         dq = torch.empty_like(q)
         if batch * q_len == 0:  # no query: nothing flows to the keys
@@ -277,7 +304,7 @@ class _Module:
         dq_accum = torch.empty(rows * sig.head_dim, **f32)
         dsum, lse2 = torch.empty(rows, **f32), torch.empty(rows, **f32)
         self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, dq_accum, dsum, lse2)]
-                     + [batch, q_len, kv_len, 0, q_len, 0, 0], f"batch {batch}, S {q_len}, S_kv {kv_len}")
+                     + [batch, q_len, kv_len, *pos], f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}")
         return dq, dk, dv
 
 
@@ -320,6 +347,24 @@ def _define_forward(name: str) -> None:
     torch.library.register_fake(qual, fake, lib=lib)
     torch.library.register_autograd(qual, backward, setup_context=setup_context, lib=lib)
 
+    # tsgen::<name>_at: the same kernel at given positions (no autograd formula of its own:
+    # tsgen.torch.cp_attention's autograd.Function calls it and the backward's _at op)
+    lib.define(f"{name}_at(Tensor q, Tensor k, Tensor v, SymInt q_offset, SymInt q_split, SymInt q_offset2, "
+               "SymInt kv_offset) -> (Tensor, Tensor)")
+
+    def real_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *positions: int) -> tuple:
+        return _module(name).run_forward(q, k, v, positions)
+
+    def fake_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *positions: Any) -> tuple:
+        sig = _module(name).signature
+        batch, q_len, _ = sig.check_forward(ops_mod._metas((q, k, v)))
+        if all(isinstance(p, int) for p in positions):
+            sig.check_positions(positions, q_len)
+        return q.new_empty(q.shape), q.new_empty(sig.lse_shape(batch, q_len), dtype=torch.float32)
+
+    torch.library.impl(f"{qual}_at", "default", real_at, lib=lib)
+    torch.library.register_fake(f"{qual}_at", fake_at, lib=lib)
+
 
 def _define_backward(name: str) -> None:
     """tsgen::<name>(q, k, v, o, dout, lse) -> (dq, dk, dv): the real and the fake kernel (no autograd
@@ -337,6 +382,24 @@ def _define_backward(name: str) -> None:
 
     torch.library.impl(qual, "default", real, lib=lib)
     torch.library.register_fake(qual, fake, lib=lib)
+
+    # tsgen::<name>_at: at given positions (the forward's _at op's)
+    lib.define(f"{name}_at(Tensor q, Tensor k, Tensor v, Tensor o, Tensor dout, Tensor lse, SymInt q_offset, "
+               "SymInt q_split, SymInt q_offset2, SymInt kv_offset) -> (Tensor, Tensor, Tensor)")
+
+    def real_at(q, k, v, o, dout, lse, *positions: int) -> tuple:
+        return _module(name).run_backward(q, k, v, o, dout, lse, positions)
+
+    def fake_at(q, k, v, o, dout, lse, *positions: Any) -> tuple:
+        tensors = (q, k, v, o, dout, lse)
+        sig = _module(name).signature
+        _, q_len, _ = sig.check_backward(ops_mod._metas(tensors))
+        if all(isinstance(p, int) for p in positions):
+            sig.check_positions(positions, q_len)
+        return tuple(t.new_empty(t.shape) for t in tensors[:3])
+
+    torch.library.impl(f"{qual}_at", "default", real_at, lib=lib)
+    torch.library.register_fake(f"{qual}_at", fake_at, lib=lib)
 
 
 def _load_module(given: Any, kind: str, arch: str | None) -> _Module:

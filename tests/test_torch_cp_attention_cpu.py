@@ -1,0 +1,312 @@
+"""tsgen.torch.cp_attention on CPU (issue 35, item 2): context-parallel attention composed from tsgen's
+allgather, attention (forward, backward at run-time positions) and reduce_scatter ops. The positions
+and the gathered order against tsgen.ops.cp_attention's, the positioned ops' schemas and fake
+kernels, the fake shapes of a forward + backward, the errors (layouts, rows, world size, mismatched
+specs), and the composition's math: W ranks simulated by threads in this process (the collectives
+exchanged through a barrier), the kernels replaced by float64 stand-ins (tsgen.ops.attention's
+references at the positions the op hands them), each rank's O, LSE, dQ, dK and dV against the
+reference over the whole sequence, split per rank. No GPU: the ops load on a group of torch's fake
+backend, where they trace but do not run (tests/torch_checks.py --cp runs them on GPUs)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import fake_mode, load_script
+
+torch = pytest.importorskip("torch", reason="tsgen.torch needs PyTorch: pip install '.[torch]'")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():  # pragma: no cover - builds without distributed
+    pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
+
+import tsgen.torch as tt  # noqa: E402
+from tsgen.ops.attention import attention_backward_reference, attention_reference  # noqa: E402
+from tsgen.ops.cp_attention import positions as row_positions  # noqa: E402
+from tsgen.spec import load_spec, spec_variant  # noqa: E402
+from tsgen.torch.cp_attention_op import cp_positions, gather_order  # noqa: E402
+from tsgen.torch.signature import TsgenArgumentError, TsgenTorchError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GEN = ROOT / "generated"
+BF16 = torch.bfloat16
+
+
+def torch_checks():
+    return load_script(ROOT / "tests" / "torch_checks.py")
+
+
+def pair_specs(name: str) -> tuple[Path, Path]:
+    fwd, bwd = torch_checks().ATTENTION_PAIRS[name]
+    return ROOT / fwd, ROOT / bwd
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """A fake world of 8 ranks (this process is rank 0) and groups of 2, 4 and 5 ranks in it."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():  # pragma: no cover - another test left one behind
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    made = {n: dist.new_group(list(range(n))) for n in (2, 4, 5)}
+    yield made
+    tt.close_all()
+    dist.destroy_process_group()
+
+
+def load_cp(groups, w: int, pair: str, layout: str, **kw):
+    fwd, bwd = pair_specs(pair)
+    return tt.cp_attention(fwd, bwd, GEN / "allgather.json", GEN / "reduce_scatter.json", groups[w], layout=layout,
+                           **kw)
+
+
+# -- positions and the gathered order -------------------------------------------------------------
+
+def rows_of(pos: tuple, count: int) -> np.ndarray:
+    q_offset, q_split, q_offset2, _ = pos
+    r = np.arange(count)
+    return np.where(r < q_split, q_offset + r, q_offset2 + r - q_split)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_positions_are_the_cp_ops(layout, world):
+    """The run-time positions give each row the position tsgen.ops.cp_attention.positions gives it
+    (the forward kernel's test layout), and the ranks' rows cover the sequence once."""
+    count = 6
+    seen = []
+    for rank in range(world):
+        got = rows_of(cp_positions(layout, world, count, rank), count)
+        np.testing.assert_array_equal(got, row_positions(layout, world, count, rank))
+        seen.extend(got)
+    assert sorted(seen) == list(range(world * count))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gather_order_is_position_order(world):
+    """Causal zig-zag: the all-gather's rows (rank-major) picked by gather_order are in position order;
+    contiguous or not causal: no reordering."""
+    count = 6
+    gathered = np.concatenate([row_positions("zigzag", world, count, r) for r in range(world)])
+    assert list(gathered[gather_order("zigzag", True, world, count)]) == list(range(world * count))
+    assert gather_order("zigzag", False, world, count) is None
+    assert gather_order("contiguous", True, world, count) is None
+
+
+# -- the ops: schemas, fake kernels ---------------------------------------------------------------
+
+def test_positioned_schemas(groups):
+    cp = load_cp(groups, 2, "hd128_causal_gqa", "zigzag")
+    fwd, bwd = cp.attention.forward.name, cp.attention.backward.name
+    assert str(getattr(torch.ops.tsgen, f"{fwd}_at").default._schema) == (
+        f"tsgen::{fwd}_at(Tensor q, Tensor k, Tensor v, SymInt q_offset, SymInt q_split, SymInt q_offset2, "
+        "SymInt kv_offset) -> (Tensor, Tensor)")
+    assert str(getattr(torch.ops.tsgen, f"{bwd}_at").default._schema).endswith(
+        "SymInt q_offset, SymInt q_split, SymInt q_offset2, SymInt kv_offset) -> (Tensor, Tensor, Tensor)")
+    assert cp.world == 2 and cp.rank == 0 and cp.causal and "zigzag" in repr(cp)
+
+
+@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("pair, layout", [("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")])
+def test_fake_forward_and_backward_shapes(groups, w, pair, layout):
+    """Under FakeTensorMode: O and LSE of this rank's rows, dQ, dK, dV of the inputs' shapes (the fake
+    allgather, attention _at ops, reduce_scatter)."""
+    cp = load_cp(groups, w, pair, layout)
+    sig = cp.attention.signature
+    n = 64
+    with fake_mode():
+        q = torch.empty(1, n, sig.heads, sig.head_dim, dtype=BF16, requires_grad=True)
+        k, v = (torch.empty(1, n, sig.kv_heads, sig.head_dim, dtype=BF16, requires_grad=True) for _ in range(2))
+        o, lse = cp(q, k, v, return_lse=True)
+        assert tuple(o.shape) == tuple(q.shape) and tuple(lse.shape) == (1, sig.heads, n)
+        assert lse.dtype == torch.float32 and not lse.requires_grad
+        o.float().sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_positioned_fake_kernel_errors(groups):
+    cp = load_cp(groups, 2, "hd128", "contiguous")
+    at = getattr(torch.ops.tsgen, f"{cp.attention.forward.name}_at")
+    with fake_mode():
+        q = torch.empty(1, 8, 32, 128, dtype=BF16)
+        with pytest.raises(TsgenArgumentError, match=r"q_split 9: the first query segment's rows, 0..q_len \(8\)"):
+            at(q, q, q, 0, 9, 0, 0)
+        with pytest.raises(TsgenArgumentError, match=r"kv_offset -1: positions are >= 0"):
+            at(q, q, q, 0, 8, 0, -1)
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+def test_argument_errors(groups):
+    cp = load_cp(groups, 2, "hd128_causal_gqa", "zigzag")
+    with fake_mode():
+        q = torch.empty(1, 6, 32, 128, dtype=BF16)
+        k = torch.empty(1, 6, 8, 128, dtype=BF16)
+        with pytest.raises(TsgenArgumentError, match=r"argument k: 4 rows .* but q has 6: every rank holds"):
+            cp(q, k[:, :4], k)
+        with pytest.raises(TsgenArgumentError, match=r"7 rows per rank: zigzag holds two chunks"):
+            q7, k7 = torch.empty(1, 7, 32, 128, dtype=BF16), torch.empty(1, 7, 8, 128, dtype=BF16)
+            cp(q7, k7, k7)
+        with pytest.raises(TsgenArgumentError, match=r"argument q: 3 dimensions"):
+            cp(q[0], k, k)
+        with pytest.raises(TsgenArgumentError, match=r"dimension 2 \(kv_heads\) is 32"):
+            cp(q, q, q)  # K with the query heads: the gathered K reaches the kernel's check
+
+
+def test_load_errors(groups):
+    fwd, bwd = pair_specs("hd128")
+    ag, rs = GEN / "allgather.json", GEN / "reduce_scatter.json"
+    with pytest.raises(TsgenTorchError, match=r"layout 'ring'; one of contiguous, zigzag"):
+        tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="ring")
+    with pytest.raises(TsgenTorchError, match=r"needs the attention_backward spec"):
+        tt.cp_attention(fwd, None, ag, rs, groups[2])
+    with pytest.raises(TsgenTorchError, match=r"its allgather argument is .*op reduce_scatter, not allgather"):
+        tt.cp_attention(fwd, bwd, rs, ag, groups[2])
+    with pytest.raises(TsgenTorchError, match=r"compiled for"):  # world 5: the collectives' world_sizes lack it
+        tt.cp_attention(fwd, bwd, ag, rs, groups[5])
+    fp16 = spec_variant(load_spec(ROOT / "specs" / "allgather.yaml"), {"name": "allgather_cp_fp16", "dtype": "float16"})
+    with pytest.raises(TsgenTorchError, match=r"allgather .* moves float16, the attention is bfloat16"):
+        tt.cp_attention(fwd, bwd, fp16, rs, groups[2])
+    other = tt.load(ag, groups[4])
+    with pytest.raises(TsgenTorchError, match=r"reduce_scatter is on group .* not the allgather's"):
+        tt.cp_attention(fwd, bwd, other, rs, groups[2])
+    causal_fwd, _ = pair_specs("hd128_causal_gqa")
+    with pytest.raises(TsgenTorchError, match=r"do not compute the same attention"):
+        tt.cp_attention(causal_fwd, bwd, ag, rs, groups[2])
+
+
+# -- the composition's math: a simulated world, stand-in kernels ----------------------------------
+
+class SimulatedWorld:
+    """W ranks as threads of this process: allgather and reduce_scatter through a barrier (every rank
+    posts its tensor, waits, reads them all), as torch's all_gather_into_tensor and
+    reduce_scatter_tensor define them."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.posted: list = [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+    def _exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.posted[rank] = x
+        self.barrier.wait()
+        seen = list(self.posted)
+        self.barrier.wait()  # every rank read them before the next exchange posts
+        return seen
+
+    def allgather(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._exchange(rank, x))
+
+    def reduce_scatter(self, rank: int, x: torch.Tensor) -> torch.Tensor:
+        parts = [t.chunk(self.world)[rank] for t in self._exchange(rank, x)]
+        return torch.stack(parts).sum(0)
+
+
+def stand_in_kernels(cp, monkeypatch, calls: list):
+    """The attention modules' run-time entries replaced by tsgen.ops.attention's float64 references
+    at the positions the op hands them (bshd)."""
+    sig = cp.attention.signature
+
+    def rows(positions, q_len, kv_len):
+        q_offset, q_split, q_offset2, kv_offset = positions
+        r = np.arange(q_len)
+        return np.where(r < q_split, q_offset + r, q_offset2 + r - q_split), kv_offset + np.arange(kv_len)
+
+    def forward(q, k, v, positions=None):
+        qp, kp = rows(positions, q.shape[1], k.shape[1])
+        calls.append(("forward", tuple(positions), k.shape[1]))
+        o, lse = attention_reference(q.numpy(), k.numpy(), v.numpy(), sig.scale, sig.causal, qp, kp)
+        return torch.from_numpy(o), torch.from_numpy(lse)  # float64 (the kernel's is float32): exact comparisons
+
+    def backward(q, k, v, o, do, lse, positions=None):
+        qp, kp = rows(positions, q.shape[1], k.shape[1])
+        calls.append(("backward", tuple(positions), k.shape[1]))
+        got = attention_backward_reference(q.numpy(), k.numpy(), v.numpy(), o.numpy(), do.numpy(),
+                                           lse.numpy(), sig.scale, sig.causal, qp, kp)
+        return tuple(torch.from_numpy(x) for x in got[:3])
+
+    monkeypatch.setattr(cp.attention.forward, "run_forward", forward)
+    monkeypatch.setattr(cp.attention.backward, "run_backward", backward)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("pair, layout, regather", [("hd128_causal_gqa", "zigzag", False),
+                                                     ("hd128_causal_gqa", "contiguous", True),
+                                                     ("hd128", "zigzag", False),
+                                                     ("hd128", "contiguous", False)])
+def test_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layout, regather):
+    """Every rank's O, LSE, dQ, dK, dV through the op (its gather, positions, reorder, the backward's
+    reorder and reduce-scatter), with the kernels as float64 references, equal the reference over
+    the whole sequence (float64, positions from 0), split per rank: the composition is the
+    whole-sequence attention and its adjoint."""
+    base = load_cp(groups, world, pair, layout, regather=regather)
+    sig = base.attention.signature
+    calls: list = []
+    stand_in_kernels(base, monkeypatch, calls)
+    n, batch = 8, 1
+    S = world * n
+    gen = torch.Generator().manual_seed(35 + world)
+    heads, kv_heads, d = sig.heads, sig.kv_heads, sig.head_dim
+    q = torch.randn(batch, S, heads, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(batch, S, kv_heads, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(batch, S, heads, d, generator=gen, dtype=torch.float64)
+    o_ref, lse_ref = attention_reference(q.numpy(), k.numpy(), v.numpy(), sig.scale, sig.causal)
+    dq_ref, dk_ref, dv_ref = attention_backward_reference(q.numpy(), k.numpy(), v.numpy(), o_ref, do.numpy(), lse_ref,
+                                                          sig.scale, sig.causal)[:3]
+    sim = SimulatedWorld(world)
+    results: dict = {}
+    errors: list = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            op = copy.copy(base)
+            op.rank = rank
+            op._allgather = lambda x: sim.allgather(rank, x)
+            op._reduce_scatter = lambda x: sim.reduce_scatter(rank, x)
+            pos = row_positions(layout, world, n, rank)
+            qa, ka, va = (x[:, pos].clone().requires_grad_(True) for x in (q, k, v))
+            o, lse = op(qa, ka, va, return_lse=True)
+            o.backward(do[:, pos])
+            results[rank] = (pos, o.detach(), lse, qa.grad, ka.grad, va.grad)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+            sim.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for rank, (pos, o, lse, dq, dk, dv) in results.items():
+        for name, got, want in (("o", o, o_ref[:, pos]), ("lse", lse, lse_ref[:, :, pos]), ("dq", dq, dq_ref[:, pos]),
+                                ("dk", dk, dk_ref[:, pos]), ("dv", dv, dv_ref[:, pos])):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12, err_msg=f"rank {rank} {name}")
+    gathered = [c for c in calls if c[0] == "backward"]
+    assert len(gathered) == world and all(c[2] == S for c in calls)  # every kernel call over the whole sequence
+
+
+def test_regather_keeps_the_local_kv(groups, monkeypatch):
+    """regather=True saves the local K, V (and gathers them again in the backward); the default the
+    gathered ones."""
+    for regather, rows in ((False, 16), (True, 8)):
+        base = load_cp(groups, 2, "hd128", "contiguous", regather=regather)
+        stand_in_kernels(base, monkeypatch, [])
+        gathers = []
+        base._allgather = lambda x: gathers.append(x.shape[0]) or torch.cat([x, x])
+        base._reduce_scatter = lambda x: x.chunk(2)[0]
+        sig = base.attention.signature
+        q = torch.randn(1, 8, sig.heads, sig.head_dim, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(1, 8, sig.kv_heads, sig.head_dim, dtype=torch.float64, requires_grad=True)
+                for _ in range(2))
+        o = base(q, k, v)
+        saved = [t.shape[1] for t in o.grad_fn.saved_tensors[1:3]]
+        assert saved == [rows, rows], (regather, saved)
+        o.sum().backward()
+        assert len(gathers) == (4 if regather else 2)

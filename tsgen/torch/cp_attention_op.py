@@ -1,0 +1,235 @@
+"""Context-parallel attention for torch users, forward and backward, composed from tsgen ops (issue 35,
+item 2, a first version: no kernel of its own, no overlap of communication with compute).
+
+    cp = tsgen.torch.cp_attention("specs/attention_hd128_causal_gqa.yaml",
+                                  "examples/torch/specs/attention_backward_hd128_causal_gqa.yaml",
+                                  "specs/allgather.yaml", "specs/reduce_scatter.yaml", layout="zigzag")
+    o = cp(q, k, v)        # this rank's rows: q [B, n, H, D], k, v [B, n, H_kv, D] (the specs' layout)
+    o.backward(do)         # dQ (this rank's rows), dK and dV (this rank's rows, summed over every rank)
+
+Each rank of the group holds n rows of the sequence (S = W n): `contiguous`, rank r rows r n ..
+(r + 1) n - 1; `zigzag`, the sequence cut in 2W chunks of n / 2 rows, rank r holds chunks r and
+2W - 1 - r (tsgen.ops.cp_attention.positions). The adjoint of the forward's K / V all-gather is a
+reduce-scatter of dK / dV:
+
+    forward:  K_full, V_full = allgather(K), allgather(V)          (tsgen allgather op, the group)
+              O, LSE = attention(Q, K_full, V_full) at this rank's query positions  (tsgen::<fwd>_at)
+    backward: dQ, dK_full, dV_full = attention_backward(Q, K_full, V_full, O, dO, LSE), same positions
+              dK, dV = reduce_scatter(dK_full), reduce_scatter(dV_full)   (tsgen reduce_scatter op)
+
+The attention kernels take the positions at run time (their `<kernel>_forward` / `<kernel>_backward`
+entries: query row r at q_offset + r for r < q_split, q_offset2 + r - q_split after, key row j at
+kv_offset + j), so the zig-zag query layout needs no copy of Q; the keys must be in position order
+(one kv_offset), so causal zig-zag reorders the gathered rows (one index_select of K and V, and
+its inverse for dK and dV). Not causal, positions do not matter and the gathered order stays.
+The collectives split dimension 0, so K and V travel sequence-first ([n, B, H_kv, D]: a view for
+bshd at batch 1, a copy otherwise).
+
+Memory against time: by default the gathered K_full, V_full are kept for the backward (2 W n H_kv
+D elements of the dtype per layer, W times the local K and V); `regather=True` keeps the local K
+and V and gathers them again in the backward (one more all-gather per step, no W-fold copy).
+
+dK_full / dV_full are the backward kernel's outputs in the input dtype (bf16 or fp16: the kernel
+accumulates each key block's dK, dV in fp32 over every query of this rank, then rounds once), so
+the reduce-scatter sums W rounded partial sums (the reduce_scatter spec's dtype must be the
+attention's; an fp32 reduce-scatter of rounded partials would not add accuracy: the kernel would
+have to write fp32 partials, a kernel change not made here).
+
+The op is a torch.autograd.Function over custom ops (eager; torch.compile and CUDA graphs are not
+checked for it yet). tests/torch_checks.py --cp is the GPU check; tests/test_torch_cp_attention_cpu.py
+the CPU tests (fake kernels, errors, and the composition's math with stand-in kernels in a
+simulated world).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import ops as ops_mod
+from .attention_op import AttentionOp, attention
+from .signature import TsgenArgumentError, TsgenTorchError
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def cp_positions(layout: str, world: int, count: int, rank: int) -> tuple[int, int, int, int]:
+    """(q_offset, q_split, q_offset2, kv_offset) of `rank`'s `count` query rows over the whole
+    gathered sequence in position order (tsgen.ops.cp_attention.positions as run-time arguments)."""
+    if layout == "contiguous":
+        return (rank * count, count, 0, 0)
+    half = count // 2
+    return (rank * half, half, (2 * world - 1 - rank) * half, 0)
+
+
+def gather_order(layout: str, causal: bool, world: int, count: int) -> list[int] | None:
+    """Which row of the all-gather's output (rank-major: rank r's count rows at r count) goes to each
+    position of the sequence, or None where the all-gather's order will do (contiguous: it is
+    position order; not causal: positions do not matter)."""
+    if layout == "contiguous" or not causal:
+        return None
+    half = count // 2
+    order = []
+    for chunk in range(2 * world):
+        rank, second = (chunk, 0) if chunk < world else (2 * world - 1 - chunk, half)
+        order.extend(range(rank * count + second, rank * count + second + half))
+    return order
+
+
+def _seq_first(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """[B, n, H, D] (bshd) or [B, H, n, D] (bhsd) -> [n, B, H, D], contiguous (a view when it is)."""
+    return (x.transpose(0, 1) if layout == "bshd" else x.permute(2, 0, 1, 3)).contiguous()
+
+
+def _from_seq_first(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The inverse of _seq_first: [S, B, H, D] -> the layout's, contiguous."""
+    return (x.transpose(0, 1) if layout == "bshd" else x.permute(1, 2, 0, 3)).contiguous()
+
+
+class _CPAttention(torch.autograd.Function):
+    """forward(q, k, v, op) -> (O, LSE); backward: dQ, and dK, dV through the reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: "CPAttentionOp") -> tuple:
+        pos = op.positions(q, k, v)
+        k_full, v_full = op.gather(k), op.gather(v)
+        o, lse = getattr(torch.ops.tsgen, f"{op.attention.forward.name}_at")(q, k_full, v_full, *pos)
+        ctx.op, ctx.pos = op, pos
+        ctx.save_for_backward(q, *((k, v) if op.regather else (k_full, v_full)), o, lse)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor, dlse: Any) -> tuple:
+        op = ctx.op
+        q, k, v, o, lse = ctx.saved_tensors
+        if op.regather:
+            k, v = op.gather(k), op.gather(v)
+        dq, dk_full, dv_full = getattr(torch.ops.tsgen, f"{op.attention.backward.name}_at")(
+            q, k, v, o, do.contiguous(), lse, *ctx.pos)
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        # every rank calls both reduce-scatters (a collective), whatever its own inputs need
+        dk, dv = op.scatter(dk_full), op.scatter(dv_full)
+        return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None)
+
+
+class CPAttentionOp:
+    """Context-parallel attention on this rank of a process group: `op(q, k, v)` is this rank's O,
+    differentiable; `op(q, k, v, return_lse=True)` is (O, LSE). `layout`: contiguous or zigzag;
+    `regather`: gather K, V again in the backward instead of keeping them. `attention` is the
+    single-GPU AttentionOp whose kernels it runs, `allgather` and `reduce_scatter` the collectives."""
+
+    def __init__(self, attention_op: AttentionOp, allgather: Any, reduce_scatter: Any, layout: str, regather: bool):
+        self.attention, self.allgather, self.reduce_scatter = attention_op, allgather, reduce_scatter
+        self.layout, self.regather = layout, regather
+        self.rank, self.world = allgather.rank, allgather.world
+        sig = attention_op.signature
+        self.causal, self.tensor_layout = sig.causal, sig.layout
+        # the collectives as functions of one tensor (the CPU tests put a simulated world here)
+        self._allgather: Callable[[torch.Tensor], torch.Tensor] = allgather
+        self._reduce_scatter: Callable[[torch.Tensor], torch.Tensor] = reduce_scatter
+
+    def __repr__(self) -> str:
+        return (f"<tsgen.torch cp_attention rank {self.rank}/{self.world} {self.layout}"
+                f"{' causal' if self.causal else ''}{' regather' if self.regather else ''}: {self.attention!r}, "
+                f"{self.allgather.signature.qualname}, {self.reduce_scatter.signature.qualname}>")
+
+    @property
+    def where(self) -> str:
+        return f"tsgen.torch.cp_attention on rank {self.rank}"
+
+    def _rows(self, x: torch.Tensor) -> Any:
+        return x.shape[1] if self.tensor_layout == "bshd" else x.shape[2]
+
+    def positions(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+        """This rank's positions for local q, k, v of n rows each; TsgenArgumentError naming what
+        does not fit (the tensors' own shapes, dtypes: the kernels' checks)."""
+        for arg, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4:
+                raise TsgenArgumentError(f"{self.where}: argument {arg}: {t.dim()} dimensions (shape "
+                                         f"{tuple(t.shape)}); it takes {self.attention.signature.described(arg != 'q')} "
+                                         "with this rank's n rows")
+        n = self._rows(q)
+        for arg, t in (("k", k), ("v", v)):
+            if self._rows(t) != n:
+                raise TsgenArgumentError(f"{self.where}: argument {arg}: {self._rows(t)} rows (shape {tuple(t.shape)}), "
+                                         f"but q has {n}: every rank holds the same n rows of Q, K and V")
+        if self.layout == "zigzag" and n % 2:
+            raise TsgenArgumentError(f"{self.where}: {n} rows per rank: zigzag holds two chunks of n / 2 rows, "
+                                     "so n must be even")
+        return cp_positions(self.layout, self.world, n, self.rank)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's K or V -> the whole sequence's, in position order where causal (the layout's)."""
+        n = self._rows(x)
+        full = self._allgather(_seq_first(x, self.tensor_layout))
+        order = gather_order(self.layout, self.causal, self.world, n)
+        if order is not None:
+            full = full.index_select(0, torch.tensor(order, device=full.device))
+        return _from_seq_first(full, self.tensor_layout)
+
+    def scatter(self, g_full: torch.Tensor) -> torch.Tensor:
+        """dK_full or dV_full (every position's partial sum from this rank's queries) -> this rank's
+        rows summed over every rank: gather's adjoint."""
+        g = _seq_first(g_full, self.tensor_layout)
+        order = gather_order(self.layout, self.causal, self.world, g.shape[0] // self.world)
+        if order is not None:  # position order back to the all-gather's (rank-major)
+            back = torch.empty_like(g)
+            back[torch.tensor(order, device=g.device)] = g
+            g = back
+        return _from_seq_first(self._reduce_scatter(g), self.tensor_layout)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False) -> Any:
+        if self.attention.backward is None:
+            raise TsgenTorchError(f"{self.where}: no attention_backward module")
+        o, lse = _CPAttention.apply(q, k, v, self)
+        return (o, lse) if return_lse else o
+
+    def close(self) -> None:
+        """Unload the attention pair (the collectives stay loaded: close them, or tsgen.torch.close_all())."""
+        self.attention.close()
+
+
+def _collective(given: Any, kind: str, group: Any, arch: str | None) -> Any:
+    """A TorchOp of op `kind` on `group`: `given` loaded (a spec, manifest) or one already loaded."""
+    op = given if isinstance(given, ops_mod.TorchOp) else ops_mod.load(given, group, arch=arch)
+    if op.manifest.op != kind:
+        raise TsgenTorchError(f"tsgen.torch.cp_attention: its {kind} argument is {op.manifest.spec}, op "
+                              f"{op.manifest.op}, not {kind}")
+    return op
+
+
+def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: Any, group: Any = None, *,
+                 layout: str = "zigzag", regather: bool = False, arch: str | None = None) -> CPAttentionOp:
+    """Context-parallel attention on `group` (default: the default group), differentiable (module doc).
+    `forward` / `backward`: an attention and an attention_backward spec computing the same attention
+    (as tsgen.torch.attention takes them; world_sizes [1]: single-GPU kernels); `allgather` /
+    `reduce_scatter`: specs (or loaded ops) of those collectives compiled for the group's size, in
+    the attention's dtype. `layout`: how the sequence is split over the ranks, contiguous or zigzag.
+    `regather`: keep the local K, V and gather them again in the backward (less memory, one more
+    all-gather) instead of keeping the gathered ones."""
+    if layout not in LAYOUTS:
+        raise TsgenTorchError(f"tsgen.torch.cp_attention: layout {layout!r}; one of {', '.join(LAYOUTS)}")
+    if backward is None:
+        raise TsgenTorchError("tsgen.torch.cp_attention needs the attention_backward spec (its backward runs it)")
+    if group is None:
+        if not dist.is_initialized():
+            raise TsgenTorchError("tsgen.torch.cp_attention: torch.distributed is not initialised; call "
+                                  "dist.init_process_group(...) first or pass group=")
+        group = dist.group.WORLD
+    attn = attention(forward, backward, arch=arch)
+    ag = _collective(allgather, "allgather", group, arch)
+    rs = _collective(reduce_scatter, "reduce_scatter", group, arch)
+    problems = []
+    for what, op in (("allgather", ag), ("reduce_scatter", rs)):
+        if op.signature.dtype != attn.signature.dtype:
+            problems.append(f"{what} {op.manifest.spec} moves {op.signature.dtype}, the attention is "
+                            f"{attn.signature.dtype}")
+        if op.group_name != ag.group_name or op.world != ag.world:
+            problems.append(f"{what} is on group {op.group_name!r} (world {op.world}), not the allgather's")
+    if problems:
+        raise TsgenTorchError(f"tsgen.torch.cp_attention: {'; '.join(problems)}: compile the collectives for the "
+                              "attention's dtype, on one group")
+    return CPAttentionOp(attn, ag, rs, layout, regather)
