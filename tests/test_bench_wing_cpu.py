@@ -707,12 +707,18 @@ def test_deepep_is_compared_at_its_fastest_sm_count(monkeypatch):
         ("DeepEP normal dispatch+combine (bf16, 24 SMs)", False), ("DeepEP normal dispatch+combine (bf16, 48 SMs)", True),
         ("DeepEP normal dispatch+combine (bf16, 64 SMs)", False), ("DeepEP normal dispatch+combine (bf16, 24 SMs)", True)]
     assert [m.role for m in ms] == ["pair", "", "pair", ""]
+    monkeypatch.delenv("TSGEN_DEEPEP_SMS", raising=False)
     assert sms_sweep({}) == NORMAL_SMS_SWEEP and sms_sweep({"sms": 32}) == (32,) and sms_sweep({"sms": [24, 24, 8]}) == (24, 8)
     from tsgen.bench.moe_deepep import sms_from_env
     assert sms_from_env(None) is None and sms_from_env(" ") is None
     assert sms_from_env("64") == [64] and sms_from_env("48, 64") == [48, 64]
     with pytest.raises(ValueError, match="TSGEN_DEEPEP_SMS"):
         sms_from_env("sixty-four")
+    monkeypatch.setenv("TSGEN_DEEPEP_SMS", "64")
+    assert sms_sweep({}) == (64,) and sms_sweep({"sms": 48}) == (48,)  # a suite's own count wins
+    monkeypatch.setenv("TSGEN_DEEPEP_SMS", "63")
+    with pytest.raises(ValueError, match="even positive"):
+        sms_sweep({})
     for bad in (23, 0, [24, -2], True):
         with pytest.raises(ValueError, match="even positive"):
             sms_sweep({"sms": bad})

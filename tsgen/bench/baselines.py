@@ -221,17 +221,11 @@ def deepep(names, family, spec, world: int, sizes: list[int], iters: int, reps: 
     bytes, the rows over the link as the guard's); normal mode at each SM count of its sweep
     (moe_deepep.NORMAL_SMS_SWEEP), the fastest pair compared with tsgen's pair, the other pairs, the
     phases and the ceiling rows beside it. Without deep_ep: notes, and the ceiling."""
-    import os
-
-    from .moe_deepep import sms_from_env, sms_sweep
     from .workers import launch_workers
 
     p = spec.params
     cfg = {"worker": "tsgen.bench.moe_deepep:deepep_worker", "sizes": sizes, "experts": p.experts, "topk": p.topk,
            "hidden": p.hidden, "mode": p.mode, "payload": p.payload, "iters": iters, "reps": reps, "warmup": warmup}
-    sms = sms_from_env(os.environ.get("TSGEN_DEEPEP_SMS"))
-    if sms is not None:
-        cfg["sms"] = list(sms_sweep({"sms": sms}))  # checked here, before the workers start
     out = []
     rows = launch_workers(cfg, world)
     best = _fastest_pairs(rows)

@@ -62,9 +62,12 @@ def sms_from_env(value: str | None) -> list[int] | None:
 
 
 def sms_sweep(cfg: dict) -> tuple[int, ...]:
-    """The normal-mode SM counts to time: cfg["sms"] (a count or a list) or NORMAL_SMS_SWEEP; each
-    even and positive (DeepEP runs a channel on each pair of SMs)."""
+    """The normal-mode SM counts to time: cfg["sms"] (a count or a list), else TSGEN_DEEPEP_SMS
+    (the workers inherit the environment), else NORMAL_SMS_SWEEP; each even and positive (DeepEP
+    runs a channel on each pair of SMs)."""
     asked = cfg.get("sms")
+    if asked is None:
+        asked = sms_from_env(os.environ.get("TSGEN_DEEPEP_SMS"))
     asked = NORMAL_SMS_SWEEP if asked is None else asked
     counts = tuple(dict.fromkeys(asked if isinstance(asked, (list, tuple)) else (asked,)))
     bad = [n for n in counts if not isinstance(n, int) or isinstance(n, bool) or n <= 0 or n % 2]
