@@ -115,9 +115,10 @@ class Op(ga.Entry):
     ARGTYPES = [ctypes.c_void_p] * 12 + [ctypes.c_uint64] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
 
     def workspace(self, torch, batch, q_len, device="cuda"):
-        f32 = dict(device=device, dtype=torch.float32)
-        return (torch.empty(batch * q_len * self.heads * self.head_dim, **f32),
-                torch.empty(batch * self.heads * q_len, **f32), torch.empty(batch * self.heads * q_len, **f32))
+        from tsgen.ops.attention_backward import workspace_floats
+
+        return tuple(torch.empty(n, device=device, dtype=torch.float32)
+                     for n in workspace_floats(batch, q_len, self.heads, self.head_dim))
 
     def __call__(self, t: dict, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0):
         ptrs = [t[n].data_ptr() for n in ("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv")] + [w.data_ptr() for w in ws]

@@ -52,6 +52,11 @@ IMPLS = {"mma_sync": {"threads": 128, "block_n": 64},  # tsgen/attention_bwd.cuh
 WGMMA_STAGES = 2  # Q / dO stages of the wgmma kernel's ring (tsgen::attention_bwd::wgmma)
 
 
+def workspace_floats(batch: int, q_len: int, heads: int, head_dim: int) -> tuple[int, int, int]:
+    """The fp32 workspace of one `<kernel>_backward` call, in floats: (dq_accum, dsum, lse2)."""
+    rows = batch * q_len * heads
+    return rows * head_dim, rows, rows
+
 class AttentionBackwardParams(AttentionShape):
     impl: Literal["mma_sync", "wgmma"] = Field(
         "mma_sync", description="the main kernel: mma_sync (4 warps per block of 64 keys, plain loads; proven on "
