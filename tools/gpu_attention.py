@@ -164,31 +164,51 @@ def build(out: Path, name: str, timeout_ms: int | None = 3000) -> dict:
     return {**build_loaded(out, variant_spec(name, timeout_ms)), "spec": str(SPEC)}
 
 
-class Op:
-    """One compiled variant, called through <kernel>_forward with torch tensors."""
+class Entry:
+    """A compiled attention module's run-time entry `<kernel>_<ENTRY>` (ctypes, `ARGTYPES`) and the
+    shape its manifest's constants fix; the forward's Op below and tools/gpu_attention_bwd.py's."""
+
+    ENTRY = ""
+    ARGTYPES: list = []
 
     def __init__(self, built: dict):
         self.manifest = json.loads(Path(built["manifest"]).read_text())
         c = self.manifest["constants"]
         self.head_dim, self.heads, self.kv_heads = c["HEAD_DIM"], c["HEADS"], c["KV_HEADS"]
-        self.causal, self.bhsd, self.waits = bool(c["CAUSAL"]), bool(c["BHSD"]), bool(c["KV_WAITS"])
-        self.persistent = bool(c.get("PERSISTENT", 0))  # params.schedule: persistent (the tile counter)
+        self.causal, self.bhsd = bool(c["CAUSAL"]), bool(c["BHSD"])
         self.dtype = self.manifest["buffers"][1]["dtype"]
         scale = built["softmax_scale"]
         self.scale = scale if scale is not None else 1.0 / math.sqrt(self.head_dim)
-        lib = ctypes.CDLL(built["library"])
-        self.fn = getattr(lib, self.manifest["kernels"][0]["name"] + "_forward")
+        self.fn = getattr(ctypes.CDLL(built["library"]), f"{self.manifest['kernels'][0]['name']}_{self.ENTRY}")
         self.fn.restype = ctypes.c_int
-        u64, i64, vp = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
-        self.fn.argtypes = [vp, vp, vp, vp, vp, u64, u64, u64, i64, i64, i64, i64, vp, u64, u64, ctypes.c_int, vp]
+        self.fn.argtypes = self.ARGTYPES
+
+    def check(self, err: int) -> None:
+        if err != 0:
+            raise RuntimeError(f"{self.manifest['name']}_{self.ENTRY} returned cudaError {err}")
+
+
+_U64, _I64, _VP = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
+
+
+class Op(Entry):
+    """One compiled variant, called through <kernel>_forward with torch tensors."""
+
+    ENTRY = "forward"
+    ARGTYPES = [_VP] * 5 + [_U64] * 3 + [_I64] * 4 + [_VP, _U64, _U64, ctypes.c_int, _VP]
+
+    def __init__(self, built: dict):
+        super().__init__(built)
+        c = self.manifest["constants"]
+        self.waits = bool(c["KV_WAITS"])
+        self.persistent = bool(c.get("PERSISTENT", 0))  # params.schedule: persistent (the tile counter)
 
     def __call__(self, q, k, v, o, lse, batch, q_len, kv_len, stream, q_offset=0, q_split=None, q_offset2=0,
                  kv_offset=0, signal=None, kv_chunk=0, expected=0, blocks=0):
         err = self.fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), batch, q_len, kv_len,
                       q_offset, q_len if q_split is None else q_split, q_offset2, kv_offset,
                       None if signal is None else signal.data_ptr(), kv_chunk, expected, blocks, stream.cuda_stream)
-        if err != 0:
-            raise RuntimeError(f"{self.manifest['name']}_forward returned cudaError {err}")
+        self.check(err)
 
 
 def torch_dtype(torch, name: str):

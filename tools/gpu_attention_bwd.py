@@ -55,7 +55,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from tsgen.env import force_no_multicast  # noqa: E402
 from tsgen.ops.attention import grad_tolerance  # noqa: E402
-from gpu_attention import Op as ForwardOp, build as build_forward, build_loaded  # noqa: E402  (the forward's script)
+import gpu_attention as ga  # noqa: E402  (the forward's script)
+from gpu_attention import Op as ForwardOp, build as build_forward, build_loaded, torch_dtype  # noqa: E402
 
 force_no_multicast()
 
@@ -113,37 +114,21 @@ def impl_changes(impl: str) -> dict:
     return {} if impl == IMPLS[0] else {"params": dict(params), "launch": {"threads": THREADS[params["impl"]]["threads"]}}
 
 
-class Op:
+class Op(ga.Entry):
     """One compiled variant, called through <kernel>_backward with torch tensors."""
 
-    def __init__(self, built: dict):
-        self.manifest = json.loads(Path(built["manifest"]).read_text())
-        c = self.manifest["constants"]
-        self.head_dim, self.heads, self.kv_heads = c["HEAD_DIM"], c["HEADS"], c["KV_HEADS"]
-        self.causal, self.bhsd = bool(c["CAUSAL"]), bool(c["BHSD"])
-        self.dtype = self.manifest["buffers"][1]["dtype"]
-        scale = built["softmax_scale"]
-        self.scale = scale if scale is not None else 1.0 / math.sqrt(self.head_dim)
-        lib = ctypes.CDLL(built["library"])
-        self.fn = getattr(lib, self.manifest["kernels"][0]["name"] + "_backward")
-        self.fn.restype = ctypes.c_int
-        u64, i64, vp = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
-        self.fn.argtypes = [vp] * 12 + [u64, u64, u64, i64, i64, i64, i64, vp]
+    ENTRY = "backward"
+    ARGTYPES = [ctypes.c_void_p] * 12 + [ctypes.c_uint64] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
 
     def workspace(self, torch, batch, q_len, device="cuda"):
-        f32 = dict(device=device, dtype=torch.float32)
-        return (torch.empty(batch * q_len * self.heads * self.head_dim, **f32),
-                torch.empty(batch * self.heads * q_len, **f32), torch.empty(batch * self.heads * q_len, **f32))
+        from tsgen.ops.attention_backward import workspace_floats
+
+        return tuple(torch.empty(n, device=device, dtype=torch.float32)
+                     for n in workspace_floats(batch, q_len, self.heads, self.head_dim))
 
     def __call__(self, t: dict, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0):
         ptrs = [t[n].data_ptr() for n in ("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv")] + [w.data_ptr() for w in ws]
-        err = self.fn(*ptrs, batch, q_len, kv_len, q_offset, q_len, 0, kv_offset, stream.cuda_stream)
-        if err != 0:
-            raise RuntimeError(f"{self.manifest['name']}_backward returned cudaError {err}")
-
-
-def torch_dtype(torch, name: str):
-    return torch.bfloat16 if name == "bfloat16" else torch.float16
+        self.check(self.fn(*ptrs, batch, q_len, kv_len, q_offset, q_len, 0, kv_offset, stream.cuda_stream))
 
 
 def to_bshd(x, bhsd: bool):

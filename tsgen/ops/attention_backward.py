@@ -56,6 +56,11 @@ WGMMA_STAGES = 2  # Q / dO stages of the wgmma kernel's ring (tsgen::attention_b
 DQ_STAGING = 2 * BLOCK_M * 64 * 4  # the wgmma kernel's fp32 dQ staging (dq_reduce bulk): 64 x 64 per warpgroup
 
 
+def workspace_floats(batch: int, q_len: int, heads: int, head_dim: int) -> tuple[int, int, int]:
+    """The fp32 workspace of one `<kernel>_backward` call, in floats: (dq_accum, dsum, lse2)."""
+    rows = batch * q_len * heads
+    return rows * head_dim, rows, rows
+
 class AttentionBackwardParams(AttentionShape):
     impl: Literal["mma_sync", "wgmma"] = Field(
         "mma_sync", description="the main kernel: mma_sync (4 warps per block of 64 keys, plain loads; proven on "

@@ -42,6 +42,7 @@ import torch
 
 from ..errors import TsgenError
 from ..manifest import Manifest
+from ..ops.attention_backward import workspace_floats
 from ..runtime.world import own_symbol
 from . import ops as ops_mod
 from .signature import TsgenArgumentError, TsgenTorchError
@@ -299,10 +300,9 @@ class _Module:
         if batch * q_len == 0:  # no query: nothing flows to the keys
             return dq, torch.zeros_like(k), torch.zeros_like(v)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        f32 = dict(dtype=torch.float32, device=q.device)
-        rows = batch * q_len * sig.heads  # the workspace: dQ's fp32 accumulator, D and LSE in base 2
-        dq_accum = torch.empty(rows * sig.head_dim, **f32)
-        dsum, lse2 = torch.empty(rows, **f32), torch.empty(rows, **f32)
+        # the workspace: dQ's fp32 accumulator, D and LSE in base 2
+        dq_accum, dsum, lse2 = (torch.empty(n, dtype=torch.float32, device=q.device)
+                                for n in workspace_floats(batch, q_len, sig.heads, sig.head_dim))
         self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, dq_accum, dsum, lse2)]
                      + [batch, q_len, kv_len, *pos], f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}")
         return dq, dk, dv
