@@ -36,6 +36,10 @@ def variant(name, **changes):
     return spec_variant(load_spec(SPEC), {**changes, "name": name})
 
 
+# the first main kernel (tsgen/attention_bwd.cuh), no longer the shipped specs' (they run wgmma)
+MMA_SYNC = {"params": {"impl": "mma_sync"}, "launch": {"threads": 128}}
+
+
 BAD = [
     ("kv_heads_divide", BWD + "params:\n  heads: 32\n  kv_heads: 5\n",
      ["7:3: params.kv_heads: 5 KV heads do not divide 32 query heads"]),
@@ -67,7 +71,7 @@ def test_shipped_specs_and_sizes():
     gqa = load_spec(ROOT / "specs" / "attention_backward_hd64_causal_gqa.yaml").model.params
     assert gqa.causal and gqa.heads // gqa.kv_heads == 4 and gqa.head_dim == 64
     # K, V, Q, dO tiles of 64 rows x (128 + 8) elements, dS^T 64 x 72, LSE2 and D of 64 rows
-    assert smem_bytes(load_spec(SPEC).model) == 2 * (4 * 64 * 136 + 64 * 72) + 512 == 79360
+    assert smem_bytes(variant("v", **MMA_SYNC).model) == 2 * (4 * 64 * 136 + 64 * 72) + 512 == 79360
     assert flops(1, 4096, 4096, 32, 128, False) == 2.5 * 4 * 4096 * 4096 * 32 * 128
     assert flops(1, 4096, 4096, 32, 128, True) == flops(1, 4096, 4096, 32, 128, False) / 2
 
@@ -90,10 +94,10 @@ def test_render_and_manifest():
         ("dsum", "float32", "scratch", lse), ("lse2", "float32", "scratch", lse)]
     (k,) = m["kernels"]
     assert k["shared_bytes"] == m["constants"]["SMEM_BYTES"] == smem_bytes(loaded.model)
-    assert k["block"] == [128, 1, 1]
+    assert k["block"] == [384, 1, 1]  # impl wgmma: a producer warpgroup and two consumers
     for entry in ("_w1_preprocess(", "_w1_main(", "_w1_convert(", "_w1_backward(const void* q"):
         assert f"attention_backward_hd128{entry}" in r.source, entry
-    assert "#include \"tsgen/attention_bwd.cuh\"" in r.source
+    assert "#include \"tsgen/attention_bwd_wgmma.cuh\"" in r.source
     assert "static constexpr bool BF16 = true;" in r.source
     assert f"SCALE = {1 / math.sqrt(128)!r}f" in r.source
     assert f"SCALE_LOG2 = {1 / math.sqrt(128) * math.log2(math.e)!r}f" in r.source
@@ -179,13 +183,15 @@ def test_compiles_without_spills(name):
 
 @needs_sass
 def test_sass_of_the_main_kernel(tmp_path, monkeypatch):
-    """The main kernel: bf16 HMMA m16n8k16, ldmatrix plain and transposed, dQ added with fp32
-    reductions (no value returned: RED, not ATOM), no local memory, no calls."""
+    """The mma_sync main kernel (the shipped specs run wgmma: tests/test_attention_backward_wgmma_cpu.py):
+    bf16 HMMA m16n8k16, ldmatrix plain and transposed, dQ added with fp32 reductions (no value
+    returned: RED, not ATOM), no local memory, no calls."""
     import re
 
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
-    sass = dump_sass(compile_source(ROOT / "generated" / "attention_backward_hd128.cu").output)
-    main = sass[sass.index("Function : attention_backward_hd128_w1_main"):]
+    spec = variant("v", **MMA_SYNC)
+    sass = dump_sass(compile_source(rendered_source(spec, tmp_path)).output)
+    main = sass[sass.index("Function : v_w1_main"):]
     main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
     names = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", main)
     assert "HMMA.16816.F32.BF16" in names and "LDSM.16.M88.4" in names and "LDSM.16.MT88.4" in names

@@ -47,15 +47,17 @@ def test_defaults_and_sizes():
     spec = variant("v").model
     assert spec.params.impl == "wgmma" and spec.launch.threads == IMPLS["wgmma"]["threads"] == 384
     assert [k.block for k in get_family("attention_backward").abi(spec).kernels] == [384]
-    assert [k.block for k in get_family("attention_backward").abi(load_spec(SPEC).model).kernels] == [128]
-    assert load_spec(SPEC).model.params.impl == "mma_sync", "the default stays mma_sync until a GPU proves wgmma"
+    shipped = load_spec(SPEC).model  # wgmma since every check of tools/gpu_attention_bwd.sh passed on an H200
+    assert shipped.params.impl == "wgmma" and shipped.params.dq_tiled
+    mma_sync = spec_variant(load_spec(SPEC), {"params": {"impl": "mma_sync"}, "launch": {"threads": 128}}).model
+    assert [k.block for k in get_family("attention_backward").abi(mma_sync).kernels] == [128]
     # K, V (128 rows), 2 stages of Q and dO (64 rows), two dS^T buffers (128 x 64), the fp32 dQ staging of
     # the two consumer warpgroups (64 x 64 each; dq_reduce bulk, the default), LSE2 and D per stage, 5
     # barriers, 1024 bytes of alignment slack; within the 227 KiB a CTA may opt into
     assert WGMMA_STAGES == 2 and DQ_STAGING == 2 * 64 * 64 * 4
     assert spec.params.dq_reduce is None and spec.params.dq_tiled
     atomic = variant("v", params={"dq_reduce": "atomic"}).model
-    assert not atomic.params.dq_tiled and not load_spec(SPEC).model.params.dq_tiled
+    assert not atomic.params.dq_tiled and not mma_sync.params.dq_tiled
     assert smem_bytes(atomic) == 2 * (2 * 128 * 128 + 2 * 2 * 64 * 128 + 2 * 128 * 64) + 2 * 4 * 2 * 64 + 40 + 1024
     assert smem_bytes(spec) == smem_bytes(atomic) + 32768
     assert smem_bytes(variant("v", params={"head_dim": 64}).model) == 2 * (2 * 128 * 64 + 2 * 2 * 64 * 64 +
@@ -63,8 +65,7 @@ def test_defaults_and_sizes():
     assert smem_bytes(spec) <= 227 * 1024
     fam = get_family("attention_backward")
     assert fam.constants(spec)["DQ_TILED"] == 1 and fam.constants(atomic)["DQ_TILED"] == 0
-    mma_bulk = load_spec(SPEC).model.model_copy(update={"params": load_spec(SPEC).model.params.model_copy(
-        update={"dq_reduce": "bulk"})})
+    mma_bulk = mma_sync.model_copy(update={"params": mma_sync.params.model_copy(update={"dq_reduce": "bulk"})})
     assert [w for w, _ in fam.check(mma_bulk)] == [("params", "dq_reduce")], "bulk needs the wgmma kernel"
 
 

@@ -65,7 +65,8 @@ class AttentionBackwardParams(AttentionShape):
     impl: Literal["mma_sync", "wgmma"] = Field(
         "mma_sync", description="the main kernel: mma_sync (4 warps per block of 64 keys, plain loads; proven on "
         "GPUs) or wgmma (sm_90a, FlashAttention-3 style: a TMA producer warp, two consumer warpgroups per block "
-        "of 128 keys, every product a wgmma; correct on an H200, not yet the default)")
+        "of 128 keys, every product a wgmma; the shipped specs' choice since 2026-11-27, after every check of "
+        "tools/gpu_attention_bwd.sh passed on an H200)")
     dq_reduce: Literal["bulk", "atomic"] | None = Field(
         None, description="how the wgmma main kernel adds each step's dQ into the fp32 accumulator: bulk (the "
         "default with impl wgmma: the warpgroup's 64 x 64 partial through shared memory, one "

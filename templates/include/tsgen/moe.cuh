@@ -30,9 +30,12 @@
 //   1. rows home (the first half of each block's warps, the senders): this rank's receive buffer
 //      is cut into chunks of CHUNK rows, dealt round robin over the grid's sender warps; a warp
 //      pushes each row r of its chunk from another rank s back to s, into s's comb[token][this
-//      rank], then raises chunk_sig[rank][chunk] to the epoch on every rank that had rows in it
-//      (release, sys scope, after __syncwarp: the lanes' row stores are ordered before it). A
-//      rank's rows of its own tokens stay in y: dispatch wrote where (sent_row[token][rank]).
+//      rank], then raises chunk_sig[rank][chunk] to the epoch on every other rank (release, sys
+//      scope, after __syncwarp: the lanes' row stores are ordered before it), whether or not it
+//      had rows there: which chunks a rank waits for follows from its own sent_row, so no handle
+//      read here can leave a peer waiting (a handle not yet written, as without dispatch's data
+//      wait, shows as a wrong sum, not a hang). A rank's rows of its own tokens stay in y:
+//      dispatch wrote where (sent_row[token][rank]).
 //   2. sums (the other warps from the start, the senders once their chunks are out): block b sums
 //      tokens b, b + gridDim.x, ... in that order, taken from a block-local counter; a token
 //      waits only for the chunks holding its rows on other ranks (sent_row[token][d] / CHUNK,
@@ -466,17 +469,16 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
   if (warp < SENDERS) {
     const int rows = min(b.recv_counts[0], C::RECV);
     for (int c = blockIdx.x * SENDERS + warp; c * CHUNK < rows; c += gridDim.x * SENDERS) {
-      uint32_t to = 0;  // ranks that had rows in this chunk
       for (int r = c * CHUNK; r < min(rows, (c + 1) * CHUNK); ++r) {
         const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
         if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
         if (s == rank) continue;  // this rank's own tokens: step 2 reads their rows in y (sent_row)
         copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
                     y + (size_t)r * C::HIDDEN, lane);
-        to |= 1u << s;
       }
       __syncwarp();  // every lane's row stores, before the release below (cumulativity carries them)
-      if (lane < W && ((to >> lane) & 1u))
+      // every other rank, not only those the handles name (step 1's note: no hang on a bad handle)
+      if (lane < W && lane != rank)
         st_release_sys_global_u64(peer_ptr(b.chunk_sig, peers, rank, lane) + rank * NCHUNK + c, epoch);
     }
   }
