@@ -12,7 +12,7 @@
 // ranks hand back in fp32 and writes bf16 in the original order.
 //
 // Calling convention (every kernel of this file):
-//   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls
+//   char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls
 // peers: device array of each rank's symmetric-heap base; rank: this GPU's rank; calls: this rank's
 // call counter in its heap (zeroed once; the kernel takes its epoch, the call number 1, 2, ... that signals
 // count up to, from it and advances it at the end: nothing is reset, and CUDA graph replay works);
@@ -28,19 +28,20 @@
 //   recv_idx int32_t        scratch 16384
 //   recv_w   float          scratch 16384
 //   handle   int32_t        scratch 4096
-//   self_row int32_t        scratch 256
+//   sent_row int32_t        scratch 2048
 //   comb     __nv_bfloat16  scratch 4194304
 //   cnt      int32_t        scratch 576
-//   sig      uint64_t       signal 24
+//   sig      uint64_t       signal 17
+//   chunk_sig uint64_t       signal 8192
 //   combine_calls uint64_t       signal 2
 // Contents (line numbers of this file):
-//   54: the hand-written library, included: tsgen/ptx.cuh 54, tsgen/sync.cuh 55, tsgen/copy.cuh 56, tsgen/moe.cuh 57
-//   60: the op's own code (namespace moe: constants, tables, device code)
+//   55: the hand-written library, included: tsgen/ptx.cuh 55, tsgen/sync.cuh 56, tsgen/copy.cuh 57, tsgen/moe.cuh 58
+//   61: the op's own code (namespace moe: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_w2_dispatch 132, moe_w2_combine 140, moe_w2_dispatch_launch 148, moe_w2_combine_launch 157
-//     moe_w2_launch 170, moe_w4_dispatch 177, moe_w4_combine 185, moe_w4_dispatch_launch 193
-//     moe_w4_combine_launch 202, moe_w4_launch 215, moe_w8_dispatch 222, moe_w8_combine 230
-//     moe_w8_dispatch_launch 238, moe_w8_combine_launch 247, moe_w8_launch 260
+//     moe_w2_dispatch 158, moe_w2_combine 166, moe_w2_dispatch_launch 174, moe_w2_combine_launch 183
+//     moe_w2_launch 196, moe_w4_dispatch 203, moe_w4_combine 211, moe_w4_dispatch_launch 219
+//     moe_w4_combine_launch 228, moe_w4_launch 241, moe_w8_dispatch 248, moe_w8_combine 256
+//     moe_w8_dispatch_launch 264, moe_w8_combine_launch 273, moe_w8_launch 286
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -72,6 +73,8 @@ constexpr int RECV = 2048;
 constexpr int WEIGHTED = 0;
 constexpr int SLOT = 256;
 constexpr int FP8 = 0;
+constexpr int COMBINE_BLOCKS = 32;
+constexpr int CHUNK = 2;
 
 // Compile-time shape of world size WORLD (tsgen/moe.cuh says what each kernel does), from the
 // constants above.
@@ -81,10 +84,11 @@ struct Config {
   static constexpr int HIDDEN = ::moe::HIDDEN, CAP = ::moe::CAP, THREADS = ::moe::THREADS, UNROLL = ::moe::UNROLL;
   static constexpr int RECV = ::moe::RECV;  // normal mode: rows one rank can receive
   static constexpr int SLOT = ::moe::SLOT;  // low-latency mode: rows per (local expert, source rank)
+  static constexpr int CHUNK = ::moe::CHUNK;  // normal combine: rows per signalled chunk of a receive buffer
   static constexpr bool WEIGHTED = ::moe::WEIGHTED != 0, FP8 = ::moe::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 
-static __device__ __forceinline__ tsgen::moe::Buffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig) {
+static __device__ __forceinline__ tsgen::moe::Buffers buffers(__nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig) {
   tsgen::moe::Buffers b{};
   b.x = x;
   b.topk_idx = topk_idx;
@@ -95,10 +99,11 @@ static __device__ __forceinline__ tsgen::moe::Buffers buffers(__nv_bfloat16* x, 
   b.recv_idx = recv_idx;
   b.recv_w = recv_w;
   b.handle = handle;
-  b.self_row = self_row;
+  b.sent_row = sent_row;
   b.comb = comb;
   b.cnt = cnt;
   b.sig = sig;
+  b.chunk_sig = chunk_sig;
   return b;
 }
 
@@ -117,6 +122,27 @@ static __device__ __forceinline__ int checked_tokens(uint64_t count, int rank, c
   return (int)count;
 }
 
+// Normal combine sums the tokens of the dispatch before it: a token past that dispatch's count has
+// no row recorded (its sent_row entries are an older call's, or never written) and would wait for
+// chunks nobody signals (a timeout, then a trap naming only the wait). So a larger count stops
+// here, naming both counts (dispatch keeps its count in sig[SIG_TOKENS * WMAX], a signal word: 0
+// before the first dispatch). A smaller count is fine: those tokens' rows are this call's.
+static __device__ __noinline__ __attribute__((noreturn)) void more_than_dispatched(int rank, uint64_t count,
+                                                                                    uint64_t dispatched) {
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    printf("tsgen: moe_combine: rank %d got count = %llu tokens, but its last dispatch had %llu; combine "
+           "sums the tokens of the dispatch before it: pass it the same count\n", rank,
+           (unsigned long long)count, (unsigned long long)dispatched);
+  __trap();
+}
+
+static __device__ __forceinline__ int combine_tokens(uint64_t count, const uint64_t* sig, int rank) {
+  const int tokens = checked_tokens(count, rank, "moe_combine");
+  const uint64_t dispatched = sig[tsgen::moe::SIG_TOKENS * WMAX];
+  if (count > dispatched) more_than_dispatched(rank, count, dispatched);
+  return tokens;
+}
+
 // The host launchers refuse what they can see before anything is launched (the kernels' own
 // check above is the backstop for a caller that launches them directly): a kernel that traps
 // takes down the CUDA context, and with it every rank that shares it.
@@ -128,138 +154,138 @@ static cudaError_t refused(const char* launcher, int rank, const char* what, uin
 
 }  // namespace moe
 
-// ---- world size 2: grid 32 x 512 threads per kernel ----
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+// ---- world size 2: dispatch's grid 32, combine's 32, x 512 threads ----
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::dispatch<moe::Config<2>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_dispatch"),
-                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
+                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig));
   tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w2_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
-  tsgen::moe::combine<moe::Config<2>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_combine"),
-                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig), y);
+  tsgen::moe::combine<moe::Config<2>>(peers, rank, epoch, moe::combine_tokens(count, sig, rank),
+                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
-extern "C" cudaError_t moe_w2_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+extern "C" cudaError_t moe_w2_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w2_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w2_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
+  moe_w2_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls);
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t moe_w2_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+extern "C" cudaError_t moe_w2_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w2_combine_launch", rank, "more tokens than the capacity", count);
   if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
     return moe::refused("moe_w2_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w2_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, y);
+  moe_w2_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls, y);
   return cudaGetLastError();
 }
 
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert), so out[t] = sum over t's destination ranks.
-extern "C" cudaError_t moe_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = moe_w2_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, stream);
-  if (err == cudaSuccess) err = moe_w2_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, recv_x, stream);
+extern "C" cudaError_t moe_w2_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, cudaStream_t stream) {
+  cudaError_t err = moe_w2_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls, stream);
+  if (err == cudaSuccess) err = moe_w2_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls, recv_x, stream);
   return err;
 }
 
-// ---- world size 4: grid 32 x 512 threads per kernel ----
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+// ---- world size 4: dispatch's grid 32, combine's 32, x 512 threads ----
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::dispatch<moe::Config<4>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_dispatch"),
-                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
+                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig));
   tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w4_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
-  tsgen::moe::combine<moe::Config<4>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_combine"),
-                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig), y);
+  tsgen::moe::combine<moe::Config<4>>(peers, rank, epoch, moe::combine_tokens(count, sig, rank),
+                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
-extern "C" cudaError_t moe_w4_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+extern "C" cudaError_t moe_w4_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w4_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w4_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
+  moe_w4_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls);
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t moe_w4_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+extern "C" cudaError_t moe_w4_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w4_combine_launch", rank, "more tokens than the capacity", count);
   if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
     return moe::refused("moe_w4_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w4_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, y);
+  moe_w4_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls, y);
   return cudaGetLastError();
 }
 
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert), so out[t] = sum over t's destination ranks.
-extern "C" cudaError_t moe_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = moe_w4_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, stream);
-  if (err == cudaSuccess) err = moe_w4_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, recv_x, stream);
+extern "C" cudaError_t moe_w4_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, cudaStream_t stream) {
+  cudaError_t err = moe_w4_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls, stream);
+  if (err == cudaSuccess) err = moe_w4_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls, recv_x, stream);
   return err;
 }
 
-// ---- world size 8: grid 32 x 512 threads per kernel ----
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls) {
+// ---- world size 8: dispatch's grid 32, combine's 32, x 512 threads ----
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::dispatch<moe::Config<8>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_dispatch"),
-                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig));
+                                              moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig));
   tsgen::call_end(calls, epoch);
 }
 
 // y: this rank's processed rows, [RECV][HIDDEN] in the order dispatch delivered them.
-extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_w8_combine(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y) {
   const uint64_t epoch = tsgen::call_begin(combine_calls);
-  tsgen::moe::combine<moe::Config<8>>(peers, rank, epoch, moe::checked_tokens(count, rank, "moe_combine"),
-                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig), y);
+  tsgen::moe::combine<moe::Config<8>>(peers, rank, epoch, moe::combine_tokens(count, sig, rank),
+                                             moe::buffers(x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig), y);
   tsgen::call_end(combine_calls, epoch);
 }
 
 // Host launchers: each makes the device of this rank's buffers current first (see tsgen::use_device_of).
-extern "C" cudaError_t moe_w8_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
+extern "C" cudaError_t moe_w8_dispatch_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w8_dispatch_launch", rank, "more tokens than the capacity", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w8_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls);
+  moe_w8_dispatch<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls);
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t moe_w8_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
+extern "C" cudaError_t moe_w8_combine_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, const __nv_bfloat16* y, cudaStream_t stream) {
   if (count > (uint64_t)moe::CAP)
     return moe::refused("moe_w8_combine_launch", rank, "more tokens than the capacity", count);
   if (y == nullptr)  // (low-latency mode takes null as the identity expert; normal mode has no such default)
     return moe::refused("moe_w8_combine_launch", rank, "y is null: pass the processed rows", count);
   const cudaError_t err = tsgen::use_device_of(calls);
   if (err != cudaSuccess) return err;
-  moe_w8_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, y);
+  moe_w8_combine<<<32, 512, 0, stream>>>(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls, y);
   return cudaGetLastError();
 }
 
 // tsgen's calling convention (`tsgen test`, `tsgen bench`): dispatch, then combine of the
 // received rows as they are (the identity expert), so out[t] = sum over t's destination ranks.
-extern "C" cudaError_t moe_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* self_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* combine_calls, cudaStream_t stream) {
-  cudaError_t err = moe_w8_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, stream);
-  if (err == cudaSuccess) err = moe_w8_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, self_row, comb, cnt, sig, combine_calls, recv_x, stream);
+extern "C" cudaError_t moe_w8_launch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_idx, float* recv_w, int32_t* handle, int32_t* sent_row, __nv_bfloat16* comb, int32_t* cnt, uint64_t* sig, uint64_t* chunk_sig, uint64_t* combine_calls, cudaStream_t stream) {
+  cudaError_t err = moe_w8_dispatch_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls, stream);
+  if (err == cudaSuccess) err = moe_w8_combine_launch(peers, rank, calls, count, x, topk_idx, topk_weights, out, recv_counts, recv_x, recv_idx, recv_w, handle, sent_row, comb, cnt, sig, chunk_sig, combine_calls, recv_x, stream);
   return err;
 }
 

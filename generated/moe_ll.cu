@@ -35,11 +35,11 @@
 //   53: the hand-written library, included: tsgen/ptx.cuh 53, tsgen/sync.cuh 54, tsgen/copy.cuh 55, tsgen/moe.cuh 56
 //   59: the op's own code (namespace moe_ll: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_ll_w2_dispatch 128, moe_ll_w2_combine 137, moe_ll_w2_dispatch_launch 146
-//     moe_ll_w2_combine_launch 155, moe_ll_w2_launch 166, moe_ll_w4_dispatch 173, moe_ll_w4_combine 182
-//     moe_ll_w4_dispatch_launch 191, moe_ll_w4_combine_launch 200, moe_ll_w4_launch 211
-//     moe_ll_w8_dispatch 218, moe_ll_w8_combine 227, moe_ll_w8_dispatch_launch 236
-//     moe_ll_w8_combine_launch 245, moe_ll_w8_launch 256
+//     moe_ll_w2_dispatch 131, moe_ll_w2_combine 140, moe_ll_w2_dispatch_launch 149
+//     moe_ll_w2_combine_launch 158, moe_ll_w2_launch 169, moe_ll_w4_dispatch 176, moe_ll_w4_combine 185
+//     moe_ll_w4_dispatch_launch 194, moe_ll_w4_combine_launch 203, moe_ll_w4_launch 214
+//     moe_ll_w8_dispatch 221, moe_ll_w8_combine 230, moe_ll_w8_dispatch_launch 239
+//     moe_ll_w8_combine_launch 248, moe_ll_w8_launch 259
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -71,6 +71,8 @@ constexpr int RECV = 1024;
 constexpr int WEIGHTED = 1;
 constexpr int SLOT = 128;
 constexpr int FP8 = 0;
+constexpr int COMBINE_BLOCKS = 32;
+constexpr int CHUNK = 2;
 
 // Compile-time shape of world size WORLD (tsgen/moe.cuh says what each kernel does), from the
 // constants above.
@@ -80,6 +82,7 @@ struct Config {
   static constexpr int HIDDEN = ::moe_ll::HIDDEN, CAP = ::moe_ll::CAP, THREADS = ::moe_ll::THREADS, UNROLL = ::moe_ll::UNROLL;
   static constexpr int RECV = ::moe_ll::RECV;  // normal mode: rows one rank can receive
   static constexpr int SLOT = ::moe_ll::SLOT;  // low-latency mode: rows per (local expert, source rank)
+  static constexpr int CHUNK = ::moe_ll::CHUNK;  // normal combine: rows per signalled chunk of a receive buffer
   static constexpr bool WEIGHTED = ::moe_ll::WEIGHTED != 0, FP8 = ::moe_ll::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 
@@ -124,7 +127,7 @@ static cudaError_t refused(const char* launcher, int rank, const char* what, uin
 
 }  // namespace moe_ll
 
-// ---- world size 2: grid 32 x 512 threads per kernel ----
+// ---- world size 2: dispatch's grid 32, combine's 32, x 512 threads ----
 extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w2_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::ll_dispatch<moe_ll::Config<2>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_dispatch"),
@@ -169,7 +172,7 @@ extern "C" cudaError_t moe_ll_w2_launch(char* const* peers, int rank, uint64_t* 
   return err;
 }
 
-// ---- world size 4: grid 32 x 512 threads per kernel ----
+// ---- world size 4: dispatch's grid 32, combine's 32, x 512 threads ----
 extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w4_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::ll_dispatch<moe_ll::Config<4>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_dispatch"),
@@ -214,7 +217,7 @@ extern "C" cudaError_t moe_ll_w4_launch(char* const* peers, int rank, uint64_t* 
   return err;
 }
 
-// ---- world size 8: grid 32 x 512 threads per kernel ----
+// ---- world size 8: dispatch's grid 32, combine's 32, x 512 threads ----
 extern "C" __global__ void __launch_bounds__(512, 1) moe_ll_w8_dispatch(char* const* peers, int rank, uint64_t* calls, uint64_t count, __nv_bfloat16* x, int32_t* topk_idx, float* topk_weights, __nv_bfloat16* out, int32_t* recv_counts, __nv_bfloat16* recv_x, int32_t* recv_src, __nv_bfloat16* comb, uint64_t* lsig, uint64_t* csig, uint64_t* combine_calls) {
   const uint64_t epoch = tsgen::call_begin(calls);
   tsgen::moe::ll_dispatch<moe_ll::Config<8>>(peers, rank, epoch, moe_ll::checked_tokens(count, rank, "moe_dispatch"),

@@ -321,6 +321,85 @@ def test_dispatch_position_arithmetic_matches_layout():
                             assert warp_base[w, d] + pre[d] == counts[:s, d].sum() + lays[s]["pos"][rnd + i, d]
 
 
+def test_combine_chunk_schedule_covers_every_wait_and_every_token():
+    """tsgen/moe.cuh's normal combine in Python: the chunks of each rank's receive buffer dealt over
+    the sender warps (each chunk to one warp), the ranks each chunk's signal goes to (those with rows
+    in it, from the handles), and the chunk every token's sum waits for (its row on that rank, from
+    dispatch's sent_row, over CHUNK): every wait is for a chunk whose signal goes to the waiting rank;
+    the blocks' token queues (block b: tokens b, b + blocks, ..., `parts` items each) hand out every
+    (token, part) exactly once."""
+    from tsgen.ops.moe import COMBINE_CHUNK_ROWS as CHUNK
+
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        world = int(rng.choice([2, 3, 4, 8]))
+        experts = world * int(rng.integers(1, 4))
+        topk = int(rng.integers(1, min(experts, 4) + 1))
+        case = str(rng.choice(["random", "skewed", "no_expert", "same_rank", "one_rank_idle"]))
+        tokens = [int(rng.integers(0, 150)) for _ in range(world)]
+        blocks, warps = int(rng.integers(1, 9)), int(rng.choice([1, 2, 16]))
+        senders = warps // 2 if warps > 1 else 1
+        inputs = {"x": [np.zeros(tokens[r] * 8, np.uint16) for r in range(world)],
+                  "topk_idx": [routing(case, world, experts, topk, tokens[r], rng, r) for r in range(world)],
+                  "topk_weights": [np.ones(tokens[r] * topk, np.float32) for r in range(world)]}
+        recv = world * max(tokens + [1])
+        disp = dispatch_reference(inputs, world, experts, topk, 8, recv)
+        lays = [layout(inputs["topk_idx"][s], world, experts, topk) for s in range(world)]
+        signalled = set()  # (rank d whose chunk, chunk, rank it is signalled to)
+        for d in range(world):
+            handles = disp[d]["handle"]
+            rows = min(len(handles), recv)
+            owner = {}
+            for g in range(blocks * senders):  # sender warp g = block * senders + warp
+                for c in range(g, -(-rows // CHUNK), blocks * senders):
+                    assert c not in owner
+                    owner[c] = g
+                    to = {int(handles[r, 0]) for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK))} - {d}
+                    signalled |= {(d, c, s) for s in to}
+            assert sorted(owner) == list(range(-(-rows // CHUNK)))
+        for s in range(world):
+            sent_row = np.where(lays[s]["mask"], lays[s]["pos"] + sum(lays[j]["per_rank"] for j in range(s)), -1)
+            for t in range(tokens[s]):
+                for d in range(world):
+                    if d != s and sent_row[t, d] >= 0:
+                        assert disp[d]["handle"][sent_row[t, d]].tolist() == [s, t]
+                        assert (d, sent_row[t, d] // CHUNK, s) in signalled, (s, t, d)
+            parts = max(1, blocks * warps // tokens[s]) if tokens[s] else 1
+            handed = []
+            for b in range(blocks):
+                items = ((tokens[s] - 1 - b) // blocks + 1 if tokens[s] > b else 0) * parts
+                handed += [(b + i // parts * blocks, i % parts) for i in range(items)]
+            assert sorted(handed) == [(t, p) for t in range(tokens[s]) for p in range(parts)]
+
+
+def test_combine_grid_of_its_own():
+    """params.combine_blocks: the combine launch uses it, dispatch keeps launch.blocks, the manifest's
+    grid (what the residency checks read) is the larger, a shared GPU fits both, the phase rows name
+    each kernel's SMs; low-latency mode refuses it."""
+    from tsgen.harness import render_to_cache
+    from tsgen.ops import get_family
+    from tsgen.ops.moe import combine_chunks, phase_sms
+    from tsgen.spec import spec_variant
+
+    family = get_family("moe")
+    base = load_spec(ROOT / "specs" / "moe.yaml")
+    assert phase_sms(base.model, "combine") == phase_sms(base.model, "dispatch") == base.model.launch.blocks
+    loaded = spec_variant(base, {"params": {"combine_blocks": 64}})
+    spec = loaded.model
+    assert {k.grid for k in family.abi(spec).kernels} == {64}
+    assert (phase_sms(spec, "dispatch"), phase_sms(spec, "combine")) == (32, 64)
+    text = render_to_cache(loaded).source.read_text()
+    assert text.count("_combine<<<64, 512, 0, stream>>>") == len(spec.world_sizes)
+    assert text.count("_dispatch<<<32, 512, 0, stream>>>") == len(spec.world_sizes)
+    assert family.shared_fit(spec, 2, 132) == {}
+    assert family.shared_fit(spec, 4, 132) == {"params": {"combine_blocks": 33}}
+    assert family.shared_fit(spec, 8, 132) == {"launch": {"blocks": 16}, "params": {"combine_blocks": 16}}
+    sig = {b.name: b for b in family.buffers(spec)}["chunk_sig"]
+    assert sig.fixed == max(spec.world_sizes) * combine_chunks(spec)
+    with pytest.raises(Exception, match="only the normal mode's combine has a grid of its own"):
+        spec_variant(load_spec(ROOT / "specs" / "moe_ll.yaml"), {"params": {"combine_blocks": 64}})
+
+
 # ---------------------------------------------------------------------------
 # The GPU tests' driver (tests/test_moe_gpu.py) on a simulated device: the kernels' effects come
 # from the references, so every check, poison and bookkeeping path of the driver runs on CPU.
@@ -489,8 +568,8 @@ def _fake_moe_class(gpu, break_what=None):
                         for name, key in (("recv_idx", "recv_idx"), ("recv_w", "recv_w"), ("handle", "handle")):
                             v = ref[d][key][:n].reshape(-1)
                             a(name, d)[: v.size] = v
-                if break_what == "dispatch":
-                    a("recv_counts", 0)[0] += 1
+                if break_what == "dispatch" or (break_what == "pair_counts" and which == "pair"):
+                    a("recv_counts", 0)[2] += 1  # rows from source 0: what a stale `cnt` read shows
                 if which == "dispatch":
                     return
                 ys = rows
@@ -533,6 +612,39 @@ def test_gpu_driver_on_a_simulated_device(monkeypatch, spec, world):
         monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu, broken))
         problems, _ = gpu.run_moe(world, iters=2, spec=f"specs/{spec}.yaml", variant=variant)
         assert problems, broken
+
+
+@pytest.mark.parametrize("spec", ["moe", "moe_ll"])
+def test_gpu_driver_poisons_combine_scratch_and_checks_every_burst_pair_counts(monkeypatch, spec):
+    """Moe.load poisons combine's inbox (bf16 NaN) and, in normal mode, sent_row (-2), so a sum
+    read too early or a row dispatch did not record fails whatever the call before left; the
+    back-to-back pairs compare every pair's recv_counts, not only out (a count read from a peer's
+    next call shows only there)."""
+    import test_moe_gpu as gpu
+    import tsgen.runtime
+
+    variant = {"params": {"hidden": 256, "capacity": 40}, "test": {"count": 39}}
+    monkeypatch.setattr(tsgen.runtime, "World", _FakeWorld)
+    loads = []
+
+    class Watched(_fake_moe_class(gpu)):
+        def load(self, inputs, call):
+            super().load(inputs, call)
+            for r in self.world.ranks:
+                comb = self.bufs.array("comb", r).view(np.uint16)
+                assert (comb == gpu.COMB_POISON).all()
+                assert np.isnan(to_f64(comb[:1], "bfloat16")).all()
+                if not self.ll:
+                    assert (self.bufs.array("sent_row", r) == gpu.SENT_ROW_POISON).all()
+            loads.append(call)
+
+    monkeypatch.setattr(gpu, "Moe", Watched)
+    problems, _ = gpu.run_moe(2, iters=2, spec=f"specs/{spec}.yaml", burst=3, variant=variant)
+    assert problems == [] and loads == [0, 1]
+    monkeypatch.setattr(gpu, "Moe", _fake_moe_class(gpu, "pair_counts"))
+    problems, _ = gpu.run_moe(2, iters=1, spec=f"specs/{spec}.yaml", burst=3, variant=variant)
+    assert problems and all(p.startswith("back-to-back pair") and "recv_counts" in p for p in problems), problems
+    assert len(problems) == 3  # one per pair (rank 0's)
 
 
 def test_gpu_driver_overflow_and_negative_control_paths(monkeypatch):
@@ -606,6 +718,33 @@ def test_launchers_refuse_too_many_tokens_and_a_null_y_before_touching_cuda(capf
     assert f"{kernel}_combine_launch: rank 1: y is null" in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("spec", ["moe", "moe_fp8", "moe_ll"])
+def test_combine_checks_its_count_against_the_last_dispatch(spec):
+    """Normal mode: dispatch keeps its token count in sig's last word (a signal: zeroed once at
+    allocation, so 0 before the first dispatch), and combine's entry stops on a larger count with
+    both counts named (tokens past dispatch's have no rows in sent_row and would wait for chunks
+    nobody signals). Low-latency mode has neither. (Source checks: the trap itself needs a GPU.)"""
+    from tsgen.harness import render_to_cache
+    from tsgen.headers import amalgamate
+    from tsgen.ops import get_family
+
+    loaded = load_spec(ROOT / "specs" / f"{spec}.yaml")
+    wmax = max(loaded.model.world_sizes)
+    bufs = {b.name: b for b in get_family("moe").buffers(loaded.model)}
+    text = amalgamate(render_to_cache(loaded).source.read_text())
+    if spec == "moe_ll":
+        assert "sig" not in bufs and "combine_tokens" not in text
+        return
+    assert (bufs["sig"].role, bufs["sig"].fixed, bufs["sig"].init) == ("signal", 2 * wmax + 1, 0)
+    assert text.count("b.sig[SIG_TOKENS * WMAX] = (uint64_t)tokens;") == 1
+    assert "SIG_COUNTS = 0, SIG_DATA = 1, SIG_TOKENS = 2" in text
+    assert text.count("::combine_tokens(count, sig, rank)") == len(loaded.model.world_sizes)
+    assert "but its last dispatch had %llu" in text
+    # recv_counts comes from shared memory, never from `cnt` after the arrival wait
+    tail = text[text.index("make_site(\"moe.data\""):text.index("static __device__ __forceinline__ void combine(")]
+    assert "b.cnt" not in tail and "s_from[j]" in tail and "s_ecount[l]" in tail
+
+
 def test_static_shared_memory_over_the_limit_is_a_spec_error():
     """Low-latency dispatch keeps threads x topk pairs in static shared memory: 1024 threads with
     top-16 need 65,668 bytes (ptxas reported 65,676), over the 48 KiB a block may declare."""
@@ -617,3 +756,58 @@ def test_static_shared_memory_over_the_limit_is_a_spec_error():
     assert dispatch_static_smem(shipped.model, 8) == 16452  # ptxas: 16.1 KB (docs/design/moe.md)
     with pytest.raises(SpecError, match=r"launch.threads: 1024 threads need 65668 bytes of static shared memory"):
         spec_variant(shipped, {"params": {"topk": 16}, "launch": {"threads": 1024}})
+
+
+# ---------------------------------------------------------------------------
+# The data-wait control's process of its own (tests/test_moe_gpu.py, run_control_in_child)
+# ---------------------------------------------------------------------------
+
+def _child(outcome: str, printed: str = "") -> str:
+    """A stand-in for test_moe_gpu.CHILD: imports the test module in the child as the real one does,
+    prints `printed` through C stdio (as the device's printf does), then the outcome line, and
+    leaves with os._exit (the real child's way out of a dead CUDA context)."""
+    return f"""
+import ctypes, json, os, sys
+sys.path.insert(0, "tests")
+import test_moe_gpu
+libc = ctypes.CDLL(None)
+for line in {printed!r}.splitlines():
+    libc.printf((line + "\\n").encode())
+print("CONTROL " + json.dumps({outcome}), flush=True)
+libc.fflush(None)
+os._exit(0)
+"""
+
+
+def test_control_in_child_wrong_output():
+    import test_moe_gpu as g
+
+    problems, lines, trap = g.run_control_in_child("data", _child('{"problems": ["back-to-back pair 3 of 50: x"], "lines": ["l"]}'))
+    assert (problems, lines, trap) == (["back-to-back pair 3 of 50: x"], ["l"], None)
+
+
+def test_control_in_child_timeout_trap_counts_as_caught():
+    import test_moe_gpu as g
+
+    printed = "tsgen: timeout: rank 0 block 2 thread 2 waited 10000 ms on moe.counts[2] (memory of rank 0)\nother"
+    problems, lines, trap = g.run_control_in_child(
+        "data", _child('{"error": "KernelFailed: kernel failed on ranks 0, 1, 2, 3 (GPU 0)"}', printed))
+    assert problems == [] and trap.startswith("tsgen: timeout: rank 0 block 2"), trap
+
+
+@pytest.mark.parametrize("outcome, printed, message", [
+    ('{"error": "KernelFailed: kernel failed"}', "", "not a timeout trap"),  # a trap with no timeout line
+    ('{"error": "CUDARuntimeError: cudaErrorIllegalAddress"}', "tsgen: timeout: rank 1", "not a timeout trap"),
+], ids=["no_timeout_line", "not_kernel_failed"])
+def test_control_in_child_other_errors_fail(outcome, printed, message):
+    import test_moe_gpu as g
+
+    with pytest.raises(AssertionError, match=message):
+        g.run_control_in_child("data", _child(outcome, printed))
+
+
+def test_control_in_child_that_prints_nothing_fails():
+    import test_moe_gpu as g
+
+    with pytest.raises(AssertionError, match="printed no outcome"):
+        g.run_control_in_child("data", "import sys; sys.exit(3)")

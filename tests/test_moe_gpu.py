@@ -1,11 +1,13 @@
 """MoE dispatch and combine on GPUs (shared-GPU worlds on one GPU: TSGEN_SHARE_GPUS=1).
 
 Each call: fresh routing of one case (tokens per rank differ: the spec's count, 0, 1, odd),
-every output and receive buffer poisoned, dispatch, then every received row, its metadata, its
+every output and receive buffer poisoned, and combine's inbox (`comb`, bf16 NaN) and the rows
+dispatch records for it (`sent_row`, -2), dispatch, then every received row, its metadata, its
 handle and recv_counts compared exactly with the NumPy reference and the rows past what arrived
 checked still poisoned; then combine of rows the test makes from the received ones (row r scaled
 by 2^(r mod 3), exact in bf16) compared with the reference. Signals are never reset between
-calls; the last test launches 20 dispatch + combine pairs back to back with no host sync.
+calls; the last test launches 20 dispatch + combine pairs back to back with no host sync, each
+pair's out and recv_counts checked.
 """
 
 from __future__ import annotations
@@ -118,12 +120,23 @@ class Moe:
                 scratch = ("recv_x", "recv_src") if self.ll else payload + ("recv_idx", "recv_w", "handle")
                 for name in ("out", "recv_counts") + scratch:
                     self.bufs.array(name, r).view(np.uint8)[...] = poison_byte(call)
+                # combine's inbox as bf16 NaN: a sum that reads a slot before its chunk arrived (the
+                # "comb" control) is NaN, not a stale row that might be right; sent_row as -2 (not a
+                # row, nor dispatch's -1): a dispatch that fails to record a token's rows leaves the
+                # token's sum without them
+                self.bufs.array("comb", r).view(np.uint16)[...] = COMB_POISON
+                if not self.ll:
+                    self.bufs.array("sent_row", r)[...] = SENT_ROW_POISON
 
     def get(self, name, rank):
         return self.bufs.array(name, rank).get()
 
     def free(self):
         self.bufs.free()
+
+
+COMB_POISON = 0x7FC1  # a bf16 NaN
+SENT_ROW_POISON = -2
 
 
 def make_inputs(moe, world, case, call, seed=0):
@@ -234,14 +247,26 @@ def identity_rows(moe, inputs, size):
     return [fp8_dequantize(*fp8_quantize(r["recv_x"], moe.hidden)) if moe.fp8 else r["recv_x"] for r in ref]
 
 
+def expected_counts(moe, inputs, size):
+    """Every rank's recv_counts after a dispatch of `inputs`, as the kernel writes them."""
+    wmax = max(moe.spec.world_sizes)
+    if moe.ll:
+        ref = ll_dispatch_reference(inputs, size, moe.experts, moe.topk, moe.hidden, moe.slot)
+        return [ll_counts_array(r, wmax, moe.experts) for r in ref]
+    ref = dispatch_reference(inputs, size, moe.experts, moe.topk, moe.hidden, moe.recv)
+    return [counts_array(r, wmax, moe.experts) for r in ref]
+
+
 def burst_pairs(moe, world, first_call, burst, problems):
     """`burst` dispatch + combine pairs (the identity expert) back to back with no host sync: each
-    pair's inputs are copied in on the rank's stream just before it and its output copied out just
-    after, so every pair has its own routing and token counts and every pair's output is checked
-    (a wait that is missing shows even where the previous call left the same rows)."""
+    pair's inputs are copied in on the rank's stream just before it and its output and recv_counts
+    copied out just after, so every pair has its own routing and token counts and every pair's
+    output and counts are checked (a wait that is missing shows even where the previous call left
+    the same rows; counts read after a peer already wrote its next ones show in recv_counts: a
+    rank with no rows on another, e.g. one with 0 tokens, never waits for it in combine)."""
     cp, size = world.cp, world.size
     sets = [make_inputs(moe, size, "random", first_call + j) for j in range(burst)]
-    staged, history = {}, {}
+    staged, history, counts = {}, {}, {}
     for r in world.ranks:
         with cp.cuda.Device(world.devices[r]):
             staged[r] = []
@@ -254,6 +279,7 @@ def burst_pairs(moe, world, first_call, burst, problems):
                     one[name] = cp.asarray(full)
                 staged[r].append(one)
             history[r] = [cp.asarray(np.zeros(moe.bufs.array("out", r).size, np.uint16)) for _ in range(burst)]
+            counts[r] = [cp.asarray(np.zeros(moe.bufs.array("recv_counts", r).size, np.int32)) for _ in range(burst)]
     world.synchronize()
     for j, (tokens, _) in enumerate(sets):
         for r in world.ranks:
@@ -264,9 +290,17 @@ def burst_pairs(moe, world, first_call, burst, problems):
         for r in world.ranks:
             with cp.cuda.Device(world.devices[r]), world.streams[r]:
                 history[r][j][...] = moe.bufs.array("out", r)
+                counts[r][j][...] = moe.bufs.array("recv_counts", r)
     world.synchronize()
     for j, (tokens, inputs) in enumerate(sets):
         want = expected_out(moe, size, inputs, identity_rows(moe, inputs, size))
+        want_counts = expected_counts(moe, inputs, size)
+        for d in world.ranks:
+            got_counts = counts[d][j].get()
+            if not np.array_equal(got_counts, want_counts[d]):
+                bad = np.flatnonzero(got_counts != want_counts[d])[:4].tolist()
+                problems.append(f"back-to-back pair {j + 1} of {burst}: rank {d} recv_counts differ at {bad}: "
+                                f"{got_counts[bad].tolist()} expected {want_counts[d][bad].tolist()}")
         for s in world.ranks:
             got = history[s][j].get()[: want[s].size]
             diff = np.abs(to_f64(got, "bfloat16") - to_f64(want[s], "bfloat16"))
@@ -373,6 +407,17 @@ def test_moe_dispatch_combine(world, weighted):
     assert not problems, "\n".join(lines + problems[:10])
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_combine_on_its_own_grid(world):
+    """params.combine_blocks: combine on more blocks than dispatch (the moe-w2 suite's 64 against
+    32), its chunks dealt over another number of sender warps; every output right, also back to
+    back (on a shared GPU both grids are fitted: 4 ranks get 33 combine blocks against 16)."""
+    need_gpus(world)
+    problems, lines = run_moe(world, variant={"launch": {"blocks": 16}, "params": {"combine_blocks": 40}}, burst=20)
+    _record({"test": "combine_grid", "world": world, "pass": not problems, "problems": problems[:5], "lines": lines})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_moe_fp8_dispatch(world):
     """FP8 payload: e4m3 bytes and scales bit-exact with the reference quantizer, the error of the
@@ -470,26 +515,89 @@ def test_moe_low_latency_negative_control_slot_wait_removed():
 # The other waits, each removed (satisfied at once) with rank skew: the same checks must fail.
 #   data: dispatch's block 0 waits for every source block's rows before the kernel ends (combine,
 #         the next kernel, reads the handles and rows)
-#   comb / ll_comb: combine waits for every rank's rows before it sums them
+#   comb: a token's sum waits for the chunks that hold its rows on the other ranks (chunk_sig)
+#   ll_comb: low-latency combine waits for every rank's rows before it sums them
 MORE_CONTROLS = {
     "data": (SPEC, "wait_ge_acquire_sys(b.sig + SIG_DATA * WMAX + tid, epoch * (uint64_t)gridDim.x,",
              "wait_ge_acquire_sys(b.sig + SIG_DATA * WMAX + tid, 0ull,"),
-    "comb": (SPEC, "wait_ge_acquire_sys(b.sig + SIG_COMB * WMAX + tid, epoch * (uint64_t)gridDim.x,",
-             "wait_ge_acquire_sys(b.sig + SIG_COMB * WMAX + tid, 0ull,"),
+    "comb": (SPEC, "wait_ge_acquire_sys(b.chunk_sig + lane * NCHUNK + row / CHUNK, epoch,",
+             "wait_ge_acquire_sys(b.chunk_sig + lane * NCHUNK + row / CHUNK, 0ull,"),
     "ll_comb": (LL_SPEC, "wait_ge_acquire_sys(b.csig + tid, epoch * (uint64_t)gridDim.x,",
                 "wait_ge_acquire_sys(b.csig + tid, 0ull,"),
 }
 
 
+# Without the data wait a rank's combine can read handles and counts its peers have not written yet,
+# and a peer then waits for a chunk signal nobody raises: the control hangs instead of summing wrong,
+# and the kernel's timeout trap (sync.timeout_ms) names the wait. A trap ends the CUDA context of its
+# process, so this control runs in a process of its own (like test_gpu.py's timeout probes) and a
+# trap whose message names a wait counts as caught, like a wrong element.
+TRAPPING_CONTROLS = {"data"}
+
+
+def control_outcome(wait: str) -> dict:
+    """Run one control of MORE_CONTROLS in this process: its problems and lines, or the error that
+    ended it (a KernelFailed after a timeout trap)."""
+    spec, old, new = MORE_CONTROLS[wait]
+    try:
+        problems, lines = run_moe(4, spec=spec, cases=("random",), iters=1, skew=PAIR_SKEW, burst=CONTROL_CALLS,
+                                  mutate=lambda text: text.replace(old, new))
+        return {"problems": problems, "lines": lines}
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+CHILD = """
+import ctypes, json, os, sys
+sys.path.insert(0, "tests")
+import test_moe_gpu
+out = test_moe_gpu.control_outcome(sys.argv[1])
+print("CONTROL " + json.dumps(out), flush=True)
+ctypes.CDLL(None).fflush(None)  # the device's printf lines, before leaving without the dead context's teardown
+os._exit(0)
+"""
+
+
+def run_control_in_child(wait: str, child: str = CHILD) -> tuple[list[str], list[str], str | None]:
+    """(problems, lines, trap): `trap` is the first timeout line the kernel printed when the control
+    ended in a trap (the problems are then empty), None otherwise. `child`: the script the process
+    runs (tests/test_moe_cpu.py gives it stand-ins)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", child, wait], cwd=root, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    found = [line for line in proc.stdout.splitlines() if line.startswith("CONTROL ")]
+    assert found, f"the control's process printed no outcome (exit {proc.returncode}):\n{out[-4000:]}"
+    res = json.loads(found[-1][len("CONTROL "):])
+    if "error" not in res:
+        return res["problems"], res["lines"], None
+    timeouts = [line for line in out.splitlines() if line.startswith("tsgen: timeout:")]
+    assert "KernelFailed" in res["error"] and timeouts, (
+        f"the control ended in an error that is not a timeout trap: {res['error']}\n{out[-4000:]}")
+    return [], [], timeouts[0]
+
+
 @pytest.mark.parametrize("wait", sorted(MORE_CONTROLS))
 def test_moe_negative_control_other_waits(wait):
     """Pairs launched back to back (no host sync between dispatch and combine): without the wait
-    the output must come out wrong."""
+    the output must come out wrong, or (TRAPPING_CONTROLS) the kernel must trap on a timeout."""
     need_gpus(4)
-    spec, old, new = MORE_CONTROLS[wait]
-    problems, lines = run_moe(4, spec=spec, cases=("random",), iters=1, skew=PAIR_SKEW, burst=CONTROL_CALLS,
-                              mutate=lambda text: text.replace(old, new))
-    _record({"test": f"negative_control_{wait}_wait", "world": 4, "caught": bool(problems), "problems": problems[:3]})
+    if wait in TRAPPING_CONTROLS:
+        problems, lines, trap = run_control_in_child(wait)
+    else:
+        spec, old, new = MORE_CONTROLS[wait]
+        problems, lines = run_moe(4, spec=spec, cases=("random",), iters=1, skew=PAIR_SKEW, burst=CONTROL_CALLS,
+                                  mutate=lambda text: text.replace(old, new))
+        trap = None
+    _record({"test": f"negative_control_{wait}_wait", "world": 4, "caught": bool(problems or trap),
+             "problems": problems[:3], "trap": trap})
+    if trap:  # the run ends at the trap: one run, caught
+        record_control(f"moe {wait} wait", 1, 1, world=4, skew=PAIR_SKEW, outcome="timeout trap", trap=trap)
+        return
     if wait == "data":  # call 0 syncs the host between its two kernels: only the back-to-back pairs can show it
         record_control("moe data wait", CONTROL_CALLS, calls_named([p for p in problems if p.startswith("back-to-back")]),
                        world=4, skew=PAIR_SKEW)

@@ -33,8 +33,8 @@ import numpy as np
 from ..errors import TsgenError
 from ..harness import wrong_elements
 from ..ops.conventions import BenchCase
-from ..ops.moe import (dispatch_reference, fp8_quantize, ll_dispatch_reference, low_latency, recv_rows, slot_rows,
-                       traffic)
+from ..ops.moe import (dispatch_reference, fp8_quantize, ll_dispatch_reference, low_latency, phase_sms, recv_rows,
+                       slot_rows, traffic)
 from .sizes import calls_per_sample
 from .timing import CupyClock, time_calls
 
@@ -159,7 +159,6 @@ def time_phases(step) -> list[tuple[str, object, BenchCase, dict]]:
     w, spec, family, module, sets = step.world, step.spec, step.family, step.module, step.sets
     n = len(sets)
     ys = {r: combine_input(step, r) for r in w.ranks}
-    sms = module.kernel.grid[0]  # one block per SM (launch bounds (threads, 1))
     mode = "low_latency" if low_latency(spec) else "normal"
     out = []
     for phase, (written, counter_buf) in PHASES.items():
@@ -175,6 +174,7 @@ def time_phases(step) -> list[tuple[str, object, BenchCase, dict]]:
 
         label = f"tsgen {phase} {step.label}"
         payload = spec.params.payload if phase == "dispatch" else "bf16"
+        sms = phase_sms(spec, phase)  # one block per SM (launch bounds (threads, 1)); combine's grid may differ
         impl = f"tsgen {phase} ({payload}, {sms} SMs)"
         fields = {"phase": phase, "payload": payload, "ep_mode": mode, "sms": sms}
         case = phase_case(family, spec, w.size, step.case.size, phase)

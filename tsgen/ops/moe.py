@@ -28,6 +28,7 @@ rank); unweighted, the experts' weights travel with the rows and the ranks apply
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import numpy as np
@@ -87,6 +88,9 @@ class MoeParams(StrictModel):
                                     description="low_latency: rows per (local expert, source rank) slot (default: "
                                     "capacity, the worst case)")
     payload: Literal["bf16", "fp8"] = Field("bf16", description="dispatch payload")
+    combine_blocks: int | None = Field(None, ge=1, le=132,
+                                       description="normal mode: combine's grid (default: launch.blocks, dispatch's); "
+                                       "one block per SM, like dispatch's")
 
 
 class MoeSpec(SpecBase):
@@ -103,6 +107,27 @@ def recv_rows(spec) -> int:
     return p.recv_capacity if p.recv_capacity is not None else max(spec.world_sizes) * p.capacity
 
 
+def combine_blocks(spec) -> int:
+    """Normal mode: combine's grid (params.combine_blocks, else dispatch's launch.blocks)."""
+    p = spec.params
+    return p.combine_blocks if p.combine_blocks is not None else spec.launch.blocks
+
+
+# Normal combine: rows per chunk of a rank's receive buffer, the unit its rows go home in and are
+# signalled by (chunk_sig); a token's sum waits for the chunks that hold its rows (tsgen/moe.cuh).
+COMBINE_CHUNK_ROWS = 2
+
+
+def combine_chunks(spec) -> int:
+    """Normal mode: chunks of COMBINE_CHUNK_ROWS rows in one rank's receive buffer."""
+    return -(-recv_rows(spec) // COMBINE_CHUNK_ROWS)
+
+
+def phase_sms(spec, phase: str) -> int:
+    """SMs (one block each) the dispatch or combine kernel runs on."""
+    return combine_blocks(spec) if phase == "combine" and not low_latency(spec) else spec.launch.blocks
+
+
 def slot_rows(spec) -> int:
     """Low-latency mode: rows per (local expert, source rank) slot."""
     p = spec.params
@@ -114,13 +139,13 @@ STATIC_SMEM_LIMIT = 48 * 1024  # bytes of __shared__ arrays a block may declare 
 
 def dispatch_static_smem(spec, world: int) -> int:
     """Bytes of the dispatch kernel's __shared__ arrays (tsgen/moe.cuh) at one world size: normal
-    mode s_total..s_run [W] x 5, s_ecount [E], s_warp [warps][W], s_pos [threads][W], s_mask
+    mode s_total..s_run and s_from [W] x 6, s_ecount [E], s_warp [warps][W], s_pos [threads][W], s_mask
     [threads]; low-latency s_warp [warps], s_run, s_pair [threads * topk]. 4 bytes each."""
     p, threads = spec.params, spec.launch.threads
     warps = threads // 32
     if low_latency(spec):
         return 4 * (warps + 1 + threads * p.topk)
-    return 4 * (5 * world + p.experts + warps * world + threads * world + threads)
+    return 4 * (6 * world + p.experts + warps * world + threads * world + threads)
 
 
 def low_latency(spec) -> bool:
@@ -165,6 +190,9 @@ class MoeFamily(OpFamily):
                                  "(one row per (token, expert)): set weighted: true"))
         elif p.slot_tokens is not None:
             problems.append((("params", "slot_tokens"), "only the low_latency mode has slots"))
+        if low_latency(spec) and p.combine_blocks is not None:
+            problems.append((("params", "combine_blocks"), "only the normal mode's combine has a grid of its own; "
+                             "low_latency's runs on launch.blocks"))
         if p.payload == "fp8" and low_latency(spec):
             problems.append((("params", "payload"), "fp8 is built for the normal mode only; use bf16 with "
                              "low_latency"))
@@ -183,8 +211,22 @@ class MoeFamily(OpFamily):
         return problems
 
     def shared_fit(self, spec, colocated, sms):
+        """Both grids (dispatch's launch.blocks, combine's params.combine_blocks) resident at once."""
         blocks = fit_blocks(spec.launch.blocks, colocated, sms)
-        return {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
+        out = {"launch": {"blocks": blocks}} if blocks != spec.launch.blocks else {}
+        if spec.params.combine_blocks is not None:
+            comb = fit_blocks(spec.params.combine_blocks, colocated, sms)
+            if comb != spec.params.combine_blocks:
+                out["params"] = {"combine_blocks": comb}
+        return out
+
+    def abi(self, spec):
+        """One kernel entry per world size; its grid in the manifest is the larger of dispatch's and
+        combine's (the runtime's residency checks read it: every block of both must be resident)."""
+        abi = super().abi(spec)
+        grid = max(spec.launch.blocks, combine_blocks(spec))
+        abi.kernels = tuple(dataclasses.replace(k, grid=grid) for k in abi.kernels)
+        return abi
 
     def summary_of(self, spec):
         if low_latency(spec):
@@ -227,10 +269,15 @@ class MoeFamily(OpFamily):
             Buffer("recv_idx", "int32", "scratch", per_count=0, fixed=recv * p.topk),
             Buffer("recv_w", "float32", "scratch", per_count=0, fixed=recv * p.topk),
             Buffer("handle", "int32", "scratch", per_count=0, fixed=recv * 2),
-            Buffer("self_row", "int32", "scratch", per_count=0, fixed=p.capacity),
+            # token t's row on rank d ([t][d], -1: not sent there, or dropped past the capacity): combine
+            # reads a rank's own rows in y and waits for the chunks of its peers' rows (tsgen/moe.cuh)
+            Buffer("sent_row", "int32", "scratch", per_count=0, fixed=p.capacity * wmax),
             Buffer("comb", "bfloat16", "scratch", per_count=0, fixed=p.capacity * wmax * p.hidden),
             Buffer("cnt", "int32", "scratch", per_count=0, fixed=wmax * wmax + wmax * p.experts),
-            Buffer("sig", "uint64", "signal", per_count=0, fixed=3 * wmax),
+            # counts rows arrived [wmax], data arrivals [wmax], then the last dispatch's token count
+            # (combine refuses more: tsgen/moe.cuh, SIG_TOKENS)
+            Buffer("sig", "uint64", "signal", per_count=0, fixed=2 * wmax + 1),
+            Buffer("chunk_sig", "uint64", "signal", per_count=0, fixed=wmax * combine_chunks(spec)),
             Buffer("combine_calls", "uint64", "signal", per_count=0, fixed=2),
         )
 
@@ -238,13 +285,15 @@ class MoeFamily(OpFamily):
         p = spec.params
         return {"WMAX": max(spec.world_sizes), "EXPERTS": p.experts, "TOPK": p.topk, "HIDDEN": p.hidden,
                 "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted), "SLOT": slot_rows(spec),
-                "FP8": int(p.payload == "fp8")}
+                "FP8": int(p.payload == "fp8"), "COMBINE_BLOCKS": combine_blocks(spec),
+                "CHUNK": COMBINE_CHUNK_ROWS}
 
     def template_vars(self, spec):
         # the buffers tsgen::moe::Buffers holds, in its order
         held = [b for b in self.buffers(spec) if b.name != "combine_calls"]
         return {"buffer_params": ", ".join(f"{b.ctype}* {b.name}" for b in held),
                 "buffer_names": ", ".join(b.name for b in held), "ll": low_latency(spec),
+                "blocks": spec.launch.blocks, "combine_blocks": combine_blocks(spec),
                 "fp8": spec.params.payload == "fp8"}
 
     # -- as torch ops (tsgen.torch) -----------------------------------------

@@ -14,32 +14,53 @@
 //      raises sig[COUNTS + rank] there to the epoch.
 //   2. every block waits for all ranks' rows: rank s's rows for rank d start at
 //      base(s, d) = sum_{j < s} counts[j][d], so d receives its rows grouped by source rank, and
-//      inside one source in source token order (position = tokens before it that go to d).
+//      inside one source in source token order (position = tokens before it that go to d); block 0
+//      also copies what recv_counts will report (rows from each source, pairs per local expert)
+//      out of `cnt` into shared memory here, before its arrivals (see "Back-to-back calls").
 //   3. every block pushes its tokens: one warp per token, each 16-byte vector of the row loaded
 //      once and stored to every destination rank; lanes write the metadata: per top-k slot the
 //      local expert id (-1 when that expert is not on the destination) and its weight (0 there),
 //      and the handle (source rank, source token). A row past the destination's receive
 //      capacity is not written: the overflow is reported (recv_counts[1], a printf), never silent.
 //   4. every block raises sig[DATA + rank] on every destination by one (release); block 0 waits
-//      for gridDim.x arrivals from every source and writes recv_counts.
-// combine (one kernel):
-//   1. every received row r from another rank s goes back to s, into s's comb[token][this rank]
-//      (push); each block then raises sig[COMB + rank] on every rank by one. A rank's rows of its
-//      own tokens stay in y: dispatch wrote where (self_row[token]).
-//   2. every block waits for every rank's arrivals, then sums each of its tokens' rows over
-//      the token's destination ranks in fp32 (each scaled by the sum of the token's top-k
-//      weights of experts on that rank when WEIGHTED), rounded once to bf16, original order.
-//      Reading y after the arrivals is safe: a peer writes rows of the next call into this rank's
+//      for gridDim.x arrivals from every source and writes recv_counts (from shared memory, not
+//      `cnt`), and this call's token count into sig[TOKENS] (combine checks its count against it).
+// combine (one kernel, on its own grid: params.combine_blocks, default dispatch's; every block of
+// every rank resident at once, like dispatch's):
+//   1. rows home (the first half of each block's warps, the senders): this rank's receive buffer
+//      is cut into chunks of CHUNK rows, dealt round robin over the grid's sender warps; a warp
+//      pushes each row r of its chunk from another rank s back to s, into s's comb[token][this
+//      rank], then raises chunk_sig[rank][chunk] to the epoch on every rank that had rows in it
+//      (release, sys scope, after __syncwarp: the lanes' row stores are ordered before it). A
+//      rank's rows of its own tokens stay in y: dispatch wrote where (sent_row[token][rank]).
+//   2. sums (the other warps from the start, the senders once their chunks are out): block b sums
+//      tokens b, b + gridDim.x, ... in that order, taken from a block-local counter; a token
+//      waits only for the chunks holding its rows on other ranks (sent_row[token][d] / CHUNK,
+//      acquire, sys scope), then sums its rows over its destination ranks in fp32, in rank order
+//      (each scaled by the sum of the token's top-k weights of experts on that rank when
+//      WEIGHTED), rounded once to bf16, original order. Rank d pushes its chunks in row order and
+//      a source's rows on d are in its token order, so tokens are summed about as their rows
+//      arrive: the sums run under the transfer instead of after a barrier across the ranks.
+//      Reading y anywhere in combine is safe: a peer writes rows of the next call into this rank's
 //      receive buffer (which y may be) only once every rank's next counts row arrived, and this
 //      rank writes its own after this combine.
 //
 // Back-to-back calls: signals count up with the call number (dispatch and combine each have
 // their own call counter); nothing is reset. Call order per rank: dispatch, (experts), combine,
-// dispatch, ...: a source writes its next counts only after its combine has received every rank's
-// rows, i.e. after every rank's combine of the previous call has pushed (so read) the rows bound
-// for other ranks, and its next rows only after every rank's next counts row arrived, i.e. after
-// every rank's combine ended (combine reads a rank's own rows in y after its arrivals); counts are
-// read before a rank's data arrivals are signalled.
+// dispatch, ...: a rank writes its next counts only after its combine ended, i.e. after it read
+// every row of its tokens (its inbox: waited for chunk by chunk; its own rows in y) and pushed
+// every row of its receive buffer bound for other ranks; a peer writes its next rows (into this
+// rank's receive buffer) and its next combine's rows (into this rank's inbox) only after every
+// rank's next counts row arrived (a peer's next combine follows its next dispatch), so after this
+// rank's combine ended. `cnt` is the exception: a peer s with no rows on this rank d never waits
+// for d in combine, so s may start its next dispatch, and write its next counts into d's `cnt`,
+// while d is still in this dispatch. What bounds it: s's dispatch ends only after its block 0 saw
+// every block's data arrival of d (step 4), and d reads `cnt` only before its arrivals: every
+// block in step 2, where block 0 also copies what recv_counts reports into shared memory (step 4's
+// leading __syncthreads orders those reads before the arrival's release). So every read of `cnt`
+// of call n comes before any write of call n + 1 (also for fp8, which shares this dispatch). A
+// chunk signal of call n + 1 (value n + 1) satisfies a wait of call n only where the rows it
+// announces are already the next call's, which the argument above rules out.
 #ifndef TSGEN_MOE_CUH
 #define TSGEN_MOE_CUH
 
@@ -53,8 +74,10 @@
 namespace tsgen {
 namespace moe {
 
-// sig layout (uint64, WMAX each): counts rows arrived, data arrivals, combine arrivals
-enum { SIG_COUNTS = 0, SIG_DATA = 1, SIG_COMB = 2 };
+// sig layout (uint64): [SIG_COUNTS][WMAX] counts rows arrived, [SIG_DATA][WMAX] data arrivals, then
+// one word, sig[SIG_TOKENS * WMAX]: this rank's token count at its last dispatch (local; a combine
+// with more tokens stops with both counts named). (Combine's signals are per chunk: chunk_sig.)
+enum { SIG_COUNTS = 0, SIG_DATA = 1, SIG_TOKENS = 2 };
 
 // recv_counts layout (int32): [0] rows received (may exceed the receive capacity), [1] flags,
 // [2, 2 + WMAX) rows from each source rank, [2 + WMAX, 2 + WMAX + E) (token, expert) pairs per
@@ -73,11 +96,13 @@ struct Buffers {
   int32_t* recv_idx;        // [RECV][TOPK] local expert id or -1
   float* recv_w;            // [RECV][TOPK]
   int32_t* handle;          // [RECV][2] (source rank, source token)
-  int32_t* self_row;        // [CAP] token t's row in this rank's own receive buffer (so in combine's y), -1: none
+  int32_t* sent_row;        // [CAP][WMAX] token t's row on rank d (on this rank: in combine's y), -1: none
   __nv_bfloat16* comb;      // [CAP][WMAX][HIDDEN] combine's inbox, slot = sending rank
   __nv_bfloat16* recv_bf16;  // [RECV][HIDDEN] (payload fp8) dequantize's output
   int32_t* cnt;             // [WMAX][WMAX] counts matrix, then [WMAX][EXPERTS] per-expert counts
-  uint64_t* sig;            // [3][WMAX]
+  uint64_t* sig;            // [2][WMAX], then the last dispatch's token count (SIG_TOKENS)
+  uint64_t* chunk_sig;      // [WMAX][ceil(RECV / CHUNK)]: [d][c] = the last combine call whose chunk c of
+                            // rank d's receive buffer was pushed here (combine's epoch)
 };
 
 // The destination-rank mask of token t (bit d: some top-k expert lives on rank d).
@@ -243,7 +268,8 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
   constexpr int W = C::WORLD, WMAX = C::WMAX, E = C::EXPERTS, L = E / W, K = C::TOPK;
   constexpr int NWARPS = C::THREADS / 32, VECS = C::HIDDEN / 8;  // 16-byte vectors per row
   __shared__ int s_total[W], s_before[W], s_base[W], s_into[W], s_run[W];
-  __shared__ int s_ecount[E];
+  __shared__ int s_from[W];  // block 0: rows from each source (recv_counts), read in step 2
+  __shared__ int s_ecount[E];  // block 0: this rank's pairs per expert (step 1), then pairs received per local expert (step 2)
   __shared__ int s_warp[NWARPS][W];
   __shared__ int s_pos[C::THREADS][W];
   __shared__ uint32_t s_mask[C::THREADS];
@@ -310,6 +336,19 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
     s_into[tid] = into;  // rows rank tid receives in all
     s_run[tid] = base + s_before[tid];
   }
+  // block 0: what recv_counts reports, out of `cnt` now, while every counts row of this call is
+  // there; step 4 writes it from shared memory. A peer with no rows here may write its next
+  // counts into `cnt` once it saw this rank's data arrivals ("Back-to-back calls" above), and
+  // step 4's leading __syncthreads orders these reads before them. (s_ecount's per-expert counts
+  // of step 1 were stored to the peers before the __syncthreads ahead of the counts release.)
+  if (blockIdx.x == 0) {
+    if (tid < W) s_from[tid] = b.cnt[tid * WMAX + rank];
+    for (int l = tid; l < L; l += C::THREADS) {
+      int sum = 0;
+      for (int j = 0; j < W; ++j) sum += b.cnt[WMAX * WMAX + j * E + l];
+      s_ecount[l] = sum;
+    }
+  }
   __syncthreads();
 
   // 3. positions and rows, THREADS tokens a round
@@ -344,7 +383,7 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
 #pragma unroll
       for (int d = 0; d < W; ++d)
         if (((mm >> d) & 1u) && (unsigned)s_pos[i][d] >= (unsigned)C::RECV) mm &= ~(1u << d);  // past the capacity: dropped
-      if (lane == 0) b.self_row[tok] = (mm >> rank) & 1u ? s_pos[i][rank] : -1;  // combine reads it in y
+      if (lane < W) b.sent_row[(size_t)tok * WMAX + lane] = (mm >> lane) & 1u ? s_pos[i][lane] : -1;  // for combine
       if (mm == 0) continue;
       if constexpr (C::FP8) {
         push_row_fp8<C>(b.x + (size_t)tok * C::HIDDEN, mm, s_pos[i], b.recv_q, b.recv_scale, peers, rank, lane);
@@ -404,45 +443,64 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
              "(params.recv_capacity); the rows past it were dropped (recv_counts[1] flags it)\n",
              rank, received, C::RECV);
   }
-  for (int j = tid; j < WMAX; j += C::THREADS) b.recv_counts[2 + j] = j < W ? b.cnt[j * WMAX + rank] : 0;
-  for (int l = tid; l < E; l += C::THREADS) {
-    int sum = 0;
-    if (l < L)
-      for (int j = 0; j < W; ++j) sum += b.cnt[WMAX * WMAX + j * E + l];
-    b.recv_counts[2 + WMAX + l] = sum;
-  }
+  // from shared memory (step 2): a peer may already have written its next counts into `cnt`
+  for (int j = tid; j < WMAX; j += C::THREADS) b.recv_counts[2 + j] = j < W ? s_from[j] : 0;
+  for (int l = tid; l < E; l += C::THREADS) b.recv_counts[2 + WMAX + l] = l < L ? s_ecount[l] : 0;
+  if (tid == 0) b.sig[SIG_TOKENS * WMAX] = (uint64_t)tokens;  // for combine's count check (moe.cu.j2)
 }
 
 template <class C>
 static __device__ __forceinline__ void combine(char* const* peers, int rank, uint64_t epoch, int tokens,
                                                const Buffers& b, const __nv_bfloat16* y) {
   constexpr int W = C::WORLD, WMAX = C::WMAX, E = C::EXPERTS, L = E / W, K = C::TOPK;
-  constexpr int VECS = C::HIDDEN / 8;
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int gwarp = (blockIdx.x * C::THREADS + tid) >> 5, nwarps = gridDim.x * (C::THREADS / 32);
+  constexpr int VECS = C::HIDDEN / 8, NWARPS = C::THREADS / 32, CHUNK = C::CHUNK;
+  constexpr int NCHUNK = (C::RECV + CHUNK - 1) / CHUNK;
+  constexpr int SENDERS = NWARPS > 1 ? NWARPS / 2 : 1;  // warps of a block that push rows first
+  __shared__ int s_next;  // the block's next sum item (step 2)
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) s_next = 0;
+  __syncthreads();
 
-  // 1. rows home
-  const int rows = min(b.recv_counts[0], C::RECV);
-  for (int r = gwarp; r < rows; r += nwarps) {
-    const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
-    if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
-    if (s == rank) continue;  // this rank's own tokens: step 2 reads their rows in y (self_row)
-    copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
-                y + (size_t)r * C::HIDDEN, lane);
+  // 1. rows home: chunk c (rows [c CHUNK, (c + 1) CHUNK) of the receive buffer) by sender warp
+  //    c mod (gridDim.x SENDERS), in row order
+  if (warp < SENDERS) {
+    const int rows = min(b.recv_counts[0], C::RECV);
+    for (int c = blockIdx.x * SENDERS + warp; c * CHUNK < rows; c += gridDim.x * SENDERS) {
+      uint32_t to = 0;  // ranks that had rows in this chunk
+      for (int r = c * CHUNK; r < min(rows, (c + 1) * CHUNK); ++r) {
+        const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
+        if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
+        if (s == rank) continue;  // this rank's own tokens: step 2 reads their rows in y (sent_row)
+        copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
+                    y + (size_t)r * C::HIDDEN, lane);
+        to |= 1u << s;
+      }
+      __syncwarp();  // every lane's row stores, before the release below (cumulativity carries them)
+      if (lane < W && ((to >> lane) & 1u))
+        st_release_sys_global_u64(peer_ptr(b.chunk_sig, peers, rank, lane) + rank * NCHUNK + c, epoch);
+    }
   }
-  __syncthreads();
-  if (tid < W) red_add_release_sys_global_u64(peer_ptr(b.sig, peers, rank, tid) + SIG_COMB * WMAX + rank, 1ull);
-  if (tid < W)
-    wait_ge_acquire_sys(b.sig + SIG_COMB * WMAX + tid, epoch * (uint64_t)gridDim.x,
-                        make_site("moe.comb", rank, rank, tid));
-  __syncthreads();
 
-  // 2. sums, a warp per token (or `parts` warps, sum_parts)
-  const int parts = sum_parts(tokens, nwarps);
-  for (int item = gwarp; item < tokens * parts; item += nwarps) {
-    const int t = item / parts, part = item % parts;
-    const int own = b.self_row[t];  // its row in y, or -1 (not sent here, or dropped past the capacity)
-    const uint32_t m = route_mask<C>(b.topk_idx, t) & ((unsigned)own < (unsigned)C::RECV ? ~0u : ~(1u << rank));
+  // 2. sums: block b's tokens b, b + gridDim.x, ... in order, a warp per token (or `parts` warps,
+  //    sum_parts), each item taken from the block's counter as a warp gets free
+  const int parts = sum_parts(tokens, gridDim.x * NWARPS);
+  const int items = (tokens > (int)blockIdx.x ? (tokens - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0) * parts;
+  for (;;) {
+    int item = 0;
+    if (lane == 0) item = atomicAdd(&s_next, 1);
+    item = __shfl_sync(0xffffffffu, item, 0);
+    if (item >= items) break;
+    const int t = blockIdx.x + item / parts * gridDim.x, part = item % parts;
+    // lane d < W: the token's row on rank d (-1: not sent there, or dropped past the capacity); a
+    // peer's row is in the inbox once the chunk holding it on that peer was signalled
+    const int row = lane < W ? b.sent_row[(size_t)t * WMAX + lane] : -1;
+    const bool has = (unsigned)row < (unsigned)C::RECV;
+    if (has && lane != rank)
+      wait_ge_acquire_sys(b.chunk_sig + lane * NCHUNK + row / CHUNK, epoch,
+                          make_site("moe.chunk_sig", rank, rank, lane * NCHUNK + row / CHUNK));
+    __syncwarp();  // the waiting lanes' acquire, before every lane's loads of the inbox below
+    const uint32_t m = __ballot_sync(0xffffffffu, has);
+    const int own = __shfl_sync(0xffffffffu, row, rank);  // its row in y, or -1
     float scale[W];
 #pragma unroll
     for (int d = 0; d < W; ++d) scale[d] = C::WEIGHTED ? 0.f : 1.f;
