@@ -279,10 +279,10 @@ static __device__ __forceinline__ void to_operand(const float (&s)[32], uint32_t
     for (int x = 0; x < 4; ++x) a[k][x] = gemm::pack2<typename C::Element>(s[8 * k + 2 * x], s[8 * k + 2 * x + 1]);
 }
 
-// P^T and dS^T in place of S^T and dP^T. MASK: keys past kv_len, or (CAUSAL) after the query, give 0.
+// P^T in place of S^T. MASK: keys past kv_len, or (CAUSAL) after the query, give 0.
 template <class C, bool MASK>
-static __device__ __forceinline__ void probabilities(float (&s)[32], float (&dp)[32], uint32_t smem, uint32_t stage,
-                                                     const Problem& p, uint32_t key_lo, int32_t r0) {
+static __device__ __forceinline__ void probabilities(float (&s)[32], uint32_t smem, uint32_t stage, const Problem& p,
+                                                     uint32_t key_lo, int32_t r0) {
   using L = Layout<C>;
   const uint32_t c = threadIdx.x % 4;
 #pragma unroll
@@ -291,7 +291,6 @@ static __device__ __forceinline__ void probabilities(float (&s)[32], float (&dp)
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * q + 2 * c + e;  // the query row of the step
       const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * BLOCK_M + col)));
-      const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * BLOCK_M + col)));
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * q + 2 * h + e;
@@ -303,7 +302,26 @@ static __device__ __forceinline__ void probabilities(float (&s)[32], float (&dp)
           if (!seen) pr = 0.f;
         }
         s[i] = pr;
-        dp[i] = pr * (dp[i] - d);
+      }
+    }
+  }
+}
+
+// dS^T = P^T (dP^T - D) in place of dP^T (a masked P is 0, so is its dS).
+template <class C>
+static __device__ __forceinline__ void ds_of(const float (&pr)[32], float (&dp)[32], uint32_t smem, uint32_t stage) {
+  using L = Layout<C>;
+  const uint32_t c = threadIdx.x % 4;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * q + 2 * c + e;
+      const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * BLOCK_M + col)));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 4 * q + 2 * h + e;
+        dp[i] = pr[i] * (dp[i] - d);
       }
     }
   }
@@ -337,7 +355,8 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     const uint32_t ds_base = smem + L::DS_OFF + (step % 2) * L::DS_BUF;
     mbar_wait_no_timeout(smem + L::Q_FULL + 8 * stage, phase);
 
-    // S^T = K_w Q^T, dP^T = V_w dO^T
+    // S^T = K_w Q^T, then dP^T = V_w dO^T: two groups, so that P is computed (exp2) while the
+    // tensor pipe still runs dP^T
     float s[32], dp[32];
     {
       const uint64_t q_desc = sw128_descriptor(q_base, 16, 1024), do_desc = sw128_descriptor(do_base, 16, 1024);
@@ -347,21 +366,26 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
         const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
         C::mma_s(s, k_desc + (kv_step >> 4), q_desc + (q_step >> 4), k > 0);
       }
+      wgmma_commit_group();
 #pragma unroll
       for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
         const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
         C::mma_s(dp, v_desc + (kv_step >> 4), do_desc + (q_step >> 4), k > 0);
       }
       wgmma_commit_group();
-      wgmma_wait_group<0>();
-      attention::fence_all<C>(s, 32);
-      attention::fence_all<C>(dp, 32);
     }
+    // P^T = exp2(SCALE_LOG2 S^T - LSE2) once S^T is in (the S group; dP^T may still run)
+    wgmma_wait_group<1>();
+    attention::fence_all<C>(s, 32);
     if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
-      probabilities<C, true>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
+      probabilities<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
     } else {
-      probabilities<C, false>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
+      probabilities<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
     }
+    // dS^T = P^T (dP^T - D) once dP^T is in
+    wgmma_wait_group<0>();
+    attention::fence_all<C>(dp, 32);
+    ds_of<C>(s, dp, smem, stage);
     uint32_t ap[4][4], ad[4][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
