@@ -592,3 +592,20 @@ def test_persistent_counter_slot_per_stream(tmp_path):
         assert sorted(slots[:64]) == list(range(64)), slots
         assert slots[64:] == list(range(6)), "past 64 streams: round robin from slot 0"
     assert again == {s: first[0, s] for s in range(70)}
+
+
+def test_two_stream_check_and_its_control(tmp_path, monkeypatch):
+    """tools/gpu_attention.py's schedule checks include the two-stream case's negative control: the
+    persistent causal overlap variant built with -DTSGEN_ATTENTION_ONE_WORK_SLOT (every stream on one
+    tile counter), marked so that check_variant expects that case to fail; the header's hook returns
+    slot 0 before the table."""
+    tool = load_script(ROOT / "tools" / "gpu_attention.py")
+    assert "hd128_causal_kv8_overlap_one_slot" in tool.SCHEDULE_VARIANTS
+    flags = []
+    monkeypatch.setattr(tool, "build_loaded", lambda out, loaded, extra=None: flags.append(extra) or {"manifest": "m"})
+    assert tool.build(tmp_path, "hd128_causal_kv8_overlap_one_slot")["one_slot"] is True
+    assert "one_slot" not in tool.build(tmp_path, "hd128_causal_kv8_overlap")
+    assert flags == [["-DTSGEN_ATTENTION_ONE_WORK_SLOT"], None]
+    header = (ROOT / "templates" / "include" / "tsgen" / "attention.cuh").read_text()
+    hook = header[header.index("static inline uint32_t work_slot("):]
+    assert hook.index("#ifdef TSGEN_ATTENTION_ONE_WORK_SLOT") < hook.index("return 0;") < hook.index("static std::mutex")

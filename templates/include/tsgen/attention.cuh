@@ -901,6 +901,10 @@ static cudaError_t prepare(const void* kernel) {
 constexpr uint32_t WORK_SLOTS = 64;
 
 static inline uint32_t work_slot(int device, cudaStream_t stream) {
+#ifdef TSGEN_ATTENTION_ONE_WORK_SLOT  // test-only: every stream on slot 0, the negative control of
+  (void)device, (void)stream;         // tools/gpu_attention.py's two-stream check
+  return 0;
+#endif
   static std::mutex lock;
   static std::unordered_map<uint64_t, uint32_t> slots;  // (device, stream) -> slot
   static uint32_t next[64];
