@@ -216,8 +216,9 @@ def test_persistent_schedule_renders_the_counter_and_its_reset():
     assert "schedule" not in plain.source and "__device__ uint64_t work" not in plain.source
     assert "PERSISTENT" not in json.loads(plain.manifest)["constants"]
     r = render(variant("ps", params={"schedule": "persistent"}), base=ROOT)
-    assert "__device__ uint64_t work;" in r.source
-    assert "tsgen::attention::persistent<ps::Config>(\n      reinterpret_cast<const void*>(ps_w1_kernel), &ps::work, &work, &blocks);" in r.source
+    assert "__device__ uint64_t work[tsgen::attention::WORK_SLOTS];" in r.source  # one counter per stream
+    assert ("tsgen::attention::persistent<ps::Config>(\n      reinterpret_cast<const void*>(ps_w1_kernel), &ps::work, "
+            "stream, &work, &blocks);") in r.source
     assert "kv_expected, blocks, stream, nullptr, -1, work, nullptr, 0,\n" in r.source
     assert "EPILOGUE_OVERLAP" not in r.source
     m = json.loads(r.manifest)
@@ -555,3 +556,56 @@ def test_check_rows_fails_an_output_that_drops_the_last_keys():
 
     assert check(outputs["true"]) <= MAX_REL_ERR
     assert check(outputs["drops keys"]) > 10 * MAX_REL_ERR
+
+
+SLOTS = r"""
+#include "tsgen/attention.cuh"
+#include <stdio.h>
+#include <stdint.h>
+// work_slot is host code: no CUDA call, so this runs on a machine without a GPU
+int main() {
+  using tsgen::attention::work_slot;
+  for (int device = 0; device < 2; ++device)
+    for (uintptr_t s = 0; s < 70; ++s) printf("%d %lu %u\n", device, (unsigned long)s, work_slot(device, (cudaStream_t)(s * 16)));
+  // asked again: the same slots
+  for (uintptr_t s = 0; s < 70; ++s) printf("again 0 %lu %u\n", (unsigned long)s, work_slot(0, (cudaStream_t)(s * 16)));
+}
+"""
+
+
+@needs_nvcc
+def test_persistent_counter_slot_per_stream(tmp_path):
+    """The persistent schedule's tile counter of a call is its stream's (tsgen::attention::work_slot):
+    the first WORK_SLOTS (64) streams a device sees get 64 different slots, the same stream always
+    its own, each device counts apart, and streams past 64 wrap round robin (shared: such calls must
+    not overlap, as the launcher's comment says)."""
+    src = tmp_path / "slots.cu"
+    src.write_text(SLOTS)
+    exe = tmp_path / "slots"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
+                    str(src)], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")
+    first = {(int(d), int(s)): int(x) for d, s, x in (ln.split() for ln in out if ln and not ln.startswith("again"))}
+    again = {int(s): int(x) for _, _, s, x in (ln.split() for ln in out if ln.startswith("again"))}
+    for device in (0, 1):
+        slots = [first[device, s] for s in range(70)]
+        assert sorted(slots[:64]) == list(range(64)), slots
+        assert slots[64:] == list(range(6)), "past 64 streams: round robin from slot 0"
+    assert again == {s: first[0, s] for s in range(70)}
+
+
+def test_two_stream_check_and_its_control(tmp_path, monkeypatch):
+    """tools/gpu_attention.py's schedule checks include the two-stream case's negative control: the
+    persistent causal overlap variant built with -DTSGEN_ATTENTION_ONE_WORK_SLOT (every stream on one
+    tile counter), marked so that check_variant expects that case to fail; the header's hook returns
+    slot 0 before the table."""
+    tool = load_script(ROOT / "tools" / "gpu_attention.py")
+    assert "hd128_causal_kv8_overlap_one_slot" in tool.SCHEDULE_VARIANTS
+    flags = []
+    monkeypatch.setattr(tool, "build_loaded", lambda out, loaded, extra=None: flags.append(extra) or {"manifest": "m"})
+    assert tool.build(tmp_path, "hd128_causal_kv8_overlap_one_slot")["one_slot"] is True
+    assert "one_slot" not in tool.build(tmp_path, "hd128_causal_kv8_overlap")
+    assert flags == [["-DTSGEN_ATTENTION_ONE_WORK_SLOT"], None]
+    header = (ROOT / "templates" / "include" / "tsgen" / "attention.cuh").read_text()
+    hook = header[header.index("static inline uint32_t work_slot("):]
+    assert hook.index("#ifdef TSGEN_ATTENTION_ONE_WORK_SLOT") < hook.index("return 0;") < hook.index("static std::mutex")

@@ -116,8 +116,13 @@ VARIANTS.update({
     "hd64_causal_kv32_overlap_s3": variant(64, True, 32, stages=3, schedule="persistent", epilogue_overlap=True),
     "hd64_causal_kv32_n176s3": variant(64, True, 32, tile={"n": 176}, stages=3),
 })
+# The two-stream check's negative control: the same module built with every stream on tile counter
+# slot 0 (-DTSGEN_ATTENTION_ONE_WORK_SLOT): calls on two streams then share one counter, and the
+# check must fail (run_streams_case)
+ONE_SLOT = {"hd128_causal_kv8_overlap_one_slot": "hd128_causal_kv8_overlap"}
+VARIANTS.update({name: VARIANTS[base] for name, base in ONE_SLOT.items()})
 SCHEDULE_VARIANTS = [n for n in VARIANTS if n.endswith(("_persistent", "_overlap", "_overlap_s3"))] + [
-    "hd64_causal_kv32_n176s3"]
+    "hd64_causal_kv32_n176s3", *ONE_SLOT]
 CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd128_causal_kv4_waits", "hd64_full_kv32",
                   "hd64_causal_kv8", "fp16_hd128_causal_kv32", "hd128_full_kv4_bhsd", "hd128_causal_kv32_nopp",
                   "hd128_full_kv32_n176"]
@@ -144,9 +149,9 @@ def variant_spec(name: str, timeout_ms: int | None = 3000):
     return spec_variant(load_spec(SPEC), updates)
 
 
-def build_loaded(out: Path, loaded) -> dict:
-    """Render a loaded spec into OUT/build/generated and compile its host-launcher library:
-    {"manifest", "library", "softmax_scale"} (also tools/gpu_attention_bwd.py's)."""
+def build_loaded(out: Path, loaded, extra: list[str] | None = None) -> dict:
+    """Render a loaded spec into OUT/build/generated and compile its host-launcher library (with nvcc
+    flags `extra`): {"manifest", "library", "softmax_scale"} (also tools/gpu_attention_bwd.py's)."""
     from tsgen.render import render, write_if_different
     from tsgen.toolchain import compile_source
 
@@ -154,13 +159,17 @@ def build_loaded(out: Path, loaded) -> dict:
     gen = out / "build" / "generated"
     for file, text in rendered.files().items():
         write_if_different(gen / file, text)
-    lib = compile_source(gen / f"{rendered.name}.cu", mode="shared").output
+    lib = compile_source(gen / f"{rendered.name}.cu", mode="shared", extra=extra).output
     return {"manifest": str(gen / f"{rendered.name}.json"), "library": str(lib),
             "softmax_scale": loaded.model.params.softmax_scale}
 
 
 def build(out: Path, name: str, timeout_ms: int | None = 3000) -> dict:
-    """Render and compile variant `name`: {"manifest", "library", "spec", "softmax_scale"}."""
+    """Render and compile variant `name`: {"manifest", "library", "spec", "softmax_scale"} (ONE_SLOT's
+    with every stream on one tile counter, and "one_slot": true)."""
+    if name in ONE_SLOT:
+        return {**build_loaded(out, variant_spec(name, timeout_ms), ["-DTSGEN_ATTENTION_ONE_WORK_SLOT"]),
+                "spec": str(SPEC), "one_slot": True}
     return {**build_loaded(out, variant_spec(name, timeout_ms)), "spec": str(SPEC)}
 
 
@@ -402,6 +411,47 @@ def run_graph_case(torch, op: Op, gen, replays: int = 3, B: int = 2, n: int = 40
     return worst
 
 
+def run_streams_case(torch, op: Op, gen, rounds: int = 8, B: int = 2, n: int = 4097, blocks: int = 66) -> dict:
+    """Two streams, each with its own inputs and outputs, calling the module `rounds` times each with
+    no host sync between them, `blocks` CTAs a call (half the SMs: both calls resident at once, so
+    they overlap): each stream's calls take tiles from their own counter (tsgen::attention::work_slot).
+    Every stream's last output checked; with one shared counter a call's tiles go to the other's."""
+    H, Hkv, D = op.heads, op.kv_heads, op.head_dim
+    dt = torch_dtype(torch, op.dtype)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    sets = []
+    for _ in streams:
+        q, k, v = (torch.randn(B, n, h, D, device="cuda", generator=gen).to(dt) for h in (H, Hkv, Hkv))
+        qk = [x if not op.bhsd else x.transpose(1, 2).contiguous() for x in (q, k, v)]
+        o = torch.full((B * n * H * D,), float("nan"), device="cuda", dtype=dt)
+        lse = torch.full((B * H * n,), float("nan"), device="cuda", dtype=torch.float32)
+        sets.append((q, k, v, qk, o, lse))
+    for s, (_, _, _, qk, o, lse) in zip(streams, sets):  # the launchers' one-time set-up, apart
+        with torch.cuda.stream(s):
+            op(qk[0], qk[1], qk[2], o, lse, B, n, n, s, blocks=blocks)
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for _, _, _, _, o, lse in sets:
+            o.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for s, (_, _, _, qk, o, lse) in zip(streams, sets):
+            with torch.cuda.stream(s):
+                op(qk[0], qk[1], qk[2], o, lse, B, n, n, s, blocks=blocks)
+    torch.cuda.synchronize()
+    worst = {"rel_err": 0.0, "lse_err": 0.0, "nan": 0, "lse_inf_mismatch": 0, "guard_written": 0}
+    pos = positions(torch, n)
+    for q, k, v, _, o, lse in sets:
+        got = o.view(B, H, n, D).transpose(1, 2) if op.bhsd else o.view(B, n, H, D)
+        ro, rlse = reference(torch, q, k, v, op.scale, op.causal, pos, pos)
+        r = compare(torch, got, lse.view(B, H, n), ro, rlse, 0, 0)
+        for key in worst:
+            worst[key] = max(worst[key], r[key])
+    worst["pass"] = (worst["rel_err"] <= MAX_REL_ERR and worst["lse_err"] <= MAX_LSE_ERR and worst["nan"] == 0
+                     and worst["lse_inf_mismatch"] == 0)
+    return worst
+
+
 def cases_for(op: Op, quick: bool) -> list[dict]:
     cases = []
     lengths = [1, 77, 1000, 4097] if not quick else [77, 4097]
@@ -470,6 +520,23 @@ def check_variant(built: dict, quick: bool, echo=print) -> dict:
         ok &= r["pass"]
         echo(f"  graph replays: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, nan {r['nan']}"
              + (f" {r['error']}" if "error" in r else ""), flush=True)
+    if op.persistent:  # calls on two streams at once, each on its own tile counter
+        t0 = time.perf_counter()
+        control = bool(built.get("one_slot"))  # one counter for both: the check must fail
+        try:
+            r = run_streams_case(torch, op, gen)
+        except Exception as e:  # noqa: BLE001
+            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
+                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        if control:
+            r["pass"], r["caught"] = not r["pass"], not r["pass"]
+        r.update(case="seq 4097 batch 2, 8 rounds on two streams at once, 66 CTAs a call"
+                 + (" (negative control: one tile counter for both, must fail)" if control else ""),
+                 calls=16, seconds=round(time.perf_counter() - t0, 2))
+        rows.append(r)
+        ok &= r["pass"]
+        echo(f"  two streams{' (control: one counter)' if control else ''}: {'PASS' if r['pass'] else 'FAIL'} "
+             f"rel err {r['rel_err']:.2e}, nan {r['nan']}" + (f" {r['error']}" if "error" in r else ""), flush=True)
     if op.waits:
         t0 = time.perf_counter()
         try:

@@ -111,9 +111,10 @@ class AttentionParams(AttentionShape):
     schedule: Literal["grid", "persistent"] = Field(
         "grid", description="grid: one CTA per query tile, dispatched by the hardware (launch.blocks N: N CTAs "
         "walking tiles c, c + N, ...); persistent: one CTA per SM (by occupancy; launch.blocks N: at most N) taking "
-        "tiles from a tile counter of the module, longest first in L2-sized head groups when causal, head-major "
-        "when not. The counter resets itself at the end of each call (back-to-back calls and CUDA graph replays "
-        "need nothing), but calls of one module must not run concurrently on one device")
+        "tiles from a tile counter, longest first in L2-sized head groups when causal, head-major when not. The "
+        "module holds one counter per stream for the first 64 streams a device sees, each resetting itself at the "
+        "end of a call (back-to-back calls and CUDA graph replays need nothing); calls on streams past those 64, "
+        "or on cudaStreamPerThread from two host threads, share one and must not overlap")
     epilogue_overlap: bool = Field(
         False, description="stage O in shared memory of its own (one more Q tile's bytes) and release Q after a "
         "tile's last S = Q K^T, so that with schedule: persistent the next tile's Q and first K blocks load during "

@@ -85,6 +85,9 @@
 
 #include <math.h>
 
+#include <mutex>
+#include <unordered_map>
+
 #include "tsgen/ptx.cuh"
 #include "tsgen/sync.cuh"
 #include "tsgen/gemm.cuh"
@@ -888,37 +891,61 @@ static cudaError_t prepare(const void* kernel) {
   return err;
 }
 
-// The persistent schedule of a single-GPU launcher (params.schedule: persistent): `counter`, the
-// device address of the module's tile counter (a __device__ u64: 0 at module load, and back to
-// 0 at the end of every call, next_tile), into *work; where *blocks is 0, as many CTAs as can
-// be resident at once (SMs x CTAs per SM by occupancy: 1 for these kernels). Looked up once per
-// device. The counter belongs to the module, not to the call: two calls of one module that run
-// at the same time (different streams of one device) would share it: calls must be in stream
-// order (back to back, CUDA graph replays: fine).
+// The persistent schedule's tile counters: a module holds WORK_SLOTS of them (a __device__ u64
+// array: 0 at module load, and each back to 0 at the end of every call that used it, next_tile).
+// A call takes the slot of its stream: the first WORK_SLOTS streams a module is called on (per
+// device) each get one of their own, so calls on different streams may run at the same time;
+// a stream seen after those shares a slot with an earlier one (round robin), and so do two host
+// threads that both pass cudaStreamPerThread (one handle, two streams): such calls must not run
+// at the same time. Calls in one stream's order (back to back, CUDA graph replays) always may.
+constexpr uint32_t WORK_SLOTS = 64;
+
+static inline uint32_t work_slot(int device, cudaStream_t stream) {
+#ifdef TSGEN_ATTENTION_ONE_WORK_SLOT  // test-only: every stream on slot 0, the negative control of
+  (void)device, (void)stream;         // tools/gpu_attention.py's two-stream check
+  return 0;
+#endif
+  static std::mutex lock;
+  static std::unordered_map<uint64_t, uint32_t> slots;  // (device, stream) -> slot
+  static uint32_t next[64];
+  const uint64_t key = (uint64_t)(uintptr_t)stream * 64 + (uint64_t)(device & 63);
+  std::lock_guard<std::mutex> held(lock);
+  const auto found = slots.find(key);
+  if (found != slots.end()) return found->second;
+  const uint32_t slot = next[device & 63]++ % WORK_SLOTS;
+  if (slots.size() < 4096) slots.emplace(key, slot);  // bounded: streams made and destroyed by the thousand
+  return slot;
+}
+
+// The persistent schedule of a single-GPU launcher (params.schedule: persistent): `counters`, the
+// device address of the module's WORK_SLOTS tile counters; *work gets the slot of `stream`
+// (work_slot); where *blocks is 0, as many CTAs as can be resident at once (SMs x CTAs per SM by
+// occupancy: 1 for these kernels). The address and the grid are looked up once per device.
 template <class C>
-static cudaError_t persistent(const void* kernel, const void* counter, uint64_t** work, int* blocks) {
+static cudaError_t persistent(const void* kernel, const void* counters, cudaStream_t stream, uint64_t** work,
+                              int* blocks) {
   constexpr int MAX_DEVICES = 64;
-  static std::atomic<uint64_t*> counters[MAX_DEVICES];
+  static std::atomic<uint64_t*> bases[MAX_DEVICES];
   static std::atomic<int> grids[MAX_DEVICES];
   int device;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  uint64_t* address = device < MAX_DEVICES ? counters[device].load() : nullptr;
+  uint64_t* address = device < MAX_DEVICES ? bases[device].load() : nullptr;
   int grid = device < MAX_DEVICES ? grids[device].load() : 0;
   if (address == nullptr || grid == 0) {
     err = prepare<C>(kernel);  // the shared-memory opt-in first: occupancy counts with it
     void* symbol = nullptr;
     int sms = 0, per_sm = 0;
-    if (err == cudaSuccess) err = cudaGetSymbolAddress(&symbol, counter);
+    if (err == cudaSuccess) err = cudaGetSymbolAddress(&symbol, counters);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess)
       err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Layout<C>::THREADS, Layout<C>::SMEM_BYTES);
     if (err != cudaSuccess) return err;
     if (per_sm < 1) return cudaErrorInvalidConfiguration;
     address = static_cast<uint64_t*>(symbol), grid = sms * per_sm;
-    if (device < MAX_DEVICES) counters[device].store(address), grids[device].store(grid);
+    if (device < MAX_DEVICES) bases[device].store(address), grids[device].store(grid);
   }
-  *work = address;
+  *work = address + work_slot(device, stream);
   if (*blocks <= 0) *blocks = grid;
   return cudaSuccess;
 }
