@@ -279,52 +279,48 @@ static __device__ __forceinline__ void to_operand(const float (&s)[32], uint32_t
     for (int x = 0; x < 4; ++x) a[k][x] = gemm::pack2<typename C::Element>(s[8 * k + 2 * x], s[8 * k + 2 * x + 1]);
 }
 
+// The accumulator's query columns of this thread: f(col, i) for each column col of the step's 64
+// queries it holds and i, its register for key row g (i + 2: row g + 8); the layout of to_operand's.
+template <class F>
+static __device__ __forceinline__ void each_query_column(F&& f) {
+  const uint32_t c = threadIdx.x % 4;
+#pragma unroll
+  for (int q = 0; q < 8; ++q)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) f(8 * q + 2 * c + e, 4 * q + e);
+}
+
 // P^T in place of S^T. MASK: keys past kv_len, or (CAUSAL) after the query, give 0.
 template <class C, bool MASK>
 static __device__ __forceinline__ void probabilities(float (&s)[32], uint32_t smem, uint32_t stage, const Problem& p,
                                                      uint32_t key_lo, int32_t r0) {
   using L = Layout<C>;
-  const uint32_t c = threadIdx.x % 4;
+  each_query_column([&](int col, int i0) {
+    const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * BLOCK_M + col)));
 #pragma unroll
-  for (int q = 0; q < 8; ++q) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = 8 * q + 2 * c + e;  // the query row of the step
-      const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * BLOCK_M + col)));
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = 4 * q + 2 * h + e;
-        float pr = attention::exp2_approx(fmaf(s[i], C::SCALE_LOG2, -l2));
-        if constexpr (MASK) {
-          const uint32_t key = key_lo + 8 * h;  // within the sequence
-          bool seen = key < p.kv_len;
-          if constexpr (C::CAUSAL) seen = seen && p.kv_offset + (int32_t)key <= query_position(p, r0 + col);
-          if (!seen) pr = 0.f;
-        }
-        s[i] = pr;
+    for (int h = 0; h < 2; ++h) {
+      const int i = i0 + 2 * h;
+      float pr = attention::exp2_approx(fmaf(s[i], C::SCALE_LOG2, -l2));
+      if constexpr (MASK) {
+        const uint32_t key = key_lo + 8 * h;  // within the sequence
+        bool seen = key < p.kv_len;
+        if constexpr (C::CAUSAL) seen = seen && p.kv_offset + (int32_t)key <= query_position(p, r0 + col);
+        if (!seen) pr = 0.f;
       }
+      s[i] = pr;
     }
-  }
+  });
 }
 
 // dS^T = P^T (dP^T - D) in place of dP^T (a masked P is 0, so is its dS).
 template <class C>
 static __device__ __forceinline__ void ds_of(const float (&pr)[32], float (&dp)[32], uint32_t smem, uint32_t stage) {
   using L = Layout<C>;
-  const uint32_t c = threadIdx.x % 4;
+  each_query_column([&](int col, int i0) {
+    const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * BLOCK_M + col)));
 #pragma unroll
-  for (int q = 0; q < 8; ++q) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = 8 * q + 2 * c + e;
-      const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * BLOCK_M + col)));
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = 4 * q + 2 * h + e;
-        dp[i] = pr[i] * (dp[i] - d);
-      }
-    }
-  }
+    for (int h = 0; h < 2; ++h) dp[i0 + 2 * h] = pr[i0 + 2 * h] * (dp[i0 + 2 * h] - d);
+  });
 }
 
 template <class C>
