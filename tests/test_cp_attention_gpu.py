@@ -27,11 +27,12 @@ CASES = {  # name -> (params, count)
 }
 
 
-def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=None):
+def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=None, launch=None):
     need_gpus(world)
     lines = []
     ok = run_test(spec, world, count=count, iters=iters, echo=lines.append, skew=skew, report=report,
-                  variant={"name": f"cp_{name}", "params": params, "sync": {"timeout_ms": 3000}})
+                  variant={"name": f"cp_{name}", "params": params, "sync": {"timeout_ms": 3000},
+                           **({"launch": launch} if launch else {})})
     record("cp_attention", {"case": name, "world": world, "skew": skew, "pass": ok, "lines": lines})
     return ok, lines
 
@@ -41,6 +42,17 @@ def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=N
 def test_cp_attention(case, world):
     params, count = CASES[case]
     ok, lines = _run(case, world, params, count)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("case", ["zigzag_causal_gqa", "contiguous_full_gqa"])
+def test_cp_attention_epilogue_overlap(case, world):
+    """params.epilogue_overlap (O staged apart, Q released after a tile's last S) on 3 attention CTAs a
+    rank, so that each CTA walks several tiles and the next tile's Q loads under this one's epilogue:
+    causal from the dynamic counter, not causal by the static stride; 20 calls, poisoned outputs."""
+    params, count = CASES[case]
+    ok, lines = _run(f"{case}_overlap", world, {**params, "epilogue_overlap": True}, count, launch={"blocks": 3})
     assert ok, "\n".join(lines)
 
 

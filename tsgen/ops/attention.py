@@ -171,7 +171,7 @@ def shape_key(p) -> str:
 def smem_bytes(spec: AttentionSpec) -> int:
     """Q tile + K and V stages (+ the O staging of epilogue_overlap, a Q tile's size) + barriers +
     the dynamic schedule's tile slot + alignment slack (tsgen::attention::Layout asserts it).
-    cp_attention's params have no epilogue_overlap: O staged in Q's memory there."""
+    Also cp_attention's (the same params where it has them)."""
     p = spec.params
     q = p.tile.m * p.head_dim * 2
     kv = p.tile.n * p.head_dim * 2
@@ -271,7 +271,8 @@ class AttentionFamily(OpFamily):
                              f"{p.stages} stages of K and V blocks of {p.tile.n} x {p.head_dim} (+ the "
                              f"{p.tile.m}-row Q tile{staging}) need {need} bytes of shared memory; sm_90 has "
                              f"{SMEM_LIMIT} per block: use fewer stages or a smaller tile.n"))
-        if getattr(p, "epilogue_overlap", False) and p.schedule != "persistent":
+        # cp_attention's CTAs always walk tiles (no params.schedule): the overlap needs nothing more there
+        if getattr(p, "epilogue_overlap", False) and getattr(p, "schedule", "persistent") != "persistent":
             problems.append((("params", "epilogue_overlap"),
                              "epilogue_overlap overlaps a tile's epilogue with the next tile of the same CTA: it "
                              "needs schedule: persistent (a grid of one CTA per tile has no next tile)"))

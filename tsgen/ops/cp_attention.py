@@ -127,6 +127,10 @@ class CpAttentionParams(StrictModel):
     tile: AttentionTile = AttentionTile()
     stages: int = Field(2, ge=1, le=8, description="K and V blocks in flight (each its own ring)")
     pingpong: bool = Field(True, description="the two consumer warpgroups take turns issuing their GEMMs")
+    epilogue_overlap: bool = Field(
+        False, description="stage O in shared memory of its own (one more Q tile's bytes) and release Q after a "
+        "tile's last S = Q K^T, so that the next tile of the same CTA (every CTA walks tiles) loads its Q and first K "
+        "blocks during this tile's last P V and epilogue (attention's params.epilogue_overlap, the same kernel code)")
     skip_wait: bool = Field(
         False, description="test-only negative control: the attention kernel does not wait for the first remote "
         "KV chunk it reads (a correct run must then fail under rank skew); never in a shipped spec")
@@ -342,6 +346,7 @@ class CpAttentionFamily(OpFamily):
             "GATHER_BLOCKS": p.gather_blocks,
             "RESERVE_SMS": p.gather_blocks if p.gather == "sm" else CE_RESERVE_SMS,
             "SKIP_WAIT": int(p.skip_wait),
+            **({"EPILOGUE_OVERLAP": 1} if p.epilogue_overlap else {}),  # only where set: shipped sources unchanged
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),
