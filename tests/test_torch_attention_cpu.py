@@ -444,3 +444,21 @@ def test_pairs_compile_and_export_their_entries(attn):
             else:
                 err = fn(*([1 << 40] * 12), 1, 128, 128, 0, 128, 0, 0, None)
             assert err != 0
+
+
+def test_outputs_nan_filled_only_when_asked(monkeypatch):
+    """TSGEN_TORCH_POISON=1 (tests/torch_checks.py --attention sets it): the op's outputs and workspace
+    come NaN-filled, so an element its kernels leave unwritten reads NaN; unset, torch.empty alone (no
+    extra kernel in a user's step)."""
+    from tsgen.torch import attention_op
+
+    x = torch.zeros(2, 3, dtype=torch.bfloat16)
+    filled = []
+    real = torch.Tensor.fill_
+    monkeypatch.setattr(torch.Tensor, "fill_", lambda self, v: filled.append(v) or real(self, v))
+    monkeypatch.delenv("TSGEN_TORCH_POISON", raising=False)
+    a = attention_op._output(like=x)
+    assert a.shape == x.shape and a.dtype == x.dtype and filled == []
+    monkeypatch.setenv("TSGEN_TORCH_POISON", "1")
+    b, c = attention_op._output(like=x), attention_op._output(5, dtype=torch.float32)
+    assert torch.isnan(b).all() and torch.isnan(c).all() and c.shape == (5,) and c.dtype == torch.float32

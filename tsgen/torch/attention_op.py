@@ -19,7 +19,8 @@ keeps q, k, v, O and LSE and calls the backward op: dQ, dK, dV, with GQA's dK an
 the query heads of a group by the kernel. LSE is returned without a gradient.
 
 No process group and no symmetric heap: every tensor is handed to the kernel by its address, the
-outputs and the backward's fp32 workspace are torch.empty on the inputs' GPU, and the kernels run
+outputs and the backward's fp32 workspace are torch.empty on the inputs' GPU (NaN-filled first where
+TSGEN_TORCH_POISON=1: the GPU checks' way to make an unwritten element show), and the kernels run
 on torch.cuda.current_stream(), so a call is captured by CUDA graphs. The sources compile as the
 shared library with the host launchers (toolchain.compile_source mode "shared", cached by content
 hash), the entries come through ctypes (runtime.world.own_symbol), as for tsgen.torch.load.
@@ -33,6 +34,7 @@ query i sees keys 0..i, top-left aligned as torch's scaled_dot_product_attention
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +56,16 @@ _SCALE = re.compile(r"^// softmax scale ([0-9.eE+-]+);", re.MULTILINE)  # the te
 _ENTRY = {"attention": "forward", "attention_backward": "backward"}  # op kind -> its host entry's suffix
 AGREE = ("head_dim", "heads", "kv_heads", "causal", "layout", "dtype", "scale")  # what a pair must share
 
+
+
+def _output(*args, like: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """torch.empty (or empty_like `like`), NaN-filled where TSGEN_TORCH_POISON=1 (read at every call):
+    tests/torch_checks.py --attention sets it so that an element the kernels leave unwritten reads NaN,
+    whatever block the caching allocator hands out. Off (the default) it is torch.empty alone."""
+    t = torch.empty_like(like) if like is not None else torch.empty(*args, **kwargs)
+    if os.environ.get("TSGEN_TORCH_POISON") == "1":
+        t.fill_(float("nan"))
+    return t
 
 @dataclass(frozen=True)
 class AttentionSignature:
@@ -275,8 +287,8 @@ class _Module:
         batch, q_len, kv_len = sig.check_forward(ops_mod._metas((q, k, v)))
         pos = sig.check_positions(positions, q_len)
         device = self._device((("q", q), ("k", k), ("v", v)))
-        o = torch.empty_like(q)
-        lse = torch.empty(sig.lse_shape(batch, q_len), dtype=torch.float32, device=q.device)
+        o = _output(like=q)
+        lse = _output(sig.lse_shape(batch, q_len), dtype=torch.float32, device=q.device)
         if batch * q_len == 0:
             return o, lse
         # the query rows' positions (two segments: zig-zag), the keys' from kv_offset, no KV waits
@@ -296,12 +308,12 @@ class _Module:
         batch, q_len, kv_len = sig.check_backward(ops_mod._metas(tensors))
         pos = sig.check_positions(positions, q_len)
         device = self._device(tuple(zip(("q", "k", "v", "o", "dout", "lse"), tensors)))
-        dq = torch.empty_like(q)
+        dq = _output(like=q)
         if batch * q_len == 0:  # no query: nothing flows to the keys
             return dq, torch.zeros_like(k), torch.zeros_like(v)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dk, dv = _output(like=k), _output(like=v)
         # the workspace: dQ's fp32 accumulator, D and LSE in base 2
-        dq_accum, dsum, lse2 = (torch.empty(n, dtype=torch.float32, device=q.device)
+        dq_accum, dsum, lse2 = (_output(n, dtype=torch.float32, device=q.device)
                                 for n in workspace_floats(batch, q_len, sig.heads, sig.head_dim))
         self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, dq_accum, dsum, lse2)]
                      + [batch, q_len, kv_len, *pos], f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}")
