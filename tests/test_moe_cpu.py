@@ -811,3 +811,38 @@ def test_control_in_child_that_prints_nothing_fails():
 
     with pytest.raises(AssertionError, match="printed no outcome"):
         g.run_control_in_child("data", "import sys; sys.exit(3)")
+
+
+def test_control_outcome_reports_the_kernel_failure_under_the_clean_up_error(monkeypatch):
+    """After a trap the context is dead, so run_moe's clean-up raises a CUDA error of its own with the
+    KernelFailed as its context: control_outcome reports the KernelFailed (the parent counts it as
+    caught only then), not the clean-up's error."""
+    import test_moe_gpu as g
+    from tsgen.errors import KernelFailed
+
+    def run_moe(*args, **kwargs):
+        try:
+            raise KernelFailed("kernel failed on ranks 0, 1, 2, 3 (GPU 0): cudaErrorLaunchFailure")
+        finally:
+            raise RuntimeError("CUDARuntimeError: cudaErrorLaunchFailure (cudaFree in moe.free)")
+
+    monkeypatch.setattr(g, "run_moe", run_moe)
+    assert g.control_outcome("data")["error"].startswith("KernelFailed: kernel failed on ranks 0, 1, 2, 3")
+    monkeypatch.setattr(g, "run_moe", lambda *a, **k: (_ for _ in ()).throw(ValueError("other")))
+    assert g.control_outcome("data")["error"] == "ValueError: other"
+
+
+def test_control_outcome_line_glued_to_device_output():
+    """The device's printf (C stdio) may leave a line unfinished in the pipe: an outcome glued to it is
+    still found."""
+    import test_moe_gpu as g
+
+    child = """
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None)
+libc.printf(b"tsgen: timeout: rank 0 cut short")
+libc.fflush(None)
+print("CONTROL " + json.dumps({"problems": ["p"], "lines": []}), flush=True)
+os._exit(0)
+"""
+    assert g.run_control_in_child("data", child) == (["p"], [], None)

@@ -544,7 +544,14 @@ def control_outcome(wait: str) -> dict:
                                   mutate=lambda text: text.replace(old, new))
         return {"problems": problems, "lines": lines}
     except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
-        return {"error": f"{type(e).__name__}: {e}"}
+        # after a trap the context is dead and run_moe's clean-up (moe.free) raises too, with the
+        # KernelFailed as its context: report the KernelFailed where the chain holds one
+        chain, cur = [], e
+        while cur is not None and len(chain) < 8:
+            chain.append(cur)
+            cur = cur.__cause__ or cur.__context__
+        first = next((c for c in chain if type(c).__name__ == "KernelFailed"), e)
+        return {"error": f"{type(first).__name__}: {first}"}
 
 
 CHILD = """
@@ -552,7 +559,7 @@ import ctypes, json, os, sys
 sys.path.insert(0, "tests")
 import test_moe_gpu
 out = test_moe_gpu.control_outcome(sys.argv[1])
-print("CONTROL " + json.dumps(out), flush=True)
+print("\\nCONTROL " + json.dumps(out), flush=True)  # on a line of its own after any device printf
 ctypes.CDLL(None).fflush(None)  # the device's printf lines, before leaving without the dead context's teardown
 os._exit(0)
 """
@@ -570,9 +577,9 @@ def run_control_in_child(wait: str, child: str = CHILD) -> tuple[list[str], list
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", child, wait], cwd=root, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
-    found = [line for line in proc.stdout.splitlines() if line.startswith("CONTROL ")]
+    found = [line[line.index("CONTROL ") + len("CONTROL "):] for line in proc.stdout.splitlines() if "CONTROL {" in line]
     assert found, f"the control's process printed no outcome (exit {proc.returncode}):\n{out[-4000:]}"
-    res = json.loads(found[-1][len("CONTROL "):])
+    res = json.loads(found[-1])
     if "error" not in res:
         return res["problems"], res["lines"], None
     timeouts = [line for line in out.splitlines() if line.startswith("tsgen: timeout:")]
