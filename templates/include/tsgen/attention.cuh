@@ -897,7 +897,10 @@ static cudaError_t prepare(const void* kernel) {
 // device) each get one of their own, so calls on different streams may run at the same time;
 // a stream seen after those shares a slot with an earlier one (round robin), and so do two host
 // threads that both pass cudaStreamPerThread (one handle, two streams): such calls must not run
-// at the same time. Calls in one stream's order (back to back, CUDA graph replays) always may.
+// at the same time. Calls in one stream's order (back to back, CUDA graph replays) always may. A
+// CUDA graph keeps the slot of the stream it was captured on: replaying it on another stream
+// while that stream runs a call of this module, or two graphs captured on one stream at the same
+// time, shares a counter too.
 constexpr uint32_t WORK_SLOTS = 64;
 
 static inline uint32_t work_slot(int device, cudaStream_t stream) {
