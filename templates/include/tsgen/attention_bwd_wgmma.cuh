@@ -26,9 +26,10 @@
 //   * warpgroups 1 and 2, the consumers (232 registers): warpgroup w owns keys 64w .. 64w + 63 of
 //     the block, as the M of its products (the transposed form, as the mma.sync kernel's). Per
 //     step:
-//       S^T = K_w Q^T, dP^T = V_w dO^T   (wgmma, 64 keys x 64 queries each, fp32; one group)
+//       S^T = K_w Q^T, dP^T = V_w dO^T   (wgmma, 64 keys x 64 queries each, fp32; a group each)
 //       P^T = exp2(SCALE_LOG2 S^T - LSE2) (0 where masked: key >= kv_len, or CAUSAL and key
-//             after query; masked only on the steps that can need it), dS^T = P^T (dP^T - D)
+//             after query; masked only on the steps that can need it) once S^T's group is done,
+//             while dP^T's may still run; then dS^T = P^T (dP^T - D)
 //       P^T, dS^T -> 16-bit A fragments in registers (the accumulator layout is the register-A
 //             layout: the forward's to_operand); dS^T also to shared memory [key][query]
 //             (128B-swizzled rows of 64 queries), buffer step % 2
