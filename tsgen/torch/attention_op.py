@@ -57,7 +57,6 @@ _ENTRY = {"attention": "forward", "attention_backward": "backward"}  # op kind -
 AGREE = ("head_dim", "heads", "kv_heads", "causal", "layout", "dtype", "scale")  # what a pair must share
 
 
-
 def _output(*args, like: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """torch.empty (or empty_like `like`), NaN-filled where TSGEN_TORCH_POISON=1 (read at every call):
     tests/torch_checks.py --attention sets it so that an element the kernels leave unwritten reads NaN,
@@ -66,6 +65,7 @@ def _output(*args, like: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     if os.environ.get("TSGEN_TORCH_POISON") == "1":
         t.fill_(float("nan"))
     return t
+
 
 @dataclass(frozen=True)
 class AttentionSignature:
