@@ -436,6 +436,12 @@ def cases_for(op: Op, quick: bool) -> list[dict]:
     return cases
 
 
+def failed_row(e: Exception) -> dict:
+    """The row of a case that raised (a launch error; a trap ends the child instead)."""
+    return {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1, "guard_written": -1,
+            "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def check_variant(built: dict, quick: bool, echo=print) -> dict:
     import torch
 
@@ -449,39 +455,32 @@ def check_variant(built: dict, quick: bool, echo=print) -> dict:
         try:
             r = run_case(torch, op, case, gen)
         except Exception as e:  # noqa: BLE001 -- a launch error (a trap ends the child instead)
-            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
-                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            r = failed_row(e)
         r.update(case=case["name"], calls=case.get("calls", 1), seconds=round(time.perf_counter() - t0, 2))
         rows.append(r)
         ok &= r["pass"]
         echo(f"  {case['name']}: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, lse err "
              f"{r['lse_err']:.1e}, nan {r['nan']}, -inf mismatch {r['lse_inf_mismatch']}, guard {r['guard_written']}"
              + (f" {r['error']}" if "error" in r else ""), flush=True)
-    if op.persistent:  # the tile counter across CUDA graph replays
+
+    def extra(label: str, run, case: str, calls: int) -> None:
+        """One case beyond cases_for's: its row (an exception is its failure), its echo line."""
+        nonlocal ok
         t0 = time.perf_counter()
         try:
-            r = run_graph_case(torch, op, gen)
+            r = run(torch, op, gen)
         except Exception as e:  # noqa: BLE001
-            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
-                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
-        r.update(case="seq 4097 batch 2, one call in a CUDA graph replayed 3 times", calls=3,
-                 seconds=round(time.perf_counter() - t0, 2))
+            r = failed_row(e)
+        r.update(case=case, calls=calls, seconds=round(time.perf_counter() - t0, 2))
         rows.append(r)
         ok &= r["pass"]
-        echo(f"  graph replays: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, nan {r['nan']}"
+        echo(f"  {label}: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, nan {r['nan']}"
              + (f" {r['error']}" if "error" in r else ""), flush=True)
+
+    if op.persistent:  # the tile counter across CUDA graph replays
+        extra("graph replays", run_graph_case, "seq 4097 batch 2, one call in a CUDA graph replayed 3 times", 3)
     if op.waits:
-        t0 = time.perf_counter()
-        try:
-            r = run_wait_case(torch, op, gen)
-        except Exception as e:  # noqa: BLE001
-            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
-                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
-        r.update(case="K, V poisoned until a second stream copies each chunk and raises its signal", calls=2,
-                 seconds=round(time.perf_counter() - t0, 2))
-        rows.append(r)
-        ok &= r["pass"]
-        echo(f"  waits: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, nan {r['nan']}")
+        extra("waits", run_wait_case, "K, V poisoned until a second stream copies each chunk and raises its signal", 2)
     return {"pass": ok, "rows": rows}
 
 
