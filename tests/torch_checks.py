@@ -1172,14 +1172,15 @@ def cp_checks(group, shared: bool) -> None:
                             **({"enable_gqa": True} if group_heads > 1 else {})))
                     torch.cat(outs, 2).transpose(1, 2).backward(do)
 
-                def timed(step):
+                def timed(step, leaves=(q, k, v)):
+                    """ms per step: 3 warm-up steps, then 10 between events (the leaves' grads cleared)."""
                     dist.barrier(group)
                     for i in range(13):
                         if i == 3:
                             torch.cuda.synchronize()
                             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                             start.record()
-                        for t in (q, k, v):
+                        for t in leaves:
                             t.grad = None
                         step()
                     end.record()
@@ -1201,18 +1202,7 @@ def cp_checks(group, shared: bool) -> None:
                 def single_step():
                     cp.attention(qf, kf, vf).backward(dof)
 
-                dist.barrier(group)
-                for i in range(13):
-                    if i == 3:
-                        torch.cuda.synchronize()
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                    for t in (qf, kf, vf):
-                        t.grad = None
-                    single_step()
-                end.record()
-                end.synchronize()
-                ms["ideal"] = start.elapsed_time(end) / 10 / w
+                ms["ideal"] = timed(single_step, (qf, kf, vf)) / w
                 if r == 0:
                     for label in [x for x in ("tsgen", "twin", "twin_cudnn") if x in ms]:
                         vs = f"{ms['twin'] / ms[label]:.2f}x the twin; " if "twin" in ms else ""
