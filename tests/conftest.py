@@ -175,6 +175,26 @@ def fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def fake_groups(other: bool = False):
+    """A fake world of 8 ranks (this process is rank 0) and groups of 2, 4 and 5 ranks in it (and,
+    `other`, a group [1, 2] rank 0 is not in), for a module fixture: yields the groups, then closes
+    every tsgen.torch op and the world."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import tsgen.torch as tt
+
+    if dist.is_initialized():  # pragma: no cover - another test left one behind
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    made = {n: dist.new_group(list(range(n))) for n in (2, 4, 5)}
+    if other:
+        made["other"] = dist.new_group([1, 2])  # rank 0 is not in it
+    yield made
+    tt.close_all()
+    dist.destroy_process_group()
+
+
 def aot_graphs(make):
     """torch.compile(fullgraph=True) with AOTAutograd of `fn` on `args`, where (fn, args) = make() is
     called under FakeTensorMode (CPU fake tensors: autograd on fake CUDA tensors needs a CUDA build);

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import fake_mode, load_script
+from conftest import fake_groups, fake_mode, load_script
 
 torch = pytest.importorskip("torch", reason="tsgen.torch needs PyTorch: pip install '.[torch]'")
 dist = pytest.importorskip("torch.distributed")
@@ -47,16 +47,8 @@ def pair_specs(name: str) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def groups():
-    """A fake world of 8 ranks (this process is rank 0) and groups of 2, 4 and 5 ranks in it."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():  # pragma: no cover - another test left one behind
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
-    made = {n: dist.new_group(list(range(n))) for n in (2, 4, 5)}
-    yield made
-    tt.close_all()
-    dist.destroy_process_group()
+    """conftest.fake_groups: 2, 4 and 5 ranks of a fake world of 8."""
+    yield from fake_groups()
 
 
 def load_cp(groups, w: int, pair: str, layout: str, **kw):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import aot_graphs, fake_mode, load_script
+from conftest import aot_graphs, fake_groups, fake_mode, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN = ROOT / "generated"
@@ -33,17 +33,8 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(scope="module")
 def groups():
-    """A fake world of 8 ranks (this process is rank 0) and groups of 2, 4 and 5 ranks in it."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():  # pragma: no cover - another test left one behind
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
-    made = {n: dist.new_group(list(range(n))) for n in (2, 4, 5)}
-    made["other"] = dist.new_group([1, 2])  # rank 0 is not in it
-    yield made
-    tt.close_all()
-    dist.destroy_process_group()
+    """conftest.fake_groups, with a group rank 0 is not in."""
+    yield from fake_groups(other=True)
 
 
 @pytest.fixture(scope="module")

@@ -487,6 +487,12 @@ def cases_for(op: Op, quick: bool) -> list[dict]:
     return cases
 
 
+def failed_row(e: Exception) -> dict:
+    """The row of a case that raised (a launch error; a trap ends the child instead)."""
+    return {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1, "guard_written": -1,
+            "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def check_variant(built: dict, quick: bool, echo=print) -> dict:
     import torch
 
@@ -500,57 +506,40 @@ def check_variant(built: dict, quick: bool, echo=print) -> dict:
         try:
             r = run_case(torch, op, case, gen)
         except Exception as e:  # noqa: BLE001 -- a launch error (a trap ends the child instead)
-            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
-                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            r = failed_row(e)
         r.update(case=case["name"], calls=case.get("calls", 1), seconds=round(time.perf_counter() - t0, 2))
         rows.append(r)
         ok &= r["pass"]
         echo(f"  {case['name']}: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, lse err "
              f"{r['lse_err']:.1e}, nan {r['nan']}, -inf mismatch {r['lse_inf_mismatch']}, guard {r['guard_written']}"
              + (f" {r['error']}" if "error" in r else ""), flush=True)
-    if op.persistent:  # the tile counter across CUDA graph replays
+
+    def extra(label: str, run, case: str, calls: int, control: bool = False) -> None:
+        """One case beyond cases_for's: its row (an exception is its failure), its echo line. `control`:
+        a negative control, passing where the case fails by wrong or unwritten output (not an error)."""
+        nonlocal ok
         t0 = time.perf_counter()
         try:
-            r = run_graph_case(torch, op, gen)
+            r = run(torch, op, gen)
         except Exception as e:  # noqa: BLE001
-            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
-                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
-        r.update(case="seq 4097 batch 2, one call in a CUDA graph replayed 3 times", calls=3,
-                 seconds=round(time.perf_counter() - t0, 2))
-        rows.append(r)
-        ok &= r["pass"]
-        echo(f"  graph replays: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, nan {r['nan']}"
-             + (f" {r['error']}" if "error" in r else ""), flush=True)
-    if op.persistent:  # calls on two streams at once, each on its own tile counter
-        t0 = time.perf_counter()
-        control = bool(built.get("one_slot"))  # one counter for both: the check must fail
-        try:
-            r = run_streams_case(torch, op, gen)
-        except Exception as e:  # noqa: BLE001
-            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
-                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
-        if control:  # caught: wrong or unwritten output, not an error of another kind (a launch failure)
+            r = failed_row(e)
+        if control:
             caught = "error" not in r and not r["pass"]
             r["pass"], r["caught"] = caught, caught
-        r.update(case="seq 4097 batch 2, 8 rounds on two streams at once, 66 CTAs a call"
-                 + (" (negative control: one tile counter for both, must fail)" if control else ""),
-                 calls=16, seconds=round(time.perf_counter() - t0, 2))
+        r.update(case=case, calls=calls, seconds=round(time.perf_counter() - t0, 2))
         rows.append(r)
         ok &= r["pass"]
-        echo(f"  two streams{' (control: one counter)' if control else ''}: {'PASS' if r['pass'] else 'FAIL'} "
-             f"rel err {r['rel_err']:.2e}, nan {r['nan']}" + (f" {r['error']}" if "error" in r else ""), flush=True)
+        echo(f"  {label}: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, nan {r['nan']}"
+             + (f" {r['error']}" if "error" in r else ""), flush=True)
+
+    if op.persistent:  # the tile counter across CUDA graph replays
+        extra("graph replays", run_graph_case, "seq 4097 batch 2, one call in a CUDA graph replayed 3 times", 3)
+        control = bool(built.get("one_slot"))  # one counter for both streams: the check must fail
+        extra("two streams" + (" (control: one counter)" if control else ""), run_streams_case,
+              "seq 4097 batch 2, 8 rounds on two streams at once, 66 CTAs a call"
+              + (" (negative control: one tile counter for both, must fail)" if control else ""), 16, control)
     if op.waits:
-        t0 = time.perf_counter()
-        try:
-            r = run_wait_case(torch, op, gen)
-        except Exception as e:  # noqa: BLE001
-            r = {"rel_err": float("nan"), "lse_err": float("nan"), "nan": -1, "lse_inf_mismatch": -1,
-                 "guard_written": -1, "pass": False, "error": f"{type(e).__name__}: {e}"[:300]}
-        r.update(case="K, V poisoned until a second stream copies each chunk and raises its signal", calls=2,
-                 seconds=round(time.perf_counter() - t0, 2))
-        rows.append(r)
-        ok &= r["pass"]
-        echo(f"  waits: {'PASS' if r['pass'] else 'FAIL'} rel err {r['rel_err']:.2e}, nan {r['nan']}")
+        extra("waits", run_wait_case, "K, V poisoned until a second stream copies each chunk and raises its signal", 2)
     return {"pass": ok, "rows": rows}
 
 
