@@ -8,7 +8,6 @@ GPUs (the spec variant that fits is derived and printed): one GPU runs it all.
 World size 8 runs each spec as a variant built for 8 ranks.
 """
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from conftest import need_gpus
 from results_rows import CONTROL_CALLS, record, record_control
 
-from tsgen.harness import run_test
+from tsgen.harness import run_in_turn, run_test
 from tsgen.ops import get_family
 from tsgen.shipped import shipped, shipped_specs
 
@@ -80,7 +79,7 @@ def test_wait_that_never_completes_times_out(spec):
     diagnosis and trap within the timeout, not hang. Runs in a subprocess
     because a trap ends the CUDA context."""
     need_gpus(2)
-    proc = subprocess.run(
+    proc = run_in_turn(  # the GPU's turn held here: the 120 s bound the child's own work
         [sys.executable, "-m", "tsgen", "test", f"specs/{spec}.yaml", "--gpus", "2", "--probe-timeout"],
         capture_output=True, text=True, timeout=120,
     )

@@ -169,3 +169,50 @@ def test_poison_counts_only_where_it_survives():
     fam = get_family("gemm_reduce_scatter")
     assert not fam.poison_survives(load_spec(ROOT / "specs" / "gemm_reduce_scatter_push_add.yaml").model)
     assert fam.poison_survives(load_spec(ROOT / "specs" / "gemm_reduce_scatter_push_interleaved.yaml").model)
+
+
+def test_the_gpu_turn_gives_its_queueing_back_to_the_test_time_limit(tmp_path, monkeypatch):
+    """A test's time limit (pytest-timeout's SIGALRM timer) does not count the time the test queued
+    for the GPU's turn behind other test processes; each turn is logged (test, wait, hold), and a
+    child started in the turn (run_in_turn) runs without the lock, so it cannot queue for it."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from tsgen.files import held_lock
+
+    lock = tmp_path / "gpu.lock"
+    monkeypatch.setenv("TSGEN_GPU_LOCK", str(lock))
+    monkeypatch.setenv("TSGEN_RESULTS_DIR", str(tmp_path))
+    old = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the alarm fired"))
+
+    def other_test():  # holds the turn for 0.4 s (a thread: flock locks are per open file)
+        with held_lock(lock):
+            started.set()
+            time.sleep(0.4)
+
+    started = threading.Event()
+    t = threading.Thread(target=other_test)
+    t.start()
+    started.wait()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        before = time.monotonic()
+        with H.gpu_turn():
+            left = signal.getitimer(signal.ITIMER_REAL)[0]
+        waited = time.monotonic() - before
+        assert waited >= 0.3 and left > 29.9, (waited, left)  # without the wait given back: 30 - 0.3 or less
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        t.join()
+    rows = [json.loads(line) for line in (tmp_path / "gpu_turn.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["waited_s"] >= 0.3 and rows[0]["held_s"] >= 0
+    # no timer armed: nothing is armed by the turn
+    with H.gpu_turn():
+        assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    proc = H.run_in_turn([sys.executable, "-c", "import os; print(os.environ.get('TSGEN_GPU_LOCK'))"],
+                         capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "None"
+    assert len((tmp_path / "gpu_turn.jsonl").read_text().splitlines()) == 3

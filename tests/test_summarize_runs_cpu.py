@@ -101,6 +101,8 @@ def test_failed_ids_skip_reasons_and_control_detection_are_kept(tmp_path):
         {"control": "barrier_all", "seeds": 25, "caught": 25}, {"control": "barrier_all", "seeds": 25, "caught": 25},
         {"spec": "simple_shift", "removed": "x", "skew": None, "shared": True, "pass": False}]))
     (run / "moe.jsonl").write_text(json.dumps({"control": "moe counts wait", "seed": 3, "caught": True}) + "\n")
+    (run / "gpu_turn.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"test": "a", "pid": 1, "waited_s": 2.0, "held_s": 61.5}, {"test": "b", "pid": 2, "waited_s": 140.2, "held_s": 0.1}]))
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "summarize_shared.py"), str(run), str(tmp_path / "res"),
                         "abc1234", "bash tools/gpu_gate.sh", "--kind", "gate-h100"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -121,6 +123,8 @@ def test_failed_ids_skip_reasons_and_control_detection_are_kept(tmp_path):
     assert "| `tests/test_gpu.py::test_primitive_on_gpus[moe_ll-8]` | FAILED | tsgen.errors.KernelFailed: moe_ll / boom |" in text
     assert "| 5 | needs 4 GPUs; this machine has 2 | tests/test_gpu.py:45, tests/test_gpu.py:88 |" in text
     assert "| simple_shift | none | yes |" in text  # the per-run controls' table stays
+    assert s["gpu_turns"]["turns"] == 2 and s["gpu_turns"]["longest_waited"]["test"] == "b"
+    assert "| 2; longest wait 140 s (`b`), longest hold 62 s (`a`) |" in text
 
 
 def test_the_gpu_scripts_ask_pytest_for_failures_and_skips():

@@ -129,11 +129,12 @@ def test_wait_that_never_completes_times_out():
     """Only rank 0 runs: its blocks wait for the entry signal of a peer that never starts, so the
     kernel must print the diagnosis and trap within the timeout. A subprocess: a trap ends the
     CUDA context."""
-    import subprocess
     import sys
 
+    from tsgen.harness import run_in_turn
+
     need_gpus(2)
-    proc = subprocess.run([sys.executable, "-m", "tsgen", "test", "specs/ulysses_pre_a2a.yaml", "--gpus", "2",
-                           "--probe-timeout"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run_in_turn([sys.executable, "-m", "tsgen", "test", "specs/ulysses_pre_a2a.yaml", "--gpus", "2",
+                        "--probe-timeout"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "tsgen: timeout: rank 0" in out and "on entry[1]" in out, out

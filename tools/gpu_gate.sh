@@ -11,9 +11,11 @@
 #                     tests in about 1 / GPUs of the time; recorded under the one-GPU kind.
 # Then tools/summarize_shared.py writes results/tests/<kind>/<date>-<commit>.{json,md} under
 # $OUT/results (failed test ids, skip reasons, every negative control's detection rate), and the
-# logs go into $OUT/gate_logs.tgz.   bash tools/gpu_gate.sh [PYTEST_ARGS...]
+# logs go into $OUT/gate_logs-<kind>.tgz (a SPREAD gate and a W 2 gate in one call keep both).
+#   bash tools/gpu_gate.sh [PYTEST_ARGS...]
 # Workers: tools/gpu_lib.sh's gpu_workers (free GPU memory over WORKER_MIB, at most the cores less
-# 2; JOBS overrides). PER_TEST (default 180) seconds before a test fails.
+# 2; JOBS overrides). PER_TEST (default 180) seconds before a test fails, not counting its time queued
+# for the GPU's turn (tsgen/harness.py gpu_turn; every turn is logged in gpu_turn.jsonl).
 set -uo pipefail
 here=$(dirname "$0")
 source "$here/device_env.sh"
@@ -44,7 +46,7 @@ if [ "$gpus" -eq 1 ]; then
 else
   unset TSGEN_SHARE_GPUS; export log=pytest_real.txt worlds=$(seq -s ' ' 2 "$gpus") first=""
 fi
-python3 -m pytest -q -m gpu $first tests/ -n "$jobs" -p no:cacheprovider --timeout "${PER_TEST:-180}" \
+COLUMNS=240 python3 -m pytest -q -m gpu $first tests/ -n "$jobs" -p no:cacheprovider --timeout "${PER_TEST:-180}" \
   -rfEs --durations=10 "$@" > "$run/$log" 2>&1
 code=$?
 kill "$sampler" 2>/dev/null
@@ -63,5 +65,5 @@ python3 "$here/summarize_shared.py" "$run" "$OUT/results" "$commit" "${TSGEN_SPR
 [ "${PIPESTATUS[0]}" -eq 0 ] || code=1
 gpu_outcome "$run/$log" 25
 find "$OUT/results" -type f \( -name "*.md" -o -name "*.json" \) -exec cp -t "$OUT" {} +
-tar czf "$OUT/gate_logs.tgz" -C "$run" . && rm -rf "$run"  # what comes back: the logs in one file
+tar czf "$OUT/gate_logs-$kind.tgz" -C "$run" . && rm -rf "$run"  # what comes back: the logs in one file
 exit "$code"

@@ -105,6 +105,7 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     corr, dtypes = jsonl(run, "correctness"), jsonl(run, "dtype_matrix")
     negs, probes = jsonl(run, "negative_control"), jsonl(run, "timeout_probe")
     vendor = (run / "vendor.txt").read_text().splitlines() if (run / "vendor.txt").exists() else []
+    turns = jsonl(run, "gpu_turn")  # tests taking turns on a shared GPU (tsgen/harness.py gpu_turn)
     # every ipc test's `tsgen launch`: its exit code and last line (kept also when pytest was cut off)
     # a run whose command mutates the kernel (`mutate=`) is a negative control: it must exit 1
     ipc_runs = [{"nproc": r["nproc"], "cmd": shorten(" ".join(["python", *r["cmd"][1:]]), 110), "rc": r["rc"],
@@ -122,6 +123,8 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
                                     key=lambda n: (n["spec"], str(n["skew"] or ""))),  # seeds and schedule names
         "timeout_probes": {"tests": len(probes), "passed": sum(r.get("rc") == 0 for r in probes)},  # rc 0: timed out, printed, trapped
         "vendor": [ln for ln in vendor if "PASS" in ln or "FAIL" in ln],
+        "gpu_turns": {"turns": len(turns), **{f"longest_{k}": max(turns, key=lambda r: r[f"{k}_s"]) for k in ("waited", "held")
+                                              if turns}},
         "families": {kind: {"tests": len(rows), "passed": sum(bool(r.get("pass")) for r in rows),
                             "controls_caught": sum(bool(r.get("caught")) for r in rows),
                             "worlds": sorted({int(r["world"]) for r in rows if r.get("world") is not None})}
@@ -157,6 +160,11 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
         if f["tests"]:
             md.append(f"| {kind} (rows of its GPU tests; worlds {', '.join(map(str, f['worlds']))}) | {f['passed']} passed"
                       + (f", {f['controls_caught']} negative controls caught" if f["controls_caught"] else "") + " |")
+    if turns:
+        t = summary["gpu_turns"]
+        md.append(f"| turns on the shared GPU (a test's time limit does not count its wait) | {t['turns']}; "
+                  f"longest wait {t['longest_waited']['waited_s']:.0f} s (`{t['longest_waited']['test']}`), "
+                  f"longest hold {t['longest_held']['held_s']:.0f} s (`{t['longest_held']['test']}`) |")
     if (run / "vendor.txt").exists():
         md.append(f"| vendoring example (examples/vendor) | {sum('PASS' in v for v in summary['vendor'])} / "
                   f"{len(summary['vendor'])} |")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import sys
 import time
@@ -99,11 +100,50 @@ def gpu_turn(world=None):
     from .files import held_lock
 
     with contextlib.ExitStack() as held:
+        asked = time.monotonic()
         try:
             held.enter_context(held_lock(Path(path)))  # in /tmp: never through a planted symlink
         except OSError as e:
             raise RuntimeSetupError(f"TSGEN_GPU_LOCK={path}: {e.strerror or e}") from None
-        yield
+        got = time.monotonic()
+        _add_to_alarm(got - asked)
+        try:
+            yield
+        finally:
+            _log_turn(got - asked, time.monotonic() - got)
+
+
+def run_in_turn(cmd: list[str], **kwargs):
+    """subprocess.run(cmd, **kwargs) while this process holds the GPU's turn (gpu_turn), the child
+    running without TSGEN_GPU_LOCK (it must not queue for the turn its parent holds): a child's
+    time limit (timeout=) then bounds its own work, never a wait for other tests' turns."""
+    import subprocess
+
+    env = {k: v for k, v in (kwargs.pop("env", None) or os.environ).items() if k != "TSGEN_GPU_LOCK"}
+    with gpu_turn():
+        return subprocess.run(cmd, env=env, **kwargs)
+
+
+def _add_to_alarm(seconds: float) -> None:
+    """Give the time spent queueing for the GPU's turn back to an armed SIGALRM timer (pytest-timeout's
+    per-test limit): the limit then bounds what the test does, not how long other tests' turns took.
+    A test whose calls each queue behind a dozen other test processes may wait minutes in all."""
+    import signal
+
+    left, interval = signal.getitimer(signal.ITIMER_REAL)
+    if left > 0 and seconds > 0:
+        signal.setitimer(signal.ITIMER_REAL, left + seconds, interval)
+
+
+def _log_turn(waited: float, held: float) -> None:
+    """One line per GPU turn in $TSGEN_RESULTS_DIR/gpu_turn.jsonl (the gate's logs): which test, how
+    long it queued, how long it held the GPU."""
+    out = os.environ.get("TSGEN_RESULTS_DIR")
+    if out:
+        row = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "pid": os.getpid(),
+               "waited_s": round(waited, 3), "held_s": round(held, 3)}
+        with open(os.path.join(out, "gpu_turn.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 # The byte written over every output before call `call` (POISON_BYTES[call % 8]; neighbours
