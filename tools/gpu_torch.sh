@@ -43,7 +43,8 @@
 #      hardware queues come out of one pool (docs/lab/shared_gpu.md: 4 clients x 32 fail).
 # Environment: TP_ARGS, ULYSSES_ARGS, MOE_ARGS (extra arguments of the examples), TSGEN_TORCH_HEAP (auto | symm_mem | ipc),
 # TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe attention cp shared cp_shared; default all; environment and
-# compile always run). One GPU: TORCH_STEPS=shared bash tools/gpu_torch.sh, TORCH_STEPS=attention bash tools/gpu_torch.sh
+# compile always run; cp_pieces, run only when named: tools/torch_cp_pieces.py, the cp step's time piece by piece).
+# One GPU: TORCH_STEPS=shared bash tools/gpu_torch.sh, TORCH_STEPS=attention bash tools/gpu_torch.sh
 # (the attention step alone: about a minute after the compile step).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +56,7 @@ RUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
 
 want() { [ -z "${TORCH_STEPS:-}" ] || [[ " $TORCH_STEPS " == *" $1 "* ]]; }
 NEED=1  # GPUs: 2 for any step with one process per GPU, 1 for the shared or the attention step alone
-for s in checks probe tp_mlp ulysses moe cp; do want $s && NEED=2; done
+for s in checks probe tp_mlp ulysses moe cp cp_pieces; do want $s && NEED=2; done
 step "environment" 60 python3 -c "
 import torch, sys
 n = torch.cuda.device_count()
@@ -65,8 +66,8 @@ sys.exit(0 if n >= $NEED else 1)" || { summary "tsgen.torch on GPUs: needs $NEED
 cat "$LOG/environment.log"
 # render + compile the modules once, in parallel, before the ranks ask for them (they would wait on the lock);
 # those of the selected steps only (the attention step's pairs: tests/torch_checks.py ATTENTION_PAIRS)
-COLLECTIVES=0; for s in checks probe tp_mlp ulysses moe shared cp cp_shared; do want $s && COLLECTIVES=1; done
-ATTENTION=0; for s in attention cp cp_shared; do want $s && ATTENTION=1; done
+COLLECTIVES=0; for s in checks probe tp_mlp ulysses moe shared cp cp_shared cp_pieces; do want $s && COLLECTIVES=1; done
+ATTENTION=0; for s in attention cp cp_shared cp_pieces; do want $s && ATTENTION=1; done
 step "compile" 150 python3 -c "
 from concurrent.futures import ThreadPoolExecutor
 from tsgen.harness import render_to_cache
@@ -95,6 +96,8 @@ want moe && step "moe_layer vs all_to_all_single twin" 120 $RUN examples/torch/m
 # one GPU, no process group: plain python, not torchrun
 want attention && step "attention fwd+bwd as one op (1 GPU)" 150 python3 tests/torch_checks.py --attention
 want cp && step "cp_attention fwd+bwd (2 ranks, NCCL)" 300 $RUN tests/torch_checks.py --cp
+[[ " ${TORCH_STEPS:-} " == *" cp_pieces "* ]] && \
+  step "cp_attention step in pieces (2 ranks, lab)" 120 env S=8192 $RUN tools/torch_cp_pieces.py
 # last: the only step under MPS (the daemon serves GPU 0 alone, and is stopped however the step ends)
 if want shared || want cp_shared; then
   source tools/mps.sh
