@@ -270,29 +270,41 @@ def test_gpu_tool_reference_is_the_familys(tool):
                                         scale, True, q_pos=qpos, with_abs=True)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w, rtol=1e-4, atol=1e-5)
+    # two query segments (a zig-zag rank's): rows 0-1 at positions 0, 1, rows 2-4 at 6, 7, 8
+    o, lse, _ = tool.reference(torch, *as_t, scale, True, q_offset=0, q_split=2, q_offset2=6)
+    want_o, want_lse = attention_reference(q, k, v, scale, True, q_pos=np.array([0, 1, 6, 7, 8]))
+    np.testing.assert_allclose(o.numpy(), want_o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5)
 
 
 class FakeOp:
     """The GPU script's Op, on the CPU: the gradients from its own reference (`wrong`: dK / dV of
-    the first query head of each group only, or nothing written to dQ)."""
+    the first query head of each group only, nothing written to dQ, or (flaky) dQ's last bit flipped
+    on every other call, a run-to-run difference within the tolerance)."""
 
-    def __init__(self, tool, torch, layout="bshd", causal=True, dtype="bfloat16", wrong=None):
+    def __init__(self, tool, torch, layout="bshd", causal=True, dtype="bfloat16", wrong=None, deterministic=False):
         self.tool, self.torch, self.wrong = tool, torch, wrong
         self.head_dim, self.heads, self.kv_heads, self.causal = 16, 4, 2, causal
         self.bhsd, self.dtype, self.scale = layout == "bhsd", dtype, 0.25
+        self.deterministic, self.calls = deterministic, 0
 
     def workspace(self, torch, batch, q_len, device="cuda"):
         return (torch.empty(batch * q_len * self.heads * self.head_dim, device=device),)
 
-    def __call__(self, t, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0):
+    def __call__(self, t, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0, q_split=None, q_offset2=0):
         torch, tool = self.torch, self.tool
         q, k, v, do = (tool.to_bshd(t[n], self.bhsd).float() for n in ("q", "k", "v", "do"))
         if self.wrong == "gqa":
             do = do * torch.tensor([1.0, 0.0] * (self.heads // 2))[None, None, :, None]
-        _, lse, grads = tool.reference(torch, q, k, v, do, self.scale, self.causal, q_offset=q_offset)
+        _, lse, grads = tool.reference(torch, q, k, v, do, self.scale, self.causal, q_offset=q_offset,
+                                       q_split=q_split, q_offset2=q_offset2)
         for name, g in zip(("dq", "dk", "dv"), grads(tool.to_bshd(t["o"], self.bhsd).float())):
             if not (self.wrong == "no_dq" and name == "dq"):
                 t[name].copy_(tool.to_bshd(g, self.bhsd))
+        self.calls += 1
+        if self.wrong == "flaky" and self.calls % 2 == 0:
+            bits = t["dq"].view(torch.int16)
+            bits.copy_(bits ^ 1)
 
 
 @pytest.mark.parametrize("layout,dtype", [("bshd", "bfloat16"), ("bhsd", "float16")])
@@ -306,6 +318,27 @@ def test_gpu_tool_case_passes_the_right_gradients_and_fails_wrong_ones(tool, lay
     assert not r["pass"] and r["dk"]["wrong"] > 0 and r["dv"]["wrong"] > 0 and r["dq"]["wrong"] > 0, r
     r = tool.run_case(torch, FakeOp(tool, torch, layout, dtype=dtype, wrong="no_dq"), case, gen, device="cpu")
     assert not r["pass"] and r["dq"]["wrong"] == r["dq"]["of"] and r["dq"]["nan"] == r["dq"]["of"], r
+
+
+def test_gpu_tool_deterministic_cases_need_identical_bits(tool):
+    """wgmma_det's cases (Op.deterministic, from the manifest's DETERMINISTIC): the same inputs run
+    again pass only with bit-identical gradients, a last-bit difference (within the tolerance) fails;
+    the zig-zag case's two query segments reach the reference."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    op = FakeOp(tool, torch, deterministic=True)
+    cases = [c for c in tool.cases_for(op, quick=True) if c.get("repeats", 1) > 1]
+    assert cases and any("q_split" in c for c in cases) and not [c for c in tool.cases_for(FakeOp(tool, torch), True)
+                                                                if "repeats" in c]
+    small = [{"batch": 1, "q_len": 6, "kv_len": 9, "repeats": 3},
+             {"batch": 1, "q_len": 6, "kv_len": 12, "q_split": 3, "q_offset2": 9, "repeats": 3}]
+    for case in small:
+        r = tool.run_case(torch, op, case, gen, device="cpu")
+        assert r["pass"] and r["bit_identical"], r
+        r = tool.run_case(torch, FakeOp(tool, torch, wrong="flaky", deterministic=True), case, gen, device="cpu")
+        assert not r["pass"] and not r["bit_identical"] and r["dq"]["wrong"] == 0, r
+    text = tool.markdown({"device": "d", "date": "t", "command": "c", "checks": {"v_wgmma_det": {"cases": [r]}}})
+    assert "rows from 3 at 9, 3 runs: BITS DIFFER" in text
 
 
 # ---------------------------------------------------------------------------

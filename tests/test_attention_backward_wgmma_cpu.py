@@ -40,6 +40,10 @@ VARIANTS = {
     "hd64_bhsd_f16": {"dtype": "float16", "params": {"head_dim": 64, "layout": "bhsd"}},
     "hd128_causal_atomic": {"params": {"causal": True, "dq_reduce": "atomic"}},
     "hd64_gqa_atomic": {"params": {"head_dim": 64, "kv_heads": 8, "dq_reduce": "atomic"}},
+    # params.deterministic: hd 128 (each warpgroup its own column panel), hd 64 (the pair summed first)
+    "hd128_causal_det": {"params": {"causal": True, "deterministic": True}},
+    "hd64_causal_gqa_f16_det": {"dtype": "float16", "params": {"head_dim": 64, "kv_heads": 8, "causal": True,
+                                                               "deterministic": True}},
 }
 
 
@@ -125,6 +129,7 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
         assert names.count("BAR.SYNC.DEFER_BLOCKING") == 4 and bars == [0, 1, 2, 3], bars
     else:
         assert red == 32 and "UBLKRED.G.S.ADD.F32.RN" not in names
+    assert not {"LDG.E.STRONG.GPU", "REDG.E.ADD.STRONG.GPU"} & set(names), "no dQ semaphore (params.deterministic)"
     # ptxas's count of named barriers (an id in a register would count as all 16)
     elf = subprocess.run([str(find_cuobjdump()), "-elf", str(compiled.output)], capture_output=True, text=True,
                          check=True).stdout
@@ -233,6 +238,181 @@ def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_nee
 
 
 # ---------------------------------------------------------------------------
+# params.deterministic: the dQ adds in a fixed order (semaphores after dq_accum)
+# ---------------------------------------------------------------------------
+
+
+def test_deterministic_needs_the_bulk_path():
+    """Refused with impl mma_sync or dq_reduce atomic (their per-element atomics have no order to
+    fix), in the family's style: the spec field, what it needs, why."""
+    from tsgen.errors import SpecError
+
+    for changes in ({"params": {"impl": "mma_sync", "deterministic": True}, "launch": {"threads": 128}},
+                    {"params": {"impl": "wgmma", "dq_reduce": "atomic", "deterministic": True}}):
+        with pytest.raises(SpecError) as e:
+            spec_variant(load_spec(SPEC), changes)
+        assert "params.deterministic: deterministic needs params.impl wgmma with dq_reduce bulk" in str(e.value)
+    det = variant("v", params={"deterministic": True}).model
+    assert det.params.deterministic and det.params.dq_tiled and get_family("attention_backward").check(det) == []
+    assert not variant("v").model.params.deterministic, "off by default"
+
+
+@pytest.mark.parametrize("batch,heads", [(1, 32), (2, 3), (4, 16), (1, 1)])
+def test_deterministic_workspace_holds_the_semaphores(batch, heads):
+    """dq_accum grows by one word per (sequence, head, 64 query rows) with params.deterministic, and
+    only then: workspace_floats (the torch op's, the GPU script's) and the harness's buffer, whose
+    size (linear in count) covers the semaphores at every count."""
+    from tsgen.ops.attention_backward import dq_semaphores, workspace_floats
+
+    fam = get_family("attention_backward")
+    plain = variant("v", params={"batch": batch, "heads": heads, "kv_heads": 1}).model
+    det = variant("v", params={"batch": batch, "heads": heads, "kv_heads": 1, "deterministic": True}).model
+    accum = {m.params.deterministic: next(b for b in fam.buffers(m) if b.name == "dq_accum") for m in (plain, det)}
+    assert "DETERMINISTIC" not in fam.constants(plain) and fam.constants(det)["DETERMINISTIC"] == 1
+    for q_len in (1, 63, 64, 65, 1000, 4096, 16385):
+        floats = batch * q_len * heads * 128
+        sems = dq_semaphores(batch, q_len, heads)
+        assert sems == batch * heads * -(-q_len // 64)
+        assert workspace_floats(batch, q_len, heads, 128) == (floats, batch * q_len * heads, batch * q_len * heads)
+        assert workspace_floats(batch, q_len, heads, 128, True)[0] == floats + sems
+        assert accum[False].elems(q_len) == floats
+        # over-allocated by less than a word per query row and one per (sequence, head)
+        assert floats + sems <= accum[True].elems(q_len) <= floats + sems + q_len + batch * heads, q_len
+
+
+def test_rendered_source_has_the_semaphores_only_when_deterministic(tmp_path):
+    """The Config's DETERMINISTIC member (which switches the header's semaphore code on) and the
+    calling convention's words on the grown workspace appear in a deterministic variant only; the
+    default renders as before (tools/: every shipped spec rendered byte-identical, checked when the
+    mode was built)."""
+    det = rendered_source(variant("det", params={"deterministic": True}), tmp_path).read_text()
+    plain = rendered_source(variant("plain"), tmp_path).read_text()
+    assert "static constexpr bool DETERMINISTIC = det::DETERMINISTIC != 0;" in det
+    assert "semaphores (tsgen::attention_bwd::dq_semaphores)" in det and "in a fixed order" in det
+    assert "DETERMINISTIC" not in plain and "semaphore" not in plain
+
+
+@needs_sass
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_sass_of_the_deterministic_main_kernel(tmp_path, monkeypatch, head_dim):
+    """The semaphore's acquire spins (LDG.STRONG.GPU: the consumers' and the producer's check) and its
+    release raises (RED.STRONG.GPU: per step and at the end), one bulk reduction a step; hd 64: warpgroup
+    1 hands its partial to warpgroup 0 (bar.arrive 4), and still no local memory, no call."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    source = rendered_source(variant("v", params={"head_dim": head_dim, "causal": True, "deterministic": True}),
+                             tmp_path)
+    sass = dump_sass(compile_source(source).output)
+    main = sass[sass.index("Function : v_w1_main"):]
+    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
+    names = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", main)
+    assert names.count("UBLKRED.G.S.ADD.F32.RN") == 1
+    assert names.count("LDG.E.STRONG.GPU") >= 2 and names.count("REDG.E.ADD.STRONG.GPU") == 2, names
+    assert "FENCE.VIEW.ASYNC.G" in names, "the proxy fences around the turn"
+    arrive = re.findall(r"BAR\.ARV (0x[0-9a-f]+)", main)
+    assert arrive == (["0x4"] if head_dim == 64 else []), arrive
+    assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no call"
+
+
+# Per CTA of a problem (every KV block of KV head hk of sequence 0): each step's query head and
+# block, the semaphore's index (from dq_semaphore) and the CTA's turn (DQ_ADDERS x visitor_rank).
+TURNS = r"""
+#include "SOURCE"
+#include <stdio.h>
+#include <stdlib.h>
+#include <vector>
+namespace bw = tsgen::attention_bwd::wgmma;
+int main(int argc, char** argv) {
+  (void)argc;
+  using C = MODULE::Config;
+  tsgen::attention_bwd::Problem p = {};
+  p.batch = 1;
+  p.q_len = atoi(argv[1]); p.kv_len = atoi(argv[2]);
+  p.q_offset = atoi(argv[3]); p.q_split = atoi(argv[4]); p.q_offset2 = atoi(argv[5]); p.kv_offset = atoi(argv[6]);
+  const uint32_t hk = atoi(argv[7]);
+  std::vector<float> accum((size_t)p.q_len * C::HEADS * C::HEAD_DIM + C::HEADS * ((p.q_len + 63) / 64));
+  p.dq_accum = accum.data();
+  for (uint32_t k0 = 0; k0 < p.kv_len; k0 += bw::BLOCK_N)
+    for (bw::Walk<C> w(p, hk, p.kv_offset + (int32_t)k0); !w.done(); w.next(p))
+      printf("%u %u %u %ld %u\n", k0 / bw::BLOCK_N, w.hq, w.qb,
+             (long)(bw::dq_semaphore<C>(p, 0, w) - tsgen::attention_bwd::dq_semaphores<C>(p)),
+             bw::Layout<C>::DQ_ADDERS * bw::visitor_rank(k0 / bw::BLOCK_N));
+}
+"""
+
+
+def simulate_turns(walks, adders, resident):
+    """The semaphore protocol over CTAs that start in order, `resident` at a time (a CTA starts when an
+    earlier one ended): per step a CTA first passes on its last turn (+adders: its warpgroups' raises),
+    then waits until the step's semaphore reaches its turn. True when every CTA ends (no deadlock);
+    False at a state where no resident CTA can move."""
+    sem, pos, held = {}, [0] * len(walks), [None] * len(walks)
+    started, running = min(resident, len(walks)), list(range(min(resident, len(walks))))
+    while running:
+        moved = False
+        for c in list(running):
+            if held[c] is not None:  # the deferred raise (a step later, or at the end)
+                sem[held[c]] = sem.get(held[c], 0) + adders
+                held[c], moved = None, True
+            if pos[c] == len(walks[c]):
+                running.remove(c)
+                if started < len(walks):
+                    running.append(started)
+                    started += 1
+                moved = True
+                continue
+            index, turn = walks[c][pos[c]]
+            if sem.get(index, 0) >= turn:
+                held[c], pos[c], moved = index, pos[c] + 1, True
+        if not moved:
+            return False
+    return True
+
+
+@needs_nvcc
+@pytest.mark.parametrize("causal,head_dim", [(True, 128), (True, 64), (False, 64)])
+def test_turns_follow_each_query_blocks_visitors(tmp_path, causal, head_dim):
+    """For every (query head, query block): its visitors (the CTAs whose Walk visits it, host-compiled
+    from the header) wait for turns DQ_ADDERS x 0, 1, 2, ... in KV-block order, without a gap (a gap
+    would wait forever) and on one semaphore of their own (dq_semaphore: distinct per query head and
+    block, inside the workspace); the protocol then ends at any number of resident CTAs. Causal
+    positions from 0, with offsets, and the zig-zag's two segments (q_split, q_offset2), tails."""
+    from tsgen.headers import include_flags
+    from tsgen.toolchain import gencode_flags
+
+    source = rendered_source(variant("turns", params={"causal": causal, "heads": 4, "kv_heads": 2,
+                                                      "head_dim": head_dim, "deterministic": True}), tmp_path)
+    main = tmp_path / "turns_main.cu"
+    main.write_text(TURNS.replace("SOURCE", str(source)).replace("MODULE", "turns"))
+    exe = tmp_path / "turns_main"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
+                    str(main)], check=True, capture_output=True)
+    adders = 2 if head_dim == 128 else 1  # hd 64: the pair summed, one reduction per CTA and step
+    problems = [(1000, 1000, 0, None, 0, 0), (77, 1000, 923, None, 0, 0), (1000, 1000, 500, None, 0, 700),
+                (600, 2400, 300, 300, 1800, 0), (1024, 2048, 0, 512, 1536, 0), (500, 4096, 768, 250, 3072, 0),
+                (100, 100, 0, 70, 30, 0), (129, 129, 0, None, 0, 0), (65, 200, 63, None, 0, 0)]
+    for sq, skv, qo, split, qo2, ko in problems:
+        split = sq if split is None else split
+        out = subprocess.run([str(exe), *map(str, (sq, skv, qo, split, qo2, ko, 1))], capture_output=True,
+                             text=True, check=True).stdout
+        rows = [tuple(int(x) for x in line.split()) for line in out.splitlines()]
+        q_blocks = -(-sq // 64)
+        visitors = {}
+        for j, hq, qb, index, turn in rows:
+            assert index == hq * q_blocks + qb and 0 <= index < 4 * q_blocks, (j, hq, qb, index)
+            visitors.setdefault((hq, qb), []).append((j, turn))
+        assert visitors, "some step"
+        for key, seen in visitors.items():
+            assert [j for j, _ in seen] == sorted(j for j, _ in seen), ("one visit per CTA, in order", key)
+            assert [t for _, t in seen] == [adders * r for r in range(len(seen))], (sq, skv, qo, split, qo2, ko, key)
+        walks = [[(index, turn) for j2, _, _, index, turn in rows if j2 == j] for j in range(-(-skv // 128))]
+        for resident in (1, 2, 3, len(walks)):
+            assert simulate_turns(walks, adders, resident), ("deadlock", sq, skv, qo, split, qo2, ko, resident)
+    # the simulation does find a deadlock: a first turn past 0, a gap in the turns
+    assert not simulate_turns([[(0, adders)]], adders, 1)
+    assert not simulate_turns([[(0, 0)], [(0, 2 * adders)]], adders, 2)
+
+
+# ---------------------------------------------------------------------------
 # tools/gpu_attention_bwd.py --impl (the GPU script the lead runs)
 # ---------------------------------------------------------------------------
 
@@ -242,7 +422,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     from tsgen.spec import merge
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red")
+    assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det")
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
     assert tool.impl_name("hd64_full_kv8", "wgmma_red") == "hd64_full_kv8_wgmma_red"
@@ -251,6 +431,8 @@ def test_gpu_tool_runs_the_impls_side_by_side():
         assert spec.params.impl == "wgmma" and spec.params.dq_tiled and spec.launch.threads == 384
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_red"))).model
         assert spec.params.impl == "wgmma" and not spec.params.dq_tiled and spec.launch.threads == 384
+        spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_det"))).model
+        assert spec.params.impl == "wgmma" and spec.params.dq_tiled and spec.params.deterministic
     row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 100.0},
            "tsgen_wgmma": {"tflops": 400.0, "ratio_ref": 4.0}, "sdpa_cudnn": {"tflops": 500.0, "ratio": 5.0}}
     summary = {"device": "NVIDIA H200", "date": "2026-11-27", "command": "c", "checks": {},
@@ -328,18 +510,20 @@ def header_dq_staging():
     """The dQ staging store of the header (dq_reduce bulk): a function (row, h, lane, q) -> (byte offset
     in the warpgroup's staging buffer, register of the first float; the second is the next register)."""
     text = WG_HEADER.read_text()
-    at = re.search(r"const uint32_t at = staging \+ (.+);", text)
-    st = re.search(r"st_shared_v2_f32\(at \+ (.+?), dq\[(.+?)\], dq\[(.+?)\]\);", text)
-    assert at and st, "the staging store's address and registers"
+    at = re.search(r"const uint32_t at = staging \+ (.+);", text)  # each_staged_pair's row address
+    pair = re.search(r"for \(int q = 0; q < 8; \+\+q\) f\(at \+ (.+?), (.+?)\);", text)  # chunk, register i
+    st = re.search(r"st_shared_v2_f32\(at, dq\[(.+?)\], dq\[(.+?)\]\);", text)  # the store of registers i, i + 1
+    assert at and pair and st, "the staging store's address and registers"
 
     def py(expr):
         return expr.replace(" / ", " // ")
 
     def store(row, h, lane, q):
         env = {"row": row, "h": h, "lane": lane, "q": q}
-        first, second = eval(py(st.group(2)), {}, env), eval(py(st.group(3)), {}, env)
+        i = eval(py(pair.group(2)), {}, env)
+        first, second = eval(py(st.group(1)), {}, {"i": i}), eval(py(st.group(2)), {}, {"i": i})
         assert second == first + 1
-        return eval(py(at.group(1)), {}, env) + eval(py(st.group(1)), {}, env), first
+        return eval(py(at.group(1)), {}, env) + eval(py(pair.group(1)), {}, env), first
 
     return store
 

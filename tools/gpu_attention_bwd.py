@@ -1,12 +1,15 @@
 """The `attention_backward` op on one GPU: correctness against a float32 reference, then a short
 bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
-Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma]
+Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma,wgmma_det]
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment)
 
 --impl: the main kernels to run (default mma_sync): mma_sync (params.impl mma_sync), wgmma
 (params.impl wgmma: dQ by bulk reductions, its default) and wgmma_red (params.impl wgmma with
-dq_reduce atomic: the first wgmma version's per-element fp32 reductions). Each listed one is built,
+dq_reduce atomic: the first wgmma version's per-element fp32 reductions) and wgmma_det (params.impl
+wgmma with params.deterministic: the bulk reductions in a fixed order; its checks add cases run 3 or 5
+times on the same inputs that pass only with dQ, dK and dV bit-identical across the runs, and a causal
+zig-zag case of two query segments). Each listed one is built,
 checked and benched with the same variants and cases; a variant of an impl other than mma_sync is
 named NAME_IMPL (its checks' rows), and its bench timings are column tsgen_IMPL of the same rows,
 interleaved with the others (ratio_ref: the first listed impl's time / its time, x in the table; the
@@ -24,7 +27,7 @@ SDPA columns' ratio: SDPA's time / the last listed impl's, so list the candidate
    checked call the outputs and the fp32 workspace are poisoned with NaN and sentinels sit after
    the outputs' ends. Cases: S = 1000 (tails of queries and keys, batch 2), 4096; one case of
    20 back-to-back calls (the dQ accumulator must be zeroed per call); one where q_len and
-   kv_len differ (causal: bottom-right aligned positions).
+   kv_len differ (causal: bottom-right aligned positions); wgmma_det: the repeated cases above.
 3. Bench (one child): hd 128, 32 heads (32 and 8 KV heads), S 4K, 8K, 16K (16K tokens: batch =
    16384 / S), causal and not: tsgen's three kernels against torch autograd of
    scaled_dot_product_attention (flash and cuDNN backends: the backward only, the forward run
@@ -87,9 +90,11 @@ BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd1
 BENCH_SEQS = [4096, 8192, 16384]
 
 
-IMPLS = ("mma_sync", "wgmma", "wgmma_red")  # main kernels; the first is the default and the bench's "tsgen" column
+# main kernels; the first is the default and the bench's "tsgen" column
+IMPLS = ("mma_sync", "wgmma", "wgmma_red", "wgmma_det")
 # the spec params of each (beside its threads per CTA, those of params.impl)
-IMPL_PARAMS = {"mma_sync": {}, "wgmma": {"impl": "wgmma"}, "wgmma_red": {"impl": "wgmma", "dq_reduce": "atomic"}}
+IMPL_PARAMS = {"mma_sync": {}, "wgmma": {"impl": "wgmma"}, "wgmma_red": {"impl": "wgmma", "dq_reduce": "atomic"},
+               "wgmma_det": {"impl": "wgmma", "deterministic": True}}
 
 
 def impl_name(name: str, impl: str) -> str:
@@ -120,15 +125,20 @@ class Op(ga.Entry):
     ENTRY = "backward"
     ARGTYPES = [ctypes.c_void_p] * 12 + [ctypes.c_uint64] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
 
+    def __init__(self, built: dict):
+        super().__init__(built)
+        self.deterministic = bool(self.manifest["constants"].get("DETERMINISTIC", 0))
+
     def workspace(self, torch, batch, q_len, device="cuda"):
         from tsgen.ops.attention_backward import workspace_floats
 
         return tuple(torch.empty(n, device=device, dtype=torch.float32)
-                     for n in workspace_floats(batch, q_len, self.heads, self.head_dim))
+                     for n in workspace_floats(batch, q_len, self.heads, self.head_dim, self.deterministic))
 
-    def __call__(self, t: dict, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0):
+    def __call__(self, t: dict, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0, q_split=None, q_offset2=0):
         ptrs = [t[n].data_ptr() for n in ("q", "k", "v", "o", "do", "lse", "dq", "dk", "dv")] + [w.data_ptr() for w in ws]
-        self.check(self.fn(*ptrs, batch, q_len, kv_len, q_offset, q_len, 0, kv_offset, stream.cuda_stream))
+        self.check(self.fn(*ptrs, batch, q_len, kv_len, q_offset, q_len if q_split is None else q_split, q_offset2,
+                           kv_offset, stream.cuda_stream))
 
 
 def to_bshd(x, bhsd: bool):
@@ -140,14 +150,17 @@ def to_bshd(x, bhsd: bool):
 # ---------------------------------------------------------------------------
 
 
-def reference(torch, q, k, v, do, scale, causal, q_offset=0, kv_offset=0):
+def reference(torch, q, k, v, do, scale, causal, q_offset=0, kv_offset=0, q_split=None, q_offset2=0):
     """q, do [B, Sq, H, D], k, v [B, Skv, Hkv, D] (float32, bshd) -> O (rounded by the caller), LSE
     [B, H, Sq], and a function of O giving dQ, dK, dV, their |.| sums and the cancellation sums
-    of dQ and dK (attention_backward_reference's with_abs), all float32 bshd."""
+    of dQ and dK (attention_backward_reference's with_abs), all float32 bshd. Query row r at
+    position q_offset + r before q_split, q_offset2 + r - q_split from it (the kernels')."""
     B, Sq, H, D = q.shape
     Skv, Hkv = k.shape[1], k.shape[2]
     g = H // Hkv
-    qp = q_offset + torch.arange(Sq, device=q.device)
+    rows = torch.arange(Sq, device=q.device)
+    split = Sq if q_split is None else q_split
+    qp = torch.where(rows < split, q_offset + rows, q_offset2 + rows - split)
     kp = kv_offset + torch.arange(Skv, device=q.device)
     hidden = (kp[None, :] > qp[:, None]) if causal else None
 
@@ -196,16 +209,19 @@ def run_case(torch, op: Op, case: dict, gen, device: str = "cuda", forward=None)
     forward instead of the reference's (the chain a trainer runs: its LSE convention, natural
     log, is the one the backward reads), and the reference gradients are those of its O."""
     batch, q_len, kv_len, calls = case["batch"], case["q_len"], case["kv_len"], case.get("calls", 1)
+    repeats = case.get("repeats", 1)  # runs of the same inputs, each on a poisoned workspace: bit-identical?
     dt = torch_dtype(torch, op.dtype)
-    # causal with q_len != kv_len: bottom-right aligned (the last query sees every key)
-    q_offset = kv_len - q_len if op.causal else 0
+    # causal with q_len != kv_len: bottom-right aligned (the last query sees every key); a case with
+    # q_split: two query segments (a zig-zag rank's), positions 0 .. and q_offset2 ..
+    q_offset = kv_len - q_len if op.causal and "q_split" not in case else 0
+    segments = {"q_split": case["q_split"], "q_offset2": case["q_offset2"]} if "q_split" in case else {}
 
     def randn(rows, heads):
         return torch.randn(batch, rows, heads, op.head_dim, device=device, generator=gen).to(dt)
 
     q, k, v, do = randn(q_len, op.heads), randn(kv_len, op.kv_heads), randn(kv_len, op.kv_heads), randn(q_len, op.heads)
     f32 = [x.float() for x in (q, k, v, do)]
-    o32, lse, grads = reference(torch, *f32, op.scale, op.causal, q_offset=q_offset)
+    o32, lse, grads = reference(torch, *f32, op.scale, op.causal, q_offset=q_offset, **segments)
     o = o32.to(dt)
 
     def layout(x):  # bshd -> the op's layout, contiguous
@@ -229,17 +245,27 @@ def run_case(torch, op: Op, case: dict, gen, device: str = "cuda", forward=None)
         flat[name] = torch.empty(like.numel() + guard, device=device, dtype=dt)
         t[name] = flat[name][:like.numel()].view(layout(like).shape)
     ws = op.workspace(torch, batch, q_len, device)
-    for x in list(flat.values()) + list(ws):
-        x.fill_(math.nan)
-    for x in flat.values():
-        x[-guard:].fill_(7.0)
-    if stream is not None:
-        torch.cuda.synchronize()
-    for _ in range(calls):
-        op(t, ws, batch, q_len, kv_len, stream, q_offset=q_offset)
-    if stream is not None:
-        stream.synchronize()
+    first = None  # the first run's gradients, bit for bit (repeats > 1)
+    identical = True
+    for _ in range(repeats):
+        for x in list(flat.values()) + list(ws):
+            x.fill_(math.nan)
+        for x in flat.values():
+            x[-guard:].fill_(7.0)
+        if stream is not None:
+            torch.cuda.synchronize()
+        for _ in range(calls):
+            op(t, ws, batch, q_len, kv_len, stream, q_offset=q_offset, **segments)
+        if stream is not None:
+            stream.synchronize()
+        bits = {n: flat[n].view(torch.int16).clone() for n in flat}  # NaN == NaN as bits, too
+        if first is None:
+            first = bits
+        else:
+            identical = identical and all(torch.equal(bits[n], first[n]) for n in flat)
     result = {"case": case, "calls": calls, **chained}
+    if repeats > 1:
+        result["bit_identical"] = identical
     ok = not chained or (chained["forward_o_rel_err"] < 1e-2 and chained["forward_lse_max_err"] < 1e-3 * (
         1 + float(lse.abs().max())))
     for name, ref, absum, cancel in (("dq", dq, aq, cq), ("dk", dk, ak, ck), ("dv", dv, av, None)):
@@ -253,7 +279,7 @@ def run_case(torch, op: Op, case: dict, gen, device: str = "cuda", forward=None)
             i = int(bad.flatten().nonzero()[0])
             result[name]["first_wrong"] = {"index": i, "got": float(got.flatten()[i]), "ref": float(ref.flatten()[i])}
         ok = ok and not bad.any() and sentinel
-    result["pass"] = ok
+    result["pass"] = ok and identical
     return result
 
 
@@ -263,6 +289,15 @@ def cases_for(op: Op, quick: bool) -> list[dict]:
              {"batch": 1, "q_len": 300, "kv_len": 777}]
     if not quick:
         cases.append({"batch": 1, "q_len": 4096, "kv_len": 4096})
+    if getattr(op, "deterministic", False):
+        # the same inputs run again on a poisoned workspace: dQ (and dK, dV) bit-identical every time;
+        # 4096 (many CTAs adding into each query block at once) where the bulk path's bits vary; the
+        # zig-zag case (rank 0 of 2: rows 0-511 at positions 0-511, 512-1023 at 1536-2047) checks the
+        # visitor order of the causal walk's two query segments
+        cases += [{"batch": 2, "q_len": 1000, "kv_len": 1000, "repeats": 3},
+                  {"batch": 1, "q_len": 1024, "kv_len": 2048, "q_split": 512, "q_offset2": 1536, "repeats": 3}]
+        if not quick:
+            cases.append({"batch": 1, "q_len": 4096, "kv_len": 4096, "repeats": 5})
     return cases
 
 
@@ -394,6 +429,10 @@ def markdown(s: dict) -> str:
         for c in r.get("cases", []):
             case = c["case"]
             chain = ", tsgen forward" if case.get("forward") else ""
+            if "q_split" in case:
+                chain += f", rows from {case['q_split']} at {case['q_offset2']}"
+            if "bit_identical" in c:
+                chain += f", {case['repeats']} runs: {'bit-identical' if c['bit_identical'] else 'BITS DIFFER'}"
             out.append(f"| {name} | b{case['batch']} q{case['q_len']} kv{case['kv_len']}{chain} | {c['calls']} | "
                        + " | ".join(f"{c[g]['wrong']} / {c[g]['of']}" for g in ("dq", "dk", "dv"))
                        + " | " + " / ".join(f"{c[g]['rel_err']:.1e}" for g in ("dq", "dk", "dv"))

@@ -28,8 +28,9 @@ Host entry points (host_launch):
       kv_len), params.batch sequences, positions from 0.
   <kernel>_backward(q, k, v, o, dout, lse, dq, dk, dv, dq_accum, dsum, lse2, batch, q_len,
       kv_len, q_offset, q_split, q_offset2, kv_offset, stream): everything at run time; the
-      workspace: dq_accum batch * q_len * heads * head_dim floats, dsum and lse2 batch *
-      heads * q_len floats each.
+      workspace: dq_accum batch * q_len * heads * head_dim floats (params.deterministic: then
+      batch * heads * ceil(q_len / 64) uint32 semaphores), dsum and lse2 batch * heads * q_len
+      floats each (workspace_floats).
 """
 
 from __future__ import annotations
@@ -56,10 +57,18 @@ WGMMA_STAGES = 2  # Q / dO stages of the wgmma kernel's ring (tsgen::attention_b
 DQ_STAGING = 2 * BLOCK_M * 64 * 4  # the wgmma kernel's fp32 dQ staging (dq_reduce bulk): 64 x 64 per warpgroup
 
 
-def workspace_floats(batch: int, q_len: int, heads: int, head_dim: int) -> tuple[int, int, int]:
-    """The fp32 workspace of one `<kernel>_backward` call, in floats: (dq_accum, dsum, lse2)."""
+def dq_semaphores(batch: int, q_len: int, heads: int) -> int:
+    """params.deterministic: the dQ semaphores (uint32, one per sequence, head and block of BLOCK_M query
+    rows) that follow dq_accum's floats in its workspace (tsgen::attention_bwd::dq_semaphores)."""
+    return batch * heads * -(-q_len // BLOCK_M)
+
+
+def workspace_floats(batch: int, q_len: int, heads: int, head_dim: int,
+                     deterministic: bool = False) -> tuple[int, int, int]:
+    """The fp32 workspace of one `<kernel>_backward` call, in 4-byte words: (dq_accum, dsum, lse2);
+    deterministic: dq_accum grows by the dQ semaphores (dq_semaphores)."""
     rows = batch * q_len * heads
-    return rows * head_dim, rows, rows
+    return rows * head_dim + (dq_semaphores(batch, q_len, heads) if deterministic else 0), rows, rows
 
 class AttentionBackwardParams(AttentionShape):
     impl: Literal["mma_sync", "wgmma"] = Field(
@@ -74,10 +83,28 @@ class AttentionBackwardParams(AttentionShape):
         "red.global.add.f32 per element from registers, the first wgmma version; kept to bench against). "
         "mma_sync: atomic only")
 
+    deterministic: bool = Field(
+        False, description="dQ bit-identical from run to run (impl wgmma, dq_reduce bulk only): the bulk reductions "
+        "into each query block's dQ accumulator wait their turn in a fixed order (the KV blocks' order) on a "
+        "semaphore per (sequence, head, query block) after dq_accum in its workspace (which grows by one word "
+        "per 64 query rows per head and sequence). Costs the KV-block CTAs of a head a wavefront: a few percent, "
+        "not yet measured on a GPU")
+
     @property
     def dq_tiled(self) -> bool:
         """dq_accum in the tiled layout of the bulk reductions (tsgen::attention_bwd::dq_tiled_offset)."""
         return self.impl == "wgmma" and self.dq_reduce != "atomic"
+
+
+def dq_accum_elems(p: AttentionBackwardParams) -> dict[str, int]:
+    """Buffer dq_accum's size per count (sequence positions) and fixed: dQ's floats, and with
+    params.deterministic the dQ semaphores after them. A buffer's size is linear in count, the
+    semaphores are batch * heads * ceil(count / 64): bounded by ceil(batch * heads / 64) per count
+    plus batch * heads fixed."""
+    bh = p.batch * p.heads
+    if not p.deterministic:
+        return {"per_count": bh * p.head_dim}
+    return {"per_count": bh * p.head_dim + -(-bh // BLOCK_M), "fixed": bh}
 
 
 class AttentionBackwardLaunch(StrictModel):
@@ -152,6 +179,10 @@ class AttentionBackwardFamily(OpFamily):
         if spec.params.impl == "mma_sync" and spec.params.dq_reduce == "bulk":
             problems.append((("params", "dq_reduce"), "dq_reduce bulk needs params.impl wgmma (the mma_sync kernel "
                              "adds dQ with atomics only)"))
+        if spec.params.deterministic and not spec.params.dq_tiled:
+            problems.append((("params", "deterministic"), "deterministic needs params.impl wgmma with dq_reduce bulk "
+                             "(the ordered adds are the bulk reductions; mma_sync and dq_reduce atomic add dQ with "
+                             "per-element atomics in no fixed order)"))
         want = IMPLS[spec.params.impl]["threads"]
         if spec.launch.threads != want:
             problems.append((("launch", "threads"), f"params.impl {spec.params.impl} runs {want} threads per CTA, "
@@ -171,7 +202,7 @@ class AttentionBackwardFamily(OpFamily):
             Buffer("dq", spec.dtype, "output", per_count=q_row),
             Buffer("dk", spec.dtype, "output", per_count=kv_row),
             Buffer("dv", spec.dtype, "output", per_count=kv_row),
-            Buffer("dq_accum", "float32", "scratch", per_count=q_row),
+            Buffer("dq_accum", "float32", "scratch", **dq_accum_elems(p)),
             Buffer("dsum", "float32", "scratch", per_count=p.batch * p.heads),
             Buffer("lse2", "float32", "scratch", per_count=p.batch * p.heads),
         )
@@ -187,6 +218,7 @@ class AttentionBackwardFamily(OpFamily):
             "SMEM_BYTES": smem_bytes(spec),
             **({"TILE_M": BLOCK_M, "TILE_N": IMPLS["wgmma"]["block_n"], "STAGES": WGMMA_STAGES,
                 "DQ_TILED": int(p.dq_tiled)} if p.impl == "wgmma" else {}),
+            **({"DETERMINISTIC": 1} if p.deterministic else {}),  # absent by default: those sources stay as they were
         }
 
     def template_vars(self, spec):

@@ -13,14 +13,16 @@
 //   K, V, dK, dV  [batch, kv_len, KV_HEADS, HEAD_DIM] (BHSD: [batch, KV_HEADS, kv_len, HEAD_DIM])
 //   LSE           [batch, HEADS, q_len] fp32, natural log, -inf where a query saw no key
 // Workspace (fp32, the caller's): dq_accum as dQ's shape and layout (Config::DQ_TILED, the wgmma kernel's
-// bulk reductions: the same size, tiled as dq_tiled_offset says), dsum and lse2 as LSE's.
+// bulk reductions: the same size, tiled as dq_tiled_offset says; Config::DETERMINISTIC: then the dQ
+// semaphores, dq_semaphores), dsum and lse2 as LSE's.
 // Positions and the causal mask: as the forward's (query row r at q_offset + r before q_split,
 // q_offset2 + r - q_split after; key j at kv_offset + j; a query sees keys at positions <= its own).
 //
 // Three kernels, in stream order:
 //   1. preprocess: D = rowsum(dO * O) (fp32) into dsum; LSE2 = LSE * log2(e) into lse2, +inf where
 //      LSE is -inf (so that exp2(s - LSE2) = 0: an empty row gives P = 0, not exp2(s + inf) = inf);
-//      and it zeroes dq_accum (a second call would otherwise add onto the first).
+//      and it zeroes dq_accum (a second call would otherwise add onto the first), and with
+//      Config::DETERMINISTIC the dQ semaphores after it (dq_semaphores).
 //   2. main: one CTA (4 warps) per (KV block of 64 keys, KV head, sequence), numbered KV block
 //      major (block 0 of every head first: with CAUSAL it sees the most queries, longest first).
 //      K_j and V_j stay in shared memory; the CTA walks (query head of the GQA group, query block
@@ -52,6 +54,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 namespace tsgen {
 namespace attention_bwd {
@@ -123,6 +127,23 @@ __host__ __device__ __forceinline__ uint64_t dq_tiled_offset(uint32_t b, uint32_
   const uint32_t r0 = r / 64 * 64, i = r - r0, n = q_len - r0 < 64 ? q_len - r0 : 64;
   return (((uint64_t)b * heads + h) * q_len + r0) * head_dim + (uint64_t)(col / 64) * n * 64 + i * 64 +
          ((((col % 64) / 8) ^ (i % 8)) * 8) + col % 8;
+}
+
+// Config::DETERMINISTIC where the Config has it (only specs with params.deterministic emit it: the
+// wgmma kernel with dq_reduce bulk), else false.
+template <class C, class = void>
+struct deterministic_of : std::false_type {};
+template <class C>
+struct deterministic_of<C, std::void_t<decltype(C::DETERMINISTIC)>> : std::integral_constant<bool, C::DETERMINISTIC> {};
+
+// DETERMINISTIC: the dQ semaphores, one uint32 per (sequence, head, block of BLOCK_M query rows), index
+// (b HEADS + h) ceil(q_len / BLOCK_M) + r / BLOCK_M, in dq_accum's workspace after its batch q_len
+// HEADS HEAD_DIM floats (the caller's workspace grows by them: no fourth workspace pointer, the launchers'
+// signatures stay as they are). The preprocess zeroes them with dq_accum; the wgmma kernel orders the
+// bulk reductions into a query block's dQ by them (tsgen/attention_bwd_wgmma.cuh).
+template <class C>
+__host__ __device__ __forceinline__ uint32_t* dq_semaphores(const Problem& p) {
+  return reinterpret_cast<uint32_t*>(p.dq_accum + (size_t)p.batch * p.q_len * C::HEADS * C::HEAD_DIM);
 }
 
 template <class C>
@@ -228,6 +249,11 @@ __device__ void preprocess(const Problem& p) {
     float4* acc = reinterpret_cast<float4*>(p.dq_accum + at);
     acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
     acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    // DETERMINISTIC: the query block's semaphore, by the first thread of its first row (in stream order before
+    // the main kernel, as dq_accum's zeros: a call's turns start at 0 whatever the last call left)
+    if constexpr (deterministic_of<C>::value)
+      if (c == 0 && s % BLOCK_M == 0)
+        dq_semaphores<C>(p)[row / p.q_len * ((p.q_len + BLOCK_M - 1) / BLOCK_M) + s / BLOCK_M] = 0;
   }
   // TPR (8 or 16) consecutive lanes hold one row: a butterfly within the group
 #pragma unroll
@@ -535,7 +561,8 @@ static void launch_convert(Convert conv, const Problem& p, const Sizes& z, cudaS
 // One backward call: the preprocess, the main kernel and the convert pass on `stream`, shared by
 // both main kernels. `main` is the main kernel's launch: main.prepare(p, z) (host set-up, before
 // anything is launched: the shared-memory opt-in, descriptors) and main.launch(p, z, stream).
-// Workspace: dq_accum (batch * q_len * HEADS * HEAD_DIM floats), dsum and lse2 (batch * HEADS *
+// Workspace: dq_accum (batch * q_len * HEADS * HEAD_DIM floats; Config::DETERMINISTIC: and batch *
+// HEADS * ceil(q_len / BLOCK_M) uint32 after them, dq_semaphores), dsum and lse2 (batch * HEADS *
 // q_len floats each). Positions as the forward's (q_split >= q_len: one query segment).
 template <class C, class Pre, class Convert, class Main>
 static cudaError_t call(Pre pre, Convert conv, Main& main, uint32_t block_n, const Problem& given, uint64_t batch,

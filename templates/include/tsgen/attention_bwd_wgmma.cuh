@@ -47,7 +47,11 @@
 //             cp.reduce.async.bulk .add.f32 (n x 256 contiguous bytes) into the tiled dq_accum;
 //             dq_reduce atomic: fp32 reductions from registers (red.global.add.f32, dQ's own
 //             layout). Either way a race by design, as the mma.sync kernel's: the order of the adds
-//             is not fixed
+//             is not fixed, except with DETERMINISTIC (params.deterministic, bulk only): thread 0
+//             waits until the query block's semaphore (dq_semaphores, after dq_accum) reaches its
+//             CTA's turn, DQ_ADDERS x visitor_rank (the KV blocks' order), before its reduction, and
+//             raises it a step later, once the reduction is complete; HEAD_DIM 64 first sums the two
+//             warpgroups' partials of the same panel in shared memory (DQ_PAIRED: one reduction)
 //     After the walk, dK (times SCALE) and dV leave from registers (rows past kv_len clipped).
 //
 // Hazards (and what orders each):
@@ -79,6 +83,18 @@
 //     CTA per 64-row block) after this kernel (stream order; the bulk writes complete before exit).
 //   - The producer's tail waits (with the timeout of gemm::mbar_wait) for the consumers' release
 //     of the last STAGES steps: a consumer stuck on a load that never lands traps, not hangs.
+//   - DETERMINISTIC, the turns: the CTAs adding into one query block are KV blocks 0 .. J - 1
+//     (visitor_rank) and wait for turns 0, DQ_ADDERS, 2 DQ_ADDERS, ...: each waits only for lower
+//     block indices, which start first, and holds no turn while it waits (the last one is passed on
+//     before DS_READY of the next step, ahead of the next wait), so the chain ends. Order of one
+//     add after the previous one: the previous adder's cp.async.bulk.wait_group 0 (its writes
+//     complete), fence.proxy.async.global, red.release.gpu; this adder's ld.acquire.gpu, then
+//     fence.proxy.async.global, then its reduction (the async proxy). The semaphores: zeroed by the
+//     preprocess in stream order, as dq_accum. A turn that never comes: the consumers spin without
+//     a timeout; the producer's tail waits (with it) for the CTA's last turn to be passed on.
+//   - DQ_PAIRED, warpgroup 1's staging read by warpgroup 0 (generic loads): written, then bar.arrive
+//     DQ_PAIR against warpgroup 0's bar.sync; rewritten only after the next DS_READY, which warpgroup
+//     0 reaches after its reads.
 #ifndef TSGEN_ATTENTION_BWD_WGMMA_CUH
 #define TSGEN_ATTENTION_BWD_WGMMA_CUH
 
@@ -95,6 +111,7 @@ using gemm::bulk_commit_group;
 using gemm::bulk_wait_group_all;
 using gemm::bulk_wait_group_read;
 using gemm::fence_mbarrier_init_release_cluster;
+using gemm::fence_proxy_async_global;
 using gemm::mbar_arrive;
 using gemm::mbar_arrive_expect_tx;
 using gemm::mbar_init;
@@ -115,6 +132,7 @@ constexpr int BLOCK_N = 128;  // keys per CTA: 64 per consumer warpgroup
 constexpr int THREADS = 384;
 constexpr uint32_t DS_READY = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads')
 constexpr uint32_t DQ_STAGED = 2;  // + w: named barrier of consumer warpgroup w (DQ_TILED: its staging written)
+constexpr uint32_t DQ_PAIR = 4;    // DQ_PAIRED: warpgroup 1's partial staged, for warpgroup 0 (arrive / sync)
 
 // cp.reduce.async.bulk (not .tensor): `bytes` (a multiple of 16) of fp32 at shared `src` added into
 // global `dst` (both 16-byte aligned), element-wise, at L2, by the TMA unit; each element's add is
@@ -132,8 +150,18 @@ static __device__ __forceinline__ void named_barrier_sync_imm(uint32_t threads) 
   asm volatile("bar.sync %0, %1;" ::"n"(ID), "r"(threads) : "memory");
 }
 
+// bar.arrive with an immediate id (the same count as named_barrier_sync_imm's)
+template <uint32_t ID>
+static __device__ __forceinline__ void named_barrier_arrive_imm(uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"n"(ID), "r"(threads) : "memory");
+}
+
 static __device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+
+static __device__ __forceinline__ void ld_shared_v2_f32(uint32_t addr, float& x, float& y) {
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
 }
 
 template <class C>
@@ -154,6 +182,15 @@ struct Layout {
   static constexpr int DQ_KEYS = DQ_SPLIT_N ? BLOCK_N : 64;
   static constexpr bool DQ_TILED = C::DQ_TILED;   // dQ by bulk reductions through a staging buffer
   static constexpr int DQ_BUF = BLOCK_M * 64 * 4;  // one warpgroup's fp32 dQ partial (64 x 64)
+  // params.deterministic: the bulk reductions into a query block wait their turn (dq_semaphores)
+  static constexpr bool DETERMINISTIC = deterministic_of<C>::value;
+  static_assert(!DETERMINISTIC || DQ_TILED, "deterministic: the ordered adds are the bulk reductions");
+  // DETERMINISTIC with HEAD_DIM 64: both warpgroups' partials are of the same 64 x 64 panel; warpgroup 0
+  // adds warpgroup 1's to its own (through its staging) and alone issues the step's reduction. Ordering
+  // the two warpgroups' adds on the semaphore instead would make warpgroup 1 wait for warpgroup 0's
+  // turn to be passed on, a step later (after its completion wait): the two would alternate, not overlap.
+  static constexpr bool DQ_PAIRED = DETERMINISTIC && !DQ_SPLIT_N;
+  static constexpr uint32_t DQ_ADDERS = DQ_PAIRED ? 1 : 2;  // reductions per CTA and step into the query block
 
   static constexpr int K_OFF = 0;
   static constexpr int V_OFF = K_OFF + KV_TILE;
@@ -220,6 +257,55 @@ __host__ __device__ __forceinline__ bool step_masked(const Problem& p, bool caus
   return first_key + BLOCK_N - 1 > first;
 }
 
+// params.deterministic (DETERMINISTIC): the rank of KV block j among the CTAs whose walks visit a query
+// block that j's visits, the order of their adds into it. Walk visits query rows [r0, r1) from the KV
+// block whose first key sits at position first_key iff rows_see_keys(p, r0, r1, first_key) (Walk::skip;
+// every block without CAUSAL). That predicate compares the rows' latest position (over both zig-zag
+// segments) with first_key, so if it holds for one first key it holds for every smaller one, and first
+// keys grow with j: a query block's visitors are KV blocks 0 .. J - 1, and j's rank among them is j (no
+// loop over the earlier blocks per step). Host-compiled by the tests against a count over Walk itself
+// (offsets, the two segments, tails): a change of the walk that breaks the prefix fails there.
+__host__ __device__ __forceinline__ uint32_t visitor_rank(uint32_t j) { return j; }
+
+// DETERMINISTIC: the semaphore of walk step w (query head w.hq, query block w.qb) of sequence b.
+template <class C>
+__host__ __device__ __forceinline__ uint32_t* dq_semaphore(const Problem& p, uint32_t b, const Walk<C>& w) {
+  return dq_semaphores<C>(p) + ((size_t)b * C::HEADS + w.hq) * w.q_blocks + w.qb;
+}
+
+// DETERMINISTIC: spin (ld.acquire.gpu) until the query block's semaphore reaches `turn`, the adds of every
+// earlier visitor complete. >=, not ==: with HEAD_DIM 128 the CTA's two warpgroups take the same turn (each
+// adds into its own column panel) and the other one may already have passed it on. TIMEOUT: trap after
+// TSGEN_TIMEOUT_NS without printing, as gemm::mbar_wait (a printf would serialize the kernel's wgmma): the
+// producer's check. The consumers spin without one (a trap in their code costs their 232-register budget,
+// see attention::mbar_wait_no_timeout); a consumer stuck on its turn makes the producer trap instead.
+template <bool TIMEOUT>
+static __device__ __forceinline__ void wait_dq_turn(const uint32_t* sem, uint32_t turn) {
+  if (ld_acquire_gpu_global_u32(sem) >= turn) return;
+  if constexpr (TIMEOUT) {
+    const uint64_t start = globaltimer_ns();
+    while (ld_acquire_gpu_global_u32(sem) < turn)
+      if (TSGEN_TIMEOUT_NS != 0 && globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS) __trap();
+  } else {
+    while (ld_acquire_gpu_global_u32(sem) < turn) {
+    }
+  }
+}
+
+// DETERMINISTIC: pass the turn of this thread's last reduction (semaphore `sem`, none if nullptr) on, once
+// the reduction is complete: its writes done (cp.async.bulk.wait_group 0, not only .read), then a proxy
+// fence (the async proxy's writes before the generic release), then +1 with release at gpu scope. Called
+// a step after the reduction was issued (before the next DS_READY), so that the wait is off the critical
+// path. Returns nullptr: no turn held.
+static __device__ __forceinline__ uint32_t* pass_dq_turn(uint32_t* sem) {
+  if (sem != nullptr) {
+    bulk_wait_group_all();
+    fence_proxy_async_global();
+    red_add_release_gpu_global_u32(sem, 1u);
+  }
+  return nullptr;
+}
+
 // The producer warp (all 32 lanes; lane 0 issues the TMA loads).
 template <class C>
 static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const CUtensorMap* k_map,
@@ -238,9 +324,11 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
     }
   }
   uint32_t step = 0;
+  uint32_t* last_semaphore = nullptr;  // DETERMINISTIC: that of the walk's last step
   for (Walk<C> w(p, hk, p.kv_offset + (int32_t)k0); !w.done(); w.next(p), ++step) {
     const uint32_t stage = step % C::STAGES, phase = (step / C::STAGES) & 1;
     mbar_wait(smem + L::Q_EMPTY + 8 * stage, phase ^ 1);  // a fresh barrier passes parity 1
+    if constexpr (L::DETERMINISTIC) last_semaphore = dq_semaphore<C>(p, b, w);
     const uint32_t r0 = w.qb * BLOCK_M;
     for (uint32_t i = lane; i < BLOCK_M; i += 32) {
       const size_t at = ((size_t)b * C::HEADS + w.hq) * p.q_len + r0 + i;
@@ -266,6 +354,11 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
   // Tail: the consumers release the last stages (with the timeout: a stuck pipeline traps).
   for (uint32_t s = step > (uint32_t)C::STAGES ? step - C::STAGES : 0; s < step; ++s)
     mbar_wait(smem + L::Q_EMPTY + 8 * (s % C::STAGES), (s / C::STAGES) & 1);
+  // DETERMINISTIC: the consumers wait for their turns without a timeout and release the last stages before
+  // the last turn; until this CTA's last adds are passed on, a stuck turn traps here (with the timeout)
+  if constexpr (L::DETERMINISTIC)
+    if (lane == 0 && last_semaphore != nullptr)
+      wait_dq_turn<true>(last_semaphore, L::DQ_ADDERS * (visitor_rank(k0 / BLOCK_N) + 1));
 }
 
 // A 64 x 64 fp32 accumulator (the wgmma layout: register 4q + {0, 1} is (row g, column 8q + 2c + {0, 1}),
@@ -324,6 +417,20 @@ static __device__ __forceinline__ void ds_of(const float (&pr)[32], float (&dp)[
   });
 }
 
+// DQ_TILED: this thread's float pairs of a warpgroup's 64 x 64 dQ partial in its staging buffer:
+// f(address, i) for registers i, i + 1 of the accumulator (row `row` (+ 8) of the step's 64 queries, its
+// 32-byte chunk q, columns 8q .. 8q + 7, at chunk q ^ (row % 8), row % 8 = lane / 4:
+// tsgen::attention_bwd::dq_tiled_offset's panel order).
+template <class F>
+static __device__ __forceinline__ void each_staged_pair(uint32_t staging, uint32_t row, uint32_t lane, F&& f) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t at = staging + (row + 8 * h) * 256 + 8 * (lane % 4);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) f(at + ((q ^ (lane / 4)) << 5), 4 * q + 2 * h);
+  }
+}
+
 template <class C>
 static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, uint32_t cw, uint32_t b,
                                                uint32_t hk, uint32_t k0) {
@@ -342,6 +449,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
   const uint64_t v_desc = sw128_descriptor(smem + L::V_OFF + 64 * cw * 128, 16, 1024);
   const uint32_t dq_col_box = L::DQ_SPLIT_N ? cw : 0, dq_key0 = L::DQ_SPLIT_N ? 0 : 64 * cw;
   const uint64_t kn_desc = sw128_descriptor(smem + L::K_OFF + dq_col_box * L::KV_BOX + dq_key0 * 128, L::KV_BOX, 1024);
+  uint32_t* dq_turn = nullptr;  // DETERMINISTIC (thread 0): the semaphore of its last reduction, not yet passed on
 
   mbar_wait_no_timeout(smem + L::KV_FULL, 0);
   uint32_t step = 0;
@@ -414,9 +522,15 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
 
     // DQ_TILED: this warpgroup's staging buffer is rewritten after DS_READY (below); the bulk
     // reduction of the last step (thread 0's bulk group) must have finished reading it first. Issued a
-    // whole step ago: the wait does not stall in the steady state.
+    // whole step ago: the wait does not stall in the steady state. DETERMINISTIC: it must be complete
+    // (its writes too) before its turn is passed on, here, which also frees the staging.
     if constexpr (L::DQ_TILED)
-      if (t == 0) bulk_wait_group_read<0>();
+      if (t == 0) {
+        if constexpr (L::DETERMINISTIC)
+          dq_turn = pass_dq_turn(dq_turn);
+        else
+          bulk_wait_group_read<0>();
+      }
     named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced (and the staging free)
 
     // dQ (64 queries x 64 columns) = dS K over DQ_KEYS keys
@@ -437,28 +551,42 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     attention::fence_all<C>(dq, 32);
 
     if constexpr (L::DQ_TILED) {
-      // dq += dQ through the staging buffer: row i = row (+ 8) of the step's 64 queries, its 32-byte
-      // chunk q (columns 8q .. 8q + 7 of the warpgroup's 64) at chunk q ^ (i % 8), i % 8 = lane / 4
-      // (tsgen::attention_bwd::dq_tiled_offset's panel order); then one bulk reduction of the
-      // step's n valid rows (n x 256 contiguous bytes) into panel dq_col_box of the query block.
+      // dq += dQ through the staging buffer (each_staged_pair: dq_tiled_offset's panel order); then one
+      // bulk reduction of the step's n valid rows (n x 256 contiguous bytes) into panel dq_col_box of
+      // the query block.
       const uint32_t staging = smem + L::DQ_OFF + cw * L::DQ_BUF;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t at = staging + (row + 8 * h) * 256 + 8 * (lane % 4);
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-          st_shared_v2_f32(at + ((q ^ (lane / 4)) << 5), dq[4 * q + 2 * h], dq[4 * q + 2 * h + 1]);
-      }
+      // DQ_PAIRED: warpgroup 0 adds warpgroup 1's partial (staged below, at the same offsets of the next
+      // buffer) to its own first. Warpgroup 1 rewrites its staging only after the next DS_READY, which
+      // warpgroup 0 reaches after these reads.
+      if constexpr (L::DQ_PAIRED)
+        if (cw == 0) {
+          named_barrier_sync_imm<DQ_PAIR>(256);
+          each_staged_pair(staging + L::DQ_BUF, row, lane, [&](uint32_t at, int i) {
+            float x, y;
+            ld_shared_v2_f32(at, x, y);
+            dq[i] += x, dq[i + 1] += y;
+          });
+        }
+      each_staged_pair(staging, row, lane, [&](uint32_t at, int i) { st_shared_v2_f32(at, dq[i], dq[i + 1]); });
       fence_proxy_async_shared_cta();           // generic stores, read by the bulk reduction (async proxy)
       // the warpgroup's 64 rows staged; immediate barrier ids (a register id makes ptxas reserve all 16)
       if (cw == 0)
         named_barrier_sync_imm<DQ_STAGED>(128);
       else
         named_barrier_sync_imm<DQ_STAGED + 1>(128);
-      if (t == 0) {
+      if constexpr (L::DQ_PAIRED)
+        if (cw == 1) named_barrier_arrive_imm<DQ_PAIR>(256);  // its partial, for warpgroup 0 (which adds it)
+      if (t == 0 && (!L::DQ_PAIRED || cw == 0)) {
         const uint32_t n = r1 - r0;
         float* dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + r0) * C::HEAD_DIM +
                      (size_t)dq_col_box * n * 64;
+        if constexpr (L::DETERMINISTIC) {
+          // the adds into the query block in the visitors' order: wait for this CTA's turn (both warpgroups
+          // take the same one: DQ_ADDERS), then order the acquire before the reduction (async proxy)
+          dq_turn = dq_semaphore<C>(p, b, w);
+          wait_dq_turn<false>(dq_turn, L::DQ_ADDERS * visitor_rank(k0 / BLOCK_N));
+          fence_proxy_async_global();
+        }
         bulk_reduce_add_f32(dst, staging, n * 256);
         bulk_commit_group();
       }
@@ -479,9 +607,15 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
   }
 
   // DQ_TILED: every bulk reduction complete (its writes done) before the CTA ends and its shared
-  // memory goes (the reads alone would free the memory; the convert pass reads dq_accum next)
+  // memory goes (the reads alone would free the memory; the convert pass reads dq_accum next);
+  // DETERMINISTIC: and the last turn passed on
   if constexpr (L::DQ_TILED)
-    if (t == 0) bulk_wait_group_all();
+    if (t == 0) {
+      if constexpr (L::DETERMINISTIC)
+        dq_turn = pass_dq_turn(dq_turn);
+      else
+        bulk_wait_group_all();
+    }
 
   // dK (times the scale) and dV: key rows key_lo (+ 8), columns 8q + 2c (+ 1); rows past kv_len clipped
 #pragma unroll
