@@ -497,7 +497,9 @@ def main() -> int:
     for impl in impls:
         for name in CHECK_VARIANTS:
             extra = ["--quick"] if a.quick else []
-            r, log = child(["check", json.dumps(built[name, impl]), *extra], CHECK_TIMEOUT_S)
+            # wgmma_det's children run the repeated cases too (three more references)
+            r, log = child(["check", json.dumps(built[name, impl]), *extra],
+                           CHECK_TIMEOUT_S * (2 if IMPL_PARAMS[impl].get("deterministic") else 1))
             checks[impl_name(name, impl)] = r
             print(f"{impl_name(name, impl)}: {'pass' if r.get('pass') else 'FAIL'}", flush=True)
             if not r.get("pass"):
