@@ -32,7 +32,7 @@
 #   6b. tests/torch_checks.py --cp (TORCH_STEPS=cp, 2 ranks, NCCL): tsgen.torch.cp_attention, zig-zag causal GQA and
 #      contiguous not causal at S 2048 and 8192, every rank's O / LSE / dQ / dK / dV against float32 SDPA autograd over
 #      the whole sequence, a negative control (no reduce-scatter), step times beside NCCL all_gather + SDPA and the
-#      single-GPU ideal; cp_shared (under MPS, below): the same at W 2 and 4 on GPU 0, S 2048, no times
+#      single-GPU ideal; cp_shared (under MPS, below): the same at W 2, 4 and 8 on GPU 0, S 2048, no times
 #   7. tests/torch_checks.py --shared, last: 4 ranks on GPU 0 alone (CUDA_VISIBLE_DEVICES=0), a gloo
 #      group (no NCCL), TSGEN_SHARE_GPUS=1, under an MPS control daemon started for this step and
 #      stopped after it (tools/mps.sh; the steps before run without MPS): allgather / reduce_scatter /
@@ -108,7 +108,7 @@ if want shared || want cp_shared; then
         env -u CUDA_DEVICE_MAX_CONNECTIONS python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
         tests/torch_checks.py --shared
     done
-    want cp_shared && for w in 2 4; do
+    want cp_shared && for w in 2 4 8; do  # issue 35: the cp backward at W 2, 4, 8 on one GPU
       CUDA_VISIBLE_DEVICES=0 TSGEN_SHARE_GPUS=1 step "cp_attention fwd+bwd, $w ranks on one GPU (gloo, MPS)" 240 \
         env -u CUDA_DEVICE_MAX_CONNECTIONS python3 -m torch.distributed.run --standalone --nproc-per-node $w \
         tests/torch_checks.py --cp --shared
