@@ -4,13 +4,12 @@ tools/gpu_ipc.sh runs the longer checks (all specs, 100 World cycles, timing).""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from conftest import need_gpus
-from tsgen.harness import gpu_turn
+from tsgen.harness import run_in_turn
 
 pytestmark = pytest.mark.gpu
 
@@ -18,9 +17,9 @@ TSGEN = [sys.executable, "-m", "tsgen"]
 
 
 def launch(nproc, *cmd, grace=30, timeout=180):
-    with gpu_turn():  # the ranks (processes) never take the GPU lock themselves
-        p = subprocess.run([*TSGEN, "launch", "--nproc", str(nproc), "--grace", str(grace), "--", *cmd],
-                           capture_output=True, text=True, timeout=timeout)
+    # the GPU's turn held here; the ranks (processes) run without the lock
+    p = run_in_turn([*TSGEN, "launch", "--nproc", str(nproc), "--grace", str(grace), "--", *cmd],
+                    capture_output=True, text=True, timeout=timeout)
     out = os.environ.get("TSGEN_RESULTS_DIR")
     if out:  # what every run printed, also when a device call's time limit stops pytest before its report
         with open(os.path.join(out, "ipc.jsonl"), "a") as f:
@@ -53,7 +52,6 @@ def test_ipc_negative_control_fails_on_every_rank():
 
 def test_a_dying_rank_makes_the_others_time_out():
     need_gpus(2, processes=True)
-    with gpu_turn():
-        p = subprocess.run([sys.executable, "tools/ipc_checks.py", "dying-rank", "specs/allgather.yaml", "--nproc",
-                            "2", "--rank", "1", "--call", "1"], capture_output=True, text=True, timeout=120)
+    p = run_in_turn([sys.executable, "tools/ipc_checks.py", "dying-rank", "specs/allgather.yaml", "--nproc",
+                     "2", "--rank", "1", "--call", "1"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -102,7 +102,8 @@ def test_failed_ids_skip_reasons_and_control_detection_are_kept(tmp_path):
         {"spec": "simple_shift", "removed": "x", "skew": None, "shared": True, "pass": False}]))
     (run / "moe.jsonl").write_text(json.dumps({"control": "moe counts wait", "seed": 3, "caught": True}) + "\n")
     (run / "gpu_turn.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
-        {"test": "a", "pid": 1, "waited_s": 2.0, "held_s": 61.5}, {"test": "b", "pid": 2, "waited_s": 140.2, "held_s": 0.1}]))
+        {"test": "a", "pid": 1, "waited_s": 2.0, "held_s": 61.5}, {"test": "b", "pid": 2, "waited_s": 140.2, "held_s": 0.1},
+        {"test": "c", "pid": 3}]) + '{"test": "d", "waited')  # a row without times, a line cut off: skipped
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "summarize_shared.py"), str(run), str(tmp_path / "res"),
                         "abc1234", "bash tools/gpu_gate.sh", "--kind", "gate-h100"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

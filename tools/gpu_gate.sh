@@ -14,8 +14,8 @@
 # logs go into $OUT/gate_logs-<kind>.tgz (a SPREAD gate and a W 2 gate in one call keep both).
 #   bash tools/gpu_gate.sh [PYTEST_ARGS...]
 # Workers: tools/gpu_lib.sh's gpu_workers (free GPU memory over WORKER_MIB, at most the cores less
-# 2; JOBS overrides). PER_TEST (default 180) seconds before a test fails, not counting its time queued
-# for the GPU's turn (tsgen/harness.py gpu_turn; every turn is logged in gpu_turn.jsonl).
+# 2; JOBS overrides). PER_TEST (default 180) seconds before a test fails (pytest-timeout's signal method),
+# not counting its time queued for the GPU's turn (tsgen/harness.py gpu_turn; every turn is logged in gpu_turn.jsonl).
 set -uo pipefail
 here=$(dirname "$0")
 source "$here/device_env.sh"
@@ -47,6 +47,7 @@ else
   unset TSGEN_SHARE_GPUS; export log=pytest_real.txt worlds=$(seq -s ' ' 2 "$gpus") first=""
 fi
 COLUMNS=240 python3 -m pytest -q -m gpu $first tests/ -n "$jobs" -p no:cacheprovider --timeout "${PER_TEST:-180}" \
+  -o timeout_method=signal \
   -rfEs --durations=10 "$@" > "$run/$log" 2>&1
 code=$?
 kill "$sampler" 2>/dev/null

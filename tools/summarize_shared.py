@@ -29,6 +29,20 @@ def jsonl(run: Path, kind: str) -> list[dict]:
     return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
 
 
+def gpu_turns(run: Path) -> list[dict]:
+    """The turns of tests on a shared GPU (tsgen/harness.py gpu_turn's log): a diagnostic, so a line cut
+    off or missing a field is skipped, never the gate's summary."""
+    f, rows = run / "gpu_turn.jsonl", []
+    for line in f.read_text().splitlines() if f.exists() else []:
+        try:
+            row = json.loads(line)
+            rows.append({"test": str(row.get("test", "?")), "waited_s": float(row["waited_s"]),
+                         "held_s": float(row["held_s"])})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return rows
+
+
 def shorten(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
@@ -52,6 +66,8 @@ def controls(run: Path) -> list[dict]:
     each over `seeds` seeds (caught: how many of them caught it) or one `seed` (caught: a bool)."""
     out: dict[str, dict] = {}
     for f in sorted(run.glob("*.jsonl")):
+        if f.stem == "gpu_turn":  # the turns' log (gpu_turns), no control's: read leniently there
+            continue
         for row in jsonl(run, f.stem):
             if not isinstance(row, dict) or "control" not in row or "caught" not in row:
                 continue
@@ -105,7 +121,7 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
     corr, dtypes = jsonl(run, "correctness"), jsonl(run, "dtype_matrix")
     negs, probes = jsonl(run, "negative_control"), jsonl(run, "timeout_probe")
     vendor = (run / "vendor.txt").read_text().splitlines() if (run / "vendor.txt").exists() else []
-    turns = jsonl(run, "gpu_turn")  # tests taking turns on a shared GPU (tsgen/harness.py gpu_turn)
+    turns = gpu_turns(run)
     # every ipc test's `tsgen launch`: its exit code and last line (kept also when pytest was cut off)
     # a run whose command mutates the kernel (`mutate=`) is a negative control: it must exit 1
     ipc_runs = [{"nproc": r["nproc"], "cmd": shorten(" ".join(["python", *r["cmd"][1:]]), 110), "rc": r["rc"],

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,15 +87,22 @@ def materialize(loaded: LoadedSpec, skew: int | str | None = None) -> Path:
                         module.manifest.to_json())
 
 
+_TURN = threading.local()  # .depth: gpu_turn blocks this thread is inside (an inner one holds nothing new)
+
+
 @contextlib.contextmanager
 def gpu_turn(world=None):
     """Hold the GPU alone while this block runs, when TSGEN_GPU_LOCK names a lock file (the test
     suite sets it when ranks share GPUs): test processes then compile in parallel and take turns
     on the GPU, so one test's grids never take the SMs another's ranks need to be resident.
     A rank of a world of several processes never takes it (its peers would wait on it): the
-    test that starts them does (tests/test_gpu_ipc.py)."""
+    test that starts them does (tests/test_gpu_ipc.py, through run_in_turn). Inside a turn of its
+    own thread, a turn is already held: the inner block runs as it is (a second flock of the same
+    file from this process would wait on the first forever). The time queued is not counted by a
+    test's time limit (_paused_alarm), and every turn is logged (_log_turn)."""
     path = os.environ.get("TSGEN_GPU_LOCK")
-    if not path or (world is not None and world.backend.store is not None):
+    depth = getattr(_TURN, "depth", 0)
+    if not path or depth or (world is not None and world.backend.store is not None):
         yield
         return
     from .files import held_lock
@@ -102,48 +110,73 @@ def gpu_turn(world=None):
     with contextlib.ExitStack() as held:
         asked = time.monotonic()
         try:
-            held.enter_context(held_lock(Path(path)))  # in /tmp: never through a planted symlink
+            with _paused_alarm():
+                held.enter_context(held_lock(Path(path)))  # in /tmp: never through a planted symlink
         except OSError as e:
             raise RuntimeSetupError(f"TSGEN_GPU_LOCK={path}: {e.strerror or e}") from None
         got = time.monotonic()
-        _add_to_alarm(got - asked)
+        _TURN.depth = 1
         try:
             yield
         finally:
+            _TURN.depth = 0
             _log_turn(got - asked, time.monotonic() - got)
 
 
 def run_in_turn(cmd: list[str], **kwargs):
     """subprocess.run(cmd, **kwargs) while this process holds the GPU's turn (gpu_turn), the child
-    running without TSGEN_GPU_LOCK (it must not queue for the turn its parent holds): a child's
-    time limit (timeout=) then bounds its own work, never a wait for other tests' turns."""
+    running without TSGEN_GPU_LOCK (it must not queue for the turn its parent holds, nor wait for
+    it when its context is refused for memory: runtime/world.py first_streams): a child's time
+    limit (timeout=) then bounds its own work, never a wait for other tests' turns."""
     import subprocess
 
-    env = {k: v for k, v in (kwargs.pop("env", None) or os.environ).items() if k != "TSGEN_GPU_LOCK"}
+    given = kwargs.pop("env", None)
+    env = {k: v for k, v in (os.environ if given is None else given).items() if k != "TSGEN_GPU_LOCK"}
     with gpu_turn():
         return subprocess.run(cmd, env=env, **kwargs)
 
 
-def _add_to_alarm(seconds: float) -> None:
-    """Give the time spent queueing for the GPU's turn back to an armed SIGALRM timer (pytest-timeout's
-    per-test limit): the limit then bounds what the test does, not how long other tests' turns took.
-    A test whose calls each queue behind a dozen other test processes may wait minutes in all."""
+# How long a test's SIGALRM timer is pushed out while the test queues for the GPU's turn.
+TURN_WAIT_CAP_S = 3600.0
+
+
+@contextlib.contextmanager
+def _paused_alarm():
+    """The block (a wait for the GPU's turn) does not count against an armed SIGALRM timer
+    (pytest-timeout's per-test limit, its signal method; tools/gpu_gate.sh asks for that method):
+    the timer is pushed out by TURN_WAIT_CAP_S during the block and set back to what was left
+    before it. A test whose calls each queue behind a dozen other test processes may wait minutes
+    in all, and flock serves waiters in no order. The main thread's only: the timer is the
+    process's, and a test's limit is its main thread's; no timer armed: nothing to do."""
     import signal
 
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     left, interval = signal.getitimer(signal.ITIMER_REAL)
-    if left > 0 and seconds > 0:
-        signal.setitimer(signal.ITIMER_REAL, left + seconds, interval)
+    if left <= 0:
+        yield
+        return
+    signal.setitimer(signal.ITIMER_REAL, left + TURN_WAIT_CAP_S, interval)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, left, interval)
 
 
 def _log_turn(waited: float, held: float) -> None:
     """One line per GPU turn in $TSGEN_RESULTS_DIR/gpu_turn.jsonl (the gate's logs): which test, how
-    long it queued, how long it held the GPU."""
+    long it queued, how long it held the GPU. A log that cannot be written is skipped: it must not
+    replace the test's own outcome."""
     out = os.environ.get("TSGEN_RESULTS_DIR")
     if out:
         row = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "pid": os.getpid(),
                "waited_s": round(waited, 3), "held_s": round(held, 3)}
-        with open(os.path.join(out, "gpu_turn.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+        try:
+            with open(os.path.join(out, "gpu_turn.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError:
+            pass
 
 
 # The byte written over every output before call `call` (POISON_BYTES[call % 8]; neighbours

@@ -131,8 +131,9 @@ class CPAttentionOp:
         self._allgather: Callable[[torch.Tensor], torch.Tensor] = allgather
         self._reduce_scatter: Callable[[torch.Tensor], torch.Tensor] = reduce_scatter
         # gather_order as index tensors (the order and its inverse) per (rows, device), made once: a
-        # tensor from a Python list is a copy from pageable memory, which waits for the device's work
-        # (1.6 ms at 8192 rows, four times a step, when made per call)
+        # tensor made from a Python list and copied from pageable memory cost 1.6 ms at 8192 rows on
+        # an H200 (with the GPU idle), four times a step when it was made per call. One entry per
+        # sequence length seen (a training run has few).
         self._orders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def __repr__(self) -> str:
@@ -168,6 +169,8 @@ class CPAttentionOp:
     def _order(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(order, inverse) of gather_order for `n` rows a rank as int64 tensors on `device`, or None
         where the all-gather's order will do; made at the first call of each size, then kept."""
+        if device.type == "cuda" and device.index is None:  # the key names the device, whatever is current later
+            device = torch.device("cuda", torch.cuda.current_device())
         key = (n, device)
         if key not in self._orders:
             order = gather_order(self.layout, self.causal, self.world, n)
