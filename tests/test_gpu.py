@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import need_gpus
+from mutations import reduce_without_waits, wrong_chunk_offset
 from results_rows import CONTROL_CALLS, record, record_control
 
 from tsgen.harness import run_in_turn, run_test
@@ -101,17 +102,6 @@ NEGATIVE_CONTROLS = {
     "put_block": ("for (uint64_t b = nvec * 16 + tid; b < nbytes; b += nthreads)",
                   "for (uint64_t b = nbytes; b < nbytes; b += nthreads)"),
 }
-
-
-def wrong_chunk_offset(text: str) -> str:
-    """allgather's W 2 plan with rank 1's put landing at offset 0 of rank 0's output instead of 1:
-    the step entry (its description trails it as a comment) gets its destination offset changed."""
-    import re
-
-    head, tail = text.split("static __device__ const tsgen::step steps_w2[]", 1)
-    tail = re.sub(r"(\{TSGEN_OP_COPY, 1, 1, 1, 0, )\{0, 2, 0, 1, 1, 0\}(.*// rank 1 step 1: put to rank 0;)",
-                  r"\1{0, 2, 0, 1, 0, 0}\2", tail, count=1)
-    return head + "static __device__ const tsgen::step steps_w2[]" + tail
 
 
 SKEW_SEED = 7  # the rank skew of `tsgen test --skew`: seeded, so a failure reproduces
@@ -211,6 +201,26 @@ def test_collective_negative_control_wrong_chunk_offset():
                                 "pass": ok, "lines": lines})
     record_control("allgather (plan table)", report["calls"], report["calls_wrong"], world=2)
     assert not ok, "broken plan passed:\n" + "\n".join(lines)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_negative_control_reduce_without_waits(world):
+    """The reduce-scatter without its reduce steps' waits (the adjoint of the all-gather: what
+    tsgen.torch.cp_attention's backward sums dK and dV with) must fail at every call under the lag
+    schedule (rank 0 ahead of every peer: it sums an inbox its peers have not written yet); the
+    intact kernel passes under the same schedule first."""
+    need_gpus(world)
+    lines, report = [], {}
+    assert run_test("specs/reduce_scatter.yaml", world, iters=5, echo=lines.append, skew="lag"), "\n".join(lines)
+    ok = run_test("specs/reduce_scatter.yaml", world, iters=CONTROL_CALLS, echo=lines.append, skew="lag",
+                  mutate=reduce_without_waits, report=report)
+    shared = any("shared GPU" in line for line in lines)
+    record("negative_control", {"spec": f"reduce_scatter w{world} (reduce waits)", "removed": "every reduce step's waits",
+                                "skew": "lag", "shared": shared, "pass": ok, "calls": report["calls"],
+                                "calls_wrong": report["calls_wrong"], "lines": lines})
+    record_control(f"reduce_scatter reduce waits (w{world})", report["calls"], report["calls_wrong"], world=world,
+                   shared=shared, skew="lag")
+    assert not ok, "broken kernel passed:\n" + "\n".join(lines)
 
 
 @pytest.mark.parametrize("spec", shipped_specs(gpu_sweep="one_gpu"), ids=lambda p: p.stem)

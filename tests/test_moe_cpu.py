@@ -327,11 +327,10 @@ def test_combine_chunk_schedule_covers_every_wait_and_every_token():
     in it, from the handles), and the chunk every token's sum waits for (its row on that rank, from
     dispatch's sent_row, over CHUNK): every wait is for a chunk whose signal goes to the waiting rank;
     the blocks' token queues (block b: tokens b, b + blocks, ..., `parts` items each) hand out every
-    (token, part) exactly once."""
-    from tsgen.ops.moe import COMBINE_CHUNK_ROWS as CHUNK
-
+    (token, part) exactly once. CHUNK: params.combine_chunk_rows, the default 2 and others."""
     rng = np.random.default_rng(2)
-    for _ in range(30):
+    for i in range(40):
+        CHUNK = 2 if i < 20 else int(rng.choice([1, 3, 4, 8]))
         world = int(rng.choice([2, 3, 4, 8]))
         experts = world * int(rng.integers(1, 4))
         topk = int(rng.integers(1, min(experts, 4) + 1))
@@ -398,6 +397,29 @@ def test_combine_grid_of_its_own():
     assert sig.fixed == max(spec.world_sizes) * combine_chunks(spec)
     with pytest.raises(Exception, match="only the normal mode's combine has a grid of its own"):
         spec_variant(load_spec(ROOT / "specs" / "moe_ll.yaml"), {"params": {"combine_blocks": 64}})
+
+
+def test_combine_chunk_rows_sets_the_chunk_the_buffers_and_nothing_else():
+    """params.combine_chunk_rows (default 2, the shipped sources' CHUNK) is the rendered CHUNK and
+    sizes chunk_sig (one signal per chunk per rank); out of [1, 64] it is refused."""
+    from tsgen.errors import SpecError
+    from tsgen.harness import render_to_cache
+    from tsgen.ops import get_family
+    from tsgen.spec import spec_variant
+
+    family = get_family("moe")
+    base = load_spec(ROOT / "specs" / "moe.yaml")
+    assert base.model.params.combine_chunk_rows == 2
+    assert "constexpr int CHUNK = 2;" in render_to_cache(base).source.read_text()
+    for rows in (1, 8):
+        loaded = spec_variant(base, {"params": {"combine_chunk_rows": rows}})
+        assert f"constexpr int CHUNK = {rows};" in render_to_cache(loaded).source.read_text()
+        sig = {b.name: b for b in family.buffers(loaded.model)}["chunk_sig"]
+        recv = max(base.model.world_sizes) * base.model.params.capacity
+        assert sig.fixed == max(base.model.world_sizes) * -(-recv // rows)
+    for bad in (0, 65):
+        with pytest.raises(SpecError, match="combine_chunk_rows"):
+            spec_variant(base, {"params": {"combine_chunk_rows": bad}})
 
 
 # ---------------------------------------------------------------------------

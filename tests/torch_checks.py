@@ -1107,7 +1107,9 @@ def cp_checks(group, shared: bool) -> None:
     if not load():
         return
 
-    def case(cp, S: int, bad: bool = False):
+    def case(cp, S: int, bad: bool = False, reduce_scatter=None):
+        """Every rank's O, LSE, dQ, dK, dV against the reference; `bad`: without the reduce-scatter;
+        `reduce_scatter`: this op (loaded) in place of the cp op's."""
         sig = cp.attention.signature
         n = S // w
         rows = [torch.tensor(row_positions(cp.layout, w, n, x), device="cuda") for x in range(w)]
@@ -1118,6 +1120,9 @@ def cp_checks(group, shared: bool) -> None:
         if bad:  # the reduce-scatter dropped: dK, dV of this rank's own queries only
             op = copy.copy(cp)
             op._reduce_scatter = lambda x: x.chunk(w)[r].contiguous()
+        elif reduce_scatter is not None:
+            op = copy.copy(cp)
+            op._reduce_scatter = reduce_scatter
         o, lse = op(qa, ka, va, return_lse=True)
         o.backward(mine[3])
         got = {"o": o.detach(), "lse": lse, "dq": qa.grad, "dk": ka.grad, "dv": va.grad}
@@ -1144,6 +1149,26 @@ def cp_checks(group, shared: bool) -> None:
         return not ok, f"{'caught' if not ok else 'NOT CAUGHT'} ({detail})"
 
     control()
+
+    @checked(f"cp_reduce_scatter_wait_control_w{w}")
+    def wait_control():
+        """tsgen's reduce-scatter without its reduce steps' waits (tests/mutations.py
+        reduce_without_waits) under the lag schedule (rank 0's kernel ahead of its peers'): rank 0
+        sums dK / dV pieces that have not arrived, so the comparison must fail at each of 3 steps on
+        some rank (rank 0; the others run behind and find their pieces in place). Reported the same on
+        every rank."""
+        bad = broken_reduce_scatter(group)
+        try:
+            caught = [not case(ops[CP_CASES[0]], CP_SEQS[0], reduce_scatter=bad)[0] for _ in range(3)]
+        finally:
+            bad.close()
+        seen = [None] * w
+        dist.all_gather_object(seen, caught, group=group)
+        every_step = all(any(c[i] for c in seen) for i in range(3))
+        return every_step, (f"{'caught' if every_step else 'NOT CAUGHT'} at every step; steps caught per rank: "
+                            + ", ".join(f"r{x}: {sum(c)}/3" for x, c in enumerate(seen)))
+
+    wait_control()
     if shared:
         return
 
@@ -1232,6 +1257,19 @@ def cp_checks(group, shared: bool) -> None:
         return True, "; ".join(notes) + " (fwd + bwd, batch 1; a first reading)"
 
     times()
+
+
+def broken_reduce_scatter(group):
+    """specs/reduce_scatter.yaml as a variant of its own name (one module name is one torch op) with
+    the lag schedule rendered in and every reduce step's waits removed (tests/mutations.py), loaded
+    on `group`: a negative control's collective."""
+    from mutations import reduce_without_waits
+    from tsgen.harness import _mutated, render_to_cache
+    from tsgen.spec import load_spec, spec_variant
+
+    variant = spec_variant(load_spec(ROOT / "specs" / "reduce_scatter.yaml"), {"name": "reduce_scatter_nowait"})
+    module = render_to_cache(variant, skew="lag")
+    return tt.load(module.manifest, group, source=_mutated(module.source, reduce_without_waits))
 
 
 def cp_positions_of(cp, n: int) -> tuple:

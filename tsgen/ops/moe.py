@@ -91,6 +91,10 @@ class MoeParams(StrictModel):
     combine_blocks: int | None = Field(None, ge=1, le=132,
                                        description="normal mode: combine's grid (default: launch.blocks, dispatch's); "
                                        "one block per SM, like dispatch's")
+    combine_chunk_rows: int = Field(2, ge=1, le=64,
+                                    description="normal mode: rows of a receive buffer per combine chunk, the unit "
+                                    "its rows go home in and are signalled by (a token's sum waits for the chunks "
+                                    "holding its rows)")
 
 
 class MoeSpec(SpecBase):
@@ -113,14 +117,16 @@ def combine_blocks(spec) -> int:
     return p.combine_blocks if p.combine_blocks is not None else spec.launch.blocks
 
 
-# Normal combine: rows per chunk of a rank's receive buffer, the unit its rows go home in and are
-# signalled by (chunk_sig); a token's sum waits for the chunks that hold its rows (tsgen/moe.cuh).
-COMBINE_CHUNK_ROWS = 2
+def combine_chunk_rows(spec) -> int:
+    """Normal combine: rows per chunk of a rank's receive buffer (params.combine_chunk_rows), the unit its
+    rows go home in and are signalled by (chunk_sig); a token's sum waits for the chunks that hold its
+    rows (tsgen/moe.cuh)."""
+    return spec.params.combine_chunk_rows
 
 
 def combine_chunks(spec) -> int:
-    """Normal mode: chunks of COMBINE_CHUNK_ROWS rows in one rank's receive buffer."""
-    return -(-recv_rows(spec) // COMBINE_CHUNK_ROWS)
+    """Normal mode: chunks of combine_chunk_rows rows in one rank's receive buffer."""
+    return -(-recv_rows(spec) // combine_chunk_rows(spec))
 
 
 def phase_sms(spec, phase: str) -> int:
@@ -286,7 +292,7 @@ class MoeFamily(OpFamily):
         return {"WMAX": max(spec.world_sizes), "EXPERTS": p.experts, "TOPK": p.topk, "HIDDEN": p.hidden,
                 "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted), "SLOT": slot_rows(spec),
                 "FP8": int(p.payload == "fp8"), "COMBINE_BLOCKS": combine_blocks(spec),
-                "CHUNK": COMBINE_CHUNK_ROWS}
+                "CHUNK": combine_chunk_rows(spec)}
 
     def template_vars(self, spec):
         # the buffers tsgen::moe::Buffers holds, in its order
