@@ -278,15 +278,18 @@ def test_gpu_tool_reference_is_the_familys(tool):
 
 
 class FakeOp:
-    """The GPU script's Op, on the CPU: the gradients from its own reference (`wrong`: dK / dV of
-    the first query head of each group only, nothing written to dQ, or (flaky) dQ's last bit flipped
-    on every other call, a run-to-run difference within the tolerance)."""
+    """The GPU script's Op, on the CPU: the gradients from its own reference, the fp32 workspace
+    ws[0] (dq_accum) filled with a constant (`wrong`: dK / dV of the first query head of each group
+    only, nothing written to dQ, (flaky) dQ's last bit flipped on every other call, a run-to-run
+    difference within the tolerance, or (flaky_accum) one fp32 dq_accum word that differs from call
+    to call, the outputs unchanged: an order difference the 16-bit rounding hid)."""
 
-    def __init__(self, tool, torch, layout="bshd", causal=True, dtype="bfloat16", wrong=None, deterministic=False):
+    def __init__(self, tool, torch, layout="bshd", causal=True, dtype="bfloat16", wrong=None, deterministic=False,
+                 dq_tiled=False):
         self.tool, self.torch, self.wrong = tool, torch, wrong
         self.head_dim, self.heads, self.kv_heads, self.causal = 16, 4, 2, causal
         self.bhsd, self.dtype, self.scale = layout == "bhsd", dtype, 0.25
-        self.deterministic, self.calls = deterministic, 0
+        self.deterministic, self.dq_tiled, self.calls = deterministic, dq_tiled or deterministic, 0
 
     def workspace(self, torch, batch, q_len, device="cuda"):
         return (torch.empty(batch * q_len * self.heads * self.head_dim, device=device),)
@@ -302,6 +305,9 @@ class FakeOp:
             if not (self.wrong == "no_dq" and name == "dq"):
                 t[name].copy_(tool.to_bshd(g, self.bhsd))
         self.calls += 1
+        ws[0].fill_(0.5)
+        if self.wrong == "flaky_accum":
+            ws[0][-1] = 0.5 + self.calls * 2.0 ** -20
         if self.wrong == "flaky" and self.calls % 2 == 0:
             bits = t["dq"].view(torch.int16)
             bits.copy_(bits ^ 1)
@@ -322,23 +328,42 @@ def test_gpu_tool_case_passes_the_right_gradients_and_fails_wrong_ones(tool, lay
 
 def test_gpu_tool_deterministic_cases_need_identical_bits(tool):
     """wgmma_det's cases (Op.deterministic, from the manifest's DETERMINISTIC): the same inputs run
-    again pass only with bit-identical gradients, a last-bit difference (within the tolerance) fails;
-    the zig-zag case's two query segments reach the reference."""
+    again pass only with bit-identical gradients and fp32 dq_accum (ws[0]); a last-bit difference of
+    dQ (within the tolerance) fails, and so does a dq_accum word that differs while the outputs do not;
+    the two-segment case (its split inside a query block) reaches the reference. wgmma's (Op.dq_tiled,
+    not deterministic) one repeated case is information: it passes with differing bits and says so."""
     torch = pytest.importorskip("torch")
     gen = torch.Generator().manual_seed(0)
     op = FakeOp(tool, torch, deterministic=True)
     cases = [c for c in tool.cases_for(op, quick=True) if c.get("repeats", 1) > 1]
-    assert cases and any("q_split" in c for c in cases) and not [c for c in tool.cases_for(FakeOp(tool, torch), True)
-                                                                if "repeats" in c]
+    assert cases and not [c for c in cases if c.get("info")]
+    assert [c["q_split"] % 64 for c in cases if "q_split" in c] == [480 % 64], "the split inside a query block"
+    assert not [c for c in tool.cases_for(FakeOp(tool, torch), True) if "repeats" in c], "mma_sync, wgmma_red: none"
+    for quick in (True, False):
+        info = [c for c in tool.cases_for(FakeOp(tool, torch, dq_tiled=True), quick) if "repeats" in c]
+        assert len(info) == 1 and info[0]["info"] and info[0]["repeats"] > 1, info
     small = [{"batch": 1, "q_len": 6, "kv_len": 9, "repeats": 3},
              {"batch": 1, "q_len": 6, "kv_len": 12, "q_split": 3, "q_offset2": 9, "repeats": 3}]
     for case in small:
         r = tool.run_case(torch, op, case, gen, device="cpu")
-        assert r["pass"] and r["bit_identical"], r
+        assert r["pass"] and r["bit_identical"] and r["dq_accum_identical"], r
         r = tool.run_case(torch, FakeOp(tool, torch, wrong="flaky", deterministic=True), case, gen, device="cpu")
         assert not r["pass"] and not r["bit_identical"] and r["dq"]["wrong"] == 0, r
-    text = tool.markdown({"device": "d", "date": "t", "command": "c", "checks": {"v_wgmma_det": {"cases": [r]}}})
-    assert "rows from 3 at 9, 3 runs: BITS DIFFER" in text
+        accum = tool.run_case(torch, FakeOp(tool, torch, wrong="flaky_accum", deterministic=True), case, gen,
+                              device="cpu")
+        assert not accum["pass"] and accum["bit_identical"] and not accum["dq_accum_identical"], accum
+    text = tool.markdown({"device": "d", "date": "t", "command": "c", "checks": {"v_wgmma_det": {"cases": [r, accum]}}})
+    assert "rows from 3 at 9, 3 runs: BITS DIFFER (outputs)" in text
+    assert "rows from 3 at 9, 3 runs: BITS DIFFER (fp32 dq_accum)" in text
+    # wgmma (no fixed order): the same repeated case, information only
+    info = dict(small[0], info=True)
+    r = tool.run_case(torch, FakeOp(tool, torch, wrong="flaky_accum", dq_tiled=True), info, gen, device="cpu")
+    assert r["pass"] and not r["dq_accum_identical"], r
+    same = tool.run_case(torch, FakeOp(tool, torch, dq_tiled=True), info, gen, device="cpu")
+    assert same["pass"] and same["dq_accum_identical"], same
+    text = tool.markdown({"device": "d", "date": "t", "command": "c", "checks": {"v_wgmma": {"cases": [r, same]}}})
+    assert "3 runs (information): fp32 dq_accum differs, outputs identical | 1 |" in text
+    assert "3 runs (information): fp32 dq_accum identical, outputs identical | 1 |" in text
 
 
 # ---------------------------------------------------------------------------

@@ -193,18 +193,21 @@ int main(int argc, char** argv) {
 
 
 @needs_nvcc
-@pytest.mark.parametrize("causal", [True, False])
-def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_needs_it(tmp_path, causal):
+@pytest.mark.parametrize("causal,deterministic", [(True, False), (False, False), (True, True), (False, True)])
+def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_needs_it(tmp_path, causal,
+                                                                                       deterministic):
     """Per CTA (block of 128 keys, KV head 1 of 2 over 4 query heads): the walk visits each
     query head of the group and each query block with a visible (query, key) pair, in order, and
     no other; a step the mask predicate calls unmasked has every key < kv_len and every (query <
-    q_len, key) pair visible. Positions from 0, offsets, and the zig-zag's two segments."""
+    q_len, key) pair visible. Positions from 0, offsets, and the zig-zag's two segments. The order:
+    query heads outer, query blocks ascending; params.deterministic (Walk::DESCENDING): query blocks
+    descending, the group's query heads inner."""
     from tsgen.headers import include_flags
     from tsgen.ops.attention import query_positions
     from tsgen.toolchain import gencode_flags
 
-    source = rendered_source(variant("walk", params={"causal": causal, "heads": 4, "kv_heads": 2, "head_dim": 64}),
-                             tmp_path)
+    source = rendered_source(variant("walk", params={"causal": causal, "heads": 4, "kv_heads": 2, "head_dim": 64,
+                                                     "deterministic": deterministic}), tmp_path)
     main = tmp_path / "walk_main.cu"
     main.write_text(WALK.replace("SOURCE", str(source)).replace("MODULE", "walk"))
     exe = tmp_path / "walk_main"
@@ -223,11 +226,12 @@ def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_nee
         got = [tuple(int(x) for x in line.split()) for line in out.splitlines()]
         want = []
         for k0 in range(0, skv, 128):
-            for hq in (2, 3):
-                for r0 in range(0, sq, 64):
-                    vis = kp[None, k0:k0 + 128] <= qp[r0:r0 + 64, None] if causal else np.ones((1, 1), bool)
-                    if vis.any():
-                        want.append((k0, hq, r0))
+            order = ([(hq, r0) for r0 in reversed(range(0, sq, 64)) for hq in (2, 3)] if deterministic
+                     else [(hq, r0) for hq in (2, 3) for r0 in range(0, sq, 64)])
+            for hq, r0 in order:
+                vis = kp[None, k0:k0 + 128] <= qp[r0:r0 + 64, None] if causal else np.ones((1, 1), bool)
+                if vis.any():
+                    want.append((k0, hq, r0))
         assert [g[:3] for g in got] == want, (sq, skv, qo, split, qo2, ko)
         for k0, _, r0, masked in got:
             full = k0 + 128 <= skv and (not causal or bool((kp[None, k0:k0 + 128] <= qp[r0:r0 + 64, None]).all()))
@@ -368,6 +372,55 @@ def simulate_turns(walks, adders, resident):
     return True
 
 
+def simulate_timing(walks, resident, wait=True):
+    """A unit-step timing model of the turns (docs/design/attention.md, "Deterministic mode": its
+    predicted chain cost): CTAs start in order, `resident` at a time (a CTA starts when a resident one
+    ends); each step costs 1; a step's add into its query block (walks[c][s]: the semaphore's key) waits
+    until the block's previous visitor passed its turn on, a step after that visitor's add (the deferred
+    raise), and the CTA's next step starts after the add; a CTA ends a step after its last add. The CTAs'
+    end times (wait False: the same schedule without the turns)."""
+    import heapq
+
+    slots = [0] * min(resident, len(walks))
+    passed, ends, last_start = {}, [], 0
+    for walk in walks:
+        t = last_start = max(heapq.heappop(slots), last_start)
+        for key in walk:
+            t += 1
+            if wait:
+                t = max(t, passed.get(key, 0))
+            passed[key] = t + 1
+        ends.append(t + 1)
+        heapq.heappush(slots, t + 1)
+    return ends
+
+
+def test_timing_model_of_the_walk_orders():
+    """The model's chain cost on the bench's GQA causal shape (32 query heads over 8 KV heads, S 4K,
+    batch 4, 132 CTAs resident): the default walk's order (query heads outer, query blocks ascending)
+    costs about 8 %, the deterministic walk's (blocks descending, heads inner) under 1 %; not causal
+    both well under 1 %. The numbers docs/design/attention.md quotes (S 8K and 16K as well: 11 and 12 %
+    against 0.3 and 0.0 %), modelled, not measured."""
+    def walks(causal, descending, S=4096, heads=32, kv_heads=8, batch=4):
+        q_blocks, group = S // 64, heads // kv_heads
+        out = []
+        for j in range(S // 128):  # KV block major, as the grid
+            first = 2 * j if causal else 0  # causal, positions from 0: the blocks below 2j see none of j's keys
+            for hk in range(batch * kv_heads):
+                hs = range(hk * group, (hk + 1) * group)
+                out.append([(h, qb) for qb in reversed(range(first, q_blocks)) for h in hs] if descending
+                           else [(h, qb) for h in hs for qb in range(first, q_blocks)])
+        return out
+
+    def cost(causal, descending):
+        w = walks(causal, descending)
+        return max(simulate_timing(w, 132)) / max(simulate_timing(w, 132, wait=False)) - 1
+
+    assert 0.06 < cost(True, False) < 0.11
+    assert cost(True, True) < 0.01
+    assert cost(False, False) < 0.01 and cost(False, True) < 0.01
+
+
 @needs_nvcc
 @pytest.mark.parametrize("causal,head_dim", [(True, 128), (True, 64), (False, 64)])
 def test_turns_follow_each_query_blocks_visitors(tmp_path, causal, head_dim):
@@ -386,7 +439,10 @@ def test_turns_follow_each_query_blocks_visitors(tmp_path, causal, head_dim):
     exe = tmp_path / "turns_main"
     subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
                     str(main)], check=True, capture_output=True)
+    from tsgen.ops.attention import query_positions
+
     adders = 2 if head_dim == 128 else 1  # hd 64: the pair summed, one reduction per CTA and step
+    aligned = 0
     problems = [(1000, 1000, 0, None, 0, 0), (77, 1000, 923, None, 0, 0), (1000, 1000, 500, None, 0, 700),
                 (600, 2400, 300, 300, 1800, 0), (1024, 2048, 0, 512, 1536, 0), (500, 4096, 768, 250, 3072, 0),
                 (100, 100, 0, 70, 30, 0), (129, 129, 0, None, 0, 0), (65, 200, 63, None, 0, 0)]
@@ -407,6 +463,31 @@ def test_turns_follow_each_query_blocks_visitors(tmp_path, causal, head_dim):
         walks = [[(index, turn) for j2, _, _, index, turn in rows if j2 == j] for j in range(-(-skv // 128))]
         for resident in (1, 2, 3, len(walks)):
             assert simulate_turns(walks, adders, resident), ("deadlock", sq, skv, qo, split, qo2, ko, resident)
+        # the walk's order (Walk::DESCENDING): query blocks descending, the group's heads inner; where the
+        # rows' latest positions do not fall from one block to the next (positions from 0, offsets, the
+        # zig-zag's later second segment), every visitor reaches a query block at the same step of its walk,
+        # and in the timing model (all CTAs resident) each CTA lags the previous one by at most a step
+        steps = {}
+        for j, walk in enumerate(walks):
+            seq = [(qb, hq) for j2, hq, qb, _, _ in rows if j2 == j]
+            assert seq == sorted(seq, key=lambda x: (-x[0], x[1])), (j, sq, skv)
+            for s, (index, _) in enumerate(walk):
+                steps.setdefault(index, set()).add(s)
+        latest = [max(query_positions(sq, qo, split, qo2)[r0:r0 + 64]) for r0 in range(0, sq, 64)]
+        if not causal or latest == sorted(latest):
+            aligned += 1
+            assert all(len(s) == 1 for s in steps.values()), (sq, skv, qo, split, qo2, ko)
+            keys = [[index for index, _ in walk] for walk in walks]
+            ends = simulate_timing(keys, len(keys))
+            assert all(end <= len(walk) + 1 + j for j, (end, walk) in enumerate(zip(ends, keys))), (ends, sq, skv)
+            if causal and (sq, skv, qo, split, ko) == (1000, 1000, 0, 1000, 0):
+                # the default walk's order over the same visits: a CTA reaches a (head, block) up to 2 GROUP
+                # + 1 steps before the previous visitor, and waits that long
+                default = [[i for _, _, _, i, _ in sorted((r for r in rows if r[0] == j), key=lambda r: (r[1], r[2]))]
+                           for j in range(len(walks))]
+                late = simulate_timing(default, len(default))
+                assert max(end - len(walk) - 1 for end, walk in zip(late, default)) > 2 * (len(walks) - 1), late
+    assert aligned >= 6, "most problems' walks are aligned"
     # the simulation does find a deadlock: a first turn past 0, a gap in the turns
     assert not simulate_turns([[(0, adders)]], adders, 1)
     assert not simulate_turns([[(0, 0)], [(0, 2 * adders)]], adders, 2)

@@ -85,13 +85,19 @@
 //     of the last STAGES steps: a consumer stuck on a load that never lands traps, not hangs.
 //   - DETERMINISTIC, the turns: the CTAs adding into one query block are KV blocks 0 .. J - 1
 //     (visitor_rank) and wait for turns 0, DQ_ADDERS, 2 DQ_ADDERS, ...: each waits only for lower
-//     block indices, which start first, and holds no turn while it waits (the last one is passed on
-//     before DS_READY of the next step, ahead of the next wait), so the chain ends. Order of one
-//     add after the previous one: the previous adder's cp.async.bulk.wait_group 0 (its writes
-//     complete), fence.proxy.async.global, red.release.gpu; this adder's ld.acquire.gpu, then
-//     fence.proxy.async.global, then its reduction (the async proxy). The semaphores: zeroed by the
-//     preprocess in stream order, as dq_accum. A turn that never comes: the consumers spin without
-//     a timeout; the producer's tail waits (with it) for the CTA's last turn to be passed on.
+//     KV blocks, and holds no turn while it waits (the last one is passed on before DS_READY of the
+//     next step, ahead of the next wait), so the chain ends, PROVIDED that every CTA a CTA waits for
+//     has started or can start: the grid puts KV block j of every head before block j + 1
+//     (main_kernel: blockIdx.x = j x batch x KV_HEADS + ...), and the argument relies on the hardware
+//     starting CTAs in increasing blockIdx order, which CUDA does not promise (FA3's deterministic
+//     backward and CUTLASS's serial split-K rely on it too). A scheduler that started higher blocks
+//     first and filled every SM with waiting CTAs would hang them (the producers' timeout traps).
+//     Order of one add after the previous one: the previous adder's cp.async.bulk.wait_group 0 (its
+//     writes complete), fence.proxy.async.global, red.release.gpu; this adder's ld.acquire.gpu (after
+//     ld.relaxed.gpu polls, wait_dq_turn), then fence.proxy.async.global, then its reduction (the
+//     async proxy). The semaphores: zeroed by the preprocess in stream order, as dq_accum. A turn
+//     that never comes: the consumers spin without a timeout; the producer's tail waits (with it)
+//     for the CTA's last turn to be passed on.
 //   - DQ_PAIRED, warpgroup 1's staging read by warpgroup 0 (generic loads): written, then bar.arrive
 //     DQ_PAIR against warpgroup 0's bar.sync; rewritten only after the next DS_READY, which warpgroup
 //     0 reaches after its reads.
@@ -128,6 +134,8 @@ using gemm::wgmma_fence;
 using gemm::wgmma_wait_group;
 
 constexpr int BLOCK_M = 64;   // query rows per step
+// the preprocess zeroes the semaphores per attention_bwd::BLOCK_M rows (dq_semaphores), the walk uses these
+static_assert(BLOCK_M == ::tsgen::attention_bwd::BLOCK_M, "one query block for the semaphores and the walk");
 constexpr int BLOCK_N = 128;  // keys per CTA: 64 per consumer warpgroup
 constexpr int THREADS = 384;
 constexpr uint32_t DS_READY = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads')
@@ -207,15 +215,24 @@ struct Layout {
 };
 
 // The walk of one CTA: (query head of the group, query block), CAUSAL skipping the blocks that see
-// none of its keys. The producer and the consumers step through the same sequence.
+// none of its keys. The producer and the consumers step through the same sequence. Query heads outer,
+// query blocks ascending; DESCENDING (DETERMINISTIC): query blocks descending, the group's query heads
+// inner. The turns (visitor_rank) do not depend on the order, the wait chain does: with CAUSAL, KV block
+// j skips a query block's rows that see none of its keys, the lowest ones (positions from 0), 2j blocks
+// of every head. Ascending, j then reaches a (head, block) up to 2 GROUP + 1 steps earlier in its walk
+// than j - 1, which adds first: each visitor lags the previous by that many steps. Descending, the
+// skipped blocks come last, and every visitor reaches a (head, block) at the same step of its walk
+// ((q_blocks - 1 - qb) GROUP + the head's index; the zig-zag's second segment, whose positions are the
+// later ones, first): each lags the previous by the one step of its turn's hand-over.
 template <class C>
 struct Walk {
   static constexpr uint32_t GROUP = C::HEADS / C::KV_HEADS;
+  static constexpr bool DESCENDING = deterministic_of<C>::value;
   uint32_t hq, qb, q_blocks, hq_end;
   int32_t first_key;
   __host__ __device__ __forceinline__ Walk(const Problem& p, uint32_t hk, int32_t first_key_)
-      : hq(hk * GROUP), qb(0), q_blocks((p.q_len + BLOCK_M - 1) / BLOCK_M), hq_end((hk + 1) * GROUP),
-        first_key(first_key_) {
+      : hq(hk * GROUP), qb(DESCENDING && p.q_len > 0 ? (p.q_len - 1) / BLOCK_M : 0),
+        q_blocks((p.q_len + BLOCK_M - 1) / BLOCK_M), hq_end((hk + 1) * GROUP), first_key(first_key_) {
     skip(p);
   }
   __host__ __device__ __forceinline__ bool done() const { return hq >= hq_end || q_blocks == 0; }
@@ -229,7 +246,11 @@ struct Walk {
 
  private:
   __host__ __device__ __forceinline__ void advance() {
-    if (++qb == q_blocks) qb = 0, ++hq;
+    if constexpr (DESCENDING) {
+      if (++hq == hq_end && qb != 0) hq -= GROUP, --qb;  // past the last head of block 0: done
+    } else {
+      if (++qb == q_blocks) qb = 0, ++hq;
+    }
   }
   __host__ __device__ __forceinline__ void skip(const Problem& p) {
     if constexpr (C::CAUSAL) {
@@ -273,8 +294,11 @@ __host__ __device__ __forceinline__ uint32_t* dq_semaphore(const Problem& p, uin
   return dq_semaphores<C>(p) + ((size_t)b * C::HEADS + w.hq) * w.q_blocks + w.qb;
 }
 
-// DETERMINISTIC: spin (ld.acquire.gpu) until the query block's semaphore reaches `turn`, the adds of every
-// earlier visitor complete. >=, not ==: with HEAD_DIM 128 the CTA's two warpgroups take the same turn (each
+// DETERMINISTIC: spin until the query block's semaphore reaches `turn`, the adds of every earlier visitor
+// complete: one ld.acquire.gpu first (the turn usually came already), else ld.relaxed.gpu polls (an acquire
+// load is a load plus an L1 invalidate each time) and one ld.acquire.gpu once one reads the turn (it reads
+// that value or a later one: the semaphore only grows; a later one was raised by a later red.release, whose
+// release sequence the earlier raises head). >=, not ==: with HEAD_DIM 128 the CTA's two warpgroups take the same turn (each
 // adds into its own column panel) and the other one may already have passed it on. TIMEOUT: trap after
 // TSGEN_TIMEOUT_NS without printing, as gemm::mbar_wait (a printf would serialize the kernel's wgmma): the
 // producer's check. The consumers spin without one (a trap in their code costs their 232-register budget,
@@ -284,12 +308,13 @@ static __device__ __forceinline__ void wait_dq_turn(const uint32_t* sem, uint32_
   if (ld_acquire_gpu_global_u32(sem) >= turn) return;
   if constexpr (TIMEOUT) {
     const uint64_t start = globaltimer_ns();
-    while (ld_acquire_gpu_global_u32(sem) < turn)
+    while (ld_relaxed_gpu_global_u32(sem) < turn)
       if (TSGEN_TIMEOUT_NS != 0 && globaltimer_ns() - start > (uint64_t)TSGEN_TIMEOUT_NS) __trap();
   } else {
-    while (ld_acquire_gpu_global_u32(sem) < turn) {
+    while (ld_relaxed_gpu_global_u32(sem) < turn) {
     }
   }
+  (void)ld_acquire_gpu_global_u32(sem);
 }
 
 // DETERMINISTIC: pass the turn of this thread's last reduction (semaphore `sem`, none if nullptr) on, once
