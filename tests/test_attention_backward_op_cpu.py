@@ -582,3 +582,27 @@ def test_causal_skip_visits_exactly_the_blocks_with_a_visible_key(tmp_path):
         for (k0, r0), seen in got.items():
             vis = kp[None, k0:k0 + 64] <= qp[r0:r0 + 64, None]
             assert seen == bool(vis.any()), (sq, skv, qo, split, qo2, ko, k0, r0)
+
+
+def test_gpu_tool_ncu_profiles_the_main_kernel_of_one_variant(tool, tmp_path, monkeypatch):
+    """--ncu VARIANT[:SEQ]: ncu over the second call's main kernel (the child `one` makes three calls of
+    the bench's shape), the report kept in OUT; an unknown variant is refused by name."""
+    import json
+    import subprocess
+
+    ran = []
+    monkeypatch.setattr(tool, "build", lambda out, name, impl: {"name": name, "impl": impl})
+    monkeypatch.setattr(tool.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(
+        cmd, 0, "==PROF== Profiling main\nRESULT {}\n", ""))
+    monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), "--impl", "wgmma",
+                                           "--ncu", "hd128_causal_kv8:4096"])
+    assert tool.main() == 0
+    (cmd,) = ran
+    assert cmd[0] == "ncu" and cmd[cmd.index("--kernel-name") + 1] == "regex:_main$"
+    assert cmd[cmd.index("--launch-skip") + 1] == "1" and cmd[cmd.index("--launch-count") + 1] == "1"
+    child = cmd[cmd.index("--child"):]
+    assert child[1] == "one" and json.loads(child[2]) == {"name": "hd128_causal_kv8", "impl": "wgmma"} and child[3] == "4096"
+    assert "Profiling main" in (tmp_path / "ncu_hd128_causal_kv8_wgmma_s4096.txt").read_text()
+    monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), "--ncu", "nope"])
+    with pytest.raises(SystemExit):
+        tool.main()

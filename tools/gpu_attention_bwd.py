@@ -2,7 +2,10 @@
 bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
 Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma,wgmma_det]
-       (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment)
+       python tools/gpu_attention_bwd.py OUT_DIR --impl wgmma --ncu hd128_full_kv32[:8192]
+       (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment; source
+       tools/device_env.sh before the --ncu form: ncu over one variant's main kernel at the bench's
+       shape, the report in OUT_DIR/ncu_<variant>_s<seq>.txt)
 
 --impl: the main kernels to run (default mma_sync): mma_sync (params.impl mma_sync), wgmma
 (params.impl wgmma: dQ by bulk reductions, its default) and wgmma_red (params.impl wgmma with
@@ -341,6 +344,69 @@ def check_variant(built: dict, quick: bool, echo=print) -> dict:
 # ---------------------------------------------------------------------------
 
 
+def bench_inputs(torch, op: "Op", seq: int) -> tuple[int, dict, tuple]:
+    """The bench's tensors for `op` at `seq`: (batch, {q, k, v, do, o, lse, dq, dk, dv}, workspace); the
+    batch fills TOKENS rows. O from SDPA's forward, LSE zeros: timing only, the values do not change the
+    work."""
+    import torch.nn.functional as F
+
+    batch = max(1, TOKENS // seq)
+    dt = torch_dtype(torch, op.dtype)
+    t = {n: torch.randn(batch, seq, h, op.head_dim, device="cuda", dtype=dt)
+         for n, h in (("q", op.heads), ("k", op.kv_heads), ("v", op.kv_heads), ("do", op.heads))}
+    with torch.no_grad():
+        t["o"] = F.scaled_dot_product_attention(*(t[n].transpose(1, 2) for n in ("q", "k", "v")), is_causal=op.causal,
+                                                enable_gqa=op.heads != op.kv_heads).transpose(1, 2).contiguous()
+    t["lse"] = torch.zeros(batch, op.heads, seq, device="cuda")
+    for n in ("dq", "dk", "dv"):
+        t[n] = torch.empty_like(t[{"dq": "q", "dk": "k", "dv": "v"}[n]])
+    return batch, t, op.workspace(torch, batch, seq)
+
+
+def one_shape(built: dict, seq: int, calls: int = 3) -> dict:
+    """`calls` calls of the bench's shape at `seq` on one stream: what ncu profiles (--ncu; its
+    --launch-skip 1 --launch-count 1 takes the second call's main kernel, caches warm)."""
+    import torch
+
+    op = Op(built)
+    batch, t, ws = bench_inputs(torch, op, seq)
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    for _ in range(calls):
+        op(t, ws, batch, seq, seq, stream)
+    stream.synchronize()
+    return {"pass": True, "seq": seq, "batch": batch}
+
+
+# What `--ncu` asks for: the throughputs, where warps stall, and the tensor pipe's and the MUFU's busy share
+NCU_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats",
+                "SchedulerStats", "Occupancy", "LaunchStats")
+NCU_METRICS = ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+               "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+               "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio")
+
+
+def profile(out: Path, name: str, impl: str, seq: int) -> int:
+    """ncu over variant `name`'s main kernel (impl `impl`) at the bench's shape for `seq`: the report
+    in OUT/ncu_<variant>_s<seq>.txt (ncu on PATH; the GPU's clocks as they are: ncu's own warning says
+    so). Where the backward's time goes, before a lever is chosen (docs/design/attention.md)."""
+    built = build(out, name, impl)
+    report = out / f"ncu_{impl_name(name, impl)}_s{seq}.txt"
+    cmd = ["ncu", "--kernel-name", "regex:_main$", "--launch-skip", "1", "--launch-count", "1",
+           *[a for sec in NCU_SECTIONS for a in ("--section", sec)], "--metrics", ",".join(NCU_METRICS),
+           sys.executable, __file__, "--child", "one", json.dumps(built), str(seq)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"ncu: {e}", file=sys.stderr)
+        return 1
+    report.write_text(p.stdout + p.stderr)
+    print(p.stdout[-6000:], flush=True)
+    return p.returncode
+
+
 def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
     """built: variant name -> {impl: its build} (the impls timed side by side, interleaved; the first
     is the reference of ratio_ref)."""
@@ -357,20 +423,9 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
         ops = {impl: Op(b) for impl, b in built[name].items()}
         op = next(iter(ops.values()))
         for seq in BENCH_SEQS[:1] if quick else BENCH_SEQS:
-            batch = max(1, TOKENS // seq)
-            dt = torch_dtype(torch, op.dtype)
-            t = {n: torch.randn(batch, seq, h, op.head_dim, device="cuda", dtype=dt)
-                 for n, h in (("q", op.heads), ("k", op.kv_heads), ("v", op.kv_heads), ("do", op.heads))}
+            batch, t, ws = bench_inputs(torch, op, seq)
             stream = torch.cuda.Stream()
-            # O from SDPA's forward; LSE zeros: timing only, the values do not change the work
             qt, kt, vt = (t[n].transpose(1, 2).requires_grad_(True) for n in ("q", "k", "v"))
-            with torch.no_grad():
-                t["o"] = F.scaled_dot_product_attention(qt, kt, vt, is_causal=op.causal,
-                                                        enable_gqa=op.heads != op.kv_heads).transpose(1, 2).contiguous()
-            t["lse"] = torch.zeros(batch, op.heads, seq, device="cuda")
-            for n in ("dq", "dk", "dv"):
-                t[n] = torch.empty_like(t[{"dq": "q", "dk": "k", "dv": "v"}[n]])
-            ws = op.workspace(torch, batch, seq)
             dot = t["do"].transpose(1, 2)
 
             def tsgen_call(impl):
@@ -493,12 +548,17 @@ def main() -> int:
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--impl", default=IMPLS[0],
                     help=f"comma-separated main kernels to build, check and bench side by side: {', '.join(IMPLS)}")
+    ap.add_argument("--ncu", metavar="VARIANT[:SEQ]",
+                    help=f"profile one variant's main kernel under ncu instead (the first --impl; SEQ default "
+                    f"{BENCH_SEQS[1]}; variants: {', '.join(BENCH_VARIANTS)})")
     ap.add_argument("--child", nargs="+")
     a = ap.parse_args()
     if a.child:
         kind, built_json = a.child[0], json.loads(a.child[1])
         if kind == "check":
             result = check_variant(built_json, a.quick)
+        elif kind == "one":
+            result = one_shape(built_json, int(a.child[2]))
         else:
             result = bench(built_json, a.quick)
         print("RESULT " + json.dumps(result), flush=True)
@@ -508,6 +568,11 @@ def main() -> int:
         ap.error(f"--impl: a comma-separated list of {', '.join(IMPLS)}, not {a.impl!r}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.ncu:
+        name, _, seq = a.ncu.partition(":")
+        if name not in VARIANTS:
+            ap.error(f"--ncu: variant {name!r}; one of {', '.join(sorted(VARIANTS))}")
+        return profile(out, name, impls[0], int(seq) if seq else BENCH_SEQS[1])
     names = sorted(set(CHECK_VARIANTS) | (set() if a.no_bench else set(BENCH_VARIANTS)))
     jobs = [(n, i) for i in impls for n in names]
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
