@@ -288,3 +288,35 @@ def test_a_corrupt_chunk_is_refused(parts):
 def test_nothing_carried_or_stashed_is_a_clear_error(tmp_path):
     r = _run(tmp_path, "install")
     assert r.returncode == 3 and "no part carried (.whl-fa4/partN)" in r.stderr
+
+
+# ---------------------------------------------------------------------------
+# the backward's bench (tools/gpu_attention_bwd.py): column fa4
+# ---------------------------------------------------------------------------
+
+
+def test_backward_bench_fa4_is_a_note_without_flash_attn(monkeypatch):
+    from conftest import load_script
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    call, why = tool.fa4_backward(None, {}, True, None)
+    assert call is None and why.startswith("flash-attn-4 does not import")
+
+
+def test_backward_report_has_the_fa4_column_only_where_a_row_has_it():
+    from conftest import load_script
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 200.0},
+           "sdpa_cudnn": {"tflops": 500.0, "ratio": 2.5}}
+    summary = {"device": "NVIDIA H100", "date": "2026-11-27", "command": "c", "checks": {}, "bench": {"rows": [row]}}
+    assert "FA4" not in tool.markdown(summary)
+    summary["bench"]["rows"] = [dict(row, fa4={"tflops": 400.0, "ratio": 2.0}), dict(row, seq=8192)]
+    text = tool.markdown(summary).splitlines()
+    head = next(i for i, line in enumerate(text) if line.startswith("| variant | S |"))
+    assert text[head].endswith("SDPA flash | ratio | SDPA cuDNN | ratio | FA4 | ratio |")
+    assert text[head + 1].count("---") == text[head].count("|") - 1  # one separator per column
+    assert "| v | 4096 | 200 | - | - | 500 | 2.50 | 400 | 2.00 |" in text
+    assert "| v | 8192 | 200 | - | - | 500 | 2.50 | - | - |" in text
