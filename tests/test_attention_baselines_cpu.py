@@ -107,7 +107,7 @@ def test_suite_baselines_must_be_the_ops(tmp_path):
 
     bad = tmp_path / "s.yaml"
     bad.write_text(f"description: d\ngpus: 1\nbaselines: [nccl]\nentries:\n  - spec: {ROOT / 'specs' / 'attention_hd128.yaml'}\n")
-    with pytest.raises(SpecError, match="baselines: 'nccl' is not a baseline of op attention \\(sdpa, cudnn_frontend\\)"):
+    with pytest.raises(SpecError, match="baselines: 'nccl' is not a baseline of op attention \\(sdpa, cudnn_frontend, flash_attn_4\\)"):
         load_suite(bad)
 
 

@@ -235,12 +235,12 @@ def test_persistent_schedule_renders_the_counter_and_its_reset():
 
 
 def test_variant_suite_loads_and_its_variants_are_the_schedule():
-    """suites/attention-variants.yaml: every entry a valid spec variant, cudnn-frontend alone, timed
-    per entry; the shipped specs' entries keep schedule grid."""
+    """suites/attention-variants.yaml: every entry a valid spec variant, cudnn-frontend and
+    flash-attn-4 alone, timed per entry; the shipped specs' entries keep schedule grid."""
     from tsgen.bench.suites import load_suite
 
     s = load_suite(ROOT / "suites" / "attention-variants.yaml")
-    assert s.model.baselines == ["cudnn_frontend"] and s.model.baselines_per_entry
+    assert s.model.baselines == ["cudnn_frontend", "flash_attn_4"] and s.model.baselines_per_entry
     schedules = {(e.label or e.loaded.model.name): e.loaded.model.params.schedule for e in s.entries}
     assert schedules["attention_hd128"] == "grid" and schedules["attention_hd128_overlap"] == "persistent"
     assert len(schedules) == len(s.entries), "labels are unique"

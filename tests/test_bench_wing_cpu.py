@@ -91,6 +91,7 @@ def fake_multiprocess(monkeypatch, factor: float = 2.0):
 
     monkeypatch.setattr(B, "sdpa", sdpa)
     monkeypatch.setattr(B, "cudnn_frontend", lambda step: [])
+    monkeypatch.setattr(B, "flash_attn_4", lambda step: [])
 
 
 @pytest.mark.parametrize("kind", [f.kind for f in families()])

@@ -20,16 +20,28 @@
 #       ~90 s, two worker launches (NCCL start ~15 s each), ~40 s of timing]; then, if time is left (alone:
 #       STEPS=trace), tools/attention_trace.py's per-tile timeline at 16K and 32K (each ~30 s, a guess)
 # Needs the cudnn-frontend wheel in .whl/ (carry ".whl"); installed into /tmp/site when `import cudnn`
-# fails. Logs under $OUT/attn_logs, results in the index layout in $OUT/results.tgz (tar xzf it into results/, then `tsgen results`), a table of ratios last.
+# fails. FlashAttention-4 is timed too where tools/fa4_wheels.sh installed it on this warm machine first
+# (its header: three calls carrying .whl-fa4/part1..3), else its rows are notes; its first call in each
+# shape compiles (the DSL's JIT: seconds to a minute each, not measured yet), before the timed calls.
+# Logs under $OUT/attn_logs, results in the index layout in $OUT/results.tgz (tar xzf it into results/, then `tsgen results`), a table of ratios last.
 set -uo pipefail
 MODE=${1:-attention}
 source "$(dirname "$0")/device_env.sh"
-LOG="$OUT/attn_logs" BUDGET=${BUDGET:-390}
+LOG="$OUT/attn_logs" BUDGET=${BUDGET:-470}  # 390 before flash-attn-4 (its compiles)
 source "$(dirname "$0")/steps.sh"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$OUT/device.txt"
 python3 -c "import torch, cudnn" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
   --no-cache-dir --target /tmp/site .whl/nvidia_cudnn_frontend-*.whl
 export PYTHONPATH=/tmp/site:$PWD
+# FlashAttention-4, where the earlier calls of this machine installed it (tools/fa4_wheels.sh: its wheels
+# travel in parts); its kernels are compiled by the DSL at first call, kept on disk for the next suite
+if [ -f "${FA4_SITE:-/tmp/site-fa4}/.fa4-installed" ]; then
+  eval "$(bash tools/fa4_wheels.sh env)"
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-dsl-cache
+  step "flash-attn-4 imports" 120 python3 -c "from tsgen.bench import attention_baselines as A; m, why = A.import_fa4(); print(A.fa4_versions(), why or 'imports'); raise SystemExit(bool(why))"
+else
+  echo "flash-attn-4 not installed on this machine (tools/fa4_wheels.sh: three calls first): its rows are notes"
+fi
 step "cudnn-frontend imports" 60 python3 -c "import torch, cudnn; print('cuDNN', cudnn.backend_version(), 'frontend', cudnn.__version__)"
 step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/test_attention_baselines_cpu.py
 [ "$MODE" = variants ] && BUDGET=${BUDGET_VARIANTS:-270}
@@ -40,8 +52,8 @@ case "$MODE" in
     step "bench attention-variants" 170 python3 -m tsgen bench --suite attention-variants --results "$OUT/results" ;;
   attention)
     step "precompile" 150 python3 tools/precompile_suites.py attention attention-gqa64
-    step "bench attention" 200 python3 -m tsgen bench --suite attention --results "$OUT/results"
-    step "bench attention-gqa64" 150 python3 -m tsgen bench --suite attention-gqa64 --results "$OUT/results" ;;
+    step "bench attention" 260 python3 -m tsgen bench --suite attention --results "$OUT/results"
+    step "bench attention-gqa64" 190 python3 -m tsgen bench --suite attention-gqa64 --results "$OUT/results" ;;
   cp)
     step "precompile" 150 python3 tools/precompile_suites.py cp-w2
     step "bench cp-w2" 300 python3 -m tsgen bench --suite cp-w2 --results "$OUT/results"

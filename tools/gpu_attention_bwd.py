@@ -37,7 +37,8 @@ SDPA columns' ratio: SDPA's time / the last listed impl's, so list the candidate
 3. Bench (one child): hd 128, 32 heads (32 and 8 KV heads), S 4K, 8K, 16K (16K tokens: batch =
    16384 / S), causal and not: tsgen's three kernels against torch autograd of
    scaled_dot_product_attention (flash and cuDNN backends: the backward only, the forward run
-   once), timed in interleaved rounds (tsgen/bench/timing.py Sampler, eager), FLOPs 10 b h s^2 d
+   once) and, where flash-attn-4 is installed (tools/fa4_wheels.sh), FlashAttention-4's backward
+   through its autograd function (column fa4; else a printed note), timed in interleaved rounds (tsgen/bench/timing.py Sampler, eager), FLOPs 10 b h s^2 d
    (halved causal).
 
 Writes OUT_DIR/attention_bwd.json and OUT_DIR/attention_bwd.md and prints the tables. Exit code
@@ -407,6 +408,32 @@ def profile(out: Path, name: str, impl: str, seq: int) -> int:
     return p.returncode
 
 
+def fa4_backward(torch, t: dict, causal: bool, stream):
+    """(call, None): FlashAttention-4's backward through its autograd function (flash_attn.cute's
+    flash_attn_func forward once, on the bench's [batch, seq, heads, d] tensors; each call
+    torch.autograd.grad of dO, as SDPA's columns), run once here (the DSL compiles it); or (None,
+    why) where flash-attn-4 is not installed or refuses (tsgen/bench/attention_baselines.py)."""
+    from tsgen.bench.attention_baselines import fa4_stream, import_fa4
+
+    fa4, why = import_fa4()
+    if fa4 is None:
+        return None, why
+    try:
+        q, k, v = (t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+        with fa4_stream(torch, stream):
+            out = fa4.flash_attn_func(q, k, v, causal=causal)[0]
+
+        def call(i, rs):
+            with fa4_stream(torch, stream):
+                torch.autograd.grad(out, (q, k, v), t["do"], retain_graph=True)
+
+        call(0, [0])
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - an arch or shape FA4 refuses, or the DSL's compile fails
+        return None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    return call, None
+
+
 def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
     """built: variant name -> {impl: its build} (the impls timed side by side, interleaved; the first
     is the reference of ratio_ref)."""
@@ -452,6 +479,11 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
                     impls[label](0, [0])  # a backend that refuses the shape says so here
                 except RuntimeError as e:  # a backend that refuses the shape
                     echo(f"{name} S={seq}: {label} unavailable: {str(e).splitlines()[0]}")
+            fa4, why = fa4_backward(torch, t, op.causal, stream)
+            if fa4 is None:
+                echo(f"{name} S={seq}: fa4 unavailable: {why}")
+            else:
+                impls["fa4"] = fa4
             samplers = {k: Sampler(clock, [0], {0: stream}, fn, calls=3, warmup=2, graphs=False, label=k)
                         for k, fn in impls.items()}
             timings = time_interleaved(samplers, rounds=5)
@@ -522,18 +554,20 @@ def markdown(s: dict) -> str:
         rows = s["bench"].get("rows", [])
         extra = sorted({k for row in rows for k in row if k.startswith("tsgen_")})  # other impls
         ref = rows[0].get("ref", "tsgen") if rows else "tsgen"
+        others = ["sdpa_flash", "sdpa_cudnn"] + (["fa4"] if any("fa4" in row for row in rows) else [])
         last = rows[0].get("last", ref) if rows else ref
         out += ["", "## Speed (TFLOP/s: 10 b h s^2 d, halved causal; ratio = SDPA time / "
                 f"{last} time, paired rounds"
                 + (f"; {', '.join(extra)}: other main kernels, x = {ref}'s time / theirs" if extra else "") + ")", "",
                 "| variant | S | tsgen | " + "".join(f"{k} | x | " for k in extra)
-                + "SDPA flash | ratio | SDPA cuDNN | ratio |", "|---|---|---|" + "---|---|" * len(extra) + "---|---|---|---|"]
+                + "SDPA flash | ratio | SDPA cuDNN | ratio |" + (" FA4 | ratio |" if "fa4" in others else ""),
+                "|---|---|---|" + "---|---|" * (len(extra) + len(others))]
         for row in rows:
             cells = [f"{row['tsgen']['tflops']:.0f}" if "tsgen" in row else "-"]
             for k in extra:
                 ratio = row[k].get("ratio_ref", row[k].get("ratio_mma_sync")) if k in row else None
                 cells += [f"{row[k]['tflops']:.0f}", f"{ratio:.2f}" if ratio is not None else "-"] if k in row else ["-", "-"]
-            for k in ("sdpa_flash", "sdpa_cudnn"):
+            for k in others:
                 cells += [f"{row[k]['tflops']:.0f}", f"{row[k]['ratio']:.2f}"] if k in row else ["-", "-"]
             out.append(f"| {row['variant']} | {row['seq']} | " + " | ".join(cells) + " |")
         if "error" in s["bench"]:

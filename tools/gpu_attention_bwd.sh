@@ -8,6 +8,8 @@
 # ATTENTION_BWD_TIMEOUT=480: twice the children).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
+# FlashAttention-4's backward beside SDPA's (column fa4) where tools/fa4_wheels.sh installed it first
+[ -f "${FA4_SITE:-/tmp/site-fa4}/.fa4-installed" ] && eval "$(bash tools/fa4_wheels.sh env)"
 rc=0
 timeout ${ATTENTION_BWD_TIMEOUT:-210} python3 tools/gpu_attention_bwd.py "$OUT" "$@" || rc=1
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "attention_through_the_harness and attention_backward" \

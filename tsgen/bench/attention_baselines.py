@@ -9,7 +9,12 @@ interleaved rounds as tsgen, AttentionBench.interleave):
                   out, fp32 softmax and accumulation, no statistics output (inference), causal
                   as a top-left diagonal band with right bound 0, grouped-query heads as K / V
                   with fewer heads; one graph and plan per shape, built once
-All in SDPA's own layout ([batch, heads, seq, head_dim], contiguous: their best case).
+  flash_attn_4    FlashAttention-4's CuTe DSL kernels (`flash-attn-4` over `nvidia-cutlass-dsl`; its
+                  Hopper forward on sm_90) through flash_attn.cute.flash_attn_func: bf16, causal,
+                  grouped-query heads as K / V with fewer heads, no LSE output; compiled by the DSL at
+                  its first call (before the timed calls); not installed or refused: a note
+All but FlashAttention-4 in SDPA's own layout ([batch, heads, seq, head_dim], contiguous: their best
+case); FlashAttention-4 in its own, [batch, seq, heads, head_dim] contiguous, made once before timing.
 
 cp_attention (one process per GPU, NCCL, after tsgen's timings; `cp_worker`):
   naive   all_gather_into_tensor of K and V, then one SDPA of the local queries over the
@@ -32,6 +37,8 @@ from .workers import launch_workers, nccl_process
 
 # the zig-zag baseline's output against the naive one (both bf16 attention of the same inputs)
 CP_MAX_REL_ERR = 2e-2
+# a one-GPU baseline's output against torch SDPA's before it is timed (bf16 attention of the same inputs)
+BASELINE_MAX_REL_ERR = 2e-2
 
 
 # ---------------------------------------------------------------------------
@@ -157,8 +164,6 @@ def cudnn_frontend(world, rank: int, spec, seq: int) -> list[Candidate]:
         import cudnn
     except Exception as e:  # noqa: BLE001 - not installed, or no cuDNN library to load
         return [("cudnn-frontend SDPA", None, f"cudnn-frontend does not import: {type(e).__name__}: {str(e)[:160]}")]
-    import torch.nn.functional as F
-
     from ..ops.attention import scale_of
 
     p, dev, stream = spec.params, world.devices[rank], world.streams[rank]
@@ -185,12 +190,158 @@ def cudnn_frontend(world, rank: int, spec, seq: int) -> list[Candidate]:
         call()
         torch.cuda.synchronize(dev)
         with torch.cuda.device(dev):
-            ref = F.scaled_dot_product_attention(q, k, v, is_causal=p.causal, scale=scale,
-                                                 enable_gqa=p.kv_heads != p.heads).float()
-            err = float((o.float() - ref).norm() / ref.norm())
+            err = rel_err_vs_sdpa(torch, o, q, k, v, p.causal, scale)
     except Exception as e:  # noqa: BLE001
         return [(impl, None, f"{impl} does not run here: {type(e).__name__}: {str(e)[:200]}")]
-    if not err <= 2e-2:
+    if not err <= BASELINE_MAX_REL_ERR:
+        return [(impl, None, f"{impl}: its output differs from torch SDPA's by {err:.2e} (relative): not timed")]
+    return [(impl, call, None)]
+
+
+def rel_err_vs_sdpa(torch, o, q, k, v, causal: bool, scale: float) -> float:
+    """||o - SDPA(q, k, v)|| / ||SDPA(q, k, v)||, all [batch, heads, seq, head_dim] (K / V with fewer
+    heads: grouped-query), the reference in float32 of torch's SDPA on the same device."""
+    import torch.nn.functional as F
+
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1]).float()
+    return float((o.float() - ref).norm() / ref.norm())
+
+
+# ---------------------------------------------------------------------------
+# attention, one GPU: FlashAttention-4 (flash-attn-4's CuTe DSL kernels)
+# ---------------------------------------------------------------------------
+
+FA4_DIST, CUTLASS_DSL_DIST = "flash-attn-4", "nvidia-cutlass-dsl"
+FA4_IMPL = "flash-attn-4"  # the row's name while the versions are unknown (a note)
+FA4_PREPARE_CALLS = 2  # calls before the check: the first compiles (the DSL's JIT), the second reuses it
+
+
+def _dsl_packages_on_path() -> None:
+    """What the .pth file nvidia-cutlass-dsl installs does at start-up, for a --target folder on
+    PYTHONPATH (Python reads .pth files in site-packages folders only): its dsl_packages folder,
+    where `cutlass` is, put on sys.path once `nvidia_cutlass_dsl` itself imports."""
+    import importlib.util
+    import os
+    import sys
+
+    if importlib.util.find_spec("cutlass") is not None:
+        return
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(base, "dsl_packages")
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.insert(0, path)
+
+
+def import_fa4():
+    """(flash_attn.cute, None), or (None, why it does not import: not installed, or the DSL's
+    libraries do not load here)."""
+    try:
+        _dsl_packages_on_path()
+        import flash_attn.cute as fa4
+    except Exception as e:  # noqa: BLE001 - not installed, or cutlass / its CUDA libraries do not load
+        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        return None, (f"{FA4_DIST} does not import (flash_attn.cute): {type(e).__name__}: {msg}"
+                      " (its wheels travel in parts: tools/fa4_wheels.sh)")
+    if not callable(getattr(fa4, "flash_attn_func", None)):
+        return None, f"{FA4_DIST}: flash_attn.cute has no flash_attn_func"
+    return fa4, None
+
+
+def fa4_versions(version=None) -> str:
+    """The row's name: flash-attn-4's and nvidia-cutlass-dsl's versions as installed (the
+    distributions' metadata; flash_attn.cute.__version__ looks up a distribution named "fa4", which
+    the wheel is not: 0.0.0). `version(dist)` -> str, importlib.metadata.version by default."""
+    if version is None:
+        from importlib.metadata import version
+
+    def of(dist):
+        try:
+            return version(dist)
+        except Exception:  # noqa: BLE001 - not installed as a distribution (a source tree on the path)
+            return "(version unknown)"
+
+    return f"{FA4_DIST} {of(FA4_DIST)} (CuTe DSL {CUTLASS_DSL_DIST} {of(CUTLASS_DSL_DIST)}) flash_attn_func"
+
+
+def to_fa4_layout(x):
+    """[batch, heads, seq, head_dim] -> FlashAttention-4's [batch, seq, heads, head_dim], contiguous
+    (a copy, made once before timing)."""
+    return x.transpose(1, 2).contiguous()
+
+
+def fa4_call(fa4, q, k, v, causal: bool, scale: float):
+    """(call, output): call() runs flash_attn_func once on q, k, v given in SDPA's layout
+    [batch, heads, seq, head_dim] (copied once into FA4's [batch, seq, heads, head_dim]; K / V with
+    fewer heads as they are: FA4 groups the query heads itself), on the current stream, with the
+    softmax scale and causal flag (q_len = kv_len: FA4's bottom-right diagonal is the top-left one);
+    output() is the last call's output, viewed back as [batch, heads, seq, head_dim]."""
+    qf, kf, vf = (to_fa4_layout(t) for t in (q, k, v))
+    last = {}
+
+    def call():
+        out = fa4.flash_attn_func(qf, kf, vf, softmax_scale=scale, causal=causal)
+        last["o"] = out[0] if isinstance(out, (tuple, list)) else out  # (out, lse); lse None (not asked)
+
+    def output():
+        return last["o"].transpose(1, 2)
+
+    return call, output
+
+
+def fa4_stream(torch, stream):
+    """A context that makes `stream` torch's current stream and apache-tvm-ffi's environment stream,
+    the one FA4's compiled kernels launch on (tvm_ffi.use_torch_stream, where this tvm_ffi has it;
+    else torch's alone)."""
+    try:
+        import tvm_ffi
+
+        use = getattr(tvm_ffi, "use_torch_stream", None)
+    except Exception:  # noqa: BLE001 - no tvm_ffi: FA4 did not import either
+        use = None
+    ctx = torch.cuda.stream(stream)
+    return use(ctx) if callable(use) else ctx
+
+
+def flash_attn_4(world, rank: int, spec, seq: int) -> list[Candidate]:
+    """FlashAttention-4's forward (flash_attn.cute.flash_attn_func) on rank's GPU and stream: its
+    inputs in its own layout made once, FA4_PREPARE_CALLS calls (the DSL compiles the kernel at the
+    first: outside the timed calls) and its output checked against torch SDPA before it is timed.
+    Not installed, an arch FA4 refuses, a shape it cannot run or a compile that fails: a note."""
+    torch, why = cuda_torch()
+    if torch is None:
+        return [(FA4_IMPL, None, f"{why} (flash-attn-4 runs on torch tensors)")]
+    fa4, why = import_fa4()
+    if fa4 is None:
+        return [(FA4_IMPL, None, why)]
+    from ..ops.attention import scale_of
+
+    p, dev, stream = spec.params, world.devices[rank], world.streams[rank]
+    if spec.dtype != "bfloat16":
+        return [(FA4_IMPL, None, f"the baseline is built for bfloat16, not {spec.dtype}")]
+    impl, scale = fa4_versions(), scale_of(spec)
+    ext = torch.cuda.ExternalStream(stream.ptr, device=f"cuda:{dev}")
+    cc = "sm_%d%d" % torch.cuda.get_device_capability(dev)
+    try:
+        q, k, v = _inputs(torch, spec, seq, dev)
+        with torch.cuda.device(dev):
+            run, output = fa4_call(fa4, q, k, v, p.causal, scale)
+        torch.cuda.synchronize(dev)
+
+        def call():
+            with torch.cuda.device(dev), fa4_stream(torch, ext):
+                run()
+
+        for _ in range(FA4_PREPARE_CALLS):
+            call()
+        torch.cuda.synchronize(dev)
+        with torch.cuda.device(dev):
+            err = rel_err_vs_sdpa(torch, output(), q, k, v, p.causal, scale)
+    except Exception as e:  # noqa: BLE001 - an arch or shape FA4 refuses, or the DSL's compile fails
+        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        return [(impl, None, f"{impl} does not run here ({cc}): {type(e).__name__}: {msg}")]
+    if not err <= BASELINE_MAX_REL_ERR:
         return [(impl, None, f"{impl}: its output differs from torch SDPA's by {err:.2e} (relative): not timed")]
     return [(impl, call, None)]
 

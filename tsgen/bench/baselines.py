@@ -8,6 +8,7 @@ a list of Measured out):
   cublas_whole  the whole M x K . K x N product of a grid GEMM on one GPU
   sdpa          attention through PyTorch SDPA (flash and cuDNN backends) on rank 0's GPU
   cudnn_frontend  attention through cuDNN's SDPA graph (cudnn-frontend) on rank 0's GPU
+  flash_attn_4  attention through FlashAttention-4's CuTe DSL kernels (flash-attn-4) on rank 0's GPU
   moe_phases    tsgen's own MoE dispatch alone and combine alone (the row beside its pair)
 One process per GPU (tsgen launch; the workers run the function the config names), after tsgen's
 timings, rows of Measured from the workers' JSON:
@@ -130,6 +131,14 @@ def sdpa(step) -> list[Measured]:
 def cudnn_frontend(step) -> list[Measured]:
     """The attention op's: cuDNN's SDPA graph through cudnn-frontend on rank 0's GPU and stream."""
     from .attention_baselines import cudnn_frontend as found
+
+    return _candidates(step, found(step.world, step.world.ranks[0], step.spec, step.case.size))
+
+
+def flash_attn_4(step) -> list[Measured]:
+    """The attention op's: FlashAttention-4's forward (flash_attn.cute.flash_attn_func) on rank 0's
+    GPU and stream; a note where flash-attn-4 is not installed or does not run."""
+    from .attention_baselines import flash_attn_4 as found
 
     return _candidates(step, found(step.world, step.world.ranks[0], step.spec, step.case.size))
 

@@ -192,7 +192,8 @@ class AttentionBench(BenchConventions):
     Q, K and V once and writes O and LSE once. Baselines in this process, on the same GPU and
     stream, timed in the same interleaved rounds as tsgen (`interleave`: one sample of each per
     round, ratios paired round by round): PyTorch SDPA with its flash and with its cuDNN backend,
-    and cuDNN's SDPA graph through cudnn-frontend (tsgen/bench/attention_baselines.py). Timed eagerly (a call is milliseconds: a launch's microseconds do not count), checked
+    cuDNN's SDPA graph through cudnn-frontend, and FlashAttention-4's CuTe DSL forward (flash-attn-4;
+    a note where it is not installed: tools/fa4_wheels.sh) (tsgen/bench/attention_baselines.py). Timed eagerly (a call is milliseconds: a launch's microseconds do not count), checked
     on sampled query rows of sequence 0 against float32 attention over the whole sequence. The
     single-GPU rate of a shape is also cp_attention's "ideal" (suites cp-w*: an attention entry
     of the same heads beside the cp entries)."""
@@ -202,7 +203,8 @@ class AttentionBench(BenchConventions):
     default_sizes = "4096,8192,16384"
     metric = "TFLOPs"
     baselines = (Baseline("sdpa", "sdpa", in_process=True),
-                 Baseline("cudnn_frontend", "cudnn_frontend", in_process=True))
+                 Baseline("cudnn_frontend", "cudnn_frontend", in_process=True),
+                 Baseline("flash_attn_4", "flash_attn_4", in_process=True))
     graphs = False
     interleave = True
     counts_calls = False  # one kernel, no call counter (peers, rank and calls are unused: see the template)

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# FlashAttention-4's wheels (flash-attn-4 and its needs: nvidia-cutlass-dsl with its cu13 libraries,
+# apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels; cuda-bindings, cuda-pathfinder, protobuf and einops
+# as fallbacks) onto the device machine in parts: together ~106 MiB, more than one device call carries
+# (64 MiB with the working tree, ~14 MB). The parts live in the git-ignored folder .whl-fa4/ (never
+# committed); each call carries one part, and a warm machine keeps what a call left in /tmp.
+#
+#   here:    bash tools/fa4_wheels.sh split DIR [DEST=.whl-fa4] [PART_MIB=40]
+#            DIR's wheels cut into byte chunks of at most PART_MIB and packed in order into DEST/part1,
+#            DEST/part2, ... (each at most PART_MIB); every part also holds the manifest: SHA256SUMS (the
+#            whole wheels' sums, sha256sum -c format) and FILES ("PART CHUNK_SHA256 CHUNK" per chunk).
+#   device:  bash tools/fa4_wheels.sh stash     copies every .whl-fa4/partN that this call carried to
+#                                               $FA4_PARTS (/tmp/fa4-parts), checking its chunks' sums;
+#                                               says which parts are still missing
+#            bash tools/fa4_wheels.sh install   stash, then (all parts there) the wheels put back
+#                                               together, checked against SHA256SUMS, and installed with
+#                                               pip --no-deps --no-index --target $FA4_SITE (/tmp/site-fa4);
+#                                               a fallback wheel only where the machine's python lacks
+#                                               that package; done once (a marker holds SHA256SUMS);
+#                                               a missing part: exit 3 naming it
+#            bash tools/fa4_wheels.sh env       the PYTHONPATH line that makes the installed packages
+#                                               importable (the .pth nvidia-cutlass-dsl ships is not read
+#                                               from a PYTHONPATH folder: its dsl_packages is added)
+#
+# The sequence on the next GPU session (three parts at PART_MIB 40: 40 + 40 + 26 MiB), each call within
+# 30 s of the last one's end so the machine stays warm (a fresh machine has an empty /tmp: start over):
+#   call 1: carry [".whl-fa4/part1"]   bash tools/fa4_wheels.sh stash
+#   call 2: carry [".whl-fa4/part2"]   bash tools/fa4_wheels.sh stash
+#   call 3: carry [".whl-fa4/part3"]   bash tools/fa4_wheels.sh install
+#   call 4: carry [".whl"]             bash tools/gpu_attention_baselines.sh attention   (the bench: it adds
+#           $FA4_SITE to PYTHONPATH when installed; .whl holds cudnn-frontend's wheel, and with a part
+#           beside it a call would pass 64 MiB)
+# Making the parts again (here, after `pip download --no-deps` of the wheels into DIR):
+#   rm -rf .whl-fa4 && bash tools/fa4_wheels.sh split DIR
+set -euo pipefail
+
+FA4_PARTS=${FA4_PARTS:-/tmp/fa4-parts}
+FA4_SITE=${FA4_SITE:-/tmp/site-fa4}
+SRC=${FA4_SRC:-.whl-fa4}   # where a call's carried parts are (relative to the repo root)
+PYTHON=${PYTHON:-python3}
+# installed only where the machine's python has no such package (the device image has them: carrying
+# ours first on PYTHONPATH would shadow the versions its torch and cupy were installed with)
+FALLBACK=${FA4_FALLBACK:-cuda_bindings cuda_pathfinder protobuf einops}
+
+die() { echo "fa4_wheels: $*" >&2; exit "${2:-2}"; }
+
+sha() { sha256sum "$1" | cut -d' ' -f1; }
+
+cmd_split() {
+  local dir=${1:?usage: split DIR [DEST] [PART_MIB]} dest=${2:-.whl-fa4} mib=${3:-40}
+  local limit=$((mib * 1024 * 1024)) part=1 used=0 w name size piece psize
+  ls "$dir"/*.whl >/dev/null 2>&1 || die "no wheels in $dir"
+  [ ! -e "$dest" ] || die "$dest exists: remove it first"
+  local tmp; tmp=$(mktemp -d); trap 'rm -rf "$tmp"' RETURN
+  mkdir -p "$dest/part1"
+  (cd "$dir" && sha256sum -- *.whl) > "$tmp/SHA256SUMS"
+  : > "$tmp/FILES"
+  # the largest wheels first (their chunks fill whole parts), then the rest by size
+  for w in $(cd "$dir" && ls -S -- *.whl); do
+    name=$w size=$(stat -c %s "$dir/$w")
+    if [ "$size" -gt "$limit" ]; then  # cut: NAME.chunk-00, -01, ... (cat in name order = the wheel)
+      split -b "$limit" -d -a 2 "$dir/$w" "$tmp/$name.chunk-"
+    else
+      cp "$dir/$w" "$tmp/$name"
+    fi
+    for piece in $(cd "$tmp" && ls -- "$name" "$name".chunk-* 2>/dev/null); do
+      psize=$(stat -c %s "$tmp/$piece")
+      if [ $((used + psize)) -gt "$limit" ] && [ "$used" -gt 0 ]; then
+        part=$((part + 1)) used=0
+        mkdir -p "$dest/part$part"
+      fi
+      echo "$part $(sha "$tmp/$piece") $piece" >> "$tmp/FILES"
+      mv "$tmp/$piece" "$dest/part$part/"
+      used=$((used + psize))
+    done
+  done
+  for d in "$dest"/part*; do cp "$tmp/SHA256SUMS" "$tmp/FILES" "$d/"; done
+  echo "split $(wc -l < "$tmp/SHA256SUMS") wheels of $dir into $part parts under $dest (at most $mib MiB each):"
+  du -sh "$dest"/part* | sed 's/^/  /'
+}
+
+# the manifest of the parts: the first FILES found carried or stashed
+manifest() {
+  local f
+  for f in "$SRC"/part*/FILES "$FA4_PARTS"/part*/FILES; do
+    [ -f "$f" ] && { echo "$(dirname "$f")"; return 0; }
+  done
+  return 1
+}
+
+# part_ok DIR N: every chunk of part N is in DIR with its sum
+part_ok() {
+  local dir=$1 n=$2 p s f
+  while read -r p s f; do
+    [ "$p" = "$n" ] || continue
+    [ -f "$dir/$f" ] && [ "$(sha "$dir/$f")" = "$s" ] || return 1
+  done < "$dir/FILES"
+}
+
+nparts() { cut -d' ' -f1 "$1/FILES" | sort -n | tail -1; }
+
+cmd_stash() {
+  local m n got=() missing=() d
+  m=$(manifest) || die "no part carried (.whl-fa4/partN) and none stashed in $FA4_PARTS" 3
+  n=$(nparts "$m")
+  mkdir -p "$FA4_PARTS"
+  for d in "$SRC"/part*; do
+    [ -d "$d" ] || continue
+    local k=${d##*/part}
+    if [ -f "$FA4_PARTS/part$k/FILES" ] && part_ok "$FA4_PARTS/part$k" "$k"; then
+      echo "part $k: already stashed in $FA4_PARTS/part$k"
+      continue
+    fi
+    part_ok "$d" "$k" || die "part $k as carried in $d is incomplete or its sums differ" 4
+    rm -rf "$FA4_PARTS/part$k.tmp" && cp -r "$d" "$FA4_PARTS/part$k.tmp" && rm -rf "$FA4_PARTS/part$k" \
+      && mv "$FA4_PARTS/part$k.tmp" "$FA4_PARTS/part$k"
+    echo "part $k: stashed in $FA4_PARTS/part$k ($(du -sh "$FA4_PARTS/part$k" | cut -f1))"
+  done
+  for k in $(seq 1 "$n"); do
+    if [ -f "$FA4_PARTS/part$k/FILES" ] && part_ok "$FA4_PARTS/part$k" "$k"; then got+=("$k"); else missing+=("$k"); fi
+  done
+  echo "stashed parts: ${got[*]:-none} of $n; missing: ${missing[*]:-none}"
+  MISSING=${missing[*]:-}
+}
+
+cmd_install() {
+  MISSING=""
+  cmd_stash
+  [ -z "$MISSING" ] || die "cannot install: part(s) $MISSING missing from $FA4_PARTS (carry .whl-fa4/part$(echo "$MISSING" | cut -d' ' -f1) in a call and run stash; a machine that went cold lost the stashed parts)" 3
+  local sums="$FA4_PARTS/part1/SHA256SUMS" wheels="$FA4_PARTS/wheels" w s name dist
+  if [ -f "$FA4_SITE/.fa4-installed" ] && cmp -s "$sums" "$FA4_SITE/.fa4-installed"; then
+    echo "already installed in $FA4_SITE (the same wheels)"; return 0
+  fi
+  rm -rf "$wheels" && mkdir -p "$wheels"
+  while read -r s name; do
+    # the chunks of this wheel in name order (a whole wheel is its own single piece), from any part
+    local pieces=()
+    while read -r _p _s f; do
+      case "$f" in "$name"|"$name".chunk-*) pieces+=("$(ls "$FA4_PARTS"/part*/"$f" | head -1)") ;; esac
+    done < <(sort -k3 "$FA4_PARTS/part1/FILES")
+    [ "${#pieces[@]}" -gt 0 ] || die "no piece of $name in the parts" 4
+    cat "${pieces[@]}" > "$wheels/$name"
+  done < "$sums"
+  (cd "$wheels" && sha256sum --quiet -c "$sums") || die "a reassembled wheel's sha256 differs from SHA256SUMS" 4
+  echo "reassembled and checked $(wc -l < "$sums") wheels in $wheels"
+  local install=()
+  for w in "$wheels"/*.whl; do
+    dist=$(basename "$w" | cut -d- -f1)
+    if [[ " $FALLBACK " == *" $dist "* ]] && have=$(PYTHONPATH= "$PYTHON" -c \
+        "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$dist" 2>/dev/null); then
+      echo "kept the machine's $dist $have (not installing $(basename "$w"))"
+      continue
+    fi
+    install+=("$w")
+  done
+  rm -rf "$FA4_SITE"
+  "$PYTHON" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --target "$FA4_SITE" "${install[@]}"
+  cp "$sums" "$FA4_SITE/.fa4-installed"
+  echo "installed into $FA4_SITE: $(for w in "${install[@]}"; do basename "$w" | cut -d- -f1,2; done | tr '\n' ' ')"
+  cmd_env
+}
+
+cmd_env() {
+  echo "export PYTHONPATH=\${PYTHONPATH:+\$PYTHONPATH:}$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages"
+}
+
+case "${1:-}" in
+  split) shift; cmd_split "$@" ;;
+  stash) cmd_stash ;;
+  install) cmd_install ;;
+  env) cmd_env ;;
+  *) die "usage: $0 split DIR [DEST] [PART_MIB] | stash | install | env" ;;
+esac
