@@ -305,6 +305,38 @@ def test_backward_bench_fa4_is_a_note_without_flash_attn(monkeypatch):
     assert call is None and why.startswith("flash-attn-4 does not import")
 
 
+def test_backward_bench_fa4_is_timed_only_when_its_gradients_match_sdpa(monkeypatch):
+    """The fa4 column's gradients are checked against SDPA's of the same tensors before it is timed: a
+    stand-in flash_attn_func that is SDPA passes; one with another softmax scale is refused by name."""
+    import contextlib
+    import types
+
+    from conftest import load_script
+
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    import tsgen.bench.attention_baselines as ab
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    gen = torch.Generator().manual_seed(3)
+    t = {n: torch.randn(1, 40, h, 16, generator=gen) for n, h in (("q", 4), ("k", 2), ("v", 2), ("do", 4))}
+    proxy = types.SimpleNamespace(autograd=torch.autograd, cuda=types.SimpleNamespace(synchronize=lambda: None))
+    monkeypatch.setattr(ab, "fa4_stream", lambda torch, stream: contextlib.nullcontext())
+    for scale, ok in ((None, True), (0.5, False)):
+        def flash_attn_func(q, k, v, causal=False, scale=scale):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=causal, scale=scale, enable_gqa=True)
+            return o.transpose(1, 2), None
+
+        fake = types.SimpleNamespace(flash_attn_func=flash_attn_func)
+        monkeypatch.setattr(ab, "import_fa4", lambda fake=fake: (fake, None))
+        call, why = tool.fa4_backward(proxy, t, True, None)
+        assert (call is not None) == ok, why
+        if not ok:
+            assert "differs from SDPA's" in why and "dQ" in why
+
+
 def test_backward_report_has_the_fa4_column_only_where_a_row_has_it():
     from conftest import load_script
 

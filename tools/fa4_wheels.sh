@@ -34,8 +34,8 @@
 #   rm -rf .whl-fa4 && bash tools/fa4_wheels.sh split DIR
 set -euo pipefail
 
-FA4_PARTS=${FA4_PARTS:-/tmp/fa4-parts}
-FA4_SITE=${FA4_SITE:-/tmp/site-fa4}
+FA4_PARTS=$(realpath -m "${FA4_PARTS:-/tmp/fa4-parts}")  # absolute: install reads it from another folder
+FA4_SITE=$(realpath -m "${FA4_SITE:-/tmp/site-fa4}")
 SRC=${FA4_SRC:-.whl-fa4}   # where a call's carried parts are (relative to the repo root)
 PYTHON=${PYTHON:-python3}
 # installed only where the machine's python has no such package (the device image has them: carrying

@@ -411,24 +411,37 @@ def profile(out: Path, name: str, impl: str, seq: int) -> int:
 def fa4_backward(torch, t: dict, causal: bool, stream):
     """(call, None): FlashAttention-4's backward through its autograd function (flash_attn.cute's
     flash_attn_func forward once, on the bench's [batch, seq, heads, d] tensors; each call
-    torch.autograd.grad of dO, as SDPA's columns), run once here (the DSL compiles it); or (None,
-    why) where flash-attn-4 is not installed or refuses (tsgen/bench/attention_baselines.py)."""
-    from tsgen.bench.attention_baselines import fa4_stream, import_fa4
+    torch.autograd.grad of dO, as SDPA's columns), run once here (the DSL compiles it) and its dQ,
+    dK, dV checked against SDPA's of the same tensors before it is timed; or (None, why) where
+    flash-attn-4 is not installed, refuses, or computes something else
+    (tsgen/bench/attention_baselines.py)."""
+    from tsgen.bench.attention_baselines import BASELINE_MAX_REL_ERR, fa4_stream, import_fa4
 
     fa4, why = import_fa4()
     if fa4 is None:
         return None, why
+    import torch.nn.functional as F
+
     try:
         q, k, v = (t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
         with fa4_stream(torch, stream):
             out = fa4.flash_attn_func(q, k, v, causal=causal)[0]
+        got = {}
 
         def call(i, rs):
             with fa4_stream(torch, stream):
-                torch.autograd.grad(out, (q, k, v), t["do"], retain_graph=True)
+                got["grads"] = torch.autograd.grad(out, (q, k, v), t["do"], retain_graph=True)
 
         call(0, [0])
         torch.cuda.synchronize()
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+        ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=kt.shape[1] != qt.shape[1])
+        want = torch.autograd.grad(ref, (qt, kt, vt), t["do"].transpose(1, 2))
+        for name, g, w in zip(("dQ", "dK", "dV"), got["grads"], want):
+            w = w.transpose(1, 2).float()
+            err = float((g.float() - w).norm() / w.norm())
+            if not err <= BASELINE_MAX_REL_ERR:
+                return None, f"its {name} differs from SDPA's by {err:.2e} (relative): not timed"
     except Exception as e:  # noqa: BLE001 - an arch or shape FA4 refuses, or the DSL's compile fails
         return None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
     return call, None

@@ -9,7 +9,10 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 # FlashAttention-4's backward beside SDPA's (column fa4) where tools/fa4_wheels.sh installed it first
-[ -f "${FA4_SITE:-/tmp/site-fa4}/.fa4-installed" ] && eval "$(bash tools/fa4_wheels.sh env)"
+if [ -f "${FA4_SITE:-/tmp/site-fa4}/.fa4-installed" ]; then
+  eval "$(bash tools/fa4_wheels.sh env)"
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-dsl-cache  # as gpu_attention_baselines.sh
+fi
 rc=0
 timeout ${ATTENTION_BWD_TIMEOUT:-210} python3 tools/gpu_attention_bwd.py "$OUT" "$@" || rc=1
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "attention_through_the_harness and attention_backward" \

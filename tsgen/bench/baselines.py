@@ -112,7 +112,9 @@ def _candidates(step, found) -> list[Measured]:
         kw = dict(calls=step.iters, warmup=step.warmup, graphs=False, label=f"{impl} {step.label}")
         enqueue = lambda i, _, call=call: call()  # noqa: E731
         if step.conv.interleave:
-            sampler = Sampler(CupyClock(w), [rank], w.streams, enqueue, **kw)
+            # lineup: one untimed call before each sample, so a baseline's host-side cost per call (FA4's
+            # Python dispatch, tens of us) is not in the first timed call: the GPU is busy meanwhile
+            sampler = Sampler(CupyClock(w), [rank], w.streams, enqueue, lineup=True, **kw)
             out.append(Measured(impl, step.case.size, None, sampler=sampler))
         else:
             timing = time_calls(CupyClock(w), [rank], w.streams, enqueue, reps=step.reps, **kw)
