@@ -1215,19 +1215,8 @@ def cp_checks(group, shared: bool) -> None:
                     torch.cat(outs, 2).transpose(1, 2).backward(do)
 
                 def timed(step, leaves=(q, k, v)):
-                    """ms per step: 3 warm-up steps, then 10 between events (the leaves' grads cleared)."""
-                    dist.barrier(group)
-                    for i in range(13):
-                        if i == 3:
-                            torch.cuda.synchronize()
-                            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            start.record()
-                        for t in leaves:
-                            t.grad = None
-                        step()
-                    end.record()
-                    end.synchronize()
-                    return start.elapsed_time(end) / 10
+                    """GPU ms per step (step_ms)."""
+                    return step_ms(step, group, leaves)[0]
 
                 ms = {"tsgen": timed(tsgen_step)}
                 for label, backends in (("twin", None), ("twin_cudnn", [SDPBackend.CUDNN_ATTENTION])):
@@ -1257,6 +1246,26 @@ def cp_checks(group, shared: bool) -> None:
         return True, "; ".join(notes) + " (fwd + bwd, batch 1; a first reading)"
 
     times()
+
+
+def step_ms(step, group, leaves=(), warmup: int = 3, reps: int = 10) -> tuple[float, float]:
+    """(GPU ms, host ms) per call of `step`: the group's ranks start together, `warmup` calls, then
+    `reps` between CUDA events on the current stream, each call after the leaves' grads are cleared
+    (tools/torch_cp_pieces.py times its pieces with it too)."""
+    dist.barrier(group)
+    for i in range(warmup + reps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+        for t in leaves:
+            t.grad = None
+        step()
+    host = (time.perf_counter() - t0) / reps * 1e3
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps, host
 
 
 def broken_reduce_scatter(group):

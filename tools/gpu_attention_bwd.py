@@ -415,7 +415,7 @@ def fa4_backward(torch, t: dict, causal: bool, stream):
     dK, dV checked against SDPA's of the same tensors before it is timed; or (None, why) where
     flash-attn-4 is not installed, refuses, or computes something else
     (tsgen/bench/attention_baselines.py)."""
-    from tsgen.bench.attention_baselines import BASELINE_MAX_REL_ERR, fa4_stream, import_fa4
+    from tsgen.bench.attention_baselines import BASELINE_MAX_REL_ERR, fa4_stream, import_fa4, tensor_rel_err
 
     fa4, why = import_fa4()
     if fa4 is None:
@@ -438,8 +438,7 @@ def fa4_backward(torch, t: dict, causal: bool, stream):
         ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=kt.shape[1] != qt.shape[1])
         want = torch.autograd.grad(ref, (qt, kt, vt), t["do"].transpose(1, 2))
         for name, g, w in zip(("dQ", "dK", "dV"), got["grads"], want):
-            w = w.transpose(1, 2).float()
-            err = float((g.float() - w).norm() / w.norm())
+            err = tensor_rel_err(g, w.transpose(1, 2))
             if not err <= BASELINE_MAX_REL_ERR:
                 return None, f"its {name} differs from SDPA's by {err:.2e} (relative): not timed"
     except Exception as e:  # noqa: BLE001 - an arch or shape FA4 refuses, or the DSL's compile fails

@@ -11,7 +11,6 @@ steps on rank 0. A lab tool (tools/gpu_torch.sh TORCH_STEPS=cp_pieces): no check
 of its own; results/torch/2026-11-27-9665d53-cp-profile.md is its first output."""
 import os
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "examples" / "torch"))
 import tsgen.torch as tt  # noqa: E402
-from torch_checks import ATTENTION_PAIRS, attention_inputs  # noqa: E402
+from torch_checks import ATTENTION_PAIRS, attention_inputs, step_ms  # noqa: E402
 
 local = int(os.environ.get("LOCAL_RANK", "0"))
 torch.cuda.set_device(local)
@@ -33,20 +32,9 @@ gen = torch.Generator(device="cuda").manual_seed(35)
 S = int(os.environ.get("S", "8192"))
 
 
-def timed(fn, reps=10):
-    dist.barrier()
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    cpu = (time.perf_counter() - t0) / reps * 1e3
-    b.synchronize()
-    return a.elapsed_time(b) / reps, cpu
+def timed(fn):
+    """(GPU ms, host ms) per call: tests/torch_checks.py step_ms on the default group."""
+    return step_ms(fn, None)
 
 
 for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):

@@ -198,14 +198,19 @@ def cudnn_frontend(world, rank: int, spec, seq: int) -> list[Candidate]:
     return [(impl, call, None)]
 
 
+def tensor_rel_err(got, ref) -> float:
+    """||got - ref|| / ||ref|| of two torch tensors, in float32 (a baseline's output against its reference)."""
+    ref = ref.float()
+    return float((got.float() - ref).norm() / ref.norm())
+
+
 def rel_err_vs_sdpa(torch, o, q, k, v, causal: bool, scale: float) -> float:
     """||o - SDPA(q, k, v)|| / ||SDPA(q, k, v)||, all [batch, heads, seq, head_dim] (K / V with fewer
     heads: grouped-query), the reference in float32 of torch's SDPA on the same device."""
     import torch.nn.functional as F
 
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                         enable_gqa=k.shape[1] != q.shape[1]).float()
-    return float((o.float() - ref).norm() / ref.norm())
+    return tensor_rel_err(o, F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                            enable_gqa=k.shape[1] != q.shape[1]))
 
 
 # ---------------------------------------------------------------------------
@@ -524,7 +529,7 @@ def _zigzag_row(torch, dist, cfg, rank, world, size, q, k_all, v_all, gather, na
         what = name + (" (K / V expanded to every head)" if expand else "")
         try:
             got = make(attend)().float()
-            err = float((got - ref).norm() / ref.norm())
+            err = tensor_rel_err(got, ref)
             msg = f"{what}: relative error {err:.2e} against the naive output"
         except Exception as e:  # noqa: BLE001 - the op refuses the shape here
             err, msg = float("inf"), f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"

@@ -117,16 +117,11 @@ def combine_blocks(spec) -> int:
     return p.combine_blocks if p.combine_blocks is not None else spec.launch.blocks
 
 
-def combine_chunk_rows(spec) -> int:
-    """Normal combine: rows per chunk of a rank's receive buffer (params.combine_chunk_rows), the unit its
+def combine_chunks(spec) -> int:
+    """Normal mode: chunks of params.combine_chunk_rows rows in one rank's receive buffer, the units its
     rows go home in and are signalled by (chunk_sig); a token's sum waits for the chunks that hold its
     rows (tsgen/moe.cuh)."""
-    return spec.params.combine_chunk_rows
-
-
-def combine_chunks(spec) -> int:
-    """Normal mode: chunks of combine_chunk_rows rows in one rank's receive buffer."""
-    return -(-recv_rows(spec) // combine_chunk_rows(spec))
+    return -(-recv_rows(spec) // spec.params.combine_chunk_rows)
 
 
 def phase_sms(spec, phase: str) -> int:
@@ -292,7 +287,7 @@ class MoeFamily(OpFamily):
         return {"WMAX": max(spec.world_sizes), "EXPERTS": p.experts, "TOPK": p.topk, "HIDDEN": p.hidden,
                 "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted), "SLOT": slot_rows(spec),
                 "FP8": int(p.payload == "fp8"), "COMBINE_BLOCKS": combine_blocks(spec),
-                "CHUNK": combine_chunk_rows(spec)}
+                "CHUNK": p.combine_chunk_rows}
 
     def template_vars(self, spec):
         # the buffers tsgen::moe::Buffers holds, in its order
