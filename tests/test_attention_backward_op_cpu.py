@@ -221,6 +221,27 @@ def tool():
     return load_script(ROOT / "tools" / "gpu_attention_bwd.py")
 
 
+def test_gpu_tool_op_refuses_a_workspace_made_for_another_variant(tool):
+    """The entry takes bare pointers: a deterministic variant handed the plain variant's workspace
+    (no room for the dQ semaphores) would write past dq_accum's end; the Op refuses it by name."""
+    from tsgen.ops.attention_backward import workspace_floats
+
+    class Floats:  # a stand-in tensor: only its size is read before the refusal
+        def __init__(self, n):
+            self.n = n
+
+        def numel(self):
+            return self.n
+
+    op = object.__new__(tool.Op)
+    op.manifest = {"name": "attbwd_det"}
+    op.heads, op.head_dim, op.deterministic = 32, 128, True
+    plain = [Floats(n) for n in workspace_floats(4, 4096, 32, 128, False)]
+    with pytest.raises(ValueError, match=r"attbwd_det_backward: workspace of .* needs"):
+        op({}, plain, 4, 4096, 4096, None)
+    assert workspace_floats(4, 4096, 32, 128, True)[0] > plain[0].numel()
+
+
 def test_gpu_tool_variants_are_valid_specs(tool):
     from tsgen.spec import merge
 
