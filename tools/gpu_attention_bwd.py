@@ -522,7 +522,7 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
             row["ref"], row["last"] = ref, last
             rows.append(row)
             echo(json.dumps(row))
-            del t, ws, qt, kt, vt
+            del t, wss, qt, kt, vt
             torch.cuda.empty_cache()
     return {"rows": rows}
 
