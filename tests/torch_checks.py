@@ -1126,6 +1126,13 @@ def cp_checks(group, shared: bool) -> None:
         o, lse = op(qa, ka, va, return_lse=True)
         o.backward(mine[3])
         got = {"o": o.detach(), "lse": lse, "dq": qa.grad, "dk": ka.grad, "dv": va.grad}
+        if shared:
+            # every rank's kernels done before any rank computes its reference: the reference's
+            # first cuBLAS / SDPA launches load their kernels lazily, and a load waits on the kernels
+            # running on the device, among them a peer's collective spinning for this rank's pushes
+            # (W 8 on one GPU under MPS: cublasCreate hung until the collectives' 10 s timeout)
+            torch.cuda.synchronize()
+            dist.barrier(group)
         ref = cp_reference(sig, q, k, v, do)
         o_full = cp_all_rows(got["o"], rows, group, shared)
         ref["lse"], bounds = attention_bounds(sig, q, k, v, do, ref, o_full)
