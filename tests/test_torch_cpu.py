@@ -990,3 +990,49 @@ def test_shared_local_references():
     pre = [tc.local_ulysses_pre(shards, r) for r in range(w)]
     assert all(torch.equal(p, t) for p, t in zip(pre, twin))
     assert all(torch.equal(tc.local_ulysses_post(pre, r), shards[r]) for r in range(w))
+
+
+# -- ranks sharing a GPU (TSGEN_SHARE_GPUS=1): the specs fitted as tsgen test --share-gpus fits them --
+
+
+class _Props:
+    multi_processor_count = 132
+
+
+def _shared_world(monkeypatch, ranks_on_gpu0: int, world: int):
+    """tsgen.torch.ops as on a rank of `world` ranks, `ranks_on_gpu0` of them on GPU 0, TSGEN_SHARE_GPUS=1."""
+    from tsgen.torch import ops
+
+    monkeypatch.setenv("TSGEN_SHARE_GPUS", "1")
+    buses = ["gpu0"] * ranks_on_gpu0 + [f"gpu{i}" for i in range(1, world - ranks_on_gpu0 + 1)]
+    monkeypatch.setattr(ops.heap_mod, "all_gather", lambda group, obj: buses)
+    monkeypatch.setattr(ops, "_bus", lambda dev: "gpu0")
+    monkeypatch.setattr(ops.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ops.torch.cuda, "get_device_properties", lambda dev: _Props())
+    monkeypatch.setattr(ops.dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(ops.dist, "get_rank", lambda group=None: 0)
+    return ops
+
+
+@pytest.mark.parametrize("colocated, blocks", [(8, 16), (4, 33), (2, 64)])
+def test_shared_gpu_load_fits_the_spec_to_one_block_per_sm(monkeypatch, colocated, blocks):
+    """8 ranks on one 132-SM GPU: 16 blocks each (8 x 64 did not fit: three ranks' grids held every SM
+    while the other five never started); W 2 fits as shipped (2 x 64 <= 132)."""
+    ops = _shared_world(monkeypatch, colocated, colocated)
+    fitted = ops._fit_shared(ROOT / "specs" / "allgather.yaml", None)
+    assert fitted.model.launch.blocks == blocks
+    assert blocks * colocated <= 132
+
+
+def test_shared_gpu_load_leaves_a_spec_alone_without_sharing(monkeypatch):
+    ops = _shared_world(monkeypatch, 1, 2)
+    assert ops._fit_shared(ROOT / "specs" / "allgather.yaml", None).model.launch.blocks == 64
+    monkeypatch.delenv("TSGEN_SHARE_GPUS")
+    path = ROOT / "specs" / "allgather.yaml"
+    assert ops._fit_shared(path, None) is path  # not shared: no collective, the path as given
+
+
+def test_shared_gpu_load_refuses_what_cannot_share_by_name(monkeypatch):
+    ops = _shared_world(monkeypatch, 2, 2)
+    with pytest.raises(TsgenTorchError, match=r"tsgen.torch.load on rank 0, 2 ranks per GPU: .*allgather_ce"):
+        ops._fit_shared(ROOT / "specs" / "allgather_ce.yaml", None)

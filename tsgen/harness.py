@@ -34,31 +34,47 @@ from .toolchain import write_cached
 
 def shared_gpu_variant(loaded: LoadedSpec, world, echo: Callable[[str], None]) -> LoadedSpec:
     """In a world whose ranks share GPUs: the spec variant whose co-located grids are all
-    resident at once (OpFamily.shared_fit), checked like a shipped spec, plans verified on
-    the CPU at this world size; the spec itself when it fits as it is. Says what it ran."""
+    resident at once (fit_shared), the spec itself when it fits as it is. Says what it ran."""
     if not world.shared:
         return loaded
-    family = get_family(loaded.model.op)
-    refusal = family.shared_refusal(loaded.model)
+    refuse_shared(loaded)  # before the device is asked anything
+    sms = world.cp.cuda.runtime.getDeviceProperties(world.devices[world.ranks[0]])["multiProcessorCount"]
+    variant, fitted = fit_shared(loaded, world.colocated, sms, world.size)
+    if world.is_root:
+        echo(f"shared GPU: {world.size} ranks on {len(set(world.backend.bus_ids))} GPU(s), up to "
+             f"{world.colocated} per GPU of {sms} SMs; {fitted}")
+    return variant
+
+
+def refuse_shared(loaded: LoadedSpec) -> None:
+    """RuntimeSetupError where the spec's family does not run on a shared GPU (OpFamily.shared_refusal)."""
+    refusal = get_family(loaded.model.op).shared_refusal(loaded.model)
     if refusal:
         raise RuntimeSetupError(f"{loaded.path}: {refusal}")
-    sms = world.cp.cuda.runtime.getDeviceProperties(world.devices[world.ranks[0]])["multiProcessorCount"]
-    updates = family.shared_fit(loaded.model, world.colocated, sms)
+
+
+def fit_shared(loaded: LoadedSpec, colocated: int, sms: int, world_size: int) -> tuple[LoadedSpec, str]:
+    """(variant, what it is) for `colocated` ranks on each GPU of `sms` SMs: the spec variant whose
+    co-located grids are all resident at once (OpFamily.shared_fit: one block per SM, whatever the
+    kernel's occupancy), checked like a shipped spec, its plan verified on the CPU at `world_size`;
+    the spec itself when it fits as it is. RuntimeSetupError where the family refuses shared GPUs
+    or the fitted plan fails. tsgen test --share-gpus and tsgen.torch.load (TSGEN_SHARE_GPUS=1)."""
+    refuse_shared(loaded)
+    updates = get_family(loaded.model.op).shared_fit(loaded.model, colocated, sms)
+    if not updates:
+        return loaded, "the spec fits as it is"
     variant = spec_variant(loaded, updates)
-    fitted = f"fitted variant: {describe_variant(updates)}" if updates else "the spec fits as it is"
-    plan = variant.plans.get(world.size)  # built when the variant was validated
-    if updates and plan is not None:
+    fitted = f"fitted variant: {describe_variant(updates)}"
+    plan = variant.plans.get(world_size)  # built when the variant was validated
+    if plan is not None:
         from .plan.verifier import verify as verify_plan
 
         problems = verify_plan(plan, schedules=4, seed=0)
         if problems:
             raise RuntimeSetupError(f"{loaded.path}: the {fitted} fails plan verification at world size "
-                                    f"{world.size}: {problems[0]}")
+                                    f"{world_size}: {problems[0]}")
         fitted += " (plan verified)"
-    if world.is_root:
-        echo(f"shared GPU: {world.size} ranks on {len(set(world.backend.bus_ids))} GPU(s), up to "
-             f"{world.colocated} per GPU of {sms} SMs; {fitted}")
-    return variant
+    return variant, fitted
 
 
 @dataclass(frozen=True)

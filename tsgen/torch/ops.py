@@ -239,6 +239,39 @@ def _resolve(spec_or_manifest: Any, source: Any) -> tuple[Manifest, Path]:
                           "tsgen.spec.LoadedSpec")
 
 
+def _bus(dev: int) -> str:
+    """This rank's GPU as the group compares them: its PCI bus id, else its index and UUID."""
+    return _bus_id(dev) or f"cuda:{dev} {torch.cuda.get_device_properties(dev).uuid}"
+
+
+def _fit_shared(given: Any, group: Any) -> Any:
+    """Ranks sharing GPUs (TSGEN_SHARE_GPUS=1, a collective on `group`): a spec (file or LoadedSpec)
+    becomes its variant whose co-located grids are all resident at once, as `tsgen test
+    --share-gpus` runs it (tsgen.harness.fit_shared: one block per SM, whatever the occupancy; under
+    MPS the ranks' grids did not share SMs: at W 8 on one H200, three ranks' 64-block allgathers
+    held 132 blocks, one per SM, waiting for five ranks whose grids never started). Anything else,
+    or one rank per GPU: `given` unchanged (a prebuilt manifest that does not fit is refused by name
+    in _local_problem)."""
+    if not share_from_env():
+        return given
+    from ..harness import fit_shared
+    from ..spec import LoadedSpec, load_spec
+
+    if isinstance(given, (str, Path)) and Path(given).suffix in (".yaml", ".yml"):
+        given = load_spec(Path(given))
+    if not isinstance(given, LoadedSpec):
+        return given
+    dev = torch.cuda.current_device()
+    colocated = ranks_per_gpu(heap_mod.all_gather(group, _bus(dev)))
+    if colocated == 1:
+        return given
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    try:
+        return fit_shared(given, colocated, sms, dist.get_world_size(group))[0]
+    except TsgenError as e:  # the family refuses shared GPUs, or the fitted plan fails
+        raise TsgenTorchError(f"tsgen.torch.load on rank {dist.get_rank(group)}, {colocated} ranks per GPU: {e}") from e
+
+
 def _arch(device: int) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
@@ -363,8 +396,7 @@ class TorchOp:
                 self._launcher.restype = ctypes.c_int
         except (TsgenError, OSError, AttributeError) as e:
             problem = f"{self.where}: loading {self.source.name}: {e}"
-        bus = _bus_id(dev) or f"cuda:{dev} {torch.cuda.get_device_properties(dev).uuid}"
-        me = {"rank": self.rank, "size": self.world, "host": socket.gethostname(), "bus": bus}
+        me = {"rank": self.rank, "size": self.world, "host": socket.gethostname(), "bus": _bus(dev)}
         members = heap_mod.all_gather(self.group, (me, problem))
         problems = [p for _, p in members if p]
         share = share_from_env()
@@ -395,7 +427,9 @@ class TorchOp:
                         "kernels load and store peer memory directly (NVLink or PCIe P2P between every pair)")
         colocated = ranks_per_gpu(bus_ids)
         if self.manifest.blocks_wait or colocated > 1:
-            per_sm = max(1, props.max_threads_per_multi_processor // self.kernel.block[0])
+            # ranks sharing a GPU: one block per SM, the bound OpFamily.shared_fit (and _fit_shared)
+            # fits to; one rank: the threads' bound
+            per_sm = 1 if colocated > 1 else max(1, props.max_threads_per_multi_processor // self.kernel.block[0])
             return residency_problem(self.kernel.name, self.kernel.grid[0], colocated, props.multi_processor_count,
                                      per_sm)
         return None
@@ -619,7 +653,7 @@ def load(spec_or_manifest: Any, group: Any = None, *, source: Any = None, arch: 
     if rank < 0:
         raise TsgenTorchError(f"this process (global rank {dist.get_rank()}) is not a member of the group it "
                               "loads the op on")
-    manifest, src = _resolve(spec_or_manifest, source)
+    manifest, src = _resolve(_fit_shared(spec_or_manifest, group), source)
     entries = entries_of(manifest, world, rank) if world in manifest.world_sizes else None
     if entries is None:
         return _load_one(manifest, src, group, signature_of(manifest, world, rank), arch, heap)
