@@ -44,6 +44,10 @@ VARIANTS = {
     "hd128_causal_det": {"params": {"causal": True, "deterministic": True}},
     "hd64_causal_gqa_f16_det": {"dtype": "float16", "params": {"head_dim": 64, "kv_heads": 8, "causal": True,
                                                                "deterministic": True}},
+    # params.head_group: the CTAs in groups of (sequence, KV head) pairs; with the deterministic turns too
+    "hd128_group2": {"params": {"head_group": 2}},
+    "hd128_causal_gqa_group1": {"params": {"causal": True, "kv_heads": 8, "head_group": 1}},
+    "hd64_causal_group4": {"params": {"head_dim": 64, "causal": True, "head_group": 4}},
 }
 
 
@@ -71,6 +75,12 @@ def test_defaults_and_sizes():
     assert fam.constants(spec)["DQ_TILED"] == 1 and fam.constants(atomic)["DQ_TILED"] == 0
     mma_bulk = mma_sync.model_copy(update={"params": mma_sync.params.model_copy(update={"dq_reduce": "bulk"})})
     assert [w for w, _ in fam.check(mma_bulk)] == [("params", "dq_reduce")], "bulk needs the wgmma kernel"
+    mma_group = mma_sync.model_copy(update={"params": mma_sync.params.model_copy(update={"head_group": 2})})
+    assert [w for w, _ in fam.check(mma_group)] == [("params", "head_group")], "groups need the wgmma kernel"
+    assert "HEAD_GROUP" not in fam.constants(spec)
+    assert fam.constants(variant("v", params={"head_group": 4}).model)["HEAD_GROUP"] == 4
+    det_group = spec.model_copy(update={"params": spec.params.model_copy(update={"head_group": 2, "deterministic": True})})
+    assert [w for w, _ in fam.check(det_group)] == [("params", "head_group")], "not both: not built"
 
 
 @needs_nvcc
@@ -503,7 +513,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     from tsgen.spec import merge
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det")
+    assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g1", "wgmma_g2", "wgmma_g4", "wgmma_g8")
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
     assert tool.impl_name("hd64_full_kv8", "wgmma_red") == "hd64_full_kv8_wgmma_red"
@@ -514,6 +524,8 @@ def test_gpu_tool_runs_the_impls_side_by_side():
         assert spec.params.impl == "wgmma" and not spec.params.dq_tiled and spec.launch.threads == 384
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_det"))).model
         assert spec.params.impl == "wgmma" and spec.params.dq_tiled and spec.params.deterministic
+        spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_g4"))).model
+        assert spec.params.impl == "wgmma" and spec.params.head_group == 4 and not spec.params.deterministic
     row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 100.0},
            "tsgen_wgmma": {"tflops": 400.0, "ratio_ref": 4.0}, "sdpa_cudnn": {"tflops": 500.0, "ratio": 5.0}}
     summary = {"device": "NVIDIA H200", "date": "2026-11-27", "command": "c", "checks": {},
@@ -860,3 +872,54 @@ def test_shared_memory_model_of_one_cta(request, d, causal, tiled):
         g = g[None, :, None]
         bad = np.abs(g - w) > o_tolerance(w, a, "bfloat16")
         assert not bad.any(), (name, int(bad.sum()), bad.size)
+
+
+KV_CTA = r"""
+#include <cstdio>
+#include <cstdlib>
+#include "tsgen/attention_bwd.cuh"
+int main(int argc, char** argv) {
+  const uint32_t pairs = atoi(argv[1]), blocks = atoi(argv[2]), group = atoi(argv[3]);
+  for (uint32_t c = 0; c < pairs * blocks; ++c) {
+    const tsgen::attention_bwd::KvCta k = tsgen::attention_bwd::kv_cta(c, pairs, blocks, group);
+    printf("%u %u\n", k.block, k.pair);
+  }
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_head_groups_order_the_ctas(tmp_path):
+    """params.head_group's CTA order (kv_cta, host-compiled from the header): every (KV block, pair) once;
+    group 0 or >= pairs is the shipped order (block j of every pair before block j + 1); with groups, a
+    group's CTAs are contiguous, KV block major inside, the last group smaller; and a pair's block j
+    always before its block j + 1 (the deterministic turns' assumption)."""
+    from tsgen.headers import include_flags
+
+    main = tmp_path / "kv_cta.cu"
+    main.write_text(KV_CTA)
+    exe = tmp_path / "kv_cta"
+    subprocess.run([str(find_nvcc()), *include_flags(), "-std=c++17", "-w", "-o", str(exe), str(main)], check=True,
+                   capture_output=True)
+
+    def order(pairs, blocks, group):
+        out = subprocess.run([str(exe), str(pairs), str(blocks), str(group)], capture_output=True, text=True,
+                             check=True).stdout
+        return [tuple(int(x) for x in line.split()) for line in out.splitlines()]
+
+    for pairs, blocks in ((64, 64), (16, 32), (7, 5), (1, 9), (5, 1)):
+        shipped = [(c // pairs, c % pairs) for c in range(pairs * blocks)]
+        assert order(pairs, blocks, 0) == shipped and order(pairs, blocks, pairs) == shipped
+        assert order(pairs, blocks, pairs + 3) == shipped
+        for group in (1, 2, 3, 4, 8):
+            got = order(pairs, blocks, group)
+            assert sorted(got) == sorted(shipped), (pairs, blocks, group)  # each CTA once
+            for pair in range(pairs):
+                mine = [j for j, p in got if p == pair]
+                assert mine == list(range(blocks)), (pairs, blocks, group, pair)  # block j before j + 1
+            for g in range(-(-pairs // group)):  # the group's CTAs contiguous, KV block major inside
+                members = list(range(g * group, min(pairs, (g + 1) * group)))
+                start = g * group * blocks
+                chunk = got[start:start + len(members) * blocks]
+                assert chunk == [(j, p) for j in range(blocks) for p in members], (pairs, blocks, group, g)

@@ -87,8 +87,15 @@ class AttentionBackwardParams(AttentionShape):
         False, description="dQ bit-identical from run to run (impl wgmma, dq_reduce bulk only): the bulk reductions "
         "into each query block's dQ accumulator wait their turn in a fixed order (the KV blocks' order) on a "
         "semaphore per (sequence, head, query block) after dq_accum in its workspace (which grows by one word "
-        "per 64 query rows per head and sequence). Costs the KV-block CTAs of a head a wavefront: a few percent, "
-        "not yet measured on a GPU")
+        "per 64 query rows per head and sequence). Measured on an H200 (2026-11-27): 0.78-0.87 of the default's "
+        "speed at hd 128 (the per-step wait, fence and release on the consumers' path)")
+
+    head_group: int | None = Field(
+        None, ge=1, description="impl wgmma: the main kernel's CTAs in groups of this many (sequence, KV head) pairs, "
+        "one group after the other, KV block major inside a group (tsgen::attention_bwd::kv_cta); default: one "
+        "group of every pair (block 0 of every head first). Fewer pairs at once share their Q, dO and dQ "
+        "accumulator through L2 among more CTAs (ncu on an H200, MHA not causal at 8K: 60 % of DRAM's peak and "
+        "33 % L2 hits with every pair live). Not with deterministic. Not yet measured on a GPU")
 
     @property
     def dq_tiled(self) -> bool:
@@ -179,6 +186,13 @@ class AttentionBackwardFamily(OpFamily):
         if spec.params.impl == "mma_sync" and spec.params.dq_reduce == "bulk":
             problems.append((("params", "dq_reduce"), "dq_reduce bulk needs params.impl wgmma (the mma_sync kernel "
                              "adds dQ with atomics only)"))
+        if spec.params.head_group is not None and spec.params.impl != "wgmma":
+            problems.append((("params", "head_group"), "head_group needs params.impl wgmma (the mma_sync kernel's CTAs "
+                             "keep their KV-block-major order)"))
+        elif spec.params.head_group is not None and spec.params.deterministic:
+            problems.append((("params", "head_group"), "head_group with deterministic is not built: the grouped order's "
+                             "KV block and head stay live in the consumers and spill beside the turns (ptxas: 8 "
+                             "bytes of stack); use one of the two"))
         if spec.params.deterministic and not spec.params.dq_tiled:
             problems.append((("params", "deterministic"), "deterministic needs params.impl wgmma with dq_reduce bulk "
                              "(the ordered adds are the bulk reductions; mma_sync and dq_reduce atomic add dQ with "
@@ -219,6 +233,7 @@ class AttentionBackwardFamily(OpFamily):
             **({"TILE_M": BLOCK_M, "TILE_N": IMPLS["wgmma"]["block_n"], "STAGES": WGMMA_STAGES,
                 "DQ_TILED": int(p.dq_tiled)} if p.impl == "wgmma" else {}),
             **({"DETERMINISTIC": 1} if p.deterministic else {}),  # absent by default: those sources stay as they were
+            **({"HEAD_GROUP": p.head_group} if p.head_group is not None else {}),  # likewise
         }
 
     def template_vars(self, spec):

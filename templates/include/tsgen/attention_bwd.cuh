@@ -136,6 +136,31 @@ struct deterministic_of : std::false_type {};
 template <class C>
 struct deterministic_of<C, std::void_t<decltype(C::DETERMINISTIC)>> : std::integral_constant<bool, C::DETERMINISTIC> {};
 
+// Config::HEAD_GROUP where the Config has it (only specs with params.head_group emit it: the wgmma
+// kernel), else 0: the main kernel's CTAs in KV-block-major order over every (sequence, KV head).
+template <class C, class = void>
+struct head_group_of : std::integral_constant<uint32_t, 0> {};
+template <class C>
+struct head_group_of<C, std::void_t<decltype(C::HEAD_GROUP)>> : std::integral_constant<uint32_t, C::HEAD_GROUP> {};
+
+// The main kernel's CTA `cta` of a grid of `pairs` (sequence, KV head) pairs x `kv_blocks` blocks: its
+// KV block and pair (sequence x KV_HEADS + KV head). `group` (params.head_group) cuts the pairs into
+// groups of that many (the last may be smaller), one group after the other; inside a group, KV block
+// j of every pair before block j + 1, as the whole grid is without groups (group 0 or >= pairs: the
+// shipped order, block 0 of every pair first). Fewer pairs live at once share more of their Q, dO
+// and dQ accumulator through L2 (each pair's KV blocks stream the same query blocks); inside a group
+// the longest causal blocks still start first. Either way a pair's block j has a lower index than its
+// block j + 1 (the deterministic mode's turns rely on it). Host-compiled by the tests.
+struct KvCta {
+  uint32_t block, pair;
+};
+__host__ __device__ __forceinline__ KvCta kv_cta(uint32_t cta, uint32_t pairs, uint32_t kv_blocks, uint32_t group) {
+  if (group == 0 || group >= pairs) return KvCta{cta / pairs, cta % pairs};
+  const uint32_t per_group = group * kv_blocks, g = cta / per_group, in = cta % per_group;
+  const uint32_t size = pairs - g * group < group ? pairs - g * group : group;
+  return KvCta{in / size, g * group + in % size};
+}
+
 // DETERMINISTIC: the dQ semaphores, one uint32 per (sequence, head, block of BLOCK_M query rows), index
 // (b HEADS + h) ceil(q_len / BLOCK_M) + r / BLOCK_M, in dq_accum's workspace after its batch q_len
 // HEADS HEAD_DIM floats (the caller's workspace grows by them: no fourth workspace pointer, the launchers'

@@ -14,8 +14,10 @@
 //   mma_dq  (m64n64k16,        A M-major, B N-major, shared memory): dQ = dS K
 //
 // Work: one CTA per (block of BLOCK_N = 128 keys, KV head, sequence), KV block major as the
-// mma.sync kernel's (block 0 of every head first: with CAUSAL it sees the most queries). 384
-// threads:
+// mma.sync kernel's (block 0 of every head first: with CAUSAL it sees the most queries), or with
+// params.head_group so inside groups of that many (sequence, KV head) pairs, one group after the
+// other (kv_cta in tsgen/attention_bwd.cuh: fewer pairs live at once, their Q, dO and dQ
+// accumulator shared through L2 by more CTAs). 384 threads:
 //   * warpgroup 0: its warp 0 is the producer (40 registers, setmaxnreg.dec; warps 1-3 leave at
 //     once). Lane 0 loads K and V of the block once (TMA, kv_full), then for each step of the walk
 //     (query head of the GQA group, query block of BLOCK_M = 64 rows; CAUSAL skips the blocks that
@@ -88,7 +90,8 @@
 //     KV blocks, and holds no turn while it waits (the last one is passed on before DS_READY of the
 //     next step, ahead of the next wait), so the chain ends, PROVIDED that every CTA a CTA waits for
 //     has started or can start: the grid puts KV block j of every head before block j + 1
-//     (main_kernel: blockIdx.x = j x batch x KV_HEADS + ...), and the argument relies on the hardware
+//     (main_kernel: blockIdx.x = j x batch x KV_HEADS + ...; with params.head_group, of every head of
+//     its group, kv_cta: a head's block j still before its block j + 1), and the argument relies on the hardware
 //     starting CTAs in increasing blockIdx order, which CUDA does not promise (FA3's deterministic
 //     backward and CUTLASS's serial split-K rely on it too). A scheduler that started higher blocks
 //     first and filled every SM with waiting CTAs would hang them (the producers' timeout traps).
@@ -667,8 +670,17 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
   extern __shared__ uint8_t smem_raw[];
   const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t heads_x_batch = p.batch * C::KV_HEADS;
-  const uint32_t j = blockIdx.x / heads_x_batch;  // the KV block: block 0 of every head first
-  const uint32_t hk = blockIdx.x % heads_x_batch % C::KV_HEADS, b = blockIdx.x % heads_x_batch / C::KV_HEADS;
+  uint32_t j, hk, b;
+  if constexpr (head_group_of<C>::value == 0) {
+    j = blockIdx.x / heads_x_batch;  // the KV block: block 0 of every head first
+    hk = blockIdx.x % heads_x_batch % C::KV_HEADS, b = blockIdx.x % heads_x_batch / C::KV_HEADS;
+  } else {  // params.head_group: groups of that many (sequence, KV head) pairs, one after the other (kv_cta)
+    const KvCta c = kv_cta(blockIdx.x, heads_x_batch, p.kv_blocks, head_group_of<C>::value);
+    j = c.block, hk = c.pair % C::KV_HEADS, b = c.pair / C::KV_HEADS;
+    // the three as plain values from here: without this the compiler carries the mapping's
+    // operands into the producer's 40 registers and spills
+    asm volatile("" : "+r"(j), "+r"(hk), "+r"(b));
+  }
   const uint32_t k0 = j * BLOCK_N;
   if (threadIdx.x == 0) {
     mbar_init(smem + L::KV_FULL, 1);
