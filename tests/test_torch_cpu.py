@@ -1007,6 +1007,7 @@ def _shared_world(monkeypatch, ranks_on_gpu0: int, world: int):
     buses = ["gpu0"] * ranks_on_gpu0 + [f"gpu{i}" for i in range(1, world - ranks_on_gpu0 + 1)]
     monkeypatch.setattr(ops.heap_mod, "all_gather", lambda group, obj: buses)
     monkeypatch.setattr(ops, "_bus", lambda dev: "gpu0")
+    monkeypatch.setattr(ops.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ops.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(ops.torch.cuda, "get_device_properties", lambda dev: _Props())
     monkeypatch.setattr(ops.dist, "get_world_size", lambda group=None: world)

@@ -7,7 +7,7 @@ backward), then each piece alone (the gather with and without its reorder, the f
 kernels at this rank's positions, the scatter with and without its reorder, and the single-GPU
 kernels over the whole sequence divided by W: the ideal), each 3 calls of warm-up then 10 between
 CUDA events on the current stream, GPU ms and host ms per call; then torch.profiler's table of two
-steps on rank 0. A lab tool (tools/gpu_torch.sh TORCH_STEPS=cp_pieces): no check, no results file
+steps on rank 0; then one allgather call's host time by part (host_split). A lab tool (tools/gpu_torch.sh TORCH_STEPS=cp_pieces): no check, no results file
 of its own; results/torch/2026-11-27-9665d53-cp-profile.md is its first output."""
 import os
 import sys
@@ -35,6 +35,60 @@ S = int(os.environ.get("S", "8192"))
 def timed(fn):
     """(GPU ms, host ms) per call: tests/torch_checks.py step_ms on the default group."""
     return step_ms(fn, None)
+
+
+def host_split(op, x, calls: int = 50) -> dict:
+    """Where the host time of `calls` calls of TorchOp `op` on `x` goes, in us per call: the whole call
+    through torch.ops (the dispatcher and the autograd wrapper included), the op's _forward, and inside it
+    the argument checks, plan_call, the launcher (ctypes and the launch), the copies in and out (CUDA
+    copies launched, not waited for), the rest (Python). Wrappers on the op and the module, removed after;
+    a synchronize before and after, none between the calls (the host's own time, as in a step)."""
+    import time as time_mod
+
+    from tsgen.torch import ops as ops_mod
+
+    spent = {"checks (_check)": 0.0, "plan_call": 0.0, "launcher (ctypes + launch)": 0.0}
+
+    def clock(key, fn):
+        def wrapped(*a, **kw):
+            t0 = time_mod.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[key] += time_mod.perf_counter() - t0
+        return wrapped
+
+    saved = (op._check, op._launcher, op._forward, ops_mod.plan_call)
+    inner = [0.0]
+    op._check = clock("checks (_check)", op._check)
+    op._launcher = clock("launcher (ctypes + launch)", op._launcher)
+    ops_mod.plan_call = clock("plan_call", ops_mod.plan_call)
+    forward = op._forward
+
+    def timed_forward(*a, **kw):
+        t0 = time_mod.perf_counter()
+        try:
+            return forward(*a, **kw)
+        finally:
+            inner[0] += time_mod.perf_counter() - t0
+    op._forward = timed_forward
+    try:
+        op(x)  # once outside the count
+        for key in spent:
+            spent[key] = 0.0
+        inner[0] = 0.0
+        torch.cuda.synchronize()
+        t0 = time_mod.perf_counter()
+        for _ in range(calls):
+            op(x)
+        total = time_mod.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        op._check, op._launcher, op._forward, ops_mod.plan_call = saved
+    out = {"whole call (torch.ops dispatch included)": total, "dispatch and wrappers (whole - _forward)": total - inner[0],
+           "_forward": inner[0], **spent,
+           "copies and the rest of _forward": inner[0] - sum(spent.values())}
+    return {k_: 1e6 * v_ / calls for k_, v_ in out.items()}
 
 
 for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
@@ -80,6 +134,12 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
         print(f"== {name} {layout} W {w} S {S} (n {n}, pos {pos})")
         for k_, (g, c) in rows.items():
             print(f"  {k_:42s} GPU {g:8.3f} ms   host {c:8.3f} ms")
+    with torch.no_grad():
+        split = host_split(cp._allgather, _seq_first(k, sig.layout))
+    if r == 0:
+        print("  host time of one allgather call, by part (us per call, 50 calls, GPU idle between them):")
+        for k_, us in split.items():
+            print(f"    {k_:40s} {us:8.1f} us")
     from torch.profiler import ProfilerActivity, profile
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

@@ -252,7 +252,7 @@ def _fit_shared(given: Any, group: Any) -> Any:
     held 132 blocks, one per SM, waiting for five ranks whose grids never started). Anything else,
     or one rank per GPU: `given` unchanged (a prebuilt manifest that does not fit is refused by name
     in _local_problem)."""
-    if not share_from_env():
+    if not share_from_env() or not torch.cuda.is_available():  # without CUDA the ops only trace
         return given
     from ..harness import fit_shared
     from ..spec import LoadedSpec, load_spec
