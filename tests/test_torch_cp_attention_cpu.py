@@ -104,11 +104,12 @@ def test_positioned_schemas(groups):
 
 
 @pytest.mark.parametrize("w", [2, 4])
-@pytest.mark.parametrize("pair, layout", [("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")])
-def test_fake_forward_and_backward_shapes(groups, w, pair, layout):
+@pytest.mark.parametrize("pair, layout, kv_together", [("hd128_causal_gqa", "zigzag", False), ("hd128", "contiguous", False),
+                                                       ("hd128_causal_gqa", "zigzag", True)])
+def test_fake_forward_and_backward_shapes(groups, w, pair, layout, kv_together):
     """Under FakeTensorMode: O and LSE of this rank's rows, dQ, dK, dV of the inputs' shapes (the fake
     allgather, attention _at ops, reduce_scatter)."""
-    cp = load_cp(groups, w, pair, layout)
+    cp = load_cp(groups, w, pair, layout, kv_together=kv_together)
     sig = cp.attention.signature
     n = 64
     with fake_mode():
@@ -227,16 +228,19 @@ def stand_in_kernels(cp, monkeypatch, calls: list):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("pair, layout, regather", [("hd128_causal_gqa", "zigzag", False),
-                                                     ("hd128_causal_gqa", "contiguous", True),
-                                                     ("hd128", "zigzag", False),
-                                                     ("hd128", "contiguous", False)])
-def test_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layout, regather):
+@pytest.mark.parametrize("pair, layout, regather, kv_together", [("hd128_causal_gqa", "zigzag", False, False),
+                                                                  ("hd128_causal_gqa", "contiguous", True, False),
+                                                                  ("hd128", "zigzag", False, False),
+                                                                  ("hd128", "contiguous", False, False),
+                                                                  ("hd128_causal_gqa", "zigzag", False, True),
+                                                                  ("hd128_causal_gqa", "zigzag", True, True),
+                                                                  ("hd128", "contiguous", False, True)])
+def test_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layout, regather, kv_together):
     """Every rank's O, LSE, dQ, dK, dV through the op (its gather, positions, reorder, the backward's
-    reorder and reduce-scatter), with the kernels as float64 references, equal the reference over
-    the whole sequence (float64, positions from 0), split per rank: the composition is the
-    whole-sequence attention and its adjoint."""
-    base = load_cp(groups, world, pair, layout, regather=regather)
+    reorder and reduce-scatter; kv_together: K and V in one gather, dK and dV in one scatter), with the
+    kernels as float64 references, equal the reference over the whole sequence (float64, positions from
+    0), split per rank: the composition is the whole-sequence attention and its adjoint."""
+    base = load_cp(groups, world, pair, layout, regather=regather, kv_together=kv_together)
     sig = base.attention.signature
     calls: list = []
     stand_in_kernels(base, monkeypatch, calls)
@@ -284,15 +288,16 @@ def test_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layo
     assert len(gathered) == world and all(c[2] == S for c in calls)  # every kernel call over the whole sequence
 
 
-def test_regather_keeps_the_local_kv(groups, monkeypatch):
+@pytest.mark.parametrize("kv_together", [False, True])
+def test_regather_keeps_the_local_kv(groups, monkeypatch, kv_together):
     """regather=True saves the local K, V (and gathers them again in the backward); the default the
-    gathered ones."""
+    gathered ones. kv_together: one collective call where there were two, each of both tensors."""
     for regather, rows in ((False, 16), (True, 8)):
-        base = load_cp(groups, 2, "hd128", "contiguous", regather=regather)
+        base = load_cp(groups, 2, "hd128", "contiguous", regather=regather, kv_together=kv_together)
         stand_in_kernels(base, monkeypatch, [])
-        gathers = []
-        base._allgather = lambda x: gathers.append(x.shape[0]) or torch.cat([x, x])
-        base._reduce_scatter = lambda x: x.chunk(2)[0]
+        gathers, scatters = [], []
+        base._allgather = lambda x: gathers.append(x.shape) or torch.cat([x, x])
+        base._reduce_scatter = lambda x: scatters.append(x.shape) or x.chunk(2)[0]
         sig = base.attention.signature
         q = torch.randn(1, 8, sig.heads, sig.head_dim, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(1, 8, sig.kv_heads, sig.head_dim, dtype=torch.float64, requires_grad=True)
@@ -301,7 +306,10 @@ def test_regather_keeps_the_local_kv(groups, monkeypatch):
         saved = [t.shape[1] for t in o.grad_fn.saved_tensors[1:3]]
         assert saved == [rows, rows], (regather, saved)
         o.sum().backward()
-        assert len(gathers) == (4 if regather else 2)
+        calls = 1 if kv_together else 2
+        assert len(gathers) == calls * (2 if regather else 1) and len(scatters) == calls
+        heads = sig.kv_heads * (2 if kv_together else 1)  # side by side in the heads dimension
+        assert all(g[2] == heads for g in gathers) and all(x[2] == heads for x in scatters)
 
 
 def test_the_zigzag_order_is_made_once_per_size(groups, monkeypatch):

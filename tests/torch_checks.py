@@ -1093,7 +1093,7 @@ def cp_checks(group, shared: bool) -> None:
     torch.backends.cudnn.allow_tf32 = False
     w, r = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator(device="cuda").manual_seed(35)  # the same on every rank: every rank makes the whole inputs
-    ops = {}
+    ops, together = {}, {}
 
     @checked("cp_load")
     def load():
@@ -1102,7 +1102,13 @@ def cp_checks(group, shared: bool) -> None:
             fwd, bwd = ATTENTION_PAIRS[name]
             ops[(name, layout)] = tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
                                                   ROOT / "specs" / "reduce_scatter.yaml", group, layout=layout)
-        return True, f"{len(ops)} ops at world {w} in {time.perf_counter() - t0:.1f} s"
+        # the first case with K and V in one all-gather, dK and dV in one reduce-scatter (kv_together)
+        name, layout = CP_CASES[0]
+        fwd, bwd = ATTENTION_PAIRS[name]
+        together[(name, layout)] = tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
+                                                   ROOT / "specs" / "reduce_scatter.yaml", group, layout=layout,
+                                                   kv_together=True)
+        return True, f"{len(ops) + len(together)} ops at world {w} in {time.perf_counter() - t0:.1f} s"
 
     if not load():
         return
@@ -1147,6 +1153,13 @@ def cp_checks(group, shared: bool) -> None:
                 return case(cp, S)
 
             one()
+    for (name, layout), cp in together.items():
+        for S in (CP_SHARED_SEQS if shared else CP_SEQS):
+            @checked(f"cp_{name}_{layout}_kv_together_w{w}_s{S}")
+            def one_together():
+                return case(cp, S)
+
+            one_together()
 
     @checked(f"cp_negative_control_w{w}")
     def control():
@@ -1226,6 +1239,12 @@ def cp_checks(group, shared: bool) -> None:
                     return step_ms(step, group, leaves)[0]
 
                 ms = {"tsgen": timed(tsgen_step)}
+                if (name, layout) in together:  # the same step with kv_together (one collective call where two)
+                    cp_kv = together[(name, layout)]
+
+                    def together_step():
+                        cp_kv(q, k, v).backward(do)
+                    ms["tsgen_kv_together"] = timed(together_step)
                 for label, backends in (("twin", None), ("twin_cudnn", [SDPBackend.CUDNN_ATTENTION])):
                     try:  # the same on every rank: a refusal is every rank's, before any collective
                         if backends is None:
@@ -1242,14 +1261,16 @@ def cp_checks(group, shared: bool) -> None:
 
                 ms["ideal"] = timed(single_step, (qf, kf, vf)) / w
                 if r == 0:
-                    for label in [x for x in ("tsgen", "twin", "twin_cudnn") if x in ms]:
+                    for label in [x for x in ("tsgen", "tsgen_kv_together", "twin", "twin_cudnn") if x in ms]:
                         vs = f"{ms['twin'] / ms[label]:.2f}x the twin; " if "twin" in ms else ""
                         print(f"TIME cp_attention {name}_{layout}_w{w}_s{S}_{label}: {ms[label]:.3f} ms/step "
                               f"({vs}ideal/this {ms['ideal'] / ms[label]:.2f})", flush=True)
                     print(f"TIME cp_attention {name}_{layout}_w{w}_s{S}_ideal: {ms['ideal']:.3f} ms/step (single-GPU "
                           f"tsgen attention fwd+bwd over S {S} / {w})", flush=True)
+                kv = (f", kv_together {ms['tsgen_kv_together']:.2f} ms ({ms['ideal'] / ms['tsgen_kv_together']:.2f})"
+                      if "tsgen_kv_together" in ms else "")
                 notes.append(f"{name} {layout} s{S}: tsgen {ms['tsgen']:.2f} ms, twin {ms.get('twin', float('nan')):.2f} "
-                             f"ms, {ms['ideal'] / ms['tsgen']:.2f} of ideal")
+                             f"ms, {ms['ideal'] / ms['tsgen']:.2f} of ideal{kv}")
         return True, "; ".join(notes) + " (fwd + bwd, batch 1; a first reading)"
 
     times()

@@ -3,7 +3,7 @@
     S=8192 torchrun --standalone --nproc-per-node 2 tools/torch_cp_pieces.py
 
 For tests/torch_checks.py's cp cases (zig-zag causal GQA, contiguous MHA): the whole step (forward +
-backward), then each piece alone (the gather with and without its reorder, the forward and backward
+backward; also with kv_together: K and V in one all-gather, dK and dV in one reduce-scatter), then each piece alone (the gather with and without its reorder, the forward and backward
 kernels at this rank's positions, the scatter with and without its reorder, and the single-GPU
 kernels over the whole sequence divided by W: the ideal), each 3 calls of warm-up then 10 between
 CUDA events on the current stream, GPU ms and host ms per call; then torch.profiler's table of two
@@ -116,9 +116,19 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
         cp(q, k, v).backward(do)
 
     rows["step (fwd+bwd)"] = timed(step)
+    cp_kv = tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
+                            ROOT / "specs" / "reduce_scatter.yaml", layout=layout, kv_together=True)
+
+    def step_kv():
+        for t in (q, k, v):
+            t.grad = None
+        cp_kv(q, k, v).backward(do)
+
+    rows["step, kv_together (one gather, one scatter)"] = timed(step_kv)
     with torch.no_grad():
         rows["gather k (allgather + reorder)"] = timed(lambda: cp.gather(k))
         rows["allgather k alone"] = timed(lambda: cp._allgather(_seq_first(k, sig.layout)))
+        rows["gather k and v together (kv_together)"] = timed(lambda: cp_kv.gather_kv(k, v))
         if order is not None:
             rows["torch.tensor(order) to GPU"] = timed(lambda: torch.tensor(order, device="cuda"))
         rows["forward kernel _at"] = timed(lambda: F(q, kf, vf, *pos))

@@ -94,7 +94,7 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: "CPAttentionOp") -> tuple:
         pos = op.positions(q, k, v)
-        k_full, v_full = op.gather(k), op.gather(v)
+        k_full, v_full = op.gather_kv(k, v)
         o, lse = getattr(torch.ops.tsgen, f"{op.attention.forward.name}_at")(q, k_full, v_full, *pos)
         ctx.op, ctx.pos = op, pos
         ctx.save_for_backward(q, *((k, v) if op.regather else (k_full, v_full)), o, lse)
@@ -106,12 +106,12 @@ class _CPAttention(torch.autograd.Function):
         op = ctx.op
         q, k, v, o, lse = ctx.saved_tensors
         if op.regather:
-            k, v = op.gather(k), op.gather(v)
+            k, v = op.gather_kv(k, v)
         dq, dk_full, dv_full = getattr(torch.ops.tsgen, f"{op.attention.backward.name}_at")(
             q, k, v, o, do.contiguous(), lse, *ctx.pos)
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        # every rank calls both reduce-scatters (a collective), whatever its own inputs need
-        dk, dv = op.scatter(dk_full), op.scatter(dv_full)
+        # every rank calls the reduce-scatters (a collective), whatever its own inputs need
+        dk, dv = op.scatter_kv(dk_full, dv_full)
         return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None)
 
 
@@ -121,9 +121,10 @@ class CPAttentionOp:
     `regather`: gather K, V again in the backward instead of keeping them. `attention` is the
     single-GPU AttentionOp whose kernels it runs, `allgather` and `reduce_scatter` the collectives."""
 
-    def __init__(self, attention_op: AttentionOp, allgather: Any, reduce_scatter: Any, layout: str, regather: bool):
+    def __init__(self, attention_op: AttentionOp, allgather: Any, reduce_scatter: Any, layout: str, regather: bool,
+                 kv_together: bool = False):
         self.attention, self.allgather, self.reduce_scatter = attention_op, allgather, reduce_scatter
-        self.layout, self.regather = layout, regather
+        self.layout, self.regather, self.kv_together = layout, regather, kv_together
         self.rank, self.world = allgather.rank, allgather.world
         sig = attention_op.signature
         self.causal, self.tensor_layout = sig.causal, sig.layout
@@ -138,7 +139,8 @@ class CPAttentionOp:
 
     def __repr__(self) -> str:
         return (f"<tsgen.torch cp_attention rank {self.rank}/{self.world} {self.layout}"
-                f"{' causal' if self.causal else ''}{' regather' if self.regather else ''}: {self.attention!r}, "
+                f"{' causal' if self.causal else ''}{' regather' if self.regather else ''}"
+                f"{' kv_together' if self.kv_together else ''}: {self.attention!r}, "
                 f"{self.allgather.signature.qualname}, {self.reduce_scatter.signature.qualname}>")
 
     @property
@@ -191,6 +193,34 @@ class CPAttentionOp:
             full = full.index_select(0, order[0])
         return _from_seq_first(full, self.tensor_layout)
 
+    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gather of K and of V; `kv_together`: one all-gather of both, side by side in the heads
+        dimension (a copy of the two into one tensor, and one out again: the same bytes as two
+        calls' copies, one collective call instead of two)."""
+        if not self.kv_together:
+            return self.gather(k), self.gather(v)
+        kv_heads = self.attention.signature.kv_heads
+        full = self._allgather(torch.cat([_seq_first(k, self.tensor_layout), _seq_first(v, self.tensor_layout)], dim=2))
+        order = self._order(self._rows(k), full.device)
+        halves = (full[:, :, :kv_heads], full[:, :, kv_heads:])
+        if order is not None:
+            halves = tuple(h.index_select(0, order[0]) for h in halves)
+        return tuple(_from_seq_first(h, self.tensor_layout) for h in halves)  # type: ignore[return-value]
+
+    def scatter_kv(self, dk_full: torch.Tensor, dv_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """scatter of dK and of dV; `kv_together`: one reduce-scatter of both, side by side in the
+        heads dimension."""
+        if not self.kv_together:
+            return self.scatter(dk_full), self.scatter(dv_full)
+        kv_heads = self.attention.signature.kv_heads
+        both = torch.cat([_seq_first(dk_full, self.tensor_layout), _seq_first(dv_full, self.tensor_layout)], dim=2)
+        order = self._order(both.shape[0] // self.world, both.device)
+        if order is not None:
+            both = both.index_select(0, order[1])
+        mine = self._reduce_scatter(both)
+        return (_from_seq_first(mine[:, :, :kv_heads], self.tensor_layout),
+                _from_seq_first(mine[:, :, kv_heads:], self.tensor_layout))
+
     def scatter(self, g_full: torch.Tensor) -> torch.Tensor:
         """dK_full or dV_full (every position's partial sum from this rank's queries) -> this rank's
         rows summed over every rank: gather's adjoint."""
@@ -221,14 +251,17 @@ def _collective(given: Any, kind: str, group: Any, arch: str | None) -> Any:
 
 
 def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: Any, group: Any = None, *,
-                 layout: str = "zigzag", regather: bool = False, arch: str | None = None) -> CPAttentionOp:
+                 layout: str = "zigzag", regather: bool = False, kv_together: bool = False,
+                 arch: str | None = None) -> CPAttentionOp:
     """Context-parallel attention on `group` (default: the default group), differentiable (module doc).
     `forward` / `backward`: an attention and an attention_backward spec computing the same attention
     (as tsgen.torch.attention takes them; world_sizes [1]: single-GPU kernels); `allgather` /
     `reduce_scatter`: specs (or loaded ops) of those collectives compiled for the group's size, in
     the attention's dtype. `layout`: how the sequence is split over the ranks, contiguous or zigzag.
     `regather`: keep the local K, V and gather them again in the backward (less memory, one more
-    all-gather) instead of keeping the gathered ones."""
+    all-gather) instead of keeping the gathered ones. `kv_together`: K and V in one all-gather, dK
+    and dV in one reduce-scatter (half the collective calls, the same bytes; an experiment until
+    measured: tools/torch_cp_pieces.py times both)."""
     if layout not in LAYOUTS:
         raise TsgenTorchError(f"tsgen.torch.cp_attention: layout {layout!r}; one of {', '.join(LAYOUTS)}")
     if backward is None:
@@ -251,4 +284,4 @@ def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: An
     if problems:
         raise TsgenTorchError(f"tsgen.torch.cp_attention: {'; '.join(problems)}: compile the collectives for the "
                               "attention's dtype, on one group")
-    return CPAttentionOp(attn, ag, rs, layout, regather)
+    return CPAttentionOp(attn, ag, rs, layout, regather, kv_together)
