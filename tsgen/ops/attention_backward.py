@@ -130,6 +130,9 @@ class AttentionBackwardSpec(OneGpuAttentionSpec):
     launch: AttentionBackwardLaunch = AttentionBackwardLaunch()
 
 
+SMEM_LIMIT = 227 * 1024  # the dynamic shared memory a CTA may opt into on sm_90
+
+
 def smem_bytes(spec: AttentionBackwardSpec) -> int:
     """mma_sync: K, V, Q and dO tiles of 64 rows padded by 8 elements, dS^T (64 x 72), LSE2 and
     D of 64 rows (tsgen::attention_bwd::Layout asserts the same). wgmma: K and V of 128 rows,
@@ -199,6 +202,9 @@ class AttentionBackwardFamily(OpFamily):
             problems.append((("params", "deterministic"), "deterministic needs params.impl wgmma with dq_reduce bulk "
                              "(the ordered adds are the bulk reductions; mma_sync and dq_reduce atomic add dQ with "
                              "per-element atomics in no fixed order)"))
+        if not problems and smem_bytes(spec) > SMEM_LIMIT:
+            problems.append((("params",), f"{smem_bytes(spec)} bytes of shared memory a CTA, over the {SMEM_LIMIT} a "
+                             "Hopper CTA may use (227 KiB)"))
         want = IMPLS[spec.params.impl]["threads"]
         if spec.launch.threads != want:
             problems.append((("launch", "threads"), f"params.impl {spec.params.impl} runs {want} threads per CTA, "
