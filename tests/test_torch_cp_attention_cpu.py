@@ -331,3 +331,37 @@ def test_the_zigzag_order_is_made_once_per_size(groups, monkeypatch):
         k, v = (torch.randn(1, n, sig.kv_heads, sig.head_dim, dtype=torch.float64, requires_grad=True) for _ in range(2))
         base(q, k, v).sum().backward()
     assert [a[3] for a in made] == [8, 4]  # one per size: the second step of 8 rows made none
+
+
+@pytest.mark.parametrize("tensor_layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("pair, layout", [("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")])
+def test_kv_together_moves_what_two_calls_move(groups, tensor_layout, pair, layout):
+    """gather_kv / scatter_kv with kv_together equal two gathers / two scatters, batch 3, both tensor
+    layouts (the heads side by side in the sequence-first layout, split back at kv_heads), with a
+    stand-in all-gather (this rank's rows, then the same rows + 1: a second rank) and reduce-scatter."""
+    base = load_cp(groups, 2, pair, layout)
+    together = load_cp(groups, 2, pair, layout, kv_together=True)
+    for op in (base, together):
+        op.tensor_layout = tensor_layout  # the layout the specs would declare; only the composition is tested
+        op._allgather = lambda x: torch.cat([x, x + 1])
+        op._reduce_scatter = lambda x: x.chunk(2)[0] + x.chunk(2)[1]
+    sig = base.attention.signature
+    n, batch = 8, 3
+    shape = (batch, n, sig.kv_heads, sig.head_dim) if tensor_layout == "bshd" else (batch, sig.kv_heads, n, sig.head_dim)
+    k, v = torch.randn(*shape, dtype=torch.float64), torch.randn(*shape, dtype=torch.float64)
+    for got, want in zip(together.gather_kv(k, v), base.gather_kv(k, v)):
+        assert got.is_contiguous() and torch.equal(got, want)
+    full = tuple(torch.cat([x, x + 2], dim=1 if tensor_layout == "bshd" else 2) for x in (k, v))
+    for got, want in zip(together.scatter_kv(*full), base.scatter_kv(*full)):
+        assert got.is_contiguous() and torch.equal(got, want)
+
+
+def test_kv_together_refuses_k_and_v_that_differ(groups):
+    """Side by side, K and V must match: a V of other heads or another dtype is refused by name (no silent mix)."""
+    cp = load_cp(groups, 2, "hd128_causal_gqa", "zigzag", kv_together=True)
+    sig = cp.attention.signature
+    k = torch.randn(1, 8, sig.kv_heads, sig.head_dim, dtype=torch.float64)
+    with pytest.raises(TsgenArgumentError, match=r"argument v: shape .* but k is .* same shape, dtype and device"):
+        cp.gather_kv(k, torch.randn(1, 8, sig.kv_heads + 4, sig.head_dim, dtype=torch.float64))
+    with pytest.raises(TsgenArgumentError, match=r"argument v: .*float32"):
+        cp.gather_kv(k, k.float())

@@ -1005,7 +1005,8 @@ def _shared_world(monkeypatch, ranks_on_gpu0: int, world: int):
 
     monkeypatch.setenv("TSGEN_SHARE_GPUS", "1")
     buses = ["gpu0"] * ranks_on_gpu0 + [f"gpu{i}" for i in range(1, world - ranks_on_gpu0 + 1)]
-    monkeypatch.setattr(ops.heap_mod, "all_gather", lambda group, obj: buses)
+    monkeypatch.setattr(ops.heap_mod, "all_gather", lambda group, obj: [(b, 132) for b in buses])
+    monkeypatch.setattr(ops.dist, "get_backend", lambda group=None: "gloo")
     monkeypatch.setattr(ops, "_bus", lambda dev: "gpu0")
     monkeypatch.setattr(ops.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ops.torch.cuda, "current_device", lambda: 0)
@@ -1037,3 +1038,35 @@ def test_shared_gpu_load_refuses_what_cannot_share_by_name(monkeypatch):
     ops = _shared_world(monkeypatch, 2, 2)
     with pytest.raises(TsgenTorchError, match=r"tsgen.torch.load on rank 0, 2 ranks per GPU: .*allgather_ce"):
         ops._fit_shared(ROOT / "specs" / "allgather_ce.yaml", None)
+
+
+def test_shared_gpu_load_fits_the_smallest_gpu_and_skips_the_fake_backend(monkeypatch):
+    """Every rank fits to the smallest SM count in the group (one variant for all); torch's fake backend
+    only traces, so nothing is fitted there."""
+    ops = _shared_world(monkeypatch, 4, 4)
+    monkeypatch.setattr(ops.heap_mod, "all_gather", lambda group, obj: [("gpu0", 132)] * 3 + [("gpu0", 114)])
+    assert ops._fit_shared(ROOT / "specs" / "allgather.yaml", None).model.launch.blocks == 114 // 4
+    monkeypatch.setattr(ops.dist, "get_backend", lambda group=None: "fake")
+    path = ROOT / "specs" / "allgather.yaml"
+    assert ops._fit_shared(path, None) is path
+
+
+def test_residency_counts_one_block_per_sm_for_ranks_sharing_a_gpu(monkeypatch):
+    """_local_problem: ranks on one GPU are held to one block per SM (the bound fit_shared fits to, whatever
+    the occupancy: under MPS three ranks' 64-block grids held all 132 SMs of an H200), so 4 x 64 blocks
+    are refused by name; one rank per GPU keeps the threads' bound."""
+    from tsgen.torch import ops
+
+    class Props:
+        multi_processor_count, max_threads_per_multi_processor = 132, 2048
+
+    op = object.__new__(ops.TorchOp)
+    op.rank, op.kernel = 0, type("K", (), {"name": "allgather_w4", "grid": (64,), "block": (512,)})()
+    op.manifest = type("M", (), {"blocks_wait": False})()
+    op.signature = type("S", (), {"qualname": "tsgen::allgather"})()
+    monkeypatch.setattr(ops.torch.cuda, "get_device_properties", lambda dev: Props())
+    monkeypatch.setattr(ops.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(ops, "_bus_id", lambda i: "gpu0")
+    problem = op._local_problem(0, ["gpu0"] * 4)
+    assert problem and "4 ranks share this GPU" in problem and "At most 33 blocks per rank" in problem, problem
+    assert op._local_problem(0, ["gpu0"] * 2) is None  # 2 x 64 <= 132

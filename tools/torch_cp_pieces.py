@@ -83,8 +83,10 @@ def host_split(op, x, calls: int = 50) -> dict:
             op(x)
         total = time_mod.perf_counter() - t0
         torch.cuda.synchronize()
-    finally:
-        op._check, op._launcher, op._forward, ops_mod.plan_call = saved
+    finally:  # the op's own methods back (the wrappers were instance attributes), the launcher and plan_call
+        op.__dict__.pop("_check", None)
+        op.__dict__.pop("_forward", None)
+        op._launcher, ops_mod.plan_call = saved[1], saved[3]
     out = {"whole call (torch.ops dispatch included)": total, "dispatch and wrappers (whole - _forward)": total - inner[0],
            "_forward": inner[0], **spent,
            "copies and the rest of _forward": inner[0] - sum(spent.values())}
@@ -147,7 +149,7 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
     with torch.no_grad():
         split = host_split(cp._allgather, _seq_first(k, sig.layout))
     if r == 0:
-        print("  host time of one allgather call, by part (us per call, 50 calls, GPU idle between them):")
+        print("  host time of one allgather call, by part (us per call, 50 calls back to back, no sync between):")
         for k_, us in split.items():
             print(f"    {k_:40s} {us:8.1f} us")
     from torch.profiler import ProfilerActivity, profile

@@ -199,6 +199,10 @@ class CPAttentionOp:
         calls' copies, one collective call instead of two)."""
         if not self.kv_together:
             return self.gather(k), self.gather(v)
+        if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:  # side by side: they must match
+            raise TsgenArgumentError(f"{self.where}: argument v: shape {tuple(v.shape)}, {v.dtype} on {v.device}, but k "
+                                     f"is {tuple(k.shape)}, {k.dtype} on {k.device}: K and V are the same shape, "
+                                     "dtype and device (kv_together gathers them as one tensor)")
         kv_heads = self.attention.signature.kv_heads
         full = self._allgather(torch.cat([_seq_first(k, self.tensor_layout), _seq_first(v, self.tensor_layout)], dim=2))
         order = self._order(self._rows(k), full.device)

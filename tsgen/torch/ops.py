@@ -251,8 +251,11 @@ def _fit_shared(given: Any, group: Any) -> Any:
     MPS the ranks' grids did not share SMs: at W 8 on one H200, three ranks' 64-block allgathers
     held 132 blocks, one per SM, waiting for five ranks whose grids never started). Anything else,
     or one rank per GPU: `given` unchanged (a prebuilt manifest that does not fit is refused by name
-    in _local_problem)."""
+    in _local_problem). A collective whenever it fits, the op already loaded or not: every rank
+    loads the same specs in the same order, as for any tsgen.torch.load."""
     if not share_from_env() or not torch.cuda.is_available():  # without CUDA the ops only trace
+        return given
+    if dist.get_backend(group) == "fake":  # torch's fake backend: the op only traces (TorchOp.trace_only)
         return given
     from ..harness import fit_shared
     from ..spec import LoadedSpec, load_spec
@@ -262,10 +265,11 @@ def _fit_shared(given: Any, group: Any) -> Any:
     if not isinstance(given, LoadedSpec):
         return given
     dev = torch.cuda.current_device()
-    colocated = ranks_per_gpu(heap_mod.all_gather(group, _bus(dev)))
+    members = heap_mod.all_gather(group, (_bus(dev), torch.cuda.get_device_properties(dev).multi_processor_count))
+    colocated = ranks_per_gpu([bus for bus, _ in members])
     if colocated == 1:
         return given
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = min(n for _, n in members)  # the same variant on every rank, fitted to the smallest GPU
     try:
         return fit_shared(given, colocated, sms, dist.get_world_size(group))[0]
     except TsgenError as e:  # the family refuses shared GPUs, or the fitted plan fails
