@@ -98,10 +98,11 @@ BENCH_SEQS = [4096, 8192, 16384]
 
 
 # main kernels; the first is the default and the bench's "tsgen" column
-IMPLS = ("mma_sync", "wgmma", "wgmma_red", "wgmma_det")
+IMPLS = ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_pf")
 # the spec params of each (beside its threads per CTA, those of params.impl)
 IMPL_PARAMS = {"mma_sync": {}, "wgmma": {"impl": "wgmma"}, "wgmma_red": {"impl": "wgmma", "dq_reduce": "atomic"},
-               "wgmma_det": {"impl": "wgmma", "deterministic": True}}
+               "wgmma_det": {"impl": "wgmma", "deterministic": True},
+               "wgmma_pf": {"impl": "wgmma", "s_prefetch": True}}  # S^T a step early (params.s_prefetch)
 
 
 def impl_name(name: str, impl: str) -> str:

@@ -90,6 +90,11 @@ class AttentionBackwardParams(AttentionShape):
         "per 64 query rows per head and sequence). Costs the KV-block CTAs of a head a wavefront: a few percent, "
         "not yet measured on a GPU")
 
+    s_prefetch: bool = Field(
+        False, description="impl wgmma: each step's S^T (K Q^T) issued a step early, once the previous step's dV / "
+        "dK products are done and before its dQ is staged and reduced, so the tensor pipe runs it meanwhile "
+        "(FlashAttention-3's overlap across the step boundary). Not yet measured on a GPU")
+
     @property
     def dq_tiled(self) -> bool:
         """dq_accum in the tiled layout of the bulk reductions (tsgen::attention_bwd::dq_tiled_offset)."""
@@ -179,6 +184,9 @@ class AttentionBackwardFamily(OpFamily):
         if spec.params.impl == "mma_sync" and spec.params.dq_reduce == "bulk":
             problems.append((("params", "dq_reduce"), "dq_reduce bulk needs params.impl wgmma (the mma_sync kernel "
                              "adds dQ with atomics only)"))
+        if spec.params.s_prefetch and spec.params.impl != "wgmma":
+            problems.append((("params", "s_prefetch"), "s_prefetch needs params.impl wgmma (the mma_sync kernel "
+                             "issues nothing asynchronously)"))
         if spec.params.deterministic and not spec.params.dq_tiled:
             problems.append((("params", "deterministic"), "deterministic needs params.impl wgmma with dq_reduce bulk "
                              "(the ordered adds are the bulk reductions; mma_sync and dq_reduce atomic add dQ with "
@@ -219,6 +227,7 @@ class AttentionBackwardFamily(OpFamily):
             **({"TILE_M": BLOCK_M, "TILE_N": IMPLS["wgmma"]["block_n"], "STAGES": WGMMA_STAGES,
                 "DQ_TILED": int(p.dq_tiled)} if p.impl == "wgmma" else {}),
             **({"DETERMINISTIC": 1} if p.deterministic else {}),  # absent by default: those sources stay as they were
+            **({"S_PREFETCH": 1} if p.s_prefetch else {}),  # likewise
         }
 
     def template_vars(self, spec):
