@@ -539,26 +539,26 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       }
       wgmma_commit_group();
     } else {
-    mbar_wait_no_timeout(smem + L::Q_FULL + 8 * stage, phase);
+      mbar_wait_no_timeout(smem + L::Q_FULL + 8 * stage, phase);
 
-    // S^T = K_w Q^T, then dP^T = V_w dO^T: two groups, so that P is computed (exp2) while the
-    // tensor pipe still runs dP^T
-    {
-      const uint64_t q_desc = sw128_descriptor(q_base, 16, 1024), do_desc = sw128_descriptor(do_base, 16, 1024);
-      wgmma_fence();
+      // S^T = K_w Q^T, then dP^T = V_w dO^T: two groups, so that P is computed (exp2) while the
+      // tensor pipe still runs dP^T
+      {
+        const uint64_t q_desc = sw128_descriptor(q_base, 16, 1024), do_desc = sw128_descriptor(do_base, 16, 1024);
+        wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
-        const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
-        C::mma_s(s, k_desc + (kv_step >> 4), q_desc + (q_step >> 4), k > 0);
-      }
-      wgmma_commit_group();
+        for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
+          const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
+          C::mma_s(s, k_desc + (kv_step >> 4), q_desc + (q_step >> 4), k > 0);
+        }
+        wgmma_commit_group();
 #pragma unroll
-      for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
-        const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
-        C::mma_s(dp, v_desc + (kv_step >> 4), do_desc + (q_step >> 4), k > 0);
+        for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
+          const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
+          C::mma_s(dp, v_desc + (kv_step >> 4), do_desc + (q_step >> 4), k > 0);
+        }
+        wgmma_commit_group();
       }
-      wgmma_commit_group();
-    }
     }  // S_PREFETCH or not
     // P^T = exp2(SCALE_LOG2 S^T - LSE2) once S^T is in (the S group; dP^T may still run)
     wgmma_wait_group<1>();
