@@ -226,9 +226,12 @@ def test_gpu_tool_op_refuses_a_workspace_made_for_another_variant(tool):
     (no room for the dQ semaphores) would write past dq_accum's end; the Op refuses it by name."""
     from tsgen.ops.attention_backward import workspace_floats
 
-    class Floats:  # a stand-in tensor: only its size is read before the refusal
+    class Floats:  # a stand-in tensor: only its address and size are read before the refusal
         def __init__(self, n):
             self.n = n
+
+        def data_ptr(self):
+            return id(self)
 
         def numel(self):
             return self.n

@@ -1098,16 +1098,15 @@ def cp_checks(group, shared: bool) -> None:
     @checked("cp_load")
     def load():
         t0 = time.perf_counter()
-        for name, layout in CP_CASES:
+        def make(name, layout, **kw):
             fwd, bwd = ATTENTION_PAIRS[name]
-            ops[(name, layout)] = tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
-                                                  ROOT / "specs" / "reduce_scatter.yaml", group, layout=layout)
+            return tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
+                                   ROOT / "specs" / "reduce_scatter.yaml", group, layout=layout, **kw)
+
+        for case_ in CP_CASES:
+            ops[case_] = make(*case_)
         # the first case with K and V in one all-gather, dK and dV in one reduce-scatter (kv_together)
-        name, layout = CP_CASES[0]
-        fwd, bwd = ATTENTION_PAIRS[name]
-        together[(name, layout)] = tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
-                                                   ROOT / "specs" / "reduce_scatter.yaml", group, layout=layout,
-                                                   kv_together=True)
+        together[CP_CASES[0]] = make(*CP_CASES[0], kv_together=True)
         return True, f"{len(ops) + len(together)} ops at world {w} in {time.perf_counter() - t0:.1f} s"
 
     if not load():
@@ -1146,20 +1145,14 @@ def cp_checks(group, shared: bool) -> None:
         return attention_compare(got, {n_: pick[n_](x) for n_, x in ref.items()},
                                  {n_: pick[n_](x) for n_, x in bounds.items()})
 
-    for (name, layout), cp in ops.items():
+    labelled = [(key, cp, "") for key, cp in ops.items()] + [(key, cp, "_kv_together") for key, cp in together.items()]
+    for (name, layout), cp, tag in labelled:
         for S in (CP_SHARED_SEQS if shared else CP_SEQS):
-            @checked(f"cp_{name}_{layout}_w{w}_s{S}")
+            @checked(f"cp_{name}_{layout}{tag}_w{w}_s{S}")
             def one():
                 return case(cp, S)
 
             one()
-    for (name, layout), cp in together.items():
-        for S in (CP_SHARED_SEQS if shared else CP_SEQS):
-            @checked(f"cp_{name}_{layout}_kv_together_w{w}_s{S}")
-            def one_together():
-                return case(cp, S)
-
-            one_together()
 
     @checked(f"cp_negative_control_w{w}")
     def control():

@@ -95,8 +95,11 @@ def host_split(op, x, calls: int = 50) -> dict:
 
 for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
     fwd, bwd = ATTENTION_PAIRS[name]
-    cp = tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml", ROOT / "specs" / "reduce_scatter.yaml",
-                         layout=layout)
+    def make_cp(**kw):
+        return tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
+                               ROOT / "specs" / "reduce_scatter.yaml", layout=layout, **kw)
+
+    cp = make_cp()
     sig = cp.attention.signature
     n = S // w
     q, k, v, do = attention_inputs(sig, 1, n, n, gen)
@@ -118,8 +121,7 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
         cp(q, k, v).backward(do)
 
     rows["step (fwd+bwd)"] = timed(step)
-    cp_kv = tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
-                            ROOT / "specs" / "reduce_scatter.yaml", layout=layout, kv_together=True)
+    cp_kv = make_cp(kv_together=True)
 
     def step_kv():
         for t in (q, k, v):

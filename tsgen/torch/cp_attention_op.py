@@ -185,13 +185,26 @@ class CPAttentionOp:
                 self._orders[key] = (index.to(device), inverse.to(device))
         return self._orders[key]
 
+    def _reorder(self, x: torch.Tensor, rows: int, inverse: bool) -> torch.Tensor:
+        """Sequence-first rows of the whole sequence (`rows` a rank) from the all-gather's order to
+        position order, or (`inverse`) back; unchanged where the all-gather's order will do."""
+        order = self._order(rows, x.device)
+        return x if order is None else x.index_select(0, order[1 if inverse else 0])
+
+    def _side_by_side(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """kv_together: two tensors of the KV heads' shape, sequence-first, side by side in the heads dimension."""
+        return torch.cat([_seq_first(a, self.tensor_layout), _seq_first(b, self.tensor_layout)], dim=2)
+
+    def _halves(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """_side_by_side's inverse, each half in the layout's order (contiguous)."""
+        kv_heads = self.attention.signature.kv_heads
+        return (_from_seq_first(x[:, :, :kv_heads], self.tensor_layout),
+                _from_seq_first(x[:, :, kv_heads:], self.tensor_layout))
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's K or V -> the whole sequence's, in position order where causal (the layout's)."""
         full = self._allgather(_seq_first(x, self.tensor_layout))
-        order = self._order(self._rows(x), full.device)
-        if order is not None:
-            full = full.index_select(0, order[0])
-        return _from_seq_first(full, self.tensor_layout)
+        return _from_seq_first(self._reorder(full, self._rows(x), inverse=False), self.tensor_layout)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gather of K and of V; `kv_together`: one all-gather of both, side by side in the heads
@@ -203,36 +216,23 @@ class CPAttentionOp:
             raise TsgenArgumentError(f"{self.where}: argument v: shape {tuple(v.shape)}, {v.dtype} on {v.device}, but k "
                                      f"is {tuple(k.shape)}, {k.dtype} on {k.device}: K and V are the same shape, "
                                      "dtype and device (kv_together gathers them as one tensor)")
-        kv_heads = self.attention.signature.kv_heads
-        full = self._allgather(torch.cat([_seq_first(k, self.tensor_layout), _seq_first(v, self.tensor_layout)], dim=2))
-        order = self._order(self._rows(k), full.device)
-        halves = (full[:, :, :kv_heads], full[:, :, kv_heads:])
-        if order is not None:
-            halves = tuple(h.index_select(0, order[0]) for h in halves)
-        return tuple(_from_seq_first(h, self.tensor_layout) for h in halves)  # type: ignore[return-value]
+        full = self._allgather(self._side_by_side(k, v))
+        return self._halves(self._reorder(full, self._rows(k), inverse=False))
+
+    def scatter(self, g_full: torch.Tensor) -> torch.Tensor:
+        """dK_full or dV_full (every position's partial sum from this rank's queries) -> this rank's
+        rows summed over every rank: gather's adjoint (position order back to the all-gather's)."""
+        g = _seq_first(g_full, self.tensor_layout)
+        g = self._reorder(g, g.shape[0] // self.world, inverse=True)
+        return _from_seq_first(self._reduce_scatter(g), self.tensor_layout)
 
     def scatter_kv(self, dk_full: torch.Tensor, dv_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """scatter of dK and of dV; `kv_together`: one reduce-scatter of both, side by side in the
         heads dimension."""
         if not self.kv_together:
             return self.scatter(dk_full), self.scatter(dv_full)
-        kv_heads = self.attention.signature.kv_heads
-        both = torch.cat([_seq_first(dk_full, self.tensor_layout), _seq_first(dv_full, self.tensor_layout)], dim=2)
-        order = self._order(both.shape[0] // self.world, both.device)
-        if order is not None:
-            both = both.index_select(0, order[1])
-        mine = self._reduce_scatter(both)
-        return (_from_seq_first(mine[:, :, :kv_heads], self.tensor_layout),
-                _from_seq_first(mine[:, :, kv_heads:], self.tensor_layout))
-
-    def scatter(self, g_full: torch.Tensor) -> torch.Tensor:
-        """dK_full or dV_full (every position's partial sum from this rank's queries) -> this rank's
-        rows summed over every rank: gather's adjoint."""
-        g = _seq_first(g_full, self.tensor_layout)
-        order = self._order(g.shape[0] // self.world, g.device)
-        if order is not None:  # position order back to the all-gather's (rank-major): row i is position inverse[i]
-            g = g.index_select(0, order[1])
-        return _from_seq_first(self._reduce_scatter(g), self.tensor_layout)
+        both = self._side_by_side(dk_full, dv_full)
+        return self._halves(self._reduce_scatter(self._reorder(both, both.shape[0] // self.world, inverse=True)))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False) -> Any:
         if self.attention.backward is None:
