@@ -48,11 +48,6 @@ VARIANTS = {
     "hd128_group2": {"params": {"head_group": 2}},
     "hd128_causal_gqa_group1": {"params": {"causal": True, "kv_heads": 8, "head_group": 1}},
     "hd64_causal_group4": {"params": {"head_dim": 64, "causal": True, "head_group": 4}},
-    # params.s_prefetch: S^T a step early (with the deterministic turns too)
-    "hd128_pf": {"params": {"s_prefetch": True}},
-    "hd128_causal_gqa_pf": {"params": {"causal": True, "kv_heads": 8, "s_prefetch": True}},
-    "hd64_causal_pf": {"params": {"head_dim": 64, "causal": True, "s_prefetch": True}},
-    "hd128_causal_pf_det": {"params": {"causal": True, "s_prefetch": True, "deterministic": True}},
 }
 
 
@@ -523,7 +518,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     from tsgen.spec import merge
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_pf", "wgmma_g1", "wgmma_g2", "wgmma_g4",
+    assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g1", "wgmma_g2", "wgmma_g4",
                           "wgmma_g8")
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
@@ -945,17 +940,3 @@ def test_a_variant_over_the_shared_memory_limit_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(ab, "SMEM_LIMIT", smem_bytes(spec) - 1)
     problems = get_family("attention_backward").check(spec)
     assert [w for w, _ in problems] == [("params",)] and "shared memory" in problems[0][1], problems
-@needs_sass
-def test_sass_of_the_prefetching_main_kernel(tmp_path, monkeypatch):
-    """params.s_prefetch: S^T is issued at two places (before the walk, and in each step for the next
-    one), so the main kernel has one more set of HEAD_DIM / 16 m64n64k16 products than the default
-    (S^T, dP^T, dQ: 24 at hd 128), the dV / dK products unchanged; no local memory, no call."""
-    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
-    counts = {}
-    for name, params in (("base", {}), ("pf", {"s_prefetch": True})):
-        sass = dump_sass(compile_source(rendered_source(variant(name, params=params), tmp_path)).output)
-        main = sass[sass.index(f"Function : {name}_w1_main"):]
-        main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
-        counts[name] = (len(re.findall(r"HGMMA\.64x64x16\.F32", main)), len(re.findall(r"HGMMA\.64x128x16\.F32", main)))
-        assert not re.findall(r"\b(LDL|STL|CALL)\b", main), name
-    assert counts["base"] == (24, 8) and counts["pf"] == (32, 8), counts

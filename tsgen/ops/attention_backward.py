@@ -97,11 +97,6 @@ class AttentionBackwardParams(AttentionShape):
         "accumulator through L2 among more CTAs (ncu on an H200, MHA not causal at 8K: 60 % of DRAM's peak and "
         "33 % L2 hits with every pair live). Not with deterministic. Not yet measured on a GPU")
 
-    s_prefetch: bool = Field(
-        False, description="impl wgmma: each step's S^T (K Q^T) issued a step early, once the previous step's dV / "
-        "dK products are done and before its dQ is staged and reduced, so the tensor pipe runs it meanwhile "
-        "(FlashAttention-3's overlap across the step boundary). Not yet measured on a GPU")
-
     @property
     def dq_tiled(self) -> bool:
         """dq_accum in the tiled layout of the bulk reductions (tsgen::attention_bwd::dq_tiled_offset)."""
@@ -203,9 +198,6 @@ class AttentionBackwardFamily(OpFamily):
             problems.append((("params", "head_group"), "head_group with deterministic is not built: the grouped order's "
                              "KV block and head stay live in the consumers and spill beside the turns (ptxas: 8 "
                              "bytes of stack); use one of the two"))
-        if spec.params.s_prefetch and spec.params.impl != "wgmma":
-            problems.append((("params", "s_prefetch"), "s_prefetch needs params.impl wgmma (the mma_sync kernel "
-                             "issues nothing asynchronously)"))
         if spec.params.deterministic and not spec.params.dq_tiled:
             problems.append((("params", "deterministic"), "deterministic needs params.impl wgmma with dq_reduce bulk "
                              "(the ordered adds are the bulk reductions; mma_sync and dq_reduce atomic add dQ with "
@@ -250,7 +242,6 @@ class AttentionBackwardFamily(OpFamily):
                 "DQ_TILED": int(p.dq_tiled)} if p.impl == "wgmma" else {}),
             **({"DETERMINISTIC": 1} if p.deterministic else {}),  # absent by default: those sources stay as they were
             **({"HEAD_GROUP": p.head_group} if p.head_group is not None else {}),  # likewise
-            **({"S_PREFETCH": 1} if p.s_prefetch else {}),  # likewise
         }
 
     def template_vars(self, spec):

@@ -121,13 +121,6 @@ namespace tsgen {
 namespace attention_bwd {
 namespace wgmma {
 
-// Config::S_PREFETCH where the Config has it (only specs with params.s_prefetch emit it), else false:
-// the next step's S^T issued before this step's dQ is staged and reduced (consume()).
-template <class C, class = void>
-struct s_prefetch_of : std::false_type {};
-template <class C>
-struct s_prefetch_of<C, std::void_t<decltype(C::S_PREFETCH)>> : std::integral_constant<bool, C::S_PREFETCH> {};
-
 using attention::mbar_wait_no_timeout;
 using attention::tma_load_4d;
 using gemm::bulk_commit_group;
@@ -215,7 +208,6 @@ struct Layout {
   // the two warpgroups' adds on the semaphore instead would make warpgroup 1 wait for warpgroup 0's
   // turn to be passed on, a step later (after its completion wait): the two would alternate, not overlap.
   static constexpr bool DQ_PAIRED = DETERMINISTIC && !DQ_SPLIT_N;
-  static constexpr bool S_PREFETCH = s_prefetch_of<C>::value;  // params.s_prefetch (consume())
   static constexpr uint32_t DQ_ADDERS = DQ_PAIRED ? 1 : 2;  // reductions per CTA and step into the query block
 
   static constexpr int K_OFF = 0;
@@ -499,67 +491,33 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
   uint32_t* dq_turn = nullptr;  // DETERMINISTIC (thread 0): the semaphore of its last reduction, not yet passed on
 
   mbar_wait_no_timeout(smem + L::KV_FULL, 0);
-  // S_PREFETCH: S^T = K_w Q^T of a step into `acc` (one wgmma group; the step's Q tile has landed)
-  auto issue_s = [&](float (&acc)[32], uint32_t at) {
-    const uint64_t q_desc = sw128_descriptor(smem + L::Q_OFF + (at % C::STAGES) * L::Q_TILE, 16, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
-      const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
-      C::mma_s(acc, k_desc + (kv_step >> 4), q_desc + (q_step >> 4), k > 0);
-    }
-    wgmma_commit_group();
-  };
-  // S_PREFETCH: the next step's S^T is issued once this step's dV / dK products are done (their A
-  // fragments free), before this step's dQ is staged and reduced, so that the tensor pipe has it to
-  // run meanwhile; it stays in s_next across the loop's back edge (its group in flight)
-  float s_next[32];
   uint32_t step = 0;
-  if constexpr (L::S_PREFETCH) {
-    if (!Walk<C>(p, hk, first_key).done()) {
-      mbar_wait_no_timeout(smem + L::Q_FULL, 0);
-      issue_s(s_next, 0);
-    }
-  }
   for (Walk<C> w(p, hk, first_key); !w.done(); w.next(p), ++step) {
     const uint32_t stage = step % C::STAGES, phase = (step / C::STAGES) & 1;
     const uint32_t r0 = w.qb * BLOCK_M, r1 = w.rows_end(p);
     const uint32_t q_base = smem + L::Q_OFF + stage * L::Q_TILE, do_base = smem + L::DO_OFF + stage * L::Q_TILE;
     const uint32_t ds_base = smem + L::DS_OFF + (step % 2) * L::DS_BUF;
-    float s_own[32], dp[32];
-    float (&s)[32] = L::S_PREFETCH ? s_next : s_own;
-    if constexpr (L::S_PREFETCH) {
-      // S^T's group is in flight (issued in the last step, or before the loop); dP^T = V_w dO^T now
-      const uint64_t do_desc = sw128_descriptor(do_base, 16, 1024);
+    mbar_wait_no_timeout(smem + L::Q_FULL + 8 * stage, phase);
+
+    // S^T = K_w Q^T, then dP^T = V_w dO^T: two groups, so that P is computed (exp2) while the
+    // tensor pipe still runs dP^T
+    float s[32], dp[32];
+    {
+      const uint64_t q_desc = sw128_descriptor(q_base, 16, 1024), do_desc = sw128_descriptor(do_base, 16, 1024);
       wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
+        const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
+        C::mma_s(s, k_desc + (kv_step >> 4), q_desc + (q_step >> 4), k > 0);
+      }
+      wgmma_commit_group();
 #pragma unroll
       for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
         const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
         C::mma_s(dp, v_desc + (kv_step >> 4), do_desc + (q_step >> 4), k > 0);
       }
       wgmma_commit_group();
-    } else {
-      mbar_wait_no_timeout(smem + L::Q_FULL + 8 * stage, phase);
-
-      // S^T = K_w Q^T, then dP^T = V_w dO^T: two groups, so that P is computed (exp2) while the
-      // tensor pipe still runs dP^T
-      {
-        const uint64_t q_desc = sw128_descriptor(q_base, 16, 1024), do_desc = sw128_descriptor(do_base, 16, 1024);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
-          const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
-          C::mma_s(s, k_desc + (kv_step >> 4), q_desc + (q_step >> 4), k > 0);
-        }
-        wgmma_commit_group();
-#pragma unroll
-        for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
-          const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
-          C::mma_s(dp, v_desc + (kv_step >> 4), do_desc + (q_step >> 4), k > 0);
-        }
-        wgmma_commit_group();
-      }
-    }  // S_PREFETCH or not
+    }
     // P^T = exp2(SCALE_LOG2 S^T - LSE2) once S^T is in (the S group; dP^T may still run)
     wgmma_wait_group<1>();
     attention::fence_all<C>(s, 32);
@@ -625,20 +583,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     attention::fence_all<C>(dk, L::D_ACC);
     attention::fence_all<C>(dv, L::D_ACC);
     if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
-    if constexpr (L::S_PREFETCH) {
-      Walk<C> next = w;
-      next.next(p);
-      if (!next.done()) {  // the next step's S^T (its stage's Q tile), then wait for dQ alone
-        const uint32_t at = step + 1;
-        mbar_wait_no_timeout(smem + L::Q_FULL + 8 * (at % C::STAGES), (at / C::STAGES) & 1);
-        issue_s(s_next, at);
-        wgmma_wait_group<1>();
-      } else {
-        wgmma_wait_group<0>();
-      }
-    } else {
-      wgmma_wait_group<0>();
-    }
+    wgmma_wait_group<0>();
     attention::fence_all<C>(dq, 32);
 
     if constexpr (L::DQ_TILED) {
