@@ -87,8 +87,8 @@ class AttentionBackwardParams(AttentionShape):
         False, description="dQ bit-identical from run to run (impl wgmma, dq_reduce bulk only): the bulk reductions "
         "into each query block's dQ accumulator wait their turn in a fixed order (the KV blocks' order) on a "
         "semaphore per (sequence, head, query block) after dq_accum in its workspace (which grows by one word "
-        "per 64 query rows per head and sequence). Measured on an H200 (2026-11-27, before the double-buffered "
-        "staging): 0.78-0.87 of the default's speed at hd 128")
+        "per 64 query rows per head and sequence). Measured on an H200 (2026-11-27, at 3ee75d0): 0.78-0.87 of the "
+        "default's speed at hd 128")
 
     head_group: int | None = Field(
         None, ge=1, description="impl wgmma: the main kernel's CTAs in groups of this many (sequence, KV head) pairs, "
@@ -137,15 +137,13 @@ def smem_bytes(spec: AttentionBackwardSpec) -> int:
     """mma_sync: K, V, Q and dO tiles of 64 rows padded by 8 elements, dS^T (64 x 72), LSE2 and
     D of 64 rows (tsgen::attention_bwd::Layout asserts the same). wgmma: K and V of 128 rows,
     STAGES Q and dO tiles of 64 rows (128B-swizzled, no padding), two dS^T buffers (128 x 64),
-    the fp32 dQ staging of the two consumer warpgroups (64 x 64 each, dq_reduce bulk; deterministic:
-    two each), LSE2 and D per
+    the fp32 dQ staging of the two consumer warpgroups (64 x 64 each, dq_reduce bulk), LSE2 and D per
     stage, the barriers, 1024 bytes of slack for the alignment (tsgen::attention_bwd::wgmma::Layout
     asserts the same)."""
     d = spec.params.head_dim
     if spec.params.impl == "wgmma":
         n, st = IMPLS["wgmma"]["block_n"], WGMMA_STAGES
-        # deterministic: two staging buffers a warpgroup, by step parity (tsgen::attention_bwd::wgmma::Layout)
-        staging = DQ_STAGING * (2 if spec.params.deterministic else 1) if spec.params.dq_tiled else 0
+        staging = DQ_STAGING if spec.params.dq_tiled else 0
         return (2 * (2 * n * d + 2 * st * BLOCK_M * d + 2 * n * 64) + staging + 2 * 4 * st * BLOCK_M + 8 * (1 + 2 * st)
                 + 1024)
     pitch = d + 8

@@ -78,11 +78,8 @@
 //     warpgroup's named barrier DQ_STAGED + w, then thread 0 issues the reduction. Reuse: the next
 //     step writes the buffer only after DS_READY, which thread 0 reaches only after
 //     cp.async.bulk.wait_group.read 0 (the last reduction has read its source; bulk groups are per
-//     thread, and thread 0 issued them all). DETERMINISTIC: two buffers per warpgroup, by step parity;
-//     a buffer is rewritten two steps after the reduction that read it, and thread 0 waited for that
-//     reduction's completion (cp.async.bulk.wait_group 0, pass_dq_turn) at the end of the step in
-//     between, before its DS_READY-free issue of the next reduction; so no wait before DS_READY. At
-//     the end thread 0 waits for the writes (cp.async.bulk.wait_group 0) before the CTA exits.
+//     thread, and thread 0 issued them all). At the end thread 0 waits for the writes
+//     (cp.async.bulk.wait_group 0) before the CTA exits.
 //   - DQ_TILED, dq_accum: the preprocess zeroes every float (same size as dQ; the tiled layout is a
 //     permutation), in stream order before this kernel; the convert pass reads it (ConvertTiled: one
 //     CTA per 64-row block) after this kernel (stream order; the bulk writes complete before exit).
@@ -90,12 +87,8 @@
 //     of the last STAGES steps: a consumer stuck on a load that never lands traps, not hangs.
 //   - DETERMINISTIC, the turns: the CTAs adding into one query block are KV blocks 0 .. J - 1
 //     (visitor_rank) and wait for turns 0, DQ_ADDERS, 2 DQ_ADDERS, ...: each waits only for lower
-//     KV blocks, and holds no turn while it waits for one (the last one is passed on at the end of the
-//     next step, right before the next wait). Between its add and that hand-over the CTA does hold a
-//     turn across its own barriers (Q_FULL, DS_READY, which at HEAD_DIM 128 may wait for the other
-//     warpgroup's wait for the same turn, DQ_PAIR, DQ_STAGED), but those wait only on this CTA and on
-//     lower KV blocks, and KV block 0's turn is 0: by induction on the KV block, the chain ends,
-//     PROVIDED that every CTA a CTA waits for
+//     KV blocks, and holds no turn while it waits (the last one is passed on before DS_READY of the
+//     next step, ahead of the next wait), so the chain ends, PROVIDED that every CTA a CTA waits for
 //     has started or can start: the grid puts KV block j of every head before block j + 1
 //     (main_kernel: blockIdx.x = j x batch x KV_HEADS + ...; with params.head_group, of every head of
 //     its group, kv_cta: a head's block j still before its block j + 1), and the argument relies on the hardware
@@ -215,12 +208,8 @@ struct Layout {
   static constexpr int Q_OFF = V_OFF + KV_TILE;
   static constexpr int DO_OFF = Q_OFF + C::STAGES * Q_TILE;
   static constexpr int DS_OFF = DO_OFF + C::STAGES * Q_TILE;
-  // DETERMINISTIC: two staging buffers per warpgroup, by step parity, so that a reduction's completion
-  // wait and the turn's hand-over come a whole step after it was issued, not before the next DS_READY
-  static constexpr int DQ_BUFFERS = DQ_TILED ? (DETERMINISTIC ? 4 : 2) : 0;
-  // DQ_TILED: fp32 [DQ_BUFFERS / 2 parities][2 warpgroups][64 rows][64], tiled
-  static constexpr int DQ_OFF = DS_OFF + 2 * DS_BUF;
-  static constexpr int LSE2_OFF = DQ_OFF + DQ_BUFFERS * DQ_BUF;  // fp32 [STAGES][BLOCK_M]
+  static constexpr int DQ_OFF = DS_OFF + 2 * DS_BUF;  // DQ_TILED: fp32 [2 warpgroups][64 rows][64], tiled
+  static constexpr int LSE2_OFF = DQ_OFF + (DQ_TILED ? 2 * DQ_BUF : 0);  // fp32 [STAGES][BLOCK_M]
   static constexpr int DSUM_OFF = LSE2_OFF + 4 * C::STAGES * BLOCK_M;
   static constexpr int BAR_OFF = DSUM_OFF + 4 * C::STAGES * BLOCK_M;
   static constexpr int KV_FULL = BAR_OFF, Q_FULL = BAR_OFF + 8, Q_EMPTY = Q_FULL + 8 * C::STAGES;
@@ -334,8 +323,8 @@ static __device__ __forceinline__ void wait_dq_turn(const uint32_t* sem, uint32_
 // DETERMINISTIC: pass the turn of this thread's last reduction (semaphore `sem`, none if nullptr) on, once
 // the reduction is complete: its writes done (cp.async.bulk.wait_group 0, not only .read), then a proxy
 // fence (the async proxy's writes before the generic release), then +1 with release at gpu scope. Called
-// a step after the reduction was issued (right before the next one is: the staging is double-buffered),
-// so that the wait finds it complete. Returns nullptr: no turn held.
+// a step after the reduction was issued (before the next DS_READY), so that the wait is off the critical
+// path. Returns nullptr: no turn held.
 static __device__ __forceinline__ uint32_t* pass_dq_turn(uint32_t* sem) {
   if (sem != nullptr) {
     bulk_wait_group_all();
@@ -561,12 +550,15 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
 
     // DQ_TILED: this warpgroup's staging buffer is rewritten after DS_READY (below); the bulk
     // reduction of the last step (thread 0's bulk group) must have finished reading it first. Issued a
-    // whole step ago: the wait does not stall in the steady state. DETERMINISTIC: no wait here: this
-    // step's staging (parity step % 2) was last read two steps ago, by a reduction whose completion
-    // thread 0 waited for (pass_dq_turn) at the end of the last step, before the last reduction; the
-    // other threads write it only after this DS_READY, which thread 0 reaches after that.
-    if constexpr (L::DQ_TILED && !L::DETERMINISTIC)
-      if (t == 0) bulk_wait_group_read<0>();
+    // whole step ago: the wait does not stall in the steady state. DETERMINISTIC: it must be complete
+    // (its writes too) before its turn is passed on, here, which also frees the staging.
+    if constexpr (L::DQ_TILED)
+      if (t == 0) {
+        if constexpr (L::DETERMINISTIC)
+          dq_turn = pass_dq_turn(dq_turn);
+        else
+          bulk_wait_group_read<0>();
+      }
     named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced (and the staging free)
 
     // dQ (64 queries x 64 columns) = dS K over DQ_KEYS keys
@@ -590,7 +582,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       // dq += dQ through the staging buffer (each_staged_pair: dq_tiled_offset's panel order); then one
       // bulk reduction of the step's n valid rows (n x 256 contiguous bytes) into panel dq_col_box of
       // the query block.
-      const uint32_t staging = smem + L::DQ_OFF + ((L::DETERMINISTIC ? 2 * (step % 2) : 0) + cw) * L::DQ_BUF;
+      const uint32_t staging = smem + L::DQ_OFF + cw * L::DQ_BUF;
       // DQ_PAIRED: warpgroup 0 adds warpgroup 1's partial (staged below, at the same offsets of the next
       // buffer) to its own first. Warpgroup 1 rewrites its staging only after the next DS_READY, which
       // warpgroup 0 reaches after these reads.
@@ -617,11 +609,8 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
         float* dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + r0) * C::HEAD_DIM +
                      (size_t)dq_col_box * n * 64;
         if constexpr (L::DETERMINISTIC) {
-          // the last step's reduction complete (issued a step ago: the wait finds it done), its turn passed
-          // on; then the adds into this query block in the visitors' order: wait for this CTA's turn (both
-          // warpgroups take the same one: DQ_ADDERS), then order the acquire before the reduction (async
-          // proxy). No turn is held while waiting.
-          pass_dq_turn(dq_turn);
+          // the adds into the query block in the visitors' order: wait for this CTA's turn (both warpgroups
+          // take the same one: DQ_ADDERS), then order the acquire before the reduction (async proxy)
           dq_turn = dq_semaphore<C>(p, b, w);
           wait_dq_turn<false>(dq_turn, L::DQ_ADDERS * visitor_rank(k0 / BLOCK_N));
           fence_proxy_async_global();
