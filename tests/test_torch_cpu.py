@@ -276,6 +276,18 @@ def test_heap_mode_checked(groups):
         heap_mode("nccl", {})
 
 
+def test_ranks_sharing_a_gpu_take_ipc_heaps_without_trying_symmetric_memory():
+    """torch's symmetric memory refuses several ranks' allocations on one device; with auto the ops of
+    co-located ranks go to CUDA IPC heaps directly (before: a warning from every op at its first
+    call, 2026-11-27 W 8 on one GPU), an explicit mode stays (symm_mem then fails by name)."""
+    from tsgen.torch.ops import colocated_heap_mode
+
+    one_each, shared = ["0000:1B:00.0", "0000:43:00.0"], ["0000:1B:00.0"] * 3 + ["0000:43:00.0"]
+    assert colocated_heap_mode("auto", one_each) == "auto"
+    assert colocated_heap_mode("auto", shared) == "ipc"
+    assert colocated_heap_mode("symm_mem", shared) == "symm_mem" and colocated_heap_mode("ipc", one_each) == "ipc"
+
+
 # -- Ulysses: tensors with shapes of their own --------------------------------------------------
 
 @pytest.fixture(scope="module")

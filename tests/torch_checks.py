@@ -1169,10 +1169,20 @@ def cp_checks(group, shared: bool) -> None:
         reduce_without_waits) under the lag schedule (rank 0's kernel ahead of its peers'): rank 0
         sums dK / dV pieces that have not arrived, so the comparison must fail at each of 3 steps on
         some rank (rank 0; the others run behind and find their pieces in place). Reported the same on
-        every rank."""
+        every rank. Each call of it starts with every rank's earlier work done (synchronize + barrier),
+        so the lag schedule, not where each rank happens to be, decides who runs ahead: with 8 ranks
+        sharing one GPU their attention kernels queue behind each other and rank 0 reached the
+        collective more than the lag's 20 ms after its peers, which then found nothing missing
+        (2026-11-27, results/torch/2026-11-27-917bff7-shared.md: caught at 1 of 3 steps)."""
         bad = broken_reduce_scatter(group)
+
+        def aligned(x):
+            torch.cuda.synchronize()
+            dist.barrier(group)
+            return bad(x)
+
         try:
-            caught = [not case(ops[CP_CASES[0]], CP_SEQS[0], reduce_scatter=bad)[0] for _ in range(3)]
+            caught = [not case(ops[CP_CASES[0]], CP_SEQS[0], reduce_scatter=aligned)[0] for _ in range(3)]
         finally:
             bad.close()
         seen = [None] * w

@@ -276,6 +276,14 @@ def _fit_shared(given: Any, group: Any) -> Any:
         raise TsgenTorchError(f"tsgen.torch.load on rank {dist.get_rank(group)}, {colocated} ranks per GPU: {e}") from e
 
 
+def colocated_heap_mode(mode: str, bus_ids: list) -> str:
+    """The heap mode for ranks on these GPUs: auto means CUDA IPC heaps where ranks share a GPU, since
+    torch's symmetric memory refuses allocations of several ranks on one device (its rendezvous:
+    "detected allocations from overlapping devices") and each op would warn and fall back at its
+    first call; an explicit mode is kept (symm_mem then fails by name)."""
+    return "ipc" if mode == "auto" and ranks_per_gpu(bus_ids) > 1 else mode
+
+
 def _arch(device: int) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
@@ -412,6 +420,7 @@ class TorchOp:
         if problems:
             raise TsgenTorchError("; ".join(problems))
         bus_ids = [m["bus"] for m, _ in members]
+        self.heap_mode = colocated_heap_mode(self.heap_mode, bus_ids)
         heap_mod.agree(self.group, self._local_problem(dev, bus_ids))
         check_full_mesh(list(dict.fromkeys(bus_ids)))  # NVML: a partial NVLink mesh is refused (same on every rank)
         if prepare is not None:  # the launcher's side streams, before the first call (KernelEntry.prepare)
