@@ -95,7 +95,7 @@ VARIANTS.update({
 CHAINED = {"hd128_causal_kv8": "hd128_causal_kv8", "hd64_full_kv8": "hd64_full_kv8"}
 CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd64_full_kv8", "hd64_causal_kv32",
                   "fp16_hd128_causal_kv8", "hd128_full_kv4_bhsd"]
-BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd128_causal_kv8"]
+BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd128_causal_kv8", "hd64_causal_kv32"]
 BENCH_SEQS = [4096, 8192, 16384]
 
 
