@@ -45,9 +45,9 @@
 //   61: the hand-written library, included: tsgen/ptx.cuh 61, tsgen/sync.cuh 62, tsgen/copy.cuh 63, tsgen/gemm.cuh 64, tsgen/attention.cuh 65, tsgen/attention_bwd_wgmma.cuh 66
 //   69: the op's own code (namespace attention_backward_hd128: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_backward_hd128_w1_preprocess 173, attention_backward_hd128_w1_main 179
-//     attention_backward_hd128_w1_convert 186, attention_backward_hd128_w1_backward 192
-//     attention_backward_hd128_w1_launch 206
+//     attention_backward_hd128_w1_preprocess 176, attention_backward_hd128_w1_main 182
+//     attention_backward_hd128_w1_convert 189, attention_backward_hd128_w1_backward 195
+//     attention_backward_hd128_w1_launch 209
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -82,6 +82,7 @@ constexpr int TILE_M = 64;
 constexpr int TILE_N = 128;
 constexpr int STAGES = 2;
 constexpr int DQ_TILED = 1;
+constexpr int HEAD_GROUP = 4;
 
 // Flash-attention backward: head dim 128, 32 query heads over 32 KV heads, not causal,
 // softmax scale 0.08838834764831843; blocks of 128 keys per CTA, wgmma (two consumer warpgroups, a TMA producer warp), dQ by bulk reductions.
@@ -95,6 +96,8 @@ struct Config {
   static constexpr float SCALE_LOG2 = 0.12751743082459868f;  // softmax scale * log2(e)
   // dq_accum in the tiled layout of the wgmma kernel's bulk reductions (tsgen::attention_bwd::dq_tiled_offset)
   static constexpr bool DQ_TILED = attention_backward_hd128::DQ_TILED != 0;
+  // the main kernel's CTAs in groups of this many (sequence, KV head) pairs (tsgen::attention_bwd::kv_cta)
+  static constexpr uint32_t HEAD_GROUP = attention_backward_hd128::HEAD_GROUP;
   static constexpr int TILE_M = attention_backward_hd128::TILE_M, TILE_N = attention_backward_hd128::TILE_N, STAGES = attention_backward_hd128::STAGES;
 
   // S^T, dP^T [64 keys x 64 queries] (+)= K, V [64 x 16] . (Q, dO [64 x 16])^T: both K-major in shared memory.

@@ -16,7 +16,7 @@ from conftest import ROOT, compile_test, missing_tool, rendered_source
 from test_attention_backward_op_cpu import bf16
 from test_attention_cpu import ptxas_problems
 from tsgen.ops import get_family
-from tsgen.ops.attention_backward import DQ_STAGING, IMPLS, WGMMA_STAGES, smem_bytes
+from tsgen.ops.attention_backward import DEFAULT_HEAD_GROUP, DQ_STAGING, IMPLS, WGMMA_STAGES, smem_bytes
 from tsgen.spec import load_spec, spec_variant
 from tsgen.toolchain import compile_source, dump_sass, find_cuobjdump, find_nvcc
 
@@ -82,8 +82,13 @@ def test_defaults_and_sizes():
     assert [w for w, _ in fam.check(mma_bulk)] == [("params", "dq_reduce")], "bulk needs the wgmma kernel"
     mma_group = mma_sync.model_copy(update={"params": mma_sync.params.model_copy(update={"head_group": 2})})
     assert [w for w, _ in fam.check(mma_group)] == [("params", "head_group")], "groups need the wgmma kernel"
-    assert "HEAD_GROUP" not in fam.constants(spec)
-    assert fam.constants(variant("v", params={"head_group": 4}).model)["HEAD_GROUP"] == 4
+    assert fam.constants(variant("v", params={"head_group": 2}).model)["HEAD_GROUP"] == 2
+    # unset: groups of 4 for the wgmma kernel (the shipped specs), none with deterministic or mma_sync; 0: none
+    assert fam.constants(spec)["HEAD_GROUP"] == DEFAULT_HEAD_GROUP == 4 and spec.params.head_group is None
+    assert "HEAD_GROUP" not in fam.constants(variant("v", params={"head_group": 0}).model)
+    assert "HEAD_GROUP" not in fam.constants(variant("v", params={"deterministic": True}).model)
+    assert "HEAD_GROUP" not in fam.constants(mma_sync)
+    assert fam.check(variant("v", params={"head_group": 0, "deterministic": True}).model) == []
     det_group = spec.model_copy(update={"params": spec.params.model_copy(update={"head_group": 2, "deterministic": True})})
     assert [w for w, _ in fam.check(det_group)] == [("params", "head_group")], "not both: not built"
 
@@ -518,8 +523,8 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     from tsgen.spec import merge
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g1", "wgmma_g2", "wgmma_g4",
-                          "wgmma_g8")
+    assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2",
+                          "wgmma_g4", "wgmma_g8")
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
     assert tool.impl_name("hd64_full_kv8", "wgmma_red") == "hd64_full_kv8_wgmma_red"
@@ -532,6 +537,8 @@ def test_gpu_tool_runs_the_impls_side_by_side():
         assert spec.params.impl == "wgmma" and spec.params.dq_tiled and spec.params.deterministic
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_g4"))).model
         assert spec.params.impl == "wgmma" and spec.params.head_group == 4 and not spec.params.deterministic
+        spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_g0"))).model
+        assert spec.params.cta_head_group is None  # no groups: the KV-block-major order
     row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 100.0},
            "tsgen_wgmma": {"tflops": 400.0, "ratio_ref": 4.0}, "sdpa_cudnn": {"tflops": 500.0, "ratio": 5.0}}
     summary = {"device": "NVIDIA H200", "date": "2026-11-27", "command": "c", "checks": {},

@@ -95,17 +95,18 @@ VARIANTS.update({
 CHAINED = {"hd128_causal_kv8": "hd128_causal_kv8", "hd64_full_kv8": "hd64_full_kv8"}
 CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd64_full_kv8", "hd64_causal_kv32",
                   "fp16_hd128_causal_kv8", "hd128_full_kv4_bhsd"]
-BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd128_causal_kv8"]
+BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd128_causal_kv8", "hd64_causal_kv32"]
 BENCH_SEQS = [4096, 8192, 16384]
 
 
 # main kernels; the first is the default and the bench's "tsgen" column
-# wgmma_gN: the CTAs in groups of N (sequence, KV head) pairs (params.head_group)
-IMPLS = ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g1", "wgmma_g2", "wgmma_g4", "wgmma_g8")
+# wgmma_gN: the CTAs in groups of N (sequence, KV head) pairs (params.head_group; g0: no groups, the
+# order before groups of 4 became the default)
+IMPLS = ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4", "wgmma_g8")
 # the spec params of each (beside its threads per CTA, those of params.impl)
 IMPL_PARAMS = {"mma_sync": {}, "wgmma": {"impl": "wgmma"}, "wgmma_red": {"impl": "wgmma", "dq_reduce": "atomic"},
                "wgmma_det": {"impl": "wgmma", "deterministic": True},
-               **{f"wgmma_g{n}": {"impl": "wgmma", "head_group": n} for n in (1, 2, 4, 8)}}
+               **{f"wgmma_g{n}": {"impl": "wgmma", "head_group": n} for n in (0, 1, 2, 4, 8)}}
 
 
 def impl_name(name: str, impl: str) -> str:
