@@ -70,11 +70,24 @@ BAD = [
     ("registers", ATT + "params:\n  tile: {n: 192}\n",
      ["6:10: params.tile.n: head_dim 128 with blocks of 192 keys needs 208 accumulator registers per consumer thread "
       "(S 96, O 64, P 48); at most 200 fit: use a smaller tile.n"]),
-    ("tile_m", ATT + "params:\n  tile: {m: 64}\n", ["6:10: params.tile.m: Input should be 128"]),
+    ("tile_m", ATT + "params:\n  tile: {m: 64}\n", ["6:10: params.tile.m: Input should be 128 or 192"]),
+    ("tile_m192_threads", ATT + "params:\n  head_dim: 64\n  tile: {m: 192}\n",
+     ["2:1: launch.threads: tile.m 192 (3 consumer warpgroups) needs launch.threads 512, not 384"]),
+    ("tile_m192_head_dim", ATT + "params:\n  tile: {m: 192}\nlaunch:\n  threads: 512\n",
+     ["6:10: params.tile.m: tile.m 192 (three consumer warpgroups of 160 registers) is for head_dim 64: head_dim "
+      "128 holds 160 accumulator registers per thread"]),
+    ("tile_m192_registers", ATT + "params:\n  head_dim: 64\n  tile: {m: 192, n: 176}\nlaunch:\n  threads: 512\n",
+     ["7:18: params.tile.n: tile.m 192 with blocks of 176 keys needs 164 accumulator registers per consumer thread; "
+      "at most 128 fit in 160: use tile.n 128"]),
+    ("tile_m192_waits", ATT + "params:\n  head_dim: 64\n  kv_waits: true\n  tile: {m: 192}\nlaunch:\n  threads: 512\n",
+     ["7:3: params.kv_waits: tile.m 192 has no KV waits (compiled in, they spill the 32-register producer or, "
+      "at 40 / 152, the consumers): use tile.m 128"]),
+    ("threads_m128", ATT + "launch:\n  threads: 512\n",
+     ["6:3: launch.threads: tile.m 128 (2 consumer warpgroups) needs launch.threads 384, not 512"]),
     ("scale", ATT + "params:\n  softmax_scale: 0\n", ["6:3: params.softmax_scale: Input should be greater than 0"]),
     ("dtype", ATT + "dtype: float32\n", ["5:1: dtype: Input should be 'bfloat16' or 'float16'"]),
     ("world_size", "name: a\nop: attention\nworld_sizes: [2]\n", ["4:15: world_sizes[0]: Input should be 1"]),
-    ("threads", ATT + "launch:\n  threads: 256\n", ["6:3: launch.threads: Input should be 384"]),
+    ("threads", ATT + "launch:\n  threads: 256\n", ["6:3: launch.threads: Input should be 384 or 512"]),
     ("schedule", ATT + "params:\n  schedule: dynamic\n",
      ["6:3: params.schedule: Input should be 'grid' or 'persistent'"]),
     ("overlap_needs_persistent", ATT + "params:\n  epilogue_overlap: true\n",
@@ -329,6 +342,56 @@ def test_variants_compile(cache, tmp_path, changes):
     assert ptxas_problems(res.output) == []
 
 
+M192 = {"head_dim": 64, "tile": {"m": 192, "n": 128}}
+
+
+@needs_sass
+@pytest.mark.parametrize("changes", [
+    {"causal": True, "pingpong": True, "stages": 3, "schedule": "persistent", "epilogue_overlap": True},
+    {"causal": True, "pingpong": True, "stages": 2, "schedule": "persistent", "epilogue_overlap": True, "kv_heads": 8},
+    {"causal": False, "pingpong": False},
+    {"causal": False, "pingpong": True, "layout": "bhsd"},
+    {"causal": True, "pingpong": False, "schedule": "persistent"},
+], ids=["causal_overlap_s3", "causal_overlap_gqa8", "full_grid", "full_pingpong_bhsd", "causal_persistent_nopp"])
+def test_tile_m192_compiles_without_spills(cache, tmp_path, changes):
+    """tile.m 192 (three consumer warpgroups, 512 threads, setmaxnreg 32 / 160: FlashAttention-3's
+    and -4's hd 64 tile): no spills (the 32-bit masks keep the masked steps in 160 registers), 128
+    registers at the entry (512 x 128), the wgmma of one block batched, the ping-pong round robin."""
+    loaded = variant("m", params={**M192, **changes}, launch={"threads": 512})
+    res = compile_source(rendered_source(loaded, tmp_path))
+    entry = res.report["m_w1_kernel"]
+    assert entry["registers"] == 128, entry
+    assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
+    assert ptxas_problems(res.output) == [], "no serialized wgmma, no ignored setmaxnreg"
+    sass = dump_sass(res.output)
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    names = [o for o, _ in ops]
+    hgmma = [o + rest for o, rest in ops if o.startswith("HGMMA")]
+    qk = [h for h in hgmma if "tnspB" not in h]
+    pv = [h for h in hgmma if "tnspB" in h]
+    assert len(qk) == 2 * 64 // 16 and all(h.startswith("HGMMA.64x128x16.F32.BF16") for h in qk), hgmma
+    assert len(pv) == 2 * 8 and all(h.startswith("HGMMA.64x64x16.F32.BF16 R") for h in pv), pv
+    assert len([o for o in names if o == "WARPGROUP.DEPBAR"]) <= 4, "the wgmma of one block are batched"
+    setmaxnreg = [o + rest for o, rest in ops if o.startswith("USETMAXREG")]
+    assert any("DEALLOC" in x and "0x20" in x for x in setmaxnreg), setmaxnreg  # producer: 32
+    assert any("TRY_ALLOC" in x and "0xa0" in x for x in setmaxnreg), setmaxnreg  # consumers: 160
+    assert ("BAR.ARV" in names) == changes["pingpong"]
+    assert not [o for o in names if o.startswith(("LDL", "STL"))] and "CALL" not in " ".join(names)
+
+
+def test_tile_m192_layout(tmp_path):
+    """tile.m 192: a 192-row Q tile (and O staging) in shared memory, 512 threads; the shipped specs
+    keep 128 (their sources, and so their kernels, as before)."""
+    loaded = variant("m", params={**M192, "causal": True, "stages": 3, "schedule": "persistent",
+                                  "epilogue_overlap": True}, launch={"threads": 512})
+    spec = loaded.model
+    assert smem_bytes(spec) == 2 * 192 * 64 * 2 + 2 * 3 * 128 * 64 * 2 + 8 * (2 + 4 * 3) + 8 + 1024
+    assert get_family("attention").abi(spec)  # the ABI builds (block = launch.threads)
+    src = rendered_source(loaded, tmp_path).read_text()
+    assert "__launch_bounds__(512, 1)" in src and "TILE_M = 192" in src
+    assert all(load_spec(ROOT / "specs" / f"{n}.yaml").model.params.tile.m == 128 for n in SHIPPED)
+
+
 @needs_nvcc
 def test_printing_wait_diagnostic_serializes(cache, tmp_path):
     """Why kv_wait_diagnostic is off by default: its printf is a call, and ptxas then
@@ -395,15 +458,19 @@ PROBLEMS = [  # batch, q_len, kv_len, q_offset, q_split (None: q_len), q_offset2
 
 
 @needs_nvcc
-@pytest.mark.parametrize("causal", [False, True])
-def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal):
+@pytest.mark.parametrize("causal,M", [(False, 128), (True, 128), (False, 192), (True, 192)])
+def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal, M):
     """Causal also with head_group 2 and 4: the dynamic schedule's order (groups of head_group
     (batch, head) pairs, the last of 3 batches x 2 heads smaller with 4), which must still give
-    every tile once."""
+    every tile once. M 192: three consumer warpgroups (head dim 64, blocks of 128 keys)."""
     name = "w"
-    loaded = variant(name, params={"causal": causal, "heads": 2, "kv_heads": 1, "tile": {"n": 176}})
+    if M == 128:
+        loaded = variant(name, params={"causal": causal, "heads": 2, "kv_heads": 1, "tile": {"n": 176}})
+    else:
+        loaded = variant(name, params={"causal": causal, "heads": 2, "kv_heads": 1, "head_dim": 64,
+                                       "tile": {"m": 192, "n": 128}}, launch={"threads": 512})
     exe = walker(rendered_source(loaded, tmp_path), name, tmp_path)
-    M, N = 128, 176
+    N = 176 if M == 128 else 128
     problems = PROBLEMS + [(3, 300, 300, 0, None, 0, 0)]
     for (b, sq, skv, qo, split, qo2, ko), head_group in [(x, g) for g in ((0, 2, 4) if causal else (0,))
                                                           for x in problems]:

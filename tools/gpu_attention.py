@@ -1,6 +1,6 @@
 """The `attention` op on one GPU: correctness, then tsgen against torch SDPA (flash and cuDNN).
 
-Usage: python tools/gpu_attention.py OUT_DIR [--quick] [--no-bench] [--no-checks] [--variants NAMES|schedule]
+Usage: python tools/gpu_attention.py OUT_DIR [--quick] [--no-bench] [--no-checks] [--variants NAMES|schedule|m192]
        (on the lent machines: bash tools/gpu_attention.sh, which sets up the environment)
 
 1. Build: every spec variant below is rendered from specs/attention_hd128.yaml and compiled
@@ -69,6 +69,8 @@ def variant(head_dim=128, causal=False, kv_heads=32, **extra) -> dict:
     for key, value in extra.items():
         if key in ("dtype",):
             changes[key] = value
+        elif key == "threads":
+            changes["launch"] = {"threads": value}
         else:
             changes["params"][key] = value
     return changes
@@ -116,6 +118,19 @@ VARIANTS.update({
     "hd64_causal_kv32_overlap_s3": variant(64, True, 32, stages=3, schedule="persistent", epilogue_overlap=True),
     "hd64_causal_kv32_n176s3": variant(64, True, 32, tile={"n": 176}, stages=3),
 })
+# tile.m 192 at hd 64 (three consumer warpgroups, 512 threads: FlashAttention-3's and -4's hd 64 tile,
+# branch i33fwd): checked alone by `--variants m192` before suites/attention-m192.yaml times them
+M192 = {"tile": {"m": 192, "n": 128}, "threads": 512}
+VARIANTS.update({
+    "hd64_full_kv32_m192": variant(64, False, 32, **M192),
+    "hd64_full_kv32_pp_m192": variant(64, False, 32, pingpong=True, **M192),
+    "hd64_causal_kv8_m192": variant(64, True, 8, **M192),
+    "hd64_causal_kv32_overlap_s3_m192": variant(64, True, 32, stages=3, schedule="persistent", epilogue_overlap=True,
+                                                **M192),
+    "hd64_full_kv4_bhsd_overlap_m192": variant(64, False, 4, layout="bhsd", schedule="persistent",
+                                               epilogue_overlap=True, **M192),
+})
+M192_VARIANTS = [n for n in VARIANTS if n.endswith("_m192")]
 # The two-stream check's negative control: the same module built with every stream on tile counter
 # slot 0 (-DTSGEN_ATTENTION_ONE_WORK_SLOT): calls on two streams then share one counter, and the
 # check must fail (run_streams_case)
@@ -129,7 +144,7 @@ CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd128_causal_kv4_waits
 BENCH_VARIANTS = [f"hd{d}_{c}_kv{kv}" for d in (128, 64) for c in ("full", "causal") for kv in (32, 8)]
 TUNE_VARIANTS = [n for n in VARIANTS if n.startswith(("hd128_full_kv32_", "hd128_causal_kv32_", "hd64_full_kv32_",
                                                        "hd64_causal_kv32_"))
-                 and n not in SCHEDULE_VARIANTS]  # benched at TUNE_SEQS (the schedule's: the suite's)
+                 and n not in SCHEDULE_VARIANTS and n not in M192_VARIANTS]  # benched at TUNE_SEQS (the schedule's: the suite's)
 TUNE_SEQS = {128: SEQS, 64: [8192, 16384]}  # by head dim
 
 
@@ -772,7 +787,8 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=220, help="seconds for the whole run")
     ap.add_argument("--bench-seconds", type=float, default=90, help="seconds kept for the bench")
     ap.add_argument("--variants", default=None,
-                    help="check only these variants (comma-separated names, or `schedule`: SCHEDULE_VARIANTS); "
+                    help="check only these variants (comma-separated names, or `schedule`: SCHEDULE_VARIANTS, `m192`: "
+                         "M192_VARIANTS); "
                     "no bench, no runtime check, no timeout probe")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "ARG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -807,7 +823,7 @@ def main() -> int:
     names = sorted(set(CHECK_VARIANTS + BENCH_VARIANTS + TUNE_VARIANTS + ["probe_waits"]))
     only = None
     if args.variants:
-        only = SCHEDULE_VARIANTS if args.variants == "schedule" else args.variants.split(",")
+        only = {"schedule": SCHEDULE_VARIANTS, "m192": M192_VARIANTS}.get(args.variants) or args.variants.split(",")
         unknown = [n for n in only if n not in VARIANTS]
         if unknown:
             ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")

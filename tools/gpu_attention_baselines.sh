@@ -14,6 +14,11 @@
 #       for the 16 on 8 CPU jobs here); the checks' cases are <= 4097 rows, ~30 s; the suite's timed calls
 #       ~10 s (sum over rows of 15 rounds x 2 implementations x 3 calls), the rest per-row set-up and checks
 #       at ~3 s a row]
+#   tools/gpu_attention_baselines.sh m192        ONE GPU (branch i33fwd: tile.m 192 at hd 64, three consumer
+#       warpgroups): tools/gpu_attention.py's correctness cases for the m192 variants (--variants m192), then
+#       suite attention-m192 (6 entries, 15 rows: the shipped hd 64 causal spec beside 192-row tiles, and hd 64
+#       not causal 128 / 192 rows) against cudnn-frontend and flash-attn-4. About 4 minutes, a guess [as
+#       variants: 6 + 5 kernels to compile, 15 rows at ~3 s each plus FA4's first-call compiles]
 #   tools/gpu_attention_baselines.sh cp          TWO GPUs: suite cp-w2 (cp_attention at S = 16K, 32K against
 #       the naive all_gather + masked SDPA and the zig-zag per-chunk SDPA + LSE merge; the ideal entries
 #       with their interleaved attention baselines). About 3-4 minutes [computed: compiling 4 kernels
@@ -45,11 +50,16 @@ fi
 step "cudnn-frontend imports" 60 python3 -c "import torch, cudnn; print('cuDNN', cudnn.backend_version(), 'frontend', cudnn.__version__)"
 step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/test_attention_baselines_cpu.py
 [ "$MODE" = variants ] && BUDGET=${BUDGET_VARIANTS:-270}
+[ "$MODE" = m192 ] && BUDGET=${BUDGET_VARIANTS:-330}
 case "$MODE" in
   variants)
     step "precompile" 60 python3 tools/precompile_suites.py attention-variants --jobs 16
     step "schedule checks" 75 python3 tools/gpu_attention.py "$OUT/schedule_checks" --variants schedule --quick --deadline 70
     step "bench attention-variants" 170 python3 -m tsgen bench --suite attention-variants --results "$OUT/results" ;;
+  m192)
+    step "precompile" 60 python3 tools/precompile_suites.py attention-m192 --jobs 16
+    step "m192 checks" 90 python3 tools/gpu_attention.py "$OUT/m192_checks" --variants m192 --quick --deadline 85
+    step "bench attention-m192" 200 python3 -m tsgen bench --suite attention-m192 --results "$OUT/results" ;;
   attention)
     step "precompile" 150 python3 tools/precompile_suites.py attention attention-gqa64
     step "bench attention" 260 python3 -m tsgen bench --suite attention --results "$OUT/results"
@@ -61,7 +71,7 @@ case "$MODE" in
     step "trace 16K" 90 python3 tools/attention_trace.py "$OUT/trace_16k" --seq 16384
     step "trace 32K" 90 python3 tools/attention_trace.py "$OUT/trace_32k" --seq 32768
     tail -n 4 "$LOG"/trace_*.log 2>/dev/null ;;
-  *) echo "usage: $0 attention|variants|cp" >&2; exit 2 ;;
+  *) echo "usage: $0 attention|variants|m192|cp" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
 import json, pathlib, sys

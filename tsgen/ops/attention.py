@@ -50,8 +50,10 @@ from .conventions import Baseline, BenchCase, BenchConventions
 # sm_90: at most 227 KiB of shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SMEM_LIMIT = 232448
 SMEM_ALIGN_SLACK = 1024  # the dynamic shared memory base is only 16-byte aligned
-# fp32 scores + fp32 outputs + 16-bit P registers one consumer thread can hold (of 240)
+# fp32 scores + fp32 outputs + 16-bit P registers one consumer thread can hold (of 232; of 160 with
+# three consumer warpgroups, tile.m 192)
 MAX_ACCUMULATORS = 200
+MAX_ACCUMULATORS_M192 = 128
 
 
 
@@ -72,6 +74,16 @@ class AttentionTile(StrictModel):
     m: Literal[128] = Field(128, description="query rows per CTA tile: 2 consumer warpgroups x 64 rows")
     n: int = Field(128, ge=64, le=192, multiple_of=16,
                    description="keys per KV block (the N of S = Q K^T, the K of O += P V)")
+
+
+class ForwardTile(AttentionTile):
+    """The forward's CTA tile: also 192 query rows (three consumer warpgroups, launch.threads 512;
+    head_dim 64 only), as FlashAttention-3 and -4 tile head dim 64 on Hopper (hopper/tile_size.h,
+    flash_attn/cute/interface.py _tile_size_fwd_sm90: 192 x 128)."""
+
+    m: Literal[128, 192] = Field(128, description="query rows per CTA tile, 64 per consumer warpgroup: 128 (two) "
+                                 "or 192 (three; head_dim 64 only, launch.threads 512, 160 registers a consumer "
+                                 "thread)")
 
 
 class AttentionShape(StrictModel):
@@ -98,7 +110,7 @@ def heads_problems(p: AttentionShape) -> list[tuple[tuple, str]]:
 
 
 class AttentionParams(AttentionShape):
-    tile: AttentionTile = AttentionTile()
+    tile: ForwardTile = ForwardTile()
     stages: int = Field(2, ge=1, le=8, description="K and V blocks in flight (each its own ring)")
     pingpong: bool = Field(True, description="the two consumer warpgroups take turns issuing their GEMMs "
                            "(one's softmax overlaps the other's matrix products)")
@@ -126,7 +138,8 @@ class AttentionLaunch(StrictModel):
                         description="0: one CTA per tile (a plain grid; params.schedule persistent: one per SM); "
                         "N: at most N CTAs, each walking tiles blockIdx.x, + N, ... (persistent; params.schedule "
                         "persistent: tiles from the counter)")
-    threads: Literal[384] = Field(384, description="one producer + two consumer warpgroups")
+    threads: Literal[384, 512] = Field(384, description="one producer + two consumer warpgroups (384), or + three "
+                                       "(512: tile.m 192)")
 
 
 class OneGpuAttentionSpec(SpecBase):
@@ -260,6 +273,21 @@ class AttentionFamily(OpFamily):
         p = spec.params
         problems = heads_problems(p)
         acc = accumulators(spec)
+        m = p.tile.m
+        threads = getattr(spec.launch, "threads", 384)
+        if threads != 128 * (1 + m // 64):
+            problems.append((("launch", "threads"), f"tile.m {m} ({m // 64} consumer warpgroups) needs launch.threads "
+                             f"{128 * (1 + m // 64)}, not {threads}"))
+        if m == 192 and p.head_dim != 64:
+            problems.append((("params", "tile", "m"), f"tile.m 192 (three consumer warpgroups of 160 registers) is "
+                             f"for head_dim 64: head_dim {p.head_dim} holds {acc} accumulator registers per thread"))
+        elif m == 192 and p.kv_waits:
+            problems.append((("params", "kv_waits"), "tile.m 192 has no KV waits (compiled in, they spill the "
+                             "32-register producer or, at 40 / 152, the consumers): use tile.m 128"))
+        elif m == 192 and acc > MAX_ACCUMULATORS_M192:
+            problems.append((("params", "tile", "n"),
+                             f"tile.m 192 with blocks of {p.tile.n} keys needs {acc} accumulator registers per "
+                             f"consumer thread; at most {MAX_ACCUMULATORS_M192} fit in 160: use tile.n 128"))
         if acc > MAX_ACCUMULATORS:
             problems.append((("params", "tile", "n"),
                              f"head_dim {p.head_dim} with blocks of {p.tile.n} keys needs {acc} accumulator "

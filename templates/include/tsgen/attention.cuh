@@ -54,7 +54,9 @@
 // previous tile's Q), end when the consumers release this tile's Q (its epilogue is done), waited
 // the time its KV-chunk waits took (tsgen/ops/cp_attention.py trace_table reads them).
 //
-// One CTA (384 threads):
+// One CTA (384 threads; 512 with three consumer warpgroups, TILE_M 192: each part below the same
+// per consumer warpgroup, the ping-pong turns going round robin, the producer keeping 32 registers
+// and the consumers 160):
 //   * warpgroup 0, the producer, keeps 40 registers (setmaxnreg.dec); one thread loads
 //     each tile's Q once (TMA, q_full / q_empty barriers) and its K and V blocks of TILE_N
 //     keys into rings of STAGES stages (k_full / k_empty, v_full / v_empty), in the order
@@ -86,6 +88,7 @@
 #include <math.h>
 
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 
 #include "tsgen/ptx.cuh"
@@ -195,10 +198,14 @@ template <class C>
 struct Layout {
   static_assert(sizeof(typename C::Element) == 2, "16-bit inputs");
   static_assert(C::HEAD_DIM % 64 == 0 && C::HEAD_DIM <= 256, "head dim: 64-column boxes, wgmma N <= 256");
-  static_assert(C::TILE_M == 128, "2 consumer warpgroups x 64 query rows");
+  static_assert(C::TILE_M == 128 || C::TILE_M == 192, "2 or 3 consumer warpgroups x 64 query rows");
   static_assert(C::TILE_N % 16 == 0 && C::TILE_N <= 256, "keys per block: k16 steps of P V, wgmma N <= 256");
   static_assert(C::HEADS % C::KV_HEADS == 0, "KV heads divide the query heads");
-  static constexpr int THREADS = 384;
+  static constexpr int CONSUMERS = C::TILE_M / 64;  // consumer warpgroups, 64 query rows each
+  static constexpr int THREADS = 128 * (1 + CONSUMERS);
+  // setmaxnreg: 128 x PRODUCER_REGS + 128 CONSUMERS x CONSUMER_REGS = 65536 (384 x 168 or 512 x 128)
+  static constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 32;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
   static constexpr int BOXES = C::HEAD_DIM / 64;  // 64-column (128-byte) boxes per row
   static constexpr int Q_BOX = C::TILE_M * 128;
   static constexpr int KV_BOX = C::TILE_N * 128;
@@ -224,8 +231,8 @@ struct Layout {
   static constexpr int SMEM_BYTES = TILE + 8 + 1024;    // + slack for aligning the base
   static_assert(SMEM_BYTES == C::SMEM_BYTES, "tsgen/ops/attention.py smem_bytes() disagrees with this layout");
 
-  // named barriers: 0 is __syncthreads'; PINGPONG turns; per-warpgroup epilogue
-  static constexpr uint32_t TURN = 1, EPILOGUE = 3;
+  // named barriers: 0 is __syncthreads'; PINGPONG turns (one per consumer warpgroup); per-warpgroup epilogue
+  static constexpr uint32_t TURN = 1, EPILOGUE = TURN + CONSUMERS;
 };
 
 // ---------------------------------------------------------------------------
@@ -503,12 +510,20 @@ struct Softmax {
   // Scores of one block -> unnormalized probabilities (in place); `scale` gets the factor
   // the rows' earlier outputs must be multiplied by. MASK: scores of keys >= kv_len, or
   // (causal) after the row's position, count as -inf. FIRST: nothing to rescale.
-  template <bool MASK, bool FIRST>
+  // Pos int64_t: q_pos holds the rows' positions; int32_t (three consumer warpgroups, whose 160
+  // registers do not hold the 64-bit compares): the last key row each row sees (row_limit).
+  template <bool MASK, bool FIRST, class Pos>
   __device__ __forceinline__ void step(float (&s)[Layout<C>::S_ACC], float (&scale)[2], const Problem& p,
-                                       int32_t j, const int64_t (&q_pos)[2]) {
+                                       int32_t j, const Pos (&q_pos)[2]) {
     using L = Layout<C>;
     const uint32_t lane = threadIdx.x % 32;
-    if constexpr (MASK) {
+    if constexpr (MASK && sizeof(Pos) == 4) {
+      const int32_t key0 = j * C::TILE_N + 2 * (int32_t)(lane % 4);
+#pragma unroll
+      for (int i = 0; i < L::S_ACC; ++i) {
+        if (key0 + 8 * (i / 4) + (i % 2) > q_pos[(i / 2) % 2]) s[i] = -INFINITY;
+      }
+    } else if constexpr (MASK) {
       const int64_t key0 = (int64_t)j * C::TILE_N + 2 * (lane % 4);
 #pragma unroll
       for (int i = 0; i < L::S_ACC; ++i) {
@@ -590,9 +605,16 @@ template <class C>
 static __device__ __forceinline__ void turn_wait(uint32_t cw) {
   if constexpr (C::PINGPONG) named_barrier_sync(Layout<C>::TURN + cw, 256);
 }
+// Three consumer warpgroups (tile.m 192) take turns round robin: 0, 1, 2, 0, ...
 template <class C>
 static __device__ __forceinline__ void turn_pass(uint32_t cw) {
-  if constexpr (C::PINGPONG) named_barrier_arrive(Layout<C>::TURN + (cw ^ 1), 256);
+  if constexpr (C::PINGPONG) {
+    if constexpr (Layout<C>::CONSUMERS == 2) {
+      named_barrier_arrive(Layout<C>::TURN + (cw ^ 1), 256);
+    } else {
+      named_barrier_arrive(Layout<C>::TURN + (cw + 1 == Layout<C>::CONSUMERS ? 0 : cw + 1), 256);
+    }
+  }
 }
 
 template <class C>
@@ -675,7 +697,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
   Softmax<C> sm;
   uint32_t count = 0, tiles = 0;
   const bool dynamic = p.work != nullptr;
-  if (cw == 1) turn_pass<C>(cw);  // warpgroup 0 issues first
+  if (cw == L::CONSUMERS - 1) turn_pass<C>(cw);  // warpgroup 0 issues first
   for (uint32_t tn = blockIdx.x;; tn += gridDim.x, ++tiles) {
     if (!dynamic && tn >= p.tiles) break;
     mbar_wait_no_timeout(smem + L::Q_FULL, tiles & 1);
@@ -687,6 +709,20 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
     int64_t q_pos[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) q_pos[r] = q_position(p, tile.m0 + cw * 64 + 16 * (t / 32) + (t % 32) / 4 + 8 * r);
+    // Three consumer warpgroups: the last key row (kv_len - 1, or causal the row's own position
+    // less kv_offset, at least -1) each row sees, 32-bit (keys < 2^30), for the masked steps.
+    using Pos = std::conditional_t<L::CONSUMERS == 2, int64_t, int32_t>;
+    Pos pos[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (L::CONSUMERS == 2) {
+        pos[r] = q_pos[r];
+      } else {
+        int64_t last = (int64_t)p.kv_len - 1;
+        if constexpr (C::CAUSAL) last = q_pos[r] - p.kv_offset < last ? q_pos[r] - p.kv_offset : last;
+        pos[r] = (int32_t)(last < -1 ? -1 : last);
+      }
+    }
     sm.reset();
     const int32_t n = tile.blocks;
     if (n == 0) {
@@ -708,9 +744,9 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * r.stage);
         if (L::OVERLAP && n == 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
         if (block_masked<C>(p, tile, n - 1)) {
-          sm.template step<true, true>(s, scale, p, n - 1, q_pos);
+          sm.template step<true, true>(s, scale, p, n - 1, pos);
         } else {
-          sm.template step<false, true>(s, scale, p, n - 1, q_pos);
+          sm.template step<false, true>(s, scale, p, n - 1, pos);
         }
         to_operand<C>(s, a);
       }
@@ -732,9 +768,9 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * rk.stage);
         if (L::OVERLAP && i == n - 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
         if (block_masked<C>(p, tile, j)) {
-          sm.template step<true, false>(s, scale, p, j, q_pos);
+          sm.template step<true, false>(s, scale, p, j, pos);
         } else {
-          sm.template step<false, false>(s, scale, p, j, q_pos);
+          sm.template step<false, false>(s, scale, p, j, pos);
         }
         wgmma_wait_group<0>();
         fence_all<C>(o, L::O_ACC);
@@ -762,7 +798,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
     if (L::OVERLAP && n == 0 && leader) mbar_arrive(smem + L::Q_EMPTY);
     count += (uint32_t)n;
   }
-  if (cw == 0) turn_wait<C>(cw);  // takes warpgroup 1's last hand-over: the barriers end balanced
+  if (cw == 0) turn_wait<C>(cw);  // takes the last warpgroup's last hand-over: the barriers end balanced
   if (t == 0) bulk_wait_group_all();  // O is written before the CTA (and its shared memory) goes
 }
 
@@ -778,12 +814,12 @@ static __device__ __forceinline__ void run(const CUtensorMap* q_map, const CUten
   const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
   if (threadIdx.x == 0) {
     mbar_init(smem + L::Q_FULL, 1);   // the producer's arrive.expect_tx (+ the TMA bytes)
-    mbar_init(smem + L::Q_EMPTY, 2);  // one arrival per consumer warpgroup
+    mbar_init(smem + L::Q_EMPTY, L::CONSUMERS);  // one arrival per consumer warpgroup
     for (int s = 0; s < C::STAGES; ++s) {
       mbar_init(smem + L::K_FULL + 8 * s, 1);
-      mbar_init(smem + L::K_EMPTY + 8 * s, 2);
+      mbar_init(smem + L::K_EMPTY + 8 * s, L::CONSUMERS);
       mbar_init(smem + L::V_FULL + 8 * s, 1);
-      mbar_init(smem + L::V_EMPTY + 8 * s, 2);
+      mbar_init(smem + L::V_EMPTY + 8 * s, L::CONSUMERS);
     }
     fence_mbarrier_init_release_cluster();  // visible to the TMA unit
     prefetch_tensormap(q_map);
@@ -794,12 +830,13 @@ static __device__ __forceinline__ void run(const CUtensorMap* q_map, const CUten
   __syncthreads();
   const uint32_t warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
-    setmaxnreg_dec<40>();
+    // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232; tile.m 192:
+    // 512 x 128 = 128 x 32 + 384 x 160 (FlashAttention-3's and -4's split for three consumers).
+    setmaxnreg_dec<L::PRODUCER_REGS>();
     if (threadIdx.x == 0) produce<C>(q_map, k_map, v_map, smem, p);
     return;  // the producer's code never joins the consumers' (ptxas allocates each its own registers)
   } else {
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<L::CONSUMER_REGS>();
     consume<C>(o_map, smem, p, warpgroup - 1);
   }
 }
