@@ -90,12 +90,8 @@
 //     of the last STAGES steps: a consumer stuck on a load that never lands traps, not hangs.
 //   - DETERMINISTIC, the turns: the CTAs adding into one query block are KV blocks 0 .. J - 1
 //     (visitor_rank) and wait for turns 0, DQ_ADDERS, 2 DQ_ADDERS, ...: each waits only for lower
-//     KV blocks, and holds no turn while it waits for one (the last one is passed on at the end of the
-//     next step, right before the next wait). Between its add and that hand-over the CTA does hold a
-//     turn across its own barriers (Q_FULL, DS_READY, which at HEAD_DIM 128 may wait for the other
-//     warpgroup's wait for the same turn, DQ_PAIR, DQ_STAGED), but those wait only on this CTA and on
-//     lower KV blocks, and KV block 0's turn is 0: by induction on the KV block, the chain ends,
-//     PROVIDED that every CTA a CTA waits for
+//     KV blocks, and holds no turn while it waits (the last one is passed on at the end of the next
+//     step, right before the next wait), so the chain ends, PROVIDED that every CTA a CTA waits for
 //     has started or can start: the grid puts KV block j of every head before block j + 1
 //     (main_kernel: blockIdx.x = j x batch x KV_HEADS + ...; with params.head_group, of every head of
 //     its group, kv_cta: a head's block j still before its block j + 1), and the argument relies on the hardware
@@ -561,10 +557,10 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
 
     // DQ_TILED: this warpgroup's staging buffer is rewritten after DS_READY (below); the bulk
     // reduction of the last step (thread 0's bulk group) must have finished reading it first. Issued a
-    // whole step ago: the wait does not stall in the steady state. DETERMINISTIC: no wait here: this
-    // step's staging (parity step % 2) was last read two steps ago, by a reduction whose completion
-    // thread 0 waited for (pass_dq_turn) at the end of the last step, before the last reduction; the
-    // other threads write it only after this DS_READY, which thread 0 reaches after that.
+    // whole step ago: the wait does not stall in the steady state. DETERMINISTIC: it must be complete
+    // (its writes too) before its turn is passed on, here, which also frees the staging.
+    // DETERMINISTIC: this step's staging (parity step % 2) was last read two steps ago, by a reduction
+    // whose completion thread 0 waited for at the end of the last step (before the last reduction).
     if constexpr (L::DQ_TILED && !L::DETERMINISTIC)
       if (t == 0) bulk_wait_group_read<0>();
     named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced (and the staging free)
