@@ -38,10 +38,10 @@
 //   55: the hand-written library, included: tsgen/ptx.cuh 55, tsgen/sync.cuh 56, tsgen/copy.cuh 57, tsgen/moe.cuh 58
 //   61: the op's own code (namespace moe: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_w2_dispatch 158, moe_w2_combine 166, moe_w2_dispatch_launch 174, moe_w2_combine_launch 183
-//     moe_w2_launch 196, moe_w4_dispatch 203, moe_w4_combine 211, moe_w4_dispatch_launch 219
-//     moe_w4_combine_launch 228, moe_w4_launch 241, moe_w8_dispatch 248, moe_w8_combine 256
-//     moe_w8_dispatch_launch 264, moe_w8_combine_launch 273, moe_w8_launch 286
+//     moe_w2_dispatch 160, moe_w2_combine 168, moe_w2_dispatch_launch 176, moe_w2_combine_launch 185
+//     moe_w2_launch 198, moe_w4_dispatch 205, moe_w4_combine 213, moe_w4_dispatch_launch 221
+//     moe_w4_combine_launch 230, moe_w4_launch 243, moe_w8_dispatch 250, moe_w8_combine 258
+//     moe_w8_dispatch_launch 266, moe_w8_combine_launch 275, moe_w8_launch 288
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -75,6 +75,7 @@ constexpr int SLOT = 256;
 constexpr int FP8 = 0;
 constexpr int COMBINE_BLOCKS = 32;
 constexpr int CHUNK = 2;
+constexpr int PEER_ORDER = 0;
 
 // Compile-time shape of world size WORLD (tsgen/moe.cuh says what each kernel does), from the
 // constants above.
@@ -85,6 +86,7 @@ struct Config {
   static constexpr int RECV = ::moe::RECV;  // normal mode: rows one rank can receive
   static constexpr int SLOT = ::moe::SLOT;  // low-latency mode: rows per (local expert, source rank)
   static constexpr int CHUNK = ::moe::CHUNK;  // normal combine: rows per signalled chunk of a receive buffer
+  static constexpr bool PEER_ORDER = ::moe::PEER_ORDER != 0;  // normal combine: the peers' chunks interleaved (params.combine_order)
   static constexpr bool WEIGHTED = ::moe::WEIGHTED != 0, FP8 = ::moe::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 

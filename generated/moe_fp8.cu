@@ -39,12 +39,12 @@
 //   58: the hand-written library, included: tsgen/ptx.cuh 58, tsgen/sync.cuh 59, tsgen/copy.cuh 60, tsgen/moe.cuh 61
 //   64: the op's own code (namespace moe_fp8: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_fp8_w2_dispatch 163, moe_fp8_w2_combine 171, moe_fp8_w2_dequantize 179
-//     moe_fp8_w2_dispatch_launch 184, moe_fp8_w2_combine_launch 193, moe_fp8_w2_launch 206
-//     moe_fp8_w4_dispatch 217, moe_fp8_w4_combine 225, moe_fp8_w4_dequantize 233
-//     moe_fp8_w4_dispatch_launch 238, moe_fp8_w4_combine_launch 247, moe_fp8_w4_launch 260
-//     moe_fp8_w8_dispatch 271, moe_fp8_w8_combine 279, moe_fp8_w8_dequantize 287
-//     moe_fp8_w8_dispatch_launch 292, moe_fp8_w8_combine_launch 301, moe_fp8_w8_launch 314
+//     moe_fp8_w2_dispatch 165, moe_fp8_w2_combine 173, moe_fp8_w2_dequantize 181
+//     moe_fp8_w2_dispatch_launch 186, moe_fp8_w2_combine_launch 195, moe_fp8_w2_launch 208
+//     moe_fp8_w4_dispatch 219, moe_fp8_w4_combine 227, moe_fp8_w4_dequantize 235
+//     moe_fp8_w4_dispatch_launch 240, moe_fp8_w4_combine_launch 249, moe_fp8_w4_launch 262
+//     moe_fp8_w8_dispatch 273, moe_fp8_w8_combine 281, moe_fp8_w8_dequantize 289
+//     moe_fp8_w8_dispatch_launch 294, moe_fp8_w8_combine_launch 303, moe_fp8_w8_launch 316
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -78,6 +78,7 @@ constexpr int SLOT = 256;
 constexpr int FP8 = 1;
 constexpr int COMBINE_BLOCKS = 32;
 constexpr int CHUNK = 2;
+constexpr int PEER_ORDER = 0;
 
 // Compile-time shape of world size WORLD (tsgen/moe.cuh says what each kernel does), from the
 // constants above.
@@ -88,6 +89,7 @@ struct Config {
   static constexpr int RECV = ::moe_fp8::RECV;  // normal mode: rows one rank can receive
   static constexpr int SLOT = ::moe_fp8::SLOT;  // low-latency mode: rows per (local expert, source rank)
   static constexpr int CHUNK = ::moe_fp8::CHUNK;  // normal combine: rows per signalled chunk of a receive buffer
+  static constexpr bool PEER_ORDER = ::moe_fp8::PEER_ORDER != 0;  // normal combine: the peers' chunks interleaved (params.combine_order)
   static constexpr bool WEIGHTED = ::moe_fp8::WEIGHTED != 0, FP8 = ::moe_fp8::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 

@@ -35,11 +35,11 @@
 //   53: the hand-written library, included: tsgen/ptx.cuh 53, tsgen/sync.cuh 54, tsgen/copy.cuh 55, tsgen/moe.cuh 56
 //   59: the op's own code (namespace moe_ll: constants, tables, device code)
 //   entry points (extern "C"):
-//     moe_ll_w2_dispatch 131, moe_ll_w2_combine 140, moe_ll_w2_dispatch_launch 149
-//     moe_ll_w2_combine_launch 158, moe_ll_w2_launch 169, moe_ll_w4_dispatch 176, moe_ll_w4_combine 185
-//     moe_ll_w4_dispatch_launch 194, moe_ll_w4_combine_launch 203, moe_ll_w4_launch 214
-//     moe_ll_w8_dispatch 221, moe_ll_w8_combine 230, moe_ll_w8_dispatch_launch 239
-//     moe_ll_w8_combine_launch 248, moe_ll_w8_launch 259
+//     moe_ll_w2_dispatch 133, moe_ll_w2_combine 142, moe_ll_w2_dispatch_launch 151
+//     moe_ll_w2_combine_launch 160, moe_ll_w2_launch 171, moe_ll_w4_dispatch 178, moe_ll_w4_combine 187
+//     moe_ll_w4_dispatch_launch 196, moe_ll_w4_combine_launch 205, moe_ll_w4_launch 216
+//     moe_ll_w8_dispatch 223, moe_ll_w8_combine 232, moe_ll_w8_dispatch_launch 241
+//     moe_ll_w8_combine_launch 250, moe_ll_w8_launch 261
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -73,6 +73,7 @@ constexpr int SLOT = 128;
 constexpr int FP8 = 0;
 constexpr int COMBINE_BLOCKS = 32;
 constexpr int CHUNK = 2;
+constexpr int PEER_ORDER = 0;
 
 // Compile-time shape of world size WORLD (tsgen/moe.cuh says what each kernel does), from the
 // constants above.
@@ -83,6 +84,7 @@ struct Config {
   static constexpr int RECV = ::moe_ll::RECV;  // normal mode: rows one rank can receive
   static constexpr int SLOT = ::moe_ll::SLOT;  // low-latency mode: rows per (local expert, source rank)
   static constexpr int CHUNK = ::moe_ll::CHUNK;  // normal combine: rows per signalled chunk of a receive buffer
+  static constexpr bool PEER_ORDER = ::moe_ll::PEER_ORDER != 0;  // normal combine: the peers' chunks interleaved (params.combine_order)
   static constexpr bool WEIGHTED = ::moe_ll::WEIGHTED != 0, FP8 = ::moe_ll::FP8 != 0;  // fp8: e4m3 rows, a scale per 128 channels
 };
 

@@ -321,13 +321,45 @@ def test_dispatch_position_arithmetic_matches_layout():
                             assert warp_base[w, d] + pre[d] == counts[:s, d].sum() + lays[s]["pos"][rnd + i, d]
 
 
-def test_combine_chunk_schedule_covers_every_wait_and_every_token():
+def combine_push_schedule(order: str, rank: int, world: int, rows: int, per_source, chunk: int,
+                          senders: int) -> list[list[tuple[int, int, int]]]:
+    """tsgen/moe.cuh's normal combine, step 1, in Python: per sender warp g (of `senders`), the
+    (chunk, first row, end row) it pushes, in its order. rows: the rows received (at most the
+    capacity); per_source: recv_counts' rows from each source rank (in rank order in the buffer)."""
+    out = [[] for _ in range(senders)]
+    if order == "rows":
+        for g in range(senders):
+            out[g] = [(c, c * chunk, min(rows, (c + 1) * chunk)) for c in range(g, -(-rows // chunk), senders)]
+        return out
+    P = max(world - 1, 1)
+    end = np.cumsum(per_source)
+    lo, hi = np.minimum(end - per_source, rows), np.minimum(end, rows)
+    first = lo // chunk
+    chunks = [int((hi[s] - 1) // chunk + 1 - first[s]) if s != rank and hi[s] > lo[s] else 0 for s in range(world)]
+    slots = P * max(chunks)
+    for g in range(senders):
+        i = 0
+        while i * senders < slots:
+            v = i * senders + (g + i) % senders
+            s, k = (rank + 1 + v % P) % world, v // P
+            if k < chunks[s]:
+                c = int(first[s]) + k
+                out[g].append((c, max(c * chunk, int(lo[s])), min((c + 1) * chunk, int(hi[s]))))
+            i += 1
+    return out
+
+
+@pytest.mark.parametrize("order", ["rows", "peers"])
+def test_combine_chunk_schedule_covers_every_wait_and_every_token(order):
     """tsgen/moe.cuh's normal combine in Python: the chunks of each rank's receive buffer dealt over
-    the sender warps (each chunk to one warp), the ranks each chunk's signal goes to (those with rows
-    in it, from the handles), and the chunk every token's sum waits for (its row on that rank, from
-    dispatch's sent_row, over CHUNK): every wait is for a chunk whose signal goes to the waiting rank;
-    the blocks' token queues (block b: tokens b, b + blocks, ..., `parts` items each) hand out every
-    (token, part) exactly once. CHUNK: params.combine_chunk_rows, the default 2 and others."""
+    the sender warps in either order (params.combine_order; "peers" pushes a chunk that straddles two
+    sources in two parts), the ranks each push signals (those with rows in it, from the handles), and
+    the chunk every token's sum waits for (its row on that rank, from dispatch's sent_row, over CHUNK):
+    every row of another rank is pushed exactly once, every (chunk, rank) signal is raised by one push
+    that holds all that rank's rows of the chunk, every wait is for a chunk whose signal goes to the
+    waiting rank; the blocks' token queues (block b: tokens b, b + blocks, ..., `parts` items each) hand
+    out every (token, part) exactly once. CHUNK: params.combine_chunk_rows, the default 2 and others;
+    some receive capacities smaller than the rows (the rows past it dropped)."""
     rng = np.random.default_rng(2)
     for i in range(40):
         CHUNK = 2 if i < 20 else int(rng.choice([1, 3, 4, 8]))
@@ -342,22 +374,28 @@ def test_combine_chunk_schedule_covers_every_wait_and_every_token():
                   "topk_idx": [routing(case, world, experts, topk, tokens[r], rng, r) for r in range(world)],
                   "topk_weights": [np.ones(tokens[r] * topk, np.float32) for r in range(world)]}
         recv = world * max(tokens + [1])
+        if i % 5 == 4:
+            recv = int(rng.integers(1, recv + 1))
         disp = dispatch_reference(inputs, world, experts, topk, 8, recv)
         lays = [layout(inputs["topk_idx"][s], world, experts, topk) for s in range(world)]
         signalled = set()  # (rank d whose chunk, chunk, rank it is signalled to)
         for d in range(world):
             handles = disp[d]["handle"]
             rows = min(len(handles), recv)
-            owner = {}
-            for g in range(blocks * senders):  # sender warp g = block * senders + warp
-                for c in range(g, -(-rows // CHUNK), blocks * senders):
-                    assert c not in owner
-                    owner[c] = g
-                    to = {int(handles[r, 0]) for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK))} - {d}
-                    signalled |= {(d, c, s) for s in to}
-            assert sorted(owner) == list(range(-(-rows // CHUNK)))
+            pushed = []
+            for push in combine_push_schedule(order, d, world, rows, disp[d]["per_source"], CHUNK, blocks * senders):
+                for c, r0, r1 in push:
+                    assert c * CHUNK <= r0 < r1 <= min(rows, (c + 1) * CHUNK)
+                    pushed += [r for r in range(r0, r1) if handles[r, 0] != d]
+                    for s in {int(handles[r, 0]) for r in range(r0, r1)} - {d}:
+                        assert (d, c, s) not in signalled
+                        signalled.add((d, c, s))
+                        assert all(r0 <= r < r1 for r in range(c * CHUNK, min(rows, (c + 1) * CHUNK))
+                                   if handles[r, 0] == s)
+            assert sorted(pushed) == [r for r in range(rows) if handles[r, 0] != d]
         for s in range(world):
             sent_row = np.where(lays[s]["mask"], lays[s]["pos"] + sum(lays[j]["per_rank"] for j in range(s)), -1)
+            sent_row[sent_row >= recv] = -1  # dropped past the capacity: not waited for
             for t in range(tokens[s]):
                 for d in range(world):
                     if d != s and sent_row[t, d] >= 0:
@@ -369,6 +407,27 @@ def test_combine_chunk_schedule_covers_every_wait_and_every_token():
                 items = ((tokens[s] - 1 - b) // blocks + 1 if tokens[s] > b else 0) * parts
                 handed += [(b + i // parts * blocks, i % parts) for i in range(items)]
             assert sorted(handed) == [(t, p) for t in range(tokens[s]) for p in range(parts)]
+
+
+def test_combine_peer_order_pushes_to_every_peer_at_once():
+    """The reason for params.combine_order "peers" (docs/design/moe.md, "World 4: combine's incast"): at
+    world 4 with rows from every source (the moe-w4 shape, scaled down), the row order's first round of
+    sender warps pushes every rank's rows to one peer, rank 0 for ranks 1-3 (incast: three senders on
+    rank 0's links, the rest idle); the peer order's first round pushes to each peer G / 3 times, and
+    every round keeps the peers within one chunk of each other while they all have chunks left."""
+    world, senders, CHUNK = 4, 96 * 8, 2
+    per_source = np.array([3690, 3700, 3680, 3710])
+    rows = int(per_source.sum())
+    source = np.repeat(np.arange(world), per_source)
+    for rank in range(world):
+        def first_rounds(order, n):
+            sched = combine_push_schedule(order, rank, world, rows, per_source, CHUNK, senders)
+            return [[int(source[push[i][1]]) for push in sched if len(push) > i] for i in range(n)]
+        if rank:
+            assert set(first_rounds("rows", 1)[0]) - {rank} == {0}
+        for dests in first_rounds("peers", 4):
+            counts = np.bincount(dests, minlength=world)
+            assert counts[rank] == 0 and max(counts) - min(np.delete(counts, rank)) <= 1, counts
 
 
 def test_combine_grid_of_its_own():
@@ -420,6 +479,27 @@ def test_combine_chunk_rows_sets_the_chunk_the_buffers_and_nothing_else():
     for bad in (0, 65):
         with pytest.raises(SpecError, match="combine_chunk_rows"):
             spec_variant(base, {"params": {"combine_chunk_rows": bad}})
+
+
+def test_combine_order_sets_peer_order_and_nothing_else():
+    """params.combine_order (default rows, the shipped sources' PEER_ORDER 0) is the rendered PEER_ORDER,
+    sizes no buffer, and low_latency refuses peers (its combine has no chunks)."""
+    from tsgen.errors import SpecError
+    from tsgen.harness import render_to_cache
+    from tsgen.ops import get_family
+    from tsgen.spec import spec_variant
+
+    family = get_family("moe")
+    base = load_spec(ROOT / "specs" / "moe.yaml")
+    assert base.model.params.combine_order == "rows"
+    assert "constexpr int PEER_ORDER = 0;" in render_to_cache(base).source.read_text()
+    loaded = spec_variant(base, {"params": {"combine_order": "peers"}})
+    assert "constexpr int PEER_ORDER = 1;" in render_to_cache(loaded).source.read_text()
+    assert family.buffers(loaded.model) == family.buffers(base.model)
+    with pytest.raises(SpecError, match="combine_order"):
+        spec_variant(load_spec(ROOT / "specs" / "moe_ll.yaml"), {"params": {"combine_order": "peers"}})
+    with pytest.raises(SpecError, match="combine_order"):
+        spec_variant(base, {"params": {"combine_order": "ring"}})
 
 
 # ---------------------------------------------------------------------------

@@ -418,6 +418,19 @@ def test_moe_combine_on_its_own_grid(world):
     assert not problems, "\n".join(lines + problems[:10])
 
 
+@pytest.mark.parametrize("world,chunk_rows", [(2, 2), (4, 2), (8, 2), (4, 3)])
+def test_moe_combine_peer_order(world, chunk_rows):
+    """params.combine_order "peers": the peers' chunks interleaved over the sender warps; chunks of 2 and
+    3 rows (a chunk where one source's rows end and the next one's begin is pushed in two parts, each
+    signalled to its source); every output right, also back to back."""
+    need_gpus(world)
+    problems, lines = run_moe(world, variant={"launch": {"blocks": 16}, "params": {
+        "combine_blocks": 40, "combine_order": "peers", "combine_chunk_rows": chunk_rows}}, burst=20)
+    _record({"test": "combine_peer_order", "world": world, "chunk_rows": chunk_rows, "pass": not problems,
+             "problems": problems[:5], "lines": lines})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_moe_fp8_dispatch(world):
     """FP8 payload: e4m3 bytes and scales bit-exact with the reference quantizer, the error of the

@@ -95,6 +95,10 @@ class MoeParams(StrictModel):
                                     description="normal mode: rows of a receive buffer per combine chunk, the unit "
                                     "its rows go home in and are signalled by (a token's sum waits for the chunks "
                                     "holding its rows)")
+    combine_order: Literal["rows", "peers"] = Field(
+        "rows", description="normal mode: the order combine's senders push a receive buffer's chunks home in: rows "
+        "(row order; the rows are grouped by source rank, so every rank pushes to one peer at a time, the same one: "
+        "incast at world > 2) | peers (the peers' chunks interleaved: every rank pushes to every peer at once)")
 
 
 class MoeSpec(SpecBase):
@@ -191,6 +195,9 @@ class MoeFamily(OpFamily):
                                  "(one row per (token, expert)): set weighted: true"))
         elif p.slot_tokens is not None:
             problems.append((("params", "slot_tokens"), "only the low_latency mode has slots"))
+        if low_latency(spec) and p.combine_order != "rows":
+            problems.append((("params", "combine_order"), "only the normal mode's combine pushes chunks of a receive "
+                             "buffer; low_latency's goes by (local expert, source rank) slot"))
         if low_latency(spec) and p.combine_blocks is not None:
             problems.append((("params", "combine_blocks"), "only the normal mode's combine has a grid of its own; "
                              "low_latency's runs on launch.blocks"))
@@ -287,7 +294,7 @@ class MoeFamily(OpFamily):
         return {"WMAX": max(spec.world_sizes), "EXPERTS": p.experts, "TOPK": p.topk, "HIDDEN": p.hidden,
                 "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted), "SLOT": slot_rows(spec),
                 "FP8": int(p.payload == "fp8"), "COMBINE_BLOCKS": combine_blocks(spec),
-                "CHUNK": p.combine_chunk_rows}
+                "CHUNK": p.combine_chunk_rows, "PEER_ORDER": int(p.combine_order == "peers")}
 
     def template_vars(self, spec):
         # the buffers tsgen::moe::Buffers holds, in its order

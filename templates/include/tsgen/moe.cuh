@@ -33,6 +33,10 @@
 //      rank], then raises chunk_sig[rank][chunk] to the epoch on every rank that had rows in it
 //      (release, sys scope, after __syncwarp: the lanes' row stores are ordered before it). A
 //      rank's rows of its own tokens stay in y: dispatch wrote where (sent_row[token][rank]).
+//      The order (params.combine_order): "rows", the chunks in row order, so all of a rank's
+//      senders push to one peer at a time (the rows are grouped by source), the same peer on every
+//      rank (W > 2: every rank's first rows are rank 0's); "peers", the peers' chunks interleaved,
+//      every sender round pushing to every peer at once, each peer's rows at one pace.
 //   2. sums (the other warps from the start, the senders once their chunks are out): block b sums
 //      tokens b, b + gridDim.x, ... in that order, taken from a block-local counter; a token
 //      waits only for the chunks holding its rows on other ranks (sent_row[token][d] / CHUNK,
@@ -449,6 +453,27 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
   if (tid == 0) b.sig[SIG_TOKENS * WMAX] = (uint64_t)tokens;  // for combine's count check (moe.cu.j2)
 }
 
+// Normal combine, one sender warp: rows [lo, hi) of this rank's receive buffer (all in chunk c) home,
+// row r from another rank s into s's comb[token][this rank] (this rank's own rows stay in y: dispatch
+// wrote where, sent_row[token][rank]); then chunk_sig[rank][c] raised to the epoch on every rank that
+// got rows (release, sys scope, after __syncwarp: the lanes' row stores are ordered before it).
+template <class C>
+static __device__ __forceinline__ void push_chunk(char* const* peers, int rank, uint64_t epoch, const Buffers& b,
+                                                  const __nv_bfloat16* y, int c, int lo, int hi, int lane) {
+  constexpr int W = C::WORLD, NCHUNK = (C::RECV + C::CHUNK - 1) / C::CHUNK;
+  uint32_t to = 0;  // ranks that had rows here
+  for (int r = lo; r < hi; ++r) {
+    const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
+    if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
+    if (s == rank) continue;  // this rank's own tokens: step 2 reads their rows in y (sent_row)
+    copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN, y + (size_t)r * C::HIDDEN, lane);
+    to |= 1u << s;
+  }
+  __syncwarp();  // every lane's row stores, before the release below (cumulativity carries them)
+  if (lane < W && ((to >> lane) & 1u))
+    st_release_sys_global_u64(peer_ptr(b.chunk_sig, peers, rank, lane) + rank * NCHUNK + c, epoch);
+}
+
 template <class C>
 static __device__ __forceinline__ void combine(char* const* peers, int rank, uint64_t epoch, int tokens,
                                                const Buffers& b, const __nv_bfloat16* y) {
@@ -461,23 +486,42 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
   if (tid == 0) s_next = 0;
   __syncthreads();
 
-  // 1. rows home: chunk c (rows [c CHUNK, (c + 1) CHUNK) of the receive buffer) by sender warp
-  //    c mod (gridDim.x SENDERS), in row order
+  // 1. rows home, by the sender warps g = blockIdx.x SENDERS + warp, G of them
   if (warp < SENDERS) {
     const int rows = min(b.recv_counts[0], C::RECV);
-    for (int c = blockIdx.x * SENDERS + warp; c * CHUNK < rows; c += gridDim.x * SENDERS) {
-      uint32_t to = 0;  // ranks that had rows in this chunk
-      for (int r = c * CHUNK; r < min(rows, (c + 1) * CHUNK); ++r) {
-        const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
-        if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
-        if (s == rank) continue;  // this rank's own tokens: step 2 reads their rows in y (sent_row)
-        copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
-                    y + (size_t)r * C::HIDDEN, lane);
-        to |= 1u << s;
+    const int g = blockIdx.x * SENDERS + warp, G = gridDim.x * SENDERS;
+    if constexpr (!C::PEER_ORDER) {
+      // in row order: chunk c (rows [c CHUNK, (c + 1) CHUNK)) by warp c mod G. The rows are grouped by
+      // source rank, so a rank's warps push to one peer at a time, and every rank starts with rank 0's
+      // rows (W > 2: the other ranks all push to rank 0 first, then to rank 1, ...: incast)
+      for (int c = g; c * CHUNK < rows; c += G)
+        push_chunk<C>(peers, rank, epoch, b, y, c, c * CHUNK, min(rows, (c + 1) * CHUNK), lane);
+    } else {
+      // the peers' rows interleaved: lane s < W holds the rows from source s, [lo, hi) (recv_counts, in
+      // rank order, as dispatch placed them), and their chunks [first, first + chunks) (0 for this rank's
+      // own rows, which stay in y). Slot v = (W - 1) k + j is chunk k of peer (rank + 1 + j) mod W, so
+      // every round of G slots pushes to every peer at once and each peer's rows go at one pace (a
+      // token's rows from every rank arrive at about the same time). A chunk that straddles two sources
+      // is pushed in two parts, each signalled to its source only. Warp g takes slot i G + (g + i) mod G
+      // in round i: its chunks cycle over the peers (with G a multiple of W - 1 it would keep one).
+      constexpr int P = W > 1 ? W - 1 : 1;
+      const int n = lane < W ? b.recv_counts[2 + lane] : 0;
+      int end = n;  // inclusive scan of the rows from each source
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int up = __shfl_up_sync(0xffffffffu, end, off);
+        if (lane >= off) end += up;
       }
-      __syncwarp();  // every lane's row stores, before the release below (cumulativity carries them)
-      if (lane < W && ((to >> lane) & 1u))
-        st_release_sys_global_u64(peer_ptr(b.chunk_sig, peers, rank, lane) + rank * NCHUNK + c, epoch);
+      const int lo = min(end - n, rows), hi = min(end, rows);
+      const int first = lo / CHUNK, chunks = lane < W && lane != rank && hi > lo ? (hi - 1) / CHUNK + 1 - first : 0;
+      const int slots = P * __reduce_max_sync(0xffffffffu, chunks);
+      for (int i = 0; i * G < slots; ++i) {
+        const int v = i * G + (g + i) % G, s = (rank + 1 + v % P) % W, k = v / P;
+        const int c = __shfl_sync(0xffffffffu, first, s) + k;
+        const int r0 = max(c * CHUNK, __shfl_sync(0xffffffffu, lo, s));
+        const int r1 = min((c + 1) * CHUNK, __shfl_sync(0xffffffffu, hi, s));
+        if (k < __shfl_sync(0xffffffffu, chunks, s)) push_chunk<C>(peers, rank, epoch, b, y, c, r0, r1, lane);
+      }
     }
   }
 
