@@ -3,6 +3,8 @@ routing layout's arithmetic, spec errors, and the rendered source's shape."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -369,7 +371,8 @@ def test_combine_chunk_schedule_covers_every_wait_and_every_token(order):
         case = str(rng.choice(["random", "skewed", "no_expert", "same_rank", "one_rank_idle"]))
         tokens = [int(rng.integers(0, 150)) for _ in range(world)]
         blocks, warps = int(rng.integers(1, 9)), int(rng.choice([1, 2, 16]))
-        senders = warps // 2 if warps > 1 else 1
+        # sender warps per block: the default half, or params.combine_senders (1 .. all of them)
+        senders = warps // 2 if warps > 1 and i % 3 else int(rng.integers(1, warps + 1))
         inputs = {"x": [np.zeros(tokens[r] * 8, np.uint16) for r in range(world)],
                   "topk_idx": [routing(case, world, experts, topk, tokens[r], rng, r) for r in range(world)],
                   "topk_weights": [np.ones(tokens[r] * topk, np.float32) for r in range(world)]}
@@ -415,11 +418,11 @@ def test_combine_peer_order_pushes_to_every_peer_at_once():
     sender warps pushes every rank's rows to one peer, rank 0 for ranks 1-3 (incast: three senders on
     rank 0's links, the rest idle); the peer order's first round pushes to each peer G / 3 times, and
     every round keeps the peers within one chunk of each other while they all have chunks left."""
-    world, senders, CHUNK = 4, 96 * 8, 2
+    world, CHUNK = 4, 2
     per_source = np.array([3690, 3700, 3680, 3710])
     rows = int(per_source.sum())
     source = np.repeat(np.arange(world), per_source)
-    for rank in range(world):
+    for rank, senders in itertools.product(range(world), (96 * 8, 96 * 2)):  # 2: params.combine_senders
         def first_rounds(order, n):
             sched = combine_push_schedule(order, rank, world, rows, per_source, CHUNK, senders)
             return [[int(source[push[i][1]]) for push in sched if len(push) > i] for i in range(n)]
@@ -428,6 +431,90 @@ def test_combine_peer_order_pushes_to_every_peer_at_once():
         for dests in first_rounds("peers", 4):
             counts = np.bincount(dests, minlength=world)
             assert counts[rank] == 0 and max(counts) - min(np.delete(counts, rank)) <= 1, counts
+
+
+def last_wave_rows(schedule) -> int:
+    """Rows of the last round (every sender warp's chunk i, for the largest i any warp has): the rows
+    that land together at the end of the transfer where the link is shared evenly by the warps pushing
+    (the warps' chunks of one round go at one pace and land at about the same time; the tokens of the
+    last round are summed after it: docs/design/moe.md, "World 2: combine's waves")."""
+    last = max(len(push) for push in schedule) - 1
+    return sum(push[last][2] - push[last][1] for push in schedule if len(push) > last)
+
+
+def test_combine_senders_shrink_the_last_wave():
+    """The arithmetic of docs/design/moe.md, "World 2: combine's waves", on the moe-w2 shape (a rank
+    receives 4080 rows of the other's tokens after its own 4091, 96 combine blocks): 8 sender warps a
+    block (768) push 2040 chunks in rounds of 768, the last of 504 chunks, 1008 rows that land at the
+    end and are summed after it, the first chunk signal only after a round, 768 chunks (57 us at the
+    link's 385 GB/s); 2 sender warps a block (params.combine_senders 2, 192 warps): 11 rounds, the last
+    of 120 chunks, 240 rows, a round 15 us. Both orders push the same rows; peers skips the rank's own
+    run, rows (rank 0, whose own rows come first) deals it out to warps that find nothing to push."""
+    world, CHUNK = 2, 2
+    for rank in range(world):
+        per_source = np.array([4091, 4080] if rank == 0 else [4080, 4091])
+        rows = int(per_source.sum())
+        for G, last, rounds in ((96 * 8, 1008, 3), (96 * 2, 240, 11)):
+            sched = combine_push_schedule("peers", rank, world, rows, per_source, CHUNK, G)
+            assert abs(last_wave_rows(sched) - last) <= 2, (rank, G, last_wave_rows(sched))  # rank 0: 4091 is odd
+            assert max(len(p) for p in sched) == rounds
+            assert sum(p[2] - p[1] for push in sched for p in push) == 4080
+        own = combine_push_schedule("rows", 0, world, rows, per_source, CHUNK, 96 * 8)
+        if rank == 0:  # rows order on rank 0: every warp first walks chunks of its own run (nothing to push)
+            assert all(push[0][2] <= 4091 for push in own if push)
+        link_us = 96 * 8 * CHUNK * 7168 * 2 / 385e3
+        assert 56 < link_us < 58
+
+
+def test_combine_senders_sets_the_senders_and_nothing_else():
+    """params.combine_senders / combine_send_unroll: unset (the shipped specs), the rendered source has
+    neither SENDERS nor SEND_UNROLL (the kernel keeps half the warps and UNROLL: sources unchanged);
+    set, both constants (the other one at its default), no buffer changes; more senders than warps,
+    out-of-range values and low_latency are refused."""
+    from tsgen.errors import SpecError
+    from tsgen.harness import render_to_cache
+    from tsgen.ops import get_family
+    from tsgen.spec import spec_variant
+
+    family = get_family("moe")
+    base = load_spec(ROOT / "specs" / "moe.yaml")
+    text = render_to_cache(base).source.read_text()
+    assert "SENDERS" not in text and "SEND_UNROLL" not in text
+    assert "SENDERS" not in family.constants(base.model)
+    for params, senders, unroll in (({"combine_senders": 2}, 2, 4), ({"combine_send_unroll": 8}, 8, 8),
+                                    ({"combine_senders": 3, "combine_send_unroll": 6}, 3, 6)):
+        loaded = spec_variant(base, {"params": params})
+        text = render_to_cache(loaded).source.read_text()
+        assert f"constexpr int SENDERS = {senders};" in text and f"constexpr int SEND_UNROLL = {unroll};" in text
+        assert "static constexpr int SENDERS = ::moe::SENDERS, SEND_UNROLL = ::moe::SEND_UNROLL;" in text
+        assert family.buffers(loaded.model) == family.buffers(base.model)
+    for bad in ({"combine_senders": 17}, {"combine_senders": 0}, {"combine_send_unroll": 0},
+                {"combine_send_unroll": 17}):
+        with pytest.raises(SpecError, match=next(iter(bad))):
+            spec_variant(base, {"params": bad})
+    for bad in ({"combine_senders": 2}, {"combine_send_unroll": 8}):
+        with pytest.raises(SpecError, match=next(iter(bad))):
+            spec_variant(load_spec(ROOT / "specs" / "moe_ll.yaml"), {"params": bad})
+
+
+@compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
+@pytest.mark.parametrize("params", [{"combine_order": "peers", "combine_senders": 2, "combine_send_unroll": 8},
+                                    {"combine_senders": 4, "combine_send_unroll": 8},
+                                    {"combine_order": "peers", "combine_senders": 16, "combine_send_unroll": 2}])
+def test_combine_senders_compile_without_spills(tmp_path, monkeypatch, params):
+    """The moe-w2 shape (hidden 7168, 4096 tokens, 96 combine blocks of 512 threads) with its own
+    senders: every world's combine within the 128 registers of __launch_bounds__(512, 1), no spills
+    (the 64-byte frame is the timeout trap's printf, in the default's too)."""
+    from tsgen.harness import render_to_cache
+    from tsgen.spec import spec_variant
+
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    loaded = spec_variant(load_spec(ROOT / "specs" / "moe.yaml"), {"name": "v", "launch": {"blocks": 64}, "params": {
+        "experts": 32, "hidden": 7168, "capacity": 4096, "combine_blocks": 96, **params}})
+    res = compile_source(render_to_cache(loaded).source)
+    for w in loaded.model.world_sizes:
+        entry = res.report[f"v_w{w}_combine"]
+        assert entry["registers"] <= 128 and entry["spill_stores"] == 0 and entry["spill_loads"] == 0, entry
 
 
 def test_combine_grid_of_its_own():

@@ -431,6 +431,22 @@ def test_moe_combine_peer_order(world, chunk_rows):
     assert not problems, "\n".join(lines + problems[:10])
 
 
+@pytest.mark.parametrize("world,params", [(2, {"combine_order": "peers", "combine_senders": 2, "combine_send_unroll": 8}),
+                                          (4, {"combine_order": "peers", "combine_senders": 2, "combine_send_unroll": 8}),
+                                          (4, {"combine_senders": 1}),
+                                          (2, {"combine_senders": 16, "combine_send_unroll": 2})])
+def test_moe_combine_senders(world, params):
+    """params.combine_senders / combine_send_unroll: fewer (or all) warps of a block push the rows home
+    before they sum (16 of 16: no warp sums until its chunks are out), each with its own unroll; every
+    output right, also back to back."""
+    need_gpus(world)
+    problems, lines = run_moe(world, variant={"launch": {"blocks": 16}, "params": {"combine_blocks": 40, **params}},
+                              burst=20)
+    _record({"test": "combine_senders", "world": world, "params": params, "pass": not problems,
+             "problems": problems[:5], "lines": lines})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_moe_fp8_dispatch(world):
     """FP8 payload: e4m3 bytes and scales bit-exact with the reference quantizer, the error of the

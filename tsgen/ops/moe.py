@@ -99,6 +99,14 @@ class MoeParams(StrictModel):
         "rows", description="normal mode: the order combine's senders push a receive buffer's chunks home in: rows "
         "(row order; the rows are grouped by source rank, so every rank pushes to one peer at a time, the same one: "
         "incast at world > 2) | peers (the peers' chunks interleaved: every rank pushes to every peer at once)")
+    combine_senders: int | None = Field(
+        None, ge=1, le=32, description="normal mode: warps of each combine block that push rows home before they "
+        "sum (default: half the block's warps); fewer senders, each with more bytes in flight "
+        "(combine_send_unroll), finish each chunk sooner, so the chunks land in smaller waves and the sums "
+        "trail the link closer")
+    combine_send_unroll: int | None = Field(
+        None, ge=1, le=16, description="normal mode: 16-byte vectors per lane that a combine sender loads before "
+        "it stores them to the peer (default: launch.unroll)")
 
 
 class MoeSpec(SpecBase):
@@ -126,6 +134,19 @@ def combine_chunks(spec) -> int:
     rows go home in and are signalled by (chunk_sig); a token's sum waits for the chunks that hold its
     rows (tsgen/moe.cuh)."""
     return -(-recv_rows(spec) // spec.params.combine_chunk_rows)
+
+
+def combine_sender_constants(spec) -> dict:
+    """Normal mode: combine's sender warps per block and their copy's unroll (params.combine_senders,
+    params.combine_send_unroll) as the module's SENDERS and SEND_UNROLL, or {} where neither is set: the
+    kernel then keeps half the block's warps as senders and launch.unroll (tsgen/moe.cuh), and the
+    rendered source has neither constant (the shipped sources stay as they were)."""
+    p = spec.params
+    if p.combine_senders is None and p.combine_send_unroll is None:
+        return {}
+    warps = spec.launch.threads // 32
+    return {"SENDERS": p.combine_senders if p.combine_senders is not None else (warps // 2 if warps > 1 else 1),
+            "SEND_UNROLL": p.combine_send_unroll if p.combine_send_unroll is not None else spec.launch.unroll}
 
 
 def phase_sms(spec, phase: str) -> int:
@@ -198,6 +219,12 @@ class MoeFamily(OpFamily):
         if low_latency(spec) and p.combine_order != "rows":
             problems.append((("params", "combine_order"), "only the normal mode's combine pushes chunks of a receive "
                              "buffer; low_latency's goes by (local expert, source rank) slot"))
+        if low_latency(spec) and (p.combine_senders is not None or p.combine_send_unroll is not None):
+            problems.append((("params", "combine_senders" if p.combine_senders is not None else "combine_send_unroll"),
+                             "only the normal mode's combine has sender warps; low_latency's pushes with every warp"))
+        if p.combine_senders is not None and p.combine_senders > spec.launch.threads // 32:
+            problems.append((("params", "combine_senders"), f"{p.combine_senders} sender warps, but a block of "
+                             f"{spec.launch.threads} threads has {spec.launch.threads // 32}"))
         if low_latency(spec) and p.combine_blocks is not None:
             problems.append((("params", "combine_blocks"), "only the normal mode's combine has a grid of its own; "
                              "low_latency's runs on launch.blocks"))
@@ -294,7 +321,8 @@ class MoeFamily(OpFamily):
         return {"WMAX": max(spec.world_sizes), "EXPERTS": p.experts, "TOPK": p.topk, "HIDDEN": p.hidden,
                 "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted), "SLOT": slot_rows(spec),
                 "FP8": int(p.payload == "fp8"), "COMBINE_BLOCKS": combine_blocks(spec),
-                "CHUNK": p.combine_chunk_rows, "PEER_ORDER": int(p.combine_order == "peers")}
+                "CHUNK": p.combine_chunk_rows, "PEER_ORDER": int(p.combine_order == "peers"),
+                **combine_sender_constants(spec)}
 
     def template_vars(self, spec):
         # the buffers tsgen::moe::Buffers holds, in its order
@@ -302,7 +330,7 @@ class MoeFamily(OpFamily):
         return {"buffer_params": ", ".join(f"{b.ctype}* {b.name}" for b in held),
                 "buffer_names": ", ".join(b.name for b in held), "ll": low_latency(spec),
                 "blocks": spec.launch.blocks, "combine_blocks": combine_blocks(spec),
-                "fp8": spec.params.payload == "fp8"}
+                "fp8": spec.params.payload == "fp8", "own_senders": bool(combine_sender_constants(spec))}
 
     # -- as torch ops (tsgen.torch) -----------------------------------------
     def torch_entries(self, constants, world, buffers):

@@ -37,6 +37,10 @@
 //      senders push to one peer at a time (the rows are grouped by source), the same peer on every
 //      rank (W > 2: every rank's first rows are rank 0's); "peers", the peers' chunks interleaved,
 //      every sender round pushing to every peer at once, each peer's rows at one pace.
+//      How many (params.combine_senders, default half the block's warps) and the vectors each lane
+//      loads before it stores (params.combine_send_unroll, default UNROLL): the link is shared by
+//      the sender warps, so one round (a chunk a warp) lands about at once, G x CHUNK rows at a time
+//      (docs/design/moe.md, "World 2: combine's waves"); fewer senders make the waves smaller.
 //   2. sums (the other warps from the start, the senders once their chunks are out): block b sums
 //      tokens b, b + gridDim.x, ... in that order, taken from a block-local counter; a token
 //      waits only for the chunks holding its rows on other ranks (sent_row[token][d] / CHUNK,
@@ -141,22 +145,35 @@ static __device__ __forceinline__ int sum_parts(int tokens, int nwarps) {
   return tokens > 0 ? max(1, nwarps / tokens) : 1;
 }
 
-// One warp copies a row of HIDDEN bf16 from src to dst (16-byte vectors, UNROLL in flight).
-template <class C>
+// One warp copies a row of HIDDEN bf16 from src to dst (16-byte vectors, U in flight per lane).
+template <class C, int U = C::UNROLL>
 static __device__ __forceinline__ void copy_row(__nv_bfloat16* dst_, const __nv_bfloat16* src_, int lane) {
   constexpr int VECS = C::HIDDEN / 8;
   const uint4* src = reinterpret_cast<const uint4*>(src_);
   uint4* dst = reinterpret_cast<uint4*>(dst_);
-  for (int v0 = lane; v0 < VECS; v0 += 32 * C::UNROLL) {
-    uint4 v[C::UNROLL];
+  for (int v0 = lane; v0 < VECS; v0 += 32 * U) {
+    uint4 v[U];
 #pragma unroll
-    for (int u = 0; u < C::UNROLL; ++u)
+    for (int u = 0; u < U; ++u)
       if (v0 + u * 32 < VECS) v[u] = ld_nc_na_global_v4(src + v0 + u * 32);
 #pragma unroll
-    for (int u = 0; u < C::UNROLL; ++u)
+    for (int u = 0; u < U; ++u)
       if (v0 + u * 32 < VECS) st_na_global_v4(dst + v0 + u * 32, v[u]);
   }
 }
+
+// Normal combine's sender warps per block and their copy's unroll: the Config's SENDERS and
+// SEND_UNROLL where the module has them (params.combine_senders / combine_send_unroll), else half the
+// block's warps and UNROLL (the sources rendered without those params keep this default).
+template <class C, class = void>
+struct CombineSenders {
+  static constexpr int warps = C::THREADS / 32 > 1 ? C::THREADS / 64 : 1, unroll = C::UNROLL;
+};
+template <class C>
+struct CombineSenders<C, decltype((void)C::SENDERS)> {
+  static constexpr int warps = C::SENDERS, unroll = C::SEND_UNROLL;
+  static_assert(warps >= 1 && warps <= C::THREADS / 32 && unroll >= 1, "combine's sender warps: 1 .. the block's warps");
+};
 
 // FP8 (e4m3) payload: one fp32 scale per token per 128 channels, scale = max(amax, 1e-4) / 448
 // (448: e4m3's largest finite value), q = round-to-nearest-even, saturating, of x * (448 / amax).
@@ -466,7 +483,8 @@ static __device__ __forceinline__ void push_chunk(char* const* peers, int rank, 
     const int s = b.handle[r * 2], t = b.handle[r * 2 + 1];
     if ((unsigned)s >= (unsigned)W || (unsigned)t >= (unsigned)C::CAP) continue;  // not a handle dispatch wrote
     if (s == rank) continue;  // this rank's own tokens: step 2 reads their rows in y (sent_row)
-    copy_row<C>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN, y + (size_t)r * C::HIDDEN, lane);
+    copy_row<C, CombineSenders<C>::unroll>(peer_ptr(b.comb, peers, rank, s) + ((size_t)t * W + rank) * C::HIDDEN,
+                                           y + (size_t)r * C::HIDDEN, lane);
     to |= 1u << s;
   }
   __syncwarp();  // every lane's row stores, before the release below (cumulativity carries them)
@@ -480,7 +498,7 @@ static __device__ __forceinline__ void combine(char* const* peers, int rank, uin
   constexpr int W = C::WORLD, WMAX = C::WMAX, E = C::EXPERTS, L = E / W, K = C::TOPK;
   constexpr int VECS = C::HIDDEN / 8, NWARPS = C::THREADS / 32, CHUNK = C::CHUNK;
   constexpr int NCHUNK = (C::RECV + CHUNK - 1) / CHUNK;
-  constexpr int SENDERS = NWARPS > 1 ? NWARPS / 2 : 1;  // warps of a block that push rows first
+  constexpr int SENDERS = CombineSenders<C>::warps;  // warps of a block that push rows first (default: half)
   __shared__ int s_next;  // the block's next sum item (step 2)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) s_next = 0;
