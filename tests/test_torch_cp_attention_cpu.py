@@ -5,7 +5,8 @@ kernels, the fake shapes of a forward + backward, the errors (layouts, rows, wor
 specs), and the composition's math: W ranks simulated by threads in this process (the collectives
 exchanged through a barrier), the kernels replaced by float64 stand-ins (tsgen.ops.attention's
 references at the positions the op hands them), each rank's O, LSE, dQ, dK and dV against the
-reference over the whole sequence, split per rank. No GPU: the ops load on a group of torch's fake
+reference over the whole sequence, split per rank; overlap_backward's runs of key rows, the order of its
+calls and its sums the same way. No GPU: the ops load on a group of torch's fake
 backend, where they trace but do not run (tests/torch_checks.py --cp runs them on GPUs)."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import tsgen.torch as tt  # noqa: E402
 from tsgen.ops.attention import attention_backward_reference, attention_reference  # noqa: E402
 from tsgen.ops.cp_attention import positions as row_positions  # noqa: E402
 from tsgen.spec import load_spec, spec_variant  # noqa: E402
-from tsgen.torch.cp_attention_op import cp_positions, gather_order  # noqa: E402
+from tsgen.torch.cp_attention_op import _sum, backward_runs, cp_positions, gather_order  # noqa: E402
 from tsgen.torch.signature import TsgenArgumentError, TsgenTorchError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,42 @@ def test_gather_order_is_position_order(world):
     assert gather_order("contiguous", True, world, count) is None
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_backward_runs_cover_the_rows_the_rank_makes(layout, causal, world):
+    """overlap_backward's runs, in the kernel's key order: disjoint, together every key row that sees one
+    of this rank's queries (causal: positions up to its last query's; else all), the own runs this rank's
+    rows only, each mapping to consecutive local rows, the peers' runs none of them; at W 2 one run of
+    the peers' rows (one kernel call before the reduce-scatter)."""
+    count = 6
+    for rank in range(world):
+        peers, own = backward_runs(layout, causal, world, count, rank)
+        order = gather_order(layout, causal, world, count)
+        gathered = (lambda j: order[j]) if order is not None else (lambda j: j)
+        last = rows_of(cp_positions(layout, world, count, rank), count).max()
+        want = set(range(last + 1 if causal else world * count))
+        rows = [j for a, b in peers + own for j in range(a, b)]
+        assert sorted(rows) == sorted(want), (rank, peers, own)
+        mine = range(rank * count, (rank + 1) * count)
+        assert all(gathered(j) not in mine for a, b in peers for j in range(a, b)), (rank, peers)
+        for a, b in own:
+            local = [gathered(j) - rank * count for j in range(a, b)]
+            assert local == list(range(local[0], local[0] + b - a)) and set(local) <= set(range(count)), (rank, own)
+        if world == 2:
+            assert len(peers) <= 1, (rank, peers)
+
+
+def test_the_partial_dqs_are_rounded_once():
+    """overlap_backward adds the calls' 16-bit dQs with one rounding: two by torch's add (fp32, then one
+    rounding), three in fp32; one part is itself."""
+    gen = torch.Generator().manual_seed(35)
+    a, b, c = (torch.randn(4096, generator=gen).to(BF16) for _ in range(3))
+    assert torch.equal(_sum([a, b]), (a.float() + b.float()).to(BF16))
+    assert torch.equal(_sum([a, b, c]), (a.float() + b.float() + c.float()).to(BF16))
+    assert _sum([a]) is a
+
+
 # -- the ops: schemas, fake kernels ---------------------------------------------------------------
 
 def test_positioned_schemas(groups):
@@ -104,12 +141,15 @@ def test_positioned_schemas(groups):
 
 
 @pytest.mark.parametrize("w", [2, 4])
-@pytest.mark.parametrize("pair, layout, kv_together", [("hd128_causal_gqa", "zigzag", False), ("hd128", "contiguous", False),
-                                                       ("hd128_causal_gqa", "zigzag", True)])
-def test_fake_forward_and_backward_shapes(groups, w, pair, layout, kv_together):
+@pytest.mark.parametrize("pair, layout, kv_together, overlap", [("hd128_causal_gqa", "zigzag", False, False),
+                                                                ("hd128", "contiguous", False, False),
+                                                                ("hd128_causal_gqa", "zigzag", True, False),
+                                                                ("hd128_causal_gqa", "zigzag", False, True),
+                                                                ("hd128", "contiguous", True, True)])
+def test_fake_forward_and_backward_shapes(groups, w, pair, layout, kv_together, overlap):
     """Under FakeTensorMode: O and LSE of this rank's rows, dQ, dK, dV of the inputs' shapes (the fake
-    allgather, attention _at ops, reduce_scatter)."""
-    cp = load_cp(groups, w, pair, layout, kv_together=kv_together)
+    allgather, attention _at ops, reduce_scatter; overlap_backward: the backward op on runs of key rows)."""
+    cp = load_cp(groups, w, pair, layout, kv_together=kv_together, overlap_backward=overlap)
     sig = cp.attention.signature
     n = 64
     with fake_mode():
@@ -228,19 +268,27 @@ def stand_in_kernels(cp, monkeypatch, calls: list):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("pair, layout, regather, kv_together", [("hd128_causal_gqa", "zigzag", False, False),
-                                                                  ("hd128_causal_gqa", "contiguous", True, False),
-                                                                  ("hd128", "zigzag", False, False),
-                                                                  ("hd128", "contiguous", False, False),
-                                                                  ("hd128_causal_gqa", "zigzag", False, True),
-                                                                  ("hd128_causal_gqa", "zigzag", True, True),
-                                                                  ("hd128", "contiguous", False, True)])
-def test_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layout, regather, kv_together):
+@pytest.mark.parametrize("pair, layout, regather, kv_together, overlap", [
+    ("hd128_causal_gqa", "zigzag", False, False, False),
+    ("hd128_causal_gqa", "contiguous", True, False, False),
+    ("hd128", "zigzag", False, False, False),
+    ("hd128", "contiguous", False, False, False),
+    ("hd128_causal_gqa", "zigzag", False, True, False),
+    ("hd128_causal_gqa", "zigzag", True, True, False),
+    ("hd128", "contiguous", False, True, False),
+    ("hd128_causal_gqa", "zigzag", False, False, True),
+    ("hd128_causal_gqa", "contiguous", False, False, True),
+    ("hd128", "zigzag", False, False, True),
+    ("hd128", "contiguous", True, False, True),
+    ("hd128_causal_gqa", "zigzag", True, True, True)])
+def test_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layout, regather, kv_together, overlap):
     """Every rank's O, LSE, dQ, dK, dV through the op (its gather, positions, reorder, the backward's
-    reorder and reduce-scatter; kv_together: K and V in one gather, dK and dV in one scatter), with the
-    kernels as float64 references, equal the reference over the whole sequence (float64, positions from
-    0), split per rank: the composition is the whole-sequence attention and its adjoint."""
-    base = load_cp(groups, world, pair, layout, regather=regather, kv_together=kv_together)
+    reorder and reduce-scatter; kv_together: K and V in one gather, dK and dV in one scatter;
+    overlap_backward: the backward kernel on runs of key rows, the peers' partial sums reduce-scattered,
+    the own ones added after), with the kernels as float64 references, equal the reference over the
+    whole sequence (float64, positions from 0), split per rank: the composition is the whole-sequence
+    attention and its adjoint."""
+    base = load_cp(groups, world, pair, layout, regather=regather, kv_together=kv_together, overlap_backward=overlap)
     sig = base.attention.signature
     calls: list = []
     stand_in_kernels(base, monkeypatch, calls)
@@ -284,8 +332,47 @@ def test_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layo
         for name, got, want in (("o", o, o_ref[:, pos]), ("lse", lse, lse_ref[:, :, pos]), ("dq", dq, dq_ref[:, pos]),
                                 ("dk", dk, dk_ref[:, pos]), ("dv", dv, dv_ref[:, pos])):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12, err_msg=f"rank {rank} {name}")
-    gathered = [c for c in calls if c[0] == "backward"]
-    assert len(gathered) == world and all(c[2] == S for c in calls)  # every kernel call over the whole sequence
+    backward = [c for c in calls if c[0] == "backward"]
+    if not overlap:
+        assert len(backward) == world and all(c[2] == S for c in calls)  # every kernel call over the whole sequence
+        return
+    assert all(c[2] == S for c in calls if c[0] == "forward")
+    runs = sorted((b - a, a) for x in range(world) for a, b in sum(backward_runs(layout, sig.causal, world, n, x), []))
+    assert sorted((c[2], c[1][3]) for c in backward) == runs  # one call per run: its rows, kv_offset its start
+
+
+@pytest.mark.parametrize("kv_together", [False, True])
+def test_overlap_backward_sends_the_peers_rows_first(groups, monkeypatch, kv_together):
+    """overlap_backward at W 2, causal zig-zag, rank 1: the kernel on the peers' run (chunk 0) is called
+    first, then on the own run (chunks 1 and 2), then the reduce-scatter, whose input holds the peers'
+    partial sums and zeros in the own rows and the later keys (chunk 3); the own partial sums are added
+    to what it returns."""
+    base = load_cp(groups, 2, "hd128_causal_gqa", "zigzag", kv_together=kv_together, overlap_backward=True)
+    base.rank = 1
+    events: list = []
+    sig = base.attention.signature
+    n = 8
+
+    def backward(q, k, v, o, do, lse, positions=None):
+        events.append(("kernel", k.shape[1], positions[3]))
+        return torch.ones_like(q), torch.full_like(k, 1.0 + positions[3]), torch.full_like(v, 2.0 + positions[3])
+
+    monkeypatch.setattr(base.attention.backward, "run_backward", backward)
+    received = []
+    base._reduce_scatter = lambda x: received.append(x) or events.append(("reduce_scatter",)) or x.chunk(2)[1].clone()
+    q = torch.zeros(1, n, sig.heads, sig.head_dim, dtype=torch.float64)
+    k_full = torch.zeros(1, 2 * n, sig.kv_heads, sig.head_dim, dtype=torch.float64)
+    pos = base.positions(q, k_full[:, :n], k_full[:, :n])
+    lse = torch.zeros(1, sig.heads, n)
+    dq, dk, dv = base.backward_overlapped(q, k_full, k_full, q, q, lse, pos)
+    scatters = [("reduce_scatter",)] * (1 if kv_together else 2)
+    assert events == [("kernel", 4, 0), ("kernel", 8, 4)] + scatters, events
+    assert torch.equal(dq, torch.full_like(q, 2.0))  # the two calls' dQs added
+    sent = received[0][:, :, :sig.kv_heads]  # dK, sequence-first, in the all-gather's order (rank 0's rows first)
+    assert torch.equal(sent[:4], torch.full_like(sent[:4], 1.0))  # chunk 0: the peers' run, kv_offset 0
+    assert not sent[4:].any()  # rank 0's chunk 3 (later keys) and rank 1's own rows: zero
+    # what the reduce-scatter returned (zeros: this rank's rows of its input) plus the own run's dK (kv_offset 4)
+    assert torch.equal(dk, torch.full_like(dk, 5.0)) and torch.equal(dv, torch.full_like(dv, 6.0))
 
 
 @pytest.mark.parametrize("kv_together", [False, True])

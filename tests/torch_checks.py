@@ -35,10 +35,12 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
 --cp: tsgen.torch.cp_attention (context-parallel attention, forward + backward, composed from the
   allgather, attention _at and reduce_scatter ops) at W = the ranks: zig-zag causal GQA 32:8 and
   contiguous not causal, S 2048 and 8192 (S / W rows per rank), every rank's O, LSE, dQ, dK, dV
-  against float32 autograd of SDPA over the whole sequence (the --attention bounds); a negative
-  control (the dK / dV reduce-scatter left out) that must be caught; step times against an NCCL
-  all_gather + SDPA twin and the single-GPU ideal. With --shared: ranks on one GPU, gloo, MPS, S
-  2048, no times.
+  against float32 autograd of SDPA over the whole sequence (the --attention bounds), by default, with
+  kv_together (the first case) and with overlap_backward (both cases: the backward by runs of key rows,
+  the peers' reduce-scatter on a side stream beside the own rows' kernels); negative controls (the dK /
+  dV reduce-scatter left out, by default and with overlap_backward) that must be caught; step times
+  against an NCCL all_gather + SDPA twin and the single-GPU ideal. With --shared: ranks on one GPU,
+  gloo, MPS, S 2048, no times.
 --probe: both ranks call allgather once (CUDA IPC heaps on a gloo group: no NCCL watchdog to
   take the process down), then rank 1 stops calling: rank 0's kernel waits for it, times out after
   the spec's sync.timeout_ms (10 s), traps, and tsgen.torch.synchronize() must raise the kernel's
@@ -1093,7 +1095,7 @@ def cp_checks(group, shared: bool) -> None:
     torch.backends.cudnn.allow_tf32 = False
     w, r = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator(device="cuda").manual_seed(35)  # the same on every rank: every rank makes the whole inputs
-    ops, together = {}, {}
+    ops, together, overlapped = {}, {}, {}
 
     @checked("cp_load")
     def load():
@@ -1107,7 +1109,11 @@ def cp_checks(group, shared: bool) -> None:
             ops[case_] = make(*case_)
         # the first case with K and V in one all-gather, dK and dV in one reduce-scatter (kv_together)
         together[CP_CASES[0]] = make(*CP_CASES[0], kv_together=True)
-        return True, f"{len(ops) + len(together)} ops at world {w} in {time.perf_counter() - t0:.1f} s"
+        # every case with the backward by runs of key rows, the reduce-scatter beside the own rows' kernels
+        for case_ in CP_CASES:
+            overlapped[case_] = make(*case_, overlap_backward=True)
+        return True, (f"{len(ops) + len(together) + len(overlapped)} ops at world {w} in "
+                      f"{time.perf_counter() - t0:.1f} s")
 
     if not load():
         return
@@ -1145,7 +1151,8 @@ def cp_checks(group, shared: bool) -> None:
         return attention_compare(got, {n_: pick[n_](x) for n_, x in ref.items()},
                                  {n_: pick[n_](x) for n_, x in bounds.items()})
 
-    labelled = [(key, cp, "") for key, cp in ops.items()] + [(key, cp, "_kv_together") for key, cp in together.items()]
+    labelled = ([(key, cp, "") for key, cp in ops.items()] + [(key, cp, "_kv_together") for key, cp in together.items()]
+                + [(key, cp, "_overlap") for key, cp in overlapped.items()])
     for (name, layout), cp, tag in labelled:
         for S in (CP_SHARED_SEQS if shared else CP_SEQS):
             @checked(f"cp_{name}_{layout}{tag}_w{w}_s{S}")
@@ -1162,6 +1169,14 @@ def cp_checks(group, shared: bool) -> None:
         return not ok, f"{'caught' if not ok else 'NOT CAUGHT'} ({detail})"
 
     control()
+
+    @checked(f"cp_negative_control_overlap_w{w}")
+    def control_overlap():
+        """The same with overlap_backward: the reduce-scatter of the peers' partial sums left out."""
+        ok, detail = case(overlapped[CP_CASES[0]], CP_SEQS[0], bad=True)
+        return not ok, f"{'caught' if not ok else 'NOT CAUGHT'} ({detail})"
+
+    control_overlap()
 
     @checked(f"cp_reduce_scatter_wait_control_w{w}")
     def wait_control():
@@ -1248,6 +1263,12 @@ def cp_checks(group, shared: bool) -> None:
                     def together_step():
                         cp_kv(q, k, v).backward(do)
                     ms["tsgen_kv_together"] = timed(together_step)
+                if (name, layout) in overlapped:  # the backward by runs of key rows, the reduce-scatter overlapped
+                    cp_ov = overlapped[(name, layout)]
+
+                    def overlap_step():
+                        cp_ov(q, k, v).backward(do)
+                    ms["tsgen_overlap"] = timed(overlap_step)
                 for label, backends in (("twin", None), ("twin_cudnn", [SDPBackend.CUDNN_ATTENTION])):
                     try:  # the same on every rank: a refusal is every rank's, before any collective
                         if backends is None:
@@ -1264,14 +1285,15 @@ def cp_checks(group, shared: bool) -> None:
 
                 ms["ideal"] = timed(single_step, (qf, kf, vf)) / w
                 if r == 0:
-                    for label in [x for x in ("tsgen", "tsgen_kv_together", "twin", "twin_cudnn") if x in ms]:
+                    for label in [x for x in ("tsgen", "tsgen_kv_together", "tsgen_overlap", "twin", "twin_cudnn")
+                                  if x in ms]:
                         vs = f"{ms['twin'] / ms[label]:.2f}x the twin; " if "twin" in ms else ""
                         print(f"TIME cp_attention {name}_{layout}_w{w}_s{S}_{label}: {ms[label]:.3f} ms/step "
                               f"({vs}ideal/this {ms['ideal'] / ms[label]:.2f})", flush=True)
                     print(f"TIME cp_attention {name}_{layout}_w{w}_s{S}_ideal: {ms['ideal']:.3f} ms/step (single-GPU "
                           f"tsgen attention fwd+bwd over S {S} / {w})", flush=True)
-                kv = (f", kv_together {ms['tsgen_kv_together']:.2f} ms ({ms['ideal'] / ms['tsgen_kv_together']:.2f})"
-                      if "tsgen_kv_together" in ms else "")
+                kv = "".join(f", {label} {ms['tsgen_' + label]:.2f} ms ({ms['ideal'] / ms['tsgen_' + label]:.2f})"
+                             for label in ("kv_together", "overlap") if "tsgen_" + label in ms)
                 notes.append(f"{name} {layout} s{S}: tsgen {ms['tsgen']:.2f} ms, twin {ms.get('twin', float('nan')):.2f} "
                              f"ms, {ms['ideal'] / ms['tsgen']:.2f} of ideal{kv}")
         return True, "; ".join(notes) + " (fwd + bwd, batch 1; a first reading)"

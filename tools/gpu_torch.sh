@@ -31,8 +31,9 @@
 #      tiny module; forward + backward in a CUDA graph, 20 replays, each checked; step times beside SDPA's
 #   6b. tests/torch_checks.py --cp (TORCH_STEPS=cp, 2 ranks, NCCL): tsgen.torch.cp_attention, zig-zag causal GQA and
 #      contiguous not causal at S 2048 and 8192, every rank's O / LSE / dQ / dK / dV against float32 SDPA autograd over
-#      the whole sequence, a negative control (no reduce-scatter), step times beside NCCL all_gather + SDPA and the
-#      single-GPU ideal; cp_shared (under MPS, below): the same at W 2, 4 and 8 on GPU 0, S 2048, no times
+#      the whole sequence (by default, kv_together, overlap_backward), negative controls (no reduce-scatter), step
+#      times beside NCCL all_gather + SDPA and the single-GPU ideal; cp_shared (under MPS, below): the same at W 2,
+#      4 and 8 on GPU 0, S 2048, no times
 #   7. tests/torch_checks.py --shared, last: 4 ranks on GPU 0 alone (CUDA_VISIBLE_DEVICES=0), a gloo
 #      group (no NCCL), TSGEN_SHARE_GPUS=1, under an MPS control daemon started for this step and
 #      stopped after it (tools/mps.sh; the steps before run without MPS): allgather / reduce_scatter /
@@ -95,7 +96,7 @@ want ulysses && step "ulysses_attention vs all_to_all_single twin" 120 $RUN exam
 want moe && step "moe_layer vs all_to_all_single twin" 120 $RUN examples/torch/moe_layer.py ${MOE_ARGS:-}
 # one GPU, no process group: plain python, not torchrun
 want attention && step "attention fwd+bwd as one op (1 GPU)" 150 python3 tests/torch_checks.py --attention
-want cp && step "cp_attention fwd+bwd (2 ranks, NCCL)" 300 $RUN tests/torch_checks.py --cp
+want cp && step "cp_attention fwd+bwd (2 ranks, NCCL)" 400 $RUN tests/torch_checks.py --cp
 [[ " ${TORCH_STEPS:-} " == *" cp_pieces "* ]] && \
   step "cp_attention step in pieces (2 ranks, lab)" 120 env S="${S:-8192}" $RUN tools/torch_cp_pieces.py
 # last: the only step under MPS (the daemon serves GPU 0 alone, and is stopped however the step ends)

@@ -3,8 +3,12 @@
     S=8192 torchrun --standalone --nproc-per-node 2 tools/torch_cp_pieces.py
 
 For tests/torch_checks.py's cp cases (zig-zag causal GQA, contiguous MHA): the whole step (forward +
-backward; also with kv_together: K and V in one all-gather, dK and dV in one reduce-scatter), then each piece alone (the gather with and without its reorder, the forward and backward
-kernels at this rank's positions, the scatter with and without its reorder, and the single-GPU
+backward; also with kv_together: K and V in one all-gather, dK and dV in one reduce-scatter; and with
+overlap_backward: the backward by runs of key rows, the peers' reduce-scatter beside the own rows'
+kernels), then each piece alone (the gather with and without its reorder, the forward and backward
+kernels at this rank's positions, overlap_backward's backward alone and the backward kernel on each
+run of key rows of every rank (backward_runs, at that rank's positions: on rank 0's data, the same
+shapes and masks), the scatter with and without its reorder, and the single-GPU
 kernels over the whole sequence divided by W: the ideal), each 3 calls of warm-up then 10 between
 CUDA events on the current stream, GPU ms and host ms per call; then torch.profiler's table of two
 steps on rank 0; then one allgather call's host time by part (host_split). A lab tool (tools/gpu_torch.sh TORCH_STEPS=cp_pieces): no check, no results file
@@ -129,6 +133,14 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
         cp_kv(q, k, v).backward(do)
 
     rows["step, kv_together (one gather, one scatter)"] = timed(step_kv)
+    cp_ov = make_cp(overlap_backward=True)
+
+    def step_ov():
+        for t in (q, k, v):
+            t.grad = None
+        cp_ov(q, k, v).backward(do)
+
+    rows["step, overlap_backward"] = timed(step_ov)
     with torch.no_grad():
         rows["gather k (allgather + reorder)"] = timed(lambda: cp.gather(k))
         rows["allgather k alone"] = timed(lambda: cp._allgather(_seq_first(k, sig.layout)))
@@ -137,6 +149,16 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
             rows["torch.tensor(order) to GPU"] = timed(lambda: torch.tensor(order, device="cuda"))
         rows["forward kernel _at"] = timed(lambda: F(q, kf, vf, *pos))
         rows["backward kernel _at"] = timed(lambda: B(q, kf, vf, o, do, lse, *pos))
+        rows["overlap_backward's backward (runs + scatter)"] = timed(
+            lambda: cp_ov.backward_overlapped(q, kf, vf, o, do, lse, pos))
+        from tsgen.torch.cp_attention_op import backward_runs, cp_positions
+        for x in range(w):  # every rank's runs, at its positions (the kernels' work is the masks')
+            peers, own = backward_runs(cp.layout, cp.causal, w, n, x)
+            pos_x = cp_positions(cp.layout, w, n, x)[:3]
+            for what, runs in (("peers'", peers), ("own", own)):
+                for a, b in runs:
+                    rows[f"  rank {x} {what} run {a}-{b}: kernel _at"] = timed(
+                        lambda a=a, b=b, pos_x=pos_x: B(q, kf[:, a:b], vf[:, a:b], o, do, lse, *pos_x, a))
         rows["scatter dk (reorder + reduce_scatter)"] = timed(lambda: cp.scatter(dkf))
         rows["reduce_scatter dk alone"] = timed(lambda: cp._reduce_scatter(_seq_first(dkf, sig.layout)))
         qf, kf1, vf1, dof = attention_inputs(sig, 1, S, S, gen)

@@ -1,5 +1,5 @@
 """Context-parallel attention for torch users, forward and backward, composed from tsgen ops (issue 35,
-item 2, a first version: no kernel of its own, no overlap of communication with compute).
+item 2, a first version: no kernel of its own; by default no overlap of communication with compute).
 
     cp = tsgen.torch.cp_attention("specs/attention_hd128_causal_gqa.yaml",
                                   "examples/torch/specs/attention_backward_hd128_causal_gqa.yaml",
@@ -25,6 +25,18 @@ its inverse for dK and dV). Not causal, positions do not matter and the gathered
 The collectives split dimension 0, so K and V travel sequence-first ([n, B, H_kv, D]: a view for
 bshd at batch 1, a copy otherwise).
 
+`overlap_backward=True` (an experiment, default off) runs the backward kernel by runs of key rows
+(backward_runs): first the runs of the peers' rows, on a high-priority side stream, then this rank's
+own rows' runs on the current stream; the reduce-scatter of the peers' partial sums (this rank's own
+rows zero) follows them on the side stream, so it overlaps the own rows' kernels, and the own rows'
+partial sums are added to what it returns. The attention backward is linear in the keys (dK, dV of a
+key row are its own; dQ is a sum over the keys; D = rowsum(dO O) and the forward's LSE hold for any
+key subset), so the parts compose exactly; each call returns its dQ in the input dtype, and the
+partials are added with one rounding (two: torch's 16-bit add is fp32 then one rounding; more: in
+fp32): at most 2^-8 of sum_j |dS_ij| |k_j| more error, within the checks' bound (grad_tolerance holds
+dQ to 2^-7 |dQ| + 2^-6 of that sum). Each call runs the kernel's preprocess and dQ conversion over
+all of this rank's queries again (two or three calls at W 2) and holds its own fp32 workspace.
+
 Memory against time: by default the gathered K_full, V_full are kept for the backward (2 W n H_kv
 D elements of the dtype per layer, W times the local K and V); `regather=True` keeps the local K
 and V and gathers them again in the backward (one more all-gather per step, no W-fold copy).
@@ -43,6 +55,7 @@ simulated world).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -78,6 +91,31 @@ def gather_order(layout: str, causal: bool, world: int, count: int) -> list[int]
     return order
 
 
+def backward_runs(layout: str, causal: bool, world: int, count: int,
+                  rank: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(peers' runs, own runs) for overlap_backward: the key rows of the gathered sequence whose dK, dV
+    `rank`'s queries make, as [start, stop) in the backward kernel's key order (position order where
+    causal, the all-gather's otherwise: gather_order), cut into maximal runs of the peers' rows and of
+    this rank's own. Causal: only up to this rank's last query position (later keys see none of its
+    queries). Each run is one kernel call (one kv_offset: its keys must be consecutive positions)."""
+    order = gather_order(layout, causal, world, count)
+    unit = count // 2 if layout == "zigzag" else count  # the runs' bounds are whole chunks
+    end = world * count
+    if causal:
+        q_offset, q_split, q_offset2, _ = cp_positions(layout, world, count, rank)
+        end = (q_offset2 + count - q_split) if q_split < count else q_offset + q_split
+    runs: dict[bool, list[tuple[int, int]]] = {False: [], True: []}
+    for start in range(0, end, unit):
+        row = order[start] if order is not None else start  # the chunk's row in the all-gather's output
+        own = rank * count <= row < (rank + 1) * count
+        mine = runs[own]
+        if mine and mine[-1][1] == start:
+            mine[-1] = (mine[-1][0], start + unit)
+        else:
+            mine.append((start, start + unit))
+    return runs[False], runs[True]
+
+
 def _seq_first(x: torch.Tensor, layout: str) -> torch.Tensor:
     """[B, n, H, D] (bshd) or [B, H, n, D] (bhsd) -> [n, B, H, D], contiguous (a view when it is)."""
     return (x.transpose(0, 1) if layout == "bshd" else x.permute(2, 0, 1, 3)).contiguous()
@@ -86,6 +124,22 @@ def _seq_first(x: torch.Tensor, layout: str) -> torch.Tensor:
 def _from_seq_first(x: torch.Tensor, layout: str) -> torch.Tensor:
     """The inverse of _seq_first: [S, B, H, D] -> the layout's, contiguous."""
     return (x.transpose(0, 1) if layout == "bshd" else x.permute(1, 2, 0, 3)).contiguous()
+
+
+def _on(stream: Any) -> Any:
+    """torch.cuda.stream(stream), or no change where there is none (off CUDA)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The partial dQs added with one rounding to their dtype: two by torch's add (a 16-bit add is
+    computed in fp32 and rounded once), more accumulated in fp32 (or their dtype where wider)."""
+    if len(parts) <= 2:
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    total = parts[0].to(torch.promote_types(parts[0].dtype, torch.float32))
+    for x in parts[1:]:
+        total += x
+    return total.to(parts[0].dtype)
 
 
 class _CPAttention(torch.autograd.Function):
@@ -107,9 +161,12 @@ class _CPAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         if op.regather:
             k, v = op.gather_kv(k, v)
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        if op.overlap_backward:
+            dq, dk, dv = op.backward_overlapped(q, k, v, o, do.contiguous(), lse, ctx.pos)
+            return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None)
         dq, dk_full, dv_full = getattr(torch.ops.tsgen, f"{op.attention.backward.name}_at")(
             q, k, v, o, do.contiguous(), lse, *ctx.pos)
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
         # every rank calls the reduce-scatters (a collective), whatever its own inputs need
         dk, dv = op.scatter_kv(dk_full, dv_full)
         return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None)
@@ -118,13 +175,16 @@ class _CPAttention(torch.autograd.Function):
 class CPAttentionOp:
     """Context-parallel attention on this rank of a process group: `op(q, k, v)` is this rank's O,
     differentiable; `op(q, k, v, return_lse=True)` is (O, LSE). `layout`: contiguous or zigzag;
-    `regather`: gather K, V again in the backward instead of keeping them. `attention` is the
-    single-GPU AttentionOp whose kernels it runs, `allgather` and `reduce_scatter` the collectives."""
+    `regather`: gather K, V again in the backward instead of keeping them; `overlap_backward`: the
+    backward by runs of key rows, the peers' reduce-scatter beside the own rows' kernels (module doc).
+    `attention` is the single-GPU AttentionOp whose kernels it runs, `allgather` and `reduce_scatter`
+    the collectives."""
 
     def __init__(self, attention_op: AttentionOp, allgather: Any, reduce_scatter: Any, layout: str, regather: bool,
-                 kv_together: bool = False):
+                 kv_together: bool = False, overlap_backward: bool = False):
         self.attention, self.allgather, self.reduce_scatter = attention_op, allgather, reduce_scatter
         self.layout, self.regather, self.kv_together = layout, regather, kv_together
+        self.overlap_backward = overlap_backward
         self.rank, self.world = allgather.rank, allgather.world
         sig = attention_op.signature
         self.causal, self.tensor_layout = sig.causal, sig.layout
@@ -136,11 +196,17 @@ class CPAttentionOp:
         # an H200 (with the GPU idle), four times a step when it was made per call. One entry per
         # sequence length seen (a training run has few).
         self._orders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        # overlap_backward: backward_runs per (rows a rank, rank), each own run with its first local row;
+        # the side stream per device (high priority: its kernels take the SMs that free up before the
+        # own rows' kernels' waiting CTAs do)
+        self._runs: dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int, int]]]] = {}
+        self._streams: dict[torch.device, Any] = {}
 
     def __repr__(self) -> str:
         return (f"<tsgen.torch cp_attention rank {self.rank}/{self.world} {self.layout}"
                 f"{' causal' if self.causal else ''}{' regather' if self.regather else ''}"
-                f"{' kv_together' if self.kv_together else ''}: {self.attention!r}, "
+                f"{' kv_together' if self.kv_together else ''}{' overlap_backward' if self.overlap_backward else ''}: "
+                f"{self.attention!r}, "
                 f"{self.allgather.signature.qualname}, {self.reduce_scatter.signature.qualname}>")
 
     @property
@@ -234,6 +300,65 @@ class CPAttentionOp:
         both = self._side_by_side(dk_full, dv_full)
         return self._halves(self._reduce_scatter(self._reorder(both, both.shape[0] // self.world, inverse=True)))
 
+    def _side_stream(self, device: torch.device) -> Any:
+        """overlap_backward's side stream on `device` (made once, high priority), or None off CUDA (the
+        CPU tests: everything in order on the host)."""
+        if device.type != "cuda":
+            return None
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device, priority=-1)
+        return self._streams[device]
+
+    def backward_overlapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                            do: torch.Tensor, lse: torch.Tensor, pos: tuple) -> tuple:
+        """overlap_backward: (dQ, dK, dV) of this rank from the gathered K, V (position order where
+        causal): the backward kernel on the peers' runs of key rows (side stream), on this rank's own
+        runs (current stream), the reduce-scatter of the peers' partial sums (side stream, after their
+        kernels: it runs beside the own runs'), then the own partial sums added to its rows here."""
+        n = self._rows(q)
+        key = (n, self.rank)  # the rank too: the CPU tests' ranks are copies of one op
+        if key not in self._runs:  # made once per size, as _order (gather_order is a Python list of S rows)
+            peers, own = backward_runs(self.layout, self.causal, self.world, n, self.rank)
+            order = gather_order(self.layout, self.causal, self.world, n)
+            # each own run's first row among this rank's rows (the reduce-scatter's output)
+            here = [(order[start] if order is not None else start) - self.rank * n for start, _ in own]
+            self._runs[key] = (peers, [(start, stop, local) for (start, stop), local in zip(own, here)])
+        peers, own = self._runs[key]
+        at = getattr(torch.ops.tsgen, f"{self.attention.backward.name}_at")
+        dim = 1 if self.tensor_layout == "bshd" else 2  # the sequence's dimension
+        q_offset, q_split, q_offset2, _ = pos
+
+        def part(start: int, stop: int) -> tuple:
+            """The kernel on key rows [start, stop) (kernel order: their positions from start)."""
+            rows = [x.narrow(dim, start, stop - start).contiguous() for x in (k, v)]  # views at batch 1, bshd
+            return at(q, *rows, o, do, lse, q_offset, q_split, q_offset2, start)
+
+        main, side = (torch.cuda.current_stream(q.device), self._side_stream(q.device)) if q.is_cuda else (None, None)
+        if side is not None:
+            side.wait_stream(main)
+            for t in (q, k, v, o, do, lse):
+                t.record_stream(side)
+        with _on(side):
+            sent = [part(*run) for run in peers]
+        kept = [part(start, stop) for start, stop, _ in own]  # the side stream's priority: the peers' CTAs first
+        with _on(side):
+            dk_full, dv_full = torch.zeros_like(k), torch.zeros_like(v)  # the own rows' and later keys' zero
+            for (start, stop), (_, dk_part, dv_part) in zip(peers, sent):
+                dk_full.narrow(dim, start, stop - start).copy_(dk_part)
+                dv_full.narrow(dim, start, stop - start).copy_(dv_part)
+            # every rank calls the reduce-scatters (a collective), whatever its own inputs need
+            dk, dv = self.scatter_kv(dk_full, dv_full)
+        if side is not None:
+            main.wait_stream(side)
+            for t in (dk, dv, *(x for parts in sent for x in parts)):
+                t.record_stream(main)
+        for (start, stop, local), (_, dk_part, dv_part) in zip(own, kept):
+            dk.narrow(dim, local, stop - start).add_(dk_part)
+            dv.narrow(dim, local, stop - start).add_(dv_part)
+        return _sum([x[0] for x in sent + kept]), dk, dv
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False) -> Any:
         if self.attention.backward is None:
             raise TsgenTorchError(f"{self.where}: no attention_backward module")
@@ -256,7 +381,7 @@ def _collective(given: Any, kind: str, group: Any, arch: str | None) -> Any:
 
 def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: Any, group: Any = None, *,
                  layout: str = "zigzag", regather: bool = False, kv_together: bool = False,
-                 arch: str | None = None) -> CPAttentionOp:
+                 overlap_backward: bool = False, arch: str | None = None) -> CPAttentionOp:
     """Context-parallel attention on `group` (default: the default group), differentiable (module doc).
     `forward` / `backward`: an attention and an attention_backward spec computing the same attention
     (as tsgen.torch.attention takes them; world_sizes [1]: single-GPU kernels); `allgather` /
@@ -265,7 +390,9 @@ def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: An
     `regather`: keep the local K, V and gather them again in the backward (less memory, one more
     all-gather) instead of keeping the gathered ones. `kv_together`: K and V in one all-gather, dK
     and dV in one reduce-scatter (half the collective calls, the same bytes; an experiment until
-    measured: tools/torch_cp_pieces.py times both)."""
+    measured: tools/torch_cp_pieces.py times both). `overlap_backward`: the backward by runs of key
+    rows, the peers' rows first, their reduce-scatter on a side stream beside the kernels of this
+    rank's own rows (an experiment until measured: module doc; tests/torch_checks.py --cp times it)."""
     if layout not in LAYOUTS:
         raise TsgenTorchError(f"tsgen.torch.cp_attention: layout {layout!r}; one of {', '.join(LAYOUTS)}")
     if backward is None:
@@ -288,4 +415,4 @@ def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: An
     if problems:
         raise TsgenTorchError(f"tsgen.torch.cp_attention: {'; '.join(problems)}: compile the collectives for the "
                               "attention's dtype, on one group")
-    return CPAttentionOp(attn, ag, rs, layout, regather, kv_together)
+    return CPAttentionOp(attn, ag, rs, layout, regather, kv_together, overlap_backward)
