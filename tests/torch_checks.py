@@ -1142,8 +1142,7 @@ def cp_checks(group, shared: bool) -> None:
             # first cuBLAS / SDPA launches load their kernels lazily, and a load waits on the kernels
             # running on the device, among them a peer's collective spinning for this rank's pushes
             # (W 8 on one GPU under MPS: cublasCreate hung until the collectives' 10 s timeout)
-            torch.cuda.synchronize()
-            dist.barrier(group)
+            every_rank_done(group)
         ref = cp_reference(sig, q, k, v, do)
         o_full = cp_all_rows(got["o"], rows, group, shared)
         ref["lse"], bounds = attention_bounds(sig, q, k, v, do, ref, o_full)
@@ -1192,8 +1191,7 @@ def cp_checks(group, shared: bool) -> None:
         bad = broken_reduce_scatter(group)
 
         def aligned(x):
-            torch.cuda.synchronize()
-            dist.barrier(group)
+            every_rank_done(group)
             return bad(x)
 
         try:
@@ -1299,6 +1297,12 @@ def cp_checks(group, shared: bool) -> None:
         return True, "; ".join(notes) + " (fwd + bwd, batch 1; a first reading)"
 
     times()
+
+
+def every_rank_done(group) -> None:
+    """Return once this rank's GPU work is done and every rank of `group` has got here too."""
+    torch.cuda.synchronize()
+    dist.barrier(group)
 
 
 def step_ms(step, group, leaves=(), warmup: int = 3, reps: int = 10) -> tuple[float, float]:
