@@ -1,4 +1,5 @@
 import os
+import zlib
 from pathlib import Path
 
 # One BLAS thread per test process, set before NumPy loads: pytest-xdist already runs a process
@@ -43,6 +44,32 @@ if os.environ.get("TSGEN_SHARE_GPUS") == "1":
     from tsgen.env import shared_gpu_env
 
     shared_gpu_env()  # before any CUDA call: queues and eager module loading (tsgen/env.py)
+
+
+def gate_part() -> tuple[int, int] | None:
+    """TSGEN_GATE_PART=k/n (tools/gpu_gate.sh PART=k/n): this run is part k of n of the GPU suite,
+    so that a gate longer than one device call runs over n calls; None when unset."""
+    part = os.environ.get("TSGEN_GATE_PART", "")
+    if not part:
+        return None
+    k, _, n = part.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise pytest.UsageError(f"TSGEN_GATE_PART={part!r}: expected k/n with 1 <= k <= n, e.g. 1/2")
+    return int(k), int(n)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under TSGEN_GATE_PART=k/n keep the tests whose id's CRC-32 is k - 1 modulo n: the parts are
+    disjoint, together they are the whole suite, and a test stays in its part from run to run."""
+    part = gate_part()
+    if part is None:
+        return
+    k, n = part
+    keep = [item for item in items if zlib.crc32(item.nodeid.encode()) % n == k - 1]
+    dropped = [item for item in items if zlib.crc32(item.nodeid.encode()) % n != k - 1]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
 
 
 def sharing() -> bool:

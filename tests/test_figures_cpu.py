@@ -222,3 +222,27 @@ def test_headings_count_and_paths_inside_other_paths_are_no_citations(tmp_path, 
         "README.md:1: '999 GB/s': 999 not in the results files its section cites (collectives/big/2026-11-20-aaaaaaa.json, "
         "collectives/big/2026-11-20-aaaaaaa.md)"]
     assert _problems(tmp_path, "# T\n\nThe gate writes `$OUT/results/tests/k/x.md` and ~/results/old.md.\n") == []
+
+
+def test_a_gate_run_in_parts_passes_once_every_part_of_one_commit_has(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "templates").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "t")
+    (repo / "templates" / "a.cuh").write_text("1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "device code")
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+    tests = repo / "results" / "tests" / "nvidia-h200"
+    tests.mkdir(parents=True)
+    passed = {"summary": {"suite": {"passed": 5, "failed": 0}}}
+    (tests / f"2026-11-27-{head}-part1of2.json").write_text(json.dumps({"meta": {"date": "2026-11-27"}, **passed}))
+    warning = gate_warning(repo / "results")
+    assert warning and f"at {head}" in warning and "part(s) 2 have no passing record" in warning, warning
+    (tests / f"2026-11-27-{head}-part2of2.json").write_text(json.dumps(
+        {"meta": {"date": "2026-11-27"}, "summary": {"suite": {"passed": 4, "failed": 1}}}))
+    warning = gate_warning(repo / "results")  # a failed part is no part passed
+    assert warning and f"{head}-part2of2: 1 failed" in warning, warning
+    (tests / f"2026-11-27-{head}-part2of2.json").write_text(json.dumps({"meta": {"date": "2026-11-27"}, **passed}))
+    assert gate_warning(repo / "results") is None

@@ -69,3 +69,27 @@ def test_the_reduce_without_waits_control_edits_every_reduce_step_and_nothing_el
         m = re.search(r"\{TSGEN_OP_REDUCE, (\d+), (\d+), ", old)
         assert m and int(m.group(2)) > 0 and "wait arrive" in old
         assert new == old.replace(m.group(0), f"{{TSGEN_OP_REDUCE, {m.group(1)}, 0, ", 1)
+
+
+def test_the_gate_parts_split_the_suite_into_disjoint_parts_that_cover_it():
+    """tools/gpu_gate.sh PART=k/n: tests/conftest.py keeps a test in exactly one of the n parts."""
+    import os
+    import subprocess
+    import sys
+
+    def collected(part: str | None) -> set[str]:
+        env = {k: v for k, v in os.environ.items() if k != "TSGEN_GATE_PART"}
+        if part:
+            env["TSGEN_GATE_PART"] = part
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              "tests/test_gpu_controls_cpu.py", "tests/test_ulysses_gpu.py"],
+                             capture_output=True, text=True, env=env, cwd=ROOT)
+        assert out.returncode in (0, 5), out.stdout + out.stderr
+        return {ln for ln in out.stdout.splitlines() if "::" in ln}
+
+    whole, one, two = collected(None), collected("1/2"), collected("2/2")
+    assert len(whole) > 10 and one and two
+    assert one | two == whole and not one & two
+    bad = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_gpu_controls_cpu.py"],
+                         capture_output=True, text=True, env={**os.environ, "TSGEN_GATE_PART": "3/2"}, cwd=ROOT)
+    assert bad.returncode != 0 and "TSGEN_GATE_PART='3/2'" in bad.stdout + bad.stderr

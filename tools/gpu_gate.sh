@@ -8,7 +8,11 @@
 #                     example at W = 2 .. the GPU count;
 #   SPREAD=1, 2+ GPUs: the one-GPU gate (every world on one GPU) with the pytest workers spread over the
 #                     GPUs, each worker seeing one of them (tests/conftest.py TSGEN_SPREAD_GPUS): the same
-#                     tests in about 1 / GPUs of the time; recorded under the one-GPU kind.
+#                     tests in about 1 / GPUs of the time; recorded under the one-GPU kind;
+#   PART=k/n:         part k of n of the suite (tests/conftest.py TSGEN_GATE_PART: by test id), for a gate
+#                     longer than one call (the SPREAD gate on 2 GPUs); recorded as <date>-<commit>-partKofN,
+#                     and the gate counts as passed once every part of one commit has (tsgen results --check);
+#                     the vendoring example runs in part 1.
 # Then tools/summarize_shared.py writes results/tests/<kind>/<date>-<commit>.{json,md} under
 # $OUT/results (failed test ids, skip reasons, every negative control's detection rate), and the
 # logs go into $OUT/gate_logs-<kind>.tgz (a SPREAD gate and a W 2 gate in one call keep both).
@@ -33,6 +37,12 @@ if [ "${SPREAD:-0}" = 1 ] && [ "$gpus" -gt 1 ]; then  # the one-GPU gate on each
   gpus=1  # every world on one GPU
 fi
 commit=${TSGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+part_args=() vendor=1
+if [ -n "${PART:-}" ]; then
+  export TSGEN_GATE_PART=$PART
+  part_args=(--part "$PART")
+  [ "${PART%%/*}" = 1 ] || vendor=0
+fi
 gpu_device_info "$run/device.txt"
 echo "gate: $kind, $gpus GPU(s)${TSGEN_SPREAD_GPUS:+ per world, workers spread over GPUs $TSGEN_SPREAD_GPUS}, $jobs workers (free $free MiB), commit $commit" | tee -a "$run/gate.txt"
 # per-process GPU memory once a second: the measured worker footprint for WORKER_MIB
@@ -55,14 +65,17 @@ echo "suite wall time: $(( $(date +%s) - start )) s, exit $code" | tee -a "$run/
 peak=$(awk -F', *' '{ if ($2 > m) m = $2 } END { print m + 0 }' "$run/apps_mem.txt")
 echo "largest test process on the GPU: $peak MiB" | tee -a "$run/gate.txt"
 # the vendoring example (examples/vendor, no Python): W ranks on the visible GPUs
-if [ -n "${TSGEN_SPREAD_GPUS:-}" ]; then  # the example's ranks on one GPU, as in the one-GPU gate
+if [ "$vendor" = 0 ]; then
+  :  # the vendoring example runs in part 1
+elif [ -n "${TSGEN_SPREAD_GPUS:-}" ]; then  # the example's ranks on one GPU, as in the one-GPU gate
   CUDA_VISIBLE_DEVICES=0 gpu_vendor_example "$run/vendor.txt" $worlds || code=1
 else
   gpu_vendor_example "$run/vendor.txt" $worlds || code=1
 fi
 # (--require-controls: a negative control that missed at any call fails the gate)
-python3 "$here/summarize_shared.py" "$run" "$OUT/results" "$commit" "${TSGEN_SPREAD_GPUS:+SPREAD=1 }bash tools/gpu_gate.sh $*" --kind "$kind" \
-  --require-controls | tee -a "$run/gate.txt"
+python3 "$here/summarize_shared.py" "$run" "$OUT/results" "$commit" \
+  "${TSGEN_SPREAD_GPUS:+SPREAD=1 }${PART:+PART=$PART }bash tools/gpu_gate.sh $*" --kind "$kind" \
+  --require-controls "${part_args[@]}" | tee -a "$run/gate.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || code=1
 gpu_outcome "$run/$log" 25
 find "$OUT/results" -type f \( -name "*.md" -o -name "*.json" \) -exec cp -t "$OUT" {} +

@@ -101,7 +101,7 @@ def tally(text: str) -> dict:
     return out
 
 
-def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
+def summarize(run: Path, commit: str, command: str, part: tuple[int, int] | None = None) -> tuple[dict, str]:
     device = (run / "device.txt").read_text().splitlines() if (run / "device.txt").exists() else []
     stamp = next((i for i, ln in enumerate(device) if re.match(r"\d{4}-\d\d-\d\dT", ln)), None)
     started = device[stamp].strip() if stamp is not None else None  # the run's start, ISO 8601: orders runs of one day
@@ -147,13 +147,15 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
                      for kind, rows in families.items()},
     }
     meta = {"date": started or date, "commit": commit, "command": command, "device": device,
+            **({"part": list(part)} if part else {}),
             "mode": "one GPU per rank (TSGEN_SHARE_GPUS unset): worlds larger than the GPU count skip" if real else
                     "every rank of every world on the one GPU (TSGEN_SHARE_GPUS=1), spec variants fitted per test"
                     + (f"; the test processes spread over GPUs {os.environ['TSGEN_SPREAD_GPUS']}, each seeing one of them "
                        "(tools/gpu_gate.sh SPREAD=1)" if os.environ.get("TSGEN_SPREAD_GPUS") else "")}
     title = "GPU suite, one GPU per rank" if real else "GPU suite on one GPU (shared-GPU worlds)"
     timings = "" if real else " Timings of ranks sharing a GPU measure nothing about the ops; none are reported."
-    md = [f"# {title}, {date}, commit {commit}", "",
+    of = f", part {part[0]} of {part[1]} (the tests whose id's CRC-32 is {part[0] - 1} modulo {part[1]})" if part else ""
+    md = [f"# {title}, {date}, commit {commit}{of}", "",
           f"Device: {'; '.join(device)}. {meta['mode']}.{timings}", "", f"Command: `{command}`", "",
           "| part | result |", "|---|---|",
           "| whole GPU suite (pytest) | not run |" if not log.exists() else
@@ -185,7 +187,7 @@ def summarize(run: Path, commit: str, command: str) -> tuple[dict, str]:
         md.append(f"| vendoring example (examples/vendor) | {sum('PASS' in v for v in summary['vendor'])} / "
                   f"{len(summary['vendor'])} |")
     elif not real:
-        md.append("| vendoring example (examples/vendor) | not run |")
+        md.append(f"| vendoring example (examples/vendor) | {'in part 1' if part and part[0] != 1 else 'not run'} |")
     if summary["negative_controls"]:
         md += ["", "Negative controls (a broken kernel must FAIL):", "", "| control | skew | caught |", "|---|---|---|"]
         md += [f"| {n['spec']} | {n['skew'] if n['skew'] is not None else 'none'} | {'yes' if n['caught'] else 'NO'} |"
@@ -227,17 +229,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", help="the command that made the run")
     parser.add_argument("--kind", default=None,
                         help="folder under RESULTS/tests/ (default: real-gpu for gpu_real.sh's run, else shared-gpu)")
+    parser.add_argument("--part", default=None, metavar="K/N",
+                        help="part K of N of the suite (tools/gpu_gate.sh PART=K/N): named <date>-<commit>-partKofN")
     parser.add_argument("--require-controls", action="store_true",
                         help="exit 1 when a negative control missed at any seed (the GPU gate)")
     args = parser.parse_args(argv)
     run, results, commit = args.run, args.results, args.commit
-    data, md = summarize(run, commit, args.command)
+    part = None
+    if args.part:
+        k, _, n = args.part.partition("/")
+        if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+            parser.error(f"--part {args.part!r}: expected K/N with 1 <= K <= N")
+        part = int(k), int(n)
+    data, md = summarize(run, commit, args.command, part)
     kind = args.kind or ("real-gpu" if (run / "pytest_real.txt").exists() else "shared-gpu")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", kind):
         parser.error(f"--kind {kind!r}: a folder name (letters, digits, '.', '_', '-')")
     folder = results / "tests" / kind
     folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"{data['meta']['date'][:10]}-{commit}"
+    stem = folder / (f"{data['meta']['date'][:10]}-{commit}" + (f"-part{part[0]}of{part[1]}" if part else ""))
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
     stem.with_suffix(".md").write_text(md)
     print(md)

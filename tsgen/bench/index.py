@@ -32,7 +32,8 @@ from .report import markdown_table
 from .sizes import parse_sizes
 
 BEGIN, END = "<!-- tsgen-results:begin -->", "<!-- tsgen-results:end -->"
-_STEM = re.compile(r"^(\d{4}-\d{2}-\d{2})-([0-9a-f]{7,40}(?:-dirty)?|unknown)(?:-(\d+))?$")
+# <date>-<commit>[-n] (the n-th run of the day), or <date>-<commit>-partKofN (part K of a GPU gate run over N calls)
+_STEM = re.compile(r"^(\d{4}-\d{2}-\d{2})-([0-9a-f]{7,40}(?:-dirty)?|unknown)(?:-(\d+)|-part(\d+)of(\d+))?$")
 
 
 @dataclass
@@ -274,18 +275,32 @@ def gate_warning(results: Path) -> str | None:
     full, short, subject = (last.stdout.strip().split(" ", 2) + ["", ""])[:3]
     runs = [run for (kind, _), found in scan(results).items() if kind == "tests" for run in found]
     failed_runs = []
+    parts: dict[tuple[str, str, int], set[int]] = {}  # (folder, commit, N) -> the parts K that passed
     for run in runs:
         m = _STEM.match(run.stem)
         if m and m.group(2) != "unknown":
             ran = _git(root, "merge-base", "--is-ancestor", full, m.group(2).removesuffix("-dirty"))
             if ran is not None and ran.returncode == 0:  # the run's commit has that change
                 failed = _failed_tests(run)
-                if not failed:
+                where = f"{run.folder.relative_to(results).as_posix()}/{run.stem}"
+                if failed:
+                    failed_runs.append(f"{where}: {failed} failed")
+                elif m.group(4):  # one part of a gate split over calls: passed once all of its parts have
+                    k, n = int(m.group(4)), int(m.group(5))
+                    done = parts.setdefault((run.folder.as_posix(), m.group(2), n), set())
+                    done.add(k)
+                    if done >= set(range(1, n + 1)):
+                        return None
+                else:
                     return None
-                failed_runs.append(f"{run.folder.relative_to(results).as_posix()}/{run.stem}: {failed} failed")
     if failed_runs:
         return (f"every GPU test run in results/tests/ that ran {short} ({subject[:60]}) or a later commit had "
                 f"failures ({'; '.join(failed_runs)}): the gate has not passed; run tools/gpu_gate.sh on a GPU")
+    if parts:
+        (folder, commit, n), done = next(iter(parts.items()))
+        missing = ", ".join(str(k) for k in range(1, n + 1) if k not in done)
+        return (f"the GPU gate at {commit} ({Path(folder).name}) ran in {n} parts and part(s) {missing} have no "
+                f"passing record: run PART=K/{n} tools/gpu_gate.sh for them")
     newest = max(runs, key=Result.order, default=None)
     where = f"the newest: {newest.folder.relative_to(results).as_posix()}/{newest.stem}" if newest else "there is none"
     return (f"no GPU test run in results/tests/ ({where}) ran {short} ({subject[:60]}), which changed templates/, "
