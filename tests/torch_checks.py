@@ -1187,22 +1187,34 @@ def cp_checks(group, shared: bool) -> None:
         so the lag schedule, not where each rank happens to be, decides who runs ahead: with 8 ranks
         sharing one GPU their attention kernels queue behind each other and rank 0 reached the
         collective more than the lag's 20 ms after its peers, which then found nothing missing
-        (2026-11-27, results/torch/2026-11-27-917bff7-shared.md: caught at 1 of 3 steps)."""
+        (2026-11-27, results/torch/2026-11-27-917bff7-shared.md: caught at 1 of 3 steps). With that
+        alignment, W 8 was still caught at 2 of 3 steps (2026-11-27, at 1b63e4a): the op's first call
+        sets up its heap (each rank opens its peers' IPC handles) after the alignment, so one call
+        runs first, unchecked, and the 3 checked steps follow."""
         bad = broken_reduce_scatter(group)
+
+        launched = []  # ms from the alignment to the launch's return, per call (the host's part of the skew)
 
         def aligned(x):
             every_rank_done(group)
-            return bad(x)
+            t = time.perf_counter()
+            y = bad(x)
+            launched.append(round((time.perf_counter() - t) * 1e3, 1))
+            return y
 
         try:
+            case(ops[CP_CASES[0]], CP_SEQS[0], reduce_scatter=aligned)  # the heap set up, the module loaded
             caught = [not case(ops[CP_CASES[0]], CP_SEQS[0], reduce_scatter=aligned)[0] for _ in range(3)]
         finally:
             bad.close()
-        seen = [None] * w
+        seen, hosts = [None] * w, [None] * w
         dist.all_gather_object(seen, caught, group=group)
+        dist.all_gather_object(hosts, launched, group=group)
         every_step = all(any(c[i] for c in seen) for i in range(3))
         return every_step, (f"{'caught' if every_step else 'NOT CAUGHT'} at every step; steps caught per rank: "
-                            + ", ".join(f"r{x}: {sum(c)}/3" for x, c in enumerate(seen)))
+                            + ", ".join(f"r{x}: {''.join('x' if c_ else '.' for c_ in c)}" for x, c in enumerate(seen))
+                            + "; ms from the alignment to each call's launch returned (the first unchecked): "
+                            + ", ".join(f"r{x}: {h}" for x, h in enumerate(hosts)))
 
     wait_control()
     if shared:

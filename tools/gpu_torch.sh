@@ -109,7 +109,7 @@ if want shared || want cp_shared; then
         env -u CUDA_DEVICE_MAX_CONNECTIONS python3 -m torch.distributed.run --standalone --nproc-per-node 4 \
         tests/torch_checks.py --shared
     done
-    want cp_shared && for w in 2 4 8; do  # issue 35: the cp backward at W 2, 4, 8 on one GPU
+    want cp_shared && for w in ${CP_WORLDS:-2 4 8}; do  # issue 35: the cp backward at W 2, 4, 8 on one GPU
       CUDA_VISIBLE_DEVICES=0 TSGEN_SHARE_GPUS=1 step "cp_attention fwd+bwd, $w ranks on one GPU (gloo, MPS)" 240 \
         env -u CUDA_DEVICE_MAX_CONNECTIONS python3 -m torch.distributed.run --standalone --nproc-per-node $w \
         tests/torch_checks.py --cp --shared
