@@ -1190,7 +1190,11 @@ def cp_checks(group, shared: bool) -> None:
         (2026-11-27, results/torch/2026-11-27-917bff7-shared.md: caught at 1 of 3 steps). With that
         alignment, W 8 was still caught at 2 of 3 steps (2026-11-27, at 1b63e4a): the op's first call
         sets up its heap (each rank opens its peers' IPC handles) after the alignment, so one call
-        runs first, unchecked, and the 3 checked steps follow."""
+        runs first, unchecked, and the 3 checked steps follow. The host launched every rank's call
+        within 0.6 ms of the alignment, and rank 0 still missed step 3: the op copies each rank's input
+        into its heap slot on the stream before the kernel, and that copy is not lagged, so rank 0's
+        blocks read their peers' slots after the copies had landed. So the peers' streams also sleep
+        50 ms before their copy: rank 0 then reads the slots before this call's data is in them."""
         bad = broken_reduce_scatter(group)
 
         launched = []  # ms from the alignment to the launch's return, per call (the host's part of the skew)
@@ -1198,6 +1202,8 @@ def cp_checks(group, shared: bool) -> None:
         def aligned(x):
             every_rank_done(group)
             t = time.perf_counter()
+            if r != 0:  # the peers' copy into their heap slots late too (the kernel's lag does not hold it back)
+                torch.cuda._sleep(100_000_000)  # cycles: 50 ms at 2 GHz
             y = bad(x)
             launched.append(round((time.perf_counter() - t) * 1e3, 1))
             return y
