@@ -1180,47 +1180,31 @@ def cp_checks(group, shared: bool) -> None:
     @checked(f"cp_reduce_scatter_wait_control_w{w}")
     def wait_control():
         """tsgen's reduce-scatter without its reduce steps' waits (tests/mutations.py
-        reduce_without_waits) under the lag schedule (rank 0's kernel ahead of its peers'): rank 0
-        sums dK / dV pieces that have not arrived, so the comparison must fail at each of 3 steps on
-        some rank (rank 0; the others run behind and find their pieces in place). Reported the same on
-        every rank. Each call of it starts with every rank's earlier work done (synchronize + barrier),
-        so the lag schedule, not where each rank happens to be, decides who runs ahead: with 8 ranks
-        sharing one GPU their attention kernels queue behind each other and rank 0 reached the
-        collective more than the lag's 20 ms after its peers, which then found nothing missing
-        (2026-11-27, results/torch/2026-11-27-917bff7-shared.md: caught at 1 of 3 steps). With that
-        alignment, W 8 was still caught at 2 of 3 steps (2026-11-27, at 1b63e4a): the op's first call
-        sets up its heap (each rank opens its peers' IPC handles) after the alignment, so one call
-        runs first, unchecked, and the 3 checked steps follow. The host launched every rank's call
-        within 0.6 ms of the alignment, and rank 0 still missed step 3: the op copies each rank's input
-        into its heap slot on the stream before the kernel, and that copy is not lagged, so rank 0's
-        blocks read their peers' slots after the copies had landed. So the peers' streams also sleep
-        50 ms before their copy: rank 0 then reads the slots before this call's data is in them."""
+        reduce_without_waits) under the lag_blocks schedule: every rank's block 0 (which signals the
+        call's entry) and every block of rank 0 start at once, the peers' other blocks (which push
+        their pieces into rank 0's inbox) 20 ms later, so rank 0 sums an inbox their pieces have not
+        reached, and the comparison must fail at each of 3 steps on some rank. Reported the same on
+        every rank. Each call starts with every rank's earlier work done (synchronize + barrier).
+        Under the plain lag schedule (every block of a peer late, the entry signal with them) rank 0's
+        own pushes wait for its peers' entry, so it reached its reduce step as their pieces were
+        landing: at W 8 on one GPU caught at 1 or 2 of 3 steps (2026-11-27, at 917bff7, 55ce6a5 and
+        f1c8f82, the host launching every rank within 0.6 ms of the alignment)."""
         bad = broken_reduce_scatter(group)
-
-        launched = []  # ms from the alignment to the launch's return, per call (the host's part of the skew)
 
         def aligned(x):
             every_rank_done(group)
-            t = time.perf_counter()
-            if r != 0:  # the peers' copy into their heap slots late too (the kernel's lag does not hold it back)
-                torch.cuda._sleep(100_000_000)  # cycles: 50 ms at 2 GHz
-            y = bad(x)
-            launched.append(round((time.perf_counter() - t) * 1e3, 1))
-            return y
+            return bad(x)
 
         try:
-            case(ops[CP_CASES[0]], CP_SEQS[0], reduce_scatter=aligned)  # the heap set up, the module loaded
             caught = [not case(ops[CP_CASES[0]], CP_SEQS[0], reduce_scatter=aligned)[0] for _ in range(3)]
         finally:
             bad.close()
-        seen, hosts = [None] * w, [None] * w
+        seen = [None] * w
         dist.all_gather_object(seen, caught, group=group)
-        dist.all_gather_object(hosts, launched, group=group)
         every_step = all(any(c[i] for c in seen) for i in range(3))
-        return every_step, (f"{'caught' if every_step else 'NOT CAUGHT'} at every step; steps caught per rank: "
-                            + ", ".join(f"r{x}: {''.join('x' if c_ else '.' for c_ in c)}" for x, c in enumerate(seen))
-                            + "; ms from the alignment to each call's launch returned (the first unchecked): "
-                            + ", ".join(f"r{x}: {h}" for x, h in enumerate(hosts)))
+        return every_step, (f"{'caught' if every_step else 'NOT CAUGHT'} at every step; steps caught per rank "
+                            "(x caught, . not): " + ", ".join(f"r{x}: {''.join('x' if c_ else '.' for c_ in c)}"
+                                                            for x, c in enumerate(seen)))
 
     wait_control()
     if shared:
@@ -1345,7 +1329,7 @@ def step_ms(step, group, leaves=(), warmup: int = 3, reps: int = 10) -> tuple[fl
 
 def broken_reduce_scatter(group):
     """specs/reduce_scatter.yaml as a variant of its own name (one module name is one torch op) with
-    the lag schedule rendered in and every reduce step's waits removed (tests/mutations.py), loaded
+    the lag_blocks schedule rendered in and every reduce step's waits removed (tests/mutations.py), loaded
     on `group`: a negative control's collective."""
     from mutations import reduce_without_waits
     from tsgen.harness import _mutated, render_to_cache
@@ -1354,7 +1338,7 @@ def broken_reduce_scatter(group):
 
     variant = spec_variant(load_spec(ROOT / "specs" / "reduce_scatter.yaml"), {"name": "reduce_scatter_nowait"})
     # ranks sharing a GPU: the grid fitted as tt.load fits a spec (a manifest is loaded as built)
-    module = render_to_cache(_fit_shared(variant, group), skew="lag")
+    module = render_to_cache(_fit_shared(variant, group), skew="lag_blocks")
     return tt.load(module.manifest, group, source=_mutated(module.source, reduce_without_waits))
 
 
