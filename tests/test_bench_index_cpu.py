@@ -201,3 +201,16 @@ def test_retired_tools_are_gone():
                  "gpu_run8.sh"):
         assert not (ROOT / "tools" / name).exists(), name
     assert shutil.which("bash") is None or "tsgen bench --suite" in (ROOT / "tools" / "gpu_check.sh").read_text()
+
+
+def test_the_parts_of_the_newest_gate_run_stay_together_when_older_runs_are_archived(tmp_path):
+    from tsgen.bench.index import archive_superseded
+
+    tests = tmp_path / "tests" / "nvidia-h200"
+    tests.mkdir(parents=True)
+    for stem in ("2026-11-26-aaaaaaa", "2026-11-27-bbbbbbb-part1of2", "2026-11-27-bbbbbbb-part2of2"):
+        (tests / f"{stem}.json").write_text(json.dumps({"meta": {"date": stem[:10]}, "summary": {}}))
+    moved = archive_superseded(tmp_path)
+    assert [dest.name for _, dest in moved] == ["2026-11-26-aaaaaaa.json"]
+    assert sorted(p.name for p in tests.iterdir()) == ["2026-11-27-bbbbbbb-part1of2.json",
+                                                       "2026-11-27-bbbbbbb-part2of2.json"]

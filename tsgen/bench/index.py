@@ -116,11 +116,20 @@ def scan(results: Path) -> dict[tuple[str, str], list[Result]]:
     return out
 
 
+def _gate_run(run: Result) -> str:
+    """The run a result file belongs to: its stem, or for part K of N of a gate its date, commit and N."""
+    m = _STEM.match(run.stem)
+    return f"{m.group(1)}-{m.group(2)}-of{m.group(5)}" if m and m.group(4) else run.stem
+
+
 def archive_superseded(results: Path) -> list[tuple[Path, Path]]:
-    """Move all runs of each suite but the newest to results/archive/<dir>/<suite>/."""
+    """Move all runs of each suite but the newest to results/archive/<dir>/<suite>/ (the parts of a
+    GPU gate run over several calls are one run: the newest's other parts stay)."""
     moved = []
     for (top, suite), runs in scan(results).items():
         for run in runs[:-1]:
+            if _gate_run(run) == _gate_run(runs[-1]):
+                continue
             dest = Path(results) / "archive" / top / suite
             dest.mkdir(parents=True, exist_ok=True)
             for f in run.files:
