@@ -204,13 +204,15 @@ def test_retired_tools_are_gone():
 
 
 def test_the_parts_of_the_newest_gate_run_stay_together_when_older_runs_are_archived(tmp_path):
-    from tsgen.bench.index import archive_superseded
+    from tsgen.bench.index import archive_superseded, superseded
 
     tests = tmp_path / "tests" / "nvidia-h200"
     tests.mkdir(parents=True)
     for stem in ("2026-11-26-aaaaaaa", "2026-11-27-bbbbbbb-part1of2", "2026-11-27-bbbbbbb-part2of2"):
         (tests / f"{stem}.json").write_text(json.dumps({"meta": {"date": stem[:10]}, "summary": {}}))
+    assert [run.stem for runs in scan(tmp_path).values() for run in superseded(runs)] == ["2026-11-26-aaaaaaa"]
     moved = archive_superseded(tmp_path)
     assert [dest.name for _, dest in moved] == ["2026-11-26-aaaaaaa.json"]
+    assert not [run for runs in scan(tmp_path).values() for run in superseded(runs)]  # what --check asks
     assert sorted(p.name for p in tests.iterdir()) == ["2026-11-27-bbbbbbb-part1of2.json",
                                                        "2026-11-27-bbbbbbb-part2of2.json"]

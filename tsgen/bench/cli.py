@@ -204,13 +204,13 @@ def results(results_dir, readme, suites_dir, docs_dir, check):
     performance tables (between the tsgen-results markers of the README or a file of docs/:
     docs/benchmarks.md) from the newest run of each suite. --check: also every performance figure
     of the README and docs/ against the results files (tsgen/bench/figures.py says what counts)."""
-    from .index import archive_superseded, latest_md, readme_block, scan, tables_file, update_readme
+    from .index import archive_superseded, latest_md, readme_block, scan, superseded, tables_file, update_readme
 
     if not results_dir.is_dir():
         raise RuntimeSetupError(f"{results_dir}: no such folder")
     if check:
-        stale = [f"{top}/{suite}: {len(runs) - 1} superseded run(s) not archived"
-                 for (top, suite), runs in scan(results_dir).items() if len(runs) > 1]
+        stale = [f"{top}/{suite}: {len(old)} superseded run(s) not archived"
+                 for (top, suite), runs in scan(results_dir).items() if (old := superseded(runs))]
         latest = results_dir / "latest.md"
         if not latest.exists() or latest.read_text() != latest_md(results_dir):
             stale.append(f"{latest} is stale")

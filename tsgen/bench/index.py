@@ -122,14 +122,17 @@ def _gate_run(run: Result) -> str:
     return f"{m.group(1)}-{m.group(2)}-of{m.group(5)}" if m and m.group(4) else run.stem
 
 
+def superseded(runs: list[Result]) -> list[Result]:
+    """The runs of one suite (oldest first) that a newer run replaces: all but the newest run."""
+    return [run for run in runs[:-1] if _gate_run(run) != _gate_run(runs[-1])]
+
+
 def archive_superseded(results: Path) -> list[tuple[Path, Path]]:
     """Move all runs of each suite but the newest to results/archive/<dir>/<suite>/ (the parts of a
     GPU gate run over several calls are one run: the newest's other parts stay)."""
     moved = []
     for (top, suite), runs in scan(results).items():
-        for run in runs[:-1]:
-            if _gate_run(run) == _gate_run(runs[-1]):
-                continue
+        for run in superseded(runs):
             dest = Path(results) / "archive" / top / suite
             dest.mkdir(parents=True, exist_ok=True)
             for f in run.files:
