@@ -9,6 +9,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the device image lacks (pydanti
   [ -f /tmp/site/.tsgen-wheels ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.tsgen-wheels; } || exit 2
   export PYTHONPATH=/tmp/site:$PWD
+elif [ -f /tmp/site/.tsgen-wheels ]; then  # a warm machine that an earlier call gave the wheels: a call
+  export PYTHONPATH=/tmp/site:$PWD         # may carry other things instead (tools/fa4_wheels.sh's parts)
 else
   export PYTHONPATH=$PWD
 fi
