@@ -90,6 +90,11 @@ BAD = [
     ("threads", ATT + "launch:\n  threads: 256\n", ["6:3: launch.threads: Input should be 384 or 512"]),
     ("schedule", ATT + "params:\n  schedule: dynamic\n",
      ["6:3: params.schedule: Input should be 'grid' or 'persistent'"]),
+    ("row_max_chains_divide", ATT + "params:\n  tile: {n: 176}\n  row_max_chains: 8\n",
+     ["7:3: params.row_max_chains: row_max_chains 8 does not divide the 44 scores per row a consumer thread holds "
+      "with blocks of 176 keys (tile.n / 4): use a divisor of it"]),
+    ("row_max_chains_power", ATT + "params:\n  row_max_chains: 3\n",
+     ["6:3: params.row_max_chains: Input should be 2, 4 or 8"]),
     ("overlap_needs_persistent", ATT + "params:\n  epilogue_overlap: true\n",
      ["6:3: params.epilogue_overlap: epilogue_overlap overlaps a tile's epilogue with the next tile of the same "
       "CTA: it needs schedule: persistent (a grid of one CTA per tile has no next tile)"]),
@@ -247,6 +252,33 @@ def test_persistent_schedule_renders_the_counter_and_its_reset():
     assert mo["constants"]["SMEM_BYTES"] == smem_bytes(load_spec(SPEC).model) + 128 * 128 * 2  # O staging
 
 
+def test_row_max_chains_renders_only_where_set():
+    """params.row_max_chains (branch i33ilp): Config::ROW_MAX_CHAINS and the module constant only
+    where a spec sets it; unset, the source and manifest are the shipped ones (the header's default
+    is the one serial chain, test_row_max_chains_sass)."""
+    plain = render(load_spec(SPEC), base=ROOT)
+    assert "ROW_MAX_CHAINS" not in plain.source and "ROW_MAX_CHAINS" not in json.loads(plain.manifest)["constants"]
+    r = render(variant("rc", params={"row_max_chains": 4}), base=ROOT)
+    assert "static constexpr int ROW_MAX_CHAINS = rc::ROW_MAX_CHAINS;" in r.source
+    assert json.loads(r.manifest)["constants"]["ROW_MAX_CHAINS"] == 4
+    header = (ROOT / "templates" / "include" / "tsgen" / "attention.cuh").read_text()
+    assert "struct row_max_chains_of : std::integral_constant<int, 1> {};" in header
+
+
+def test_ilp_suite_loads(tool):
+    """suites/attention-ilp.yaml: the shipped hd 128 specs beside their row_max_chains variants,
+    cudnn-frontend and flash-attn-4, timed per entry; every ilp variant of tools/gpu_attention.py
+    (its `--variants ilp` checks) sets row_max_chains."""
+    from tsgen.bench.suites import load_suite
+
+    s = load_suite(ROOT / "suites" / "attention-ilp.yaml")
+    assert s.model.baselines == ["cudnn_frontend", "flash_attn_4"] and s.model.baselines_per_entry
+    chains = {(e.label or e.loaded.model.name): e.loaded.model.params.row_max_chains for e in s.entries}
+    assert chains == {"attention_hd128": None, "attention_hd128_ilp2": 2, "attention_hd128_ilp8": 8,
+                      "attention_hd128_causal_gqa": None, "attention_hd128_causal_gqa_ilp2": 2}
+    assert tool.ILP_VARIANTS and all(tool.VARIANTS[n]["params"]["row_max_chains"] for n in tool.ILP_VARIANTS)
+
+
 def test_variant_suite_loads_and_its_variants_are_the_schedule():
     """suites/attention-variants.yaml: every entry a valid spec variant, cudnn-frontend and
     flash-attn-4 alone, timed per entry; the shipped specs' entries keep schedule grid."""
@@ -342,6 +374,44 @@ def test_variants_compile(cache, tmp_path, changes):
     entry = res.report["v_w1_kernel"]
     assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
     assert ptxas_problems(res.output) == []
+
+
+def fmnmx_chain(sass: str) -> int:
+    """The longest chain of dependent FMNMX that feeds a SHFL (a row max before its reduction over
+    the row's 4 threads), walking the SASS in address order."""
+    depth, worst = {}, 0
+    for op, rest in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", sass):
+        regs = [m.group(1) if (m := re.match(r"-?\|?(R\d+)", a.strip())) else None for a in rest.split(",")]
+        if op == "FMNMX":
+            depth[regs[0]] = 1 + max(depth.get(r, 0) for r in regs[1:3] if r)
+        elif op.startswith("SHFL") and len(regs) > 2:
+            worst = max(worst, depth.get(regs[2], 0))
+            depth[regs[1]] = 0
+        elif regs and regs[0]:
+            depth[regs[0]] = 0
+    return worst
+
+
+@needs_sass
+@pytest.mark.parametrize("chains,causal", [(None, False), (2, False), (4, False), (8, False), (2, True), (8, True)])
+def test_row_max_chains_sass(cache, tmp_path, chains, causal):
+    """params.row_max_chains (branch i33ilp) at hd 128, not causal (grid) and causal GQA 32:8
+    (persistent, overlap, ping-pong): 168 registers, no spills, the wgmma batched, the same
+    HGMMA and MUFU.EX2 count as the shipped kernel, and each row max's chain of dependent FMNMX
+    cut from 33 (a -inf seed + a thread's 32 scores of the row) to 32 / chains + log2(chains)."""
+    p = {"row_max_chains": chains} if chains else {}
+    if causal:
+        p.update(causal=True, kv_heads=8, pingpong=True, schedule="persistent", epilogue_overlap=True)
+    res = compile_source(rendered_source(variant("c", params=p), tmp_path))
+    entry = res.report["c_w1_kernel"]
+    assert entry["registers"] == 168, entry
+    assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
+    assert ptxas_problems(res.output) == []
+    sass = dump_sass(res.output)
+    names = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    assert names.count("MUFU.EX2") == 260 and len([n for n in names if n.startswith("HGMMA")]) == 32
+    assert fmnmx_chain(sass) == (33 if chains is None else 32 // chains + chains.bit_length() - 1)
+    assert not [o for o in names if o.startswith(("LDL", "STL"))] and "CALL" not in " ".join(names)
 
 
 M192 = {"head_dim": 64, "tile": {"m": 192, "n": 128}}

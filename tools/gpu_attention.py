@@ -1,6 +1,6 @@
 """The `attention` op on one GPU: correctness, then tsgen against torch SDPA (flash and cuDNN).
 
-Usage: python tools/gpu_attention.py OUT_DIR [--quick] [--no-bench] [--no-checks] [--variants NAMES|schedule|m192]
+Usage: python tools/gpu_attention.py OUT_DIR [--quick] [--no-bench] [--no-checks] [--variants NAMES|schedule|m192|ilp]
        (on the lent machines: bash tools/gpu_attention.sh, which sets up the environment)
 
 1. Build: every spec variant below is rendered from specs/attention_hd128.yaml and compiled
@@ -131,6 +131,19 @@ VARIANTS.update({
                                                epilogue_overlap=True, **M192),
 })
 M192_VARIANTS = [n for n in VARIANTS if n.endswith("_m192")]
+# the row max in independent chains then a tree (params.row_max_chains, branch i33ilp): checked alone by
+# `--variants ilp` before suites/attention-ilp.yaml times them (tails, masks, bhsd, KV waits: every step kind)
+VARIANTS.update({
+    "hd128_full_kv32_ilp2": variant(128, False, 32, row_max_chains=2),
+    "hd128_full_kv32_ilp8": variant(128, False, 32, row_max_chains=8),
+    "hd128_causal_kv8_overlap_ilp2": variant(128, True, 8, schedule="persistent", epilogue_overlap=True,
+                                             row_max_chains=2),
+    "hd128_causal_kv4_waits_ilp8": variant(128, True, 4, kv_waits=True, row_max_chains=8),
+    "hd64_causal_kv32_overlap_s3_ilp4": variant(64, True, 32, stages=3, schedule="persistent", epilogue_overlap=True,
+                                                row_max_chains=4),
+    "hd128_full_kv4_bhsd_ilp4": variant(128, False, 4, layout="bhsd", row_max_chains=4),
+})
+ILP_VARIANTS = [n for n in VARIANTS if "_ilp" in n]
 # The two-stream check's negative control: the same module built with every stream on tile counter
 # slot 0 (-DTSGEN_ATTENTION_ONE_WORK_SLOT): calls on two streams then share one counter, and the
 # check must fail (run_streams_case)
@@ -144,7 +157,7 @@ CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd128_causal_kv4_waits
 BENCH_VARIANTS = [f"hd{d}_{c}_kv{kv}" for d in (128, 64) for c in ("full", "causal") for kv in (32, 8)]
 TUNE_VARIANTS = [n for n in VARIANTS if n.startswith(("hd128_full_kv32_", "hd128_causal_kv32_", "hd64_full_kv32_",
                                                        "hd64_causal_kv32_"))
-                 and n not in SCHEDULE_VARIANTS and n not in M192_VARIANTS]  # benched at TUNE_SEQS (the schedule's: the suite's)
+                 and n not in SCHEDULE_VARIANTS and n not in M192_VARIANTS and n not in ILP_VARIANTS]  # benched at TUNE_SEQS (the schedule's: the suite's)
 TUNE_SEQS = {128: SEQS, 64: [8192, 16384]}  # by head dim
 
 
@@ -788,7 +801,7 @@ def main() -> int:
     ap.add_argument("--bench-seconds", type=float, default=90, help="seconds kept for the bench")
     ap.add_argument("--variants", default=None,
                     help="check only these variants (comma-separated names, or `schedule`: SCHEDULE_VARIANTS, `m192`: "
-                         "M192_VARIANTS); "
+                         "M192_VARIANTS, `ilp`: ILP_VARIANTS); "
                     "no bench, no runtime check, no timeout probe")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "ARG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -823,7 +836,7 @@ def main() -> int:
     names = sorted(set(CHECK_VARIANTS + BENCH_VARIANTS + TUNE_VARIANTS + ["probe_waits"]))
     only = None
     if args.variants:
-        only = {"schedule": SCHEDULE_VARIANTS, "m192": M192_VARIANTS}.get(args.variants) or args.variants.split(",")
+        only = {"schedule": SCHEDULE_VARIANTS, "m192": M192_VARIANTS, "ilp": ILP_VARIANTS}.get(args.variants) or args.variants.split(",")
         unknown = [n for n in only if n not in VARIANTS]
         if unknown:
             ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")

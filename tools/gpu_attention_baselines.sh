@@ -19,6 +19,11 @@
 #       suite attention-m192 (6 entries, 15 rows: the shipped hd 64 causal spec beside 192-row tiles, and hd 64
 #       not causal 128 / 192 rows) against cudnn-frontend and flash-attn-4. About 4 minutes, a guess [as
 #       variants: 6 + 5 kernels to compile, 15 rows at ~3 s each plus FA4's first-call compiles]
+#   tools/gpu_attention_baselines.sh ilp         ONE GPU (branch i33ilp: params.row_max_chains, the row max in
+#       independent chains then a tree): tools/gpu_attention.py's correctness cases for the ilp variants
+#       (--variants ilp), then suite attention-ilp (5 entries, 10 rows: hd 128 not causal shipped / 2 / 8 chains,
+#       causal GQA 32:8 shipped / 2 chains, at 8K and 16K) against cudnn-frontend and flash-attn-4. About 3-4
+#       minutes, a guess [as m192: 6 + 5 kernels to compile, 10 rows at ~3-5 s each plus FA4's first-call compiles]
 #   tools/gpu_attention_baselines.sh cp          TWO GPUs: suite cp-w2 (cp_attention at S = 16K, 32K against
 #       the naive all_gather + masked SDPA and the zig-zag per-chunk SDPA + LSE merge; the ideal entries
 #       with their interleaved attention baselines). About 3-4 minutes [computed: compiling 4 kernels
@@ -51,6 +56,7 @@ step "cudnn-frontend imports" 60 python3 -c "import torch, cudnn; print('cuDNN',
 step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/test_attention_baselines_cpu.py
 [ "$MODE" = variants ] && BUDGET=${BUDGET_VARIANTS:-270}
 [ "$MODE" = m192 ] && BUDGET=${BUDGET_VARIANTS:-330}
+[ "$MODE" = ilp ] && BUDGET=${BUDGET_VARIANTS:-330}
 case "$MODE" in
   variants)
     step "precompile" 60 python3 tools/precompile_suites.py attention-variants --jobs 16
@@ -60,6 +66,10 @@ case "$MODE" in
     step "precompile" 60 python3 tools/precompile_suites.py attention-m192 --jobs 16
     step "m192 checks" 90 python3 tools/gpu_attention.py "$OUT/m192_checks" --variants m192 --quick --deadline 85
     step "bench attention-m192" 200 python3 -m tsgen bench --suite attention-m192 --results "$OUT/results" ;;
+  ilp)
+    step "precompile" 60 python3 tools/precompile_suites.py attention-ilp --jobs 16
+    step "ilp checks" 90 python3 tools/gpu_attention.py "$OUT/ilp_checks" --variants ilp --quick --deadline 85
+    step "bench attention-ilp" 200 python3 -m tsgen bench --suite attention-ilp --results "$OUT/results" ;;
   attention)
     step "precompile" 150 python3 tools/precompile_suites.py attention attention-gqa64
     step "bench attention" 260 python3 -m tsgen bench --suite attention --results "$OUT/results"
@@ -71,7 +81,7 @@ case "$MODE" in
     step "trace 16K" 90 python3 tools/attention_trace.py "$OUT/trace_16k" --seq 16384
     step "trace 32K" 90 python3 tools/attention_trace.py "$OUT/trace_32k" --seq 32768
     tail -n 4 "$LOG"/trace_*.log 2>/dev/null ;;
-  *) echo "usage: $0 attention|variants|m192|cp" >&2; exit 2 ;;
+  *) echo "usage: $0 attention|variants|m192|ilp|cp" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
 import json, pathlib, sys

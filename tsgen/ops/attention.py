@@ -131,6 +131,11 @@ class AttentionParams(AttentionShape):
         False, description="stage O in shared memory of its own (one more Q tile's bytes) and release Q after a "
         "tile's last S = Q K^T, so that with schedule: persistent the next tile's Q and first K blocks load during "
         "this tile's last P V and epilogue, and its O store drains during the next tile's first S")
+    row_max_chains: Literal[2, 4, 8] | None = Field(
+        None, description="the softmax's row maximum of each block in this many independent chains per row and "
+        "thread, then a pairwise tree (unset: one serial chain of tile.n / 4 dependent max instructions per row, "
+        "as shipped). The same maxima bit for bit; shortens the latency between a block's S and its first exp2. "
+        "Divides tile.n / 4 (a thread's scores per row)")
 
 
 class AttentionLaunch(StrictModel):
@@ -301,6 +306,11 @@ class AttentionFamily(OpFamily):
                              f"{p.stages} stages of K and V blocks of {p.tile.n} x {p.head_dim} (+ the "
                              f"{p.tile.m}-row Q tile{staging}) need {need} bytes of shared memory; sm_90 has "
                              f"{SMEM_LIMIT} per block: use fewer stages or a smaller tile.n"))
+        chains = getattr(p, "row_max_chains", None)
+        if chains and (p.tile.n // 4) % chains:
+            problems.append((("params", "row_max_chains"),
+                             f"row_max_chains {chains} does not divide the {p.tile.n // 4} scores per row a consumer "
+                             f"thread holds with blocks of {p.tile.n} keys (tile.n / 4): use a divisor of it"))
         # cp_attention's CTAs always walk tiles (no params.schedule): the overlap needs nothing more there
         if getattr(p, "epilogue_overlap", False) and getattr(p, "schedule", "persistent") != "persistent":
             problems.append((("params", "epilogue_overlap"),
@@ -335,6 +345,7 @@ class AttentionFamily(OpFamily):
             # only where set: the shipped specs' sources and manifests stay as they were
             **({"PERSISTENT": 1} if p.schedule == "persistent" else {}),
             **({"EPILOGUE_OVERLAP": 1} if p.epilogue_overlap else {}),
+            **({"ROW_MAX_CHAINS": p.row_max_chains} if p.row_max_chains else {}),
         }
 
     def template_vars(self, spec):

@@ -194,6 +194,14 @@ template <class C>
 struct epilogue_overlap_of<C, std::void_t<decltype(C::EPILOGUE_OVERLAP)>>
     : std::integral_constant<bool, C::EPILOGUE_OVERLAP> {};
 
+// Config::ROW_MAX_CHAINS where the Config has it (only specs with params.row_max_chains emit it), else 1:
+// the independent running maxima each thread keeps per row while it reduces a block's scores.
+template <class C, class = void>
+struct row_max_chains_of : std::integral_constant<int, 1> {};
+template <class C>
+struct row_max_chains_of<C, std::void_t<decltype(C::ROW_MAX_CHAINS)>>
+    : std::integral_constant<int, C::ROW_MAX_CHAINS> {};
+
 template <class C>
 struct Layout {
   static_assert(sizeof(typename C::Element) == 2, "16-bit inputs");
@@ -535,8 +543,33 @@ struct Softmax {
       }
     }
     float mx[2] = {-INFINITY, -INFINITY};
+    constexpr int CHAINS = row_max_chains_of<C>::value;
+    if constexpr (CHAINS == 1) {
 #pragma unroll
-    for (int i = 0; i < L::S_ACC; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
+      for (int i = 0; i < L::S_ACC; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
+    } else {
+      // CHAINS independent maxima per row (score e of the row's S_ACC / 2 into chain e % CHAINS, the
+      // first CHAINS taken as they are), then a pairwise tree: the one serial chain of S_ACC / 2
+      // dependent FMNMX per row becomes S_ACC / (2 CHAINS) + log2(CHAINS) steps. Max is exact: the
+      // same row maxima, bit for bit, in any order.
+      static_assert((CHAINS & (CHAINS - 1)) == 0 && (L::S_ACC / 2) % CHAINS == 0, "ROW_MAX_CHAINS");
+      float part[2][CHAINS];
+#pragma unroll
+      for (int e = 0; e < L::S_ACC / 2; ++e) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float x = s[4 * (e / 2) + 2 * r + e % 2];  // the row's e-th score (the accumulator layout)
+          part[r][e % CHAINS] = e < CHAINS ? x : fmaxf(part[r][e % CHAINS], x);
+        }
+      }
+#pragma unroll
+      for (int w = CHAINS / 2; w > 0; w /= 2)
+#pragma unroll
+        for (int c = 0; c < w; ++c)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) part[r][c] = fmaxf(part[r][c], part[r][c + w]);
+      mx[0] = part[0][0], mx[1] = part[1][0];
+    }
     float use[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
