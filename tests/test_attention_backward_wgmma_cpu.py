@@ -104,6 +104,7 @@ def test_variants_compile_without_spills(tmp_path, monkeypatch, name):
     assert entry["registers"] == 168, entry
     assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
     assert ptxas_problems(res.output) == [], "no serialized wgmma, no ignored setmaxnreg"
+    assert serialized(res.output) == [], "nor C7514 / C7518 (SERIALIZED, below)"
 
 
 @needs_sass
@@ -524,7 +525,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
     assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2",
-                          "wgmma_g4", "wgmma_g8")
+                          "wgmma_g4", "wgmma_g8", "wgmma_l3")
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
     assert tool.impl_name("hd64_full_kv8", "wgmma_red") == "hd64_full_kv8_wgmma_red"
@@ -539,6 +540,9 @@ def test_gpu_tool_runs_the_impls_side_by_side():
         assert spec.params.impl == "wgmma" and spec.params.head_group == 4 and not spec.params.deterministic
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_g0"))).model
         assert spec.params.cta_head_group is None  # no groups: the KV-block-major order
+        spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_l3"))).model
+        assert spec.params.lookahead and spec.params.dq_tiled and spec.params.cta_head_group == DEFAULT_HEAD_GROUP
+        assert get_family("attention_backward").check(spec) == [], name
     row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 100.0},
            "tsgen_wgmma": {"tflops": 400.0, "ratio_ref": 4.0}, "sdpa_cudnn": {"tflops": 500.0, "ratio": 5.0}}
     summary = {"device": "NVIDIA H200", "date": "2026-11-27", "command": "c", "checks": {},
@@ -947,3 +951,139 @@ def test_a_variant_over_the_shared_memory_limit_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(ab, "SMEM_LIMIT", smem_bytes(spec) - 1)
     problems = get_family("attention_backward").check(spec)
     assert [w for w, _ in problems] == [("params",)] and "shared memory" in problems[0][1], problems
+
+
+# ---------------------------------------------------------------------------
+# params.lookahead (consume_lookahead): the next step's S^T and dP^T under this step's dQ tail
+# ---------------------------------------------------------------------------
+
+# every ptxas "Potential Performance Loss" about wgmma: C7514 (accumulators read in flight) and C7518 (a
+# wait in a divergent path) serialize every wgmma as well as the C7508 / C7510 / C7512 / C7520 that
+# ptxas_problems names; the refuted s_prefetch (0952bc9) compiled with C7518 (40 waits for 40 HGMMA)
+SERIALIZED = re.compile(r"\(C75\d\d\)")
+
+
+def serialized(output) -> list[str]:
+    from pathlib import Path
+
+    text = Path(str(output) + ".ptxas.txt").read_text()
+    return [line for line in text.splitlines() if SERIALIZED.search(line)]
+
+
+def tool_cases():
+    """The (variant, spec changes) of every case tools/gpu_attention_bwd.py checks or benches with --impl
+    wgmma_l3."""
+    from conftest import load_script
+    from tsgen.spec import merge
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    return {name: merge(tool.VARIANTS[name], tool.impl_changes("wgmma_l3"))
+            for name in sorted(set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS))}
+
+
+def test_lookahead_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
+    fam = get_family("attention_backward")
+    shipped = [ROOT / "specs" / "attention_backward_hd128.yaml",
+               ROOT / "specs" / "attention_backward_hd64_causal_gqa.yaml",
+               ROOT / "examples" / "torch" / "specs" / "attention_backward_hd128_causal_gqa.yaml",
+               ROOT / "examples" / "torch" / "specs" / "attention_backward_hd64_causal.yaml"]
+    for path in shipped:  # unset in every shipped spec: its source has no LOOKAHEAD (tsgen build: 0 files)
+        loaded = load_spec(path)
+        assert not loaded.model.params.lookahead and "LOOKAHEAD" not in fam.constants(loaded.model)
+        assert "LOOKAHEAD" not in rendered_source(loaded, tmp_path).read_text(), path
+    on = variant("la", params={"lookahead": True})
+    assert fam.constants(on.model)["LOOKAHEAD"] == 1 and fam.check(on.model) == []
+    text = rendered_source(on, tmp_path).read_text()
+    assert "static constexpr bool LOOKAHEAD = la::LOOKAHEAD != 0;" in text
+    # the same shared memory, threads and workspace as the default
+    assert smem_bytes(on.model) == smem_bytes(variant("v").model)
+    assert text.replace("la::", "v::").count("HEAD_GROUP") == rendered_source(variant("v"), tmp_path).read_text().count(
+        "HEAD_GROUP")
+    # refused: mma_sync, dq_reduce atomic, deterministic (by name)
+    spec = variant("v").model
+    for update in ({"impl": "mma_sync"}, {"dq_reduce": "atomic"}, {"deterministic": True, "head_group": 0}):
+        bad = spec.model_copy(update={"params": spec.params.model_copy(update={"lookahead": True, **update})})
+        problems = [w for w, _ in fam.check(bad) if w == ("params", "lookahead")]
+        assert problems == [("params", "lookahead")], (update, fam.check(bad))
+    for name, changes in tool_cases().items():  # every case of the GPU tool's wgmma_l3 is a valid spec
+        loaded = spec_variant(load_spec(SPEC), changes)
+        assert loaded.model.params.lookahead and fam.check(loaded.model) == [], name
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", sorted(tool_cases()))
+def test_lookahead_compiles_without_spills_for_every_tool_case(tmp_path, monkeypatch, name):
+    """Each shape tools/gpu_attention_bwd.py runs with --impl wgmma_l3 (hd 128 / 64, causal or not, GQA 32:32,
+    32:8, 32:4, bhsd, fp16): 168 registers at entry (setmaxnreg 40 / 232), no spills, no stack, and no
+    serialized wgmma of any kind (SERIALIZED)."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    loaded = spec_variant(load_spec(SPEC), {**tool_cases()[name], "name": "v"})
+    res = compile_source(rendered_source(loaded, tmp_path))
+    entry = res.report["v_w1_main"]
+    assert entry["registers"] == 168, entry
+    assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
+    assert serialized(res.output) == [], "no serialized wgmma"
+
+
+@needs_sass
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_sass_of_the_lookahead_main_kernel(tmp_path, monkeypatch, head_dim):
+    """params.lookahead: S^T and dP^T issued twice (before the walk, and in each step for the next one), dV /
+    dK and dQ once; six warpgroup waits (two before the loop, four a step: no wgmma waited for alone); and
+    the order the overlap rests on, in the loop: dV / dK, DS_READY, dQ, wait (dV / dK), q_empty, q_full, the
+    next S^T, wait (dQ), the 16 staging stores, the next dP^T, DQ_STAGED, the bulk reduction, wait (S^T),
+    P's exp2, wait (dP^T), and the back edge there (nothing in flight across it). The default kernel keeps
+    four waits a step and issues S^T only after its dQ's staging and reduction."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    compiled = compile_source(rendered_source(variant("v", params={"head_dim": head_dim, "lookahead": True}), tmp_path))
+    assert serialized(compiled.output) == []
+    sass = dump_sass(compiled.output)
+    main = sass[sass.index("Function : v_w1_main"):]
+    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
+    ops = re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", main)
+    names = [o for _, _, o, _ in ops]
+    assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no calls"
+
+    def event(pred, o, rest):
+        r = re.sub(r"\s+", "", rest)
+        if o.startswith("HGMMA"):
+            return "dQ" if ".tnspA.tnspB" in r else ("RS" if ".tnspB" in r else "SS")
+        if o == "WARPGROUP.DEPBAR.LE":
+            return "wait" + r[-1]
+        if o == "BAR.SYNC.DEFER_BLOCKING":
+            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
+        return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full",
+                "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2"}.get(o)
+
+    at = [int(a, 16) for a, _, _, _ in ops]
+    seq = []  # (address, event), runs of one event kept once with their count
+    for (a, pred, o, rest) in ops:
+        e = event(pred, o, rest)
+        if e is None:
+            continue
+        if seq and seq[-1][1] == e:
+            seq[-1][2] += 1
+        else:
+            seq.append([int(a, 16), e, 1])
+    hgmma = sum(n for _, e, n in seq if e in ("SS", "RS", "dQ"))
+    ss = sum(n for _, e, n in seq if e == "SS")
+    assert ss == 2 * 2 * head_dim // 16 and sum(n for _, e, n in seq if e == "RS") == 8
+    assert sum(n for _, e, n in seq if e == "dQ") == (128 if head_dim == 128 else 64) // 16
+    assert names.count("WARPGROUP.DEPBAR.LE") == 6 and hgmma == ss + 8 + (8 if head_dim == 128 else 4)
+    # the consumers' loop: the backward branch whose target lies before the dV / dK products
+    rs = next(a for a, e, _ in seq if e == "RS")
+    back = [(int(a, 16), int(rest.split()[0], 16)) for a, pred, o, rest in ops
+            if o == "BRA" and rest.strip() and int(rest.strip().split()[0], 16) < int(a, 16) <= at[-1]]
+    edge, top = next((a, t) for a, t in back if t < rs < a)
+    body = [(e, n) for a, e, n in seq if top <= a < edge]
+    want = ["RS", "DS_READY", "dQ", "wait1", "q_empty", "q_full", "SS", "wait1", "STS.64", "SS", "DQ_STAGED",
+            "UBLKRED", "wait1", "EX2", "wait0"]
+    got = [e for e, _ in body]
+    assert got == want, got
+    assert dict((e, n) for e, n in body if e in ("STS.64", "EX2")) == {"STS.64": 16, "EX2": 64}
+    assert [n for e, n in body if e == "SS"] == [head_dim // 16] * 2, "the next S^T, then the next dP^T"
+    # the default: S^T of a step issued after the last step's dQ was waited for and staged
+    base = dump_sass(compile_source(rendered_source(variant("b", params={"head_dim": head_dim}), tmp_path)).output)
+    base = base[base.index("Function : b_w1_main"):]
+    assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE", base[:base.index("Function :", 10)] if "Function :" in
+                          base[10:] else base)) == 4

@@ -1,7 +1,7 @@
 """The `attention_backward` op on one GPU: correctness against a float32 reference, then a short
 bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
-Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1]
+Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3]
        python tools/gpu_attention_bwd.py OUT_DIR --impl wgmma --ncu hd128_full_kv32[:8192]
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment; source
        tools/device_env.sh before the --ncu form: ncu over one variant's main kernel at the bench's
@@ -15,7 +15,8 @@ times on the same inputs that pass only with dQ, dK, dV and the fp32 dq_accum wo
 keep most of the order differences that the 16-bit rounding hides) bit-identical across the runs, and
 a causal two-segment case whose split (480) falls inside a query block), wgmma_g1 / g2 / g4 / g8
 (params.impl wgmma with params.head_group 1, 2, 4, 8: the main kernel's CTAs in groups of that many
-(sequence, KV head) pairs, for L2 locality). wgmma's checks run one such
+(sequence, KV head) pairs, for L2 locality), wgmma_l3 (params.impl wgmma with params.lookahead: the
+next step's S^T and dP^T issued under this step's dQ tail). wgmma's checks run one such
 repeated case as information (whether its fp32 dq_accum differed: expected, not a failure; it shows
 that the check can see the order). Each listed one is built,
 checked and benched with the same variants and cases; a variant of an impl other than mma_sync is
@@ -101,12 +102,15 @@ BENCH_SEQS = [4096, 8192, 16384]
 
 # main kernels; the first is the default and the bench's "tsgen" column
 # wgmma_gN: the CTAs in groups of N (sequence, KV head) pairs (params.head_group; g0: no groups, the
-# order before groups of 4 became the default)
-IMPLS = ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4", "wgmma_g8")
+# order before groups of 4 became the default); wgmma_l3: params.lookahead (the next step's S^T and dP^T
+# under the dQ tail, docs/design/attention.md's lever 3), with the default head_group
+IMPLS = ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4", "wgmma_g8",
+         "wgmma_l3")
 # the spec params of each (beside its threads per CTA, those of params.impl)
 IMPL_PARAMS = {"mma_sync": {}, "wgmma": {"impl": "wgmma"}, "wgmma_red": {"impl": "wgmma", "dq_reduce": "atomic"},
                "wgmma_det": {"impl": "wgmma", "deterministic": True},
-               **{f"wgmma_g{n}": {"impl": "wgmma", "head_group": n} for n in (0, 1, 2, 4, 8)}}
+               **{f"wgmma_g{n}": {"impl": "wgmma", "head_group": n} for n in (0, 1, 2, 4, 8)},
+               "wgmma_l3": {"impl": "wgmma", "lookahead": True}}
 
 
 def impl_name(name: str, impl: str) -> str:

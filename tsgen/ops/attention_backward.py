@@ -99,6 +99,13 @@ class AttentionBackwardParams(AttentionShape):
         "Measured on an H200 (2026-11-27, 917bff7, hd 128): groups of 4 at 0.99-1.29x the speed of no groups. "
         "Not with deterministic (its turns beside the grouped order spill)")
 
+    lookahead: bool = Field(
+        False, description="impl wgmma, dq_reduce bulk, not deterministic: each step's S^T product issued as soon "
+        "as the previous step's dV / dK are done, behind its dQ and before the dQ is waited for, and its dP^T right "
+        "after the dQ's staging stores, so that the tensor pipe runs them under the dQ tail instead of idling "
+        "until the next step starts (tsgen::attention_bwd::wgmma::consume_lookahead; the default's register peak; "
+        "one S^T / dP^T pair past each walk's end, unread). Not yet measured on a GPU")
+
     @property
     def cta_head_group(self) -> int | None:
         """The main kernel's group of (sequence, KV head) pairs (its HEAD_GROUP), None for none: head_group
@@ -206,6 +213,17 @@ class AttentionBackwardFamily(OpFamily):
             problems.append((("params", "head_group"), "head_group with deterministic is not built: the grouped order's "
                              "KV block and head stay live in the consumers and spill beside the turns (ptxas: 8 "
                              "bytes of stack); use one of the two"))
+        if spec.params.lookahead:
+            if spec.params.impl != "wgmma":
+                problems.append((("params", "lookahead"), "lookahead needs params.impl wgmma (the mma_sync kernel "
+                                 "issues no product asynchronously)"))
+            elif not spec.params.dq_tiled:
+                problems.append((("params", "lookahead"), "lookahead is built for dq_reduce bulk only (the atomic "
+                                 "path is kept to bench against)"))
+            elif spec.params.deterministic:
+                problems.append((("params", "lookahead"), "lookahead with deterministic is not built (the turns' "
+                                 "wait and hand-over sit in the dQ tail that the lookahead reorders); use one of "
+                                 "the two"))
         if spec.params.deterministic and not spec.params.dq_tiled:
             problems.append((("params", "deterministic"), "deterministic needs params.impl wgmma with dq_reduce bulk "
                              "(the ordered adds are the bulk reductions; mma_sync and dq_reduce atomic add dQ with "
@@ -250,6 +268,7 @@ class AttentionBackwardFamily(OpFamily):
                 "DQ_TILED": int(p.dq_tiled)} if p.impl == "wgmma" else {}),
             **({"DETERMINISTIC": 1} if p.deterministic else {}),  # absent by default: those sources stay as they were
             **({"HEAD_GROUP": p.cta_head_group} if p.cta_head_group else {}),  # likewise
+            **({"LOOKAHEAD": 1} if p.lookahead else {}),  # likewise
         }
 
     def template_vars(self, spec):

@@ -55,6 +55,9 @@
 //             raises it a step later, once the reduction is complete; HEAD_DIM 64 first sums the two
 //             warpgroups' partials of the same panel in shared memory (DQ_PAIRED: one reduction)
 //     After the walk, dK (times SCALE) and dV leave from registers (rows past kv_len clipped).
+//     params.lookahead (consume_lookahead): the same products and waits, the next step's S^T issued
+//     behind this step's dQ and its dP^T right after the dQ staging's stores, so that the tensor pipe
+//     runs them under the dQ tail; the loop's back edge after dP^T's wait.
 //
 // Hazards (and what orders each):
 //   - Q / dO / LSE2 / D stage reuse: the producer reloads a stage only after both consumer
@@ -113,6 +116,13 @@
 namespace tsgen {
 namespace attention_bwd {
 namespace wgmma {
+
+// Config::LOOKAHEAD where the Config has it (only specs with params.lookahead emit it), else false:
+// consume_lookahead(), the next step's S^T and dP^T issued under this step's dQ tail.
+template <class C, class = void>
+struct lookahead_of : std::false_type {};
+template <class C>
+struct lookahead_of<C, std::void_t<decltype(C::LOOKAHEAD)>> : std::integral_constant<bool, C::LOOKAHEAD> {};
 
 using attention::mbar_wait_no_timeout;
 using attention::tma_load_4d;
@@ -202,6 +212,9 @@ struct Layout {
   // turn to be passed on, a step later (after its completion wait): the two would alternate, not overlap.
   static constexpr bool DQ_PAIRED = DETERMINISTIC && !DQ_SPLIT_N;
   static constexpr uint32_t DQ_ADDERS = DQ_PAIRED ? 1 : 2;  // reductions per CTA and step into the query block
+  // params.lookahead: consume_lookahead (bulk dQ, not deterministic: tsgen/ops/attention_backward.py refuses both)
+  static constexpr bool LOOKAHEAD = lookahead_of<C>::value;
+  static_assert(!LOOKAHEAD || (DQ_TILED && !DETERMINISTIC), "lookahead: the bulk dQ path, not deterministic");
 
   static constexpr int K_OFF = 0;
   static constexpr int V_OFF = K_OFF + KV_TILE;
@@ -661,6 +674,205 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
   }
 }
 
+// params.lookahead (LOOKAHEAD; bulk dQ, not DETERMINISTIC): consume() with the next step's S^T issued as
+// soon as this step's dV / dK products are done (their A fragments and the stage's readers retired), queued
+// behind this step's dQ on the tensor pipe, and the next step's dP^T right after the dQ staging's stores
+// (dQ's registers free), so that the pipe runs them under the dQ tail (its staging, proxy fence, barrier and
+// bulk issue, the walk's advance, the next stage's q_full wait) instead of idling from the dQ's completion
+// to the next step's first product (consume(): wait dQ, stage, reduce, loop, issue S^T, wait for it).
+// Registers: at most dK, dV 128 + two 32-register accumulators (dQ and S^T in flight at the staging,
+// S^T and dP^T at P), consume()'s peak; S^T and dP^T issued together before the dQ wait (dQ 32 + 64 +
+// 128 = 224) spilled 548 bytes. Per step, in order: dS^T (P^T and dP^T came in at the end of the last
+// step), its store; dV / dK; DS_READY; dQ; wait dV / dK (wait_group 1), q_empty; the walk's advance, the
+// next step's q_full and S^T; wait dQ (1); the staging's stores; the next dP^T; fence, DQ_STAGED, the
+// bulk reduction; wait S^T (1), the next P^T; wait dP^T (0). The loop's back edge sits there, with no
+// wgmma in flight (a first form, S^T and dP^T in flight across it and waited for at the loop's top, compiled
+// with every wgmma serialized, C7514, and spills). Nor is a wgmma issued on a path that depends on the walk
+// (ptxas's C7518, "serialized due to ... WG.DP in divergent path", serialized the refuted s_prefetch's
+// kernel, which issued its early S^T under `if (!next.done())`): the products of the step after the walk's
+// last are issued too, on the stale
+// stage (its q_full wait passes at once: its parity flipped, as mbar_wait's "a fresh barrier passes
+// parity 1" for a stage never loaded), with their P^T computed and never read; the same before the loop
+// for a walk with no step. The descriptors come from 32-bit addresses made opaque where used: hoisted out
+// of the loop, their 64-bit sums per k16 step stayed live and spilled 28 bytes.
+// Hazards beyond consume()'s: the next step's products read stage (step + 1) % STAGES, which the
+// producer reloads only after both warpgroups released it at step + 1, after those products retired;
+// the step past the walk's end reads a stage that the producer no longer writes (or never wrote: its
+// products' values are garbage, unread). q_empty of a step is arrived at before the next step's products
+// are issued: they read the other stage. dS^T buffer reuse holds as in consume(): a warpgroup retires its
+// dQ of step b (the wait after the next S^T's issue) before it reaches DS_READY of step b + 1.
+template <class C>
+static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint32_t smem, uint32_t cw, uint32_t b,
+                                                         uint32_t hk, uint32_t k0) {
+  using L = Layout<C>;
+  static_assert(L::LOOKAHEAD, "params.lookahead's consumer");
+  const uint32_t t = threadIdx.x % 128, lane = t % 32, warp = t / 32;
+  const uint32_t row = 16 * warp + lane / 4;  // and row + 8: this thread's keys (of the warpgroup's 64)
+  const uint32_t key_lo = k0 + 64 * cw + row;  // within the sequence
+  const int32_t first_key = p.kv_offset + (int32_t)k0;
+  float dk[L::D_ACC], dv[L::D_ACC];
+#pragma unroll
+  for (int i = 0; i < L::D_ACC; ++i) dk[i] = 0.f, dv[i] = 0.f;
+
+  const uint32_t dq_col_box = L::DQ_SPLIT_N ? cw : 0, dq_key0 = L::DQ_SPLIT_N ? 0 : 64 * cw;
+  // The descriptors of K_w, V_w (K-major, A of S^T, dP^T) and of K (N-major, B of dQ) from one 32-bit
+  // address each, made opaque where used (`fresh`): hoisted out of the loop, their 8 + 8 + 8 64-bit sums
+  // per k16 step (one add with carry each) stayed live and spilled beside the lookahead's accumulators
+  const uint32_t k_addr = smem + L::K_OFF + 64 * cw * 128, v_addr = smem + L::V_OFF + 64 * cw * 128;
+  const uint32_t kn_addr = smem + L::K_OFF + dq_col_box * L::KV_BOX + dq_key0 * 128;
+  auto fresh = [](uint32_t x) {
+    asm volatile("" : "+r"(x));
+    return x;
+  };
+
+  // S^T = K_w Q^T of step `at` (a group) once its stage has landed; `past_end`: the walk has no such step,
+  // the product runs on the stale stage and is never read (q_full's parity flipped: that wait passes at once)
+  float s[32], dp[32];
+  auto issue_s = [&](uint32_t at, bool past_end) {
+    const uint32_t stage = at % C::STAGES, phase = ((at / C::STAGES) & 1) ^ (past_end ? 1u : 0u);
+    mbar_wait_no_timeout(smem + L::Q_FULL + 8 * stage, phase);
+    const uint64_t q_desc = sw128_descriptor(smem + L::Q_OFF + stage * L::Q_TILE, 16, 1024);
+    const uint64_t k_desc = sw128_descriptor(fresh(k_addr), 16, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
+      const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
+      C::mma_s(s, k_desc + (kv_step >> 4), q_desc + (q_step >> 4), k > 0);
+    }
+    wgmma_commit_group();
+  };
+  // dP^T = V_w dO^T of step `at` (a group; after issue_s of the same step, which waited for the stage)
+  auto issue_dp = [&](uint32_t at) {
+    const uint64_t do_desc = sw128_descriptor(smem + L::DO_OFF + (at % C::STAGES) * L::Q_TILE, 16, 1024);
+    const uint64_t v_desc = sw128_descriptor(fresh(v_addr), 16, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
+      const uint32_t kv_step = (k / 4) * L::KV_BOX + (k % 4) * 32, q_step = (k / 4) * L::Q_BOX + (k % 4) * 32;
+      C::mma_s(dp, v_desc + (kv_step >> 4), do_desc + (q_step >> 4), k > 0);
+    }
+    wgmma_commit_group();
+  };
+
+  // P^T of the walk's step `at` (query rows of w, stage at % STAGES) once S^T is in (its dP^T may still run),
+  // then dP^T waited for: every group retired
+  auto probabilities_of = [&](const Walk<C>& w, uint32_t at) {
+    const uint32_t r0 = w.qb * BLOCK_M, r1 = w.rows_end(p);
+    wgmma_wait_group<1>();
+    attention::fence_all<C>(s, 32);
+    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
+      probabilities<C, true>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
+    } else {
+      probabilities<C, false>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
+    }
+    wgmma_wait_group<0>();
+    attention::fence_all<C>(dp, 32);
+  };
+
+  mbar_wait_no_timeout(smem + L::KV_FULL, 0);
+  Walk<C> w(p, hk, first_key);
+  issue_s(0, w.done());
+  issue_dp(0);
+  probabilities_of(w, 0);
+  // The loop's back edge sits where no wgmma is in flight (after dP^T's wait; see above)
+  for (uint32_t step = 0; !w.done(); ++step) {
+    const uint32_t stage = step % C::STAGES;
+    const uint32_t r0 = w.qb * BLOCK_M, r1 = w.rows_end(p);
+    const uint32_t q_base = smem + L::Q_OFF + stage * L::Q_TILE, do_base = smem + L::DO_OFF + stage * L::Q_TILE;
+    const uint32_t ds_base = smem + L::DS_OFF + (step % 2) * L::DS_BUF;
+
+    // dS^T = P^T (dP^T - D) (P^T and dP^T of this step came in at the end of the last)
+    ds_of<C>(s, dp, smem, stage);
+    uint32_t ap[4][4], ad[4][4];
+    to_operand<C>(s, ap);
+    to_operand<C>(dp, ad);
+
+    // dS^T (16-bit) to shared memory, as consume()
+    {
+      const uint32_t base = ds_base + (64 * cw + row) * 128, swizzle = lane / 4;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const uint32_t col = ((q ^ swizzle) << 4) + 4 * (lane % 4);
+        const uint32_t k = q / 2, x = q % 2;
+        st_shared_u32(base + col, ad[k][2 * x]);
+        st_shared_u32(base + 8 * 128 + col, ad[k][2 * x + 1]);
+      }
+      fence_proxy_async_shared_cta();
+    }
+
+    // dV_w += P^T dO, dK_w += dS^T Q
+    {
+      const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < L::K16; ++k) C::mma_rs(dv, ap[k], do_n + ((k * 2048) >> 4), 1);
+#pragma unroll
+      for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
+      wgmma_commit_group();
+    }
+
+    // the staging is rewritten after DS_READY: the last reduction has read it (issued a step ago)
+    if (t == 0) bulk_wait_group_read<0>();
+    named_barrier_sync(DS_READY, 256);
+
+    // dQ (64 queries x 64 columns) = dS K over DQ_KEYS keys
+    float dq[32];
+    {
+      const uint64_t ds_desc = sw128_descriptor(ds_base + dq_key0 * 128, L::DS_BUF, 1024);
+      const uint64_t kn_desc = sw128_descriptor(fresh(kn_addr), L::KV_BOX, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < L::DQ_KEYS / 16; ++k)
+        C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
+      wgmma_commit_group();
+    }
+    wgmma_wait_group<1>();  // dV, dK done: the stage's Q and dO are no longer read, ap / ad are free
+    attention::fence_all<C>(dk, L::D_ACC);
+    attention::fence_all<C>(dv, L::D_ACC);
+    if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
+
+    // this step's bulk destination; the walk's next step (or the end) and its S^T, queued behind dQ
+    const uint32_t n = r1 - r0;
+    float* const dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + r0) * C::HEAD_DIM +
+                       (size_t)dq_col_box * n * 64;
+    w.next(p);
+    issue_s(step + 1, w.done());
+
+    wgmma_wait_group<1>();  // dQ done (the next step's S^T may run)
+    attention::fence_all<C>(dq, 32);
+    const uint32_t staging = smem + L::DQ_OFF + cw * L::DQ_BUF;
+    each_staged_pair(staging, row, lane, [&](uint32_t at, int i) { st_shared_v2_f32(at, dq[i], dq[i + 1]); });
+    issue_dp(step + 1);  // into registers of its own, dQ's free: S^T, dP^T, dK, dV 192 at most
+    fence_proxy_async_shared_cta();
+    if (cw == 0)
+      named_barrier_sync_imm<DQ_STAGED>(128);
+    else
+      named_barrier_sync_imm<DQ_STAGED + 1>(128);
+    if (t == 0) {
+      bulk_reduce_add_f32(dst, staging, n * 256);
+      bulk_commit_group();
+    }
+    // the next step's P^T (past the walk's end: of the stale stage, unread)
+    probabilities_of(w, step + 1);
+  }
+  if (t == 0) bulk_wait_group_all();
+
+  // dK (times the scale) and dV, as consume()
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t key = key_lo + 8 * h;
+    if (key >= p.kv_len) continue;
+    const size_t at = row_offset<C>(b, key, hk, C::KV_HEADS, p.kv_len);
+    uint32_t* dkg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at);
+    uint32_t* dvg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at);
+#pragma unroll
+    for (int q = 0; q < C::HEAD_DIM / 8; ++q) {
+      dkg[4 * q + lane % 4] = pack2<C>(dk[4 * q + 2 * h] * C::SCALE, dk[4 * q + 2 * h + 1] * C::SCALE);
+      dvg[4 * q + lane % 4] = pack2<C>(dv[4 * q + 2 * h], dv[4 * q + 2 * h + 1]);
+    }
+  }
+}
+
 // The main kernel's body.
 template <class C>
 static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, const CUtensorMap* k_map,
@@ -702,7 +914,10 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
     if (threadIdx.x < 32) produce<C>(q_map, k_map, v_map, do_map, smem, p, b, hk, k0);
   } else {
     setmaxnreg_inc<232>();
-    consume<C>(p, smem, warpgroup - 1, b, hk, k0);
+    if constexpr (L::LOOKAHEAD)
+      consume_lookahead<C>(p, smem, warpgroup - 1, b, hk, k0);
+    else
+      consume<C>(p, smem, warpgroup - 1, b, hk, k0);
   }
 }
 
