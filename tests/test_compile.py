@@ -62,6 +62,7 @@ def test_generated_source_compiles_without_spills(source):
         assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0, (name, entry)
     for name, entry in res.own_report.items():  # non-inlined helpers too (a device library's are its own)
         assert entry.get("spill_stores", 0) == 0 and entry.get("spill_loads", 0) == 0, (name, entry)
+    assert res.serialized == [], "ptxas serialized wgmma (right answers, several times slower)"
     if res.output.suffix == ".so":  # what the runtime looks up: every launcher and prepare the manifest names
         nm = shutil.which("nm")
         if nm is None:
@@ -309,3 +310,23 @@ def test_cuda_home_is_searched(tmp_path, monkeypatch):
     monkeypatch.setattr(toolchain, "_wheel_bin_dirs", lambda: [])
     assert find_nvcc() == fake
 
+
+
+def test_serialized_wgmma_notes_are_found_and_other_notes_are_not():
+    """ptxas's serialization notes (a kernel that computes the right answer several times slower: the
+    attention backward's s_prefetch experiment at 0952bc9 compiled with C7518) are what `tsgen build
+    --compile` warns of and the compile sweep refuses; C7519 (an injected warpgroup.arrive, which the
+    shipped forward kernels carry) is not one."""
+    from tsgen.toolchain import serialized_wgmma
+
+    text = "\n".join([
+        "ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "program dependence on compiler-inserted WG.DP in divergent path in the function 'k'",
+        "ptxas info    : (C7510) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "the presence of Extern calls in the function 'k'",
+        "ptxas info    : (C7519) warpgroup.arrive is injected in around line 2586 by compiler to allow use of "
+        "registers in GMMA in function 'attention_hd128_w1_kernel'",
+        "ptxas info    : Used 168 registers, used 1 barriers",
+    ])
+    found = serialized_wgmma(text)
+    assert [line[16:23] for line in found] == ["(C7518)", "(C7510)"], found

@@ -162,6 +162,8 @@ def _compile_all(modules: list, arch: str, jobs: int) -> None:
             state = "cached" if res.cached else f"compiled in {seconds:.1f} s"
             click.echo(f"[{i:{len(str(n))}}/{n}] {source.name} -> {res.output.name} ({state}; "
                        f"max {regs} registers, {spills} spill bytes)")
+            for line in res.serialized:  # right, but slow: said where it cannot be missed
+                click.echo(f"tsgen: warning: {source.name}: {line}", err=True)
     finally:
         pool.shutdown(cancel_futures=True)
     click.echo(f"tsgen: {n} source(s): {n - cached} compiled, {cached} cached, in {time.monotonic() - start:.1f} s")

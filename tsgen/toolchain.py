@@ -332,9 +332,21 @@ def library_function(name: str) -> bool:
     return re.search(r"\d(nvshmem[ix]?|nvshmemi_transfer)_", name) is not None
 
 
+_SERIALIZED = re.compile(r"\(C75\d\d\).*serialized")
+
+
+def serialized_wgmma(text: str) -> list[str]:
+    """ptxas's notes that it serialized a function's wgmma (C7508, C7510, C7514, C7518, ...: every
+    product then waited for alone, a kernel several times slower that still computes the right
+    answer); the lines as ptxas printed them."""
+    return [line.strip() for line in text.splitlines() if _SERIALIZED.search(line)]
+
+
 class CompileResult:
-    def __init__(self, output: Path, report: dict[str, dict[str, int]], cached: bool):
-        self.output, self.report, self.cached = output, report, cached
+    def __init__(self, output: Path, report_text: str, cached: bool):
+        self.output, self.cached = output, cached
+        self.report = parse_ptxas_report(report_text)
+        self.serialized = serialized_wgmma(report_text)  # see serialized_wgmma: none in a shipped kernel
 
     @property
     def own_report(self) -> dict[str, dict[str, int]]:
@@ -381,11 +393,11 @@ def compile_source(
     report_file = out.with_suffix(out.suffix + ".ptxas.txt")
     cached = _cached_report(out, report_file)
     if cached is not None:
-        return CompileResult(out, parse_ptxas_report(cached), cached=True)
+        return CompileResult(out, cached, cached=True)
     with _compiling(out):
         cached = _cached_report(out, report_file)
         if cached is not None:  # compiled by another process meanwhile
-            return CompileResult(out, parse_ptxas_report(cached), cached=True)
+            return CompileResult(out, cached, cached=True)
         return _compile(source, nvcc, libs, arch, mode, flags, out, report_file)
 
 
@@ -436,7 +448,7 @@ def _compile(source: Path, nvcc: Path, libs: list[DeviceLib], arch: str, mode: s
         for p in (tmp, tmp + ".o"):
             if os.path.exists(p):
                 os.unlink(p)
-    return CompileResult(out, parse_ptxas_report(report_text), cached=False)
+    return CompileResult(out, report_text, cached=False)
 
 
 def _check_output(path: str, cmd: list[str]) -> None:
