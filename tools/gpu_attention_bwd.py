@@ -244,7 +244,7 @@ def run_case(torch, op: Op, case: dict, gen, device: str = "cuda", forward=None)
     dt = torch_dtype(torch, op.dtype)
     # causal with q_len != kv_len: bottom-right aligned (the last query sees every key); a case with
     # q_split: two query segments (a zig-zag rank's), positions 0 .. and q_offset2 ..
-    q_offset = kv_len - q_len if op.causal and "q_split" not in case else 0
+    q_offset = case.get("q_offset", kv_len - q_len if op.causal and "q_split" not in case else 0)
     segments = {"q_split": case["q_split"], "q_offset2": case["q_offset2"]} if "q_split" in case else {}
 
     def randn(rows, heads):
@@ -325,6 +325,8 @@ def cases_for(op: Op, quick: bool) -> list[dict]:
              {"batch": 1, "q_len": 300, "kv_len": 777}]
     if not quick:
         cases.append({"batch": 1, "q_len": 4096, "kv_len": 4096})
+    if getattr(op, "causal", False):  # top-left aligned: the key blocks past row 300 see no query (their dK, dV must be zero)
+        cases.append({"batch": 1, "q_len": 300, "kv_len": 777, "q_offset": 0})
     if getattr(op, "deterministic", False):
         # the same inputs run again on a poisoned workspace: dQ (and dK, dV) bit-identical every time;
         # 4096 (many CTAs adding into each query block at once) where the bulk path's bits vary; the
@@ -569,6 +571,8 @@ def markdown(s: dict) -> str:
             chain = ", tsgen forward" if case.get("forward") else ""
             if "q_split" in case:
                 chain += f", rows from {case['q_split']} at {case['q_offset2']}"
+            if "q_offset" in case:
+                chain += f", queries at {case['q_offset']} (keys past them unseen)"
             if "bit_identical" in c:
                 same = {"outputs": c["bit_identical"], "fp32 dq_accum": c.get("dq_accum_identical", True)}
                 if case.get("info"):  # no fixed order: information only
