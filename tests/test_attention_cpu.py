@@ -275,7 +275,10 @@ def test_ilp_suite_loads(tool):
     assert s.model.baselines == ["cudnn_frontend", "flash_attn_4"] and s.model.baselines_per_entry
     chains = {(e.label or e.loaded.model.name): e.loaded.model.params.row_max_chains for e in s.entries}
     assert chains == {"attention_hd128": None, "attention_hd128_ilp2": 2, "attention_hd128_ilp8": 8,
+                      "attention_hd128_pp": None, "attention_hd128_pp_ilp2": 2,
                       "attention_hd128_causal_gqa": None, "attention_hd128_causal_gqa_ilp2": 2}
+    assert [e.label for e in s.entries if e.loaded.model.params.pingpong and not e.loaded.model.params.causal] == [
+        "attention_hd128_pp", "attention_hd128_pp_ilp2"]
     assert tool.ILP_VARIANTS and all(tool.VARIANTS[n]["params"]["row_max_chains"] for n in tool.ILP_VARIANTS)
 
 
