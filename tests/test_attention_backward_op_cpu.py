@@ -273,6 +273,26 @@ def test_gpu_tool_report(tool):
     assert "| a | b2 q1000 kv1000 | 20 | 3 / 100 | 0 / 50 | 0 / 50 | 2.0e-03 / 1.0e-03 / 1.0e-03 | NO |" in text
     assert "| b | timed out after 120 s |" in text
     assert "| v | 4096 | 200 | - | - | 500 | 2.50 |" in text
+    # cuDNN through cudnn-frontend (the bench's cudnn_fe column) beside SDPA's, where a row has it
+    summary["bench"]["rows"][0]["cudnn_fe"] = {"tflops": 550.0, "ratio": 2.75}
+    text = tool.markdown(summary)
+    assert "| SDPA cuDNN | ratio | cuDNN frontend | ratio |" in text and "| v | 4096 | 200 | - | - | 500 | 2.50 | 550 | 2.75 |" in text
+
+
+def test_gpu_tool_cudnn_frontend_column_says_why_it_is_missing(tool, monkeypatch):
+    """Without cudnn-frontend (or where it refuses the shape) the column is a note, not a failure."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_cudnn(name, *a, **kw):
+        if name == "cudnn":
+            raise ImportError("No module named 'cudnn'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_cudnn)
+    fn, why = tool.cudnn_fe_backward(None, {}, True, None)
+    assert fn is None and why.startswith("cudnn-frontend does not import: ImportError")
 
 
 def test_gpu_tool_reference_is_the_familys(tool):

@@ -323,3 +323,153 @@ def test_zigzag_attention_equals_the_reference(world, heads, kv_heads):
     ref, _ = attention_reference(qg[:, positions("zigzag", world, n, 0)], kg, vg, scale, True,
                                  q_pos=positions("zigzag", world, n, 0))
     assert not np.allclose(got.permute(0, 2, 1, 3).numpy(), ref, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------
+# cudnn-frontend's SDPA backward (the backward bench's cuDNN column)
+# ---------------------------------------------------------------------------
+
+
+class ExecCudnn:
+    """cudnn-frontend's graph API as cudnn_backward uses it, executing on CPU torch in float64: each
+    tensor is read through the dims and strides the graph declared for it (so a layout that does not
+    match the buffers reads scrambled values), the forward's statistics are the natural-log LSE, the
+    backward checks that it was handed the forward's O and statistics."""
+
+    __version__ = "1.32.0"
+
+    class data_type:
+        BFLOAT16, HALF, FLOAT = "bf16", "f16", "f32"
+
+    class diagonal_alignment:
+        TOP_LEFT = "TOP_LEFT"
+
+    class heur_mode:
+        A, FALLBACK = "A", "FALLBACK"
+
+    def __init__(self, torch):
+        self.torch, self.log = torch, []
+        outer = self
+
+        class T:
+            def __init__(self, name, dim=None, stride=None):
+                self.name, self.dim, self.stride = name, dim, stride
+
+            def set_output(self, flag):
+                return self
+
+            def set_dim(self, dim):
+                self.dim = dim
+                return self
+
+            def set_stride(self, stride):
+                self.stride = stride
+                return self
+
+            def set_data_type(self, dt):
+                return self
+
+        class Graph:
+            def __init__(self, **kw):
+                self.node = None
+
+            def tensor(self, name, dim, stride, data_type):
+                return T(name, dim, stride)
+
+            def sdpa(self, name, q, k, v, **kw):
+                self.node = ("sdpa", (q, k, v), kw)
+                self.outs = (T("o"), T("stats"))
+                return self.outs
+
+            def sdpa_backward(self, name, q, k, v, o, dO, stats, **kw):
+                self.node = ("bwd", (q, k, v, o, dO, stats), kw)
+                self.outs = (T("dq"), T("dk"), T("dv"))
+                return self.outs
+
+            def validate(self):
+                pass
+
+            build_operation_graph = check_support = build_plans = validate
+
+            def create_execution_plans(self, modes):
+                pass
+
+            def get_workspace_size(self):
+                return 16
+
+            def execute(self, pack, ws, handle):
+                outer.log.append((self.node[0], handle))
+                outer.run(self, pack)
+
+        self.pygraph = Graph
+
+    def create_handle(self):
+        return "handle"
+
+    def set_stream(self, handle, stream):
+        self.log.append(("stream", handle, stream))
+
+    def view(self, t, buf):
+        return self.torch.as_strided(buf, t.dim, t.stride)
+
+    def attend(self, q, k, v, kw):
+        torch = self.torch
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        s = (q @ k.transpose(-1, -2)) * kw["attn_scale"]
+        if kw.get("diagonal_alignment") == "TOP_LEFT":
+            assert kw["diagonal_band_right_bound"] == 0
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        return torch.exp(s - lse) @ v, lse
+
+    def run(self, graph, pack):
+        kind, ins, kw = graph.node
+        x = [self.view(t, pack[t]).double() for t in ins]
+        if kind == "sdpa":
+            o, lse = self.attend(*x, kw)
+            for t, val in zip(graph.outs, (o, lse)):
+                self.view(t, pack[t]).copy_(val)
+            return
+        q, k, v, o, do, stats = x
+        q, k, v = (a.clone().requires_grad_(True) for a in (q, k, v))
+        want_o, want_lse = self.attend(q, k, v, kw)
+        assert self.torch.allclose(o, want_o.detach(), atol=2e-2) and self.torch.allclose(stats, want_lse.detach())
+        grads = self.torch.autograd.grad(want_o, (q, k, v), do)
+        for t, val in zip(graph.outs, grads):
+            self.view(t, pack[t]).copy_(val)
+
+
+@pytest.mark.parametrize("heads,kv_heads,causal", [(4, 4, False), (4, 2, True)])
+def test_cudnn_backward_reads_the_bench_layout_and_gets_sdpas_gradients(heads, kv_heads, causal):
+    """cudnn_backward on [batch, seq, heads, d] buffers: the forward once (O and its statistics into
+    the backward), the backward on the handle's stream; its dQ, dK, dV those of the float64 reference
+    (a layout declared wrong reads scrambled values and fails)."""
+    torch = _torch()
+    gen = torch.Generator().manual_seed(5)
+    b, s, d = 2, 24, 16
+    q, do = (torch.randn(b, s, heads, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, s, kv_heads, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    cudnn = ExecCudnn(torch)
+    call, (dq, dk, dv) = AB.cudnn_backward(cudnn, torch, q, k, v, do, causal, d ** -0.5, 1234)
+    assert cudnn.log == [("stream", "handle", 1234), ("sdpa", "handle")]
+    call()
+    assert cudnn.log[-1] == ("bwd", "handle")
+    qq, kk, vv = (x.double().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    ref, _ = cudnn.attend(qq, kk, vv, {"attn_scale": d ** -0.5, **({"diagonal_alignment": "TOP_LEFT",
+                                                                     "diagonal_band_right_bound": 0} if causal else {})})
+    want = torch.autograd.grad(ref, (qq, kk, vv), do.double().transpose(1, 2))
+    for got, w in zip((dq, dk, dv), want):
+        assert got.shape == w.transpose(1, 2).shape
+        assert AB.tensor_rel_err(got, w.transpose(1, 2)) < 1e-2
+
+
+def test_cudnn_backward_args_match_the_forward_and_the_buffers():
+    args = AB.cudnn_sdpa_backward_args(2, 32, 8, 4096, 128, 0.088, causal=True)
+    assert args["k"] == {"dim": [2, 8, 4096, 128], "stride": [4096 * 8 * 128, 128, 8 * 128, 1]}
+    assert args["stats"] == {"dim": [2, 32, 4096, 1], "stride": [32 * 4096, 4096, 1, 1]}
+    band = {"diagonal_alignment": "TOP_LEFT", "diagonal_band_right_bound": 0}
+    assert args["forward"] == {"attn_scale": 0.088, "generate_stats": True, **band}
+    assert args["backward"] == {"attn_scale": 0.088, **band}
+    assert "diagonal_alignment" not in AB.cudnn_sdpa_backward_args(1, 4, 4, 64, 64, 0.1, causal=False)["backward"]

@@ -439,13 +439,11 @@ def fa4_backward(torch, t: dict, causal: bool, stream):
     dK, dV checked against SDPA's of the same tensors before it is timed; or (None, why) where
     flash-attn-4 is not installed, refuses, or computes something else
     (tsgen/bench/attention_baselines.py)."""
-    from tsgen.bench.attention_baselines import BASELINE_MAX_REL_ERR, fa4_stream, import_fa4, tensor_rel_err
+    from tsgen.bench.attention_baselines import fa4_stream, import_fa4
 
     fa4, why = import_fa4()
     if fa4 is None:
         return None, why
-    import torch.nn.functional as F
-
     try:
         q, k, v = (t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
         with fa4_stream(torch, stream):
@@ -458,16 +456,56 @@ def fa4_backward(torch, t: dict, causal: bool, stream):
 
         call(0, [0])
         torch.cuda.synchronize()
-        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
-        ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=kt.shape[1] != qt.shape[1])
-        want = torch.autograd.grad(ref, (qt, kt, vt), t["do"].transpose(1, 2))
-        for name, g, w in zip(("dQ", "dK", "dV"), got["grads"], want):
-            err = tensor_rel_err(g, w.transpose(1, 2))
-            if not err <= BASELINE_MAX_REL_ERR:
-                return None, f"its {name} differs from SDPA's by {err:.2e} (relative): not timed"
+        wrong = differs_from_sdpa(torch, t, causal, got["grads"])
+        if wrong:
+            return None, wrong
     except Exception as e:  # noqa: BLE001 - an arch or shape FA4 refuses, or the DSL's compile fails
         return None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
     return call, None
+
+
+def differs_from_sdpa(torch, t: dict, causal: bool, grads) -> str | None:
+    """Why a baseline's (dQ, dK, dV) of the bench's [batch, seq, heads, d] tensors is not SDPA's (its
+    default backends, the same inputs): the first gradient off by more than BASELINE_MAX_REL_ERR, or
+    None: checked before a baseline is timed."""
+    import torch.nn.functional as F
+
+    from tsgen.bench.attention_baselines import BASELINE_MAX_REL_ERR, tensor_rel_err
+
+    qt, kt, vt = (t[n].detach().transpose(1, 2).requires_grad_(True) for n in ("q", "k", "v"))
+    ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=kt.shape[1] != qt.shape[1])
+    want = torch.autograd.grad(ref, (qt, kt, vt), t["do"].transpose(1, 2))
+    for name, g, w in zip(("dQ", "dK", "dV"), grads, want):
+        err = tensor_rel_err(g, w.transpose(1, 2))
+        if not err <= BASELINE_MAX_REL_ERR:
+            return f"its {name} differs from SDPA's by {err:.2e} (relative): not timed"
+    return None
+
+
+def cudnn_fe_backward(torch, t: dict, causal: bool, stream):
+    """(call, None): cuDNN's SDPA backward through cudnn-frontend (its own graph, as a framework
+    calling cuDNN directly would: tsgen/bench/attention_baselines.py cudnn_backward) on the bench's
+    tensors and stream, run once and its dQ, dK, dV checked against SDPA's before it is timed; or
+    (None, why) where cudnn-frontend does not import, cannot build the shape, or computes something else."""
+    try:
+        import cudnn
+    except Exception as e:  # noqa: BLE001 - not installed, or no cuDNN library to load
+        return None, f"cudnn-frontend does not import: {type(e).__name__}: {str(e)[:160]}"
+    from tsgen.bench.attention_baselines import cudnn_backward
+
+    try:
+        run, grads = cudnn_backward(cudnn, torch, t["q"], t["k"], t["v"], t["do"], causal,
+                                    t["q"].shape[-1] ** -0.5, stream.cuda_stream)
+
+        def call(i, rs):
+            run()
+
+        call(0, [0])
+        torch.cuda.synchronize()
+        wrong = differs_from_sdpa(torch, t, causal, grads)
+    except Exception as e:  # noqa: BLE001 - a shape or version cudnn-frontend refuses
+        return None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    return (None, wrong) if wrong else (call, None)
 
 
 def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
@@ -516,11 +554,12 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
                     impls[label](0, [0])  # a backend that refuses the shape says so here
                 except RuntimeError as e:  # a backend that refuses the shape
                     echo(f"{name} S={seq}: {label} unavailable: {str(e).splitlines()[0]}")
-            fa4, why = fa4_backward(torch, t, op.causal, stream)
-            if fa4 is None:
-                echo(f"{name} S={seq}: fa4 unavailable: {why}")
-            else:
-                impls["fa4"] = fa4
+            for label, make in (("cudnn_fe", cudnn_fe_backward), ("fa4", fa4_backward)):
+                fn, why = make(torch, t, op.causal, stream)
+                if fn is None:
+                    echo(f"{name} S={seq}: {label} unavailable: {why}")
+                else:
+                    impls[label] = fn
             samplers = {k: Sampler(clock, [0], {0: stream}, fn, calls=3, warmup=2, graphs=False, label=k)
                         for k, fn in impls.items()}
             timings = time_interleaved(samplers, rounds=5)
@@ -593,13 +632,14 @@ def markdown(s: dict) -> str:
         rows = s["bench"].get("rows", [])
         extra = sorted({k for row in rows for k in row if k.startswith("tsgen_")})  # other impls
         ref = rows[0].get("ref", "tsgen") if rows else "tsgen"
-        others = ["sdpa_flash", "sdpa_cudnn"] + (["fa4"] if any("fa4" in row for row in rows) else [])
+        others = ["sdpa_flash", "sdpa_cudnn"] + [k for k in ("cudnn_fe", "fa4") if any(k in row for row in rows)]
         last = rows[0].get("last", ref) if rows else ref
         out += ["", "## Speed (TFLOP/s: 10 b h s^2 d, halved causal; ratio = SDPA time / "
                 f"{last} time, paired rounds"
                 + (f"; {', '.join(extra)}: other main kernels, x = {ref}'s time / theirs" if extra else "") + ")", "",
                 "| variant | S | tsgen | " + "".join(f"{k} | x | " for k in extra)
-                + "SDPA flash | ratio | SDPA cuDNN | ratio |" + (" FA4 | ratio |" if "fa4" in others else ""),
+                + "SDPA flash | ratio | SDPA cuDNN | ratio |" + (" cuDNN frontend | ratio |" if "cudnn_fe" in others else "")
+                + (" FA4 | ratio |" if "fa4" in others else ""),
                 "|---|---|---|" + "---|---|" * (len(extra) + len(others))]
         for row in rows:
             cells = [f"{row['tsgen']['tflops']:.0f}" if "tsgen" in row else "-"]

@@ -198,6 +198,83 @@ def cudnn_frontend(world, rank: int, spec, seq: int) -> list[Candidate]:
     return [(impl, call, None)]
 
 
+def cudnn_sdpa_backward_args(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, scale: float,
+                             causal: bool) -> dict:
+    """What cudnn-frontend's SDPA forward (with its softmax statistics) and backward graphs are built
+    from for the backward bench (pure: no cuDNN here): Q, K, V, O, dO as [batch, heads, seq, head_dim]
+    with the strides of the bench's [batch, seq, heads, head_dim] buffers (no copies), the statistics
+    fp32 [batch, heads, seq, 1]; the forward node's and the backward node's keyword arguments, enums by
+    name. Causal as the forward's: the top-left diagonal band, right bound 0 (q_len = kv_len)."""
+
+    def bshd(h: int) -> dict:
+        return {"dim": [batch, h, seq, head_dim], "stride": [seq * h * head_dim, head_dim, h * head_dim, 1]}
+
+    mask = {"diagonal_alignment": "TOP_LEFT", "diagonal_band_right_bound": 0} if causal else {}
+    return {"q": bshd(heads), "k": bshd(kv_heads), "v": bshd(kv_heads), "o": bshd(heads), "do": bshd(heads),
+            "stats": {"dim": [batch, heads, seq, 1], "stride": [heads * seq, seq, 1, 1]},
+            "forward": {"attn_scale": float(scale), "generate_stats": True, **mask},
+            "backward": {"attn_scale": float(scale), **mask}}
+
+
+def cudnn_backward(cudnn, torch, q, k, v, do, causal: bool, scale: float, stream_ptr: int):
+    """cuDNN's SDPA backward through cudnn-frontend on [batch, seq, heads, head_dim] tensors: the
+    forward graph run once for O and the softmax statistics the backward reads, then the backward
+    graph built; returns (call, (dQ, dK, dV)): each call runs the backward on the handle's stream
+    (`stream_ptr`) into those tensors. Raises what cudnn-frontend raises for a shape it cannot build."""
+    dt = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[q.dtype]
+    f32 = cudnn.data_type.FLOAT
+    batch, seq, heads, head_dim = q.shape
+    args = cudnn_sdpa_backward_args(batch, heads, k.shape[2], seq, head_dim, scale, causal)
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=stream_ptr)
+
+    def node(kind: str) -> dict:
+        n = dict(args[kind])
+        if "diagonal_alignment" in n:
+            n["diagonal_alignment"] = getattr(cudnn.diagonal_alignment, n["diagonal_alignment"])
+        return n
+
+    def graph(names):
+        g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+        ts = {n: g.tensor(name=n, dim=args[n]["dim"], stride=args[n]["stride"],
+                          data_type=f32 if n == "stats" else dt) for n in names}
+        return g, ts
+
+    def output(t, like: str, data_type):
+        t.set_output(True).set_dim(args[like]["dim"]).set_stride(args[like]["stride"]).set_data_type(data_type)
+
+    def built(g):
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        return torch.empty(max(int(g.get_workspace_size()), 1), dtype=torch.uint8, device=q.device)
+
+    fg, ft = graph(("q", "k", "v"))
+    o_t, stats_t = fg.sdpa(name="sdpa", q=ft["q"], k=ft["k"], v=ft["v"], **node("forward"))
+    output(o_t, "o", dt)
+    output(stats_t, "stats", f32)
+    fws = built(fg)
+    o = torch.empty_like(q)
+    stats = torch.empty(batch, heads, seq, 1, dtype=torch.float32, device=q.device)
+    fg.execute({ft["q"]: q, ft["k"]: k, ft["v"]: v, o_t: o, stats_t: stats}, fws, handle=handle)
+    bg, bt = graph(("q", "k", "v", "o", "do", "stats"))
+    dq_t, dk_t, dv_t = bg.sdpa_backward(name="sdpa_backward", q=bt["q"], k=bt["k"], v=bt["v"], o=bt["o"],
+                                        dO=bt["do"], stats=bt["stats"], **node("backward"))
+    for t, like in ((dq_t, "q"), (dk_t, "k"), (dv_t, "v")):
+        output(t, like, dt)
+    bws = built(bg)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    pack = {bt["q"]: q, bt["k"]: k, bt["v"]: v, bt["o"]: o, bt["do"]: do, bt["stats"]: stats,
+            dq_t: grads[0], dk_t: grads[1], dv_t: grads[2]}
+
+    def call():
+        bg.execute(pack, bws, handle=handle)
+
+    return call, grads
+
+
 def tensor_rel_err(got, ref) -> float:
     """||got - ref|| / ||ref|| of two torch tensors, in float32 (a baseline's output against its reference)."""
     ref = ref.float()
