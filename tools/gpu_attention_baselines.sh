@@ -24,6 +24,10 @@
 #       with their interleaved attention baselines). About 3-4 minutes [computed: compiling 4 kernels
 #       ~90 s, two worker launches (NCCL start ~15 s each), ~40 s of timing]; then, if time is left (alone:
 #       STEPS=trace), tools/attention_trace.py's per-tile timeline at 16K and 32K (each ~30 s, a guess)
+#   tools/gpu_attention_baselines.sh cp-nc       TWO GPUs (issue 33, not causal): the per-tile trace of specs/cp_attention.yaml
+#       at 16K and 32K, shipped (static stride) and params.tile_counter, then suite cp-w2-nc (the two against the
+#       single-GPU ideal, 11 samples each). About 5-6 minutes, a guess [cp's: 2 + 2 kernels to compile, four traces
+#       ~30 s each, the suite's timing about twice cp-w2's not-causal half]
 # Needs the cudnn-frontend wheel in .whl/ (carry ".whl"); installed into /tmp/site when `import cudnn`
 # fails. FlashAttention-4 is timed too where tools/fa4_wheels.sh installed it on this warm machine first
 # (its header: three calls carrying .whl-fa4/part1..3), else its rows are notes; its first call in each
@@ -51,6 +55,7 @@ step "cudnn-frontend imports" 60 python3 -c "import torch, cudnn; print('cuDNN',
 step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/test_attention_baselines_cpu.py
 [ "$MODE" = variants ] && BUDGET=${BUDGET_VARIANTS:-270}
 [ "$MODE" = m192 ] && BUDGET=${BUDGET_VARIANTS:-330}
+[ "$MODE" = cp-nc ] && BUDGET=${BUDGET_CPNC:-560}  # four traces before the suite (the call's limit is 600 s)
 case "$MODE" in
   variants)
     step "precompile" 60 python3 tools/precompile_suites.py attention-variants --jobs 16
@@ -71,7 +76,17 @@ case "$MODE" in
     step "trace 16K" 90 python3 tools/attention_trace.py "$OUT/trace_16k" --seq 16384
     step "trace 32K" 90 python3 tools/attention_trace.py "$OUT/trace_32k" --seq 32768
     tail -n 4 "$LOG"/trace_*.log 2>/dev/null ;;
-  *) echo "usage: $0 attention|variants|m192|cp" >&2; exit 2 ;;
+  cp-nc)
+    # issue 33, not causal (docs/design/cp_attention.md, "Where the not-causal time goes"): the traces first (each
+    # checks its output and that every tile ran once: the counter variant's schedule check), then the suite
+    step "precompile" 150 python3 tools/precompile_suites.py cp-w2-nc
+    for S in 16384 32768; do
+      step "trace $S static" 75 python3 tools/attention_trace.py "$OUT/trace_nc_${S}_static" --spec specs/cp_attention.yaml --seq $S
+      step "trace $S counter" 75 python3 tools/attention_trace.py "$OUT/trace_nc_${S}_counter" --spec specs/cp_attention.yaml --seq $S --param tile_counter=true
+    done
+    tail -n 6 "$LOG"/trace_*.log 2>/dev/null
+    step "bench cp-w2-nc" 300 python3 -m tsgen bench --suite cp-w2-nc --results "$OUT/results" ;;
+  *) echo "usage: $0 attention|variants|m192|cp|cp-nc" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
 import json, pathlib, sys
