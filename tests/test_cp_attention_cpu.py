@@ -335,6 +335,9 @@ def test_trace_table_and_summary():
     assert s["span_us"] == pytest.approx(150) and s["efficiency"] == pytest.approx(270 / 300)
     assert s["busy_us"] == pytest.approx({"max": 150, "mean": 135, "min": 120})
     assert s["tail_us"] == pytest.approx(30) and s["waited_us_per_cta"] == pytest.approx(2.5)
+    assert s["tiles_per_cta"] == {"max": 2, "min": 1}
+    assert s["tile_us"] == pytest.approx({"max": 120, "median": 120, "min": 75})  # CTA 1: 120 / 1; CTA 0: 150 / 2
+    assert s["first_wait_us"] == pytest.approx({"max": 5, "mean": 2.5})  # CTA 0's first tile (tile 0) waited 5
     assert not trace_summary(table, 4)["tiles_once"]  # a tile missing
     assert not trace_summary(trace_table(_trace_words(recs + recs[:1])), 3)["tiles_once"]  # a tile twice
     lost = trace_table(_trace_words(recs[:2], count=3, room=2))  # the kernel made 3, there was room for 2
@@ -380,3 +383,45 @@ def test_trace_tool_reports_without_a_gpu():
     text = tool.report(result)
     assert "rank 0: every tile once: True; 2 CTAs; span 5 us; efficiency 0.900" in text
     assert "rank 1: trace incomplete: 1 records kept of 2" in text
+    assert "tiles a CTA 1 / 1; a CTA's mean tile max / median / min 5.0 / 5.0 / 4.0 us" in text
+    assert tool.parse_params(["tile_counter=true", "gather_blocks=4"]) == {"tile_counter": True, "gather_blocks": 4}
+    with pytest.raises(SystemExit):
+        tool.parse_params(["tile_counter"])
+
+
+# ---------------------------------------------------------------------------
+# params.tile_counter (issue 33, not causal): tiles from the rank's counter, opt-in
+# ---------------------------------------------------------------------------
+
+
+def test_tile_counter_renders_only_where_set():
+    """Unset, the shipped sources stay as they are (no TILE_COUNTER anywhere); set on the
+    not-causal spec, the module constant and the Host's flag appear, and the header's launcher
+    then passes sig[WORK] as the kernel's counter (tile_counter_of)."""
+    for name in SHIPPED:
+        assert "TILE_COUNTER" not in (ROOT / "generated" / f"{name}.cu").read_text()
+    source = render(variant("tc", params={"tile_counter": True})).source
+    assert "\nconstexpr int TILE_COUNTER = 1;\n" in source
+    assert "static constexpr bool TILE_COUNTER = tc::TILE_COUNTER != 0;" in source
+    header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
+    assert "Op::CAUSAL || tile_counter_of<Op>::value ? sig + WORK : nullptr" in header
+
+
+def test_tile_counter_refused_where_causal(tmp_path):
+    text = CP + "params:\n  causal: true\n  tile_counter: true\n"
+    assert spec_problems(tmp_path, text) == [
+        "7:3: params.tile_counter: causal tiles are always handed out from the counter (longest first): "
+        "tile_counter is the not-causal option"]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("base,changes", [("cp_attention", {}), ("cp_attention", {"epilogue_overlap": True}),
+                                          ("cp_attention", {"gather": "sm", "trace": 100})],
+                         ids=["copy_engine", "overlap", "sm_trace"])
+def test_tile_counter_compiles_without_spills_or_serialized_wgmma(tmp_path, base, changes):
+    loaded = variant("tc", base=base, params={"tile_counter": True, **changes})
+    res = compile_source(rendered_source(loaded, tmp_path), mode="shared")
+    entry = res.report["tc_attention"]
+    assert entry["registers"] == 168 and entry["spill_stores"] == 0 and entry["spill_loads"] == 0, entry
+    assert entry["stack_frame"] == 0
+    assert res.serialized == [], res.serialized

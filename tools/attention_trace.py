@@ -4,7 +4,7 @@ trace of the last call read back from every rank, and that call's output checked
 checks it (tsgen/ops/attention.py check_query_rows: 64+ rows per rank, each against its own norm).
 
     python3 tools/attention_trace.py OUT [--spec specs/cp_attention_zigzag_causal.yaml] [--world 2]
-                                         [--seq 16384] [--calls 3] [--blocks N]
+                                         [--seq 16384] [--calls 3] [--blocks N] [--param KEY=VALUE ...]
 
 Writes OUT/attention_trace.json (per rank: every tile's record, SM, CTA, tile, start, end and chunk
 waits in ns, and tsgen.ops.cp_attention.trace_summary) and prints per rank: every tile once, the
@@ -37,6 +37,19 @@ def tiles_per_rank(params, count: int) -> int:
     return math.ceil(count / params.tile.m) * params.heads * params.batch
 
 
+def parse_params(items) -> dict:
+    """--param KEY=VALUE items -> {KEY: VALUE read as YAML} (true -> True, 3 -> 3)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--param {item!r}: KEY=VALUE expected")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def read_trace(world, bufs) -> dict:
     """Every local rank's trace of the call just done ({rank: trace_table}); the count is reset
     for the next call (stream order: the kernel is done, the next has not started)."""
@@ -49,14 +62,15 @@ def read_trace(world, bufs) -> dict:
     return out
 
 
-def run(spec_path: Path, world_size: int, seq: int, calls: int, blocks: int | None = None, echo=print) -> dict:
+def run(spec_path: Path, world_size: int, seq: int, calls: int, blocks: int | None = None, echo=print,
+        params: dict | None = None) -> dict:
     from tsgen.runtime import World
 
     loaded = load_spec(spec_path)
     p = loaded.model.params
     count = seq // world_size
     tiles = tiles_per_rank(p, count)
-    changes = {"name": f"{loaded.model.name}_trace", "params": {"trace": tiles}}
+    changes = {"name": f"{loaded.model.name}_trace", "params": {**(params or {}), "trace": tiles}}
     if blocks:
         changes["launch"] = {"blocks": blocks}
     loaded = spec_variant(loaded, changes)
@@ -86,7 +100,7 @@ def run(spec_path: Path, world_size: int, seq: int, calls: int, blocks: int | No
         err = family.bench.check_rows(family, spec, world_size, count, fetch)
         bufs.free()
     return {"spec": spec.name, "world": world_size, "seq": seq, "count": count, "tiles_per_rank": tiles,
-            "calls": calls, "grid": spec.launch.blocks or None, "row_error": err, "row_error_ok": err <= MAX_REL_ERR,
+            "calls": calls, "params": params or {}, "grid": spec.launch.blocks or None, "row_error": err, "row_error_ok": err <= MAX_REL_ERR,
             "ranks": {r: {"summary": trace_summary(t, tiles), "records": t["records"]} for r, t in tables.items()}}
 
 
@@ -103,6 +117,11 @@ def report(result: dict) -> str:
         lines.append(f"  rank {r}: every tile once: {s['tiles_once']}; {s['ctas']} CTAs; span {s['span_us']:.0f} us; "
                      f"efficiency {s['efficiency']:.3f}; CTA busy max / mean / min {b['max']:.0f} / {b['mean']:.0f} / "
                      f"{b['min']:.0f} us; tail {s['tail_us']:.0f} us; waits {s['waited_us_per_cta']:.1f} us per CTA")
+        if "tile_us" in s:
+            t, f = s["tile_us"], s["first_wait_us"]
+            lines.append(f"    tiles a CTA {s['tiles_per_cta']['max']} / {s['tiles_per_cta']['min']}; a CTA's mean tile "
+                         f"max / median / min {t['max']:.1f} / {t['median']:.1f} / {t['min']:.1f} us; first tile's "
+                         f"chunk wait max / mean {f['max']:.1f} / {f['mean']:.1f} us")
     return "\n".join(lines)
 
 
@@ -114,8 +133,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=16384, help="the whole sequence (S = world x rows per rank)")
     ap.add_argument("--calls", type=int, default=3, help="calls run; the last is traced")
     ap.add_argument("--blocks", type=int, default=None, help="attention CTAs a rank (launch.blocks; default the spec's)")
+    ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                    help="a spec param for the traced variant (VALUE read as YAML), e.g. tile_counter=true; repeatable")
     a = ap.parse_args(argv)
-    result = run(a.spec, a.world, a.seq, a.calls, a.blocks)
+    result = run(a.spec, a.world, a.seq, a.calls, a.blocks, params=parse_params(a.param))
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "attention_trace.json").write_text(json.dumps(result) + "\n")
     print(report(result))

@@ -21,14 +21,19 @@
 #       variants: 6 + 5 kernels to compile, 15 rows at ~3 s each plus FA4's first-call compiles]
 #   tools/gpu_attention_baselines.sh ilp         ONE GPU (branch i33ilp: params.row_max_chains, the row max in
 #       independent chains then a tree): tools/gpu_attention.py's correctness cases for the ilp variants
-#       (--variants ilp), then suite attention-ilp (5 entries, 10 rows: hd 128 not causal shipped / 2 / 8 chains,
-#       causal GQA 32:8 shipped / 2 chains, at 8K and 16K) against cudnn-frontend and flash-attn-4. About 3-4
-#       minutes, a guess [as m192: 6 + 5 kernels to compile, 10 rows at ~3-5 s each plus FA4's first-call compiles]
+#       (--variants ilp), then suite attention-ilp (7 entries, 14 rows: hd 128 not causal shipped / 2 / 8 chains /
+#       ping-pong / ping-pong with 2 chains, causal GQA 32:8 shipped / 2 chains, at 8K and 16K) against
+#       cudnn-frontend and flash-attn-4. About 4 minutes, a guess [as m192: 6 + 7 kernels to compile, 14 rows at
+#       ~3-5 s each plus FA4's first-call compiles]
 #   tools/gpu_attention_baselines.sh cp          TWO GPUs: suite cp-w2 (cp_attention at S = 16K, 32K against
 #       the naive all_gather + masked SDPA and the zig-zag per-chunk SDPA + LSE merge; the ideal entries
 #       with their interleaved attention baselines). About 3-4 minutes [computed: compiling 4 kernels
 #       ~90 s, two worker launches (NCCL start ~15 s each), ~40 s of timing]; then, if time is left (alone:
 #       STEPS=trace), tools/attention_trace.py's per-tile timeline at 16K and 32K (each ~30 s, a guess)
+#   tools/gpu_attention_baselines.sh cp-nc       TWO GPUs (issue 33, not causal): the per-tile trace of specs/cp_attention.yaml
+#       at 16K and 32K, shipped (static stride) and params.tile_counter, then suite cp-w2-nc (the two against the
+#       single-GPU ideal, 11 samples each). About 5-6 minutes, a guess [cp's: 2 + 2 kernels to compile, four traces
+#       ~30 s each, the suite's timing about twice cp-w2's not-causal half]
 # Needs the cudnn-frontend wheel in .whl/ (carry ".whl"); installed into /tmp/site when `import cudnn`
 # fails. FlashAttention-4 is timed too where tools/fa4_wheels.sh installed it on this warm machine first
 # (its header: three calls carrying .whl-fa4/part1..3), else its rows are notes; its first call in each
@@ -57,6 +62,7 @@ step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/t
 [ "$MODE" = variants ] && BUDGET=${BUDGET_VARIANTS:-270}
 [ "$MODE" = m192 ] && BUDGET=${BUDGET_VARIANTS:-330}
 [ "$MODE" = ilp ] && BUDGET=${BUDGET_VARIANTS:-330}
+[ "$MODE" = cp-nc ] && BUDGET=${BUDGET_CPNC:-560}  # four traces before the suite (the call's limit is 600 s)
 case "$MODE" in
   variants)
     step "precompile" 60 python3 tools/precompile_suites.py attention-variants --jobs 16
@@ -81,7 +87,17 @@ case "$MODE" in
     step "trace 16K" 90 python3 tools/attention_trace.py "$OUT/trace_16k" --seq 16384
     step "trace 32K" 90 python3 tools/attention_trace.py "$OUT/trace_32k" --seq 32768
     tail -n 4 "$LOG"/trace_*.log 2>/dev/null ;;
-  *) echo "usage: $0 attention|variants|m192|ilp|cp" >&2; exit 2 ;;
+  cp-nc)
+    # issue 33, not causal (docs/design/cp_attention.md, "Where the not-causal time goes"): the traces first (each
+    # checks its output and that every tile ran once: the counter variant's schedule check), then the suite
+    step "precompile" 150 python3 tools/precompile_suites.py cp-w2-nc
+    for S in 16384 32768; do
+      step "trace $S static" 75 python3 tools/attention_trace.py "$OUT/trace_nc_${S}_static" --spec specs/cp_attention.yaml --seq $S
+      step "trace $S counter" 75 python3 tools/attention_trace.py "$OUT/trace_nc_${S}_counter" --spec specs/cp_attention.yaml --seq $S --param tile_counter=true
+    done
+    tail -n 6 "$LOG"/trace_*.log 2>/dev/null
+    step "bench cp-w2-nc" 300 python3 -m tsgen bench --suite cp-w2-nc --results "$OUT/results" ;;
+  *) echo "usage: $0 attention|variants|m192|ilp|cp|cp-nc" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
 import json, pathlib, sys

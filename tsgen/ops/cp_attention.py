@@ -83,25 +83,34 @@ def trace_summary(table: dict, tiles: int) -> dict:
     """What a trace (`trace_table`) says of one call, in the terms of tsgen/ops/cp_schedule.py:
     whether every tile ran exactly once, the span (first start to last end, us), the CTAs' busy
     time over CTAs x span ("efficiency", the model's), each CTA's busy time (max / mean / min,
-    us), the tail (the first CTA to finish to the last, us) and the chunk waits (us per CTA)."""
+    us), the tail (the first CTA to finish to the last, us) and the chunk waits (us per CTA);
+    tiles per CTA (max / min), each CTA's mean tile time (max / median / min, us: how unequal the
+    SMs are on equal tiles) and the chunk wait of each CTA's first tile (max / mean, us: the
+    start's wait for its own chunk, and any stall on the first peer chunk)."""
     recs = table["records"]
     if table["count"] != len(recs) or not recs:
         return {"complete": False, "records": len(recs), "count": table["count"]}
     t0, t1 = min(r["start"] for r in recs), max(r["end"] for r in recs)
-    busy, last, waited = {}, {}, {}
-    for r in recs:
+    busy, last, waited, ntiles, first = {}, {}, {}, {}, {}
+    for r in recs:  # by start: a CTA's first record is its first tile
         c = r["cta"]
         busy[c] = busy.get(c, 0) + r["end"] - r["start"]
         last[c] = max(last.get(c, 0), r["end"])
         waited[c] = waited.get(c, 0) + r["waited"]
+        ntiles[c] = ntiles.get(c, 0) + 1
+        first.setdefault(c, r["waited"])
     span = t1 - t0
     us = 1e-3
+    per_tile = sorted(busy[c] / ntiles[c] for c in busy)  # each CTA's mean tile time: the SMs' spread
     return {"complete": True, "records": len(recs), "tiles_once": sorted(r["tile"] for r in recs) == list(range(tiles)),
             "ctas": len(busy), "span_us": span * us,
             "efficiency": sum(busy.values()) / (len(busy) * span) if span else 1.0,
             "busy_us": {"max": max(busy.values()) * us, "mean": sum(busy.values()) / len(busy) * us,
                         "min": min(busy.values()) * us},
-            "tail_us": (t1 - min(last.values())) * us, "waited_us_per_cta": sum(waited.values()) / len(busy) * us}
+            "tail_us": (t1 - min(last.values())) * us, "waited_us_per_cta": sum(waited.values()) / len(busy) * us,
+            "tiles_per_cta": {"max": max(ntiles.values()), "min": min(ntiles.values())},
+            "tile_us": {"max": per_tile[-1] * us, "median": per_tile[len(per_tile) // 2] * us, "min": per_tile[0] * us},
+            "first_wait_us": {"max": max(first.values()) * us, "mean": sum(first.values()) / len(first) * us}}
 
 
 CE_RESERVE_SMS = 2  # gather copy_engine: SMs the attention leaves to the one-block signal kernels
@@ -131,6 +140,11 @@ class CpAttentionParams(StrictModel):
         False, description="stage O in shared memory of its own (one more Q tile's bytes) and release Q after a "
         "tile's last S = Q K^T, so that the next tile of the same CTA (every CTA walks tiles) loads its Q and first K "
         "blocks during this tile's last P V and epilogue (attention's params.epilogue_overlap, the same kernel code)")
+    tile_counter: bool = Field(
+        False, description="not causal: hand the equal tiles out from the rank's atomic tile counter (sig's WORK slot, "
+        "the causal kernel's dynamic schedule; head-major order kept) instead of the static stride (CTA c takes c, "
+        "c + grid, ...), so that a CTA on a slower SM takes fewer tiles (issue 33, docs/design/cp_attention.md: "
+        "\"Where the not-causal time goes\"); causal always uses the counter. Off: the shipped static stride")
     skip_wait: bool = Field(
         False, description="test-only negative control: the attention kernel does not wait for the first remote "
         "KV chunk it reads (a correct run must then fail under rank skew); never in a shipped spec")
@@ -289,6 +303,9 @@ class CpAttentionFamily(OpFamily):
             problems.append((("test", "count"),
                              f"{spec.test.count} rows per rank: zigzag splits them into two chunks, so the count "
                              "must be even"))
+        if p.tile_counter and p.causal:
+            problems.append((("params", "tile_counter"), "causal tiles are always handed out from the counter "
+                             "(longest first): tile_counter is the not-causal option"))
         if p.skip_wait and p.gather != "sm":
             problems.append((("params", "skip_wait"), "the negative control runs on a shared GPU: needs gather: sm"))
         return problems
@@ -347,6 +364,7 @@ class CpAttentionFamily(OpFamily):
             "RESERVE_SMS": p.gather_blocks if p.gather == "sm" else CE_RESERVE_SMS,
             "SKIP_WAIT": int(p.skip_wait),
             **({"EPILOGUE_OVERLAP": 1} if p.epilogue_overlap else {}),  # only where set: shipped sources unchanged
+            **({"TILE_COUNTER": 1} if p.tile_counter else {}),  # only where set: shipped sources unchanged
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),

@@ -13,7 +13,7 @@
 //                  rank that holds it, after its copy: the attention producer waits for it).
 //   sig[ARRIVED + d] (push kernel, this rank's own): CTAs done with their part of receiver d in
 //                  this call; the last resets it and raises READY at d.
-//   sig[WORK]      (causal, this rank's own): the attention kernel's tile counter (its dynamic
+//   sig[WORK]      (causal, or not causal with TILE_COUNTER; this rank's own): the attention kernel's tile counter (its dynamic
 //                  schedule, tsgen/attention.cuh: 0 between calls, reset by its last draw).
 //
 // Tensors: a rank's K (and V) is `lines` runs of count rows of `row_bytes` each: bshd
@@ -29,6 +29,8 @@
 #include <stdint.h>
 
 #include <stdio.h>
+
+#include <type_traits>
 
 #include "tsgen/ptx.cuh"
 #include "tsgen/sync.cuh"
@@ -163,10 +165,18 @@ static __device__ __forceinline__ void signal_body(char* const* peers, int rank,
 // `Op` is what the generated source says of the op (templates/ops/cp_attention.cu.j2, struct Host):
 //   NAME (for messages), BATCH, CAUSAL, ZIGZAG, SKIP_WAIT, BLOCKS (launch.blocks, 0: every SM but
 //   RESERVE_SMS), RESERVE_SMS, SM_GATHER (push kernel, else the copy engine), GATHER_BLOCKS,
-//   GATHER_THREADS, SIGNAL_CHUNKS (the sync kernel's mode beside fused::SyncMode's), TRACE (room
+//   GATHER_THREADS, SIGNAL_CHUNKS (the sync kernel's mode beside fused::SyncMode's), optionally
+//   TILE_COUNTER (not causal: tiles from the counter, `tile_counter_of`), TRACE (room
 //   for trace records after sig's signals: tsgen/attention.cuh's test-only trace; 0: none), the
 //   attention `Config`, and geometry(world, count).
 // SYNC, PUSH (nullptr without SM_GATHER) and ATTENTION are the kernels of world size WORLD.
+
+// Op::TILE_COUNTER where the Op has it (only not-causal specs with params.tile_counter emit it),
+// else false: whether a not-causal kernel takes its tiles from the counter (sig[WORK]).
+template <class Op, class = void>
+struct tile_counter_of : std::false_type {};
+template <class Op>
+struct tile_counter_of<Op, std::void_t<decltype(Op::TILE_COUNTER)>> : std::integral_constant<bool, Op::TILE_COUNTER> {};
 
 // A call the launcher refuses before it starts anything, with what and where on stderr.
 template <class Op>
@@ -243,7 +253,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   // capture must not end with a fork open.
   const cudaError_t launched = tsgen::attention::launch<typename Op::Config>(
       ATTENTION, q, k_full, v_full, o, lse, Op::BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
-      sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited, Op::CAUSAL ? sig + WORK : nullptr,
+      sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited,
+      Op::CAUSAL || tile_counter_of<Op>::value ? sig + WORK : nullptr,
       Op::TRACE ? sig + SIGNALS : nullptr, (uint32_t)Op::TRACE);
   TSGEN_TRY(cudaEventRecord(l->copy_done, l->copy));
   TSGEN_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
