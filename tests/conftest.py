@@ -65,8 +65,9 @@ def pytest_collection_modifyitems(config, items):
     if part is None:
         return
     k, n = part
-    keep = [item for item in items if zlib.crc32(item.nodeid.encode()) % n == k - 1]
-    dropped = [item for item in items if zlib.crc32(item.nodeid.encode()) % n != k - 1]
+    keep, dropped = [], []
+    for item in items:
+        (keep if zlib.crc32(item.nodeid.encode()) % n == k - 1 else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = keep

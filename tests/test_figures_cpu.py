@@ -179,7 +179,8 @@ def _git(repo: Path, *args: str) -> str:
     return out.stdout.strip()
 
 
-def test_results_check_warns_when_no_gpu_run_saw_the_newest_device_code(tmp_path):
+def _device_code_repo(tmp_path: Path) -> tuple[Path, str]:
+    """A git repository whose one commit changed templates/ (device code): (its root, the short hash)."""
     repo = tmp_path / "repo"
     (repo / "templates").mkdir(parents=True)
     _git(repo, "init", "-q")
@@ -188,7 +189,11 @@ def test_results_check_warns_when_no_gpu_run_saw_the_newest_device_code(tmp_path
     (repo / "templates" / "a.cuh").write_text("1\n")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "device code")
-    first = _git(repo, "rev-parse", "--short", "HEAD")
+    return repo, _git(repo, "rev-parse", "--short", "HEAD")
+
+
+def test_results_check_warns_when_no_gpu_run_saw_the_newest_device_code(tmp_path):
+    repo, first = _device_code_repo(tmp_path)
     tests = repo / "results" / "tests" / "nvidia-h100"
     tests.mkdir(parents=True)
     (tests / f"2026-11-26-{first}.json").write_text(json.dumps({"meta": {"date": "2026-11-26"}, "summary": {}}))
@@ -225,15 +230,7 @@ def test_headings_count_and_paths_inside_other_paths_are_no_citations(tmp_path, 
 
 
 def test_a_gate_run_in_parts_passes_once_every_part_of_one_commit_has(tmp_path):
-    repo = tmp_path / "repo"
-    (repo / "templates").mkdir(parents=True)
-    _git(repo, "init", "-q")
-    _git(repo, "config", "user.email", "t@example.com")
-    _git(repo, "config", "user.name", "t")
-    (repo / "templates" / "a.cuh").write_text("1\n")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "device code")
-    head = _git(repo, "rev-parse", "--short", "HEAD")
+    repo, head = _device_code_repo(tmp_path)
     tests = repo / "results" / "tests" / "nvidia-h200"
     tests.mkdir(parents=True)
     passed = {"summary": {"suite": {"passed": 5, "failed": 0}}}

@@ -119,28 +119,17 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
     order = gather_order(cp.layout, cp.causal, w, n)
     rows = {}
 
-    def step():
-        for t in (q, k, v):
-            t.grad = None
-        cp(q, k, v).backward(do)
+    def step_of(op):  # forward + backward of one training step through `op`
+        def step():
+            for t in (q, k, v):
+                t.grad = None
+            op(q, k, v).backward(do)
+        return step
 
-    rows["step (fwd+bwd)"] = timed(step)
-    cp_kv = make_cp(kv_together=True)
-
-    def step_kv():
-        for t in (q, k, v):
-            t.grad = None
-        cp_kv(q, k, v).backward(do)
-
-    rows["step, kv_together (one gather, one scatter)"] = timed(step_kv)
-    cp_ov = make_cp(overlap_backward=True)
-
-    def step_ov():
-        for t in (q, k, v):
-            t.grad = None
-        cp_ov(q, k, v).backward(do)
-
-    rows["step, overlap_backward"] = timed(step_ov)
+    cp_kv, cp_ov = make_cp(kv_together=True), make_cp(overlap_backward=True)
+    rows["step (fwd+bwd)"] = timed(step_of(cp))
+    rows["step, kv_together (one gather, one scatter)"] = timed(step_of(cp_kv))
+    rows["step, overlap_backward"] = timed(step_of(cp_ov))
     with torch.no_grad():
         rows["gather k (allgather + reorder)"] = timed(lambda: cp.gather(k))
         rows["allgather k alone"] = timed(lambda: cp._allgather(_seq_first(k, sig.layout)))
