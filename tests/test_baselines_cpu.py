@@ -399,6 +399,28 @@ def test_launcher_timeout_kills(fake_worker):
     assert len(fake_worker[1]) == 2 and not any(_alive(p) for p in fake_worker[1])
 
 
+def test_a_sigterm_during_a_baseline_stops_the_suite(fake_worker):
+    """A suite's time limit (timeout's SIGTERM) lands while a baseline's ranks run: the ranks are
+    stopped and the suite's own handler gets the signal (suites.Stopped, after which it writes the
+    entries it finished), not a BaselineRunError for one baseline with the suite going on (the
+    moe fp8 suite of 2026-11-27 lost its finished entry so)."""
+    import signal
+    import threading
+
+    from tsgen.bench.suites import Stopped, stop_on_signals
+
+    old = signal.getsignal(signal.SIGTERM)
+    stop_on_signals()
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(Stopped):
+            W.launch_workers({"mode": "hang"}, 2, timeout=60, argv=fake_worker[0])
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, old)
+
+
 def test_run_baselines_rejects_bad_sizes_before_launch(monkeypatch):
     monkeypatch.setattr(bl, "launch_workers", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(bl.BaselineConfigError, match="world x itemsize"):

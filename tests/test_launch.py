@@ -137,3 +137,36 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path):
             time.sleep(0.05)
         else:
             raise AssertionError(f"rank process {pid} outlived the launcher")
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_signal_reaches_the_callers_handler_only_when_chained(chain):
+    """A bench suite under a time limit: the SIGTERM that stops a baseline's ranks must also stop
+    the suite (its handler raises; the suite then writes the entries it finished), not come back as
+    one baseline's failure (exit code 143) with the suite going on to the next entry."""
+    import os
+    import signal
+    import threading
+
+    class SuiteStopped(BaseException):
+        pass
+
+    def suite_handler(signum, frame):
+        raise SuiteStopped(signum)
+
+    old = signal.signal(signal.SIGTERM, suite_handler)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        t0 = time.monotonic()
+        if chain:
+            with pytest.raises(SuiteStopped):
+                run("import time; time.sleep(60)", nproc=2, chain_signals=True)
+        else:
+            rc, _, err, _ = run("import time; time.sleep(60)", nproc=2)
+            assert rc == 128 + signal.SIGTERM and "got signal 15; stopping the ranks" in err
+        assert time.monotonic() - t0 < 30  # the ranks were stopped, not waited for
+        assert signal.getsignal(signal.SIGTERM) is suite_handler  # restored either way
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, old)

@@ -173,12 +173,14 @@ def check_arguments(nproc: int, port: int | None, timeout: float | None, grace: 
 
 def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float = 30.0,
            timeout: float | None = None, out: TextIO | None = None, err: TextIO | None = None,
-           kill_after: float = 5.0, env: dict | None = None) -> int:
+           kill_after: float = 5.0, env: dict | None = None, chain_signals: bool = False) -> int:
     """Run `cmd` as `nproc` ranks; 0 when all succeed, else the first failing rank's code
     (128 + signal number for a rank killed by a signal, 124 on timeout, 141 when the
     launcher's output was closed). After a failure the others get `grace` s to end on
     their own, then SIGTERM, then SIGKILL after `kill_after` s. `env`: the ranks' base
-    environment (default this process's)."""
+    environment (default this process's). A signal to the launcher stops the ranks and returns
+    128 + its number; with chain_signals, once they are stopped the caller's own handler for it
+    runs too (procs.stop_on_signals(chain=True)): a bench suite stops, not one baseline."""
     check_arguments(nproc, port, timeout, grace, kill_after)
     if not cmd:
         raise ValueError("nothing to launch: give the command after --")
@@ -191,7 +193,7 @@ def launch(cmd: Sequence[str], nproc: int, port: int | None = None, grace: float
     code = 0
     # A signal to the launcher (timeout(1), Ctrl-C, a job scheduler) must reach the ranks too:
     # they run in sessions of their own, so without this they would outlive it.
-    with procs.stop_on_signals():
+    with procs.stop_on_signals(chain=chain_signals):
         try:
             for rank in range(nproc):
                 try:

@@ -67,15 +67,19 @@ class Stopped(Exception):
 
 
 @contextlib.contextmanager
-def stop_on_signals():
+def stop_on_signals(chain: bool = False):
     """While in this block: SIGTERM, SIGINT and SIGHUP signal every registered group, then
     raise Stopped (so `finally` blocks run and the caller exits 128 + the signal). Only the
-    main thread may set handlers: elsewhere this does nothing."""
+    main thread may set handlers: elsewhere this does nothing. chain: on leaving the block
+    after a signal, the handler in place before it gets that signal too (a suite's, which
+    stops the suite and keeps what it finished), where it is a Python function."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    caught: list[int] = []
 
     def handler(signum, frame):
+        caught.append(signum)
         _signal_all()
         raise Stopped(signum)
 
@@ -85,3 +89,5 @@ def stop_on_signals():
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if chain and caught and callable(old[caught[0]]):
+            old[caught[0]](caught[0], None)

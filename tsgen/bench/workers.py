@@ -82,8 +82,10 @@ def launch_workers(cfg: dict, world: int, timeout: float = 300.0, argv: Sequence
         (tmp / "config.json").write_text(json.dumps(cfg))
         cmd = list(argv or [sys.executable, "-m", "tsgen.bench.workers"]) + [str(tmp / "config.json")]
         with open(tmp / "log.txt", "w") as log:
+            # a SIGTERM to the bench (its time limit) stops the suite, which keeps the entries it
+            # finished (suites.stop_on_signals), not only this baseline as one failed run
             code = launch(cmd, world, grace=GRACE_S, timeout=timeout, out=log, err=log, kill_after=2.0,
-                          env=child_env())
+                          env=child_env(), chain_signals=True)
         if code:
             raise BaselineRunError(_failure(tmp, code, timeout))
         result = tmp / "result.json"
