@@ -119,4 +119,8 @@ summary "attention baselines ($MODE)" attn_summary.txt
 rc=$?
 # the device tool brings back folders a few levels deep only: the results index travels as one archive
 [ -d "$OUT/results" ] && tar czf "$OUT/results.tgz" -C "$OUT/results" . && rm -rf "$OUT/results"
+# and the traces' per-tile records (attention_trace.json, one folder per trace): one archive too (on
+# 2026-11-27 the folders were left out, "count", and only the printed summaries came back)
+traces=$(cd "$OUT" && ls -d trace_* 2>/dev/null)
+[ -n "$traces" ] && (cd "$OUT" && tar czf traces.tgz $traces && rm -rf $traces)
 exit $rc
