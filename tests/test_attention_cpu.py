@@ -254,9 +254,9 @@ def test_persistent_schedule_renders_the_counter_and_its_reset():
 
 def test_row_max_chains_renders_only_where_set():
     """params.row_max_chains (branch i33ilp): Config::ROW_MAX_CHAINS and the module constant only
-    where a spec sets it; unset, the source and manifest are the shipped ones (the header's default
+    where a spec sets it (the shipped hd 128 spec does since 2026-11-27: 2); unset, neither (the header's default
     is the one serial chain, test_row_max_chains_sass)."""
-    plain = render(load_spec(SPEC), base=ROOT)
+    plain = render(variant("plain", params={"row_max_chains": None}), base=ROOT)
     assert "ROW_MAX_CHAINS" not in plain.source and "ROW_MAX_CHAINS" not in json.loads(plain.manifest)["constants"]
     r = render(variant("rc", params={"row_max_chains": 4}), base=ROOT)
     assert "static constexpr int ROW_MAX_CHAINS = rc::ROW_MAX_CHAINS;" in r.source
@@ -274,7 +274,7 @@ def test_ilp_suite_loads(tool):
     s = load_suite(ROOT / "suites" / "attention-ilp.yaml")
     assert s.model.baselines == ["cudnn_frontend", "flash_attn_4"] and s.model.baselines_per_entry
     chains = {(e.label or e.loaded.model.name): e.loaded.model.params.row_max_chains for e in s.entries}
-    assert chains == {"attention_hd128": None, "attention_hd128_ilp2": 2, "attention_hd128_ilp8": 8,
+    assert chains == {"attention_hd128": 2, "attention_hd128_ilp1": None, "attention_hd128_ilp8": 8,
                       "attention_hd128_pp": None, "attention_hd128_pp_ilp2": 2,
                       "attention_hd128_causal_gqa": None, "attention_hd128_causal_gqa_ilp2": 2}
     assert [e.label for e in s.entries if e.loaded.model.params.pingpong and not e.loaded.model.params.causal] == [

@@ -334,7 +334,7 @@ def test_moe_dispatch_and_combine_are_timed_each_alone(monkeypatch, spec_path):
     """Beside tsgen's pair, its dispatch alone and its combine alone (tsgen/bench/moe_phases.py): each
     through its own host entry, its own bytes (the bottleneck rank's, that phase only), its SM count,
     its output checked, compared with nothing; they add up to the pair's bytes."""
-    from tsgen.ops.moe import traffic
+    from tsgen.ops.moe import phase_sms, traffic
 
     install(monkeypatch)
     fake_multiprocess(monkeypatch)
@@ -345,12 +345,13 @@ def test_moe_dispatch_and_combine_are_timed_each_alone(monkeypatch, spec_path):
     assert set(phases) == {"dispatch", "combine"}
     spec = load_spec(spec_path).model
     payload = spec.params.payload
-    assert phases["dispatch"]["impl"] == f"tsgen dispatch ({payload}, {spec.launch.blocks} SMs)"
-    assert phases["combine"]["impl"] == f"tsgen combine (bf16, {spec.launch.blocks} SMs)"
+    sms = {name: phase_sms(spec, name) for name in ("dispatch", "combine")}  # the shipped normal specs: 64, 128
+    assert phases["dispatch"]["impl"] == f"tsgen dispatch ({payload}, {sms['dispatch']} SMs)"
+    assert phases["combine"]["impl"] == f"tsgen combine (bf16, {sms['combine']} SMs)"
     family = get_family("moe")
     sent = traffic(spec, 2, family.bench.bench_inputs(family, spec, 2, 100, np.random.default_rng(12345)))
     for name, r in phases.items():
-        assert r["wrong"] == 0 and not r["compare"] and r["role"] == name and r["sms"] == spec.launch.blocks
+        assert r["wrong"] == 0 and not r["compare"] and r["role"] == name and r["sms"] == sms[name]
         assert r["busbw_GBps"] == pytest.approx(max(sent[name]) / r["time_us"] / 1e3)
     rows = phases["dispatch"]["received_check"]  # what the ranks received, compared row by row
     assert phases["dispatch"]["received_wrong"] == 0 and rows.endswith("rows on rank(s) 0, 1")
@@ -480,7 +481,7 @@ def test_moe_phase_refused_is_a_note_and_the_other_phase_stays(monkeypatch):
     out = bench_spec("specs/moe.yaml", 2, "100", echo=lambda s: None, **FAST)
     assert out.errors == []
     assert [r["phase"] for r in out.rows if r["impl"].startswith("tsgen ") and r.get("phase")] == ["dispatch"]
-    assert any(n.startswith("tsgen combine (bf16, 32 SMs) at 100: not timed: RuntimeSetupError") for n in out.notes), out.notes
+    assert any(n.startswith("tsgen combine (bf16, 128 SMs) at 100: not timed: RuntimeSetupError") for n in out.notes), out.notes
 
 
 def test_every_family_states_its_conventions():

@@ -264,6 +264,18 @@ def test_fp8_quantization_error_within_bound():
     assert (err[big] / np.abs(xs[big])).max() <= 2.0**-4 + 2.0**-7
 
 
+def plain_moe():
+    """specs/moe.yaml as shipped before 2026-11-27 (one grid of 32 blocks for both kernels, combine in
+    row order with the kernel's default senders): the base the tests below vary one knob of. The
+    shipped spec now sets the combine's grid, order and senders (moe-w2-tune's winner)."""
+    from tsgen.spec import spec_variant
+
+    return spec_variant(load_spec(ROOT / "specs" / "moe.yaml"), {
+        "launch": {"blocks": 32},
+        "params": {"combine_blocks": None, "combine_order": "rows", "combine_senders": None,
+                   "combine_send_unroll": None}})
+
+
 def test_traffic_per_row_and_minimum():
     """Normal mode: a row per (token, other rank) each way, 8 K + 8 bytes of metadata with the
     dispatched row; low-latency: a row per (token, expert on another rank); fp8: 1 byte per channel
@@ -275,7 +287,7 @@ def test_traffic_per_row_and_minimum():
     inputs = {"topk_idx": idx}
     from tsgen.spec import spec_variant
 
-    base = load_spec("specs/moe.yaml")
+    base = plain_moe()
     small = {"params": {"experts": 4, "topk": 2, "hidden": 128}, "world_sizes": [2], "test": {"count": 3}}
     normal = spec_variant(base, small).model
     t = traffic(normal, 2, inputs)
@@ -467,7 +479,7 @@ def test_combine_senders_shrink_the_last_wave():
 
 
 def test_combine_senders_sets_the_senders_and_nothing_else():
-    """params.combine_senders / combine_send_unroll: unset (the shipped specs), the rendered source has
+    """params.combine_senders / combine_send_unroll: unset (the shipped specs before 2026-11-27), the rendered source has
     neither SENDERS nor SEND_UNROLL (the kernel keeps half the warps and UNROLL: sources unchanged);
     set, both constants (the other one at its default), no buffer changes; more senders than warps,
     out-of-range values and low_latency are refused."""
@@ -477,7 +489,7 @@ def test_combine_senders_sets_the_senders_and_nothing_else():
     from tsgen.spec import spec_variant
 
     family = get_family("moe")
-    base = load_spec(ROOT / "specs" / "moe.yaml")
+    base = plain_moe()
     text = render_to_cache(base).source.read_text()
     assert "SENDERS" not in text and "SEND_UNROLL" not in text
     assert "SENDERS" not in family.constants(base.model)
@@ -527,7 +539,7 @@ def test_combine_grid_of_its_own():
     from tsgen.spec import spec_variant
 
     family = get_family("moe")
-    base = load_spec(ROOT / "specs" / "moe.yaml")
+    base = plain_moe()
     assert phase_sms(base.model, "combine") == phase_sms(base.model, "dispatch") == base.model.launch.blocks
     loaded = spec_variant(base, {"params": {"combine_blocks": 64}})
     spec = loaded.model
@@ -577,7 +589,7 @@ def test_combine_order_sets_peer_order_and_nothing_else():
     from tsgen.spec import spec_variant
 
     family = get_family("moe")
-    base = load_spec(ROOT / "specs" / "moe.yaml")
+    base = plain_moe()
     assert base.model.params.combine_order == "rows"
     assert "constexpr int PEER_ORDER = 0;" in render_to_cache(base).source.read_text()
     loaded = spec_variant(base, {"params": {"combine_order": "peers"}})
