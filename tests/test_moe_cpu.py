@@ -211,6 +211,7 @@ params:
     ({"mode": "low_latency", "weighted": "false"}, "params.weighted: low_latency combine always applies"),
     ({"extra": "  slot_tokens: 8\n"}, "params.slot_tokens: only the low_latency mode has slots"),
     ({"mode": "low_latency", "payload": "fp8"}, "params.payload: fp8 is built for the normal mode only"),
+    ({"extra": "  fp8_send_unroll: 4\n"}, "params.fp8_send_unroll: only the fp8 payload quantizes"),
 ])
 def test_spec_errors(tmp_path, fields, expect):
     values = {"experts": 8, "hidden": 256, "payload": "bf16", "count": 64, "mode": "normal", "weighted": "true",
@@ -526,6 +527,111 @@ def test_combine_senders_compile_without_spills(tmp_path, monkeypatch, params):
     res = compile_source(render_to_cache(loaded).source)
     for w in loaded.model.world_sizes:
         entry = res.report[f"v_w{w}_combine"]
+        assert entry["registers"] <= 128 and entry["spill_stores"] == 0 and entry["spill_loads"] == 0, entry
+
+
+def _gathered_send_replay(bits: np.ndarray, hidden: int, U: int) -> tuple[np.ndarray, np.ndarray]:
+    """tsgen/moe.cuh's push_row_fp8_gathered (params.fp8_send_unroll = U) on one row, lane by lane: slot u
+    of lane l in the pass at chunk `base` is chunk base + 32 u + l (16 channels); each slot's amax reduced
+    over its 8 lanes (xor 4, 2, 1); lane j < 4 U takes group base / 8 + j's amax from lane 8 (j % 4) of slot
+    j / 4, divides, and stores that group's scale; lane l of slot u takes its factor from lane 4 u + l / 8.
+    Returns the row's e4m3 bytes and scales as the kernel stores them (a group or chunk written twice, or
+    never, is an error)."""
+    chunks, groups = hidden // 16, hidden // 128
+    x = to_f64(bits, "bfloat16").astype(np.float32)
+    q, scale = np.zeros(hidden, np.uint8), np.full(groups, np.nan, np.float32)
+    wrote_q, wrote_s = np.zeros(chunks, int), np.zeros(groups, int)
+    lanes = np.arange(32)
+    for base in range(0, chunks, 32 * U):
+        amax = np.zeros((U, 32), np.float32)
+        for u, lane in itertools.product(range(U), range(32)):
+            c = base + 32 * u + lane
+            if c < chunks:
+                amax[u, lane] = np.abs(x[16 * c:16 * c + 16]).max()
+        for off in (4, 2, 1):
+            amax = np.maximum(amax, amax[:, lanes ^ off])
+        mine = np.array([amax[lane >> 2, (lane & 3) * 8] if lane >> 2 < U else 0 for lane in lanes], np.float32)
+        mine = np.maximum(mine, np.float32(1e-4))
+        sc, inv = (mine / np.float32(448)).astype(np.float32), (np.float32(448) / mine).astype(np.float32)
+        for lane in range(min(32, 4 * U)):
+            g = base // 8 + lane
+            if g < groups:
+                scale[g] = sc[lane]
+                wrote_s[g] += 1
+        for u in range(U):
+            if base + 32 * u >= chunks:
+                break
+            for lane in lanes:
+                c = base + 32 * u + lane
+                if c < chunks:
+                    f = inv[4 * u + (lane >> 3)]
+                    q[16 * c:16 * c + 16] = e4m3_encode((x[16 * c:16 * c + 16] * f).astype(np.float32))
+                    wrote_q[c] += 1
+    assert (wrote_q == 1).all() and (wrote_s == 1).all()
+    return q, scale
+
+
+@pytest.mark.parametrize("hidden", [128, 640, 2048, 7168])
+def test_fp8_gathered_send_replay_is_bit_exact(hidden):
+    """The lanes of the gathered send (params.fp8_send_unroll 1-8) replayed: every chunk and scale written
+    once, bytes and scales bit for bit those of fp8_quantize (what the GPU tests compare the kernel with),
+    also for rows of zeros (the 1e-4 floor), tiny and large values; hidden 640: a pass with a partial slot
+    (40 chunks, 5 groups), 128: lanes with no chunk."""
+    rng = np.random.default_rng(hidden)
+    x = rng.standard_normal((4, hidden)) * np.array([1, 1e-30, 1e4, 0])[:, None]
+    x[0, 5] = 3e38  # saturates the group's bf16 scale range, not e4m3's
+    bits = from_f64(x.reshape(-1), "bfloat16").reshape(4, hidden)
+    want_q, want_s = fp8_quantize(bits.reshape(-1), hidden)
+    for U in range(1, 9):
+        for r in range(4):
+            q, scale = _gathered_send_replay(bits[r], hidden, U)
+            assert np.array_equal(q, want_q[r]), (U, r)
+            assert np.array_equal(scale.view(np.uint32), want_s[r].view(np.uint32)), (U, r)
+
+
+def test_fp8_send_unroll_sets_the_send_and_nothing_else():
+    """params.fp8_send_unroll: unset (the shipped specs), the rendered source has no FP8_UNROLL (dispatch
+    keeps push_row_fp8: sources unchanged); set, the constant and the Config's line, no buffer changes;
+    out of [1, 8] and a bf16 payload are refused."""
+    from tsgen.errors import SpecError
+    from tsgen.harness import render_to_cache
+    from tsgen.ops import get_family
+    from tsgen.spec import spec_variant
+
+    family = get_family("moe")
+    base = load_spec(ROOT / "specs" / "moe_fp8.yaml")
+    for shipped in ("moe_fp8", "moe", "moe_ll"):
+        loaded = load_spec(ROOT / "specs" / f"{shipped}.yaml")
+        assert "FP8_UNROLL" not in render_to_cache(loaded).source.read_text()
+        assert "FP8_UNROLL" not in family.constants(loaded.model)
+    for u in (1, 7, 8):
+        loaded = spec_variant(base, {"params": {"fp8_send_unroll": u}})
+        text = render_to_cache(loaded).source.read_text()
+        assert f"constexpr int FP8_UNROLL = {u};" in text
+        assert "static constexpr int FP8_UNROLL = ::moe_fp8::FP8_UNROLL;" in text
+        assert family.buffers(loaded.model) == family.buffers(base.model)
+    for bad in (0, 9):
+        with pytest.raises(SpecError, match="fp8_send_unroll"):
+            spec_variant(base, {"params": {"fp8_send_unroll": bad}})
+    with pytest.raises(SpecError, match="params.fp8_send_unroll: only the fp8 payload quantizes"):
+        spec_variant(load_spec(ROOT / "specs" / "moe.yaml"), {"params": {"fp8_send_unroll": 7}})
+
+
+@compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
+@pytest.mark.parametrize("unroll", [4, 7, 8])
+def test_fp8_send_unroll_compiles_without_spills(tmp_path, monkeypatch, unroll):
+    """The moe-w2 shape (hidden 7168, 4096 tokens, 64 dispatch blocks of 512 threads) with the gathered
+    send: every world's dispatch within the 128 registers of __launch_bounds__(512, 1), no spills (the
+    80-byte frame is the printfs', as in the shipped send's)."""
+    from tsgen.harness import render_to_cache
+    from tsgen.spec import spec_variant
+
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    loaded = spec_variant(load_spec(ROOT / "specs" / "moe_fp8.yaml"), {"name": "v", "launch": {"blocks": 64}, "params": {
+        "experts": 32, "hidden": 7168, "capacity": 4096, "combine_blocks": 96, "fp8_send_unroll": unroll}})
+    res = compile_source(render_to_cache(loaded).source)
+    for w in loaded.model.world_sizes:
+        entry = res.report[f"v_w{w}_dispatch"]
         assert entry["registers"] <= 128 and entry["spill_stores"] == 0 and entry["spill_loads"] == 0, entry
 
 

@@ -457,6 +457,19 @@ def test_moe_fp8_dispatch(world):
     assert not problems, "\n".join(lines + problems[:10])
 
 
+@pytest.mark.parametrize("world,params", [(2, {"fp8_send_unroll": 7}), (4, {"fp8_send_unroll": 3, "hidden": 640}),
+                                          (8, {"fp8_send_unroll": 8})])
+def test_moe_fp8_send_unroll(world, params):
+    """params.fp8_send_unroll: the send with a pass's scales gathered (a lane per 128-channel group);
+    bytes and scales bit-exact with the reference quantizer as for the shipped send, also where a pass
+    ends inside a slot (hidden 640: 40 chunks, 5 groups, 3 slots of 32 chunks), back to back."""
+    need_gpus(world)
+    problems, lines = run_moe(world, spec=FP8_SPEC, variant={"params": params}, burst=20)
+    _record({"test": "fp8_send_unroll", "world": world, "params": params, "pass": not problems,
+             "problems": problems[:5], "lines": lines})
+    assert not problems, "\n".join(lines + problems[:10])
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_moe_low_latency(world):
     need_gpus(world)

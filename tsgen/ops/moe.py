@@ -107,6 +107,12 @@ class MoeParams(StrictModel):
     combine_send_unroll: int | None = Field(
         None, ge=1, le=16, description="normal mode: 16-byte vectors per lane that a combine sender loads before "
         "it stores them to the peer (default: launch.unroll)")
+    fp8_send_unroll: int | None = Field(
+        None, ge=1, le=8, description="fp8 payload: dispatch's send with a pass's scales gathered, one lane per "
+        "128-channel group (one division pair a lane a pass, one contiguous scale store per destination, the "
+        "destinations' row addresses once per row), each lane loading this many 16-channel chunks before it "
+        "quantizes (at most 8: a lane per group of a pass); default: the shipped send (launch.unroll chunks, every "
+        "lane dividing for each of its chunks, a 16-byte scale store per group); the same bytes and scales")
 
 
 class MoeSpec(SpecBase):
@@ -147,6 +153,14 @@ def combine_sender_constants(spec) -> dict:
     warps = spec.launch.threads // 32
     return {"SENDERS": p.combine_senders if p.combine_senders is not None else (warps // 2 if warps > 1 else 1),
             "SEND_UNROLL": p.combine_send_unroll if p.combine_send_unroll is not None else spec.launch.unroll}
+
+
+def fp8_send_constants(spec) -> dict:
+    """FP8 payload: dispatch's send with a pass's scales gathered (params.fp8_send_unroll) as the module's
+    FP8_UNROLL, or {} where it is not set: the kernel then keeps the shipped send (push_row_fp8,
+    tsgen/moe.cuh), and the rendered source has no such constant (the shipped sources stay as they were)."""
+    u = spec.params.fp8_send_unroll
+    return {} if u is None else {"FP8_UNROLL": u}
 
 
 def phase_sms(spec, phase: str) -> int:
@@ -222,6 +236,9 @@ class MoeFamily(OpFamily):
         if low_latency(spec) and (p.combine_senders is not None or p.combine_send_unroll is not None):
             problems.append((("params", "combine_senders" if p.combine_senders is not None else "combine_send_unroll"),
                              "only the normal mode's combine has sender warps; low_latency's pushes with every warp"))
+        if p.fp8_send_unroll is not None and p.payload != "fp8":
+            problems.append((("params", "fp8_send_unroll"), "only the fp8 payload quantizes in dispatch's send; "
+                             f"payload {p.payload} copies its rows as they are"))
         if p.combine_senders is not None and p.combine_senders > spec.launch.threads // 32:
             problems.append((("params", "combine_senders"), f"{p.combine_senders} sender warps, but a block of "
                              f"{spec.launch.threads} threads has {spec.launch.threads // 32}"))
@@ -322,7 +339,7 @@ class MoeFamily(OpFamily):
                 "CAP": p.capacity, "RECV": recv_rows(spec), "WEIGHTED": int(p.weighted), "SLOT": slot_rows(spec),
                 "FP8": int(p.payload == "fp8"), "COMBINE_BLOCKS": combine_blocks(spec),
                 "CHUNK": p.combine_chunk_rows, "PEER_ORDER": int(p.combine_order == "peers"),
-                **combine_sender_constants(spec)}
+                **combine_sender_constants(spec), **fp8_send_constants(spec)}
 
     def template_vars(self, spec):
         # the buffers tsgen::moe::Buffers holds, in its order
@@ -330,7 +347,8 @@ class MoeFamily(OpFamily):
         return {"buffer_params": ", ".join(f"{b.ctype}* {b.name}" for b in held),
                 "buffer_names": ", ".join(b.name for b in held), "ll": low_latency(spec),
                 "blocks": spec.launch.blocks, "combine_blocks": combine_blocks(spec),
-                "fp8": spec.params.payload == "fp8", "own_senders": bool(combine_sender_constants(spec))}
+                "fp8": spec.params.payload == "fp8", "own_senders": bool(combine_sender_constants(spec)),
+                "fp8_gathered": bool(fp8_send_constants(spec))}
 
     # -- as torch ops (tsgen.torch) -----------------------------------------
     def torch_entries(self, constants, world, buffers):

@@ -189,6 +189,68 @@ static __device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&h));
 }
 
+// One lane's chunk of 16 channels (two 16-byte vectors of bf16), both quantization steps:
+// chunk_floats, its channels as fp32 and their largest |x| (from 0, in channel order: a group's amax is
+// the max of its 8 lanes'), and chunk_e4m3, the 16 e4m3 codes of f * inv packed into 16 bytes.
+static __device__ __forceinline__ float chunk_floats(const uint4 (&v)[2], float (&f)[16]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(v);
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float2 p = __bfloat1622float2(h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+    amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
+  }
+  return amax;
+}
+
+// The same amax as chunk_floats's, in bf16 pairs (max is exact and bf16 -> fp32 keeps the order;
+// __hmax2 skips a NaN as fmaxf does; where bf16 arithmetic flushes subnormals, a group of only
+// subnormals and zeros is under the 1e-4 floor either way), for a send that quantizes its chunks after
+// every amax is known: its fp32 channels are computed once, where they are multiplied, not kept alive
+// in between.
+static __device__ __forceinline__ float chunk_amax(const uint4 (&v)[2]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(v);
+  __nv_bfloat162 m = __habs2(h[0]);
+#pragma unroll
+  for (int i = 1; i < 8; ++i) m = __hmax2(m, __habs2(h[i]));
+  const float2 p = __bfloat1622float2(m);
+  return fmaxf(0.f, fmaxf(p.x, p.y));
+}
+
+static __device__ __forceinline__ uint4 chunk_e4m3(const float (&f)[16], float inv) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = (uint32_t)e4m3x2(f[4 * i] * inv, f[4 * i + 1] * inv) |
+           (uint32_t)e4m3x2(f[4 * i + 2] * inv, f[4 * i + 3] * inv) << 16;
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// A group's scale and the factor its channels are multiplied by, from its amax (the max over its lanes).
+static __device__ __forceinline__ void group_scale(float amax, float* scale, float* inv) {
+  amax = fmaxf(amax, 1e-4f);
+  *scale = amax / 448.f;
+  *inv = 448.f / amax;
+}
+
+// A pass's 16-channel chunks of one lane: U of them, chunk base + 32 u + lane, each as two 16-byte loads
+// (zeros past the row's CHUNKS), all issued before any is used.
+template <int U, int CHUNKS>
+static __device__ __forceinline__ void load_chunks(uint4 (&v)[U][2], const uint4* src, int base, int lane) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = base + u * 32 + lane;
+    if (c < CHUNKS) {
+      v[u][0] = ld_nc_na_global_v4(src + 2 * c);
+      v[u][1] = ld_nc_na_global_v4(src + 2 * c + 1);
+    } else {
+      v[u][0] = v[u][1] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // One warp quantizes the row at src (HIDDEN bf16, HIDDEN % 128 == 0) and stores the e4m3 bytes and
 // scales to every destination rank in mask `mm`, at row `pos[d]` of that rank's recv_q / recv_scale.
 // The quantization is fused into the send, shaped like the bf16 copy: a lane's chunk is 16 channels
@@ -204,46 +266,96 @@ static __device__ __forceinline__ void push_row_fp8(const __nv_bfloat16* src_, u
   const uint4* src = reinterpret_cast<const uint4*>(src_);
   for (int base = 0; base < CHUNKS; base += PASS) {  // warp-uniform: every lane takes part in the shuffles
     uint4 v[C::UNROLL][2];
-#pragma unroll
-    for (int u = 0; u < C::UNROLL; ++u) {
-      const int c = base + u * 32 + lane;
-      if (c < CHUNKS) {
-        v[u][0] = ld_nc_na_global_v4(src + 2 * c);
-        v[u][1] = ld_nc_na_global_v4(src + 2 * c + 1);
-      } else {
-        v[u][0] = v[u][1] = make_uint4(0, 0, 0, 0);
-      }
-    }
+    load_chunks<C::UNROLL, CHUNKS>(v, src, base, lane);
 #pragma unroll
     for (int u = 0; u < C::UNROLL; ++u) {
       if (base + u * 32 >= CHUNKS) break;  // warp-uniform; CHUNKS % 8 == 0: a group is all in or all out
       const int c = base + u * 32 + lane;
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(v[u]);
-      float f[16], amax = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float2 p = __bfloat1622float2(h[i]);
-        f[2 * i] = p.x;
-        f[2 * i + 1] = p.y;
-        amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
-      }
+      float f[16], amax = chunk_floats(v[u], f), scale, inv;
 #pragma unroll
       for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      amax = fmaxf(amax, 1e-4f);
-      const float scale = amax / 448.f, inv = 448.f / amax;
-      uint32_t w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        w[i] = (uint32_t)e4m3x2(f[4 * i] * inv, f[4 * i + 1] * inv) |
-               (uint32_t)e4m3x2(f[4 * i + 2] * inv, f[4 * i + 3] * inv) << 16;
+      group_scale(amax, &scale, &inv);
+      const uint4 q = chunk_e4m3(f, inv);
       if (c >= CHUNKS) continue;
-      const uint4 q = make_uint4(w[0], w[1], w[2], w[3]);
 #pragma unroll
       for (int d = 0; d < C::WORLD; ++d) {
         if (!((mm >> d) & 1u)) continue;
         st_na_global_v4(reinterpret_cast<uint4*>(peer_ptr(recv_q, peers, rank, d) + (size_t)pos[d] * C::HIDDEN) + c, q);
         if ((lane & 7) == 0) peer_ptr(recv_scale, peers, rank, d)[(size_t)pos[d] * GROUPS + c / 8] = scale;
       }
+    }
+  }
+}
+
+// params.fp8_send_unroll = U (the Config's FP8_UNROLL): the send that dispatch uses instead of
+// push_row_fp8, with the same arithmetic (so the same bytes and scales), shaped for fewer instructions
+// and small stores per row (docs/design/moe.md, "FP8 dispatch per byte"). In push_row_fp8 each of a
+// lane's chunks divides twice (IEEE division: a branch to a slow path that no instruction is scheduled
+// across, so a pass's U groups run one after another), stores its group's scale from one lane in 8
+// (a 16-byte store per group and destination: 14 a row at hidden 7168), and reloads the destination's
+// base from the peer table before every store (the stores' memory clobber). Here a pass's U x 32
+// chunks make 4 U whole groups; after the U amax reductions (interleaved) lane j < 4 U takes group j's
+// amax, divides once for the pass and stores its scale, so the pass's scales go to a destination as one
+// contiguous store of 16 U bytes; every lane takes its group's factor back by a shuffle. The
+// destinations' row addresses are computed once per row. U <= 8: a lane per group of a pass.
+template <class C, class = void>
+struct Fp8Send {
+  static constexpr int unroll = 0;  // not set: push_row_fp8
+};
+template <class C>
+struct Fp8Send<C, decltype((void)C::FP8_UNROLL)> {
+  static constexpr int unroll = C::FP8_UNROLL;
+  static_assert(unroll >= 1 && unroll <= 8, "params.fp8_send_unroll: 1 .. 8 (a lane per 128-channel group of a pass)");
+};
+
+template <class C>
+static __device__ __forceinline__ void push_row_fp8_gathered(const __nv_bfloat16* src_, uint32_t mm, const int* pos,
+                                                             uint8_t* recv_q, float* recv_scale, char* const* peers,
+                                                             int rank, int lane) {
+  constexpr int W = C::WORLD, U = Fp8Send<C>::unroll, CHUNKS = C::HIDDEN / 16, GROUPS = C::HIDDEN / 128;
+  constexpr int PASS = 32 * U;
+  uint4* qrow[W];  // the row's e4m3 bytes on each destination (its scales: once a pass, addressed there)
+#pragma unroll
+  for (int d = 0; d < W; ++d)
+    qrow[d] = reinterpret_cast<uint4*>(peer_ptr(recv_q, peers, rank, d) + (size_t)pos[d] * C::HIDDEN);
+  const uint4* src = reinterpret_cast<const uint4*>(src_);
+#pragma unroll 1
+  for (int base = 0; base < CHUNKS; base += PASS) {  // slot u of a pass is chunk base + 32 u + lane
+    uint4 v[U][2];
+    load_chunks<U, CHUNKS>(v, src, base, lane);
+    float amax[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) amax[u] = chunk_amax(v[u]);
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1)
+#pragma unroll
+      for (int u = 0; u < U; ++u) amax[u] = fmaxf(amax[u], __shfl_xor_sync(0xffffffffu, amax[u], off));
+    // lane j < 4 U: group base / 8 + j of the row, slot j / 4, whose lanes 8 (j % 4) .. 8 (j % 4) + 7 hold its amax
+    float mine = 0.f;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const float a = __shfl_sync(0xffffffffu, amax[u], (lane & 3) * 8);
+      if (lane >> 2 == u) mine = a;
+    }
+    float scale, inv;
+    group_scale(mine, &scale, &inv);
+    const int g = base / 8 + lane;
+    if (lane < 4 * U && g < GROUPS)
+#pragma unroll
+      for (int d = 0; d < W; ++d)
+        if ((mm >> d) & 1u) peer_ptr(recv_scale, peers, rank, d)[(size_t)pos[d] * GROUPS + g] = scale;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (base + u * 32 >= CHUNKS) break;  // warp-uniform; CHUNKS % 8 == 0: a group is all in or all out
+      const float gi = __shfl_sync(0xffffffffu, inv, 4 * u + (lane >> 3));  // its group's factor, from lane 4 u + lane / 8
+      const int c = base + u * 32 + lane;
+      float f[16];
+      chunk_floats(v[u], f);
+      const uint4 q = chunk_e4m3(f, gi);
+      if (c >= CHUNKS) continue;
+#pragma unroll
+      for (int d = 0; d < W; ++d)
+        if ((mm >> d) & 1u) st_na_global_v4(qrow[d] + c, q);
     }
   }
 }
@@ -406,7 +518,9 @@ static __device__ __forceinline__ void dispatch(char* const* peers, int rank, ui
         if (((mm >> d) & 1u) && (unsigned)s_pos[i][d] >= (unsigned)C::RECV) mm &= ~(1u << d);  // past the capacity: dropped
       if (lane < W) b.sent_row[(size_t)tok * WMAX + lane] = (mm >> lane) & 1u ? s_pos[i][lane] : -1;  // for combine
       if (mm == 0) continue;
-      if constexpr (C::FP8) {
+      if constexpr (C::FP8 && Fp8Send<C>::unroll > 0) {
+        push_row_fp8_gathered<C>(b.x + (size_t)tok * C::HIDDEN, mm, s_pos[i], b.recv_q, b.recv_scale, peers, rank, lane);
+      } else if constexpr (C::FP8) {
         push_row_fp8<C>(b.x + (size_t)tok * C::HIDDEN, mm, s_pos[i], b.recv_q, b.recv_scale, peers, rank, lane);
       } else {
       const uint4* src = reinterpret_cast<const uint4*>(b.x + (size_t)tok * C::HIDDEN);
