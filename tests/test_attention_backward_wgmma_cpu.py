@@ -205,30 +205,34 @@ int main(int argc, char** argv) {
   const uint32_t hk = atoi(argv[7]);
   for (uint32_t k0 = 0; k0 < p.kv_len; k0 += bw::BLOCK_N) {
     const int32_t first_key = p.kv_offset + (int32_t)k0;
-    for (bw::Walk<MODULE::Config> w(p, hk, first_key); !w.done(); w.next(p))
-      printf("%u %u %u %d\n", k0, w.hq, w.qb * bw::BLOCK_M,
-             (int)bw::step_masked(p, MODULE::Config::CAUSAL, k0, first_key, w.qb * bw::BLOCK_M, w.rows_end(p)));
+    using W = bw::Walk<MODULE::Config>;  // W::ROWS: 64, or 128 with params.step_rows
+    for (W w(p, hk, first_key); !w.done(); w.next(p))
+      printf("%u %u %u %d\n", k0, w.hq, w.qb * W::ROWS,
+             (int)bw::step_masked(p, MODULE::Config::CAUSAL, k0, first_key, w.qb * W::ROWS, w.rows_end(p)));
   }
 }
 """
 
 
 @needs_nvcc
-@pytest.mark.parametrize("causal,deterministic", [(True, False), (False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("causal,deterministic,rows", [(True, False, 64), (False, False, 64), (True, True, 64),
+                                                       (False, True, 64), (True, False, 128), (False, False, 128)])
 def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_needs_it(tmp_path, causal,
-                                                                                       deterministic):
+                                                                                       deterministic, rows):
     """Per CTA (block of 128 keys, KV head 1 of 2 over 4 query heads): the walk visits each
     query head of the group and each query block with a visible (query, key) pair, in order, and
     no other; a step the mask predicate calls unmasked has every key < kv_len and every (query <
     q_len, key) pair visible. Positions from 0, offsets, and the zig-zag's two segments. The order:
     query heads outer, query blocks ascending; params.deterministic (Walk::DESCENDING): query blocks
-    descending, the group's query heads inner."""
+    descending, the group's query heads inner. rows 128 (params.step_rows): blocks of 128 query rows,
+    the zig-zag's split inside one of them in several problems (300, 250, 70; 512 at a block's edge)."""
     from tsgen.headers import include_flags
     from tsgen.ops.attention import query_positions
     from tsgen.toolchain import gencode_flags
 
+    tall = {"step_rows": 128} if rows == 128 else {}
     source = rendered_source(variant("walk", params={"causal": causal, "heads": 4, "kv_heads": 2, "head_dim": 64,
-                                                     "deterministic": deterministic}), tmp_path)
+                                                     "deterministic": deterministic, **tall}), tmp_path)
     main = tmp_path / "walk_main.cu"
     main.write_text(WALK.replace("SOURCE", str(source)).replace("MODULE", "walk"))
     exe = tmp_path / "walk_main"
@@ -247,15 +251,15 @@ def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_nee
         got = [tuple(int(x) for x in line.split()) for line in out.splitlines()]
         want = []
         for k0 in range(0, skv, 128):
-            order = ([(hq, r0) for r0 in reversed(range(0, sq, 64)) for hq in (2, 3)] if deterministic
-                     else [(hq, r0) for hq in (2, 3) for r0 in range(0, sq, 64)])
+            order = ([(hq, r0) for r0 in reversed(range(0, sq, rows)) for hq in (2, 3)] if deterministic
+                     else [(hq, r0) for hq in (2, 3) for r0 in range(0, sq, rows)])
             for hq, r0 in order:
-                vis = kp[None, k0:k0 + 128] <= qp[r0:r0 + 64, None] if causal else np.ones((1, 1), bool)
+                vis = kp[None, k0:k0 + 128] <= qp[r0:r0 + rows, None] if causal else np.ones((1, 1), bool)
                 if vis.any():
                     want.append((k0, hq, r0))
         assert [g[:3] for g in got] == want, (sq, skv, qo, split, qo2, ko)
         for k0, _, r0, masked in got:
-            full = k0 + 128 <= skv and (not causal or bool((kp[None, k0:k0 + 128] <= qp[r0:r0 + 64, None]).all()))
+            full = k0 + 128 <= skv and (not causal or bool((kp[None, k0:k0 + 128] <= qp[r0:r0 + rows, None]).all()))
             assert masked or full, ("an unmasked step needs the mask", sq, skv, qo, split, qo2, ko, k0, r0)
             masked_steps += masked
             unmasked_steps += not masked
@@ -525,7 +529,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
     assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2",
-                          "wgmma_g4", "wgmma_g8", "wgmma_l3")
+                          "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128")
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
     assert tool.impl_name("hd64_full_kv8", "wgmma_red") == "hd64_full_kv8_wgmma_red"
@@ -891,6 +895,129 @@ def test_shared_memory_model_of_one_cta(request, d, causal, tiled):
         assert not bad.any(), (name, int(bad.sum()), bad.size)
 
 
+
+def header_tall_ds_unit():
+    """consume_tall's dS^T store (params.step_rows 128): its byte offset from the key row's start for query group
+    q (8 queries) and lane, read from the header."""
+    expr = re.search(r"const uint32_t unit_at = (.+);", WG_HEADER.read_text())
+    assert expr, "consume_tall's dS^T store offset"
+    panel = 128 * 128  # DS_PANEL: BLOCK_N key rows of 128 bytes
+    code = expr.group(1).replace("L::DS_PANEL", str(panel)).replace(" / ", " // ")
+    return lambda q, lane: eval(code, {}, {"q": q, "swizzle": lane // 4, "lane": lane})
+
+
+def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled):
+    """model_cta for params.step_rows 128 (consume_tall, head dim 64, dq_reduce bulk): steps of 128 query rows
+    (two TMA boxes of 64 rows each; a second box wholly past the rows reloads the first, produce()'s rule), S^T
+    and dP^T as 64 keys x 128 queries per warpgroup, dS^T stored thread by thread through the header's offset
+    into two panels of 64 queries, dV / dK over 8 k16 steps of the 128 queries, and warpgroup w's dQ of queries
+    64w .. 64w + 63 over all 128 keys (panel w, M-major) through the staging into its 64-row block's bulk
+    reduction (none for a block past the rows); dQ read back through the convert's map `tiled`."""
+    d, BN, BM, ROWS = 64, 128, 64, 128
+    KV_BOX, Q_BOX, PANEL = BN * 128, BM * 128, BN * 128
+    K_OFF, V_OFF = 0, KV_BOX
+    Q_OFF = V_OFF + KV_BOX
+    DO_OFF = Q_OFF + 2 * Q_BOX
+    DS_OFF = DO_OFF + 2 * Q_BOX
+    unit = header_tall_ds_unit()
+    stage_store = header_dq_staging()
+    sm = Smem(DS_OFF + 2 * 2 * PANEL)
+    for off, src in ((K_OFF, k), (V_OFF, v)):
+        pad = np.zeros((BN, d))
+        pad[:kv_len] = src
+        sm.tma_rows(off, KV_BOX, 0, pad)
+    rows = q.shape[0]
+    accum = np.zeros(rows * d)
+    dk, dv = np.zeros((2, 64, d)), np.zeros((2, 64, d))
+    for step, r0 in enumerate(range(0, rows, ROWS)):
+        r1 = min(rows, r0 + ROWS)
+        for src, off in ((q, Q_OFF), (do, DO_OFF)):
+            for h in range(2):  # produce(): box h at rows r0 + 64 h, or r0 again where that is past the rows
+                start = r0 + BM * h if r0 + BM * h < rows else r0
+                box = np.zeros((BM, d))
+                box[:max(0, min(BM, rows - start))] = src[start:start + BM]
+                sm.tma_rows(off + h * Q_BOX, Q_BOX, 0, box)
+        l2, ds_ = np.full(ROWS, np.inf), np.zeros(ROWS)
+        l2[:r1 - r0], ds_[:r1 - r0] = lse2[r0:r1], dsum[r0:r1]
+        ds_base = DS_OFF + (step % 2) * 2 * PANEL
+        for cw in range(2):
+            s, dp = np.zeros((64, ROWS)), np.zeros((64, ROWS))
+            for kk in range(d // 16):  # m64n128k16: B = 128 query rows, K-major
+                s += sm.k_major(K_OFF + 64 * cw * 128 + 32 * kk, 64) @ sm.k_major(Q_OFF + 32 * kk, ROWS).T
+                dp += sm.k_major(V_OFF + 64 * cw * 128 + 32 * kk, 64) @ sm.k_major(DO_OFF + 32 * kk, ROWS).T
+            key = 64 * cw + np.arange(64)[:, None]
+            qrow = r0 + np.arange(ROWS)[None, :]
+            with np.errstate(over="ignore"):
+                p = np.exp2(s * scale_log2 - l2[None, :])
+            seen = (key < kv_len) & ((key <= qrow) if causal else True)
+            p = np.where(seen, p, 0.0)
+            dsT = p * (dp - ds_[None, :])
+            p16, ds16 = bf16(p), bf16(dsT)
+            for warp in range(4):
+                for lane in range(32):
+                    row = 16 * warp + lane // 4
+                    for qq in range(ROWS // 8):
+                        for h in range(2):
+                            for e in range(2):
+                                addr = ds_base + (64 * cw + row) * 128 + 8 * h * 128 + unit(qq, lane) + 2 * e
+                                sm.mem[addr // 2] = ds16[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            for kq in range(ROWS // 16):  # dV += P^T dO, dK += dS^T Q: 8 k16 steps of 2048 bytes
+                dv[cw] += p16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(DO_OFF + kq * 2048, d, Q_BOX)
+                dk[cw] += ds16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(Q_OFF + kq * 2048, d, Q_BOX)
+        for cw in range(2):  # after DS_READY: dQ of queries 64 cw .. over the 128 keys
+            acc = np.zeros((64, 64))
+            for kk in range(BN // 16):
+                a = sm.mn_major(ds_base + cw * PANEL + kk * 2048, 64, PANEL).T  # M-major A: [m][k]
+                b = sm.mn_major(K_OFF + kk * 2048, 64, KV_BOX)
+                acc += a @ b
+            staging = np.full(64 * 64, np.nan)
+            for warp in range(4):
+                for lane in range(32):
+                    row = 16 * warp + lane // 4
+                    for h in range(2):
+                        for qq in range(8):
+                            at, reg = stage_store(row, h, lane, qq)
+                            for e in range(2):
+                                staging[at // 4 + e] = acc[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            q0 = r0 + BM * cw
+            if q0 < r1:  # the block's valid rows; none past the rows
+                n = min(BM, r1 - q0)
+                accum[q0 * d:q0 * d + n * 64] += staging[:n * 64]
+    return accum[tiled], np.concatenate(list(dk))[:kv_len], np.concatenate(list(dv))[:kv_len]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("rows,causal", [(150, True), (300, False), (300, True), (64, True)])
+def test_shared_memory_model_of_one_tall_cta(convert_map, rows, causal):
+    """params.step_rows 128 (head dim 64): 100 keys (a tail of the 128-key block) against 150 / 300 / 64 query rows
+    (steps of 128 with a tail: 22 and 44 rows, the second 64-row box past the rows reloading the first, and warpgroup
+    1's query block past them reducing nothing; 300: three steps, the first dS^T buffer reused), one head: dQ, dK,
+    dV through the modelled operand addresses (the dS^T store's offset read from the header) and the bulk path
+    against the family's reference within its tolerance. A store into the wrong panel or without the swizzle, dQ
+    over the wrong panel or keys, or a reduction into the other warpgroup's block fails it."""
+    from tsgen.ops.attention import attention_backward_reference, attention_reference, o_tolerance
+
+    rng = np.random.default_rng(5)
+    d, kv_len = 64, 100
+    scale = 1 / np.sqrt(d)
+    q, do = (bf16(rng.standard_normal((1, rows, 1, d))) for _ in range(2))
+    k, v = (bf16(rng.standard_normal((1, kv_len, 1, d))) for _ in range(2))
+    o, lse = attention_reference(q, k, v, scale, causal)
+    o = bf16(o)
+    lse = lse.astype(np.float32).astype(np.float64)
+    dsum = np.einsum("bshd,bshd->bhs", do, o)[0, 0]
+    lse2 = np.where(np.isneginf(lse[0, 0]), np.inf, lse[0, 0] * np.log2(np.e))
+    offsets = convert_map(1, 1, rows, d, False).reshape(rows, d)
+    dq, dk, dv = model_cta_tall(q[0, :, 0], k[0, :, 0], v[0, :, 0], do[0, :, 0], lse2, dsum, scale * np.log2(np.e),
+                                kv_len, causal, offsets)
+    want = attention_backward_reference(q, k, v, o, do, lse, scale, causal, with_abs=True)
+    for name, g, w, a in (("dq", dq * scale, want[0], want[3]), ("dk", dk * scale, want[1], want[4]),
+                          ("dv", dv, want[2], want[5])):
+        g = g[None, :, None]
+        bad = np.abs(g - w) > o_tolerance(w, a, "bfloat16")
+        assert not bad.any(), (name, int(bad.sum()), bad.size)
+
+
 KV_CTA = r"""
 #include <cstdio>
 #include <cstdlib>
@@ -1087,3 +1214,207 @@ def test_sass_of_the_lookahead_main_kernel(tmp_path, monkeypatch, head_dim):
     base = base[base.index("Function : b_w1_main"):]
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE", base[:base.index("Function :", 10)] if "Function :" in
                           base[10:] else base)) == 4
+
+
+
+# ---------------------------------------------------------------------------
+# params.step_rows 128 (consume_tall): steps of 128 query rows at head dim 64
+# ---------------------------------------------------------------------------
+
+SHIPPED_BACKWARD = [ROOT / "specs" / "attention_backward_hd128.yaml",
+                    ROOT / "specs" / "attention_backward_hd64_causal_gqa.yaml",
+                    ROOT / "examples" / "torch" / "specs" / "attention_backward_hd128_causal_gqa.yaml",
+                    ROOT / "examples" / "torch" / "specs" / "attention_backward_hd64_causal.yaml"]
+
+
+def tall_tool_cases():
+    """The (variant, spec changes) of every case tools/gpu_attention_bwd.py checks or benches with --impl
+    wgmma_m128 (its head-dim-64 variants: tool.runs)."""
+    from conftest import load_script
+    from tsgen.spec import merge
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    return {name: merge(tool.VARIANTS[name], tool.impl_changes("wgmma_m128"))
+            for name in sorted(set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS)) if tool.runs(name, "wgmma_m128")}
+
+
+def test_step_rows_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
+    """Unset in every shipped backward spec: no STEP_ROWS constant, no mma_s_n128 (S^T, dP^T as m64n128) in the
+    Config (tsgen build writes 0 files); 64 explicit renders as unset. 128: STEP_ROWS and mma_s_n128 rendered,
+    the shared memory of 128-row Q, dO, dS^T, LSE2 and D tiles; refused by name with mma_sync, head dim 128,
+    dq_reduce atomic, deterministic and lookahead."""
+    fam = get_family("attention_backward")
+    for path in SHIPPED_BACKWARD:
+        loaded = load_spec(path)
+        assert loaded.model.params.step_rows is None and not loaded.model.params.tall
+        assert "STEP_ROWS" not in fam.constants(loaded.model)
+        text = rendered_source(loaded, tmp_path).read_text()
+        assert "STEP_ROWS" not in text and "mma_s_n128" not in text, path
+    plain = variant("v", params={"head_dim": 64})
+    explicit = variant("v", params={"head_dim": 64, "step_rows": 64})
+    assert fam.constants(explicit.model) == fam.constants(plain.model)
+    (tmp_path / "e").mkdir()
+
+    def code(path):  # the source from its Config on (the header above names the spec and its variant lines)
+        text = path.read_text()
+        return text[text.index("struct Config {"):]
+
+    assert code(rendered_source(explicit, tmp_path / "e")) == code(rendered_source(plain, tmp_path)), "64: the default"
+    on = variant("tall", params={"head_dim": 64, "causal": True, "step_rows": 128})
+    assert on.model.params.tall and fam.constants(on.model)["STEP_ROWS"] == 128 and fam.check(on.model) == []
+    text = rendered_source(on, tmp_path).read_text()
+    assert "static constexpr int STEP_ROWS = tall::STEP_ROWS;" in text
+    assert "static __device__ __forceinline__ void mma_s_n128(float (&d)[64], uint64_t desc_a" in text
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in text
+    # K, V 128 x 64; 2 stages of Q and dO 128 x 64; two dS^T buffers 128 keys x 128 queries; the fp32 staging
+    # (64 x 64 per warpgroup); LSE2 and D of 128 rows per stage; 5 barriers; 1 KiB alignment slack
+    assert smem_bytes(on.model) == (2 * (2 * 128 * 64 + 2 * 2 * 128 * 64 + 2 * 128 * 128) + DQ_STAGING
+                                    + 2 * 4 * 2 * 128 + 40 + 1024) == 199720 <= 227 * 1024
+    assert smem_bytes(on.model) - smem_bytes(plain.model) == 199720 - 133160
+    spec = on.model
+    for update in ({"impl": "mma_sync"}, {"head_dim": 128}, {"dq_reduce": "atomic"},
+                   {"deterministic": True, "head_group": 0}, {"lookahead": True}):
+        bad = spec.model_copy(update={"params": spec.params.model_copy(update=update)})
+        problems = [w for w, _ in fam.check(bad) if w == ("params", "step_rows")]
+        assert problems == [("params", "step_rows")], (update, fam.check(bad))
+    for name, changes in tall_tool_cases().items():  # every case of the GPU tool's wgmma_m128 is a valid spec
+        loaded = spec_variant(load_spec(SPEC), changes)
+        assert loaded.model.params.tall and loaded.model.params.head_dim == 64 and fam.check(loaded.model) == [], name
+    assert sorted(tall_tool_cases()) == ["hd64_causal_kv32", "hd64_full_kv32", "hd64_full_kv8"]
+
+
+TALL_EXTRA = {"f16_bhsd": {"dtype": "float16", "params": {"head_dim": 64, "layout": "bhsd", "step_rows": 128}},
+              "causal_gqa_g0": {"params": {"head_dim": 64, "causal": True, "kv_heads": 8, "head_group": 0,
+                                           "step_rows": 128}}}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", sorted(tall_tool_cases()) + sorted(TALL_EXTRA))
+def test_step_rows_128_compiles_without_spills(tmp_path, monkeypatch, name):
+    """Each shape tools/gpu_attention_bwd.py runs with --impl wgmma_m128 (hd 64: MHA causal and not, GQA 32:8 not
+    causal), and fp16 bhsd, GQA causal without head groups: 168 registers at entry (setmaxnreg 40 / 232: the
+    consumers hold S^T 64 + dP^T 64 + dK 32 + dV 32 accumulators at the peak), no spills, no stack, no serialized
+    wgmma of any kind (SERIALIZED: C7508 .. C7520), no ignored setmaxnreg."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    changes = tall_tool_cases()[name] if name in tall_tool_cases() else TALL_EXTRA[name]
+    loaded = spec_variant(load_spec(SPEC), {**changes, "name": "v", "launch": {"threads": 384},
+                                            "params": {"impl": "wgmma", **changes["params"]}})
+    res = compile_source(rendered_source(loaded, tmp_path))
+    entry = res.report["v_w1_main"]
+    assert entry["registers"] == 168, entry
+    assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
+    assert ptxas_problems(res.output) == [] and serialized(res.output) == [], "no serialized wgmma"
+    assert res.serialized == [], res.serialized
+
+
+@needs_sass
+@pytest.mark.parametrize("causal", [True, False])
+def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal):
+    """params.step_rows 128: S^T and dP^T as 4 + 4 HGMMA 64x128x16 from shared memory (K-major), dV and dK as 8 + 8
+    HGMMA 64x64x16 with A from registers (tnspB), dQ as 8 HGMMA 64x64x16 (tnspA.tnspB: 128 keys), nothing else;
+    four warpgroup waits, 128 exp2 (the masked and unmasked paths, 64 each), 32 dS^T stores and 16 staging stores
+    a step, one bulk reduction, the 4 named barriers (ptxas's count), no local memory, no call; and the loop in
+    consume()'s order: q_full, S^T / dP^T, wait (S^T), exp2, wait (dP^T), dV / dK, DS_READY, dQ, wait (dV / dK),
+    q_empty, wait (dQ), the staging, DQ_STAGED, the bulk reduction."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    compiled = compile_source(rendered_source(variant("v", params={"head_dim": 64, "causal": causal,
+                                                                   "step_rows": 128}), tmp_path))
+    assert serialized(compiled.output) == []
+    sass = dump_sass(compiled.output)
+    main = sass[sass.index("Function : v_w1_main"):]
+    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
+    ops = re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", main)
+    names = [o for _, _, o, _ in ops]
+    assert not [n for n in names if n.startswith(("LDL", "STL", "CALL", "ATOM"))], "no local memory, no calls"
+    hgmma = [re.sub(r"\s+", "", o + rest) for _, _, o, rest in ops if o.startswith("HGMMA")]
+    ss = [h for h in hgmma if "tnsp" not in h]
+    rs = [h for h in hgmma if ".tnspB" in h and "tnspA" not in h]
+    dq = [h for h in hgmma if ".tnspA.tnspB" in h]
+    assert len(ss) == 8 and all(h.startswith("HGMMA.64x128x16.F32.BF16R") for h in ss), ss
+    assert len(rs) == 16 and all(re.match(r"HGMMA\.64x64x16\.F32\.BF16R\d+,R\d+,gdesc", h) for h in rs), rs
+    assert len(dq) == 8 and all(h.startswith("HGMMA.64x64x16") for h in dq), dq
+    assert len(hgmma) == 32
+    assert names.count("WARPGROUP.DEPBAR.LE") == 4, "the wgmma of a step are batched, not serialized"
+    assert names.count("MUFU.EX2") == 128 and names.count("STS.64") == 16
+    assert names.count("UBLKRED.G.S.ADD.F32.RN") == 1 and "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU" not in names
+    bars = sorted(int(m, 16) for m in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)\b", main))
+    assert bars == [0, 1, 2, 3], bars
+    elf = subprocess.run([str(find_cuobjdump()), "-elf", str(compiled.output)], capture_output=True, text=True,
+                         check=True).stdout
+    assert [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)] == [4]
+
+    def event(o, rest):
+        r = re.sub(r"\s+", "", rest)
+        if o.startswith("HGMMA"):
+            return "dQ" if ".tnspA.tnspB" in r else ("RS" if ".tnspB" in r else "SS")
+        if o == "WARPGROUP.DEPBAR.LE":
+            return "wait" + r[-1]
+        if o == "BAR.SYNC.DEFER_BLOCKING":
+            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
+        return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full", "STS": "STS",
+                "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2"}.get(o)
+
+    at = [int(a, 16) for a, _, _, _ in ops]
+    events = [(int(a, 16), e) for a, _, o, rest in ops if (e := event(o, rest)) is not None]
+    rs_at = next(a for a, e in events if e == "RS")
+    back = [(int(a, 16), int(rest.split()[0], 16)) for a, _, o, rest in ops
+            if o == "BRA" and rest.strip() and int(rest.strip().split()[0], 16) < int(a, 16) <= at[-1]]
+    edge, top = next((a, t) for a, t in back if t < rs_at < a)  # the consumers' loop: its back edge
+    body = []  # the loop's events, runs of one event kept once with their count
+    for a, e in events:
+        if top <= a <= edge:
+            if body and body[-1][0] == e:
+                body[-1][1] += 1
+            else:
+                body.append([e, 1])
+    got = [e for e, _ in body]
+    want = ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
+            "STS.64", "DQ_STAGED", "UBLKRED"]
+    assert got == want, got
+    counts = {}
+    for e, n in body:
+        counts[e] = counts.get(e, 0) + n
+    assert counts["SS"] == 8 and counts["RS"] == 16 and counts["dQ"] == 8 and counts["EX2"] == 128
+    assert counts["STS"] == 32 and counts["STS.64"] == 16, counts
+
+
+def test_gpu_tool_runs_step_rows_128_on_head_dim_64_only(tmp_path, monkeypatch):
+    """--impl wgmma_m128,wgmma (the next device command): wgmma_m128 is built, checked and benched for the head-dim-64
+    variants only (the spec check refuses it at 128), wgmma for all; the bench has hd 64 MHA causal and not causal
+    rows; the report's x is the first listed impl's time over the others' (taken from a row where both ran) and
+    the SDPA ratios are against the last listed."""
+    import json
+
+    from conftest import load_script
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    assert tool.IMPL_PARAMS["wgmma_m128"] == {"impl": "wgmma", "step_rows": 128}
+    hd64 = sorted(n for n in tool.VARIANTS if tool.VARIANTS[n]["params"]["head_dim"] == 64)
+    assert sorted(n for n in tool.VARIANTS if tool.runs(n, "wgmma_m128")) == hd64
+    assert all(tool.runs(n, i) for n in tool.VARIANTS for i in tool.IMPLS if i != "wgmma_m128")
+    assert {"hd64_causal_kv32", "hd64_full_kv32"} <= set(tool.BENCH_VARIANTS)
+    built, children = [], []
+    monkeypatch.setattr(tool, "build", lambda out, name, impl: built.append((name, impl)) or {"n": name, "i": impl})
+    monkeypatch.setattr(tool, "build_forward", lambda out, name: {"forward": name})
+    monkeypatch.setattr(tool, "device_name", lambda: "test")
+    monkeypatch.setattr(tool, "child", lambda args, timeout: children.append(args) or (
+        {"pass": True, "cases": []} if args[0] == "check" else {"rows": []}, ""))
+    monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), "--impl", "wgmma_m128,wgmma"])
+    assert tool.main() == 0
+    names = set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS)
+    assert sorted(built) == sorted([(n, "wgmma") for n in names] + [(n, "wgmma_m128") for n in names if n in hd64])
+    checked = [(json.loads(a[1])["n"], json.loads(a[1])["i"]) for a in children if a[0] == "check"]
+    assert sorted(checked) == sorted([(n, "wgmma") for n in tool.CHECK_VARIANTS]
+                                     + [(n, "wgmma_m128") for n in tool.CHECK_VARIANTS if n in hd64])
+    (bench,) = [json.loads(a[1]) for a in children if a[0] == "bench"]
+    assert {n: sorted(b) for n, b in bench.items()} == {
+        n: sorted(["wgmma_m128", "wgmma"] if n in hd64 else ["wgmma"]) for n in tool.BENCH_VARIANTS}
+    rows = [{"variant": "hd128_full_kv32", "seq": 4096, "batch": 4, "ref": "tsgen_wgmma", "last": "tsgen_wgmma",
+             "tsgen_wgmma": {"tflops": 470.0}, "sdpa_cudnn": {"tflops": 540.0, "ratio": 1.15}},
+            {"variant": "hd64_causal_kv32", "seq": 4096, "batch": 4, "ref": "tsgen_wgmma_m128", "last": "tsgen_wgmma",
+             "tsgen_wgmma_m128": {"tflops": 375.0}, "tsgen_wgmma": {"tflops": 313.0, "ratio_ref": 0.83},
+             "sdpa_cudnn": {"tflops": 358.0, "ratio": 1.14}}]
+    text = tool.markdown({"device": "d", "date": "t", "command": "c", "checks": {}, "bench": {"rows": rows}})
+    assert "ratio = SDPA time / tsgen_wgmma time" in text and "x = tsgen_wgmma_m128's time / theirs" in text
+    assert "| hd128_full_kv32 | 4096 | - | 470 | - | - | - |" in text
+    assert "| hd64_causal_kv32 | 4096 | - | 313 | 0.83 | 375 | - |" in text

@@ -1,7 +1,7 @@
 """The `attention_backward` op on one GPU: correctness against a float32 reference, then a short
 bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
-Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3]
+Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3,wgmma_m128]
        python tools/gpu_attention_bwd.py OUT_DIR --impl wgmma --ncu hd128_full_kv32[:8192]
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment; source
        tools/device_env.sh before the --ncu form: ncu over one variant's main kernel at the bench's
@@ -16,7 +16,9 @@ keep most of the order differences that the 16-bit rounding hides) bit-identical
 a causal two-segment case whose split (480) falls inside a query block), wgmma_g1 / g2 / g4 / g8
 (params.impl wgmma with params.head_group 1, 2, 4, 8: the main kernel's CTAs in groups of that many
 (sequence, KV head) pairs, for L2 locality), wgmma_l3 (params.impl wgmma with params.lookahead: the
-next step's S^T and dP^T issued under this step's dQ tail). wgmma's checks run one such
+next step's S^T and dP^T issued under this step's dQ tail), wgmma_m128 (params.impl wgmma with params.step_rows
+128: steps of 128 query rows, FlashAttention-3's hd 64 tile; head dim 64 only: the hd 128 variants run without
+it, their rows keep the other impls' columns). wgmma's checks run one such
 repeated case as information (whether its fp32 dq_accum differed: expected, not a failure; it shows
 that the check can see the order). Each listed one is built,
 checked and benched with the same variants and cases; a variant of an impl other than mma_sync is
@@ -38,7 +40,7 @@ SDPA columns' ratio: SDPA's time / the last listed impl's, so list the candidate
    20 back-to-back calls (the dQ accumulator must be zeroed per call); one where q_len and
    kv_len differ (causal: bottom-right aligned positions); wgmma_det, wgmma: the repeated cases above.
 3. Bench (one child): hd 128, 32 heads (32 and 8 KV heads), S 4K, 8K, 16K (16K tokens: batch =
-   16384 / S), causal and not: tsgen's three kernels against torch autograd of
+   16384 / S), causal and not; hd 64 MHA causal and not: tsgen's three kernels against torch autograd of
    scaled_dot_product_attention (flash and cuDNN backends: the backward only, the forward run
    once) and, where flash-attn-4 is installed (tools/fa4_wheels.sh), FlashAttention-4's backward
    through its autograd function (column fa4; else a printed note), timed in interleaved rounds (tsgen/bench/timing.py Sampler, eager), FLOPs 10 b h s^2 d
@@ -96,21 +98,31 @@ VARIANTS.update({
 CHAINED = {"hd128_causal_kv8": "hd128_causal_kv8", "hd64_full_kv8": "hd64_full_kv8"}
 CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd64_full_kv8", "hd64_causal_kv32",
                   "fp16_hd128_causal_kv8", "hd128_full_kv4_bhsd"]
-BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd128_causal_kv8", "hd64_causal_kv32"]
+BENCH_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv32", "hd128_full_kv8", "hd128_causal_kv8", "hd64_causal_kv32",
+                  "hd64_full_kv32"]
 BENCH_SEQS = [4096, 8192, 16384]
 
 
 # main kernels; the first is the default and the bench's "tsgen" column
 # wgmma_gN: the CTAs in groups of N (sequence, KV head) pairs (params.head_group; g0: no groups, the
 # order before groups of 4 became the default); wgmma_l3: params.lookahead (the next step's S^T and dP^T
-# under the dQ tail, docs/design/attention.md's lever 3), with the default head_group
+# under the dQ tail, docs/design/attention.md's lever 3), with the default head_group; wgmma_m128:
+# params.step_rows 128 (steps of 128 query rows at head dim 64, docs/design/attention.md's "Tall steps")
 IMPLS = ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4", "wgmma_g8",
-         "wgmma_l3")
+         "wgmma_l3", "wgmma_m128")
 # the spec params of each (beside its threads per CTA, those of params.impl)
 IMPL_PARAMS = {"mma_sync": {}, "wgmma": {"impl": "wgmma"}, "wgmma_red": {"impl": "wgmma", "dq_reduce": "atomic"},
                "wgmma_det": {"impl": "wgmma", "deterministic": True},
                **{f"wgmma_g{n}": {"impl": "wgmma", "head_group": n} for n in (0, 1, 2, 4, 8)},
-               "wgmma_l3": {"impl": "wgmma", "lookahead": True}}
+               "wgmma_l3": {"impl": "wgmma", "lookahead": True},
+               "wgmma_m128": {"impl": "wgmma", "step_rows": 128}}
+# impls built for some head dims only (the spec check refuses the others): the variants they run on
+IMPL_HEAD_DIMS = {"wgmma_m128": (64,)}
+
+
+def runs(name: str, impl: str) -> bool:
+    """Whether main kernel `impl` is built, checked and benched for variant `name` (IMPL_HEAD_DIMS)."""
+    return VARIANTS[name]["params"]["head_dim"] in IMPL_HEAD_DIMS.get(impl, (VARIANTS[name]["params"]["head_dim"],))
 
 
 def impl_name(name: str, impl: str) -> str:
@@ -631,9 +643,12 @@ def markdown(s: dict) -> str:
     if s.get("bench"):
         rows = s["bench"].get("rows", [])
         extra = sorted({k for row in rows for k in row if k.startswith("tsgen_")})  # other impls
-        ref = rows[0].get("ref", "tsgen") if rows else "tsgen"
+        # the first listed impl's column: that of a row where several ran (an impl of some head dims only,
+        # IMPL_HEAD_DIMS, leaves the other rows with fewer)
+        many = [row for row in rows if sum(k == "tsgen" or k.startswith("tsgen_") for k in row) > 1] or rows
+        ref = many[0].get("ref", "tsgen") if rows else "tsgen"
         others = ["sdpa_flash", "sdpa_cudnn"] + [k for k in ("cudnn_fe", "fa4") if any(k in row for row in rows)]
-        last = rows[0].get("last", ref) if rows else ref
+        last = many[0].get("last", ref) if rows else ref
         out += ["", "## Speed (TFLOP/s: 10 b h s^2 d, halved causal; ratio = SDPA time / "
                 f"{last} time, paired rounds"
                 + (f"; {', '.join(extra)}: other main kernels, x = {ref}'s time / theirs" if extra else "") + ")", "",
@@ -685,9 +700,11 @@ def main() -> int:
         name, _, seq = a.ncu.partition(":")
         if name not in VARIANTS:
             ap.error(f"--ncu: variant {name!r}; one of {', '.join(sorted(VARIANTS))}")
+        if not runs(name, impls[0]):
+            ap.error(f"--ncu: impl {impls[0]} is built for head dims {IMPL_HEAD_DIMS[impls[0]]} only, not {name}")
         return profile(out, name, impls[0], int(seq) if seq else BENCH_SEQS[1])
     names = sorted(set(CHECK_VARIANTS) | (set() if a.no_bench else set(BENCH_VARIANTS)))
-    jobs = [(n, i) for i in impls for n in names]
+    jobs = [(n, i) for i in impls for n in names if runs(n, i)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
         built = dict(zip(jobs, ex.map(lambda j: build(out, *j), jobs)))
         forwards = dict(zip(CHAINED, ex.map(lambda n: build_forward(out, CHAINED[n]), CHAINED)))
@@ -697,11 +714,12 @@ def main() -> int:
     print(f"built {len(built)} variants", flush=True)
     checks = {}
     for impl in impls:
-        for name in CHECK_VARIANTS:
+        for name in (n for n in CHECK_VARIANTS if runs(n, impl)):
             extra = ["--quick"] if a.quick else []
             # wgmma_det's children run the repeated cases too (three more references), wgmma's one (information)
             r, log = child(["check", json.dumps(built[name, impl]), *extra],
-                           CHECK_TIMEOUT_S * (2 if IMPL_PARAMS[impl].get("deterministic") else 1.5 if impl == "wgmma" else 1))
+                           CHECK_TIMEOUT_S * (2 if IMPL_PARAMS[impl].get("deterministic") else
+                                              1.5 if impl in ("wgmma", "wgmma_m128") else 1))
             checks[impl_name(name, impl)] = r
             print(f"{impl_name(name, impl)}: {'pass' if r.get('pass') else 'FAIL'}", flush=True)
             if not r.get("pass"):
@@ -710,7 +728,8 @@ def main() -> int:
                "command": " ".join(sys.argv), "checks": checks}
     if not a.no_bench:
         extra = ["--quick"] if a.quick else []
-        summary["bench"], log = child(["bench", json.dumps({n: {i: built[n, i] for i in impls} for n in BENCH_VARIANTS}),
+        summary["bench"], log = child(["bench", json.dumps({n: {i: built[n, i] for i in impls if runs(n, i)}
+                                                           for n in BENCH_VARIANTS}),
                                        *extra], BENCH_TIMEOUT_S * len(impls))
         if "rows" not in summary["bench"]:
             print(log[-4000:], flush=True)

@@ -106,6 +106,13 @@ class AttentionBackwardParams(AttentionShape):
         "until the next step starts (tsgen::attention_bwd::wgmma::consume_lookahead; the default's register peak; "
         "one S^T / dP^T pair past each walk's end, unread). Not yet measured on a GPU")
 
+    step_rows: Literal[64, 128] | None = Field(
+        None, description="impl wgmma: query rows per step of the main kernel's walk; unset or 64: 64 (the default), "
+        "128: FlashAttention-3's head-dim-64 tile (128 queries x 128 keys a step: S^T, dP^T as m64n128, dV, dK and dQ "
+        "over 128 rows or keys, dQ split by query rows between the consumer warpgroups), so that each step's fixed "
+        "waits, barriers and dQ issue are paid once per 128 query rows (tsgen::attention_bwd::wgmma::consume_tall). "
+        "head_dim 64 only, dq_reduce bulk, not deterministic, not lookahead. Not yet measured on a GPU")
+
     @property
     def cta_head_group(self) -> int | None:
         """The main kernel's group of (sequence, KV head) pairs (its HEAD_GROUP), None for none: head_group
@@ -113,6 +120,11 @@ class AttentionBackwardParams(AttentionShape):
         if self.head_group is not None:
             return self.head_group or None
         return DEFAULT_HEAD_GROUP if self.impl == "wgmma" and not self.deterministic else None
+
+    @property
+    def tall(self) -> bool:
+        """params.step_rows 128: the wgmma kernel's steps of 128 query rows (consume_tall)."""
+        return self.step_rows == 128
 
     @property
     def dq_tiled(self) -> bool:
@@ -155,13 +167,14 @@ def smem_bytes(spec: AttentionBackwardSpec) -> int:
     D of 64 rows (tsgen::attention_bwd::Layout asserts the same). wgmma: K and V of 128 rows,
     STAGES Q and dO tiles of 64 rows (128B-swizzled, no padding), two dS^T buffers (128 x 64),
     the fp32 dQ staging of the two consumer warpgroups (64 x 64 each, dq_reduce bulk), LSE2 and D per
-    stage, the barriers, 1024 bytes of slack for the alignment (tsgen::attention_bwd::wgmma::Layout
-    asserts the same)."""
+    stage (params.step_rows 128: 128 query rows in each of those), the barriers, 1024 bytes of slack for
+    the alignment (tsgen::attention_bwd::wgmma::Layout asserts the same)."""
     d = spec.params.head_dim
     if spec.params.impl == "wgmma":
         n, st = IMPLS["wgmma"]["block_n"], WGMMA_STAGES
+        m = 128 if spec.params.tall else BLOCK_M  # query rows per step (params.step_rows)
         staging = DQ_STAGING if spec.params.dq_tiled else 0
-        return (2 * (2 * n * d + 2 * st * BLOCK_M * d + 2 * n * 64) + staging + 2 * 4 * st * BLOCK_M + 8 * (1 + 2 * st)
+        return (2 * (2 * n * d + 2 * st * m * d + 2 * n * m) + staging + 2 * 4 * st * m + 8 * (1 + 2 * st)
                 + 1024)
     pitch = d + 8
     return 2 * ((2 * BLOCK_N + 2 * BLOCK_M) * pitch + BLOCK_N * (BLOCK_M + 8)) + 2 * 4 * BLOCK_M
@@ -224,6 +237,23 @@ class AttentionBackwardFamily(OpFamily):
                 problems.append((("params", "lookahead"), "lookahead with deterministic is not built (the turns' "
                                  "wait and hand-over sit in the dQ tail that the lookahead reorders); use one of "
                                  "the two"))
+        if spec.params.tall:
+            if spec.params.impl != "wgmma":
+                problems.append((("params", "step_rows"), "step_rows 128 needs params.impl wgmma (the mma_sync kernel "
+                                 "walks 64-row blocks only)"))
+            elif spec.params.head_dim != 64:
+                problems.append((("params", "step_rows"), "step_rows 128 is built for head_dim 64 only (at 128, S^T, "
+                                 "dP^T of 64 x 128 and dK, dV of 64 x 128 are 256 accumulator registers a thread, over "
+                                 "the consumers' 232)"))
+            elif not spec.params.dq_tiled:
+                problems.append((("params", "step_rows"), "step_rows 128 is built for dq_reduce bulk only (the atomic "
+                                 "path is kept to bench against)"))
+            elif spec.params.deterministic:
+                problems.append((("params", "step_rows"), "step_rows 128 with deterministic is not built (its turns "
+                                 "are per 64-row query block and warpgroup pair); use one of the two"))
+            elif spec.params.lookahead:
+                problems.append((("params", "step_rows"), "step_rows 128 with lookahead is not built (two consumer "
+                                 "loops, each with its own order of waits); use one of the two"))
         if spec.params.deterministic and not spec.params.dq_tiled:
             problems.append((("params", "deterministic"), "deterministic needs params.impl wgmma with dq_reduce bulk "
                              "(the ordered adds are the bulk reductions; mma_sync and dq_reduce atomic add dQ with "
@@ -269,6 +299,7 @@ class AttentionBackwardFamily(OpFamily):
             **({"DETERMINISTIC": 1} if p.deterministic else {}),  # absent by default: those sources stay as they were
             **({"HEAD_GROUP": p.cta_head_group} if p.cta_head_group else {}),  # likewise
             **({"LOOKAHEAD": 1} if p.lookahead else {}),  # likewise
+            **({"STEP_ROWS": 128} if p.tall else {}),  # likewise
         }
 
     def template_vars(self, spec):

@@ -58,6 +58,10 @@
 //     params.lookahead (consume_lookahead): the same products and waits, the next step's S^T issued
 //     behind this step's dQ and its dP^T right after the dQ staging's stores, so that the tensor pipe
 //     runs them under the dQ tail; the loop's back edge after dP^T's wait.
+//     params.step_rows 128 (consume_tall; HEAD_DIM 64): steps of 128 query rows (STEP_ROWS), the same
+//     products, waits and barriers per step over twice the rows: S^T, dP^T as m64n128, dV and dK over 8 k16
+//     steps, dS^T in two panels of 64 queries, warpgroup w's dQ of queries 64w .. 64w + 63 over all 128 keys
+//     into its own query block's bulk reduction.
 //
 // Hazards (and what orders each):
 //   - Q / dO / LSE2 / D stage reuse: the producer reloads a stage only after both consumer
@@ -146,9 +150,18 @@ using gemm::wgmma_commit_group;
 using gemm::wgmma_fence;
 using gemm::wgmma_wait_group;
 
-constexpr int BLOCK_M = 64;   // query rows per step
+constexpr int BLOCK_M = 64;   // query rows per step (params.step_rows 128: two such blocks per step)
 // the preprocess zeroes the semaphores per attention_bwd::BLOCK_M rows (dq_semaphores), the walk uses these
 static_assert(BLOCK_M == ::tsgen::attention_bwd::BLOCK_M, "one query block for the semaphores and the walk");
+
+// Config::STEP_ROWS where the Config has it (only specs with params.step_rows 128 emit it), else BLOCK_M:
+// the query rows of one step of the walk. 128 (head dim 64 only): consume_tall(), FlashAttention-3's hd 64
+// tile (128 queries x 128 keys), each fixed cost of a step (its waits, barriers, bulk issue, the walk's
+// advance) paid once per 128 query rows instead of once per 64.
+template <class C, class = void>
+struct step_rows_of : std::integral_constant<int, BLOCK_M> {};
+template <class C>
+struct step_rows_of<C, std::void_t<decltype(C::STEP_ROWS)>> : std::integral_constant<int, C::STEP_ROWS> {};
 constexpr int BLOCK_N = 128;  // keys per CTA: 64 per consumer warpgroup
 constexpr int THREADS = 384;
 constexpr uint32_t DS_READY = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads')
@@ -191,14 +204,19 @@ struct Layout {
   static_assert(C::HEAD_DIM == 64 || C::HEAD_DIM == 128, "head dim 64 or 128");
   static_assert(C::TILE_M == BLOCK_M && C::TILE_N == BLOCK_N, "the Config's tiles are this header's");
   static constexpr int BOXES = C::HEAD_DIM / 64;  // 64-column (128-byte) boxes per row
-  static constexpr int Q_BOX = BLOCK_M * 128;     // one box of a Q or dO tile
+  // query rows per step: BLOCK_M, or 128 with params.step_rows (TALL: consume_tall, head dim 64 only)
+  static constexpr int ROWS = step_rows_of<C>::value;
+  static constexpr bool TALL = ROWS != BLOCK_M;
+  static constexpr int HALVES = ROWS / BLOCK_M;   // TMA boxes of BLOCK_M rows per Q or dO tile and box column
+  static constexpr int Q_BOX = BLOCK_M * 128;     // one TMA box of a Q or dO tile (BLOCK_M rows, the maps' box)
   static constexpr int KV_BOX = BLOCK_N * 128;    // one box of K or V
-  static constexpr int Q_TILE = BOXES * Q_BOX;
+  static constexpr int Q_TILE = BOXES * HALVES * Q_BOX;  // [box column][ROWS rows] (TALL: one column)
   static constexpr int KV_TILE = BOXES * KV_BOX;
-  static constexpr int DS_BUF = BLOCK_N * 128;  // dS^T: BLOCK_N key rows x 64 queries (16-bit)
+  static constexpr int DS_PANEL = BLOCK_N * 128;  // dS^T: BLOCK_N key rows x 64 queries (16-bit)
+  static constexpr int DS_BUF = HALVES * DS_PANEL;  // TALL: two panels, queries 0 .. 63 and 64 .. 127
   static constexpr int S_ACC = 32;              // fp32 per thread of a 64 x 64 accumulator
   static constexpr int D_ACC = C::HEAD_DIM / 2;  // of a 64 x HEAD_DIM one (dK, dV)
-  static constexpr int K16 = BLOCK_M / 16;       // k16 steps of dV, dK (over the queries)
+  static constexpr int K16 = ROWS / 16;          // k16 steps of dV, dK (over the step's queries)
   static constexpr bool DQ_SPLIT_N = C::HEAD_DIM == 128;  // dQ: columns split (else keys split)
   static constexpr int DQ_KEYS = DQ_SPLIT_N ? BLOCK_N : 64;
   static constexpr bool DQ_TILED = C::DQ_TILED;   // dQ by bulk reductions through a staging buffer
@@ -215,6 +233,10 @@ struct Layout {
   // params.lookahead: consume_lookahead (bulk dQ, not deterministic: tsgen/ops/attention_backward.py refuses both)
   static constexpr bool LOOKAHEAD = lookahead_of<C>::value;
   static_assert(!LOOKAHEAD || (DQ_TILED && !DETERMINISTIC), "lookahead: the bulk dQ path, not deterministic");
+  // params.step_rows 128: consume_tall (tsgen/ops/attention_backward.py refuses the rest)
+  static_assert(ROWS == BLOCK_M || (ROWS == 2 * BLOCK_M && C::HEAD_DIM == 64 && DQ_TILED && !DETERMINISTIC &&
+                                    !LOOKAHEAD),
+                "step_rows 128: head dim 64, the bulk dQ path, not deterministic, not lookahead");
 
   static constexpr int K_OFF = 0;
   static constexpr int V_OFF = K_OFF + KV_TILE;
@@ -222,9 +244,9 @@ struct Layout {
   static constexpr int DO_OFF = Q_OFF + C::STAGES * Q_TILE;
   static constexpr int DS_OFF = DO_OFF + C::STAGES * Q_TILE;
   static constexpr int DQ_OFF = DS_OFF + 2 * DS_BUF;  // DQ_TILED: fp32 [2 warpgroups][64 rows][64], tiled
-  static constexpr int LSE2_OFF = DQ_OFF + (DQ_TILED ? 2 * DQ_BUF : 0);  // fp32 [STAGES][BLOCK_M]
-  static constexpr int DSUM_OFF = LSE2_OFF + 4 * C::STAGES * BLOCK_M;
-  static constexpr int BAR_OFF = DSUM_OFF + 4 * C::STAGES * BLOCK_M;
+  static constexpr int LSE2_OFF = DQ_OFF + (DQ_TILED ? 2 * DQ_BUF : 0);  // fp32 [STAGES][ROWS]
+  static constexpr int DSUM_OFF = LSE2_OFF + 4 * C::STAGES * ROWS;
+  static constexpr int BAR_OFF = DSUM_OFF + 4 * C::STAGES * ROWS;
   static constexpr int KV_FULL = BAR_OFF, Q_FULL = BAR_OFF + 8, Q_EMPTY = Q_FULL + 8 * C::STAGES;
   static constexpr int SMEM_BYTES = Q_EMPTY + 8 * C::STAGES + 1024;  // + slack for aligning the base
   static_assert(SMEM_BYTES == C::SMEM_BYTES, "tsgen/ops/attention_backward.py smem_bytes() disagrees");
@@ -244,11 +266,12 @@ template <class C>
 struct Walk {
   static constexpr uint32_t GROUP = C::HEADS / C::KV_HEADS;
   static constexpr bool DESCENDING = deterministic_of<C>::value;
+  static constexpr uint32_t ROWS = step_rows_of<C>::value;  // query rows per step (block qb: rows qb ROWS ..)
   uint32_t hq, qb, q_blocks, hq_end;
   int32_t first_key;
   __host__ __device__ __forceinline__ Walk(const Problem& p, uint32_t hk, int32_t first_key_)
-      : hq(hk * GROUP), qb(DESCENDING && p.q_len > 0 ? (p.q_len - 1) / BLOCK_M : 0),
-        q_blocks((p.q_len + BLOCK_M - 1) / BLOCK_M), hq_end((hk + 1) * GROUP), first_key(first_key_) {
+      : hq(hk * GROUP), qb(DESCENDING && p.q_len > 0 ? (p.q_len - 1) / ROWS : 0),
+        q_blocks((p.q_len + ROWS - 1) / ROWS), hq_end((hk + 1) * GROUP), first_key(first_key_) {
     skip(p);
   }
   __host__ __device__ __forceinline__ bool done() const { return hq >= hq_end || q_blocks == 0; }
@@ -257,7 +280,7 @@ struct Walk {
     skip(p);
   }
   __host__ __device__ __forceinline__ uint32_t rows_end(const Problem& p) const {  // r1 of the step
-    return (qb + 1) * BLOCK_M < p.q_len ? (qb + 1) * BLOCK_M : p.q_len;
+    return (qb + 1) * ROWS < p.q_len ? (qb + 1) * ROWS : p.q_len;
   }
 
  private:
@@ -271,7 +294,7 @@ struct Walk {
   __host__ __device__ __forceinline__ void skip(const Problem& p) {
     if constexpr (C::CAUSAL) {
       while (!done()) {
-        const uint32_t r0 = qb * BLOCK_M, r1 = rows_end(p);
+        const uint32_t r0 = qb * ROWS, r1 = rows_end(p);
         if (rows_see_keys(p, (int32_t)r0, (int32_t)r1, first_key)) break;
         advance();
       }
@@ -370,24 +393,31 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
     const uint32_t stage = step % C::STAGES, phase = (step / C::STAGES) & 1;
     mbar_wait(smem + L::Q_EMPTY + 8 * stage, phase ^ 1);  // a fresh barrier passes parity 1
     if constexpr (L::DETERMINISTIC) last_semaphore = dq_semaphore<C>(p, b, w);
-    const uint32_t r0 = w.qb * BLOCK_M;
-    for (uint32_t i = lane; i < BLOCK_M; i += 32) {
+    const uint32_t r0 = w.qb * L::ROWS;
+    for (uint32_t i = lane; i < L::ROWS; i += 32) {
       const size_t at = ((size_t)b * C::HEADS + w.hq) * p.q_len + r0 + i;
       const bool in = r0 + i < p.q_len;
       const float l2 = in ? p.lse2[at] : INFINITY;  // padding rows: P = 0
       const float d = in ? p.dsum[at] : 0.f;
-      st_shared_u32(smem + L::LSE2_OFF + 4 * (stage * BLOCK_M + i), __float_as_uint(l2));
-      st_shared_u32(smem + L::DSUM_OFF + 4 * (stage * BLOCK_M + i), __float_as_uint(d));
+      st_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + i), __float_as_uint(l2));
+      st_shared_u32(smem + L::DSUM_OFF + 4 * (stage * L::ROWS + i), __float_as_uint(d));
     }
     const uint32_t full = smem + L::Q_FULL + 8 * stage;
     if (lane == 0) {
       mbar_arrive_expect_tx(full, 2 * L::Q_TILE);
 #pragma unroll
-      for (int x = 0; x < L::BOXES; ++x) {
-        const uint32_t box = stage * L::Q_TILE + x * L::Q_BOX;
-        attention::load_rows<C>(smem + L::Q_OFF + box, q_map, 64 * x, (int)r0, (int)w.hq, (int)b, full);
-        attention::load_rows<C>(smem + L::DO_OFF + box, do_map, 64 * x, (int)r0, (int)w.hq, (int)b, full);
-      }
+      for (int x = 0; x < L::BOXES; ++x)
+#pragma unroll
+        for (int h = 0; h < L::HALVES; ++h) {  // TALL: the box of rows r0 + 64 h .. (BLOCK_M rows a box)
+          const uint32_t box = stage * L::Q_TILE + (x * L::HALVES + h) * L::Q_BOX;
+          // Rows past q_len in a box that starts in bounds: zeros (TMA). A box that would start past q_len (TALL's
+          // second half where q_len - r0 <= 64) loads rows r0 .. again instead: the step's rows there are past
+          // q_len, whose LSE2 = +inf and D = 0 make P = dS = 0 from any finite values, so every box starts in
+          // bounds and nothing rests on a wholly out-of-bounds box
+          const int rows = (int)(r0 + BLOCK_M * h < p.q_len ? r0 + BLOCK_M * h : r0);
+          attention::load_rows<C>(smem + L::Q_OFF + box, q_map, 64 * x, rows, (int)w.hq, (int)b, full);
+          attention::load_rows<C>(smem + L::DO_OFF + box, do_map, 64 * x, rows, (int)w.hq, (int)b, full);
+        }
     } else {
       mbar_arrive(full);
     }
@@ -405,33 +435,35 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
 // A 64 x 64 fp32 accumulator (the wgmma layout: register 4q + {0, 1} is (row g, column 8q + 2c + {0, 1}),
 // 4q + {2, 3} row g + 8, with g = 16 warp + lane / 4, c = lane % 4) -> the 16-bit A fragments of a
 // product over its columns: k16 step k holds registers (g, 2c), (g + 8, 2c), (g, 2c + 8), (g + 8, 2c + 8)
-// of columns 16k .. 16k + 15 (as the forward's to_operand).
-template <class C>
-static __device__ __forceinline__ void to_operand(const float (&s)[32], uint32_t (&a)[4][4]) {
+// of columns 16k .. 16k + 15 (as the forward's to_operand). N = 64 (TALL): a 64 x 128 accumulator, 8 steps.
+template <class C, int N>
+static __device__ __forceinline__ void to_operand(const float (&s)[N], uint32_t (&a)[N / 8][4]) {
 #pragma unroll
-  for (int k = 0; k < 4; ++k)
+  for (int k = 0; k < N / 8; ++k)
 #pragma unroll
     for (int x = 0; x < 4; ++x) a[k][x] = gemm::pack2<typename C::Element>(s[8 * k + 2 * x], s[8 * k + 2 * x + 1]);
 }
 
 // The accumulator's query columns of this thread: f(col, i) for each column col of the step's 64
 // queries it holds and i, its register for key row g (i + 2: row g + 8); the layout of to_operand's.
-template <class F>
+// GROUPS: the accumulator's 8-column groups (16 for TALL's 128 queries).
+template <int GROUPS, class F>
 static __device__ __forceinline__ void each_query_column(F&& f) {
   const uint32_t c = threadIdx.x % 4;
 #pragma unroll
-  for (int q = 0; q < 8; ++q)
+  for (int q = 0; q < GROUPS; ++q)
 #pragma unroll
     for (int e = 0; e < 2; ++e) f(8 * q + 2 * c + e, 4 * q + e);
 }
 
-// P^T in place of S^T. MASK: keys past kv_len, or (CAUSAL) after the query, give 0.
-template <class C, bool MASK>
-static __device__ __forceinline__ void probabilities(float (&s)[32], uint32_t smem, uint32_t stage, const Problem& p,
+// P^T in place of S^T (N: its registers, 32 or, TALL, 64). MASK: keys past kv_len, or (CAUSAL) after the
+// query, give 0.
+template <class C, bool MASK, int N>
+static __device__ __forceinline__ void probabilities(float (&s)[N], uint32_t smem, uint32_t stage, const Problem& p,
                                                      uint32_t key_lo, int32_t r0) {
   using L = Layout<C>;
-  each_query_column([&](int col, int i0) {
-    const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * BLOCK_M + col)));
+  each_query_column<N / 4>([&](int col, int i0) {
+    const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + col)));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = i0 + 2 * h;
@@ -448,11 +480,11 @@ static __device__ __forceinline__ void probabilities(float (&s)[32], uint32_t sm
 }
 
 // dS^T = P^T (dP^T - D) in place of dP^T (a masked P is 0, so is its dS).
-template <class C>
-static __device__ __forceinline__ void ds_of(const float (&pr)[32], float (&dp)[32], uint32_t smem, uint32_t stage) {
+template <class C, int N>
+static __device__ __forceinline__ void ds_of(const float (&pr)[N], float (&dp)[N], uint32_t smem, uint32_t stage) {
   using L = Layout<C>;
-  each_query_column([&](int col, int i0) {
-    const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * BLOCK_M + col)));
+  each_query_column<N / 4>([&](int col, int i0) {
+    const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * L::ROWS + col)));
 #pragma unroll
     for (int h = 0; h < 2; ++h) dp[i0 + 2 * h] = pr[i0 + 2 * h] * (dp[i0 + 2 * h] - d);
   });
@@ -476,6 +508,7 @@ template <class C>
 static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, uint32_t cw, uint32_t b,
                                                uint32_t hk, uint32_t k0) {
   using L = Layout<C>;
+  static_assert(!L::TALL, "params.step_rows 128: consume_tall");
   const uint32_t t = threadIdx.x % 128, lane = t % 32, warp = t / 32;
   const uint32_t row = 16 * warp + lane / 4;  // and row + 8: this thread's keys (of the warpgroup's 64)
   const uint32_t key_lo = k0 + 64 * cw + row;  // within the sequence
@@ -873,6 +906,181 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
   }
 }
 
+// params.step_rows 128 (TALL; head dim 64, bulk dQ, not deterministic, not lookahead): consume() with steps of 128
+// query rows, FlashAttention-3's hd 64 tile (its Hopper backward at hdim 64: kBlockM 128 x kBlockN 128, two MMA
+// warpgroups, S and dP with the keys as M (SdP_swapAB), dK / dV with A from registers (Mma_dKV_is_RS), dQ split
+// by query rows (AtomLayoutMdQ 2)). Why: at head dim 64 a 64-row step's five products are 1 280 tensor clocks for
+// the CTA, half of hd 128's, while its fixed part is the same (four warpgroup waits, each exposing the pipe's
+// fill or drain, DS_READY and DQ_STAGED, the q_full wait, the bulk issue, the walk's advance and the loop:
+// docs/design/attention.md, "Tall steps at head dim 64"). Per 128-row step, warpgroup w (keys 64w .. 64w + 63 as
+// M, as consume()):
+//   S^T = K_w Q^T, dP^T = V_w dO^T   m64n128k16, 4 each (mma_s_n128), 64 fp32 registers each, a group each
+//   P^T, dS^T as consume()'s over 128 query columns (each_query_column<16>), then 8 k16 fragments each
+//   dS^T to shared memory: [panel: queries 64x .. 64x + 63][key][64 queries], each panel consume()'s 128B-swizzled
+//             rows, DS_PANEL apart
+//   dV += P^T dO, dK += dS^T Q        m64n64k16, 8 each (K = the step's 128 queries), one group
+//   DS_READY; dQ of the step's queries 64w .. 64w + 63 (query block 2 qb + w of attention_bwd::BLOCK_M rows) over
+//             all 128 keys: m64n64k16 x 8 (mma_dq: A = dS^T panel w, M-major; B = K, N-major): the hd 128
+//             column split's shape, split by rows instead (hd 64 has one 64-column box)
+//   wait dV / dK, q_empty, wait dQ; the staging (16 STS.64), DQ_STAGED + w, thread 0's bulk reduction of its
+//             block's valid rows (none where the block starts past q_len) into the block's panel 0
+// Against consume() at hd 64, per query row: the same exp2, dS^T and its stores; per step twice the products (2 560
+// tensor clocks), one set of waits, barriers and walk overhead for 128 rows; the dQ partials per 64 query rows
+// halve (one per block over 128 keys, against consume()'s key split: two over 64 keys each into the same panel),
+// and so do the staging stores and the bulk reductions' L2 traffic. Registers: S^T 64 + dP^T 64 + dK 32 + dV 32 =
+// 192 accumulators at the peak (FA3's hd 64 tile holds the same); shared memory (Layout, smem_bytes): K, V 32 KiB,
+// Q, dO 2 stages x 2 x 16 KiB, dS^T 2 x 32 KiB, the staging 32 KiB, LSE2 and D 2 KiB.
+// Hazards: consume()'s, and
+//   - dS^T buffer reuse (step % 2): warpgroup w's dQ reads panel w over all 128 keys, the other warpgroup's rows
+//     too (as the hd 128 column split reads both halves). A warpgroup writes buffer b % 2 again at step b + 2 only
+//     after DS_READY of step b + 1, which the other warpgroup reaches only after its wgmma.wait_group retired its
+//     dQ of step b (and the writer retired its own dQ of step b before that barrier).
+//   - The staging: one buffer per warpgroup, as consume()'s; its 64 rows are the warpgroup's query block, so the
+//     reduction is that block's (n = its valid rows). A block past q_len (n = 0) issues none; its stores and the
+//     DQ_STAGED barrier still run (every thread reaches every barrier), into a buffer whose last reduction thread 0
+//     waited for before DS_READY (bulk_wait_group_read), as in every step.
+//   - Rows past q_len: as consume()'s (TMA zero fill, LSE2 = +inf); a second box wholly past q_len reloads the
+//     first (produce): finite values, P = dS = 0 there. The dQ rows past q_len are not reduced (n).
+template <class C>
+static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t smem, uint32_t cw, uint32_t b,
+                                                    uint32_t hk, uint32_t k0) {
+  using L = Layout<C>;
+  static_assert(L::TALL && L::ROWS == 128 && C::HEAD_DIM == 64 && L::DQ_TILED, "params.step_rows 128's consumer");
+  constexpr int SN = L::ROWS / 2;  // fp32 registers of a 64 x 128 accumulator (S^T, dP^T)
+  const uint32_t t = threadIdx.x % 128, lane = t % 32, warp = t / 32;
+  const uint32_t row = 16 * warp + lane / 4;  // and row + 8: this thread's keys (S^T ..), its queries (dQ)
+  const uint32_t key_lo = k0 + 64 * cw + row;  // within the sequence
+  const int32_t first_key = p.kv_offset + (int32_t)k0;
+  float dk[L::D_ACC], dv[L::D_ACC];
+#pragma unroll
+  for (int i = 0; i < L::D_ACC; ++i) dk[i] = 0.f, dv[i] = 0.f;
+
+  // Descriptors: K_w, V_w K-major (A of S^T, dP^T: k16 steps 32 bytes along the 128-byte rows); K N-major over
+  // all 128 keys (B of dQ: k16 steps of 16 key rows, 2048 bytes)
+  const uint64_t k_desc = sw128_descriptor(smem + L::K_OFF + 64 * cw * 128, 16, 1024);
+  const uint64_t v_desc = sw128_descriptor(smem + L::V_OFF + 64 * cw * 128, 16, 1024);
+  const uint64_t kn_desc = sw128_descriptor(smem + L::K_OFF, L::KV_BOX, 1024);
+
+  mbar_wait_no_timeout(smem + L::KV_FULL, 0);
+  uint32_t step = 0;
+  for (Walk<C> w(p, hk, first_key); !w.done(); w.next(p), ++step) {
+    const uint32_t stage = step % C::STAGES, phase = (step / C::STAGES) & 1;
+    const uint32_t r0 = w.qb * L::ROWS, r1 = w.rows_end(p);
+    const uint32_t q_base = smem + L::Q_OFF + stage * L::Q_TILE, do_base = smem + L::DO_OFF + stage * L::Q_TILE;
+    const uint32_t ds_base = smem + L::DS_OFF + (step % 2) * L::DS_BUF;
+    mbar_wait_no_timeout(smem + L::Q_FULL + 8 * stage, phase);
+
+    // S^T = K_w Q^T, then dP^T = V_w dO^T (64 keys x 128 queries each): two groups, P's exp2 under dP^T
+    float s[SN], dp[SN];
+    {
+      const uint64_t q_desc = sw128_descriptor(q_base, 16, 1024), do_desc = sw128_descriptor(do_base, 16, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < C::HEAD_DIM / 16; ++k)
+        C::mma_s_n128(s, k_desc + ((k * 32) >> 4), q_desc + ((k * 32) >> 4), k > 0);
+      wgmma_commit_group();
+#pragma unroll
+      for (int k = 0; k < C::HEAD_DIM / 16; ++k)
+        C::mma_s_n128(dp, v_desc + ((k * 32) >> 4), do_desc + ((k * 32) >> 4), k > 0);
+      wgmma_commit_group();
+    }
+    wgmma_wait_group<1>();  // S^T in (dP^T may still run)
+    attention::fence_all<C>(s, SN);
+    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
+      probabilities<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
+    } else {
+      probabilities<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
+    }
+    wgmma_wait_group<0>();  // dP^T in
+    attention::fence_all<C>(dp, SN);
+    ds_of<C>(s, dp, smem, stage);
+    uint32_t ap[L::K16][4], ad[L::K16][4];
+    to_operand<C>(s, ap);
+    to_operand<C>(dp, ad);
+
+    // dS^T (16-bit) to shared memory: key row 64 cw + row (+ 8); query group q (8 queries, 16 bytes) in panel
+    // q / 8 at 16-byte unit (q % 8) ^ (row % 8) of its 128-byte row (row % 8 = lane / 4)
+    {
+      const uint32_t base = ds_base + (64 * cw + row) * 128, swizzle = lane / 4;
+#pragma unroll
+      for (int q = 0; q < L::ROWS / 8; ++q) {
+        const uint32_t unit_at = (q / 8) * L::DS_PANEL + (((q % 8) ^ swizzle) << 4) + 4 * (lane % 4);
+        const uint32_t k = q / 2, x = q % 2;  // registers 4q .. 4q + 3 are ad[k][2x], ad[k][2x + 1]
+        st_shared_u32(base + unit_at, ad[k][2 * x]);
+        st_shared_u32(base + 8 * 128 + unit_at, ad[k][2 * x + 1]);
+      }
+      fence_proxy_async_shared_cta();  // visible to the wgmma (async proxy) after the barrier
+    }
+
+    // dV_w += P^T dO, dK_w += dS^T Q (over the step's 128 queries: 8 k16 steps of 16 rows, 2048 bytes)
+    {
+      const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < L::K16; ++k) C::mma_rs(dv, ap[k], do_n + ((k * 2048) >> 4), 1);
+#pragma unroll
+      for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
+      wgmma_commit_group();
+    }
+
+    // the staging is rewritten after DS_READY: the last reduction (thread 0's bulk group, a step ago) has read it
+    if (t == 0) bulk_wait_group_read<0>();
+    named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced (and the staging free)
+
+    // dQ (queries 64 cw .. 64 cw + 63 of the step x 64 columns) = dS K over the 128 keys
+    float dq[32];
+    {
+      const uint64_t ds_desc = sw128_descriptor(ds_base + cw * L::DS_PANEL, L::DS_PANEL, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < BLOCK_N / 16; ++k)
+        C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
+      wgmma_commit_group();
+    }
+    wgmma_wait_group<1>();  // dV, dK done: the stage's Q and dO are no longer read
+    attention::fence_all<C>(dk, L::D_ACC);
+    attention::fence_all<C>(dv, L::D_ACC);
+    if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
+    wgmma_wait_group<0>();
+    attention::fence_all<C>(dq, 32);
+
+    // dq += dQ through the staging buffer (dq_tiled_offset's panel order, as consume()), then one bulk reduction
+    // of the block's valid rows (n x 256 contiguous bytes: head dim 64 is one panel)
+    const uint32_t staging = smem + L::DQ_OFF + cw * L::DQ_BUF;
+    each_staged_pair(staging, row, lane, [&](uint32_t at, int i) { st_shared_v2_f32(at, dq[i], dq[i + 1]); });
+    fence_proxy_async_shared_cta();  // generic stores, read by the bulk reduction (async proxy)
+    if (cw == 0)
+      named_barrier_sync_imm<DQ_STAGED>(128);
+    else
+      named_barrier_sync_imm<DQ_STAGED + 1>(128);
+    const uint32_t q0 = r0 + BLOCK_M * cw;  // the warpgroup's query block
+    if (t == 0 && q0 < r1) {
+      const uint32_t n = r1 - q0 < (uint32_t)BLOCK_M ? r1 - q0 : (uint32_t)BLOCK_M;
+      float* dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + q0) * C::HEAD_DIM;
+      bulk_reduce_add_f32(dst, staging, n * 256);
+      bulk_commit_group();
+    }
+  }
+
+  // every bulk reduction complete (its writes done) before the CTA ends, as consume()
+  if (t == 0) bulk_wait_group_all();
+
+  // dK (times the scale) and dV, as consume()
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t key = key_lo + 8 * h;
+    if (key >= p.kv_len) continue;
+    const size_t at = row_offset<C>(b, key, hk, C::KV_HEADS, p.kv_len);
+    uint32_t* dkg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at);
+    uint32_t* dvg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at);
+#pragma unroll
+    for (int q = 0; q < C::HEAD_DIM / 8; ++q) {
+      dkg[4 * q + lane % 4] = pack2<C>(dk[4 * q + 2 * h] * C::SCALE, dk[4 * q + 2 * h + 1] * C::SCALE);
+      dvg[4 * q + lane % 4] = pack2<C>(dv[4 * q + 2 * h], dv[4 * q + 2 * h + 1]);
+    }
+  }
+}
+
 // The main kernel's body.
 template <class C>
 static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, const CUtensorMap* k_map,
@@ -916,6 +1124,8 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
     setmaxnreg_inc<232>();
     if constexpr (L::LOOKAHEAD)
       consume_lookahead<C>(p, smem, warpgroup - 1, b, hk, k0);
+    else if constexpr (L::TALL)
+      consume_tall<C>(p, smem, warpgroup - 1, b, hk, k0);
     else
       consume<C>(p, smem, warpgroup - 1, b, hk, k0);
   }
