@@ -311,13 +311,17 @@ def test_check_rows_fails_an_output_that_drops_the_last_keys():
 
 
 def _trace_words(records, count=None, room=None):
-    """sig's words after the signals holding `records` [(sm, cta, tile, start, end, waited)]."""
-    from tsgen.ops.cp_attention import trace_words
+    """The trace's words (after sig's signals and the call timeline's stamps: a count, a spare word, the
+    records) holding `records` [(sm, cta, tile, start, end, waited[, first_ready, last_ready[, cycles]])]."""
+    from tsgen.ops.cp_attention import TRACE_WORDS
 
-    w = np.zeros(trace_words(room or len(records)), np.uint64)
+    n = TRACE_WORDS
+    w = np.zeros(2 + n * (room or len(records)), np.uint64)
     w[0] = len(records) if count is None else count
-    for i, (sm, cta, tile, start, end, waited) in enumerate(records):
-        w[2 + 4 * i:6 + 4 * i] = [sm << 48 | cta << 32 | tile, start, end, waited]
+    for i, rec in enumerate(records):
+        sm, cta, tile, start, end, waited, *more = rec
+        more = list(more) + [0] * (3 - len(more))  # first_ready, last_ready, cycles
+        w[2 + n * i:2 + n * (i + 1)] = [sm << 48 | cta << 32 | tile, start, end, waited, *more]
     return w
 
 
@@ -329,7 +333,8 @@ def test_trace_table_and_summary():
     recs = [(7, 1, 1, 10 * us, 130 * us, 0), (3, 0, 2, 110 * us, 160 * us, 0), (3, 0, 0, 10 * us, 110 * us, 5 * us)]
     table = trace_table(_trace_words(recs))
     assert table["count"] == 3 and [r["tile"] for r in table["records"]] == [1, 0, 2]  # by start
-    assert table["records"][0] == {"sm": 7, "cta": 1, "tile": 1, "start": 10 * us, "end": 130 * us, "waited": 0}
+    assert table["records"][0] == {"index": 0, "sm": 7, "cta": 1, "tile": 1, "start": 10 * us, "end": 130 * us,
+                                   "waited": 0, "first_ready": 0, "last_ready": 0, "cycles": 0}
     s = trace_summary(table, 3)
     assert s["complete"] and s["tiles_once"] and s["ctas"] == 2
     assert s["span_us"] == pytest.approx(150) and s["efficiency"] == pytest.approx(270 / 300)
@@ -338,6 +343,15 @@ def test_trace_table_and_summary():
     assert s["tiles_per_cta"] == {"max": 2, "min": 1}
     assert s["tile_us"] == pytest.approx({"max": 120, "median": 120, "min": 75})  # CTA 1: 120 / 1; CTA 0: 150 / 2
     assert s["first_wait_us"] == pytest.approx({"max": 5, "mean": 2.5})  # CTA 0's first tile (tile 0) waited 5
+    ft = s["first_tile_us"]  # medians over the two CTAs' first tiles (120 and 100 us long)
+    assert ft["ctas"] == 2 and ft["duration"] == pytest.approx(120) and ft["waited"] == pytest.approx(5)
+    assert ft["first_ready"] is None and ft["last_ready"] is None and ft["kernel_start"] == 10 * us
+    assert s["later_tile_us"] == pytest.approx(50)  # CTA 0's second tile
+    assert s["sm_clock_ghz"] is None  # no cycles recorded
+    clocked = trace_summary(trace_table(_trace_words(recs[:2] + [recs[2][:6] + (0, 0, 90_000_000)])), 3)
+    assert clocked["sm_clock_ghz"] is None  # CTA 0's later tile (tile 2, recs[1]) has none; tile 0 is a first
+    clocked = trace_summary(trace_table(_trace_words([recs[0], recs[1][:6] + (0, 0, 90_000), recs[2]])), 3)
+    assert clocked["sm_clock_ghz"] == pytest.approx(1.8)  # 90000 cycles over tile 2's 50 us
     assert not trace_summary(table, 4)["tiles_once"]  # a tile missing
     assert not trace_summary(trace_table(_trace_words(recs + recs[:1])), 3)["tiles_once"]  # a tile twice
     lost = trace_table(_trace_words(recs[:2], count=3, room=2))  # the kernel made 3, there was room for 2
@@ -347,15 +361,17 @@ def test_trace_table_and_summary():
 def test_trace_is_only_in_the_trace_variant():
     """The shipped sources define no TSGEN_ATTENTION_TRACE (so the header's trace code does not
     exist there) and keep sig at its signals; params.trace adds both."""
-    from tsgen.ops.cp_attention import SIGNALS, trace_words
+    from tsgen.ops.cp_attention import SIGNALS, STAMP_WORDS, trace_words
 
     for name in SHIPPED:
+        assert "_host_timeline" not in (ROOT / "generated" / f"{name}.cu").read_text()
         assert "#define TSGEN_ATTENTION_TRACE" not in (ROOT / "generated" / f"{name}.cu").read_text()
     loaded = variant("tr", base="cp_attention_zigzag_causal_sm", params={"trace": 100})
     rendered = render(loaded)
     assert "#define TSGEN_ATTENTION_TRACE 1" in rendered.source
     sig = [b for b in rendered.lowered.manifest.buffers if b.name == "sig"][0]
-    assert trace_words(100) == 402 and sig.fixed == SIGNALS + 402
+    assert trace_words(100) == STAMP_WORDS + 2 + 700 and sig.fixed == SIGNALS + STAMP_WORDS + 702
+    assert trace_words(0) == 0
 
 
 @needs_nvcc
@@ -425,3 +441,103 @@ def test_tile_counter_compiles_without_spills_or_serialized_wgmma(tmp_path, base
     assert entry["registers"] == 168 and entry["spill_stores"] == 0 and entry["spill_loads"] == 0, entry
     assert entry["stack_frame"] == 0
     assert res.serialized == [], res.serialized
+
+
+# ---------------------------------------------------------------------------
+# params.local_kv (issue 33, not causal): the own shard read in place, no copy to ourselves, opt-in
+# ---------------------------------------------------------------------------
+
+
+def local(name="lk", **params):
+    return variant(name, params={"local_kv": True, **params}, test={"count": 1024})
+
+
+def test_local_kv_renders_only_where_set():
+    """Unset, the shipped sources stay as they are; set, the module constant, the Config's flag, the kernel's
+    two more maps (passed to run) and the push kernel's SKIP_OWN appear, and the header's launcher skips the
+    copy to ourselves and leaves our chunk unwaited."""
+    for name in SHIPPED:
+        text = (ROOT / "generated" / f"{name}.cu").read_text()
+        assert "LOCAL_KV" not in text and "k_local_map" not in text
+    source = render(local()).source
+    assert "\nconstexpr int LOCAL_KV = 1;\n" in source
+    assert "static constexpr bool LOCAL_KV = lk::LOCAL_KV != 0;" in source
+    assert "const __grid_constant__ CUtensorMap k_local_map, const __grid_constant__ CUtensorMap v_local_map," in source
+    assert "run<lk::Config>(&q_map, &k_map, &v_map, &o_map, problem, &k_local_map, &v_local_map);" in source
+    assert "push_body<2, true>" in render(local(gather="sm")).source
+    header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
+    assert "const int unwaited = LOCAL ? WORLD - 1 : Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;" in header
+    assert "for (int i = LOCAL ? 1 : 0; i < WORLD; ++i) {" in header
+
+
+@pytest.mark.parametrize("text,expected", [
+    (CP + "params:\n  causal: true\n  local_kv: true\ntest:\n  count: 1024\n",
+     ["7:3: params.local_kv: causal chunks are in position order (zig-zag: two per rank): local_kv reads the last "
+      "slot in place, which only the not-causal rotation makes the own shard"]),
+    (CP + "params:\n  local_kv: true\n  gather: sm\n  skip_wait: true\ntest:\n  count: 1024\n",
+     ["6:3: params.local_kv: the own shard is the chunk not waited for: no skip_wait"]),
+    (CP + "params:\n  local_kv: true\ntest:\n  count: 1000\n",
+     ["8:3: test.count: 1000 rows per rank: local_kv needs a multiple of tile.n = 128 (no KV block may straddle the "
+      "gathered shards and the own one)"]),
+], ids=["causal", "skip_wait", "count"])
+def test_local_kv_refusals(tmp_path, text, expected):
+    assert spec_problems(tmp_path, text) == expected
+
+
+def test_local_kv_bench_sizes():
+    family = get_family("cp_attention")
+    spec = local().model
+    assert family.bench.case(family, spec, 2, 16384).count == 8192
+    with pytest.raises(RuntimeSetupError, match="local_kv needs a multiple of tile.n = 128"):
+        family.bench.case(family, spec, 2, 16000)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("params", [{}, {"gather": "sm"}, {"epilogue_overlap": True}, {"trace": 100},
+                                    {"tensors": "bhsd", "batch": 2}],
+                         ids=["copy_engine", "sm", "overlap", "trace", "bhsd_batch2"])
+def test_local_kv_compiles_without_spills_or_serialized_wgmma(tmp_path, params):
+    res = compile_source(rendered_source(local(**params), tmp_path), mode="shared")
+    kernels = {k: v for k, v in res.report.items() if k.startswith("lk_")}
+    assert kernels["lk_attention"]["registers"] == 168 and kernels["lk_attention"]["stack_frame"] == 0
+    for k, entry in kernels.items():
+        assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0, (k, entry)
+    assert res.serialized == [], res.serialized
+
+
+@compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
+def test_local_kv_launcher_refuses_a_count_off_the_tile(tmp_path, capfd):
+    """A row count that is no multiple of tile.n would put a KV block across the gathered shards and the own
+    one: refused with what and where, before anything is launched (callable without a GPU)."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(compile_source(rendered_source(local(), tmp_path), mode="shared").output))
+    fn = lib.lk_w2_launch
+    fn.restype = ctypes.c_int
+    assert fn(None, None, ctypes.c_int(0), None, ctypes.c_uint64(1000), *([None] * 8), None) == 1
+    assert "lk_w2_launch: rank 0, count 1000: local_kv needs a row count that is a multiple of tile.n" \
+        in capfd.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# params.copy_1d (issue 33): one-run pieces copied with cudaMemcpyAsync, not cudaMemcpy2DAsync, opt-in
+# ---------------------------------------------------------------------------
+
+
+def test_copy_1d_renders_only_where_set_and_needs_the_copy_engine(tmp_path):
+    for name in SHIPPED:
+        assert "COPY_1D" not in (ROOT / "generated" / f"{name}.cu").read_text()
+    source = render(variant("c1", params={"copy_1d": True})).source
+    assert "\nconstexpr int COPY_1D = 1;\n" in source
+    assert "static constexpr bool COPY_1D = c1::COPY_1D != 0;" in source
+    header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
+    assert "if (copy_1d_of<Op>::value && g.lines == 1) {  // one run: the 1-D copy (params.copy_1d)" in header
+    assert spec_problems(tmp_path, CP + "params:\n  copy_1d: true\n  gather: sm\n") == [
+        "6:3: params.copy_1d: the SM push has no copy-engine copies: copy_1d needs gather: copy_engine"]
+
+
+@needs_nvcc
+def test_copy_1d_with_local_kv_compiles_without_spills(tmp_path):
+    res = compile_source(rendered_source(local(copy_1d=True), tmp_path), mode="shared")
+    entry = res.report["lk_attention"]
+    assert entry["registers"] == 168 and entry["spill_stores"] == 0 and entry["stack_frame"] == 0, entry

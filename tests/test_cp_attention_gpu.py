@@ -32,7 +32,8 @@ def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=N
     lines = []
     ok = run_test(spec, world, count=count, iters=iters, echo=lines.append, skew=skew, report=report,
                   variant={"name": f"cp_{name}", "params": params, "sync": {"timeout_ms": 3000},
-                           **({"launch": launch} if launch else {})})
+                           **({"launch": launch} if launch else {}),
+                           **({"test": {"count": count}} if params.get("local_kv") else {})})  # its count check
     record("cp_attention", {"case": name, "world": world, "skew": skew, "pass": ok, "lines": lines})
     return ok, lines
 
@@ -86,6 +87,62 @@ def test_trace_shows_every_tile_once(case, world):
                            "launch": {"blocks": 3}, "sync": {"timeout_ms": 3000}})
     assert ok, "\n".join(lines)
     assert len(seen) == 20 * world and all(good for _, _, good in seen), [x for x in seen if not x[2]]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("blocks", [None, 3], ids=["grid", "3_ctas"])
+def test_cp_attention_local_kv(world, blocks):
+    """params.local_kv (not causal): the own shard read in place through two more tensor maps, no copy to
+    ourselves, our chunk not waited for; 256 rows a rank (the count must be a multiple of tile.n), 20 calls,
+    poisoned outputs, on the SM push (the variant that runs where ranks share a GPU); with 3 CTAs a rank each
+    CTA's tiles switch between the gathered and the local maps."""
+    params, _ = CASES["contiguous_full_gqa"]
+    ok, lines = _run(f"local_kv_{blocks or 'grid'}", world, {**params, "local_kv": True}, 256,
+                     launch={"blocks": blocks} if blocks else None)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.parametrize("knobs", [{"local_kv": True}, {"copy_1d": True}, {"local_kv": True, "copy_1d": True}],
+                         ids=["local_kv", "copy_1d", "both"])
+def test_cp_attention_copy_engine_knobs(knobs):
+    """params.local_kv (only the peers' copies and their signals) and params.copy_1d (one-run pieces, bshd with
+    batch 1, copied with cudaMemcpyAsync) on the shipped copy-engine gather (one GPU per rank)."""
+    if gpu_count() < 2:
+        pytest.skip(f"the copy-engine gather needs 2 GPUs (this machine has {gpu_count()})")
+    params, _ = CASES["contiguous_full_gqa"]
+    ok, lines = _run("ce_" + "_".join(knobs), min(gpu_count(), 8) // 2 * 2, {**params, **knobs, "gather": "copy_engine"},
+                     256, spec=CE_SPEC)
+    assert ok, "\n".join(lines)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("local_kv", [False, True], ids=["shipped", "local_kv"])
+def test_call_timeline_tool(local_kv):
+    """tools/cp_call_timeline.py on the shipped not-causal spec at S 4096 (2 GPUs): every timed call's trace is
+    complete, its stamps and kernel are there, the phases add up (the call = the gap + the entry + its start +
+    the span) and the output rows are right."""
+    import sys
+
+    if gpu_count() < 2:
+        pytest.skip(f"the copy-engine gather needs 2 GPUs (this machine has {gpu_count()})")
+    sys.path.insert(0, str(ROOT / "tools"))
+    import cp_call_timeline as tool
+
+    out = tool.run(ROOT / "specs" / "cp_attention.yaml", 2, [4096], calls=3, samples=1, warmup=1,
+                   params={"local_kv": True} if local_kv else {}, echo=lambda s: None)
+    size = out["sizes"]["4096"]
+    assert size["row_error_ok"], size["row_error"]
+    sample = size["samples"][0]
+    assert sample["complete"]
+    for r, x in sample["summary"]["ranks"].items():
+        for c in x["calls"]:
+            ph = c["phases"]
+            parts = [ph["previous kernel end -> entry kernel start"], ph["entry kernel (epoch, FREE to the peers)"],
+                     ph["entry end -> attention kernel start"],
+                     ph["attention kernel span (first tile start -> last tile end)"]]
+            assert None not in parts, (r, c)
+            assert sum(parts) == pytest.approx(ph["call: previous kernel end -> kernel end"], abs=0.01)
+            assert (ph["WAIT_FREE end -> own copy signalled (signal 0 start)"] is None) == local_kv
 
 
 @pytest.mark.parametrize("world,skew", [(4, 3), (8, 3), (4, "lag")])

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from tsgen.bench.runner import MAX_REL_ERR, _random  # noqa: E402
 from tsgen.harness import render_to_cache, shared_gpu_variant  # noqa: E402
 from tsgen.ops import get_family  # noqa: E402
-from tsgen.ops.cp_attention import SIGNALS, trace_summary, trace_table  # noqa: E402
+from tsgen.ops.cp_attention import SIGNALS, STAMP_WORDS, trace_summary, trace_table  # noqa: E402
 from tsgen.spec import load_spec, spec_variant  # noqa: E402
 
 
@@ -51,14 +51,18 @@ def parse_params(items) -> dict:
 
 
 def read_trace(world, bufs) -> dict:
-    """Every local rank's trace of the call just done ({rank: trace_table}); the count is reset
-    for the next call (stream order: the kernel is done, the next has not started)."""
+    """Every local rank's trace of the call just done ({rank: trace_table}; the trace follows the
+    signals and the call timeline's stamps); the count is reset for the next call (stream order: the
+    kernel is done, the next has not started; the reset is waited for, so a launch on any stream comes
+    after it)."""
     out = {}
+    at = SIGNALS + STAMP_WORDS
     for r in world.ranks:
         with world.cp.cuda.Device(world.devices[r]):
             sig = bufs.array("sig", r)
-            out[r] = trace_table(sig[SIGNALS:].get())
-            sig[SIGNALS:SIGNALS + 1] = 0
+            out[r] = trace_table(sig[at:].get())
+            sig[at:at + 1] = 0
+            world.cp.cuda.runtime.deviceSynchronize()
     return out
 
 
@@ -122,6 +126,16 @@ def report(result: dict) -> str:
             lines.append(f"    tiles a CTA {s['tiles_per_cta']['max']} / {s['tiles_per_cta']['min']}; a CTA's mean tile "
                          f"max / median / min {t['max']:.1f} / {t['median']:.1f} / {t['min']:.1f} us; first tile's "
                          f"chunk wait max / mean {f['max']:.1f} / {f['mean']:.1f} us")
+        if s.get("first_tile_us"):
+            ft = s["first_tile_us"]
+
+            def us(x):
+                return "-" if x is None else f"{x:.1f}"
+
+            lines.append(f"    first tile (median CTA): {us(ft['duration'])} us long, chunk waits summed "
+                         f"{us(ft['waited'])} us, first / last chunk ready {us(ft['first_ready'])} / {us(ft['last_ready'])} us after its "
+                         f"start; later tiles median {us(s.get('later_tile_us'))} us at "
+                         f"{'-' if s.get('sm_clock_ghz') is None else format(s['sm_clock_ghz'], '.3f')} GHz (SM clock)")
     return "\n".join(lines)
 
 

@@ -56,26 +56,33 @@ from .conventions import Baseline, BenchCase, BenchConventions
 MAX_WORLD = 8  # tsgen::cp::MAX_WORLD
 SIGNALS = 4 * MAX_WORLD + 1  # tsgen::cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8], WORK
 ENTRY_SMS = 1  # gather sm: the SM the launcher's one-block entry kernel needs beside the push and the attention
-TRACE_WORDS = 4  # u64 words per trace record (tsgen/attention.cuh)
+TRACE_WORDS = 7  # u64 words per trace record (tsgen/attention.cuh TRACE_WORDS)
+STAMP_WORDS = 8 * 24  # the call timeline's stamps before the trace (tsgen/cp.cuh STAMP_WORDS; tsgen/ops/cp_timeline.py)
 
 
 def trace_words(records: int) -> int:
-    """sig words after the signals for `records` trace records: a count, a spare word, the records."""
-    return 2 + TRACE_WORDS * records if records else 0
+    """sig words after the signals for `records` trace records: the call timeline's stamps
+    (STAMP_WORDS), then a count, a spare word, the records."""
+    return STAMP_WORDS + 2 + TRACE_WORDS * records if records else 0
 
 
 def trace_table(words) -> dict:
-    """The trace after sig's signals (`trace_words` u64 words) -> {"count": records the kernel
-    made (more than were kept if the room ran out), "records": [{"sm", "cta", "tile", "start",
-    "end", "waited"} ...] (ns, globaltimer) by start}."""
+    """The trace after sig's signals and stamps (the count, a spare word, the records) -> {"count":
+    records the kernel made (more than were kept if the room ran out), "records": [{"index", "sm",
+    "cta", "tile", "start", "end", "waited", "first_ready", "last_ready", "cycles"} ...] (ns,
+    globaltimer) by start}; "index" is the record's place in the kernel's count (call k of several
+    back-to-back ones since the count was reset made records k x tiles .. (k + 1) x tiles - 1),
+    first_ready / last_ready when the wait for the tile's first / last KV chunk returned (0: none
+    ran), cycles the SM's clock count over the tile (cycles / (end - start) ns: its clock in GHz)."""
     w = np.asarray(words, dtype=np.uint64)
     count = int(w[0])
     kept = min(count, (len(w) - 2) // TRACE_WORDS)
     out = []
-    for r in w[2:2 + TRACE_WORDS * kept].reshape(kept, TRACE_WORDS):
+    for i, r in enumerate(w[2:2 + TRACE_WORDS * kept].reshape(kept, TRACE_WORDS)):
         head = int(r[0])
-        out.append({"sm": head >> 48, "cta": (head >> 32) & 0xFFFF, "tile": head & 0xFFFFFFFF, "start": int(r[1]),
-                    "end": int(r[2]), "waited": int(r[3])})
+        out.append({"index": i, "sm": head >> 48, "cta": (head >> 32) & 0xFFFF, "tile": head & 0xFFFFFFFF,
+                    "start": int(r[1]), "end": int(r[2]), "waited": int(r[3]), "first_ready": int(r[4]),
+                    "last_ready": int(r[5]), "cycles": int(r[6])})
     return {"count": count, "records": sorted(out, key=lambda x: x["start"])}
 
 
@@ -86,19 +93,30 @@ def trace_summary(table: dict, tiles: int) -> dict:
     us), the tail (the first CTA to finish to the last, us) and the chunk waits (us per CTA);
     tiles per CTA (max / min), each CTA's mean tile time (max / median / min, us: how unequal the
     SMs are on equal tiles) and the chunk wait of each CTA's first tile (max / mean, us: the
-    start's wait for its own chunk, and any stall on the first peer chunk)."""
+    start's wait for its own chunk, and any stall on the first peer chunk); of each CTA's first tile
+    (median over CTAs, us): its duration, when its first and last chunk waits returned after its
+    start (not causal at W 2: its own chunk, then the peer's), and its summed wait (the producer's
+    time inside its wait_chunks calls, one per KV block: about 35 us a tile of it is the producer's
+    own work overlapped with the consumers', the 2026-11-27 traces' later tiles, whose chunks had long
+    been there; a sum of intervals inside the tile, so never more than the tile's duration); the median
+    tile after each CTA's first, and the median SM clock of those tiles (GHz, %clock over globaltimer)."""
     recs = table["records"]
     if table["count"] != len(recs) or not recs:
         return {"complete": False, "records": len(recs), "count": table["count"]}
     t0, t1 = min(r["start"] for r in recs), max(r["end"] for r in recs)
-    busy, last, waited, ntiles, first = {}, {}, {}, {}, {}
+    busy, last, waited, ntiles, first, first_rec, later, clocks = {}, {}, {}, {}, {}, {}, [], []
     for r in recs:  # by start: a CTA's first record is its first tile
         c = r["cta"]
         busy[c] = busy.get(c, 0) + r["end"] - r["start"]
         last[c] = max(last.get(c, 0), r["end"])
         waited[c] = waited.get(c, 0) + r["waited"]
         ntiles[c] = ntiles.get(c, 0) + 1
+        if c in first_rec:
+            later.append(r["end"] - r["start"])
+            if r.get("cycles") and r["end"] > r["start"]:
+                clocks.append(r["cycles"] / (r["end"] - r["start"]))
         first.setdefault(c, r["waited"])
+        first_rec.setdefault(c, r)
     span = t1 - t0
     us = 1e-3
     per_tile = sorted(busy[c] / ntiles[c] for c in busy)  # each CTA's mean tile time: the SMs' spread
@@ -110,7 +128,31 @@ def trace_summary(table: dict, tiles: int) -> dict:
             "tail_us": (t1 - min(last.values())) * us, "waited_us_per_cta": sum(waited.values()) / len(busy) * us,
             "tiles_per_cta": {"max": max(ntiles.values()), "min": min(ntiles.values())},
             "tile_us": {"max": per_tile[-1] * us, "median": per_tile[len(per_tile) // 2] * us, "min": per_tile[0] * us},
-            "first_wait_us": {"max": max(first.values()) * us, "mean": sum(first.values()) / len(first) * us}}
+            "first_wait_us": {"max": max(first.values()) * us, "mean": sum(first.values()) / len(first) * us},
+            "first_tile_us": first_tile(list(first_rec.values())),
+            "later_tile_us": _median(later) * us if later else None,
+            "sm_clock_ghz": _median(clocks) if clocks else None}
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 0
+
+
+def first_tile(firsts: list[dict]) -> dict:
+    """Each CTA's first tile (its trace records), medians over the CTAs in us: "duration" (end - start),
+    "waited" (the summed chunk waits), "first_ready" / "last_ready" (when the wait for its first / last
+    KV chunk returned, after the tile's start; None where no record has one), and "kernel_start" (the
+    first CTA's start, ns: the kernel's start on this GPU's globaltimer)."""
+    us = 1e-3
+
+    def after(key):
+        xs = [r[key] - r["start"] for r in firsts if r.get(key)]
+        return _median(xs) * us if xs else None
+
+    return {"ctas": len(firsts), "duration": _median([r["end"] - r["start"] for r in firsts]) * us,
+            "waited": _median([r["waited"] for r in firsts]) * us, "first_ready": after("first_ready"),
+            "last_ready": after("last_ready"), "kernel_start": min(r["start"] for r in firsts) if firsts else None}
 
 
 CE_RESERVE_SMS = 2  # gather copy_engine: SMs the attention leaves to the one-block signal kernels
@@ -145,6 +187,16 @@ class CpAttentionParams(StrictModel):
         "the causal kernel's dynamic schedule; head-major order kept) instead of the static stride (CTA c takes c, "
         "c + grid, ...), so that a CTA on a slower SM takes fewer tiles (issue 33, docs/design/cp_attention.md: "
         "\"Where the not-causal time goes\"); causal always uses the counter. Off: the shipped static stride")
+    local_kv: bool = Field(
+        False, description="not causal: the attention kernel reads this rank's own K and V shard in place (two more "
+        "tensor maps over k and v) instead of from k_full / v_full, so the gather copies only to the peers and no call "
+        "waits for a copy of rows it already has (issue 33, docs/design/cp_attention.md: \"Outside the tiles\"); "
+        "needs a row count that is a multiple of tile.n. Off: the shipped gather, own shard first")
+    copy_1d: bool = Field(
+        False, description="gather copy_engine: copy a piece that is one contiguous run (lines == 1: bshd with "
+        "batch 1, the suites' shape) with cudaMemcpyAsync instead of cudaMemcpy2DAsync (the path cudaMemcpyPeer's 397 GB/s was "
+        "measured on), to tell whether the 2-D path is what makes a call's copies slow (issue 33, "
+        "docs/design/cp_attention.md: \"Outside the tiles\"); other pieces stay 2-D. Off: every piece 2-D")
     skip_wait: bool = Field(
         False, description="test-only negative control: the attention kernel does not wait for the first remote "
         "KV chunk it reads (a correct run must then fail under rank skew); never in a shipped spec")
@@ -236,6 +288,9 @@ class CpAttentionBench(BenchConventions):
         if size % world or (spec.params.layout == "zigzag" and count % 2):
             raise RuntimeSetupError(f"{spec.name}: S = {size} positions do not split over {world} ranks"
                                     f"{' into two zig-zag chunks each' if spec.params.layout == 'zigzag' else ''}")
+        if spec.params.local_kv and count % spec.params.tile.n:
+            raise RuntimeSetupError(f"{spec.name}: {count} rows per rank: local_kv needs a multiple of tile.n = "
+                                    f"{spec.params.tile.n}")
         return BenchCase(size, count, flops=family.flops(spec, world, count),
                          link_bytes=family.bytes_moved(spec, world, count))
 
@@ -303,6 +358,18 @@ class CpAttentionFamily(OpFamily):
             problems.append((("test", "count"),
                              f"{spec.test.count} rows per rank: zigzag splits them into two chunks, so the count "
                              "must be even"))
+        if p.local_kv and p.causal:
+            problems.append((("params", "local_kv"), "causal chunks are in position order (zig-zag: two per rank): "
+                             "local_kv reads the last slot in place, which only the not-causal rotation makes the "
+                             "own shard"))
+        if p.local_kv and p.skip_wait:
+            problems.append((("params", "local_kv"), "the own shard is the chunk not waited for: no skip_wait"))
+        if p.local_kv and spec.test.count % p.tile.n:
+            problems.append((("test", "count"), f"{spec.test.count} rows per rank: local_kv needs a multiple of "
+                             f"tile.n = {p.tile.n} (no KV block may straddle the gathered shards and the own one)"))
+        if p.copy_1d and p.gather != "copy_engine":
+            problems.append((("params", "copy_1d"), "the SM push has no copy-engine copies: copy_1d needs gather: "
+                             "copy_engine"))
         if p.tile_counter and p.causal:
             problems.append((("params", "tile_counter"), "causal tiles are always handed out from the counter "
                              "(longest first): tile_counter is the not-causal option"))
@@ -365,11 +432,14 @@ class CpAttentionFamily(OpFamily):
             "SKIP_WAIT": int(p.skip_wait),
             **({"EPILOGUE_OVERLAP": 1} if p.epilogue_overlap else {}),  # only where set: shipped sources unchanged
             **({"TILE_COUNTER": 1} if p.tile_counter else {}),  # only where set: shipped sources unchanged
+            **({"LOCAL_KV": 1} if p.local_kv else {}),  # only where set: shipped sources unchanged
+            **({"COPY_1D": 1} if p.copy_1d else {}),  # only where set: shipped sources unchanged
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),
             "SIGNALS": SIGNALS,
             "TRACE": p.trace,
+            **({"STAMP_WORDS": STAMP_WORDS, "TRACE_WORDS": TRACE_WORDS} if p.trace else {}),  # trace variants only
         }
 
     def abi(self, spec):

@@ -49,10 +49,14 @@
 // Test-only trace (the code exists only where TSGEN_ATTENTION_TRACE is defined before this
 // header: cp_attention's params.trace): with Problem::trace set, the producer thread appends one
 // record per tile, trace[0] counting them (atomic; records past trace_records are counted, not
-// written), record i at trace + 2 + 4 i: {smid << 48 | blockIdx.x << 32 | tile, start, end,
-// waited}, globaltimer ns: start when the producer begins the tile (the consumers released the
-// previous tile's Q), end when the consumers release this tile's Q (its epilogue is done), waited
-// the time its KV-chunk waits took (tsgen/ops/cp_attention.py trace_table reads them).
+// written), record i at trace + 2 + TRACE_WORDS i: {smid << 48 | blockIdx.x << 32 | tile, start,
+// end, waited, first_ready, last_ready, cycles}, globaltimer ns: start when the producer begins the tile
+// (the consumers released the previous tile's Q), end when the consumers release this tile's Q (its
+// epilogue is done), waited the time summed over the tile's wait_chunks calls (one per KV block,
+// most of which return at once), first_ready / last_ready when the wait for the tile's first / last
+// KV chunk returned (0: no chunk wait ran; a chunk not waited for, kv_unwaited, counts as waited),
+// cycles the SM clock's count over the tile (%clock, so cycles / (end - start) is the SM's clock in GHz)
+// (tsgen/ops/cp_attention.py trace_table reads them).
 //
 // One CTA (384 threads; 512 with three consumer warpgroups, TILE_M 192: each part below the same
 // per consumer warpgroup, the ping-pong turns going round robin, the producer keeping 32 registers
@@ -202,6 +206,15 @@ template <class C>
 struct row_max_chains_of<C, std::void_t<decltype(C::ROW_MAX_CHAINS)>>
     : std::integral_constant<int, C::ROW_MAX_CHAINS> {};
 
+// Config::LOCAL_KV where the Config has it (only cp_attention specs with params.local_kv emit it), else
+// false: the last KV chunk (rows kv_len - kv_chunk .. kv_len - 1, a multiple of TILE_N from the start) is
+// read in place through two more tensor maps (k_local, v_local: kv_chunk rows each) instead of from the
+// gathered k / v; the launcher then passes that chunk as kv_unwaited (nothing signals it).
+template <class C, class = void>
+struct local_kv_of : std::false_type {};
+template <class C>
+struct local_kv_of<C, std::void_t<decltype(C::LOCAL_KV)>> : std::integral_constant<bool, C::LOCAL_KV> {};
+
 template <class C>
 struct Layout {
   static_assert(sizeof(typename C::Element) == 2, "16-bit inputs");
@@ -235,7 +248,7 @@ struct Layout {
   static constexpr int Q_FULL = BAR_OFF, Q_EMPTY = BAR_OFF + 8;
   static constexpr int K_FULL = BAR_OFF + 16, K_EMPTY = K_FULL + 8 * C::STAGES;
   static constexpr int V_FULL = K_EMPTY + 8 * C::STAGES, V_EMPTY = V_FULL + 8 * C::STAGES;
-  static constexpr int TILE = V_EMPTY + 8 * C::STAGES;  // u32: the dynamic schedule's current tile
+  static constexpr int TILE = V_EMPTY + 8 * C::STAGES;  // u32: the dynamic schedule's current tile (then the trace's clock)
   static constexpr int SMEM_BYTES = TILE + 8 + 1024;    // + slack for aligning the base
   static_assert(SMEM_BYTES == C::SMEM_BYTES, "tsgen/ops/attention.py smem_bytes() disagrees with this layout");
 
@@ -252,7 +265,7 @@ struct Problem {
   const uint64_t* kv_signal;  // KV_WAITS: one signal per KV chunk (nullptr: no waits)
   uint64_t kv_expected;       // the value each signal must reach, unless kv_epoch is set:
   const uint64_t* kv_epoch;   //   then the value there (a call counter on the device, read once)
-  int32_t kv_unwaited;        // test-only negative control: the chunk not waited for (-1: none)
+  int32_t kv_unwaited;        // the chunk not waited for (-1: none): the negative control's, or LOCAL_KV's own
   uint32_t kv_chunk;          // KV rows per signal
   uint32_t batch, q_len, kv_len;
   int32_t q_offset, q_split, q_offset2, kv_offset;  // positions: see the top of this file
@@ -366,20 +379,23 @@ static __device__ __forceinline__ void load_rows(uint32_t dst, const CUtensorMap
 
 // KV_WAITS: wait for every KV chunk that block j touches and that this tile has not waited
 // for yet (blocks are walked downwards: `waited` is the lowest chunk already waited for).
+// True when block j began a chunk (its waits, if any, have returned): the trace's use.
 template <class C>
-static __device__ __forceinline__ void wait_chunks(const Problem& p, uint64_t expected, int32_t j, uint32_t& waited) {
+static __device__ __forceinline__ bool wait_chunks(const Problem& p, uint64_t expected, int32_t j, uint32_t& waited) {
   if constexpr (C::KV_WAITS) {
-    if (p.kv_signal == nullptr) return;
+    if (p.kv_signal == nullptr) return false;
     const uint32_t first = (uint32_t)j * C::TILE_N / p.kv_chunk;
     const uint32_t end = ((uint32_t)j + 1) * C::TILE_N < p.kv_len ? ((uint32_t)j + 1) * C::TILE_N : p.kv_len;
     const uint32_t last = (end - 1) / p.kv_chunk;
-    if (first >= waited) return;
+    if (first >= waited) return false;
     for (uint32_t c = (last < waited ? last : waited - 1) + 1; c-- > first;) {
       if ((int32_t)c != p.kv_unwaited) C::wait_signal(p.kv_signal + c, expected, (int)c);
     }
     fence_proxy_async_global();  // the acquired data, visible to the TMA loads that follow
     waited = first;
+    return true;
   }
+  return false;
 }
 
 // The producer's next tile after t: static, t + gridDim.x; dynamic, gridDim.x + the counter's
@@ -395,30 +411,70 @@ static __device__ __forceinline__ uint32_t next_tile(const Problem& p, uint32_t 
 }
 
 #ifdef TSGEN_ATTENTION_TRACE
+constexpr int TRACE_WORDS = 7;  // u64 words per trace record (tsgen/ops/cp_attention.py TRACE_WORDS)
+
+// What the producer notes of one tile for its trace record, in few registers (the producer keeps 40, or
+// 32): the summed waits in ns, and when its first and last chunk waits returned as two 16-bit counts of
+// READY_UNIT ns after the start (0: none; at most 65535 units, 8.4 ms).
+constexpr uint32_t READY_UNIT = 128;
+struct TraceTile {
+  uint64_t start = 0;
+  uint32_t waited = 0, ready = 0, tile = 0;  // ready: first << 16 | last
+};
+// The tile's start on the SM clock (%clock) is kept in shared memory, in the spare word after the
+// dynamic schedule's tile number (Layout::TILE + 4), not in a register: the producer has none to spare.
+constexpr uint32_t TRACE_CLOCK = 4;
+
+static __device__ __forceinline__ uint32_t sm_clock() {
+  uint32_t c;
+  asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
+  return c;
+}
+
 // The trace record of one tile (the producer thread).
-static __device__ __forceinline__ void trace_tile(const Problem& p, uint32_t tile, uint64_t start, uint64_t end,
-                                                  uint64_t waited) {
+static __device__ __forceinline__ void trace_tile(const Problem& p, const TraceTile& x, uint64_t end,
+                                                  uint32_t cycles) {
   if (p.trace == nullptr) return;
   const uint64_t i = atom_add_relaxed_gpu_global_u64(p.trace, 1ull);
   if (i >= p.trace_records) return;
   uint32_t smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-  uint64_t* r = p.trace + 2 + 4 * i;
-  r[0] = (uint64_t)smid << 48 | (uint64_t)blockIdx.x << 32 | tile;
-  r[1] = start, r[2] = end, r[3] = waited;
+  uint64_t* r = p.trace + 2 + TRACE_WORDS * i;
+  r[0] = (uint64_t)smid << 48 | (uint64_t)blockIdx.x << 32 | x.tile;
+  const uint64_t first = x.ready >> 16, last = x.ready & 0xFFFFu;
+  r[1] = x.start, r[2] = end, r[3] = x.waited;
+  r[4] = first ? x.start + first * READY_UNIT : 0, r[5] = last ? x.start + last * READY_UNIT : 0;
+  r[6] = cycles;  // SM cycles over the tile (over end - start in ns: the SM's clock)
 }
 #endif
 
+// The map and row of KV block row `row` (j x TILE_N): with LOCAL_KV, the last chunk's rows come from the
+// local map (`local`, kv_chunk rows) at row - (kv_len - kv_chunk); else `full` unchanged.
+template <class C>
+static __device__ __forceinline__ const CUtensorMap* kv_map(const CUtensorMap* full, const CUtensorMap* local,
+                                                            const Problem& p, int32_t& row) {
+  if constexpr (local_kv_of<C>::value) {
+    const int32_t from = (int32_t)(p.kv_len - p.kv_chunk);
+    if (row >= from) {
+      row -= from;
+      return local;
+    }
+  }
+  (void)local, (void)p;
+  return full;
+}
+
 template <class C>
 static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const CUtensorMap* k_map,
-                                               const CUtensorMap* v_map, uint32_t smem, const Problem& p) {
+                                               const CUtensorMap* v_map, uint32_t smem, const Problem& p,
+                                               const CUtensorMap* k_local = nullptr,
+                                               const CUtensorMap* v_local = nullptr) {
   using L = Layout<C>;
   uint32_t count = 0, tiles = 0;  // KV blocks and tiles loaded so far
   const uint64_t expected = C::KV_WAITS && p.kv_epoch != nullptr ? ld_relaxed_gpu_global_u64(p.kv_epoch) : p.kv_expected;
   const bool dynamic = p.work != nullptr;
 #ifdef TSGEN_ATTENTION_TRACE
-  uint64_t trace_start = 0, trace_waited = 0;
-  uint32_t trace_last = 0;
+  TraceTile trace;
 #endif
   for (uint32_t t = blockIdx.x;; ++tiles) {
     if (!dynamic && t >= p.tiles) break;  // static: the consumers count the same tiles
@@ -428,8 +484,11 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
 #ifdef TSGEN_ATTENTION_TRACE
     {
       const uint64_t now = globaltimer_ns();
-      if (tiles > 0) trace_tile(p, trace_last, trace_start, now, trace_waited);
-      trace_start = now, trace_waited = 0, trace_last = t;
+      const uint32_t cycles = sm_clock();
+      if (tiles > 0) trace_tile(p, trace, now, cycles - ld_shared_u32(smem + L::TILE + TRACE_CLOCK));
+      st_shared_u32(smem + L::TILE + TRACE_CLOCK, cycles);
+      trace = TraceTile();
+      trace.start = now, trace.tile = t;
     }
 #endif
     if (dynamic) {
@@ -453,8 +512,14 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
         const int32_t j = tile.blocks - 1 - i;
 #ifdef TSGEN_ATTENTION_TRACE
         const uint64_t before = globaltimer_ns();
-        wait_chunks<C>(p, expected, j, waited);
-        trace_waited += globaltimer_ns() - before;
+        const bool began = wait_chunks<C>(p, expected, j, waited);
+        const uint64_t after = globaltimer_ns();
+        trace.waited += (uint32_t)(after - before);
+        if (began) {  // this block began a chunk: its wait (if any) has returned
+          const uint32_t units = ((uint32_t)after - (uint32_t)trace.start) / READY_UNIT + 1;  // 0 means none
+          const uint32_t since = units < 0xFFFFu ? units : 0xFFFFu;
+          trace.ready = (i == 0 ? since << 16 : trace.ready & 0xFFFF0000u) | since;
+        }
 #else
         wait_chunks<C>(p, expected, j, waited);
 #endif
@@ -462,10 +527,11 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
         const uint32_t full = smem + L::K_FULL + 8 * r.stage;
         mbar_wait(smem + L::K_EMPTY + 8 * r.stage, r.phase ^ 1);  // a fresh barrier passes parity 1
         mbar_arrive_expect_tx(full, L::KV_STAGE);
+        int32_t row = j * C::TILE_N;
+        const CUtensorMap* map = kv_map<C>(k_map, k_local, p, row);
 #pragma unroll
         for (int x = 0; x < L::BOXES; ++x)
-          load_rows<C>(smem + L::K_OFF + r.stage * L::KV_STAGE + x * L::KV_BOX, k_map, 64 * x, j * C::TILE_N, kvh,
-                       b, full);
+          load_rows<C>(smem + L::K_OFF + r.stage * L::KV_STAGE + x * L::KV_BOX, map, 64 * x, row, kvh, b, full);
       }
       if (i > 0) {
         const int32_t j = tile.blocks - i;
@@ -473,10 +539,11 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
         const uint32_t full = smem + L::V_FULL + 8 * r.stage;
         mbar_wait(smem + L::V_EMPTY + 8 * r.stage, r.phase ^ 1);
         mbar_arrive_expect_tx(full, L::KV_STAGE);
+        int32_t row = j * C::TILE_N;
+        const CUtensorMap* map = kv_map<C>(v_map, v_local, p, row);
 #pragma unroll
         for (int x = 0; x < L::BOXES; ++x)
-          load_rows<C>(smem + L::V_OFF + r.stage * L::KV_STAGE + x * L::KV_BOX, v_map, 64 * x, j * C::TILE_N, kvh,
-                       b, full);
+          load_rows<C>(smem + L::V_OFF + r.stage * L::KV_STAGE + x * L::KV_BOX, map, 64 * x, row, kvh, b, full);
       }
     }
     count += (uint32_t)tile.blocks;
@@ -488,7 +555,7 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
   if (!dynamic && tiles > 0) {
     mbar_wait(smem + L::Q_EMPTY, (tiles - 1) & 1);
 #ifdef TSGEN_ATTENTION_TRACE
-    trace_tile(p, trace_last, trace_start, globaltimer_ns(), trace_waited);
+    trace_tile(p, trace, globaltimer_ns(), sm_clock() - ld_shared_u32(smem + L::TILE + TRACE_CLOCK));
 #endif
   }
   for (uint32_t c = count > C::STAGES ? count - C::STAGES : 0; c < count; ++c) {
@@ -839,9 +906,12 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
 // The kernel body
 // ---------------------------------------------------------------------------
 
+// k_local, v_local: LOCAL_KV's maps of the last KV chunk (see local_kv_of); unused otherwise.
 template <class C>
 static __device__ __forceinline__ void run(const CUtensorMap* q_map, const CUtensorMap* k_map,
-                                           const CUtensorMap* v_map, const CUtensorMap* o_map, const Problem& p) {
+                                           const CUtensorMap* v_map, const CUtensorMap* o_map, const Problem& p,
+                                           const CUtensorMap* k_local = nullptr,
+                                           const CUtensorMap* v_local = nullptr) {
   using L = Layout<C>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -859,6 +929,10 @@ static __device__ __forceinline__ void run(const CUtensorMap* q_map, const CUten
     prefetch_tensormap(k_map);
     prefetch_tensormap(v_map);
     prefetch_tensormap(o_map);
+    if constexpr (local_kv_of<C>::value) {
+      prefetch_tensormap(k_local);
+      prefetch_tensormap(v_local);
+    }
   }
   __syncthreads();
   const uint32_t warpgroup = threadIdx.x / 128;
@@ -866,7 +940,7 @@ static __device__ __forceinline__ void run(const CUtensorMap* q_map, const CUten
     // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232; tile.m 192:
     // 512 x 128 = 128 x 32 + 384 x 160 (FlashAttention-3's and -4's split for three consumers).
     setmaxnreg_dec<L::PRODUCER_REGS>();
-    if (threadIdx.x == 0) produce<C>(q_map, k_map, v_map, smem, p);
+    if (threadIdx.x == 0) produce<C>(q_map, k_map, v_map, smem, p, k_local, v_local);
     return;  // the producer's code never joins the consumers' (ptxas allocates each its own registers)
   } else {
     setmaxnreg_inc<L::CONSUMER_REGS>();
@@ -944,6 +1018,28 @@ static cudaError_t tensor_maps(const void* q, const void* k, const void* v, cons
     last.batch = batch, last.q_len = q_len, last.kv_len = kv_len;
   }
   *out = &last.maps;
+  return cudaSuccess;
+}
+
+// LOCAL_KV: the maps of the last KV chunk read in place (k_local, v_local: `rows` rows each), cached per
+// host thread as tensor_maps' are.
+template <class C>
+static cudaError_t local_maps(const void* k, const void* v, uint32_t batch, uint32_t rows, const CUtensorMap** out) {
+  struct Last {
+    bool valid = false;
+    const void *k = nullptr, *v = nullptr;
+    uint32_t batch = 0, rows = 0;
+    CUtensorMap maps[2];
+  };
+  thread_local Last last;
+  if (!last.valid || last.k != k || last.v != v || last.batch != batch || last.rows != rows) {
+    last.valid = false;
+    cudaError_t err = encode_heads<C>(&last.maps[0], k, batch, rows, C::KV_HEADS, C::TILE_N);
+    if (err == cudaSuccess) err = encode_heads<C>(&last.maps[1], v, batch, rows, C::KV_HEADS, C::TILE_N);
+    if (err != cudaSuccess) return err;
+    last.valid = true, last.k = k, last.v = v, last.batch = batch, last.rows = rows;
+  }
+  *out = last.maps;
   return cudaSuccess;
 }
 
@@ -1031,7 +1127,10 @@ static cudaError_t persistent(const void* kernel, const void* counters, cudaStre
 // the dynamic schedule, longest first in head groups sized by this device's L2 (see the top
 // of this file; balanced_groups: of equal sizes, head_group); nullptr: tiles c, c + grid, ...
 // per CTA. `trace` (trace_records records):
-// the test-only trace where TSGEN_ATTENTION_TRACE is defined.
+// the test-only trace where TSGEN_ATTENTION_TRACE is defined. k_local, v_local (LOCAL_KV Configs only,
+// whose kernels take two more maps): the last KV chunk's K and V rows (kv_chunk of them, [batch, kv_chunk,
+// KV_HEADS, HEAD_DIM] as k), read in place of k / v's last kv_chunk rows; kv_len - kv_chunk must be a
+// multiple of TILE_N (no block straddles the two).
 template <class C, class Kernel>
 static cudaError_t launch(Kernel kernel, const void* q, const void* k, const void* v, void* o, float* lse,
                           uint64_t batch, uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split,
@@ -1039,7 +1138,8 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
                           uint64_t kv_expected, int blocks, cudaStream_t stream,
                           const uint64_t* kv_epoch = nullptr, int32_t kv_unwaited = -1,
                           uint64_t* work = nullptr, uint64_t* trace = nullptr, uint32_t trace_records = 0,
-                          bool balanced_groups = false) {
+                          bool balanced_groups = false, const void* k_local = nullptr,
+                          const void* v_local = nullptr) {
   using L = Layout<C>;
   if (batch == 0 || q_len == 0) return cudaSuccess;
   if (q_len > MAX_LEN || kv_len > MAX_LEN || batch > MAX_LEN || q == nullptr || k == nullptr || v == nullptr ||
@@ -1081,7 +1181,19 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   err = prepare<C>(reinterpret_cast<const void*>(kernel));
   if (err != cudaSuccess) return err;
   const uint64_t grid = blocks > 0 && (uint64_t)blocks < tiles ? (uint64_t)blocks : tiles;
-  kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, p);
+  if constexpr (local_kv_of<C>::value) {
+    if (k_local == nullptr || v_local == nullptr || kv_chunk == 0 || kv_chunk > kv_len || kv_len % kv_chunk ||
+        (kv_len - kv_chunk) % C::TILE_N)
+      return cudaErrorInvalidValue;
+    const CUtensorMap* local;
+    err = local_maps<C>(k_local, v_local, (uint32_t)batch, (uint32_t)kv_chunk, &local);
+    if (err != cudaSuccess) return err;
+    kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, local[0],
+                                                                  local[1], p);
+  } else {
+    (void)k_local, (void)v_local;
+    kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, p);
+  }
   return cudaGetLastError();
 }
 

@@ -15,6 +15,8 @@
 //                  this call; the last resets it and raises READY at d.
 //   sig[WORK]      (causal, or not causal with TILE_COUNTER; this rank's own): the attention kernel's tile counter (its dynamic
 //                  schedule, tsgen/attention.cuh: 0 between calls, reset by its last draw).
+// Trace variants only (params.trace, test-only): after the signals, the call timeline's stamps (STAMP_WORDS,
+// below), then tsgen/attention.cuh's per-tile trace (a count, a spare word, the records).
 //
 // Tensors: a rank's K (and V) is `lines` runs of count rows of `row_bytes` each: bshd
 // [batch, count, KV_HEADS, HEAD_DIM] = batch lines of KV_HEADS x HEAD_DIM x 2 bytes a row,
@@ -31,6 +33,9 @@
 #include <stdio.h>
 
 #include <type_traits>
+#ifdef TSGEN_ATTENTION_TRACE
+#include <chrono>
+#endif
 
 #include "tsgen/ptx.cuh"
 #include "tsgen/sync.cuh"
@@ -47,6 +52,91 @@ constexpr int ARRIVED = READY + 2 * MAX_WORLD;   // sig[ARRIVED + d]
 constexpr int WORK = ARRIVED + MAX_WORLD;        // sig[WORK]
 constexpr int SIGNALS = WORK + 1;                // tsgen/ops/cp_attention.py SIGNALS
 static_assert(FREE == fused::FREE && MAX_WORLD == fused::MAX_WORLD, "tsgen_fused's FREE exchange");
+
+// The call timeline of a trace variant (test-only; tools/cp_call_timeline.py, tsgen/ops/cp_timeline.py read
+// it): at sig + SIGNALS, STAMP_CALLS slots of STAMP_SLOT u64 words, call (epoch) e in slot e % STAMP_CALLS:
+// [0] e, [1, 2] the entry kernel's start and end, [3, 4] WAIT_FREE's (its end: every peer's FREE seen), [5 + 2 i,
+// 6 + 2 i] those of the signal kernel after the copies to the i-th receiver in copy order (ourselves first,
+// then rank + 1, ...): globaltimer ns, written by thread 0 of each one-block sync kernel at its end.
+constexpr int STAMP_CALLS = 8, STAMP_SLOT = 24;
+constexpr int STAMP_WORDS = STAMP_CALLS * STAMP_SLOT;  // tsgen/ops/cp_timeline.py STAMP_WORDS
+constexpr int STAMP_ENTRY = 1, STAMP_WAIT_FREE = 3, STAMP_SIGNAL = 5;
+static_assert(STAMP_SIGNAL + 2 * MAX_WORLD <= STAMP_SLOT, "a stamp slot holds every receiver's signal kernel");
+// Its host side (trace variants' launchers; host_call below): HOST_CALLS rows of HOST_STEPS u64 per rank.
+constexpr int HOST_CALLS = 8, HOST_STEPS = 24, HOST_ATTENTION = 4 + 2 * MAX_WORLD, HOST_RETURN = HOST_ATTENTION + 1;
+static_assert(HOST_RETURN < HOST_STEPS, "a host timeline row holds every step");
+
+#ifdef TSGEN_ATTENTION_TRACE
+// The end of a sync kernel of a trace variant: its start (`start`, read first thing) and end stamped into
+// the slot of this call. `signal_mode`: the op's SIGNAL_CHUNKS (a mode beside fused::SyncMode's).
+template <int WORLD>
+static __device__ __forceinline__ void stamp_sync(uint64_t* stamps, int rank, const uint64_t* calls, int mode,
+                                                  int target, int signal_mode, uint64_t start) {
+  __syncthreads();  // every thread's part of the kernel (its waits) is done
+  if (threadIdx.x != 0) return;
+  const uint64_t epoch = ld_relaxed_gpu_global_u64(calls), end = globaltimer_ns();
+  uint64_t* slot = stamps + (epoch % STAMP_CALLS) * STAMP_SLOT;
+  int at = -1;
+  if (mode == fused::ENTRY) {
+    slot[0] = epoch;
+    at = STAMP_ENTRY;
+  } else if (mode == fused::WAIT_FREE) {
+    at = STAMP_WAIT_FREE;
+  } else if (mode == signal_mode) {
+    at = STAMP_SIGNAL + 2 * ((target - rank + WORLD) % WORLD);
+  }
+  if (at >= 0) slot[at] = start, slot[at + 1] = end;
+}
+
+// The host side of the call timeline: per rank, the last HOST_CALLS calls of its launcher, HOST_STEPS u64 a
+// call: [0] the launcher's call number on this rank (1, 2, ...: the device epoch where every call reached the
+// entry kernel), then CLOCK_REALTIME ns (system_clock) at [1] the launcher's checks and device queries done (just
+// before the entry kernel is enqueued), [2] the entry kernel
+// enqueued, [3] WAIT_FREE (or the push kernel) enqueued, [4 + 2 i] the copies to the i-th receiver in copy
+// order enqueued, [5 + 2 i] its signal kernel enqueued, [HOST_ATTENTION] the attention kernel enqueued,
+// [HOST_RETURN] the joins enqueued (the launcher returns). 0: not reached (a copy skipped).
+struct HostTimeline {
+  uint64_t calls;
+  uint64_t at[HOST_CALLS][HOST_STEPS];
+};
+static inline HostTimeline* host_timeline(int rank) {
+  static HostTimeline all[MAX_WORLD];
+  return rank >= 0 && rank < MAX_WORLD ? &all[rank] : nullptr;
+}
+static inline uint64_t host_now_ns() {
+  return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
+// A new call of `rank`'s launcher: its row, zeroed, with the call number and the entry time.
+static inline uint64_t* host_call(int rank) {
+  HostTimeline* h = host_timeline(rank);
+  if (h == nullptr) return nullptr;
+  const uint64_t call = ++h->calls;
+  uint64_t* row = h->at[call % HOST_CALLS];
+  for (int i = 0; i < HOST_STEPS; ++i) row[i] = 0;
+  row[0] = call, row[1] = host_now_ns();
+  return row;
+}
+// The module's NAME_host_timeline(rank, out, words): [calls, then HOST_CALLS rows of HOST_STEPS] into out;
+// the words written, or -1 (rank out of range, too little room).
+static inline int copy_host_timeline(int rank, uint64_t* out, int words) {
+  const HostTimeline* h = host_timeline(rank);
+  constexpr int N = 1 + HOST_CALLS * HOST_STEPS;
+  if (h == nullptr || out == nullptr || words < N) return -1;
+  out[0] = h->calls;
+  for (int c = 0; c < HOST_CALLS; ++c)
+    for (int i = 0; i < HOST_STEPS; ++i) out[1 + c * HOST_STEPS + i] = h->at[c][i];
+  return N;
+}
+#define TSGEN_CP_HOST_STEP(row, i) \
+  do {                             \
+    if (row) (row)[i] = host_now_ns(); \
+  } while (0)
+#else
+#define TSGEN_CP_HOST_STEP(row, i) \
+  do {                             \
+  } while (0)
+#endif
 
 // Where rows live (the same on every rank; tsgen/ops/cp_attention.py `segments`).
 struct Geometry {
@@ -116,12 +206,13 @@ static __device__ __forceinline__ void copy_piece(char* dst, const char* src, co
   }
 }
 
-template <int WORLD>
+// SKIP_OWN (LOCAL_KV): the attention kernel reads this rank's own rows in place: no copy to ourselves.
+template <int WORLD, bool SKIP_OWN = false>
 static __device__ __forceinline__ void push_body(char* const* peers, int rank, const uint64_t* calls, uint64_t* sig,
                                                  const char* k, const char* v, char* k_full, char* v_full,
                                                  Geometry g) {
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
-  for (int i = 0; i < WORLD; ++i) {
+  for (int i = SKIP_OWN ? 1 : 0; i < WORLD; ++i) {
     const int d = (rank + i) % WORLD;
     if (d != rank) {  // d's previous call no longer reads its gathered buffers
       if (threadIdx.x == 0) wait_ge_acquire_sys(sig + FREE + d, epoch, make_site("sig.free", rank, rank, FREE + d));
@@ -166,9 +257,11 @@ static __device__ __forceinline__ void signal_body(char* const* peers, int rank,
 //   NAME (for messages), BATCH, CAUSAL, ZIGZAG, SKIP_WAIT, BLOCKS (launch.blocks, 0: every SM but
 //   RESERVE_SMS), RESERVE_SMS, SM_GATHER (push kernel, else the copy engine), GATHER_BLOCKS,
 //   GATHER_THREADS, SIGNAL_CHUNKS (the sync kernel's mode beside fused::SyncMode's), optionally
-//   TILE_COUNTER (not causal: tiles from the counter, `tile_counter_of`), TRACE (room
-//   for trace records after sig's signals: tsgen/attention.cuh's test-only trace; 0: none), the
-//   attention `Config`, and geometry(world, count).
+//   TILE_COUNTER (not causal: tiles from the counter, `tile_counter_of`), COPY_1D (`copy_1d_of`), TRACE (room
+//   for trace records after sig's signals and the call timeline's stamps: tsgen/attention.cuh's
+//   test-only trace; 0: none), the attention `Config` (LOCAL_KV there, tsgen::attention::local_kv_of:
+//   not causal, the kernel reads this rank's own shard in place, from k and v, so nothing copies it
+//   into k_full, nothing signals it and nothing waits for it), and geometry(world, count).
 // SYNC, PUSH (nullptr without SM_GATHER) and ATTENTION are the kernels of world size WORLD.
 
 // Op::TILE_COUNTER where the Op has it (only not-causal specs with params.tile_counter emit it),
@@ -177,6 +270,13 @@ template <class Op, class = void>
 struct tile_counter_of : std::false_type {};
 template <class Op>
 struct tile_counter_of<Op, std::void_t<decltype(Op::TILE_COUNTER)>> : std::integral_constant<bool, Op::TILE_COUNTER> {};
+
+// Op::COPY_1D where the Op has it (only specs with params.copy_1d emit it), else false: a piece that is one
+// contiguous run (lines == 1) goes by cudaMemcpyAsync instead of cudaMemcpy2DAsync.
+template <class Op, class = void>
+struct copy_1d_of : std::false_type {};
+template <class Op>
+struct copy_1d_of<Op, std::void_t<decltype(Op::COPY_1D)>> : std::integral_constant<bool, Op::COPY_1D> {};
 
 // A call the launcher refuses before it starts anything, with what and where on stderr.
 template <class Op>
@@ -191,6 +291,9 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
                           T* q, T* k, T* v, T* o, float* lse, T* k_full, T* v_full, uint64_t* sig,
                           cudaStream_t stream) {
   using namespace tsgen::fused;
+  // LOCAL_KV: our own shard (not causal: the last slot of k_full, walked first) is read in place
+  constexpr bool LOCAL = tsgen::attention::local_kv_of<typename Op::Config>::value;
+  static_assert(!LOCAL || (!Op::CAUSAL && !Op::SKIP_WAIT), "local_kv: not causal, no skip_wait");
   if constexpr (Op::SM_GATHER) (void)peers_host;  // the push kernel addresses peers through the device table
   if (count == 0) return cudaSuccess;
   if (rank < 0 || rank >= WORLD) return refused<Op>(WORLD, rank, count, "rank out of range", cudaErrorInvalidValue);
@@ -200,6 +303,10 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   if (Op::ZIGZAG && count % 2)
     return refused<Op>(WORLD, rank, count, "zig-zag needs an even row count (two chunks of count / 2)",
                        cudaErrorInvalidValue);
+  if (LOCAL && count % Op::Config::TILE_N)
+    return refused<Op>(WORLD, rank, count,
+                       "local_kv needs a row count that is a multiple of tile.n (no KV block may straddle the "
+                       "gathered shards and the own one)", cudaErrorInvalidValue);
   TSGEN_TRY(tsgen::use_device_of(calls));
   const Geometry g = Op::geometry(WORLD, count);
   int device, sms;
@@ -215,9 +322,17 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   const int64_t q_offset = !Op::CAUSAL ? 0 : Op::ZIGZAG ? rank * half : rank * c;
   const int64_t q_split = Op::CAUSAL && Op::ZIGZAG ? half : c;
   const int64_t q_offset2 = Op::CAUSAL && Op::ZIGZAG ? (2 * WORLD - 1 - rank) * half : 0;
-  const int unwaited = Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;
+  // not waited for: the negative control's chunk, or (LOCAL_KV) our own, the last slot, read in place
+  const int unwaited = LOCAL ? WORLD - 1 : Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;
+#ifdef TSGEN_ATTENTION_TRACE
+  uint64_t* host = host_call(rank);  // the host side of the call timeline (trace variants)
+#else
+  uint64_t* host = nullptr;
+#endif
+  (void)host;
   SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, count);
   TSGEN_TRY(cudaGetLastError());
+  TSGEN_CP_HOST_STEP(host, 2);
   Lanes* l;
   TSGEN_TRY(lanes(rank, &l));
   TSGEN_TRY(cudaEventRecord(l->fork, stream));
@@ -225,12 +340,15 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   if constexpr (Op::SM_GATHER) {
     PUSH<<<Op::GATHER_BLOCKS, Op::GATHER_THREADS, 0, l->copy>>>(peers, rank, calls, sig, k, v, k_full, v_full, count);
     TSGEN_TRY(cudaGetLastError());
+    TSGEN_CP_HOST_STEP(host, 3);
   } else {
     TSGEN_TRY(cudaStreamWaitEvent(l->signal, l->fork, 0));
     SYNC<<<1, 32, 0, l->copy>>>(peers, rank, calls, sig, WAIT_FREE, 0, count);
     TSGEN_TRY(cudaGetLastError());
+    TSGEN_CP_HOST_STEP(host, 3);
     const size_t src_pitch = (size_t)count * g.row_bytes, dst_pitch = WORLD * src_pitch;
-    for (int i = 0; i < WORLD; ++i) {  // ourselves first, then rank + 1 (it reads our rows right after its own), ...
+    // ourselves first (LOCAL_KV: not at all), then rank + 1 (it reads our rows right after its own), ...
+    for (int i = LOCAL ? 1 : 0; i < WORLD; ++i) {
       const int d = (rank + i) % WORLD;
       char* kd = host_peer_ptr((char*)k_full, peers_host, rank, d);
       char* vd = host_peer_ptr((char*)v_full, peers_host, rank, d);
@@ -238,15 +356,22 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
         const Segment x = segment(g, rank, d, s);
         const size_t width = (size_t)x.rows * g.row_bytes, from = (size_t)x.src_row * g.row_bytes,
                      to = (size_t)x.dst_row * g.row_bytes;
-        TSGEN_TRY(cudaMemcpy2DAsync(kd + to, dst_pitch, (const char*)k + from, src_pitch, width, g.lines,
-                                          cudaMemcpyDefault, l->copy));
-        TSGEN_TRY(cudaMemcpy2DAsync(vd + to, dst_pitch, (const char*)v + from, src_pitch, width, g.lines,
-                                          cudaMemcpyDefault, l->copy));
+        if (copy_1d_of<Op>::value && g.lines == 1) {  // one run: the 1-D copy (params.copy_1d)
+          TSGEN_TRY(cudaMemcpyAsync(kd + to, (const char*)k + from, width, cudaMemcpyDefault, l->copy));
+          TSGEN_TRY(cudaMemcpyAsync(vd + to, (const char*)v + from, width, cudaMemcpyDefault, l->copy));
+        } else {
+          TSGEN_TRY(cudaMemcpy2DAsync(kd + to, dst_pitch, (const char*)k + from, src_pitch, width, g.lines,
+                                            cudaMemcpyDefault, l->copy));
+          TSGEN_TRY(cudaMemcpy2DAsync(vd + to, dst_pitch, (const char*)v + from, src_pitch, width, g.lines,
+                                            cudaMemcpyDefault, l->copy));
+        }
       }
       TSGEN_TRY(cudaEventRecord(l->copied[i], l->copy));
+      TSGEN_CP_HOST_STEP(host, 4 + 2 * i);
       TSGEN_TRY(cudaStreamWaitEvent(l->signal, l->copied[i], 0));
       SYNC<<<1, 32, 0, l->signal>>>(peers, rank, calls, sig, Op::SIGNAL_CHUNKS, d, count);
       TSGEN_TRY(cudaGetLastError());
+      TSGEN_CP_HOST_STEP(host, 5 + 2 * i);
     }
   }
   // Its error (if any) is returned after the side streams are joined back into `stream`: a
@@ -255,13 +380,16 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
       ATTENTION, q, k_full, v_full, o, lse, Op::BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
       sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited,
       Op::CAUSAL || tile_counter_of<Op>::value ? sig + WORK : nullptr,
-      Op::TRACE ? sig + SIGNALS : nullptr, (uint32_t)Op::TRACE);
+      Op::TRACE ? sig + SIGNALS + STAMP_WORDS : nullptr, (uint32_t)Op::TRACE, false, LOCAL ? k : nullptr,
+      LOCAL ? v : nullptr);
+  TSGEN_CP_HOST_STEP(host, HOST_ATTENTION);
   TSGEN_TRY(cudaEventRecord(l->copy_done, l->copy));
   TSGEN_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
   if constexpr (!Op::SM_GATHER) {
     TSGEN_TRY(cudaEventRecord(l->signal_done, l->signal));
     TSGEN_TRY(cudaStreamWaitEvent(stream, l->signal_done, 0));
   }
+  TSGEN_CP_HOST_STEP(host, HOST_RETURN);
   return launched;
 }
 
