@@ -26,13 +26,13 @@ import argparse
 import ctypes
 import gzip
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))  # attention_trace, the per-tile trace tool beside this one
 
 from tsgen.bench.runner import MAX_REL_ERR, _random  # noqa: E402
 from tsgen.bench.timing import CupyClock, Sampler  # noqa: E402
@@ -41,25 +41,9 @@ from tsgen.ops import get_family  # noqa: E402
 from tsgen.ops import cp_timeline as T  # noqa: E402
 from tsgen.ops.cp_attention import SIGNALS, STAMP_WORDS, trace_table  # noqa: E402
 from tsgen.spec import load_spec, spec_variant  # noqa: E402
+from attention_trace import parse_params, tiles_per_rank  # noqa: E402  (one home for both tools)
 
 CALLS_MAX = T.STAMP_CALLS - 1  # the lineup call and the timed ones must fit the stamp ring
-
-
-def tiles_per_rank(params, count: int) -> int:
-    return math.ceil(count / params.tile.m) * params.heads * params.batch
-
-
-def parse_params(items) -> dict:
-    """--param KEY=VALUE items -> {KEY: VALUE read as YAML}."""
-    import yaml
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--param {item!r}: KEY=VALUE expected")
-        out[key] = yaml.safe_load(value)
-    return out
 
 
 def timeline_variant(loaded, params: dict, room: int, seqs: list[int], world: int):
