@@ -906,48 +906,174 @@ def header_tall_ds_unit():
     return lambda q, lane: eval(code, {}, {"q": q, "swizzle": lane // 4, "lane": lane})
 
 
-def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled):
+def header_function(name):
+    """The body of the header's function `name` (from its signature to the closing brace at column 0)."""
+    text = WG_HEADER.read_text()
+    start = text.index(f" void {name}(")
+    return text[start:text.index("\n}\n", start)]
+
+
+def c_expr(expr):
+    """A C expression of the header as a function of its names (L::X as L_X, C::X as C_X, p.x as p_x, w.x as
+    w_x; casts dropped, integer division, one conditional operator at the top)."""
+    code = re.sub(r"\((?:int|int32_t|uint32_t|size_t)\)", "", expr).strip()
+    while code.startswith("("):  # parentheses around the whole expression
+        depth = 0
+        for i, ch in enumerate(code):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                break
+        if i != len(code) - 1:
+            break
+        code = code[1:-1].strip()
+    code = re.sub(r"\b([LC])::", r"\1_", code)
+    code = re.sub(r"\b([pw])\.", r"\1_", code).replace(" / ", " // ")
+    if "?" in code:
+        cond, rest = code.split("?")
+        then, other = rest.split(":")
+        code = f"({then}) if ({cond}) else ({other})"
+    return lambda **env: eval(code, {}, env)
+
+
+def header_tall_producer():
+    """produce()'s Q and dO loads for params.step_rows 128, read from the header: (layout, stage, x, h, r0,
+    q_len) -> (shared memory offset of the Q box, of the dO box, first row the box loads)."""
+    body = header_function("produce")
+    box = re.search(r"const uint32_t box = (.+);", body)
+    rows = re.search(r"const int rows = (.+);", body)
+    q = re.search(r"load_rows<C>\(smem \+ (L::Q_OFF .*?), q_map, 64 \* x, rows,", body)
+    do = re.search(r"load_rows<C>\(smem \+ (L::DO_OFF .*?), do_map, 64 \* x, rows,", body)
+    assert box and rows and q and do, "produce()'s box, rows and loads"
+    box, rows, q, do = (c_expr(m.group(1)) for m in (box, rows, q, do))
+
+    def load(layout, stage, x, h, r0, q_len):
+        b = box(stage=stage, x=x, h=h, **layout)
+        return q(box=b, **layout), do(box=b, **layout), rows(r0=r0, h=h, p_q_len=q_len, BLOCK_M=64)
+
+    return load
+
+
+def header_tall_consumer():
+    """consume_tall's shared memory addresses and its dQ reduction, read from the header: name -> function of
+    the header's names (smem = 0)."""
+    body = header_function("consume_tall")
+    found = {
+        "q_base": re.search(r"const uint32_t q_base = smem \+ (.+?), do_base", body),
+        "do_base": re.search(r"do_base = smem \+ (.+?);", body),
+        "ds_base": re.search(r"const uint32_t ds_base = smem \+ (.+?);", body),
+        "ds_store": re.search(r"const uint32_t base = (ds_base .+?), swizzle", body),
+        "ds_desc": re.search(r"const uint64_t ds_desc = sw128_descriptor\((.+?), (.+?), 1024\);", body),
+        "q0": re.search(r"const uint32_t q0 = (.+?);", body),
+        "reduce_if": re.search(r"if \(t == 0 && (.+?)\) \{", body),
+        "n": re.search(r"const uint32_t n = (.+?);", body),
+        "dst": re.search(r"float\* dst = p\.dq_accum \+ (.+?);", body),
+        "bytes": re.search(r"bulk_reduce_add_f32\(dst, staging, (.+?)\);", body),
+    }
+    missing = [k for k, m in found.items() if not m]
+    assert not missing, ("consume_tall's expressions", missing)
+    out = {k: c_expr(m.group(1)) for k, m in found.items()}
+    out["ds_lbo"] = c_expr(found["ds_desc"].group(2))
+    return out
+
+
+LAYOUT = r"""
+#include "SOURCE"
+#include <stdio.h>
+using L = tsgen::attention_bwd::wgmma::Layout<MODULE::Config>;
+#define P(X) printf("L_" #X " %lld\n", (long long)L::X);
+int main() {
+  P(K_OFF) P(V_OFF) P(Q_OFF) P(DO_OFF) P(DS_OFF) P(DQ_OFF) P(KV_BOX) P(Q_BOX) P(Q_TILE) P(HALVES) P(BOXES) P(ROWS)
+  P(DS_PANEL) P(DS_BUF) P(DQ_BUF) P(K16)
+  printf("C_STAGES %lld\nC_HEADS %lld\nC_HEAD_DIM %lld\n", (long long)MODULE::Config::STAGES,
+         (long long)MODULE::Config::HEADS, (long long)MODULE::Config::HEAD_DIM);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def tall_layout(tmp_path_factory):
+    """Layout<Config> of a params.step_rows 128 spec (head dim 64, one head), host-compiled from the header:
+    {"L_Q_OFF": .., "C_STAGES": .., ..}."""
+    from tsgen.headers import include_flags
+    from tsgen.toolchain import gencode_flags
+
+    if NO_NVCC:
+        pytest.skip(f"nvcc not found: {NO_NVCC}")
+    tmp = tmp_path_factory.mktemp("tall_layout")
+    source = rendered_source(variant("lay", params={"head_dim": 64, "heads": 1, "kv_heads": 1, "step_rows": 128}),
+                             tmp)
+    (tmp / "layout.cu").write_text(LAYOUT.replace("SOURCE", str(source)).replace("MODULE", "lay"))
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o",
+                    str(tmp / "layout"), str(tmp / "layout.cu")], check=True, capture_output=True)
+    out = subprocess.run([str(tmp / "layout")], capture_output=True, text=True, check=True).stdout
+    return {name: int(value) for name, value in (line.split() for line in out.splitlines())}
+
+
+def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled, layout):
     """model_cta for params.step_rows 128 (consume_tall, head dim 64, dq_reduce bulk): steps of 128 query rows
     (two TMA boxes of 64 rows each; a second box wholly past the rows reloads the first, produce()'s rule), S^T
     and dP^T as 64 keys x 128 queries per warpgroup, dS^T stored thread by thread through the header's offset
     into two panels of 64 queries, dV / dK over 8 k16 steps of the 128 queries, and warpgroup w's dQ of queries
     64w .. 64w + 63 over all 128 keys (panel w, M-major) through the staging into its 64-row block's bulk
-    reduction (none for a block past the rows); dQ read back through the convert's map `tiled`."""
-    d, BN, BM, ROWS = 64, 128, 64, 128
-    KV_BOX, Q_BOX, PANEL = BN * 128, BM * 128, BN * 128
-    K_OFF, V_OFF = 0, KV_BOX
-    Q_OFF = V_OFF + KV_BOX
-    DO_OFF = Q_OFF + 2 * Q_BOX
-    DS_OFF = DO_OFF + 2 * Q_BOX
+    reduction (none for a block past the rows); dQ read back through the convert's map `tiled`.
+    The addresses are the header's: `layout` is Layout<Config> (host-compiled), produce()'s boxes and rows and
+    consume_tall's operand bases, dS^T store, dQ descriptor, query block and reduction are its expressions
+    (header_tall_producer, header_tall_consumer). The producer runs as far ahead as the stages let it (step
+    i + STAGES loaded right after step i is consumed), so a stage that overlaps another, or a consumer that reads
+    a stage the producer did not write for its step, fails."""
+    d, BN, ROWS = 64, 128, 128
+    L = layout
+    assert L["L_ROWS"] == ROWS and L["L_BOXES"] == 1 and L["C_HEAD_DIM"] == d and L["C_STAGES"] >= 2
+    produce, at = header_tall_producer(), header_tall_consumer()
     unit = header_tall_ds_unit()
     stage_store = header_dq_staging()
-    sm = Smem(DS_OFF + 2 * 2 * PANEL)
+    sm = Smem(L["L_DQ_OFF"])
+    K_OFF, V_OFF, KV_BOX = L["L_K_OFF"], L["L_V_OFF"], L["L_KV_BOX"]
     for off, src in ((K_OFF, k), (V_OFF, v)):
         pad = np.zeros((BN, d))
         pad[:kv_len] = src
         sm.tma_rows(off, KV_BOX, 0, pad)
     rows = q.shape[0]
+    starts = list(range(0, rows, ROWS))
+    loaded = {}  # stage -> the step whose Q and dO it holds
+
+    def load(step):  # produce(): every box of the step's stage through the header's offsets and rows
+        stage, r0 = step % L["C_STAGES"], starts[step]
+        for x in range(L["L_BOXES"]):
+            for h in range(L["L_HALVES"]):
+                q_at, do_at, start = produce(L, stage, x, h, r0, rows)
+                # a box starts in bounds (TMA zero-fills its rows past q_len); a box whose rows r0 + 64 h are past
+                # q_len reloads rows of the step instead (P = dS = 0 there), never one wholly out of bounds
+                assert r0 <= start < rows, ("a box starts past the rows or outside the step", r0, h, start)
+                if r0 + 64 * h < rows:
+                    assert start == r0 + 64 * h, (r0, h, start)
+                for src, off in ((q, q_at), (do, do_at)):
+                    box = np.zeros((64, d))
+                    box[:min(64, rows - start)] = src[start:start + 64]
+                    sm.tma_rows(off, L["L_Q_BOX"], 0, box)
+        loaded[stage] = step
+
     accum = np.zeros(rows * d)
     dk, dv = np.zeros((2, 64, d)), np.zeros((2, 64, d))
-    for step, r0 in enumerate(range(0, rows, ROWS)):
+    for step in range(min(L["C_STAGES"], len(starts))):
+        load(step)
+    for step, r0 in enumerate(starts):
+        stage = step % L["C_STAGES"]
+        assert loaded[stage] == step
         r1 = min(rows, r0 + ROWS)
-        for src, off in ((q, Q_OFF), (do, DO_OFF)):
-            for h in range(2):  # produce(): box h at rows r0 + 64 h, or r0 again where that is past the rows
-                start = r0 + BM * h if r0 + BM * h < rows else r0
-                box = np.zeros((BM, d))
-                box[:max(0, min(BM, rows - start))] = src[start:start + BM]
-                sm.tma_rows(off + h * Q_BOX, Q_BOX, 0, box)
+        env = dict(L, stage=stage, step=step, r0=r0, r1=r1, BLOCK_M=64, BLOCK_N=BN, p_q_len=rows, b=0, w_hq=0)
+        q_base, do_base, ds_base = at["q_base"](**env), at["do_base"](**env), at["ds_base"](**env)
         l2, ds_ = np.full(ROWS, np.inf), np.zeros(ROWS)
         l2[:r1 - r0], ds_[:r1 - r0] = lse2[r0:r1], dsum[r0:r1]
-        ds_base = DS_OFF + (step % 2) * 2 * PANEL
         for cw in range(2):
             s, dp = np.zeros((64, ROWS)), np.zeros((64, ROWS))
             for kk in range(d // 16):  # m64n128k16: B = 128 query rows, K-major
-                s += sm.k_major(K_OFF + 64 * cw * 128 + 32 * kk, 64) @ sm.k_major(Q_OFF + 32 * kk, ROWS).T
-                dp += sm.k_major(V_OFF + 64 * cw * 128 + 32 * kk, 64) @ sm.k_major(DO_OFF + 32 * kk, ROWS).T
+                s += sm.k_major(K_OFF + 64 * cw * 128 + 32 * kk, 64) @ sm.k_major(q_base + 32 * kk, ROWS).T
+                dp += sm.k_major(V_OFF + 64 * cw * 128 + 32 * kk, 64) @ sm.k_major(do_base + 32 * kk, ROWS).T
             key = 64 * cw + np.arange(64)[:, None]
             qrow = r0 + np.arange(ROWS)[None, :]
-            with np.errstate(over="ignore"):
+            with np.errstate(over="ignore", invalid="ignore"):
                 p = np.exp2(s * scale_log2 - l2[None, :])
             seen = (key < kv_len) & ((key <= qrow) if causal else True)
             p = np.where(seen, p, 0.0)
@@ -956,18 +1082,20 @@ def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled):
             for warp in range(4):
                 for lane in range(32):
                     row = 16 * warp + lane // 4
+                    base = at["ds_store"](ds_base=ds_base, cw=cw, row=row)
                     for qq in range(ROWS // 8):
                         for h in range(2):
                             for e in range(2):
-                                addr = ds_base + (64 * cw + row) * 128 + 8 * h * 128 + unit(qq, lane) + 2 * e
+                                addr = base + 8 * h * 128 + unit(qq, lane) + 2 * e
                                 sm.mem[addr // 2] = ds16[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
             for kq in range(ROWS // 16):  # dV += P^T dO, dK += dS^T Q: 8 k16 steps of 2048 bytes
-                dv[cw] += p16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(DO_OFF + kq * 2048, d, Q_BOX)
-                dk[cw] += ds16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(Q_OFF + kq * 2048, d, Q_BOX)
+                dv[cw] += p16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(do_base + kq * 2048, d, L["L_Q_BOX"])
+                dk[cw] += ds16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(q_base + kq * 2048, d, L["L_Q_BOX"])
         for cw in range(2):  # after DS_READY: dQ of queries 64 cw .. over the 128 keys
+            start, lbo = at["ds_desc"](ds_base=ds_base, cw=cw, **L), at["ds_lbo"](**L)
             acc = np.zeros((64, 64))
             for kk in range(BN // 16):
-                a = sm.mn_major(ds_base + cw * PANEL + kk * 2048, 64, PANEL).T  # M-major A: [m][k]
+                a = sm.mn_major(start + kk * 2048, 64, lbo).T  # M-major A: [m][k]
                 b = sm.mn_major(K_OFF + kk * 2048, 64, KV_BOX)
                 acc += a @ b
             staging = np.full(64 * 64, np.nan)
@@ -976,25 +1104,33 @@ def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled):
                     row = 16 * warp + lane // 4
                     for h in range(2):
                         for qq in range(8):
-                            at, reg = stage_store(row, h, lane, qq)
+                            st, reg = stage_store(row, h, lane, qq)
                             for e in range(2):
-                                staging[at // 4 + e] = acc[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
-            q0 = r0 + BM * cw
-            if q0 < r1:  # the block's valid rows; none past the rows
-                n = min(BM, r1 - q0)
-                accum[q0 * d:q0 * d + n * 64] += staging[:n * 64]
+                                staging[st // 4 + e] = acc[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            q0 = at["q0"](cw=cw, **env)
+            if at["reduce_if"](q0=q0, **env):  # the block's valid rows; none past the rows
+                n = at["n"](q0=q0, **env)
+                dst = at["dst"](q0=q0, **env)  # floats from dq_accum
+                nbytes = at["bytes"](n=n)
+                assert nbytes % 4 == 0 and 0 <= dst and dst + nbytes // 4 <= rows * d
+                accum[dst:dst + nbytes // 4] += staging[:nbytes // 4]
+        if step + L["C_STAGES"] < len(starts):  # the stage released (q_empty): the producer refills it
+            load(step + L["C_STAGES"])
     return accum[tiled], np.concatenate(list(dk))[:kv_len], np.concatenate(list(dv))[:kv_len]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("rows,causal", [(150, True), (300, False), (300, True), (64, True)])
-def test_shared_memory_model_of_one_tall_cta(convert_map, rows, causal):
-    """params.step_rows 128 (head dim 64): 100 keys (a tail of the 128-key block) against 150 / 300 / 64 query rows
-    (steps of 128 with a tail: 22 and 44 rows, the second 64-row box past the rows reloading the first, and warpgroup
-    1's query block past them reducing nothing; 300: three steps, the first dS^T buffer reused), one head: dQ, dK,
-    dV through the modelled operand addresses (the dS^T store's offset read from the header) and the bulk path
-    against the family's reference within its tolerance. A store into the wrong panel or without the swizzle, dQ
-    over the wrong panel or keys, or a reduction into the other warpgroup's block fails it."""
+@pytest.mark.parametrize("rows,causal", [(150, True), (300, False), (300, True), (64, True), (192, False)])
+def test_shared_memory_model_of_one_tall_cta(convert_map, tall_layout, rows, causal):
+    """params.step_rows 128 (head dim 64): 100 keys (a tail of the 128-key block) against 150 / 300 / 64 / 192 query
+    rows (steps of 128 with a tail: 22, 44 and 64 rows, the second 64-row box past the rows reloading the first,
+    and warpgroup 1's query block past them reducing nothing; 150, 192: two steps, both stages; 300: three steps,
+    stage 0 and the first dS^T buffer reused), one head: dQ, dK, dV through the modelled operand addresses and the
+    bulk path against the family's reference within its tolerance. The addresses are the header's: Layout<Config>
+    host-compiled, produce()'s box offsets and rows, and consume_tall's stage bases, dS^T store, dQ descriptor,
+    query block and reduction read from it (model_cta_tall). A box at the wrong offset or stage stride, a box
+    that starts past the rows, a store into the wrong panel or without the swizzle, dQ over the wrong panel or
+    keys, or a reduction into the other warpgroup's block fails it."""
     from tsgen.ops.attention import attention_backward_reference, attention_reference, o_tolerance
 
     rng = np.random.default_rng(5)
@@ -1009,7 +1145,7 @@ def test_shared_memory_model_of_one_tall_cta(convert_map, rows, causal):
     lse2 = np.where(np.isneginf(lse[0, 0]), np.inf, lse[0, 0] * np.log2(np.e))
     offsets = convert_map(1, 1, rows, d, False).reshape(rows, d)
     dq, dk, dv = model_cta_tall(q[0, :, 0], k[0, :, 0], v[0, :, 0], do[0, :, 0], lse2, dsum, scale * np.log2(np.e),
-                                kv_len, causal, offsets)
+                                kv_len, causal, offsets, tall_layout)
     want = attention_backward_reference(q, k, v, o, do, lse, scale, causal, with_abs=True)
     for name, g, w, a in (("dq", dq * scale, want[0], want[3]), ("dk", dk * scale, want[1], want[4]),
                           ("dv", dv, want[2], want[5])):

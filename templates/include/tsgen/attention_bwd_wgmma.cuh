@@ -444,9 +444,9 @@ static __device__ __forceinline__ void to_operand(const float (&s)[N], uint32_t 
     for (int x = 0; x < 4; ++x) a[k][x] = gemm::pack2<typename C::Element>(s[8 * k + 2 * x], s[8 * k + 2 * x + 1]);
 }
 
-// The accumulator's query columns of this thread: f(col, i) for each column col of the step's 64
-// queries it holds and i, its register for key row g (i + 2: row g + 8); the layout of to_operand's.
-// GROUPS: the accumulator's 8-column groups (16 for TALL's 128 queries).
+// The accumulator's query columns of this thread: f(col, i) for each column col it holds of the step's
+// 8 x GROUPS queries (GROUPS: the accumulator's 8-column groups; 8 for a 64-query step, 16 for TALL's 128)
+// and i, its register for key row g (i + 2: row g + 8); the layout of to_operand's.
 template <int GROUPS, class F>
 static __device__ __forceinline__ void each_query_column(F&& f) {
   const uint32_t c = threadIdx.x % 4;
