@@ -45,6 +45,7 @@
 # fails. FlashAttention-4 is timed too where tools/fa4_wheels.sh installed it on this warm machine first
 # (its header: three calls carrying .whl-fa4/part1..3), else its rows are notes; its first call in each
 # shape compiles (the DSL's JIT: seconds to a minute each, not measured yet), before the timed calls.
+# FA4_CUBINS=1 also brings back FA4's compiled kernels ($OUT/fa4_dsl_cache.tgz, for cuobjdump here).
 # Logs under $OUT/attn_logs, results in the index layout in $OUT/results.tgz (tar xzf it into results/, then `tsgen results`), a table of ratios last.
 set -uo pipefail
 MODE=${1:-attention}
@@ -142,4 +143,9 @@ rc=$?
 # 2026-11-27 the folders were left out, "count", and only the printed summaries came back)
 traces=$(cd "$OUT" && ls -d trace_* 2>/dev/null)
 [ -n "$traces" ] && (cd "$OUT" && tar czf traces.tgz $traces && rm -rf $traces)
+# FA4_CUBINS=1: FlashAttention-4's kernels as its DSL compiled them (its on-disk cache), to read their SASS
+# here with cuobjdump beside tsgen's (what FA4 does per block that tsgen does not); read, never committed
+if [ -n "${FA4_CUBINS:-}" ] && [ -d /tmp/fa4-dsl-cache ]; then
+  tar czf "$OUT/fa4_dsl_cache.tgz" -C /tmp fa4-dsl-cache && ls -l "$OUT/fa4_dsl_cache.tgz"
+fi
 exit $rc
