@@ -504,6 +504,60 @@ static __device__ __forceinline__ void each_staged_pair(uint32_t staging, uint32
   }
 }
 
+// A step's dS^T (16-bit, the A fragments `ad`) to shared memory at ds_base: key row 64 cw + row (+ 8),
+// 128B-swizzled (the 16-byte unit q of a row at q ^ (row % 8); row % 8 = lane / 4), then fenced so that
+// the wgmma (async proxy) sees it after the next barrier.
+template <class C>
+static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw, uint32_t row, uint32_t lane,
+                                                  const uint32_t (&ad)[4][4]) {
+  const uint32_t base = ds_base + (64 * cw + row) * 128, swizzle = lane / 4;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const uint32_t col = ((q ^ swizzle) << 4) + 4 * (lane % 4);
+    const uint32_t k = q / 2, x = q % 2;  // registers 4q .. 4q + 3 are ad[k][2x], ad[k][2x + 1]
+    st_shared_u32(base + col, ad[k][2 * x]);
+    st_shared_u32(base + 8 * 128 + col, ad[k][2 * x + 1]);
+  }
+  fence_proxy_async_shared_cta();
+}
+
+// dV_w += P^T dO, dK_w += dS^T Q over the step's 64 queries (A from registers; dO and Q of the stage
+// N-major, 16 rows = 2048 bytes a k16 step): one group.
+template <class C>
+static __device__ __forceinline__ void issue_dv_dk(float (&dv)[Layout<C>::D_ACC], float (&dk)[Layout<C>::D_ACC],
+                                                   const uint32_t (&ap)[4][4], const uint32_t (&ad)[4][4],
+                                                   uint32_t q_base, uint32_t do_base) {
+  using L = Layout<C>;
+  const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < L::K16; ++k) C::mma_rs(dv, ap[k], do_n + ((k * 2048) >> 4), 1);
+#pragma unroll
+  for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
+  wgmma_commit_group();
+}
+
+// The walk's end: dK (times the scale) and dV of key rows key_lo (+ 8), columns 8q + 2c (+ 1), to global;
+// rows past kv_len clipped.
+template <class C>
+static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t b, uint32_t hk, uint32_t key_lo,
+                                                   uint32_t lane, const float (&dk)[Layout<C>::D_ACC],
+                                                   const float (&dv)[Layout<C>::D_ACC]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t key = key_lo + 8 * h;
+    if (key >= p.kv_len) continue;
+    const size_t at = row_offset<C>(b, key, hk, C::KV_HEADS, p.kv_len);
+    uint32_t* dkg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at);
+    uint32_t* dvg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at);
+#pragma unroll
+    for (int q = 0; q < C::HEAD_DIM / 8; ++q) {
+      dkg[4 * q + lane % 4] = pack2<C>(dk[4 * q + 2 * h] * C::SCALE, dk[4 * q + 2 * h + 1] * C::SCALE);
+      dvg[4 * q + lane % 4] = pack2<C>(dv[4 * q + 2 * h], dv[4 * q + 2 * h + 1]);
+    }
+  }
+}
+
 template <class C>
 static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, uint32_t cw, uint32_t b,
                                                uint32_t hk, uint32_t k0) {
@@ -569,30 +623,8 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
 
-    // dS^T (16-bit) to shared memory: key row 64 cw + row (+ 8), 128B-swizzled (the 16-byte unit
-    // q of a row at q ^ (row % 8); row % 8 = lane / 4)
-    {
-      const uint32_t base = ds_base + (64 * cw + row) * 128, swizzle = lane / 4;
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const uint32_t col = ((q ^ swizzle) << 4) + 4 * (lane % 4);
-        const uint32_t k = q / 2, x = q % 2;  // registers 4q .. 4q + 3 are ad[k][2x], ad[k][2x + 1]
-        st_shared_u32(base + col, ad[k][2 * x]);
-        st_shared_u32(base + 8 * 128 + col, ad[k][2 * x + 1]);
-      }
-      fence_proxy_async_shared_cta();  // visible to the wgmma (async proxy) after the barrier
-    }
-
-    // dV_w += P^T dO, dK_w += dS^T Q (over the step's 64 queries)
-    {
-      const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < L::K16; ++k) C::mma_rs(dv, ap[k], do_n + ((k * 2048) >> 4), 1);
-#pragma unroll
-      for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
-      wgmma_commit_group();
-    }
+    store_ds_t<C>(ds_base, cw, row, lane, ad);         // dS^T to shared memory
+    issue_dv_dk<C>(dv, dk, ap, ad, q_base, do_base);   // dV_w += P^T dO, dK_w += dS^T Q
 
     // DQ_TILED: this warpgroup's staging buffer is rewritten after DS_READY (below); the bulk
     // reduction of the last step (thread 0's bulk group) must have finished reading it first. Issued a
@@ -691,20 +723,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
         bulk_wait_group_all();
     }
 
-  // dK (times the scale) and dV: key rows key_lo (+ 8), columns 8q + 2c (+ 1); rows past kv_len clipped
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint32_t key = key_lo + 8 * h;
-    if (key >= p.kv_len) continue;
-    const size_t at = row_offset<C>(b, key, hk, C::KV_HEADS, p.kv_len);
-    uint32_t* dkg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at);
-    uint32_t* dvg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at);
-#pragma unroll
-    for (int q = 0; q < C::HEAD_DIM / 8; ++q) {
-      dkg[4 * q + lane % 4] = pack2<C>(dk[4 * q + 2 * h] * C::SCALE, dk[4 * q + 2 * h + 1] * C::SCALE);
-      dvg[4 * q + lane % 4] = pack2<C>(dv[4 * q + 2 * h], dv[4 * q + 2 * h + 1]);
-    }
-  }
+  store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
 }
 
 // params.lookahead (LOOKAHEAD; bulk dQ, not DETERMINISTIC): consume() with the next step's S^T issued as
@@ -820,29 +839,8 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
 
-    // dS^T (16-bit) to shared memory, as consume()
-    {
-      const uint32_t base = ds_base + (64 * cw + row) * 128, swizzle = lane / 4;
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const uint32_t col = ((q ^ swizzle) << 4) + 4 * (lane % 4);
-        const uint32_t k = q / 2, x = q % 2;
-        st_shared_u32(base + col, ad[k][2 * x]);
-        st_shared_u32(base + 8 * 128 + col, ad[k][2 * x + 1]);
-      }
-      fence_proxy_async_shared_cta();
-    }
-
-    // dV_w += P^T dO, dK_w += dS^T Q
-    {
-      const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < L::K16; ++k) C::mma_rs(dv, ap[k], do_n + ((k * 2048) >> 4), 1);
-#pragma unroll
-      for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
-      wgmma_commit_group();
-    }
+    store_ds_t<C>(ds_base, cw, row, lane, ad);         // dS^T to shared memory
+    issue_dv_dk<C>(dv, dk, ap, ad, q_base, do_base);   // dV_w += P^T dO, dK_w += dS^T Q
 
     // the staging is rewritten after DS_READY: the last reduction has read it (issued a step ago)
     if (t == 0) bulk_wait_group_read<0>();
@@ -890,20 +888,7 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
   }
   if (t == 0) bulk_wait_group_all();
 
-  // dK (times the scale) and dV, as consume()
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint32_t key = key_lo + 8 * h;
-    if (key >= p.kv_len) continue;
-    const size_t at = row_offset<C>(b, key, hk, C::KV_HEADS, p.kv_len);
-    uint32_t* dkg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at);
-    uint32_t* dvg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at);
-#pragma unroll
-    for (int q = 0; q < C::HEAD_DIM / 8; ++q) {
-      dkg[4 * q + lane % 4] = pack2<C>(dk[4 * q + 2 * h] * C::SCALE, dk[4 * q + 2 * h + 1] * C::SCALE);
-      dvg[4 * q + lane % 4] = pack2<C>(dv[4 * q + 2 * h], dv[4 * q + 2 * h + 1]);
-    }
-  }
+  store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
 }
 
 // params.step_rows 128 (TALL; head dim 64, bulk dQ, not deterministic, not lookahead): consume() with steps of 128
@@ -1065,20 +1050,7 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
   // every bulk reduction complete (its writes done) before the CTA ends, as consume()
   if (t == 0) bulk_wait_group_all();
 
-  // dK (times the scale) and dV, as consume()
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const uint32_t key = key_lo + 8 * h;
-    if (key >= p.kv_len) continue;
-    const size_t at = row_offset<C>(b, key, hk, C::KV_HEADS, p.kv_len);
-    uint32_t* dkg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at);
-    uint32_t* dvg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at);
-#pragma unroll
-    for (int q = 0; q < C::HEAD_DIM / 8; ++q) {
-      dkg[4 * q + lane % 4] = pack2<C>(dk[4 * q + 2 * h] * C::SCALE, dk[4 * q + 2 * h + 1] * C::SCALE);
-      dvg[4 * q + lane % 4] = pack2<C>(dv[4 * q + 2 * h], dv[4 * q + 2 * h + 1]);
-    }
-  }
+  store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
 }
 
 // The main kernel's body.
