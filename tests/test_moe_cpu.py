@@ -246,6 +246,34 @@ def test_e4m3_encoding():
     assert np.array_equal(e4m3_encode(e4m3_decode(codes).astype(np.float32)), codes)
 
 
+def _e4m3_by_logarithms(v: np.ndarray) -> np.ndarray:
+    """An independent e4m3 encoder (float64 exponents and steps, np.rint's ties to even): the oracle for
+    tsgen's integer one."""
+    v = np.asarray(v, dtype=np.float32).astype(np.float64)
+    a = np.abs(v)
+    step = 2.0 ** (np.maximum(np.floor(np.log2(np.where(a > 0, a, 1.0))), -6) - 3)
+    q = np.minimum(np.rint(a / step) * step, 448.0)
+    e = np.floor(np.log2(np.where(q > 0, q, 1.0)))
+    normal = q >= 2.0**-6
+    code = np.where(normal, (e + 7) * 8 + q / 2.0**e * 8 - 8, q / 2.0**-9).astype(np.uint8)
+    return (np.signbit(v).astype(np.uint8) << 7) | code
+
+
+def test_e4m3_encoding_matches_an_independent_encoder():
+    """Random values over every magnitude, every midpoint between codes and its float32 neighbours, a stride
+    through all finite float32 bit patterns: the same bytes as the float64 encoder; infinities saturate,
+    NaN is 0x7F with its sign."""
+    rng = np.random.default_rng(7)
+    values = e4m3_decode(np.arange(0x7F, dtype=np.uint8))
+    mid = ((values[:-1] + values[1:]) / 2).astype(np.float32)
+    xs = np.concatenate([rng.standard_normal(200_000).astype(np.float32) * s for s in (1e-3, 1, 30, 300)] +
+                        [mid, np.nextafter(mid, 0), np.nextafter(mid, np.inf), values.astype(np.float32),
+                         np.arange(0, 0x7F800000, 4099, dtype=np.uint32).view(np.float32)])
+    xs = np.concatenate([xs, -xs])
+    assert np.array_equal(e4m3_encode(xs), _e4m3_by_logarithms(xs))
+    assert e4m3_encode(np.float32([np.inf, -np.inf, np.nan, -np.nan])).tolist() == [0x7E, 0xFE, 0x7F, 0xFF]
+
+
 def test_fp8_quantization_error_within_bound():
     """Random rows, a row of zeros and a row with one large channel: the dequantized values stay within
     fp8_error_bound of the bf16 input; the measured worst relative error of normal-range values ~2^-4."""

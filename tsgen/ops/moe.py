@@ -650,25 +650,37 @@ E4M3_MAX = 448.0
 
 def e4m3_encode(v: np.ndarray) -> np.ndarray:
     """float32 -> e4m3 bytes (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities),
-    rounding to nearest even and saturating at 448 as PTX cvt.rn.satfinite.e4m3x2.f32 does."""
-    v = np.asarray(v, dtype=np.float32).astype(np.float64)
+    rounding to nearest even and saturating at 448 as PTX cvt.rn.satfinite.e4m3x2.f32 does (an infinity to
+    448, NaN to 0x7F with its sign). On the float32 bits: from 2^-6 up, the mantissa rounded to 3 bits (ties
+    to even) gives the code's exponent and mantissa fields; below it, the subnormal steps of 2^-9 (np.rint:
+    ties to even). Integer work only: the fp8 reference encodes millions of channels a call."""
+    v = np.asarray(v, dtype=np.float32)
     a = np.abs(v)
-    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
-    e = np.maximum(e, -6)  # below 2^-6: subnormal steps of 2^-9
-    step = 2.0 ** (e - 3)
-    q = np.minimum(np.rint(a / step) * step, E4M3_MAX)  # np.rint: ties to even
-    e2 = np.floor(np.log2(np.where(q > 0, q, 1.0)))
-    normal = q >= 2.0**-6
-    field = np.where(normal, e2 + 7, 0)
-    mant = np.where(normal, q / 2.0**e2 * 8 - 8, q / 2.0**-9)
-    return ((np.signbit(v).astype(np.uint8) << 7) | (field.astype(np.uint8) << 3) | mant.astype(np.uint8))
+    bits = a.view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFFF) + ((bits >> 20) & 1))) & np.uint32(0xFFF00000)
+    rounded = np.minimum(rounded, np.float32(E4M3_MAX).view(np.uint32))  # as floats: the order of their bits
+    normal = (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)  # float32 exponent bias 127, e4m3's 7
+    with np.errstate(over="ignore", invalid="ignore"):
+        subnormal = np.rint(a * np.float32(2.0**9))
+        code = np.where(a < np.float32(2.0**-6), subnormal, normal).astype(np.uint8)
+    code[np.isnan(a)] = 0x7F
+    return (np.signbit(v).astype(np.uint8) << 7) | code
 
 
-def e4m3_decode(b: np.ndarray) -> np.ndarray:
-    b = np.asarray(b, dtype=np.uint8)
+def _e4m3_values() -> np.ndarray:
+    """The value of every e4m3 code, by its fields (0x7F and 0xFF, NaN in e4m3, decode as 480)."""
+    b = np.arange(256, dtype=np.uint8)
     field, mant = (b >> 3) & 0xF, (b & 7).astype(np.float64)
     mag = np.where(field > 0, (1 + mant / 8) * 2.0 ** (field.astype(np.float64) - 7), mant * 2.0**-9)
     return np.where(b >> 7, -mag, mag)
+
+
+_E4M3_VALUES = _e4m3_values()
+
+
+def e4m3_decode(b: np.ndarray) -> np.ndarray:
+    """e4m3 bytes -> float64 values (a table lookup)."""
+    return _E4M3_VALUES[np.asarray(b, dtype=np.uint8)]
 
 
 def fp8_quantize(rows_bf16: np.ndarray, hidden: int) -> tuple[np.ndarray, np.ndarray]:
