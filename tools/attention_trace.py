@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tsgen.bench.runner import MAX_REL_ERR, _random  # noqa: E402
+from tsgen.bench.runner import MAX_REL_ERR, fill_random  # noqa: E402
 from tsgen.harness import render_to_cache, shared_gpu_variant  # noqa: E402
 from tsgen.ops import get_family  # noqa: E402
 from tsgen.ops.cp_attention import SIGNALS, STAMP_WORDS, trace_summary, trace_table  # noqa: E402
@@ -85,12 +85,7 @@ def run(spec_path: Path, world_size: int, seq: int, calls: int, blocks: int | No
         cached = render_to_cache(loaded)
         module = w.load(cached.manifest, source=cached.source)
         bufs = module.alloc(count)
-        for r in w.ranks:
-            with w.cp.cuda.Device(w.devices[r]):
-                rs = w.cp.random.RandomState(1000 + r)
-                for s in bufs.slots:
-                    if s.role == "input":
-                        _random(w.cp, rs, bufs.array(s.name, r), s.dtype)
+        fill_random(w, bufs)
         tables = {}
         for _ in range(calls):
             module.launch(bufs)

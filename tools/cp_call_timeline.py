@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))  # attention_trace, the per-tile trace tool beside this one
 
-from tsgen.bench.runner import MAX_REL_ERR, _random  # noqa: E402
+from tsgen.bench.runner import MAX_REL_ERR, fill_random  # noqa: E402
 from tsgen.bench.timing import CupyClock, Sampler  # noqa: E402
 from tsgen.harness import render_to_cache, shared_gpu_variant  # noqa: E402
 from tsgen.ops import get_family  # noqa: E402
@@ -151,12 +151,7 @@ def run(spec_path: Path, world_size: int, seqs: list[int], calls: int, samples: 
             count = seq // world_size
             tiles = tiles_per_rank(spec.params, count)
             bufs = module.alloc(count)
-            for r in w.ranks:
-                with w.cp.cuda.Device(w.devices[r]):
-                    rs = w.cp.random.RandomState(1000 + r)
-                    for s in bufs.slots:
-                        if s.role == "input":
-                            _random(w.cp, rs, bufs.array(s.name, r), s.dtype)
+            fill_random(w, bufs)
             w.synchronize()
             enqueued = []
 

@@ -367,11 +367,7 @@ def _fill_inputs(step: Step) -> dict | None:
         host = conv.bench_inputs(family, spec, w.size, step.case.count, np.random.default_rng(12345))
         _load(w, sets[0], host)
     else:
-        for r in w.ranks:
-            with w.cp.cuda.Device(w.devices[r]):
-                rs = w.cp.random.RandomState(1000 + r)
-                for s in slots:
-                    _random(w.cp, rs, sets[0].array(s.name, r), s.dtype)
+        fill_random(w, sets[0], roles=("input", "inout"))
     for b in sets[1:]:
         for r in w.ranks:
             with w.cp.cuda.Device(w.devices[r]):
@@ -387,6 +383,17 @@ def _load(w, bufs, inputs: dict) -> None:
             for name, per_rank in inputs.items():
                 arr = bufs.array(name, r)
                 arr.set(np.ascontiguousarray(per_rank[r]).view(arr.dtype))
+
+
+def fill_random(w, bufs, roles: tuple[str, ...] = ("input",)) -> None:
+    """Every slot of `bufs` with one of `roles` on every rank: random data made on the rank's GPU (seeded
+    1000 + rank, the bench's inputs; the tools that trace a call use the same)."""
+    for r in w.ranks:
+        with w.cp.cuda.Device(w.devices[r]):
+            rs = w.cp.random.RandomState(1000 + r)
+            for s in bufs.slots:
+                if s.role in roles:
+                    _random(w.cp, rs, bufs.array(s.name, r), s.dtype)
 
 
 def _random(cp, rs, arr, dtype: str) -> None:
