@@ -5,7 +5,9 @@ Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl 
        python tools/gpu_attention_bwd.py OUT_DIR --impl wgmma --ncu hd128_full_kv32[:8192]
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment; source
        tools/device_env.sh before the --ncu form: ncu over one variant's main kernel at the bench's
-       shape, the report in OUT_DIR/ncu_<variant>_s<seq>.txt)
+       shape, the report in OUT_DIR/ncu_<variant>_s<seq>.txt; with --ncu-baseline sdpa_cudnn (or
+       sdpa_flash, cudnn_fe, fa4) the same metrics over that baseline's backward kernels on the same
+       tensors, in OUT_DIR/ncu_<baseline>_<variant>_s<seq>.txt: the two side by side)
 
 --impl: the main kernels to run (default mma_sync): mma_sync (params.impl mma_sync), wgmma
 (params.impl wgmma: dQ by bulk reductions, its default) and wgmma_red (params.impl wgmma with
@@ -400,17 +402,25 @@ def bench_inputs(torch, op: "Op", seq: int) -> tuple[int, dict, tuple]:
     return batch, t, op.workspace(torch, batch, seq)
 
 
-def one_shape(built: dict, seq: int, calls: int = 3) -> dict:
-    """`calls` calls of the bench's shape at `seq` on one stream: what ncu profiles (--ncu; its
-    --launch-skip 1 --launch-count 1 takes the second call's main kernel, caches warm)."""
+def one_shape(built: dict, seq: int, calls: int = 3, baseline: str | None = None) -> dict:
+    """`calls` calls of the bench's shape at `seq` on one stream, tsgen's or `baseline`'s (one of BASELINES,
+    on the same tensors): what ncu profiles (--ncu; its --launch-skip takes a later call's kernels, caches
+    warm)."""
     import torch
 
     op = Op(built)
     batch, t, ws = bench_inputs(torch, op, seq)
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()
-    for _ in range(calls):
-        op(t, ws, batch, seq, seq, stream)
+    if baseline is None:
+        for _ in range(calls):
+            op(t, ws, batch, seq, seq, stream)
+    else:
+        fn, why = baseline_call(torch, baseline, t, op, stream)  # its first call runs here
+        if fn is None:
+            return {"pass": False, "why": why}
+        for i in range(calls - 1):
+            fn(i, [0])
     stream.synchronize()
     return {"pass": True, "seq": seq, "batch": batch}
 
@@ -425,15 +435,23 @@ NCU_METRICS = ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_
                "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio")
 
 
-def profile(out: Path, name: str, impl: str, seq: int) -> int:
-    """ncu over variant `name`'s main kernel (impl `impl`) at the bench's shape for `seq`: the report
-    in OUT/ncu_<variant>_s<seq>.txt (ncu on PATH; the GPU's clocks as they are: ncu's own warning says
-    so). Where the backward's time goes, before a lever is chosen (docs/design/attention.md)."""
+def profile(out: Path, name: str, impl: str, seq: int, baseline: str | None = None) -> int:
+    """ncu over variant `name`'s main kernel (impl `impl`) at the bench's shape for `seq`, or over the
+    kernels of `baseline`'s three backward calls on the same tensors (its preprocess, main kernel and dQ
+    conversion, picked by name): the report in OUT/ncu_<variant>_s<seq>.txt, or
+    OUT/ncu_<baseline>_<variant>_s<seq>.txt (ncu on PATH; the GPU's clocks as they are: ncu's own warning
+    says so). Where the backward's time goes, and where the baseline's, before a lever is chosen
+    (docs/design/attention.md)."""
     built = build(out, name, impl)
-    report = out / f"ncu_{impl_name(name, impl)}_s{seq}.txt"
-    cmd = ["ncu", "--kernel-name", "regex:_main$", "--launch-skip", "1", "--launch-count", "1",
-           *[a for sec in NCU_SECTIONS for a in ("--section", sec)], "--metrics", ",".join(NCU_METRICS),
-           sys.executable, __file__, "--child", "one", json.dumps(built), str(seq)]
+    if baseline is None:
+        report = out / f"ncu_{impl_name(name, impl)}_s{seq}.txt"
+        pick = ["--kernel-name", "regex:_main$", "--launch-skip", "1", "--launch-count", "1"]
+    else:  # the backward's kernels by name (cuDNN's "bprop", flash's "bwd", FA4's "Backward"), all of its
+        # three calls' (up to 3 kernels a call): the last call's are the warm ones
+        report = out / f"ncu_{baseline}_{name}_s{seq}.txt"
+        pick = ["--kernel-name", "regex:(?i)bprop|bwd|backward", "--launch-count", "9"]
+    cmd = ["ncu", *pick, *[a for sec in NCU_SECTIONS for a in ("--section", sec)], "--metrics", ",".join(NCU_METRICS),
+           sys.executable, __file__, "--child", "one", json.dumps(built), str(seq), *([baseline] if baseline else [])]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -520,13 +538,45 @@ def cudnn_fe_backward(torch, t: dict, causal: bool, stream):
     return (None, wrong) if wrong else (call, None)
 
 
+BASELINES = ("sdpa_flash", "sdpa_cudnn", "cudnn_fe", "fa4")  # the bench's columns, in order
+
+
+def sdpa_backward(torch, t: dict, causal: bool, stream, backend: str):
+    """(call, None): torch autograd of scaled_dot_product_attention's backward with one SDPA backend
+    ("flash" or "cudnn"), its forward run once here on `stream`; (None, why) where the backend refuses
+    the shape (its first call raises)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (t[n].transpose(1, 2).requires_grad_(True) for n in ("q", "k", "v"))
+    dot = t["do"].transpose(1, 2)
+    gqa = qt.shape[1] != kt.shape[1]
+    try:
+        with sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]), \
+                torch.cuda.stream(stream):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+
+        def call(i, rs):
+            with torch.cuda.stream(stream):
+                torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True)
+        call(0, [0])
+    except RuntimeError as e:  # a backend that refuses the shape
+        return None, str(e).splitlines()[0]
+    return call, None
+
+
+def baseline_call(torch, label: str, t: dict, op: "Op", stream):
+    """(call, None) or (None, why) for one of BASELINES on the bench's tensors `t`: what the bench times
+    beside tsgen and what `--ncu-baseline` profiles."""
+    if label.startswith("sdpa_"):
+        return sdpa_backward(torch, t, op.causal, stream, label.removeprefix("sdpa_"))
+    return {"cudnn_fe": cudnn_fe_backward, "fa4": fa4_backward}[label](torch, t, op.causal, stream)
+
+
 def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
     """built: variant name -> {impl: its build} (the impls timed side by side, interleaved; the first
     is the reference of ratio_ref)."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from tsgen.bench.timing import Sampler, TorchClock, paired_ratio, time_interleaved
     from tsgen.ops.attention_backward import flops
 
@@ -539,35 +589,17 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
             batch, t, _ = bench_inputs(torch, op, seq)
             wss = {impl: o.workspace(torch, batch, seq) for impl, o in ops.items()}  # each variant its own
             stream = torch.cuda.Stream()
-            qt, kt, vt = (t[n].transpose(1, 2).requires_grad_(True) for n in ("q", "k", "v"))
-            dot = t["do"].transpose(1, 2)
 
             def tsgen_call(impl):
                 def call(i, rs):
                     ops[impl](t, wss[impl], batch, seq, seq, stream)
                 return call
 
-            def sdpa(backend):
-                with sdpa_kernel(backend), torch.cuda.stream(stream):
-                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=op.causal,
-                                                         enable_gqa=op.heads != op.kv_heads)
-
-                def call(i, rs):
-                    with torch.cuda.stream(stream):
-                        torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True)
-                return call
-
             impls = {("tsgen" if impl == IMPLS[0] else f"tsgen_{impl}"): tsgen_call(impl) for impl in ops}
             ref = next(iter(impls))  # the first listed impl: x of the others
             last = list(impls)[-1]  # the last listed: SDPA's ratios (the candidate, listed last)
-            for label, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-                try:
-                    impls[label] = sdpa(backend)
-                    impls[label](0, [0])  # a backend that refuses the shape says so here
-                except RuntimeError as e:  # a backend that refuses the shape
-                    echo(f"{name} S={seq}: {label} unavailable: {str(e).splitlines()[0]}")
-            for label, make in (("cudnn_fe", cudnn_fe_backward), ("fa4", fa4_backward)):
-                fn, why = make(torch, t, op.causal, stream)
+            for label in BASELINES:
+                fn, why = baseline_call(torch, label, t, op, stream)
                 if fn is None:
                     echo(f"{name} S={seq}: {label} unavailable: {why}")
                 else:
@@ -588,7 +620,7 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
             row["ref"], row["last"] = ref, last
             rows.append(row)
             echo(json.dumps(row))
-            del t, wss, qt, kt, vt
+            del t, wss, impls, samplers
             torch.cuda.empty_cache()
     return {"rows": rows}
 
@@ -679,6 +711,8 @@ def main() -> int:
     ap.add_argument("--ncu", metavar="VARIANT[:SEQ]",
                     help=f"profile one variant's main kernel under ncu instead (the first --impl; SEQ default "
                     f"{BENCH_SEQS[1]}; variants: {', '.join(BENCH_VARIANTS)})")
+    ap.add_argument("--ncu-baseline", choices=BASELINES,
+                    help="with --ncu: profile this baseline's backward at the variant's shape instead of tsgen's")
     ap.add_argument("--child", nargs="+")
     a = ap.parse_args()
     if a.child:
@@ -686,7 +720,7 @@ def main() -> int:
         if kind == "check":
             result = check_variant(built_json, a.quick)
         elif kind == "one":
-            result = one_shape(built_json, int(a.child[2]))
+            result = one_shape(built_json, int(a.child[2]), baseline=a.child[3] if len(a.child) > 3 else None)
         else:
             result = bench(built_json, a.quick)
         print("RESULT " + json.dumps(result), flush=True)
@@ -696,13 +730,15 @@ def main() -> int:
         ap.error(f"--impl: a comma-separated list of {', '.join(IMPLS)}, not {a.impl!r}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.ncu_baseline and not a.ncu:
+        ap.error("--ncu-baseline: with --ncu VARIANT[:SEQ] (the shape it profiles)")
     if a.ncu:
         name, _, seq = a.ncu.partition(":")
         if name not in VARIANTS:
             ap.error(f"--ncu: variant {name!r}; one of {', '.join(sorted(VARIANTS))}")
         if not runs(name, impls[0]):
             ap.error(f"--ncu: impl {impls[0]} is built for head dims {IMPL_HEAD_DIMS[impls[0]]} only, not {name}")
-        return profile(out, name, impls[0], int(seq) if seq else BENCH_SEQS[1])
+        return profile(out, name, impls[0], int(seq) if seq else BENCH_SEQS[1], a.ncu_baseline)
     names = sorted(set(CHECK_VARIANTS) | (set() if a.no_bench else set(BENCH_VARIANTS)))
     jobs = [(n, i) for i in impls for n in names if runs(n, i)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
