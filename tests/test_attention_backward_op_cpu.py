@@ -637,7 +637,7 @@ def test_gpu_tool_ncu_profiles_the_main_kernel_of_one_variant(tool, tmp_path, mo
     ran = []
     monkeypatch.setattr(tool, "build", lambda out, name, impl: {"name": name, "impl": impl})
     monkeypatch.setattr(tool.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(
-        cmd, 0, "==PROF== Profiling main\nRESULT {}\n", ""))
+        cmd, 0, "==PROF== Profiling main\nRESULT {\"pass\": true}\n", ""))
     monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), "--impl", "wgmma",
                                            "--ncu", "hd128_causal_kv8:4096"])
     assert tool.main() == 0
@@ -653,26 +653,31 @@ def test_gpu_tool_ncu_profiles_the_main_kernel_of_one_variant(tool, tmp_path, mo
 
 
 def test_gpu_tool_ncu_profiles_a_baseline_at_the_same_shape(tool, tmp_path, monkeypatch):
-    """--ncu VARIANT:SEQ --ncu-baseline sdpa_cudnn: ncu over that baseline's backward kernels (by name, the
-    three calls'), the child told which baseline to call on the variant's tensors, the report named after
-    both; --ncu-baseline alone is refused (it needs a shape), and so is a baseline not in the bench."""
+    """--ncu VARIANT:SEQ --ncu-baseline sdpa_cudnn: ncu over that baseline's warm backward calls (the child
+    starts the profiler after its first call and its check: --profile-from-start off), the child told which
+    baseline to call on the variant's tensors, the report named after both; a child that could not run the
+    baseline fails the command though ncu exits 0; --ncu-baseline alone is refused (it needs a shape), and so
+    is a baseline not in the bench."""
     import json
     import subprocess
 
-    ran = []
+    ran, stdout = [], ["==PROF== Profiling bprop\nRESULT {\"pass\": true}\n"]
     monkeypatch.setattr(tool, "build", lambda out, name, impl: {"name": name, "impl": impl})
     monkeypatch.setattr(tool.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(
-        cmd, 0, "==PROF== Profiling bprop\n", ""))
-    monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), "--impl", "wgmma",
-                                           "--ncu", "hd128_full_kv32:8192", "--ncu-baseline", "sdpa_cudnn"])
+        cmd, 0, stdout[0], ""))
+    argv = ["gpu_attention_bwd.py", str(tmp_path), "--impl", "wgmma", "--ncu", "hd128_full_kv32:8192",
+            "--ncu-baseline", "sdpa_cudnn"]
+    monkeypatch.setattr(tool.sys, "argv", argv)
     assert tool.main() == 0
     (cmd,) = ran
-    assert cmd[0] == "ncu" and "bprop" in cmd[cmd.index("--kernel-name") + 1] and "--launch-skip" not in cmd
+    assert cmd[0] == "ncu" and cmd[cmd.index("--profile-from-start") + 1] == "off" and "--kernel-name" not in cmd
     child = cmd[cmd.index("--child"):]
     assert child[1] == "one" and json.loads(child[2])["name"] == "hd128_full_kv32" and child[3:] == ["8192", "sdpa_cudnn"]
     assert "Profiling bprop" in (tmp_path / "ncu_sdpa_cudnn_hd128_full_kv32_s8192.txt").read_text()
-    for argv in (["--ncu-baseline", "sdpa_cudnn"], ["--ncu", "hd128_full_kv32", "--ncu-baseline", "nccl"]):
-        monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), *argv])
+    stdout[0] = 'RESULT {"pass": false, "why": "cuDNN refuses the shape"}\n'
+    assert tool.main() == 1
+    for bad in (["--ncu-baseline", "sdpa_cudnn"], ["--ncu", "hd128_full_kv32", "--ncu-baseline", "nccl"]):
+        monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), *bad])
         with pytest.raises(SystemExit):
             tool.main()
     assert tool.BASELINES == ("sdpa_flash", "sdpa_cudnn", "cudnn_fe", "fa4")  # the bench's columns

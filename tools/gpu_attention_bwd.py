@@ -415,13 +415,17 @@ def one_shape(built: dict, seq: int, calls: int = 3, baseline: str | None = None
     if baseline is None:
         for _ in range(calls):
             op(t, ws, batch, seq, seq, stream)
-    else:
+    else:  # ncu profiles from cudaProfilerStart on (--profile-from-start off): the warm calls only, not
+        # the first call nor the SDPA reference that checks cudnn_fe's and fa4's grads
         fn, why = baseline_call(torch, baseline, t, op, stream)  # its first call runs here
         if fn is None:
             return {"pass": False, "why": why}
+        stream.synchronize()
+        torch.cuda.profiler.start()
         for i in range(calls - 1):
             fn(i, [0])
-    stream.synchronize()
+        stream.synchronize()
+        torch.cuda.profiler.stop()
     return {"pass": True, "seq": seq, "batch": batch}
 
 
@@ -436,9 +440,9 @@ NCU_METRICS = ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_
 
 
 def profile(out: Path, name: str, impl: str, seq: int, baseline: str | None = None) -> int:
-    """ncu over variant `name`'s main kernel (impl `impl`) at the bench's shape for `seq`, or over the
-    kernels of `baseline`'s three backward calls on the same tensors (its preprocess, main kernel and dQ
-    conversion, picked by name): the report in OUT/ncu_<variant>_s<seq>.txt, or
+    """ncu over variant `name`'s main kernel (impl `impl`) at the bench's shape for `seq`, or over every
+    kernel of `baseline`'s two warm backward calls on the same tensors (its preprocess, main kernel and dQ
+    conversion, whatever they are named): the report in OUT/ncu_<variant>_s<seq>.txt, or
     OUT/ncu_<baseline>_<variant>_s<seq>.txt (ncu on PATH; the GPU's clocks as they are: ncu's own warning
     says so). Where the backward's time goes, and where the baseline's, before a lever is chosen
     (docs/design/attention.md)."""
@@ -446,10 +450,9 @@ def profile(out: Path, name: str, impl: str, seq: int, baseline: str | None = No
     if baseline is None:
         report = out / f"ncu_{impl_name(name, impl)}_s{seq}.txt"
         pick = ["--kernel-name", "regex:_main$", "--launch-skip", "1", "--launch-count", "1"]
-    else:  # the backward's kernels by name (cuDNN's "bprop", flash's "bwd", FA4's "Backward"), all of its
-        # three calls' (up to 3 kernels a call): the last call's are the warm ones
+    else:  # every kernel of the baseline's warm calls (one_shape starts the profiler after its first call)
         report = out / f"ncu_{baseline}_{name}_s{seq}.txt"
-        pick = ["--kernel-name", "regex:(?i)bprop|bwd|backward", "--launch-count", "9"]
+        pick = ["--profile-from-start", "off", "--launch-count", "16"]
     cmd = ["ncu", *pick, *[a for sec in NCU_SECTIONS for a in ("--section", sec)], "--metrics", ",".join(NCU_METRICS),
            sys.executable, __file__, "--child", "one", json.dumps(built), str(seq), *([baseline] if baseline else [])]
     try:
@@ -459,6 +462,10 @@ def profile(out: Path, name: str, impl: str, seq: int, baseline: str | None = No
         return 1
     report.write_text(p.stdout + p.stderr)
     print(p.stdout[-6000:], flush=True)
+    result = next((json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if p.returncode == 0 and not (result or {}).get("pass"):
+        print(f"ncu: the profiled child did not run ({(result or {}).get('why', 'no RESULT line')})", file=sys.stderr)
+        return 1
     return p.returncode
 
 
@@ -620,7 +627,7 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
             row["ref"], row["last"] = ref, last
             rows.append(row)
             echo(json.dumps(row))
-            del t, wss, impls, samplers
+            del t, wss, impls, samplers, fn, _  # the last baseline's closure holds t too
             torch.cuda.empty_cache()
     return {"rows": rows}
 
