@@ -5,6 +5,7 @@ harness must pass the first and fail the second. The same with one process per G
 around the launch must make it pass, and removing them must make it fail.
 The GPU tests run the real thing."""
 import contextlib
+from pathlib import Path
 import os
 import threading
 import time
@@ -222,3 +223,75 @@ def test_the_gpu_turn_does_not_count_its_queueing_against_the_test_time_limit(tm
                              capture_output=True, text=True, timeout=60, env=env)
         assert proc.stdout.strip() == "None"
     assert len((tmp_path / "gpu_turn.jsonl").read_text().splitlines()) == 4
+
+
+# ---------------------------------------------------------------------------
+# OracleHooks.once_per_inputs: reference and tolerance share their expensive part
+# ---------------------------------------------------------------------------
+
+
+def test_once_per_inputs_computes_once_per_inputs_and_key():
+    """The same inputs dict and key: computed once; an equal but different dict, or another key: again."""
+    from tsgen.ops.base import OpFamily
+
+    fam, calls = OpFamily(), []
+    inputs = {"x": [np.arange(4)]}
+
+    def compute():
+        calls.append(1)
+        return len(calls)
+
+    assert fam.once_per_inputs(inputs, ("s", 2), compute) == 1
+    assert fam.once_per_inputs(inputs, ("s", 2), compute) == 1
+    assert fam.once_per_inputs({"x": [np.arange(4)]}, ("s", 2), compute) == 2  # a new call's inputs
+    assert fam.once_per_inputs(inputs, ("s", 3), compute) == 3  # another world
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("spec, world, heavy", [
+    ("attention_hd128", 1, "tsgen.ops.attention.attention_reference"),
+    ("cp_attention", 2, "tsgen.ops.cp_attention.attention_reference"),
+    ("moe_fp8", 2, "tsgen.ops.moe.dispatch_reference"),
+    ("gemm_bf16", 1, None),
+    ("gemm_reduce_scatter", 2, None),
+    ("allgather_gemm", 2, None),
+    ("cannon", 4, None),
+    ("attention_backward_hd128", 1, "tsgen.ops.attention_backward.attention_backward_reference"),
+])
+def test_reference_and_tolerance_share_one_computation(spec, world, heavy, monkeypatch):
+    """The harness asks for reference, then tolerance, of one call's inputs: the float64 attention, the
+    dispatched rows or the GEMM's products are computed once for both (small shapes; the families'
+    once_per_inputs), and the next call's inputs get their own."""
+    import importlib
+
+    from tsgen.ops import get_family
+    from tsgen.spec import load_spec, spec_variant
+
+    loaded = load_spec(Path(__file__).resolve().parents[1] / "specs" / f"{spec}.yaml")
+    small = {"attention_hd128": {"params": {"batch": 1, "heads": 2, "kv_heads": 2}},
+             "cp_attention": {"params": {"batch": 1, "heads": 2, "kv_heads": 2}},
+             "moe_fp8": {"params": {"hidden": 256, "experts": 8}},
+             "gemm_bf16": {"params": {"n": 256, "k": 256}},
+             "gemm_reduce_scatter": {"params": {"n": 256, "k": 256}},
+             "allgather_gemm": {"params": {"n": 256, "k": 256}},
+             "cannon": {"params": {"n": 512, "k": 512}},
+             "attention_backward_hd128": {"params": {"batch": 1, "heads": 2, "kv_heads": 2}}}[spec]
+    model = spec_variant(loaded, small).model
+    family = get_family(model.op)
+    calls = []
+    if heavy:
+        module, name = heavy.rsplit(".", 1)
+        mod = importlib.import_module(module)
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    else:  # the GEMMs: count the matrix products
+        real_once = family.once_per_inputs
+        monkeypatch.setattr(family, "once_per_inputs",
+                            lambda inputs, key, compute: real_once(inputs, key, lambda: calls.append(1) or compute()))
+    count = 64
+    for call in range(2):
+        inputs = family.make_inputs(model, world, count, np.random.default_rng(call), pattern=False)
+        ref = family.reference(model, world, count, inputs)
+        tol = family.tolerance(model, world, count, inputs)
+        assert set(tol or {}) <= set(ref)
+        assert len(calls) == call + 1

@@ -327,14 +327,18 @@ class AttentionBackwardFamily(OpFamily):
         return attention_backward_reference(q, k, v, o, do, lse, scale_of(spec), p.causal, layout=p.layout,
                                             with_abs=with_abs)
 
+    def _grads_once(self, spec, count, inputs):
+        """The gradients with their |.| and cancellation sums, once per call's inputs (reference and tolerance)."""
+        return self.once_per_inputs(inputs, (spec, count), lambda: self._grads(spec, count, inputs, with_abs=True))
+
     def reference(self, spec, world, count, inputs):
-        grads = self._grads(spec, count, inputs, with_abs=False)
+        grads = self._grads_once(spec, count, inputs)[:3]
         return {name: [from_f64(g.reshape(-1), spec.dtype)] for name, g in zip(GRADS, grads)}
 
     def tolerance(self, spec, world, count, inputs):
         """Per element, grad_tolerance over each product's |.| sums and dS's cancellation sums
         (tsgen/ops/attention.py)."""
-        out = self._grads(spec, count, inputs, with_abs=True)
+        out = self._grads_once(spec, count, inputs)
         cancels = (*out[6:], None)  # dQ's, dK's; dV cancels nothing
 
         def flat(x):

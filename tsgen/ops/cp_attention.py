@@ -476,16 +476,13 @@ class CpAttentionFamily(OpFamily):
         """Attention over the whole sequence, then each rank's rows: O [batch, count, heads, d],
         LSE [batch, heads, count] and sum_j p_ij |v_j| (like O) per rank (float64; cached for the
         call's tolerance)."""
-        cached = getattr(self, "_cached", None)
-        if cached is not None and cached[0] is inputs and cached[1] == (spec.name, world, count):
-            return cached[2]
-        p = spec.params
-        full, pos = self.whole(spec, world, count, inputs)
-        o, lse, o_abs = attention_reference(full["q"], full["k"], full["v"], scale_of(spec), p.causal, with_abs=True)
-        result = ([o[:, pos[r]] for r in range(world)], [lse[:, :, pos[r]] for r in range(world)],
-                  [o_abs[:, pos[r]] for r in range(world)])
-        self._cached = (inputs, (spec.name, world, count), result)
-        return result
+        def compute():
+            full, pos = self.whole(spec, world, count, inputs)
+            o, lse, o_abs = attention_reference(full["q"], full["k"], full["v"], scale_of(spec), spec.params.causal,
+                                                with_abs=True)
+            return ([o[:, pos[r]] for r in range(world)], [lse[:, :, pos[r]] for r in range(world)],
+                     [o_abs[:, pos[r]] for r in range(world)])
+        return self.once_per_inputs(inputs, (spec, world, count), compute)
 
     def reference(self, spec, world, count, inputs):
         o, lse, _ = self.outputs(spec, world, count, inputs)

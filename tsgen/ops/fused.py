@@ -38,6 +38,24 @@ MAX_WORLD = 8  # tsgen::fused::MAX_WORLD
 SIGNALS = 2 * MAX_WORLD  # tsgen::fused::SIGNALS
 
 
+def gemm_operands(spec, world: int, a_elems: int, a_cols: int, rng: np.random.Generator, pattern: bool) -> dict:
+    """Every rank's A (a_elems values, rows of a_cols) and B (K x N) in the spec's 16-bit type: random
+    normals (drawn in float32: tens of millions of values a call), or with `pattern` small integers (exact
+    in 16 bits) that depend on rank, row and column, so a misplaced tile shows."""
+    p = spec.params
+    a, b = [], []
+    for r in range(world):
+        if pattern:
+            i, j = np.arange(a_elems, dtype=np.int64), np.arange(p.k * p.n, dtype=np.int64)
+            av = ((i * 7 + i // a_cols * 3 + r * 5) % 5 - 2).astype(np.float32)
+            bv = ((j * 5 + j // p.n + r * 3) % 7 - 3).astype(np.float32)
+        else:
+            av, bv = rng.standard_normal(a_elems, dtype=np.float32), rng.standard_normal(p.k * p.n, dtype=np.float32)
+        a.append(from_f64(av, spec.dtype))
+        b.append(from_f64(bv, spec.dtype))
+    return {"a": a, "b": b}
+
+
 class AllgatherGemmParams(GemmParams):
     n: int = Field(2048, ge=64, le=1 << 20,
                    description="columns of B and C on each rank (N_local; the global N is n x world)")
@@ -169,22 +187,15 @@ class AllgatherGemmFamily(OpFamily):
 
     def make_inputs(self, spec, world, count, rng, pattern):
         p = spec.params
-        a, b = [], []
-        for r in range(world):
-            if pattern:  # small integers (exact in 16 bits) that depend on rank, row and column
-                i, j = np.arange(count * p.k), np.arange(p.k * p.n)
-                av = ((i * 7 + i // p.k * 3 + r * 5) % 5 - 2).astype(np.float64)
-                bv = ((j * 5 + j // p.n + r * 3) % 7 - 3).astype(np.float64)
-            else:
-                av, bv = rng.standard_normal(count * p.k), rng.standard_normal(p.k * p.n)
-            a.append(from_f64(av, spec.dtype))
-            b.append(from_f64(bv, spec.dtype))
-        return {"a": a, "b": b}
+        return gemm_operands(spec, world, count * p.k, p.k, rng, pattern)
 
     def product(self, spec, world, count, inputs, r) -> np.ndarray:
-        p = spec.params
-        full = np.concatenate([to_f64(inputs["a"][s], spec.dtype).reshape(count, p.k) for s in range(world)])
-        return full @ to_f64(inputs["b"][r], spec.dtype).reshape(p.k, p.n)
+        """Rank r's C = A_all . B_r (float64); every rank's once per call's inputs (reference and tolerance)."""
+        def compute():
+            p = spec.params
+            full = np.concatenate([to_f64(inputs["a"][s], spec.dtype).reshape(count, p.k) for s in range(world)])
+            return [full @ to_f64(inputs["b"][q], spec.dtype).reshape(p.k, p.n) for q in range(world)]
+        return self.once_per_inputs(inputs, (spec, world, count), compute)[r]
 
     def reference(self, spec, world, count, inputs):
         return {"c": [from_f64(self.product(spec, world, count, inputs, r).reshape(-1), spec.dtype)
@@ -387,28 +398,21 @@ class GemmReduceScatterFamily(AllgatherGemmFamily):
     def make_inputs(self, spec, world, count, rng, pattern):
         p = spec.params
         k_local = p.k // world
-        a, b = [], []
-        for r in range(world):
-            if pattern:  # small integers (exact in 16 bits) that depend on rank, row and column
-                i, j = np.arange(world * count * k_local), np.arange(p.k * p.n)
-                av = ((i * 7 + i // k_local * 3 + r * 5) % 5 - 2).astype(np.float64)
-                bv = ((j * 5 + j // p.n + r * 3) % 7 - 3).astype(np.float64)
-            else:
-                av, bv = rng.standard_normal(world * count * k_local), rng.standard_normal(p.k * p.n)
-            a.append(from_f64(av, spec.dtype))
-            b.append(from_f64(bv, spec.dtype))
-        return {"a": a, "b": b}
+        return gemm_operands(spec, world, world * count * k_local, k_local, rng, pattern)
 
     def partials(self, spec, world, count, inputs) -> list[np.ndarray]:
-        """A_s . B_s of every rank s, float32 products summed in float32 ((world x count) x N)."""
-        p = spec.params
-        k_local = p.k // world
-        out = []
-        for s in range(world):
-            a = to_f64(inputs["a"][s], spec.dtype).astype(np.float32).reshape(world * count, k_local)
-            b = to_f64(inputs["b"][s], spec.dtype).astype(np.float32)[:k_local * p.n].reshape(k_local, p.n)
-            out.append(a @ b)
-        return out
+        """A_s . B_s of every rank s, float32 products summed in float32 ((world x count) x N); once per
+        call's inputs (reference and tolerance)."""
+        def compute():
+            p = spec.params
+            k_local = p.k // world
+            out = []
+            for s in range(world):
+                a = to_f64(inputs["a"][s], spec.dtype).astype(np.float32).reshape(world * count, k_local)
+                b = to_f64(inputs["b"][s], spec.dtype).astype(np.float32)[:k_local * p.n].reshape(k_local, p.n)
+                out.append(a @ b)
+            return out
+        return self.once_per_inputs(inputs, (spec, world, count), compute)
 
     def product(self, spec, world, count, inputs, r) -> np.ndarray:
         parts = self.partials(spec, world, count, inputs)

@@ -280,9 +280,11 @@ class CannonFamily(OpFamily):
         return a, b
 
     def product(self, spec, world, count, inputs) -> np.ndarray:
-        """C = A . B of the whole matrices, float32 (M x N)."""
-        a, b = self.whole(spec, world, count, inputs)
-        return a @ b
+        """C = A . B of the whole matrices, float32 (M x N); once per call's inputs (reference and tolerance)."""
+        def compute():
+            a, b = self.whole(spec, world, count, inputs)
+            return a @ b
+        return self.once_per_inputs(inputs, (spec, world, count), compute)
 
     def blocks_of(self, c: np.ndarray, q: int, count: int, nb: int) -> list[np.ndarray]:
         return [c[i * count:(i + 1) * count, j * nb:(j + 1) * nb] for i in range(q) for j in range(q)]

@@ -388,6 +388,9 @@ class MoeFamily(OpFamily):
                 "topk_weights": [rng.random(count * p.topk, dtype=np.float32) for _ in range(world)]}
 
     def reference(self, spec, world, count, inputs):
+        return self.once_per_inputs(inputs, (spec, world, count), lambda: self._reference(spec, world, count, inputs))
+
+    def _reference(self, spec, world, count, inputs):
         p = spec.params
         if low_latency(spec):
             disp = ll_dispatch_reference(inputs, world, p.experts, p.topk, p.hidden, slot_rows(spec))
