@@ -643,6 +643,7 @@ def test_gpu_tool_ncu_profiles_the_main_kernel_of_one_variant(tool, tmp_path, mo
     assert tool.main() == 0
     (cmd,) = ran
     assert cmd[0] == "ncu" and cmd[cmd.index("--kernel-name") + 1] == "regex:_main$"
+    assert cmd[cmd.index("--clock-control") + 1] == "none"  # never lock the lent GPU's clocks
     assert cmd[cmd.index("--launch-skip") + 1] == "1" and cmd[cmd.index("--launch-count") + 1] == "1"
     child = cmd[cmd.index("--child"):]
     assert child[1] == "one" and json.loads(child[2]) == {"name": "hd128_causal_kv8", "impl": "wgmma"} and child[3] == "4096"
@@ -671,6 +672,7 @@ def test_gpu_tool_ncu_profiles_a_baseline_at_the_same_shape(tool, tmp_path, monk
     assert tool.main() == 0
     (cmd,) = ran
     assert cmd[0] == "ncu" and cmd[cmd.index("--profile-from-start") + 1] == "off" and "--kernel-name" not in cmd
+    assert cmd[cmd.index("--clock-control") + 1] == "none"
     child = cmd[cmd.index("--child"):]
     assert child[1] == "one" and json.loads(child[2])["name"] == "hd128_full_kv32" and child[3:] == ["8192", "sdpa_cudnn"]
     assert "Profiling bprop" in (tmp_path / "ncu_sdpa_cudnn_hd128_full_kv32_s8192.txt").read_text()

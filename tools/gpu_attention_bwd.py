@@ -453,7 +453,9 @@ def profile(out: Path, name: str, impl: str, seq: int, baseline: str | None = No
     else:  # every kernel of the baseline's warm calls (one_shape starts the profiler after its first call)
         report = out / f"ncu_{baseline}_{name}_s{seq}.txt"
         pick = ["--profile-from-start", "off", "--launch-count", "16"]
-    cmd = ["ncu", *pick, *[a for sec in NCU_SECTIONS for a in ("--section", sec)], "--metrics", ",".join(NCU_METRICS),
+    # --clock-control none: ncu would otherwise lock the GPU's clocks to base while it profiles, and the lent
+    # machines' clocks are never to be changed (the device tool's METHOD.md); the counters read the clocks as they are
+    cmd = ["ncu", "--clock-control", "none", *pick, *[a for sec in NCU_SECTIONS for a in ("--section", sec)], "--metrics", ",".join(NCU_METRICS),
            sys.executable, __file__, "--child", "one", json.dumps(built), str(seq), *([baseline] if baseline else [])]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
