@@ -642,6 +642,40 @@ def header_dq_staging():
     return store
 
 
+class OneHeadCase:
+    """One head of bf16 Q, K, V, dO with O and LSE from the float64 forward (O rounded to bf16, LSE to fp32 as
+    the forward writes them): the inputs the one-CTA models take, and the check of their dQ, dK, dV against
+    the family's reference within its per-element tolerance."""
+
+    def __init__(self, rng, rows: int, kv_len: int, d: int, causal: bool):
+        from tsgen.ops.attention import attention_reference
+
+        self.scale, self.causal = 1 / np.sqrt(d), causal
+        self.q, self.do = (bf16(rng.standard_normal((1, rows, 1, d))) for _ in range(2))
+        self.k, self.v = (bf16(rng.standard_normal((1, kv_len, 1, d))) for _ in range(2))
+        o, lse = attention_reference(self.q, self.k, self.v, self.scale, causal)
+        self.o, self.lse = bf16(o), lse.astype(np.float32).astype(np.float64)
+
+    def model_args(self) -> tuple:
+        """q, k, v, dO of the head, LSE in log2 units (+inf for a row that sees no key), D = rowsum(dO * O),
+        and the scale in log2 units: the models' leading arguments."""
+        dsum = np.einsum("bshd,bshd->bhs", self.do, self.o)[0, 0]
+        lse2 = np.where(np.isneginf(self.lse[0, 0]), np.inf, self.lse[0, 0] * np.log2(np.e))
+        return (self.q[0, :, 0], self.k[0, :, 0], self.v[0, :, 0], self.do[0, :, 0], lse2, dsum,
+                self.scale * np.log2(np.e))
+
+    def check(self, dq, dk, dv) -> None:
+        from tsgen.ops.attention import attention_backward_reference, o_tolerance
+
+        want = attention_backward_reference(self.q, self.k, self.v, self.o, self.do, self.lse, self.scale,
+                                            self.causal, with_abs=True)
+        for name, g, w, a in (("dq", dq * self.scale, want[0], want[3]), ("dk", dk * self.scale, want[1], want[4]),
+                              ("dv", dv, want[2], want[5])):
+            g = g[None, :, None]
+            bad = np.abs(g - w) > o_tolerance(w, a, "bfloat16")
+            assert not bad.any(), (name, int(bad.sum()), bad.size)
+
+
 def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal, tiled=None):
     """One CTA (keys 0 .. 127 of one KV head; one query head): q, do [rows, d], k, v [kv_len, d]
     (16-bit values), lse2, dsum [rows]. -> dq [rows, d] (unscaled), dk (unscaled), dv [kv_len, d].
@@ -873,26 +907,10 @@ def test_shared_memory_model_of_one_cta(request, d, causal, tiled):
     buffers used), one head: dQ, dK, dV through the modelled operand addresses against the
     family's reference within its tolerance. tiled: dQ through the bulk path (staging stores,
     bulk reductions of the valid rows, the convert's read through its host-compiled map)."""
-    from tsgen.ops.attention import attention_backward_reference, attention_reference, o_tolerance
-
-    rng = np.random.default_rng(3)
-    rows, kv_len, scale = 150, 100, 1 / np.sqrt(d)
-    q, do = (bf16(rng.standard_normal((1, rows, 1, d))) for _ in range(2))
-    k, v = (bf16(rng.standard_normal((1, kv_len, 1, d))) for _ in range(2))
-    o, lse = attention_reference(q, k, v, scale, causal)
-    o = bf16(o)
-    lse = lse.astype(np.float32).astype(np.float64)
-    dsum = np.einsum("bshd,bshd->bhs", do, o)[0, 0]
-    lse2 = np.where(np.isneginf(lse[0, 0]), np.inf, lse[0, 0] * np.log2(np.e))
+    rows, kv_len = 150, 100
+    case = OneHeadCase(np.random.default_rng(3), rows, kv_len, d, causal)
     offsets = request.getfixturevalue("convert_map")(1, 1, rows, d, False).reshape(rows, d) if tiled else None
-    dq, dk, dv = model_cta(q[0, :, 0], k[0, :, 0], v[0, :, 0], do[0, :, 0], lse2, dsum, scale * np.log2(np.e), d,
-                           kv_len, causal, tiled=offsets)
-    want = attention_backward_reference(q, k, v, o, do, lse, scale, causal, with_abs=True)
-    for name, g, w, a in (("dq", dq * scale, want[0], want[3]), ("dk", dk * scale, want[1], want[4]),
-                          ("dv", dv, want[2], want[5])):
-        g = g[None, :, None]
-        bad = np.abs(g - w) > o_tolerance(w, a, "bfloat16")
-        assert not bad.any(), (name, int(bad.sum()), bad.size)
+    case.check(*model_cta(*case.model_args(), d, kv_len, causal, tiled=offsets))
 
 
 
@@ -1131,27 +1149,10 @@ def test_shared_memory_model_of_one_tall_cta(convert_map, tall_layout, rows, cau
     query block and reduction read from it (model_cta_tall). A box at the wrong offset or stage stride, a box
     that starts past the rows, a store into the wrong panel or without the swizzle, dQ over the wrong panel or
     keys, or a reduction into the other warpgroup's block fails it."""
-    from tsgen.ops.attention import attention_backward_reference, attention_reference, o_tolerance
-
-    rng = np.random.default_rng(5)
     d, kv_len = 64, 100
-    scale = 1 / np.sqrt(d)
-    q, do = (bf16(rng.standard_normal((1, rows, 1, d))) for _ in range(2))
-    k, v = (bf16(rng.standard_normal((1, kv_len, 1, d))) for _ in range(2))
-    o, lse = attention_reference(q, k, v, scale, causal)
-    o = bf16(o)
-    lse = lse.astype(np.float32).astype(np.float64)
-    dsum = np.einsum("bshd,bshd->bhs", do, o)[0, 0]
-    lse2 = np.where(np.isneginf(lse[0, 0]), np.inf, lse[0, 0] * np.log2(np.e))
+    case = OneHeadCase(np.random.default_rng(5), rows, kv_len, d, causal)
     offsets = convert_map(1, 1, rows, d, False).reshape(rows, d)
-    dq, dk, dv = model_cta_tall(q[0, :, 0], k[0, :, 0], v[0, :, 0], do[0, :, 0], lse2, dsum, scale * np.log2(np.e),
-                                kv_len, causal, offsets, tall_layout)
-    want = attention_backward_reference(q, k, v, o, do, lse, scale, causal, with_abs=True)
-    for name, g, w, a in (("dq", dq * scale, want[0], want[3]), ("dk", dk * scale, want[1], want[4]),
-                          ("dv", dv, want[2], want[5])):
-        g = g[None, :, None]
-        bad = np.abs(g - w) > o_tolerance(w, a, "bfloat16")
-        assert not bad.any(), (name, int(bad.sum()), bad.size)
+    case.check(*model_cta_tall(*case.model_args(), kv_len, causal, offsets, tall_layout))
 
 
 KV_CTA = r"""
