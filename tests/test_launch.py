@@ -129,14 +129,33 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     assert "tsgen launch: got signal 15; stopping the ranks" in err
     for pid in ranks:
-        for _ in range(100):  # reaped by the launcher: gone, or a zombie for an instant
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+        for _ in range(100):  # ended: gone, or a zombie (dead; reaped by the launcher or, orphaned, by init)
+            if not _still_running(pid, str(pids)):
                 break
             time.sleep(0.05)
         else:
             raise AssertionError(f"rank process {pid} outlived the launcher")
+
+
+def _still_running(pid: int, marker: str) -> bool:
+    """Whether process `pid` is alive (not a zombie) and still the rank (its command line holds `marker`: a pid
+    reused by another process on a busy machine is not the rank)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: only whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state != "Z" and marker.encode() in cmdline
 
 
 @pytest.mark.parametrize("chain", [False, True])
