@@ -529,7 +529,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
     assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2",
-                          "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128")
+                          "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq")
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
     assert tool.impl_name("hd64_full_kv8", "wgmma_red") == "hd64_full_kv8_wgmma_red"
@@ -1234,15 +1234,56 @@ def serialized(output) -> list[str]:
     return [line for line in text.splitlines() if SERIALIZED.search(line)]
 
 
-def tool_cases():
+def tool_cases(impl: str = "wgmma_l3"):
     """The (variant, spec changes) of every case tools/gpu_attention_bwd.py checks or benches with --impl
-    wgmma_l3."""
+    `impl`."""
     from conftest import load_script
     from tsgen.spec import merge
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    return {name: merge(tool.VARIANTS[name], tool.impl_changes("wgmma_l3"))
-            for name in sorted(set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS))}
+    return {name: merge(tool.VARIANTS[name], tool.impl_changes(impl))
+            for name in sorted(set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS)) if tool.runs(name, impl)}
+
+
+def main_kernel_ops(output, kernel: str) -> tuple[str, list]:
+    """`kernel`'s SASS in `output` and its instructions as (address, predicate, opcode, operands)."""
+    sass = dump_sass(output)
+    main = sass[sass.index(f"Function : {kernel}"):]
+    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
+    return main, re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", main)
+
+
+def loop_body(ops, sts: bool = False) -> list[list]:
+    """The consumers' loop (from the target of the backward branch around the first RS product to that branch)
+    as events, runs of one event kept once with their count: the products SS, RS, dQ; the warpgroup waits
+    wait0 / wait1; the named barriers DS_READY, DQ_STAGED; q_empty, q_full; the staging's STS.64; UBLKRED;
+    EX2; and with `sts` dS^T's 32-bit stores (STS)."""
+    def event(o, rest):
+        r = re.sub(r"\s+", "", rest)
+        if o.startswith("HGMMA"):
+            return "dQ" if ".tnspA.tnspB" in r else ("RS" if ".tnspB" in r else "SS")
+        if o == "WARPGROUP.DEPBAR.LE":
+            return "wait" + r[-1]
+        if o == "BAR.SYNC.DEFER_BLOCKING":
+            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
+        return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full",
+                "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2",
+                **({"STS": "STS"} if sts else {})}.get(o)
+
+    last = int(ops[-1][0], 16)
+    events = [(int(a, 16), e) for a, _, o, rest in ops if (e := event(o, rest)) is not None]
+    rs_at = next(a for a, e in events if e == "RS")
+    back = [(int(a, 16), int(rest.split()[0], 16)) for a, _, o, rest in ops
+            if o == "BRA" and rest.strip() and int(rest.strip().split()[0], 16) < int(a, 16) <= last]
+    edge, top = next((a, t) for a, t in back if t < rs_at < a)  # the consumers' loop: its back edge
+    body = []
+    for a, e in events:
+        if top <= a <= edge:
+            if body and body[-1][0] == e:
+                body[-1][1] += 1
+            else:
+                body.append([e, 1])
+    return body
 
 
 def test_lookahead_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
@@ -1301,45 +1342,15 @@ def test_sass_of_the_lookahead_main_kernel(tmp_path, monkeypatch, head_dim):
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
     compiled = compile_source(rendered_source(variant("v", params={"head_dim": head_dim, "lookahead": True}), tmp_path))
     assert serialized(compiled.output) == []
-    sass = dump_sass(compiled.output)
-    main = sass[sass.index("Function : v_w1_main"):]
-    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
-    ops = re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", main)
+    main, ops = main_kernel_ops(compiled.output, "v_w1_main")
     names = [o for _, _, o, _ in ops]
     assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no calls"
-
-    def event(pred, o, rest):
-        r = re.sub(r"\s+", "", rest)
-        if o.startswith("HGMMA"):
-            return "dQ" if ".tnspA.tnspB" in r else ("RS" if ".tnspB" in r else "SS")
-        if o == "WARPGROUP.DEPBAR.LE":
-            return "wait" + r[-1]
-        if o == "BAR.SYNC.DEFER_BLOCKING":
-            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
-        return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full",
-                "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2"}.get(o)
-
-    at = [int(a, 16) for a, _, _, _ in ops]
-    seq = []  # (address, event), runs of one event kept once with their count
-    for (a, pred, o, rest) in ops:
-        e = event(pred, o, rest)
-        if e is None:
-            continue
-        if seq and seq[-1][1] == e:
-            seq[-1][2] += 1
-        else:
-            seq.append([int(a, 16), e, 1])
-    hgmma = sum(n for _, e, n in seq if e in ("SS", "RS", "dQ"))
-    ss = sum(n for _, e, n in seq if e == "SS")
-    assert ss == 2 * 2 * head_dim // 16 and sum(n for _, e, n in seq if e == "RS") == 8
-    assert sum(n for _, e, n in seq if e == "dQ") == (128 if head_dim == 128 else 64) // 16
-    assert names.count("WARPGROUP.DEPBAR.LE") == 6 and hgmma == ss + 8 + (8 if head_dim == 128 else 4)
-    # the consumers' loop: the backward branch whose target lies before the dV / dK products
-    rs = next(a for a, e, _ in seq if e == "RS")
-    back = [(int(a, 16), int(rest.split()[0], 16)) for a, pred, o, rest in ops
-            if o == "BRA" and rest.strip() and int(rest.strip().split()[0], 16) < int(a, 16) <= at[-1]]
-    edge, top = next((a, t) for a, t in back if t < rs < a)
-    body = [(e, n) for a, e, n in seq if top <= a < edge]
+    body = loop_body(ops)
+    every = [(o, rest) for _, _, o, rest in ops if o.startswith("HGMMA")]
+    ss = sum(1 for o, r in every if "tnsp" not in r)
+    assert ss == 2 * 2 * head_dim // 16 and sum(1 for o, r in every if ".tnspB" in r and "tnspA" not in r) == 8
+    assert sum(1 for o, r in every if ".tnspA.tnspB" in r) == (128 if head_dim == 128 else 64) // 16
+    assert names.count("WARPGROUP.DEPBAR.LE") == 6 and len(every) == ss + 8 + (8 if head_dim == 128 else 4)
     want = ["RS", "DS_READY", "dQ", "wait1", "q_empty", "q_full", "SS", "wait1", "STS.64", "SS", "DQ_STAGED",
             "UBLKRED", "wait1", "EX2", "wait0"]
     got = [e for e, _ in body]
@@ -1352,6 +1363,73 @@ def test_sass_of_the_lookahead_main_kernel(tmp_path, monkeypatch, head_dim):
     assert len(re.findall(r"WARPGROUP\.DEPBAR\.LE", base[:base.index("Function :", 10)] if "Function :" in
                           base[10:] else base)) == 4
 
+
+
+# ---------------------------------------------------------------------------
+# params.dk_after_dq: FlashAttention-3's order of a step's last products
+# ---------------------------------------------------------------------------
+
+
+def test_dk_after_dq_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
+    """Unset in every shipped spec (no DK_AFTER_DQ in their sources); set, the constant and the Config's
+    flag, the same shared memory; refused by name with mma_sync, dq_reduce atomic, deterministic, lookahead
+    and step_rows 128; every case of the tool's wgmma_dkq is a valid spec."""
+    fam = get_family("attention_backward")
+    for path in SHIPPED_BACKWARD:
+        loaded = load_spec(path)
+        assert not loaded.model.params.dk_after_dq and "DK_AFTER_DQ" not in fam.constants(loaded.model)
+        assert "DK_AFTER_DQ" not in rendered_source(loaded, tmp_path).read_text(), path
+    on = variant("dkq", params={"dk_after_dq": True})
+    assert fam.constants(on.model)["DK_AFTER_DQ"] == 1 and fam.check(on.model) == []
+    assert "static constexpr bool DK_AFTER_DQ = dkq::DK_AFTER_DQ != 0;" in rendered_source(on, tmp_path).read_text()
+    assert smem_bytes(on.model) == smem_bytes(variant("v").model)
+    spec = variant("v").model
+    for update in ({"impl": "mma_sync"}, {"dq_reduce": "atomic"}, {"deterministic": True, "head_group": 0},
+                   {"lookahead": True}, {"head_dim": 64, "step_rows": 128}):
+        bad = spec.model_copy(update={"params": spec.params.model_copy(update={"dk_after_dq": True, **update})})
+        assert ("params", "dk_after_dq") in [w for w, _ in fam.check(bad)], (update, fam.check(bad))
+    for name, changes in tool_cases("wgmma_dkq").items():
+        loaded = spec_variant(load_spec(SPEC), changes)
+        assert loaded.model.params.dk_after_dq and fam.check(loaded.model) == [], name
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", sorted(tool_cases("wgmma_dkq")))
+def test_dk_after_dq_compiles_without_spills_for_every_tool_case(tmp_path, monkeypatch, name):
+    """Each shape the tool runs with --impl wgmma_dkq: 168 registers at entry, no spills, no stack, and no
+    serialized wgmma (dS^T's registers stay live under dV, the dQ and dK without ptxas serializing them)."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    loaded = spec_variant(load_spec(SPEC), {**tool_cases("wgmma_dkq")[name], "name": "v"})
+    res = compile_source(rendered_source(loaded, tmp_path))
+    entry = res.report["v_w1_main"]
+    assert entry["registers"] == 168, entry
+    assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
+    assert serialized(res.output) == [], "no serialized wgmma"
+
+
+@needs_sass
+@pytest.mark.parametrize("head_dim, causal", [(128, False), (128, True), (64, True)])
+def test_sass_of_the_dk_after_dq_main_kernel(tmp_path, monkeypatch, head_dim, causal):
+    """params.dk_after_dq, the loop in the order the overlap rests on: S^T and dP^T, wait, P's exp2, wait,
+    dS^T's stores, dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the 16 staging stores, DQ_STAGED, the
+    bulk reduction, and only then wait (dK) and q_empty (dV read dO, dK read Q). The default in the same
+    place: dV and dK together before DS_READY, dQ, both waits before the staging."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    params = {"head_dim": head_dim, "causal": causal}
+    compiled = compile_source(rendered_source(variant("v", params={**params, "dk_after_dq": True}), tmp_path))
+    assert serialized(compiled.output) == []
+    _, ops = main_kernel_ops(compiled.output, "v_w1_main")
+    names = [o for _, _, o, _ in ops]
+    assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no calls"
+    body = loop_body(ops, sts=True)
+    got = [e for e, _ in body]
+    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
+                   "STS.64", "DQ_STAGED", "UBLKRED", "wait0", "q_empty"], got
+    assert [n for e, n in body if e == "RS"] == [4, 4], "dV, then dK: four k16 steps each over the 64 queries"
+    base = compile_source(rendered_source(variant("b", params=params), tmp_path))
+    got = [e for e, _ in loop_body(main_kernel_ops(base.output, "b_w1_main")[1], sts=True)]
+    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "q_empty",
+                   "wait0", "STS.64", "DQ_STAGED", "UBLKRED"], got
 
 
 # ---------------------------------------------------------------------------
@@ -1457,10 +1535,7 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal):
     compiled = compile_source(rendered_source(variant("v", params={"head_dim": 64, "causal": causal,
                                                                    "step_rows": 128}), tmp_path))
     assert serialized(compiled.output) == []
-    sass = dump_sass(compiled.output)
-    main = sass[sass.index("Function : v_w1_main"):]
-    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
-    ops = re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", main)
+    main, ops = main_kernel_ops(compiled.output, "v_w1_main")
     names = [o for _, _, o, _ in ops]
     assert not [n for n in names if n.startswith(("LDL", "STL", "CALL", "ATOM"))], "no local memory, no calls"
     hgmma = [re.sub(r"\s+", "", o + rest) for _, _, o, rest in ops if o.startswith("HGMMA")]
@@ -1480,30 +1555,7 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal):
                          check=True).stdout
     assert [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)] == [4]
 
-    def event(o, rest):
-        r = re.sub(r"\s+", "", rest)
-        if o.startswith("HGMMA"):
-            return "dQ" if ".tnspA.tnspB" in r else ("RS" if ".tnspB" in r else "SS")
-        if o == "WARPGROUP.DEPBAR.LE":
-            return "wait" + r[-1]
-        if o == "BAR.SYNC.DEFER_BLOCKING":
-            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
-        return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full", "STS": "STS",
-                "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2"}.get(o)
-
-    at = [int(a, 16) for a, _, _, _ in ops]
-    events = [(int(a, 16), e) for a, _, o, rest in ops if (e := event(o, rest)) is not None]
-    rs_at = next(a for a, e in events if e == "RS")
-    back = [(int(a, 16), int(rest.split()[0], 16)) for a, _, o, rest in ops
-            if o == "BRA" and rest.strip() and int(rest.strip().split()[0], 16) < int(a, 16) <= at[-1]]
-    edge, top = next((a, t) for a, t in back if t < rs_at < a)  # the consumers' loop: its back edge
-    body = []  # the loop's events, runs of one event kept once with their count
-    for a, e in events:
-        if top <= a <= edge:
-            if body and body[-1][0] == e:
-                body[-1][1] += 1
-            else:
-                body.append([e, 1])
+    body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
     want = ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
             "STS.64", "DQ_STAGED", "UBLKRED"]

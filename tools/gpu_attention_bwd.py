@@ -1,7 +1,7 @@
 """The `attention_backward` op on one GPU: correctness against a float32 reference, then a short
 bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
-Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3,wgmma_m128]
+Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3,wgmma_m128,wgmma_dkq]
        python tools/gpu_attention_bwd.py OUT_DIR --impl wgmma --ncu hd128_full_kv32[:8192]
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment; source
        tools/device_env.sh before the --ncu form: ncu over one variant's main kernel at the bench's
@@ -109,15 +109,17 @@ BENCH_SEQS = [4096, 8192, 16384]
 # wgmma_gN: the CTAs in groups of N (sequence, KV head) pairs (params.head_group; g0: no groups, the
 # order before groups of 4 became the default); wgmma_l3: params.lookahead (the next step's S^T and dP^T
 # under the dQ tail, docs/design/attention.md's lever 3), with the default head_group; wgmma_m128:
-# params.step_rows 128 (steps of 128 query rows at head dim 64, docs/design/attention.md's "Tall steps")
+# params.step_rows 128 (steps of 128 query rows at head dim 64, docs/design/attention.md's "Tall steps"); wgmma_dkq:
+# params.dk_after_dq (FlashAttention-3's product order: the dQ staged while dK runs)
 IMPLS = ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4", "wgmma_g8",
-         "wgmma_l3", "wgmma_m128")
+         "wgmma_l3", "wgmma_m128", "wgmma_dkq")
 # the spec params of each (beside its threads per CTA, those of params.impl)
 IMPL_PARAMS = {"mma_sync": {}, "wgmma": {"impl": "wgmma"}, "wgmma_red": {"impl": "wgmma", "dq_reduce": "atomic"},
                "wgmma_det": {"impl": "wgmma", "deterministic": True},
                **{f"wgmma_g{n}": {"impl": "wgmma", "head_group": n} for n in (0, 1, 2, 4, 8)},
                "wgmma_l3": {"impl": "wgmma", "lookahead": True},
-               "wgmma_m128": {"impl": "wgmma", "step_rows": 128}}
+               "wgmma_m128": {"impl": "wgmma", "step_rows": 128},
+               "wgmma_dkq": {"impl": "wgmma", "dk_after_dq": True}}
 # impls built for some head dims only (the spec check refuses the others): the variants they run on
 IMPL_HEAD_DIMS = {"wgmma_m128": (64,)}
 

@@ -106,6 +106,13 @@ class AttentionBackwardParams(AttentionShape):
         "until the next step starts (tsgen::attention_bwd::wgmma::consume_lookahead; the default's register peak; "
         "one S^T / dP^T pair past each walk's end, unread). Not yet measured on a GPU")
 
+    dk_after_dq: bool = Field(
+        False, description="impl wgmma, dq_reduce bulk, not deterministic, 64-row steps, not lookahead: each step's "
+        "products in FlashAttention-3's order, dV alone before the warpgroups' dS^T barrier, then dQ, then dK once dV "
+        "is done, so that the dQ's staging and bulk issue run while dK is still on the tensor pipe (the default "
+        "issues dV and dK together before the barrier and dQ last, and the pipe drains before the staging); "
+        "tsgen::attention_bwd::wgmma::consume. Not yet measured on a GPU")
+
     step_rows: Literal[64, 128] | None = Field(
         None, description="impl wgmma: query rows per step of the main kernel's walk; unset or 64: 64 (the default), "
         "128: FlashAttention-3's head-dim-64 tile (128 queries x 128 keys a step: S^T, dP^T as m64n128, dV, dK and dQ "
@@ -237,6 +244,16 @@ class AttentionBackwardFamily(OpFamily):
                 problems.append((("params", "lookahead"), "lookahead with deterministic is not built (the turns' "
                                  "wait and hand-over sit in the dQ tail that the lookahead reorders); use one of "
                                  "the two"))
+        if spec.params.dk_after_dq:
+            why = ("needs params.impl wgmma (the mma_sync kernel issues no product asynchronously)"
+                   if spec.params.impl != "wgmma" else
+                   "is built for dq_reduce bulk only (the atomic path is kept to bench against)" if not spec.params.dq_tiled
+                   else "with deterministic is not built (its turn's wait sits in the dQ tail it reorders)"
+                   if spec.params.deterministic else "with lookahead is not built (two reorders of one tail)"
+                   if spec.params.lookahead else "with step_rows 128 is not built (consume_tall has its own order)"
+                   if spec.params.tall else None)
+            if why:
+                problems.append((("params", "dk_after_dq"), f"dk_after_dq {why}"))
         if spec.params.tall:
             if spec.params.impl != "wgmma":
                 problems.append((("params", "step_rows"), "step_rows 128 needs params.impl wgmma (the mma_sync kernel "
@@ -299,6 +316,7 @@ class AttentionBackwardFamily(OpFamily):
             **({"DETERMINISTIC": 1} if p.deterministic else {}),  # absent by default: those sources stay as they were
             **({"HEAD_GROUP": p.cta_head_group} if p.cta_head_group else {}),  # likewise
             **({"LOOKAHEAD": 1} if p.lookahead else {}),  # likewise
+            **({"DK_AFTER_DQ": 1} if p.dk_after_dq else {}),  # likewise
             **({"STEP_ROWS": 128} if p.tall else {}),  # likewise
         }
 

@@ -55,6 +55,11 @@
 //             raises it a step later, once the reduction is complete; HEAD_DIM 64 first sums the two
 //             warpgroups' partials of the same panel in shared memory (DQ_PAIRED: one reduction)
 //     After the walk, dK (times SCALE) and dV leave from registers (rows past kv_len clipped).
+//     params.dk_after_dq (consume, DK_AFTER_DQ): FlashAttention-3's order of the step's last products:
+//     dV alone before DS_READY, then dQ, then dK once dV is done (wait_group 1; dS^T's registers stay
+//     live until dK retires), then wait for dQ (wait_group 1) and stage and reduce it while dK still
+//     runs; dK is waited for (wait_group 0) and the stage released (q_empty: dV read dO, dK read Q) at
+//     the end of the step. The default drains the tensor pipe (dV, dK, dQ all done) before the staging.
 //     params.lookahead (consume_lookahead): the same products and waits, the next step's S^T issued
 //     behind this step's dQ and its dP^T right after the dQ staging's stores, so that the tensor pipe
 //     runs them under the dQ tail; the loop's back edge after dP^T's wait.
@@ -127,6 +132,13 @@ template <class C, class = void>
 struct lookahead_of : std::false_type {};
 template <class C>
 struct lookahead_of<C, std::void_t<decltype(C::LOOKAHEAD)>> : std::integral_constant<bool, C::LOOKAHEAD> {};
+
+// Config::DK_AFTER_DQ where the Config has it (only specs with params.dk_after_dq emit it), else false:
+// consume() issues dV alone before DS_READY, then dQ, then dK, and stages the dQ while dK runs.
+template <class C, class = void>
+struct dk_after_dq_of : std::false_type {};
+template <class C>
+struct dk_after_dq_of<C, std::void_t<decltype(C::DK_AFTER_DQ)>> : std::integral_constant<bool, C::DK_AFTER_DQ> {};
 
 using attention::mbar_wait_no_timeout;
 using attention::tma_load_4d;
@@ -233,6 +245,10 @@ struct Layout {
   // params.lookahead: consume_lookahead (bulk dQ, not deterministic: tsgen/ops/attention_backward.py refuses both)
   static constexpr bool LOOKAHEAD = lookahead_of<C>::value;
   static_assert(!LOOKAHEAD || (DQ_TILED && !DETERMINISTIC), "lookahead: the bulk dQ path, not deterministic");
+  // params.dk_after_dq: consume()'s product order dV | DS_READY | dQ, dK (tsgen/ops/attention_backward.py refuses the rest)
+  static constexpr bool DK_AFTER_DQ = dk_after_dq_of<C>::value;
+  static_assert(!DK_AFTER_DQ || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD && ROWS == BLOCK_M),
+                "dk_after_dq: the bulk dQ path, 64-row steps, not deterministic, not lookahead");
   // params.step_rows 128: consume_tall (tsgen/ops/attention_backward.py refuses the rest)
   static_assert(ROWS == BLOCK_M || (ROWS == 2 * BLOCK_M && C::HEAD_DIM == 64 && DQ_TILED && !DETERMINISTIC &&
                                     !LOOKAHEAD),
@@ -521,19 +537,34 @@ static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw,
   fence_proxy_async_shared_cta();
 }
 
-// dV_w += P^T dO, dK_w += dS^T Q over the step's 64 queries (A from registers; dO and Q of the stage
-// N-major, 16 rows = 2048 bytes a k16 step): one group.
+// acc += A B over the step's 64 queries, A (P^T or dS^T) from registers, B (dO or Q of the stage at b_base)
+// N-major, 16 rows = 2048 bytes a k16 step; no fence, no commit (the caller's group)
+template <class C>
+static __device__ __forceinline__ void rs_product(float (&acc)[Layout<C>::D_ACC], const uint32_t (&a)[4][4],
+                                                  uint32_t b_base) {
+  using L = Layout<C>;
+  const uint64_t b_n = sw128_descriptor(b_base, L::Q_BOX, 1024);
+#pragma unroll
+  for (int k = 0; k < L::K16; ++k) C::mma_rs(acc, a[k], b_n + ((k * 2048) >> 4), 1);
+}
+
+// dV_w += P^T dO, dK_w += dS^T Q: one group.
 template <class C>
 static __device__ __forceinline__ void issue_dv_dk(float (&dv)[Layout<C>::D_ACC], float (&dk)[Layout<C>::D_ACC],
                                                    const uint32_t (&ap)[4][4], const uint32_t (&ad)[4][4],
                                                    uint32_t q_base, uint32_t do_base) {
-  using L = Layout<C>;
-  const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
   wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < L::K16; ++k) C::mma_rs(dv, ap[k], do_n + ((k * 2048) >> 4), 1);
-#pragma unroll
-  for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
+  rs_product<C>(dv, ap, do_base);
+  rs_product<C>(dk, ad, q_base);
+  wgmma_commit_group();
+}
+
+// acc += A B (rs_product) as a group of its own: params.dk_after_dq's dV, and its dK after the dQ.
+template <class C>
+static __device__ __forceinline__ void issue_rs(float (&acc)[Layout<C>::D_ACC], const uint32_t (&a)[4][4],
+                                                uint32_t b_base) {
+  wgmma_fence();
+  rs_product<C>(acc, a, b_base);
   wgmma_commit_group();
 }
 
@@ -624,7 +655,10 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     to_operand<C>(dp, ad);
 
     store_ds_t<C>(ds_base, cw, row, lane, ad);         // dS^T to shared memory
-    issue_dv_dk<C>(dv, dk, ap, ad, q_base, do_base);   // dV_w += P^T dO, dK_w += dS^T Q
+    if constexpr (L::DK_AFTER_DQ)
+      issue_rs<C>(dv, ap, do_base);                     // dV_w += P^T dO alone; dK after the dQ (below)
+    else
+      issue_dv_dk<C>(dv, dk, ap, ad, q_base, do_base);  // dV_w += P^T dO, dK_w += dS^T Q
 
     // DQ_TILED: this warpgroup's staging buffer is rewritten after DS_READY (below); the bulk
     // reduction of the last step (thread 0's bulk group) must have finished reading it first. Issued a
@@ -649,11 +683,18 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
         C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
       wgmma_commit_group();
     }
-    wgmma_wait_group<1>();  // dV, dK done: the stage's Q and dO are no longer read
-    attention::fence_all<C>(dk, L::D_ACC);
-    attention::fence_all<C>(dv, L::D_ACC);
-    if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
-    wgmma_wait_group<0>();
+    if constexpr (L::DK_AFTER_DQ) {
+      wgmma_wait_group<1>();  // dV done (P^T's registers free)
+      attention::fence_all<C>(dv, L::D_ACC);
+      issue_rs<C>(dk, ad, q_base);  // dK_w += dS^T Q, on the tensor pipe while the dQ is staged (below)
+      wgmma_wait_group<1>();  // dQ done; dK may still run
+    } else {
+      wgmma_wait_group<1>();  // dV, dK done: the stage's Q and dO are no longer read
+      attention::fence_all<C>(dk, L::D_ACC);
+      attention::fence_all<C>(dv, L::D_ACC);
+      if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
+      wgmma_wait_group<0>();
+    }
     attention::fence_all<C>(dq, 32);
 
     if constexpr (L::DQ_TILED) {
@@ -709,6 +750,11 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
           atomicAdd(dst + 8 * q + 1, dq[4 * q + 2 * h + 1]);
         }
       }
+    }
+    if constexpr (L::DK_AFTER_DQ) {
+      wgmma_wait_group<0>();  // dK done: the stage's Q and dO are no longer read
+      attention::fence_all<C>(dk, L::D_ACC);
+      if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
     }
   }
 
