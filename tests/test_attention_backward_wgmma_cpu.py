@@ -1234,15 +1234,56 @@ def serialized(output) -> list[str]:
     return [line for line in text.splitlines() if SERIALIZED.search(line)]
 
 
-def tool_cases():
+def tool_cases(impl: str = "wgmma_l3"):
     """The (variant, spec changes) of every case tools/gpu_attention_bwd.py checks or benches with --impl
-    wgmma_l3."""
+    `impl`."""
     from conftest import load_script
     from tsgen.spec import merge
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    return {name: merge(tool.VARIANTS[name], tool.impl_changes("wgmma_l3"))
-            for name in sorted(set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS))}
+    return {name: merge(tool.VARIANTS[name], tool.impl_changes(impl))
+            for name in sorted(set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS)) if tool.runs(name, impl)}
+
+
+def main_kernel_ops(output, kernel: str) -> tuple[str, list]:
+    """`kernel`'s SASS in `output` and its instructions as (address, predicate, opcode, operands)."""
+    sass = dump_sass(output)
+    main = sass[sass.index(f"Function : {kernel}"):]
+    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
+    return main, re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", main)
+
+
+def loop_body(ops, sts: bool = False) -> list[list]:
+    """The consumers' loop (from the target of the backward branch around the first RS product to that branch)
+    as events, runs of one event kept once with their count: the products SS, RS, dQ; the warpgroup waits
+    wait0 / wait1; the named barriers DS_READY, DQ_STAGED; q_empty, q_full; the staging's STS.64; UBLKRED;
+    EX2; and with `sts` dS^T's 32-bit stores (STS)."""
+    def event(o, rest):
+        r = re.sub(r"\s+", "", rest)
+        if o.startswith("HGMMA"):
+            return "dQ" if ".tnspA.tnspB" in r else ("RS" if ".tnspB" in r else "SS")
+        if o == "WARPGROUP.DEPBAR.LE":
+            return "wait" + r[-1]
+        if o == "BAR.SYNC.DEFER_BLOCKING":
+            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
+        return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full",
+                "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2",
+                **({"STS": "STS"} if sts else {})}.get(o)
+
+    last = int(ops[-1][0], 16)
+    events = [(int(a, 16), e) for a, _, o, rest in ops if (e := event(o, rest)) is not None]
+    rs_at = next(a for a, e in events if e == "RS")
+    back = [(int(a, 16), int(rest.split()[0], 16)) for a, _, o, rest in ops
+            if o == "BRA" and rest.strip() and int(rest.strip().split()[0], 16) < int(a, 16) <= last]
+    edge, top = next((a, t) for a, t in back if t < rs_at < a)  # the consumers' loop: its back edge
+    body = []
+    for a, e in events:
+        if top <= a <= edge:
+            if body and body[-1][0] == e:
+                body[-1][1] += 1
+            else:
+                body.append([e, 1])
+    return body
 
 
 def test_lookahead_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
@@ -1301,45 +1342,15 @@ def test_sass_of_the_lookahead_main_kernel(tmp_path, monkeypatch, head_dim):
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
     compiled = compile_source(rendered_source(variant("v", params={"head_dim": head_dim, "lookahead": True}), tmp_path))
     assert serialized(compiled.output) == []
-    sass = dump_sass(compiled.output)
-    main = sass[sass.index("Function : v_w1_main"):]
-    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
-    ops = re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", main)
+    main, ops = main_kernel_ops(compiled.output, "v_w1_main")
     names = [o for _, _, o, _ in ops]
     assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no calls"
-
-    def event(pred, o, rest):
-        r = re.sub(r"\s+", "", rest)
-        if o.startswith("HGMMA"):
-            return "dQ" if ".tnspA.tnspB" in r else ("RS" if ".tnspB" in r else "SS")
-        if o == "WARPGROUP.DEPBAR.LE":
-            return "wait" + r[-1]
-        if o == "BAR.SYNC.DEFER_BLOCKING":
-            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
-        return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full",
-                "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2"}.get(o)
-
-    at = [int(a, 16) for a, _, _, _ in ops]
-    seq = []  # (address, event), runs of one event kept once with their count
-    for (a, pred, o, rest) in ops:
-        e = event(pred, o, rest)
-        if e is None:
-            continue
-        if seq and seq[-1][1] == e:
-            seq[-1][2] += 1
-        else:
-            seq.append([int(a, 16), e, 1])
-    hgmma = sum(n for _, e, n in seq if e in ("SS", "RS", "dQ"))
-    ss = sum(n for _, e, n in seq if e == "SS")
-    assert ss == 2 * 2 * head_dim // 16 and sum(n for _, e, n in seq if e == "RS") == 8
-    assert sum(n for _, e, n in seq if e == "dQ") == (128 if head_dim == 128 else 64) // 16
-    assert names.count("WARPGROUP.DEPBAR.LE") == 6 and hgmma == ss + 8 + (8 if head_dim == 128 else 4)
-    # the consumers' loop: the backward branch whose target lies before the dV / dK products
-    rs = next(a for a, e, _ in seq if e == "RS")
-    back = [(int(a, 16), int(rest.split()[0], 16)) for a, pred, o, rest in ops
-            if o == "BRA" and rest.strip() and int(rest.strip().split()[0], 16) < int(a, 16) <= at[-1]]
-    edge, top = next((a, t) for a, t in back if t < rs < a)
-    body = [(e, n) for a, e, n in seq if top <= a < edge]
+    body = loop_body(ops)
+    every = [(o, rest) for _, _, o, rest in ops if o.startswith("HGMMA")]
+    ss = sum(1 for o, r in every if "tnsp" not in r)
+    assert ss == 2 * 2 * head_dim // 16 and sum(1 for o, r in every if ".tnspB" in r and "tnspA" not in r) == 8
+    assert sum(1 for o, r in every if ".tnspA.tnspB" in r) == (128 if head_dim == 128 else 64) // 16
+    assert names.count("WARPGROUP.DEPBAR.LE") == 6 and len(every) == ss + 8 + (8 if head_dim == 128 else 4)
     want = ["RS", "DS_READY", "dQ", "wait1", "q_empty", "q_full", "SS", "wait1", "STS.64", "SS", "DQ_STAGED",
             "UBLKRED", "wait1", "EX2", "wait0"]
     got = [e for e, _ in body]
@@ -1457,10 +1468,7 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal):
     compiled = compile_source(rendered_source(variant("v", params={"head_dim": 64, "causal": causal,
                                                                    "step_rows": 128}), tmp_path))
     assert serialized(compiled.output) == []
-    sass = dump_sass(compiled.output)
-    main = sass[sass.index("Function : v_w1_main"):]
-    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
-    ops = re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", main)
+    main, ops = main_kernel_ops(compiled.output, "v_w1_main")
     names = [o for _, _, o, _ in ops]
     assert not [n for n in names if n.startswith(("LDL", "STL", "CALL", "ATOM"))], "no local memory, no calls"
     hgmma = [re.sub(r"\s+", "", o + rest) for _, _, o, rest in ops if o.startswith("HGMMA")]
@@ -1480,30 +1488,7 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal):
                          check=True).stdout
     assert [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)] == [4]
 
-    def event(o, rest):
-        r = re.sub(r"\s+", "", rest)
-        if o.startswith("HGMMA"):
-            return "dQ" if ".tnspA.tnspB" in r else ("RS" if ".tnspB" in r else "SS")
-        if o == "WARPGROUP.DEPBAR.LE":
-            return "wait" + r[-1]
-        if o == "BAR.SYNC.DEFER_BLOCKING":
-            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
-        return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full", "STS": "STS",
-                "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2"}.get(o)
-
-    at = [int(a, 16) for a, _, _, _ in ops]
-    events = [(int(a, 16), e) for a, _, o, rest in ops if (e := event(o, rest)) is not None]
-    rs_at = next(a for a, e in events if e == "RS")
-    back = [(int(a, 16), int(rest.split()[0], 16)) for a, _, o, rest in ops
-            if o == "BRA" and rest.strip() and int(rest.strip().split()[0], 16) < int(a, 16) <= at[-1]]
-    edge, top = next((a, t) for a, t in back if t < rs_at < a)  # the consumers' loop: its back edge
-    body = []  # the loop's events, runs of one event kept once with their count
-    for a, e in events:
-        if top <= a <= edge:
-            if body and body[-1][0] == e:
-                body[-1][1] += 1
-            else:
-                body.append([e, 1])
+    body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
     want = ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
             "STS.64", "DQ_STAGED", "UBLKRED"]
