@@ -73,6 +73,8 @@
 //     warpgroups arrived on its q_empty (one thread each), which each does after wgmma.wait_group
 //     has retired every wgmma reading the stage (S^T, dP^T, dV, dK), and after DS_READY: every
 //     thread of both warpgroups read its LSE2 / D before that barrier (the arrive is a release).
+//     With DK_AFTER_DQ the arrive is at the end of the step, after the wait_group 0 that retires dK (the
+//     last reader of Q); dV (dO's) has retired before dK was issued.
 //   - LSE2 / D written by generic stores of the producer lanes, read by the consumers: each
 //     lane's mbarrier arrive (release) before the consumers' wait (acquire) on q_full.
 //   - dS^T written by generic stores, read by wgmma (the async proxy): fence.proxy.async.shared::cta
