@@ -620,6 +620,23 @@ def header_ds_column():
     return lambda q, lane: eval(expr.group(1), {}, {"q": q, "swizzle": lane // 4, "lane": lane})
 
 
+def staged_partial(stage_store, acc: np.ndarray) -> np.ndarray:
+    """A warpgroup's 64 x 64 fp32 dQ partial `acc` through the header's staging store (header_dq_staging):
+    the staging buffer as the bulk reduction reads it (NaN where no thread wrote). Each thread's registers
+    4q + 2h + e hold (row + 8h, column 8q + 2 (lane % 4) + e), as the header's store assumes."""
+    staging = np.full(64 * 64, np.nan)
+    for warp in range(4):
+        for lane in range(32):
+            row = 16 * warp + lane // 4
+            for h in range(2):
+                for qq in range(8):
+                    at, reg = stage_store(row, h, lane, qq)
+                    for e in range(2):
+                        assert (reg + e) // 4 == qq and (reg + e) % 4 == 2 * h + e
+                        staging[at // 4 + e] = acc[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+    return staging
+
+
 def header_dq_staging():
     """The dQ staging store of the header (dq_reduce bulk): a function (row, h, lane, q) -> (byte offset
     in the warpgroup's staging buffer, register of the first float; the second is the next register)."""
@@ -750,16 +767,7 @@ def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal, tiled=None
             if tiled is None:
                 dq[r0:r0 + n, 64 * col_box:64 * col_box + 64] += acc[:n]
                 continue
-            staging = np.full(64 * 64, np.nan)  # fp32, this warpgroup's buffer
-            for warp in range(4):
-                for lane in range(32):
-                    row = 16 * warp + lane // 4
-                    for h in range(2):
-                        for qq in range(8):
-                            at, reg = stage_store(row, h, lane, qq)
-                            for e in range(2):  # register 4q + 2h + e: (row + 8h, column 8q + 2 (lane % 4) + e)
-                                assert (reg + e) // 4 == qq and (reg + e) % 4 == 2 * h + e
-                                staging[at // 4 + e] = acc[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            staging = staged_partial(stage_store, acc)
             base = r0 * d + col_box * n * 64  # the bulk reduction's destination (floats), n x 256 bytes
             accum[base:base + n * 64] += staging[:n * 64]
     if tiled is not None:
@@ -1116,15 +1124,7 @@ def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled, l
                 a = sm.mn_major(start + kk * 2048, 64, lbo).T  # M-major A: [m][k]
                 b = sm.mn_major(K_OFF + kk * 2048, 64, KV_BOX)
                 acc += a @ b
-            staging = np.full(64 * 64, np.nan)
-            for warp in range(4):
-                for lane in range(32):
-                    row = 16 * warp + lane // 4
-                    for h in range(2):
-                        for qq in range(8):
-                            st, reg = stage_store(row, h, lane, qq)
-                            for e in range(2):
-                                staging[st // 4 + e] = acc[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            staging = staged_partial(stage_store, acc)
             q0 = at["q0"](cw=cw, **env)
             if at["reduce_if"](q0=q0, **env):  # the block's valid rows; none past the rows
                 n = at["n"](q0=q0, **env)

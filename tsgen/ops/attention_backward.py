@@ -202,6 +202,14 @@ def backward_inputs(spec, count: int, rng: np.random.Generator) -> dict[str, np.
     return out
 
 
+def refuse_first(problems: list, field: str, rules: list[tuple[bool, str]]) -> None:
+    """An opt-in knob's refusals in order: the first rule whose condition holds adds (params.field, its
+    message) to `problems`; one message a knob, the most basic reason first."""
+    why = next((message for bad, message in rules if bad), None)
+    if why is not None:
+        problems.append((("params", field), why))
+
+
 class AttentionBackwardFamily(OpFamily):
     kind = "attention_backward"
     Spec = AttentionBackwardSpec
@@ -233,44 +241,36 @@ class AttentionBackwardFamily(OpFamily):
             problems.append((("params", "head_group"), "head_group with deterministic is not built: the grouped order's "
                              "KV block and head stay live in the consumers and spill beside the turns (ptxas: 8 "
                              "bytes of stack); use one of the two"))
-        if spec.params.lookahead:
-            if spec.params.impl != "wgmma":
-                problems.append((("params", "lookahead"), "lookahead needs params.impl wgmma (the mma_sync kernel "
-                                 "issues no product asynchronously)"))
-            elif not spec.params.dq_tiled:
-                problems.append((("params", "lookahead"), "lookahead is built for dq_reduce bulk only (the atomic "
-                                 "path is kept to bench against)"))
-            elif spec.params.deterministic:
-                problems.append((("params", "lookahead"), "lookahead with deterministic is not built (the turns' "
-                                 "wait and hand-over sit in the dQ tail that the lookahead reorders); use one of "
-                                 "the two"))
-        if spec.params.dk_after_dq:
-            why = ("needs params.impl wgmma (the mma_sync kernel issues no product asynchronously)"
-                   if spec.params.impl != "wgmma" else
-                   "is built for dq_reduce bulk only (the atomic path is kept to bench against)" if not spec.params.dq_tiled
-                   else "with deterministic is not built (its turn's wait sits in the dQ tail it reorders)"
-                   if spec.params.deterministic else "with lookahead is not built (two reorders of one tail)"
-                   if spec.params.lookahead else "with step_rows 128 is not built (consume_tall has its own order)"
-                   if spec.params.tall else None)
-            if why:
-                problems.append((("params", "dk_after_dq"), f"dk_after_dq {why}"))
-        if spec.params.tall:
-            if spec.params.impl != "wgmma":
-                problems.append((("params", "step_rows"), "step_rows 128 needs params.impl wgmma (the mma_sync kernel "
-                                 "walks 64-row blocks only)"))
-            elif spec.params.head_dim != 64:
-                problems.append((("params", "step_rows"), "step_rows 128 is built for head_dim 64 only (at 128, S^T, "
-                                 "dP^T of 64 x 128 and dK, dV of 64 x 128 are 256 accumulator registers a thread, over "
-                                 "the consumers' 232)"))
-            elif not spec.params.dq_tiled:
-                problems.append((("params", "step_rows"), "step_rows 128 is built for dq_reduce bulk only (the atomic "
-                                 "path is kept to bench against)"))
-            elif spec.params.deterministic:
-                problems.append((("params", "step_rows"), "step_rows 128 with deterministic is not built (its turns "
-                                 "are per 64-row query block and warpgroup pair); use one of the two"))
-            elif spec.params.lookahead:
-                problems.append((("params", "step_rows"), "step_rows 128 with lookahead is not built (two consumer "
-                                 "loops, each with its own order of waits); use one of the two"))
+        p = spec.params
+        if p.lookahead:
+            refuse_first(problems, "lookahead", [
+                (p.impl != "wgmma", "lookahead needs params.impl wgmma (the mma_sync kernel issues no product "
+                 "asynchronously)"),
+                (not p.dq_tiled, "lookahead is built for dq_reduce bulk only (the atomic path is kept to bench against)"),
+                (p.deterministic, "lookahead with deterministic is not built (the turns' wait and hand-over sit in the "
+                 "dQ tail that the lookahead reorders); use one of the two")])
+        if p.dk_after_dq:
+            refuse_first(problems, "dk_after_dq", [
+                (p.impl != "wgmma", "dk_after_dq needs params.impl wgmma (the mma_sync kernel issues no product "
+                 "asynchronously)"),
+                (not p.dq_tiled, "dk_after_dq is built for dq_reduce bulk only (the atomic path is kept to bench "
+                 "against)"),
+                (p.deterministic, "dk_after_dq with deterministic is not built (its turn's wait sits in the dQ tail it "
+                 "reorders)"),
+                (p.lookahead, "dk_after_dq with lookahead is not built (two reorders of one tail)"),
+                (p.tall, "dk_after_dq with step_rows 128 is not built (consume_tall has its own order)")])
+        if p.tall:
+            refuse_first(problems, "step_rows", [
+                (p.impl != "wgmma", "step_rows 128 needs params.impl wgmma (the mma_sync kernel walks 64-row blocks "
+                 "only)"),
+                (p.head_dim != 64, "step_rows 128 is built for head_dim 64 only (at 128, S^T, dP^T of 64 x 128 and dK, "
+                 "dV of 64 x 128 are 256 accumulator registers a thread, over the consumers' 232)"),
+                (not p.dq_tiled, "step_rows 128 is built for dq_reduce bulk only (the atomic path is kept to bench "
+                 "against)"),
+                (p.deterministic, "step_rows 128 with deterministic is not built (its turns are per 64-row query block "
+                 "and warpgroup pair); use one of the two"),
+                (p.lookahead, "step_rows 128 with lookahead is not built (two consumer loops, each with its own order "
+                 "of waits); use one of the two")])
         if spec.params.deterministic and not spec.params.dq_tiled:
             problems.append((("params", "deterministic"), "deterministic needs params.impl wgmma with dq_reduce bulk "
                              "(the ordered adds are the bulk reductions; mma_sync and dq_reduce atomic add dQ with "
