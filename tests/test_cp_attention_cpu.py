@@ -410,15 +410,23 @@ def test_trace_tool_reports_without_a_gpu():
 # ---------------------------------------------------------------------------
 
 
+def opt_in_constant(name: str, loaded, absent: str | None = None) -> str:
+    """An opt-in knob's constant: in no shipped source (nor `absent`), and in the variant `loaded`'s source as
+    the module's `constexpr int NAME = 1` and the Config's flag; that source."""
+    for shipped in SHIPPED:
+        text = (ROOT / "generated" / f"{shipped}.cu").read_text()
+        assert name not in text and (absent is None or absent not in text), shipped
+    source = render(loaded).source
+    assert f"\nconstexpr int {name} = 1;\n" in source
+    assert f"static constexpr bool {name} = {loaded.model.name}::{name} != 0;" in source
+    return source
+
+
 def test_tile_counter_renders_only_where_set():
     """Unset, the shipped sources stay as they are (no TILE_COUNTER anywhere); set on the
     not-causal spec, the module constant and the Host's flag appear, and the header's launcher
     then passes sig[WORK] as the kernel's counter (tile_counter_of)."""
-    for name in SHIPPED:
-        assert "TILE_COUNTER" not in (ROOT / "generated" / f"{name}.cu").read_text()
-    source = render(variant("tc", params={"tile_counter": True})).source
-    assert "\nconstexpr int TILE_COUNTER = 1;\n" in source
-    assert "static constexpr bool TILE_COUNTER = tc::TILE_COUNTER != 0;" in source
+    opt_in_constant("TILE_COUNTER", variant("tc", params={"tile_counter": True}))
     header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
     assert "Op::CAUSAL || tile_counter_of<Op>::value ? sig + WORK : nullptr" in header
 
@@ -456,12 +464,7 @@ def test_local_kv_renders_only_where_set():
     """Unset, the shipped sources stay as they are; set, the module constant, the Config's flag, the kernel's
     two more maps (passed to run) and the push kernel's SKIP_OWN appear, and the header's launcher skips the
     copy to ourselves and leaves our chunk unwaited."""
-    for name in SHIPPED:
-        text = (ROOT / "generated" / f"{name}.cu").read_text()
-        assert "LOCAL_KV" not in text and "k_local_map" not in text
-    source = render(local()).source
-    assert "\nconstexpr int LOCAL_KV = 1;\n" in source
-    assert "static constexpr bool LOCAL_KV = lk::LOCAL_KV != 0;" in source
+    source = opt_in_constant("LOCAL_KV", local(), absent="k_local_map")
     assert "const __grid_constant__ CUtensorMap k_local_map, const __grid_constant__ CUtensorMap v_local_map," in source
     assert "run<lk::Config>(&q_map, &k_map, &v_map, &o_map, problem, &k_local_map, &v_local_map);" in source
     assert "push_body<2, true>" in render(local(gather="sm")).source
@@ -525,11 +528,7 @@ def test_local_kv_launcher_refuses_a_count_off_the_tile(tmp_path, capfd):
 
 
 def test_copy_1d_renders_only_where_set_and_needs_the_copy_engine(tmp_path):
-    for name in SHIPPED:
-        assert "COPY_1D" not in (ROOT / "generated" / f"{name}.cu").read_text()
-    source = render(variant("c1", params={"copy_1d": True})).source
-    assert "\nconstexpr int COPY_1D = 1;\n" in source
-    assert "static constexpr bool COPY_1D = c1::COPY_1D != 0;" in source
+    opt_in_constant("COPY_1D", variant("c1", params={"copy_1d": True}))
     header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
     assert "if (copy_1d_of<Op>::value && g.lines == 1) {  // one run: the 1-D copy (params.copy_1d)" in header
     assert spec_problems(tmp_path, CP + "params:\n  copy_1d: true\n  gather: sm\n") == [
