@@ -20,7 +20,7 @@ from tsgen.ops.attention_backward import flops, smem_bytes
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.render import render
 from tsgen.shipped import shipped_specs
-from tsgen.spec import load_spec, spec_variant
+from tsgen.spec import load_spec, merge, spec_variant
 from tsgen.toolchain import compile_module, compile_source, dump_sass, find_cuobjdump, find_nvcc
 
 SPEC = ROOT / "specs" / "attention_backward_hd128.yaml"
@@ -33,7 +33,8 @@ needs_sass = compile_test(NO_SASS and f"SASS checks need nvcc and cuobjdump: {NO
 
 
 def variant(name, **changes):
-    return spec_variant(load_spec(SPEC), {**changes, "name": name})
+    """SPEC in the default product order (it ships params.dk_after_dq, which mma_sync and deterministic refuse)."""
+    return spec_variant(load_spec(SPEC), merge({"params": {"dk_after_dq": False}}, {**changes, "name": name}))
 
 
 # the first main kernel (tsgen/attention_bwd.cuh), no longer the shipped specs' (they run wgmma)

@@ -29,7 +29,10 @@ needs_sass = compile_test(NO_SASS and f"SASS checks need nvcc and cuobjdump: {NO
 
 
 def variant(name, params=None, **changes):
-    return spec_variant(load_spec(SPEC), {**changes, "name": name, "params": {"impl": "wgmma", **(params or {})},
+    """SPEC's shape in the 64-row default product order (SPEC ships params.dk_after_dq; the tests below that
+    want it set it), with `params` and `changes`."""
+    return spec_variant(load_spec(SPEC), {**changes, "name": name,
+                                          "params": {"impl": "wgmma", "dk_after_dq": False, **(params or {})},
                                           "launch": {"threads": 384}})
 
 
@@ -56,8 +59,9 @@ def test_defaults_and_sizes():
     assert spec.params.impl == "wgmma" and spec.launch.threads == IMPLS["wgmma"]["threads"] == 384
     assert [k.block for k in get_family("attention_backward").abi(spec).kernels] == [384]
     shipped = load_spec(SPEC).model  # wgmma since every check of tools/gpu_attention_bwd.sh passed on an H200
-    assert shipped.params.impl == "wgmma" and shipped.params.dq_tiled
-    mma_sync = spec_variant(load_spec(SPEC), {"params": {"impl": "mma_sync"}, "launch": {"threads": 128}}).model
+    assert shipped.params.impl == "wgmma" and shipped.params.dq_tiled and shipped.params.dk_after_dq
+    mma_sync = spec_variant(load_spec(SPEC), {"params": {"impl": "mma_sync", "dk_after_dq": False},
+                                              "launch": {"threads": 128}}).model
     assert [k.block for k in get_family("attention_backward").abi(mma_sync).kernels] == [128]
     # K, V (128 rows), 2 stages of Q and dO (64 rows), two dS^T buffers (128 x 64), the fp32 dQ staging of
     # the two consumer warpgroups (64 x 64 each; dq_reduce bulk, the default), LSE2 and D per stage, 5
@@ -528,14 +532,23 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     from tsgen.spec import merge
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    assert tool.IMPLS == ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2",
-                          "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq")
-    assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8"
+    assert tool.IMPLS == ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1",
+                          "wgmma_g2", "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq")
+    assert tool.impl_name("hd64_full_kv8", "shipped") == "hd64_full_kv8"
+    assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8_mma_sync"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
     assert tool.impl_name("hd64_full_kv8", "wgmma_red") == "hd64_full_kv8_wgmma_red"
     for name in set(tool.CHECK_VARIANTS) | set(tool.BENCH_VARIANTS):  # every variant is a valid wgmma spec
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma"))).model
         assert spec.params.impl == "wgmma" and spec.params.dq_tiled and spec.launch.threads == 384
+        assert not spec.params.dk_after_dq and not spec.params.tall  # the 64-row default order
+        # shipped: the shipped spec of the variant's head dim (at 128 dk_after_dq, at 64 step_rows 128)
+        head_dim = tool.VARIANTS[name]["params"]["head_dim"]
+        spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("shipped", head_dim))).model
+        assert (spec.params.dk_after_dq, spec.params.tall) == ((True, False) if head_dim == 128 else (False, True))
+        assert get_family("attention_backward").check(spec) == [], name
+        mma = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("mma_sync"))).model
+        assert mma.params.impl == "mma_sync" and mma.launch.threads == 128 and not mma.params.dk_after_dq
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_red"))).model
         assert spec.params.impl == "wgmma" and not spec.params.dq_tiled and spec.launch.threads == 384
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_det"))).model
@@ -1371,14 +1384,15 @@ def test_sass_of_the_lookahead_main_kernel(tmp_path, monkeypatch, head_dim):
 
 
 def test_dk_after_dq_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
-    """Unset in every shipped spec (no DK_AFTER_DQ in their sources); set, the constant and the Config's
+    """Set in the shipped head-dim-128 specs, unset at 64 (no DK_AFTER_DQ in their sources); set, the constant and the Config's
     flag, the same shared memory; refused by name with mma_sync, dq_reduce atomic, deterministic, lookahead
     and step_rows 128; every case of the tool's wgmma_dkq is a valid spec."""
     fam = get_family("attention_backward")
-    for path in SHIPPED_BACKWARD:
+    for path in SHIPPED_BACKWARD:  # set in the head-dim-128 ones, unset (no DK_AFTER_DQ in the source) at 64
         loaded = load_spec(path)
-        assert not loaded.model.params.dk_after_dq and "DK_AFTER_DQ" not in fam.constants(loaded.model)
-        assert "DK_AFTER_DQ" not in rendered_source(loaded, tmp_path).read_text(), path
+        on = loaded.model.params.head_dim == 128
+        assert loaded.model.params.dk_after_dq == on and ("DK_AFTER_DQ" in fam.constants(loaded.model)) == on
+        assert ("DK_AFTER_DQ" in rendered_source(loaded, tmp_path).read_text()) == on, path
     on = variant("dkq", params={"dk_after_dq": True})
     assert fam.constants(on.model)["DK_AFTER_DQ"] == 1 and fam.check(on.model) == []
     assert "static constexpr bool DK_AFTER_DQ = dkq::DK_AFTER_DQ != 0;" in rendered_source(on, tmp_path).read_text()
@@ -1454,17 +1468,18 @@ def tall_tool_cases():
 
 
 def test_step_rows_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
-    """Unset in every shipped backward spec: no STEP_ROWS constant, no mma_s_n128 (S^T, dP^T as m64n128) in the
-    Config (tsgen build writes 0 files); 64 explicit renders as unset. 128: STEP_ROWS and mma_s_n128 rendered,
+    """128 in the shipped head-dim-64 backward specs; unset in the head-dim-128 ones: no STEP_ROWS constant, no
+    mma_s_n128 (S^T, dP^T as m64n128) in the Config; 64 explicit renders as unset. 128: STEP_ROWS and mma_s_n128 rendered,
     the shared memory of 128-row Q, dO, dS^T, LSE2 and D tiles; refused by name with mma_sync, head dim 128,
     dq_reduce atomic, deterministic and lookahead."""
     fam = get_family("attention_backward")
-    for path in SHIPPED_BACKWARD:
+    for path in SHIPPED_BACKWARD:  # 128 in the head-dim-64 ones; unset at 128 (no STEP_ROWS, no mma_s_n128)
         loaded = load_spec(path)
-        assert loaded.model.params.step_rows is None and not loaded.model.params.tall
-        assert "STEP_ROWS" not in fam.constants(loaded.model)
+        tall = loaded.model.params.head_dim == 64
+        assert loaded.model.params.step_rows == (128 if tall else None) and loaded.model.params.tall == tall
+        assert ("STEP_ROWS" in fam.constants(loaded.model)) == tall
         text = rendered_source(loaded, tmp_path).read_text()
-        assert "STEP_ROWS" not in text and "mma_s_n128" not in text, path
+        assert ("STEP_ROWS" in text) == tall and ("mma_s_n128" in text) == tall, path
     plain = variant("v", params={"head_dim": 64})
     explicit = variant("v", params={"head_dim": 64, "step_rows": 64})
     assert fam.constants(explicit.model) == fam.constants(plain.model)
@@ -1577,7 +1592,7 @@ def test_gpu_tool_runs_step_rows_128_on_head_dim_64_only(tmp_path, monkeypatch):
     from conftest import load_script
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    assert tool.IMPL_PARAMS["wgmma_m128"] == {"impl": "wgmma", "step_rows": 128}
+    assert tool.IMPL_PARAMS["wgmma_m128"] == {"impl": "wgmma", "dk_after_dq": False, "step_rows": 128}
     hd64 = sorted(n for n in tool.VARIANTS if tool.VARIANTS[n]["params"]["head_dim"] == 64)
     assert sorted(n for n in tool.VARIANTS if tool.runs(n, "wgmma_m128")) == hd64
     assert all(tool.runs(n, i) for n in tool.VARIANTS for i in tool.IMPLS if i != "wgmma_m128")

@@ -1,7 +1,7 @@
 """The `attention_backward` op on one GPU: correctness against a float32 reference, then a short
 bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
-Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3,wgmma_m128,wgmma_dkq]
+Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl shipped,mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3,wgmma_m128,wgmma_dkq]
        python tools/gpu_attention_bwd.py OUT_DIR --impl wgmma --ncu hd128_full_kv32[:8192]
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment; source
        tools/device_env.sh before the --ncu form: ncu over one variant's main kernel at the bench's
@@ -9,8 +9,10 @@ Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl 
        sdpa_flash, cudnn_fe, fa4) the same metrics over that baseline's backward kernels on the same
        tensors, in OUT_DIR/ncu_<baseline>_<variant>_s<seq>.txt: the two side by side)
 
---impl: the main kernels to run (default mma_sync): mma_sync (params.impl mma_sync), wgmma
-(params.impl wgmma: dQ by bulk reductions, its default) and wgmma_red (params.impl wgmma with
+--impl: the main kernels to run (default shipped): shipped (the shipped specs' main kernel for the variant's
+head dim: at 128 params.dk_after_dq, at 64 params.step_rows 128), mma_sync (params.impl mma_sync), wgmma
+(params.impl wgmma: dQ by bulk reductions, in 64-row steps and the default product order), wgmma_dkq
+(params.dk_after_dq: FlashAttention-3's product order) and wgmma_red (params.impl wgmma with
 dq_reduce atomic: the first wgmma version's per-element fp32 reductions) and wgmma_det (params.impl
 wgmma with params.deterministic: the bulk reductions in a fixed order; its checks add cases run 3 or 5
 times on the same inputs that pass only with dQ, dK, dV and the fp32 dq_accum workspace (whose bits
@@ -23,7 +25,7 @@ next step's S^T and dP^T issued under this step's dQ tail), wgmma_m128 (params.i
 it, their rows keep the other impls' columns). wgmma's checks run one such
 repeated case as information (whether its fp32 dq_accum differed: expected, not a failure; it shows
 that the check can see the order). Each listed one is built,
-checked and benched with the same variants and cases; a variant of an impl other than mma_sync is
+checked and benched with the same variants and cases; a variant of an impl other than shipped is
 named NAME_IMPL (its checks' rows), and its bench timings are column tsgen_IMPL of the same rows,
 interleaved with the others (ratio_ref: the first listed impl's time / its time, x in the table; the
 SDPA columns' ratio: SDPA's time / the last listed impl's, so list the candidate last).
@@ -106,20 +108,27 @@ BENCH_SEQS = [4096, 8192, 16384]
 
 
 # main kernels; the first is the default and the bench's "tsgen" column
-# wgmma_gN: the CTAs in groups of N (sequence, KV head) pairs (params.head_group; g0: no groups, the
-# order before groups of 4 became the default); wgmma_l3: params.lookahead (the next step's S^T and dP^T
-# under the dQ tail, docs/design/attention.md's lever 3), with the default head_group; wgmma_m128:
-# params.step_rows 128 (steps of 128 query rows at head dim 64, docs/design/attention.md's "Tall steps"); wgmma_dkq:
-# params.dk_after_dq (FlashAttention-3's product order: the dQ staged while dK runs)
-IMPLS = ("mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4", "wgmma_g8",
-         "wgmma_l3", "wgmma_m128", "wgmma_dkq")
-# the spec params of each (beside its threads per CTA, those of params.impl)
-IMPL_PARAMS = {"mma_sync": {}, "wgmma": {"impl": "wgmma"}, "wgmma_red": {"impl": "wgmma", "dq_reduce": "atomic"},
-               "wgmma_det": {"impl": "wgmma", "deterministic": True},
-               **{f"wgmma_g{n}": {"impl": "wgmma", "head_group": n} for n in (0, 1, 2, 4, 8)},
-               "wgmma_l3": {"impl": "wgmma", "lookahead": True},
-               "wgmma_m128": {"impl": "wgmma", "step_rows": 128},
-               "wgmma_dkq": {"impl": "wgmma", "dk_after_dq": True}}
+# shipped: the shipped specs' main kernel for the variant's head dim (SHIPPED_SPECS: at 128 params.dk_after_dq, at 64
+# params.step_rows 128); mma_sync: params.impl mma_sync; wgmma: params.impl wgmma in the 64-row default order (neither
+# lever; the shipped kernel until 2026-11-27); wgmma_gN: the CTAs in groups of N (sequence, KV head) pairs
+# (params.head_group; g0: no groups, the order before groups of 4 became the default); wgmma_l3: params.lookahead (the
+# next step's S^T and dP^T under the dQ tail, docs/design/attention.md's lever 3), with the default head_group;
+# wgmma_m128: params.step_rows 128 (steps of 128 query rows at head dim 64, docs/design/attention.md's "Tall steps");
+# wgmma_dkq: params.dk_after_dq (FlashAttention-3's product order: the dQ staged while dK runs)
+IMPLS = ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4",
+         "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq")
+# the spec params of each (beside its threads per CTA, those of params.impl); every wgmma one names both levers, as
+# SPEC sets one of them
+WGMMA = {"impl": "wgmma", "dk_after_dq": False, "step_rows": None}
+IMPL_PARAMS = {"mma_sync": {"impl": "mma_sync", "dk_after_dq": False, "step_rows": None}, "wgmma": WGMMA,
+               "wgmma_red": {**WGMMA, "dq_reduce": "atomic"}, "wgmma_det": {**WGMMA, "deterministic": True},
+               **{f"wgmma_g{n}": {**WGMMA, "head_group": n} for n in (0, 1, 2, 4, 8)},
+               "wgmma_l3": {**WGMMA, "lookahead": True},
+               "wgmma_m128": {**WGMMA, "step_rows": 128},
+               "wgmma_dkq": {**WGMMA, "dk_after_dq": True}}
+# the shipped spec of each head dim, whose main kernel impl "shipped" builds (its impl and the two levers)
+SHIPPED_SPECS = {128: ROOT / "specs" / "attention_backward_hd128.yaml",
+                 64: ROOT / "specs" / "attention_backward_hd64_causal_gqa.yaml"}
 # impls built for some head dims only (the spec check refuses the others): the variants they run on
 IMPL_HEAD_DIMS = {"wgmma_m128": (64,)}
 
@@ -130,7 +139,7 @@ def runs(name: str, impl: str) -> bool:
 
 
 def impl_name(name: str, impl: str) -> str:
-    """Variant `name` built with main kernel `impl`: mma_sync's keeps the name."""
+    """Variant `name` built with main kernel `impl`: the shipped one's keeps the name."""
     return name if impl == IMPLS[0] else f"{name}_{impl}"
 
 
@@ -140,15 +149,22 @@ def build(out: Path, name: str, impl: str = IMPLS[0]) -> dict:
     from tsgen.spec import load_spec, merge, spec_variant
 
     changes = merge(VARIANTS[name], {"name": f"attbwd_{impl_name(name, impl)}"})
-    return build_loaded(out, spec_variant(load_spec(SPEC), merge(changes, impl_changes(impl))))
+    head_dim = VARIANTS[name]["params"]["head_dim"]
+    return build_loaded(out, spec_variant(load_spec(SPEC), merge(changes, impl_changes(impl, head_dim))))
 
 
-def impl_changes(impl: str) -> dict:
-    """The spec changes that select main kernel `impl` (its threads per CTA go with it)."""
+def impl_changes(impl: str, head_dim: int = 128) -> dict:
+    """The spec changes that select main kernel `impl` for a variant of head dim `head_dim` (its threads per CTA go
+    with it)."""
     from tsgen.ops.attention_backward import IMPLS as THREADS
+    from tsgen.spec import load_spec
 
-    params = IMPL_PARAMS[impl]
-    return {} if impl == IMPLS[0] else {"params": dict(params), "launch": {"threads": THREADS[params["impl"]]["threads"]}}
+    if impl == "shipped":
+        shipped = load_spec(SHIPPED_SPECS[head_dim]).model.params
+        params = {"impl": shipped.impl, "dk_after_dq": shipped.dk_after_dq, "step_rows": shipped.step_rows}
+    else:
+        params = IMPL_PARAMS[impl]
+    return {"params": dict(params), "launch": {"threads": THREADS[params["impl"]]["threads"]}}
 
 
 class Op(ga.Entry):
