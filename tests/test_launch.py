@@ -116,8 +116,10 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path):
     import subprocess
 
     pids = tmp_path / "pids"
-    code = (f"import os, time; open({str(pids)!r} + os.environ['RANK'], 'w').write(str(os.getpid())); "
-            "time.sleep(60)")
+    # each rank writes its pid to a side file and renames it into place: the test never reads a file that open()
+    # has created and write() not yet filled (an empty read, on a loaded machine)
+    code = (f"import os, time; p = {str(pids)!r} + os.environ['RANK']; open(p + '.tmp', 'w').write(str(os.getpid())); "
+            "os.replace(p + '.tmp', p); time.sleep(60)")
     proc = subprocess.Popen([PY, "-m", "tsgen.launch", "--nproc", "2", "--", PY, "-c", code],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 20

@@ -781,7 +781,7 @@ def main() -> int:
             extra = ["--quick"] if a.quick else []
             # wgmma_det's children run the repeated cases too (three more references), wgmma's one (information)
             r, log = child(["check", json.dumps(built[name, impl]), *extra],
-                           CHECK_TIMEOUT_S * (2 if IMPL_PARAMS[impl].get("deterministic") else
+                           CHECK_TIMEOUT_S * (2 if IMPL_PARAMS.get(impl, {}).get("deterministic") else
                                               1.5 if impl in ("wgmma", "wgmma_m128") else 1))
             checks[impl_name(name, impl)] = r
             print(f"{impl_name(name, impl)}: {'pass' if r.get('pass') else 'FAIL'}", flush=True)
