@@ -629,9 +629,10 @@ def test_causal_skip_visits_exactly_the_blocks_with_a_visible_key(tmp_path):
             assert seen == bool(vis.any()), (sq, skv, qo, split, qo2, ko, k0, r0)
 
 
-def test_gpu_tool_ncu_profiles_the_main_kernel_of_one_variant(tool, tmp_path, monkeypatch):
-    """--ncu VARIANT[:SEQ]: ncu over the second call's main kernel (the child `one` makes three calls of
-    the bench's shape), the report kept in OUT; an unknown variant is refused by name."""
+def test_gpu_tool_ncu_profiles_every_kernel_of_one_variants_warm_calls(tool, tmp_path, monkeypatch):
+    """--ncu VARIANT[:SEQ]: ncu over every kernel (preprocess, main, dQ conversion) of the warm calls (the child
+    `one` makes three calls of the bench's shape and starts the profiler after the first: --profile-from-start
+    off, as for a baseline), the report kept in OUT; an unknown variant is refused by name."""
     import json
     import subprocess
 
@@ -643,9 +644,9 @@ def test_gpu_tool_ncu_profiles_the_main_kernel_of_one_variant(tool, tmp_path, mo
                                            "--ncu", "hd128_causal_kv8:4096"])
     assert tool.main() == 0
     (cmd,) = ran
-    assert cmd[0] == "ncu" and cmd[cmd.index("--kernel-name") + 1] == "regex:_main$"
+    assert cmd[0] == "ncu" and cmd[cmd.index("--profile-from-start") + 1] == "off" and "--kernel-name" not in cmd
     assert cmd[cmd.index("--clock-control") + 1] == "none"  # never lock the lent GPU's clocks
-    assert cmd[cmd.index("--launch-skip") + 1] == "1" and cmd[cmd.index("--launch-count") + 1] == "1"
+    assert "--launch-skip" not in cmd and cmd[cmd.index("--launch-count") + 1] == "16"
     child = cmd[cmd.index("--child"):]
     assert child[1] == "one" and json.loads(child[2]) == {"name": "hd128_causal_kv8", "impl": "wgmma"} and child[3] == "4096"
     assert "Profiling main" in (tmp_path / "ncu_hd128_causal_kv8_wgmma_s4096.txt").read_text()

@@ -430,20 +430,22 @@ def one_shape(built: dict, seq: int, calls: int = 3, baseline: str | None = None
     batch, t, ws = bench_inputs(torch, op, seq)
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()
+    # ncu profiles from cudaProfilerStart on (--profile-from-start off): the warm calls only, not the first
+    # call nor the SDPA reference that checks cudnn_fe's and fa4's grads; tsgen's the same way, so that both
+    # reports hold every kernel of a call (preprocess, main kernel, dQ conversion)
     if baseline is None:
-        for _ in range(calls):
-            op(t, ws, batch, seq, seq, stream)
-    else:  # ncu profiles from cudaProfilerStart on (--profile-from-start off): the warm calls only, not
-        # the first call nor the SDPA reference that checks cudnn_fe's and fa4's grads
+        fn = lambda i, rs: op(t, ws, batch, seq, seq, stream)  # noqa: E731
+        fn(0, [0])
+    else:
         fn, why = baseline_call(torch, baseline, t, op, stream)  # its first call runs here
         if fn is None:
             return {"pass": False, "why": why}
-        stream.synchronize()
-        torch.cuda.profiler.start()
-        for i in range(calls - 1):
-            fn(i, [0])
-        stream.synchronize()
-        torch.cuda.profiler.stop()
+    stream.synchronize()
+    torch.cuda.profiler.start()
+    for i in range(calls - 1):
+        fn(i, [0])
+    stream.synchronize()
+    torch.cuda.profiler.stop()
     return {"pass": True, "seq": seq, "batch": batch}
 
 
@@ -458,19 +460,16 @@ NCU_METRICS = ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_
 
 
 def profile(out: Path, name: str, impl: str, seq: int, baseline: str | None = None) -> int:
-    """ncu over variant `name`'s main kernel (impl `impl`) at the bench's shape for `seq`, or over every
-    kernel of `baseline`'s two warm backward calls on the same tensors (its preprocess, main kernel and dQ
-    conversion, whatever they are named): the report in OUT/ncu_<variant>_s<seq>.txt, or
+    """ncu over every kernel of two warm backward calls of variant `name` (impl `impl`: its preprocess, main kernel
+    and dQ conversion) at the bench's shape for `seq`, or of `baseline`'s on the same tensors (whatever its
+    kernels are named): the report in OUT/ncu_<variant>_s<seq>.txt, or
     OUT/ncu_<baseline>_<variant>_s<seq>.txt (ncu on PATH; the GPU's clocks as they are: ncu's own warning
     says so). Where the backward's time goes, and where the baseline's, before a lever is chosen
     (docs/design/attention.md)."""
     built = build(out, name, impl)
-    if baseline is None:
-        report = out / f"ncu_{impl_name(name, impl)}_s{seq}.txt"
-        pick = ["--kernel-name", "regex:_main$", "--launch-skip", "1", "--launch-count", "1"]
-    else:  # every kernel of the baseline's warm calls (one_shape starts the profiler after its first call)
-        report = out / f"ncu_{baseline}_{name}_s{seq}.txt"
-        pick = ["--profile-from-start", "off", "--launch-count", "16"]
+    # every kernel of the warm calls (one_shape starts the profiler after its first call), tsgen's or the baseline's
+    report = out / (f"ncu_{impl_name(name, impl)}_s{seq}.txt" if baseline is None else f"ncu_{baseline}_{name}_s{seq}.txt")
+    pick = ["--profile-from-start", "off", "--launch-count", "16"]
     # --clock-control none: ncu would otherwise lock the GPU's clocks to base while it profiles, and the lent
     # machines' clocks are never to be changed (the device tool's METHOD.md); the counters read the clocks as they are
     cmd = ["ncu", "--clock-control", "none", *pick, *[a for sec in NCU_SECTIONS for a in ("--section", sec)], "--metrics", ",".join(NCU_METRICS),
