@@ -1528,7 +1528,7 @@ def test_step_rows_128_compiles_without_spills(tmp_path, monkeypatch, name):
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
     changes = tall_tool_cases()[name] if name in tall_tool_cases() else TALL_EXTRA[name]
     loaded = spec_variant(load_spec(SPEC), {**changes, "name": "v", "launch": {"threads": 384},
-                                            "params": {"impl": "wgmma", **changes["params"]}})
+                                            "params": {"impl": "wgmma", "dk_after_dq": False, **changes["params"]}})
     res = compile_source(rendered_source(loaded, tmp_path))
     entry = res.report["v_w1_main"]
     assert entry["registers"] == 168, entry
