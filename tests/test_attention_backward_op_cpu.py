@@ -655,6 +655,41 @@ def test_gpu_tool_ncu_profiles_every_kernel_of_one_variants_warm_calls(tool, tmp
         tool.main()
 
 
+def test_gpu_tool_kernel_times_summarizes_each_implementations_kernels(tool, tmp_path, monkeypatch):
+    """--kernel-times VARIANT[:SEQ]: one child `kernels` given the variant's build, the shape and the baselines;
+    its blocks of kernel records become, per implementation, the span a call (first kernel start to last end over
+    a block's calls, median over blocks), the busy share (the GPU idle between kernels shows), and each kernel's
+    count a call and median duration, in order of first appearance; the report is kept in OUT. A baseline that
+    cannot run fails the command; a variant the impl does not build and a baseline not in the bench are refused."""
+    result = {"pass": True, "seq": 8192, "batch": 2, "calls": 2, "blocks": {
+        "tsgen": [[("pre", 0, 10), ("main", 12, 100), ("conv", 100, 110), ("pre", 110, 120), ("main", 120, 200),
+                   ("conv", 200, 210)],
+                  [("pre", 0, 10), ("main", 10, 90), ("conv", 90, 100), ("pre", 100, 110), ("main", 110, 190),
+                   ("conv", 190, 200)]],
+        "sdpa_cudnn": [[("a", 0, 50), ("b", 60, 100)], [("a", 0, 50), ("b", 50, 100)]]}}
+    s = tool.summarize_kernels(result)
+    assert s["tsgen"]["span_us"] == (105 + 100) / 2 and [k["name"] for k in s["tsgen"]["kernels"]] == ["pre", "main", "conv"]
+    assert s["tsgen"]["kernels"][1] == {"name": "main", "per_call": 1.0, "median_us": 80.0}
+    assert s["sdpa_cudnn"]["busy"] == pytest.approx((0.9 + 1.0) / 2)  # 10 us of 100 idle in the first block
+    ran = []
+    monkeypatch.setattr(tool, "build", lambda out, name, impl: {"name": name, "impl": impl})
+    monkeypatch.setattr(tool, "child", lambda args, timeout: ran.append(args) or (result, ""))
+    monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), "--kernel-times",
+                                           "hd128_full_kv32:8192"])
+    assert tool.main() == 0
+    (args,) = ran
+    assert args[0] == "kernels" and args[2:] == ["8192", "sdpa_cudnn,cudnn_fe"]
+    text = (tmp_path / "kernels_hd128_full_kv32_s8192.md").read_text()
+    assert "## tsgen: 102.5 us a call" in text and "| main | 1.00 | 80.0 |" in text
+    monkeypatch.setattr(tool, "child", lambda args, timeout: ({"pass": False, "why": "cudnn_fe: not installed"}, ""))
+    assert tool.main() == 1
+    for bad in (["--kernel-times", "nope"], ["--kernel-times", "hd128_full_kv32", "--kt-baselines", "nccl"],
+                ["--impl", "wgmma_m128", "--kernel-times", "hd128_full_kv32"]):
+        monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), *bad])
+        with pytest.raises(SystemExit):
+            tool.main()
+
+
 def test_gpu_tool_ncu_profiles_a_baseline_at_the_same_shape(tool, tmp_path, monkeypatch):
     """--ncu VARIANT:SEQ --ncu-baseline sdpa_cudnn: ncu over that baseline's warm backward calls (the child
     starts the profiler after its first call and its check: --profile-from-start off), the child told which

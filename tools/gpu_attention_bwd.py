@@ -3,6 +3,9 @@ bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
 Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl shipped,mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3,wgmma_m128,wgmma_dkq]
        python tools/gpu_attention_bwd.py OUT_DIR --impl wgmma --ncu hd128_full_kv32[:8192]
+       python tools/gpu_attention_bwd.py OUT_DIR --kernel-times hd128_full_kv32[:8192] [--kt-baselines sdpa_cudnn,cudnn_fe]
+       (every kernel of tsgen's call and of the baselines' under torch.profiler, back-to-back calls in interleaved
+       blocks: each kernel's median time, a call's span, the GPU's busy share; OUT_DIR/kernels_<variant>_s<seq>.md)
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment; source
        tools/device_env.sh before the --ncu form: ncu over one variant's main kernel at the bench's
        shape, the report in OUT_DIR/ncu_<variant>_s<seq>.txt; with --ncu-baseline sdpa_cudnn (or
@@ -488,6 +491,81 @@ def profile(out: Path, name: str, impl: str, seq: int, baseline: str | None = No
     return p.returncode
 
 
+KERNEL_CALLS, KERNEL_ROUNDS = 10, 3  # --kernel-times: back-to-back calls a block, blocks an implementation
+
+
+def kernel_times(built: dict, seq: int, baselines: list[str], calls: int = KERNEL_CALLS,
+                 rounds: int = KERNEL_ROUNDS) -> dict:
+    """--kernel-times: `calls` back-to-back calls of tsgen's backward (variant `built`) and of each of `baselines` on
+    the same tensors, in `rounds` interleaved blocks, each block under torch.profiler (CUPTI's kernel records: the
+    GPU's own start and end of every kernel and memset / memcpy, as the bench's sustained sequence runs, unlike ncu's
+    single replays). {"pass", "seq", "batch", "blocks": {impl: [[(name, start_us, end_us), ...] per block]}}: what
+    summarize_kernels reads."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    op = Op(built)
+    batch, t, ws = bench_inputs(torch, op, seq)
+    stream = torch.cuda.Stream()
+    fns = {"tsgen": lambda i, rs: op(t, ws, batch, seq, seq, stream)}
+    for label in baselines:
+        fn, why = baseline_call(torch, label, t, op, stream)  # its first call (and check) runs here
+        if fn is None:
+            return {"pass": False, "why": f"{label}: {why}"}
+        fns[label] = fn
+    fns["tsgen"](0, [0])  # tsgen's first call, outside the records as the baselines' are
+    torch.cuda.synchronize()
+    blocks = {impl: [] for impl in fns}
+    for _ in range(rounds):
+        for impl, fn in fns.items():
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for i in range(calls):
+                    fn(i, [0])
+                torch.cuda.synchronize()
+            blocks[impl].append([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                 if e.device_type == torch.autograd.DeviceType.CUDA])
+    return {"pass": True, "seq": seq, "batch": batch, "calls": calls, "blocks": blocks}
+
+
+def summarize_kernels(result: dict) -> dict:
+    """kernel_times' blocks -> {impl: {"span_us": per call (first kernel start to last kernel end of a block over its
+    calls; median over blocks), "busy": the kernels' summed time over that span, "kernels": [{"name", "per_call",
+    "median_us"}] in order of first appearance}}: where each implementation's call time goes, kernel by kernel, and
+    how much of it the GPU ran nothing of it (1 - busy)."""
+    from statistics import median
+
+    calls, out = result["calls"], {}
+    for impl, blocks in result["blocks"].items():
+        spans, busy, durations, order = [], [], {}, []
+        for events in blocks:
+            if not events:
+                continue
+            start, end = min(e[1] for e in events), max(e[2] for e in events)
+            spans.append((end - start) / calls)
+            busy.append(sum(e[2] - e[1] for e in events) / (end - start) if end > start else 0.0)
+            for name, a, b in events:
+                if name not in durations:
+                    durations[name], order = [], order + [name]
+                durations[name].append(b - a)
+        n = max(1, len([e for e in blocks if e]))
+        out[impl] = {"span_us": median(spans) if spans else None, "busy": median(busy) if busy else None,
+                     "kernels": [{"name": k, "per_call": len(durations[k]) / (n * calls),
+                                  "median_us": median(durations[k])} for k in order]}
+    return out
+
+
+def kernels_markdown(name: str, seq: int, summary: dict) -> str:
+    """summarize_kernels' result as a short report: a line an implementation, then its kernels."""
+    lines = [f"# Kernel times, {name} at S {seq} (torch.profiler over back-to-back calls)", ""]
+    for impl, s in summary.items():
+        busy = f"{100 * s['busy']:.1f} % busy" if s["busy"] is not None else "no kernels"
+        span = f"{s['span_us']:.1f} us a call" if s["span_us"] is not None else "-"
+        lines += [f"## {impl}: {span}, {busy}", "", "| kernel | per call | median us |", "|---|---|---|"]
+        lines += [f"| {k['name'][:100]} | {k['per_call']:.2f} | {k['median_us']:.1f} |" for k in s["kernels"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def fa4_backward(torch, t: dict, causal: bool, stream):
     """(call, None): FlashAttention-4's backward through its autograd function (flash_attn.cute's
     flash_attn_func forward once, on the bench's [batch, seq, heads, d] tensors; each call
@@ -739,6 +817,11 @@ def main() -> int:
                     f"{BENCH_SEQS[1]}; variants: {', '.join(BENCH_VARIANTS)})")
     ap.add_argument("--ncu-baseline", choices=BASELINES,
                     help="with --ncu: profile this baseline's backward at the variant's shape instead of tsgen's")
+    ap.add_argument("--kernel-times", metavar="VARIANT[:SEQ]",
+                    help="time every kernel of tsgen's call (the first --impl) and of --kt-baselines' in interleaved "
+                    "blocks of back-to-back calls under torch.profiler; the report in OUT/kernels_<variant>_s<seq>.md")
+    ap.add_argument("--kt-baselines", default="sdpa_cudnn,cudnn_fe",
+                    help="with --kernel-times: comma-separated baselines beside tsgen (of " + ", ".join(BASELINES) + ")")
     ap.add_argument("--child", nargs="+")
     a = ap.parse_args()
     if a.child:
@@ -747,6 +830,8 @@ def main() -> int:
             result = check_variant(built_json, a.quick)
         elif kind == "one":
             result = one_shape(built_json, int(a.child[2]), baseline=a.child[3] if len(a.child) > 3 else None)
+        elif kind == "kernels":
+            result = kernel_times(built_json, int(a.child[2]), [b for b in a.child[3].split(",") if b])
         else:
             result = bench(built_json, a.quick)
         print("RESULT " + json.dumps(result), flush=True)
@@ -756,6 +841,22 @@ def main() -> int:
         ap.error(f"--impl: a comma-separated list of {', '.join(IMPLS)}, not {a.impl!r}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.kernel_times:
+        name, _, seq = a.kernel_times.partition(":")
+        baselines = [b for b in a.kt_baselines.split(",") if b]
+        if name not in VARIANTS or not runs(name, impls[0]) or set(baselines) - set(BASELINES):
+            ap.error(f"--kernel-times: a variant built by impl {impls[0]} ({', '.join(sorted(VARIANTS))}) and "
+                     f"--kt-baselines of {', '.join(BASELINES)}")
+        seq = int(seq) if seq else BENCH_SEQS[1]
+        result, log = child(["kernels", json.dumps(build(out, name, impls[0])), str(seq), ",".join(baselines)],
+                            BENCH_TIMEOUT_S)
+        if not result.get("pass"):
+            print(log[-4000:], f"--kernel-times: {result.get('why') or result.get('error')}", sep="\n", file=sys.stderr)
+            return 1
+        report = kernels_markdown(impl_name(name, impls[0]), seq, summarize_kernels(result))
+        (out / f"kernels_{impl_name(name, impls[0])}_s{seq}.md").write_text(report)
+        print(report, flush=True)
+        return 0
     if a.ncu_baseline and not a.ncu:
         ap.error("--ncu-baseline: with --ncu VARIANT[:SEQ] (the shape it profiles)")
     if a.ncu:
