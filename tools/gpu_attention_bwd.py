@@ -7,8 +7,8 @@ Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl 
        (every kernel of tsgen's call and of the baselines' under torch.profiler, back-to-back calls in interleaved
        blocks: each kernel's median time, a call's span, the GPU's busy share; OUT_DIR/kernels_<variant>_s<seq>.md)
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment; source
-       tools/device_env.sh before the --ncu form: ncu over one variant's main kernel at the bench's
-       shape, the report in OUT_DIR/ncu_<variant>_s<seq>.txt; with --ncu-baseline sdpa_cudnn (or
+       tools/device_env.sh before the --ncu form: ncu over every kernel of one variant's warm calls at the
+       bench's shape, the report in OUT_DIR/ncu_<variant>_s<seq>.txt; with --ncu-baseline sdpa_cudnn (or
        sdpa_flash, cudnn_fe, fa4) the same metrics over that baseline's backward kernels on the same
        tensors, in OUT_DIR/ncu_<baseline>_<variant>_s<seq>.txt: the two side by side)
 
@@ -423,31 +423,42 @@ def bench_inputs(torch, op: "Op", seq: int) -> tuple[int, dict, tuple]:
     return batch, t, op.workspace(torch, batch, seq)
 
 
-def one_shape(built: dict, seq: int, calls: int = 3, baseline: str | None = None) -> dict:
-    """`calls` calls of the bench's shape at `seq` on one stream, tsgen's or `baseline`'s (one of BASELINES,
-    on the same tensors): what ncu profiles (--ncu; its --launch-skip takes a later call's kernels, caches
-    warm)."""
+def warm_calls(built: dict, seq: int, baselines: list[str]):
+    """({"tsgen": call, label: call, ...}, batch) for tsgen's backward (variant `built`) and each of `baselines` on
+    the bench's tensors at `seq`, one stream, each call(i, rs) run once already (a baseline's first call also
+    checks its grads); or (None, why) where a baseline cannot run. What --ncu and --kernel-times run."""
     import torch
 
     op = Op(built)
     batch, t, ws = bench_inputs(torch, op, seq)
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()
-    # ncu profiles from cudaProfilerStart on (--profile-from-start off): the warm calls only, not the first
-    # call nor the SDPA reference that checks cudnn_fe's and fa4's grads; tsgen's the same way, so that both
-    # reports hold every kernel of a call (preprocess, main kernel, dQ conversion)
-    if baseline is None:
-        fn = lambda i, rs: op(t, ws, batch, seq, seq, stream)  # noqa: E731
-        fn(0, [0])
-    else:
-        fn, why = baseline_call(torch, baseline, t, op, stream)  # its first call runs here
+    calls = {"tsgen": lambda i, rs: op(t, ws, batch, seq, seq, stream)}
+    calls["tsgen"](0, [0])
+    for label in baselines:
+        fn, why = baseline_call(torch, label, t, op, stream)  # its first call runs here
         if fn is None:
-            return {"pass": False, "why": why}
-    stream.synchronize()
+            return None, f"{label}: {why}"
+        calls[label] = fn
+    torch.cuda.synchronize()
+    return calls, batch
+
+
+def one_shape(built: dict, seq: int, calls: int = 3, baseline: str | None = None) -> dict:
+    """`calls` calls of the bench's shape at `seq` on one stream, tsgen's or `baseline`'s (one of BASELINES,
+    on the same tensors): what ncu profiles (--ncu; --profile-from-start off: the warm calls only, not the first
+    call nor the SDPA reference that checks cudnn_fe's and fa4's grads, so that the report holds every kernel of
+    a call: tsgen's preprocess, main kernel and dQ conversion, or the baseline's)."""
+    import torch
+
+    fns, batch = warm_calls(built, seq, [baseline] if baseline else [])
+    if fns is None:
+        return {"pass": False, "why": batch}
+    fn = fns[baseline or "tsgen"]
     torch.cuda.profiler.start()
     for i in range(calls - 1):
         fn(i, [0])
-    stream.synchronize()
+    torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     return {"pass": True, "seq": seq, "batch": batch}
 
@@ -504,17 +515,9 @@ def kernel_times(built: dict, seq: int, baselines: list[str], calls: int = KERNE
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    op = Op(built)
-    batch, t, ws = bench_inputs(torch, op, seq)
-    stream = torch.cuda.Stream()
-    fns = {"tsgen": lambda i, rs: op(t, ws, batch, seq, seq, stream)}
-    for label in baselines:
-        fn, why = baseline_call(torch, label, t, op, stream)  # its first call (and check) runs here
-        if fn is None:
-            return {"pass": False, "why": f"{label}: {why}"}
-        fns[label] = fn
-    fns["tsgen"](0, [0])  # tsgen's first call, outside the records as the baselines' are
-    torch.cuda.synchronize()
+    fns, batch = warm_calls(built, seq, baselines)  # every first call outside the records
+    if fns is None:
+        return {"pass": False, "why": batch}
     blocks = {impl: [] for impl in fns}
     for _ in range(rounds):
         for impl, fn in fns.items():
@@ -536,7 +539,7 @@ def summarize_kernels(result: dict) -> dict:
 
     calls, out = result["calls"], {}
     for impl, blocks in result["blocks"].items():
-        spans, busy, durations, order = [], [], {}, []
+        spans, busy, durations = [], [], {}  # durations: by kernel name, in order of first appearance
         for events in blocks:
             if not events:
                 continue
@@ -544,13 +547,11 @@ def summarize_kernels(result: dict) -> dict:
             spans.append((end - start) / calls)
             busy.append(sum(e[2] - e[1] for e in events) / (end - start) if end > start else 0.0)
             for name, a, b in events:
-                if name not in durations:
-                    durations[name], order = [], order + [name]
-                durations[name].append(b - a)
+                durations.setdefault(name, []).append(b - a)
         n = max(1, len([e for e in blocks if e]))
         out[impl] = {"span_us": median(spans) if spans else None, "busy": median(busy) if busy else None,
                      "kernels": [{"name": k, "per_call": len(durations[k]) / (n * calls),
-                                  "median_us": median(durations[k])} for k in order]}
+                                  "median_us": median(durations[k])} for k in durations]}
     return out
 
 
@@ -813,7 +814,7 @@ def main() -> int:
     ap.add_argument("--impl", default=IMPLS[0],
                     help=f"comma-separated main kernels to build, check and bench side by side: {', '.join(IMPLS)}")
     ap.add_argument("--ncu", metavar="VARIANT[:SEQ]",
-                    help=f"profile one variant's main kernel under ncu instead (the first --impl; SEQ default "
+                    help=f"profile every kernel of one variant's warm calls under ncu instead (the first --impl; SEQ default "
                     f"{BENCH_SEQS[1]}; variants: {', '.join(BENCH_VARIANTS)})")
     ap.add_argument("--ncu-baseline", choices=BASELINES,
                     help="with --ncu: profile this baseline's backward at the variant's shape instead of tsgen's")
