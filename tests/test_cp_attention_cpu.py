@@ -17,7 +17,7 @@ from conftest import ROOT, compile_test, missing_tool, rendered_source, spec_pro
 from tsgen.errors import RuntimeSetupError
 from tsgen.ops import get_family
 from tsgen.ops.collectives import to_f64
-from tsgen.ops.cp_attention import first_remote_chunk, kv_chunk, positions, segments
+from tsgen.ops.cp_attention import first_remote_chunk, kv_chunk, own_in_place, positions, segments
 from tsgen.render import render
 from tsgen.shipped import shipped_specs
 from tsgen.spec import load_spec, spec_variant
@@ -30,6 +30,10 @@ needs_nvcc = compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing
 
 
 def variant(name, base="cp_attention", **changes):
+    """A variant of a shipped spec; of the not-causal one with local_kv off unless `params` sets it (the
+    knobs' tests below start from the gather of every shard; the shipped spec reads its own in place)."""
+    if base == "cp_attention":
+        changes["params"] = {"local_kv": False, **changes.get("params", {})}
     return spec_variant(load_spec(ROOT / "specs" / f"{base}.yaml"), {**changes, "name": name})
 
 
@@ -197,7 +201,7 @@ GEOMETRY = r"""
 int main(int argc, char** argv) {
   const int world = atoi(argv[1]);
   const tsgen::cp::Geometry g = MODULE::geometry(world, atoi(argv[2]));
-  printf("C %u\n", tsgen::cp::kv_chunk(g));
+  printf("C %u %d\n", tsgen::cp::kv_chunk(g), (int)tsgen::cp::own_in_place(g, 128));
   for (int d = 0; d < world; ++d) {
     printf("F %d %d\n", d, tsgen::cp::first_remote_chunk(g, d));
     for (int s = 0; s < world; ++s)
@@ -222,9 +226,9 @@ def test_header_geometry_matches_python(tmp_path, layout, causal):
     subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17",
                     "-w", "-o", str(exe), str(main)],
                    check=True, capture_output=True)
-    for world, count in ((2, 250), (3, 6), (8, 1000)):
+    for world, count in ((2, 250), (3, 6), (8, 1000), (2, 256), (3, 64)):
         out = subprocess.run([str(exe), str(world), str(count)], capture_output=True, text=True, check=True).stdout
-        want = [f"C {kv_chunk(layout, causal, count)}"]
+        want = [f"C {kv_chunk(layout, causal, count)} {int(own_in_place(causal, world, count, 128))}"]
         for d in range(world):
             want.append(f"F {d} {first_remote_chunk(layout, causal, world, count, d)}")
             for s in range(world):
@@ -461,16 +465,26 @@ def local(name="lk", **params):
 
 
 def test_local_kv_renders_only_where_set():
-    """Unset, the shipped sources stay as they are; set, the module constant, the Config's flag, the kernel's
-    two more maps (passed to run) and the push kernel's SKIP_OWN appear, and the header's launcher skips the
+    """The shipped not-causal spec sets it (since 2026-11-27); the causal ones cannot and their sources have none
+    of it, nor a variant with it off; set, the module constant, the Config's flag, the kernel's two more maps
+    (passed to run) and the push kernel's tile.n appear, and the header's launcher, where own_in_place, skips the
     copy to ourselves and leaves our chunk unwaited."""
-    source = opt_in_constant("LOCAL_KV", local(), absent="k_local_map")
+    assert load_spec(ROOT / "specs" / "cp_attention.yaml").model.params.local_kv
+    for name in SHIPPED:
+        text = (ROOT / "generated" / f"{name}.cu").read_text()
+        assert ("k_local_map" in text and "\nconstexpr int LOCAL_KV = 1;\n" in text) == (name == "cp_attention"), name
+    assert "LOCAL_KV" not in render(variant("off")).source
+    source = render(local()).source
+    assert "\nconstexpr int LOCAL_KV = 1;\n" in source
+    assert "static constexpr bool LOCAL_KV = lk::LOCAL_KV != 0;" in source
     assert "const __grid_constant__ CUtensorMap k_local_map, const __grid_constant__ CUtensorMap v_local_map," in source
     assert "run<lk::Config>(&q_map, &k_map, &v_map, &o_map, problem, &k_local_map, &v_local_map);" in source
-    assert "push_body<2, true>" in render(local(gather="sm")).source
+    assert "push_body<2, lk::Config::TILE_N>" in render(local(gather="sm")).source
     header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
-    assert "const int unwaited = LOCAL ? WORLD - 1 : Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;" in header
-    assert "for (int i = LOCAL ? 1 : 0; i < WORLD; ++i) {" in header
+    assert "const bool in_place = LOCAL_KV && own_in_place(g, Op::Config::TILE_N);" in header
+    assert "const int unwaited = in_place ? WORLD - 1 : Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;" in header
+    assert "for (int i = in_place ? 1 : 0; i < WORLD; ++i) {" in header
+    assert "const bool skip_own = LOCAL_TILE != 0 && own_in_place(g, LOCAL_TILE);" in header
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -479,20 +493,19 @@ def test_local_kv_renders_only_where_set():
       "slot in place, which only the not-causal rotation makes the own shard"]),
     (CP + "params:\n  local_kv: true\n  gather: sm\n  skip_wait: true\ntest:\n  count: 1024\n",
      ["6:3: params.local_kv: the own shard is the chunk not waited for: no skip_wait"]),
-    (CP + "params:\n  local_kv: true\ntest:\n  count: 1000\n",
-     ["8:3: test.count: 1000 rows per rank: local_kv needs a multiple of tile.n = 128 (no KV block may straddle the "
-      "gathered shards and the own one)"]),
-], ids=["causal", "skip_wait", "count"])
+], ids=["causal", "skip_wait"])
 def test_local_kv_refusals(tmp_path, text, expected):
     assert spec_problems(tmp_path, text) == expected
 
 
-def test_local_kv_bench_sizes():
+def test_local_kv_takes_any_count():
+    """A count whose own shard would start inside a KV block is no longer refused: the call gathers its own shard
+    like a peer's (own_in_place false), in the spec's test and in the bench alike."""
     family = get_family("cp_attention")
-    spec = local().model
-    assert family.bench.case(family, spec, 2, 16384).count == 8192
-    with pytest.raises(RuntimeSetupError, match="local_kv needs a multiple of tile.n = 128"):
-        family.bench.case(family, spec, 2, 16000)
+    spec = variant("lk", params={"local_kv": True}, test={"count": 1000}).model
+    assert family.bench.case(family, spec, 2, 16384).count == 8192 and own_in_place(False, 2, 8192, 128)
+    assert family.bench.case(family, spec, 2, 16000).count == 8000 and not own_in_place(False, 2, 8000, 128)
+    assert own_in_place(False, 3, 64, 128) and not own_in_place(True, 2, 8192, 128)
 
 
 @needs_nvcc
@@ -506,20 +519,6 @@ def test_local_kv_compiles_without_spills_or_serialized_wgmma(tmp_path, params):
     for k, entry in kernels.items():
         assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0, (k, entry)
     assert res.serialized == [], res.serialized
-
-
-@compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
-def test_local_kv_launcher_refuses_a_count_off_the_tile(tmp_path, capfd):
-    """A row count that is no multiple of tile.n would put a KV block across the gathered shards and the own
-    one: refused with what and where, before anything is launched (callable without a GPU)."""
-    import ctypes
-
-    lib = ctypes.CDLL(str(compile_source(rendered_source(local(), tmp_path), mode="shared").output))
-    fn = lib.lk_w2_launch
-    fn.restype = ctypes.c_int
-    assert fn(None, None, ctypes.c_int(0), None, ctypes.c_uint64(1000), *([None] * 8), None) == 1
-    assert "lk_w2_launch: rank 0, count 1000: local_kv needs a row count that is a multiple of tile.n" \
-        in capfd.readouterr().err
 
 
 # ---------------------------------------------------------------------------

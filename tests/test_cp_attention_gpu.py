@@ -32,8 +32,7 @@ def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=N
     lines = []
     ok = run_test(spec, world, count=count, iters=iters, echo=lines.append, skew=skew, report=report,
                   variant={"name": f"cp_{name}", "params": params, "sync": {"timeout_ms": 3000},
-                           **({"launch": launch} if launch else {}),
-                           **({"test": {"count": count}} if params.get("local_kv") else {})})  # its count check
+                           **({"launch": launch} if launch else {})})
     record("cp_attention", {"case": name, "world": world, "skew": skew, "pass": ok, "lines": lines})
     return ok, lines
 
@@ -90,28 +89,31 @@ def test_trace_shows_every_tile_once(case, world):
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("blocks", [None, 3], ids=["grid", "3_ctas"])
-def test_cp_attention_local_kv(world, blocks):
-    """params.local_kv (not causal): the own shard read in place through two more tensor maps, no copy to
-    ourselves, our chunk not waited for; 256 rows a rank (the count must be a multiple of tile.n), 20 calls,
-    poisoned outputs, on the SM push (the variant that runs where ranks share a GPU); with 3 CTAs a rank each
-    CTA's tiles switch between the gathered and the local maps."""
+@pytest.mark.parametrize("count,blocks", [(256, None), (256, 3), (333, None)], ids=["grid", "3_ctas", "333_rows"])
+def test_cp_attention_local_kv(world, count, blocks):
+    """params.local_kv (not causal) on the SM push (the variant that runs where ranks share a GPU), 20 calls,
+    poisoned outputs. 256 rows a rank ((world - 1) x 256 a multiple of tile.n): the own shard read in place
+    through two more tensor maps, no copy to ourselves, our chunk not waited for; with 3 CTAs a rank each CTA's
+    tiles switch between the gathered and the local maps. 333 rows: a KV block would straddle the own shard and
+    the gathered ones, so the call gathers its own shard like a peer's (tsgen/cp.cuh own_in_place)."""
     params, _ = CASES["contiguous_full_gqa"]
-    ok, lines = _run(f"local_kv_{blocks or 'grid'}", world, {**params, "local_kv": True}, 256,
+    ok, lines = _run(f"local_kv_{count}_{blocks or 'grid'}", world, {**params, "local_kv": True}, count,
                      launch={"blocks": blocks} if blocks else None)
     assert ok, "\n".join(lines)
 
 
-@pytest.mark.parametrize("knobs", [{"local_kv": True}, {"copy_1d": True}, {"local_kv": True, "copy_1d": True}],
-                         ids=["local_kv", "copy_1d", "both"])
-def test_cp_attention_copy_engine_knobs(knobs):
-    """params.local_kv (only the peers' copies and their signals) and params.copy_1d (one-run pieces, bshd with
-    batch 1, copied with cudaMemcpyAsync) on the shipped copy-engine gather (one GPU per rank)."""
+@pytest.mark.parametrize("knobs,count", [({"local_kv": True}, 256), ({"local_kv": True}, 333), ({"copy_1d": True}, 256),
+                                         ({"local_kv": True, "copy_1d": True}, 256)],
+                         ids=["local_kv", "local_kv_333_rows", "copy_1d", "both"])
+def test_cp_attention_copy_engine_knobs(knobs, count):
+    """params.local_kv (256 rows: only the peers' copies and their signals; 333: the own shard copied, signalled
+    and waited for like a peer's) and params.copy_1d (one-run pieces, bshd with batch 1, copied with
+    cudaMemcpyAsync) on the shipped copy-engine gather (one GPU per rank)."""
     if gpu_count() < 2:
         pytest.skip(f"the copy-engine gather needs 2 GPUs (this machine has {gpu_count()})")
     params, _ = CASES["contiguous_full_gqa"]
-    ok, lines = _run("ce_" + "_".join(knobs), min(gpu_count(), 8) // 2 * 2, {**params, **knobs, "gather": "copy_engine"},
-                     256, spec=CE_SPEC)
+    ok, lines = _run(f"ce_{count}_" + "_".join(knobs), min(gpu_count(), 8) // 2 * 2,
+                     {**params, **knobs, "gather": "copy_engine"}, count, spec=CE_SPEC)
     assert ok, "\n".join(lines)
 
 
@@ -129,7 +131,7 @@ def test_call_timeline_tool(local_kv):
     import cp_call_timeline as tool
 
     out = tool.run(ROOT / "specs" / "cp_attention.yaml", 2, [4096], calls=3, samples=1, warmup=1,
-                   params={"local_kv": True} if local_kv else {}, echo=lambda s: None)
+                   params={"local_kv": local_kv}, echo=lambda s: None)
     size = out["sizes"]["4096"]
     assert size["row_error_ok"], size["row_error"]
     sample = size["samples"][0]

@@ -215,11 +215,11 @@ def tool():
 def test_tool_variant_and_params():
     t = tool()
     loaded = load_spec(ROOT / "specs" / "cp_attention.yaml")
-    v = t.timeline_variant(loaded, {"local_kv": True}, 4 * 2048, [16384, 32768], 2)
+    v = t.timeline_variant(loaded, {"local_kv": False}, 4 * 2048)
     p = v.model.params
-    assert v.model.name == "cp_attention_timeline" and p.local_kv and p.trace == 8192 and v.model.test.count == 8192
-    shipped = t.timeline_variant(loaded, {}, 100, [16384], 2).model
-    assert not shipped.params.local_kv and shipped.test.count == loaded.model.test.count
+    assert v.model.name == "cp_attention_timeline" and not p.local_kv and p.trace == 8192
+    shipped = t.timeline_variant(loaded, {}, 100).model
+    assert shipped.params.local_kv and shipped.params.trace == 100 and shipped.test == loaded.model.test
     assert t.tiles_per_rank(p, 8192) == 64 * 32
     assert t.parse_params(["local_kv=true", "gather_blocks=4"]) == {"local_kv": True, "gather_blocks": 4}
     assert t.CALLS_MAX == T.STAMP_CALLS - 1

@@ -618,9 +618,9 @@ def test_fp8_gathered_send_replay_is_bit_exact(hidden):
 
 
 def test_fp8_send_unroll_sets_the_send_and_nothing_else():
-    """params.fp8_send_unroll: unset (the shipped specs), the rendered source has no FP8_UNROLL (dispatch
-    keeps push_row_fp8: sources unchanged); set, the constant and the Config's line, no buffer changes;
-    out of [1, 8] and a bf16 payload are refused."""
+    """params.fp8_send_unroll: unset (the bf16 specs, and fp8 with it set to null), the rendered source has no
+    FP8_UNROLL (dispatch keeps push_row_fp8); set (the shipped fp8 spec: 7), the constant and the Config's line,
+    no buffer changes; out of [1, 8] and a bf16 payload are refused."""
     from tsgen.errors import SpecError
     from tsgen.harness import render_to_cache
     from tsgen.ops import get_family
@@ -628,8 +628,9 @@ def test_fp8_send_unroll_sets_the_send_and_nothing_else():
 
     family = get_family("moe")
     base = load_spec(ROOT / "specs" / "moe_fp8.yaml")
-    for shipped in ("moe_fp8", "moe", "moe_ll"):
-        loaded = load_spec(ROOT / "specs" / f"{shipped}.yaml")
+    assert base.model.params.fp8_send_unroll == 7
+    unset = [load_spec(ROOT / "specs" / f"{name}.yaml") for name in ("moe", "moe_ll")]
+    for loaded in [*unset, spec_variant(base, {"name": "plain", "params": {"fp8_send_unroll": None}})]:
         assert "FP8_UNROLL" not in render_to_cache(loaded).source.read_text()
         assert "FP8_UNROLL" not in family.constants(loaded.model)
     for u in (1, 7, 8):

@@ -46,13 +46,9 @@ from attention_trace import parse_params, tiles_per_rank  # noqa: E402  (one hom
 CALLS_MAX = T.STAMP_CALLS - 1  # the lineup call and the timed ones must fit the stamp ring
 
 
-def timeline_variant(loaded, params: dict, room: int, seqs: list[int], world: int):
-    """The trace variant: SPEC with `params`, room for `room` tile records; test.count set to a size that
-    passes local_kv's check (a multiple of tile.n) where that is asked for (the timed sizes are the --seq)."""
-    changes = {"name": f"{loaded.model.name}_timeline", "params": {**params, "trace": room}}
-    if params.get("local_kv"):
-        changes["test"] = {"count": seqs[0] // world}
-    return spec_variant(loaded, changes)
+def timeline_variant(loaded, params: dict, room: int):
+    """The trace variant: SPEC with `params`, room for `room` tile records (the timed sizes are the --seq)."""
+    return spec_variant(loaded, {"name": f"{loaded.model.name}_timeline", "params": {**params, "trace": room}})
 
 
 def parse_rank(sig, host_words, epoch: int, world: int) -> dict:
@@ -135,7 +131,7 @@ def run(spec_path: Path, world_size: int, seqs: list[int], calls: int, samples: 
     base = load_spec(spec_path)
     p0 = base.model.params
     room = (calls + 1) * max(tiles_per_rank(p0, s // world_size) for s in seqs)
-    loaded = timeline_variant(base, params, room, seqs, world_size)
+    loaded = timeline_variant(base, params, room)
     family = get_family(loaded.model.op)
     local_kv = bool(loaded.model.params.local_kv)
     out = {"spec": str(spec_path), "variant": loaded.model.name, "params": params, "world": world_size,

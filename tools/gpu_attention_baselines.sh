@@ -34,13 +34,12 @@
 #       at 16K and 32K, shipped (static stride) and params.tile_counter, then suite cp-w2-nc (the two against the
 #       single-GPU ideal, 11 samples each). About 5-6 minutes, a guess [cp's: 2 + 2 kernels to compile, four traces
 #       ~30 s each, the suite's timing about twice cp-w2's not-causal half]
-#   tools/gpu_attention_baselines.sh cp-gap      TWO GPUs (issue 33, not causal, branch i33cpgap: docs/design/cp_attention.md
+#   tools/gpu_attention_baselines.sh cp-gap      TWO GPUs (issue 33, not causal: docs/design/cp_attention.md
 #       "Outside the tiles"): tools/cp_call_timeline.py on the bench's own call sequence (lineup + 3 back-to-back calls,
-#       2 samples, S 16K and 32K) for the shipped spec, params.local_kv and params.copy_1d, the per-tile trace of one
-#       isolated call at 16K (tools/attention_trace.py: the first tile's length against its summed waits), then suite
-#       cp-w2-nc (shipped, tile_counter, local_kv, copy_1d, both, against the ideal). About 4-5 minutes, a guess [cp-nc
-#       took 79 s for its precompile, two traces and the suite on 2026-11-27; three timeline runs of ~15 calls a size
-#       with a compile each, three more suite entries]
+#       2 samples, S 16K and 32K) for the shipped spec (the own shard in place, params.local_kv) and with the own shard
+#       copied (local_kv=false), the per-tile trace of one isolated call at 16K (tools/attention_trace.py: the first
+#       tile's length against its summed waits), then suite cp-w2-nc (shipped and copied against the ideal). About 4
+#       minutes [took 237 s with three timelines and five suite entries at ca9dd6e, 2026-11-27]
 # Needs the cudnn-frontend wheel in .whl/ (carry ".whl"); installed into /tmp/site when `import cudnn`
 # fails. FlashAttention-4 is timed too where tools/fa4_wheels.sh installed it on this warm machine first
 # (its header: three calls carrying .whl-fa4/part1..3), else its rows are notes; its first call in each
@@ -111,8 +110,7 @@ case "$MODE" in
     # bench's own sequence (each timeline writes a .txt report and one .json.gz: few files), then the suite
     step "precompile" 150 python3 tools/precompile_suites.py cp-w2-nc
     step "timeline shipped" 120 python3 tools/cp_call_timeline.py "$OUT/trace_timeline_shipped" --seq 16384,32768
-    step "timeline local_kv" 120 python3 tools/cp_call_timeline.py "$OUT/trace_timeline_local_kv" --seq 16384,32768 --param local_kv=true
-    step "timeline copy_1d" 120 python3 tools/cp_call_timeline.py "$OUT/trace_timeline_copy_1d" --seq 16384,32768 --param copy_1d=true
+    step "timeline copy" 120 python3 tools/cp_call_timeline.py "$OUT/trace_timeline_copy" --seq 16384,32768 --param local_kv=false
     step "trace 16384 static" 75 python3 tools/attention_trace.py "$OUT/trace_nc_16384_static" --spec specs/cp_attention.yaml --seq 16384
     cat "$OUT"/trace_timeline_*/cp_call_timeline.txt 2>/dev/null
     tail -n 6 "$LOG"/trace_*.log 2>/dev/null

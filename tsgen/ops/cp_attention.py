@@ -191,7 +191,8 @@ class CpAttentionParams(StrictModel):
         False, description="not causal: the attention kernel reads this rank's own K and V shard in place (two more "
         "tensor maps over k and v) instead of from k_full / v_full, so the gather copies only to the peers and no call "
         "waits for a copy of rows it already has (issue 33, docs/design/cp_attention.md: \"Outside the tiles\"); "
-        "needs a row count that is a multiple of tile.n. Off: the shipped gather, own shard first")
+        "a call whose (world - 1) x rows per rank is no multiple of tile.n (a KV block would straddle the gathered "
+        "shards and the own one) gathers the own shard as without it. Off: every shard gathered, the own first")
     copy_1d: bool = Field(
         False, description="gather copy_engine: copy a piece that is one contiguous run (lines == 1: bshd with "
         "batch 1, the suites' shape) with cudaMemcpyAsync instead of cudaMemcpy2DAsync (the path cudaMemcpyPeer's 397 GB/s was "
@@ -255,6 +256,13 @@ def kv_chunk(layout: str, causal: bool, count: int) -> int:
     return count // 2 if causal and layout == "zigzag" else count
 
 
+def own_in_place(causal: bool, world: int, count: int, tile_n: int) -> bool:
+    """params.local_kv: whether a call reads the rank's own shard in place (tsgen/cp.cuh own_in_place): not
+    causal, and the own shard (the last slot, from row (world - 1) x count) starts on a KV block boundary;
+    any other call gathers it like a peer's."""
+    return not causal and (world - 1) * count % tile_n == 0
+
+
 def first_remote_chunk(layout: str, causal: bool, world: int, count: int, rank: int) -> int:
     """The first KV chunk held by another rank that rank's attention producer reads (its first
     tile: the one with the last positions, walked from its last visible block down): the wait
@@ -288,9 +296,6 @@ class CpAttentionBench(BenchConventions):
         if size % world or (spec.params.layout == "zigzag" and count % 2):
             raise RuntimeSetupError(f"{spec.name}: S = {size} positions do not split over {world} ranks"
                                     f"{' into two zig-zag chunks each' if spec.params.layout == 'zigzag' else ''}")
-        if spec.params.local_kv and count % spec.params.tile.n:
-            raise RuntimeSetupError(f"{spec.name}: {count} rows per rank: local_kv needs a multiple of tile.n = "
-                                    f"{spec.params.tile.n}")
         return BenchCase(size, count, flops=family.flops(spec, world, count),
                          link_bytes=family.bytes_moved(spec, world, count))
 
@@ -364,9 +369,6 @@ class CpAttentionFamily(OpFamily):
                              "own shard"))
         if p.local_kv and p.skip_wait:
             problems.append((("params", "local_kv"), "the own shard is the chunk not waited for: no skip_wait"))
-        if p.local_kv and spec.test.count % p.tile.n:
-            problems.append((("test", "count"), f"{spec.test.count} rows per rank: local_kv needs a multiple of "
-                             f"tile.n = {p.tile.n} (no KV block may straddle the gathered shards and the own one)"))
         if p.copy_1d and p.gather != "copy_engine":
             problems.append((("params", "copy_1d"), "the SM push has no copy-engine copies: copy_1d needs gather: "
                              "copy_engine"))

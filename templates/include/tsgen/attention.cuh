@@ -207,9 +207,11 @@ struct row_max_chains_of<C, std::void_t<decltype(C::ROW_MAX_CHAINS)>>
     : std::integral_constant<int, C::ROW_MAX_CHAINS> {};
 
 // Config::LOCAL_KV where the Config has it (only cp_attention specs with params.local_kv emit it), else
-// false: the last KV chunk (rows kv_len - kv_chunk .. kv_len - 1, a multiple of TILE_N from the start) is
-// read in place through two more tensor maps (k_local, v_local: kv_chunk rows each) instead of from the
-// gathered k / v; the launcher then passes that chunk as kv_unwaited (nothing signals it).
+// false: the kernel takes two more tensor maps (k_local, v_local: kv_chunk rows each), and KV rows from
+// Problem::kv_local_from on come through them instead of the gathered k / v. A call whose last KV chunk
+// starts on a block boundary (kv_len - kv_chunk a multiple of TILE_N) reads that chunk in place there, and
+// its launcher passes the chunk as kv_unwaited (nothing signals it); any other call has kv_local_from =
+// kv_len (the local maps are never read) and the chunk gathered like the others (tsgen/cp.cuh own_in_place).
 template <class C, class = void>
 struct local_kv_of : std::false_type {};
 template <class C>
@@ -267,6 +269,7 @@ struct Problem {
   const uint64_t* kv_epoch;   //   then the value there (a call counter on the device, read once)
   int32_t kv_unwaited;        // the chunk not waited for (-1: none): the negative control's, or LOCAL_KV's own
   uint32_t kv_chunk;          // KV rows per signal
+  uint32_t kv_local_from;     // LOCAL_KV: KV rows from here on come from the local maps (kv_len: none)
   uint32_t batch, q_len, kv_len;
   int32_t q_offset, q_split, q_offset2, kv_offset;  // positions: see the top of this file
   uint32_t m_tiles, tiles;                          // query tiles per head; tiles in all
@@ -448,13 +451,13 @@ static __device__ __forceinline__ void trace_tile(const Problem& p, const TraceT
 }
 #endif
 
-// The map and row of KV block row `row` (j x TILE_N): with LOCAL_KV, the last chunk's rows come from the
-// local map (`local`, kv_chunk rows) at row - (kv_len - kv_chunk); else `full` unchanged.
+// The map and row of KV block row `row` (j x TILE_N): with LOCAL_KV, rows from p.kv_local_from on come
+// from the local map (`local`, kv_chunk rows) at row - kv_local_from; else `full` unchanged.
 template <class C>
 static __device__ __forceinline__ const CUtensorMap* kv_map(const CUtensorMap* full, const CUtensorMap* local,
                                                             const Problem& p, int32_t& row) {
   if constexpr (local_kv_of<C>::value) {
-    const int32_t from = (int32_t)(p.kv_len - p.kv_chunk);
+    const int32_t from = (int32_t)p.kv_local_from;
     if (row >= from) {
       row -= from;
       return local;
@@ -1130,7 +1133,7 @@ static cudaError_t persistent(const void* kernel, const void* counters, cudaStre
 // the test-only trace where TSGEN_ATTENTION_TRACE is defined. k_local, v_local (LOCAL_KV Configs only,
 // whose kernels take two more maps): the last KV chunk's K and V rows (kv_chunk of them, [batch, kv_chunk,
 // KV_HEADS, HEAD_DIM] as k), read in place of k / v's last kv_chunk rows; kv_len - kv_chunk must be a
-// multiple of TILE_N (no block straddles the two).
+// multiple of TILE_N (no block straddles the two). Both null: every row from k / v (the chunk was gathered).
 template <class C, class Kernel>
 static cudaError_t launch(Kernel kernel, const void* q, const void* k, const void* v, void* o, float* lse,
                           uint64_t batch, uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split,
@@ -1157,6 +1160,7 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   p.kv_epoch = kv_epoch;
   p.kv_unwaited = kv_unwaited;
   p.kv_chunk = (uint32_t)(kv_chunk > 0 ? kv_chunk : 1);
+  p.kv_local_from = (uint32_t)kv_len;  // LOCAL_KV in place: kv_len - kv_chunk, below
   p.batch = (uint32_t)batch, p.q_len = (uint32_t)q_len, p.kv_len = (uint32_t)kv_len;
   p.q_offset = (int32_t)q_offset, p.q_offset2 = (int32_t)q_offset2, p.kv_offset = (int32_t)kv_offset;
   p.q_split = (int32_t)(q_split < 0 ? 0 : q_split > (int64_t)q_len ? (int64_t)q_len : q_split);
@@ -1182,12 +1186,18 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   if (err != cudaSuccess) return err;
   const uint64_t grid = blocks > 0 && (uint64_t)blocks < tiles ? (uint64_t)blocks : tiles;
   if constexpr (local_kv_of<C>::value) {
-    if (k_local == nullptr || v_local == nullptr || kv_chunk == 0 || kv_chunk > kv_len || kv_len % kv_chunk ||
-        (kv_len - kv_chunk) % C::TILE_N)
+    if ((k_local == nullptr) != (v_local == nullptr)) return cudaErrorInvalidValue;
+    if (k_local == nullptr) {  // the last chunk gathered like the others: the local maps are never read
+      kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, maps->k,
+                                                                    maps->v, p);
+      return cudaGetLastError();
+    }
+    if (kv_chunk == 0 || kv_chunk > kv_len || kv_len % kv_chunk || (kv_len - kv_chunk) % C::TILE_N)
       return cudaErrorInvalidValue;
     const CUtensorMap* local;
     err = local_maps<C>(k_local, v_local, (uint32_t)batch, (uint32_t)kv_chunk, &local);
     if (err != cudaSuccess) return err;
+    p.kv_local_from = (uint32_t)(kv_len - kv_chunk);
     kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, local[0],
                                                                   local[1], p);
   } else {
