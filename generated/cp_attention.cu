@@ -26,9 +26,10 @@
 //   READY of those chunk(s) at the receiver;
 //   on `stream`, meanwhile: the attention kernel (persistent: launch.blocks CTAs, or every SM
 //   but 2); its producer waits for sig[READY + c] >= epoch before KV chunk c.
-//   local_kv: where (world - 1) x count is a multiple of tile.n (128), the kernel reads this rank's own
-//   K and V rows in place (two more tensor maps over k and v), so the gather copies only to the peers, and
-//   nothing signals or waits for the own shard; any other count gathers it like a peer's (tsgen/cp.cuh own_in_place).
+//   local_kv: where this rank's own rows in the gathered order start and end on blocks of tile.n (128) rows,
+//   the kernel reads them in place (two more tensor maps over k and v), so the gather copies only to the
+//   peers, and nothing signals or waits for the own chunks; any other call gathers them like a peer's
+//   (tsgen/cp.cuh own_in_place).
 //   `stream` joins the side streams at the end.
 // Buffers (elements per rank):
 //   calls    uint64_t       signal 2
@@ -41,13 +42,13 @@
 //   v_full   __nv_bfloat16  scratch 1024 * world * count
 //   sig      uint64_t       signal 33
 // Contents (line numbers of this file):
-//   61: the hand-written library, included: tsgen/ptx.cuh 61, tsgen/sync.cuh 62, tsgen/copy.cuh 63, tsgen/gemm.cuh 64, tsgen/attention.cuh 65, tsgen/fused.cuh 66, tsgen/cp.cuh 67
-//   70: the op's own code (namespace cp_attention: constants, tables, device code)
+//   62: the hand-written library, included: tsgen/ptx.cuh 62, tsgen/sync.cuh 63, tsgen/copy.cuh 64, tsgen/gemm.cuh 65, tsgen/attention.cuh 66, tsgen/fused.cuh 67, tsgen/cp.cuh 68
+//   71: the op's own code (namespace cp_attention: constants, tables, device code)
 //   entry points (extern "C"):
-//     cp_attention_attention 199, cp_attention_w2_sync 210, cp_attention_w4_sync 222
-//     cp_attention_w8_sync 234, cp_attention_w2_prepare 259, cp_attention_w2_launch 260
-//     cp_attention_w4_prepare 261, cp_attention_w4_launch 262, cp_attention_w8_prepare 263
-//     cp_attention_w8_launch 264
+//     cp_attention_attention 200, cp_attention_w2_sync 211, cp_attention_w4_sync 223
+//     cp_attention_w8_sync 235, cp_attention_w2_prepare 260, cp_attention_w2_launch 261
+//     cp_attention_w4_prepare 262, cp_attention_w4_launch 263, cp_attention_w8_prepare 264
+//     cp_attention_w8_launch 265
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -104,7 +105,7 @@ struct Config {
   static constexpr bool KV_WAITS = cp_attention::KV_WAITS != 0, BHSD = cp_attention::BHSD != 0;
   static constexpr int SMEM_BYTES = cp_attention::SMEM_BYTES;
   static constexpr float SCALE_LOG2 = 0.12751743082459868f;  // softmax scale * log2(e)
-  static constexpr bool LOCAL_KV = cp_attention::LOCAL_KV != 0;  // the last KV chunk read in place where the call allows (k_local, v_local maps)
+  static constexpr bool LOCAL_KV = cp_attention::LOCAL_KV != 0;  // the own KV chunks read in place where the call allows (k_local, v_local maps)
 
   // The per-KV-chunk wait (the producer thread): until kv_signal[c] >= expected (acquire,
   // sys scope); after sync.timeout_ms it traps without printing (a printf is a call, which
@@ -194,8 +195,8 @@ static __host__ __device__ inline tsgen::cp::Geometry geometry(int world, uint64
 
 // The attention kernel (the same for every world size): 384 threads, 164952 bytes of dynamic
 // shared memory, one CTA per SM.
-// local_kv: k_local_map, v_local_map are this rank's own k and v (the last KV chunk, read in place where the
-// call's count lets it; else unread).
+// local_kv: k_local_map, v_local_map are this rank's own k and v (its KV chunks, read in place where the
+// call's count lets them; else unread).
 extern "C" __global__ void __launch_bounds__(384, 1)
 cp_attention_attention(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                        const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,

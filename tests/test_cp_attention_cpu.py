@@ -201,9 +201,9 @@ GEOMETRY = r"""
 int main(int argc, char** argv) {
   const int world = atoi(argv[1]);
   const tsgen::cp::Geometry g = MODULE::geometry(world, atoi(argv[2]));
-  printf("C %u %d\n", tsgen::cp::kv_chunk(g), (int)tsgen::cp::own_in_place(g, 128));
+  printf("C %u\n", tsgen::cp::kv_chunk(g));
   for (int d = 0; d < world; ++d) {
-    printf("F %d %d\n", d, tsgen::cp::first_remote_chunk(g, d));
+    printf("F %d %d %d\n", d, tsgen::cp::first_remote_chunk(g, d), (int)tsgen::cp::own_in_place(g, d, 128));
     for (int s = 0; s < world; ++s)
       for (int i = 0; i < tsgen::cp::segments(g); ++i) {
         const tsgen::cp::Segment x = tsgen::cp::segment(g, s, d, i);
@@ -226,11 +226,12 @@ def test_header_geometry_matches_python(tmp_path, layout, causal):
     subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17",
                     "-w", "-o", str(exe), str(main)],
                    check=True, capture_output=True)
-    for world, count in ((2, 250), (3, 6), (8, 1000), (2, 256), (3, 64)):
+    for world, count in ((2, 250), (3, 6), (8, 1000), (2, 256), (3, 64), (2, 384), (4, 128)):
         out = subprocess.run([str(exe), str(world), str(count)], capture_output=True, text=True, check=True).stdout
-        want = [f"C {kv_chunk(layout, causal, count)} {int(own_in_place(causal, world, count, 128))}"]
+        want = [f"C {kv_chunk(layout, causal, count)}"]
         for d in range(world):
-            want.append(f"F {d} {first_remote_chunk(layout, causal, world, count, d)}")
+            want.append(f"F {d} {first_remote_chunk(layout, causal, world, count, d)} "
+                        f"{int(own_in_place(layout, causal, world, count, d, 128))}")
             for s in range(world):
                 want += [f"S {s} {d} {a} {b} {c} {e}" for a, b, c, e in segments(layout, causal, world, count, s, d)]
         assert out.split("\n")[:-1] == want
@@ -465,14 +466,15 @@ def local(name="lk", **params):
 
 
 def test_local_kv_renders_only_where_set():
-    """The shipped not-causal spec sets it (since 2026-11-27); the causal ones cannot and their sources have none
-    of it, nor a variant with it off; set, the module constant, the Config's flag, the kernel's two more maps
-    (passed to run) and the push kernel's tile.n appear, and the header's launcher, where own_in_place, skips the
-    copy to ourselves and leaves our chunk unwaited."""
-    assert load_spec(ROOT / "specs" / "cp_attention.yaml").model.params.local_kv
+    """Every shipped spec sets it (since 2026-11-27), and its source has the module constant, the Config's flag,
+    the kernel's two more maps (passed to run) and, with the SM push, the push kernel's tile.n; a variant with it
+    off has none of it; the header's launcher, where own_in_place, passes our chunks to the kernel as read in
+    place and skips the copy to ourselves."""
     for name in SHIPPED:
+        assert load_spec(ROOT / "specs" / f"{name}.yaml").model.params.local_kv, name
         text = (ROOT / "generated" / f"{name}.cu").read_text()
-        assert ("k_local_map" in text and "\nconstexpr int LOCAL_KV = 1;\n" in text) == (name == "cp_attention"), name
+        assert "k_local_map" in text and "\nconstexpr int LOCAL_KV = 1;\n" in text, name
+        assert ("push_body<2, " + name + "::Config::TILE_N>" in text) == name.endswith("_sm"), name
     assert "LOCAL_KV" not in render(variant("off")).source
     source = render(local()).source
     assert "\nconstexpr int LOCAL_KV = 1;\n" in source
@@ -481,31 +483,43 @@ def test_local_kv_renders_only_where_set():
     assert "run<lk::Config>(&q_map, &k_map, &v_map, &o_map, problem, &k_local_map, &v_local_map);" in source
     assert "push_body<2, lk::Config::TILE_N>" in render(local(gather="sm")).source
     header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
-    assert "const bool in_place = LOCAL_KV && own_in_place(g, Op::Config::TILE_N);" in header
-    assert "const int unwaited = in_place ? WORLD - 1 : Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;" in header
+    assert "const bool in_place = LOCAL_KV && own_in_place(g, rank, Op::Config::TILE_N);" in header
+    assert "const int unwaited = Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;" in header
+    assert "local.chunk[s] = (int32_t)x.chunk, local.src[s] = x.src_row;" in header
     assert "for (int i = in_place ? 1 : 0; i < WORLD; ++i) {" in header
-    assert "const bool skip_own = LOCAL_TILE != 0 && own_in_place(g, LOCAL_TILE);" in header
+    assert "const bool skip_own = LOCAL_TILE != 0 && own_in_place(g, rank, LOCAL_TILE);" in header
 
 
-@pytest.mark.parametrize("text,expected", [
-    (CP + "params:\n  causal: true\n  local_kv: true\ntest:\n  count: 1024\n",
-     ["7:3: params.local_kv: causal chunks are in position order (zig-zag: two per rank): local_kv reads the last "
-      "slot in place, which only the not-causal rotation makes the own shard"]),
-    (CP + "params:\n  local_kv: true\n  gather: sm\n  skip_wait: true\ntest:\n  count: 1024\n",
-     ["6:3: params.local_kv: the own shard is the chunk not waited for: no skip_wait"]),
-], ids=["causal", "skip_wait"])
-def test_local_kv_refusals(tmp_path, text, expected):
-    assert spec_problems(tmp_path, text) == expected
+@pytest.mark.parametrize("text", [
+    CP + "params:\n  causal: true\n  layout: zigzag\n  local_kv: true\ntest:\n  count: 1024\n",
+    CP + "params:\n  causal: true\n  local_kv: true\n",
+    CP + "params:\n  local_kv: true\n  gather: sm\n  skip_wait: true\n",
+], ids=["zigzag_causal", "contiguous_causal", "skip_wait"])
+def test_local_kv_takes_every_layout_and_the_control(tmp_path, text):
+    """Since 2026-11-27 causal specs read their own chunks in place too, and the negative control (a peer's
+    chunk not waited for) holds beside it: none of these is refused."""
+    assert spec_problems(tmp_path, text) == []
 
 
 def test_local_kv_takes_any_count():
-    """A count whose own shard would start inside a KV block is no longer refused: the call gathers its own shard
-    like a peer's (own_in_place false), in the spec's test and in the bench alike."""
+    """A count whose own rows would start or end inside a KV block is not refused: the call gathers them like a
+    peer's (own_in_place false), in the spec's test and in the bench alike; every bench size of the shipped
+    specs reads them in place, their harness count (1000) does not."""
     family = get_family("cp_attention")
     spec = variant("lk", params={"local_kv": True}, test={"count": 1000}).model
-    assert family.bench.case(family, spec, 2, 16384).count == 8192 and own_in_place(False, 2, 8192, 128)
-    assert family.bench.case(family, spec, 2, 16000).count == 8000 and not own_in_place(False, 2, 8000, 128)
-    assert own_in_place(False, 3, 64, 128) and not own_in_place(True, 2, 8192, 128)
+    assert family.bench.case(family, spec, 2, 16000).count == 8000
+    for layout, causal in (("contiguous", False), ("zigzag", True)):
+        for w in (2, 4, 8):
+            for r in range(w):
+                assert own_in_place(layout, causal, w, 16384 // w, r, 128)  # bench sizes (8K-32K)
+                assert not own_in_place(layout, causal, w, 1000, r, 128)  # the harness count
+    # not causal: the last slot from (world - 1) x count; zig-zag: chunks r and 2P - 1 - r of count / 2 rows
+    assert own_in_place("contiguous", False, 3, 64, 0, 128) and not own_in_place("contiguous", False, 2, 64, 0, 128)
+    assert own_in_place("zigzag", True, 2, 256, 1, 128) and not own_in_place("zigzag", True, 2, 250, 1, 128)
+    # contiguous causal, chunk r from r x count: rank 0's ends inside a block at 200 rows, rank 1's starts there;
+    # at 64 rows rank 1's starts inside a block too, at 128 it is whole blocks
+    assert not own_in_place("contiguous", True, 2, 200, 0, 128) and not own_in_place("contiguous", True, 2, 200, 1, 128)
+    assert not own_in_place("contiguous", True, 2, 64, 1, 128) and own_in_place("contiguous", True, 2, 128, 1, 128)
 
 
 @needs_nvcc

@@ -88,31 +88,45 @@ def test_trace_shows_every_tile_once(case, world):
     assert len(seen) == 20 * world and all(good for _, _, good in seen), [x for x in seen if not x[2]]
 
 
+LOCAL_CASES = [  # (case, count, blocks, local_kv): 256 rows read the own rows in place at every world and layout
+    ("contiguous_full_gqa", 256, None, True), ("contiguous_full_gqa", 256, 3, True), ("contiguous_full_gqa", 333, None, True),
+    ("zigzag_causal_gqa", 256, None, True), ("zigzag_causal_gqa", 256, 3, True), ("zigzag_causal_gqa", 250, None, True),
+    ("contiguous_causal_bhsd", 256, None, True), ("contiguous_causal_bhsd", 333, None, True),
+    ("zigzag_causal_gqa", 256, None, False)]
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("count,blocks", [(256, None), (256, 3), (333, None)], ids=["grid", "3_ctas", "333_rows"])
-def test_cp_attention_local_kv(world, count, blocks):
-    """params.local_kv (not causal) on the SM push (the variant that runs where ranks share a GPU), 20 calls,
-    poisoned outputs. 256 rows a rank ((world - 1) x 256 a multiple of tile.n): the own shard read in place
-    through two more tensor maps, no copy to ourselves, our chunk not waited for; with 3 CTAs a rank each CTA's
-    tiles switch between the gathered and the local maps. 333 rows: a KV block would straddle the own shard and
-    the gathered ones, so the call gathers its own shard like a peer's (tsgen/cp.cuh own_in_place)."""
-    params, _ = CASES["contiguous_full_gqa"]
-    ok, lines = _run(f"local_kv_{count}_{blocks or 'grid'}", world, {**params, "local_kv": True}, count,
-                     launch={"blocks": blocks} if blocks else None)
+@pytest.mark.parametrize("case,count,blocks,local_kv", LOCAL_CASES,
+                         ids=[f"{c}_{n}_{b or 'grid'}{'' if lk else '_off'}" for c, n, b, lk in LOCAL_CASES])
+def test_cp_attention_local_kv(world, case, count, blocks, local_kv):
+    """params.local_kv on the SM push (the variant that runs where ranks share a GPU), 20 calls, poisoned outputs.
+    256 rows a rank: the own rows (not causal the last slot; causal the rank's chunk, zig-zag its two) start and
+    end on 128-row blocks, so they are read in place through two more tensor maps, not copied to ourselves, not
+    waited for; with 3 CTAs a rank each CTA's tiles switch between the gathered and the local maps. 333 / 250
+    rows: a KV block would straddle an own chunk and a gathered one, so the call gathers its own rows like a
+    peer's (tsgen/cp.cuh own_in_place). local_kv off at 256 rows: every chunk gathered, as before it shipped."""
+    params, _ = CASES[case]
+    ok, lines = _run(f"local_kv_{case}_{count}_{blocks or 'grid'}_{local_kv}", world, {**params, "local_kv": local_kv},
+                     count, launch={"blocks": blocks} if blocks else None)
     assert ok, "\n".join(lines)
 
 
-@pytest.mark.parametrize("knobs,count", [({"local_kv": True}, 256), ({"local_kv": True}, 333), ({"copy_1d": True}, 256),
-                                         ({"local_kv": True, "copy_1d": True}, 256)],
-                         ids=["local_kv", "local_kv_333_rows", "copy_1d", "both"])
-def test_cp_attention_copy_engine_knobs(knobs, count):
-    """params.local_kv (256 rows: only the peers' copies and their signals; 333: the own shard copied, signalled
-    and waited for like a peer's) and params.copy_1d (one-run pieces, bshd with batch 1, copied with
-    cudaMemcpyAsync) on the shipped copy-engine gather (one GPU per rank)."""
+CE_KNOBS = [("contiguous_full_gqa", {"local_kv": True}, 256), ("contiguous_full_gqa", {"local_kv": True}, 333),
+            ("zigzag_causal_gqa", {"local_kv": True}, 256), ("zigzag_causal_gqa", {"local_kv": False}, 256),
+            ("contiguous_full_gqa", {"copy_1d": True}, 256), ("contiguous_full_gqa", {"local_kv": True, "copy_1d": True}, 256)]
+
+
+@pytest.mark.parametrize("case,knobs,count", CE_KNOBS,
+                         ids=[f"{c}_{'_'.join(f'{k}_{v}' for k, v in kn.items())}_{n}" for c, kn, n in CE_KNOBS])
+def test_cp_attention_copy_engine_knobs(case, knobs, count):
+    """params.local_kv (256 rows: only the peers' copies and their signals, not causal and zig-zag causal; 333:
+    the own shard copied, signalled and waited for like a peer's; off: every chunk copied) and params.copy_1d
+    (one-run pieces, bshd with batch 1, copied with cudaMemcpyAsync) on the shipped copy-engine gather (one GPU
+    per rank)."""
     if gpu_count() < 2:
         pytest.skip(f"the copy-engine gather needs 2 GPUs (this machine has {gpu_count()})")
-    params, _ = CASES["contiguous_full_gqa"]
-    ok, lines = _run(f"ce_{count}_" + "_".join(knobs), min(gpu_count(), 8) // 2 * 2,
+    params, _ = CASES[case]
+    ok, lines = _run(f"ce_{case}_{count}_" + "_".join(f"{k}_{v}" for k, v in knobs.items()), min(gpu_count(), 8) // 2 * 2,
                      {**params, **knobs, "gather": "copy_engine"}, count, spec=CE_SPEC)
     assert ok, "\n".join(lines)
 
@@ -159,15 +173,18 @@ def test_cp_attention_with_rank_skew(world, skew):
 # W 8: four float64 GEMMs of 2664 x 128 x 2664 per head, ~4 s a call on a busy 2-core machine):
 # past the gate's 180 s per test when the machine is loaded (2026-11-27, 26 workers), so its own limit.
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("case,world", [("zigzag_causal_gqa", 4), ("contiguous_full_gqa", 8)])
-def test_negative_control_unwaited_chunk_fails(case, world):
+@pytest.mark.parametrize("case,world,rows", [("zigzag_causal_gqa", 4, None), ("contiguous_full_gqa", 8, None),
+                                           ("zigzag_causal_gqa", 4, 256)])
+def test_negative_control_unwaited_chunk_fails(case, world, rows):
     """The attention kernel does not wait for the first remote chunk it reads; with the push
-    kernels skewed it reads the previous call's K and V (or nothing): the test must fail."""
+    kernels skewed it reads the previous call's K and V (or nothing): the test must fail. At 256
+    rows (zig-zag) the own chunks are read in place (params.local_kv) beside the missing wait."""
     params, count = CASES[case]
     report = {}
-    ok, lines = _run(f"neg_{case}", world, {**params, "skip_wait": True}, count, skew="lag", iters=CONTROL_CALLS,
-                     report=report)
-    record_control(f"cp_attention unwaited chunk ({case})", report["calls"], report["calls_wrong"], world=world,
+    name = case if rows is None else f"{case}_local_kv"
+    ok, lines = _run(f"neg_{name}", world, {**params, "skip_wait": True}, rows or count, skew="lag",
+                     iters=CONTROL_CALLS, report=report)
+    record_control(f"cp_attention unwaited chunk ({name})", report["calls"], report["calls_wrong"], world=world,
                    skew="lag")
     assert not ok, "the unwaited chunk was not caught:\n" + "\n".join(lines)
 

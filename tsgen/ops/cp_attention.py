@@ -188,11 +188,12 @@ class CpAttentionParams(StrictModel):
         "c + grid, ...), so that a CTA on a slower SM takes fewer tiles (issue 33, docs/design/cp_attention.md: "
         "\"Where the not-causal time goes\"); causal always uses the counter. Off: the shipped static stride")
     local_kv: bool = Field(
-        False, description="not causal: the attention kernel reads this rank's own K and V shard in place (two more "
-        "tensor maps over k and v) instead of from k_full / v_full, so the gather copies only to the peers and no call "
-        "waits for a copy of rows it already has (issue 33, docs/design/cp_attention.md: \"Outside the tiles\"); "
-        "a call whose (world - 1) x rows per rank is no multiple of tile.n (a KV block would straddle the gathered "
-        "shards and the own one) gathers the own shard as without it. Off: every shard gathered, the own first")
+        False, description="the attention kernel reads this rank's own K and V rows in place (two more tensor maps "
+        "over k and v) instead of from k_full / v_full, so the gather copies only to the peers and no call waits for a "
+        "copy of rows it already has (issue 33, docs/design/cp_attention.md: \"Outside the tiles\"); not causal the own "
+        "shard is the last slot, causal its chunk (zig-zag: its two chunks) in position order. A call whose own rows "
+        "would start or end inside a KV block of tile.n rows gathers them as without it. Off: every row gathered, "
+        "the own first")
     copy_1d: bool = Field(
         False, description="gather copy_engine: copy a piece that is one contiguous run (lines == 1: bshd with "
         "batch 1, the suites' shape) with cudaMemcpyAsync instead of cudaMemcpy2DAsync (the path cudaMemcpyPeer's 397 GB/s was "
@@ -256,11 +257,14 @@ def kv_chunk(layout: str, causal: bool, count: int) -> int:
     return count // 2 if causal and layout == "zigzag" else count
 
 
-def own_in_place(causal: bool, world: int, count: int, tile_n: int) -> bool:
-    """params.local_kv: whether a call reads the rank's own shard in place (tsgen/cp.cuh own_in_place): not
-    causal, and the own shard (the last slot, from row (world - 1) x count) starts on a KV block boundary;
-    any other call gathers it like a peer's."""
-    return not causal and (world - 1) * count % tile_n == 0
+def own_in_place(layout: str, causal: bool, world: int, count: int, rank: int, tile_n: int) -> bool:
+    """params.local_kv: whether rank's call reads its own rows in place (tsgen/cp.cuh own_in_place): each of
+    its own segments in the gathered order (not causal: the last slot; causal: its chunk or its two zig-zag
+    chunks) starts on a KV block boundary and ends on one or at the end; any other call gathers them like a
+    peer's."""
+    kv_len = world * count
+    return all(dst % tile_n == 0 and ((dst + n) % tile_n == 0 or dst + n == kv_len)
+               for _, n, dst, _ in segments(layout, causal, world, count, rank, rank))
 
 
 def first_remote_chunk(layout: str, causal: bool, world: int, count: int, rank: int) -> int:
@@ -363,12 +367,6 @@ class CpAttentionFamily(OpFamily):
             problems.append((("test", "count"),
                              f"{spec.test.count} rows per rank: zigzag splits them into two chunks, so the count "
                              "must be even"))
-        if p.local_kv and p.causal:
-            problems.append((("params", "local_kv"), "causal chunks are in position order (zig-zag: two per rank): "
-                             "local_kv reads the last slot in place, which only the not-causal rotation makes the "
-                             "own shard"))
-        if p.local_kv and p.skip_wait:
-            problems.append((("params", "local_kv"), "the own shard is the chunk not waited for: no skip_wait"))
         if p.copy_1d and p.gather != "copy_engine":
             problems.append((("params", "copy_1d"), "the SM push has no copy-engine copies: copy_1d needs gather: "
                              "copy_engine"))

@@ -207,11 +207,11 @@ struct row_max_chains_of<C, std::void_t<decltype(C::ROW_MAX_CHAINS)>>
     : std::integral_constant<int, C::ROW_MAX_CHAINS> {};
 
 // Config::LOCAL_KV where the Config has it (only cp_attention specs with params.local_kv emit it), else
-// false: the kernel takes two more tensor maps (k_local, v_local: kv_chunk rows each), and KV rows from
-// Problem::kv_local_from on come through them instead of the gathered k / v. A call whose last KV chunk
-// starts on a block boundary (kv_len - kv_chunk a multiple of TILE_N) reads that chunk in place there, and
-// its launcher passes the chunk as kv_unwaited (nothing signals it); any other call has kv_local_from =
-// kv_len (the local maps are never read) and the chunk gathered like the others (tsgen/cp.cuh own_in_place).
+// false: the kernel takes two more tensor maps (k_local, v_local: the rank's own K and V), and up to two
+// KV chunks (Problem::kv_local_chunk, each kv_chunk rows, starting at a block boundary and ending at one or
+// at kv_len) come through them, from row kv_local_src, instead of from the gathered k / v; nothing signals
+// those chunks and the producer does not wait for them. A call with no chunk in place (kv_local_chunk -1)
+// gathers every chunk, and the local maps are never read (tsgen/cp.cuh own_in_place decides per call).
 template <class C, class = void>
 struct local_kv_of : std::false_type {};
 template <class C>
@@ -269,7 +269,9 @@ struct Problem {
   const uint64_t* kv_epoch;   //   then the value there (a call counter on the device, read once)
   int32_t kv_unwaited;        // the chunk not waited for (-1: none): the negative control's, or LOCAL_KV's own
   uint32_t kv_chunk;          // KV rows per signal
-  uint32_t kv_local_from;     // LOCAL_KV: KV rows from here on come from the local maps (kv_len: none)
+  int32_t kv_local_chunk[2];  // LOCAL_KV: the chunks read from the local maps (-1: none), their gathered
+  int32_t kv_local_from[2], kv_local_end[2];  // rows [from, end) (none: empty), and what a gathered row
+  int32_t kv_local_shift[2];                  // adds to become the local maps' row
   uint32_t batch, q_len, kv_len;
   int32_t q_offset, q_split, q_offset2, kv_offset;  // positions: see the top of this file
   uint32_t m_tiles, tiles;                          // query tiles per head; tiles in all
@@ -392,7 +394,9 @@ static __device__ __forceinline__ bool wait_chunks(const Problem& p, uint64_t ex
     const uint32_t last = (end - 1) / p.kv_chunk;
     if (first >= waited) return false;
     for (uint32_t c = (last < waited ? last : waited - 1) + 1; c-- > first;) {
-      if ((int32_t)c != p.kv_unwaited) C::wait_signal(p.kv_signal + c, expected, (int)c);
+      bool local = false;  // LOCAL_KV: a chunk read in place is never signalled
+      if constexpr (local_kv_of<C>::value) local = (int32_t)c == p.kv_local_chunk[0] || (int32_t)c == p.kv_local_chunk[1];
+      if ((int32_t)c != p.kv_unwaited && !local) C::wait_signal(p.kv_signal + c, expected, (int)c);
     }
     fence_proxy_async_global();  // the acquired data, visible to the TMA loads that follow
     waited = first;
@@ -451,16 +455,20 @@ static __device__ __forceinline__ void trace_tile(const Problem& p, const TraceT
 }
 #endif
 
-// The map and row of KV block row `row` (j x TILE_N): with LOCAL_KV, rows from p.kv_local_from on come
-// from the local map (`local`, kv_chunk rows) at row - kv_local_from; else `full` unchanged.
+// The map and row of KV block row `row` (j x TILE_N): with LOCAL_KV, a row of local chunk i (gathered rows
+// kv_local_from[i] .. kv_local_end[i] - 1) comes from the local map (`local`) at row + kv_local_shift[i]; else
+// `full` unchanged. A block never straddles a local chunk's ends (the launcher's check), so its first row
+// decides for all of it.
 template <class C>
 static __device__ __forceinline__ const CUtensorMap* kv_map(const CUtensorMap* full, const CUtensorMap* local,
                                                             const Problem& p, int32_t& row) {
   if constexpr (local_kv_of<C>::value) {
-    const int32_t from = (int32_t)p.kv_local_from;
-    if (row >= from) {
-      row -= from;
-      return local;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (row >= p.kv_local_from[i] && row < p.kv_local_end[i]) {
+        row += p.kv_local_shift[i];
+        return local;
+      }
     }
   }
   (void)local, (void)p;
@@ -1046,6 +1054,29 @@ static cudaError_t local_maps(const void* k, const void* v, uint32_t batch, uint
   return cudaSuccess;
 }
 
+// LOCAL_KV: what a call reads in place (tsgen/cp.cuh fills it from the rank's own segments). k and v are
+// [batch, rows, KV_HEADS, HEAD_DIM] (bhsd: [batch, KV_HEADS, rows, HEAD_DIM]) as the gathered ones; chunk
+// chunk[i] (kv_chunk rows of the gathered order; -1: none) is read from their row src[i] on.
+struct LocalKv {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  uint32_t rows = 0;
+  int32_t chunk[2] = {-1, -1};
+  uint32_t src[2] = {0, 0};
+  // Every chunk read in place starts on a block boundary and ends on one or at kv_len (no block of
+  // tile_n rows straddles it and a gathered chunk), lies inside kv_len, and its rows inside k / v.
+  bool fits(uint64_t kv_len, uint64_t kv_chunk, uint32_t tile_n) const {
+    if (kv_chunk == 0 || rows == 0) return false;
+    for (int i = 0; i < 2; ++i) {
+      if (chunk[i] < 0) continue;
+      const uint64_t from = (uint64_t)chunk[i] * kv_chunk, end = from + kv_chunk;
+      if (end > kv_len || from % tile_n || (end % tile_n && end != kv_len) || (uint64_t)src[i] + kv_chunk > rows)
+        return false;
+    }
+    return true;
+  }
+};
+
 // The shared-memory opt-in, once per device.
 template <class C>
 static cudaError_t prepare(const void* kernel) {
@@ -1130,10 +1161,8 @@ static cudaError_t persistent(const void* kernel, const void* counters, cudaStre
 // the dynamic schedule, longest first in head groups sized by this device's L2 (see the top
 // of this file; balanced_groups: of equal sizes, head_group); nullptr: tiles c, c + grid, ...
 // per CTA. `trace` (trace_records records):
-// the test-only trace where TSGEN_ATTENTION_TRACE is defined. k_local, v_local (LOCAL_KV Configs only,
-// whose kernels take two more maps): the last KV chunk's K and V rows (kv_chunk of them, [batch, kv_chunk,
-// KV_HEADS, HEAD_DIM] as k), read in place of k / v's last kv_chunk rows; kv_len - kv_chunk must be a
-// multiple of TILE_N (no block straddles the two). Both null: every row from k / v (the chunk was gathered).
+// the test-only trace where TSGEN_ATTENTION_TRACE is defined. `local` (LOCAL_KV Configs only, whose kernels
+// take two more maps): the chunks read in place and where (LocalKv); none: every row from k / v.
 template <class C, class Kernel>
 static cudaError_t launch(Kernel kernel, const void* q, const void* k, const void* v, void* o, float* lse,
                           uint64_t batch, uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split,
@@ -1141,8 +1170,7 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
                           uint64_t kv_expected, int blocks, cudaStream_t stream,
                           const uint64_t* kv_epoch = nullptr, int32_t kv_unwaited = -1,
                           uint64_t* work = nullptr, uint64_t* trace = nullptr, uint32_t trace_records = 0,
-                          bool balanced_groups = false, const void* k_local = nullptr,
-                          const void* v_local = nullptr) {
+                          bool balanced_groups = false, const LocalKv& local = LocalKv()) {
   using L = Layout<C>;
   if (batch == 0 || q_len == 0) return cudaSuccess;
   if (q_len > MAX_LEN || kv_len > MAX_LEN || batch > MAX_LEN || q == nullptr || k == nullptr || v == nullptr ||
@@ -1160,7 +1188,8 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   p.kv_epoch = kv_epoch;
   p.kv_unwaited = kv_unwaited;
   p.kv_chunk = (uint32_t)(kv_chunk > 0 ? kv_chunk : 1);
-  p.kv_local_from = (uint32_t)kv_len;  // LOCAL_KV in place: kv_len - kv_chunk, below
+  for (int i = 0; i < 2; ++i)  // LOCAL_KV in place: set below
+    p.kv_local_chunk[i] = -1, p.kv_local_from[i] = p.kv_local_end[i] = p.kv_local_shift[i] = 0;
   p.batch = (uint32_t)batch, p.q_len = (uint32_t)q_len, p.kv_len = (uint32_t)kv_len;
   p.q_offset = (int32_t)q_offset, p.q_offset2 = (int32_t)q_offset2, p.kv_offset = (int32_t)kv_offset;
   p.q_split = (int32_t)(q_split < 0 ? 0 : q_split > (int64_t)q_len ? (int64_t)q_len : q_split);
@@ -1186,22 +1215,26 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   if (err != cudaSuccess) return err;
   const uint64_t grid = blocks > 0 && (uint64_t)blocks < tiles ? (uint64_t)blocks : tiles;
   if constexpr (local_kv_of<C>::value) {
-    if ((k_local == nullptr) != (v_local == nullptr)) return cudaErrorInvalidValue;
-    if (k_local == nullptr) {  // the last chunk gathered like the others: the local maps are never read
+    if ((local.k == nullptr) != (local.v == nullptr)) return cudaErrorInvalidValue;
+    if (local.k == nullptr) {  // every chunk gathered: the local maps are never read
       kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, maps->k,
                                                                     maps->v, p);
       return cudaGetLastError();
     }
-    if (kv_chunk == 0 || kv_chunk > kv_len || kv_len % kv_chunk || (kv_len - kv_chunk) % C::TILE_N)
-      return cudaErrorInvalidValue;
-    const CUtensorMap* local;
-    err = local_maps<C>(k_local, v_local, (uint32_t)batch, (uint32_t)kv_chunk, &local);
+    if (!local.fits(kv_len, kv_chunk, C::TILE_N)) return cudaErrorInvalidValue;
+    const CUtensorMap* lm;
+    err = local_maps<C>(local.k, local.v, (uint32_t)batch, local.rows, &lm);
     if (err != cudaSuccess) return err;
-    p.kv_local_from = (uint32_t)(kv_len - kv_chunk);
-    kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, local[0],
-                                                                  local[1], p);
+    for (int i = 0; i < 2; ++i) {
+      if (local.chunk[i] < 0) continue;
+      const int32_t from = local.chunk[i] * (int32_t)kv_chunk;
+      p.kv_local_chunk[i] = local.chunk[i], p.kv_local_from[i] = from, p.kv_local_end[i] = from + (int32_t)kv_chunk;
+      p.kv_local_shift[i] = (int32_t)local.src[i] - from;
+    }
+    kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, lm[0], lm[1],
+                                                                  p);
   } else {
-    (void)k_local, (void)v_local;
+    (void)local;
     kernel<<<(unsigned)grid, L::THREADS, L::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, p);
   }
   return cudaGetLastError();

@@ -206,13 +206,21 @@ static __device__ __forceinline__ void copy_piece(char* dst, const char* src, co
   }
 }
 
-// LOCAL_KV (params.local_kv, not causal): whether this call's attention kernel reads the rank's own shard
-// in place, from k and v. The own shard is the last slot of k_full (rows (world - 1) x count on); the
-// kernel's KV blocks of tile_n rows must not straddle it and the gathered ones, so only a call whose
-// (world - 1) x count is a multiple of tile_n reads it in place; any other copies it into k_full, signals
-// and waits for it like a peer's (the launcher and the push kernel decide alike, per call).
-static __host__ __device__ __forceinline__ bool own_in_place(const Geometry& g, uint32_t tile_n) {
-  return !g.causal && (uint64_t)(g.world - 1) * g.count % tile_n == 0;
+// LOCAL_KV (params.local_kv): whether this call's attention kernel reads the rank's own rows in place, from
+// k and v, instead of from its copy in k_full. The own rows are the segments segment(g, rank, rank, s) of
+// k_full (not causal: the last slot; causal: chunk rank, or zig-zag chunks rank and 2P - 1 - rank); the
+// kernel's KV blocks of tile_n rows must not straddle one of them and a gathered chunk, so only a call
+// whose own segments start on a block boundary and end on one (or at the end of k_full) reads them in
+// place; any other copies, signals and waits for them like a peer's (the launcher and the push kernel
+// decide alike, per call and rank).
+static __host__ __device__ __forceinline__ bool own_in_place(const Geometry& g, int rank, uint32_t tile_n) {
+  const uint64_t kv_len = (uint64_t)g.world * g.count;
+  for (int s = 0; s < segments(g); ++s) {
+    const Segment x = segment(g, rank, rank, s);
+    const uint64_t end = (uint64_t)x.dst_row + x.rows;
+    if (x.dst_row % tile_n || (end % tile_n && end != kv_len)) return false;
+  }
+  return true;
 }
 
 // LOCAL_TILE (LOCAL_KV: the kernel's tile.n; 0: none): where own_in_place, no copy to ourselves.
@@ -221,7 +229,7 @@ static __device__ __forceinline__ void push_body(char* const* peers, int rank, c
                                                  const char* k, const char* v, char* k_full, char* v_full,
                                                  Geometry g) {
   const uint64_t epoch = ld_relaxed_gpu_global_u64(calls);
-  const bool skip_own = LOCAL_TILE != 0 && own_in_place(g, LOCAL_TILE);
+  const bool skip_own = LOCAL_TILE != 0 && own_in_place(g, rank, LOCAL_TILE);
   for (int i = skip_own ? 1 : 0; i < WORLD; ++i) {
     const int d = (rank + i) % WORLD;
     if (d != rank) {  // d's previous call no longer reads its gathered buffers
@@ -270,8 +278,8 @@ static __device__ __forceinline__ void signal_body(char* const* peers, int rank,
 //   TILE_COUNTER (not causal: tiles from the counter, `tile_counter_of`), COPY_1D (`copy_1d_of`), TRACE (room
 //   for trace records after sig's signals and the call timeline's stamps: tsgen/attention.cuh's
 //   test-only trace; 0: none), the attention `Config` (LOCAL_KV there, tsgen::attention::local_kv_of:
-//   not causal, where own_in_place the kernel reads this rank's own shard in place, from k and v, so
-//   nothing copies it into k_full, nothing signals it and nothing waits for it), and geometry(world, count).
+//   where own_in_place the kernel reads this rank's own rows in place, from k and v, so nothing copies
+//   them into k_full, nothing signals them and nothing waits for them), and geometry(world, count).
 // SYNC, PUSH (nullptr without SM_GATHER) and ATTENTION are the kernels of world size WORLD.
 
 // Op::TILE_COUNTER where the Op has it (only not-causal specs with params.tile_counter emit it),
@@ -301,10 +309,9 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
                           T* q, T* k, T* v, T* o, float* lse, T* k_full, T* v_full, uint64_t* sig,
                           cudaStream_t stream) {
   using namespace tsgen::fused;
-  // LOCAL_KV: our own shard (not causal: the last slot of k_full, walked first) is read in place where
-  // the call's row count lets it (own_in_place; else it is gathered like a peer's)
+  // LOCAL_KV: our own rows are read in place where the call's row count lets them (own_in_place; else
+  // they are gathered like a peer's)
   constexpr bool LOCAL_KV = tsgen::attention::local_kv_of<typename Op::Config>::value;
-  static_assert(!LOCAL_KV || (!Op::CAUSAL && !Op::SKIP_WAIT), "local_kv: not causal, no skip_wait");
   if constexpr (Op::SM_GATHER) (void)peers_host;  // the push kernel addresses peers through the device table
   if (count == 0) return cudaSuccess;
   if (rank < 0 || rank >= WORLD) return refused<Op>(WORLD, rank, count, "rank out of range", cudaErrorInvalidValue);
@@ -316,7 +323,15 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
                        cudaErrorInvalidValue);
   TSGEN_TRY(tsgen::use_device_of(calls));
   const Geometry g = Op::geometry(WORLD, count);
-  const bool in_place = LOCAL_KV && own_in_place(g, Op::Config::TILE_N);  // our shard read in place
+  const bool in_place = LOCAL_KV && own_in_place(g, rank, Op::Config::TILE_N);  // our rows read in place
+  tsgen::attention::LocalKv local;  // in_place: our chunks, read from k and v
+  if (in_place) {
+    local.k = k, local.v = v, local.rows = (uint32_t)count;
+    for (int s = 0; s < segments(g); ++s) {
+      const Segment x = segment(g, rank, rank, s);
+      local.chunk[s] = (int32_t)x.chunk, local.src[s] = x.src_row;
+    }
+  }
   int device, sms;
   TSGEN_TRY(cudaGetDevice(&device));
   TSGEN_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -330,8 +345,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   const int64_t q_offset = !Op::CAUSAL ? 0 : Op::ZIGZAG ? rank * half : rank * c;
   const int64_t q_split = Op::CAUSAL && Op::ZIGZAG ? half : c;
   const int64_t q_offset2 = Op::CAUSAL && Op::ZIGZAG ? (2 * WORLD - 1 - rank) * half : 0;
-  // not waited for: the negative control's chunk, or our own (the last slot) where read in place
-  const int unwaited = in_place ? WORLD - 1 : Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;
+  // not waited for: the negative control's chunk (a peer's: ours, where in place, are not signalled at all)
+  const int unwaited = Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;
 #ifdef TSGEN_ATTENTION_TRACE
   uint64_t* host = host_call(rank);  // the host side of the call timeline (trace variants)
 #else
@@ -388,8 +403,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
       ATTENTION, q, k_full, v_full, o, lse, Op::BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
       sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited,
       Op::CAUSAL || tile_counter_of<Op>::value ? sig + WORK : nullptr,
-      Op::TRACE ? sig + SIGNALS + STAMP_WORDS : nullptr, (uint32_t)Op::TRACE, false, in_place ? k : nullptr,
-      in_place ? v : nullptr);
+      Op::TRACE ? sig + SIGNALS + STAMP_WORDS : nullptr, (uint32_t)Op::TRACE, false, local);
   TSGEN_CP_HOST_STEP(host, HOST_ATTENTION);
   TSGEN_TRY(cudaEventRecord(l->copy_done, l->copy));
   TSGEN_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
