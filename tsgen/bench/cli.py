@@ -144,7 +144,8 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
     meta = dict(env, title=title, timing=TIMING, ceilings=outcomes[0].ceilings if outcomes else {},
                 ops=sorted({o.op for o in outcomes}), suite=suite,
                 entries=[{"spec": str(e.spec), "gpus": e.gpus, "sizes": e.sizes, "label": e.label, "variant": e.variant}
-                         for e in entries], backend=backend, control=control)
+                         for e in entries], backend=backend, control=control,
+                notes=list(dict.fromkeys(notes)))  # what was not timed, and why (the .md's Note lines)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1, default=str) + "\n")
