@@ -669,6 +669,10 @@ def test_gpu_tool_kernel_times_summarizes_each_implementations_kernels(tool, tmp
         "sdpa_cudnn": [[("a", 0, 50), ("b", 60, 100)], [("a", 0, 50), ("b", 50, 100)]]}}
     s = tool.summarize_kernels(result)
     assert s["tsgen"]["span_us"] == (105 + 100) / 2 and [k["name"] for k in s["tsgen"]["kernels"]] == ["pre", "main", "conv"]
+    assert s["tsgen"]["spans_us"] == [105, 100] and "vs_first" not in s["tsgen"]
+    # the baseline's span over tsgen's, round by round (the rounds interleave them): 50 / 105 and 50 / 100
+    assert s["sdpa_cudnn"]["vs_first"] == {"median": pytest.approx((50 / 105 + 0.5) / 2), "min": pytest.approx(50 / 105),
+                                           "max": 0.5}
     assert s["tsgen"]["kernels"][1] == {"name": "main", "per_call": 1.0, "median_us": 80.0}
     assert s["sdpa_cudnn"]["busy"] == pytest.approx((0.9 + 1.0) / 2)  # 10 us of 100 idle in the first block
     ran = []
@@ -681,6 +685,11 @@ def test_gpu_tool_kernel_times_summarizes_each_implementations_kernels(tool, tmp
     assert args[0] == "kernels" and args[2:] == ["8192", "sdpa_cudnn,cudnn_fe"]
     text = (tmp_path / "kernels_hd128_full_kv32_s8192.md").read_text()
     assert "## tsgen: 102.5 us a call" in text and "| main | 1.00 | 80.0 |" in text
+    assert "Spans a call, block by block (us): 105.0, 100.0." in text and "Its span over tsgen's in the same rounds: 0.488" in text
+    assert "Command: `python tools/gpu_attention_bwd.py OUT --kernel-times hd128_full_kv32:8192`" in text
+    saved = json.loads((tmp_path / "kernels_hd128_full_kv32_s8192.json").read_text())
+    assert saved["raw"]["blocks"]["tsgen"][0][0] == ["pre", 0, 10] and saved["meta"]["commit"]
+    assert saved["summary"]["sdpa_cudnn"]["spans_us"] == [50, 50]
     monkeypatch.setattr(tool, "child", lambda args, timeout: ({"pass": False, "why": "cudnn_fe: not installed"}, ""))
     assert tool.main() == 1
     for bad in (["--kernel-times", "nope"], ["--kernel-times", "hd128_full_kv32", "--kt-baselines", "nccl"],

@@ -532,9 +532,11 @@ def kernel_times(built: dict, seq: int, baselines: list[str], calls: int = KERNE
 
 def summarize_kernels(result: dict) -> dict:
     """kernel_times' blocks -> {impl: {"span_us": per call (first kernel start to last kernel end of a block over its
-    calls; median over blocks), "busy": the kernels' summed time over that span, "kernels": [{"name", "per_call",
-    "median_us"}] in order of first appearance}}: where each implementation's call time goes, kernel by kernel, and
-    how much of it the GPU ran nothing of it (1 - busy)."""
+    calls; median over blocks), "spans_us": that of every block (the raw samples, in round order), "busy": the
+    kernels' summed time over that span, "kernels": [{"name", "per_call", "median_us"}] in order of first
+    appearance, and, for every implementation after the first (tsgen's), "vs_first": its span over the first's in
+    the same round (the rounds interleave the implementations), median and range over the rounds}}: where each
+    implementation's call time goes, kernel by kernel, and how much of it the GPU ran nothing of it (1 - busy)."""
     from statistics import median
 
     calls, out = result["calls"], {}
@@ -542,6 +544,7 @@ def summarize_kernels(result: dict) -> dict:
         spans, busy, durations = [], [], {}  # durations: by kernel name, in order of first appearance
         for events in blocks:
             if not events:
+                spans.append(None)
                 continue
             start, end = min(e[1] for e in events), max(e[2] for e in events)
             spans.append((end - start) / calls)
@@ -549,19 +552,41 @@ def summarize_kernels(result: dict) -> dict:
             for name, a, b in events:
                 durations.setdefault(name, []).append(b - a)
         n = max(1, len([e for e in blocks if e]))
-        out[impl] = {"span_us": median(spans) if spans else None, "busy": median(busy) if busy else None,
+        timed = [x for x in spans if x is not None]
+        out[impl] = {"span_us": median(timed) if timed else None, "spans_us": spans,
+                     "busy": median(busy) if busy else None,
                      "kernels": [{"name": k, "per_call": len(durations[k]) / (n * calls),
                                   "median_us": median(durations[k])} for k in durations]}
+    first = next(iter(out), None)
+    for impl, s in out.items():
+        if impl == first:
+            continue
+        ratios = [b / a for a, b in zip(out[first]["spans_us"], s["spans_us"]) if a and b]
+        s["vs_first"] = {"median": median(ratios), "min": min(ratios), "max": max(ratios)} if ratios else None
     return out
 
 
-def kernels_markdown(name: str, seq: int, summary: dict) -> str:
-    """summarize_kernels' result as a short report: a line an implementation, then its kernels."""
+def kernels_markdown(name: str, seq: int, summary: dict, meta: dict | None = None) -> str:
+    """summarize_kernels' result as a short report: the run's device, date, commit and command where `meta` has
+    them, then a line an implementation (its span a call, the raw spans of its blocks, and after the first its span
+    over the first's in the same rounds: > 1, the first is faster), then its kernels."""
     lines = [f"# Kernel times, {name} at S {seq} (torch.profiler over back-to-back calls)", ""]
+    if meta:
+        lines += [f"{meta.get('date', '?')}, commit {meta.get('commit', '?')}; {meta.get('device', '?')}.", "",
+                  f"Command: `{meta.get('command', '')}`", ""]
+    first = next(iter(summary), None)
     for impl, s in summary.items():
         busy = f"{100 * s['busy']:.1f} % busy" if s["busy"] is not None else "no kernels"
         span = f"{s['span_us']:.1f} us a call" if s["span_us"] is not None else "-"
-        lines += [f"## {impl}: {span}, {busy}", "", "| kernel | per call | median us |", "|---|---|---|"]
+        lines += [f"## {impl}: {span}, {busy}", ""]
+        raw = ", ".join("-" if x is None else f"{x:.1f}" for x in s.get("spans_us", []))
+        if raw:
+            lines += [f"Spans a call, block by block (us): {raw}.", ""]
+        v = s.get("vs_first")
+        if v:
+            lines += [f"Its span over {first}'s in the same rounds: {v['median']:.3f} (range {v['min']:.3f} - "
+                      f"{v['max']:.3f}).", ""]
+        lines += ["| kernel | per call | median us |", "|---|---|---|"]
         lines += [f"| {k['name'][:100]} | {k['per_call']:.2f} | {k['median_us']:.1f} |" for k in s["kernels"]]
         lines.append("")
     return "\n".join(lines)
@@ -854,8 +879,14 @@ def main() -> int:
         if not result.get("pass"):
             print(log[-4000:], f"--kernel-times: {result.get('why') or result.get('error')}", sep="\n", file=sys.stderr)
             return 1
-        report = kernels_markdown(impl_name(name, impls[0]), seq, summarize_kernels(result))
-        (out / f"kernels_{impl_name(name, impls[0])}_s{seq}.md").write_text(report)
+        meta = {"device": device_name(), "commit": run_commit(),
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "command": " ".join(["python", "tools/gpu_attention_bwd.py", "OUT", *sys.argv[2:]])}
+        summary = summarize_kernels(result)
+        report = kernels_markdown(impl_name(name, impls[0]), seq, summary, meta)
+        stem = out / f"kernels_{impl_name(name, impls[0])}_s{seq}"
+        stem.with_suffix(".md").write_text(report)
+        stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "raw": result}) + "\n")
         print(report, flush=True)
         return 0
     if a.ncu_baseline and not a.ncu:
@@ -905,6 +936,18 @@ def main() -> int:
         not v.get("problems") for row in summary.get("bench", {}).get("rows", []) for v in row.values()
         if isinstance(v, dict))
     return 0 if ok else 1
+
+
+def run_commit() -> str:
+    """The commit a run names: tools/device_env.sh's stamp (TSGEN_COMMIT, where the device's tree carries stale git
+    metadata), else git's short HEAD, else "unknown"."""
+    if os.environ.get("TSGEN_COMMIT"):
+        return os.environ["TSGEN_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=20,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def device_name() -> str:
