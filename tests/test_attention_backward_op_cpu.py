@@ -682,7 +682,7 @@ def test_gpu_tool_kernel_times_summarizes_each_implementations_kernels(tool, tmp
                                            "hd128_full_kv32:8192"])
     assert tool.main() == 0
     (args,) = ran
-    assert args[0] == "kernels" and args[2:] == ["8192", "sdpa_cudnn,cudnn_fe"]
+    assert args[0] == "kernels" and args[2:] == ["8192", "sdpa_cudnn,cudnn_fe", "3"]
     text = (tmp_path / "kernels_hd128_full_kv32_s8192.md").read_text()
     assert "## tsgen: 102.5 us a call" in text and "| main | 1.00 | 80.0 |" in text
     assert "Spans a call, block by block (us): 105.0, 100.0." in text and "Its span over tsgen's in the same rounds: 0.488" in text
@@ -693,7 +693,8 @@ def test_gpu_tool_kernel_times_summarizes_each_implementations_kernels(tool, tmp
     monkeypatch.setattr(tool, "child", lambda args, timeout: ({"pass": False, "why": "cudnn_fe: not installed"}, ""))
     assert tool.main() == 1
     for bad in (["--kernel-times", "nope"], ["--kernel-times", "hd128_full_kv32", "--kt-baselines", "nccl"],
-                ["--impl", "wgmma_m128", "--kernel-times", "hd128_full_kv32"]):
+                ["--impl", "wgmma_m128", "--kernel-times", "hd128_full_kv32"],
+                ["--kernel-times", "hd128_full_kv32", "--kt-rounds", "0"]):
         monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), *bad])
         with pytest.raises(SystemExit):
             tool.main()

@@ -3,7 +3,7 @@ bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
 Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl shipped,mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3,wgmma_m128,wgmma_dkq]
        python tools/gpu_attention_bwd.py OUT_DIR --impl wgmma --ncu hd128_full_kv32[:8192]
-       python tools/gpu_attention_bwd.py OUT_DIR --kernel-times hd128_full_kv32[:8192] [--kt-baselines sdpa_cudnn,cudnn_fe]
+       python tools/gpu_attention_bwd.py OUT_DIR --kernel-times hd128_full_kv32[:8192] [--kt-baselines sdpa_cudnn,cudnn_fe] [--kt-rounds 3]
        (every kernel of tsgen's call and of the baselines' under torch.profiler, back-to-back calls in interleaved
        blocks: each kernel's median time, a call's span, the GPU's busy share; OUT_DIR/kernels_<variant>_s<seq>.md)
        (on the lent machines: bash tools/gpu_attention_bwd.sh, which sets up the environment; source
@@ -508,26 +508,30 @@ KERNEL_CALLS, KERNEL_ROUNDS = 10, 3  # --kernel-times: back-to-back calls a bloc
 def kernel_times(built: dict, seq: int, baselines: list[str], calls: int = KERNEL_CALLS,
                  rounds: int = KERNEL_ROUNDS) -> dict:
     """--kernel-times: `calls` back-to-back calls of tsgen's backward (variant `built`) and of each of `baselines` on
-    the same tensors, in `rounds` interleaved blocks, each block under torch.profiler (CUPTI's kernel records: the
+    the same tensors, in `rounds` interleaved blocks (round r in tsgen.bench.timing.round_order: each implementation
+    takes every place in turn, as the bench's rounds), each block under torch.profiler (CUPTI's kernel records: the
     GPU's own start and end of every kernel and memset / memcpy, as the bench's sustained sequence runs, unlike ncu's
-    single replays). {"pass", "seq", "batch", "blocks": {impl: [[(name, start_us, end_us), ...] per block]}}: what
-    summarize_kernels reads."""
+    single replays). {"pass", "seq", "batch", "calls", "order": [names per round], "blocks": {impl: [[(name,
+    start_us, end_us), ...] per round]}}: what summarize_kernels reads."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from tsgen.bench.timing import round_order
 
     fns, batch = warm_calls(built, seq, baselines)  # every first call outside the records
     if fns is None:
         return {"pass": False, "why": batch}
-    blocks = {impl: [] for impl in fns}
-    for _ in range(rounds):
-        for impl, fn in fns.items():
+    blocks, order = {impl: [] for impl in fns}, []
+    for r in range(rounds):
+        order.append(round_order(list(fns), r))
+        for impl in order[-1]:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for i in range(calls):
-                    fn(i, [0])
+                    fns[impl](i, [0])
                 torch.cuda.synchronize()
             blocks[impl].append([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                                  if e.device_type == torch.autograd.DeviceType.CUDA])
-    return {"pass": True, "seq": seq, "batch": batch, "calls": calls, "blocks": blocks}
+    return {"pass": True, "seq": seq, "batch": batch, "calls": calls, "order": order, "blocks": blocks}
 
 
 def summarize_kernels(result: dict) -> dict:
@@ -846,6 +850,9 @@ def main() -> int:
     ap.add_argument("--kernel-times", metavar="VARIANT[:SEQ]",
                     help="time every kernel of tsgen's call (the first --impl) and of --kt-baselines' in interleaved "
                     "blocks of back-to-back calls under torch.profiler; the report in OUT/kernels_<variant>_s<seq>.md")
+    ap.add_argument("--kt-rounds", type=int, default=KERNEL_ROUNDS,
+                    help=f"with --kernel-times: rounds of blocks (default {KERNEL_ROUNDS}; each implementation takes every "
+                    "place in a round in turn)")
     ap.add_argument("--kt-baselines", default="sdpa_cudnn,cudnn_fe",
                     help="with --kernel-times: comma-separated baselines beside tsgen (of " + ", ".join(BASELINES) + ")")
     ap.add_argument("--child", nargs="+")
@@ -857,7 +864,8 @@ def main() -> int:
         elif kind == "one":
             result = one_shape(built_json, int(a.child[2]), baseline=a.child[3] if len(a.child) > 3 else None)
         elif kind == "kernels":
-            result = kernel_times(built_json, int(a.child[2]), [b for b in a.child[3].split(",") if b])
+            result = kernel_times(built_json, int(a.child[2]), [b for b in a.child[3].split(",") if b],
+                                  rounds=int(a.child[4]) if len(a.child) > 4 else KERNEL_ROUNDS)
         else:
             result = bench(built_json, a.quick)
         print("RESULT " + json.dumps(result), flush=True)
@@ -874,8 +882,10 @@ def main() -> int:
             ap.error(f"--kernel-times: a variant built by impl {impls[0]} ({', '.join(sorted(VARIANTS))}) and "
                      f"--kt-baselines of {', '.join(BASELINES)}")
         seq = int(seq) if seq else BENCH_SEQS[1]
-        result, log = child(["kernels", json.dumps(build(out, name, impls[0])), str(seq), ",".join(baselines)],
-                            BENCH_TIMEOUT_S)
+        if a.kt_rounds < 1:
+            ap.error("--kt-rounds: at least 1")
+        result, log = child(["kernels", json.dumps(build(out, name, impls[0])), str(seq), ",".join(baselines),
+                             str(a.kt_rounds)], BENCH_TIMEOUT_S)
         if not result.get("pass"):
             print(log[-4000:], f"--kernel-times: {result.get('why') or result.get('error')}", sep="\n", file=sys.stderr)
             return 1
