@@ -203,7 +203,8 @@ int main(int argc, char** argv) {
   const tsgen::cp::Geometry g = MODULE::geometry(world, atoi(argv[2]));
   printf("C %u\n", tsgen::cp::kv_chunk(g));
   for (int d = 0; d < world; ++d) {
-    printf("F %d %d %d\n", d, tsgen::cp::first_remote_chunk(g, d), (int)tsgen::cp::own_in_place(g, d, 128));
+    printf("F %d %d %d %d %d\n", d, tsgen::cp::first_remote_chunk(g, d), (int)tsgen::cp::own_in_place(g, d, 128),
+           (int)tsgen::cp::own_in_place(g, d, 96), (int)tsgen::cp::own_in_place(g, d, 192));
     for (int s = 0; s < world; ++s)
       for (int i = 0; i < tsgen::cp::segments(g); ++i) {
         const tsgen::cp::Segment x = tsgen::cp::segment(g, s, d, i);
@@ -226,12 +227,12 @@ def test_header_geometry_matches_python(tmp_path, layout, causal):
     subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17",
                     "-w", "-o", str(exe), str(main)],
                    check=True, capture_output=True)
-    for world, count in ((2, 250), (3, 6), (8, 1000), (2, 256), (3, 64), (2, 384), (4, 128)):
+    for world, count in ((2, 250), (3, 6), (8, 1000), (2, 256), (3, 64), (2, 384), (4, 128), (4, 192), (8, 96)):
         out = subprocess.run([str(exe), str(world), str(count)], capture_output=True, text=True, check=True).stdout
         want = [f"C {kv_chunk(layout, causal, count)}"]
         for d in range(world):
             want.append(f"F {d} {first_remote_chunk(layout, causal, world, count, d)} "
-                        f"{int(own_in_place(layout, causal, world, count, d, 128))}")
+                        + " ".join(str(int(own_in_place(layout, causal, world, count, d, n))) for n in (128, 96, 192)))
             for s in range(world):
                 want += [f"S {s} {d} {a} {b} {c} {e}" for a, b, c, e in segments(layout, causal, world, count, s, d)]
         assert out.split("\n")[:-1] == want

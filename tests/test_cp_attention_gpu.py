@@ -27,11 +27,13 @@ CASES = {  # name -> (params, count)
 }
 
 
-def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=None, launch=None):
+def _run(name, world, params, count, iters=20, skew=None, spec=SM_SPEC, report=None, launch=None, after_call=None):
     need_gpus(world)
     lines = []
     ok = run_test(spec, world, count=count, iters=iters, echo=lines.append, skew=skew, report=report,
+                  after_call=after_call,
                   variant={"name": f"cp_{name}", "params": params, "sync": {"timeout_ms": 3000},
+                           **({"world_sizes": [world]} if world not in (2, 4, 8) else {}),
                            **({"launch": launch} if launch else {})})
     record("cp_attention", {"case": name, "world": world, "skew": skew, "pass": ok, "lines": lines})
     return ok, lines
@@ -88,27 +90,74 @@ def test_trace_shows_every_tile_once(case, world):
     assert len(seen) == 20 * world and all(good for _, _, good in seen), [x for x in seen if not x[2]]
 
 
-LOCAL_CASES = [  # (case, count, blocks, local_kv): 256 rows read the own rows in place at every world and layout
-    ("contiguous_full_gqa", 256, None, True), ("contiguous_full_gqa", 256, 3, True), ("contiguous_full_gqa", 333, None, True),
-    ("zigzag_causal_gqa", 256, None, True), ("zigzag_causal_gqa", 256, 3, True), ("zigzag_causal_gqa", 250, None, True),
-    ("contiguous_causal_bhsd", 256, None, True), ("contiguous_causal_bhsd", 333, None, True),
-    ("zigzag_causal_gqa", 256, None, False)]
+def own_signals_check(params: dict, world: int, count: int, seen: list):
+    """after_call: each rank's READY signals of its own chunks (sig[READY + c], tsgen/cp.cuh READY = MAX_WORLD):
+    0 where the call read them in place (own_in_place: nothing copies or signals them), the call's epoch where it
+    gathered them; `seen` gets (call, rank, in place, whether the signals say so)."""
+    from tsgen.ops.cp_attention import MAX_WORLD, own_in_place, segments
+
+    layout, causal = params.get("layout", "contiguous"), params.get("causal", False)
+
+    def check(call, w, bufs):
+        for r in w.ranks:
+            chunks = [c for _, _, _, c in segments(layout, causal, world, count, r, r)]
+            with w.cp.cuda.Device(w.devices[r]):
+                ready = bufs.array("sig", r)[MAX_WORLD:3 * MAX_WORLD].get()
+            place = params.get("local_kv", False) and own_in_place(layout, causal, world, count, r, 128)
+            seen.append((call, r, place, all((int(ready[c]) == 0) == place for c in chunks)))
+    return check
+
+
+LOCAL_CASES = [  # (case, extra params, count, blocks, local_kv): at 256 rows the own rows are read in place
+    ("contiguous_full_gqa", {}, 256, None, True), ("contiguous_full_gqa", {}, 256, 3, True),
+    ("contiguous_full_gqa", {}, 333, None, True),
+    ("zigzag_causal_gqa", {}, 256, None, True), ("zigzag_causal_gqa", {}, 256, 3, True),
+    ("zigzag_causal_gqa", {}, 250, None, True),
+    ("contiguous_causal_bhsd", {}, 256, None, True), ("contiguous_causal_bhsd", {}, 333, None, True),
+    ("contiguous_full_gqa", {"tensors": "bhsd", "batch": 2}, 256, None, True),  # the local maps' batch stride
+    ("zigzag_causal_gqa", {"batch": 2}, 256, None, True),
+    ("zigzag_full_hd64", {}, 256, None, True),
+    ("zigzag_causal_gqa", {}, 256, None, False)]
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
-@pytest.mark.parametrize("case,count,blocks,local_kv", LOCAL_CASES,
-                         ids=[f"{c}_{n}_{b or 'grid'}{'' if lk else '_off'}" for c, n, b, lk in LOCAL_CASES])
-def test_cp_attention_local_kv(world, case, count, blocks, local_kv):
+@pytest.mark.parametrize("case,extra,count,blocks,local_kv", LOCAL_CASES,
+                         ids=[f"{c}{''.join(f'_{k}{v}' for k, v in x.items())}_{n}_{b or 'grid'}{'' if lk else '_off'}"
+                              for c, x, n, b, lk in LOCAL_CASES])
+def test_cp_attention_local_kv(world, case, extra, count, blocks, local_kv):
     """params.local_kv on the SM push (the variant that runs where ranks share a GPU), 20 calls, poisoned outputs.
     256 rows a rank: the own rows (not causal the last slot; causal the rank's chunk, zig-zag its two) start and
     end on 128-row blocks, so they are read in place through two more tensor maps, not copied to ourselves, not
-    waited for; with 3 CTAs a rank each CTA's tiles switch between the gathered and the local maps. 333 / 250
-    rows: a KV block would straddle an own chunk and a gathered one, so the call gathers its own rows like a
-    peer's (tsgen/cp.cuh own_in_place). local_kv off at 256 rows: every chunk gathered, as before it shipped."""
-    params, _ = CASES[case]
-    ok, lines = _run(f"local_kv_{case}_{count}_{blocks or 'grid'}_{local_kv}", world, {**params, "local_kv": local_kv},
-                     count, launch={"blocks": blocks} if blocks else None)
+    waited for; with 3 CTAs a rank each CTA's tiles switch between the gathered and the local maps; bhsd and batch 2
+    (the local maps' strides), head dim 64. 333 / 250 rows: a KV block would straddle an own chunk and a gathered
+    one, so the call gathers its own rows like a peer's (tsgen/cp.cuh own_in_place). local_kv off at 256 rows:
+    every chunk gathered, as before it shipped. After every call each rank's own READY signals say which path ran
+    (0: in place, nothing signalled them)."""
+    params = {**CASES[case][0], **extra, "local_kv": local_kv}
+    seen = []
+    ok, lines = _run(f"local_kv_{case}_{'_'.join(map(str, extra.values()))}_{count}_{blocks or 'grid'}_{local_kv}",
+                     world, params, count, launch={"blocks": blocks} if blocks else None,
+                     after_call=own_signals_check(params, world, count, seen))
     assert ok, "\n".join(lines)
+    assert len(seen) == 20 * world and all(good for *_, good in seen), [x for x in seen if not x[3]][:4]
+
+
+@pytest.mark.parametrize("case", ["contiguous_causal_bhsd", "contiguous_full_gqa"])
+def test_cp_attention_local_kv_world_3(case):
+    """World 3 at 64 rows a rank, own chunks of 64 rows (fewer than the 128-row TMA box: the local map's rows past
+    64 load as zeros). Not causal every rank's own shard (the last slot, from row 128) is read in place. Contiguous
+    causal the ranks decide apart: rank 2's chunk (rows 128-191, ending at kv_len) in place, ranks 0 and 1 (a block
+    would straddle their chunk and a peer's) gather theirs, in the same calls."""
+    from tsgen.ops.cp_attention import own_in_place
+
+    params = {**CASES[case][0], "local_kv": True}
+    layout, causal = params["layout"], params["causal"]
+    assert [own_in_place(layout, causal, 3, 64, r, 128) for r in range(3)] == ([False, False, True] if causal else
+                                                                               [True, True, True])
+    seen = []
+    ok, lines = _run(f"local_kv_w3_{case}", 3, params, 64, after_call=own_signals_check(params, 3, 64, seen))
+    assert ok, "\n".join(lines)
+    assert len(seen) == 60 and all(good for *_, good in seen), [x for x in seen if not x[3]][:4]
 
 
 CE_KNOBS = [("contiguous_full_gqa", {"local_kv": True}, 256), ("contiguous_full_gqa", {"local_kv": True}, 333),
@@ -174,11 +223,12 @@ def test_cp_attention_with_rank_skew(world, skew):
 # past the gate's 180 s per test when the machine is loaded (2026-11-27, 26 workers), so its own limit.
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("case,world,rows", [("zigzag_causal_gqa", 4, None), ("contiguous_full_gqa", 8, None),
-                                           ("zigzag_causal_gqa", 4, 256)])
+                                           ("zigzag_causal_gqa", 4, 256), ("contiguous_full_gqa", 2, 256)])
 def test_negative_control_unwaited_chunk_fails(case, world, rows):
     """The attention kernel does not wait for the first remote chunk it reads; with the push
     kernels skewed it reads the previous call's K and V (or nothing): the test must fail. At 256
-    rows (zig-zag) the own chunks are read in place (params.local_kv) beside the missing wait."""
+    rows the own rows are read in place (params.local_kv) beside the missing wait: zig-zag causal at W 4,
+    and not causal at W 2, where the unwaited chunk (W - 2 = 0) is the only peer's."""
     params, count = CASES[case]
     report = {}
     name = case if rows is None else f"{case}_local_kv"

@@ -221,6 +221,9 @@ def test_tool_variant_and_params():
     shipped = t.timeline_variant(loaded, {}, 100).model
     assert shipped.params.local_kv and shipped.params.trace == 100 and shipped.test == loaded.model.test
     assert t.tiles_per_rank(p, 8192) == 64 * 32
+    # the phases follow each size's calls: in place at 8192 rows a rank, the own shard copied at 8000 (tile 128)
+    assert t.in_place(shipped.params, 2, 8192) and not t.in_place(shipped.params, 2, 8000)
+    assert not t.in_place(p, 2, 8192)  # local_kv off
     assert t.parse_params(["local_kv=true", "gather_blocks=4"]) == {"local_kv": True, "gather_blocks": 4}
     assert t.CALLS_MAX == T.STAMP_CALLS - 1
 

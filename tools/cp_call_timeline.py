@@ -39,11 +39,17 @@ from tsgen.bench.timing import CupyClock, Sampler  # noqa: E402
 from tsgen.harness import render_to_cache, shared_gpu_variant  # noqa: E402
 from tsgen.ops import get_family  # noqa: E402
 from tsgen.ops import cp_timeline as T  # noqa: E402
-from tsgen.ops.cp_attention import SIGNALS, STAMP_WORDS, trace_table  # noqa: E402
+from tsgen.ops.cp_attention import SIGNALS, STAMP_WORDS, own_in_place, trace_table  # noqa: E402
 from tsgen.spec import load_spec, spec_variant  # noqa: E402
 from attention_trace import parse_params, tiles_per_rank  # noqa: E402  (one home for both tools)
 
 CALLS_MAX = T.STAMP_CALLS - 1  # the lineup call and the timed ones must fit the stamp ring
+
+
+def in_place(p, world: int, count: int) -> bool:
+    """Whether every rank's calls at `count` rows read their own rows in place (params.local_kv and
+    tsgen/cp.cuh own_in_place, per call and rank): the phases then have no own copy."""
+    return bool(p.local_kv) and all(own_in_place(p.layout, p.causal, world, count, r, p.tile.n) for r in range(world))
 
 
 def timeline_variant(loaded, params: dict, room: int):
@@ -133,7 +139,6 @@ def run(spec_path: Path, world_size: int, seqs: list[int], calls: int, samples: 
     room = (calls + 1) * max(tiles_per_rank(p0, s // world_size) for s in seqs)
     loaded = timeline_variant(base, params, room)
     family = get_family(loaded.model.op)
-    local_kv = bool(loaded.model.params.local_kv)
     out = {"spec": str(spec_path), "variant": loaded.model.name, "params": params, "world": world_size,
            "calls": calls, "warmup": warmup, "sizes": {}}
     with World(world_size) as w:
@@ -146,6 +151,7 @@ def run(spec_path: Path, world_size: int, seqs: list[int], calls: int, samples: 
         for seq in seqs:
             count = seq // world_size
             tiles = tiles_per_rank(spec.params, count)
+            local_kv = in_place(spec.params, world_size, count)  # this size's calls: the own rows read in place
             bufs = module.alloc(count)
             fill_random(w, bufs)
             w.synchronize()

@@ -209,7 +209,7 @@ struct row_max_chains_of<C, std::void_t<decltype(C::ROW_MAX_CHAINS)>>
 // Config::LOCAL_KV where the Config has it (only cp_attention specs with params.local_kv emit it), else
 // false: the kernel takes two more tensor maps (k_local, v_local: the rank's own K and V), and up to two
 // KV chunks (Problem::kv_local_chunk, each kv_chunk rows, starting at a block boundary and ending at one or
-// at kv_len) come through them, from row kv_local_src, instead of from the gathered k / v; nothing signals
+// at kv_len) come through them (row + kv_local_shift), instead of from the gathered k / v; nothing signals
 // those chunks and the producer does not wait for them. A call with no chunk in place (kv_local_chunk -1)
 // gathers every chunk, and the local maps are never read (tsgen/cp.cuh own_in_place decides per call).
 template <class C, class = void>
@@ -267,7 +267,7 @@ struct Problem {
   const uint64_t* kv_signal;  // KV_WAITS: one signal per KV chunk (nullptr: no waits)
   uint64_t kv_expected;       // the value each signal must reach, unless kv_epoch is set:
   const uint64_t* kv_epoch;   //   then the value there (a call counter on the device, read once)
-  int32_t kv_unwaited;        // the chunk not waited for (-1: none): the negative control's, or LOCAL_KV's own
+  int32_t kv_unwaited;        // the chunk not waited for (-1: none): the negative control's
   uint32_t kv_chunk;          // KV rows per signal
   int32_t kv_local_chunk[2];  // LOCAL_KV: the chunks read from the local maps (-1: none), their gathered
   int32_t kv_local_from[2], kv_local_end[2];  // rows [from, end) (none: empty), and what a gathered row
@@ -917,7 +917,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
 // The kernel body
 // ---------------------------------------------------------------------------
 
-// k_local, v_local: LOCAL_KV's maps of the last KV chunk (see local_kv_of); unused otherwise.
+// k_local, v_local: LOCAL_KV's maps of the rank's own K and V (see local_kv_of); unused otherwise.
 template <class C>
 static __device__ __forceinline__ void run(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                            const CUtensorMap* v_map, const CUtensorMap* o_map, const Problem& p,
@@ -1032,7 +1032,7 @@ static cudaError_t tensor_maps(const void* q, const void* k, const void* v, cons
   return cudaSuccess;
 }
 
-// LOCAL_KV: the maps of the last KV chunk read in place (k_local, v_local: `rows` rows each), cached per
+// LOCAL_KV: the maps of the rank's own K and V read in place (k_local, v_local: `rows` rows each), cached per
 // host thread as tensor_maps' are.
 template <class C>
 static cudaError_t local_maps(const void* k, const void* v, uint32_t batch, uint32_t rows, const CUtensorMap** out) {
