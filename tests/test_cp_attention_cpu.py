@@ -203,8 +203,15 @@ int main(int argc, char** argv) {
   const tsgen::cp::Geometry g = MODULE::geometry(world, atoi(argv[2]));
   printf("C %u\n", tsgen::cp::kv_chunk(g));
   for (int d = 0; d < world; ++d) {
-    printf("F %d %d %d %d %d\n", d, tsgen::cp::first_remote_chunk(g, d), (int)tsgen::cp::own_in_place(g, d, 128),
-           (int)tsgen::cp::own_in_place(g, d, 96), (int)tsgen::cp::own_in_place(g, d, 192));
+    printf("F %d %d", d, tsgen::cp::first_remote_chunk(g, d));
+    // own_in_place at three tile sizes, and whether the launch's LocalKv then passes the attention launch's check
+    const tsgen::attention::LocalKv local = tsgen::cp::own_local(g, d, &g, &g);
+    for (uint32_t tile : {128u, 96u, 192u}) {
+      const bool place = tsgen::cp::own_in_place(g, d, tile);
+      printf(" %d", (int)place);
+      if (place && !local.fits((uint64_t)world * g.count, tsgen::cp::kv_chunk(g), tile)) printf("!");
+    }
+    printf("\n");
     for (int s = 0; s < world; ++s)
       for (int i = 0; i < tsgen::cp::segments(g); ++i) {
         const tsgen::cp::Segment x = tsgen::cp::segment(g, s, d, i);
@@ -231,11 +238,55 @@ def test_header_geometry_matches_python(tmp_path, layout, causal):
         out = subprocess.run([str(exe), str(world), str(count)], capture_output=True, text=True, check=True).stdout
         want = [f"C {kv_chunk(layout, causal, count)}"]
         for d in range(world):
-            want.append(f"F {d} {first_remote_chunk(layout, causal, world, count, d)} "
+            want.append(f"F {d} {first_remote_chunk(layout, causal, world, count, d)} "  # no "!": LocalKv fits
                         + " ".join(str(int(own_in_place(layout, causal, world, count, d, n))) for n in (128, 96, 192)))
             for s in range(world):
                 want += [f"S {s} {d} {a} {b} {c} {e}" for a, b, c, e in segments(layout, causal, world, count, s, d)]
         assert out.split("\n")[:-1] == want
+
+
+FITS = r"""
+#include "SOURCE"
+#include <cstdlib>
+int main(int argc, char** argv) {  // argv: kv_len kv_chunk tile rows chunk0 src0 chunk1 src1
+  tsgen::attention::LocalKv l;
+  l.k = l.v = argv;
+  l.rows = (uint32_t)atoi(argv[4]);
+  for (int i = 0; i < 2; ++i) l.chunk[i] = atoi(argv[5 + 2 * i]), l.src[i] = (uint32_t)atoi(argv[6 + 2 * i]);
+  printf("%d\n", (int)l.fits((uint64_t)atoll(argv[1]), (uint64_t)atoll(argv[2]), (uint32_t)atoi(argv[3])));
+}
+"""
+
+
+@needs_nvcc
+def test_local_kv_fits_refuses_what_the_kernel_cannot_read(tmp_path):
+    """tsgen::attention::LocalKv::fits, the attention launch's check of what a call reads in place (host code,
+    compiled and run here): the launcher's own chunks pass (zig-zag W 2 rank 0 at 256 rows: chunks 0 and 3, rows 0
+    and 128 of its k / v; not causal: the last slot); a chunk off a block boundary, one that ends inside a block
+    short of kv_len, one at kv_len whose last block would read a real row of k / v past it, rows past k / v, the
+    same chunk twice and overlapping rows are refused."""
+    main = tmp_path / "fits.cu"
+    main.write_text(FITS.replace("SOURCE", str(rendered_source(local(), tmp_path))))
+    exe = tmp_path / "fits"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
+                    str(main)], check=True, capture_output=True)
+
+    def fits(kv_len, kv_chunk, tile, rows, c0, s0, c1=-1, s1=0):
+        args = [str(x) for x in (kv_len, kv_chunk, tile, rows, c0, s0, c1, s1)]
+        return subprocess.run([str(exe), *args], capture_output=True, text=True, check=True).stdout.strip() == "1"
+
+    assert fits(512, 128, 128, 256, 0, 0, 3, 128)  # zig-zag W 2 rank 0, 256 rows a rank
+    assert fits(512, 256, 128, 256, 1, 0)  # not causal W 2: the last slot
+    assert not fits(512, 64, 128, 64, 2, 0)  # rows 128-191 of 512: ends inside a block short of kv_len
+    assert not fits(512, 128, 128, 128, 4, 0)  # rows 512-639: past kv_len
+    assert fits(192, 64, 128, 64, 2, 0)  # contiguous causal W 3 rank 2: from 128, ends at kv_len inside a block
+    assert not fits(192, 64, 128, 128, 2, 0)  # the same, but k / v go on past the chunk: a real row read past kv_len
+    assert not fits(384, 64, 128, 64, 1, 0)  # from 64: off a block boundary
+    assert not fits(384, 192, 128, 192, 1, 0)  # from 192
+    assert not fits(512, 128, 128, 200, 0, 100)  # rows past k / v
+    assert not fits(512, 128, 128, 256, 0, 0, 0, 128)  # the same chunk twice
+    assert not fits(512, 128, 128, 256, 0, 0, 3, 64)  # overlapping rows of k / v
+    assert not fits(512, 0, 128, 256, 0, 0)
 
 
 @needs_nvcc

@@ -1064,13 +1064,19 @@ struct LocalKv {
   int32_t chunk[2] = {-1, -1};
   uint32_t src[2] = {0, 0};
   // Every chunk read in place starts on a block boundary and ends on one or at kv_len (no block of
-  // tile_n rows straddles it and a gathered chunk), lies inside kv_len, and its rows inside k / v.
+  // tile_n rows straddles it and a gathered chunk), lies inside kv_len, and its rows inside k / v; one that
+  // ends inside its last block (at kv_len) ends the local maps too, so the rows that block reads past it
+  // load as zeros, as the gathered maps' do; the two chunks are distinct and their rows in k / v disjoint.
   bool fits(uint64_t kv_len, uint64_t kv_chunk, uint32_t tile_n) const {
-    if (kv_chunk == 0 || rows == 0) return false;
+    if (kv_chunk == 0 || rows == 0 || tile_n == 0) return false;
+    if (chunk[0] >= 0 && chunk[1] >= 0 &&
+        (chunk[0] == chunk[1] || (src[0] < src[1] ? (uint64_t)src[0] + kv_chunk > src[1]
+                                                  : (uint64_t)src[1] + kv_chunk > src[0])))
+      return false;
     for (int i = 0; i < 2; ++i) {
       if (chunk[i] < 0) continue;
-      const uint64_t from = (uint64_t)chunk[i] * kv_chunk, end = from + kv_chunk;
-      if (end > kv_len || from % tile_n || (end % tile_n && end != kv_len) || (uint64_t)src[i] + kv_chunk > rows)
+      const uint64_t from = (uint64_t)chunk[i] * kv_chunk, end = from + kv_chunk, last = (uint64_t)src[i] + kv_chunk;
+      if (end > kv_len || from % tile_n || (end % tile_n && (end != kv_len || last != rows)) || last > rows)
         return false;
     }
     return true;

@@ -223,6 +223,18 @@ static __host__ __device__ __forceinline__ bool own_in_place(const Geometry& g, 
   return true;
 }
 
+// What the attention launch reads in place where own_in_place: this rank's own segments, each a KV chunk of
+// the gathered order and its first row in this rank's k and v (count rows).
+static __host__ inline tsgen::attention::LocalKv own_local(const Geometry& g, int rank, const void* k, const void* v) {
+  tsgen::attention::LocalKv local;
+  local.k = k, local.v = v, local.rows = g.count;
+  for (int s = 0; s < segments(g); ++s) {
+    const Segment x = segment(g, rank, rank, s);
+    local.chunk[s] = (int32_t)x.chunk, local.src[s] = x.src_row;
+  }
+  return local;
+}
+
 // LOCAL_TILE (LOCAL_KV: the kernel's tile.n; 0: none): where own_in_place, no copy to ourselves.
 template <int WORLD, uint32_t LOCAL_TILE = 0>
 static __device__ __forceinline__ void push_body(char* const* peers, int rank, const uint64_t* calls, uint64_t* sig,
@@ -324,14 +336,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   TSGEN_TRY(tsgen::use_device_of(calls));
   const Geometry g = Op::geometry(WORLD, count);
   const bool in_place = LOCAL_KV && own_in_place(g, rank, Op::Config::TILE_N);  // our rows read in place
-  tsgen::attention::LocalKv local;  // in_place: our chunks, read from k and v
-  if (in_place) {
-    local.k = k, local.v = v, local.rows = (uint32_t)count;
-    for (int s = 0; s < segments(g); ++s) {
-      const Segment x = segment(g, rank, rank, s);
-      local.chunk[s] = (int32_t)x.chunk, local.src[s] = x.src_row;
-    }
-  }
+  const tsgen::attention::LocalKv local = in_place ? own_local(g, rank, k, v) : tsgen::attention::LocalKv();
   int device, sms;
   TSGEN_TRY(cudaGetDevice(&device));
   TSGEN_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
