@@ -889,7 +889,9 @@ def main() -> int:
         if not result.get("pass"):
             print(log[-4000:], f"--kernel-times: {result.get('why') or result.get('error')}", sep="\n", file=sys.stderr)
             return 1
-        meta = {"device": device_name(), "commit": run_commit(),
+        from tsgen.bench.results import commit
+
+        meta = {"device": device_name(), "commit": commit(),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "command": " ".join(["python", "tools/gpu_attention_bwd.py", "OUT", *sys.argv[2:]])}
         summary = summarize_kernels(result)
@@ -946,18 +948,6 @@ def main() -> int:
         not v.get("problems") for row in summary.get("bench", {}).get("rows", []) for v in row.values()
         if isinstance(v, dict))
     return 0 if ok else 1
-
-
-def run_commit() -> str:
-    """The commit a run names: tools/device_env.sh's stamp (TSGEN_COMMIT, where the device's tree carries stale git
-    metadata), else git's short HEAD, else "unknown"."""
-    if os.environ.get("TSGEN_COMMIT"):
-        return os.environ["TSGEN_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=20,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def device_name() -> str:
