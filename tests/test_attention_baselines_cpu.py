@@ -4,6 +4,7 @@ against the NumPy reference. The torch parts run where torch is installed (CPU t
 
 from __future__ import annotations
 
+import collections
 import numpy as np
 import pytest
 
@@ -18,12 +19,31 @@ from tsgen.ops.cp_attention import positions
 # ---------------------------------------------------------------------------
 
 
-def test_round_order_puts_each_implementation_in_every_place():
+def test_round_order_rotate_puts_each_implementation_in_every_place():
     names = ["tsgen", "flash", "cudnn"]
-    orders = [round_order(names, r) for r in range(6)]
+    orders = [round_order(names, r, "rotate") for r in range(6)]
     assert orders[0] == names and orders[1] == ["flash", "cudnn", "tsgen"] and orders[3] == names
     for place in range(3):
         assert {o[place] for o in orders[:3]} == set(names)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_round_order_balanced_gives_every_place_and_every_predecessor_alike(n):
+    """A Williams design: over a cycle each name takes every place equally often and follows every
+    other name equally often (the rotation makes B follow A in every round: the bias this removes)."""
+    names = [f"impl{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = [round_order(names, r) for r in range(cycle)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    places = collections.Counter((o[i], i) for o in orders for i in range(n))
+    assert set(places.values()) == {cycle // n}
+    follows = collections.Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+    rotated = collections.Counter((o[i], o[i + 1]) for o in (round_order(names, r, "rotate") for r in range(cycle))
+                                  for i in range(n - 1))
+    assert n == 2 or len(rotated) < n * (n - 1)  # the control: rotation leaves neighbours fixed
+    with pytest.raises(ValueError, match="round order"):
+        round_order(names, 0, "shuffled")
 
 
 class Recorder:

@@ -250,6 +250,33 @@ def test_time_calls_witness_region_counter():
     assert any(f"({MIN_CALL_US} us)" in p for p in t.problems) and any("counter advanced by 0" in p for p in t.problems)
 
 
+def test_settle_calls_run_untimed_before_each_sample_and_take_the_carried_over_boost():
+    """A device whose first call after an idle gap runs at a boost (8 us instead of 10): without
+    settle calls every sample starts boosted; with one, the boost falls on an untimed call and the
+    sample times the sustained 10 us. The settle calls count as enqueued (the counter check holds)."""
+
+    class BoostClock(Clock):
+        def synchronize(self):
+            super().synchronize()
+            self.cool = True
+
+    def timing(settle):
+        clock = BoostClock()
+        clock.cool, calls = True, {"n": 0}
+
+        def enqueue(i, ranks):
+            clock.t += 8.0 if clock.cool else 10.0
+            clock.cool = False
+            calls["n"] += 1
+
+        return time_calls(clock, [0], {0: "work"}, enqueue, calls=2, reps=3, warmup=1, graphs=False,
+                          counter=lambda r: calls["n"], label="x", settle=settle)
+
+    assert timing(0).median_us == pytest.approx(9.0) and timing(0).problems == []
+    t = timing(1)
+    assert t.median_us == pytest.approx(10.0) and t.problems == []
+
+
 H100 = Device("NVIDIA H100 80GB HBM3", 132, 1980000, (9, 0), 50 << 20)
 H200 = Device("NVIDIA H200", 132, 1980000, (9, 0), 60 << 20)
 

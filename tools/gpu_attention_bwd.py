@@ -75,6 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "tools"))
 
+from tsgen.bench.timing import ROUND_ORDERS  # noqa: E402
 from tsgen.env import force_no_multicast  # noqa: E402
 from tsgen.ops.attention import grad_tolerance  # noqa: E402
 import gpu_attention as ga  # noqa: E402  (the forward's script)
@@ -707,9 +708,14 @@ def baseline_call(torch, label: str, t: dict, op: "Op", stream):
     return {"cudnn_fe": cudnn_fe_backward, "fa4": fa4_backward}[label](torch, t, op.causal, stream)
 
 
-def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
+BENCH_ROUNDS, BENCH_SETTLE = 8, 1  # rounds (a full cycle of the balanced order for up to 4 or 8 columns); untimed
+
+
+def bench(built: dict[str, dict], quick: bool, echo=print, order: str = "balanced", settle: int = BENCH_SETTLE,
+          rounds: int = BENCH_ROUNDS, shapes: list[str] | None = None) -> dict:
     """built: variant name -> {impl: its build} (the impls timed side by side, interleaved; the first
-    is the reference of ratio_ref)."""
+    is the reference of ratio_ref). order, settle, rounds: tsgen.bench.timing's round order, untimed calls
+    before each sample, rounds; shapes: "VARIANT:SEQ" rows to time (default all)."""
     import torch
     from tsgen.bench.timing import Sampler, TorchClock, paired_ratio, time_interleaved
     from tsgen.ops.attention_backward import flops
@@ -720,6 +726,8 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
         ops = {impl: Op(b) for impl, b in built[name].items()}
         op = next(iter(ops.values()))
         for seq in BENCH_SEQS[:1] if quick else BENCH_SEQS:
+            if shapes and f"{name}:{seq}" not in shapes:
+                continue
             batch, t, _ = bench_inputs(torch, op, seq)
             wss = {impl: o.workspace(torch, batch, seq) for impl, o in ops.items()}  # each variant its own
             stream = torch.cuda.Stream()
@@ -738,13 +746,14 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
                     echo(f"{name} S={seq}: {label} unavailable: {why}")
                 else:
                     impls[label] = fn
-            samplers = {k: Sampler(clock, [0], {0: stream}, fn, calls=3, warmup=2, graphs=False, label=k)
-                        for k, fn in impls.items()}
-            timings = time_interleaved(samplers, rounds=5)
+            samplers = {k: Sampler(clock, [0], {0: stream}, fn, calls=3, warmup=2, graphs=False, label=k,
+                                   settle=settle) for k, fn in impls.items()}
+            timings = time_interleaved(samplers, rounds=rounds, order=order)
             f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
-            row = {"variant": name, "seq": seq, "batch": batch}
+            row = {"variant": name, "seq": seq, "batch": batch, "order": order, "settle": settle}
             for k, tm in timings.items():
-                row[k] = {"us": tm.median_us, "tflops": f / tm.median_us / 1e6, "problems": tm.problems}
+                row[k] = {"us": tm.median_us, "tflops": f / tm.median_us / 1e6, "problems": tm.problems,
+                          "samples_us": tm.samples_us}
                 if row[k]["tflops"] > PEAK_TFLOPS:
                     row[k]["problems"].append(f"{row[k]['tflops']:.0f} TFLOP/s is above the dense peak")
                 if not k.startswith("tsgen"):
@@ -752,6 +761,9 @@ def bench(built: dict[str, dict], quick: bool, echo=print) -> dict:
                 elif k != ref:
                     row[k]["ratio_ref"] = paired_ratio(timings[ref].samples_us, tm.samples_us)["ratio"]
             row["ref"], row["last"] = ref, last
+            if "sdpa_cudnn" in timings and "cudnn_fe" in timings:  # one cuDNN kernel under two callers: 1.00 unless
+                row["same_kernel"] = paired_ratio(timings["cudnn_fe"].samples_us,  # the method favours one
+                                                  timings["sdpa_cudnn"].samples_us)
             rows.append(row)
             echo(json.dumps(row))
             del t, wss, impls, samplers, fn, _  # the last baseline's closure holds t too
@@ -782,6 +794,8 @@ def markdown(s: dict) -> str:
     out = [f"# attention_backward on one GPU ({s['device']}, {s['date']})", "", f"Command: `{s['command']}`", "",
            "## Correctness", "", "| variant | case | calls | dQ wrong | dK wrong | dV wrong | rel err dQ / dK / dV | pass |",
            "|---|---|---|---|---|---|---|---|"]
+    if not s["checks"]:
+        out[-3:] = ["Not checked in this run (--no-check: a timing experiment)."]
     for name, r in s["checks"].items():
         for c in r.get("cases", []):
             case = c["case"]
@@ -815,8 +829,11 @@ def markdown(s: dict) -> str:
         ref = many[0].get("ref", "tsgen") if rows else "tsgen"
         others = ["sdpa_flash", "sdpa_cudnn"] + [k for k in ("cudnn_fe", "fa4") if any(k in row for row in rows)]
         last = many[0].get("last", ref) if rows else ref
+        how = (f"{len(many[0]['tsgen']['samples_us'])} rounds, order {many[0].get('order')}, "
+               f"{many[0].get('settle')} untimed call(s) before each sample" if rows and "samples_us" in many[0].get("tsgen", {})
+               else "paired rounds")
         out += ["", "## Speed (TFLOP/s: 10 b h s^2 d, halved causal; ratio = SDPA time / "
-                f"{last} time, paired rounds"
+                f"{last} time, {how}"
                 + (f"; {', '.join(extra)}: other main kernels, x = {ref}'s time / theirs" if extra else "") + ")", "",
                 "| variant | S | tsgen | " + "".join(f"{k} | x | " for k in extra)
                 + "SDPA flash | ratio | SDPA cuDNN | ratio |" + (" cuDNN frontend | ratio |" if "cudnn_fe" in others else "")
@@ -830,6 +847,12 @@ def markdown(s: dict) -> str:
             for k in others:
                 cells += [f"{row[k]['tflops']:.0f}", f"{row[k]['ratio']:.2f}"] if k in row else ["-", "-"]
             out.append(f"| {row['variant']} | {row['seq']} | " + " | ".join(cells) + " |")
+        same = [row for row in rows if "same_kernel" in row]
+        if same:
+            out += ["", "The method's control: SDPA cuDNN and cudnn-frontend run one cuDNN kernel, so their paired "
+                    "ratio (cudnn-frontend's time / SDPA cuDNN's) is 1.00 unless the timing favours one of them: "
+                    + ", ".join(f"{r['variant']} S {r['seq']} {r['same_kernel']['ratio']:.3f} "
+                                f"({r['same_kernel']['min']:.3f} - {r['same_kernel']['max']:.3f})" for r in same) + "."]
         if "error" in s["bench"]:
             out.append(f"\nBench error: {s['bench']['error']}")
     return "\n".join(out) + "\n"
@@ -855,6 +878,15 @@ def main() -> int:
                     "place in a round in turn)")
     ap.add_argument("--kt-baselines", default="sdpa_cudnn,cudnn_fe",
                     help="with --kernel-times: comma-separated baselines beside tsgen (of " + ", ".join(BASELINES) + ")")
+    ap.add_argument("--order", choices=ROUND_ORDERS, default="balanced",
+                    help="the bench's round order (tsgen.bench.timing.round_order; rotate: the old one, for its control)")
+    ap.add_argument("--settle", type=int, default=BENCH_SETTLE,
+                    help=f"the bench's untimed calls before each sample (default {BENCH_SETTLE})")
+    ap.add_argument("--rounds", type=int, default=BENCH_ROUNDS, help=f"the bench's rounds (default {BENCH_ROUNDS})")
+    ap.add_argument("--bench-shapes", metavar="VARIANT:SEQ,...",
+                    help="time these rows of the bench only (default: every variant at every S)")
+    ap.add_argument("--no-check", action="store_true",
+                    help="skip the correctness checks (a timing experiment; the report says so)")
     ap.add_argument("--child", nargs="+")
     a = ap.parse_args()
     if a.child:
@@ -867,7 +899,8 @@ def main() -> int:
             result = kernel_times(built_json, int(a.child[2]), [b for b in a.child[3].split(",") if b],
                                   rounds=int(a.child[4]) if len(a.child) > 4 else KERNEL_ROUNDS)
         else:
-            result = bench(built_json, a.quick)
+            opts = json.loads(a.child[2]) if len(a.child) > 2 else {}
+            result = bench(built_json, a.quick, **opts)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     impls = [i for i in a.impl.split(",") if i]
@@ -910,7 +943,15 @@ def main() -> int:
         if not runs(name, impls[0]):
             ap.error(f"--ncu: impl {impls[0]} is built for head dims {IMPL_HEAD_DIMS[impls[0]]} only, not {name}")
         return profile(out, name, impls[0], int(seq) if seq else BENCH_SEQS[1], a.ncu_baseline)
-    names = sorted(set(CHECK_VARIANTS) | (set() if a.no_bench else set(BENCH_VARIANTS)))
+    if a.rounds < 1 or a.settle < 0:
+        ap.error("--rounds: at least 1; --settle: 0 or more")
+    shapes = [x for x in (a.bench_shapes or "").split(",") if x]
+    bad = [x for x in shapes if x.partition(":")[0] not in BENCH_VARIANTS or x.partition(":")[2] not in map(str, BENCH_SEQS)]
+    if bad:
+        ap.error(f"--bench-shapes: VARIANT:SEQ of {', '.join(BENCH_VARIANTS)} at {', '.join(map(str, BENCH_SEQS))}, "
+                 f"not {', '.join(bad)}")
+    bench_names = sorted({x.partition(":")[0] for x in shapes}) if shapes else BENCH_VARIANTS
+    names = sorted((set() if a.no_check else set(CHECK_VARIANTS)) | (set() if a.no_bench else set(bench_names)))
     jobs = [(n, i) for i in impls for n in names if runs(n, i)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
         built = dict(zip(jobs, ex.map(lambda j: build(out, *j), jobs)))
@@ -921,7 +962,7 @@ def main() -> int:
     print(f"built {len(built)} variants", flush=True)
     checks = {}
     for impl in impls:
-        for name in (n for n in CHECK_VARIANTS if runs(n, impl)):
+        for name in (n for n in CHECK_VARIANTS if runs(n, impl) and not a.no_check):
             extra = ["--quick"] if a.quick else []
             # wgmma_det's children run the repeated cases too (three more references), wgmma's one (information)
             r, log = child(["check", json.dumps(built[name, impl]), *extra],
@@ -934,10 +975,13 @@ def main() -> int:
     summary = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(sys.argv), "checks": checks}
     if not a.no_bench:
+        opts = {"order": a.order, "settle": a.settle, "rounds": a.rounds, "shapes": shapes or None}
         extra = ["--quick"] if a.quick else []
+        n_rows = len(shapes) if shapes else len(BENCH_VARIANTS) * len(BENCH_SEQS)
         summary["bench"], log = child(["bench", json.dumps({n: {i: built[n, i] for i in impls if runs(n, i)}
-                                                           for n in BENCH_VARIANTS}),
-                                       *extra], BENCH_TIMEOUT_S * len(impls))
+                                                           for n in bench_names}), json.dumps(opts),
+                                       *extra], max(90.0, BENCH_TIMEOUT_S * len(impls) * n_rows / 18
+                                                    * (a.rounds / 5) * (3 + a.settle) / 3))
         if "rows" not in summary["bench"]:
             print(log[-4000:], flush=True)
     (out / "attention_bwd.json").write_text(json.dumps(summary, indent=1))

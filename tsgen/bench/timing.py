@@ -21,8 +21,9 @@ Three checks make a timing that brackets nothing an error instead of a number
            advanced by exactly the calls enqueued.
 
 Interleaved rounds (`time_interleaved`): tsgen and its in-process baselines, each a Sampler of
-the same core, take one sample each per round, the order rotated every round; a ratio is the
-median over rounds of the two samples of the same round (`paired_ratio`), with its spread.
+the same core, take one sample each per round, in a balanced order (`round_order`: every place
+and every predecessor alike over a cycle); a ratio is the median over rounds of the two samples
+of the same round (`paired_ratio`), with its spread.
 
 The device is reached through a small clock interface: CupyClock (a tsgen World), TorchClock
 (baseline workers), HostClock (CPU dry runs), and the tests' fakes.
@@ -76,13 +77,17 @@ class Sampler:
     CUDA graph's capture and upload), `sample` (one sample: events around `calls` back-to-back
     calls, the witness and region checks, the slowest rank), `finish` (the call counter's check,
     the Timing). `time_calls` runs them for one implementation; `time_interleaved` for several
-    in rounds. Arguments as `time_calls`."""
+    in rounds. Arguments as `time_calls`, and settle: untimed calls enqueued just before each
+    sample's start event, so that the GPU's clock at the start is this implementation's own and
+    not the one the previous implementation (say a low-power baseline) left behind."""
 
     def __init__(self, clock, ranks: Sequence[int], streams, enqueue: Callable[[int, list[int]], None], *,
                  calls: int, warmup: int = 3, graphs: bool = True, lineup: bool = False,
                  before_sample: Callable[[], None] | None = None, after_warmup: Callable[[], None] | None = None,
-                 event_streams=None, counter: Callable[[int], int] | None = None, label: str = ""):
+                 event_streams=None, counter: Callable[[int], int] | None = None, label: str = "",
+                 settle: int = 0):
         self.clock, self.ranks, self.streams, self._enqueue = clock, list(ranks), streams, enqueue
+        self.settle = settle
         self.calls, self.warmup, self.graphs, self.lineup, self.label = calls, warmup, graphs, lineup, label
         self.before_sample, self.after_warmup, self.counter = before_sample, after_warmup, counter
         self.ev_streams = event_streams or streams
@@ -131,6 +136,8 @@ class Sampler:
             self.before_sample()
         if self.lineup:
             self._run(0, ranks)
+        for i in range(self.settle):  # untimed, back to back with the sample: it starts under its own load
+            self._run(i, ranks)
         start = {r: clock.record(r, self.ev_streams[r]) for r in ranks}
         if self.graph:
             for r in ranks:
@@ -171,7 +178,7 @@ def time_calls(clock, ranks: Sequence[int], streams, enqueue: Callable[[int, lis
                calls: int, reps: int = 7, warmup: int = 3, graphs: bool = True, lineup: bool = False,
                before_sample: Callable[[], None] | None = None, after_warmup: Callable[[], None] | None = None,
                event_streams=None,
-               counter: Callable[[int], int] | None = None, label: str = "") -> Timing:
+               counter: Callable[[int], int] | None = None, label: str = "", settle: int = 0) -> Timing:
     """Median time per call of `enqueue(i, ranks)` (call i on `ranks`, each on streams[rank]).
 
     lineup: one untimed call on every rank before each sample (ops whose ranks wait for each
@@ -179,36 +186,59 @@ def time_calls(clock, ranks: Sequence[int], streams, enqueue: Callable[[int, lis
     runs once between the warm-up and the timed calls (the bench poisons outputs there, so
     the check after the timing sees what the timed calls wrote). event_streams:
     where the events go (default `streams`; the negative control passes others). counter(rank):
-    the device's call count of rank, checked against the calls enqueued."""
+    the device's call count of rank, checked against the calls enqueued. settle: untimed calls
+    before each sample (Sampler)."""
     s = Sampler(clock, ranks, streams, enqueue, calls=calls, warmup=warmup, graphs=graphs, lineup=lineup,
                 before_sample=before_sample, after_warmup=after_warmup, event_streams=event_streams,
-                counter=counter, label=label)
+                counter=counter, label=label, settle=settle)
     s.prepare()
     for _ in range(reps):
         s.sample()
     return s.finish()
 
 
-def round_order(names: Sequence[str], r: int) -> list[str]:
-    """Who is timed when in round r: the names rotated by r, so each takes every place in turn."""
+ROUND_ORDERS = ("balanced", "rotate")
+
+
+def round_order(names: Sequence[str], r: int, order: str = "balanced") -> list[str]:
+    """Who is timed when in round r. "rotate": the names rotated by r, so each takes every place in
+    turn, but each always follows the same neighbour (a low-power baseline listed before another lends
+    it a cooler, faster-clocked GPU in every round). "balanced" (the default): a Williams design, rows
+    of a Latin square in which, over a full cycle (n rounds for n names, 2n for odd n), each name takes
+    every place equally often and follows every other name equally often."""
     names = list(names)
-    k = r % len(names) if names else 0
-    return names[k:] + names[:k]
+    n = len(names)
+    if n < 2:
+        return names
+    if order == "rotate":
+        k = r % n
+        return names[k:] + names[:k]
+    if order != "balanced":
+        raise ValueError(f"round order {order!r}: one of {', '.join(ROUND_ORDERS)}")
+    base, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: successive differences all distinct mod n
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    row = [names[(i + r) % n] for i in base]
+    return row[::-1] if n % 2 and (r // n) % 2 else row  # odd n: the mirrored rows balance the neighbours
 
 
 _ROUND_SETS = itertools.count(1)  # which time_interleaved call a Timing came from (rows pair only within one)
 
 
-def time_interleaved(samplers: dict[str, Sampler], rounds: int) -> dict[str, Timing]:
+def time_interleaved(samplers: dict[str, Sampler], rounds: int, order: str = "balanced") -> dict[str, Timing]:
     """Several implementations timed in interleaved rounds (ABAB...): each is prepared (warm-up,
-    capture), then round r takes one sample of each, in `round_order(names, r)`, so that a
+    capture), then round r takes one sample of each, in `round_order(names, r, order)`, so that a
     clock or thermal drift over the run falls on all of them alike. Sample i of every Timing
     comes from round i, and every Timing carries the same `round_set` (the call's number in this
 process): `paired_ratio` compares them round by round."""
     for s in samplers.values():
         s.prepare()
     for r in range(rounds):
-        for name in round_order(list(samplers), r):
+        for name in round_order(list(samplers), r, order):
             samplers[name].sample()
     out = {name: s.finish() for name, s in samplers.items()}
     if len(out) > 1:  # alone, it is a plain time_calls
