@@ -12,7 +12,7 @@ bracket nothing, its region is shorter than a kernel launch, the device counted 
 it is faster than the ceilings allow (ceilings.py), or its output is wrong -- becomes an
 error with a message, never a row. In-process baselines are timed in the same World right
 after each size, or, where the op's conventions say `interleave`, in the same rounds as tsgen
-(one sample of each per round, the order rotated; ratios paired round by round, with their
+(one sample of each per round, in a balanced order; ratios paired round by round, with their
 spread); multi-process ones (NCCL, torch) after all sizes, one process per GPU.
 
 Ranks sharing a GPU (`share_gpus`) run the same code path, but their timings say nothing
