@@ -31,6 +31,7 @@ the tables last. Exit code 0: every check passed; 1: a check failed or a child c
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures
 import ctypes
 import datetime
@@ -190,6 +191,21 @@ def build_loaded(out: Path, loaded, extra: list[str] | None = None) -> dict:
     lib = compile_source(gen / f"{rendered.name}.cu", mode="shared", extra=extra).output
     return {"manifest": str(gen / f"{rendered.name}.json"), "library": str(lib),
             "softmax_scale": loaded.model.params.softmax_scale}
+
+
+def pack_build(out: Path) -> None:
+    """At a tool's exit (registered by its main, never a child's): OUT/build (the rendered sources and
+    manifests, one file each, dozens) packed into OUT/build_sources.tgz and removed, so that a device
+    call's $OUT brings back the reports and their JSON (a call returns a bounded number of files; the
+    libraries live in the compile cache, not under OUT)."""
+    import shutil
+    import tarfile
+
+    if not (out / "build").is_dir():
+        return
+    with tarfile.open(out / "build_sources.tgz", "w:gz") as tar:
+        tar.add(out / "build", arcname="build")
+    shutil.rmtree(out / "build")
 
 
 def build(out: Path, name: str, timeout_ms: int | None = 3000) -> dict:
@@ -829,6 +845,7 @@ def main() -> int:
                            {n: builds[n] for n in names if n in TUNE_VARIANTS}, args.quick)
             print("RESULT bench " + json.dumps(result), flush=True)
         return 0
+    atexit.register(pack_build, out)  # the children read OUT/build while the run lasts
 
     started = time.perf_counter()
     deadline = started + args.deadline

@@ -60,6 +60,7 @@ Writes OUT_DIR/attention_bwd.json and OUT_DIR/attention_bwd.md and prints the ta
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures
 import ctypes
 import datetime
@@ -908,6 +909,7 @@ def main() -> int:
         ap.error(f"--impl: a comma-separated list of {', '.join(IMPLS)}, not {a.impl!r}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    atexit.register(ga.pack_build, out)  # OUT/build into one archive at exit: a device call returns few files
     if a.kernel_times:
         name, _, seq = a.kernel_times.partition(":")
         baselines = [b for b in a.kt_baselines.split(",") if b]
