@@ -14,6 +14,7 @@ the dispatch entry through `Module.deliver`, which a test replaces to deliver wr
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import numpy as np
 
@@ -175,6 +176,26 @@ class Bufs:
         self.data = [{s.name: arr(np.zeros(s.elems, np_dtype(s.dtype))) for s in self.slots}
                      for _ in range(module.world.size)]
         self.calls_begun, self.snapshots, self.received = {}, {}, {}
+        self.by_content, self.refs = {}, {}
+
+    def same_inputs(self, snapshot):
+        """The snapshot of a call's inputs, as the one object of a call before it that held the same
+        bytes: an op that does not overwrite its inputs sees the same inputs every call, and its NumPy
+        reference (float64 attention backward: seconds a call) is then computed once, not per call."""
+        digest = hashlib.sha1()
+        for name in sorted(snapshot):
+            for a in snapshot[name]:
+                digest.update(f"{name}:{a.dtype}:{a.shape}".encode())
+                digest.update(np.ascontiguousarray(a).view(np.uint8).data)
+        return self.by_content.setdefault(digest.hexdigest(), snapshot)
+
+    def reference(self, fam, spec, world, inputs):
+        """fam.reference of one snapshot (a pure function of spec, world, count and the inputs), once per
+        snapshot object; the outputs are copied into the buffers, never written."""
+        key = (id(inputs), id(spec), world)
+        if key not in self.refs:
+            self.refs[key] = (spec, fam.reference(spec, world, self.count, inputs))
+        return self.refs[key][1]
 
     def array(self, name, rank):
         return self.data[rank][name]
@@ -225,8 +246,9 @@ class Module:
                 k = bufs.calls_begun.get(r, 0)
                 bufs.calls_begun[r] = k + 1
                 if k not in bufs.snapshots:
-                    bufs.snapshots[k] = {n: [bufs.array(n, q).get() for q in range(world.size)] for n in ins}
-                out = fam.reference(spec, world.size, bufs.count, bufs.snapshots[k])
+                    bufs.snapshots[k] = bufs.same_inputs({n: [bufs.array(n, q).get() for q in range(world.size)]
+                                                          for n in ins})
+                out = bufs.reference(fam, spec, world.size, bufs.snapshots[k])
                 # a put writes its peer's output, every other op its own
                 q = (r + spec.params.shift) % world.size if getattr(fam, "direction", None) == "put" else r
                 if q != world.break_rank:

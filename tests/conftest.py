@@ -58,9 +58,49 @@ def gate_part() -> tuple[int, int] | None:
     return int(k), int(n)
 
 
+def exhaustive(*values, id=None):
+    """One case of a parametrized sweep that the default run leaves out (marked `exhaustive`): the
+    rest of a sweep whose representative cases run everywhere. `-m exhaustive` runs them (the GPU gate,
+    tools/gpu_gate.sh, does, on its 16 cores); any other run deselects them, saying how many."""
+    return pytest.param(*values, id=id, marks=pytest.mark.exhaustive)
+
+
+def representative(names, keep) -> list:
+    """`names` as pytest cases: those in `keep` run by default, the others are `exhaustive`. Each of
+    `keep` must be among `names` (a renamed case fails here, it does not move every case away)."""
+    names = list(names)
+    assert set(keep) <= set(names), f"representative cases {sorted(set(keep) - set(names))} not in {names}"
+    return [name if name in keep else exhaustive(name, id=name) for name in names]
+
+
+def _keeps_exhaustive(config) -> bool:
+    """Whether this run selects the `exhaustive` cases: only when its -m expression names the marker."""
+    return "exhaustive" in (config.getoption("markexpr", "") or "")
+
+
+_LEFT_OUT = "`exhaustive` cases deselected (the rest of the plan sweep and of some build sweeps): -m exhaustive runs them"
+
+
+def pytest_report_header(config):
+    if not _keeps_exhaustive(config):
+        return _LEFT_OUT
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Said at the end too (under pytest-xdist the deselection happens in the workers, out of the tally)."""
+    if not _keeps_exhaustive(config) and not config.getoption("collectonly", False):
+        terminalreporter.write_line(_LEFT_OUT)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under TSGEN_GATE_PART=k/n keep the tests whose id's CRC-32 is k - 1 modulo n: the parts are
+    """The `exhaustive` cases are deselected unless the -m expression names that marker (see `exhaustive`).
+    Under TSGEN_GATE_PART=k/n keep the tests whose id's CRC-32 is k - 1 modulo n: the parts are
     disjoint, together they are the whole suite, and a test stays in its part from run to run."""
+    if not _keeps_exhaustive(config):
+        rest = [item for item in items if item.get_closest_marker("exhaustive") is None]
+        if len(rest) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("exhaustive")])
+            items[:] = rest
     part = gate_part()
     if part is None:
         return

@@ -29,7 +29,9 @@ SMALL = {"gemm": {"params": {"n": 256, "k": 256}}, "allgather_gemm": {"params": 
          "summa": {"params": {"n": 512, "k": 512}},
          # size = sequence length S (64K rows of the collectives' sizes): a small head count
          "ulysses_pre_a2a": {"params": {"batch": 1, "heads": 2, "head_dim": 8}, "world_sizes": [2]},
-         "ulysses_post_a2a": {"params": {"batch": 1, "heads": 2, "head_dim": 8}, "world_sizes": [2]}}
+         "ulysses_post_a2a": {"params": {"batch": 1, "heads": 2, "head_dim": 8}, "world_sizes": [2]},
+         # the float64 backward reference of 32 heads took 40 s here: 4 heads (one head group)
+         "attention_backward": {"params": {"heads": 4, "kv_heads": 4}}}
 SIZES = {"collective": "64K", "copy": "64K", "latency": "1000", "gemm": "128,200", "grid": "256",
          "moe": "200"}  # by conventions kind, or by op where its count is bounded (moe: tokens <= capacity)
 FAST = dict(iters=3, reps=2, warmup=1)

@@ -12,8 +12,9 @@
 #   PART=k/n:         part k of n of the suite (tests/conftest.py TSGEN_GATE_PART: by test id), for a gate
 #                     longer than one call (the SPREAD gate on 2 GPUs); recorded as <date>-<commit>-partKofN,
 #                     and the gate counts as passed once every part of one commit has (tsgen results --check);
-#                     the vendoring example runs in part 1.
-# Then tools/summarize_shared.py writes results/tests/<kind>/<date>-<commit>.{json,md} under
+#                     the vendoring example and the exhaustive CPU tests run in part 1.
+# Then the `exhaustive` CPU tests (pytest -m exhaustive -n 8: what CI's default run deselects; their log is
+# pytest_exhaustive.txt, their tally in gate.txt; a failure fails the gate). Then tools/summarize_shared.py writes results/tests/<kind>/<date>-<commit>.{json,md} under
 # $OUT/results (failed test ids, skip reasons, every negative control's detection rate), and the
 # logs go into $OUT/gate_logs-<kind>.tgz (a SPREAD gate and a W 2 gate in one call keep both).
 #   bash tools/gpu_gate.sh [PYTEST_ARGS...]
@@ -71,6 +72,15 @@ elif [ -n "${TSGEN_SPREAD_GPUS:-}" ]; then  # the example's ranks on one GPU, as
   CUDA_VISIBLE_DEVICES=0 gpu_vendor_example "$run/vendor.txt" $worlds || code=1
 else
   gpu_vendor_example "$run/vendor.txt" $worlds || code=1
+fi
+# The `exhaustive` CPU tests (tests/conftest.py): the rest of the plan sweep (worlds 4-7) and of the variant
+# build sweeps, which CI's default run deselects to stay in its time on 2 cores; no GPU, 8 workers, in part 1.
+if [ "$vendor" = 1 ]; then
+  xstart=$(date +%s)
+  env -u TSGEN_SHARE_GPUS -u TSGEN_SPREAD_GPUS -u TSGEN_GATE_PART COLUMNS=240 \
+    python3 -m pytest -q -n 8 -m exhaustive tests/ -p no:cacheprovider -rfE > "$run/pytest_exhaustive.txt" 2>&1 || code=1
+  echo "exhaustive CPU tests: $(tail -n 1 "$run/pytest_exhaustive.txt") ($(( $(date +%s) - xstart )) s)" \
+    | tee -a "$run/gate.txt" "$run/device.txt"
 fi
 # (--require-controls: a negative control that missed at any call fails the gate)
 python3 "$here/summarize_shared.py" "$run" "$OUT/results" "$commit" \
