@@ -106,6 +106,37 @@ def test_add_ratios_pairs_rows_of_the_same_rounds_only():
     assert row["ratios"]["c"] == pytest.approx(2.0) and "c" not in row["ratio_spread"]
 
 
+def test_method_control_pairs_the_two_callers_of_one_cudnn_kernel_in_tsgens_rounds():
+    """SDPA cuDNN and cudnn-frontend run one cuDNN kernel: add_ratios keeps their paired ratio on tsgen's
+    row (timed in its rounds) and the Markdown report prints it; an expanded-heads SDPA cuDNN, another
+    round set or a missing partner gives no control."""
+    from tsgen.bench.report import markdown_table
+
+    sdpa, fe = "torch 2.11.0 SDPA cuDNN", "cuDNN 9.19.0 via cudnn-frontend 1.32.0 SDPA"
+    assert AB.same_kernel_pair([sdpa, fe, "torch 2.11.0 SDPA flash"]) == (sdpa, fe)
+    assert AB.same_kernel_pair([sdpa + " (K / V expanded to every head)", fe]) is None
+    assert AB.same_kernel_pair([sdpa]) is None
+
+    def rows(fe_round_set=3):
+        base = {"size": 8192, "group": "g", "op": "attention", "baseline": True, "compare": True}
+        return [{"impl": "tsgen", "label": "attention_hd128", "size": 8192, "group": "g", "op": "attention",
+                 "time_us": 10.0, "spread_pct": 1.0, "round_set": 3, "samples_us": [10.0, 10.0, 10.0, 10.0]},
+                dict(base, impl=sdpa, time_us=9.5, spread_pct=1.0, round_set=3, samples_us=[9.0, 9.5, 10.0, 9.5]),
+                dict(base, impl=fe, time_us=10.0, spread_pct=1.0, round_set=fe_round_set,
+                     samples_us=[9.9, 10.45, 10.0, 9.5])]
+
+    timed = rows()
+    add_ratios(timed)
+    control = timed[0]["method_control"]
+    assert control["pair"] == [sdpa, fe] and control["rounds"] == 4
+    assert control["ratio"] == pytest.approx(1.05) and control["min"] == pytest.approx(1.0)
+    text = markdown_table(timed)
+    assert "The method's control" in text and "attention_hd128 8K 1.050 (1.000 - 1.100)" in text
+    apart = rows(fe_round_set=4)  # cudnn-frontend timed in other rounds: no control
+    add_ratios(apart)
+    assert "method_control" not in apart[0] and "method's control" not in markdown_table(apart)
+
+
 def test_add_ratios_prefers_the_baseline_of_the_rows_own_rounds():
     """A suite with baselines_per_entry times the same baseline once per entry of a group: each
     tsgen row is paired with the one of its own rounds, whatever the order of the rows."""

@@ -49,6 +49,16 @@ BASELINE_MAX_REL_ERR = 2e-2
 Candidate = tuple[str, "Callable[[], None] | None", "str | None"]
 
 
+def same_kernel_pair(impls) -> tuple[str, str] | None:
+    """(SDPA cuDNN's impl, cudnn-frontend's impl) where both are among `impls`: two callers of one cuDNN SDPA
+    kernel (the profile names the same kernel under both), whose paired ratio in the same rounds is the
+    bench method's control, 1.00 unless the round order favours one (docs/benchmarks.md). SDPA cuDNN with
+    K / V expanded to every head runs another problem and does not count."""
+    sdpa = next((i for i in impls if i.endswith(" SDPA cuDNN") and i.startswith("torch ")), None)
+    fe = next((i for i in impls if " via cudnn-frontend " in i and i.endswith(" SDPA")), None)
+    return (sdpa, fe) if sdpa and fe else None
+
+
 def _inputs(torch, spec, seq: int, dev: int):
     p, tdt = spec.params, getattr(torch, spec.dtype)
     with torch.cuda.device(dev):

@@ -91,12 +91,30 @@ def text_table(rows: list[dict]) -> str:
     return "\n\n".join(parts)
 
 
+def method_controls(rows: list[dict]) -> list[str]:
+    """One line per group whose tsgen rows carry runner.add_ratios' method control: two baselines that
+    call one kernel, timed in tsgen's rounds, their paired ratio per size (1.00 unless the method
+    favours one of them; docs/benchmarks.md)."""
+    out = []
+    for rs in _groups(rows).values():
+        found = [r for r in rs if r.get("method_control") and not r.get("baseline")]
+        if not found:
+            continue
+        a, b = found[0]["method_control"]["pair"]
+        cells = ", ".join(f"{r.get('label') or r.get('spec')} {human(r['size'])} {r['method_control']['ratio']:.3f} "
+                          f"({r['method_control']['min']:.3f} - {r['method_control']['max']:.3f})" for r in found)
+        out.append(f"The method's control: {a} and {b} call one kernel, so their paired ratio ({b}'s time / "
+                   f"{a}'s) is 1.00 unless the timing favours one of them: {cells}.")
+    return out
+
+
 def markdown_table(rows: list[dict]) -> str:
     parts = []
     for title, head, lines in table_cells(rows):
         md = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         md += ["| " + " | ".join(c.replace("|", "/") for c in cells) + " |" for cells in lines]
         parts.append("\n".join(md))
+    parts += method_controls(rows)
     return "\n\n".join(parts)
 
 

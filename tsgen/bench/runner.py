@@ -35,6 +35,7 @@ from ..harness import poison_byte, render_to_cache, shared_gpu_variant, wrong_el
 from ..ops import get_family
 from ..ops.conventions import BenchCase
 from ..spec import LoadedSpec, load_spec, spec_variant
+from .attention_baselines import same_kernel_pair
 from .baselines import Measured, check_baselines, run_in_process, run_multiprocess
 from .ceilings import ceilings_for, fraction_of_ceiling, guard
 from .results import device_of
@@ -351,6 +352,11 @@ def add_ratios(rows: list[dict]) -> None:
             r["ratios"] = ratios
         if spreads:
             r["ratio_spread"] = spreads
+        own_rows = {b["impl"]: b for b in same if r.get("round_set") and b.get("round_set") == r.get("round_set")}
+        pair = same_kernel_pair(own_rows)
+        if pair:  # two callers of one kernel in tsgen's rounds: the method's control (attention_baselines)
+            a, b = (own_rows[i] for i in pair)
+            r["method_control"] = {"pair": list(pair), **paired_ratio(b["samples_us"], a["samples_us"])}
         parts = {b.get("role"): b["time_us"] for b in same}
         if "gemm" in parts and "comm" in parts:
             for x in [r] + [b for b in same if b.get("compare")]:
