@@ -709,7 +709,8 @@ def baseline_call(torch, label: str, t: dict, op: "Op", stream):
     return {"cudnn_fe": cudnn_fe_backward, "fa4": fa4_backward}[label](torch, t, op.causal, stream)
 
 
-BENCH_ROUNDS, BENCH_SETTLE = 8, 1  # rounds (a full cycle of the balanced order for up to 4 or 8 columns); untimed
+# the bench's rounds (whole cycles of the balanced order for 2, 4 or 8 columns) and untimed calls before each sample
+BENCH_ROUNDS, BENCH_SETTLE = 8, 1
 
 
 def bench(built: dict[str, dict], quick: bool, echo=print, order: str = "balanced", settle: int = BENCH_SETTLE,
@@ -848,12 +849,11 @@ def markdown(s: dict) -> str:
             for k in others:
                 cells += [f"{row[k]['tflops']:.0f}", f"{row[k]['ratio']:.2f}"] if k in row else ["-", "-"]
             out.append(f"| {row['variant']} | {row['seq']} | " + " | ".join(cells) + " |")
-        same = [row for row in rows if "same_kernel" in row]
+        same = [(f"{row['variant']} S {row['seq']}", row["same_kernel"]) for row in rows if "same_kernel" in row]
         if same:
-            out += ["", "The method's control: SDPA cuDNN and cudnn-frontend run one cuDNN kernel, so their paired "
-                    "ratio (cudnn-frontend's time / SDPA cuDNN's) is 1.00 unless the timing favours one of them: "
-                    + ", ".join(f"{r['variant']} S {r['seq']} {r['same_kernel']['ratio']:.3f} "
-                                f"({r['same_kernel']['min']:.3f} - {r['same_kernel']['max']:.3f})" for r in same) + "."]
+            from tsgen.bench.report import method_control_line
+
+            out += ["", method_control_line("SDPA cuDNN", "cudnn-frontend", same)]
         if "error" in s["bench"]:
             out.append(f"\nBench error: {s['bench']['error']}")
     return "\n".join(out) + "\n"
@@ -982,7 +982,7 @@ def main() -> int:
         n_rows = len(shapes) if shapes else len(BENCH_VARIANTS) * len(BENCH_SEQS)
         summary["bench"], log = child(["bench", json.dumps({n: {i: built[n, i] for i in impls if runs(n, i)}
                                                            for n in bench_names}), json.dumps(opts),
-                                       *extra], max(90.0, BENCH_TIMEOUT_S * len(impls) * n_rows / 18
+                                       *extra], max(90.0, BENCH_TIMEOUT_S * len(impls) * n_rows / (len(BENCH_VARIANTS) * len(BENCH_SEQS))
                                                     * (a.rounds / 5) * (3 + a.settle) / 3))
         if "rows" not in summary["bench"]:
             print(log[-4000:], flush=True)

@@ -101,11 +101,17 @@ def method_controls(rows: list[dict]) -> list[str]:
         if not found:
             continue
         a, b = found[0]["method_control"]["pair"]
-        cells = ", ".join(f"{r.get('label') or r.get('spec')} {human(r['size'])} {r['method_control']['ratio']:.3f} "
-                          f"({r['method_control']['min']:.3f} - {r['method_control']['max']:.3f})" for r in found)
-        out.append(f"The method's control: {a} and {b} call one kernel, so their paired ratio ({b}'s time / "
-                   f"{a}'s) is 1.00 unless the timing favours one of them: {cells}.")
+        out.append(method_control_line(a, b, [(f"{r.get('label') or r.get('spec')} {human(r['size'])}",
+                                               r["method_control"]) for r in found]))
     return out
+
+
+def method_control_line(a: str, b: str, cases: list[tuple[str, dict]]) -> str:
+    """The sentence of the method's control (the bench reports' and tools/gpu_attention_bwd.py's): `a` and `b`
+    call one kernel; `cases` (where, paired_ratio of b's samples over a's)."""
+    cells = ", ".join(f"{where} {c['ratio']:.3f} ({c['min']:.3f} - {c['max']:.3f})" for where, c in cases)
+    return (f"The method's control: {a} and {b} call one kernel, so their paired ratio ({b}'s time / {a}'s) is "
+            f"1.00 unless the timing favours one of them: {cells}.")
 
 
 def markdown_table(rows: list[dict]) -> str:

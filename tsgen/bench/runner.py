@@ -339,7 +339,7 @@ def add_ratios(rows: list[dict]) -> None:
         ratios, spreads = {}, {}
         # a baseline timed in this row's own rounds wins over another row of the same impl (a suite's
         # baselines_per_entry times one per entry of a group)
-        own = {b["impl"] for b in same if r.get("round_set") and r.get("round_set") == b.get("round_set")}
+        own = {b["impl"]: b for b in same if r.get("round_set") and r.get("round_set") == b.get("round_set")}
         for b in same:
             if not b.get("compare"):
                 continue
@@ -352,10 +352,9 @@ def add_ratios(rows: list[dict]) -> None:
             r["ratios"] = ratios
         if spreads:
             r["ratio_spread"] = spreads
-        own_rows = {b["impl"]: b for b in same if r.get("round_set") and b.get("round_set") == r.get("round_set")}
-        pair = same_kernel_pair(own_rows)
+        pair = same_kernel_pair(own)
         if pair:  # two callers of one kernel in tsgen's rounds: the method's control (attention_baselines)
-            a, b = (own_rows[i] for i in pair)
+            a, b = (own[i] for i in pair)
             r["method_control"] = {"pair": list(pair), **paired_ratio(b["samples_us"], a["samples_us"])}
         parts = {b.get("role"): b["time_us"] for b in same}
         if "gemm" in parts and "comm" in parts:
