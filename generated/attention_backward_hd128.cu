@@ -23,8 +23,11 @@
 // __nv_bfloat16, 16-byte aligned; lse [batch, 32, q_len] fp32 (the forward's: natural log,
 // -inf where a query saw no key). Workspace (fp32): dq_accum as dq, dsum and lse2 as lse; any
 // contents (the preprocess rewrites them every call). dq_accum has dq's number of floats, in the tiled
-// layout of the main kernel's bulk reductions (tsgen::attention_bwd::dq_tiled_offset), not dq's. Three kernels on `stream`:
-//   <kernel>_preprocess, <kernel>_main, <kernel>_convert (tsgen/attention_bwd.cuh; the main
+// layout of the main kernel's bulk reductions (tsgen::attention_bwd::dq_tiled_offset), not dq's.// Tail split (params.tail_split): dq_accum is then followed by 64 tail slots of 128 x 256 floats
+// (tsgen::attention_bwd::wgmma::tail_accum): its buffer holds batch * q_len * 4096 + 2097152 floats.
+// Where the grid's last wave would leave most SMs idle, its items are cut into pieces along their walks, their
+// dK, dV summed in fp32 there (in no fixed order) and converted by <kernel>_tail. Four kernels on `stream`:
+//   <kernel>_preprocess, <kernel>_main, <kernel>_tail, <kernel>_convert (tsgen/attention_bwd.cuh; the main
 //   kernel is tsgen/attention_bwd_wgmma.cuh's: params.impl wgmma, TMA descriptors of q, k, v and dout
 //   encoded by the launcher).
 // Buffers (elements per rank):
@@ -38,16 +41,16 @@
 //   dq       __nv_bfloat16  output 4096 * count
 //   dk       __nv_bfloat16  output 4096 * count
 //   dv       __nv_bfloat16  output 4096 * count
-//   dq_accum float          scratch 4096 * count
+//   dq_accum float          scratch 4096 * count + 2097152
 //   dsum     float          scratch 32 * count
 //   lse2     float          scratch 32 * count
 // Contents (line numbers of this file):
-//   61: the hand-written library, included: tsgen/ptx.cuh 61, tsgen/sync.cuh 62, tsgen/copy.cuh 63, tsgen/gemm.cuh 64, tsgen/attention.cuh 65, tsgen/attention_bwd_wgmma.cuh 66
-//   69: the op's own code (namespace attention_backward_hd128: constants, tables, device code)
+//   64: the hand-written library, included: tsgen/ptx.cuh 64, tsgen/sync.cuh 65, tsgen/copy.cuh 66, tsgen/gemm.cuh 67, tsgen/attention.cuh 68, tsgen/attention_bwd_wgmma.cuh 69
+//   72: the op's own code (namespace attention_backward_hd128: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_backward_hd128_w1_preprocess 179, attention_backward_hd128_w1_main 185
-//     attention_backward_hd128_w1_convert 192, attention_backward_hd128_w1_backward 198
-//     attention_backward_hd128_w1_launch 212
+//     attention_backward_hd128_w1_preprocess 186, attention_backward_hd128_w1_main 192
+//     attention_backward_hd128_w1_tail 199, attention_backward_hd128_w1_convert 204
+//     attention_backward_hd128_w1_backward 210, attention_backward_hd128_w1_launch 224
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -84,6 +87,7 @@ constexpr int STAGES = 2;
 constexpr int DQ_TILED = 1;
 constexpr int HEAD_GROUP = 4;
 constexpr int DK_AFTER_DQ = 1;
+constexpr int TAIL_SPLIT = 64;
 
 // Flash-attention backward: head dim 128, 32 query heads over 32 KV heads, not causal,
 // softmax scale 0.08838834764831843; blocks of 128 keys per CTA, wgmma (two consumer warpgroups, a TMA producer warp), dQ by bulk reductions.
@@ -99,6 +103,9 @@ struct Config {
   static constexpr bool DQ_TILED = attention_backward_hd128::DQ_TILED != 0;
   // dV alone before the dS^T barrier, then dQ, then dK: the dQ staged under dK (consume)
   static constexpr bool DK_AFTER_DQ = attention_backward_hd128::DK_AFTER_DQ != 0;
+  // the last wave's items split into pieces along their walks (params.tail_split; the tail kernel sums them)
+  static constexpr bool TAIL_SPLIT = attention_backward_hd128::TAIL_SPLIT != 0;
+  static_assert(attention_backward_hd128::TAIL_SPLIT == tsgen::attention_bwd::wgmma::TAIL_ITEMS, "the workspace's tail slots");
   // the main kernel's CTAs in groups of this many (sequence, KV head) pairs (tsgen::attention_bwd::kv_cta)
   static constexpr uint32_t HEAD_GROUP = attention_backward_hd128::HEAD_GROUP;
   static constexpr int TILE_M = attention_backward_hd128::TILE_M, TILE_N = attention_backward_hd128::TILE_N, STAGES = attention_backward_hd128::STAGES;
@@ -189,6 +196,11 @@ attention_backward_hd128_w1_main(const __grid_constant__ CUtensorMap q_map, cons
   tsgen::attention_bwd::wgmma::main_kernel<attention_backward_hd128::Config>(&q_map, &k_map, &v_map, &do_map, problem);
 }
 
+extern "C" __global__ void __launch_bounds__(tsgen::attention_bwd::wgmma::TAIL_THREADS)
+attention_backward_hd128_w1_tail(const __grid_constant__ tsgen::attention_bwd::Problem problem) {
+  tsgen::attention_bwd::wgmma::tail_convert<attention_backward_hd128::Config>(problem);
+}
+
 extern "C" __global__ void __launch_bounds__(tsgen::attention_bwd::CONVERT_THREADS)
 attention_backward_hd128_w1_convert(const __grid_constant__ tsgen::attention_bwd::Problem problem) {
   tsgen::attention_bwd::convert<attention_backward_hd128::Config>(problem);
@@ -205,7 +217,7 @@ extern "C" cudaError_t attention_backward_hd128_w1_backward(const void* q, const
   p.dq_accum = dq_accum, p.dsum = dsum, p.lse2 = lse2;
   return tsgen::attention_bwd::wgmma::launch<attention_backward_hd128::Config>(attention_backward_hd128_w1_preprocess, attention_backward_hd128_w1_main,
                                                         attention_backward_hd128_w1_convert, p, batch, q_len, kv_len, q_offset,
-                                                        q_split, q_offset2, kv_offset, stream);
+                                                        q_split, q_offset2, kv_offset, stream, attention_backward_hd128_w1_tail);
 }
 
 // Host launcher, tsgen's calling convention: count = the sequence length of BATCH sequences.

@@ -239,11 +239,16 @@ def test_gpu_tool_op_refuses_a_workspace_made_for_another_variant(tool):
 
     op = object.__new__(tool.Op)
     op.manifest = {"name": "attbwd_det"}
-    op.heads, op.head_dim, op.deterministic = 32, 128, True
+    op.heads, op.head_dim, op.deterministic, op.tail_items = 32, 128, True, 0
     plain = [Floats(n) for n in workspace_floats(4, 4096, 32, 128, False)]
     with pytest.raises(ValueError, match=r"attbwd_det_backward: workspace of .* needs"):
         op({}, plain, 4, 4096, 4096, None)
     assert workspace_floats(4, 4096, 32, 128, True)[0] > plain[0].numel()
+    # params.tail_split: the tail slots after dq_accum (64 slots at hd 128: 2 097 152 floats more)
+    op.manifest, op.deterministic, op.tail_items = {"name": "attbwd_tail"}, False, 64
+    with pytest.raises(ValueError, match=r"attbwd_tail_backward: workspace of .* needs"):
+        op({}, plain, 4, 4096, 4096, None)
+    assert workspace_floats(4, 4096, 32, 128, False, 64)[0] == plain[0].numel() + 64 * 256 * 128
 
 
 def test_gpu_tool_variants_are_valid_specs(tool):

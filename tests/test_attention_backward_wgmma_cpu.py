@@ -29,10 +29,12 @@ needs_sass = compile_test(NO_SASS and f"SASS checks need nvcc and cuobjdump: {NO
 
 
 def variant(name, params=None, **changes):
-    """SPEC's shape in the 64-row default product order (SPEC ships params.dk_after_dq; the tests below that
-    want it set it), with `params` and `changes`."""
+    """SPEC's shape in the 64-row default product order and whole items (SPEC ships params.dk_after_dq, and
+    params.tail_split is on where it applies; the tests below that want them set them), with `params` and
+    `changes`."""
     return spec_variant(load_spec(SPEC), {**changes, "name": name,
-                                          "params": {"impl": "wgmma", "dk_after_dq": False, **(params or {})},
+                                          "params": {"impl": "wgmma", "dk_after_dq": False, "tail_split": False,
+                                                     **(params or {})},
                                           "launch": {"threads": 384}})
 
 
@@ -51,6 +53,10 @@ VARIANTS = {
     "hd128_group2": {"params": {"head_group": 2}},
     "hd128_causal_gqa_group1": {"params": {"causal": True, "kv_heads": 8, "head_group": 1}},
     "hd64_causal_group4": {"params": {"head_dim": 64, "causal": True, "head_group": 4}},
+    # params.tail_split (the shipped not-causal default): the last wave's items in pieces
+    "hd128_tail_dkq": {"params": {"tail_split": True, "dk_after_dq": True}},
+    "hd64_bhsd_f16_tail": {"dtype": "float16", "params": {"head_dim": 64, "layout": "bhsd", "tail_split": True}},
+    "hd128_gqa_tail_group0": {"params": {"kv_heads": 8, "tail_split": True, "head_group": 0}},
 }
 
 
@@ -1286,8 +1292,12 @@ def loop_body(ops, sts: bool = False) -> list[list]:
     last = int(ops[-1][0], 16)
     events = [(int(a, 16), e) for a, _, o, rest in ops if (e := event(o, rest)) is not None]
     rs_at = next(a for a, e in events if e == "RS")
-    back = [(int(a, 16), int(rest.split()[0], 16)) for a, _, o, rest in ops
-            if o == "BRA" and rest.strip() and int(rest.strip().split()[0], 16) < int(a, 16) <= last]
+    def target(rest):  # a branch's target: its last operand ("0x...", after a predicate operand "P1," where one is)
+        word = rest.replace(",", " ").split()[-1] if rest.strip() else ""
+        return int(word, 16) if word.startswith("0x") else None
+
+    back = [(int(a, 16), t) for a, _, o, rest in ops
+            if o == "BRA" and (t := target(rest)) is not None and t < int(a, 16) <= last]
     edge, top = next((a, t) for a, t in back if t < rs_at < a)  # the consumers' loop: its back edge
     body = []
     for a, e in events:
@@ -1597,7 +1607,8 @@ def test_gpu_tool_runs_step_rows_128_on_head_dim_64_only(tmp_path, monkeypatch):
     from conftest import load_script
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    assert tool.IMPL_PARAMS["wgmma_m128"] == {"impl": "wgmma", "dk_after_dq": False, "step_rows": 128}
+    assert tool.IMPL_PARAMS["wgmma_m128"] == {"impl": "wgmma", "dk_after_dq": False, "step_rows": 128,
+                                              "tail_split": False}
     hd64 = sorted(n for n in tool.VARIANTS if tool.VARIANTS[n]["params"]["head_dim"] == 64)
     assert sorted(n for n in tool.VARIANTS if tool.runs(n, "wgmma_m128")) == hd64
     assert all(tool.runs(n, i) for n in tool.VARIANTS for i in tool.IMPLS if i != "wgmma_m128")
@@ -1627,3 +1638,135 @@ def test_gpu_tool_runs_step_rows_128_on_head_dim_64_only(tmp_path, monkeypatch):
     assert "ratio = SDPA time / tsgen_wgmma time" in text and "x = tsgen_wgmma_m128's time / theirs" in text
     assert "| hd128_full_kv32 | 4096 | - | 470 | - | - | - |" in text
     assert "| hd64_causal_kv32 | 4096 | - | 313 | 0.83 | 375 | - |" in text
+
+
+# ---------------------------------------------------------------------------
+# params.tail_split: the last wave's items cut into pieces along their walks
+# ---------------------------------------------------------------------------
+
+
+def test_tail_split_is_on_where_it_applies_and_refused_elsewhere(tmp_path):
+    """Unset, params.tail_split resolves on for the shipped not-causal spec (impl wgmma, bulk dQ, 64-row steps) and
+    off for causal, deterministic, dq_reduce atomic, lookahead, step_rows 128 and mma_sync; set true there, it is
+    refused by name with its reason. On: the manifest's TAIL_SPLIT (the workspace's slots), dq_accum grown by them
+    (workspace_floats too), the tail kernel rendered and passed to the launch; off: none of them."""
+    from tsgen.errors import SpecError
+    from tsgen.ops.attention_backward import TAIL_ITEMS, tail_floats, workspace_floats
+
+    fam = get_family("attention_backward")
+    shipped = load_spec(SPEC).model
+    assert shipped.params.tail_split is None and shipped.params.split_tail
+    assert fam.constants(shipped)["TAIL_SPLIT"] == TAIL_ITEMS == 64
+    accum = next(b for b in fam.buffers(shipped) if b.name == "dq_accum")
+    for q_len in (1, 1000, 4096):
+        floats = q_len * 32 * 128
+        assert accum.elems(q_len) == floats + tail_floats(TAIL_ITEMS, 128) == floats + 64 * 256 * 128
+        assert workspace_floats(1, q_len, 32, 128, False, TAIL_ITEMS)[0] == accum.elems(q_len)
+    source = rendered_source(spec_variant(load_spec(SPEC), {"name": "on"}), tmp_path).read_text()
+    assert "on_w1_tail(const __grid_constant__" in source and "stream, on_w1_tail);" in source
+    assert "static constexpr bool TAIL_SPLIT = on::TAIL_SPLIT != 0;" in source
+    off = rendered_source(variant("off"), tmp_path).read_text()
+    assert "TAIL_SPLIT" not in off and "_tail" not in off and "Three kernels" in off
+    reasons = {"causal": ({"causal": True}, "causal false only"),
+               "deterministic": ({"deterministic": True}, "with deterministic is not built"),
+               "atomic": ({"dq_reduce": "atomic"}, "dq_reduce bulk only"),
+               "lookahead": ({"lookahead": True}, "with lookahead is not built"),
+               "tall": ({"head_dim": 64, "step_rows": 128}, "with step_rows 128 is not built")}
+    for name, (params, why) in reasons.items():
+        unset = variant("v", params={**params, "tail_split": None}).model
+        assert not unset.params.split_tail and "TAIL_SPLIT" not in fam.constants(unset), name
+        with pytest.raises(SpecError) as e:
+            variant("v", params={**params, "tail_split": True})
+        assert "params.tail_split: tail_split" in str(e.value) and why in str(e.value), (name, str(e.value))
+    mma = {"params": {"impl": "mma_sync", "dk_after_dq": False}, "launch": {"threads": 128}}
+    assert not spec_variant(load_spec(SPEC), mma).model.params.split_tail
+    with pytest.raises(SpecError, match="tail_split needs params.impl wgmma"):
+        spec_variant(load_spec(SPEC), {**mma, "params": {**mma["params"], "tail_split": True}})
+
+
+TAIL = r"""
+#include "SOURCE"
+#include <stdio.h>
+#include <stdlib.h>
+namespace bw = tsgen::attention_bwd::wgmma;
+int main(int argc, char** argv) {
+  (void)argc;
+  tsgen::attention_bwd::Problem p = {};
+  p.q_len = atoi(argv[1]), p.kv_len = 1;
+  const uint64_t items = strtoull(argv[2], nullptr, 10);
+  const uint32_t sms = atoi(argv[3]);
+  using W = bw::Walk<MODULE::Config>;
+  const bw::TailPlan t = bw::tail_plan(items, sms, W::steps(p));
+  p.tail_first = t.first, p.tail_parts = t.parts;
+  printf("plan %u %u %u\n", t.first, t.parts, W::steps(p));
+  for (uint64_t x = t.first; x < t.first + (items - t.first) * t.parts; ++x) {
+    const bw::Part part = bw::tail_part<MODULE::Config>(p, (uint32_t)x);
+    printf("%u %u %u", part.slot, part.begin, part.count);
+    for (W w(p, 1, 0, part); !w.done(); w.next(p)) printf(" %u.%u", w.hq, w.qb);
+    printf("\n");
+  }
+}
+"""
+
+
+@needs_nvcc
+def test_tail_pieces_walk_each_split_item_exactly_once(tmp_path):
+    """The header's tail_plan (compiled as host code) agrees with tsgen.ops.attention_backward.tail_plan; it splits
+    only a last wave of at most TAIL_ITEMS items and at most half the SMs, in more than one wave; the grid then
+    has at most one wave of pieces; and per split item, its pieces (tail_part, Walk over the Part, KV head 1 of 2
+    over 4 query heads) walk the whole item's steps in order, each step once, each piece at least one step, their
+    lengths within one of each other."""
+    from tsgen.headers import include_flags
+    from tsgen.ops.attention_backward import tail_plan
+    from tsgen.toolchain import gencode_flags
+
+    source = rendered_source(variant("tail", params={"heads": 4, "kv_heads": 2, "head_dim": 64, "tail_split": True}),
+                             tmp_path)
+    main = tmp_path / "tail_main.cu"
+    main.write_text(TAIL.replace("SOURCE", str(source)).replace("MODULE", "tail"))
+    exe = tmp_path / "tail_main"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
+                    str(main)], check=True, capture_output=True)
+    # (q_len, items, SMs, expected (split items, parts)): H100 / H200 132 SMs, and others
+    cases = [(1000, 1120, 132, (64, 2)), (1000, 140, 132, (8, 16)), (2048, 4096, 132, (4, 33)),
+             (64, 4096, 132, (4, 2)), (1, 300, 132, (36, 2)), (1000, 1024, 132, (0, 1)), (1000, 100, 132, (0, 1)),
+             (1000, 264, 132, (0, 1)), (1000, 200, 114, (0, 1)), (1000, 150, 114, (36, 3)), (130, 133, 132, (1, 6))]
+    for q_len, items, sms, (split, parts) in cases:
+        out = subprocess.run([str(exe), str(q_len), str(items), str(sms)], capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+        first, got_parts, steps = map(int, out[0].split()[1:])
+        assert (first, got_parts) == tail_plan(items, sms, steps) == (items - split, parts), (q_len, items, sms)
+        assert steps == 2 * -(-q_len // 64)
+        whole = [f"{hq}.{qb}" for hq in (2, 3) for qb in range(-(-q_len // 64))]
+        pieces = [line.split() for line in out[1:]]
+        assert len(pieces) == split * parts and (split == 0 or split * parts <= sms), (q_len, items, sms)
+        for slot in range(split):
+            mine = [p for p in pieces if int(p[0]) == slot]
+            assert [int(p[1]) for p in mine] == sorted(int(p[1]) for p in mine)
+            counts = [int(p[2]) for p in mine]
+            assert [len(p) - 3 for p in mine] == counts and min(counts) >= 1 and max(counts) - min(counts) <= 1
+            assert [s for p in mine for s in p[3:]] == whole, (q_len, items, sms, slot)
+
+
+@needs_sass
+def test_sass_of_the_tail_split_main_kernel(tmp_path, monkeypatch):
+    """The shipped head-dim-128 kernel (dk_after_dq, tail_split on): the loop's order as without the split (the range
+    is a counter beside the walk), the pieces' 64 vector fp32 reductions (2 rows x 16 column groups x dK, dV) after
+    it, no call (the pieces' step arithmetic is 32-bit), no local memory; the tail kernel without spills."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    params = {"dk_after_dq": True}
+    compiled = compile_source(rendered_source(variant("v", params={**params, "tail_split": True}), tmp_path))
+    assert serialized(compiled.output) == []
+    assert compiled.report["v_w1_main"]["registers"] == 168
+    for kernel in ("v_w1_main", "v_w1_tail"):
+        entry = compiled.report[kernel]
+        assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, (kernel, entry)
+    _, ops = main_kernel_ops(compiled.output, "v_w1_main")
+    names = [o for _, _, o, _ in ops]
+    assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no calls"
+    reds = [o + rest for _, _, o, rest in ops if o.startswith("REDG")]
+    assert len(reds) == 64 and all(r.startswith("REDG.E.ADD.F32") for r in reds), reds
+    base = compile_source(rendered_source(variant("b", params=params), tmp_path))
+    whole = [e for e, _ in loop_body(main_kernel_ops(base.output, "b_w1_main")[1], sts=True)]
+    assert [e for e, _ in loop_body(ops, sts=True)] == whole
+    assert not [n for _, _, n, _ in main_kernel_ops(base.output, "b_w1_main")[1] if n.startswith("REDG")]

@@ -119,13 +119,16 @@ BENCH_SEQS = [4096, 8192, 16384]
 # (params.head_group; g0: no groups, the order before groups of 4 became the default); wgmma_l3: params.lookahead (the
 # next step's S^T and dP^T under the dQ tail, docs/design/attention.md's lever 3), with the default head_group;
 # wgmma_m128: params.step_rows 128 (steps of 128 query rows at head dim 64, docs/design/attention.md's "Tall steps");
-# wgmma_dkq: params.dk_after_dq (FlashAttention-3's product order: the dQ staged while dK runs)
+# wgmma_dkq: params.dk_after_dq (FlashAttention-3's product order: the dQ staged while dK runs); every wgmma impl
+# but shipped walks whole items (params.tail_split false): at head dim 128 not causal, shipped against wgmma_dkq
+# times the tail split alone
 IMPLS = ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4",
          "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq")
-# the spec params of each (beside its threads per CTA, those of params.impl); every wgmma one names both levers, as
-# SPEC sets one of them
-WGMMA = {"impl": "wgmma", "dk_after_dq": False, "step_rows": None}
-IMPL_PARAMS = {"mma_sync": {"impl": "mma_sync", "dk_after_dq": False, "step_rows": None}, "wgmma": WGMMA,
+# the spec params of each (beside its threads per CTA, those of params.impl); every wgmma one names the levers, as
+# SPEC sets one of them and params.tail_split is on by default where it applies (shipped: as the specs resolve it)
+WGMMA = {"impl": "wgmma", "dk_after_dq": False, "step_rows": None, "tail_split": False}
+IMPL_PARAMS = {"mma_sync": {"impl": "mma_sync", "dk_after_dq": False, "step_rows": None, "tail_split": None},
+               "wgmma": WGMMA,
                "wgmma_red": {**WGMMA, "dq_reduce": "atomic"}, "wgmma_det": {**WGMMA, "deterministic": True},
                **{f"wgmma_g{n}": {**WGMMA, "head_group": n} for n in (0, 1, 2, 4, 8)},
                "wgmma_l3": {**WGMMA, "lookahead": True},
@@ -166,7 +169,8 @@ def impl_changes(impl: str, head_dim: int = 128) -> dict:
 
     if impl == "shipped":
         shipped = load_spec(SHIPPED_SPECS[head_dim]).model.params
-        params = {"impl": shipped.impl, "dk_after_dq": shipped.dk_after_dq, "step_rows": shipped.step_rows}
+        params = {"impl": shipped.impl, "dk_after_dq": shipped.dk_after_dq, "step_rows": shipped.step_rows,
+                  "tail_split": shipped.tail_split}  # unset: on where it applies to the variant
     else:
         params = IMPL_PARAMS[impl]
     return {"params": dict(params), "launch": {"threads": THREADS[params["impl"]]["threads"]}}
@@ -181,13 +185,15 @@ class Op(ga.Entry):
     def __init__(self, built: dict):
         super().__init__(built)
         self.deterministic = bool(self.manifest["constants"].get("DETERMINISTIC", 0))
+        self.tail_items = int(self.manifest["constants"].get("TAIL_SPLIT", 0))  # params.tail_split's slots
         self.dq_tiled = bool(self.manifest["constants"].get("DQ_TILED", 0))  # dQ by bulk reductions
 
     def workspace(self, torch, batch, q_len, device="cuda"):
         from tsgen.ops.attention_backward import workspace_floats
 
         return tuple(torch.empty(n, device=device, dtype=torch.float32)
-                     for n in workspace_floats(batch, q_len, self.heads, self.head_dim, self.deterministic))
+                     for n in workspace_floats(batch, q_len, self.heads, self.head_dim, self.deterministic,
+                                               self.tail_items))
 
     def __call__(self, t: dict, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0, q_split=None, q_offset2=0):
         # the entry takes bare pointers: a workspace made for another variant (a deterministic one's
@@ -197,7 +203,7 @@ class Op(ga.Entry):
         if key != getattr(self, "_checked", None):
             from tsgen.ops.attention_backward import workspace_floats
 
-            want = workspace_floats(batch, q_len, self.heads, self.head_dim, self.deterministic)
+            want = workspace_floats(batch, q_len, self.heads, self.head_dim, self.deterministic, self.tail_items)
             got = tuple(w.numel() for w in ws)
             if len(got) != len(want) or any(g < n for g, n in zip(got, want)):
                 raise ValueError(f"{self.manifest['name']}_backward: workspace of {got} floats, this variant needs "
@@ -336,6 +342,13 @@ def run_case(torch, op: Op, case: dict, gen, device: str = "cuda", forward=None)
             identical = identical and all(torch.equal(bits[n], first[n]) for n in flat)
             accum_identical = accum_identical and torch.equal(accum, first_accum)
     result = {"case": case, "calls": calls, **chained}
+    if getattr(op, "tail_items", 0) and device != "cpu":  # params.tail_split: this call's split on this GPU
+        from tsgen.ops.attention_backward import tail_plan
+
+        items = -(-kv_len // 128) * op.kv_heads * batch
+        first, parts = tail_plan(items, torch.cuda.get_device_properties(device).multi_processor_count,
+                                 op.heads // op.kv_heads * -(-q_len // 64))
+        result["tail"] = {"items": items - first, "parts": parts}
     if repeats > 1:
         result["bit_identical"] = identical
         result["dq_accum_identical"] = accum_identical
@@ -379,6 +392,13 @@ def cases_for(op: Op, quick: bool) -> list[dict]:
         # dq_accum differed between runs (expected: the check above has something to catch), not a failure
         cases.append({"batch": 2, "q_len": 1000, "kv_len": 1000, "repeats": 3, "info": True} if quick
                      else {"batch": 1, "q_len": 4096, "kv_len": 4096, "repeats": 5, "info": True})
+    if getattr(op, "tail_items", 0):
+        # params.tail_split: calls whose last wave is split on a 132-SM H100 / H200 (tail_plan; the result's case
+        # names the split on this GPU): 35 KV blocks (the last one 48 rows) x the KV heads, 64 items in 2 pieces
+        # at 32 KV heads, 8 in 16 at 4; and the bench's split, 4 items in 32 pieces (4096 items at 32 heads)
+        cases.append({"batch": 1, "q_len": 1000, "kv_len": 4400})
+        if not quick:
+            cases.append({"batch": 1, "q_len": 2048, "kv_len": 16384})
     return cases
 
 
@@ -806,6 +826,8 @@ def markdown(s: dict) -> str:
                 chain += f", rows from {case['q_split']} at {case['q_offset2']}"
             if "q_offset" in case:
                 chain += f", queries at {case['q_offset']} (keys past them unseen)"
+            if c.get("tail", {}).get("items"):
+                chain += f", the last {c['tail']['items']} items in {c['tail']['parts']} pieces each (tail_split)"
             if "bit_identical" in c:
                 same = {"outputs": c["bit_identical"], "fp32 dq_accum": c.get("dq_accum_identical", True)}
                 if case.get("info"):  # no fixed order: information only

@@ -56,6 +56,8 @@ IMPLS = {"mma_sync": {"threads": 128, "block_n": 64},  # tsgen/attention_bwd.cuh
 WGMMA_STAGES = 2  # Q / dO stages of the wgmma kernel's ring (tsgen::attention_bwd::wgmma)
 DQ_STAGING = 2 * BLOCK_M * 64 * 4  # the wgmma kernel's fp32 dQ staging (dq_reduce bulk): 64 x 64 per warpgroup
 DEFAULT_HEAD_GROUP = 4  # params.head_group unset, impl wgmma: 0.99-1.29x no groups at hd 128 (H200, 2026-11-27)
+TAIL_ITEMS = 64  # params.tail_split: the workspace's tail slots (tsgen::attention_bwd::wgmma::TAIL_ITEMS)
+TAIL_SLOT_FLOATS = 2 * IMPLS["wgmma"]["block_n"]  # per head-dim column: a slot's key rows x (dK, dV)
 
 
 def dq_semaphores(batch: int, q_len: int, heads: int) -> int:
@@ -65,11 +67,30 @@ def dq_semaphores(batch: int, q_len: int, heads: int) -> int:
 
 
 def workspace_floats(batch: int, q_len: int, heads: int, head_dim: int,
-                     deterministic: bool = False) -> tuple[int, int, int]:
+                     deterministic: bool = False, tail_items: int = 0) -> tuple[int, int, int]:
     """The fp32 workspace of one `<kernel>_backward` call, in 4-byte words: (dq_accum, dsum, lse2);
-    deterministic: dq_accum grows by the dQ semaphores (dq_semaphores)."""
+    deterministic: dq_accum grows by the dQ semaphores (dq_semaphores); tail_items (the manifest's
+    TAIL_SPLIT, params.tail_split): by that many tail slots (tail_floats)."""
     rows = batch * q_len * heads
-    return rows * head_dim + (dq_semaphores(batch, q_len, heads) if deterministic else 0), rows, rows
+    extra = (dq_semaphores(batch, q_len, heads) if deterministic else 0) + tail_floats(tail_items, head_dim)
+    return rows * head_dim + extra, rows, rows
+
+
+def tail_plan(items: int, sms: int, steps: int) -> tuple[int, int]:
+    """params.tail_split's split of a call (tsgen::attention_bwd::wgmma::tail_plan, which the tests compare with
+    this): (the first split item, pieces per split item); (items, 1) where none is split. items: the main
+    kernel's (KV blocks x KV heads x batch), sms: the GPU's, steps: one item's walk (query heads of a group x
+    ceil(q_len / 64))."""
+    tail = items % sms if sms > 0 else 0
+    parts = min(sms // tail, steps) if tail else 0
+    if items <= sms or tail == 0 or tail > TAIL_ITEMS or parts < 2:
+        return items, 1
+    return items - tail, parts
+
+
+def tail_floats(tail_items: int, head_dim: int) -> int:
+    """params.tail_split: the tail slots after dq_accum's floats (tsgen::attention_bwd::wgmma::tail_accum)."""
+    return tail_items * TAIL_SLOT_FLOATS * head_dim
 
 class AttentionBackwardParams(AttentionShape):
     impl: Literal["mma_sync", "wgmma"] = Field(
@@ -114,6 +135,14 @@ class AttentionBackwardParams(AttentionShape):
         "tsgen::attention_bwd::wgmma::consume. Measured 1.06-1.15x the default order at head dim 128, 1.00-1.03x at 64 "
         "(H200, S 4K-16K, 2026-11-27); the shipped head-dim-128 specs set it")
 
+    tail_split: bool | None = Field(
+        None, description="impl wgmma, not causal: where the main kernel's items (blocks of 128 keys x KV heads x "
+        "batch) leave a last wave of at most half the SMs busy, cut each of those items into pieces along its walk "
+        "over the idle SMs, their dK, dV partial sums added in fp32 into the workspace (which grows by "
+        f"{TAIL_ITEMS} slots of 128 x 2 head_dim floats) and converted by a fourth kernel. Unset: on where it "
+        "applies (impl wgmma, dq_reduce bulk, not causal, not deterministic, not lookahead, 64-row steps); true "
+        "elsewhere is refused. dK, dV of the split items then vary in their last bits from run to run")
+
     step_rows: Literal[64, 128] | None = Field(
         None, description="impl wgmma: query rows per step of the main kernel's walk; unset or 64: 64 (the default), "
         "128: FlashAttention-3's head-dim-64 tile (128 queries x 128 keys a step: S^T, dP^T as m64n128, dV, dK and dQ "
@@ -129,6 +158,17 @@ class AttentionBackwardParams(AttentionShape):
         if self.head_group is not None:
             return self.head_group or None
         return DEFAULT_HEAD_GROUP if self.impl == "wgmma" and not self.deterministic else None
+
+    @property
+    def tail_applies(self) -> bool:
+        """Whether params.tail_split can be built for these parameters (tsgen::attention_bwd::wgmma's Layout)."""
+        return (self.impl == "wgmma" and self.dq_reduce != "atomic" and not self.causal and not self.deterministic
+                and not self.lookahead and self.step_rows != 128)
+
+    @property
+    def split_tail(self) -> bool:
+        """params.tail_split resolved: as set, or unset: where it applies."""
+        return self.tail_applies if self.tail_split is None else self.tail_split
 
     @property
     def tall(self) -> bool:
@@ -147,9 +187,10 @@ def dq_accum_elems(p: AttentionBackwardParams) -> dict[str, int]:
     semaphores are batch * heads * ceil(count / 64): bounded by ceil(batch * heads / 64) per count
     plus batch * heads fixed."""
     bh = p.batch * p.heads
+    tail = tail_floats(TAIL_ITEMS if p.split_tail else 0, p.head_dim)
     if not p.deterministic:
-        return {"per_count": bh * p.head_dim}
-    return {"per_count": bh * p.head_dim + -(-bh // BLOCK_M), "fixed": bh}
+        return {"per_count": bh * p.head_dim, **({"fixed": tail} if tail else {})}
+    return {"per_count": bh * p.head_dim + -(-bh // BLOCK_M), "fixed": bh + tail}
 
 
 class AttentionBackwardLaunch(StrictModel):
@@ -273,6 +314,17 @@ class AttentionBackwardFamily(OpFamily):
                  "and warpgroup pair); use one of the two"),
                 (p.lookahead, "step_rows 128 with lookahead is not built (two consumer loops, each with its own order "
                  "of waits); use one of the two")])
+        if p.tail_split and not p.tail_applies:
+            refuse_first(problems, "tail_split", [
+                (p.impl != "wgmma", "tail_split needs params.impl wgmma (the mma_sync kernel's CTAs walk whole items)"),
+                (not p.dq_tiled, "tail_split is built for dq_reduce bulk only (the atomic path is kept to bench "
+                 "against)"),
+                (p.causal, "tail_split is built for causal false only (a causal walk skips the query blocks that see "
+                 "none of its keys, so its steps do not divide evenly; its last items are the shortest anyway)"),
+                (p.deterministic, "tail_split with deterministic is not built (the pieces' dK, dV sums are added in no "
+                 "fixed order)"),
+                (p.lookahead, "tail_split with lookahead is not built (consume_lookahead walks whole items)"),
+                (p.tall, "tail_split with step_rows 128 is not built (consume_tall walks whole items)")])
         if spec.params.deterministic and not spec.params.dq_tiled:
             problems.append((("params", "deterministic"), "deterministic needs params.impl wgmma with dq_reduce bulk "
                              "(the ordered adds are the bulk reductions; mma_sync and dq_reduce atomic add dQ with "
@@ -320,10 +372,11 @@ class AttentionBackwardFamily(OpFamily):
             **({"LOOKAHEAD": 1} if p.lookahead else {}),  # likewise
             **({"DK_AFTER_DQ": 1} if p.dk_after_dq else {}),  # likewise
             **({"STEP_ROWS": 128} if p.tall else {}),  # likewise
+            **({"TAIL_SPLIT": TAIL_ITEMS} if p.split_tail else {}),  # the tail slots (workspace_floats' tail_items)
         }
 
     def template_vars(self, spec):
-        return scale_vars(spec)
+        return {**scale_vars(spec), "tail_items": TAIL_ITEMS}
 
     def abi(self, spec):
         return one_kernel_abi(self, spec, smem=smem_bytes(spec), constants=self.constants(spec))

@@ -84,6 +84,7 @@ class AttentionSignature:
     scale: float
     blocks: int = 0  # the forward's launch.blocks (0: one CTA per tile)
     deterministic: bool = False  # the backward's params.deterministic: its workspace holds the dQ semaphores too
+    tail_items: int = 0  # the backward's params.tail_split (manifest TAIL_SPLIT): its workspace holds its slots too
 
     @classmethod
     def of(cls, manifest: Manifest, source: Path) -> "AttentionSignature":
@@ -103,7 +104,7 @@ class AttentionSignature:
             raise TsgenTorchError(f"{where}: {source} names no softmax scale (its '// softmax scale' line)")
         return cls(manifest.name, manifest.op, manifest.spec, int(c["HEAD_DIM"]), int(c["HEADS"]), int(c["KV_HEADS"]),
                    bool(c["CAUSAL"]), "bhsd" if c["BHSD"] else "bshd", q.dtype, float(found[1]),
-                   int(c.get("BLOCKS", 0)), bool(c.get("DETERMINISTIC", 0)))
+                   int(c.get("BLOCKS", 0)), bool(c.get("DETERMINISTIC", 0)), int(c.get("TAIL_SPLIT", 0)))
 
     @property
     def qualname(self) -> str:
@@ -313,9 +314,11 @@ class _Module:
         if batch * q_len == 0:  # no query: nothing flows to the keys
             return dq, torch.zeros_like(k), torch.zeros_like(v)
         dk, dv = _output(like=k), _output(like=v)
-        # the workspace: dQ's fp32 accumulator (deterministic: and the dQ semaphores), D and LSE in base 2
+        # the workspace: dQ's fp32 accumulator (deterministic: and the dQ semaphores; tail_split: and the tail
+        # slots), D and LSE in base 2
         dq_accum, dsum, lse2 = (_output(n, dtype=torch.float32, device=q.device)
-                                for n in workspace_floats(batch, q_len, sig.heads, sig.head_dim, sig.deterministic))
+                                for n in workspace_floats(batch, q_len, sig.heads, sig.head_dim, sig.deterministic,
+                                                          sig.tail_items))
         self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, dq_accum, dsum, lse2)]
                      + [batch, q_len, kv_len, *pos], f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}")
         return dq, dk, dv

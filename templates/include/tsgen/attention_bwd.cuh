@@ -88,6 +88,10 @@ struct Problem {
   float *dq_accum, *dsum, *lse2;
   uint32_t batch, q_len, kv_len, kv_blocks;
   int32_t q_offset, q_split, q_offset2, kv_offset;
+  // the wgmma main kernel's tail split (Config::TAIL_SPLIT, tsgen/attention_bwd_wgmma.cuh): CTAs from tail_first
+  // on are tail_parts pieces of each of the grid's last items; tail_first = the main kernel's items where none is
+  // split (every other kernel ignores both)
+  uint32_t tail_first, tail_parts;
 };
 
 // Offset (elements) of row `s` of head `h` of sequence `b` in a tensor of `heads` heads, `len` rows.
@@ -533,7 +537,8 @@ struct Sizes {
   bool empty;            // batch 0: nothing to do
   uint64_t rows;         // batch * HEADS * q_len (the preprocess's rows, LSE's elements)
   uint64_t pre_blocks;   // of the preprocess
-  uint64_t ctas;         // of the main kernel: KV blocks x KV heads x batch
+  uint64_t ctas;         // the main kernel's items: KV blocks x KV heads x batch
+  uint64_t grid;         // its CTAs: ctas, or with a tail split (wgmma TAIL_SPLIT) more
 };
 
 // Checks a call's arguments and fills the Problem (positions as the forward's; q_split >= q_len:
@@ -544,7 +549,7 @@ static cudaError_t prepare_call(const Problem& given, uint64_t batch, uint64_t q
                                 int64_t q_offset, int64_t q_split, int64_t q_offset2, int64_t kv_offset,
                                 uint32_t block_n, Problem& p, Sizes& z) {
   p = given;
-  z = Sizes{batch == 0, 0, 0, 0};
+  z = Sizes{batch == 0, 0, 0, 0, 0};
   if (batch == 0) return cudaSuccess;
   if (q_len > MAX_LEN || kv_len > MAX_LEN || batch > MAX_LEN || p.q == nullptr || p.k == nullptr ||
       p.v == nullptr || p.o == nullptr || p.dout == nullptr || p.lse == nullptr || p.dq == nullptr ||
@@ -560,8 +565,9 @@ static cudaError_t prepare_call(const Problem& given, uint64_t batch, uint64_t q
   p.kv_blocks = (uint32_t)((kv_len + block_n - 1) / block_n);
   z.rows = batch * C::HEADS * q_len;
   z.pre_blocks = (z.rows * (C::HEAD_DIM / 8) + PRE_THREADS - 1) / PRE_THREADS;
-  z.ctas = (uint64_t)p.kv_blocks * C::KV_HEADS * batch;
+  z.ctas = z.grid = (uint64_t)p.kv_blocks * C::KV_HEADS * batch;
   if (z.pre_blocks > 0x7FFFFFFFull || z.ctas > 0x7FFFFFFFull) return cudaErrorInvalidValue;
+  p.tail_first = (uint32_t)z.ctas, p.tail_parts = 1;  // no item split (the wgmma main kernel's prepare may split)
   return cudaSuccess;
 }
 
@@ -587,8 +593,8 @@ static void launch_convert(Convert conv, const Problem& p, const Sizes& z, cudaS
 // both main kernels. `main` is the main kernel's launch: main.prepare(p, z) (host set-up, before
 // anything is launched: the shared-memory opt-in, descriptors) and main.launch(p, z, stream).
 // Workspace: dq_accum (batch * q_len * HEADS * HEAD_DIM floats; Config::DETERMINISTIC: and batch *
-// HEADS * ceil(q_len / BLOCK_M) uint32 after them, dq_semaphores), dsum and lse2 (batch * HEADS *
-// q_len floats each). Positions as the forward's (q_split >= q_len: one query segment).
+// HEADS * ceil(q_len / BLOCK_M) uint32 after them, dq_semaphores; Config::TAIL_SPLIT: and the wgmma kernel's
+// TAIL_ITEMS tail slots after them, tail_accum), dsum and lse2 (batch * HEADS * q_len floats each). Positions as the forward's (q_split >= q_len: one query segment).
 template <class C, class Pre, class Convert, class Main>
 static cudaError_t call(Pre pre, Convert conv, Main& main, uint32_t block_n, const Problem& given, uint64_t batch,
                         uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split, int64_t q_offset2,
@@ -598,10 +604,10 @@ static cudaError_t call(Pre pre, Convert conv, Main& main, uint32_t block_n, con
   cudaError_t err =
       prepare_call<C>(given, batch, q_len, kv_len, q_offset, q_split, q_offset2, kv_offset, block_n, p, z);
   if (err != cudaSuccess || z.empty) return err;
-  err = main.prepare(p, z);
+  err = main.prepare(p, z);  // may split the grid's last items (p.tail_first, p.tail_parts, z.grid)
   if (err != cudaSuccess) return err;
   launch_preprocess<C>(pre, p, z, stream);
-  if (z.ctas > 0) main.launch(p, z, stream);
+  if (z.ctas > 0 && (err = main.launch(p, z, stream)) != cudaSuccess) return err;
   launch_convert<C>(conv, p, z, stream);
   return cudaGetLastError();
 }
@@ -611,12 +617,13 @@ template <class C, class Kernel>
 struct MmaSyncMain {
   Kernel kernel;
   // the shared-memory opt-in: per call (a host call of microseconds, against milliseconds of work)
-  cudaError_t prepare(const Problem&, const Sizes&) {
+  cudaError_t prepare(Problem&, Sizes&) {
     return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 Layout<C>::SMEM_BYTES);
   }
-  void launch(const Problem& p, const Sizes& z, cudaStream_t stream) {
-    kernel<<<(unsigned)z.ctas, THREADS, Layout<C>::SMEM_BYTES, stream>>>(p);
+  cudaError_t launch(const Problem& p, const Sizes& z, cudaStream_t stream) {
+    kernel<<<(unsigned)z.grid, THREADS, Layout<C>::SMEM_BYTES, stream>>>(p);
+    return cudaGetLastError();
   }
 };
 

@@ -97,6 +97,13 @@
 //   - DQ_TILED, dq_accum: the preprocess zeroes every float (same size as dQ; the tiled layout is a
 //     permutation), in stream order before this kernel; the convert pass reads it (ConvertTiled: one
 //     CTA per 64-row block) after this kernel (stream order; the bulk writes complete before exit).
+//   - TAIL_SPLIT (params.tail_split, not causal): the producer and both consumer warpgroups of a piece walk the
+//     same Part (tail_part of blockIdx.x: a function of the Problem alone), so their steps and stages agree as
+//     in a whole item. The pieces' dK, dV: red.relaxed.gpu adds into their item's tail slot, which
+//     Main::launch zeroes (cudaMemsetAsync) before the main kernel and the tail kernel (tail_convert) reads
+//     after it, both in stream order; nothing else reads a slot during the main kernel. The pieces' dQ adds
+//     are the whole items' bulk reductions into dq_accum. Rows of a slot past kv_len hold zeros (masked
+//     keys: P = dS = 0) and are not converted.
 //   - The producer's tail waits (with the timeout of gemm::mbar_wait) for the consumers' release
 //     of the last STAGES steps: a consumer stuck on a load that never lands traps, not hangs.
 //   - DETERMINISTIC, the turns: the CTAs adding into one query block are KV blocks 0 .. J - 1
@@ -142,6 +149,15 @@ struct dk_after_dq_of : std::false_type {};
 template <class C>
 struct dk_after_dq_of<C, std::void_t<decltype(C::DK_AFTER_DQ)>> : std::integral_constant<bool, C::DK_AFTER_DQ> {};
 
+// Config::TAIL_SPLIT where the Config has it (only specs with params.tail_split resolved on emit it), else false:
+// the grid's last items, those of a last wave that would leave most SMs idle, each cut into pieces along its walk
+// (tail_plan; main_kernel), their dK, dV added in fp32 into the tail slots after dq_accum (tail_accum), converted
+// by the tail kernel (tail_convert). Not causal only (a causal walk skips steps: its ranges are not a division).
+template <class C, class = void>
+struct tail_split_of : std::false_type {};
+template <class C>
+struct tail_split_of<C, std::void_t<decltype(C::TAIL_SPLIT)>> : std::integral_constant<bool, C::TAIL_SPLIT != 0> {};
+
 using attention::mbar_wait_no_timeout;
 using attention::tma_load_4d;
 using gemm::bulk_commit_group;
@@ -177,6 +193,9 @@ struct step_rows_of : std::integral_constant<int, BLOCK_M> {};
 template <class C>
 struct step_rows_of<C, std::void_t<decltype(C::STEP_ROWS)>> : std::integral_constant<int, C::STEP_ROWS> {};
 constexpr int BLOCK_N = 128;  // keys per CTA: 64 per consumer warpgroup
+// TAIL_SPLIT: the most items split (tsgen/ops/attention_backward.py TAIL_ITEMS: the workspace's tail slots, each
+// BLOCK_N key rows x (dK, dV) x HEAD_DIM floats, after dq_accum's floats)
+constexpr uint32_t TAIL_ITEMS = 64;
 constexpr int THREADS = 384;
 constexpr uint32_t DS_READY = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads')
 constexpr uint32_t DQ_STAGED = 2;  // + w: named barrier of consumer warpgroup w (DQ_TILED: its staging written)
@@ -251,6 +270,9 @@ struct Layout {
   static constexpr bool DK_AFTER_DQ = dk_after_dq_of<C>::value;
   static_assert(!DK_AFTER_DQ || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD && ROWS == BLOCK_M),
                 "dk_after_dq: the bulk dQ path, 64-row steps, not deterministic, not lookahead");
+  // params.tail_split: consume()'s pieces (tsgen/ops/attention_backward.py refuses the rest)
+  static_assert(!tail_split_of<C>::value || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD && ROWS == BLOCK_M && !C::CAUSAL),
+                "tail_split: the bulk dQ path, 64-row steps, not deterministic, not lookahead, not causal");
   // params.step_rows 128: consume_tall (tsgen/ops/attention_backward.py refuses the rest)
   static_assert(ROWS == BLOCK_M || (ROWS == 2 * BLOCK_M && C::HEAD_DIM == 64 && DQ_TILED && !DETERMINISTIC &&
                                     !LOOKAHEAD),
@@ -280,22 +302,44 @@ struct Layout {
 // skipped blocks come last, and every visitor reaches a (head, block) at the same step of its walk
 // ((q_blocks - 1 - qb) GROUP + the head's index; the zig-zag's second segment, whose positions are the
 // later ones, first): each lags the previous by the one step of its turn's hand-over.
+// What one CTA of the main kernel walks: its item's whole walk, or (TAIL_SPLIT, a piece of a split item) steps
+// [begin, begin + count) of it, its dK, dV then added into tail slot `slot` (main_kernel, tail_plan).
+struct Part {
+  static constexpr uint32_t WHOLE = 0xFFFFFFFFu;
+  uint32_t begin = 0, count = WHOLE, slot = WHOLE;
+  __host__ __device__ __forceinline__ bool whole() const { return slot == WHOLE; }
+};
+
 template <class C>
 struct Walk {
   static constexpr uint32_t GROUP = C::HEADS / C::KV_HEADS;
   static constexpr bool DESCENDING = deterministic_of<C>::value;
   static constexpr uint32_t ROWS = step_rows_of<C>::value;  // query rows per step (block qb: rows qb ROWS ..)
+  static constexpr bool RANGED = tail_split_of<C>::value;  // a Part's step range (not causal, ascending)
+  static_assert(!RANGED || (!C::CAUSAL && !DESCENDING), "a step range divides an unskipped, ascending walk");
   uint32_t hq, qb, q_blocks, hq_end;
   int32_t first_key;
-  __host__ __device__ __forceinline__ Walk(const Problem& p, uint32_t hk, int32_t first_key_)
+  uint32_t left;  // RANGED: the steps still to walk
+  __host__ __device__ __forceinline__ Walk(const Problem& p, uint32_t hk, int32_t first_key_, Part part = Part{})
       : hq(hk * GROUP), qb(DESCENDING && p.q_len > 0 ? (p.q_len - 1) / ROWS : 0),
-        q_blocks((p.q_len + ROWS - 1) / ROWS), hq_end((hk + 1) * GROUP), first_key(first_key_) {
+        q_blocks((p.q_len + ROWS - 1) / ROWS), hq_end((hk + 1) * GROUP), first_key(first_key_), left(part.count) {
+    if constexpr (RANGED)  // step s of the walk is (query head hk GROUP + s / q_blocks, query block s % q_blocks)
+      if (q_blocks > 0) hq += part.begin / q_blocks, qb = part.begin % q_blocks;
     skip(p);
   }
-  __host__ __device__ __forceinline__ bool done() const { return hq >= hq_end || q_blocks == 0; }
+  __host__ __device__ __forceinline__ bool done() const {
+    if constexpr (RANGED)
+      if (left == 0) return true;
+    return hq >= hq_end || q_blocks == 0;
+  }
   __host__ __device__ __forceinline__ void next(const Problem& p) {
     advance();
+    if constexpr (RANGED) --left;
     skip(p);
+  }
+  // the whole walk's steps (not causal: every (query head of the group, query block))
+  __host__ __device__ __forceinline__ static uint32_t steps(const Problem& p) {
+    return GROUP * ((p.q_len + ROWS - 1) / ROWS);
   }
   __host__ __device__ __forceinline__ uint32_t rows_end(const Problem& p) const {  // r1 of the step
     return (qb + 1) * ROWS < p.q_len ? (qb + 1) * ROWS : p.q_len;
@@ -392,7 +436,8 @@ static __device__ __forceinline__ uint32_t* pass_dq_turn(uint32_t* sem) {
 template <class C>
 static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                const CUtensorMap* v_map, const CUtensorMap* do_map, uint32_t smem,
-                                               const Problem& p, uint32_t b, uint32_t hk, uint32_t k0) {
+                                               const Problem& p, uint32_t b, uint32_t hk, uint32_t k0,
+                                               Part part = Part{}) {
   using L = Layout<C>;
   const uint32_t lane = threadIdx.x % 32;
   if (lane == 0) {
@@ -407,7 +452,7 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
   }
   uint32_t step = 0;
   uint32_t* last_semaphore = nullptr;  // DETERMINISTIC: that of the walk's last step
-  for (Walk<C> w(p, hk, p.kv_offset + (int32_t)k0); !w.done(); w.next(p), ++step) {
+  for (Walk<C> w(p, hk, p.kv_offset + (int32_t)k0, part); !w.done(); w.next(p), ++step) {
     const uint32_t stage = step % C::STAGES, phase = (step / C::STAGES) & 1;
     mbar_wait(smem + L::Q_EMPTY + 8 * stage, phase ^ 1);  // a fresh barrier passes parity 1
     if constexpr (L::DETERMINISTIC) last_semaphore = dq_semaphore<C>(p, b, w);
@@ -591,9 +636,39 @@ static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t b,
   }
 }
 
+// TAIL_SPLIT: the tail slots, after dq_accum's floats (the workspace grows by TAIL_ITEMS slots, zeroed by
+// Main::launch when a call splits): slot t holds key row r (0 .. BLOCK_N - 1 of its item) as dK (times the
+// scale) then dV, HEAD_DIM floats each, at (t BLOCK_N + r) 2 HEAD_DIM.
+template <class C>
+__host__ __device__ __forceinline__ float* tail_accum(const Problem& p) {
+  return p.dq_accum + (size_t)p.batch * p.q_len * C::HEADS * C::HEAD_DIM;
+}
+
+static __device__ __forceinline__ void red_add_v2_f32(float* at, float x, float y) {
+  asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(at), "f"(x), "f"(y) : "memory");
+}
+
+// A piece's end (TAIL_SPLIT): its partial dK (times the scale), dV of the warpgroup's key rows row_lo (+ 8) of the
+// item, columns 8q + 2c (+ 1), added into tail slot `slot` (the other pieces of the item add theirs; tail_convert
+// reads the sums after the main kernel). Rows past kv_len hold zeros (their P and dS are 0) and are not converted.
+template <class C>
+static __device__ __forceinline__ void add_dk_dv_tail(const Problem& p, uint32_t slot, uint32_t row_lo,
+                                                      uint32_t lane, const float (&dk)[Layout<C>::D_ACC],
+                                                      const float (&dv)[Layout<C>::D_ACC]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float* at = tail_accum<C>(p) + ((size_t)slot * BLOCK_N + row_lo + 8 * h) * 2 * C::HEAD_DIM + 2 * (lane % 4);
+#pragma unroll
+    for (int q = 0; q < C::HEAD_DIM / 8; ++q) {
+      red_add_v2_f32(at + 8 * q, dk[4 * q + 2 * h] * C::SCALE, dk[4 * q + 2 * h + 1] * C::SCALE);
+      red_add_v2_f32(at + C::HEAD_DIM + 8 * q, dv[4 * q + 2 * h], dv[4 * q + 2 * h + 1]);
+    }
+  }
+}
+
 template <class C>
 static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, uint32_t cw, uint32_t b,
-                                               uint32_t hk, uint32_t k0) {
+                                               uint32_t hk, uint32_t k0, Part part = Part{}) {
   using L = Layout<C>;
   static_assert(!L::TALL, "params.step_rows 128: consume_tall");
   const uint32_t t = threadIdx.x % 128, lane = t % 32, warp = t / 32;
@@ -614,7 +689,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
 
   mbar_wait_no_timeout(smem + L::KV_FULL, 0);
   uint32_t step = 0;
-  for (Walk<C> w(p, hk, first_key); !w.done(); w.next(p), ++step) {
+  for (Walk<C> w(p, hk, first_key, part); !w.done(); w.next(p), ++step) {
     const uint32_t stage = step % C::STAGES, phase = (step / C::STAGES) & 1;
     const uint32_t r0 = w.qb * BLOCK_M, r1 = w.rows_end(p);
     const uint32_t q_base = smem + L::Q_OFF + stage * L::Q_TILE, do_base = smem + L::DO_OFF + stage * L::Q_TILE;
@@ -771,6 +846,11 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
         bulk_wait_group_all();
     }
 
+  if constexpr (tail_split_of<C>::value)
+    if (!part.whole()) {
+      add_dk_dv_tail<C>(p, part.slot, 64 * cw + row, lane, dk, dv);
+      return;
+    }
   store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
 }
 
@@ -1101,7 +1181,52 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
   store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
 }
 
-// The main kernel's body.
+// Item `item` of the main kernel (its grid order): KV block j of KV head hk of sequence b.
+template <class C>
+__host__ __device__ __forceinline__ void item_of(const Problem& p, uint32_t item, uint32_t& j, uint32_t& hk,
+                                                 uint32_t& b) {
+  const uint32_t heads_x_batch = p.batch * C::KV_HEADS;
+  if constexpr (head_group_of<C>::value == 0) {
+    j = item / heads_x_batch;  // the KV block: block 0 of every head first
+    hk = item % heads_x_batch % C::KV_HEADS, b = item % heads_x_batch / C::KV_HEADS;
+  } else {  // params.head_group: groups of that many (sequence, KV head) pairs, one after the other (kv_cta)
+    const KvCta c = kv_cta(item, heads_x_batch, p.kv_blocks, head_group_of<C>::value);
+    j = c.block, hk = c.pair % C::KV_HEADS, b = c.pair / C::KV_HEADS;
+  }
+}
+
+// TAIL_SPLIT: how a call's grid splits its last items (items: the main kernel's, sms: the GPU's, steps: one item's
+// walk). The last wave's items (items mod sms) are split when they would leave at least half the SMs idle, the grid
+// fills more than one wave and they fit the workspace's TAIL_ITEMS slots: each into parts = sms / tail pieces (at
+// most its steps), so that the last wave is tail x parts <= sms pieces of about 1 / parts of an item's time each.
+// first: the first split item (= items: none split). Host-compiled by the tests.
+struct TailPlan {
+  uint32_t first, parts;
+};
+__host__ __device__ __forceinline__ TailPlan tail_plan(uint64_t items, uint32_t sms, uint32_t steps) {
+  const uint64_t tail = sms > 0 ? items % sms : 0;
+  uint64_t parts = tail > 0 ? sms / tail : 0;
+  if (parts > steps) parts = steps;
+  if (items <= sms || tail == 0 || tail > TAIL_ITEMS || parts < 2) return TailPlan{(uint32_t)items, 1};
+  return TailPlan{(uint32_t)(items - tail), (uint32_t)parts};
+}
+
+// TAIL_SPLIT: what CTA x >= p.tail_first walks: piece (x - tail_first) mod tail_parts of the item in slot
+// (x - tail_first) / tail_parts, its steps in tail_parts runs of the walk in order, the first (steps mod
+// tail_parts) one step longer (32-bit arithmetic: no division call beside the wgmma). Host-compiled by the tests.
+template <class C>
+__host__ __device__ __forceinline__ Part tail_part(const Problem& p, uint32_t x) {
+  const uint32_t at = x - p.tail_first, piece = at % p.tail_parts, steps = Walk<C>::steps(p);
+  const uint32_t base = steps / p.tail_parts, longer = steps % p.tail_parts;
+  Part part;
+  part.slot = at / p.tail_parts;
+  part.begin = piece * base + (piece < longer ? piece : longer);
+  part.count = base + (piece < longer ? 1 : 0);
+  return part;
+}
+
+// The main kernel's body. CTA x < p.tail_first: item x whole; from p.tail_first on (TAIL_SPLIT): piece
+// (x - tail_first) mod tail_parts of item tail_first + (x - tail_first) / tail_parts, the item's steps split evenly.
 template <class C>
 static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, const CUtensorMap* k_map,
                                                    const CUtensorMap* v_map, const CUtensorMap* do_map,
@@ -1109,18 +1234,15 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
   using L = Layout<C>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t heads_x_batch = p.batch * C::KV_HEADS;
+  Part part{};
+  if constexpr (tail_split_of<C>::value)
+    if (blockIdx.x >= p.tail_first) part = tail_part<C>(p, blockIdx.x);
+  const uint32_t item = part.whole() ? blockIdx.x : p.tail_first + part.slot;
   uint32_t j, hk, b;
-  if constexpr (head_group_of<C>::value == 0) {
-    j = blockIdx.x / heads_x_batch;  // the KV block: block 0 of every head first
-    hk = blockIdx.x % heads_x_batch % C::KV_HEADS, b = blockIdx.x % heads_x_batch / C::KV_HEADS;
-  } else {  // params.head_group: groups of that many (sequence, KV head) pairs, one after the other (kv_cta)
-    const KvCta c = kv_cta(blockIdx.x, heads_x_batch, p.kv_blocks, head_group_of<C>::value);
-    j = c.block, hk = c.pair % C::KV_HEADS, b = c.pair / C::KV_HEADS;
-    // the three as plain values from here: without this the compiler carries the mapping's
-    // operands into the producer's 40 registers and spills
-    asm volatile("" : "+r"(j), "+r"(hk), "+r"(b));
-  }
+  item_of<C>(p, item, j, hk, b);
+  // params.head_group: the three as plain values from here: without this the compiler carries the mapping's
+  // operands into the producer's 40 registers and spills
+  if constexpr (head_group_of<C>::value != 0) asm volatile("" : "+r"(j), "+r"(hk), "+r"(b));
   const uint32_t k0 = j * BLOCK_N;
   if (threadIdx.x == 0) {
     mbar_init(smem + L::KV_FULL, 1);
@@ -1139,7 +1261,7 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
   if (warpgroup == 0) {
     // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
     setmaxnreg_dec<40>();
-    if (threadIdx.x < 32) produce<C>(q_map, k_map, v_map, do_map, smem, p, b, hk, k0);
+    if (threadIdx.x < 32) produce<C>(q_map, k_map, v_map, do_map, smem, p, b, hk, k0, part);
   } else {
     setmaxnreg_inc<232>();
     if constexpr (L::LOOKAHEAD)
@@ -1147,18 +1269,39 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
     else if constexpr (L::TALL)
       consume_tall<C>(p, smem, warpgroup - 1, b, hk, k0);
     else
-      consume<C>(p, smem, warpgroup - 1, b, hk, k0);
+      consume<C>(p, smem, warpgroup - 1, b, hk, k0, part);
+  }
+}
+
+// TAIL_SPLIT: the tail kernel's body, one CTA (TAIL_THREADS) per split item (blockIdx.x: its slot), after the main
+// kernel in stream order: the slot's fp32 sums to dK, dV (16-bit, the item's key rows below kv_len).
+constexpr int TAIL_THREADS = 256;
+template <class C>
+static __device__ __forceinline__ void tail_convert(const Problem& p) {
+  uint32_t j, hk, b;
+  item_of<C>(p, p.tail_first + blockIdx.x, j, hk, b);
+  const float* slot = tail_accum<C>(p) + (size_t)blockIdx.x * BLOCK_N * 2 * C::HEAD_DIM;
+  constexpr uint32_t PAIRS = C::HEAD_DIM / 2;  // column pairs a row
+  for (uint32_t i = threadIdx.x; i < BLOCK_N * PAIRS; i += TAIL_THREADS) {
+    const uint32_t r = i / PAIRS, c = 2 * (i % PAIRS), key = j * BLOCK_N + r;
+    if (key >= p.kv_len) break;  // i ascends with r
+    const float2 k2 = *reinterpret_cast<const float2*>(slot + (size_t)r * 2 * C::HEAD_DIM + c);
+    const float2 v2 = *reinterpret_cast<const float2*>(slot + (size_t)r * 2 * C::HEAD_DIM + C::HEAD_DIM + c);
+    const size_t at = row_offset<C>(b, key, hk, C::KV_HEADS, p.kv_len) + c;
+    *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at) = pack2<C>(k2.x, k2.y);
+    *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at) = pack2<C>(v2.x, v2.y);
   }
 }
 
 // This main kernel's launch (for attention_bwd::call): the TMA descriptors of Q, K, V and dO from
 // the forward's encoder (tsgen/attention.cuh: boxes of TILE_M = 64 rows for Q and dO (its `o`),
 // TILE_N = 128 for K and V), reused while the pointers and sizes stay the same.
-template <class C, class Kernel>
+template <class C, class Kernel, class Tail>
 struct Main {
   Kernel kernel;
+  Tail tail;  // TAIL_SPLIT: the tail kernel (tail_convert), else nullptr
   const attention::TensorMaps* maps = nullptr;
-  cudaError_t prepare(const Problem& p, const Sizes& z) {
+  cudaError_t prepare(Problem& p, Sizes& z) {
     // DQ_TILED: the bulk reductions need 16-byte aligned destinations (their offsets are multiples of 256
     // bytes) and the convert pass stores dQ 16 bytes at a time (8 columns of one row)
     if (Layout<C>::DQ_TILED &&
@@ -1166,23 +1309,44 @@ struct Main {
       return cudaErrorInvalidValue;
     if (z.ctas == 0) return cudaSuccess;
     // q_len 0 (dK = dV = 0): maps of one row, never read (an encoded tensor has no empty dimension)
-    const cudaError_t err =
+    cudaError_t err =
         attention::tensor_maps<C>(p.q, p.k, p.v, p.dout, p.batch, p.q_len > 0 ? p.q_len : 1, p.kv_len, &maps);
     if (err != cudaSuccess) return err;
+    if constexpr (tail_split_of<C>::value) {  // the split of the last wave's items for this GPU's SM count
+      int device = 0, sms = 0;
+      if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
+      if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+      const TailPlan t = tail_plan(z.ctas, (uint32_t)sms, Walk<C>::steps(p));
+      p.tail_first = t.first, p.tail_parts = t.parts;
+      z.grid = t.first + (z.ctas - t.first) * t.parts;
+    }
     return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 Layout<C>::SMEM_BYTES);
   }
-  void launch(const Problem& p, const Sizes& z, cudaStream_t stream) {
-    kernel<<<(unsigned)z.ctas, THREADS, Layout<C>::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, p);
+  cudaError_t launch(const Problem& p, const Sizes& z, cudaStream_t stream) {
+    const uint32_t split = (uint32_t)(z.ctas - p.tail_first);  // items split (TAIL_SPLIT), 0: none
+    if constexpr (tail_split_of<C>::value) {
+      static_assert(!std::is_same_v<Tail, std::nullptr_t>, "TAIL_SPLIT: launch() needs the tail kernel");
+      if (split > 0) {
+        const cudaError_t err = cudaMemsetAsync(tail_accum<C>(p), 0,
+                                                (size_t)split * BLOCK_N * 2 * C::HEAD_DIM * sizeof(float), stream);
+        if (err != cudaSuccess) return err;
+      }
+    }
+    kernel<<<(unsigned)z.grid, THREADS, Layout<C>::SMEM_BYTES, stream>>>(maps->q, maps->k, maps->v, maps->o, p);
+    if constexpr (tail_split_of<C>::value)
+      if (split > 0) tail<<<split, TAIL_THREADS, 0, stream>>>(p);
+    return cudaGetLastError();
   }
 };
 
-// One backward call with this main kernel: the shared preprocess and convert around it.
-template <class C, class Pre, class Kernel, class Convert>
+// One backward call with this main kernel: the shared preprocess and convert around it (TAIL_SPLIT: and the tail
+// kernel after it).
+template <class C, class Pre, class Kernel, class Convert, class Tail = std::nullptr_t>
 static cudaError_t launch(Pre pre, Kernel main, Convert conv, const Problem& given, uint64_t batch, uint64_t q_len,
                           uint64_t kv_len, int64_t q_offset, int64_t q_split, int64_t q_offset2, int64_t kv_offset,
-                          cudaStream_t stream) {
-  Main<C, Kernel> m{main};
+                          cudaStream_t stream, Tail tail = nullptr) {
+  Main<C, Kernel, Tail> m{main, tail};
   return call<C>(pre, conv, m, BLOCK_N, given, batch, q_len, kv_len, q_offset, q_split, q_offset2, kv_offset, stream);
 }
 
