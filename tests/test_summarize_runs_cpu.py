@@ -247,6 +247,23 @@ def test_torch_results_turns_check_and_time_lines_into_a_results_file(tmp_path):
                                                                     ("torchrun-tsgen-test-nvshmem-allgather", "PASS")]
     assert data["times"] == [{"example": "tp_mlp", "variant": "S=8 W=2 tsgen eager", "ms_per_step": 6.268, "vs_twin": 0.86}]
     assert "max \\|diff\\| 0" in js.with_suffix(".md").read_text()
+    # cp_step_times' lines (tests/torch_checks.py): interleaved rounds, the fraction of ideal and its range, RAW samples
+    (logs / "b.log").write_text(
+        "CHECK cp PASS ok\n"
+        "TIME cp_attention zz_w2_s16384_tsgen: 7.370 ms/step (1.96x the twin; ideal/this 0.93, rounds 0.91-0.95)\n"
+        "TIME cp_attention zz_w2_s16384_ideal: 6.850 ms/step (single-GPU tsgen attention fwd+bwd over S 16384 / 2)\n"
+        "RAW cp_attention zz_w2_s16384 (ms/step per round; steps per sample tsgen 4): tsgen=[7.3, 7.4] ideal=[6.8]\n")
+    done = subprocess.run(tool + [str(logs)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(js.read_text())
+    assert data["times"][1:] == [
+        {"example": "cp_attention", "variant": "zz_w2_s16384_tsgen", "ms_per_step": 7.37, "vs_twin": 1.96,
+         "of_ideal": 0.93, "of_ideal_rounds": [0.91, 0.95]},
+        {"example": "cp_attention", "variant": "zz_w2_s16384_ideal", "ms_per_step": 6.85, "vs_twin": None,
+         "note": "single-GPU tsgen attention fwd+bwd over S 16384 / 2"}]
+    assert data["raw"] == [{"example": "cp_attention", "key": "zz_w2_s16384",
+                            "samples": "(ms/step per round; steps per sample tsgen 4): tsgen=[7.3, 7.4] ideal=[6.8]"}]
+    assert "| cp_attention | zz_w2_s16384_tsgen | 7.370 | 1.96 | 0.93 (0.91-0.95) |" in js.with_suffix(".md").read_text()
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "b.log").write_text("TIME x y: 1.0 ms/step (1.00x the twin)\n")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -452,3 +453,93 @@ def test_kv_together_refuses_k_and_v_that_differ(groups):
         cp.gather_kv(k, torch.randn(1, 8, sig.kv_heads + 4, sig.head_dim, dtype=torch.float64))
     with pytest.raises(TsgenArgumentError, match=r"argument v: .*float32"):
         cp.gather_kv(k, k.float())
+
+
+# -- tests/torch_checks.py --cp's step times (cp_step_times), the parts that need no GPU ------------------
+
+def test_cp_time_settings():
+    """CP_TIME_SEQS / CP_TIME_VARIANTS / CP_TIME_ROUNDS: the defaults where unset or empty, the variants in
+    the TIME lines' order whatever order they are named in, a wrong one refused by name."""
+    tc = torch_checks()
+    assert tc.cp_time_settings({}) == ([2048, 8192, 16384, 32768], ["tsgen", "twin", "twin_cudnn", "ideal"], 8)
+    assert tc.cp_time_settings({"CP_TIME_SEQS": " ", "CP_TIME_VARIANTS": "", "CP_TIME_ROUNDS": ""})[2] == 8
+    env = {"CP_TIME_SEQS": "8192 16384 32768", "CP_TIME_VARIANTS": "ideal tsgen_overlap tsgen", "CP_TIME_ROUNDS": "4"}
+    assert tc.cp_time_settings(env) == ([8192, 16384, 32768], ["tsgen", "tsgen_overlap", "ideal"], 4)
+    for bad, match in (({"CP_TIME_VARIANTS": "tsgen sdpa"}, "not sdpa"), ({"CP_TIME_SEQS": "8k"}, "whole numbers"),
+                       ({"CP_TIME_ROUNDS": "0"}, "rounds >= 1"), ({"CP_TIME_ROUNDS": "4 8"}, "whole numbers")):
+        with pytest.raises(ValueError, match=match):
+            tc.cp_time_settings(bad)
+    assert [tc.steps_per_sample(x) for x in (0.1, 2.2, 12.5, 13.0, 35.0)] == [250, 12, 2, 2, 2]
+
+
+def test_cp_time_rounds_on_the_host():
+    """cp_time_rounds on the timing core's host clock, steps that sleep: each implementation's estimate
+    (2 warm-up steps, 1 timed), then every round one sample of each, in round_order's balanced order,
+    each sample the lineup, 1 settling step and N (about 25 ms) timed steps, grads cleared before every
+    step; a twin that SDPA refuses is left out with its reason, a refusing tsgen op is an error."""
+    from tsgen.bench.timing import HostClock, round_order
+
+    tc = torch_checks()
+    log, leaf = [], torch.zeros(2, requires_grad=True)
+
+    def step(label, ms):
+        def run():
+            assert leaf.grad is None  # cleared by the core's call
+            leaf.grad = torch.ones(2)
+            log.append(label)
+            time.sleep(ms / 1e3)
+        return run
+
+    def refuse():
+        log.append("twin_cudnn")
+        raise RuntimeError("No available kernel. Aborting execution.\nmore")
+
+    lined = []
+    steps = {"tsgen": (step("tsgen", 5), (leaf,)), "twin_cudnn": (refuse, (leaf,)),
+             "ideal": (step("ideal", 9), (leaf,))}
+    got = tc.cp_time_rounds(HostClock(torch), 0, {0: None}, steps, 4, lambda: lined.append(1), "case")
+    assert got["refused"] == {"twin_cudnn": "No available kernel. Aborting execution."} and not got["problems"]
+    assert list(got["ms"]) == ["tsgen", "ideal"] and all(len(x) == 4 for x in got["ms"].values())
+    assert got["order"] == [round_order(["tsgen", "ideal"], i) for i in range(4)]
+    calls = got["calls"]
+    assert calls == {x: tc.steps_per_sample(got["estimate_ms"][x]) for x in ("tsgen", "ideal")}
+    assert 2 <= calls["ideal"] <= calls["tsgen"] <= 5  # ~25 ms at 5 and 9 ms a step (or more: a busy host)
+    want = ["tsgen"] * 3 + ["twin_cudnn"] + ["ideal"] * 3  # the estimates
+    for order in got["order"]:
+        want += [x for label in order for x in [label] * (1 + calls[label])]
+    assert log == want and len(lined) == 2 + 4 * 2
+    assert min(got["ms"]["tsgen"]) >= 5 and min(got["ms"]["ideal"]) >= 9  # ms per step, not per sample
+    with pytest.raises(RuntimeError, match="No available kernel"):
+        tc.cp_time_rounds(HostClock(torch), 0, {0: None}, {"tsgen": (refuse, ())}, 2, lambda: None, "case")
+
+
+def test_cp_time_lines():
+    """The TIME lines (median ms/step; the twin's and the ideal's samples over this one's, paired round
+    by round, the latter with its min-max) and the RAW line with every round's sample."""
+    tc = torch_checks()
+    ms = {"tsgen": [10.0, 9.0, 11.0], "twin": [11.0, 9.9, 10.0], "ideal": [9.0, 9.0, 10.4]}
+    lines = tc.cp_time_lines("hd128_contiguous_w2_s16384", ms, {"tsgen": 3, "twin": 3, "ideal": 2}, 16384, 2)
+    assert lines == [
+        "TIME cp_attention hd128_contiguous_w2_s16384_tsgen: 10.000 ms/step (1.10x the twin; ideal/this 0.95, "
+        "rounds 0.90-1.00)",
+        "TIME cp_attention hd128_contiguous_w2_s16384_twin: 10.000 ms/step (1.00x the twin; ideal/this 0.91, "
+        "rounds 0.82-1.04)",
+        "TIME cp_attention hd128_contiguous_w2_s16384_ideal: 9.000 ms/step (single-GPU tsgen attention fwd+bwd "
+        "over S 16384 / 2)",
+        "RAW cp_attention hd128_contiguous_w2_s16384 (ms/step per round; steps per sample tsgen 3, twin 3, "
+        "ideal 2): tsgen=[10.000, 9.000, 11.000] twin=[11.000, 9.900, 10.000] ideal=[9.000, 9.000, 10.400]"]
+    alone = tc.cp_time_lines("k", {"tsgen": [1.0, 2.0]}, {"tsgen": 2}, 8, 2)
+    assert alone == ["TIME cp_attention k_tsgen: 1.500 ms/step", "RAW cp_attention k (ms/step per round; steps per "
+                     "sample tsgen 2): tsgen=[1.000, 2.000]"]
+
+
+def test_rel_errors():
+    """The timed step's check: norm error within the bound and every element finite, on both sides."""
+    tc = torch_checks()
+    want = {"o": torch.ones(4, dtype=BF16), "dq": torch.ones(4)}
+    ok, text = tc.rel_errors({"o": torch.ones(4, dtype=BF16), "dq": torch.tensor([1.0, 1.0, 1.0, 1.03])}, want, 2e-2)
+    assert ok and text == "o 0.0e+00, dq 1.5e-02"
+    ok, text = tc.rel_errors({"o": torch.ones(4, dtype=BF16), "dq": torch.tensor([1.0, 1.0, 1.0, 1.1])}, want, 2e-2)
+    assert not ok and text.endswith("dq 5.0e-02 FAIL")
+    ok, text = tc.rel_errors({"o": torch.tensor([1.0, 1.0, 1.0, float("inf")])}, want, 2e-2)
+    assert not ok and "NOT FINITE FAIL" in text

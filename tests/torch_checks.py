@@ -39,8 +39,12 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
   kv_together (the first case) and with overlap_backward (both cases: the backward by runs of key rows,
   the peers' reduce-scatter on a side stream beside the own rows' kernels); negative controls (the dK /
   dV reduce-scatter left out, by default and with overlap_backward) that must be caught; step times
-  against an NCCL all_gather + SDPA twin and the single-GPU ideal. With --shared: ranks on one GPU,
-  gloo, MPS, S 2048, no times.
+  (cp_step_times) against an NCCL all_gather + SDPA twin and the single-GPU ideal at each S of
+  CP_TIME_SEQS (default "2048 8192 16384 32768"), the implementations CP_TIME_VARIANTS names (default
+  "tsgen ideal twin twin_cudnn"; tsgen_kv_together and tsgen_overlap too where named) in CP_TIME_ROUNDS
+  interleaved rounds (default 8), every round's samples in the file CP_TIME_JSON names (where set), each
+  timed S's O, dQ, dK, dV against the single-GPU op's. With --shared: ranks on one GPU, gloo, MPS, S 2048,
+  no times.
 --probe: both ranks call allgather once (CUDA IPC heaps on a gloo group: no NCCL watchdog to
   take the process down), then rank 1 stops calling: rank 0's kernel waits for it, times out after
   the spec's sync.timeout_ms (10 s), traps, and tsgen.torch.synchronize() must raise the kernel's
@@ -64,8 +68,10 @@ Exit code 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -1053,6 +1059,123 @@ def attention_checks() -> None:
 CP_CASES = (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous"))
 CP_SEQS = (2048, 8192)  # the whole sequence S; each rank holds S / W rows
 CP_SHARED_SEQS = (2048,)  # ranks sharing one GPU: every rank computes the whole reference
+# cp_step_times (module doc): what it times, from the environment; unset or empty: these
+CP_TIME_DEFAULTS = {"CP_TIME_SEQS": "2048 8192 16384 32768", "CP_TIME_VARIANTS": "tsgen ideal twin twin_cudnn",
+                    "CP_TIME_ROUNDS": "8"}
+# every implementation it can time, in the order of its TIME lines (kv_together: the first case only)
+CP_TIME_LABELS = ("tsgen", "tsgen_kv_together", "tsgen_overlap", "twin", "twin_cudnn", "ideal")
+CP_SAMPLE_MS = 25.0  # one sample: about this long, and at least 2 steps (steps_per_sample)
+CP_TIME_ORDER = "balanced"  # tsgen.bench.timing.round_order's Williams design
+CP_TIME_MAX_REL_ERR = 2e-2  # the timed cp step against the single-GPU step, both bf16 tsgen results, in norm
+
+
+def cp_time_settings(env=os.environ) -> tuple[list[int], list[str], int]:
+    """(sequence lengths, implementations in CP_TIME_LABELS order, rounds) of cp_step_times, from
+    CP_TIME_SEQS, CP_TIME_VARIANTS (space-separated) and CP_TIME_ROUNDS; ValueError naming a wrong one."""
+    def words(name):
+        return (env.get(name) or "").split() or CP_TIME_DEFAULTS[name].split()
+
+    try:
+        seqs, rounds = [int(x) for x in words("CP_TIME_SEQS")], int(" ".join(words("CP_TIME_ROUNDS")))
+    except ValueError as e:
+        raise ValueError(f"CP_TIME_SEQS / CP_TIME_ROUNDS: whole numbers ({e})") from None
+    variants = words("CP_TIME_VARIANTS")
+    unknown = sorted(set(variants) - set(CP_TIME_LABELS))
+    if unknown or min(seqs) < 1 or rounds < 1:
+        raise ValueError(f"CP_TIME_SEQS {seqs}, CP_TIME_ROUNDS {rounds}, CP_TIME_VARIANTS {variants}: sequence "
+                         f"lengths and rounds >= 1, variants of {' '.join(CP_TIME_LABELS)}"
+                         + (f" (not {' '.join(unknown)})" if unknown else ""))
+    return seqs, [x for x in CP_TIME_LABELS if x in variants], rounds
+
+
+def steps_per_sample(step_ms: float, sample_ms: float = CP_SAMPLE_MS) -> int:
+    """Steps in one timed sample: about `sample_ms` of them at `step_ms` a step (a first estimate),
+    at least 2."""
+    return max(2, math.ceil(sample_ms / max(step_ms, 1e-6)))
+
+
+def cp_time_rounds(clock, rank: int, streams, steps: dict, rounds: int, lineup, key: str,
+                   refusable: tuple = ("twin", "twin_cudnn")) -> dict:
+    """Time `steps` (label -> (step, its leaves), in the order given) in interleaved rounds with
+    tsgen.bench.timing's core on `clock` (cp_step_times says how): per label an estimate (2 steps of
+    warm-up, 1 timed), N = steps_per_sample(it), then `rounds` rounds of one sample each (lineup, 1
+    settling step, N timed) in round_order's order. A label of `refusable` whose step raises a
+    RuntimeError (SDPA refuses a mask, shape or backend) is left out with its reason. Returns
+    {"estimate_ms", "calls" (N), "order" (each round's), "ms" (each round's sample, ms per step),
+    "refused", "problems" (the core's witness and region checks)}."""
+    from tsgen.bench.timing import Sampler, round_order, time_calls, time_interleaved
+
+    def timed(step, leaves):  # the core's call i: the step, the leaves' grads cleared first
+        def call(i, ranks):
+            for t in leaves:
+                t.grad = None
+            step()
+        return call
+
+    estimate, refused, problems = {}, {}, []
+    for label, (step, leaves) in steps.items():
+        try:  # an SDPA refusal comes in the forward on every rank alike, after the same collectives
+            t = time_calls(clock, [rank], streams, timed(step, leaves), calls=1, reps=1, warmup=2, graphs=False,
+                           before_sample=lineup, label=f"{key} {label} estimate")
+        except RuntimeError as e:
+            if label not in refusable:
+                raise
+            refused[label] = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+            continue
+        estimate[label] = t.samples_us[0] / 1e3  # the slowest rank's: the same on every rank, and so is N
+        problems += t.problems
+    calls = {label: steps_per_sample(est) for label, est in estimate.items()}
+    samplers = {label: Sampler(clock, [rank], streams, timed(*steps[label]), calls=calls[label], warmup=0,
+                               graphs=False, before_sample=lineup, settle=1, label=f"{key} {label}")
+                for label in estimate}
+    timings = time_interleaved(samplers, rounds, CP_TIME_ORDER)
+    return {"estimate_ms": estimate, "calls": calls,
+            "order": [round_order(list(samplers), i, CP_TIME_ORDER) for i in range(rounds)],
+            "ms": {label: [x / 1e3 for x in t.samples_us] for label, t in timings.items()},
+            "refused": refused, "problems": problems + [x for t in timings.values() for x in t.problems]}
+
+
+def cp_time_lines(key: str, ms: dict[str, list[float]], calls: dict[str, int], S: int, w: int) -> list[str]:
+    """cp_step_times' lines of one case at one S, from `ms`: each implementation's samples in ms per step,
+    sample i from round i (the ideal's already divided by W). A TIME line per implementation: the median
+    over rounds, the twin's sample over this one's (`Rx the twin`) and the ideal's over this one's
+    (`ideal/this`) each paired round by round (tsgen.bench.timing.paired_ratio), the latter's median with
+    its min-max over rounds; the ideal's own line; then one RAW line with every round's sample and the
+    steps per sample (`calls`)."""
+    from tsgen.bench.timing import paired_ratio
+
+    lines = []
+    for label in [x for x in CP_TIME_LABELS if x in ms and x != "ideal"]:
+        parts = []
+        if "twin" in ms:
+            parts.append(f"{paired_ratio(ms['twin'], ms[label])['ratio']:.2f}x the twin")
+        if "ideal" in ms:
+            p = paired_ratio(ms["ideal"], ms[label])
+            parts.append(f"ideal/this {p['ratio']:.2f}, rounds {p['min']:.2f}-{p['max']:.2f}")
+        lines.append(f"TIME cp_attention {key}_{label}: {statistics.median(ms[label]):.3f} ms/step"
+                     + (f" ({'; '.join(parts)})" if parts else ""))
+    if "ideal" in ms:
+        lines.append(f"TIME cp_attention {key}_ideal: {statistics.median(ms['ideal']):.3f} ms/step (single-GPU "
+                     f"tsgen attention fwd+bwd over S {S} / {w})")
+    labels = [x for x in CP_TIME_LABELS if x in ms]
+    lines.append(f"RAW cp_attention {key} (ms/step per round; steps per sample "
+                 + ", ".join(f"{x} {calls[x]}" for x in labels) + "): "
+                 + " ".join(f"{x}=[{', '.join(f'{v:.3f}' for v in ms[x])}]" for x in labels))
+    return lines
+
+
+def rel_errors(got: dict, want: dict, bound: float) -> tuple[bool, str]:
+    """Each tensor of `got` against the same-named one of `want` in norm, ||got - want|| / ||want||
+    within `bound`, every element of both finite: (all good, "o 2.1e-03, dq ...")."""
+    ok, notes = True, []
+    for name, g in got.items():
+        g, r = g.float(), want[name].float()
+        finite = bool(torch.isfinite(g).all()) and bool(torch.isfinite(r).all())
+        rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
+        good = finite and rel <= bound
+        ok &= good
+        notes.append(f"{name} {rel:.1e}{'' if finite else ' NOT FINITE'}{'' if good else ' FAIL'}")
+    return ok, ", ".join(notes)
 
 
 def cp_reference(sig, q, k, v, do) -> dict:
@@ -1212,35 +1335,78 @@ def cp_checks(group, shared: bool) -> None:
 
     @checked(f"cp_step_times_w{w}")
     def times():
-        """Forward + backward per step, batch 1, CUDA events around 10 steps after 3 of warm-up, each rank
-        its own: tsgen.torch.cp_attention; the twin, NCCL all_gather_into_tensor of K and V (its
-        backward reduce_scatter_tensor, examples/torch/twins.py), the gathered rows in position
-        order, SDPA per query segment (causal zig-zag: two segments, each against the keys up to its
-        end, causal_lower_right), SDPA's default backends and cuDNN alone; and the single-GPU ideal,
-        tsgen.torch.attention over the whole sequence on one GPU divided by W (the issue's target
-        for the fused version: >= 0.90 of it)."""
+        """Forward + backward per step, batch 1, at each S of CP_TIME_SEQS (default 2048 8192 16384 32768),
+        of the implementations CP_TIME_VARIANTS names (default tsgen ideal twin twin_cudnn): tsgen, the
+        default tsgen.torch.cp_attention (tsgen_kv_together and tsgen_overlap: its variants, the cases
+        loaded with them); twin, NCCL all_gather_into_tensor of K and V (its backward
+        reduce_scatter_tensor, examples/torch/twins.py), the gathered rows in position order, SDPA per
+        query segment (causal zig-zag: two segments, each against the keys up to its end,
+        causal_lower_right), SDPA's default backends (twin_cudnn: cuDNN alone); ideal, the single-GPU
+        tsgen.torch.attention over the whole sequence on one GPU (every rank on its own), divided by W
+        (the issue's target for the fused version: >= 0.90 of it). Every implementation takes the same
+        inputs: the whole sequence's (the ideal), this rank's rows of them (the others).
+
+        Timed with tsgen.bench.timing's core, each rank on its current stream (TorchClock): first an
+        estimate per implementation (2 steps of warm-up, 1 timed), then CP_TIME_ROUNDS rounds (default
+        8), each taking one sample of every implementation in round_order's balanced order (each takes
+        every place and follows every other equally often over a cycle, so a drift in clocks or
+        temperature falls on all alike). A sample: the ranks line up (synchronize, barrier), one untimed
+        settling step, then N steps between two CUDA events, N = steps_per_sample(estimate): about 25
+        ms, at least 2 steps; each step after the leaves' grads are cleared. A sample's time is the
+        slowest rank's (all_reduce max), so the estimate, N and every number below are the same on
+        every rank, and every rank runs the same steps (the collectives) in the same order. Reported:
+        per implementation the median ms/step over rounds; the ideal over it and the twin over it,
+        each paired round by round (median, ideal/this with its min-max), every round's sample on a
+        RAW line (cp_time_lines), and with CP_TIME_JSON set, rank 0 writes per case and S every
+        round's samples, N, the rounds and the order to that file. Refused by SDPA (a mask, shape or
+        backend): a note, no time.
+
+        Then each timed S is checked: one more step of each timed tsgen op (the default always) and of
+        the single-GPU op, fresh grads, this rank's O, dQ, dK, dV (k.grad: this rank's key rows, summed
+        over every rank's queries) against the single-GPU step's at this rank's rows, within
+        CP_TIME_MAX_REL_ERR in norm, every element finite. A wrong result or a timing that brackets no
+        step (the core's witness and region checks) fails the check."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.bias import causal_lower_right
+        from tsgen.bench.timing import TorchClock, paired_ratio
 
-        notes = []
+        seqs, variants, rounds = cp_time_settings()
+        clock = TorchClock(torch, dist, torch.device("cuda", torch.cuda.current_device()))
+        streams = {r: torch.cuda.current_stream()}
+        json_path = os.environ.get("CP_TIME_JSON")
+        saved = {"world": w, "rounds": rounds, "round_order": CP_TIME_ORDER, "sample_ms": CP_SAMPLE_MS,
+                 "variants": variants, "cases": [],
+                 "ideal": "ms, median_ms: the single-GPU step / world; estimate_ms: the single-GPU step"}
+        ok, notes, errors, problems = True, [], [], []
+
+        def lineup():
+            dist.barrier(group)
+
         for (name, layout), cp in ops.items():
             sig = cp.attention.signature
             group_heads = sig.heads // sig.kv_heads
-            for S in CP_SEQS:
+            tsgen_ops = {"tsgen": cp, "tsgen_kv_together": together.get((name, layout)),
+                         "tsgen_overlap": overlapped.get((name, layout))}
+            for S in seqs:
                 n = S // w
-                q, k, v, do = attention_inputs(sig, 1, n, n, gen)
+                key = f"{name}_{layout}_w{w}_s{S}"
+                rows = torch.tensor(row_positions(cp.layout, w, n, r), device="cuda")
+                whole = attention_inputs(sig, 1, S, S, gen)  # the same on every rank (the same generator)
+                q, k, v, do = (x.index_select(1, rows).contiguous() for x in whole)  # this rank's rows
                 q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+                qf, kf, vf = (x.requires_grad_(True) for x in whole[:3])
+                dof = whole[3]
                 pos = cp_positions_of(cp, n)
                 order = cp_gather_order(cp, n)
 
-                def tsgen_step():
-                    cp(q, k, v).backward(do)
+                def tsgen_step(op):
+                    return lambda: op(q, k, v).backward(do)
 
                 def twin_step():
-                    kf, vf = (twins.AllGather.apply(x.transpose(0, 1), group).transpose(0, 1) for x in (k, v))
+                    kf_, vf_ = (twins.AllGather.apply(x.transpose(0, 1), group).transpose(0, 1) for x in (k, v))
                     if order is not None:
-                        kf, vf = kf[:, order], vf[:, order]
-                    kb, vb = kf.transpose(1, 2), vf.transpose(1, 2)
+                        kf_, vf_ = kf_[:, order], vf_[:, order]
+                    kb, vb = kf_.transpose(1, 2), vf_.transpose(1, 2)
                     segs = ([(0, pos[1], pos[0] + pos[1]), (pos[1], n, pos[2] + n - pos[1])] if sig.causal
                             else [(0, n, S)])
                     outs = []
@@ -1252,51 +1418,64 @@ def cp_checks(group, shared: bool) -> None:
                             **({"enable_gqa": True} if group_heads > 1 else {})))
                     torch.cat(outs, 2).transpose(1, 2).backward(do)
 
-                def timed(step, leaves=(q, k, v)):
-                    """GPU ms per step (step_ms)."""
-                    return step_ms(step, group, leaves)[0]
-
-                ms = {"tsgen": timed(tsgen_step)}
-                if (name, layout) in together:  # the same step with kv_together (one collective call where two)
-                    cp_kv = together[(name, layout)]
-
-                    def together_step():
-                        cp_kv(q, k, v).backward(do)
-                    ms["tsgen_kv_together"] = timed(together_step)
-                if (name, layout) in overlapped:  # the backward by runs of key rows, the reduce-scatter overlapped
-                    cp_ov = overlapped[(name, layout)]
-
-                    def overlap_step():
-                        cp_ov(q, k, v).backward(do)
-                    ms["tsgen_overlap"] = timed(overlap_step)
-                for label, backends in (("twin", None), ("twin_cudnn", [SDPBackend.CUDNN_ATTENTION])):
-                    try:  # the same on every rank: a refusal is every rank's, before any collective
-                        if backends is None:
-                            ms[label] = timed(twin_step)
-                        else:
-                            with sdpa_kernel(backends):
-                                ms[label] = timed(twin_step)
-                    except RuntimeError as e:  # SDPA refuses this mask, shape or backend
-                        notes.append(f"{name} s{S} {label}: {str(e).splitlines()[0][:100]}")
-                qf, kf, vf, dof = (x.requires_grad_(i < 3) for i, x in enumerate(attention_inputs(sig, 1, S, S, gen)))
+                def cudnn_step():
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        twin_step()
 
                 def single_step():
                     cp.attention(qf, kf, vf).backward(dof)
 
-                ms["ideal"] = timed(single_step, (qf, kf, vf)) / w
+                steps = {label: (tsgen_step(op), (q, k, v)) for label, op in tsgen_ops.items() if op is not None}
+                steps.update(twin=(twin_step, (q, k, v)), twin_cudnn=(cudnn_step, (q, k, v)),
+                             ideal=(single_step, (qf, kf, vf)))
+                got = cp_time_rounds(clock, r, streams, {x: steps[x] for x in variants if x in steps}, rounds,
+                                     lineup, key)
+                ms = {x: [one / w for one in y] if x == "ideal" else y for x, y in got["ms"].items()}
+                problems += got["problems"]
+
+                # the check: one more step of each timed tsgen op and of the single-GPU op, fresh grads
+                for t in (qf, kf, vf):
+                    t.grad = None
+                o1 = cp.attention(qf, kf, vf)
+                o1.backward(dof)
+                want = {n_: x.index_select(1, rows) for n_, x in (("o", o1.detach()), ("dq", qf.grad),
+                                                                  ("dk", kf.grad), ("dv", vf.grad))}
+                checked_ops = [label for label in tsgen_ops if label == "tsgen" or label in ms]
+                for label in checked_ops:
+                    for t in (q, k, v):
+                        t.grad = None
+                    o = tsgen_ops[label](q, k, v)
+                    o.backward(do)
+                    good, text = rel_errors({"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, want,
+                                            CP_TIME_MAX_REL_ERR)
+                    ok &= good
+                    errors.append(f"{name} s{S} {label}: {text}")
+
                 if r == 0:
-                    for label in [x for x in ("tsgen", "tsgen_kv_together", "tsgen_overlap", "twin", "twin_cudnn")
-                                  if x in ms]:
-                        vs = f"{ms['twin'] / ms[label]:.2f}x the twin; " if "twin" in ms else ""
-                        print(f"TIME cp_attention {name}_{layout}_w{w}_s{S}_{label}: {ms[label]:.3f} ms/step "
-                              f"({vs}ideal/this {ms['ideal'] / ms[label]:.2f})", flush=True)
-                    print(f"TIME cp_attention {name}_{layout}_w{w}_s{S}_ideal: {ms['ideal']:.3f} ms/step (single-GPU "
-                          f"tsgen attention fwd+bwd over S {S} / {w})", flush=True)
-                kv = "".join(f", {label} {ms['tsgen_' + label]:.2f} ms ({ms['ideal'] / ms['tsgen_' + label]:.2f})"
-                             for label in ("kv_together", "overlap") if "tsgen_" + label in ms)
-                notes.append(f"{name} {layout} s{S}: tsgen {ms['tsgen']:.2f} ms, twin {ms.get('twin', float('nan')):.2f} "
-                             f"ms, {ms['ideal'] / ms['tsgen']:.2f} of ideal{kv}")
-        return True, "; ".join(notes) + " (fwd + bwd, batch 1; a first reading)"
+                    for line in cp_time_lines(key, ms, got["calls"], S, w):
+                        print(line, flush=True)
+                    notes += [f"{name} s{S} {x}: {why}" for x, why in got["refused"].items()]
+                    saved["cases"].append({
+                        "case": name, "layout": layout, "S": S, **got, "ms": ms,
+                        "median_ms": {x: statistics.median(y) for x, y in ms.items()},
+                        "ideal_over": {x: paired_ratio(ms["ideal"], y) for x, y in ms.items()
+                                       if "ideal" in ms and x != "ideal"},
+                        "check_rank0": errors[-len(checked_ops):]})
+                    if json_path:  # after every S: a step stopped by its timeout leaves what it finished
+                        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+                        Path(json_path).write_text(json.dumps(saved, indent=1) + "\n")
+                    if "tsgen" in ms and "ideal" in ms:
+                        p = paired_ratio(ms["ideal"], ms["tsgen"])
+                        twin = f", twin {statistics.median(ms['twin']):.2f} ms" if "twin" in ms else ""
+                        others = "".join(f", {x[6:]} {paired_ratio(ms['ideal'], ms[x])['ratio']:.2f}"
+                                         for x in ("tsgen_kv_together", "tsgen_overlap") if x in ms)
+                        notes.append(f"{name} {layout} s{S}: tsgen {statistics.median(ms['tsgen']):.2f} ms{twin}, "
+                                     f"{p['ratio']:.2f} of ideal ({p['min']:.2f}-{p['max']:.2f}){others}")
+        ok &= not problems
+        detail = "; ".join(notes) + (f" (fwd + bwd, batch 1, median over {rounds} interleaved rounds)"
+                                     if notes else "")
+        return ok, "; ".join(x for x in (detail, "check vs single-GPU, rel err: " + "; ".join(errors),
+                                          "; ".join(problems)) if x)
 
     times()
 
@@ -1310,7 +1489,8 @@ def every_rank_done(group) -> None:
 def step_ms(step, group, leaves=(), warmup: int = 3, reps: int = 10) -> tuple[float, float]:
     """(GPU ms, host ms) per call of `step`: the group's ranks start together, `warmup` calls, then
     `reps` between CUDA events on the current stream, each call after the leaves' grads are cleared
-    (tools/torch_cp_pieces.py times its pieces with it too)."""
+    (tools/torch_cp_pieces.py times its pieces with it; cp_step_times takes tsgen.bench.timing's
+    interleaved rounds instead, each sample a slowest-rank reading of this same bracket)."""
     dist.barrier(group)
     for i in range(warmup + reps):
         if i == warmup:

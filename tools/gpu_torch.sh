@@ -31,9 +31,11 @@
 #      tiny module; forward + backward in a CUDA graph, 20 replays, each checked; step times beside SDPA's
 #   6b. tests/torch_checks.py --cp (TORCH_STEPS=cp, 2 ranks, NCCL): tsgen.torch.cp_attention, zig-zag causal GQA and
 #      contiguous not causal at S 2048 and 8192, every rank's O / LSE / dQ / dK / dV against float32 SDPA autograd over
-#      the whole sequence (by default, kv_together, overlap_backward), negative controls (no reduce-scatter), step
-#      times beside NCCL all_gather + SDPA and the single-GPU ideal; cp_shared (under MPS, below): the same at W 2,
-#      4 and 8 on GPU 0, S 2048, no times
+#      the whole sequence (by default, kv_together, overlap_backward), negative controls (no reduce-scatter); step
+#      times at each S of CP_TIME_SEQS (default 2048 8192 16384 32768) beside NCCL all_gather + SDPA and the
+#      single-GPU ideal, in CP_TIME_ROUNDS interleaved rounds (default 8; TIME lines: medians and ideal/this paired
+#      per round, RAW lines: every round), each timed S's O / dQ / dK / dV against the single-GPU op's (2e-2 in
+#      norm); cp_shared (under MPS, below): the same at W 2, 4 and 8 on GPU 0, S 2048, no times
 #   7. tests/torch_checks.py --shared, last: 4 ranks on GPU 0 alone (CUDA_VISIBLE_DEVICES=0), a gloo
 #      group (no NCCL), TSGEN_SHARE_GPUS=1, under an MPS control daemon started for this step and
 #      stopped after it (tools/mps.sh; the steps before run without MPS): allgather / reduce_scatter /
@@ -43,6 +45,9 @@
 #      ranks run with CUDA_DEVICE_MAX_CONNECTIONS at the driver's default: under MPS the clients'
 #      hardware queues come out of one pool (docs/lab/shared_gpu.md: 4 clients x 32 fail).
 # Environment: TP_ARGS, ULYSSES_ARGS, MOE_ARGS (extra arguments of the examples), TSGEN_TORCH_HEAP (auto | symm_mem | ipc),
+# CP_TIME_SEQS (the cp step's timed S, space-separated; default "2048 8192 16384 32768"), CP_TIME_VARIANTS (of tsgen
+# tsgen_kv_together tsgen_overlap twin twin_cudnn ideal; default "tsgen ideal twin twin_cudnn"), CP_TIME_ROUNDS
+# (default 8), CP_TIME_JSON (a path: rank 0 writes every round's samples there; e.g. $OUT/torch/cp_times.json),
 # TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe attention cp shared cp_shared; default all; environment and
 # compile always run; cp_pieces, run only when named: tools/torch_cp_pieces.py, the cp step's time piece by piece).
 # One GPU: TORCH_STEPS=shared bash tools/gpu_torch.sh, TORCH_STEPS=attention bash tools/gpu_torch.sh
