@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# FlashAttention-4's wheels (flash-attn-4 and its needs: nvidia-cutlass-dsl with its cu13 libraries,
-# apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels; cuda-bindings, cuda-pathfinder, protobuf and einops
-# as fallbacks) onto the device machine in parts: together ~106 MiB, more than one device call carries
-# (64 MiB with the working tree, ~14 MB). The parts live in the git-ignored folder .whl-fa4/ (never
-# committed); each call carries one part, and a warm machine keeps what a call left in /tmp.
+# FlashAttention-4's wheels (flash-attn-4 and its needs: nvidia-cutlass-dsl, which is only metadata and
+# a .pth, with nvidia-cutlass-dsl-libs-core (the DSL's Python: cutlass/cute, ...), -libs-base (cutlass/_mlir,
+# iket) and -libs-cu13 (the _cutlass_ir .so and libcute_dsl_runtime; -libs-cu12, which its metadata also
+# names, is not needed); apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels; protobuf and einops as
+# fallbacks; cuda-bindings and cuda-pathfinder come with the device's torch 2.11) onto the device machine
+# in parts: together ~98 MiB, more than one device call carries (64 MiB with the working tree, ~14 MB).
+# The set that imports (flash-attn-4 4.0.0b36, cp312 manylinux x86_64): flash_attn_4 4.0.0b36,
+# nvidia_cutlass_dsl{,_libs_core,_libs_base,_libs_cu13} 4.8.1, apache_tvm_ffi 0.1.15.post2,
+# torch_c_dlpack_ext 0.1.5, quack_kernels 0.6.5, protobuf 7.36.2, einops 0.8.2. split refuses a set whose
+# nvidia-cutlass-dsl wheels lack cutlass/cute or the cu13 _cutlass_ir (an earlier set without -libs-core
+# installed but failed with "No module named 'cutlass.cute'"). The parts live in the git-ignored folder
+# .whl-fa4/ (never committed); each call carries one part, and a warm machine keeps what a call left in /tmp.
 #
 #   here:    bash tools/fa4_wheels.sh split DIR [DEST=.whl-fa4] [PART_MIB=40]
 #            DIR's wheels cut into byte chunks of at most PART_MIB and packed in order into DEST/part1,
@@ -22,7 +29,7 @@
 #                                               importable (the .pth nvidia-cutlass-dsl ships is not read
 #                                               from a PYTHONPATH folder: its dsl_packages is added)
 #
-# The sequence on the next GPU session (three parts at PART_MIB 40: 40 + 40 + 26 MiB), each call within
+# The sequence on the next GPU session (three parts at PART_MIB 40: 40 + 40 + 18 MiB), each call within
 # 30 s of the last one's end so the machine stays warm (a fresh machine has an empty /tmp: start over):
 #   call 1: carry [".whl-fa4/part1"]   bash tools/fa4_wheels.sh stash
 #   call 2: carry [".whl-fa4/part2"]   bash tools/fa4_wheels.sh stash
@@ -42,7 +49,7 @@ PYTHON=${PYTHON:-python3}
 # ours first on PYTHONPATH would shadow the versions its torch and cupy were installed with)
 FALLBACK=${FA4_FALLBACK:-cuda_bindings cuda_pathfinder protobuf einops}
 
-die() { echo "fa4_wheels: $*" >&2; exit "${2:-2}"; }
+die() { echo "fa4_wheels: $1" >&2; exit "${2:-2}"; }
 
 sha() { sha256sum "$1" | cut -d' ' -f1; }
 
@@ -51,6 +58,7 @@ cmd_split() {
   local limit=$((mib * 1024 * 1024)) part=1 used=0 w name size piece psize
   ls "$dir"/*.whl >/dev/null 2>&1 || die "no wheels in $dir"
   [ ! -e "$dest" ] || die "$dest exists: remove it first"
+  dsl_complete "$dir"
   local tmp; tmp=$(mktemp -d); trap 'rm -rf "$tmp"' RETURN
   mkdir -p "$dest/part1"
   (cd "$dir" && sha256sum -- *.whl) > "$tmp/SHA256SUMS"
@@ -77,6 +85,23 @@ cmd_split() {
   for d in "$dest"/part*; do cp "$tmp/SHA256SUMS" "$tmp/FILES" "$d/"; done
   echo "split $(wc -l < "$tmp/SHA256SUMS") wheels of $dir into $part parts under $dest (at most $mib MiB each):"
   du -sh "$dest"/part* | sed 's/^/  /'
+}
+
+# dsl_complete DIR: where DIR has nvidia-cutlass-dsl's wheels, they hold the DSL's Python (cutlass/cute,
+# in nvidia-cutlass-dsl-libs-core), cutlass/_mlir/_mlir_libs (-libs-base) and a cu13 _cutlass_ir (-libs-cu13)
+dsl_complete() {
+  ls "$1"/nvidia_cutlass_dsl*.whl >/dev/null 2>&1 || return 0
+  "$PYTHON" - "$1" <<'EOF' || die "the nvidia-cutlass-dsl wheels in $1 are incomplete (pip download its -libs-core, -libs-base and -libs-cu13 of the same version too)"
+import glob, re, sys, zipfile
+names = [n for w in glob.glob(sys.argv[1] + "/nvidia_cutlass_dsl*.whl") for n in zipfile.ZipFile(w).namelist()]
+need = {"cutlass/cute (nvidia-cutlass-dsl-libs-core)": r"nvidia_cutlass_dsl/dsl_packages/cutlass/cute/__init__\.py$",
+        "cutlass/_mlir/_mlir_libs (nvidia-cutlass-dsl-libs-base)": r"nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/__init__\.py$",
+        "the cu13 _cutlass_ir (nvidia-cutlass-dsl-libs-cu13)": r"/_cutlass_ir\.cu13\..*\.so$"}
+missing = [what for what, rx in need.items() if not any(re.search(rx, n) for n in names)]
+for what in missing:
+    print(f"fa4_wheels: no {what} in {sys.argv[1]}'s nvidia_cutlass_dsl*.whl", file=sys.stderr)
+sys.exit(bool(missing))
+EOF
 }
 
 # the manifest of the parts: the first FILES found carried or stashed
@@ -155,6 +180,9 @@ cmd_install() {
   done
   rm -rf "$FA4_SITE"
   "$PYTHON" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --target "$FA4_SITE" "${install[@]}"
+  if [ -d "$FA4_SITE/nvidia_cutlass_dsl" ] && [ ! -f "$FA4_SITE/nvidia_cutlass_dsl/dsl_packages/cutlass/cute/__init__.py" ]; then
+    die "installed, but $FA4_SITE/nvidia_cutlass_dsl/dsl_packages has no cutlass/cute (nvidia-cutlass-dsl-libs-core missing from the parts): import flash_attn.cute would fail" 5
+  fi
   cp "$sums" "$FA4_SITE/.fa4-installed"
   echo "installed into $FA4_SITE: $(for w in "${install[@]}"; do basename "$w" | cut -d- -f1,2; done | tr '\n' ' ')"
   cmd_env
