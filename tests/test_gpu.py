@@ -126,7 +126,8 @@ def test_negative_control_fails(spec, skew):
     record("negative_control", {"spec": spec, "removed": old, "skew": skew, "shared": shared, "pass": ok,
                                 "calls": report["calls"], "calls_wrong": report["calls_wrong"], "lines": lines})
     if skew is not None:
-        record_control(spec, report["calls"], report["calls_wrong"], world=2, shared=shared, skew=skew)
+        record_control(spec, report["calls"], report["calls_wrong"], world=2, shared=shared, skew=skew,
+                       missed=report["calls_right"])
     if ok and shared and skew is None:
         pytest.skip("not caught on a shared GPU without the lag schedule (the lag case must catch it)")
     assert not ok, "broken kernel passed:\n" + "\n".join(lines)

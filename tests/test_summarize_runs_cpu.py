@@ -97,7 +97,7 @@ def test_failed_ids_skip_reasons_and_control_detection_are_kept(tmp_path):
         "SKIPPED [2] tests/test_gpu.py:88: needs 4 GPUs; this machine has 2\n"
         "== 1 failed, 3 passed, 6 skipped, 1 error in 9.97s ==\n")
     (run / "negative_control.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
-        {"control": "ulysses_pre_a2a arrival wait", "seeds": 50, "caught": 49},
+        {"control": "ulysses_pre_a2a arrival wait", "seeds": 50, "caught": 49, "missed": [49]},
         {"control": "barrier_all", "seeds": 25, "caught": 25}, {"control": "barrier_all", "seeds": 25, "caught": 25},
         {"spec": "simple_shift", "removed": "x", "skew": None, "shared": True, "pass": False}]))
     (run / "moe.jsonl").write_text(json.dumps({"control": "moe counts wait", "seed": 3, "caught": True}) + "\n")
@@ -118,9 +118,10 @@ def test_failed_ids_skip_reasons_and_control_detection_are_kept(tmp_path):
                           {"reason": "needs MPS", "count": 1, "where": ["tests/test_gpu_ipc.py:20"]}]
     assert s["controls"] == [{"control": "barrier_all", "seeds": 50, "caught": 50, "detection": 1.0},
                              {"control": "moe counts wait", "seeds": 1, "caught": 1, "detection": 1.0},
-                             {"control": "ulysses_pre_a2a arrival wait", "seeds": 50, "caught": 49, "detection": 0.98}]
+                             {"control": "ulysses_pre_a2a arrival wait", "seeds": 50, "caught": 49, "missed": [49],
+                              "detection": 0.98}]
     text = md.read_text()
-    assert "| ulysses_pre_a2a arrival wait | 50 | 49 | 49/50 (MISSED 1) |" in text and "| barrier_all | 50 | 50 | 50/50 |" in text
+    assert "| ulysses_pre_a2a arrival wait | 50 | 49 | 49/50 (MISSED 1: call 49) |" in text and "| barrier_all | 50 | 50 | 50/50 |" in text
     assert "| `tests/test_gpu.py::test_primitive_on_gpus[moe_ll-8]` | FAILED | tsgen.errors.KernelFailed: moe_ll / boom |" in text
     assert "| 5 | needs 4 GPUs; this machine has 2 | tests/test_gpu.py:45, tests/test_gpu.py:88 |" in text
     assert "| simple_shift | none | yes |" in text  # the per-run controls' table stays

@@ -74,6 +74,8 @@ def controls(run: Path) -> list[dict]:
             c = out.setdefault(str(row["control"]), {"control": str(row["control"]), "seeds": 0, "caught": 0})
             c["seeds"] += int(row.get("seeds", 1))
             c["caught"] += int(row["caught"])
+            if row.get("missed"):  # the seeds (calls) that came out right, where the test recorded them
+                c.setdefault("missed", []).extend(row["missed"])
     for c in out.values():
         c["detection"] = round(c["caught"] / c["seeds"], 4) if c["seeds"] else None
     return sorted(out.values(), key=lambda c: c["control"])
@@ -99,6 +101,13 @@ def tally(text: str) -> dict:
     if m:
         out["seconds"] = float(m.group(1))
     return out
+
+
+def missed_calls(control: dict) -> str:
+    """A control row's missed seeds by number, where the test recorded them (`missed`: the calls that came out
+    right), e.g. ": call 49"."""
+    missed = control.get("missed") or []
+    return f": call{'s' if len(missed) > 1 else ''} {', '.join(map(str, missed))}" if missed else ""
 
 
 def summarize(run: Path, commit: str, command: str, part: tuple[int, int] | None = None) -> tuple[dict, str]:
@@ -196,7 +205,7 @@ def summarize(run: Path, commit: str, command: str, part: tuple[int, int] | None
         md += ["", "Negative controls over seeds (a seed is one call under the control's skew schedule; detection = seeds whose outputs came out wrong, i.e. caught the broken kernel, / seeds):", "",
                "| control | seeds | caught | detection |", "|---|---|---|---|"]
         md += [f"| {cell(c['control'])} | {c['seeds']} | {c['caught']} | "
-               f"{c['caught']}/{c['seeds']}{'' if c['caught'] == c['seeds'] else ' (MISSED ' + str(c['seeds'] - c['caught']) + ')'} |"
+               f"{c['caught']}/{c['seeds']}{'' if c['caught'] == c['seeds'] else ' (MISSED ' + str(c['seeds'] - c['caught']) + missed_calls(c) + ')'} |"
                for c in summary["controls"]]
     if failures:
         md += ["", "Failed tests (pytest's message):", "", "| test | outcome | message |", "|---|---|---|"]
@@ -218,7 +227,8 @@ def summarize(run: Path, commit: str, command: str, part: tuple[int, int] | None
 
 def missed_controls(controls: list[dict]) -> list[str]:
     """'control: caught/seeds' of every negative control that missed at some seed (call)."""
-    return [f"{c['control']}: {c['caught']}/{c['seeds']}" for c in controls if c["caught"] < c["seeds"]]
+    return [f"{c['control']}: {c['caught']}/{c['seeds']}{missed_calls(c)}" for c in controls
+            if c["caught"] < c["seeds"]]
 
 
 def main(argv: list[str] | None = None) -> int:

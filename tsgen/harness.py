@@ -254,9 +254,9 @@ def run_test(
     them is derived and printed (shared_gpu_variant). `skew` compiles in the test-only rank
     skew with that seed. `variant`: spec fields to change first (spec_variant), e.g.
     {"world_sizes": [8]} to run a spec at a world size it does not ship for. `report`, if given, gets
-    "calls" (the calls run) and "calls_wrong" (those with a wrong element on some rank): a negative
-    control's detection rate over its calls, each call a new skew schedule (the skew hashes the call
-    number). `after_call(call, world, buffers)` runs once each call's kernels are done on every
+    "calls" (the calls run), "calls_wrong" (those with a wrong element on some rank) and "calls_right"
+    (the others, by number): a negative control's detection rate over its calls, each call a new skew
+    schedule (the skew hashes the call number), and which calls it missed. `after_call(call, world, buffers)` runs once each call's kernels are done on every
     rank, before its outputs are checked (tools/attention_trace.py reads the kernel's trace there)."""
     from .runtime import World
     from .runtime.backends import world_size
@@ -339,7 +339,8 @@ def run_test(
     elapsed = time.perf_counter() - t0
     ok = all(passed(t) for t in tallies.values())
     if report is not None:
-        report.update(calls=iters, calls_wrong=len({c for t in tallies.values() for c in t.bad_calls}))
+        wrong = {c for t in tallies.values() for c in t.bad_calls}
+        report.update(calls=iters, calls_wrong=len(wrong), calls_right=[c for c in range(iters) if c not in wrong])
     if not root:
         return ok
     for rank, t in sorted(tallies.items()):
