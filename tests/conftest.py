@@ -78,7 +78,8 @@ def _keeps_exhaustive(config) -> bool:
     return "exhaustive" in (config.getoption("markexpr", "") or "")
 
 
-_LEFT_OUT = "`exhaustive` cases deselected (the rest of the plan sweep and of some build sweeps): -m exhaustive runs them"
+_LEFT_OUT = ("`exhaustive` cases deselected (the rest of the plan sweep, of the build sweeps and of the fuzzers): "
+             "-m exhaustive runs them")
 
 
 def pytest_report_header(config):

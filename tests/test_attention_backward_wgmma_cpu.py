@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import ROOT, compile_test, missing_tool, rendered_source, representative
+from conftest import ROOT, compile_test, exhaustive, missing_tool, rendered_source, representative
 from test_attention_backward_op_cpu import bf16
 from test_attention_cpu import ptxas_problems
 from tsgen.ops import get_family
@@ -58,6 +58,10 @@ VARIANTS = {
     "hd64_bhsd_f16_tail": {"dtype": "float16", "params": {"head_dim": 64, "layout": "bhsd", "tail_split": True}},
     "hd128_gqa_tail_group0": {"params": {"kv_heads": 8, "tail_split": True, "head_group": 0}},
 }
+# By default one build per knob that the SASS tests below do not build already: fp16 with causal, hd 64 bhsd fp16,
+# GQA with head_group 1, deterministic at hd 128 (the default, atomic, deterministic at hd 64, the tail split,
+# lookahead, dk_after_dq and step_rows 128 are built by their SASS tests); the other variants are `exhaustive`.
+VARIANT_KEEP = ("hd128_f16_causal", "hd64_bhsd_f16", "hd128_causal_gqa_group1", "hd128_causal_det")
 
 
 def test_defaults_and_sizes():
@@ -104,7 +108,7 @@ def test_defaults_and_sizes():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", representative(sorted(VARIANTS), VARIANT_KEEP))
 def test_variants_compile_without_spills(tmp_path, monkeypatch, name):
     """The layout's static_assert holds smem_bytes to the header; setmaxnreg (producer 40,
     consumers 232) balances at 384 x 168; no spills, no wgmma serialized (C7510 and friends)."""
@@ -118,7 +122,7 @@ def test_variants_compile_without_spills(tmp_path, monkeypatch, name):
 
 
 @needs_sass
-@pytest.mark.parametrize("head_dim,dq_reduce", [(128, "bulk"), (64, "bulk"), (128, "atomic")])
+@pytest.mark.parametrize("head_dim,dq_reduce", [(128, "bulk"), exhaustive(64, "bulk"), (128, "atomic")])
 def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
     """S^T and dP^T: 2 x head_dim / 16 HGMMA 64x64 from shared memory, K-major; dV and dK: 2 x 4
     HGMMA 64 x head_dim with A from registers, B transposed (N-major); dQ: HGMMA 64x64 with both
@@ -172,7 +176,7 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
 
 @needs_sass
 @pytest.mark.parametrize("head_dim,dtype,layout,dq_reduce", [(128, "bfloat16", "bshd", "bulk"),
-                                                             (64, "float16", "bhsd", "bulk"),
+                                                             exhaustive(64, "float16", "bhsd", "bulk"),
                                                              (128, "bfloat16", "bshd", "atomic")])
 def test_sass_of_the_convert_kernel(tmp_path, monkeypatch, head_dim, dtype, layout, dq_reduce):
     """The convert pass. bulk (DQ_TILED): straight-line per tile, no division (no CALL, no
@@ -225,8 +229,9 @@ int main(int argc, char** argv) {
 
 
 @needs_nvcc
-@pytest.mark.parametrize("causal,deterministic,rows", [(True, False, 64), (False, False, 64), (True, True, 64),
-                                                       (False, True, 64), (True, False, 128), (False, False, 128)])
+@pytest.mark.parametrize("causal,deterministic,rows", [(True, False, 64), exhaustive(False, False, 64),
+                                                       exhaustive(True, True, 64), (False, True, 64), (True, False, 128),
+                                                       exhaustive(False, False, 128)])
 def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_needs_it(tmp_path, causal,
                                                                                        deterministic, rows):
     """Per CTA (block of 128 keys, KV head 1 of 2 over 4 query heads): the walk visits each
@@ -332,7 +337,7 @@ def test_rendered_source_has_the_semaphores_only_when_deterministic(tmp_path):
 
 
 @needs_sass
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", [exhaustive(128), 64])
 def test_sass_of_the_deterministic_main_kernel(tmp_path, monkeypatch, head_dim):
     """The semaphore's acquire spins (LDG.STRONG.GPU: the consumers' and the producer's check) and its
     release raises (RED.STRONG.GPU: per step and at the end), one bulk reduction a step; hd 64: warpgroup
@@ -457,7 +462,7 @@ def test_timing_model_of_the_walk_orders():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("causal,head_dim", [(True, 128), (True, 64), (False, 64)])
+@pytest.mark.parametrize("causal,head_dim", [(True, 128), exhaustive(True, 64), (False, 64)])
 def test_turns_follow_each_query_blocks_visitors(tmp_path, causal, head_dim):
     """For every (query head, query block): its visitors (the CTAs whose Walk visits it, host-compiled
     from the header) wait for turns DQ_ADDERS x 0, 1, 2, ... in KV-block order, without a gap (a gap
@@ -1157,7 +1162,8 @@ def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled, l
 
 
 @needs_nvcc
-@pytest.mark.parametrize("rows,causal", [(150, True), (300, False), (300, True), (64, True), (192, False)])
+@pytest.mark.parametrize("rows,causal", [(150, True), (300, False), exhaustive(300, True), exhaustive(64, True),
+                                        exhaustive(192, False)])
 def test_shared_memory_model_of_one_tall_cta(convert_map, tall_layout, rows, causal):
     """params.step_rows 128 (head dim 64): 100 keys (a tail of the 128-key block) against 150 / 300 / 64 / 192 query
     rows (steps of 128 with a tail: 22, 44 and 64 rows, the second 64-row box past the rows reloading the first,
@@ -1338,8 +1344,9 @@ def test_lookahead_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
         assert loaded.model.params.lookahead and fam.check(loaded.model) == [], name
 
 
-# by default hd 128 not causal and causal GQA, hd 64 causal; every other tool case is `exhaustive`
-TOOL_KEEP = ("hd128_full_kv32", "hd128_causal_kv8", "hd64_causal_kv32")
+# by default hd 64 causal (the SASS tests build hd 128: lookahead not causal, dk_after_dq causal); every other
+# tool case is `exhaustive`
+TOOL_KEEP = ("hd64_causal_kv32",)
 
 
 @needs_nvcc
@@ -1358,7 +1365,7 @@ def test_lookahead_compiles_without_spills_for_every_tool_case(tmp_path, monkeyp
 
 
 @needs_sass
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", [128, exhaustive(64)])
 def test_sass_of_the_lookahead_main_kernel(tmp_path, monkeypatch, head_dim):
     """params.lookahead: S^T and dP^T issued twice (before the walk, and in each step for the next one), dV /
     dK and dQ once; six warpgroup waits (two before the loop, four a step: no wgmma waited for alone); and
@@ -1436,7 +1443,7 @@ def test_dk_after_dq_compiles_without_spills_for_every_tool_case(tmp_path, monke
 
 
 @needs_sass
-@pytest.mark.parametrize("head_dim, causal", [(128, False), (128, True), (64, True)])
+@pytest.mark.parametrize("head_dim, causal", [exhaustive(128, False), (128, True), exhaustive(64, True)])
 def test_sass_of_the_dk_after_dq_main_kernel(tmp_path, monkeypatch, head_dim, causal):
     """params.dk_after_dq, the loop in the order the overlap rests on: S^T and dP^T, wait, P's exp2, wait,
     dS^T's stores, dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the 16 staging stores, DQ_STAGED, the
@@ -1533,8 +1540,7 @@ TALL_EXTRA = {"f16_bhsd": {"dtype": "float16", "params": {"head_dim": 64, "layou
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name", representative(sorted(tall_tool_cases()) + sorted(TALL_EXTRA),
-                                                 ("hd64_causal_kv32", "f16_bhsd", "causal_gqa_g0")))
+@pytest.mark.parametrize("name", representative(sorted(tall_tool_cases()) + sorted(TALL_EXTRA), ("f16_bhsd",)))
 def test_step_rows_128_compiles_without_spills(tmp_path, monkeypatch, name):
     """Each shape tools/gpu_attention_bwd.py runs with --impl wgmma_m128 (hd 64: MHA causal and not, GQA 32:8 not
     causal), and fp16 bhsd, GQA causal without head groups: 168 registers at entry (setmaxnreg 40 / 232: the
@@ -1553,7 +1559,7 @@ def test_step_rows_128_compiles_without_spills(tmp_path, monkeypatch, name):
 
 
 @needs_sass
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True, exhaustive(False)])
 def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal):
     """params.step_rows 128: S^T and dP^T as 4 + 4 HGMMA 64x128x16 from shared memory (K-major), dV and dK as 8 + 8
     HGMMA 64x64x16 with A from registers (tnspB), dQ as 8 HGMMA 64x64x16 (tnspA.tnspB: 128 keys), nothing else;

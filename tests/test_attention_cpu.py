@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, compile_test, load_script, missing_tool, rendered_source, spec_problems
+from conftest import ROOT, compile_test, exhaustive, load_script, missing_tool, rendered_source, spec_problems
 from tsgen.ops import get_family
 from tsgen.ops.attention import (SMEM_LIMIT, attention_reference, flops, query_positions, smem_bytes, to_bshd,
                                  zigzag)
@@ -358,17 +358,20 @@ def test_sass(cache, name, head_dim):
 
 
 @needs_nvcc
+# By default fp16; causal without the ping-pong; persistent with the overlap, bhsd and kv_waits; hd 64 causal with
+# blocks of 176 keys and 3 stages (one build per knob; the shipped specs build the rest): the others are `exhaustive`.
 @pytest.mark.parametrize("changes", [
     {"dtype": "float16"},
-    {"params": {"layout": "bhsd", "kv_heads": 4}},
+    exhaustive({"params": {"layout": "bhsd", "kv_heads": 4}}),
     {"params": {"pingpong": False, "causal": True}},
-    {"params": {"head_dim": 64, "kv_waits": True, "kv_wait_scope": "gpu"}},
-    {"params": {"tile": {"n": 176}}},
-    {"params": {"schedule": "persistent"}},
-    {"params": {"schedule": "persistent", "epilogue_overlap": True, "causal": True, "pingpong": True, "kv_heads": 8}},
+    exhaustive({"params": {"head_dim": 64, "kv_waits": True, "kv_wait_scope": "gpu"}}),
+    exhaustive({"params": {"tile": {"n": 176}}}),
+    exhaustive({"params": {"schedule": "persistent"}}),
+    exhaustive({"params": {"schedule": "persistent", "epilogue_overlap": True, "causal": True, "pingpong": True,
+                           "kv_heads": 8}}),
     {"params": {"schedule": "persistent", "epilogue_overlap": True, "layout": "bhsd", "kv_waits": True}},
-    {"params": {"schedule": "persistent", "epilogue_overlap": True, "head_dim": 64, "causal": True, "pingpong": True,
-                "stages": 3}},
+    exhaustive({"params": {"schedule": "persistent", "epilogue_overlap": True, "head_dim": 64, "causal": True,
+                           "pingpong": True, "stages": 3}}),
     {"params": {"head_dim": 64, "causal": True, "pingpong": True, "stages": 3, "tile": {"n": 176}}},
 ], ids=["f16", "bhsd_gqa8", "no_pingpong_causal", "hd64_waits", "blocks_176", "persistent",
         "overlap_causal_gqa8", "overlap_bhsd_waits", "overlap_hd64_causal_s3", "hd64_causal_n176_s3"])
@@ -396,7 +399,8 @@ def fmnmx_chain(sass: str) -> int:
 
 
 @needs_sass
-@pytest.mark.parametrize("chains,causal", [(None, False), (2, False), (4, False), (8, False), (2, True), (8, True)])
+@pytest.mark.parametrize("chains,causal", [(None, False), exhaustive(2, False), exhaustive(4, False), exhaustive(8, False),
+                                           exhaustive(2, True), (8, True)])
 def test_row_max_chains_sass(cache, tmp_path, chains, causal):
     """params.row_max_chains (branch i33ilp) at hd 128, not causal (grid) and causal GQA 32:8
     (persistent, overlap, ping-pong): 168 registers, no spills, the wgmma batched, the same
@@ -421,10 +425,11 @@ M192 = {"head_dim": 64, "tile": {"m": 192, "n": 128}}
 
 
 @needs_sass
-@pytest.mark.parametrize("changes", [
-    {"causal": True, "pingpong": True, "stages": 3, "schedule": "persistent", "epilogue_overlap": True},
-    {"causal": True, "pingpong": True, "stages": 2, "schedule": "persistent", "epilogue_overlap": True, "kv_heads": 8},
-    {"causal": False, "pingpong": False},
+@pytest.mark.parametrize("changes", [  # by default ping-pong and not (the shipped hd 64 causal spec builds the overlap)
+    exhaustive({"causal": True, "pingpong": True, "stages": 3, "schedule": "persistent", "epilogue_overlap": True}),
+    exhaustive({"causal": True, "pingpong": True, "stages": 2, "schedule": "persistent", "epilogue_overlap": True,
+                "kv_heads": 8}),
+    exhaustive({"causal": False, "pingpong": False}),
     {"causal": False, "pingpong": True, "layout": "bhsd"},
     {"causal": True, "pingpong": False, "schedule": "persistent"},
 ], ids=["causal_overlap_s3", "causal_overlap_gqa8", "full_grid", "full_pingpong_bhsd", "causal_persistent_nopp"])
@@ -534,7 +539,7 @@ PROBLEMS = [  # batch, q_len, kv_len, q_offset, q_split (None: q_len), q_offset2
 
 
 @needs_nvcc
-@pytest.mark.parametrize("causal,M", [(False, 128), (True, 128), (False, 192), (True, 192)])
+@pytest.mark.parametrize("causal,M", [(False, 128), exhaustive(True, 128), exhaustive(False, 192), (True, 192)])
 def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal, M):
     """Causal also with head_group 2 and 4: the dynamic schedule's order (groups of head_group
     (batch, head) pairs, the last of 3 batches x 2 heads smaller with 4), which must still give

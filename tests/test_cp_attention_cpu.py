@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, compile_test, missing_tool, rendered_source, spec_problems
+from conftest import ROOT, compile_test, exhaustive, missing_tool, rendered_source, spec_problems
 from tsgen.errors import RuntimeSetupError
 from tsgen.ops import get_family
 from tsgen.ops.collectives import to_f64
@@ -223,8 +223,8 @@ int main(int argc, char** argv) {
 
 
 @needs_nvcc
-@pytest.mark.parametrize("layout,causal", [("contiguous", False), ("contiguous", True), ("zigzag", True),
-                                           ("zigzag", False)])
+@pytest.mark.parametrize("layout,causal", [("contiguous", False), exhaustive("contiguous", True), ("zigzag", True),
+                                           exhaustive("zigzag", False)])  # by default the shipped specs' pairs
 def test_header_geometry_matches_python(tmp_path, layout, causal):
     loaded = variant("g", params={"layout": layout, "causal": causal, "tensors": "bhsd"})
     source = rendered_source(loaded, tmp_path)
@@ -496,9 +496,9 @@ def test_tile_counter_refused_where_causal(tmp_path):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("base,changes", [("cp_attention", {}), ("cp_attention", {"epilogue_overlap": True}),
-                                          ("cp_attention", {"gather": "sm", "trace": 100})],
-                         ids=["copy_engine", "overlap", "sm_trace"])
+@pytest.mark.parametrize("base,changes", [("cp_attention", {}), exhaustive("cp_attention", {"epilogue_overlap": True}),
+                                          exhaustive("cp_attention", {"gather": "sm", "trace": 100})],
+                         ids=["copy_engine", "overlap", "sm_trace"])  # by default the copy engine's
 def test_tile_counter_compiles_without_spills_or_serialized_wgmma(tmp_path, base, changes):
     loaded = variant("tc", base=base, params={"tile_counter": True, **changes})
     res = compile_source(rendered_source(loaded, tmp_path), mode="shared")
@@ -575,8 +575,10 @@ def test_local_kv_takes_any_count():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("params", [{}, {"gather": "sm"}, {"epilogue_overlap": True}, {"trace": 100},
-                                    {"tensors": "bhsd", "batch": 2}],
+# by default the overlap and bhsd: every shipped spec sets local_kv (the copy engine's and the SM push), and
+# test_trace_variant_compiles_without_spills builds it with the trace
+@pytest.mark.parametrize("params", [exhaustive({}), exhaustive({"gather": "sm"}), {"epilogue_overlap": True},
+                                    exhaustive({"trace": 100}), {"tensors": "bhsd", "batch": 2}],
                          ids=["copy_engine", "sm", "overlap", "trace", "bhsd_batch2"])
 def test_local_kv_compiles_without_spills_or_serialized_wgmma(tmp_path, params):
     res = compile_source(rendered_source(local(**params), tmp_path), mode="shared")

@@ -12,7 +12,9 @@ trigraphs. A third (issue 30): a whole number of a shipped spec written in a for
 reads (040, 1:04, 1_0, 0b11), as a float (64.0) or as a bool is refused at its line, never read
 as some number. Cases: TSGEN_FUZZ_EXAMPLES (default 1000, a quarter as many for the injection
 property and a fifth for the numbers); the run is derandomized, so CI sees the same cases every
-time (TSGEN_FUZZ_RANDOM=1 draws new ones). They are `slow`: CI runs them, the inner loop does not."""
+time (TSGEN_FUZZ_RANDOM=1 draws new ones). They are `slow`: CI runs them, the inner loop does not.
+The build and injection fuzzers run a quarter of their cases by default ([quarter]) and all of them
+under `-m exhaustive` ([whole]: the GPU gate runs it, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -30,13 +32,20 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from ccode import code_without_comments  # noqa: E402
-from conftest import ROOT, SPECS, run_cli  # noqa: E402
+from conftest import ROOT, SPECS, exhaustive, run_cli  # noqa: E402
 from test_hardening import DECLARED, KEYWORDS, RESERVED, needs_nvcc, nvcc_front_end  # noqa: E402
 from tsgen.errors import one_line  # noqa: E402
 
 EXAMPLES = int(os.environ.get("TSGEN_FUZZ_EXAMPLES", "1000"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("TSGEN_FUZZ_RANDOM"),
                 database=None, suppress_health_check=list(HealthCheck))
+# The divisor of a fuzzer's count: a quarter of the cases by default, all of them under -m exhaustive.
+SHARES = [pytest.param(4, id="quarter"), exhaustive(1, id="whole")]
+
+
+def run_fuzzer(prop, strategies, examples: int):
+    """Property `prop` (a plain function) under FUZZ with `examples` cases drawn from `strategies`."""
+    settings(FUZZ, max_examples=max(1, examples))(given(*strategies)(prop))()
 
 NASTY = ["\x00", "\x01", "\x1b", "\x7f", "\ufffe", "\t", "\r", "\r\n", "\u2028", "\x85", "\ufeff", ": ", "- ",
          "[", "]", "{", "}", "&a ", "*a", "!!int ", "!!float ", "!!bool ", "!!timestamp ", "!!binary ", "!!str ",
@@ -146,8 +155,6 @@ def build_case(root: Path, folder: str, name: str, text: str):
     return spec, out, r
 
 
-@FUZZ
-@given(fuzzed_case())
 def fuzz_build(case):
     folder, name, text = case
     STATS["cases"] += 1
@@ -172,10 +179,12 @@ def fuzz_build(case):
 
 
 @pytest.mark.slow
-def test_fuzz_build():
-    fuzz_build()
+@pytest.mark.parametrize("share", SHARES)
+def test_fuzz_build(share):
+    STATS.update(cases=0, valid=0, invalid=0)
+    run_fuzzer(fuzz_build, [fuzzed_case()], EXAMPLES // share)
     print(f"\nfuzz: {STATS['cases']} cases, {STATS['valid']} valid, {STATS['invalid']} refused")
-    assert STATS["valid"] >= EXAMPLES // 10 and STATS["invalid"] >= EXAMPLES // 10, STATS
+    assert STATS["valid"] >= EXAMPLES // share // 10 and STATS["invalid"] >= EXAMPLES // share // 10, STATS
 
 
 # ---------------------------------------------------------------------------
@@ -271,10 +280,14 @@ TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=200)
 
 
 @pytest.mark.slow
-@settings(FUZZ, max_examples=EXAMPLES // 4)
-@given(st.sampled_from(["put_block", "all_reduce_two_shot_ce"]), FILE_NAMES, FILE_NAMES,
-       st.one_of(TEXT, st.lists(st.sampled_from(NASTY), max_size=8).map("".join)))
-def test_no_spec_input_reaches_the_code(spec, folder, name, description):
+@pytest.mark.parametrize("share", SHARES)
+def test_no_spec_input_reaches_the_code(share):
+    run_fuzzer(no_spec_input_reaches_the_code,
+               [st.sampled_from(["put_block", "all_reduce_two_shot_ce"]), FILE_NAMES, FILE_NAMES,
+                st.one_of(TEXT, st.lists(st.sampled_from(NASTY), max_size=8).map("".join))], EXAMPLES // 4 // share)
+
+
+def no_spec_input_reaches_the_code(spec, folder, name, description):
     data = yaml.safe_load((ROOT / "specs" / f"{spec}.yaml").read_text())
     data["description"] = description[:2000]
     with tempfile.TemporaryDirectory() as tmp:

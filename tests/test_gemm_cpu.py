@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, compile_test, missing_tool, rendered_source, spec_problems
+from conftest import ROOT, compile_test, exhaustive, missing_tool, rendered_source, spec_problems
 from tsgen.ops import get_family
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.ops.gemm import SMEM_LIMIT, smem_bytes
@@ -209,11 +209,11 @@ def test_sass():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("changes", [
-    {"dtype": "float16"},
-    {"params": {"cluster": {"size": 1}}},
+@pytest.mark.parametrize("changes", [  # by default the cluster along n and one consumer; the others `exhaustive`
+    exhaustive({"dtype": "float16"}),
+    exhaustive({"params": {"cluster": {"size": 1}}}),
     {"params": {"cluster": {"along": "n"}}},
-    {"params": {"tile": {"m": 256, "n": 128}}},
+    exhaustive({"params": {"tile": {"m": 256, "n": 128}}}),
     {"params": {"tile": {"m": 128, "n": 128}, "stages": 6}, "launch": {"threads": 256}},
 ], ids=["f16", "no_cluster", "cluster_n", "tile_256x128", "one_consumer"])
 def test_variants_compile(tmp_path, changes):
@@ -256,7 +256,7 @@ def walker(source: Path, module: str, tmp: Path) -> Path:
 @pytest.mark.parametrize("params", [
     {},
     {"cluster": {"along": "n"}, "raster_group": 3},
-    {"cluster": {"size": 1}, "tile": {"m": 256, "n": 128}},
+    exhaustive({"cluster": {"size": 1}, "tile": {"m": 256, "n": 128}}),
 ], ids=["shipped", "cluster_n", "no_cluster"])
 def test_schedule_covers_every_tile_once(tmp_path, params):
     loaded = variant("s", params={"n": 2048, "k": 128, **params})

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from conftest import ROOT, compile_test, missing_tool, spec_problems
+from conftest import ROOT, compile_test, exhaustive, missing_tool, spec_problems
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.ops.moe import (ROUTINGS, combine_reference, counts_array, dispatch_reference, e4m3_decode, e4m3_encode,
                            fp8_dequantize, fp8_error_bound, fp8_quantize, layout, ll_combine_reference,
@@ -539,9 +539,10 @@ def test_combine_senders_sets_the_senders_and_nothing_else():
 
 
 @compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
-@pytest.mark.parametrize("params", [{"combine_order": "peers", "combine_senders": 2, "combine_send_unroll": 8},
-                                    {"combine_senders": 4, "combine_send_unroll": 8},
-                                    {"combine_order": "peers", "combine_senders": 16, "combine_send_unroll": 2}])
+@pytest.mark.parametrize("params", [  # by default the other combine_order at the largest unroll
+    exhaustive({"combine_order": "peers", "combine_senders": 2, "combine_send_unroll": 8}),
+    {"combine_senders": 4, "combine_send_unroll": 8},
+    exhaustive({"combine_order": "peers", "combine_senders": 16, "combine_send_unroll": 2})])
 def test_combine_senders_compile_without_spills(tmp_path, monkeypatch, params):
     """The moe-w2 shape (hidden 7168, 4096 tokens, 96 combine blocks of 512 threads) with its own
     senders: every world's combine within the 128 registers of __launch_bounds__(512, 1), no spills
@@ -647,7 +648,7 @@ def test_fp8_send_unroll_sets_the_send_and_nothing_else():
 
 
 @compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
-@pytest.mark.parametrize("unroll", [4, 7, 8])
+@pytest.mark.parametrize("unroll", [exhaustive(4), exhaustive(7), 8])  # by default the largest
 def test_fp8_send_unroll_compiles_without_spills(tmp_path, monkeypatch, unroll):
     """The moe-w2 shape (hidden 7168, 4096 tokens, 64 dispatch blocks of 512 threads) with the gathered
     send: every world's dispatch within the 128 registers of __launch_bounds__(512, 1), no spills (the

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SPECS
+from conftest import ROOT, SPECS, exhaustive
 from tsgen.errors import RuntimeSetupError, SpecError
 from tsgen.ops import get_family
 from tsgen.render import render
@@ -107,7 +107,8 @@ def _reserve(spec):
     return get_family(spec.op).reserved_sms(spec)
 
 
-@pytest.mark.parametrize("sms", [132, 114])
+# by default the 132 SMs of the H100 SXM and H200 (the GPU gate's); 114 (H100 PCIe) is `exhaustive`
+@pytest.mark.parametrize("sms", [132, exhaustive(114)])
 @pytest.mark.parametrize("path", SHARED, ids=lambda p: p.stem)
 def test_fitted_variant_of_every_shipped_spec(path, sms):
     """At every world size 2..8 the op builds for, with every rank on one GPU: the variant validates
