@@ -191,3 +191,37 @@ def test_a_signal_reaches_the_callers_handler_only_when_chained(chain):
     finally:
         timer.cancel()
         signal.signal(signal.SIGTERM, old)
+
+
+def test_end_reaps_a_rank_whose_popen_lock_a_signal_left_held():
+    """A Stopped raised by the launcher's signal handler inside Popen.poll, after poll took the Popen's waitpid
+    lock and before the code that releases it, leaves that lock held (seen under load: the launcher hung after
+    SIGTERM with its ranks as zombies). procs.end must still kill and reap the rank: here the lock is taken as
+    such a signal would leave it, and end() must return within its wait plus a margin, the leader reaped
+    (a returncode, no zombie left)."""
+    import os
+    import signal
+    import subprocess
+    import threading
+
+    from tsgen import procs
+
+    proc = procs.start([PY, "-c", "import time; time.sleep(60)"], stop_signal=signal.SIGTERM)
+    lock = getattr(proc, "_waitpid_lock", None)
+    if lock is None:
+        pytest.skip("this Python's Popen has no _waitpid_lock")
+    assert lock.acquire(False), "the lock was free"
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (procs.end(proc), done.set()), daemon=True)
+    t0 = time.monotonic()
+    worker.start()
+    try:
+        assert done.wait(procs.REAP_WAIT_S + 10), "procs.end blocked on the Popen's waitpid lock"
+    finally:
+        lock.release()
+    assert time.monotonic() - t0 < procs.REAP_WAIT_S + 10
+    assert proc.returncode == -signal.SIGKILL, proc.returncode
+    assert proc.pid not in procs._live
+    with pytest.raises(ChildProcessError):  # reaped: no zombie of it left
+        os.waitpid(proc.pid, os.WNOHANG)
+    subprocess.run([PY, "-c", "pass"], check=True)  # the interpreter's other children unaffected

@@ -39,12 +39,29 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
+REAP_WAIT_S = 5.0  # how long `end` waits through Popen for a SIGKILLed leader before reaping it itself
+
+
 def end(proc: subprocess.Popen) -> None:
     """Kill `proc`'s whole group (SIGKILL), reap its leader and forget it."""
     signal_group(proc, signal.SIGKILL)
-    with contextlib.suppress(OSError):
-        proc.wait()
+    reap(proc)
     _live.pop(proc.pid, None)
+
+
+def reap(proc: subprocess.Popen, wait_s: float = REAP_WAIT_S) -> None:
+    """Reap `proc` (killed, or about to end): Popen.wait with a timeout, then os.waitpid directly. Not a
+    plain Popen.wait(): Stopped, raised by stop_on_signals' handler wherever the main thread is, can land
+    inside Popen.poll just after it took the Popen's waitpid lock and before the code that releases it (the
+    launcher's watch loop polls every rank every 50 ms), and a wait() without a timeout then blocks on that
+    lock for ever (seen under load on 2026-11-28: the launcher hung after SIGTERM, its ranks left as
+    zombies). A wait with a timeout only tries the lock, so it returns."""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        proc.wait(timeout=wait_s)
+    if proc.returncode is None:
+        with contextlib.suppress(OSError):  # ChildProcessError: reaped already
+            _, status = os.waitpid(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
 
 
 def _signal_all() -> None:
