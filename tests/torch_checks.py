@@ -812,6 +812,11 @@ def attention_bounds(sig, q, k, v, do, ref: dict, o_got: torch.Tensor) -> tuple[
                  "dv": grad_tolerance(ref["dv"], back["av"], None, dt, hd)}
 
 
+def rel_norm(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref|| (float tensors; a zero reference counts as tiny, not as zero)."""
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def attention_compare(got: dict, ref: dict, tol: dict) -> tuple[bool, str]:
     """Every element of O, LSE, dQ, dK, dV within its bound (a NaN never is), and O and the gradients
     within MAX_REL_ERR of the reference in norm (the per-element bound is a worst case, loose where
@@ -820,7 +825,7 @@ def attention_compare(got: dict, ref: dict, tol: dict) -> tuple[bool, str]:
     for name in ("o", "lse", "dq", "dk", "dv"):
         g, r = got[name].float(), ref[name].float()
         wrong = int((~((g - r).abs() <= tol[name])).sum())
-        rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
+        rel = rel_norm(g, r)
         good = wrong == 0 and (name == "lse" or rel <= MAX_REL_ERR)
         ok &= good
         notes.append(f"{name} {wrong}/{g.numel()} wrong, rel {rel:.1e}{'' if good else ' FAIL'}")
@@ -1171,7 +1176,7 @@ def rel_errors(got: dict, want: dict, bound: float) -> tuple[bool, str]:
     for name, g in got.items():
         g, r = g.float(), want[name].float()
         finite = bool(torch.isfinite(g).all()) and bool(torch.isfinite(r).all())
-        rel = float((g - r).norm() / r.norm().clamp_min(1e-30))
+        rel = rel_norm(g, r)
         good = finite and rel <= bound
         ok &= good
         notes.append(f"{name} {rel:.1e}{'' if finite else ' NOT FINITE'}{'' if good else ' FAIL'}")

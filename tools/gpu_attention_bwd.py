@@ -188,12 +188,14 @@ class Op(ga.Entry):
         self.tail_items = int(self.manifest["constants"].get("TAIL_SPLIT", 0))  # params.tail_split's slots
         self.dq_tiled = bool(self.manifest["constants"].get("DQ_TILED", 0))  # dQ by bulk reductions
 
-    def workspace(self, torch, batch, q_len, device="cuda"):
+    def workspace_floats(self, batch, q_len) -> tuple[int, int, int]:
+        """This variant's workspace at `batch` sequences of `q_len` query rows (dq_accum, dsum, lse2), in floats."""
         from tsgen.ops.attention_backward import workspace_floats
 
-        return tuple(torch.empty(n, device=device, dtype=torch.float32)
-                     for n in workspace_floats(batch, q_len, self.heads, self.head_dim, self.deterministic,
-                                               self.tail_items))
+        return workspace_floats(batch, q_len, self.heads, self.head_dim, self.deterministic, self.tail_items)
+
+    def workspace(self, torch, batch, q_len, device="cuda"):
+        return tuple(torch.empty(n, device=device, dtype=torch.float32) for n in self.workspace_floats(batch, q_len))
 
     def __call__(self, t: dict, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0, q_split=None, q_offset2=0):
         # the entry takes bare pointers: a workspace made for another variant (a deterministic one's
@@ -201,9 +203,7 @@ class Op(ga.Entry):
         # (once per workspace, by addresses and sizes, and shape: the bench's timed calls repeat them)
         key = (tuple((w.data_ptr(), w.numel()) for w in ws), batch, q_len)
         if key != getattr(self, "_checked", None):
-            from tsgen.ops.attention_backward import workspace_floats
-
-            want = workspace_floats(batch, q_len, self.heads, self.head_dim, self.deterministic, self.tail_items)
+            want = self.workspace_floats(batch, q_len)
             got = tuple(w.numel() for w in ws)
             if len(got) != len(want) or any(g < n for g, n in zip(got, want)):
                 raise ValueError(f"{self.manifest['name']}_backward: workspace of {got} floats, this variant needs "
@@ -343,11 +343,11 @@ def run_case(torch, op: Op, case: dict, gen, device: str = "cuda", forward=None)
             accum_identical = accum_identical and torch.equal(accum, first_accum)
     result = {"case": case, "calls": calls, **chained}
     if getattr(op, "tail_items", 0) and device != "cpu":  # params.tail_split: this call's split on this GPU
-        from tsgen.ops.attention_backward import tail_plan
+        from tsgen.ops.attention_backward import BLOCK_M, IMPLS, tail_plan
 
-        items = -(-kv_len // 128) * op.kv_heads * batch
+        items = -(-kv_len // IMPLS["wgmma"]["block_n"]) * op.kv_heads * batch
         first, parts = tail_plan(items, torch.cuda.get_device_properties(device).multi_processor_count,
-                                 op.heads // op.kv_heads * -(-q_len // 64))
+                                 op.heads // op.kv_heads * -(-q_len // BLOCK_M))
         result["tail"] = {"items": items - first, "parts": parts}
     if repeats > 1:
         result["bit_identical"] = identical
