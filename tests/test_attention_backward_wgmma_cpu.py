@@ -14,6 +14,7 @@ import pytest
 
 from conftest import ROOT, compile_test, exhaustive, missing_tool, rendered_source, representative
 from test_attention_backward_op_cpu import bf16
+from sass_checks import vector_to_uniform_copies
 from test_attention_cpu import ptxas_problems
 from tsgen.ops import get_family
 from tsgen.ops.attention_backward import DEFAULT_HEAD_GROUP, DQ_STAGING, IMPLS, WGMMA_STAGES, smem_bytes
@@ -172,6 +173,7 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
     assert counts == [4 if dq_reduce == "bulk" else 2], counts
     assert not [n for n in names if n.startswith(("LDL", "STL", "ATOM"))], "no local memory, no returned atomics"
     assert "CALL" not in " ".join(names), "no calls (they would serialize the wgmma)"
+    assert vector_to_uniform_copies(names) == 0, "the descriptors in uniform registers (ptx::warpgroup_id)"
 
 
 @needs_sass

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, compile_test, exhaustive, load_script, missing_tool, rendered_source, spec_problems
+from sass_checks import vector_to_uniform_copies
 from tsgen.ops import get_family
 from tsgen.ops.attention import (SMEM_LIMIT, attention_reference, flops, query_positions, smem_bytes, to_bshd,
                                  zigzag)
@@ -355,6 +356,7 @@ def test_sass(cache, name, head_dim):
     assert ("BAR.ARV" in names) == pingpong, "the ping-pong hands turns over with bar.arrive"
     assert not [o for o in names if o.startswith(("LDL", "STL"))], "no local memory"
     assert "CALL" not in " ".join(names), "no calls (they would serialize the wgmma)"
+    assert vector_to_uniform_copies(names) == 0, "the descriptors in uniform registers (ptx::warpgroup_id)"
 
 
 @needs_nvcc

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, compile_test, exhaustive, missing_tool, rendered_source, spec_problems
+from sass_checks import vector_to_uniform_copies
 from tsgen.ops import get_family
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.ops.gemm import SMEM_LIMIT, smem_bytes
@@ -206,6 +207,7 @@ def test_sass():
         assert op in names, op
     assert not [o for o in names if o.startswith(("LDL", "STL"))], "no local memory"
     assert "CALL" not in " ".join(names), "no calls (they would serialize the wgmma)"
+    assert vector_to_uniform_copies(names) == 0, "the descriptors in uniform registers (ptx::warpgroup_id)"
 
 
 @needs_nvcc

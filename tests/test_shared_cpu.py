@@ -266,10 +266,10 @@ def test_skew_adds_only_the_delay(name):
 
 def test_the_lag_schedule_puts_rank_0_first():
     """skew="lag" (the negative controls'): rank 0's block 0 at once, its other blocks 10 ms later,
-    every other rank 20 ms later; no seed hash."""
+    every other rank 50 ms later; no seed hash."""
     loaded = load_spec(ROOT / "specs" / "simple_shift.yaml")
     source = render(loaded, base=ROOT, skew="lag").source
-    assert "rank != 0 ? 20000000ull : blockIdx.x == 0 ? 0ull : 10000000ull" in source
+    assert "rank != 0 ? 50000000ull : blockIdx.x == 0 ? 0ull : 10000000ull" in source
     assert "0x9E3779B97F4A7C15ull" not in source and source.count("tsgen_skew(rank, epoch);") == 3
     blocks = render(loaded, base=ROOT, skew="lag_blocks").source  # past a handshake on block 0's word
     assert "rank == 0 || blockIdx.x == 0 ? 0ull : 20000000ull" in blocks and ": 10000000ull" not in blocks

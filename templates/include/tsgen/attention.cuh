@@ -946,7 +946,7 @@ static __device__ __forceinline__ void run(const CUtensorMap* q_map, const CUten
     }
   }
   __syncthreads();
-  const uint32_t warpgroup = threadIdx.x / 128;
+  const uint32_t warpgroup = ptx::warpgroup_id();
   if (warpgroup == 0) {
     // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232; tile.m 192:
     // 512 x 128 = 128 x 32 + 384 x 160 (FlashAttention-3's and -4's split for three consumers).
@@ -1146,7 +1146,7 @@ static cudaError_t persistent(const void* kernel, const void* counters, cudaStre
     void* symbol = nullptr;
     int sms = 0, per_sm = 0;
     if (err == cudaSuccess) err = cudaGetSymbolAddress(&symbol, counters);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) err = sm_count(device, &sms);
     if (err == cudaSuccess)
       err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Layout<C>::THREADS, Layout<C>::SMEM_BYTES);
     if (err != cudaSuccess) return err;

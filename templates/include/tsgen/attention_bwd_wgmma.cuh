@@ -643,6 +643,15 @@ template <class C>
 __host__ __device__ __forceinline__ float* tail_accum(const Problem& p) {
   return p.dq_accum + (size_t)p.batch * p.q_len * C::HEADS * C::HEAD_DIM;
 }
+template <class C>
+constexpr size_t TAIL_ROW_FLOATS = 2 * C::HEAD_DIM;  // a key row of a slot: dK then dV
+template <class C>
+constexpr size_t TAIL_SLOT_FLOATS = (size_t)BLOCK_N * TAIL_ROW_FLOATS<C>;
+// Key row r of tail slot `slot`.
+template <class C>
+__host__ __device__ __forceinline__ float* tail_row(const Problem& p, uint32_t slot, uint32_t r) {
+  return tail_accum<C>(p) + slot * TAIL_SLOT_FLOATS<C> + r * TAIL_ROW_FLOATS<C>;
+}
 
 static __device__ __forceinline__ void red_add_v2_f32(float* at, float x, float y) {
   asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(at), "f"(x), "f"(y) : "memory");
@@ -657,7 +666,7 @@ static __device__ __forceinline__ void add_dk_dv_tail(const Problem& p, uint32_t
                                                       const float (&dv)[Layout<C>::D_ACC]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float* at = tail_accum<C>(p) + ((size_t)slot * BLOCK_N + row_lo + 8 * h) * 2 * C::HEAD_DIM + 2 * (lane % 4);
+    float* at = tail_row<C>(p, slot, row_lo + 8 * h) + 2 * (lane % 4);
 #pragma unroll
     for (int q = 0; q < C::HEAD_DIM / 8; ++q) {
       red_add_v2_f32(at + 8 * q, dk[4 * q + 2 * h] * C::SCALE, dk[4 * q + 2 * h + 1] * C::SCALE);
@@ -1257,7 +1266,7 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
     prefetch_tensormap(do_map);
   }
   __syncthreads();
-  const uint32_t warpgroup = threadIdx.x / 128;
+  const uint32_t warpgroup = ptx::warpgroup_id();
   if (warpgroup == 0) {
     // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
     setmaxnreg_dec<40>();
@@ -1280,13 +1289,13 @@ template <class C>
 static __device__ __forceinline__ void tail_convert(const Problem& p) {
   uint32_t j, hk, b;
   item_of<C>(p, p.tail_first + blockIdx.x, j, hk, b);
-  const float* slot = tail_accum<C>(p) + (size_t)blockIdx.x * BLOCK_N * 2 * C::HEAD_DIM;
   constexpr uint32_t PAIRS = C::HEAD_DIM / 2;  // column pairs a row
   for (uint32_t i = threadIdx.x; i < BLOCK_N * PAIRS; i += TAIL_THREADS) {
     const uint32_t r = i / PAIRS, c = 2 * (i % PAIRS), key = j * BLOCK_N + r;
     if (key >= p.kv_len) break;  // i ascends with r
-    const float2 k2 = *reinterpret_cast<const float2*>(slot + (size_t)r * 2 * C::HEAD_DIM + c);
-    const float2 v2 = *reinterpret_cast<const float2*>(slot + (size_t)r * 2 * C::HEAD_DIM + C::HEAD_DIM + c);
+    const float* row = tail_row<C>(p, blockIdx.x, r);
+    const float2 k2 = *reinterpret_cast<const float2*>(row + c);
+    const float2 v2 = *reinterpret_cast<const float2*>(row + C::HEAD_DIM + c);
     const size_t at = row_offset<C>(b, key, hk, C::KV_HEADS, p.kv_len) + c;
     *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at) = pack2<C>(k2.x, k2.y);
     *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at) = pack2<C>(v2.x, v2.y);
@@ -1315,7 +1324,7 @@ struct Main {
     if constexpr (tail_split_of<C>::value) {  // the split of the last wave's items for this GPU's SM count
       int device = 0, sms = 0;
       if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
-      if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+      if ((err = sm_count(device, &sms)) != cudaSuccess) return err;
       const TailPlan t = tail_plan(z.ctas, (uint32_t)sms, Walk<C>::steps(p));
       p.tail_first = t.first, p.tail_parts = t.parts;
       z.grid = t.first + (z.ctas - t.first) * t.parts;
@@ -1329,7 +1338,7 @@ struct Main {
       static_assert(!std::is_same_v<Tail, std::nullptr_t>, "TAIL_SPLIT: launch() needs the tail kernel");
       if (split > 0) {
         const cudaError_t err = cudaMemsetAsync(tail_accum<C>(p), 0,
-                                                (size_t)split * BLOCK_N * 2 * C::HEAD_DIM * sizeof(float), stream);
+                                                split * TAIL_SLOT_FLOATS<C> * sizeof(float), stream);
         if (err != cudaSuccess) return err;
       }
     }

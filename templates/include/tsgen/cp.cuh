@@ -339,7 +339,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   const tsgen::attention::LocalKv local = in_place ? own_local(g, rank, k, v) : tsgen::attention::LocalKv();
   int device, sms;
   TSGEN_TRY(cudaGetDevice(&device));
-  TSGEN_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  TSGEN_TRY(tsgen::sm_count(device, &sms));
   // The persistent attention CTAs take whole SMs and wait for the gather: they must leave its SMs free.
   const int grid = Op::BLOCKS ? Op::BLOCKS : sms - Op::RESERVE_SMS;
   if (grid < 1 || grid > sms - Op::RESERVE_SMS)

@@ -774,7 +774,7 @@ static __device__ __forceinline__ void run(const CUtensorMap* a_map, const CUten
   } else {
     __syncthreads();
   }
-  const uint32_t warpgroup = threadIdx.x / 128;
+  const uint32_t warpgroup = ptx::warpgroup_id();
   if (warpgroup == 0) {
     // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
     if constexpr (C::CONSUMERS == 2) setmaxnreg_dec<40>();
@@ -901,7 +901,7 @@ static cudaError_t resident_ctas(const void* kernel, int* ctas) {
   int n = 0;
   if constexpr (C::CLUSTER == 1) {
     int sms = 0, per_sm = 0;
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    err = sm_count(device, &sms);
     if (err == cudaSuccess)
       err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, L::THREADS, L::SMEM_BYTES);
     n = sms * per_sm;

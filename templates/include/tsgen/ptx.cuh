@@ -409,6 +409,15 @@ static __device__ __forceinline__ uint32_t warp_id() {
   return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) >> 5;
 }
 
+// Warpgroup index (threadIdx.x / 128, a 1-D block) as a value the compiler knows to be the same in every
+// lane of the warp (a shuffle from lane 0): what is computed from it, such as wgmma shared-memory descriptors,
+// can then live in uniform registers. From threadIdx.x alone, each descriptor was built in vector registers
+// and copied to a uniform one (R2UR) before every wgmma: 52 of the 692 instructions of the hd 128 backward's
+// step (docs/design/attention.md, "FA4's sm_90 backward beside tsgen's"). All 32 lanes must call it.
+static __device__ __forceinline__ uint32_t warpgroup_id() {
+  return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+}
+
 // True in exactly one lane of the full warp; all 32 lanes must call it.
 // sm_90+: elect.sync (ELECT); older archs: lane 0.
 static __device__ __forceinline__ bool elect_one_sync() {

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include <atomic>
 #include <initializer_list>
 
 #include "tsgen/ptx.cuh"
@@ -175,6 +176,17 @@ static inline cudaError_t use_device_of(const void* local) {
   if (err != cudaSuccess) return err;
   if (attr.type != cudaMemoryTypeDevice) return cudaErrorInvalidValue;
   return cudaSetDevice(attr.device);
+}
+
+// Host launchers: the SM count of `device` (the grids of persistent kernels and of split work), read once
+// per device (the first 64; past them, at every call).
+static inline cudaError_t sm_count(int device, int* sms) {
+  constexpr int MAX_DEVICES = 64;
+  static std::atomic<int> known[MAX_DEVICES];  // 0: not yet read
+  if (device >= 0 && device < MAX_DEVICES && (*sms = known[device].load()) > 0) return cudaSuccess;
+  const cudaError_t err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && device >= 0 && device < MAX_DEVICES) known[device].store(*sms);
+  return err;
 }
 
 // Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
