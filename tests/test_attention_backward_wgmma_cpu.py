@@ -540,6 +540,41 @@ def test_turns_follow_each_query_blocks_visitors(tmp_path, causal, head_dim):
 # ---------------------------------------------------------------------------
 
 
+def test_gpu_tool_summarizes_ncu_source_page():
+    """--ncu-source: the source page's CSV (a preamble line, quoted cells, thousands separators, predicated
+    instructions) read into rows, and the summary's totals, reasons, hottest instructions and stretches: the
+    samples from a landmark (here the wait for dP and the named barrier) to the next are that stretch's."""
+    from conftest import load_script
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    page = "\n".join([
+        '==PROF== a preamble line ncu prints',
+        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+        '"stall_barrier","stall_wait"',
+        '"0x00001000","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0","10","8","0","10"',
+        '"0x00001010","WARPGROUP.DEPBAR.LE gsb0, 0x0","1,200","1,100","0","1,200"',
+        '"0x00001020","FFMA R1, R2, R3, R4","300","100","0","0"',
+        '"0x00001030","@P0 BAR.SYNC.DEFER_BLOCKING 0x1, 0x100","400","390","400","0"',
+        '"0x00001040","IMAD R5, R6, R7, R8","90","0","0","0"',
+        '"not an address","","","","",""',
+    ])
+    rows = tool.source_rows(page)
+    assert [r["address"] for r in rows] == [0x1000, 0x1010, 0x1020, 0x1030, 0x1040]
+    assert [r["samples"] for r in rows] == [10, 1200, 300, 400, 90]
+    assert rows[1]["reasons"] == {"stall_wait": 1200} and rows[3]["reasons"] == {"stall_barrier": 400}
+    text = tool.stall_summary(rows, "t", top=2)
+    assert "samples 2000" in text
+    assert text.index("60.5%  stall_wait") < text.index("20.0%  stall_barrier")
+    hot = text[text.index("hottest"):text.index("by stretch")]
+    assert "0x01010" in hot and "0x01030" in hot and "0x01020" not in hot  # the top 2 only
+    stretch = text[text.index("by stretch"):]
+    # HGMMA alone; the wait with the FFMA after it; the barrier with the IMAD after it
+    assert " 0.5%  0x01000" in stretch and "75.0%  0x01010" in stretch and "(2 instructions)" in stretch
+    assert "24.5%  0x01030" in stretch
+    with pytest.raises(ValueError, match="Address"):
+        tool.source_rows("no table here")
+
+
 def test_gpu_tool_runs_the_impls_side_by_side():
     from conftest import load_script
     from tsgen.spec import merge

@@ -3,6 +3,9 @@ bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
 Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl shipped,mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3,wgmma_m128,wgmma_dkq]
        python tools/gpu_attention_bwd.py OUT_DIR --impl wgmma --ncu hd128_full_kv32[:8192]
+       python tools/gpu_attention_bwd.py OUT_DIR --ncu hd128_full_kv32[:8192] --ncu-source [--ncu-baseline fa4]
+       (ncu's warp-stall samples per SASS instruction of one main kernel launch, tsgen's or FA4's: the summary in
+       OUT_DIR/src_<who>_<variant>_s<seq>.txt, by reason, hottest instructions, and stretch of the step)
        python tools/gpu_attention_bwd.py OUT_DIR --kernel-times hd128_full_kv32[:8192] [--kt-baselines sdpa_cudnn,cudnn_fe] [--kt-rounds 3]
        (every kernel of tsgen's call and of the baselines' under torch.profiler, back-to-back calls in interleaved
        blocks: each kernel's median time, a call's span, the GPU's busy share; OUT_DIR/kernels_<variant>_s<seq>.md)
@@ -62,6 +65,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import concurrent.futures
+import csv
 import ctypes
 import datetime
 import json
@@ -524,6 +528,119 @@ def profile(out: Path, name: str, impl: str, seq: int, baseline: str | None = No
     return p.returncode
 
 
+# --ncu-source: the main kernel of each implementation, by a regex over its name (one launch after the warm call)
+SOURCE_KERNELS = {"tsgen": r"_main$", "fa4": r"FlashAttentionBackwardSm90"}
+# instructions that begin a stretch of the step in the summary: where the warps wait, or hand work to another unit
+SOURCE_LANDMARKS = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.SYNC", "BAR.ARV", "SYNCS.", "UBLKRED",
+                    "UTMALDG", "DEPBAR")
+
+
+def profile_source(out: Path, name: str, impl: str, seq: int, baseline: str | None = None) -> int:
+    """ncu's warp-stall sampling per SASS instruction of one main kernel launch (tsgen's, or with `baseline` fa4's
+    FlashAttentionBackwardSm90) at the bench's shape for `seq`: the report (OUT/src_<who>_<variant>_s<seq>.ncu-rep),
+    its source page as CSV (.csv) and a summary (.txt: the samples by stall reason, the hottest instructions, and
+    the samples of each stretch between landmark instructions: which waits the step's time goes to). Counting
+    instructions did not rank the levers (docs/design/attention.md, "FA4's sm_90 backward beside tsgen's"): this
+    does, tsgen's step beside FA4's from the same tensors."""
+    who = baseline or "tsgen"
+    if who not in SOURCE_KERNELS:
+        print(f"--ncu-source: the main kernel of {who} is not named here (of {', '.join(SOURCE_KERNELS)})", file=sys.stderr)
+        return 2
+    built = build(out, name, impl)
+    stem = out / f"src_{who}_{name}_s{seq}"
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", f"regex:{SOURCE_KERNELS[who]}",
+           "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats", "--import-source", "no",
+           "-f", "-o", str(stem), sys.executable, __file__, "--child", "one", json.dumps(built), str(seq),
+           *([baseline] if baseline else [])]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if p.returncode != 0:
+            print((p.stdout + p.stderr)[-4000:], file=sys.stderr)
+            return p.returncode
+        page = subprocess.run(["ncu", "-i", f"{stem}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
+                              capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"ncu: {e}", file=sys.stderr)
+        return 1
+    stem.with_suffix(".csv").write_text(page.stdout)
+    if page.returncode != 0:
+        print(page.stderr[-4000:], file=sys.stderr)
+        return page.returncode
+    summary = stall_summary(source_rows(page.stdout), f"{who} {name} S {seq}")
+    stem.with_suffix(".txt").write_text(summary)
+    print(summary, flush=True)
+    return 0
+
+
+def source_rows(text: str) -> list[dict]:
+    """The rows of ncu's source page in CSV (--page source --csv --print-source sass), as dicts: "address" (int),
+    "sass" (the instruction), "samples" (warp stall samples, all), and "reasons" ({column: samples} of every other
+    numeric column whose name speaks of stalls). The page may open with lines that are not the table."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if '"Address"' in line or line.startswith("Address,")), None)
+    if start is None:
+        raise ValueError("no table with an Address column in ncu's source page")
+    table = list(csv.DictReader(lines[start:]))
+    if not table:
+        return []
+    cols = list(table[0])
+    source = next((c for c in cols if c.strip().lower() == "source"), None)
+    samples = next((c for c in cols if "Warp Stall Sampling (All" in c), None)
+    if source is None or samples is None:
+        raise ValueError(f"ncu's source page lacks a Source or a 'Warp Stall Sampling (All Samples)' column: {cols}")
+    reasons = [c for c in cols if c not in (source, samples) and "stall" in c.lower() and "Not-issued" not in c]
+
+    def number(x: str) -> float:
+        try:
+            return float(str(x).replace(",", "") or 0)
+        except ValueError:
+            return 0.0
+
+    rows = []
+    for r in table:
+        try:
+            address = int(str(r.get("Address", "")).strip(), 16)
+        except ValueError:
+            continue
+        rows.append({"address": address, "sass": str(r[source]).strip(), "samples": number(r[samples]),
+                     "reasons": {c: number(r[c]) for c in reasons if number(r[c])}})
+    return rows
+
+
+def stall_summary(rows: list[dict], title: str, top: int = 30) -> str:
+    """Where one kernel's warps stalled, from source_rows: the total, by reason, the `top` hottest instructions,
+    and by stretch (from one landmark instruction, SOURCE_LANDMARKS, to the next, in address order)."""
+    total = sum(r["samples"] for r in rows) or 1.0
+    out = [f"# warp stall samples: {title}", f"instructions {len(rows)}, samples {total:.0f}", "", "## by reason"]
+    reasons: dict[str, float] = {}
+    for r in rows:
+        for c, n in r["reasons"].items():
+            reasons[c] = reasons.get(c, 0.0) + n
+    out += [f"{n / total:7.1%}  {c}" for c, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    out += ["", f"## the {top} hottest instructions"]
+    for r in sorted(rows, key=lambda r: -r["samples"])[:top]:
+        out.append(f"{r['samples'] / total:7.1%}  {r['address']:#07x}  {r['sass']}")
+    out += ["", "## by stretch (from a landmark instruction to the next; stretches under 0.5 % left out)"]
+    stretch, start, n = 0.0, None, 0
+    ordered = sorted(rows, key=lambda r: r["address"])
+
+    def flush():
+        if start is not None and stretch / total >= 0.005:
+            out.append(f"{stretch / total:7.1%}  {start['address']:#07x} {start['sass'][:60]:60s} ({n} instructions)")
+
+    for r in ordered:
+        op = r["sass"].split()[0] if r["sass"] else ""
+        if op.startswith("@"):
+            op = r["sass"].split()[1] if len(r["sass"].split()) > 1 else ""
+        if start is None or op.startswith(SOURCE_LANDMARKS):
+            flush()
+            stretch, start, n = 0.0, r, 0
+        stretch += r["samples"]
+        n += 1
+    flush()
+    return "\n".join(out) + "\n"
+
+
 KERNEL_CALLS, KERNEL_ROUNDS = 10, 3  # --kernel-times: back-to-back calls a block, blocks an implementation
 
 
@@ -893,6 +1010,9 @@ def main() -> int:
                     f"{BENCH_SEQS[1]}; variants: {', '.join(BENCH_VARIANTS)})")
     ap.add_argument("--ncu-baseline", choices=BASELINES,
                     help="with --ncu: profile this baseline's backward at the variant's shape instead of tsgen's")
+    ap.add_argument("--ncu-source", action="store_true",
+                    help="with --ncu: the warp-stall samples per SASS instruction of the main kernel (one launch; "
+                    "--ncu-baseline fa4 for FA4's), OUT/src_<who>_<variant>_s<seq>.{ncu-rep,csv,txt}")
     ap.add_argument("--kernel-times", metavar="VARIANT[:SEQ]",
                     help="time every kernel of tsgen's call (the first --impl) and of --kt-baselines' in interleaved "
                     "blocks of back-to-back calls under torch.profiler; the report in OUT/kernels_<variant>_s<seq>.md")
@@ -960,13 +1080,16 @@ def main() -> int:
         return 0
     if a.ncu_baseline and not a.ncu:
         ap.error("--ncu-baseline: with --ncu VARIANT[:SEQ] (the shape it profiles)")
+    if a.ncu_source and not a.ncu:
+        ap.error("--ncu-source: with --ncu VARIANT[:SEQ] (the shape it profiles)")
     if a.ncu:
         name, _, seq = a.ncu.partition(":")
         if name not in VARIANTS:
             ap.error(f"--ncu: variant {name!r}; one of {', '.join(sorted(VARIANTS))}")
         if not runs(name, impls[0]):
             ap.error(f"--ncu: impl {impls[0]} is built for head dims {IMPL_HEAD_DIMS[impls[0]]} only, not {name}")
-        return profile(out, name, impls[0], int(seq) if seq else BENCH_SEQS[1], a.ncu_baseline)
+        return (profile_source if a.ncu_source else profile)(out, name, impls[0], int(seq) if seq else BENCH_SEQS[1],
+                                                             a.ncu_baseline)
     if a.rounds < 1 or a.settle < 0:
         ap.error("--rounds: at least 1; --settle: 0 or more")
     shapes = [x for x in (a.bench_shapes or "").split(",") if x]
