@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, compile_test, load_script, missing_tool, rendered_source, spec_problems
+from sass_checks import sass_function, sass_names
 from tsgen.ops import get_family
 from tsgen.ops.attention import (attention_backward_reference, attention_reference, from_bshd, o_tolerance,
                                  to_bshd)
@@ -192,9 +193,7 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
     spec = variant("v", **MMA_SYNC)
     sass = dump_sass(compile_source(rendered_source(spec, tmp_path)).output)
-    main = sass[sass.index("Function : v_w1_main"):]
-    main = main[:main.index("Function :", 10)] if "Function :" in main[10:] else main
-    names = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", main)
+    names = sass_names(sass_function(sass, "v_w1_main"))
     assert "HMMA.16816.F32.BF16" in names and "LDSM.16.M88.4" in names and "LDSM.16.MT88.4" in names
     assert "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU" in names and not [n for n in names if n.startswith("ATOM")]
     assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no calls"

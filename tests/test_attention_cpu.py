@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, compile_test, exhaustive, load_script, missing_tool, rendered_source, spec_problems
-from sass_checks import vector_to_uniform_copies
+from sass_checks import sass_names, sass_ops, vector_to_uniform_copies
 from tsgen.ops import get_family
 from tsgen.ops.attention import (SMEM_LIMIT, attention_reference, flops, query_positions, smem_bytes, to_bshd,
                                  zigzag)
@@ -338,7 +338,7 @@ def test_launcher_library():
 @pytest.mark.parametrize("name,head_dim", [("attention_hd128", 128), ("attention_hd64_causal", 64)])
 def test_sass(cache, name, head_dim):
     sass = dump_sass(compile_source(ROOT / "generated" / f"{name}.cu").output)
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    ops = sass_ops(sass)
     names = [o for o, _ in ops]
     hgmma = [o + rest for o, rest in ops if o.startswith("HGMMA")]
     qk = [h for h in hgmma if "tnspB" not in h]
@@ -388,7 +388,7 @@ def fmnmx_chain(sass: str) -> int:
     """The longest chain of dependent FMNMX that feeds a SHFL (a row max before its reduction over
     the row's 4 threads), walking the SASS in address order."""
     depth, worst = {}, 0
-    for op, rest in re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", sass):
+    for op, rest in sass_ops(sass):
         regs = [m.group(1) if (m := re.match(r"-?\|?(R\d+)", a.strip())) else None for a in rest.split(",")]
         if op == "FMNMX":
             depth[regs[0]] = 1 + max(depth.get(r, 0) for r in regs[1:3] if r)
@@ -417,7 +417,7 @@ def test_row_max_chains_sass(cache, tmp_path, chains, causal):
     assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
     assert ptxas_problems(res.output) == []
     sass = dump_sass(res.output)
-    names = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    names = sass_names(sass)
     assert names.count("MUFU.EX2") == 260 and len([n for n in names if n.startswith("HGMMA")]) == 32
     assert fmnmx_chain(sass) == (33 if chains is None else 32 // chains + chains.bit_length() - 1)
     assert not [o for o in names if o.startswith(("LDL", "STL"))] and "CALL" not in " ".join(names)
@@ -446,7 +446,7 @@ def test_tile_m192_compiles_without_spills(cache, tmp_path, changes):
     assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, entry
     assert ptxas_problems(res.output) == [], "no serialized wgmma, no ignored setmaxnreg"
     sass = dump_sass(res.output)
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    ops = sass_ops(sass)
     names = [o for o, _ in ops]
     hgmma = [o + rest for o, rest in ops if o.startswith("HGMMA")]
     qk = [h for h in hgmma if "tnspB" not in h]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, compile_test, exhaustive, missing_tool, rendered_source, spec_problems
-from sass_checks import vector_to_uniform_copies
+from sass_checks import sass_ops, vector_to_uniform_copies
 from tsgen.ops import get_family
 from tsgen.ops.collectives import from_f64, to_f64
 from tsgen.ops.gemm import SMEM_LIMIT, smem_bytes
@@ -198,7 +198,7 @@ def test_launcher_library():
 @needs_sass
 def test_sass():
     sass = dump_sass(compile_source(ROOT / "generated" / "gemm_bf16.cu").output)
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
+    ops = sass_ops(sass)
     names = [o for o, _ in ops]
     hgmma = [o + rest for o, rest in ops if o.startswith("HGMMA")]
     assert len(hgmma) == 4 and all(h.startswith("HGMMA.64x256x16.F32.BF16") and ".tnspB" in h for h in hgmma), hgmma

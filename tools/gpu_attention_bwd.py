@@ -71,6 +71,7 @@ import datetime
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -514,13 +515,22 @@ def profile(out: Path, name: str, impl: str, seq: int, baseline: str | None = No
     # machines' clocks are never to be changed (the device tool's METHOD.md); the counters read the clocks as they are
     cmd = ["ncu", "--clock-control", "none", *pick, *[a for sec in NCU_SECTIONS for a in ("--section", sec)], "--metrics", ",".join(NCU_METRICS),
            sys.executable, __file__, "--child", "one", json.dumps(built), str(seq), *([baseline] if baseline else [])]
+    return run_ncu(cmd, report)
+
+
+def run_ncu(cmd: list[str], report: Path | None) -> int:
+    """ncu over a `--child one` run (`cmd`): its output into `report` (and the end of it printed) where given; the
+    exit status, or 1 where ncu could not run or the profiled child did not (its RESULT line says why)."""
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"ncu: {e}", file=sys.stderr)
         return 1
-    report.write_text(p.stdout + p.stderr)
-    print(p.stdout[-6000:], flush=True)
+    if report is not None:
+        report.write_text(p.stdout + p.stderr)
+        print(p.stdout[-6000:], flush=True)
+    elif p.returncode != 0:
+        print((p.stdout + p.stderr)[-4000:], file=sys.stderr)
     result = next((json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")), None)
     if p.returncode == 0 and not (result or {}).get("pass"):
         print(f"ncu: the profiled child did not run ({(result or {}).get('why', 'no RESULT line')})", file=sys.stderr)
@@ -552,11 +562,10 @@ def profile_source(out: Path, name: str, impl: str, seq: int, baseline: str | No
            "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats", "--import-source", "no",
            "-f", "-o", str(stem), sys.executable, __file__, "--child", "one", json.dumps(built), str(seq),
            *([baseline] if baseline else [])]
+    code = run_ncu(cmd, None)
+    if code != 0:
+        return code
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if p.returncode != 0:
-            print((p.stdout + p.stderr)[-4000:], file=sys.stderr)
-            return p.returncode
         page = subprocess.run(["ncu", "-i", f"{stem}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
                               capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -580,15 +589,16 @@ def source_rows(text: str) -> list[dict]:
     start = next((i for i, line in enumerate(lines) if '"Address"' in line or line.startswith("Address,")), None)
     if start is None:
         raise ValueError("no table with an Address column in ncu's source page")
-    table = list(csv.DictReader(lines[start:]))
-    if not table:
-        return []
-    cols = list(table[0])
+    reader = csv.DictReader(lines[start:])
+    cols = [c for c in reader.fieldnames or [] if c is not None]
+    table = list(reader)
     source = next((c for c in cols if c.strip().lower() == "source"), None)
-    samples = next((c for c in cols if "Warp Stall Sampling (All" in c), None)
+    # "Warp Stall Sampling (All Samples)", older versions "(All Cycles)"; not the "(Not-issued ...)" one
+    samples = next((c for c in cols if c.startswith("Warp Stall Sampling (All")), None)
     if source is None or samples is None:
         raise ValueError(f"ncu's source page lacks a Source or a 'Warp Stall Sampling (All Samples)' column: {cols}")
-    reasons = [c for c in cols if c not in (source, samples) and "stall" in c.lower() and "Not-issued" not in c]
+    # the per-reason columns of all samples (stall_wait, ...), not their not-issued twins ("stall_wait (Not Issued)")
+    reasons = [c for c in cols if c.startswith("stall_") and not re.search(r"not[- ]issued", c, re.I)]
 
     def number(x: str) -> float:
         try:

@@ -57,7 +57,7 @@ WGMMA_STAGES = 2  # Q / dO stages of the wgmma kernel's ring (tsgen::attention_b
 DQ_STAGING = 2 * BLOCK_M * 64 * 4  # the wgmma kernel's fp32 dQ staging (dq_reduce bulk): 64 x 64 per warpgroup
 DEFAULT_HEAD_GROUP = 4  # params.head_group unset, impl wgmma: 0.99-1.29x no groups at hd 128 (H200, 2026-11-27)
 TAIL_ITEMS = 64  # params.tail_split: the workspace's tail slots (tsgen::attention_bwd::wgmma::TAIL_ITEMS)
-TAIL_SLOT_FLOATS = 2 * IMPLS["wgmma"]["block_n"]  # per head-dim column: a slot's key rows x (dK, dV)
+TAIL_SLOT_FLOATS_PER_COLUMN = 2 * IMPLS["wgmma"]["block_n"]  # a slot's key rows x (dK, dV); times head_dim: TAIL_SLOT_FLOATS<C> in C++
 
 
 def dq_semaphores(batch: int, q_len: int, heads: int) -> int:
@@ -90,7 +90,7 @@ def tail_plan(items: int, sms: int, steps: int) -> tuple[int, int]:
 
 def tail_floats(tail_items: int, head_dim: int) -> int:
     """params.tail_split: the tail slots after dq_accum's floats (tsgen::attention_bwd::wgmma::tail_accum)."""
-    return tail_items * TAIL_SLOT_FLOATS * head_dim
+    return tail_items * TAIL_SLOT_FLOATS_PER_COLUMN * head_dim
 
 class AttentionBackwardParams(AttentionShape):
     impl: Literal["mma_sync", "wgmma"] = Field(
