@@ -63,7 +63,7 @@ REQUIRED_HELPERS: list[str] = [
       for s in ("gpu", "sys") for t in _T2],
     *[f"fence_{sem}_{s}" for sem in ("acq_rel", "sc") for s in ("cta", "gpu", "sys")],
     "fence_proxy_async_shared_cta",
-    "warp_any_sync", "warp_all_sync", "elect_one_sync", "lane_id", "warp_id",
+    "warp_any_sync", "warp_all_sync", "elect_one_sync", "lane_id", "warp_id", "warpgroup_id",
     "globaltimer_ns",
     *[f"multimem_ld_reduce_add_relaxed_sys_{t}"
       for t in ("f32", "bf16x2", "f16x2", "v4_f32", "v4_bf16x2")],
@@ -137,6 +137,7 @@ SASS_EXPECT: list[tuple[str, list[str], list[str]]] = [
     (r"elect_one_sync", ["ELECT"], [r"S2R"]),  # the real instruction, not a lane==0 fallback
     (r"lane_id", ["S2R R, SR_LANEID"], []),
     (r"warp_id", ["S2R R, SR_TID.X"], []),
+    (r"warpgroup_id", ["S2R R, SR_TID.X", "SHFL.IDX"], []),  # lane 0's value: warp-uniform to the compiler
     (r"globaltimer_ns", ["CS2R R, SR_GLOBALTIMERLO"], []),
     # multimem (compiled only, never run)
     (r"multimem_ld_reduce_add_relaxed_sys_(?P<acc>acc_f32_)?(?P<mt>f32|bf16x2|f16x2|v4_f32|v4_bf16x2)",

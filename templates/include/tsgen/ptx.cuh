@@ -90,7 +90,7 @@
 // fences:            fence_acq_rel_cta  fence_acq_rel_gpu  fence_acq_rel_sys
 //                    fence_sc_cta  fence_sc_gpu  fence_sc_sys
 //                    fence_proxy_async_shared_cta
-// warp:              warp_any_sync  warp_all_sync  elect_one_sync  lane_id  warp_id
+// warp:              warp_any_sync  warp_all_sync  elect_one_sync  lane_id  warp_id  warpgroup_id
 // timer:             globaltimer_ns
 // multimem ld_reduce: multimem_ld_reduce_add_relaxed_sys_f32
 //                    multimem_ld_reduce_add_relaxed_sys_bf16x2
