@@ -579,7 +579,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
     assert tool.IMPLS == ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1",
-                          "wgmma_g2", "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq")
+                          "wgmma_g2", "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq")
     assert tool.impl_name("hd64_full_kv8", "shipped") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8_mma_sync"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
@@ -1309,7 +1309,7 @@ def main_kernel_ops(output, kernel: str) -> tuple[str, list]:
     """`kernel`'s SASS in `output` and its instructions as (address, predicate, opcode, operands)."""
     sass = dump_sass(output)
     main = sass_function(sass, kernel)
-    return main, re.findall(r"/\*([0-9a-f]{4})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", main)
+    return main, re.findall(r"/\*([0-9a-f]{4,6})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);", main)
 
 
 def loop_body(ops, sts: bool = False) -> list[list]:
@@ -1440,8 +1440,9 @@ def test_sass_of_the_lookahead_main_kernel(tmp_path, monkeypatch, head_dim):
 
 def test_dk_after_dq_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
     """Set in the shipped head-dim-128 specs, unset at 64 (no DK_AFTER_DQ in their sources); set, the constant and the Config's
-    flag, the same shared memory; refused by name with mma_sync, dq_reduce atomic, deterministic, lookahead
-    and step_rows 128; every case of the tool's wgmma_dkq is a valid spec."""
+    flag, the same shared memory; refused by name with mma_sync, dq_reduce atomic, deterministic and lookahead;
+    accepted with step_rows 128 (consume_tall's DK_AFTER_DQ order); every case of the tool's wgmma_dkq and
+    wgmma_m128dkq is a valid spec."""
     fam = get_family("attention_backward")
     for path in SHIPPED_BACKWARD:  # set in the head-dim-128 ones, unset (no DK_AFTER_DQ in the source) at 64
         loaded = load_spec(path)
@@ -1454,12 +1455,15 @@ def test_dk_after_dq_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
     assert smem_bytes(on.model) == smem_bytes(variant("v").model)
     spec = variant("v").model
     for update in ({"impl": "mma_sync"}, {"dq_reduce": "atomic"}, {"deterministic": True, "head_group": 0},
-                   {"lookahead": True}, {"head_dim": 64, "step_rows": 128}):
+                   {"lookahead": True}):
         bad = spec.model_copy(update={"params": spec.params.model_copy(update={"dk_after_dq": True, **update})})
         assert ("params", "dk_after_dq") in [w for w, _ in fam.check(bad)], (update, fam.check(bad))
-    for name, changes in tool_cases("wgmma_dkq").items():
-        loaded = spec_variant(load_spec(SPEC), changes)
-        assert loaded.model.params.dk_after_dq and fam.check(loaded.model) == [], name
+    tall = variant("t", params={"head_dim": 64, "step_rows": 128, "dk_after_dq": True})
+    assert tall.model.params.tall and fam.check(tall.model) == [] and fam.constants(tall.model)["DK_AFTER_DQ"] == 1
+    for impl in ("wgmma_dkq", "wgmma_m128dkq"):
+        for name, changes in tool_cases(impl).items():
+            loaded = spec_variant(load_spec(SPEC), changes)
+            assert loaded.model.params.dk_after_dq and fam.check(loaded.model) == [], (impl, name)
 
 
 @needs_nvcc
@@ -1593,17 +1597,19 @@ def test_step_rows_128_compiles_without_spills(tmp_path, monkeypatch, name):
 
 
 @needs_sass
-@pytest.mark.parametrize("causal", [True, exhaustive(False)])
-def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal):
+@pytest.mark.parametrize("causal, dk_after_dq", [(True, False), exhaustive(False, False), (True, True)])
+def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq):
     """params.step_rows 128: S^T and dP^T as 4 + 4 HGMMA 64x128x16 from shared memory (K-major), dV and dK as 8 + 8
     HGMMA 64x64x16 with A from registers (tnspB), dQ as 8 HGMMA 64x64x16 (tnspA.tnspB: 128 keys), nothing else;
     four warpgroup waits, 128 exp2 (the masked and unmasked paths, 64 each), 32 dS^T stores and 16 staging stores
     a step, one bulk reduction, the 4 named barriers (ptxas's count), no local memory, no call; and the loop in
     consume()'s order: q_full, S^T / dP^T, wait (S^T), exp2, wait (dP^T), dV / dK, DS_READY, dQ, wait (dV / dK),
-    q_empty, wait (dQ), the staging, DQ_STAGED, the bulk reduction."""
+    q_empty, wait (dQ), the staging, DQ_STAGED, the bulk reduction. With params.dk_after_dq, consume()'s
+    DK_AFTER_DQ order over the 128 rows: dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the staging, DQ_STAGED,
+    the bulk reduction, and only then wait (dK) and q_empty; no spill for dS^T's registers kept until dK retires."""
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
-    compiled = compile_source(rendered_source(variant("v", params={"head_dim": 64, "causal": causal,
-                                                                   "step_rows": 128}), tmp_path))
+    compiled = compile_source(rendered_source(variant("v", params={"head_dim": 64, "causal": causal, "step_rows": 128,
+                                                                   "dk_after_dq": dk_after_dq}), tmp_path))
     assert serialized(compiled.output) == []
     main, ops = main_kernel_ops(compiled.output, "v_w1_main")
     names = [o for _, _, o, _ in ops]
@@ -1616,7 +1622,7 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal):
     assert len(rs) == 16 and all(re.match(r"HGMMA\.64x64x16\.F32\.BF16R\d+,R\d+,gdesc", h) for h in rs), rs
     assert len(dq) == 8 and all(h.startswith("HGMMA.64x64x16") for h in dq), dq
     assert len(hgmma) == 32
-    assert names.count("WARPGROUP.DEPBAR.LE") == 4, "the wgmma of a step are batched, not serialized"
+    assert names.count("WARPGROUP.DEPBAR.LE") == (5 if dk_after_dq else 4), "batched wgmma, not serialized"
     assert names.count("MUFU.EX2") == 128 and names.count("STS.64") == 16
     assert names.count("UBLKRED.G.S.ADD.F32.RN") == 1 and "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU" not in names
     bars = sorted(int(m, 16) for m in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)\b", main))
@@ -1627,8 +1633,12 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal):
 
     body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
-    want = ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
-            "STS.64", "DQ_STAGED", "UBLKRED"]
+    if dk_after_dq:
+        want = ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
+                "STS.64", "DQ_STAGED", "UBLKRED", "wait0", "q_empty"]
+    else:
+        want = ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
+                "STS.64", "DQ_STAGED", "UBLKRED"]
     assert got == want, got
     counts = {}
     for e, n in body:
@@ -1651,7 +1661,8 @@ def test_gpu_tool_runs_step_rows_128_on_head_dim_64_only(tmp_path, monkeypatch):
                                               "tail_split": False}
     hd64 = sorted(n for n in tool.VARIANTS if tool.VARIANTS[n]["params"]["head_dim"] == 64)
     assert sorted(n for n in tool.VARIANTS if tool.runs(n, "wgmma_m128")) == hd64
-    assert all(tool.runs(n, i) for n in tool.VARIANTS for i in tool.IMPLS if i != "wgmma_m128")
+    assert sorted(n for n in tool.VARIANTS if tool.runs(n, "wgmma_m128dkq")) == hd64
+    assert all(tool.runs(n, i) for n in tool.VARIANTS for i in tool.IMPLS if i not in ("wgmma_m128", "wgmma_m128dkq"))
     assert {"hd64_causal_kv32", "hd64_full_kv32"} <= set(tool.BENCH_VARIANTS)
     built, children = [], []
     monkeypatch.setattr(tool, "build", lambda out, name, impl: built.append((name, impl)) or {"n": name, "i": impl})

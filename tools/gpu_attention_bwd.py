@@ -1,7 +1,7 @@
 """The `attention_backward` op on one GPU: correctness against a float32 reference, then a short
 bench against torch autograd of SDPA's backward (flash and cuDNN backends).
 
-Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl shipped,mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3,wgmma_m128,wgmma_dkq]
+Usage: python tools/gpu_attention_bwd.py OUT_DIR [--quick] [--no-bench] [--impl shipped,mma_sync,wgmma_red,wgmma,wgmma_det,wgmma_g1,wgmma_l3,wgmma_m128,wgmma_dkq,wgmma_m128dkq]
        python tools/gpu_attention_bwd.py OUT_DIR --impl wgmma --ncu hd128_full_kv32[:8192]
        python tools/gpu_attention_bwd.py OUT_DIR --ncu hd128_full_kv32[:8192] --ncu-source [--ncu-baseline fa4]
        (ncu's warp-stall samples per SASS instruction of one main kernel launch, tsgen's or FA4's: the summary in
@@ -124,11 +124,12 @@ BENCH_SEQS = [4096, 8192, 16384]
 # (params.head_group; g0: no groups, the order before groups of 4 became the default); wgmma_l3: params.lookahead (the
 # next step's S^T and dP^T under the dQ tail, docs/design/attention.md's lever 3), with the default head_group;
 # wgmma_m128: params.step_rows 128 (steps of 128 query rows at head dim 64, docs/design/attention.md's "Tall steps");
-# wgmma_dkq: params.dk_after_dq (FlashAttention-3's product order: the dQ staged while dK runs); every wgmma impl
+# wgmma_dkq: params.dk_after_dq (FlashAttention-3's product order: the dQ staged while dK runs); wgmma_m128dkq: both,
+# the 128-row steps in that order (head dim 64; against shipped, its one lever alone); every wgmma impl
 # but shipped walks whole items (params.tail_split false): at head dim 128 not causal, shipped against wgmma_dkq
 # times the tail split alone
 IMPLS = ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4",
-         "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq")
+         "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq")
 # the spec params of each (beside its threads per CTA, those of params.impl); every wgmma one names the levers, as
 # SPEC sets one of them and params.tail_split is on by default where it applies (shipped: as the specs resolve it)
 WGMMA = {"impl": "wgmma", "dk_after_dq": False, "step_rows": None, "tail_split": False}
@@ -138,12 +139,13 @@ IMPL_PARAMS = {"mma_sync": {"impl": "mma_sync", "dk_after_dq": False, "step_rows
                **{f"wgmma_g{n}": {**WGMMA, "head_group": n} for n in (0, 1, 2, 4, 8)},
                "wgmma_l3": {**WGMMA, "lookahead": True},
                "wgmma_m128": {**WGMMA, "step_rows": 128},
-               "wgmma_dkq": {**WGMMA, "dk_after_dq": True}}
+               "wgmma_dkq": {**WGMMA, "dk_after_dq": True},
+               "wgmma_m128dkq": {**WGMMA, "step_rows": 128, "dk_after_dq": True}}
 # the shipped spec of each head dim, whose main kernel impl "shipped" builds (its impl and the two levers)
 SHIPPED_SPECS = {128: ROOT / "specs" / "attention_backward_hd128.yaml",
                  64: ROOT / "specs" / "attention_backward_hd64_causal_gqa.yaml"}
 # impls built for some head dims only (the spec check refuses the others): the variants they run on
-IMPL_HEAD_DIMS = {"wgmma_m128": (64,)}
+IMPL_HEAD_DIMS = {"wgmma_m128": (64,), "wgmma_m128dkq": (64,)}
 
 
 def runs(name: str, impl: str) -> bool:
@@ -1124,7 +1126,7 @@ def main() -> int:
             # wgmma_det's children run the repeated cases too (three more references), wgmma's one (information)
             r, log = child(["check", json.dumps(built[name, impl]), *extra],
                            CHECK_TIMEOUT_S * (2 if IMPL_PARAMS.get(impl, {}).get("deterministic") else
-                                              1.5 if impl in ("wgmma", "wgmma_m128") else 1))
+                                              1.5 if impl in ("wgmma", "wgmma_m128", "wgmma_m128dkq") else 1))
             checks[impl_name(name, impl)] = r
             print(f"{impl_name(name, impl)}: {'pass' if r.get('pass') else 'FAIL'}", flush=True)
             if not r.get("pass"):

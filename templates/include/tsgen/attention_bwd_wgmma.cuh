@@ -66,7 +66,9 @@
 //     params.step_rows 128 (consume_tall; HEAD_DIM 64): steps of 128 query rows (STEP_ROWS), the same
 //     products, waits and barriers per step over twice the rows: S^T, dP^T as m64n128, dV and dK over 8 k16
 //     steps, dS^T in two panels of 64 queries, warpgroup w's dQ of queries 64w .. 64w + 63 over all 128 keys
-//     into its own query block's bulk reduction.
+//     into its own query block's bulk reduction. With params.dk_after_dq as well: consume()'s DK_AFTER_DQ order
+//     (dV alone, DS_READY, dQ, dK once dV is done, the dQ staged and reduced while dK runs, then dK's wait and
+//     q_empty at the end of the step).
 //
 // Hazards (and what orders each):
 //   - Q / dO / LSE2 / D stage reuse: the producer reloads a stage only after both consumer
@@ -268,8 +270,8 @@ struct Layout {
   static_assert(!LOOKAHEAD || (DQ_TILED && !DETERMINISTIC), "lookahead: the bulk dQ path, not deterministic");
   // params.dk_after_dq: consume()'s product order dV | DS_READY | dQ, dK (tsgen/ops/attention_backward.py refuses the rest)
   static constexpr bool DK_AFTER_DQ = dk_after_dq_of<C>::value;
-  static_assert(!DK_AFTER_DQ || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD && ROWS == BLOCK_M),
-                "dk_after_dq: the bulk dQ path, 64-row steps, not deterministic, not lookahead");
+  static_assert(!DK_AFTER_DQ || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD),
+                "dk_after_dq: the bulk dQ path, not deterministic, not lookahead");
   // params.tail_split: consume()'s pieces (tsgen/ops/attention_backward.py refuses the rest)
   static_assert(!tail_split_of<C>::value || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD && ROWS == BLOCK_M && !C::CAUSAL),
                 "tail_split: the bulk dQ path, 64-row steps, not deterministic, not lookahead, not causal");
@@ -1134,14 +1136,17 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
       fence_proxy_async_shared_cta();  // visible to the wgmma (async proxy) after the barrier
     }
 
-    // dV_w += P^T dO, dK_w += dS^T Q (over the step's 128 queries: 8 k16 steps of 16 rows, 2048 bytes)
+    // dV_w += P^T dO, dK_w += dS^T Q (over the step's 128 queries: 8 k16 steps of 16 rows, 2048 bytes); DK_AFTER_DQ:
+    // dV alone here, dK after the dQ (below)
+    const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
     {
-      const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < L::K16; ++k) C::mma_rs(dv, ap[k], do_n + ((k * 2048) >> 4), 1);
+      if constexpr (!L::DK_AFTER_DQ) {
 #pragma unroll
-      for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
+        for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
+      }
       wgmma_commit_group();
     }
 
@@ -1159,11 +1164,21 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
         C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
       wgmma_commit_group();
     }
-    wgmma_wait_group<1>();  // dV, dK done: the stage's Q and dO are no longer read
-    attention::fence_all<C>(dk, L::D_ACC);
-    attention::fence_all<C>(dv, L::D_ACC);
-    if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
-    wgmma_wait_group<0>();
+    if constexpr (L::DK_AFTER_DQ) {
+      wgmma_wait_group<1>();  // dV done (P^T's registers free)
+      attention::fence_all<C>(dv, L::D_ACC);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
+      wgmma_commit_group();   // dK_w += dS^T Q, on the tensor pipe while the dQ is staged (below)
+      wgmma_wait_group<1>();  // dQ done; dK may still run
+    } else {
+      wgmma_wait_group<1>();  // dV, dK done: the stage's Q and dO are no longer read
+      attention::fence_all<C>(dk, L::D_ACC);
+      attention::fence_all<C>(dv, L::D_ACC);
+      if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
+      wgmma_wait_group<0>();
+    }
     attention::fence_all<C>(dq, 32);
 
     // dq += dQ through the staging buffer (dq_tiled_offset's panel order, as consume()), then one bulk reduction
@@ -1181,6 +1196,11 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
       float* dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + q0) * C::HEAD_DIM;
       bulk_reduce_add_f32(dst, staging, n * 256);
       bulk_commit_group();
+    }
+    if constexpr (L::DK_AFTER_DQ) {  // dK done: dV read dO, dK read Q; the stage is free
+      wgmma_wait_group<0>();
+      attention::fence_all<C>(dk, L::D_ACC);
+      if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
     }
   }
 
