@@ -1597,7 +1597,8 @@ def test_step_rows_128_compiles_without_spills(tmp_path, monkeypatch, name):
 
 
 @needs_sass
-@pytest.mark.parametrize("causal, dk_after_dq", [(True, False), exhaustive(False, False), (True, True)])
+@pytest.mark.parametrize("causal, dk_after_dq", [(True, False), exhaustive(False, False), (True, True),
+                                                 exhaustive(False, True)])
 def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq):
     """params.step_rows 128: S^T and dP^T as 4 + 4 HGMMA 64x128x16 from shared memory (K-major), dV and dK as 8 + 8
     HGMMA 64x64x16 with A from registers (tnspB), dQ as 8 HGMMA 64x64x16 (tnspA.tnspB: 128 keys), nothing else;
