@@ -571,6 +571,9 @@ def test_gpu_tool_summarizes_ncu_source_page():
     assert "24.5%  0x01030" in stretch
     with pytest.raises(ValueError, match="Address"):
         tool.source_rows("no table here")
+    # another ncu version's names: "# Address", "# Samples"
+    other = page.replace('"Address"', '"# Address"').replace('"Warp Stall Sampling (All Samples)"', '"# Samples"')
+    assert tool.source_rows(other) == rows
 
 
 def test_gpu_tool_runs_the_impls_side_by_side():

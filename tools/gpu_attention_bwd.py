@@ -585,18 +585,22 @@ def profile_source(out: Path, name: str, impl: str, seq: int, baseline: str | No
 
 def source_rows(text: str) -> list[dict]:
     """The rows of ncu's source page in CSV (--page source --csv --print-source sass), as dicts: "address" (int),
-    "sass" (the instruction), "samples" (warp stall samples, all), and "reasons" ({column: samples} of every other
-    numeric column whose name speaks of stalls). The page may open with lines that are not the table."""
+    "sass" (the instruction), "samples" (warp stall samples, all), and "reasons" ({column: samples} of each stall
+    reason's column, stall_*). The page opens with the kernel's name line; its versions name the address column
+    "Address" or "# Address", and the samples "Warp Stall Sampling (All Samples)" (older: "(All Cycles)") or
+    "# Samples"."""
     lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if '"Address"' in line or line.startswith("Address,")), None)
+    header = re.compile(r'^"?(# )?Address"?,')
+    start = next((i for i, line in enumerate(lines) if header.match(line)), None)
     if start is None:
         raise ValueError("no table with an Address column in ncu's source page")
     reader = csv.DictReader(lines[start:])
     cols = [c for c in reader.fieldnames or [] if c is not None]
     table = list(reader)
+    address = cols[0]
     source = next((c for c in cols if c.strip().lower() == "source"), None)
-    # "Warp Stall Sampling (All Samples)", older versions "(All Cycles)"; not the "(Not-issued ...)" one
-    samples = next((c for c in cols if c.startswith("Warp Stall Sampling (All")), None)
+    samples = next((c for c in cols if c.startswith("Warp Stall Sampling (All")), None) or \
+        next((c for c in cols if c.strip() == "# Samples"), None)
     if source is None or samples is None:
         raise ValueError(f"ncu's source page lacks a Source or a 'Warp Stall Sampling (All Samples)' column: {cols}")
     # the per-reason columns of all samples (stall_wait, ...), not their not-issued twins ("stall_wait (Not Issued)")
@@ -611,10 +615,10 @@ def source_rows(text: str) -> list[dict]:
     rows = []
     for r in table:
         try:
-            address = int(str(r.get("Address", "")).strip(), 16)
+            at = int(str(r.get(address, "")).strip(), 16)
         except ValueError:
             continue
-        rows.append({"address": address, "sass": str(r[source]).strip(), "samples": number(r[samples]),
+        rows.append({"address": at, "sass": str(r[source]).strip(), "samples": number(r[samples]),
                      "reasons": {c: number(r[c]) for c in reasons if number(r[c])}})
     return rows
 
