@@ -6,6 +6,9 @@ kernel, 2026-11-27 on an H200); each call's preprocess + dQ conversion 0.061 ms,
 reduce-scatters 0.12 ms of the step. Prints the full call, each rank's runs alone (backward_runs), and
 the overlapped backward (peers' runs dispatched first, own runs after, no barrier between) against
 the full call + scatter. A model, not a measurement: tools/torch_cp_pieces.py times the same calls.
+Last, the fused backward that docs/design/cp_attention.md plans (one call, its CTAs over the peers' key
+blocks first, each peer's dK / dV partial pushed over NVLink as its blocks finish, the owner adding the
+W - 1 incoming partials after its own): PUSH_GBS and ADD_GBS are assumptions, named where printed.
 
     python3 tools/cp_overlap_model.py"""
 import heapq
@@ -17,6 +20,7 @@ from tsgen.torch.cp_attention_op import backward_runs, cp_positions  # noqa: E40
 
 S, W, SMS, KV_HEADS, GROUP = 8192, 2, 132, 8, 4
 PRE_CONV, SCATTER, DQ_SUM = 0.061, 0.12, 0.03  # ms: per call; the two reduce-scatters; one dQ add (more: fp32)
+HEAD_DIM, PUSH_GBS, ADD_GBS = 128, 350.0, 3000.0  # the fused model's assumptions: NVLink push, HBM add (GB/s)
 n = S // W
 
 
@@ -57,3 +61,12 @@ for rank in range(W):
                             ("beside the other calls' main kernels", PRE_CONV)):
         done = max(max(ends) * unit + pre_conv, sent + SCATTER) + DQ_SUM * (parts - 1)
         print(f"  overlapped ({label}): {done:.3f} ms (the peers' sums leave at {sent:.3f})")
+    # the fused backward: one call; the peers' partials (bf16 dK and dV of their n rows) leave as the peers' blocks
+    # finish and cross NVLink under the own blocks; the owner reads its own and the W - 1 incoming partials, writes
+    # the sums (after its own blocks)
+    partial = 2 * n * KV_HEADS * HEAD_DIM * 2  # bytes: dK and dV of n key rows, bf16
+    push = (W - 1) * partial / (PUSH_GBS * 1e6)  # ms
+    add = (W + 1) * partial / (ADD_GBS * 1e6)
+    fused = max(max(ends) * unit, sent - PRE_CONV + push) + PRE_CONV + add
+    print(f"  fused (one call, pushes at {PUSH_GBS:.0f} GB/s, add at {ADD_GBS:.0f} GB/s, both assumed): {fused:.3f} ms "
+          f"against {full:.3f} (push {push:.3f}, add {add:.3f})")
