@@ -617,6 +617,28 @@ static __device__ __forceinline__ void issue_rs(float (&acc)[Layout<C>::D_ACC], 
   wgmma_commit_group();
 }
 
+// A step's waits once its dQ is issued (the last group), up to the dQ's completion. DK_AFTER_DQ: wait for dV
+// (P^T's registers free), issue dK (`issue_dk`: a group of its own) to run on the tensor pipe while the dQ is
+// staged, wait for the dQ (dK may still run; its wait and the stage's q_empty come at the step's end). Else: wait
+// for dV and dK (the stage's Q and dO no longer read), release the stage, wait for the dQ.
+template <class C, class IssueDk>
+static __device__ __forceinline__ void after_dq_issue(float (&dk)[Layout<C>::D_ACC], float (&dv)[Layout<C>::D_ACC],
+                                                      uint32_t t, uint32_t smem, uint32_t stage, IssueDk issue_dk) {
+  using L = Layout<C>;
+  if constexpr (L::DK_AFTER_DQ) {
+    wgmma_wait_group<1>();
+    attention::fence_all<C>(dv, L::D_ACC);
+    issue_dk();
+    wgmma_wait_group<1>();
+  } else {
+    wgmma_wait_group<1>();
+    attention::fence_all<C>(dk, L::D_ACC);
+    attention::fence_all<C>(dv, L::D_ACC);
+    if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
+    wgmma_wait_group<0>();
+  }
+}
+
 // The walk's end: dK (times the scale) and dV of key rows key_lo (+ 8), columns 8q + 2c (+ 1), to global;
 // rows past kv_len clipped.
 template <class C>
@@ -771,18 +793,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
         C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
       wgmma_commit_group();
     }
-    if constexpr (L::DK_AFTER_DQ) {
-      wgmma_wait_group<1>();  // dV done (P^T's registers free)
-      attention::fence_all<C>(dv, L::D_ACC);
-      issue_rs<C>(dk, ad, q_base);  // dK_w += dS^T Q, on the tensor pipe while the dQ is staged (below)
-      wgmma_wait_group<1>();  // dQ done; dK may still run
-    } else {
-      wgmma_wait_group<1>();  // dV, dK done: the stage's Q and dO are no longer read
-      attention::fence_all<C>(dk, L::D_ACC);
-      attention::fence_all<C>(dv, L::D_ACC);
-      if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
-      wgmma_wait_group<0>();
-    }
+    after_dq_issue<C>(dk, dv, t, smem, stage, [&] { issue_rs<C>(dk, ad, q_base); });
     attention::fence_all<C>(dq, 32);
 
     if constexpr (L::DQ_TILED) {
@@ -1164,21 +1175,12 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
         C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
       wgmma_commit_group();
     }
-    if constexpr (L::DK_AFTER_DQ) {
-      wgmma_wait_group<1>();  // dV done (P^T's registers free)
-      attention::fence_all<C>(dv, L::D_ACC);
+    after_dq_issue<C>(dk, dv, t, smem, stage, [&] {
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
-      wgmma_commit_group();   // dK_w += dS^T Q, on the tensor pipe while the dQ is staged (below)
-      wgmma_wait_group<1>();  // dQ done; dK may still run
-    } else {
-      wgmma_wait_group<1>();  // dV, dK done: the stage's Q and dO are no longer read
-      attention::fence_all<C>(dk, L::D_ACC);
-      attention::fence_all<C>(dv, L::D_ACC);
-      if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
-      wgmma_wait_group<0>();
-    }
+      wgmma_commit_group();
+    });
     attention::fence_all<C>(dq, 32);
 
     // dq += dQ through the staging buffer (dq_tiled_offset's panel order, as consume()), then one bulk reduction
