@@ -576,6 +576,26 @@ def test_gpu_tool_summarizes_ncu_source_page():
     assert tool.source_rows(other) == rows
 
 
+def test_bwd_levers_script_names_what_the_tool_runs():
+    """tools/gpu_bwd_levers.sh (the next device call): bash accepts it; its --impl, --bench-shapes and --ncu
+    arguments are ones tools/gpu_attention_bwd.py takes (a typo there would cost a device call)."""
+    from conftest import load_script
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    path = ROOT / "tools" / "gpu_bwd_levers.sh"
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    text = path.read_text()
+    impls = re.findall(r"--impl (\S+)", text)
+    assert impls and all(set(i.split(",")) <= set(tool.IMPLS) for i in impls), impls
+    shapes = re.search(r"^HD64=(\S+)$", text, re.M).group(1).split(",")
+    assert all(v in tool.BENCH_VARIANTS and int(n) in tool.BENCH_SEQS and tool.runs(v, "wgmma_m128dkq")
+               for v, n in (x.split(":") for x in shapes)), shapes
+    for arg in re.findall(r"--ncu (\S+)", text):
+        name, _, seq = arg.partition(":")
+        assert name in tool.VARIANTS and int(seq) > 0, arg
+    assert "--ncu-baseline fa4" in text and "fa4" in tool.SOURCE_KERNELS
+
+
 def test_gpu_tool_runs_the_impls_side_by_side():
     from conftest import load_script
     from tsgen.spec import merge
