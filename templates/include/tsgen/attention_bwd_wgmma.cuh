@@ -639,6 +639,16 @@ static __device__ __forceinline__ void after_dq_issue(float (&dk)[Layout<C>::D_A
   }
 }
 
+// DK_AFTER_DQ, the step's end (after_dq_issue left dK running): wait for dK, then release the stage (dV read dO,
+// dK read Q; neither is read any more).
+template <class C>
+static __device__ __forceinline__ void dk_done_release_stage(float (&dk)[Layout<C>::D_ACC], uint32_t t, uint32_t smem,
+                                                             uint32_t stage) {
+  wgmma_wait_group<0>();
+  attention::fence_all<C>(dk, Layout<C>::D_ACC);
+  if (t == 0) mbar_arrive(smem + Layout<C>::Q_EMPTY + 8 * stage);
+}
+
 // The walk's end: dK (times the scale) and dV of key rows key_lo (+ 8), columns 8q + 2c (+ 1), to global;
 // rows past kv_len clipped.
 template <class C>
@@ -850,11 +860,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
         }
       }
     }
-    if constexpr (L::DK_AFTER_DQ) {
-      wgmma_wait_group<0>();  // dK done: the stage's Q and dO are no longer read
-      attention::fence_all<C>(dk, L::D_ACC);
-      if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
-    }
+    if constexpr (L::DK_AFTER_DQ) dk_done_release_stage<C>(dk, t, smem, stage);
   }
 
   // DQ_TILED: every bulk reduction complete (its writes done) before the CTA ends and its shared
@@ -1199,11 +1205,7 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
       bulk_reduce_add_f32(dst, staging, n * 256);
       bulk_commit_group();
     }
-    if constexpr (L::DK_AFTER_DQ) {  // dK done: dV read dO, dK read Q; the stage is free
-      wgmma_wait_group<0>();
-      attention::fence_all<C>(dk, L::D_ACC);
-      if (t == 0) mbar_arrive(smem + L::Q_EMPTY + 8 * stage);
-    }
+    if constexpr (L::DK_AFTER_DQ) dk_done_release_stage<C>(dk, t, smem, stage);
   }
 
   // every bulk reduction complete (its writes done) before the CTA ends, as consume()
