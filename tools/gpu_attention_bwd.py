@@ -512,17 +512,19 @@ def profile(out: Path, name: str, impl: str, seq: int, baseline: str | None = No
     built = build(out, name, impl)
     # every kernel of the warm calls (one_shape starts the profiler after its first call), tsgen's or the baseline's
     report = out / (f"ncu_{impl_name(name, impl)}_s{seq}.txt" if baseline is None else f"ncu_{baseline}_{name}_s{seq}.txt")
-    pick = ["--profile-from-start", "off", "--launch-count", "16"]
+    return run_ncu(["--launch-count", "16", *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
+                    "--metrics", ",".join(NCU_METRICS)], built, seq, baseline, report)
+
+
+def run_ncu(ncu_args: list[str], built: dict, seq: int, baseline: str | None, report: Path | None) -> int:
+    """ncu (`ncu_args` beside the common ones) over a `--child one` run of `built` at `seq` (tsgen's calls, or
+    `baseline`'s): its output into `report` (and the end of it printed) where given; the exit status, or 1 where
+    ncu could not run or the profiled child did not (its RESULT line says why)."""
     # --clock-control none: ncu would otherwise lock the GPU's clocks to base while it profiles, and the lent
-    # machines' clocks are never to be changed (the device tool's METHOD.md); the counters read the clocks as they are
-    cmd = ["ncu", "--clock-control", "none", *pick, *[a for sec in NCU_SECTIONS for a in ("--section", sec)], "--metrics", ",".join(NCU_METRICS),
+    # machines' clocks are never to be changed (the device tool's METHOD.md); the counters read the clocks as they
+    # are. --profile-from-start off: one_shape starts the profiler after its first call (warm calls only).
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", *ncu_args,
            sys.executable, __file__, "--child", "one", json.dumps(built), str(seq), *([baseline] if baseline else [])]
-    return run_ncu(cmd, report)
-
-
-def run_ncu(cmd: list[str], report: Path | None) -> int:
-    """ncu over a `--child one` run (`cmd`): its output into `report` (and the end of it printed) where given; the
-    exit status, or 1 where ncu could not run or the profiled child did not (its RESULT line says why)."""
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -560,11 +562,9 @@ def profile_source(out: Path, name: str, impl: str, seq: int, baseline: str | No
         return 2
     built = build(out, name, impl)
     stem = out / f"src_{who}_{name}_s{seq}"
-    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", f"regex:{SOURCE_KERNELS[who]}",
-           "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats", "--import-source", "no",
-           "-f", "-o", str(stem), sys.executable, __file__, "--child", "one", json.dumps(built), str(seq),
-           *([baseline] if baseline else [])]
-    code = run_ncu(cmd, None)
+    code = run_ncu(["--kernel-name", f"regex:{SOURCE_KERNELS[who]}", "--launch-count", "1", "--section", "SourceCounters",
+                    "--section", "WarpStateStats", "--import-source", "no", "-f", "-o", str(stem)],
+                   built, seq, baseline, None)
     if code != 0:
         return code
     try:
@@ -619,7 +619,7 @@ def source_rows(text: str) -> list[dict]:
         except ValueError:
             continue
         rows.append({"address": at, "sass": str(r[source]).strip(), "samples": number(r[samples]),
-                     "reasons": {c: number(r[c]) for c in reasons if number(r[c])}})
+                     "reasons": {c: n for c in reasons if (n := number(r[c]))}})
     return rows
 
 
