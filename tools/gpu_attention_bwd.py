@@ -980,6 +980,7 @@ def markdown(s: dict) -> str:
     if s.get("bench"):
         rows = s["bench"].get("rows", [])
         extra = sorted({k for row in rows for k in row if k.startswith("tsgen_")})  # other impls
+        mine = (["tsgen"] if any("tsgen" in row for row in rows) else []) + extra  # the tsgen columns
         # the first listed impl's column: that of a row where several ran (an impl of some head dims only,
         # IMPL_HEAD_DIMS, leaves the other rows with fewer)
         many = [row for row in rows if sum(k == "tsgen" or k.startswith("tsgen_") for k in row) > 1] or rows
@@ -992,15 +993,16 @@ def markdown(s: dict) -> str:
         out += ["", "## Speed (TFLOP/s: 10 b h s^2 d, halved causal; ratio = SDPA time / "
                 f"{last} time, {how}"
                 + (f"; {', '.join(extra)}: other main kernels, x = {ref}'s time / theirs" if extra else "") + ")", "",
-                "| variant | S | tsgen | " + "".join(f"{k} | x | " for k in extra)
+                "| variant | S | " + "".join(f"{k} | " + ("x | " if extra else "") for k in mine)
                 + "SDPA flash | ratio | SDPA cuDNN | ratio |" + (" cuDNN frontend | ratio |" if "cudnn_fe" in others else "")
                 + (" FA4 | ratio |" if "fa4" in others else ""),
-                "|---|---|---|" + "---|---|" * (len(extra) + len(others))]
+                "|---|---|" + ("---|---|" if extra else "---|") * len(mine) + "---|---|" * len(others)]
         for row in rows:
-            cells = [f"{row['tsgen']['tflops']:.0f}" if "tsgen" in row else "-"]
-            for k in extra:
+            cells = []
+            for k in mine:  # with several impls, each one's x: the reference impl's time over its own
                 ratio = row[k].get("ratio_ref", row[k].get("ratio_mma_sync")) if k in row else None
-                cells += [f"{row[k]['tflops']:.0f}", f"{ratio:.2f}" if ratio is not None else "-"] if k in row else ["-", "-"]
+                x = "ref" if row.get("ref", ref) == k else f"{ratio:.2f}" if ratio is not None else "-"
+                cells += [f"{row[k]['tflops']:.0f}" if k in row else "-"] + ([x] if extra else [])
             for k in others:
                 cells += [f"{row[k]['tflops']:.0f}", f"{row[k]['ratio']:.2f}"] if k in row else ["-", "-"]
             out.append(f"| {row['variant']} | {row['seq']} | " + " | ".join(cells) + " |")

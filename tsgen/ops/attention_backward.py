@@ -133,8 +133,8 @@ class AttentionBackwardParams(AttentionShape):
         "is done, so that the dQ's staging and bulk issue run while dK is still on the tensor pipe (the default "
         "issues dV and dK together before the barrier and dQ last, and the pipe drains before the staging); "
         "tsgen::attention_bwd::wgmma::consume, and consume_tall with step_rows 128 (head dim 64). Measured 1.06-1.15x "
-        "the default order at head dim 128, 1.00-1.03x at 64 in 64-row steps (H200, S 4K-16K, 2026-11-27); the "
-        "shipped head-dim-128 specs set it. With step_rows 128: built and checked on the CPU, not yet run on a GPU")
+        "the default order at head dim 128, 1.00-1.03x at 64 in 64-row steps (H200, S 4K-16K, 2026-11-27), 1.02-1.06x "
+        "with step_rows 128 (2026-11-28); the shipped specs set it")
 
     tail_split: bool | None = Field(
         None, description="impl wgmma, not causal: where the main kernel's items (blocks of 128 keys x KV heads x "
