@@ -521,42 +521,18 @@ static __device__ __forceinline__ void each_query_column(F&& f) {
     for (int e = 0; e < 2; ++e) f(8 * q + 2 * c + e, 4 * q + e);
 }
 
-// A step's LSE2 or D (VEC: L::LSE2_OFF or L::DSUM_OFF of stage `stage`) at this thread's query columns, the
-// value of each_query_column's (col, i0) by operator(). The first AHEAD (pairs of adjacent columns, one 8-byte
-// load each) are read when it is made: before the wgmma wait after which they are used, so that their latency
-// runs under the product (the loads are volatile: they stay where they are written). Read after the wait, the
-// first FFMAs of P waited for them: ncu's stall samples, results/attention_backward/
-// 2026-11-28-e84d42e-stalls-tsgen-hd128_causal_kv32.txt. The rest are read where they are used: TALL's 128
-// query columns read all ahead held 32 more registers at its peak and ptxas spilled.
-template <class C, int VEC, int AHEAD>
-struct QueryValues {
-  uint32_t at;  // this thread's first pair
-  float v[AHEAD];
-
-  QueryValues() = default;  // nothing read (params.lookahead's D, read with each step's P^T)
-  __device__ __forceinline__ QueryValues(uint32_t smem, uint32_t stage)
-      : at(smem + VEC + 4 * (stage * Layout<C>::ROWS + 2 * (threadIdx.x % 4))) {
-#pragma unroll
-    for (int q = 0; q < AHEAD / 2; ++q) ld_shared_v2_f32(at + 32 * q, v[2 * q], v[2 * q + 1]);
-  }
-  // column 8q + 2c + e, i0 = 4q + e (each_query_column's; c = lane % 4): v[2q + e] if read ahead
-  __device__ __forceinline__ float operator()(int i0) const {
-    const int q = i0 / 4, e = i0 % 4, j = 2 * q + e;
-    return j < AHEAD ? v[j < AHEAD ? j : 0] : __uint_as_float(attention::ld_shared_u32(at + 32 * q + 4 * e));
-  }
-};
-
-// P^T in place of S^T (N: its registers, 32 or, TALL, 64), l2: the step's LSE2 (a QueryValues). MASK: keys past
-// kv_len, or (CAUSAL) after the query, give 0.
-template <class C, bool MASK, int N, class V>
-static __device__ __forceinline__ void probabilities(float (&s)[N], const V& l2, const Problem& p, uint32_t key_lo,
-                                                     int32_t r0) {
+// P^T in place of S^T (N: its registers, 32 or, TALL, 64). MASK: keys past kv_len, or (CAUSAL) after the
+// query, give 0.
+template <class C, bool MASK, int N>
+static __device__ __forceinline__ void probabilities(float (&s)[N], uint32_t smem, uint32_t stage, const Problem& p,
+                                                     uint32_t key_lo, int32_t r0) {
+  using L = Layout<C>;
   each_query_column<N / 4>([&](int col, int i0) {
-    const float l2_col = l2(i0);
+    const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + col)));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = i0 + 2 * h;
-      float pr = attention::exp2_approx(fmaf(s[i], C::SCALE_LOG2, -l2_col));
+      float pr = attention::exp2_approx(fmaf(s[i], C::SCALE_LOG2, -l2));
       if constexpr (MASK) {
         const uint32_t key = key_lo + 8 * h;  // within the sequence
         bool seen = key < p.kv_len;
@@ -568,13 +544,14 @@ static __device__ __forceinline__ void probabilities(float (&s)[N], const V& l2,
   });
 }
 
-// dS^T = P^T (dP^T - D) in place of dP^T (a masked P is 0, so is its dS); d: the step's D (a QueryValues).
-template <int N, class V>
-static __device__ __forceinline__ void ds_of(const float (&pr)[N], float (&dp)[N], const V& d) {
-  each_query_column<N / 4>([&](int, int i0) {
-    const float d_col = d(i0);
+// dS^T = P^T (dP^T - D) in place of dP^T (a masked P is 0, so is its dS).
+template <class C, int N>
+static __device__ __forceinline__ void ds_of(const float (&pr)[N], float (&dp)[N], uint32_t smem, uint32_t stage) {
+  using L = Layout<C>;
+  each_query_column<N / 4>([&](int col, int i0) {
+    const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * L::ROWS + col)));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) dp[i0 + 2 * h] = pr[i0 + 2 * h] * (dp[i0 + 2 * h] - d_col);
+    for (int h = 0; h < 2; ++h) dp[i0 + 2 * h] = pr[i0 + 2 * h] * (dp[i0 + 2 * h] - d);
   });
 }
 
@@ -782,19 +759,17 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       wgmma_commit_group();
     }
     // P^T = exp2(SCALE_LOG2 S^T - LSE2) once S^T is in (the S group; dP^T may still run)
-    const QueryValues<C, L::LSE2_OFF, 16> l2(smem, stage);
     wgmma_wait_group<1>();
     attention::fence_all<C>(s, 32);
     if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
-      probabilities<C, true>(s, l2, p, key_lo, (int32_t)r0);
+      probabilities<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
     } else {
-      probabilities<C, false>(s, l2, p, key_lo, (int32_t)r0);
+      probabilities<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
     }
     // dS^T = P^T (dP^T - D) once dP^T is in
-    const QueryValues<C, L::DSUM_OFF, 16> d(smem, stage);
     wgmma_wait_group<0>();
     attention::fence_all<C>(dp, 32);
-    ds_of(s, dp, d);
+    ds_of<C>(s, dp, smem, stage);
     uint32_t ap[4][4], ad[4][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
@@ -989,18 +964,15 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
 
   // P^T of the walk's step `at` (query rows of w, stage at % STAGES) once S^T is in (its dP^T may still run),
   // then dP^T waited for: every group retired
-  QueryValues<C, L::DSUM_OFF, 16> d;  // the step's D, read with its P^T (below), used by its dS^T at the top of
-  auto probabilities_of = [&](const Walk<C>& w, uint32_t at) {  // the next iteration
+  auto probabilities_of = [&](const Walk<C>& w, uint32_t at) {
     const uint32_t r0 = w.qb * BLOCK_M, r1 = w.rows_end(p);
-    const QueryValues<C, L::LSE2_OFF, 16> l2(smem, at % C::STAGES);
     wgmma_wait_group<1>();
     attention::fence_all<C>(s, 32);
     if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
-      probabilities<C, true>(s, l2, p, key_lo, (int32_t)r0);
+      probabilities<C, true>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
     } else {
-      probabilities<C, false>(s, l2, p, key_lo, (int32_t)r0);
+      probabilities<C, false>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
     }
-    d = QueryValues<C, L::DSUM_OFF, 16>(smem, at % C::STAGES);
     wgmma_wait_group<0>();
     attention::fence_all<C>(dp, 32);
   };
@@ -1017,8 +989,8 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
     const uint32_t q_base = smem + L::Q_OFF + stage * L::Q_TILE, do_base = smem + L::DO_OFF + stage * L::Q_TILE;
     const uint32_t ds_base = smem + L::DS_OFF + (step % 2) * L::DS_BUF;
 
-    // dS^T = P^T (dP^T - D) (P^T, dP^T and D of this step came in at the end of the last)
-    ds_of(s, dp, d);
+    // dS^T = P^T (dP^T - D) (P^T and dP^T of this step came in at the end of the last)
+    ds_of<C>(s, dp, smem, stage);
     uint32_t ap[4][4], ad[4][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
@@ -1153,19 +1125,16 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
         C::mma_s_n128(dp, v_desc + ((k * 32) >> 4), do_desc + ((k * 32) >> 4), k > 0);
       wgmma_commit_group();
     }
-    // LSE2 read under S^T, D under dP^T (the first half of each: QueryValues)
-    const QueryValues<C, L::LSE2_OFF, SN / 4> l2(smem, stage);
     wgmma_wait_group<1>();  // S^T in (dP^T may still run)
     attention::fence_all<C>(s, SN);
     if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
-      probabilities<C, true>(s, l2, p, key_lo, (int32_t)r0);
+      probabilities<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
     } else {
-      probabilities<C, false>(s, l2, p, key_lo, (int32_t)r0);
+      probabilities<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
     }
-    const QueryValues<C, L::DSUM_OFF, SN / 4> d(smem, stage);
     wgmma_wait_group<0>();  // dP^T in
     attention::fence_all<C>(dp, SN);
-    ds_of(s, dp, d);
+    ds_of<C>(s, dp, smem, stage);
     uint32_t ap[L::K16][4], ad[L::K16][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
