@@ -1086,15 +1086,14 @@ struct LocalKv {
 // The shared-memory opt-in, once per device.
 template <class C>
 static cudaError_t prepare(const void* kernel) {
-  constexpr int MAX_DEVICES = 64;
-  static std::atomic<int> done[MAX_DEVICES];
-  int device;
-  cudaError_t err = cudaGetDevice(&device);
+  static PerDevice<int> done;
+  int device, one;
+  const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device < MAX_DEVICES && done[device].load()) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<C>::SMEM_BYTES);
-  if (err == cudaSuccess && device < MAX_DEVICES) done[device].store(1);
-  return err;
+  return done.get(device, &one, [&](int* set) {
+    *set = 1;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Layout<C>::SMEM_BYTES);
+  });
 }
 
 // The persistent schedule's tile counters: a module holds WORK_SLOTS of them (a __device__ u64
@@ -1133,27 +1132,30 @@ static inline uint32_t work_slot(int device, cudaStream_t stream) {
 template <class C>
 static cudaError_t persistent(const void* kernel, const void* counters, cudaStream_t stream, uint64_t** work,
                               int* blocks) {
-  constexpr int MAX_DEVICES = 64;
-  static std::atomic<uint64_t*> bases[MAX_DEVICES];
-  static std::atomic<int> grids[MAX_DEVICES];
-  int device;
+  static PerDevice<uint64_t*> bases;
+  static PerDevice<int> grids;
+  int device, grid;
+  uint64_t* address;
   cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess)
+    err = bases.get(device, &address, [&](uint64_t** at) {
+      void* symbol = nullptr;
+      const cudaError_t got = cudaGetSymbolAddress(&symbol, counters);
+      *at = static_cast<uint64_t*>(symbol);
+      return got;
+    });
+  if (err == cudaSuccess)
+    err = grids.get(device, &grid, [&](int* ctas) {
+      int sms = 0, per_sm = 0;
+      cudaError_t got = prepare<C>(kernel);  // the shared-memory opt-in first: occupancy counts with it
+      if (got == cudaSuccess) got = sm_count(device, &sms);
+      if (got == cudaSuccess)
+        got = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Layout<C>::THREADS, Layout<C>::SMEM_BYTES);
+      if (got == cudaSuccess && per_sm < 1) got = cudaErrorInvalidConfiguration;
+      *ctas = sms * per_sm;
+      return got;
+    });
   if (err != cudaSuccess) return err;
-  uint64_t* address = device < MAX_DEVICES ? bases[device].load() : nullptr;
-  int grid = device < MAX_DEVICES ? grids[device].load() : 0;
-  if (address == nullptr || grid == 0) {
-    err = prepare<C>(kernel);  // the shared-memory opt-in first: occupancy counts with it
-    void* symbol = nullptr;
-    int sms = 0, per_sm = 0;
-    if (err == cudaSuccess) err = cudaGetSymbolAddress(&symbol, counters);
-    if (err == cudaSuccess) err = sm_count(device, &sms);
-    if (err == cudaSuccess)
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Layout<C>::THREADS, Layout<C>::SMEM_BYTES);
-    if (err != cudaSuccess) return err;
-    if (per_sm < 1) return cudaErrorInvalidConfiguration;
-    address = static_cast<uint64_t*>(symbol), grid = sms * per_sm;
-    if (device < MAX_DEVICES) bases[device].store(address), grids[device].store(grid);
-  }
   *work = address + work_slot(device, stream);
   if (*blocks <= 0) *blocks = grid;
   return cudaSuccess;

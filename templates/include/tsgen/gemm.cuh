@@ -53,7 +53,6 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-#include <atomic>
 #include <type_traits>
 #include <utility>  // std::declval
 
@@ -890,35 +889,31 @@ static cudaError_t tensor_maps(const void* a, const void* b, const void* c, uint
 template <class C>
 static cudaError_t resident_ctas(const void* kernel, int* ctas) {
   using L = Layout<C>;
-  constexpr int MAX_DEVICES = 64;
-  static std::atomic<int> known[MAX_DEVICES];  // 0: not yet computed
+  static PerDevice<int> known;
   int device;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device < MAX_DEVICES && (*ctas = known[device].load()) > 0) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::SMEM_BYTES);
-  if (err != cudaSuccess) return err;
-  int n = 0;
-  if constexpr (C::CLUSTER == 1) {
-    int sms = 0, per_sm = 0;
-    err = sm_count(device, &sms);
-    if (err == cudaSuccess)
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, L::THREADS, L::SMEM_BYTES);
-    n = sms * per_sm;
-  } else {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(C::CLUSTER, 1, 1);
-    config.blockDim = dim3(L::THREADS, 1, 1);
-    config.dynamicSmemBytes = L::SMEM_BYTES;
-    int clusters = 0;
-    err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-    n = clusters * C::CLUSTER;
-  }
-  if (err != cudaSuccess) return err;
-  if (n < C::CLUSTER) return cudaErrorLaunchOutOfResources;  // not even one cluster fits
-  if (device < MAX_DEVICES) known[device].store(n);
-  *ctas = n;
-  return cudaSuccess;
+  return known.get(device, ctas, [&](int* n) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::SMEM_BYTES);
+    if (err != cudaSuccess) return err;
+    if constexpr (C::CLUSTER == 1) {
+      int sms = 0, per_sm = 0;
+      err = sm_count(device, &sms);
+      if (err == cudaSuccess)
+        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, L::THREADS, L::SMEM_BYTES);
+      *n = sms * per_sm;
+    } else {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(C::CLUSTER, 1, 1);
+      config.blockDim = dim3(L::THREADS, 1, 1);
+      config.dynamicSmemBytes = L::SMEM_BYTES;
+      int clusters = 0;
+      err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+      *n = clusters * C::CLUSTER;
+    }
+    if (err != cudaSuccess) return err;
+    return *n < C::CLUSTER ? cudaErrorLaunchOutOfResources : cudaSuccess;  // not even one cluster fits
+  });
 }
 
 // Launch C = A . B for `count` rows on `stream`: a persistent grid of at most

@@ -178,15 +178,31 @@ static inline cudaError_t use_device_of(const void* local) {
   return cudaSetDevice(attr.device);
 }
 
+// Host launchers: a value worked out once per device and kept, in a static of the function that needs it
+// (`static PerDevice<int> known;`): get(device, out, compute) gives the kept value, or calls compute(out) and
+// keeps what it gave where it returned cudaSuccess. T{} (0, nullptr) means "not yet worked out", so compute
+// must give another value. Devices past the first MAX_DEVICES are worked out at every call. Two threads
+// that ask at once may both compute (the same value); neither reads a half-written one.
+template <class T>
+struct PerDevice {
+  static constexpr int MAX_DEVICES = 64;
+  std::atomic<T> known[MAX_DEVICES];  // static storage: zero-initialized
+
+  template <class Compute>
+  cudaError_t get(int device, T* out, Compute&& compute) {
+    const bool kept = device >= 0 && device < MAX_DEVICES;
+    if (kept && (*out = known[device].load()) != T{}) return cudaSuccess;
+    const cudaError_t err = compute(out);
+    if (err == cudaSuccess && kept) known[device].store(*out);
+    return err;
+  }
+};
+
 // Host launchers: the SM count of `device` (the grids of persistent kernels and of split work), read once
-// per device (the first 64; past them, at every call).
+// per device.
 static inline cudaError_t sm_count(int device, int* sms) {
-  constexpr int MAX_DEVICES = 64;
-  static std::atomic<int> known[MAX_DEVICES];  // 0: not yet read
-  if (device >= 0 && device < MAX_DEVICES && (*sms = known[device].load()) > 0) return cudaSuccess;
-  const cudaError_t err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess && device >= 0 && device < MAX_DEVICES) known[device].store(*sms);
-  return err;
+  static PerDevice<int> known;
+  return known.get(device, sms, [&](int* n) { return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, device); });
 }
 
 // Host launchers with side streams ("lanes": streams and events per rank, in tsgen/ce.cuh,
