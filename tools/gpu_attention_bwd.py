@@ -158,13 +158,23 @@ def impl_name(name: str, impl: str) -> str:
     return name if impl == IMPLS[0] else f"{name}_{impl}"
 
 
+# --base-tree: another commit's tsgen (tools/ab_tree.py), whose build of the shipped params is impl "base"
+BASE_TREE: Path | None = None
+
+
 def build(out: Path, name: str, impl: str = IMPLS[0]) -> dict:
     """Render and compile variant `name` of SPEC with main kernel `impl`: {"manifest", "library",
-    "softmax_scale"}."""
+    "softmax_scale"}. Impl "base": the shipped impl's changes, rendered and compiled by BASE_TREE's tsgen and
+    templates (tools/ab_tree.py)."""
     from tsgen.spec import load_spec, merge, spec_variant
 
     changes = merge(VARIANTS[name], {"name": f"attbwd_{impl_name(name, impl)}"})
     head_dim = VARIANTS[name]["params"]["head_dim"]
+    if impl == "base":
+        import ab_tree
+
+        return ab_tree.build(BASE_TREE, str(SPEC.relative_to(ROOT)), merge(changes, impl_changes("shipped", head_dim)),
+                             out / "build" / "base")
     return build_loaded(out, spec_variant(load_spec(SPEC), merge(changes, impl_changes(impl, head_dim))))
 
 
@@ -947,6 +957,8 @@ def child(args: list[str], timeout: float) -> tuple[dict, str]:
 
 def markdown(s: dict) -> str:
     out = [f"# attention_backward on one GPU ({s['device']}, {s['date']})", "", f"Command: `{s['command']}`", "",
+           *([f"Impl base (tsgen_base): the shipped params rendered and compiled by the tsgen, templates and specs of "
+              f"commit {s['base']} (tools/ab_tree.py); the others by this checkout's.", ""] if "base" in s else []),
            "## Correctness", "", "| variant | case | calls | dQ wrong | dK wrong | dV wrong | rel err dQ / dK / dV | pass |",
            "|---|---|---|---|---|---|---|---|"]
     if not s["checks"]:
@@ -1048,6 +1060,9 @@ def main() -> int:
                     help="time these rows of the bench only (default: every variant at every S)")
     ap.add_argument("--no-check", action="store_true",
                     help="skip the correctness checks (a timing experiment; the report says so)")
+    ap.add_argument("--base-tree", metavar="DIR",
+                    help="another commit's tsgen, templates and specs (python tools/ab_tree.py make REV: .ab/REV7); "
+                    "--impl may then name 'base', the shipped params built by that tree, timed beside this checkout's")
     ap.add_argument("--child", nargs="+")
     a = ap.parse_args()
     if a.child:
@@ -1065,8 +1080,13 @@ def main() -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     impls = [i for i in a.impl.split(",") if i]
-    if not impls or set(impls) - set(IMPLS):
-        ap.error(f"--impl: a comma-separated list of {', '.join(IMPLS)}, not {a.impl!r}")
+    if not impls or set(impls) - set(IMPLS) - ({"base"} if a.base_tree else set()):
+        ap.error(f"--impl: a comma-separated list of {', '.join(IMPLS)} (and base, with --base-tree), not {a.impl!r}")
+    if a.base_tree:
+        global BASE_TREE
+        BASE_TREE = Path(a.base_tree).resolve()
+        if not (BASE_TREE / "tsgen" / "__init__.py").is_file():
+            ap.error(f"--base-tree: {a.base_tree} holds no tsgen/ (python tools/ab_tree.py make REV)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     atexit.register(ga.pack_build, out)  # OUT/build into one archive at exit: a device call returns few files
@@ -1139,6 +1159,8 @@ def main() -> int:
                 print(log[-4000:], flush=True)
     summary = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(sys.argv), "checks": checks}
+    if "base" in impls:  # the commit whose tsgen built impl base
+        summary["base"] = next((b.get("commit") for (n, i), b in built.items() if i == "base"), None)
     if not a.no_bench:
         opts = {"order": a.order, "settle": a.settle, "rounds": a.rounds, "shapes": shapes or None}
         extra = ["--quick"] if a.quick else []

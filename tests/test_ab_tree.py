@@ -1,0 +1,80 @@
+"""tools/ab_tree.py: another commit's tsgen and templates build a kernel beside this checkout's (impl base of
+tools/gpu_attention_bwd.py), in a process of its own that imports the tree's tsgen, never this one's."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = "specs/attention_backward_hd128.yaml"
+
+
+def copy_tree(dest: Path) -> Path:
+    for d in ("tsgen", "templates", "specs"):
+        shutil.copytree(ROOT / d, dest / d, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def test_the_tree_renders_with_its_own_tsgen_and_templates(tmp_path):
+    """A marker put into the tree's module template shows in what it renders, and the child says it imported the
+    tree's tsgen; this checkout's rendering of the same spec has no marker."""
+    ab = load_script(ROOT / "tools" / "ab_tree.py")
+    tree = copy_tree(tmp_path / "tree")
+    j2 = tree / "templates" / "module.cu.j2"
+    j2.write_text("{#- a comment Jinja drops -#}\n// AB-TREE-MARKER\n" + j2.read_text())
+    out = ab.build(tree, SPEC, {"name": "abt", "params": {"causal": True}}, tmp_path / "gen", render_only=True)
+    assert Path(out["tsgen"]).resolve().is_relative_to(tree.resolve()), out
+    assert out["library"] is None and out["commit"] is None  # a copy: no COMMIT file
+    source = (tmp_path / "gen" / "abt.cu").read_text()
+    assert "AB-TREE-MARKER" in source and "constexpr int CAUSAL = 1;" in source  # the changes applied
+    assert json.loads((tmp_path / "gen" / "abt.json").read_text())["name"] == "abt"
+    from tsgen.render import render
+    from tsgen.spec import load_spec, spec_variant
+
+    mine = render(spec_variant(load_spec(ROOT / SPEC), {"name": "abt"})).files()["abt.cu"]
+    assert "AB-TREE-MARKER" not in mine
+
+
+def test_a_tree_without_tsgen_is_refused(tmp_path):
+    ab = load_script(ROOT / "tools" / "ab_tree.py")
+    with pytest.raises(FileNotFoundError, match="no tsgen/ here"):
+        ab.build(tmp_path, SPEC, {}, tmp_path / "gen")
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None, reason="not a git checkout")
+def test_make_archives_a_commit(tmp_path):
+    ab = load_script(ROOT / "tools" / "ab_tree.py")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    tree = ab.make("HEAD", dest=tmp_path / "t")
+    assert (tree / "COMMIT").read_text().strip() == head
+    assert (tree / "tsgen" / "__init__.py").is_file() and (tree / "templates" / "module.cu.j2").is_file()
+    assert (tree / SPEC).is_file() and not (tree / "tests").exists()
+
+
+def test_the_bwd_tool_builds_impl_base_from_the_tree(tmp_path, monkeypatch):
+    """--impl base needs --base-tree; with it, impl base is the shipped impl's changes built by the tree (the
+    report names the tree's commit)."""
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    monkeypatch.setattr(tool.sys, "argv", ["gpu_attention_bwd.py", str(tmp_path), "--impl", "shipped,base"])
+    with pytest.raises(SystemExit):
+        tool.main()
+    import ab_tree
+
+    calls = []
+    monkeypatch.setattr(ab_tree, "build", lambda tree, spec, changes, gen: calls.append((tree, spec, changes, gen))
+                        or {"manifest": "m", "library": "l", "softmax_scale": None, "commit": "c0ffee"})
+    monkeypatch.setattr(tool, "BASE_TREE", tmp_path)
+    assert tool.build(tmp_path, "hd64_causal_kv32", "base")["commit"] == "c0ffee"
+    ((tree, spec, changes, gen),) = calls
+    assert tree == tmp_path and spec == SPEC and gen == tmp_path / "build" / "base"
+    assert changes["name"] == "attbwd_hd64_causal_kv32_base" and changes["params"]["head_dim"] == 64
+    assert {k: changes["params"][k] for k in tool.impl_changes("shipped", 64)["params"]} == \
+        tool.impl_changes("shipped", 64)["params"]
+    text = tool.markdown({"device": "d", "date": "t", "command": "c", "checks": {}, "base": "c0ffee"})
+    assert "commit c0ffee" in text

@@ -1,0 +1,100 @@
+"""Another commit's tsgen beside this checkout's, for A/B runs of a kernel in one device call.
+
+  here:    python tools/ab_tree.py make REV            writes .ab/REV7/ (git-ignored, never committed): REV's
+                                                       tsgen/, templates/ and specs/ (git archive) and COMMIT
+  device:  (carry ".ab/REV7") the tools build from it: tools/gpu_attention_bwd.py --base-tree .ab/REV7
+           --impl shipped,base (impl "base": the same spec changes rendered and compiled by that tree's
+           tsgen and templates; the compile cache keys on the headers' contents, so the two never share a
+           library)
+  child:   python tools/ab_tree.py build TREE SPEC CHANGES GEN [--render-only]
+                                                       in a fresh process whose tsgen is TREE's: load TREE/SPEC,
+                                                       apply CHANGES (JSON), render into GEN, compile the
+                                                       host-launcher library; prints one line
+                                                       "BUILT {manifest, library, softmax_scale, tsgen}"
+
+Why a tree and not a spec parameter: a change inside a header (an instruction order, a load moved) has no
+parameter, and two runs on two machines compare worse than one run of both (docs/design/attention.md, the
+LSE2 loads moved ahead of the wait: decided across two runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TREE_DIRS = ("tsgen", "templates", "specs")
+
+
+def make(rev: str, dest: Path | None = None) -> Path:
+    """DEST (default .ab/<short rev>/) from `git archive` of REV's TREE_DIRS, with COMMIT (the full hash)."""
+    full = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    tree = dest or ROOT / ".ab" / full[:7]
+    if tree.exists():
+        return tree
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", full, *TREE_DIRS], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    (tree / "COMMIT").write_text(full + "\n")
+    return tree
+
+
+def build(tree: Path, spec: str, changes: dict, gen: Path, *, render_only: bool = False,
+          timeout: float = 600) -> dict:
+    """Spec `spec` (relative to the tree) with `changes`, rendered and compiled by TREE's tsgen in a child process
+    (this process has imported the checkout's): {"manifest", "library", "softmax_scale", "tsgen", "commit"}."""
+    tree = Path(tree).resolve()
+    if not (tree / "tsgen" / "__init__.py").is_file():
+        raise FileNotFoundError(f"{tree}: no tsgen/ here (make one with: python tools/ab_tree.py make REV)")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "build", str(tree), spec, json.dumps(changes), str(gen)]
+    p = subprocess.run(cmd + (["--render-only"] if render_only else []), capture_output=True, text=True,
+                       timeout=timeout, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
+    for line in p.stdout.splitlines():
+        if line.startswith("BUILT "):
+            out = json.loads(line[6:])
+            commit = tree / "COMMIT"
+            out["commit"] = commit.read_text().strip() if commit.is_file() else None
+            return out
+    raise RuntimeError(f"the build in {tree} failed (exit {p.returncode}): {(p.stderr or p.stdout)[-3000:]}")
+
+
+def _child(tree: str, spec: str, changes: str, gen: str, render_only: bool) -> int:
+    sys.path.insert(0, tree)
+    import tsgen
+    from tsgen.render import render, write_if_different
+    from tsgen.spec import load_spec, spec_variant
+
+    where = Path(tsgen.__file__).resolve()
+    if Path(tree).resolve() not in where.parents:
+        raise SystemExit(f"imported tsgen from {where}, not from {tree}")
+    loaded = spec_variant(load_spec(Path(tree) / spec), json.loads(changes))
+    rendered = render(loaded, base=Path(tree))
+    out = Path(gen)
+    for file, text in rendered.files().items():
+        write_if_different(out / file, text)
+    lib = None
+    if not render_only:
+        from tsgen.toolchain import compile_source
+
+        lib = str(compile_source(out / f"{rendered.name}.cu", mode="shared").output)
+    print("BUILT " + json.dumps({"manifest": str(out / f"{rendered.name}.json"), "library": lib,
+                                 "softmax_scale": loaded.model.params.softmax_scale, "tsgen": str(where)}))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["make"] and len(argv) == 2:
+        print(make(argv[1]).relative_to(ROOT))
+        return 0
+    if argv[:1] == ["build"] and len(argv) in (5, 6):
+        return _child(*argv[1:5], render_only=argv[5:] == ["--render-only"])
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
