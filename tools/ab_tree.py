@@ -52,7 +52,8 @@ def build(tree: Path, spec: str, changes: dict, gen: Path, *, render_only: bool 
         raise FileNotFoundError(f"{tree}: no tsgen/ here (make one with: python tools/ab_tree.py make REV)")
     cmd = [sys.executable, str(Path(__file__).resolve()), "build", str(tree), spec, json.dumps(changes), str(gen)]
     p = subprocess.run(cmd + (["--render-only"] if render_only else []), capture_output=True, text=True,
-                       timeout=timeout, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
+                       timeout=timeout, cwd=tree, env={**os.environ, "PYTHONPATH": os.pathsep.join(  # the tree first; the rest (pydantic's place) kept
+                           [str(tree)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])})
     for line in p.stdout.splitlines():
         if line.startswith("BUILT "):
             out = json.loads(line[6:])
