@@ -771,7 +771,7 @@ class OneHeadCase:
         for name, g, w, a in (("dq", dq * self.scale, want[0], want[3]), ("dk", dk * self.scale, want[1], want[4]),
                               ("dv", dv, want[2], want[5])):
             g = g[None, :, None]
-            bad = np.abs(g - w) > o_tolerance(w, a, "bfloat16")
+            bad = ~(np.abs(g - w) <= o_tolerance(w, a, "bfloat16"))  # NaN (shared memory never written) is bad
             assert not bad.any(), (name, int(bad.sum()), bad.size)
 
 
