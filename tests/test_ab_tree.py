@@ -2,6 +2,7 @@
 tools/gpu_attention_bwd.py), in a process of its own that imports the tree's tsgen, never this one's."""
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -78,3 +79,18 @@ def test_the_bwd_tool_builds_impl_base_from_the_tree(tmp_path, monkeypatch):
         tool.impl_changes("shipped", 64)["params"]
     text = tool.markdown({"device": "d", "date": "t", "command": "c", "checks": {}, "base": "c0ffee"})
     assert "commit c0ffee" in text
+
+
+def test_the_ab_script_names_what_the_tool_takes():
+    """tools/gpu_bwd_ab.sh (a device call): bash accepts it; its default rows are bench rows of the tool, its
+    tool arguments ones the tool's parser knows (a typo there would cost a device call)."""
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    path = ROOT / "tools" / "gpu_bwd_ab.sh"
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    text = path.read_text()
+    rows = re.search(r"ROWS=\$\{ROWS:-(\S+)\}", text).group(1).split(",")
+    assert all(v in tool.BENCH_VARIANTS and int(n) in tool.BENCH_SEQS for v, n in (r.split(":") for r in rows)), rows
+    source = (ROOT / "tools" / "gpu_attention_bwd.py").read_text()
+    for flag in ("--base-tree", "--impl", "--rounds", "--bench-shapes"):
+        assert flag in text and f'"{flag}"' in source, flag
+    assert "--impl base,shipped" in text

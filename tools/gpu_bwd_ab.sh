@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call (one GPU, about 5-8 minutes, a guess): the attention backward of this checkout against other
+# commits', each in one run (tools/ab_tree.py, tools/gpu_attention_bwd.py --base-tree): for each tree given, every
+# correctness check of both builds, then the bench rows ROWS (default: hd 128 MHA causal and not at S 4K / 8K / 16K,
+# hd 64 causal and not at 8K) with ROUNDS (default 12) balanced rounds, x = the tree's time over this checkout's.
+#   here:    python tools/ab_tree.py make REV ...   (.ab/REV7, git-ignored; carry each, with .whl and .tsgen-commit)
+#   device:  bash tools/gpu_bwd_ab.sh .ab/REV7 [.ab/REV7 ...]
+# Each tree's report and JSON come back as $OUT/ab_REV7.{md,json}; the logs and build sources in $OUT/bwd_ab.tgz (a
+# device call brings back only a few files); the step table in $OUT/bwd_ab.txt.
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+WORK="$OUT/bwd_ab" LOG="$OUT/bwd_ab/logs" BUDGET=${BUDGET:-560}
+mkdir -p "$WORK"
+source "$(dirname "$0")/steps.sh"
+[ $# -ge 1 ] || { echo "usage: bash tools/gpu_bwd_ab.sh .ab/REV7 [.ab/REV7 ...]" >&2; exit 2; }
+ROWS=${ROWS:-hd128_full_kv32:4096,hd128_full_kv32:8192,hd128_full_kv32:16384,hd128_causal_kv32:4096,hd128_causal_kv32:8192,hd128_causal_kv32:16384,hd64_causal_kv32:8192,hd64_full_kv32:8192}
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ; } | tee "$WORK/device.txt"
+for tree in "$@"; do
+  rev=$(basename "$tree")
+  step "against $rev" 300 python3 tools/gpu_attention_bwd.py "$WORK/$rev" --base-tree "$tree" --impl base,shipped \
+    --rounds "${ROUNDS:-12}" --bench-shapes "$ROWS"
+  cp "$WORK/$rev/attention_bwd.md" "$OUT/ab_$rev.md" 2>/dev/null
+  cp "$WORK/$rev/attention_bwd.json" "$OUT/ab_$rev.json" 2>/dev/null
+  grep -A14 "^## Speed" "$OUT/ab_$rev.md" 2>/dev/null
+done
+summary "attention backward A/B" bwd_ab.txt
+rc=$?
+tar czf "$OUT/bwd_ab.tgz" -C "$OUT" bwd_ab && rm -rf "$WORK"
+exit $rc
