@@ -21,14 +21,16 @@ def copy_tree(dest: Path) -> Path:
     return dest
 
 
-def test_the_tree_renders_with_its_own_tsgen_and_templates(tmp_path):
+def test_the_tree_renders_with_its_own_tsgen_and_templates(tmp_path, monkeypatch):
     """A marker put into the tree's module template shows in what it renders, and the child says it imported the
     tree's tsgen; this checkout's rendering of the same spec has no marker."""
     ab = load_script(ROOT / "tools" / "ab_tree.py")
     tree = copy_tree(tmp_path / "tree")
     j2 = tree / "templates" / "module.cu.j2"
     j2.write_text("{#- a comment Jinja drops -#}\n// AB-TREE-MARKER\n" + j2.read_text())
-    out = ab.build(tree, SPEC, {"name": "abt", "params": {"causal": True}}, tmp_path / "gen", render_only=True)
+    monkeypatch.chdir(tmp_path)  # a relative output folder is the caller's, not the tree's
+    out = ab.build(tree, SPEC, {"name": "abt", "params": {"causal": True}}, Path("gen"), render_only=True)
+    assert Path(out["manifest"]).is_file() and Path(out["manifest"]).parent == tmp_path / "gen"
     assert Path(out["tsgen"]).resolve().is_relative_to(tree.resolve()), out
     assert out["library"] is None and out["commit"] is None  # a copy: no COMMIT file
     source = (tmp_path / "gen" / "abt.cu").read_text()
@@ -53,7 +55,11 @@ def test_make_archives_a_commit(tmp_path):
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
     tree = ab.make("HEAD", dest=tmp_path / "t")
-    assert (tree / "COMMIT").read_text().strip() == head
+    assert (tree / "COMMIT").read_text().strip() == head and not (tmp_path / "t.part").exists()
+    assert ab.make("HEAD", dest=tmp_path / "t") == tree  # whole already: kept
+    (tree / "COMMIT").unlink()  # as an interrupted extraction leaves it
+    with pytest.raises(FileExistsError, match="not a whole tree"):
+        ab.make("HEAD", dest=tmp_path / "t")
     assert (tree / "tsgen" / "__init__.py").is_file() and (tree / "templates" / "module.cu.j2").is_file()
     assert (tree / SPEC).is_file() and not (tree / "tests").exists()
 
@@ -77,8 +83,8 @@ def test_the_bwd_tool_builds_impl_base_from_the_tree(tmp_path, monkeypatch):
     assert changes["name"] == "attbwd_hd64_causal_kv32_base" and changes["params"]["head_dim"] == 64
     assert {k: changes["params"][k] for k in tool.impl_changes("shipped", 64)["params"]} == \
         tool.impl_changes("shipped", 64)["params"]
-    text = tool.markdown({"device": "d", "date": "t", "command": "c", "checks": {}, "base": "c0ffee"})
-    assert "commit c0ffee" in text
+    text = tool.markdown({"device": "d", "date": "t", "command": "c", "checks": {}, "base": "commit c0ffee"})
+    assert "backward spec of commit c0ffee" in text
 
 
 def test_the_ab_script_names_what_the_tool_takes():

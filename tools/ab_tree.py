@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,27 +34,36 @@ def make(rev: str, dest: Path | None = None) -> Path:
     """DEST (default .ab/<short rev>/) from `git archive` of REV's TREE_DIRS, with COMMIT (the full hash)."""
     full = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    tree = dest or ROOT / ".ab" / full[:7]
-    if tree.exists():
-        return tree
-    tree.mkdir(parents=True)
+    tree = Path(dest or ROOT / ".ab" / full[:7])
+    if tree.exists():  # made before: only if whole (COMMIT is written last) and of this commit
+        commit = tree / "COMMIT"
+        if commit.is_file() and commit.read_text().strip() == full:
+            return tree
+        raise FileExistsError(f"{tree} exists but is not a whole tree of {full}: remove it first")
+    part = tree.with_name(tree.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", full, *TREE_DIRS], capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    (tree / "COMMIT").write_text(full + "\n")
+    subprocess.run(["tar", "-x", "-C", str(part)], input=archive.stdout, check=True)
+    (part / "COMMIT").write_text(full + "\n")
+    part.rename(tree)  # whole or absent
     return tree
 
 
 def build(tree: Path, spec: str, changes: dict, gen: Path, *, render_only: bool = False,
           timeout: float = 600) -> dict:
     """Spec `spec` (relative to the tree) with `changes`, rendered and compiled by TREE's tsgen in a child process
-    (this process has imported the checkout's): {"manifest", "library", "softmax_scale", "tsgen", "commit"}."""
-    tree = Path(tree).resolve()
+    (this process has imported the checkout's): {"manifest", "library", "softmax_scale", "tsgen", "commit"}.
+    What the child runs is this checkout's _child against the tree's API (load_spec, spec_variant, render,
+    compile_source): a tree too old for those, or whose spec schema lacks a key of `changes`, fails with its
+    error in the RuntimeError."""
+    tree, gen = Path(tree).resolve(), Path(gen).resolve()  # the child runs in the tree: no relative paths
     if not (tree / "tsgen" / "__init__.py").is_file():
         raise FileNotFoundError(f"{tree}: no tsgen/ here (make one with: python tools/ab_tree.py make REV)")
     cmd = [sys.executable, str(Path(__file__).resolve()), "build", str(tree), spec, json.dumps(changes), str(gen)]
     p = subprocess.run(cmd + (["--render-only"] if render_only else []), capture_output=True, text=True,
-                       timeout=timeout, cwd=tree, env={**os.environ, "PYTHONPATH": os.pathsep.join(  # the tree first; the rest (pydantic's place) kept
-                           [str(tree)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])})
+                       timeout=timeout, cwd=tree, env={**os.environ, "PYTHONPATH": os.pathsep.join(  # the tree first,
+                           [str(tree)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x])})  # then the rest
     for line in p.stdout.splitlines():
         if line.startswith("BUILT "):
             out = json.loads(line[6:])

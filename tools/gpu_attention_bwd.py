@@ -957,8 +957,9 @@ def child(args: list[str], timeout: float) -> tuple[dict, str]:
 
 def markdown(s: dict) -> str:
     out = [f"# attention_backward on one GPU ({s['device']}, {s['date']})", "", f"Command: `{s['command']}`", "",
-           *([f"Impl base (tsgen_base): the shipped params rendered and compiled by the tsgen, templates and specs of "
-              f"commit {s['base']} (tools/ab_tree.py); the others by this checkout's.", ""] if "base" in s else []),
+           *([f"Impl base (tsgen_base): this checkout's shipped params for each variant, applied to the backward spec of "
+              f"{s['base']} and rendered and compiled by its tsgen and templates (tools/ab_tree.py); the other impls "
+              "by this checkout's.", ""] if "base" in s else []),
            "## Correctness", "", "| variant | case | calls | dQ wrong | dK wrong | dV wrong | rel err dQ / dK / dV | pass |",
            "|---|---|---|---|---|---|---|---|"]
     if not s["checks"]:
@@ -1139,7 +1140,11 @@ def main() -> int:
     names = sorted((set() if a.no_check else set(CHECK_VARIANTS)) | (set() if a.no_bench else set(bench_names)))
     jobs = [(n, i) for i in impls for n in names if runs(n, i)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
-        built = dict(zip(jobs, ex.map(lambda j: build(out, *j), jobs)))
+        try:
+            built = dict(zip(jobs, ex.map(lambda j: build(out, *j), jobs)))
+        except (RuntimeError, FileNotFoundError) as e:  # impl base: the tree's tsgen failed (tools/ab_tree.py)
+            print(f"gpu_attention_bwd: a build failed: {e}", file=sys.stderr)
+            return 1
         forwards = dict(zip(CHAINED, ex.map(lambda n: build_forward(out, CHAINED[n]), CHAINED)))
     for (name, impl), b in built.items():
         if name in forwards:
@@ -1160,7 +1165,8 @@ def main() -> int:
     summary = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(sys.argv), "checks": checks}
     if "base" in impls:  # the commit whose tsgen built impl base
-        summary["base"] = next((b.get("commit") for (n, i), b in built.items() if i == "base"), None)
+        summary["base"] = next((f"commit {b['commit']}" if b.get("commit") else f"the tree {BASE_TREE}"
+                                for (n, i), b in built.items() if i == "base"), None)
     if not a.no_bench:
         opts = {"order": a.order, "settle": a.settle, "rounds": a.rounds, "shapes": shapes or None}
         extra = ["--quick"] if a.quick else []
