@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from conftest import compile_test, load_script, missing_tool
+from tsgen.toolchain import find_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = "specs/attention_backward_hd128.yaml"
@@ -100,3 +101,25 @@ def test_the_ab_script_names_what_the_tool_takes():
     for flag in ("--base-tree", "--impl", "--rounds", "--bench-shapes"):
         assert flag in text and f'"{flag}"' in source, flag
     assert "--impl base,shipped" in text
+
+
+@compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
+def test_the_tree_compiles_its_own_library(tmp_path, monkeypatch):
+    """The child compiles too (the host-launcher library, into the compile cache): a tree whose header differs
+    by one comment gets a library of its own, never this checkout's build of the same spec from the cache."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    ab = load_script(ROOT / "tools" / "ab_tree.py")
+    tree = copy_tree(tmp_path / "tree")
+    sync = tree / "templates" / "include" / "tsgen" / "sync.cuh"
+    sync.write_text(sync.read_text() + "\n// the tree's own header\n")
+    spec = "specs/simple_shift.yaml"
+    theirs = ab.build(tree, spec, {"name": "abt"}, tmp_path / "gen_tree")
+    from tsgen.spec import load_spec, spec_variant
+    from tsgen.toolchain import compile_source
+    from conftest import rendered_source
+
+    (tmp_path / "gen_mine").mkdir()
+    mine = compile_source(rendered_source(spec_variant(load_spec(ROOT / spec), {"name": "abt"}), tmp_path / "gen_mine"),
+                          mode="shared").output
+    assert Path(theirs["library"]).is_file() and Path(mine).is_file()
+    assert Path(theirs["library"]).resolve() != Path(mine).resolve(), "one library for two trees' headers"

@@ -93,7 +93,8 @@ def _child(tree: str, spec: str, changes: str, gen: str, render_only: bool) -> i
 
         lib = str(compile_source(out / f"{rendered.name}.cu", mode="shared").output)
     print("BUILT " + json.dumps({"manifest": str(out / f"{rendered.name}.json"), "library": lib,
-                                 "softmax_scale": loaded.model.params.softmax_scale, "tsgen": str(where)}))
+                                 "softmax_scale": getattr(loaded.model.params, "softmax_scale", None),  # attention's
+                                 "tsgen": str(where)}))
     return 0
 
 
