@@ -759,3 +759,37 @@ def test_two_stream_check_and_its_control(tmp_path, monkeypatch):
     header = (ROOT / "templates" / "include" / "tsgen" / "attention.cuh").read_text()
     hook = header[header.index("static inline uint32_t work_slot("):]
     assert hook.index("#ifdef TSGEN_ATTENTION_ONE_WORK_SLOT") < hook.index("return 0;") < hook.index("static std::mutex")
+
+
+@pytest.mark.parametrize("baseline", [None, "fa4"])
+def test_forward_tool_ncu_source_profiles_one_launch(tmp_path, monkeypatch, baseline):
+    """tools/gpu_attention.py --ncu-source VARIANT [--ncu-baseline fa4]: one ncu run over a child that calls the
+    variant's forward (or FA4's on the same tensors: child kind one_fa4), one launch of the kernel named by
+    SOURCE_KERNELS after a warm call, the clocks left alone; then the source page summarized (tools/ncu_source.py).
+    No GPU: the build, ncu and the page are stubs."""
+    tool = load_script(ROOT / "tools" / "gpu_attention.py")
+    import ncu_source
+
+    runs, pages = [], []
+    monkeypatch.setattr(tool, "build", lambda out, name, *a: {"manifest": "m", "library": "l", "softmax_scale": None})
+
+    class Done:
+        returncode = 0
+        stdout = 'RESULT hd128_causal_kv8 {"pass": true}\n'
+        stderr = ""
+
+    monkeypatch.setattr(tool.subprocess, "run", lambda cmd, **kw: runs.append(cmd) or Done())
+    monkeypatch.setattr(ncu_source, "page_summary", lambda stem, title: pages.append((stem, title)) or 0)
+    argv = ["gpu_attention.py", str(tmp_path), "--ncu-source", "hd128_causal_kv8"]
+    monkeypatch.setattr(tool.sys, "argv", argv + (["--ncu-baseline", baseline] if baseline else []))
+    assert tool.main() == 0
+    (cmd,) = runs
+    who = baseline or "tsgen"
+    assert cmd[:3] == ["ncu", "--clock-control", "none"] and f"regex:{tool.SOURCE_KERNELS[who]}" in cmd
+    assert cmd[cmd.index("--launch-skip") + 1] == "1" and cmd[cmd.index("--launch-count") + 1] == "1"
+    assert "SourceCounters" in cmd and cmd[-4:] == [str(tmp_path), "--child", "one_fa4" if baseline else "one",
+                                                     "hd128_causal_kv8"]
+    assert pages == [(tmp_path / f"src_{who}_hd128_causal_kv8", f"{who} hd128_causal_kv8 S 8192 (forward)")]
+    monkeypatch.setattr(tool.sys, "argv", ["gpu_attention.py", str(tmp_path), "--ncu-baseline", "fa4"])
+    with pytest.raises(SystemExit):
+        tool.main()  # a baseline without the variant

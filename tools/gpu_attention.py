@@ -47,6 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))  # tools/ncu_source.py (also when this file is imported, not run)
 
 from tsgen.env import force_no_multicast  # noqa: E402
 
@@ -609,18 +610,62 @@ def timeout_probe(built: dict) -> dict:
         return {"pass": True, "error": str(e).splitlines()[0][:200], "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def one_shape(built: dict, seq: int = 8192, calls: int = 3) -> dict:
-    """`calls` calls at seq 8K, batch 2 (for ncu: --launch-skip 1 --launch-count 1)."""
+def one_shape(built: dict, seq: int = 8192, calls: int = 3, baseline: str | None = None) -> dict:
+    """`calls` calls at seq 8K, batch 2 (for ncu: --launch-skip 1 --launch-count 1), tsgen's, or with baseline
+    "fa4" FlashAttention-4's forward (flash_attn.cute.flash_attn_func) on the same tensors ([batch, seq, heads,
+    head_dim]: its own layout), the same causal flag and scale."""
     import torch
 
     op = Op(built)
     batch, q, k, v, o, lse = bench_tensors(torch, op, seq)
     s = torch.cuda.Stream()
     torch.cuda.synchronize()
-    for _ in range(calls):
-        op(q, k, v, o, lse, batch, seq, seq, s)
+    if baseline == "fa4":
+        from tsgen.bench.attention_baselines import fa4_stream, import_fa4
+
+        fa4, why = import_fa4()
+        if fa4 is None:
+            return {"pass": False, "why": why}
+        with fa4_stream(torch, s):
+            for _ in range(calls):
+                fa4.flash_attn_func(q, k, v, softmax_scale=op.scale, causal=op.causal)
+    else:
+        for _ in range(calls):
+            op(q, k, v, o, lse, batch, seq, seq, s)
     s.synchronize()
     return {"pass": True, "seq": seq, "batch": batch}
+
+
+# --ncu-source: the forward kernel of each implementation, by a regex over its name (one launch after a warm call)
+SOURCE_KERNELS = {"tsgen": r"^att_", "fa4": r"FlashAttentionForward"}
+
+
+def profile_source(out: Path, name: str, baseline: str | None = None) -> int:
+    """ncu's warp-stall sampling per SASS instruction of one launch of variant `name`'s forward kernel (or, with
+    baseline fa4, FlashAttention-4's forward on the same tensors) at S 8K after a warm call: OUT/src_<who>_<variant>
+    .{ncu-rep,csv,txt} (tools/ncu_source.py: by reason, the hottest instructions, the stretches between waits), the
+    way tools/gpu_attention_bwd.py --ncu-source compares the backward's step with FA4's. ncu on PATH; the clocks as
+    they are (--clock-control none: the lent machines' clocks are never changed)."""
+    from ncu_source import page_summary
+
+    who = baseline or "tsgen"
+    built = build(out, name)
+    (out / "build" / "builds.json").write_text(json.dumps({name: built}, indent=1))
+    stem = out / f"src_{who}_{name}"
+    cmd = ["ncu", "--clock-control", "none", "--kernel-name", f"regex:{SOURCE_KERNELS[who]}", "--launch-skip", "1",
+           "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats", "--import-source", "no",
+           "-f", "-o", str(stem), sys.executable, __file__, str(out), "--child", "one" + (f"_{baseline}" if baseline
+                                                                                      else ""), name]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"ncu: {e}", file=sys.stderr)
+        return 1
+    result = next((line for line in p.stdout.splitlines() if line.startswith(f"RESULT {name} ")), None)
+    if p.returncode != 0 or result is None or not json.loads(result.split(" ", 2)[2]).get("pass"):
+        print((p.stdout + p.stderr)[-4000:], file=sys.stderr)
+        return p.returncode or 1
+    return page_summary(stem, f"{who} {name} S 8192 (forward)")
 
 
 def runtime_check(spec: str) -> dict:
@@ -819,6 +864,11 @@ def main() -> int:
                     help="check only these variants (comma-separated names, or `schedule`: SCHEDULE_VARIANTS, `m192`: "
                          "M192_VARIANTS, `ilp`: ILP_VARIANTS); "
                     "no bench, no runtime check, no timeout probe")
+    ap.add_argument("--ncu-source", metavar="VARIANT",
+                    help="instead of the run: ncu's warp-stall samples per SASS instruction of one forward launch of "
+                    "VARIANT at S 8K (tools/ncu_source.py), OUT/src_<who>_<variant>.{ncu-rep,csv,txt}")
+    ap.add_argument("--ncu-baseline", choices=sorted(k for k in SOURCE_KERNELS if k != "tsgen"),
+                    help="with --ncu-source: FlashAttention-4's forward kernel on the same tensors instead of tsgen's")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "ARG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     out = args.out
@@ -832,8 +882,8 @@ def main() -> int:
                 result = check_variant(builds[name], args.quick)
             elif kind == "probe":
                 result = timeout_probe(builds[name])
-            elif kind == "one":  # a few calls of one shape (under ncu)
-                result = one_shape(builds[name])
+            elif kind in ("one", "one_fa4"):  # a few calls of one shape (under ncu), tsgen's or FA4's
+                result = one_shape(builds[name], baseline="fa4" if kind == "one_fa4" else None)
             elif kind == "runtime":
                 result = runtime_check(str(ROOT / "specs" / f"{name}.yaml"))
             else:
@@ -846,6 +896,13 @@ def main() -> int:
             print("RESULT bench " + json.dumps(result), flush=True)
         return 0
     atexit.register(pack_build, out)  # the children read OUT/build while the run lasts
+    if args.ncu_baseline and not args.ncu_source:
+        ap.error("--ncu-baseline: with --ncu-source VARIANT")
+    if args.ncu_source:
+        if args.ncu_source not in VARIANTS:
+            ap.error(f"--ncu-source: unknown variant {args.ncu_source!r} (known: {', '.join(VARIANTS)})")
+        (out / "build").mkdir(parents=True, exist_ok=True)
+        return profile_source(out, args.ncu_source, args.ncu_baseline)
 
     started = time.perf_counter()
     deadline = started + args.deadline

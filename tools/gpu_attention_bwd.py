@@ -65,13 +65,11 @@ from __future__ import annotations
 import argparse
 import atexit
 import concurrent.futures
-import csv
 import ctypes
 import datetime
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +83,7 @@ from tsgen.bench.timing import ROUND_ORDERS  # noqa: E402
 from tsgen.env import force_no_multicast  # noqa: E402
 from tsgen.ops.attention import grad_tolerance  # noqa: E402
 import gpu_attention as ga  # noqa: E402  (the forward's script)
+from ncu_source import SOURCE_LANDMARKS, page_summary, source_rows, stall_summary  # noqa: E402,F401 (re-exported)
 from gpu_attention import Op as ForwardOp, build as build_forward, build_loaded, torch_dtype  # noqa: E402
 
 force_no_multicast()
@@ -554,11 +553,6 @@ def run_ncu(ncu_args: list[str], built: dict, seq: int, baseline: str | None, re
 
 # --ncu-source: the main kernel of each implementation, by a regex over its name (one launch after the warm call)
 SOURCE_KERNELS = {"tsgen": r"_main$", "fa4": r"FlashAttentionBackwardSm90"}
-# instructions that begin a stretch of the step in the summary: where the warps wait, or hand work to another unit
-SOURCE_LANDMARKS = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.SYNC", "BAR.ARV", "SYNCS.", "UBLKRED",
-                    "UTMALDG", "DEPBAR")
-
-
 def profile_source(out: Path, name: str, impl: str, seq: int, baseline: str | None = None) -> int:
     """ncu's warp-stall sampling per SASS instruction of one main kernel launch (tsgen's, or with `baseline` fa4's
     FlashAttentionBackwardSm90) at the bench's shape for `seq`: the report (OUT/src_<who>_<variant>_s<seq>.ncu-rep),
@@ -577,94 +571,7 @@ def profile_source(out: Path, name: str, impl: str, seq: int, baseline: str | No
                    built, seq, baseline, None)
     if code != 0:
         return code
-    try:
-        page = subprocess.run(["ncu", "-i", f"{stem}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
-                              capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"ncu: {e}", file=sys.stderr)
-        return 1
-    stem.with_suffix(".csv").write_text(page.stdout)
-    if page.returncode != 0:
-        print(page.stderr[-4000:], file=sys.stderr)
-        return page.returncode
-    summary = stall_summary(source_rows(page.stdout), f"{who} {name} S {seq}")
-    stem.with_suffix(".txt").write_text(summary)
-    print(summary, flush=True)
-    return 0
-
-
-def source_rows(text: str) -> list[dict]:
-    """The rows of ncu's source page in CSV (--page source --csv --print-source sass), as dicts: "address" (int),
-    "sass" (the instruction), "samples" (warp stall samples, all), and "reasons" ({column: samples} of each stall
-    reason's column, stall_*). The page opens with the kernel's name line; its versions name the address column
-    "Address" or "# Address", and the samples "Warp Stall Sampling (All Samples)" (older: "(All Cycles)") or
-    "# Samples"."""
-    lines = text.splitlines()
-    header = re.compile(r'^"?(# )?Address"?,')
-    start = next((i for i, line in enumerate(lines) if header.match(line)), None)
-    if start is None:
-        raise ValueError("no table with an Address column in ncu's source page")
-    reader = csv.DictReader(lines[start:])
-    cols = [c for c in reader.fieldnames or [] if c is not None]
-    table = list(reader)
-    address = cols[0]
-    source = next((c for c in cols if c.strip().lower() == "source"), None)
-    samples = next((c for c in cols if c.startswith("Warp Stall Sampling (All")), None) or \
-        next((c for c in cols if c.strip() == "# Samples"), None)
-    if source is None or samples is None:
-        raise ValueError(f"ncu's source page lacks a Source or a 'Warp Stall Sampling (All Samples)' column: {cols}")
-    # the per-reason columns of all samples (stall_wait, ...), not their not-issued twins ("stall_wait (Not Issued)")
-    reasons = [c for c in cols if c.startswith("stall_") and not re.search(r"not[- ]issued", c, re.I)]
-
-    def number(x: str) -> float:
-        try:
-            return float(str(x).replace(",", "") or 0)
-        except ValueError:
-            return 0.0
-
-    rows = []
-    for r in table:
-        try:
-            at = int(str(r.get(address, "")).strip(), 16)
-        except ValueError:
-            continue
-        rows.append({"address": at, "sass": str(r[source]).strip(), "samples": number(r[samples]),
-                     "reasons": {c: n for c in reasons if (n := number(r[c]))}})
-    return rows
-
-
-def stall_summary(rows: list[dict], title: str, top: int = 30) -> str:
-    """Where one kernel's warps stalled, from source_rows: the total, by reason, the `top` hottest instructions,
-    and by stretch (from one landmark instruction, SOURCE_LANDMARKS, to the next, in address order)."""
-    total = sum(r["samples"] for r in rows) or 1.0
-    out = [f"# warp stall samples: {title}", f"instructions {len(rows)}, samples {total:.0f}", "", "## by reason"]
-    reasons: dict[str, float] = {}
-    for r in rows:
-        for c, n in r["reasons"].items():
-            reasons[c] = reasons.get(c, 0.0) + n
-    out += [f"{n / total:7.1%}  {c}" for c, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
-    out += ["", f"## the {top} hottest instructions"]
-    for r in sorted(rows, key=lambda r: -r["samples"])[:top]:
-        out.append(f"{r['samples'] / total:7.1%}  {r['address']:#07x}  {r['sass']}")
-    out += ["", "## by stretch (from a landmark instruction to the next; stretches under 0.5 % left out)"]
-    stretch, start, n = 0.0, None, 0
-    ordered = sorted(rows, key=lambda r: r["address"])
-
-    def flush():
-        if start is not None and stretch / total >= 0.005:
-            out.append(f"{stretch / total:7.1%}  {start['address']:#07x} {start['sass'][:60]:60s} ({n} instructions)")
-
-    for r in ordered:
-        op = r["sass"].split()[0] if r["sass"] else ""
-        if op.startswith("@"):
-            op = r["sass"].split()[1] if len(r["sass"].split()) > 1 else ""
-        if start is None or op.startswith(SOURCE_LANDMARKS):
-            flush()
-            stretch, start, n = 0.0, r, 0
-        stretch += r["samples"]
-        n += 1
-    flush()
-    return "\n".join(out) + "\n"
+    return page_summary(stem, f"{who} {name} S {seq}")
 
 
 KERNEL_CALLS, KERNEL_ROUNDS = 10, 3  # --kernel-times: back-to-back calls a block, blocks an implementation
