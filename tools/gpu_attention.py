@@ -646,16 +646,14 @@ def profile_source(out: Path, name: str, baseline: str | None = None) -> int:
     .{ncu-rep,csv,txt} (tools/ncu_source.py: by reason, the hottest instructions, the stretches between waits), the
     way tools/gpu_attention_bwd.py --ncu-source compares the backward's step with FA4's. ncu on PATH; the clocks as
     they are (--clock-control none: the lent machines' clocks are never changed)."""
-    from ncu_source import page_summary
+    from ncu_source import page_summary, source_args
 
     who = baseline or "tsgen"
     built = build(out, name)
     (out / "build" / "builds.json").write_text(json.dumps({name: built}, indent=1))
     stem = out / f"src_{who}_{name}"
-    cmd = ["ncu", "--clock-control", "none", "--kernel-name", f"regex:{SOURCE_KERNELS[who]}", "--launch-skip", "1",
-           "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats", "--import-source", "no",
-           "-f", "-o", str(stem), sys.executable, __file__, str(out), "--child", "one" + (f"_{baseline}" if baseline
-                                                                                      else ""), name]
+    cmd = ["ncu", "--clock-control", "none", "--launch-skip", "1", *source_args(SOURCE_KERNELS[who], stem),
+           sys.executable, __file__, str(out), "--child", "one_fa4" if baseline else "one", name]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as e:

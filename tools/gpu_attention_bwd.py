@@ -83,7 +83,7 @@ from tsgen.bench.timing import ROUND_ORDERS  # noqa: E402
 from tsgen.env import force_no_multicast  # noqa: E402
 from tsgen.ops.attention import grad_tolerance  # noqa: E402
 import gpu_attention as ga  # noqa: E402  (the forward's script)
-from ncu_source import SOURCE_LANDMARKS, page_summary, source_rows, stall_summary  # noqa: E402,F401 (re-exported)
+from ncu_source import SOURCE_LANDMARKS, page_summary, source_args, source_rows, stall_summary  # noqa: E402,F401
 from gpu_attention import Op as ForwardOp, build as build_forward, build_loaded, torch_dtype  # noqa: E402
 
 force_no_multicast()
@@ -553,6 +553,8 @@ def run_ncu(ncu_args: list[str], built: dict, seq: int, baseline: str | None, re
 
 # --ncu-source: the main kernel of each implementation, by a regex over its name (one launch after the warm call)
 SOURCE_KERNELS = {"tsgen": r"_main$", "fa4": r"FlashAttentionBackwardSm90"}
+
+
 def profile_source(out: Path, name: str, impl: str, seq: int, baseline: str | None = None) -> int:
     """ncu's warp-stall sampling per SASS instruction of one main kernel launch (tsgen's, or with `baseline` fa4's
     FlashAttentionBackwardSm90) at the bench's shape for `seq`: the report (OUT/src_<who>_<variant>_s<seq>.ncu-rep),
@@ -566,9 +568,7 @@ def profile_source(out: Path, name: str, impl: str, seq: int, baseline: str | No
         return 2
     built = build(out, name, impl)
     stem = out / f"src_{who}_{name}_s{seq}"
-    code = run_ncu(["--kernel-name", f"regex:{SOURCE_KERNELS[who]}", "--launch-count", "1", "--section", "SourceCounters",
-                    "--section", "WarpStateStats", "--import-source", "no", "-f", "-o", str(stem)],
-                   built, seq, baseline, None)
+    code = run_ncu(source_args(SOURCE_KERNELS[who], stem), built, seq, baseline, None)
     if code != 0:
         return code
     return page_summary(stem, f"{who} {name} S {seq}")

@@ -91,6 +91,13 @@ def stall_summary(rows: list[dict], title: str, top: int = 30) -> str:
     return "\n".join(out) + "\n"
 
 
+def source_args(kernel_regex: str, stem: Path) -> list[str]:
+    """The ncu arguments of one source-level profile: one launch of the kernel whose name matches `kernel_regex`
+    (after those the caller's own arguments skip), its SourceCounters and WarpStateStats, into STEM.ncu-rep."""
+    return ["--kernel-name", f"regex:{kernel_regex}", "--launch-count", "1", "--section", "SourceCounters",
+            "--section", "WarpStateStats", "--import-source", "no", "-f", "-o", str(stem)]
+
+
 def page_summary(stem: Path, title: str) -> int:
     """The source page of the report STEM.ncu-rep as CSV (STEM.csv) and its summary (STEM.txt, printed): 0, or ncu's
     exit status (1 where ncu could not run)."""
