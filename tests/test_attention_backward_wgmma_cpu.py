@@ -695,11 +695,37 @@ class Smem:
         return out
 
 
-def header_ds_column():
-    text = WG_HEADER.read_text()
-    expr = re.search(r"const uint32_t col = (.+);", text)
-    assert expr, "the dS^T store's column expression"
-    return lambda q, lane: eval(expr.group(1), {}, {"q": q, "swizzle": lane // 4, "lane": lane})
+def header_ds_store():
+    """store_ds_t's stmatrix addresses, read from the header: (ds_base, cw, warp, lane, k, DS_PANEL) -> the shared
+    memory address lane `lane` gives for k16 step k."""
+    body = header_function("store_ds_t")
+    mr = re.search(r"const uint32_t m = (.+?), r = (.+?);", body)
+    base = re.search(r"const uint32_t base = (.+?);", body)
+    u = re.search(r"const uint32_t u = (.+?);", body)
+    at = re.search(r"stmatrix_x4\((.+?), ad\[k\]\);", body)
+    assert mr and base and u and at, "store_ds_t's expressions"
+    m_, r_, base, u, at = (c_expr(x) for x in (mr.group(1), mr.group(2), base.group(1), u.group(1), at.group(1)))
+
+    def address(ds_base, cw, warp, lane, k, panel):
+        m, r = m_(lane=lane), r_(lane=lane)
+        return at(base=base(ds_base=ds_base, cw=cw, warp=warp, m=m, r=r), u=u(k=k, m=m), r=r, L_DS_PANEL=panel)
+
+    return address
+
+
+def store_ds_model(mem, ds16: np.ndarray, ds_base: int, cw: int, panel: int) -> None:
+    """A warpgroup's dS^T (64 key rows x 8 K query columns, 16-bit) stored as the header's store_ds_t does: per
+    k16 step one stmatrix of four 8 x 8 matrices, matrix m (to_operand's fragment order) rows 8 (m % 2) .. + 7 of
+    the warp's 16, query unit 2k + m / 2 (8 columns); lane l's address gets row l % 8 of matrix l / 8."""
+    address = header_ds_store()
+    for warp in range(4):
+        for lane in range(32):
+            m, r = lane // 8, lane % 8
+            for k in range(ds16.shape[1] // 16):
+                row, unit = 16 * warp + 8 * (m % 2) + r, 2 * k + m // 2
+                at = address(ds_base, cw, warp, lane, k, panel)
+                assert at % 16 == 0, "stmatrix rows are 16-byte aligned"
+                mem[at // 2:at // 2 + 8] = ds16[row, 8 * unit:8 * unit + 8]
 
 
 def staged_partial(stage_store, acc: np.ndarray) -> np.ndarray:
@@ -789,7 +815,6 @@ def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal, tiled=None
     DO_OFF = Q_OFF + boxes * Q_BOX
     DS_OFF = DO_OFF + boxes * Q_BOX
     split_n = d == 128
-    ds_col = header_ds_column()
     sm = Smem(DS_OFF + 2 * BN * 128)
     pad = np.zeros((BN, d))
     pad[:kv_len] = k
@@ -826,15 +851,7 @@ def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal, tiled=None
             dsT = p * (dp - ds_[None, :])
             p16, ds16 = bf16(p), bf16(dsT)
             a_frags.append((p16, ds16))
-            # the store, thread by thread, in the accumulator layout
-            for warp in range(4):
-                for lane in range(32):
-                    row = 16 * warp + lane // 4
-                    for qq in range(8):
-                        for h in range(2):
-                            for e in range(2):
-                                addr = ds_base + (64 * cw + row) * 128 + 8 * h * 128 + ds_col(qq, lane) + 2 * e
-                                sm.mem[addr // 2] = ds16[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            store_ds_model(sm.mem, ds16, ds_base, cw, 128 * 128)  # the store, lane by lane (one panel)
             for kq in range(BM // 16):  # dV += P^T dO, dK += dS^T Q: B N-major, k16 steps of 2048 bytes
                 dv[cw] += p16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(DO_OFF + kq * 2048, d, Q_BOX)
                 dk[cw] += ds16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(Q_OFF + kq * 2048, d, Q_BOX)
@@ -1004,16 +1021,6 @@ def test_shared_memory_model_of_one_cta(request, d, causal, tiled):
 
 
 
-def header_tall_ds_unit():
-    """consume_tall's dS^T store (params.step_rows 128): its byte offset from the key row's start for query group
-    q (8 queries) and lane, read from the header."""
-    expr = re.search(r"const uint32_t unit_at = (.+);", WG_HEADER.read_text())
-    assert expr, "consume_tall's dS^T store offset"
-    panel = 128 * 128  # DS_PANEL: BLOCK_N key rows of 128 bytes
-    code = expr.group(1).replace("L::DS_PANEL", str(panel)).replace(" / ", " // ")
-    return lambda q, lane: eval(code, {}, {"q": q, "swizzle": lane // 4, "lane": lane})
-
-
 def header_function(name):
     """The body of the header's function `name` (from its signature to the closing brace at column 0)."""
     text = WG_HEADER.read_text()
@@ -1069,7 +1076,6 @@ def header_tall_consumer():
         "q_base": re.search(r"const uint32_t q_base = smem \+ (.+?), do_base", body),
         "do_base": re.search(r"do_base = smem \+ (.+?);", body),
         "ds_base": re.search(r"const uint32_t ds_base = smem \+ (.+?);", body),
-        "ds_store": re.search(r"const uint32_t base = (ds_base .+?), swizzle", body),
         "ds_desc": re.search(r"const uint64_t ds_desc = sw128_descriptor\((.+?), (.+?), 1024\);", body),
         "q0": re.search(r"const uint32_t q0 = (.+?);", body),
         "reduce_if": re.search(r"if \(t == 0 && (.+?)\) \{", body),
@@ -1134,7 +1140,6 @@ def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled, l
     L = layout
     assert L["L_ROWS"] == ROWS and L["L_BOXES"] == 1 and L["C_HEAD_DIM"] == d and L["C_STAGES"] >= 2
     produce, at = header_tall_producer(), header_tall_consumer()
-    unit = header_tall_ds_unit()
     stage_store = header_dq_staging()
     sm = Smem(L["L_DQ_OFF"])
     K_OFF, V_OFF, KV_BOX = L["L_K_OFF"], L["L_V_OFF"], L["L_KV_BOX"]
@@ -1187,15 +1192,7 @@ def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled, l
             p = np.where(seen, p, 0.0)
             dsT = p * (dp - ds_[None, :])
             p16, ds16 = bf16(p), bf16(dsT)
-            for warp in range(4):
-                for lane in range(32):
-                    row = 16 * warp + lane // 4
-                    base = at["ds_store"](ds_base=ds_base, cw=cw, row=row)
-                    for qq in range(ROWS // 8):
-                        for h in range(2):
-                            for e in range(2):
-                                addr = base + 8 * h * 128 + unit(qq, lane) + 2 * e
-                                sm.mem[addr // 2] = ds16[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            store_ds_model(sm.mem, ds16, ds_base, cw, L["L_DS_PANEL"])  # two panels of 64 queries
             for kq in range(ROWS // 16):  # dV += P^T dO, dK += dS^T Q: 8 k16 steps of 2048 bytes
                 dv[cw] += p16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(do_base + kq * 2048, d, L["L_Q_BOX"])
                 dk[cw] += ds16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(q_base + kq * 2048, d, L["L_Q_BOX"])
@@ -1339,7 +1336,7 @@ def loop_body(ops, sts: bool = False) -> list[list]:
     """The consumers' loop (from the target of the backward branch around the first RS product to that branch)
     as events, runs of one event kept once with their count: the products SS, RS, dQ; the warpgroup waits
     wait0 / wait1; the named barriers DS_READY, DQ_STAGED; q_empty, q_full; the staging's STS.64; UBLKRED;
-    EX2; and with `sts` dS^T's 32-bit stores (STS)."""
+    EX2; and with `sts` dS^T's stores (STSM: stmatrix, four 8 x 8 matrices each)."""
     def event(o, rest):
         r = re.sub(r"\s+", "", rest)
         if o.startswith("HGMMA"):
@@ -1350,7 +1347,7 @@ def loop_body(ops, sts: bool = False) -> list[list]:
             return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
         return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full",
                 "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2",
-                **({"STS": "STS"} if sts else {})}.get(o)
+                **({"STSM.16.M88.4": "STSM"} if sts else {})}.get(o)
 
     last = int(ops[-1][0], 16)
     events = [(int(a, 16), e) for a, _, o, rest in ops if (e := event(o, rest)) is not None]
@@ -1519,12 +1516,12 @@ def test_sass_of_the_dk_after_dq_main_kernel(tmp_path, monkeypatch, head_dim, ca
     assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no calls"
     body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
-    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
+    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "STSM", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
                    "STS.64", "DQ_STAGED", "UBLKRED", "wait0", "q_empty"], got
     assert [n for e, n in body if e == "RS"] == [4, 4], "dV, then dK: four k16 steps each over the 64 queries"
     base = compile_source(rendered_source(variant("b", params=params), tmp_path))
     got = [e for e, _ in loop_body(main_kernel_ops(base.output, "b_w1_main")[1], sts=True)]
-    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "q_empty",
+    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty",
                    "wait0", "STS.64", "DQ_STAGED", "UBLKRED"], got
 
 
@@ -1658,17 +1655,17 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq
     body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
     if dk_after_dq:
-        want = ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
+        want = ["q_full", "SS", "wait1", "EX2", "wait0", "STSM", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
                 "STS.64", "DQ_STAGED", "UBLKRED", "wait0", "q_empty"]
     else:
-        want = ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
+        want = ["q_full", "SS", "wait1", "EX2", "wait0", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
                 "STS.64", "DQ_STAGED", "UBLKRED"]
     assert got == want, got
     counts = {}
     for e, n in body:
         counts[e] = counts.get(e, 0) + n
     assert counts["SS"] == 8 and counts["RS"] == 16 and counts["dQ"] == 8 and counts["EX2"] == 128
-    assert counts["STS"] == 32 and counts["STS.64"] == 16, counts
+    assert counts["STSM"] == 8 and counts["STS.64"] == 16, counts  # dS^T: one stmatrix a k16 step
 
 
 def test_gpu_tool_runs_step_rows_128_on_head_dim_64_only(tmp_path, monkeypatch):

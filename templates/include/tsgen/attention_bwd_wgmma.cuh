@@ -569,19 +569,32 @@ static __device__ __forceinline__ void each_staged_pair(uint32_t staging, uint32
   }
 }
 
-// A step's dS^T (16-bit, the A fragments `ad`) to shared memory at ds_base: key row 64 cw + row (+ 8),
-// 128B-swizzled (the 16-byte unit q of a row at q ^ (row % 8); row % 8 = lane / 4), then fenced so that
-// the wgmma (async proxy) sees it after the next barrier.
-template <class C>
-static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw, uint32_t row, uint32_t lane,
-                                                  const uint32_t (&ad)[4][4]) {
-  const uint32_t base = ds_base + (64 * cw + row) * 128, swizzle = lane / 4;
+// stmatrix: four 8 x 8 matrices of 16-bit elements to shared memory, lane l giving the address of row l % 8 of
+// matrix l / 8 (16 contiguous bytes) and holding in r[m] its part of matrix m: row l / 4, columns 2 (l % 4) and
+// 2 (l % 4) + 1 (the wgmma accumulator's and to_operand's fragment layout).
+static __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// A step's dS^T (16-bit, the A fragments `ad` of K k16 steps: 4, TALL 8) to shared memory at ds_base: key row
+// 64 cw + 16 warp + (0 .. 15), query unit u (8 queries, 16 bytes) in panel u / 8 (DS_PANEL apart) at 16-byte unit
+// (u % 8) ^ (row % 8) of its 128-byte row (the 128B swizzle), then fenced so that the wgmma (async proxy) sees it
+// after the next barrier. One stmatrix a k16 step: ad[k] holds rows g and g + 8 of units 2k and 2k + 1 (to_operand:
+// registers (g, 2c), (g + 8, 2c), (g, 2c + 8), (g + 8, 2c + 8)), the four 8 x 8 matrices of that step, in that
+// order; lane l addresses row l % 8 of matrix m = l / 8: row 8 (m % 2) + l % 8 of the warp's 16, unit 2k + m / 2.
+// (FlashAttention-4 stores dS so; 32-bit stores took four times the instructions, each with its own address.)
+template <class C, int K>
+static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw, uint32_t warp, uint32_t lane,
+                                                  const uint32_t (&ad)[K][4]) {
+  using L = Layout<C>;
+  const uint32_t m = lane / 8, r = lane % 8;
+  const uint32_t base = ds_base + (64 * cw + 16 * warp + 8 * (m % 2) + r) * 128;
 #pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    const uint32_t col = ((q ^ swizzle) << 4) + 4 * (lane % 4);
-    const uint32_t k = q / 2, x = q % 2;  // registers 4q .. 4q + 3 are ad[k][2x], ad[k][2x + 1]
-    st_shared_u32(base + col, ad[k][2 * x]);
-    st_shared_u32(base + 8 * 128 + col, ad[k][2 * x + 1]);
+  for (int k = 0; k < K; ++k) {
+    const uint32_t u = 2 * k + m / 2;
+    stmatrix_x4(base + (u / 8) * L::DS_PANEL + (((u % 8) ^ r) << 4), ad[k]);
   }
   fence_proxy_async_shared_cta();
 }
@@ -774,7 +787,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
 
-    store_ds_t<C>(ds_base, cw, row, lane, ad);         // dS^T to shared memory
+    store_ds_t<C>(ds_base, cw, warp, lane, ad);         // dS^T to shared memory
     if constexpr (L::DK_AFTER_DQ)
       issue_rs<C>(dv, ap, do_base);                     // dV_w += P^T dO alone; dK after the dQ (below)
     else
@@ -995,7 +1008,7 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
 
-    store_ds_t<C>(ds_base, cw, row, lane, ad);         // dS^T to shared memory
+    store_ds_t<C>(ds_base, cw, warp, lane, ad);         // dS^T to shared memory
     issue_dv_dk<C>(dv, dk, ap, ad, q_base, do_base);   // dV_w += P^T dO, dK_w += dS^T Q
 
     // the staging is rewritten after DS_READY: the last reduction has read it (issued a step ago)
@@ -1139,19 +1152,7 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
 
-    // dS^T (16-bit) to shared memory: key row 64 cw + row (+ 8); query group q (8 queries, 16 bytes) in panel
-    // q / 8 at 16-byte unit (q % 8) ^ (row % 8) of its 128-byte row (row % 8 = lane / 4)
-    {
-      const uint32_t base = ds_base + (64 * cw + row) * 128, swizzle = lane / 4;
-#pragma unroll
-      for (int q = 0; q < L::ROWS / 8; ++q) {
-        const uint32_t unit_at = (q / 8) * L::DS_PANEL + (((q % 8) ^ swizzle) << 4) + 4 * (lane % 4);
-        const uint32_t k = q / 2, x = q % 2;  // registers 4q .. 4q + 3 are ad[k][2x], ad[k][2x + 1]
-        st_shared_u32(base + unit_at, ad[k][2 * x]);
-        st_shared_u32(base + 8 * 128 + unit_at, ad[k][2 * x + 1]);
-      }
-      fence_proxy_async_shared_cta();  // visible to the wgmma (async proxy) after the barrier
-    }
+    store_ds_t<C>(ds_base, cw, warp, lane, ad);  // dS^T (16-bit) to shared memory, two panels of 64 queries
 
     // dV_w += P^T dO, dK_w += dS^T Q (over the step's 128 queries: 8 k16 steps of 16 rows, 2048 bytes); DK_AFTER_DQ:
     // dV alone here, dK after the dQ (below)
