@@ -1503,8 +1503,8 @@ def test_dk_after_dq_compiles_without_spills_for_every_tool_case(tmp_path, monke
 @needs_sass
 @pytest.mark.parametrize("head_dim, causal", [exhaustive(128, False), (128, True), exhaustive(64, True)])
 def test_sass_of_the_dk_after_dq_main_kernel(tmp_path, monkeypatch, head_dim, causal):
-    """params.dk_after_dq, the loop in the order the overlap rests on: S^T and dP^T, wait, P's exp2, wait,
-    dS^T's stores, dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the 16 staging stores, DQ_STAGED, the
+    """params.dk_after_dq, the loop in the order the overlap rests on: S^T and dP^T, wait, half of P's exp2, wait,
+    the other half beside dS^T, dS^T's stores, dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the 16 staging stores, DQ_STAGED, the
     bulk reduction, and only then wait (dK) and q_empty (dV read dO, dK read Q). The default in the same
     place: dV and dK together before DS_READY, dQ, both waits before the staging."""
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
@@ -1516,12 +1516,14 @@ def test_sass_of_the_dk_after_dq_main_kernel(tmp_path, monkeypatch, head_dim, ca
     assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no calls"
     body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
-    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "STSM", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
+    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
                    "STS.64", "DQ_STAGED", "UBLKRED", "wait0", "q_empty"], got
     assert [n for e, n in body if e == "RS"] == [4, 4], "dV, then dK: four k16 steps each over the 64 queries"
+    # half of P's exp2 before dP^T's wait, half after it beside dS^T (each in the masked and the unmasked path)
+    assert [n for e, n in body if e == "EX2"] == [32, 32], body
     base = compile_source(rendered_source(variant("b", params=params), tmp_path))
     got = [e for e, _ in loop_body(main_kernel_ops(base.output, "b_w1_main")[1], sts=True)]
-    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty",
+    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty",
                    "wait0", "STS.64", "DQ_STAGED", "UBLKRED"], got
 
 
@@ -1655,10 +1657,10 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq
     body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
     if dk_after_dq:
-        want = ["q_full", "SS", "wait1", "EX2", "wait0", "STSM", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
+        want = ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
                 "STS.64", "DQ_STAGED", "UBLKRED", "wait0", "q_empty"]
     else:
-        want = ["q_full", "SS", "wait1", "EX2", "wait0", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
+        want = ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
                 "STS.64", "DQ_STAGED", "UBLKRED"]
     assert got == want, got
     counts = {}

@@ -521,37 +521,54 @@ static __device__ __forceinline__ void each_query_column(F&& f) {
     for (int e = 0; e < 2; ++e) f(8 * q + 2 * c + e, 4 * q + e);
 }
 
-// P^T in place of S^T (N: its registers, 32 or, TALL, 64). MASK: keys past kv_len, or (CAUSAL) after the
-// query, give 0.
+// P^T in place of S^T at one query column `col` of the thread (registers i0 and i0 + 2: key rows g and g + 8;
+// each_query_column's). MASK: keys past kv_len, or (CAUSAL) after the query, give 0.
 template <class C, bool MASK, int N>
-static __device__ __forceinline__ void probabilities(float (&s)[N], uint32_t smem, uint32_t stage, const Problem& p,
-                                                     uint32_t key_lo, int32_t r0) {
+static __device__ __forceinline__ void probability_column(float (&s)[N], int col, int i0, uint32_t smem, uint32_t stage,
+                                                          const Problem& p, uint32_t key_lo, int32_t r0) {
   using L = Layout<C>;
-  each_query_column<N / 4>([&](int col, int i0) {
-    const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + col)));
+  const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + col)));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int i = i0 + 2 * h;
-      float pr = attention::exp2_approx(fmaf(s[i], C::SCALE_LOG2, -l2));
-      if constexpr (MASK) {
-        const uint32_t key = key_lo + 8 * h;  // within the sequence
-        bool seen = key < p.kv_len;
-        if constexpr (C::CAUSAL) seen = seen && p.kv_offset + (int32_t)key <= query_position(p, r0 + col);
-        if (!seen) pr = 0.f;
-      }
-      s[i] = pr;
+  for (int h = 0; h < 2; ++h) {
+    const int i = i0 + 2 * h;
+    float pr = attention::exp2_approx(fmaf(s[i], C::SCALE_LOG2, -l2));
+    if constexpr (MASK) {
+      const uint32_t key = key_lo + 8 * h;  // within the sequence
+      bool seen = key < p.kv_len;
+      if constexpr (C::CAUSAL) seen = seen && p.kv_offset + (int32_t)key <= query_position(p, r0 + col);
+      if (!seen) pr = 0.f;
     }
-  });
+    s[i] = pr;
+  }
 }
 
-// dS^T = P^T (dP^T - D) in place of dP^T (a masked P is 0, so is its dS).
+// dS^T = P^T (dP^T - D) in place of dP^T at one query column (a masked P is 0, so is its dS).
 template <class C, int N>
-static __device__ __forceinline__ void ds_of(const float (&pr)[N], float (&dp)[N], uint32_t smem, uint32_t stage) {
+static __device__ __forceinline__ void ds_column(const float (&pr)[N], float (&dp)[N], int col, int i0, uint32_t smem,
+                                                 uint32_t stage) {
   using L = Layout<C>;
-  each_query_column<N / 4>([&](int col, int i0) {
-    const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * L::ROWS + col)));
+  const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * L::ROWS + col)));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) dp[i0 + 2 * h] = pr[i0 + 2 * h] * (dp[i0 + 2 * h] - d);
+  for (int h = 0; h < 2; ++h) dp[i0 + 2 * h] = pr[i0 + 2 * h] * (dp[i0 + 2 * h] - d);
+}
+
+// The step's P^T and dS^T around dP^T's wait (N: the accumulators' registers, 32 or, TALL, 64): the column groups
+// before EARLY get their P^T before the wait (early), the rest after it (late), each beside the dS^T of the groups,
+// so that half of the exp2 (the MUFU pipe) run while the dS^T of the others is computed instead of all of them back
+// to back before the wait, where dP^T is usually done already (FA4 issues half of its 32 MUFU.EX2 after dP's wait
+// so: ncu, results/attention_backward/2026-11-28-e84d42e-stalls-fa4-hd128_causal_kv32.txt).
+template <class C, bool MASK, int N, int EARLY = N / 8>
+static __device__ __forceinline__ void probabilities_early(float (&s)[N], uint32_t smem, uint32_t stage,
+                                                           const Problem& p, uint32_t key_lo, int32_t r0) {
+  each_query_column<EARLY>([&](int col, int i0) { probability_column<C, MASK>(s, col, i0, smem, stage, p, key_lo, r0); });
+}
+template <class C, bool MASK, int N, int EARLY = N / 8>
+static __device__ __forceinline__ void probabilities_late_and_ds(float (&s)[N], float (&dp)[N], uint32_t smem,
+                                                                 uint32_t stage, const Problem& p, uint32_t key_lo,
+                                                                 int32_t r0) {
+  each_query_column<N / 4>([&](int col, int i0) {
+    if (i0 / 4 >= EARLY) probability_column<C, MASK>(s, col, i0, smem, stage, p, key_lo, r0);
+    ds_column<C>(s, dp, col, i0, smem, stage);
   });
 }
 
@@ -771,18 +788,21 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       }
       wgmma_commit_group();
     }
-    // P^T = exp2(SCALE_LOG2 S^T - LSE2) once S^T is in (the S group; dP^T may still run)
+    // P^T = exp2(SCALE_LOG2 S^T - LSE2) once S^T is in (the S group; dP^T may still run), half of it; the other
+    // half with dS^T = P^T (dP^T - D) once dP^T is in
+    const bool masked = step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1);
     wgmma_wait_group<1>();
     attention::fence_all<C>(s, 32);
-    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
-      probabilities<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
-    } else {
-      probabilities<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
-    }
-    // dS^T = P^T (dP^T - D) once dP^T is in
+    if (masked)
+      probabilities_early<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
+    else
+      probabilities_early<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
     wgmma_wait_group<0>();
     attention::fence_all<C>(dp, 32);
-    ds_of<C>(s, dp, smem, stage);
+    if (masked)
+      probabilities_late_and_ds<C, true>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
+    else
+      probabilities_late_and_ds<C, false>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
     uint32_t ap[4][4], ad[4][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
@@ -981,10 +1001,10 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
     const uint32_t r0 = w.qb * BLOCK_M, r1 = w.rows_end(p);
     wgmma_wait_group<1>();
     attention::fence_all<C>(s, 32);
-    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
-      probabilities<C, true>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
+    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {  // all of P^T here
+      probabilities_early<C, true, 32, 8>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
     } else {
-      probabilities<C, false>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
+      probabilities_early<C, false, 32, 8>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
     }
     wgmma_wait_group<0>();
     attention::fence_all<C>(dp, 32);
@@ -1003,7 +1023,7 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
     const uint32_t ds_base = smem + L::DS_OFF + (step % 2) * L::DS_BUF;
 
     // dS^T = P^T (dP^T - D) (P^T and dP^T of this step came in at the end of the last)
-    ds_of<C>(s, dp, smem, stage);
+    each_query_column<8>([&](int col, int i0) { ds_column<C>(s, dp, col, i0, smem, stage); });
     uint32_t ap[4][4], ad[4][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
@@ -1138,16 +1158,19 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
         C::mma_s_n128(dp, v_desc + ((k * 32) >> 4), do_desc + ((k * 32) >> 4), k > 0);
       wgmma_commit_group();
     }
-    wgmma_wait_group<1>();  // S^T in (dP^T may still run)
+    const bool masked = step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1);
+    wgmma_wait_group<1>();  // S^T in (dP^T may still run): half of P^T
     attention::fence_all<C>(s, SN);
-    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
-      probabilities<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
-    } else {
-      probabilities<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
-    }
-    wgmma_wait_group<0>();  // dP^T in
+    if (masked)
+      probabilities_early<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
+    else
+      probabilities_early<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
+    wgmma_wait_group<0>();  // dP^T in: the other half of P^T beside dS^T
     attention::fence_all<C>(dp, SN);
-    ds_of<C>(s, dp, smem, stage);
+    if (masked)
+      probabilities_late_and_ds<C, true>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
+    else
+      probabilities_late_and_ds<C, false>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
     uint32_t ap[L::K16][4], ad[L::K16][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
