@@ -698,17 +698,14 @@ class Smem:
 def header_ds_store():
     """store_ds_t's stmatrix addresses, read from the header: (ds_base, cw, warp, lane, k, DS_PANEL) -> the shared
     memory address lane `lane` gives for k16 step k."""
-    body = header_function("store_ds_t")
-    mr = re.search(r"const uint32_t m = (.+?), r = (.+?);", body)
-    base = re.search(r"const uint32_t base = (.+?);", body)
-    u = re.search(r"const uint32_t u = (.+?);", body)
-    at = re.search(r"stmatrix_x4\((.+?), ad\[k\]\);", body)
-    assert mr and base and u and at, "store_ds_t's expressions"
-    m_, r_, base, u, at = (c_expr(x) for x in (mr.group(1), mr.group(2), base.group(1), u.group(1), at.group(1)))
+    x = header_exprs("store_ds_t", m=r"const uint32_t m = (.+?), r", r=r", r = (.+?);",
+                     base=r"const uint32_t base = (.+?);", u=r"const uint32_t u = (.+?);",
+                     at=r"stmatrix_x4\((.+?), ad\[k\]\);")
 
     def address(ds_base, cw, warp, lane, k, panel):
-        m, r = m_(lane=lane), r_(lane=lane)
-        return at(base=base(ds_base=ds_base, cw=cw, warp=warp, m=m, r=r), u=u(k=k, m=m), r=r, L_DS_PANEL=panel)
+        m, r = x["m"](lane=lane), x["r"](lane=lane)
+        return x["at"](base=x["base"](ds_base=ds_base, cw=cw, warp=warp, m=m, r=r), u=x["u"](k=k, m=m), r=r,
+                       L_DS_PANEL=panel)
 
     return address
 
@@ -1050,16 +1047,22 @@ def c_expr(expr):
     return lambda **env: eval(code, {}, env)
 
 
+def header_exprs(function: str, **patterns: str) -> dict:
+    """The C expressions that `patterns` (name -> a regular expression whose group 1 is the expression) find in
+    the header's function `function`, each as c_expr's function of its names; every pattern must match."""
+    body = header_function(function)
+    found = {name: re.search(pattern, body) for name, pattern in patterns.items()}
+    assert all(found.values()), (function, [name for name, m in found.items() if not m])
+    return {name: c_expr(m.group(1)) for name, m in found.items()}
+
+
 def header_tall_producer():
     """produce()'s Q and dO loads for params.step_rows 128, read from the header: (layout, stage, x, h, r0,
     q_len) -> (shared memory offset of the Q box, of the dO box, first row the box loads)."""
-    body = header_function("produce")
-    box = re.search(r"const uint32_t box = (.+);", body)
-    rows = re.search(r"const int rows = (.+);", body)
-    q = re.search(r"load_rows<C>\(smem \+ (L::Q_OFF .*?), q_map, 64 \* x, rows,", body)
-    do = re.search(r"load_rows<C>\(smem \+ (L::DO_OFF .*?), do_map, 64 \* x, rows,", body)
-    assert box and rows and q and do, "produce()'s box, rows and loads"
-    box, rows, q, do = (c_expr(m.group(1)) for m in (box, rows, q, do))
+    x = header_exprs("produce", box=r"const uint32_t box = (.+);", rows=r"const int rows = (.+);",
+                     q=r"load_rows<C>\(smem \+ (L::Q_OFF .*?), q_map, 64 \* x, rows,",
+                     do=r"load_rows<C>\(smem \+ (L::DO_OFF .*?), do_map, 64 \* x, rows,")
+    box, rows, q, do = x["box"], x["rows"], x["q"], x["do"]
 
     def load(layout, stage, x, h, r0, q_len):
         b = box(stage=stage, x=x, h=h, **layout)
