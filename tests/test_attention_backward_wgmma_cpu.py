@@ -659,8 +659,8 @@ def test_gpu_tool_runs_the_impls_side_by_side():
 # 32 bytes along the row; M/N-major: 64 contiguous M/N elements per K row, 8-row K groups SBO
 # apart, 64-element blocks LBO apart), the accumulator layout of a warpgroup (row 16 warp + lane / 4
 # (+ 8), column 8q + 2 (lane % 4) (+ 1)). The kernel's side is the header's: its layout offsets,
-# descriptor starts and steps (restated here, the dS^T store's column expression read from the
-# header), the dQ split per head dim, the mask. A wrong swizzle in the dS^T store, a transposed
+# descriptor starts and steps (restated here, the dS^T store's stmatrix addresses read from the
+# header: header_ds_store), the dQ split per head dim, the mask. A wrong swizzle in the dS^T store, a transposed
 # read, a wrong dQ column box or key range fails the check against the family's reference.
 
 WG_HEADER = ROOT / "templates" / "include" / "tsgen" / "attention_bwd_wgmma.cuh"
@@ -711,7 +711,7 @@ def header_ds_store():
 
 
 def store_ds_model(mem, ds16: np.ndarray, ds_base: int, cw: int, panel: int) -> None:
-    """A warpgroup's dS^T (64 key rows x 8 K query columns, 16-bit) stored as the header's store_ds_t does: per
+    """A warpgroup's dS^T (64 key rows x 16 K query columns, 16-bit) stored as the header's store_ds_t does: per
     k16 step one stmatrix of four 8 x 8 matrices, matrix m (to_operand's fragment order) rows 8 (m % 2) .. + 7 of
     the warp's 16, query unit 2k + m / 2 (8 columns); lane l's address gets row l % 8 of matrix l / 8."""
     address = header_ds_store()
@@ -1627,9 +1627,10 @@ def test_step_rows_128_compiles_without_spills(tmp_path, monkeypatch, name):
 def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq):
     """params.step_rows 128: S^T and dP^T as 4 + 4 HGMMA 64x128x16 from shared memory (K-major), dV and dK as 8 + 8
     HGMMA 64x64x16 with A from registers (tnspB), dQ as 8 HGMMA 64x64x16 (tnspA.tnspB: 128 keys), nothing else;
-    four warpgroup waits, 128 exp2 (the masked and unmasked paths, 64 each), 32 dS^T stores and 16 staging stores
-    a step, one bulk reduction, the 4 named barriers (ptxas's count), no local memory, no call; and the loop in
-    consume()'s order: q_full, S^T / dP^T, wait (S^T), exp2, wait (dP^T), dV / dK, DS_READY, dQ, wait (dV / dK),
+    four warpgroup waits, 128 exp2 (the masked and unmasked paths, 64 each: half before dP^T's wait, half after
+    it), 8 dS^T stmatrix and 16 staging stores a step, one bulk reduction, the 4 named barriers (ptxas's count), no
+    local memory, no call; and the loop in consume()'s order: q_full, S^T / dP^T, wait (S^T), half of the exp2,
+    wait (dP^T), the other half beside dS^T, its stores, dV / dK, DS_READY, dQ, wait (dV / dK),
     q_empty, wait (dQ), the staging, DQ_STAGED, the bulk reduction. With params.dk_after_dq, consume()'s
     DK_AFTER_DQ order over the 128 rows: dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the staging, DQ_STAGED,
     the bulk reduction, and only then wait (dK) and q_empty; no spill for dS^T's registers kept until dK retires."""
@@ -1670,6 +1671,7 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq
     for e, n in body:
         counts[e] = counts.get(e, 0) + n
     assert counts["SS"] == 8 and counts["RS"] == 16 and counts["dQ"] == 8 and counts["EX2"] == 128
+    assert [n for e, n in body if e == "EX2"] == [64, 64], "half of P's exp2 on each side of dP^T's wait"
     assert counts["STSM"] == 8 and counts["STS.64"] == 16, counts  # dS^T: one stmatrix a k16 step
 
 

@@ -557,19 +557,36 @@ static __device__ __forceinline__ void ds_column(const float (&pr)[N], float (&d
 // so that half of the exp2 (the MUFU pipe) run while the dS^T of the others is computed instead of all of them back
 // to back before the wait, where dP^T is usually done already (FA4 issues half of its 32 MUFU.EX2 after dP's wait
 // so: ncu, results/attention_backward/2026-11-28-e84d42e-stalls-fa4-hd128_causal_kv32.txt).
-template <class C, bool MASK, int N, int EARLY = N / 8>
+// The column groups of P^T computed before dP^T's wait: half of the N / 4 (one definition for both functions).
+template <int N>
+constexpr int EARLY_GROUPS = N / 8;
+
+template <class C, bool MASK, int N>
 static __device__ __forceinline__ void probabilities_early(float (&s)[N], uint32_t smem, uint32_t stage,
                                                            const Problem& p, uint32_t key_lo, int32_t r0) {
-  each_query_column<EARLY>([&](int col, int i0) { probability_column<C, MASK>(s, col, i0, smem, stage, p, key_lo, r0); });
+  each_query_column<EARLY_GROUPS<N>>(
+      [&](int col, int i0) { probability_column<C, MASK>(s, col, i0, smem, stage, p, key_lo, r0); });
 }
-template <class C, bool MASK, int N, int EARLY = N / 8>
+template <class C, bool MASK, int N>
 static __device__ __forceinline__ void probabilities_late_and_ds(float (&s)[N], float (&dp)[N], uint32_t smem,
                                                                  uint32_t stage, const Problem& p, uint32_t key_lo,
                                                                  int32_t r0) {
   each_query_column<N / 4>([&](int col, int i0) {
-    if (i0 / 4 >= EARLY) probability_column<C, MASK>(s, col, i0, smem, stage, p, key_lo, r0);
+    if (i0 / 4 >= EARLY_GROUPS<N>) probability_column<C, MASK>(s, col, i0, smem, stage, p, key_lo, r0);
     ds_column<C>(s, dp, col, i0, smem, stage);
   });
+}
+
+// All of a step's P^T, and all of its dS^T (params.lookahead computes them a wait apart, in two iterations).
+template <class C, bool MASK, int N>
+static __device__ __forceinline__ void probabilities_all(float (&s)[N], uint32_t smem, uint32_t stage,
+                                                         const Problem& p, uint32_t key_lo, int32_t r0) {
+  each_query_column<N / 4>(
+      [&](int col, int i0) { probability_column<C, MASK>(s, col, i0, smem, stage, p, key_lo, r0); });
+}
+template <class C, int N>
+static __device__ __forceinline__ void ds_all(const float (&pr)[N], float (&dp)[N], uint32_t smem, uint32_t stage) {
+  each_query_column<N / 4>([&](int col, int i0) { ds_column<C>(pr, dp, col, i0, smem, stage); });
 }
 
 // DQ_TILED: this thread's float pairs of a warpgroup's 64 x 64 dQ partial in its staging buffer:
@@ -1002,9 +1019,9 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
     wgmma_wait_group<1>();
     attention::fence_all<C>(s, 32);
     if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {  // all of P^T here
-      probabilities_early<C, true, 32, 8>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
+      probabilities_all<C, true>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
     } else {
-      probabilities_early<C, false, 32, 8>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
+      probabilities_all<C, false>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
     }
     wgmma_wait_group<0>();
     attention::fence_all<C>(dp, 32);
@@ -1023,7 +1040,7 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
     const uint32_t ds_base = smem + L::DS_OFF + (step % 2) * L::DS_BUF;
 
     // dS^T = P^T (dP^T - D) (P^T and dP^T of this step came in at the end of the last)
-    each_query_column<8>([&](int col, int i0) { ds_column<C>(s, dp, col, i0, smem, stage); });
+    ds_all<C>(s, dp, smem, stage);
     uint32_t ap[4][4], ad[4][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
