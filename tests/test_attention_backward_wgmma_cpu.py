@@ -156,12 +156,17 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
         assert op in names, op
     red = names.count("REDG.E.ADD.F32.FTZ.RN.STRONG.GPU")
     if dq_reduce == "bulk":
-        assert names.count("UBLKRED.G.S.ADD.F32.RN") == 1 and red == 0, "one bulk reduction, no element atomics"
+        # the writer warp's: one bulk reduction for each consumer warpgroup a step, no element atomics
+        assert names.count("UBLKRED.G.S.ADD.F32.RN") == 2 and red == 0
         assert names.count("STS.64") == 16, "the dQ staging: 32 floats per thread as 16 pairs"
-        assert names.count("DEPBAR.LE") == 2, "the bulk group's waits: staging read (per step), writes (at the end)"
-        # __syncthreads (0), DS_READY (1), DQ_STAGED of warpgroup 0 and 1 (2, 3: predicated, immediate ids)
+        assert names.count("DEPBAR.LE") == 3, "the writer's bulk waits: each staging read (per step), the writes (end)"
+        # __syncthreads (0), DS_READY (1), DQ_STAGED of warpgroup 0 and 1 (2, 3: the writer's syncs), DQ_FREE (5, 6:
+        # the warpgroups' syncs, predicated, immediate ids); the arrives: DQ_STAGED by the warpgroups, DQ_FREE by
+        # the writer (twice at its start, twice a step)
         bars = sorted(int(m, 16) for m in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)\b", main))
-        assert names.count("BAR.SYNC.DEFER_BLOCKING") == 4 and bars == [0, 1, 2, 3], bars
+        assert bars == [0, 1, 2, 3, 5, 6], bars
+        arrives = sorted(int(m, 16) for m in re.findall(r"BAR\.ARV (0x[0-9a-f]+), 0xa0", main))
+        assert arrives == [2, 3, 5, 5, 6, 6], arrives
     else:
         assert red == 32 and "UBLKRED.G.S.ADD.F32.RN" not in names
     assert not {"LDG.E.STRONG.GPU", "REDG.E.ADD.STRONG.GPU"} & set(names), "no dQ semaphore (params.deterministic)"
@@ -169,7 +174,7 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
     elf = subprocess.run([str(find_cuobjdump()), "-elf", str(compiled.output)], capture_output=True, text=True,
                          check=True).stdout
     counts = [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)]
-    assert counts == [4 if dq_reduce == "bulk" else 2], counts
+    assert counts == [7 if dq_reduce == "bulk" else 2], counts
     assert not [n for n in names if n.startswith(("LDL", "STL", "ATOM"))], "no local memory, no returned atomics"
     assert "CALL" not in " ".join(names), "no calls (they would serialize the wgmma)"
     assert vector_to_uniform_copies(names) == 0, "the descriptors in uniform registers (ptx::warpgroup_id)"
@@ -1021,7 +1026,7 @@ def test_shared_memory_model_of_one_cta(request, d, causal, tiled):
 def header_function(name):
     """The body of the header's function `name` (from its signature to the closing brace at column 0)."""
     text = WG_HEADER.read_text()
-    start = text.index(f" void {name}(")
+    start = re.search(rf" (?:void|uint32_t) {name}\(", text).start()
     return text[start:text.index("\n}\n", start)]
 
 
@@ -1039,7 +1044,8 @@ def c_expr(expr):
             break
         code = code[1:-1].strip()
     code = re.sub(r"\b([LC])::", r"\1_", code)
-    code = re.sub(r"\b([pw])\.", r"\1_", code).replace(" / ", " // ")
+    code = re.sub(r"\b([pw])\.", r"\1_", code).replace(" / ", " // ").replace("&&", " and ").replace("||", " or ")
+    code = re.sub(r"!(?!=)", " not ", code)
     if "?" in code:
         cond, rest = code.split("?")
         then, other = rest.split(":")
@@ -1072,24 +1078,16 @@ def header_tall_producer():
 
 
 def header_tall_consumer():
-    """consume_tall's shared memory addresses and its dQ reduction, read from the header: name -> function of
-    the header's names (smem = 0)."""
-    body = header_function("consume_tall")
-    found = {
-        "q_base": re.search(r"const uint32_t q_base = smem \+ (.+?), do_base", body),
-        "do_base": re.search(r"do_base = smem \+ (.+?);", body),
-        "ds_base": re.search(r"const uint32_t ds_base = smem \+ (.+?);", body),
-        "ds_desc": re.search(r"const uint64_t ds_desc = sw128_descriptor\((.+?), (.+?), 1024\);", body),
-        "q0": re.search(r"const uint32_t q0 = (.+?);", body),
-        "reduce_if": re.search(r"if \(t == 0 && (.+?)\) \{", body),
-        "n": re.search(r"const uint32_t n = (.+?);", body),
-        "dst": re.search(r"float\* dst = p\.dq_accum \+ (.+?);", body),
-        "bytes": re.search(r"bulk_reduce_add_f32\(dst, staging, (.+?)\);", body),
-    }
-    missing = [k for k, m in found.items() if not m]
-    assert not missing, ("consume_tall's expressions", missing)
-    out = {k: c_expr(m.group(1)) for k, m in found.items()}
-    out["ds_lbo"] = c_expr(found["ds_desc"].group(2))
+    """consume_tall's shared memory addresses, and its dQ reduction (dq_reduction's rows and destination, write_dq's
+    bytes: the writer warp issues it), read from the header: name -> function of the header's names (smem = 0)."""
+    out = header_exprs("consume_tall", q_base=r"const uint32_t q_base = smem \+ (.+?), do_base",
+                       do_base=r"do_base = smem \+ (.+?);", ds_base=r"const uint32_t ds_base = smem \+ (.+?);",
+                       ds_desc=r"const uint64_t ds_desc = sw128_descriptor\((.+?), .+?, 1024\);",
+                       ds_lbo=r"const uint64_t ds_desc = sw128_descriptor\(.+?, (.+?), 1024\);")
+    out.update(header_exprs("dq_reduction", q0=r"const uint32_t q0 = (.+?);", none_if=r"if \((.+?)\) return 0;",
+                            n=r"const uint32_t n = (.+?);", box=r"const uint32_t dq_col_box = (.+?);",
+                            dst=r"dst = p\.dq_accum \+ (.+?);"))
+    out.update(header_exprs("write_dq", bytes=r"bulk_reduce_add_f32\(dst, smem \+ L::DQ_OFF \+ cw \* L::DQ_BUF, (.+?)\);"))
     return out
 
 
@@ -1100,7 +1098,7 @@ using L = tsgen::attention_bwd::wgmma::Layout<MODULE::Config>;
 #define P(X) printf("L_" #X " %lld\n", (long long)L::X);
 int main() {
   P(K_OFF) P(V_OFF) P(Q_OFF) P(DO_OFF) P(DS_OFF) P(DQ_OFF) P(KV_BOX) P(Q_BOX) P(Q_TILE) P(HALVES) P(BOXES) P(ROWS)
-  P(DS_PANEL) P(DS_BUF) P(DQ_BUF) P(K16)
+  P(DS_PANEL) P(DS_BUF) P(DQ_BUF) P(K16) P(TALL) P(DQ_SPLIT_N)
   printf("C_STAGES %lld\nC_HEADS %lld\nC_HEAD_DIM %lld\n", (long long)MODULE::Config::STAGES,
          (long long)MODULE::Config::HEADS, (long long)MODULE::Config::HEAD_DIM);
   return 0;
@@ -1208,9 +1206,10 @@ def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled, l
                 acc += a @ b
             staging = staged_partial(stage_store, acc)
             q0 = at["q0"](cw=cw, **env)
-            if at["reduce_if"](q0=q0, **env):  # the block's valid rows; none past the rows
+            if not at["none_if"](q0=q0, **env):  # the block's valid rows; none past the rows
                 n = at["n"](q0=q0, **env)
-                dst = at["dst"](q0=q0, **env)  # floats from dq_accum
+                box = at["box"](cw=cw, **env)
+                dst = at["dst"](q0=q0, n=n, dq_col_box=box, hq=0, **env)  # floats from dq_accum
                 nbytes = at["bytes"](n=n)
                 assert nbytes % 4 == 0 and 0 <= dst and dst + nbytes // 4 <= rows * d
                 accum[dst:dst + nbytes // 4] += staging[:nbytes // 4]
@@ -1338,7 +1337,8 @@ def main_kernel_ops(output, kernel: str) -> tuple[str, list]:
 def loop_body(ops, sts: bool = False) -> list[list]:
     """The consumers' loop (from the target of the backward branch around the first RS product to that branch)
     as events, runs of one event kept once with their count: the products SS, RS, dQ; the warpgroup waits
-    wait0 / wait1; the named barriers DS_READY, DQ_STAGED; q_empty, q_full; the staging's STS.64; UBLKRED;
+    wait0 / wait1; the named barriers DS_READY, DQ_STAGED (a sync, or the writer warp's arrive), DQ_FREE; q_empty,
+    q_full; the staging's STS.64; UBLKRED;
     EX2; and with `sts` dS^T's stores (STSM: stmatrix, four 8 x 8 matrices each)."""
     def event(o, rest):
         r = re.sub(r"\s+", "", rest)
@@ -1347,7 +1347,10 @@ def loop_body(ops, sts: bool = False) -> list[list]:
         if o == "WARPGROUP.DEPBAR.LE":
             return "wait" + r[-1]
         if o == "BAR.SYNC.DEFER_BLOCKING":
-            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
+            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED",
+                    "0x5,0xa0": "DQ_FREE", "0x6,0xa0": "DQ_FREE"}.get(r, "BAR" + r)
+        if o == "BAR.ARV":  # DQ_WRITER: the staging written, for the writer warp (a consumer warpgroup and it: 160)
+            return {"0x2,0xa0": "DQ_STAGED", "0x3,0xa0": "DQ_STAGED"}.get(r, "ARV" + r)
         return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full",
                 "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2",
                 **({"STSM.16.M88.4": "STSM"} if sts else {})}.get(o)
@@ -1520,14 +1523,14 @@ def test_sass_of_the_dk_after_dq_main_kernel(tmp_path, monkeypatch, head_dim, ca
     body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
     assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
-                   "STS.64", "DQ_STAGED", "UBLKRED", "wait0", "q_empty"], got
+                   "DQ_FREE", "STS.64", "DQ_STAGED", "wait0", "q_empty"], got
     assert [n for e, n in body if e == "RS"] == [4, 4], "dV, then dK: four k16 steps each over the 64 queries"
     # half of P's exp2 before dP^T's wait, half after it beside dS^T (each in the masked and the unmasked path)
     assert [n for e, n in body if e == "EX2"] == [32, 32], body
     base = compile_source(rendered_source(variant("b", params=params), tmp_path))
     got = [e for e, _ in loop_body(main_kernel_ops(base.output, "b_w1_main")[1], sts=True)]
     assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty",
-                   "wait0", "STS.64", "DQ_STAGED", "UBLKRED"], got
+                   "wait0", "DQ_FREE", "STS.64", "DQ_STAGED"], got
 
 
 # ---------------------------------------------------------------------------
@@ -1651,21 +1654,21 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq
     assert len(hgmma) == 32
     assert names.count("WARPGROUP.DEPBAR.LE") == (5 if dk_after_dq else 4), "batched wgmma, not serialized"
     assert names.count("MUFU.EX2") == 128 and names.count("STS.64") == 16
-    assert names.count("UBLKRED.G.S.ADD.F32.RN") == 1 and "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU" not in names
+    assert names.count("UBLKRED.G.S.ADD.F32.RN") == 2 and "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU" not in names
     bars = sorted(int(m, 16) for m in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)\b", main))
-    assert bars == [0, 1, 2, 3], bars
+    assert bars == [0, 1, 2, 3, 5, 6], bars  # DQ_STAGED: the writer warp syncs; DQ_FREE: the warpgroups do
     elf = subprocess.run([str(find_cuobjdump()), "-elf", str(compiled.output)], capture_output=True, text=True,
                          check=True).stdout
-    assert [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)] == [4]
+    assert [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)] == [7]
 
     body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
     if dk_after_dq:
         want = ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
-                "STS.64", "DQ_STAGED", "UBLKRED", "wait0", "q_empty"]
+                "DQ_FREE", "STS.64", "DQ_STAGED", "wait0", "q_empty"]
     else:
         want = ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
-                "STS.64", "DQ_STAGED", "UBLKRED"]
+                "DQ_FREE", "STS.64", "DQ_STAGED"]
     assert got == want, got
     counts = {}
     for e, n in body:

@@ -45,8 +45,9 @@
 //       wait for the dV / dK group, release the stage (q_empty), wait for dQ, add it into
 //             dq_accum: DQ_TILED (dq_reduce bulk, the default): the 64 x 64 partial into the
 //             warpgroup's fp32 staging buffer in shared memory (tsgen::attention_bwd::dq_tiled_offset's
-//             panel order), barrier DQ_STAGED + w, and thread 0 adds the step's valid rows with one
-//             cp.reduce.async.bulk .add.f32 (n x 256 contiguous bytes) into the tiled dq_accum;
+//             panel order), barrier DQ_STAGED + w, and one cp.reduce.async.bulk .add.f32 adds the
+//             step's valid rows (n x 256 contiguous bytes) into the tiled dq_accum, issued by the dQ
+//             writer warp (DQ_WRITER: not deterministic, not lookahead; write_dq) or else thread 0;
 //             dq_reduce atomic: fp32 reductions from registers (red.global.add.f32, dQ's own
 //             layout). Either way a race by design, as the mma.sync kernel's: the order of the adds
 //             is not fixed, except with DETERMINISTIC (params.deterministic, bulk only): thread 0
@@ -91,11 +92,17 @@
 //     keys past kv_len: zeros give S = 0 and P = exp2(-LSE2) != 0, so they are masked explicitly.
 //   - DQ_TILED, the staging buffer (one per consumer warpgroup): generic stores read by the bulk
 //     reduction (async proxy): fence.proxy.async.shared::cta by every writing thread, then the
-//     warpgroup's named barrier DQ_STAGED + w, then thread 0 issues the reduction. Reuse: the next
-//     step writes the buffer only after DS_READY, which thread 0 reaches only after
-//     cp.async.bulk.wait_group.read 0 (the last reduction has read its source; bulk groups are per
-//     thread, and thread 0 issued them all). At the end thread 0 waits for the writes
-//     (cp.async.bulk.wait_group 0) before the CTA exits.
+//     warpgroup's named barrier DQ_STAGED + w, then one thread issues the reduction. DQ_WRITER: the
+//     warpgroup arrives (bar.arrive, 160 = its 128 threads and the writer warp) and goes on; the writer
+//     warp syncs there and its lane 0 issues. Reuse: the writer waits until the reduction has read its
+//     source (cp.async.bulk.wait_group.read: 1 for warpgroup 0's, the older group, then 0), then arrives
+//     on DQ_FREE + w, on which the warpgroup syncs before it stages again (both start free: the writer
+//     arrives once on each before the first step; after the last step it arrives on neither, so no
+//     barrier is left half-arrived). Without the writer (deterministic, lookahead), thread 0 issues
+//     after the warpgroup's sync and the next step writes the buffer only after DS_READY, which thread 0
+//     reaches only after cp.async.bulk.wait_group.read 0 (bulk groups are per thread, and thread 0
+//     issued them all). At the end the issuing thread waits for the writes (cp.async.bulk.wait_group 0)
+//     before the CTA exits.
 //   - DQ_TILED, dq_accum: the preprocess zeroes every float (same size as dQ; the tiled layout is a
 //     permutation), in stream order before this kernel; the convert pass reads it (ConvertTiled: one
 //     CTA per 64-row block) after this kernel (stream order; the bulk writes complete before exit).
@@ -202,6 +209,8 @@ constexpr int THREADS = 384;
 constexpr uint32_t DS_READY = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads')
 constexpr uint32_t DQ_STAGED = 2;  // + w: named barrier of consumer warpgroup w (DQ_TILED: its staging written)
 constexpr uint32_t DQ_PAIR = 4;    // DQ_PAIRED: warpgroup 1's partial staged, for warpgroup 0 (arrive / sync)
+constexpr uint32_t DQ_FREE = 5;    // + w: DQ_WRITER: warpgroup w's staging read by its last reduction (writer arrives)
+constexpr uint32_t WRITER_BAR = 160;  // DQ_WRITER: DQ_STAGED + w and DQ_FREE + w: a consumer warpgroup and the writer
 
 // cp.reduce.async.bulk (not .tensor): `bytes` (a multiple of 16) of fp32 at shared `src` added into
 // global `dst` (both 16-byte aligned), element-wise, at L2, by the TMA unit; each element's add is
@@ -268,6 +277,12 @@ struct Layout {
   // params.lookahead: consume_lookahead (bulk dQ, not deterministic: tsgen/ops/attention_backward.py refuses both)
   static constexpr bool LOOKAHEAD = lookahead_of<C>::value;
   static_assert(!LOOKAHEAD || (DQ_TILED && !DETERMINISTIC), "lookahead: the bulk dQ path, not deterministic");
+  // The dQ writer warp (warp 1 of the producer warpgroup; FlashAttention-4's sm_90 backward has one): where
+  // dQ is reduced in bulk and in no fixed order, a consumer warpgroup stages its dQ partial, arrives on
+  // DQ_STAGED + w and goes on; the writer waits there, issues the bulk reduction, and arrives on DQ_FREE + w
+  // once the reduction has read the staging; the warpgroup syncs on that before it stages again. Without it
+  // (deterministic, lookahead), the warpgroup syncs on DQ_STAGED + w and its thread 0 issues and waits.
+  static constexpr bool DQ_WRITER = DQ_TILED && !DETERMINISTIC && !LOOKAHEAD;
   // params.dk_after_dq: consume()'s product order dV | DS_READY | dQ, dK (tsgen/ops/attention_backward.py refuses the rest)
   static constexpr bool DK_AFTER_DQ = dk_after_dq_of<C>::value;
   static_assert(!DK_AFTER_DQ || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD),
@@ -756,6 +771,78 @@ static __device__ __forceinline__ void add_dk_dv_tail(const Problem& p, uint32_t
   }
 }
 
+// The bulk reduction of consumer warpgroup cw's dQ partial for the walk's step at rows r0 .. r1: its destination
+// in dq_accum, and its rows (0: none; TALL: the warpgroup's 64 query rows of the step's 128, none past q_len).
+// 64-row steps: the step's n rows of panel dq_col_box (columns split at head dim 128; at 64 both warpgroups add
+// partials of the one panel, each its own); n x 256 contiguous bytes either way.
+template <class C>
+static __device__ __forceinline__ uint32_t dq_reduction(const Problem& p, uint32_t b, uint32_t hq, uint32_t r0,
+                                                        uint32_t r1, uint32_t cw, float*& dst) {
+  using L = Layout<C>;
+  const uint32_t q0 = L::TALL ? r0 + BLOCK_M * cw : r0;
+  if (q0 >= r1) return 0;
+  const uint32_t n = r1 - q0 < (uint32_t)BLOCK_M ? r1 - q0 : (uint32_t)BLOCK_M;
+  const uint32_t dq_col_box = L::DQ_SPLIT_N && !L::TALL ? cw : 0;
+  dst = p.dq_accum + (((size_t)b * C::HEADS + hq) * p.q_len + q0) * C::HEAD_DIM + (size_t)dq_col_box * n * 64;
+  return n;
+}
+
+// DQ_WRITER, the consumer's side: wait until warpgroup cw's staging is free (before staging), and say it is
+// written (after staging and its fence).
+static __device__ __forceinline__ void staging_free_wait(uint32_t cw) {
+  if (cw == 0)
+    named_barrier_sync_imm<DQ_FREE>(WRITER_BAR);
+  else
+    named_barrier_sync_imm<DQ_FREE + 1>(WRITER_BAR);
+}
+static __device__ __forceinline__ void staged_arrive(uint32_t cw) {
+  if (cw == 0)
+    named_barrier_arrive_imm<DQ_STAGED>(WRITER_BAR);
+  else
+    named_barrier_arrive_imm<DQ_STAGED + 1>(WRITER_BAR);
+}
+
+// DQ_WRITER: the writer warp's walk, the consumers' (the same Walk, the same part): at each step, for each
+// consumer warpgroup in turn, wait for its staging, and lane 0 issues its bulk reduction (a bulk group each,
+// empty where no rows); then, if a step follows, each staging is free once its reduction has read it (the older
+// group first). Both stagings start free. Every reduction complete (its writes too) before the CTA ends: the
+// convert pass reads dq_accum next.
+template <class C>
+static __device__ __forceinline__ void write_dq(const Problem& p, uint32_t smem, uint32_t b, uint32_t hk,
+                                                uint32_t k0, Part part) {
+  using L = Layout<C>;
+  const bool lead = threadIdx.x % 32 == 0;
+  Walk<C> w(p, hk, p.kv_offset + (int32_t)k0, part);
+  if (w.done()) return;  // no step: the consumers stage nothing (and no arrival is left on a barrier)
+  named_barrier_arrive_imm<DQ_FREE>(WRITER_BAR);
+  named_barrier_arrive_imm<DQ_FREE + 1>(WRITER_BAR);
+  while (true) {
+    const uint32_t r0 = w.qb * L::ROWS, r1 = w.rows_end(p);
+#pragma unroll
+    for (uint32_t cw = 0; cw < 2; ++cw) {
+      if (cw == 0)
+        named_barrier_sync_imm<DQ_STAGED>(WRITER_BAR);
+      else
+        named_barrier_sync_imm<DQ_STAGED + 1>(WRITER_BAR);
+      if (lead) {
+        float* dst = nullptr;
+        if (const uint32_t n = dq_reduction<C>(p, b, w.hq, r0, r1, cw, dst))
+          bulk_reduce_add_f32(dst, smem + L::DQ_OFF + cw * L::DQ_BUF, n * 256);
+        bulk_commit_group();
+      }
+    }
+    w.next(p);
+    if (w.done()) break;
+    if (lead) bulk_wait_group_read<1>();  // warpgroup 0's reduction has read its staging
+    __syncwarp();
+    named_barrier_arrive_imm<DQ_FREE>(WRITER_BAR);
+    if (lead) bulk_wait_group_read<0>();
+    __syncwarp();
+    named_barrier_arrive_imm<DQ_FREE + 1>(WRITER_BAR);
+  }
+  if (lead) bulk_wait_group_all();
+}
+
 template <class C>
 static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, uint32_t cw, uint32_t b,
                                                uint32_t hk, uint32_t k0, Part part = Part{}) {
@@ -834,7 +921,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     // reduction of the last step (thread 0's bulk group) must have finished reading it first. Issued a
     // whole step ago: the wait does not stall in the steady state. DETERMINISTIC: it must be complete
     // (its writes too) before its turn is passed on, here, which also frees the staging.
-    if constexpr (L::DQ_TILED)
+    if constexpr (L::DQ_TILED && !L::DQ_WRITER)
       if (t == 0) {
         if constexpr (L::DETERMINISTIC)
           dq_turn = pass_dq_turn(dq_turn);
@@ -873,19 +960,22 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
             dq[i] += x, dq[i + 1] += y;
           });
         }
+      if constexpr (L::DQ_WRITER) staging_free_wait(cw);  // the writer's last reduction from it has read it
       each_staged_pair(staging, row, lane, [&](uint32_t at, int i) { st_shared_v2_f32(at, dq[i], dq[i + 1]); });
       fence_proxy_async_shared_cta();           // generic stores, read by the bulk reduction (async proxy)
       // the warpgroup's 64 rows staged; immediate barrier ids (a register id makes ptxas reserve all 16)
-      if (cw == 0)
+      if constexpr (L::DQ_WRITER) {
+        staged_arrive(cw);  // the writer warp reduces it (write_dq)
+      } else if (cw == 0) {
         named_barrier_sync_imm<DQ_STAGED>(128);
-      else
+      } else {
         named_barrier_sync_imm<DQ_STAGED + 1>(128);
+      }
       if constexpr (L::DQ_PAIRED)
         if (cw == 1) named_barrier_arrive_imm<DQ_PAIR>(256);  // its partial, for warpgroup 0 (which adds it)
-      if (t == 0 && (!L::DQ_PAIRED || cw == 0)) {
-        const uint32_t n = r1 - r0;
-        float* dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + r0) * C::HEAD_DIM +
-                     (size_t)dq_col_box * n * 64;
+      if (!L::DQ_WRITER && t == 0 && (!L::DQ_PAIRED || cw == 0)) {
+        float* dst = nullptr;
+        const uint32_t n = dq_reduction<C>(p, b, w.hq, r0, r1, cw, dst);
         if constexpr (L::DETERMINISTIC) {
           // the adds into the query block in the visitors' order: wait for this CTA's turn (both warpgroups
           // take the same one: DQ_ADDERS), then order the acquire before the reduction (async proxy)
@@ -915,8 +1005,8 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
 
   // DQ_TILED: every bulk reduction complete (its writes done) before the CTA ends and its shared
   // memory goes (the reads alone would free the memory; the convert pass reads dq_accum next);
-  // DETERMINISTIC: and the last turn passed on
-  if constexpr (L::DQ_TILED)
+  // DETERMINISTIC: and the last turn passed on. DQ_WRITER: the writer warp waits for its own.
+  if constexpr (L::DQ_TILED && !L::DQ_WRITER)
     if (t == 0) {
       if constexpr (L::DETERMINISTIC)
         dq_turn = pass_dq_turn(dq_turn);
@@ -1208,9 +1298,7 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
       wgmma_commit_group();
     }
 
-    // the staging is rewritten after DS_READY: the last reduction (thread 0's bulk group, a step ago) has read it
-    if (t == 0) bulk_wait_group_read<0>();
-    named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced (and the staging free)
+    named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced
 
     // dQ (queries 64 cw .. 64 cw + 63 of the step x 64 columns) = dS K over the 128 keys
     float dq[32];
@@ -1232,25 +1320,15 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
 
     // dq += dQ through the staging buffer (dq_tiled_offset's panel order, as consume()), then one bulk reduction
     // of the block's valid rows (n x 256 contiguous bytes: head dim 64 is one panel)
+    // (the writer warp reduces it: write_dq, the warpgroup's 64 query rows of the step's 128)
+    static_assert(L::DQ_WRITER, "step_rows 128: the bulk dQ path, not deterministic, not lookahead");
     const uint32_t staging = smem + L::DQ_OFF + cw * L::DQ_BUF;
+    staging_free_wait(cw);  // the writer's last reduction from it has read it
     each_staged_pair(staging, row, lane, [&](uint32_t at, int i) { st_shared_v2_f32(at, dq[i], dq[i + 1]); });
     fence_proxy_async_shared_cta();  // generic stores, read by the bulk reduction (async proxy)
-    if (cw == 0)
-      named_barrier_sync_imm<DQ_STAGED>(128);
-    else
-      named_barrier_sync_imm<DQ_STAGED + 1>(128);
-    const uint32_t q0 = r0 + BLOCK_M * cw;  // the warpgroup's query block
-    if (t == 0 && q0 < r1) {
-      const uint32_t n = r1 - q0 < (uint32_t)BLOCK_M ? r1 - q0 : (uint32_t)BLOCK_M;
-      float* dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + q0) * C::HEAD_DIM;
-      bulk_reduce_add_f32(dst, staging, n * 256);
-      bulk_commit_group();
-    }
+    staged_arrive(cw);
     if constexpr (L::DK_AFTER_DQ) dk_done_release_stage<C>(dk, t, smem, stage);
   }
-
-  // every bulk reduction complete (its writes done) before the CTA ends, as consume()
-  if (t == 0) bulk_wait_group_all();
 
   store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
 }
@@ -1335,7 +1413,10 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
   if (warpgroup == 0) {
     // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
     setmaxnreg_dec<40>();
-    if (threadIdx.x < 32) produce<C>(q_map, k_map, v_map, do_map, smem, p, b, hk, k0, part);
+    if (threadIdx.x < 32)
+      produce<C>(q_map, k_map, v_map, do_map, smem, p, b, hk, k0, part);
+    else if (L::DQ_WRITER && threadIdx.x < 64)
+      write_dq<C>(p, smem, b, hk, k0, part);
   } else {
     setmaxnreg_inc<232>();
     if constexpr (L::LOOKAHEAD)
