@@ -648,11 +648,11 @@ static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw,
   fence_proxy_async_shared_cta();
 }
 
-// acc += A B over the step's 64 queries, A (P^T or dS^T) from registers, B (dO or Q of the stage at b_base)
-// N-major, 16 rows = 2048 bytes a k16 step; no fence, no commit (the caller's group)
+// acc += A B over the step's queries (64, TALL 128: K16 k16 steps), A (P^T or dS^T) from registers, B (dO or Q
+// of the stage at b_base) N-major, 16 rows = 2048 bytes a k16 step; no fence, no commit (the caller's group)
 template <class C>
-static __device__ __forceinline__ void rs_product(float (&acc)[Layout<C>::D_ACC], const uint32_t (&a)[4][4],
-                                                  uint32_t b_base) {
+static __device__ __forceinline__ void rs_product(float (&acc)[Layout<C>::D_ACC],
+                                                  const uint32_t (&a)[Layout<C>::K16][4], uint32_t b_base) {
   using L = Layout<C>;
   const uint64_t b_n = sw128_descriptor(b_base, L::Q_BOX, 1024);
 #pragma unroll
@@ -662,7 +662,7 @@ static __device__ __forceinline__ void rs_product(float (&acc)[Layout<C>::D_ACC]
 // dV_w += P^T dO, dK_w += dS^T Q: one group.
 template <class C>
 static __device__ __forceinline__ void issue_dv_dk(float (&dv)[Layout<C>::D_ACC], float (&dk)[Layout<C>::D_ACC],
-                                                   const uint32_t (&ap)[4][4], const uint32_t (&ad)[4][4],
+                                                   const uint32_t (&ap)[Layout<C>::K16][4], const uint32_t (&ad)[Layout<C>::K16][4],
                                                    uint32_t q_base, uint32_t do_base) {
   wgmma_fence();
   rs_product<C>(dv, ap, do_base);
@@ -672,7 +672,7 @@ static __device__ __forceinline__ void issue_dv_dk(float (&dv)[Layout<C>::D_ACC]
 
 // acc += A B (rs_product) as a group of its own: params.dk_after_dq's dV, and its dK after the dQ.
 template <class C>
-static __device__ __forceinline__ void issue_rs(float (&acc)[Layout<C>::D_ACC], const uint32_t (&a)[4][4],
+static __device__ __forceinline__ void issue_rs(float (&acc)[Layout<C>::D_ACC], const uint32_t (&a)[Layout<C>::K16][4],
                                                 uint32_t b_base) {
   wgmma_fence();
   rs_product<C>(acc, a, b_base);
@@ -1286,17 +1286,10 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
 
     // dV_w += P^T dO, dK_w += dS^T Q (over the step's 128 queries: 8 k16 steps of 16 rows, 2048 bytes); DK_AFTER_DQ:
     // dV alone here, dK after the dQ (below)
-    const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
-    {
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < L::K16; ++k) C::mma_rs(dv, ap[k], do_n + ((k * 2048) >> 4), 1);
-      if constexpr (!L::DK_AFTER_DQ) {
-#pragma unroll
-        for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
-      }
-      wgmma_commit_group();
-    }
+    if constexpr (L::DK_AFTER_DQ)
+      issue_rs<C>(dv, ap, do_base);
+    else
+      issue_dv_dk<C>(dv, dk, ap, ad, q_base, do_base);
 
     named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced
 
@@ -1310,12 +1303,7 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
         C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
       wgmma_commit_group();
     }
-    after_dq_issue<C>(dk, dv, t, smem, stage, [&] {
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
-      wgmma_commit_group();
-    });
+    after_dq_issue<C>(dk, dv, t, smem, stage, [&] { issue_rs<C>(dk, ad, q_base); });
     attention::fence_all<C>(dq, 32);
 
     // dq += dQ through the staging buffer (dq_tiled_offset's panel order, as consume()), then one bulk reduction
