@@ -156,12 +156,17 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
         assert op in names, op
     red = names.count("REDG.E.ADD.F32.FTZ.RN.STRONG.GPU")
     if dq_reduce == "bulk":
-        assert names.count("UBLKRED.G.S.ADD.F32.RN") == 1 and red == 0, "one bulk reduction, no element atomics"
+        # the writer warp's: one bulk reduction for each consumer warpgroup a step, no element atomics
+        assert names.count("UBLKRED.G.S.ADD.F32.RN") == 2 and red == 0
         assert names.count("STS.64") == 16, "the dQ staging: 32 floats per thread as 16 pairs"
-        assert names.count("DEPBAR.LE") == 2, "the bulk group's waits: staging read (per step), writes (at the end)"
-        # __syncthreads (0), DS_READY (1), DQ_STAGED of warpgroup 0 and 1 (2, 3: predicated, immediate ids)
+        assert names.count("DEPBAR.LE") == 3, "the writer's bulk waits: each staging read (per step), the writes (end)"
+        # __syncthreads (0), DS_READY (1), DQ_STAGED of warpgroup 0 and 1 (2, 3: the writer's syncs), DQ_FREE (5, 6:
+        # the warpgroups' syncs, predicated, immediate ids); the arrives: DQ_STAGED by the warpgroups, DQ_FREE by
+        # the writer (twice at its start, twice a step)
         bars = sorted(int(m, 16) for m in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)\b", main))
-        assert names.count("BAR.SYNC.DEFER_BLOCKING") == 4 and bars == [0, 1, 2, 3], bars
+        assert bars == [0, 1, 2, 3, 5, 6], bars
+        arrives = sorted(int(m, 16) for m in re.findall(r"BAR\.ARV (0x[0-9a-f]+), 0xa0", main))
+        assert arrives == [2, 3, 5, 5, 6, 6], arrives
     else:
         assert red == 32 and "UBLKRED.G.S.ADD.F32.RN" not in names
     assert not {"LDG.E.STRONG.GPU", "REDG.E.ADD.STRONG.GPU"} & set(names), "no dQ semaphore (params.deterministic)"
@@ -169,7 +174,7 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch, head_dim, dq_reduce):
     elf = subprocess.run([str(find_cuobjdump()), "-elf", str(compiled.output)], capture_output=True, text=True,
                          check=True).stdout
     counts = [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)]
-    assert counts == [4 if dq_reduce == "bulk" else 2], counts
+    assert counts == [7 if dq_reduce == "bulk" else 2], counts
     assert not [n for n in names if n.startswith(("LDL", "STL", "ATOM"))], "no local memory, no returned atomics"
     assert "CALL" not in " ".join(names), "no calls (they would serialize the wgmma)"
     assert vector_to_uniform_copies(names) == 0, "the descriptors in uniform registers (ptx::warpgroup_id)"
@@ -659,8 +664,8 @@ def test_gpu_tool_runs_the_impls_side_by_side():
 # 32 bytes along the row; M/N-major: 64 contiguous M/N elements per K row, 8-row K groups SBO
 # apart, 64-element blocks LBO apart), the accumulator layout of a warpgroup (row 16 warp + lane / 4
 # (+ 8), column 8q + 2 (lane % 4) (+ 1)). The kernel's side is the header's: its layout offsets,
-# descriptor starts and steps (restated here, the dS^T store's column expression read from the
-# header), the dQ split per head dim, the mask. A wrong swizzle in the dS^T store, a transposed
+# descriptor starts and steps (restated here, the dS^T store's stmatrix addresses read from the
+# header: header_ds_store), the dQ split per head dim, the mask. A wrong swizzle in the dS^T store, a transposed
 # read, a wrong dQ column box or key range fails the check against the family's reference.
 
 WG_HEADER = ROOT / "templates" / "include" / "tsgen" / "attention_bwd_wgmma.cuh"
@@ -695,11 +700,34 @@ class Smem:
         return out
 
 
-def header_ds_column():
-    text = WG_HEADER.read_text()
-    expr = re.search(r"const uint32_t col = (.+);", text)
-    assert expr, "the dS^T store's column expression"
-    return lambda q, lane: eval(expr.group(1), {}, {"q": q, "swizzle": lane // 4, "lane": lane})
+def header_ds_store():
+    """store_ds_t's stmatrix addresses, read from the header: (ds_base, cw, warp, lane, k, DS_PANEL) -> the shared
+    memory address lane `lane` gives for k16 step k."""
+    x = header_exprs("store_ds_t", m=r"const uint32_t m = (.+?), r", r=r", r = (.+?);",
+                     base=r"const uint32_t base = (.+?);", u=r"const uint32_t u = (.+?);",
+                     at=r"stmatrix_x4\((.+?), ad\[k\]\);")
+
+    def address(ds_base, cw, warp, lane, k, panel):
+        m, r = x["m"](lane=lane), x["r"](lane=lane)
+        return x["at"](base=x["base"](ds_base=ds_base, cw=cw, warp=warp, m=m, r=r), u=x["u"](k=k, m=m), r=r,
+                       L_DS_PANEL=panel)
+
+    return address
+
+
+def store_ds_model(mem, ds16: np.ndarray, ds_base: int, cw: int, panel: int) -> None:
+    """A warpgroup's dS^T (64 key rows x 16 K query columns, 16-bit) stored as the header's store_ds_t does: per
+    k16 step one stmatrix of four 8 x 8 matrices, matrix m (to_operand's fragment order) rows 8 (m % 2) .. + 7 of
+    the warp's 16, query unit 2k + m / 2 (8 columns); lane l's address gets row l % 8 of matrix l / 8."""
+    address = header_ds_store()
+    for warp in range(4):
+        for lane in range(32):
+            m, r = lane // 8, lane % 8
+            for k in range(ds16.shape[1] // 16):
+                row, unit = 16 * warp + 8 * (m % 2) + r, 2 * k + m // 2
+                at = address(ds_base, cw, warp, lane, k, panel)
+                assert at % 16 == 0, "stmatrix rows are 16-byte aligned"
+                mem[at // 2:at // 2 + 8] = ds16[row, 8 * unit:8 * unit + 8]
 
 
 def staged_partial(stage_store, acc: np.ndarray) -> np.ndarray:
@@ -789,7 +817,6 @@ def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal, tiled=None
     DO_OFF = Q_OFF + boxes * Q_BOX
     DS_OFF = DO_OFF + boxes * Q_BOX
     split_n = d == 128
-    ds_col = header_ds_column()
     sm = Smem(DS_OFF + 2 * BN * 128)
     pad = np.zeros((BN, d))
     pad[:kv_len] = k
@@ -826,15 +853,7 @@ def model_cta(q, k, v, do, lse2, dsum, scale_log2, d, kv_len, causal, tiled=None
             dsT = p * (dp - ds_[None, :])
             p16, ds16 = bf16(p), bf16(dsT)
             a_frags.append((p16, ds16))
-            # the store, thread by thread, in the accumulator layout
-            for warp in range(4):
-                for lane in range(32):
-                    row = 16 * warp + lane // 4
-                    for qq in range(8):
-                        for h in range(2):
-                            for e in range(2):
-                                addr = ds_base + (64 * cw + row) * 128 + 8 * h * 128 + ds_col(qq, lane) + 2 * e
-                                sm.mem[addr // 2] = ds16[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            store_ds_model(sm.mem, ds16, ds_base, cw, 128 * 128)  # the store, lane by lane (one panel)
             for kq in range(BM // 16):  # dV += P^T dO, dK += dS^T Q: B N-major, k16 steps of 2048 bytes
                 dv[cw] += p16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(DO_OFF + kq * 2048, d, Q_BOX)
                 dk[cw] += ds16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(Q_OFF + kq * 2048, d, Q_BOX)
@@ -1004,20 +1023,10 @@ def test_shared_memory_model_of_one_cta(request, d, causal, tiled):
 
 
 
-def header_tall_ds_unit():
-    """consume_tall's dS^T store (params.step_rows 128): its byte offset from the key row's start for query group
-    q (8 queries) and lane, read from the header."""
-    expr = re.search(r"const uint32_t unit_at = (.+);", WG_HEADER.read_text())
-    assert expr, "consume_tall's dS^T store offset"
-    panel = 128 * 128  # DS_PANEL: BLOCK_N key rows of 128 bytes
-    code = expr.group(1).replace("L::DS_PANEL", str(panel)).replace(" / ", " // ")
-    return lambda q, lane: eval(code, {}, {"q": q, "swizzle": lane // 4, "lane": lane})
-
-
 def header_function(name):
     """The body of the header's function `name` (from its signature to the closing brace at column 0)."""
     text = WG_HEADER.read_text()
-    start = text.index(f" void {name}(")
+    start = re.search(rf" (?:void|uint32_t) {name}\(", text).start()
     return text[start:text.index("\n}\n", start)]
 
 
@@ -1035,7 +1044,8 @@ def c_expr(expr):
             break
         code = code[1:-1].strip()
     code = re.sub(r"\b([LC])::", r"\1_", code)
-    code = re.sub(r"\b([pw])\.", r"\1_", code).replace(" / ", " // ")
+    code = re.sub(r"\b([pw])\.", r"\1_", code).replace(" / ", " // ").replace("&&", " and ").replace("||", " or ")
+    code = re.sub(r"!(?!=)", " not ", code)
     if "?" in code:
         cond, rest = code.split("?")
         then, other = rest.split(":")
@@ -1043,16 +1053,22 @@ def c_expr(expr):
     return lambda **env: eval(code, {}, env)
 
 
+def header_exprs(function: str, **patterns: str) -> dict:
+    """The C expressions that `patterns` (name -> a regular expression whose group 1 is the expression) find in
+    the header's function `function`, each as c_expr's function of its names; every pattern must match."""
+    body = header_function(function)
+    found = {name: re.search(pattern, body) for name, pattern in patterns.items()}
+    assert all(found.values()), (function, [name for name, m in found.items() if not m])
+    return {name: c_expr(m.group(1)) for name, m in found.items()}
+
+
 def header_tall_producer():
     """produce()'s Q and dO loads for params.step_rows 128, read from the header: (layout, stage, x, h, r0,
     q_len) -> (shared memory offset of the Q box, of the dO box, first row the box loads)."""
-    body = header_function("produce")
-    box = re.search(r"const uint32_t box = (.+);", body)
-    rows = re.search(r"const int rows = (.+);", body)
-    q = re.search(r"load_rows<C>\(smem \+ (L::Q_OFF .*?), q_map, 64 \* x, rows,", body)
-    do = re.search(r"load_rows<C>\(smem \+ (L::DO_OFF .*?), do_map, 64 \* x, rows,", body)
-    assert box and rows and q and do, "produce()'s box, rows and loads"
-    box, rows, q, do = (c_expr(m.group(1)) for m in (box, rows, q, do))
+    x = header_exprs("produce", box=r"const uint32_t box = (.+);", rows=r"const int rows = (.+);",
+                     q=r"load_rows<C>\(smem \+ (L::Q_OFF .*?), q_map, 64 \* x, rows,",
+                     do=r"load_rows<C>\(smem \+ (L::DO_OFF .*?), do_map, 64 \* x, rows,")
+    box, rows, q, do = x["box"], x["rows"], x["q"], x["do"]
 
     def load(layout, stage, x, h, r0, q_len):
         b = box(stage=stage, x=x, h=h, **layout)
@@ -1062,25 +1078,16 @@ def header_tall_producer():
 
 
 def header_tall_consumer():
-    """consume_tall's shared memory addresses and its dQ reduction, read from the header: name -> function of
-    the header's names (smem = 0)."""
-    body = header_function("consume_tall")
-    found = {
-        "q_base": re.search(r"const uint32_t q_base = smem \+ (.+?), do_base", body),
-        "do_base": re.search(r"do_base = smem \+ (.+?);", body),
-        "ds_base": re.search(r"const uint32_t ds_base = smem \+ (.+?);", body),
-        "ds_store": re.search(r"const uint32_t base = (ds_base .+?), swizzle", body),
-        "ds_desc": re.search(r"const uint64_t ds_desc = sw128_descriptor\((.+?), (.+?), 1024\);", body),
-        "q0": re.search(r"const uint32_t q0 = (.+?);", body),
-        "reduce_if": re.search(r"if \(t == 0 && (.+?)\) \{", body),
-        "n": re.search(r"const uint32_t n = (.+?);", body),
-        "dst": re.search(r"float\* dst = p\.dq_accum \+ (.+?);", body),
-        "bytes": re.search(r"bulk_reduce_add_f32\(dst, staging, (.+?)\);", body),
-    }
-    missing = [k for k, m in found.items() if not m]
-    assert not missing, ("consume_tall's expressions", missing)
-    out = {k: c_expr(m.group(1)) for k, m in found.items()}
-    out["ds_lbo"] = c_expr(found["ds_desc"].group(2))
+    """consume_tall's shared memory addresses, and its dQ reduction (dq_reduction's rows and destination, write_dq's
+    bytes: the writer warp issues it), read from the header: name -> function of the header's names (smem = 0)."""
+    out = header_exprs("consume_tall", q_base=r"const uint32_t q_base = smem \+ (.+?), do_base",
+                       do_base=r"do_base = smem \+ (.+?);", ds_base=r"const uint32_t ds_base = smem \+ (.+?);",
+                       ds_desc=r"const uint64_t ds_desc = sw128_descriptor\((.+?), .+?, 1024\);",
+                       ds_lbo=r"const uint64_t ds_desc = sw128_descriptor\(.+?, (.+?), 1024\);")
+    out.update(header_exprs("dq_reduction", q0=r"const uint32_t q0 = (.+?);", none_if=r"if \((.+?)\) return 0;",
+                            n=r"const uint32_t n = (.+?);", box=r"const uint32_t dq_col_box = (.+?);",
+                            dst=r"dst = p\.dq_accum \+ (.+?);"))
+    out.update(header_exprs("write_dq", bytes=r"bulk_reduce_add_f32\(dst, smem \+ L::DQ_OFF \+ cw \* L::DQ_BUF, (.+?)\);"))
     return out
 
 
@@ -1091,7 +1098,7 @@ using L = tsgen::attention_bwd::wgmma::Layout<MODULE::Config>;
 #define P(X) printf("L_" #X " %lld\n", (long long)L::X);
 int main() {
   P(K_OFF) P(V_OFF) P(Q_OFF) P(DO_OFF) P(DS_OFF) P(DQ_OFF) P(KV_BOX) P(Q_BOX) P(Q_TILE) P(HALVES) P(BOXES) P(ROWS)
-  P(DS_PANEL) P(DS_BUF) P(DQ_BUF) P(K16)
+  P(DS_PANEL) P(DS_BUF) P(DQ_BUF) P(K16) P(TALL) P(DQ_SPLIT_N)
   printf("C_STAGES %lld\nC_HEADS %lld\nC_HEAD_DIM %lld\n", (long long)MODULE::Config::STAGES,
          (long long)MODULE::Config::HEADS, (long long)MODULE::Config::HEAD_DIM);
   return 0;
@@ -1134,7 +1141,6 @@ def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled, l
     L = layout
     assert L["L_ROWS"] == ROWS and L["L_BOXES"] == 1 and L["C_HEAD_DIM"] == d and L["C_STAGES"] >= 2
     produce, at = header_tall_producer(), header_tall_consumer()
-    unit = header_tall_ds_unit()
     stage_store = header_dq_staging()
     sm = Smem(L["L_DQ_OFF"])
     K_OFF, V_OFF, KV_BOX = L["L_K_OFF"], L["L_V_OFF"], L["L_KV_BOX"]
@@ -1187,15 +1193,7 @@ def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled, l
             p = np.where(seen, p, 0.0)
             dsT = p * (dp - ds_[None, :])
             p16, ds16 = bf16(p), bf16(dsT)
-            for warp in range(4):
-                for lane in range(32):
-                    row = 16 * warp + lane // 4
-                    base = at["ds_store"](ds_base=ds_base, cw=cw, row=row)
-                    for qq in range(ROWS // 8):
-                        for h in range(2):
-                            for e in range(2):
-                                addr = base + 8 * h * 128 + unit(qq, lane) + 2 * e
-                                sm.mem[addr // 2] = ds16[row + 8 * h, 8 * qq + 2 * (lane % 4) + e]
+            store_ds_model(sm.mem, ds16, ds_base, cw, L["L_DS_PANEL"])  # two panels of 64 queries
             for kq in range(ROWS // 16):  # dV += P^T dO, dK += dS^T Q: 8 k16 steps of 2048 bytes
                 dv[cw] += p16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(do_base + kq * 2048, d, L["L_Q_BOX"])
                 dk[cw] += ds16[:, 16 * kq:16 * kq + 16] @ sm.mn_major(q_base + kq * 2048, d, L["L_Q_BOX"])
@@ -1208,9 +1206,10 @@ def model_cta_tall(q, k, v, do, lse2, dsum, scale_log2, kv_len, causal, tiled, l
                 acc += a @ b
             staging = staged_partial(stage_store, acc)
             q0 = at["q0"](cw=cw, **env)
-            if at["reduce_if"](q0=q0, **env):  # the block's valid rows; none past the rows
+            if not at["none_if"](q0=q0, **env):  # the block's valid rows; none past the rows
                 n = at["n"](q0=q0, **env)
-                dst = at["dst"](q0=q0, **env)  # floats from dq_accum
+                box = at["box"](cw=cw, **env)
+                dst = at["dst"](q0=q0, n=n, dq_col_box=box, hq=0, **env)  # floats from dq_accum
                 nbytes = at["bytes"](n=n)
                 assert nbytes % 4 == 0 and 0 <= dst and dst + nbytes // 4 <= rows * d
                 accum[dst:dst + nbytes // 4] += staging[:nbytes // 4]
@@ -1338,8 +1337,9 @@ def main_kernel_ops(output, kernel: str) -> tuple[str, list]:
 def loop_body(ops, sts: bool = False) -> list[list]:
     """The consumers' loop (from the target of the backward branch around the first RS product to that branch)
     as events, runs of one event kept once with their count: the products SS, RS, dQ; the warpgroup waits
-    wait0 / wait1; the named barriers DS_READY, DQ_STAGED; q_empty, q_full; the staging's STS.64; UBLKRED;
-    EX2; and with `sts` dS^T's 32-bit stores (STS)."""
+    wait0 / wait1; the named barriers DS_READY, DQ_STAGED (a sync, or the writer warp's arrive), DQ_FREE; q_empty,
+    q_full; the staging's STS.64; UBLKRED;
+    EX2; and with `sts` dS^T's stores (STSM: stmatrix, four 8 x 8 matrices each)."""
     def event(o, rest):
         r = re.sub(r"\s+", "", rest)
         if o.startswith("HGMMA"):
@@ -1347,10 +1347,13 @@ def loop_body(ops, sts: bool = False) -> list[list]:
         if o == "WARPGROUP.DEPBAR.LE":
             return "wait" + r[-1]
         if o == "BAR.SYNC.DEFER_BLOCKING":
-            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED"}.get(r, "BAR" + r)
+            return {"0x1,0x100": "DS_READY", "0x2,0x80": "DQ_STAGED", "0x3,0x80": "DQ_STAGED",
+                    "0x5,0xa0": "DQ_FREE", "0x6,0xa0": "DQ_FREE"}.get(r, "BAR" + r)
+        if o == "BAR.ARV":  # DQ_WRITER: the staging written, for the writer warp (a consumer warpgroup and it: 160)
+            return {"0x2,0xa0": "DQ_STAGED", "0x3,0xa0": "DQ_STAGED"}.get(r, "ARV" + r)
         return {"SYNCS.ARRIVE.TRANS64.A1T0": "q_empty", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "q_full",
                 "STS.64": "STS.64", "UBLKRED.G.S.ADD.F32.RN": "UBLKRED", "MUFU.EX2": "EX2",
-                **({"STS": "STS"} if sts else {})}.get(o)
+                **({"STSM.16.M88.4": "STSM"} if sts else {})}.get(o)
 
     last = int(ops[-1][0], 16)
     events = [(int(a, 16), e) for a, _, o, rest in ops if (e := event(o, rest)) is not None]
@@ -1506,8 +1509,8 @@ def test_dk_after_dq_compiles_without_spills_for_every_tool_case(tmp_path, monke
 @needs_sass
 @pytest.mark.parametrize("head_dim, causal", [exhaustive(128, False), (128, True), exhaustive(64, True)])
 def test_sass_of_the_dk_after_dq_main_kernel(tmp_path, monkeypatch, head_dim, causal):
-    """params.dk_after_dq, the loop in the order the overlap rests on: S^T and dP^T, wait, P's exp2, wait,
-    dS^T's stores, dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the 16 staging stores, DQ_STAGED, the
+    """params.dk_after_dq, the loop in the order the overlap rests on: S^T and dP^T, wait, half of P's exp2, wait,
+    the other half beside dS^T, dS^T's stores, dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the 16 staging stores, DQ_STAGED, the
     bulk reduction, and only then wait (dK) and q_empty (dV read dO, dK read Q). The default in the same
     place: dV and dK together before DS_READY, dQ, both waits before the staging."""
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
@@ -1519,13 +1522,15 @@ def test_sass_of_the_dk_after_dq_main_kernel(tmp_path, monkeypatch, head_dim, ca
     assert not [n for n in names if n.startswith(("LDL", "STL", "CALL"))], "no local memory, no calls"
     body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
-    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
-                   "STS.64", "DQ_STAGED", "UBLKRED", "wait0", "q_empty"], got
+    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
+                   "DQ_FREE", "STS.64", "DQ_STAGED", "wait0", "q_empty"], got
     assert [n for e, n in body if e == "RS"] == [4, 4], "dV, then dK: four k16 steps each over the 64 queries"
+    # half of P's exp2 before dP^T's wait, half after it beside dS^T (each in the masked and the unmasked path)
+    assert [n for e, n in body if e == "EX2"] == [32, 32], body
     base = compile_source(rendered_source(variant("b", params=params), tmp_path))
     got = [e for e, _ in loop_body(main_kernel_ops(base.output, "b_w1_main")[1], sts=True)]
-    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "q_empty",
-                   "wait0", "STS.64", "DQ_STAGED", "UBLKRED"], got
+    assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty",
+                   "wait0", "DQ_FREE", "STS.64", "DQ_STAGED"], got
 
 
 # ---------------------------------------------------------------------------
@@ -1625,9 +1630,10 @@ def test_step_rows_128_compiles_without_spills(tmp_path, monkeypatch, name):
 def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq):
     """params.step_rows 128: S^T and dP^T as 4 + 4 HGMMA 64x128x16 from shared memory (K-major), dV and dK as 8 + 8
     HGMMA 64x64x16 with A from registers (tnspB), dQ as 8 HGMMA 64x64x16 (tnspA.tnspB: 128 keys), nothing else;
-    four warpgroup waits, 128 exp2 (the masked and unmasked paths, 64 each), 32 dS^T stores and 16 staging stores
-    a step, one bulk reduction, the 4 named barriers (ptxas's count), no local memory, no call; and the loop in
-    consume()'s order: q_full, S^T / dP^T, wait (S^T), exp2, wait (dP^T), dV / dK, DS_READY, dQ, wait (dV / dK),
+    four warpgroup waits, 128 exp2 (the masked and unmasked paths, 64 each: half before dP^T's wait, half after
+    it), 8 dS^T stmatrix and 16 staging stores a step, one bulk reduction, the 4 named barriers (ptxas's count), no
+    local memory, no call; and the loop in consume()'s order: q_full, S^T / dP^T, wait (S^T), half of the exp2,
+    wait (dP^T), the other half beside dS^T, its stores, dV / dK, DS_READY, dQ, wait (dV / dK),
     q_empty, wait (dQ), the staging, DQ_STAGED, the bulk reduction. With params.dk_after_dq, consume()'s
     DK_AFTER_DQ order over the 128 rows: dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the staging, DQ_STAGED,
     the bulk reduction, and only then wait (dK) and q_empty; no spill for dS^T's registers kept until dK retires."""
@@ -1648,27 +1654,28 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq
     assert len(hgmma) == 32
     assert names.count("WARPGROUP.DEPBAR.LE") == (5 if dk_after_dq else 4), "batched wgmma, not serialized"
     assert names.count("MUFU.EX2") == 128 and names.count("STS.64") == 16
-    assert names.count("UBLKRED.G.S.ADD.F32.RN") == 1 and "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU" not in names
+    assert names.count("UBLKRED.G.S.ADD.F32.RN") == 2 and "REDG.E.ADD.F32.FTZ.RN.STRONG.GPU" not in names
     bars = sorted(int(m, 16) for m in re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)\b", main))
-    assert bars == [0, 1, 2, 3], bars
+    assert bars == [0, 1, 2, 3, 5, 6], bars  # DQ_STAGED: the writer warp syncs; DQ_FREE: the warpgroups do
     elf = subprocess.run([str(find_cuobjdump()), "-elf", str(compiled.output)], capture_output=True, text=True,
                          check=True).stdout
-    assert [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)] == [4]
+    assert [int(v, 16) for v in re.findall(r"EIATTR_NUM_BARRIERS\s+Format:\s+\S+\s+Value:\s+(0x[0-9a-f]+)", elf)] == [7]
 
     body = loop_body(ops, sts=True)
     got = [e for e, _ in body]
     if dk_after_dq:
-        want = ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
-                "STS.64", "DQ_STAGED", "UBLKRED", "wait0", "q_empty"]
+        want = ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "RS", "wait1",
+                "DQ_FREE", "STS.64", "DQ_STAGED", "wait0", "q_empty"]
     else:
-        want = ["q_full", "SS", "wait1", "EX2", "wait0", "STS", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
-                "STS.64", "DQ_STAGED", "UBLKRED"]
+        want = ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty", "wait0",
+                "DQ_FREE", "STS.64", "DQ_STAGED"]
     assert got == want, got
     counts = {}
     for e, n in body:
         counts[e] = counts.get(e, 0) + n
     assert counts["SS"] == 8 and counts["RS"] == 16 and counts["dQ"] == 8 and counts["EX2"] == 128
-    assert counts["STS"] == 32 and counts["STS.64"] == 16, counts
+    assert [n for e, n in body if e == "EX2"] == [64, 64], "half of P's exp2 on each side of dP^T's wait"
+    assert counts["STSM"] == 8 and counts["STS.64"] == 16, counts  # dS^T: one stmatrix a k16 step
 
 
 def test_gpu_tool_runs_step_rows_128_on_head_dim_64_only(tmp_path, monkeypatch):

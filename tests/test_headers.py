@@ -318,3 +318,41 @@ def test_thin_and_one_file_forms_compile_to_the_same_sass(tmp_path, name):
     thin = _sass_text(compile_for(manifest, ROOT / "generated" / f"{name}.cu").output)
     assert thin and any(thin.values())
     assert _sass_text(compile_for(manifest, one).output) == thin
+
+
+PER_DEVICE = r"""
+#include "tsgen/sync.cuh"
+#include <stdio.h>
+static int calls = 0;
+static cudaError_t value(int device, int* out, cudaError_t fail = cudaSuccess) {
+  static tsgen::PerDevice<int> kept;
+  return kept.get(device, out, [&](int* v) { ++calls; *v = 100 + device; return fail; });
+}
+int main() {
+  int x = 0;
+  // an error is not kept: the next call computes again
+  if (value(3, &x, cudaErrorInvalidValue) != cudaErrorInvalidValue || calls != 1) return 1;
+  if (value(3, &x) != cudaSuccess || x != 103 || calls != 2) return 2;
+  if (value(3, &x) != cudaSuccess || x != 103 || calls != 2) return 3;  // kept
+  if (value(4, &x) != cudaSuccess || x != 104 || calls != 3) return 4;  // per device
+  if (value(70, &x) != cudaSuccess || value(70, &x) != cudaSuccess || x != 170 || calls != 5) return 5;  // past 64
+  if (value(-1, &x) != cudaSuccess || value(-1, &x) != cudaSuccess || x != 99 || calls != 7) return 6;
+  puts("ok");
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_per_device_keeps_a_value_once_worked_out(tmp_path):
+    """tsgen::PerDevice (tsgen/sync.cuh), host code only (no GPU): a value is computed once per device and
+    kept; an error is not kept; devices past the first 64, and negative ids, are computed at every call."""
+    src = tmp_path / "per_device.cu"
+    src.write_text(PER_DEVICE)
+    flags = [f for f in NVCC_FLAGS if f not in ("-Xptxas", "-v")] + include_flags()
+    exe = tmp_path / "per_device"
+    proc = subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *flags, "-o", str(exe), str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stdout, run.stderr)

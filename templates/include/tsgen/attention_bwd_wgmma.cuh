@@ -45,8 +45,9 @@
 //       wait for the dV / dK group, release the stage (q_empty), wait for dQ, add it into
 //             dq_accum: DQ_TILED (dq_reduce bulk, the default): the 64 x 64 partial into the
 //             warpgroup's fp32 staging buffer in shared memory (tsgen::attention_bwd::dq_tiled_offset's
-//             panel order), barrier DQ_STAGED + w, and thread 0 adds the step's valid rows with one
-//             cp.reduce.async.bulk .add.f32 (n x 256 contiguous bytes) into the tiled dq_accum;
+//             panel order), barrier DQ_STAGED + w, and one cp.reduce.async.bulk .add.f32 adds the
+//             step's valid rows (n x 256 contiguous bytes) into the tiled dq_accum, issued by the dQ
+//             writer warp (DQ_WRITER: not deterministic, not lookahead; write_dq) or else thread 0;
 //             dq_reduce atomic: fp32 reductions from registers (red.global.add.f32, dQ's own
 //             layout). Either way a race by design, as the mma.sync kernel's: the order of the adds
 //             is not fixed, except with DETERMINISTIC (params.deterministic, bulk only): thread 0
@@ -91,11 +92,17 @@
 //     keys past kv_len: zeros give S = 0 and P = exp2(-LSE2) != 0, so they are masked explicitly.
 //   - DQ_TILED, the staging buffer (one per consumer warpgroup): generic stores read by the bulk
 //     reduction (async proxy): fence.proxy.async.shared::cta by every writing thread, then the
-//     warpgroup's named barrier DQ_STAGED + w, then thread 0 issues the reduction. Reuse: the next
-//     step writes the buffer only after DS_READY, which thread 0 reaches only after
-//     cp.async.bulk.wait_group.read 0 (the last reduction has read its source; bulk groups are per
-//     thread, and thread 0 issued them all). At the end thread 0 waits for the writes
-//     (cp.async.bulk.wait_group 0) before the CTA exits.
+//     warpgroup's named barrier DQ_STAGED + w, then one thread issues the reduction. DQ_WRITER: the
+//     warpgroup arrives (bar.arrive, 160 = its 128 threads and the writer warp) and goes on; the writer
+//     warp syncs there and its lane 0 issues. Reuse: the writer waits until the reduction has read its
+//     source (cp.async.bulk.wait_group.read: 1 for warpgroup 0's, the older group, then 0), then arrives
+//     on DQ_FREE + w, on which the warpgroup syncs before it stages again (both start free: the writer
+//     arrives once on each before the first step; after the last step it arrives on neither, so no
+//     barrier is left half-arrived). Without the writer (deterministic, lookahead), thread 0 issues
+//     after the warpgroup's sync and the next step writes the buffer only after DS_READY, which thread 0
+//     reaches only after cp.async.bulk.wait_group.read 0 (bulk groups are per thread, and thread 0
+//     issued them all). At the end the issuing thread waits for the writes (cp.async.bulk.wait_group 0)
+//     before the CTA exits.
 //   - DQ_TILED, dq_accum: the preprocess zeroes every float (same size as dQ; the tiled layout is a
 //     permutation), in stream order before this kernel; the convert pass reads it (ConvertTiled: one
 //     CTA per 64-row block) after this kernel (stream order; the bulk writes complete before exit).
@@ -202,6 +209,8 @@ constexpr int THREADS = 384;
 constexpr uint32_t DS_READY = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads')
 constexpr uint32_t DQ_STAGED = 2;  // + w: named barrier of consumer warpgroup w (DQ_TILED: its staging written)
 constexpr uint32_t DQ_PAIR = 4;    // DQ_PAIRED: warpgroup 1's partial staged, for warpgroup 0 (arrive / sync)
+constexpr uint32_t DQ_FREE = 5;    // + w: DQ_WRITER: warpgroup w's staging read by its last reduction (writer arrives)
+constexpr uint32_t WRITER_BAR = 160;  // DQ_WRITER: DQ_STAGED + w and DQ_FREE + w: a consumer warpgroup and the writer
 
 // cp.reduce.async.bulk (not .tensor): `bytes` (a multiple of 16) of fp32 at shared `src` added into
 // global `dst` (both 16-byte aligned), element-wise, at L2, by the TMA unit; each element's add is
@@ -268,6 +277,12 @@ struct Layout {
   // params.lookahead: consume_lookahead (bulk dQ, not deterministic: tsgen/ops/attention_backward.py refuses both)
   static constexpr bool LOOKAHEAD = lookahead_of<C>::value;
   static_assert(!LOOKAHEAD || (DQ_TILED && !DETERMINISTIC), "lookahead: the bulk dQ path, not deterministic");
+  // The dQ writer warp (warp 1 of the producer warpgroup; FlashAttention-4's sm_90 backward has one): where
+  // dQ is reduced in bulk and in no fixed order, a consumer warpgroup stages its dQ partial, arrives on
+  // DQ_STAGED + w and goes on; the writer waits there, issues the bulk reduction, and arrives on DQ_FREE + w
+  // once the reduction has read the staging; the warpgroup syncs on that before it stages again. Without it
+  // (deterministic, lookahead), the warpgroup syncs on DQ_STAGED + w and its thread 0 issues and waits.
+  static constexpr bool DQ_WRITER = DQ_TILED && !DETERMINISTIC && !LOOKAHEAD;
   // params.dk_after_dq: consume()'s product order dV | DS_READY | dQ, dK (tsgen/ops/attention_backward.py refuses the rest)
   static constexpr bool DK_AFTER_DQ = dk_after_dq_of<C>::value;
   static_assert(!DK_AFTER_DQ || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD),
@@ -521,38 +536,72 @@ static __device__ __forceinline__ void each_query_column(F&& f) {
     for (int e = 0; e < 2; ++e) f(8 * q + 2 * c + e, 4 * q + e);
 }
 
-// P^T in place of S^T (N: its registers, 32 or, TALL, 64). MASK: keys past kv_len, or (CAUSAL) after the
-// query, give 0.
+// P^T in place of S^T at one query column `col` of the thread (registers i0 and i0 + 2: key rows g and g + 8;
+// each_query_column's). MASK: keys past kv_len, or (CAUSAL) after the query, give 0.
 template <class C, bool MASK, int N>
-static __device__ __forceinline__ void probabilities(float (&s)[N], uint32_t smem, uint32_t stage, const Problem& p,
-                                                     uint32_t key_lo, int32_t r0) {
+static __device__ __forceinline__ void probability_column(float (&s)[N], int col, int i0, uint32_t smem, uint32_t stage,
+                                                          const Problem& p, uint32_t key_lo, int32_t r0) {
   using L = Layout<C>;
-  each_query_column<N / 4>([&](int col, int i0) {
-    const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + col)));
+  const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + col)));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int i = i0 + 2 * h;
-      float pr = attention::exp2_approx(fmaf(s[i], C::SCALE_LOG2, -l2));
-      if constexpr (MASK) {
-        const uint32_t key = key_lo + 8 * h;  // within the sequence
-        bool seen = key < p.kv_len;
-        if constexpr (C::CAUSAL) seen = seen && p.kv_offset + (int32_t)key <= query_position(p, r0 + col);
-        if (!seen) pr = 0.f;
-      }
-      s[i] = pr;
+  for (int h = 0; h < 2; ++h) {
+    const int i = i0 + 2 * h;
+    float pr = attention::exp2_approx(fmaf(s[i], C::SCALE_LOG2, -l2));
+    if constexpr (MASK) {
+      const uint32_t key = key_lo + 8 * h;  // within the sequence
+      bool seen = key < p.kv_len;
+      if constexpr (C::CAUSAL) seen = seen && p.kv_offset + (int32_t)key <= query_position(p, r0 + col);
+      if (!seen) pr = 0.f;
     }
+    s[i] = pr;
+  }
+}
+
+// dS^T = P^T (dP^T - D) in place of dP^T at one query column (a masked P is 0, so is its dS).
+template <class C, int N>
+static __device__ __forceinline__ void ds_column(const float (&pr)[N], float (&dp)[N], int col, int i0, uint32_t smem,
+                                                 uint32_t stage) {
+  using L = Layout<C>;
+  const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * L::ROWS + col)));
+#pragma unroll
+  for (int h = 0; h < 2; ++h) dp[i0 + 2 * h] = pr[i0 + 2 * h] * (dp[i0 + 2 * h] - d);
+}
+
+// The step's P^T and dS^T around dP^T's wait (N: the accumulators' registers, 32 or, TALL, 64): the column groups
+// before EARLY get their P^T before the wait (early), the rest after it (late), each beside the dS^T of the groups,
+// so that half of the exp2 (the MUFU pipe) run while the dS^T of the others is computed instead of all of them back
+// to back before the wait, where dP^T is usually done already (FA4 issues half of its 32 MUFU.EX2 after dP's wait
+// so: ncu, results/attention_backward/2026-11-28-e84d42e-stalls-fa4-hd128_causal_kv32.txt).
+// The column groups of P^T computed before dP^T's wait: half of the N / 4 (one definition for both functions).
+template <int N>
+constexpr int EARLY_GROUPS = N / 8;
+
+template <class C, bool MASK, int N>
+static __device__ __forceinline__ void probabilities_early(float (&s)[N], uint32_t smem, uint32_t stage,
+                                                           const Problem& p, uint32_t key_lo, int32_t r0) {
+  each_query_column<EARLY_GROUPS<N>>(
+      [&](int col, int i0) { probability_column<C, MASK>(s, col, i0, smem, stage, p, key_lo, r0); });
+}
+template <class C, bool MASK, int N>
+static __device__ __forceinline__ void probabilities_late_and_ds(float (&s)[N], float (&dp)[N], uint32_t smem,
+                                                                 uint32_t stage, const Problem& p, uint32_t key_lo,
+                                                                 int32_t r0) {
+  each_query_column<N / 4>([&](int col, int i0) {
+    if (i0 / 4 >= EARLY_GROUPS<N>) probability_column<C, MASK>(s, col, i0, smem, stage, p, key_lo, r0);
+    ds_column<C>(s, dp, col, i0, smem, stage);
   });
 }
 
-// dS^T = P^T (dP^T - D) in place of dP^T (a masked P is 0, so is its dS).
+// All of a step's P^T, and all of its dS^T (params.lookahead computes them a wait apart, in two iterations).
+template <class C, bool MASK, int N>
+static __device__ __forceinline__ void probabilities_all(float (&s)[N], uint32_t smem, uint32_t stage,
+                                                         const Problem& p, uint32_t key_lo, int32_t r0) {
+  each_query_column<N / 4>(
+      [&](int col, int i0) { probability_column<C, MASK>(s, col, i0, smem, stage, p, key_lo, r0); });
+}
 template <class C, int N>
-static __device__ __forceinline__ void ds_of(const float (&pr)[N], float (&dp)[N], uint32_t smem, uint32_t stage) {
-  using L = Layout<C>;
-  each_query_column<N / 4>([&](int col, int i0) {
-    const float d = __uint_as_float(attention::ld_shared_u32(smem + L::DSUM_OFF + 4 * (stage * L::ROWS + col)));
-#pragma unroll
-    for (int h = 0; h < 2; ++h) dp[i0 + 2 * h] = pr[i0 + 2 * h] * (dp[i0 + 2 * h] - d);
-  });
+static __device__ __forceinline__ void ds_all(const float (&pr)[N], float (&dp)[N], uint32_t smem, uint32_t stage) {
+  each_query_column<N / 4>([&](int col, int i0) { ds_column<C>(pr, dp, col, i0, smem, stage); });
 }
 
 // DQ_TILED: this thread's float pairs of a warpgroup's 64 x 64 dQ partial in its staging buffer:
@@ -569,28 +618,41 @@ static __device__ __forceinline__ void each_staged_pair(uint32_t staging, uint32
   }
 }
 
-// A step's dS^T (16-bit, the A fragments `ad`) to shared memory at ds_base: key row 64 cw + row (+ 8),
-// 128B-swizzled (the 16-byte unit q of a row at q ^ (row % 8); row % 8 = lane / 4), then fenced so that
-// the wgmma (async proxy) sees it after the next barrier.
-template <class C>
-static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw, uint32_t row, uint32_t lane,
-                                                  const uint32_t (&ad)[4][4]) {
-  const uint32_t base = ds_base + (64 * cw + row) * 128, swizzle = lane / 4;
+// stmatrix: four 8 x 8 matrices of 16-bit elements to shared memory, lane l giving the address of row l % 8 of
+// matrix l / 8 (16 contiguous bytes) and holding in r[m] its part of matrix m: row l / 4, columns 2 (l % 4) and
+// 2 (l % 4) + 1 (the wgmma accumulator's and to_operand's fragment layout).
+static __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// A step's dS^T (16-bit, the A fragments `ad` of K k16 steps: 4, TALL 8) to shared memory at ds_base: key row
+// 64 cw + 16 warp + (0 .. 15), query unit u (8 queries, 16 bytes) in panel u / 8 (DS_PANEL apart) at 16-byte unit
+// (u % 8) ^ (row % 8) of its 128-byte row (the 128B swizzle), then fenced so that the wgmma (async proxy) sees it
+// after the next barrier. One stmatrix a k16 step: ad[k] holds rows g and g + 8 of units 2k and 2k + 1 (to_operand:
+// registers (g, 2c), (g + 8, 2c), (g, 2c + 8), (g + 8, 2c + 8)), the four 8 x 8 matrices of that step, in that
+// order; lane l addresses row l % 8 of matrix m = l / 8: row 8 (m % 2) + l % 8 of the warp's 16, unit 2k + m / 2.
+// (FlashAttention-4 stores dS so; 32-bit stores took four times the instructions, each with its own address.)
+template <class C, int K>
+static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw, uint32_t warp, uint32_t lane,
+                                                  const uint32_t (&ad)[K][4]) {
+  using L = Layout<C>;
+  const uint32_t m = lane / 8, r = lane % 8;
+  const uint32_t base = ds_base + (64 * cw + 16 * warp + 8 * (m % 2) + r) * 128;
 #pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    const uint32_t col = ((q ^ swizzle) << 4) + 4 * (lane % 4);
-    const uint32_t k = q / 2, x = q % 2;  // registers 4q .. 4q + 3 are ad[k][2x], ad[k][2x + 1]
-    st_shared_u32(base + col, ad[k][2 * x]);
-    st_shared_u32(base + 8 * 128 + col, ad[k][2 * x + 1]);
+  for (int k = 0; k < K; ++k) {
+    const uint32_t u = 2 * k + m / 2;
+    stmatrix_x4(base + (u / 8) * L::DS_PANEL + (((u % 8) ^ r) << 4), ad[k]);
   }
   fence_proxy_async_shared_cta();
 }
 
-// acc += A B over the step's 64 queries, A (P^T or dS^T) from registers, B (dO or Q of the stage at b_base)
-// N-major, 16 rows = 2048 bytes a k16 step; no fence, no commit (the caller's group)
+// acc += A B over the step's queries (64, TALL 128: K16 k16 steps), A (P^T or dS^T) from registers, B (dO or Q
+// of the stage at b_base) N-major, 16 rows = 2048 bytes a k16 step; no fence, no commit (the caller's group)
 template <class C>
-static __device__ __forceinline__ void rs_product(float (&acc)[Layout<C>::D_ACC], const uint32_t (&a)[4][4],
-                                                  uint32_t b_base) {
+static __device__ __forceinline__ void rs_product(float (&acc)[Layout<C>::D_ACC],
+                                                  const uint32_t (&a)[Layout<C>::K16][4], uint32_t b_base) {
   using L = Layout<C>;
   const uint64_t b_n = sw128_descriptor(b_base, L::Q_BOX, 1024);
 #pragma unroll
@@ -600,7 +662,7 @@ static __device__ __forceinline__ void rs_product(float (&acc)[Layout<C>::D_ACC]
 // dV_w += P^T dO, dK_w += dS^T Q: one group.
 template <class C>
 static __device__ __forceinline__ void issue_dv_dk(float (&dv)[Layout<C>::D_ACC], float (&dk)[Layout<C>::D_ACC],
-                                                   const uint32_t (&ap)[4][4], const uint32_t (&ad)[4][4],
+                                                   const uint32_t (&ap)[Layout<C>::K16][4], const uint32_t (&ad)[Layout<C>::K16][4],
                                                    uint32_t q_base, uint32_t do_base) {
   wgmma_fence();
   rs_product<C>(dv, ap, do_base);
@@ -610,7 +672,7 @@ static __device__ __forceinline__ void issue_dv_dk(float (&dv)[Layout<C>::D_ACC]
 
 // acc += A B (rs_product) as a group of its own: params.dk_after_dq's dV, and its dK after the dQ.
 template <class C>
-static __device__ __forceinline__ void issue_rs(float (&acc)[Layout<C>::D_ACC], const uint32_t (&a)[4][4],
+static __device__ __forceinline__ void issue_rs(float (&acc)[Layout<C>::D_ACC], const uint32_t (&a)[Layout<C>::K16][4],
                                                 uint32_t b_base) {
   wgmma_fence();
   rs_product<C>(acc, a, b_base);
@@ -709,6 +771,78 @@ static __device__ __forceinline__ void add_dk_dv_tail(const Problem& p, uint32_t
   }
 }
 
+// The bulk reduction of consumer warpgroup cw's dQ partial for the walk's step at rows r0 .. r1: its destination
+// in dq_accum, and its rows (0: none; TALL: the warpgroup's 64 query rows of the step's 128, none past q_len).
+// 64-row steps: the step's n rows of panel dq_col_box (columns split at head dim 128; at 64 both warpgroups add
+// partials of the one panel, each its own); n x 256 contiguous bytes either way.
+template <class C>
+static __device__ __forceinline__ uint32_t dq_reduction(const Problem& p, uint32_t b, uint32_t hq, uint32_t r0,
+                                                        uint32_t r1, uint32_t cw, float*& dst) {
+  using L = Layout<C>;
+  const uint32_t q0 = L::TALL ? r0 + BLOCK_M * cw : r0;
+  if (q0 >= r1) return 0;
+  const uint32_t n = r1 - q0 < (uint32_t)BLOCK_M ? r1 - q0 : (uint32_t)BLOCK_M;
+  const uint32_t dq_col_box = L::DQ_SPLIT_N && !L::TALL ? cw : 0;
+  dst = p.dq_accum + (((size_t)b * C::HEADS + hq) * p.q_len + q0) * C::HEAD_DIM + (size_t)dq_col_box * n * 64;
+  return n;
+}
+
+// DQ_WRITER, the consumer's side: wait until warpgroup cw's staging is free (before staging), and say it is
+// written (after staging and its fence).
+static __device__ __forceinline__ void staging_free_wait(uint32_t cw) {
+  if (cw == 0)
+    named_barrier_sync_imm<DQ_FREE>(WRITER_BAR);
+  else
+    named_barrier_sync_imm<DQ_FREE + 1>(WRITER_BAR);
+}
+static __device__ __forceinline__ void staged_arrive(uint32_t cw) {
+  if (cw == 0)
+    named_barrier_arrive_imm<DQ_STAGED>(WRITER_BAR);
+  else
+    named_barrier_arrive_imm<DQ_STAGED + 1>(WRITER_BAR);
+}
+
+// DQ_WRITER: the writer warp's walk, the consumers' (the same Walk, the same part): at each step, for each
+// consumer warpgroup in turn, wait for its staging, and lane 0 issues its bulk reduction (a bulk group each,
+// empty where no rows); then, if a step follows, each staging is free once its reduction has read it (the older
+// group first). Both stagings start free. Every reduction complete (its writes too) before the CTA ends: the
+// convert pass reads dq_accum next.
+template <class C>
+static __device__ __forceinline__ void write_dq(const Problem& p, uint32_t smem, uint32_t b, uint32_t hk,
+                                                uint32_t k0, Part part) {
+  using L = Layout<C>;
+  const bool lead = threadIdx.x % 32 == 0;
+  Walk<C> w(p, hk, p.kv_offset + (int32_t)k0, part);
+  if (w.done()) return;  // no step: the consumers stage nothing (and no arrival is left on a barrier)
+  named_barrier_arrive_imm<DQ_FREE>(WRITER_BAR);
+  named_barrier_arrive_imm<DQ_FREE + 1>(WRITER_BAR);
+  while (true) {
+    const uint32_t r0 = w.qb * L::ROWS, r1 = w.rows_end(p);
+#pragma unroll
+    for (uint32_t cw = 0; cw < 2; ++cw) {
+      if (cw == 0)
+        named_barrier_sync_imm<DQ_STAGED>(WRITER_BAR);
+      else
+        named_barrier_sync_imm<DQ_STAGED + 1>(WRITER_BAR);
+      if (lead) {
+        float* dst = nullptr;
+        if (const uint32_t n = dq_reduction<C>(p, b, w.hq, r0, r1, cw, dst))
+          bulk_reduce_add_f32(dst, smem + L::DQ_OFF + cw * L::DQ_BUF, n * 256);
+        bulk_commit_group();
+      }
+    }
+    w.next(p);
+    if (w.done()) break;
+    if (lead) bulk_wait_group_read<1>();  // warpgroup 0's reduction has read its staging
+    __syncwarp();
+    named_barrier_arrive_imm<DQ_FREE>(WRITER_BAR);
+    if (lead) bulk_wait_group_read<0>();
+    __syncwarp();
+    named_barrier_arrive_imm<DQ_FREE + 1>(WRITER_BAR);
+  }
+  if (lead) bulk_wait_group_all();
+}
+
 template <class C>
 static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, uint32_t cw, uint32_t b,
                                                uint32_t hk, uint32_t k0, Part part = Part{}) {
@@ -758,23 +892,26 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       }
       wgmma_commit_group();
     }
-    // P^T = exp2(SCALE_LOG2 S^T - LSE2) once S^T is in (the S group; dP^T may still run)
+    // P^T = exp2(SCALE_LOG2 S^T - LSE2) once S^T is in (the S group; dP^T may still run), half of it; the other
+    // half with dS^T = P^T (dP^T - D) once dP^T is in
+    const bool masked = step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1);
     wgmma_wait_group<1>();
     attention::fence_all<C>(s, 32);
-    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
-      probabilities<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
-    } else {
-      probabilities<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
-    }
-    // dS^T = P^T (dP^T - D) once dP^T is in
+    if (masked)
+      probabilities_early<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
+    else
+      probabilities_early<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
     wgmma_wait_group<0>();
     attention::fence_all<C>(dp, 32);
-    ds_of<C>(s, dp, smem, stage);
+    if (masked)
+      probabilities_late_and_ds<C, true>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
+    else
+      probabilities_late_and_ds<C, false>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
     uint32_t ap[4][4], ad[4][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
 
-    store_ds_t<C>(ds_base, cw, row, lane, ad);         // dS^T to shared memory
+    store_ds_t<C>(ds_base, cw, warp, lane, ad);         // dS^T to shared memory
     if constexpr (L::DK_AFTER_DQ)
       issue_rs<C>(dv, ap, do_base);                     // dV_w += P^T dO alone; dK after the dQ (below)
     else
@@ -784,7 +921,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     // reduction of the last step (thread 0's bulk group) must have finished reading it first. Issued a
     // whole step ago: the wait does not stall in the steady state. DETERMINISTIC: it must be complete
     // (its writes too) before its turn is passed on, here, which also frees the staging.
-    if constexpr (L::DQ_TILED)
+    if constexpr (L::DQ_TILED && !L::DQ_WRITER)
       if (t == 0) {
         if constexpr (L::DETERMINISTIC)
           dq_turn = pass_dq_turn(dq_turn);
@@ -823,19 +960,22 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
             dq[i] += x, dq[i + 1] += y;
           });
         }
+      if constexpr (L::DQ_WRITER) staging_free_wait(cw);  // the writer's last reduction from it has read it
       each_staged_pair(staging, row, lane, [&](uint32_t at, int i) { st_shared_v2_f32(at, dq[i], dq[i + 1]); });
       fence_proxy_async_shared_cta();           // generic stores, read by the bulk reduction (async proxy)
       // the warpgroup's 64 rows staged; immediate barrier ids (a register id makes ptxas reserve all 16)
-      if (cw == 0)
+      if constexpr (L::DQ_WRITER) {
+        staged_arrive(cw);  // the writer warp reduces it (write_dq)
+      } else if (cw == 0) {
         named_barrier_sync_imm<DQ_STAGED>(128);
-      else
+      } else {
         named_barrier_sync_imm<DQ_STAGED + 1>(128);
+      }
       if constexpr (L::DQ_PAIRED)
         if (cw == 1) named_barrier_arrive_imm<DQ_PAIR>(256);  // its partial, for warpgroup 0 (which adds it)
-      if (t == 0 && (!L::DQ_PAIRED || cw == 0)) {
-        const uint32_t n = r1 - r0;
-        float* dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + r0) * C::HEAD_DIM +
-                     (size_t)dq_col_box * n * 64;
+      if (!L::DQ_WRITER && t == 0 && (!L::DQ_PAIRED || cw == 0)) {
+        float* dst = nullptr;
+        const uint32_t n = dq_reduction<C>(p, b, w.hq, r0, r1, cw, dst);
         if constexpr (L::DETERMINISTIC) {
           // the adds into the query block in the visitors' order: wait for this CTA's turn (both warpgroups
           // take the same one: DQ_ADDERS), then order the acquire before the reduction (async proxy)
@@ -865,8 +1005,8 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
 
   // DQ_TILED: every bulk reduction complete (its writes done) before the CTA ends and its shared
   // memory goes (the reads alone would free the memory; the convert pass reads dq_accum next);
-  // DETERMINISTIC: and the last turn passed on
-  if constexpr (L::DQ_TILED)
+  // DETERMINISTIC: and the last turn passed on. DQ_WRITER: the writer warp waits for its own.
+  if constexpr (L::DQ_TILED && !L::DQ_WRITER)
     if (t == 0) {
       if constexpr (L::DETERMINISTIC)
         dq_turn = pass_dq_turn(dq_turn);
@@ -968,10 +1108,10 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
     const uint32_t r0 = w.qb * BLOCK_M, r1 = w.rows_end(p);
     wgmma_wait_group<1>();
     attention::fence_all<C>(s, 32);
-    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
-      probabilities<C, true>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
+    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {  // all of P^T here
+      probabilities_all<C, true>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
     } else {
-      probabilities<C, false>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
+      probabilities_all<C, false>(s, smem, at % C::STAGES, p, key_lo, (int32_t)r0);
     }
     wgmma_wait_group<0>();
     attention::fence_all<C>(dp, 32);
@@ -990,12 +1130,12 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
     const uint32_t ds_base = smem + L::DS_OFF + (step % 2) * L::DS_BUF;
 
     // dS^T = P^T (dP^T - D) (P^T and dP^T of this step came in at the end of the last)
-    ds_of<C>(s, dp, smem, stage);
+    ds_all<C>(s, dp, smem, stage);
     uint32_t ap[4][4], ad[4][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
 
-    store_ds_t<C>(ds_base, cw, row, lane, ad);         // dS^T to shared memory
+    store_ds_t<C>(ds_base, cw, warp, lane, ad);         // dS^T to shared memory
     issue_dv_dk<C>(dv, dk, ap, ad, q_base, do_base);   // dV_w += P^T dO, dK_w += dS^T Q
 
     // the staging is rewritten after DS_READY: the last reduction has read it (issued a step ago)
@@ -1125,51 +1265,33 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
         C::mma_s_n128(dp, v_desc + ((k * 32) >> 4), do_desc + ((k * 32) >> 4), k > 0);
       wgmma_commit_group();
     }
-    wgmma_wait_group<1>();  // S^T in (dP^T may still run)
+    const bool masked = step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1);
+    wgmma_wait_group<1>();  // S^T in (dP^T may still run): half of P^T
     attention::fence_all<C>(s, SN);
-    if (step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1)) {
-      probabilities<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
-    } else {
-      probabilities<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
-    }
-    wgmma_wait_group<0>();  // dP^T in
+    if (masked)
+      probabilities_early<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
+    else
+      probabilities_early<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
+    wgmma_wait_group<0>();  // dP^T in: the other half of P^T beside dS^T
     attention::fence_all<C>(dp, SN);
-    ds_of<C>(s, dp, smem, stage);
+    if (masked)
+      probabilities_late_and_ds<C, true>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
+    else
+      probabilities_late_and_ds<C, false>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
     uint32_t ap[L::K16][4], ad[L::K16][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
 
-    // dS^T (16-bit) to shared memory: key row 64 cw + row (+ 8); query group q (8 queries, 16 bytes) in panel
-    // q / 8 at 16-byte unit (q % 8) ^ (row % 8) of its 128-byte row (row % 8 = lane / 4)
-    {
-      const uint32_t base = ds_base + (64 * cw + row) * 128, swizzle = lane / 4;
-#pragma unroll
-      for (int q = 0; q < L::ROWS / 8; ++q) {
-        const uint32_t unit_at = (q / 8) * L::DS_PANEL + (((q % 8) ^ swizzle) << 4) + 4 * (lane % 4);
-        const uint32_t k = q / 2, x = q % 2;  // registers 4q .. 4q + 3 are ad[k][2x], ad[k][2x + 1]
-        st_shared_u32(base + unit_at, ad[k][2 * x]);
-        st_shared_u32(base + 8 * 128 + unit_at, ad[k][2 * x + 1]);
-      }
-      fence_proxy_async_shared_cta();  // visible to the wgmma (async proxy) after the barrier
-    }
+    store_ds_t<C>(ds_base, cw, warp, lane, ad);  // dS^T (16-bit) to shared memory, two panels of 64 queries
 
     // dV_w += P^T dO, dK_w += dS^T Q (over the step's 128 queries: 8 k16 steps of 16 rows, 2048 bytes); DK_AFTER_DQ:
     // dV alone here, dK after the dQ (below)
-    const uint64_t do_n = sw128_descriptor(do_base, L::Q_BOX, 1024), q_n = sw128_descriptor(q_base, L::Q_BOX, 1024);
-    {
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < L::K16; ++k) C::mma_rs(dv, ap[k], do_n + ((k * 2048) >> 4), 1);
-      if constexpr (!L::DK_AFTER_DQ) {
-#pragma unroll
-        for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
-      }
-      wgmma_commit_group();
-    }
+    if constexpr (L::DK_AFTER_DQ)
+      issue_rs<C>(dv, ap, do_base);
+    else
+      issue_dv_dk<C>(dv, dk, ap, ad, q_base, do_base);
 
-    // the staging is rewritten after DS_READY: the last reduction (thread 0's bulk group, a step ago) has read it
-    if (t == 0) bulk_wait_group_read<0>();
-    named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced (and the staging free)
+    named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced
 
     // dQ (queries 64 cw .. 64 cw + 63 of the step x 64 columns) = dS K over the 128 keys
     float dq[32];
@@ -1181,35 +1303,20 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
         C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
       wgmma_commit_group();
     }
-    after_dq_issue<C>(dk, dv, t, smem, stage, [&] {
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < L::K16; ++k) C::mma_rs(dk, ad[k], q_n + ((k * 2048) >> 4), 1);
-      wgmma_commit_group();
-    });
+    after_dq_issue<C>(dk, dv, t, smem, stage, [&] { issue_rs<C>(dk, ad, q_base); });
     attention::fence_all<C>(dq, 32);
 
     // dq += dQ through the staging buffer (dq_tiled_offset's panel order, as consume()), then one bulk reduction
     // of the block's valid rows (n x 256 contiguous bytes: head dim 64 is one panel)
+    // (the writer warp reduces it: write_dq, the warpgroup's 64 query rows of the step's 128)
+    static_assert(L::DQ_WRITER, "step_rows 128: the bulk dQ path, not deterministic, not lookahead");
     const uint32_t staging = smem + L::DQ_OFF + cw * L::DQ_BUF;
+    staging_free_wait(cw);  // the writer's last reduction from it has read it
     each_staged_pair(staging, row, lane, [&](uint32_t at, int i) { st_shared_v2_f32(at, dq[i], dq[i + 1]); });
     fence_proxy_async_shared_cta();  // generic stores, read by the bulk reduction (async proxy)
-    if (cw == 0)
-      named_barrier_sync_imm<DQ_STAGED>(128);
-    else
-      named_barrier_sync_imm<DQ_STAGED + 1>(128);
-    const uint32_t q0 = r0 + BLOCK_M * cw;  // the warpgroup's query block
-    if (t == 0 && q0 < r1) {
-      const uint32_t n = r1 - q0 < (uint32_t)BLOCK_M ? r1 - q0 : (uint32_t)BLOCK_M;
-      float* dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * p.q_len + q0) * C::HEAD_DIM;
-      bulk_reduce_add_f32(dst, staging, n * 256);
-      bulk_commit_group();
-    }
+    staged_arrive(cw);
     if constexpr (L::DK_AFTER_DQ) dk_done_release_stage<C>(dk, t, smem, stage);
   }
-
-  // every bulk reduction complete (its writes done) before the CTA ends, as consume()
-  if (t == 0) bulk_wait_group_all();
 
   store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
 }
@@ -1294,7 +1401,10 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
   if (warpgroup == 0) {
     // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
     setmaxnreg_dec<40>();
-    if (threadIdx.x < 32) produce<C>(q_map, k_map, v_map, do_map, smem, p, b, hk, k0, part);
+    if (threadIdx.x < 32)
+      produce<C>(q_map, k_map, v_map, do_map, smem, p, b, hk, k0, part);
+    else if (L::DQ_WRITER && threadIdx.x < 64)
+      write_dq<C>(p, smem, b, hk, k0, part);
   } else {
     setmaxnreg_inc<232>();
     if constexpr (L::LOOKAHEAD)

@@ -589,14 +589,13 @@ static cudaError_t gemm_reduce_scatter_launch(char* const* peers, char* const* p
   auto* maps = cache.get(key, encode, &err);
   if (!maps) return err;
   if constexpr (MODE != ScatterMode::PUSH_ADD) {
-    static bool reduce_ready[64];  // per device: the reduce kernel's shared-memory opt-in
-    int dev = 0;
+    static PerDevice<int> reduce_ready;  // the reduce kernel's shared-memory opt-in, once per device
+    int dev = 0, ready;
     TSGEN_TRY(cudaGetDevice(&dev));
-    if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-    if (!reduce_ready[dev]) {
-      TSGEN_TRY(cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, H::REDUCE_SMEM));
-      reduce_ready[dev] = true;
-    }
+    TSGEN_TRY(reduce_ready.get(dev, &ready, [&](int* done) {
+      *done = 1;
+      return cudaFuncSetAttribute(REDUCE, cudaFuncAttributeMaxDynamicSharedMemorySize, H::REDUCE_SMEM);
+    }));
   }
   unsigned grid;
   TSGEN_TRY(tsgen::gemm::grid_size<C>(reinterpret_cast<const void*>(GEMM), rows, H::RESERVE_SMS, &grid));

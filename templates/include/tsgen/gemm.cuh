@@ -894,13 +894,13 @@ static cudaError_t resident_ctas(const void* kernel, int* ctas) {
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   return known.get(device, ctas, [&](int* n) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::SMEM_BYTES);
-    if (err != cudaSuccess) return err;
+    cudaError_t got = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::SMEM_BYTES);
+    if (got != cudaSuccess) return got;
     if constexpr (C::CLUSTER == 1) {
       int sms = 0, per_sm = 0;
-      err = sm_count(device, &sms);
-      if (err == cudaSuccess)
-        err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, L::THREADS, L::SMEM_BYTES);
+      got = sm_count(device, &sms);
+      if (got == cudaSuccess)
+        got = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, L::THREADS, L::SMEM_BYTES);
       *n = sms * per_sm;
     } else {
       cudaLaunchConfig_t config = {};
@@ -908,10 +908,10 @@ static cudaError_t resident_ctas(const void* kernel, int* ctas) {
       config.blockDim = dim3(L::THREADS, 1, 1);
       config.dynamicSmemBytes = L::SMEM_BYTES;
       int clusters = 0;
-      err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+      got = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
       *n = clusters * C::CLUSTER;
     }
-    if (err != cudaSuccess) return err;
+    if (got != cudaSuccess) return got;
     return *n < C::CLUSTER ? cudaErrorLaunchOutOfResources : cudaSuccess;  // not even one cluster fits
   });
 }

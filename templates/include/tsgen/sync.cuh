@@ -179,10 +179,11 @@ static inline cudaError_t use_device_of(const void* local) {
 }
 
 // Host launchers: a value worked out once per device and kept, in a static of the function that needs it
-// (`static PerDevice<int> known;`): get(device, out, compute) gives the kept value, or calls compute(out) and
-// keeps what it gave where it returned cudaSuccess. T{} (0, nullptr) means "not yet worked out", so compute
-// must give another value. Devices past the first MAX_DEVICES are worked out at every call. Two threads
-// that ask at once may both compute (the same value); neither reads a half-written one.
+// (`static PerDevice<int> known;`: declare it static only, as its zero start is static storage's): get(device,
+// out, compute) gives the kept value, or calls compute(out) and keeps what it gave where it returned cudaSuccess
+// (on an error *out is unspecified and nothing is kept). T{} (0, nullptr) means "not yet worked out", so compute
+// must give another value. Devices past the first MAX_DEVICES (and negative ids) are worked out at every call.
+// Two threads that ask at once may both compute (the same value); neither reads a half-written one.
 template <class T>
 struct PerDevice {
   static constexpr int MAX_DEVICES = 64;
