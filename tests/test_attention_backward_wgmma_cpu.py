@@ -581,6 +581,33 @@ def test_gpu_tool_summarizes_ncu_source_page():
     assert tool.source_rows(other) == rows
 
 
+def test_ncu_summary_counts_executions_per_warp_step():
+    """With "Instructions Executed": the unit is the most executed HGMMA's count (one warp-step); the bands and the
+    loop path's opcodes are per step, predicates and modifiers stripped; without the column, no such section."""
+    import ncu_source
+
+    page = "\n".join([
+        '"Kernel Name","k"',
+        '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_wait"',
+        '"0x10","HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ","5","1,000","5"',
+        '"0x20","@!P0 ULOP3.LUT UR8, UR8, 0x1, URZ, 0xc0, !UPT","3","1,000","3"',
+        '"0x30","ULOP3.LUT UR9, UR9, 0x1, URZ, 0xc0, !UPT","2","900","2"',
+        '"0x40","ISETP.GE.AND P0, PT, R1, R2, PT","1","100","1"',
+        '"0x50","EXIT","1","10","1"',
+    ])
+    rows = ncu_source.source_rows(page)
+    assert [r["executed"] for r in rows] == [1000, 1000, 900, 100, 10]
+    text = ncu_source.stall_summary(rows, "t")
+    part = text[text.index("executed instructions per warp-step"):]
+    assert "count, 1000)" in part and "all: 3.0" in part
+    assert "    2.9  0.9 - 1.1 (the loop's path)  (3 instructions, 83.3% of the samples)" in part
+    assert "    0.1  0.05 - 0.3  (1 instructions" in part and "    0.0  < 0.05" in part
+    assert "      2  ULOP3" in part and "      1  HGMMA" in part and "ISETP" not in part.split("by opcode:")[1]
+    no_column = page.replace('"Instructions Executed",', '').replace('"1,000",', '').replace('"900",', '') \
+        .replace('"100",', '').replace('"10",', '')
+    assert "per warp-step" not in ncu_source.stall_summary(ncu_source.source_rows(no_column), "t")
+
+
 def test_bwd_levers_script_names_what_the_tool_runs():
     """tools/gpu_bwd_levers.sh (the next device call): bash accepts it; its --impl, --bench-shapes and --ncu
     arguments are ones tools/gpu_attention_bwd.py takes (a typo there would cost a device call)."""

@@ -793,3 +793,21 @@ def test_forward_tool_ncu_source_profiles_one_launch(tmp_path, monkeypatch, base
     monkeypatch.setattr(tool.sys, "argv", ["gpu_attention.py", str(tmp_path), "--ncu-baseline", "fa4"])
     with pytest.raises(SystemExit):
         tool.main()  # a baseline without the variant
+
+
+def test_forward_tool_ab_report_and_a_tree_without_tsgen(tool, tmp_path, monkeypatch):
+    """--base-tree: the report names the base commit and each build's failed cases, x with its range; a folder
+    that holds no tsgen/ is refused before anything builds."""
+    s = {"device": "H200", "date": "d", "command": "c", "base": "abc1234", "rounds": 10, "settle": 1,
+         "checks": {"attention_hd128": {"pass": True, "rows": [{"case": "seq 77", "pass": True}]},
+                    "attention_hd128_base": {"pass": False, "rows": [{"case": "seq 4097", "pass": False}]}},
+         "bench": [{"spec": "attention_hd128", "seq": 8192, "batch": 2, "x": {"ratio": 1.021, "min": 0.99, "max": 1.05},
+                    "tsgen": {"tflops": 650.4, "rel_err_vs_sdpa": 1e-3}, "base": {"tflops": 640.2, "rel_err_vs_sdpa": 2e-3}}],
+         "bench_crashed": None, "build_errors": {}, "all_checks_pass": False, "seconds": 1}
+    text = tool.markdown_ab(s)
+    assert "commit abc1234's tsgen" in text and "| attention_hd128_base | 1 | seq 4097 | NO |" in text
+    assert "| attention_hd128 | 8192 | 650 | 640 | 1.021 (0.990 - 1.050) | 1.0e-03 / 2.0e-03 |" in text
+    monkeypatch.setattr(tool.sys, "argv", ["gpu_attention.py", str(tmp_path / "out"), "--base-tree", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        tool.main()
+    assert not (tmp_path / "out" / "build").exists()

@@ -2,6 +2,9 @@
 
 Usage: python tools/gpu_attention.py OUT_DIR [--quick] [--no-bench] [--no-checks] [--variants NAMES|schedule|m192|ilp]
        (on the lent machines: bash tools/gpu_attention.sh, which sets up the environment)
+       python tools/gpu_attention.py OUT_DIR --base-tree .ab/REV7 [--rounds N]: the same-run A/B of a header
+       change (the shipped specs built by this checkout and by REV's tsgen and templates, tools/ab_tree.py; every
+       correctness check of both, then both timed in interleaved rounds: OUT_DIR/attention_ab.{md,json})
 
 1. Build: every spec variant below is rendered from specs/attention_hd128.yaml and compiled
    (host-launcher shared libraries, in parallel) before anything runs.
@@ -805,6 +808,144 @@ def bench(built: dict[str, dict], tune: dict[str, dict], quick: bool, echo=print
 
 
 # ---------------------------------------------------------------------------
+# --base-tree: the same-run A/B of a header change
+# ---------------------------------------------------------------------------
+
+AB_SPECS = ["attention_hd128", "attention_hd128_causal_gqa", "attention_hd64_causal"]  # the shipped forward specs
+AB_SEQS = [8192, 16384]
+AB_SETTLE = 1  # untimed calls before each sample (tsgen.bench.timing.Sampler settle)
+
+
+def build_ab(out: Path, spec: str, tree: Path | None = None) -> dict:
+    """specs/SPEC.yaml (with the checks' 3 s timeout) rendered and compiled by this checkout, or with `tree` by that
+    tree's tsgen and templates (tools/ab_tree.py; its own specs/SPEC.yaml): the build dict of `build`."""
+    from tsgen.spec import load_spec, spec_variant
+
+    changes = {"name": f"att_{spec}" + ("_base" if tree else ""), "sync": {"timeout_ms": 3000}}
+    if tree is not None:
+        import ab_tree
+
+        return {**ab_tree.build(tree, f"specs/{spec}.yaml", changes, out / "build" / "base"), "spec": spec}
+    return {**build_loaded(out, spec_variant(load_spec(ROOT / "specs" / f"{spec}.yaml"), changes)), "spec": spec}
+
+
+def bench_ab(built: dict[str, dict], rounds: int, echo=print) -> dict:
+    """Each spec's two builds (NAME: this checkout's, NAME_base: the tree's) on the same tensors and stream at
+    AB_SEQS, timed in `rounds` interleaved rounds in the balanced order (tsgen.bench.timing); x = base's time over
+    this checkout's, the median of the rounds' paired ratios; each build's timed output against SDPA flash's."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from tsgen.bench.timing import Sampler, TorchClock, paired_ratio, time_interleaved
+    from tsgen.ops.attention import flops
+
+    clock, rows = TorchClock(torch), []
+    stream = torch.cuda.Stream()
+    for spec in (s for s in AB_SPECS if s in built and f"{s}_base" in built):
+        ops = {"tsgen": Op(built[spec]), "base": Op(built[f"{spec}_base"])}
+        op = ops["tsgen"]
+        for seq in AB_SEQS:
+            batch, q, k, v, o, lse = bench_tensors(torch, op, seq)
+            outs = {impl: (torch.empty_like(o), torch.empty_like(lse)) for impl in ops}
+            torch.cuda.synchronize()
+            with torch.cuda.stream(stream):
+                ref = sdpa_call(torch, q, k, v, op.causal, SDPBackend.FLASH_ATTENTION)().transpose(1, 2).float()
+                for oo, _ in outs.values():
+                    oo.fill_(float("nan"))
+
+            def call(impl):
+                def enqueue(i, rs):
+                    ops[impl](q, k, v, outs[impl][0], outs[impl][1], batch, seq, seq, stream)
+                return enqueue
+
+            samplers = {impl: Sampler(clock, [0], {0: stream}, call(impl), calls=3, warmup=2, graphs=False,
+                                      label=impl, settle=AB_SETTLE) for impl in ops}
+            timings = time_interleaved(samplers, rounds=rounds)
+            stream.synchronize()
+            f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
+            row = {"spec": spec, "seq": seq, "batch": batch,
+                   "x": paired_ratio(timings["base"].samples_us, timings["tsgen"].samples_us)}
+            for impl, tm in timings.items():
+                err = float(torch.linalg.vector_norm(torch.nan_to_num(outs[impl][0].float(), nan=1e4) - ref)
+                            / torch.linalg.vector_norm(ref))
+                row[impl] = {"us": tm.median_us, "tflops": f / tm.median_us / 1e6, "samples_us": tm.samples_us,
+                             "problems": tm.problems, "rel_err_vs_sdpa": err,
+                             "suspect": f / tm.median_us / 1e6 > PEAK_TFLOPS or err > MAX_REL_ERR}
+            rows.append(row)
+            echo(f"  {spec} seq {seq}: tsgen {row['tsgen']['tflops']:.0f} base {row['base']['tflops']:.0f} "
+                 f"x {row['x']['ratio']:.3f} ({row['x']['min']:.3f} - {row['x']['max']:.3f})", flush=True)
+            q = k = v = o = lse = ref = outs = samplers = None
+            torch.cuda.empty_cache()
+    return {"rows": rows, "device": torch.cuda.get_device_properties(0).name, "torch": torch.__version__}
+
+
+def run_ab(out: Path, tree: Path, rounds: int, deadline: float, command: str) -> int:
+    """The --base-tree run: build both sides of every AB_SPECS spec, check each (check_variant, one child per
+    build), time them (bench_ab, one child), write OUT/attention_ab.{json,md}. 0: every check passed and every
+    timed output matched SDPA's."""
+    started = time.perf_counter()
+    builds, errors = {}, {}
+    jobs = [(spec, None) for spec in AB_SPECS] + [(spec, tree) for spec in AB_SPECS]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(6, os.cpu_count() or 4)) as pool:
+        futures = {pool.submit(build_ab, out, spec, t): spec + ("_base" if t else "") for spec, t in jobs}
+        for fut in concurrent.futures.as_completed(futures):
+            try:
+                builds[futures[fut]] = fut.result()
+            except Exception as e:  # noqa: BLE001 -- reported, and the run fails
+                errors[futures[fut]] = str(e)[-2000:]
+    (out / "build" / "builds.json").write_text(json.dumps(builds, indent=1))
+    print(f"built {len(builds)} in {time.perf_counter() - started:.0f} s; errors: {errors}", flush=True)
+    checks = run_children(out, "check", sorted(builds), deadline - 150, [])
+    got, text = child([str(out), "--rounds", str(rounds), "--child", "ab", ",".join(sorted(builds))],
+                      deadline - time.perf_counter())
+    print("\n".join("  " + l for l in text.strip().splitlines()[-40:] if not l.startswith("RESULT ")))
+    timing = got.get("ab", {"rows": [], "crashed": text.strip().splitlines()[-20:]})
+    ok = (not errors and all(c.get("pass") for c in checks.values()) and "crashed" not in timing
+          and all(not r[i]["suspect"] for r in timing["rows"] for i in ("tsgen", "base")))
+    from tsgen.bench.results import commit as checkout_commit
+
+    commit = (tree / "COMMIT").read_text().strip() if (tree / "COMMIT").is_file() else "?"
+    summary = {"device": timing.get("device", "?"), "torch": timing.get("torch"), "command": command,
+               "commit": checkout_commit(),
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "base": commit, "rounds": rounds, "settle": AB_SETTLE, "checks": checks, "bench": timing["rows"],
+               "bench_crashed": timing.get("crashed"), "build_errors": errors, "all_checks_pass": ok,
+               "seconds": round(time.perf_counter() - started, 1)}
+    (out / "attention_ab.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = markdown_ab(summary)
+    (out / "attention_ab.md").write_text(text)
+    print(text)
+    return 0 if ok else 1
+
+
+def markdown_ab(s: dict) -> str:
+    lines = [f"# attention forward A/B on one GPU ({s['device']}, {s['date']})", "",
+             f"Command: `{s['command']}`", "",
+             f"base: the shipped specs rendered and compiled by commit {s['base']}'s tsgen and templates "
+             f"(tools/ab_tree.py); tsgen: this checkout's ({s.get('commit', '?')}). Both on the same tensors and stream, "
+             f"{s['rounds']} interleaved rounds in the balanced order, {s['settle']} untimed call(s) before each "
+             "sample of 3 calls; x = base's time / tsgen's, the median of the rounds' paired ratios (range).", "",
+             "## Correctness", "", "| build | cases | failed | pass |", "|---|---|---|---|"]
+    for name, c in sorted(s["checks"].items()):
+        rows = c.get("rows", [])
+        failed = [r["case"] for r in rows if not r.get("pass")]
+        lines.append(f"| {name} | {len(rows)} | {', '.join(failed) or (c.get('crashed') and 'crashed') or '-'} | "
+                     f"{'yes' if c.get('pass') else 'NO'} |")
+    for name, e in s["build_errors"].items():
+        lines.append(f"| {name} | build failed: {e.splitlines()[-1][:200] if e else ''} | | NO |")
+    lines += ["", "## Speed (TFLOP/s: 4 b h s^2 d, halved causal)", "",
+              "| spec | S | tsgen | base | x (range) | rel err vs SDPA tsgen / base |", "|---|---|---|---|---|---|"]
+    for r in s["bench"]:
+        lines.append(f"| {r['spec']} | {r['seq']} | {r['tsgen']['tflops']:.0f} | {r['base']['tflops']:.0f} | "
+                     f"{r['x']['ratio']:.3f} ({r['x']['min']:.3f} - {r['x']['max']:.3f}) | "
+                     f"{r['tsgen']['rel_err_vs_sdpa']:.1e} / {r['base']['rel_err_vs_sdpa']:.1e} |")
+    if s["bench_crashed"]:
+        lines += ["", "The bench crashed:", "", "```", *s["bench_crashed"], "```"]
+    lines += ["", f"All checks pass: {'yes' if s['all_checks_pass'] else 'NO'} ({s['seconds']} s)", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
 # Parent
 # ---------------------------------------------------------------------------
 
@@ -867,6 +1008,11 @@ def main() -> int:
                     "VARIANT at S 8K (tools/ncu_source.py), OUT/src_<who>_<variant>.{ncu-rep,csv,txt}")
     ap.add_argument("--ncu-baseline", choices=sorted(k for k in SOURCE_KERNELS if k != "tsgen"),
                     help="with --ncu-source: FlashAttention-4's forward kernel on the same tensors instead of tsgen's")
+    ap.add_argument("--base-tree", metavar="DIR", type=Path,
+                    help="the same-run A/B: AB_SPECS built by this checkout and by DIR's tsgen and templates (python "
+                    "tools/ab_tree.py make REV: .ab/REV7), every check of both, then interleaved rounds "
+                    "(OUT/attention_ab.{md,json})")
+    ap.add_argument("--rounds", type=int, default=10, help="with --base-tree: interleaved rounds")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "ARG"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     out = args.out
@@ -887,6 +1033,8 @@ def main() -> int:
             else:
                 continue
             print(f"RESULT {name} " + json.dumps(result), flush=True)
+        if kind == "ab":
+            print("RESULT ab " + json.dumps(bench_ab(builds, args.rounds)), flush=True)
         if kind == "bench":
             names = arg.split(",")
             result = bench({n: builds[n] for n in names if n in BENCH_VARIANTS},
@@ -905,6 +1053,11 @@ def main() -> int:
     started = time.perf_counter()
     deadline = started + args.deadline
     command = " ".join(["python", "tools/gpu_attention.py", *sys.argv[1:]])
+    if args.base_tree:
+        if not (args.base_tree / "tsgen").is_dir():
+            ap.error(f"--base-tree: {args.base_tree} holds no tsgen/ (python tools/ab_tree.py make REV)")
+        (out / "build").mkdir(parents=True, exist_ok=True)
+        return run_ab(out, args.base_tree.resolve(), args.rounds, deadline, command)
     names = sorted(set(CHECK_VARIANTS + BENCH_VARIANTS + TUNE_VARIANTS + ["probe_waits"]))
     only = None
     if args.variants:

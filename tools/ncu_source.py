@@ -19,8 +19,8 @@ SOURCE_LANDMARKS = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.SYNC",
 
 def source_rows(text: str) -> list[dict]:
     """The rows of ncu's source page in CSV (--page source --csv --print-source sass), as dicts: "address" (int),
-    "sass" (the instruction), "samples" (warp stall samples, all), and "reasons" ({column: samples} of each stall
-    reason's column, stall_*). The page opens with the kernel's name line; its versions name the address column
+    "sass" (the instruction), "samples" (warp stall samples, all), "executed" (warp-level executions, 0 where the
+    page lacks "Instructions Executed") and "reasons" ({column: samples} of each stall reason's column, stall_*). The page opens with the kernel's name line; its versions name the address column
     "Address" or "# Address", and the samples "Warp Stall Sampling (All Samples)" (older: "(All Cycles)") or
     "# Samples"."""
     lines = text.splitlines()
@@ -39,6 +39,7 @@ def source_rows(text: str) -> list[dict]:
         raise ValueError(f"ncu's source page lacks a Source or a 'Warp Stall Sampling (All Samples)' column: {cols}")
     # the per-reason columns of all samples (stall_wait, ...), not their not-issued twins ("stall_wait (Not Issued)")
     reasons = [c for c in cols if c.startswith("stall_") and not re.search(r"not[- ]issued", c, re.I)]
+    executed = next((c for c in cols if c.strip() == "Instructions Executed"), None)
 
     def number(x: str) -> float:
         try:
@@ -53,6 +54,7 @@ def source_rows(text: str) -> list[dict]:
         except ValueError:
             continue
         rows.append({"address": at, "sass": str(r[source]).strip(), "samples": number(r[samples]),
+                     "executed": number(r[executed]) if executed else 0.0,
                      "reasons": {c: n for c in reasons if (n := number(r[c]))}})
     return rows
 
@@ -88,7 +90,41 @@ def stall_summary(rows: list[dict], title: str, top: int = 30) -> str:
         stretch += r["samples"]
         n += 1
     flush()
-    return "\n".join(out) + "\n"
+    return "\n".join(out + executed_summary(rows)) + "\n"
+
+
+def opcode(sass: str) -> str:
+    """An instruction's opcode without its predicate and modifiers: "@!P0 SYNCS.ARRIVE.TRANS64 ..." -> "SYNCS"."""
+    words = sass.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
+def executed_summary(rows: list[dict], top: int = 16) -> list[str]:
+    """The instructions a kernel executes per step of its main loop, where the page has executions: the unit (one
+    warp-step) is the executions of the most executed HGMMA (each wgmma of the loop runs once a step), so two
+    kernels doing the same wgmma work compare step for step. By band of executions per step (the loop's path at
+    about 1, the masked or rarer paths below it) and, on the loop's path, by opcode."""
+    step = max((r["executed"] for r in rows if opcode(r["sass"]) == "HGMMA"), default=0.0)
+    if step <= 0:
+        return []
+    bands = [("> 1.1 (more than once a step)", 1.1, float("inf")), ("0.9 - 1.1 (the loop's path)", 0.9, 1.1),
+             ("0.3 - 0.9", 0.3, 0.9), ("0.05 - 0.3", 0.05, 0.3), ("< 0.05 (per tile, prologue, epilogue)", 0.0, 0.05)]
+    total = sum(r["samples"] for r in rows) or 1.0
+    out = ["", f"## executed instructions per warp-step (unit: the most executed HGMMA's count, {step:.0f})",
+           f"all: {sum(r['executed'] for r in rows) / step:.1f}"]
+    for label, lo, hi in bands:
+        inside = [r for r in rows if r["executed"] > 0 and lo <= r["executed"] / step < hi]
+        out.append(f"{sum(r['executed'] for r in inside) / step:7.1f}  {label}  ({len(inside)} instructions, "
+                   f"{sum(r['samples'] for r in inside) / total:.1%} of the samples)")
+    path: dict[str, int] = {}
+    for r in rows:
+        if 0.9 <= r["executed"] / step < 1.1:
+            path[opcode(r["sass"])] = path.get(opcode(r["sass"]), 0) + 1
+    out += ["", "on the loop's path, by opcode:"]
+    out += [f"{n:7d}  {op}" for op, n in sorted(path.items(), key=lambda kv: (-kv[1], kv[0]))[:top]]
+    return out
 
 
 def source_args(kernel_regex: str, stem: Path) -> list[str]:
@@ -115,3 +151,9 @@ def page_summary(stem: Path, title: str) -> int:
     stem.with_suffix(".txt").write_text(summary)
     print(summary, flush=True)
     return 0
+
+
+if __name__ == "__main__":  # a saved page summarized again: python tools/ncu_source.py CSV TITLE
+    if len(sys.argv) != 3:
+        sys.exit("usage: python tools/ncu_source.py PAGE.csv TITLE")
+    print(stall_summary(source_rows(Path(sys.argv[1]).read_text()), sys.argv[2]), end="")
