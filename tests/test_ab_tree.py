@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import compile_test, load_script, missing_tool
-from tsgen.toolchain import find_nvcc
+from tsgen.toolchain import find_cuobjdump, find_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = "specs/attention_backward_hd128.yaml"
@@ -123,3 +123,27 @@ def test_the_tree_compiles_its_own_library(tmp_path, monkeypatch):
                           mode="shared").output
     assert Path(theirs["library"]).is_file() and Path(mine).is_file()
     assert Path(theirs["library"]).resolve() != Path(mine).resolve(), "one library for two trees' headers"
+
+
+NO_SASS = missing_tool(find_nvcc) or missing_tool(find_cuobjdump)
+
+
+@compile_test(NO_SASS and f"needs nvcc and cuobjdump: {NO_SASS}")
+def test_sass_compare_sees_a_header_change_and_only_that(tmp_path, capsys):
+    """`sass TREE SOURCE`: a source whose headers are the tree's too is identical; after a header of the tree
+    changes what the kernel computes, it differs (exit 1), with both instruction counts."""
+    ab = load_script(ROOT / "tools" / "ab_tree.py")
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "templates", tree / "templates")
+    src = tmp_path / "k.cu"
+    src.write_text('#include "tsgen/gemm.cuh"\n'
+                   "__global__ void k(unsigned long long* out, unsigned a) {\n"
+                   "  *out = tsgen::gemm::sw128_descriptor(a, 16, 1024);\n}\n")
+    assert ab.sass_compare(tree, [src]) == 0
+    assert "k.cu: identical" in capsys.readouterr().out
+    header = tree / "templates" / "include" / "tsgen" / "gemm.cuh"
+    text = header.read_text()
+    assert "(1ull << 62)" in text
+    header.write_text(text.replace("(1ull << 62)", "(1ull << 63)", 1))
+    assert ab.sass_compare(tree, [src]) == 1
+    assert re.search(r"k\.cu: DIFFERS: \d+ -> \d+ instructions", capsys.readouterr().out)

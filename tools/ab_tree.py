@@ -6,6 +6,14 @@
            --impl shipped,base (impl "base": the same spec changes rendered and compiled by that tree's
            tsgen and templates; the compile cache keys on the headers' contents, so the two never share a
            library)
+  here:    python tools/ab_tree.py sass TREE [SOURCE.cu ...]
+                                                       each source (default: generated/*.cu) compiled against
+                                                       this checkout's headers and TREE's, SASS compared: a
+                                                       header change that should not touch a kernel, or that
+                                                       should give one already measured, is checked here
+                                                       before any GPU runs (prints one line a source; exit 1
+                                                       when any differs; a source that needs more than the
+                                                       headers, NVSHMEM's, is named and not compared)
   child:   python tools/ab_tree.py build TREE SPEC CHANGES GEN [--render-only]
                                                        in a fresh process whose tsgen is TREE's: load TREE/SPEC,
                                                        apply CHANGES (JSON), render into GEN, compile the
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,7 +107,47 @@ def _child(tree: str, spec: str, changes: str, gen: str, render_only: bool) -> i
     return 0
 
 
+def sass_of(source: Path, include: Path, out: Path) -> list[str]:
+    """The SASS instructions of SOURCE compiled for sm_90a against the headers under INCLUDE (addresses and
+    encodings dropped, so that two builds compare line by line)."""
+    sys.path.insert(0, str(ROOT))
+    from tsgen.toolchain import dump_sass, find_nvcc, gencode_flags
+
+    subprocess.run([str(find_nvcc()), "-cubin", *gencode_flags("sm_90a"), "-O3", "-std=c++17", "-w", f"-I{include}",
+                    "-o", str(out), str(source)], check=True, capture_output=True)
+    text = dump_sass(out)
+    return [re.sub(r"\s*/\*[^*]*\*/\s*", " ", line).strip() for line in text.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+
+
+def sass_compare(tree: Path, sources: list[Path]) -> int:
+    """For each source: "identical", or both instruction counts and the differing lines (difflib)."""
+    import difflib
+    import tempfile
+
+    differ = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for src in sources:
+            try:
+                here = sass_of(src, ROOT / "templates" / "include", Path(tmp) / "here.cubin")
+                there = sass_of(src, Path(tree) / "templates" / "include", Path(tmp) / "there.cubin")
+            except subprocess.CalledProcessError as e:  # a source that needs more (NVSHMEM's headers, -rdc)
+                error = next((l for l in e.stderr.decode(errors="replace").splitlines() if "error" in l), "")
+                print(f"{src.name}: not compared: nvcc failed on it alone ({error.strip()[:160]})")
+                continue
+            if here == there:
+                print(f"{src.name}: identical ({len(here)} instructions)")
+                continue
+            differ += 1
+            changed = sum(1 for d in difflib.ndiff(there, here) if d[:1] in "+-")
+            print(f"{src.name}: DIFFERS: {len(there)} -> {len(here)} instructions, {changed} lines changed")
+    return 1 if differ else 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["sass"] and len(argv) >= 2:
+        sources = [Path(a) for a in argv[2:]] or sorted((ROOT / "generated").glob("*.cu"))
+        return sass_compare(Path(argv[1]), sources)
     if argv[:1] == ["make"] and len(argv) == 2:
         print(make(argv[1]).relative_to(ROOT))
         return 0
