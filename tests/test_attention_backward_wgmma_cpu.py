@@ -599,7 +599,7 @@ def test_ncu_summary_counts_executions_per_warp_step():
     assert [r["executed"] for r in rows] == [1000, 1000, 900, 100, 10]
     text = ncu_source.stall_summary(rows, "t")
     part = text[text.index("executed instructions per warp-step"):]
-    assert "count, 1000)" in part and "all: 3.0" in part
+    assert "count, 1000, which 1 HGMMA instructions share)" in part and "all: 3.0" in part
     assert "    2.9  0.9 - 1.1 (the loop's path)  (3 instructions, 83.3% of the samples)" in part
     assert "    0.1  0.05 - 0.3  (1 instructions" in part and "    0.0  < 0.05" in part
     assert "      2  ULOP3" in part and "      1  HGMMA" in part and "ISETP" not in part.split("by opcode:")[1]
@@ -1533,13 +1533,41 @@ def test_dk_after_dq_compiles_without_spills_for_every_tool_case(tmp_path, monke
     assert serialized(res.output) == [], "no serialized wgmma"
 
 
+# The dQ writer warp's protocol, in the order it must keep: sync on DQ_STAGED + 0 (warpgroup 0's staging is in),
+# issue its bulk reduction, the same for warpgroup 1 (DQ_STAGED + 1), then wait until the first reduction has read
+# its staging and free it (DQ_FREE + 0), then the second (DQ_FREE + 1). Arriving before the wait, or the waits
+# swapped, lets a warpgroup overwrite staging a reduction still reads.
+WRITER_ORDER = ["BAR.SYNC 0x2", "UBLKRED", "BAR.SYNC 0x3", "UBLKRED", "DEPBAR.LE SB0,0x1", "BAR.ARV 0x5",
+                "DEPBAR.LE SB0,0x0", "BAR.ARV 0x6"]
+
+
+def writer_events(ops) -> list[str]:
+    """The writer warp's barriers, bulk reductions and bulk waits, from the DQ_STAGED + 0 sync before the kernel's
+    first UBLKRED to the DQ_FREE + 1 arrive after its last (ops: main_kernel_ops)."""
+    first = next(i for i, (_, _, o, _) in enumerate(ops) if o.startswith("UBLKRED"))
+    start = max(i for i, (_, _, o, r) in enumerate(ops[:first]) if o.startswith("BAR.SYNC") and r.strip().startswith("0x2,"))
+    end = next(i for i, (_, _, o, r) in enumerate(ops) if i > first and o == "BAR.ARV" and r.strip().startswith("0x6,"))
+    events = []
+    for _, _, o, r in ops[start:end + 1]:
+        arg = re.sub(r"\s+", "", r).split(";")[0]
+        if o.startswith("BAR.SYNC") or o == "BAR.ARV":
+            events.append(f"{o.split('.DEFER')[0]} {arg.split(',')[0]}")
+        elif o.startswith("UBLKRED"):
+            events.append("UBLKRED")
+        elif o == "DEPBAR.LE":
+            events.append(f"DEPBAR.LE {arg}")
+    return events
+
+
 @needs_sass
 @pytest.mark.parametrize("head_dim, causal", [exhaustive(128, False), (128, True), exhaustive(64, True)])
 def test_sass_of_the_dk_after_dq_main_kernel(tmp_path, monkeypatch, head_dim, causal):
     """params.dk_after_dq, the loop in the order the overlap rests on: S^T and dP^T, wait, half of P's exp2, wait,
-    the other half beside dS^T, dS^T's stores, dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the 16 staging stores, DQ_STAGED, the
-    bulk reduction, and only then wait (dK) and q_empty (dV read dO, dK read Q). The default in the same
-    place: dV and dK together before DS_READY, dQ, both waits before the staging."""
+    the other half beside dS^T, dS^T's stores (stmatrix), dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ),
+    DQ_FREE (the writer warp has read the last staging), the 16 staging stores, DQ_STAGED (arrive: the writer warp
+    issues the bulk reduction), and only then wait (dK) and q_empty (dV read dO, dK read Q). The default in the
+    same place: dV and dK together before DS_READY, dQ, both waits before the staging. The writer warp's own
+    order: WRITER_ORDER."""
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
     params = {"head_dim": head_dim, "causal": causal}
     compiled = compile_source(rendered_source(variant("v", params={**params, "dk_after_dq": True}), tmp_path))
@@ -1558,6 +1586,7 @@ def test_sass_of_the_dk_after_dq_main_kernel(tmp_path, monkeypatch, head_dim, ca
     got = [e for e, _ in loop_body(main_kernel_ops(base.output, "b_w1_main")[1], sts=True)]
     assert got == ["q_full", "SS", "wait1", "EX2", "wait0", "EX2", "STSM", "RS", "DS_READY", "dQ", "wait1", "q_empty",
                    "wait0", "DQ_FREE", "STS.64", "DQ_STAGED"], got
+    assert writer_events(ops) == WRITER_ORDER and writer_events(main_kernel_ops(base.output, "b_w1_main")[1]) == WRITER_ORDER
 
 
 # ---------------------------------------------------------------------------
@@ -1658,12 +1687,13 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq
     """params.step_rows 128: S^T and dP^T as 4 + 4 HGMMA 64x128x16 from shared memory (K-major), dV and dK as 8 + 8
     HGMMA 64x64x16 with A from registers (tnspB), dQ as 8 HGMMA 64x64x16 (tnspA.tnspB: 128 keys), nothing else;
     four warpgroup waits, 128 exp2 (the masked and unmasked paths, 64 each: half before dP^T's wait, half after
-    it), 8 dS^T stmatrix and 16 staging stores a step, one bulk reduction, the 4 named barriers (ptxas's count), no
-    local memory, no call; and the loop in consume()'s order: q_full, S^T / dP^T, wait (S^T), half of the exp2,
-    wait (dP^T), the other half beside dS^T, its stores, dV / dK, DS_READY, dQ, wait (dV / dK),
-    q_empty, wait (dQ), the staging, DQ_STAGED, the bulk reduction. With params.dk_after_dq, consume()'s
-    DK_AFTER_DQ order over the 128 rows: dV alone, DS_READY, dQ, wait (dV), dK, wait (dQ), the staging, DQ_STAGED,
-    the bulk reduction, and only then wait (dK) and q_empty; no spill for dS^T's registers kept until dK retires."""
+    it), 8 dS^T stmatrix and 16 staging stores a step, the writer warp's two bulk reductions (one a consumer
+    warpgroup) and nothing else of dQ's, 7 named barriers (ptxas's count), no local memory, no call; and the loop in
+    consume()'s order: q_full, S^T / dP^T, wait (S^T), half of the exp2, wait (dP^T), the other half beside dS^T, its
+    stores, dV / dK, DS_READY, dQ, wait (dV / dK), q_empty, wait (dQ), DQ_FREE, the staging, DQ_STAGED. With
+    params.dk_after_dq, consume()'s DK_AFTER_DQ order over the 128 rows: dV alone, DS_READY, dQ, wait (dV), dK,
+    wait (dQ), DQ_FREE, the staging, DQ_STAGED, and only then wait (dK) and q_empty; no spill for dS^T's registers
+    kept until dK retires. The writer warp in WRITER_ORDER."""
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
     compiled = compile_source(rendered_source(variant("v", params={"head_dim": 64, "causal": causal, "step_rows": 128,
                                                                    "dk_after_dq": dk_after_dq}), tmp_path))
@@ -1703,6 +1733,7 @@ def test_sass_of_the_tall_main_kernel(tmp_path, monkeypatch, causal, dk_after_dq
     assert counts["SS"] == 8 and counts["RS"] == 16 and counts["dQ"] == 8 and counts["EX2"] == 128
     assert [n for e, n in body if e == "EX2"] == [64, 64], "half of P's exp2 on each side of dP^T's wait"
     assert counts["STSM"] == 8 and counts["STS.64"] == 16, counts  # dS^T: one stmatrix a k16 step
+    assert writer_events(ops) == WRITER_ORDER
 
 
 def test_gpu_tool_runs_step_rows_128_on_head_dim_64_only(tmp_path, monkeypatch):

@@ -802,12 +802,66 @@ def test_forward_tool_ab_report_and_a_tree_without_tsgen(tool, tmp_path, monkeyp
          "checks": {"attention_hd128": {"pass": True, "rows": [{"case": "seq 77", "pass": True}]},
                     "attention_hd128_base": {"pass": False, "rows": [{"case": "seq 4097", "pass": False}]}},
          "bench": [{"spec": "attention_hd128", "seq": 8192, "batch": 2, "x": {"ratio": 1.021, "min": 0.99, "max": 1.05},
-                    "tsgen": {"tflops": 650.4, "rel_err_vs_sdpa": 1e-3}, "base": {"tflops": 640.2, "rel_err_vs_sdpa": 2e-3}}],
+                    "tsgen": {"tflops": 650.4, "rel_err_vs_sdpa": 1e-3, "problems": []},
+                    "base": {"tflops": 640.2, "rel_err_vs_sdpa": 2e-3, "problems": ["3 samples dropped"]}},
+                   {"spec": "attention_hd64_causal", "seq": 8192, "error": "RuntimeError: launch failed"}],
          "bench_crashed": None, "build_errors": {}, "all_checks_pass": False, "seconds": 1}
     text = tool.markdown_ab(s)
     assert "commit abc1234's tsgen" in text and "| attention_hd128_base | 1 | seq 4097 | NO |" in text
-    assert "| attention_hd128 | 8192 | 650 | 640 | 1.021 (0.990 - 1.050) | 1.0e-03 / 2.0e-03 |" in text
+    assert ("| attention_hd128 | 8192 | 650 | 640 | 1.021 (0.990 - 1.050) | 1.0e-03 / 2.0e-03 (problems: base: 3 "
+            "samples dropped) |") in text
+    assert "| attention_hd64_causal | 8192 | | | failed: RuntimeError: launch failed | |" in text
     monkeypatch.setattr(tool.sys, "argv", ["gpu_attention.py", str(tmp_path / "out"), "--base-tree", str(tmp_path)])
     with pytest.raises(SystemExit):
         tool.main()
     assert not (tmp_path / "out" / "build").exists()
+
+
+def test_forward_tool_ab_run_stubbed(tool, tmp_path, monkeypatch):
+    """run_ab without a GPU (builds, children and bench stubbed): every AB_SPECS spec built both ways, checked, timed
+    in one `--child ab` call; exit 0 only when every check passed and no timed row is suspect or failed; a base
+    build whose spec fixes other tensors (same_shape) is refused, not timed; --rounds 0 is refused."""
+    gen = ROOT / "generated"
+    monkeypatch.setattr(tool, "build_ab", lambda out, spec, tree=None: {"manifest": str(gen / f"{spec}.json"),
+                                                                      "library": "x", "spec": spec})
+    monkeypatch.setattr(tool, "run_children", lambda out, kind, names, deadline, extra: {n: {"pass": True, "rows": []}
+                                                                                         for n in names})
+    calls = []
+
+    def row(spec, suspect=False):
+        side = {"tflops": 600.0, "rel_err_vs_sdpa": 1e-3, "problems": [], "suspect": suspect}
+        return {"spec": spec, "seq": 8192, "batch": 2, "x": {"ratio": 1.0, "min": 0.9, "max": 1.1},
+                "tsgen": side, "base": dict(side)}
+
+    def child(args, timeout):
+        calls.append(args)
+        return {"ab": {"rows": [row(s, suspect=bad) for s in tool.AB_SPECS], "device": "H200"}}, ""
+
+    monkeypatch.setattr(tool, "child", child)
+    tree = tmp_path / "tree"
+    (tree / "tsgen").mkdir(parents=True)
+    (tree / "COMMIT").write_text("abc1234\n")
+    bad = False
+    (tmp_path / "a" / "build").mkdir(parents=True)
+    assert tool.run_ab(tmp_path / "a", tree, 10, 1e12, "cmd") == 0
+    summary = json.loads((tmp_path / "a" / "attention_ab.json").read_text())
+    assert summary["base"] == "abc1234" and summary["all_checks_pass"] and not summary["build_errors"]
+    assert calls[-1][calls[-1].index("--child") + 1] == "ab"
+    assert sorted(calls[-1][-1].split(",")) == sorted(tool.AB_SPECS + [f"{s}_base" for s in tool.AB_SPECS])
+    bad = True
+    (tmp_path / "b" / "build").mkdir(parents=True)
+    assert tool.run_ab(tmp_path / "b", tree, 10, 1e12, "cmd") == 1
+    # the base build of another shape (here: another spec's manifest) is refused before anything runs
+    bad = False
+    monkeypatch.setattr(tool, "build_ab", lambda out, spec, tree=None: {
+        "manifest": str(gen / ("attention_hd64_causal.json" if tree and spec == "attention_hd128" else f"{spec}.json")),
+        "library": "x", "spec": spec})
+    (tmp_path / "c" / "build").mkdir(parents=True)
+    assert tool.run_ab(tmp_path / "c", tree, 10, 1e12, "cmd") == 1
+    summary = json.loads((tmp_path / "c" / "attention_ab.json").read_text())
+    assert "HEAD_DIM 64 -> 128" in summary["build_errors"]["attention_hd128_base"]
+    assert "attention_hd128_base" not in calls[-1][-1].split(",")
+    monkeypatch.setattr(tool.sys, "argv", ["gpu_attention.py", str(tmp_path / "d"), "--base-tree", str(tree),
+                                           "--rounds", "0"])
+    with pytest.raises(SystemExit):
+        tool.main()

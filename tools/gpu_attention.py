@@ -272,6 +272,12 @@ def torch_dtype(torch, name: str):
     return torch.bfloat16 if name == "bfloat16" else torch.float16
 
 
+def rel_err(torch, out, ref) -> float:
+    """||out - ref|| / ||ref|| of a timed output against SDPA's (float32 [B, S, H, D]); an unwritten (NaN-poisoned)
+    element counts as 1e4, so a kernel that skipped work fails MAX_REL_ERR."""
+    return float(torch.linalg.vector_norm(torch.nan_to_num(out.float(), nan=1e4) - ref) / torch.linalg.vector_norm(ref))
+
+
 def bench_tensors(torch, op, seq: int):
     """Random Q, K, V and empty O, LSE for `op` at sequence length `seq` over TOKENS tokens
     ([batch, seq, heads, head_dim]; LSE [batch, heads, seq] fp32): (batch, q, k, v, o, lse)."""
@@ -765,8 +771,7 @@ def bench(built: dict[str, dict], tune: dict[str, dict], quick: bool, echo=print
                     stream.synchronize()
                     row = {**base, "impl": label, "ms": t, "tflops": f / t / 1e9}
                     if ref is not None:  # the timed output, against SDPA's
-                        row["rel_err_vs_sdpa"] = float(torch.linalg.vector_norm(torch.nan_to_num(o.float(), nan=1e4) - ref)
-                                                       / torch.linalg.vector_norm(ref))
+                        row["rel_err_vs_sdpa"] = rel_err(torch, o, ref)
                     row["suspect"] = row["tflops"] > PEAK_TFLOPS or row.get("rel_err_vs_sdpa", 0) > MAX_REL_ERR
                     rows.append(row)
                 show = [r for r in rows if r["variant"] == name and r["seq"] == seq]
@@ -790,7 +795,7 @@ def bench(built: dict[str, dict], tune: dict[str, dict], quick: bool, echo=print
                 o.fill_(float("nan"))
             t = median_ms(torch, stream, lambda: op(q, k, v, o, lse, batch, seq, seq, stream))
             stream.synchronize()
-            err = float(torch.linalg.vector_norm(torch.nan_to_num(o.float(), nan=1e4) - ref) / torch.linalg.vector_norm(ref))
+            err = rel_err(torch, o, ref)
             f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
             rows.append({"variant": name, "head_dim": op.head_dim, "kv_heads": op.kv_heads, "causal": op.causal,
                          "seq": seq, "batch": batch, "impl": "tsgen", "ms": t, "tflops": f / t / 1e9, "tune": True,
@@ -830,53 +835,79 @@ def build_ab(out: Path, spec: str, tree: Path | None = None) -> dict:
 
 
 def bench_ab(built: dict[str, dict], rounds: int, echo=print) -> dict:
-    """Each spec's two builds (NAME: this checkout's, NAME_base: the tree's) on the same tensors and stream at
-    AB_SEQS, timed in `rounds` interleaved rounds in the balanced order (tsgen.bench.timing); x = base's time over
-    this checkout's, the median of the rounds' paired ratios; each build's timed output against SDPA flash's."""
+    """Each spec's two builds (NAME: this checkout's, NAME_base: the tree's) at AB_SEQS (ab_shape); a shape that
+    raises is a row with its error, and the next one still runs."""
     import torch
-    from torch.nn.attention import SDPBackend
 
-    from tsgen.bench.timing import Sampler, TorchClock, paired_ratio, time_interleaved
-    from tsgen.ops.attention import flops
+    from tsgen.bench.timing import TorchClock
 
-    clock, rows = TorchClock(torch), []
-    stream = torch.cuda.Stream()
+    clock, stream, rows = TorchClock(torch), torch.cuda.Stream(), []
     for spec in (s for s in AB_SPECS if s in built and f"{s}_base" in built):
         ops = {"tsgen": Op(built[spec]), "base": Op(built[f"{spec}_base"])}
-        op = ops["tsgen"]
         for seq in AB_SEQS:
-            batch, q, k, v, o, lse = bench_tensors(torch, op, seq)
-            outs = {impl: (torch.empty_like(o), torch.empty_like(lse)) for impl in ops}
-            torch.cuda.synchronize()
-            with torch.cuda.stream(stream):
-                ref = sdpa_call(torch, q, k, v, op.causal, SDPBackend.FLASH_ATTENTION)().transpose(1, 2).float()
-                for oo, _ in outs.values():
-                    oo.fill_(float("nan"))
-
-            def call(impl):
-                def enqueue(i, rs):
-                    ops[impl](q, k, v, outs[impl][0], outs[impl][1], batch, seq, seq, stream)
-                return enqueue
-
-            samplers = {impl: Sampler(clock, [0], {0: stream}, call(impl), calls=3, warmup=2, graphs=False,
-                                      label=impl, settle=AB_SETTLE) for impl in ops}
-            timings = time_interleaved(samplers, rounds=rounds)
-            stream.synchronize()
-            f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
-            row = {"spec": spec, "seq": seq, "batch": batch,
-                   "x": paired_ratio(timings["base"].samples_us, timings["tsgen"].samples_us)}
-            for impl, tm in timings.items():
-                err = float(torch.linalg.vector_norm(torch.nan_to_num(outs[impl][0].float(), nan=1e4) - ref)
-                            / torch.linalg.vector_norm(ref))
-                row[impl] = {"us": tm.median_us, "tflops": f / tm.median_us / 1e6, "samples_us": tm.samples_us,
-                             "problems": tm.problems, "rel_err_vs_sdpa": err,
-                             "suspect": f / tm.median_us / 1e6 > PEAK_TFLOPS or err > MAX_REL_ERR}
-            rows.append(row)
-            echo(f"  {spec} seq {seq}: tsgen {row['tsgen']['tflops']:.0f} base {row['base']['tflops']:.0f} "
-                 f"x {row['x']['ratio']:.3f} ({row['x']['min']:.3f} - {row['x']['max']:.3f})", flush=True)
-            q = k = v = o = lse = ref = outs = samplers = None
+            try:
+                rows.append({"spec": spec, **ab_shape(torch, ops, seq, rounds, stream, clock)})
+            except Exception as e:  # noqa: BLE001 -- a launch error or an SDPA refusal
+                rows.append({"spec": spec, "seq": seq, "error": f"{type(e).__name__}: {e}"[:300]})
+            print("BENCHROWS " + json.dumps(rows[-1:]), flush=True)  # kept by the parent should a later shape crash
+            r = rows[-1]
+            echo(f"  {spec} seq {seq}: " + (r["error"] if "error" in r else
+                 f"tsgen {r['tsgen']['tflops']:.0f} base {r['base']['tflops']:.0f} "
+                 f"x {r['x']['ratio']:.3f} ({r['x']['min']:.3f} - {r['x']['max']:.3f})"), flush=True)
             torch.cuda.empty_cache()
     return {"rows": rows, "device": torch.cuda.get_device_properties(0).name, "torch": torch.__version__}
+
+
+def ab_shape(torch, ops: dict, seq: int, rounds: int, stream, clock) -> dict:
+    """Both builds (ops: "tsgen", "base") on the same tensors and stream at `seq`, timed in `rounds` interleaved
+    rounds in the balanced order (tsgen.bench.timing); x = base's time over this checkout's, the median of the
+    rounds' paired ratios; each build's timed output (poisoned before) against SDPA flash's."""
+    from torch.nn.attention import SDPBackend
+
+    from tsgen.bench.timing import Sampler, paired_ratio, time_interleaved
+    from tsgen.ops.attention import flops
+
+    op = ops["tsgen"]
+    batch, q, k, v, o, lse = bench_tensors(torch, op, seq)
+    outs = {impl: (torch.empty_like(o), torch.empty_like(lse)) for impl in ops}
+    torch.cuda.synchronize()  # the inputs, made on the default stream, before `stream` reads them
+    with torch.cuda.stream(stream):
+        ref = sdpa_call(torch, q, k, v, op.causal, SDPBackend.FLASH_ATTENTION)().transpose(1, 2).float()
+        for out, _ in outs.values():
+            out.fill_(float("nan"))
+
+    def call(impl):
+        def enqueue(i, rs):
+            ops[impl](q, k, v, outs[impl][0], outs[impl][1], batch, seq, seq, stream)
+        return enqueue
+
+    samplers = {impl: Sampler(clock, [0], {0: stream}, call(impl), calls=3, warmup=2, graphs=False, label=impl,
+                              settle=AB_SETTLE) for impl in ops}
+    timings = time_interleaved(samplers, rounds=rounds)
+    stream.synchronize()
+    f = flops(batch, seq, seq, op.heads, op.head_dim, op.causal)
+    row = {"seq": seq, "batch": batch, "x": paired_ratio(timings["base"].samples_us, timings["tsgen"].samples_us)}
+    for impl, tm in timings.items():
+        err, tflops = rel_err(torch, outs[impl][0], ref), f / tm.median_us / 1e6
+        row[impl] = {"us": tm.median_us, "tflops": tflops, "samples_us": tm.samples_us, "problems": tm.problems,
+                     "rel_err_vs_sdpa": err,
+                     "suspect": tflops > PEAK_TFLOPS or err > MAX_REL_ERR or bool(tm.problems)}
+    return row
+
+
+def same_shape(here: dict, base: dict) -> str | None:
+    """Why two builds of one spec cannot be timed on the same tensors (the constants that fix the tensors' shapes
+    and layout, the dtype, the entry's argument list differ between the commits' specs), or None."""
+    a, b = (json.loads(Path(x["manifest"]).read_text()) for x in (here, base))
+    keys = ("HEAD_DIM", "HEADS", "KV_HEADS", "CAUSAL", "BHSD")
+    diff = [f"{k} {b['constants'].get(k)} -> {a['constants'].get(k)}" for k in keys
+            if a["constants"].get(k) != b["constants"].get(k)]
+    if a["buffers"][1]["dtype"] != b["buffers"][1]["dtype"]:
+        diff.append(f"dtype {b['buffers'][1]['dtype']} -> {a['buffers'][1]['dtype']}")
+    if [x.get("ctype") for x in a["kernels"][0].get("launcher_args", [])] != \
+            [x.get("ctype") for x in b["kernels"][0].get("launcher_args", [])]:
+        diff.append("the launcher's arguments")
+    return ", ".join(diff) or None
 
 
 def run_ab(out: Path, tree: Path, rounds: int, deadline: float, command: str) -> int:
@@ -893,15 +924,22 @@ def run_ab(out: Path, tree: Path, rounds: int, deadline: float, command: str) ->
                 builds[futures[fut]] = fut.result()
             except Exception as e:  # noqa: BLE001 -- reported, and the run fails
                 errors[futures[fut]] = str(e)[-2000:]
+    for spec in AB_SPECS:  # the two commits' specs must give the same tensors
+        if spec in builds and f"{spec}_base" in builds and (why := same_shape(builds[spec], builds[f"{spec}_base"])):
+            errors[f"{spec}_base"] = f"not comparable with this checkout's build: {why}"
+            del builds[f"{spec}_base"]
     (out / "build" / "builds.json").write_text(json.dumps(builds, indent=1))
     print(f"built {len(builds)} in {time.perf_counter() - started:.0f} s; errors: {errors}", flush=True)
-    checks = run_children(out, "check", sorted(builds), deadline - 150, [])
+    bench_reserve = 30 + 3 * rounds  # measured 2026-11-28: 10-24 rounds of 6 shapes took under 15 s
+    checks = run_children(out, "check", sorted(builds), deadline - bench_reserve, [])
     got, text = child([str(out), "--rounds", str(rounds), "--child", "ab", ",".join(sorted(builds))],
                       deadline - time.perf_counter())
-    print("\n".join("  " + l for l in text.strip().splitlines()[-40:] if not l.startswith("RESULT ")))
-    timing = got.get("ab", {"rows": [], "crashed": text.strip().splitlines()[-20:]})
+    print("\n".join("  " + l for l in text.strip().splitlines()[-40:] if not l.startswith(("RESULT ", "BENCHROWS "))))
+    timing = got.get("ab") or {"rows": [r for l in text.splitlines() if l.startswith("BENCHROWS ")
+                                        for r in json.loads(l[len("BENCHROWS "):])],
+                               "crashed": text.strip().splitlines()[-20:]}
     ok = (not errors and all(c.get("pass") for c in checks.values()) and "crashed" not in timing
-          and all(not r[i]["suspect"] for r in timing["rows"] for i in ("tsgen", "base")))
+          and all("error" not in r and not r[i]["suspect"] for r in timing["rows"] for i in ("tsgen", "base")))
     from tsgen.bench.results import commit as checkout_commit
 
     commit = (tree / "COMMIT").read_text().strip() if (tree / "COMMIT").is_file() else "?"
@@ -922,7 +960,8 @@ def markdown_ab(s: dict) -> str:
     lines = [f"# attention forward A/B on one GPU ({s['device']}, {s['date']})", "",
              f"Command: `{s['command']}`", "",
              f"base: the shipped specs rendered and compiled by commit {s['base']}'s tsgen and templates "
-             f"(tools/ab_tree.py); tsgen: this checkout's ({s.get('commit', '?')}). Both on the same tensors and stream, "
+             f"(tools/ab_tree.py); tsgen: this checkout's ({s.get('commit', '?')}). "
+             "Both on the same tensors and stream, "
              f"{s['rounds']} interleaved rounds in the balanced order, {s['settle']} untimed call(s) before each "
              "sample of 3 calls; x = base's time / tsgen's, the median of the rounds' paired ratios (range).", "",
              "## Correctness", "", "| build | cases | failed | pass |", "|---|---|---|---|"]
@@ -936,9 +975,14 @@ def markdown_ab(s: dict) -> str:
     lines += ["", "## Speed (TFLOP/s: 4 b h s^2 d, halved causal)", "",
               "| spec | S | tsgen | base | x (range) | rel err vs SDPA tsgen / base |", "|---|---|---|---|---|---|"]
     for r in s["bench"]:
+        if "error" in r:
+            lines.append(f"| {r['spec']} | {r['seq']} | | | failed: {r['error']} | |")
+            continue
+        problems = "; ".join(f"{i}: {p}" for i in ("tsgen", "base") for p in r[i]["problems"])
         lines.append(f"| {r['spec']} | {r['seq']} | {r['tsgen']['tflops']:.0f} | {r['base']['tflops']:.0f} | "
                      f"{r['x']['ratio']:.3f} ({r['x']['min']:.3f} - {r['x']['max']:.3f}) | "
-                     f"{r['tsgen']['rel_err_vs_sdpa']:.1e} / {r['base']['rel_err_vs_sdpa']:.1e} |")
+                     f"{r['tsgen']['rel_err_vs_sdpa']:.1e} / {r['base']['rel_err_vs_sdpa']:.1e}"
+                     + (f" (problems: {problems})" if problems else "") + " |")
     if s["bench_crashed"]:
         lines += ["", "The bench crashed:", "", "```", *s["bench_crashed"], "```"]
     lines += ["", f"All checks pass: {'yes' if s['all_checks_pass'] else 'NO'} ({s['seconds']} s)", ""]
@@ -1044,6 +1088,8 @@ def main() -> int:
     atexit.register(pack_build, out)  # the children read OUT/build while the run lasts
     if args.ncu_baseline and not args.ncu_source:
         ap.error("--ncu-baseline: with --ncu-source VARIANT")
+    if args.ncu_source and args.base_tree:
+        ap.error("--ncu-source and --base-tree: one at a time")
     if args.ncu_source:
         if args.ncu_source not in VARIANTS:
             ap.error(f"--ncu-source: unknown variant {args.ncu_source!r} (known: {', '.join(VARIANTS)})")
@@ -1054,6 +1100,12 @@ def main() -> int:
     deadline = started + args.deadline
     command = " ".join(["python", "tools/gpu_attention.py", *sys.argv[1:]])
     if args.base_tree:
+        if args.rounds < 1:
+            ap.error(f"--rounds: at least 1, not {args.rounds}")
+        ignored = [flag for flag, on in (("--quick", args.quick), ("--no-bench", args.no_bench),
+                                         ("--no-checks", args.no_checks), ("--variants", args.variants)) if on]
+        if ignored:
+            ap.error(f"--base-tree runs every check of AB_SPECS and the bench: not with {', '.join(ignored)}")
         if not (args.base_tree / "tsgen").is_dir():
             ap.error(f"--base-tree: {args.base_tree} holds no tsgen/ (python tools/ab_tree.py make REV)")
         (out / "build").mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 report's source page and summarized: by stall reason, the hottest instructions, and the stretches between the
 instructions where warps wait or hand work to another unit. Shared by tools/gpu_attention_bwd.py and
 tools/gpu_attention.py (--ncu-source): tsgen's kernel beside a baseline's from the same tensors, to choose a lever
-from where the step waits rather than from instruction counts (docs/design/attention.md)."""
+from where the step waits rather than from instruction counts (docs/design/attention.md). A saved page summarized
+again: python tools/ncu_source.py PAGE.csv TITLE."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ SOURCE_LANDMARKS = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "BAR.SYNC",
 def source_rows(text: str) -> list[dict]:
     """The rows of ncu's source page in CSV (--page source --csv --print-source sass), as dicts: "address" (int),
     "sass" (the instruction), "samples" (warp stall samples, all), "executed" (warp-level executions, 0 where the
-    page lacks "Instructions Executed") and "reasons" ({column: samples} of each stall reason's column, stall_*). The page opens with the kernel's name line; its versions name the address column
+    page lacks "Instructions Executed") and "reasons" ({column: samples} of each stall reason's column, stall_*).
+    The page opens with the kernel's name line; its versions name the address column
     "Address" or "# Address", and the samples "Warp Stall Sampling (All Samples)" (older: "(All Cycles)") or
     "# Samples"."""
     lines = text.splitlines()
@@ -109,10 +111,13 @@ def executed_summary(rows: list[dict], top: int = 16) -> list[str]:
     step = max((r["executed"] for r in rows if opcode(r["sass"]) == "HGMMA"), default=0.0)
     if step <= 0:
         return []
-    bands = [("> 1.1 (more than once a step)", 1.1, float("inf")), ("0.9 - 1.1 (the loop's path)", 0.9, 1.1),
+    bands = [(">= 1.1 (more than once a step)", 1.1, float("inf")), ("0.9 - 1.1 (the loop's path)", 0.9, 1.1),
              ("0.3 - 0.9", 0.3, 0.9), ("0.05 - 0.3", 0.05, 0.3), ("< 0.05 (per tile, prologue, epilogue)", 0.0, 0.05)]
     total = sum(r["samples"] for r in rows) or 1.0
-    out = ["", f"## executed instructions per warp-step (unit: the most executed HGMMA's count, {step:.0f})",
+    at_unit = sum(1 for r in rows if opcode(r["sass"]) == "HGMMA" and r["executed"] == step)
+    # a loop whose wgmma ptxas duplicated (two copies of the step) would halve the unit: the count says so
+    out = ["", f"## executed instructions per warp-step (unit: the most executed HGMMA's count, {step:.0f}, "
+               f"which {at_unit} HGMMA instructions share)",
            f"all: {sum(r['executed'] for r in rows) / step:.1f}"]
     for label, lo, hi in bands:
         inside = [r for r in rows if r["executed"] > 0 and lo <= r["executed"] / step < hi]
