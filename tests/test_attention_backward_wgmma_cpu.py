@@ -548,7 +548,7 @@ def test_gpu_tool_summarizes_ncu_source_page():
     samples from a landmark (here the wait for dP and the named barrier) to the next are that stretch's."""
     from conftest import load_script
 
-    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    tool = load_script(ROOT / "tools" / "ncu_source.py")
     page = "\n".join([
         '"Kernel Name","v_w1_main"',  # the page's first line names the kernel
         '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
@@ -584,8 +584,9 @@ def test_gpu_tool_summarizes_ncu_source_page():
 def test_ncu_summary_counts_executions_per_warp_step():
     """With "Instructions Executed": the unit is the most executed HGMMA's count (one warp-step); the bands and the
     loop path's opcodes are per step, predicates and modifiers stripped; without the column, no such section."""
-    import ncu_source
+    from conftest import load_script
 
+    ncu_source = load_script(ROOT / "tools" / "ncu_source.py")
     page = "\n".join([
         '"Kernel Name","k"',
         '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_wait"',

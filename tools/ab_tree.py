@@ -59,6 +59,13 @@ def make(rev: str, dest: Path | None = None) -> Path:
     return tree
 
 
+def tree_problem(tree: Path) -> str | None:
+    """Why TREE cannot build (no tsgen/ in it), or None: the tools' --base-tree check and build's."""
+    if not (Path(tree) / "tsgen" / "__init__.py").is_file():
+        return f"{tree}: no tsgen/ here (make one with: python tools/ab_tree.py make REV)"
+    return None
+
+
 def build(tree: Path, spec: str, changes: dict, gen: Path, *, render_only: bool = False,
           timeout: float = 600) -> dict:
     """Spec `spec` (relative to the tree) with `changes`, rendered and compiled by TREE's tsgen in a child process
@@ -67,8 +74,8 @@ def build(tree: Path, spec: str, changes: dict, gen: Path, *, render_only: bool 
     compile_source): a tree too old for those, or whose spec schema lacks a key of `changes`, fails with its
     error in the RuntimeError."""
     tree, gen = Path(tree).resolve(), Path(gen).resolve()  # the child runs in the tree: no relative paths
-    if not (tree / "tsgen" / "__init__.py").is_file():
-        raise FileNotFoundError(f"{tree}: no tsgen/ here (make one with: python tools/ab_tree.py make REV)")
+    if problem := tree_problem(tree):
+        raise FileNotFoundError(problem)
     cmd = [sys.executable, str(Path(__file__).resolve()), "build", str(tree), spec, json.dumps(changes), str(gen)]
     p = subprocess.run(cmd + (["--render-only"] if render_only else []), capture_output=True, text=True,
                        timeout=timeout, cwd=tree, env={**os.environ, "PYTHONPATH": os.pathsep.join(  # the tree first,
@@ -110,7 +117,8 @@ def _child(tree: str, spec: str, changes: str, gen: str, render_only: bool) -> i
 def sass_of(source: Path, include: Path, out: Path) -> list[str]:
     """The SASS instructions of SOURCE compiled for sm_90a against the headers under INCLUDE (addresses and
     encodings dropped, so that two builds compare line by line)."""
-    sys.path.insert(0, str(ROOT))
+    if str(ROOT) not in sys.path:  # this checkout's toolchain (the module itself imports no tsgen: _child's must be the tree's)
+        sys.path.insert(0, str(ROOT))
     from tsgen.toolchain import dump_sass, find_nvcc, gencode_flags
 
     subprocess.run([str(find_nvcc()), "-cubin", *gencode_flags("sm_90a"), "-O3", "-std=c++17", "-w", f"-I{include}",

@@ -212,6 +212,20 @@ def pack_build(out: Path) -> None:
     shutil.rmtree(out / "build")
 
 
+def build_all(jobs: dict, workers: int = 16) -> tuple[dict[str, dict], dict[str, str]]:
+    """Every job (name -> a call returning its build dict) on a pool of threads (nvcc runs in child processes):
+    ({name: build}, {name: the end of its error})."""
+    builds, errors = {}, {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, os.cpu_count() or 4)) as pool:
+        futures = {pool.submit(job): name for name, job in jobs.items()}
+        for fut in concurrent.futures.as_completed(futures):
+            try:
+                builds[futures[fut]] = fut.result()
+            except Exception as e:  # noqa: BLE001 -- reported, and the run fails
+                errors[futures[fut]] = str(e)[-2000:]
+    return builds, errors
+
+
 def build(out: Path, name: str, timeout_ms: int | None = 3000) -> dict:
     """Render and compile variant `name`: {"manifest", "library", "spec", "softmax_scale"} (ONE_SLOT's
     with every stream on one tile counter, and "one_slot": true)."""
@@ -915,15 +929,8 @@ def run_ab(out: Path, tree: Path, rounds: int, deadline: float, command: str) ->
     build), time them (bench_ab, one child), write OUT/attention_ab.{json,md}. 0: every check passed and every
     timed output matched SDPA's."""
     started = time.perf_counter()
-    builds, errors = {}, {}
-    jobs = [(spec, None) for spec in AB_SPECS] + [(spec, tree) for spec in AB_SPECS]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(6, os.cpu_count() or 4)) as pool:
-        futures = {pool.submit(build_ab, out, spec, t): spec + ("_base" if t else "") for spec, t in jobs}
-        for fut in concurrent.futures.as_completed(futures):
-            try:
-                builds[futures[fut]] = fut.result()
-            except Exception as e:  # noqa: BLE001 -- reported, and the run fails
-                errors[futures[fut]] = str(e)[-2000:]
+    builds, errors = build_all({**{spec: (lambda s=spec: build_ab(out, s)) for spec in AB_SPECS},
+                                **{f"{spec}_base": (lambda s=spec: build_ab(out, s, tree)) for spec in AB_SPECS}})
     for spec in AB_SPECS:  # the two commits' specs must give the same tensors
         if spec in builds and f"{spec}_base" in builds and (why := same_shape(builds[spec], builds[f"{spec}_base"])):
             errors[f"{spec}_base"] = f"not comparable with this checkout's build: {why}"
@@ -1106,8 +1113,10 @@ def main() -> int:
                                          ("--no-checks", args.no_checks), ("--variants", args.variants)) if on]
         if ignored:
             ap.error(f"--base-tree runs every check of AB_SPECS and the bench: not with {', '.join(ignored)}")
-        if not (args.base_tree / "tsgen").is_dir():
-            ap.error(f"--base-tree: {args.base_tree} holds no tsgen/ (python tools/ab_tree.py make REV)")
+        import ab_tree
+
+        if problem := ab_tree.tree_problem(args.base_tree):
+            ap.error(f"--base-tree: {problem}")
         (out / "build").mkdir(parents=True, exist_ok=True)
         return run_ab(out, args.base_tree.resolve(), args.rounds, deadline, command)
     names = sorted(set(CHECK_VARIANTS + BENCH_VARIANTS + TUNE_VARIANTS + ["probe_waits"]))
@@ -1118,15 +1127,8 @@ def main() -> int:
         if unknown:
             ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
         names, args.no_bench = list(only), True
-    builds, build_errors = {}, {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 4)) as pool:
-        futures = {pool.submit(build, out, n, 200 if n == "probe_waits" else 3000): n for n in names}
-        for fut in concurrent.futures.as_completed(futures):
-            n = futures[fut]
-            try:
-                builds[n] = fut.result()
-            except Exception as e:  # noqa: BLE001
-                build_errors[n] = str(e)[-2000:]
+    builds, build_errors = build_all({n: (lambda n=n: build(out, n, 200 if n == "probe_waits" else 3000))
+                                      for n in names})
     (out / "build" / "builds.json").write_text(json.dumps(builds, indent=1))
     print(f"built {len(builds)} variants in {time.perf_counter() - started:.0f} s; errors: {list(build_errors)}")
     for n, e in build_errors.items():

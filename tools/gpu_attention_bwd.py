@@ -83,7 +83,7 @@ from tsgen.bench.timing import ROUND_ORDERS  # noqa: E402
 from tsgen.env import force_no_multicast  # noqa: E402
 from tsgen.ops.attention import grad_tolerance  # noqa: E402
 import gpu_attention as ga  # noqa: E402  (the forward's script)
-from ncu_source import SOURCE_LANDMARKS, page_summary, source_args, source_rows, stall_summary  # noqa: E402,F401
+from ncu_source import page_summary, source_args  # noqa: E402
 from gpu_attention import Op as ForwardOp, build as build_forward, build_loaded, torch_dtype  # noqa: E402
 
 force_no_multicast()
@@ -991,10 +991,12 @@ def main() -> int:
     if not impls or set(impls) - set(IMPLS) - ({"base"} if a.base_tree else set()):
         ap.error(f"--impl: a comma-separated list of {', '.join(IMPLS)} (and base, with --base-tree), not {a.impl!r}")
     if a.base_tree:
+        import ab_tree
+
         global BASE_TREE
         BASE_TREE = Path(a.base_tree).resolve()
-        if not (BASE_TREE / "tsgen" / "__init__.py").is_file():
-            ap.error(f"--base-tree: {a.base_tree} holds no tsgen/ (python tools/ab_tree.py make REV)")
+        if problem := ab_tree.tree_problem(BASE_TREE):
+            ap.error(f"--base-tree: {problem}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     atexit.register(ga.pack_build, out)  # OUT/build into one archive at exit: a device call returns few files

@@ -83,10 +83,7 @@ def stall_summary(rows: list[dict], title: str, top: int = 30) -> str:
             out.append(f"{stretch / total:7.1%}  {start['address']:#07x} {start['sass'][:60]:60s} ({n} instructions)")
 
     for r in ordered:
-        op = r["sass"].split()[0] if r["sass"] else ""
-        if op.startswith("@"):
-            op = r["sass"].split()[1] if len(r["sass"].split()) > 1 else ""
-        if start is None or op.startswith(SOURCE_LANDMARKS):
+        if start is None or mnemonic(r["sass"]).startswith(SOURCE_LANDMARKS):
             flush()
             stretch, start, n = 0.0, r, 0
         stretch += r["samples"]
@@ -95,12 +92,20 @@ def stall_summary(rows: list[dict], title: str, top: int = 30) -> str:
     return "\n".join(out + executed_summary(rows)) + "\n"
 
 
-def opcode(sass: str) -> str:
-    """An instruction's opcode without its predicate and modifiers: "@!P0 SYNCS.ARRIVE.TRANS64 ..." -> "SYNCS"."""
+def mnemonic(sass: str) -> str:
+    """An instruction's mnemonic without its predicate: "@!P0 SYNCS.ARRIVE.TRANS64 RZ, ..." -> "SYNCS.ARRIVE.TRANS64"."""
     words = sass.split()
     if words and words[0].startswith("@"):
         words = words[1:]
-    return words[0].split(".")[0] if words else ""
+    return words[0] if words else ""
+
+
+def opcode(sass: str) -> str:
+    """The mnemonic without its modifiers: "@!P0 SYNCS.ARRIVE.TRANS64 ..." -> "SYNCS"."""
+    return mnemonic(sass).split(".")[0]
+
+
+LOOP_PATH = (0.9, 1.1)  # executions per warp-step of the instructions on the main loop's path (executed_summary)
 
 
 def executed_summary(rows: list[dict], top: int = 16) -> list[str]:
@@ -111,22 +116,24 @@ def executed_summary(rows: list[dict], top: int = 16) -> list[str]:
     step = max((r["executed"] for r in rows if opcode(r["sass"]) == "HGMMA"), default=0.0)
     if step <= 0:
         return []
-    bands = [(">= 1.1 (more than once a step)", 1.1, float("inf")), ("0.9 - 1.1 (the loop's path)", 0.9, 1.1),
-             ("0.3 - 0.9", 0.3, 0.9), ("0.05 - 0.3", 0.05, 0.3), ("< 0.05 (per tile, prologue, epilogue)", 0.0, 0.05)]
+    lo, hi = LOOP_PATH
+    bands = [(f">= {hi} (more than once a step)", hi, float("inf")), (f"{lo} - {hi} (the loop's path)", lo, hi),
+             (f"0.3 - {lo}", 0.3, lo), ("0.05 - 0.3", 0.05, 0.3), ("< 0.05 (per tile, prologue, epilogue)", 0.0, 0.05)]
     total = sum(r["samples"] for r in rows) or 1.0
     at_unit = sum(1 for r in rows if opcode(r["sass"]) == "HGMMA" and r["executed"] == step)
     # a loop whose wgmma ptxas duplicated (two copies of the step) would halve the unit: the count says so
     out = ["", f"## executed instructions per warp-step (unit: the most executed HGMMA's count, {step:.0f}, "
                f"which {at_unit} HGMMA instructions share)",
            f"all: {sum(r['executed'] for r in rows) / step:.1f}"]
-    for label, lo, hi in bands:
-        inside = [r for r in rows if r["executed"] > 0 and lo <= r["executed"] / step < hi]
+    for label, low, high in bands:
+        inside = [r for r in rows if r["executed"] > 0 and low <= r["executed"] / step < high]
         out.append(f"{sum(r['executed'] for r in inside) / step:7.1f}  {label}  ({len(inside)} instructions, "
                    f"{sum(r['samples'] for r in inside) / total:.1%} of the samples)")
     path: dict[str, int] = {}
     for r in rows:
-        if 0.9 <= r["executed"] / step < 1.1:
-            path[opcode(r["sass"])] = path.get(opcode(r["sass"]), 0) + 1
+        if lo <= r["executed"] / step < hi:
+            op = opcode(r["sass"])
+            path[op] = path.get(op, 0) + 1
     out += ["", "on the loop's path, by opcode:"]
     out += [f"{n:7d}  {op}" for op, n in sorted(path.items(), key=lambda kv: (-kv[1], kv[0]))[:top]]
     return out
