@@ -491,7 +491,8 @@ def test_printing_wait_diagnostic_serializes(cache, tmp_path):
 WALK = r"""
 #include "SOURCE"
 #include <cstdlib>
-// Every tile of a problem: "T m0 head batch blocks", then "B j masked" per KV block.
+// Every tile of a problem: "T m0 head batch blocks masked_from", then "B j masked" per KV block
+// (block_masked, the definition; walk() checks the kernel's tile.masked_from against it).
 // argv[8] (optional): head_group (the dynamic schedule's order).
 int main(int argc, char** argv) {
   using C = MODULE::Config;
@@ -503,7 +504,7 @@ int main(int argc, char** argv) {
   p.tiles = p.m_tiles * C::HEADS * p.batch;
   for (uint32_t t = 0; t < p.tiles; ++t) {
     const tsgen::attention::Tile tile = tsgen::attention::tile_of<C>(p, t);
-    printf("T %u %u %u %d\n", tile.m0, tile.head, tile.batch, tile.blocks);
+    printf("T %u %u %u %d %d\n", tile.m0, tile.head, tile.batch, tile.blocks, tile.masked_from);
     for (int j = 0; j < tile.blocks; ++j) printf("B %d %d\n", j, (int)tsgen::attention::block_masked<C>(p, tile, j));
   }
 }
@@ -521,14 +522,19 @@ def walker(source: Path, module: str, tmp: Path) -> Path:
 
 
 def walk(exe: Path, *args) -> list:
+    """[m0, head, batch, blocks, [masked per block]] per tile; asserts that the kernel's test, block j masked
+    when j >= tile.masked_from, is block_masked's for every block."""
     out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, check=True).stdout
-    tiles = []
+    tiles, froms = [], []
     for line in out.splitlines():
         f = line.split()
         if f[0] == "T":
             tiles.append([int(f[1]), int(f[2]), int(f[3]), int(f[4]), []])
+            froms.append(int(f[5]))
         else:
             tiles[-1][4].append(int(f[2]))
+    for tile, masked_from in zip(tiles, froms):
+        assert tile[4] == [int(j >= masked_from) for j in range(tile[3])], ("masked_from", args, tile[:4], masked_from)
     return tiles
 
 

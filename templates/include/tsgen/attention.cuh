@@ -120,6 +120,8 @@ using gemm::setmaxnreg_inc;
 using gemm::smem_u32;
 using gemm::st_shared_u32;
 using gemm::sw128_descriptor;
+using gemm::sw128_descriptor_hi;
+using gemm::sw128_descriptor_lo;
 using gemm::wgmma_commit_group;
 using gemm::wgmma_fence;
 using gemm::wgmma_wait_group;
@@ -306,8 +308,9 @@ static __host__ __device__ __forceinline__ int64_t q_position(const Problem& p, 
 
 struct Tile {
   uint32_t m0, head, batch;
-  int32_t blocks;    // KV blocks this tile needs (0: no key is visible to any of its rows)
-  int64_t min_q;     // smallest position of the tile's rows (< q_len): causal masking
+  int32_t blocks;       // KV blocks this tile needs (0: no key is visible to any of its rows)
+  int32_t masked_from;  // the first KV block that needs the element-wise mask (block_masked: j >= it)
+  int64_t min_q;        // smallest position of the tile's rows (< q_len): causal masking
 };
 
 // Tile t: the same on the producer and the consumers (and on the host, for tests).
@@ -340,6 +343,12 @@ static __host__ __device__ __forceinline__ Tile tile_of(const Problem& p, uint32
     min_q = min_q < start1 ? min_q : start1;
   }
   tile.min_q = min_q;
+  // block_masked's test, solved for j once a tile: block j needs the mask when (j + 1) TILE_N > limit,
+  // i.e. j >= limit / TILE_N (limit >= 0), so the consumer's step compares two 32-bit ints
+  int64_t limit = p.kv_len;
+  if (C::CAUSAL) limit = min_q - p.kv_offset + 1 < limit ? min_q - p.kv_offset + 1 : limit;
+  const int64_t from = limit <= 0 ? 0 : limit / C::TILE_N;
+  tile.masked_from = from < all ? (int32_t)from : all;
   if (!C::CAUSAL) {
     tile.blocks = all;
   } else {
@@ -351,7 +360,8 @@ static __host__ __device__ __forceinline__ Tile tile_of(const Problem& p, uint32
 }
 
 // KV block j of a tile needs the element-wise mask: it holds rows >= kv_len, or (causal)
-// keys past the tile's first query position.
+// keys past the tile's first query position. The definition; the kernel compares j with
+// tile.masked_from (tile_of), which the host test checks against this for every block.
 template <class C>
 static __host__ __device__ __forceinline__ bool block_masked(const Problem& p, const Tile& tile, int32_t j) {
   const int64_t end = (int64_t)(j + 1) * C::TILE_N;
@@ -687,28 +697,62 @@ static __device__ __forceinline__ void rescale(float (&o)[Layout<C>::O_ACC], con
   for (int i = 0; i < Layout<C>::O_ACC; ++i) o[i] *= scale[(i / 2) % 2];
 }
 
+// The wgmma descriptors of a consumer warpgroup's operands. Without ping-pong (OPAQUE): the low
+// halves (address field and leading offset) made once, of its Q rows and of K and V at ring stage 0;
+// stage s's K is stage 0's plus s * STAGE in the address field, and a k16 step's is that plus its
+// own offset (the field counts 16 bytes; every address stays below 2^18, the field's reach, so a sum
+// never carries out of it); the high half (stride 1024, the swizzle) is a constant. The low halves
+// are opaque to the compiler, which otherwise folds the sums back and remakes each descriptor from
+// the shared-memory base at every step (seen in the SASS). With ping-pong each is remade from the base
+// as before: measured 2026-11-28 (docs/design/attention.md "The forward's step beside FA4's"), the
+// held form was 3 % faster without ping-pong and 1 % slower with it (hd 128 causal GQA).
+template <class C>
+struct Descriptors {
+  using L = Layout<C>;
+  static constexpr bool OPAQUE = !C::PINGPONG;
+  static constexpr uint32_t STAGE = L::KV_STAGE >> 4;
+  static constexpr uint64_t HI = (uint64_t)sw128_descriptor_hi(1024) << 32;
+  static_assert(L::KV_STAGE % 16 == 0 && L::SMEM_BYTES <= (1 << 18), "descriptor arithmetic stays in the field");
+  uint32_t smem, cw, q, k, v;
+  __device__ __forceinline__ Descriptors(uint32_t smem_, uint32_t cw_)
+      : smem(smem_), cw(cw_), q(sw128_descriptor_lo(smem_ + L::Q_OFF + cw_ * 64 * 128, 16)),
+        k(sw128_descriptor_lo(smem_ + L::K_OFF, 16)), v(sw128_descriptor_lo(smem_ + L::V_OFF, L::KV_BOX)) {
+    if constexpr (OPAQUE) asm("" : "+r"(q), "+r"(k), "+r"(v));
+  }
+  // `bytes` past the start of Q / of K or V at `stage`
+  __device__ __forceinline__ uint64_t q_at(uint32_t bytes) const {
+    if constexpr (OPAQUE) return HI | (q + (bytes >> 4));
+    return sw128_descriptor(smem + L::Q_OFF + cw * 64 * 128, 16, 1024) + (bytes >> 4);
+  }
+  __device__ __forceinline__ uint64_t k_at(uint32_t stage, uint32_t bytes) const {
+    if constexpr (OPAQUE) return HI | (k + stage * STAGE + (bytes >> 4));
+    return sw128_descriptor(smem + L::K_OFF + stage * L::KV_STAGE, 16, 1024) + (bytes >> 4);
+  }
+  __device__ __forceinline__ uint64_t v_at(uint32_t stage, uint32_t bytes) const {
+    if constexpr (OPAQUE) return HI | (v + stage * STAGE + (bytes >> 4));
+    return sw128_descriptor(smem + L::V_OFF + stage * L::KV_STAGE, L::KV_BOX, 1024) + (bytes >> 4);
+  }
+};
+
 // S = Q K^T for KV stage `stage`: HEAD_DIM / 16 wgmma, both operands K-major in shared memory.
 template <class C>
-static __device__ __forceinline__ void issue_qk(float (&s)[Layout<C>::S_ACC], uint32_t smem, uint32_t cw,
+static __device__ __forceinline__ void issue_qk(float (&s)[Layout<C>::S_ACC], const Descriptors<C>& d,
                                                 uint32_t stage) {
   using L = Layout<C>;
-  const uint64_t q_desc = sw128_descriptor(smem + L::Q_OFF + cw * 64 * 128, 16, 1024);
-  const uint64_t k_desc = sw128_descriptor(smem + L::K_OFF + stage * L::KV_STAGE, 16, 1024);
 #pragma unroll
   for (int k = 0; k < C::HEAD_DIM / 16; ++k) {
     const uint32_t q_step = (k / 4) * L::Q_BOX + (k % 4) * 32, k_step = (k / 4) * L::KV_BOX + (k % 4) * 32;
-    C::mma_qk(s, q_desc + (q_step >> 4), k_desc + (k_step >> 4), k > 0);
+    C::mma_qk(s, d.q_at(q_step), d.k_at(stage, k_step), k > 0);
   }
 }
 
 // O (+)= P V for KV stage `stage`: TILE_N / 16 wgmma, V N-major (64-column boxes KV_BOX apart).
 template <class C>
 static __device__ __forceinline__ void issue_pv(float (&o)[Layout<C>::O_ACC], const uint32_t (&a)[Layout<C>::K16][4],
-                                                uint32_t smem, uint32_t stage, bool accumulate) {
+                                                const Descriptors<C>& d, uint32_t stage, bool accumulate) {
   using L = Layout<C>;
-  const uint64_t v_desc = sw128_descriptor(smem + L::V_OFF + stage * L::KV_STAGE, L::KV_BOX, 1024);
 #pragma unroll
-  for (int k = 0; k < L::K16; ++k) C::mma_pv(o, a[k], v_desc + ((k * 16 * 128) >> 4), accumulate || k > 0);
+  for (int k = 0; k < L::K16; ++k) C::mma_pv(o, a[k], d.v_at(stage, k * 16 * 128), accumulate || k > 0);
 }
 
 // PINGPONG: warpgroup cw waits for its turn to issue GEMMs, and hands the turn over.
@@ -806,6 +850,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
   float o[L::O_ACC];
   uint32_t a[L::K16][4];
   Softmax<C> sm;
+  const Descriptors<C> desc(smem, cw);
   uint32_t count = 0, tiles = 0;
   const bool dynamic = p.work != nullptr;
   if (cw == L::CONSUMERS - 1) turn_pass<C>(cw);  // warpgroup 0 issues first
@@ -847,14 +892,14 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         mbar_wait_no_timeout(smem + L::K_FULL + 8 * r.stage, r.phase);
         turn_wait<C>(cw);
         wgmma_fence();
-        issue_qk<C>(s, smem, cw, r.stage);
+        issue_qk<C>(s, desc, r.stage);
         wgmma_commit_group();
         turn_pass<C>(cw);
         wgmma_wait_group<0>();
         fence_all<C>(s, L::S_ACC);
         if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * r.stage);
         if (L::OVERLAP && n == 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
-        if (block_masked<C>(p, tile, n - 1)) {
+        if (n - 1 >= tile.masked_from) {
           sm.template step<true, true>(s, scale, p, n - 1, pos);
         } else {
           sm.template step<false, true>(s, scale, p, n - 1, pos);
@@ -868,17 +913,17 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         mbar_wait_no_timeout(smem + L::K_FULL + 8 * rk.stage, rk.phase);
         turn_wait<C>(cw);
         wgmma_fence();
-        issue_qk<C>(s, smem, cw, rk.stage);
+        issue_qk<C>(s, desc, rk.stage);
         wgmma_commit_group();
         mbar_wait_no_timeout(smem + L::V_FULL + 8 * rv.stage, rv.phase);
-        issue_pv<C>(o, a, smem, rv.stage, i > 1);
+        issue_pv<C>(o, a, desc, rv.stage, i > 1);
         wgmma_commit_group();
         turn_pass<C>(cw);
         wgmma_wait_group<1>();  // S_i is done; P V may still run
         fence_all<C>(s, L::S_ACC);
         if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * rk.stage);
         if (L::OVERLAP && i == n - 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
-        if (block_masked<C>(p, tile, j)) {
+        if (j >= tile.masked_from) {
           sm.template step<true, false>(s, scale, p, j, pos);
         } else {
           sm.template step<false, false>(s, scale, p, j, pos);
@@ -895,7 +940,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         mbar_wait_no_timeout(smem + L::V_FULL + 8 * rv.stage, rv.phase);
         turn_wait<C>(cw);
         wgmma_fence();
-        issue_pv<C>(o, a, smem, rv.stage, n > 1);
+        issue_pv<C>(o, a, desc, rv.stage, n > 1);
         wgmma_commit_group();
         turn_pass<C>(cw);
         wgmma_wait_group<0>();
