@@ -313,18 +313,20 @@ static __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// wgmma descriptor of a 128B-swizzled tile starting at `addr` (see the top of this file): its low
-// half (start address in 16-byte units, bits 0-13; leading byte offset, bits 16-29) and its high
-// half (stride byte offset, bits 32-45; the 128B swizzle, bit 62), also apart for callers that keep
-// the low half and add offsets to it.
-static __host__ __device__ constexpr uint32_t sw128_descriptor_hi(uint32_t stride) {
-  return (stride >> 4) | (1u << 30);
+// wgmma descriptor of a 128B-swizzled tile starting at `addr` (see the top of this file): start address
+// in 16-byte units (bits 0-13), leading byte offset (bits 16-29), stride byte offset (bits 32-45), the
+// 128B swizzle (bit 62).
+static __host__ __device__ __forceinline__ constexpr uint64_t sw128_descriptor(uint32_t addr, uint32_t leading,
+                                                                               uint32_t stride) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(leading >> 4) << 16) | ((uint64_t)(stride >> 4) << 32) |
+         (1ull << 62);
 }
-static __device__ __forceinline__ uint32_t sw128_descriptor_lo(uint32_t addr, uint32_t leading) {
-  return ((addr & 0x3FFFF) >> 4) | ((leading >> 4) << 16);
+// Its two halves, for callers that keep the low half (address and leading offset) and add offsets to it.
+static __host__ __device__ __forceinline__ constexpr uint32_t sw128_descriptor_lo(uint32_t addr, uint32_t leading) {
+  return (uint32_t)sw128_descriptor(addr, leading, 0);
 }
-static __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t addr, uint32_t leading, uint32_t stride) {
-  return (uint64_t)sw128_descriptor_lo(addr, leading) | ((uint64_t)sw128_descriptor_hi(stride) << 32);
+static __host__ __device__ __forceinline__ constexpr uint32_t sw128_descriptor_hi(uint32_t stride) {
+  return (uint32_t)(sw128_descriptor(0, 0, stride) >> 32);
 }
 
 // Two fp32 values rounded to the output type, packed: `lo` in the low 16 bits.
