@@ -712,8 +712,10 @@ struct Descriptors {
   static constexpr bool OPAQUE = !C::PINGPONG;
   static constexpr uint32_t STAGE = L::KV_STAGE >> 4;
   static constexpr uint64_t HI = (uint64_t)sw128_descriptor_hi(1024) << 32;
+  // (the real bound is the hardware's: a CTA's shared window is at most 227 KiB past a 1 KiB reserve, below 2^18)
   static_assert(L::KV_STAGE % 16 == 0 && L::SMEM_BYTES <= (1 << 18), "descriptor arithmetic stays in the field");
-  uint32_t smem, cw, q, k, v;
+  uint32_t smem, cw;  // ping-pong's form (remade from these)
+  uint32_t q, k, v;   // OPAQUE's form (the low halves); each form leaves the other's members unused
   __device__ __forceinline__ Descriptors(uint32_t smem_, uint32_t cw_)
       : smem(smem_), cw(cw_), q(sw128_descriptor_lo(smem_ + L::Q_OFF + cw_ * 64 * 128, 16)),
         k(sw128_descriptor_lo(smem_ + L::K_OFF, 16)), v(sw128_descriptor_lo(smem_ + L::V_OFF, L::KV_BOX)) {

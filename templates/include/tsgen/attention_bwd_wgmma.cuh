@@ -811,6 +811,8 @@ template <class C>
 static __device__ __forceinline__ void write_dq(const Problem& p, uint32_t smem, uint32_t b, uint32_t hk,
                                                 uint32_t k0, Part part) {
   using L = Layout<C>;
+  // consume_tall walks without a part (whole items) and the writer with one: the same steps, since only
+  // TAIL_SPLIT makes ranged parts and Layout refuses it with 128-row steps (ROWS == BLOCK_M there)
   const bool lead = threadIdx.x % 32 == 0;
   Walk<C> w(p, hk, p.kv_offset + (int32_t)k0, part);
   if (w.done()) return;  // no step: the consumers stage nothing (and no arrival is left on a barrier)
@@ -917,10 +919,12 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     else
       issue_dv_dk<C>(dv, dk, ap, ad, q_base, do_base);  // dV_w += P^T dO, dK_w += dS^T Q
 
-    // DQ_TILED: this warpgroup's staging buffer is rewritten after DS_READY (below); the bulk
-    // reduction of the last step (thread 0's bulk group) must have finished reading it first. Issued a
-    // whole step ago: the wait does not stall in the steady state. DETERMINISTIC: it must be complete
-    // (its writes too) before its turn is passed on, here, which also frees the staging.
+    // DQ_TILED without the writer warp: this warpgroup's staging buffer is rewritten after DS_READY
+    // (below); the bulk reduction of the last step (thread 0's bulk group) must have finished reading it
+    // first. Issued a whole step ago: the wait does not stall in the steady state. DETERMINISTIC: it must
+    // be complete (its writes too) before its turn is passed on, here, which also frees the staging.
+    // With the writer warp (DQ_WRITER) the staging is freed by its DQ_FREE arrival instead, synced on
+    // just before the staging stores.
     if constexpr (L::DQ_TILED && !L::DQ_WRITER)
       if (t == 0) {
         if constexpr (L::DETERMINISTIC)
@@ -928,7 +932,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
         else
           bulk_wait_group_read<0>();
       }
-    named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced (and the staging free)
+    named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced (without DQ_WRITER: the staging free)
 
     // dQ (64 queries x 64 columns) = dS K over DQ_KEYS keys
     float dq[32];
@@ -1203,8 +1207,8 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
 //   DS_READY; dQ of the step's queries 64w .. 64w + 63 (query block 2 qb + w of attention_bwd::BLOCK_M rows) over
 //             all 128 keys: m64n64k16 x 8 (mma_dq: A = dS^T panel w, M-major; B = K, N-major): the hd 128
 //             column split's shape, split by rows instead (hd 64 has one 64-column box)
-//   wait dV / dK, q_empty, wait dQ; the staging (16 STS.64), DQ_STAGED + w, thread 0's bulk reduction of its
-//             block's valid rows (none where the block starts past q_len) into the block's panel 0
+//   wait dV / dK, q_empty, wait dQ; DQ_FREE + w, the staging (16 STS.64), DQ_STAGED + w: the writer warp's bulk
+//             reduction of the block's valid rows (none where the block starts past q_len) into its panel 0
 // Against consume() at hd 64, per query row: the same exp2, dS^T and its stores; per step twice the products (2 560
 // tensor clocks), one set of waits, barriers and walk overhead for 128 rows; the dQ partials per 64 query rows
 // halve (one per block over 128 keys, against consume()'s key split: two over 64 keys each into the same panel),
@@ -1215,11 +1219,11 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
 //   - dS^T buffer reuse (step % 2): warpgroup w's dQ reads panel w over all 128 keys, the other warpgroup's rows
 //     too (as the hd 128 column split reads both halves). A warpgroup writes buffer b % 2 again at step b + 2 only
 //     after DS_READY of step b + 1, which the other warpgroup reaches only after its wgmma.wait_group retired its
-//     dQ of step b (and the writer retired its own dQ of step b before that barrier).
+//     dQ of step b (and the writing warpgroup retired its own dQ of step b before that barrier).
 //   - The staging: one buffer per warpgroup, as consume()'s; its 64 rows are the warpgroup's query block, so the
 //     reduction is that block's (n = its valid rows). A block past q_len (n = 0) issues none; its stores and the
-//     DQ_STAGED barrier still run (every thread reaches every barrier), into a buffer whose last reduction thread 0
-//     waited for before DS_READY (bulk_wait_group_read), as in every step.
+//     DQ_FREE / DQ_STAGED barriers still run (every thread reaches every barrier), into a buffer whose last
+//     reduction the writer warp waited for (bulk_wait_group_read) before its DQ_FREE arrival, as in every step.
 //   - Rows past q_len: as consume()'s (TMA zero fill, LSE2 = +inf); a second box wholly past q_len reloads the
 //     first (produce): finite values, P = dS = 0 there. The dQ rows past q_len are not reduced (n).
 template <class C>
@@ -1403,8 +1407,8 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
     setmaxnreg_dec<40>();
     if (threadIdx.x < 32)
       produce<C>(q_map, k_map, v_map, do_map, smem, p, b, hk, k0, part);
-    else if (L::DQ_WRITER && threadIdx.x < 64)
-      write_dq<C>(p, smem, b, hk, k0, part);
+    else if constexpr (L::DQ_WRITER)
+      if (threadIdx.x < 64) write_dq<C>(p, smem, b, hk, k0, part);
   } else {
     setmaxnreg_inc<232>();
     if constexpr (L::LOOKAHEAD)
