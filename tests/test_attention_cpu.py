@@ -874,3 +874,60 @@ def test_forward_tool_ab_run_stubbed(tool, tmp_path, monkeypatch):
                                            "--rounds", "0"])
     with pytest.raises(SystemExit):
         tool.main()
+
+
+MASK = r"""
+#include "SOURCE"
+#include <cstdlib>
+// The masked step's test, compiled for the host: per query position (argv[3..]) and KV block j < blocks
+// (argv[2]) and lane % 4, one line "M q j l BITS": BITS[i] = 1 where score i of the thread is hidden
+// (Softmax::step's score_hidden past score_limit(last, j, lane); last as consume() makes it).
+int main(int argc, char** argv) {
+  using C = MODULE::Config;
+  using L = tsgen::attention::Layout<C>;
+  tsgen::attention::Problem p = {};
+  p.kv_len = atoi(argv[1]); p.kv_offset = atoll(argv[2]);
+  const int blocks = (int)((p.kv_len + C::TILE_N - 1) / C::TILE_N);
+  for (int a = 3; a < argc; ++a) {
+    const long long q = atoll(argv[a]);
+    const long long k = tsgen::attention::last_key<C>(p, q);
+    const int32_t last = (int32_t)(k < -1 ? -1 : k);
+    for (int j = 0; j < blocks; ++j)
+      for (uint32_t lane = 0; lane < 4; ++lane) {
+        const int32_t limit = tsgen::attention::score_limit<C>(last, j, lane);
+        printf("M %lld %d %u ", q, j, lane);
+        for (int i = 0; i < L::S_ACC; i += 2) putchar(tsgen::attention::score_hidden(i, limit) ? '1' : '0');
+        for (int i = 1; i < L::S_ACC; i += 2) putchar(tsgen::attention::score_hidden(i, limit) ? '1' : '0');
+        putchar('\n');
+      }
+  }
+}
+"""
+
+
+@needs_nvcc
+@pytest.mark.parametrize("causal", [True, False])
+def test_masked_step_hides_exactly_the_keys_past_each_row(tmp_path, causal):
+    """The masked step's per-row limit (last_key, score_limit) against the definition, for every score of every
+    lane of every block: key j N + 2 (lane % 4) + 8 (i / 4) + i % 2 is hidden iff it is >= kv_len or (causal) past the
+    row's position less kv_offset; positions before, inside and far past the keys, offsets below 0 (to int32's
+    reach: Problem.kv_offset) and above."""
+    loaded = variant("m", params={"causal": causal, "heads": 2, "kv_heads": 1, "tile": {"n": 176}})
+    main = tmp_path / "mask_m.cu"
+    main.write_text(MASK.replace("SOURCE", str(rendered_source(loaded, tmp_path))).replace("MODULE", "m"))
+    exe = tmp_path / "mask_m"
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
+                    str(main)], check=True, capture_output=True)
+    N, S_ACC = 176, 88
+    offsets = [8 * (i // 4) + i % 2 for i in range(0, S_ACC, 2)] + [8 * (i // 4) + i % 2 for i in range(1, S_ACC, 2)]
+    for kv_len, kv_offset in ((1000, 0), (352, 0), (177, -300), (1000, 5000), (700, -2_000_000_000)):
+        qs = [-5, 0, 1, 175, 176, 177, 351, 500, 999, 1000, 4999, 5175, 6000, 2**40]
+        out = subprocess.run([str(exe), str(kv_len), str(kv_offset), *map(str, qs)], capture_output=True, text=True,
+                             check=True).stdout.split("\n")
+        lines = [l.split() for l in out if l]
+        assert len(lines) == len(qs) * -(-kv_len // N) * 4
+        for _, q, j, lane, bits in lines:
+            q, j, lane = int(q), int(j), int(lane)
+            want = "".join("1" if (key := j * N + 2 * lane + off) >= kv_len or (causal and kv_offset + key > q) else "0"
+                           for off in offsets)
+            assert bits == want, (kv_len, kv_offset, q, j, lane)

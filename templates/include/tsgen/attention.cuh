@@ -369,6 +369,28 @@ static __host__ __device__ __forceinline__ bool block_masked(const Problem& p, c
   return C::CAUSAL && p.kv_offset + end - 1 > tile.min_q;
 }
 
+// The last key row (of the gathered K) that a query at position q_pos sees: kv_len - 1, or (causal) its
+// position less kv_offset where that is smaller (below 0: none).
+template <class C>
+static __host__ __device__ __forceinline__ int64_t last_key(const Problem& p, int64_t q_pos) {
+  int64_t last = (int64_t)p.kv_len - 1;
+  if constexpr (C::CAUSAL) last = q_pos - p.kv_offset < last ? q_pos - p.kv_offset : last;
+  return last;
+}
+
+// The masked step's per-row limit for lane `lane` in KV block j: the row's last visible key less the
+// thread's first key of the block (j TILE_N + 2 (lane % 4)), clamped to [-1, TILE_N]. The thread's score
+// at offset 8 (i / 4) + i % 2 from its first key is hidden when the offset is past the limit (Softmax::step).
+template <class C>
+static __host__ __device__ __forceinline__ int32_t score_limit(int64_t last, int32_t j, uint32_t lane) {
+  const int64_t rel = last - ((int64_t)j * C::TILE_N + 2 * (int64_t)(lane % 4));
+  return rel < -1 ? -1 : rel > C::TILE_N ? C::TILE_N : (int32_t)rel;
+}
+// Score i of a thread (its accumulator index) in the masked step: hidden past its row's limit.
+static __host__ __device__ __forceinline__ bool score_hidden(int i, int32_t limit) {
+  return 8 * (i / 4) + (i % 2) > limit;
+}
+
 // A running counter of KV blocks (over this CTA's tiles): its ring stage and phase.
 template <class C>
 struct Ring {
@@ -603,31 +625,25 @@ struct Softmax {
     l[0] = l[1] = 0.f;
   }
 
-  // Scores of one block -> unnormalized probabilities (in place); `scale` gets the factor
-  // the rows' earlier outputs must be multiplied by. MASK: scores of keys >= kv_len, or
-  // (causal) after the row's position, count as -inf. FIRST: nothing to rescale.
-  // Pos int64_t: q_pos holds the rows' positions; int32_t (three consumer warpgroups, whose 160
-  // registers do not hold the 64-bit compares): the last key row each row sees (row_limit).
-  template <bool MASK, bool FIRST, class Pos>
-  __device__ __forceinline__ void step(float (&s)[Layout<C>::S_ACC], float (&scale)[2], const Problem& p,
-                                       int32_t j, const Pos (&q_pos)[2]) {
+  // Scores of KV block j -> unnormalized probabilities (in place); `scale` gets the factor
+  // the rows' earlier outputs must be multiplied by. MASK: scores of keys past the row's last
+  // visible one (`last`: last_key, at least -1) count as -inf. FIRST: nothing to rescale.
+  template <bool MASK, bool FIRST>
+  __device__ __forceinline__ void step(float (&s)[Layout<C>::S_ACC], float (&scale)[2], int32_t j,
+                                       const int32_t (&last)[2]) {
     using L = Layout<C>;
     const uint32_t lane = threadIdx.x % 32;
-    if constexpr (MASK && sizeof(Pos) == 4) {
-      const int32_t key0 = j * C::TILE_N + 2 * (int32_t)(lane % 4);
+    if constexpr (MASK) {
+      // Score i of this thread is key j TILE_N + 2 (lane % 4) + 8 (i / 4) + i % 2 of its row (i / 2) % 2,
+      // hidden when that key is past the row's last visible one. So per row one limit (score_limit) and
+      // per score a compare of a constant offset with it: one ISETP with an immediate, where the keys
+      // compared in 64 bits took several.
+      int32_t limit[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) limit[r] = score_limit<C>(last[r], j, lane);
 #pragma unroll
       for (int i = 0; i < L::S_ACC; ++i) {
-        if (key0 + 8 * (i / 4) + (i % 2) > q_pos[(i / 2) % 2]) s[i] = -INFINITY;
-      }
-    } else if constexpr (MASK) {
-      const int64_t key0 = (int64_t)j * C::TILE_N + 2 * (lane % 4);
-#pragma unroll
-      for (int i = 0; i < L::S_ACC; ++i) {
-        const int64_t key = key0 + 8 * (i / 4) + (i % 2);
-        const int row = (i / 2) % 2;
-        bool hidden = key >= (int64_t)p.kv_len;
-        if constexpr (C::CAUSAL) hidden |= p.kv_offset + key > q_pos[row];
-        if (hidden) s[i] = -INFINITY;
+        if (score_hidden(i, limit[(i / 2) % 2])) s[i] = -INFINITY;
       }
     }
     float mx[2] = {-INFINITY, -INFINITY};
@@ -867,19 +883,13 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
     int64_t q_pos[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) q_pos[r] = q_position(p, tile.m0 + cw * 64 + 16 * (t / 32) + (t % 32) / 4 + 8 * r);
-    // Three consumer warpgroups: the last key row (kv_len - 1, or causal the row's own position
-    // less kv_offset, at least -1) each row sees, 32-bit (keys < 2^30), for the masked steps.
-    using Pos = std::conditional_t<L::CONSUMERS == 2, int64_t, int32_t>;
-    Pos pos[2];
+    // The last key row each row sees (last_key, at least -1: below kv_len, so 32 bits hold it), for
+    // the masked steps.
+    int32_t last[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if constexpr (L::CONSUMERS == 2) {
-        pos[r] = q_pos[r];
-      } else {
-        int64_t last = (int64_t)p.kv_len - 1;
-        if constexpr (C::CAUSAL) last = q_pos[r] - p.kv_offset < last ? q_pos[r] - p.kv_offset : last;
-        pos[r] = (int32_t)(last < -1 ? -1 : last);
-      }
+      const int64_t k = last_key<C>(p, q_pos[r]);
+      last[r] = (int32_t)(k < -1 ? -1 : k);
     }
     sm.reset();
     const int32_t n = tile.blocks;
@@ -902,9 +912,9 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * r.stage);
         if (L::OVERLAP && n == 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
         if (n - 1 >= tile.masked_from) {
-          sm.template step<true, true>(s, scale, p, n - 1, pos);
+          sm.template step<true, true>(s, scale, n - 1, last);
         } else {
-          sm.template step<false, true>(s, scale, p, n - 1, pos);
+          sm.template step<false, true>(s, scale, n - 1, last);
         }
         to_operand<C>(s, a);
       }
@@ -926,9 +936,9 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * rk.stage);
         if (L::OVERLAP && i == n - 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
         if (j >= tile.masked_from) {
-          sm.template step<true, false>(s, scale, p, j, pos);
+          sm.template step<true, false>(s, scale, j, last);
         } else {
-          sm.template step<false, false>(s, scale, p, j, pos);
+          sm.template step<false, false>(s, scale, j, last);
         }
         wgmma_wait_group<0>();
         fence_all<C>(o, L::O_ACC);
