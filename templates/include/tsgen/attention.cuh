@@ -313,6 +313,15 @@ struct Tile {
   int64_t min_q;        // smallest position of the tile's rows (< q_len): causal masking
 };
 
+// The last key row (of the gathered K) that a query at position q_pos sees: kv_len - 1, or (causal) its
+// position less kv_offset where that is smaller (below 0: none).
+template <class C>
+static __host__ __device__ __forceinline__ int64_t last_key(const Problem& p, int64_t q_pos) {
+  int64_t last = (int64_t)p.kv_len - 1;
+  if constexpr (C::CAUSAL) last = q_pos - p.kv_offset < last ? q_pos - p.kv_offset : last;
+  return last;
+}
+
 // Tile t: the same on the producer and the consumers (and on the host, for tests).
 template <class C>
 static __host__ __device__ __forceinline__ Tile tile_of(const Problem& p, uint32_t t) {
@@ -343,19 +352,14 @@ static __host__ __device__ __forceinline__ Tile tile_of(const Problem& p, uint32
     min_q = min_q < start1 ? min_q : start1;
   }
   tile.min_q = min_q;
-  // block_masked's test, solved for j once a tile: block j needs the mask when (j + 1) TILE_N > limit,
-  // i.e. j >= limit / TILE_N (limit >= 0), so the consumer's step compares two 32-bit ints
-  int64_t limit = p.kv_len;
-  if (C::CAUSAL) limit = min_q - p.kv_offset + 1 < limit ? min_q - p.kv_offset + 1 : limit;
-  const int64_t from = limit <= 0 ? 0 : limit / C::TILE_N;
+  // The blocks the tile needs: through the last key its latest row sees (not causal: all). The mask from
+  // the first block past the keys its earliest row sees: block_masked's test solved for j once a tile
+  // (block j needs it when (j + 1) TILE_N > seen, i.e. j >= seen / TILE_N), so the consumer's step
+  // compares two 32-bit ints.
+  const int64_t last_seen = last_key<C>(p, max_q), seen = last_key<C>(p, min_q) + 1;
+  tile.blocks = last_seen < 0 ? 0 : (int32_t)(last_seen / C::TILE_N + 1);
+  const int64_t from = seen <= 0 ? 0 : seen / C::TILE_N;
   tile.masked_from = from < all ? (int32_t)from : all;
-  if (!C::CAUSAL) {
-    tile.blocks = all;
-  } else {
-    const int64_t visible = max_q - p.kv_offset;  // the last key row any row of the tile sees
-    const int64_t need = visible < 0 ? 0 : visible / C::TILE_N + 1;
-    tile.blocks = need < all ? (int32_t)need : all;
-  }
   return tile;
 }
 
@@ -367,15 +371,6 @@ static __host__ __device__ __forceinline__ bool block_masked(const Problem& p, c
   const int64_t end = (int64_t)(j + 1) * C::TILE_N;
   if (end > p.kv_len) return true;
   return C::CAUSAL && p.kv_offset + end - 1 > tile.min_q;
-}
-
-// The last key row (of the gathered K) that a query at position q_pos sees: kv_len - 1, or (causal) its
-// position less kv_offset where that is smaller (below 0: none).
-template <class C>
-static __host__ __device__ __forceinline__ int64_t last_key(const Problem& p, int64_t q_pos) {
-  int64_t last = (int64_t)p.kv_len - 1;
-  if constexpr (C::CAUSAL) last = q_pos - p.kv_offset < last ? q_pos - p.kv_offset : last;
-  return last;
 }
 
 // The masked step's per-row limit for lane `lane` in KV block j: the row's last visible key less the
