@@ -543,3 +543,188 @@ def test_rel_errors():
     assert not ok and text.endswith("dq 5.0e-02 FAIL")
     ok, text = tc.rel_errors({"o": torch.tensor([1.0, 1.0, 1.0, float("inf")])}, want, 2e-2)
     assert not ok and "NOT FINITE FAIL" in text
+
+
+# -- the fused forward (cp_attention(..., fused=)): one cp_attention call, its gathered K, V kept ---------
+
+def fused_spec(pair: str, layout: str) -> Path:
+    return ROOT / torch_checks().CP_FUSED[(pair, layout)]
+
+
+def fused_stand_in(op, gathered, local_kv: bool):
+    """A stand-in of the cp_attention kernel for rank op.rank: O, LSE by the float64 reference at the
+    rank's positions over the whole sequence, and k_full / v_full as the kernel leaves them
+    (tsgen.ops.cp_attention.segments: position order where causal, the shards rotated otherwise), this
+    rank's own rows NaN where `local_kv` (the kernel read them in place). `gathered(x)` is every rank's x
+    (bshd, batch first) concatenated along the rows, rank by rank."""
+    from tsgen.ops.cp_attention import segments
+
+    sig = op.attention.signature
+
+    def run(q, k, v):
+        n, w = q.shape[1], op.world
+        pos = op.positions(q, k, v)
+        fulls = []
+        for x in (k, v):
+            every = gathered(x)
+            full = torch.full((x.shape[0], w * n, *x.shape[2:]), float("nan"), dtype=x.dtype)
+            for src_rank in range(w):
+                if local_kv and src_rank == op.rank:
+                    continue
+                for src, rows, dst, _ in segments(op.layout, sig.causal, w, n, src_rank, op.rank):
+                    full[:, dst:dst + rows] = every[:, src_rank * n + src:src_rank * n + src + rows]
+            fulls.append(full)
+        qp = rows_of(pos, n)
+        order = gather_order(op.layout, sig.causal, w, n)
+        kp = np.arange(w * n)
+        # the whole sequence in position order, for the reference (positions matter only where causal)
+        every_k, every_v = gathered(k), gathered(v)
+        if order is not None:
+            every_k, every_v = every_k[:, order], every_v[:, order]
+        o, lse = attention_reference(q.numpy(), every_k.numpy(), every_v.numpy(), sig.scale, sig.causal, qp, kp)
+        return torch.from_numpy(o), torch.from_numpy(lse), *fulls
+
+    return run
+
+
+@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("pair, layout", [("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")])
+def test_fused_forward_shapes_and_signature(groups, w, pair, layout):
+    """The fused spec loads as a torch op of four outputs (O, LSE, the gathered K, V; q, k, v, o, lse the
+    caller's tensors), and a fake forward + backward through cp_attention(..., fused=) gives the composed
+    op's shapes."""
+    cp = load_cp(groups, w, pair, layout, fused=fused_spec(pair, layout))
+    sig = cp.attention.signature
+    fsig = cp.fused.signature
+    assert fsig.out_names == ("o", "lse", "k_full", "v_full") and fsig.local() == {"q", "k", "v", "o", "lse"}
+    assert cp.local_kv and "fused" in repr(cp)
+    n = 64
+    with fake_mode():
+        q = torch.empty(1, n, sig.heads, sig.head_dim, dtype=BF16, requires_grad=True)
+        k, v = (torch.empty(1, n, sig.kv_heads, sig.head_dim, dtype=BF16, requires_grad=True) for _ in range(2))
+        o, lse, k_full, v_full = cp.fused(q.detach(), k.detach(), v.detach())
+        assert tuple(k_full.shape) == (1, w * n, sig.kv_heads, sig.head_dim) and tuple(lse.shape) == (1, sig.heads, n)
+        o, lse = cp(q, k, v, return_lse=True)
+        assert tuple(o.shape) == tuple(q.shape) and tuple(lse.shape) == (1, sig.heads, n)
+        o.float().sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_fused_load_errors(groups):
+    """A fused spec of another attention or another placement is refused, naming what differs; so is a
+    spec of another op kind."""
+    fwd, bwd = pair_specs("hd128")
+    ag, rs = GEN / "allgather.json", GEN / "reduce_scatter.json"
+    with pytest.raises(TsgenTorchError, match=r"fused forward .*cp_attention_hd128_causal_gqa.yaml does not compute "
+                                              r".*kv_heads 8 / 32; causal True / False; placement zigzag / contiguous"):
+        tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="contiguous",
+                        fused=fused_spec("hd128_causal_gqa", "zigzag"))
+    causal_fwd, causal_bwd = pair_specs("hd128_causal_gqa")
+    with pytest.raises(TsgenTorchError, match=r"placement zigzag / contiguous"):
+        tt.cp_attention(causal_fwd, causal_bwd, ag, rs, groups[2], layout="contiguous",
+                        fused=fused_spec("hd128_causal_gqa", "zigzag"))
+    with pytest.raises(TsgenTorchError, match=r"its cp_attention argument is .*op allgather, not cp_attention"):
+        tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="contiguous", fused=ag)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("pair, layout", [("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")])
+def test_fused_forward_leaves_what_the_gather_gives(groups, world, pair, layout):
+    """fused_forward's K_full, V_full equal gather_kv's (the composed forward's, which the backward reads)
+    on every rank: the kernel's order turned back (not causal: the rotated shards) and this rank's own
+    rows, which the kernel read in place and left unwritten (NaN here), copied in. Without the copy the
+    own rows stay NaN: the check would see it (the control)."""
+    sim = SimulatedWorld(world)
+    n = 8
+    gen = torch.Generator().manual_seed(7 + world)
+    base = load_cp(groups, world, pair, layout, fused=fused_spec(pair, layout))
+    sig = base.attention.signature
+    k_all, v_all = (torch.randn(1, world * n, sig.kv_heads, sig.head_dim, generator=gen, dtype=torch.float64)
+                    for _ in range(2))
+    results, errors = {}, []
+
+    def rank_main(rank: int) -> None:
+        try:
+            op = copy.copy(base)
+            op.rank = rank
+            mine = slice(rank * n, (rank + 1) * n)  # the tensors' rows of this rank (their content is arbitrary)
+            k, v = k_all[:, mine], v_all[:, mine]
+            q = torch.zeros(1, n, sig.heads, sig.head_dim, dtype=torch.float64)
+            op._allgather = lambda x: sim.allgather(rank, x)
+            want = op.gather_kv(k, v)
+            op._fused = fused_stand_in(op, lambda x: sim.allgather(rank, x.transpose(0, 1)).transpose(0, 1), True)
+            got = op.fused_forward(q, k, v)[2:]
+            op.local_kv = False  # the control: the own rows not copied in
+            bad = op.fused_forward(q, k, v)[2:]
+            results[rank] = (want, got, bad)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+            sim.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for rank, (want, got, bad) in results.items():
+        for name, w_, g, b in zip(("k", "v"), want, got, bad):
+            assert torch.equal(g, w_), f"rank {rank} {name}_full"
+            assert torch.isnan(b).any(), f"rank {rank} {name}_full: the control (no own rows) passed"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("pair, layout, regather", [("hd128_causal_gqa", "zigzag", False),
+                                                    ("hd128", "contiguous", False),
+                                                    ("hd128_causal_gqa", "zigzag", True)])
+def test_fused_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layout, regather):
+    """The whole op with the fused forward (a float64 stand-in of the cp_attention kernel that leaves its
+    own rows unwritten) and the composed backward (float64 stand-in kernels, the simulated reduce-scatter):
+    every rank's O, LSE, dQ, dK, dV equal the reference over the whole sequence; the forward makes no
+    all-gather (with regather the backward makes its own)."""
+    base = load_cp(groups, world, pair, layout, regather=regather, fused=fused_spec(pair, layout))
+    sig = base.attention.signature
+    calls: list = []
+    stand_in_kernels(base, monkeypatch, calls)
+    n, batch = 8, 1
+    S = world * n
+    gen = torch.Generator().manual_seed(53 + world)
+    q = torch.randn(batch, S, sig.heads, sig.head_dim, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(batch, S, sig.kv_heads, sig.head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(batch, S, sig.heads, sig.head_dim, generator=gen, dtype=torch.float64)
+    o_ref, lse_ref = attention_reference(q.numpy(), k.numpy(), v.numpy(), sig.scale, sig.causal)
+    dq_ref, dk_ref, dv_ref = attention_backward_reference(q.numpy(), k.numpy(), v.numpy(), o_ref, do.numpy(), lse_ref,
+                                                          sig.scale, sig.causal)[:3]
+    sim = SimulatedWorld(world)
+    results, errors, gathers = {}, [], []
+
+    def rank_main(rank: int) -> None:
+        try:
+            op = copy.copy(base)
+            op.rank = rank
+            op._allgather = lambda x: gathers.append(rank) or sim.allgather(rank, x)
+            op._reduce_scatter = lambda x: sim.reduce_scatter(rank, x)
+            op._fused = fused_stand_in(op, lambda x: sim.allgather(rank, x.transpose(0, 1)).transpose(0, 1), True)
+            pos = row_positions(layout, world, n, rank)
+            qa, ka, va = (x[:, pos].clone().requires_grad_(True) for x in (q, k, v))
+            o, lse = op(qa, ka, va, return_lse=True)
+            o.backward(do[:, pos])
+            results[rank] = (pos, o.detach(), lse, qa.grad, ka.grad, va.grad)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+            sim.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for rank, (pos, o, lse, dq, dk, dv) in results.items():
+        for name, got, want in (("o", o, o_ref[:, pos]), ("lse", lse, lse_ref[:, :, pos]), ("dq", dq, dq_ref[:, pos]),
+                                ("dk", dk, dk_ref[:, pos]), ("dv", dv, dv_ref[:, pos])):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12, err_msg=f"rank {rank} {name}")
+    assert not [c for c in calls if c[0] == "forward"]  # the attention forward kernel is the fused op's
+    assert len(gathers) == (2 * world if regather else 0)  # regather: K and V gathered again in the backward

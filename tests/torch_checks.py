@@ -36,12 +36,14 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
   allgather, attention _at and reduce_scatter ops) at W = the ranks: zig-zag causal GQA 32:8 and
   contiguous not causal, S 2048 and 8192 (S / W rows per rank), every rank's O, LSE, dQ, dK, dV
   against float32 autograd of SDPA over the whole sequence (the --attention bounds), by default, with
-  kv_together (the first case) and with overlap_backward (both cases: the backward by runs of key rows,
-  the peers' reduce-scatter on a side stream beside the own rows' kernels); negative controls (the dK /
+  kv_together (the first case), with overlap_backward (both cases: the backward by runs of key rows,
+  the peers' reduce-scatter on a side stream beside the own rows' kernels) and with the fused forward
+  (both cases, not with --shared: CP_FUSED's cp_attention specs, their gather on the copy engine);
+  negative controls (the dK /
   dV reduce-scatter left out, by default and with overlap_backward) that must be caught; step times
   (cp_step_times) against an NCCL all_gather + SDPA twin and the single-GPU ideal at each S of
   CP_TIME_SEQS (default "2048 8192 16384 32768"), the implementations CP_TIME_VARIANTS names (default
-  "tsgen ideal twin twin_cudnn"; tsgen_kv_together and tsgen_overlap too where named) in CP_TIME_ROUNDS
+  "tsgen ideal twin twin_cudnn"; tsgen_fused, tsgen_kv_together and tsgen_overlap too where named) in CP_TIME_ROUNDS
   interleaved rounds (default 8), every round's samples in the file CP_TIME_JSON names (where set), each
   timed S's O, dQ, dK, dV against the single-GPU op's. With --shared: ranks on one GPU, gloo, MPS, S 2048,
   no times.
@@ -1062,13 +1064,16 @@ def attention_checks() -> None:
 
 # (name in ATTENTION_PAIRS, layout): zig-zag causal (GQA 32:8) and contiguous not causal (32 heads)
 CP_CASES = (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous"))
+# each case's fused forward (cp_attention(..., fused=)): the cp_attention spec of the same attention and layout
+CP_FUSED = {("hd128_causal_gqa", "zigzag"): "examples/torch/specs/cp_attention_hd128_causal_gqa.yaml",
+            ("hd128", "contiguous"): "examples/torch/specs/cp_attention_hd128.yaml"}
 CP_SEQS = (2048, 8192)  # the whole sequence S; each rank holds S / W rows
 CP_SHARED_SEQS = (2048,)  # ranks sharing one GPU: every rank computes the whole reference
 # cp_step_times (module doc): what it times, from the environment; unset or empty: these
 CP_TIME_DEFAULTS = {"CP_TIME_SEQS": "2048 8192 16384 32768", "CP_TIME_VARIANTS": "tsgen ideal twin twin_cudnn",
                     "CP_TIME_ROUNDS": "8"}
 # every implementation it can time, in the order of its TIME lines (kv_together: the first case only)
-CP_TIME_LABELS = ("tsgen", "tsgen_kv_together", "tsgen_overlap", "twin", "twin_cudnn", "ideal")
+CP_TIME_LABELS = ("tsgen", "tsgen_fused", "tsgen_kv_together", "tsgen_overlap", "twin", "twin_cudnn", "ideal")
 CP_SAMPLE_MS = 25.0  # one sample: about this long, and at least 2 steps (steps_per_sample)
 CP_TIME_ORDER = "balanced"  # tsgen.bench.timing.round_order's Williams design
 CP_TIME_MAX_REL_ERR = 2e-2  # the timed cp step against the single-GPU step, both bf16 tsgen results, in norm
@@ -1223,7 +1228,7 @@ def cp_checks(group, shared: bool) -> None:
     torch.backends.cudnn.allow_tf32 = False
     w, r = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator(device="cuda").manual_seed(35)  # the same on every rank: every rank makes the whole inputs
-    ops, together, overlapped = {}, {}, {}
+    ops, together, overlapped, fused = {}, {}, {}, {}
 
     @checked("cp_load")
     def load():
@@ -1240,7 +1245,12 @@ def cp_checks(group, shared: bool) -> None:
         # every case with the backward by runs of key rows, the reduce-scatter beside the own rows' kernels
         for case_ in CP_CASES:
             overlapped[case_] = make(*case_, overlap_backward=True)
-        return True, (f"{len(ops) + len(together) + len(overlapped)} ops at world {w} in "
+        # every case with the fused forward (the cp_attention kernel: its gather on the copy engine, which
+        # ranks sharing a GPU refuse, so not there)
+        if not shared:
+            for case_ in CP_CASES:
+                fused[case_] = make(*case_, fused=ROOT / CP_FUSED[case_])
+        return True, (f"{len(ops) + len(together) + len(overlapped) + len(fused)} ops at world {w} in "
                       f"{time.perf_counter() - t0:.1f} s")
 
     if not load():
@@ -1279,7 +1289,8 @@ def cp_checks(group, shared: bool) -> None:
                                  {n_: pick[n_](x) for n_, x in bounds.items()})
 
     labelled = ([(key, cp, "") for key, cp in ops.items()] + [(key, cp, "_kv_together") for key, cp in together.items()]
-                + [(key, cp, "_overlap") for key, cp in overlapped.items()])
+                + [(key, cp, "_overlap") for key, cp in overlapped.items()]
+                + [(key, cp, "_fused") for key, cp in fused.items()])
     for (name, layout), cp, tag in labelled:
         for S in (CP_SHARED_SEQS if shared else CP_SEQS):
             @checked(f"cp_{name}_{layout}{tag}_w{w}_s{S}")
@@ -1342,7 +1353,7 @@ def cp_checks(group, shared: bool) -> None:
     def times():
         """Forward + backward per step, batch 1, at each S of CP_TIME_SEQS (default 2048 8192 16384 32768),
         of the implementations CP_TIME_VARIANTS names (default tsgen ideal twin twin_cudnn): tsgen, the
-        default tsgen.torch.cp_attention (tsgen_kv_together and tsgen_overlap: its variants, the cases
+        default tsgen.torch.cp_attention (tsgen_fused, tsgen_kv_together and tsgen_overlap: its variants, the cases
         loaded with them); twin, NCCL all_gather_into_tensor of K and V (its backward
         reduce_scatter_tensor, examples/torch/twins.py), the gathered rows in position order, SDPA per
         query segment (causal zig-zag: two segments, each against the keys up to its end,
@@ -1390,7 +1401,8 @@ def cp_checks(group, shared: bool) -> None:
         for (name, layout), cp in ops.items():
             sig = cp.attention.signature
             group_heads = sig.heads // sig.kv_heads
-            tsgen_ops = {"tsgen": cp, "tsgen_kv_together": together.get((name, layout)),
+            tsgen_ops = {"tsgen": cp, "tsgen_fused": fused.get((name, layout)),
+                         "tsgen_kv_together": together.get((name, layout)),
                          "tsgen_overlap": overlapped.get((name, layout))}
             for S in seqs:
                 n = S // w
@@ -1473,7 +1485,7 @@ def cp_checks(group, shared: bool) -> None:
                         p = paired_ratio(ms["ideal"], ms["tsgen"])
                         twin = f", twin {statistics.median(ms['twin']):.2f} ms" if "twin" in ms else ""
                         others = "".join(f", {x[6:]} {paired_ratio(ms['ideal'], ms[x])['ratio']:.2f}"
-                                         for x in ("tsgen_kv_together", "tsgen_overlap") if x in ms)
+                                         for x in ("tsgen_fused", "tsgen_kv_together", "tsgen_overlap") if x in ms)
                         notes.append(f"{name} {layout} s{S}: tsgen {statistics.median(ms['tsgen']):.2f} ms{twin}, "
                                      f"{p['ratio']:.2f} of ideal ({p['min']:.2f}-{p['max']:.2f}){others}")
         ok &= not problems

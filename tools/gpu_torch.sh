@@ -74,6 +74,7 @@ cat "$LOG/environment.log"
 # those of the selected steps only (the attention step's pairs: tests/torch_checks.py ATTENTION_PAIRS)
 COLLECTIVES=0; for s in checks probe tp_mlp ulysses moe shared cp cp_shared cp_pieces; do want $s && COLLECTIVES=1; done
 ATTENTION=0; for s in attention cp cp_shared cp_pieces; do want $s && ATTENTION=1; done
+CP_FUSED=0; want cp && CP_FUSED=1  # the fused forward's cp_attention specs (tests/torch_checks.py CP_FUSED)
 step "compile" 150 python3 -c "
 from concurrent.futures import ThreadPoolExecutor
 from tsgen.harness import render_to_cache
@@ -92,6 +93,8 @@ if $ATTENTION:
     specs += ['specs/attention_hd128.yaml', 'specs/attention_backward_hd128.yaml', 'specs/attention_hd128_causal_gqa.yaml',
               'examples/torch/specs/attention_backward_hd128_causal_gqa.yaml', 'specs/attention_hd64_causal.yaml',
               'examples/torch/specs/attention_backward_hd64_causal.yaml']
+if $CP_FUSED:
+    specs += ['examples/torch/specs/cp_attention_hd128_causal_gqa.yaml', 'examples/torch/specs/cp_attention_hd128.yaml']
 with ThreadPoolExecutor(12) as pool:
     print(*pool.map(one, specs), sep='\n')"
 want checks && step "torch checks (2 ranks, NCCL group)" 240 $RUN tests/torch_checks.py

@@ -449,6 +449,32 @@ class CpAttentionFamily(OpFamily):
     def template_vars(self, spec):
         return {**launcher_vars(self.abi(spec)), **scale_vars(spec)}
 
+    # -- as torch tensors (tsgen.torch) ---------------------------------------
+    def torch_tensors(self, constants, world):
+        """The tensors tsgen.torch's op takes and returns (tsgen/torch/signature.py); count = this rank's
+        rows n. In: q [B, n, H, D], k and v [B, n, H_kv, D] (bhsd: the heads before the rows). Out: O
+        (q's shape), LSE fp32 [B, H, n], and the gathered K and V (scratch k_full / v_full, [B, W n, H_kv,
+        D]), which the backward of tsgen.torch.cp_attention needs: in position order where causal, the
+        shards rotated (slot j rank + 1 + j's) otherwise (`segments`). With LOCAL_KV this rank's own rows
+        may be missing from them (the kernel read them in place): the caller puts them there
+        (tsgen/torch/cp_attention_op.py)."""
+        b, h, kv, d = constants["BATCH"], constants["HEADS"], constants["KV_HEADS"], constants["HEAD_DIM"]
+
+        def rows(heads, name, per):  # (dims, count dim) in the spec's layout; the rows' dim counts `per` x n
+            if constants["BHSD"]:
+                return (("B", b), ("H", heads), (name, per), ("D", d)), 2
+            return (("B", b), (name, per), ("H", heads), ("D", d)), 1
+
+        return {"q": rows(h, "n", 1), "k": rows(kv, "n", 1), "v": rows(kv, "n", 1), "o": rows(h, "n", 1),
+                "lse": ((("B", b), ("H", h), ("n", 1)), 2),
+                "k_full": rows(kv, "S", world), "v_full": rows(kv, "S", world)}
+
+    def torch_local(self, constants, world, buffers):
+        """Q, K, V, O and LSE: the attention kernel's tensor maps and the copies' sources, encoded from the
+        pointers of each call (tsgen/cp.cuh launch), so the caller's tensors serve. Not k_full / v_full:
+        the peers' copies land in them, at their offset in every rank's heap."""
+        return {"q", "k", "v", "o", "lse"}
+
     # -- reference ----------------------------------------------------------
     def make_inputs(self, spec, world, count, rng, pattern):
         """Normal random Q, K, V on every rank (a pattern would make every score alike)."""

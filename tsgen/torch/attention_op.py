@@ -67,6 +67,27 @@ def _output(*args, like: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     return t
 
 
+def agree_fields(manifest: Manifest, source: Path) -> dict[str, Any]:
+    """AGREE's fields of a module that computes attention (an attention or attention_backward module, or
+    cp_attention's fused forward), read off its manifest's constants and its source's softmax scale line;
+    TsgenTorchError naming what is missing."""
+    where = f"tsgen::{manifest.name}"
+    c = manifest.constants
+    missing = [n for n in ("HEAD_DIM", "HEADS", "KV_HEADS", "CAUSAL", "BHSD") if n not in c]
+    q = next((b for b in manifest.buffers if b.name == "q"), None)
+    if missing or q is None:
+        raise TsgenTorchError(f"{where}: {manifest.spec}'s manifest has no {', '.join(missing) or 'buffer q'}")
+    try:
+        found = _SCALE.search(Path(source).read_text(errors="replace"))
+    except OSError as e:
+        raise TsgenTorchError(f"{where}: cannot read {source}: {e.strerror or e}") from None
+    if found is None:
+        raise TsgenTorchError(f"{where}: {source} names no softmax scale (its '// softmax scale' line)")
+    return {"head_dim": int(c["HEAD_DIM"]), "heads": int(c["HEADS"]), "kv_heads": int(c["KV_HEADS"]),
+            "causal": bool(c["CAUSAL"]), "layout": "bhsd" if c["BHSD"] else "bshd", "dtype": q.dtype,
+            "scale": float(found[1])}
+
+
 @dataclass(frozen=True)
 class AttentionSignature:
     """One attention module as a torch op: its shape constants, layout, element type and softmax
@@ -88,23 +109,13 @@ class AttentionSignature:
 
     @classmethod
     def of(cls, manifest: Manifest, source: Path) -> "AttentionSignature":
-        where = f"tsgen::{manifest.name}"
         if manifest.op not in _ENTRY:
-            raise TsgenTorchError(f"{where}: {manifest.spec} is op {manifest.op}, not attention or attention_backward")
+            raise TsgenTorchError(f"tsgen::{manifest.name}: {manifest.spec} is op {manifest.op}, not attention or "
+                                  "attention_backward")
         c = manifest.constants
-        missing = [n for n in ("HEAD_DIM", "HEADS", "KV_HEADS", "CAUSAL", "BHSD") if n not in c]
-        q = next((b for b in manifest.buffers if b.name == "q"), None)
-        if missing or q is None:
-            raise TsgenTorchError(f"{where}: {manifest.spec}'s manifest has no {', '.join(missing) or 'buffer q'}")
-        try:
-            found = _SCALE.search(Path(source).read_text(errors="replace"))
-        except OSError as e:
-            raise TsgenTorchError(f"{where}: cannot read {source}: {e.strerror or e}") from None
-        if found is None:
-            raise TsgenTorchError(f"{where}: {source} names no softmax scale (its '// softmax scale' line)")
-        return cls(manifest.name, manifest.op, manifest.spec, int(c["HEAD_DIM"]), int(c["HEADS"]), int(c["KV_HEADS"]),
-                   bool(c["CAUSAL"]), "bhsd" if c["BHSD"] else "bshd", q.dtype, float(found[1]),
-                   int(c.get("BLOCKS", 0)), bool(c.get("DETERMINISTIC", 0)), int(c.get("TAIL_SPLIT", 0)))
+        return cls(manifest.name, manifest.op, manifest.spec, **agree_fields(manifest, source),
+                   blocks=int(c.get("BLOCKS", 0)), deterministic=bool(c.get("DETERMINISTIC", 0)),
+                   tail_items=int(c.get("TAIL_SPLIT", 0)))
 
     @property
     def qualname(self) -> str:

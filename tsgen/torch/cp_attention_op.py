@@ -63,7 +63,8 @@ import torch
 import torch.distributed as dist
 
 from . import ops as ops_mod
-from .attention_op import AttentionOp, attention
+from ..ops.cp_attention import segments
+from .attention_op import AGREE, AttentionOp, agree_fields, attention
 from .signature import TsgenArgumentError, TsgenTorchError
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -149,8 +150,11 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: "CPAttentionOp") -> tuple:
         pos = op.positions(q, k, v)
-        k_full, v_full = op.gather_kv(k, v)
-        o, lse = getattr(torch.ops.tsgen, f"{op.attention.forward.name}_at")(q, k_full, v_full, *pos)
+        if op.fused is not None:  # one call: the gather overlapped with the attention, the gathered K, V kept
+            o, lse, k_full, v_full = op.fused_forward(q, k, v)
+        else:
+            k_full, v_full = op.gather_kv(k, v)
+            o, lse = getattr(torch.ops.tsgen, f"{op.attention.forward.name}_at")(q, k_full, v_full, *pos)
         ctx.op, ctx.pos = op, pos
         ctx.save_for_backward(q, *((k, v) if op.regather else (k_full, v_full)), o, lse)
         ctx.mark_non_differentiable(lse)
@@ -182,10 +186,15 @@ class CPAttentionOp:
     the collectives."""
 
     def __init__(self, attention_op: AttentionOp, allgather: Any, reduce_scatter: Any, layout: str, regather: bool,
-                 kv_together: bool = False, overlap_backward: bool = False):
+                 kv_together: bool = False, overlap_backward: bool = False, fused: Any = None):
         self.attention, self.allgather, self.reduce_scatter = attention_op, allgather, reduce_scatter
         self.layout, self.regather, self.kv_together = layout, regather, kv_together
         self.overlap_backward = overlap_backward
+        # the fused forward (a cp_attention TorchOp) or None; as a function of (q, k, v) -> (O, LSE, the
+        # gathered K, V in the kernel's order): the CPU tests put a simulated one here
+        self.fused = fused
+        self._fused: Callable[..., tuple] | None = fused
+        self.local_kv = bool(fused is not None and fused.manifest.constants.get("LOCAL_KV", 0))
         self.rank, self.world = allgather.rank, allgather.world
         sig = attention_op.signature
         self.causal, self.tensor_layout = sig.causal, sig.layout
@@ -206,7 +215,8 @@ class CPAttentionOp:
     def __repr__(self) -> str:
         return (f"<tsgen.torch cp_attention rank {self.rank}/{self.world} {self.layout}"
                 f"{' causal' if self.causal else ''}{' regather' if self.regather else ''}"
-                f"{' kv_together' if self.kv_together else ''}{' overlap_backward' if self.overlap_backward else ''}: "
+                f"{' kv_together' if self.kv_together else ''}{' overlap_backward' if self.overlap_backward else ''}"
+                f"{' fused' if self.fused is not None else ''}: "
                 f"{self.attention!r}, "
                 f"{self.allgather.signature.qualname}, {self.reduce_scatter.signature.qualname}>")
 
@@ -301,6 +311,25 @@ class CPAttentionOp:
         both = self._side_by_side(dk_full, dv_full)
         return self._halves(self._reduce_scatter(self._reorder(both, both.shape[0] // self.world, inverse=True)))
 
+    def fused_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """`fused`: (O, LSE, K_full, V_full) from one call of the cp_attention kernel (its gather on the copy
+        engine, overlapped with the attention), K_full and V_full in the order the composed forward's gather
+        gives them (position order where causal, the all-gather's otherwise), for the backward. The kernel's
+        own gathered buffers are that order where causal; not causal they hold the shards rotated (slot j
+        rank + 1 + j's, tsgen.ops.cp_attention.segments), turned back here. With local_kv the kernel read this
+        rank's own rows in place and they may be missing from the gathered buffers: copied in here."""
+        o, lse, k_full, v_full = self._fused(q, k, v)
+        n = self._rows(q)
+        dim = 1 if self.tensor_layout == "bshd" else 2  # the sequence's dimension
+        if self.local_kv:
+            for src, rows, dst, _ in segments(self.layout, self.causal, self.world, n, self.rank, self.rank):
+                k_full.narrow(dim, dst, rows).copy_(k.narrow(dim, src, rows))
+                v_full.narrow(dim, dst, rows).copy_(v.narrow(dim, src, rows))
+        if not self.causal:  # slot j holds rank (rank + 1 + j) % W's shard: block b of the all-gather's order is
+            shift = (self.rank + 1) * n  # slot (b - rank - 1) % W
+            k_full, v_full = k_full.roll(shift, dim), v_full.roll(shift, dim)
+        return o, lse, k_full, v_full
+
     def _side_stream(self, device: torch.device) -> Any:
         """overlap_backward's side stream on `device` (made once, high priority), or None off CUDA (the
         CPU tests: everything in order on the host)."""
@@ -382,7 +411,7 @@ def _collective(given: Any, kind: str, group: Any, arch: str | None) -> Any:
 
 def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: Any, group: Any = None, *,
                  layout: str = "zigzag", regather: bool = False, kv_together: bool = False,
-                 overlap_backward: bool = False, arch: str | None = None) -> CPAttentionOp:
+                 overlap_backward: bool = False, fused: Any = None, arch: str | None = None) -> CPAttentionOp:
     """Context-parallel attention on `group` (default: the default group), differentiable (module doc).
     `forward` / `backward`: an attention and an attention_backward spec computing the same attention
     (as tsgen.torch.attention takes them; world_sizes [1]: single-GPU kernels); `allgather` /
@@ -393,7 +422,11 @@ def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: An
     and dV in one reduce-scatter (half the collective calls, the same bytes; an experiment until
     measured: tools/torch_cp_pieces.py times both). `overlap_backward`: the backward by runs of key
     rows, the peers' rows first, their reduce-scatter on a side stream beside the kernels of this
-    rank's own rows (an experiment until measured: module doc; tests/torch_checks.py --cp times it)."""
+    rank's own rows (an experiment until measured: module doc; tests/torch_checks.py --cp times it).
+    `fused`: a cp_attention spec (or loaded op) computing the same attention with this `layout`, gather
+    copy_engine or sm: the forward is then its one call (the gather overlapped with the attention; the
+    gathered K, V it leaves are what the backward reads) instead of the all-gathers and the attention
+    kernel (examples/torch/specs/cp_attention_hd128_causal_gqa.yaml; module doc)."""
     if layout not in LAYOUTS:
         raise TsgenTorchError(f"tsgen.torch.cp_attention: layout {layout!r}; one of {', '.join(LAYOUTS)}")
     if backward is None:
@@ -416,4 +449,29 @@ def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: An
     if problems:
         raise TsgenTorchError(f"tsgen.torch.cp_attention: {'; '.join(problems)}: compile the collectives for the "
                               "attention's dtype, on one group")
-    return CPAttentionOp(attn, ag, rs, layout, regather, kv_together, overlap_backward)
+    if fused is not None:
+        fused = _collective(fused, "cp_attention", group, arch)
+        problem = fused_problem(fused, attn, layout, ag)
+        if problem:
+            raise TsgenTorchError(problem)
+    return CPAttentionOp(attn, ag, rs, layout, regather, kv_together, overlap_backward, fused)
+
+
+def fused_problem(fused: Any, attn: AttentionOp, layout: str, allgather: Any) -> str | None:
+    """Why the loaded cp_attention op `fused` cannot be the forward of cp_attention(attn, layout, ...), or
+    None: it must compute the same attention (AGREE), split the sequence the same way, on the
+    collectives' group."""
+    sig = attn.signature
+    mine = agree_fields(fused.manifest, fused.source)
+    diffs = [f"{f} {mine[f]} / {getattr(sig, f)}" for f in AGREE if mine[f] != getattr(sig, f)]
+    zigzag = bool(fused.manifest.constants.get("ZIGZAG", 0))
+    if zigzag != (layout == "zigzag"):
+        diffs.append(f"placement {'zigzag' if zigzag else 'contiguous'} / {layout}")
+    if fused.group_name != allgather.group_name:
+        diffs.append(f"group {fused.group_name!r} / {allgather.group_name!r}")
+    if not diffs:
+        return None
+    return (f"tsgen.torch.cp_attention: the fused forward {fused.manifest.spec} does not compute "
+            f"{sig.spec}'s attention on this layout and group ({'; '.join(diffs)}, fused / the op's): compile it for "
+            "the attention's head_dim, heads, kv_heads, causal, dtype, tensors and softmax_scale, and the op's layout "
+            "(contiguous or zigzag)")
