@@ -43,7 +43,7 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
   dV reduce-scatter left out, by default and with overlap_backward) that must be caught; step times
   (cp_step_times) against an NCCL all_gather + SDPA twin and the single-GPU ideal at each S of
   CP_TIME_SEQS (default "2048 8192 16384 32768"), the implementations CP_TIME_VARIANTS names (default
-  "tsgen ideal twin twin_cudnn"; tsgen_fused, tsgen_kv_together and tsgen_overlap too where named) in CP_TIME_ROUNDS
+  "tsgen ideal twin twin_cudnn"; tsgen_graph, tsgen_fused, tsgen_kv_together and tsgen_overlap too where named) in CP_TIME_ROUNDS
   interleaved rounds (default 8), every round's samples in the file CP_TIME_JSON names (where set), each
   timed S's O, dQ, dK, dV against the single-GPU op's. With --shared: ranks on one GPU, gloo, MPS, S 2048,
   no times.
@@ -1073,7 +1073,8 @@ CP_SHARED_SEQS = (2048,)  # ranks sharing one GPU: every rank computes the whole
 CP_TIME_DEFAULTS = {"CP_TIME_SEQS": "2048 8192 16384 32768", "CP_TIME_VARIANTS": "tsgen ideal twin twin_cudnn",
                     "CP_TIME_ROUNDS": "8"}
 # every implementation it can time, in the order of its TIME lines (kv_together: the first case only)
-CP_TIME_LABELS = ("tsgen", "tsgen_fused", "tsgen_kv_together", "tsgen_overlap", "twin", "twin_cudnn", "ideal")
+CP_TIME_LABELS = ("tsgen", "tsgen_graph", "tsgen_fused", "tsgen_kv_together", "tsgen_overlap", "twin", "twin_cudnn",
+                  "ideal")
 CP_SAMPLE_MS = 25.0  # one sample: about this long, and at least 2 steps (steps_per_sample)
 CP_TIME_ORDER = "balanced"  # tsgen.bench.timing.round_order's Williams design
 CP_TIME_MAX_REL_ERR = 2e-2  # the timed cp step against the single-GPU step, both bf16 tsgen results, in norm
@@ -1143,6 +1144,31 @@ def cp_time_rounds(clock, rank: int, streams, steps: dict, rounds: int, lineup, 
             "order": [round_order(list(samplers), i, CP_TIME_ORDER) for i in range(rounds)],
             "ms": {label: [x / 1e3 for x in t.samples_us] for label, t in timings.items()},
             "refused": refused, "problems": problems + [x for t in timings.values() for x in t.problems]}
+
+
+def cp_graph_step(cp, q, k, v, do):
+    """tsgen_graph: the default op's forward + backward captured in one CUDA graph (torch's whole-step
+    recipe: three warm-up steps on a side stream, so that the heaps, the zig-zag index and the autograd
+    state exist before capture, then one step captured on fresh leaves). Returns (replay, what a replay
+    writes: O and the leaves' grads, static tensors of the graph's pool). What it measures against the
+    eager step is the host's share of the step: a replay launches every kernel of it at once."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for t in leaves:
+                t.grad = None
+            cp(*leaves).backward(do)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = cp(*leaves)
+        o.backward(do)
+    return graph.replay, {"o": o.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
 
 
 def cp_time_lines(key: str, ms: dict[str, list[float]], calls: dict[str, int], S: int, w: int) -> list[str]:
@@ -1353,7 +1379,8 @@ def cp_checks(group, shared: bool) -> None:
     def times():
         """Forward + backward per step, batch 1, at each S of CP_TIME_SEQS (default 2048 8192 16384 32768),
         of the implementations CP_TIME_VARIANTS names (default tsgen ideal twin twin_cudnn): tsgen, the
-        default tsgen.torch.cp_attention (tsgen_fused, tsgen_kv_together and tsgen_overlap: its variants, the cases
+        default tsgen.torch.cp_attention (tsgen_graph: the same captured in a CUDA graph, cp_graph_step;
+        tsgen_fused, tsgen_kv_together and tsgen_overlap: its variants, the cases
         loaded with them); twin, NCCL all_gather_into_tensor of K and V (its backward
         reduce_scatter_tensor, examples/torch/twins.py), the gathered rows in position order, SDPA per
         query segment (causal zig-zag: two segments, each against the keys up to its end,
@@ -1443,6 +1470,10 @@ def cp_checks(group, shared: bool) -> None:
                     cp.attention(qf, kf, vf).backward(dof)
 
                 steps = {label: (tsgen_step(op), (q, k, v)) for label, op in tsgen_ops.items() if op is not None}
+                graphed = None
+                if "tsgen_graph" in variants:  # captured once per S (every rank: the warm-up runs the collectives)
+                    replay, graphed = cp_graph_step(cp, q, k, v, do)
+                    steps["tsgen_graph"] = (replay, ())
                 steps.update(twin=(twin_step, (q, k, v)), twin_cudnn=(cudnn_step, (q, k, v)),
                              ideal=(single_step, (qf, kf, vf)))
                 got = cp_time_rounds(clock, r, streams, {x: steps[x] for x in variants if x in steps}, rounds,
@@ -1457,14 +1488,20 @@ def cp_checks(group, shared: bool) -> None:
                 o1.backward(dof)
                 want = {n_: x.index_select(1, rows) for n_, x in (("o", o1.detach()), ("dq", qf.grad),
                                                                   ("dk", kf.grad), ("dv", vf.grad))}
-                checked_ops = [label for label in tsgen_ops if label == "tsgen" or label in ms]
+                checked_ops = [label for label in (*tsgen_ops, "tsgen_graph") if label == "tsgen" or label in ms]
                 for label in checked_ops:
-                    for t in (q, k, v):
-                        t.grad = None
-                    o = tsgen_ops[label](q, k, v)
-                    o.backward(do)
-                    good, text = rel_errors({"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, want,
-                                            CP_TIME_MAX_REL_ERR)
+                    if label == "tsgen_graph":  # one more replay into its static outputs, poisoned first
+                        for x in graphed.values():
+                            x.fill_(float("nan"))
+                        steps[label][0]()
+                        got_now = graphed
+                    else:
+                        for t in (q, k, v):
+                            t.grad = None
+                        o = tsgen_ops[label](q, k, v)
+                        o.backward(do)
+                        got_now = {"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+                    good, text = rel_errors(got_now, want, CP_TIME_MAX_REL_ERR)
                     ok &= good
                     errors.append(f"{name} s{S} {label}: {text}")
 
@@ -1485,7 +1522,8 @@ def cp_checks(group, shared: bool) -> None:
                         p = paired_ratio(ms["ideal"], ms["tsgen"])
                         twin = f", twin {statistics.median(ms['twin']):.2f} ms" if "twin" in ms else ""
                         others = "".join(f", {x[6:]} {paired_ratio(ms['ideal'], ms[x])['ratio']:.2f}"
-                                         for x in ("tsgen_fused", "tsgen_kv_together", "tsgen_overlap") if x in ms)
+                                         for x in ("tsgen_graph", "tsgen_fused", "tsgen_kv_together", "tsgen_overlap")
+                                         if x in ms)
                         notes.append(f"{name} {layout} s{S}: tsgen {statistics.median(ms['tsgen']):.2f} ms{twin}, "
                                      f"{p['ratio']:.2f} of ideal ({p['min']:.2f}-{p['max']:.2f}){others}")
         ok &= not problems
