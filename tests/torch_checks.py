@@ -1168,7 +1168,11 @@ def cp_graph_step(cp, q, k, v, do):
     with torch.cuda.graph(graph):
         o = cp(*leaves)
         o.backward(do)
-    return graph.replay, {"o": o.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    def replay():  # holds the leaves: the graph reads their memory, which nothing else keeps (a freed clone
+        graph.replay()  # is soon another tensor's: 6289cec's replays read such memory and gave wrong results)
+        return leaves
+
+    return replay, {"o": o.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
 
 
 def cp_time_lines(key: str, ms: dict[str, list[float]], calls: dict[str, int], S: int, w: int) -> list[str]:
