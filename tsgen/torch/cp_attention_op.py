@@ -48,8 +48,8 @@ the reduce-scatter sums W rounded partial sums (the reduce_scatter spec's dtype 
 attention's; an fp32 reduce-scatter of rounded partials would not add accuracy: the kernel would
 have to write fp32 partials, a kernel change not made here).
 
-The op is a torch.autograd.Function over custom ops (eager; torch.compile and CUDA graphs are not
-checked for it yet). tests/torch_checks.py --cp is the GPU check; tests/test_torch_cp_attention_cpu.py
+The op is a torch.autograd.Function over custom ops: eager, or its whole step captured in a CUDA graph
+(tests/torch_checks.py cp_graph_step checks a replay's results; torch.compile is not checked for it yet). tests/torch_checks.py --cp is the GPU check; tests/test_torch_cp_attention_cpu.py
 the CPU tests (fake kernels, errors, and the composition's math with stand-in kernels in a
 simulated world).
 """
