@@ -241,6 +241,27 @@ class SimulatedWorld:
         return torch.stack(parts).sum(0)
 
 
+def run_ranks(sim: SimulatedWorld, rank_main) -> None:
+    """rank_main(rank) on a thread per rank of `sim`; the first exception of any rank raised here (the
+    barrier aborted, so that the other ranks stop waiting)."""
+    errors: list = []
+
+    def body(rank: int) -> None:
+        try:
+            rank_main(rank)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+            sim.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(sim.world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def stand_in_kernels(cp, monkeypatch, calls: list):
     """The attention modules' run-time entries replaced by tsgen.ops.attention's float64 references
     at the positions the op hands them (bshd)."""
@@ -269,27 +290,36 @@ def stand_in_kernels(cp, monkeypatch, calls: list):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("pair, layout, regather, kv_together, overlap", [
-    ("hd128_causal_gqa", "zigzag", False, False, False),
-    ("hd128_causal_gqa", "contiguous", True, False, False),
-    ("hd128", "zigzag", False, False, False),
-    ("hd128", "contiguous", False, False, False),
-    ("hd128_causal_gqa", "zigzag", False, True, False),
-    ("hd128_causal_gqa", "zigzag", True, True, False),
-    ("hd128", "contiguous", False, True, False),
-    ("hd128_causal_gqa", "zigzag", False, False, True),
-    ("hd128_causal_gqa", "contiguous", False, False, True),
-    ("hd128", "zigzag", False, False, True),
-    ("hd128", "contiguous", True, False, True),
-    ("hd128_causal_gqa", "zigzag", True, True, True)])
-def test_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layout, regather, kv_together, overlap):
+@pytest.mark.parametrize("pair, layout, regather, kv_together, overlap, fused", [
+    ("hd128_causal_gqa", "zigzag", False, False, False, False),
+    ("hd128_causal_gqa", "contiguous", True, False, False, False),
+    ("hd128", "zigzag", False, False, False, False),
+    ("hd128", "contiguous", False, False, False, False),
+    ("hd128_causal_gqa", "zigzag", False, True, False, False),
+    ("hd128_causal_gqa", "zigzag", True, True, False, False),
+    ("hd128", "contiguous", False, True, False, False),
+    ("hd128_causal_gqa", "zigzag", False, False, True, False),
+    ("hd128_causal_gqa", "contiguous", False, False, True, False),
+    ("hd128", "zigzag", False, False, True, False),
+    ("hd128", "contiguous", True, False, True, False),
+    ("hd128_causal_gqa", "zigzag", True, True, True, False),
+    ("hd128_causal_gqa", "zigzag", False, False, False, True),
+    ("hd128", "contiguous", False, False, False, True),
+    ("hd128_causal_gqa", "contiguous", False, False, False, True),
+    ("hd128", "zigzag", False, True, False, True),
+    ("hd128_causal_gqa", "zigzag", True, False, False, True),
+    ("hd128_causal_gqa", "zigzag", False, True, True, True)])
+def test_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layout, regather, kv_together, overlap,
+                                          fused):
     """Every rank's O, LSE, dQ, dK, dV through the op (its gather, positions, reorder, the backward's
     reorder and reduce-scatter; kv_together: K and V in one gather, dK and dV in one scatter;
     overlap_backward: the backward kernel on runs of key rows, the peers' partial sums reduce-scattered,
     the own ones added after), with the kernels as float64 references, equal the reference over the
     whole sequence (float64, positions from 0), split per rank: the composition is the whole-sequence
-    attention and its adjoint."""
-    base = load_cp(groups, world, pair, layout, regather=regather, kv_together=kv_together, overlap_backward=overlap)
+    attention and its adjoint. `fused`: the forward through a float64 stand-in of the cp_attention kernel
+    that leaves this rank's own rows of the gathered K, V unwritten (fused_forward copies them in)."""
+    base = load_cp(groups, world, pair, layout, regather=regather, kv_together=kv_together, overlap_backward=overlap,
+                   fused=fused_spec(pair, layout) if fused else None)
     sig = base.attention.signature
     calls: list = []
     stand_in_kernels(base, monkeypatch, calls)
@@ -305,34 +335,29 @@ def test_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layo
                                                           sig.scale, sig.causal)[:3]
     sim = SimulatedWorld(world)
     results: dict = {}
-    errors: list = []
+    gathers: list = []
 
     def rank_main(rank: int) -> None:
-        try:
-            op = copy.copy(base)
-            op.rank = rank
-            op._allgather = lambda x: sim.allgather(rank, x)
-            op._reduce_scatter = lambda x: sim.reduce_scatter(rank, x)
-            pos = row_positions(layout, world, n, rank)
-            qa, ka, va = (x[:, pos].clone().requires_grad_(True) for x in (q, k, v))
-            o, lse = op(qa, ka, va, return_lse=True)
-            o.backward(do[:, pos])
-            results[rank] = (pos, o.detach(), lse, qa.grad, ka.grad, va.grad)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-            sim.barrier.abort()
+        op = copy.copy(base)
+        op.rank = rank
+        op._allgather = lambda x: gathers.append(rank) or sim.allgather(rank, x)
+        op._reduce_scatter = lambda x: sim.reduce_scatter(rank, x)
+        if fused:  # a stand-in of the cp_attention kernel that leaves its own rows unwritten
+            op._fused = fused_stand_in(op, sim_gathered(sim, rank, 1), True)
+        pos = row_positions(layout, world, n, rank)
+        qa, ka, va = (x[:, pos].clone().requires_grad_(True) for x in (q, k, v))
+        o, lse = op(qa, ka, va, return_lse=True)
+        o.backward(do[:, pos])
+        results[rank] = (pos, o.detach(), lse, qa.grad, ka.grad, va.grad)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_ranks(sim, rank_main)
     for rank, (pos, o, lse, dq, dk, dv) in results.items():
         for name, got, want in (("o", o, o_ref[:, pos]), ("lse", lse, lse_ref[:, :, pos]), ("dq", dq, dq_ref[:, pos]),
                                 ("dk", dk, dk_ref[:, pos]), ("dv", dv, dv_ref[:, pos])):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12, err_msg=f"rank {rank} {name}")
+    if fused:  # the forward gathers nothing and runs no attention kernel of its own; regather: K, V in the backward
+        assert not [c for c in calls if c[0] == "forward"]
+        assert len(gathers) == (world * (1 if kv_together else 2) if regather else 0)
     backward = [c for c in calls if c[0] == "backward"]
     if not overlap:
         assert len(backward) == world and all(c[2] == S for c in calls)  # every kernel call over the whole sequence
@@ -547,8 +572,14 @@ def test_rel_errors():
 
 # -- the fused forward (cp_attention(..., fused=)): one cp_attention call, its gathered K, V kept ---------
 
-def fused_spec(pair: str, layout: str) -> Path:
-    return ROOT / torch_checks().CP_FUSED[(pair, layout)]
+def fused_spec(pair: str, layout: str, causal: bool | None = None):
+    """The cp_attention spec of tests/torch_checks.py CP_FUSED for (pair, layout), or, where the pair's own
+    placement differs (the composed op takes any), a variant of the pair's fused spec with this layout."""
+    fused = torch_checks().CP_FUSED
+    if (pair, layout) in fused:
+        return ROOT / fused[(pair, layout)]
+    (spec,) = [ROOT / v for (p, _), v in fused.items() if p == pair]
+    return spec_variant(load_spec(spec), {"name": f"{spec.stem}_{layout}", "params": {"layout": layout}})
 
 
 def fused_stand_in(op, gathered, local_kv: bool):
@@ -556,35 +587,41 @@ def fused_stand_in(op, gathered, local_kv: bool):
     rank's positions over the whole sequence, and k_full / v_full as the kernel leaves them
     (tsgen.ops.cp_attention.segments: position order where causal, the shards rotated otherwise), this
     rank's own rows NaN where `local_kv` (the kernel read them in place). `gathered(x)` is every rank's x
-    (bshd, batch first) concatenated along the rows, rank by rank."""
+    concatenated along the rows, rank by rank; tensors in op.tensor_layout (bhsd: the rows dimension 2)."""
     from tsgen.ops.cp_attention import segments
 
     sig = op.attention.signature
 
     def run(q, k, v):
-        n, w = q.shape[1], op.world
-        pos = op.positions(q, k, v)
+        dim, w = op._seq_dim, op.world
+        n = q.shape[dim]
         fulls = []
         for x in (k, v):
             every = gathered(x)
-            full = torch.full((x.shape[0], w * n, *x.shape[2:]), float("nan"), dtype=x.dtype)
+            shape = list(x.shape)
+            shape[dim] = w * n
+            full = torch.full(shape, float("nan"), dtype=x.dtype)
             for src_rank in range(w):
                 if local_kv and src_rank == op.rank:
                     continue
                 for src, rows, dst, _ in segments(op.layout, sig.causal, w, n, src_rank, op.rank):
-                    full[:, dst:dst + rows] = every[:, src_rank * n + src:src_rank * n + src + rows]
+                    full.narrow(dim, dst, rows).copy_(every.narrow(dim, src_rank * n + src, rows))
             fulls.append(full)
-        qp = rows_of(pos, n)
         order = gather_order(op.layout, sig.causal, w, n)
-        kp = np.arange(w * n)
-        # the whole sequence in position order, for the reference (positions matter only where causal)
-        every_k, every_v = gathered(k), gathered(v)
-        if order is not None:
-            every_k, every_v = every_k[:, order], every_v[:, order]
-        o, lse = attention_reference(q.numpy(), every_k.numpy(), every_v.numpy(), sig.scale, sig.causal, qp, kp)
-        return torch.from_numpy(o), torch.from_numpy(lse), *fulls
+        every_k, every_v = (gathered(x) for x in (k, v))
+        if order is not None:  # the whole sequence in position order, for the reference
+            every_k, every_v = (x.index_select(dim, torch.tensor(order)) for x in (every_k, every_v))
+        bshd = (lambda x: x) if dim == 1 else (lambda x: x.transpose(1, 2))
+        o, lse = attention_reference(bshd(q).numpy(), bshd(every_k).numpy(), bshd(every_v).numpy(), sig.scale,
+                                     sig.causal, rows_of(op.positions(q, k, v), n), np.arange(w * n))
+        return bshd(torch.from_numpy(o)), torch.from_numpy(lse), *fulls
 
     return run
+
+
+def sim_gathered(sim: SimulatedWorld, rank: int, dim: int):
+    """Every rank's x concatenated along dimension `dim`, through the simulated all-gather."""
+    return lambda x: sim.allgather(rank, x.transpose(0, dim)).transpose(0, dim)
 
 
 @pytest.mark.parametrize("w", [2, 4])
@@ -592,7 +629,7 @@ def fused_stand_in(op, gathered, local_kv: bool):
 def test_fused_forward_shapes_and_signature(groups, w, pair, layout):
     """The fused spec loads as a torch op of four outputs (O, LSE, the gathered K, V; q, k, v, o, lse the
     caller's tensors), and a fake forward + backward through cp_attention(..., fused=) gives the composed
-    op's shapes."""
+    op's shapes, also from a K and V that are not contiguous (copied for the kernel)."""
     cp = load_cp(groups, w, pair, layout, fused=fused_spec(pair, layout))
     sig = cp.attention.signature
     fsig = cp.fused.signature
@@ -601,18 +638,25 @@ def test_fused_forward_shapes_and_signature(groups, w, pair, layout):
     n = 64
     with fake_mode():
         q = torch.empty(1, n, sig.heads, sig.head_dim, dtype=BF16, requires_grad=True)
-        k, v = (torch.empty(1, n, sig.kv_heads, sig.head_dim, dtype=BF16, requires_grad=True) for _ in range(2))
-        o, lse, k_full, v_full = cp.fused(q.detach(), k.detach(), v.detach())
+        k, v = (torch.empty(1, sig.kv_heads, n, sig.head_dim, dtype=BF16).transpose(1, 2).requires_grad_(True)
+                for _ in range(2))
+        assert not k.is_contiguous()
+        o, lse, k_full, v_full = cp.fused(q.detach(), k.detach().contiguous(), v.detach().contiguous())
         assert tuple(k_full.shape) == (1, w * n, sig.kv_heads, sig.head_dim) and tuple(lse.shape) == (1, sig.heads, n)
         o, lse = cp(q, k, v, return_lse=True)
         assert tuple(o.shape) == tuple(q.shape) and tuple(lse.shape) == (1, sig.heads, n)
         o.float().sum().backward()
         assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+        with pytest.raises(TsgenArgumentError, match=r"a batch of 2 sequences .* compiled for 1: compile it with "
+                                                     r"params.batch 2, or leave fused= out"):
+            q2, k2 = torch.empty(2, n, sig.heads, sig.head_dim, dtype=BF16), torch.empty(2, n, sig.kv_heads,
+                                                                                        sig.head_dim, dtype=BF16)
+            cp(q2, k2, k2)
 
 
 def test_fused_load_errors(groups):
-    """A fused spec of another attention or another placement is refused, naming what differs; so is a
-    spec of another op kind."""
+    """A fused spec of another attention, another placement, another group or another op kind is refused,
+    naming what differs; so is the negative-control variant (skip_wait)."""
     fwd, bwd = pair_specs("hd128")
     ag, rs = GEN / "allgather.json", GEN / "reduce_scatter.json"
     with pytest.raises(TsgenTorchError, match=r"fused forward .*cp_attention_hd128_causal_gqa.yaml does not compute "
@@ -623,108 +667,53 @@ def test_fused_load_errors(groups):
     with pytest.raises(TsgenTorchError, match=r"placement zigzag / contiguous"):
         tt.cp_attention(causal_fwd, causal_bwd, ag, rs, groups[2], layout="contiguous",
                         fused=fused_spec("hd128_causal_gqa", "zigzag"))
-    with pytest.raises(TsgenTorchError, match=r"its cp_attention argument is .*op allgather, not cp_attention"):
+    with pytest.raises(TsgenTorchError, match=r"its fused argument is .*op allgather, not cp_attention"):
         tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="contiguous", fused=ag)
+    elsewhere = tt.load(fused_spec("hd128", "contiguous"), groups[4])
+    with pytest.raises(TsgenTorchError, match=r"group .* / .*: compile it"):
+        tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="contiguous", fused=elsewhere)
+    control = spec_variant(load_spec(fused_spec("hd128", "contiguous")),
+                           {"name": "cp_attention_hd128_skip", "params": {"skip_wait": True, "gather": "sm"}})
+    with pytest.raises(TsgenTorchError, match=r"is a negative control \(params.skip_wait"):
+        tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="contiguous", fused=control)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("pair, layout", [("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")])
-def test_fused_forward_leaves_what_the_gather_gives(groups, world, pair, layout):
+@pytest.mark.parametrize("tensor_layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("pair, layout", [("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous"),
+                                          ("hd128_causal_gqa", "contiguous"), ("hd128", "zigzag")])
+def test_fused_forward_leaves_what_the_gather_gives(groups, world, tensor_layout, pair, layout):
     """fused_forward's K_full, V_full equal gather_kv's (the composed forward's, which the backward reads)
-    on every rank: the kernel's order turned back (not causal: the rotated shards) and this rank's own
-    rows, which the kernel read in place and left unwritten (NaN here), copied in. Without the copy the
-    own rows stay NaN: the check would see it (the control)."""
+    on every rank, both tensor layouts, every placement with and without causal: the kernel's order
+    turned back (not causal: the rotated shards) and this rank's own rows, which the kernel read in place
+    and left unwritten (NaN here), copied in. Without the copy the own rows stay NaN: the check would see
+    it (the control)."""
     sim = SimulatedWorld(world)
     n = 8
     gen = torch.Generator().manual_seed(7 + world)
     base = load_cp(groups, world, pair, layout, fused=fused_spec(pair, layout))
+    base.tensor_layout = tensor_layout  # the layout the specs would declare; only the composition is tested
     sig = base.attention.signature
-    k_all, v_all = (torch.randn(1, world * n, sig.kv_heads, sig.head_dim, generator=gen, dtype=torch.float64)
-                    for _ in range(2))
-    results, errors = {}, []
+    dim = base._seq_dim
+    shape = [1, world * n, sig.kv_heads, sig.head_dim] if dim == 1 else [1, sig.kv_heads, world * n, sig.head_dim]
+    k_all, v_all = (torch.randn(*shape, generator=gen, dtype=torch.float64) for _ in range(2))
+    results = {}
 
     def rank_main(rank: int) -> None:
-        try:
-            op = copy.copy(base)
-            op.rank = rank
-            mine = slice(rank * n, (rank + 1) * n)  # the tensors' rows of this rank (their content is arbitrary)
-            k, v = k_all[:, mine], v_all[:, mine]
-            q = torch.zeros(1, n, sig.heads, sig.head_dim, dtype=torch.float64)
-            op._allgather = lambda x: sim.allgather(rank, x)
-            want = op.gather_kv(k, v)
-            op._fused = fused_stand_in(op, lambda x: sim.allgather(rank, x.transpose(0, 1)).transpose(0, 1), True)
-            got = op.fused_forward(q, k, v)[2:]
-            op.local_kv = False  # the control: the own rows not copied in
-            bad = op.fused_forward(q, k, v)[2:]
-            results[rank] = (want, got, bad)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-            sim.barrier.abort()
+        op = copy.copy(base)
+        op.rank = rank
+        k, v = (x.narrow(dim, rank * n, n) for x in (k_all, v_all))  # this rank's tensors (any content)
+        q = torch.zeros(*(k.shape[:dim]), n, *(k.shape[dim + 1:]), dtype=torch.float64)
+        op._allgather = lambda x: sim.allgather(rank, x)
+        want = op.gather_kv(k, v)
+        op._fused = fused_stand_in(op, sim_gathered(sim, rank, dim), True)
+        got = op.fused_forward(q, k, v)[2:]
+        op.local_kv = False  # the control: the own rows not copied in
+        bad = op.fused_forward(q, k, v)[2:]
+        results[rank] = (want, got, bad)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_ranks(sim, rank_main)
     for rank, (want, got, bad) in results.items():
         for name, w_, g, b in zip(("k", "v"), want, got, bad):
             assert torch.equal(g, w_), f"rank {rank} {name}_full"
             assert torch.isnan(b).any(), f"rank {rank} {name}_full: the control (no own rows) passed"
-
-
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("pair, layout, regather", [("hd128_causal_gqa", "zigzag", False),
-                                                    ("hd128", "contiguous", False),
-                                                    ("hd128_causal_gqa", "zigzag", True)])
-def test_fused_composition_in_a_simulated_world(groups, monkeypatch, world, pair, layout, regather):
-    """The whole op with the fused forward (a float64 stand-in of the cp_attention kernel that leaves its
-    own rows unwritten) and the composed backward (float64 stand-in kernels, the simulated reduce-scatter):
-    every rank's O, LSE, dQ, dK, dV equal the reference over the whole sequence; the forward makes no
-    all-gather (with regather the backward makes its own)."""
-    base = load_cp(groups, world, pair, layout, regather=regather, fused=fused_spec(pair, layout))
-    sig = base.attention.signature
-    calls: list = []
-    stand_in_kernels(base, monkeypatch, calls)
-    n, batch = 8, 1
-    S = world * n
-    gen = torch.Generator().manual_seed(53 + world)
-    q = torch.randn(batch, S, sig.heads, sig.head_dim, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(batch, S, sig.kv_heads, sig.head_dim, generator=gen, dtype=torch.float64) for _ in range(2))
-    do = torch.randn(batch, S, sig.heads, sig.head_dim, generator=gen, dtype=torch.float64)
-    o_ref, lse_ref = attention_reference(q.numpy(), k.numpy(), v.numpy(), sig.scale, sig.causal)
-    dq_ref, dk_ref, dv_ref = attention_backward_reference(q.numpy(), k.numpy(), v.numpy(), o_ref, do.numpy(), lse_ref,
-                                                          sig.scale, sig.causal)[:3]
-    sim = SimulatedWorld(world)
-    results, errors, gathers = {}, [], []
-
-    def rank_main(rank: int) -> None:
-        try:
-            op = copy.copy(base)
-            op.rank = rank
-            op._allgather = lambda x: gathers.append(rank) or sim.allgather(rank, x)
-            op._reduce_scatter = lambda x: sim.reduce_scatter(rank, x)
-            op._fused = fused_stand_in(op, lambda x: sim.allgather(rank, x.transpose(0, 1)).transpose(0, 1), True)
-            pos = row_positions(layout, world, n, rank)
-            qa, ka, va = (x[:, pos].clone().requires_grad_(True) for x in (q, k, v))
-            o, lse = op(qa, ka, va, return_lse=True)
-            o.backward(do[:, pos])
-            results[rank] = (pos, o.detach(), lse, qa.grad, ka.grad, va.grad)
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-            sim.barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    for rank, (pos, o, lse, dq, dk, dv) in results.items():
-        for name, got, want in (("o", o, o_ref[:, pos]), ("lse", lse, lse_ref[:, :, pos]), ("dq", dq, dq_ref[:, pos]),
-                                ("dk", dk, dk_ref[:, pos]), ("dv", dv, dv_ref[:, pos])):
-            np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12, err_msg=f"rank {rank} {name}")
-    assert not [c for c in calls if c[0] == "forward"]  # the attention forward kernel is the fused op's
-    assert len(gathers) == (2 * world if regather else 0)  # regather: K and V gathered again in the backward

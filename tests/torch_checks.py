@@ -39,11 +39,11 @@ Checks (each a line `CHECK name PASS|FAIL detail`, rank 0 printing every rank's 
   kv_together (the first case), with overlap_backward (both cases: the backward by runs of key rows,
   the peers' reduce-scatter on a side stream beside the own rows' kernels) and with the fused forward
   (both cases, not with --shared: CP_FUSED's cp_attention specs, their gather on the copy engine);
-  negative controls (the dK /
-  dV reduce-scatter left out, by default and with overlap_backward) that must be caught; step times
-  (cp_step_times) against an NCCL all_gather + SDPA twin and the single-GPU ideal at each S of
-  CP_TIME_SEQS (default "2048 8192 16384 32768"), the implementations CP_TIME_VARIANTS names (default
-  "tsgen ideal twin twin_cudnn"; tsgen_graph, tsgen_fused, tsgen_kv_together and tsgen_overlap too where named) in CP_TIME_ROUNDS
+  negative controls (the dK / dV reduce-scatter left out, by default and with overlap_backward) that
+  must be caught; step times (cp_step_times) against an NCCL all_gather + SDPA twin and the
+  single-GPU ideal at each S of CP_TIME_SEQS (default "2048 8192 16384 32768"), the implementations
+  CP_TIME_VARIANTS names (default "tsgen ideal twin twin_cudnn"; tsgen_graph, the default step in a CUDA
+  graph, checked after a replay; tsgen_fused, tsgen_kv_together and tsgen_overlap too where named) in CP_TIME_ROUNDS
   interleaved rounds (default 8), every round's samples in the file CP_TIME_JSON names (where set), each
   timed S's O, dQ, dK, dV against the single-GPU op's. With --shared: ranks on one GPU, gloo, MPS, S 2048,
   no times.
@@ -1149,9 +1149,10 @@ def cp_time_rounds(clock, rank: int, streams, steps: dict, rounds: int, lineup, 
 def cp_graph_step(cp, q, k, v, do):
     """tsgen_graph: the default op's forward + backward captured in one CUDA graph (torch's whole-step
     recipe: three warm-up steps on a side stream, so that the heaps, the zig-zag index and the autograd
-    state exist before capture, then one step captured on fresh leaves). Returns (replay, what a replay
-    writes: O and the leaves' grads, static tensors of the graph's pool). What it measures against the
-    eager step is the host's share of the step: a replay launches every kernel of it at once."""
+    state exist before capture, then one step captured on the same leaves, copies of q, k, v, with their
+    grads cleared). Returns (replay, what a replay writes: O and the leaves' grads, static tensors of the
+    graph's pool). What it measures against the eager step is the host's share of the step: a replay
+    launches every kernel of it at once."""
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -1168,9 +1169,9 @@ def cp_graph_step(cp, q, k, v, do):
     with torch.cuda.graph(graph):
         o = cp(*leaves)
         o.backward(do)
-    def replay():  # holds the leaves: the graph reads their memory, which nothing else keeps (a freed clone
-        graph.replay()  # is soon another tensor's: 6289cec's replays read such memory and gave wrong results)
-        return leaves
+    def replay():  # holds the leaves and dO: the graph reads their memory, which nothing else need keep (a
+        graph.replay()  # freed clone is soon another tensor's: 6289cec's replays read such memory, wrong results)
+        return leaves, do
 
     return replay, {"o": o.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
 

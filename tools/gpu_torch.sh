@@ -46,7 +46,8 @@
 #      hardware queues come out of one pool (docs/lab/shared_gpu.md: 4 clients x 32 fail).
 # Environment: TP_ARGS, ULYSSES_ARGS, MOE_ARGS (extra arguments of the examples), TSGEN_TORCH_HEAP (auto | symm_mem | ipc),
 # CP_TIME_SEQS (the cp step's timed S, space-separated; default "2048 8192 16384 32768"), CP_TIME_VARIANTS (of tsgen
-# tsgen_kv_together tsgen_overlap twin twin_cudnn ideal; default "tsgen ideal twin twin_cudnn"), CP_TIME_ROUNDS
+# tsgen_graph tsgen_fused tsgen_kv_together tsgen_overlap twin twin_cudnn ideal; default "tsgen ideal twin twin_cudnn"),
+# CP_TIME_ROUNDS
 # (default 8), CP_TIME_JSON (a path: rank 0 writes every round's samples there; e.g. $OUT/torch/cp_times.json),
 # TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe attention cp shared cp_shared; default all; environment and
 # compile always run; cp_pieces, run only when named: tools/torch_cp_pieces.py, the cp step's time piece by piece).

@@ -4,8 +4,10 @@
 
 tests/torch_checks.py's cp_step_times captured the whole cp_attention step (forward + backward) in one
 CUDA graph at 6289cec (2 x H200) and its replays gave wrong O, dQ, dK, dV (some elements never written).
-This probe captures smaller pieces the same way (warm-up on a side stream, capture on a fresh
-torch.cuda.graph, the static outputs poisoned with NaN, one replay) and compares each replay with the
+(The cause was the check's own: nothing kept the leaves it had cloned and captured, and later eager
+steps reused their memory; fixed at dde8953.) This probe captures smaller pieces the same way (warm-up on
+a side stream, capture on a fresh torch.cuda.graph, the static outputs poisoned with NaN, one replay),
+its inputs views of tensors that live for the whole run (so it cannot show that failure) and compares each replay with the
 same piece run eagerly on the same inputs (bit for bit where the piece is deterministic, else the
 relative error in norm): the allgather alone, the single-GPU attention forward, its forward +
 backward, the cp forward alone, the cp forward + backward; each with the capture on the warm-up's
@@ -84,27 +86,19 @@ q, k, v, do = attention_inputs(sig, 1, S, S, gen)  # the same on every rank
 n = S // w
 ql, kl, vl, dol = (x[:, r * n:(r + 1) * n].contiguous() for x in (q, k, v, do))
 
+def step_of(op, inputs, dout):
+    """One forward + backward of `op` on leaves viewing `inputs`: (O, the leaves' grads)."""
+    def step():
+        leaves = [x.detach().requires_grad_(True) for x in inputs]
+        o = op(*leaves)
+        o.backward(dout)
+        return (o, *(x.grad for x in leaves))
+    return step
+
+
 compare("allgather", lambda: (ag(kl.transpose(0, 1).contiguous()),))
 compare("attention forward", lambda: tuple(attn(q, k, v, return_lse=True)))
-
-
-def attention_step():
-    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    o = attn(*leaves)
-    o.backward(do)
-    return (o, *(x.grad for x in leaves))
-
-
-compare("attention forward + backward", attention_step)
+compare("attention forward + backward", step_of(attn, (q, k, v), do))
 compare("cp forward", lambda: tuple(cp(ql, kl, vl, return_lse=True)))
-
-
-def cp_step():
-    leaves = [x.detach().requires_grad_(True) for x in (ql, kl, vl)]
-    o = cp(*leaves)
-    o.backward(dol)
-    return (o, *(x.grad for x in leaves))
-
-
-compare("cp forward + backward", cp_step)
+compare("cp forward + backward", step_of(cp, (ql, kl, vl), dol))
 dist.destroy_process_group()

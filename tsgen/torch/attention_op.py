@@ -88,6 +88,12 @@ def agree_fields(manifest: Manifest, source: Path) -> dict[str, Any]:
             "scale": float(found[1])}
 
 
+def agree_diffs(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """AGREE's fields where two attention modules differ, as "name mine / theirs" (the refusals' words;
+    the tensor layout, bshd or bhsd, as "tensors")."""
+    return [f"{'tensors' if f == 'layout' else f} {mine[f]} / {theirs[f]}" for f in AGREE if mine[f] != theirs[f]]
+
+
 @dataclass(frozen=True)
 class AttentionSignature:
     """One attention module as a torch op: its shape constants, layout, element type and softmax
@@ -217,8 +223,7 @@ class AttentionSignature:
         if self.op != "attention" or backward.op != "attention_backward":
             return (f"tsgen.torch.attention(forward, backward) takes an attention spec and an attention_backward "
                     f"spec, not {self.op} ({self.spec}) and {backward.op} ({backward.spec})")
-        diffs = [f"{f} {getattr(self, f)} / {getattr(backward, f)}" for f in AGREE
-                 if getattr(self, f) != getattr(backward, f)]
+        diffs = agree_diffs({f: getattr(self, f) for f in AGREE}, {f: getattr(backward, f) for f in AGREE})
         if not diffs:
             return None
         return (f"tsgen.torch.attention: {self.spec} ({self.qualname}) and {backward.spec} ({backward.qualname}) "

@@ -48,8 +48,16 @@ the reduce-scatter sums W rounded partial sums (the reduce_scatter spec's dtype 
 attention's; an fp32 reduce-scatter of rounded partials would not add accuracy: the kernel would
 have to write fp32 partials, a kernel change not made here).
 
-The op is a torch.autograd.Function over custom ops: eager, or its whole step captured in a CUDA graph
-(tests/torch_checks.py cp_graph_step checks a replay's results; torch.compile is not checked for it yet). tests/torch_checks.py --cp is the GPU check; tests/test_torch_cp_attention_cpu.py
+`fused=SPEC` (a cp_attention spec of the same attention and layout, e.g.
+examples/torch/specs/cp_attention_hd128_causal_gqa.yaml) makes the forward one call of the cp_attention
+kernel instead: its K / V gather on the copy engine overlapped with the attention, the gathered K, V it
+leaves in the symmetric heap copied out and kept for the backward (fused_forward says how they are put in
+the backward's order). Measured level with the composed forward (causal) or slower (not causal):
+docs/torch.md. Its batch is the spec's params.batch, fixed at compile time.
+
+The op is a torch.autograd.Function over custom ops. Its default form's whole step (forward + backward)
+was captured in a CUDA graph and a replay's results checked on 2 GPUs (tests/torch_checks.py
+cp_graph_step, timing label tsgen_graph); torch.compile is not checked for it yet. tests/torch_checks.py --cp is the GPU check; tests/test_torch_cp_attention_cpu.py
 the CPU tests (fake kernels, errors, and the composition's math with stand-in kernels in a
 simulated world).
 """
@@ -64,7 +72,7 @@ import torch.distributed as dist
 
 from . import ops as ops_mod
 from ..ops.cp_attention import segments
-from .attention_op import AGREE, AttentionOp, agree_fields, attention
+from .attention_op import AGREE, AttentionOp, agree_diffs, agree_fields, attention
 from .signature import TsgenArgumentError, TsgenTorchError
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -181,9 +189,9 @@ class CPAttentionOp:
     """Context-parallel attention on this rank of a process group: `op(q, k, v)` is this rank's O,
     differentiable; `op(q, k, v, return_lse=True)` is (O, LSE). `layout`: contiguous or zigzag;
     `regather`: gather K, V again in the backward instead of keeping them; `overlap_backward`: the
-    backward by runs of key rows, the peers' reduce-scatter beside the own rows' kernels (module doc).
-    `attention` is the single-GPU AttentionOp whose kernels it runs, `allgather` and `reduce_scatter`
-    the collectives."""
+    backward by runs of key rows, the peers' reduce-scatter beside the own rows' kernels (module doc);
+    `fused`: the forward through a cp_attention op (module doc, fused_forward). `attention` is the
+    single-GPU AttentionOp whose kernels it runs, `allgather` and `reduce_scatter` the collectives."""
 
     def __init__(self, attention_op: AttentionOp, allgather: Any, reduce_scatter: Any, layout: str, regather: bool,
                  kv_together: bool = False, overlap_backward: bool = False, fused: Any = None):
@@ -224,8 +232,13 @@ class CPAttentionOp:
     def where(self) -> str:
         return f"tsgen.torch.cp_attention on rank {self.rank}"
 
+    @property
+    def _seq_dim(self) -> int:
+        """The sequence's dimension of q, k, v and their gathered forms (bshd 1, bhsd 2)."""
+        return 1 if self.tensor_layout == "bshd" else 2
+
     def _rows(self, x: torch.Tensor) -> Any:
-        return x.shape[1] if self.tensor_layout == "bshd" else x.shape[2]
+        return x.shape[self._seq_dim]
 
     def positions(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
         """This rank's positions for local q, k, v of n rows each; TsgenArgumentError naming what
@@ -314,13 +327,26 @@ class CPAttentionOp:
     def fused_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """`fused`: (O, LSE, K_full, V_full) from one call of the cp_attention kernel (its gather on the copy
         engine, overlapped with the attention), K_full and V_full in the order the composed forward's gather
-        gives them (position order where causal, the all-gather's otherwise), for the backward. The kernel's
-        own gathered buffers are that order where causal; not causal they hold the shards rotated (slot j
-        rank + 1 + j's, tsgen.ops.cp_attention.segments), turned back here. With local_kv the kernel read this
-        rank's own rows in place and they may be missing from the gathered buffers: copied in here."""
-        o, lse, k_full, v_full = self._fused(q, k, v)
-        n = self._rows(q)
-        dim = 1 if self.tensor_layout == "bshd" else 2  # the sequence's dimension
+        gives them (position order where causal, the all-gather's otherwise), for the backward; None for
+        both with `regather` (the backward gathers again). The kernel's own gathered buffers are that order
+        where causal; not causal they hold the shards rotated (slot j rank + 1 + j's,
+        tsgen.ops.cp_attention.segments), turned back here. With local_kv the kernel read this rank's own
+        rows in place and they may be missing from the gathered buffers: copied in here.
+
+        Causal, the rows of the chunks after this rank's last query position are undefined in K_full and
+        V_full: the kernel never waits for them (no query of this rank sees them), so a peer may still be
+        writing them when the call's copy out of the heap reads them. The backward never reads them either
+        (it skips every key block no query of the rank sees), so dK and dV are what the composed path gives."""
+        batch = self.fused.signature.ins[0].dims[0][1]
+        if q.shape[0] != batch:
+            raise TsgenArgumentError(f"{self.where}: a batch of {q.shape[0]} sequences (q {tuple(q.shape)}), but the "
+                                     f"fused forward {self.fused.manifest.spec} was compiled for {batch}: compile it "
+                                     f"with params.batch {q.shape[0]}, or leave fused= out (the composed forward "
+                                     "takes any batch)")
+        o, lse, k_full, v_full = self._fused(q.contiguous(), k.contiguous(), v.contiguous())
+        if self.regather:
+            return o, lse, None, None
+        n, dim = self._rows(q), self._seq_dim
         if self.local_kv:
             for src, rows, dst, _ in segments(self.layout, self.causal, self.world, n, self.rank, self.rank):
                 k_full.narrow(dim, dst, rows).copy_(k.narrow(dim, src, rows))
@@ -357,7 +383,7 @@ class CPAttentionOp:
             self._runs[key] = (peers, [(start, stop, local) for (start, stop), local in zip(own, here)])
         peers, own = self._runs[key]
         at = getattr(torch.ops.tsgen, f"{self.attention.backward.name}_at")
-        dim = 1 if self.tensor_layout == "bshd" else 2  # the sequence's dimension
+        dim = self._seq_dim
         q_offset, q_split, q_offset2, _ = pos
 
         def part(start: int, stop: int) -> tuple:
@@ -396,15 +422,17 @@ class CPAttentionOp:
         return (o, lse) if return_lse else o
 
     def close(self) -> None:
-        """Unload the attention pair (the collectives stay loaded: close them, or tsgen.torch.close_all())."""
+        """Unload the attention pair (the collectives and the fused forward stay loaded: close them, or
+        tsgen.torch.close_all())."""
         self.attention.close()
 
 
-def _collective(given: Any, kind: str, group: Any, arch: str | None) -> Any:
-    """A TorchOp of op `kind` on `group`: `given` loaded (a spec, manifest) or one already loaded."""
+def _collective(given: Any, kind: str, group: Any, arch: str | None, argument: str | None = None) -> Any:
+    """A TorchOp of op `kind` on `group`: `given` loaded (a spec, manifest) or one already loaded.
+    `argument`: the parameter's name in the refusal (default: `kind`)."""
     op = given if isinstance(given, ops_mod.TorchOp) else ops_mod.load(given, group, arch=arch)
     if op.manifest.op != kind:
-        raise TsgenTorchError(f"tsgen.torch.cp_attention: its {kind} argument is {op.manifest.spec}, op "
+        raise TsgenTorchError(f"tsgen.torch.cp_attention: its {argument or kind} argument is {op.manifest.spec}, op "
                               f"{op.manifest.op}, not {kind}")
     return op
 
@@ -450,7 +478,7 @@ def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: An
         raise TsgenTorchError(f"tsgen.torch.cp_attention: {'; '.join(problems)}: compile the collectives for the "
                               "attention's dtype, on one group")
     if fused is not None:
-        fused = _collective(fused, "cp_attention", group, arch)
+        fused = _collective(fused, "cp_attention", group, arch, "fused")
         problem = fused_problem(fused, attn, layout, ag)
         if problem:
             raise TsgenTorchError(problem)
@@ -462,8 +490,11 @@ def fused_problem(fused: Any, attn: AttentionOp, layout: str, allgather: Any) ->
     None: it must compute the same attention (AGREE), split the sequence the same way, on the
     collectives' group."""
     sig = attn.signature
-    mine = agree_fields(fused.manifest, fused.source)
-    diffs = [f"{f} {mine[f]} / {getattr(sig, f)}" for f in AGREE if mine[f] != getattr(sig, f)]
+    if fused.manifest.constants.get("SKIP_WAIT", 0):
+        return (f"tsgen.torch.cp_attention: the fused forward {fused.manifest.spec} is a negative control "
+                "(params.skip_wait: its kernel does not wait for a peer's chunk and gives wrong results); use the "
+                "spec without it")
+    diffs = agree_diffs(agree_fields(fused.manifest, fused.source), {f: getattr(sig, f) for f in AGREE})
     zigzag = bool(fused.manifest.constants.get("ZIGZAG", 0))
     if zigzag != (layout == "zigzag"):
         diffs.append(f"placement {'zigzag' if zigzag else 'contiguous'} / {layout}")
@@ -473,5 +504,5 @@ def fused_problem(fused: Any, attn: AttentionOp, layout: str, allgather: Any) ->
         return None
     return (f"tsgen.torch.cp_attention: the fused forward {fused.manifest.spec} does not compute "
             f"{sig.spec}'s attention on this layout and group ({'; '.join(diffs)}, fused / the op's): compile it for "
-            "the attention's head_dim, heads, kv_heads, causal, dtype, tensors and softmax_scale, and the op's layout "
-            "(contiguous or zigzag)")
+            "the attention's head_dim, heads, kv_heads, causal, dtype, tensors (bshd or bhsd) and softmax_scale, and the "
+            "op's layout (contiguous or zigzag)")
