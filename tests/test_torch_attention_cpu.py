@@ -274,7 +274,7 @@ def test_mismatched_pairs_refused():
                  "specs/attention_backward_hd64_causal_gqa.yaml", "compile the backward spec"):
         assert part in text, (part, text)
     bshd_bwd = ROOT / "specs" / "attention_backward_hd128.yaml"
-    for changes, part in (({"name": "att_t_layout", "layout": "bhsd"}, "layout bhsd / bshd"),
+    for changes, part in (({"name": "att_t_layout", "layout": "bhsd"}, "tensors bhsd / bshd"),
                           ({"name": "att_t_scale", "softmax_scale": 0.1}, "scale 0.1 / 0.08838834764831843"),
                           ({"name": "att_t_dtype", "dtype": "float16"}, "dtype float16 / bfloat16"),
                           ({"name": "att_t_heads", "heads": 16, "kv_heads": 16}, "heads 16 / 32; kv_heads 16 / 32")):
@@ -332,8 +332,9 @@ def test_load_points_to_attention():
         problem = kind_problem(Manifest.load(GEN / f"{name}.json").op)
         assert "runs on one GPU, without a process group: load it with tsgen.torch.attention(forward_spec, " \
                "backward_spec)" in problem
-    assert "attention" not in supported_kinds() and "cp_attention" not in supported_kinds()
-    assert "is not a tsgen.torch op yet" in kind_problem("cp_attention")
+    # cp_attention runs on a process group (tsgen.torch.load, or cp_attention(..., fused=)); attention does not
+    assert "attention" not in supported_kinds() and "cp_attention" in supported_kinds()
+    assert kind_problem("cp_attention") is None
 
 
 # -- the GPU check's comparison (tests/torch_checks.py --attention), on the CPU --------------------

@@ -228,7 +228,7 @@ class AttentionSignature:
             return None
         return (f"tsgen.torch.attention: {self.spec} ({self.qualname}) and {backward.spec} ({backward.qualname}) "
                 f"do not compute the same attention ({'; '.join(diffs)}, forward / backward): compile the backward "
-                "spec for the forward's head_dim, heads, kv_heads, causal, dtype, layout and softmax_scale")
+                "spec for the forward's head_dim, heads, kv_heads, causal, dtype, tensors (bshd or bhsd) and softmax_scale")
 
 
 # The host entries' argument types (the generated sources' `<kernel>_forward` and `<kernel>_backward`).
