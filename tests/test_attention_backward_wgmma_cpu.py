@@ -604,6 +604,12 @@ def test_ncu_summary_counts_executions_per_warp_step():
     assert "    2.9  0.9 - 1.1 (the loop's path)  (3 instructions, 83.3% of the samples)" in part
     assert "    0.1  0.05 - 0.3  (1 instructions" in part and "    0.0  < 0.05" in part
     assert "      2  ULOP3" in part and "      1  HGMMA" in part and "ISETP" not in part.split("by opcode:")[1]
+    # each band's reasons, and the loop path's instructions holding most of its largest reason, each with the
+    # instruction before it (the wait's cause is often that one)
+    assert "    2.9  0.9 - 1.1 (the loop's path)  (3 instructions, 83.3% of the samples)\n           stall_wait 83.3%" in part
+    hot = part[part.index("the instructions with the most stall_wait"):]
+    assert hot.index("0x00010") < hot.index("0x00020") < hot.index("0x00030") and "0x00040" not in hot
+    assert "prev: @!P0 ULOP3.LUT UR8" in hot.split("0x00030")[1].splitlines()[0]
     no_column = page.replace('"Instructions Executed",', '').replace('"1,000",', '').replace('"900",', '') \
         .replace('"100",', '').replace('"10",', '')
     assert "per warp-step" not in ncu_source.stall_summary(ncu_source.source_rows(no_column), "t")

@@ -66,11 +66,7 @@ def stall_summary(rows: list[dict], title: str, top: int = 30) -> str:
     and by stretch (from one landmark instruction, SOURCE_LANDMARKS, to the next, in address order)."""
     total = sum(r["samples"] for r in rows) or 1.0
     out = [f"# warp stall samples: {title}", f"instructions {len(rows)}, samples {total:.0f}", "", "## by reason"]
-    reasons: dict[str, float] = {}
-    for r in rows:
-        for c, n in r["reasons"].items():
-            reasons[c] = reasons.get(c, 0.0) + n
-    out += [f"{n / total:7.1%}  {c}" for c, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    out += [f"{n / total:7.1%}  {c}" for c, n in reasons_of(rows)]
     out += ["", f"## the {top} hottest instructions"]
     for r in sorted(rows, key=lambda r: -r["samples"])[:top]:
         out.append(f"{r['samples'] / total:7.1%}  {r['address']:#07x}  {r['sass']}")
@@ -112,7 +108,8 @@ def executed_summary(rows: list[dict], top: int = 16) -> list[str]:
     """The instructions a kernel executes per step of its main loop, where the page has executions: the unit (one
     warp-step) is the executions of the most executed HGMMA (each wgmma of the loop runs once a step), so two
     kernels doing the same wgmma work compare step for step. By band of executions per step (the loop's path at
-    about 1, the masked or rarer paths below it) and, on the loop's path, by opcode."""
+    about 1, the masked or rarer paths below it) with each band's stall reasons, and, on the loop's path, by opcode
+    and the instructions that hold most of its two largest reasons (each with the instruction before it)."""
     step = max((r["executed"] for r in rows if opcode(r["sass"]) == "HGMMA"), default=0.0)
     if step <= 0:
         return []
@@ -129,14 +126,39 @@ def executed_summary(rows: list[dict], top: int = 16) -> list[str]:
         inside = [r for r in rows if r["executed"] > 0 and low <= r["executed"] / step < high]
         out.append(f"{sum(r['executed'] for r in inside) / step:7.1f}  {label}  ({len(inside)} instructions, "
                    f"{sum(r['samples'] for r in inside) / total:.1%} of the samples)")
+        by_reason = reasons_of(inside)
+        if by_reason:  # where that band's warps waited, in % of all samples: two kernels compare band by band
+            out.append("           " + ", ".join(f"{c} {n / total:.1%}" for c, n in by_reason[:4]))
+    loop = [r for r in rows if lo <= r["executed"] / step < hi]
     path: dict[str, int] = {}
-    for r in rows:
-        if lo <= r["executed"] / step < hi:
-            op = opcode(r["sass"])
-            path[op] = path.get(op, 0) + 1
+    for r in loop:
+        op = opcode(r["sass"])
+        path[op] = path.get(op, 0) + 1
     out += ["", "on the loop's path, by opcode:"]
     out += [f"{n:7d}  {op}" for op, n in sorted(path.items(), key=lambda kv: (-kv[1], kv[0]))[:top]]
+    # the loop path's instructions that hold most of its two largest reasons, each with the one before it (a
+    # stall's sample falls on the instruction that waits to issue, so its cause is often the one before it,
+    # or, after a BAR.SYNC.DEFER_BLOCKING, the barrier itself)
+    before = {r["address"]: p for p, r in zip(sorted(rows, key=lambda r: r["address"]),
+                                              sorted(rows, key=lambda r: r["address"])[1:])}
+    for reason, _ in reasons_of(loop)[:2]:
+        out += ["", f"on the loop's path, the instructions with the most {reason} (% of all samples; prev: the "
+                    "instruction before it)"]
+        held = [r for r in loop if r["reasons"].get(reason, 0.0) > 0]
+        for r in sorted(held, key=lambda r: -r["reasons"][reason])[:8]:
+            prev = before.get(r["address"])
+            out.append(f"{r['reasons'][reason] / total:7.1%}  {r['address']:#07x}  {r['sass'][:56]:56s}"
+                       + (f"  prev: {prev['sass'][:40]}" if prev else ""))
     return out
+
+
+def reasons_of(rows: list[dict]) -> list[tuple[str, float]]:
+    """The stall reasons' samples summed over `rows`, largest first."""
+    total: dict[str, float] = {}
+    for r in rows:
+        for c, n in r["reasons"].items():
+            total[c] = total.get(c, 0.0) + n
+    return sorted(total.items(), key=lambda kv: -kv[1])
 
 
 def source_args(kernel_regex: str, stem: Path) -> list[str]:
