@@ -595,9 +595,9 @@ def fused_stand_in(op, gathered, local_kv: bool):
     def run(q, k, v):
         dim, w = op._seq_dim, op.world
         n = q.shape[dim]
+        every_k, every_v = gathered(k), gathered(v)  # every rank's rows, rank by rank
         fulls = []
-        for x in (k, v):
-            every = gathered(x)
+        for x, every in ((k, every_k), (v, every_v)):
             shape = list(x.shape)
             shape[dim] = w * n
             full = torch.full(shape, float("nan"), dtype=x.dtype)
@@ -608,7 +608,6 @@ def fused_stand_in(op, gathered, local_kv: bool):
                     full.narrow(dim, dst, rows).copy_(every.narrow(dim, src_rank * n + src, rows))
             fulls.append(full)
         order = gather_order(op.layout, sig.causal, w, n)
-        every_k, every_v = (gathered(x) for x in (k, v))
         if order is not None:  # the whole sequence in position order, for the reference
             every_k, every_v = (x.index_select(dim, torch.tensor(order)) for x in (every_k, every_v))
         bshd = (lambda x: x) if dim == 1 else (lambda x: x.transpose(1, 2))

@@ -122,14 +122,16 @@ def executed_summary(rows: list[dict], top: int = 16) -> list[str]:
     out = ["", f"## executed instructions per warp-step (unit: the most executed HGMMA's count, {step:.0f}, "
                f"which {at_unit} HGMMA instructions share)",
            f"all: {sum(r['executed'] for r in rows) / step:.1f}"]
+    loop: list[dict] = []
     for label, low, high in bands:
         inside = [r for r in rows if r["executed"] > 0 and low <= r["executed"] / step < high]
+        if (low, high) == LOOP_PATH:
+            loop = inside
         out.append(f"{sum(r['executed'] for r in inside) / step:7.1f}  {label}  ({len(inside)} instructions, "
                    f"{sum(r['samples'] for r in inside) / total:.1%} of the samples)")
         by_reason = reasons_of(inside)
         if by_reason:  # where that band's warps waited, in % of all samples: two kernels compare band by band
             out.append("           " + ", ".join(f"{c} {n / total:.1%}" for c, n in by_reason[:4]))
-    loop = [r for r in rows if lo <= r["executed"] / step < hi]
     path: dict[str, int] = {}
     for r in loop:
         op = opcode(r["sass"])
@@ -139,8 +141,8 @@ def executed_summary(rows: list[dict], top: int = 16) -> list[str]:
     # the loop path's instructions that hold most of its two largest reasons, each with the one before it (a
     # stall's sample falls on the instruction that waits to issue, so its cause is often the one before it,
     # or, after a BAR.SYNC.DEFER_BLOCKING, the barrier itself)
-    before = {r["address"]: p for p, r in zip(sorted(rows, key=lambda r: r["address"]),
-                                              sorted(rows, key=lambda r: r["address"])[1:])}
+    ordered = sorted(rows, key=lambda r: r["address"])
+    before = {r["address"]: p for p, r in zip(ordered, ordered[1:])}
     for reason, _ in reasons_of(loop)[:2]:
         out += ["", f"on the loop's path, the instructions with the most {reason} (% of all samples; prev: the "
                     "instruction before it)"]

@@ -124,6 +124,11 @@ class AttentionSignature:
                    tail_items=int(c.get("TAIL_SPLIT", 0)))
 
     @property
+    def agreed(self) -> dict[str, Any]:
+        """AGREE's fields of this module (what agree_fields read off its manifest)."""
+        return {f: getattr(self, f) for f in AGREE}
+
+    @property
     def qualname(self) -> str:
         return f"tsgen::{self.module}"
 
@@ -223,7 +228,7 @@ class AttentionSignature:
         if self.op != "attention" or backward.op != "attention_backward":
             return (f"tsgen.torch.attention(forward, backward) takes an attention spec and an attention_backward "
                     f"spec, not {self.op} ({self.spec}) and {backward.op} ({backward.spec})")
-        diffs = agree_diffs({f: getattr(self, f) for f in AGREE}, {f: getattr(backward, f) for f in AGREE})
+        diffs = agree_diffs(self.agreed, backward.agreed)
         if not diffs:
             return None
         return (f"tsgen.torch.attention: {self.spec} ({self.qualname}) and {backward.spec} ({backward.qualname}) "

@@ -57,8 +57,8 @@ docs/torch.md. Its batch is the spec's params.batch, fixed at compile time.
 
 The op is a torch.autograd.Function over custom ops. Its default form's whole step (forward + backward)
 was captured in a CUDA graph and a replay's results checked on 2 GPUs (tests/torch_checks.py
-cp_graph_step, timing label tsgen_graph); torch.compile is not checked for it yet. tests/torch_checks.py --cp is the GPU check; tests/test_torch_cp_attention_cpu.py
-the CPU tests (fake kernels, errors, and the composition's math with stand-in kernels in a
+cp_graph_step, timing label tsgen_graph); torch.compile is not checked for it yet. tests/torch_checks.py
+--cp is the GPU check; tests/test_torch_cp_attention_cpu.py the CPU tests (fake kernels, errors, and the composition's math with stand-in kernels in a
 simulated world).
 """
 
@@ -72,7 +72,7 @@ import torch.distributed as dist
 
 from . import ops as ops_mod
 from ..ops.cp_attention import segments
-from .attention_op import AGREE, AttentionOp, agree_diffs, agree_fields, attention
+from .attention_op import AttentionOp, agree_diffs, agree_fields, attention
 from .signature import TsgenArgumentError, TsgenTorchError
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -494,7 +494,7 @@ def fused_problem(fused: Any, attn: AttentionOp, layout: str, allgather: Any) ->
         return (f"tsgen.torch.cp_attention: the fused forward {fused.manifest.spec} is a negative control "
                 "(params.skip_wait: its kernel does not wait for a peer's chunk and gives wrong results); use the "
                 "spec without it")
-    diffs = agree_diffs(agree_fields(fused.manifest, fused.source), {f: getattr(sig, f) for f in AGREE})
+    diffs = agree_diffs(agree_fields(fused.manifest, fused.source), sig.agreed)
     zigzag = bool(fused.manifest.constants.get("ZIGZAG", 0))
     if zigzag != (layout == "zigzag"):
         diffs.append(f"placement {'zigzag' if zigzag else 'contiguous'} / {layout}")
