@@ -440,7 +440,9 @@ static __device__ __forceinline__ bool wait_chunks(const Problem& p, uint64_t ex
 static __device__ __forceinline__ uint32_t next_tile(const Problem& p, uint32_t t) {
   if (p.work == nullptr) return t + gridDim.x;
   const uint64_t i = atom_add_relaxed_gpu_global_u64(p.work, 1ull);
-  if (i == (uint64_t)p.tiles - 1) st_relaxed_gpu_global_u64(p.work, 0ull);
+  // i + 1 == tiles, not i == tiles - 1: the same test, against a zero-extended 32-bit value (tiles - 1
+  // in 64 bits kept a high word live, which the trace build spilled: tests/test_cp_attention_cpu.py)
+  if (i + 1 == (uint64_t)p.tiles) st_relaxed_gpu_global_u64(p.work, 0ull);
   return i < (uint64_t)p.tiles ? (uint32_t)(gridDim.x + i) : p.tiles;  // i < tiles: no overflow
 }
 
