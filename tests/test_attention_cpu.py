@@ -245,7 +245,7 @@ def test_persistent_schedule_renders_the_counter_and_its_reset():
     header = (ROOT / "templates" / "include" / "tsgen" / "attention.cuh").read_text()
     reset = re.search(r"static __device__ __forceinline__ uint32_t next_tile\(.*?\n}\n", header, re.S).group(0)
     assert "atom_add_relaxed_gpu_global_u64(p.work, 1ull)" in reset
-    assert "if (i == (uint64_t)p.tiles - 1) st_relaxed_gpu_global_u64(p.work, 0ull);" in reset
+    assert "if (i + 1 == (uint64_t)p.tiles) st_relaxed_gpu_global_u64(p.work, 0ull);" in reset
     o = render(variant("po", params={"schedule": "persistent", "epilogue_overlap": True}), base=ROOT)
     assert "static constexpr bool EPILOGUE_OVERLAP = po::EPILOGUE_OVERLAP != 0;" in o.source
     mo = json.loads(o.manifest)
