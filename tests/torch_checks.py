@@ -1067,14 +1067,19 @@ CP_CASES = (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous"))
 # each case's fused forward (cp_attention(..., fused=)): the cp_attention spec of the same attention and layout
 CP_FUSED = {("hd128_causal_gqa", "zigzag"): "examples/torch/specs/cp_attention_hd128_causal_gqa.yaml",
             ("hd128", "contiguous"): "examples/torch/specs/cp_attention_hd128.yaml"}
+# each case's backward with params.kv_push (cp_attention's dK / dV pushed to their owners as each block ends, the
+# reduce-scatter overlapped with the backward): the same kernel's spec with kv_push
+CP_PUSH = {("hd128_causal_gqa", "zigzag"): "examples/torch/specs/attention_backward_hd128_causal_gqa_push.yaml",
+           ("hd128", "contiguous"): "examples/torch/specs/attention_backward_hd128_push.yaml"}
+CP_PUSH_LAG_CYCLES = 100_000_000  # the push control's delay on every rank but 0 (about 50 ms at 2 GHz)
 CP_SEQS = (2048, 8192)  # the whole sequence S; each rank holds S / W rows
 CP_SHARED_SEQS = (2048,)  # ranks sharing one GPU: every rank computes the whole reference
 # cp_step_times (module doc): what it times, from the environment; unset or empty: these
 CP_TIME_DEFAULTS = {"CP_TIME_SEQS": "2048 8192 16384 32768", "CP_TIME_VARIANTS": "tsgen ideal twin twin_cudnn",
                     "CP_TIME_ROUNDS": "8"}
 # every implementation it can time, in the order of its TIME lines (kv_together: the first case only)
-CP_TIME_LABELS = ("tsgen", "tsgen_graph", "tsgen_fused", "tsgen_kv_together", "tsgen_overlap", "twin", "twin_cudnn",
-                  "ideal")
+CP_TIME_LABELS = ("tsgen", "tsgen_graph", "tsgen_fused", "tsgen_kv_together", "tsgen_overlap", "tsgen_push", "twin",
+                  "twin_cudnn", "ideal")
 CP_SAMPLE_MS = 25.0  # one sample: about this long, and at least 2 steps (steps_per_sample)
 CP_TIME_ORDER = "balanced"  # tsgen.bench.timing.round_order's Williams design
 CP_TIME_MAX_REL_ERR = 2e-2  # the timed cp step against the single-GPU step, both bf16 tsgen results, in norm
@@ -1259,14 +1264,14 @@ def cp_checks(group, shared: bool) -> None:
     torch.backends.cudnn.allow_tf32 = False
     w, r = dist.get_world_size(group), dist.get_rank(group)
     gen = torch.Generator(device="cuda").manual_seed(35)  # the same on every rank: every rank makes the whole inputs
-    ops, together, overlapped, fused = {}, {}, {}, {}
+    ops, together, overlapped, fused, pushed = {}, {}, {}, {}, {}
 
     @checked("cp_load")
     def load():
         t0 = time.perf_counter()
-        def make(name, layout, **kw):
+        def make(name, layout, backward=None, **kw):
             fwd, bwd = ATTENTION_PAIRS[name]
-            return tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
+            return tt.cp_attention(ROOT / fwd, ROOT / (backward or bwd), ROOT / "specs" / "allgather.yaml",
                                    ROOT / "specs" / "reduce_scatter.yaml", group, layout=layout, **kw)
 
         for case_ in CP_CASES:
@@ -1281,7 +1286,10 @@ def cp_checks(group, shared: bool) -> None:
         if not shared:
             for case_ in CP_CASES:
                 fused[case_] = make(*case_, fused=ROOT / CP_FUSED[case_])
-        return True, (f"{len(ops) + len(together) + len(overlapped) + len(fused)} ops at world {w} in "
+        # every case with the backward's dK / dV pushed to their owners (params.kv_push)
+        for case_ in CP_CASES:
+            pushed[case_] = make(*case_, backward=CP_PUSH[case_])
+        return True, (f"{len(ops) + len(together) + len(overlapped) + len(fused) + len(pushed)} ops at world {w} in "
                       f"{time.perf_counter() - t0:.1f} s")
 
     if not load():
@@ -1321,7 +1329,7 @@ def cp_checks(group, shared: bool) -> None:
 
     labelled = ([(key, cp, "") for key, cp in ops.items()] + [(key, cp, "_kv_together") for key, cp in together.items()]
                 + [(key, cp, "_overlap") for key, cp in overlapped.items()]
-                + [(key, cp, "_fused") for key, cp in fused.items()])
+                + [(key, cp, "_fused") for key, cp in fused.items()] + [(key, cp, "_push") for key, cp in pushed.items()])
     for (name, layout), cp, tag in labelled:
         for S in (CP_SHARED_SEQS if shared else CP_SEQS):
             @checked(f"cp_{name}_{layout}{tag}_w{w}_s{S}")
@@ -1346,6 +1354,34 @@ def cp_checks(group, shared: bool) -> None:
         return not ok, f"{'caught' if not ok else 'NOT CAUGHT'} ({detail})"
 
     control_overlap()
+
+    @checked(f"cp_negative_control_push_w{w}")
+    def control_push():
+        """kv_push without its wait (push_skip_wait: the owner sums before the peers' partials land) while every
+        rank but 0 starts its backward CP_PUSH_LAG_CYCLES late: rank 0 sums slots its peers have not written yet
+        (the previous call's, of other inputs), so the comparison must fail on some rank at each of 3 steps;
+        the same op with the wait and the same lag passes. Reported the same on every rank."""
+        base = pushed[CP_CASES[0]]
+        lagged = copy.copy(base)
+        lagged.push_before = (lambda: torch.cuda._sleep(CP_PUSH_LAG_CYCLES)) if r != 0 else None
+        skipping = copy.copy(lagged)
+        skipping.push_skip_wait = True
+        caught = []
+        for _ in range(3):
+            every_rank_done(group)
+            caught.append(not case(skipping, CP_SEQS[0])[0])
+        every_rank_done(group)
+        waited_ok = case(lagged, CP_SEQS[0])[0]
+        seen = [None] * w
+        dist.all_gather_object(seen, (caught, waited_ok), group=group)
+        every_step = all(any(c[0][i] for c in seen) for i in range(3))
+        with_wait = all(c[1] for c in seen)
+        return every_step and with_wait, (
+            f"{'caught' if every_step else 'NOT CAUGHT'} at every step, with the wait {'correct' if with_wait else 'WRONG'}"
+            "; steps caught per rank (x caught, . not): "
+            + ", ".join(f"r{x}: {''.join('x' if c_ else '.' for c_ in c[0])}" for x, c in enumerate(seen)))
+
+    control_push()
 
     @checked(f"cp_reduce_scatter_wait_control_w{w}")
     def wait_control():
@@ -1435,7 +1471,7 @@ def cp_checks(group, shared: bool) -> None:
             group_heads = sig.heads // sig.kv_heads
             tsgen_ops = {"tsgen": cp, "tsgen_fused": fused.get((name, layout)),
                          "tsgen_kv_together": together.get((name, layout)),
-                         "tsgen_overlap": overlapped.get((name, layout))}
+                         "tsgen_overlap": overlapped.get((name, layout)), "tsgen_push": pushed.get((name, layout))}
             for S in seqs:
                 n = S // w
                 key = f"{name}_{layout}_w{w}_s{S}"
@@ -1527,7 +1563,8 @@ def cp_checks(group, shared: bool) -> None:
                         p = paired_ratio(ms["ideal"], ms["tsgen"])
                         twin = f", twin {statistics.median(ms['twin']):.2f} ms" if "twin" in ms else ""
                         others = "".join(f", {x[6:]} {paired_ratio(ms['ideal'], ms[x])['ratio']:.2f}"
-                                         for x in ("tsgen_graph", "tsgen_fused", "tsgen_kv_together", "tsgen_overlap")
+                                         for x in ("tsgen_graph", "tsgen_fused", "tsgen_kv_together", "tsgen_overlap",
+                                                   "tsgen_push")
                                          if x in ms)
                         notes.append(f"{name} {layout} s{S}: tsgen {statistics.median(ms['tsgen']):.2f} ms{twin}, "
                                      f"{p['ratio']:.2f} of ideal ({p['min']:.2f}-{p['max']:.2f}){others}")

@@ -31,7 +31,8 @@
 #      tiny module; forward + backward in a CUDA graph, 20 replays, each checked; step times beside SDPA's
 #   6b. tests/torch_checks.py --cp (TORCH_STEPS=cp, 2 ranks, NCCL): tsgen.torch.cp_attention, zig-zag causal GQA and
 #      contiguous not causal at S 2048 and 8192, every rank's O / LSE / dQ / dK / dV against float32 SDPA autograd over
-#      the whole sequence (by default, kv_together, overlap_backward), negative controls (no reduce-scatter); step
+#      the whole sequence (by default, kv_together, overlap_backward, kv_push), negative controls (no reduce-scatter;
+#      kv_push without its wait under a lag); step
 #      times at each S of CP_TIME_SEQS (default 2048 8192 16384 32768) beside NCCL all_gather + SDPA and the
 #      single-GPU ideal, in CP_TIME_ROUNDS interleaved rounds (default 8; TIME lines: medians and ideal/this paired
 #      per round, RAW lines: every round), each timed S's O / dQ / dK / dV against the single-GPU op's (2e-2 in
@@ -46,7 +47,7 @@
 #      hardware queues come out of one pool (docs/lab/shared_gpu.md: 4 clients x 32 fail).
 # Environment: TP_ARGS, ULYSSES_ARGS, MOE_ARGS (extra arguments of the examples), TSGEN_TORCH_HEAP (auto | symm_mem | ipc),
 # CP_TIME_SEQS (the cp step's timed S, space-separated; default "2048 8192 16384 32768"), CP_TIME_VARIANTS (of tsgen
-# tsgen_graph tsgen_fused tsgen_kv_together tsgen_overlap twin twin_cudnn ideal; default "tsgen ideal twin twin_cudnn"),
+# tsgen_graph tsgen_fused tsgen_kv_together tsgen_overlap tsgen_push twin twin_cudnn ideal; default "tsgen ideal twin twin_cudnn"),
 # CP_TIME_ROUNDS
 # (default 8), CP_TIME_JSON (a path: rank 0 writes every round's samples there; e.g. $OUT/torch/cp_times.json),
 # TORCH_STEPS (run only these of: checks probe tp_mlp ulysses moe attention cp shared cp_shared; default all; environment and
@@ -76,6 +77,7 @@ cat "$LOG/environment.log"
 COLLECTIVES=0; for s in checks probe tp_mlp ulysses moe shared cp cp_shared cp_pieces; do want $s && COLLECTIVES=1; done
 ATTENTION=0; for s in attention cp cp_shared cp_pieces; do want $s && ATTENTION=1; done
 CP_FUSED=0; want cp && CP_FUSED=1  # the fused forward's cp_attention specs (tests/torch_checks.py CP_FUSED)
+CP_PUSH=0; want cp || want cp_shared && CP_PUSH=1  # the kv_push backward specs (tests/torch_checks.py CP_PUSH)
 step "compile" 150 python3 -c "
 from concurrent.futures import ThreadPoolExecutor
 from tsgen.harness import render_to_cache
@@ -96,6 +98,9 @@ if $ATTENTION:
               'examples/torch/specs/attention_backward_hd64_causal.yaml']
 if $CP_FUSED:
     specs += ['examples/torch/specs/cp_attention_hd128_causal_gqa.yaml', 'examples/torch/specs/cp_attention_hd128.yaml']
+if $CP_PUSH:
+    specs += ['examples/torch/specs/attention_backward_hd128_causal_gqa_push.yaml',
+              'examples/torch/specs/attention_backward_hd128_push.yaml']
 with ThreadPoolExecutor(12) as pool:
     print(*pool.map(one, specs), sep='\n')"
 want checks && step "torch checks (2 ranks, NCCL group)" 240 $RUN tests/torch_checks.py

@@ -144,6 +144,15 @@ class AttentionBackwardParams(AttentionShape):
         "applies (impl wgmma, dq_reduce bulk, not causal, not deterministic, not lookahead, 64-row steps); true "
         "elsewhere is refused. dK, dV of the split items then vary in their last bits from run to run")
 
+    kv_push: bool = Field(
+        False, description="impl wgmma, not tail_split: the backward of context-parallel attention with its dK / dV "
+        "reduce-scatter overlapped (issue 35). The main kernel runs over the keys gathered from every rank (kv_len = "
+        "world x rows); each consumer warpgroup stores its 64 keys' dK, dV partial sums at the rank that holds them "
+        "(its own rows into dk, dv; a peer's over NVLink into that peer's receive area, then a signal), as soon as "
+        "its walk ends, and a fourth kernel (<kernel>_push_reduce) waits for every sender and adds their partials "
+        "to the rank's own. Adds the entry <kernel>_backward_push (tsgen::attention_bwd::KvPush: the table of "
+        "peers' areas the caller fills, e.g. tsgen.torch.cp_attention). Rows a rank: a multiple of 128")
+
     step_rows: Literal[64, 128] | None = Field(
         None, description="impl wgmma: query rows per step of the main kernel's walk; unset or 64: 64 (the default), "
         "128: FlashAttention-3's head-dim-64 tile (128 queries x 128 keys a step: S^T, dP^T as m64n128, dV, dK and dQ "
@@ -314,6 +323,12 @@ class AttentionBackwardFamily(OpFamily):
                  "and warpgroup pair); use one of the two"),
                 (p.lookahead, "step_rows 128 with lookahead is not built (two consumer loops, each with its own order "
                  "of waits); use one of the two")])
+        if p.kv_push:
+            refuse_first(problems, "kv_push", [
+                (p.impl != "wgmma", "kv_push needs params.impl wgmma (the mma_sync kernel's dK, dV stores are not "
+                 "built to push)"),
+                (p.split_tail, "kv_push with tail_split is not built (a split item's dK, dV are summed in the tail "
+                 "slots and converted by the tail kernel, which does not push): set tail_split: false")])
         if p.tail_split and not p.tail_applies:
             refuse_first(problems, "tail_split", [
                 (p.impl != "wgmma", "tail_split needs params.impl wgmma (the mma_sync kernel's CTAs walk whole items)"),
@@ -372,6 +387,7 @@ class AttentionBackwardFamily(OpFamily):
             **({"LOOKAHEAD": 1} if p.lookahead else {}),  # likewise
             **({"DK_AFTER_DQ": 1} if p.dk_after_dq else {}),  # likewise
             **({"STEP_ROWS": 128} if p.tall else {}),  # likewise
+            **({"KV_PUSH": 1} if p.kv_push else {}),  # likewise
             **({"TAIL_SPLIT": TAIL_ITEMS} if p.split_tail else {}),  # the tail slots (workspace_floats' tail_items)
         }
 

@@ -112,6 +112,7 @@ class AttentionSignature:
     blocks: int = 0  # the forward's launch.blocks (0: one CTA per tile)
     deterministic: bool = False  # the backward's params.deterministic: its workspace holds the dQ semaphores too
     tail_items: int = 0  # the backward's params.tail_split (manifest TAIL_SPLIT): its workspace holds its slots too
+    kv_push: bool = False  # the backward's params.kv_push: it has <kernel>_backward_push (tsgen.torch.cp_attention)
 
     @classmethod
     def of(cls, manifest: Manifest, source: Path) -> "AttentionSignature":
@@ -121,7 +122,7 @@ class AttentionSignature:
         c = manifest.constants
         return cls(manifest.name, manifest.op, manifest.spec, **agree_fields(manifest, source),
                    blocks=int(c.get("BLOCKS", 0)), deterministic=bool(c.get("DETERMINISTIC", 0)),
-                   tail_items=int(c.get("TAIL_SPLIT", 0)))
+                   tail_items=int(c.get("TAIL_SPLIT", 0)), kv_push=bool(c.get("KV_PUSH", 0)))
 
     @property
     def agreed(self) -> dict[str, Any]:
@@ -239,7 +240,9 @@ class AttentionSignature:
 # The host entries' argument types (the generated sources' `<kernel>_forward` and `<kernel>_backward`).
 _VP, _U64, _I64 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64
 _ARGTYPES = {"forward": [_VP] * 5 + [_U64] * 3 + [_I64] * 4 + [_VP, _U64, _U64, ctypes.c_int, _VP],
-             "backward": [_VP] * 12 + [_U64] * 3 + [_I64] * 4 + [_VP]}
+             "backward": [_VP] * 12 + [_U64] * 3 + [_I64] * 4 + [_VP],
+             # params.kv_push's <kernel>_backward_push: the backward's, then the KvPush table and skip_wait
+             "backward_push": [_VP] * 12 + [_U64] * 3 + [_I64] * 4 + [_VP, ctypes.c_int, _VP]}
 
 
 class _Module:
@@ -250,7 +253,7 @@ class _Module:
         self.manifest, self.source, self.signature, self.arch = manifest, source, signature, arch
         self.name = manifest.name
         self.entry = f"{manifest.kernel(1).name}_{_ENTRY[manifest.op]}"
-        self._fns: dict[str, Any] = {}  # architecture -> the entry
+        self._fns: dict[tuple[str, str], Any] = {}  # (architecture, entry suffix) -> the entry
         self._archs: dict[int, str] = {}  # device index -> its architecture
         self.trace_only = not torch.cuda.is_available()
         if not self.trace_only:
@@ -259,22 +262,25 @@ class _Module:
     def __repr__(self) -> str:
         return f"<{self.signature.qualname} ({self.signature.spec}){' trace only' if self.trace_only else ''}>"
 
-    def _fn(self, device: int) -> Any:
+    def _fn(self, device: int, suffix: str | None = None) -> Any:
+        """The host entry <kernel>_<suffix> (default: the op's, forward or backward) for `device`'s architecture."""
+        suffix = suffix or _ENTRY[self.manifest.op]
         arch = self._archs.get(device)
         if arch is None:
             arch = self._archs[device] = self.arch or ops_mod._arch(device)
-        fn = self._fns.get(arch)
+        fn = self._fns.get((arch, suffix))
         if fn is None:
             from ..toolchain import compile_source
 
+            entry = f"{self.manifest.kernel(1).name}_{suffix}"
             try:
                 binary = compile_source(self.source, arch=arch, mode="shared").output
-                fn = own_symbol(ctypes.CDLL(str(binary)), binary, self.entry)
+                fn = own_symbol(ctypes.CDLL(str(binary)), binary, entry)
             except (TsgenError, OSError) as e:
                 raise TsgenTorchError(f"{self.signature.qualname}: loading {self.source.name} for {arch}: {e}") from e
             fn.restype = ctypes.c_int
-            fn.argtypes = _ARGTYPES[_ENTRY[self.manifest.op]]
-            self._fns[arch] = fn
+            fn.argtypes = _ARGTYPES[suffix]
+            self._fns[(arch, suffix)] = fn
         return fn
 
     def _device(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
@@ -295,11 +301,12 @@ class _Module:
                                          "and vector loads need it)")
         return first.index if first.index is not None else torch.cuda.current_device()
 
-    def _launch(self, device: int, args: list, what: str) -> None:
+    def _launch(self, device: int, args: list, what: str, suffix: str | None = None) -> None:
         with torch.cuda.device(device):
-            err = self._fn(device)(*args, torch.cuda.current_stream(device).cuda_stream)
+            err = self._fn(device, suffix)(*args, torch.cuda.current_stream(device).cuda_stream)
         if err != 0:
-            raise TsgenTorchError(f"{self.signature.qualname}: {self.entry} failed with cudaError {err} ({what}); a "
+            entry = f"{self.manifest.kernel(1).name}_{suffix}" if suffix else self.entry
+            raise TsgenTorchError(f"{self.signature.qualname}: {entry} failed with cudaError {err} ({what}); a "
                                   "kernel that trapped before leaves this error: tsgen.torch.synchronize() names it")
 
     def run_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -342,6 +349,35 @@ class _Module:
                                                           sig.tail_items))
         self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, dq_accum, dsum, lse2)]
                      + [batch, q_len, kv_len, *pos], f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}")
+        return dq, dk, dv
+
+    def run_backward_push(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                          dout: torch.Tensor, lse: torch.Tensor, positions: Sequence[int], table: torch.Tensor,
+                          rows: int, skip_wait: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """params.kv_push: dQ, and this rank's `rows` rows of dK, dV summed over every rank of the table
+        (tsgen::attention_bwd::KvPush, made by tsgen.torch.cp_attention: k, v are the keys gathered from
+        every rank, kv_len = world x rows). A collective: every rank of the table calls it, in the same order.
+        `skip_wait`: the sums without waiting for the peers (the GPU checks' negative control)."""
+        sig = self.signature
+        if not sig.kv_push:
+            raise TsgenTorchError(f"{sig.qualname}: {sig.spec} has no params.kv_push, so no <kernel>_backward_push")
+        if dout.is_contiguous() and dout.data_ptr() % ALIGN:
+            dout = dout.clone()
+        tensors = (q, k, v, o, dout, lse)
+        batch, q_len, kv_len = sig.check_backward(ops_mod._metas(tensors))
+        pos = sig.check_positions(positions, q_len)
+        device = self._device(tuple(zip(("q", "k", "v", "o", "dout", "lse"), tensors)))
+        dim = 1 if sig.layout == "bshd" else 2
+        shape = list(k.shape)
+        shape[dim] = rows
+        dq = _output(like=q)
+        dk, dv = (_output(shape, dtype=k.dtype, device=k.device) for _ in range(2))
+        dq_accum, dsum, lse2 = (_output(n, dtype=torch.float32, device=q.device)
+                                for n in workspace_floats(batch, q_len, sig.heads, sig.head_dim, sig.deterministic,
+                                                          sig.tail_items))
+        self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, dq_accum, dsum, lse2)]
+                     + [batch, q_len, kv_len, *pos, table.data_ptr(), int(skip_wait)],
+                     f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}, rows {rows}", suffix="backward_push")
         return dq, dk, dv
 
 

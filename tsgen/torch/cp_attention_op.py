@@ -126,6 +126,41 @@ def backward_runs(layout: str, causal: bool, world: int, count: int,
     return runs[False], runs[True]
 
 
+# params.kv_push (the backward spec's): tsgen::attention_bwd::KvPush's constants (tsgen/attention_bwd.cuh)
+PUSH_MAX_WORLD = 8
+PUSH_AREA = 256  # the heap's bytes before the receive area: calls[2] at 0, arrived[PUSH_MAX_WORLD] at 16
+PUSH_ROWS = 128  # a rank's rows: a multiple of this (the zig-zag chunks' halves are whole 64-key signals)
+
+
+def push_owner(zigzag: bool, world: int, rows: int, key: int) -> tuple[int, int]:
+    """(owner, its row) of gathered key `key` (tsgen::attention_bwd::push_owner, which the CPU tests compare):
+    zigzag, the keys in position order, chunk c of rows / 2 held by rank c < world ? c : 2 world - 1 - c;
+    otherwise rank-major (contiguous, or the all-gather's order where positions do not matter)."""
+    if not zigzag:
+        return key // rows, key % rows
+    half = rows // 2
+    c = key // half
+    return (c, key % half) if c < world else (2 * world - 1 - c, half + key % half)
+
+
+def push_heap_bytes(world: int, elems: int, element_size: int) -> int:
+    """A KvPush heap's bytes: PUSH_AREA, then [2 parities][world senders][dK, dV][elems elements]."""
+    return PUSH_AREA + 2 * world * 2 * elems * element_size
+
+
+def push_table_bytes(world: int, rank: int, rows: int, zigzag: bool, peers: list[int]) -> bytes:
+    """tsgen::attention_bwd::KvPush for `rank` (little-endian, its C layout): world, rank, rows, zigzag; this
+    rank's calls and arrived; each rank's receive area and its arrived[rank], from every rank's heap base as
+    this rank addresses it (`peers`)."""
+    import struct
+
+    pad = [0] * (PUSH_MAX_WORLD - world)
+    me = peers[rank]
+    return (struct.pack("<4I", world, rank, rows, int(zigzag)) + struct.pack("<2Q", me, me + 16)
+            + struct.pack(f"<{PUSH_MAX_WORLD}Q", *[p + PUSH_AREA for p in peers], *pad)
+            + struct.pack(f"<{PUSH_MAX_WORLD}Q", *[p + 16 + 8 * rank for p in peers], *pad))
+
+
 def _seq_first(x: torch.Tensor, layout: str) -> torch.Tensor:
     """[B, n, H, D] (bshd) or [B, H, n, D] (bhsd) -> [n, B, H, D], contiguous (a view when it is)."""
     return (x.transpose(0, 1) if layout == "bshd" else x.permute(2, 0, 1, 3)).contiguous()
@@ -178,6 +213,9 @@ class _CPAttention(torch.autograd.Function):
         if op.overlap_backward:
             dq, dk, dv = op.backward_overlapped(q, k, v, o, do.contiguous(), lse, ctx.pos)
             return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None)
+        if op.pushes(q):
+            dq, dk, dv = op.backward_push(q, k, v, o, do.contiguous(), lse, ctx.pos)
+            return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None)
         dq, dk_full, dv_full = getattr(torch.ops.tsgen, f"{op.attention.backward.name}_at")(
             q, k, v, o, do.contiguous(), lse, *ctx.pos)
         # every rank calls the reduce-scatters (a collective), whatever its own inputs need
@@ -219,6 +257,12 @@ class CPAttentionOp:
         # own rows' kernels' waiting CTAs do)
         self._runs: dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int, int]]]] = {}
         self._streams: dict[torch.device, Any] = {}
+        # the backward spec's params.kv_push: a symmetric heap and its KvPush table per (rows, dtype), made at the
+        # first backward of each (a collective); push_skip_wait and push_before: the GPU checks' negative control
+        # (the sums without waiting; a callable run on the stream before the kernels, e.g. a delay)
+        self._push: dict[tuple[int, torch.dtype], tuple[Any, torch.Tensor]] = {}
+        self.push_skip_wait = False
+        self.push_before: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return (f"<tsgen.torch cp_attention rank {self.rank}/{self.world} {self.layout}"
@@ -415,6 +459,48 @@ class CPAttentionOp:
             dv.narrow(dim, local, stop - start).add_(dv_part)
         return _sum([x[0] for x in sent + kept]), dk, dv
 
+    def pushes(self, q: torch.Tensor) -> bool:
+        """Whether the backward takes params.kv_push's path: the backward spec has it, on CUDA, at most
+        PUSH_MAX_WORLD ranks and whole PUSH_ROWS-row blocks a rank (otherwise the composed backward, the
+        same kernel without its table)."""
+        return (self.attention.backward.signature.kv_push and q.is_cuda and self.world <= PUSH_MAX_WORLD
+                and self._rows(q) % PUSH_ROWS == 0)
+
+    def _push_table(self, rows: int, k: torch.Tensor) -> torch.Tensor:
+        """The KvPush table (a uint8 tensor on k's GPU) for `rows` rows a rank of k's dtype; the heap made at
+        the first call of each (a collective over the all-gather's group, as the collectives' heaps)."""
+        from . import heap as heap_mod
+
+        key = (rows, k.dtype)
+        if key not in self._push:
+            if torch.cuda.is_current_stream_capturing():
+                raise TsgenTorchError(f"{self.where}: the first backward with {rows} rows a rank makes its kv_push heap "
+                                      "(a collective with host waits), which cannot happen inside CUDA graph "
+                                      "capture; run one step with this shape before capturing (warm-up)")
+            elems = k.numel() // self.world  # this rank's rows of the gathered keys
+            nbytes = push_heap_bytes(self.world, elems, k.element_size())
+            device = k.device.index if k.device.index is not None else torch.cuda.current_device()
+            ag = self.allgather
+            with torch.cuda.device(device):
+                heap, _ = heap_mod.make_heap(nbytes, ag.group, device, getattr(ag, "heap_mode", "auto"),
+                                             lambda t: None)
+            table = push_table_bytes(self.world, self.rank, rows, gather_order(self.layout, self.causal, self.world,
+                                                                                 rows) is not None, list(heap.host_table))
+            self._push[key] = (heap, torch.frombuffer(bytearray(table), dtype=torch.uint8).to(k.device))
+        return self._push[key][1]
+
+    def backward_push(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+                      lse: torch.Tensor, pos: tuple) -> tuple:
+        """params.kv_push: (dQ, dK, dV) of this rank from the gathered K, V in one backward call: each block's dK,
+        dV partial sums stored at the rank that holds its keys as the block ends (over NVLink for a peer's), then
+        this rank's own summed with what every peer stored here (tsgen/attention_bwd.cuh KvPush). No
+        reduce-scatter, no reorder of dK, dV."""
+        rows = self._rows(q)
+        table = self._push_table(rows, k)
+        if self.push_before is not None:
+            self.push_before()
+        return self.attention.backward.run_backward_push(q, k, v, o, do, lse, pos, table, rows, self.push_skip_wait)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False) -> Any:
         if self.attention.backward is None:
             raise TsgenTorchError(f"{self.where}: no attention_backward module")
@@ -423,7 +509,10 @@ class CPAttentionOp:
 
     def close(self) -> None:
         """Unload the attention pair (the collectives and the fused forward stay loaded: close them, or
-        tsgen.torch.close_all())."""
+        tsgen.torch.close_all()); params.kv_push's heaps closed (a collective: every rank closes)."""
+        for heap, _ in self._push.values():
+            heap.close()
+        self._push.clear()
         self.attention.close()
 
 

@@ -81,6 +81,57 @@ struct Layout {
   static_assert(C::SMEM_BYTES == SMEM_BYTES, "the spec's smem_bytes disagrees with this header's layout");
 };
 
+// params.kv_push (the backward of context-parallel attention, issue 35): where a rank's dK, dV partial sums go.
+// The main kernel runs over the keys gathered from every rank (kv_len = world x rows, in position order); the
+// partial sums of the keys that rank o holds are o's to add up. With kv_push each consumer warpgroup stores its
+// 64 keys' partials (dK times the scale, dV, rounded to the element type) where their owner reads them: its own
+// keys into dk, dv (this rank's rows, [batch, rows, KV heads, head dim] in the spec's layout), another rank's into
+// that rank's receive area, then raises that rank's `arrived` counter for this rank (release, system scope). The
+// owner's push_reduce kernel waits for every sender's count and adds their partials to its own (fp32, one
+// rounding). Device memory, filled by the caller (tsgen/torch/cp_attention_op.py KvPushTable):
+//   - each rank's symmetric heap: calls[2] (tsgen::call_begin / call_end: push_reduce's calls), arrived[MAX_WORLD]
+//     (sender s's signals, cumulative: epoch e's count is e x push_units), then at PUSH_AREA the receive area:
+//     [2 epoch parities][world senders][dK, dV][batch x rows x KV heads x head dim elements] (the own sender's
+//     slot unused);
+//   - `area[o]`, `arrived_at[o]`: rank o's receive area and its arrived[this rank], as this rank addresses them.
+// Epoch e = calls[0] + 1 (the main kernel reads it after the previous push_reduce, which advanced it, and before
+// this call's). Slots by e's parity: a sender's call e + 1 writes while the owner may still read e's, and it cannot
+// reach e + 2 before the owner's push_reduce of e is done (its own push_reduce of e + 1 waits for the owner's main
+// kernel of e + 1, which the owner's stream runs after that push_reduce).
+constexpr uint32_t PUSH_MAX_WORLD = 8;
+constexpr uint32_t PUSH_KEYS = 64;     // keys a signal covers: one consumer warpgroup's of a 128-key block
+constexpr uint64_t PUSH_AREA = 256;    // bytes of the heap before the receive area
+struct KvPush {
+  uint32_t world, rank, rows, zigzag;  // rows: each rank's; zigzag: 2 world chunks (rank r: r, 2 world - 1 - r)
+  uint64_t* calls;                     // this rank's calls[2]
+  const uint64_t* arrived;             // this rank's arrived[PUSH_MAX_WORLD]
+  void* area[PUSH_MAX_WORLD];
+  uint64_t* arrived_at[PUSH_MAX_WORLD];
+};
+
+// The owner of gathered key `key` and its row among the owner's rows (zig-zag: chunks of rows / 2, chunk c held
+// by rank c < world ? c : 2 world - 1 - c, as its first or second half). Host-compiled by the tests.
+__host__ __device__ __forceinline__ uint32_t push_owner(const KvPush& t, uint32_t key, uint32_t& row) {
+  if (!t.zigzag) {
+    row = key % t.rows;
+    return key / t.rows;
+  }
+  const uint32_t half = t.rows / 2, c = key / half;
+  row = (c < t.world ? 0 : half) + key % half;
+  return c < t.world ? c : 2 * t.world - 1 - c;
+}
+
+// Signals one sender raises at one owner per call: a warpgroup's PUSH_KEYS keys of every (sequence, KV head).
+__host__ __device__ __forceinline__ uint64_t push_units(uint32_t rows, uint32_t kv_heads, uint32_t batch) {
+  return (uint64_t)(rows / PUSH_KEYS) * kv_heads * batch;
+}
+
+// Element offset of (parity, sender, dK or dV) in a receive area of `elems` elements a tensor.
+__host__ __device__ __forceinline__ size_t push_slot(uint32_t world, uint64_t epoch, uint32_t sender, uint32_t which,
+                                                     size_t elems) {
+  return (((size_t)(epoch & 1) * world + sender) * 2 + which) * elems;
+}
+
 struct Problem {
   const void *q, *k, *v, *o, *dout;
   const float* lse;
@@ -92,6 +143,8 @@ struct Problem {
   // on are tail_parts pieces of each of the grid's last items; tail_first = the main kernel's items where none is
   // split (every other kernel ignores both)
   uint32_t tail_first, tail_parts;
+  // Config::KV_PUSH: the table (device memory); every other kernel ignores it
+  const KvPush* push;
 };
 
 // Offset (elements) of row `s` of head `h` of sequence `b` in a tensor of `heads` heads, `len` rows.
@@ -186,6 +239,36 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
     memcpy(&out, &v, 4);
   }
   return out;
+}
+
+// Two 16-bit elements of `pair` (pack2's order) as floats.
+template <class C>
+__device__ __forceinline__ float2 unpack2(uint32_t pair) {
+  if constexpr (C::BF16) {
+    __nv_bfloat162 v;
+    memcpy(&v, &pair, 4);
+    return __bfloat1622float2(v);
+  } else {
+    __half2 v;
+    memcpy(&v, &pair, 4);
+    return __half22float2(v);
+  }
+}
+
+// Eight 16-bit elements (16 bytes) to floats and back (push_reduce's sums).
+template <class C>
+__device__ __forceinline__ void unpack8(uint4 x, float (&f)[8]) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = unpack2<C>(w[i]);
+    f[2 * i] = v.x, f[2 * i + 1] = v.y;
+  }
+}
+
+template <class C>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack2<C>(f[0], f[1]), pack2<C>(f[2], f[3]), pack2<C>(f[4], f[5]), pack2<C>(f[6], f[7]));
 }
 
 template <class C>

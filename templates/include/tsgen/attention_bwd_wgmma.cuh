@@ -167,6 +167,14 @@ struct tail_split_of : std::false_type {};
 template <class C>
 struct tail_split_of<C, std::void_t<decltype(C::TAIL_SPLIT)>> : std::integral_constant<bool, C::TAIL_SPLIT != 0> {};
 
+// Config::KV_PUSH where the Config has it (only specs with params.kv_push emit it), else false: the main kernel's
+// dK, dV partial sums go to the rank that holds their keys (KvPush, tsgen/attention_bwd.cuh; store_dk_dv), and the
+// owner's push_reduce adds them up.
+template <class C, class = void>
+struct kv_push_of : std::false_type {};
+template <class C>
+struct kv_push_of<C, std::void_t<decltype(C::KV_PUSH)>> : std::integral_constant<bool, C::KV_PUSH != 0> {};
+
 using attention::mbar_wait_no_timeout;
 using attention::tma_load_4d;
 using gemm::bulk_commit_group;
@@ -210,6 +218,7 @@ constexpr uint32_t DS_READY = 1;  // named barrier of the two consumer warpgroup
 constexpr uint32_t DQ_STAGED = 2;  // + w: named barrier of consumer warpgroup w (DQ_TILED: its staging written)
 constexpr uint32_t DQ_PAIR = 4;    // DQ_PAIRED: warpgroup 1's partial staged, for warpgroup 0 (arrive / sync)
 constexpr uint32_t DQ_FREE = 5;    // + w: DQ_WRITER: warpgroup w's staging read by its last reduction (writer arrives)
+constexpr uint32_t PUSHED = 7;     // + w: KV_PUSH, consumer warpgroup w's partials stored (its 128 threads)
 constexpr uint32_t WRITER_BAR = 160;  // DQ_WRITER: DQ_STAGED + w and DQ_FREE + w: a consumer warpgroup and the writer
 
 // cp.reduce.async.bulk (not .tensor): `bytes` (a multiple of 16) of fp32 at shared `src` added into
@@ -711,23 +720,60 @@ static __device__ __forceinline__ void dk_done_release_stage(float (&dk)[Layout<
   if (t == 0) mbar_arrive(smem + Layout<C>::Q_EMPTY + 8 * stage);
 }
 
-// The walk's end: dK (times the scale) and dV of key rows key_lo (+ 8), columns 8q + 2c (+ 1), to global;
-// rows past kv_len clipped.
+// dK (times the scale) and dV of rows row_lo (+ 8) of tensors dk_out, dv_out of `len` rows a sequence, columns
+// 8q + 2c (+ 1); rows from `end` on clipped.
 template <class C>
-static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t b, uint32_t hk, uint32_t key_lo,
-                                                   uint32_t lane, const float (&dk)[Layout<C>::D_ACC],
-                                                   const float (&dv)[Layout<C>::D_ACC]) {
+static __device__ __forceinline__ void store_dk_dv_rows(void* dk_out, void* dv_out, uint32_t len, uint32_t end,
+                                                        uint32_t b, uint32_t hk, uint32_t row_lo, uint32_t lane,
+                                                        const float (&dk)[Layout<C>::D_ACC],
+                                                        const float (&dv)[Layout<C>::D_ACC]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const uint32_t key = key_lo + 8 * h;
-    if (key >= p.kv_len) continue;
-    const size_t at = row_offset<C>(b, key, hk, C::KV_HEADS, p.kv_len);
-    uint32_t* dkg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at);
-    uint32_t* dvg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at);
+    const uint32_t r = row_lo + 8 * h;
+    if (r >= end) continue;
+    const size_t at = row_offset<C>(b, r, hk, C::KV_HEADS, len);
+    uint32_t* dkg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(dk_out) + at);
+    uint32_t* dvg = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(dv_out) + at);
 #pragma unroll
     for (int q = 0; q < C::HEAD_DIM / 8; ++q) {
       dkg[4 * q + lane % 4] = pack2<C>(dk[4 * q + 2 * h] * C::SCALE, dk[4 * q + 2 * h + 1] * C::SCALE);
       dvg[4 * q + lane % 4] = pack2<C>(dv[4 * q + 2 * h], dv[4 * q + 2 * h + 1]);
+    }
+  }
+}
+
+// The walk's end: dK (times the scale) and dV of key rows key_lo (+ 8) to global; rows past kv_len clipped.
+// KV_PUSH with a table (p.push, <kernel>_backward_push): to the keys' owner (KvPush): this rank's own keys into p.dk, p.dv at its rows; another rank's into
+// that rank's receive area (this rank's slot of the call's parity), then, once all 128 threads of the
+// warpgroup have stored and fenced, one thread raises the owner's arrived[this rank] (release, system scope).
+// The warpgroup's 64 keys share one owner (the caller's rows are a multiple of 128: KvPushTable).
+template <class C>
+static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t b, uint32_t hk, uint32_t key_lo,
+                                                   uint32_t lane, const float (&dk)[Layout<C>::D_ACC],
+                                                   const float (&dv)[Layout<C>::D_ACC]) {
+  if (!kv_push_of<C>::value || p.push == nullptr) {  // KV_PUSH without a table: the plain backward (<kernel>_backward)
+    store_dk_dv_rows<C>(p.dk, p.dv, p.kv_len, p.kv_len, b, hk, key_lo, lane, dk, dv);
+  } else {
+    const KvPush& t = *p.push;
+    const uint32_t in_group = key_lo % PUSH_KEYS, first = key_lo - in_group;  // the warpgroup's first key
+    uint32_t row0 = 0;
+    const uint32_t owner = push_owner(t, first, row0);
+    if (owner == t.rank) {
+      store_dk_dv_rows<C>(p.dk, p.dv, t.rows, t.rows, b, hk, row0 + in_group, lane, dk, dv);
+      return;
+    }
+    const uint64_t epoch = ld_relaxed_gpu_global_u64(t.calls) + 1;  // push_reduce advances it after this kernel
+    const size_t elems = (size_t)p.batch * t.rows * C::KV_HEADS * C::HEAD_DIM;
+    uint16_t* area = static_cast<uint16_t*>(t.area[owner]);
+    store_dk_dv_rows<C>(area + push_slot(t.world, epoch, t.rank, 0, elems),
+                        area + push_slot(t.world, epoch, t.rank, 1, elems), t.rows, t.rows, b, hk, row0 + in_group,
+                        lane, dk, dv);
+    fence_acq_rel_sys();  // this thread's stores, before the barrier (and the signal after it)
+    const uint32_t cw = (first / PUSH_KEYS) % 2;  // the consumer warpgroup (blocks of 128 keys from key 0)
+    named_barrier_sync(PUSHED + cw, 128);
+    if (threadIdx.x % 128 == 0) {
+      fence_acq_rel_sys();
+      atom_add_release_sys_global_u64(t.arrived_at[owner], 1ull);
     }
   }
 }
@@ -1438,6 +1484,50 @@ static __device__ __forceinline__ void tail_convert(const Problem& p) {
     *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dk) + at) = pack2<C>(k2.x, k2.y);
     *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.dv) + at) = pack2<C>(v2.x, v2.y);
   }
+}
+
+// KV_PUSH: after the main kernel in stream order, one warp (push_wait: lane s < world but this rank waits for
+// sender s's count of this epoch, acquire at system scope, with the timeout), then push_reduce (PUSH_CTAS CTAs, a
+// fixed grid: call_end counts them): every element of this rank's dK, dV (batch x rows x KV heads x head dim, the
+// main kernel's own partials) gets the senders' partials of this parity added, 8 at a time, in fp32, rounded
+// once; call_end advances calls[0], the next call's epoch. The wait is a kernel of its own, one CTA: ranks
+// sharing a GPU would otherwise fill every SM with waiting CTAs while a peer's main kernel, whose pushes they wait
+// for, has none left to run on. Without the wait (the GPU checks' negative control) the sums are wrong.
+constexpr int PUSH_THREADS = 256;
+constexpr unsigned PUSH_CTAS = 264;
+template <class C>
+static __device__ __forceinline__ void push_wait(const KvPush* table, uint32_t batch) {
+  const KvPush& t = *table;
+  const uint64_t epoch = call_begin(t.calls);
+  if (threadIdx.x < t.world && threadIdx.x != t.rank)
+    wait_ge_acquire_sys(t.arrived + threadIdx.x, epoch * push_units(t.rows, C::KV_HEADS, batch),
+                        make_site("kv_push arrived", (int)t.rank, (int)t.rank, (int)threadIdx.x));
+}
+
+template <class C>
+static __device__ __forceinline__ void push_reduce(void* dk, void* dv, const KvPush* table, uint32_t batch) {
+  const KvPush& t = *table;
+  const uint64_t epoch = call_begin(t.calls);
+  const size_t elems = (size_t)batch * t.rows * C::KV_HEADS * C::HEAD_DIM, groups = elems / 8;
+  const uint16_t* area = static_cast<const uint16_t*>(t.area[t.rank]);
+  for (size_t i = blockIdx.x * (size_t)PUSH_THREADS + threadIdx.x; i < 2 * groups;
+       i += (size_t)PUSH_CTAS * PUSH_THREADS) {
+    const uint32_t which = i < groups ? 0 : 1;
+    const size_t at = 8 * (i - which * groups);
+    uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(which ? dv : dk) + at);
+    float sum[8];
+    unpack8<C>(*out, sum);
+    for (uint32_t s = 0; s < t.world; ++s) {
+      if (s == t.rank) continue;
+      float part[8];
+      unpack8<C>(ld_weak_global_v4(reinterpret_cast<const uint4*>(area + push_slot(t.world, epoch, s, which, elems) + at)),
+                 part);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum[e] += part[e];
+    }
+    *out = pack8<C>(sum);
+  }
+  call_end(t.calls, epoch);
 }
 
 // This main kernel's launch (for attention_bwd::call): the TMA descriptors of Q, K, V and dO from
