@@ -1269,9 +1269,9 @@ def cp_checks(group, shared: bool) -> None:
     @checked("cp_load")
     def load():
         t0 = time.perf_counter()
-        def make(name, layout, backward=None, **kw):
+        def make(name, layout, **kw):
             fwd, bwd = ATTENTION_PAIRS[name]
-            return tt.cp_attention(ROOT / fwd, ROOT / (backward or bwd), ROOT / "specs" / "allgather.yaml",
+            return tt.cp_attention(ROOT / fwd, ROOT / bwd, ROOT / "specs" / "allgather.yaml",
                                    ROOT / "specs" / "reduce_scatter.yaml", group, layout=layout, **kw)
 
         for case_ in CP_CASES:
@@ -1288,7 +1288,7 @@ def cp_checks(group, shared: bool) -> None:
                 fused[case_] = make(*case_, fused=ROOT / CP_FUSED[case_])
         # every case with the backward's dK / dV pushed to their owners (params.kv_push)
         for case_ in CP_CASES:
-            pushed[case_] = make(*case_, backward=CP_PUSH[case_])
+            pushed[case_] = make(*case_, push=ROOT / CP_PUSH[case_])
         return True, (f"{len(ops) + len(together) + len(overlapped) + len(fused) + len(pushed)} ops at world {w} in "
                       f"{time.perf_counter() - t0:.1f} s")
 

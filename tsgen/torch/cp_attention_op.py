@@ -72,7 +72,7 @@ import torch.distributed as dist
 
 from . import ops as ops_mod
 from ..ops.cp_attention import segments
-from .attention_op import AttentionOp, agree_diffs, agree_fields, attention
+from .attention_op import AttentionOp, _load_module, agree_diffs, agree_fields, attention
 from .signature import TsgenArgumentError, TsgenTorchError
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -232,7 +232,7 @@ class CPAttentionOp:
     single-GPU AttentionOp whose kernels it runs, `allgather` and `reduce_scatter` the collectives."""
 
     def __init__(self, attention_op: AttentionOp, allgather: Any, reduce_scatter: Any, layout: str, regather: bool,
-                 kv_together: bool = False, overlap_backward: bool = False, fused: Any = None):
+                 kv_together: bool = False, overlap_backward: bool = False, fused: Any = None, push: Any = None):
         self.attention, self.allgather, self.reduce_scatter = attention_op, allgather, reduce_scatter
         self.layout, self.regather, self.kv_together = layout, regather, kv_together
         self.overlap_backward = overlap_backward
@@ -261,6 +261,7 @@ class CPAttentionOp:
         # first backward of each (a collective); push_skip_wait and push_before: the GPU checks' negative control
         # (the sums without waiting; a callable run on the stream before the kernels, e.g. a delay)
         self._push: dict[tuple[int, torch.dtype], tuple[Any, torch.Tensor]] = {}
+        self.push = push  # the kv_push backward module (cp_attention's push=), or None
         self.push_skip_wait = False
         self.push_before: Callable[[], None] | None = None
 
@@ -460,10 +461,10 @@ class CPAttentionOp:
         return _sum([x[0] for x in sent + kept]), dk, dv
 
     def pushes(self, q: torch.Tensor) -> bool:
-        """Whether the backward takes params.kv_push's path: the backward spec has it, on CUDA, at most
+        """Whether the backward takes params.kv_push's path: a push module (cp_attention's push=), on CUDA, at most
         PUSH_MAX_WORLD ranks and whole PUSH_ROWS-row blocks a rank (otherwise the composed backward, the
         same kernel without its table)."""
-        return (self.attention.backward.signature.kv_push and q.is_cuda and self.world <= PUSH_MAX_WORLD
+        return (self.push is not None and q.is_cuda and self.world <= PUSH_MAX_WORLD
                 and self._rows(q) % PUSH_ROWS == 0)
 
     def _push_table(self, rows: int, k: torch.Tensor) -> torch.Tensor:
@@ -499,7 +500,7 @@ class CPAttentionOp:
         table = self._push_table(rows, k)
         if self.push_before is not None:
             self.push_before()
-        return self.attention.backward.run_backward_push(q, k, v, o, do, lse, pos, table, rows, self.push_skip_wait)
+        return self.push.run_backward_push(q, k, v, o, do, lse, pos, table, rows, self.push_skip_wait)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False) -> Any:
         if self.attention.backward is None:
@@ -528,7 +529,8 @@ def _collective(given: Any, kind: str, group: Any, arch: str | None, argument: s
 
 def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: Any, group: Any = None, *,
                  layout: str = "zigzag", regather: bool = False, kv_together: bool = False,
-                 overlap_backward: bool = False, fused: Any = None, arch: str | None = None) -> CPAttentionOp:
+                 overlap_backward: bool = False, fused: Any = None, push: Any = None,
+                 arch: str | None = None) -> CPAttentionOp:
     """Context-parallel attention on `group` (default: the default group), differentiable (module doc).
     `forward` / `backward`: an attention and an attention_backward spec computing the same attention
     (as tsgen.torch.attention takes them; world_sizes [1]: single-GPU kernels); `allgather` /
@@ -543,7 +545,12 @@ def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: An
     `fused`: a cp_attention spec (or loaded op) computing the same attention with this `layout`, gather
     copy_engine or sm: the forward is then its one call (the gather overlapped with the attention; the
     gathered K, V it leaves are what the backward reads) instead of the all-gathers and the attention
-    kernel (examples/torch/specs/cp_attention_hd128_causal_gqa.yaml; module doc)."""
+    kernel (examples/torch/specs/cp_attention_hd128_causal_gqa.yaml; module doc). `push`: an attention_backward
+    spec of the same attention with params.kv_push (examples/torch/specs/attention_backward_hd128_causal_gqa_push.yaml):
+    the backward is then its one call, each block's dK, dV stored at the rank that holds its keys as the block ends
+    and summed there (no reduce-scatter, no reorder of dK, dV; CPAttentionOp.backward_push), where it fits
+    (pushes(); elsewhere the composed backward). It is loaded unpaired (the forward's autograd pair stays
+    `backward`)."""
     if layout not in LAYOUTS:
         raise TsgenTorchError(f"tsgen.torch.cp_attention: layout {layout!r}; one of {', '.join(LAYOUTS)}")
     if backward is None:
@@ -571,7 +578,13 @@ def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: An
         problem = fused_problem(fused, attn, layout, ag)
         if problem:
             raise TsgenTorchError(problem)
-    return CPAttentionOp(attn, ag, rs, layout, regather, kv_together, overlap_backward, fused)
+    if push is not None:
+        push = _load_module(push, "attention_backward", arch)
+        problem = attn.signature.pair_problem(push.signature)
+        if problem or not push.signature.kv_push:
+            raise TsgenTorchError(f"tsgen.torch.cp_attention: push={push.signature.spec}: "
+                                  + (problem or "has no params.kv_push (set it: the spec's backward_push entry)"))
+    return CPAttentionOp(attn, ag, rs, layout, regather, kv_together, overlap_backward, fused, push)
 
 
 def fused_problem(fused: Any, attn: AttentionOp, layout: str, allgather: Any) -> str | None:
