@@ -48,6 +48,13 @@ the reduce-scatter sums W rounded partial sums (the reduce_scatter spec's dtype 
 attention's; an fp32 reduce-scatter of rounded partials would not add accuracy: the kernel would
 have to write fp32 partials, a kernel change not made here).
 
+`push=SPEC` (an attention_backward spec of the same attention with params.kv_push, e.g.
+examples/torch/specs/attention_backward_hd128_causal_gqa_push.yaml) makes the backward one call of that
+kernel: each block's dK, dV partial sums stored at the rank that holds its keys as the block ends (a
+peer's over NVLink into its symmetric heap), then summed there (backward_push; tsgen/attention_bwd.cuh
+KvPush): the reduce-scatter overlapped with the backward, no reorder of dK, dV. Where it does not fit
+(pushes()) the composed backward runs. Measured 1.01-1.06x the composed step (docs/torch.md).
+
 `fused=SPEC` (a cp_attention spec of the same attention and layout, e.g.
 examples/torch/specs/cp_attention_hd128_causal_gqa.yaml) makes the forward one call of the cp_attention
 kernel instead: its K / V gather on the copy engine overlapped with the attention, the gathered K, V it
