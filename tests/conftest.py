@@ -166,6 +166,26 @@ def rendered_source(loaded, out):
     return out / f"{r.name}.cu"
 
 
+def host_program(loaded, main: str, out, name: str, module: str | None = None):
+    """A host executable of a spec's header functions: `loaded` rendered into `out`, then `main` (a C++ program
+    whose "SOURCE" is replaced by the rendered .cu's path and "MODULE", where given, by `module`) compiled by nvcc
+    for sm_90a as out/name; its path."""
+    import subprocess
+
+    from tsgen.headers import include_flags
+    from tsgen.toolchain import find_nvcc, gencode_flags
+
+    source = rendered_source(loaded, out)
+    text = main.replace("SOURCE", str(source))
+    if module is not None:
+        text = text.replace("MODULE", module)
+    (out / f"{name}.cu").write_text(text)
+    exe = out / name
+    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
+                    str(out / f"{name}.cu")], check=True, capture_output=True)
+    return exe
+
+
 def load_script(path: Path):
     """A script that is not a package module (tools/*.py, tests/torch_checks.py), imported from its
     file under its stem's name, for tests of its pieces that need no GPU."""

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import ROOT, compile_test, load_script, missing_tool, rendered_source, spec_problems
+from conftest import ROOT, compile_test, host_program, load_script, missing_tool, rendered_source, spec_problems
 from sass_checks import sass_function, sass_names
 from tsgen.ops import get_family
 from tsgen.ops.attention import (attention_backward_reference, attention_reference, from_bshd, o_tolerance,
@@ -607,16 +607,9 @@ def test_causal_skip_visits_exactly_the_blocks_with_a_visible_key(tmp_path):
     other, for positions from 0, offsets, and the zig-zag's two segments (the forward's cases)."""
     import subprocess
 
-    from tsgen.headers import include_flags
     from tsgen.ops.attention import query_positions
-    from tsgen.toolchain import gencode_flags
 
-    source = rendered_source(variant("skip", params={"causal": True}), tmp_path)
-    main = tmp_path / "skip_main.cu"
-    main.write_text(SKIP.replace("SOURCE", str(source)))
-    exe = tmp_path / "skip_main"
-    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
-                    str(main)], check=True, capture_output=True)
+    exe = host_program(variant("skip", params={"causal": True}), SKIP, tmp_path, "skip_main")
     problems = [(77, 77, 0, None, 0, 0), (1000, 1000, 0, None, 0, 0), (77, 1000, 923, None, 0, 0),
                 (1000, 1000, 500, None, 0, 700), (600, 2400, 300, 300, 1800, 0), (1024, 2048, 0, 512, 1536, 0),
                 (500, 4096, 768, 250, 3072, 0), (1000, 1000, 0, None, 0, 5000), (100, 100, 0, 70, 30, 0),

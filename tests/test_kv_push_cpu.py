@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, compile_test, missing_tool, rendered_source
+from conftest import ROOT, compile_test, host_program, missing_tool, rendered_source
 from test_attention_backward_wgmma_cpu import variant
 from tsgen.ops import get_family
 from tsgen.spec import SpecError
@@ -94,16 +94,8 @@ def test_header_push_geometry_matches_python(tmp_path):
     """The header's KvPush layout is push_table_bytes' (size and field offsets), its heap's area starts at
     PUSH_AREA, push_units and push_slot are the formulas the heap's size assumes, and push_owner (host-compiled)
     gives the Python twin's owner and row for every key, zig-zag and not, at worlds 2, 3 and 8."""
-    from tsgen.headers import include_flags
-    from tsgen.toolchain import gencode_flags
-
     cp = _cp()
-    source = rendered_source(variant("geo", params={"kv_push": True}), tmp_path)
-    main = tmp_path / "push_main.cu"
-    main.write_text(HOST.replace("SOURCE", str(source)))
-    exe = tmp_path / "push_main"
-    subprocess.run([str(find_nvcc()), *gencode_flags("sm_90a"), *include_flags(), "-std=c++17", "-w", "-o", str(exe),
-                    str(main)], check=True, capture_output=True)
+    exe = host_program(variant("geo", params={"kv_push": True}), HOST, tmp_path, "push_main")
     for world, rows, zigzag in ((2, 256, 1), (2, 384, 0), (3, 256, 1), (8, 128, 1), (8, 128, 0)):
         out = subprocess.run([str(exe), str(world), str(rows), str(zigzag)], capture_output=True, text=True,
                              check=True).stdout.splitlines()

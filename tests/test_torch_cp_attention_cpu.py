@@ -716,3 +716,20 @@ def test_fused_forward_leaves_what_the_gather_gives(groups, world, tensor_layout
         for name, w_, g, b in zip(("k", "v"), want, got, bad):
             assert torch.equal(g, w_), f"rank {rank} {name}_full"
             assert torch.isnan(b).any(), f"rank {rank} {name}_full: the control (no own rows) passed"
+
+
+def test_push_load_errors_and_pushes(groups):
+    """push= takes an attention_backward spec with params.kv_push computing the forward's attention: a spec without
+    kv_push and one of another attention are refused, naming why; a fitting one is kept unpaired (the forward's
+    autograd pair stays the composed backward) and taken only on CUDA (pushes())."""
+    ag, rs = GEN / "allgather.json", GEN / "reduce_scatter.json"
+    fwd, bwd = pair_specs("hd128_causal_gqa")
+    push = ROOT / "examples" / "torch" / "specs" / "attention_backward_hd128_causal_gqa_push.yaml"
+    with pytest.raises(TsgenTorchError, match=r"push=.*has no params.kv_push"):
+        tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="zigzag", push=bwd)
+    other = ROOT / "examples" / "torch" / "specs" / "attention_backward_hd128_push.yaml"
+    with pytest.raises(TsgenTorchError, match=r"push=.*do not compute the same attention .*kv_heads 8 / 32"):
+        tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="zigzag", push=other)
+    cp = tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="zigzag", push=push)
+    assert cp.push.signature.kv_push and not cp.attention.backward.signature.kv_push
+    assert not cp.pushes(torch.zeros(1, 256, 32, 128))  # on the CPU: the composed backward
