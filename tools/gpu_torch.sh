@@ -77,7 +77,7 @@ cat "$LOG/environment.log"
 COLLECTIVES=0; for s in checks probe tp_mlp ulysses moe shared cp cp_shared cp_pieces; do want $s && COLLECTIVES=1; done
 ATTENTION=0; for s in attention cp cp_shared cp_pieces; do want $s && ATTENTION=1; done
 CP_FUSED=0; want cp && CP_FUSED=1  # the fused forward's cp_attention specs (tests/torch_checks.py CP_FUSED)
-CP_PUSH=0; want cp || want cp_shared && CP_PUSH=1  # the kv_push backward specs (tests/torch_checks.py CP_PUSH)
+CP_PUSH=0; want cp || want cp_shared || want cp_pieces && CP_PUSH=1  # the kv_push backward specs (tests/torch_checks.py CP_PUSH)
 step "compile" 150 python3 -c "
 from concurrent.futures import ThreadPoolExecutor
 from tsgen.harness import render_to_cache

@@ -5,8 +5,9 @@
 For tests/torch_checks.py's cp cases (zig-zag causal GQA, contiguous MHA): the whole step (forward +
 backward; also with kv_together: K and V in one all-gather, dK and dV in one reduce-scatter; and with
 overlap_backward: the backward by runs of key rows, the peers' reduce-scatter beside the own rows'
-kernels), then each piece alone (the gather with and without its reorder, the forward and backward
-kernels at this rank's positions, overlap_backward's backward alone and the backward kernel on each
+kernels; and with push=: the kv_push backward), then each piece alone (the gather with and without its reorder,
+the forward and backward kernels at this rank's positions, the composed backward (the kernel and the scatters of
+dK, dV) beside the kv_push backward's one call, overlap_backward's backward alone and the backward kernel on each
 run of key rows of every rank (backward_runs, at that rank's positions: on rank 0's data, the same
 shapes and masks), the scatter with and without its reorder, and the single-GPU
 kernels over the whole sequence divided by W: the ideal), each 3 calls of warm-up then 10 between
@@ -97,6 +98,9 @@ def host_split(op, x, calls: int = 50) -> dict:
     return {k_: 1e6 * v_ / calls for k_, v_ in out.items()}
 
 
+# each case's params.kv_push backward (cp_attention's push=): tests/torch_checks.py CP_PUSH
+from torch_checks import CP_PUSH  # noqa: E402
+
 for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
     fwd, bwd = ATTENTION_PAIRS[name]
     def make_cp(**kw):
@@ -127,7 +131,9 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
         return step
 
     cp_kv, cp_ov = make_cp(kv_together=True), make_cp(overlap_backward=True)
+    cp_push = make_cp(push=ROOT / CP_PUSH[(name, layout)])
     rows["step (fwd+bwd)"] = timed(step_of(cp))
+    rows["step, push (kv_push backward)"] = timed(step_of(cp_push))
     rows["step, kv_together (one gather, one scatter)"] = timed(step_of(cp_kv))
     rows["step, overlap_backward"] = timed(step_of(cp_ov))
     with torch.no_grad():
@@ -148,6 +154,10 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
                 for a, b in runs:
                     rows[f"  rank {x} {what} run {a}-{b}: kernel _at"] = timed(
                         lambda a=a, b=b, pos_x=pos_x: B(q, kf[:, a:b], vf[:, a:b], o, do, lse, *pos_x, a))
+        rows["composed backward (kernel _at + scatter of dk, dv)"] = timed(
+            lambda: cp.scatter_kv(*B(q, kf, vf, o, do, lse, *pos)[1:]))
+        rows["push backward (backward_push: kernel, wait, reduce)"] = timed(
+            lambda: cp_push.backward_push(q, kf, vf, o, do, lse, pos))
         rows["scatter dk (reorder + reduce_scatter)"] = timed(lambda: cp.scatter(dkf))
         rows["reduce_scatter dk alone"] = timed(lambda: cp._reduce_scatter(_seq_first(dkf, sig.layout)))
         qf, kf1, vf1, dof = attention_inputs(sig, 1, S, S, gen)
@@ -174,6 +184,7 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
     if r == 0:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     sys.stdout.flush()
+    cp_push.close()
     cp.close()
 tt.close_all()
 dist.barrier()
