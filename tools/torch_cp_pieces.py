@@ -179,7 +179,7 @@ for name, layout in (("hd128_causal_gqa", "zigzag"), ("hd128", "contiguous")):
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(2):
-            step()
+            step_of(cp)()
         torch.cuda.synchronize()
     if r == 0:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
