@@ -730,6 +730,8 @@ def test_push_load_errors_and_pushes(groups):
     other = ROOT / "examples" / "torch" / "specs" / "attention_backward_hd128_push.yaml"
     with pytest.raises(TsgenTorchError, match=r"push=.*do not compute the same attention .*kv_heads 8 / 32"):
         tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="zigzag", push=other)
+    with pytest.raises(TsgenTorchError, match=r"push= and overlap_backward=True are two backwards"):
+        tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="zigzag", push=push, overlap_backward=True)
     cp = tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="zigzag", push=push)
     assert cp.push.signature.kv_push and not cp.attention.backward.signature.kv_push
     assert not cp.pushes(torch.zeros(1, 256, 32, 128))  # on the CPU: the composed backward

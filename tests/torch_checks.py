@@ -1295,13 +1295,13 @@ def cp_checks(group, shared: bool) -> None:
     if not load():
         return
 
-    def case(cp, S: int, bad: bool = False, reduce_scatter=None):
+    def case(cp, S: int, bad: bool = False, reduce_scatter=None, batch: int = 1):
         """Every rank's O, LSE, dQ, dK, dV against the reference; `bad`: without the reduce-scatter;
         `reduce_scatter`: this op (loaded) in place of the cp op's."""
         sig = cp.attention.signature
         n = S // w
         rows = [torch.tensor(row_positions(cp.layout, w, n, x), device="cuda") for x in range(w)]
-        q, k, v, do = attention_inputs(sig, 1, S, S, gen)
+        q, k, v, do = attention_inputs(sig, batch, S, S, gen)
         mine = [x.index_select(1, rows[r]).contiguous() for x in (q, k, v, do)]
         qa, ka, va = (x.clone().requires_grad_(True) for x in mine[:3])
         op = cp
@@ -1337,6 +1337,12 @@ def cp_checks(group, shared: bool) -> None:
                 return case(cp, S)
 
             one()
+    for (name, layout), cp in pushed.items():  # another batch at the same rows: a heap of its own (its size, its count)
+        @checked(f"cp_{name}_{layout}_push_batch2_w{w}_s{CP_SEQS[0]}")
+        def batch2():
+            return case(cp, CP_SEQS[0], batch=2)
+
+        batch2()
 
     @checked(f"cp_negative_control_w{w}")
     def control():

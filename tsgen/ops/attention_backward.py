@@ -141,7 +141,8 @@ class AttentionBackwardParams(AttentionShape):
         "batch) leave a last wave of at most half the SMs busy, cut each of those items into pieces along its walk "
         "over the idle SMs, their dK, dV partial sums added in fp32 into the workspace (which grows by "
         f"{TAIL_ITEMS} slots of 128 x 2 head_dim floats) and converted by a fourth kernel. Unset: on where it "
-        "applies (impl wgmma, dq_reduce bulk, not causal, not deterministic, not lookahead, 64-row steps); true "
+        "applies (impl wgmma, dq_reduce bulk, not causal, not deterministic, not lookahead, 64-row steps, not "
+        "kv_push); true "
         "elsewhere is refused. dK, dV of the split items then vary in their last bits from run to run")
 
     kv_push: bool = Field(
@@ -173,7 +174,7 @@ class AttentionBackwardParams(AttentionShape):
     def tail_applies(self) -> bool:
         """Whether params.tail_split can be built for these parameters (tsgen::attention_bwd::wgmma's Layout)."""
         return (self.impl == "wgmma" and self.dq_reduce != "atomic" and not self.causal and not self.deterministic
-                and not self.lookahead and self.step_rows != 128)
+                and not self.lookahead and self.step_rows != 128 and not self.kv_push)
 
     @property
     def split_tail(self) -> bool:

@@ -327,10 +327,10 @@ class _Module:
                      f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}")
         return o, lse
 
-    def run_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dout: torch.Tensor,
-                     lse: torch.Tensor, positions: Sequence[int] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dQ, dK, dV; `positions` as run_forward's (the forward's)."""
+    def _backward_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dout: torch.Tensor,
+                       lse: torch.Tensor, positions: Sequence[int] | None) -> tuple:
+        """A backward call's checked arguments: (tensors with dout aligned, batch, q_len, kv_len, positions,
+        device, dQ and the fp32 workspace) or None for batch x q_len = 0 (nothing to launch)."""
         sig = self.signature
         if dout.is_contiguous() and dout.data_ptr() % ALIGN:
             dout = dout.clone()  # an output gradient is autograd's, at any address: the kernel's copy is aligned
@@ -339,43 +339,47 @@ class _Module:
         pos = sig.check_positions(positions, q_len)
         device = self._device(tuple(zip(("q", "k", "v", "o", "dout", "lse"), tensors)))
         dq = _output(like=q)
-        if batch * q_len == 0:  # no query: nothing flows to the keys
-            return dq, torch.zeros_like(k), torch.zeros_like(v)
-        dk, dv = _output(like=k), _output(like=v)
+        if batch * q_len == 0:
+            return tensors, batch, q_len, kv_len, pos, device, dq, None
         # the workspace: dQ's fp32 accumulator (deterministic: and the dQ semaphores; tail_split: and the tail
         # slots), D and LSE in base 2
-        dq_accum, dsum, lse2 = (_output(n, dtype=torch.float32, device=q.device)
-                                for n in workspace_floats(batch, q_len, sig.heads, sig.head_dim, sig.deterministic,
-                                                          sig.tail_items))
-        self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, dq_accum, dsum, lse2)]
+        work = tuple(_output(n, dtype=torch.float32, device=q.device)
+                     for n in workspace_floats(batch, q_len, sig.heads, sig.head_dim, sig.deterministic,
+                                               sig.tail_items))
+        return tensors, batch, q_len, kv_len, pos, device, dq, work
+
+    def run_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dout: torch.Tensor,
+                     lse: torch.Tensor, positions: Sequence[int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dQ, dK, dV; `positions` as run_forward's (the forward's)."""
+        tensors, batch, q_len, kv_len, pos, device, dq, work = self._backward_call(q, k, v, o, dout, lse, positions)
+        if work is None:  # no query: nothing flows to the keys
+            return dq, torch.zeros_like(k), torch.zeros_like(v)
+        dk, dv = _output(like=k), _output(like=v)
+        self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, *work)]
                      + [batch, q_len, kv_len, *pos], f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}")
         return dq, dk, dv
 
     def run_backward_push(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                           dout: torch.Tensor, lse: torch.Tensor, positions: Sequence[int], table: torch.Tensor,
-                          rows: int, skip_wait: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """params.kv_push: dQ, and this rank's `rows` rows of dK, dV summed over every rank of the table
+                          world: int, rows: int, skip_wait: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """params.kv_push: dQ, and this rank's `rows` rows of dK, dV summed over the `world` ranks of the table
         (tsgen::attention_bwd::KvPush, made by tsgen.torch.cp_attention: k, v are the keys gathered from
         every rank, kv_len = world x rows). A collective: every rank of the table calls it, in the same order.
         `skip_wait`: the sums without waiting for the peers (the GPU checks' negative control)."""
         sig = self.signature
         if not sig.kv_push:
             raise TsgenTorchError(f"{sig.qualname}: {sig.spec} has no params.kv_push, so no <kernel>_backward_push")
-        if dout.is_contiguous() and dout.data_ptr() % ALIGN:
-            dout = dout.clone()
-        tensors = (q, k, v, o, dout, lse)
-        batch, q_len, kv_len = sig.check_backward(ops_mod._metas(tensors))
-        pos = sig.check_positions(positions, q_len)
-        device = self._device(tuple(zip(("q", "k", "v", "o", "dout", "lse"), tensors)))
-        dim = 1 if sig.layout == "bshd" else 2
+        tensors, batch, q_len, kv_len, pos, device, dq, work = self._backward_call(q, k, v, o, dout, lse, positions)
+        if work is None or kv_len != world * rows or rows % 128:
+            raise TsgenArgumentError(f"{sig.where('k')}: {kv_len} gathered rows for {world} ranks of {rows} rows "
+                                     f"and {q_len} queries: the push backward takes world x rows keys, rows a "
+                                     "multiple of 128, and at least one query")
         shape = list(k.shape)
-        shape[dim] = rows
-        dq = _output(like=q)
+        shape[1 if sig.layout == "bshd" else 2] = rows  # the sequence's dimension: this rank's rows
         dk, dv = (_output(shape, dtype=k.dtype, device=k.device) for _ in range(2))
-        dq_accum, dsum, lse2 = (_output(n, dtype=torch.float32, device=q.device)
-                                for n in workspace_floats(batch, q_len, sig.heads, sig.head_dim, sig.deterministic,
-                                                          sig.tail_items))
-        self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, dq_accum, dsum, lse2)]
+        self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, *work)]
                      + [batch, q_len, kv_len, *pos, table.data_ptr(), int(skip_wait)],
                      f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}, rows {rows}", suffix="backward_push")
         return dq, dk, dv

@@ -72,6 +72,7 @@ simulated world).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -194,6 +195,17 @@ def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
     return total.to(parts[0].dtype)
 
 
+@dataclass
+class _PushHeap:
+    """push=: one size's symmetric heap, its KvPush table on the GPU, and the event recorded after its last call:
+    the next call waits for it on its own stream, so calls on different streams (layers whose forwards ran on
+    different streams: autograd runs each backward on its forward's) still take epochs and slots in order."""
+
+    heap: Any
+    table: torch.Tensor
+    done: Any = None
+
+
 class _CPAttention(torch.autograd.Function):
     """forward(q, k, v, op) -> (O, LSE); backward: dQ, and dK, dV through the reduce-scatter."""
 
@@ -264,10 +276,12 @@ class CPAttentionOp:
         # own rows' kernels' waiting CTAs do)
         self._runs: dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int, int]]]] = {}
         self._streams: dict[torch.device, Any] = {}
-        # the backward spec's params.kv_push: a symmetric heap and its KvPush table per (rows, dtype), made at the
-        # first backward of each (a collective); push_skip_wait and push_before: the GPU checks' negative control
-        # (the sums without waiting; a callable run on the stream before the kernels, e.g. a delay)
-        self._push: dict[tuple[int, torch.dtype], tuple[Any, torch.Tensor]] = {}
+        # push=: a symmetric heap and its KvPush table per (rows, batch, dtype) (the heap's size and the signals'
+        # expected count depend on all three), made at the first backward of each (a collective), with the event
+        # after its last call (_PushHeap); push_skip_wait and push_before: the GPU checks' negative control only
+        # (the sums without waiting, which also lets a sender run a call ahead into a slot being read; a callable
+        # run on the stream before the kernels, e.g. a delay)
+        self._push: dict[tuple[int, int, torch.dtype], _PushHeap] = {}
         self.push = push  # the kv_push backward module (cp_attention's push=), or None
         self.push_skip_wait = False
         self.push_before: Callable[[], None] | None = None
@@ -468,18 +482,20 @@ class CPAttentionOp:
         return _sum([x[0] for x in sent + kept]), dk, dv
 
     def pushes(self, q: torch.Tensor) -> bool:
-        """Whether the backward takes params.kv_push's path: a push module (cp_attention's push=), on CUDA, at most
-        PUSH_MAX_WORLD ranks and whole PUSH_ROWS-row blocks a rank (otherwise the composed backward, the
-        same kernel without its table)."""
-        return (self.push is not None and q.is_cuda and self.world <= PUSH_MAX_WORLD
-                and self._rows(q) % PUSH_ROWS == 0)
+        """Whether the backward takes the push= module's path: one given, on CUDA, 2 to PUSH_MAX_WORLD ranks and
+        whole PUSH_ROWS-row blocks a rank (otherwise the composed backward: the pair's kernel and the
+        reduce-scatters)."""
+        rows = self._rows(q)
+        return (self.push is not None and q.is_cuda and 2 <= self.world <= PUSH_MAX_WORLD and rows > 0
+                and rows % PUSH_ROWS == 0)
 
-    def _push_table(self, rows: int, k: torch.Tensor) -> torch.Tensor:
-        """The KvPush table (a uint8 tensor on k's GPU) for `rows` rows a rank of k's dtype; the heap made at
-        the first call of each (a collective over the all-gather's group, as the collectives' heaps)."""
+    def _push_heap(self, rows: int, k: torch.Tensor) -> "_PushHeap":
+        """The KvPush heap and table for `rows` rows a rank of k's batch and dtype (k: the gathered keys); made
+        at the first call of each (a collective over the all-gather's group, as the collectives' heaps)."""
         from . import heap as heap_mod
 
-        key = (rows, k.dtype)
+        batch = k.shape[0]
+        key = (rows, batch, k.dtype)
         if key not in self._push:
             if torch.cuda.is_current_stream_capturing():
                 raise TsgenTorchError(f"{self.where}: the first backward with {rows} rows a rank makes its kv_push heap "
@@ -494,8 +510,8 @@ class CPAttentionOp:
                                              lambda t: None)
             table = push_table_bytes(self.world, self.rank, rows, gather_order(self.layout, self.causal, self.world,
                                                                                  rows) is not None, list(heap.host_table))
-            self._push[key] = (heap, torch.frombuffer(bytearray(table), dtype=torch.uint8).to(k.device))
-        return self._push[key][1]
+            self._push[key] = _PushHeap(heap, torch.tensor(list(table), dtype=torch.uint8, device=k.device))
+        return self._push[key]
 
     def backward_push(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
                       lse: torch.Tensor, pos: tuple) -> tuple:
@@ -504,10 +520,17 @@ class CPAttentionOp:
         this rank's own summed with what every peer stored here (tsgen/attention_bwd.cuh KvPush). No
         reduce-scatter, no reorder of dK, dV."""
         rows = self._rows(q)
-        table = self._push_table(rows, k)
+        state = self._push_heap(rows, k)
+        stream = torch.cuda.current_stream(k.device)
+        if state.done is not None:  # the previous call's reduce: before this call's stores and epoch (another stream)
+            stream.wait_event(state.done)
         if self.push_before is not None:
             self.push_before()
-        return self.push.run_backward_push(q, k, v, o, do, lse, pos, table, rows, self.push_skip_wait)
+        out = self.push.run_backward_push(q, k, v, o, do, lse, pos, state.table, self.world, rows,
+                                          self.push_skip_wait)
+        state.done = torch.cuda.Event()
+        state.done.record(stream)
+        return out
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False) -> Any:
         if self.attention.backward is None:
@@ -518,10 +541,18 @@ class CPAttentionOp:
     def close(self) -> None:
         """Unload the attention pair (the collectives and the fused forward stay loaded: close them, or
         tsgen.torch.close_all()); params.kv_push's heaps closed (a collective: every rank closes)."""
-        for heap, _ in self._push.values():
-            heap.close()
+        if self._push:
+            torch.cuda.synchronize()  # no push kernel still reading or writing a heap (as TorchOp.close)
+        problems = []
+        for state in self._push.values():
+            try:
+                state.heap.close()
+            except TsgenTorchError as e:
+                problems.append(str(e))
         self._push.clear()
         self.attention.close()
+        if problems:
+            raise TsgenTorchError(f"{self.where}: closing its kv_push heaps: {'; '.join(problems)}")
 
 
 def _collective(given: Any, kind: str, group: Any, arch: str | None, argument: str | None = None) -> Any:
@@ -586,6 +617,9 @@ def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: An
         if problem:
             raise TsgenTorchError(problem)
     if push is not None:
+        if overlap_backward:
+            raise TsgenTorchError("tsgen.torch.cp_attention: push= and overlap_backward=True are two backwards; "
+                                  "give one of them")
         push = _load_module(push, "attention_backward", arch)
         problem = attn.signature.pair_problem(push.signature)
         if problem or not push.signature.kv_push:
