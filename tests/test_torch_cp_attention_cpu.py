@@ -735,3 +735,34 @@ def test_push_load_errors_and_pushes(groups):
     cp = tt.cp_attention(fwd, bwd, ag, rs, groups[2], layout="zigzag", push=push)
     assert cp.push.signature.kv_push and not cp.attention.backward.signature.kv_push
     assert not cp.pushes(torch.zeros(1, 256, 32, 128))  # on the CPU: the composed backward
+
+
+def test_close_all_frees_push_heaps(groups):
+    """tsgen.torch.close_all() reaches push='s heaps (ops.AT_CLOSE_ALL): every heap closed once, the op's table
+    emptied and the op no longer registered; a heap whose close fails is named, the others still closed."""
+    from tsgen.torch import cp_attention_op as cp_mod
+    from tsgen.torch import ops as ops_mod
+
+    class FakeHeap:
+        def __init__(self, fail=False):
+            self.closed, self.fail = 0, fail
+
+        def close(self):
+            self.closed += 1
+            if self.fail:
+                raise TsgenTorchError("peer gone")
+
+    fwd, bwd = pair_specs("hd128_causal_gqa")
+    push = ROOT / "examples" / "torch" / "specs" / "attention_backward_hd128_causal_gqa_push.yaml"
+    cp = tt.cp_attention(fwd, bwd, GEN / "allgather.json", GEN / "reduce_scatter.json", groups[2], layout="zigzag",
+                         push=push)
+    heaps = [FakeHeap(), FakeHeap(fail=True), FakeHeap()]
+    for i, h in enumerate(heaps):
+        cp._push[(256 * (i + 1), 1, torch.bfloat16)] = cp_mod._PushHeap(h, torch.zeros(1))
+    cp_mod._PUSHING.add(cp)
+    assert cp_mod._close_push_heaps in ops_mod.AT_CLOSE_ALL
+    with pytest.raises(TsgenTorchError, match="closing its kv_push heaps: peer gone"):
+        cp_mod._close_push_heaps()
+    assert [h.closed for h in heaps] == [1, 1, 1] and not cp._push and cp not in cp_mod._PUSHING
+    cp_mod._close_push_heaps()  # nothing left: no second close
+    assert [h.closed for h in heaps] == [1, 1, 1]

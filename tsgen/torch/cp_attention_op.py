@@ -72,6 +72,7 @@ simulated world).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -193,6 +194,18 @@ def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
     for x in parts[1:]:
         total += x
     return total.to(parts[0].dtype)
+
+
+# the ops holding push= heaps, closed by tsgen.torch.close_all() (ops.AT_CLOSE_ALL)
+_PUSHING: "weakref.WeakSet[CPAttentionOp]" = weakref.WeakSet()
+
+
+def _close_push_heaps() -> None:
+    for op in list(_PUSHING):
+        op.close_push()
+
+
+ops_mod.AT_CLOSE_ALL.append(_close_push_heaps)
 
 
 @dataclass
@@ -511,6 +524,7 @@ class CPAttentionOp:
             table = push_table_bytes(self.world, self.rank, rows, gather_order(self.layout, self.causal, self.world,
                                                                                  rows) is not None, list(heap.host_table))
             self._push[key] = _PushHeap(heap, torch.tensor(list(table), dtype=torch.uint8, device=k.device))
+            _PUSHING.add(self)
         return self._push[key]
 
     def backward_push(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
@@ -538,10 +552,12 @@ class CPAttentionOp:
         o, lse = _CPAttention.apply(q, k, v, self)
         return (o, lse) if return_lse else o
 
-    def close(self) -> None:
-        """Unload the attention pair (the collectives and the fused forward stay loaded: close them, or
-        tsgen.torch.close_all()); params.kv_push's heaps closed (a collective: every rank closes)."""
-        if self._push:
+    def close_push(self) -> None:
+        """Free push='s heaps (a collective for CUDA IPC heaps: every rank closes); tsgen.torch.close_all() does
+        this too. The next backward makes them again."""
+        if not self._push:
+            return
+        if torch.cuda.is_available():
             torch.cuda.synchronize()  # no push kernel still reading or writing a heap (as TorchOp.close)
         problems = []
         for state in self._push.values():
@@ -550,9 +566,17 @@ class CPAttentionOp:
             except TsgenTorchError as e:
                 problems.append(str(e))
         self._push.clear()
-        self.attention.close()
+        _PUSHING.discard(self)
         if problems:
             raise TsgenTorchError(f"{self.where}: closing its kv_push heaps: {'; '.join(problems)}")
+
+    def close(self) -> None:
+        """Unload the attention pair and free push='s heaps (the collectives and the fused forward stay loaded:
+        close them, or tsgen.torch.close_all())."""
+        try:
+            self.close_push()
+        finally:
+            self.attention.close()
 
 
 def _collective(given: Any, kind: str, group: Any, arch: str | None, argument: str | None = None) -> Any:
@@ -620,7 +644,10 @@ def cp_attention(forward: Any, backward: Any, allgather: Any, reduce_scatter: An
         if overlap_backward:
             raise TsgenTorchError("tsgen.torch.cp_attention: push= and overlap_backward=True are two backwards; "
                                   "give one of them")
-        push = _load_module(push, "attention_backward", arch)
+        try:
+            push = _load_module(push, "attention_backward", arch)
+        except TsgenTorchError as e:
+            raise TsgenTorchError(f"tsgen.torch.cp_attention: push={push}: {e}") from e
         problem = attn.signature.pair_problem(push.signature)
         if problem or not push.signature.kv_push:
             raise TsgenTorchError(f"tsgen.torch.cp_attention: push={push.signature.spec}: "

@@ -49,6 +49,8 @@ from .signature import TORCH_DTYPES, TsgenArgumentError, TsgenTorchError, entrie
 _LIB: Any = None  # the torch.library.Library fragment that holds every tsgen op (kept alive)
 _DEFINED: dict[str, str] = {}  # module name -> spec sha256 of the module that defined tsgen::<name>
 _OPS: dict[tuple[str, str], "TorchOp"] = {}  # (module name, group name) -> the op loaded on that group
+# what close_all() calls before it closes the ops: other holders of symmetric heaps (cp_attention's push= heaps)
+AT_CLOSE_ALL: list[Callable[[], None]] = []
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -751,7 +753,10 @@ def loaded() -> list[TorchOp]:
 
 
 def close_all() -> None:
-    """close() every loaded op (collective for CUDA IPC heaps), in load order."""
+    """close() every loaded op (collective for CUDA IPC heaps), in load order, after the heaps other holders
+    registered in AT_CLOSE_ALL (cp_attention's push= heaps)."""
+    for closer in list(AT_CLOSE_ALL):
+        closer()
     for op in list(_OPS.values()):
         op.close()
 
