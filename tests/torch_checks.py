@@ -1379,13 +1379,11 @@ def cp_checks(group, shared: bool) -> None:
         every_rank_done(group)
         waited_ok = case(lagged, CP_SEQS[0])[0]
         seen = [None] * w
-        dist.all_gather_object(seen, (caught, waited_ok), group=group)
-        every_step = all(any(c[0][i] for c in seen) for i in range(3))
-        with_wait = all(c[1] for c in seen)
-        return every_step and with_wait, (
-            f"{'caught' if every_step else 'NOT CAUGHT'} at every step, with the wait {'correct' if with_wait else 'WRONG'}"
-            "; steps caught per rank (x caught, . not): "
-            + ", ".join(f"r{x}: {''.join('x' if c_ else '.' for c_ in c[0])}" for x, c in enumerate(seen)))
+        dist.all_gather_object(seen, waited_ok, group=group)
+        with_wait = all(seen)
+        every_step, steps = caught_at_every_step(group, caught)
+        return every_step and with_wait, (f"{'caught' if every_step else 'NOT CAUGHT'} at every step, with the wait "
+                                          f"{'correct' if with_wait else 'WRONG'}; {steps}")
 
     control_push()
 
@@ -1411,12 +1409,8 @@ def cp_checks(group, shared: bool) -> None:
             caught = [not case(ops[CP_CASES[0]], CP_SEQS[0], reduce_scatter=aligned)[0] for _ in range(3)]
         finally:
             bad.close()
-        seen = [None] * w
-        dist.all_gather_object(seen, caught, group=group)
-        every_step = all(any(c[i] for c in seen) for i in range(3))
-        return every_step, (f"{'caught' if every_step else 'NOT CAUGHT'} at every step; steps caught per rank "
-                            "(x caught, . not): " + ", ".join(f"r{x}: {''.join('x' if c_ else '.' for c_ in c)}"
-                                                            for x, c in enumerate(seen)))
+        every_step, steps = caught_at_every_step(group, caught)
+        return every_step, f"{'caught' if every_step else 'NOT CAUGHT'} at every step; {steps}"
 
     wait_control()
     if shared:
@@ -1581,6 +1575,16 @@ def cp_checks(group, shared: bool) -> None:
                                           "; ".join(problems)) if x)
 
     times()
+
+
+def caught_at_every_step(group, caught: list[bool]) -> tuple[bool, str]:
+    """A negative control run for several steps on every rank (`caught`: this rank's comparison failed, per step):
+    whether some rank caught it at every step, and every rank's steps in words; the same on every rank."""
+    seen = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, caught, group=group)
+    every_step = all(any(c[i] for c in seen) for i in range(len(caught)))
+    return every_step, ("steps caught per rank (x caught, . not): "
+                        + ", ".join(f"r{x}: {''.join('x' if c_ else '.' for c_ in c)}" for x, c in enumerate(seen)))
 
 
 def every_rank_done(group) -> None:

@@ -252,7 +252,7 @@ class _Module:
     def __init__(self, manifest: Manifest, source: Path, signature: AttentionSignature, arch: str | None):
         self.manifest, self.source, self.signature, self.arch = manifest, source, signature, arch
         self.name = manifest.name
-        self.entry = f"{manifest.kernel(1).name}_{_ENTRY[manifest.op]}"
+        self.entry = self.entry_name(_ENTRY[manifest.op])
         self._fns: dict[tuple[str, str], Any] = {}  # (architecture, entry suffix) -> the entry
         self._archs: dict[int, str] = {}  # device index -> its architecture
         self.trace_only = not torch.cuda.is_available()
@@ -261,6 +261,10 @@ class _Module:
 
     def __repr__(self) -> str:
         return f"<{self.signature.qualname} ({self.signature.spec}){' trace only' if self.trace_only else ''}>"
+
+    def entry_name(self, suffix: str) -> str:
+        """The host entry <kernel>_<suffix> of this module (forward, backward, backward_push)."""
+        return f"{self.manifest.kernel(1).name}_{suffix}"
 
     def _fn(self, device: int, suffix: str | None = None) -> Any:
         """The host entry <kernel>_<suffix> (default: the op's, forward or backward) for `device`'s architecture."""
@@ -272,10 +276,9 @@ class _Module:
         if fn is None:
             from ..toolchain import compile_source
 
-            entry = f"{self.manifest.kernel(1).name}_{suffix}"
             try:
                 binary = compile_source(self.source, arch=arch, mode="shared").output
-                fn = own_symbol(ctypes.CDLL(str(binary)), binary, entry)
+                fn = own_symbol(ctypes.CDLL(str(binary)), binary, self.entry_name(suffix))
             except (TsgenError, OSError) as e:
                 raise TsgenTorchError(f"{self.signature.qualname}: loading {self.source.name} for {arch}: {e}") from e
             fn.restype = ctypes.c_int
@@ -305,7 +308,7 @@ class _Module:
         with torch.cuda.device(device):
             err = self._fn(device, suffix)(*args, torch.cuda.current_stream(device).cuda_stream)
         if err != 0:
-            entry = f"{self.manifest.kernel(1).name}_{suffix}" if suffix else self.entry
+            entry = self.entry_name(suffix) if suffix else self.entry
             raise TsgenTorchError(f"{self.signature.qualname}: {entry} failed with cudaError {err} ({what}); a "
                                   "kernel that trapped before leaves this error: tsgen.torch.synchronize() names it")
 
@@ -330,7 +333,7 @@ class _Module:
     def _backward_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dout: torch.Tensor,
                        lse: torch.Tensor, positions: Sequence[int] | None) -> tuple:
         """A backward call's checked arguments: (tensors with dout aligned, batch, q_len, kv_len, positions,
-        device, dQ and the fp32 workspace) or None for batch x q_len = 0 (nothing to launch)."""
+        device, dQ, the fp32 workspace); the workspace None for batch x q_len = 0 (nothing to launch)."""
         sig = self.signature
         if dout.is_contiguous() and dout.data_ptr() % ALIGN:
             dout = dout.clone()  # an output gradient is autograd's, at any address: the kernel's copy is aligned

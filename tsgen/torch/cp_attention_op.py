@@ -96,11 +96,17 @@ def cp_positions(layout: str, world: int, count: int, rank: int) -> tuple[int, i
     return (rank * half, half, (2 * world - 1 - rank) * half, 0)
 
 
+def reorders(layout: str, causal: bool) -> bool:
+    """Whether the gathered rows are put in position order (zig-zag causal; contiguous, the all-gather's
+    order is position order; not causal, positions do not matter): gather_order's rows, and push='s table
+    (its owner map then reads keys in position order)."""
+    return layout == "zigzag" and causal
+
+
 def gather_order(layout: str, causal: bool, world: int, count: int) -> list[int] | None:
     """Which row of the all-gather's output (rank-major: rank r's count rows at r count) goes to each
-    position of the sequence, or None where the all-gather's order will do (contiguous: it is
-    position order; not causal: positions do not matter)."""
-    if layout == "contiguous" or not causal:
+    position of the sequence, or None where the all-gather's order will do (reorders)."""
+    if not reorders(layout, causal):
         return None
     half = count // 2
     order = []
@@ -241,18 +247,17 @@ class _CPAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         if op.regather:
             k, v = op.gather_kv(k, v)
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
         if op.overlap_backward:
             dq, dk, dv = op.backward_overlapped(q, k, v, o, do.contiguous(), lse, ctx.pos)
-            return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None)
-        if op.pushes(q):
+        elif op.pushes(q):
             dq, dk, dv = op.backward_push(q, k, v, o, do.contiguous(), lse, ctx.pos)
-            return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None)
-        dq, dk_full, dv_full = getattr(torch.ops.tsgen, f"{op.attention.backward.name}_at")(
-            q, k, v, o, do.contiguous(), lse, *ctx.pos)
-        # every rank calls the reduce-scatters (a collective), whatever its own inputs need
-        dk, dv = op.scatter_kv(dk_full, dv_full)
-        return (dq if need_q else None, dk if need_k else None, dv if need_v else None, None)
+        else:
+            dq, dk_full, dv_full = getattr(torch.ops.tsgen, f"{op.attention.backward.name}_at")(
+                q, k, v, o, do.contiguous(), lse, *ctx.pos)
+            # every rank calls the reduce-scatters (a collective), whatever its own inputs need
+            dk, dv = op.scatter_kv(dk_full, dv_full)
+        need = ctx.needs_input_grad[:3]
+        return (*(g if n else None for g, n in zip((dq, dk, dv), need)), None)
 
 
 class CPAttentionOp:
@@ -521,8 +526,8 @@ class CPAttentionOp:
             with torch.cuda.device(device):
                 heap, _ = heap_mod.make_heap(nbytes, ag.group, device, getattr(ag, "heap_mode", "auto"),
                                              lambda t: None)
-            table = push_table_bytes(self.world, self.rank, rows, gather_order(self.layout, self.causal, self.world,
-                                                                                 rows) is not None, list(heap.host_table))
+            table = push_table_bytes(self.world, self.rank, rows, reorders(self.layout, self.causal),
+                                     list(heap.host_table))
             self._push[key] = _PushHeap(heap, torch.tensor(list(table), dtype=torch.uint8, device=k.device))
             _PUSHING.add(self)
         return self._push[key]
