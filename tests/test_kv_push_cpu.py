@@ -78,8 +78,8 @@ int main(int argc, char** argv) {
   printf("layout %zu %zu %zu %zu %zu %zu\n", sizeof(ab::KvPush), offsetof(ab::KvPush, calls),
          offsetof(ab::KvPush, arrived), offsetof(ab::KvPush, area), offsetof(ab::KvPush, arrived_at),
          (size_t)ab::PUSH_AREA);
-  printf("units %llu slot %zu\n", (unsigned long long)ab::push_units(t.rows, 8, 3),
-         ab::push_slot(t.world, 5, 1, 1, 1000));
+  printf("units %llu slot %zu senders %u %u\n", (unsigned long long)ab::push_units(t.rows, 8, 3),
+         ab::push_slot(t.world, 5, 1, 1, 1000), ab::push_sender(0, 1), ab::push_sender(2, 1));
   for (uint32_t key = 0; key < t.world * t.rows; ++key) {
     uint32_t row = 0;
     const uint32_t owner = ab::push_owner(t, key, row);
@@ -111,10 +111,12 @@ def test_header_push_geometry_matches_python(tmp_path):
         ats = struct.unpack_from(f"<{cp.PUSH_MAX_WORLD}Q", table, arrived_at)[:world]
         assert areas == tuple(4096 * (i + 1) + cp.PUSH_AREA for i in range(world))
         assert ats == tuple(4096 * (i + 1) + 16 + 8 * 1 for i in range(world))  # rank 1's counter at each owner
-        units, slot = out[1].split()[1], out[1].split()[3]
-        assert int(units) == (rows // 64) * 8 * 3
-        assert int(slot) == ((1 * world + 1) * 2 + 1) * 1000  # epoch 5: parity 1, sender 1, dV
-        assert cp.push_heap_bytes(world, 1000, 2) == cp.PUSH_AREA + (((1 * world + world - 1) * 2 + 1) + 1) * 1000 * 2
+        words = out[1].split()
+        assert int(words[1]) == (rows // 64) * 8 * 3
+        assert int(words[3]) == ((1 * (world - 1) + 1) * 2 + 1) * 1000  # epoch 5: parity 1, slot 1, dV
+        assert (int(words[5]), int(words[6])) == (0, 1)  # the other ranks in rank order: rank 0, then rank 2
+        last = ((1 * (world - 1) + world - 2) * 2 + 1) * 1000  # parity 1, the last slot's dV
+        assert cp.push_heap_bytes(world, 1000, 2) == cp.PUSH_AREA + (last + 1000) * 2
         got = [tuple(map(int, line.split())) for line in out[2:]]
         assert got == [cp.push_owner(bool(zigzag), world, rows, key) for key in range(world * rows)]
 

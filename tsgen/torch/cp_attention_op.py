@@ -159,8 +159,8 @@ def push_owner(zigzag: bool, world: int, rows: int, key: int) -> tuple[int, int]
 
 
 def push_heap_bytes(world: int, elems: int, element_size: int) -> int:
-    """A KvPush heap's bytes: PUSH_AREA, then [2 parities][world senders][dK, dV][elems elements]."""
-    return PUSH_AREA + 2 * world * 2 * elems * element_size
+    """A KvPush heap's bytes: PUSH_AREA, then [2 parities][world - 1 senders][dK, dV][elems elements]."""
+    return PUSH_AREA + 2 * (world - 1) * 2 * elems * element_size
 
 
 def push_table_bytes(world: int, rank: int, rows: int, zigzag: bool, peers: list[int]) -> bytes:

@@ -87,12 +87,13 @@ struct Layout {
 // 64 keys' partials (dK times the scale, dV, rounded to the element type) where their owner reads them: its own
 // keys into dk, dv (this rank's rows, [batch, rows, KV heads, head dim] in the spec's layout), another rank's into
 // that rank's receive area, then raises that rank's `arrived` counter for this rank (release, system scope). The
-// owner's push_reduce kernel waits for every sender's count and adds their partials to its own (fp32, one
-// rounding). Device memory, filled by the caller (tsgen/torch/cp_attention_op.py KvPushTable):
+// owner's push_wait kernel waits for every sender's count and push_reduce adds their partials to its own (in fp32,
+// rounded once; each partial was rounded to the element type, as the composed path's reduce-scatter sums them).
+// Device memory, filled by the caller (tsgen/torch/cp_attention_op.py push_table_bytes, _push_heap):
 //   - each rank's symmetric heap: calls[2] (tsgen::call_begin / call_end: push_reduce's calls), arrived[MAX_WORLD]
 //     (sender s's signals, cumulative: epoch e's count is e x push_units), then at PUSH_AREA the receive area:
-//     [2 epoch parities][world senders][dK, dV][batch x rows x KV heads x head dim elements] (the own sender's
-//     slot unused);
+//     [2 epoch parities][world - 1 senders (push_sender: the others in rank order)][dK, dV][batch x rows x KV
+//     heads x head dim elements];
 //   - `area[o]`, `arrived_at[o]`: rank o's receive area and its arrived[this rank], as this rank addresses them.
 // Epoch e = calls[0] + 1 (the main kernel reads it after the previous push_reduce, which advanced it, and before
 // this call's). Slots by e's parity: a sender's call e + 1 writes while the owner may still read e's, and it cannot
@@ -126,10 +127,15 @@ __host__ __device__ __forceinline__ uint64_t push_units(uint32_t rows, uint32_t 
   return (uint64_t)(rows / PUSH_KEYS) * kv_heads * batch;
 }
 
-// Element offset of (parity, sender, dK or dV) in a receive area of `elems` elements a tensor.
-__host__ __device__ __forceinline__ size_t push_slot(uint32_t world, uint64_t epoch, uint32_t sender, uint32_t which,
+// Rank `sender`'s slot at rank `owner` (sender != owner): the other ranks in rank order.
+__host__ __device__ __forceinline__ uint32_t push_sender(uint32_t sender, uint32_t owner) {
+  return sender < owner ? sender : sender - 1;
+}
+
+// Element offset of (parity, slot, dK or dV) in a receive area of `elems` elements a tensor.
+__host__ __device__ __forceinline__ size_t push_slot(uint32_t world, uint64_t epoch, uint32_t slot, uint32_t which,
                                                      size_t elems) {
-  return (((size_t)(epoch & 1) * world + sender) * 2 + which) * elems;
+  return (((size_t)(epoch & 1) * (world - 1) + slot) * 2 + which) * elems;
 }
 
 struct Problem {

@@ -742,14 +742,16 @@ static __device__ __forceinline__ void store_dk_dv_rows(void* dk_out, void* dv_o
   }
 }
 
-// The walk's end: dK (times the scale) and dV of key rows key_lo (+ 8) to global; rows past kv_len clipped.
-// KV_PUSH with a table (p.push, <kernel>_backward_push): to the keys' owner (KvPush): this rank's own keys into p.dk, p.dv at its rows; another rank's into
-// that rank's receive area (this rank's slot of the call's parity), then, once all 128 threads of the
-// warpgroup have stored and fenced, one thread raises the owner's arrived[this rank] (release, system scope).
-// The warpgroup's 64 keys share one owner (the caller's rows are a multiple of 128: KvPushTable).
+// The walk's end: consumer warpgroup cw's dK (times the scale) and dV of key rows key_lo (+ 8) to global; rows past
+// kv_len clipped. KV_PUSH with a table (p.push, <kernel>_backward_push): to the keys' owner (KvPush): this rank's
+// own keys into p.dk, p.dv at its rows; another rank's into that rank's receive area (this rank's slot of the
+// call's parity), then, once all 128 threads of the warpgroup have stored (its own named barrier), one thread
+// raises the owner's arrived[this rank] after a system-scope fence (release; the barrier and the fence make the
+// other threads' stores visible before the signal: cumulativity). The warpgroup's 64 keys share one owner (the
+// caller's rows are a multiple of 128: tsgen.torch's pushes()), so all 128 threads take the same branch.
 template <class C>
-static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t b, uint32_t hk, uint32_t key_lo,
-                                                   uint32_t lane, const float (&dk)[Layout<C>::D_ACC],
+static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t cw, uint32_t b, uint32_t hk,
+                                                   uint32_t key_lo, uint32_t lane, const float (&dk)[Layout<C>::D_ACC],
                                                    const float (&dv)[Layout<C>::D_ACC]) {
   if (!kv_push_of<C>::value || p.push == nullptr) {  // KV_PUSH without a table: the plain backward (<kernel>_backward)
     store_dk_dv_rows<C>(p.dk, p.dv, p.kv_len, p.kv_len, b, hk, key_lo, lane, dk, dv);
@@ -764,13 +766,14 @@ static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t b,
     }
     const uint64_t epoch = ld_relaxed_gpu_global_u64(t.calls) + 1;  // push_reduce advances it after this kernel
     const size_t elems = (size_t)p.batch * t.rows * C::KV_HEADS * C::HEAD_DIM;
+    const uint32_t slot = push_sender(t.rank, owner);
     uint16_t* area = static_cast<uint16_t*>(t.area[owner]);
-    store_dk_dv_rows<C>(area + push_slot(t.world, epoch, t.rank, 0, elems),
-                        area + push_slot(t.world, epoch, t.rank, 1, elems), t.rows, t.rows, b, hk, row0 + in_group,
-                        lane, dk, dv);
-    fence_acq_rel_sys();  // this thread's stores, before the barrier (and the signal after it)
-    const uint32_t cw = (first / PUSH_KEYS) % 2;  // the consumer warpgroup (blocks of 128 keys from key 0)
-    named_barrier_sync(PUSHED + cw, 128);
+    store_dk_dv_rows<C>(area + push_slot(t.world, epoch, slot, 0, elems), area + push_slot(t.world, epoch, slot, 1, elems),
+                        t.rows, t.rows, b, hk, row0 + in_group, lane, dk, dv);
+    if (cw == 0)  // immediate ids: a barrier id in a register makes ptxas reserve all 16
+      named_barrier_sync_imm<PUSHED>(128);
+    else
+      named_barrier_sync_imm<PUSHED + 1>(128);
     if (threadIdx.x % 128 == 0) {
       fence_acq_rel_sys();
       atom_add_release_sys_global_u64(t.arrived_at[owner], 1ull);
@@ -1069,7 +1072,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       add_dk_dv_tail<C>(p, part.slot, 64 * cw + row, lane, dk, dv);
       return;
     }
-  store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
+  store_dk_dv<C>(p, cw, b, hk, key_lo, lane, dk, dv);
 }
 
 // params.lookahead (LOOKAHEAD; bulk dQ, not DETERMINISTIC): consume() with the next step's S^T issued as
@@ -1234,7 +1237,7 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
   }
   if (t == 0) bulk_wait_group_all();
 
-  store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
+  store_dk_dv<C>(p, cw, b, hk, key_lo, lane, dk, dv);
 }
 
 // params.step_rows 128 (TALL; head dim 64, bulk dQ, not deterministic, not lookahead): consume() with steps of 128
@@ -1368,7 +1371,7 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
     if constexpr (L::DK_AFTER_DQ) dk_done_release_stage<C>(dk, t, smem, stage);
   }
 
-  store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
+  store_dk_dv<C>(p, cw, b, hk, key_lo, lane, dk, dv);
 }
 
 // Item `item` of the main kernel (its grid order): KV block j of KV head hk of sequence b.
@@ -1520,8 +1523,8 @@ static __device__ __forceinline__ void push_reduce(void* dk, void* dv, const KvP
     for (uint32_t s = 0; s < t.world; ++s) {
       if (s == t.rank) continue;
       float part[8];
-      unpack8<C>(ld_weak_global_v4(reinterpret_cast<const uint4*>(area + push_slot(t.world, epoch, s, which, elems) + at)),
-                 part);
+      const uint16_t* from = area + push_slot(t.world, epoch, push_sender(s, t.rank), which, elems) + at;
+      unpack8<C>(ld_weak_global_v4(reinterpret_cast<const uint4*>(from)), part);
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum[e] += part[e];
     }
