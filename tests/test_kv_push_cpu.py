@@ -35,7 +35,8 @@ def test_kv_push_refusals_and_render(tmp_path):
     assert get_family("attention_backward").constants(on.model)["KV_PUSH"] == 1
     source = rendered_source(on, tmp_path).read_text()
     for text in ("static constexpr bool KV_PUSH = on::KV_PUSH != 0;", "on_w1_push_wait(", "on_w1_push_reduce(",
-                 'extern "C" cudaError_t on_w1_backward_push(', "if (!skip_wait) on_w1_push_wait<<<1, 32, 0, stream>>>"):
+                 "on_w1_push_signal(", 'extern "C" cudaError_t on_w1_backward_push(',
+                 "on_w1_push_signal<<<1, 32, 0, stream>>>(push);\n  if (!skip_wait) on_w1_push_wait<<<1, 32, 0, stream>>>"):
         assert text in source, text
     off = rendered_source(variant("off"), tmp_path).read_text()
     assert "KV_PUSH" not in off and "_push" not in off
@@ -78,8 +79,8 @@ int main(int argc, char** argv) {
   printf("layout %zu %zu %zu %zu %zu %zu\n", sizeof(ab::KvPush), offsetof(ab::KvPush, calls),
          offsetof(ab::KvPush, arrived), offsetof(ab::KvPush, area), offsetof(ab::KvPush, arrived_at),
          (size_t)ab::PUSH_AREA);
-  printf("units %llu slot %zu senders %u %u\n", (unsigned long long)ab::push_units(t.rows, 8, 3),
-         ab::push_slot(t.world, 5, 1, 1, 1000), ab::push_sender(0, 1), ab::push_sender(2, 1));
+  printf("slots %zu senders %u %u\n", ab::push_slot(t.world, 5, 1, 1, 1000), ab::push_sender(0, 1),
+         ab::push_sender(2, 1));
   for (uint32_t key = 0; key < t.world * t.rows; ++key) {
     uint32_t row = 0;
     const uint32_t owner = ab::push_owner(t, key, row);
@@ -92,7 +93,7 @@ int main(int argc, char** argv) {
 @needs_nvcc
 def test_header_push_geometry_matches_python(tmp_path):
     """The header's KvPush layout is push_table_bytes' (size and field offsets), its heap's area starts at
-    PUSH_AREA, push_units and push_slot are the formulas the heap's size assumes, and push_owner (host-compiled)
+    PUSH_AREA, push_slot and push_sender are the formulas the heap's size assumes, and push_owner (host-compiled)
     gives the Python twin's owner and row for every key, zig-zag and not, at worlds 2, 3 and 8."""
     cp = _cp()
     exe = host_program(variant("geo", params={"kv_push": True}), HOST, tmp_path, "push_main")
@@ -112,9 +113,8 @@ def test_header_push_geometry_matches_python(tmp_path):
         assert areas == tuple(4096 * (i + 1) + cp.PUSH_AREA for i in range(world))
         assert ats == tuple(4096 * (i + 1) + 16 + 8 * 1 for i in range(world))  # rank 1's counter at each owner
         words = out[1].split()
-        assert int(words[1]) == (rows // 64) * 8 * 3
-        assert int(words[3]) == ((1 * (world - 1) + 1) * 2 + 1) * 1000  # epoch 5: parity 1, slot 1, dV
-        assert (int(words[5]), int(words[6])) == (0, 1)  # the other ranks in rank order: rank 0, then rank 2
+        assert int(words[1]) == ((1 * (world - 1) + 1) * 2 + 1) * 1000  # epoch 5: parity 1, slot 1, dV
+        assert (int(words[3]), int(words[4])) == (0, 1)  # the other ranks in rank order: rank 0, then rank 2
         last = ((1 * (world - 1) + world - 2) * 2 + 1) * 1000  # parity 1, the last slot's dV
         assert cp.push_heap_bytes(world, 1000, 2) == cp.PUSH_AREA + (last + 1000) * 2
         got = [tuple(map(int, line.split())) for line in out[2:]]
@@ -135,4 +135,4 @@ def test_push_specs_compile_without_spills(name, tmp_path):
     for entry, report in res.report.items():
         assert report["spill_stores"] == report["spill_loads"] == 0, (entry, report)
     assert res.report[f"{name}_w1_main"]["registers"] == 168
-    assert {f"{name}_w1_push_wait", f"{name}_w1_push_reduce"} <= set(res.report)
+    assert {f"{name}_w1_push_signal", f"{name}_w1_push_wait", f"{name}_w1_push_reduce"} <= set(res.report)

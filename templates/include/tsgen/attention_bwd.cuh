@@ -86,12 +86,15 @@ struct Layout {
 // partial sums of the keys that rank o holds are o's to add up. With kv_push each consumer warpgroup stores its
 // 64 keys' partials (dK times the scale, dV, rounded to the element type) where their owner reads them: its own
 // keys into dk, dv (this rank's rows, [batch, rows, KV heads, head dim] in the spec's layout), another rank's into
-// that rank's receive area, then raises that rank's `arrived` counter for this rank (release, system scope). The
-// owner's push_wait kernel waits for every sender's count and push_reduce adds their partials to its own (in fp32,
+// that rank's receive area, and goes on (no fence, no wait for the stores to land). After the main kernel, in
+// stream order, push_signal raises every other rank's `arrived` counter for this rank once (a system-scope fence,
+// then a release add: the main kernel's stores are visible to it at the kernel boundary, and the release is
+// cumulative over them). The owner's push_wait kernel waits for every sender's count and push_reduce adds their
+// partials to its own (in fp32,
 // rounded once; each partial was rounded to the element type, as the composed path's reduce-scatter sums them).
 // Device memory, filled by the caller (tsgen/torch/cp_attention_op.py push_table_bytes, _push_heap):
 //   - each rank's symmetric heap: calls[2] (tsgen::call_begin / call_end: push_reduce's calls), arrived[MAX_WORLD]
-//     (sender s's signals, cumulative: epoch e's count is e x push_units), then at PUSH_AREA the receive area:
+//     (sender s's signals, one a call, cumulative: epoch e's count is e), then at PUSH_AREA the receive area:
 //     [2 epoch parities][world - 1 senders (push_sender: the others in rank order)][dK, dV][batch x rows x KV
 //     heads x head dim elements];
 //   - `area[o]`, `arrived_at[o]`: rank o's receive area and its arrived[this rank], as this rank addresses them.
@@ -100,7 +103,7 @@ struct Layout {
 // reach e + 2 before the owner's push_reduce of e is done (its own push_reduce of e + 1 waits for the owner's main
 // kernel of e + 1, which the owner's stream runs after that push_reduce).
 constexpr uint32_t PUSH_MAX_WORLD = 8;
-constexpr uint32_t PUSH_KEYS = 64;     // keys a signal covers: one consumer warpgroup's of a 128-key block
+constexpr uint32_t PUSH_KEYS = 64;     // keys of one owner a consumer warpgroup stores: its half of a 128-key block
 constexpr uint64_t PUSH_AREA = 256;    // bytes of the heap before the receive area
 struct KvPush {
   uint32_t world, rank, rows, zigzag;  // rows: each rank's; zigzag: 2 world chunks (rank r: r, 2 world - 1 - r)
@@ -120,11 +123,6 @@ __host__ __device__ __forceinline__ uint32_t push_owner(const KvPush& t, uint32_
   const uint32_t half = t.rows / 2, c = key / half;
   row = (c < t.world ? 0 : half) + key % half;
   return c < t.world ? c : 2 * t.world - 1 - c;
-}
-
-// Signals one sender raises at one owner per call: a warpgroup's PUSH_KEYS keys of every (sequence, KV head).
-__host__ __device__ __forceinline__ uint64_t push_units(uint32_t rows, uint32_t kv_heads, uint32_t batch) {
-  return (uint64_t)(rows / PUSH_KEYS) * kv_heads * batch;
 }
 
 // Rank `sender`'s slot at rank `owner` (sender != owner): the other ranks in rank order.

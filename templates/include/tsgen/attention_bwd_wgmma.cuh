@@ -218,7 +218,6 @@ constexpr uint32_t DS_READY = 1;  // named barrier of the two consumer warpgroup
 constexpr uint32_t DQ_STAGED = 2;  // + w: named barrier of consumer warpgroup w (DQ_TILED: its staging written)
 constexpr uint32_t DQ_PAIR = 4;    // DQ_PAIRED: warpgroup 1's partial staged, for warpgroup 0 (arrive / sync)
 constexpr uint32_t DQ_FREE = 5;    // + w: DQ_WRITER: warpgroup w's staging read by its last reduction (writer arrives)
-constexpr uint32_t PUSHED = 7;     // + w: KV_PUSH, consumer warpgroup w's partials stored (its 128 threads)
 constexpr uint32_t WRITER_BAR = 160;  // DQ_WRITER: DQ_STAGED + w and DQ_FREE + w: a consumer warpgroup and the writer
 
 // cp.reduce.async.bulk (not .tensor): `bytes` (a multiple of 16) of fp32 at shared `src` added into
@@ -745,10 +744,8 @@ static __device__ __forceinline__ void store_dk_dv_rows(void* dk_out, void* dv_o
 // The walk's end: consumer warpgroup cw's dK (times the scale) and dV of key rows key_lo (+ 8) to global; rows past
 // kv_len clipped. KV_PUSH with a table (p.push, <kernel>_backward_push): to the keys' owner (KvPush): this rank's
 // own keys into p.dk, p.dv at its rows; another rank's into that rank's receive area (this rank's slot of the
-// call's parity), then, once all 128 threads of the warpgroup have stored (its own named barrier), one thread
-// raises the owner's arrived[this rank] after a system-scope fence (release; the barrier and the fence make the
-// other threads' stores visible before the signal: cumulativity). The warpgroup's 64 keys share one owner (the
-// caller's rows are a multiple of 128: tsgen.torch's pushes()), so all 128 threads take the same branch.
+// call's parity), over NVLink, not waited for: push_signal, after this kernel, tells the owners. The warpgroup's
+// 64 keys share one owner (the caller's rows are a multiple of 128: tsgen.torch's pushes()).
 template <class C>
 static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t cw, uint32_t b, uint32_t hk,
                                                    uint32_t key_lo, uint32_t lane, const float (&dk)[Layout<C>::D_ACC],
@@ -770,14 +767,6 @@ static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t cw
     uint16_t* area = static_cast<uint16_t*>(t.area[owner]);
     store_dk_dv_rows<C>(area + push_slot(t.world, epoch, slot, 0, elems), area + push_slot(t.world, epoch, slot, 1, elems),
                         t.rows, t.rows, b, hk, row0 + in_group, lane, dk, dv);
-    if (cw == 0)  // immediate ids: a barrier id in a register makes ptxas reserve all 16
-      named_barrier_sync_imm<PUSHED>(128);
-    else
-      named_barrier_sync_imm<PUSHED + 1>(128);
-    if (threadIdx.x % 128 == 0) {
-      fence_acq_rel_sys();
-      atom_add_release_sys_global_u64(t.arrived_at[owner], 1ull);
-    }
   }
 }
 
@@ -1489,8 +1478,10 @@ static __device__ __forceinline__ void tail_convert(const Problem& p) {
   }
 }
 
-// KV_PUSH: after the main kernel in stream order, one warp (push_wait: lane s < world but this rank waits for
-// sender s's count of this epoch, acquire at system scope, with the timeout), then push_reduce (PUSH_CTAS CTAs, a
+// KV_PUSH: after the main kernel in stream order, one warp raises every other rank's arrived[this rank] (push_signal:
+// lane o < world but this rank; a system-scope fence first: the main kernel's stores to rank o, visible to this
+// kernel at the boundary, are visible at o before the add), then one warp waits (push_wait: lane s < world but this
+// rank waits for sender s's count of this epoch, acquire at system scope, with the timeout), then push_reduce (PUSH_CTAS CTAs, a
 // fixed grid: call_end counts them): every element of this rank's dK, dV (batch x rows x KV heads x head dim, the
 // main kernel's own partials) gets the senders' partials of this parity added, 8 at a time, in fp32, rounded
 // once; call_end advances calls[0], the next call's epoch. The wait is a kernel of its own, one CTA: ranks
@@ -1498,12 +1489,19 @@ static __device__ __forceinline__ void tail_convert(const Problem& p) {
 // for, has none left to run on. Without the wait (the GPU checks' negative control) the sums are wrong.
 constexpr int PUSH_THREADS = 256;
 constexpr unsigned PUSH_CTAS = 264;
-template <class C>
-static __device__ __forceinline__ void push_wait(const KvPush* table, uint32_t batch) {
+static __device__ __forceinline__ void push_signal(const KvPush* table) {
+  const KvPush& t = *table;
+  if (threadIdx.x < t.world && threadIdx.x != t.rank) {
+    fence_acq_rel_sys();
+    atom_add_release_sys_global_u64(t.arrived_at[threadIdx.x], 1ull);
+  }
+}
+
+static __device__ __forceinline__ void push_wait(const KvPush* table) {
   const KvPush& t = *table;
   const uint64_t epoch = call_begin(t.calls);
   if (threadIdx.x < t.world && threadIdx.x != t.rank)
-    wait_ge_acquire_sys(t.arrived + threadIdx.x, epoch * push_units(t.rows, C::KV_HEADS, batch),
+    wait_ge_acquire_sys(t.arrived + threadIdx.x, epoch,
                         make_site("kv_push arrived", (int)t.rank, (int)t.rank, (int)threadIdx.x));
 }
 
