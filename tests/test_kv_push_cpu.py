@@ -36,7 +36,9 @@ def test_kv_push_refusals_and_render(tmp_path):
     source = rendered_source(on, tmp_path).read_text()
     for text in ("static constexpr bool KV_PUSH = on::KV_PUSH != 0;", "on_w1_push_wait(", "on_w1_push_reduce(",
                  "on_w1_push_signal(", 'extern "C" cudaError_t on_w1_backward_push(',
-                 "on_w1_push_signal<<<1, 32, 0, stream>>>(push);\n  if (!skip_wait) on_w1_push_wait<<<1, 32, 0, stream>>>"):
+                 "if (control == 2) on_w1_push_signal<<<1, 32, 0, stream>>>(push);",
+                 "if (control != 2) on_w1_push_signal<<<1, 32, 0, stream>>>(push);\n"
+                 "  if (control != 1) on_w1_push_wait<<<1, 32, 0, stream>>>(push);"):
         assert text in source, text
     off = rendered_source(variant("off"), tmp_path).read_text()
     assert "KV_PUSH" not in off and "_push" not in off

@@ -1361,31 +1361,34 @@ def cp_checks(group, shared: bool) -> None:
 
     control_overlap()
 
-    @checked(f"cp_negative_control_push_w{w}")
-    def control_push():
-        """kv_push without its wait (push_skip_wait: the owner sums before the peers' partials land) while every
-        rank but 0 starts its backward CP_PUSH_LAG_CYCLES late: rank 0 sums slots its peers have not written yet
-        (the previous call's, of other inputs), so the comparison must fail on some rank at each of 3 steps;
-        the same op with the wait and the same lag passes. Reported the same on every rank."""
+    def push_control(control: int):
+        """kv_push with a negative control while every rank but 0 starts its backward CP_PUSH_LAG_CYCLES late:
+        PUSH_SKIP_WAIT (the owner sums without waiting) or PUSH_SIGNAL_FIRST (each rank signals its owners before
+        its main kernel's stores): rank 0 sums slots its peers have not written yet (the previous call's, of other
+        inputs), so the comparison must fail on some rank at each of 3 steps; the same op without the control and
+        with the same lag passes. Reported the same on every rank."""
         base = pushed[CP_CASES[0]]
         lagged = copy.copy(base)
         lagged.push_before = (lambda: torch.cuda._sleep(CP_PUSH_LAG_CYCLES)) if r != 0 else None
-        skipping = copy.copy(lagged)
-        skipping.push_skip_wait = True
+        broken = copy.copy(lagged)
+        broken.push_control = control
         caught = []
         for _ in range(3):
             every_rank_done(group)
-            caught.append(not case(skipping, CP_SEQS[0])[0])
+            caught.append(not case(broken, CP_SEQS[0])[0])
         every_rank_done(group)
         waited_ok = case(lagged, CP_SEQS[0])[0]
         seen = [None] * w
         dist.all_gather_object(seen, waited_ok, group=group)
-        with_wait = all(seen)
+        fine = all(seen)
         every_step, steps = caught_at_every_step(group, caught)
-        return every_step and with_wait, (f"{'caught' if every_step else 'NOT CAUGHT'} at every step, with the wait "
-                                          f"{'correct' if with_wait else 'WRONG'}; {steps}")
+        return every_step and fine, (f"{'caught' if every_step else 'NOT CAUGHT'} at every step, without the control "
+                                     f"{'correct' if fine else 'WRONG'}; {steps}")
 
-    control_push()
+    from tsgen.torch.attention_op import PUSH_SIGNAL_FIRST, PUSH_SKIP_WAIT
+
+    checked(f"cp_negative_control_push_w{w}")(lambda: push_control(PUSH_SKIP_WAIT))()
+    checked(f"cp_negative_control_push_signal_first_w{w}")(lambda: push_control(PUSH_SIGNAL_FIRST))()
 
     @checked(f"cp_reduce_scatter_wait_control_w{w}")
     def wait_control():

@@ -51,6 +51,7 @@ from .signature import TsgenArgumentError, TsgenTorchError
 
 _MODULES: dict[str, "_Module"] = {}  # module name -> the loaded module (forward or backward)
 _PAIRS: dict[str, str] = {}  # forward module name -> the backward module its autograd formula calls
+PUSH_SKIP_WAIT, PUSH_SIGNAL_FIRST = 1, 2  # <kernel>_backward_push's negative controls (its `control` argument)
 ALIGN = 16  # TMA (the forward's tensor maps) wants 16-byte aligned addresses; the backward's vector loads too
 _SCALE = re.compile(r"^// softmax scale ([0-9.eE+-]+);", re.MULTILINE)  # the templates' header comment
 _ENTRY = {"attention": "forward", "attention_backward": "backward"}  # op kind -> its host entry's suffix
@@ -241,7 +242,7 @@ class AttentionSignature:
 _VP, _U64, _I64 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64
 _ARGTYPES = {"forward": [_VP] * 5 + [_U64] * 3 + [_I64] * 4 + [_VP, _U64, _U64, ctypes.c_int, _VP],
              "backward": [_VP] * 12 + [_U64] * 3 + [_I64] * 4 + [_VP],
-             # params.kv_push's <kernel>_backward_push: the backward's, then the KvPush table and skip_wait
+             # params.kv_push's <kernel>_backward_push: the backward's, then the KvPush table and the control
              "backward_push": [_VP] * 12 + [_U64] * 3 + [_I64] * 4 + [_VP, ctypes.c_int, _VP]}
 
 
@@ -365,12 +366,13 @@ class _Module:
 
     def run_backward_push(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                           dout: torch.Tensor, lse: torch.Tensor, positions: Sequence[int], table: torch.Tensor,
-                          world: int, rows: int, skip_wait: bool = False
+                          world: int, rows: int, control: int = 0
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """params.kv_push: dQ, and this rank's `rows` rows of dK, dV summed over the `world` ranks of the table
         (tsgen::attention_bwd::KvPush, made by tsgen.torch.cp_attention: k, v are the keys gathered from
         every rank, kv_len = world x rows). A collective: every rank of the table calls it, in the same order.
-        `skip_wait`: the sums without waiting for the peers (the GPU checks' negative control)."""
+        `control`: the GPU checks' negative controls (wrong sums): PUSH_SKIP_WAIT, the sums without waiting for the
+        peers; PUSH_SIGNAL_FIRST, the signal to the owners before this rank's stores."""
         sig = self.signature
         if not sig.kv_push:
             raise TsgenTorchError(f"{sig.qualname}: {sig.spec} has no params.kv_push, so no <kernel>_backward_push")
@@ -383,7 +385,7 @@ class _Module:
         shape[1 if sig.layout == "bshd" else 2] = rows  # the sequence's dimension: this rank's rows
         dk, dv = (_output(shape, dtype=k.dtype, device=k.device) for _ in range(2))
         self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, *work)]
-                     + [batch, q_len, kv_len, *pos, table.data_ptr(), int(skip_wait)],
+                     + [batch, q_len, kv_len, *pos, table.data_ptr(), int(control)],
                      f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}, rows {rows}", suffix="backward_push")
         return dq, dk, dv
 

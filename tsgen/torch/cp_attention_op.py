@@ -296,12 +296,12 @@ class CPAttentionOp:
         self._streams: dict[torch.device, Any] = {}
         # push=: a symmetric heap and its KvPush table per (rows, batch, dtype) (the heap's size and the signals'
         # expected count depend on all three), made at the first backward of each (a collective), with the event
-        # after its last call (_PushHeap); push_skip_wait and push_before: the GPU checks' negative control only
+        # after its last call (_PushHeap); push_control and push_before: the GPU checks' negative controls only
         # (the sums without waiting, which also lets a sender run a call ahead into a slot being read; a callable
         # run on the stream before the kernels, e.g. a delay)
         self._push: dict[tuple[int, int, torch.dtype], _PushHeap] = {}
         self.push = push  # the kv_push backward module (cp_attention's push=), or None
-        self.push_skip_wait = False
+        self.push_control = 0  # attention_op.PUSH_SKIP_WAIT or PUSH_SIGNAL_FIRST: wrong sums
         self.push_before: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
@@ -546,7 +546,7 @@ class CPAttentionOp:
         if self.push_before is not None:
             self.push_before()
         out = self.push.run_backward_push(q, k, v, o, do, lse, pos, state.table, self.world, rows,
-                                          self.push_skip_wait)
+                                          self.push_control)
         state.done = torch.cuda.Event()
         state.done.record(stream)
         return out
