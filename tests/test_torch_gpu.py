@@ -1,8 +1,14 @@
 """tsgen.torch on 2 GPUs: tests/torch_checks.py under torchrun (tools/gpu_torch.sh runs the same and
-the TP MLP example, with a table). Skipped without torch or with fewer than 2 CUDA GPUs."""
+the TP MLP example, with a table). Skipped without torch or with fewer than 2 CUDA GPUs.
+
+`cp`: tests/torch_checks.py --cp, the context-parallel attention's checks (every variant, push= among them,
+and their negative controls) with one short timing (S 2048, 2 rounds), so that the gate on 2 GPUs runs the
+kv_push kernels its templates build; the modules it loads are compiled first, in parallel, as
+tools/gpu_torch.sh does (the ranks would otherwise compile them one after the other under the cache's lock)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
+# --cp's timing, short: the gate checks the timed results, it does not report speed
+CP_ENV = {"CP_TIME_SEQS": "2048", "CP_TIME_ROUNDS": "2", "CP_TIME_VARIANTS": "tsgen tsgen_push ideal"}
 
 
 def _two_gpus() -> None:
@@ -19,12 +27,44 @@ def _two_gpus() -> None:
         pytest.skip("needs 2 CUDA GPUs visible to torch")
 
 
-@pytest.mark.parametrize("mode", [[], ["--probe"]], ids=["checks", "peer_never_arrives"])
+def _cp_specs() -> list[Path]:
+    """Every spec tests/torch_checks.py --cp loads (the collectives, each case's attention pair, fused forward and
+    kv_push backward)."""
+    from conftest import load_script
+
+    tc = load_script(ROOT / "tests" / "torch_checks.py")
+    specs = [ROOT / "specs" / "allgather.yaml", ROOT / "specs" / "reduce_scatter.yaml"]
+    for case in tc.CP_CASES:
+        specs += [ROOT / s for s in tc.ATTENTION_PAIRS[case[0]]]
+        specs += [ROOT / tc.CP_FUSED[case], ROOT / tc.CP_PUSH[case]]
+    return specs
+
+
+def _compile(specs: list[Path]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tsgen.harness import render_to_cache
+    from tsgen.spec import load_spec
+    from tsgen.toolchain import compile_source
+
+    def one(spec: Path):
+        return compile_source(render_to_cache(load_spec(spec)).source, mode="shared")
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, specs))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", [[], ["--probe"], ["--cp"]], ids=["checks", "peer_never_arrives", "cp"])
 def test_torch_checks(mode):
     _two_gpus()
+    env = dict(os.environ)
+    if mode == ["--cp"]:
+        _compile(_cp_specs())
+        env.update(CP_ENV)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "tests" / "torch_checks.py"), *mode]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=540, env=env)
     out = proc.stdout + proc.stderr
     checks = [line for line in out.splitlines() if line.startswith("CHECK ")]
     assert checks, out[-4000:]
