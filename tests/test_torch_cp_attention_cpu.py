@@ -766,3 +766,16 @@ def test_close_all_frees_push_heaps(groups):
     assert [h.closed for h in heaps] == [1, 1, 1] and not cp._push and cp not in cp_mod._PUSHING
     cp_mod._close_push_heaps()  # nothing left: no second close
     assert [h.closed for h in heaps] == [1, 1, 1]
+
+
+def test_failed_checks_reads_the_result_word():
+    """tests/test_torch_gpu.py fails a run by its CHECK lines' result word: a caught negative control, whose detail
+    lists the FAILs it caught, passes (the gate's cp mode once failed on that detail); a FAIL result fails."""
+    lines = "\n".join([
+        "CHECK cp_load PASS r0: 9 ops at world 2 in 1.1 s",
+        "CHECK cp_negative_control_w2 PASS r0: caught (dk 224317/1048576 wrong, rel 3.9e-01 FAIL)",
+        "CHECK cp_broken FAIL r0: dk 5/10 wrong",
+        "CHECK cp_skipped SKIP r0: no multicast",
+        "TIME cp_attention FAIL-free line",
+    ])
+    assert torch_checks().failed_checks(lines) == ["CHECK cp_broken FAIL r0: dk 5/10 wrong"]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -30,8 +31,6 @@ def _two_gpus() -> None:
 def _cp_specs() -> list[Path]:
     """Every spec tests/torch_checks.py --cp loads (the collectives, each case's attention pair, fused forward and
     kv_push backward)."""
-    from conftest import load_script
-
     tc = load_script(ROOT / "tests" / "torch_checks.py")
     specs = [ROOT / "specs" / "allgather.yaml", ROOT / "specs" / "reduce_scatter.yaml"]
     for case in tc.CP_CASES:
@@ -68,4 +67,5 @@ def test_torch_checks(mode):
     out = proc.stdout + proc.stderr
     checks = [line for line in out.splitlines() if line.startswith("CHECK ")]
     assert checks, out[-4000:]
-    assert proc.returncode == 0 and not any(" FAIL" in line for line in checks), "\n".join(checks) + out[-4000:]
+    failed = load_script(ROOT / "tests" / "torch_checks.py").failed_checks(out)
+    assert proc.returncode == 0 and not failed, "\n".join(failed or checks) + out[-4000:]

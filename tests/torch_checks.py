@@ -96,6 +96,13 @@ SHAPES = [(262147,), (1024, 513), (6, 5, 7), (2,)]  # odd sizes: element-wise ta
 RESULTS: list[bool] = []
 
 
+def failed_checks(output: str) -> list[str]:
+    """The CHECK lines of this script's `output` whose result (the word after the name) is FAIL: a caught negative
+    control's detail names the failures it caught, so the detail is not searched."""
+    return [line for line in output.splitlines()
+            if line.startswith("CHECK ") and line.split(maxsplit=3)[2:3] == ["FAIL"]]
+
+
 def report(name: str, ok: bool, detail: str = "", group=None, word: str = "PASS") -> bool:
     """Gather every rank's (ok, detail); rank 0 prints one CHECK line (`word` where every rank is ok:
     SKIP for a check that could not run, with the reason in the detail). Without a process group
