@@ -38,7 +38,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -52,6 +52,9 @@ from .signature import TsgenArgumentError, TsgenTorchError
 _MODULES: dict[str, "_Module"] = {}  # module name -> the loaded module (forward or backward)
 _PAIRS: dict[str, str] = {}  # forward module name -> the backward module its autograd formula calls
 PUSH_SKIP_WAIT, PUSH_SIGNAL_FIRST = 1, 2  # <kernel>_backward_push's negative controls (its `control` argument)
+# <kernel>_backward_push: a rank's rows a multiple of this (each consumer warpgroup's 64 keys have one owner, and
+# the zig-zag chunks, half a rank's rows, are whole warpgroup blocks)
+PUSH_ROWS = 128
 ALIGN = 16  # TMA (the forward's tensor maps) wants 16-byte aligned addresses; the backward's vector loads too
 _SCALE = re.compile(r"^// softmax scale ([0-9.eE+-]+);", re.MULTILINE)  # the templates' header comment
 _ENTRY = {"attention": "forward", "attention_backward": "backward"}  # op kind -> its host entry's suffix
@@ -246,6 +249,23 @@ _ARGTYPES = {"forward": [_VP] * 5 + [_U64] * 3 + [_I64] * 4 + [_VP, _U64, _U64, 
              "backward_push": [_VP] * 12 + [_U64] * 3 + [_I64] * 4 + [_VP, ctypes.c_int, _VP]}
 
 
+class _BackwardCall(NamedTuple):
+    """A backward call's checked arguments (_Module._backward_call): the six inputs (dout aligned), the sizes, the
+    query positions, the device, dQ, and the fp32 workspace (None: no query, nothing to launch)."""
+    tensors: tuple
+    batch: int
+    q_len: int
+    kv_len: int
+    pos: tuple
+    device: int
+    dq: torch.Tensor
+    work: tuple | None
+
+    def where(self) -> str:
+        """The call's sizes and positions, for a launch's error message."""
+        return f"batch {self.batch}, S {self.q_len}, S_kv {self.kv_len}, positions {self.pos}"
+
+
 class _Module:
     """One compiled attention module: its signature and its host entry, per GPU architecture (compiled
     on first use of an architecture; at load for the current GPU's). Without CUDA it only traces."""
@@ -332,9 +352,9 @@ class _Module:
         return o, lse
 
     def _backward_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dout: torch.Tensor,
-                       lse: torch.Tensor, positions: Sequence[int] | None) -> tuple:
-        """A backward call's checked arguments: (tensors with dout aligned, batch, q_len, kv_len, positions,
-        device, dQ, the fp32 workspace); the workspace None for batch x q_len = 0 (nothing to launch)."""
+                       lse: torch.Tensor, positions: Sequence[int] | None) -> _BackwardCall:
+        """A backward call's checked arguments (_BackwardCall); its workspace None for batch x q_len = 0 (nothing to
+        launch)."""
         sig = self.signature
         if dout.is_contiguous() and dout.data_ptr() % ALIGN:
             dout = dout.clone()  # an output gradient is autograd's, at any address: the kernel's copy is aligned
@@ -344,25 +364,25 @@ class _Module:
         device = self._device(tuple(zip(("q", "k", "v", "o", "dout", "lse"), tensors)))
         dq = _output(like=q)
         if batch * q_len == 0:
-            return tensors, batch, q_len, kv_len, pos, device, dq, None
+            return _BackwardCall(tensors, batch, q_len, kv_len, pos, device, dq, None)
         # the workspace: dQ's fp32 accumulator (deterministic: and the dQ semaphores; tail_split: and the tail
         # slots), D and LSE in base 2
         work = tuple(_output(n, dtype=torch.float32, device=q.device)
                      for n in workspace_floats(batch, q_len, sig.heads, sig.head_dim, sig.deterministic,
                                                sig.tail_items))
-        return tensors, batch, q_len, kv_len, pos, device, dq, work
+        return _BackwardCall(tensors, batch, q_len, kv_len, pos, device, dq, work)
 
     def run_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dout: torch.Tensor,
                      lse: torch.Tensor, positions: Sequence[int] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dQ, dK, dV; `positions` as run_forward's (the forward's)."""
-        tensors, batch, q_len, kv_len, pos, device, dq, work = self._backward_call(q, k, v, o, dout, lse, positions)
-        if work is None:  # no query: nothing flows to the keys
-            return dq, torch.zeros_like(k), torch.zeros_like(v)
+        c = self._backward_call(q, k, v, o, dout, lse, positions)
+        if c.work is None:  # no query: nothing flows to the keys
+            return c.dq, torch.zeros_like(k), torch.zeros_like(v)
         dk, dv = _output(like=k), _output(like=v)
-        self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, *work)]
-                     + [batch, q_len, kv_len, *pos], f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}")
-        return dq, dk, dv
+        self._launch(c.device, [t.data_ptr() for t in (*c.tensors, c.dq, dk, dv, *c.work)]
+                     + [c.batch, c.q_len, c.kv_len, *c.pos], c.where())
+        return c.dq, dk, dv
 
     def run_backward_push(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                           dout: torch.Tensor, lse: torch.Tensor, positions: Sequence[int], table: torch.Tensor,
@@ -376,18 +396,18 @@ class _Module:
         sig = self.signature
         if not sig.kv_push:
             raise TsgenTorchError(f"{sig.qualname}: {sig.spec} has no params.kv_push, so no <kernel>_backward_push")
-        tensors, batch, q_len, kv_len, pos, device, dq, work = self._backward_call(q, k, v, o, dout, lse, positions)
-        if work is None or kv_len != world * rows or rows % 128:
-            raise TsgenArgumentError(f"{sig.where('k')}: {kv_len} gathered rows for {world} ranks of {rows} rows "
-                                     f"and {q_len} queries: the push backward takes world x rows keys, rows a "
-                                     "multiple of 128, and at least one query")
+        c = self._backward_call(q, k, v, o, dout, lse, positions)
+        if c.work is None or c.kv_len != world * rows or rows % PUSH_ROWS:
+            raise TsgenArgumentError(f"{sig.where('k')}: {c.kv_len} gathered rows for {world} ranks of {rows} rows "
+                                     f"and {c.q_len} queries: the push backward takes world x rows keys, rows a "
+                                     f"multiple of {PUSH_ROWS}, and at least one query")
         shape = list(k.shape)
         shape[1 if sig.layout == "bshd" else 2] = rows  # the sequence's dimension: this rank's rows
         dk, dv = (_output(shape, dtype=k.dtype, device=k.device) for _ in range(2))
-        self._launch(device, [t.data_ptr() for t in (*tensors, dq, dk, dv, *work)]
-                     + [batch, q_len, kv_len, *pos, table.data_ptr(), int(control)],
-                     f"batch {batch}, S {q_len}, S_kv {kv_len}, positions {pos}, rows {rows}", suffix="backward_push")
-        return dq, dk, dv
+        self._launch(c.device, [t.data_ptr() for t in (*c.tensors, c.dq, dk, dv, *c.work)]
+                     + [c.batch, c.q_len, c.kv_len, *c.pos, table.data_ptr(), int(control)],
+                     f"{c.where()}, rows {rows}", suffix="backward_push")
+        return c.dq, dk, dv
 
 
 def _module(name: str) -> _Module:

@@ -81,7 +81,7 @@ import torch.distributed as dist
 
 from . import ops as ops_mod
 from ..ops.cp_attention import segments
-from .attention_op import AttentionOp, _load_module, agree_diffs, agree_fields, attention
+from .attention_op import PUSH_ROWS, AttentionOp, _load_module, agree_diffs, agree_fields, attention
 from .signature import TsgenArgumentError, TsgenTorchError
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -144,7 +144,6 @@ def backward_runs(layout: str, causal: bool, world: int, count: int,
 # params.kv_push (the backward spec's): tsgen::attention_bwd::KvPush's constants (tsgen/attention_bwd.cuh)
 PUSH_MAX_WORLD = 8
 PUSH_AREA = 256  # the heap's bytes before the receive area: calls[2] at 0, arrived[PUSH_MAX_WORLD] at 16
-PUSH_ROWS = 128  # a rank's rows: a multiple of this (the zig-zag chunks' halves are whole 64-key signals)
 
 
 def push_owner(zigzag: bool, world: int, rows: int, key: int) -> tuple[int, int]:
