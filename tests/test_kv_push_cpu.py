@@ -83,6 +83,15 @@ int main(int argc, char** argv) {
          (size_t)ab::PUSH_AREA);
   printf("slots %zu senders %u %u\n", ab::push_slot(t.world, 5, 1, 1, 1000), ab::push_sender(0, 1),
          ab::push_sender(2, 1));
+  printf("all_slots");  // every (parity, sender slot, dK / dV) of 1000 elements
+  for (uint32_t e = 0; e < 2; ++e)
+    for (uint32_t slot = 0; slot + 1 < t.world; ++slot)
+      for (uint32_t which = 0; which < 2; ++which) printf(" %zu", ab::push_slot(t.world, e, slot, which, 1000));
+  printf("\nall_senders");  // push_sender(sender, owner) for every owner, every other sender
+  for (uint32_t owner = 0; owner < t.world; ++owner)
+    for (uint32_t sender = 0; sender < t.world; ++sender)
+      if (sender != owner) printf(" %u", ab::push_sender(sender, owner));
+  printf("\n");
   for (uint32_t key = 0; key < t.world * t.rows; ++key) {
     uint32_t row = 0;
     const uint32_t owner = ab::push_owner(t, key, row);
@@ -96,7 +105,9 @@ int main(int argc, char** argv) {
 def test_header_push_geometry_matches_python(tmp_path):
     """The header's KvPush layout is push_table_bytes' (size and field offsets), its heap's area starts at
     PUSH_AREA, push_slot and push_sender are the formulas the heap's size assumes, and push_owner (host-compiled)
-    gives the Python twin's owner and row for every key, zig-zag and not, at worlds 2, 3 and 8."""
+    gives the Python twin's owner and row for every key, zig-zag and not, at worlds 2, 3 and 8; every slot of the
+    receive area (both parities, every sender, dK and dV) is its own and the heap's size covers them exactly, and
+    each owner's senders take its world - 1 slots one each (push_sender)."""
     cp = _cp()
     exe = host_program(variant("geo", params={"kv_push": True}), HOST, tmp_path, "push_main")
     for world, rows, zigzag in ((2, 256, 1), (2, 384, 0), (3, 256, 1), (8, 128, 1), (8, 128, 0)):
@@ -119,7 +130,15 @@ def test_header_push_geometry_matches_python(tmp_path):
         assert (int(words[3]), int(words[4])) == (0, 1)  # the other ranks in rank order: rank 0, then rank 2
         last = ((1 * (world - 1) + world - 2) * 2 + 1) * 1000  # parity 1, the last slot's dV
         assert cp.push_heap_bytes(world, 1000, 2) == cp.PUSH_AREA + (last + 1000) * 2
-        got = [tuple(map(int, line.split())) for line in out[2:]]
+        # the receive area: every slot its own 1000 elements, together exactly what push_heap_bytes sizes
+        slots = sorted(map(int, out[2].split()[1:]))
+        assert slots == [1000 * i for i in range(2 * (world - 1) * 2)]
+        assert cp.push_heap_bytes(world, 1000, 2) == cp.PUSH_AREA + (slots[-1] + 1000) * 2
+        # each owner's senders fill its world - 1 slots, one each
+        senders = list(map(int, out[3].split()[1:]))
+        for owner in range(world):
+            assert sorted(senders[owner * (world - 1):(owner + 1) * (world - 1)]) == list(range(world - 1)), owner
+        got = [tuple(map(int, line.split())) for line in out[4:]]
         assert got == [cp.push_owner(bool(zigzag), world, rows, key) for key in range(world * rows)]
 
 

@@ -779,3 +779,79 @@ def test_failed_checks_reads_the_result_word():
         "TIME cp_attention FAIL-free line",
     ])
     assert torch_checks().failed_checks(lines) == ["CHECK cp_broken FAIL r0: dk 5/10 wrong"]
+
+
+def test_push_heap_refused_after_a_failed_launch(groups, monkeypatch):
+    """A kv_push backward whose launch fails after its arguments were checked leaves its heap's counters possibly out
+    of step with the peers': the heap is refused from then on, naming why and close_push(); a call refused for its
+    arguments (nothing launched) leaves the heap usable."""
+    from tsgen.torch import cp_attention_op as cp_mod
+    from tsgen.torch.signature import TsgenArgumentError
+
+    class Stream:
+        def wait_event(self, event):
+            pass
+
+    class Event:
+        def record(self, stream):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    fwd, bwd = pair_specs("hd128_causal_gqa")
+    push = ROOT / "examples" / "torch" / "specs" / "attention_backward_hd128_causal_gqa_push.yaml"
+    cp = tt.cp_attention(fwd, bwd, GEN / "allgather.json", GEN / "reduce_scatter.json", groups[2], layout="zigzag",
+                         push=push)
+    q = torch.zeros(1, 256, 32, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 512, 8, 128, dtype=torch.bfloat16)
+    cp._push[(256, 1, torch.bfloat16)] = state = cp_mod._PushHeap(None, torch.zeros(1))
+    outcome = []
+
+    class Module:
+        def run_backward_push(self, *args):
+            return outcome.pop(0)()
+
+    def argument_error():
+        raise TsgenArgumentError("k: 512 gathered rows")
+
+    def launch_error():
+        raise TsgenTorchError("attention_backward_push failed with cudaError 700")
+
+    cp.push = Module()
+    args = (q, k, k, q, q, torch.zeros(1), (0, 128, 384, 0))
+    outcome[:] = [argument_error, lambda: ("dq", "dk", "dv")]
+    with pytest.raises(TsgenArgumentError, match="512 gathered rows"):
+        cp.backward_push(*args)
+    assert state.broken is None
+    assert cp.backward_push(*args) == ("dq", "dk", "dv")
+    outcome[:] = [launch_error]
+    with pytest.raises(TsgenTorchError, match="cudaError 700"):
+        cp.backward_push(*args)
+    outcome[:] = [lambda: ("dq", "dk", "dv")]  # would succeed: the heap is refused before it is reached
+    with pytest.raises(TsgenTorchError, match=r"failed after its arguments were checked .*cudaError 700.*close_push\(\)"):
+        cp.backward_push(*args)
+    assert outcome, "the refused heap's call reached the module"
+    cp._push.clear()
+
+
+def test_gpu_test_kills_the_whole_process_group(tmp_path):
+    """tests/test_torch_gpu.py's run_group: past its timeout it kills torchrun's whole process group (a rank left
+    behind would hold its GPU, perhaps spinning in a wait), returning the output so far; within it, the exit code."""
+    import os
+
+    run_group = load_script(ROOT / "tests" / "test_torch_gpu.py").run_group
+    pid_file = tmp_path / "child"
+    script = f"sleep 60 & echo $! > {pid_file}; echo started; wait"
+    t0 = time.monotonic()
+    rc, out = run_group(["bash", "-c", script], dict(os.environ), 2)
+    assert rc == -9 and "started" in out and "killed after 2 s" in out and time.monotonic() - t0 < 30
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the killed child is reaped by init: gone, or a zombie for a moment
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        assert Path(f"/proc/{child}/stat").read_text().split()[2] == "Z", "the rank-like child survived the kill"
+    assert run_group(["bash", "-c", "echo ok; exit 3"], dict(os.environ), 30) == (3, "ok\n")

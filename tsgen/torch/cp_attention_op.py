@@ -222,6 +222,10 @@ class _PushHeap:
     heap: Any
     table: torch.Tensor
     done: Any = None
+    # why the heap may no longer be used: a call whose launch failed after its arguments were checked may have
+    # signalled its peers or advanced its counters part way, so the epochs of the ranks may disagree and a later
+    # sum could read a slot at the wrong epoch without any wait failing (set by CPAttentionOp.backward_push)
+    broken: str | None = None
 
 
 class _CPAttention(torch.autograd.Function):
@@ -293,8 +297,8 @@ class CPAttentionOp:
         # own rows' kernels' waiting CTAs do)
         self._runs: dict[tuple[int, int], tuple[list[tuple[int, int]], list[tuple[int, int, int]]]] = {}
         self._streams: dict[torch.device, Any] = {}
-        # push=: a symmetric heap and its KvPush table per (rows, batch, dtype) (the heap's size and the signals'
-        # expected count depend on all three), made at the first backward of each (a collective), with the event
+        # push=: a symmetric heap and its KvPush table per (rows, batch, dtype) (the receive area's size depends on
+        # all three), made at the first backward of each (a collective), with the event
         # after its last call (_PushHeap); push_control and push_before: the GPU checks' negative controls only
         # (the sums without waiting, which also lets a sender run a call ahead into a slot being read; a callable
         # run on the stream before the kernels, e.g. a delay)
@@ -539,13 +543,24 @@ class CPAttentionOp:
         reduce-scatter, no reorder of dK, dV."""
         rows = self._rows(q)
         state = self._push_heap(rows, k)
+        if state.broken is not None:
+            raise TsgenTorchError(f"{self.where}: {state.broken}")
         stream = torch.cuda.current_stream(k.device)
         if state.done is not None:  # the previous call's reduce: before this call's stores and epoch (another stream)
             stream.wait_event(state.done)
         if self.push_before is not None:
             self.push_before()
-        out = self.push.run_backward_push(q, k, v, o, do, lse, pos, state.table, self.world, rows,
-                                          self.push_control)
+        try:
+            out = self.push.run_backward_push(q, k, v, o, do, lse, pos, state.table, self.world, rows,
+                                              self.push_control)
+        except TsgenArgumentError:
+            raise  # refused before anything was launched: the counters are as they were
+        except TsgenTorchError as e:
+            state.broken = (f"a kv_push backward with {rows} rows a rank failed after its arguments were checked "
+                            f"({e}); its heap's call counters may be out of step with the peers' (a sum could read "
+                            "a slot of another call without any wait failing), so it is not used again: "
+                            "close_push() on every rank (a collective) makes a new one at the next backward")
+            raise
         state.done = torch.cuda.Event()
         state.done.record(stream)
         return out
