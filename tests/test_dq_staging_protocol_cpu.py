@@ -6,7 +6,8 @@ warp 1, and a barrier of 160 threads completes at 5 whether or not anyone waits 
 completes the phase early and carries the rest into the next one (the overflow this model flags). The protocol as
 built must never overflow a barrier, leave an arrival unsynced, deadlock, or let a warpgroup store into a buffer
 that a reduction is still reading, for walks of 0 to 5 steps and one or two buffers a warpgroup; its broken forms
-must each fail. The protocol's parameters are read from the header, so that the model is the kernel's."""
+must each fail. The writer's program is write_dq's statements in their order (header_protocol checks them, and the
+consumers' side, against the header), its waits the header's expressions."""
 
 from __future__ import annotations
 
@@ -20,23 +21,57 @@ HEADER = (ROOT / "templates" / "include" / "tsgen" / "attention_bwd_wgmma.cuh").
 WARPS = {"DS": 8, "FREE": 5, "STAGED": 5}  # DS_READY: both warpgroups (256 threads); the others 160
 # the buffer counts a warpgroup the header builds: one (the 128-row step, or every step before DQ_STAGES), and two
 # where Layout::DQ_STAGES gives them (64-row steps with the writer warp)
-STAGES = (1, 2) if "static constexpr int DQ_STAGES" in HEADER else (1,)
+STAGES = (1, 2) if re.search(r"static constexpr \w+ DQ_STAGES\b", HEADER) else (1,)
+
+
+# write_dq's protocol statements, in order, as the model's writer program assumes them: return before anything when
+# the walk is empty; one arrival on each DQ_FREE before the first step; a step: sync on each warpgroup's DQ_STAGED,
+# the reduction(s); after the walk's last step, leave; else wait and free warpgroup 0's buffer, then 1's; at the end
+# every reduction complete. (WAIT: the two waits' expressions, evaluated by header_protocol.)
+WRITER_STATEMENTS = ["return if done", "arrive FREE 0", "arrive FREE 1", "loop", "sync STAGED 0", "sync STAGED 1",
+                     "reduce", "break if done", "WAIT", "arrive FREE 0", "WAIT", "arrive FREE 1", "wait all"]
+STATEMENT = re.compile(r"named_barrier_(sync|arrive)_imm<(DQ_FREE|DQ_STAGED)( \+ 1)?>|(bulk_reduce_add_f32)|"
+                       r"bulk_wait_group_read<(.+?)>\(\)|if \(w\.done\(\)\) (break|return);|"
+                       r"(for \(uint32_t step = 0;; \+\+step\)|while \(true\))|(bulk_wait_group_all)\(\)")
+
+
+def function_body(name: str) -> str:
+    body = HEADER[HEADER.index(f"static __device__ __forceinline__ void {name}("):]
+    return body[:body.index("\n}\n")]
 
 
 def header_protocol() -> dict:
-    """What the model takes from write_dq and consume(): the writer's waits before freeing warpgroup 0's and 1's
-    buffers as functions of DQ_STAGES, whether it arrives on DQ_FREE before the first step, and whether the
-    consumers' DQ_FREE sync depends on the step."""
-    body = HEADER[HEADER.index("static __device__ __forceinline__ void write_dq("):]
-    body = body[:body.index("\n}\n")]
-    waits = re.findall(r"bulk_wait_group_read<(.+?)>\(\)", body)
-    assert len(waits) == 2, waits
-    first = body.index("named_barrier_arrive_imm<DQ_FREE>(WRITER_BAR);")
-    loop = re.search(r"while \(true\)|for \(uint32_t step = 0;; \+\+step\)", body).start()  # the walk's loop
-    free_wait = HEADER[HEADER.index("static __device__ __forceinline__ void staging_free_wait("):]
-    free_wait = free_wait[:free_wait.index("\n}\n")]
-    return {"waits": [lambda stages, e=e: eval(e.replace("L::DQ_STAGES", str(stages))) for e in waits],  # noqa: S307
-            "arrive_first": first < loop, "sync_every_step": "step" not in free_wait.split("{", 1)[0]}
+    """The protocol as the header writes it: write_dq's statements in order (they must be WRITER_STATEMENTS, the
+    waits' expressions returned as functions of DQ_STAGES), the consumers' side in consume() and consume_tall()
+    (the DQ_FREE sync before every step's staging stores, unconditionally, then the proxy fence, then the
+    DQ_STAGED arrival), and the barriers' size (160 threads: 5 warps)."""
+    got, waits = [], []
+    for m in STATEMENT.finditer(function_body("write_dq")):
+        kind, bar, plus, reduce, wait, done, loop, wait_all = m.groups()
+        if kind:
+            got.append(f"{kind} {bar[3:]} {1 if plus else 0}")
+        elif reduce:
+            got.append("reduce")
+        elif wait:
+            got.append("WAIT")
+            waits.append(wait)
+        elif done:
+            got.append(f"{done} if done")
+        elif loop:
+            got.append("loop")
+        elif wait_all:
+            got.append("wait all")
+    assert got == WRITER_STATEMENTS, got
+    consumer = (r"staging_free_wait\(cw\);[^\n]*\n(?:\s*//[^\n]*\n)*\s*each_staged_pair\(staging, row, lane, \[&\]"
+                r"\(uint32_t at, int i\) \{ st_shared_v2_f32\(at, dq\[i\], dq\[i \+ 1\]\); \}\);\s*"
+                r"fence_proxy_async_shared_cta\(\);[^\n]*\n(?:\s*//[^\n]*\n)*\s*(?:if constexpr \(L::DQ_WRITER\) \{\s*)?"
+                r"staged_arrive\(cw\);")
+    assert re.search(r"\n      if constexpr \(L::DQ_WRITER\) staging_free_wait\(cw\);", function_body("consume"))
+    assert re.search(r"\n    staging_free_wait\(cw\);", function_body("consume_tall"))
+    for name in ("consume", "consume_tall"):
+        assert re.search(consumer, function_body(name)), f"{name}: DQ_FREE sync, staging stores, fence, DQ_STAGED"
+    assert "constexpr uint32_t WRITER_BAR = 160;" in HEADER and 160 == 32 * WARPS["FREE"] == 32 * WARPS["STAGED"]
+    return {"waits": [lambda stages, e=e: eval(e.replace("L::DQ_STAGES", str(stages))) for e in waits]}  # noqa: S307
 
 
 def programs(steps: int, stages: int, *, waits=(None, None), arrive_first=True, free_after_first=True,
@@ -126,16 +161,13 @@ def explore(progs) -> set[str]:
 def test_the_headers_protocol_holds_in_every_interleaving(stages):
     """One buffer (the 128-row step) and two (DQ_STAGES, 64-row steps), walks of 0 to 5 steps: no overflow, no
     arrival left, no deadlock, no store into a buffer being read."""
-    h = header_protocol()
-    assert h["arrive_first"] and h["sync_every_step"]
-    waits = tuple(f(stages) for f in h["waits"])
-    assert waits == ((1, 0) if stages == 1 else (3, 2))
+    waits = tuple(f(stages) for f in header_protocol()["waits"])
     for steps in range(6):
         assert explore(programs(steps, stages, waits=waits)) == set(), (stages, steps)
 
 
 @pytest.mark.parametrize("stages,broken,expect", [
-    # two buffers with the one-buffer waits' counts loosened by one: a store into a buffer still being read
+    # the waits loosened by one (one buffer: 1, 0 -> 2, 1; two: 3, 2 -> 4, 3): a store into a buffer being read
     (2, {"waits": (4, 3)}, "stored into buffer"),
     (1, {"waits": (2, 1)}, "stored into buffer"),
     # warpgroup 1's buffer freed with its reduction (the newest group) perhaps still reading it

@@ -1,9 +1,10 @@
 """params.kv_push's cross-rank protocol as a model (docs/design/cp_attention.md; templates/include/tsgen/attention_bwd.cuh
-KvPush): every interleaving of the ranks' streams that the protocol allows, explored at random and by a greedy
-schedule that runs one rank as far ahead as the waits let it, must give every owner's sum the partials of its own
-call; and each piece of the protocol, removed, must let some schedule give a wrong sum. The GPU checks (tests/
+KvPush): interleavings of the ranks' streams that the protocol allows (200 random ones, and for each rank a greedy
+one that runs it as far ahead as the waits let it and a lagging one that holds it back) must give every owner's sum
+the partials of its own call; and each piece of the protocol, removed, must let some schedule give a wrong sum. The GPU checks (tests/
 torch_checks.py --cp) run the kernels with two of these controls under a lag; the parity's and the count's
-controls exist only here (a sender two calls ahead of its owner is a schedule a lag rarely makes).
+controls exist only here (a sender a call ahead of its owner at the moment the owner reads is a schedule a lag
+rarely makes).
 
 A rank's call e, in its stream's order (the kernels of tsgen::attention_bwd, the entry <kernel>_backward_push):
   MAIN    the main kernel: its partials of every other rank's keys into that owner's receive area, slot
@@ -105,8 +106,8 @@ def greedy_pick(ahead: int):
 
 
 def lagging_pick(lagger: int):
-    """Run every rank but `lagger` whenever one may run: `lagger` starts last and stays behind (the GPU checks'
-    lag: every rank but 0 late, seen from rank 0)."""
+    """Run every rank but `lagger` whenever one may run: `lagger` starts last and stays behind (one rank late; the
+    GPU checks' lag makes every rank but 0 late)."""
     def pick(ready, step):
         others = [r for r in ready if r != lagger]
         return min(others, key=lambda r: step[r]) if others else lagger

@@ -828,30 +828,40 @@ def test_push_heap_refused_after_a_failed_launch(groups, monkeypatch):
     with pytest.raises(TsgenTorchError, match="cudaError 700"):
         cp.backward_push(*args)
     outcome[:] = [lambda: ("dq", "dk", "dv")]  # would succeed: the heap is refused before it is reached
-    with pytest.raises(TsgenTorchError, match=r"failed after its arguments were checked .*cudaError 700.*close_push\(\)"):
+    with pytest.raises(TsgenTorchError, match=r"rows a rank failed \(.*cudaError 700\).*close_push\(\)"):
         cp.backward_push(*args)
     assert outcome, "the refused heap's call reached the module"
     cp._push.clear()
 
 
-def test_gpu_test_kills_the_whole_process_group(tmp_path):
-    """tests/test_torch_gpu.py's run_group: past its timeout it kills torchrun's whole process group (a rank left
-    behind would hold its GPU, perhaps spinning in a wait), returning the output so far; within it, the exit code."""
+def test_gpu_test_stops_torchrun_and_every_rank(tmp_path):
+    """tests/test_torch_gpu.py's run_group past its timeout: torchrun's ranks run in sessions of their own (a signal
+    to torchrun's process group misses them), so it sends SIGTERM, which torchrun's agent turns into stopping its
+    ranks (here: a parent that stops its own-session child on TERM), and kills whatever is left of the command and
+    its descendants after the grace (here: a parent that ignores TERM); in both, no child survives and the output so
+    far comes back. Within the timeout: the exit code and the output."""
     import os
 
     run_group = load_script(ROOT / "tests" / "test_torch_gpu.py").run_group
-    pid_file = tmp_path / "child"
-    script = f"sleep 60 & echo $! > {pid_file}; echo started; wait"
-    t0 = time.monotonic()
-    rc, out = run_group(["bash", "-c", script], dict(os.environ), 2)
-    assert rc == -9 and "started" in out and "killed after 2 s" in out and time.monotonic() - t0 < 30
-    child = int(pid_file.read_text())
-    for _ in range(50):  # the killed child is reaped by init: gone, or a zombie for a moment
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        assert Path(f"/proc/{child}/stat").read_text().split()[2] == "Z", "the rank-like child survived the kill"
+
+    def gone(pid: int) -> bool:
+        for _ in range(50):  # killed: gone, or a zombie until init reaps it
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z":
+                return True
+            time.sleep(0.1)
+        return False
+
+    for name, trap, how in (("agent", 'trap \'kill "$child"; exit 143\' TERM', "stopped by SIGTERM"),
+                            ("stubborn", "trap '' TERM", "killed with its descendants")):
+        pid_file = tmp_path / name
+        script = f"{trap}; setsid sleep 60 & child=$!; echo $child > {pid_file}; echo started; wait; wait"
+        t0 = time.monotonic()
+        rc, out = run_group(["bash", "-c", script], dict(os.environ), 2, grace=2)
+        assert rc == -9 and "started" in out and how in out, (name, out)
+        assert time.monotonic() - t0 < 20, name
+        assert gone(int(pid_file.read_text())), f"{name}: the rank-like child (own session) survived"
     assert run_group(["bash", "-c", "echo ok; exit 3"], dict(os.environ), 30) == (3, "ok\n")

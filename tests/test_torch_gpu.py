@@ -58,19 +58,51 @@ def _compile(specs: list[Path]) -> None:
 TEST_S = 600  # the test's whole budget (pytest-timeout's); torchrun gets what the compile leaves, less a margin
 
 
-def run_group(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
-    """(exit code, stdout + stderr) of `cmd` in a session of its own; past `timeout` seconds the whole process
-    group is killed (torchrun and its ranks: killing torchrun alone would leave the ranks on the GPUs), and the
-    output so far is returned with exit code -9."""
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (by parent links in /proc), whatever session or group it moved to."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, todo = set(), [pid]
+    while todo:
+        at = todo.pop()
+        kids = [c for c, parent in parents.items() if parent == at]
+        found.update(kids)
+        todo += kids
+    return found
+
+
+def run_group(cmd: list[str], env: dict, timeout: float, grace: float = 20) -> tuple[int, str]:
+    """(exit code, stdout + stderr) of `cmd` (torchrun) in a session of its own. Past `timeout` seconds: SIGTERM,
+    which torchrun's agent turns into stopping every rank (each rank is in a session of its own, so a signal to
+    torchrun's group does not reach them); whatever of it and its descendants is left `grace` seconds later gets
+    SIGKILL, so that no rank stays on a GPU. The output so far is returned with exit code -9."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return -9, f"{out}\n[killed after {timeout:.0f} s with its process group]"
+        pass
+    below = descendants(proc.pid)  # before the signal: once torchrun exits, its ranks' parent links change
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=grace)
+        how = "stopped by SIGTERM"
+    except subprocess.TimeoutExpired:
+        for pid in below | descendants(proc.pid) | {proc.pid}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out, _ = proc.communicate(timeout=grace)
+        how = f"killed with its descendants after a {grace:.0f} s grace"
+    return -9, f"{out}\n[past its {timeout:.0f} s: {how}]"
 
 
 @pytest.mark.timeout(TEST_S)

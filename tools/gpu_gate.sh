@@ -79,7 +79,7 @@ fi
 # build sweeps, which CI's default run deselects to stay in its time on 2 cores; no GPU, 8 workers, in part 1.
 # EXHAUSTIVE=0 leaves them out (about 95 s of device time on an H200 host): for the second gate of one commit (the
 # W 2 gate after the SPREAD one, whose run of them covers the commit), said in gate.txt.
-if [ "${EXHAUSTIVE:-1}" = 0 ]; then
+if [ "${EXHAUSTIVE:-1}" = 0 ] && [ "$vendor" = 1 ]; then
   echo "exhaustive CPU tests: not run here (EXHAUSTIVE=0: another gate of commit $commit runs them)" \
     | tee -a "$run/gate.txt" "$run/device.txt"
 elif [ "$vendor" = 1 ]; then
@@ -91,7 +91,7 @@ elif [ "$vendor" = 1 ]; then
 fi
 # (--require-controls: a negative control that missed at any call fails the gate)
 python3 "$here/summarize_shared.py" "$run" "$OUT/results" "$commit" \
-  "${TSGEN_SPREAD_GPUS:+SPREAD=1 }${PART:+PART=$PART }bash tools/gpu_gate.sh $*" --kind "$kind" \
+  "${TSGEN_SPREAD_GPUS:+SPREAD=1 }${PART:+PART=$PART }${EXHAUSTIVE:+EXHAUSTIVE=$EXHAUSTIVE }bash tools/gpu_gate.sh $*" --kind "$kind" \
   --require-controls "${part_args[@]}" | tee -a "$run/gate.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || code=1
 gpu_outcome "$run/$log" 25

@@ -222,9 +222,10 @@ class _PushHeap:
     heap: Any
     table: torch.Tensor
     done: Any = None
-    # why the heap may no longer be used: a call whose launch failed after its arguments were checked may have
-    # signalled its peers or advanced its counters part way, so the epochs of the ranks may disagree and a later
-    # sum could read a slot at the wrong epoch without any wait failing (set by CPAttentionOp.backward_push)
+    # why the heap may no longer be used: a call that failed past its argument checks (a launch, or the module's
+    # load) may have signalled its peers or advanced its counters part way, or not, while its peers went on; the
+    # epochs of the ranks may disagree and a later sum could read a slot at the wrong epoch without any wait
+    # failing (set by CPAttentionOp.backward_push)
     broken: str | None = None
 
 
@@ -556,10 +557,11 @@ class CPAttentionOp:
         except TsgenArgumentError:
             raise  # refused before anything was launched: the counters are as they were
         except TsgenTorchError as e:
-            state.broken = (f"a kv_push backward with {rows} rows a rank failed after its arguments were checked "
-                            f"({e}); its heap's call counters may be out of step with the peers' (a sum could read "
-                            "a slot of another call without any wait failing), so it is not used again: "
-                            "close_push() on every rank (a collective) makes a new one at the next backward")
+            state.broken = (f"a kv_push backward with {rows} rows a rank failed ({e}); its heap's call counters may "
+                            "be out of step with the peers' (a sum could read a slot of another call without any "
+                            "wait failing), so it is not used again (the peers, whose waits for this rank's signal "
+                            "time out, trap): close_push() on every rank (a collective) makes a new one at the next "
+                            "backward")
             raise
         state.done = torch.cuda.Event()
         state.done.record(stream)
