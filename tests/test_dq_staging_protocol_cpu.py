@@ -30,9 +30,21 @@ STAGES = (1, 2) if re.search(r"static constexpr \w+ DQ_STAGES\b", HEADER) else (
 # every reduction complete. (WAIT: the two waits' expressions, evaluated by header_protocol.)
 WRITER_STATEMENTS = ["return if done", "arrive FREE 0", "arrive FREE 1", "loop", "sync STAGED 0", "sync STAGED 1",
                      "reduce", "break if done", "WAIT", "arrive FREE 0", "WAIT", "arrive FREE 1", "wait all"]
-STATEMENT = re.compile(r"named_barrier_(sync|arrive)_imm<(DQ_FREE|DQ_STAGED)( \+ 1)?>|(bulk_reduce_add_f32)|"
-                       r"bulk_wait_group_read<(.+?)>\(\)|if \(w\.done\(\)\) (break|return);|"
-                       r"(for \(uint32_t step = 0;; \+\+step\)|while \(true\))|(bulk_wait_group_all)\(\)")
+STATEMENT = re.compile(r"named_barrier_(?P<kind>sync|arrive)_imm<DQ_(?P<bar>FREE|STAGED)(?P<plus> \+ 1)?>|"
+                       r"(?P<reduce>bulk_reduce_add_f32)|bulk_wait_group_read<(?P<wait>.+?)>\(\)|"
+                       r"if \(w\.done\(\)\) (?P<done>break|return);|"
+                       r"(?P<loop>for \(uint32_t step = 0;; \+\+step\)|while \(true\))|(?P<all>bulk_wait_group_all)\(\)")
+PLAIN = {"reduce": "reduce", "wait": "WAIT", "loop": "loop", "all": "wait all"}  # the statements without operands
+
+
+def statement(m: re.Match) -> str:
+    """One of WRITER_STATEMENTS from a STATEMENT match."""
+    g = m.groupdict()
+    if g["kind"]:
+        return f"{g['kind']} {g['bar']} {1 if g['plus'] else 0}"
+    if g["done"]:
+        return f"{g['done']} if done"
+    return next(text for group, text in PLAIN.items() if g[group])
 
 
 def function_body(name: str) -> str:
@@ -45,22 +57,8 @@ def header_protocol() -> dict:
     waits' expressions returned as functions of DQ_STAGES), the consumers' side in consume() and consume_tall()
     (the DQ_FREE sync before every step's staging stores, unconditionally, then the proxy fence, then the
     DQ_STAGED arrival), and the barriers' size (160 threads: 5 warps)."""
-    got, waits = [], []
-    for m in STATEMENT.finditer(function_body("write_dq")):
-        kind, bar, plus, reduce, wait, done, loop, wait_all = m.groups()
-        if kind:
-            got.append(f"{kind} {bar[3:]} {1 if plus else 0}")
-        elif reduce:
-            got.append("reduce")
-        elif wait:
-            got.append("WAIT")
-            waits.append(wait)
-        elif done:
-            got.append(f"{done} if done")
-        elif loop:
-            got.append("loop")
-        elif wait_all:
-            got.append("wait all")
+    found = list(STATEMENT.finditer(function_body("write_dq")))
+    got, waits = [statement(m) for m in found], [m["wait"] for m in found if m["wait"]]
     assert got == WRITER_STATEMENTS, got
     consumer = (r"staging_free_wait\(cw\);[^\n]*\n(?:\s*//[^\n]*\n)*\s*each_staged_pair\(staging, row, lane, \[&\]"
                 r"\(uint32_t at, int i\) \{ st_shared_v2_f32\(at, dq\[i\], dq\[i \+ 1\]\); \}\);\s*"
