@@ -92,15 +92,15 @@ if $COLLECTIVES:
                                           'ulysses_pre_a2a', 'ulysses_post_a2a', 'ulysses_pre_a2a_gqa', 'allgather_gemm',
                                           'gemm_reduce_scatter', 'moe')]
     specs += [f'examples/torch/specs/{s}.yaml' for s in ('tp_mlp_ag_gemm', 'tp_mlp_gemm_rs')]
+import sys
+sys.path.insert(0, 'tests')
+import torch_checks as tc  # the checks' own lists of the specs they load
 if $ATTENTION:
-    specs += ['specs/attention_hd128.yaml', 'specs/attention_backward_hd128.yaml', 'specs/attention_hd128_causal_gqa.yaml',
-              'examples/torch/specs/attention_backward_hd128_causal_gqa.yaml', 'specs/attention_hd64_causal.yaml',
-              'examples/torch/specs/attention_backward_hd64_causal.yaml']
+    specs += [s for pair in tc.ATTENTION_PAIRS.values() for s in pair]
 if $CP_FUSED:
-    specs += ['examples/torch/specs/cp_attention_hd128_causal_gqa.yaml', 'examples/torch/specs/cp_attention_hd128.yaml']
+    specs += list(tc.CP_FUSED.values())
 if $CP_PUSH:
-    specs += ['examples/torch/specs/attention_backward_hd128_causal_gqa_push.yaml',
-              'examples/torch/specs/attention_backward_hd128_push.yaml']
+    specs += list(tc.CP_PUSH.values())
 with ThreadPoolExecutor(12) as pool:
     print(*pool.map(one, specs), sep='\n')"
 want checks && step "torch checks (2 ranks, NCCL group)" 240 $RUN tests/torch_checks.py

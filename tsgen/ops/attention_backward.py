@@ -149,9 +149,9 @@ class AttentionBackwardParams(AttentionShape):
         False, description="impl wgmma, not tail_split: the backward of context-parallel attention with its dK / dV "
         "reduce-scatter overlapped (issue 35). The main kernel runs over the keys gathered from every rank (kv_len = "
         "world x rows); each consumer warpgroup stores its 64 keys' dK, dV partial sums at the rank that holds them "
-        "(its own rows into dk, dv; a peer's over NVLink into that peer's receive area, then a signal), as soon as "
-        "its walk ends, and a fourth kernel (<kernel>_push_reduce) waits for every sender and adds their partials "
-        "to the rank's own. Adds the entry <kernel>_backward_push (tsgen::attention_bwd::KvPush: the table of "
+        "(its own rows into dk, dv; a peer's over NVLink into that peer's receive area) as soon as its walk ends; "
+        "after the main kernel <kernel>_push_signal tells every owner once, <kernel>_push_wait waits for every "
+        "sender, and <kernel>_push_reduce adds their partials to the rank's own. Adds the entry <kernel>_backward_push (tsgen::attention_bwd::KvPush: the table of "
         "peers' areas the caller fills, e.g. tsgen.torch.cp_attention). Rows a rank: a multiple of 128")
 
     step_rows: Literal[64, 128] | None = Field(

@@ -243,10 +243,11 @@ class AttentionSignature:
 
 # The host entries' argument types (the generated sources' `<kernel>_forward` and `<kernel>_backward`).
 _VP, _U64, _I64 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64
+_BACKWARD_ARGS = [_VP] * 12 + [_U64] * 3 + [_I64] * 4  # tensors, sizes, positions (before the stream)
 _ARGTYPES = {"forward": [_VP] * 5 + [_U64] * 3 + [_I64] * 4 + [_VP, _U64, _U64, ctypes.c_int, _VP],
-             "backward": [_VP] * 12 + [_U64] * 3 + [_I64] * 4 + [_VP],
+             "backward": _BACKWARD_ARGS + [_VP],
              # params.kv_push's <kernel>_backward_push: the backward's, then the KvPush table and the control
-             "backward_push": [_VP] * 12 + [_U64] * 3 + [_I64] * 4 + [_VP, ctypes.c_int, _VP]}
+             "backward_push": _BACKWARD_ARGS + [_VP, ctypes.c_int, _VP]}
 
 
 class _BackwardCall(NamedTuple):
@@ -329,7 +330,7 @@ class _Module:
         with torch.cuda.device(device):
             err = self._fn(device, suffix)(*args, torch.cuda.current_stream(device).cuda_stream)
         if err != 0:
-            entry = self.entry_name(suffix) if suffix else self.entry
+            entry = self.entry_name(suffix or _ENTRY[self.manifest.op])
             raise TsgenTorchError(f"{self.signature.qualname}: {entry} failed with cudaError {err} ({what}); a "
                                   "kernel that trapped before leaves this error: tsgen.torch.synchronize() names it")
 

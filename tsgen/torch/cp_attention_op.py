@@ -143,7 +143,8 @@ def backward_runs(layout: str, causal: bool, world: int, count: int,
 
 # params.kv_push (the backward spec's): tsgen::attention_bwd::KvPush's constants (tsgen/attention_bwd.cuh)
 PUSH_MAX_WORLD = 8
-PUSH_AREA = 256  # the heap's bytes before the receive area: calls[2] at 0, arrived[PUSH_MAX_WORLD] at 16
+PUSH_AREA = 256  # the heap's bytes before the receive area: calls[2] at 0, arrived[PUSH_MAX_WORLD] at PUSH_ARRIVED
+PUSH_ARRIVED = 16  # the heap's arrived[] (after calls[2])
 
 
 def push_owner(zigzag: bool, world: int, rows: int, key: int) -> tuple[int, int]:
@@ -170,9 +171,9 @@ def push_table_bytes(world: int, rank: int, rows: int, zigzag: bool, peers: list
 
     pad = [0] * (PUSH_MAX_WORLD - world)
     me = peers[rank]
-    return (struct.pack("<4I", world, rank, rows, int(zigzag)) + struct.pack("<2Q", me, me + 16)
+    return (struct.pack("<4I", world, rank, rows, int(zigzag)) + struct.pack("<2Q", me, me + PUSH_ARRIVED)
             + struct.pack(f"<{PUSH_MAX_WORLD}Q", *[p + PUSH_AREA for p in peers], *pad)
-            + struct.pack(f"<{PUSH_MAX_WORLD}Q", *[p + 16 + 8 * rank for p in peers], *pad))
+            + struct.pack(f"<{PUSH_MAX_WORLD}Q", *[p + PUSH_ARRIVED + 8 * rank for p in peers], *pad))
 
 
 def _seq_first(x: torch.Tensor, layout: str) -> torch.Tensor:

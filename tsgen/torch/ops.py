@@ -755,10 +755,12 @@ def loaded() -> list[TorchOp]:
 def close_all() -> None:
     """close() every loaded op (collective for CUDA IPC heaps), in load order, after the heaps other holders
     registered in AT_CLOSE_ALL (cp_attention's push= heaps)."""
-    for closer in list(AT_CLOSE_ALL):
-        closer()
-    for op in list(_OPS.values()):
-        op.close()
+    try:
+        for closer in list(AT_CLOSE_ALL):
+            closer()
+    finally:  # a holder that could not close its heaps leaves the ops still to close
+        for op in list(_OPS.values()):
+            op.close()
 
 
 def timeout_lines(printed: str) -> list[str]:
