@@ -753,3 +753,60 @@ def test_deepep_is_compared_at_its_fastest_sm_count(monkeypatch):
     for bad in (23, 0, [24, -2], True):
         with pytest.raises(ValueError, match="even positive"):
             sms_sweep({"sms": bad})
+
+
+def _ideal_suite(monkeypatch, ideal_break: bool = False):
+    """cp_attention at W 2 and its ideal entry (attention over the whole sequence on one GPU) through
+    run_entries on the simulated GPU: the cp kernel takes 40 us, the ideal 60 us in the World of one
+    GPU the cp entry opens for it and 90 us in the ideal entry's own World (so the paired fraction and
+    the fallback from two medians differ); ideal_break: the ideal's kernel writes nothing in the cp
+    entry's rounds."""
+    import tsgen.bench.results as results_mod
+    from tsgen.bench.suites import Entry, run_entries
+
+    install(monkeypatch)
+    fake_multiprocess(monkeypatch)
+    ones = iter([60.0, 90.0])
+    real_init = bench_fakes.World.__init__
+
+    def init(self, n, backend="single", share_gpus=None):
+        real_init(self, n, backend, share_gpus)
+        if n == 1:
+            self.kernel_us = next(ones)
+            self.break_rank = 0 if ideal_break and self.kernel_us == 60.0 else None
+
+    monkeypatch.setattr(bench_fakes.World, "__init__", init)
+    monkeypatch.setattr(results_mod, "environment", lambda world=None: {"commit": "abc"})
+    entries = [Entry(Path("specs/cp_attention.yaml"), 2, "256", "cp"),
+               Entry(Path("specs/attention_hd128.yaml"), 1, "256", "ideal", {"params": {"kv_heads": 8}},
+                     ideal_of=("cp",))]
+    outcomes, _ = run_entries(entries, iters=3, reps=4, warmup=1, echo=lambda line: None)
+    return outcomes
+
+
+def test_an_ideal_is_timed_in_the_rounds_of_the_entries_it_names(monkeypatch):
+    """suites' ideal_of: the cp entry times the ideal in its own rounds (runner.Ideal), one sample of
+    each per round; its fraction of the ideal is paired round by round (tsgen's FLOP rate over the
+    ideal's: 60 us x 1/2 of the FLOPs over 40 us = 0.75), not the two medians' (0.5 x 90 / 40)."""
+    cp, ideal = _ideal_suite(monkeypatch)
+    assert cp.errors == [] and ideal.errors == []
+    row = next(r for r in cp.rows if r["impl"] == "tsgen")
+    own = next(r for r in cp.rows if r.get("role") == "ideal")
+    assert own["baseline"] and not own["compare"] and own["round_set"] == row["round_set"]
+    assert own["ideal_scale"] == pytest.approx(0.5) and len(own["samples_us"]) == len(row["samples_us"]) == 4
+    assert own["impl"] not in row["ratios"]  # only the fraction, never a speed-up against it
+    assert row["ratios"]["ideal: ideal"] == pytest.approx(0.75, rel=0.02)
+    spread = row["ratio_spread"]["ideal: ideal"]
+    assert spread["rounds"] == 4 and spread["min"] <= row["ratios"]["ideal: ideal"] <= spread["max"]
+    assert own["check"] == "sampled rows" and own["poison_left"] == 0
+
+
+def test_an_ideal_that_writes_nothing_in_the_rounds_is_an_error(monkeypatch):
+    """The ideal's timed outputs are checked as tsgen's are: an ideal that wrote nothing is an error of
+    the entry, not a row; the fraction falls back to the ideal entry's own median."""
+    cp, ideal = _ideal_suite(monkeypatch, ideal_break=True)
+    assert any(e.startswith("ideal ideal 256") and "poison" in e for e in cp.errors), cp.errors
+    assert not any(r.get("role") == "ideal" for r in cp.rows)
+    row = next(r for r in cp.rows if r["impl"] == "tsgen")
+    assert row["ratios"]["ideal: ideal"] == pytest.approx(0.5 * 90 / 40, rel=0.02)
+    assert "ideal: ideal" not in row.get("ratio_spread", {})

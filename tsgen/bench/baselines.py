@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..ops.conventions import Baseline, BenchCase
 from .sizes import BenchConfigError, calls_per_sample
@@ -47,6 +48,7 @@ class Measured:
     extra: dict = field(default_factory=dict)
     skipped: str | None = None
     sampler: Sampler | None = None  # prepared, not yet timed: the bench times it in tsgen's rounds (interleave)
+    after: Callable[[], list[str]] | None = None  # once its rounds are timed: the problems its own check finds
 
 
 # ---------------------------------------------------------------------------

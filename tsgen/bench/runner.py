@@ -129,10 +129,12 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                patterns: tuple[str, ...] | None = None, backend: str = "single", share_gpus: bool | None = None,
                baselines: bool = True, arch: str = "sm_90a", echo: Callable[[str], None] = print,
                progress: Callable[[str], None] | None = None, control: str | None = None, world=None,
-               only_baselines: tuple[str, ...] | None = None) -> Outcome:
+               only_baselines: tuple[str, ...] | None = None, ideal: tuple[str, LoadedSpec] | None = None) -> Outcome:
     """Time `spec_path` (with `variant` merged in; or a LoadedSpec, loaded once by the caller) at
     `sizes` (default: the op's) against its baselines (`only_baselines`: those of these names);
-    errors instead of rows for every result that fails a check."""
+    errors instead of rows for every result that fails a check. `ideal` (label, spec): a single-GPU
+    spec of the same work over the whole size (a suite's `ideal_of` entry), timed in tsgen's own
+    rounds on rank 0's GPU (`Ideal`): tsgen's rows get ratios["ideal: LABEL"] paired round by round."""
     from ..runtime import World
     from ..runtime.backends import world_size
 
@@ -169,31 +171,38 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
         out.device = {"name": dev.name, "sms": dev.sms, "clock_mhz": dev.clock_khz // 1000, "l2_bytes": dev.l2_bytes}
         out.ceilings = ceil.as_dict()
         in_process = baselines and not w.shared and control is None
-        for size in size_list:
-            case = conv.case(family, spec, w.size, size)
-            for pattern in patterns or conv.patterns:
-                ranks = [0] if pattern == "pair" else list(w.ranks)
-                if pattern == "pair" and len(w.ranks) != w.size:
-                    continue  # one process per GPU: every process must time the same things (their store)
-                sets = _alloc_sets(module, case, dev.l2_bytes)
-                try:
-                    step = Step(w, module, spec, family, case, pattern, ranks, sets, iters, reps, warmup, name,
-                                f"{name} {human(size)}{'' if pattern == 'all' else ' ' + pattern}")
-                    # interleaved: the baselines are prepared first and timed in the same rounds as tsgen
-                    rivals = run_in_process(chosen, step) if in_process and conv.interleave else []
-                    row, problems = _time_tsgen(step, control, ceil, dev, rivals)
-                    _report(out, row, problems, echo)
-                    later = run_in_process(chosen, step) if in_process and not conv.interleave else []
-                    for m in rivals + later:
-                        if m.timing is None:
-                            out.notes.append(f"{m.impl} at {human(size)}: not timed: {m.skipped}")
-                            continue
-                        _report(out, *_baseline_row(m, step.case, spec, family, w, ceil, dev, pattern), echo)
-                finally:
-                    for b in sets:
-                        b.free()
-            if progress is not None:
-                progress(f"{name} {human(size)}")
+        # the ideal's World (one GPU, rank 0's) and module live as long as the sizes' timings
+        timed_ideal = ideal is not None and not w.shared and control is None
+        with (Ideal(*ideal, w, arch) if timed_ideal else contextlib.nullcontext()) as ideal_run:
+            if ideal_run is not None and ideal_run.skipped:
+                out.notes.append(ideal_run.skipped)
+            for size in size_list:
+                case = conv.case(family, spec, w.size, size)
+                for pattern in patterns or conv.patterns:
+                    ranks = [0] if pattern == "pair" else list(w.ranks)
+                    if pattern == "pair" and len(w.ranks) != w.size:
+                        continue  # one process per GPU: every process must time the same things (their store)
+                    sets = _alloc_sets(module, case, dev.l2_bytes)
+                    try:
+                        step = Step(w, module, spec, family, case, pattern, ranks, sets, iters, reps, warmup, name,
+                                    f"{name} {human(size)}{'' if pattern == 'all' else ' ' + pattern}")
+                        # interleaved: the baselines are prepared first and timed in the same rounds as tsgen
+                        rivals = run_in_process(chosen, step) if in_process and conv.interleave else []
+                        if ideal_run is not None and not ideal_run.skipped:
+                            rivals.append(ideal_run.rival(step, dev.l2_bytes))
+                        row, problems = _time_tsgen(step, control, ceil, dev, rivals)
+                        _report(out, row, problems, echo)
+                        later = run_in_process(chosen, step) if in_process and not conv.interleave else []
+                        for m in rivals + later:
+                            if m.timing is None:
+                                out.notes.append(f"{m.impl} at {human(size)}: not timed: {m.skipped}")
+                                continue
+                            _report(out, *_baseline_row(m, step.case, spec, family, w, ceil, dev, pattern), echo)
+                    finally:
+                        for b in sets:
+                            b.free()
+                if progress is not None:
+                    progress(f"{name} {human(size)}")
         if w.shared:
             out.notes.append(f"{SHARED_NOTE}: no baselines timed, no ratios")
         elif not baselines or control is not None:
@@ -239,7 +248,32 @@ def _report(out: Outcome, row: dict | None, problems: list[str], echo) -> None:
 def _time_tsgen(step: Step, control: str | None, ceil, dev,
                 rivals: list[Measured] = ()) -> tuple[dict | None, list[str]]:
     """tsgen's timing and checks; with `rivals` (baselines holding a prepared Sampler), all of them
-    timed in interleaved rounds (timing.time_interleaved), each rival's Timing set on it."""
+    timed in interleaved rounds (timing.time_interleaved), each rival's Timing set on it, and the
+    problems of its own check (Measured.after) added to that Timing's."""
+    w = step.world
+    sampler, host, in_place = _sampler(step, control)
+    rivals = [m for m in rivals if m.sampler is not None]
+    timings = time_interleaved({"tsgen": sampler, **{m.impl: m.sampler for m in rivals}}, step.reps)
+    for m in rivals:
+        m.timing = timings[m.impl]
+        if m.after is not None:
+            m.timing.problems += m.after()
+    timing = timings["tsgen"]
+    checked, problems = _check(step, host, in_place)
+    problems = timing.problems + problems
+    problems += guard(f"tsgen {step.label}", timing.median_us, step.case, ceil, _dtype(step.spec), w.colocated,
+                      dev.l2_bytes)
+    if problems:
+        return None, problems
+    row = _row("tsgen", timing, step.case, step.spec, step.family, w, step.pattern, label=step.name,
+               sets=len(step.sets), **dict(step.case.fields), ceiling_frac=fraction_of_ceiling(timing.median_us, step.case, ceil, _dtype(step.spec),
+                                                                w.colocated, dev.l2_bytes), **checked)
+    return row, []
+
+
+def _sampler(step: Step, control: str | None, label: str = "tsgen") -> tuple[Sampler, dict | None, bool]:
+    """A tsgen kernel's prepared Sampler (its inputs filled; outputs poisoned after the warm-up),
+    the host inputs its check compares with, and whether the op works in place."""
     w, conv, sets = step.world, step.conv, step.sets
     host = step.host = _fill_inputs(step)
     in_place = any(s.role == "inout" for s in sets[0].slots)
@@ -263,22 +297,68 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev,
                       warmup=step.warmup, graphs=conv.graphs,
                       lineup=w.size > 1 and step.pattern != "pair", after_warmup=None if in_place else poison,
                       event_streams=w.make_streams() if control == "other-stream" else None,
-                      counter=counter if conv.counts_calls else None, label=f"tsgen {step.label}")
-    rivals = [m for m in rivals if m.sampler is not None]
-    timings = time_interleaved({"tsgen": sampler, **{m.impl: m.sampler for m in rivals}}, step.reps)
-    for m in rivals:
-        m.timing = timings[m.impl]
-    timing = timings["tsgen"]
-    checked, problems = _check(step, host, in_place)
-    problems = timing.problems + problems
-    problems += guard(f"tsgen {step.label}", timing.median_us, step.case, ceil, _dtype(step.spec), w.colocated,
-                      dev.l2_bytes)
-    if problems:
-        return None, problems
-    row = _row("tsgen", timing, step.case, step.spec, step.family, w, step.pattern, label=step.name,
-               sets=len(sets), **dict(step.case.fields), ceiling_frac=fraction_of_ceiling(timing.median_us, step.case, ceil, _dtype(step.spec),
-                                                                w.colocated, dev.l2_bytes), **checked)
-    return row, []
+                      counter=counter if conv.counts_calls else None, label=f"{label} {step.label}")
+    return sampler, host, in_place
+
+
+class Ideal:
+    """A suite's ideal entry timed in another entry's own rounds (`ideal_of`; cp_attention's: the
+    single-GPU attention kernel over the whole sequence): its spec loaded once in a World of one
+    GPU, rank 0's, beside the entry's World; per size its own buffers, inputs and check, and a
+    Measured whose Sampler tsgen's rounds time (one sample of each per round). The row it becomes
+    carries `ideal_label` and `ideal_scale` (tsgen's FLOPs per GPU over the ideal's), from which
+    add_ratios pairs the fraction of the ideal round by round. `skipped`: why it cannot run here."""
+
+    def __init__(self, label: str, loaded: LoadedSpec, world, arch: str):
+        self.label, self.loaded, self.entry_world, self.arch = label, loaded, world, arch
+        self.world = self.module = None
+        self.sets: list = []
+        self.skipped: str | None = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "Ideal":
+        from ..runtime import World
+
+        if self.entry_world.ranks[0] != 0 or len(self.entry_world.ranks) != self.entry_world.size:
+            self.skipped = f"ideal {self.label}: not timed in the rounds (needs every rank in this process)"
+            return self
+        self.world = self._stack.enter_context(World(1, share_gpus=False))
+        if self.world.devices[0] != self.entry_world.devices[0]:
+            self.skipped = (f"ideal {self.label}: not timed in the rounds (its GPU {self.world.devices[0]} is not "
+                            f"rank 0's, {self.entry_world.devices[0]})")
+            return self
+        cached = render_to_cache(self.loaded)
+        self.module = self.world.load(cached.manifest, arch=self.arch, source=cached.source)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._free()
+        self._stack.close()
+
+    def _free(self) -> None:
+        for b in self.sets:
+            b.free()
+        self.sets = []
+
+    def rival(self, step: Step, l2_bytes: int) -> Measured:
+        """The ideal at step's size, prepared for tsgen's rounds; its buffers live until the next size."""
+        self._free()
+        spec, family = self.loaded.model, get_family(self.loaded.model.op)
+        case = family.bench.case(family, spec, 1, step.case.size)
+        self.sets = _alloc_sets(self.module, case, l2_bytes)
+        own = Step(self.world, self.module, spec, family, case, "all", [0], self.sets, step.iters, step.reps,
+                   step.warmup, self.label, f"{self.label} {human(step.case.size)}")
+        sampler, host, in_place = _sampler(own, None, label="ideal")
+
+        extra = {"ideal_label": self.label, "ideal_scale": step.case.flops / case.flops}
+
+        def after() -> list[str]:  # its check's fields go into its row, as tsgen's do
+            checked, problems = _check(own, host, in_place, f"ideal {own.label}")
+            extra.update(checked)
+            return problems
+
+        return Measured(f"tsgen {self.label} (1 GPU, whole sequence: the ideal)", step.case.size, None, case=case,
+                        compare=False, role="ideal", sampler=sampler, after=after, extra=extra)
 
 
 def _row(impl: str, timing: Timing, case: BenchCase, spec, family, w, pattern: str, **extra) -> dict:
@@ -356,6 +436,12 @@ def add_ratios(rows: list[dict]) -> None:
         if pair:  # two callers of one kernel in tsgen's rounds: the method's control (attention_baselines)
             a, b = (own[i] for i in pair)
             r["method_control"] = {"pair": list(pair), **paired_ratio(b["samples_us"], a["samples_us"])}
+        for b in same:  # an ideal timed in these rounds: tsgen's FLOP rate over its, round by round
+            if b.get("role") == "ideal" and r.get("round_set") and r.get("round_set") == b.get("round_set"):
+                paired = paired_ratio([t * b["ideal_scale"] for t in b["samples_us"]], r["samples_us"])
+                key = f"ideal: {b['ideal_label']}"
+                r.setdefault("ratios", {})[key] = paired.pop("ratio")
+                r.setdefault("ratio_spread", {})[key] = paired
         parts = {b.get("role"): b["time_us"] for b in same}
         if "gemm" in parts and "comm" in parts:
             for x in [r] + [b for b in same if b.get("compare")]:
