@@ -100,8 +100,8 @@ struct Layout {
 //   - `area[o]`, `arrived_at[o]`: rank o's receive area and its arrived[this rank], as this rank addresses them.
 // Epoch e = calls[0] + 1 (the main kernel reads it after the previous push_reduce, which advanced it, and before
 // this call's). Slots by e's parity: a sender's call e + 1 writes while the owner may still read e's, and it cannot
-// reach e + 2 before the owner's push_reduce of e is done (its own push_reduce of e + 1 waits for the owner's main
-// kernel of e + 1, which the owner's stream runs after that push_reduce).
+// reach e + 2 before the owner's push_reduce of e is done (its push_wait of e + 1 waits for the owner's push_signal
+// of e + 1, which the owner's stream runs after its main kernel of e + 1, after that push_reduce).
 constexpr uint32_t PUSH_MAX_WORLD = 8;
 constexpr uint32_t PUSH_KEYS = 64;     // keys of one owner a consumer warpgroup stores: its half of a 128-key block
 constexpr uint64_t PUSH_AREA = 256;    // bytes of the heap before the receive area

@@ -747,8 +747,8 @@ static __device__ __forceinline__ void store_dk_dv_rows(void* dk_out, void* dv_o
 // call's parity), over NVLink, not waited for: push_signal, after this kernel, tells the owners. The warpgroup's
 // 64 keys share one owner (the caller's rows are a multiple of 128: tsgen.torch's pushes()).
 template <class C>
-static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t cw, uint32_t b, uint32_t hk,
-                                                   uint32_t key_lo, uint32_t lane, const float (&dk)[Layout<C>::D_ACC],
+static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t b, uint32_t hk, uint32_t key_lo,
+                                                   uint32_t lane, const float (&dk)[Layout<C>::D_ACC],
                                                    const float (&dv)[Layout<C>::D_ACC]) {
   if (!kv_push_of<C>::value || p.push == nullptr) {  // KV_PUSH without a table: the plain backward (<kernel>_backward)
     store_dk_dv_rows<C>(p.dk, p.dv, p.kv_len, p.kv_len, b, hk, key_lo, lane, dk, dv);
@@ -1061,7 +1061,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       add_dk_dv_tail<C>(p, part.slot, 64 * cw + row, lane, dk, dv);
       return;
     }
-  store_dk_dv<C>(p, cw, b, hk, key_lo, lane, dk, dv);
+  store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
 }
 
 // params.lookahead (LOOKAHEAD; bulk dQ, not DETERMINISTIC): consume() with the next step's S^T issued as
@@ -1226,7 +1226,7 @@ static __device__ __forceinline__ void consume_lookahead(const Problem& p, uint3
   }
   if (t == 0) bulk_wait_group_all();
 
-  store_dk_dv<C>(p, cw, b, hk, key_lo, lane, dk, dv);
+  store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
 }
 
 // params.step_rows 128 (TALL; head dim 64, bulk dQ, not deterministic, not lookahead): consume() with steps of 128
@@ -1360,7 +1360,7 @@ static __device__ __forceinline__ void consume_tall(const Problem& p, uint32_t s
     if constexpr (L::DK_AFTER_DQ) dk_done_release_stage<C>(dk, t, smem, stage);
   }
 
-  store_dk_dv<C>(p, cw, b, hk, key_lo, lane, dk, dv);
+  store_dk_dv<C>(p, b, hk, key_lo, lane, dk, dv);
 }
 
 // Item `item` of the main kernel (its grid order): KV block j of KV head hk of sequence b.
