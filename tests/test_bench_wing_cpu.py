@@ -798,7 +798,8 @@ def test_an_ideal_is_timed_in_the_rounds_of_the_entries_it_names(monkeypatch):
     assert row["ratios"]["ideal: ideal"] == pytest.approx(0.75, rel=0.02)
     spread = row["ratio_spread"]["ideal: ideal"]
     assert spread["rounds"] == 4 and spread["min"] <= row["ratios"]["ideal: ideal"] <= spread["max"]
-    assert own["check"] == "sampled rows" and own["poison_left"] == 0
+    assert own["check"] == "sampled rows" and own["poison_left"] == 0 and own["count"] == 256  # its own rows
+    assert "in cp's rounds" in own["impl"]
 
 
 def test_an_ideal_that_writes_nothing_in_the_rounds_is_an_error(monkeypatch):
@@ -810,3 +811,52 @@ def test_an_ideal_that_writes_nothing_in_the_rounds_is_an_error(monkeypatch):
     row = next(r for r in cp.rows if r["impl"] == "tsgen")
     assert row["ratios"]["ideal: ideal"] == pytest.approx(0.5 * 90 / 40, rel=0.02)
     assert "ideal: ideal" not in row.get("ratio_spread", {})
+
+
+def test_the_fraction_of_an_ideal_is_paired_round_by_round():
+    """add_ratios: tsgen's FLOP rate over the ideal's per round (the ideal's time x ideal_scale over
+    tsgen's), the median over rounds with its quartiles; samples that drift apart between rounds give
+    another number than the two medians would (1.5 here), and an ideal of other rounds gives none."""
+    tsgen = {"impl": "tsgen", "size": 16, "group": "g", "round_set": 7, "time_us": 10.0,
+             "samples_us": [10.0, 20.0, 10.0, 40.0, 10.0]}
+    ideal = {"impl": "tsgen i (1 GPU, whole sequence, in cp's rounds: the ideal)", "baseline": True, "compare": False,
+             "role": "ideal", "ideal_label": "i", "ideal_scale": 0.5, "size": 16, "group": "g", "round_set": 7,
+             "time_us": 30.0, "samples_us": [15.0, 60.0, 30.0, 80.0, 25.0]}
+    other = dict(tsgen, round_set=8)
+    add_ratios([tsgen, ideal, other])
+    assert tsgen["ratios"] == {"ideal: i": pytest.approx(1.25)}  # per round 0.75, 1.5, 1.5, 1.0, 1.25
+    assert tsgen["ratio_spread"]["ideal: i"]["rounds"] == 5 and tsgen["ratio_spread"]["ideal: i"]["min"] == 0.75
+    assert "ratios" not in other and "ratios" not in ideal
+
+
+def test_an_entry_has_one_ideal(tmp_path):
+    """Two ideal entries naming one entry: a suite error (the entry times one ideal in its rounds)."""
+    from tsgen.bench.suites import load_suite
+    from tsgen.errors import SpecError
+
+    (tmp_path / "s.yaml").write_text(
+        "description: d\nentries:\n  - {spec: specs/cp_attention.yaml, gpus: 2, label: cp}\n"
+        "  - {spec: specs/attention_hd128.yaml, gpus: 1, label: a, ideal_of: [cp]}\n"
+        "  - {spec: specs/attention_hd128.yaml, gpus: 1, label: b, ideal_of: [cp]}\n")
+    with pytest.raises(SpecError, match=r"entries.2.ideal_of: 'cp' already has an ideal \(entries.1\)"):
+        load_suite(str(tmp_path / "s.yaml"))
+
+
+def test_an_ideal_that_fails_to_load_closes_its_world(monkeypatch):
+    """runner.Ideal: an error after its World of one GPU opened (the module's load) closes that World
+    before the error goes on."""
+    from tsgen.bench.runner import Ideal
+
+    install(monkeypatch)
+    closed = []
+    monkeypatch.setattr(bench_fakes.World, "__exit__", lambda self, *exc: closed.append((self.size, exc[0])))
+
+    def load(self, manifest, arch=None, source=None):
+        raise RuntimeSetupError("no such kernel")
+
+    monkeypatch.setattr(bench_fakes.World, "load", load)
+    entry = bench_fakes.World(2)
+    with pytest.raises(RuntimeSetupError, match="no such kernel"):
+        with Ideal("i", spec_variant(load_spec("specs/attention_hd128.yaml"), {}), entry, "sm_90a"):
+            pass
+    assert [size for size, _ in closed] == [1]

@@ -87,7 +87,8 @@ def text_table(rows: list[dict]) -> str:
         parts.append("\n".join([f"== {title}", fmt(head), "-" * len(fmt(head))] + [fmt(c) for c in lines]))
     if parts:
         parts.append("vs X = t_X / t_tsgen (> 1: tsgen faster; [q1, q3]: timed in interleaved rounds, the median "
-                     "and quartiles of the per-round ratios); % of ceiling = the ceilings' floor / time")
+                     "and quartiles of the per-round ratios); vs ideal: X = tsgen's FLOP rate per GPU over the ideal "
+                     "X's (< 1: short of it); % of ceiling = the ceilings' floor / time")
     return "\n\n".join(parts)
 
 

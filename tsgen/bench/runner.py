@@ -134,7 +134,9 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
     `sizes` (default: the op's) against its baselines (`only_baselines`: those of these names);
     errors instead of rows for every result that fails a check. `ideal` (label, spec): a single-GPU
     spec of the same work over the whole size (a suite's `ideal_of` entry), timed in tsgen's own
-    rounds on rank 0's GPU (`Ideal`): tsgen's rows get ratios["ideal: LABEL"] paired round by round."""
+    rounds on rank 0's GPU (`Ideal`): tsgen's rows get ratios[ideal_key(label)] paired round by round.
+    The ideal is timed whatever `baselines` says (run_entries passes it only where baselines are
+    timed), and not on shared GPUs, under a negative control, or where this process lacks a rank."""
     from ..runtime import World
     from ..runtime.backends import world_size
 
@@ -272,8 +274,9 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev,
 
 
 def _sampler(step: Step, control: str | None, label: str = "tsgen") -> tuple[Sampler, dict | None, bool]:
-    """A tsgen kernel's prepared Sampler (its inputs filled; outputs poisoned after the warm-up),
-    the host inputs its check compares with, and whether the op works in place."""
+    """A tsgen kernel's Sampler with its inputs filled (its warm-up, and the poisoning of the outputs
+    after it, run when the rounds prepare it), the host inputs its check compares with, and whether
+    the op works in place."""
     w, conv, sets = step.world, step.conv, step.sets
     host = step.host = _fill_inputs(step)
     in_place = any(s.role == "inout" for s in sets[0].slots)
@@ -301,13 +304,19 @@ def _sampler(step: Step, control: str | None, label: str = "tsgen") -> tuple[Sam
     return sampler, host, in_place
 
 
+def ideal_key(label: str) -> str:
+    """The ratio key of an ideal entry's fraction on the rows of the entries it names (`ideal_of`)."""
+    return f"ideal: {label}"
+
+
 class Ideal:
     """A suite's ideal entry timed in another entry's own rounds (`ideal_of`; cp_attention's: the
     single-GPU attention kernel over the whole sequence): its spec loaded once in a World of one
     GPU, rank 0's, beside the entry's World; per size its own buffers, inputs and check, and a
     Measured whose Sampler tsgen's rounds time (one sample of each per round). The row it becomes
     carries `ideal_label` and `ideal_scale` (tsgen's FLOPs per GPU over the ideal's), from which
-    add_ratios pairs the fraction of the ideal round by round. `skipped`: why it cannot run here."""
+    add_ratios pairs the fraction of the ideal round by round. `skipped`: why it cannot run here
+    (then the suite's fraction falls back to the ideal entry's own median)."""
 
     def __init__(self, label: str, loaded: LoadedSpec, world, arch: str):
         self.label, self.loaded, self.entry_world, self.arch = label, loaded, world, arch
@@ -322,43 +331,53 @@ class Ideal:
         if self.entry_world.ranks[0] != 0 or len(self.entry_world.ranks) != self.entry_world.size:
             self.skipped = f"ideal {self.label}: not timed in the rounds (needs every rank in this process)"
             return self
-        self.world = self._stack.enter_context(World(1, share_gpus=False))
-        if self.world.devices[0] != self.entry_world.devices[0]:
-            self.skipped = (f"ideal {self.label}: not timed in the rounds (its GPU {self.world.devices[0]} is not "
-                            f"rank 0's, {self.entry_world.devices[0]})")
-            return self
-        cached = render_to_cache(self.loaded)
-        self.module = self.world.load(cached.manifest, arch=self.arch, source=cached.source)
+        try:
+            self.world = self._stack.enter_context(World(1, share_gpus=False))
+            if self.world.devices[0] != self.entry_world.devices[0]:
+                self.skipped = (f"ideal {self.label}: not timed in the rounds (its GPU {self.world.devices[0]} is "
+                                f"not rank 0's, {self.entry_world.devices[0]})")
+                return self
+            cached = render_to_cache(self.loaded)
+            self.module = self.world.load(cached.manifest, arch=self.arch, source=cached.source)
+        except BaseException:
+            self._stack.close()  # the World opened above, closed before the error goes on
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self._free()
-        self._stack.close()
+        try:
+            self._free()
+        finally:
+            self._stack.__exit__(*exc)  # the World sees the error, if any (its cleanup keeps the first one)
 
     def _free(self) -> None:
-        for b in self.sets:
+        sets, self.sets = self.sets, []
+        for b in sets:
             b.free()
-        self.sets = []
 
     def rival(self, step: Step, l2_bytes: int) -> Measured:
-        """The ideal at step's size, prepared for tsgen's rounds; its buffers live until the next size."""
+        """The ideal at step's size, prepared for tsgen's rounds (step.name's); its buffers live until
+        the next size. A step or ideal without FLOPs has no fraction: a Measured that says so."""
         self._free()
         spec, family = self.loaded.model, get_family(self.loaded.model.op)
         case = family.bench.case(family, spec, 1, step.case.size)
+        impl = f"tsgen {self.label} (1 GPU, whole sequence, in {step.name}'s rounds: the ideal)"
+        if not (step.case.flops and case.flops):
+            return Measured(impl, step.case.size, None, skipped="no FLOP count on one side: no fraction of it")
         self.sets = _alloc_sets(self.module, case, l2_bytes)
         own = Step(self.world, self.module, spec, family, case, "all", [0], self.sets, step.iters, step.reps,
                    step.warmup, self.label, f"{self.label} {human(step.case.size)}")
         sampler, host, in_place = _sampler(own, None, label="ideal")
-
-        extra = {"ideal_label": self.label, "ideal_scale": step.case.flops / case.flops}
+        # its own count (the row's default is tsgen's per-rank count)
+        extra = {"ideal_label": self.label, "ideal_scale": step.case.flops / case.flops, "count": case.count}
 
         def after() -> list[str]:  # its check's fields go into its row, as tsgen's do
             checked, problems = _check(own, host, in_place, f"ideal {own.label}")
             extra.update(checked)
             return problems
 
-        return Measured(f"tsgen {self.label} (1 GPU, whole sequence: the ideal)", step.case.size, None, case=case,
-                        compare=False, role="ideal", sampler=sampler, after=after, extra=extra)
+        return Measured(impl, step.case.size, None, case=case, compare=False, role="ideal", sampler=sampler,
+                        after=after, extra=extra)
 
 
 def _row(impl: str, timing: Timing, case: BenchCase, spec, family, w, pattern: str, **extra) -> dict:
@@ -378,7 +397,7 @@ def _baseline_row(m: Measured, case: BenchCase, spec, family, w, ceil, dev, patt
         return None, []  # skipped: said in its worker's output
     own = m.case or case
     problems = list(m.timing.problems) + guard(m.impl, m.timing.median_us, own, ceil, _dtype(spec), 1, dev.l2_bytes)
-    if m.extra.get("wrong"):
+    if m.extra.get("wrong") and m.after is None:  # a check run through `after` has said so in its problems
         problems.append(f"{m.impl} {human(m.size)}: {m.extra['wrong']} wrong elements in its checked call")
     if problems:
         return None, problems
@@ -439,7 +458,7 @@ def add_ratios(rows: list[dict]) -> None:
         for b in same:  # an ideal timed in these rounds: tsgen's FLOP rate over its, round by round
             if b.get("role") == "ideal" and r.get("round_set") and r.get("round_set") == b.get("round_set"):
                 paired = paired_ratio([t * b["ideal_scale"] for t in b["samples_us"]], r["samples_us"])
-                key = f"ideal: {b['ideal_label']}"
+                key = ideal_key(b["ideal_label"])
                 r.setdefault("ratios", {})[key] = paired.pop("ratio")
                 r.setdefault("ratio_spread", {})[key] = paired
         parts = {b.get("role"): b["time_us"] for b in same}

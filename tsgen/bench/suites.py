@@ -88,6 +88,11 @@ class Entry:
     loaded_spec: LoadedSpec | None = field(default=None, repr=False, compare=False)
 
     @property
+    def name(self) -> str:
+        """Its rows' label (what ideal_of names): the suite's label, else the spec's name."""
+        return self.label or self.loaded.model.name
+
+    @property
     def loaded(self) -> LoadedSpec:
         """The spec with the entry's variant, loaded (and its plans built) once for the whole
         run: the suite's check, the progress count, the world sizes and the timing all read it."""
@@ -148,9 +153,13 @@ def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
                          f"({', '.join(known) or 'it has none'})" for b in model.baselines if b not in known]
         entries.append(Entry(Path(e.spec), e.gpus or model.gpus, sizes, e.label, e.variant,
                              tuple(e.patterns) if e.patterns else None, tuple(e.ideal_of or ()), loaded))
+    named: dict[str, int] = {}  # entry label -> the ideal entry that names it (one each: runner.Ideal)
     for i, e in enumerate(entries):
         problems += [f"{path}: entries.{i}.ideal_of: no entry is labelled {n!r} (entries: {', '.join(sorted(names))})"
                      for n in e.ideal_of if n not in names]
+        problems += [f"{path}: entries.{i}.ideal_of: {n!r} already has an ideal (entries.{named[n]}); an entry is "
+                     "timed against one" for n in e.ideal_of if n in named]
+        named.update({n: i for n in e.ideal_of if n not in named})
     if problems:
         raise SpecError(problems)
     return Suite(path.stem, path, model, entries)
@@ -172,14 +181,16 @@ def add_ideal_ratios(entries: list[Entry], outcomes: list) -> None:
     attention kernel of the same shape: ring-flash-attention's "% of ideal"). Where the entry timed the
     ideal in its own rounds (runner.Ideal, runner.add_ratios), that paired ratio stays: this one, from
     two medians timed apart, is only the fallback."""
+    from .runner import SHARED_NOTE, ideal_key
+
     by_name = {o.spec: o for o in outcomes}
     for e, o in zip(entries, outcomes):
         ideal = {r["size"]: r for r in o.rows if r["impl"] == "tsgen" and r.get("TFLOPs")}
         for name in e.ideal_of:
             for r in by_name[name].rows if name in by_name else []:
                 best = ideal.get(r["size"])
-                if r["impl"] == "tsgen" and r.get("TFLOPs") and best:
-                    r.setdefault("ratios", {}).setdefault(f"ideal: {o.spec}", r["TFLOPs"] / best["TFLOPs"])
+                if r["impl"] == "tsgen" and r.get("TFLOPs") and best and not r.get("note", "").startswith(SHARED_NOTE):
+                    r.setdefault("ratios", {}).setdefault(ideal_key(o.spec), r["TFLOPs"] / best["TFLOPs"])
 
 
 class Stopped(BaseException):
@@ -229,7 +240,7 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
         group = baseline_group(loaded.model, get_family(loaded.model.op), gpus)
         planned.append((e, gpus, (group, e.patterns)))  # a group's baselines: timed with its first entry's sizes
     # an entry an ideal entry names (ideal_of) times that ideal in its own rounds too (runner.Ideal)
-    ideal_for = {name: (e.label or e.loaded.model.name, e.loaded) for e in entries for name in e.ideal_of}
+    ideal_for = {name: (e.name, e.loaded) for e in entries for name in e.ideal_of}
     outcomes, env, timed = [], {}, set()
     try:
         for gpus, group in itertools.groupby(planned, key=lambda p: p[1]):
@@ -244,7 +255,7 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
                                      baselines=baselines and (baselines_per_entry or key not in timed), arch=arch,
                                      echo=echo, progress=progress, control=control, world=world,
                                      only_baselines=only_baselines,
-                                     ideal=ideal_for.get(e.label or e.loaded.model.name) if baselines else None)
+                                     ideal=ideal_for.get(e.name) if baselines else None)
                     timed.add(key)
                     outcomes.append(out)
     except (Stopped, KeyboardInterrupt) as why:
