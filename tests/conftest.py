@@ -73,6 +73,15 @@ def representative(names, keep) -> list:
     return [name if name in keep else exhaustive(name, id=name) for name in names]
 
 
+def shared_build_cases(paths) -> list:
+    """(mode, path) cases of a build sweep over shipped specs that the runtime loads as shared libraries (their
+    manifests' compile mode): "shared" runs by default (the module `tsgen build specs --compile` left in the
+    compile cache); "cubin", the same device code through nvcc a second time, is `exhaustive`. The SASS tests
+    of those specs read the shared library (cuobjdump lists the same kernels)."""
+    return [pytest.param(mode, path, id=f"{mode}-{path.stem}", marks=[pytest.mark.exhaustive] if mode == "cubin" else [])
+            for mode in ("cubin", "shared") for path in paths]
+
+
 def _keeps_exhaustive(config) -> bool:
     """Whether this run selects the `exhaustive` cases: only when its -m expression names the marker."""
     return "exhaustive" in (config.getoption("markexpr", "") or "")

@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, shared_build_cases
 from test_gemm_cpu import needs_nvcc, needs_sass
 from tsgen.errors import SpecError
 from tsgen.ops import get_family
@@ -76,9 +76,8 @@ def test_reference_tiny():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
-@pytest.mark.parametrize("mode", ["cubin", "shared"])
-def test_compiles_without_spills(tmp_path, path, mode):
+@pytest.mark.parametrize("mode,path", shared_build_cases(SPECS))
+def test_compiles_without_spills(tmp_path, mode, path):
     r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)
@@ -95,7 +94,7 @@ def test_sass(tmp_path):
     r = render(load_spec(BASE), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)
-    sass = dump_sass(compile_source(src).output)
+    sass = dump_sass(compile_source(src, mode="shared").output)  # as built and loaded (shared_build_cases)
     assert "HGMMA.64x256x16.F32.BF16" in sass
     assert "UTMALDG.3D" in sass and "UTMASTG.3D" in sass
 

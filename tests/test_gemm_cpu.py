@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, compile_test, exhaustive, missing_tool, rendered_source, spec_problems
+from conftest import ROOT, compile_test, exhaustive, missing_tool, rendered_source, shared_build_cases, spec_problems
 from sass_checks import sass_ops, vector_to_uniform_copies
 from tsgen.ops import get_family
 from tsgen.ops.collectives import from_f64, to_f64
@@ -171,9 +171,9 @@ def test_reference_on_a_tiny_case(tmp_path, dtype):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("mode", ["cubin", "shared"])
-def test_compiles_without_spills(mode):
-    res = compile_source(ROOT / "generated" / "gemm_bf16.cu", mode=mode)
+@pytest.mark.parametrize("mode,path", shared_build_cases([ROOT / "specs" / "gemm_bf16.yaml"]))
+def test_compiles_without_spills(mode, path):
+    res = compile_source(ROOT / "generated" / f"{path.stem}.cu", mode=mode)
     entry = res.report["gemm_bf16_w1_kernel"]
     # setmaxnreg (producer 40, consumers 232 registers) balances only at 384 x 168
     assert entry["registers"] == 168, entry
@@ -197,7 +197,7 @@ def test_launcher_library():
 
 @needs_sass
 def test_sass():
-    sass = dump_sass(compile_source(ROOT / "generated" / "gemm_bf16.cu").output)
+    sass = dump_sass(compile_source(ROOT / "generated" / "gemm_bf16.cu", mode="shared").output)  # shared_build_cases
     ops = sass_ops(sass)
     names = [o for o, _ in ops]
     hgmma = [o + rest for o, rest in ops if o.startswith("HGMMA")]

@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import ROOT, exhaustive
+from conftest import ROOT, shared_build_cases
 from test_gemm_cpu import needs_nvcc, needs_sass
 from tsgen.errors import SpecError
 from tsgen.ops import get_family
@@ -147,15 +147,8 @@ def test_reference_pattern_exact():
                                                                           "bfloat16"), "bfloat16"))
 
 
-# As the runtime loads them (shared: found in the cache `tsgen build --compile` fills) every shipped spec; as a
-# cubin by default those test_sass compiles too, the others `exhaustive`.
-CUBIN_KEEP = ("gemm_reduce_scatter", "gemm_reduce_scatter_push", "gemm_reduce_scatter_push_add")
-
-
 @needs_nvcc
-@pytest.mark.parametrize("mode,path", [(m, p) if m == "shared" or p.stem in CUBIN_KEEP else exhaustive(m, p)
-                                       for m in ("cubin", "shared") for p in SPECS],
-                         ids=lambda x: x.stem if hasattr(x, "stem") else x)
+@pytest.mark.parametrize("mode,path", shared_build_cases(SPECS))
 def test_compiles_without_spills(tmp_path, path, mode):
     r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
@@ -177,7 +170,7 @@ def test_sass(tmp_path, path):
     r = render(load_spec(path), base=ROOT)
     src = tmp_path / f"{r.name}.cu"
     src.write_text(r.source)
-    sass = dump_sass(compile_source(src).output)
+    sass = dump_sass(compile_source(src, mode="shared").output)  # as built and loaded (shared_build_cases)
     assert "HGMMA.64x256x16.F32.BF16" in sass
     add = OVERLAP[path.stem].endswith(" add")  # the epilogue adds its tiles (TMA reduce) instead of storing
     assert "UTMALDG.3D" in sass and ("UTMAREDG.3D" if add else "UTMASTG.3D") in sass

@@ -15,7 +15,7 @@ from tsgen.errors import SpecError
 from tsgen.ops import get_family
 from tsgen.plan.ir import SignalRef
 from tsgen.plan.lower import c_tables, straight_line_groups
-from tsgen.plan.verifier import default_schedules, verify
+from tsgen.plan.verifier import default_schedules, schedule_orders, verify
 from tsgen.plan_jobs import job_plan, plan_jobs
 from tsgen.render import render
 from tsgen.shipped import shipped
@@ -39,21 +39,55 @@ def test_some_collectives_ship():
 # The world sizes every run verifies: the smallest, the smallest odd one, the largest (a power of two);
 # 4 to 7 are `exhaustive` (the GPU gate runs them): 88 of the sweep's 148 s on 2 cores (2026-11-27).
 SWEEP_WORLDS = (2, 3, 8)
+# At world 8 (24 random schedules and the 3 fixed sweeps, 31 of the 55 s that worlds 2, 3 and 8 take alone on
+# this 2-core machine, 2026-11-28) every run checks the plan's static problems and runs the fixed sweeps; its
+# random schedules are `exhaustive`: the random interleavings are what worlds 2 and 3 run 100 of.
+SPLIT_WORLDS = (8,)
+
+
+def _sweep_cases():
+    """(spec, w, trials) for every collective at worlds 2..8: "all" schedules, or at SPLIT_WORLDS the
+    "sweeps" (by default) and the "random" ones (`exhaustive`), which together are what "all" runs."""
+    for s in COLLECTIVES:
+        for w in range(2, 9):
+            if w not in SWEEP_WORLDS:
+                yield exhaustive(s, w, "all")
+            elif w in SPLIT_WORLDS:
+                yield pytest.param(s, w, "sweeps")
+                yield exhaustive(s, w, "random")
+            else:
+                yield pytest.param(s, w, "all")
+
+
+def _trials(w: int, which: str) -> range | None:
+    """The schedule indices (verify's `trials`) of `which`: None for all of them, else the random ones
+    (the first default_schedules(w)) or the fixed sweeps after them (tsgen.plan.verifier.schedule_orders)."""
+    random_ones = default_schedules(w)
+    return {"all": None, "random": range(random_ones),
+            "sweeps": range(random_ones, len(schedule_orders(random_ones)))}[which]
 
 
 @pytest.mark.plans
-@pytest.mark.parametrize("spec,w", [(s, w) if w in SWEEP_WORLDS else exhaustive(s, w)
-                                    for s in COLLECTIVES for w in range(2, 9)],
+@pytest.mark.parametrize("spec,w,trials", list(_sweep_cases()),
                          ids=lambda x: str(x.stem) if hasattr(x, "stem") else str(x))
-def test_shipped_plans_verify(spec, w):
+def test_shipped_plans_verify(spec, w, trials):
     """The plan of `spec` at world size `w`, built here (not at collection: the inner loop
-    deselects the sweep) as `tsgen verify` builds it (plan_jobs, job_plan). Worlds 4-7 are
-    `exhaustive` (SWEEP_WORLDS)."""
+    deselects the sweep) as `tsgen verify` builds it (plan_jobs, job_plan), verified under the
+    schedules `trials` names (_trials). Worlds 4-7 and world 8's random schedules are `exhaustive`."""
     try:
         plan = job_plan(spec, w)
     except SpecError as e:  # the family does not plan this world size: plan_jobs skips it too
         pytest.skip(e.problems[0])
-    assert verify(plan, schedules=default_schedules(w)) == []
+    assert verify(plan, schedules=default_schedules(w), trials=_trials(w, trials)) == []
+
+
+def test_the_world_8_cases_together_run_every_schedule():
+    """The "sweeps" and "random" picks are disjoint and together every schedule verify runs by default."""
+    w = SPLIT_WORLDS[0]
+    picked = [*_trials(w, "random"), *_trials(w, "sweeps")]
+    assert picked == list(range(len(schedule_orders(default_schedules(w)))))
+    assert {schedule_orders(default_schedules(w))[i] for i in _trials(w, "sweeps")} == {
+        "rank_first", "rank_last", "block_reverse"}
 
 
 @pytest.mark.plans
@@ -134,6 +168,22 @@ def test_reduce_missing_source_fails():
     problems = verify(plan, schedules=5)
     assert problems and any("expected" in p for p in problems), problems
 
+
+
+def test_the_world_8_sweeps_alone_catch_a_wrong_offset_and_a_missing_source():
+    """What the default run verifies at world 8 (the fixed sweeps, _trials "sweeps") still fails a broken plan."""
+    sweeps = _trials(8, "sweeps")
+    plan = _plan("specs/allgather.yaml", 8)
+    i = _first_copy(plan, 1)
+    st = plan.ranks[1].steps[i]
+    plan.ranks[1].steps[i] = dataclasses.replace(st, dst=(st.dst[0], dataclasses.replace(st.dst[1], unit=0)))
+    problems = verify(plan, schedules=default_schedules(8), trials=sweeps)
+    assert problems and "written twice" in problems[0], problems
+    plan = _plan("specs/all_reduce_one_shot.yaml", 8)
+    i = next(i for i, s in enumerate(plan.ranks[0].steps) if s.op == "reduce")
+    plan.ranks[0].steps[i] = dataclasses.replace(plan.ranks[0].steps[i], srcs=plan.ranks[0].steps[i].srcs[:-1])
+    problems = verify(plan, schedules=default_schedules(8), trials=sweeps)
+    assert problems and "expected" in problems[0], problems
 
 def test_deadlock_is_reported():
     """A wait on a counter nobody raises in time (every rank waits before it signals)."""
