@@ -169,7 +169,6 @@ def test_reduce_missing_source_fails():
     assert problems and any("expected" in p for p in problems), problems
 
 
-
 def test_the_world_8_sweeps_alone_catch_a_wrong_offset_and_a_missing_source():
     """What the default run verifies at world 8 (the fixed sweeps, _trials "sweeps") still fails a broken plan."""
     sweeps = _trials(8, "sweeps")
@@ -184,6 +183,7 @@ def test_the_world_8_sweeps_alone_catch_a_wrong_offset_and_a_missing_source():
     plan.ranks[0].steps[i] = dataclasses.replace(plan.ranks[0].steps[i], srcs=plan.ranks[0].steps[i].srcs[:-1])
     problems = verify(plan, schedules=default_schedules(8), trials=sweeps)
     assert problems and "expected" in problems[0], problems
+
 
 def test_deadlock_is_reported():
     """A wait on a counter nobody raises in time (every rank waits before it signals)."""
