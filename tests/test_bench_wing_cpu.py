@@ -755,7 +755,7 @@ def test_deepep_is_compared_at_its_fastest_sm_count(monkeypatch):
             sms_sweep({"sms": bad})
 
 
-def _ideal_suite(monkeypatch, ideal_break: bool = False):
+def _ideal_suite(monkeypatch, ideal_break: bool = False, peers_busy: bool = False):
     """cp_attention at W 2 and its ideal entry (attention over the whole sequence on one GPU) through
     run_entries on the simulated GPU: the cp kernel takes 40 us, the ideal 60 us in the World of one
     GPU the cp entry opens for it and 90 us in the ideal entry's own World (so the paired fraction and
@@ -766,7 +766,7 @@ def _ideal_suite(monkeypatch, ideal_break: bool = False):
 
     install(monkeypatch)
     fake_multiprocess(monkeypatch)
-    ones = iter([60.0, 90.0])
+    ones = iter([60.0, 60.0, 90.0] if peers_busy else [60.0, 90.0])  # with peers_busy: the peer GPU's World second
     real_init = bench_fakes.World.__init__
 
     def init(self, n, backend="single", share_gpus=None):
@@ -779,7 +779,7 @@ def _ideal_suite(monkeypatch, ideal_break: bool = False):
     monkeypatch.setattr(results_mod, "environment", lambda world=None: {"commit": "abc"})
     entries = [Entry(Path("specs/cp_attention.yaml"), 2, "256", "cp"),
                Entry(Path("specs/attention_hd128.yaml"), 1, "256", "ideal", {"params": {"kv_heads": 8}},
-                     ideal_of=("cp",))]
+                     ideal_of=("cp",), ideal_peers_busy=peers_busy)]
     outcomes, _ = run_entries(entries, iters=3, reps=4, warmup=1, echo=lambda line: None)
     return outcomes
 
@@ -860,3 +860,40 @@ def test_an_ideal_that_fails_to_load_closes_its_world(monkeypatch):
         with Ideal("i", spec_variant(load_spec("specs/attention_hd128.yaml"), {}), entry, "sm_90a"):
             pass
     assert [size for size, _ in closed] == [1]
+
+
+def test_an_ideal_with_its_peers_busy(monkeypatch):
+    """ideal_peers_busy: the cp entry also times the ideal on rank 0's GPU while rank 1's GPU runs the same
+    kernel (its own World of one GPU), a second fraction beside the ideal alone; the peer's calls are
+    enqueued with the timed ones (as many), and its outputs are not the timed ones."""
+    import tsgen.runtime.backends as backends
+
+    launched = {}
+    real_launch = bench_fakes.Module.launch
+
+    def launch(self, bufs, ranks=None, streams=None, **kw):
+        launched[id(self.world)] = launched.get(id(self.world), 0) + 1
+        return real_launch(self, bufs, ranks, streams, **kw)
+
+    monkeypatch.setattr(bench_fakes.Module, "launch", launch)
+    monkeypatch.setattr(backends, "SingleProcessBackend", lambda size, cp, devices: f"GPU {devices[0]}")
+    cp, ideal = _ideal_suite(monkeypatch, peers_busy=True)
+    assert cp.errors == [] and ideal.errors == []
+    row = next(r for r in cp.rows if r["impl"] == "tsgen")
+    assert row["ratios"]["ideal: ideal"] == pytest.approx(0.75, rel=0.02)
+    assert row["ratios"]["ideal: ideal, peers busy"] == pytest.approx(0.75, rel=0.02)
+    busy = next(r for r in cp.rows if r.get("ideal_label") == "ideal, peers busy")
+    assert "the other GPUs running it too" in busy["impl"] and busy["check"] == "sampled rows"
+    assert len(launched) == 4  # the cp World, the ideal's, its peer's, the ideal entry's own
+    # every World, the peer's among them, launched at least the busy ideal's timed calls
+    assert min(launched.values()) >= len(busy["samples_us"]) * busy["calls"]
+
+
+def test_ideal_peers_busy_needs_ideal_of(tmp_path):
+    from tsgen.bench.suites import load_suite
+    from tsgen.errors import SpecError
+
+    (tmp_path / "s.yaml").write_text("description: d\nentries:\n"
+                                     "  - {spec: specs/attention_hd128.yaml, gpus: 1, ideal_peers_busy: true}\n")
+    with pytest.raises(SpecError, match="ideal_peers_busy: set without ideal_of"):
+        load_suite(str(tmp_path / "s.yaml"))

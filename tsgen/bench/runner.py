@@ -129,12 +129,13 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                patterns: tuple[str, ...] | None = None, backend: str = "single", share_gpus: bool | None = None,
                baselines: bool = True, arch: str = "sm_90a", echo: Callable[[str], None] = print,
                progress: Callable[[str], None] | None = None, control: str | None = None, world=None,
-               only_baselines: tuple[str, ...] | None = None, ideal: tuple[str, LoadedSpec] | None = None) -> Outcome:
+               only_baselines: tuple[str, ...] | None = None, ideal: tuple | None = None) -> Outcome:
     """Time `spec_path` (with `variant` merged in; or a LoadedSpec, loaded once by the caller) at
     `sizes` (default: the op's) against its baselines (`only_baselines`: those of these names);
-    errors instead of rows for every result that fails a check. `ideal` (label, spec): a single-GPU
-    spec of the same work over the whole size (a suite's `ideal_of` entry), timed in tsgen's own
-    rounds on rank 0's GPU (`Ideal`): tsgen's rows get ratios[ideal_key(label)] paired round by round.
+    errors instead of rows for every result that fails a check. `ideal` (label, spec[, peers_busy]): a
+    single-GPU spec of the same work over the whole size (a suite's `ideal_of` entry), timed in tsgen's
+    own rounds on rank 0's GPU (`Ideal`): tsgen's rows get ratios[ideal_key(label)] paired round by round
+    (and, with peers_busy, a second fraction against the ideal timed while the other GPUs run it too).
     The ideal is timed whatever `baselines` says (run_entries passes it only where baselines are
     timed), and not on shared GPUs, under a negative control, or where this process lacks a rank."""
     from ..runtime import World
@@ -175,7 +176,8 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
         in_process = baselines and not w.shared and control is None
         # the ideal's World (one GPU, rank 0's) and module live as long as the sizes' timings
         timed_ideal = ideal is not None and not w.shared and control is None
-        with (Ideal(*ideal, w, arch) if timed_ideal else contextlib.nullcontext()) as ideal_run:
+        ideal_args = dict(zip(("label", "loaded", "peers_busy"), ideal or ()))
+        with (Ideal(world=w, arch=arch, **ideal_args) if timed_ideal else contextlib.nullcontext()) as ideal_run:
             if ideal_run is not None and ideal_run.skipped:
                 out.notes.append(ideal_run.skipped)
             for size in size_list:
@@ -191,7 +193,7 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                         # interleaved: the baselines are prepared first and timed in the same rounds as tsgen
                         rivals = run_in_process(chosen, step) if in_process and conv.interleave else []
                         if ideal_run is not None and not ideal_run.skipped:
-                            rivals.append(ideal_run.rival(step, dev.l2_bytes))
+                            rivals += ideal_run.rivals(step, dev.l2_bytes)
                         row, problems = _time_tsgen(step, control, ceil, dev, rivals)
                         _report(out, row, problems, echo)
                         later = run_in_process(chosen, step) if in_process and not conv.interleave else []
@@ -273,10 +275,11 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev,
     return row, []
 
 
-def _sampler(step: Step, control: str | None, label: str = "tsgen") -> tuple[Sampler, dict | None, bool]:
+def _sampler(step: Step, control: str | None, label: str = "tsgen",
+             also: Callable[[int], None] | None = None) -> tuple[Sampler, dict | None, bool]:
     """A tsgen kernel's Sampler with its inputs filled (its warm-up, and the poisoning of the outputs
     after it, run when the rounds prepare it), the host inputs its check compares with, and whether
-    the op works in place."""
+    the op works in place. `also(i)`: other work enqueued before each of its calls (not timed)."""
     w, conv, sets = step.world, step.conv, step.sets
     host = step.host = _fill_inputs(step)
     in_place = any(s.role == "inout" for s in sets[0].slots)
@@ -287,6 +290,8 @@ def _sampler(step: Step, control: str | None, label: str = "tsgen") -> tuple[Sam
         launched[0] += 1
         if control == "skip-launch" and launched[0] > step.warmup:
             return  # the negative control: only the warm-up calls launch
+        if also is not None:
+            also(i)
         step.module.launch(sets[i % len(sets)], ranks=ranks, streams=w.streams)
 
     def poison() -> None:
@@ -316,11 +321,20 @@ class Ideal:
     Measured whose Sampler tsgen's rounds time (one sample of each per round). The row it becomes
     carries `ideal_label` and `ideal_scale` (tsgen's FLOPs per GPU over the ideal's), from which
     add_ratios pairs the fraction of the ideal round by round. `skipped`: why it cannot run here
-    (then the suite's fraction falls back to the ideal entry's own median)."""
+    (then the suite's fraction falls back to the ideal entry's own median).
+    `peers_busy`: a second Measured, the ideal on rank 0's GPU while every other GPU of the entry's
+    World runs the same kernel on its own copy of the inputs at once (a World of one GPU each, not
+    timed, outputs not checked): whether rank 0's GPU computes slower while its peers are busy too, as
+    they are in the entry's own call (power and heat shared by the host's GPUs). Its fraction's key
+    is ideal_key(label + PEERS_BUSY)."""
 
-    def __init__(self, label: str, loaded: LoadedSpec, world, arch: str):
+    PEERS_BUSY = ", peers busy"
+
+    def __init__(self, label: str, loaded: LoadedSpec, world, arch: str, peers_busy: bool = False):
         self.label, self.loaded, self.entry_world, self.arch = label, loaded, world, arch
+        self.peers_busy = peers_busy
         self.world = self.module = None
+        self.peers: list = []  # (World, module) of every other GPU of the entry's World (peers_busy)
         self.sets: list = []
         self.skipped: str | None = None
         self._stack = contextlib.ExitStack()
@@ -339,10 +353,23 @@ class Ideal:
                 return self
             cached = render_to_cache(self.loaded)
             self.module = self.world.load(cached.manifest, arch=self.arch, source=cached.source)
+            if self.peers_busy:
+                self._open_peers(cached)
         except BaseException:
             self._stack.close()  # the World opened above, closed before the error goes on
             raise
         return self
+
+    def _open_peers(self, cached) -> None:
+        """A World of one GPU on each other distinct GPU of the entry's World, the ideal loaded there."""
+        from ..runtime import World
+        from ..runtime.backends import SingleProcessBackend
+
+        mine = self.world.devices[0]
+        for dev in sorted(set(self.entry_world.devices.values()) - {mine}):
+            peer = self._stack.enter_context(World(1, backend=SingleProcessBackend(1, self.world.cp, devices=[dev]),
+                                                   share_gpus=False))
+            self.peers.append((peer, peer.load(cached.manifest, arch=self.arch, source=cached.source)))
 
     def __exit__(self, *exc) -> None:
         try:
@@ -355,21 +382,45 @@ class Ideal:
         for b in sets:
             b.free()
 
-    def rival(self, step: Step, l2_bytes: int) -> Measured:
-        """The ideal at step's size, prepared for tsgen's rounds (step.name's); its buffers live until
-        the next size. A step or ideal without FLOPs has no fraction: a Measured that says so."""
+    def rivals(self, step: Step, l2_bytes: int) -> list[Measured]:
+        """The ideal at step's size, prepared for tsgen's rounds (step.name's), and with peers_busy the
+        same with the other GPUs busy; their buffers live until the next size. A step or ideal without
+        FLOPs has no fraction: a Measured that says so."""
         self._free()
         spec, family = self.loaded.model, get_family(self.loaded.model.op)
         case = family.bench.case(family, spec, 1, step.case.size)
-        impl = f"tsgen {self.label} (1 GPU, whole sequence, in {step.name}'s rounds: the ideal)"
+        where = f"whole sequence, in {step.name}'s rounds"
+        impl = f"tsgen {self.label} (1 GPU, {where}: the ideal)"
         if not (step.case.flops and case.flops):
-            return Measured(impl, step.case.size, None, skipped="no FLOP count on one side: no fraction of it")
-        self.sets = _alloc_sets(self.module, case, l2_bytes)
-        own = Step(self.world, self.module, spec, family, case, "all", [0], self.sets, step.iters, step.reps,
-                   step.warmup, self.label, f"{self.label} {human(step.case.size)}")
-        sampler, host, in_place = _sampler(own, None, label="ideal")
+            return [Measured(impl, step.case.size, None, skipped="no FLOP count on one side: no fraction of it")]
+        out = [self._measured(impl, self.label, step, spec, family, case, l2_bytes)]
+        if self.peers:
+            peer_sets = []
+            for peer, module in self.peers:  # the load beside it: inputs filled, outputs never read
+                sets = _alloc_sets(module, case, l2_bytes)
+                self.sets += sets
+                _fill_inputs(Step(peer, module, spec, family, case, "all", [0], sets, step.iters, step.reps,
+                                  step.warmup, self.label, f"{self.label} {human(step.case.size)} (load)"))
+                peer_sets.append((peer, module, sets))
+
+            def also(i: int) -> None:  # the same call on every other GPU, enqueued first
+                for peer, module, sets in peer_sets:
+                    module.launch(sets[i % len(sets)], ranks=[0], streams=peer.streams)
+
+            out.append(self._measured(f"tsgen {self.label} (1 GPU, {where}, the other GPUs running it too: the ideal)",
+                                      self.label + self.PEERS_BUSY, step, spec, family, case, l2_bytes, also))
+        return out
+
+    def _measured(self, impl: str, label: str, step: Step, spec, family, case: BenchCase, l2_bytes: int,
+                  also: Callable[[int], None] | None = None) -> Measured:
+        """One ideal Measured: its own buffers, a Sampler for tsgen's rounds, its check after them."""
+        sets = _alloc_sets(self.module, case, l2_bytes)
+        self.sets += sets
+        own = Step(self.world, self.module, spec, family, case, "all", [0], sets, step.iters, step.reps,
+                   step.warmup, label, f"{label} {human(step.case.size)}")
+        sampler, host, in_place = _sampler(own, None, label="ideal", also=also)
         # its own count (the row's default is tsgen's per-rank count)
-        extra = {"ideal_label": self.label, "ideal_scale": step.case.flops / case.flops, "count": case.count}
+        extra = {"ideal_label": label, "ideal_scale": step.case.flops / case.flops, "count": case.count}
 
         def after() -> list[str]:  # its check's fields go into its row, as tsgen's do
             checked, problems = _check(own, host, in_place, f"ideal {own.label}")

@@ -52,6 +52,9 @@ class EntryModel(StrictModel):
     patterns: list[str] | None = Field(None, description="copies: pair and/or ring")
     ideal_of: list[str] | None = Field(None, description="labels of entries this one is the ideal of: their tsgen "
                                        "rows get a ratio 'vs ideal' = their TFLOP/s per GPU / this entry's, same size")
+    ideal_peers_busy: bool = Field(False, description="with ideal_of: the named entries also time this ideal on "
+                                   "rank 0's GPU while their other GPUs run it too, a second 'vs ideal' ratio "
+                                   "(LABEL, peers busy)")
 
 
 class ReadmeModel(StrictModel):
@@ -85,6 +88,7 @@ class Entry:
     variant: dict = field(default_factory=dict)
     patterns: tuple[str, ...] | None = None
     ideal_of: tuple[str, ...] = ()
+    ideal_peers_busy: bool = False
     loaded_spec: LoadedSpec | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -152,7 +156,8 @@ def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
             problems += [f"{path}: baselines: {b!r} is not a baseline of op {loaded.model.op} "
                          f"({', '.join(known) or 'it has none'})" for b in model.baselines if b not in known]
         entries.append(Entry(Path(e.spec), e.gpus or model.gpus, sizes, e.label, e.variant,
-                             tuple(e.patterns) if e.patterns else None, tuple(e.ideal_of or ()), loaded))
+                             tuple(e.patterns) if e.patterns else None, tuple(e.ideal_of or ()),
+                             e.ideal_peers_busy, loaded))
     named: dict[str, int] = {}  # entry label -> the ideal entry that names it (one each: runner.Ideal)
     for i, e in enumerate(entries):
         problems += [f"{path}: entries.{i}.ideal_of: no entry is labelled {n!r} (entries: {', '.join(sorted(names))})"
@@ -160,6 +165,8 @@ def load_suite(name: str, suites_dir: Path = SUITES_DIR) -> Suite:
         problems += [f"{path}: entries.{i}.ideal_of: {n!r} already has an ideal (entries.{named[n]}); an entry is "
                      "timed against one" for n in e.ideal_of if n in named]
         named.update({n: i for n in e.ideal_of if n not in named})
+        if e.ideal_peers_busy and not e.ideal_of:
+            problems.append(f"{path}: entries.{i}.ideal_peers_busy: set without ideal_of (no entry times it)")
     if problems:
         raise SpecError(problems)
     return Suite(path.stem, path, model, entries)
@@ -240,7 +247,7 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
         group = baseline_group(loaded.model, get_family(loaded.model.op), gpus)
         planned.append((e, gpus, (group, e.patterns)))  # a group's baselines: timed with its first entry's sizes
     # an entry an ideal entry names (ideal_of) times that ideal in its own rounds too (runner.Ideal)
-    ideal_for = {name: (e.name, e.loaded) for e in entries for name in e.ideal_of}
+    ideal_for = {name: (e.name, e.loaded, e.ideal_peers_busy) for e in entries for name in e.ideal_of}
     outcomes, env, timed = [], {}, set()
     try:
         for gpus, group in itertools.groupby(planned, key=lambda p: p[1]):
