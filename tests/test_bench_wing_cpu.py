@@ -868,15 +868,17 @@ def test_an_ideal_with_its_peers_busy(monkeypatch):
     enqueued with the timed ones (as many), and its outputs are not the timed ones."""
     import tsgen.runtime.backends as backends
 
-    launched = {}
+    launched, worlds = {}, []  # launches per World (the Worlds kept: an id is unique while its object lives)
     real_launch = bench_fakes.Module.launch
 
     def launch(self, bufs, ranks=None, streams=None, **kw):
+        worlds.append(self.world)
         launched[id(self.world)] = launched.get(id(self.world), 0) + 1
         return real_launch(self, bufs, ranks, streams, **kw)
 
     monkeypatch.setattr(bench_fakes.Module, "launch", launch)
-    monkeypatch.setattr(backends, "SingleProcessBackend", lambda size, cp, devices: f"GPU {devices[0]}")
+    asked = []
+    monkeypatch.setattr(backends, "SingleProcessBackend", lambda size, cp, devices: asked.append(devices) or "b")
     cp, ideal = _ideal_suite(monkeypatch, peers_busy=True)
     assert cp.errors == [] and ideal.errors == []
     row = next(r for r in cp.rows if r["impl"] == "tsgen")
@@ -884,6 +886,7 @@ def test_an_ideal_with_its_peers_busy(monkeypatch):
     assert row["ratios"]["ideal: ideal, peers busy"] == pytest.approx(0.75, rel=0.02)
     busy = next(r for r in cp.rows if r.get("ideal_label") == "ideal, peers busy")
     assert "the other GPUs running it too" in busy["impl"] and busy["check"] == "sampled rows"
+    assert asked == [[1]]  # the peer's World on the other GPU of the cp entry's
     assert len(launched) == 4  # the cp World, the ideal's, its peer's, the ideal entry's own
     # every World, the peer's among them, launched at least the busy ideal's timed calls
     assert min(launched.values()) >= len(busy["samples_us"]) * busy["calls"]
@@ -897,3 +900,17 @@ def test_ideal_peers_busy_needs_ideal_of(tmp_path):
                                      "  - {spec: specs/attention_hd128.yaml, gpus: 1, ideal_peers_busy: true}\n")
     with pytest.raises(SpecError, match="ideal_peers_busy: set without ideal_of"):
         load_suite(str(tmp_path / "s.yaml"))
+
+
+def test_an_ideal_timed_in_graphs_has_no_peers_busy_variant(monkeypatch):
+    """peers_busy with an ideal whose op is timed in CUDA graphs (a capture of GPU 0's stream would leave the
+    peer idle in the replays): a note, no busy row, the lone ideal still paired."""
+    import tsgen.runtime.backends as backends
+
+    monkeypatch.setattr(get_family("attention").bench, "graphs", True)
+    monkeypatch.setattr(backends, "SingleProcessBackend", lambda size, cp, devices: "b")
+    cp, _ = _ideal_suite(monkeypatch, peers_busy=True)
+    assert any("peers busy: not timed (its op is timed in CUDA graphs)" in n for n in cp.notes), cp.notes
+    assert not any(r.get("ideal_label", "").endswith("peers busy") for r in cp.rows)
+    row = next(r for r in cp.rows if r["impl"] == "tsgen")
+    assert "ideal: ideal" in row["ratio_spread"] and "ideal: ideal, peers busy" not in row["ratios"]

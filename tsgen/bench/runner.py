@@ -178,8 +178,8 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
         timed_ideal = ideal is not None and not w.shared and control is None
         ideal_args = dict(zip(("label", "loaded", "peers_busy"), ideal or ()))
         with (Ideal(world=w, arch=arch, **ideal_args) if timed_ideal else contextlib.nullcontext()) as ideal_run:
-            if ideal_run is not None and ideal_run.skipped:
-                out.notes.append(ideal_run.skipped)
+            if ideal_run is not None:
+                out.notes += [n for n in (ideal_run.skipped, ideal_run.note) if n]
             for size in size_list:
                 case = conv.case(family, spec, w.size, size)
                 for pattern in patterns or conv.patterns:
@@ -337,6 +337,7 @@ class Ideal:
         self.peers: list = []  # (World, module) of every other GPU of the entry's World (peers_busy)
         self.sets: list = []
         self.skipped: str | None = None
+        self.note: str | None = None  # why the peers-busy ideal is not timed, where asked for
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "Ideal":
@@ -361,15 +362,30 @@ class Ideal:
         return self
 
     def _open_peers(self, cached) -> None:
-        """A World of one GPU on each other distinct GPU of the entry's World, the ideal loaded there."""
+        """A World of one GPU on each other distinct GPU of the entry's World, the ideal loaded there.
+        What cannot be (an op timed in CUDA graphs: a capture of GPU 0's stream would leave the peers
+        idle in the timed replays; a peer that does not open) is a note, the lone ideal still timed."""
         from ..runtime import World
         from ..runtime.backends import SingleProcessBackend
 
+        if get_family(self.loaded.model.op).bench.graphs:
+            self.note = f"ideal {self.label}{self.PEERS_BUSY}: not timed (its op is timed in CUDA graphs)"
+            return
         mine = self.world.devices[0]
-        for dev in sorted(set(self.entry_world.devices.values()) - {mine}):
-            peer = self._stack.enter_context(World(1, backend=SingleProcessBackend(1, self.world.cp, devices=[dev]),
-                                                   share_gpus=False))
-            self.peers.append((peer, peer.load(cached.manifest, arch=self.arch, source=cached.source)))
+        try:
+            for dev in sorted(set(self.entry_world.devices.values()) - {mine}):
+                backend = SingleProcessBackend(1, self.world.cp, devices=[dev])
+                peer = self._stack.enter_context(World(1, backend=backend, share_gpus=False))
+                self.peers.append((peer, peer.load(cached.manifest, arch=self.arch, source=cached.source)))
+        except Exception as e:  # noqa: BLE001 - the lone ideal and the entry still run
+            self.peers = []
+            self.note = f"ideal {self.label}{self.PEERS_BUSY}: not timed: {type(e).__name__}: {e}"[:300]
+
+    def _sync_peers(self) -> None:
+        """Before each ideal sample: the peers' calls of the previous one done (GPU 0's clock waits only
+        for GPU 0), so that no sample runs beside a peer's leftover."""
+        for peer, _ in self.peers:
+            peer.synchronize()
 
     def __exit__(self, *exc) -> None:
         try:
@@ -419,6 +435,8 @@ class Ideal:
         own = Step(self.world, self.module, spec, family, case, "all", [0], sets, step.iters, step.reps,
                    step.warmup, label, f"{label} {human(step.case.size)}")
         sampler, host, in_place = _sampler(own, None, label="ideal", also=also)
+        # each sample after one untimed call (as tsgen's W > 1 lineup), the peers' leftovers done first
+        sampler.settle, sampler.before_sample = 1, (self._sync_peers if self.peers else None)
         # its own count (the row's default is tsgen's per-rank count)
         extra = {"ideal_label": label, "ideal_scale": step.case.flops / case.flops, "count": case.count}
 
