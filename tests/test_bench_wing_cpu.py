@@ -845,7 +845,7 @@ def test_an_entry_has_one_ideal(tmp_path):
 def test_an_ideal_that_fails_to_load_closes_its_world(monkeypatch):
     """runner.Ideal: an error after its World of one GPU opened (the module's load) closes that World
     before the error goes on."""
-    from tsgen.bench.runner import Ideal
+    from tsgen.bench.runner import Ideal, IdealOf
 
     install(monkeypatch)
     closed = []
@@ -857,7 +857,7 @@ def test_an_ideal_that_fails_to_load_closes_its_world(monkeypatch):
     monkeypatch.setattr(bench_fakes.World, "load", load)
     entry = bench_fakes.World(2)
     with pytest.raises(RuntimeSetupError, match="no such kernel"):
-        with Ideal("i", spec_variant(load_spec("specs/attention_hd128.yaml"), {}), entry, "sm_90a"):
+        with Ideal(IdealOf("i", spec_variant(load_spec("specs/attention_hd128.yaml"), {})), entry, "sm_90a"):
             pass
     assert [size for size, _ in closed] == [1]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -129,10 +129,10 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
                patterns: tuple[str, ...] | None = None, backend: str = "single", share_gpus: bool | None = None,
                baselines: bool = True, arch: str = "sm_90a", echo: Callable[[str], None] = print,
                progress: Callable[[str], None] | None = None, control: str | None = None, world=None,
-               only_baselines: tuple[str, ...] | None = None, ideal: tuple | None = None) -> Outcome:
+               only_baselines: tuple[str, ...] | None = None, ideal: "IdealOf | None" = None) -> Outcome:
     """Time `spec_path` (with `variant` merged in; or a LoadedSpec, loaded once by the caller) at
     `sizes` (default: the op's) against its baselines (`only_baselines`: those of these names);
-    errors instead of rows for every result that fails a check. `ideal` (label, spec[, peers_busy]): a
+    errors instead of rows for every result that fails a check. `ideal` (IdealOf): a
     single-GPU spec of the same work over the whole size (a suite's `ideal_of` entry), timed in tsgen's
     own rounds on rank 0's GPU (`Ideal`): tsgen's rows get ratios[ideal_key(label)] paired round by round
     (and, with peers_busy, a second fraction against the ideal timed while the other GPUs run it too).
@@ -176,8 +176,7 @@ def bench_spec(spec_path, gpus: int | None = None, sizes=None, *, variant: dict 
         in_process = baselines and not w.shared and control is None
         # the ideal's World (one GPU, rank 0's) and module live as long as the sizes' timings
         timed_ideal = ideal is not None and not w.shared and control is None
-        ideal_args = dict(zip(("label", "loaded", "peers_busy"), ideal or ()))
-        with (Ideal(world=w, arch=arch, **ideal_args) if timed_ideal else contextlib.nullcontext()) as ideal_run:
+        with (Ideal(ideal, w, arch) if timed_ideal else contextlib.nullcontext()) as ideal_run:
             if ideal_run is not None:
                 out.notes += [n for n in (ideal_run.skipped, ideal_run.note) if n]
             for size in size_list:
@@ -275,11 +274,12 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev,
     return row, []
 
 
-def _sampler(step: Step, control: str | None, label: str = "tsgen",
-             also: Callable[[int], None] | None = None) -> tuple[Sampler, dict | None, bool]:
+def _sampler(step: Step, control: str | None, label: str = "tsgen", also: Callable[[int], None] | None = None,
+             **sampler_args) -> tuple[Sampler, dict | None, bool]:
     """A tsgen kernel's Sampler with its inputs filled (its warm-up, and the poisoning of the outputs
     after it, run when the rounds prepare it), the host inputs its check compares with, and whether
-    the op works in place. `also(i)`: other work enqueued before each of its calls (not timed)."""
+    the op works in place. `also(i)`: other work enqueued before each of its calls (not timed);
+    `sampler_args`: the Sampler's own (settle, before_sample)."""
     w, conv, sets = step.world, step.conv, step.sets
     host = step.host = _fill_inputs(step)
     in_place = any(s.role == "inout" for s in sets[0].slots)
@@ -305,13 +305,23 @@ def _sampler(step: Step, control: str | None, label: str = "tsgen",
                       warmup=step.warmup, graphs=conv.graphs,
                       lineup=w.size > 1 and step.pattern != "pair", after_warmup=None if in_place else poison,
                       event_streams=w.make_streams() if control == "other-stream" else None,
-                      counter=counter if conv.counts_calls else None, label=f"{label} {step.label}")
+                      counter=counter if conv.counts_calls else None, label=f"{label} {step.label}",
+                      **sampler_args)
     return sampler, host, in_place
 
 
 def ideal_key(label: str) -> str:
     """The ratio key of an ideal entry's fraction on the rows of the entries it names (`ideal_of`)."""
     return f"ideal: {label}"
+
+
+class IdealOf(NamedTuple):
+    """What a suite entry names as its ideal (suites.run_entries): the ideal entry's label and spec, and
+    whether to time it also with the peers busy (the entry's `ideal_peers_busy`)."""
+
+    label: str
+    loaded: LoadedSpec
+    peers_busy: bool = False
 
 
 class Ideal:
@@ -330,9 +340,9 @@ class Ideal:
 
     PEERS_BUSY = ", peers busy"
 
-    def __init__(self, label: str, loaded: LoadedSpec, world, arch: str, peers_busy: bool = False):
-        self.label, self.loaded, self.entry_world, self.arch = label, loaded, world, arch
-        self.peers_busy = peers_busy
+    def __init__(self, of: IdealOf, world, arch: str):
+        self.label, self.loaded, self.peers_busy = of
+        self.entry_world, self.arch = world, arch
         self.world = self.module = None
         self.peers: list = []  # (World, module) of every other GPU of the entry's World (peers_busy)
         self.sets: list = []
@@ -409,14 +419,13 @@ class Ideal:
         impl = f"tsgen {self.label} (1 GPU, {where}: the ideal)"
         if not (step.case.flops and case.flops):
             return [Measured(impl, step.case.size, None, skipped="no FLOP count on one side: no fraction of it")]
-        out = [self._measured(impl, self.label, step, spec, family, case, l2_bytes)]
+        out = [self._measured(impl, self.label, step, case, l2_bytes)]
         if self.peers:
             peer_sets = []
             for peer, module in self.peers:  # the load beside it: inputs filled, outputs never read
                 sets = _alloc_sets(module, case, l2_bytes)
                 self.sets += sets
-                _fill_inputs(Step(peer, module, spec, family, case, "all", [0], sets, step.iters, step.reps,
-                                  step.warmup, self.label, f"{self.label} {human(step.case.size)} (load)"))
+                _fill_inputs(self._step(peer, module, sets, step, case, f"{self.label} (load)"))
                 peer_sets.append((peer, module, sets))
 
             def also(i: int) -> None:  # the same call on every other GPU, enqueued first
@@ -424,19 +433,24 @@ class Ideal:
                     module.launch(sets[i % len(sets)], ranks=[0], streams=peer.streams)
 
             out.append(self._measured(f"tsgen {self.label} (1 GPU, {where}, the other GPUs running it too: the ideal)",
-                                      self.label + self.PEERS_BUSY, step, spec, family, case, l2_bytes, also))
+                                      self.label + self.PEERS_BUSY, step, case, l2_bytes, also))
         return out
 
-    def _measured(self, impl: str, label: str, step: Step, spec, family, case: BenchCase, l2_bytes: int,
+    def _step(self, world, module, sets, step: Step, case: BenchCase, label: str) -> Step:
+        """The ideal's Step on `world` (its own or a peer's) at step's size, iterations and label."""
+        spec = self.loaded.model
+        return Step(world, module, spec, get_family(spec.op), case, "all", [0], sets, step.iters, step.reps,
+                    step.warmup, label, f"{label} {human(step.case.size)}")
+
+    def _measured(self, impl: str, label: str, step: Step, case: BenchCase, l2_bytes: int,
                   also: Callable[[int], None] | None = None) -> Measured:
         """One ideal Measured: its own buffers, a Sampler for tsgen's rounds, its check after them."""
         sets = _alloc_sets(self.module, case, l2_bytes)
         self.sets += sets
-        own = Step(self.world, self.module, spec, family, case, "all", [0], sets, step.iters, step.reps,
-                   step.warmup, label, f"{label} {human(step.case.size)}")
-        sampler, host, in_place = _sampler(own, None, label="ideal", also=also)
+        own = self._step(self.world, self.module, sets, step, case, label)
         # each sample after one untimed call (as tsgen's W > 1 lineup), the peers' leftovers done first
-        sampler.settle, sampler.before_sample = 1, (self._sync_peers if self.peers else None)
+        sampler, host, in_place = _sampler(own, None, label="ideal", also=also, settle=1,
+                                           before_sample=self._sync_peers if self.peers else None)
         # its own count (the row's default is tsgen's per-rank count)
         extra = {"ideal_label": label, "ideal_scale": step.case.flops / case.flops, "count": case.count}
 

@@ -230,7 +230,7 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
     from ..ops import get_family
     from ..runtime import World
     from ..runtime.backends import world_size
-    from .runner import add_ratios, baseline_group, bench_spec
+    from .runner import IdealOf, add_ratios, baseline_group, bench_spec
     from .results import environment
 
     planned = []
@@ -247,7 +247,7 @@ def run_entries(entries: list[Entry], *, iters: int = 20, reps: int = 7, warmup:
         group = baseline_group(loaded.model, get_family(loaded.model.op), gpus)
         planned.append((e, gpus, (group, e.patterns)))  # a group's baselines: timed with its first entry's sizes
     # an entry an ideal entry names (ideal_of) times that ideal in its own rounds too (runner.Ideal)
-    ideal_for = {name: (e.name, e.loaded, e.ideal_peers_busy) for e in entries for name in e.ideal_of}
+    ideal_for = {name: IdealOf(e.name, e.loaded, e.ideal_peers_busy) for e in entries for name in e.ideal_of}
     outcomes, env, timed = [], {}, set()
     try:
         for gpus, group in itertools.groupby(planned, key=lambda p: p[1]):
