@@ -84,16 +84,16 @@ def timed_phase(w, streams, call, calls: int) -> tuple[float, float, float]:
     call()
     w.synchronize()
     starts, ends = {}, {}
-    for r, s in zip(w.ranks, streams):
+    for r in w.ranks:
         with cp.cuda.Device(w.devices[r]):
             starts[r], ends[r] = cp.cuda.Event(), cp.cuda.Event()
-            starts[r].record(s)
+            starts[r].record(streams[r])
     t0 = time.perf_counter()
     for _ in range(calls):
         call()
-    for r, s in zip(w.ranks, streams):
+    for r in w.ranks:
         with cp.cuda.Device(w.devices[r]):
-            ends[r].record(s)
+            ends[r].record(streams[r])
     w.synchronize()
     t1 = time.perf_counter()
     per_call = max(cp.cuda.get_elapsed_time(starts[r], ends[r]) for r in w.ranks) * 1000.0 / calls
