@@ -491,6 +491,23 @@ def test_tile_counter_renders_only_where_set():
     assert "Op::CAUSAL || tile_counter_of<Op>::value ? sig + WORK : nullptr" in header
 
 
+def test_attention_only_entry_renders_only_where_set():
+    """params.attention_only_entry (test-only, tools/cp_clock_probe.py --solo): unset, no shipped source has the
+    entry; set, every world's <kernel>_attention_only_launch takes the launcher's arguments and calls the same
+    launcher with ATTENTION_ONLY, which returns the attention kernel's launch before the entry exchange."""
+    for shipped in SHIPPED:
+        assert "attention_only" not in (ROOT / "generated" / f"{shipped}.cu").read_text(), shipped
+    loaded = variant("solo", params={"local_kv": True, "attention_only_entry": True})
+    source = render(loaded).source
+    for w in loaded.model.world_sizes:
+        assert (f"cudaError_t solo_w{w}_attention_only_launch(char* const* peers, char* const* peers_host, int rank, "
+                in source)
+        assert f"tsgen::cp::launch<solo::Host, {w}, solo_w{w}_sync, nullptr, solo_attention, true>(" in source
+    header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
+    body = header[header.index("bool ATTENTION_ONLY = false"):]
+    assert body.index("if constexpr (ATTENTION_ONLY) return attention();") < body.index("SYNC<<<1, 32, 0, stream>>>")
+
+
 def test_tile_counter_refused_where_causal(tmp_path):
     text = CP + "params:\n  causal: true\n  tile_counter: true\n"
     assert spec_problems(tmp_path, text) == [

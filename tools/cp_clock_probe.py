@@ -1,18 +1,22 @@
 """Is the not-causal cp call slower than its ideal per cycle, or at a lower SM clock? (issue 33,
 docs/design/cp_attention.md: "The clock beside the rate")
 
-Alternates PHASES times: a phase of the shipped cp_attention call at W 2 (both GPUs), then a phase of
-the ideal (the single-GPU attention kernel of the same heads over the whole sequence, on GPU 0 alone),
+Alternates PHASES times: a phase of the shipped cp_attention call at W 2 (both GPUs), then (--solo) a
+phase of rank 0's attention kernel alone over the K and V the calls gathered (params.attention_only_entry:
+no entry exchange, copies, signals or peer; every chunk already signalled), then a phase of the ideal (the
+single-GPU attention kernel of the same heads over the whole sequence, on GPU 0 alone),
 each phase CALLS back-to-back calls between CUDA events on the streams they run on, after one untimed
 call. Beside it a thread reads GPU 0's and GPU 1's SM clock and power from NVML every few ms. Per phase:
 the time per call (the cp call: the slower rank's), GPU 0's median SM clock and power over the phase's
-timed window; then per cp / ideal pair: the rate ratio (cp FLOP rate per GPU over the ideal's) and the
-clock ratio (cp phase's GPU 0 median clock over the ideal phase's). If the rate ratio follows the clock
-ratio, the gap is the clock (power: the H200 runs these kernels at its power limit); if the clocks are
-equal and the rate is not, the gap is cycles. Outputs of the last calls of each phase are checked as the
-bench checks them.
+timed window; then per phase round, for the cp call and the solo kernel against the ideal: the rate ratio
+(FLOP rate per GPU over the ideal's), the clock ratio (the phase's GPU 0 median clock over the ideal
+phase's) and their quotient, the ratio per cycle. If the rate ratio follows the clock ratio, the gap is the
+clock (power: the H200 runs these kernels at its power limit); if the clocks are equal and the rate is
+not, the gap is cycles; the solo kernel's per-cycle ratio says whether those cycles are lost in the kernel
+itself or beside the copies and the peer. The outputs of the last phase (the solo kernel's, where run) and
+the ideal's are checked as the bench checks them.
 
-    python3 tools/cp_clock_probe.py OUT [--seq 16384,32768] [--phases 8] [--calls 20]
+    python3 tools/cp_clock_probe.py OUT [--seq 16384,32768] [--phases 8] [--calls 20] [--solo]
 
 Writes OUT/cp_clock_probe.json (per size and phase: times, the NVML samples in the window) and prints
 a table. Needs 2 GPUs and nvidia-ml-py (pynvml).
@@ -100,17 +104,29 @@ def timed_phase(w, streams, call, calls: int) -> tuple[float, float, float]:
     return per_call, t0, t1
 
 
+def against(c: dict, ideal: dict, gpu: str) -> dict:
+    """A W 2 phase against the ideal phase of its round: rate (FLOP rate per GPU over the ideal's: the ideal's
+    time / 2 over the phase's), clock (GPU `gpu`'s median SM clock over the ideal phase's), per cycle."""
+    rate = (ideal["us_per_call"] / 2) / c["us_per_call"]
+    mc, mi = c[gpu]["mhz"], ideal[gpu]["mhz"]
+    clock = mc / mi if mc and mi else None
+    return {"rate": rate, "clock": clock, "per_cycle": rate / clock if clock else None}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--seq", default="16384,32768")
     ap.add_argument("--phases", type=int, default=8)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--solo", action="store_true", help="also time rank 0's attention kernel alone")
     a = ap.parse_args(argv)
     from tsgen.runtime import World
 
     seqs = [int(x) for x in a.seq.split(",")]
     cp_loaded = load_spec(CP_SPEC)
+    if a.solo:  # the shipped spec with the test-only entry: the same kernel and launcher
+        cp_loaded = spec_variant(cp_loaded, {"name": "cp_attention_solo", "params": {"attention_only_entry": True}})
     kv_heads = cp_loaded.model.params.kv_heads
     ideal_loaded = spec_variant(load_spec(IDEAL_SPEC), {"name": f"ideal_h32_kv{kv_heads}",
                                                         "params": {"kv_heads": kv_heads}})
@@ -140,9 +156,14 @@ def main(argv=None) -> int:
                 def ideal_call():
                     ideal_mod.launch(ibufs, ranks=w1.ranks, streams=w1.streams)
 
+                def solo_call():  # rank 0 alone, after the cp phase's full calls signalled every chunk
+                    cp_mod.launch_entry("attention_only", cbufs, [w2.ranks[0]], w2.streams)
+
+                order = [("cp", w2, cp_call)] + ([("solo", w2, solo_call)] if a.solo else []) + \
+                    [("ideal", w1, ideal_call)]
                 phases = []
                 for k in range(a.phases):
-                    for who, world, call in (("cp", w2, cp_call), ("ideal", w1, ideal_call)):
+                    for who, world, call in order:
                         us, t0, t1 = timed_phase(world, world.streams, call, a.calls)
                         row = {"phase": k, "who": who, "us_per_call": us}
                         for g in gpus:
@@ -162,33 +183,32 @@ def main(argv=None) -> int:
                 err_ideal = ideal_fam.bench.check_rows(ideal_fam, ideal_loaded.model, 1, seq, fetch_ideal)
                 cbufs.free()
                 ibufs.free()
-                g0 = gpus[0]
-                pairs = []
-                for k in range(a.phases):
-                    c, i = phases[2 * k], phases[2 * k + 1]
-                    # cp: half the ideal's FLOPs per GPU (not causal, W 2): rate ratio = (ideal / 2) / cp
-                    rate = (i["us_per_call"] / 2) / c["us_per_call"]
-                    mc, mi = c[f"gpu{g0}"]["mhz"], i[f"gpu{g0}"]["mhz"]
-                    clock = mc / mi if mc and mi else None
-                    pairs.append({"rate": rate, "clock": clock, "per_cycle": rate / clock if clock else None})
-                med = {key: statistics.median(p[key] for p in pairs if p[key] is not None) for key in pairs[0]}
+                g0, g1 = f"gpu{gpus[0]}", f"gpu{gpus[-1]}"
+                n = len(order)
+                # cp and solo against the ideal of the same round: half its FLOPs per GPU (not causal, W 2)
+                pairs = {who: [against(phases[n * k + j], phases[n * k + n - 1], g0) for k in range(a.phases)]
+                         for j, (who, _, _) in enumerate(order[:-1])}
+                med = {who: {key: statistics.median(p[key] for p in ps if p[key] is not None) for key in ps[0]}
+                       for who, ps in pairs.items()}
                 out["sizes"][str(seq)] = {"phases": phases, "pairs": pairs, "median": med, "row_error_cp": err_cp,
                                           "row_error_ideal": err_ideal}
-                lines.append(f"S = {seq}: rows check cp {err_cp:.2e}, ideal {err_ideal:.2e} "
-                             f"({'ok' if max(err_cp, err_ideal) <= MAX_REL_ERR else 'WRONG'})")
-                lines.append(f"{'phase':>5} {'cp us':>9} {'ideal us':>9} {'cp MHz':>7} {'id MHz':>7} {'cp W':>6} "
-                             f"{'id W':>6} {'gpu1 cp MHz':>11} {'rate':>6} {'clock':>6} {'/cycle':>6}")
-                for k, p in enumerate(pairs):
-                    c, i = phases[2 * k], phases[2 * k + 1]
-                    g1 = f"gpu{gpus[-1]}"
-                    lines.append(f"{k:>5} {c['us_per_call']:>9.1f} {i['us_per_call']:>9.1f} "
-                                 f"{c[f'gpu{g0}']['mhz'] or 0:>7.0f} {i[f'gpu{g0}']['mhz'] or 0:>7.0f} "
-                                 f"{c[f'gpu{g0}']['watts'] or 0:>6.0f} {i[f'gpu{g0}']['watts'] or 0:>6.0f} "
-                                 f"{c[g1]['mhz'] or 0:>11.0f} {p['rate']:>6.3f} {p['clock'] or 0:>6.3f} "
-                                 f"{p['per_cycle'] or 0:>6.3f}")
-                lines.append(f"median: rate {med['rate']:.3f} (cp per GPU over the ideal), clock {med['clock']:.3f} "
-                             f"(cp phase's GPU {g0} SM clock over the ideal phase's), per cycle {med['per_cycle']:.3f}")
-                print("\n".join(lines[-(a.phases + 3):]), flush=True)
+                lines.append(f"S = {seq}: rows check cp{' (the solo kernel last)' if a.solo else ''} {err_cp:.2e}, "
+                             f"ideal {err_ideal:.2e} ({'ok' if max(err_cp, err_ideal) <= MAX_REL_ERR else 'WRONG'})")
+                lines.append(f"{'phase':>5} {'who':>5} {'us':>9} {'ideal us':>9} {'MHz':>6} {'id MHz':>6} {'W':>5} "
+                             f"{'id W':>5} {'gpu1 MHz':>8} {'rate':>6} {'clock':>6} {'/cycle':>6}")
+                for k in range(a.phases):
+                    i = phases[n * k + n - 1]
+                    for j, (who, _, _) in enumerate(order[:-1]):
+                        c, p = phases[n * k + j], pairs[who][k]
+                        lines.append(f"{k:>5} {who:>5} {c['us_per_call']:>9.1f} {i['us_per_call']:>9.1f} "
+                                     f"{c[g0]['mhz'] or 0:>6.0f} {i[g0]['mhz'] or 0:>6.0f} "
+                                     f"{c[g0]['watts'] or 0:>5.0f} {i[g0]['watts'] or 0:>5.0f} "
+                                     f"{c[g1]['mhz'] or 0:>8.0f} {p['rate']:>6.3f} {p['clock'] or 0:>6.3f} "
+                                     f"{p['per_cycle'] or 0:>6.3f}")
+                for who, m in med.items():
+                    lines.append(f"median {who}: rate {m['rate']:.3f} (per GPU over the ideal), clock {m['clock']:.3f} "
+                                 f"(GPU 0's SM clock over the ideal phase's), per cycle {m['per_cycle']:.3f}")
+                print("\n".join(lines[-(a.phases * (n - 1) + n + 1):]), flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "cp_clock_probe.json").write_text(json.dumps(out, indent=1))
     (a.out / "cp_clock_probe.txt").write_text("\n".join(lines) + "\n")

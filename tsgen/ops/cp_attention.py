@@ -199,6 +199,12 @@ class CpAttentionParams(StrictModel):
         "batch 1, the suites' shape) with cudaMemcpyAsync instead of cudaMemcpy2DAsync (the path cudaMemcpyPeer's 397 GB/s was "
         "measured on), to tell whether the 2-D path is what makes a call's copies slow (issue 33, "
         "docs/design/cp_attention.md: \"Outside the tiles\"); other pieces stay 2-D. Off: every piece 2-D")
+    attention_only_entry: bool = Field(
+        False, description="test-only: also export <kernel>_attention_only_launch (the launcher's arguments), which "
+        "enqueues the attention kernel alone at the rank's current epoch: no entry exchange, copies or signals. After "
+        "a full call its chunks are all signalled, so the kernel runs over the gathered K and V without a wait or a "
+        "peer, as a single-GPU kernel would (issue 33, docs/design/cp_attention.md: \"The clock beside the rate\"; "
+        "tools/cp_clock_probe.py --solo). Off: no such entry")
     skip_wait: bool = Field(
         False, description="test-only negative control: the attention kernel does not wait for the first remote "
         "KV chunk it reads (a correct run must then fail under rank skew); never in a shipped spec")

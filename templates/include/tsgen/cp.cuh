@@ -316,7 +316,9 @@ static cudaError_t refused(int world, int rank, uint64_t count, const char* why,
   return err;
 }
 
-template <class Op, int WORLD, auto SYNC, auto PUSH, auto ATTENTION, class T>
+// ATTENTION_ONLY (test-only, params.attention_only_entry): the attention kernel alone at the rank's current
+// epoch, no entry exchange, copies or signals; after a full call every chunk it waits for is signalled.
+template <class Op, int WORLD, auto SYNC, auto PUSH, auto ATTENTION, bool ATTENTION_ONLY = false, class T>
 static cudaError_t launch(char* const* peers, char* const* peers_host, int rank, uint64_t* calls, uint64_t count,
                           T* q, T* k, T* v, T* o, float* lse, T* k_full, T* v_full, uint64_t* sig,
                           cudaStream_t stream) {
@@ -358,6 +360,14 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   uint64_t* host = nullptr;
 #endif
   (void)host;
+  const auto attention = [&] {
+    return tsgen::attention::launch<typename Op::Config>(
+        ATTENTION, q, k_full, v_full, o, lse, Op::BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
+        sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited,
+        Op::CAUSAL || tile_counter_of<Op>::value ? sig + WORK : nullptr,
+        Op::TRACE ? sig + SIGNALS + STAMP_WORDS : nullptr, (uint32_t)Op::TRACE, false, local);
+  };
+  if constexpr (ATTENTION_ONLY) return attention();
   SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, count);
   TSGEN_TRY(cudaGetLastError());
   TSGEN_CP_HOST_STEP(host, 2);
@@ -404,11 +414,7 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   }
   // Its error (if any) is returned after the side streams are joined back into `stream`: a
   // capture must not end with a fork open.
-  const cudaError_t launched = tsgen::attention::launch<typename Op::Config>(
-      ATTENTION, q, k_full, v_full, o, lse, Op::BATCH, count, WORLD * count, q_offset, q_split, q_offset2, 0,
-      sig + READY, kv_chunk(g), 0, grid, stream, calls, unwaited,
-      Op::CAUSAL || tile_counter_of<Op>::value ? sig + WORK : nullptr,
-      Op::TRACE ? sig + SIGNALS + STAMP_WORDS : nullptr, (uint32_t)Op::TRACE, false, local);
+  const cudaError_t launched = attention();
   TSGEN_CP_HOST_STEP(host, HOST_ATTENTION);
   TSGEN_TRY(cudaEventRecord(l->copy_done, l->copy));
   TSGEN_TRY(cudaStreamWaitEvent(stream, l->copy_done, 0));
