@@ -508,6 +508,21 @@ def test_attention_only_entry_renders_only_where_set():
     assert body.index("if constexpr (ATTENTION_ONLY) return attention();") < body.index("SYNC<<<1, 32, 0, stream>>>")
 
 
+def test_row_max_chains_renders_only_where_set(tmp_path):
+    """params.row_max_chains (attention's parameter, one type: RowMaxChains): unset, no shipped cp source has the
+    constant (the serial chain); set, the module constant and the Config's, as attention's; a count that does not
+    divide tile.n / 4 is refused by the check the two ops share."""
+    for shipped in SHIPPED:
+        assert "ROW_MAX_CHAINS" not in (ROOT / "generated" / f"{shipped}.cu").read_text(), shipped
+    source = render(variant("chains", params={"row_max_chains": 2})).source
+    assert "\nconstexpr int ROW_MAX_CHAINS = 2;\n" in source
+    assert "static constexpr int ROW_MAX_CHAINS = chains::ROW_MAX_CHAINS;" in source
+    text = CP + "params:\n  tile: {m: 128, n: 80}\n  row_max_chains: 8\n"
+    assert spec_problems(tmp_path, text) == [
+        "7:3: params.row_max_chains: row_max_chains 8 does not divide the 20 scores per row a consumer thread holds "
+        "with blocks of 80 keys (tile.n / 4): use a divisor of it"]
+
+
 def test_tile_counter_refused_where_causal(tmp_path):
     text = CP + "params:\n  causal: true\n  tile_counter: true\n"
     assert spec_problems(tmp_path, text) == [

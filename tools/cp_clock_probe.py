@@ -17,6 +17,10 @@ itself or beside the copies and the peer. The outputs of the last phase (the sol
 the ideal's are checked as the bench checks them.
 
     python3 tools/cp_clock_probe.py OUT [--seq 16384,32768] [--phases 8] [--calls 20] [--solo]
+                                    [--param KEY=VALUE ...]
+
+--param sets a parameter of the cp spec (the variant's name says which: cp_attention_probe).
+
 
 Writes OUT/cp_clock_probe.json (per size and phase: times, the NVML samples in the window) and prints
 a table. Needs 2 GPUs and nvidia-ml-py (pynvml).
@@ -34,11 +38,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))  # attention_trace's --param parser
 
 from tsgen.bench.runner import MAX_REL_ERR, fill_random  # noqa: E402
 from tsgen.harness import render_to_cache  # noqa: E402
 from tsgen.ops import get_family  # noqa: E402
 from tsgen.spec import load_spec, spec_variant  # noqa: E402
+from attention_trace import parse_params  # noqa: E402
 
 CP_SPEC = ROOT / "specs" / "cp_attention.yaml"
 IDEAL_SPEC = ROOT / "specs" / "attention_hd128.yaml"
@@ -120,18 +126,20 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", type=int, default=8)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--solo", action="store_true", help="also time rank 0's attention kernel alone")
+    ap.add_argument("--param", action="append", default=[], help="KEY=VALUE: a parameter of the cp spec")
     a = ap.parse_args(argv)
     from tsgen.runtime import World
 
     seqs = [int(x) for x in a.seq.split(",")]
     cp_loaded = load_spec(CP_SPEC)
-    if a.solo:  # the shipped spec with the test-only entry: the same kernel and launcher
-        cp_loaded = spec_variant(cp_loaded, {"name": "cp_attention_solo", "params": {"attention_only_entry": True}})
+    params = {**parse_params(a.param), **({"attention_only_entry": True} if a.solo else {})}
+    if params:  # the shipped spec with the test-only entry (the same kernel and launcher) and --param
+        cp_loaded = spec_variant(cp_loaded, {"name": "cp_attention_probe", "params": params})
     kv_heads = cp_loaded.model.params.kv_heads
     ideal_loaded = spec_variant(load_spec(IDEAL_SPEC), {"name": f"ideal_h32_kv{kv_heads}",
                                                         "params": {"kv_heads": kv_heads}})
-    out = {"cp_spec": str(CP_SPEC.relative_to(ROOT)), "ideal": ideal_loaded.model.name, "calls": a.calls,
-           "phases": a.phases, "sizes": {}}
+    out = {"cp_spec": str(CP_SPEC.relative_to(ROOT)), "params": params, "ideal": ideal_loaded.model.name,
+           "calls": a.calls, "phases": a.phases, "sizes": {}}
     lines = []
     with World(2) as w2, World(1, share_gpus=False) as w1:
         assert w1.devices[0] == w2.devices[0], "the ideal must run on rank 0's GPU"

@@ -68,6 +68,14 @@ def _fits_float32(value: float) -> float:
 
 SoftmaxScale = Annotated[float, Field(gt=0), AfterValidator(_fits_float32)]
 
+# params.row_max_chains of attention and cp_attention (the same kernel code, tsgen/attention.cuh)
+RowMaxChains = Annotated[Literal[2, 4, 8] | None, Field(
+    description="the softmax's row maximum of each block in this many independent chains per row and thread, then "
+    "a pairwise tree (unset: one serial chain of tile.n / 4 dependent max instructions per row). The same maxima bit "
+    "for bit; shortens the latency between a block's S and its first exp2. Divides tile.n / 4 (a thread's scores "
+    "per row)")]
+
+
 class AttentionTile(StrictModel):
     """CTA tile: tile.m query rows (64 per consumer warpgroup) against blocks of tile.n keys."""
 
@@ -131,11 +139,7 @@ class AttentionParams(AttentionShape):
         False, description="stage O in shared memory of its own (one more Q tile's bytes) and release Q after a "
         "tile's last S = Q K^T, so that with schedule: persistent the next tile's Q and first K blocks load during "
         "this tile's last P V and epilogue, and its O store drains during the next tile's first S")
-    row_max_chains: Literal[2, 4, 8] | None = Field(
-        None, description="the softmax's row maximum of each block in this many independent chains per row and "
-        "thread, then a pairwise tree (unset: one serial chain of tile.n / 4 dependent max instructions per row, "
-        "as shipped). The same maxima bit for bit; shortens the latency between a block's S and its first exp2. "
-        "Divides tile.n / 4 (a thread's scores per row)")
+    row_max_chains: RowMaxChains = None
 
 
 class AttentionLaunch(StrictModel):

@@ -46,9 +46,9 @@ from pydantic import Field
 from ..errors import RuntimeSetupError
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, WorldSizes
-from .attention import (AttentionFamily, AttentionTile, SoftmaxScale, attention_reference, check_query_rows, flops,
-                        from_bshd, o_tolerance, scale_of, scale_vars, shape_constants, shape_key, smem_bytes, to_bshd,
-                        worst_row_error)
+from .attention import (AttentionFamily, AttentionTile, RowMaxChains, SoftmaxScale, attention_reference,
+                        check_query_rows, flops, from_bshd, o_tolerance, scale_of, scale_vars, shape_constants,
+                        shape_key, smem_bytes, to_bshd, worst_row_error)
 from .base import Buffer, OpFamily, copy_engine_refusal, launcher_vars, one_kernel_abi
 from .collectives import from_f64, to_f64
 from .conventions import Baseline, BenchCase, BenchConventions
@@ -182,6 +182,7 @@ class CpAttentionParams(StrictModel):
         False, description="stage O in shared memory of its own (one more Q tile's bytes) and release Q after a "
         "tile's last S = Q K^T, so that the next tile of the same CTA (every CTA walks tiles) loads its Q and first K "
         "blocks during this tile's last P V and epilogue (attention's params.epilogue_overlap, the same kernel code)")
+    row_max_chains: RowMaxChains = None
     tile_counter: bool = Field(
         False, description="not causal: hand the equal tiles out from the rank's atomic tile counter (sig's WORK slot, "
         "the causal kernel's dynamic schedule; head-major order kept) instead of the static stride (CTA c takes c, "
@@ -440,6 +441,7 @@ class CpAttentionFamily(OpFamily):
             **({"TILE_COUNTER": 1} if p.tile_counter else {}),  # only where set: shipped sources unchanged
             **({"LOCAL_KV": 1} if p.local_kv else {}),  # only where set: shipped sources unchanged
             **({"COPY_1D": 1} if p.copy_1d else {}),  # only where set: shipped sources unchanged
+            **({"ROW_MAX_CHAINS": p.row_max_chains} if p.row_max_chains else {}),  # only where set
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),
