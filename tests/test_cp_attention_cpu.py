@@ -509,11 +509,16 @@ def test_attention_only_entry_renders_only_where_set():
 
 
 def test_row_max_chains_renders_only_where_set(tmp_path):
-    """params.row_max_chains (attention's parameter, one type: RowMaxChains): unset, no shipped cp source has the
-    constant (the serial chain); set, the module constant and the Config's, as attention's; a count that does not
-    divide tile.n / 4 is refused by the check the two ops share."""
+    """params.row_max_chains (attention's parameter, one type: RowMaxChains): the not-causal shipped spec sets 2
+    (docs/design/cp_attention.md, "The cp kernel alone"), the causal ones leave it unset and have no constant (the
+    serial chain); set, the module constant and the Config's, as attention's; a count that does not divide tile.n / 4
+    is refused by the check the two ops share."""
     for shipped in SHIPPED:
-        assert "ROW_MAX_CHAINS" not in (ROOT / "generated" / f"{shipped}.cu").read_text(), shipped
+        text = (ROOT / "generated" / f"{shipped}.cu").read_text()
+        chains = load_spec(ROOT / "specs" / f"{shipped}.yaml").model.params.row_max_chains
+        assert ("\nconstexpr int ROW_MAX_CHAINS = 2;\n" in text) == (chains == 2), shipped
+        assert ("ROW_MAX_CHAINS" in text) == (chains is not None), shipped
+    assert load_spec(ROOT / "specs" / "cp_attention.yaml").model.params.row_max_chains == 2
     source = render(variant("chains", params={"row_max_chains": 2})).source
     assert "\nconstexpr int ROW_MAX_CHAINS = 2;\n" in source
     assert "static constexpr int ROW_MAX_CHAINS = chains::ROW_MAX_CHAINS;" in source
