@@ -505,7 +505,37 @@ def test_attention_only_entry_renders_only_where_set():
         assert f"tsgen::cp::launch<solo::Host, {w}, solo_w{w}_sync, nullptr, solo_attention, true>(" in source
     header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
     body = header[header.index("bool ATTENTION_ONLY = false"):]
-    assert body.index("if constexpr (ATTENTION_ONLY) return attention();") < body.index("SYNC<<<1, 32, 0, stream>>>")
+    body = body[:body.index("\n}\n")]  # tsgen::cp::launch alone
+    early = body.index("if constexpr (ATTENTION_ONLY) return attention();")
+    # the full call: the entry exchange, then the copies and their signals, then the kernel, then the joins
+    assert early < body.index("SYNC<<<1, 32, 0, stream>>>") < body.index("Op::SIGNAL_CHUNKS, d, count)") \
+        < body.index("const cudaError_t launched = attention();") < body.index("cudaEventRecord(l->copy_done")
+    assert body.count("attention()") == 2
+
+
+@needs_nvcc
+@pytest.mark.exhaustive  # one cp_attention build (about a minute on 2 cores): the gate runs it
+def test_attention_only_entry_compiles(tmp_path):
+    """The ATTENTION_ONLY instance of tsgen::cp::launch compiles (sm_90a) beside the full one, and the kernel is
+    the shipped spec's (the entry changes host code only: 168 registers, no spill, no serialized wgmma); the
+    shared library exports every world's entry."""
+    loaded = variant("solo", params={"local_kv": True, "row_max_chains": 2, "attention_only_entry": True})
+    res = compile_source(rendered_source(loaded, tmp_path), mode="shared")
+    entry = res.report["solo_attention"]
+    assert entry["registers"] == 168 and entry["spill_stores"] == 0 and entry["spill_loads"] == 0, entry
+    assert res.serialized == [], res.serialized
+    import ctypes
+
+    lib = ctypes.CDLL(str(res.output))
+    for w in loaded.model.world_sizes:
+        assert getattr(lib, f"solo_w{w}_attention_only_launch") is not None
+
+
+def test_attention_only_entry_refused_with_trace(tmp_path):
+    text = CP + "params:\n  attention_only_entry: true\n  trace: 64\n"
+    assert spec_problems(tmp_path, text) == [
+        "6:3: params.attention_only_entry: attention_only_entry with trace: the host timeline would count the "
+        "entry's calls, which advance no epoch; trace the full calls only"]
 
 
 def test_row_max_chains_renders_only_where_set(tmp_path):
@@ -519,8 +549,8 @@ def test_row_max_chains_renders_only_where_set(tmp_path):
         assert ("\nconstexpr int ROW_MAX_CHAINS = 2;\n" in text) == (chains == 2), shipped
         assert ("ROW_MAX_CHAINS" in text) == (chains is not None), shipped
     assert load_spec(ROOT / "specs" / "cp_attention.yaml").model.params.row_max_chains == 2
-    source = render(variant("chains", params={"row_max_chains": 2})).source
-    assert "\nconstexpr int ROW_MAX_CHAINS = 2;\n" in source
+    source = render(variant("chains", params={"row_max_chains": 4})).source
+    assert "\nconstexpr int ROW_MAX_CHAINS = 4;\n" in source
     assert "static constexpr int ROW_MAX_CHAINS = chains::ROW_MAX_CHAINS;" in source
     text = CP + "params:\n  tile: {m: 128, n: 80}\n  row_max_chains: 8\n"
     assert spec_problems(tmp_path, text) == [

@@ -1,29 +1,34 @@
 """Is the not-causal cp call slower than its ideal per cycle, or at a lower SM clock? (issue 33,
 docs/design/cp_attention.md: "The clock beside the rate")
 
-Alternates PHASES times: a phase of the shipped cp_attention call at W 2 (both GPUs), then (--solo) a
-phase of rank 0's attention kernel alone over the K and V the calls gathered (params.attention_only_entry:
-no entry exchange, copies, signals or peer; every chunk already signalled), then a phase of the ideal (the
-single-GPU attention kernel of the same heads over the whole sequence, on GPU 0 alone),
-each phase CALLS back-to-back calls between CUDA events on the streams they run on, after one untimed
-call. Beside it a thread reads GPU 0's and GPU 1's SM clock and power from NVML every few ms. Per phase:
-the time per call (the cp call: the slower rank's), GPU 0's median SM clock and power over the phase's
-timed window; then per phase round, for the cp call and the solo kernel against the ideal: the rate ratio
-(FLOP rate per GPU over the ideal's), the clock ratio (the phase's GPU 0 median clock over the ideal
-phase's) and their quotient, the ratio per cycle. If the rate ratio follows the clock ratio, the gap is the
-clock (power: the H200 runs these kernels at its power limit); if the clocks are equal and the rate is
-not, the gap is cycles; the solo kernel's per-cycle ratio says whether those cycles are lost in the kernel
-itself or beside the copies and the peer. The outputs of the last phase (the solo kernel's, where run) and
-the ideal's are checked as the bench checks them.
+PHASES rounds, each of: a phase of the shipped cp_attention call at W 2 (both GPUs); with --solo a phase
+of rank 0's attention kernel alone over the K and V the round's cp calls gathered (params.attention_only_
+entry: no entry exchange, copies, signals or peer; every chunk already signalled at the current epoch);
+and a phase of the ideal (the single-GPU attention kernel of the same heads over the whole sequence, on
+rank 0's GPU alone). The order is cp, solo, ideal in even rounds and ideal, cp, solo in odd ones (the
+power manager answers with a delay, so a fixed order would bias each phase's clock by its predecessor).
+A phase is one untimed call, then CALLS back-to-back calls between CUDA events on the streams they run
+on. Beside it a thread reads each rank's GPU (found by PCI bus id) from NVML every 2 ms: the SM clock and
+the instantaneous power (NVML_FI_DEV_POWER_INSTANT; nvmlDeviceGetPowerUsage averages over a second on
+these GPUs). Per phase: the time per call (the cp call: the slower rank's, and which rank it was), each
+rank's GPU's median SM clock and power over the phase's timed window; then per round, for the cp call and
+the solo kernel against that round's ideal: the rate ratio (FLOP rate per GPU over the ideal's), the
+clock ratio (the median clock of the slower rank's GPU in the phase over rank 0's GPU in the ideal's) and
+their quotient, the ratio per cycle. If the rate ratio follows the clock ratio, the gap is the clock
+(power: the H200 runs these kernels at its power limit); if the clocks are equal and the rate is not, the
+gap is cycles; the solo kernel's per-cycle ratio says whether those cycles are lost in the kernel itself
+or beside the copies and the peer. After the rounds each kind of call runs once more over poisoned
+outputs (rank 0's only for the solo kernel) and is checked as the bench checks it (every rank's rows).
 
     python3 tools/cp_clock_probe.py OUT [--seq 16384,32768] [--phases 8] [--calls 20] [--solo]
                                     [--param KEY=VALUE ...]
 
---param sets a parameter of the cp spec (the variant's name says which: cp_attention_probe).
+--param sets a parameter of the cp spec (its variant is named cp_attention_probe); the ones that change
+the work the ideal must match (causal, layout, heads, kv_heads, head_dim, tile, batch) are refused.
 
-
-Writes OUT/cp_clock_probe.json (per size and phase: times, the NVML samples in the window) and prints
-a table. Needs 2 GPUs and nvidia-ml-py (pynvml).
+Writes OUT/cp_clock_probe.json (per size: every phase's time, slower rank and per-GPU medians, the
+rounds' ratios and their medians, the checks) and OUT/cp_clock_probe.txt (the printed tables). Needs 2
+GPUs and nvidia-ml-py (pynvml).
 """
 
 from __future__ import annotations
@@ -41,34 +46,47 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))  # attention_trace's --param parser
 
 from tsgen.bench.runner import MAX_REL_ERR, fill_random  # noqa: E402
-from tsgen.harness import render_to_cache  # noqa: E402
+from tsgen.harness import poison_byte, render_to_cache  # noqa: E402
 from tsgen.ops import get_family  # noqa: E402
 from tsgen.spec import load_spec, spec_variant  # noqa: E402
 from attention_trace import parse_params  # noqa: E402
 
 CP_SPEC = ROOT / "specs" / "cp_attention.yaml"
 IDEAL_SPEC = ROOT / "specs" / "attention_hd128.yaml"
+# cp parameters that change the work per GPU or its shape: the ideal (kv_heads copied, not causal) and the rate
+# formula ((ideal / 2) / cp, not causal at W 2) would no longer match
+REFUSED = ("causal", "layout", "heads", "kv_heads", "head_dim", "tile", "batch")
 
 
 class Nvml:
-    """A thread reading each GPU's SM clock (MHz) and power (W) every `period` s: rows (t, gpu, mhz, watts)."""
+    """A thread reading each GPU's SM clock (MHz) and instantaneous power (W) every `period` s, the GPUs
+    named by PCI bus id (NVML's indices follow neither CUDA_VISIBLE_DEVICES nor CUDA's order): rows
+    (t, key, mhz, watts or None)."""
 
-    def __init__(self, gpus: list[int], period: float = 0.002):
+    def __init__(self, bus_ids: dict, period: float = 0.002):
         import pynvml
 
         self.nv = pynvml
         pynvml.nvmlInit()
-        self.handles = {g: pynvml.nvmlDeviceGetHandleByIndex(g) for g in gpus}
+        try:
+            self.handles = {k: pynvml.nvmlDeviceGetHandleByPciBusId(b) for k, b in bus_ids.items()}
+        except BaseException:
+            pynvml.nvmlShutdown()
+            raise
         self.period, self.rows, self._stop = period, [], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _watts(self, h) -> float | None:
+        nv = self.nv
+        v = nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_POWER_INSTANT])[0]
+        return v.value.uiVal / 1000.0 if v.nvmlReturn == nv.NVML_SUCCESS else None
 
     def _run(self) -> None:
         nv = self.nv
         while not self._stop.is_set():
             t = time.perf_counter()
-            for g, h in self.handles.items():
-                self.rows.append((t, g, nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
-                                  nv.nvmlDeviceGetPowerUsage(h) / 1000.0))
+            for k, h in self.handles.items():
+                self.rows.append((t, k, nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), self._watts(h)))
             time.sleep(self.period)
 
     def __enter__(self) -> "Nvml":
@@ -80,16 +98,28 @@ class Nvml:
         self._thread.join()
         self.nv.nvmlShutdown()
 
-    def window(self, gpu: int, t0: float, t1: float) -> tuple[float | None, float | None, int]:
-        got = [(mhz, w) for t, g, mhz, w in self.rows if g == gpu and t0 <= t <= t1]
-        if not got:
-            return None, None, 0
-        return statistics.median(m for m, _ in got), statistics.median(w for _, w in got), len(got)
+    def window(self, key, t0: float, t1: float) -> dict:
+        got = [(mhz, w) for t, k, mhz, w in self.rows if k == key and t0 <= t <= t1]
+        watts = [w for _, w in got if w is not None]
+        return {"mhz": statistics.median(m for m, _ in got) if got else None,
+                "watts": statistics.median(watts) if watts else None, "samples": len(got)}
 
 
-def timed_phase(w, streams, call, calls: int) -> tuple[float, float, float]:
-    """One untimed call, then `calls` between events on every stream; the slowest stream's time per call
-    (us) and the host's perf_counter window of the timed calls (from after the first event to the sync)."""
+def poison(world, bufs, ranks) -> None:
+    """Every output slot of `ranks` filled with the bench's poison byte (bf16 and float32 NaNs), so that an
+    output a call does not write fails its check."""
+    for r in ranks:
+        with world.cp.cuda.Device(world.devices[r]):
+            for sl in bufs.slots:
+                if sl.role == "output":
+                    bufs.array(sl.name, r).view("uint8")[...] = poison_byte(3)
+    world.synchronize()
+
+
+def timed_phase(w, streams, call, calls: int) -> tuple[float, int, float, float]:
+    """One untimed call, then `calls` between events on every stream of `w`; the slowest stream's time per
+    call (us), its rank, and the host's perf_counter window of the timed calls (after the start events to
+    the sync). A rank that launched nothing (the solo kernel's rank 1) times about 0."""
     cp = w.cp
     call()
     w.synchronize()
@@ -106,17 +136,28 @@ def timed_phase(w, streams, call, calls: int) -> tuple[float, float, float]:
             ends[r].record(streams[r])
     w.synchronize()
     t1 = time.perf_counter()
-    per_call = max(cp.cuda.get_elapsed_time(starts[r], ends[r]) for r in w.ranks) * 1000.0 / calls
-    return per_call, t0, t1
+    ms = {r: cp.cuda.get_elapsed_time(starts[r], ends[r]) for r in w.ranks}
+    slow = max(ms, key=ms.get)
+    return ms[slow] * 1000.0 / calls, slow, t0, t1
 
 
-def against(c: dict, ideal: dict, gpu: str) -> dict:
+def against(c: dict, ideal: dict) -> dict:
     """A W 2 phase against the ideal phase of its round: rate (FLOP rate per GPU over the ideal's: the ideal's
-    time / 2 over the phase's), clock (GPU `gpu`'s median SM clock over the ideal phase's), per cycle."""
+    time / 2 over the phase's; not causal), clock (the median SM clock of the phase's slower rank's GPU over
+    rank 0's GPU's in the ideal phase), and rate / clock."""
     rate = (ideal["us_per_call"] / 2) / c["us_per_call"]
-    mc, mi = c[gpu]["mhz"], ideal[gpu]["mhz"]
+    mc, mi = c["gpus"][c["slow_rank"]]["mhz"], ideal["gpus"][0]["mhz"]
     clock = mc / mi if mc and mi else None
     return {"rate": rate, "clock": clock, "per_cycle": rate / clock if clock else None}
+
+
+def median_of(rows: list[dict], key: str) -> float | None:
+    got = [r[key] for r in rows if r[key] is not None]
+    return statistics.median(got) if got else None
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def main(argv=None) -> int:
@@ -130,9 +171,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from tsgen.runtime import World
 
+    params = parse_params(a.param)
+    refused = sorted(set(params) & set(REFUSED))
+    if refused:
+        raise SystemExit(f"--param {', '.join(refused)}: changes the work the ideal and the rate formula assume "
+                         f"(not causal, the shipped shape); refused")
+    a.out.mkdir(parents=True, exist_ok=True)  # before the run: a bad OUT fails at once
     seqs = [int(x) for x in a.seq.split(",")]
     cp_loaded = load_spec(CP_SPEC)
-    params = {**parse_params(a.param), **({"attention_only_entry": True} if a.solo else {})}
+    params = {**params, **({"attention_only_entry": True} if a.solo else {})}
     if params:  # the shipped spec with the test-only entry (the same kernel and launcher) and --param
         cp_loaded = spec_variant(cp_loaded, {"name": "cp_attention_probe", "params": params})
     kv_heads = cp_loaded.model.params.kv_heads
@@ -140,88 +187,109 @@ def main(argv=None) -> int:
                                                         "params": {"kv_heads": kv_heads}})
     out = {"cp_spec": str(CP_SPEC.relative_to(ROOT)), "params": params, "ideal": ideal_loaded.model.name,
            "calls": a.calls, "phases": a.phases, "sizes": {}}
-    lines = []
-    with World(2) as w2, World(1, share_gpus=False) as w1:
-        assert w1.devices[0] == w2.devices[0], "the ideal must run on rank 0's GPU"
+    lines, ok = [], True
+    with World(2, share_gpus=False) as w2, World(1, share_gpus=False) as w1:
+        if w1.devices[0] != w2.devices[0] or w2.devices[0] == w2.devices[1]:
+            raise SystemExit(f"needs 2 GPUs, the ideal on rank 0's: cp on {w2.devices}, the ideal on {w1.devices}")
         cached = render_to_cache(cp_loaded)
         cp_mod = w2.load(cached.manifest, source=cached.source)
         cached = render_to_cache(ideal_loaded)
         ideal_mod = w1.load(cached.manifest, source=cached.source)
         cp_fam, ideal_fam = get_family(cp_loaded.model.op), get_family(ideal_loaded.model.op)
-        gpus = sorted(set(w2.devices.values()))
-        with Nvml(gpus) as nvml:
+        with Nvml({r: w2.backend.bus_ids[r] for r in w2.ranks}) as nvml:
             for seq in seqs:
                 count = seq // 2
                 cbufs, ibufs = cp_mod.alloc(count), ideal_mod.alloc(seq)
-                fill_random(w2, cbufs)
-                fill_random(w1, ibufs)
-                w2.synchronize()
-                w1.synchronize()
+                try:
+                    fill_random(w2, cbufs)
+                    fill_random(w1, ibufs)
+                    w2.synchronize()
+                    w1.synchronize()
 
-                def cp_call():
-                    cp_mod.launch(cbufs, ranks=w2.ranks, streams=w2.streams)
+                    def cp_call():
+                        cp_mod.launch(cbufs, ranks=w2.ranks, streams=w2.streams)
 
-                def ideal_call():
-                    ideal_mod.launch(ibufs, ranks=w1.ranks, streams=w1.streams)
+                    def solo_call():  # rank 0 alone, after the cp phase's full calls signalled every chunk
+                        cp_mod.launch_entry("attention_only", cbufs, [w2.ranks[0]], w2.streams)
 
-                def solo_call():  # rank 0 alone, after the cp phase's full calls signalled every chunk
-                    cp_mod.launch_entry("attention_only", cbufs, [w2.ranks[0]], w2.streams)
+                    def ideal_call():
+                        ideal_mod.launch(ibufs, ranks=w1.ranks, streams=w1.streams)
 
-                order = [("cp", w2, cp_call)] + ([("solo", w2, solo_call)] if a.solo else []) + \
-                    [("ideal", w1, ideal_call)]
-                phases = []
-                for k in range(a.phases):
-                    for who, world, call in order:
-                        us, t0, t1 = timed_phase(world, world.streams, call, a.calls)
-                        row = {"phase": k, "who": who, "us_per_call": us}
-                        for g in gpus:
-                            mhz, watts, n = nvml.window(g, t0, t1)
-                            row[f"gpu{g}"] = {"mhz": mhz, "watts": watts, "samples": n}
-                        phases.append(row)
-
-                def fetch_cp(name, r, lo, hi):
-                    with w2.cp.cuda.Device(w2.devices[r]):
-                        return cbufs.array(name, r)[lo:hi].get()
-
-                def fetch_ideal(name, r, lo, hi):
-                    with w1.cp.cuda.Device(w1.devices[r]):
-                        return ibufs.array(name, r)[lo:hi].get()
-
-                err_cp = cp_fam.bench.check_rows(cp_fam, cp_loaded.model, 2, count, fetch_cp)
-                err_ideal = ideal_fam.bench.check_rows(ideal_fam, ideal_loaded.model, 1, seq, fetch_ideal)
-                cbufs.free()
-                ibufs.free()
-                g0, g1 = f"gpu{gpus[0]}", f"gpu{gpus[-1]}"
-                n = len(order)
-                # cp and solo against the ideal of the same round: half its FLOPs per GPU (not causal, W 2)
-                pairs = {who: [against(phases[n * k + j], phases[n * k + n - 1], g0) for k in range(a.phases)]
-                         for j, (who, _, _) in enumerate(order[:-1])}
-                med = {who: {key: statistics.median(p[key] for p in ps if p[key] is not None) for key in ps[0]}
-                       for who, ps in pairs.items()}
-                out["sizes"][str(seq)] = {"phases": phases, "pairs": pairs, "median": med, "row_error_cp": err_cp,
-                                          "row_error_ideal": err_ideal}
-                lines.append(f"S = {seq}: rows check cp{' (the solo kernel last)' if a.solo else ''} {err_cp:.2e}, "
-                             f"ideal {err_ideal:.2e} ({'ok' if max(err_cp, err_ideal) <= MAX_REL_ERR else 'WRONG'})")
-                lines.append(f"{'phase':>5} {'who':>5} {'us':>9} {'ideal us':>9} {'MHz':>6} {'id MHz':>6} {'W':>5} "
-                             f"{'id W':>5} {'gpu1 MHz':>8} {'rate':>6} {'clock':>6} {'/cycle':>6}")
-                for k in range(a.phases):
-                    i = phases[n * k + n - 1]
-                    for j, (who, _, _) in enumerate(order[:-1]):
-                        c, p = phases[n * k + j], pairs[who][k]
-                        lines.append(f"{k:>5} {who:>5} {c['us_per_call']:>9.1f} {i['us_per_call']:>9.1f} "
-                                     f"{c[g0]['mhz'] or 0:>6.0f} {i[g0]['mhz'] or 0:>6.0f} "
-                                     f"{c[g0]['watts'] or 0:>5.0f} {i[g0]['watts'] or 0:>5.0f} "
-                                     f"{c[g1]['mhz'] or 0:>8.0f} {p['rate']:>6.3f} {p['clock'] or 0:>6.3f} "
-                                     f"{p['per_cycle'] or 0:>6.3f}")
-                for who, m in med.items():
-                    lines.append(f"median {who}: rate {m['rate']:.3f} (per GPU over the ideal), clock {m['clock']:.3f} "
-                                 f"(GPU 0's SM clock over the ideal phase's), per cycle {m['per_cycle']:.3f}")
-                print("\n".join(lines[-(a.phases * (n - 1) + n + 1):]), flush=True)
-    a.out.mkdir(parents=True, exist_ok=True)
+                    kinds = [("cp", w2, cp_call)] + ([("solo", w2, solo_call)] if a.solo else []) + \
+                        [("ideal", w1, ideal_call)]
+                    rounds = []
+                    for k in range(a.phases):
+                        # cp before solo always (solo needs the round's full calls); the ideal first in odd rounds
+                        order = kinds if k % 2 == 0 else kinds[-1:] + kinds[:-1]
+                        got = {}
+                        for who, world, call in order:
+                            us, slow, t0, t1 = timed_phase(world, world.streams, call, a.calls)
+                            got[who] = {"us_per_call": us, "slow_rank": slow,
+                                        "gpus": {r: nvml.window(r, t0, t1) for r in w2.ranks}}
+                        got["order"] = [who for who, _, _ in order]
+                        got["ratios"] = {who: against(got[who], got["ideal"]) for who, _, _ in kinds[:-1]}
+                        rounds.append(got)
+                    checks = check_each(w2, w1, cbufs, ibufs, cp_fam, ideal_fam, cp_loaded, ideal_loaded, count, seq,
+                                        cp_call, solo_call if a.solo else None, ideal_call)
+                finally:
+                    cbufs.free()
+                    ibufs.free()
+                ok = ok and all(err <= MAX_REL_ERR for err in checks.values())
+                med = {who: {key: median_of([r["ratios"][who] for r in rounds], key)
+                             for key in ("rate", "clock", "per_cycle")} for who, _, _ in kinds[:-1]}
+                out["sizes"][str(seq)] = {"rounds": rounds, "median": med, "checks": checks}
+                lines += report(seq, rounds, med, checks, [who for who, _, _ in kinds[:-1]])
+                print("\n".join(lines[-(len(rounds) * (len(kinds) - 1) + len(kinds) + 1):]), flush=True)
     (a.out / "cp_clock_probe.json").write_text(json.dumps(out, indent=1))
     (a.out / "cp_clock_probe.txt").write_text("\n".join(lines) + "\n")
-    bad = any(max(v["row_error_cp"], v["row_error_ideal"]) > MAX_REL_ERR for v in out["sizes"].values())
-    return 1 if bad else 0
+    return 0 if ok else 1
+
+
+def check_each(w2, w1, cbufs, ibufs, cp_fam, ideal_fam, cp_loaded, ideal_loaded, count, seq, cp_call, solo_call,
+               ideal_call) -> dict:
+    """Each kind of call once more over poisoned outputs, then the bench's row check: the cp call (every rank),
+    the solo kernel (rank 0 poisoned; rank 1's rows are the cp call's), the ideal. {kind: worst row error}."""
+    def fetch_from(world, bufs):
+        def fetch(name, r, lo, hi):
+            with world.cp.cuda.Device(world.devices[r]):
+                return bufs.array(name, r)[lo:hi].get()
+        return fetch
+
+    errs = {}
+    for who, world, bufs, ranks, call, fam, loaded, size, n in (
+            ("cp", w2, cbufs, w2.ranks, cp_call, cp_fam, cp_loaded, count, 2),
+            ("solo", w2, cbufs, [w2.ranks[0]], solo_call, cp_fam, cp_loaded, count, 2),
+            ("ideal", w1, ibufs, w1.ranks, ideal_call, ideal_fam, ideal_loaded, seq, 1)):
+        if call is None:
+            continue
+        poison(world, bufs, ranks)
+        call()
+        world.synchronize()
+        errs[who] = fam.bench.check_rows(fam, loaded.model, n, size, fetch_from(world, bufs))
+    return errs
+
+
+def report(seq: int, rounds: list[dict], med: dict, checks: dict, kinds: list[str]) -> list[str]:
+    lines = [f"S = {seq}: rows checked over poisoned outputs: "
+             + ", ".join(f"{k} {e:.2e}" for k, e in checks.items())
+             + f" ({'ok' if all(e <= MAX_REL_ERR for e in checks.values()) else 'WRONG'})",
+             f"{'round':>5} {'who':>5} {'us':>9} {'ideal us':>9} {'slow':>4} {'MHz':>6} {'id MHz':>6} {'W':>5} "
+             f"{'id W':>5} {'r1 MHz':>6} {'rate':>6} {'clock':>6} {'/cycle':>6}  order"]
+    for k, r in enumerate(rounds):
+        i = r["ideal"]
+        for who in kinds:
+            c, p = r[who], r["ratios"][who]
+            g = c["gpus"][c["slow_rank"]]
+            lines.append(f"{k:>5} {who:>5} {c['us_per_call']:>9.1f} {i['us_per_call']:>9.1f} {c['slow_rank']:>4} "
+                         f"{fmt(g['mhz'], '6.0f'):>6} {fmt(i['gpus'][0]['mhz'], '6.0f'):>6} "
+                         f"{fmt(g['watts'], '5.0f'):>5} {fmt(i['gpus'][0]['watts'], '5.0f'):>5} "
+                         f"{fmt(c['gpus'][1]['mhz'], '6.0f'):>6} {p['rate']:>6.3f} {fmt(p['clock'], '6.3f'):>6} "
+                         f"{fmt(p['per_cycle'], '6.3f'):>6}  {','.join(r['order'])}")
+    for who, m in med.items():
+        lines.append(f"median {who}: rate {fmt(m['rate'], '.3f')} (per GPU over the ideal), clock "
+                     f"{fmt(m['clock'], '.3f')} (the slower rank's GPU's SM clock over rank 0's in the ideal "
+                     f"phase), per cycle {fmt(m['per_cycle'], '.3f')}")
+    return lines
 
 
 if __name__ == "__main__":

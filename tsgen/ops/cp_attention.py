@@ -203,9 +203,11 @@ class CpAttentionParams(StrictModel):
     attention_only_entry: bool = Field(
         False, description="test-only: also export <kernel>_attention_only_launch (the launcher's arguments), which "
         "enqueues the attention kernel alone at the rank's current epoch: no entry exchange, copies or signals. After "
-        "a full call its chunks are all signalled, so the kernel runs over the gathered K and V without a wait or a "
-        "peer, as a single-GPU kernel would (issue 33, docs/design/cp_attention.md: \"The clock beside the rate\"; "
-        "tools/cp_clock_probe.py --solo). Off: no such entry")
+        "a full call of the same count its chunks are all signalled, so the kernel runs over the gathered K and V "
+        "without a wait or a peer, as a single-GPU kernel would (before any full call, or at another count, it "
+        "waits for chunks nobody signals, or reads what an earlier call gathered); not with trace (the host "
+        "timeline would count its calls as the device's). Issue 33, docs/design/cp_attention.md: \"The clock beside "
+        "the rate\"; tools/cp_clock_probe.py --solo. Off: no such entry")
     skip_wait: bool = Field(
         False, description="test-only negative control: the attention kernel does not wait for the first remote "
         "KV chunk it reads (a correct run must then fail under rank skew); never in a shipped spec")
@@ -377,6 +379,9 @@ class CpAttentionFamily(OpFamily):
         if p.copy_1d and p.gather != "copy_engine":
             problems.append((("params", "copy_1d"), "the SM push has no copy-engine copies: copy_1d needs gather: "
                              "copy_engine"))
+        if p.attention_only_entry and p.trace:
+            problems.append((("params", "attention_only_entry"), "attention_only_entry with trace: the host timeline "
+                             "would count the entry's calls, which advance no epoch; trace the full calls only"))
         if p.tile_counter and p.causal:
             problems.append((("params", "tile_counter"), "causal tiles are always handed out from the counter "
                              "(longest first): tile_counter is the not-causal option"))
