@@ -531,6 +531,45 @@ def test_attention_only_entry_compiles(tmp_path):
         assert getattr(lib, f"solo_w{w}_attention_only_launch") is not None
 
 
+def test_own_copy_first_renders_only_where_set():
+    """params.own_copy_first: unset, no shipped source has the own-copy kernel; set, the module's kernel, its
+    Host entry (OWN_COPY, which tsgen::cp::own_first_of detects) and the thread count; the launcher copies and
+    signals the own rows on `stream` after the entry exchange and before the fork, and the copy engine's loop then
+    starts at the first peer."""
+    for shipped in SHIPPED:
+        assert "own_copy" not in (ROOT / "generated" / f"{shipped}.cu").read_text(), shipped
+    source = render(variant("own", params={"own_copy_first": True})).source
+    assert "\nconstexpr int OWN_COPY_THREADS = 256;\n" in source
+    assert "own_own_copy(int rank, const char* k, const char* v, char* k_full, char* v_full, tsgen::cp::Geometry g)" \
+        in source
+    assert "static constexpr auto OWN_COPY = own_own_copy;" in source
+    header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
+    body = header[header.index("bool ATTENTION_ONLY = false"):]
+    body = body[:body.index("\n}\n")]
+    entry, copy = body.index("ENTRY, 0, count);"), body.index("Op::OWN_COPY<<<")
+    signal = body.index("Op::SIGNAL_CHUNKS, rank, count);")
+    assert entry < copy < signal < body.index("cudaEventRecord(l->fork, stream)")
+    assert "for (int i = in_place || own_first ? 1 : 0; i < WORLD; ++i)" in body
+
+
+def test_own_copy_first_refused_with_the_sm_push(tmp_path):
+    text = CP + "params:\n  gather: sm\n  own_copy_first: true\n"
+    assert spec_problems(tmp_path, text) == [
+        "7:3: params.own_copy_first: the SM push copies the own rows itself: own_copy_first needs gather: copy_engine"]
+
+
+@needs_nvcc
+@pytest.mark.exhaustive  # one cp_attention build: the gate runs it
+def test_own_copy_first_compiles(tmp_path):
+    loaded = variant("own", params={"own_copy_first": True})
+    res = compile_source(rendered_source(loaded, tmp_path), mode="shared")
+    for name, regs in (("own_attention", 168), ("own_own_copy", None)):
+        entry = res.report[name]
+        assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, (name, entry)
+        assert regs is None or entry["registers"] == regs, (name, entry)
+    assert res.serialized == [], res.serialized
+
+
 def test_attention_only_entry_refused_with_trace(tmp_path):
     text = CP + "params:\n  attention_only_entry: true\n  trace: 64\n"
     assert spec_problems(tmp_path, text) == [

@@ -162,16 +162,22 @@ def test_cp_attention_local_kv_world_3(case):
 
 CE_KNOBS = [("contiguous_full_gqa", {"local_kv": True}, 256), ("contiguous_full_gqa", {"local_kv": True}, 333),
             ("zigzag_causal_gqa", {"local_kv": True}, 256), ("zigzag_causal_gqa", {"local_kv": False}, 256),
-            ("contiguous_full_gqa", {"copy_1d": True}, 256), ("contiguous_full_gqa", {"local_kv": True, "copy_1d": True}, 256)]
+            ("contiguous_full_gqa", {"copy_1d": True}, 256), ("contiguous_full_gqa", {"local_kv": True, "copy_1d": True}, 256),
+            # params.own_copy_first: the own rows copied by the SMs before the kernel (every chunk read from k_full);
+            # with local_kv at 333 rows (no block boundary: the call copies them first too) and at 256 (in place)
+            ("contiguous_full_gqa", {"own_copy_first": True}, 256), ("zigzag_causal_gqa", {"own_copy_first": True}, 256),
+            ("contiguous_full_gqa", {"local_kv": True, "own_copy_first": True}, 333),
+            ("contiguous_full_gqa", {"local_kv": True, "own_copy_first": True}, 256)]
 
 
 @pytest.mark.parametrize("case,knobs,count", CE_KNOBS,
                          ids=[f"{c}_{'_'.join(f'{k}_{v}' for k, v in kn.items())}_{n}" for c, kn, n in CE_KNOBS])
 def test_cp_attention_copy_engine_knobs(case, knobs, count):
     """params.local_kv (256 rows: only the peers' copies and their signals, not causal and zig-zag causal; 333:
-    the own shard copied, signalled and waited for like a peer's; off: every chunk copied) and params.copy_1d
-    (one-run pieces, bshd with batch 1, copied with cudaMemcpyAsync) on the shipped copy-engine gather (one GPU
-    per rank)."""
+    the own shard copied, signalled and waited for like a peer's; off: every chunk copied), params.copy_1d
+    (one-run pieces, bshd with batch 1, copied with cudaMemcpyAsync) and params.own_copy_first (the own rows copied
+    by the SMs on the call's stream before the kernel and signalled there) on the shipped copy-engine gather (one
+    GPU per rank)."""
     if gpu_count() < 2:
         pytest.skip(f"the copy-engine gather needs 2 GPUs (this machine has {gpu_count()})")
     params, _ = CASES[case]

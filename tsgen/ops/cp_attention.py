@@ -55,6 +55,7 @@ from .conventions import Baseline, BenchCase, BenchConventions
 
 MAX_WORLD = 8  # tsgen::cp::MAX_WORLD
 SIGNALS = 4 * MAX_WORLD + 1  # tsgen::cp::SIGNALS: FREE[8], READY[16] (one per KV chunk), ARRIVED[8], WORK
+OWN_COPY_THREADS = 256  # params.own_copy_first: threads a CTA of the own-copy kernel (2 CTAs an SM)
 ENTRY_SMS = 1  # gather sm: the SM the launcher's one-block entry kernel needs beside the push and the attention
 TRACE_WORDS = 7  # u64 words per trace record (tsgen/attention.cuh TRACE_WORDS)
 STAMP_WORDS = 8 * 24  # the call timeline's stamps before the trace (tsgen/cp.cuh STAMP_WORDS; tsgen/ops/cp_timeline.py)
@@ -195,6 +196,13 @@ class CpAttentionParams(StrictModel):
         "shard is the last slot, causal its chunk (zig-zag: its two chunks) in position order. A call whose own rows "
         "would start or end inside a KV block of tile.n rows gathers them as without it. Off: every row gathered, "
         "the own first")
+    own_copy_first: bool = Field(
+        False, description="gather copy_engine, where the own rows are not read in place (local_kv off, or a count "
+        "own_in_place refuses): copy them into k_full / v_full by the SMs on the call's stream before the attention "
+        "kernel (about 20 / 40 us at 16K / 32K), and signal them there, instead of on the copy engine under the "
+        "kernel, which every CTA's first tile waited for; the kernel then reads every row through k_full's map (issue "
+        "33, docs/design/cp_attention.md: \"The two maps\": read from k_full alone the kernel ran at the ideal's rate, "
+        "3-4 % faster than with its own rows in place). Off: the own rows go with the peers' on the copy engine")
     copy_1d: bool = Field(
         False, description="gather copy_engine: copy a piece that is one contiguous run (lines == 1: bshd with "
         "batch 1, the suites' shape) with cudaMemcpyAsync instead of cudaMemcpy2DAsync (the path cudaMemcpyPeer's 397 GB/s was "
@@ -379,6 +387,9 @@ class CpAttentionFamily(OpFamily):
         if p.copy_1d and p.gather != "copy_engine":
             problems.append((("params", "copy_1d"), "the SM push has no copy-engine copies: copy_1d needs gather: "
                              "copy_engine"))
+        if p.own_copy_first and p.gather != "copy_engine":
+            problems.append((("params", "own_copy_first"), "the SM push copies the own rows itself: own_copy_first "
+                             "needs gather: copy_engine"))
         if p.attention_only_entry and p.trace:
             problems.append((("params", "attention_only_entry"), "attention_only_entry with trace: the host timeline "
                              "would count the entry's calls, which advance no epoch; trace the full calls only"))
@@ -447,6 +458,7 @@ class CpAttentionFamily(OpFamily):
             **({"LOCAL_KV": 1} if p.local_kv else {}),  # only where set: shipped sources unchanged
             **({"COPY_1D": 1} if p.copy_1d else {}),  # only where set: shipped sources unchanged
             **({"ROW_MAX_CHAINS": p.row_max_chains} if p.row_max_chains else {}),  # only where set
+            **({"OWN_COPY_THREADS": OWN_COPY_THREADS} if p.own_copy_first else {}),  # only where set
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),

@@ -206,6 +206,19 @@ static __device__ __forceinline__ void copy_piece(char* dst, const char* src, co
   }
 }
 
+// OWN_FIRST (params.own_copy_first): the rank's own rows copied into its k_full / v_full on the call's own
+// stream by the SMs, before the attention kernel (stream order), instead of on the copy engine under it: a
+// grid-stride copy of every own segment (16-byte vectors); the launcher signals them after it, also in stream
+// order, so the kernel reads every row through k_full's map and never waits for its own.
+static __device__ __forceinline__ void own_copy_body(int rank, const char* k, const char* v, char* k_full, char* v_full,
+                                                     Geometry g) {
+  for (int s = 0; s < segments(g); ++s) {
+    const Segment x = segment(g, rank, rank, s);
+    copy_piece(k_full, k, g, x);
+    copy_piece(v_full, v, g, x);
+  }
+}
+
 // LOCAL_KV (params.local_kv): whether this call's attention kernel reads the rank's own rows in place, from
 // k and v, instead of from its copy in k_full. The own rows are the segments segment(g, rank, rank, s) of
 // k_full (not causal: the last slot; causal: chunk rank, or zig-zag chunks rank and 2P - 1 - rank); the
@@ -308,6 +321,13 @@ struct copy_1d_of : std::false_type {};
 template <class Op>
 struct copy_1d_of<Op, std::void_t<decltype(Op::COPY_1D)>> : std::integral_constant<bool, Op::COPY_1D> {};
 
+// Op::OWN_COPY where the Op has it (only specs with params.own_copy_first emit it: the module's own-copy
+// kernel), else none: whether the own rows are copied on the call's stream before the kernel (OWN_FIRST).
+template <class Op, class = void>
+struct own_first_of : std::false_type {};
+template <class Op>
+struct own_first_of<Op, std::void_t<decltype(Op::OWN_COPY)>> : std::true_type {};
+
 // A call the launcher refuses before it starts anything, with what and where on stderr.
 template <class Op>
 static cudaError_t refused(int world, int rank, uint64_t count, const char* why, cudaError_t err) {
@@ -371,6 +391,19 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, count);
   TSGEN_TRY(cudaGetLastError());
   TSGEN_CP_HOST_STEP(host, 2);
+  // OWN_FIRST: our own rows into k_full by the SMs, then their signal, both before the kernel on `stream`
+  // (our previous kernel, the only reader of our own slot, is before them in stream order)
+  constexpr bool OWN_FIRST = own_first_of<Op>::value;
+  const bool own_first = OWN_FIRST && !in_place;
+  if constexpr (OWN_FIRST) {
+    if (own_first) {
+      Op::OWN_COPY<<<2 * sms, Op::OWN_COPY_THREADS, 0, stream>>>(rank, (const char*)k, (const char*)v, (char*)k_full,
+                                                             (char*)v_full, g);
+      TSGEN_TRY(cudaGetLastError());
+      SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, Op::SIGNAL_CHUNKS, rank, count);
+      TSGEN_TRY(cudaGetLastError());
+    }
+  }
   Lanes* l;
   TSGEN_TRY(lanes(rank, &l));
   TSGEN_TRY(cudaEventRecord(l->fork, stream));
@@ -385,8 +418,8 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
     TSGEN_TRY(cudaGetLastError());
     TSGEN_CP_HOST_STEP(host, 3);
     const size_t src_pitch = (size_t)count * g.row_bytes, dst_pitch = WORLD * src_pitch;
-    // ourselves first (in_place: not at all), then rank + 1 (it reads our rows right after its own), ...
-    for (int i = in_place ? 1 : 0; i < WORLD; ++i) {
+    // ourselves first (in_place, own_first: not here), then rank + 1 (it reads our rows right after its own), ...
+    for (int i = in_place || own_first ? 1 : 0; i < WORLD; ++i) {
       const int d = (rank + i) % WORLD;
       char* kd = host_peer_ptr((char*)k_full, peers_host, rank, d);
       char* vd = host_peer_ptr((char*)v_full, peers_host, rank, d);
