@@ -533,9 +533,9 @@ def test_attention_only_entry_compiles(tmp_path):
 
 def test_own_copy_first_renders_only_where_set():
     """params.own_copy_first: unset, no shipped source has the own-copy kernel; set, the module's kernel, its
-    Host entry (OWN_COPY, which tsgen::cp::own_first_of detects) and the thread count; the launcher copies and
-    signals the own rows on `stream` after the entry exchange and before the fork, and the copy engine's loop then
-    starts at the first peer."""
+    Host entry (OWN_COPY, which tsgen::cp::own_first_of must detect: a static_assert) and the thread count; the
+    launcher copies and signals the own rows on `stream` after the fork and before the kernel, and the copy
+    engine's loop then starts at the first peer."""
     for shipped in SHIPPED:
         assert "own_copy" not in (ROOT / "generated" / f"{shipped}.cu").read_text(), shipped
     source = render(variant("own", params={"own_copy_first": True})).source
@@ -546,9 +546,11 @@ def test_own_copy_first_renders_only_where_set():
     header = (ROOT / "templates" / "include" / "tsgen" / "cp.cuh").read_text()
     body = header[header.index("bool ATTENTION_ONLY = false"):]
     body = body[:body.index("\n}\n")]
-    entry, copy = body.index("ENTRY, 0, count);"), body.index("Op::OWN_COPY<<<")
-    signal = body.index("Op::SIGNAL_CHUNKS, rank, count);")
-    assert entry < copy < signal < body.index("cudaEventRecord(l->fork, stream)")
+    entry, fork = body.index("ENTRY, 0, count);"), body.index("cudaEventRecord(l->fork, stream)")
+    copy, signal = body.index("Op::OWN_COPY<<<"), body.index("Op::SIGNAL_CHUNKS, rank, count);")
+    # after the fork (the peers' copies start beside it), before the kernel
+    assert entry < fork < copy < signal < body.index("const cudaError_t launched = attention();")
+    assert "static_assert(tsgen::cp::own_first_of<Host>::value" in source
     assert "for (int i = in_place || own_first ? 1 : 0; i < WORLD; ++i)" in body
 
 
@@ -556,6 +558,13 @@ def test_own_copy_first_refused_with_the_sm_push(tmp_path):
     text = CP + "params:\n  gather: sm\n  own_copy_first: true\n"
     assert spec_problems(tmp_path, text) == [
         "7:3: params.own_copy_first: the SM push copies the own rows itself: own_copy_first needs gather: copy_engine"]
+
+
+def test_own_copy_first_refused_with_trace(tmp_path):
+    text = CP + "params:\n  own_copy_first: true\n  trace: 64\n"
+    assert spec_problems(tmp_path, text) == [
+        "6:3: params.own_copy_first: own_copy_first with trace: the call timeline reads the first signal kernel as "
+        "the copy stream's own copy, which this one is not"]
 
 
 @needs_nvcc

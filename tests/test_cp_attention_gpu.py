@@ -162,10 +162,14 @@ def test_cp_attention_local_kv_world_3(case):
 
 CE_KNOBS = [("contiguous_full_gqa", {"local_kv": True}, 256), ("contiguous_full_gqa", {"local_kv": True}, 333),
             ("zigzag_causal_gqa", {"local_kv": True}, 256), ("zigzag_causal_gqa", {"local_kv": False}, 256),
-            ("contiguous_full_gqa", {"copy_1d": True}, 256), ("contiguous_full_gqa", {"local_kv": True, "copy_1d": True}, 256),
-            # params.own_copy_first: the own rows copied by the SMs before the kernel (every chunk read from k_full);
-            # with local_kv at 333 rows (no block boundary: the call copies them first too) and at 256 (in place)
-            ("contiguous_full_gqa", {"own_copy_first": True}, 256), ("zigzag_causal_gqa", {"own_copy_first": True}, 256),
+            ("contiguous_full_gqa", {"local_kv": False, "copy_1d": True}, 256),
+            ("contiguous_full_gqa", {"local_kv": True, "copy_1d": True}, 256),
+            # params.own_copy_first: the own rows copied by the SMs before the kernel (every chunk read from k_full):
+            # local_kv off in every layout (zig-zag: two own segments; bhsd: lines > 1 with pitches), and with
+            # local_kv at 333 rows (no block boundary: copied first too) and at 256 (in place: the copy not run)
+            ("contiguous_full_gqa", {"local_kv": False, "own_copy_first": True}, 256),
+            ("zigzag_causal_gqa", {"local_kv": False, "own_copy_first": True}, 256),
+            ("contiguous_causal_bhsd", {"local_kv": False, "own_copy_first": True}, 333),
             ("contiguous_full_gqa", {"local_kv": True, "own_copy_first": True}, 333),
             ("contiguous_full_gqa", {"local_kv": True, "own_copy_first": True}, 256)]
 

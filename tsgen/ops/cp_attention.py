@@ -199,7 +199,7 @@ class CpAttentionParams(StrictModel):
     own_copy_first: bool = Field(
         False, description="gather copy_engine, where the own rows are not read in place (local_kv off, or a count "
         "own_in_place refuses): copy them into k_full / v_full by the SMs on the call's stream before the attention "
-        "kernel (about 20 / 40 us at 16K / 32K), and signal them there, instead of on the copy engine under the "
+        "kernel (predicted 20-40 / 40-60 us at 16K / 32K), and signal them there, instead of on the copy engine under the "
         "kernel, which every CTA's first tile waited for; the kernel then reads every row through k_full's map (issue "
         "33, docs/design/cp_attention.md: \"The two maps\": read from k_full alone the kernel ran at the ideal's rate, "
         "3-4 % faster than with its own rows in place). Off: the own rows go with the peers' on the copy engine")
@@ -390,6 +390,9 @@ class CpAttentionFamily(OpFamily):
         if p.own_copy_first and p.gather != "copy_engine":
             problems.append((("params", "own_copy_first"), "the SM push copies the own rows itself: own_copy_first "
                              "needs gather: copy_engine"))
+        elif p.own_copy_first and p.trace:
+            problems.append((("params", "own_copy_first"), "own_copy_first with trace: the call timeline reads the "
+                             "first signal kernel as the copy stream's own copy, which this one is not"))
         if p.attention_only_entry and p.trace:
             problems.append((("params", "attention_only_entry"), "attention_only_entry with trace: the host timeline "
                              "would count the entry's calls, which advance no epoch; trace the full calls only"))

@@ -391,8 +391,13 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
   SYNC<<<1, 32, 0, stream>>>(peers, rank, calls, sig, ENTRY, 0, count);
   TSGEN_TRY(cudaGetLastError());
   TSGEN_CP_HOST_STEP(host, 2);
-  // OWN_FIRST: our own rows into k_full by the SMs, then their signal, both before the kernel on `stream`
-  // (our previous kernel, the only reader of our own slot, is before them in stream order)
+  Lanes* l;
+  TSGEN_TRY(lanes(rank, &l));
+  TSGEN_TRY(cudaEventRecord(l->fork, stream));
+  TSGEN_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
+  // OWN_FIRST: our own rows into k_full by the SMs, then their signal, both on `stream` after the fork (the copy
+  // engine's copies to the peers, which only read k and v, start beside them) and before the kernel (our previous
+  // kernel, the only reader of our own slot, is before them in stream order; no peer writes it)
   constexpr bool OWN_FIRST = own_first_of<Op>::value;
   const bool own_first = OWN_FIRST && !in_place;
   if constexpr (OWN_FIRST) {
@@ -404,10 +409,6 @@ static cudaError_t launch(char* const* peers, char* const* peers_host, int rank,
       TSGEN_TRY(cudaGetLastError());
     }
   }
-  Lanes* l;
-  TSGEN_TRY(lanes(rank, &l));
-  TSGEN_TRY(cudaEventRecord(l->fork, stream));
-  TSGEN_TRY(cudaStreamWaitEvent(l->copy, l->fork, 0));
   if constexpr (Op::SM_GATHER) {
     PUSH<<<Op::GATHER_BLOCKS, Op::GATHER_THREADS, 0, l->copy>>>(peers, rank, calls, sig, k, v, k_full, v_full, count);
     TSGEN_TRY(cudaGetLastError());
