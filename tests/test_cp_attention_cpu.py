@@ -554,19 +554,6 @@ def test_own_copy_first_renders_only_where_set():
     assert "for (int i = in_place || own_first ? 1 : 0; i < WORLD; ++i)" in body
 
 
-def test_own_copy_first_refused_with_the_sm_push(tmp_path):
-    text = CP + "params:\n  gather: sm\n  own_copy_first: true\n"
-    assert spec_problems(tmp_path, text) == [
-        "7:3: params.own_copy_first: the SM push copies the own rows itself: own_copy_first needs gather: copy_engine"]
-
-
-def test_own_copy_first_refused_with_trace(tmp_path):
-    text = CP + "params:\n  own_copy_first: true\n  trace: 64\n"
-    assert spec_problems(tmp_path, text) == [
-        "6:3: params.own_copy_first: own_copy_first with trace: the call timeline reads the first signal kernel as "
-        "the copy stream's own copy, which this one is not"]
-
-
 @needs_nvcc
 @pytest.mark.exhaustive  # one cp_attention build: the gate runs it
 def test_own_copy_first_compiles(tmp_path):
@@ -577,13 +564,6 @@ def test_own_copy_first_compiles(tmp_path):
         assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0 and entry["stack_frame"] == 0, (name, entry)
         assert regs is None or entry["registers"] == regs, (name, entry)
     assert res.serialized == [], res.serialized
-
-
-def test_attention_only_entry_refused_with_trace(tmp_path):
-    text = CP + "params:\n  attention_only_entry: true\n  trace: 64\n"
-    assert spec_problems(tmp_path, text) == [
-        "6:3: params.attention_only_entry: attention_only_entry with trace: the host timeline would count the "
-        "entry's calls, which advance no epoch; trace the full calls only"]
 
 
 def test_row_max_chains_renders_only_where_set(tmp_path):
@@ -606,11 +586,26 @@ def test_row_max_chains_renders_only_where_set(tmp_path):
         "with blocks of 80 keys (tile.n / 4): use a divisor of it"]
 
 
-def test_tile_counter_refused_where_causal(tmp_path):
-    text = CP + "params:\n  causal: true\n  tile_counter: true\n"
-    assert spec_problems(tmp_path, text) == [
-        "7:3: params.tile_counter: causal tiles are always handed out from the counter (longest first): "
-        "tile_counter is the not-causal option"]
+# The test-only and opt-in knobs' combinations a spec may not ask for: (params, the check's message)
+REFUSED_KNOBS = [
+    ("  causal: true\n  tile_counter: true\n",
+     "7:3: params.tile_counter: causal tiles are always handed out from the counter (longest first): tile_counter is "
+     "the not-causal option"),
+    ("  gather: sm\n  own_copy_first: true\n",
+     "7:3: params.own_copy_first: the SM push copies the own rows itself: own_copy_first needs gather: copy_engine"),
+    ("  own_copy_first: true\n  trace: 64\n",
+     "6:3: params.own_copy_first: own_copy_first with trace: the call timeline reads the first signal kernel as the "
+     "copy stream's own copy, which this one is not"),
+    ("  attention_only_entry: true\n  trace: 64\n",
+     "6:3: params.attention_only_entry: attention_only_entry with trace: the host timeline would count the entry's "
+     "calls, which advance no epoch; trace the full calls only"),
+]
+
+
+@pytest.mark.parametrize("params,message", REFUSED_KNOBS, ids=["tile_counter_causal", "own_copy_first_sm",
+                                                                "own_copy_first_trace", "attention_only_entry_trace"])
+def test_knob_combinations_refused(tmp_path, params, message):
+    assert spec_problems(tmp_path, CP + "params:\n" + params) == [message]
 
 
 @needs_nvcc
