@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -651,7 +650,7 @@ def test_local_kv_renders_only_where_set():
     assert "const bool in_place = LOCAL_KV && own_in_place(g, rank, Op::Config::TILE_N);" in header
     assert "const int unwaited = Op::SKIP_WAIT ? first_remote_chunk(g, rank) : -1;" in header
     assert "local.chunk[s] = (int32_t)x.chunk, local.src[s] = x.src_row;" in header
-    assert "for (int i = in_place ? 1 : 0; i < WORLD; ++i) {" in header
+    assert "for (int i = in_place || own_first ? 1 : 0; i < WORLD; ++i) {" in header  # own_first: own_copy_first
     assert "const bool skip_own = LOCAL_TILE != 0 && own_in_place(g, rank, LOCAL_TILE);" in header
 
 
