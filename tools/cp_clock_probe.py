@@ -37,7 +37,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))  # attention_trace's --param parser
 
+from tsgen.bench.clocks import SmClocks  # noqa: E402
 from tsgen.bench.runner import MAX_REL_ERR, fill_random  # noqa: E402
 from tsgen.harness import poison_byte, render_to_cache  # noqa: E402
 from tsgen.ops import get_family  # noqa: E402
@@ -58,51 +58,10 @@ IDEAL_SPEC = ROOT / "specs" / "attention_hd128.yaml"
 REFUSED = ("causal", "layout", "heads", "kv_heads", "head_dim", "tile", "batch")
 
 
-class Nvml:
-    """A thread reading each GPU's SM clock (MHz) and instantaneous power (W) every `period` s, the GPUs
-    named by PCI bus id (NVML's indices follow neither CUDA_VISIBLE_DEVICES nor CUDA's order): rows
-    (t, key, mhz, watts or None)."""
-
-    def __init__(self, bus_ids: dict, period: float = 0.002):
-        import pynvml
-
-        self.nv = pynvml
-        pynvml.nvmlInit()
-        try:
-            self.handles = {k: pynvml.nvmlDeviceGetHandleByPciBusId(b) for k, b in bus_ids.items()}
-        except BaseException:
-            pynvml.nvmlShutdown()
-            raise
-        self.period, self.rows, self._stop = period, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _watts(self, h) -> float | None:
-        nv = self.nv
-        v = nv.nvmlDeviceGetFieldValues(h, [nv.NVML_FI_DEV_POWER_INSTANT])[0]
-        return v.value.uiVal / 1000.0 if v.nvmlReturn == nv.NVML_SUCCESS else None
-
-    def _run(self) -> None:
-        nv = self.nv
-        while not self._stop.is_set():
-            t = time.perf_counter()
-            for k, h in self.handles.items():
-                self.rows.append((t, k, nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), self._watts(h)))
-            time.sleep(self.period)
-
-    def __enter__(self) -> "Nvml":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.nv.nvmlShutdown()
-
-    def window(self, key, t0: float, t1: float) -> dict:
-        got = [(mhz, w) for t, k, mhz, w in self.rows if k == key and t0 <= t <= t1]
-        watts = [w for _, w in got if w is not None]
-        return {"mhz": statistics.median(m for m, _ in got) if got else None,
-                "watts": statistics.median(watts) if watts else None, "samples": len(got)}
+def gpu_window(clocks: SmClocks, device: int, t0: float, t1: float) -> dict:
+    """A GPU's median SM clock and power over a phase's window, and how many readings it had."""
+    return {"mhz": clocks.window(device, t0, t1), "watts": clocks.power_window(device, t0, t1),
+            "samples": clocks.samples(device, t0, t1)}
 
 
 def poison(world, bufs, ranks) -> None:
@@ -196,7 +155,8 @@ def main(argv=None) -> int:
         cached = render_to_cache(ideal_loaded)
         ideal_mod = w1.load(cached.manifest, source=cached.source)
         cp_fam, ideal_fam = get_family(cp_loaded.model.op), get_family(ideal_loaded.model.op)
-        with Nvml({r: w2.backend.bus_ids[r] for r in w2.ranks}) as nvml:
+        nvml = SmClocks({w2.devices[r]: w2.backend.bus_ids[r] for r in w2.ranks}, power=True).start()
+        try:
             for seq in seqs:
                 count = seq // 2
                 cbufs, ibufs = cp_mod.alloc(count), ideal_mod.alloc(seq)
@@ -225,7 +185,7 @@ def main(argv=None) -> int:
                         for who, world, call in order:
                             us, slow, t0, t1 = timed_phase(world, world.streams, call, a.calls)
                             got[who] = {"us_per_call": us, "slow_rank": slow,
-                                        "gpus": {r: nvml.window(r, t0, t1) for r in w2.ranks}}
+                                        "gpus": {r: gpu_window(nvml, w2.devices[r], t0, t1) for r in w2.ranks}}
                         got["order"] = [who for who, _, _ in order]
                         got["ratios"] = {who: against(got[who], got["ideal"]) for who, _, _ in kinds[:-1]}
                         rounds.append(got)
@@ -240,6 +200,8 @@ def main(argv=None) -> int:
                 out["sizes"][str(seq)] = {"rounds": rounds, "median": med, "checks": checks}
                 lines += report(seq, rounds, med, checks, [who for who, _, _ in kinds[:-1]])
                 print("\n".join(lines[-(len(rounds) * (len(kinds) - 1) + len(kinds) + 1):]), flush=True)
+        finally:
+            nvml.close()
     (a.out / "cp_clock_probe.json").write_text(json.dumps(out, indent=1))
     (a.out / "cp_clock_probe.txt").write_text("\n".join(lines) + "\n")
     return 0 if ok else 1

@@ -3,6 +3,7 @@ TsgenError into its message and exit code, as for every command)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -79,8 +80,11 @@ def _markdown(title: str, meta: dict, rows: list[dict], errors: list[str], notes
                    "when the guard turns every result into an error, 1 when a number got through")
 @click.option("--list-suites", is_flag=True, help="list suites/*.yaml and exit")
 @click.option("--arch", default="sm_90a", show_default=True, help="GPU architecture the sources are compiled for")
+@click.option("--sm-clocks", is_flag=True, help="also read every GPU's SM clock from NVML while timing (needs "
+              "nvidia-ml-py): each row of this process's timings gets the median clock of its samples (the SM MHz "
+              "column; tsgen/bench/clocks.py)")
 def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json_path, plot_path, no_baselines,
-          share_gpus, results_dir, control, list_suites, arch):
+          share_gpus, results_dir, control, list_suites, arch, sm_clocks):
     """Time SPEC (or a --suite) against its baselines in the same run: copies against
     cudaMemcpyPeer, collectives against NCCL (and PyTorch SymmetricMemory for all_reduce),
     nccl-tests style; gemm against cuBLAS; allgather_gemm / gemm_reduce_scatter against cuBLAS +
@@ -124,12 +128,13 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
 
         chosen = dict(only_baselines=tuple(s.model.baselines) if s.model.baselines else None,
                       baselines_per_entry=s.model.baselines_per_entry) if suite else {}
-        outcomes, env = run_entries(entries, iters=iters, reps=reps, warmup=warmup, backend=backend,
-                                    share_gpus=share_gpus, baselines=not no_baselines, control=control, arch=arch,
-                                    echo=log, progress=progress, **chosen)
+        with _clocks(sm_clocks, log) as clocks_note:
+            outcomes, env = run_entries(entries, iters=iters, reps=reps, warmup=warmup, backend=backend,
+                                        share_gpus=share_gpus, baselines=not no_baselines, control=control,
+                                        arch=arch, echo=log, progress=progress, **chosen)
     rows = [r for o in outcomes for r in o.rows]
     errors = [e for o in outcomes for e in o.errors]
-    notes = [n for o in outcomes for n in o.notes]
+    notes = [n for o in outcomes for n in o.notes] + ([clocks_note] if clocks_note else [])
     if env.get("stopped"):
         notes.append(f"incomplete run: {env['stopped']}")
         errors.append(f"incomplete run: {env['stopped']}")  # the exit status says so too
@@ -158,6 +163,30 @@ def bench(spec, suite, gpus, backend, sizes, iters, reps, warmup, patterns, json
         plot(rows, plot_path)
         click.echo(f"tsgen: plot written to {plot_path}")
     _finish(rows, errors, control)
+
+
+@contextlib.contextmanager
+def _clocks(wanted: bool, log):
+    """--sm-clocks: the SM clocks open while the entries run (clocks.sm_clocks); yields a note for the results
+    (what was read, or why nothing was), None where not asked for."""
+    if not wanted:
+        yield None
+        return
+    from . import clocks
+
+    try:
+        opened = clocks.sm_clocks(clocks.visible_bus_ids())
+        opened.__enter__()
+    except Exception as e:  # noqa: BLE001 - no NVML (nvidia-ml-py) or no driver: the timings still run
+        note = f"SM clocks not read (--sm-clocks): {type(e).__name__}: {e}"[:300]
+        log(f"tsgen: {note}")
+        yield note
+        return
+    try:
+        yield (f"SM MHz: the median over a row's samples of the SM clock of its slowest rank's GPU (NVML every "
+               f"{clocks.PERIOD_S * 1000:.0f} ms, --sm-clocks); rows timed in other processes have none")
+    finally:
+        opened.__exit__(None, None, None)
 
 
 def _steps(entry) -> int:

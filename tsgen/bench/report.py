@@ -54,7 +54,9 @@ def table_cells(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]
         metric = metric_of(rs)
         compared = list(dict.fromkeys(k for r in rs for k in (r.get("ratios") or {})))
         overlap = any("overlap" in r for r in rs)
-        head = ["impl", "size", "pattern", "time us", "+-%"] + ([metric[1]] if metric else [])
+        clocks = any(r.get("sm_mhz_median") for r in rs)
+        head = ["impl", "size", "pattern", "time us", "+-%"] + ([metric[1]] if metric else []) + \
+            (["SM MHz"] if clocks else [])
         head += [f"vs {c}" for c in compared] + (["overlap"] if overlap else []) + ["% of ceiling", "check"]
         if not any(r.get("pattern") for r in rs):
             head.remove("pattern")
@@ -66,6 +68,8 @@ def table_cells(rows: list[dict]) -> list[tuple[str, list[str], list[list[str]]]
                 cells += [f"{r['time_us']:.1f}", f"{r['spread_pct']:.1f}" if r.get("spread_pct") is not None else ""]
                 if metric:
                     cells.append(f"{r[metric[0]]:.1f}" if r.get(metric[0]) else "")
+                if clocks:
+                    cells.append(f"{r['sm_mhz_median']:.0f}" if r.get("sm_mhz_median") else "")
                 cells += [_ratio_cell(r, c) for c in compared]
                 if overlap:
                     cells.append(f"{r['overlap']:.2f}" if "overlap" in r else "")

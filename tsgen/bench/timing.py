@@ -51,6 +51,7 @@ class Timing:
     note: str | None = None
     problems: list[str] = field(default_factory=list)
     round_set: int | None = None  # timed by time_interleaved call number round_set: sample i from its round i
+    sm_mhz: list[float | None] = field(default_factory=list)  # per sample, the slowest rank's GPU's SM clock (clocks.py)
 
     @property
     def median_us(self) -> float:
@@ -64,7 +65,13 @@ class Timing:
     def fields(self) -> dict:
         return {"time_us": self.median_us, "time_us_min": min(self.samples_us), "time_us_max": max(self.samples_us),
                 "spread_pct": self.spread_pct, "calls": self.calls, "reps": len(self.samples_us), "mode": self.mode,
-                **({"round_set": self.round_set, "samples_us": list(self.samples_us)} if self.round_set else {})}
+                **({"round_set": self.round_set, "samples_us": list(self.samples_us)} if self.round_set else {}),
+                **self.clock_fields()}
+
+    def clock_fields(self) -> dict:
+        """sm_mhz (per sample) and sm_mhz_median, where the SM clocks were read (tsgen bench --sm-clocks)."""
+        got = [m for m in self.sm_mhz if m is not None]
+        return {"sm_mhz": list(self.sm_mhz), "sm_mhz_median": float(statistics.median(got))} if got else {}
 
 
 def _first_line(e: BaseException) -> str:
@@ -94,6 +101,7 @@ class Sampler:
         self.enqueued = {r: 0 for r in self.ranks}
         self.problems: list[str] = []
         self.samples: list[float] = []
+        self.sm_mhz: list[float | None] = []  # where the SM clocks are open (clocks.active) and the clock knows devices
         self.mode, self.note, self.graph, self.before = "eager", None, {}, {}
 
     def _run(self, i: int, rs: list[int]) -> None:
@@ -139,6 +147,7 @@ class Sampler:
         for i in range(self.settle):  # untimed, back to back with the sample: it starts under its own load
             self._run(i, ranks)
         start = {r: clock.record(r, self.ev_streams[r]) for r in ranks}
+        t0 = time.perf_counter()
         if self.graph:
             for r in ranks:
                 clock.replay(self.graph[r], streams[r])
@@ -155,13 +164,25 @@ class Sampler:
                     f"{self.label}: rank {r}'s end event completed while the calls it should follow were still "
                     "running: the events are not on the stream the calls run on, so the timing brackets nothing")
         clock.synchronize()
-        region_us = max(clock.elapsed_ms(start[r], end[r]) for r in ranks) * 1e3
+        t1 = time.perf_counter()
+        per_rank = {r: clock.elapsed_ms(start[r], end[r]) for r in ranks}
+        region_us = max(per_rank.values()) * 1e3
+        self._read_clock(max(per_rank, key=per_rank.get), t0, t1)
         if region_us < MIN_CALL_US * calls and not any("shorter than" in p for p in problems):
             problems.append(f"{self.label}: {region_us:.2f} us for {calls} calls is shorter than one kernel launch "
                             f"per call ({MIN_CALL_US} us): no kernel ran inside the timed region (a skipped launch?)")
         value = clock.max_over_processes(f"{self.label}: sample {len(self.samples)}", region_us / calls)
         self.samples.append(value)
         return value
+
+    def _read_clock(self, slowest: int, t0: float, t1: float) -> None:
+        """Where the SM clocks are open and the clock names each rank's device: the slowest rank's GPU's median
+        SM clock over the sample's window (from its start events to the synchronize after it)."""
+        from . import clocks
+
+        sm, device_of = clocks.active(), getattr(self.clock, "device_of", None)
+        if sm is not None and device_of is not None:
+            self.sm_mhz.append(sm.window(device_of(slowest), t0, t1))
 
     def finish(self) -> Timing:
         self.clock.synchronize()
@@ -171,7 +192,7 @@ class Sampler:
                 if got != self.enqueued[r]:
                     self.problems.append(f"{self.label}: rank {r}'s device call counter advanced by {got}, but "
                                          f"{self.enqueued[r]} calls were enqueued: some launches did not happen")
-        return Timing(self.samples, self.calls, self.mode, self.note, self.problems)
+        return Timing(self.samples, self.calls, self.mode, self.note, self.problems, sm_mhz=list(self.sm_mhz))
 
 
 def time_calls(clock, ranks: Sequence[int], streams, enqueue: Callable[[int, list[int]], None], *,
@@ -280,6 +301,10 @@ class CupyClock:
 
     def __init__(self, world):
         self.world, self.cp = world, world.cp
+
+    def device_of(self, rank: int) -> int:
+        """The CUDA ordinal of rank's GPU (the SM clocks' key, clocks.py)."""
+        return self.world.devices[rank]
 
     def record(self, rank: int, stream) -> Any:
         with self.cp.cuda.Device(self.world.devices[rank]):
