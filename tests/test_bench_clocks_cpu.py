@@ -15,13 +15,45 @@ from tsgen.bench.timing import Timing, time_calls
 
 
 def test_window_is_the_median_of_the_readings_inside_it():
-    c = clocks.SmClocks({0: "bus0"}, reader=lambda bus: (lambda: 0.0))
-    c.rows = [(1.0, 0, 1500.0, None), (2.0, 0, 1600.0, 680.0), (3.0, 0, 1700.0, 700.0), (2.5, 1, 900.0, None),
-              (9.0, 0, 100.0, 1.0)]
+    c = clocks.SmClocks({0: "bus0", 1: "bus1"}, reader=lambda bus: (lambda: 0.0))
+    for dev, t, got in [(0, 1.0, 1500.0), (0, 2.0, (1600.0, 680.0)), (1, 2.5, 900.0), (0, 3.0, (1700.0, 700.0)),
+                        (0, 9.0, (100.0, 1.0))]:
+        c.add(dev, t, got)
     assert c.window(0, 1.5, 3.0) == pytest.approx(1650.0)  # 1600, 1700: device 1's and the later reading left out
     assert c.power_window(0, 1.5, 3.0) == pytest.approx(690.0) and c.samples(0, 1.5, 3.0) == 2
     assert c.window(1, 0.0, 10.0) == pytest.approx(900.0) and c.power_window(1, 0.0, 10.0) is None
-    assert c.window(0, 4.0, 5.0) is None
+    assert c.window(0, 4.0, 5.0) is None and c.samples(0, 4.0, 5.0) == 0
+
+
+def test_old_readings_are_dropped():
+    c = clocks.SmClocks({0: "bus0"}, reader=lambda bus: (lambda: 0.0), keep_s=10.0)
+    for i in range(4096):  # one reading a second
+        c.add(0, float(i), 1000.0 + i)
+    assert c.samples(0, 0.0, 5000.0) < 1024 + 11  # at most a prune's worth beyond the last 10 s
+    assert c.window(0, 4090.0, 4095.0) == pytest.approx(1000.0 + 4092.5)
+
+
+def test_a_failing_reading_is_counted_and_the_thread_goes_on():
+    n = {"calls": 0}
+
+    def flaky():
+        n["calls"] += 1
+        if n["calls"] % 2:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return 1600.0
+
+    with clocks.sm_clocks({0: "b0"}, reader=lambda bus: flaky) as c:
+        t0 = time.perf_counter()
+        time.sleep(0.05)
+        t1 = time.perf_counter()
+    assert c.failures > 0 and c.window(0, t0, t1) == 1600.0
+
+
+def test_an_error_in_the_run_still_stops_the_thread():
+    with pytest.raises(ValueError):
+        with clocks.sm_clocks({0: "b0"}, reader=lambda bus: (lambda: 1500.0)) as c:
+            raise ValueError("the bench failed")
+    assert clocks.active() is None and not c._thread.is_alive()
 
 
 def test_the_thread_reads_each_device_by_bus_id_and_stops():
@@ -66,7 +98,13 @@ class TwoGpus:
         return (b - a) / 1e3
 
     def synchronize(self):
-        time.sleep(0.01)  # the sample's window holds readings
+        """Returns once the clocks (where open) have a reading of every GPU newer than the call: the sample's
+        window holds one whatever the machine's load."""
+        sm, now = clocks.active(), time.perf_counter()
+        deadline = now + 5.0
+        while sm is not None and time.perf_counter() < deadline and \
+                not all(sm.samples(d, now, float("inf")) for d in sm.read):
+            time.sleep(0.001)
 
     def max_over_processes(self, label, v):
         return v
@@ -87,8 +125,22 @@ def test_each_sample_takes_the_slowest_ranks_gpu_clock():
     with clocks.sm_clocks({5: "b5", 7: "b7"}, reader=lambda bus: (lambda: {"b5": 1700.0, "b7": 1550.0}[bus])):
         t = time_calls(clock, [0, 1], {0: "s0", 1: "s1"}, enqueue_on(clock), calls=3, reps=4, warmup=1, graphs=False)
     assert t.sm_mhz == [1550.0] * 4  # rank 1's GPU (7), the slower rank
+    assert len(t.sm_readings) == 4 and all(n > 0 for n in t.sm_readings)
     fields = t.fields()
     assert fields["sm_mhz"] == [1550.0] * 4 and fields["sm_mhz_median"] == 1550.0
+    assert fields["sm_readings"] == t.sm_readings
+
+
+def test_no_clock_where_other_ranks_run_in_other_processes():
+    """A sampler of one process's ranks of a larger world (one process per rank): its slowest rank may not be
+    the world's, so it reads no clock."""
+    clock = TwoGpus()
+    clock.world = type("W", (), {"size": 2})()
+    with clocks.sm_clocks({5: "b5", 7: "b7"}, reader=lambda bus: (lambda: 1700.0)):
+        t = time_calls(clock, [0], {0: "s0"}, enqueue_on(clock), calls=3, reps=2, warmup=1, graphs=False)
+        both = time_calls(clock, [0, 1], {0: "s0", 1: "s1"}, enqueue_on(clock), calls=3, reps=2, warmup=1,
+                          graphs=False)
+    assert t.sm_mhz == [] and both.sm_mhz == [1700.0, 1700.0]
 
 
 def test_no_clock_fields_without_the_clocks_or_without_devices():

@@ -174,19 +174,24 @@ def _clocks(wanted: bool, log):
         return
     from . import clocks
 
+    opened, note = None, None
     try:
         opened = clocks.sm_clocks(clocks.visible_bus_ids())
-        opened.__enter__()
+        sm = opened.__enter__()
     except Exception as e:  # noqa: BLE001 - no NVML (nvidia-ml-py) or no driver: the timings still run
-        note = f"SM clocks not read (--sm-clocks): {type(e).__name__}: {e}"[:300]
+        opened, note = None, f"SM clocks not read (--sm-clocks): {type(e).__name__}: {e}"[:300]
         log(f"tsgen: {note}")
+    if opened is None:
         yield note
         return
     try:
         yield (f"SM MHz: the median over a row's samples of the SM clock of its slowest rank's GPU (NVML every "
-               f"{clocks.PERIOD_S * 1000:.0f} ms, --sm-clocks); rows timed in other processes have none")
+               f"{clocks.PERIOD_S * 1000:.0f} ms, --sm-clocks; sm_readings in the JSON: the readings of each "
+               f"sample); rows timed in other processes have none")
     finally:
         opened.__exit__(None, None, None)
+        if sm.failures:
+            log(f"tsgen: {sm.failures} NVML clock readings failed (skipped)")
 
 
 def _steps(entry) -> int:

@@ -52,6 +52,7 @@ class Timing:
     problems: list[str] = field(default_factory=list)
     round_set: int | None = None  # timed by time_interleaved call number round_set: sample i from its round i
     sm_mhz: list[float | None] = field(default_factory=list)  # per sample, the slowest rank's GPU's SM clock (clocks.py)
+    sm_readings: list[int] = field(default_factory=list)  # per sample, the NVML readings behind sm_mhz
 
     @property
     def median_us(self) -> float:
@@ -71,7 +72,8 @@ class Timing:
     def clock_fields(self) -> dict:
         """sm_mhz (per sample) and sm_mhz_median, where the SM clocks were read (tsgen bench --sm-clocks)."""
         got = [m for m in self.sm_mhz if m is not None]
-        return {"sm_mhz": list(self.sm_mhz), "sm_mhz_median": float(statistics.median(got))} if got else {}
+        return {"sm_mhz": list(self.sm_mhz), "sm_readings": list(self.sm_readings),
+                "sm_mhz_median": float(statistics.median(got))} if got else {}
 
 
 def _first_line(e: BaseException) -> str:
@@ -102,6 +104,7 @@ class Sampler:
         self.problems: list[str] = []
         self.samples: list[float] = []
         self.sm_mhz: list[float | None] = []  # where the SM clocks are open (clocks.active) and the clock knows devices
+        self.sm_readings: list[int] = []  # the readings behind each of them
         self.mode, self.note, self.graph, self.before = "eager", None, {}, {}
 
     def _run(self, i: int, rs: list[int]) -> None:
@@ -146,8 +149,8 @@ class Sampler:
             self._run(0, ranks)
         for i in range(self.settle):  # untimed, back to back with the sample: it starts under its own load
             self._run(i, ranks)
+        t0 = time.perf_counter()  # the SM clocks' window (clocks.py): from before the start events
         start = {r: clock.record(r, self.ev_streams[r]) for r in ranks}
-        t0 = time.perf_counter()
         if self.graph:
             for r in ranks:
                 clock.replay(self.graph[r], streams[r])
@@ -181,8 +184,12 @@ class Sampler:
         from . import clocks
 
         sm, device_of = clocks.active(), getattr(self.clock, "device_of", None)
-        if sm is not None and device_of is not None:
-            self.sm_mhz.append(sm.window(device_of(slowest), t0, t1))
+        world = getattr(self.clock, "world", None)
+        if sm is None or device_of is None or (world is not None and len(self.ranks) != world.size):
+            return  # off, a clock that names no devices, or ranks in other processes (the slowest may be theirs)
+        device = device_of(slowest)
+        self.sm_mhz.append(sm.window(device, t0, t1))
+        self.sm_readings.append(sm.samples(device, t0, t1))
 
     def finish(self) -> Timing:
         self.clock.synchronize()
@@ -192,7 +199,8 @@ class Sampler:
                 if got != self.enqueued[r]:
                     self.problems.append(f"{self.label}: rank {r}'s device call counter advanced by {got}, but "
                                          f"{self.enqueued[r]} calls were enqueued: some launches did not happen")
-        return Timing(self.samples, self.calls, self.mode, self.note, self.problems, sm_mhz=list(self.sm_mhz))
+        return Timing(self.samples, self.calls, self.mode, self.note, self.problems, sm_mhz=list(self.sm_mhz),
+                      sm_readings=list(self.sm_readings))
 
 
 def time_calls(clock, ranks: Sequence[int], streams, enqueue: Callable[[int, list[int]], None], *,
