@@ -7,9 +7,10 @@ entry: no entry exchange, copies, signals or peer; every chunk already signalled
 and a phase of the ideal (the single-GPU attention kernel of the same heads over the whole sequence, on
 rank 0's GPU alone). The order is cp, solo, ideal in even rounds and ideal, cp, solo in odd ones (the
 power manager answers with a delay, so a fixed order would bias each phase's clock by its predecessor).
-A phase is one untimed call, then CALLS back-to-back calls between CUDA events on the streams they run
-on. Beside it a thread reads each rank's GPU (found by PCI bus id) from NVML every 2 ms: the SM clock and
-the instantaneous power (NVML_FI_DEV_POWER_INSTANT; nvmlDeviceGetPowerUsage averages over a second on
+A phase is one sample of the bench's timing core (tsgen.bench.timing.Sampler): one untimed line-up call,
+then CALLS back-to-back calls between CUDA events on the streams they run on. Beside it a thread reads each
+rank's GPU (found by PCI bus id) from NVML every 2 ms (tsgen.bench.clocks.SmClocks): the SM clock and the
+instantaneous power (NVML_FI_DEV_POWER_INSTANT; nvmlDeviceGetPowerUsage averages over a second on
 these GPUs). Per phase: the time per call (the cp call: the slower rank's, and which rank it was), each
 rank's GPU's median SM clock and power over the phase's timed window; then per round, for the cp call and
 the solo kernel against that round's ideal: the rate ratio (FLOP rate per GPU over the ideal's), the
@@ -37,7 +38,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))  # attention_trace's --param parser
 
 from tsgen.bench.clocks import SmClocks  # noqa: E402
-from tsgen.bench.runner import MAX_REL_ERR, fill_random  # noqa: E402
+from tsgen.bench.runner import MAX_REL_ERR, POISON_CALL, fill_random  # noqa: E402
+from tsgen.bench.timing import CupyClock, Sampler  # noqa: E402
 from tsgen.harness import poison_byte, render_to_cache  # noqa: E402
 from tsgen.ops import get_family  # noqa: E402
 from tsgen.spec import load_spec, spec_variant  # noqa: E402
@@ -71,33 +72,21 @@ def poison(world, bufs, ranks) -> None:
         with world.cp.cuda.Device(world.devices[r]):
             for sl in bufs.slots:
                 if sl.role == "output":
-                    bufs.array(sl.name, r).view("uint8")[...] = poison_byte(3)
+                    bufs.array(sl.name, r).view("uint8")[...] = poison_byte(POISON_CALL)
     world.synchronize()
 
 
-def timed_phase(w, streams, call, calls: int) -> tuple[float, int, float, float]:
-    """One untimed call, then `calls` between events on every stream of `w`; the slowest stream's time per
-    call (us), its rank, and the host's perf_counter window of the timed calls (after the start events to
-    the sync). A rank that launched nothing (the solo kernel's rank 1) times about 0."""
-    cp = w.cp
-    call()
-    w.synchronize()
-    starts, ends = {}, {}
-    for r in w.ranks:
-        with cp.cuda.Device(w.devices[r]):
-            starts[r], ends[r] = cp.cuda.Event(), cp.cuda.Event()
-            starts[r].record(streams[r])
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        call()
-    for r in w.ranks:
-        with cp.cuda.Device(w.devices[r]):
-            ends[r].record(streams[r])
-    w.synchronize()
-    t1 = time.perf_counter()
-    ms = {r: cp.cuda.get_elapsed_time(starts[r], ends[r]) for r in w.ranks}
-    slow = max(ms, key=ms.get)
-    return ms[slow] * 1000.0 / calls, slow, t0, t1
+def timed_phase(w, call, calls: int, label: str) -> tuple[float, int, float, float]:
+    """One sample of the bench's timing core (tsgen.bench.timing.Sampler: one untimed line-up call, then
+    `calls` between events on every stream of `w`): the slowest stream's time per call (us), its rank, and the
+    sample's host perf_counter window. A rank that launched nothing (the solo kernel's rank 1) times about 0."""
+    sampler = Sampler(CupyClock(w), w.ranks, w.streams, lambda i, ranks: call(), calls=calls, warmup=0,
+                      graphs=False, lineup=True, label=label)
+    us = sampler.sample()
+    if sampler.problems:
+        raise SystemExit("; ".join(sampler.problems))
+    t0, t1, slow = sampler.windows[-1]
+    return us, slow, t0, t1
 
 
 def against(c: dict, ideal: dict) -> dict:
@@ -183,7 +172,7 @@ def main(argv=None) -> int:
                         order = kinds if k % 2 == 0 else kinds[-1:] + kinds[:-1]
                         got = {}
                         for who, world, call in order:
-                            us, slow, t0, t1 = timed_phase(world, world.streams, call, a.calls)
+                            us, slow, t0, t1 = timed_phase(world, call, a.calls, f"{who} {seq}")
                             got[who] = {"us_per_call": us, "slow_rank": slow,
                                         "gpus": {r: gpu_window(nvml, w2.devices[r], t0, t1) for r in w2.ranks}}
                         got["order"] = [who for who, _, _ in order]

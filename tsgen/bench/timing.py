@@ -105,6 +105,7 @@ class Sampler:
         self.samples: list[float] = []
         self.sm_mhz: list[float | None] = []  # where the SM clocks are open (clocks.active) and the clock knows devices
         self.sm_readings: list[int] = []  # the readings behind each of them
+        self.windows: list[tuple[float, float, int]] = []  # per sample: host perf_counter window, slowest rank
         self.mode, self.note, self.graph, self.before = "eager", None, {}, {}
 
     def _run(self, i: int, rs: list[int]) -> None:
@@ -170,7 +171,8 @@ class Sampler:
         t1 = time.perf_counter()
         per_rank = {r: clock.elapsed_ms(start[r], end[r]) for r in ranks}
         region_us = max(per_rank.values()) * 1e3
-        self._read_clock(max(per_rank, key=per_rank.get), t0, t1)
+        self.windows.append((t0, t1, max(per_rank, key=per_rank.get)))
+        self._read_clock()
         if region_us < MIN_CALL_US * calls and not any("shorter than" in p for p in problems):
             problems.append(f"{self.label}: {region_us:.2f} us for {calls} calls is shorter than one kernel launch "
                             f"per call ({MIN_CALL_US} us): no kernel ran inside the timed region (a skipped launch?)")
@@ -178,10 +180,12 @@ class Sampler:
         self.samples.append(value)
         return value
 
-    def _read_clock(self, slowest: int, t0: float, t1: float) -> None:
+    def _read_clock(self) -> None:
         """Where the SM clocks are open and the clock names each rank's device: the slowest rank's GPU's median
-        SM clock over the sample's window (from its start events to the synchronize after it)."""
+        SM clock over the last sample's window (from before its start events to the synchronize after it)."""
         from . import clocks
+
+        t0, t1, slowest = self.windows[-1]
 
         sm, device_of = clocks.active(), getattr(self.clock, "device_of", None)
         world = getattr(self.clock, "world", None)
