@@ -181,3 +181,25 @@ def test_the_cli_runs_without_nvml_and_says_why(monkeypatch):
     assert note.startswith("SM clocks not read (--sm-clocks): ModuleNotFoundError") and said
     with cli._clocks(False, said.append) as note:
         assert note is None
+
+
+def test_a_torch_clock_names_its_device_and_one_with_dist_reads_no_clock():
+    """TorchClock.device_of is the process's current device; a TorchClock of a torch.distributed group (a
+    baseline worker) reads none: its slowest rank may be in another process."""
+    from tsgen.bench.timing import TorchClock
+
+    class Cuda:
+        @staticmethod
+        def current_device():
+            return 5
+
+    class Torch:
+        cuda = Cuda
+
+    clock = TwoGpus()
+    clock.device_of = TorchClock(Torch).device_of
+    with clocks.sm_clocks({5: "b5"}, reader=lambda bus: (lambda: 1700.0)):
+        alone = time_calls(clock, [0], {0: "s0"}, enqueue_on(clock), calls=3, reps=2, warmup=1, graphs=False)
+        clock.dist = object()
+        grouped = time_calls(clock, [0], {0: "s0"}, enqueue_on(clock), calls=3, reps=2, warmup=1, graphs=False)
+    assert alone.sm_mhz == [1700.0, 1700.0] and grouped.sm_mhz == []

@@ -352,3 +352,38 @@ def test_backward_report_has_the_fa4_column_only_where_a_row_has_it():
     assert text[head + 1].count("---") == text[head].count("|") - 1  # one separator per column
     assert "| v | 4096 | 200 | - | - | 500 | 2.50 | 400 | 2.00 |" in text
     assert "| v | 8192 | 200 | - | - | 500 | 2.50 | - | - |" in text
+
+
+def test_backward_cycle_ratio_pairs_time_and_clock_round_by_round():
+    """cycle_ratio: per round, (baseline time x its clock) / (tsgen's time x its clock), the median; none where a
+    round has no reading. A baseline 10 % slower in time at a 10 % lower clock takes the same cycles."""
+    from conftest import load_script
+
+    from tsgen.bench.timing import Timing
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    mine = Timing([100.0, 100.0, 100.0], 3, "eager", sm_mhz=[1800.0, 1800.0, 1800.0])
+    slower_clock = Timing([110.0, 110.0, 110.0], 3, "eager", sm_mhz=[1800 / 1.1] * 3)
+    assert tool.cycle_ratio(slower_clock, mine) == pytest.approx(1.0)
+    same_clock = Timing([110.0, 121.0, 99.0], 3, "eager", sm_mhz=[1800.0] * 3)
+    assert tool.cycle_ratio(same_clock, mine) == pytest.approx(1.1)  # the middle round's
+    assert tool.cycle_ratio(Timing([110.0] * 3, 3, "eager", sm_mhz=[1800.0, None, 1800.0]), mine) is None
+    assert tool.cycle_ratio(Timing([110.0] * 3, 3, "eager"), mine) is None
+
+
+def test_backward_report_has_the_clock_table_only_with_clocks():
+    from conftest import load_script
+
+    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
+    row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 500.0},
+           "sdpa_cudnn": {"tflops": 450.0, "ratio": 0.9}}
+    summary = {"device": "NVIDIA H200", "date": "2026-11-28", "command": "c", "checks": {}, "bench": {"rows": [row]}}
+    assert "cycle ratio" not in tool.markdown(summary)
+    summary["bench"]["rows"] = [dict(row, tsgen={"tflops": 500.0, "sm_mhz_median": 1650.0},
+                                     sdpa_cudnn={"tflops": 450.0, "ratio": 0.9, "sm_mhz_median": 1700.0,
+                                                 "cycle_ratio": 0.927})]
+    text = tool.markdown(summary).splitlines()
+    head = next(i for i, line in enumerate(text) if line.startswith("| variant | S | tsgen MHz"))
+    assert text[head] == "| variant | S | tsgen MHz | sdpa_flash MHz | sdpa_cudnn MHz | sdpa_flash cycles | sdpa_cudnn cycles |"
+    assert text[head + 1].count("---") == text[head].count("|") - 1
+    assert text[head + 2] == "| v | 4096 | 1650 | - | 1700 | - | 0.927 |"

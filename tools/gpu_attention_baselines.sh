@@ -40,6 +40,11 @@
 #       copied (local_kv=false), the per-tile trace of one isolated call at 16K (tools/attention_trace.py: the first
 #       tile's length against its summed waits), then suite cp-w2-nc (shipped and copied against the ideal). About 4
 #       minutes [took 237 s with three timelines and five suite entries at ca9dd6e, 2026-11-27]
+#   tools/gpu_attention_baselines.sh clocks      ONE GPU: suite attention with --sm-clocks, then tools/gpu_attention_bwd.py
+#       --sm-clocks on four backward rows (hd 128, 32 heads, not causal and causal, 8K and 16K; no checks: the
+#       rows' kernels are the gated ones): each implementation's SM clock beside its time, to tell whether FA4's lead
+#       is the clock (power) or the cycles. About 8 minutes, a guess [the attention suite ~4-5 min as above; the
+#       backward's builds ~60 s and FA4's first-call compiles]
 # Needs the cudnn-frontend wheel in .whl/ (carry ".whl"); installed into /tmp/site when `import cudnn`
 # fails. FlashAttention-4 is timed too where tools/fa4_wheels.sh installed it on this warm machine first
 # (its header: three calls carrying .whl-fa4/part1..3), else its rows are notes; its first call in each
@@ -71,6 +76,7 @@ step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/t
 [ "$MODE" = ilp ] && BUDGET=${BUDGET_VARIANTS:-330}
 [ "$MODE" = cp-nc ] && BUDGET=${BUDGET_CPNC:-560}  # four traces before the suite (the call's limit is 600 s)
 [ "$MODE" = cp-gap ] && BUDGET=${BUDGET_CPGAP:-560}
+[ "$MODE" = clocks ] && BUDGET=${BUDGET_CLOCKS:-560}
 case "$MODE" in
   variants)
     step "precompile" 60 python3 tools/precompile_suites.py attention-variants --jobs 16
@@ -115,7 +121,15 @@ case "$MODE" in
     cat "$OUT"/trace_timeline_*/cp_call_timeline.txt 2>/dev/null
     tail -n 6 "$LOG"/trace_*.log 2>/dev/null
     step "bench cp-w2-nc" 300 python3 -m tsgen bench --suite cp-w2-nc --results "$OUT/results" ;;
-  *) echo "usage: $0 attention|variants|m192|ilp|cp|cp-nc|cp-gap" >&2; exit 2 ;;
+  clocks)
+    # FA4's lead, clock or cycles (issue 33 item 3, issue 35): suite attention and four backward rows with NVML's SM
+    # clock read while timing (--sm-clocks, tsgen/bench/clocks.py); the backward's report in $OUT/bwd
+    step "precompile" 150 python3 tools/precompile_suites.py attention
+    step "bench attention (SM clocks)" 240 python3 -m tsgen bench --suite attention --sm-clocks --results "$OUT/results"
+    step "backward (SM clocks)" 220 python3 tools/gpu_attention_bwd.py "$OUT/bwd" --no-check --sm-clocks \
+      --bench-shapes hd128_full_kv32:8192,hd128_causal_kv32:8192,hd128_full_kv32:16384,hd128_causal_kv32:16384
+    [ -d "$OUT/bwd" ] && (cd "$OUT/bwd" && tar czf ../bwd.tgz --exclude='*.tgz' . ) ;;
+  *) echo "usage: $0 attention|variants|m192|ilp|cp|cp-nc|cp-gap|clocks" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
 import json, pathlib, sys

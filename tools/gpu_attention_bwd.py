@@ -784,10 +784,33 @@ BENCH_ROUNDS, BENCH_SETTLE = 8, 1
 
 
 def bench(built: dict[str, dict], quick: bool, echo=print, order: str = "balanced", settle: int = BENCH_SETTLE,
-          rounds: int = BENCH_ROUNDS, shapes: list[str] | None = None) -> dict:
+          rounds: int = BENCH_ROUNDS, shapes: list[str] | None = None, sm_clocks: bool = False) -> dict:
     """built: variant name -> {impl: its build} (the impls timed side by side, interleaved; the first
     is the reference of ratio_ref). order, settle, rounds: tsgen.bench.timing's round order, untimed calls
-    before each sample, rounds; shapes: "VARIANT:SEQ" rows to time (default all)."""
+    before each sample, rounds; shapes: "VARIANT:SEQ" rows to time (default all); sm_clocks: NVML's SM clock
+    read while timing (tsgen/bench/clocks.py), each impl's sm_mhz per sample and each baseline's cycle_ratio."""
+    if not sm_clocks:
+        return _bench(built, quick, echo, order, settle, rounds, shapes)
+    from tsgen.bench import clocks
+
+    with clocks.sm_clocks(clocks.visible_bus_ids()) as sm:
+        result = _bench(built, quick, echo, order, settle, rounds, shapes)
+    return {**result, "sm_clock_failures": sm.failures}
+
+
+def cycle_ratio(base, mine) -> float | None:
+    """The median over rounds of (base's time x its SM clock) / (mine's time x its clock): the ratio of GPU
+    cycles, where paired_ratio is that of times (> 1: mine takes fewer cycles). None unless every round of
+    both has a clock reading."""
+    import statistics
+
+    if not base.sm_mhz or None in base.sm_mhz or None in mine.sm_mhz or len(base.sm_mhz) != len(mine.sm_mhz):
+        return None
+    return float(statistics.median(tb * fb / (tm * fm) for tb, fb, tm, fm in
+                                   zip(base.samples_us, base.sm_mhz, mine.samples_us, mine.sm_mhz)))
+
+
+def _bench(built, quick, echo, order, settle, rounds, shapes) -> dict:
     import torch
     from tsgen.bench.timing import Sampler, TorchClock, paired_ratio, time_interleaved
     from tsgen.ops.attention_backward import flops
@@ -825,11 +848,13 @@ def bench(built: dict[str, dict], quick: bool, echo=print, order: str = "balance
             row = {"variant": name, "seq": seq, "batch": batch, "order": order, "settle": settle}
             for k, tm in timings.items():
                 row[k] = {"us": tm.median_us, "tflops": f / tm.median_us / 1e6, "problems": tm.problems,
-                          "samples_us": tm.samples_us}
+                          "samples_us": tm.samples_us, **tm.clock_fields()}
                 if row[k]["tflops"] > PEAK_TFLOPS:
                     row[k]["problems"].append(f"{row[k]['tflops']:.0f} TFLOP/s is above the dense peak")
                 if not k.startswith("tsgen"):
                     row[k]["ratio"] = paired_ratio(tm.samples_us, timings[last].samples_us)["ratio"]
+                    if (cycles := cycle_ratio(tm, timings[last])) is not None:
+                        row[k]["cycle_ratio"] = cycles
                 elif k != ref:
                     row[k]["ratio_ref"] = paired_ratio(timings[ref].samples_us, tm.samples_us)["ratio"]
             row["ref"], row["last"] = ref, last
@@ -860,6 +885,24 @@ def child(args: list[str], timeout: float) -> tuple[dict, str]:
         if line.startswith("RESULT "):
             return json.loads(line[7:]), p.stdout + p.stderr
     return {"pass": False, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] or ''}"}, p.stdout + p.stderr
+
+
+def clock_table(rows: list[dict], impls: list[str], last: str) -> list[str]:
+    """Where the bench read the SM clocks (--sm-clocks): each impl's median SM MHz per row, and each baseline's
+    ratio of GPU cycles to `last`'s (cycle_ratio): a time ratio that the cycle ratio matches is the kernels' work,
+    one that it does not is the clock (the H200 runs attention at its power limit)."""
+    if not any(isinstance(row.get(k), dict) and row[k].get("sm_mhz_median") for row in rows for k in impls):
+        return []
+    base = [k for k in impls if not k.startswith("tsgen")]
+    out = ["", f"SM clock (MHz: the median over samples of NVML's reading during each; --sm-clocks) and cycle ratio "
+           f"(the median over rounds of the baseline's time x clock over {last}'s: > 1, {last} takes fewer cycles)", "",
+           "| variant | S | " + " | ".join(f"{k} MHz" for k in impls) + "".join(f" | {k} cycles" for k in base) + " |",
+           "|---|---|" + "---|" * (len(impls) + len(base))]
+    for row in rows:
+        mhz = [f"{row[k]['sm_mhz_median']:.0f}" if k in row and row[k].get("sm_mhz_median") else "-" for k in impls]
+        cyc = [f"{row[k]['cycle_ratio']:.3f}" if k in row and "cycle_ratio" in row[k] else "-" for k in base]
+        out.append(f"| {row['variant']} | {row['seq']} | " + " | ".join(mhz + cyc) + " |")
+    return out
 
 
 def markdown(s: dict) -> str:
@@ -926,6 +969,7 @@ def markdown(s: dict) -> str:
             for k in others:
                 cells += [f"{row[k]['tflops']:.0f}", f"{row[k]['ratio']:.2f}"] if k in row else ["-", "-"]
             out.append(f"| {row['variant']} | {row['seq']} | " + " | ".join(cells) + " |")
+        out += clock_table(rows, mine + others, last)
         same = [(f"{row['variant']} S {row['seq']}", row["same_kernel"]) for row in rows if "same_kernel" in row]
         if same:
             from tsgen.bench.report import method_control_line
@@ -964,6 +1008,9 @@ def main() -> int:
     ap.add_argument("--settle", type=int, default=BENCH_SETTLE,
                     help=f"the bench's untimed calls before each sample (default {BENCH_SETTLE})")
     ap.add_argument("--rounds", type=int, default=BENCH_ROUNDS, help=f"the bench's rounds (default {BENCH_ROUNDS})")
+    ap.add_argument("--sm-clocks", action="store_true",
+                    help="read NVML's SM clock while timing (tsgen/bench/clocks.py; nvidia-ml-py): each impl's MHz and "
+                    "each baseline's cycle ratio in the report")
     ap.add_argument("--bench-shapes", metavar="VARIANT:SEQ,...",
                     help="time these rows of the bench only (default: every variant at every S)")
     ap.add_argument("--no-check", action="store_true",
@@ -1077,7 +1124,8 @@ def main() -> int:
         summary["base"] = next((f"commit {b['commit']}" if b.get("commit") else f"the tree {BASE_TREE}"
                                 for (n, i), b in built.items() if i == "base"), None)
     if not a.no_bench:
-        opts = {"order": a.order, "settle": a.settle, "rounds": a.rounds, "shapes": shapes or None}
+        opts = {"order": a.order, "settle": a.settle, "rounds": a.rounds, "shapes": shapes or None,
+                "sm_clocks": a.sm_clocks}
         extra = ["--quick"] if a.quick else []
         n_rows = len(shapes) if shapes else len(BENCH_VARIANTS) * len(BENCH_SEQS)
         summary["bench"], log = child(["bench", json.dumps({n: {i: built[n, i] for i in impls if runs(n, i)}

@@ -189,7 +189,8 @@ class Sampler:
 
         sm, device_of = clocks.active(), getattr(self.clock, "device_of", None)
         world = getattr(self.clock, "world", None)
-        if sm is None or device_of is None or (world is not None and len(self.ranks) != world.size):
+        elsewhere = (world is not None and len(self.ranks) != world.size) or getattr(self.clock, "dist", None) is not None
+        if sm is None or device_of is None or elsewhere:
             return  # off, a clock that names no devices, or ranks in other processes (the slowest may be theirs)
         device = device_of(slowest)
         self.sm_mhz.append(sm.window(device, t0, t1))
@@ -397,6 +398,11 @@ class TorchClock:
 
     def synchronize(self) -> None:
         self.torch.cuda.synchronize()
+
+    def device_of(self, rank) -> int:
+        """The CUDA ordinal whose SM clock (clocks.py) a sample reads: this process's current device (a clock
+        with `dist` gets none: the slowest rank may be in another process)."""
+        return self.torch.cuda.current_device()
 
     def max_over_processes(self, label, value: float) -> float:
         if self.dist is None:
