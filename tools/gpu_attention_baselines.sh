@@ -40,6 +40,9 @@
 #       copied (local_kv=false), the per-tile trace of one isolated call at 16K (tools/attention_trace.py: the first
 #       tile's length against its summed waits), then suite cp-w2-nc (shipped and copied against the ideal). About 4
 #       minutes [took 237 s with three timelines and five suite entries at ca9dd6e, 2026-11-27]
+#   tools/gpu_attention_baselines.sh own-first   TWO GPUs (issue 33): params.own_copy_first's five GPU cases, then suites
+#       cp-w2-nc and cp-w2-causal with --sm-clocks. About 8 minutes, a guess [precompile ~90 s, the cases ~60 s,
+#       each suite ~150 s as cp-nc's]
 #   tools/gpu_attention_baselines.sh clocks      ONE GPU: suite attention with --sm-clocks, then tools/gpu_attention_bwd.py
 #       --sm-clocks on four backward rows (hd 128, 32 heads, not causal and causal, 8K and 16K; no checks: the
 #       rows' kernels are the gated ones): each implementation's SM clock beside its time, to tell whether FA4's lead
@@ -77,6 +80,7 @@ step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/t
 [ "$MODE" = cp-nc ] && BUDGET=${BUDGET_CPNC:-560}  # four traces before the suite (the call's limit is 600 s)
 [ "$MODE" = cp-gap ] && BUDGET=${BUDGET_CPGAP:-560}
 [ "$MODE" = clocks ] && BUDGET=${BUDGET_CLOCKS:-560}
+[ "$MODE" = own-first ] && BUDGET=${BUDGET_OWN:-560}
 case "$MODE" in
   variants)
     step "precompile" 60 python3 tools/precompile_suites.py attention-variants --jobs 16
@@ -121,6 +125,15 @@ case "$MODE" in
     cat "$OUT"/trace_timeline_*/cp_call_timeline.txt 2>/dev/null
     tail -n 6 "$LOG"/trace_*.log 2>/dev/null
     step "bench cp-w2-nc" 300 python3 -m tsgen bench --suite cp-w2-nc --results "$OUT/results" ;;
+  own-first)
+    # TWO GPUs (issue 33, docs/design/cp_attention.md "Own rows copied first"): params.own_copy_first's GPU cases
+    # (tests/test_cp_attention_gpu.py CE_KNOBS: one GPU per rank), then suites cp-w2-nc and cp-w2-causal with the
+    # SM clocks read (their own_first entries beside the shipped spec and the ideal)
+    step "precompile" 150 python3 tools/precompile_suites.py cp-w2-nc cp-w2-causal --jobs 14
+    step "own_copy_first GPU cases" 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cp_attention_gpu.py \
+      -k own_copy_first -rfEs
+    step "bench cp-w2-nc" 190 python3 -m tsgen bench --suite cp-w2-nc --sm-clocks --results "$OUT/results"
+    step "bench cp-w2-causal" 190 python3 -m tsgen bench --suite cp-w2-causal --sm-clocks --results "$OUT/results" ;;
   clocks)
     # FA4's lead, clock or cycles (issue 33 item 3, issue 35): suite attention and four backward rows with NVML's SM
     # clock read while timing (--sm-clocks, tsgen/bench/clocks.py); the backward's report in $OUT/bwd
@@ -129,7 +142,7 @@ case "$MODE" in
     step "backward (SM clocks)" 220 python3 tools/gpu_attention_bwd.py "$OUT/bwd" --no-check --sm-clocks \
       --bench-shapes hd128_full_kv32:8192,hd128_causal_kv32:8192,hd128_full_kv32:16384,hd128_causal_kv32:16384
     [ -d "$OUT/bwd" ] && (cd "$OUT/bwd" && tar czf ../bwd.tgz --exclude='*.tgz' . ) ;;
-  *) echo "usage: $0 attention|variants|m192|ilp|cp|cp-nc|cp-gap|clocks" >&2; exit 2 ;;
+  *) echo "usage: $0 attention|variants|m192|ilp|cp|cp-nc|cp-gap|clocks|own-first" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
 import json, pathlib, sys
