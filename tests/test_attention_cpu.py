@@ -96,6 +96,11 @@ BAD = [
       "with blocks of 176 keys (tile.n / 4): use a divisor of it"]),
     ("row_max_chains_power", ATT + "params:\n  row_max_chains: 3\n",
      ["6:3: params.row_max_chains: Input should be 2, 4 or 8"]),
+    ("rescale_at_past_the_groups", ATT + "params:\n  tile: {n: 64}\n  rescale_at: 5\n",
+     ["7:3: params.rescale_at: rescale_at 5: a block of 64 keys has 4 column groups of exp2 (tile.n / 16); use 0 "
+      "to 4"]),
+    ("rescale_at_negative", ATT + "params:\n  rescale_at: -1\n",
+     ["6:3: params.rescale_at: Input should be greater than or equal to 0"]),
     ("overlap_needs_persistent", ATT + "params:\n  epilogue_overlap: true\n",
      ["6:3: params.epilogue_overlap: epilogue_overlap overlaps a tile's epilogue with the next tile of the same "
       "CTA: it needs schedule: persistent (a grid of one CTA per tile has no next tile)"]),
@@ -266,6 +271,37 @@ def test_row_max_chains_renders_only_where_set():
     assert "struct row_max_chains_of : std::integral_constant<int, 1> {};" in header
 
 
+def test_rescale_at_renders_only_where_set():
+    """params.rescale_at: Config::RESCALE_AT and the module constant only where a spec sets it (0 included); unset,
+    neither, and the header's default is a block's every column group (the rescale after every exp2)."""
+    plain = render(variant("plain"), base=ROOT)
+    assert "RESCALE_AT" not in plain.source and "RESCALE_AT" not in json.loads(plain.manifest)["constants"]
+    for at in (0, 4):
+        r = render(variant("ra", params={"rescale_at": at}), base=ROOT)
+        assert "static constexpr int RESCALE_AT = ra::RESCALE_AT;" in r.source
+        assert json.loads(r.manifest)["constants"]["RESCALE_AT"] == at
+    header = (ROOT / "templates" / "include" / "tsgen" / "attention.cuh").read_text()
+    assert "struct rescale_at_of : std::integral_constant<int, C::TILE_N / 16> {};" in header
+
+
+def test_rescale_suite_loads(tool):
+    """suites/attention-rescale.yaml: each shipped forward spec beside its rescale_at variant (and hd 128 not causal
+    with the ping-pong, with and without), cudnn-frontend and flash-attn-4, timed per entry; every rescale variant of
+    tools/gpu_attention.py (its `--variants rescale` checks) sets rescale_at."""
+    from tsgen.bench.suites import load_suite
+
+    s = load_suite(ROOT / "suites" / "attention-rescale.yaml")
+    assert s.model.baselines == ["cudnn_frontend", "flash_attn_4"] and s.model.baselines_per_entry
+    at = {(e.label or e.loaded.model.name): (e.loaded.model.params.rescale_at, e.loaded.model.params.pingpong)
+          for e in s.entries}
+    assert at == {"attention_hd128": (None, False), "attention_hd128_rs4": (4, False),
+                  "attention_hd128_pp": (None, True), "attention_hd128_pp_rs4": (4, True),
+                  "attention_hd128_causal_gqa": (None, True), "attention_hd128_causal_gqa_rs4": (4, True),
+                  "attention_hd64_causal": (None, True), "attention_hd64_causal_rs4": (4, True)}
+    assert tool.RESCALE_VARIANTS and all(tool.VARIANTS[n]["params"]["rescale_at"] is not None
+                                         for n in tool.RESCALE_VARIANTS)
+
+
 def test_ilp_suite_loads(tool):
     """suites/attention-ilp.yaml: the shipped hd 128 specs beside their row_max_chains variants,
     cudnn-frontend and flash-attn-4, timed per entry; every ilp variant of tools/gpu_attention.py
@@ -423,6 +459,31 @@ def test_row_max_chains_sass(cache, tmp_path, chains, causal):
     assert names.count("MUFU.EX2") == 260 and len([n for n in names if n.startswith("HGMMA")]) == 32
     assert fmnmx_chain(sass) == (33 if chains is None else 32 // chains + chains.bit_length() - 1)
     assert not [o for o in names if o.startswith(("LDL", "STL"))] and "CALL" not in " ".join(names)
+
+
+@needs_sass
+@pytest.mark.parametrize("pingpong", [False, exhaustive(True)], ids=["grid", "pingpong"])
+def test_rescale_at_moves_the_pv_wait_into_the_exp2_stream(cache, tmp_path, pingpong):
+    """params.rescale_at 4 at hd 128 not causal: 168 registers, no spills, the same HGMMA count as without it (the
+    exp2 one block's fewer: the masked and unmasked steps share them), and in the loop's block (the instructions between its two wgmma waits, `gsb0, 0x1` then `0x0`) the
+    previous P V is waited for with most of the block's exp2 still to come (the shipped order: after all of them),
+    the O rescale's FMUL after that wait among them."""
+    def loop_split(params):
+        res = compile_source(rendered_source(variant("r", params={"pingpong": pingpong, **params}), tmp_path))
+        entry = res.report["r_w1_kernel"]
+        assert entry["registers"] == 168 and entry["spill_stores"] == 0 and entry["stack_frame"] == 0, entry
+        names = sass_names(dump_sass(res.output))
+        waits = [i for i, n in enumerate(names) if n == "WARPGROUP.DEPBAR.LE"] + [len(names)]
+        # the loop's P V wait: the first whose stretch (to the next wait) holds O's rescale, 64 FMUL
+        k = next(k for k in range(1, len(waits) - 1) if names[waits[k]:waits[k + 1]].count("FMUL") >= 64)
+        before, after = names[waits[k - 1]:waits[k]], names[waits[k]:waits[k + 1]]
+        return names.count("MUFU.EX2"), before.count("MUFU.EX2"), after.count("MUFU.EX2"), after.count("FMUL"), \
+            len([n for n in names if n.startswith("HGMMA")])
+    shipped, early = loop_split({}), loop_split({"rescale_at": 4})
+    # the same wgmma; one copy fewer of a block's 64 exp2 (the masked and unmasked steps share them after prepare)
+    assert shipped[4] == early[4] == 32 and early[0] == shipped[0] - 64, (shipped, early)
+    assert shipped[2] == 0 and shipped[1] >= 64  # shipped: every exp2 of the block before the P V's wait
+    assert early[2] >= 32 and early[3] >= 64, early  # rescale_at: most exp2 after it, the rescale among them
 
 
 M192 = {"head_dim": 64, "tile": {"m": 192, "n": 128}}

@@ -1,6 +1,6 @@
 """The `attention` op on one GPU: correctness, then tsgen against torch SDPA (flash and cuDNN).
 
-Usage: python tools/gpu_attention.py OUT_DIR [--quick] [--no-bench] [--no-checks] [--variants NAMES|schedule|m192|ilp]
+Usage: python tools/gpu_attention.py OUT_DIR [--quick] [--no-bench] [--no-checks] [--variants NAMES|schedule|m192|ilp|rescale]
        (on the lent machines: bash tools/gpu_attention.sh, which sets up the environment)
        python tools/gpu_attention.py OUT_DIR --base-tree .ab/REV7 [--rounds N]: the same-run A/B of a header
        change (the shipped specs built by this checkout and by REV's tsgen and templates, tools/ab_tree.py; every
@@ -149,6 +149,19 @@ VARIANTS.update({
     "hd128_full_kv4_bhsd_ilp4": variant(128, False, 4, layout="bhsd", row_max_chains=4),
 })
 ILP_VARIANTS = [n for n in VARIANTS if "_ilp" in n]
+# the O rescale inside the exp2 stream (params.rescale_at): checked alone by `--variants rescale` before
+# suites/attention-rescale.yaml times them (not causal with and without ping-pong, the shipped causal and hd 64
+# schedules, masked steps with KV waits, bhsd GQA)
+VARIANTS.update({
+    "hd128_full_kv32_rs4": variant(128, False, 32, row_max_chains=2, rescale_at=4),
+    "hd128_full_kv32_pp_rs4": variant(128, False, 32, row_max_chains=2, pingpong=True, rescale_at=4),
+    "hd128_causal_kv8_overlap_rs4": variant(128, True, 8, schedule="persistent", epilogue_overlap=True, rescale_at=4),
+    "hd128_causal_kv4_waits_rs0": variant(128, True, 4, kv_waits=True, rescale_at=0),
+    "hd64_causal_kv32_m192_rs4": variant(64, True, 32, tile={"m": 192, "n": 128}, threads=512, schedule="persistent",
+                                         epilogue_overlap=True, rescale_at=4),
+    "hd128_full_kv4_bhsd_rs8": variant(128, False, 4, layout="bhsd", rescale_at=8),
+})
+RESCALE_VARIANTS = [n for n in VARIANTS if "_rs" in n]
 # The two-stream check's negative control: the same module built with every stream on tile counter
 # slot 0 (-DTSGEN_ATTENTION_ONE_WORK_SLOT): calls on two streams then share one counter, and the
 # check must fail (run_streams_case)
@@ -1052,7 +1065,7 @@ def main() -> int:
     ap.add_argument("--bench-seconds", type=float, default=90, help="seconds kept for the bench")
     ap.add_argument("--variants", default=None,
                     help="check only these variants (comma-separated names, or `schedule`: SCHEDULE_VARIANTS, `m192`: "
-                         "M192_VARIANTS, `ilp`: ILP_VARIANTS); "
+                         "M192_VARIANTS, `ilp`: ILP_VARIANTS, `rescale`: RESCALE_VARIANTS); "
                     "no bench, no runtime check, no timeout probe")
     ap.add_argument("--ncu-source", metavar="VARIANT",
                     help="instead of the run: ncu's warp-stall samples per SASS instruction of one forward launch of "
@@ -1122,7 +1135,8 @@ def main() -> int:
     names = sorted(set(CHECK_VARIANTS + BENCH_VARIANTS + TUNE_VARIANTS + ["probe_waits"]))
     only = None
     if args.variants:
-        only = {"schedule": SCHEDULE_VARIANTS, "m192": M192_VARIANTS, "ilp": ILP_VARIANTS}.get(args.variants) or args.variants.split(",")
+        only = {"schedule": SCHEDULE_VARIANTS, "m192": M192_VARIANTS, "ilp": ILP_VARIANTS,
+                "rescale": RESCALE_VARIANTS}.get(args.variants) or args.variants.split(",")
         unknown = [n for n in only if n not in VARIANTS]
         if unknown:
             ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")

@@ -40,6 +40,9 @@
 #       copied (local_kv=false), the per-tile trace of one isolated call at 16K (tools/attention_trace.py: the first
 #       tile's length against its summed waits), then suite cp-w2-nc (shipped and copied against the ideal). About 4
 #       minutes [took 237 s with three timelines and five suite entries at ca9dd6e, 2026-11-27]
+#   tools/gpu_attention_baselines.sh rescale     ONE GPU (issue 33): params.rescale_at's correctness cases (--variants
+#       rescale), then suite attention-rescale (8 entries, 16 rows) against cudnn-frontend and flash-attn-4 with
+#       --sm-clocks. About 6 minutes, a guess [as ilp: 8 + 6 kernels to compile, 16 rows at ~4-6 s each]
 #   tools/gpu_attention_baselines.sh own-first   TWO GPUs (issue 33): params.own_copy_first's five GPU cases, then suites
 #       cp-w2-nc and cp-w2-causal with --sm-clocks. About 8 minutes, a guess [precompile ~90 s, the cases ~60 s,
 #       each suite ~150 s as cp-nc's]
@@ -81,6 +84,7 @@ step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/t
 [ "$MODE" = cp-gap ] && BUDGET=${BUDGET_CPGAP:-560}
 [ "$MODE" = clocks ] && BUDGET=${BUDGET_CLOCKS:-560}
 [ "$MODE" = own-first ] && BUDGET=${BUDGET_OWN:-560}
+[ "$MODE" = rescale ] && BUDGET=${BUDGET_RESCALE:-500}
 case "$MODE" in
   variants)
     step "precompile" 60 python3 tools/precompile_suites.py attention-variants --jobs 16
@@ -125,6 +129,12 @@ case "$MODE" in
     cat "$OUT"/trace_timeline_*/cp_call_timeline.txt 2>/dev/null
     tail -n 6 "$LOG"/trace_*.log 2>/dev/null
     step "bench cp-w2-nc" 300 python3 -m tsgen bench --suite cp-w2-nc --results "$OUT/results" ;;
+  rescale)
+    # ONE GPU (issue 33, docs/design/attention.md "The O rescale inside the exp2 stream"): params.rescale_at's
+    # correctness cases, then suite attention-rescale
+    step "precompile" 90 python3 tools/precompile_suites.py attention-rescale --jobs 16
+    step "rescale checks" 120 python3 tools/gpu_attention.py "$OUT/rescale_checks" --variants rescale --quick --deadline 110
+    step "bench attention-rescale" 260 python3 -m tsgen bench --suite attention-rescale --sm-clocks --results "$OUT/results" ;;
   own-first)
     # TWO GPUs (issue 33, docs/design/cp_attention.md "Own rows copied first"): params.own_copy_first's GPU cases
     # (tests/test_cp_attention_gpu.py CE_KNOBS: one GPU per rank), then suites cp-w2-nc and cp-w2-causal with the
@@ -142,7 +152,7 @@ case "$MODE" in
     step "backward (SM clocks)" 220 python3 tools/gpu_attention_bwd.py "$OUT/bwd" --no-check --sm-clocks \
       --bench-shapes hd128_full_kv32:8192,hd128_causal_kv32:8192,hd128_full_kv32:16384,hd128_causal_kv32:16384
     [ -d "$OUT/bwd" ] && (cd "$OUT/bwd" && tar czf ../bwd.tgz --exclude='*.tgz' . ) ;;
-  *) echo "usage: $0 attention|variants|m192|ilp|cp|cp-nc|cp-gap|clocks|own-first" >&2; exit 2 ;;
+  *) echo "usage: $0 attention|variants|m192|ilp|cp|cp-nc|cp-gap|clocks|own-first|rescale" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
 import json, pathlib, sys

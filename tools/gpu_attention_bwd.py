@@ -128,7 +128,10 @@ BENCH_SEQS = [4096, 8192, 16384]
 # but shipped walks whole items (params.tail_split false): at head dim 128 not causal, shipped against wgmma_dkq
 # times the tail split alone
 IMPLS = ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4",
-         "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq")
+         "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq", "shipped_g2", "shipped_g8")
+# shipped_gN: the shipped spec's main kernel with its CTAs in groups of N (sequence, KV head) pairs (params.head_group;
+# the shipped default is 4, DEFAULT_HEAD_GROUP)
+SHIPPED_GROUPS = {"shipped_g2": 2, "shipped_g8": 8}
 # the spec params of each (beside its threads per CTA, those of params.impl); every wgmma one names the levers, as
 # SPEC sets one of them and params.tail_split is on by default where it applies (shipped: as the specs resolve it)
 WGMMA = {"impl": "wgmma", "dk_after_dq": False, "step_rows": None, "tail_split": False}
@@ -183,10 +186,12 @@ def impl_changes(impl: str, head_dim: int = 128) -> dict:
     from tsgen.ops.attention_backward import IMPLS as THREADS
     from tsgen.spec import load_spec
 
-    if impl == "shipped":
+    if impl == "shipped" or impl in SHIPPED_GROUPS:
         shipped = load_spec(SHIPPED_SPECS[head_dim]).model.params
         params = {"impl": shipped.impl, "dk_after_dq": shipped.dk_after_dq, "step_rows": shipped.step_rows,
                   "tail_split": shipped.tail_split}  # unset: on where it applies to the variant
+        if impl in SHIPPED_GROUPS:
+            params["head_group"] = SHIPPED_GROUPS[impl]
     else:
         params = IMPL_PARAMS[impl]
     return {"params": dict(params), "launch": {"threads": THREADS[params["impl"]]["threads"]}}

@@ -140,6 +140,12 @@ class AttentionParams(AttentionShape):
         "tile's last S = Q K^T, so that with schedule: persistent the next tile's Q and first K blocks load during "
         "this tile's last P V and epilogue, and its O store drains during the next tile's first S")
     row_max_chains: RowMaxChains = None
+    rescale_at: int | None = Field(
+        None, ge=0, le=16, description="how many of a block's tile.n / 16 column groups of exp2 each consumer computes "
+        "before it waits for the previous block's P V and rescales O by the rows' new maxima; the rest of the exp2 "
+        "follow, so that the rescale's multiplies (and P's conversion) interleave with them, as FlashAttention-4's "
+        "Hopper forward does. Unset: after every exp2 (the rescale and the conversion after the softmax). At most "
+        "tile.n / 16; an early wait stalls where the P V has not finished")
 
 
 class AttentionLaunch(StrictModel):
@@ -315,6 +321,11 @@ class AttentionFamily(OpFamily):
             problems.append((("params", "row_max_chains"),
                              f"row_max_chains {chains} does not divide the {p.tile.n // 4} scores per row a consumer "
                              f"thread holds with blocks of {p.tile.n} keys (tile.n / 4): use a divisor of it"))
+        at = getattr(p, "rescale_at", None)
+        if at is not None and at > p.tile.n // 16:
+            problems.append((("params", "rescale_at"),
+                             f"rescale_at {at}: a block of {p.tile.n} keys has {p.tile.n // 16} column groups of "
+                             f"exp2 (tile.n / 16); use 0 to {p.tile.n // 16}"))
         # cp_attention's CTAs always walk tiles (no params.schedule): the overlap needs nothing more there
         if getattr(p, "epilogue_overlap", False) and getattr(p, "schedule", "persistent") != "persistent":
             problems.append((("params", "epilogue_overlap"),
@@ -350,6 +361,7 @@ class AttentionFamily(OpFamily):
             **({"PERSISTENT": 1} if p.schedule == "persistent" else {}),
             **({"EPILOGUE_OVERLAP": 1} if p.epilogue_overlap else {}),
             **({"ROW_MAX_CHAINS": p.row_max_chains} if p.row_max_chains else {}),
+            **({"RESCALE_AT": p.rescale_at} if p.rescale_at is not None else {}),
         }
 
     def template_vars(self, spec):

@@ -208,6 +208,15 @@ template <class C>
 struct row_max_chains_of<C, std::void_t<decltype(C::ROW_MAX_CHAINS)>>
     : std::integral_constant<int, C::ROW_MAX_CHAINS> {};
 
+// Config::RESCALE_AT where the Config has it (only specs with params.rescale_at emit it), else the block's
+// K16 column groups (the rescale after every exp2): how many of a block's 16-key column groups of exp2 a
+// consumer computes before it waits for the previous P V and rescales O, so that the rescale's multiplies
+// interleave with the remaining exp2s instead of following them.
+template <class C, class = void>
+struct rescale_at_of : std::integral_constant<int, C::TILE_N / 16> {};
+template <class C>
+struct rescale_at_of<C, std::void_t<decltype(C::RESCALE_AT)>> : std::integral_constant<int, C::RESCALE_AT> {};
+
 // Config::LOCAL_KV where the Config has it (only cp_attention specs with params.local_kv emit it), else
 // false: the kernel takes two more tensor maps (k_local, v_local: the rank's own K and V), and up to two
 // KV chunks (Problem::kv_local_chunk, each kv_chunk rows, starting at a block boundary and ending at one or
@@ -622,12 +631,14 @@ struct Softmax {
     l[0] = l[1] = 0.f;
   }
 
-  // Scores of KV block j -> unnormalized probabilities (in place); `scale` gets the factor
-  // the rows' earlier outputs must be multiplied by. MASK: scores of keys past the row's last
-  // visible one (`last`: last_key, at least -1) count as -inf. FIRST: nothing to rescale.
+  // A block's softmax in three parts (step: all three; the loop may wait for the previous P V between
+  // two exps, params.rescale_at). prepare: scores of KV block j masked and their row maxima taken, `use`
+  // gets the rows' new maxima (0 for a row with no visible key yet) and `scale` the factor the rows'
+  // earlier outputs must be multiplied by. MASK: scores of keys past the row's last visible one (`last`:
+  // last_key, at least -1) count as -inf. FIRST: nothing to rescale.
   template <bool MASK, bool FIRST>
-  __device__ __forceinline__ void step(float (&s)[Layout<C>::S_ACC], float (&scale)[2], int32_t j,
-                                       const int32_t (&last)[2]) {
+  __device__ __forceinline__ void prepare(float (&s)[Layout<C>::S_ACC], float (&scale)[2], float (&use)[2],
+                                          int32_t j, const int32_t (&last)[2]) {
     using L = Layout<C>;
     const uint32_t lane = threadIdx.x % 32;
     if constexpr (MASK) {
@@ -671,7 +682,6 @@ struct Softmax {
           for (int r = 0; r < 2; ++r) part[r][c] = fmaxf(part[r][c], part[r][c + w]);
       mx[0] = part[0][0], mx[1] = part[1][0];
     }
-    float use[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xFFFFFFFFu, mx[r], 1));
@@ -681,15 +691,33 @@ struct Softmax {
       scale[r] = FIRST ? 0.f : exp2_approx(m[r] - use[r]);
       m[r] = m_new;
     }
-    float sum[2] = {0.f, 0.f};
+  }
+
+  // Scores FROM .. TO - 1 -> unnormalized probabilities (in place), added into the rows' sums.
+  template <int FROM, int TO>
+  __device__ __forceinline__ void exps(float (&s)[Layout<C>::S_ACC], const float (&use)[2], float (&sum)[2]) {
 #pragma unroll
-    for (int i = 0; i < L::S_ACC; ++i) {
+    for (int i = FROM; i < TO; ++i) {
       const int r = (i / 2) % 2;
       s[i] = exp2_approx(fmaf(s[i], C::SCALE_LOG2, -use[r]));
       sum[r] += s[i];
     }
+  }
+
+  template <bool FIRST>
+  __device__ __forceinline__ void finish(const float (&sum)[2], const float (&scale)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) l[r] = FIRST ? sum[r] : fmaf(l[r], scale[r], sum[r]);
+  }
+
+  // The whole of a block: prepare, every exp2, finish.
+  template <bool MASK, bool FIRST>
+  __device__ __forceinline__ void step(float (&s)[Layout<C>::S_ACC], float (&scale)[2], int32_t j,
+                                       const int32_t (&last)[2]) {
+    float use[2], sum[2] = {0.f, 0.f};
+    prepare<MASK, FIRST>(s, scale, use, j, last);
+    exps<0, Layout<C>::S_ACC>(s, use, sum);
+    finish<FIRST>(sum, scale);
   }
 };
 
@@ -932,15 +960,35 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         fence_all<C>(s, L::S_ACC);
         if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * rk.stage);
         if (L::OVERLAP && i == n - 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
-        if (j >= tile.masked_from) {
-          sm.template step<true, false>(s, scale, j, last);
+        // The previous P V waited for and O rescaled after RESCALE_AT of the block's column groups of
+        // exp2 (params.rescale_at; by default after all of them).
+        const auto pv_done = [&] {
+          wgmma_wait_group<0>();
+          fence_all<C>(o, L::O_ACC);
+          if (leader) mbar_arrive(smem + L::V_EMPTY + 8 * rv.stage);
+          rescale<C>(o, scale);
+        };
+        constexpr int AT = 8 * rescale_at_of<C>::value;  // scores before the wait (8 a column group)
+        static_assert(AT >= 0 && AT <= L::S_ACC, "RESCALE_AT: 0 .. TILE_N / 16");
+        if constexpr (AT == L::S_ACC) {
+          if (j >= tile.masked_from) {
+            sm.template step<true, false>(s, scale, j, last);
+          } else {
+            sm.template step<false, false>(s, scale, j, last);
+          }
+          pv_done();
         } else {
-          sm.template step<false, false>(s, scale, j, last);
+          float use[2], sum[2] = {0.f, 0.f};
+          if (j >= tile.masked_from) {
+            sm.template prepare<true, false>(s, scale, use, j, last);
+          } else {
+            sm.template prepare<false, false>(s, scale, use, j, last);
+          }
+          sm.template exps<0, AT>(s, use, sum);
+          pv_done();
+          sm.template exps<AT, L::S_ACC>(s, use, sum);
+          sm.template finish<false>(sum, scale);
         }
-        wgmma_wait_group<0>();
-        fence_all<C>(o, L::O_ACC);
-        if (leader) mbar_arrive(smem + L::V_EMPTY + 8 * rv.stage);
-        rescale<C>(o, scale);
         to_operand<C>(s, a);
       }
       // The last P V.
