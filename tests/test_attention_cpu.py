@@ -272,9 +272,10 @@ def test_row_max_chains_renders_only_where_set():
 
 
 def test_rescale_at_renders_only_where_set():
-    """params.rescale_at: Config::RESCALE_AT and the module constant only where a spec sets it (0 included); unset,
-    neither, and the header's default is a block's every column group (the rescale after every exp2)."""
-    plain = render(variant("plain"), base=ROOT)
+    """params.rescale_at: Config::RESCALE_AT and the module constant only where a spec sets it (0 included; the hd 128
+    not-causal and hd 64 causal specs ship 4 since 2026-11-28); unset, neither, and the header's default is a block's
+    every column group (the rescale after every exp2)."""
+    plain = render(variant("plain", params={"rescale_at": None}), base=ROOT)  # the hd 128 spec ships 4
     assert "RESCALE_AT" not in plain.source and "RESCALE_AT" not in json.loads(plain.manifest)["constants"]
     for at in (0, 4):
         r = render(variant("ra", params={"rescale_at": at}), base=ROOT)
@@ -285,8 +286,8 @@ def test_rescale_at_renders_only_where_set():
 
 
 def test_rescale_suite_loads(tool):
-    """suites/attention-rescale.yaml: each shipped forward spec beside its rescale_at variant (and hd 128 not causal
-    with the ping-pong, with and without), cudnn-frontend and flash-attn-4, timed per entry; every rescale variant of
+    """suites/attention-rescale.yaml: each shipped forward spec beside the other rescale order (and hd 128 not causal
+    with the ping-pong, in both orders), cudnn-frontend and flash-attn-4, timed per entry; every rescale variant of
     tools/gpu_attention.py (its `--variants rescale` checks) sets rescale_at."""
     from tsgen.bench.suites import load_suite
 
@@ -294,10 +295,10 @@ def test_rescale_suite_loads(tool):
     assert s.model.baselines == ["cudnn_frontend", "flash_attn_4"] and s.model.baselines_per_entry
     at = {(e.label or e.loaded.model.name): (e.loaded.model.params.rescale_at, e.loaded.model.params.pingpong)
           for e in s.entries}
-    assert at == {"attention_hd128": (None, False), "attention_hd128_rs4": (4, False),
-                  "attention_hd128_pp": (None, True), "attention_hd128_pp_rs4": (4, True),
+    assert at == {"attention_hd128": (4, False), "attention_hd128_rs_after": (None, False),
+                  "attention_hd128_pp_rs_after": (None, True), "attention_hd128_pp": (4, True),
                   "attention_hd128_causal_gqa": (None, True), "attention_hd128_causal_gqa_rs4": (4, True),
-                  "attention_hd64_causal": (None, True), "attention_hd64_causal_rs4": (4, True)}
+                  "attention_hd64_causal": (4, True), "attention_hd64_causal_rs_after": (None, True)}
     assert tool.RESCALE_VARIANTS and all(tool.VARIANTS[n]["params"]["rescale_at"] is not None
                                          for n in tool.RESCALE_VARIANTS)
 
@@ -446,7 +447,9 @@ def test_row_max_chains_sass(cache, tmp_path, chains, causal):
     (persistent, overlap, ping-pong): 168 registers, no spills, the wgmma batched, the same
     HGMMA and MUFU.EX2 count as the shipped kernel, and each row max's chain of dependent FMNMX
     cut from 33 (a -inf seed + a thread's 32 scores of the row) to 32 / chains + log2(chains)."""
-    p = {"row_max_chains": chains}  # None: the serial chain (the hd 128 spec ships 2 since 2026-11-27)
+    # None: the serial chain (the hd 128 spec ships 2 since 2026-11-27); the rescale after every exp2 (the hd 128 spec
+    # ships rescale_at 4 since 2026-11-28, which shares one copy of a block's exp2 between the masked and unmasked steps)
+    p = {"row_max_chains": chains, "rescale_at": None}
     if causal:
         p.update(causal=True, kv_heads=8, pingpong=True, schedule="persistent", epilogue_overlap=True)
     res = compile_source(rendered_source(variant("c", params=p), tmp_path))
@@ -479,7 +482,7 @@ def test_rescale_at_moves_the_pv_wait_into_the_exp2_stream(cache, tmp_path, ping
         before, after = names[waits[k - 1]:waits[k]], names[waits[k]:waits[k + 1]]
         return names.count("MUFU.EX2"), before.count("MUFU.EX2"), after.count("MUFU.EX2"), after.count("FMUL"), \
             len([n for n in names if n.startswith("HGMMA")])
-    shipped, early = loop_split({}), loop_split({"rescale_at": 4})
+    shipped, early = loop_split({"rescale_at": None}), loop_split({"rescale_at": 4})
     # the same wgmma; one copy fewer of a block's 64 exp2 (the masked and unmasked steps share them after prepare)
     assert shipped[4] == early[4] == 32 and early[0] == shipped[0] - 64, (shipped, early)
     assert shipped[2] == 0 and shipped[1] >= 64  # shipped: every exp2 of the block before the P V's wait
