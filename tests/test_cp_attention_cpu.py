@@ -585,6 +585,21 @@ def test_row_max_chains_renders_only_where_set(tmp_path):
         "with blocks of 80 keys (tile.n / 4): use a divisor of it"]
 
 
+def test_rescale_at_renders_only_where_set(tmp_path):
+    """params.rescale_at (attention's parameter, one type: RescaleAt; the consumer loop is the same code): no shipped
+    cp spec sets it (their sources have no constant, the header's default order); set, the module constant and the
+    Config's; more groups than tile.n / 16 refused by the check the two ops share."""
+    for shipped in SHIPPED:
+        assert "RESCALE_AT" not in (ROOT / "generated" / f"{shipped}.cu").read_text(), shipped
+        assert load_spec(ROOT / "specs" / f"{shipped}.yaml").model.params.rescale_at is None, shipped
+    source = render(variant("ra", params={"rescale_at": 4})).source
+    assert "\nconstexpr int RESCALE_AT = 4;\n" in source
+    assert "static constexpr int RESCALE_AT = ra::RESCALE_AT;" in source
+    assert spec_problems(tmp_path, CP + "params:\n  rescale_at: 9\n") == [
+        "6:3: params.rescale_at: rescale_at 9: a block of 128 keys has 8 column groups of exp2 (tile.n / 16); use 0 "
+        "to 8"]
+
+
 # The test-only and opt-in knobs' combinations a spec may not ask for: (params, the check's message)
 REFUSED_KNOBS = [
     ("  causal: true\n  tile_counter: true\n",

@@ -76,6 +76,16 @@ RowMaxChains = Annotated[Literal[2, 4, 8] | None, Field(
     "per row)")]
 
 
+# params.rescale_at of attention and cp_attention (the same consumer loop, tsgen/attention.cuh)
+RescaleAt = Annotated[int | None, Field(
+    ge=0, le=16, description="how many of a block's tile.n / 16 column groups of exp2 each consumer computes before "
+    "it waits for the previous block's P V and rescales O by the rows' new maxima; the rest of the exp2 follow, so "
+    "that the rescale's multiplies (and P's conversion) interleave with them, as FlashAttention-4's Hopper forward "
+    "does (ptxas places the wait itself: 2 and 6 give the same loop at hd 128). Unset: after every exp2 (the rescale "
+    "and the conversion after the softmax). At most tile.n / 16. Measured +2-3 % at hd 128 not causal and hd 64 "
+    "causal (H200, 2026-11-28, suites/attention-rescale.yaml)")]
+
+
 class AttentionTile(StrictModel):
     """CTA tile: tile.m query rows (64 per consumer warpgroup) against blocks of tile.n keys."""
 
@@ -140,12 +150,7 @@ class AttentionParams(AttentionShape):
         "tile's last S = Q K^T, so that with schedule: persistent the next tile's Q and first K blocks load during "
         "this tile's last P V and epilogue, and its O store drains during the next tile's first S")
     row_max_chains: RowMaxChains = None
-    rescale_at: int | None = Field(
-        None, ge=0, le=16, description="how many of a block's tile.n / 16 column groups of exp2 each consumer computes "
-        "before it waits for the previous block's P V and rescales O by the rows' new maxima; the rest of the exp2 "
-        "follow, so that the rescale's multiplies (and P's conversion) interleave with them, as FlashAttention-4's "
-        "Hopper forward does. Unset: after every exp2 (the rescale and the conversion after the softmax). At most "
-        "tile.n / 16; an early wait stalls where the P V has not finished")
+    rescale_at: RescaleAt = None
 
 
 class AttentionLaunch(StrictModel):
