@@ -99,6 +99,7 @@ BAD = [
     ("rescale_at_past_the_groups", ATT + "params:\n  tile: {n: 64}\n  rescale_at: 5\n",
      ["7:3: params.rescale_at: rescale_at 5: a block of 64 keys has 4 column groups of exp2 (tile.n / 16); use 0 "
       "to 4"]),
+    ("rescale_at_boundary_accepted", ATT + "params:\n  tile: {n: 64}\n  rescale_at: 4\n", []),
     ("rescale_at_negative", ATT + "params:\n  rescale_at: -1\n",
      ["6:3: params.rescale_at: Input should be greater than or equal to 0"]),
     ("overlap_needs_persistent", ATT + "params:\n  epilogue_overlap: true\n",
@@ -288,7 +289,8 @@ def test_rescale_at_renders_only_where_set():
 def test_rescale_suite_loads(tool):
     """suites/attention-rescale.yaml: each shipped forward spec beside the other rescale order (and hd 128 not causal
     with the ping-pong, in both orders), cudnn-frontend and flash-attn-4, timed per entry; every rescale variant of
-    tools/gpu_attention.py (its `--variants rescale` checks) sets rescale_at."""
+    tools/gpu_attention.py (its `--variants rescale` checks) sets rescale_at (the `_rs_after` ones unset: the order
+    before)."""
     from tsgen.bench.suites import load_suite
 
     s = load_suite(ROOT / "suites" / "attention-rescale.yaml")
@@ -299,8 +301,12 @@ def test_rescale_suite_loads(tool):
                   "attention_hd128_pp_rs_after": (None, True), "attention_hd128_pp": (4, True),
                   "attention_hd128_causal_gqa": (None, True), "attention_hd128_causal_gqa_rs4": (4, True),
                   "attention_hd64_causal": (4, True), "attention_hd64_causal_rs_after": (None, True)}
-    assert tool.RESCALE_VARIANTS and all(tool.VARIANTS[n]["params"]["rescale_at"] is not None
+    assert tool.RESCALE_VARIANTS and all((tool.VARIANTS[n]["params"]["rescale_at"] is None) == n.endswith("_rs_after")
                                          for n in tool.RESCALE_VARIANTS)
+    assert not set(tool.RESCALE_VARIANTS) & set(tool.TUNE_VARIANTS)  # checked, not in the default run's tuning bench
+    # the tool's other variants take the shipped specs' order: rescale_at 4 but at hd 128 causal
+    assert "rescale_at" not in tool.VARIANTS["hd128_full_kv32"]["params"]
+    assert tool.VARIANTS["hd128_causal_kv8"]["params"]["rescale_at"] is None
 
 
 def test_ilp_suite_loads(tool):
@@ -467,26 +473,33 @@ def test_row_max_chains_sass(cache, tmp_path, chains, causal):
 @needs_sass
 @pytest.mark.parametrize("pingpong", [False, exhaustive(True)], ids=["grid", "pingpong"])
 def test_rescale_at_moves_the_pv_wait_into_the_exp2_stream(cache, tmp_path, pingpong):
-    """params.rescale_at 4 at hd 128 not causal: 168 registers, no spills, the same HGMMA count as without it (the
-    exp2 one block's fewer: the masked and unmasked steps share them), and in the loop's block (the instructions between its two wgmma waits, `gsb0, 0x1` then `0x0`) the
-    previous P V is waited for with most of the block's exp2 still to come (the shipped order: after all of them),
-    the O rescale's FMUL after that wait among them."""
+    """params.rescale_at 4 at hd 128 not causal (the shipped order since 2026-11-28) against the order before (unset):
+    168 registers, no spills, the same HGMMA count (the exp2 one block's fewer: the masked and unmasked steps share
+    them after prepare). In the loop's block, between its S wait (`wgmma` group 1) and the previous P V's (group 0):
+    the order before runs every exp2 of the block there, rescale_at at most 16 (ptxas places the wait itself: any G
+    gives 13-14 at hd 128), the O rescale's FMUL and most exp2 after the P V's wait. In both, the only mbarrier arrive
+    between the two waits is K's release, and V's stage is released after the P V's wait (a V_EMPTY arrive before it
+    would let the producer overwrite V while the P V reads it)."""
     def loop_split(params):
         res = compile_source(rendered_source(variant("r", params={"pingpong": pingpong, **params}), tmp_path))
         entry = res.report["r_w1_kernel"]
         assert entry["registers"] == 168 and entry["spill_stores"] == 0 and entry["stack_frame"] == 0, entry
-        names = sass_names(dump_sass(res.output))
+        ops = sass_ops(dump_sass(res.output))
+        names = [op for op, _ in ops]
         waits = [i for i, n in enumerate(names) if n == "WARPGROUP.DEPBAR.LE"] + [len(names)]
         # the loop's P V wait: the first whose stretch (to the next wait) holds O's rescale, 64 FMUL
         k = next(k for k in range(1, len(waits) - 1) if names[waits[k]:waits[k + 1]].count("FMUL") >= 64)
+        assert "gsb0, 0x1" in ops[waits[k - 1]][1] and "gsb0, 0x0" in ops[waits[k]][1], (ops[waits[k - 1]], ops[waits[k]])
         before, after = names[waits[k - 1]:waits[k]], names[waits[k]:waits[k + 1]]
-        return names.count("MUFU.EX2"), before.count("MUFU.EX2"), after.count("MUFU.EX2"), after.count("FMUL"), \
-            len([n for n in names if n.startswith("HGMMA")])
-    shipped, early = loop_split({"rescale_at": None}), loop_split({"rescale_at": 4})
-    # the same wgmma; one copy fewer of a block's 64 exp2 (the masked and unmasked steps share them after prepare)
-    assert shipped[4] == early[4] == 32 and early[0] == shipped[0] - 64, (shipped, early)
-    assert shipped[2] == 0 and shipped[1] >= 64  # shipped: every exp2 of the block before the P V's wait
-    assert early[2] >= 32 and early[3] >= 64, early  # rescale_at: most exp2 after it, the rescale among them
+        arrives = [sum(n.startswith("SYNCS.ARRIVE") for n in stretch) for stretch in (before, after)]
+        return {"exp2": names.count("MUFU.EX2"), "before": before.count("MUFU.EX2"), "after": after.count("MUFU.EX2"),
+                "rescale": after.count("FMUL"), "wgmma": len([n for n in names if n.startswith("HGMMA")]),
+                "arrives": arrives}
+    old, early = loop_split({"rescale_at": None}), loop_split({"rescale_at": 4})
+    assert old["wgmma"] == early["wgmma"] == 32 and early["exp2"] == old["exp2"] - 64, (old, early)
+    assert old["after"] == 0 and old["before"] >= 64, old  # the order before: every exp2 before the P V's wait
+    assert early["before"] <= 16 and early["after"] >= 48 and early["rescale"] >= 64, early  # FA4's order
+    assert old["arrives"] == early["arrives"] == [1, 1], (old, early)  # K released before, V after the P V's wait
 
 
 M192 = {"head_dim": 64, "tile": {"m": 192, "n": 128}}

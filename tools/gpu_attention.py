@@ -69,8 +69,11 @@ CHECK_TIMEOUT_S, BENCH_TIMEOUT_S = 60, 120
 def variant(head_dim=128, causal=False, kv_heads=32, **extra) -> dict:
     """Ping-pong on for causal, off otherwise (docs/design/attention.md; results/attention/
     results/attention/2026-11-23-222939d-sdpa-h100.md: off is 4-13% faster non-causal at seq 4K-16K,
-    on is 1-26% faster causal at seq <= 4K), unless `extra` says otherwise."""
+    on is 1-26% faster causal at seq <= 4K), and params.rescale_at as the shipped specs (4 but at hd 128 causal),
+    unless `extra` says otherwise."""
     changes = {"params": {"head_dim": head_dim, "causal": causal, "kv_heads": kv_heads, "pingpong": causal}}
+    if causal and head_dim == 128:  # the O rescale's order as the shipped specs: after every exp2 at hd 128 causal
+        changes["params"]["rescale_at"] = None  # (SPEC, the hd 128 not-causal spec, ships rescale_at 4 since 2026-11-28)
     for key, value in extra.items():
         if key in ("dtype",):
             changes[key] = value
@@ -160,6 +163,7 @@ VARIANTS.update({
     "hd64_causal_kv32_m192_rs4": variant(64, True, 32, tile={"m": 192, "n": 128}, threads=512, schedule="persistent",
                                          epilogue_overlap=True, rescale_at=4),
     "hd128_full_kv4_bhsd_rs8": variant(128, False, 4, layout="bhsd", rescale_at=8),
+    "hd128_full_kv32_rs_after": variant(128, False, 32, rescale_at=None),  # the order before, not causal
 })
 RESCALE_VARIANTS = [n for n in VARIANTS if "_rs" in n]
 # The two-stream check's negative control: the same module built with every stream on tile counter
@@ -175,7 +179,8 @@ CHECK_VARIANTS = ["hd128_full_kv32", "hd128_causal_kv8", "hd128_causal_kv4_waits
 BENCH_VARIANTS = [f"hd{d}_{c}_kv{kv}" for d in (128, 64) for c in ("full", "causal") for kv in (32, 8)]
 TUNE_VARIANTS = [n for n in VARIANTS if n.startswith(("hd128_full_kv32_", "hd128_causal_kv32_", "hd64_full_kv32_",
                                                        "hd64_causal_kv32_"))
-                 and n not in SCHEDULE_VARIANTS and n not in M192_VARIANTS and n not in ILP_VARIANTS]  # benched at TUNE_SEQS (the schedule's: the suite's)
+                 and n not in SCHEDULE_VARIANTS and n not in M192_VARIANTS and n not in ILP_VARIANTS
+                 and n not in RESCALE_VARIANTS]  # benched at TUNE_SEQS (the schedule's: the suite's)
 TUNE_SEQS = {128: SEQS, 64: [8192, 16384]}  # by head dim
 
 

@@ -78,7 +78,7 @@ RowMaxChains = Annotated[Literal[2, 4, 8] | None, Field(
 
 # params.rescale_at of attention and cp_attention (the same consumer loop, tsgen/attention.cuh)
 RescaleAt = Annotated[int | None, Field(
-    ge=0, le=16, description="how many of a block's tile.n / 16 column groups of exp2 each consumer computes before "
+    ge=0, le=12, description="how many of a block's tile.n / 16 column groups of exp2 each consumer computes before "
     "it waits for the previous block's P V and rescales O by the rows' new maxima; the rest of the exp2 follow, so "
     "that the rescale's multiplies (and P's conversion) interleave with them, as FlashAttention-4's Hopper forward "
     "does (ptxas places the wait itself: 2 and 6 give the same loop at hd 128). Unset: after every exp2 (the rescale "
