@@ -641,7 +641,8 @@ def test_gpu_tool_runs_the_impls_side_by_side():
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
     assert tool.IMPLS == ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1",
-                          "wgmma_g2", "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq")
+                          "wgmma_g2", "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq",
+                          "shipped_g2", "shipped_g8")
     assert tool.impl_name("hd64_full_kv8", "shipped") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8_mma_sync"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
@@ -655,6 +656,11 @@ def test_gpu_tool_runs_the_impls_side_by_side():
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("shipped", head_dim))).model
         assert (spec.params.dk_after_dq, spec.params.tall) == (True, head_dim == 64)
         assert get_family("attention_backward").check(spec) == [], name
+        for impl, groups in (("shipped_g2", 2), ("shipped_g8", 8)):  # the shipped kernel, its CTAs in other groups
+            grouped = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes(impl, head_dim))).model
+            assert grouped.params.cta_head_group == groups and grouped.params.dk_after_dq
+            assert grouped.params.tall == spec.params.tall and grouped.params.split_tail == spec.params.split_tail
+            assert get_family("attention_backward").check(grouped) == [], (name, impl)
         mma = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("mma_sync"))).model
         assert mma.params.impl == "mma_sync" and mma.launch.threads == 128 and not mma.params.dk_after_dq
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_red"))).model
