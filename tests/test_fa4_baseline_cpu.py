@@ -387,3 +387,15 @@ def test_backward_report_has_the_clock_table_only_with_clocks():
     assert text[head] == "| variant | S | tsgen MHz | sdpa_flash MHz | sdpa_cudnn MHz | sdpa_flash cycles | sdpa_cudnn cycles |"
     assert text[head + 1].count("---") == text[head].count("|") - 1
     assert text[head + 2] == "| v | 4096 | 1650 | - | 1700 | - | 0.927 |"
+
+
+@needs_tools
+def test_split_refuses_parts_that_would_not_fit_beside_the_working_tree(tmp_path):
+    """A device call carries the working tree and one part, 64 MiB in all: parts too large for that are refused at
+    split, with the size that fits (a 41 MiB part beside the 23.5 MiB tree was refused by the device on 2026-11-28)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _wheel(src, "fa4small", "2.0", 1000)
+    r = _run(tmp_path, "split", str(src), ".whl-fa4", "60")
+    assert r.returncode == 2 and "pass what one device call carries (64 MiB): use PART_MIB" in r.stderr, r.stderr
+    assert not (tmp_path / ".whl-fa4").exists()

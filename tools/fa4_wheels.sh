@@ -4,7 +4,8 @@
 # iket) and -libs-cu13 (the _cutlass_ir .so and libcute_dsl_runtime; -libs-cu12, which its metadata also
 # names, is not needed); apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels; protobuf and einops as
 # fallbacks; cuda-bindings and cuda-pathfinder come with the device's torch 2.11) onto the device machine
-# in parts: together ~98 MiB, more than one device call carries (64 MiB with the working tree, ~14 MB).
+# in parts: together ~98 MiB, more than one device call carries (64 MiB with the working tree: 23.5 MiB of
+# tracked files on 2026-11-28, so parts of at most 38 MiB; a 41 MiB part was refused that day).
 # The set that imports (flash-attn-4 4.0.0b36, cp312 manylinux x86_64): flash_attn_4 4.0.0b36,
 # nvidia_cutlass_dsl{,_libs_core,_libs_base,_libs_cu13} 4.8.1, apache_tvm_ffi 0.1.15.post2,
 # torch_c_dlpack_ext 0.1.5, quack_kernels 0.6.5, protobuf 7.36.2, einops 0.8.2. split refuses a set whose
@@ -12,7 +13,7 @@
 # installed but failed with "No module named 'cutlass.cute'"). The parts live in the git-ignored folder
 # .whl-fa4/ (never committed); each call carries one part, and a warm machine keeps what a call left in /tmp.
 #
-#   here:    bash tools/fa4_wheels.sh split DIR [DEST=.whl-fa4] [PART_MIB=40]
+#   here:    bash tools/fa4_wheels.sh split DIR [DEST=.whl-fa4] [PART_MIB=36]
 #            DIR's wheels cut into byte chunks of at most PART_MIB and packed in order into DEST/part1,
 #            DEST/part2, ... (each at most PART_MIB); every part also holds the manifest: SHA256SUMS (the
 #            whole wheels' sums, sha256sum -c format) and FILES ("PART CHUNK_SHA256 CHUNK" per chunk).
@@ -29,7 +30,7 @@
 #                                               importable (the .pth nvidia-cutlass-dsl ships is not read
 #                                               from a PYTHONPATH folder: its dsl_packages is added)
 #
-# The sequence on the next GPU session (three parts at PART_MIB 40: 40 + 40 + 18 MiB), each call within
+# The sequence on the next GPU session (three parts at PART_MIB 36: 36 + 36 + 26 MiB), each call within
 # 30 s of the last one's end so the machine stays warm (a fresh machine has an empty /tmp: start over):
 #   call 1: carry [".whl-fa4/part1"]   bash tools/fa4_wheels.sh stash
 #   call 2: carry [".whl-fa4/part2"]   bash tools/fa4_wheels.sh stash
@@ -54,10 +55,15 @@ die() { echo "fa4_wheels: $1" >&2; exit "${2:-2}"; }
 sha() { sha256sum "$1" | cut -d' ' -f1; }
 
 cmd_split() {
-  local dir=${1:?usage: split DIR [DEST] [PART_MIB]} dest=${2:-.whl-fa4} mib=${3:-40}
+  local dir=${1:?usage: split DIR [DEST] [PART_MIB]} dest=${2:-.whl-fa4} mib=${3:-36}
   local limit=$((mib * 1024 * 1024)) part=1 used=0 w name size piece psize
   ls "$dir"/*.whl >/dev/null 2>&1 || die "no wheels in $dir"
   [ ! -e "$dest" ] || die "$dest exists: remove it first"
+  # a call carries the working tree too (64 MiB in all): a part that would not fit beside it is refused here
+  local tree_mib
+  tree_mib=$(cd "$(dirname "$0")/.." && { git ls-files -z 2>/dev/null || true; } | xargs -0 -r stat -c %s 2>/dev/null \
+             | awk '{s += $1} END {print int(s / 1048576) + 1}')
+  [ "$((mib + tree_mib))" -le 62 ] || die "parts of $mib MiB beside the ${tree_mib} MiB working tree pass what one device call carries (64 MiB): use PART_MIB $((62 - tree_mib)) or less"
   dsl_complete "$dir"
   local tmp; tmp=$(mktemp -d); trap 'rm -rf "$tmp"' RETURN
   mkdir -p "$dest/part1"
