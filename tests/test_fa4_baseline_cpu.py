@@ -337,17 +337,28 @@ def test_backward_bench_fa4_is_timed_only_when_its_gradients_match_sdpa(monkeypa
             assert "differs from SDPA's" in why and "dQ" in why
 
 
-def test_backward_report_has_the_fa4_column_only_where_a_row_has_it():
+def _backward_report(tsgen: dict, sdpa_cudnn: dict):
+    """tools/gpu_attention_bwd.py, one bench row (hd 128 variant "v" at 4096) of these two columns, and the summary
+    its report is made from."""
     from conftest import load_script
 
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 200.0},
-           "sdpa_cudnn": {"tflops": 500.0, "ratio": 2.5}}
-    summary = {"device": "NVIDIA H100", "date": "2026-11-27", "command": "c", "checks": {}, "bench": {"rows": [row]}}
+    row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": tsgen, "sdpa_cudnn": sdpa_cudnn}
+    return tool, row, {"device": "NVIDIA H200", "date": "2026-11-28", "command": "c", "checks": {},
+                       "bench": {"rows": [row]}}
+
+
+def _table_head(text: list[str], start: str) -> int:
+    """The line of the report's table whose header starts so."""
+    return next(i for i, line in enumerate(text) if line.startswith(start))
+
+
+def test_backward_report_has_the_fa4_column_only_where_a_row_has_it():
+    tool, row, summary = _backward_report({"tflops": 200.0}, {"tflops": 500.0, "ratio": 2.5})
     assert "FA4" not in tool.markdown(summary)
     summary["bench"]["rows"] = [dict(row, fa4={"tflops": 400.0, "ratio": 2.0}), dict(row, seq=8192)]
     text = tool.markdown(summary).splitlines()
-    head = next(i for i, line in enumerate(text) if line.startswith("| variant | S |"))
+    head = _table_head(text, "| variant | S |")
     assert text[head].endswith("SDPA flash | ratio | SDPA cuDNN | ratio | FA4 | ratio |")
     assert text[head + 1].count("---") == text[head].count("|") - 1  # one separator per column
     assert "| v | 4096 | 200 | - | - | 500 | 2.50 | 400 | 2.00 |" in text
@@ -372,18 +383,13 @@ def test_backward_cycle_ratio_pairs_time_and_clock_round_by_round():
 
 
 def test_backward_report_has_the_clock_table_only_with_clocks():
-    from conftest import load_script
-
-    tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
-    row = {"variant": "v", "seq": 4096, "batch": 4, "tsgen": {"tflops": 500.0},
-           "sdpa_cudnn": {"tflops": 450.0, "ratio": 0.9}}
-    summary = {"device": "NVIDIA H200", "date": "2026-11-28", "command": "c", "checks": {}, "bench": {"rows": [row]}}
+    tool, row, summary = _backward_report({"tflops": 500.0}, {"tflops": 450.0, "ratio": 0.9})
     assert "cycle ratio" not in tool.markdown(summary)
     summary["bench"]["rows"] = [dict(row, tsgen={"tflops": 500.0, "sm_mhz_median": 1650.0},
                                      sdpa_cudnn={"tflops": 450.0, "ratio": 0.9, "sm_mhz_median": 1700.0,
                                                  "cycle_ratio": 0.927})]
     text = tool.markdown(summary).splitlines()
-    head = next(i for i, line in enumerate(text) if line.startswith("| variant | S | tsgen MHz"))
+    head = _table_head(text, "| variant | S | tsgen MHz")
     assert text[head] == "| variant | S | tsgen MHz | sdpa_flash MHz | sdpa_cudnn MHz | sdpa_flash cycles | sdpa_cudnn cycles |"
     assert text[head + 1].count("---") == text[head].count("|") - 1
     assert text[head + 2] == "| v | 4096 | 1650 | - | 1700 | - | 0.927 |"

@@ -807,12 +807,12 @@ def cycle_ratio(base, mine) -> float | None:
     """The median over rounds of (base's time x its SM clock) / (mine's time x its clock): the ratio of GPU
     cycles, where paired_ratio is that of times (> 1: mine takes fewer cycles). None unless every round of
     both has a clock reading."""
-    import statistics
+    from tsgen.bench.timing import paired_ratio
 
     if not base.sm_mhz or None in base.sm_mhz or None in mine.sm_mhz or len(base.sm_mhz) != len(mine.sm_mhz):
         return None
-    return float(statistics.median(tb * fb / (tm * fm) for tb, fb, tm, fm in
-                                   zip(base.samples_us, base.sm_mhz, mine.samples_us, mine.sm_mhz)))
+    cycles = [[t * f for t, f in zip(x.samples_us, x.sm_mhz)] for x in (base, mine)]  # per sample, us x MHz
+    return paired_ratio(*cycles)["ratio"]
 
 
 def _bench(built, quick, echo, order, settle, rounds, shapes) -> dict:
