@@ -642,7 +642,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
     assert tool.IMPLS == ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1",
                           "wgmma_g2", "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq",
-                          "shipped_g2", "shipped_g8")
+                          "shipped_g2", "shipped_g8", "shipped_r80")
     assert tool.impl_name("hd64_full_kv8", "shipped") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8_mma_sync"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
@@ -661,6 +661,10 @@ def test_gpu_tool_runs_the_impls_side_by_side():
             assert grouped.params.cta_head_group == groups and grouped.params.dk_after_dq
             assert grouped.params.tall == spec.params.tall and grouped.params.split_tail == spec.params.split_tail
             assert get_family("attention_backward").check(grouped) == [], (name, impl)
+        if tool.runs(name, "shipped_r80"):  # the shipped kernel in 80-row steps (head dim 128, not causal)
+            wide = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("shipped_r80", head_dim))).model
+            assert wide.params.wide and wide.params.dk_after_dq and wide.params.split_tail == spec.params.split_tail
+            assert get_family("attention_backward").check(wide) == [], name
         mma = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("mma_sync"))).model
         assert mma.params.impl == "mma_sync" and mma.launch.threads == 128 and not mma.params.dk_after_dq
         spec = spec_variant(load_spec(SPEC), merge(tool.VARIANTS[name], tool.impl_changes("wgmma_red"))).model
@@ -1112,7 +1116,7 @@ def header_tall_producer():
 
     def load(layout, stage, x, h, r0, q_len):
         b = box(stage=stage, x=x, h=h, **layout)
-        return q(box=b, **layout), do(box=b, **layout), rows(r0=r0, h=h, p_q_len=q_len, BLOCK_M=64)
+        return q(box=b, **layout), do(box=b, **layout), rows(r0=r0, h=h, p_q_len=q_len, L_BOX_ROWS=64)
 
     return load
 
@@ -1764,7 +1768,9 @@ def test_gpu_tool_runs_step_rows_128_on_head_dim_64_only(tmp_path, monkeypatch):
     hd64 = sorted(n for n in tool.VARIANTS if tool.VARIANTS[n]["params"]["head_dim"] == 64)
     assert sorted(n for n in tool.VARIANTS if tool.runs(n, "wgmma_m128")) == hd64
     assert sorted(n for n in tool.VARIANTS if tool.runs(n, "wgmma_m128dkq")) == hd64
-    assert all(tool.runs(n, i) for n in tool.VARIANTS for i in tool.IMPLS if i not in ("wgmma_m128", "wgmma_m128dkq"))
+    assert all(tool.runs(n, i) for n in tool.VARIANTS for i in tool.IMPLS if i not in tool.IMPL_ONLY)
+    assert sorted(n for n in tool.VARIANTS if tool.runs(n, "shipped_r80")) == sorted(
+        n for n, v in tool.VARIANTS.items() if v["params"]["head_dim"] == 128 and not v["params"]["causal"])
     assert {"hd64_causal_kv32", "hd64_full_kv32"} <= set(tool.BENCH_VARIANTS)
     built, children = [], []
     monkeypatch.setattr(tool, "build", lambda out, name, impl: built.append((name, impl)) or {"n": name, "i": impl})

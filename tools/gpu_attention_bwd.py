@@ -128,10 +128,12 @@ BENCH_SEQS = [4096, 8192, 16384]
 # but shipped walks whole items (params.tail_split false): at head dim 128 not causal, shipped against wgmma_dkq
 # times the tail split alone
 IMPLS = ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4",
-         "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq", "shipped_g2", "shipped_g8")
+         "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq", "shipped_g2", "shipped_g8",
+         "shipped_r80")
 # shipped_gN: the shipped spec's main kernel with its CTAs in groups of N (sequence, KV head) pairs (params.head_group;
-# the shipped default is 4, DEFAULT_HEAD_GROUP)
-SHIPPED_GROUPS = {"shipped_g2": 2, "shipped_g8": 8}
+# the shipped default is 4, DEFAULT_HEAD_GROUP); shipped_r80: with steps of 80 query rows (params.step_rows 80, dQ
+# transposed; head dim 128, not causal)
+SHIPPED_CHANGES = {"shipped_g2": {"head_group": 2}, "shipped_g8": {"head_group": 8}, "shipped_r80": {"step_rows": 80}}
 # the spec params of each (beside its threads per CTA, those of params.impl); every wgmma one names the levers, as
 # SPEC sets one of them and params.tail_split is on by default where it applies (shipped: as the specs resolve it)
 WGMMA = {"impl": "wgmma", "dk_after_dq": False, "step_rows": None, "tail_split": False}
@@ -146,13 +148,14 @@ IMPL_PARAMS = {"mma_sync": {"impl": "mma_sync", "dk_after_dq": False, "step_rows
 # the shipped spec of each head dim, whose main kernel impl "shipped" builds (its impl and the two levers)
 SHIPPED_SPECS = {128: ROOT / "specs" / "attention_backward_hd128.yaml",
                  64: ROOT / "specs" / "attention_backward_hd64_causal_gqa.yaml"}
-# impls built for some head dims only (the spec check refuses the others): the variants they run on
-IMPL_HEAD_DIMS = {"wgmma_m128": (64,), "wgmma_m128dkq": (64,)}
+# impls built for some variants only (the spec check refuses the others): the params of the variants they run on
+IMPL_ONLY = {"wgmma_m128": {"head_dim": 64}, "wgmma_m128dkq": {"head_dim": 64},
+             "shipped_r80": {"head_dim": 128, "causal": False}}
 
 
 def runs(name: str, impl: str) -> bool:
-    """Whether main kernel `impl` is built, checked and benched for variant `name` (IMPL_HEAD_DIMS)."""
-    return VARIANTS[name]["params"]["head_dim"] in IMPL_HEAD_DIMS.get(impl, (VARIANTS[name]["params"]["head_dim"],))
+    """Whether main kernel `impl` is built, checked and benched for variant `name` (IMPL_ONLY)."""
+    return all(VARIANTS[name]["params"][k] == v for k, v in IMPL_ONLY.get(impl, {}).items())
 
 
 def impl_name(name: str, impl: str) -> str:
@@ -186,12 +189,11 @@ def impl_changes(impl: str, head_dim: int = 128) -> dict:
     from tsgen.ops.attention_backward import IMPLS as THREADS
     from tsgen.spec import load_spec
 
-    if impl == "shipped" or impl in SHIPPED_GROUPS:
+    if impl == "shipped" or impl in SHIPPED_CHANGES:
         shipped = load_spec(SHIPPED_SPECS[head_dim]).model.params
         params = {"impl": shipped.impl, "dk_after_dq": shipped.dk_after_dq, "step_rows": shipped.step_rows,
                   "tail_split": shipped.tail_split}  # unset: on where it applies to the variant
-        if impl in SHIPPED_GROUPS:
-            params["head_group"] = SHIPPED_GROUPS[impl]
+        params.update(SHIPPED_CHANGES.get(impl, {}))
     else:
         params = IMPL_PARAMS[impl]
     return {"params": dict(params), "launch": {"threads": THREADS[params["impl"]]["threads"]}}
@@ -950,7 +952,7 @@ def markdown(s: dict) -> str:
         extra = sorted({k for row in rows for k in row if k.startswith("tsgen_")})  # other impls
         mine = (["tsgen"] if any("tsgen" in row for row in rows) else []) + extra  # the tsgen columns
         # the first listed impl's column: that of a row where several ran (an impl of some head dims only,
-        # IMPL_HEAD_DIMS, leaves the other rows with fewer)
+        # IMPL_ONLY, leaves the other rows with fewer)
         many = [row for row in rows if sum(k == "tsgen" or k.startswith("tsgen_") for k in row) > 1] or rows
         ref = many[0].get("ref", "tsgen") if rows else "tsgen"
         others = ["sdpa_flash", "sdpa_cudnn"] + [k for k in ("cudnn_fe", "fa4") if any(k in row for row in rows)]
@@ -1087,7 +1089,7 @@ def main() -> int:
         if name not in VARIANTS:
             ap.error(f"--ncu: variant {name!r}; one of {', '.join(sorted(VARIANTS))}")
         if not runs(name, impls[0]):
-            ap.error(f"--ncu: impl {impls[0]} is built for head dims {IMPL_HEAD_DIMS[impls[0]]} only, not {name}")
+            ap.error(f"--ncu: impl {impls[0]} is built for variants with {IMPL_ONLY[impls[0]]} only, not {name}")
         return (profile_source if a.ncu_source else profile)(out, name, impls[0], int(seq) if seq else BENCH_SEQS[1],
                                                              a.ncu_baseline)
     if a.rounds < 1 or a.settle < 0:

@@ -154,8 +154,12 @@ class AttentionBackwardParams(AttentionShape):
         "sender, and <kernel>_push_reduce adds their partials to the rank's own. Adds the entry <kernel>_backward_push (tsgen::attention_bwd::KvPush: the table of "
         "peers' areas the caller fills, e.g. tsgen.torch.cp_attention). Rows a rank: a multiple of 128")
 
-    step_rows: Literal[64, 128] | None = Field(
+    step_rows: Literal[64, 80, 128] | None = Field(
         None, description="impl wgmma: query rows per step of the main kernel's walk; unset or 64: 64 (the default), "
+        "80: FlashAttention-3's and -4's head-dim-128 tile when not causal (80 queries x 128 keys a step: S^T, dP^T as "
+        "m64n80, dV, dK over 80 rows, dQ computed transposed, dQ^T = K^T dS^T as m64 head-dim columns x n80 queries, "
+        "since 80 is no multiple of a wgmma's M; tsgen::attention_bwd::wgmma::consume with WIDE): head_dim 128, not "
+        "causal, dq_reduce bulk, not deterministic, not lookahead, not kv_push. Not yet measured on a GPU. "
         "128: FlashAttention-3's head-dim-64 tile (128 queries x 128 keys a step: S^T, dP^T as m64n128, dV, dK and dQ "
         "over 128 rows or keys, dQ split by query rows between the consumer warpgroups), so that each step's fixed "
         "waits, barriers and dQ issue are paid once per 128 query rows (tsgen::attention_bwd::wgmma::consume_tall). "
@@ -180,6 +184,11 @@ class AttentionBackwardParams(AttentionShape):
     def split_tail(self) -> bool:
         """params.tail_split resolved: as set, or unset: where it applies."""
         return self.tail_applies if self.tail_split is None else self.tail_split
+
+    @property
+    def wide(self) -> bool:
+        """params.step_rows 80: the wgmma kernel's steps of 80 query rows, dQ transposed (consume, WIDE)."""
+        return self.step_rows == 80
 
     @property
     def tall(self) -> bool:
@@ -233,8 +242,8 @@ def smem_bytes(spec: AttentionBackwardSpec) -> int:
     d = spec.params.head_dim
     if spec.params.impl == "wgmma":
         n, st = IMPLS["wgmma"]["block_n"], WGMMA_STAGES
-        m = 128 if spec.params.tall else BLOCK_M  # query rows per step (params.step_rows)
-        staging = DQ_STAGING if spec.params.dq_tiled else 0
+        m = spec.params.step_rows or BLOCK_M  # query rows per step (params.step_rows)
+        staging = (DQ_STAGING * (m if spec.params.wide else BLOCK_M) // BLOCK_M) if spec.params.dq_tiled else 0
         return (2 * (2 * n * d + 2 * st * m * d + 2 * n * m) + staging + 2 * 4 * st * m + 8 * (1 + 2 * st)
                 + 1024)
     pitch = d + 8
@@ -324,6 +333,21 @@ class AttentionBackwardFamily(OpFamily):
                  "and warpgroup pair); use one of the two"),
                 (p.lookahead, "step_rows 128 with lookahead is not built (two consumer loops, each with its own order "
                  "of waits); use one of the two")])
+        if p.wide:
+            refuse_first(problems, "step_rows", [
+                (p.impl != "wgmma", "step_rows 80 needs params.impl wgmma (the mma_sync kernel walks 64-row blocks "
+                 "only)"),
+                (p.head_dim != 128, "step_rows 80 is built for head_dim 128 only (dQ^T's M is the head dim, 64 columns "
+                 "a consumer warpgroup)"),
+                (p.causal, "step_rows 80 is built for causal false only (FlashAttention-4's choice too: a causal "
+                 "walk's diagonal steps would mask more of 80 rows than of 64); use 64 there"),
+                (not p.dq_tiled, "step_rows 80 is built for dq_reduce bulk only (the atomic path is kept to bench "
+                 "against)"),
+                (p.deterministic, "step_rows 80 with deterministic is not built (its turns are per 64-row query "
+                 "block); use one of the two"),
+                (p.lookahead, "step_rows 80 with lookahead is not built (consume_lookahead's steps are 64 rows); use "
+                 "one of the two"),
+                (p.kv_push, "step_rows 80 with kv_push is not built (not tested together); use one of the two")])
         if p.kv_push:
             refuse_first(problems, "kv_push", [
                 (p.impl != "wgmma", "kv_push needs params.impl wgmma (the mma_sync kernel's dK, dV stores are not "
@@ -381,13 +405,13 @@ class AttentionBackwardFamily(OpFamily):
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
             "SMEM_BYTES": smem_bytes(spec),
-            **({"TILE_M": BLOCK_M, "TILE_N": IMPLS["wgmma"]["block_n"], "STAGES": WGMMA_STAGES,
+            **({"TILE_M": 80 if p.wide else BLOCK_M, "TILE_N": IMPLS["wgmma"]["block_n"], "STAGES": WGMMA_STAGES,
                 "DQ_TILED": int(p.dq_tiled)} if p.impl == "wgmma" else {}),
             **({"DETERMINISTIC": 1} if p.deterministic else {}),  # absent by default: those sources stay as they were
             **({"HEAD_GROUP": p.cta_head_group} if p.cta_head_group else {}),  # likewise
             **({"LOOKAHEAD": 1} if p.lookahead else {}),  # likewise
             **({"DK_AFTER_DQ": 1} if p.dk_after_dq else {}),  # likewise
-            **({"STEP_ROWS": 128} if p.tall else {}),  # likewise
+            **({"STEP_ROWS": p.step_rows} if p.tall or p.wide else {}),  # likewise
             **({"KV_PUSH": 1} if p.kv_push else {}),  # likewise
             **({"TAIL_SPLIT": TAIL_ITEMS} if p.split_tail else {}),  # the tail slots (workspace_floats' tail_items)
         }

@@ -1106,6 +1106,13 @@ struct TensorMaps {
   CUtensorMap q, k, v, o;
 };
 
+// Config::O_BOX_ROWS where the Config has it (the backward's params.step_rows 80: its dO tiles of 80 rows), else
+// 64: the rows of the `o` map's box (the forward's O staging, the backward's dO).
+template <class C, class = void>
+struct o_box_rows_of : std::integral_constant<uint32_t, 64> {};
+template <class C>
+struct o_box_rows_of<C, std::void_t<decltype(C::O_BOX_ROWS)>> : std::integral_constant<uint32_t, C::O_BOX_ROWS> {};
+
 // The four descriptors; each host thread keeps the last set and reuses it while the
 // pointers and sizes stay the same (encoding takes microseconds).
 template <class C>
@@ -1125,7 +1132,7 @@ static cudaError_t tensor_maps(const void* q, const void* k, const void* v, cons
     cudaError_t err = encode_heads<C>(&last.maps.q, q, batch, q_len, C::HEADS, C::TILE_M);
     if (err == cudaSuccess) err = encode_heads<C>(&last.maps.k, k, batch, kv_rows, C::KV_HEADS, C::TILE_N);
     if (err == cudaSuccess) err = encode_heads<C>(&last.maps.v, v, batch, kv_rows, C::KV_HEADS, C::TILE_N);
-    if (err == cudaSuccess) err = encode_heads<C>(&last.maps.o, o, batch, q_len, C::HEADS, 64);
+    if (err == cudaSuccess) err = encode_heads<C>(&last.maps.o, o, batch, q_len, C::HEADS, o_box_rows_of<C>::value);
     if (err != cudaSuccess) return err;
     last.valid = true, last.q = q, last.k = k, last.v = v, last.o = o;
     last.batch = batch, last.q_len = q_len, last.kv_len = kv_len;

@@ -197,14 +197,26 @@ using gemm::wgmma_commit_group;
 using gemm::wgmma_fence;
 using gemm::wgmma_wait_group;
 
+// wgmma descriptor of a 32B-swizzled tile at `addr` (gemm::sw128_descriptor's fields with swizzle mode 3, 32 bytes):
+// WIDE's dS^T as an N-major B, atoms of 16 queries x 8 key rows (256 bytes), `leading` bytes between the atoms along
+// the queries, `stride` between those of 8 key rows. `addr` 256-byte aligned.
+static __host__ __device__ __forceinline__ constexpr uint64_t sw32_descriptor(uint32_t addr, uint32_t leading,
+                                                                              uint32_t stride) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(leading >> 4) << 16) | ((uint64_t)(stride >> 4) << 32) |
+         (3ull << 62);
+}
+
 constexpr int BLOCK_M = 64;   // query rows per step (params.step_rows 128: two such blocks per step)
 // the preprocess zeroes the semaphores per attention_bwd::BLOCK_M rows (dq_semaphores), the walk uses these
 static_assert(BLOCK_M == ::tsgen::attention_bwd::BLOCK_M, "one query block for the semaphores and the walk");
 
-// Config::STEP_ROWS where the Config has it (only specs with params.step_rows 128 emit it), else BLOCK_M:
+// Config::STEP_ROWS where the Config has it (only specs with params.step_rows 80 or 128 emit it), else BLOCK_M:
 // the query rows of one step of the walk. 128 (head dim 64 only): consume_tall(), FlashAttention-3's hd 64
 // tile (128 queries x 128 keys), each fixed cost of a step (its waits, barriers, bulk issue, the walk's
-// advance) paid once per 128 query rows instead of once per 64.
+// advance) paid once per 128 query rows instead of once per 64. 80 (head dim 128, not causal: WIDE):
+// consume() with S^T, dP^T as m64n80 and dQ computed transposed (dQ^T = K^T dS^T, m64 head-dim columns x n80
+// queries: 80 is no multiple of 64, the M of a wgmma), FlashAttention-3's and -4's hd 128 tile when not causal;
+// the step's fixed costs paid once per 80 rows, within the registers (S^T, dP^T 40 each) and shared memory.
 template <class C, class = void>
 struct step_rows_of : std::integral_constant<int, BLOCK_M> {};
 template <class C>
@@ -254,25 +266,30 @@ template <class C>
 struct Layout {
   static_assert(sizeof(typename C::Element) == 2, "16-bit inputs");
   static_assert(C::HEAD_DIM == 64 || C::HEAD_DIM == 128, "head dim 64 or 128");
-  static_assert(C::TILE_M == BLOCK_M && C::TILE_N == BLOCK_N, "the Config's tiles are this header's");
+  static_assert(C::TILE_N == BLOCK_N, "the Config's key tile is this header's");
   static constexpr int BOXES = C::HEAD_DIM / 64;  // 64-column (128-byte) boxes per row
   // query rows per step: BLOCK_M, or 128 with params.step_rows (TALL: consume_tall, head dim 64 only)
   static constexpr int ROWS = step_rows_of<C>::value;
-  static constexpr bool TALL = ROWS != BLOCK_M;
-  static constexpr int HALVES = ROWS / BLOCK_M;   // TMA boxes of BLOCK_M rows per Q or dO tile and box column
-  static constexpr int Q_BOX = BLOCK_M * 128;     // one TMA box of a Q or dO tile (BLOCK_M rows, the maps' box)
+  static constexpr bool TALL = ROWS == 2 * BLOCK_M;  // consume_tall
+  static constexpr bool WIDE = ROWS == 80;           // consume() with dQ transposed (step_rows_of)
+  static constexpr int BOX_ROWS = WIDE ? ROWS : BLOCK_M;  // rows of the Q and dO maps' box (C::TILE_M)
+  static constexpr int HALVES = ROWS / BOX_ROWS;  // TMA boxes of BOX_ROWS rows per Q or dO tile and box column
+  static constexpr int Q_BOX = BOX_ROWS * 128;    // one TMA box of a Q or dO tile
   static constexpr int KV_BOX = BLOCK_N * 128;    // one box of K or V
   static constexpr int Q_TILE = BOXES * HALVES * Q_BOX;  // [box column][ROWS rows] (TALL: one column)
   static constexpr int KV_TILE = BOXES * KV_BOX;
-  static constexpr int DS_PANEL = BLOCK_N * 128;  // dS^T: BLOCK_N key rows x 64 queries (16-bit)
-  static constexpr int DS_BUF = HALVES * DS_PANEL;  // TALL: two panels, queries 0 .. 63 and 64 .. 127
+  static_assert(C::TILE_M == BOX_ROWS && attention::o_box_rows_of<C>::value == BOX_ROWS, "the Q and dO maps' box is a step's");
+  static constexpr int DS_PANEL = BLOCK_N * 128;  // dS^T: BLOCK_N key rows x 64 queries (16-bit), 128B-swizzled
+  // dS^T's buffer: TALL two panels, queries 0 .. 63 and 64 .. 127; WIDE 80 queries 32B-swizzled (ds_wide_offset)
+  static constexpr int DS_BUF = WIDE ? BLOCK_N * ROWS * 2 : HALVES * DS_PANEL;
+  static constexpr int SN = ROWS / 2;           // fp32 per thread of a 64 x ROWS accumulator (S^T, dP^T)
   static constexpr int S_ACC = 32;              // fp32 per thread of a 64 x 64 accumulator
   static constexpr int D_ACC = C::HEAD_DIM / 2;  // of a 64 x HEAD_DIM one (dK, dV)
   static constexpr int K16 = ROWS / 16;          // k16 steps of dV, dK (over the step's queries)
   static constexpr bool DQ_SPLIT_N = C::HEAD_DIM == 128;  // dQ: columns split (else keys split)
   static constexpr int DQ_KEYS = DQ_SPLIT_N ? BLOCK_N : 64;
   static constexpr bool DQ_TILED = C::DQ_TILED;   // dQ by bulk reductions through a staging buffer
-  static constexpr int DQ_BUF = BLOCK_M * 64 * 4;  // one warpgroup's fp32 dQ partial (64 x 64)
+  static constexpr int DQ_BUF = (WIDE ? ROWS : BLOCK_M) * 64 * 4;  // one warpgroup's fp32 dQ partial (rows x 64)
   // params.deterministic: the bulk reductions into a query block wait their turn (dq_semaphores)
   static constexpr bool DETERMINISTIC = deterministic_of<C>::value;
   static_assert(!DETERMINISTIC || DQ_TILED, "deterministic: the ordered adds are the bulk reductions");
@@ -296,12 +313,16 @@ struct Layout {
   static_assert(!DK_AFTER_DQ || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD),
                 "dk_after_dq: the bulk dQ path, not deterministic, not lookahead");
   // params.tail_split: consume()'s pieces (tsgen/ops/attention_backward.py refuses the rest)
-  static_assert(!tail_split_of<C>::value || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD && ROWS == BLOCK_M && !C::CAUSAL),
-                "tail_split: the bulk dQ path, 64-row steps, not deterministic, not lookahead, not causal");
+  static_assert(!tail_split_of<C>::value || (DQ_TILED && !DETERMINISTIC && !LOOKAHEAD && !TALL && !C::CAUSAL),
+                "tail_split: the bulk dQ path, 64- or 80-row steps, not deterministic, not lookahead, not causal");
   // params.step_rows 128: consume_tall (tsgen/ops/attention_backward.py refuses the rest)
   static_assert(ROWS == BLOCK_M || (ROWS == 2 * BLOCK_M && C::HEAD_DIM == 64 && DQ_TILED && !DETERMINISTIC &&
-                                    !LOOKAHEAD),
+                                    !LOOKAHEAD) || WIDE,
                 "step_rows 128: head dim 64, the bulk dQ path, not deterministic, not lookahead");
+  // params.step_rows 80 (tsgen/ops/attention_backward.py refuses the rest): dQ^T's M is the head dim split between
+  // the warpgroups (64 columns each), its staging read by the writer warp
+  static_assert(!WIDE || (C::HEAD_DIM == 128 && DQ_WRITER && !C::CAUSAL && !kv_push_of<C>::value),
+                "step_rows 80: head dim 128, the bulk dQ path with the writer warp, not causal, not kv_push");
 
   static constexpr int K_OFF = 0;
   static constexpr int V_OFF = K_OFF + KV_TILE;
@@ -496,13 +517,13 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
 #pragma unroll
       for (int x = 0; x < L::BOXES; ++x)
 #pragma unroll
-        for (int h = 0; h < L::HALVES; ++h) {  // TALL: the box of rows r0 + 64 h .. (BLOCK_M rows a box)
+        for (int h = 0; h < L::HALVES; ++h) {  // TALL: the box of rows r0 + 64 h .. (BOX_ROWS rows a box)
           const uint32_t box = stage * L::Q_TILE + (x * L::HALVES + h) * L::Q_BOX;
           // Rows past q_len in a box that starts in bounds: zeros (TMA). A box that would start past q_len (TALL's
           // second half where q_len - r0 <= 64) loads rows r0 .. again instead: the step's rows there are past
           // q_len, whose LSE2 = +inf and D = 0 make P = dS = 0 from any finite values, so every box starts in
           // bounds and nothing rests on a wholly out-of-bounds box
-          const int rows = (int)(r0 + BLOCK_M * h < p.q_len ? r0 + BLOCK_M * h : r0);
+          const int rows = (int)(r0 + L::BOX_ROWS * h < p.q_len ? r0 + L::BOX_ROWS * h : r0);
           attention::load_rows<C>(smem + L::Q_OFF + box, q_map, 64 * x, rows, (int)w.hq, (int)b, full);
           attention::load_rows<C>(smem + L::DO_OFF + box, do_map, 64 * x, rows, (int)w.hq, (int)b, full);
         }
@@ -635,7 +656,16 @@ static __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t
                : "memory");
 }
 
-// A step's dS^T (16-bit, the A fragments `ad` of K k16 steps: 4, TALL 8) to shared memory at ds_base: key row
+// WIDE: the byte offset of dS^T's key row `key`, query unit u (8 queries, 16 bytes) in its buffer: 32B-swizzled
+// atoms of 8 key rows x 16 queries (256 bytes), the 5 atoms of the 80 queries side by side (1280 bytes a group of
+// 8 key rows), unit u % 2 of the atom's 32-byte row at (u % 2) ^ (key / 4 % 2) (the swizzle: address bit 4 ^= bit
+// 7). dQ^T reads it as its N-major B (sw32_descriptor: 256 bytes between the query atoms, 1280 between the key
+// groups). A stmatrix's 8 x 8 matrix (8 key rows, one unit) hits each bank once.
+__host__ __device__ __forceinline__ constexpr uint32_t ds_wide_offset(uint32_t key, uint32_t u) {
+  return key / 8 * 1280 + u / 2 * 256 + key % 8 * 32 + (((u % 2) ^ (key / 4 % 2)) << 4);
+}
+
+// A step's dS^T (16-bit, the A fragments `ad` of K k16 steps: 4, TALL 8, WIDE 5) to shared memory at ds_base: key row
 // 64 cw + 16 warp + (0 .. 15), query unit u (8 queries, 16 bytes) in panel u / 8 (DS_PANEL apart) at 16-byte unit
 // (u % 8) ^ (row % 8) of its 128-byte row (the 128B swizzle), then fenced so that the wgmma (async proxy) sees it
 // after the next barrier. One stmatrix a k16 step: ad[k] holds rows g and g + 8 of units 2k and 2k + 1 (to_operand:
@@ -651,7 +681,10 @@ static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw,
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const uint32_t u = 2 * k + m / 2;
-    stmatrix_x4(base + (u / 8) * L::DS_PANEL + (((u % 8) ^ r) << 4), ad[k]);
+    if constexpr (!L::WIDE)
+      stmatrix_x4(base + (u / 8) * L::DS_PANEL + (((u % 8) ^ r) << 4), ad[k]);
+    else  // the same key row, in WIDE's buffer
+      stmatrix_x4(ds_base + ds_wide_offset(64 * cw + 16 * warp + 8 * (m % 2) + r, u), ad[k]);
   }
   fence_proxy_async_shared_cta();
 }
@@ -825,6 +858,25 @@ static __device__ __forceinline__ uint32_t dq_reduction(const Problem& p, uint32
   return n;
 }
 
+// WIDE: run `run` (0, 1) of consumer warpgroup cw's dQ partial (head-dim columns 64 cw .. 64 cw + 63 of the step's rows
+// r0 .. r1, staged as dq_tiled_offset orders a block's rows) in dq_accum: the 80 rows cross at most one boundary of
+// the layout's 64-row blocks (r0 is a multiple of 80, so of 16: the first block takes 64 - r0 % 64 >= 16 of them and
+// the second the rest, <= 64), and a run's rows are contiguous both in the staging (from byte `from`) and in the
+// block's panel cw (their chunk swizzle, row % 8, is the same in both: r0 is a multiple of 8). Its rows, 0 for none;
+// dst, from: where they go and come from. Host-compiled by the tests (against dq_tiled_offset, every row once).
+template <class C>
+__host__ __device__ __forceinline__ uint32_t dq_run(const Problem& p, uint32_t b, uint32_t hq, uint32_t r0, uint32_t r1,
+                                                    uint32_t cw, uint32_t run, float*& dst, uint32_t& from) {
+  const uint32_t split = (r0 / 64 + 1) * 64;  // the end of r0's block
+  const uint32_t lo = run == 0 ? r0 : split, hi = run == 0 ? (split < r1 ? split : r1) : r1;
+  if (lo >= hi) return 0;
+  const uint32_t block = lo / 64 * 64, n = p.q_len - block < 64 ? p.q_len - block : 64;
+  dst = p.dq_accum + (((size_t)b * C::HEADS + hq) * p.q_len + block) * C::HEAD_DIM + (size_t)cw * n * 64 +
+        (size_t)(lo - block) * 64;
+  from = (lo - r0) * 256;
+  return hi - lo;
+}
+
 // DQ_WRITER, the consumer's side: wait until warpgroup cw's staging is free (before staging), and say it is
 // written (after staging and its fence).
 static __device__ __forceinline__ void staging_free_wait(uint32_t cw) {
@@ -866,8 +918,16 @@ static __device__ __forceinline__ void write_dq(const Problem& p, uint32_t smem,
         named_barrier_sync_imm<DQ_STAGED + 1>(WRITER_BAR);
       if (lead) {
         float* dst = nullptr;
-        if (const uint32_t n = dq_reduction<C>(p, b, w.hq, r0, r1, cw, dst))
+        if constexpr (L::WIDE) {  // two runs (dq_run), one bulk group
+#pragma unroll
+          for (uint32_t run = 0; run < 2; ++run) {
+            uint32_t from = 0;
+            if (const uint32_t n = dq_run<C>(p, b, w.hq, r0, r1, cw, run, dst, from))
+              bulk_reduce_add_f32(dst, smem + L::DQ_OFF + cw * L::DQ_BUF + from, n * 256);
+          }
+        } else if (const uint32_t n = dq_reduction<C>(p, b, w.hq, r0, r1, cw, dst)) {
           bulk_reduce_add_f32(dst, smem + L::DQ_OFF + cw * L::DQ_BUF, n * 256);
+        }
         bulk_commit_group();
       }
     }
@@ -881,6 +941,24 @@ static __device__ __forceinline__ void write_dq(const Problem& p, uint32_t smem,
     named_barrier_arrive_imm<DQ_FREE + 1>(WRITER_BAR);
   }
   if (lead) bulk_wait_group_all();
+}
+
+// WIDE: this thread's part of warpgroup cw's dQ^T (head-dim columns row, row + 8 of the warpgroup's 64, queries
+// 8q + 2c + e: register 4q + 2h + e of dq, h: column row + 8h) to its staging as
+// dq_tiled_offset orders a block's rows: query i's 256 bytes at i x 256, its 32-byte chunk u (columns 8u .. 8u + 7)
+// at chunk u ^ (i % 8). One 32-bit store a value (a warp's store: 4 queries x 8 columns, two to a bank).
+static __device__ __forceinline__ void stage_dq_t(uint32_t staging, uint32_t row, uint32_t lane, const float (&dq)[40]) {
+  const uint32_t c = lane % 4;
+#pragma unroll
+  for (int q = 0; q < 10; ++q)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t i = 8 * q + 2 * c + e, col = row + 8 * h;
+        st_shared_u32(staging + i * 256 + ((((col >> 3) ^ (i & 7)) << 5) | ((col & 7) << 2)),
+                      __float_as_uint(dq[4 * q + 2 * h + e]));
+      }
 }
 
 template <class C>
@@ -908,14 +986,14 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
   uint32_t step = 0;
   for (Walk<C> w(p, hk, first_key, part); !w.done(); w.next(p), ++step) {
     const uint32_t stage = step % C::STAGES, phase = (step / C::STAGES) & 1;
-    const uint32_t r0 = w.qb * BLOCK_M, r1 = w.rows_end(p);
+    const uint32_t r0 = w.qb * L::ROWS, r1 = w.rows_end(p);
     const uint32_t q_base = smem + L::Q_OFF + stage * L::Q_TILE, do_base = smem + L::DO_OFF + stage * L::Q_TILE;
     const uint32_t ds_base = smem + L::DS_OFF + (step % 2) * L::DS_BUF;
     mbar_wait_no_timeout(smem + L::Q_FULL + 8 * stage, phase);
 
     // S^T = K_w Q^T, then dP^T = V_w dO^T: two groups, so that P is computed (exp2) while the
     // tensor pipe still runs dP^T
-    float s[32], dp[32];
+    float s[L::SN], dp[L::SN];
     {
       const uint64_t q_desc = sw128_descriptor(q_base, 16, 1024), do_desc = sw128_descriptor(do_base, 16, 1024);
       wgmma_fence();
@@ -936,18 +1014,18 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
     // half with dS^T = P^T (dP^T - D) once dP^T is in
     const bool masked = step_masked(p, C::CAUSAL, k0, first_key, (int32_t)r0, (int32_t)r1);
     wgmma_wait_group<1>();
-    attention::fence_all<C>(s, 32);
+    attention::fence_all<C>(s, L::SN);
     if (masked)
       probabilities_early<C, true>(s, smem, stage, p, key_lo, (int32_t)r0);
     else
       probabilities_early<C, false>(s, smem, stage, p, key_lo, (int32_t)r0);
     wgmma_wait_group<0>();
-    attention::fence_all<C>(dp, 32);
+    attention::fence_all<C>(dp, L::SN);
     if (masked)
       probabilities_late_and_ds<C, true>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
     else
       probabilities_late_and_ds<C, false>(s, dp, smem, stage, p, key_lo, (int32_t)r0);
-    uint32_t ap[4][4], ad[4][4];
+    uint32_t ap[L::K16][4], ad[L::K16][4];
     to_operand<C>(s, ap);
     to_operand<C>(dp, ad);
 
@@ -972,73 +1050,96 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       }
     named_barrier_sync(DS_READY, 256);  // dS^T of both warpgroups written and fenced (without DQ_WRITER: the staging free)
 
-    // dQ (64 queries x 64 columns) = dS K over DQ_KEYS keys
-    float dq[32];
-    {
-      const uint64_t ds_desc = sw128_descriptor(ds_base + dq_key0 * 128, L::DS_BUF, 1024);
-      wgmma_fence();
+    if constexpr (L::WIDE) {
+      // dQ^T (head-dim columns 64 cw .. 64 cw + 63 x the step's 80 queries) = K^T dS^T over the 128 keys (m64n80:
+      // mma_dq): A = K's box cw, M-major (kn_desc); B = dS^T, N-major, 32B-swizzled (ds_wide_offset). A first form kept
+      // queries 0 .. 63 in a 128B-swizzled panel and 64 .. 79 in a 32B one, two products (n64, n16): ptxas serialized
+      // every wgmma of the kernel beside their 16 instructions (C7512)
+      float dq[L::SN];
+      {
+        const uint64_t ds_desc = sw32_descriptor(ds_base, 256, 1280);
+        wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < L::DQ_KEYS / 16; ++k)
-        C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
-      wgmma_commit_group();
-    }
-    after_dq_issue<C>(dk, dv, t, smem, stage, [&] { issue_rs<C>(dk, ad, q_base); });
-    attention::fence_all<C>(dq, 32);
-
-    if constexpr (L::DQ_TILED) {
-      // dq += dQ through the staging buffer (each_staged_pair: dq_tiled_offset's panel order); then one
-      // bulk reduction of the step's n valid rows (n x 256 contiguous bytes) into panel dq_col_box of
-      // the query block.
+        for (int k = 0; k < BLOCK_N / 16; ++k)  // 16 keys: 2 groups of 8, 2560 bytes
+          C::mma_dq(dq, kn_desc + ((k * 2048) >> 4), ds_desc + ((k * 2560) >> 4), k > 0);
+        wgmma_commit_group();
+      }
+      after_dq_issue<C>(dk, dv, t, smem, stage, [&] { issue_rs<C>(dk, ad, q_base); });
+      attention::fence_all<C>(dq, L::SN);
       const uint32_t staging = smem + L::DQ_OFF + cw * L::DQ_BUF;
-      // DQ_PAIRED: warpgroup 0 adds warpgroup 1's partial (staged below, at the same offsets of the next
-      // buffer) to its own first. Warpgroup 1 rewrites its staging only after the next DS_READY, which
-      // warpgroup 0 reaches after these reads.
-      if constexpr (L::DQ_PAIRED)
-        if (cw == 0) {
-          named_barrier_sync_imm<DQ_PAIR>(256);
-          each_staged_pair(staging + L::DQ_BUF, row, lane, [&](uint32_t at, int i) {
-            float x, y;
-            ld_shared_v2_f32(at, x, y);
-            dq[i] += x, dq[i + 1] += y;
-          });
-        }
-      if constexpr (L::DQ_WRITER) staging_free_wait(cw);  // the writer's last reduction from it has read it
-      each_staged_pair(staging, row, lane, [&](uint32_t at, int i) { st_shared_v2_f32(at, dq[i], dq[i + 1]); });
-      fence_proxy_async_shared_cta();           // generic stores, read by the bulk reduction (async proxy)
-      // the warpgroup's 64 rows staged; immediate barrier ids (a register id makes ptxas reserve all 16)
-      if constexpr (L::DQ_WRITER) {
-        staged_arrive(cw);  // the writer warp reduces it (write_dq)
-      } else if (cw == 0) {
-        named_barrier_sync_imm<DQ_STAGED>(128);
-      } else {
-        named_barrier_sync_imm<DQ_STAGED + 1>(128);
+      staging_free_wait(cw);  // the writer's last reductions from it have read it
+      stage_dq_t(staging, row, lane, dq);
+      fence_proxy_async_shared_cta();  // generic stores, read by the bulk reductions (async proxy)
+      staged_arrive(cw);               // the writer warp reduces it (write_dq: two runs, dq_run)
+    } else {
+      // dQ (64 queries x 64 columns) = dS K over DQ_KEYS keys
+      float dq[32];
+      {
+        const uint64_t ds_desc = sw128_descriptor(ds_base + dq_key0 * 128, L::DS_BUF, 1024);
+        wgmma_fence();
+  #pragma unroll
+        for (int k = 0; k < L::DQ_KEYS / 16; ++k)
+          C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
+        wgmma_commit_group();
       }
-      if constexpr (L::DQ_PAIRED)
-        if (cw == 1) named_barrier_arrive_imm<DQ_PAIR>(256);  // its partial, for warpgroup 0 (which adds it)
-      if (!L::DQ_WRITER && t == 0 && (!L::DQ_PAIRED || cw == 0)) {
-        float* dst = nullptr;
-        const uint32_t n = dq_reduction<C>(p, b, w.hq, r0, r1, cw, dst);
-        if constexpr (L::DETERMINISTIC) {
-          // the adds into the query block in the visitors' order: wait for this CTA's turn (both warpgroups
-          // take the same one: DQ_ADDERS), then order the acquire before the reduction (async proxy)
-          dq_turn = dq_semaphore<C>(p, b, w);
-          wait_dq_turn<false>(dq_turn, L::DQ_ADDERS * visitor_rank(k0 / BLOCK_N));
-          fence_proxy_async_global();
+      after_dq_issue<C>(dk, dv, t, smem, stage, [&] { issue_rs<C>(dk, ad, q_base); });
+      attention::fence_all<C>(dq, 32);
+
+      if constexpr (L::DQ_TILED) {
+        // dq += dQ through the staging buffer (each_staged_pair: dq_tiled_offset's panel order); then one
+        // bulk reduction of the step's n valid rows (n x 256 contiguous bytes) into panel dq_col_box of
+        // the query block.
+        const uint32_t staging = smem + L::DQ_OFF + cw * L::DQ_BUF;
+        // DQ_PAIRED: warpgroup 0 adds warpgroup 1's partial (staged below, at the same offsets of the next
+        // buffer) to its own first. Warpgroup 1 rewrites its staging only after the next DS_READY, which
+        // warpgroup 0 reaches after these reads.
+        if constexpr (L::DQ_PAIRED)
+          if (cw == 0) {
+            named_barrier_sync_imm<DQ_PAIR>(256);
+            each_staged_pair(staging + L::DQ_BUF, row, lane, [&](uint32_t at, int i) {
+              float x, y;
+              ld_shared_v2_f32(at, x, y);
+              dq[i] += x, dq[i + 1] += y;
+            });
+          }
+        if constexpr (L::DQ_WRITER) staging_free_wait(cw);  // the writer's last reduction from it has read it
+        each_staged_pair(staging, row, lane, [&](uint32_t at, int i) { st_shared_v2_f32(at, dq[i], dq[i + 1]); });
+        fence_proxy_async_shared_cta();           // generic stores, read by the bulk reduction (async proxy)
+        // the warpgroup's 64 rows staged; immediate barrier ids (a register id makes ptxas reserve all 16)
+        if constexpr (L::DQ_WRITER) {
+          staged_arrive(cw);  // the writer warp reduces it (write_dq)
+        } else if (cw == 0) {
+          named_barrier_sync_imm<DQ_STAGED>(128);
+        } else {
+          named_barrier_sync_imm<DQ_STAGED + 1>(128);
         }
-        bulk_reduce_add_f32(dst, staging, n * 256);
-        bulk_commit_group();
-      }
-    } else {  // dq_reduce atomic
-      // dq += dQ: query row r0 + row (+ 8), columns 64 dq_col_box + 8q + 2c (+ 1)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t q_row = r0 + row + 8 * h;
-        if (q_row >= p.q_len) continue;
-        float* dst = p.dq_accum + row_offset<C>(b, q_row, w.hq, C::HEADS, p.q_len) + 64 * dq_col_box + 2 * (lane % 4);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          atomicAdd(dst + 8 * q, dq[4 * q + 2 * h]);
-          atomicAdd(dst + 8 * q + 1, dq[4 * q + 2 * h + 1]);
+        if constexpr (L::DQ_PAIRED)
+          if (cw == 1) named_barrier_arrive_imm<DQ_PAIR>(256);  // its partial, for warpgroup 0 (which adds it)
+        if (!L::DQ_WRITER && t == 0 && (!L::DQ_PAIRED || cw == 0)) {
+          float* dst = nullptr;
+          const uint32_t n = dq_reduction<C>(p, b, w.hq, r0, r1, cw, dst);
+          if constexpr (L::DETERMINISTIC) {
+            // the adds into the query block in the visitors' order: wait for this CTA's turn (both warpgroups
+            // take the same one: DQ_ADDERS), then order the acquire before the reduction (async proxy)
+            dq_turn = dq_semaphore<C>(p, b, w);
+            wait_dq_turn<false>(dq_turn, L::DQ_ADDERS * visitor_rank(k0 / BLOCK_N));
+            fence_proxy_async_global();
+          }
+          bulk_reduce_add_f32(dst, staging, n * 256);
+          bulk_commit_group();
+        }
+      } else {  // dq_reduce atomic
+        // dq += dQ: query row r0 + row (+ 8), columns 64 dq_col_box + 8q + 2c (+ 1)
+  #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t q_row = r0 + row + 8 * h;
+          if (q_row >= p.q_len) continue;
+          float* dst = p.dq_accum + row_offset<C>(b, q_row, w.hq, C::HEADS, p.q_len) + 64 * dq_col_box + 2 * (lane % 4);
+  #pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            atomicAdd(dst + 8 * q, dq[4 * q + 2 * h]);
+            atomicAdd(dst + 8 * q + 1, dq[4 * q + 2 * h + 1]);
+          }
         }
       }
     }
@@ -1441,14 +1542,15 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
   __syncthreads();
   const uint32_t warpgroup = ptx::warpgroup_id();
   if (warpgroup == 0) {
-    // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232.
-    setmaxnreg_dec<40>();
+    // 384 threads x 168 registers (the kernel's allocation) = 128 x 40 + 256 x 232; WIDE: 128 x 24 + 256 x 240
+    // (FlashAttention-4's split: its S^T, dP^T of 40 registers each beside dK, dV's 128)
+    setmaxnreg_dec<L::WIDE ? 24 : 40>();
     if (threadIdx.x < 32)
       produce<C>(q_map, k_map, v_map, do_map, smem, p, b, hk, k0, part);
     else if constexpr (L::DQ_WRITER)
       if (threadIdx.x < 64) write_dq<C>(p, smem, b, hk, k0, part);
   } else {
-    setmaxnreg_inc<232>();
+    setmaxnreg_inc<L::WIDE ? 240 : 232>();
     if constexpr (L::LOOKAHEAD)
       consume_lookahead<C>(p, smem, warpgroup - 1, b, hk, k0);
     else if constexpr (L::TALL)
