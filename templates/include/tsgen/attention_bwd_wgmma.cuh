@@ -197,15 +197,6 @@ using gemm::wgmma_commit_group;
 using gemm::wgmma_fence;
 using gemm::wgmma_wait_group;
 
-// wgmma descriptor of a 32B-swizzled tile at `addr` (gemm::sw128_descriptor's fields with swizzle mode 3, 32 bytes):
-// WIDE's dS^T as an N-major B, atoms of 16 queries x 8 key rows (256 bytes), `leading` bytes between the atoms along
-// the queries, `stride` between those of 8 key rows. `addr` 256-byte aligned.
-static __host__ __device__ __forceinline__ constexpr uint64_t sw32_descriptor(uint32_t addr, uint32_t leading,
-                                                                              uint32_t stride) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(leading >> 4) << 16) | ((uint64_t)(stride >> 4) << 32) |
-         (3ull << 62);
-}
-
 constexpr int BLOCK_M = 64;   // query rows per step (params.step_rows 128: two such blocks per step)
 // the preprocess zeroes the semaphores per attention_bwd::BLOCK_M rows (dq_semaphores), the walk uses these
 static_assert(BLOCK_M == ::tsgen::attention_bwd::BLOCK_M, "one query block for the semaphores and the walk");
@@ -280,8 +271,10 @@ struct Layout {
   static constexpr int KV_TILE = BOXES * KV_BOX;
   static_assert(C::TILE_M == BOX_ROWS && attention::o_box_rows_of<C>::value == BOX_ROWS, "the Q and dO maps' box is a step's");
   static constexpr int DS_PANEL = BLOCK_N * 128;  // dS^T: BLOCK_N key rows x 64 queries (16-bit), 128B-swizzled
-  // dS^T's buffer: TALL two panels, queries 0 .. 63 and 64 .. 127; WIDE 80 queries 32B-swizzled (ds_wide_offset)
-  static constexpr int DS_BUF = WIDE ? BLOCK_N * ROWS * 2 : HALVES * DS_PANEL;
+  // WIDE: dS (not transposed) [80 queries][64 keys] a box, 128B-swizzled, box w the keys of consumer warpgroup w
+  static constexpr int DS_BOX = ROWS * 128;
+  // dS^T's buffer: TALL two panels, queries 0 .. 63 and 64 .. 127; WIDE dS in two boxes
+  static constexpr int DS_BUF = WIDE ? 2 * DS_BOX : HALVES * DS_PANEL;
   static constexpr int SN = ROWS / 2;           // fp32 per thread of a 64 x ROWS accumulator (S^T, dP^T)
   static constexpr int S_ACC = 32;              // fp32 per thread of a 64 x 64 accumulator
   static constexpr int D_ACC = C::HEAD_DIM / 2;  // of a 64 x HEAD_DIM one (dK, dV)
@@ -656,13 +649,19 @@ static __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t
                : "memory");
 }
 
-// WIDE: the byte offset of dS^T's key row `key`, query unit u (8 queries, 16 bytes) in its buffer: 32B-swizzled
-// atoms of 8 key rows x 16 queries (256 bytes), the 5 atoms of the 80 queries side by side (1280 bytes a group of
-// 8 key rows), unit u % 2 of the atom's 32-byte row at (u % 2) ^ (key / 4 % 2) (the swizzle: address bit 4 ^= bit
-// 7). dQ^T reads it as its N-major B (sw32_descriptor: 256 bytes between the query atoms, 1280 between the key
-// groups). A stmatrix's 8 x 8 matrix (8 key rows, one unit) hits each bank once.
-__host__ __device__ __forceinline__ constexpr uint32_t ds_wide_offset(uint32_t key, uint32_t u) {
-  return key / 8 * 1280 + u / 2 * 256 + key % 8 * 32 + (((u % 2) ^ (key / 4 % 2)) << 4);
+// stmatrix .trans: as stmatrix_x4, each 8 x 8 matrix stored transposed: lane l's address is that of row l % 8 of
+// matrix l / 8 in memory, which holds column l % 8 of the registers' matrix.
+static __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// WIDE: the byte offset in dS's buffer of query `query`'s 16 bytes holding keys 8 unit .. 8 unit + 7 of consumer
+// warpgroup cw's 64 (box cw: 80 query rows of 128 bytes, 128B-swizzled: unit ^ query % 8). dQ^T reads it as its
+// K-major B (FlashAttention-4's dS layout for 80-row steps). Host-compiled by the tests.
+__host__ __device__ __forceinline__ constexpr uint32_t ds_wide_offset(uint32_t cw, uint32_t query, uint32_t unit) {
+  return cw * 80 * 128 + query * 128 + ((unit ^ (query % 8)) << 4);
 }
 
 // A step's dS^T (16-bit, the A fragments `ad` of K k16 steps: 4, TALL 8, WIDE 5) to shared memory at ds_base: key row
@@ -683,8 +682,8 @@ static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw,
     const uint32_t u = 2 * k + m / 2;
     if constexpr (!L::WIDE)
       stmatrix_x4(base + (u / 8) * L::DS_PANEL + (((u % 8) ^ r) << 4), ad[k]);
-    else  // the same key row, in WIDE's buffer
-      stmatrix_x4(ds_base + ds_wide_offset(64 * cw + 16 * warp + 8 * (m % 2) + r, u), ad[k]);
+    else  // transposed: matrix m is keys 16 warp + 8 (m % 2) .. + 7 x queries 16 k + 8 (m / 2) .. + 7; row r a query
+      stmatrix_x4_trans(ds_base + ds_wide_offset(cw, 16 * k + 8 * (m / 2) + r, 2 * warp + m % 2), ad[k]);
   }
   fence_proxy_async_shared_cta();
 }
@@ -1052,16 +1051,19 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
 
     if constexpr (L::WIDE) {
       // dQ^T (head-dim columns 64 cw .. 64 cw + 63 x the step's 80 queries) = K^T dS^T over the 128 keys (m64n80:
-      // mma_dq): A = K's box cw, M-major (kn_desc); B = dS^T, N-major, 32B-swizzled (ds_wide_offset). A first form kept
-      // queries 0 .. 63 in a 128B-swizzled panel and 64 .. 79 in a 32B one, two products (n64, n16): ptxas serialized
-      // every wgmma of the kernel beside their 16 instructions (C7512)
+      // mma_dq): A = K's box cw, M-major (kn_desc); B = dS^T read K-major from dS [query][key] (ds_wide_offset: two
+      // boxes of 64 keys, 32 bytes a k16 step inside a box). Earlier forms read dS^T N-major: queries 0 .. 63 in a
+      // 128B panel and 64 .. 79 in a 32B one, two products (ptxas serialized every wgmma of the kernel beside their
+      // 16 instructions, C7512); then all 80 32B-swizzled (correct, and 3-8 % slower than the 64-row kernel)
       float dq[L::SN];
       {
-        const uint64_t ds_desc = sw32_descriptor(ds_base, 256, 1280);
+        const uint64_t ds_desc = sw128_descriptor(ds_base, 16, 1024);
         wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < BLOCK_N / 16; ++k)  // 16 keys: 2 groups of 8, 2560 bytes
-          C::mma_dq(dq, kn_desc + ((k * 2048) >> 4), ds_desc + ((k * 2560) >> 4), k > 0);
+        for (int k = 0; k < BLOCK_N / 16; ++k) {
+          const uint32_t ds_step = (k / 4) * L::DS_BOX + (k % 4) * 32;
+          C::mma_dq(dq, kn_desc + ((k * 2048) >> 4), ds_desc + (ds_step >> 4), k > 0);
+        }
         wgmma_commit_group();
       }
       after_dq_issue<C>(dk, dv, t, smem, stage, [&] { issue_rs<C>(dk, ad, q_base); });
