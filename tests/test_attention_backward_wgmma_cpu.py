@@ -1930,3 +1930,137 @@ def test_sass_of_the_tail_split_main_kernel(tmp_path, monkeypatch):
     whole = [e for e, _ in loop_body(main_kernel_ops(base.output, "b_w1_main")[1], sts=True)]
     assert [e for e, _ in loop_body(ops, sts=True)] == whole
     assert not [n for _, _, n, _ in main_kernel_ops(base.output, "b_w1_main")[1] if n.startswith("REDG")]
+
+
+# params.step_rows 80 (WIDE: consume() with S^T, dP^T as m64n80 and dQ transposed; docs/design/attention.md
+# "Steps of 80 query rows")
+def test_step_rows_80_rules_and_sizes():
+    """Built for head dim 128, not causal, the bulk dQ path with the writer warp: the other combinations are refused
+    on params.step_rows, by name; the constants that select it (TILE_M: the Q and dO maps' 80-row boxes) and the
+    shared memory the header's Layout asserts (K, V, two stages of 80-row Q and dO, two dS buffers, two 80 x 64 fp32
+    stagings: 231 720 bytes of the 232 448)."""
+    fam = get_family("attention_backward")
+    wide = variant("v", params={"step_rows": 80, "dk_after_dq": True}).model
+    assert fam.check(wide) == [] and wide.params.wide and not wide.params.tall
+    assert smem_bytes(wide) == 231720 <= 232448
+    consts = fam.constants(wide)
+    assert (consts["TILE_M"], consts["STEP_ROWS"]) == (80, 80)
+    assert "STEP_ROWS" not in fam.constants(variant("v").model) and fam.constants(variant("v").model)["TILE_M"] == 64
+    tailed = variant("v", params={"step_rows": 80, "tail_split": True}).model
+    assert fam.check(tailed) == [] and tailed.params.split_tail, "the ranged walk takes steps of any size"
+    base = variant("v").model
+    for params in ({"causal": True}, {"head_dim": 64}, {"deterministic": True}, {"lookahead": True},
+                   {"kv_push": True}, {"dq_reduce": "atomic"}, {"impl": "mma_sync"}):
+        bad = base.model_copy(update={"params": base.params.model_copy(update={"step_rows": 80, **params})})
+        assert ("params", "step_rows") in [w for w, _ in fam.check(bad)], params
+
+
+@needs_sass
+@pytest.mark.parametrize("params", [{"dk_after_dq": True}, exhaustive({"dk_after_dq": False}),
+                                    {"dk_after_dq": True, "tail_split": True, "kv_heads": 8}])
+def test_step_rows_80_compiles_and_spills_only_in_the_producer(tmp_path, monkeypatch, params):
+    """168 registers at entry, setmaxnreg 24 / 240 (FA4's split: the consumers hold S^T 40 + dP^T 40 + dK 64 +
+    dV 64 at the peak; at 232 ptxas spilled and serialized), no serialized wgmma of any kind; the only local-memory
+    accesses sit in the producer / writer branch, after its setmaxnreg.dec (its walk's division by 80 at 24
+    registers), none in the consumers'. The products: S^T, dP^T as 64x80, dQ^T as 64x80 with A transposed and B
+    K-major, dV, dK as 64x128 from registers; dS stored by stmatrix .trans."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    res = compile_source(rendered_source(variant("v", params={"step_rows": 80, **params}), tmp_path))
+    entry = res.report["v_w1_main"]
+    assert entry["registers"] == 168, entry
+    assert ptxas_problems(res.output) == [] and serialized(res.output) == [] and res.serialized == []
+    main = sass_function(dump_sass(res.output), "v_w1_main")
+    names = sass_names(main)
+    ops = sass_ops(main)
+    regs = {op: args for op, args in ops if op.startswith("USETMAXREG")}
+    assert "0xf0" in regs.get("USETMAXREG.TRY_ALLOC.CTAPOOL", "") and "0x18" in regs.get("USETMAXREG.DEALLOC.CTAPOOL", ""), \
+        "setmaxnreg 240 / 24"
+    dealloc = next(i for i, (op, _) in enumerate(ops) if op == "USETMAXREG.DEALLOC.CTAPOOL")
+    assert all(i > dealloc for i, n in enumerate(names) if n.startswith(("STL", "LDL"))), \
+        "local memory only in the producer / writer branch"
+    wide = [args for op, args in ops if op.startswith("HGMMA.64x80x16")]
+    assert len(wide) == 3 * 8, "S^T, dP^T, dQ^T: 8 k16 steps each"
+    assert sum("tnspA" in a for a in wide) == 8 and not any("tnspB" in a for a in wide), "dQ^T: A (K) M-major, B K-major"
+    assert sum(op.startswith("HGMMA.64x128x16") for op in names) == 2 * 5, "dV, dK over 80 queries"
+    assert names.count("STSM.16.MT88.4") == 5 and "STSM.16.M88.4" not in names, "dS by stmatrix .trans"
+
+
+DQ_RUN = r"""
+#include <cstdio>
+#include <cstdlib>
+#include "tsgen/gemm.cuh"
+#include "tsgen/attention.cuh"
+#include "tsgen/attention_bwd_wgmma.cuh"
+namespace wg = tsgen::attention_bwd::wgmma;
+struct C { static constexpr int HEADS = 3, HEAD_DIM = 128; };
+int main(int argc, char** argv) {
+  const uint32_t q_len = atoi(argv[1]), batch = 2;
+  if (q_len == 0) {  // ds_wide_offset over a buffer
+    for (uint32_t cw = 0; cw < 2; ++cw)
+      for (uint32_t q = 0; q < 80; ++q)
+        for (uint32_t u = 0; u < 8; ++u) printf("%u %u %u %u\n", cw, q, u, wg::ds_wide_offset(cw, q, u));
+    return 0;
+  }
+  tsgen::attention_bwd::Problem p{};
+  p.q_len = q_len, p.batch = batch;
+  p.dq_accum = nullptr;
+  for (uint32_t b = 0; b < batch; ++b)
+    for (uint32_t h = 0; h < (uint32_t)C::HEADS; ++h)
+      for (uint32_t r0 = 0; r0 < q_len; r0 += 80) {
+        const uint32_t r1 = r0 + 80 < q_len ? r0 + 80 : q_len;
+        for (uint32_t cw = 0; cw < 2; ++cw)
+          for (uint32_t run = 0; run < 2; ++run) {
+            float* dst = nullptr;
+            uint32_t from = 0;
+            const uint32_t n = wg::dq_run<C>(p, b, h, r0, r1, cw, run, dst, from);
+            printf("%u %u %u %u %u %u %lld %u\n", b, h, r0, cw, run, n, (long long)(dst - (float*)nullptr), from);
+          }
+      }
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_step_rows_80_dq_runs_and_ds_layout(tmp_path, tiled_offsets):
+    """Host-compiled from the header. dq_run: for every step of 80 rows (tails included) and warpgroup, its one or two
+    runs put each staged row's 64 floats (staging row i: bytes i x 256, chunk u at u ^ (i % 8)) exactly where
+    dq_tiled_offset puts that query row's head-dim columns 64 cw .. 64 cw + 63, every row below q_len once and none
+    past it. ds_wide_offset: a bijection of (warpgroup, query, 16-byte unit) onto the 20 KB buffer, query row q of box
+    cw at 128 q bytes with the 128B swizzle (unit ^ q % 8: K-major, what sw128_descriptor reads), and a stmatrix
+    matrix (8 consecutive queries, one unit) on 32 distinct banks."""
+    from tsgen.headers import include_flags
+
+    (tmp_path / "dq_run.cu").write_text(DQ_RUN)
+    exe = tmp_path / "dq_run"
+    subprocess.run([str(find_nvcc()), *include_flags(), "-std=c++17", "-w", "-o", str(exe), str(tmp_path / "dq_run.cu")],
+                   check=True, capture_output=True)
+
+    def run(q_len):
+        out = subprocess.run([str(exe), str(q_len)], capture_output=True, text=True, check=True).stdout
+        return [tuple(int(x) for x in line.split()) for line in out.splitlines()]
+
+    offsets = {0: None}
+    for q_len in (80, 79, 81, 160, 200, 1000, 4097):
+        want = tiled_offsets(2, 3, q_len, 128)
+        seen = np.zeros(want.shape, dtype=np.int64)
+        for b, h, r0, cw, run_, n, dst, start in run(q_len):
+            assert start % 256 == 0 and dst % 4 == 0  # dst in floats: 16-byte aligned
+            for j in range(n):
+                i = start // 256 + j  # the staging row: query r0 + i
+                r = r0 + i
+                assert r < q_len
+                for col in range(64):
+                    x = (((col // 8) ^ (i % 8)) * 8) + col % 8  # staged float of row i
+                    assert dst + j * 64 + x == want[b, h, r, 64 * cw + col], (q_len, b, h, r0, cw, run_, j, col)
+                    seen[b, h, r, 64 * cw + col] += 1
+        assert (seen == 1).all(), q_len
+    rows = run(0)
+    at = {(cw, q, u): off for cw, q, u, off in rows}
+    assert sorted(at.values()) == list(range(0, 2 * 80 * 128, 16))
+    assert all(off == cw * 80 * 128 + q * 128 + ((u ^ (q % 8)) << 4) for (cw, q, u), off in at.items())
+    for cw in range(2):
+        for q0 in range(0, 80, 8):
+            for u in range(8):
+                banks = {(at[cw, q0 + r, u] // 4 + k) % 32 for r in range(8) for k in range(4)}
+                assert len(banks) == 32, (cw, q0, u)
