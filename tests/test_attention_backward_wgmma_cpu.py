@@ -1956,7 +1956,7 @@ def test_step_rows_80_rules_and_sizes():
 
 
 @needs_sass
-@pytest.mark.parametrize("params", [{"dk_after_dq": True}, exhaustive({"dk_after_dq": False}),
+@pytest.mark.parametrize("params", [exhaustive({"dk_after_dq": True}), exhaustive({"dk_after_dq": False}),
                                     {"dk_after_dq": True, "tail_split": True, "kv_heads": 8}])
 def test_step_rows_80_compiles_and_spills_only_in_the_producer(tmp_path, monkeypatch, params):
     """168 registers at entry, setmaxnreg 24 / 240 (FA4's split: the consumers hold S^T 40 + dP^T 40 + dK 64 +
