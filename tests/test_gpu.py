@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import need_gpus
+from conftest import ROOT, need_gpus
 from mutations import reduce_without_waits, wrong_chunk_offset
 from results_rows import CONTROL_CALLS, record, record_control
 
@@ -222,6 +222,31 @@ def test_reduce_scatter_negative_control_reduce_without_waits(world):
     record_control(f"reduce_scatter reduce waits (w{world})", report["calls"], report["calls_wrong"], world=world,
                    shared=shared, skew="lag")
     assert not ok, "broken kernel passed:\n" + "\n".join(lines)
+
+
+# Opt-in kernels of the shipped attention specs that no shipped spec sets, each run through the harness as the shipped
+# ones are, so that the gate checks them at every commit (tools/gpu_attention_bwd.py runs their full case lists):
+# spec -> {variant name: params changes}
+OPT_IN_ATTENTION = {
+    "attention_backward_hd128": {"r80": {"step_rows": 80}},  # 80-row steps, dQ transposed (tail_split on: count 1000)
+}
+
+
+@pytest.mark.parametrize("stem,name", [(s, n) for s, vs in OPT_IN_ATTENTION.items() for n in vs])
+def test_attention_opt_in_through_the_harness(stem, name, tmp_path):
+    """An opt-in variant of a shipped attention spec through `tsgen test`'s path on one GPU (count 1000: tails)."""
+    import yaml
+
+    need_gpus(1)
+    spec = yaml.safe_load((ROOT / "specs" / f"{stem}.yaml").read_text())
+    spec["name"] = f"{stem}_{name}"
+    spec["params"].update(OPT_IN_ATTENTION[stem][name])
+    path = tmp_path / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    lines = []
+    ok = run_test(path, 1, echo=lines.append)
+    record("correctness", {"spec": spec["name"], "world": 1, "pass": ok, "lines": lines})
+    assert ok, "\n".join(lines)
 
 
 @pytest.mark.parametrize("spec", shipped_specs(gpu_sweep="one_gpu"), ids=lambda p: p.stem)
