@@ -236,7 +236,7 @@ int main(int argc, char** argv) {
 @needs_nvcc
 @pytest.mark.parametrize("causal,deterministic,rows", [(True, False, 64), exhaustive(False, False, 64),
                                                        exhaustive(True, True, 64), (False, True, 64), (True, False, 128),
-                                                       exhaustive(False, False, 128)])
+                                                       exhaustive(False, False, 128), (False, False, 80)])
 def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_needs_it(tmp_path, causal,
                                                                                        deterministic, rows):
     """Per CTA (block of 128 keys, KV head 1 of 2 over 4 query heads): the walk visits each
@@ -245,13 +245,15 @@ def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_nee
     q_len, key) pair visible. Positions from 0, offsets, and the zig-zag's two segments. The order:
     query heads outer, query blocks ascending; params.deterministic (Walk::DESCENDING): query blocks
     descending, the group's query heads inner. rows 128 (params.step_rows): blocks of 128 query rows,
-    the zig-zag's split inside one of them in several problems (300, 250, 70; 512 at a block's edge)."""
+    the zig-zag's split inside one of them in several problems (300, 250, 70; 512 at a block's edge); rows 80
+    (head dim 128, not causal): blocks of 80."""
     from tsgen.headers import include_flags
     from tsgen.ops.attention import query_positions
     from tsgen.toolchain import gencode_flags
 
-    tall = {"step_rows": 128} if rows == 128 else {}
-    source = rendered_source(variant("walk", params={"causal": causal, "heads": 4, "kv_heads": 2, "head_dim": 64,
+    tall = {"step_rows": rows} if rows != 64 else {}
+    source = rendered_source(variant("walk", params={"causal": causal, "heads": 4, "kv_heads": 2,
+                                                     "head_dim": 128 if rows == 80 else 64,
                                                      "deterministic": deterministic, **tall}), tmp_path)
     main = tmp_path / "walk_main.cu"
     main.write_text(WALK.replace("SOURCE", str(source)).replace("MODULE", "walk"))
@@ -1870,17 +1872,20 @@ int main(int argc, char** argv) {
 
 
 @needs_nvcc
-def test_tail_pieces_walk_each_split_item_exactly_once(tmp_path):
+@pytest.mark.parametrize("rows", [64, 80])
+def test_tail_pieces_walk_each_split_item_exactly_once(tmp_path, rows):
     """The header's tail_plan (compiled as host code) agrees with tsgen.ops.attention_backward.tail_plan; it splits
     only a last wave of at most TAIL_ITEMS items and at most half the SMs, in more than one wave; the grid then
     has at most one wave of pieces; and per split item, its pieces (tail_part, Walk over the Part, KV head 1 of 2
     over 4 query heads) walk the whole item's steps in order, each step once, each piece at least one step, their
-    lengths within one of each other."""
+    lengths within one of each other. rows 80 (params.step_rows, head dim 128): the same over steps of 80 rows (the
+    expected splits below are 64-row steps'; at 80 the header and tsgen.ops agree on their own)."""
     from tsgen.headers import include_flags
     from tsgen.ops.attention_backward import tail_plan
     from tsgen.toolchain import gencode_flags
 
-    source = rendered_source(variant("tail", params={"heads": 4, "kv_heads": 2, "head_dim": 64, "tail_split": True}),
+    wide = {"step_rows": 80, "head_dim": 128} if rows == 80 else {"head_dim": 64}
+    source = rendered_source(variant("tail", params={"heads": 4, "kv_heads": 2, "tail_split": True, **wide}),
                              tmp_path)
     main = tmp_path / "tail_main.cu"
     main.write_text(TAIL.replace("SOURCE", str(source)).replace("MODULE", "tail"))
@@ -1891,13 +1896,18 @@ def test_tail_pieces_walk_each_split_item_exactly_once(tmp_path):
     cases = [(1000, 1120, 132, (64, 2)), (1000, 140, 132, (8, 16)), (2048, 4096, 132, (4, 33)),
              (64, 4096, 132, (4, 2)), (1, 300, 132, (36, 2)), (1000, 1024, 132, (0, 1)), (1000, 100, 132, (0, 1)),
              (1000, 264, 132, (0, 1)), (1000, 200, 114, (0, 1)), (1000, 150, 114, (36, 3)), (130, 133, 132, (1, 6))]
+    split_seen = 0
     for q_len, items, sms, (split, parts) in cases:
         out = subprocess.run([str(exe), str(q_len), str(items), str(sms)], capture_output=True, text=True,
                              check=True).stdout.splitlines()
         first, got_parts, steps = map(int, out[0].split()[1:])
-        assert (first, got_parts) == tail_plan(items, sms, steps) == (items - split, parts), (q_len, items, sms)
-        assert steps == 2 * -(-q_len // 64)
-        whole = [f"{hq}.{qb}" for hq in (2, 3) for qb in range(-(-q_len // 64))]
+        assert (first, got_parts) == tail_plan(items, sms, steps), (q_len, items, sms)
+        if rows == 80:
+            split, parts = items - first, got_parts
+        assert (first, got_parts) == (items - split, parts), (q_len, items, sms)
+        split_seen += split
+        assert steps == 2 * -(-q_len // rows)
+        whole = [f"{hq}.{qb}" for hq in (2, 3) for qb in range(-(-q_len // rows))]
         pieces = [line.split() for line in out[1:]]
         assert len(pieces) == split * parts and (split == 0 or split * parts <= sms), (q_len, items, sms)
         for slot in range(split):
@@ -1906,6 +1916,7 @@ def test_tail_pieces_walk_each_split_item_exactly_once(tmp_path):
             counts = [int(p[2]) for p in mine]
             assert [len(p) - 3 for p in mine] == counts and min(counts) >= 1 and max(counts) - min(counts) <= 1
             assert [s for p in mine for s in p[3:]] == whole, (q_len, items, sms, slot)
+    assert split_seen, "some case splits its last wave"
 
 
 @needs_sass
@@ -2046,7 +2057,6 @@ def test_step_rows_80_dq_runs_and_ds_layout(tmp_path, tiled_offsets):
         out = subprocess.run([str(exe), str(q_len)], capture_output=True, text=True, check=True).stdout
         return [tuple(int(x) for x in line.split()) for line in out.splitlines()]
 
-    offsets = {0: None}
     for q_len in (80, 79, 81, 160, 200, 1000, 4097):
         want = tiled_offsets(2, 3, q_len, 128)
         seen = np.zeros(want.shape, dtype=np.int64)
