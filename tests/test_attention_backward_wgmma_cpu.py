@@ -2005,11 +2005,9 @@ def test_step_rows_80_compiles_and_spills_only_in_the_producer(tmp_path, monkeyp
 DQ_RUN = r"""
 #include <cstdio>
 #include <cstdlib>
-#include "tsgen/gemm.cuh"
-#include "tsgen/attention.cuh"
-#include "tsgen/attention_bwd_wgmma.cuh"
+#include "SOURCE"
 namespace wg = tsgen::attention_bwd::wgmma;
-struct C { static constexpr int HEADS = 3, HEAD_DIM = 128; };
+using C = MODULE::Config;
 int main(int argc, char** argv) {
   const uint32_t q_len = atoi(argv[1]), batch = 2;
   if (q_len == 0) {  // ds_wide_offset over a buffer
@@ -2046,12 +2044,11 @@ def test_step_rows_80_dq_runs_and_ds_layout(tmp_path, tiled_offsets):
     past it. ds_wide_offset: a bijection of (warpgroup, query, 16-byte unit) onto the 20 KB buffer, query row q of box
     cw at 128 q bytes with the 128B swizzle (unit ^ q % 8: K-major, what sw128_descriptor reads), and a stmatrix
     matrix (8 consecutive queries, one unit) on 32 distinct banks."""
-    from tsgen.headers import include_flags
+    from conftest import host_program
 
-    (tmp_path / "dq_run.cu").write_text(DQ_RUN)
-    exe = tmp_path / "dq_run"
-    subprocess.run([str(find_nvcc()), *include_flags(), "-std=c++17", "-w", "-o", str(exe), str(tmp_path / "dq_run.cu")],
-                   check=True, capture_output=True)
+    # the rendered spec's own Config (3 query heads: the reference's below)
+    exe = host_program(variant("dqrun", params={"step_rows": 80, "heads": 3, "kv_heads": 3}), DQ_RUN, tmp_path,
+                       "dq_run", "dqrun")
 
     def run(q_len):
         out = subprocess.run([str(exe), str(q_len)], capture_output=True, text=True, check=True).stdout
