@@ -1076,6 +1076,22 @@ def header_function(name):
     return text[start:text.index("\n}\n", start)]
 
 
+def test_producer_issues_its_tma_before_the_lse2_copies_and_each_lane_arrives_once():
+    """produce()'s refill of a stage, read from the header: lane 0 expects the stage's TMA bytes without arriving
+    (mbarrier.expect_tx) and issues the Q and dO loads before the lanes' LSE2 / D loads (their global latency runs
+    under the TMA's: docs/design/attention.md, "A second cost in the same profiles"), and each of the 32 lanes arrives
+    once, after its own stores (q_full counts 32 arrivals: a 33rd from an arrive.expect_tx would complete the phase
+    early, before a lane's stores)."""
+    body = header_function("produce")
+    step = body[body.index("for (Walk<C> w("):body.index("// Tail:")]
+    assert "mbar_arrive_expect_tx(full" not in step and step.count("mbar_expect_tx(full, 2 * L::Q_TILE)") == 1
+    order = [step.index(s) for s in ("mbar_expect_tx(full", "load_rows<C>(smem + L::Q_OFF", "p.lse2[at]",
+                                     "st_shared_u32(smem + L::DSUM_OFF", "mbar_arrive(full)")]
+    assert order == sorted(order), order
+    assert step.count("mbar_arrive(full)") == 1 and "\n    mbar_arrive(full);" in step, "every lane, not under a branch"
+    assert re.search(r"mbar_init\(smem \+ L::Q_FULL \+ 8 \* s, 32\)", WG_HEADER.read_text()), "32 arrivals a phase"
+
+
 def c_expr(expr):
     """A C expression of the header as a function of its names (L::X as L_X, C::X as C_X, p.x as p_x, w.x as
     w_x; casts dropped, integer division, one conditional operator at the top)."""

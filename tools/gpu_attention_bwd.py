@@ -155,7 +155,7 @@ IMPL_ONLY = {"wgmma_m128": {"head_dim": 64}, "wgmma_m128dkq": {"head_dim": 64},
 
 def runs(name: str, impl: str) -> bool:
     """Whether main kernel `impl` is built, checked and benched for variant `name` (IMPL_ONLY)."""
-    return all(VARIANTS[name]["params"][k] == v for k, v in IMPL_ONLY.get(impl, {}).items())
+    return all(VARIANTS[name]["params"][k] == v for k, v in IMPL_ONLY.get(base_of(impl) or impl, {}).items())
 
 
 def impl_name(name: str, impl: str) -> str:
@@ -163,8 +163,16 @@ def impl_name(name: str, impl: str) -> str:
     return name if impl == IMPLS[0] else f"{name}_{impl}"
 
 
-# --base-tree: another commit's tsgen (tools/ab_tree.py), whose build of the shipped params is impl "base"
+# --base-tree: another commit's tsgen (tools/ab_tree.py), whose build of the shipped params is impl "base", and of
+# shipped_X's (SHIPPED_CHANGES) impl base_X
 BASE_TREE: Path | None = None
+BASE_IMPLS = {"base": "shipped", **{"base" + k.removeprefix("shipped"): k for k in SHIPPED_CHANGES}}
+
+
+def base_of(impl: str) -> str | None:
+    """The impl of this checkout whose params BASE_TREE builds as `impl` (base: shipped, base_r80: shipped_r80), or
+    None for this checkout's own impls."""
+    return BASE_IMPLS.get(impl)
 
 
 def build(out: Path, name: str, impl: str = IMPLS[0]) -> dict:
@@ -175,11 +183,11 @@ def build(out: Path, name: str, impl: str = IMPLS[0]) -> dict:
 
     changes = merge(VARIANTS[name], {"name": f"attbwd_{impl_name(name, impl)}"})
     head_dim = VARIANTS[name]["params"]["head_dim"]
-    if impl == "base":
+    if base_of(impl):
         import ab_tree
 
-        return ab_tree.build(BASE_TREE, str(SPEC.relative_to(ROOT)), merge(changes, impl_changes("shipped", head_dim)),
-                             out / "build" / "base")
+        return ab_tree.build(BASE_TREE, str(SPEC.relative_to(ROOT)),
+                             merge(changes, impl_changes(base_of(impl), head_dim)), out / "build" / impl)
     return build_loaded(out, spec_variant(load_spec(SPEC), merge(changes, impl_changes(impl, head_dim))))
 
 
@@ -915,8 +923,8 @@ def clock_table(rows: list[dict], impls: list[str], last: str) -> list[str]:
 def markdown(s: dict) -> str:
     out = [f"# attention_backward on one GPU ({s['device']}, {s['date']})", "", f"Command: `{s['command']}`", "",
            *([f"Impl base (tsgen_base): this checkout's shipped params for each variant, applied to the backward spec of "
-              f"{s['base']} and rendered and compiled by its tsgen and templates (tools/ab_tree.py); the other impls "
-              "by this checkout's.", ""] if "base" in s else []),
+              f"{s['base']} and rendered and compiled by its tsgen and templates (tools/ab_tree.py); base_X: shipped_X's "
+              "params so; the other impls by this checkout's.", ""] if "base" in s else []),
            "## Correctness", "", "| variant | case | calls | dQ wrong | dK wrong | dV wrong | rel err dQ / dK / dV | pass |",
            "|---|---|---|---|---|---|---|---|"]
     if not s["checks"]:
@@ -1042,8 +1050,9 @@ def main() -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     impls = [i for i in a.impl.split(",") if i]
-    if not impls or set(impls) - set(IMPLS) - ({"base"} if a.base_tree else set()):
-        ap.error(f"--impl: a comma-separated list of {', '.join(IMPLS)} (and base, with --base-tree), not {a.impl!r}")
+    if not impls or set(impls) - set(IMPLS) - (set(BASE_IMPLS) if a.base_tree else set()):
+        ap.error(f"--impl: a comma-separated list of {', '.join(IMPLS)} (and {', '.join(BASE_IMPLS)}, with "
+                 f"--base-tree), not {a.impl!r}")
     if a.base_tree:
         import ab_tree
 
@@ -1127,9 +1136,9 @@ def main() -> int:
                 print(log[-4000:], flush=True)
     summary = {"device": device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(sys.argv), "checks": checks}
-    if "base" in impls:  # the commit whose tsgen built impl base
+    if any(map(base_of, impls)):  # the commit whose tsgen built impls base, base_X
         summary["base"] = next((f"commit {b['commit']}" if b.get("commit") else f"the tree {BASE_TREE}"
-                                for (n, i), b in built.items() if i == "base"), None)
+                                for (n, i), b in built.items() if base_of(i)), None)
     if not a.no_bench:
         opts = {"order": a.order, "settle": a.settle, "rounds": a.rounds, "shapes": shapes or None,
                 "sm_clocks": a.sm_clocks}

@@ -6,7 +6,8 @@
 # H200, the tool called directly): 4 rows x 8 rounds with every check took 113 s (the machine's start, ~35 s, comes
 # on top); these defaults should take about 3 minutes a tree. Each tree gets an equal share of what is left of
 # BUDGET (560 s), so that one slow tree does not starve the next; the tool writes its report only at its end, so a
-# tree stopped at its share returns its log (in the archive), not its table.
+# tree stopped at its share returns its log (in the archive), not its table. IMPLS (default base,shipped): the impls
+# timed, e.g. base,shipped,base_r80,shipped_r80 (base_X: this checkout's shipped_X built by the tree).
 #   here:    python tools/ab_tree.py make REV ...   (.ab/REV7, git-ignored; carry each, with .whl and .tsgen-commit)
 #   device:  bash tools/gpu_bwd_ab.sh .ab/REV7 [.ab/REV7 ...]
 # Each tree's report and JSON come back as $OUT/ab_REV7.{md,json}; the logs and build sources in $OUT/bwd_ab.tgz (a
@@ -23,7 +24,7 @@ left=$#
 for tree in "$@"; do
   rev=$(basename "$tree")
   share=$(((BUDGET - SECONDS) / left)); left=$((left - 1))
-  step "against $rev" "$share" python3 tools/gpu_attention_bwd.py "$WORK/$rev" --base-tree "$tree" --impl base,shipped \
+  step "against $rev" "$share" python3 tools/gpu_attention_bwd.py "$WORK/$rev" --base-tree "$tree" --impl "${IMPLS:-base,shipped}" \
     --rounds "${ROUNDS:-10}" --bench-shapes "$ROWS"
   cp "$WORK/$rev/attention_bwd.md" "$OUT/ab_$rev.md" 2>/dev/null
   cp "$WORK/$rev/attention_bwd.json" "$OUT/ab_$rev.json" 2>/dev/null

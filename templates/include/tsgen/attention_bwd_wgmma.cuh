@@ -22,9 +22,10 @@
 //     once). Lane 0 loads K and V of the block once (TMA, kv_full), then for each step of the walk
 //     (query head of the GQA group, query block of BLOCK_M = 64 rows; CAUSAL skips the blocks that
 //     see none of the CTA's keys, rows_see_keys) the Q and dO tiles into stage `step % STAGES` of
-//     a ring (q_full / q_empty); the 32 lanes copy the step's LSE2 and D (64 fp32 each, +inf and 0
-//     for rows past q_len) into the same stage with plain loads and stores, and every lane
-//     arrives on q_full (32 arrivals, lane 0's with the TMA bytes).
+//     a ring (q_full / q_empty): lane 0 sets the stage's expected bytes (expect_tx, no arrival) and
+//     issues them first, then the 32 lanes copy the step's LSE2 and D (64 fp32 each, +inf and 0 for
+//     rows past q_len) into the same stage with plain loads and stores, and every lane arrives on
+//     q_full (32 arrivals and the TMA bytes complete the phase).
 //   * warpgroups 1 and 2, the consumers (232 registers): warpgroup w owns keys 64w .. 64w + 63 of
 //     the block, as the M of its products (the transposed form, as the mma.sync kernel's). Per
 //     step:
@@ -184,6 +185,7 @@ using gemm::fence_mbarrier_init_release_cluster;
 using gemm::fence_proxy_async_global;
 using gemm::mbar_arrive;
 using gemm::mbar_arrive_expect_tx;
+using gemm::mbar_expect_tx;
 using gemm::mbar_init;
 using gemm::mbar_wait;
 using gemm::named_barrier_sync;
@@ -496,17 +498,12 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
     mbar_wait(smem + L::Q_EMPTY + 8 * stage, phase ^ 1);  // a fresh barrier passes parity 1
     if constexpr (L::DETERMINISTIC) last_semaphore = dq_semaphore<C>(p, b, w);
     const uint32_t r0 = w.qb * L::ROWS;
-    for (uint32_t i = lane; i < L::ROWS; i += 32) {
-      const size_t at = ((size_t)b * C::HEADS + w.hq) * p.q_len + r0 + i;
-      const bool in = r0 + i < p.q_len;
-      const float l2 = in ? p.lse2[at] : INFINITY;  // padding rows: P = 0
-      const float d = in ? p.dsum[at] : 0.f;
-      st_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + i), __float_as_uint(l2));
-      st_shared_u32(smem + L::DSUM_OFF + 4 * (stage * L::ROWS + i), __float_as_uint(d));
-    }
     const uint32_t full = smem + L::Q_FULL + 8 * stage;
+    // Lane 0 expects the stage's TMA bytes (no arrival) and issues its Q and dO loads before the lanes' LSE2 / D
+    // copies: the TMA's latency runs under the copies' global loads instead of after them (docs/design/attention.md,
+    // "A second cost in the same profiles"). The phase completes with the bytes and all 32 arrivals below.
     if (lane == 0) {
-      mbar_arrive_expect_tx(full, 2 * L::Q_TILE);
+      mbar_expect_tx(full, 2 * L::Q_TILE);
 #pragma unroll
       for (int x = 0; x < L::BOXES; ++x)
 #pragma unroll
@@ -520,9 +517,16 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
           attention::load_rows<C>(smem + L::Q_OFF + box, q_map, 64 * x, rows, (int)w.hq, (int)b, full);
           attention::load_rows<C>(smem + L::DO_OFF + box, do_map, 64 * x, rows, (int)w.hq, (int)b, full);
         }
-    } else {
-      mbar_arrive(full);
     }
+    for (uint32_t i = lane; i < L::ROWS; i += 32) {
+      const size_t at = ((size_t)b * C::HEADS + w.hq) * p.q_len + r0 + i;
+      const bool in = r0 + i < p.q_len;
+      const float l2 = in ? p.lse2[at] : INFINITY;  // padding rows: P = 0
+      const float d = in ? p.dsum[at] : 0.f;
+      st_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + i), __float_as_uint(l2));
+      st_shared_u32(smem + L::DSUM_OFF + 4 * (stage * L::ROWS + i), __float_as_uint(d));
+    }
+    mbar_arrive(full);  // each lane's stores above, released to the consumers' q_full wait
   }
   // Tail: the consumers release the last stages (with the timeout: a stuck pipeline traps).
   for (uint32_t s = step > (uint32_t)C::STAGES ? step - C::STAGES : 0; s < step; ++s)
@@ -1532,7 +1536,7 @@ static __device__ __forceinline__ void main_kernel(const CUtensorMap* q_map, con
   if (threadIdx.x == 0) {
     mbar_init(smem + L::KV_FULL, 1);
     for (int s = 0; s < C::STAGES; ++s) {
-      mbar_init(smem + L::Q_FULL + 8 * s, 32);  // the producer warp's lanes (lane 0 with the TMA bytes)
+      mbar_init(smem + L::Q_FULL + 8 * s, 32);  // the producer warp's lanes (and lane 0's expected TMA bytes)
       mbar_init(smem + L::Q_EMPTY + 8 * s, 2);  // one arrival per consumer warpgroup
     }
     fence_mbarrier_init_release_cluster();  // visible to the TMA unit

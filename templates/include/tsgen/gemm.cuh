@@ -86,6 +86,13 @@ static __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint3
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
+// Expect `bytes` more transaction bytes in this phase without arriving (relaxed, CTA scope: it orders nothing; the
+// phase still waits for its arrivals): a thread that issues TMA loads before its own arrival, which comes after
+// other work whose stores that arrival must release.
+static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
