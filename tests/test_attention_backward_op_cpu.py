@@ -238,7 +238,7 @@ def test_gpu_tool_op_refuses_a_workspace_made_for_another_variant(tool):
 
     op = object.__new__(tool.Op)
     op.manifest = {"name": "attbwd_det"}
-    op.heads, op.head_dim, op.deterministic, op.tail_items, op.step_rows = 32, 128, True, 0, None
+    op.heads, op.head_dim, op.deterministic, op.tail_items = 32, 128, True, 0
     plain = [Floats(n) for n in workspace_floats(4, 4096, 32, 128, False)]
     with pytest.raises(ValueError, match=r"attbwd_det_backward: workspace of .* needs"):
         op({}, plain, 4, 4096, 4096, None)
@@ -248,11 +248,6 @@ def test_gpu_tool_op_refuses_a_workspace_made_for_another_variant(tool):
     with pytest.raises(ValueError, match=r"attbwd_tail_backward: workspace of .* needs"):
         op({}, plain, 4, 4096, 4096, None)
     assert workspace_floats(4, 4096, 32, 128, False, 64)[0] == plain[0].numel() + 64 * 256 * 128
-    # params.step_rows 80: dq_accum padded to whole 80-row blocks (4096 rows: 52 blocks, 4160 rows)
-    op.manifest, op.tail_items, op.step_rows = {"name": "attbwd_r80"}, 0, 80
-    with pytest.raises(ValueError, match=r"attbwd_r80_backward: workspace of .* needs"):
-        op({}, plain, 4, 4096, 4096, None)
-    assert workspace_floats(4, 4096, 32, 128, False, 0, 80)[0] == 4 * 32 * 4160 * 128
 
 
 def test_gpu_tool_variants_are_valid_specs(tool):

@@ -236,7 +236,7 @@ int main(int argc, char** argv) {
 @needs_nvcc
 @pytest.mark.parametrize("causal,deterministic,rows", [(True, False, 64), exhaustive(False, False, 64),
                                                        exhaustive(True, True, 64), (False, True, 64), (True, False, 128),
-                                                       exhaustive(False, False, 128)])
+                                                       exhaustive(False, False, 128), (False, False, 80)])
 def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_needs_it(tmp_path, causal,
                                                                                        deterministic, rows):
     """Per CTA (block of 128 keys, KV head 1 of 2 over 4 query heads): the walk visits each
@@ -245,13 +245,15 @@ def test_walk_visits_the_blocks_with_a_visible_key_and_masks_every_step_that_nee
     q_len, key) pair visible. Positions from 0, offsets, and the zig-zag's two segments. The order:
     query heads outer, query blocks ascending; params.deterministic (Walk::DESCENDING): query blocks
     descending, the group's query heads inner. rows 128 (params.step_rows): blocks of 128 query rows,
-    the zig-zag's split inside one of them in several problems (300, 250, 70; 512 at a block's edge)."""
+    the zig-zag's split inside one of them in several problems (300, 250, 70; 512 at a block's edge); rows 80
+    (head dim 128, not causal): blocks of 80."""
     from tsgen.headers import include_flags
     from tsgen.ops.attention import query_positions
     from tsgen.toolchain import gencode_flags
 
-    tall = {"step_rows": 128} if rows == 128 else {}
-    source = rendered_source(variant("walk", params={"causal": causal, "heads": 4, "kv_heads": 2, "head_dim": 64,
+    tall = {"step_rows": rows} if rows != 64 else {}
+    source = rendered_source(variant("walk", params={"causal": causal, "heads": 4, "kv_heads": 2,
+                                                     "head_dim": 128 if rows == 80 else 64,
                                                      "deterministic": deterministic, **tall}), tmp_path)
     main = tmp_path / "walk_main.cu"
     main.write_text(WALK.replace("SOURCE", str(source)).replace("MODULE", "walk"))
@@ -1147,8 +1149,7 @@ def header_tall_consumer():
     out.update(header_exprs("dq_reduction", q0=r"const uint32_t q0 = (.+?);", none_if=r"if \((.+?)\) return 0;",
                             n=r"const uint32_t n = (.+?);", box=r"const uint32_t dq_col_box = (.+?);",
                             dst=r"dst = p\.dq_accum \+ (.+?);"))
-    out.update(header_exprs("write_dq", bytes=r"dq_reduction<C>\([^\n]*\n\s*bulk_reduce_add_f32\(dst, smem \+ L::DQ_OFF \+ cw "
-                                              r"\* L::DQ_BUF, (.+?)\);"))  # the tiled reduction (not WIDE's)
+    out.update(header_exprs("write_dq", bytes=r"bulk_reduce_add_f32\(dst, smem \+ L::DQ_OFF \+ cw \* L::DQ_BUF, (.+?)\);"))
     return out
 
 
@@ -1887,17 +1888,20 @@ int main(int argc, char** argv) {
 
 
 @needs_nvcc
-def test_tail_pieces_walk_each_split_item_exactly_once(tmp_path):
+@pytest.mark.parametrize("rows", [64, 80])
+def test_tail_pieces_walk_each_split_item_exactly_once(tmp_path, rows):
     """The header's tail_plan (compiled as host code) agrees with tsgen.ops.attention_backward.tail_plan; it splits
     only a last wave of at most TAIL_ITEMS items and at most half the SMs, in more than one wave; the grid then
     has at most one wave of pieces; and per split item, its pieces (tail_part, Walk over the Part, KV head 1 of 2
     over 4 query heads) walk the whole item's steps in order, each step once, each piece at least one step, their
-    lengths within one of each other."""
+    lengths within one of each other. rows 80 (params.step_rows, head dim 128): the same over steps of 80 rows (the
+    expected splits below are 64-row steps'; at 80 the header and tsgen.ops agree on their own)."""
     from tsgen.headers import include_flags
     from tsgen.ops.attention_backward import tail_plan
     from tsgen.toolchain import gencode_flags
 
-    source = rendered_source(variant("tail", params={"heads": 4, "kv_heads": 2, "head_dim": 64, "tail_split": True}),
+    wide = {"step_rows": 80, "head_dim": 128} if rows == 80 else {"head_dim": 64}
+    source = rendered_source(variant("tail", params={"heads": 4, "kv_heads": 2, "tail_split": True, **wide}),
                              tmp_path)
     main = tmp_path / "tail_main.cu"
     main.write_text(TAIL.replace("SOURCE", str(source)).replace("MODULE", "tail"))
@@ -1908,13 +1912,18 @@ def test_tail_pieces_walk_each_split_item_exactly_once(tmp_path):
     cases = [(1000, 1120, 132, (64, 2)), (1000, 140, 132, (8, 16)), (2048, 4096, 132, (4, 33)),
              (64, 4096, 132, (4, 2)), (1, 300, 132, (36, 2)), (1000, 1024, 132, (0, 1)), (1000, 100, 132, (0, 1)),
              (1000, 264, 132, (0, 1)), (1000, 200, 114, (0, 1)), (1000, 150, 114, (36, 3)), (130, 133, 132, (1, 6))]
+    split_seen = 0
     for q_len, items, sms, (split, parts) in cases:
         out = subprocess.run([str(exe), str(q_len), str(items), str(sms)], capture_output=True, text=True,
                              check=True).stdout.splitlines()
         first, got_parts, steps = map(int, out[0].split()[1:])
-        assert (first, got_parts) == tail_plan(items, sms, steps) == (items - split, parts), (q_len, items, sms)
-        assert steps == 2 * -(-q_len // 64)
-        whole = [f"{hq}.{qb}" for hq in (2, 3) for qb in range(-(-q_len // 64))]
+        assert (first, got_parts) == tail_plan(items, sms, steps), (q_len, items, sms)
+        if rows == 80:
+            split, parts = items - first, got_parts
+        assert (first, got_parts) == (items - split, parts), (q_len, items, sms)
+        split_seen += split
+        assert steps == 2 * -(-q_len // rows)
+        whole = [f"{hq}.{qb}" for hq in (2, 3) for qb in range(-(-q_len // rows))]
         pieces = [line.split() for line in out[1:]]
         assert len(pieces) == split * parts and (split == 0 or split * parts <= sms), (q_len, items, sms)
         for slot in range(split):
@@ -1923,6 +1932,7 @@ def test_tail_pieces_walk_each_split_item_exactly_once(tmp_path):
             counts = [int(p[2]) for p in mine]
             assert [len(p) - 3 for p in mine] == counts and min(counts) >= 1 and max(counts) - min(counts) <= 1
             assert [s for p in mine for s in p[3:]] == whole, (q_len, items, sms, slot)
+    assert split_seen, "some case splits its last wave"
 
 
 @needs_sass
@@ -2008,89 +2018,74 @@ def test_step_rows_80_compiles_and_spills_only_in_the_producer(tmp_path, monkeyp
     assert names.count("STSM.16.MT88.4") == 5 and "STSM.16.M88.4" not in names, "dS by stmatrix .trans"
 
 
-DQ_WIDE = r"""
+DQ_RUN = r"""
 #include <cstdio>
 #include <cstdlib>
 #include "SOURCE"
-namespace ab = tsgen::attention_bwd;
 namespace wg = tsgen::attention_bwd::wgmma;
 using C = MODULE::Config;
 int main(int argc, char** argv) {
-  const uint32_t q_len = atoi(argv[1]), batch = 2, heads = C::HEADS, d = C::HEAD_DIM;
+  const uint32_t q_len = atoi(argv[1]), batch = 2;
   if (q_len == 0) {  // ds_wide_offset over a buffer
     for (uint32_t cw = 0; cw < 2; ++cw)
       for (uint32_t q = 0; q < 80; ++q)
         for (uint32_t u = 0; u < 8; ++u) printf("%u %u %u %u\n", cw, q, u, wg::ds_wide_offset(cw, q, u));
     return 0;
   }
-  if (argc > 2) {  // the convert's map: chunk k of a block -> row, 8-column group, first float
-    for (uint32_t k = 0; k < 80 * d / 8; ++k) {
-      uint32_t i, s, from;
-      ab::ConvertWide::chunk(k, d, i, s, from);
-      printf("%u %u %u\n", i, s, from);
-    }
-    return 0;
-  }
-  printf("%llu\n", (unsigned long long)ab::dq_rows_padded(q_len));
+  tsgen::attention_bwd::Problem p{};
+  p.q_len = q_len, p.batch = batch;
+  p.dq_accum = nullptr;
   for (uint32_t b = 0; b < batch; ++b)
-    for (uint32_t h = 0; h < heads; ++h)
-      for (uint32_t r = 0; r < q_len; ++r)
-        for (uint32_t c = 0; c < d; ++c) printf("%llu\n", (unsigned long long)ab::dq_wide_offset(b, h, r, c, heads, q_len, d));
+    for (uint32_t h = 0; h < (uint32_t)C::HEADS; ++h)
+      for (uint32_t r0 = 0; r0 < q_len; r0 += 80) {
+        const uint32_t r1 = r0 + 80 < q_len ? r0 + 80 : q_len;
+        for (uint32_t cw = 0; cw < 2; ++cw)
+          for (uint32_t run = 0; run < 2; ++run) {
+            float* dst = nullptr;
+            uint32_t from = 0;
+            const uint32_t n = wg::dq_run<C>(p, b, h, r0, r1, cw, run, dst, from);
+            printf("%u %u %u %u %u %u %lld %u\n", b, h, r0, cw, run, n, (long long)(dst - (float*)nullptr), from);
+          }
+      }
   return 0;
 }
 """
 
 
-def wide_accumulator_float(t, j):
-    """The wgmma accumulator layout of dQ^T (64 head-dim columns x 80 queries): thread t's register j holds column
-    16 warp + g + 8 hh, query 8q + 2c + e (j = 4q + 2hh + e, t = 32 warp + 4g + c): what the staging stores at float
-    (j / 4 x 128 + t) x 4 + j % 4 of the warpgroup's panel."""
-    warp, g, c = t // 32, t % 32 // 4, t % 4
-    q, hh, e = j // 4, j % 4 // 2, j % 2
-    return 16 * warp + g + 8 * hh, 8 * q + 2 * c + e
-
-
 @needs_nvcc
-def test_step_rows_80_dq_layout_and_ds_layout(tmp_path):
-    """Host-compiled from the header. dq_wide_offset: a bijection of every (sequence, head, row < q_len, column) onto
-    dq_accum's padded blocks, each element where its warpgroup's staging puts it (thread t's register quad j at floats
-    (j x 128 + t) x 4, the accumulator layout modelled here); the convert pass's map (ConvertWide) reads each row's 8
-    columns from there. ds_wide_offset: a bijection of (warpgroup, query, 16-byte unit) onto the 20 KB buffer, query
-    row q of box cw at 128 q bytes with the 128B swizzle (unit ^ q % 8: K-major, what sw128_descriptor reads), and a
-    stmatrix matrix (8 consecutive queries, one unit) on 32 distinct banks."""
+def test_step_rows_80_dq_runs_and_ds_layout(tmp_path, tiled_offsets):
+    """Host-compiled from the header. dq_run: for every step of 80 rows (tails included) and warpgroup, its one or two
+    runs put each staged row's 64 floats (staging row i: bytes i x 256, chunk u at u ^ (i % 8)) exactly where
+    dq_tiled_offset puts that query row's head-dim columns 64 cw .. 64 cw + 63, every row below q_len once and none
+    past it. ds_wide_offset: a bijection of (warpgroup, query, 16-byte unit) onto the 20 KB buffer, query row q of box
+    cw at 128 q bytes with the 128B swizzle (unit ^ q % 8: K-major, what sw128_descriptor reads), and a stmatrix
+    matrix (8 consecutive queries, one unit) on 32 distinct banks."""
     from conftest import host_program
 
     # the rendered spec's own Config (3 query heads: the reference's below)
-    exe = host_program(variant("dqwide", params={"step_rows": 80, "heads": 3, "kv_heads": 3}), DQ_WIDE, tmp_path,
-                       "dq_wide", "dqwide")
+    exe = host_program(variant("dqrun", params={"step_rows": 80, "heads": 3, "kv_heads": 3}), DQ_RUN, tmp_path,
+                       "dq_run", "dqrun")
 
-    def run(*args):
-        out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, check=True).stdout
-        return np.array(out.split(), dtype=np.int64)
+    def run(q_len):
+        out = subprocess.run([str(exe), str(q_len)], capture_output=True, text=True, check=True).stdout
+        return [tuple(int(x) for x in line.split()) for line in out.splitlines()]
 
-    where = {}
-    for t_ in range(128):
-        for j in range(40):
-            where[wide_accumulator_float(t_, j)] = (j // 4 * 128 + t_) * 4 + j % 4
-    assert sorted(where.values()) == list(range(64 * 80))
-    chunks = run(80, "convert").reshape(-1, 3)
-    for q_len in (80, 79, 81, 160, 1000):
-        out = run(q_len)
-        padded, offsets = int(out[0]), out[1:].reshape(2, 3, q_len, 128)
-        assert padded == -(-q_len // 80) * 80
-        assert len(set(offsets.ravel().tolist())) == offsets.size and offsets.max() < 2 * 3 * padded * 128
-        for b, h in ((0, 0), (1, 2)):
-            for r in range(q_len):
-                block = ((b * 3 + h) * padded + r // 80 * 80) * 128
-                for col in range(128):
-                    want = block + col // 64 * 5120 + where[col % 64, r % 80]
-                    assert offsets[b, h, r, col] == want, (q_len, b, h, r, col)
-    for i, s, start in chunks:
-        for x in range(8):
-            col = 8 * s + x
-            assert start + 16 * x == col // 64 * 5120 + where[col % 64, i], (i, s, x)
-    rows = run(0).reshape(-1, 4)
-    at = {(cw, q, u): off for cw, q, u, off in rows.tolist()}
+    for q_len in (80, 79, 81, 160, 200, 1000, 4097):
+        want = tiled_offsets(2, 3, q_len, 128)
+        seen = np.zeros(want.shape, dtype=np.int64)
+        for b, h, r0, cw, run_, n, dst, start in run(q_len):
+            assert start % 256 == 0 and dst % 4 == 0  # dst in floats: 16-byte aligned
+            for j in range(n):
+                i = start // 256 + j  # the staging row: query r0 + i
+                r = r0 + i
+                assert r < q_len
+                for col in range(64):
+                    x = (((col // 8) ^ (i % 8)) * 8) + col % 8  # staged float of row i
+                    assert dst + j * 64 + x == want[b, h, r, 64 * cw + col], (q_len, b, h, r0, cw, run_, j, col)
+                    seen[b, h, r, 64 * cw + col] += 1
+        assert (seen == 1).all(), q_len
+    rows = run(0)
+    at = {(cw, q, u): off for cw, q, u, off in rows}
     assert sorted(at.values()) == list(range(0, 2 * 80 * 128, 16))
     assert all(off == cw * 80 * 128 + q * 128 + ((u ^ (q % 8)) << 4) for (cw, q, u), off in at.items())
     for cw in range(2):

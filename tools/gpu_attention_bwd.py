@@ -218,14 +218,12 @@ class Op(ga.Entry):
         self.deterministic = bool(self.manifest["constants"].get("DETERMINISTIC", 0))
         self.tail_items = int(self.manifest["constants"].get("TAIL_SPLIT", 0))  # params.tail_split's slots
         self.dq_tiled = bool(self.manifest["constants"].get("DQ_TILED", 0))  # dQ by bulk reductions
-        self.step_rows = self.manifest["constants"].get("STEP_ROWS")  # 80: dq_accum padded to 80-row blocks
 
     def workspace_floats(self, batch, q_len) -> tuple[int, int, int]:
         """This variant's workspace at `batch` sequences of `q_len` query rows (dq_accum, dsum, lse2), in floats."""
         from tsgen.ops.attention_backward import workspace_floats
 
-        return workspace_floats(batch, q_len, self.heads, self.head_dim, self.deterministic, self.tail_items,
-                                self.step_rows)
+        return workspace_floats(batch, q_len, self.heads, self.head_dim, self.deterministic, self.tail_items)
 
     def workspace(self, torch, batch, q_len, device="cuda"):
         return tuple(torch.empty(n, device=device, dtype=torch.float32) for n in self.workspace_floats(batch, q_len))

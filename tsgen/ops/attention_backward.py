@@ -54,7 +54,6 @@ GRADS = ("dq", "dk", "dv")
 IMPLS = {"mma_sync": {"threads": 128, "block_n": 64},  # tsgen/attention_bwd.cuh
          "wgmma": {"threads": 384, "block_n": 128}}    # tsgen/attention_bwd_wgmma.cuh
 WGMMA_STAGES = 2  # Q / dO stages of the wgmma kernel's ring (tsgen::attention_bwd::wgmma)
-WIDE_ROWS = 80  # params.step_rows 80: dq_accum in blocks of this many rows (tsgen::attention_bwd::WIDE_ROWS)
 DQ_STAGING = 2 * BLOCK_M * 64 * 4  # the wgmma kernel's fp32 dQ staging (dq_reduce bulk): 64 x 64 per warpgroup
 DEFAULT_HEAD_GROUP = 4  # params.head_group unset, impl wgmma: 0.99-1.29x no groups at hd 128 (H200, 2026-11-27)
 TAIL_ITEMS = 64  # params.tail_split: the workspace's tail slots (tsgen::attention_bwd::wgmma::TAIL_ITEMS)
@@ -68,17 +67,13 @@ def dq_semaphores(batch: int, q_len: int, heads: int) -> int:
 
 
 def workspace_floats(batch: int, q_len: int, heads: int, head_dim: int,
-                     deterministic: bool = False, tail_items: int = 0, step_rows: int | None = None
-                     ) -> tuple[int, int, int]:
+                     deterministic: bool = False, tail_items: int = 0) -> tuple[int, int, int]:
     """The fp32 workspace of one `<kernel>_backward` call, in 4-byte words: (dq_accum, dsum, lse2);
     deterministic: dq_accum grows by the dQ semaphores (dq_semaphores); tail_items (the manifest's
-    TAIL_SPLIT, params.tail_split): by that many tail slots (tail_floats); step_rows 80 (the manifest's
-    STEP_ROWS): dQ's rows padded to whole blocks of 80 per sequence and head
-    (tsgen::attention_bwd::dq_rows_padded)."""
+    TAIL_SPLIT, params.tail_split): by that many tail slots (tail_floats)."""
     rows = batch * q_len * heads
-    accum_rows = batch * heads * (-(-q_len // WIDE_ROWS) * WIDE_ROWS) if step_rows == WIDE_ROWS else rows
     extra = (dq_semaphores(batch, q_len, heads) if deterministic else 0) + tail_floats(tail_items, head_dim)
-    return accum_rows * head_dim + extra, rows, rows
+    return rows * head_dim + extra, rows, rows
 
 
 def tail_plan(items: int, sms: int, steps: int) -> tuple[int, int]:
@@ -214,8 +209,6 @@ def dq_accum_elems(p: AttentionBackwardParams) -> dict[str, int]:
     plus batch * heads fixed."""
     bh = p.batch * p.heads
     tail = tail_floats(TAIL_ITEMS if p.split_tail else 0, p.head_dim)
-    if p.wide:  # the padding to whole 80-row blocks: at most 79 rows a sequence and head
-        tail += bh * (WIDE_ROWS - 1) * p.head_dim
     if not p.deterministic:
         return {"per_count": bh * p.head_dim, **({"fixed": tail} if tail else {})}
     return {"per_count": bh * p.head_dim + -(-bh // BLOCK_M), "fixed": bh + tail}

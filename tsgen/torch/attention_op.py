@@ -116,7 +116,6 @@ class AttentionSignature:
     blocks: int = 0  # the forward's launch.blocks (0: one CTA per tile)
     deterministic: bool = False  # the backward's params.deterministic: its workspace holds the dQ semaphores too
     tail_items: int = 0  # the backward's params.tail_split (manifest TAIL_SPLIT): its workspace holds its slots too
-    step_rows: int | None = None  # the backward's params.step_rows (manifest STEP_ROWS): 80 pads dq_accum
     kv_push: bool = False  # the backward's params.kv_push: it has <kernel>_backward_push (tsgen.torch.cp_attention)
 
     @classmethod
@@ -127,8 +126,7 @@ class AttentionSignature:
         c = manifest.constants
         return cls(manifest.name, manifest.op, manifest.spec, **agree_fields(manifest, source),
                    blocks=int(c.get("BLOCKS", 0)), deterministic=bool(c.get("DETERMINISTIC", 0)),
-                   tail_items=int(c.get("TAIL_SPLIT", 0)), kv_push=bool(c.get("KV_PUSH", 0)),
-                   step_rows=c.get("STEP_ROWS"))
+                   tail_items=int(c.get("TAIL_SPLIT", 0)), kv_push=bool(c.get("KV_PUSH", 0)))
 
     @property
     def agreed(self) -> dict[str, Any]:
@@ -372,7 +370,7 @@ class _Module:
         # slots), D and LSE in base 2
         work = tuple(_output(n, dtype=torch.float32, device=q.device)
                      for n in workspace_floats(batch, q_len, sig.heads, sig.head_dim, sig.deterministic,
-                                               sig.tail_items, sig.step_rows))
+                                               sig.tail_items))
         return _BackwardCall(tensors, batch, q_len, kv_len, pos, device, dq, work)
 
     def run_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dout: torch.Tensor,

@@ -190,31 +190,6 @@ __host__ __device__ __forceinline__ uint64_t dq_tiled_offset(uint32_t b, uint32_
          ((((col % 64) / 8) ^ (i % 8)) * 8) + col % 8;
 }
 
-// Config::STEP_ROWS == 80 (the wgmma kernel's params.step_rows 80): dq_accum in WIDE_ROWS-row blocks in the consumer
-// warpgroups' accumulator order (dq_wide_offset), each (sequence, head) padded to a whole number of blocks
-// (dq_rows_padded: its rows past q_len hold whatever the adds of zeros leave, never converted).
-template <class C, class = void>
-struct dq_wide_of : std::false_type {};
-template <class C>
-struct dq_wide_of<C, std::void_t<decltype(C::STEP_ROWS)>> : std::integral_constant<bool, C::STEP_ROWS == 80> {};
-constexpr uint32_t WIDE_ROWS = 80;
-__host__ __device__ __forceinline__ uint64_t dq_rows_padded(uint32_t q_len) {
-  return ((uint64_t)q_len + WIDE_ROWS - 1) / WIDE_ROWS * WIDE_ROWS;
-}
-// The float of dq_accum holding (sequence b, head h, query row r, column col) in the WIDE layout: block r / 80 of the
-// (sequence, head)'s padded rows, head-dim panel col / 64 (the consumer warpgroup that computed it: 5 120 floats),
-// inside it thread t's register j of the dQ^T accumulator at (j / 4 x 128 + t) x 4 + j % 4: the 64 x 80 (column x
-// query) accumulator's register 4q + 2hh + e of thread t = 32 warp + 4 g + c holds column 16 warp + g + 8 hh, query
-// 8q + 2c + e. So a warpgroup stages its partial with one 16-byte store a register quad (conflict-free) and adds it
-// with one bulk reduction of 20 KB. Host-compiled by the tests.
-__host__ __device__ __forceinline__ uint64_t dq_wide_offset(uint32_t b, uint32_t h, uint32_t r, uint32_t col,
-                                                            uint32_t heads, uint32_t q_len, uint32_t head_dim) {
-  const uint64_t block = ((uint64_t)b * heads + h) * dq_rows_padded(q_len) + r / WIDE_ROWS * WIDE_ROWS;
-  const uint32_t i = r % WIDE_ROWS, cc = col % 64, warp = cc / 16, g = cc % 16;
-  const uint32_t t = 32 * warp + 4 * (g % 8) + (i % 8) / 2;
-  return block * head_dim + (uint64_t)(col / 64) * (WIDE_ROWS * 64) + ((i / 8) * 128 + t) * 4 + 2 * (g / 8) + i % 2;
-}
-
 // Config::DETERMINISTIC where the Config has it (only specs with params.deterministic emit it: the
 // wgmma kernel with dq_reduce bulk), else false.
 template <class C, class = void>
@@ -387,25 +362,14 @@ __device__ void preprocess(const Problem& p) {
     const typename C::Element* de = reinterpret_cast<const typename C::Element*>(&d);
 #pragma unroll
     for (int e = 0; e < 8; ++e) dot += (float)oe[e] * (float)de[e];
-    if constexpr (!dq_wide_of<C>::value) {
-      float4* acc = reinterpret_cast<float4*>(p.dq_accum + at);
-      acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-      acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    float4* acc = reinterpret_cast<float4*>(p.dq_accum + at);
+    acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
     // DETERMINISTIC: the query block's semaphore, by the first thread of its first row (in stream order before
     // the main kernel, as dq_accum's zeros: a call's turns start at 0 whatever the last call left)
     if constexpr (deterministic_of<C>::value)
       if (c == 0 && s % BLOCK_M == 0)
         dq_semaphores<C>(p)[row / p.q_len * ((p.q_len + BLOCK_M - 1) / BLOCK_M) + s / BLOCK_M] = 0;
-  }
-  // WIDE: the padded dq_accum (its floats are no permutation of dQ's), 8 floats a thread, grid-stride
-  if constexpr (dq_wide_of<C>::value) {
-    const uint64_t eights = (uint64_t)p.batch * C::HEADS * dq_rows_padded(p.q_len) * C::HEAD_DIM / 8;
-    for (uint64_t z = idx; z < eights; z += (uint64_t)gridDim.x * blockDim.x) {
-      float4* acc = reinterpret_cast<float4*>(p.dq_accum + 8 * z);
-      acc[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-      acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
   }
   // TPR (8 or 16) consecutive lanes hold one row: a butterfly within the group
 #pragma unroll
@@ -611,36 +575,9 @@ struct ConvertTiled {
   }
 };
 
-// WIDE's map (host-compiled by the tests): chunk k (0 .. 80 x HEAD_DIM / 8 - 1) of a block, query row i = k / (HEAD_DIM
-// / 8), columns 8s .. 8s + 7 (s = k % (HEAD_DIM / 8)): column 8s + x sits at float from + 16 x of the block (from: its
-// first, dq_wide_offset's relative to the block's start).
-struct ConvertWide {
-  static __host__ __device__ __forceinline__ void chunk(uint32_t k, uint32_t head_dim, uint32_t& i, uint32_t& s,
-                                                        uint32_t& from) {
-    i = k / (head_dim / 8), s = k % (head_dim / 8);
-    const uint32_t cc = 8 * s % 64, warp = cc / 16, hh = cc % 16 / 8;
-    from = (8 * s / 64) * (WIDE_ROWS * 64) + ((i / 8) * 128 + 32 * warp + (i % 8) / 2) * 4 + 2 * hh + i % 2;
-  }
-};
-
 template <class C>
 __device__ void convert(const Problem& p) {
-  if constexpr (dq_wide_of<C>::value) {  // one CTA per (80-row block, head, sequence); gathers of 8 floats 16 apart
-    const uint32_t h = blockIdx.y, r0 = blockIdx.x * WIDE_ROWS;
-    const uint32_t n = p.q_len - r0 < WIDE_ROWS ? p.q_len - r0 : WIDE_ROWS;
-    for (uint32_t b = blockIdx.z; b < p.batch; b += gridDim.z) {
-      const float* src = p.dq_accum + (((uint64_t)b * C::HEADS + h) * dq_rows_padded(p.q_len) + r0) * C::HEAD_DIM;
-      for (uint32_t k = threadIdx.x; k < n * (C::HEAD_DIM / 8); k += CONVERT_THREADS) {
-        uint32_t i, s, from;
-        ConvertWide::chunk(k, C::HEAD_DIM, i, s, from);
-        float v[8];
-#pragma unroll
-        for (int x = 0; x < 8; ++x) v[x] = src[from + 16 * x] * C::SCALE;
-        *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.dq) + row_offset<C>(b, r0 + i, h, C::HEADS, p.q_len) + 8 * s) =
-            make_uint4(pack2<C>(v[0], v[1]), pack2<C>(v[2], v[3]), pack2<C>(v[4], v[5]), pack2<C>(v[6], v[7]));
-      }
-    }
-  } else if constexpr (C::DQ_TILED) {
+  if constexpr (C::DQ_TILED) {
     static_assert(BLOCK_M * 8 % CONVERT_THREADS == 0, "whole passes of a panel's 64 x 8 chunks");
     using T = ConvertTiled<C::HEADS, C::HEAD_DIM, C::BHSD>;
     constexpr int PANELS = C::HEAD_DIM / 64;
@@ -729,11 +666,6 @@ static void launch_preprocess(Pre pre, const Problem& p, const Sizes& z, cudaStr
 template <class C, class Convert>
 static void launch_convert(Convert conv, const Problem& p, const Sizes& z, cudaStream_t stream) {
   if (z.rows == 0) return;
-  if constexpr (dq_wide_of<C>::value) {  // one CTA per (80-row block, head, sequence)
-    const dim3 grid((p.q_len + WIDE_ROWS - 1) / WIDE_ROWS, C::HEADS, p.batch < 65535 ? p.batch : 65535);
-    conv<<<grid, CONVERT_THREADS, 0, stream>>>(p);
-    return;
-  }
   if constexpr (C::DQ_TILED) {  // one CTA per (64-row block, head, sequence); sequences past 65535 by a loop
     const dim3 grid((p.q_len + BLOCK_M - 1) / BLOCK_M, C::HEADS, p.batch < 65535 ? p.batch : 65535);
     conv<<<grid, CONVERT_THREADS, 0, stream>>>(p);

@@ -811,8 +811,6 @@ static __device__ __forceinline__ void store_dk_dv(const Problem& p, uint32_t b,
 // scale) then dV, HEAD_DIM floats each, at (t BLOCK_N + r) 2 HEAD_DIM.
 template <class C>
 __host__ __device__ __forceinline__ float* tail_accum(const Problem& p) {
-  if constexpr (dq_wide_of<C>::value)  // WIDE: after the padded blocks
-    return p.dq_accum + (size_t)p.batch * dq_rows_padded(p.q_len) * C::HEADS * C::HEAD_DIM;
   return p.dq_accum + (size_t)p.batch * p.q_len * C::HEADS * C::HEAD_DIM;
 }
 template <class C>
@@ -863,6 +861,25 @@ static __device__ __forceinline__ uint32_t dq_reduction(const Problem& p, uint32
   return n;
 }
 
+// WIDE: run `run` (0, 1) of consumer warpgroup cw's dQ partial (head-dim columns 64 cw .. 64 cw + 63 of the step's rows
+// r0 .. r1, staged as dq_tiled_offset orders a block's rows) in dq_accum: the 80 rows cross at most one boundary of
+// the layout's 64-row blocks (r0 is a multiple of 80, so of 16: the first block takes 64 - r0 % 64 >= 16 of them and
+// the second the rest, <= 64), and a run's rows are contiguous both in the staging (from byte `from`) and in the
+// block's panel cw (their chunk swizzle, row % 8, is the same in both: r0 is a multiple of 8). Its rows, 0 for none;
+// dst, from: where they go and come from. Host-compiled by the tests (against dq_tiled_offset, every row once).
+template <class C>
+__host__ __device__ __forceinline__ uint32_t dq_run(const Problem& p, uint32_t b, uint32_t hq, uint32_t r0, uint32_t r1,
+                                                    uint32_t cw, uint32_t run, float*& dst, uint32_t& from) {
+  const uint32_t split = (r0 / 64 + 1) * 64;  // the end of r0's block
+  const uint32_t lo = run == 0 ? r0 : split, hi = run == 0 ? (split < r1 ? split : r1) : r1;
+  if (lo >= hi) return 0;
+  const uint32_t block = lo / 64 * 64, n = p.q_len - block < 64 ? p.q_len - block : 64;
+  dst = p.dq_accum + (((size_t)b * C::HEADS + hq) * p.q_len + block) * C::HEAD_DIM + (size_t)cw * n * 64 +
+        (size_t)(lo - block) * 64;
+  from = (lo - r0) * 256;
+  return hi - lo;
+}
+
 // DQ_WRITER, the consumer's side: wait until warpgroup cw's staging is free (before staging), and say it is
 // written (after staging and its fence).
 static __device__ __forceinline__ void staging_free_wait(uint32_t cw) {
@@ -904,10 +921,13 @@ static __device__ __forceinline__ void write_dq(const Problem& p, uint32_t smem,
         named_barrier_sync_imm<DQ_STAGED + 1>(WRITER_BAR);
       if (lead) {
         float* dst = nullptr;
-        if constexpr (L::WIDE) {  // the block's panel cw whole (dq_wide_offset: accumulator order, rows padded)
-          dst = p.dq_accum + (((size_t)b * C::HEADS + w.hq) * dq_rows_padded(p.q_len) + r0) * C::HEAD_DIM +
-                (size_t)cw * L::DQ_BUF / 4;
-          bulk_reduce_add_f32(dst, smem + L::DQ_OFF + cw * L::DQ_BUF, L::DQ_BUF);
+        if constexpr (L::WIDE) {  // two runs (dq_run), one bulk group
+#pragma unroll
+          for (uint32_t run = 0; run < 2; ++run) {
+            uint32_t from = 0;
+            if (const uint32_t n = dq_run<C>(p, b, w.hq, r0, r1, cw, run, dst, from))
+              bulk_reduce_add_f32(dst, smem + L::DQ_OFF + cw * L::DQ_BUF + from, n * 256);
+          }
         } else if (const uint32_t n = dq_reduction<C>(p, b, w.hq, r0, r1, cw, dst)) {
           bulk_reduce_add_f32(dst, smem + L::DQ_OFF + cw * L::DQ_BUF, n * 256);
         }
@@ -926,15 +946,22 @@ static __device__ __forceinline__ void write_dq(const Problem& p, uint32_t smem,
   if (lead) bulk_wait_group_all();
 }
 
-// WIDE: this thread's part (thread t of the warpgroup) of warpgroup cw's dQ^T to its staging in accumulator order,
-// register quad j at (j x 128 + t) x 16 bytes (dq_wide_offset): one 16-byte store a quad, a warp's 512 contiguous
-// bytes (FlashAttention-4 stages its dQ so; the convert pass undoes the order).
-static __device__ __forceinline__ void stage_dq_t(uint32_t staging, uint32_t t, const float (&dq)[40]) {
+// WIDE: this thread's part of warpgroup cw's dQ^T (head-dim columns row, row + 8 of the warpgroup's 64, queries
+// 8q + 2c + e: register 4q + 2h + e of dq, h: column row + 8h) to its staging as
+// dq_tiled_offset orders a block's rows: query i's 256 bytes at i x 256, its 32-byte chunk u (columns 8u .. 8u + 7)
+// at chunk u ^ (i % 8). One 32-bit store a value (a warp's store: 4 queries x 8 columns, two to a bank).
+static __device__ __forceinline__ void stage_dq_t(uint32_t staging, uint32_t row, uint32_t lane, const float (&dq)[40]) {
+  const uint32_t c = lane % 4;
 #pragma unroll
-  for (int j = 0; j < 10; ++j)  // register quad j of thread t at (j x 128 + t) x 16 bytes: dq_wide_offset's order
-    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(staging + (j * 128 + t) * 16), "f"(dq[4 * j]),
-                 "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
-                 : "memory");
+  for (int q = 0; q < 10; ++q)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t i = 8 * q + 2 * c + e, col = row + 8 * h;
+        st_shared_u32(staging + i * 256 + ((((col >> 3) ^ (i & 7)) << 5) | ((col & 7) << 2)),
+                      __float_as_uint(dq[4 * q + 2 * h + e]));
+      }
 }
 
 template <class C>
@@ -1047,9 +1074,9 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       attention::fence_all<C>(dq, L::SN);
       const uint32_t staging = smem + L::DQ_OFF + cw * L::DQ_BUF;
       staging_free_wait(cw);  // the writer's last reductions from it have read it
-      stage_dq_t(staging, t, dq);
+      stage_dq_t(staging, row, lane, dq);
       fence_proxy_async_shared_cta();  // generic stores, read by the bulk reductions (async proxy)
-      staged_arrive(cw);               // the writer warp reduces it (write_dq: one bulk reduction of 20 KB)
+      staged_arrive(cw);               // the writer warp reduces it (write_dq: two runs, dq_run)
     } else {
       // dQ (64 queries x 64 columns) = dS K over DQ_KEYS keys
       float dq[32];
