@@ -715,6 +715,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
 # read, a wrong dQ column box or key range fails the check against the family's reference.
 
 WG_HEADER = ROOT / "templates" / "include" / "tsgen" / "attention_bwd_wgmma.cuh"
+BWD_HEADER = WG_HEADER.with_name("attention_bwd.cuh")
 
 
 def swizzled(addr):
@@ -1095,7 +1096,7 @@ def test_producer_issues_its_tma_before_the_lse2_copies_and_each_lane_arrives_on
 def c_expr(expr):
     """A C expression of the header as a function of its names (L::X as L_X, C::X as C_X, p.x as p_x, w.x as
     w_x; casts dropped, integer division, one conditional operator at the top)."""
-    code = re.sub(r"\((?:int|int32_t|uint32_t|size_t)\)", "", expr).strip()
+    code = re.sub(r"\((?:int|int32_t|uint32_t|uint64_t|size_t)\)", "", expr).strip()
     while code.startswith("("):  # parentheses around the whole expression
         depth = 0
         for i, ch in enumerate(code):
@@ -1149,6 +1150,14 @@ def header_tall_consumer():
     out.update(header_exprs("dq_reduction", q0=r"const uint32_t q0 = (.+?);", none_if=r"if \((.+?)\) return 0;",
                             n=r"const uint32_t n = (.+?);", box=r"const uint32_t dq_col_box = (.+?);",
                             dst=r"dst = p\.dq_accum \+ (.+?);"))
+    # dq_reduction's destination calls attention_bwd.cuh's dq_tiled_panel (the tiled layout's panel start): read too
+    panel = re.search(r"uint64_t dq_tiled_panel\(.*?\{\s*return (.+?);\s*\}", BWD_HEADER.read_text(), re.S)
+    panel_of, dst = c_expr(panel.group(1)), out["dst"]
+
+    def dq_tiled_panel(b, h, r0, n, panel, heads, q_len, head_dim):
+        return panel_of(b=b, h=h, r0=r0, n=n, panel=panel, heads=heads, q_len=q_len, head_dim=head_dim)
+
+    out["dst"] = lambda **env: dst(dq_tiled_panel=dq_tiled_panel, **env)
     out.update(header_exprs("write_dq", bytes=r"bulk_reduce_add_f32\(dst, smem \+ L::DQ_OFF \+ cw \* L::DQ_BUF, (.+?)\);"))
     return out
 

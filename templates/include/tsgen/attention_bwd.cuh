@@ -183,11 +183,18 @@ __host__ __device__ __forceinline__ bool rows_see_keys(const Problem& p, int32_t
 // in the same order) is then n x 256 contiguous bytes: one bulk reduction (its first n rows), and the
 // staging stores of a warp (8 rows x 4 float pairs of one chunk) hit every bank twice, no more. Same
 // number of floats as dQ: the workspace's size does not change. Host-compiled by the tests.
+// dq_tiled_panel: the first float of panel `panel` of the block of n rows at row r0 (a multiple of 64; n = min(64,
+// q_len - r0)), the panel's n x 64 floats contiguous from there (what a bulk reduction adds into).
+__host__ __device__ __forceinline__ uint64_t dq_tiled_panel(uint32_t b, uint32_t h, uint32_t r0, uint32_t n,
+                                                            uint32_t panel, uint32_t heads, uint32_t q_len,
+                                                            uint32_t head_dim) {
+  return (((uint64_t)b * heads + h) * q_len + r0) * head_dim + (uint64_t)panel * n * 64;
+}
 __host__ __device__ __forceinline__ uint64_t dq_tiled_offset(uint32_t b, uint32_t h, uint32_t r, uint32_t col,
                                                              uint32_t heads, uint32_t q_len, uint32_t head_dim) {
   const uint32_t r0 = r / 64 * 64, i = r - r0, n = q_len - r0 < 64 ? q_len - r0 : 64;
-  return (((uint64_t)b * heads + h) * q_len + r0) * head_dim + (uint64_t)(col / 64) * n * 64 + i * 64 +
-         ((((col % 64) / 8) ^ (i % 8)) * 8) + col % 8;
+  return dq_tiled_panel(b, h, r0, n, col / 64, heads, q_len, head_dim) + i * 64 + ((((col % 64) / 8) ^ (i % 8)) * 8) +
+         col % 8;
 }
 
 // Config::DETERMINISTIC where the Config has it (only specs with params.deterministic emit it: the

@@ -71,6 +71,13 @@
 //     into its own query block's bulk reduction. With params.dk_after_dq as well: consume()'s DK_AFTER_DQ order
 //     (dV alone, DS_READY, dQ, dK once dV is done, the dQ staged and reduced while dK runs, then dK's wait and
 //     q_empty at the end of the step).
+//     params.step_rows 80 (consume()'s WIDE form; HEAD_DIM 128, not causal, the dQ writer warp): steps of 80 query
+//     rows (WIDE_ROWS, FlashAttention-4's hd 128 tile), Q / dO boxes of 80 rows: S^T, dP^T as m64n80 (40 registers
+//     each), dV and dK over 5 k16 steps, dS (not transposed: [query][key], two boxes of 64 keys, ds_wide_offset)
+//     by stmatrix .trans, dQ computed transposed (dQ^T = K^T dS^T, m64n80: 80 is no multiple of wgmma's M) by
+//     warpgroup w for head-dim columns 64w .. 64w + 63, staged in dq_tiled_offset's order (stage_dq_t: one 32-bit
+//     store a value) and added by the writer warp in one or two bulk reductions (dq_run: the step's 80 rows cross
+//     at most one 64-row block of the tiled layout); 240 registers a consumer, 24 the producer's warpgroup.
 //
 // Hazards (and what orders each):
 //   - Q / dO / LSE2 / D stage reuse: the producer reloads a stage only after both consumer
@@ -200,6 +207,7 @@ using gemm::wgmma_fence;
 using gemm::wgmma_wait_group;
 
 constexpr int BLOCK_M = 64;   // query rows per step (params.step_rows 128: two such blocks per step)
+constexpr int WIDE_ROWS = 80;  // params.step_rows 80: query rows per step of consume()'s WIDE form
 // the preprocess zeroes the semaphores per attention_bwd::BLOCK_M rows (dq_semaphores), the walk uses these
 static_assert(BLOCK_M == ::tsgen::attention_bwd::BLOCK_M, "one query block for the semaphores and the walk");
 
@@ -261,10 +269,11 @@ struct Layout {
   static_assert(C::HEAD_DIM == 64 || C::HEAD_DIM == 128, "head dim 64 or 128");
   static_assert(C::TILE_N == BLOCK_N, "the Config's key tile is this header's");
   static constexpr int BOXES = C::HEAD_DIM / 64;  // 64-column (128-byte) boxes per row
-  // query rows per step: BLOCK_M, or 128 with params.step_rows (TALL: consume_tall, head dim 64 only)
+  // query rows per step: BLOCK_M, or params.step_rows' 128 (TALL: consume_tall, head dim 64 only) or 80 (WIDE:
+  // consume() with S^T, dP^T as m64n80 and dQ transposed, head dim 128 not causal)
   static constexpr int ROWS = step_rows_of<C>::value;
   static constexpr bool TALL = ROWS == 2 * BLOCK_M;  // consume_tall
-  static constexpr bool WIDE = ROWS == 80;           // consume() with dQ transposed (step_rows_of)
+  static constexpr bool WIDE = ROWS == WIDE_ROWS;    // consume() with dQ transposed (step_rows_of)
   static constexpr int BOX_ROWS = WIDE ? ROWS : BLOCK_M;  // rows of the Q and dO maps' box (C::TILE_M)
   static constexpr int HALVES = ROWS / BOX_ROWS;  // TMA boxes of BOX_ROWS rows per Q or dO tile and box column
   static constexpr int Q_BOX = BOX_ROWS * 128;    // one TMA box of a Q or dO tile
@@ -275,6 +284,7 @@ struct Layout {
   static constexpr int DS_PANEL = BLOCK_N * 128;  // dS^T: BLOCK_N key rows x 64 queries (16-bit), 128B-swizzled
   // WIDE: dS (not transposed) [80 queries][64 keys] a box, 128B-swizzled, box w the keys of consumer warpgroup w
   static constexpr int DS_BOX = ROWS * 128;
+  static_assert(!WIDE || DS_BOX == WIDE_ROWS * 128, "ds_wide_offset's box");
   // dS^T's buffer: TALL two panels, queries 0 .. 63 and 64 .. 127; WIDE dS in two boxes
   static constexpr int DS_BUF = WIDE ? 2 * DS_BOX : HALVES * DS_PANEL;
   static constexpr int SN = ROWS / 2;           // fp32 per thread of a 64 x ROWS accumulator (S^T, dP^T)
@@ -665,7 +675,7 @@ static __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const ui
 // warpgroup cw's 64 (box cw: 80 query rows of 128 bytes, 128B-swizzled: unit ^ query % 8). dQ^T reads it as its
 // K-major B (FlashAttention-4's dS layout for 80-row steps). Host-compiled by the tests.
 __host__ __device__ __forceinline__ constexpr uint32_t ds_wide_offset(uint32_t cw, uint32_t query, uint32_t unit) {
-  return cw * 80 * 128 + query * 128 + ((unit ^ (query % 8)) << 4);
+  return cw * WIDE_ROWS * 128 + query * 128 + ((unit ^ (query % 8)) << 4);  // box cw: Layout's DS_BOX bytes
 }
 
 // A step's dS^T (16-bit, the A fragments `ad` of K k16 steps: 4, TALL 8, WIDE 5) to shared memory at ds_base: key row
@@ -680,13 +690,16 @@ static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw,
                                                   const uint32_t (&ad)[K][4]) {
   using L = Layout<C>;
   const uint32_t m = lane / 8, r = lane % 8;
-  const uint32_t base = ds_base + (64 * cw + 16 * warp + 8 * (m % 2) + r) * 128;
+  if constexpr (!L::WIDE) {
+    const uint32_t base = ds_base + (64 * cw + 16 * warp + 8 * (m % 2) + r) * 128;
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const uint32_t u = 2 * k + m / 2;
-    if constexpr (!L::WIDE)
+    for (int k = 0; k < K; ++k) {
+      const uint32_t u = 2 * k + m / 2;
       stmatrix_x4(base + (u / 8) * L::DS_PANEL + (((u % 8) ^ r) << 4), ad[k]);
-    else  // transposed: matrix m is keys 16 warp + 8 (m % 2) .. + 7 x queries 16 k + 8 (m / 2) .. + 7; row r a query
+    }
+  } else {  // transposed: matrix m is keys 16 warp + 8 (m % 2) .. + 7 x queries 16 k + 8 (m / 2) .. + 7; row r a query
+#pragma unroll
+    for (int k = 0; k < K; ++k)
       stmatrix_x4_trans(ds_base + ds_wide_offset(cw, 16 * k + 8 * (m / 2) + r, 2 * warp + m % 2), ad[k]);
   }
   fence_proxy_async_shared_cta();
@@ -857,7 +870,7 @@ static __device__ __forceinline__ uint32_t dq_reduction(const Problem& p, uint32
   if (q0 >= r1) return 0;
   const uint32_t n = r1 - q0 < (uint32_t)BLOCK_M ? r1 - q0 : (uint32_t)BLOCK_M;
   const uint32_t dq_col_box = L::DQ_SPLIT_N && !L::TALL ? cw : 0;
-  dst = p.dq_accum + (((size_t)b * C::HEADS + hq) * p.q_len + q0) * C::HEAD_DIM + (size_t)dq_col_box * n * 64;
+  dst = p.dq_accum + dq_tiled_panel(b, hq, q0, n, dq_col_box, C::HEADS, p.q_len, C::HEAD_DIM);
   return n;
 }
 
@@ -874,8 +887,7 @@ __host__ __device__ __forceinline__ uint32_t dq_run(const Problem& p, uint32_t b
   const uint32_t lo = run == 0 ? r0 : split, hi = run == 0 ? (split < r1 ? split : r1) : r1;
   if (lo >= hi) return 0;
   const uint32_t block = lo / 64 * 64, n = p.q_len - block < 64 ? p.q_len - block : 64;
-  dst = p.dq_accum + (((size_t)b * C::HEADS + hq) * p.q_len + block) * C::HEAD_DIM + (size_t)cw * n * 64 +
-        (size_t)(lo - block) * 64;
+  dst = p.dq_accum + dq_tiled_panel(b, hq, block, n, cw, C::HEADS, p.q_len, C::HEAD_DIM) + (size_t)(lo - block) * 64;
   from = (lo - r0) * 256;
   return hi - lo;
 }
@@ -1083,7 +1095,7 @@ static __device__ __forceinline__ void consume(const Problem& p, uint32_t smem, 
       {
         const uint64_t ds_desc = sw128_descriptor(ds_base + dq_key0 * 128, L::DS_BUF, 1024);
         wgmma_fence();
-  #pragma unroll
+#pragma unroll
         for (int k = 0; k < L::DQ_KEYS / 16; ++k)
           C::mma_dq(dq, ds_desc + ((k * 2048) >> 4), kn_desc + ((k * 2048) >> 4), k > 0);
         wgmma_commit_group();
