@@ -1081,8 +1081,9 @@ def test_producer_issues_its_tma_before_the_lse2_copies_and_each_lane_arrives_on
     """produce()'s refill of a stage, read from the header: lane 0 expects the stage's TMA bytes without arriving
     (mbarrier.expect_tx) and issues the Q and dO loads before the lanes' LSE2 / D loads (their global latency runs
     under the TMA's: docs/design/attention.md, "A second cost in the same profiles"), and each of the 32 lanes arrives
-    once, after its own stores (q_full counts 32 arrivals: a 33rd from an arrive.expect_tx would complete the phase
-    early, before a lane's stores)."""
+    once, after its own stores (q_full counts 32 arrivals: an arrive.expect_tx by lane 0 as well would make its 32nd
+    arrival come before the last lane's stores, completing the phase early). A string check of the header's spelling:
+    an extra arrival written another way would pass it; the GPU tests see the race."""
     body = header_function("produce")
     step = body[body.index("for (Walk<C> w("):body.index("// Tail:")]
     assert "mbar_arrive_expect_tx(full" not in step and step.count("mbar_expect_tx(full, 2 * L::Q_TILE)") == 1
