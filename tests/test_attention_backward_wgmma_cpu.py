@@ -1054,6 +1054,39 @@ def test_tiled_dq_accum_layout(tiled_offsets, batch, heads, q_len, d):
     assert (quads % 4 == [0, 1, 2, 3]).all() and (np.diff(quads, axis=1) == 1).all()
 
 
+@needs_nvcc
+@pytest.mark.parametrize("d,tall", [(128, False), (64, False), (64, True)])
+@pytest.mark.parametrize("q_len", [150, 64, 33, 257])
+def test_dq_reduction_adds_each_warpgroup_partial_into_its_own_rows_and_panel(tiled_offsets, d, tall, q_len):
+    """dq_reduction, read from the header (its rows, panel and destination through attention_bwd.cuh's
+    dq_tiled_panel), for every step of 2 sequences x 3 heads (64-row steps, or 128 with params.step_rows 128 at
+    head dim 64) and both consumer warpgroups: its n x 256 bytes from dst are exactly the floats dq_tiled_offset
+    gives the warpgroup's rows (the step's 64, TALL: its own 64 of the 128; none past q_len) and head-dim columns
+    (hd 128: panel cw; hd 64: the one panel, both warpgroups), in the staging's order; every (row, column) of dQ
+    covered once a step at hd 128 and TALL, twice at hd 64 (both warpgroups add partials of the same panel)."""
+    at = header_tall_consumer()
+    batch, heads, rows = 2, 3, 128 if tall else 64
+    off = tiled_offsets(batch, heads, q_len, d)
+    env = dict(L_TALL=tall, L_DQ_SPLIT_N=d == 128, BLOCK_M=64, C_HEADS=heads, C_HEAD_DIM=d, p_q_len=q_len)
+    for b in range(batch):
+        for hq in range(heads):
+            seen = np.zeros((q_len, d), dtype=np.int64)
+            for r0 in range(0, q_len, rows):
+                r1 = min(r0 + rows, q_len)
+                for cw in range(2):
+                    q0 = at["q0"](r0=r0, cw=cw, **env)
+                    if at["none_if"](q0=q0, r1=r1, **env):
+                        assert tall and q0 >= q_len, (r0, cw)  # only TALL's second half past the rows
+                        continue
+                    n, box = at["n"](q0=q0, r1=r1, **env), at["box"](cw=cw, **env)
+                    dst = at["dst"](b=b, hq=hq, q0=q0, n=n, dq_col_box=box, **env)
+                    assert n == min(64, q_len - q0) and at["bytes"](n=n) == 256 * n
+                    want = off[b, hq, q0:q0 + n, 64 * box:64 * box + 64]
+                    assert np.array_equal(np.sort(want.reshape(-1)), np.arange(dst, dst + 64 * n)), (b, hq, r0, cw)
+                    seen[q0:q0 + n, 64 * box:64 * box + 64] += 1
+            assert (seen == (2 if d == 64 and not tall else 1)).all(), (b, hq)
+
+
 @pytest.mark.parametrize("d,causal,tiled", [(128, True, False), (64, False, False), (64, True, False),
                                             pytest.param(128, True, True, marks=NVCC_MARKS),
                                             pytest.param(128, False, True, marks=NVCC_MARKS),
