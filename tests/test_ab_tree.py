@@ -100,7 +100,10 @@ def test_the_ab_script_names_what_the_tool_takes():
     source = (ROOT / "tools" / "gpu_attention_bwd.py").read_text()
     for flag in ("--base-tree", "--impl", "--rounds", "--bench-shapes"):
         assert flag in text and f'"{flag}"' in source, flag
-    assert "--impl base,shipped" in text
+    impls = re.search(r'--impl "\$\{IMPLS:-(\S+)\}"', text).group(1).split(",")  # the default impls
+    assert impls == ["base", "shipped"]
+    assert all(i in tool.IMPLS or tool.base_of(i) for i in impls), impls
+    assert all(tool.base_of(i) in tool.IMPLS for i in tool.BASE_IMPLS), "every base_X names an impl of this checkout"
 
 
 @compile_test(missing_tool(find_nvcc) and f"nvcc not found: {missing_tool(find_nvcc)}")
