@@ -188,8 +188,6 @@ def test_sass_of_the_main_kernel(tmp_path, monkeypatch):
     """The mma_sync main kernel (the shipped specs run wgmma: tests/test_attention_backward_wgmma_cpu.py):
     bf16 HMMA m16n8k16, ldmatrix plain and transposed, dQ added with fp32 reductions (no value
     returned: RED, not ATOM), no local memory, no calls."""
-    import re
-
     monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
     spec = variant("v", **MMA_SYNC)
     sass = dump_sass(compile_source(rendered_source(spec, tmp_path)).output)
@@ -373,6 +371,17 @@ def test_gpu_tool_case_passes_the_right_gradients_and_fails_wrong_ones(tool, lay
     assert not r["pass"] and r["dk"]["wrong"] > 0 and r["dv"]["wrong"] > 0 and r["dq"]["wrong"] > 0, r
     r = tool.run_case(torch, FakeOp(tool, torch, layout, dtype=dtype, wrong="no_dq"), case, gen, device="cpu")
     assert not r["pass"] and r["dq"]["wrong"] == r["dq"]["of"] and r["dq"]["nan"] == r["dq"]["of"], r
+
+
+def test_gpu_tool_cases_take_both_lse_paths(tool):
+    """Every variant's check cases include a q_len that is a multiple of 4 and one that is not: a producer that
+    bulk-copies a step's LSE2 / D rows (16-byte runs) does so only in the first, and copies through its lanes in
+    the second (results/attention_backward/2026-11-29-a59ef26-bulk-lse.patch); both paths get checked."""
+    torch = pytest.importorskip("torch")
+    for op in (FakeOp(tool, torch), FakeOp(tool, torch, dq_tiled=True), FakeOp(tool, torch, deterministic=True)):
+        for quick in (True, False):
+            lens = {c["q_len"] % 4 == 0 for c in tool.cases_for(op, quick)}
+            assert lens == {True, False}, (quick, lens)
 
 
 def test_gpu_tool_deterministic_cases_need_identical_bits(tool):
