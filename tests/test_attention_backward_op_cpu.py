@@ -338,8 +338,9 @@ class FakeOp:
         self.bhsd, self.dtype, self.scale = layout == "bhsd", dtype, 0.25
         self.deterministic, self.dq_tiled, self.calls = deterministic, dq_tiled or deterministic, 0
 
-    def workspace(self, torch, batch, q_len, device="cuda"):
-        return (torch.empty(batch * q_len * self.heads * self.head_dim, device=device),)
+    def workspace(self, torch, batch, q_len, device="cuda"):  # dq_accum, dsum, lse2 (the real Op's three)
+        rows = batch * q_len * self.heads
+        return tuple(torch.empty(n, device=device) for n in (rows * self.head_dim, rows, rows))
 
     def __call__(self, t, ws, batch, q_len, kv_len, stream, q_offset=0, kv_offset=0, q_split=None, q_offset2=0):
         torch, tool = self.torch, self.tool
@@ -352,6 +353,7 @@ class FakeOp:
             if not (self.wrong == "no_dq" and name == "dq"):
                 t[name].copy_(tool.to_bshd(g, self.bhsd))
         self.calls += 1
+        self.offsets = [w.storage_offset() for w in ws]  # where each workspace buffer starts (ws_offset cases)
         ws[0].fill_(0.5)
         if self.wrong == "flaky_accum":
             ws[0][-1] = 0.5 + self.calls * 2.0 ** -20
@@ -364,9 +366,13 @@ class FakeOp:
 def test_gpu_tool_case_passes_the_right_gradients_and_fails_wrong_ones(tool, layout, dtype):
     torch = pytest.importorskip("torch")
     gen = torch.Generator().manual_seed(0)
-    for case in ({"batch": 2, "q_len": 7, "kv_len": 7}, {"batch": 1, "q_len": 5, "kv_len": 11, "calls": 3}):
-        r = tool.run_case(torch, FakeOp(tool, torch, layout, dtype=dtype), case, gen, device="cpu")
+    for case in ({"batch": 2, "q_len": 7, "kv_len": 7}, {"batch": 1, "q_len": 8, "kv_len": 6, "ws_offset": 1},
+                 {"batch": 1, "q_len": 5, "kv_len": 11, "calls": 3}):
+        op = FakeOp(tool, torch, layout, dtype=dtype)
+        r = tool.run_case(torch, op, case, gen, device="cpu")
         assert r["pass"], r
+        # ws_offset: D and LSE2 one float into their buffers (4 bytes past any 16-byte boundary), dq_accum not
+        assert op.offsets == [0] + [case.get("ws_offset", 0)] * 2, (case, op.offsets)
     r = tool.run_case(torch, FakeOp(tool, torch, layout, dtype=dtype, wrong="gqa"), case, gen, device="cpu")
     assert not r["pass"] and r["dk"]["wrong"] > 0 and r["dv"]["wrong"] > 0 and r["dq"]["wrong"] > 0, r
     r = tool.run_case(torch, FakeOp(tool, torch, layout, dtype=dtype, wrong="no_dq"), case, gen, device="cpu")
@@ -380,8 +386,10 @@ def test_gpu_tool_cases_take_both_lse_paths(tool):
     torch = pytest.importorskip("torch")
     for op in (FakeOp(tool, torch), FakeOp(tool, torch, dq_tiled=True), FakeOp(tool, torch, deterministic=True)):
         for quick in (True, False):
-            lens = {c["q_len"] % 4 == 0 for c in tool.cases_for(op, quick)}
+            cases = tool.cases_for(op, quick)
+            lens = {c["q_len"] % 4 == 0 for c in cases}
             assert lens == {True, False}, (quick, lens)
+            assert [c for c in cases if c.get("ws_offset") and c["q_len"] % 4 == 0], "an unaligned D / LSE2 case"
 
 
 def test_gpu_tool_deterministic_cases_need_identical_bits(tool):

@@ -350,6 +350,9 @@ def run_case(torch, op: Op, case: dict, gen, device: str = "cuda", forward=None)
         flat[name] = torch.empty(like.numel() + guard, device=device, dtype=dt)
         t[name] = flat[name][:like.numel()].view(layout(like).shape)
     ws = op.workspace(torch, batch, q_len, device)
+    if case.get("ws_offset"):  # dsum and lse2 (ws[1:]) start that many floats into buffers one float longer
+        ws = (ws[0], *(torch.empty(w.numel() + case["ws_offset"], device=device, dtype=w.dtype)[case["ws_offset"]:]
+                       for w in ws[1:]))
     first = first_accum = None  # the first run's gradients and fp32 dq_accum (ws[0]), bit for bit (repeats > 1)
     identical = accum_identical = True
     for _ in range(repeats):
@@ -407,7 +410,10 @@ def cases_for(op: Op, quick: bool) -> list[dict]:
              # q_len no multiple of 4: a step's LSE2 / D rows are no 16-byte aligned run there, so a producer that
              # bulk-copies them (results/attention_backward/2026-11-29-a59ef26-bulk-lse.patch) copies through its
              # lanes instead; every other case takes the bulk path
-             {"batch": 2, "q_len": 999, "kv_len": 1001}]
+             {"batch": 2, "q_len": 999, "kv_len": 1001},
+             # D and LSE2 4 bytes past a 16-byte boundary (ws_offset: run_case): the same lane-copy path at a q_len
+             # that is a multiple of 4
+             {"batch": 1, "q_len": 1000, "kv_len": 1000, "ws_offset": 1}]
     if not quick:
         cases.append({"batch": 1, "q_len": 4096, "kv_len": 4096})
     if getattr(op, "causal", False):  # top-left aligned: the key blocks past row 300 see no query (their dK, dV must be zero)
