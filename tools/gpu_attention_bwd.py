@@ -155,7 +155,12 @@ IMPL_ONLY = {"wgmma_m128": {"head_dim": 64}, "wgmma_m128dkq": {"head_dim": 64},
 
 def runs(name: str, impl: str) -> bool:
     """Whether main kernel `impl` is built, checked and benched for variant `name` (IMPL_ONLY)."""
-    return all(VARIANTS[name]["params"][k] == v for k, v in IMPL_ONLY.get(base_of(impl) or impl, {}).items())
+    return all(VARIANTS[name]["params"][k] == v for k, v in only_for(impl).items())
+
+
+def only_for(impl: str) -> dict:
+    """The variant params `impl` is built for (IMPL_ONLY; a base_X impl: shipped_X's), {} for every variant."""
+    return IMPL_ONLY.get(base_of(impl) or impl, {})
 
 
 def impl_name(name: str, impl: str) -> str:
@@ -1108,7 +1113,7 @@ def main() -> int:
         if name not in VARIANTS:
             ap.error(f"--ncu: variant {name!r}; one of {', '.join(sorted(VARIANTS))}")
         if not runs(name, impls[0]):
-            ap.error(f"--ncu: impl {impls[0]} is built for variants with {IMPL_ONLY[impls[0]]} only, not {name}")
+            ap.error(f"--ncu: impl {impls[0]} is built for variants with {only_for(impls[0])} only, not {name}")
         return (profile_source if a.ncu_source else profile)(out, name, impls[0], int(seq) if seq else BENCH_SEQS[1],
                                                              a.ncu_baseline)
     if a.rounds < 1 or a.settle < 0:
