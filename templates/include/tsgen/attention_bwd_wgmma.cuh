@@ -23,9 +23,10 @@
 //     (query head of the GQA group, query block of BLOCK_M = 64 rows; CAUSAL skips the blocks that
 //     see none of the CTA's keys, rows_see_keys) the Q and dO tiles into stage `step % STAGES` of
 //     a ring (q_full / q_empty): lane 0 sets the stage's expected bytes (expect_tx, no arrival) and
-//     issues them first, then the 32 lanes copy the step's LSE2 and D (64 fp32 each, +inf and 0 for
-//     rows past q_len) into the same stage with plain loads and stores, and every lane arrives on
-//     q_full (32 arrivals and the TMA bytes complete the phase).
+//     issues them, with the step's LSE2 and D (ROWS fp32 each) by two bulk copies where q_len is a
+//     multiple of 4 (their rows a 16-byte aligned run); the 32 lanes store +inf and 0 for the rows
+//     past q_len (and otherwise copy LSE2 and D through their registers), and every lane arrives on
+//     q_full (32 arrivals and the bytes complete the phase).
 //   * warpgroups 1 and 2, the consumers (232 registers): warpgroup w owns keys 64w .. 64w + 63 of
 //     the block, as the M of its products (the transposed form, as the mma.sync kernel's). Per
 //     step:
@@ -193,6 +194,7 @@ using gemm::fence_proxy_async_global;
 using gemm::mbar_arrive;
 using gemm::mbar_arrive_expect_tx;
 using gemm::mbar_expect_tx;
+using gemm::bulk_load;
 using gemm::mbar_init;
 using gemm::mbar_wait;
 using gemm::named_barrier_sync;
@@ -334,12 +336,13 @@ struct Layout {
   static constexpr int Q_OFF = V_OFF + KV_TILE;
   static constexpr int DO_OFF = Q_OFF + C::STAGES * Q_TILE;
   static constexpr int DS_OFF = DO_OFF + C::STAGES * Q_TILE;
-  static constexpr int DQ_OFF = DS_OFF + 2 * DS_BUF;  // DQ_TILED: fp32 [2 warpgroups][64 rows][64], tiled
+  static constexpr int DQ_OFF = DS_OFF + 2 * DS_BUF;  // DQ_TILED: fp32 [2 warpgroups][DQ_BUF / 256 rows][64]
   static constexpr int LSE2_OFF = DQ_OFF + (DQ_TILED ? 2 * DQ_BUF : 0);  // fp32 [STAGES][ROWS]
   static constexpr int DSUM_OFF = LSE2_OFF + 4 * C::STAGES * ROWS;
   static constexpr int BAR_OFF = DSUM_OFF + 4 * C::STAGES * ROWS;
   static constexpr int KV_FULL = BAR_OFF, Q_FULL = BAR_OFF + 8, Q_EMPTY = Q_FULL + 8 * C::STAGES;
   static constexpr int SMEM_BYTES = Q_EMPTY + 8 * C::STAGES + 1024;  // + slack for aligning the base
+  static_assert(LSE2_OFF % 16 == 0 && DSUM_OFF % 16 == 0 && 4 * ROWS % 16 == 0, "produce()'s bulk copies of LSE2 / D");
   static_assert(SMEM_BYTES == C::SMEM_BYTES, "tsgen/ops/attention_backward.py smem_bytes() disagrees");
 };
 
@@ -503,17 +506,29 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
   }
   uint32_t step = 0;
   uint32_t* last_semaphore = nullptr;  // DETERMINISTIC: that of the walk's last step
+  // LSE2 and D by bulk copy where every step's rows are a 16-byte aligned run of whole 16-byte units: q_len a
+  // multiple of 4 (a step starts at a multiple of 16 rows) and both buffers 16-byte aligned; else the lanes copy
+  // them through registers. Either way the lanes store +inf and 0 for the step's rows past q_len.
+  const bool bulk = p.q_len % 4 == 0 &&
+                    ((reinterpret_cast<uintptr_t>(p.lse2) | reinterpret_cast<uintptr_t>(p.dsum)) % 16) == 0;
   for (Walk<C> w(p, hk, p.kv_offset + (int32_t)k0, part); !w.done(); w.next(p), ++step) {
     const uint32_t stage = step % C::STAGES, phase = (step / C::STAGES) & 1;
     mbar_wait(smem + L::Q_EMPTY + 8 * stage, phase ^ 1);  // a fresh barrier passes parity 1
     if constexpr (L::DETERMINISTIC) last_semaphore = dq_semaphore<C>(p, b, w);
     const uint32_t r0 = w.qb * L::ROWS;
+    const uint32_t n = p.q_len - r0 < (uint32_t)L::ROWS ? p.q_len - r0 : (uint32_t)L::ROWS;  // the step's rows
+    const size_t row0 = ((size_t)b * C::HEADS + w.hq) * p.q_len + r0;  // LSE2 / D of the step's first row
     const uint32_t full = smem + L::Q_FULL + 8 * stage;
-    // Lane 0 expects the stage's TMA bytes (no arrival) and issues its Q and dO loads before the lanes' LSE2 / D
-    // copies: the TMA's latency runs under the copies' global loads instead of after them (docs/design/attention.md,
-    // "A second cost in the same profiles"). The phase completes with the bytes and all 32 arrivals below.
+    // Lane 0 expects the stage's bytes (no arrival) and issues its bulk copies and TMA loads before the lanes'
+    // stores: the loads' latency runs under the stores instead of after them (docs/design/attention.md, "A second
+    // cost in the same profiles", and the bulk copies after it). The phase completes with the bytes and all 32
+    // arrivals below.
     if (lane == 0) {
-      mbar_expect_tx(full, 2 * L::Q_TILE);
+      mbar_expect_tx(full, 2 * L::Q_TILE + (bulk ? 8 * n : 0));
+      if (bulk) {
+        bulk_load(smem + L::LSE2_OFF + 4 * stage * L::ROWS, p.lse2 + row0, 4 * n, full);
+        bulk_load(smem + L::DSUM_OFF + 4 * stage * L::ROWS, p.dsum + row0, 4 * n, full);
+      }
 #pragma unroll
       for (int x = 0; x < L::BOXES; ++x)
 #pragma unroll
@@ -528,14 +543,16 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
           attention::load_rows<C>(smem + L::DO_OFF + box, do_map, 64 * x, rows, (int)w.hq, (int)b, full);
         }
     }
-    for (uint32_t i = lane; i < L::ROWS; i += 32) {
-      const size_t at = ((size_t)b * C::HEADS + w.hq) * p.q_len + r0 + i;
-      const bool in = r0 + i < p.q_len;
-      const float l2 = in ? p.lse2[at] : INFINITY;  // padding rows: P = 0
-      const float d = in ? p.dsum[at] : 0.f;
+    for (uint32_t i = (bulk ? n : 0) + lane; i < L::ROWS; i += 32) {
+      const bool in = i < n;
+      const float l2 = in ? p.lse2[row0 + i] : INFINITY;  // padding rows: P = 0
+      const float d = in ? p.dsum[row0 + i] : 0.f;
       st_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + i), __float_as_uint(l2));
       st_shared_u32(smem + L::DSUM_OFF + 4 * (stage * L::ROWS + i), __float_as_uint(d));
     }
+    // The bulk path: the padding rows' generic stores here and a later phase's bulk copy over the same bytes
+    // (a stage's short last block, then a full one) are ordered by this fence, not only by the consumers' (below)
+    if (bulk) fence_proxy_async_shared_cta();
     mbar_arrive(full);  // each lane's stores above, released to the consumers' q_full wait
   }
   // Tail: the consumers release the last stages (with the timeout: a stuck pipeline traps).
@@ -702,6 +719,9 @@ static __device__ __forceinline__ void store_ds_t(uint32_t ds_base, uint32_t cw,
     for (int k = 0; k < K; ++k)
       stmatrix_x4_trans(ds_base + ds_wide_offset(cw, 16 * k + 8 * (m / 2) + r, 2 * warp + m % 2), ad[k]);
   }
+  // Also the fence between this thread's generic reads of the stage's LSE2 / D (before this call in every consume
+  // form) and the producer's bulk copies into the same bytes two steps later (async proxy; ordered through
+  // DS_READY and q_empty): keep every LSE2 / D read of a step before it
   fence_proxy_async_shared_cta();
 }
 

@@ -140,6 +140,16 @@ static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) 
   }
 }
 
+// cp.async.bulk (not .tensor): `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned),
+// completing on the mbarrier `bar` as transaction bytes (the caller's expect_tx counts them). Async proxy: generic
+// accesses of `dst` before it need a fence.proxy.async on their way to this thread (its completion brings its own
+// fence for the readers that wait on `bar`).
+static __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 // TMA load of one box at (x = column, y = row) into this CTA's shared memory;
 // its bytes complete_tx on `bar`. Out-of-bounds elements are filled with zeros.
 static __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y,
