@@ -1,0 +1,112 @@
+"""The attention forward's kernels in back-to-back calls, tsgen's beside FlashAttention-4's, from the GPU's own
+records (torch.profiler / CUPTI): per kernel its median duration, per call the span and the idle gaps between
+kernels. The forward's counterpart of tools/gpu_attention_bwd.py --kernel-times, for the question the suite and
+ncu left open (docs/design/attention.md, "hd 64 causal, profiled the same way": one isolated launch each is
+level or near it, the suite's interleaved rounds are not).
+
+    python3 tools/fwd_kernel_times.py OUT --variant hd64_causal_kv32_m192_rs4 --shape 8192x1,16384x1,8192x2
+                                      [--calls 10] [--rounds 3]
+
+Each round runs `calls` back-to-back calls of tsgen and then of FA4 (their order alternating by round), eagerly
+(no CUDA graph: the launches' own gaps show), on the same random tensors. Writes OUT/fwd_kernel_times.json
+and prints one table row per shape and implementation. FA4 where tools/fa4_wheels.sh installed it, else tsgen
+alone. Speed only: the outputs are not checked here (tools/gpu_attention.py checks the variants).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_attention as ga  # noqa: E402
+
+
+def records(torch, fn, calls: int) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of every GPU kernel of `calls` back-to-back calls of fn, from CUPTI's records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sorted((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def summarize(blocks: list[list[tuple[str, float, float]]], calls: int) -> dict:
+    """Over the blocks: the median duration (us) of the main kernel (the name with the most time in all),
+    the span per call (first start to last end over calls) and the idle time between consecutive kernels."""
+    totals: dict[str, float] = {}
+    for recs in blocks:
+        for name, start, end in recs:
+            totals[name] = totals.get(name, 0.0) + end - start
+    main_kernel = max(totals, key=totals.get)
+    durations, spans, gaps = [], [], []
+    for recs in blocks:
+        recs = sorted(recs, key=lambda r: r[1])
+        durations += [end - start for name, start, end in recs if name == main_kernel]
+        spans.append((recs[-1][2] - recs[0][1]) / calls)
+        gaps += [max(0.0, b[1] - a[2]) for a, b in zip(recs, recs[1:])]
+    return {"kernels_per_call": len(blocks[0]) / calls, "main_kernel": main_kernel[:80],
+            "kernel_us": statistics.median(durations),
+            "span_us": statistics.median(spans), "gap_us": statistics.median(gaps) if gaps else 0.0,
+            "spans_us": spans}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--variant", default="hd64_causal_kv32_m192_rs4")
+    ap.add_argument("--shape", default="8192x1,16384x1,8192x2", help="SEQxBATCH, comma-separated")
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    op = ga.Op(ga.build(args.out, args.variant))
+    from tsgen.bench.attention_baselines import fa4_stream, import_fa4
+
+    fa4, why = import_fa4()
+    if fa4 is None:
+        print(f"FA4 not importable ({why}): tsgen alone", flush=True)
+    dt = ga.torch_dtype(torch, op.dtype)
+    stream = torch.cuda.Stream()
+    result = {"variant": args.variant, "calls": args.calls, "rounds": args.rounds, "shapes": {}}
+    print("| shape | impl | kernels a call | kernel us (median) | span us a call (median) | gap us (median) |")
+    print("|---|---|---|---|---|---|")
+    for shape in args.shape.split(","):
+        seq, batch = (int(x) for x in shape.split("x"))
+        q, k, v = (torch.randn(batch, seq, h, op.head_dim, device="cuda", dtype=dt)
+                   for h in (op.heads, op.kv_heads, op.kv_heads))
+        o, lse = torch.empty_like(q), torch.empty(batch, op.heads, seq, device="cuda", dtype=torch.float32)
+        fns = {"tsgen": lambda: op(q, k, v, o, lse, batch, seq, seq, stream)}
+        if fa4 is not None:
+            def call_fa4():
+                with fa4_stream(torch, stream):
+                    fa4.flash_attn_func(q, k, v, softmax_scale=op.scale, causal=op.causal)
+            fns["fa4"] = call_fa4
+        for fn in fns.values():  # first calls (compiles, caches) outside the records
+            fn()
+        torch.cuda.synchronize()
+        blocks = {name: [] for name in fns}
+        for r in range(args.rounds):
+            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                blocks[name].append(records(torch, fns[name], args.calls))
+        result["shapes"][shape] = {}
+        for name, bl in blocks.items():
+            s = summarize(bl, args.calls)
+            result["shapes"][shape][name] = s
+            print(f"| {shape} | {name} | {s['kernels_per_call']:.0f} | {s['kernel_us']:.1f} | {s['span_us']:.1f} | "
+                  f"{s['gap_us']:.1f} |", flush=True)
+    (args.out / "fwd_kernel_times.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
