@@ -8,7 +8,7 @@ level or near it, the suite's interleaved rounds are not).
                                       [--calls 10] [--rounds 3]
 
 Each round runs `calls` back-to-back calls of tsgen and then of FA4 (their order alternating by round), eagerly
-(no CUDA graph: the launches' own gaps show), on the same random tensors. Writes OUT/fwd_kernel_times.json
+(the launches' own gaps show) or, with --graph, as one replay of a CUDA graph holding them, on the same tensors. Writes OUT/fwd_kernel_times.json
 and prints one table row per shape and implementation. FA4 where tools/fa4_wheels.sh installed it, else tsgen
 alone. Speed only: the outputs are not checked here (tools/gpu_attention.py checks the variants).
 """
@@ -26,13 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_attention as ga  # noqa: E402
 
 
-def records(torch, fn, calls: int) -> list[tuple[str, float, float]]:
-    """(name, start_us, end_us) of every GPU kernel of `calls` back-to-back calls of fn, from CUPTI's records."""
+def records(torch, fn, calls: int, graph=None) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of every GPU kernel of `calls` back-to-back calls of fn (or of one replay of
+    `graph`, which holds them), from CUPTI's records."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(calls):
+                fn()
         torch.cuda.synchronize()
     return sorted((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -65,6 +69,8 @@ def main() -> int:
     ap.add_argument("--shape", default="8192x1,16384x1,8192x2", help="SEQxBATCH, comma-separated")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--graph", action="store_true", help="the calls captured in one CUDA graph, replayed (as the "
+                    "bench times them where capture works)")
     args = ap.parse_args()
     import torch
 
@@ -77,7 +83,7 @@ def main() -> int:
         print(f"FA4 not importable ({why}): tsgen alone", flush=True)
     dt = ga.torch_dtype(torch, op.dtype)
     stream = torch.cuda.Stream()
-    result = {"variant": args.variant, "calls": args.calls, "rounds": args.rounds, "shapes": {}}
+    result = {"variant": args.variant, "calls": args.calls, "rounds": args.rounds, "graph": args.graph, "shapes": {}}
     print("| shape | impl | kernels a call | kernel us (median) | span us a call (median) | gap us (median) |")
     print("|---|---|---|---|---|---|")
     for shape in args.shape.split(","):
@@ -94,10 +100,19 @@ def main() -> int:
         for fn in fns.values():  # first calls (compiles, caches) outside the records
             fn()
         torch.cuda.synchronize()
+        graphs = {name: None for name in fns}
+        if args.graph:
+            for name, fn in fns.items():
+                graphs[name] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[name], stream=stream):
+                    for _ in range(args.calls):
+                        fn()
+                graphs[name].replay()  # upload, untimed
+            torch.cuda.synchronize()
         blocks = {name: [] for name in fns}
         for r in range(args.rounds):
             for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                blocks[name].append(records(torch, fns[name], args.calls))
+                blocks[name].append(records(torch, fns[name], args.calls, graphs[name]))
         result["shapes"][shape] = {}
         for name, bl in blocks.items():
             s = summarize(bl, args.calls)
