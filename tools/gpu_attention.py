@@ -69,11 +69,14 @@ CHECK_TIMEOUT_S, BENCH_TIMEOUT_S = 60, 120
 def variant(head_dim=128, causal=False, kv_heads=32, **extra) -> dict:
     """Ping-pong on for causal, off otherwise (docs/design/attention.md; results/attention/
     results/attention/2026-11-23-222939d-sdpa-h100.md: off is 4-13% faster non-causal at seq 4K-16K,
-    on is 1-26% faster causal at seq <= 4K), and params.rescale_at as the shipped specs (4 but at hd 128 causal),
-    unless `extra` says otherwise."""
+    on is 1-26% faster causal at seq <= 4K), params.rescale_at as the shipped specs (4 but at hd 128 causal) and
+    params.row_max_chains as they have it (SPEC's 2 not causal, unset causal: until 2026-11-29 the causal variants
+    kept SPEC's 2, which no causal spec ships), unless `extra` says otherwise."""
     changes = {"params": {"head_dim": head_dim, "causal": causal, "kv_heads": kv_heads, "pingpong": causal}}
     if causal and head_dim == 128:  # the O rescale's order as the shipped specs: after every exp2 at hd 128 causal
         changes["params"]["rescale_at"] = None  # (SPEC, the hd 128 not-causal spec, ships rescale_at 4 since 2026-11-28)
+    if causal:  # the causal specs (specs/attention_hd128_causal_gqa.yaml, attention_hd64_causal.yaml) set no chains
+        changes["params"]["row_max_chains"] = None
     for key, value in extra.items():
         if key in ("dtype",):
             changes[key] = value
