@@ -10,7 +10,9 @@ level or near it, the suite's interleaved rounds are not).
 Each round runs `calls` back-to-back calls of tsgen and then of FA4 (their order alternating by round), eagerly
 (the launches' own gaps show) or, with --graph, as one replay of a CUDA graph holding them, on the same tensors. Writes OUT/fwd_kernel_times.json
 and prints one table row per shape and implementation. FA4 where tools/fa4_wheels.sh installed it, else tsgen
-alone. Speed only: the outputs are not checked here (tools/gpu_attention.py checks the variants).
+alone. With --runtime-spec SPEC also SPEC's kernel through tsgen's runtime, as the bench times it (RuntimeCalls):
+beside the tool's own ctypes call of the same launcher, it tells a cost of the bench's path from the kernel's.
+Speed only: the outputs are not checked here (tools/gpu_attention.py checks the variants).
 """
 
 from __future__ import annotations
@@ -62,6 +64,39 @@ def summarize(blocks: list[list[tuple[str, float, float]]], calls: int) -> dict:
             "spans_us": spans}
 
 
+class RuntimeCalls:
+    """SPEC's kernel called as `tsgen bench` calls it: a single-process World of one GPU, the module rendered and
+    loaded by the runtime, buffers of count = seq filled by the bench's fill_random, module.launch on the World's
+    stream (tsgen/bench/runner.py's enqueue). One buffer set a sequence length (the bench rotates sets only where
+    one set fits twice in L2, which no attention size here does)."""
+
+    def __init__(self, spec: str):
+        from tsgen.harness import render_to_cache
+        from tsgen.runtime.world import World
+        from tsgen.spec import load_spec
+
+        loaded = load_spec(spec)
+        self.batch = int(getattr(loaded.model.params, "batch", 1) or 1)
+        self.world = World(1, backend="single")
+        cached = render_to_cache(loaded)
+        self.module = self.world.load(cached.manifest, source=cached.source)
+        self.buffers: dict[int, object] = {}
+
+    def calls(self, seq: int):
+        from tsgen.bench.runner import fill_random
+
+        if seq not in self.buffers:
+            self.buffers[seq] = self.module.alloc(seq)
+            fill_random(self.world, self.buffers[seq])
+        bufs, w = self.buffers[seq], self.world
+        return lambda: self.module.launch(bufs, ranks=[0], streams=w.streams)
+
+    def close(self) -> None:
+        for b in self.buffers.values():
+            b.free()
+        self.world.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -69,6 +104,10 @@ def main() -> int:
     ap.add_argument("--shape", default="8192x1,16384x1,8192x2", help="SEQxBATCH, comma-separated")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--runtime-spec", metavar="SPEC", default=None,
+                    help="also impl tsgen_runtime: SPEC (e.g. specs/attention_hd64_causal.yaml) through tsgen's runtime "
+                    "as `tsgen bench` calls it (World, module.launch on the World's stream, the bench's random "
+                    "inputs): at the spec's own batch only, so shapes whose batch differs skip it")
     ap.add_argument("--graph", action="store_true", help="the calls captured in one CUDA graph, replayed (as the "
                     "bench times them where capture works)")
     args = ap.parse_args()
@@ -83,6 +122,7 @@ def main() -> int:
         print(f"FA4 not importable ({why}): tsgen alone", flush=True)
     dt = ga.torch_dtype(torch, op.dtype)
     stream = torch.cuda.Stream()
+    runtime = RuntimeCalls(args.runtime_spec) if args.runtime_spec else None
     result = {"variant": args.variant, "calls": args.calls, "rounds": args.rounds, "graph": args.graph, "shapes": {}}
     print("| shape | impl | kernels a call | kernel us (median) | span us a call (median) | gap us (median) |")
     print("|---|---|---|---|---|---|")
@@ -97,12 +137,16 @@ def main() -> int:
                 with fa4_stream(torch, stream):
                     fa4.flash_attn_func(q, k, v, softmax_scale=op.scale, causal=op.causal)
             fns["fa4"] = call_fa4
+        if runtime is not None and batch == runtime.batch:
+            fns["tsgen_runtime"] = runtime.calls(seq)
         for fn in fns.values():  # first calls (compiles, caches) outside the records
             fn()
         torch.cuda.synchronize()
         graphs = {name: None for name in fns}
         if args.graph:
             for name, fn in fns.items():
+                if name == "tsgen_runtime":  # its own (CuPy) stream, not the capture's: eagerly, as the bench does
+                    continue
                 graphs[name] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graphs[name], stream=stream):
                     for _ in range(args.calls):
@@ -120,6 +164,8 @@ def main() -> int:
             print(f"| {shape} | {name} | {s['kernels_per_call']:.0f} | {s['kernel_us']:.1f} | {s['span_us']:.1f} | "
                   f"{s['gap_us']:.1f} |", flush=True)
     (args.out / "fwd_kernel_times.json").write_text(json.dumps(result, indent=1))
+    if runtime is not None:
+        runtime.close()
     return 0
 
 
