@@ -7,7 +7,8 @@ level or near it, the suite's interleaved rounds are not).
     python3 tools/fwd_kernel_times.py OUT --variant hd64_causal_kv32_m192_rs4 --shape 8192x1,16384x1,8192x2
                                       [--calls 10] [--rounds 3]
 
-Each round runs `calls` back-to-back calls of tsgen and then of FA4 (their order alternating by round), eagerly
+Each round runs `calls` back-to-back calls of tsgen and of FA4 (in tsgen.bench.timing's balanced round order: for
+two, alternating), eagerly
 (the launches' own gaps show) or, with --graph, as one replay of a CUDA graph holding them, on the same tensors. Writes OUT/fwd_kernel_times.json
 and prints one table row per shape and implementation. FA4 where tools/fa4_wheels.sh installed it, else tsgen
 alone. With --runtime-spec SPEC also SPEC's kernel through tsgen's runtime, as the bench times it (RuntimeCalls):
@@ -26,42 +27,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_attention as ga  # noqa: E402
-
-
-def records(torch, fn, calls: int, graph=None) -> list[tuple[str, float, float]]:
-    """(name, start_us, end_us) of every GPU kernel of `calls` back-to-back calls of fn (or of one replay of
-    `graph`, which holds them), from CUPTI's records."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        if graph is not None:
-            graph.replay()
-        else:
-            for _ in range(calls):
-                fn()
-        torch.cuda.synchronize()
-    return sorted((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA)
+import gpu_attention_bwd as bwd  # noqa: E402  (profile_rounds, summarize_kernels: its --kernel-times' pieces)
 
 
 def summarize(blocks: list[list[tuple[str, float, float]]], calls: int) -> dict:
-    """Over the blocks: the median duration (us) of the main kernel (the name with the most time in all),
-    the span per call (first start to last end over calls) and the idle time between consecutive kernels."""
+    """Over the blocks (profile_rounds' of one implementation): the main kernel (the name with the most time in
+    all) and its median duration (us), the span per call and its blocks' (summarize_kernels'), and the median idle
+    time between consecutive kernels."""
+    s = bwd.summarize_kernels({"calls": calls, "blocks": {"one": blocks}})["one"]
     totals: dict[str, float] = {}
     for recs in blocks:
         for name, start, end in recs:
             totals[name] = totals.get(name, 0.0) + end - start
     main_kernel = max(totals, key=totals.get)
-    durations, spans, gaps = [], [], []
+    gaps = []
     for recs in blocks:
         recs = sorted(recs, key=lambda r: r[1])
-        durations += [end - start for name, start, end in recs if name == main_kernel]
-        spans.append((recs[-1][2] - recs[0][1]) / calls)
         gaps += [max(0.0, b[1] - a[2]) for a, b in zip(recs, recs[1:])]
-    return {"kernels_per_call": len(blocks[0]) / calls, "main_kernel": main_kernel[:80],
-            "kernel_us": statistics.median(durations),
-            "span_us": statistics.median(spans), "gap_us": statistics.median(gaps) if gaps else 0.0,
-            "spans_us": spans}
+    return {"kernels_per_call": sum(k["per_call"] for k in s["kernels"]), "main_kernel": main_kernel[:80],
+            "kernel_us": next(k["median_us"] for k in s["kernels"] if k["name"] == main_kernel),
+            "span_us": s["span_us"], "gap_us": statistics.median(gaps) if gaps else 0.0, "spans_us": s["spans_us"]}
 
 
 class RuntimeCalls:
@@ -142,21 +127,19 @@ def main() -> int:
         for fn in fns.values():  # first calls (compiles, caches) outside the records
             fn()
         torch.cuda.synchronize()
-        graphs = {name: None for name in fns}
+        # a block: `calls` calls, or one replay of a CUDA graph holding them
+        enqueue = {name: (lambda fn=fn: [fn() for _ in range(args.calls)]) for name, fn in fns.items()}
         if args.graph:
             for name, fn in fns.items():
                 if name == "tsgen_runtime":  # its own (CuPy) stream, not the capture's: eagerly, as the bench does
                     continue
-                graphs[name] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graphs[name], stream=stream):
-                    for _ in range(args.calls):
-                        fn()
-                graphs[name].replay()  # upload, untimed
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    enqueue[name]()
+                graph.replay()  # upload, untimed
+                enqueue[name] = graph.replay
             torch.cuda.synchronize()
-        blocks = {name: [] for name in fns}
-        for r in range(args.rounds):
-            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-                blocks[name].append(records(torch, fns[name], args.calls, graphs[name]))
+        blocks, _ = bwd.profile_rounds(torch, enqueue, args.rounds)
         result["shapes"][shape] = {}
         for name, bl in blocks.items():
             s = summarize(bl, args.calls)

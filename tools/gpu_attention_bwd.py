@@ -616,24 +616,33 @@ def kernel_times(built: dict, seq: int, baselines: list[str], calls: int = KERNE
     single replays). {"pass", "seq", "batch", "calls", "order": [names per round], "blocks": {impl: [[(name,
     start_us, end_us), ...] per round]}}: what summarize_kernels reads."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from tsgen.bench.timing import round_order
 
     fns, batch = warm_calls(built, seq, baselines)  # every first call outside the records
     if fns is None:
         return {"pass": False, "why": batch}
-    blocks, order = {impl: [] for impl in fns}, []
+    enqueue = {impl: (lambda f=f: [f(i, [0]) for i in range(calls)]) for impl, f in fns.items()}
+    blocks, order = profile_rounds(torch, enqueue, rounds)
+    return {"pass": True, "seq": seq, "batch": batch, "calls": calls, "order": order, "blocks": blocks}
+
+
+def profile_rounds(torch, enqueue: dict, rounds: int) -> tuple[dict, list]:
+    """`rounds` rounds in tsgen.bench.timing.round_order of each implementation's block (enqueue[impl](): its
+    back-to-back calls), each block under torch.profiler and synchronized: ({impl: [[(name, start_us, end_us) of
+    every GPU kernel, memset and memcpy] per round]}, [names per round]). Also tools/fwd_kernel_times.py's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tsgen.bench.timing import round_order
+
+    blocks, order = {impl: [] for impl in enqueue}, []
     for r in range(rounds):
-        order.append(round_order(list(fns), r))
+        order.append(round_order(list(enqueue), r))
         for impl in order[-1]:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for i in range(calls):
-                    fns[impl](i, [0])
+                enqueue[impl]()
                 torch.cuda.synchronize()
             blocks[impl].append([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                                  if e.device_type == torch.autograd.DeviceType.CUDA])
-    return {"pass": True, "seq": seq, "batch": batch, "calls": calls, "order": order, "blocks": blocks}
+    return blocks, order
 
 
 def summarize_kernels(result: dict) -> dict:
