@@ -13,6 +13,8 @@ two, alternating), eagerly
 and prints one table row per shape and implementation. FA4 where tools/fa4_wheels.sh installed it, else tsgen
 alone. With --runtime-spec SPEC also SPEC's kernel through tsgen's runtime, as the bench times it (RuntimeCalls):
 beside the tool's own ctypes call of the same launcher, it tells a cost of the bench's path from the kernel's.
+With --torch-spec SPEC also impl tsgen_torch: SPEC as the torch op users call (tsgen.torch.attention(SPEC), `op(q, k,
+v)` on the tool's stream and tensors, a bshd spec), whose outputs are allocated a call.
 Speed only: the outputs are not checked here (tools/gpu_attention.py checks the variants).
 """
 
@@ -93,6 +95,8 @@ def main() -> int:
                     help="also impl tsgen_runtime: SPEC (e.g. specs/attention_hd64_causal.yaml) through tsgen's runtime "
                     "as `tsgen bench` calls it (World, module.launch on the World's stream, the bench's random "
                     "inputs): at the spec's own batch only, so shapes whose batch differs skip it")
+    ap.add_argument("--torch-spec", metavar="SPEC", default=None,
+                    help="also impl tsgen_torch: SPEC (a bshd attention spec) as the torch op (tsgen.torch.attention)")
     ap.add_argument("--graph", action="store_true", help="the calls captured in one CUDA graph, replayed (as the "
                     "bench times them where capture works)")
     args = ap.parse_args()
@@ -108,6 +112,13 @@ def main() -> int:
     dt = ga.torch_dtype(torch, op.dtype)
     stream = torch.cuda.Stream()
     runtime = RuntimeCalls(args.runtime_spec) if args.runtime_spec else None
+    torch_op = None
+    if args.torch_spec:
+        import tsgen.torch as tt
+
+        torch_op = tt.attention(args.torch_spec)
+        if torch_op.signature.layout != "bshd":
+            ap.error(f"--torch-spec {args.torch_spec}: layout {torch_op.signature.layout}, the tool's tensors are bshd")
     result = {"variant": args.variant, "calls": args.calls, "rounds": args.rounds, "graph": args.graph, "shapes": {}}
     print("| shape | impl | kernels a call | kernel us (median) | span us a call (median) | gap us (median) |")
     print("|---|---|---|---|---|---|")
@@ -122,6 +133,11 @@ def main() -> int:
                 with fa4_stream(torch, stream):
                     fa4.flash_attn_func(q, k, v, softmax_scale=op.scale, causal=op.causal)
             fns["fa4"] = call_fa4
+        if torch_op is not None:
+            def call_torch():
+                with torch.cuda.stream(stream):
+                    torch_op(q, k, v)
+            fns["tsgen_torch"] = call_torch
         if runtime is not None and batch == runtime.batch:
             fns["tsgen_runtime"] = runtime.calls(seq)
         for fn in fns.values():  # first calls (compiles, caches) outside the records

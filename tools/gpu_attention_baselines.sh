@@ -51,6 +51,12 @@
 #       rows' kernels are the gated ones): each implementation's SM clock beside its time, to tell whether FA4's lead
 #       is the clock (power) or the cycles. About 8 minutes, a guess [the attention suite ~4-5 min as above; the
 #       backward's builds ~60 s and FA4's first-call compiles]
+#   tools/gpu_attention_baselines.sh fa4-split   ONE GPU (issue 33, hd 64 causal forward: docs/design/attention.md "hd 64
+#       causal, profiled the same way"): tools/fwd_kernel_times.py at 8K and 16K batch 1 with the spec also through the
+#       runtime (--runtime-spec) and as the torch op (--torch-spec), eagerly then as graphs, then suites
+#       attention-fa4-hd64-alone (FA4 alone) and attention-fa4-hd64 (with cudnn-frontend): where the suite's tsgen
+#       time over the kernel's comes from (path, inputs, interleaving). About 7 minutes, a guess [two timelines ~60 s
+#       each with FA4's first-call compiles, the suites ~90 + ~180 s]
 # Needs the cudnn-frontend wheel in .whl/ (carry ".whl"); installed into /tmp/site when `import cudnn`
 # fails. FlashAttention-4 is timed too where tools/fa4_wheels.sh installed it on this warm machine first
 # (its header: three calls carrying .whl-fa4/part1..3), else its rows are notes; its first call in each
@@ -84,6 +90,7 @@ step "baseline math (torch)" 60 python3 -m pytest -q -p no:cacheprovider tests/t
 [ "$MODE" = cp-gap ] && BUDGET=${BUDGET_CPGAP:-560}
 [ "$MODE" = clocks ] && BUDGET=${BUDGET_CLOCKS:-560}
 [ "$MODE" = own-first ] && BUDGET=${BUDGET_OWN:-560}
+[ "$MODE" = fa4-split ] && BUDGET=${BUDGET_SPLIT:-560}
 [ "$MODE" = rescale ] && BUDGET=${BUDGET_RESCALE:-500}
 case "$MODE" in
   variants)
@@ -129,6 +136,18 @@ case "$MODE" in
     cat "$OUT"/trace_timeline_*/cp_call_timeline.txt 2>/dev/null
     tail -n 6 "$LOG"/trace_*.log 2>/dev/null
     step "bench cp-w2-nc" 300 python3 -m tsgen bench --suite cp-w2-nc --results "$OUT/results" ;;
+  fa4-split)
+    step "precompile" 60 python3 tools/precompile_suites.py attention-fa4-hd64 --jobs 16
+    for mode in eager graph; do
+      step "timeline $mode" 120 python3 tools/fwd_kernel_times.py "$OUT/kt_$mode" --shape 8192x1,16384x1 --calls 3 \
+        --rounds 6 --runtime-spec specs/attention_hd64_causal.yaml --torch-spec specs/attention_hd64_causal.yaml \
+        $([ $mode = graph ] && echo --graph)
+      cp "$OUT/kt_$mode/fwd_kernel_times.json" "$OUT/fwd_kernel_times_$mode.json" 2>/dev/null
+      rm -rf "$OUT/kt_$mode"  # the tool's build folder: sources and a .so, not results
+      grep '^|' "$LOG/timeline_$mode.log"
+    done
+    step "bench attention-fa4-hd64-alone" 150 python3 -m tsgen bench --suite attention-fa4-hd64-alone --results "$OUT/results"
+    step "bench attention-fa4-hd64" 200 python3 -m tsgen bench --suite attention-fa4-hd64 --results "$OUT/results" ;;
   rescale)
     # ONE GPU (issue 33, docs/design/attention.md "The O rescale inside the exp2 stream"): params.rescale_at's
     # correctness cases, then suite attention-rescale
@@ -152,7 +171,7 @@ case "$MODE" in
     step "backward (SM clocks)" 220 python3 tools/gpu_attention_bwd.py "$OUT/bwd" --no-check --sm-clocks \
       --bench-shapes hd128_full_kv32:8192,hd128_causal_kv32:8192,hd128_full_kv32:16384,hd128_causal_kv32:16384
     [ -d "$OUT/bwd" ] && (cd "$OUT/bwd" && tar czf ../bwd.tgz --exclude='*.tgz' . ) ;;
-  *) echo "usage: $0 attention|variants|m192|ilp|cp|cp-nc|cp-gap|clocks|own-first|rescale" >&2; exit 2 ;;
+  *) echo "usage: $0 attention|variants|m192|ilp|cp|cp-nc|cp-gap|clocks|own-first|rescale|fa4-split" >&2; exit 2 ;;
 esac
 python3 - "$OUT" <<'PY' | tee "$OUT/attn_ratios.txt"
 import json, pathlib, sys
