@@ -138,6 +138,38 @@ def test_attention_baselines_timed_in_tsgens_rounds(monkeypatch):
         assert r["ratios"]["torch SDPA flash"] > 1.2  # the fake baseline's call is twice tsgen's kernel
 
 
+def test_interleaved_samples_all_start_behind_an_untimed_call(monkeypatch):
+    """In attention's interleaved rounds every sample starts behind one untimed call of its own: tsgen's
+    (settle 1) as each in-process baseline's (lineup), so that no side's first timed call waits for its
+    own host-side launch on an idle GPU (before 2026-11-29 tsgen's samples started idle, the baselines'
+    not: tsgen's launch path was in its samples only). A collective's W 2 samples keep their lineup."""
+    import tsgen.bench.runner as R
+
+    install(monkeypatch)
+    fake_multiprocess(monkeypatch)
+    made = []
+    real = R.Sampler
+
+    class Spy(real):
+        def __init__(self, *a, **kw):
+            made.append((kw.get("label", ""), kw.get("lineup", False), kw.get("settle", 0)))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(R, "Sampler", Spy)
+    monkeypatch.setattr(B, "Sampler", Spy)
+    path, world, sizes = case_of("attention")
+    out = bench_spec(path, world, sizes, echo=lambda s: None, iters=3, reps=2, warmup=1)
+    assert out.errors == [] and len(made) >= 2
+    tsgen = [m for m in made if m[0].startswith("tsgen")]
+    rivals = [m for m in made if not m[0].startswith("tsgen")]
+    assert tsgen and rivals
+    assert all(settle == 1 and not lineup for _, lineup, settle in tsgen), tsgen
+    assert all(lineup for _, lineup, _ in rivals), rivals
+    made.clear()
+    out = bench_spec("specs/allgather.yaml", 2, "64K", baselines=False, echo=lambda s: None, **FAST)
+    assert out.errors == [] and made and all(lineup and settle == 0 for _, lineup, settle in made), made
+
+
 @pytest.mark.parametrize("control", ["skip-launch", "other-stream"])
 @pytest.mark.parametrize("kind", ["allgather", "gemm", "all_reduce", "put_block", "allgather_gemm"])
 def test_negative_controls_fail(monkeypatch, kind, control):

@@ -15,6 +15,10 @@ alone. With --runtime-spec SPEC also SPEC's kernel through tsgen's runtime, as t
 beside the tool's own ctypes call of the same launcher, it tells a cost of the bench's path from the kernel's.
 With --torch-spec SPEC also impl tsgen_torch: SPEC as the torch op users call (tsgen.torch.attention(SPEC), `op(q, k,
 v)` on the tool's stream and tensors, a bshd spec), whose outputs are allocated a call.
+With --events also the bench's own measure, per implementation: a sample of `calls` calls between two CUDA events
+on the stream they run on, started on an idle GPU after a synchronize (as tsgen.bench.timing's Sampler with settle 0,
+the forward suites' way) and started behind one untimed call (settle 1), in interleaved rounds, with the host's
+time to enqueue the sample's calls: what a sample counts that the kernels' records do not.
 Speed only: the outputs are not checked here (tools/gpu_attention.py checks the variants).
 """
 
@@ -84,6 +88,36 @@ class RuntimeCalls:
         self.world.close()
 
 
+def event_samples(torch, fns: dict, streams: dict, calls: int, rounds: int) -> dict:
+    """--events: per implementation, us a call of `calls` calls between CUDA events on its stream, started idle
+    (settle 0) or behind one untimed call (settle 1), and the host us a call to enqueue them (settle 0), over
+    `rounds` rounds in tsgen.bench.timing.round_order: {impl: {"idle_us", "settled_us", "host_us": [samples]}}."""
+    import time
+
+    from tsgen.bench.timing import round_order
+
+    out = {impl: {"idle_us": [], "settled_us": [], "host_us": []} for impl in fns}
+    for r in range(rounds):
+        for impl in round_order(list(fns), r):
+            for settle in (0, 1):
+                fn, stream = fns[impl], streams[impl]
+                torch.cuda.synchronize()
+                for _ in range(settle):
+                    fn()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                start.record(stream)
+                for _ in range(calls):
+                    fn()
+                t1 = time.perf_counter()
+                end.record(stream)
+                end.synchronize()
+                out[impl]["settled_us" if settle else "idle_us"].append(start.elapsed_time(end) * 1e3 / calls)
+                if not settle:
+                    out[impl]["host_us"].append((t1 - t0) * 1e6 / calls)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -97,6 +131,8 @@ def main() -> int:
                     "inputs): at the spec's own batch only, so shapes whose batch differs skip it")
     ap.add_argument("--torch-spec", metavar="SPEC", default=None,
                     help="also impl tsgen_torch: SPEC (a bshd attention spec) as the torch op (tsgen.torch.attention)")
+    ap.add_argument("--events", action="store_true", help="also the bench's own measure: samples between CUDA "
+                    "events started idle and started behind one call, with the host's enqueue time")
     ap.add_argument("--graph", action="store_true", help="the calls captured in one CUDA graph, replayed (as the "
                     "bench times them where capture works)")
     args = ap.parse_args()
@@ -155,6 +191,16 @@ def main() -> int:
                 graph.replay()  # upload, untimed
                 enqueue[name] = graph.replay
             torch.cuda.synchronize()
+        if args.events:
+            # each implementation's stream: the runtime's own (CuPy) stream, the tool's for the others
+            streams = {name: (torch.cuda.ExternalStream(runtime.world.streams[0].ptr) if name == "tsgen_runtime"
+                              else stream) for name in fns}
+            ev = event_samples(torch, fns, streams, args.calls, args.rounds)
+            result.setdefault("events", {})[shape] = ev
+            for name, e in ev.items():
+                print(f"| {shape} | {name} | events: idle start {statistics.median(e['idle_us']):.1f} us a call, "
+                      f"settled {statistics.median(e['settled_us']):.1f}, host enqueue "
+                      f"{statistics.median(e['host_us']):.1f} |", flush=True)
         blocks, _ = bwd.profile_rounds(torch, enqueue, args.rounds)
         result["shapes"][shape] = {}
         for name, bl in blocks.items():

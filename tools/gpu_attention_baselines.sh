@@ -53,7 +53,8 @@
 #       backward's builds ~60 s and FA4's first-call compiles]
 #   tools/gpu_attention_baselines.sh fa4-split   ONE GPU (issue 33, hd 64 causal forward: docs/design/attention.md "hd 64
 #       causal, profiled the same way"): tools/fwd_kernel_times.py at 8K and 16K batch 1 with the spec also through the
-#       runtime (--runtime-spec) and as the torch op (--torch-spec), eagerly then as graphs, then suites
+#       runtime (--runtime-spec) and as the torch op (--torch-spec), eagerly (with --events: the bench's own event
+#       samples, started idle and behind one call, and the host's enqueue time) then as graphs, then suites
 #       attention-fa4-hd64-alone (FA4 alone) and attention-fa4-hd64 (with cudnn-frontend): where the suite's tsgen
 #       time over the kernel's comes from (path, inputs, interleaving). About 7 minutes, a guess [two timelines ~60 s
 #       each with FA4's first-call compiles, the suites ~90 + ~180 s]
@@ -141,7 +142,7 @@ case "$MODE" in
     for mode in eager graph; do
       step "timeline $mode" 120 python3 tools/fwd_kernel_times.py "$OUT/kt_$mode" --shape 8192x1,16384x1 --calls 3 \
         --rounds 6 --runtime-spec specs/attention_hd64_causal.yaml --torch-spec specs/attention_hd64_causal.yaml \
-        $([ $mode = graph ] && echo --graph)
+        $([ $mode = graph ] && echo --graph || echo --events)
       cp "$OUT/kt_$mode/fwd_kernel_times.json" "$OUT/fwd_kernel_times_$mode.json" 2>/dev/null
       rm -rf "$OUT/kt_$mode"  # the tool's build folder: sources and a .so, not results
       grep '^|' "$LOG/timeline_$mode.log"

@@ -274,6 +274,16 @@ def _time_tsgen(step: Step, control: str | None, ceil, dev,
     return row, []
 
 
+def presample_calls(lineup: bool, interleave: bool) -> int:
+    """The untimed calls that tsgen's sample starts behind (Sampler's settle) where it has no lineup: one
+    where the op's conventions interleave it with in-process baselines, whose samples each start behind
+    one untimed call (baselines._candidates' lineup), so that neither side's first timed call waits for
+    its own host-side launch on an idle GPU. Without it a single-GPU attention sample counted tsgen's
+    launch path once per sample and the baselines' not (docs/design/attention.md, "Splitting the
+    suite's path from the kernel")."""
+    return 1 if interleave and not lineup else 0
+
+
 def _sampler(step: Step, control: str | None, label: str = "tsgen", also: Callable[[int], None] | None = None,
              **sampler_args) -> tuple[Sampler, dict | None, bool]:
     """A tsgen kernel's Sampler with its inputs filled (its warm-up, and the poisoning of the outputs
@@ -301,9 +311,11 @@ def _sampler(step: Step, control: str | None, label: str = "tsgen", also: Callab
         with w.cp.cuda.Device(w.devices[rank]):
             return sum(int(b.array("calls", rank)[0:1].get()[0]) for b in sets)
 
+    lineup = w.size > 1 and step.pattern != "pair"
+    sampler_args.setdefault("settle", presample_calls(lineup, conv.interleave))
     sampler = Sampler(CupyClock(w), step.ranks, w.streams, enqueue, calls=calls_per_sample(step.iters, len(sets)),
                       warmup=step.warmup, graphs=conv.graphs,
-                      lineup=w.size > 1 and step.pattern != "pair", after_warmup=None if in_place else poison,
+                      lineup=lineup, after_warmup=None if in_place else poison,
                       event_streams=w.make_streams() if control == "other-stream" else None,
                       counter=counter if conv.counts_calls else None, label=f"{label} {step.label}",
                       **sampler_args)
