@@ -9,7 +9,7 @@ GPU's queue never fills and the host's loop is all that is timed; the GPU is syn
 Per implementation the median over rounds of (host seconds for `calls` calls) / calls: the op's forward
 (`op(q, k, v)`), its forward with LSE, `op.grads`, forward + backward through autograd, and SDPA's forward and
 forward + backward (cuDNN's backend where it takes the shape, else the default). --profile also writes cProfile's
-25 costliest functions of the op's forward calls (OUT/profile_forward.txt). Speed of the host only: outputs are
+25 costliest functions of the op's forward calls and of its forward + backward (OUT/profile_forward.txt, profile_autograd.txt). Speed of the host only: outputs are
 checked once against SDPA (a wrong op is not a fast one), not timed.
 """
 
@@ -110,16 +110,17 @@ def main() -> int:
         import io
         import pstats
 
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.calls):
-            op(q, k, v)
-        prof.disable()
-        sync()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-        (args.out / "profile_forward.txt").write_text(text.getvalue())
-        print(text.getvalue()[:6000])
+        for what, fn in (("forward", impls["tsgen op forward"]), ("autograd", fwd_bwd)):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                fn()
+            prof.disable()
+            sync()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            (args.out / f"profile_{what}.txt").write_text(text.getvalue())
+            print(text.getvalue()[:5000])
     (args.out / "torch_op_overhead.json").write_text(json.dumps(result, indent=1))
     return 0
 
