@@ -82,13 +82,23 @@ def main() -> int:
     def sdpa_fwd_bwd():
         sdpa(qtg, ktg, vtg).backward(dout.transpose(1, 2))
 
+    def grad_only():
+        torch.autograd.grad(op(qg, kg, vg), (qg, kg, vg), dout)
+
+    def sdpa_grad_only():
+        torch.autograd.grad(sdpa(qtg, ktg, vtg), (qtg, ktg, vtg), dout.transpose(1, 2))
+
     impls = {
         "tsgen op forward": lambda: op(q, k, v),
         "tsgen op forward + LSE": lambda: op(q, k, v, return_lse=True),
+        "tsgen op forward, inputs requiring grad": lambda: op(qg, kg, vg),
         "tsgen op.grads": lambda: op.grads(q, k, v, o, dout, lse),
         "tsgen forward + backward (autograd)": fwd_bwd,
+        "tsgen forward + autograd.grad": grad_only,
         "SDPA forward": lambda: sdpa(qt, kt, vt),
+        "SDPA forward, inputs requiring grad": lambda: sdpa(qtg, ktg, vtg),
         "SDPA forward + backward (autograd)": sdpa_fwd_bwd,
+        "SDPA forward + autograd.grad": sdpa_grad_only,
     }
     sync = torch.cuda.synchronize
     for fn in impls.values():  # first calls (compiles, caches) outside the timing
