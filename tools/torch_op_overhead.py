@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--torch-profile", action="store_true", help="torch.profiler's CPU table of 20 forward + "
+                    "autograd.grad calls, tsgen's and SDPA's (every thread: the autograd engine's too)")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -131,6 +133,17 @@ def main() -> int:
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
             (args.out / f"profile_{what}.txt").write_text(text.getvalue())
             print(text.getvalue()[:5000])
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for what, fn in (("tsgen", grad_only), ("sdpa", sdpa_grad_only)):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(20):
+                    fn()
+                sync()
+            table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70)
+            (args.out / f"torch_profile_{what}.txt").write_text(table)
+            print(what, table[:7000])
     (args.out / "torch_op_overhead.json").write_text(json.dumps(result, indent=1))
     return 0
 
