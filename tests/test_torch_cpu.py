@@ -1082,3 +1082,42 @@ def test_residency_counts_one_block_per_sm_for_ranks_sharing_a_gpu(monkeypatch):
     problem = op._local_problem(0, ["gpu0"] * 4)
     assert problem and "4 ranks share this GPU" in problem and "At most 33 blocks per rank" in problem, problem
     assert op._local_problem(0, ["gpu0"] * 2) is None  # 2 x 64 <= 132
+
+
+def test_call_on_stream_switches_device_only_when_needed(monkeypatch):
+    """tsgen.torch's launch path: where the op's GPU is current, the launcher gets the current stream's raw
+    handle from torch's C API with no device context entered (a context and a Stream object cost tens of us a
+    call); on another GPU, inside that device's context with its current stream; where torch has no such API
+    (this CPU build), always the context."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from tsgen.torch.ops import call_on_stream
+
+    entered, got = [], []
+
+    class Ctx:
+        def __init__(self, d):
+            self.d = d
+
+        def __enter__(self):
+            entered.append(self.d)
+
+        def __exit__(self, *a):
+            return False
+
+    def launcher(*args):
+        got.append(args)
+        return 0
+
+    monkeypatch.setattr(torch.cuda, "device", Ctx)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=77))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1000 + d, raising=False)
+    assert call_on_stream(1, launcher, (5,)) == 0
+    assert entered == [] and got[-1][0] == 5 and isinstance(got[-1][1], ctypes.c_void_p) and got[-1][1].value == 1001
+    call_on_stream(0, launcher, (6,))
+    assert entered == [0] and got[-1][0] == 6 and got[-1][1].value == 77
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    call_on_stream(1, launcher, (7,))
+    assert entered == [0, 1] and got[-1][1].value == 77

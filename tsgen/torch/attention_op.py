@@ -151,19 +151,18 @@ class AttentionSignature:
         """(batch, sequence length) of a q-like (kv False) or k-like tensor given as (shape, torch dtype
         name, contiguous); a TsgenArgumentError naming the argument when the op cannot take it."""
         shape, dtype, contiguous = meta
-        want = self.described(kv)
         if dtype != self.dtype:
             raise TsgenArgumentError(f"{self.where(arg)}: dtype {dtype}, but {self.spec} was compiled for {self.dtype}")
         if len(shape) != 4:
             raise TsgenArgumentError(f"{self.where(arg)}: {len(shape)} dimensions (shape {tuple(shape)}), but "
-                                     f"{self.qualname} takes {want}")
+                                     f"{self.qualname} takes {self.described(kv)}")
         h, s = (2, 1) if self.layout == "bshd" else (1, 2)
         for i, name, n in ((h, "kv_heads" if kv else "heads", self.kv_heads if kv else self.heads),
                            (3, "head_dim", self.head_dim)):
             if shape[i] != n:
                 raise TsgenArgumentError(f"{self.where(arg)}: dimension {i} ({name}) is {shape[i]} (shape "
                                          f"{tuple(shape)}), but {self.spec} was compiled for {name} {n}: "
-                                         f"{self.qualname} takes {want}")
+                                         f"{self.qualname} takes {self.described(kv)}")
         if not contiguous:
             raise TsgenArgumentError(f"{self.where(arg)}: not contiguous (shape {tuple(shape)}); call .contiguous() "
                                      f"first (the kernel reads one dense {self.layout} buffer)")
@@ -327,8 +326,7 @@ class _Module:
         return first.index if first.index is not None else torch.cuda.current_device()
 
     def _launch(self, device: int, args: list, what: str, suffix: str | None = None) -> None:
-        with torch.cuda.device(device):
-            err = self._fn(device, suffix)(*args, torch.cuda.current_stream(device).cuda_stream)
+        err = ops_mod.call_on_stream(device, self._fn(device, suffix), args)
         if err != 0:
             entry = self.entry_name(suffix or _ENTRY[self.manifest.op])
             raise TsgenTorchError(f"{self.signature.qualname}: {entry} failed with cudaError {err} ({what}); a "
@@ -436,12 +434,17 @@ def _define_forward(name: str) -> None:
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         ctx.save_for_backward(*inputs, *output)
         ctx.mark_non_differentiable(output[1])
+        # LSE's gradient stays None rather than a tensor of zeros the engine would fill each call (a fill kernel
+        # and tens of us of host time: tools/torch_op_overhead.py); so does O's where nothing used it
+        ctx.set_materialize_grads(False)
 
-    def backward(ctx: Any, do: torch.Tensor, dlse: Any) -> tuple:
+    def backward(ctx: Any, do: torch.Tensor | None, dlse: Any) -> tuple:
         adjoint = _PAIRS.get(name)
         if adjoint is None:
             raise TsgenTorchError(f"{qual} has no backward: load it with its attention_backward spec, "
                                   "tsgen.torch.attention(forward_spec, backward_spec)")
+        if do is None:  # O did not reach the loss (only LSE, which carries no gradient): nothing flows back
+            return None, None, None
         q, k, v, o, lse = ctx.saved_tensors
         grads = getattr(torch.ops.tsgen, adjoint)(q, k, v, o, do.contiguous(), lse)
         return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))

@@ -66,6 +66,18 @@ def _lookup(name: str, group_name: str) -> "TorchOp":
     return op
 
 
+def call_on_stream(device: int, launcher: Callable[..., int], args: Sequence[Any]) -> int:
+    """launcher(*args, the current stream of `device`) with `device` current while it runs (a host launcher
+    launches on the current device): the eager path every tsgen.torch op takes a call. Without a device switch
+    where `device` is current already, and the stream's handle read straight from torch's C API where it has
+    one (a torch.cuda.Stream object and a device context cost tens of us a call: tools/torch_op_overhead.py)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent where torch has no CUDA (the CPU tests)
+    if raw is not None and torch.cuda.current_device() == device:
+        return launcher(*args, ctypes.c_void_p(raw(device)))
+    with torch.cuda.device(device):
+        return launcher(*args, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+
+
 def _library() -> Any:
     global _LIB
     if _LIB is None:
@@ -539,9 +551,7 @@ class TorchOp:
                 args.append(ctypes.c_void_p(t.data_ptr()))
         for slot, t in plan.copy_in:  # not op.empty()'s tensor: one copy in
             slot.copy_(t)
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.current_stream()
-            err = self._launcher(*args, ctypes.c_void_p(stream.cuda_stream))
+        err = call_on_stream(self.device, self._launcher, args)
         if err != 0:
             raise TsgenTorchError(f"{self.where}: {self.kernel.launcher} failed with cudaError {err} "
                                   f"(count {count}); a kernel that trapped before leaves this error: "
