@@ -1026,6 +1026,55 @@ def attention_checks() -> None:
 
     graph()
 
+    @checked("attention_fresh_thread")
+    def fresh_thread():
+        """The op called from a host thread that has made no CUDA call (PyTorch's autograd worker threads are such,
+        where a backward's first CUDA call is its launcher; the outputs' NaN fill is off there, being a CUDA call
+        that would give the thread its context first): the forward and op.grads in a new thread whose context is
+        unset (cuCtxSetCurrent(NULL)), O and LSE bit for bit and dQ, dK, dV within 1e-2 in norm of the same calls
+        on this thread. Until 2026-11-29 the launchers' first TMA encode failed there (cudaError 1)."""
+        import ctypes
+        import threading
+
+        attn = ops["hd128"]
+        q, k, v, do = attention_inputs(attn.signature, 1, 1000, 1000, gen)
+        o, lse = attn(q, k, v, return_lse=True)
+        grads = attn.grads(q, k, v, o, do, lse)
+        torch.cuda.synchronize()
+        out = {}
+
+        def run():
+            try:
+                cuda = ctypes.CDLL("libcuda.so.1")
+                cuda.cuCtxSetCurrent(ctypes.c_void_p(None))
+                ctx = ctypes.c_void_p()
+                cuda.cuCtxGetCurrent(ctypes.byref(ctx))
+                out["unbound"] = ctx.value is None
+                out["fwd"] = attn(q, k, v, return_lse=True)
+                out["bwd"] = attn.grads(q, k, v, o, do, lse)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - reported below
+                out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+        poison = os.environ.pop("TSGEN_TORCH_POISON", None)
+        try:
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+        finally:
+            if poison is not None:
+                os.environ["TSGEN_TORCH_POISON"] = poison
+        if "error" in out:
+            return False, f"in a new thread (context unset: {out.get('unbound')}): {out['error']}"
+        fo, flse = out["fwd"]
+        same = bool(torch.equal(fo, o)) and bool(torch.equal(flse, lse))
+        errs = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(out["bwd"], grads)]
+        ok = same and max(errs) <= 1e-2
+        return ok, (f"context unset at the thread's start: {out['unbound']}; O, LSE bit for bit: {same}; dQ, dK, dV "
+                    f"rel {', '.join(f'{e:.1e}' for e in errs)}")
+
+    fresh_thread()
+
     @checked("attention_step_times")
     def times():
         """Forward + backward, eager, S 4096: tsgen's op against torch SDPA's autograd (its default

@@ -182,7 +182,7 @@ __host__ __device__ __forceinline__ bool rows_see_keys(const Problem& p, int32_t
 // u ^ (i % 8). One consumer warpgroup's step partial (64 rows x 64 columns, its shared-memory staging
 // in the same order) is then n x 256 contiguous bytes: one bulk reduction (its first n rows), and the
 // staging stores of a warp (8 rows x 4 float pairs of one chunk) hit every bank twice, no more. Same
-// number of floats as dQ: the workspace's size does not change. Host-compiled by the tests, as is
+// number of floats as dQ: the workspace's size does not change. Host-compiled by the tests, and so is
 // dq_tiled_panel: the first float of panel `panel` of the block of n rows at row r0 (a multiple of 64; n = min(64,
 // q_len - r0)), the panel's n x 64 floats contiguous from there (what a bulk reduction adds into).
 __host__ __device__ __forceinline__ uint64_t dq_tiled_panel(uint32_t b, uint32_t h, uint32_t r0, uint32_t n,

@@ -24,7 +24,8 @@
 //     see none of the CTA's keys, rows_see_keys) the Q and dO tiles into stage `step % STAGES` of
 //     a ring (q_full / q_empty): lane 0 sets the stage's expected bytes (expect_tx, no arrival) and
 //     issues them, with the step's LSE2 and D (ROWS fp32 each) by two bulk copies where q_len is a
-//     multiple of 4 (their rows a 16-byte aligned run); the 32 lanes store +inf and 0 for the rows
+//     multiple of 4 and both buffers start 16-byte aligned (every step's rows then a 16-byte
+//     aligned run; produce() checks both); the 32 lanes store +inf and 0 for the rows
 //     past q_len (and otherwise copy LSE2 and D through their registers), and every lane arrives on
 //     q_full (32 arrivals and the bytes complete the phase).
 //   * warpgroups 1 and 2, the consumers (232 registers): warpgroup w owns keys 64w .. 64w + 63 of

@@ -835,8 +835,15 @@ constexpr CUtensorMapDataType tensor_map_dtype<__half>() {
 }
 
 // cuTensorMapEncodeTiled, a driver function, fetched through the runtime (so
-// nothing links against libcuda); looked up once per process.
+// nothing links against libcuda); looked up once per process. The driver call needs a
+// context current in the calling host thread, which a thread gets from its first runtime
+// call that uses the device: one that has made none yet (PyTorch's autograd worker
+// threads, where a backward's first CUDA call is its launcher) has no context, and the
+// encode fails there. So each host thread's first lookup binds the primary context of
+// its current device through the runtime (cudaFree(nullptr) frees nothing).
 static inline cudaError_t tensor_map_encoder(PFN_cuTensorMapEncodeTiled_v12000* encode) {
+  thread_local const cudaError_t bound = cudaFree(nullptr);
+  if (bound != cudaSuccess) return bound;
   struct Lookup {
     void* fn = nullptr;
     cudaError_t err = cudaSuccess;
