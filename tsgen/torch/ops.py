@@ -70,7 +70,8 @@ def call_on_stream(device: int, launcher: Callable[..., int], args: Sequence[Any
     """launcher(*args, the current stream of `device`) with `device` current while it runs (a host launcher
     launches on the current device): the eager path every tsgen.torch op takes a call. Without a device switch
     where `device` is current already, and the stream's handle read straight from torch's C API where it has
-    one (a torch.cuda.Stream object and a device context cost tens of us a call: tools/torch_op_overhead.py)."""
+    one (a torch.cuda.Stream object and a device context a call are host time the raw handle does not
+    take; measured with the op's other trims together, not alone: docs/torch.md)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent where torch has no CUDA (the CPU tests)
     if raw is not None and torch.cuda.current_device() == device:
         return launcher(*args, ctypes.c_void_p(raw(device)))
