@@ -463,3 +463,20 @@ def test_outputs_nan_filled_only_when_asked(monkeypatch):
     monkeypatch.setenv("TSGEN_TORCH_POISON", "1")
     b, c = attention_op._output(like=x), attention_op._output(5, dtype=torch.float32)
     assert torch.isnan(b).all() and torch.isnan(c).all() and c.shape == (5,) and c.dtype == torch.float32
+
+
+def test_launch_goes_through_the_shared_launch_path(attn, monkeypatch):
+    """The attention modules launch through tsgen.torch.ops.call_on_stream (the path every tsgen.torch op
+    takes: no device context where the GPU is current, the raw stream handle), with the entry for the call's
+    device and its arguments; a non-zero return is the op's error, naming the cudaError."""
+    import tsgen.torch.ops as ops_mod
+
+    module = attn["hd128"].forward
+    seen = []
+    monkeypatch.setattr(ops_mod, "call_on_stream", lambda device, fn, args: seen.append((device, fn, list(args))) or 0)
+    monkeypatch.setattr(module, "_fn", lambda device, suffix=None: ("entry", device, suffix))
+    module._launch(3, [11, 12], "a call")
+    assert seen == [(3, ("entry", 3, None), [11, 12])]
+    monkeypatch.setattr(ops_mod, "call_on_stream", lambda device, fn, args: 7)
+    with pytest.raises(TsgenTorchError, match=r"failed with cudaError 7 \(a call\)"):
+        module._launch(0, [], "a call")
