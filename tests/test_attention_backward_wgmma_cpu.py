@@ -2139,3 +2139,82 @@ def test_step_rows_80_dq_runs_and_ds_layout(tmp_path, tiled_offsets):
             for u in range(8):
                 banks = {(at[cw, q0 + r, u] // 4 + k) % 32 for r in range(8) for k in range(4)}
                 assert len(banks) == 32, (cw, q0, u)
+
+
+# ---------------------------------------------------------------------------
+# params.exp2_fma_every: a share of P^T's exp2 on the FMA pipe
+# ---------------------------------------------------------------------------
+
+EXP2_FMA = r"""
+#include "SOURCE"
+#include <math.h>
+#include <stdio.h>
+int main() {  // x and exp2_fma(x) as hex floats: a fine grid over the kernel's range, then the special values
+  for (int i = -131 * 1024; i <= 2 * 1024; ++i) {
+    const float x = i / 1024.f;
+    printf("%a %a\n", x, tsgen::attention::exp2_fma(x));
+  }
+  const float special[] = {-INFINITY, NAN, -1000.f, -127.f, -126.75f, -0.5f, 0.5f, 1e-7f, -1e-7f};
+  for (float x : special) printf("%a %a\n", x, tsgen::attention::exp2_fma(x));
+}
+"""
+
+
+@needs_nvcc
+def test_exp2_fma_is_within_its_bound_and_zero_where_mufu_flushes(tmp_path):
+    """attention::exp2_fma, host-compiled from the header: relative error at most 1.1e-4 of 2^x over [-125, 2] (its
+    comment's 1.02e-4; bf16 rounds P by up to 3.9e-3), exact powers of two at the integers (f = 0), exactly 0 at
+    x <= -127, -inf and NaN (where ex2.approx.ftz gives 0, or NaN for NaN: the kernel masks before it matters), and
+    nothing negative, infinite or NaN anywhere."""
+    from conftest import host_program
+
+    exe = host_program(variant("v"), EXP2_FMA, tmp_path, "exp2_fma")
+    rows = [line.split() for line in subprocess.run([str(exe)], capture_output=True, text=True,
+                                                    check=True).stdout.splitlines()]
+    x = np.array([float.fromhex(a) if a not in ("-inf", "nan") else float(a) for a, _ in rows])
+    y = np.array([float.fromhex(b) for _, b in rows])
+    assert np.isfinite(y).all() and (y >= 0).all()
+    grid = np.isfinite(x) & (x >= -125) & (x <= 2)
+    rel = np.abs(y[grid] - np.exp2(x[grid])) / np.exp2(x[grid])
+    assert rel.max() <= 1.1e-4, rel.max()
+    whole = grid & (x == np.round(x))
+    assert (y[whole] == np.exp2(x[whole])).all(), "2^j exact"
+    assert (y[~np.isfinite(x) | (x <= -127)] == 0).all()
+    tiny = (x > -127) & (x < -125)
+    assert (y[tiny] <= 2.0 ** -125).all()
+
+
+def test_exp2_fma_every_renders_only_where_set_and_is_refused_elsewhere(tmp_path):
+    """Unset in every shipped spec but those that name it; set, its Config constant; refused with mma_sync and out
+    of 2..16, by name."""
+    from tsgen.spec import SpecError
+
+    fam = get_family("attention_backward")
+    assert "EXP2_FMA_EVERY" not in rendered_source(variant("v"), tmp_path).read_text()
+    on = variant("e2", params={"exp2_fma_every": 2})
+    assert fam.constants(on.model)["EXP2_FMA_EVERY"] == 2 and fam.check(on.model) == []
+    assert "static constexpr int EXP2_FMA_EVERY = e2::EXP2_FMA_EVERY;" in rendered_source(on, tmp_path).read_text()
+    spec = on.model
+    bad = spec.model_copy(update={"params": spec.params.model_copy(update={"impl": "mma_sync", "tail_split": None})})
+    assert ("params", "exp2_fma_every") in [w for w, _ in fam.check(bad)]
+    for n in (0, 1, 17):
+        with pytest.raises(SpecError, match="exp2_fma_every"):
+            variant("v", params={"exp2_fma_every": n})
+
+
+@needs_sass
+@pytest.mark.parametrize("head_dim,every", [(64, 2), exhaustive(128, 4)])
+def test_exp2_fma_every_moves_that_share_of_the_exponentials_off_mufu(tmp_path, monkeypatch, head_dim, every):
+    """params.exp2_fma_every N: the main kernel's MUFU.EX2 are (N - 1) / N of the default's, and it compiles as the
+    default does (168 registers at entry, no spills, no serialized wgmma)."""
+    monkeypatch.setenv("TSGEN_CACHE_DIR", str(tmp_path / "cache"))
+    rows = {"step_rows": 128} if head_dim == 64 else {}
+    counts = {}
+    for n in (None, every):
+        loaded = variant("v", params={"head_dim": head_dim, "exp2_fma_every": n, **rows})
+        res = compile_source(rendered_source(loaded, tmp_path))
+        entry = res.report["v_w1_main"]
+        assert entry["registers"] == 168 and entry["spill_stores"] == entry["spill_loads"] == 0, entry
+        assert serialized(res.output) == [] and ptxas_problems(res.output) == []
+        counts[n] = sass_names(sass_function(dump_sass(res.output), "v_w1_main")).count("MUFU.EX2")
+    assert counts[every] * every == counts[None] * (every - 1), counts

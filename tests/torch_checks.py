@@ -1094,6 +1094,56 @@ def attention_checks() -> None:
 
     fresh_thread()
 
+    @checked("attention_fresh_thread_captured")
+    def fresh_thread_captured():
+        """A host thread's first tsgen launches made inside a CUDA graph capture (torch.cuda.graph in a new thread,
+        no tsgen call there before it): the forward and op.grads captured, the graph replayed 3 times on this thread,
+        O and LSE bit for bit and dQ, dK, dV within 1e-2 in norm of the same calls made eagerly. The launchers bind
+        a thread's context where none is current; a call that is illegal during capture (cudaFree, which the
+        binding used until 2026-11-29) would end the capture and fail here."""
+        import threading
+
+        attn = ops["hd128"]
+        q, k, v, do = attention_inputs(attn.signature, 1, 1000, 1000, gen)
+        o, lse = attn(q, k, v, return_lse=True)
+        grads = attn.grads(q, k, v, o, do, lse)
+        torch.cuda.synchronize()
+        out = {}
+
+        def run():
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    out["fwd"] = attn(q, k, v, return_lse=True)
+                    out["bwd"] = attn.grads(q, k, v, o, do, lse)
+                out["graph"] = g
+            except Exception as e:  # noqa: BLE001 - reported below
+                out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+        poison = os.environ.pop("TSGEN_TORCH_POISON", None)  # no fill kernels in the capture: the op's launches alone
+        try:
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+        finally:
+            if poison is not None:
+                os.environ["TSGEN_TORCH_POISON"] = poison
+        if "error" in out:
+            return False, f"capturing a new thread's first launches: {out['error']}"
+        same, errs = True, []
+        for _ in range(3):
+            for t in (*out["fwd"], *out["bwd"]):
+                t.fill_(float("nan"))  # a replay that writes nothing fails
+            out["graph"].replay()
+            torch.cuda.synchronize()
+            fo, flse = out["fwd"]
+            same &= bool(torch.equal(fo, o)) and bool(torch.equal(flse, lse))
+            errs += [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(out["bwd"], grads)]
+        ok = same and all(e <= 1e-2 for e in errs)  # a NaN fails: it compares false
+        return ok, f"3 replays: O, LSE bit for bit: {same}; dQ, dK, dV rel {', '.join(f'{e:.1e}' for e in errs)}"
+
+    fresh_thread_captured()
+
     @checked("attention_step_times")
     def times():
         """Forward + backward, eager, S 4096: tsgen's op against torch SDPA's autograd (its default

@@ -129,11 +129,13 @@ BENCH_SEQS = [4096, 8192, 16384]
 # times the tail split alone
 IMPLS = ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1", "wgmma_g2", "wgmma_g4",
          "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq", "shipped_g2", "shipped_g8",
-         "shipped_r80")
+         "shipped_r80", "shipped_e2", "shipped_e3", "shipped_e4")
 # shipped_gN: the shipped spec's main kernel with its CTAs in groups of N (sequence, KV head) pairs (params.head_group;
 # the shipped default is 4, DEFAULT_HEAD_GROUP); shipped_r80: with steps of 80 query rows (params.step_rows 80, dQ
-# transposed; head dim 128, not causal)
-SHIPPED_CHANGES = {"shipped_g2": {"head_group": 2}, "shipped_g8": {"head_group": 8}, "shipped_r80": {"step_rows": 80}}
+# transposed; head dim 128, not causal); shipped_eN: every N-th column group's exp2 on the FMA pipe
+# (params.exp2_fma_every N)
+SHIPPED_CHANGES = {"shipped_g2": {"head_group": 2}, "shipped_g8": {"head_group": 8}, "shipped_r80": {"step_rows": 80},
+                   **{f"shipped_e{n}": {"exp2_fma_every": n} for n in (2, 3, 4)}}
 # the spec params of each (beside its threads per CTA, those of params.impl); every wgmma one names the levers, as
 # SPEC sets one of them and params.tail_split is on by default where it applies (shipped: as the specs resolve it)
 WGMMA = {"impl": "wgmma", "dk_after_dq": False, "step_rows": None, "tail_split": False}

@@ -29,7 +29,8 @@
 #      per-element bounds, and 1e-2 in norm), outputs in NaN-poisoned memory; negative controls (a wrong LSE, dK and
 #      dV swapped, a zeroed row of O) that the comparison must catch; torch.compile(fullgraph=True) (Inductor) of a
 #      tiny module; forward + backward in a CUDA graph, 20 replays, each checked; the forward and op.grads from a
-#      new host thread with no CUDA context (attention_fresh_thread); step times beside SDPA's
+#      new host thread with no CUDA context (attention_fresh_thread); a new thread's first launches captured in a
+#      CUDA graph, replayed 3 times (attention_fresh_thread_captured); step times beside SDPA's
 #   6b. tests/torch_checks.py --cp (TORCH_STEPS=cp, 2 ranks, NCCL): tsgen.torch.cp_attention, zig-zag causal GQA and
 #      contiguous not causal at S 2048 and 8192, every rank's O / LSE / dQ / dK / dV against float32 SDPA autograd over
 #      the whole sequence (by default, kv_together, overlap_backward, kv_push), negative controls (no reduce-scatter;

@@ -167,6 +167,14 @@ class AttentionBackwardParams(AttentionShape):
         "head_dim 64 only, dq_reduce bulk, not deterministic, not lookahead. Measured 1.23-1.28x 64-row steps (H200, "
         "S 4K-16K, 2026-11-27); the shipped head-dim-64 specs set it")
 
+    exp2_fma_every: int | None = Field(
+        None, ge=2, le=16, description="impl wgmma: every this-many-th column group of a step's P^T (each consumer "
+        "thread holds 8 groups a 64-row step, 16 a 128-row one, 4 exponentials each) takes its exp2 on the FMA pipe "
+        "(tsgen::attention::exp2_fma: a cubic for 2^f and the exponent built from bits, relative error under 1.1e-4, "
+        "38x under P's bf16 rounding) instead of MUFU, so that the step's runs of MUFU.EX2, which wait on that "
+        "quarter-rate pipe, are shorter and the FMA pipe works beside them (FlashAttention-4 does so on Blackwell). "
+        "Unset: all on MUFU")
+
     @property
     def cta_head_group(self) -> int | None:
         """The main kernel's group of (sequence, KV head) pairs (its HEAD_GROUP), None for none: head_group
@@ -356,6 +364,9 @@ class AttentionBackwardFamily(OpFamily):
                  "built to push)"),
                 (p.split_tail, "kv_push with tail_split is not built (a split item's dK, dV are summed in the tail "
                  "slots and converted by the tail kernel, which does not push): set tail_split: false")])
+        if p.exp2_fma_every and p.impl != "wgmma":
+            problems.append((("params", "exp2_fma_every"), "exp2_fma_every needs params.impl wgmma (the mma_sync "
+                             "kernel's exponentials are not built to move)"))
         if p.tail_split and not p.tail_applies:
             refuse_first(problems, "tail_split", [
                 (p.impl != "wgmma", "tail_split needs params.impl wgmma (the mma_sync kernel's CTAs walk whole items)"),
@@ -415,6 +426,7 @@ class AttentionBackwardFamily(OpFamily):
             **({"DK_AFTER_DQ": 1} if p.dk_after_dq else {}),  # likewise
             **({"STEP_ROWS": p.step_rows} if p.tall or p.wide else {}),  # likewise
             **({"KV_PUSH": 1} if p.kv_push else {}),  # likewise
+            **({"EXP2_FMA_EVERY": p.exp2_fma_every} if p.exp2_fma_every else {}),  # likewise
             **({"TAIL_SPLIT": TAIL_ITEMS} if p.split_tail else {}),  # the tail slots (workspace_floats' tail_items)
         }
 

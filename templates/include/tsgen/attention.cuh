@@ -90,6 +90,7 @@
 #define TSGEN_ATTENTION_CUH
 
 #include <math.h>
+#include <string.h>
 
 #include <mutex>
 #include <type_traits>
@@ -159,6 +160,28 @@ static __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// 2^x on the FMA and integer pipes instead of MUFU, for kernels whose exp2 come in runs that wait on the MUFU pipe's
+// issue interval (a quarter-rate pipe: one warp's MUFU holds it 8 cycles) while the FMA pipe idles; mixing a share of
+// these among the MUFU ones shortens the run. x = j + f, j = round(x) (by the 1.5 * 2^23 addition, exact for |x| <
+// 2^22), f in [-0.5, 0.5]; 2^f = 1 + f (c1 + f (c2 + f c3)), fitted to the relative error over that range (at most
+// 1.02e-4 in float32, 38x under a bf16 rounding of P); 2^j as the float whose exponent field is j + 127, built from
+// the addition's low bits. x <= -127 (-inf too) gives exactly 0, as ex2.approx.ftz does (its results under 2^-126
+// flush to 0; here 2^-126.5 .. 2^-126 may come out as a subnormal instead). For x <= 127; NaN gives 0. Nine
+// instructions (FMNMX, three FADD, two FFMA, FMUL, a shift-add, FFMA). Host-compiled by the tests.
+__host__ __device__ __forceinline__ float exp2_fma(float x) {
+  constexpr float ROUND = 12582912.f;  // 1.5 * 2^23: x + ROUND holds round(x) in its low mantissa bits
+  x = fmaxf(x, -127.f);
+  const float t = x + ROUND;
+  const float f = x - (t - ROUND);
+  const float q = fmaf(fmaf(0.05500862f, f, 0.24221021f), f, 0.6932829f);
+  uint32_t bits;
+  memcpy(&bits, &t, 4);
+  bits = (bits << 23) + (127u << 23);  // (0x4B400000 + j) << 23 = j << 23 (mod 2^32): 2^j, 0 at j = -127
+  float scale;
+  memcpy(&scale, &bits, 4);
+  return fmaf(f * q, scale, scale);
 }
 
 static __device__ __forceinline__ float log2_approx(float x) {

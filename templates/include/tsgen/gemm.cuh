@@ -834,15 +834,44 @@ constexpr CUtensorMapDataType tensor_map_dtype<__half>() {
   return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 }
 
+// The driver's cuCtxGetCurrent, fetched through the runtime as the encoder is; nullptr where the
+// driver lacks it.
+static inline void* driver_function(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  const cudaError_t err = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &status);
+#else
+  const cudaError_t err = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &status);
+#endif
+  return err == cudaSuccess && status == cudaDriverEntryPointSuccess ? fn : nullptr;
+}
+
+// A driver call such as cuTensorMapEncodeTiled needs a context current in the calling host thread,
+// which a thread gets from its first runtime call that uses the device: one that has made none yet
+// (PyTorch's autograd worker threads, where a backward's first CUDA call is its launcher) has none,
+// and the encode fails there (cudaError 1). Where no context is current, the thread's current
+// device's primary context is made current (cudaSetDevice does so since CUDA 12.0); a thread that
+// has one, the primary or its own, keeps it. Checked at every call (a query, no stream work: safe
+// inside a stream capture, where cudaFree, say, would end the capture).
+static inline cudaError_t bind_thread_context() {
+  using GetCurrent = CUresult (*)(CUcontext*);
+  static const GetCurrent get_current = reinterpret_cast<GetCurrent>(driver_function("cuCtxGetCurrent"));
+  if (get_current == nullptr) return cudaErrorSymbolNotFound;
+  CUcontext ctx = nullptr;
+  if (get_current(&ctx) != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  if (ctx != nullptr) return cudaSuccess;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaSetDevice(device);
+  return err;
+}
+
 // cuTensorMapEncodeTiled, a driver function, fetched through the runtime (so
-// nothing links against libcuda); looked up once per process. The driver call needs a
-// context current in the calling host thread, which a thread gets from its first runtime
-// call that uses the device: one that has made none yet (PyTorch's autograd worker
-// threads, where a backward's first CUDA call is its launcher) has no context, and the
-// encode fails there. So each host thread's first lookup binds the primary context of
-// its current device through the runtime (cudaFree(nullptr) frees nothing).
+// nothing links against libcuda); looked up once per process; the calling thread's
+// context bound first (bind_thread_context).
 static inline cudaError_t tensor_map_encoder(PFN_cuTensorMapEncodeTiled_v12000* encode) {
-  thread_local const cudaError_t bound = cudaFree(nullptr);
+  const cudaError_t bound = bind_thread_context();
   if (bound != cudaSuccess) return bound;
   struct Lookup {
     void* fn = nullptr;
