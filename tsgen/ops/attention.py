@@ -86,6 +86,16 @@ RescaleAt = Annotated[int | None, Field(
     "causal (H200, 2026-11-28, suites/attention-rescale.yaml)")]
 
 
+# params.exp2_fma_every of attention and attention_backward (tsgen/attention.cuh exp2_of_group)
+Exp2FmaEvery = Annotated[int | None, Field(
+    ge=2, le=16, description="every this-many-th group of 4 exponentials of a consumer thread (8 keys of a block's "
+    "scores in the forward, 8 queries of a step's P^T in the backward) takes its exp2 on the FMA pipe "
+    "(tsgen::attention::exp2_fma: a cubic for 2^f and the exponent built from bits, relative error under 1.1e-4, "
+    "38x under P's 16-bit rounding) instead of MUFU, a quarter-rate pipe, so that the FMA pipe works beside it "
+    "(FlashAttention-4 does so on Blackwell). Unset: all on MUFU. Measured in the backward (H200, 2026-11-29): 2 "
+    "at 0.89-0.97x unset, 4 level (docs/design/attention.md)")]
+
+
 class AttentionTile(StrictModel):
     """CTA tile: tile.m query rows (64 per consumer warpgroup) against blocks of tile.n keys."""
 
@@ -151,6 +161,7 @@ class AttentionParams(AttentionShape):
         "this tile's last P V and epilogue, and its O store drains during the next tile's first S")
     row_max_chains: RowMaxChains = None
     rescale_at: RescaleAt = None
+    exp2_fma_every: Exp2FmaEvery = None
 
 
 class AttentionLaunch(StrictModel):
@@ -367,6 +378,7 @@ class AttentionFamily(OpFamily):
             **({"EPILOGUE_OVERLAP": 1} if p.epilogue_overlap else {}),
             **({"ROW_MAX_CHAINS": p.row_max_chains} if p.row_max_chains else {}),
             **({"RESCALE_AT": p.rescale_at} if p.rescale_at is not None else {}),
+            **({"EXP2_FMA_EVERY": p.exp2_fma_every} if p.exp2_fma_every else {}),
         }
 
     def template_vars(self, spec):

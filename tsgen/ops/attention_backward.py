@@ -41,8 +41,9 @@ import numpy as np
 from pydantic import Field
 
 from ..spec_types import StrictModel
-from .attention import (AttentionShape, OneGpuAttentionSpec, attention_backward_reference, attention_reference,
-                        from_bshd, grad_tolerance, heads_problems, scale_of, scale_vars, shape_constants, to_bshd)
+from .attention import (AttentionShape, Exp2FmaEvery, OneGpuAttentionSpec, attention_backward_reference,
+                        attention_reference, from_bshd, grad_tolerance, heads_problems, scale_of, scale_vars,
+                        shape_constants, to_bshd)
 from .base import Buffer, OpFamily, one_kernel_abi
 from .collectives import from_f64, to_f64
 
@@ -167,13 +168,7 @@ class AttentionBackwardParams(AttentionShape):
         "head_dim 64 only, dq_reduce bulk, not deterministic, not lookahead. Measured 1.23-1.28x 64-row steps (H200, "
         "S 4K-16K, 2026-11-27); the shipped head-dim-64 specs set it")
 
-    exp2_fma_every: int | None = Field(
-        None, ge=2, le=16, description="impl wgmma: every this-many-th column group of a step's P^T (each consumer "
-        "thread holds 8 groups a 64-row step, 16 a 128-row one, 4 exponentials each) takes its exp2 on the FMA pipe "
-        "(tsgen::attention::exp2_fma: a cubic for 2^f and the exponent built from bits, relative error under 1.1e-4, "
-        "38x under P's bf16 rounding) instead of MUFU, so that the step's runs of MUFU.EX2, which wait on that "
-        "quarter-rate pipe, are shorter and the FMA pipe works beside them (FlashAttention-4 does so on Blackwell). "
-        "Unset: all on MUFU")
+    exp2_fma_every: Exp2FmaEvery = None  # impl wgmma
 
     @property
     def cta_head_group(self) -> int | None:

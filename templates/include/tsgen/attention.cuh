@@ -240,6 +240,23 @@ struct rescale_at_of : std::integral_constant<int, C::TILE_N / 16> {};
 template <class C>
 struct rescale_at_of<C, std::void_t<decltype(C::RESCALE_AT)>> : std::integral_constant<int, C::RESCALE_AT> {};
 
+// Config::EXP2_FMA_EVERY where the Config has it (only specs with params.exp2_fma_every emit it), else 0: every
+// EXP2_FMA_EVERY-th group of 4 exponentials of a thread (8 keys of the forward's S, of the backward's P^T 8 queries)
+// on the FMA pipe (exp2_fma), the rest on MUFU (exp2_approx): the forward's exps, the backward's probability_column.
+template <class C, class = void>
+struct exp2_fma_every_of : std::integral_constant<int, 0> {};
+template <class C>
+struct exp2_fma_every_of<C, std::void_t<decltype(C::EXP2_FMA_EVERY)>>
+    : std::integral_constant<int, C::EXP2_FMA_EVERY> {};
+
+// exp2 of x for a thread's group `group` of 4 exponentials: on the FMA pipe for every EXP2_FMA_EVERY-th group (the
+// group a compile-time constant in an unrolled loop, so the choice costs nothing), else on MUFU.
+template <class C>
+static __device__ __forceinline__ float exp2_of_group(float x, int group) {
+  constexpr int EVERY = exp2_fma_every_of<C>::value, EVERY_OR_1 = EVERY > 0 ? EVERY : 1;
+  return EVERY > 0 && group % EVERY_OR_1 == EVERY - 1 ? exp2_fma(x) : exp2_approx(x);
+}
+
 // Config::LOCAL_KV where the Config has it (only cp_attention specs with params.local_kv emit it), else
 // false: the kernel takes two more tensor maps (k_local, v_local: the rank's own K and V), and up to two
 // KV chunks (Problem::kv_local_chunk, each kv_chunk rows, starting at a block boundary and ending at one or
@@ -722,7 +739,7 @@ struct Softmax {
 #pragma unroll
     for (int i = FROM; i < TO; ++i) {
       const int r = (i / 2) % 2;
-      s[i] = exp2_approx(fmaf(s[i], C::SCALE_LOG2, -use[r]));
+      s[i] = exp2_of_group<C>(fmaf(s[i], C::SCALE_LOG2, -use[r]), i / 4);  // i / 4: the score's 8-key group
       sum[r] += s[i];
     }
   }

@@ -185,15 +185,6 @@ struct kv_push_of : std::false_type {};
 template <class C>
 struct kv_push_of<C, std::void_t<decltype(C::KV_PUSH)>> : std::integral_constant<bool, C::KV_PUSH != 0> {};
 
-// Config::EXP2_FMA_EVERY where the Config has it (only specs with params.exp2_fma_every emit it), else 0: every
-// EXP2_FMA_EVERY-th column group of a step's P^T takes its exp2 on the FMA pipe (attention::exp2_fma), the rest on
-// MUFU (probability_column).
-template <class C, class = void>
-struct exp2_fma_every_of : std::integral_constant<int, 0> {};
-template <class C>
-struct exp2_fma_every_of<C, std::void_t<decltype(C::EXP2_FMA_EVERY)>>
-    : std::integral_constant<int, C::EXP2_FMA_EVERY> {};
-
 using attention::mbar_wait_no_timeout;
 using attention::tma_load_4d;
 using gemm::bulk_commit_group;
@@ -606,14 +597,11 @@ template <class C, bool MASK, int N>
 static __device__ __forceinline__ void probability_column(float (&s)[N], int col, int i0, uint32_t smem, uint32_t stage,
                                                           const Problem& p, uint32_t key_lo, int32_t r0) {
   using L = Layout<C>;
-  constexpr int EVERY = exp2_fma_every_of<C>::value, EVERY_OR_1 = EVERY > 0 ? EVERY : 1;
-  const bool on_fma = EVERY > 0 && (i0 / 4) % EVERY_OR_1 == EVERY - 1;  // i0 / 4: the column group (compile time)
   const float l2 = __uint_as_float(attention::ld_shared_u32(smem + L::LSE2_OFF + 4 * (stage * L::ROWS + col)));
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = i0 + 2 * h;
-    const float x = fmaf(s[i], C::SCALE_LOG2, -l2);
-    float pr = on_fma ? attention::exp2_fma(x) : attention::exp2_approx(x);
+    float pr = attention::exp2_of_group<C>(fmaf(s[i], C::SCALE_LOG2, -l2), i0 / 4);  // i0 / 4: the column group
     if constexpr (MASK) {
       const uint32_t key = key_lo + 8 * h;  // within the sequence
       bool seen = key < p.kv_len;
