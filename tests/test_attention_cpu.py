@@ -102,6 +102,8 @@ BAD = [
     ("rescale_at_boundary_accepted", ATT + "params:\n  tile: {n: 64}\n  rescale_at: 4\n", []),
     ("rescale_at_negative", ATT + "params:\n  rescale_at: -1\n",
      ["6:3: params.rescale_at: Input should be greater than or equal to 0"]),
+    ("exp2_fma_every_one", ATT + "params:\n  exp2_fma_every: 1\n",
+     ["6:3: params.exp2_fma_every: Input should be greater than or equal to 2"]),
     ("overlap_needs_persistent", ATT + "params:\n  epilogue_overlap: true\n",
      ["6:3: params.epilogue_overlap: epilogue_overlap overlaps a tile's epilogue with the next tile of the same "
       "CTA: it needs schedule: persistent (a grid of one CTA per tile has no next tile)"]),
@@ -1027,3 +1029,15 @@ def test_masked_step_hides_exactly_the_keys_past_each_row(tmp_path, causal):
             want = "".join("1" if (key := j * N + 2 * lane + off) >= kv_len or (causal and kv_offset + key > q) else "0"
                            for off in offsets)
             assert bits == want, (kv_len, kv_offset, q, j, lane)
+
+
+def test_exp2_fma_every_renders_only_where_set(tmp_path):
+    """params.exp2_fma_every: absent from every shipped spec's source; set, the Config's EXP2_FMA_EVERY (the forward's
+    exps take it through attention::exp2_of_group, whose function the backward's tests check on the host)."""
+    fam = get_family("attention")
+    for name in SHIPPED:
+        loaded = load_spec(ROOT / "specs" / f"{name}.yaml")
+        assert "EXP2_FMA_EVERY" not in fam.constants(loaded.model), name
+    on = variant("e8", params={"exp2_fma_every": 8})
+    assert fam.constants(on.model)["EXP2_FMA_EVERY"] == 8
+    assert "static constexpr int EXP2_FMA_EVERY = e8::EXP2_FMA_EVERY;" in rendered_source(on, tmp_path).read_text()

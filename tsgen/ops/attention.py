@@ -92,8 +92,9 @@ Exp2FmaEvery = Annotated[int | None, Field(
     "scores in the forward, 8 queries of a step's P^T in the backward) takes its exp2 on the FMA pipe "
     "(tsgen::attention::exp2_fma: a cubic for 2^f and the exponent built from bits, relative error under 1.1e-4, "
     "38x under P's 16-bit rounding) instead of MUFU, a quarter-rate pipe, so that the FMA pipe works beside it "
-    "(FlashAttention-4 does so on Blackwell). Unset: all on MUFU. Measured in the backward (H200, 2026-11-29): 2 "
-    "at 0.89-0.97x unset, 4 level (docs/design/attention.md)")]
+    "(FlashAttention-4 does so on Blackwell). Unset: all on MUFU. Measured on an H200 (2026-11-29): slower in the forward "
+    "(hd 64 causal: 8 at 0.94x unset, 4 at 0.88-0.89x) and the backward (2 at 0.89-0.97x, 4 level), where the issue "
+    "slots an exponential adds cost more than MUFU's wait; no shipped spec sets it (docs/design/attention.md)")]
 
 
 class AttentionTile(StrictModel):
