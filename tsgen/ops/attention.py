@@ -163,6 +163,10 @@ class AttentionParams(AttentionShape):
     row_max_chains: RowMaxChains = None
     rescale_at: RescaleAt = None
     exp2_fma_every: Exp2FmaEvery = None
+    rescale_skip: bool = Field(
+        False, description="skip O's rescale after a block where no row maximum of the warp's 16 rows grew: every "
+        "scale is then exactly 1 and the multiplies change no bit (one warp vote a block decides; the output is the "
+        "same bit for bit). Not yet measured")
 
 
 class AttentionLaunch(StrictModel):
@@ -380,6 +384,7 @@ class AttentionFamily(OpFamily):
             **({"ROW_MAX_CHAINS": p.row_max_chains} if p.row_max_chains else {}),
             **({"RESCALE_AT": p.rescale_at} if p.rescale_at is not None else {}),
             **({"EXP2_FMA_EVERY": p.exp2_fma_every} if p.exp2_fma_every else {}),
+            **({"RESCALE_SKIP": 1} if p.rescale_skip else {}),
         }
 
     def template_vars(self, spec):

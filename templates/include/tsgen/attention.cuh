@@ -257,6 +257,14 @@ static __device__ __forceinline__ float exp2_of_group(float x, int group) {
   return EVERY > 0 && group % EVERY_OR_1 == EVERY - 1 ? exp2_fma(x) : exp2_approx(x);
 }
 
+// Config::RESCALE_SKIP where the Config has it (only specs with params.rescale_skip emit it), else false: O's rescale
+// of a block skipped by the whole warp where no row maximum of its 16 rows grew (every scale exactly 1, so the
+// multiplies would change no bit), decided by one vote.
+template <class C, class = void>
+struct rescale_skip_of : std::false_type {};
+template <class C>
+struct rescale_skip_of<C, std::void_t<decltype(C::RESCALE_SKIP)>> : std::integral_constant<bool, C::RESCALE_SKIP> {};
+
 // Config::LOCAL_KV where the Config has it (only cp_attention specs with params.local_kv emit it), else
 // false: the kernel takes two more tensor maps (k_local, v_local: the rank's own K and V), and up to two
 // KV chunks (Problem::kv_local_chunk, each kv_chunk rows, starting at a block boundary and ending at one or
@@ -1006,7 +1014,11 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
           wgmma_wait_group<0>();
           fence_all<C>(o, L::O_ACC);
           if (leader) mbar_arrive(smem + L::V_EMPTY + 8 * rv.stage);
-          rescale<C>(o, scale);
+          if constexpr (rescale_skip_of<C>::value) {
+            if (__any_sync(0xFFFFFFFFu, scale[0] != 1.f || scale[1] != 1.f)) rescale<C>(o, scale);
+          } else {
+            rescale<C>(o, scale);
+          }
         };
         constexpr int AT = 8 * rescale_at_of<C>::value;  // scores before the wait (8 a column group)
         static_assert(AT >= 0 && AT <= L::S_ACC, "RESCALE_AT: 0 .. TILE_N / 16");
