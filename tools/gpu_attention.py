@@ -120,7 +120,8 @@ VARIANTS.update({
     "hd128_full_kv32_persistent": variant(128, False, 32, schedule="persistent"),
     "hd128_full_kv32_overlap": variant(128, False, 32, schedule="persistent", epilogue_overlap=True),
     "hd128_causal_kv8_persistent": variant(128, True, 8, schedule="persistent"),
-    "hd128_causal_kv8_overlap": variant(128, True, 8, schedule="persistent", epilogue_overlap=True),
+    "hd128_causal_kv8_overlap": variant(128, True, 8, schedule="persistent", epilogue_overlap=True,
+                                         rescale_skip=True),  # the shipped spec's (since 2026-11-29)
     "hd128_causal_kv4_waits_overlap": variant(128, True, 4, kv_waits=True, schedule="persistent",
                                               epilogue_overlap=True),
     "hd128_full_kv4_bhsd_overlap": variant(128, False, 4, layout="bhsd", schedule="persistent",
