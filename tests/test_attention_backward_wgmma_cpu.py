@@ -644,7 +644,7 @@ def test_gpu_tool_runs_the_impls_side_by_side():
     tool = load_script(ROOT / "tools" / "gpu_attention_bwd.py")
     assert tool.IMPLS == ("shipped", "mma_sync", "wgmma", "wgmma_red", "wgmma_det", "wgmma_g0", "wgmma_g1",
                           "wgmma_g2", "wgmma_g4", "wgmma_g8", "wgmma_l3", "wgmma_m128", "wgmma_dkq", "wgmma_m128dkq",
-                          "shipped_g2", "shipped_g8", "shipped_r80")
+                          "shipped_g2", "shipped_g8", "shipped_r80", "shipped_e2", "shipped_e3", "shipped_e4")
     assert tool.impl_name("hd64_full_kv8", "shipped") == "hd64_full_kv8"
     assert tool.impl_name("hd64_full_kv8", "mma_sync") == "hd64_full_kv8_mma_sync"
     assert tool.impl_name("hd64_full_kv8", "wgmma") == "hd64_full_kv8_wgmma"
