@@ -2164,8 +2164,8 @@ int main() {  // x and exp2_fma(x) as hex floats: a fine grid over the kernel's 
 def test_exp2_fma_is_within_its_bound_and_zero_where_mufu_flushes(tmp_path):
     """attention::exp2_fma, host-compiled from the header: relative error at most 1.1e-4 of 2^x over [-125, 2] (its
     comment's 1.02e-4; bf16 rounds P by up to 3.9e-3), exact powers of two at the integers (f = 0), exactly 0 at
-    x <= -127, -inf and NaN (where ex2.approx.ftz gives 0, or NaN for NaN: the kernel masks before it matters), and
-    nothing negative, infinite or NaN anywhere."""
+    x <= -127 and -inf (where ex2.approx.ftz gives 0), and nothing negative, infinite or NaN anywhere: a NaN gives 0
+    (ex2.approx gives NaN), so a NaN score moved to the FMA pipe drops out of P instead of spreading (documented)."""
     from conftest import host_program
 
     exe = host_program(variant("v"), EXP2_FMA, tmp_path, "exp2_fma")
@@ -2200,6 +2200,10 @@ def test_exp2_fma_every_renders_only_where_set_and_is_refused_elsewhere(tmp_path
     for n in (0, 1, 17):
         with pytest.raises(SpecError, match="exp2_fma_every"):
             variant("v", params={"exp2_fma_every": n})
+    # past a step's column groups (8 in 64-row steps, 16 in 128-row ones): nothing would move
+    with pytest.raises(SpecError, match="8 column groups"):
+        variant("v", params={"exp2_fma_every": 9})
+    assert fam.check(variant("v", params={"exp2_fma_every": 16, "head_dim": 64, "step_rows": 128}).model) == []
 
 
 @needs_sass

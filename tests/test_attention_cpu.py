@@ -104,6 +104,9 @@ BAD = [
      ["6:3: params.rescale_at: Input should be greater than or equal to 0"]),
     ("exp2_fma_every_one", ATT + "params:\n  exp2_fma_every: 1\n",
      ["6:3: params.exp2_fma_every: Input should be greater than or equal to 2"]),
+    ("exp2_fma_every_past_the_groups", ATT + "params:\n  tile: {n: 64}\n  exp2_fma_every: 9\n",
+     ["7:3: params.exp2_fma_every: exp2_fma_every 9: a consumer thread holds 8 groups of 4 exponentials of a block "
+      "of 64 keys (tile.n / 8), so none would move; use 2 to 8"]),
     ("overlap_needs_persistent", ATT + "params:\n  epilogue_overlap: true\n",
      ["6:3: params.epilogue_overlap: epilogue_overlap overlaps a tile's epilogue with the next tile of the same "
       "CTA: it needs schedule: persistent (a grid of one CTA per tile has no next tile)"]),
@@ -1041,3 +1044,17 @@ def test_exp2_fma_every_renders_only_where_set(tmp_path):
     on = variant("e8", params={"exp2_fma_every": 8})
     assert fam.constants(on.model)["EXP2_FMA_EVERY"] == 8
     assert "static constexpr int EXP2_FMA_EVERY = e8::EXP2_FMA_EVERY;" in rendered_source(on, tmp_path).read_text()
+
+
+def test_rescale_skip_renders_only_where_set(tmp_path):
+    """params.rescale_skip: the shipped causal GQA spec sets it (its rescale follows every exp2), no other shipped
+    attention spec does (with rescale_at the vote's branch cuts the interleave: 0.92-0.95x, docs/design/attention.md);
+    set, the Config's RESCALE_SKIP."""
+    fam = get_family("attention")
+    on = {name for name in SHIPPED if "RESCALE_SKIP" in fam.constants(load_spec(ROOT / "specs" / f"{name}.yaml").model)}
+    assert on == {"attention_hd128_causal_gqa"}, on
+    assert load_spec(ROOT / "specs" / "attention_hd128_causal_gqa.yaml").model.params.rescale_at is None
+    rs = variant("rs", params={"rescale_skip": True})
+    assert fam.constants(rs.model)["RESCALE_SKIP"] == 1
+    assert "static constexpr bool RESCALE_SKIP = rs::RESCALE_SKIP != 0;" in rendered_source(rs, tmp_path).read_text()
+    assert "RESCALE_SKIP" not in rendered_source(variant("v"), tmp_path).read_text()

@@ -91,7 +91,7 @@ Exp2FmaEvery = Annotated[int | None, Field(
     ge=2, le=16, description="every this-many-th group of 4 exponentials of a consumer thread (8 keys of a block's "
     "scores in the forward, 8 queries of a step's P^T in the backward) takes its exp2 on the FMA pipe "
     "(tsgen::attention::exp2_fma: a cubic for 2^f and the exponent built from bits, relative error under 1.1e-4, "
-    "38x under P's 16-bit rounding) instead of MUFU, a quarter-rate pipe, so that the FMA pipe works beside it "
+    "38x under P's bf16 rounding, 4.8x under fp16's; a NaN score gives P = 0 there, not NaN) instead of MUFU, a quarter-rate pipe, so that the FMA pipe works beside it "
     "(FlashAttention-4 does so on Blackwell). Unset: all on MUFU. Measured on an H200 (2026-11-29): slower in the forward "
     "(hd 64 causal: 8 at 0.94x unset, 4 at 0.88-0.89x) and the backward (2 at 0.89-0.97x, 4 level), where the issue "
     "slots an exponential adds cost more than MUFU's wait; no shipped spec sets it (docs/design/attention.md)")]
@@ -165,8 +165,10 @@ class AttentionParams(AttentionShape):
     exp2_fma_every: Exp2FmaEvery = None
     rescale_skip: bool = Field(
         False, description="skip O's rescale after a block where no row maximum of the warp's 16 rows grew: every "
-        "scale is then exactly 1 and the multiplies change no bit (one warp vote a block decides; the output is the "
-        "same bit for bit). Not yet measured")
+        "scale is then exactly 1 and the multiplies change no bit (x * 1 = x in IEEE arithmetic; one warp vote a block "
+        "decides). Measured on an H200 (2026-11-29): +1-3 % at hd 128 causal GQA, whose rescale follows every "
+        "exp2 (shipped there); 0.92-0.95x with rescale_at, whose interleave the vote's branch cuts "
+        "(docs/design/attention.md)")
 
 
 class AttentionLaunch(StrictModel):
@@ -347,6 +349,12 @@ class AttentionFamily(OpFamily):
             problems.append((("params", "rescale_at"),
                              f"rescale_at {at}: a block of {p.tile.n} keys has {p.tile.n // 16} column groups of "
                              f"exp2 (tile.n / 16); use 0 to {p.tile.n // 16}"))
+        every = getattr(p, "exp2_fma_every", None)
+        if every and every > p.tile.n // 8:
+            problems.append((("params", "exp2_fma_every"),
+                             f"exp2_fma_every {every}: a consumer thread holds {p.tile.n // 8} groups of 4 "
+                             f"exponentials of a block of {p.tile.n} keys (tile.n / 8), so none would move; use 2 to "
+                             f"{p.tile.n // 8}"))
         # cp_attention's CTAs always walk tiles (no params.schedule): the overlap needs nothing more there
         if getattr(p, "epilogue_overlap", False) and getattr(p, "schedule", "persistent") != "persistent":
             problems.append((("params", "epilogue_overlap"),

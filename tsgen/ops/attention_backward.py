@@ -362,6 +362,13 @@ class AttentionBackwardFamily(OpFamily):
         if p.exp2_fma_every and p.impl != "wgmma":
             problems.append((("params", "exp2_fma_every"), "exp2_fma_every needs params.impl wgmma (the mma_sync "
                              "kernel's exponentials are not built to move)"))
+        elif p.exp2_fma_every:
+            groups = {128: 16, 80: 10}.get(p.step_rows or 64, 8)  # a thread's column groups of P^T a step
+            if p.exp2_fma_every > groups:
+                problems.append((("params", "exp2_fma_every"),
+                                 f"exp2_fma_every {p.exp2_fma_every}: a consumer thread holds {groups} column groups "
+                                 f"of P^T a step of {p.step_rows or 64} query rows, so none would move; use 2 to "
+                                 f"{groups}"))
         if p.tail_split and not p.tail_applies:
             refuse_first(problems, "tail_split", [
                 (p.impl != "wgmma", "tail_split needs params.impl wgmma (the mma_sync kernel's CTAs walk whole items)"),
