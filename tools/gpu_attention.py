@@ -169,6 +169,8 @@ VARIANTS.update({
     "hd128_full_kv4_bhsd_rs8": variant(128, False, 4, layout="bhsd", rescale_at=8),
     "hd128_full_kv32_rs_after": variant(128, False, 32, rescale_at=None),  # the order before, not causal
 })
+# the shipped causal GQA kernel before params.rescale_skip (6478b2f): O rescaled after every block, to A/B the skip
+VARIANTS["hd128_causal_kv8_overlap_noskip"] = variant(128, True, 8, schedule="persistent", epilogue_overlap=True)
 RESCALE_VARIANTS = [n for n in VARIANTS if "_rs" in n]
 # The two-stream check's negative control: the same module built with every stream on tile counter
 # slot 0 (-DTSGEN_ATTENTION_ONE_WORK_SLOT): calls on two streams then share one counter, and the
