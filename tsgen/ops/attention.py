@@ -91,10 +91,11 @@ Exp2FmaEvery = Annotated[int | None, Field(
     ge=2, le=16, description="every this-many-th group of 4 exponentials of a consumer thread (8 keys of a block's "
     "scores in the forward, 8 queries of a step's P^T in the backward) takes its exp2 on the FMA pipe "
     "(tsgen::attention::exp2_fma: a cubic for 2^f and the exponent built from bits, relative error under 1.1e-4, "
-    "38x under P's bf16 rounding, 4.8x under fp16's; a NaN score gives P = 0 there, not NaN) instead of MUFU, a quarter-rate pipe, so that the FMA pipe works beside it "
-    "(FlashAttention-4 does so on Blackwell). Unset: all on MUFU. Measured on an H200 (2026-11-29): slower in the forward "
-    "(hd 64 causal: 8 at 0.94x unset, 4 at 0.88-0.89x) and the backward (2 at 0.89-0.97x, 4 level), where the issue "
-    "slots an exponential adds cost more than MUFU's wait; no shipped spec sets it (docs/design/attention.md)")]
+    "38x under P's bf16 rounding, 4.8x under fp16's; a NaN score gives P = 0 there, not NaN) instead of MUFU, a "
+    "quarter-rate pipe, so that the FMA pipe works beside it (FlashAttention-4 does so on Blackwell). Unset: all on "
+    "MUFU. Measured on an H200 (2026-11-29): slower in the forward (hd 64 causal: 8 at 0.94x unset, 4 at "
+    "0.88-0.89x) and the backward (2 at 0.89-0.97x, 4 level), where the issue slots an exponential adds cost more "
+    "than MUFU's wait; no shipped spec sets it (docs/design/attention.md)")]
 
 
 class AttentionTile(StrictModel):
