@@ -834,17 +834,25 @@ constexpr CUtensorMapDataType tensor_map_dtype<__half>() {
   return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 }
 
-// The driver's cuCtxGetCurrent, fetched through the runtime as the encoder is; nullptr where the
-// driver lacks it.
-static inline void* driver_function(const char* name) {
+// A driver function fetched through the runtime (so nothing links against libcuda), at the CUDA 12.0
+// ABI; err is cudaErrorSymbolNotFound (fn nullptr) where the driver lacks it. The encoder and
+// bind_thread_context each look theirs up once per process.
+struct DriverFunction {
   void* fn = nullptr;
+  cudaError_t err = cudaSuccess;
+};
+static inline DriverFunction driver_function(const char* name) {
+  DriverFunction f;
   cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
 #if CUDART_VERSION >= 12050
-  const cudaError_t err = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &status);
+  f.err = cudaGetDriverEntryPointByVersion(name, &f.fn, 12000, cudaEnableDefault, &status);
 #else
-  const cudaError_t err = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &status);
+  f.err = cudaGetDriverEntryPoint(name, &f.fn, cudaEnableDefault, &status);
 #endif
-  return err == cudaSuccess && status == cudaDriverEntryPointSuccess ? fn : nullptr;
+  if (f.err == cudaSuccess && (status != cudaDriverEntryPointSuccess || f.fn == nullptr))
+    f.err = cudaErrorSymbolNotFound;
+  if (f.err != cudaSuccess) f.fn = nullptr;
+  return f;
 }
 
 // A driver call such as cuTensorMapEncodeTiled needs a context current in the calling host thread,
@@ -856,10 +864,10 @@ static inline void* driver_function(const char* name) {
 // inside a stream capture, where cudaFree, say, would end the capture).
 static inline cudaError_t bind_thread_context() {
   using GetCurrent = CUresult (*)(CUcontext*);
-  static const GetCurrent get_current = reinterpret_cast<GetCurrent>(driver_function("cuCtxGetCurrent"));
-  if (get_current == nullptr) return cudaErrorSymbolNotFound;
+  static const DriverFunction found = driver_function("cuCtxGetCurrent");
+  if (found.err != cudaSuccess) return found.err;
   CUcontext ctx = nullptr;
-  if (get_current(&ctx) != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  if (reinterpret_cast<GetCurrent>(found.fn)(&ctx) != CUDA_SUCCESS) return cudaErrorInvalidValue;
   if (ctx != nullptr) return cudaSuccess;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -867,28 +875,12 @@ static inline cudaError_t bind_thread_context() {
   return err;
 }
 
-// cuTensorMapEncodeTiled, a driver function, fetched through the runtime (so
-// nothing links against libcuda); looked up once per process; the calling thread's
-// context bound first (bind_thread_context).
+// cuTensorMapEncodeTiled (driver_function), the calling thread's context bound first
+// (bind_thread_context).
 static inline cudaError_t tensor_map_encoder(PFN_cuTensorMapEncodeTiled_v12000* encode) {
   const cudaError_t bound = bind_thread_context();
   if (bound != cudaSuccess) return bound;
-  struct Lookup {
-    void* fn = nullptr;
-    cudaError_t err = cudaSuccess;
-  };
-  static const Lookup found = [] {
-    Lookup l;
-    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    l.err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &l.fn, 12000, cudaEnableDefault, &status);
-#else
-    l.err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &l.fn, cudaEnableDefault, &status);
-#endif
-    if (l.err == cudaSuccess && (status != cudaDriverEntryPointSuccess || l.fn == nullptr))
-      l.err = cudaErrorSymbolNotFound;
-    return l;
-  }();
+  static const DriverFunction found = driver_function("cuTensorMapEncodeTiled");
   *encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(found.fn);
   return found.err;
 }
