@@ -1026,6 +1026,40 @@ def attention_checks() -> None:
 
     graph()
 
+    def thread_inputs():
+        """hd 128 inputs (S 1000) and this thread's forward and op.grads of them, the new-thread checks' reference."""
+        attn = ops["hd128"]
+        q, k, v, do = attention_inputs(attn.signature, 1, 1000, 1000, gen)
+        o, lse = attn(q, k, v, return_lse=True)
+        return attn, (q, k, v, do), (o, lse), attn.grads(q, k, v, o, do, lse)
+
+    def in_new_thread(body) -> dict:
+        """body(out) run in a new host thread and joined, with the outputs' NaN fill off there (a CUDA call that
+        would give the thread its context first, or put fill kernels into a capture: the op's launches alone); an
+        exception it raises is out["error"], its first line."""
+        import threading
+
+        out = {}
+
+        def run():
+            try:
+                body(out)
+            except Exception as e:  # noqa: BLE001 - the caller reports it
+                out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+        poison = os.environ.pop("TSGEN_TORCH_POISON", None)
+        try:
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+        finally:
+            if poison is not None:
+                os.environ["TSGEN_TORCH_POISON"] = poison
+        return out
+
+    def rel_errors(got, want) -> list[float]:
+        return [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, want)]
+
     @checked("attention_fresh_thread")
     def fresh_thread():
         """The op called from a host thread that has made no CUDA call (PyTorch's autograd worker threads are such,
@@ -1040,16 +1074,13 @@ def attention_checks() -> None:
 
         import tsgen.torch.ops as ops_mod
 
-        attn = ops["hd128"]
-        q, k, v, do = attention_inputs(attn.signature, 1, 1000, 1000, gen)
-        o, lse = attn(q, k, v, return_lse=True)
-        grads = attn.grads(q, k, v, o, do, lse)
+        attn, (q, k, v, do), (o, lse), grads = thread_inputs()
         # the same calls once more, their outputs dropped: the caching allocator then holds free blocks of every
         # size the thread's calls allocate, so that no cudaMalloc (which would bind the thread's context) runs there
         attn(q, k, v, return_lse=True), attn.grads(q, k, v, o, do, lse)
         torch.cuda.synchronize()
         cuda = ctypes.CDLL("libcuda.so.1")
-        out, unbound_at_launch = {}, []
+        unbound_at_launch = []
 
         def context_unset() -> bool:
             ctx = ctypes.c_void_p()
@@ -1061,32 +1092,24 @@ def attention_checks() -> None:
                 unbound_at_launch.append(context_unset())
             return launch(device, launcher, args)
 
-        def run():
-            try:
-                cuda.cuCtxSetCurrent(ctypes.c_void_p(None))
-                out["fwd"] = attn(q, k, v, return_lse=True)
-                out["bwd"] = attn.grads(q, k, v, o, do, lse)
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001 - reported below
-                out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        def body(out):
+            cuda.cuCtxSetCurrent(ctypes.c_void_p(None))
+            out["fwd"] = attn(q, k, v, return_lse=True)
+            out["bwd"] = attn.grads(q, k, v, o, do, lse)
+            torch.cuda.synchronize()
 
-        poison = os.environ.pop("TSGEN_TORCH_POISON", None)
         launch = ops_mod.call_on_stream
         ops_mod.call_on_stream = watched
         try:
-            thread = threading.Thread(target=run)
-            thread.start()
-            thread.join()
+            out = in_new_thread(body)
         finally:
             ops_mod.call_on_stream = launch
-            if poison is not None:
-                os.environ["TSGEN_TORCH_POISON"] = poison
         first = unbound_at_launch[0] if unbound_at_launch else None
         if "error" in out:
             return False, f"in a new thread (no context at its first launch: {first}): {out['error']}"
         fo, flse = out["fwd"]
         same = bool(torch.equal(fo, o)) and bool(torch.equal(flse, lse))
-        errs = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(out["bwd"], grads)]
+        errs = rel_errors(out["bwd"], grads)
         # the check checks what it says only where the thread's first launch found no context
         ok = first is True and same and max(errs) <= 1e-2
         return ok, (f"no context at the thread's first launch: {first}; O, LSE bit for bit: {same}; dQ, dK, dV "
@@ -1101,33 +1124,17 @@ def attention_checks() -> None:
         O and LSE bit for bit and dQ, dK, dV within 1e-2 in norm of the same calls made eagerly. The launchers bind
         a thread's context where none is current; a call that is illegal during capture (cudaFree, which the
         binding used until 2026-11-29) would end the capture and fail here."""
-        import threading
-
-        attn = ops["hd128"]
-        q, k, v, do = attention_inputs(attn.signature, 1, 1000, 1000, gen)
-        o, lse = attn(q, k, v, return_lse=True)
-        grads = attn.grads(q, k, v, o, do, lse)
+        attn, (q, k, v, do), (o, lse), grads = thread_inputs()
         torch.cuda.synchronize()
-        out = {}
 
-        def run():
-            try:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    out["fwd"] = attn(q, k, v, return_lse=True)
-                    out["bwd"] = attn.grads(q, k, v, o, do, lse)
-                out["graph"] = g
-            except Exception as e:  # noqa: BLE001 - reported below
-                out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        def body(out):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out["fwd"] = attn(q, k, v, return_lse=True)
+                out["bwd"] = attn.grads(q, k, v, o, do, lse)
+            out["graph"] = g
 
-        poison = os.environ.pop("TSGEN_TORCH_POISON", None)  # no fill kernels in the capture: the op's launches alone
-        try:
-            thread = threading.Thread(target=run)
-            thread.start()
-            thread.join()
-        finally:
-            if poison is not None:
-                os.environ["TSGEN_TORCH_POISON"] = poison
+        out = in_new_thread(body)
         if "error" in out:
             return False, f"capturing a new thread's first launches: {out['error']}"
         same, errs = True, []
@@ -1138,7 +1145,7 @@ def attention_checks() -> None:
             torch.cuda.synchronize()
             fo, flse = out["fwd"]
             same &= bool(torch.equal(fo, o)) and bool(torch.equal(flse, lse))
-            errs += [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(out["bwd"], grads)]
+            errs += rel_errors(out["bwd"], grads)
         ok = same and all(e <= 1e-2 for e in errs)  # a NaN fails: it compares false
         return ok, f"3 replays: O, LSE bit for bit: {same}; dQ, dK, dV rel {', '.join(f'{e:.1e}' for e in errs)}"
 
