@@ -600,6 +600,18 @@ def test_rescale_at_renders_only_where_set(tmp_path):
         "to 8"]
 
 
+def test_rescale_skip_renders_only_where_set():
+    """params.rescale_skip (attention's parameter, one type: RescaleSkip; the consumer loop is the same code): no
+    shipped cp spec sets it yet (it waits for a W 2 measurement: suites/cp-w2-causal.yaml); set, the module constant
+    and the Config's, on the zig-zag causal spec (ping-pong, no rescale_at: where the single-GPU kernel gained)."""
+    for shipped in SHIPPED:
+        assert "RESCALE_SKIP" not in (ROOT / "generated" / f"{shipped}.cu").read_text(), shipped
+        assert load_spec(ROOT / "specs" / f"{shipped}.yaml").model.params.rescale_skip is False, shipped
+    source = render(variant("rs", base="cp_attention_zigzag_causal", params={"rescale_skip": True})).source
+    assert "\nconstexpr int RESCALE_SKIP = 1;\n" in source
+    assert "static constexpr bool RESCALE_SKIP = rs::RESCALE_SKIP != 0;" in source
+
+
 # The test-only and opt-in knobs' combinations a spec may not ask for: (params, the check's message)
 REFUSED_KNOBS = [
     ("  causal: true\n  tile_counter: true\n",

@@ -160,6 +160,16 @@ def test_cp_attention_local_kv_world_3(case):
     assert len(seen) == 60 and all(good for *_, good in seen), [x for x in seen if not x[3]][:4]
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("case", ["zigzag_causal_gqa", "contiguous_causal_bhsd"])
+def test_cp_attention_rescale_skip(case, world):
+    """params.rescale_skip (a warp skips O's rescale after a block where none of its 16 rows' maxima grew; shipped in
+    the single-GPU causal GQA spec) in cp's causal kernels, zig-zag and contiguous: 20 calls, poisoned outputs."""
+    params, count = CASES[case]
+    ok, lines = _run(f"{case}_rskip", world, {**params, "rescale_skip": True}, count)
+    assert ok, "\n".join(lines)
+
+
 CE_KNOBS = [("contiguous_full_gqa", {"local_kv": True}, 256), ("contiguous_full_gqa", {"local_kv": True}, 333),
             ("zigzag_causal_gqa", {"local_kv": True}, 256), ("zigzag_causal_gqa", {"local_kv": False}, 256),
             ("contiguous_full_gqa", {"local_kv": False, "copy_1d": True}, 256),

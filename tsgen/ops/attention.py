@@ -87,6 +87,14 @@ RescaleAt = Annotated[int | None, Field(
 
 
 # params.exp2_fma_every of attention and attention_backward (tsgen/attention.cuh exp2_of_group)
+# params.rescale_skip of attention and cp_attention (the same consumer loop, tsgen/attention.cuh)
+RescaleSkip = Annotated[bool, Field(
+    description="skip O's rescale after a block where no row maximum of the warp's 16 rows grew: every scale is then "
+    "exactly 1 and the multiplies change no bit (x * 1 = x in IEEE arithmetic; one warp vote a block decides). "
+    "Measured on an H200 (2026-11-29): +1-3 % at hd 128 causal GQA, whose rescale follows every exp2 (shipped "
+    "there); 0.92-0.95x with rescale_at, whose interleave the vote's branch cuts (docs/design/attention.md)")]
+
+
 Exp2FmaEvery = Annotated[int | None, Field(
     ge=2, le=16, description="every this-many-th group of 4 exponentials of a consumer thread (8 keys of a block's "
     "scores in the forward, 8 queries of a step's P^T in the backward) takes its exp2 on the FMA pipe "
@@ -164,12 +172,7 @@ class AttentionParams(AttentionShape):
     row_max_chains: RowMaxChains = None
     rescale_at: RescaleAt = None
     exp2_fma_every: Exp2FmaEvery = None
-    rescale_skip: bool = Field(
-        False, description="skip O's rescale after a block where no row maximum of the warp's 16 rows grew: every "
-        "scale is then exactly 1 and the multiplies change no bit (x * 1 = x in IEEE arithmetic; one warp vote a block "
-        "decides). Measured on an H200 (2026-11-29): +1-3 % at hd 128 causal GQA, whose rescale follows every "
-        "exp2 (shipped there); 0.92-0.95x with rescale_at, whose interleave the vote's branch cuts "
-        "(docs/design/attention.md)")
+    rescale_skip: RescaleSkip = False
 
 
 class AttentionLaunch(StrictModel):

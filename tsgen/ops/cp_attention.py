@@ -46,9 +46,9 @@ from pydantic import Field
 from ..errors import RuntimeSetupError
 from ..runtime.placement import fit_blocks
 from ..spec_types import SpecBase, StrictModel, WorldSizes
-from .attention import (AttentionFamily, AttentionTile, RescaleAt, RowMaxChains, SoftmaxScale, attention_reference,
-                        check_query_rows, flops, from_bshd, o_tolerance, scale_of, scale_vars, shape_constants,
-                        shape_key, smem_bytes, to_bshd, worst_row_error)
+from .attention import (AttentionFamily, AttentionTile, RescaleAt, RescaleSkip, RowMaxChains, SoftmaxScale,
+                        attention_reference, check_query_rows, flops, from_bshd, o_tolerance, scale_of, scale_vars,
+                        shape_constants, shape_key, smem_bytes, to_bshd, worst_row_error)
 from .base import Buffer, OpFamily, copy_engine_refusal, launcher_vars, one_kernel_abi
 from .collectives import from_f64, to_f64
 from .conventions import Baseline, BenchCase, BenchConventions
@@ -185,6 +185,7 @@ class CpAttentionParams(StrictModel):
         "blocks during this tile's last P V and epilogue (attention's params.epilogue_overlap, the same kernel code)")
     row_max_chains: RowMaxChains = None
     rescale_at: RescaleAt = None
+    rescale_skip: RescaleSkip = False
     tile_counter: bool = Field(
         False, description="not causal: hand the equal tiles out from the rank's atomic tile counter (sig's WORK slot, "
         "the causal kernel's dynamic schedule; head-major order kept) instead of the static stride (CTA c takes c, "
@@ -463,6 +464,7 @@ class CpAttentionFamily(OpFamily):
             **({"COPY_1D": 1} if p.copy_1d else {}),  # only where set: shipped sources unchanged
             **({"ROW_MAX_CHAINS": p.row_max_chains} if p.row_max_chains else {}),  # only where set
             **({"RESCALE_AT": p.rescale_at} if p.rescale_at is not None else {}),  # only where set
+            **({"RESCALE_SKIP": 1} if p.rescale_skip else {}),  # only where set
             **({"OWN_COPY_THREADS": OWN_COPY_THREADS} if p.own_copy_first else {}),  # only where set
             "THREADS": spec.launch.threads,
             "BLOCKS": spec.launch.blocks,
