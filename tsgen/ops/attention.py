@@ -86,7 +86,6 @@ RescaleAt = Annotated[int | None, Field(
     "causal (H200, 2026-11-28, suites/attention-rescale.yaml)")]
 
 
-# params.exp2_fma_every of attention and attention_backward (tsgen/attention.cuh exp2_of_group)
 # params.rescale_skip of attention and cp_attention (the same consumer loop, tsgen/attention.cuh)
 RescaleSkip = Annotated[bool, Field(
     description="skip O's rescale after a block where no row maximum of the warp's 16 rows grew: every scale is then "
@@ -95,6 +94,7 @@ RescaleSkip = Annotated[bool, Field(
     "there); 0.92-0.95x with rescale_at, whose interleave the vote's branch cuts (docs/design/attention.md)")]
 
 
+# params.exp2_fma_every of attention and attention_backward (tsgen/attention.cuh exp2_of_group)
 Exp2FmaEvery = Annotated[int | None, Field(
     ge=2, le=16, description="every this-many-th group of 4 exponentials of a consumer thread (8 keys of a block's "
     "scores in the forward, 8 queries of a step's P^T in the backward) takes its exp2 on the FMA pipe "
