@@ -835,8 +835,9 @@ constexpr CUtensorMapDataType tensor_map_dtype<__half>() {
 }
 
 // A driver function fetched through the runtime (so nothing links against libcuda), at the CUDA 12.0
-// ABI; err is cudaErrorSymbolNotFound (fn nullptr) where the driver lacks it. The encoder and
-// bind_thread_context each look theirs up once per process.
+// ABI; err is the runtime lookup's own error where that call fails, cudaErrorSymbolNotFound where
+// the driver lacks the function, and fn nullptr with either. The encoder and bind_thread_context
+// each look theirs up once per process and return that error as theirs.
 struct DriverFunction {
   void* fn = nullptr;
   cudaError_t err = cudaSuccess;
