@@ -586,12 +586,14 @@ def test_row_max_chains_renders_only_where_set(tmp_path):
 
 
 def test_rescale_at_renders_only_where_set(tmp_path):
-    """params.rescale_at (attention's parameter, one type: RescaleAt; the consumer loop is the same code): no shipped
-    cp spec sets it (their sources have no constant, the header's default order); set, the module constant and the
-    Config's; more groups than tile.n / 16 refused by the check the two ops share."""
+    """params.rescale_at (attention's parameter, one type: RescaleAt; the consumer loop is the same code): set only in
+    the not-causal cp spec (since 2026-11-29), whose source has the constant; the causal ones' sources have none (the
+    header's default order); set, the module constant and the Config's; more groups than tile.n / 16 refused by the
+    check the two ops share."""
     for shipped in SHIPPED:
-        assert "RESCALE_AT" not in (ROOT / "generated" / f"{shipped}.cu").read_text(), shipped
-        assert load_spec(ROOT / "specs" / f"{shipped}.yaml").model.params.rescale_at is None, shipped
+        expected = 4 if shipped == "cp_attention" else None
+        assert load_spec(ROOT / "specs" / f"{shipped}.yaml").model.params.rescale_at == expected, shipped
+        assert ("RESCALE_AT" in (ROOT / "generated" / f"{shipped}.cu").read_text()) == (expected is not None), shipped
     source = render(variant("ra", params={"rescale_at": 4})).source
     assert "\nconstexpr int RESCALE_AT = 4;\n" in source
     assert "static constexpr int RESCALE_AT = ra::RESCALE_AT;" in source

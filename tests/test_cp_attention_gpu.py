@@ -175,6 +175,18 @@ def test_cp_attention_local_kv_world_3(case):
     assert len(seen) == 60 and all(good for *_, good in seen), [x for x in seen if not x[3]][:4]
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("case", ["contiguous_full_gqa", "zigzag_full_hd64"])
+def test_cp_attention_rescale_at(case, world):
+    """params.rescale_at 4 (O rescaled among the exp2s; shipped in specs/cp_attention.yaml since 2026-11-29) in cp's
+    not-causal kernels, contiguous and zig-zag, hd 128 and 64, an odd world among them: 20 calls, poisoned outputs,
+    lengths no multiple of the tile."""
+    params, count = CASES[case]
+    shipped = {"pingpong": False, "row_max_chains": 2} if case == "contiguous_full_gqa" else {}  # as the shipped spec
+    ok, lines = _run(f"{case}_rs4_w{world}", world, {**params, **shipped, "rescale_at": 4}, count)
+    assert ok, "\n".join(lines)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("case", ["zigzag_causal_gqa", "contiguous_causal_bhsd"])
 def test_cp_attention_rescale_skip(case, world):
