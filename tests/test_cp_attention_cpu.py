@@ -590,12 +590,13 @@ def test_rescale_at_renders_only_where_set(tmp_path):
     the not-causal cp spec (since 2026-11-29), whose source has the constant; the causal ones' sources have none (the
     header's default order); set, the module constant and the Config's; more groups than tile.n / 16 refused by the
     check the two ops share."""
+    assert "cp_attention" in SHIPPED
     for shipped in SHIPPED:
         expected = 4 if shipped == "cp_attention" else None
         assert load_spec(ROOT / "specs" / f"{shipped}.yaml").model.params.rescale_at == expected, shipped
         assert ("RESCALE_AT" in (ROOT / "generated" / f"{shipped}.cu").read_text()) == (expected is not None), shipped
-    source = render(variant("ra", params={"rescale_at": 4})).source
-    assert "\nconstexpr int RESCALE_AT = 4;\n" in source
+    source = render(variant("ra", params={"rescale_at": 2})).source  # not the shipped 4: the override is what shows
+    assert "\nconstexpr int RESCALE_AT = 2;\n" in source
     assert "static constexpr int RESCALE_AT = ra::RESCALE_AT;" in source
     assert spec_problems(tmp_path, CP + "params:\n  rescale_at: 9\n") == [
         "6:3: params.rescale_at: rescale_at 9: a block of 128 keys has 8 column groups of exp2 (tile.n / 16); use 0 "
