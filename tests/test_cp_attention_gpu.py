@@ -211,8 +211,12 @@ CE_KNOBS = [("contiguous_full_gqa", {"local_kv": True}, 256), ("contiguous_full_
             ("contiguous_full_gqa", {"local_kv": True, "own_copy_first": True}, 256)]
 
 
+def knob_tag(knobs: dict) -> str:
+    return "_".join(f"{k}_{v}" for k, v in knobs.items())
+
+
 def ce_case_name(case: str, knobs: dict, count: int) -> str:
-    return f"ce_{case}_{count}_" + "_".join(f"{k}_{v}" for k, v in knobs.items())
+    return f"ce_{case}_{count}_{knob_tag(knobs)}"
 
 
 def test_every_case_makes_a_valid_distinct_spec_name():
@@ -229,7 +233,7 @@ def test_every_case_makes_a_valid_distinct_spec_name():
 
 
 @pytest.mark.parametrize("case,knobs,count", CE_KNOBS,
-                         ids=[f"{c}_{'_'.join(f'{k}_{v}' for k, v in kn.items())}_{n}" for c, kn, n in CE_KNOBS])
+                         ids=[f"{c}_{knob_tag(kn)}_{n}" for c, kn, n in CE_KNOBS])
 def test_cp_attention_copy_engine_knobs(case, knobs, count):
     """params.local_kv (256 rows: only the peers' copies and their signals, not causal and zig-zag causal; 333:
     the own shard copied, signalled and waited for like a peer's; off: every chunk copied), params.copy_1d

@@ -363,7 +363,7 @@ class AttentionBackwardFamily(OpFamily):
             problems.append((("params", "exp2_fma_every"), "exp2_fma_every needs params.impl wgmma (the mma_sync "
                              "kernel's exponentials are not built to move)"))
         elif p.exp2_fma_every:
-            groups = {128: 16, 80: 10}.get(p.step_rows or 64, 8)  # a thread's column groups of P^T a step
+            groups = (p.step_rows or 64) // 8  # a thread's column groups of P^T a step (8 query columns each)
             if p.exp2_fma_every > groups:
                 problems.append((("params", "exp2_fma_every"),
                                  f"exp2_fma_every {p.exp2_fma_every}: a consumer thread holds {groups} column groups "
