@@ -38,7 +38,7 @@
 //   52: the hand-written library, included: tsgen/ptx.cuh 52, tsgen/sync.cuh 53, tsgen/copy.cuh 54, tsgen/gemm.cuh 55, tsgen/attention.cuh 56
 //   59: the op's own code (namespace attention_hd128: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_hd128_w1_kernel 155, attention_hd128_w1_forward 163, attention_hd128_w1_launch 174
+//     attention_hd128_w1_kernel 155, attention_hd128_w1_forward 163, attention_hd128_w1_launch 175
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -167,7 +167,8 @@ extern "C" cudaError_t attention_hd128_w1_forward(const void* q, const void* k, 
                                                  int blocks, cudaStream_t stream) {
   return tsgen::attention::launch<attention_hd128::Config>(attention_hd128_w1_kernel, q, k, v, o, lse, batch, q_len, kv_len,
                                                  q_offset, q_split, q_offset2, kv_offset, kv_signal, kv_chunk,
-                                                 kv_expected, blocks, stream);
+                                                 kv_expected, blocks, stream, nullptr, -1, nullptr, nullptr, 0,
+                                                 false, tsgen::attention::LocalKv(), true);  // causal tiles end-aligned
 }
 
 // Host launcher, tsgen's calling convention: count = the sequence length of BATCH sequences.

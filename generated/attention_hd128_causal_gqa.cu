@@ -43,7 +43,7 @@
 //   64: the op's own code (namespace attention_hd128_causal_gqa: constants, tables, device code)
 //   entry points (extern "C"):
 //     attention_hd128_causal_gqa_w1_kernel 167, attention_hd128_causal_gqa_w1_forward 175
-//     attention_hd128_causal_gqa_w1_launch 191
+//     attention_hd128_causal_gqa_w1_launch 192
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -184,7 +184,8 @@ extern "C" cudaError_t attention_hd128_causal_gqa_w1_forward(const void* q, cons
   return tsgen::attention::launch<attention_hd128_causal_gqa::Config>(attention_hd128_causal_gqa_w1_kernel, q, k, v, o, lse, batch, q_len, kv_len,
                                                  q_offset, q_split, q_offset2, kv_offset, kv_signal, kv_chunk,
                                                  kv_expected, blocks, stream, nullptr, -1, work, nullptr, 0,
-                                                 true);  // head groups of equal sizes
+                                                 true,  // head groups of equal sizes
+                                                 tsgen::attention::LocalKv(), true);  // causal tiles end-aligned
 }
 
 // Host launcher, tsgen's calling convention: count = the sequence length of BATCH sequences.

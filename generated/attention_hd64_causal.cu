@@ -43,7 +43,7 @@
 //   64: the op's own code (namespace attention_hd64_causal: constants, tables, device code)
 //   entry points (extern "C"):
 //     attention_hd64_causal_w1_kernel 159, attention_hd64_causal_w1_forward 167
-//     attention_hd64_causal_w1_launch 183
+//     attention_hd64_causal_w1_launch 184
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -176,7 +176,8 @@ extern "C" cudaError_t attention_hd64_causal_w1_forward(const void* q, const voi
   return tsgen::attention::launch<attention_hd64_causal::Config>(attention_hd64_causal_w1_kernel, q, k, v, o, lse, batch, q_len, kv_len,
                                                  q_offset, q_split, q_offset2, kv_offset, kv_signal, kv_chunk,
                                                  kv_expected, blocks, stream, nullptr, -1, work, nullptr, 0,
-                                                 true);  // head groups of equal sizes
+                                                 true,  // head groups of equal sizes
+                                                 tsgen::attention::LocalKv(), true);  // causal tiles end-aligned
 }
 
 // Host launcher, tsgen's calling convention: count = the sequence length of BATCH sequences.

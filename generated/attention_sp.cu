@@ -39,7 +39,7 @@
 //   53: the hand-written library, included: tsgen/ptx.cuh 53, tsgen/sync.cuh 54, tsgen/copy.cuh 55, tsgen/gemm.cuh 56, tsgen/attention.cuh 57
 //   60: the op's own code (namespace attention_sp: constants, tables, device code)
 //   entry points (extern "C"):
-//     attention_sp_w1_kernel 161, attention_sp_w1_forward 169, attention_sp_w1_launch 180
+//     attention_sp_w1_kernel 161, attention_sp_w1_forward 169, attention_sp_w1_launch 181
 //
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -173,7 +173,8 @@ extern "C" cudaError_t attention_sp_w1_forward(const void* q, const void* k, con
                                               int blocks, cudaStream_t stream) {
   return tsgen::attention::launch<attention_sp::Config>(attention_sp_w1_kernel, q, k, v, o, lse, batch, q_len, kv_len,
                                                  q_offset, q_split, q_offset2, kv_offset, kv_signal, kv_chunk,
-                                                 kv_expected, blocks, stream);
+                                                 kv_expected, blocks, stream, nullptr, -1, nullptr, nullptr, 0,
+                                                 false, tsgen::attention::LocalKv(), true);  // causal tiles end-aligned
 }
 
 // Host launcher, tsgen's calling convention: count = the sequence length of BATCH sequences.

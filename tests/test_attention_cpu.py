@@ -577,18 +577,21 @@ WALK = r"""
 #include <cstdlib>
 // Every tile of a problem: "T m0 head batch blocks masked_from", then "B j masked" per KV block
 // (block_masked, the definition; walk() checks the kernel's tile.masked_from against it).
-// argv[8] (optional): head_group (the dynamic schedule's order).
+// argv[8] (optional): head_group (the dynamic schedule's order); argv[9] (optional) 1: the tiles end-aligned
+// (q_shift = end_shift, the single-GPU launchers' causal tiles), printed first as "S q_shift".
 int main(int argc, char** argv) {
   using C = MODULE::Config;
   tsgen::attention::Problem p = {};
   p.batch = atoi(argv[1]); p.q_len = atoi(argv[2]); p.kv_len = atoi(argv[3]);
   p.q_offset = atoi(argv[4]); p.q_split = atoi(argv[5]); p.q_offset2 = atoi(argv[6]); p.kv_offset = atoi(argv[7]);
   p.head_group = argc > 8 ? atoi(argv[8]) : 0;
+  p.q_shift = argc > 9 && atoi(argv[9]) ? tsgen::attention::end_shift<C>(p.q_len) : 0;
+  printf("S %d\n", p.q_shift);
   p.m_tiles = (p.q_len + C::TILE_M - 1) / C::TILE_M;
   p.tiles = p.m_tiles * C::HEADS * p.batch;
   for (uint32_t t = 0; t < p.tiles; ++t) {
     const tsgen::attention::Tile tile = tsgen::attention::tile_of<C>(p, t);
-    printf("T %u %u %u %d %d\n", tile.m0, tile.head, tile.batch, tile.blocks, tile.masked_from);
+    printf("T %d %u %u %d %d\n", tile.m0, tile.head, tile.batch, tile.blocks, tile.masked_from);
     for (int j = 0; j < tile.blocks; ++j) printf("B %d %d\n", j, (int)tsgen::attention::block_masked<C>(p, tile, j));
   }
 }
@@ -608,18 +611,25 @@ def walker(source: Path, module: str, tmp: Path) -> Path:
 def walk(exe: Path, *args) -> list:
     """[m0, head, batch, blocks, [masked per block]] per tile; asserts that the kernel's test, block j masked
     when j >= tile.masked_from, is block_masked's for every block."""
+    return walk_shifted(exe, *args)[1]
+
+
+def walk_shifted(exe: Path, *args) -> tuple[int, list]:
+    """walk's tiles and the problem's q_shift."""
     out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, check=True).stdout
-    tiles, froms = [], []
+    tiles, froms, shift = [], [], None
     for line in out.splitlines():
         f = line.split()
-        if f[0] == "T":
+        if f[0] == "S":
+            shift = int(f[1])
+        elif f[0] == "T":
             tiles.append([int(f[1]), int(f[2]), int(f[3]), int(f[4]), []])
             froms.append(int(f[5]))
         else:
             tiles[-1][4].append(int(f[2]))
     for tile, masked_from in zip(tiles, froms):
         assert tile[4] == [int(j >= masked_from) for j in range(tile[3])], ("masked_from", args, tile[:4], masked_from)
-    return tiles
+    return shift, tiles
 
 
 PROBLEMS = [  # batch, q_len, kv_len, q_offset, q_split (None: q_len), q_offset2, kv_offset
@@ -638,7 +648,10 @@ PROBLEMS = [  # batch, q_len, kv_len, q_offset, q_split (None: q_len), q_offset2
 def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal, M):
     """Causal also with head_group 2 and 4: the dynamic schedule's order (groups of head_group
     (batch, head) pairs, the last of 3 batches x 2 heads smaller with 4), which must still give
-    every tile once. M 192: three consumer warpgroups (head dim 64, blocks of 128 keys)."""
+    every tile once; and end-aligned (the single-GPU launchers' q_shift, one query segment): the tiles
+    start q_shift rows below 0, q_shift the multiple of 64 at or under m_tiles M - q_len, so the partial
+    tile is the first, and every row in [0, q_len) still lies in exactly one tile. M 192: three consumer
+    warpgroups (head dim 64, blocks of 128 keys)."""
     name = "w"
     if M == 128:
         loaded = variant(name, params={"causal": causal, "heads": 2, "kv_heads": 1, "tile": {"n": 176}})
@@ -648,22 +661,27 @@ def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal, M):
     exe = walker(rendered_source(loaded, tmp_path), name, tmp_path)
     N = 176 if M == 128 else 128
     problems = PROBLEMS + [(3, 300, 300, 0, None, 0, 0)]
-    for (b, sq, skv, qo, split, qo2, ko), head_group in [(x, g) for g in ((0, 2, 4) if causal else (0,))
-                                                          for x in problems]:
+    runs = [(x, g, False) for g in ((0, 2, 4) if causal else (0,)) for x in problems]
+    runs += [(x, g, True) for g in (0, 4) for x in problems if causal and x[4] is None]  # one segment
+    shifted = 0
+    for (b, sq, skv, qo, split, qo2, ko), head_group, aligned in runs:
         split = sq if split is None else split
-        tiles = walk(exe, b, sq, skv, qo, split, qo2, ko, head_group)
-        assert sorted(t[:3] for t in tiles) == sorted([m0, h, bi] for m0 in range(0, sq, M) for h in range(2)
+        shift, tiles = walk_shifted(exe, b, sq, skv, qo, split, qo2, ko, head_group, int(aligned))
+        assert shift == ((-(-sq // M) * M - sq) // 64 * 64 if aligned else 0), ("end_shift", sq, shift)
+        shifted += shift > 0
+        starts = range(-shift, sq, M)
+        assert sorted(t[:3] for t in tiles) == sorted([m0, h, bi] for m0 in starts for h in range(2)
                                                       for bi in range(b)), "every tile once"
         if causal and not head_group:  # longest tiles first within each head
-            assert [t[0] for t in tiles[: -(-sq // M)]] == sorted(range(0, sq, M), reverse=True)
+            assert [t[0] for t in tiles[: len(starts)]] == sorted(starts, reverse=True)
         elif causal:  # per group: the last query tile of each of its pairs, then the one before, ...
             pairs = [(bi, h) for bi in range(b) for h in range(2)]
             want = [[m0, h, bi] for g in range(0, len(pairs), head_group)
-                    for m0 in sorted(range(0, sq, M), reverse=True) for bi, h in pairs[g:g + head_group]]
+                    for m0 in sorted(starts, reverse=True) for bi, h in pairs[g:g + head_group]]
             assert [t[:3] for t in tiles] == want
         qp, kp = query_positions(sq, qo, split, qo2), ko + np.arange(skv)
         for m0, _, _, blocks, masked in tiles:
-            rows = qp[m0:min(m0 + M, sq)]
+            rows = qp[max(m0, 0):min(m0 + M, sq)]
             vis = (kp[None, :] <= rows[:, None]) if causal else np.ones((len(rows), skv), bool)
             cols = np.nonzero(vis.any(axis=0))[0]
             need = cols.max() // N + 1 if len(cols) else 0
@@ -673,6 +691,7 @@ def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal, M):
                 lo, hi = j * N, min((j + 1) * N, skv)
                 blk[:, : hi - lo] = vis[:, lo:hi]
                 assert masked[j] == (not blk.all()), ("masked exactly where a key is hidden", m0, j)
+    assert shifted or not causal, "no problem here is end-aligned with a shift: the case tests nothing new"
 
 
 # ---------------------------------------------------------------------------

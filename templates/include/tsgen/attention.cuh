@@ -334,6 +334,7 @@ struct Problem {
   uint32_t batch, q_len, kv_len;
   int32_t q_offset, q_split, q_offset2, kv_offset;  // positions: see the top of this file
   uint32_t m_tiles, tiles;                          // query tiles per head; tiles in all
+  int32_t q_shift;  // query tile m holds rows [m TILE_M - q_shift, (m + 1) TILE_M - q_shift): end_shift
   uint32_t head_group;  // (batch, head) pairs per group of the longest-first order (0: head-major)
   uint64_t* work;       // the dynamic schedule's tile counter, 0 at the start (nullptr: static stride)
   uint64_t* trace;      // TSGEN_ATTENTION_TRACE: the records (see the top of this file); else unused
@@ -358,13 +359,26 @@ static __host__ __device__ inline uint32_t head_group(uint64_t kv_len, uint64_t 
   return (uint32_t)kv * (uint32_t)(C::HEADS / C::KV_HEADS);
 }
 
+// Causal, one query segment (the single-GPU launcher's `end_aligned`): the tiles end at the
+// sequence's last row, so the partial tile is the first (the shortest: fewest keys) rather than
+// the last (the longest, which would then walk every KV block for its few rows). Rows below 0 are
+// not loaded (the TMA fills them with zeros), see no key and are not stored. A multiple of 64, so
+// each consumer warpgroup's 64 rows lie all below 0 or all at 0 and past: m_tiles TILE_M - q_len
+// rounded down to one (at most TILE_M - 64; 0 where q_len is a multiple of 64).
+template <class C>
+static __host__ __device__ __forceinline__ int32_t end_shift(uint32_t q_len) {
+  const uint32_t m_tiles = (q_len + C::TILE_M - 1) / C::TILE_M;
+  return (int32_t)((m_tiles * C::TILE_M - q_len) / 64 * 64);
+}
+
 // Global position of query row r.
 static __host__ __device__ __forceinline__ int64_t q_position(const Problem& p, int64_t r) {
   return r < p.q_split ? p.q_offset + r : p.q_offset2 + (r - p.q_split);
 }
 
 struct Tile {
-  uint32_t m0, head, batch;
+  int32_t m0;  // the first row (m TILE_M - q_shift: below 0 in the first tile when q_shift > 0)
+  uint32_t head, batch;
   int32_t blocks;       // KV blocks this tile needs (0: no key is visible to any of its rows)
   int32_t masked_from;  // the first KV block that needs the element-wise mask (block_masked: j >= it)
   int64_t min_q;        // smallest position of the tile's rows (< q_len): causal masking
@@ -395,12 +409,12 @@ static __host__ __device__ __forceinline__ Tile tile_of(const Problem& p, uint32
     bh = t / p.m_tiles;
     m = C::CAUSAL ? p.m_tiles - 1 - within : within;  // causal: longest tiles first
   }
-  tile.m0 = m * C::TILE_M;
+  tile.m0 = (int32_t)(m * C::TILE_M) - p.q_shift;
   tile.head = bh % C::HEADS;
   tile.batch = bh / C::HEADS;
   const int32_t all = (int32_t)((p.kv_len + C::TILE_N - 1) / C::TILE_N);
-  const int64_t first = tile.m0;
-  const int64_t last = (tile.m0 + C::TILE_M < p.q_len ? tile.m0 + C::TILE_M : p.q_len) - 1;
+  const int64_t first = tile.m0 > 0 ? tile.m0 : 0;  // the tile's rows in [0, q_len)
+  const int64_t end = (int64_t)tile.m0 + C::TILE_M, last = (end < (int64_t)p.q_len ? end : (int64_t)p.q_len) - 1;
   // positions increase within each of the two segments
   int64_t max_q = q_position(p, last), min_q = q_position(p, first);
   if (first < p.q_split && last >= p.q_split) {
@@ -600,7 +614,7 @@ static __device__ __forceinline__ void produce(const CUtensorMap* q_map, const C
     mbar_arrive_expect_tx(smem + L::Q_FULL, L::Q_BYTES);
 #pragma unroll
     for (int x = 0; x < L::BOXES; ++x)
-      load_rows<C>(smem + L::Q_OFF + x * L::Q_BOX, q_map, 64 * x, (int)tile.m0, h, b, smem + L::Q_FULL);
+      load_rows<C>(smem + L::Q_OFF + x * L::Q_BOX, q_map, 64 * x, tile.m0, h, b, smem + L::Q_FULL);
     uint32_t waited = 0xFFFFFFFFu;
     // K_0, then (K_i, V_(i-1)) for i = 1 .. blocks - 1, then V_(blocks-1); block i is KV block
     // blocks - 1 - i (downwards).
@@ -885,8 +899,8 @@ static __device__ __forceinline__ void epilogue(float (&o)[Layout<C>::O_ACC], So
     l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
     l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
     inv[r] = l > 0.f ? rcp_approx(l) : 0.f;
-    const uint32_t q = tile.m0 + cw * 64 + row + 8 * r;
-    if (lane % 4 == 0 && q < p.q_len) {
+    const int64_t q = (int64_t)tile.m0 + cw * 64 + row + 8 * r;
+    if (lane % 4 == 0 && q >= 0 && q < (int64_t)p.q_len) {
       const float lse = l > 0.f ? (sm.m[r] + log2_approx(l)) * 0.69314718055994530942f : -INFINITY;
       p.lse[((uint64_t)tile.batch * C::HEADS + tile.head) * p.q_len + q] = lse;
     }
@@ -911,8 +925,8 @@ static __device__ __forceinline__ void epilogue(float (&o)[Layout<C>::O_ACC], So
   fence_proxy_async_shared_cta();  // our shared-memory writes, visible to the TMA engine
   named_barrier_sync(L::EPILOGUE + cw, 128);
   if (t == 0) {
-    const int s0 = (int)(tile.m0 + cw * 64);
-    if ((uint32_t)s0 < p.q_len) {
+    const int s0 = tile.m0 + (int)cw * 64;  // the warpgroup's rows: all below 0 or none (end_shift)
+    if (s0 >= 0 && (uint32_t)s0 < p.q_len) {
 #pragma unroll
       for (int x = 0; x < L::BOXES; ++x) {
         const uint32_t src = base + x * L::Q_BOX;
@@ -955,7 +969,8 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
     const Tile tile = tile_of<C>(p, tn);
     int64_t q_pos[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) q_pos[r] = q_position(p, tile.m0 + cw * 64 + 16 * (t / 32) + (t % 32) / 4 + 8 * r);
+    for (int r = 0; r < 2; ++r)
+      q_pos[r] = q_position(p, (int64_t)tile.m0 + cw * 64 + 16 * (t / 32) + (t % 32) / 4 + 8 * r);
     // The last key row each row sees (last_key, at least -1: below kv_len, so 32 bits hold it), for
     // the masked steps.
     int32_t last[2];
@@ -1332,6 +1347,8 @@ static cudaError_t persistent(const void* kernel, const void* counters, cudaStre
 // per CTA. `trace` (trace_records records):
 // the test-only trace where TSGEN_ATTENTION_TRACE is defined. `local` (LOCAL_KV Configs only, whose kernels
 // take two more maps): the chunks read in place and where (LocalKv); none: every row from k / v.
+// `end_aligned` (the single-GPU launchers; cp_attention's tiles stay at row 0): causal with one query
+// segment, the tiles end at the last row (end_shift).
 template <class C, class Kernel>
 static cudaError_t launch(Kernel kernel, const void* q, const void* k, const void* v, void* o, float* lse,
                           uint64_t batch, uint64_t q_len, uint64_t kv_len, int64_t q_offset, int64_t q_split,
@@ -1339,7 +1356,7 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
                           uint64_t kv_expected, int blocks, cudaStream_t stream,
                           const uint64_t* kv_epoch = nullptr, int32_t kv_unwaited = -1,
                           uint64_t* work = nullptr, uint64_t* trace = nullptr, uint32_t trace_records = 0,
-                          bool balanced_groups = false, const LocalKv& local = LocalKv()) {
+                          bool balanced_groups = false, const LocalKv& local = LocalKv(), bool end_aligned = false) {
   using L = Layout<C>;
   if (batch == 0 || q_len == 0) return cudaSuccess;
   if (q_len > MAX_LEN || kv_len > MAX_LEN || batch > MAX_LEN || q == nullptr || k == nullptr || v == nullptr ||
@@ -1363,6 +1380,7 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   p.q_offset = (int32_t)q_offset, p.q_offset2 = (int32_t)q_offset2, p.kv_offset = (int32_t)kv_offset;
   p.q_split = (int32_t)(q_split < 0 ? 0 : q_split > (int64_t)q_len ? (int64_t)q_len : q_split);
   p.m_tiles = (uint32_t)((q_len + C::TILE_M - 1) / C::TILE_M);
+  p.q_shift = end_aligned && C::CAUSAL && p.q_split >= (int32_t)q_len ? end_shift<C>((uint32_t)q_len) : 0;
   const uint64_t tiles = (uint64_t)p.m_tiles * C::HEADS * batch;
   if (tiles > 0x7FFFFFFFull) return cudaErrorInvalidValue;
   p.tiles = (uint32_t)tiles;
