@@ -592,9 +592,6 @@ int main(int argc, char** argv) {
   for (uint32_t t = 0; t < p.tiles; ++t) {
     const tsgen::attention::Tile tile = tsgen::attention::tile_of<C>(p, t);
     printf("T %d %u %u %d %d\n", tile.m0, tile.head, tile.batch, tile.blocks, tile.masked_from);
-    printf("W");  // each consumer warpgroup's blocks (warpgroup_blocks: it skips the walk's first blocks - these)
-    for (uint32_t w = 0; w < C::TILE_M / 64; ++w) printf(" %d", tsgen::attention::warpgroup_blocks<C>(p, tile, w));
-    printf("\n");
     for (int j = 0; j < tile.blocks; ++j) printf("B %d %d\n", j, (int)tsgen::attention::block_masked<C>(p, tile, j));
   }
 }
@@ -618,15 +615,13 @@ def walk(exe: Path, *args) -> list:
 
 
 def walk_shifted(exe: Path, *args) -> tuple[int, list]:
-    """walk's tiles (each with its warpgroups' blocks appended) and the problem's q_shift."""
+    """walk's tiles and the problem's q_shift."""
     out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, check=True).stdout
     tiles, froms, shift = [], [], None
     for line in out.splitlines():
         f = line.split()
         if f[0] == "S":
             shift = int(f[1])
-        elif f[0] == "W":
-            tiles[-1].append([int(x) for x in f[1:]])
         elif f[0] == "T":
             tiles.append([int(f[1]), int(f[2]), int(f[3]), int(f[4]), []])
             froms.append(int(f[5]))
@@ -685,12 +680,7 @@ def test_walk_covers_tiles_and_masks_exactly(tmp_path, causal, M):
                     for m0 in sorted(starts, reverse=True) for bi, h in pairs[g:g + head_group]]
             assert [t[:3] for t in tiles] == want
         qp, kp = query_positions(sq, qo, split, qo2), ko + np.arange(skv)
-        for m0, _, _, blocks, masked, wg_blocks in tiles:
-            for w, got in enumerate(wg_blocks):  # through the last key any of its rows in [0, sq) sees
-                lo = max(m0 + 64 * w, 0)
-                seen = [kp[kp <= q].max() - ko if causal else skv - 1 for q in qp[lo:max(lo, m0 + 64 * w + 64)]
-                        if (not causal or (kp <= q).any())] if skv else []
-                assert got == (max(seen) // N + 1 if seen else 0), ("warpgroup_blocks", m0, w, got)
+        for m0, _, _, blocks, masked in tiles:
             rows = qp[max(m0, 0):min(m0 + M, sq)]
             vis = (kp[None, :] <= rows[:, None]) if causal else np.ones((len(rows), skv), bool)
             cols = np.nonzero(vis.any(axis=0))[0]

@@ -361,10 +361,11 @@ static __host__ __device__ inline uint32_t head_group(uint64_t kv_len, uint64_t 
 
 // Causal, one query segment (the single-GPU launcher's `end_aligned`): the tiles end at the
 // sequence's last row, so the partial tile is the first (the shortest: fewest keys) rather than
-// the last (the longest, which would then walk every KV block for its few rows). A multiple of 64, so
-// each consumer warpgroup's 64 rows lie all below 0 or all at 0 and past: m_tiles TILE_M - q_len
-// rounded down to one (at most TILE_M - 64; 0 where q_len is a multiple of 64). Rows below 0 are not
-// read (the TMA fills them with zeros) nor stored, and their warpgroup walks no block (warpgroup_blocks).
+// the last (the longest, which would then walk every KV block for its few rows). Rows below 0 are
+// not read (the TMA fills them with zeros) and not stored; what they compute is never used (the
+// tile's blocks and mask follow its rows at 0 and past). A multiple of 64, so each consumer
+// warpgroup's 64 rows lie all below 0 or all at 0 and past: m_tiles TILE_M - q_len rounded down
+// to one (at most TILE_M - 64; 0 where q_len is a multiple of 64).
 template <class C>
 static __host__ __device__ __forceinline__ int32_t end_shift(uint32_t q_len) {
   const uint32_t m_tiles = (q_len + C::TILE_M - 1) / C::TILE_M;
@@ -432,26 +433,6 @@ static __host__ __device__ __forceinline__ Tile tile_of(const Problem& p, uint32
   const int64_t from = seen <= 0 ? 0 : seen / C::TILE_N;
   tile.masked_from = from < all ? (int32_t)from : all;
   return tile;
-}
-
-// The KV blocks that consumer warpgroup w (rows m0 + 64 w .. + 63 of the tile) needs: through the last key
-// that its latest row in [0, q_len) sees, at most tile.blocks; 0 where it has no such row or its rows see no
-// key. The walk is downwards, so the warpgroup skips the tile's first tile.blocks - this blocks, whose keys are
-// hidden from all its rows (causal: the tile's earlier rows in a 192-row tile over 128-key blocks; any: rows
-// past q_len or below 0).
-template <class C>
-static __host__ __device__ __forceinline__ int32_t warpgroup_blocks(const Problem& p, const Tile& tile, uint32_t w) {
-  const int64_t lo = (int64_t)tile.m0 + 64 * (int64_t)w, hi = lo + 63;
-  const int64_t first = lo > 0 ? lo : 0, last = hi < (int64_t)p.q_len - 1 ? hi : (int64_t)p.q_len - 1;
-  if (first > last) return 0;
-  int64_t max_q = q_position(p, last);
-  if (first < p.q_split && last >= p.q_split) {  // positions increase within each of the two segments
-    const int64_t end0 = q_position(p, p.q_split - 1);
-    max_q = max_q > end0 ? max_q : end0;
-  }
-  const int64_t seen = last_key<C>(p, max_q);
-  const int32_t blocks = seen < 0 ? 0 : (int32_t)(seen / C::TILE_N + 1);
-  return blocks < tile.blocks ? blocks : tile.blocks;
 }
 
 // KV block j of a tile needs the element-wise mask: it holds rows >= kv_len, or (causal)
@@ -1001,31 +982,14 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
     }
     sm.reset();
     const int32_t n = tile.blocks;
-    // The first `skip` blocks of the walk hide every key from this warpgroup's rows: no product, each
-    // stage released once it has landed (so that no arrival counts toward the stage's previous use) and
-    // the turns taken, so that every warpgroup takes n + 1 turns a tile (n > 0) as the round robin needs.
-    const int32_t skip = n - warpgroup_blocks<C>(p, tile, cw);
-    for (int32_t i = 0; i < skip; ++i) {
-      const Ring<C> r(count + i);
-      mbar_wait_no_timeout(smem + L::K_FULL + 8 * r.stage, r.phase);
-      turn_wait<C>(cw);
-      turn_pass<C>(cw);
-      if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * r.stage);
-      mbar_wait_no_timeout(smem + L::V_FULL + 8 * r.stage, r.phase);
-      if (leader) mbar_arrive(smem + L::V_EMPTY + 8 * r.stage);
-    }
-    if (skip == n) {
+    if (n == 0) {
 #pragma unroll
       for (int i = 0; i < L::O_ACC; ++i) o[i] = 0.f;
-      if (n > 0) {  // the last P V's turn
-        turn_wait<C>(cw);
-        turn_pass<C>(cw);
-      }
     } else {
       float scale[2];
-      // Block `skip` (KV block n - 1 - skip): S only.
+      // Block 0 (KV block n - 1): S only.
       {
-        const Ring<C> r(count + skip);
+        const Ring<C> r(count);
         mbar_wait_no_timeout(smem + L::K_FULL + 8 * r.stage, r.phase);
         turn_wait<C>(cw);
         wgmma_fence();
@@ -1035,17 +999,16 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         wgmma_wait_group<0>();
         fence_all<C>(s, L::S_ACC);
         if (leader) mbar_arrive(smem + L::K_EMPTY + 8 * r.stage);
-        if (L::OVERLAP && skip == n - 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
-        const int32_t j0 = n - 1 - skip;
-        if (j0 >= tile.masked_from) {
-          sm.template step<true, true>(s, scale, j0, last);
+        if (L::OVERLAP && n == 1 && leader) mbar_arrive(smem + L::Q_EMPTY);  // the tile's last S read Q
+        if (n - 1 >= tile.masked_from) {
+          sm.template step<true, true>(s, scale, n - 1, last);
         } else {
-          sm.template step<false, true>(s, scale, j0, last);
+          sm.template step<false, true>(s, scale, n - 1, last);
         }
         to_operand<C>(s, a);
       }
       // Block i: S_i and P_(i-1) V_(i-1) together, softmax of S_i while P V runs.
-      for (int32_t i = skip + 1; i < n; ++i) {
+      for (int32_t i = 1; i < n; ++i) {
         const int32_t j = n - 1 - i;
         const Ring<C> rk(count + i), rv(count + i - 1);
         mbar_wait_no_timeout(smem + L::K_FULL + 8 * rk.stage, rk.phase);
@@ -1054,7 +1017,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         issue_qk<C>(s, desc, rk.stage);
         wgmma_commit_group();
         mbar_wait_no_timeout(smem + L::V_FULL + 8 * rv.stage, rv.phase);
-        issue_pv<C>(o, a, desc, rv.stage, i > skip + 1);  // the first P V sets O
+        issue_pv<C>(o, a, desc, rv.stage, i > 1);
         wgmma_commit_group();
         turn_pass<C>(cw);
         wgmma_wait_group<1>();  // S_i is done; P V may still run
@@ -1102,7 +1065,7 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
         mbar_wait_no_timeout(smem + L::V_FULL + 8 * rv.stage, rv.phase);
         turn_wait<C>(cw);
         wgmma_fence();
-        issue_pv<C>(o, a, desc, rv.stage, n - skip > 1);
+        issue_pv<C>(o, a, desc, rv.stage, n > 1);
         wgmma_commit_group();
         turn_pass<C>(cw);
         wgmma_wait_group<0>();
@@ -1111,9 +1074,9 @@ static __device__ __forceinline__ void consume(const CUtensorMap* o_map, uint32_
       }
     }
     epilogue<C>(o, sm, o_map, smem, cw, tile, p);
-    // OVERLAP, no visible key for this warpgroup (no S of it read Q): Q released here, after the epilogue's
+    // OVERLAP, a tile with no visible key (no S read Q): Q released here, after the epilogue's
     // barriers, by which every thread of the warpgroup has read the tile's number (dynamic).
-    if (L::OVERLAP && skip == n && leader) mbar_arrive(smem + L::Q_EMPTY);
+    if (L::OVERLAP && n == 0 && leader) mbar_arrive(smem + L::Q_EMPTY);
     count += (uint32_t)n;
   }
   if (cw == 0) turn_wait<C>(cw);  // takes the last warpgroup's last hand-over: the barriers end balanced
@@ -1418,8 +1381,7 @@ static cudaError_t launch(Kernel kernel, const void* q, const void* k, const voi
   p.q_offset = (int32_t)q_offset, p.q_offset2 = (int32_t)q_offset2, p.kv_offset = (int32_t)kv_offset;
   p.q_split = (int32_t)(q_split < 0 ? 0 : q_split > (int64_t)q_len ? (int64_t)q_len : q_split);
   p.m_tiles = (uint32_t)((q_len + C::TILE_M - 1) / C::TILE_M);
-  const bool one_segment = p.q_split >= (int32_t)q_len || p.q_split == 0;
-  p.q_shift = end_aligned && C::CAUSAL && one_segment ? end_shift<C>((uint32_t)q_len) : 0;
+  p.q_shift = end_aligned && C::CAUSAL && p.q_split >= (int32_t)q_len ? end_shift<C>((uint32_t)q_len) : 0;
   const uint64_t tiles = (uint64_t)p.m_tiles * C::HEADS * batch;
   if (tiles > 0x7FFFFFFFull) return cudaErrorInvalidValue;
   p.tiles = (uint32_t)tiles;
