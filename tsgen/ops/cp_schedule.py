@@ -132,8 +132,7 @@ def cp_problem(shape: Shape, rank: int, dynamic: bool = False) -> Problem:
 def single_problem(shape: Shape) -> Problem:
     """The single-GPU attention kernel over the whole sequence (the suite's ideal): no waits. Its tiles start at
     row 0 here; the single-GPU launchers end-align causal tiles (attention.cuh `end_shift`), which differs only
-    where seq is no multiple of 64 below m_tiles x tile_m (not at the cp suites' shapes: tile_m 128, seq a
-    multiple of 128)."""
+    where m_tiles x tile_m - seq is 64 or more (never at the cp suites' shapes: tile_m 128, seq a multiple of 128)."""
     s = shape.seq
     return Problem(q_len=s, kv_len=s, q_offset=0, q_split=s, q_offset2=0, kv_offset=0, kv_chunk=s,
                    heads=shape.heads, batch=shape.batch, tile_m=shape.tile_m, tile_n=shape.tile_n,
